@@ -1,0 +1,158 @@
+// Package engines defines the Engine interface that every policy engine implements (the embedded
+// pure-Go engine in tiny/, the gRPC client in remote/, …) and the request and result types that
+// cross it. Engines know nothing of Starlark: the host converts script values into these types.
+package engines
+
+import (
+	"context"
+	"errors"
+)
+
+// Engine is one policy's model: it samples completions, scores given tokens, trains on a batch of
+// samples and saves and loads its state. Implementations must be safe for concurrent use; the host
+// serialises Train against Generate itself (training happens between rollout phases).
+type Engine interface {
+	// Info describes the model and what the engine can do.
+	Info(ctx context.Context) (Info, error)
+	// Generate samples n completions for each request. The result holds Σ n completions, request
+	// by request in order, and within a request by sample index.
+	Generate(ctx context.Context, reqs []GenerateRequest) ([]Completion, error)
+	// Score returns the log-probabilities of each request's response tokens given its prompt.
+	Score(ctx context.Context, reqs []ScoreRequest) ([]Scores, error)
+	// Train runs one optimizer step on the batch with the loss of DESIGN §4.
+	Train(ctx context.Context, b Batch) (TrainStats, error)
+	// Tokenize turns raw text (no chat template) into token ids.
+	Tokenize(ctx context.Context, texts []string) ([][]int32, error)
+	// Save writes the model as a Hugging Face folder plus the optimizer state into dir.
+	Save(ctx context.Context, dir string) error
+	// Load replaces the model (and optimizer state, when present) with the one in dir.
+	Load(ctx context.Context, dir string) error
+	// Close releases the engine's resources.
+	Close() error
+}
+
+// Info describes an engine's model.
+type Info struct {
+	Model        string   // what was loaded: a folder, "builtin:tiny-arith", …
+	Architecture string   // e.g. "LlamaForCausalLM"
+	VocabSize    int      //
+	MaxSeqLen    int      // longest prompt + response the model accepts
+	ChatTemplate string   // the Jinja chat template of tokenizer_config.json
+	EOSTokens    []int32  // tokens that end a response
+	Params       int64    // number of parameters
+	Devices      []string // "cpu", "cuda:0", …
+	Capabilities []string // "generate", "score", "train", "values"
+}
+
+// Message is one turn of a chat prompt.
+type Message struct {
+	Role    string `json:"role"`
+	Content string `json:"content"`
+}
+
+// Sampling holds the sampling settings of one request.
+type Sampling struct {
+	MaxTokens   int      // maximum response tokens; > 0
+	Temperature float64  // 0 means greedy
+	TopP        float64  // nucleus mass in (0, 1]; 0 is read as 1
+	Stop        []string // the response ends before the first of these strings
+	Seed        uint64   // sampling is a deterministic function of (seed, prompt, sample index)
+}
+
+// GenerateRequest asks for N completions of one prompt. Exactly one of Messages and PromptTokens
+// is set: Messages are rendered with the model's chat template (with the generation prompt);
+// PromptTokens are used as they are.
+type GenerateRequest struct {
+	ID           string // unique per request; a retried request reuses it
+	Messages     []Message
+	PromptTokens []int32
+	N            int // samples; 0 is read as 1
+	Sampling
+}
+
+// Completion is one sampled response.
+type Completion struct {
+	RequestID    string
+	Index        int       // sample index within the request, 0..N-1
+	PromptTokens []int32   // the prompt as the model saw it
+	Tokens       []int32   // response token ids, including a final EOS token if one was sampled
+	Logprobs     []float32 // log-probability of each response token under the sampling model (temperature 1 logits)
+	Text         string    // the decoded response, without EOS and stop string
+	FinishReason string    // "stop" (EOS or stop string) or "length"
+}
+
+// ScoreRequest asks for the log-probabilities of Tokens following PromptTokens.
+type ScoreRequest struct {
+	PromptTokens []int32
+	Tokens       []int32
+}
+
+// Scores holds one log-probability per scored token.
+type Scores struct {
+	Logprobs []float32
+}
+
+// Sample is one training sequence: a prompt followed by a response. The per-token slices all have
+// len(Response) entries.
+type Sample struct {
+	Prompt      []int32
+	Response    []int32
+	LossMask    []float32 // 1 for generated tokens that are trained, 0 for injected ones
+	OldLogprobs []float32 // log-probs at rollout time
+	Advantages  []float32 // per-token advantage
+	Group       string    // samples of one group are averaged together before averaging groups
+}
+
+// LossConfig holds the loss and optimizer settings of one training step. They travel with every
+// batch so a hot-reloaded config takes effect on the next step.
+type LossConfig struct {
+	LR          float64
+	Beta1       float64 // AdamW β1; 0 is read as 0.9
+	Beta2       float64 // AdamW β2; 0 is read as 0.999
+	AdamEps     float64 // 0 is read as 1e-8
+	WeightDecay float64
+	MaxGradNorm float64 // clip the global gradient norm; 0 disables clipping
+	EpsClip     float64 // lower ratio clip: 1 − EpsClip
+	EpsClipHigh float64 // upper ratio clip: 1 + EpsClipHigh; 0 is read as EpsClip
+	KLLossCoef  float64 // > 0 adds KL against the frozen reference copy
+	KLLossType  string  // "k1", "k2", "k3" or "low_var_kl" (k3 clamped to ±10)
+	EntropyCoef float64 // subtracts EntropyCoef·H
+	// Aggregation: "group_token_mean" (default): mean over groups of the token-mean within each
+	// group; "token_mean": mean over all tokens of the batch; "token_sum": sum over tokens.
+	Aggregation string
+}
+
+// Batch is what one optimizer step trains on.
+type Batch struct {
+	ID      string // unique per optimizer step; a remote engine applies an ID at most once
+	Samples []Sample
+	Loss    LossConfig
+}
+
+// TrainStats reports one optimizer step.
+type TrainStats struct {
+	Loss     float64 // the reduced loss
+	PGLoss   float64 // policy-gradient part
+	KL       float64 // token-mean KL to the reference (0 when KLLossCoef is 0)
+	ClipFrac float64 // fraction of trained tokens whose ratio was clipped
+	Entropy  float64 // token-mean entropy of the policy
+	GradNorm float64 // global gradient norm before clipping
+	Tokens   int     // trained tokens (loss mask 1)
+	Skipped  bool    // the step was not applied (non-finite loss or gradient)
+	Reason   string  // why it was skipped
+}
+
+// ErrNotSupported is returned by engines for a method they do not implement (for instance Train on
+// an engine that only serves a frozen judge).
+var ErrNotSupported = errors.New("not supported by this engine")
+
+// NormalizeSampling fills the defaults of Sampling that the zero value leaves open.
+func NormalizeSampling(s Sampling) Sampling {
+	if s.TopP <= 0 || s.TopP > 1 {
+		s.TopP = 1
+	}
+	if s.MaxTokens <= 0 {
+		s.MaxTokens = 64
+	}
+	return s
+}

@@ -1,0 +1,136 @@
+package host
+
+// Config is a run's resolved configuration (DESIGN §3). It loads slime-n's policy YAML unchanged
+// (`megatron:` and `sglang:` are aliases of `train:` and `engine:`) and fills every default, so
+// the rest of the host reads plain fields.
+type Config struct {
+	Policies []PolicyConfig `yaml:"policies" json:"policies"`
+	Rollout  RolloutConfig  `yaml:"rollout" json:"rollout"`
+	Data     DataConfig     `yaml:"data" json:"data"`
+	Eval     EvalConfig     `yaml:"eval" json:"eval"`
+	Run      RunConfig      `yaml:"run" json:"run"`
+
+	// File is the path the config came from ("" for the zero-config defaults).
+	File string `yaml:"-" json:"-"`
+}
+
+// PolicyConfig is one entry of `policies:`.
+type PolicyConfig struct {
+	Name             string       `yaml:"name" json:"name"`
+	Role             string       `yaml:"role" json:"role"` // actor | critic
+	Trainable        bool         `yaml:"trainable" json:"trainable"`
+	HFCheckpoint     string       `yaml:"hf_checkpoint" json:"hf_checkpoint"`
+	Load             string       `yaml:"load" json:"load,omitempty"`
+	Save             string       `yaml:"save" json:"save,omitempty"`
+	RefLoad          string       `yaml:"ref_load" json:"ref_load,omitempty"`
+	BufferMode       string       `yaml:"buffer_mode" json:"buffer_mode"` // split | shared
+	NumGPUsPerNode   int          `yaml:"num_gpus_per_node" json:"num_gpus_per_node"`
+	MegatronNumNodes int          `yaml:"megatron_num_nodes" json:"megatron_num_nodes"`
+	SGLangNumNodes   int          `yaml:"sglang_num_nodes" json:"sglang_num_nodes"`
+	Train            TrainConfig  `yaml:"train" json:"train"`   // alias: megatron
+	Engine           EngineConfig `yaml:"engine" json:"engine"` // alias: sglang
+
+	Line int `yaml:"-" json:"-"` // YAML line of the entry, for messages
+}
+
+// TrainConfig holds a policy's training settings (slime-n's `megatron:` block).
+type TrainConfig struct {
+	LR                   float64 `yaml:"lr" json:"lr"`
+	LRDecayStyle         string  `yaml:"lr_decay_style" json:"lr_decay_style"`
+	WeightDecay          float64 `yaml:"weight_decay" json:"weight_decay"`
+	AdamBeta1            float64 `yaml:"adam_beta1" json:"adam_beta1"`
+	AdamBeta2            float64 `yaml:"adam_beta2" json:"adam_beta2"`
+	ClipGrad             float64 `yaml:"clip_grad" json:"clip_grad"`
+	Optimizer            string  `yaml:"optimizer" json:"optimizer"`
+	MicroBatchSize       int     `yaml:"micro_batch_size" json:"micro_batch_size"`
+	GlobalBatchSize      int     `yaml:"global_batch_size" json:"global_batch_size"` // samples per optimizer step
+	AdvantageEstimator   string  `yaml:"advantage_estimator" json:"advantage_estimator"`
+	NSamplesPerPrompt    int     `yaml:"n_samples_per_prompt" json:"n_samples_per_prompt"`
+	RewardsNormalization bool    `yaml:"rewards_normalization" json:"rewards_normalization"`
+	GRPOStdNormalization bool    `yaml:"grpo_std_normalization" json:"grpo_std_normalization"`
+	EpsClip              float64 `yaml:"eps_clip" json:"eps_clip"`
+	EpsClipHigh          float64 `yaml:"eps_clip_high" json:"eps_clip_high"`
+	KLCoef               float64 `yaml:"kl_coef" json:"kl_coef"` // reward-side KL (reinforce++)
+	KLLossCoef           float64 `yaml:"kl_loss_coef" json:"kl_loss_coef"`
+	KLLossType           string  `yaml:"kl_loss_type" json:"kl_loss_type"`
+	UseKLLoss            bool    `yaml:"use_kl_loss" json:"use_kl_loss"`
+	EntropyCoef          float64 `yaml:"entropy_coef" json:"entropy_coef"`
+	Gamma                float64 `yaml:"gamma" json:"gamma"`
+	Lambda               float64 `yaml:"lambd" json:"lambd"`
+	UseOPD               bool    `yaml:"use_opd" json:"use_opd"`
+	OPDType              string  `yaml:"opd_type" json:"opd_type"`
+	OPDKLCoef            float64 `yaml:"opd_kl_coef" json:"opd_kl_coef"`
+	LossAggregation      string  `yaml:"loss_aggregation" json:"loss_aggregation"` // group_token_mean | token_mean | token_sum
+	ModelArgsPath        string  `yaml:"model_args_path" json:"model_args_path,omitempty"`
+
+	// Extra holds keys slimen does not interpret (tensor_model_parallel_size, …); they pass
+	// through to the engine.
+	Extra map[string]any `yaml:"-" json:"extra,omitempty"`
+}
+
+// EngineConfig holds a policy's engine settings (slime-n's `sglang:` block plus slimen's `kind`).
+type EngineConfig struct {
+	Kind              string        `yaml:"kind" json:"kind"`       // tiny | torch | remote
+	Address           string        `yaml:"address" json:"address"` // remote: host:port
+	Python            string        `yaml:"python" json:"python,omitempty"`
+	ModelPath         string        `yaml:"model_path" json:"model_path,omitempty"`
+	NumGPUsPerEngine  int           `yaml:"num_gpus_per_engine" json:"num_gpus_per_engine"`
+	UpdateWeights     bool          `yaml:"update_weights" json:"update_weights"`
+	MemFractionStatic float64       `yaml:"mem_fraction_static" json:"mem_fraction_static,omitempty"`
+	ServerGroups      []ServerGroup `yaml:"server_groups" json:"server_groups,omitempty"`
+	Threads           int           `yaml:"threads" json:"threads,omitempty"` // tiny: worker goroutines (0: all cores)
+
+	Extra map[string]any `yaml:"-" json:"extra,omitempty"`
+}
+
+// ServerGroup is one entry of sglang's `server_groups`.
+type ServerGroup struct {
+	WorkerType string         `yaml:"worker_type" json:"worker_type"`
+	NumGPUs    int            `yaml:"num_gpus" json:"num_gpus"`
+	Overrides  map[string]any `yaml:"overrides" json:"overrides,omitempty"`
+}
+
+// RolloutConfig holds the sampling settings shared by all policies.
+type RolloutConfig struct {
+	BatchSize         int      `yaml:"batch_size" json:"batch_size"` // tasks per step
+	MaxResponseLen    int      `yaml:"max_response_len" json:"max_response_len"`
+	Temperature       float64  `yaml:"temperature" json:"temperature"`
+	TopP              float64  `yaml:"top_p" json:"top_p"`
+	Stop              []string `yaml:"stop" json:"stop,omitempty"`
+	MaxFailedFraction float64  `yaml:"max_failed_fraction" json:"max_failed_fraction"` // a step with more failed rollouts stops the run
+	MaxBatchTokens    int      `yaml:"max_batch_tokens" json:"max_batch_tokens,omitempty"`
+}
+
+// DataConfig names the task source.
+type DataConfig struct {
+	Path     string `yaml:"path" json:"path"` // JSONL file or synthetic:arith[?difficulty=N]
+	InputKey string `yaml:"input_key" json:"input_key"`
+	LabelKey string `yaml:"label_key" json:"label_key"`
+	Shuffle  bool   `yaml:"shuffle" json:"shuffle"`
+}
+
+// EvalConfig names eval datasets.
+type EvalConfig struct {
+	Datasets []EvalDataset `yaml:"datasets" json:"datasets,omitempty"`
+	NSamples int           `yaml:"n_samples" json:"n_samples"` // samples per task for pass@k
+}
+
+// EvalDataset is one eval set.
+type EvalDataset struct {
+	Name     string `yaml:"name" json:"name"`
+	Path     string `yaml:"path" json:"path"`
+	InputKey string `yaml:"input_key" json:"input_key"`
+	LabelKey string `yaml:"label_key" json:"label_key"`
+	Limit    int    `yaml:"limit" json:"limit"`
+}
+
+// RunConfig holds run-wide settings.
+type RunConfig struct {
+	Steps           int    `yaml:"steps" json:"steps"`
+	Seed            uint64 `yaml:"seed" json:"seed"`
+	Out             string `yaml:"out" json:"out"`
+	SaveInterval    int    `yaml:"save_interval" json:"save_interval"`
+	EvalInterval    int    `yaml:"eval_interval" json:"eval_interval"`
+	KeepCheckpoints int    `yaml:"keep_checkpoints" json:"keep_checkpoints"`
+	Colocate        bool   `yaml:"colocate" json:"colocate"`
+}
