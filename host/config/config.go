@@ -1,4 +1,6 @@
-package host
+// Package config loads and validates a run's YAML configuration (DESIGN §3): slime-n's policy
+// schema unchanged, slimen's own names, defaults for zero-config runs, errors with YAML line numbers.
+package config
 
 // Config is a run's resolved configuration (DESIGN §3). It loads slime-n's policy YAML unchanged
 // (`megatron:` and `sglang:` are aliases of `train:` and `engine:`) and fills every default, so

@@ -1,0 +1,51 @@
+// Command slimen runs multi-agent reinforcement-learning rollouts written in Starlark.
+//
+//	slimen exec SCRIPT [--config Y] …   train every policy the script names
+//	slimen help                          list the commands
+//
+// The CLI is thin: each subcommand parses its flags and calls into host/ or engines/.
+package main
+
+import (
+	"fmt"
+	"os"
+	"sort"
+)
+
+// command is one subcommand. run returns the process exit code: 0 ok, 1 run failed, 2 bad input.
+type command struct {
+	summary string
+	run     func(args []string) int
+}
+
+// commands is filled by the init functions of the files beside this one, one file a subcommand.
+var commands = map[string]command{}
+
+func main() {
+	if len(os.Args) < 2 || os.Args[1] == "help" || os.Args[1] == "-h" || os.Args[1] == "--help" {
+		usage()
+		if len(os.Args) < 2 {
+			os.Exit(2)
+		}
+		return
+	}
+	c, ok := commands[os.Args[1]]
+	if !ok {
+		fmt.Fprintf(os.Stderr, "slimen: unknown command %q\n\n", os.Args[1])
+		usage()
+		os.Exit(2)
+	}
+	os.Exit(c.run(os.Args[2:]))
+}
+
+func usage() {
+	fmt.Fprintln(os.Stderr, "usage: slimen COMMAND [ARGS]\n\ncommands:")
+	names := make([]string, 0, len(commands))
+	for n := range commands {
+		names = append(names, n)
+	}
+	sort.Strings(names)
+	for _, n := range names {
+		fmt.Fprintf(os.Stderr, "  %-10s %s\n", n, commands[n].summary)
+	}
+}
