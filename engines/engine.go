@@ -117,6 +117,9 @@ type LossConfig struct {
 	KLLossCoef  float64 // > 0 adds KL against the frozen reference copy
 	KLLossType  string  // "k1", "k2", "k3" or "low_var_kl" (k3 clamped to ±10)
 	EntropyCoef float64 // subtracts EntropyCoef·H
+	// PolicyLoss: "ppo" (default): a ratio per token; "gspo": one ratio per sequence,
+	// exp(mean over the sequence's trained tokens of (logp − logp_old)), clipped the same way.
+	PolicyLoss string
 	// Aggregation: "group_token_mean" (default): mean over groups of the token-mean within each
 	// group; "token_mean": mean over all tokens of the batch; "token_sum": sum over tokens.
 	Aggregation string
