@@ -81,8 +81,11 @@ type Completion struct {
 	FinishReason string    // "stop" (EOS or stop string) or "length"
 }
 
-// ScoreRequest asks for the log-probabilities of Tokens following PromptTokens.
+// ScoreRequest asks for the log-probabilities of Tokens following the prompt. As in
+// GenerateRequest, exactly one of Messages (rendered with the chat template and the generation
+// prompt) and PromptTokens is set.
 type ScoreRequest struct {
+	Messages     []Message
 	PromptTokens []int32
 	Tokens       []int32
 }
