@@ -1,0 +1,237 @@
+package enginepb
+
+import "github.com/slimen/slimen/engines"
+
+// The conversions below are the only place that knows both the Go types and the wire messages,
+// so that a field added to engines/engine.go needs one edit here (and one in engine.proto).
+// Go ints travel as int32 or int64 as the proto declares them.
+
+// EncodeInfo converts engines.Info to its message.
+func EncodeInfo(in engines.Info) *Info {
+	return &Info{
+		Model:        in.Model,
+		Architecture: in.Architecture,
+		VocabSize:    int64(in.VocabSize),
+		MaxSeqLen:    int64(in.MaxSeqLen),
+		ChatTemplate: in.ChatTemplate,
+		EosTokens:    in.EOSTokens,
+		Params:       in.Params,
+		Devices:      in.Devices,
+		Capabilities: in.Capabilities,
+	}
+}
+
+// DecodeInfo converts an Info message to engines.Info.
+func DecodeInfo(m *Info) engines.Info {
+	return engines.Info{
+		Model:        m.GetModel(),
+		Architecture: m.GetArchitecture(),
+		VocabSize:    int(m.GetVocabSize()),
+		MaxSeqLen:    int(m.GetMaxSeqLen()),
+		ChatTemplate: m.GetChatTemplate(),
+		EOSTokens:    m.GetEosTokens(),
+		Params:       m.GetParams(),
+		Devices:      m.GetDevices(),
+		Capabilities: m.GetCapabilities(),
+	}
+}
+
+func encodeMessages(ms []engines.Message) []*Message {
+	if ms == nil {
+		return nil
+	}
+	out := make([]*Message, len(ms))
+	for i, m := range ms {
+		out[i] = &Message{Role: m.Role, Content: m.Content}
+	}
+	return out
+}
+
+func decodeMessages(ms []*Message) []engines.Message {
+	if ms == nil {
+		return nil
+	}
+	out := make([]engines.Message, len(ms))
+	for i, m := range ms {
+		out[i] = engines.Message{Role: m.GetRole(), Content: m.GetContent()}
+	}
+	return out
+}
+
+// EncodeGenerateRequest converts an engines.GenerateRequest to its message.
+func EncodeGenerateRequest(r engines.GenerateRequest) *GenerateRequest {
+	return &GenerateRequest{
+		Id:           r.ID,
+		Messages:     encodeMessages(r.Messages),
+		PromptTokens: r.PromptTokens,
+		N:            int32(r.N),
+		Sampling: &Sampling{
+			MaxTokens:   int32(r.MaxTokens),
+			Temperature: r.Temperature,
+			TopP:        r.TopP,
+			Stop:        r.Stop,
+			Seed:        r.Seed,
+		},
+	}
+}
+
+// DecodeGenerateRequest converts a GenerateRequest message to an engines.GenerateRequest.
+func DecodeGenerateRequest(m *GenerateRequest) engines.GenerateRequest {
+	s := m.GetSampling()
+	return engines.GenerateRequest{
+		ID:           m.GetId(),
+		Messages:     decodeMessages(m.GetMessages()),
+		PromptTokens: m.GetPromptTokens(),
+		N:            int(m.GetN()),
+		Sampling: engines.Sampling{
+			MaxTokens:   int(s.GetMaxTokens()),
+			Temperature: s.GetTemperature(),
+			TopP:        s.GetTopP(),
+			Stop:        s.GetStop(),
+			Seed:        s.GetSeed(),
+		},
+	}
+}
+
+// EncodeCompletion converts an engines.Completion to its message.
+func EncodeCompletion(c engines.Completion) *Completion {
+	return &Completion{
+		RequestId:    c.RequestID,
+		Index:        int32(c.Index),
+		PromptTokens: c.PromptTokens,
+		Tokens:       c.Tokens,
+		Logprobs:     c.Logprobs,
+		Text:         c.Text,
+		FinishReason: c.FinishReason,
+	}
+}
+
+// DecodeCompletion converts a Completion message to an engines.Completion.
+func DecodeCompletion(m *Completion) engines.Completion {
+	return engines.Completion{
+		RequestID:    m.GetRequestId(),
+		Index:        int(m.GetIndex()),
+		PromptTokens: m.GetPromptTokens(),
+		Tokens:       m.GetTokens(),
+		Logprobs:     m.GetLogprobs(),
+		Text:         m.GetText(),
+		FinishReason: m.GetFinishReason(),
+	}
+}
+
+// EncodeScoreRequest converts an engines.ScoreRequest to its message.
+func EncodeScoreRequest(r engines.ScoreRequest) *ScoreRequest {
+	return &ScoreRequest{Messages: encodeMessages(r.Messages), PromptTokens: r.PromptTokens, Tokens: r.Tokens}
+}
+
+// DecodeScoreRequest converts a ScoreRequest message to an engines.ScoreRequest.
+func DecodeScoreRequest(m *ScoreRequest) engines.ScoreRequest {
+	return engines.ScoreRequest{
+		Messages:     decodeMessages(m.GetMessages()),
+		PromptTokens: m.GetPromptTokens(),
+		Tokens:       m.GetTokens(),
+	}
+}
+
+// EncodeBatch converts an engines.Batch to its message.
+func EncodeBatch(b engines.Batch) *Batch {
+	samples := make([]*Sample, len(b.Samples))
+	for i, s := range b.Samples {
+		samples[i] = &Sample{
+			Prompt:      s.Prompt,
+			Response:    s.Response,
+			LossMask:    s.LossMask,
+			OldLogprobs: s.OldLogprobs,
+			Advantages:  s.Advantages,
+			Group:       s.Group,
+		}
+	}
+	l := b.Loss
+	return &Batch{
+		Id:      b.ID,
+		Samples: samples,
+		Loss: &LossConfig{
+			Lr:          l.LR,
+			Beta1:       l.Beta1,
+			Beta2:       l.Beta2,
+			AdamEps:     l.AdamEps,
+			WeightDecay: l.WeightDecay,
+			MaxGradNorm: l.MaxGradNorm,
+			EpsClip:     l.EpsClip,
+			EpsClipHigh: l.EpsClipHigh,
+			KlLossCoef:  l.KLLossCoef,
+			KlLossType:  l.KLLossType,
+			EntropyCoef: l.EntropyCoef,
+			PolicyLoss:  l.PolicyLoss,
+			Aggregation: l.Aggregation,
+		},
+	}
+}
+
+// DecodeBatch converts a Batch message to an engines.Batch.
+func DecodeBatch(m *Batch) engines.Batch {
+	var samples []engines.Sample
+	if len(m.GetSamples()) > 0 {
+		samples = make([]engines.Sample, len(m.GetSamples()))
+	}
+	for i, s := range m.GetSamples() {
+		samples[i] = engines.Sample{
+			Prompt:      s.GetPrompt(),
+			Response:    s.GetResponse(),
+			LossMask:    s.GetLossMask(),
+			OldLogprobs: s.GetOldLogprobs(),
+			Advantages:  s.GetAdvantages(),
+			Group:       s.GetGroup(),
+		}
+	}
+	l := m.GetLoss()
+	return engines.Batch{
+		ID:      m.GetId(),
+		Samples: samples,
+		Loss: engines.LossConfig{
+			LR:          l.GetLr(),
+			Beta1:       l.GetBeta1(),
+			Beta2:       l.GetBeta2(),
+			AdamEps:     l.GetAdamEps(),
+			WeightDecay: l.GetWeightDecay(),
+			MaxGradNorm: l.GetMaxGradNorm(),
+			EpsClip:     l.GetEpsClip(),
+			EpsClipHigh: l.GetEpsClipHigh(),
+			KLLossCoef:  l.GetKlLossCoef(),
+			KLLossType:  l.GetKlLossType(),
+			EntropyCoef: l.GetEntropyCoef(),
+			PolicyLoss:  l.GetPolicyLoss(),
+			Aggregation: l.GetAggregation(),
+		},
+	}
+}
+
+// EncodeTrainStats converts engines.TrainStats to its message.
+func EncodeTrainStats(s engines.TrainStats) *TrainStats {
+	return &TrainStats{
+		Loss:     s.Loss,
+		PgLoss:   s.PGLoss,
+		Kl:       s.KL,
+		ClipFrac: s.ClipFrac,
+		Entropy:  s.Entropy,
+		GradNorm: s.GradNorm,
+		Tokens:   int64(s.Tokens),
+		Skipped:  s.Skipped,
+		Reason:   s.Reason,
+	}
+}
+
+// DecodeTrainStats converts a TrainStats message to engines.TrainStats.
+func DecodeTrainStats(m *TrainStats) engines.TrainStats {
+	return engines.TrainStats{
+		Loss:     m.GetLoss(),
+		PGLoss:   m.GetPgLoss(),
+		KL:       m.GetKl(),
+		ClipFrac: m.GetClipFrac(),
+		Entropy:  m.GetEntropy(),
+		GradNorm: m.GetGradNorm(),
+		Tokens:   int(m.GetTokens()),
+		Skipped:  m.GetSkipped(),
+		Reason:   m.GetReason(),
+	}
+}

@@ -1,0 +1,89 @@
+package enginepb
+
+import (
+	"fmt"
+	"reflect"
+	"testing"
+
+	"github.com/google/go-cmp/cmp"
+	"github.com/slimen/slimen/engines"
+	"google.golang.org/protobuf/proto"
+)
+
+// fill sets every field reachable from v to a distinct non-zero value, so that a field added to
+// engines/engine.go but forgotten in the conversions makes the round trips below fail.
+func fill(v reflect.Value, seed *int) {
+	*seed++
+	switch v.Kind() {
+	case reflect.String:
+		v.SetString(fmt.Sprintf("s%d", *seed))
+	case reflect.Int, reflect.Int32, reflect.Int64:
+		v.SetInt(int64(*seed))
+	case reflect.Uint64:
+		v.SetUint(uint64(*seed))
+	case reflect.Float32, reflect.Float64:
+		v.SetFloat(float64(*seed) + 0.5)
+	case reflect.Bool:
+		v.SetBool(true)
+	case reflect.Slice:
+		s := reflect.MakeSlice(v.Type(), 2, 2)
+		for i := range 2 {
+			fill(s.Index(i), seed)
+		}
+		v.Set(s)
+	case reflect.Struct:
+		for i := range v.NumField() {
+			fill(v.Field(i), seed)
+		}
+	default:
+		panic("fill: unhandled kind " + v.Kind().String())
+	}
+}
+
+func filled[T any]() T {
+	var x T
+	seed := 0
+	fill(reflect.ValueOf(&x).Elem(), &seed)
+	return x
+}
+
+// wire marshals and unmarshals m, as a trip over the network does.
+func wire[M proto.Message](t *testing.T, m M) M {
+	t.Helper()
+	b, err := proto.Marshal(m)
+	if err != nil {
+		t.Fatal(err)
+	}
+	out := m.ProtoReflect().New().Interface().(M)
+	if err := proto.Unmarshal(b, out); err != nil {
+		t.Fatal(err)
+	}
+	return out
+}
+
+func TestRoundTripsKeepEveryField(t *testing.T) {
+	info := filled[engines.Info]()
+	if d := cmp.Diff(info, DecodeInfo(wire(t, EncodeInfo(info)))); d != "" {
+		t.Errorf("Info (-want +got):\n%s", d)
+	}
+	gr := filled[engines.GenerateRequest]()
+	if d := cmp.Diff(gr, DecodeGenerateRequest(wire(t, EncodeGenerateRequest(gr)))); d != "" {
+		t.Errorf("GenerateRequest (-want +got):\n%s", d)
+	}
+	c := filled[engines.Completion]()
+	if d := cmp.Diff(c, DecodeCompletion(wire(t, EncodeCompletion(c)))); d != "" {
+		t.Errorf("Completion (-want +got):\n%s", d)
+	}
+	sr := filled[engines.ScoreRequest]()
+	if d := cmp.Diff(sr, DecodeScoreRequest(wire(t, EncodeScoreRequest(sr)))); d != "" {
+		t.Errorf("ScoreRequest (-want +got):\n%s", d)
+	}
+	b := filled[engines.Batch]()
+	if d := cmp.Diff(b, DecodeBatch(wire(t, EncodeBatch(b)))); d != "" {
+		t.Errorf("Batch (-want +got):\n%s", d)
+	}
+	ts := filled[engines.TrainStats]()
+	if d := cmp.Diff(ts, DecodeTrainStats(wire(t, EncodeTrainStats(ts)))); d != "" {
+		t.Errorf("TrainStats (-want +got):\n%s", d)
+	}
+}
