@@ -1,0 +1,155 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"os"
+	"os/signal"
+	"path/filepath"
+	"strings"
+	"syscall"
+
+	"github.com/slimen/slimen/host"
+	"github.com/slimen/slimen/host/config"
+)
+
+func init() {
+	commands["exec"] = command{"run a rollout script and train its policies", cmdExec}
+}
+
+// parseInterleaved parses flags that may come before or after positional arguments
+// (`slimen exec script.star --steps 3` as well as `slimen exec --steps 3 script.star`).
+func parseInterleaved(fs *flag.FlagSet, args []string) ([]string, error) {
+	var pos []string
+	for {
+		if err := fs.Parse(args); err != nil {
+			return nil, err
+		}
+		args = fs.Args()
+		if len(args) == 0 {
+			return pos, nil
+		}
+		pos = append(pos, args[0])
+		args = args[1:]
+	}
+}
+
+func cmdExec(args []string) int {
+	fs := flag.NewFlagSet("exec", flag.ContinueOnError)
+	cfgPath := fs.String("config", "", "YAML config (slime-n's policies: schema); default: every policy the script names on builtin:tiny-arith")
+	data := fs.String("data", "", "task source: a JSONL file or synthetic:arith[?difficulty=N] (overrides data.path)")
+	steps := fs.Int("steps", 0, "steps to run (overrides run.steps)")
+	seed := fs.Uint64("seed", 0, "run seed (overrides run.seed)")
+	out := fs.String("out", "", "run directory (overrides run.out; default runs/SCRIPT_NAME)")
+	batch := fs.Int("batch-size", 0, "tasks per step (overrides rollout.batch_size)")
+	fs.Usage = func() {
+		fmt.Fprintln(fs.Output(), "usage: slimen exec SCRIPT [--config Y] [--data D] [--steps N] [--seed S] [--out DIR] [--batch-size B]")
+		fs.PrintDefaults()
+	}
+	pos, err := parseInterleaved(fs, args)
+	if err != nil {
+		return 2
+	}
+	if len(pos) != 1 {
+		fs.Usage()
+		return 2
+	}
+	script := pos[0]
+	set := map[string]bool{}
+	fs.Visit(func(f *flag.Flag) { set[f.Name] = true })
+
+	var cfg *config.Config
+	if *cfgPath != "" {
+		if cfg, err = config.Load(*cfgPath); err != nil {
+			fmt.Fprintln(os.Stderr, "slimen:", err)
+			return 2
+		}
+	}
+	apply := func(c *config.Config) {
+		if set["data"] {
+			c.Data.Path = *data
+		}
+		if set["steps"] {
+			c.Run.Steps = *steps
+		}
+		if set["seed"] {
+			c.Run.Seed = *seed
+		}
+		if set["batch-size"] {
+			c.Rollout.BatchSize = *batch
+		}
+	}
+	if cfg == nil {
+		cfg = config.Default(nil)
+		apply(cfg)
+		cfg.Policies = nil // zero-config: policies appear as the script names them
+	} else {
+		apply(cfg)
+	}
+	dir, err := runDir(script, cfg.Run.Out, *out)
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "slimen:", err)
+		return 2
+	}
+	cfg.Run.Out = dir
+
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	defer stop()
+	prog := newProgress(os.Stderr, cfg.Run.Steps)
+	r, err := host.Load(ctx, script, host.Options{Config: cfg, Zero: *cfgPath == "", Out: dir, Log: prog.logWriter()})
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "slimen:", err)
+		var se *host.ScriptError
+		if errors.As(err, &se) || *cfgPath != "" {
+			return 2
+		}
+		return 1
+	}
+	defer r.Close()
+	fmt.Fprintf(os.Stderr, "slimen: %s → %s (%d steps of %d tasks)\n", script, dir, cfg.Run.Steps, cfg.Rollout.BatchSize)
+	for r.StepsDone() < cfg.Run.Steps {
+		prog.begin(r)
+		res, err := r.Step(ctx)
+		if err != nil {
+			prog.end()
+			if ctx.Err() != nil {
+				fmt.Fprintf(os.Stderr, "slimen: stopped after %d steps\n", r.StepsDone())
+				return 1
+			}
+			fmt.Fprintln(os.Stderr, "slimen:", err)
+			return 1
+		}
+		prog.step(res)
+	}
+	prog.end()
+	fmt.Fprintf(os.Stderr, "slimen: done: %d steps, metrics in %s\n", r.StepsDone(), filepath.Join(dir, "metrics.jsonl"))
+	return 0
+}
+
+// runDir picks the run directory: --out, else run.out, else runs/<script name>. A default
+// directory that already holds a run gets a numbered sibling; an explicit one is refused.
+func runDir(script, fromConfig, flagOut string) (string, error) {
+	explicit := flagOut
+	if explicit == "" {
+		explicit = fromConfig
+	}
+	if explicit != "" {
+		if _, err := os.Stat(filepath.Join(explicit, "metrics.jsonl")); err == nil {
+			return "", fmt.Errorf("%s already holds a run (metrics.jsonl); choose another --out or remove it", explicit)
+		}
+		return explicit, nil
+	}
+	base := filepath.Join("runs", strings.TrimSuffix(filepath.Base(script), filepath.Ext(script)))
+	dir := base
+	for i := 2; ; i++ {
+		if _, err := os.Stat(filepath.Join(dir, "metrics.jsonl")); errors.Is(err, os.ErrNotExist) {
+			return dir, nil
+		}
+		dir = fmt.Sprintf("%s-%d", base, i)
+	}
+}
+
+var _ io.Writer = (*os.File)(nil)

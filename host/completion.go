@@ -1,0 +1,94 @@
+package host
+
+import (
+	"fmt"
+	"sync"
+
+	"go.starlark.net/starlark"
+
+	"github.com/slimen/slimen/engines"
+)
+
+// Completion is what generate returns to a script: one sampled response of one policy. Its fields
+// are immutable; its reward is set once by reward() (host-side state, not a Starlark attribute
+// assignment), and train() queues it at most once.
+type Completion struct {
+	id       string
+	policy   string
+	messages []engines.Message
+	prompt   []int32
+	tokens   []int32
+	logprobs []float32
+	text     string
+	finish   string
+	key      []int // deterministic order within its rollout
+	injected bool  // made by completion(), not sampled: it cannot be trained
+
+	mu      sync.Mutex
+	reward  float64
+	rewSet  bool
+	trained bool
+}
+
+var (
+	_ starlark.HasAttrs = (*Completion)(nil)
+	_ starlark.Value    = (*Completion)(nil)
+)
+
+func (c *Completion) String() string {
+	return fmt.Sprintf("completion(policy=%q, text=%q)", c.policy, c.text)
+}
+func (c *Completion) Type() string          { return "completion" }
+func (c *Completion) Freeze()               {}
+func (c *Completion) Truth() starlark.Bool  { return true }
+func (c *Completion) Hash() (uint32, error) { return starlark.String(c.id).Hash() }
+
+// Reward returns the reward set by reward(), if any.
+func (c *Completion) Reward() (float64, bool) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.reward, c.rewSet
+}
+
+// Text is the decoded response.
+func (c *Completion) Text() string { return c.text }
+
+// Policy is the policy that produced the completion.
+func (c *Completion) Policy() string { return c.policy }
+
+var completionAttrs = []string{"finish_reason", "id", "logprobs", "policy", "prompt_tokens", "reward", "text", "tokens"}
+
+func (c *Completion) AttrNames() []string { return completionAttrs }
+
+func (c *Completion) Attr(name string) (starlark.Value, error) {
+	switch name {
+	case "text":
+		return starlark.String(c.text), nil
+	case "policy":
+		return starlark.String(c.policy), nil
+	case "id":
+		return starlark.String(c.id), nil
+	case "finish_reason":
+		return starlark.String(c.finish), nil
+	case "prompt_tokens":
+		return starlark.MakeInt(len(c.prompt)), nil
+	case "tokens":
+		t := make(starlark.Tuple, len(c.tokens))
+		for i, x := range c.tokens {
+			t[i] = starlark.MakeInt(int(x))
+		}
+		return t, nil
+	case "logprobs":
+		t := make(starlark.Tuple, len(c.logprobs))
+		for i, x := range c.logprobs {
+			t[i] = starlark.Float(x)
+		}
+		return t, nil
+	case "reward":
+		if r, ok := c.Reward(); ok {
+			return starlark.Float(r), nil
+		}
+		return starlark.None, nil
+	}
+	return nil, nil
+}

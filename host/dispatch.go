@@ -1,0 +1,213 @@
+package host
+
+import (
+	"context"
+	"fmt"
+	"sync"
+	"time"
+
+	"github.com/slimen/slimen/engines"
+)
+
+// activity counts the Starlark threads of a step that are running (not waiting on an engine).
+// When it reaches zero every rollout is blocked, so no more requests can arrive before some are
+// answered: the dispatchers flush at once instead of waiting out their window.
+type activity struct {
+	mu      sync.Mutex
+	running int
+	kicks   []chan struct{}
+}
+
+func (a *activity) subscribe() chan struct{} {
+	ch := make(chan struct{}, 1)
+	a.mu.Lock()
+	a.kicks = append(a.kicks, ch)
+	a.mu.Unlock()
+	return ch
+}
+
+func (a *activity) add(n int) {
+	a.mu.Lock()
+	a.running += n
+	a.mu.Unlock()
+}
+
+func (a *activity) enter() { a.add(1) }
+
+func (a *activity) leave() {
+	a.mu.Lock()
+	a.running--
+	quiet := a.running <= 0
+	a.mu.Unlock()
+	if quiet {
+		a.kickAll()
+	}
+}
+
+func (a *activity) quiet() bool {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	return a.running <= 0
+}
+
+func (a *activity) kickAll() {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	for _, ch := range a.kicks {
+		select {
+		case ch <- struct{}{}:
+		default:
+		}
+	}
+}
+
+// dispatcher coalesces the generate calls of all rollouts for one policy into engine batches.
+// A batch goes out when every rollout thread is waiting (nothing more can come), when it holds
+// maxSamples samples, or when its first request has waited maxWait. Requests arriving while the
+// engine works form the next batch.
+type dispatcher struct {
+	eng        engines.Engine
+	act        *activity
+	kick       chan struct{}
+	maxSamples int
+	maxWait    time.Duration
+
+	mu      sync.Mutex
+	pending []*pendingGen
+	// batches and requests count what reached the engine, for tests and metrics.
+	batches, requests int
+}
+
+type pendingGen struct {
+	ctx  context.Context
+	req  engines.GenerateRequest
+	done chan genResult
+}
+
+type genResult struct {
+	out []engines.Completion
+	err error
+}
+
+func newDispatcher(eng engines.Engine, act *activity, maxSamples int) *dispatcher {
+	return &dispatcher{eng: eng, act: act, kick: act.subscribe(), maxSamples: maxSamples, maxWait: 20 * time.Millisecond}
+}
+
+// generate queues a request and blocks until its completions are back. The calling thread stops
+// counting as running while it waits.
+func (d *dispatcher) generate(ctx context.Context, req engines.GenerateRequest) ([]engines.Completion, error) {
+	p := &pendingGen{ctx: ctx, req: req, done: make(chan genResult, 1)}
+	d.mu.Lock()
+	d.pending = append(d.pending, p)
+	d.mu.Unlock()
+	select {
+	case d.kick <- struct{}{}:
+	default:
+	}
+	d.act.leave()
+	defer d.act.enter()
+	select {
+	case r := <-p.done:
+		return r.out, r.err
+	case <-ctx.Done():
+		return nil, ctx.Err()
+	}
+}
+
+// loop runs until ctx ends.
+func (d *dispatcher) loop(ctx context.Context) {
+	var first time.Time
+	timer := time.NewTimer(time.Hour)
+	defer timer.Stop()
+	for {
+		d.mu.Lock()
+		n, samples := len(d.pending), 0
+		for _, p := range d.pending {
+			samples += max(p.req.N, 1)
+		}
+		d.mu.Unlock()
+		if n > 0 {
+			if first.IsZero() {
+				first = time.Now()
+			}
+			if d.act.quiet() || samples >= d.maxSamples || time.Since(first) >= d.maxWait {
+				d.flush(ctx)
+				first = time.Time{}
+				continue
+			}
+			timer.Reset(d.maxWait - time.Since(first))
+		}
+		select {
+		case <-ctx.Done():
+			d.failAll(ctx.Err())
+			return
+		case <-d.kick:
+		case <-timer.C:
+		}
+	}
+}
+
+func (d *dispatcher) flush(ctx context.Context) {
+	d.mu.Lock()
+	var batch []*pendingGen
+	samples := 0
+	rest := d.pending[:0:0]
+	for _, p := range d.pending {
+		if p.ctx.Err() != nil {
+			continue // its rollout is gone
+		}
+		if len(batch) > 0 && samples+max(p.req.N, 1) > d.maxSamples {
+			rest = append(rest, p)
+			continue
+		}
+		batch = append(batch, p)
+		samples += max(p.req.N, 1)
+	}
+	d.pending = rest
+	if len(batch) > 0 {
+		d.batches++
+		d.requests += len(batch)
+	}
+	d.mu.Unlock()
+	if len(batch) == 0 {
+		return
+	}
+	reqs := make([]engines.GenerateRequest, len(batch))
+	for i, p := range batch {
+		reqs[i] = p.req
+	}
+	out, err := d.eng.Generate(ctx, reqs)
+	if err == nil && len(out) != samples {
+		err = errShortBatch(len(out), samples)
+	}
+	k := 0
+	for _, p := range batch {
+		if err != nil {
+			p.done <- genResult{err: err}
+			continue
+		}
+		n := max(p.req.N, 1)
+		p.done <- genResult{out: out[k : k+n]}
+		k += n
+	}
+}
+
+func (d *dispatcher) failAll(err error) {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	for _, p := range d.pending {
+		p.done <- genResult{err: err}
+	}
+	d.pending = nil
+}
+
+// stats returns how many batches and requests reached the engine so far.
+func (d *dispatcher) stats() (batches, requests int) {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	return d.batches, d.requests
+}
+
+func errShortBatch(got, want int) error {
+	return fmt.Errorf("engine returned %d completions for %d samples", got, want)
+}

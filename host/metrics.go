@@ -1,0 +1,146 @@
+package host
+
+import (
+	"bytes"
+	"encoding/json"
+	"fmt"
+	"io"
+	"math"
+	"os"
+	"sort"
+	"strconv"
+	"sync"
+	"time"
+)
+
+// Metrics is one line of metrics.jsonl: step, policy and named numbers (DESIGN §6). Keys are
+// written sorted, step and policy first, so equal runs give byte-equal files apart from timings.
+type Metrics map[string]any
+
+func newMetrics(step int, policy string) Metrics { return Metrics{"step": step, "policy": policy} }
+
+func (m Metrics) set(k string, v any) { m[k] = v }
+
+// Policy is the line's policy ("_run" for run-wide numbers).
+func (m Metrics) Policy() string { s, _ := m["policy"].(string); return s }
+
+// Float returns a numeric field.
+func (m Metrics) Float(k string) float64 {
+	switch v := m[k].(type) {
+	case float64:
+		return v
+	case int:
+		return float64(v)
+	}
+	return math.NaN()
+}
+
+func (m Metrics) int(k string) int { v, _ := m[k].(int); return v }
+
+// TimingFields are the metrics that measure wall time and so differ between equal runs.
+var TimingFields = []string{"rollout_s", "train_s", "step_s", "tokens_per_s"}
+
+// reservedMetric are names log() may not use.
+var reservedMetric = map[string]bool{"step": true, "policy": true}
+
+// MarshalJSON writes step and policy first, then the other keys sorted.
+func (m Metrics) MarshalJSON() ([]byte, error) {
+	var b bytes.Buffer
+	fmt.Fprintf(&b, `{"step":%d,"policy":%s`, m.int("step"), strconv.Quote(m.Policy()))
+	keys := make([]string, 0, len(m))
+	for k := range m {
+		if k != "step" && k != "policy" {
+			keys = append(keys, k)
+		}
+	}
+	sort.Strings(keys)
+	for _, k := range keys {
+		v := m[k]
+		if f, ok := v.(float64); ok && (math.IsNaN(f) || math.IsInf(f, 0)) {
+			v = nil
+		}
+		enc, err := json.Marshal(v)
+		if err != nil {
+			return nil, err
+		}
+		fmt.Fprintf(&b, ",%s:%s", strconv.Quote(k), enc)
+	}
+	b.WriteByte('}')
+	return b.Bytes(), nil
+}
+
+type metricsWriter struct {
+	f *os.File
+}
+
+func (w *metricsWriter) open(path string) error {
+	f, err := os.OpenFile(path, os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o644)
+	if err != nil {
+		return fmt.Errorf("metrics: %w", err)
+	}
+	w.f = f
+	return nil
+}
+
+// write appends the step's lines: each policy, then _run.
+func (w *metricsWriter) write(res *StepResult) error {
+	if w.f == nil {
+		return nil
+	}
+	var b bytes.Buffer
+	for _, m := range append(append([]Metrics(nil), res.Policies...), res.Run) {
+		line, err := json.Marshal(m)
+		if err != nil {
+			return err
+		}
+		b.Write(line)
+		b.WriteByte('\n')
+	}
+	if _, err := w.f.Write(b.Bytes()); err != nil {
+		return fmt.Errorf("metrics: %w", err)
+	}
+	return nil
+}
+
+func (w *metricsWriter) close() error {
+	if w.f == nil {
+		return nil
+	}
+	return w.f.Close()
+}
+
+// eventLog is events.log: start-up facts, rollout failures with backtraces, script prints,
+// skipped optimizer steps, reloads. Lines also go to the run's Log writer.
+type eventLog struct {
+	mu sync.Mutex
+	f  *os.File
+	w  io.Writer
+}
+
+func (e *eventLog) open(path string) error {
+	f, err := os.OpenFile(path, os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o644)
+	if err != nil {
+		return fmt.Errorf("events log: %w", err)
+	}
+	e.f = f
+	return nil
+}
+
+func (e *eventLog) printf(format string, args ...any) {
+	msg := fmt.Sprintf(format, args...)
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	if e.f != nil {
+		fmt.Fprintf(e.f, "%s %s\n", time.Now().UTC().Format(time.RFC3339), msg)
+	}
+	if e.w != nil {
+		fmt.Fprintln(e.w, msg)
+	}
+}
+
+func (e *eventLog) close() error {
+	if e.f == nil {
+		return nil
+	}
+	return e.f.Close()
+}

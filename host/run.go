@@ -1,0 +1,716 @@
+package host
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"math"
+	"os"
+	"path/filepath"
+	"sort"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"go.starlark.net/starlark"
+
+	"github.com/slimen/slimen/engines"
+	"github.com/slimen/slimen/host/config"
+)
+
+// Options configure a run.
+type Options struct {
+	// Config is the run's configuration. nil means zero-config: every policy the script names gets
+	// a trainable default engine on the bundled base checkpoint, created when first used.
+	Config *config.Config
+	// Engines, keyed by policy name, replace the engines the config would open (tests, embedding).
+	Engines map[string]engines.Engine
+	// OpenEngine opens the engine of a policy that Engines does not give. nil: OpenEngine.
+	OpenEngine func(ctx context.Context, p config.PolicyConfig) (engines.Engine, error)
+	// Zero marks a zero-config run even when Config is given (the CLI fills --steps and friends
+	// into a default config): policies are created as the script names them.
+	Zero bool
+	// Tasks replaces the config's data source.
+	Tasks TaskSource
+	// Out is the run directory; "" writes no files (metrics are still returned by Step).
+	Out string
+	// Log receives progress lines and rollout failures; nil discards them.
+	Log io.Writer
+}
+
+// TaskSource yields the tasks of a run by index.
+type TaskSource interface {
+	// Task returns task i; a finite source wraps around.
+	Task(i int) (Task, error)
+}
+
+// Run is a training run: a script, its policies and their engines, buffers and the step loop.
+// Load one with Load, then call Step (or Steps) from one goroutine.
+type Run struct {
+	opts     Options
+	cfg      *config.Config
+	cfgMu    sync.RWMutex
+	zero     bool // zero-config: policies are created on first use
+	script   *Script
+	tasks    TaskSource
+	state    *State
+	activity activity
+	events   *eventLog
+	metrics  *metricsWriter
+
+	ctx    context.Context // lives as long as the run; dispatchers stop with it
+	cancel context.CancelFunc
+
+	polMu    sync.Mutex
+	policies map[string]*policy
+	order    []string // policy names in config order, then first use
+
+	step int // steps completed
+
+	live struct{ done, total, tokens atomic.Int64 } // the current step, for progress displays
+}
+
+// Live reports the step in progress: rollouts done, rollouts in the step, tokens generated.
+func (r *Run) Live() (done, total, tokens int) {
+	return int(r.live.done.Load()), int(r.live.total.Load()), int(r.live.tokens.Load())
+}
+
+// policy is one policy's engine and its dispatcher.
+type policy struct {
+	name string
+	cfg  config.PolicyConfig
+	eng  engines.Engine
+	disp *dispatcher
+}
+
+// Load reads the script, resolves the configuration and opens the engines.
+func Load(ctx context.Context, scriptPath string, opts Options) (*Run, error) {
+	r := &Run{opts: opts, state: NewState(), policies: map[string]*policy{}}
+	r.ctx, r.cancel = context.WithCancel(context.Background())
+	r.cfg, r.zero = opts.Config, opts.Zero
+	if r.cfg == nil {
+		r.cfg, r.zero = defaultConfig(nil), true
+	}
+	s, err := LoadScript(scriptPath, ScriptOptions{Config: configValue{get: r.Config}})
+	if err != nil {
+		r.cancel()
+		return nil, err
+	}
+	r.script = s
+	if err := r.openOutputs(); err != nil {
+		r.cancel()
+		return nil, err
+	}
+	r.tasks = opts.Tasks
+	if r.tasks == nil {
+		if r.tasks, err = openTasks(r.cfg); err != nil {
+			r.Close()
+			return nil, err
+		}
+	}
+	for _, pc := range r.cfg.Policies {
+		if _, err := r.addPolicy(ctx, pc); err != nil {
+			r.Close()
+			return nil, err
+		}
+	}
+	r.events.printf("loaded %s (sha256 %s) with %d policies", s.Path, s.Hash[:12], len(r.cfg.Policies))
+	return r, nil
+}
+
+// Config returns the resolved configuration.
+func (r *Run) Config() *config.Config {
+	r.cfgMu.RLock()
+	defer r.cfgMu.RUnlock()
+	return r.cfg
+}
+
+// StepsDone is the number of completed steps.
+func (r *Run) StepsDone() int { return r.step }
+
+// Script returns the script version the run executes.
+func (r *Run) Script() *Script { return r.script }
+
+// State returns the run-wide store of `state`.
+func (r *Run) State() *State { return r.state }
+
+// Close stops the dispatchers and closes every engine the run opened.
+func (r *Run) Close() error {
+	r.cancel()
+	var errs []error
+	r.polMu.Lock()
+	for _, name := range r.order {
+		p := r.policies[name]
+		if _, given := r.opts.Engines[name]; !given && p.eng != nil {
+			errs = append(errs, p.eng.Close())
+		}
+	}
+	r.polMu.Unlock()
+	errs = append(errs, r.events.close(), r.metrics.close())
+	return errors.Join(errs...)
+}
+
+func (r *Run) addPolicy(ctx context.Context, pc config.PolicyConfig) (*policy, error) {
+	eng := r.opts.Engines[pc.Name]
+	if eng == nil {
+		open := r.opts.OpenEngine
+		if open == nil {
+			open = OpenEngine
+		}
+		var err error
+		if eng, err = open(ctx, pc); err != nil {
+			return nil, fmt.Errorf("policy %q%s: %w", pc.Name, r.cfgPlace(&policy{cfg: pc}), err)
+		}
+	}
+	p := &policy{name: pc.Name, cfg: pc, eng: eng}
+	p.disp = newDispatcher(eng, &r.activity, maxBatchSamples(r.cfg))
+	go p.disp.loop(r.ctx)
+	r.policies[pc.Name] = p
+	r.order = append(r.order, pc.Name)
+	return p, nil
+}
+
+func maxBatchSamples(c *config.Config) int {
+	if c.Rollout.MaxBatchTokens > 0 {
+		return max(1, c.Rollout.MaxBatchTokens/max(1, c.Rollout.MaxResponseLen))
+	}
+	return 1024
+}
+
+// policyFor returns a policy by name. Zero-config runs create it on first use.
+func (r *Run) policyFor(name string) (*policy, error) {
+	r.polMu.Lock()
+	defer r.polMu.Unlock()
+	if p, ok := r.policies[name]; ok {
+		return p, nil
+	}
+	if !r.zero {
+		return nil, fmt.Errorf("unknown policy %q; %s defines %s — add it under policies: or fix the name", name, r.cfgName(), quoteList(r.order))
+	}
+	if name == "" || strings.ContainsAny(name, " \t\n/") {
+		return nil, fmt.Errorf("policy name %q is not a valid name", name)
+	}
+	pc := defaultPolicy(name)
+	p, err := r.addPolicy(r.ctx, pc)
+	if err != nil {
+		return nil, err
+	}
+	r.cfgMu.Lock()
+	r.cfg.Policies = append(r.cfg.Policies, pc)
+	r.cfgMu.Unlock()
+	r.events.printf("zero-config: policy %q on %s (%s engine)", name, pc.HFCheckpoint, pc.Engine.Kind)
+	return p, nil
+}
+
+func (r *Run) cfgName() string {
+	if r.cfg.File != "" {
+		return r.cfg.File
+	}
+	return "the config"
+}
+
+// cfgPlace names where a policy was configured, for messages: " in policies.yaml:7".
+func (r *Run) cfgPlace(p *policy) string {
+	if r.cfg.File != "" && p.cfg.Line > 0 {
+		return fmt.Sprintf(" in %s:%d", r.cfg.File, p.cfg.Line)
+	}
+	return ""
+}
+
+func quoteList(names []string) string {
+	if len(names) == 0 {
+		return "no policies"
+	}
+	q := make([]string, len(names))
+	for i, n := range names {
+		q[i] = fmt.Sprintf("%q", n)
+	}
+	return strings.Join(q, ", ")
+}
+
+// sampling returns the rollout defaults of the current config.
+func (r *Run) sampling() engines.Sampling {
+	c := r.Config()
+	return engines.Sampling{
+		MaxTokens: c.Rollout.MaxResponseLen, Temperature: c.Rollout.Temperature,
+		TopP: c.Rollout.TopP, Stop: c.Rollout.Stop,
+	}
+}
+
+func (r *Run) generate(ctx context.Context, p *policy, req engines.GenerateRequest) ([]engines.Completion, error) {
+	return p.disp.generate(ctx, req)
+}
+
+func (r *Run) score(ctx context.Context, p *policy, req engines.ScoreRequest) ([]float32, error) {
+	r.activity.leave()
+	defer r.activity.enter()
+	out, err := p.eng.Score(ctx, []engines.ScoreRequest{req})
+	if err != nil {
+		return nil, err
+	}
+	if len(out) != 1 {
+		return nil, fmt.Errorf("engine returned %d scores for 1 request", len(out))
+	}
+	return out[0].Logprobs, nil
+}
+
+// StepResult is what one step did: one metrics record per policy plus the run-wide record.
+type StepResult struct {
+	Step     int
+	Policies []Metrics // sorted by policy name
+	Run      Metrics   // policy "_run"
+	Failed   []*RolloutError
+}
+
+// Steps runs n steps (or, for n ≤ 0, the config's run.steps minus those done).
+func (r *Run) Steps(ctx context.Context, n int) error {
+	if n <= 0 {
+		n = r.Config().Run.Steps - r.step
+	}
+	for i := 0; i < n; i++ {
+		if _, err := r.Step(ctx); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// Step runs one step of DESIGN §4: rollouts, advantages, training, metrics.
+func (r *Run) Step(ctx context.Context) (*StepResult, error) {
+	step := r.step + 1
+	cfg := r.Config()
+	t0 := time.Now()
+	ros, err := r.runRollouts(ctx, step, cfg)
+	if err != nil {
+		return nil, err
+	}
+	rolloutS := time.Since(t0).Seconds()
+	res := &StepResult{Step: step}
+	var first *RolloutError
+	for _, ro := range ros {
+		if ro.err != nil {
+			re := &RolloutError{Step: step, TaskID: ro.task.ID, Msg: scriptErrorText(ro.err)}
+			res.Failed = append(res.Failed, re)
+			r.events.printf("%s", re.Error())
+			if first == nil {
+				first = re
+			}
+		}
+	}
+	if first != nil && len(ros) > 0 && float64(len(res.Failed))/float64(len(ros)) > cfg.Rollout.MaxFailedFraction {
+		return nil, fmt.Errorf("step %d: %d of %d rollouts failed, more than rollout.max_failed_fraction (%g); the run stops. First failure:\n%s",
+			step, len(res.Failed), len(ros), cfg.Rollout.MaxFailedFraction, first.Error())
+	}
+
+	t1 := time.Now()
+	pm, err := r.trainPolicies(ctx, step, cfg, ros, rolloutS)
+	if err != nil {
+		return nil, err
+	}
+	trainS := time.Since(t1).Seconds()
+	res.Policies = pm
+	res.Run = r.runMetrics(step, ros, res, rolloutS, trainS, time.Since(t0).Seconds())
+	r.step = step
+	if err := r.metrics.write(res); err != nil {
+		return nil, err
+	}
+	return res, nil
+}
+
+// runRollouts calls rollout(task) for every task of the step, each on its own goroutine.
+func (r *Run) runRollouts(ctx context.Context, step int, cfg *config.Config) ([]*rollout, error) {
+	n := cfg.Rollout.BatchSize
+	ros := make([]*rollout, n)
+	stepCtx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	for i := 0; i < n; i++ {
+		t, err := r.tasks.Task((step-1)*n + i)
+		if err != nil {
+			return nil, fmt.Errorf("step %d: %w", step, err)
+		}
+		ros[i] = &rollout{run: r, ctx: stepCtx, task: t, index: i, step: step,
+			seed: keySeed(cfg.Run.Seed, t.ID, []int{step})}
+	}
+	script := r.script
+	r.live.done.Store(0)
+	r.live.total.Store(int64(n))
+	r.live.tokens.Store(0)
+	r.activity.add(n)
+	var wg sync.WaitGroup
+	for _, ro := range ros {
+		wg.Add(1)
+		go func(ro *rollout) {
+			defer wg.Done()
+			defer r.live.done.Add(1)
+			defer r.activity.leave()
+			th := ro.newThread(nil)
+			_, ro.err = ro.call(th, script.rollout, starlark.Tuple{taskValue(ro.task, step)})
+			if ro.err == nil {
+				ro.err = ro.checkQueued()
+			}
+		}(ro)
+	}
+	wg.Wait()
+	if err := ctx.Err(); err != nil {
+		return nil, err
+	}
+	return ros, nil
+}
+
+// checkQueued verifies, once the rollout is done, that every queued sample can be trained.
+func (ro *rollout) checkQueued() error {
+	for _, q := range ro.queued {
+		if _, ok := q.c.Reward(); !ok && !q.hasAdv {
+			return fmt.Errorf("train: completion %s has no reward", q.c.id)
+		}
+	}
+	return nil
+}
+
+// trainSample is a queued sample of a successful rollout, in deterministic order.
+type trainSample struct {
+	queued
+	task   int
+	reward float64
+}
+
+// trainPolicies computes advantages and trains every trainable policy on its samples.
+func (r *Run) trainPolicies(ctx context.Context, step int, cfg *config.Config, ros []*rollout, rolloutS float64) ([]Metrics, error) {
+	byPolicy := map[string][]trainSample{}
+	gens := map[string][]*Completion{}
+	for _, ro := range ros {
+		if ro.err != nil {
+			continue
+		}
+		for _, q := range ro.queued {
+			rw, _ := q.c.Reward()
+			byPolicy[q.c.policy] = append(byPolicy[q.c.policy], trainSample{queued: q, task: ro.index, reward: rw})
+		}
+		for _, c := range ro.generated {
+			gens[c.policy] = append(gens[c.policy], c)
+		}
+	}
+	for _, ss := range byPolicy {
+		sort.SliceStable(ss, func(i, j int) bool {
+			if ss[i].task != ss[j].task {
+				return ss[i].task < ss[j].task
+			}
+			return lessKey(ss[i].c.key, ss[j].c.key)
+		})
+	}
+	r.polMu.Lock()
+	names := append([]string(nil), r.order...)
+	pols := make([]*policy, len(names))
+	for i, n := range names {
+		pols[i] = r.policies[n]
+	}
+	r.polMu.Unlock()
+
+	advs, err := r.advantages(ctx, pols, byPolicy)
+	if err != nil {
+		return nil, err
+	}
+	var out []Metrics
+	for _, p := range pols {
+		m := newMetrics(step, p.name)
+		ss := byPolicy[p.name]
+		fillRewardMetrics(m, gens[p.name], ss)
+		m.set("rollout_s", rolloutS)
+		if p.cfg.Trainable && len(ss) > 0 {
+			t := time.Now()
+			if err := r.trainOne(ctx, step, p, ss, advs[p.name], m); err != nil {
+				return nil, err
+			}
+			m.set("train_s", time.Since(t).Seconds())
+		} else {
+			m.set("train_s", 0.0)
+			m.set("loss", 0.0)
+		}
+		out = append(out, m)
+	}
+	sort.Slice(out, func(i, j int) bool { return out[i].Policy() < out[j].Policy() })
+	return out, nil
+}
+
+func lessKey(a, b []int) bool {
+	for i := 0; i < len(a) && i < len(b); i++ {
+		if a[i] != b[i] {
+			return a[i] < b[i]
+		}
+	}
+	return len(a) < len(b)
+}
+
+// trainOne splits a policy's samples into optimizer steps of global_batch_size and trains.
+func (r *Run) trainOne(ctx context.Context, step int, p *policy, ss []trainSample, adv [][]float32, m Metrics) error {
+	tc := p.cfg.Train
+	lc := lossConfig(tc)
+	size := tc.GlobalBatchSize
+	if size <= 0 || size > len(ss) {
+		size = len(ss)
+	}
+	var sums struct{ loss, pg, kl, clip, ent, gn float64 }
+	steps, skipped, tokens := 0, 0, 0
+	for k := 0; k < len(ss); k += size {
+		end := min(k+size, len(ss))
+		b := engines.Batch{ID: fmt.Sprintf("%s/step%d/%d", p.name, step, k/size), Loss: lc}
+		for i := k; i < end; i++ {
+			c := ss[i].c
+			mask := make([]float32, len(c.tokens))
+			for j := range mask {
+				mask[j] = 1
+			}
+			b.Samples = append(b.Samples, engines.Sample{
+				Prompt: c.prompt, Response: c.tokens, LossMask: mask, OldLogprobs: c.logprobs,
+				Advantages: adv[i], Group: ss[i].group,
+			})
+		}
+		st, err := p.eng.Train(ctx, b)
+		if err != nil {
+			return fmt.Errorf("step %d: policy %q: train: %w", step, p.name, err)
+		}
+		if st.Skipped {
+			skipped++
+			r.events.printf("step %d: policy %q: optimizer step %s skipped: %s", step, p.name, b.ID, st.Reason)
+			continue
+		}
+		steps++
+		tokens += st.Tokens
+		sums.loss += st.Loss
+		sums.pg += st.PGLoss
+		sums.kl += st.KL
+		sums.clip += st.ClipFrac
+		sums.ent += st.Entropy
+		sums.gn += st.GradNorm
+	}
+	d := float64(max(steps, 1))
+	m.set("loss", sums.loss/d)
+	m.set("pg_loss", sums.pg/d)
+	m.set("kl", sums.kl/d)
+	m.set("clip_frac", sums.clip/d)
+	m.set("entropy", sums.ent/d)
+	m.set("grad_norm", sums.gn/d)
+	m.set("optimizer_steps", steps)
+	m.set("skipped_steps", skipped)
+	m.set("trained_tokens", tokens)
+	return nil
+}
+
+func lossConfig(tc config.TrainConfig) engines.LossConfig {
+	kl := tc.KLLossCoef
+	if !tc.UseKLLoss {
+		kl = 0
+	}
+	pl := "ppo"
+	if tc.AdvantageEstimator == "gspo" {
+		pl = "gspo"
+	}
+	return engines.LossConfig{
+		LR: tc.LR, Beta1: tc.AdamBeta1, Beta2: tc.AdamBeta2, WeightDecay: tc.WeightDecay,
+		MaxGradNorm: tc.ClipGrad, EpsClip: tc.EpsClip, EpsClipHigh: tc.EpsClipHigh,
+		KLLossCoef: kl, KLLossType: tc.KLLossType, EntropyCoef: tc.EntropyCoef,
+		Aggregation: tc.LossAggregation, PolicyLoss: pl,
+	}
+}
+
+// advantages computes the per-token advantages of every policy's samples. Shared-buffer policies
+// are normalised together; split ones alone. Teacher terms (on-policy distillation) come last.
+func (r *Run) advantages(ctx context.Context, pols []*policy, byPolicy map[string][]trainSample) (map[string][][]float32, error) {
+	out := map[string][][]float32{}
+	type pool struct {
+		names []string
+		tc    config.TrainConfig
+	}
+	var pools []pool
+	var shared *pool
+	for _, p := range pols {
+		if !p.cfg.Trainable {
+			continue
+		}
+		if p.cfg.BufferMode == "shared" {
+			if shared == nil {
+				pools = append(pools, pool{tc: p.cfg.Train})
+				shared = &pools[len(pools)-1]
+			}
+			shared.names = append(shared.names, p.name)
+			continue
+		}
+		pools = append(pools, pool{names: []string{p.name}, tc: p.cfg.Train})
+	}
+	for _, pl := range pools {
+		var in []AdvInput
+		for _, n := range pl.names {
+			for _, s := range byPolicy[n] {
+				a := AdvInput{Reward: s.reward, Group: s.group, Tokens: len(s.c.tokens)}
+				if s.hasAdv {
+					a.Override = s.advantage
+				}
+				in = append(in, a)
+			}
+		}
+		adv, err := ComputeAdvantages(estimatorOf(pl.tc), in)
+		if err != nil {
+			return nil, err
+		}
+		k := 0
+		for _, n := range pl.names {
+			m := len(byPolicy[n])
+			out[n] = adv[k : k+m]
+			k += m
+		}
+	}
+	for _, p := range pols {
+		if err := r.applyTeacher(ctx, p, byPolicy[p.name], out[p.name]); err != nil {
+			return nil, err
+		}
+	}
+	return out, nil
+}
+
+// applyTeacher subtracts opd_kl_coef·(logp_student − logp_teacher) per token for samples trained
+// with teacher=.
+func (r *Run) applyTeacher(ctx context.Context, p *policy, ss []trainSample, adv [][]float32) error {
+	byTeacher := map[string][]int{}
+	for i, s := range ss {
+		if s.teacher != "" {
+			byTeacher[s.teacher] = append(byTeacher[s.teacher], i)
+		}
+	}
+	teachers := make([]string, 0, len(byTeacher))
+	for t := range byTeacher {
+		teachers = append(teachers, t)
+	}
+	sort.Strings(teachers)
+	coef := p.cfg.Train.OPDKLCoef
+	for _, t := range teachers {
+		tp, err := r.policyFor(t)
+		if err != nil {
+			return err
+		}
+		idx := byTeacher[t]
+		reqs := make([]engines.ScoreRequest, len(idx))
+		for k, i := range idx {
+			c := ss[i].c
+			reqs[k] = engines.ScoreRequest{Messages: c.messages, Tokens: c.tokens}
+		}
+		scores, err := tp.eng.Score(ctx, reqs)
+		if err != nil {
+			return fmt.Errorf("policy %q: scoring %d samples under teacher %q: %w", p.name, len(idx), t, err)
+		}
+		for k, i := range idx {
+			c := ss[i].c
+			lp := scores[k].Logprobs
+			if len(lp) != len(c.tokens) {
+				return fmt.Errorf("teacher %q returned %d log-probs for %d tokens", t, len(lp), len(c.tokens))
+			}
+			for j := range adv[i] {
+				adv[i][j] -= float32(coef * float64(c.logprobs[j]-lp[j]))
+			}
+		}
+	}
+	return nil
+}
+
+func fillRewardMetrics(m Metrics, gens []*Completion, ss []trainSample) {
+	var rs []float64
+	tokens, truncated := 0, 0
+	for _, c := range gens {
+		if rw, ok := c.Reward(); ok {
+			rs = append(rs, rw)
+		}
+		tokens += len(c.tokens)
+		if c.finish == "length" {
+			truncated++
+		}
+	}
+	mean, std := meanStd(rs)
+	m.set("reward_mean", mean)
+	m.set("reward_std", std)
+	m.set("samples", len(ss))
+	m.set("completions", len(gens))
+	m.set("tokens", tokens)
+	rl := 0.0
+	if len(gens) > 0 {
+		rl = float64(tokens) / float64(len(gens))
+		m.set("truncated", float64(truncated)/float64(len(gens)))
+	} else {
+		m.set("truncated", 0.0)
+	}
+	m.set("response_len", rl)
+}
+
+// meanStd returns the mean and the population standard deviation (0, 0 for no values).
+func meanStd(xs []float64) (float64, float64) {
+	if len(xs) == 0 {
+		return 0, 0
+	}
+	var s float64
+	for _, x := range xs {
+		s += x
+	}
+	mean := s / float64(len(xs))
+	var v float64
+	for _, x := range xs {
+		v += (x - mean) * (x - mean)
+	}
+	return mean, math.Sqrt(v / float64(len(xs)))
+}
+
+func (r *Run) runMetrics(step int, ros []*rollout, res *StepResult, rolloutS, trainS, stepS float64) Metrics {
+	m := newMetrics(step, "_run")
+	m.set("rollouts", len(ros))
+	m.set("failed", len(res.Failed))
+	tokens := 0
+	for _, p := range res.Policies {
+		tokens += p.int("tokens")
+	}
+	m.set("tokens", tokens)
+	m.set("rollout_s", rolloutS)
+	m.set("train_s", trainS)
+	m.set("step_s", stepS)
+	if rolloutS > 0 {
+		m.set("tokens_per_s", float64(tokens)/rolloutS)
+	}
+	sums := map[string][2]float64{}
+	for _, ro := range ros {
+		if ro.err != nil {
+			continue
+		}
+		for k, v := range ro.logs {
+			a := sums[k]
+			sums[k] = [2]float64{a[0] + v[0], a[1] + v[1]}
+		}
+	}
+	for k, v := range sums {
+		m.set(k, v[0]/v[1])
+	}
+	return m
+}
+
+func (r *Run) openOutputs() error {
+	out := r.opts.Out
+	r.events = &eventLog{w: r.opts.Log}
+	r.metrics = &metricsWriter{}
+	if out == "" {
+		return nil
+	}
+	if err := os.MkdirAll(out, 0o755); err != nil {
+		return fmt.Errorf("run directory: %w", err)
+	}
+	if err := r.events.open(filepath.Join(out, "events.log")); err != nil {
+		return err
+	}
+	if err := r.metrics.open(filepath.Join(out, "metrics.jsonl")); err != nil {
+		return err
+	}
+	if err := os.WriteFile(filepath.Join(out, "script.star"), r.script.Source, 0o644); err != nil {
+		return err
+	}
+	y, err := marshalConfig(r.cfg)
+	if err != nil {
+		return err
+	}
+	return os.WriteFile(filepath.Join(out, "config.yaml"), y, 0o644)
+}

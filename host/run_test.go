@@ -1,0 +1,264 @@
+package host
+
+import (
+	"context"
+	"fmt"
+	"math"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+
+	"github.com/google/go-cmp/cmp"
+	"github.com/google/go-cmp/cmp/cmpopts"
+
+	"github.com/slimen/slimen/engines"
+	"github.com/slimen/slimen/engines/scripted"
+	"github.com/slimen/slimen/host/config"
+)
+
+// listTasks is a finite task source for tests: task i has prompt "q<i>" and label "<i>".
+type listTasks []Task
+
+func (l listTasks) Task(i int) (Task, error) { return l[i%len(l)], nil }
+
+func numberedTasks(n int) listTasks {
+	out := make(listTasks, n)
+	for i := range out {
+		out[i] = Task{ID: fmt.Sprintf("t%d", i), Prompt: fmt.Sprintf("q%d", i), Label: fmt.Sprint(i), HasLabel: true}
+	}
+	return out
+}
+
+// testConfig is a config with the given trainable policies on scripted engines.
+func testConfig(batch int, policies ...string) *config.Config {
+	c := defaultConfig(policies)
+	c.Rollout.BatchSize = batch
+	return c
+}
+
+func writeScript(t *testing.T, src string) string {
+	t.Helper()
+	p := filepath.Join(t.TempDir(), "script.star")
+	if err := os.WriteFile(p, []byte(src), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	return p
+}
+
+func loadRun(t *testing.T, src string, cfg *config.Config, engs map[string]engines.Engine, tasks TaskSource) *Run {
+	t.Helper()
+	r, err := Load(context.Background(), writeScript(t, src), Options{Config: cfg, Engines: engs, Tasks: tasks})
+	if err != nil {
+		t.Fatalf("Load: %v", err)
+	}
+	t.Cleanup(func() { r.Close() })
+	return r
+}
+
+// answerLastChar answers a prompt with its last character, so rewards are predictable.
+func answerLastChar(req scripted.Request) string {
+	m := req.Messages[len(req.Messages)-1].Content
+	return m[len(m)-1:]
+}
+
+func TestDispatcherBatchesConcurrentGenerates(t *testing.T) {
+	eng := scripted.New(answerLastChar)
+	r := loadRun(t, `
+def rollout(task):
+    c = generate("p", task.prompt)
+    reward(c, 1.0)
+    train(c)
+`, testConfig(64, "p"), map[string]engines.Engine{"p": eng}, numberedTasks(64))
+	if _, err := r.Step(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	calls := eng.Calls()
+	reqs := 0
+	for _, c := range calls {
+		reqs += len(c)
+	}
+	if reqs != 64 {
+		t.Fatalf("engine saw %d requests, want 64", reqs)
+	}
+	if len(calls) > 3 {
+		t.Errorf("64 concurrent generate calls reached the engine as %d batches, want at most 3", len(calls))
+	}
+}
+
+func TestDispatcherBatchesParallelFanOut(t *testing.T) {
+	eng := scripted.New(answerLastChar)
+	r := loadRun(t, `
+def rollout(task):
+    first = generate("p", task.prompt)
+    outs = parallel(lambda i: generate("p", first.text + str(i)), range(4))
+    for c in [first] + outs:
+        reward(c, 0.0)
+    train([first] + outs)
+`, testConfig(16, "p"), map[string]engines.Engine{"p": eng}, numberedTasks(16))
+	if _, err := r.Step(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	calls := eng.Calls()
+	// 16 first calls, then 64 fan-out calls: two waves, each coalesced.
+	if len(calls) > 4 {
+		t.Errorf("two waves of generate calls reached the engine as %d batches, want at most 4", len(calls))
+	}
+	if got := len(eng.Batches()[0].Samples); got != 80 {
+		t.Errorf("trained %d samples, want 80", got)
+	}
+}
+
+func TestAdvantagesByHand(t *testing.T) {
+	in := []AdvInput{
+		{Reward: 1, Group: "a", Tokens: 2},
+		{Reward: 0, Group: "a", Tokens: 1},
+		{Reward: 0, Group: "a", Tokens: 1},
+		{Reward: 5, Group: "b", Tokens: 1},
+		{Reward: 3, Group: "c", Tokens: 1, Override: []float64{0.25}},
+		{Reward: 3, Group: "c", Tokens: 2, Override: []float64{1, 2}},
+	}
+	// Group a: mean 1/3, unbiased std sqrt(((2/3)^2 + 2(1/3)^2)/2) = sqrt(1/3).
+	s := math.Sqrt(1.0 / 3)
+	a1, a0 := (2.0/3)/(s+1e-6), (-1.0/3)/(s+1e-6)
+	want := map[string][][]float32{
+		"grpo": {{f(a1), f(a1)}, {f(a0)}, {f(a0)}, {0}, {0.25}, {1, 2}},
+		// rloo: 1 − 0 = 1; 0 − 1/2 = −1/2.
+		"rloo": {{1, 1}, {-0.5}, {-0.5}, {0}, {0.25}, {1, 2}},
+	}
+	for name, w := range want {
+		got, err := ComputeAdvantages(Estimator{Name: name, Normalize: true, StdNormalize: true}, in)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if d := cmp.Diff(w, got, cmpopts.EquateApprox(0, 1e-5)); d != "" {
+			t.Errorf("%s advantages (-want +got):\n%s", name, d)
+		}
+	}
+	// Without std normalisation GRPO is r − mean; without reward normalisation it is r.
+	got, _ := ComputeAdvantages(Estimator{Name: "grpo", Normalize: true}, in[:4])
+	if d := cmp.Diff([][]float32{{2.0 / 3, 2.0 / 3}, {-1.0 / 3}, {-1.0 / 3}, {0}}, got, cmpopts.EquateApprox(0, 1e-6)); d != "" {
+		t.Errorf("grpo without std (-want +got):\n%s", d)
+	}
+	got, _ = ComputeAdvantages(Estimator{Name: "grpo"}, in[:4])
+	if d := cmp.Diff([][]float32{{1, 1}, {0}, {0}, {5}}, got); d != "" {
+		t.Errorf("grpo without normalisation (-want +got):\n%s", d)
+	}
+	// REINFORCE++ whitens over the batch's tokens: returns 1,1,0,0,5 → mean 1.4, std sqrt(3.44).
+	got, _ = ComputeAdvantages(Estimator{Name: "reinforce_plus_plus"}, in[:4])
+	sd := math.Sqrt(((1-1.4)*(1-1.4)*2 + 1.4*1.4*2 + 3.6*3.6) / 5)
+	w := func(x float64) float32 { return float32((x - 1.4) / (sd + 1e-8)) }
+	if d := cmp.Diff([][]float32{{w(1), w(1)}, {w(0)}, {w(0)}, {w(5)}}, got, cmpopts.EquateApprox(0, 1e-5)); d != "" {
+		t.Errorf("reinforce++ (-want +got):\n%s", d)
+	}
+	if _, err := ComputeAdvantages(Estimator{Name: "nope"}, in); err == nil {
+		t.Error("unknown estimator: no error")
+	}
+}
+
+func f(x float64) float32 { return float32(x) }
+
+func TestTrainedAdvantagesReachEngine(t *testing.T) {
+	eng := scripted.New(func(req scripted.Request) string { return fmt.Sprint(req.Index) })
+	r := loadRun(t, `
+def rollout(task):
+    cs = generate("p", task.prompt, n = 3)
+    for c in cs:
+        reward(c, 1.0 if c.text == "0" else 0.0)
+    train(cs)
+`, testConfig(2, "p"), map[string]engines.Engine{"p": eng}, numberedTasks(2))
+	res, err := r.Step(context.Background())
+	if err != nil {
+		t.Fatal(err)
+	}
+	b := eng.Batches()
+	if len(b) != 1 || len(b[0].Samples) != 6 {
+		t.Fatalf("got %d batches, want 1 of 6 samples", len(b))
+	}
+	// Each group (task) has rewards 1, 0, 0: advantages 2/3/s, −1/3/s, −1/3/s with s = sqrt(1/3).
+	s := math.Sqrt(1.0 / 3)
+	for i, smp := range b[0].Samples {
+		want := float32((-1.0 / 3) / (s + 1e-6))
+		if i%3 == 0 {
+			want = float32((2.0 / 3) / (s + 1e-6))
+		}
+		for _, a := range smp.Advantages {
+			if math.Abs(float64(a-want)) > 1e-5 {
+				t.Errorf("sample %d: advantage %v, want %v", i, a, want)
+			}
+		}
+		if smp.Group != fmt.Sprintf("t%d", i/3) {
+			t.Errorf("sample %d: group %q", i, smp.Group)
+		}
+	}
+	p := res.Policies[0]
+	if p.Float("samples") != 6 || math.Abs(p.Float("reward_mean")-1.0/3) > 1e-9 {
+		t.Errorf("metrics: %v", p)
+	}
+}
+
+func TestFailingRolloutDropsOnlyItsSamples(t *testing.T) {
+	eng := scripted.New(answerLastChar)
+	r := loadRun(t, `
+def rollout(task):
+    c = generate("p", task.prompt)
+    reward(c, 1.0)
+    train(c)
+    if task.id == "t3":
+        fail("task three is broken")
+`, testConfig(8, "p"), map[string]engines.Engine{"p": eng}, numberedTasks(8))
+	res, err := r.Step(context.Background())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(res.Failed) != 1 || res.Failed[0].TaskID != "t3" || !strings.Contains(res.Failed[0].Msg, "task three is broken") {
+		t.Fatalf("failed rollouts: %+v", res.Failed)
+	}
+	if !strings.Contains(res.Failed[0].Msg, "script.star:7:13") {
+		t.Errorf("failure has no file:line:col: %s", res.Failed[0].Msg)
+	}
+	if got := len(eng.Batches()[0].Samples); got != 7 {
+		t.Errorf("trained %d samples, want 7 (the failed rollout's sample dropped)", got)
+	}
+	if res.Run.Float("failed") != 1 {
+		t.Errorf("_run failed = %v", res.Run["failed"])
+	}
+}
+
+func TestTooManyFailuresStopTheRun(t *testing.T) {
+	r := loadRun(t, `
+def rollout(task):
+    fail("always")
+`, testConfig(4, "p"), map[string]engines.Engine{"p": scripted.Echo("x")}, numberedTasks(4))
+	_, err := r.Step(context.Background())
+	if err == nil || !strings.Contains(err.Error(), "4 of 4 rollouts failed") {
+		t.Fatalf("err = %v", err)
+	}
+}
+
+func TestLogStateAndParallelOrder(t *testing.T) {
+	r := loadRun(t, `
+def rollout(task):
+    xs = parallel(lambda i: i * i, range(5))
+    if xs != [0, 1, 4, 9, 16]:
+        fail("parallel order: %s" % xs)
+    state.update("count", lambda n: n + 1, 0)
+    log(score = 2.0 if task.id == "t0" else 4.0, flag = True)
+`, testConfig(2, "p"), map[string]engines.Engine{"p": scripted.Echo("x")}, numberedTasks(2))
+	for i := 0; i < 2; i++ {
+		res, err := r.Step(context.Background())
+		if err != nil {
+			t.Fatal(err)
+		}
+		if len(res.Failed) > 0 {
+			t.Fatal(res.Failed[0])
+		}
+		if res.Run.Float("score") != 3 || res.Run.Float("flag") != 1 {
+			t.Errorf("logged metrics: %v", res.Run)
+		}
+	}
+	v, _ := r.State().Get("count")
+	if v.String() != "4" {
+		t.Errorf("state count = %v, want 4", v)
+	}
+}

@@ -1,0 +1,207 @@
+package host
+
+import (
+	"crypto/sha256"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+	"sort"
+	"strings"
+
+	"go.starlark.net/starlark"
+	"go.starlark.net/resolve"
+	"go.starlark.net/starlarkstruct"
+	"go.starlark.net/syntax"
+
+	"github.com/slimen/slimen/host/config"
+)
+
+// Script is one version of a rollout script: its file and everything it loaded, executed once and
+// frozen. rollout(task) is then called from many goroutines at once, each on its own thread.
+type Script struct {
+	Path    string              // as given by the user
+	Globals starlark.StringDict // frozen top-level values
+	Files   []string            // the script and every file it loaded (not @packages)
+	Hash    string              // sha256 of the sources of Files, hex
+	Source  []byte              // the main file
+
+	rollout     *starlark.Function
+	evalRollout *starlark.Function // nil when the script has none
+}
+
+// ScriptError is a problem with the user's script or config: the CLI exits 2 on it.
+type ScriptError struct{ Msg string }
+
+func (e *ScriptError) Error() string { return e.Msg }
+
+// ScriptOptions configure how a script is loaded.
+type ScriptOptions struct {
+	Sandbox bool            // only @packages may be loaded
+	Config  starlark.Value // the script's `config`; nil: none attached
+}
+
+// LoadScript reads, executes and freezes a script.
+func LoadScript(path string, opts ScriptOptions) (*Script, error) {
+	src, err := os.ReadFile(path)
+	if err != nil {
+		return nil, &ScriptError{fmt.Sprintf("cannot read script: %v", err)}
+	}
+	return LoadScriptSource(path, src, opts)
+}
+
+// LoadScriptSource loads a script whose text is already read (path names it in messages and
+// anchors its relative loads).
+func LoadScriptSource(path string, src []byte, opts ScriptOptions) (*Script, error) {
+	abs, err := filepath.Abs(path)
+	if err != nil {
+		return nil, err
+	}
+	pre := predeclared()
+	if opts.Config != nil {
+		pre["config"] = opts.Config
+	}
+	l := newLoader(filepath.Dir(abs), pre, !opts.Sandbox)
+	l.cache[filepath.Clean(path)] = &loadEntry{} // the main file loading itself is a cycle
+	l.stack = []string{filepath.Clean(path)}
+	globals, err := l.execFile(path, src)
+	if err != nil {
+		return nil, &ScriptError{scriptErrorText(err)}
+	}
+	globals.Freeze()
+	s := &Script{Path: path, Globals: globals, Files: l.files, Source: src}
+	h := sha256.New()
+	for _, f := range l.files {
+		h.Write([]byte(f))
+		h.Write(l.srcs[f])
+	}
+	s.Hash = hex.EncodeToString(h.Sum(nil))
+
+	fn, err := entryPoint(globals, "rollout", path, true)
+	if err != nil {
+		return nil, err
+	}
+	s.rollout = fn
+	if s.evalRollout, err = entryPoint(globals, "eval_rollout", path, false); err != nil {
+		return nil, err
+	}
+	return s, nil
+}
+
+// entryPoint finds a one-parameter function the host calls with a task.
+func entryPoint(g starlark.StringDict, name, path string, required bool) (*starlark.Function, error) {
+	v, ok := g[name]
+	if !ok {
+		if required {
+			return nil, &ScriptError{fmt.Sprintf("%s: the script defines no %s(task) function; define one: the host calls it once per task", path, name)}
+		}
+		return nil, nil
+	}
+	fn, ok := v.(*starlark.Function)
+	if !ok {
+		return nil, &ScriptError{fmt.Sprintf("%s: %s is a %s, not a function; define def %s(task): …", path, name, v.Type(), name)}
+	}
+	if fn.NumParams() != 1 || fn.NumKwonlyParams() != 0 {
+		return nil, &ScriptError{fmt.Sprintf("%s: %s: %s must take exactly one parameter (the task), it takes %d", path, fn.Position(), name, fn.NumParams())}
+	}
+	return fn, nil
+}
+
+// scriptErrorText renders a Starlark error with its backtrace (file:line:col of every frame) and,
+// for syntax and resolve errors, a hint of what to do.
+func scriptErrorText(err error) string {
+	var ee *starlark.EvalError
+	if errors.As(err, &ee) {
+		// Built-ins name themselves in their messages, as Starlark's own do; the backtrace's
+		// "Error in f:" would say it twice.
+		bt := ee.Backtrace()
+		if ee.CallStack.At(0).Name != "" {
+			name := ee.CallStack.At(0).Name
+			bt = strings.Replace(bt, "Error in "+name+": "+name+": ", "Error in "+name+": ", 1)
+		}
+		return bt
+	}
+	var se syntax.Error
+	if errors.As(err, &se) {
+		return se.Error() + "\n  fix the syntax at this position (an unclosed bracket or quote on an earlier line often shows up here)"
+	}
+	var rl resolve.ErrorList
+	if errors.As(err, &rl) {
+		var b strings.Builder
+		for i, e := range rl {
+			if i > 0 {
+				b.WriteByte('\n')
+			}
+			b.WriteString(e.Pos.String() + ": " + e.Msg)
+			if name, ok := strings.CutPrefix(e.Msg, "undefined: "); ok {
+				b.WriteString(undefinedHint(name))
+			}
+		}
+		return b.String()
+	}
+	return err.Error()
+}
+
+// undefinedHint suggests the closest built-in name, or where names come from.
+func undefinedHint(name string) string {
+	var names []string
+	for n := range predeclared() {
+		names = append(names, n)
+	}
+	for n := range starlark.Universe {
+		names = append(names, n)
+	}
+	if best := closest(name, names); best != "" {
+		return fmt.Sprintf(" (did you mean %s?)", best)
+	}
+	return " (define it in the script, or load it: load(\"@slimen//answers.star\", \"" + name + "\"))"
+}
+
+// closest returns the name within edit distance 2 of s, if one is.
+func closest(s string, names []string) string {
+	best, bestD := "", 3
+	sort.Strings(names)
+	for _, n := range names {
+		if d := editDistance(s, n); d < bestD {
+			best, bestD = n, d
+		}
+	}
+	return best
+}
+
+func editDistance(a, b string) int {
+	prev := make([]int, len(b)+1)
+	for j := range prev {
+		prev[j] = j
+	}
+	for i := 1; i <= len(a); i++ {
+		cur := make([]int, len(b)+1)
+		cur[0] = i
+		for j := 1; j <= len(b); j++ {
+			cost := 1
+			if a[i-1] == b[j-1] {
+				cost = 0
+			}
+			cur[j] = min(prev[j]+1, cur[j-1]+1, prev[j-1]+cost)
+		}
+		prev = cur
+	}
+	return prev[len(b)]
+}
+
+// predeclared is the environment of every script: the built-ins of DESIGN §2.
+func predeclared() starlark.StringDict {
+	return starlark.StringDict{
+		"generate":   starlark.NewBuiltin("generate", builtinGenerate),
+		"completion": starlark.NewBuiltin("completion", builtinCompletion),
+		"reward":     starlark.NewBuiltin("reward", builtinReward),
+		"train":      starlark.NewBuiltin("train", builtinTrain),
+		"parallel":   starlark.NewBuiltin("parallel", builtinParallel),
+		"score":      starlark.NewBuiltin("score", builtinScore),
+		"state":      stateModule,
+		"log":        starlark.NewBuiltin("log", builtinLog),
+		"config":     configValue{get: func() *config.Config { return nil }},
+		"struct":     starlark.NewBuiltin("struct", starlarkstruct.Make),
+	}
+}

@@ -1,0 +1,151 @@
+package host
+
+import (
+	"fmt"
+	"sort"
+	"sync"
+
+	"go.starlark.net/starlark"
+	"go.starlark.net/starlarkstruct"
+)
+
+// State is the run-wide store scripts reach as `state`: it survives steps, hot reloads and
+// checkpoints. It holds plain data only (None, bools, numbers, strings, lists, tuples, dicts), so
+// it can be saved and no completion or function leaks from one rollout into another.
+type State struct {
+	mu     sync.Mutex
+	values map[string]starlark.Value
+}
+
+// NewState returns an empty store.
+func NewState() *State { return &State{values: map[string]starlark.Value{}} }
+
+// Get returns the value stored under k.
+func (s *State) Get(k string) (starlark.Value, bool) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	v, ok := s.values[k]
+	return v, ok
+}
+
+// Keys returns the stored keys, sorted.
+func (s *State) Keys() []string {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	keys := make([]string, 0, len(s.values))
+	for k := range s.values {
+		keys = append(keys, k)
+	}
+	sort.Strings(keys)
+	return keys
+}
+
+// Set stores a plain-data value under k.
+func (s *State) Set(k string, v starlark.Value) error {
+	if err := plainData(v, 0); err != nil {
+		return err
+	}
+	v.Freeze()
+	s.mu.Lock()
+	s.values[k] = v
+	s.mu.Unlock()
+	return nil
+}
+
+func plainData(v starlark.Value, depth int) error {
+	if depth > 32 {
+		return fmt.Errorf("value nests deeper than 32 levels")
+	}
+	switch v := v.(type) {
+	case starlark.NoneType, starlark.Bool, starlark.Int, starlark.Float, starlark.String:
+		return nil
+	case *starlark.List:
+		for i := 0; i < v.Len(); i++ {
+			if err := plainData(v.Index(i), depth+1); err != nil {
+				return err
+			}
+		}
+		return nil
+	case starlark.Tuple:
+		for _, x := range v {
+			if err := plainData(x, depth+1); err != nil {
+				return err
+			}
+		}
+		return nil
+	case *starlark.Dict:
+		for _, kv := range v.Items() {
+			if err := plainData(kv[0], depth+1); err != nil {
+				return err
+			}
+			if err := plainData(kv[1], depth+1); err != nil {
+				return err
+			}
+		}
+		return nil
+	}
+	return fmt.Errorf("a %s cannot be kept in state; store plain data (numbers, strings, lists, dicts)", v.Type())
+}
+
+var stateModule = &starlarkstruct.Module{
+	Name: "state",
+	Members: starlark.StringDict{
+		"get":    starlark.NewBuiltin("state.get", stateGet),
+		"update": starlark.NewBuiltin("state.update", stateUpdate),
+	},
+}
+
+const inUpdateLocal = "slimen.state.update"
+
+func stateGet(thread *starlark.Thread, b *starlark.Builtin, args starlark.Tuple, kwargs []starlark.Tuple) (starlark.Value, error) {
+	ts, err := stateOf(thread, b.Name())
+	if err != nil {
+		return nil, err
+	}
+	var k string
+	var def starlark.Value = starlark.None
+	if err := starlark.UnpackArgs(b.Name(), args, kwargs, "key", &k, "default?", &def); err != nil {
+		return nil, err
+	}
+	if v, ok := ts.ro.run.state.Get(k); ok {
+		return v, nil
+	}
+	return def, nil
+}
+
+// stateUpdate calls fn(current) and stores its result, atomically with respect to every other
+// update: fn runs under the store's lock, so it must not call state itself.
+func stateUpdate(thread *starlark.Thread, b *starlark.Builtin, args starlark.Tuple, kwargs []starlark.Tuple) (starlark.Value, error) {
+	ts, err := stateOf(thread, b.Name())
+	if err != nil {
+		return nil, err
+	}
+	var k string
+	var fn starlark.Callable
+	var def starlark.Value = starlark.None
+	if err := starlark.UnpackArgs(b.Name(), args, kwargs, "key", &k, "fn", &fn, "default?", &def); err != nil {
+		return nil, err
+	}
+	if thread.Local(inUpdateLocal) != nil {
+		return nil, fmt.Errorf("%s: called inside another state.update function; compute the value first", b.Name())
+	}
+	s := ts.ro.run.state
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	cur, ok := s.values[k]
+	if !ok {
+		cur = def
+	}
+	thread.SetLocal(inUpdateLocal, true)
+	v, err := starlark.Call(thread, fn, starlark.Tuple{cur}, nil)
+	thread.SetLocal(inUpdateLocal, nil)
+	if err != nil {
+		return nil, err
+	}
+	if err := plainData(v, 0); err != nil {
+		return nil, fmt.Errorf("%s(%q): %v", b.Name(), k, err)
+	}
+	v.Freeze()
+	s.values[k] = v
+	return v, nil
+}
