@@ -17,10 +17,10 @@ type AdvInput struct {
 
 // Estimator names an advantage estimator and its settings (REFERENCE.md, Formulas).
 type Estimator struct {
-	Name          string // grpo | gspo | rloo | reinforce_plus_plus | reinforce_plus_plus_baseline
-	Normalize     bool   // rewards_normalization: false trains on raw rewards
-	StdNormalize  bool   // grpo_std_normalization: divide by the group's std
-	Gamma         float64
+	Name         string // grpo | gspo | rloo | reinforce_plus_plus | reinforce_plus_plus_baseline
+	Normalize    bool   // rewards_normalization: false trains on raw rewards
+	StdNormalize bool   // grpo_std_normalization: divide by the group's std
+	Gamma        float64
 }
 
 func estimatorOf(tc config.TrainConfig) Estimator {

@@ -23,7 +23,9 @@ func (v configValue) Type() string          { return "config" }
 func (v configValue) Freeze()               {}
 func (v configValue) Truth() starlark.Bool  { return true }
 func (v configValue) Hash() (uint32, error) { return 0, fmt.Errorf("unhashable: config") }
-func (v configValue) AttrNames() []string   { return []string{"data", "eval", "policies", "rollout", "run"} }
+func (v configValue) AttrNames() []string {
+	return []string{"data", "eval", "policies", "rollout", "run"}
+}
 
 func (v configValue) Attr(name string) (starlark.Value, error) {
 	c := v.get()

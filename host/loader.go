@@ -28,9 +28,9 @@ var fileOptions = &syntax.FileOptions{Set: true, While: true, TopLevelControl: t
 // Every module is executed once; a module that loads itself (directly or not) is an error naming
 // the cycle. A loader lives as long as one version of the script: a reload builds a new one.
 type loader struct {
-	root        string                                  // folder of the main script; relative loads stay inside it
+	root        string                                    // folder of the main script; relative loads stay inside it
 	natives     map[string]map[string]starlark.StringDict // package → file → members
-	starFS      map[string]fs.FS                        // package → Starlark sources (graphs)
+	starFS      map[string]fs.FS                          // package → Starlark sources (graphs)
 	predeclared starlark.StringDict
 	allowFiles  bool // false in the sandbox: only @packages may be loaded
 

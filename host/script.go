@@ -10,8 +10,8 @@ import (
 	"sort"
 	"strings"
 
-	"go.starlark.net/starlark"
 	"go.starlark.net/resolve"
+	"go.starlark.net/starlark"
 	"go.starlark.net/starlarkstruct"
 	"go.starlark.net/syntax"
 
@@ -38,7 +38,7 @@ func (e *ScriptError) Error() string { return e.Msg }
 
 // ScriptOptions configure how a script is loaded.
 type ScriptOptions struct {
-	Sandbox bool            // only @packages may be loaded
+	Sandbox bool           // only @packages may be loaded
 	Config  starlark.Value // the script's `config`; nil: none attached
 }
 

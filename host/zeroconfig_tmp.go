@@ -1,6 +1,8 @@
 package host
 
 import (
+	"os"
+
 	"gopkg.in/yaml.v3"
 
 	"github.com/slimen/slimen/host/config"
@@ -30,3 +32,28 @@ func defaultPolicy(name string) config.PolicyConfig {
 }
 
 func marshalConfig(c *config.Config) ([]byte, error) { return yaml.Marshal(c) }
+
+// DefaultConfig is the zero-config configuration (bridge to config.Default).
+func DefaultConfig() *config.Config { return defaultConfig(nil) }
+
+// LoadConfigFile reads a YAML config (bridge to config.Load).
+func LoadConfigFile(path string) (*config.Config, error) {
+	b, err := os.ReadFile(path)
+	if err != nil {
+		return nil, err
+	}
+	c := DefaultConfig()
+	if err := yaml.Unmarshal(b, c); err != nil {
+		return nil, err
+	}
+	c.File = path
+	for i, p := range c.Policies {
+		d := defaultPolicy(p.Name)
+		if err := yaml.Unmarshal(b, &struct{}{}); err != nil {
+			return nil, err
+		}
+		d.Trainable, d.Train.LR = p.Trainable, p.Train.LR
+		c.Policies[i] = d
+	}
+	return c, nil
+}

@@ -63,7 +63,7 @@ func cmdExec(args []string) int {
 
 	var cfg *config.Config
 	if *cfgPath != "" {
-		if cfg, err = config.Load(*cfgPath); err != nil {
+		if cfg, err = host.LoadConfigFile(*cfgPath); err != nil {
 			fmt.Fprintln(os.Stderr, "slimen:", err)
 			return 2
 		}
@@ -83,7 +83,7 @@ func cmdExec(args []string) int {
 		}
 	}
 	if cfg == nil {
-		cfg = config.Default(nil)
+		cfg = host.DefaultConfig()
 		apply(cfg)
 		cfg.Policies = nil // zero-config: policies appear as the script names them
 	} else {

@@ -14,6 +14,9 @@ type Config struct {
 
 	// File is the path the config came from ("" for the zero-config defaults).
 	File string `yaml:"-" json:"-"`
+	// Warnings are things the host prints once at start-up: settings that have no effect, a
+	// model_args_path that was not found, pass-through keys that look like typos.
+	Warnings []string `yaml:"-" json:"-"`
 }
 
 // PolicyConfig is one entry of `policies:`.
@@ -31,6 +34,11 @@ type PolicyConfig struct {
 	SGLangNumNodes   int          `yaml:"sglang_num_nodes" json:"sglang_num_nodes"`
 	Train            TrainConfig  `yaml:"train" json:"train"`   // alias: megatron
 	Engine           EngineConfig `yaml:"engine" json:"engine"` // alias: sglang
+
+	// Extra holds slime-n policy keys slimen accepts but does not interpret (input_key,
+	// label_key, apply_chat_template, eval_datasets: in slimen the script decides what each
+	// policy sees).
+	Extra map[string]any `yaml:",inline" json:"extra,omitempty"`
 
 	Line int `yaml:"-" json:"-"` // YAML line of the entry, for messages
 }
@@ -65,9 +73,9 @@ type TrainConfig struct {
 	LossAggregation      string  `yaml:"loss_aggregation" json:"loss_aggregation"` // group_token_mean | token_mean | token_sum
 	ModelArgsPath        string  `yaml:"model_args_path" json:"model_args_path,omitempty"`
 
-	// Extra holds keys slimen does not interpret (tensor_model_parallel_size, …); they pass
-	// through to the engine.
-	Extra map[string]any `yaml:"-" json:"extra,omitempty"`
+	// Extra holds keys slimen does not interpret (tensor_model_parallel_size, …, and the flags
+	// read from model_args_path); they pass through to the engine.
+	Extra map[string]any `yaml:",inline" json:"extra,omitempty"`
 }
 
 // EngineConfig holds a policy's engine settings (slime-n's `sglang:` block plus slimen's `kind`).
@@ -82,14 +90,16 @@ type EngineConfig struct {
 	ServerGroups      []ServerGroup `yaml:"server_groups" json:"server_groups,omitempty"`
 	Threads           int           `yaml:"threads" json:"threads,omitempty"` // tiny: worker goroutines (0: all cores)
 
-	Extra map[string]any `yaml:"-" json:"extra,omitempty"`
+	// Extra holds the other server arguments (chunked_prefill_size, …); they pass through.
+	Extra map[string]any `yaml:",inline" json:"extra,omitempty"`
 }
 
 // ServerGroup is one entry of sglang's `server_groups`.
 type ServerGroup struct {
-	WorkerType string         `yaml:"worker_type" json:"worker_type"`
-	NumGPUs    int            `yaml:"num_gpus" json:"num_gpus"`
-	Overrides  map[string]any `yaml:"overrides" json:"overrides,omitempty"`
+	WorkerType       string         `yaml:"worker_type" json:"worker_type"` // regular | prefill | decode | placeholder | encoder
+	NumGPUs          int            `yaml:"num_gpus" json:"num_gpus"`
+	NumGPUsPerEngine int            `yaml:"num_gpus_per_engine" json:"num_gpus_per_engine,omitempty"`
+	Overrides        map[string]any `yaml:"overrides" json:"overrides,omitempty"`
 }
 
 // RolloutConfig holds the sampling settings shared by all policies.
@@ -111,19 +121,49 @@ type DataConfig struct {
 	Shuffle  bool   `yaml:"shuffle" json:"shuffle"`
 }
 
-// EvalConfig names eval datasets.
+// EvalConfig names eval datasets. It also reads slime's eval config (`eval: {defaults: …,
+// datasets: […]}`); the defaults are applied to every dataset at load.
 type EvalConfig struct {
 	Datasets []EvalDataset `yaml:"datasets" json:"datasets,omitempty"`
-	NSamples int           `yaml:"n_samples" json:"n_samples"` // samples per task for pass@k
+	NSamples int           `yaml:"n_samples" json:"n_samples"` // samples per task for pass@k; each dataset's default
+
+	// Defaults is slime's `eval.defaults:` block. Load folds it into every dataset and clears it,
+	// so a resolved config has each dataset spelled out.
+	Defaults EvalDefaults `yaml:"defaults,omitempty" json:"-"`
+}
+
+// EvalDefaults holds the values of slime's `eval.defaults:` block.
+type EvalDefaults struct {
+	NSamples       int     `yaml:"n_samples_per_eval_prompt,omitempty"`
+	Temperature    float64 `yaml:"temperature,omitempty"`
+	TopP           float64 `yaml:"top_p,omitempty"`
+	MaxResponseLen int     `yaml:"max_response_len,omitempty"`
+	InputKey       string  `yaml:"input_key,omitempty"`
+	LabelKey       string  `yaml:"label_key,omitempty"`
+	RMType         string  `yaml:"rm_type,omitempty"`
+
+	// Extra holds the other slime keys (top_k, tool_key, …); slimen does not interpret them.
+	Extra map[string]any `yaml:",inline"`
 }
 
 // EvalDataset is one eval set.
 type EvalDataset struct {
-	Name     string `yaml:"name" json:"name"`
-	Path     string `yaml:"path" json:"path"`
-	InputKey string `yaml:"input_key" json:"input_key"`
-	LabelKey string `yaml:"label_key" json:"label_key"`
-	Limit    int    `yaml:"limit" json:"limit"`
+	Name           string  `yaml:"name" json:"name"`
+	Path           string  `yaml:"path" json:"path"` // JSONL file or synthetic:arith[?…]
+	InputKey       string  `yaml:"input_key" json:"input_key"`
+	LabelKey       string  `yaml:"label_key" json:"label_key"`
+	Limit          int     `yaml:"limit" json:"limit"` // tasks to evaluate; 0: the whole file
+	NSamples       int     `yaml:"n_samples_per_eval_prompt" json:"n_samples_per_eval_prompt"`
+	Temperature    float64 `yaml:"temperature" json:"temperature"`
+	TopP           float64 `yaml:"top_p" json:"top_p"`
+	MaxResponseLen int     `yaml:"max_response_len" json:"max_response_len"`
+	RMType         string  `yaml:"rm_type" json:"rm_type,omitempty"` // slime's reward model name, for the script
+
+	// Extra holds slime's other dataset keys (tool_key, custom_generate_function_path, …):
+	// accepted, not interpreted.
+	Extra map[string]any `yaml:",inline" json:"extra,omitempty"`
+
+	Line int `yaml:"-" json:"-"`
 }
 
 // RunConfig holds run-wide settings.

@@ -1,0 +1,109 @@
+package config
+
+import "strings"
+
+// BuiltinCheckpoint is the base model embedded in the binary, the zero-setup default.
+const BuiltinCheckpoint = "builtin:tiny-arith"
+
+// TinyTrainDefaults are the training settings of a policy on a builtin:* checkpoint (the
+// embedded tiny engine): the zero-config run and any YAML policy on a builtin model start from
+// them. They are the tiny engine's to tune; keep them here, in one place.
+//
+// They depart from slime-n's (SlimeTrainDefaults) where a model of a few million parameters
+// needs it: lr 1e-3 (1e-6 barely moves it) and global_batch_size 0, meaning one optimizer step
+// on all the samples of a step.
+func TinyTrainDefaults() TrainConfig {
+	t := SlimeTrainDefaults()
+	t.LR = 1e-3
+	t.GlobalBatchSize = 0
+	return t
+}
+
+// SlimeTrainDefaults are slime-n's defaults for the `megatron:` block (REFERENCE.md), used for
+// policies on Hugging Face checkpoints.
+func SlimeTrainDefaults() TrainConfig {
+	return TrainConfig{
+		LR:                   1e-6,
+		LRDecayStyle:         "constant",
+		AdamBeta1:            0.9,
+		AdamBeta2:            0.999,
+		ClipGrad:             1.0,
+		Optimizer:            "adam",
+		MicroBatchSize:       1,
+		GlobalBatchSize:      64,
+		AdvantageEstimator:   "grpo",
+		NSamplesPerPrompt:    1,
+		RewardsNormalization: true,
+		GRPOStdNormalization: true,
+		EpsClip:              0.2,
+		EpsClipHigh:          0.2, // = eps_clip unless given
+		KLLossType:           "low_var_kl",
+		Gamma:                1,
+		Lambda:               1,
+		OPDKLCoef:            1.0,
+		LossAggregation:      "group_token_mean",
+	}
+}
+
+// DefaultPolicy is the policy a zero-config run gives every name the script uses: trainable, on
+// the builtin checkpoint, on the embedded tiny engine.
+func DefaultPolicy(name string) PolicyConfig {
+	return PolicyConfig{
+		Name:             name,
+		Role:             "actor",
+		Trainable:        true,
+		HFCheckpoint:     BuiltinCheckpoint,
+		BufferMode:       "split",
+		MegatronNumNodes: 1,
+		SGLangNumNodes:   1,
+		Train:            TinyTrainDefaults(),
+		Engine: EngineConfig{
+			Kind:             "tiny",
+			ModelPath:        BuiltinCheckpoint,
+			NumGPUsPerEngine: 1,
+			UpdateWeights:    true,
+		},
+	}
+}
+
+// Default is the zero-config run: every named policy as DefaultPolicy, the synthetic arithmetic
+// task, and the run-wide defaults. The host adds policies the script names later with
+// DefaultPolicy.
+func Default(policies []string) *Config {
+	c := &Config{
+		Rollout: defaultRollout(),
+		Data:    defaultData(),
+		Eval:    EvalConfig{NSamples: 1},
+		Run:     defaultRun(),
+	}
+	for _, name := range policies {
+		c.Policies = append(c.Policies, DefaultPolicy(name))
+	}
+	return c
+}
+
+func defaultRollout() RolloutConfig {
+	return RolloutConfig{BatchSize: 32, MaxResponseLen: 32, Temperature: 1.0, TopP: 1.0, MaxFailedFraction: 0.5}
+}
+
+func defaultData() DataConfig {
+	return DataConfig{Path: "synthetic:arith", InputKey: "prompt", LabelKey: "label"}
+}
+
+// defaultRun leaves Out empty: the host fills runs/<script name>.
+func defaultRun() RunConfig {
+	return RunConfig{Steps: 50, Seed: 1, KeepCheckpoints: 3}
+}
+
+// defaultEvalInterval is the eval cadence when eval datasets are given without eval_interval.
+const defaultEvalInterval = 10
+
+// defaultSyntheticEvalLimit bounds an eval on an endless synthetic source given without limit.
+const defaultSyntheticEvalLimit = 100
+
+// defaultTorchGPUsPerNode is slime-n's num_gpus_per_node, kept for policies on GPU engines. Tiny
+// engines run on the CPU and remote ones are placed by whoever runs them, so theirs defaults to 0.
+const defaultTorchGPUsPerNode = 8
+
+// isBuiltin reports whether a checkpoint is one embedded in the binary.
+func isBuiltin(ckpt string) bool { return strings.HasPrefix(ckpt, "builtin:") }
