@@ -49,7 +49,7 @@ func SetRandom(thread *starlark.Thread, seed uint64) {
 // child's index, so children draw the same numbers however they are scheduled and the parent's
 // own sequence is untouched. A parent without a generator leaves the child without one.
 func ForkRandom(parent, child *starlark.Thread, index int) {
-	if p, ok := parent.Local(randomLocal).(*threadRand); ok {
+	if p, ok := randomOf(parent); ok {
 		SetRandom(child, mix(p.seed, uint64(index)+1))
 	}
 }
@@ -74,9 +74,15 @@ func mix(a, b uint64) uint64 {
 	return z ^ z>>31
 }
 
+// randomOf returns the generator the host gave thread, if any.
+func randomOf(thread *starlark.Thread) (*threadRand, bool) {
+	r, ok := thread.Local(randomLocal).(*threadRand)
+	return r, ok
+}
+
 // threadRandom returns the thread's generator, or an error naming fn when the host set none.
 func threadRandom(thread *starlark.Thread, fn string) (*threadRand, error) {
-	if r, ok := thread.Local(randomLocal).(*threadRand); ok {
+	if r, ok := randomOf(thread); ok {
 		return r, nil
 	}
 	return nil, fmt.Errorf("%s: this thread has no random generator; random numbers are seeded per rollout, so call it from rollout(task), not at the top level of a file", fn)

@@ -183,6 +183,7 @@ func matchValue(text string, loc []int) starlark.Value {
 	}
 }
 
+// textTag trims the content unless strip=False: models pad tag contents with new lines.
 func textTag(_ *starlark.Thread, b *starlark.Builtin, args starlark.Tuple, kwargs []starlark.Tuple) (starlark.Value, error) {
 	var text, name string
 	strip := true

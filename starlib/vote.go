@@ -98,7 +98,7 @@ func voteMajority(thread *starlark.Thread, b *starlark.Builtin, args starlark.Tu
 		return starlark.None, err
 	}
 	i, err := winner(ballots, func(n int) (int, error) {
-		r, ok := thread.Local(randomLocal).(*threadRand)
+		r, ok := randomOf(thread)
 		if !ok {
 			return 0, fmt.Errorf("%s: %d answers tie and this thread has no random generator to break the tie; call it from rollout(task), where the host seeds one", b.Name(), n)
 		}
