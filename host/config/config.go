@@ -25,9 +25,9 @@ type PolicyConfig struct {
 	Role             string       `yaml:"role" json:"role"` // actor | critic
 	Trainable        bool         `yaml:"trainable" json:"trainable"`
 	HFCheckpoint     string       `yaml:"hf_checkpoint" json:"hf_checkpoint"`
-	Load             string       `yaml:"load" json:"load,omitempty"`
-	Save             string       `yaml:"save" json:"save,omitempty"`
-	RefLoad          string       `yaml:"ref_load" json:"ref_load,omitempty"`
+	Load             string       `yaml:"load,omitempty" json:"load,omitempty"`
+	Save             string       `yaml:"save,omitempty" json:"save,omitempty"`
+	RefLoad          string       `yaml:"ref_load,omitempty" json:"ref_load,omitempty"`
 	BufferMode       string       `yaml:"buffer_mode" json:"buffer_mode"` // split | shared
 	NumGPUsPerNode   int          `yaml:"num_gpus_per_node" json:"num_gpus_per_node"`
 	MegatronNumNodes int          `yaml:"megatron_num_nodes" json:"megatron_num_nodes"`
@@ -68,10 +68,10 @@ type TrainConfig struct {
 	Gamma                float64 `yaml:"gamma" json:"gamma"`
 	Lambda               float64 `yaml:"lambd" json:"lambd"`
 	UseOPD               bool    `yaml:"use_opd" json:"use_opd"`
-	OPDType              string  `yaml:"opd_type" json:"opd_type"`
+	OPDType              string  `yaml:"opd_type,omitempty" json:"opd_type"`
 	OPDKLCoef            float64 `yaml:"opd_kl_coef" json:"opd_kl_coef"`
 	LossAggregation      string  `yaml:"loss_aggregation" json:"loss_aggregation"` // group_token_mean | token_mean | token_sum
-	ModelArgsPath        string  `yaml:"model_args_path" json:"model_args_path,omitempty"`
+	ModelArgsPath        string  `yaml:"model_args_path,omitempty" json:"model_args_path,omitempty"`
 
 	// Extra holds keys slimen does not interpret (tensor_model_parallel_size, …, and the flags
 	// read from model_args_path); they pass through to the engine.
@@ -80,15 +80,15 @@ type TrainConfig struct {
 
 // EngineConfig holds a policy's engine settings (slime-n's `sglang:` block plus slimen's `kind`).
 type EngineConfig struct {
-	Kind              string        `yaml:"kind" json:"kind"`       // tiny | torch | remote
-	Address           string        `yaml:"address" json:"address"` // remote: host:port
-	Python            string        `yaml:"python" json:"python,omitempty"`
+	Kind              string        `yaml:"kind" json:"kind"`                 // tiny | torch | remote
+	Address           string        `yaml:"address,omitempty" json:"address"` // remote: host:port
+	Python            string        `yaml:"python,omitempty" json:"python,omitempty"`
 	ModelPath         string        `yaml:"model_path" json:"model_path,omitempty"`
 	NumGPUsPerEngine  int           `yaml:"num_gpus_per_engine" json:"num_gpus_per_engine"`
 	UpdateWeights     bool          `yaml:"update_weights" json:"update_weights"`
-	MemFractionStatic float64       `yaml:"mem_fraction_static" json:"mem_fraction_static,omitempty"`
-	ServerGroups      []ServerGroup `yaml:"server_groups" json:"server_groups,omitempty"`
-	Threads           int           `yaml:"threads" json:"threads,omitempty"` // tiny: worker goroutines (0: all cores)
+	MemFractionStatic float64       `yaml:"mem_fraction_static,omitempty" json:"mem_fraction_static,omitempty"`
+	ServerGroups      []ServerGroup `yaml:"server_groups,omitempty" json:"server_groups,omitempty"`
+	Threads           int           `yaml:"threads,omitempty" json:"threads,omitempty"` // tiny: worker goroutines (0: all cores)
 
 	// Extra holds the other server arguments (chunked_prefill_size, …); they pass through.
 	Extra map[string]any `yaml:",inline" json:"extra,omitempty"`
@@ -98,8 +98,8 @@ type EngineConfig struct {
 type ServerGroup struct {
 	WorkerType       string         `yaml:"worker_type" json:"worker_type"` // regular | prefill | decode | placeholder | encoder
 	NumGPUs          int            `yaml:"num_gpus" json:"num_gpus"`
-	NumGPUsPerEngine int            `yaml:"num_gpus_per_engine" json:"num_gpus_per_engine,omitempty"`
-	Overrides        map[string]any `yaml:"overrides" json:"overrides,omitempty"`
+	NumGPUsPerEngine int            `yaml:"num_gpus_per_engine,omitempty" json:"num_gpus_per_engine,omitempty"`
+	Overrides        map[string]any `yaml:"overrides,omitempty" json:"overrides,omitempty"`
 }
 
 // RolloutConfig holds the sampling settings shared by all policies.
@@ -108,7 +108,7 @@ type RolloutConfig struct {
 	MaxResponseLen    int      `yaml:"max_response_len" json:"max_response_len"`
 	Temperature       float64  `yaml:"temperature" json:"temperature"`
 	TopP              float64  `yaml:"top_p" json:"top_p"`
-	Stop              []string `yaml:"stop" json:"stop,omitempty"`
+	Stop              []string `yaml:"stop,omitempty" json:"stop,omitempty"`
 	MaxFailedFraction float64  `yaml:"max_failed_fraction" json:"max_failed_fraction"` // a step with more failed rollouts stops the run
 	MaxBatchTokens    int      `yaml:"max_batch_tokens" json:"max_batch_tokens,omitempty"`
 }
@@ -124,7 +124,7 @@ type DataConfig struct {
 // EvalConfig names eval datasets. It also reads slime's eval config (`eval: {defaults: …,
 // datasets: […]}`); the defaults are applied to every dataset at load.
 type EvalConfig struct {
-	Datasets []EvalDataset `yaml:"datasets" json:"datasets,omitempty"`
+	Datasets []EvalDataset `yaml:"datasets,omitempty" json:"datasets,omitempty"`
 	NSamples int           `yaml:"n_samples" json:"n_samples"` // samples per task for pass@k; each dataset's default
 
 	// Defaults is slime's `eval.defaults:` block. Load folds it into every dataset and clears it,
@@ -157,7 +157,7 @@ type EvalDataset struct {
 	Temperature    float64 `yaml:"temperature" json:"temperature"`
 	TopP           float64 `yaml:"top_p" json:"top_p"`
 	MaxResponseLen int     `yaml:"max_response_len" json:"max_response_len"`
-	RMType         string  `yaml:"rm_type" json:"rm_type,omitempty"` // slime's reward model name, for the script
+	RMType         string  `yaml:"rm_type,omitempty" json:"rm_type,omitempty"` // slime's reward model name, for the script
 
 	// Extra holds slime's other dataset keys (tool_key, custom_generate_function_path, …):
 	// accepted, not interpreted.

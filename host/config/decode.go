@@ -17,12 +17,13 @@ import (
 type decoder struct {
 	file  string
 	errs  errorList
-	given map[string]int // canonical path ("policies[0].train.lr") → line, for keys given a non-null value
+	given map[string]int    // canonical path ("policies[0].train.lr") → line, for keys given a non-null value
+	raw   map[string]string // canonical path → the path as written ("policies[0].megatron.lr")
 	specs map[reflect.Type]*structSpec
 }
 
 func newDecoder(file string) *decoder {
-	return &decoder{file: file, given: map[string]int{}, specs: map[reflect.Type]*structSpec{}}
+	return &decoder{file: file, given: map[string]int{}, raw: map[string]string{}, specs: map[reflect.Type]*structSpec{}}
 }
 
 // structSpec is how one Go struct maps onto a YAML mapping.
@@ -186,6 +187,9 @@ func (d *decoder) decode(n *yaml.Node, v reflect.Value, p pathName) {
 			d.errorf(n.Line, p, "expected a list (lines starting with \"- \"), got %s", describe(n))
 			return
 		}
+		if len(n.Content) == 0 {
+			return // an empty list is the same as none
+		}
 		s := reflect.MakeSlice(v.Type(), len(n.Content), len(n.Content))
 		for i, item := range n.Content {
 			d.decode(item, s.Index(i), p.index(i))
@@ -235,7 +239,7 @@ func (d *decoder) decodeStruct(n *yaml.Node, v reflect.Value, p pathName) {
 			if prev.Value == key {
 				d.errorf(k.Line, p.key(canon, key), "given twice (lines %d and %d); keep one", prev.Line, k.Line)
 			} else {
-				d.errorf(k.Line, p.key(canon, key), "%s: (line %d) and %s: (line %d) are the same block (%s: is slime-n's name for it); keep one",
+				d.errorf(k.Line, p, "%s: (line %d) and %s: (line %d) are the same block (%s: is slime-n's name for it); keep one",
 					prev.Value, prev.Line, key, k.Line, prev.Value)
 			}
 			continue
@@ -245,12 +249,13 @@ func (d *decoder) decodeStruct(n *yaml.Node, v reflect.Value, p pathName) {
 		if i, ok := s.fields[canon]; ok {
 			if !isNull(resolve(val)) {
 				d.given[fp.canon] = k.Line
+				d.raw[fp.canon] = fp.shown
 			}
 			d.decode(val, v.Field(i), fp)
 			continue
 		}
 		if msg := d.misplaced(v.Type(), key); msg != "" {
-			d.errorf(k.Line, fp, "%s", msg)
+			d.errorf(k.Line, p, "%s", msg)
 			continue
 		}
 		if s.extra >= 0 && (s.passKeys == nil || s.passKeys[key]) {
@@ -332,6 +337,9 @@ func (d *decoder) hint(s *structSpec, key string) string {
 func (d *decoder) decodeStrings(n *yaml.Node, v reflect.Value, p pathName) {
 	if n.Kind != yaml.SequenceNode {
 		d.errorf(n.Line, p, "expected a list of strings, got %s", describe(n))
+		return
+	}
+	if len(n.Content) == 0 {
 		return
 	}
 	out := make([]string, 0, len(n.Content))

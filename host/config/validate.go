@@ -1,0 +1,217 @@
+package config
+
+import (
+	"fmt"
+	"net"
+	"slices"
+	"strings"
+
+	"github.com/slimen/slimen/host/synthetic"
+)
+
+// The values slimen accepts for the enumerated keys.
+var (
+	roles          = []string{"actor", "critic"}
+	bufferModes    = []string{"split", "shared"}
+	estimators     = []string{"grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "gspo", "ppo"}
+	klLossTypes    = []string{"k1", "k2", "k3", "low_var_kl"}
+	engineKinds    = []string{"tiny", "torch", "remote"}
+	optimizers     = []string{"adam", "sgd"}
+	aggregations   = []string{"group_token_mean", "token_mean", "token_sum"}
+	sglWorkerTypes = []string{"regular", "prefill", "decode", "placeholder", "encoder"}
+)
+
+// check records a problem with the value at path (canonical) unless ok. fallback is the line to
+// report when the value was a default.
+func (r *resolver) check(ok bool, path string, fallback int, format string, args ...any) {
+	if ok {
+		return
+	}
+	r.d.errs = append(r.d.errs, &Error{File: r.c.File, Line: r.line(path, fallback), Path: r.shown(path), Msg: fmt.Sprintf(format, args...)})
+}
+
+// shown spells a canonical path the way the user wrote it (megatron: rather than train:), also
+// for a defaulted key inside a block the user wrote.
+func (r *resolver) shown(path string) string {
+	if s, ok := r.d.raw[path]; ok {
+		return s
+	}
+	if i := strings.LastIndexByte(path, '.'); i > 0 {
+		return r.shown(path[:i]) + path[i:]
+	}
+	return path
+}
+
+func oneOf(v string, allowed []string) bool { return slices.Contains(allowed, v) }
+
+func list(allowed []string) string { return strings.Join(allowed, ", ") }
+
+func (r *resolver) validate() {
+	c := r.c
+	byName := map[string]int{}
+	for i := range c.Policies {
+		p := &c.Policies[i]
+		pp := fmt.Sprintf("policies[%d]", i)
+		r.check(p.Name != "", pp, p.Line, "a policy needs a name: add name: <policy> (the name the script passes to generate)")
+		r.check(!strings.ContainsAny(p.Name, " \t\n/\\"), pp+".name", p.Line, "policy name %q must not contain spaces or slashes (it names folders in the run directory)", p.Name)
+		if j, dup := byName[p.Name]; dup && p.Name != "" {
+			q := &c.Policies[j]
+			r.check(false, pp+".name", p.Line, "policy %q is defined twice (lines %d and %d); give each policy a unique name",
+				p.Name, r.line(fmt.Sprintf("policies[%d].name", j), q.Line), r.line(pp+".name", p.Line))
+		} else {
+			byName[p.Name] = i
+		}
+		r.validatePolicy(p, pp)
+	}
+	r.validateShared()
+	r.validatePPO()
+
+	ro := c.Rollout
+	r.check(ro.BatchSize > 0, "rollout.batch_size", 0, "must be at least 1 (tasks per step), got %d", ro.BatchSize)
+	r.check(ro.MaxResponseLen > 0, "rollout.max_response_len", 0, "must be at least 1 token, got %d", ro.MaxResponseLen)
+	r.check(ro.Temperature >= 0, "rollout.temperature", 0, "must be ≥ 0 (0 is greedy), got %g", ro.Temperature)
+	r.check(ro.TopP > 0 && ro.TopP <= 1, "rollout.top_p", 0, "must be in (0, 1], got %g", ro.TopP)
+	r.check(ro.MaxFailedFraction >= 0 && ro.MaxFailedFraction <= 1, "rollout.max_failed_fraction", 0, "must be in [0, 1], got %g", ro.MaxFailedFraction)
+	r.check(ro.MaxBatchTokens >= 0, "rollout.max_batch_tokens", 0, "must be ≥ 0 (0: no limit), got %d", ro.MaxBatchTokens)
+
+	msg := checkDataPath(c.Data.Path)
+	r.check(msg == "", "data.path", 0, "%s", msg)
+	r.check(c.Data.InputKey != "", "data.input_key", 0, "must name the JSONL key that holds the prompt")
+
+	r.check(c.Eval.NSamples >= 1, "eval.n_samples", 0, "must be at least 1, got %d", c.Eval.NSamples)
+	names := map[string]int{}
+	for i, ds := range c.Eval.Datasets {
+		dp := fmt.Sprintf("eval.datasets[%d]", i)
+		msg := checkDataPath(ds.Path)
+		r.check(msg == "", dp+".path", ds.Line, "%s", msg)
+		if j, dup := names[ds.Name]; dup {
+			r.check(false, dp+".name", ds.Line, "eval dataset %q is defined twice (lines %d and %d); names label the eval metrics, give each a unique one",
+				ds.Name, c.Eval.Datasets[j].Line, ds.Line)
+		}
+		names[ds.Name] = i
+		r.check(ds.Limit >= 0, dp+".limit", ds.Line, "must be ≥ 0 (0: the whole file), got %d", ds.Limit)
+		r.check(ds.Limit > 0 || !strings.HasPrefix(ds.Path, "synthetic:"), dp+".limit", ds.Line, "a synthetic source never ends: give a limit of at least 1")
+		r.check(ds.NSamples >= 1, dp+".n_samples_per_eval_prompt", ds.Line, "must be at least 1, got %d", ds.NSamples)
+		r.check(ds.Temperature >= 0, dp+".temperature", ds.Line, "must be ≥ 0 (0 is greedy), got %g", ds.Temperature)
+		r.check(ds.TopP > 0 && ds.TopP <= 1, dp+".top_p", ds.Line, "must be in (0, 1], got %g", ds.TopP)
+		r.check(ds.MaxResponseLen > 0, dp+".max_response_len", ds.Line, "must be at least 1 token, got %d", ds.MaxResponseLen)
+		r.check(ds.InputKey != "", dp+".input_key", ds.Line, "must name the JSONL key that holds the prompt")
+	}
+
+	run := c.Run
+	r.check(run.Steps >= 1, "run.steps", 0, "a run needs at least 1 step, got %d", run.Steps)
+	r.check(run.SaveInterval >= 0, "run.save_interval", 0, "must be ≥ 0 (0: no periodic checkpoints), got %d", run.SaveInterval)
+	r.check(run.EvalInterval >= 0, "run.eval_interval", 0, "must be ≥ 0 (0: no periodic eval), got %d", run.EvalInterval)
+	r.check(run.KeepCheckpoints >= 0, "run.keep_checkpoints", 0, "must be ≥ 0 (0: keep all), got %d", run.KeepCheckpoints)
+}
+
+func (r *resolver) validatePolicy(p *PolicyConfig, pp string) {
+	at := p.Line
+	r.check(oneOf(p.Role, roles), pp+".role", at, "role %q is not one of %s", p.Role, list(roles))
+	r.check(p.HFCheckpoint != "", pp+".hf_checkpoint", at, "is empty: give a Hugging Face model folder, or leave the key out for %s", BuiltinCheckpoint)
+	r.check(oneOf(p.BufferMode, bufferModes), pp+".buffer_mode", at, "buffer_mode %q is not one of %s", p.BufferMode, list(bufferModes))
+	r.check(p.NumGPUsPerNode >= 0, pp+".num_gpus_per_node", at, "must be ≥ 0, got %d", p.NumGPUsPerNode)
+	r.check(p.MegatronNumNodes >= 0, pp+".megatron_num_nodes", at, "must be ≥ 0, got %d", p.MegatronNumNodes)
+	r.check(p.SGLangNumNodes >= 0, pp+".sglang_num_nodes", at, "must be ≥ 0, got %d", p.SGLangNumNodes)
+
+	t, tp := p.Train, pp+".train"
+	r.check(t.LR >= 0, tp+".lr", at, "must be ≥ 0, got %g", t.LR)
+	r.check(t.WeightDecay >= 0, tp+".weight_decay", at, "must be ≥ 0, got %g", t.WeightDecay)
+	r.check(t.AdamBeta1 >= 0 && t.AdamBeta1 < 1, tp+".adam_beta1", at, "must be in [0, 1), got %g", t.AdamBeta1)
+	r.check(t.AdamBeta2 >= 0 && t.AdamBeta2 < 1, tp+".adam_beta2", at, "must be in [0, 1), got %g", t.AdamBeta2)
+	r.check(t.ClipGrad >= 0, tp+".clip_grad", at, "must be ≥ 0 (0: no clipping), got %g", t.ClipGrad)
+	r.check(oneOf(t.Optimizer, optimizers), tp+".optimizer", at, "optimizer %q is not one of %s", t.Optimizer, list(optimizers))
+	r.check(t.MicroBatchSize > 0, tp+".micro_batch_size", at, "must be at least 1, got %d", t.MicroBatchSize)
+	r.check(t.GlobalBatchSize >= 0, tp+".global_batch_size", at, "must be ≥ 0 (samples per optimizer step; 0: all of a step's samples in one), got %d", t.GlobalBatchSize)
+	r.check(oneOf(t.AdvantageEstimator, estimators), tp+".advantage_estimator", at, "advantage_estimator %q is not one of %s", t.AdvantageEstimator, list(estimators))
+	r.check(t.NSamplesPerPrompt > 0, tp+".n_samples_per_prompt", at, "must be at least 1, got %d", t.NSamplesPerPrompt)
+	r.check(t.EpsClip >= 0, tp+".eps_clip", at, "must be ≥ 0, got %g", t.EpsClip)
+	r.check(t.EpsClipHigh >= 0, tp+".eps_clip_high", at, "must be ≥ 0, got %g", t.EpsClipHigh)
+	r.check(t.KLCoef >= 0, tp+".kl_coef", at, "must be ≥ 0, got %g", t.KLCoef)
+	r.check(t.KLLossCoef >= 0, tp+".kl_loss_coef", at, "must be ≥ 0, got %g", t.KLLossCoef)
+	r.check(oneOf(t.KLLossType, klLossTypes), tp+".kl_loss_type", at, "kl_loss_type %q is not one of %s", t.KLLossType, list(klLossTypes))
+	r.check(t.Gamma >= 0 && t.Gamma <= 1, tp+".gamma", at, "must be in [0, 1], got %g", t.Gamma)
+	r.check(t.Lambda >= 0 && t.Lambda <= 1, tp+".lambd", at, "must be in [0, 1], got %g", t.Lambda)
+	r.check(t.OPDKLCoef >= 0, tp+".opd_kl_coef", at, "must be ≥ 0, got %g", t.OPDKLCoef)
+	r.check(oneOf(t.LossAggregation, aggregations), tp+".loss_aggregation", at, "loss_aggregation %q is not one of %s", t.LossAggregation, list(aggregations))
+
+	e, ep := p.Engine, pp+".engine"
+	r.check(oneOf(e.Kind, engineKinds), ep+".kind", at, "engine kind %q is not one of %s", e.Kind, list(engineKinds))
+	if e.Kind == "remote" {
+		_, _, err := net.SplitHostPort(e.Address)
+		r.check(e.Address != "", ep+".address", at, "a remote engine needs address: host:port")
+		r.check(e.Address == "" || err == nil, ep+".address", at, "%q is not host:port", e.Address)
+	}
+	r.check(e.NumGPUsPerEngine >= 0, ep+".num_gpus_per_engine", at, "must be ≥ 0, got %d", e.NumGPUsPerEngine)
+	r.check(e.MemFractionStatic >= 0 && e.MemFractionStatic <= 1, ep+".mem_fraction_static", at, "must be in [0, 1], got %g", e.MemFractionStatic)
+	r.check(e.Threads >= 0, ep+".threads", at, "must be ≥ 0 (0: all cores), got %d", e.Threads)
+	sum := 0
+	for j, g := range e.ServerGroups {
+		gp := fmt.Sprintf("%s.server_groups[%d]", ep, j)
+		r.check(oneOf(g.WorkerType, sglWorkerTypes), gp+".worker_type", at, "worker_type %q is not one of %s", g.WorkerType, list(sglWorkerTypes))
+		r.check(g.NumGPUs > 0, gp+".num_gpus", at, "must be at least 1, got %d", g.NumGPUs)
+		sum += g.NumGPUs
+	}
+	// slime-n's placement rule: a trainable policy's engine replicas fill exactly its rollout GPUs.
+	if p.Trainable && len(e.ServerGroups) > 0 {
+		want := p.SGLangNumNodes * p.NumGPUsPerNode
+		r.check(sum == want, ep+".server_groups", at,
+			"the server groups have %d GPUs in all but sglang_num_nodes × num_gpus_per_node is %d × %d = %d; make them equal",
+			sum, p.SGLangNumNodes, p.NumGPUsPerNode, want)
+	}
+}
+
+// validateShared checks what slime-n checks of shared buffers: the policies pool their samples
+// into one group normalisation, so they must agree on how it is done.
+func (r *resolver) validateShared() {
+	var first *PolicyConfig
+	firstAt := 0
+	for i := range r.c.Policies {
+		p := &r.c.Policies[i]
+		if p.BufferMode != "shared" {
+			continue
+		}
+		if first == nil {
+			first, firstAt = p, i
+			continue
+		}
+		for _, k := range []struct {
+			key  string
+			a, b any
+		}{
+			{"advantage_estimator", first.Train.AdvantageEstimator, p.Train.AdvantageEstimator},
+			{"n_samples_per_prompt", first.Train.NSamplesPerPrompt, p.Train.NSamplesPerPrompt},
+		} {
+			path := fmt.Sprintf("policies[%d].train.%s", i, k.key)
+			r.check(k.a == k.b, path, p.Line,
+				"shared-buffer policies must agree on %s: %q (line %d) has %v, %q has %v; set the same value in both or use buffer_mode: split",
+				k.key, first.Name, r.line(fmt.Sprintf("policies[%d].train.%s", firstAt, k.key), first.Line), k.a, p.Name, k.b)
+		}
+	}
+}
+
+// validatePPO requires a critic wherever an actor trains with PPO: its advantages need values.
+func (r *resolver) validatePPO() {
+	hasCritic := false
+	for i := range r.c.Policies {
+		hasCritic = hasCritic || r.c.Policies[i].IsCritic()
+	}
+	for i := range r.c.Policies {
+		p := &r.c.Policies[i]
+		if p.Trainable && !p.IsCritic() && p.Train.AdvantageEstimator == "ppo" {
+			r.check(hasCritic, fmt.Sprintf("policies[%d].train.advantage_estimator", i), p.Line,
+				"policy %q trains with ppo, which needs a critic policy: add one with role: critic (or slime-n's shape: trainable, sglang_num_nodes: 0, advantage_estimator: ppo)", p.Name)
+		}
+	}
+}
+
+// checkDataPath returns what is wrong with a task source's path, or "".
+func checkDataPath(path string) string {
+	if path == "" {
+		return "give a JSONL file or synthetic:arith"
+	}
+	if _, ok, err := synthetic.ParseSpec(path, 0); ok && err != nil {
+		return err.Error()
+	}
+	return ""
+}
