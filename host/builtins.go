@@ -379,7 +379,8 @@ func builtinTrain(thread *starlark.Thread, b *starlark.Builtin, args starlark.Tu
 }
 
 // builtinParallel runs fn(item) for every item, each on its own thread, and returns the results in
-// order. The first failing item (in item order) fails the call with its own backtrace.
+// order. The first failing item (in item order) fails the call with its own backtrace. fn (with
+// the values it captures) and the items are frozen first.
 func builtinParallel(thread *starlark.Thread, b *starlark.Builtin, args starlark.Tuple, kwargs []starlark.Tuple) (starlark.Value, error) {
 	ts, err := stateOf(thread, b.Name())
 	if err != nil {
@@ -390,6 +391,9 @@ func builtinParallel(thread *starlark.Thread, b *starlark.Builtin, args starlark
 	if err := starlark.UnpackArgs(b.Name(), args, kwargs, "fn", &fn, "items", &items); err != nil {
 		return nil, err
 	}
+	// Threads share fn's captured values and the items: freezing them makes the sharing safe
+	// (a frozen value cannot change under another thread).
+	fn.Freeze()
 	var xs []starlark.Value
 	iter := items.Iterate()
 	var x starlark.Value

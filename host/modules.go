@@ -4,20 +4,13 @@ import (
 	"io/fs"
 	"sort"
 
-	"go.starlark.net/lib/json"
-	"go.starlark.net/lib/math"
 	"go.starlark.net/starlark"
+
+	"github.com/slimen/slimen/starlib"
 )
 
-// nativeModules are the Go-implemented packages scripts can load.
-func nativeModules() map[string]map[string]starlark.StringDict {
-	return map[string]map[string]starlark.StringDict{
-		"std": {
-			"json.star": json.Module.Members,
-			"math.star": math.Module.Members,
-		},
-	}
-}
+// nativeModules are the Go-implemented packages scripts can load: @slimen// and @std//.
+func nativeModules() map[string]map[string]starlark.StringDict { return starlib.Packages() }
 
 // starlarkPackages are the packages of Starlark source embedded in the binary.
 func starlarkPackages() map[string]fs.FS {
@@ -26,5 +19,7 @@ func starlarkPackages() map[string]fs.FS {
 
 func sortStrings(s []string) { sort.Strings(s) }
 
-// setThreadRandom seeds the thread's RNG used by @slimen//random.star and vote tie-breaks.
-func setThreadRandom(th *starlark.Thread, seed uint64) {}
+// setThreadRandom seeds the thread's generator for @slimen//random.star and vote tie-breaks. The
+// seed comes from the thread's position in the rollout's call tree, so parallel children draw
+// the same numbers however they are scheduled.
+func setThreadRandom(th *starlark.Thread, seed uint64) { starlib.SetRandom(th, seed) }

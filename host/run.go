@@ -91,7 +91,7 @@ func Load(ctx context.Context, scriptPath string, opts Options) (*Run, error) {
 	r.ctx, r.cancel = context.WithCancel(context.Background())
 	r.cfg, r.zero = opts.Config, opts.Zero
 	if r.cfg == nil {
-		r.cfg, r.zero = defaultConfig(nil), true
+		r.cfg, r.zero = config.Default(nil), true
 	}
 	s, err := LoadScript(scriptPath, ScriptOptions{Config: configValue{get: r.Config}})
 	if err != nil {
@@ -192,7 +192,7 @@ func (r *Run) policyFor(name string) (*policy, error) {
 	if name == "" || strings.ContainsAny(name, " \t\n/") {
 		return nil, fmt.Errorf("policy name %q is not a valid name", name)
 	}
-	pc := defaultPolicy(name)
+	pc := config.DefaultPolicy(name)
 	p, err := r.addPolicy(r.ctx, pc)
 	if err != nil {
 		return nil, err
@@ -708,7 +708,7 @@ func (r *Run) openOutputs() error {
 	if err := os.WriteFile(filepath.Join(out, "script.star"), r.script.Source, 0o644); err != nil {
 		return err
 	}
-	y, err := marshalConfig(r.cfg)
+	y, err := r.cfg.Marshal()
 	if err != nil {
 		return err
 	}

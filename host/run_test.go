@@ -32,7 +32,7 @@ func numberedTasks(n int) listTasks {
 
 // testConfig is a config with the given trainable policies on scripted engines.
 func testConfig(batch int, policies ...string) *config.Config {
-	c := defaultConfig(policies)
+	c := config.Default(policies)
 	c.Rollout.BatchSize = batch
 	return c
 }

@@ -63,31 +63,34 @@ func cmdExec(args []string) int {
 
 	var cfg *config.Config
 	if *cfgPath != "" {
-		if cfg, err = host.LoadConfigFile(*cfgPath); err != nil {
+		if cfg, err = config.Load(*cfgPath); err != nil {
 			fmt.Fprintln(os.Stderr, "slimen:", err)
 			return 2
 		}
 	}
-	apply := func(c *config.Config) {
-		if set["data"] {
-			c.Data.Path = *data
-		}
-		if set["steps"] {
-			c.Run.Steps = *steps
-		}
-		if set["seed"] {
-			c.Run.Seed = *seed
-		}
-		if set["batch-size"] {
-			c.Rollout.BatchSize = *batch
-		}
-	}
 	if cfg == nil {
-		cfg = host.DefaultConfig()
-		apply(cfg)
-		cfg.Policies = nil // zero-config: policies appear as the script names them
-	} else {
-		apply(cfg)
+		cfg = config.Default(nil) // zero-config: policies appear as the script names them
+	}
+	var o config.Overrides
+	if set["data"] {
+		o.Data = data
+	}
+	if set["steps"] {
+		o.Steps = steps
+	}
+	if set["seed"] {
+		o.Seed = seed
+	}
+	if err := cfg.Override(o); err != nil {
+		fmt.Fprintln(os.Stderr, "slimen:", err)
+		return 2
+	}
+	if set["batch-size"] {
+		if *batch < 1 {
+			fmt.Fprintln(os.Stderr, "slimen: --batch-size must be at least 1")
+			return 2
+		}
+		cfg.Rollout.BatchSize = *batch
 	}
 	dir, err := runDir(script, cfg.Run.Out, *out)
 	if err != nil {

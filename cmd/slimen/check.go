@@ -1,0 +1,51 @@
+package main
+
+import (
+	"flag"
+	"fmt"
+	"os"
+
+	"github.com/slimen/slimen/host"
+	"github.com/slimen/slimen/host/config"
+)
+
+func init() {
+	commands["check"] = command{"check a script without running it (syntax, names, policies)", cmdCheck}
+}
+
+func cmdCheck(args []string) int {
+	fs := flag.NewFlagSet("check", flag.ContinueOnError)
+	cfgPath := fs.String("config", "", "YAML config whose policies the script's generate/train calls must name")
+	fs.Usage = func() {
+		fmt.Fprintln(fs.Output(), "usage: slimen check SCRIPT [--config Y]")
+		fs.PrintDefaults()
+	}
+	pos, err := parseInterleaved(fs, args)
+	if err != nil || len(pos) == 0 {
+		fs.Usage()
+		return 2
+	}
+	var cfg *config.Config
+	if *cfgPath != "" {
+		if cfg, err = config.Load(*cfgPath); err != nil {
+			fmt.Fprintln(os.Stderr, err)
+			return 2
+		}
+	}
+	bad := false
+	for _, script := range pos {
+		problems := host.Check(script, cfg)
+		for _, p := range problems {
+			fmt.Fprintln(os.Stderr, p)
+		}
+		if len(problems) > 0 {
+			bad = true
+			continue
+		}
+		fmt.Fprintf(os.Stderr, "%s: ok\n", script)
+	}
+	if bad {
+		return 2
+	}
+	return 0
+}

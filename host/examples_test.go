@@ -1,0 +1,139 @@
+package host
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"math"
+	"regexp"
+	"sort"
+	"strings"
+	"testing"
+
+	"github.com/google/go-cmp/cmp"
+
+	"github.com/slimen/slimen/engines"
+	"github.com/slimen/slimen/engines/scripted"
+)
+
+// rewardsOf returns the rewards a policy's engine trained on, batch by batch, read back from the
+// advantages' signs is not enough, so the test engine's samples are matched to completions by
+// text: each scripted response encodes its reward-relevant answer.
+func trainedTexts(e *scripted.Engine) []string {
+	var out []string
+	for _, b := range e.Batches() {
+		for _, s := range b.Samples {
+			out = append(out, scripted.Decode(s.Response))
+		}
+	}
+	return out
+}
+
+var ownAnswer = regexp.MustCompile(`Answers: ([^,]+),`)
+
+// TestDebateExampleRewards runs examples/debate/debate.star on scripted policies: generators
+// answer 5, 5, 7; each critic repeats its own previous answer. The majority is 5, so generators
+// and critics of agents 0 and 1 get reward 1, agent 2 gets 0 in every round.
+func TestDebateExampleRewards(t *testing.T) {
+	gen := scripted.New(func(r scripted.Request) string {
+		return []string{`\boxed{5}`, `\boxed{5}`, `\boxed{7}`}[r.Index]
+	})
+	critic := scripted.New(func(r scripted.Request) string {
+		m := ownAnswer.FindStringSubmatch(r.Messages[0].Content)
+		return `\boxed{` + m[1] + `}`
+	})
+	cfg := testConfig(2, "generator", "critic")
+	tasks := listTasks{{ID: "a", Prompt: "2+3?", Label: "5", HasLabel: true}, {ID: "b", Prompt: "3+4?", Label: "7", HasLabel: true}}
+	r, err := Load(context.Background(), "../examples/debate/debate.star", Options{Config: cfg, Tasks: tasks,
+		Engines: map[string]engines.Engine{"generator": gen, "critic": critic}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer r.Close()
+	for step := 1; step <= 2; step++ {
+		res, err := r.Step(context.Background())
+		if err != nil {
+			t.Fatal(err)
+		}
+		if len(res.Failed) > 0 {
+			t.Fatal(res.Failed[0])
+		}
+		byPolicy := map[string]Metrics{}
+		for _, m := range res.Policies {
+			byPolicy[m.Policy()] = m
+		}
+		if g := byPolicy["generator"]; g.Float("samples") != 6 || math.Abs(g.Float("reward_mean")-2.0/3) > 1e-9 {
+			t.Errorf("step %d generator: %v", step, g)
+		}
+		if c := byPolicy["critic"]; c.Float("samples") != 12 || math.Abs(c.Float("reward_mean")-2.0/3) > 1e-9 {
+			t.Errorf("step %d critic: %v", step, c)
+		}
+		// Task a's majority (5) matches its label, task b's does not (label 7).
+		if res.Run.Float("accuracy") != 0.5 || math.Abs(res.Run.Float("generator_accuracy")-0.5) > 1e-9 {
+			t.Errorf("step %d accuracy: %v", step, res.Run)
+		}
+	}
+	// The critic of agent i sees its own answer first, then the others'.
+	first := critic.Calls()[0]
+	var prompts []string
+	for _, req := range first {
+		if strings.HasPrefix(req.ID, "a/") { // task a's three critics, in agent order
+			prompts = append(prompts, req.Messages[0].Content)
+		}
+	}
+	sort.Strings(prompts)
+	want := []string{"2+3? Answers: 5, 5, 7.", "2+3? Answers: 5, 5, 7.", "2+3? Answers: 7, 5, 5."}
+	if d := cmp.Diff(want, prompts); d != "" {
+		t.Errorf("first critic prompts (-want +got):\n%s", d)
+	}
+	// Per task: 3 generator samples, rewards 1, 1, 0 → GRPO advantages +, +, −.
+	b := gen.Batches()[0]
+	for i, s := range b.Samples {
+		if (i%3 == 2) != (s.Advantages[0] < 0) {
+			t.Errorf("generator sample %d (%q): advantage %v", i, scripted.Decode(s.Response), s.Advantages[0])
+		}
+	}
+	if got := strings.Join(trainedTexts(critic)[:6], " "); got != `\boxed{5} \boxed{5} \boxed{7} \boxed{5} \boxed{5} \boxed{7}` {
+		t.Errorf("critic samples of task a, in order: %s", got)
+	}
+}
+
+// TestSameSeedSameMetrics runs a topology whose scripted answers depend on the sampling seed, and
+// whose rollouts fan out with parallel(): two runs with the same seed must write the same
+// metrics, a third with another seed must not.
+func TestSameSeedSameMetrics(t *testing.T) {
+	run := func(seed uint64) string {
+		seeded := func(r scripted.Request) string { return fmt.Sprintf(`\boxed{%d}`, (r.Seed>>7)%3) }
+		cfg := testConfig(8, "generator", "critic")
+		cfg.Run.Seed = seed
+		tasks := numberedTasks(8)
+		r, err := Load(context.Background(), "../examples/debate/debate.star", Options{Config: cfg, Tasks: tasks,
+			Engines: map[string]engines.Engine{"generator": scripted.New(seeded), "critic": scripted.New(seeded)}})
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer r.Close()
+		var lines []string
+		for i := 0; i < 3; i++ {
+			res, err := r.Step(context.Background())
+			if err != nil {
+				t.Fatal(err)
+			}
+			for _, m := range append(res.Policies, res.Run) {
+				for _, k := range TimingFields {
+					delete(m, k)
+				}
+				b, _ := json.Marshal(m)
+				lines = append(lines, string(b))
+			}
+		}
+		return strings.Join(lines, "\n")
+	}
+	a, b, c := run(1), run(1), run(2)
+	if a != b {
+		t.Errorf("same seed, different metrics:\n%s\n---\n%s", a, b)
+	}
+	if a == c {
+		t.Error("different seeds gave identical metrics: seeds do not reach the engine")
+	}
+}
