@@ -1,0 +1,218 @@
+package tiny
+
+import "math"
+
+// transposedWeights holds the transposes of the weight matrices, which the backward pass
+// multiplies by (dx = dy·W is computed as dy·(Wᵀ)ᵀ). They are made once per optimizer step.
+type transposedWeights[T Float] struct {
+	layers []layerWeights[T] // q, k, v, o, gate, up, d transposed; norms unused
+	head   []T
+}
+
+func (m *model[T]) transposed(threads int) *transposedWeights[T] {
+	c := m.w.cfg
+	d, qd, kvd, in, v := c.Hidden, c.qDim(), c.kvDim(), c.Intermediate, c.VocabSize
+	t := &transposedWeights[T]{layers: make([]layerWeights[T], c.Layers)}
+	tr := func(src []T, rows, cols int) []T {
+		dst := make([]T, rows*cols)
+		transpose(threads, dst, src, rows, cols)
+		return dst
+	}
+	for l := range c.Layers {
+		w := &m.w.layers[l]
+		t.layers[l] = layerWeights[T]{
+			q: tr(w.q, qd, d), k: tr(w.k, kvd, d), v: tr(w.v, kvd, d), o: tr(w.o, d, qd),
+			gate: tr(w.gate, in, d), up: tr(w.up, in, d), d: tr(w.d, d, in),
+		}
+	}
+	t.head = tr(m.w.head(), v, d)
+	return t
+}
+
+// backward adds to g the gradient of a loss whose derivative with respect to the logits at
+// outRows is dlogits, given the activations a of forward(…, keep=true) on the same batch. Weight
+// gradients are sums over the batch rows in row order, one sequential sum per element, so they do
+// not depend on the number of threads.
+func (m *model[T]) backward(threads int, tokens []int32, seqs []seqView[T], outRows []int, a *acts[T], dlogits []T, g *weights[T], wt *transposedWeights[T]) {
+	c := m.w.cfg
+	d, qd, kvd, in, vocab := c.Hidden, c.qDim(), c.kvDim(), c.Intermediate, c.VocabSize
+	rows, nout := a.rows, len(outRows)
+	pos := make([]int, rows)
+	for _, s := range seqs {
+		if s.cache != nil || s.pos0 != 0 {
+			panic("tiny: backward through a cached sequence")
+		}
+		for i := range s.n {
+			pos[s.start+i] = i
+		}
+	}
+	tr := func(src []T, r, cols int) []T {
+		dst := make([]T, r*cols)
+		transpose(threads, dst, src, r, cols)
+		return dst
+	}
+
+	// LM head.
+	dOut := make([]T, nout*d)
+	matMulT(threads, dOut, dlogits, wt.head, nout, d, vocab, false)
+	gHead := g.lmHead
+	if c.TieEmbeddings {
+		gHead = g.embed
+	}
+	matMulT(threads, gHead, tr(dlogits, nout, vocab), tr(a.xnfOut, nout, d), vocab, d, nout, true)
+	dxnf := make([]T, rows*d)
+	for i, r := range outRows {
+		copy(dxnf[r*d:(r+1)*d], dOut[i*d:(i+1)*d])
+	}
+	dx := make([]T, rows*d)
+	rmsNormBackward(threads, dx, g.norm, dxnf, a.xf, a.invf, m.w.norm, rows, d, false)
+
+	dact, dgate, dup := make([]T, rows*in), make([]T, rows*in), make([]T, rows*in)
+	dxn := make([]T, rows*d)
+	dx2 := make([]T, rows*d)
+	datt, dq := make([]T, rows*qd), make([]T, rows*qd)
+	dk, dv := make([]T, rows*kvd), make([]T, rows*kvd)
+	for l := c.Layers - 1; l >= 0; l-- {
+		la, w, wtl, gl := &a.layers[l], &m.w.layers[l], &wt.layers[l], &g.layers[l]
+
+		// MLP: x_next = x2 + down(silu(gate)·up).
+		dxT := tr(dx, rows, d)
+		matMulT(threads, dact, dx, wtl.d, rows, in, d, false)
+		matMulT(threads, gl.d, dxT, tr(la.act, rows, in), d, in, rows, true)
+		swigluBackward(threads, dgate, dup, dact, la.gate, la.up)
+		matMulT(threads, dxn, dgate, wtl.gate, rows, d, in, false)
+		matMulT(threads, dxn, dup, wtl.up, rows, d, in, true)
+		xn2T := tr(la.xn2, rows, d)
+		matMulT(threads, gl.gate, tr(dgate, rows, in), xn2T, in, d, rows, true)
+		matMulT(threads, gl.up, tr(dup, rows, in), xn2T, in, d, rows, true)
+		copy(dx2, dx)
+		rmsNormBackward(threads, dx2, gl.mlpNorm, dxn, la.x2, la.inv2, w.mlpNorm, rows, d, true)
+
+		// Attention: x2 = x + o(attn(rope(q), rope(k), v)).
+		matMulT(threads, datt, dx2, wtl.o, rows, qd, d, false)
+		matMulT(threads, gl.o, tr(dx2, rows, d), tr(la.att, rows, qd), d, qd, rows, true)
+		clear(dk)
+		clear(dv)
+		m.attentionBackward(threads, la, seqs, a.probOff, datt, dq, dk, dv)
+		m.ropeRows(threads, dq, pos, c.Heads, true)
+		m.ropeRows(threads, dk, pos, c.KVHeads, true)
+		matMulT(threads, dxn, dq, wtl.q, rows, d, qd, false)
+		matMulT(threads, dxn, dk, wtl.k, rows, d, kvd, true)
+		matMulT(threads, dxn, dv, wtl.v, rows, d, kvd, true)
+		xn1T := tr(la.xn1, rows, d)
+		matMulT(threads, gl.q, tr(dq, rows, qd), xn1T, qd, d, rows, true)
+		matMulT(threads, gl.k, tr(dk, rows, kvd), xn1T, kvd, d, rows, true)
+		matMulT(threads, gl.v, tr(dv, rows, kvd), xn1T, kvd, d, rows, true)
+		copy(dx, dx2)
+		rmsNormBackward(threads, dx, gl.attnNorm, dxn, la.x, la.inv1, w.attnNorm, rows, d, true)
+	}
+
+	// Embeddings, in row order.
+	for r, t := range tokens {
+		ge, dr := g.embed[int(t)*d:int(t+1)*d], dx[r*d:(r+1)*d]
+		for i, v := range dr {
+			ge[i] += v
+		}
+	}
+}
+
+// rmsNormBackward, for y = w ⊙ x·inv with inv = 1/rms(x): sets (or with acc adds to) dx the
+// gradient through the norm, and adds Σ_rows dy ⊙ x·inv to gw.
+func rmsNormBackward[T Float](threads int, dx, gw, dy, x []T, inv []float64, w []T, rows, d int, acc bool) {
+	parallelFor(threads, rows, 64, func(lo, hi int) {
+		for r := lo; r < hi; r++ {
+			xr, dyr, dxr := x[r*d:(r+1)*d], dy[r*d:(r+1)*d], dx[r*d:(r+1)*d]
+			iv := inv[r]
+			dot := 0.0
+			for i, v := range xr {
+				dot += float64(float64(dyr[i]*w[i]) * float64(v))
+			}
+			k := iv * iv * iv * dot / float64(d)
+			for i, v := range xr {
+				gi := float64(float64(dyr[i]*w[i])*iv) - float64(float64(v)*k)
+				if acc {
+					dxr[i] += T(gi)
+				} else {
+					dxr[i] = T(gi)
+				}
+			}
+		}
+	})
+	parallelFor(threads, d, 8, func(lo, hi int) {
+		for i := lo; i < hi; i++ {
+			s := 0.0
+			for r := range rows {
+				s += float64(float64(dy[r*d+i]) * float64(T(float64(x[r*d+i])*inv[r])))
+			}
+			gw[i] += T(s)
+		}
+	})
+}
+
+// swigluBackward: act = silu(g)·u, silu(g) = g·σ(g), silu'(g) = σ(g)(1 + g(1 − σ(g))).
+func swigluBackward[T Float](threads int, dgate, dup, dact, gate, up []T) {
+	parallelFor(threads, len(dact), 1<<13, func(lo, hi int) {
+		for i := lo; i < hi; i++ {
+			g := float64(gate[i])
+			s := sigmoid64(g)
+			da := float64(dact[i])
+			dup[i] = T(da * float64(g*s))
+			dgate[i] = T(da * float64(up[i]) * float64(s*float64(1+float64(g*float64(1-s)))))
+		}
+	})
+}
+
+// attentionBackward computes dq, and adds into dk and dv, from datt. One task per sequence and
+// key/value head: the query heads that share a key/value head add into its gradients in a fixed
+// order.
+func (m *model[T]) attentionBackward(threads int, la *layerActs[T], seqs []seqView[T], probOff []int, datt, dq, dk, dv []T) {
+	c := m.w.cfg
+	hd, qd, kvd := c.HeadDim, c.qDim(), c.kvDim()
+	rep := c.Heads / c.KVHeads
+	scale := 1 / math.Sqrt(float64(hd))
+	parallelFor(threads, len(seqs)*c.KVHeads, 2, func(lo, hi int) {
+		var dp []float64
+		for task := lo; task < hi; task++ {
+			si, g := task/c.KVHeads, task%c.KVHeads
+			s := seqs[si]
+			if cap(dp) < s.n {
+				dp = make([]float64, s.n)
+			}
+			for h := g * rep; h < (g+1)*rep; h++ {
+				for t := range s.n {
+					r := s.start + t
+					n := t + 1
+					base := probOff[si] + h*s.n*(s.n+1)/2 + t*(t+1)/2
+					p := la.probs[base : base+n]
+					do := datt[r*qd+h*hd : r*qd+(h+1)*hd]
+					qr := la.q[r*qd+h*hd : r*qd+(h+1)*hd]
+					dqr := dq[r*qd+h*hd : r*qd+(h+1)*hd]
+					sum := 0.0
+					for j := range n {
+						vr := la.v[(s.start+j)*kvd+g*hd : (s.start+j)*kvd+(g+1)*hd]
+						var dot T
+						for i, v := range vr {
+							dot += T(do[i] * v)
+						}
+						dp[j] = float64(dot)
+						sum += float64(float64(p[j]) * dp[j])
+					}
+					clear(dqr)
+					for j := range n {
+						kvRow := (s.start + j) * kvd
+						kr := la.k[kvRow+g*hd : kvRow+(g+1)*hd]
+						dkr := dk[kvRow+g*hd : kvRow+(g+1)*hd]
+						dvr := dv[kvRow+g*hd : kvRow+(g+1)*hd]
+						pj := p[j]
+						cs := T(float64(pj) * (dp[j] - sum) * scale)
+						for i := range kr {
+							dqr[i] += T(cs * kr[i])
+							dkr[i] += T(cs * qr[i])
+							dvr[i] += T(pj * do[i])
+						}
+					}
+				}
+			}
+		}
+	})
+}

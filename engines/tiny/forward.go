@@ -1,0 +1,296 @@
+package tiny
+
+import "math"
+
+// model is the computation: weights plus the rotary tables derived from the config.
+type model[T Float] struct {
+	w        *weights[T]
+	cos, sin []T // maxSeqLen × headDim/2
+}
+
+func newModel[T Float](w *weights[T]) *model[T] {
+	c := w.cfg
+	half := c.HeadDim / 2
+	m := &model[T]{w: w, cos: make([]T, c.MaxSeqLen*half), sin: make([]T, c.MaxSeqLen*half)}
+	// transformers computes the inverse frequencies and the angles in float32; doing the same keeps
+	// long positions within the compatibility tolerance.
+	for i := range half {
+		e := float32(2*i) / float32(c.HeadDim)
+		inv := float32(1) / float32(math.Pow(c.RopeTheta, float64(e)))
+		for p := range c.MaxSeqLen {
+			a := float64(float32(float32(p) * inv))
+			m.cos[p*half+i] = T(math.Cos(a))
+			m.sin[p*half+i] = T(math.Sin(a))
+		}
+	}
+	return m
+}
+
+// seqView places one sequence in a packed batch: its new tokens are rows start..start+n of the
+// batch, at positions pos0..pos0+n−1. Keys and values of earlier positions are in cache (a
+// generation in progress); without a cache, pos0 is 0 and the batch rows are the whole sequence.
+type seqView[T Float] struct {
+	start, n, pos0 int
+	cache          *kvCache[T]
+}
+
+// kvCache holds one sequence's keys and values, per layer, capacity×kvDim each.
+type kvCache[T Float] struct {
+	k, v [][]T
+}
+
+func newKVCache[T Float](cfg ModelConfig, capacity int) *kvCache[T] {
+	c := &kvCache[T]{k: make([][]T, cfg.Layers), v: make([][]T, cfg.Layers)}
+	for l := range cfg.Layers {
+		c.k[l] = make([]T, capacity*cfg.kvDim())
+		c.v[l] = make([]T, capacity*cfg.kvDim())
+	}
+	return c
+}
+
+// copyPrefix copies the first n positions of src into c.
+func (c *kvCache[T]) copyPrefix(src *kvCache[T], n, kvDim int) {
+	for l := range c.k {
+		copy(c.k[l][:n*kvDim], src.k[l][:n*kvDim])
+		copy(c.v[l][:n*kvDim], src.v[l][:n*kvDim])
+	}
+}
+
+// layerActs are one layer's activations, kept for the backward pass.
+type layerActs[T Float] struct {
+	x, xn1, q, k, v, att, x2, xn2, gate, up, act []T
+	inv1, inv2                                   []float64
+	probs                                        []T // per sequence and head, the lower triangle of its attention matrix
+}
+
+// acts are the activations of a forward pass over a packed batch.
+type acts[T Float] struct {
+	rows    int
+	layers  []layerActs[T]
+	xf      []T       // input of the final norm
+	invf    []float64 // its inverse RMS per row
+	xnfOut  []T       // normalised final hidden state at the output rows
+	probOff []int     // offset of each sequence's attention probabilities
+}
+
+// forward runs the model over a packed batch and returns the logits (len(outRows)×vocab) at
+// outRows. keep retains the activations for backward; otherwise buffers are reused across layers.
+func (m *model[T]) forward(threads int, tokens []int32, seqs []seqView[T], outRows []int, keep bool) ([]T, *acts[T]) {
+	c := m.w.cfg
+	d, qd, kvd, in := c.Hidden, c.qDim(), c.kvDim(), c.Intermediate
+	rows := len(tokens)
+	a := &acts[T]{rows: rows}
+	pos := make([]int, rows)
+	for _, s := range seqs {
+		for i := range s.n {
+			pos[s.start+i] = s.pos0 + i
+		}
+	}
+	if keep {
+		a.probOff = make([]int, len(seqs)+1)
+		for i, s := range seqs {
+			a.probOff[i+1] = a.probOff[i] + c.Heads*s.n*(s.n+1)/2
+		}
+	}
+
+	x := make([]T, rows*d)
+	for r, t := range tokens {
+		copy(x[r*d:(r+1)*d], m.w.embed[int(t)*d:int(t+1)*d])
+	}
+	var scratch layerActs[T]
+	alloc := func(la *layerActs[T]) {
+		la.xn1, la.q, la.k, la.v = make([]T, rows*d), make([]T, rows*qd), make([]T, rows*kvd), make([]T, rows*kvd)
+		la.att, la.x2, la.xn2 = make([]T, rows*qd), make([]T, rows*d), make([]T, rows*d)
+		la.gate, la.up, la.act = make([]T, rows*in), make([]T, rows*in), make([]T, rows*in)
+		la.inv1, la.inv2 = make([]float64, rows), make([]float64, rows)
+	}
+	if keep {
+		a.layers = make([]layerActs[T], c.Layers)
+	} else {
+		alloc(&scratch)
+	}
+	down := make([]T, rows*d)
+	for l := range c.Layers {
+		lw := &m.w.layers[l]
+		la := &scratch
+		if keep {
+			la = &a.layers[l]
+			alloc(la)
+			la.probs = make([]T, a.probOff[len(seqs)])
+		}
+		la.x = x
+		rmsNormRows(threads, la.xn1, la.inv1, x, lw.attnNorm, rows, d, c.RMSNormEps)
+		matMulT(threads, la.q, la.xn1, lw.q, rows, qd, d, false)
+		matMulT(threads, la.k, la.xn1, lw.k, rows, kvd, d, false)
+		matMulT(threads, la.v, la.xn1, lw.v, rows, kvd, d, false)
+		m.ropeRows(threads, la.q, pos, c.Heads, false)
+		m.ropeRows(threads, la.k, pos, c.KVHeads, false)
+		for _, s := range seqs {
+			if s.cache != nil {
+				copy(s.cache.k[l][s.pos0*kvd:(s.pos0+s.n)*kvd], la.k[s.start*kvd:(s.start+s.n)*kvd])
+				copy(s.cache.v[l][s.pos0*kvd:(s.pos0+s.n)*kvd], la.v[s.start*kvd:(s.start+s.n)*kvd])
+			}
+		}
+		m.attention(threads, la, seqs, a.probOff, l)
+		o := down // o_proj output; down is free until the MLP
+		matMulT(threads, o, la.att, lw.o, rows, d, qd, false)
+		addRows(threads, la.x2, x, o)
+		rmsNormRows(threads, la.xn2, la.inv2, la.x2, lw.mlpNorm, rows, d, c.RMSNormEps)
+		matMulT(threads, la.gate, la.xn2, lw.gate, rows, in, d, false)
+		matMulT(threads, la.up, la.xn2, lw.up, rows, in, d, false)
+		swiglu(threads, la.act, la.gate, la.up)
+		matMulT(threads, down, la.act, lw.d, rows, d, in, false)
+		next := x // without keep, this layer's input is no longer needed
+		if keep {
+			next = make([]T, rows*d)
+		}
+		addRows(threads, next, la.x2, down)
+		x = next
+	}
+	a.xf = x
+	a.invf = make([]float64, rows)
+	xnf := make([]T, rows*d)
+	rmsNormRows(threads, xnf, a.invf, x, m.w.norm, rows, d, c.RMSNormEps)
+	out := make([]T, len(outRows)*d)
+	for i, r := range outRows {
+		copy(out[i*d:(i+1)*d], xnf[r*d:(r+1)*d])
+	}
+	a.xnfOut = out
+	logits := make([]T, len(outRows)*c.VocabSize)
+	matMulT(threads, logits, out, m.w.head(), len(outRows), c.VocabSize, d, false)
+	return logits, a
+}
+
+// rmsNormRows sets dst = w ⊙ x/rms(x) row by row and records 1/rms per row.
+func rmsNormRows[T Float](threads int, dst []T, inv []float64, x, w []T, rows, d int, eps float64) {
+	parallelFor(threads, rows, 64, func(lo, hi int) {
+		for r := lo; r < hi; r++ {
+			xr, yr := x[r*d:(r+1)*d], dst[r*d:(r+1)*d]
+			ss := 0.0
+			for _, v := range xr {
+				ss += float64(float64(v) * float64(v))
+			}
+			iv := 1 / math.Sqrt(ss/float64(d)+eps)
+			inv[r] = iv
+			for i, v := range xr {
+				yr[i] = T(T(float64(v)*iv) * w[i])
+			}
+		}
+	})
+}
+
+func addRows[T Float](threads int, dst, a, b []T) {
+	parallelFor(threads, len(dst), 1<<14, func(lo, hi int) {
+		for i := lo; i < hi; i++ {
+			dst[i] = a[i] + b[i]
+		}
+	})
+}
+
+// swiglu sets act = silu(gate)·up.
+func swiglu[T Float](threads int, act, gate, up []T) {
+	parallelFor(threads, len(act), 1<<13, func(lo, hi int) {
+		for i := lo; i < hi; i++ {
+			g := gate[i]
+			act[i] = T(T(g*T(sigmoid64(float64(g)))) * up[i])
+		}
+	})
+}
+
+// ropeRows rotates each head of each row by its position, in the "rotate half" convention of
+// transformers' Llama: pairs (i, i+headDim/2). inverse applies the opposite rotation (backward).
+func (m *model[T]) ropeRows(threads int, x []T, pos []int, heads int, inverse bool) {
+	hd := m.w.cfg.HeadDim
+	half := hd / 2
+	width := heads * hd
+	parallelFor(threads, len(pos), 128, func(lo, hi int) {
+		for r := lo; r < hi; r++ {
+			cs, sn := m.cos[pos[r]*half:(pos[r]+1)*half], m.sin[pos[r]*half:(pos[r]+1)*half]
+			for h := range heads {
+				v := x[r*width+h*hd : r*width+(h+1)*hd]
+				for i := range half {
+					a, b, c, s := v[i], v[i+half], cs[i], sn[i]
+					if inverse {
+						s = -s
+					}
+					v[i] = T(a*c) - T(b*s)
+					v[i+half] = T(b*c) + T(a*s)
+				}
+			}
+		}
+	})
+}
+
+// attention computes la.att from la.q and the keys and values of each sequence (the batch rows,
+// or its cache), one task per sequence and head.
+func (m *model[T]) attention(threads int, la *layerActs[T], seqs []seqView[T], probOff []int, layer int) {
+	c := m.w.cfg
+	hd, qd, kvd := c.HeadDim, c.qDim(), c.kvDim()
+	rep := c.Heads / c.KVHeads
+	scale := 1 / math.Sqrt(float64(hd))
+	maxCtx := 0
+	for _, s := range seqs {
+		maxCtx = max(maxCtx, s.pos0+s.n)
+	}
+	parallelFor(threads, len(seqs)*c.Heads, 4, func(lo, hi int) {
+		scores := make([]float64, maxCtx)
+		var probs []T
+		if probOff == nil {
+			probs = make([]T, maxCtx)
+		}
+		for task := lo; task < hi; task++ {
+			si, h := task/c.Heads, task%c.Heads
+			s := seqs[si]
+			g := h / rep
+			keys, vals := la.k[s.start*kvd:], la.v[s.start*kvd:]
+			if s.cache != nil {
+				keys, vals = s.cache.k[layer], s.cache.v[layer]
+			}
+			keys, vals = keys[g*hd:], vals[g*hd:]
+			for t := range s.n {
+				r := s.start + t
+				n := s.pos0 + t + 1
+				p := probs
+				if probOff != nil {
+					base := probOff[si] + h*s.n*(s.n+1)/2 + t*(t+1)/2
+					p = la.probs[base : base+n]
+				}
+				attendRow(la.att[r*qd+h*hd:r*qd+(h+1)*hd], la.q[r*qd+h*hd:r*qd+(h+1)*hd], keys, vals, kvd, n, scale, p[:n], scores[:n])
+			}
+		}
+	})
+}
+
+// attendRow computes one query's attention output over n positions of keys and values (row
+// stride kvd) and records the probabilities. It is the only attention code: prefill, decode and
+// training all call it, so their numbers agree to the bit.
+func attendRow[T Float](out, q, keys, vals []T, kvd, n int, scale float64, probs []T, scores []float64) {
+	hd := len(q)
+	mx := math.Inf(-1)
+	for s := range n {
+		kr := keys[s*kvd : s*kvd+hd]
+		var dot T
+		for i, qv := range q {
+			dot += T(qv * kr[i])
+		}
+		sc := float64(dot) * scale
+		scores[s] = sc
+		mx = max(mx, sc)
+	}
+	sum := 0.0
+	for s := range n {
+		e := exp64(scores[s] - mx)
+		scores[s] = e
+		sum += e
+	}
+	inv := 1 / sum
+	clear(out)
+	for s := range n {
+		p := T(scores[s] * inv)
+		probs[s] = p
+		vr := vals[s*kvd : s*kvd+hd]
+		for i, v := range vr {
+			out[i] += T(p * v)
+		}
+	}
+}

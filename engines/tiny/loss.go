@@ -1,0 +1,195 @@
+package tiny
+
+import (
+	"fmt"
+
+	"github.com/slimen/slimen/engines"
+)
+
+// The policy loss of DESIGN §4, over per-token numbers only. The model's backward pass and the
+// test vectors in testdata/loss_vectors.json both go through policyLoss, so what the vectors pin
+// down is exactly what the engine trains with; the Python engine must reproduce the same vectors.
+
+// lossSample is one sample's per-token inputs; all slices have one entry per response token.
+type lossSample struct {
+	Group   string
+	Logp    []float64 // current policy
+	OldLogp []float64 // at rollout time
+	RefLogp []float64 // frozen reference; only read when KLLossCoef > 0
+	Entropy []float64 // full-vocabulary entropy of the current policy
+	Adv     []float64
+	Mask    []float64
+}
+
+// lossStats are the reduced numbers of one loss evaluation.
+type lossStats struct {
+	Loss, PG, KL, Entropy float64
+	Clipped, Tokens       int // tokens with loss mask > 0 whose ratio was clipped; tokens with loss mask > 0
+}
+
+// lossConfig is a LossConfig with its defaults resolved and its names checked.
+type lossConfig struct {
+	epsLo, epsHi    float64
+	klCoef, entCoef float64
+	klType, policy  string
+	aggregation     string
+}
+
+func resolveLoss(c engines.LossConfig) (lossConfig, error) {
+	r := lossConfig{epsLo: c.EpsClip, epsHi: c.EpsClipHigh, klCoef: c.KLLossCoef, entCoef: c.EntropyCoef,
+		klType: c.KLLossType, policy: c.PolicyLoss, aggregation: c.Aggregation}
+	if r.epsHi == 0 {
+		r.epsHi = r.epsLo
+	}
+	if r.klType == "" {
+		r.klType = "low_var_kl"
+	}
+	if r.policy == "" {
+		r.policy = "ppo"
+	}
+	if r.aggregation == "" {
+		r.aggregation = "group_token_mean"
+	}
+	switch {
+	case r.klType != "k1" && r.klType != "k2" && r.klType != "k3" && r.klType != "low_var_kl":
+		return r, fmt.Errorf("kl_loss_type %q is not one of k1, k2, k3, low_var_kl", r.klType)
+	case r.policy != "ppo" && r.policy != "gspo":
+		return r, fmt.Errorf("policy_loss %q is not one of ppo, gspo", r.policy)
+	case r.aggregation != "group_token_mean" && r.aggregation != "token_mean" && r.aggregation != "token_sum":
+		return r, fmt.Errorf("aggregation %q is not one of group_token_mean, token_mean, token_sum", r.aggregation)
+	case r.epsLo < 0 || r.epsHi < 0 || r.klCoef < 0 || r.entCoef < 0:
+		return r, fmt.Errorf("eps_clip, eps_clip_high, kl_loss_coef and entropy_coef must not be negative")
+	}
+	return r, nil
+}
+
+// tokenWeights returns each token's weight w in the reduced loss Σ w·ℓ. group_token_mean: mean
+// over groups of each group's token-mean, w = mask/(G·Σ_group mask), G counting the groups that
+// have a trained token; token_mean: w = mask/Σ mask; token_sum: w = mask. A sample with an empty
+// Group is a group of its own.
+func tokenWeights(samples []lossSample, aggregation string) [][]float64 {
+	w := make([][]float64, len(samples))
+	total := 0.0
+	groupMass := map[string]float64{}
+	key := func(i int) string {
+		if samples[i].Group == "" {
+			return fmt.Sprintf("\x00%d", i)
+		}
+		return samples[i].Group
+	}
+	for i, s := range samples {
+		for _, m := range s.Mask {
+			total += m
+			groupMass[key(i)] += m
+		}
+	}
+	groups := 0
+	for _, m := range groupMass {
+		if m > 0 {
+			groups++
+		}
+	}
+	for i, s := range samples {
+		w[i] = make([]float64, len(s.Mask))
+		for t, m := range s.Mask {
+			if m == 0 {
+				continue
+			}
+			switch aggregation {
+			case "token_sum":
+				w[i][t] = m
+			case "token_mean":
+				w[i][t] = m / total
+			default:
+				w[i][t] = m / (float64(groups) * groupMass[key(i)])
+			}
+		}
+	}
+	return w
+}
+
+// policyLoss returns Σ_tokens w·(pg + kl_coef·kl − entropy_coef·H) and its gradients with respect
+// to every token's logp and entropy. pg = max(−r·A, −clip(r, 1−ε_lo, 1+ε_hi)·A) with
+// r = exp(logp − logp_old) per token (ppo) or r = exp(mask-weighted mean of logp − logp_old) per
+// sample (gspo). kl: k1 = Δ, k2 = Δ²/2, k3 = e^−Δ − 1 + Δ, low_var_kl = k3 clamped to [−10, 10],
+// with Δ = logp − logp_ref (slime's definitions). The statistics are reduced with the same
+// weights, so Loss = PG + kl_coef·KL − entropy_coef·Entropy.
+func policyLoss(samples []lossSample, w [][]float64, c lossConfig) (st lossStats, dLogp, dEnt [][]float64) {
+	dLogp, dEnt = make([][]float64, len(samples)), make([][]float64, len(samples))
+	for i, s := range samples {
+		n := len(s.Logp)
+		dLogp[i], dEnt[i] = make([]float64, n), make([]float64, n)
+		// gspo: one log-ratio per sample, the mask-weighted mean over its tokens.
+		seqLogRatio, mass := 0.0, 0.0
+		if c.policy == "gspo" {
+			for t := range n {
+				if s.Mask[t] != 0 {
+					seqLogRatio += s.Mask[t] * (s.Logp[t] - s.OldLogp[t])
+					mass += s.Mask[t]
+				}
+			}
+			if mass > 0 {
+				seqLogRatio /= mass
+			}
+		}
+		dSeq := 0.0 // gspo: ∂loss/∂(sequence log-ratio)
+		for t := range n {
+			wt := w[i][t]
+			if s.Mask[t] == 0 {
+				continue
+			}
+			st.Tokens++
+			logRatio := s.Logp[t] - s.OldLogp[t]
+			if c.policy == "gspo" {
+				logRatio = seqLogRatio
+			}
+			ratio := exp64(logRatio)
+			a := s.Adv[t]
+			clipped := min(max(ratio, 1-c.epsLo), 1+c.epsHi)
+			l1, l2 := -ratio*a, -clipped*a
+			pg, dRatio := l1, -a
+			if l2 > l1 {
+				// The clipped branch is taken only outside the clip range, where it is constant.
+				pg, dRatio = l2, 0
+				st.Clipped++
+			}
+			st.PG += wt * pg
+			dLog := wt * dRatio * ratio // ∂(w·pg)/∂logRatio
+			if c.policy == "gspo" {
+				dSeq += dLog
+			} else {
+				dLogp[i][t] += dLog
+			}
+			if c.klCoef > 0 {
+				kl, dkl := klTerm(s.Logp[t]-s.RefLogp[t], c.klType)
+				st.KL += wt * kl
+				dLogp[i][t] += wt * c.klCoef * dkl
+			}
+			st.Entropy += wt * s.Entropy[t]
+			dEnt[i][t] = -wt * c.entCoef
+		}
+		if c.policy == "gspo" && mass > 0 {
+			for t := range n {
+				dLogp[i][t] += dSeq * s.Mask[t] / mass
+			}
+		}
+	}
+	st.Loss = st.PG + c.klCoef*st.KL - c.entCoef*st.Entropy
+	return st, dLogp, dEnt
+}
+
+// klTerm returns the KL estimate for Δ = logp − logp_ref and its derivative in Δ.
+func klTerm(delta float64, kind string) (kl, dkl float64) {
+	switch kind {
+	case "k1":
+		return delta, 1
+	case "k2":
+		return delta * delta / 2, delta
+	}
+	e := exp64(-delta)
+	kl, dkl = e-1+delta, 1-e
+	if kind == "low_var_kl" && (kl > 10 || kl < -10) {
+		return min(max(kl, -10), 10), 0 // torch.clamp passes no gradient outside its range
+	}
+	return kl, dkl
+}
