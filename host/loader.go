@@ -119,7 +119,11 @@ func (l *loader) resolve(from, module string) (string, error) {
 		return "", fmt.Errorf("load %q: absolute paths are not loadable; load files relative to the script", module)
 	}
 	p := filepath.Clean(filepath.Join(filepath.Dir(from), module))
-	rel, err := filepath.Rel(l.root, p)
+	abs, err := filepath.Abs(p)
+	if err != nil {
+		return "", err
+	}
+	rel, err := filepath.Rel(l.root, abs)
 	if err != nil || rel == ".." || strings.HasPrefix(rel, ".."+string(filepath.Separator)) {
 		return "", fmt.Errorf("load %q: it escapes the script's folder %s; keep loaded files beside the script", module, l.root)
 	}

@@ -87,12 +87,7 @@ type policy struct {
 
 // Load reads the script, resolves the configuration and opens the engines.
 func Load(ctx context.Context, scriptPath string, opts Options) (*Run, error) {
-	r := &Run{opts: opts, state: NewState(), policies: map[string]*policy{}}
-	r.ctx, r.cancel = context.WithCancel(context.Background())
-	r.cfg, r.zero = opts.Config, opts.Zero
-	if r.cfg == nil {
-		r.cfg, r.zero = config.Default(nil), true
-	}
+	r := newRun(opts)
 	s, err := LoadScript(scriptPath, ScriptOptions{Config: configValue{get: r.Config}})
 	if err != nil {
 		r.cancel()
@@ -103,21 +98,39 @@ func Load(ctx context.Context, scriptPath string, opts Options) (*Run, error) {
 		r.cancel()
 		return nil, err
 	}
-	r.tasks = opts.Tasks
 	if r.tasks == nil {
 		if r.tasks, err = openTasks(r.cfg); err != nil {
 			r.Close()
 			return nil, err
 		}
 	}
-	for _, pc := range r.cfg.Policies {
-		if _, err := r.addPolicy(ctx, pc); err != nil {
-			r.Close()
-			return nil, err
-		}
+	if err := r.openPolicies(ctx); err != nil {
+		r.Close()
+		return nil, err
 	}
 	r.events.printf("loaded %s (sha256 %s) with %d policies", s.Path, s.Hash[:12], len(r.cfg.Policies))
 	return r, nil
+}
+
+// newRun makes a run with no script, outputs or engines yet.
+func newRun(opts Options) *Run {
+	r := &Run{opts: opts, state: NewState(), policies: map[string]*policy{}, tasks: opts.Tasks,
+		events: &eventLog{w: opts.Log}, metrics: &metricsWriter{}}
+	r.ctx, r.cancel = context.WithCancel(context.Background())
+	r.cfg, r.zero = opts.Config, opts.Zero
+	if r.cfg == nil {
+		r.cfg, r.zero = config.Default(nil), true
+	}
+	return r
+}
+
+func (r *Run) openPolicies(ctx context.Context) error {
+	for _, pc := range r.cfg.Policies {
+		if _, err := r.addPolicy(ctx, pc); err != nil {
+			return err
+		}
+	}
+	return nil
 }
 
 // Config returns the resolved configuration.
@@ -282,7 +295,7 @@ func (r *Run) Step(ctx context.Context) (*StepResult, error) {
 	step := r.step + 1
 	cfg := r.Config()
 	t0 := time.Now()
-	ros, err := r.runRollouts(ctx, step, cfg)
+	ros, err := r.runRollouts(ctx, step, cfg, r.script.rollout)
 	if err != nil {
 		return nil, err
 	}
@@ -320,7 +333,7 @@ func (r *Run) Step(ctx context.Context) (*StepResult, error) {
 }
 
 // runRollouts calls rollout(task) for every task of the step, each on its own goroutine.
-func (r *Run) runRollouts(ctx context.Context, step int, cfg *config.Config) ([]*rollout, error) {
+func (r *Run) runRollouts(ctx context.Context, step int, cfg *config.Config, fn starlark.Callable) ([]*rollout, error) {
 	n := cfg.Rollout.BatchSize
 	ros := make([]*rollout, n)
 	stepCtx, cancel := context.WithCancel(ctx)
@@ -333,7 +346,6 @@ func (r *Run) runRollouts(ctx context.Context, step int, cfg *config.Config) ([]
 		ros[i] = &rollout{run: r, ctx: stepCtx, task: t, index: i, step: step,
 			seed: keySeed(cfg.Run.Seed, t.ID, []int{step})}
 	}
-	script := r.script
 	r.live.done.Store(0)
 	r.live.total.Store(int64(n))
 	r.live.tokens.Store(0)
@@ -346,7 +358,7 @@ func (r *Run) runRollouts(ctx context.Context, step int, cfg *config.Config) ([]
 			defer r.live.done.Add(1)
 			defer r.activity.leave()
 			th := ro.newThread(nil)
-			_, ro.err = ro.call(th, script.rollout, starlark.Tuple{taskValue(ro.task, step)})
+			_, ro.err = ro.call(th, fn, starlark.Tuple{taskValue(ro.task, step)})
 			if ro.err == nil {
 				ro.err = ro.checkQueued()
 			}
@@ -378,36 +390,8 @@ type trainSample struct {
 
 // trainPolicies computes advantages and trains every trainable policy on its samples.
 func (r *Run) trainPolicies(ctx context.Context, step int, cfg *config.Config, ros []*rollout, rolloutS float64) ([]Metrics, error) {
-	byPolicy := map[string][]trainSample{}
-	gens := map[string][]*Completion{}
-	for _, ro := range ros {
-		if ro.err != nil {
-			continue
-		}
-		for _, q := range ro.queued {
-			rw, _ := q.c.Reward()
-			byPolicy[q.c.policy] = append(byPolicy[q.c.policy], trainSample{queued: q, task: ro.index, reward: rw})
-		}
-		for _, c := range ro.generated {
-			gens[c.policy] = append(gens[c.policy], c)
-		}
-	}
-	for _, ss := range byPolicy {
-		sort.SliceStable(ss, func(i, j int) bool {
-			if ss[i].task != ss[j].task {
-				return ss[i].task < ss[j].task
-			}
-			return lessKey(ss[i].c.key, ss[j].c.key)
-		})
-	}
-	r.polMu.Lock()
-	names := append([]string(nil), r.order...)
-	pols := make([]*policy, len(names))
-	for i, n := range names {
-		pols[i] = r.policies[n]
-	}
-	r.polMu.Unlock()
-
+	byPolicy, gens := gather(ros)
+	pols := r.policyList()
 	advs, err := r.advantages(ctx, pols, byPolicy)
 	if err != nil {
 		return nil, err
@@ -432,6 +416,48 @@ func (r *Run) trainPolicies(ctx context.Context, step int, cfg *config.Config, r
 	}
 	sort.Slice(out, func(i, j int) bool { return out[i].Policy() < out[j].Policy() })
 	return out, nil
+}
+
+// policyList returns the policies in config order (then order of first use).
+func (r *Run) policyList() []*policy {
+	r.polMu.Lock()
+	defer r.polMu.Unlock()
+	pols := make([]*policy, len(r.order))
+	for i, n := range r.order {
+		pols[i] = r.policies[n]
+	}
+	return pols
+}
+
+// gather collects the samples and completions of the successful rollouts, per policy, in an order
+// that does not depend on scheduling: task, then position in the rollout's call tree.
+func gather(ros []*rollout) (map[string][]trainSample, map[string][]*Completion) {
+	byPolicy := map[string][]trainSample{}
+	gens := map[string][]*Completion{}
+	for _, ro := range ros {
+		if ro.err != nil {
+			continue
+		}
+		for _, q := range ro.queued {
+			rw, _ := q.c.Reward()
+			byPolicy[q.c.policy] = append(byPolicy[q.c.policy], trainSample{queued: q, task: ro.index, reward: rw})
+		}
+		for _, c := range ro.generated {
+			gens[c.policy] = append(gens[c.policy], c)
+		}
+	}
+	for _, ss := range byPolicy {
+		sort.SliceStable(ss, func(i, j int) bool {
+			if ss[i].task != ss[j].task {
+				return ss[i].task < ss[j].task
+			}
+			return lessKey(ss[i].c.key, ss[j].c.key)
+		})
+	}
+	for _, cs := range gens {
+		sort.SliceStable(cs, func(i, j int) bool { return lessKey(cs[i].key, cs[j].key) })
+	}
+	return byPolicy, gens
 }
 
 func lessKey(a, b []int) bool {

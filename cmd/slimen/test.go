@@ -1,0 +1,46 @@
+package main
+
+import (
+	"context"
+	"flag"
+	"fmt"
+	"os"
+
+	"github.com/slimen/slimen/host"
+)
+
+func init() {
+	commands["test"] = command{"run the test_* functions of *_test.star files on scripted policies", cmdTest}
+}
+
+func cmdTest(args []string) int {
+	fs := flag.NewFlagSet("test", flag.ContinueOnError)
+	fs.Usage = func() {
+		fmt.Fprintln(fs.Output(), "usage: slimen test [FILES or FOLDERS]   (default: every *_test.star below .)")
+	}
+	pos, err := parseInterleaved(fs, args)
+	if err != nil {
+		return 2
+	}
+	files, err := host.FindTestFiles(pos)
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "slimen test:", err)
+		return 2
+	}
+	if len(files) == 0 {
+		fmt.Fprintln(os.Stderr, "slimen test: no *_test.star files found")
+		return 2
+	}
+	results := host.RunScriptTests(context.Background(), files, os.Stdout)
+	failed := 0
+	for _, r := range results {
+		if r.Err != "" {
+			failed++
+		}
+	}
+	fmt.Printf("%d passed, %d failed\n", len(results)-failed, failed)
+	if failed > 0 {
+		return 1
+	}
+	return 0
+}

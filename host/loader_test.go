@@ -1,0 +1,81 @@
+package host
+
+import (
+	"bytes"
+	"context"
+	"strings"
+	"testing"
+)
+
+func TestLoads(t *testing.T) {
+	s, err := LoadScript("../testdata/loads/main.star", ScriptOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if s.Globals["X"].String() != "42" {
+		t.Errorf("X = %s", s.Globals["X"])
+	}
+	// The script and every file it loaded, for --watch and the version hash.
+	if len(s.Files) != 3 {
+		t.Errorf("files: %v", s.Files)
+	}
+	for _, tc := range []struct{ file, want string }{
+		{"cycle_a.star", "load cycle: ../testdata/loads/cycle_a.star → ../testdata/loads/cycle_b.star → ../testdata/loads/cycle_a.star"},
+		{"escape.star", `it escapes the script's folder`},
+		// A failure inside a loaded file keeps that file's line and the load's line.
+		{"broken_lib_user.star", "broken_lib_user.star:1:1"},
+		{"broken_lib_user.star", "broken_lib.star:4:7: in <toplevel>"},
+	} {
+		_, err := LoadScript("../testdata/loads/"+tc.file, ScriptOptions{})
+		if err == nil || !strings.Contains(err.Error(), tc.want) {
+			t.Errorf("%s: err = %v, want it to contain %q", tc.file, err, tc.want)
+		}
+	}
+	_, err = LoadScriptSource("x.star", []byte(`load("@nope//a.star", "a")`), ScriptOptions{})
+	if err == nil || !strings.Contains(err.Error(), "unknown package @nope") {
+		t.Errorf("unknown package: %v", err)
+	}
+	_, err = LoadScriptSource("x.star", []byte(`load("/etc/passwd", "a")`), ScriptOptions{})
+	if err == nil || !strings.Contains(err.Error(), "absolute paths are not loadable") {
+		t.Errorf("absolute path: %v", err)
+	}
+	_, err = LoadScriptSource("x.star", []byte("load(\"helper.star\", \"a\")\ndef rollout(t):\n  pass\n"), ScriptOptions{Sandbox: true})
+	if err == nil || !strings.Contains(err.Error(), "sandbox only loads") {
+		t.Errorf("sandbox: %v", err)
+	}
+}
+
+func TestRolloutSignature(t *testing.T) {
+	_, err := LoadScriptSource("x.star", []byte("def rollout(a, b):\n  pass\n"), ScriptOptions{})
+	if err == nil || !strings.Contains(err.Error(), "exactly one parameter") {
+		t.Errorf("two parameters: %v", err)
+	}
+	_, err = LoadScriptSource("x.star", []byte("rollout = 3\n"), ScriptOptions{})
+	if err == nil || !strings.Contains(err.Error(), "not a function") {
+		t.Errorf("not a function: %v", err)
+	}
+}
+
+func TestScriptTests(t *testing.T) {
+	var out bytes.Buffer
+	files, err := FindTestFiles([]string{"../examples"})
+	if err != nil || len(files) == 0 {
+		t.Fatalf("no example tests: %v", err)
+	}
+	for _, r := range RunScriptTests(context.Background(), files, &out) {
+		if r.Err != "" {
+			t.Errorf("%s %s:\n%s", r.File, r.Name, r.Err)
+		}
+	}
+	// A failing assertion fails its test with the assertion's message and place.
+	bad := writeScript(t, `
+def test_wrong():
+    assert.eq(1 + 1, 3, "arithmetic")
+def test_fails_checks_pattern():
+    assert.fails(lambda: fail("boom"), "bo+m")
+`)
+	res := RunScriptTests(context.Background(), []string{bad}, &out)
+	if len(res) != 2 || res[0].Err != "" || !strings.Contains(res[1].Err, "assert.eq: got 2, want 3: arithmetic") {
+		t.Errorf("results: %+v", res)
+	}
+}

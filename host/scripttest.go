@@ -1,0 +1,475 @@
+package host
+
+import (
+	"context"
+	"fmt"
+	"io"
+	"io/fs"
+	"os"
+	"path/filepath"
+	"regexp"
+	"sort"
+	"strings"
+	"time"
+
+	"go.starlark.net/starlark"
+	"go.starlark.net/starlarkstruct"
+	"go.starlark.net/syntax"
+
+	"github.com/slimen/slimen/engines"
+	"github.com/slimen/slimen/engines/scripted"
+	"github.com/slimen/slimen/host/config"
+)
+
+// Script tests (`slimen test`): files named *_test.star define test_* functions that call
+// simulate() to run a topology's rollout on scripted policies, then check rewards, advantages and
+// logged metrics with the assert module. A topology's reward logic is unit-tested without a model.
+//
+//	load("debate.star", "rollout")
+//
+//	def test_majority_wins():
+//	    out = simulate(rollout, task = {"prompt": "2+3?", "label": "5"},
+//	                   responses = {"generator": ["\\boxed{5}", "\\boxed{5}", "\\boxed{7}"],
+//	                                "critic": lambda prompt, i: "\\boxed{5}"})
+//	    assert.eq([s.reward for s in out.samples["generator"]], [1.0, 1.0, 0.0])
+
+// TestResult is the outcome of one test function.
+type TestResult struct {
+	File, Name string
+	Err        string // "" when the test passed
+	Duration   time.Duration
+}
+
+// FindTestFiles expands files and folders into *_test.star files (folders searched recursively,
+// skipping runs/ and hidden folders).
+func FindTestFiles(args []string) ([]string, error) {
+	if len(args) == 0 {
+		args = []string{"."}
+	}
+	var out []string
+	for _, a := range args {
+		st, err := os.Stat(a)
+		if err != nil {
+			return nil, err
+		}
+		if !st.IsDir() {
+			out = append(out, a)
+			continue
+		}
+		err = filepath.WalkDir(a, func(p string, d fs.DirEntry, err error) error {
+			if err != nil {
+				return err
+			}
+			if d.IsDir() && p != a && (strings.HasPrefix(d.Name(), ".") || d.Name() == "runs") {
+				return filepath.SkipDir
+			}
+			if !d.IsDir() && strings.HasSuffix(p, "_test.star") {
+				out = append(out, p)
+			}
+			return nil
+		})
+		if err != nil {
+			return nil, err
+		}
+	}
+	sort.Strings(out)
+	return out, nil
+}
+
+// RunScriptTests runs every test_* function of the files, printing a line per test to w.
+func RunScriptTests(ctx context.Context, files []string, w io.Writer) []TestResult {
+	var results []TestResult
+	for _, f := range files {
+		results = append(results, runTestFile(ctx, f, w)...)
+	}
+	return results
+}
+
+func runTestFile(ctx context.Context, file string, w io.Writer) []TestResult {
+	src, err := os.ReadFile(file)
+	if err != nil {
+		r := TestResult{File: file, Name: "(load)", Err: err.Error()}
+		fmt.Fprintf(w, "FAIL %s: %s\n", file, r.Err)
+		return []TestResult{r}
+	}
+	abs, _ := filepath.Abs(file)
+	pre := predeclared()
+	pre["assert"] = assertModule
+	pre["simulate"] = starlark.NewBuiltin("simulate", builtinSimulate)
+	l := newLoader(filepath.Dir(abs), pre, true)
+	globals, err := l.execFile(file, src)
+	if err != nil {
+		r := TestResult{File: file, Name: "(load)", Err: scriptErrorText(err)}
+		fmt.Fprintf(w, "FAIL %s:\n%s\n", file, indent(r.Err))
+		return []TestResult{r}
+	}
+	globals.Freeze()
+	var names []string
+	for name, v := range globals {
+		if _, ok := v.(*starlark.Function); ok && strings.HasPrefix(name, "test_") {
+			names = append(names, name)
+		}
+	}
+	sort.Strings(names)
+	var out []TestResult
+	for _, name := range names {
+		fn := globals[name].(*starlark.Function)
+		start := time.Now()
+		th := &starlark.Thread{Name: name, Print: func(_ *starlark.Thread, msg string) { fmt.Fprintf(w, "    %s\n", msg) }}
+		th.SetLocal(testCtxLocal, ctx)
+		_, err := starlark.Call(th, fn, nil, nil)
+		r := TestResult{File: file, Name: name, Duration: time.Since(start)}
+		if err != nil {
+			r.Err = scriptErrorText(err)
+			fmt.Fprintf(w, "FAIL %s %s\n%s\n", file, name, indent(r.Err))
+		} else {
+			fmt.Fprintf(w, "ok   %s %s (%s)\n", file, name, r.Duration.Round(time.Millisecond))
+		}
+		out = append(out, r)
+	}
+	if len(names) == 0 {
+		r := TestResult{File: file, Name: "(none)", Err: "the file defines no test_* function"}
+		fmt.Fprintf(w, "FAIL %s: %s\n", file, r.Err)
+		out = append(out, r)
+	}
+	return out
+}
+
+const testCtxLocal = "slimen.test.ctx"
+
+// builtinSimulate runs one rollout on scripted policies and returns what the host would train.
+//
+//	simulate(rollout, task, responses, frozen=[], estimator="grpo", seed=1)
+//
+// task: a prompt string or a dict with prompt, label, id, metadata. responses: policy → a list of
+// texts (sample i of every call answers with item i, cycling) or a function (prompt, index) →
+// text, prompt being the last message's content. Returns a struct with samples (policy → list of
+// struct(text, reward, advantage, group, prompt)), completions (every generated completion, in
+// call order) and logs (name → mean of the values logged). A failing rollout fails simulate.
+func builtinSimulate(thread *starlark.Thread, b *starlark.Builtin, args starlark.Tuple, kwargs []starlark.Tuple) (starlark.Value, error) {
+	var fn starlark.Callable
+	var task starlark.Value
+	var responses *starlark.Dict
+	var frozen *starlark.List
+	estimator := "grpo"
+	seed := 1
+	if err := starlark.UnpackArgs(b.Name(), args, kwargs, "rollout", &fn, "task", &task, "responses", &responses,
+		"frozen?", &frozen, "estimator?", &estimator, "seed?", &seed); err != nil {
+		return nil, err
+	}
+	t, err := simTask(b.Name(), task)
+	if err != nil {
+		return nil, err
+	}
+	frozenSet := map[string]bool{}
+	if frozen != nil {
+		for i := 0; i < frozen.Len(); i++ {
+			s, ok := frozen.Index(i).(starlark.String)
+			if !ok {
+				return nil, fmt.Errorf("%s: frozen must list policy names", b.Name())
+			}
+			frozenSet[string(s)] = true
+		}
+	}
+	cfg := config.Default(nil)
+	cfg.Rollout.BatchSize = 1
+	cfg.Run.Seed = uint64(seed)
+	engs := map[string]engines.Engine{}
+	for _, kv := range responses.Items() {
+		name, ok := kv[0].(starlark.String)
+		if !ok {
+			return nil, fmt.Errorf("%s: responses keys must be policy names", b.Name())
+		}
+		respond, err := responder(b.Name(), string(name), kv[1])
+		if err != nil {
+			return nil, err
+		}
+		pc := config.DefaultPolicy(string(name))
+		pc.Trainable = !frozenSet[string(name)]
+		pc.Train.AdvantageEstimator = estimator
+		cfg.Policies = append(cfg.Policies, pc)
+		engs[string(name)] = scripted.New(respond)
+	}
+	ctx, _ := thread.Local(testCtxLocal).(context.Context)
+	if ctx == nil {
+		ctx = context.Background()
+	}
+	r := newRun(Options{Config: cfg, Engines: engs, Tasks: listSource{t}})
+	defer r.Close()
+	if err := r.openPolicies(ctx); err != nil {
+		return nil, err
+	}
+	fn.Freeze()
+	ros, err := r.runRollouts(ctx, 1, cfg, fn)
+	if err != nil {
+		return nil, err
+	}
+	if ros[0].err != nil {
+		return nil, fmt.Errorf("the rollout failed:\n%s", indent(scriptErrorText(ros[0].err)))
+	}
+	byPolicy, _ := gather(ros)
+	pols := r.policyList()
+	advs, err := r.advantages(ctx, pols, byPolicy)
+	if err != nil {
+		return nil, err
+	}
+	samples := starlark.NewDict(len(pols))
+	for _, p := range pols {
+		var l []starlark.Value
+		for i, s := range byPolicy[p.name] {
+			var adv starlark.Value = starlark.None
+			if a := advs[p.name]; a != nil && len(a[i]) > 0 {
+				adv = starlark.Float(a[i][0])
+			}
+			l = append(l, structOfDict(starlark.StringDict{
+				"text": starlark.String(s.c.text), "reward": starlark.Float(s.reward), "advantage": adv,
+				"group": starlark.String(s.group), "prompt": starlark.String(lastContent(s.c.messages)),
+			}))
+		}
+		samples.SetKey(starlark.String(p.name), starlark.NewList(l))
+	}
+	var comps []starlark.Value
+	gen := append([]*Completion(nil), ros[0].generated...)
+	sort.SliceStable(gen, func(i, j int) bool { return lessKey(gen[i].key, gen[j].key) })
+	for _, c := range gen {
+		var rw starlark.Value = starlark.None
+		if v, ok := c.Reward(); ok {
+			rw = starlark.Float(v)
+		}
+		comps = append(comps, structOfDict(starlark.StringDict{
+			"policy": starlark.String(c.policy), "text": starlark.String(c.text),
+			"prompt": starlark.String(lastContent(c.messages)), "reward": rw,
+		}))
+	}
+	logs := starlark.NewDict(len(ros[0].logs))
+	for k, v := range ros[0].logs {
+		logs.SetKey(starlark.String(k), starlark.Float(v[0]/v[1]))
+	}
+	return structOfDict(starlark.StringDict{
+		"samples": samples, "completions": starlark.NewList(comps), "logs": logs,
+	}), nil
+}
+
+type listSource []Task
+
+func (l listSource) Task(i int) (Task, error) { return l[i%len(l)], nil }
+
+func simTask(fn string, v starlark.Value) (Task, error) {
+	t := Task{ID: "task"}
+	switch v := v.(type) {
+	case starlark.String:
+		t.Prompt = string(v)
+		return t, nil
+	case *starlark.Dict:
+		for _, kv := range v.Items() {
+			k, _ := kv[0].(starlark.String)
+			switch k {
+			case "prompt":
+				msgs, err := toMessages(fn, kv[1])
+				if err != nil {
+					return t, err
+				}
+				if s, ok := kv[1].(starlark.String); ok {
+					t.Prompt = string(s)
+				} else {
+					t.Prompt = msgs
+				}
+			case "label":
+				t.Label, t.HasLabel = strings.Trim(kv[1].String(), `"`), kv[1] != starlark.None
+			case "id":
+				t.ID = strings.Trim(kv[1].String(), `"`)
+			case "metadata":
+				t.Metadata = map[string]any{}
+				if d, ok := kv[1].(*starlark.Dict); ok {
+					for _, m := range d.Items() {
+						t.Metadata[strings.Trim(m[0].String(), `"`)] = fromStarlark(m[1])
+					}
+				}
+			default:
+				return t, fmt.Errorf("%s: task has an unknown key %s (known: prompt, label, id, metadata)", fn, kv[0])
+			}
+		}
+		if t.Prompt == nil {
+			return t, fmt.Errorf("%s: task needs a prompt", fn)
+		}
+		return t, nil
+	}
+	return t, fmt.Errorf("%s: task must be a prompt string or a dict, got %s", fn, v.Type())
+}
+
+func fromStarlark(v starlark.Value) any {
+	switch v := v.(type) {
+	case starlark.String:
+		return string(v)
+	case starlark.Int:
+		i, _ := v.Int64()
+		return i
+	case starlark.Float:
+		return float64(v)
+	case starlark.Bool:
+		return bool(v)
+	}
+	return v.String()
+}
+
+// responder turns a list of texts or a Starlark function into a scripted responder. The function
+// is called on a thread of its own: the engine runs on the dispatcher's goroutine.
+func responder(fn, policy string, v starlark.Value) (scripted.Responder, error) {
+	switch v := v.(type) {
+	case *starlark.List, starlark.Tuple:
+		var texts []string
+		it := starlark.Iterate(v)
+		var x starlark.Value
+		for it.Next(&x) {
+			s, ok := x.(starlark.String)
+			if !ok {
+				it.Done()
+				return nil, fmt.Errorf("%s: responses[%q] must hold strings, got %s", fn, policy, x.Type())
+			}
+			texts = append(texts, string(s))
+		}
+		it.Done()
+		if len(texts) == 0 {
+			return nil, fmt.Errorf("%s: responses[%q] is empty", fn, policy)
+		}
+		return func(r scripted.Request) string { return texts[r.Index%len(texts)] }, nil
+	case starlark.Callable:
+		v.Freeze()
+		return func(r scripted.Request) string {
+			th := &starlark.Thread{Name: "responses " + policy}
+			out, err := starlark.Call(th, v, starlark.Tuple{starlark.String(lastContent(r.Messages)), starlark.MakeInt(r.Index)}, nil)
+			if err != nil {
+				return fmt.Sprintf("<responses[%q] failed: %v>", policy, err)
+			}
+			s, ok := out.(starlark.String)
+			if !ok {
+				return fmt.Sprintf("<responses[%q] returned %s, not a string>", policy, out.Type())
+			}
+			return string(s)
+		}, nil
+	}
+	return nil, fmt.Errorf("%s: responses[%q] must be a list of texts or a function (prompt, index) → text", fn, policy)
+}
+
+func lastContent(msgs []engines.Message) string {
+	if len(msgs) == 0 {
+		return ""
+	}
+	return msgs[len(msgs)-1].Content
+}
+
+func structOfDict(d starlark.StringDict) starlark.Value {
+	s := starlarkstruct.FromStringDict(starlarkstruct.Default, d)
+	s.Freeze()
+	return s
+}
+
+// assertModule is the `assert` of script tests.
+var assertModule = &starlarkstruct.Module{
+	Name: "assert",
+	Members: starlark.StringDict{
+		"eq":       starlark.NewBuiltin("assert.eq", assertEq),
+		"ne":       starlark.NewBuiltin("assert.ne", assertNe),
+		"true":     starlark.NewBuiltin("assert.true", assertTrue),
+		"contains": starlark.NewBuiltin("assert.contains", assertContains),
+		"fails":    starlark.NewBuiltin("assert.fails", assertFails),
+	},
+}
+
+func assertEq(thread *starlark.Thread, b *starlark.Builtin, args starlark.Tuple, kwargs []starlark.Tuple) (starlark.Value, error) {
+	var x, y starlark.Value
+	msg := ""
+	if err := starlark.UnpackArgs(b.Name(), args, kwargs, "got", &x, "want", &y, "msg?", &msg); err != nil {
+		return nil, err
+	}
+	eq, err := starlark.Equal(x, y)
+	if err != nil {
+		return nil, err
+	}
+	if !eq {
+		return nil, fmt.Errorf("%s: got %s, want %s%s", b.Name(), x, y, suffix(msg))
+	}
+	return starlark.None, nil
+}
+
+func assertNe(thread *starlark.Thread, b *starlark.Builtin, args starlark.Tuple, kwargs []starlark.Tuple) (starlark.Value, error) {
+	var x, y starlark.Value
+	msg := ""
+	if err := starlark.UnpackArgs(b.Name(), args, kwargs, "got", &x, "unwanted", &y, "msg?", &msg); err != nil {
+		return nil, err
+	}
+	eq, err := starlark.Equal(x, y)
+	if err != nil {
+		return nil, err
+	}
+	if eq {
+		return nil, fmt.Errorf("%s: got %s, want anything else%s", b.Name(), x, suffix(msg))
+	}
+	return starlark.None, nil
+}
+
+func assertTrue(thread *starlark.Thread, b *starlark.Builtin, args starlark.Tuple, kwargs []starlark.Tuple) (starlark.Value, error) {
+	var x starlark.Value
+	msg := ""
+	if err := starlark.UnpackArgs(b.Name(), args, kwargs, "cond", &x, "msg?", &msg); err != nil {
+		return nil, err
+	}
+	if !x.Truth() {
+		return nil, fmt.Errorf("%s: %s is not true%s", b.Name(), x, suffix(msg))
+	}
+	return starlark.None, nil
+}
+
+func assertContains(thread *starlark.Thread, b *starlark.Builtin, args starlark.Tuple, kwargs []starlark.Tuple) (starlark.Value, error) {
+	var c, x starlark.Value
+	msg := ""
+	if err := starlark.UnpackArgs(b.Name(), args, kwargs, "container", &c, "item", &x, "msg?", &msg); err != nil {
+		return nil, err
+	}
+	var in bool
+	if s, ok := c.(starlark.String); ok {
+		sub, ok := x.(starlark.String)
+		if !ok {
+			return nil, fmt.Errorf("%s: a string contains strings, not %s", b.Name(), x.Type())
+		}
+		in = strings.Contains(string(s), string(sub))
+	} else {
+		found, err := starlark.Binary(syntax.IN, x, c)
+		if err != nil {
+			return nil, fmt.Errorf("%s: %v", b.Name(), err)
+		}
+		in = bool(found.Truth())
+	}
+	if !in {
+		return nil, fmt.Errorf("%s: %s does not contain %s%s", b.Name(), c, x, suffix(msg))
+	}
+	return starlark.None, nil
+}
+
+// assertFails calls fn() and checks that it fails with an error matching the pattern.
+func assertFails(thread *starlark.Thread, b *starlark.Builtin, args starlark.Tuple, kwargs []starlark.Tuple) (starlark.Value, error) {
+	var fn starlark.Callable
+	pattern := ""
+	if err := starlark.UnpackArgs(b.Name(), args, kwargs, "fn", &fn, "pattern?", &pattern); err != nil {
+		return nil, err
+	}
+	re, err := regexp.Compile(pattern)
+	if err != nil {
+		return nil, fmt.Errorf("%s: bad pattern %q: %v", b.Name(), pattern, err)
+	}
+	_, callErr := starlark.Call(thread, fn, nil, nil)
+	if callErr == nil {
+		return nil, fmt.Errorf("%s: %s did not fail", b.Name(), fn.Name())
+	}
+	if !re.MatchString(callErr.Error()) {
+		return nil, fmt.Errorf("%s: the error %q does not match %q", b.Name(), callErr.Error(), pattern)
+	}
+	return starlark.String(callErr.Error()), nil
+}
+
+func suffix(msg string) string {
+	if msg == "" {
+		return ""
+	}
+	return ": " + msg
+}
