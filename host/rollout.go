@@ -12,16 +12,11 @@ import (
 	"go.starlark.net/starlarkstruct"
 
 	"github.com/slimen/slimen/engines"
+	"github.com/slimen/slimen/host/data"
 )
 
 // Task is one unit of work handed to rollout(task).
-type Task struct {
-	ID       string
-	Prompt   any // string or []engines.Message
-	Label    string
-	HasLabel bool
-	Metadata map[string]any
-}
+type Task = data.Task
 
 // rollout is one call of the script's rollout(task): its threads, the samples it queued for
 // training and the metrics it logged. Nothing it queued reaches a buffer unless it succeeds.

@@ -18,6 +18,7 @@ import (
 
 	"github.com/slimen/slimen/engines"
 	"github.com/slimen/slimen/host/config"
+	"github.com/slimen/slimen/host/data"
 )
 
 // Options configure a run.
@@ -40,10 +41,24 @@ type Options struct {
 	Log io.Writer
 }
 
-// TaskSource yields the tasks of a run by index.
+// TaskSource yields the tasks of a run by index (data.Source is one).
 type TaskSource interface {
 	// Task returns task i; a finite source wraps around.
-	Task(i int) (Task, error)
+	Task(i int) Task
+}
+
+// openTasks opens the config's data source; skipped lines are reported in the events log.
+func (r *Run) openTasks() error {
+	c := r.cfg
+	src, err := data.Open(c.Data.Path, data.Options{InputKey: c.Data.InputKey, LabelKey: c.Data.LabelKey, Seed: c.Run.Seed, Shuffle: c.Data.Shuffle})
+	if err != nil {
+		return err
+	}
+	for _, w := range src.Warnings() {
+		r.events.printf("data: skipped %s", w)
+	}
+	r.tasks = src
+	return nil
 }
 
 // Run is a training run: a script, its policies and their engines, buffers and the step loop.
@@ -99,7 +114,7 @@ func Load(ctx context.Context, scriptPath string, opts Options) (*Run, error) {
 		return nil, err
 	}
 	if r.tasks == nil {
-		if r.tasks, err = openTasks(r.cfg); err != nil {
+		if err := r.openTasks(); err != nil {
 			r.Close()
 			return nil, err
 		}
@@ -339,10 +354,7 @@ func (r *Run) runRollouts(ctx context.Context, step int, cfg *config.Config, fn 
 	stepCtx, cancel := context.WithCancel(ctx)
 	defer cancel()
 	for i := 0; i < n; i++ {
-		t, err := r.tasks.Task((step-1)*n + i)
-		if err != nil {
-			return nil, fmt.Errorf("step %d: %w", step, err)
-		}
+		t := r.tasks.Task((step-1)*n + i)
 		ros[i] = &rollout{run: r, ctx: stepCtx, task: t, index: i, step: step,
 			seed: keySeed(cfg.Run.Seed, t.ID, []int{step})}
 	}

@@ -20,7 +20,7 @@ import (
 // listTasks is a finite task source for tests: task i has prompt "q<i>" and label "<i>".
 type listTasks []Task
 
-func (l listTasks) Task(i int) (Task, error) { return l[i%len(l)], nil }
+func (l listTasks) Task(i int) Task { return l[i%len(l)] }
 
 func numberedTasks(n int) listTasks {
 	out := make(listTasks, n)

@@ -252,7 +252,7 @@ func builtinSimulate(thread *starlark.Thread, b *starlark.Builtin, args starlark
 
 type listSource []Task
 
-func (l listSource) Task(i int) (Task, error) { return l[i%len(l)], nil }
+func (l listSource) Task(i int) Task { return l[i%len(l)] }
 
 func simTask(fn string, v starlark.Value) (Task, error) {
 	t := Task{ID: "task"}
