@@ -46,10 +46,15 @@ func (r *resolver) readModelArgs(i int) {
 	tv := reflect.ValueOf(&p.Train).Elem()
 	for _, f := range flags {
 		if idx, ok := train.fields[f.key]; ok {
-			if r.given(pp+"."+f.key) || len(f.values) > 1 {
+			if r.given(pp + "." + f.key) {
 				continue // the YAML wins
 			}
-			sub.decode(scalarNode(f.values, f.line), tv.Field(idx), pathName{"--" + f.key, "--" + strings.ReplaceAll(f.key, "_", "-")})
+			flag := pathName{"--" + f.key, "--" + strings.ReplaceAll(f.key, "_", "-")}
+			if len(f.values) > 1 {
+				sub.errorf(f.line, flag, "takes one value, got %d (%s)", len(f.values), strings.Join(f.values, " "))
+				continue
+			}
+			sub.decode(scalarNode(f.values, f.line), tv.Field(idx), flag)
 			r.d.given[pp+"."+f.key] = line
 			continue
 		}
