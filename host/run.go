@@ -82,7 +82,8 @@ type Run struct {
 	policies map[string]*policy
 	order    []string // policy names in config order, then first use
 
-	step int // steps completed
+	step   int       // steps completed
+	reload *reloader // nil unless Watch was called
 
 	live struct{ done, total, tokens atomic.Int64 } // the current step, for progress displays
 }
@@ -308,6 +309,9 @@ func (r *Run) Steps(ctx context.Context, n int) error {
 // Step runs one step of DESIGN §4: rollouts, advantages, training, metrics.
 func (r *Run) Step(ctx context.Context) (*StepResult, error) {
 	step := r.step + 1
+	if err := r.applyReload(ctx, step); err != nil {
+		return nil, err
+	}
 	cfg := r.Config()
 	t0 := time.Now()
 	ros, err := r.runRollouts(ctx, step, cfg, r.script.rollout)
@@ -743,12 +747,20 @@ func (r *Run) openOutputs() error {
 	if err := r.metrics.open(filepath.Join(out, "metrics.jsonl")); err != nil {
 		return err
 	}
-	if err := os.WriteFile(filepath.Join(out, "script.star"), r.script.Source, 0o644); err != nil {
+	if err := r.saveScriptVersion(1); err != nil {
 		return err
 	}
-	y, err := r.cfg.Marshal()
+	return r.writeConfig()
+}
+
+// writeConfig writes the resolved config into the run directory.
+func (r *Run) writeConfig() error {
+	if r.opts.Out == "" {
+		return nil
+	}
+	y, err := r.Config().Marshal()
 	if err != nil {
 		return err
 	}
-	return os.WriteFile(filepath.Join(out, "config.yaml"), y, 0o644)
+	return os.WriteFile(filepath.Join(r.opts.Out, "config.yaml"), y, 0o644)
 }

@@ -262,3 +262,69 @@ def rollout(task):
 		t.Errorf("state count = %v, want 4", v)
 	}
 }
+
+// TestWatchReloadsAtStepBoundary is issue 7's acceptance: a run with --watch sees a rewritten
+// script from the next step on with the step counter continuous, and a broken rewrite leaves the
+// last good version running with the error in events.log.
+func TestWatchReloadsAtStepBoundary(t *testing.T) {
+	dir := t.TempDir()
+	script := filepath.Join(dir, "s.star")
+	write := func(src string) {
+		if err := os.WriteFile(script, []byte(src), 0o644); err != nil {
+			t.Fatal(err)
+		}
+	}
+	version := func(v int) string {
+		return fmt.Sprintf("def rollout(task):\n    c = generate(\"p\", task.prompt)\n    reward(c, 1.0)\n    train(c)\n    log(version = %d)\n", v)
+	}
+	write(version(1))
+	out := filepath.Join(dir, "run")
+	r, err := Load(context.Background(), script, Options{Config: testConfig(2, "p"), Out: out,
+		Engines: map[string]engines.Engine{"p": scripted.Echo("x")}, Tasks: numberedTasks(2)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer r.Close()
+	if err := r.Watch(""); err != nil {
+		t.Fatal(err)
+	}
+	logged := func() float64 {
+		res, err := r.Step(context.Background())
+		if err != nil {
+			t.Fatal(err)
+		}
+		return res.Run.Float("version")
+	}
+	if v := logged(); v != 1 {
+		t.Fatalf("step 1 logged version %v", v)
+	}
+	write(version(2))
+	if v := logged(); v != 2 {
+		t.Fatalf("step 2 after the rewrite logged version %v, want 2", v)
+	}
+	write("def rollout(task):\n    this is not starlark\n")
+	if v := logged(); v != 2 {
+		t.Fatalf("step 3 after a broken rewrite logged version %v, want the last good version 2", v)
+	}
+	r.Close()
+	metrics, _ := os.ReadFile(filepath.Join(out, "metrics.jsonl"))
+	var steps []string
+	for _, line := range strings.Split(strings.TrimSpace(string(metrics)), "\n") {
+		if strings.Contains(line, `"_run"`) {
+			steps = append(steps, line[:strings.Index(line, ",")])
+		}
+	}
+	if d := cmp.Diff([]string{`{"step":1`, `{"step":2`, `{"step":3`}, steps); d != "" {
+		t.Errorf("step counter (-want +got):\n%s", d)
+	}
+	events, _ := os.ReadFile(filepath.Join(out, "events.log"))
+	for _, want := range []string{"runs from step 2", "is broken; the run keeps version", "s.star:2:12"} {
+		if !strings.Contains(string(events), want) {
+			t.Errorf("events.log lacks %q:\n%s", want, events)
+		}
+	}
+	versions, _ := filepath.Glob(filepath.Join(out, "scripts", "step_*.star"))
+	if len(versions) != 2 {
+		t.Errorf("saved script versions: %v, want step_1 and step_2", versions)
+	}
+}

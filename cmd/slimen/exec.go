@@ -45,8 +45,9 @@ func cmdExec(args []string) int {
 	seed := fs.Uint64("seed", 0, "run seed (overrides run.seed)")
 	out := fs.String("out", "", "run directory (overrides run.out; default runs/SCRIPT_NAME)")
 	batch := fs.Int("batch-size", 0, "tasks per step (overrides rollout.batch_size)")
+	watch := fs.Bool("watch", false, "reload the script, the files it loads and the config when they change (at step boundaries)")
 	fs.Usage = func() {
-		fmt.Fprintln(fs.Output(), "usage: slimen exec SCRIPT [--config Y] [--data D] [--steps N] [--seed S] [--out DIR] [--batch-size B]")
+		fmt.Fprintln(fs.Output(), "usage: slimen exec SCRIPT [--config Y] [--data D] [--steps N] [--seed S] [--out DIR] [--batch-size B] [--watch]")
 		fs.PrintDefaults()
 	}
 	pos, err := parseInterleaved(fs, args)
@@ -112,6 +113,12 @@ func cmdExec(args []string) int {
 		return 1
 	}
 	defer r.Close()
+	if *watch {
+		if err := r.Watch(*cfgPath); err != nil {
+			fmt.Fprintln(os.Stderr, "slimen:", err)
+			return 1
+		}
+	}
 	fmt.Fprintf(os.Stderr, "slimen: %s → %s (%d steps of %d tasks)\n", script, dir, cfg.Run.Steps, cfg.Rollout.BatchSize)
 	for r.StepsDone() < cfg.Run.Steps {
 		prog.begin(r)

@@ -1,0 +1,236 @@
+package host
+
+import (
+	"context"
+	"crypto/sha256"
+	"encoding/hex"
+	"fmt"
+	"os"
+	"path/filepath"
+	"reflect"
+	"sync"
+	"time"
+
+	"github.com/fsnotify/fsnotify"
+
+	"github.com/slimen/slimen/host/config"
+)
+
+// Hot reload (DESIGN §8, `slimen exec --watch`). The host watches the script, every file it
+// loaded and the config. A changed script is loaded (parsed, resolved, top level executed) as
+// soon as it is saved, so a broken edit is reported at once; a good version is swapped in at the
+// next step boundary. Engines, buffers, optimizer state, `state` and the step counter stay. The
+// last good version keeps running while the new one is broken.
+//
+// Correctness does not hang on file events: at every step boundary the host also compares the
+// watched files' contents with the running version, so a change saved just before a step starts
+// is never missed; events only make errors show up early.
+
+type reloader struct {
+	mu         sync.Mutex
+	scriptPath string
+	cfgPath    string
+	sandbox    bool
+	rejected   string        // hash of the last version found broken (reported once)
+	pending    *Script       // a good new version waiting for the step boundary
+	pendingCfg *config.Config // a good new config waiting for the step boundary
+	cfgHash    string
+	watcher    *fsnotify.Watcher
+}
+
+// Watch starts watching the script, the files it loaded and the config (cfgPath, "" for none)
+// until the run is closed. Changes take effect at step boundaries.
+func (r *Run) Watch(cfgPath string) error {
+	w, err := fsnotify.NewWatcher()
+	if err != nil {
+		return fmt.Errorf("watch: %w", err)
+	}
+	r.reload = &reloader{scriptPath: r.script.Path, cfgPath: cfgPath, watcher: w}
+	if cfgPath != "" {
+		r.reload.cfgHash, _ = hashFiles([]string{cfgPath})
+	}
+	r.watchDirs()
+	go func() {
+		defer w.Close()
+		var burst <-chan time.Time
+		for {
+			select {
+			case <-r.ctx.Done():
+				return
+			case _, ok := <-w.Events:
+				if !ok {
+					return
+				}
+				// Editors save by writing a temporary file and renaming it: wait for the burst to end.
+				burst = time.After(150 * time.Millisecond)
+			case err, ok := <-w.Errors:
+				if !ok {
+					return
+				}
+				r.events.printf("watch: %v", err)
+			case <-burst:
+				burst = nil
+				r.checkReload()
+			}
+		}
+	}()
+	r.events.printf("watching %s and %d loaded files for changes", r.script.Path, len(r.script.Files)-1)
+	return nil
+}
+
+// watchDirs watches the parent folders of every file of the running version and the config.
+func (r *Run) watchDirs() {
+	dirs := map[string]bool{}
+	for _, f := range append(append([]string(nil), r.script.Files...), r.reload.cfgPath) {
+		if f != "" {
+			dirs[filepath.Dir(f)] = true
+		}
+	}
+	for d := range dirs {
+		if err := r.reload.watcher.Add(d); err != nil {
+			r.events.printf("watch %s: %v", d, err)
+		}
+	}
+}
+
+func hashFiles(files []string) (string, error) {
+	h := sha256.New()
+	for _, f := range files {
+		b, err := os.ReadFile(f)
+		if err != nil {
+			return "", err
+		}
+		h.Write([]byte(f))
+		h.Write(b)
+	}
+	return hex.EncodeToString(h.Sum(nil)), nil
+}
+
+// checkReload loads the script or config again if their files changed since the running (or
+// pending) version, keeping a good version pending and reporting a broken one.
+func (r *Run) checkReload() {
+	rl := r.reload
+	rl.mu.Lock()
+	defer rl.mu.Unlock()
+	current := r.script
+	if rl.pending != nil {
+		current = rl.pending
+	}
+	if h, err := hashFiles(current.Files); err != nil || h != current.Hash {
+		s, err := LoadScript(rl.scriptPath, ScriptOptions{Config: configValue{get: r.Config}, Sandbox: rl.sandbox})
+		switch {
+		case err != nil:
+			// A broken version: report it once, keep running the last good one.
+			if h != rl.rejected {
+				rl.rejected = h
+				r.events.printf("reload: %s is broken; the run keeps version %s:\n%s", rl.scriptPath, r.script.Hash[:12], indent(err.Error()))
+			}
+		case s.Hash != current.Hash:
+			rl.pending = s
+			r.events.printf("reload: %s version %s is valid; it takes over at the next step", rl.scriptPath, s.Hash[:12])
+		}
+	}
+	if rl.cfgPath == "" {
+		return
+	}
+	h, err := hashFiles([]string{rl.cfgPath})
+	if err != nil || h == rl.cfgHash {
+		return
+	}
+	rl.cfgHash = h
+	c, err := config.Load(rl.cfgPath)
+	if err != nil {
+		r.events.printf("reload: %s is invalid; the run keeps its config:\n%s", rl.cfgPath, indent(err.Error()))
+		return
+	}
+	if why := needsNewEngine(r.Config(), c); why != "" {
+		r.events.printf("reload: %s changes %s, which needs a new engine; restart the run to apply it (the run keeps its config)", rl.cfgPath, why)
+		return
+	}
+	rl.pendingCfg = c
+	r.events.printf("reload: %s is valid; its new settings take over at the next step", rl.cfgPath)
+}
+
+// needsNewEngine names a change that a running engine cannot take ("" if none): policies added,
+// removed or renamed, another checkpoint, engine settings, trainability or buffer mode.
+func needsNewEngine(old, new *config.Config) string {
+	if len(old.Policies) != len(new.Policies) {
+		return "the list of policies"
+	}
+	for i, p := range old.Policies {
+		q := new.Policies[i]
+		switch {
+		case p.Name != q.Name:
+			return fmt.Sprintf("policy %q (now %q)", p.Name, q.Name)
+		case p.HFCheckpoint != q.HFCheckpoint:
+			return fmt.Sprintf("policies[%s].hf_checkpoint", p.Name)
+		case !reflect.DeepEqual(p.Engine, q.Engine):
+			return fmt.Sprintf("policies[%s].engine", p.Name)
+		case p.Trainable != q.Trainable:
+			return fmt.Sprintf("policies[%s].trainable", p.Name)
+		case p.BufferMode != q.BufferMode:
+			return fmt.Sprintf("policies[%s].buffer_mode", p.Name)
+		}
+	}
+	if old.Data != new.Data {
+		return "data"
+	}
+	return ""
+}
+
+// applyReload swaps in a pending script or config at a step boundary.
+func (r *Run) applyReload(ctx context.Context, step int) error {
+	if r.reload == nil {
+		return nil
+	}
+	r.checkReload()
+	rl := r.reload
+	rl.mu.Lock()
+	s, c := rl.pending, rl.pendingCfg
+	rl.pending, rl.pendingCfg = nil, nil
+	rl.mu.Unlock()
+	if s != nil {
+		r.script = s
+		r.watchDirs() // the new version may load new files
+		if err := r.saveScriptVersion(step); err != nil {
+			return err
+		}
+		r.events.printf("reload: script version %s runs from step %d", s.Hash[:12], step)
+	}
+	if c != nil {
+		r.cfgMu.Lock()
+		old := r.cfg
+		c.Run.Out, c.File = old.Run.Out, old.File
+		r.cfg = c
+		r.cfgMu.Unlock()
+		r.polMu.Lock()
+		for i := range c.Policies {
+			if p := r.policies[c.Policies[i].Name]; p != nil {
+				p.cfg = c.Policies[i]
+			}
+		}
+		r.polMu.Unlock()
+		if err := r.writeConfig(); err != nil {
+			return err
+		}
+		r.events.printf("reload: config takes effect from step %d", step)
+	}
+	return nil
+}
+
+// saveScriptVersion keeps each accepted version in the run directory: script.star is the running
+// one, scripts/step_N-HASH.star the version that started at step N.
+func (r *Run) saveScriptVersion(step int) error {
+	if r.opts.Out == "" {
+		return nil
+	}
+	dir := filepath.Join(r.opts.Out, "scripts")
+	if err := os.MkdirAll(dir, 0o755); err != nil {
+		return err
+	}
+	name := fmt.Sprintf("step_%d-%s.star", step, r.script.Hash[:12])
+	if err := os.WriteFile(filepath.Join(dir, name), r.script.Source, 0o644); err != nil {
+		return err
+	}
+	return os.WriteFile(filepath.Join(r.opts.Out, "script.star"), r.script.Source, 0o644)
+}
