@@ -31,8 +31,8 @@ type reloader struct {
 	scriptPath string
 	cfgPath    string
 	sandbox    bool
-	rejected   string        // hash of the last version found broken (reported once)
-	pending    *Script       // a good new version waiting for the step boundary
+	rejected   string         // hash of the last version found broken (reported once)
+	pending    *Script        // a good new version waiting for the step boundary
 	pendingCfg *config.Config // a good new config waiting for the step boundary
 	cfgHash    string
 	watcher    *fsnotify.Watcher
