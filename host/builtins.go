@@ -85,6 +85,9 @@ func builtinGenerate(thread *starlark.Thread, b *starlark.Builtin, args starlark
 		return nil, fmt.Errorf("%s: %v", b.Name(), err)
 	}
 	s := ro.run.sampling()
+	if ro.eval != nil {
+		s = *ro.eval
+	}
 	if s.MaxTokens, err = optInt(b.Name(), "max_tokens", maxTokens, s.MaxTokens, 1, 1<<20); err != nil {
 		return nil, err
 	}
@@ -303,6 +306,9 @@ func builtinTrain(thread *starlark.Thread, b *starlark.Builtin, args starlark.Tu
 		return nil, err
 	}
 	ro := ts.ro
+	if ro.eval != nil {
+		return nil, fmt.Errorf("%s: eval rollouts do not train; return metrics from eval_rollout instead", b.Name())
+	}
 	q := queued{group: ro.task.ID}
 	switch g := group.(type) {
 	case starlark.NoneType:

@@ -82,13 +82,13 @@ func (w *metricsWriter) open(path string) error {
 	return nil
 }
 
-// write appends the step's lines: each policy, then _run.
-func (w *metricsWriter) write(res *StepResult) error {
+// writeLines appends metrics lines (a step's: each policy, then _run, then any _eval).
+func (w *metricsWriter) writeLines(ms []Metrics) error {
 	if w.f == nil {
 		return nil
 	}
 	var b bytes.Buffer
-	for _, m := range append(append([]Metrics(nil), res.Policies...), res.Run) {
+	for _, m := range ms {
 		line, err := json.Marshal(m)
 		if err != nil {
 			return err

@@ -27,6 +27,9 @@ type rollout struct {
 	index int // position of the task in its step: the first sort key of its samples
 	step  int
 	seed  uint64
+	eval  *engines.Sampling // eval rollouts sample with these settings and do not train
+
+	result starlark.Value // what the rollout function returned
 
 	mu        sync.Mutex
 	queued    []queued

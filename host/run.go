@@ -137,6 +137,9 @@ func newRun(opts Options) *Run {
 	if r.cfg == nil {
 		r.cfg, r.zero = config.Default(nil), true
 	}
+	if len(r.cfg.Policies) == 0 {
+		r.zero = true // a config that lists no policies leaves them to the script, as zero-config does
+	}
 	return r
 }
 
@@ -290,7 +293,14 @@ type StepResult struct {
 	Step     int
 	Policies []Metrics // sorted by policy name
 	Run      Metrics   // policy "_run"
+	Eval     []Metrics // policy "_eval", one per dataset, on eval steps
 	Failed   []*RolloutError
+}
+
+// evalDue says whether the eval datasets run after the given step (step 0: before training).
+func (r *Run) evalDue(step int) bool {
+	c := r.Config()
+	return len(c.Eval.Datasets) > 0 && c.Run.EvalInterval > 0 && step%c.Run.EvalInterval == 0
 }
 
 // Steps runs n steps (or, for n ≤ 0, the config's run.steps minus those done).
@@ -313,8 +323,22 @@ func (r *Run) Step(ctx context.Context) (*StepResult, error) {
 		return nil, err
 	}
 	cfg := r.Config()
+	if step == 1 && r.evalDue(0) {
+		evs, err := r.Eval(ctx)
+		if err != nil {
+			return nil, err
+		}
+		if err := r.metrics.writeLines(evs); err != nil {
+			return nil, err
+		}
+	}
 	t0 := time.Now()
-	ros, err := r.runRollouts(ctx, step, cfg, r.script.rollout)
+	n := cfg.Rollout.BatchSize
+	tasks := make([]Task, n)
+	for i := range tasks {
+		tasks[i] = r.tasks.Task((step-1)*n + i)
+	}
+	ros, err := r.runRollouts(ctx, step, tasks, r.script.rollout, nil)
 	if err != nil {
 		return nil, err
 	}
@@ -345,22 +369,28 @@ func (r *Run) Step(ctx context.Context) (*StepResult, error) {
 	res.Policies = pm
 	res.Run = r.runMetrics(step, ros, res, rolloutS, trainS, time.Since(t0).Seconds())
 	r.step = step
-	if err := r.metrics.write(res); err != nil {
+	if r.evalDue(step) {
+		if res.Eval, err = r.Eval(ctx); err != nil {
+			return nil, err
+		}
+	}
+	if err := r.metrics.writeLines(append(append(append([]Metrics(nil), res.Policies...), res.Run), res.Eval...)); err != nil {
 		return nil, err
 	}
 	return res, nil
 }
 
-// runRollouts calls rollout(task) for every task of the step, each on its own goroutine.
-func (r *Run) runRollouts(ctx context.Context, step int, cfg *config.Config, fn starlark.Callable) ([]*rollout, error) {
-	n := cfg.Rollout.BatchSize
+// runRollouts calls fn(task) for every task, each on its own goroutine. eval, when not nil, marks
+// eval rollouts: they sample with its settings and may not train.
+func (r *Run) runRollouts(ctx context.Context, step int, tasks []Task, fn starlark.Callable, eval *engines.Sampling) ([]*rollout, error) {
+	n := len(tasks)
 	ros := make([]*rollout, n)
 	stepCtx, cancel := context.WithCancel(ctx)
 	defer cancel()
-	for i := 0; i < n; i++ {
-		t := r.tasks.Task((step-1)*n + i)
-		ros[i] = &rollout{run: r, ctx: stepCtx, task: t, index: i, step: step,
-			seed: keySeed(cfg.Run.Seed, t.ID, []int{step})}
+	seed := r.Config().Run.Seed
+	for i, t := range tasks {
+		ros[i] = &rollout{run: r, ctx: stepCtx, task: t, index: i, step: step, eval: eval,
+			seed: keySeed(seed, t.ID, []int{step})}
 	}
 	r.live.done.Store(0)
 	r.live.total.Store(int64(n))
@@ -374,7 +404,7 @@ func (r *Run) runRollouts(ctx context.Context, step int, cfg *config.Config, fn 
 			defer r.live.done.Add(1)
 			defer r.activity.leave()
 			th := ro.newThread(nil)
-			_, ro.err = ro.call(th, fn, starlark.Tuple{taskValue(ro.task, step)})
+			ro.result, ro.err = ro.call(th, fn, starlark.Tuple{taskValue(ro.task, step)})
 			if ro.err == nil {
 				ro.err = ro.checkQueued()
 			}

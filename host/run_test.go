@@ -328,3 +328,56 @@ func TestWatchReloadsAtStepBoundary(t *testing.T) {
 		t.Errorf("saved script versions: %v, want step_1 and step_2", versions)
 	}
 }
+
+func TestEvalDefaultAndScripted(t *testing.T) {
+	dir := t.TempDir()
+	evalFile := filepath.Join(dir, "eval.jsonl")
+	os.WriteFile(evalFile, []byte(`{"prompt": "a", "label": "5"}`+"\n"+`{"prompt": "b", "label": "6"}`+"\n"), 0o644)
+	cfg := testConfig(1, "p")
+	cfg.Run.EvalInterval = 2
+	cfg.Eval.Datasets = []config.EvalDataset{{Name: "small", Path: evalFile, Temperature: 1, NSamples: 4}}
+	// The policy answers \boxed{5}: right on task a, wrong on b.
+	eng := scripted.Echo(`\boxed{5}`)
+	r := loadRun(t, `
+def rollout(task):
+    c = generate("p", task.prompt)
+    reward(c, 1.0)
+    train(c)
+`, cfg, map[string]engines.Engine{"p": eng}, numberedTasks(2))
+	res, err := r.Step(context.Background())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(res.Eval) != 0 {
+		t.Errorf("eval after step 1 with eval_interval 2: %v", res.Eval)
+	}
+	if res, err = r.Step(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	if len(res.Eval) != 1 {
+		t.Fatalf("no eval after step 2")
+	}
+	m := res.Eval[0]
+	for k, want := range map[string]float64{"p/greedy_accuracy": 0.5, "p/accuracy": 0.5, "p/pass@4": 0.5, "tasks": 2} {
+		if m.Float(k) != want {
+			t.Errorf("%s = %v, want %v (%v)", k, m.Float(k), want, m)
+		}
+	}
+	// A script's eval_rollout replaces the default; it may not train.
+	r2 := loadRun(t, `
+def rollout(task):
+    pass
+def eval_rollout(task):
+    c = generate("p", task.prompt, temperature = 0)
+    if task.prompt == "b":
+        train(c)
+    return {"len": len(c.text)}
+`, cfg, map[string]engines.Engine{"p": eng}, numberedTasks(2))
+	evs, err := r2.Eval(context.Background())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if evs[0].Float("len") != 9 || evs[0].Float("failed") != 1 {
+		t.Errorf("scripted eval: %v", evs[0])
+	}
+}

@@ -1,0 +1,153 @@
+package host
+
+import (
+	"context"
+	"fmt"
+	"math"
+	"sort"
+	"strings"
+
+	"go.starlark.net/starlark"
+
+	"github.com/slimen/slimen/engines"
+	"github.com/slimen/slimen/host/data"
+)
+
+// Eval (DESIGN §2, issue 7): every run.eval_interval steps, and before the first step, each eval
+// dataset's tasks go through the script's eval_rollout(task) — which returns a dict of numbers —
+// or, when the script has none, through defaultEval below. The numbers are averaged per dataset
+// and written as a metrics line with "policy": "_eval" and "dataset": NAME.
+
+// defaultEvalSource grades every policy on the task: its greedy answer, and with n samples per
+// prompt (n > 1) the mean accuracy at the dataset's temperature and pass@n.
+const defaultEvalSource = `
+load("@slimen//answers.star", "grade")
+
+def default_eval(task):
+    out = {}
+    if task.label == None:
+        return out
+    for p in POLICIES:
+        greedy = generate(p, task.prompt, temperature = 0)
+        out[p + "/greedy_accuracy"] = grade(greedy.text, task.label, "math")
+        if N > 1:
+            scores = [grade(c.text, task.label, "math") for c in generate(p, task.prompt, n = N)]
+            total = 0.0
+            for s in scores:
+                total += s
+            out[p + "/accuracy"] = total / N
+            out[p + "/pass@%d" % N] = max(scores)
+    return out
+`
+
+// defaultEval compiles the default eval function for the given policies and samples per task.
+func defaultEval(policies []string, n int) (starlark.Callable, error) {
+	pre := predeclared()
+	names := make([]starlark.Value, len(policies))
+	for i, p := range policies {
+		names[i] = starlark.String(p)
+	}
+	pre["POLICIES"] = starlark.NewList(names)
+	pre["N"] = starlark.MakeInt(n)
+	l := newLoader("/", pre, false)
+	g, err := l.execFile("<default eval>", []byte(defaultEvalSource))
+	if err != nil {
+		return nil, fmt.Errorf("default eval: %w", err)
+	}
+	g.Freeze()
+	return g["default_eval"].(starlark.Callable), nil
+}
+
+// Eval runs every eval dataset of the config and returns one metrics line per dataset. It is part
+// of Step when run.eval_interval is set; embedders may call it between steps.
+func (r *Run) Eval(ctx context.Context) ([]Metrics, error) {
+	cfg := r.Config()
+	var out []Metrics
+	for _, ds := range cfg.Eval.Datasets {
+		src, err := data.Open(ds.Path, data.Options{InputKey: ds.InputKey, LabelKey: ds.LabelKey, Seed: data.EvalSeed(cfg.Run.Seed)})
+		if err != nil {
+			return nil, fmt.Errorf("eval dataset %q: %w", ds.Name, err)
+		}
+		tasks, err := data.EvalTasks(src, ds.Limit)
+		if err != nil {
+			return nil, fmt.Errorf("eval dataset %q: %w", ds.Name, err)
+		}
+		n := max(ds.NSamples, 1)
+		var fn starlark.Callable = r.script.evalRollout
+		if r.script.evalRollout == nil {
+			var names []string
+			for _, p := range r.policyList() {
+				names = append(names, p.name)
+			}
+			if fn, err = defaultEval(names, n); err != nil {
+				return nil, err
+			}
+		}
+		s := engines.Sampling{MaxTokens: ds.MaxResponseLen, Temperature: ds.Temperature, TopP: ds.TopP, Stop: cfg.Rollout.Stop}
+		if s.MaxTokens <= 0 {
+			s.MaxTokens = cfg.Rollout.MaxResponseLen
+		}
+		ros, err := r.runRollouts(ctx, r.step, tasks, fn, &s)
+		if err != nil {
+			return nil, err
+		}
+		m := newMetrics(r.step, "_eval")
+		m.set("dataset", ds.Name)
+		sums := map[string][2]float64{}
+		failed := 0
+		for _, ro := range ros {
+			if ro.err == nil {
+				ro.err = addEvalResult(sums, ro.result)
+			}
+			if ro.err != nil {
+				failed++
+				r.events.printf("eval %s: task %s failed:\n%s", ds.Name, ro.task.ID, indent(scriptErrorText(ro.err)))
+			}
+		}
+		keys := make([]string, 0, len(sums))
+		for k := range sums {
+			keys = append(keys, k)
+		}
+		sort.Strings(keys)
+		for _, k := range keys {
+			m.set(k, sums[k][0]/sums[k][1])
+		}
+		m.set("tasks", len(tasks))
+		m.set("failed", failed)
+		out = append(out, m)
+		r.events.printf("eval %s at step %d: %s", ds.Name, r.step, summarize(m, keys))
+	}
+	return out, nil
+}
+
+func summarize(m Metrics, keys []string) string {
+	var parts []string
+	for _, k := range keys {
+		parts = append(parts, fmt.Sprintf("%s %.3f", k, m.Float(k)))
+	}
+	return strings.Join(parts, ", ")
+}
+
+// addEvalResult adds an eval_rollout's dict of numbers to the running sums.
+func addEvalResult(sums map[string][2]float64, v starlark.Value) error {
+	d, ok := v.(*starlark.Dict)
+	if !ok {
+		return fmt.Errorf("eval_rollout returned a %s; return a dict of numbers, e.g. {\"accuracy\": 1.0}", v.Type())
+	}
+	for _, kv := range d.Items() {
+		k, ok := kv[0].(starlark.String)
+		x, isNum := starlark.AsFloat(kv[1])
+		if b, isBool := kv[1].(starlark.Bool); isBool {
+			x, isNum = 0, true
+			if b {
+				x = 1
+			}
+		}
+		if !ok || !isNum || math.IsNaN(x) || math.IsInf(x, 0) {
+			return fmt.Errorf("eval_rollout returned %s: %s; keys must be strings and values finite numbers", kv[0], kv[1])
+		}
+		a := sums[string(k)]
+		sums[string(k)] = [2]float64{a[0] + x, a[1] + 1}
+	}
+	return nil
+}
