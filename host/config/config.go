@@ -89,9 +89,22 @@ type EngineConfig struct {
 	MemFractionStatic float64       `yaml:"mem_fraction_static,omitempty" json:"mem_fraction_static,omitempty"`
 	ServerGroups      []ServerGroup `yaml:"server_groups,omitempty" json:"server_groups,omitempty"`
 	Threads           int           `yaml:"threads,omitempty" json:"threads,omitempty"` // tiny: worker goroutines (0: all cores)
+	// remote: security and limits of the connection (docs/remote.md).
+	TokenEnv     string     `yaml:"token_env,omitempty" json:"token_env,omitempty"` // env var holding the bearer token
+	Insecure     bool       `yaml:"insecure,omitempty" json:"insecure,omitempty"`   // plaintext to a non-loopback address
+	TLS          *TLSConfig `yaml:"tls,omitempty" json:"tls,omitempty"`
+	MaxMessageMB int        `yaml:"max_message_mb,omitempty" json:"max_message_mb,omitempty"`
 
 	// Extra holds the other server arguments (chunked_prefill_size, …); they pass through.
 	Extra map[string]any `yaml:",inline" json:"extra,omitempty"`
+}
+
+// TLSConfig is how a remote engine's connection is encrypted and checked.
+type TLSConfig struct {
+	CA         string `yaml:"ca,omitempty" json:"ca,omitempty"`     // PEM file of the CA that signed the server's certificate
+	Cert       string `yaml:"cert,omitempty" json:"cert,omitempty"` // client certificate (mutual TLS)
+	Key        string `yaml:"key,omitempty" json:"key,omitempty"`
+	ServerName string `yaml:"server_name,omitempty" json:"server_name,omitempty"`
 }
 
 // ServerGroup is one entry of sglang's `server_groups`.
