@@ -126,14 +126,19 @@ func (e *eventLog) open(path string) error {
 	return nil
 }
 
-func (e *eventLog) printf(format string, args ...any) {
+func (e *eventLog) printf(format string, args ...any) { e.write(true, format, args...) }
+
+// filef writes to events.log only (the run's Log writer is spared a flood of similar lines).
+func (e *eventLog) filef(format string, args ...any) { e.write(false, format, args...) }
+
+func (e *eventLog) write(toLog bool, format string, args ...any) {
 	msg := fmt.Sprintf(format, args...)
 	e.mu.Lock()
 	defer e.mu.Unlock()
 	if e.f != nil {
 		fmt.Fprintf(e.f, "%s %s\n", time.Now().UTC().Format(time.RFC3339), msg)
 	}
-	if e.w != nil {
+	if e.w != nil && toLog {
 		fmt.Fprintln(e.w, msg)
 	}
 }

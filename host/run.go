@@ -80,7 +80,8 @@ type Run struct {
 
 	polMu    sync.Mutex
 	policies map[string]*policy
-	order    []string // policy names in config order, then first use
+	openErrs map[string]error // zero-config policies whose engine failed to open: not retried
+	order    []string         // policy names in config order, then first use
 
 	step   int       // steps completed
 	reload *reloader // nil unless Watch was called
@@ -224,9 +225,16 @@ func (r *Run) policyFor(name string) (*policy, error) {
 	if name == "" || strings.ContainsAny(name, " \t\n/") {
 		return nil, fmt.Errorf("policy name %q is not a valid name", name)
 	}
+	if err := r.openErrs[name]; err != nil {
+		return nil, err
+	}
 	pc := config.DefaultPolicy(name)
 	p, err := r.addPolicy(r.ctx, pc)
 	if err != nil {
+		if r.openErrs == nil {
+			r.openErrs = map[string]error{}
+		}
+		r.openErrs[name] = err
 		return nil, err
 	}
 	r.cfgMu.Lock()
@@ -297,6 +305,9 @@ type StepResult struct {
 	Failed   []*RolloutError
 }
 
+// shownFailures is how many failed rollouts a step shows in full on the run's log.
+const shownFailures = 3
+
 // evalDue says whether the eval datasets run after the given step (step 0: before training).
 func (r *Run) evalDue(step int) bool {
 	c := r.Config()
@@ -349,11 +360,18 @@ func (r *Run) Step(ctx context.Context) (*StepResult, error) {
 		if ro.err != nil {
 			re := &RolloutError{Step: step, TaskID: ro.task.ID, Msg: scriptErrorText(ro.err)}
 			res.Failed = append(res.Failed, re)
-			r.events.printf("%s", re.Error())
+			if len(res.Failed) <= shownFailures {
+				r.events.printf("%s", re.Error())
+			} else {
+				r.events.filef("%s", re.Error())
+			}
 			if first == nil {
 				first = re
 			}
 		}
+	}
+	if len(res.Failed) > shownFailures {
+		r.events.printf("step %d: %d more rollouts failed (all in events.log)", step, len(res.Failed)-shownFailures)
 	}
 	if first != nil && len(ros) > 0 && float64(len(res.Failed))/float64(len(ros)) > cfg.Rollout.MaxFailedFraction {
 		return nil, fmt.Errorf("step %d: %d of %d rollouts failed, more than rollout.max_failed_fraction (%g); the run stops. First failure:\n%s",
