@@ -4,6 +4,8 @@ import (
 	"context"
 	"fmt"
 	"math"
+
+	"github.com/slimen/slimen/engines"
 )
 
 // trainSeq is one training sequence: the model reads prompt + response[:len−1] and is scored on
@@ -93,82 +95,6 @@ func concat(v [][]float64) []float64 {
 	return out
 }
 
-// gradNorm returns the global L2 norm of the gradients, summed in parameter order.
-func gradNorm[T Float](g *weights[T]) float64 {
-	s := 0.0
-	for _, t := range g.tensors() {
-		for _, v := range t.data {
-			s += float64(float64(v) * float64(v))
-		}
-	}
-	return math.Sqrt(s)
-}
-
-// adamState is AdamW's state: step count and first and second moments per parameter tensor, in
-// the parameters' canonical order.
-type adamState struct {
-	step int64
-	m, v [][]float32
-}
-
-func newAdamState(w *weights[float32]) *adamState {
-	o := &adamState{}
-	for _, t := range w.tensors() {
-		o.m = append(o.m, make([]float32, len(t.data)))
-		o.v = append(o.v, make([]float32, len(t.data)))
-	}
-	return o
-}
-
-// optimConfig is the optimizer part of a LossConfig, defaults resolved.
-type optimConfig struct {
-	lr, beta1, beta2, eps, weightDecay, maxGradNorm float64
-}
-
-func resolveOptim(lr, beta1, beta2, eps, wd, maxNorm float64) (optimConfig, error) {
-	c := optimConfig{lr, beta1, beta2, eps, wd, maxNorm}
-	if c.beta1 == 0 {
-		c.beta1 = 0.9
-	}
-	if c.beta2 == 0 {
-		c.beta2 = 0.999
-	}
-	if c.eps == 0 {
-		c.eps = 1e-8
-	}
-	if !(c.lr >= 0) || !(c.beta1 > 0 && c.beta1 < 1) || !(c.beta2 > 0 && c.beta2 < 1) || !(c.eps > 0) || !(c.weightDecay >= 0) || !(c.maxGradNorm >= 0) {
-		return c, fmt.Errorf("optimizer settings out of range: lr %g, beta1 %g, beta2 %g, adam_eps %g, weight_decay %g, max_grad_norm %g (want lr ≥ 0, betas in (0,1), eps > 0, decay and norm ≥ 0)",
-			lr, beta1, beta2, eps, wd, maxNorm)
-	}
-	return c, nil
-}
-
-// update applies one AdamW step (PyTorch's algorithm: decoupled weight decay p ← p(1 − lr·wd),
-// then p ← p − lr·m̂/(√v̂ + eps)) with the gradients scaled by gradScale. As in Megatron, norm
-// weights (the 1-D tensors) are not decayed.
-func (o *adamState) update(w, g *weights[float32], c optimConfig, gradScale float64) {
-	o.step++
-	bc1 := 1 - math.Pow(c.beta1, float64(o.step))
-	bc2 := 1 - math.Pow(c.beta2, float64(o.step))
-	gt := g.tensors()
-	for i, t := range w.tensors() {
-		decay := c.weightDecay
-		if len(t.shape) == 1 {
-			decay = 0
-		}
-		m, v, gd := o.m[i], o.v[i], gt[i].data
-		for j, p := range t.data {
-			gr := float64(gd[j]) * gradScale
-			mj := float64(float64(c.beta1*float64(m[j])) + float64((1-c.beta1)*gr))
-			vj := float64(float64(c.beta2*float64(v[j])) + float64(float64((1-c.beta2)*gr)*gr))
-			m[j], v[j] = float32(mj), float32(vj)
-			np := float64(p) * (1 - float64(c.lr*decay))
-			np -= float64(c.lr*float64(mj/bc1)) / (math.Sqrt(vj/bc2) + c.eps)
-			t.data[j] = float32(np)
-		}
-	}
-}
-
 // policyChunkLoss evaluates the policy loss on each chunk: samples carry the batch's advantages,
 // masks and old log-probabilities, w the batch-wide token weights.
 func policyChunkLoss(samples []lossSample, w [][]float64, c lossConfig) chunkLoss {
@@ -184,4 +110,101 @@ func policyChunkLoss(samples []lossSample, w [][]float64, c lossConfig) chunkLos
 		}
 		return policyLoss(chunk, w[first:first+len(chunk)], c)
 	}
+}
+
+// Train runs one optimizer step on the batch with the policy loss of DESIGN §4 (see policyLoss),
+// then AdamW with global gradient-norm clipping. A non-finite loss or gradient skips the step
+// (reported in TrainStats) and leaves weights and optimizer state untouched. The step is
+// deterministic: the same weights and batch give the same new weights to the bit, for any number
+// of threads.
+func (e *Engine) Train(ctx context.Context, b engines.Batch) (engines.TrainStats, error) {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	if e.closed {
+		return engines.TrainStats{}, ErrClosed
+	}
+	lc, err := resolveLoss(b.Loss)
+	if err != nil {
+		return engines.TrainStats{}, fmt.Errorf("tiny: train: %w", err)
+	}
+	oc, err := resolveOptim(b.Loss.LR, b.Loss.Beta1, b.Loss.Beta2, b.Loss.AdamEps, b.Loss.WeightDecay, b.Loss.MaxGradNorm)
+	if err != nil {
+		return engines.TrainStats{}, fmt.Errorf("tiny: train: %w", err)
+	}
+	var seqs []trainSeq
+	var samples []lossSample
+	for i, s := range b.Samples {
+		if err := e.checkSample(s); err != nil {
+			return engines.TrainStats{}, fmt.Errorf("tiny: train: sample %d: %w", i, err)
+		}
+		if len(s.Response) == 0 {
+			continue
+		}
+		seqs = append(seqs, trainSeq{prompt: s.Prompt, response: s.Response})
+		samples = append(samples, lossSample{Group: s.Group, OldLogp: f64(s.OldLogprobs), Adv: f64(s.Advantages), Mask: f64(s.LossMask)})
+	}
+	w := tokenWeights(samples, lc.aggregation)
+	var ref *model[float32]
+	if lc.klCoef > 0 {
+		ref = e.ref
+	}
+	st, g, err := e.m.accumulateGrads(ctx, e.threads, chunkTokens, seqs, ref, policyChunkLoss(samples, w, lc))
+	if err != nil {
+		return engines.TrainStats{}, err
+	}
+	out := engines.TrainStats{Loss: st.Loss, PGLoss: st.PG, KL: st.KL, Entropy: st.Entropy, Tokens: st.Tokens}
+	if st.Tokens > 0 {
+		out.ClipFrac = float64(st.Clipped) / float64(st.Tokens)
+	}
+	return e.applyStep(out, g, oc), nil
+}
+
+// applyStep finishes a step: it skips it when there is nothing to learn from or a number is not
+// finite, otherwise clips the gradients and updates the weights.
+func (e *Engine) applyStep(st engines.TrainStats, g *weights[float32], oc optimConfig) engines.TrainStats {
+	st.GradNorm = gradNorm(g)
+	switch {
+	case st.Tokens == 0:
+		st.Skipped, st.Reason = true, "no trained tokens: every loss mask is 0"
+	case math.IsNaN(st.Loss) || math.IsInf(st.Loss, 0):
+		st.Skipped, st.Reason = true, fmt.Sprintf("loss is %v", st.Loss)
+	case math.IsNaN(st.GradNorm) || math.IsInf(st.GradNorm, 0):
+		st.Skipped, st.Reason = true, fmt.Sprintf("gradient norm is %v", st.GradNorm)
+	}
+	if st.Skipped {
+		return st
+	}
+	scale := 1.0
+	if oc.maxGradNorm > 0 && st.GradNorm > oc.maxGradNorm {
+		scale = oc.maxGradNorm / (st.GradNorm + 1e-6) // torch.nn.utils.clip_grad_norm_
+	}
+	e.opt.update(e.m.w, g, oc, scale)
+	return st
+}
+
+func (e *Engine) checkSample(s engines.Sample) error {
+	n := len(s.Response)
+	switch {
+	case len(s.LossMask) != n || len(s.OldLogprobs) != n || len(s.Advantages) != n:
+		return fmt.Errorf("response has %d tokens but loss_mask %d, old_logprobs %d, advantages %d entries", n, len(s.LossMask), len(s.OldLogprobs), len(s.Advantages))
+	case len(s.Prompt) == 0 && n > 0:
+		return fmt.Errorf("the prompt is empty: the first response token needs a position to be predicted from")
+	case len(s.Prompt)+n > e.m.w.cfg.MaxSeqLen:
+		return fmt.Errorf("prompt and response are %d tokens; the model takes at most %d", len(s.Prompt)+n, e.m.w.cfg.MaxSeqLen)
+	}
+	if err := e.checkTokens(s.Prompt); err != nil {
+		return fmt.Errorf("prompt: %w", err)
+	}
+	if err := e.checkTokens(s.Response); err != nil {
+		return fmt.Errorf("response: %w", err)
+	}
+	return nil
+}
+
+func f64(v []float32) []float64 {
+	out := make([]float64, len(v))
+	for i, x := range v {
+		out[i] = float64(x)
+	}
+	return out
 }

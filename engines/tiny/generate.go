@@ -1,0 +1,333 @@
+package tiny
+
+import (
+	"context"
+	"encoding/binary"
+	"fmt"
+	"hash/fnv"
+	"math"
+	"math/rand/v2"
+	"slices"
+	"strings"
+
+	"github.com/slimen/slimen/engines"
+)
+
+// genSeq is one sample being generated.
+type genSeq struct {
+	req, index int
+	prompt     []int32
+	s          engines.Sampling
+	cache      *kvCache[float32]
+	length     int // positions in the cache
+	rng        *rand.Rand
+	tokens     []int32
+	logprobs   []float32
+	text       strings.Builder
+	result     string // final text
+	finish     string // "" while running
+}
+
+// Generate samples the completions of every request as one batch: prompts are prefilled together,
+// then all unfinished samples advance one token per step through the KV caches. A sample's tokens
+// and log-probabilities depend only on its model, prompt, sampling settings and index: its random
+// stream is its own (see sampleRNG) and every row is computed alone (see matMulT and attendRow),
+// so neither the other requests of the batch nor the number of threads change it.
+func (e *Engine) Generate(ctx context.Context, reqs []engines.GenerateRequest) ([]engines.Completion, error) {
+	e.mu.RLock()
+	defer e.mu.RUnlock()
+	if e.closed {
+		return nil, ErrClosed
+	}
+	cfg := e.m.w.cfg
+	prompts := make([][]int32, len(reqs))
+	for i, r := range reqs {
+		p, err := e.promptTokens(r.Messages, r.PromptTokens)
+		if err == nil && len(p) >= cfg.MaxSeqLen {
+			err = fmt.Errorf("the prompt has %d tokens; the model takes at most %d tokens of prompt and response together", len(p), cfg.MaxSeqLen)
+		}
+		if err == nil {
+			err = checkSampling(r)
+		}
+		if err != nil {
+			return nil, fmt.Errorf("tiny: generate request %d (%q): %w", i, r.ID, err)
+		}
+		prompts[i] = p
+	}
+	capacity := func(i int) int {
+		return min(cfg.MaxSeqLen, len(prompts[i])+engines.NormalizeSampling(reqs[i].Sampling).MaxTokens)
+	}
+
+	// Prefill, chunk by chunk.
+	caches := make([]*kvCache[float32], len(reqs))
+	last := make([][]float32, len(reqs))
+	for lo := 0; lo < len(reqs); {
+		if err := ctx.Err(); err != nil {
+			return nil, err
+		}
+		hi, rows := lo, 0
+		for hi < len(reqs) && (hi == lo || rows+len(prompts[hi]) <= chunkTokens) {
+			rows += len(prompts[hi])
+			hi++
+		}
+		var tokens []int32
+		var views []seqView[float32]
+		var outRows []int
+		for i := lo; i < hi; i++ {
+			caches[i] = newKVCache[float32](cfg, capacity(i))
+			views = append(views, seqView[float32]{start: len(tokens), n: len(prompts[i]), cache: caches[i]})
+			tokens = append(tokens, prompts[i]...)
+			outRows = append(outRows, len(tokens)-1)
+		}
+		logits, _ := e.m.forward(e.threads, tokens, views, outRows, false)
+		for i := lo; i < hi; i++ {
+			last[i] = logits[(i-lo)*cfg.VocabSize : (i-lo+1)*cfg.VocabSize]
+		}
+		lo = hi
+	}
+
+	// Samples: each gets a copy of its request's prompt cache (the last one takes the original).
+	var seqs []*genSeq
+	for i, r := range reqs {
+		n := max(r.N, 1)
+		for j := range n {
+			c := caches[i]
+			if j < n-1 {
+				c = newKVCache[float32](cfg, capacity(i))
+				c.copyPrefix(caches[i], len(prompts[i]), cfg.kvDim())
+			}
+			s := &genSeq{req: i, index: j, prompt: prompts[i], s: engines.NormalizeSampling(r.Sampling), cache: c,
+				length: len(prompts[i]), rng: sampleRNG(r.Seed, prompts[i], j)}
+			e.advance(s, last[i])
+			seqs = append(seqs, s)
+		}
+	}
+
+	// Decode: one token per unfinished sample per step.
+	active := slices.DeleteFunc(slices.Clone(seqs), func(s *genSeq) bool { return s.finish != "" })
+	for len(active) > 0 {
+		if err := ctx.Err(); err != nil {
+			return nil, err
+		}
+		tokens := make([]int32, len(active))
+		views := make([]seqView[float32], len(active))
+		outRows := make([]int, len(active))
+		for k, s := range active {
+			tokens[k] = s.tokens[len(s.tokens)-1]
+			views[k] = seqView[float32]{start: k, n: 1, pos0: s.length, cache: s.cache}
+			outRows[k] = k
+		}
+		logits, _ := e.m.forward(e.threads, tokens, views, outRows, false)
+		for k, s := range active {
+			s.length++
+			e.advance(s, logits[k*cfg.VocabSize:(k+1)*cfg.VocabSize])
+		}
+		active = slices.DeleteFunc(active, func(s *genSeq) bool { return s.finish != "" })
+	}
+
+	out := make([]engines.Completion, len(seqs))
+	for k, s := range seqs {
+		out[k] = engines.Completion{
+			RequestID:    reqs[s.req].ID,
+			Index:        s.index,
+			PromptTokens: slices.Clone(s.prompt),
+			Tokens:       s.tokens,
+			Logprobs:     s.logprobs,
+			Text:         s.result,
+			FinishReason: s.finish,
+		}
+	}
+	return out, nil
+}
+
+func checkSampling(r engines.GenerateRequest) error {
+	switch {
+	case r.N < 0:
+		return fmt.Errorf("n = %d; want at least 1", r.N)
+	case !(r.Temperature >= 0) || math.IsInf(r.Temperature, 0):
+		return fmt.Errorf("temperature %v; want a finite value ≥ 0", r.Temperature)
+	case math.IsNaN(r.TopP) || r.TopP < 0 || r.TopP > 1:
+		return fmt.Errorf("top_p %v; want a value in (0, 1]", r.TopP)
+	}
+	return nil
+}
+
+// advance samples the next token of s from logits and decides whether s is finished: on an EOS
+// token or a stop string ("stop"), or at max tokens or the model's length limit ("length").
+func (e *Engine) advance(s *genSeq, logits []float32) {
+	tok, lp := sampleToken(logits, s.s.Temperature, s.s.TopP, s.rng)
+	s.tokens = append(s.tokens, tok)
+	s.logprobs = append(s.logprobs, lp)
+	if slices.Contains(e.eos, tok) {
+		s.finish, s.result = "stop", s.text.String()
+		return
+	}
+	prev := s.text.Len()
+	s.text.WriteString(e.tok.piece(tok))
+	text := s.text.String()
+	cut := -1
+	for _, stop := range s.s.Stop {
+		if stop == "" {
+			continue
+		}
+		// Only a match that ends in the new piece is new: earlier text was checked before.
+		from := max(0, prev-len(stop)+1)
+		if i := strings.Index(text[from:], stop); i >= 0 && (cut < 0 || from+i < cut) {
+			cut = from + i
+		}
+	}
+	switch {
+	case cut >= 0:
+		s.finish, s.result = "stop", text[:cut]
+	case len(s.tokens) >= s.s.MaxTokens || len(s.prompt)+len(s.tokens) >= e.m.w.cfg.MaxSeqLen:
+		s.finish, s.result = "length", text
+	}
+}
+
+// sampleRNG returns the random stream of sample index of a prompt: a PCG generator keyed by the
+// request's seed and a hash of (prompt, index). Retrying a request reproduces its samples; two
+// samples of one request never share a stream.
+func sampleRNG(seed uint64, prompt []int32, index int) *rand.Rand {
+	h := fnv.New64a()
+	var buf [4]byte
+	for _, t := range prompt {
+		binary.LittleEndian.PutUint32(buf[:], uint32(t))
+		h.Write(buf[:])
+	}
+	return rand.New(rand.NewPCG(seed, mix64(h.Sum64()^mix64(uint64(index)+1))))
+}
+
+// mix64 is the splitmix64 finalizer: it spreads nearby inputs over the whole 64-bit range.
+func mix64(z uint64) uint64 {
+	z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9
+	z = (z ^ (z >> 27)) * 0x94d049bb133111eb
+	return z ^ (z >> 31)
+}
+
+// sampleToken draws a token from logits at the given temperature (0: the most likely token, the
+// lowest id on ties) within the top-p nucleus, and returns it with its log-probability under the
+// untempered model (temperature 1, no nucleus): the number Train and Score compute for the same
+// token, so that the ratio to the rollout policy is 1 before any update.
+func sampleToken(logits []float32, temperature, topP float64, rng *rand.Rand) (int32, float32) {
+	lse := logSumExp(logits)
+	pick := 0
+	if temperature == 0 {
+		for i, v := range logits {
+			if v > logits[pick] {
+				pick = i
+			}
+		}
+	} else {
+		mx := float64(logits[0])
+		for _, v := range logits {
+			mx = max(mx, float64(v))
+		}
+		q := make([]float64, len(logits))
+		order := make([]int, len(logits))
+		sum := 0.0
+		for i, v := range logits {
+			q[i] = exp64((float64(v) - mx) / temperature)
+			sum += q[i]
+			order[i] = i
+		}
+		kept := order
+		if topP < 1 {
+			// The nucleus: the most likely tokens (lowest id first on ties) until their mass
+			// reaches top_p.
+			slices.SortStableFunc(order, func(a, b int) int {
+				switch {
+				case q[a] > q[b]:
+					return -1
+				case q[a] < q[b]:
+					return 1
+				}
+				return 0
+			})
+			mass := 0.0
+			for k, i := range order {
+				mass += q[i]
+				if mass >= topP*sum {
+					kept = order[:k+1]
+					break
+				}
+			}
+			sum = 0
+			for _, i := range kept {
+				sum += q[i]
+			}
+		}
+		u := rng.Float64() * sum
+		pick = kept[len(kept)-1]
+		acc := 0.0
+		for _, i := range kept {
+			acc += q[i]
+			if u < acc {
+				pick = i
+				break
+			}
+		}
+	}
+	return int32(pick), float32(float64(logits[pick]) - lse)
+}
+
+// Score returns the log-probability of each request's tokens after its prompt, computed by the
+// same code as Generate's: the numbers agree to the bit with what Generate reported for the same
+// tokens.
+func (e *Engine) Score(ctx context.Context, reqs []engines.ScoreRequest) ([]engines.Scores, error) {
+	e.mu.RLock()
+	defer e.mu.RUnlock()
+	if e.closed {
+		return nil, ErrClosed
+	}
+	cfg := e.m.w.cfg
+	seqs := make([]trainSeq, len(reqs))
+	for i, r := range reqs {
+		p, err := e.promptTokens(r.Messages, r.PromptTokens)
+		if err == nil {
+			err = e.checkTokens(r.Tokens)
+		}
+		if err == nil && len(p)+len(r.Tokens) > cfg.MaxSeqLen {
+			err = fmt.Errorf("prompt and tokens are %d tokens; the model takes at most %d", len(p)+len(r.Tokens), cfg.MaxSeqLen)
+		}
+		if err != nil {
+			return nil, fmt.Errorf("tiny: score request %d: %w", i, err)
+		}
+		seqs[i] = trainSeq{prompt: p, response: r.Tokens}
+	}
+	out := make([]engines.Scores, len(reqs))
+	for lo := 0; lo < len(seqs); {
+		if err := ctx.Err(); err != nil {
+			return nil, err
+		}
+		hi, rows := lo, 0
+		for hi < len(seqs) && (hi == lo || rows+len(seqs[hi].prompt)+len(seqs[hi].response) <= chunkTokens) {
+			rows += len(seqs[hi].prompt) + len(seqs[hi].response)
+			hi++
+		}
+		var scored []trainSeq
+		for _, s := range seqs[lo:hi] {
+			if len(s.response) > 0 {
+				scored = append(scored, s)
+			}
+		}
+		if len(scored) > 0 {
+			tokens, views, outRows, targets := packTrain[float32](scored)
+			logits, _ := e.m.forward(e.threads, tokens, views, outRows, false)
+			lp, _ := tokenLogprobs(e.threads, logits, targets, cfg.VocabSize)
+			for i := lo; i < hi; i++ {
+				n := len(seqs[i].response)
+				out[i].Logprobs = make([]float32, n)
+				for j := range n {
+					out[i].Logprobs[j] = float32(lp[j])
+				}
+				lp = lp[n:]
+			}
+		} else {
+			for i := lo; i < hi; i++ {
+				out[i].Logprobs = []float32{}
+			}
+		}
+		lo = hi
+	}
+	return out, nil
+}
