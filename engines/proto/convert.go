@@ -1,6 +1,11 @@
 package enginepb
 
-import "github.com/slimen/slimen/engines"
+import (
+	"net"
+	"strings"
+
+	"github.com/slimen/slimen/engines"
+)
 
 // The conversions below are the only place that knows both the Go types and the wire messages,
 // so that a field added to engines/engine.go needs one edit here (and one in engine.proto).
@@ -234,4 +239,19 @@ func DecodeTrainStats(m *TrainStats) engines.TrainStats {
 		Skipped:  m.GetSkipped(),
 		Reason:   m.GetReason(),
 	}
+}
+
+// IsLoopback reports whether address (host:port) names this machine only: "localhost" or a
+// loopback IP. Names are not resolved, so a name that happens to resolve to 127.0.0.1 still counts
+// as remote; the protocol's rule is that plaintext is only safe where nobody else can listen in.
+func IsLoopback(address string) bool {
+	host, _, err := net.SplitHostPort(address)
+	if err != nil {
+		return false
+	}
+	if strings.EqualFold(host, "localhost") {
+		return true
+	}
+	ip := net.ParseIP(host)
+	return ip != nil && ip.IsLoopback()
 }

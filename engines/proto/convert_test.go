@@ -87,3 +87,21 @@ func TestRoundTripsKeepEveryField(t *testing.T) {
 		t.Errorf("TrainStats (-want +got):\n%s", d)
 	}
 }
+
+func TestIsLoopback(t *testing.T) {
+	for addr, want := range map[string]bool{
+		"127.0.0.1:7777": true,
+		"127.3.2.1:1":    true,
+		"[::1]:7777":     true,
+		"localhost:80":   true,
+		":7777":          false, // every interface
+		"0.0.0.0:7777":   false,
+		"10.0.0.5:7777":  false,
+		"gpu-node:7777":  false,
+		"127.0.0.1":      false, // no port: not an address
+	} {
+		if got := IsLoopback(addr); got != want {
+			t.Errorf("IsLoopback(%q) = %v, want %v", addr, got, want)
+		}
+	}
+}
