@@ -1,0 +1,260 @@
+// Package server serves any engines.Engine over the slimen engine protocol (engines/proto), so that
+// a host in another process or on another machine can use it through engines/remote. It adds what
+// the protocol promises on top of the plain Engine interface: continuous batching of streamed
+// generate requests, answering a resent request or optimizer step once, bearer-token checks and
+// message size limits.
+package server
+
+import (
+	"context"
+	"crypto/rand"
+	"crypto/sha256"
+	"crypto/tls"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"time"
+
+	"github.com/slimen/slimen/engines"
+	enginepb "github.com/slimen/slimen/engines/proto"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/credentials"
+	"google.golang.org/grpc/keepalive"
+	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/proto"
+)
+
+// DefaultMaxMessageBytes is the largest message sent or received when Options leaves it zero.
+const DefaultMaxMessageBytes = 64 << 20
+
+// Options configure a server. The zero value serves plaintext, without a token, with the defaults
+// below.
+type Options struct {
+	// Token, when set, is the bearer token every call must carry.
+	Token string
+	// TLS, when set, serves TLS with this configuration (see TLSConfig).
+	TLS *tls.Config
+	// Insecure allows Listen to bind a non-loopback address without TLS.
+	Insecure bool
+	// MaxMessageBytes bounds every message in both directions; 0: DefaultMaxMessageBytes.
+	MaxMessageBytes int
+
+	// BatchWindow is how long a generate request waits for others to join its batch when the
+	// engine has room. 0 (the default) starts at once: requests sent in one stream message form
+	// one batch, and requests arriving while the engine is busy are gathered anyway.
+	BatchWindow time.Duration
+	// MaxConcurrentBatches is how many engine Generate calls run at once; 0: 4. More than one
+	// lets a short batch finish while a long one is still sampling.
+	MaxConcurrentBatches int
+	// MaxBatchSamples caps the samples (Σ n) of one engine Generate call; 0: no cap.
+	MaxBatchSamples int
+	// DedupWindow is how long a finished generate request's completions are kept for a resend
+	// of its id; 0: 10 minutes.
+	DedupWindow time.Duration
+	// DedupMaxRequests caps the finished generate requests kept for resends; 0: 65536.
+	DedupMaxRequests int
+	// TrainMemory is how many recent optimizer step ids are remembered; 0: 1024.
+	TrainMemory int
+
+	// Logf, when set, receives what the server has to say that no caller sees (an engine panic, a
+	// failing batch being retried request by request).
+	Logf func(format string, args ...any)
+}
+
+func (o Options) withDefaults() Options {
+	if o.MaxMessageBytes <= 0 {
+		o.MaxMessageBytes = DefaultMaxMessageBytes
+	}
+	if o.MaxConcurrentBatches <= 0 {
+		o.MaxConcurrentBatches = 4
+	}
+	if o.DedupWindow <= 0 {
+		o.DedupWindow = 10 * time.Minute
+	}
+	if o.DedupMaxRequests <= 0 {
+		o.DedupMaxRequests = 65536
+	}
+	if o.TrainMemory <= 0 {
+		o.TrainMemory = 1024
+	}
+	if o.Logf == nil {
+		o.Logf = func(string, ...any) {}
+	}
+	return o
+}
+
+// New returns a gRPC server that serves eng over the engine protocol; start it with
+// Serve(Listen(address, opts)). Stopping the server does not close eng.
+func New(eng engines.Engine, opts Options) *grpc.Server {
+	opts = opts.withDefaults()
+	svc := newService(eng, opts)
+	sopts := []grpc.ServerOption{
+		grpc.MaxRecvMsgSize(opts.MaxMessageBytes),
+		grpc.MaxSendMsgSize(opts.MaxMessageBytes),
+		grpc.ChainUnaryInterceptor(svc.auth.unary),
+		grpc.ChainStreamInterceptor(svc.auth.stream),
+		// Pings find a host that vanished without closing its connection; the policy admits the
+		// client's own pings (engines/remote pings every 30 s, also between calls).
+		grpc.KeepaliveParams(keepalive.ServerParameters{Time: time.Minute, Timeout: 20 * time.Second}),
+		grpc.KeepaliveEnforcementPolicy(keepalive.EnforcementPolicy{MinTime: 10 * time.Second, PermitWithoutStream: true}),
+	}
+	if opts.TLS != nil {
+		sopts = append(sopts, grpc.Creds(credentials.NewTLS(opts.TLS)))
+	}
+	s := grpc.NewServer(sopts...)
+	enginepb.RegisterEngineServer(s, svc)
+	return s
+}
+
+// service implements enginepb.EngineServer over one engine.
+type service struct {
+	enginepb.UnimplementedEngineServer
+	eng      engines.Engine
+	opts     Options
+	instance string
+	auth     tokenAuth
+	gen      *generator
+	train    *trainLog
+}
+
+func newService(eng engines.Engine, opts Options) *service {
+	var b [8]byte
+	_, _ = rand.Read(b[:]) // crypto/rand.Read never fails
+	return &service{
+		eng:      eng,
+		opts:     opts,
+		instance: hex.EncodeToString(b[:]),
+		auth:     tokenAuth{token: opts.Token},
+		gen:      newGenerator(eng, opts),
+		train:    newTrainLog(opts.TrainMemory),
+	}
+}
+
+func (s *service) checkVersion(v uint32) error {
+	if v != 0 && v != enginepb.ProtocolVersion {
+		return status.Errorf(codes.FailedPrecondition,
+			"the client speaks engine protocol version %d and this server version %d: run the same slimen release on both sides",
+			v, enginepb.ProtocolVersion)
+	}
+	return nil
+}
+
+func (s *service) Info(ctx context.Context, req *enginepb.InfoRequest) (*enginepb.InfoResponse, error) {
+	if err := s.checkVersion(req.GetProtocolVersion()); err != nil {
+		return nil, err
+	}
+	info, err := s.eng.Info(ctx)
+	if err != nil {
+		return nil, toStatus(err)
+	}
+	return &enginepb.InfoResponse{
+		ProtocolVersion: enginepb.ProtocolVersion,
+		Instance:        s.instance,
+		Info:            enginepb.EncodeInfo(info),
+	}, nil
+}
+
+func (s *service) Health(context.Context, *enginepb.HealthRequest) (*enginepb.HealthResponse, error) {
+	return &enginepb.HealthResponse{
+		Status:          enginepb.HealthResponse_SERVING,
+		ProtocolVersion: enginepb.ProtocolVersion,
+		Instance:        s.instance,
+	}, nil
+}
+
+func (s *service) Score(ctx context.Context, req *enginepb.ScoreBatchRequest) (*enginepb.ScoreBatchResponse, error) {
+	reqs := make([]engines.ScoreRequest, len(req.GetRequests()))
+	for i, r := range req.GetRequests() {
+		reqs[i] = enginepb.DecodeScoreRequest(r)
+	}
+	scores, err := s.eng.Score(ctx, reqs)
+	if err != nil {
+		return nil, toStatus(err)
+	}
+	if len(scores) != len(reqs) {
+		return nil, status.Errorf(codes.Internal, "the engine returned %d results for %d requests", len(scores), len(reqs))
+	}
+	out := &enginepb.ScoreBatchResponse{Scores: make([]*enginepb.Scores, len(scores))}
+	for i, sc := range scores {
+		out.Scores[i] = &enginepb.Scores{Logprobs: sc.Logprobs}
+	}
+	return out, nil
+}
+
+func (s *service) Train(ctx context.Context, req *enginepb.TrainRequest) (*enginepb.TrainResponse, error) {
+	b := req.GetBatch()
+	if b.GetId() == "" {
+		return nil, status.Error(codes.InvalidArgument, "the batch has no id; the protocol needs one per optimizer step so that a resent step is applied once")
+	}
+	fp, err := fingerprint(b)
+	if err != nil {
+		return nil, status.Errorf(codes.Internal, "%v", err)
+	}
+	stats, dup, err := s.train.apply(ctx, b.GetId(), fp, func(ctx context.Context) (engines.TrainStats, error) {
+		return s.eng.Train(ctx, enginepb.DecodeBatch(b))
+	})
+	if err != nil {
+		return nil, toStatus(err)
+	}
+	return &enginepb.TrainResponse{Stats: enginepb.EncodeTrainStats(stats), Duplicate: dup}, nil
+}
+
+func (s *service) Tokenize(ctx context.Context, req *enginepb.TokenizeRequest) (*enginepb.TokenizeResponse, error) {
+	toks, err := s.eng.Tokenize(ctx, req.GetTexts())
+	if err != nil {
+		return nil, toStatus(err)
+	}
+	if len(toks) != len(req.GetTexts()) {
+		return nil, status.Errorf(codes.Internal, "the engine returned %d results for %d texts", len(toks), len(req.GetTexts()))
+	}
+	out := &enginepb.TokenizeResponse{Tokens: make([]*enginepb.TokenIds, len(toks))}
+	for i, t := range toks {
+		out.Tokens[i] = &enginepb.TokenIds{Ids: t}
+	}
+	return out, nil
+}
+
+func (s *service) Save(ctx context.Context, req *enginepb.SaveRequest) (*enginepb.SaveResponse, error) {
+	if err := s.eng.Save(ctx, req.GetDir()); err != nil {
+		return nil, toStatus(err)
+	}
+	return &enginepb.SaveResponse{}, nil
+}
+
+func (s *service) Load(ctx context.Context, req *enginepb.LoadRequest) (*enginepb.LoadResponse, error) {
+	if err := s.eng.Load(ctx, req.GetDir()); err != nil {
+		return nil, toStatus(err)
+	}
+	// The weights went back in time: a step id applied before must apply again, and completions
+	// sampled from the old weights must not answer new requests.
+	s.train.forget()
+	s.gen.forgetFinished()
+	return &enginepb.LoadResponse{}, nil
+}
+
+// toStatus turns an engine error into the status the protocol promises for it.
+func toStatus(err error) error {
+	if _, ok := status.FromError(err); ok {
+		return err
+	}
+	switch {
+	case errors.Is(err, engines.ErrNotSupported):
+		return status.Error(codes.Unimplemented, err.Error())
+	case errors.Is(err, context.DeadlineExceeded):
+		return status.Error(codes.DeadlineExceeded, err.Error())
+	case errors.Is(err, context.Canceled):
+		return status.Error(codes.Canceled, err.Error())
+	}
+	return status.Error(codes.Unknown, err.Error())
+}
+
+// fingerprint identifies a request's content, so that an id reused for a different request is
+// caught instead of answered with the wrong results.
+func fingerprint(m proto.Message) ([32]byte, error) {
+	b, err := proto.MarshalOptions{Deterministic: true}.Marshal(m)
+	if err != nil {
+		return [32]byte{}, fmt.Errorf("fingerprint: %w", err)
+	}
+	return sha256.Sum256(b), nil
+}
