@@ -1,0 +1,423 @@
+// Package remote is an engines.Engine that talks to a policy engine in another process or on
+// another machine over the slimen engine protocol (engines/proto): `slimen serve`, the PyTorch
+// worker of engines/torch, or anything else that serves the protocol.
+//
+// Every call has a deadline (the caller's, else Options.Timeout). A call that finds the engine
+// unreachable is retried with exponential backoff for up to Options.ReconnectTimeout, with the
+// same request ids: the server answers a resent generate request or optimizer step once, so a
+// retry never doubles a sample or a step. Generate multiplexes all callers over one long-lived
+// stream and resends the requests in flight when the stream has to be re-established.
+package remote
+
+import (
+	"context"
+	crand "crypto/rand"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"math/rand/v2"
+	"net"
+	"os"
+	"sync"
+	"time"
+
+	"github.com/slimen/slimen/engines"
+	enginepb "github.com/slimen/slimen/engines/proto"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/backoff"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/keepalive"
+	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/proto"
+)
+
+// Defaults for the zero fields of Options.
+const (
+	DefaultMaxMessageBytes  = 64 << 20
+	DefaultTimeout          = 10 * time.Minute
+	DefaultReconnectTimeout = 2 * time.Minute
+	DefaultMaxBackoff       = 2 * time.Second
+)
+
+// ErrUnavailable is wrapped by the error of a call that gave up because the engine stayed
+// unreachable for Options.ReconnectTimeout.
+var ErrUnavailable = errors.New("engine unavailable")
+
+// ErrClosed is returned by calls on a closed Client.
+var ErrClosed = errors.New("engine client closed")
+
+// TLS holds the client's TLS settings.
+type TLS struct {
+	CAFile     string // PEM bundle of the CAs that sign the server's certificate; empty: the system's
+	CertFile   string // client certificate for mutual TLS (with KeyFile); optional
+	KeyFile    string
+	ServerName string // name checked against the server's certificate; empty: the address's host
+}
+
+// Options say where the engine is and how to talk to it.
+type Options struct {
+	Address string // host:port
+	// TLS, when set, encrypts the connection and checks the server's certificate.
+	TLS *TLS
+	// Insecure allows plaintext to a non-loopback address (a private network, or a proxy that
+	// adds TLS). Without it such an address needs TLS.
+	Insecure bool
+	// TokenEnv names the environment variable holding the bearer token; empty: no token.
+	TokenEnv string
+	// MaxMessageBytes bounds every message in both directions; 0: DefaultMaxMessageBytes.
+	MaxMessageBytes int
+	// Timeout is the deadline of a call whose context has none; 0: DefaultTimeout.
+	Timeout time.Duration
+	// ReconnectTimeout is how long a call waits for an unreachable engine to come back before it
+	// fails with ErrUnavailable; 0: DefaultReconnectTimeout.
+	ReconnectTimeout time.Duration
+	// MaxBackoff caps the wait between reconnection attempts; 0: DefaultMaxBackoff.
+	MaxBackoff time.Duration
+	// OnRestart, when set, is called (on its own goroutine) when the client reconnects to a
+	// server process other than the one it talked to before: that engine lost every state it had
+	// not saved, so the host may want to Load its last checkpoint.
+	OnRestart func(previous, current string)
+}
+
+// Client is an engines.Engine served by a remote engine server. It is safe for concurrent use.
+type Client struct {
+	addr     string
+	opts     Options
+	tokenEnv string
+	conn     *grpc.ClientConn
+	rpc      enginepb.EngineClient
+	gen      *mux
+
+	ctx    context.Context // cancelled by Close
+	cancel context.CancelFunc
+
+	mu       sync.Mutex
+	instance string // the server process last seen, from Health
+}
+
+var _ engines.Engine = (*Client)(nil)
+
+// Dial connects to the engine at opts.Address and checks that it answers, speaks this protocol
+// version and accepts the token. It waits for an engine that is starting up for as long as ctx
+// and opts.ReconnectTimeout allow.
+func Dial(ctx context.Context, opts Options) (*Client, error) {
+	if opts.MaxMessageBytes <= 0 {
+		opts.MaxMessageBytes = DefaultMaxMessageBytes
+	}
+	if opts.Timeout <= 0 {
+		opts.Timeout = DefaultTimeout
+	}
+	if opts.ReconnectTimeout <= 0 {
+		opts.ReconnectTimeout = DefaultReconnectTimeout
+	}
+	if opts.MaxBackoff <= 0 {
+		opts.MaxBackoff = DefaultMaxBackoff
+	}
+	addr := opts.Address
+	if _, _, err := net.SplitHostPort(addr); err != nil {
+		return nil, fmt.Errorf("engine address %q: %v; write it as host:port, e.g. 127.0.0.1:7777", addr, err)
+	}
+	creds, err := transportCredentials(opts)
+	if err != nil {
+		return nil, err
+	}
+	dopts := []grpc.DialOption{
+		grpc.WithTransportCredentials(creds),
+		grpc.WithDefaultCallOptions(
+			grpc.MaxCallRecvMsgSize(opts.MaxMessageBytes),
+			grpc.MaxCallSendMsgSize(opts.MaxMessageBytes),
+		),
+		// gRPC's own reconnection backs off up to 2 minutes by default; a restarted engine should
+		// be found within MaxBackoff.
+		grpc.WithConnectParams(grpc.ConnectParams{
+			Backoff:           backoff.Config{BaseDelay: 50 * time.Millisecond, Multiplier: 2, Jitter: 0.2, MaxDelay: opts.MaxBackoff},
+			MinConnectTimeout: 10 * time.Second,
+		}),
+		// Pings find a server that vanished without closing the connection (a dead machine, a
+		// dropped route) while a long generate call waits.
+		grpc.WithKeepaliveParams(keepalive.ClientParameters{Time: 30 * time.Second, Timeout: 20 * time.Second, PermitWithoutStream: true}),
+	}
+	if opts.TokenEnv != "" {
+		tok := os.Getenv(opts.TokenEnv)
+		if tok == "" {
+			return nil, fmt.Errorf("engine at %s: the token environment variable %s (engine.token_env) is empty or unset: export the server's token in it", addr, opts.TokenEnv)
+		}
+		dopts = append(dopts, grpc.WithPerRPCCredentials(bearer(tok)))
+	}
+	// passthrough: the name is resolved again at each connection attempt, so an engine that
+	// comes back on another IP under the same name is found.
+	conn, err := grpc.NewClient("passthrough:///"+addr, dopts...)
+	if err != nil {
+		return nil, fmt.Errorf("engine at %s: %w", addr, err)
+	}
+	c := &Client{addr: addr, opts: opts, tokenEnv: opts.TokenEnv, conn: conn, rpc: enginepb.NewEngineClient(conn)}
+	c.ctx, c.cancel = context.WithCancel(context.Background())
+	c.gen = newMux(c)
+	h, err := c.Health(ctx)
+	if err != nil {
+		c.Close()
+		return nil, err
+	}
+	c.instance = h.Instance
+	return c, nil
+}
+
+// Address is the engine's host:port.
+func (c *Client) Address() string { return c.addr }
+
+// Health is what an engine server says about itself.
+type Health struct {
+	Serving         bool
+	ProtocolVersion uint32
+	Instance        string // random per server process start
+}
+
+// Health asks the server whether it is up; it retries while the engine is unreachable, like every
+// call.
+func (c *Client) Health(ctx context.Context) (Health, error) {
+	var resp *enginepb.HealthResponse
+	err := c.call(ctx, "health", &enginepb.HealthRequest{}, func(ctx context.Context) (err error) {
+		resp, err = c.rpc.Health(ctx, &enginepb.HealthRequest{})
+		return err
+	})
+	if err != nil {
+		return Health{}, err
+	}
+	h := Health{
+		Serving:         resp.GetStatus() == enginepb.HealthResponse_SERVING,
+		ProtocolVersion: resp.GetProtocolVersion(),
+		Instance:        resp.GetInstance(),
+	}
+	if h.ProtocolVersion != enginepb.ProtocolVersion {
+		return h, fmt.Errorf("engine at %s speaks engine protocol version %d and this slimen version %d: run the same slimen release (or a worker built for it) on both sides",
+			c.addr, h.ProtocolVersion, enginepb.ProtocolVersion)
+	}
+	return h, nil
+}
+
+// Instance is the server process the client talked to last.
+func (c *Client) Instance() string {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.instance
+}
+
+// recovered runs after a call succeeded following an outage: it checks whether the server that
+// answers now is the same process as before.
+func (c *Client) recovered() {
+	if c.opts.OnRestart == nil {
+		return
+	}
+	go func() {
+		ctx, cancel := context.WithTimeout(c.ctx, c.opts.ReconnectTimeout)
+		defer cancel()
+		h, err := c.Health(ctx)
+		if err != nil {
+			return
+		}
+		c.mu.Lock()
+		prev := c.instance
+		c.instance = h.Instance
+		c.mu.Unlock()
+		if prev != h.Instance {
+			c.opts.OnRestart(prev, h.Instance)
+		}
+	}()
+}
+
+// Info describes the remote engine's model.
+func (c *Client) Info(ctx context.Context) (engines.Info, error) {
+	req := &enginepb.InfoRequest{ProtocolVersion: enginepb.ProtocolVersion}
+	var resp *enginepb.InfoResponse
+	err := c.call(ctx, "info", req, func(ctx context.Context) (err error) {
+		resp, err = c.rpc.Info(ctx, req)
+		return err
+	})
+	if err != nil {
+		return engines.Info{}, err
+	}
+	return enginepb.DecodeInfo(resp.GetInfo()), nil
+}
+
+// Score returns the log-probabilities of each request's response tokens.
+func (c *Client) Score(ctx context.Context, reqs []engines.ScoreRequest) ([]engines.Scores, error) {
+	req := &enginepb.ScoreBatchRequest{Requests: make([]*enginepb.ScoreRequest, len(reqs))}
+	for i, r := range reqs {
+		req.Requests[i] = enginepb.EncodeScoreRequest(r)
+	}
+	var resp *enginepb.ScoreBatchResponse
+	err := c.call(ctx, "score", req, func(ctx context.Context) (err error) {
+		resp, err = c.rpc.Score(ctx, req)
+		return err
+	})
+	if err != nil {
+		return nil, err
+	}
+	if len(resp.GetScores()) != len(reqs) {
+		return nil, fmt.Errorf("engine at %s: score: %d results for %d requests", c.addr, len(resp.GetScores()), len(reqs))
+	}
+	out := make([]engines.Scores, len(reqs))
+	for i, s := range resp.GetScores() {
+		out[i] = engines.Scores{Logprobs: s.GetLogprobs()}
+	}
+	return out, nil
+}
+
+// Train runs one optimizer step. The step carries b.ID (a random one when b.ID is empty) and is
+// resent with it while the engine is unreachable; the server applies an id at most once.
+func (c *Client) Train(ctx context.Context, b engines.Batch) (engines.TrainStats, error) {
+	if b.ID == "" {
+		b.ID = "step-" + newID()
+	}
+	req := &enginepb.TrainRequest{Batch: enginepb.EncodeBatch(b)}
+	var resp *enginepb.TrainResponse
+	err := c.call(ctx, "train", req, func(ctx context.Context) (err error) {
+		resp, err = c.rpc.Train(ctx, req)
+		return err
+	})
+	if err != nil {
+		return engines.TrainStats{}, err
+	}
+	return enginepb.DecodeTrainStats(resp.GetStats()), nil
+}
+
+// Tokenize turns raw text into token ids.
+func (c *Client) Tokenize(ctx context.Context, texts []string) ([][]int32, error) {
+	req := &enginepb.TokenizeRequest{Texts: texts}
+	var resp *enginepb.TokenizeResponse
+	err := c.call(ctx, "tokenize", req, func(ctx context.Context) (err error) {
+		resp, err = c.rpc.Tokenize(ctx, req)
+		return err
+	})
+	if err != nil {
+		return nil, err
+	}
+	if len(resp.GetTokens()) != len(texts) {
+		return nil, fmt.Errorf("engine at %s: tokenize: %d results for %d texts", c.addr, len(resp.GetTokens()), len(texts))
+	}
+	out := make([][]int32, len(texts))
+	for i, t := range resp.GetTokens() {
+		out[i] = t.GetIds()
+	}
+	return out, nil
+}
+
+// Save writes the model into dir, a path on the engine server's machine.
+func (c *Client) Save(ctx context.Context, dir string) error {
+	req := &enginepb.SaveRequest{Dir: dir}
+	return c.call(ctx, "save", req, func(ctx context.Context) error {
+		_, err := c.rpc.Save(ctx, req)
+		return err
+	})
+}
+
+// Load replaces the model with the one in dir, a path on the engine server's machine.
+func (c *Client) Load(ctx context.Context, dir string) error {
+	req := &enginepb.LoadRequest{Dir: dir}
+	return c.call(ctx, "load", req, func(ctx context.Context) error {
+		_, err := c.rpc.Load(ctx, req)
+		return err
+	})
+}
+
+// Close ends the connection; calls in flight fail with ErrClosed. The remote engine keeps running.
+func (c *Client) Close() error {
+	c.cancel()
+	c.gen.close()
+	return c.conn.Close()
+}
+
+// call runs one unary RPC under the call's deadline, retrying with backoff while the engine is
+// unreachable.
+func (c *Client) call(ctx context.Context, method string, req proto.Message, rpc func(context.Context) error) error {
+	if err := c.checkSize(method, req); err != nil {
+		return err
+	}
+	ctx, cancel := c.deadline(ctx)
+	defer cancel()
+	var out outage
+	for {
+		if c.ctx.Err() != nil {
+			return fmt.Errorf("engine at %s: %s: %w", c.addr, method, ErrClosed)
+		}
+		err := rpc(ctx)
+		if err == nil {
+			if out.began() {
+				c.recovered()
+			}
+			return nil
+		}
+		if status.Code(err) != codes.Unavailable || ctx.Err() != nil {
+			return c.callError(ctx, method, err, &out)
+		}
+		if d, ok := out.next(err, c.opts); !ok || !sleep(ctx, d) {
+			return c.callError(ctx, method, err, &out)
+		}
+	}
+}
+
+// deadline gives ctx the default timeout unless it has a deadline already.
+func (c *Client) deadline(ctx context.Context) (context.Context, context.CancelFunc) {
+	if _, ok := ctx.Deadline(); ok {
+		return context.WithCancel(ctx)
+	}
+	return context.WithTimeout(ctx, c.opts.Timeout)
+}
+
+// checkSize refuses a request over the message limit before it is sent, with an error that says
+// which limit to raise; gRPC's own error would not.
+func (c *Client) checkSize(method string, req proto.Message) error {
+	if size := proto.Size(req); size > c.opts.MaxMessageBytes {
+		return fmt.Errorf("engine at %s: %s: the request is %s, over the message limit of %s: send less per call (e.g. a smaller batch) or raise the limit on both sides (engine.max_message_mb here, --max-message-mb on the server)",
+			c.addr, method, mib(size), mib(c.opts.MaxMessageBytes))
+	}
+	return nil
+}
+
+func mib(n int) string { return fmt.Sprintf("%.1f MiB", float64(n)/(1<<20)) }
+
+// outage tracks one stretch of time in which the engine could not be reached.
+type outage struct {
+	since    time.Time
+	attempts int
+	last     error
+}
+
+func (o *outage) began() bool { return !o.since.IsZero() }
+
+// next records a failed attempt and says how long to wait before the next one; ok is false once
+// the outage has lasted ReconnectTimeout.
+func (o *outage) next(err error, opts Options) (wait time.Duration, ok bool) {
+	now := time.Now()
+	if o.since.IsZero() {
+		o.since = now
+	}
+	o.last = err
+	if now.Sub(o.since) >= opts.ReconnectTimeout {
+		return 0, false
+	}
+	d := min(50*time.Millisecond<<min(o.attempts, 16), opts.MaxBackoff)
+	o.attempts++
+	return time.Duration(float64(d) * (0.8 + 0.4*rand.Float64())), true // jitter keeps many clients apart
+}
+
+// sleep waits d; it reports false if ctx ended first.
+func sleep(ctx context.Context, d time.Duration) bool {
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-t.C:
+		return true
+	case <-ctx.Done():
+		return false
+	}
+}
+
+func (o *outage) reset() { *o = outage{} }
+
+// newID returns a random id for a request or step the caller left without one.
+func newID() string {
+	var b [12]byte
+	_, _ = crand.Read(b[:]) // crypto/rand.Read never fails
+	return hex.EncodeToString(b[:])
+}
