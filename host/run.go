@@ -379,7 +379,9 @@ func (r *Run) Step(ctx context.Context) (*StepResult, error) {
 	}
 
 	t1 := time.Now()
-	pm, err := r.trainPolicies(ctx, step, cfg, ros, rolloutS)
+	// Training is not cut short by a cancelled context: an abandoned step stops in its rollouts,
+	// never between two optimizer steps of a policy.
+	pm, err := r.trainPolicies(context.WithoutCancel(ctx), step, cfg, ros, rolloutS)
 	if err != nil {
 		return nil, err
 	}
@@ -387,13 +389,21 @@ func (r *Run) Step(ctx context.Context) (*StepResult, error) {
 	res.Policies = pm
 	res.Run = r.runMetrics(step, ros, res, rolloutS, trainS, time.Since(t0).Seconds())
 	r.step = step
+	if err := r.metrics.writeLines(append(append([]Metrics(nil), res.Policies...), res.Run)); err != nil {
+		return nil, err
+	}
 	if r.evalDue(step) {
 		if res.Eval, err = r.Eval(ctx); err != nil {
 			return nil, err
 		}
+		if err := r.metrics.writeLines(res.Eval); err != nil {
+			return nil, err
+		}
 	}
-	if err := r.metrics.writeLines(append(append(append([]Metrics(nil), res.Policies...), res.Run), res.Eval...)); err != nil {
-		return nil, err
+	if si := cfg.Run.SaveInterval; si > 0 && step%si == 0 && r.opts.Out != "" {
+		if _, err := r.Checkpoint(ctx); err != nil {
+			return nil, err
+		}
 	}
 	return res, nil
 }

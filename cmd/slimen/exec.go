@@ -10,6 +10,7 @@ import (
 	"os/signal"
 	"path/filepath"
 	"strings"
+	"sync/atomic"
 	"syscall"
 
 	"github.com/slimen/slimen/host"
@@ -45,24 +46,45 @@ func cmdExec(args []string) int {
 	seed := fs.Uint64("seed", 0, "run seed (overrides run.seed)")
 	out := fs.String("out", "", "run directory (overrides run.out; default runs/SCRIPT_NAME)")
 	batch := fs.Int("batch-size", 0, "tasks per step (overrides rollout.batch_size)")
+	resume := fs.String("resume", "", "continue a run: its directory (newest valid checkpoint) or a checkpoints/step_N folder")
 	watch := fs.Bool("watch", false, "reload the script, the files it loads and the config when they change (at step boundaries)")
 	fs.Usage = func() {
-		fmt.Fprintln(fs.Output(), "usage: slimen exec SCRIPT [--config Y] [--data D] [--steps N] [--seed S] [--out DIR] [--batch-size B] [--watch]")
+		fmt.Fprintln(fs.Output(), "usage: slimen exec SCRIPT [--config Y] [--data D] [--steps N] [--seed S] [--out DIR] [--batch-size B] [--watch] [--resume RUN_DIR]")
 		fs.PrintDefaults()
 	}
 	pos, err := parseInterleaved(fs, args)
 	if err != nil {
 		return 2
 	}
-	if len(pos) != 1 {
+	if len(pos) > 1 || len(pos) == 0 && *resume == "" {
 		fs.Usage()
 		return 2
 	}
-	script := pos[0]
 	set := map[string]bool{}
 	fs.Visit(func(f *flag.Flag) { set[f.Name] = true })
 
 	var cfg *config.Config
+	var script, ckpt string
+	if len(pos) == 1 {
+		script = pos[0]
+	}
+	if *resume != "" {
+		// The checkpoint's resolved config and run directory; the script as given, or as recorded.
+		if ckpt, err = host.FindCheckpoint(*resume); err != nil {
+			fmt.Fprintln(os.Stderr, "slimen:", err)
+			return 2
+		}
+		_, recorded, err := host.CheckpointInfo(ckpt)
+		if err != nil {
+			fmt.Fprintln(os.Stderr, "slimen:", err)
+			return 2
+		}
+		if script == "" {
+			script = recorded
+		}
+		*cfgPath = filepath.Join(ckpt, "config.yaml")
+		*out = host.RunDirOf(ckpt)
+	}
 	if *cfgPath != "" {
 		if cfg, err = config.Load(*cfgPath); err != nil {
 			fmt.Fprintln(os.Stderr, "slimen:", err)
@@ -93,15 +115,16 @@ func cmdExec(args []string) int {
 		}
 		cfg.Rollout.BatchSize = *batch
 	}
-	dir, err := runDir(script, cfg.Run.Out, *out)
-	if err != nil {
-		fmt.Fprintln(os.Stderr, "slimen:", err)
-		return 2
+	dir := *out
+	if ckpt == "" {
+		if dir, err = runDir(script, cfg.Run.Out, *out); err != nil {
+			fmt.Fprintln(os.Stderr, "slimen:", err)
+			return 2
+		}
 	}
 	cfg.Run.Out = dir
 
-	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
-	defer stop()
+	ctx := context.Background()
 	prog := newProgress(os.Stderr, cfg.Run.Steps)
 	r, err := host.Load(ctx, script, host.Options{Config: cfg, Zero: *cfgPath == "", Out: dir, Log: prog.logWriter()})
 	if err != nil {
@@ -113,21 +136,49 @@ func cmdExec(args []string) int {
 		return 1
 	}
 	defer r.Close()
+	if ckpt != "" {
+		if err := r.Resume(ctx, ckpt); err != nil {
+			fmt.Fprintln(os.Stderr, "slimen:", err)
+			return 1
+		}
+	}
 	if *watch {
 		if err := r.Watch(*cfgPath); err != nil {
 			fmt.Fprintln(os.Stderr, "slimen:", err)
 			return 1
 		}
 	}
-	fmt.Fprintf(os.Stderr, "slimen: %s → %s (%d steps of %d tasks)\n", script, dir, cfg.Run.Steps, cfg.Rollout.BatchSize)
-	for r.StepsDone() < cfg.Run.Steps {
+	fmt.Fprintf(os.Stderr, "slimen: %s → %s (steps %d to %d, %d tasks each)\n", script, dir, r.StepsDone()+1, cfg.Run.Steps, cfg.Rollout.BatchSize)
+
+	// SIGINT/SIGTERM: finish (or, with run.on_signal: abandon, cut short) the step in progress,
+	// checkpoint and exit 0. A second signal exits at once; checkpoints are renamed into place
+	// when complete, so the last good one survives it.
+	stepCtx, abandon := context.WithCancel(ctx)
+	defer abandon()
+	var stopping atomic.Bool
+	sigs := make(chan os.Signal, 2)
+	signal.Notify(sigs, os.Interrupt, syscall.SIGTERM)
+	defer signal.Stop(sigs)
+	go func() {
+		<-sigs
+		stopping.Store(true)
+		if cfg.Run.OnSignal == "abandon" {
+			fmt.Fprintln(prog.logWriter(), "slimen: stopping: abandoning the step in progress, then checkpointing (a second signal exits at once)")
+			abandon()
+		} else {
+			fmt.Fprintln(prog.logWriter(), "slimen: stopping: finishing the step in progress, then checkpointing (a second signal exits at once)")
+		}
+		<-sigs
+		fmt.Fprintln(os.Stderr, "\nslimen: second signal: exiting now")
+		os.Exit(130)
+	}()
+	for r.StepsDone() < cfg.Run.Steps && !stopping.Load() {
 		prog.begin(r)
-		res, err := r.Step(ctx)
+		res, err := r.Step(stepCtx)
 		if err != nil {
 			prog.end()
-			if ctx.Err() != nil {
-				fmt.Fprintf(os.Stderr, "slimen: stopped after %d steps\n", r.StepsDone())
-				return 1
+			if stopping.Load() {
+				break // the abandoned step left the run as it was after the last one
 			}
 			fmt.Fprintln(os.Stderr, "slimen:", err)
 			return 1
@@ -135,7 +186,21 @@ func cmdExec(args []string) int {
 		prog.step(res)
 	}
 	prog.end()
-	fmt.Fprintf(os.Stderr, "slimen: done: %d steps, metrics in %s\n", r.StepsDone(), filepath.Join(dir, "metrics.jsonl"))
+	if r.StepsDone() > 0 {
+		if _, err := r.Checkpoint(ctx); err != nil {
+			fmt.Fprintln(os.Stderr, "slimen: final checkpoint:", err)
+			return 1
+		}
+	}
+	if err := writePlots(dir); err != nil {
+		fmt.Fprintln(os.Stderr, "slimen: plots:", err)
+	}
+	verb := "done"
+	if stopping.Load() {
+		verb = "stopped"
+	}
+	fmt.Fprintf(os.Stderr, "slimen: %s after %d steps; metrics in %s, checkpoint in %s\n", verb, r.StepsDone(),
+		filepath.Join(dir, "metrics.jsonl"), filepath.Join(dir, "checkpoints"))
 	return 0
 }
 
@@ -163,3 +228,6 @@ func runDir(script, fromConfig, flagOut string) (string, error) {
 }
 
 var _ io.Writer = (*os.File)(nil)
+
+// writePlots is replaced by host/plot once it lands.
+func writePlots(string) error { return nil }

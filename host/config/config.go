@@ -187,5 +187,8 @@ type RunConfig struct {
 	SaveInterval    int    `yaml:"save_interval" json:"save_interval"`
 	EvalInterval    int    `yaml:"eval_interval" json:"eval_interval"`
 	KeepCheckpoints int    `yaml:"keep_checkpoints" json:"keep_checkpoints"`
-	Colocate        bool   `yaml:"colocate" json:"colocate"`
+	// OnSignal is what SIGINT/SIGTERM do to the step in progress: "finish" it (default) or
+	// "abandon" its rollouts; either way the run then checkpoints and exits 0.
+	OnSignal string `yaml:"on_signal" json:"on_signal"`
+	Colocate bool   `yaml:"colocate" json:"colocate"`
 }

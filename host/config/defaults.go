@@ -92,7 +92,7 @@ func defaultData() DataConfig {
 
 // defaultRun leaves Out empty: the host fills runs/<script name>.
 func defaultRun() RunConfig {
-	return RunConfig{Steps: 50, Seed: 1, KeepCheckpoints: 3}
+	return RunConfig{Steps: 50, Seed: 1, KeepCheckpoints: 3, OnSignal: "finish"}
 }
 
 // defaultEvalInterval is the eval cadence when eval datasets are given without eval_interval.
