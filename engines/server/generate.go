@@ -137,10 +137,13 @@ func (s *service) Generate(stream enginepb.Engine_GenerateServer) error {
 	}()
 	ctx := stream.Context()
 	recvDone := false
+	drain := s.opts.Drain // nil (blocks forever) unless the server is told to drain
 	for {
 		select {
 		case <-ctx.Done():
 			return status.FromContextError(ctx.Err()).Err()
+		case <-drain:
+			recvDone, drain = true, nil // as if the client had finished sending
 		case err := <-recvErr:
 			if err != io.EOF {
 				return err

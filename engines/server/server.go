@@ -57,6 +57,11 @@ type Options struct {
 	// TrainMemory is how many recent optimizer step ids are remembered; 0: 1024.
 	TrainMemory int
 
+	// Drain, when closed, ends each Generate stream as soon as no request it carries is in
+	// flight; close it before GracefulStop, which would otherwise wait for the clients' idle
+	// long-lived streams. Clients reconnect (to the next server) for what they still need.
+	Drain chan struct{}
+
 	// Logf, when set, receives what the server has to say that no caller sees (an engine panic, a
 	// failing batch being retried request by request).
 	Logf func(format string, args ...any)

@@ -1,0 +1,136 @@
+package main
+
+import (
+	"context"
+	"flag"
+	"fmt"
+	"log"
+	"maps"
+	"os"
+	"os/signal"
+	"slices"
+	"strings"
+	"syscall"
+	"time"
+
+	"github.com/slimen/slimen/engines"
+	enginepb "github.com/slimen/slimen/engines/proto"
+	"github.com/slimen/slimen/engines/server"
+	"github.com/slimen/slimen/engines/tiny"
+)
+
+func init() {
+	commands["serve"] = command{"serve a policy engine over gRPC for hosts elsewhere", cmdServe}
+}
+
+// serveEngines opens the Go engines `slimen serve` can expose, by --engine name.
+var serveEngines = map[string]func(model string, threads int) (engines.Engine, error){
+	"tiny": func(model string, threads int) (engines.Engine, error) {
+		return tiny.Open(model, tiny.Options{Threads: threads})
+	},
+}
+
+func cmdServe(args []string) int {
+	fs := flag.NewFlagSet("serve", flag.ContinueOnError)
+	kind := fs.String("engine", "tiny", "engine to serve: "+strings.Join(slices.Sorted(maps.Keys(serveEngines)), ", "))
+	model := fs.String("model", "builtin:tiny-arith", "model to load: a Hugging Face folder or builtin:NAME")
+	listen := fs.String("listen", "127.0.0.1:7777", "host:port to listen on; anything but loopback needs TLS or --insecure")
+	certFile := fs.String("tls-cert", "", "PEM certificate to serve TLS with (with --tls-key)")
+	keyFile := fs.String("tls-key", "", "PEM private key of --tls-cert")
+	clientCA := fs.String("tls-client-ca", "", "PEM CAs that sign client certificates: require mutual TLS")
+	insecure := fs.Bool("insecure", false, "allow plaintext on a non-loopback address (a private network, or a TLS proxy in front)")
+	tokenEnv := fs.String("token-env", "", "environment variable holding the bearer token clients must send")
+	maxMB := fs.Int("max-message-mb", server.DefaultMaxMessageBytes>>20, "largest message accepted or sent, in MiB")
+	threads := fs.Int("threads", 0, "tiny: goroutines for the math (0: all cores)")
+	window := fs.Duration("batch-window", 0, "how long a generate request waits for others to batch with (0: start at once)")
+	fs.Usage = func() {
+		fmt.Fprintln(fs.Output(), "usage: slimen serve [--engine tiny] [--model M] [--listen ADDR] [--tls-cert C --tls-key K] [--insecure] [--token-env VAR]")
+		fs.PrintDefaults()
+	}
+	if err := fs.Parse(args); err != nil {
+		return 2
+	}
+	if fs.NArg() > 0 {
+		fs.Usage()
+		return 2
+	}
+	bad := func(format string, a ...any) int {
+		fmt.Fprintf(os.Stderr, "slimen serve: "+format+"\n", a...)
+		return 2
+	}
+	open, ok := serveEngines[*kind]
+	if !ok {
+		return bad("unknown engine %q; this binary serves: %s", *kind, strings.Join(slices.Sorted(maps.Keys(serveEngines)), ", "))
+	}
+	if *maxMB < 1 {
+		return bad("--max-message-mb must be at least 1")
+	}
+	opts := server.Options{
+		Insecure:        *insecure,
+		MaxMessageBytes: *maxMB << 20,
+		BatchWindow:     *window,
+		Logf:            log.Printf,
+		Drain:           make(chan struct{}),
+	}
+	if *tokenEnv != "" {
+		if opts.Token = os.Getenv(*tokenEnv); opts.Token == "" {
+			return bad("--token-env %s: the environment variable is empty or unset; export the token in it", *tokenEnv)
+		}
+	}
+	if *certFile != "" || *keyFile != "" || *clientCA != "" {
+		cfg, err := server.TLSConfig(*certFile, *keyFile, *clientCA)
+		if err != nil {
+			return bad("%v", err)
+		}
+		opts.TLS = cfg
+	}
+	// Bind before loading the model: a wrong address should fail at once, not after a load.
+	l, err := server.Listen(*listen, opts)
+	if err != nil {
+		return bad("%v", err)
+	}
+	eng, err := open(*model, *threads)
+	if err != nil {
+		l.Close()
+		fmt.Fprintf(os.Stderr, "slimen serve: %v\n", err)
+		return 2
+	}
+	defer eng.Close()
+	srv := server.New(eng, opts)
+
+	security := "plaintext"
+	if opts.TLS != nil {
+		security = "TLS"
+	}
+	if opts.Token == "" {
+		security += ", no token"
+		if !enginepb.IsLoopback(*listen) {
+			log.Printf("warning: serving on %s without a token: anyone who can reach it can sample from and train this model; set --token-env", *listen)
+		}
+	} else {
+		security += ", token from $" + *tokenEnv
+	}
+	log.Printf("serving %s engine %s on %s (%s, protocol version %d)", *kind, *model, l.Addr(), security, enginepb.ProtocolVersion)
+
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	defer stop()
+	errc := make(chan error, 1)
+	go func() { errc <- srv.Serve(l) }()
+	select {
+	case err := <-errc:
+		fmt.Fprintf(os.Stderr, "slimen serve: %v\n", err)
+		return 1
+	case <-ctx.Done():
+	}
+	// Let calls under way finish (a train step, a batch being sampled), but not forever.
+	log.Printf("stopping: waiting up to 30s for calls under way")
+	close(opts.Drain)
+	done := make(chan struct{})
+	go func() { srv.GracefulStop(); close(done) }()
+	select {
+	case <-done:
+	case <-time.After(30 * time.Second):
+		srv.Stop()
+	}
+	return 0
+}
