@@ -79,7 +79,7 @@ func (m *model[T]) backward(threads int, tokens []int32, seqs []seqView[T], outR
 		dxT := tr(dx, rows, d)
 		matMulT(threads, dact, dx, wtl.d, rows, in, d, false)
 		matMulT(threads, gl.d, dxT, tr(la.act, rows, in), d, in, rows, true)
-		swigluBackward(threads, dgate, dup, dact, la.gate, la.up)
+		swigluBackward(threads, dgate, dup, dact, la.gate, la.sig, la.up)
 		matMulT(threads, dxn, dgate, wtl.gate, rows, d, in, false)
 		matMulT(threads, dxn, dup, wtl.up, rows, d, in, true)
 		xn2T := tr(la.xn2, rows, d)
@@ -150,11 +150,10 @@ func rmsNormBackward[T Float](threads int, dx, gw, dy, x []T, inv []float64, w [
 }
 
 // swigluBackward: act = silu(g)·u, silu(g) = g·σ(g), silu'(g) = σ(g)(1 + g(1 − σ(g))).
-func swigluBackward[T Float](threads int, dgate, dup, dact, gate, up []T) {
+func swigluBackward[T Float](threads int, dgate, dup, dact, gate, sig, up []T) {
 	parallelFor(threads, len(dact), 1<<13, func(lo, hi int) {
 		for i := lo; i < hi; i++ {
-			g := float64(gate[i])
-			s := sigmoid64(g)
+			g, s := float64(gate[i]), float64(sig[i])
 			da := float64(dact[i])
 			dup[i] = T(da * float64(g*s))
 			dgate[i] = T(da * float64(up[i]) * float64(s*float64(1+float64(g*float64(1-s)))))

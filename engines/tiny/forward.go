@@ -59,6 +59,7 @@ func (c *kvCache[T]) copyPrefix(src *kvCache[T], n, kvDim int) {
 // layerActs are one layer's activations, kept for the backward pass.
 type layerActs[T Float] struct {
 	x, xn1, q, k, v, att, x2, xn2, gate, up, act []T
+	sig                                          []T // σ(gate), for the backward pass
 	inv1, inv2                                   []float64
 	probs                                        []T // per sequence and head, the lower triangle of its attention matrix
 }
@@ -117,6 +118,7 @@ func (m *model[T]) forward(threads int, tokens []int32, seqs []seqView[T], outRo
 			la = &a.layers[l]
 			alloc(la)
 			la.probs = make([]T, a.probOff[len(seqs)])
+			la.sig = make([]T, rows*in)
 		}
 		la.x = x
 		rmsNormRows(threads, la.xn1, la.inv1, x, lw.attnNorm, rows, d, c.RMSNormEps)
@@ -138,7 +140,7 @@ func (m *model[T]) forward(threads int, tokens []int32, seqs []seqView[T], outRo
 		rmsNormRows(threads, la.xn2, la.inv2, la.x2, lw.mlpNorm, rows, d, c.RMSNormEps)
 		matMulT(threads, la.gate, la.xn2, lw.gate, rows, in, d, false)
 		matMulT(threads, la.up, la.xn2, lw.up, rows, in, d, false)
-		swiglu(threads, la.act, la.gate, la.up)
+		swiglu(threads, la.act, la.sig, la.gate, la.up)
 		matMulT(threads, down, la.act, lw.d, rows, d, in, false)
 		next := x // without keep, this layer's input is no longer needed
 		if keep {
@@ -187,12 +189,16 @@ func addRows[T Float](threads int, dst, a, b []T) {
 	})
 }
 
-// swiglu sets act = silu(gate)·up.
-func swiglu[T Float](threads int, act, gate, up []T) {
+// swiglu sets act = silu(gate)·up, recording σ(gate) in sig unless sig is nil.
+func swiglu[T Float](threads int, act, sig, gate, up []T) {
 	parallelFor(threads, len(act), 1<<13, func(lo, hi int) {
 		for i := lo; i < hi; i++ {
 			g := gate[i]
-			act[i] = T(T(g*T(sigmoid64(float64(g)))) * up[i])
+			s := T(sigmoid64(float64(g)))
+			if sig != nil {
+				sig[i] = s
+			}
+			act[i] = T(g*s) * up[i]
 		}
 	})
 }

@@ -56,6 +56,8 @@ import (
 	"path/filepath"
 	"testing"
 
+	"github.com/google/go-cmp/cmp"
+	"github.com/google/go-cmp/cmp/cmpopts"
 	"github.com/slimen/slimen/engines"
 )
 
@@ -220,8 +222,8 @@ func TestLossVectors(t *testing.T) {
 	covered := map[string]bool{}
 	for _, c := range f.Cases {
 		got := evalLossVector(t, c)
-		if !jsonEqual(t, got, c.Expected) {
-			t.Errorf("%s: policyLoss gives %+v, file has %+v", c.Name, got, c.Expected)
+		if diff := cmp.Diff(c.Expected, got, cmpopts.EquateApprox(1e-12, 1e-15)); diff != "" {
+			t.Errorf("%s: policyLoss differs from the file (-file +now):\n%s", c.Name, diff)
 		}
 		// The expected gradients are gradients: central differences of the loss agree.
 		checkLossGradients(t, c, got)

@@ -8,7 +8,7 @@ import (
 func TestExpLogAccuracy(t *testing.T) {
 	for x := -740.0; x < 709; x += 0.37 {
 		got, want := exp64(x), math.Exp(x)
-		if math.Abs(got-want) > 4e-16*want {
+		if math.Abs(got-want) > 1e-15*want {
 			t.Fatalf("exp64(%v) = %v, want %v", x, got, want)
 		}
 	}
