@@ -18,6 +18,7 @@ import (
 	"sort"
 	"strconv"
 	"strings"
+	"syscall"
 
 	"go.starlark.net/starlark"
 )
@@ -81,6 +82,10 @@ func (r *Run) Checkpoint(ctx context.Context) (string, error) {
 		}
 		if err := p.eng.Save(ctx, filepath.Join(tmp, p.name)); err != nil {
 			return "", fmt.Errorf("checkpoint: policy %q: %w", p.name, err)
+		}
+		// Fault injection for the crash-safety test: die by SIGKILL halfway through a write.
+		if os.Getenv("SLIMEN_TEST_SIGKILL_IN_CHECKPOINT") == strconv.Itoa(r.step) {
+			syscall.Kill(os.Getpid(), syscall.SIGKILL)
 		}
 	}
 	st, err := encodeState(r.state)
