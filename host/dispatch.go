@@ -76,6 +76,17 @@ type dispatcher struct {
 	pending []*pendingGen
 	// batches and requests count what reached the engine, for tests and metrics.
 	batches, requests int
+	// engineErr is the first error the engine returned since the last takeErr.
+	engineErr error
+}
+
+// takeErr returns and clears the engine error seen since the last call.
+func (d *dispatcher) takeErr() error {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	err := d.engineErr
+	d.engineErr = nil
+	return err
 }
 
 type pendingGen struct {
@@ -179,6 +190,13 @@ func (d *dispatcher) flush(ctx context.Context) {
 	out, err := d.eng.Generate(ctx, reqs)
 	if err == nil && len(out) != samples {
 		err = errShortBatch(len(out), samples)
+	}
+	if err != nil && ctx.Err() == nil {
+		d.mu.Lock()
+		if d.engineErr == nil {
+			d.engineErr = err
+		}
+		d.mu.Unlock()
 	}
 	k := 0
 	for _, p := range batch {

@@ -305,6 +305,19 @@ type StepResult struct {
 	Failed   []*RolloutError
 }
 
+// EngineError stops a run: a policy's engine failed (after the retries of its client).
+type EngineError struct {
+	Step   int
+	Policy string
+	Err    error
+}
+
+func (e *EngineError) Error() string {
+	return fmt.Sprintf("step %d: the engine of policy %q failed: %v; the run stops (resume from its last checkpoint with --resume once the engine is back)", e.Step, e.Policy, e.Err)
+}
+
+func (e *EngineError) Unwrap() error { return e.Err }
+
 // shownFailures is how many failed rollouts a step shows in full on the run's log.
 const shownFailures = 3
 
@@ -354,6 +367,13 @@ func (r *Run) Step(ctx context.Context) (*StepResult, error) {
 		return nil, err
 	}
 	rolloutS := time.Since(t0).Seconds()
+	// An engine that failed after its own retries is not the script's fault: dropping the
+	// rollouts that met it would bias the step, so the run stops and can resume later.
+	for _, p := range r.policyList() {
+		if err := p.disp.takeErr(); err != nil && ctx.Err() == nil {
+			return nil, &EngineError{Step: step, Policy: p.name, Err: err}
+		}
+	}
 	res := &StepResult{Step: step}
 	var first *RolloutError
 	for _, ro := range ros {

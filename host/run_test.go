@@ -2,6 +2,7 @@ package host
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"math"
 	"os"
@@ -379,5 +380,26 @@ def eval_rollout(task):
 	}
 	if evs[0].Float("len") != 9 || evs[0].Float("failed") != 1 {
 		t.Errorf("scripted eval: %v", evs[0])
+	}
+}
+
+// brokenEngine fails every Generate, as a remote engine does once its client gives up.
+type brokenEngine struct{ *scripted.Engine }
+
+func (brokenEngine) Generate(context.Context, []engines.GenerateRequest) ([]engines.Completion, error) {
+	return nil, fmt.Errorf("engine at 127.0.0.1:1 unavailable for 2m0s")
+}
+
+func TestEngineFailureStopsTheRun(t *testing.T) {
+	r := loadRun(t, `
+def rollout(task):
+    c = generate("p", task.prompt)
+    reward(c, 1.0)
+    train(c)
+`, testConfig(4, "p"), map[string]engines.Engine{"p": brokenEngine{scripted.Echo("x")}}, numberedTasks(4))
+	_, err := r.Step(context.Background())
+	var ee *EngineError
+	if !errors.As(err, &ee) || ee.Policy != "p" || !strings.Contains(err.Error(), "resume from its last checkpoint") {
+		t.Fatalf("err = %v", err)
 	}
 }
