@@ -26,9 +26,14 @@ func (c *Client) callError(ctx context.Context, method string, err error, out *o
 		if permanent(msg) {
 			return fmt.Errorf("engine at %s: %s: the TLS handshake failed (%s): check engine.tls (ca, server_name) against the server's certificate", c.addr, method, msg)
 		}
+		hint := "check that the engine server is running and reachable from here"
+		if strings.Contains(msg, "server preface") && c.opts.TLS == nil {
+			// A TLS server drops a plaintext client before speaking HTTP/2.
+			hint += ", and whether it serves TLS (then set engine.tls)"
+		}
 		if out != nil && out.began() {
-			return fmt.Errorf("engine at %s is unreachable: %s gave up after retrying for %s (last error: %s); check that the engine server is running and reachable from here: %w",
-				c.addr, method, time.Since(out.since).Round(time.Second), msg, ErrUnavailable)
+			return fmt.Errorf("engine at %s is unreachable: %s gave up after retrying for %s (last error: %s); %s: %w",
+				c.addr, method, time.Since(out.since).Round(time.Second), msg, hint, ErrUnavailable)
 		}
 		return fmt.Errorf("engine at %s is unreachable: %s: %s: %w", c.addr, method, msg, ErrUnavailable)
 	case codes.Unauthenticated:

@@ -347,7 +347,7 @@ func (c *Client) call(ctx context.Context, method string, req proto.Message, rpc
 			}
 			return nil
 		}
-		if status.Code(err) != codes.Unavailable || ctx.Err() != nil {
+		if st := status.Convert(err); st.Code() != codes.Unavailable || permanent(st.Message()) || ctx.Err() != nil {
 			return c.callError(ctx, method, err, &out)
 		}
 		if d, ok := out.next(err, c.opts); !ok || !sleep(ctx, d) {
