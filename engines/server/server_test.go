@@ -403,7 +403,9 @@ func TestTrainLog(t *testing.T) {
 	}
 
 	// A failed step is forgotten, so a resend runs it again.
-	_, _, err = l.apply(ctx, "s3", fp, func(context.Context) (engines.TrainStats, error) { return engines.TrainStats{}, errors.New("out of memory") })
+	_, _, err = l.apply(ctx, "s3", fp, func(context.Context) (engines.TrainStats, error) {
+		return engines.TrainStats{}, errors.New("out of memory")
+	})
 	if err == nil {
 		t.Fatal("want the step's error")
 	}
