@@ -219,7 +219,7 @@ func (c *Client) recovered() {
 		prev := c.instance
 		c.instance = h.Instance
 		c.mu.Unlock()
-		if prev != h.Instance {
+		if prev != "" && prev != h.Instance { // "": Dial itself waited for the engine to start
 			c.opts.OnRestart(prev, h.Instance)
 		}
 	}()

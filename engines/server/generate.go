@@ -36,6 +36,7 @@ type generator struct {
 	mu       sync.Mutex
 	entries  map[string]*genEntry // every request known by id: queued, running or finished
 	finished []*genEntry          // finished requests, oldest first, for forgetting them
+	kept     int                  // bytes of the completions of finished
 	queue    []*genEntry          // requests waiting for a batch
 	queued   int                  // samples in queue
 	running  int                  // engine calls under way
@@ -59,6 +60,7 @@ type genEntry struct {
 	n          int
 	got        []*enginepb.Completion // by sample index; nil until sampled
 	ngot       int
+	bytes      int // of got, on the wire
 	state      entryState
 	subs       map[*session]struct{} // streams waiting for it
 	batch      *batch                // while running
@@ -438,6 +440,7 @@ func (g *generator) deliver(e *genEntry, index int, c engines.Completion) {
 	}
 	e.got[index] = pc
 	e.ngot++
+	e.bytes += proto.Size(pc)
 	for s := range e.subs {
 		s.push(pc, nil)
 	}
@@ -446,6 +449,7 @@ func (g *generator) deliver(e *genEntry, index int, c engines.Completion) {
 		e.finishedAt = time.Now()
 		g.unsubscribeAll(e)
 		g.finished = append(g.finished, e)
+		g.kept += e.bytes
 		g.evict(e.finishedAt)
 	}
 }
@@ -487,18 +491,19 @@ func (g *generator) samplesGot(e *genEntry) int {
 	return e.ngot
 }
 
-// evict forgets finished requests older than DedupWindow or beyond DedupMaxRequests. g.mu is
-// held.
+// evict forgets finished requests older than DedupWindow, and the oldest ones while their
+// completions take more than DedupMaxBytes. g.mu is held.
 func (g *generator) evict(now time.Time) {
 	i := 0
 	for i < len(g.finished) {
 		f := g.finished[i]
-		if now.Sub(f.finishedAt) < g.opts.DedupWindow && len(g.finished)-i <= g.opts.DedupMaxRequests {
+		if now.Sub(f.finishedAt) < g.opts.DedupWindow && g.kept <= g.opts.DedupMaxBytes {
 			break
 		}
 		if g.entries[f.id] == f {
 			delete(g.entries, f.id)
 		}
+		g.kept -= f.bytes
 		i++
 	}
 	g.finished = slices.Delete(g.finished, 0, i)
@@ -513,5 +518,5 @@ func (g *generator) forgetFinished() {
 			delete(g.entries, f.id)
 		}
 	}
-	g.finished = nil
+	g.finished, g.kept = nil, 0
 }

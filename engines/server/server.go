@@ -52,8 +52,9 @@ type Options struct {
 	// DedupWindow is how long a finished generate request's completions are kept for a resend
 	// of its id; 0: 10 minutes.
 	DedupWindow time.Duration
-	// DedupMaxRequests caps the finished generate requests kept for resends; 0: 65536.
-	DedupMaxRequests int
+	// DedupMaxBytes caps the size of the completions kept for resends; 0: 1 GiB. The oldest go
+	// first; a resend of a forgotten id is sampled again.
+	DedupMaxBytes int
 	// TrainMemory is how many recent optimizer step ids are remembered; 0: 1024.
 	TrainMemory int
 
@@ -77,8 +78,8 @@ func (o Options) withDefaults() Options {
 	if o.DedupWindow <= 0 {
 		o.DedupWindow = 10 * time.Minute
 	}
-	if o.DedupMaxRequests <= 0 {
-		o.DedupMaxRequests = 65536
+	if o.DedupMaxBytes <= 0 {
+		o.DedupMaxBytes = 1 << 30
 	}
 	if o.TrainMemory <= 0 {
 		o.TrainMemory = 1024

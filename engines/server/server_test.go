@@ -422,3 +422,23 @@ func TestTrainLog(t *testing.T) {
 		t.Error("s3 was remembered after forget")
 	}
 }
+
+// Finished requests are kept for resends within the byte budget, oldest forgotten first.
+func TestDedupKeepsTheNewestWithinItsBudget(t *testing.T) {
+	eng := newGated()
+	// Each completion is 16 bytes on the wire: the budget keeps the newest request only.
+	s := open(t, start(t, eng, Options{DedupMaxBytes: 30}))
+	for _, id := range []string{"r1", "r2", "r3"} {
+		send(t, s, id)
+		next(t, s)
+	}
+	send(t, s, "r3", "r1")
+	var got []string
+	for len(got) < 2 {
+		got = append(got, next(t, s)...)
+	}
+	want := [][]string{{"r1"}, {"r2"}, {"r3"}, {"r1"}} // r3 answered from memory, r1 sampled again
+	if calls := eng.callsSoFar(); !slices.EqualFunc(calls, want, slices.Equal) {
+		t.Errorf("engine calls %v, want %v", calls, want)
+	}
+}
