@@ -80,11 +80,13 @@ func builtinGenerate(thread *starlark.Thread, b *starlark.Builtin, args starlark
 		return nil, err
 	}
 	ro := ts.ro
-	pol, err := ro.run.policyFor(policy)
-	if err != nil {
+	if err := ro.budget.allowed(b.Name(), policy, false); err != nil {
+		return nil, err
+	}
+	if _, _, err := ro.svc.checkPolicy(policy); err != nil {
 		return nil, fmt.Errorf("%s: %v", b.Name(), err)
 	}
-	s := ro.run.sampling()
+	s := ro.svc.sampling()
 	if ro.eval != nil {
 		s = *ro.eval
 	}
@@ -112,7 +114,15 @@ func builtinGenerate(thread *starlark.Thread, b *starlark.Builtin, args starlark
 		s.Seed = uint64(v)
 	}
 	req := engines.GenerateRequest{ID: ro.task.ID + "/" + keyString(key), Messages: msgs, N: n, Sampling: s}
-	outs, err := ro.run.generate(ro.ctx, pol, req)
+	if err := ro.budget.generate(b.Name(), n, s.MaxTokens); err != nil {
+		return nil, err
+	}
+	outs, err := ro.svc.generate(ro.ctx, policy, req)
+	used := 0
+	for _, o := range outs {
+		used += len(o.Tokens)
+	}
+	ro.budget.settle(n*s.MaxTokens, used)
 	if err != nil {
 		return nil, fmt.Errorf("%s: policy %q: %v", b.Name(), policy, err)
 	}
@@ -124,7 +134,7 @@ func builtinGenerate(thread *starlark.Thread, b *starlark.Builtin, args starlark
 			finish: o.FinishReason, key: append(append([]int(nil), key...), i),
 		}
 		ro.noteCompletion(c)
-		ro.run.live.tokens.Add(int64(len(o.Tokens)))
+		ro.svc.generated(len(o.Tokens))
 		res[i] = c
 	}
 	if n == 1 && len(res) == 1 {
@@ -324,7 +334,7 @@ func builtinTrain(thread *starlark.Thread, b *starlark.Builtin, args starlark.Tu
 		if !ok {
 			return nil, fmt.Errorf("%s: teacher must be a policy name, got %s", b.Name(), teacher.Type())
 		}
-		if _, err := ro.run.policyFor(string(name)); err != nil {
+		if _, _, err := ro.svc.checkPolicy(string(name)); err != nil {
 			return nil, fmt.Errorf("%s: teacher: %v", b.Name(), err)
 		}
 		q.teacher = string(name)
@@ -353,12 +363,15 @@ func builtinTrain(thread *starlark.Thread, b *starlark.Builtin, args starlark.Tu
 		}
 	}
 	for _, c := range cs {
-		pol, err := ro.run.policyFor(c.policy)
+		if err := ro.budget.allowed(b.Name(), c.policy, true); err != nil {
+			return nil, err
+		}
+		trainable, place, err := ro.svc.checkPolicy(c.policy)
 		if err != nil {
 			return nil, fmt.Errorf("%s: %v", b.Name(), err)
 		}
-		if !pol.cfg.Trainable {
-			return nil, fmt.Errorf("%s: policy %q is frozen (trainable: false%s); do not pass its completions to train, or make it trainable", b.Name(), c.policy, ro.run.cfgPlace(pol))
+		if !trainable {
+			return nil, fmt.Errorf("%s: policy %q is frozen (trainable: false%s); do not pass its completions to train, or make it trainable", b.Name(), c.policy, place)
 		}
 		if c.injected {
 			return nil, fmt.Errorf("%s: completion %s was made by completion(), not sampled; only generated completions can be trained", b.Name(), c.id)
@@ -414,25 +427,27 @@ func builtinParallel(thread *starlark.Thread, b *starlark.Builtin, args starlark
 	iter.Done()
 	base := ts.next()
 	ro := ts.ro
+	if err := ro.budget.parallel(b.Name(), len(xs)); err != nil {
+		return nil, err
+	}
 	results := make([]starlark.Value, len(xs))
 	errs := make([]error, len(xs))
 	sem := make(chan struct{}, parallelWidth)
 	var wg sync.WaitGroup
-	ro.run.activity.add(len(xs)) // children count as running before the parent stops running
-	ro.run.activity.leave()
+	ro.svc.running(len(xs) - 1) // children count as running before the parent stops running
 	for i := range xs {
 		wg.Add(1)
 		sem <- struct{}{}
 		go func(i int) {
 			defer wg.Done()
 			defer func() { <-sem }()
-			defer ro.run.activity.leave()
+			defer ro.svc.running(-1)
 			child := ro.newThread(append(append([]int(nil), base...), i))
 			results[i], errs[i] = ro.call(child, fn, starlark.Tuple{xs[i]})
 		}(i)
 	}
 	wg.Wait()
-	ro.run.activity.enter()
+	ro.svc.running(1)
 	for i, err := range errs {
 		if err != nil {
 			return nil, fmt.Errorf("%s: item %d: %s", b.Name(), i, scriptErrorText(err))
@@ -464,11 +479,10 @@ func builtinScore(thread *starlark.Thread, b *starlark.Builtin, args starlark.Tu
 	if c.injected {
 		return nil, fmt.Errorf("%s: completion %s was made by completion() and has no tokens to score", b.Name(), c.id)
 	}
-	pol, err := ts.ro.run.policyFor(policy)
-	if err != nil {
-		return nil, fmt.Errorf("%s: %v", b.Name(), err)
+	if err := ts.ro.budget.allowed(b.Name(), policy, false); err != nil {
+		return nil, err
 	}
-	lp, err := ts.ro.run.score(ts.ro.ctx, pol, engines.ScoreRequest{Messages: msgs, Tokens: c.tokens})
+	lp, err := ts.ro.svc.score(ts.ro.ctx, policy, engines.ScoreRequest{Messages: msgs, Tokens: c.tokens})
 	if err != nil {
 		return nil, fmt.Errorf("%s: policy %q: %v", b.Name(), policy, err)
 	}

@@ -29,20 +29,16 @@ func (a *activity) subscribe() chan struct{} {
 func (a *activity) add(n int) {
 	a.mu.Lock()
 	a.running += n
+	quiet := a.running <= 0
 	a.mu.Unlock()
+	if quiet && n < 0 {
+		a.kickAll()
+	}
 }
 
 func (a *activity) enter() { a.add(1) }
 
-func (a *activity) leave() {
-	a.mu.Lock()
-	a.running--
-	quiet := a.running <= 0
-	a.mu.Unlock()
-	if quiet {
-		a.kickAll()
-	}
-}
+func (a *activity) leave() { a.add(-1) }
 
 func (a *activity) quiet() bool {
 	a.mu.Lock()

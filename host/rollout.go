@@ -21,7 +21,9 @@ type Task = data.Task
 // rollout is one call of the script's rollout(task): its threads, the samples it queued for
 // training and the metrics it logged. Nothing it queued reaches a buffer unless it succeeds.
 type rollout struct {
-	run   *Run
+	run    *Run     // nil in a sandbox child
+	svc    services // the host, in-process or over the sandbox pipe
+	budget *budget  // the sandbox's per-rollout limits; nil: none
 	ctx   context.Context
 	task  Task
 	index int // position of the task in its step: the first sort key of its samples
@@ -76,16 +78,20 @@ func (ro *rollout) log(vals map[string]float64) {
 // maxPrintsPerRollout rate-limits print: a chatty script cannot flood the run log.
 const maxPrintsPerRollout = 20
 
-func (ro *rollout) print(_ *starlark.Thread, msg string) {
+func (ro *rollout) print(th *starlark.Thread, msg string) {
 	ro.mu.Lock()
 	ro.prints++
 	n := ro.prints
 	ro.mu.Unlock()
+	if err := ro.budget.print(len(msg)); err != nil {
+		th.Cancel(err.Error())
+		return
+	}
 	switch {
 	case n <= maxPrintsPerRollout:
-		ro.run.events.printf("step %d task %s: %s", ro.step, ro.task.ID, msg)
+		ro.svc.event(fmt.Sprintf("step %d task %s: %s", ro.step, ro.task.ID, msg))
 	case n == maxPrintsPerRollout+1:
-		ro.run.events.printf("step %d task %s: more print output dropped (limit %d lines a rollout)", ro.step, ro.task.ID, maxPrintsPerRollout)
+		ro.svc.event(fmt.Sprintf("step %d task %s: more print output dropped (limit %d lines a rollout)", ro.step, ro.task.ID, maxPrintsPerRollout))
 	}
 }
 
@@ -93,6 +99,7 @@ func (ro *rollout) print(_ *starlark.Thread, msg string) {
 func (ro *rollout) newThread(path []int) *starlark.Thread {
 	th := &starlark.Thread{Name: ro.task.ID, Print: ro.print, Load: noLoad}
 	th.SetLocal(threadLocal, &threadState{ro: ro, path: path})
+	ro.budget.limitThread(th)
 	setThreadRandom(th, keySeed(ro.seed^0x5EED, ro.task.ID, path))
 	return th
 }

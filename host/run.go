@@ -279,10 +279,6 @@ func (r *Run) sampling() engines.Sampling {
 	}
 }
 
-func (r *Run) generate(ctx context.Context, p *policy, req engines.GenerateRequest) ([]engines.Completion, error) {
-	return p.disp.generate(ctx, req)
-}
-
 func (r *Run) score(ctx context.Context, p *policy, req engines.ScoreRequest) ([]float32, error) {
 	r.activity.leave()
 	defer r.activity.enter()
@@ -437,7 +433,7 @@ func (r *Run) runRollouts(ctx context.Context, step int, tasks []Task, fn starla
 	defer cancel()
 	seed := r.Config().Run.Seed
 	for i, t := range tasks {
-		ros[i] = &rollout{run: r, ctx: stepCtx, task: t, index: i, step: step, eval: eval,
+		ros[i] = &rollout{run: r, svc: localServices{r}, ctx: stepCtx, task: t, index: i, step: step, eval: eval,
 			seed: keySeed(seed, t.ID, []int{step})}
 	}
 	r.live.done.Store(0)

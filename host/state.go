@@ -107,7 +107,11 @@ func stateGet(thread *starlark.Thread, b *starlark.Builtin, args starlark.Tuple,
 	if err := starlark.UnpackArgs(b.Name(), args, kwargs, "key", &k, "default?", &def); err != nil {
 		return nil, err
 	}
-	if v, ok := ts.ro.run.state.Get(k); ok {
+	v, ok, err := ts.ro.svc.stateGet(k)
+	if err != nil {
+		return nil, fmt.Errorf("%s: %v", b.Name(), err)
+	}
+	if ok {
 		return v, nil
 	}
 	return def, nil
@@ -129,10 +133,11 @@ func stateUpdate(thread *starlark.Thread, b *starlark.Builtin, args starlark.Tup
 	if thread.Local(inUpdateLocal) != nil {
 		return nil, fmt.Errorf("%s: called inside another state.update function; compute the value first", b.Name())
 	}
-	s := ts.ro.run.state
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	cur, ok := s.values[k]
+	cur, ok, commit, release, err := ts.ro.svc.stateLock(k)
+	if err != nil {
+		return nil, fmt.Errorf("%s: %v", b.Name(), err)
+	}
+	defer release()
 	if !ok {
 		cur = def
 	}
@@ -142,10 +147,11 @@ func stateUpdate(thread *starlark.Thread, b *starlark.Builtin, args starlark.Tup
 	if err != nil {
 		return nil, err
 	}
-	if err := plainData(v, 0); err != nil {
+	if err := ts.ro.budget.state(b.Name(), v); err != nil {
+		return nil, err
+	}
+	if err := commit(v); err != nil {
 		return nil, fmt.Errorf("%s(%q): %v", b.Name(), k, err)
 	}
-	v.Freeze()
-	s.values[k] = v
 	return v, nil
 }

@@ -11,6 +11,7 @@ type Config struct {
 	Data     DataConfig     `yaml:"data" json:"data"`
 	Eval     EvalConfig     `yaml:"eval" json:"eval"`
 	Run      RunConfig      `yaml:"run" json:"run"`
+	Sandbox  SandboxConfig  `yaml:"sandbox" json:"sandbox"`
 
 	// File is the path the config came from ("" for the zero-config defaults).
 	File string `yaml:"-" json:"-"`
@@ -177,6 +178,25 @@ type EvalDataset struct {
 	Extra map[string]any `yaml:",inline" json:"extra,omitempty"`
 
 	Line int `yaml:"-" json:"-"`
+}
+
+// SandboxConfig bounds what a contributed script may do (slimen exec --sandbox, DESIGN §8). The
+// budgets are per rollout; the memory and CPU limits are those of the child processes that
+// evaluate the Starlark.
+type SandboxConfig struct {
+	Enabled       bool     `yaml:"enabled" json:"enabled"`                       // --sandbox sets it
+	Steps         uint64   `yaml:"steps" json:"steps"`                           // Starlark execution steps, per thread
+	GenerateCalls int      `yaml:"generate_calls" json:"generate_calls"`         // generate calls
+	Tokens        int      `yaml:"tokens" json:"tokens"`                         // generated tokens (max_tokens × n counted up front)
+	WallSeconds   float64  `yaml:"wall_seconds" json:"wall_seconds"`             // wall time
+	PrintBytes    int      `yaml:"print_bytes" json:"print_bytes"`               // bytes of print output
+	StateBytes    int      `yaml:"state_bytes" json:"state_bytes"`               // size of one value stored in state
+	ParallelItems int      `yaml:"parallel_items" json:"parallel_items"`         // items of one parallel() call
+	MemoryMB      int      `yaml:"memory_mb" json:"memory_mb"`                   // address space of a child process
+	CPUSeconds    int      `yaml:"cpu_seconds" json:"cpu_seconds"`               // CPU time of a child process (0: unlimited)
+	Processes     int      `yaml:"processes" json:"processes"`                   // child processes evaluating rollouts
+	Policies      []string `yaml:"policies,omitempty" json:"policies,omitempty"` // generate/score allowed on these (empty: all)
+	Train         []string `yaml:"train,omitempty" json:"train,omitempty"`       // train allowed on these (empty: every trainable policy)
 }
 
 // RunConfig holds run-wide settings.

@@ -75,6 +75,7 @@ func Default(policies []string) *Config {
 		Data:    defaultData(),
 		Eval:    EvalConfig{NSamples: 1},
 		Run:     defaultRun(),
+		Sandbox: DefaultSandbox(),
 	}
 	for _, name := range policies {
 		c.Policies = append(c.Policies, DefaultPolicy(name))
@@ -93,6 +94,13 @@ func defaultData() DataConfig {
 // defaultRun leaves Out empty: the host fills runs/<script name>.
 func defaultRun() RunConfig {
 	return RunConfig{Steps: 50, Seed: 1, KeepCheckpoints: 3, OnSignal: "finish"}
+}
+
+// DefaultSandbox are the budgets of a sandboxed run: room for any topology of the examples, far
+// from what could hurt a host (docs/sandbox.md).
+func DefaultSandbox() SandboxConfig {
+	return SandboxConfig{Steps: 10_000_000, GenerateCalls: 256, Tokens: 65536, WallSeconds: 300,
+		PrintBytes: 64 << 10, StateBytes: 64 << 10, ParallelItems: 1024, MemoryMB: 1024, CPUSeconds: 0, Processes: 2}
 }
 
 // defaultEvalInterval is the eval cadence when eval datasets are given without eval_interval.

@@ -103,6 +103,7 @@ func (r *resolver) resolve() {
 	r.fill(&c.Rollout, defaultRollout(), "rollout")
 	r.fill(&c.Data, defaultData(), "data")
 	r.fill(&c.Run, defaultRun(), "run")
+	r.fill(&c.Sandbox, DefaultSandbox(), "sandbox")
 	r.fill(&c.Eval, EvalConfig{NSamples: 1}, "eval")
 	for i := range c.Policies {
 		r.resolvePolicy(i)

@@ -104,6 +104,17 @@ func (r *resolver) validate() {
 	r.check(run.EvalInterval >= 0, "run.eval_interval", 0, "must be ≥ 0 (0: no periodic eval), got %d", run.EvalInterval)
 	r.check(run.KeepCheckpoints >= 0, "run.keep_checkpoints", 0, "must be ≥ 0 (0: keep all), got %d", run.KeepCheckpoints)
 	r.check(run.OnSignal == "finish" || run.OnSignal == "abandon", "run.on_signal", 0, "must be finish or abandon, got %q", run.OnSignal)
+	sb := c.Sandbox
+	r.check(sb.Steps > 0 && sb.GenerateCalls > 0 && sb.Tokens > 0 && sb.WallSeconds > 0 && sb.PrintBytes > 0 &&
+		sb.StateBytes > 0 && sb.ParallelItems > 0, "sandbox", 0, "every budget must be positive")
+	r.check(sb.MemoryMB >= 64, "sandbox.memory_mb", 0, "must be at least 64, got %d", sb.MemoryMB)
+	r.check(sb.Processes >= 1, "sandbox.processes", 0, "must be at least 1, got %d", sb.Processes)
+	for _, list := range [][]string{sb.Policies, sb.Train} {
+		for _, name := range list {
+			_, ok := c.Policy(name)
+			r.check(ok || len(c.Policies) == 0, "sandbox", 0, "names policy %q, which the config does not define", name)
+		}
+	}
 }
 
 func (r *resolver) validatePolicy(p *PolicyConfig, pp string) {
