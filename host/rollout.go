@@ -24,12 +24,12 @@ type rollout struct {
 	run    *Run     // nil in a sandbox child
 	svc    services // the host, in-process or over the sandbox pipe
 	budget *budget  // the sandbox's per-rollout limits; nil: none
-	ctx   context.Context
-	task  Task
-	index int // position of the task in its step: the first sort key of its samples
-	step  int
-	seed  uint64
-	eval  *engines.Sampling // eval rollouts sample with these settings and do not train
+	ctx    context.Context
+	task   Task
+	index  int // position of the task in its step: the first sort key of its samples
+	step   int
+	seed   uint64
+	eval   *engines.Sampling // eval rollouts sample with these settings and do not train
 
 	result starlark.Value // what the rollout function returned
 
