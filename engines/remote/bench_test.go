@@ -13,7 +13,8 @@ import (
 
 // BenchmarkGenerate measures what going through the protocol adds to a small generate call:
 // the same fake engine in-process and behind a server on loopback. "serial" is one caller
-// waiting for each answer (latency); "parallel" is many callers sharing the client's stream.
+// waiting for each answer (latency); "batch32" sends 32 requests a call, as the host's dispatcher
+// does; "parallel" is many callers sharing the client's stream.
 func BenchmarkGenerate(b *testing.B) {
 	ctx := context.Background()
 	var seq atomic.Int64
@@ -32,6 +33,19 @@ func BenchmarkGenerate(b *testing.B) {
 					b.Fatal(err)
 				}
 			}
+		})
+		b.Run(eng.name+"/batch32", func(b *testing.B) {
+			// As the host sends them: the calls of many rollouts coalesced into one.
+			for b.Loop() {
+				reqs := make([]engines.GenerateRequest, 0, 32)
+				for range 32 {
+					reqs = append(reqs, req()...)
+				}
+				if _, err := eng.e.Generate(ctx, reqs); err != nil {
+					b.Fatal(err)
+				}
+			}
+			b.ReportMetric(float64(b.Elapsed().Nanoseconds())/float64(32*b.N), "ns/request")
 		})
 		b.Run(eng.name+"/parallel", func(b *testing.B) {
 			b.SetParallelism(8)
