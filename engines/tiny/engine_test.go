@@ -14,7 +14,7 @@ import (
 // smallConfig is a random model small enough for fast tests but with every feature (GQA, untied
 // head, several layers).
 func smallConfig() ModelConfig {
-	return ModelConfig{Hidden: 16, Intermediate: 24, Layers: 2, Heads: 4, KVHeads: 2, MaxSeqLen: 64}
+	return ModelConfig{Hidden: 16, Intermediate: 24, Layers: 2, Heads: 4, KVHeads: 2, MaxSeqLen: 96}
 }
 
 func newSmall(t testing.TB, threads int) *Engine {
@@ -123,7 +123,8 @@ func TestGenerateLengthAndGreedy(t *testing.T) {
 		}
 	}
 	// The model's length limit also ends a response.
-	long := engines.GenerateRequest{ID: "l", PromptTokens: make([]int32, 60), Sampling: engines.Sampling{MaxTokens: 50, Temperature: 1}}
+	limit := smallConfig().MaxSeqLen
+	long := engines.GenerateRequest{ID: "l", PromptTokens: make([]int32, limit-4), Sampling: engines.Sampling{MaxTokens: 50, Temperature: 1}}
 	for i := range long.PromptTokens {
 		long.PromptTokens[i] = 20
 	}
@@ -131,8 +132,8 @@ func TestGenerateLengthAndGreedy(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if c := cs[0]; len(c.PromptTokens)+len(c.Tokens) > 64 || (c.FinishReason == "length" && len(c.PromptTokens)+len(c.Tokens) != 64) {
-		t.Fatalf("prompt %d + response %d tokens, finish %s; limit 64", len(c.PromptTokens), len(c.Tokens), c.FinishReason)
+	if c := cs[0]; len(c.PromptTokens)+len(c.Tokens) > limit || (c.FinishReason == "length" && len(c.PromptTokens)+len(c.Tokens) != limit) {
+		t.Fatalf("prompt %d + response %d tokens, finish %s; limit %d", len(c.PromptTokens), len(c.Tokens), c.FinishReason, limit)
 	}
 }
 
@@ -216,7 +217,7 @@ func TestGenerateRejectsBadRequests(t *testing.T) {
 		"no prompt":       {ID: "x"},
 		"bad token":       {ID: "x", PromptTokens: []int32{5000}},
 		"bad temp":        {ID: "x", PromptTokens: []int32{5}, Sampling: engines.Sampling{Temperature: -1}},
-		"prompt too long": {ID: "x", PromptTokens: make([]int32, 64)},
+		"prompt too long": {ID: "x", PromptTokens: make([]int32, smallConfig().MaxSeqLen)},
 	} {
 		if _, err := e.Generate(ctx, []engines.GenerateRequest{r}); err == nil {
 			t.Errorf("%s: no error", name)

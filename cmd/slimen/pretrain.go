@@ -1,0 +1,131 @@
+package main
+
+import (
+	"context"
+	"flag"
+	"fmt"
+	"os"
+	"os/signal"
+	"time"
+
+	"github.com/slimen/slimen/engines/tiny"
+	"github.com/slimen/slimen/host/synthetic"
+)
+
+func init() {
+	commands["pretrain"] = command{"supervised warm-up of a tiny model on a synthetic task", cmdPretrain}
+}
+
+// cmdPretrain trains a tiny model from random weights on the synthetic:arith corpus
+// (tiny.ArithExample) and saves it as a model folder. builtin:tiny-arith is its output; the exact
+// command is in docs/tiny.md.
+func cmdPretrain(args []string) int {
+	fs := flag.NewFlagSet("pretrain", flag.ContinueOnError)
+	task := fs.String("task", "synthetic:arith", "task source: synthetic:arith[?difficulty=N]")
+	difficulty := fs.Int("difficulty", 0, "problem difficulty 1..4 (overrides the task's; default 2)")
+	steps := fs.Int("steps", 3000, "optimizer steps")
+	batch := fs.Int("batch-size", 64, "examples per step")
+	lr := fs.Float64("lr", 3e-3, "peak learning rate (linear warm-up, cosine decay to a tenth)")
+	warmup := fs.Int("warmup", 100, "warm-up steps")
+	wd := fs.Float64("weight-decay", 0.01, "AdamW weight decay")
+	seed := fs.Uint64("seed", 1, "seed of the initial weights and of the training problems")
+	evalSeed := fs.Uint64("eval-seed", 0, "seed of the held-out problems (default: seed + 1000)")
+	evalEvery := fs.Int("eval-every", 500, "evaluate held-out accuracy every N steps (0: only at the end)")
+	evalN := fs.Int("eval-n", 500, "held-out problems per evaluation")
+	out := fs.String("out", "", "folder to write the model to (required)")
+	threads := fs.Int("threads", 0, "goroutines for the math (0: all cores; results do not depend on it)")
+	cfg := tiny.DefaultConfig()
+	fs.IntVar(&cfg.Hidden, "hidden", cfg.Hidden, "hidden size")
+	fs.IntVar(&cfg.Intermediate, "intermediate", cfg.Intermediate, "MLP intermediate size")
+	fs.IntVar(&cfg.Layers, "layers", cfg.Layers, "decoder layers")
+	fs.IntVar(&cfg.Heads, "heads", cfg.Heads, "attention heads")
+	fs.IntVar(&cfg.KVHeads, "kv-heads", cfg.KVHeads, "key/value heads")
+	fs.Usage = func() {
+		fmt.Fprintln(fs.Output(), "usage: slimen pretrain --out DIR [--task synthetic:arith] [--difficulty N] [--steps N] [--seed S] …")
+		fs.PrintDefaults()
+	}
+	if err := fs.Parse(args); err != nil {
+		return 2
+	}
+	if *out == "" || fs.NArg() > 0 {
+		fs.Usage()
+		return 2
+	}
+	arith, ok, err := synthetic.ParseSpec(*task, *seed)
+	if err == nil && !ok {
+		err = fmt.Errorf("--task %q: only synthetic tasks can be pretrained on (synthetic:arith)", *task)
+	}
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "slimen pretrain:", err)
+		return 2
+	}
+	if *difficulty != 0 {
+		if *difficulty < 1 || *difficulty > synthetic.MaxDifficulty {
+			fmt.Fprintf(os.Stderr, "slimen pretrain: --difficulty must be 1..%d\n", synthetic.MaxDifficulty)
+			return 2
+		}
+		arith.Difficulty = *difficulty
+	}
+	heldOut := arith
+	heldOut.Seed = *seed + 1000
+	if *evalSeed != 0 {
+		heldOut.Seed = *evalSeed
+	}
+	if heldOut.Seed == arith.Seed {
+		fmt.Fprintln(os.Stderr, "slimen pretrain: --eval-seed must differ from the training seed")
+		return 2
+	}
+
+	e, err := tiny.New(cfg, *seed, tiny.Options{Threads: *threads})
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "slimen pretrain:", err)
+		return 2
+	}
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt)
+	defer stop()
+	info, _ := e.Info(ctx)
+	fmt.Printf("pretrain %s: %d parameters, %d steps × %d examples; held out: %s\n",
+		tiny.ArithDescribe(arith), info.Params, *steps, *batch, tiny.ArithDescribe(heldOut))
+	evaluate := func(step int) error {
+		t1, err := tiny.ArithAccuracy(ctx, e, heldOut, *evalN, 1, 1)
+		if err != nil {
+			return err
+		}
+		t0, err := tiny.ArithAccuracy(ctx, e, heldOut, *evalN, 0, 1)
+		if err != nil {
+			return err
+		}
+		fmt.Printf("step %d: held-out exact match %.1f%% at temperature 1, %.1f%% greedy\n", step, 100*t1, 100*t0)
+		return nil
+	}
+	start, sum, count := time.Now(), 0.0, 0
+	err = tiny.Pretrain(ctx, e, func(i int) tiny.Example { return tiny.ArithExample(arith, i) }, tiny.PretrainOptions{
+		Steps: *steps, BatchSize: *batch, LR: *lr, WarmupSteps: *warmup, WeightDecay: *wd,
+		OnStep: func(step int, loss float64) error {
+			sum += loss
+			count++
+			if step%50 == 0 || step == *steps {
+				fmt.Printf("step %d/%d: loss %.4f (%.0fs)\n", step, *steps, sum/float64(count), time.Since(start).Seconds())
+				sum, count = 0, 0
+			}
+			if *evalEvery > 0 && step%*evalEvery == 0 && step != *steps {
+				return evaluate(step)
+			}
+			return nil
+		},
+	})
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "slimen pretrain:", err)
+		return 1
+	}
+	if err := evaluate(*steps); err != nil {
+		fmt.Fprintln(os.Stderr, "slimen pretrain:", err)
+		return 1
+	}
+	if err := e.Save(ctx, *out); err != nil {
+		fmt.Fprintln(os.Stderr, "slimen pretrain:", err)
+		return 1
+	}
+	fmt.Printf("saved %s\n", *out)
+	return 0
+}

@@ -1,0 +1,29 @@
+// Package tiny is slimen's embedded policy engine: a small Llama-family language model (RMSNorm,
+// rotary embeddings, grouped-query attention, SwiGLU, tied or untied LM head) in pure Go, float32,
+// on every core. It generates with a KV cache, scores, and trains with the policy loss of
+// DESIGN §4 through a hand-written backward pass and AdamW, so that a multi-agent RL script runs,
+// and learns, on any laptop without a GPU or a download.
+//
+// Models are Hugging Face folders (config.json for LlamaForCausalLM, model.safetensors with the
+// standard tensor names, tokenizer.json and tokenizer_config.json with a chat template) that
+// transformers loads as they are; testdata/tiny_compat/ proves it. The vocabulary is
+// character-level: printable ASCII, newline and the special tokens <|system|>, <|user|>,
+// <|assistant|>, <|end|> (end of turn and of sequence), <|pad|> and <|unk|>.
+//
+// The API:
+//
+//	e, err := tiny.Open("builtin:tiny-arith", tiny.Options{}) // or a model folder
+//	e, err := tiny.New(tiny.DefaultConfig(), seed, tiny.Options{}) // random weights
+//	var _ engines.Engine = e                                      // Generate, Score, Train, Save, …
+//	err = tiny.Pretrain(ctx, e, examples, tiny.PretrainOptions{Steps: 3000})
+//
+// Everything is deterministic: a completion depends only on the weights, its prompt, its sampling
+// settings and its sample index — not on the rest of its batch, the goroutine schedule or the
+// number of threads — and a training step maps the same weights and batch to the same new
+// weights, bit for bit. Every matrix element is one sequential sum (matMulT), attention has one
+// implementation for prefill, decode and training (attendRow), and exp and log are the package's
+// own so that no platform-dependent fused multiply-add changes a bit.
+//
+// builtin:tiny-arith, embedded from builtin/, is the base model of the examples, trained by
+// `slimen pretrain` on synthetic:arith; docs/tiny.md has its recipe and measured speeds.
+package tiny
