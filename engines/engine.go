@@ -76,7 +76,7 @@ type Completion struct {
 	Index        int       // sample index within the request, 0..N-1
 	PromptTokens []int32   // the prompt as the model saw it
 	Tokens       []int32   // response token ids, including a final EOS token if one was sampled
-	Logprobs     []float32 // log-probability of each response token under the sampling model (temperature 1 logits)
+	Logprobs     []float32 // per token: log-softmax of the temperature-1 logits, before top-p (what Train and Score compute; slime's convention)
 	Text         string    // the decoded response, without EOS and stop string
 	FinishReason string    // "stop" (EOS or stop string) or "length"
 }
@@ -118,7 +118,7 @@ type LossConfig struct {
 	EpsClip     float64 // lower ratio clip: 1 − EpsClip
 	EpsClipHigh float64 // upper ratio clip: 1 + EpsClipHigh; 0 is read as EpsClip
 	KLLossCoef  float64 // > 0 adds KL against the frozen reference copy
-	KLLossType  string  // "k1", "k2", "k3" or "low_var_kl" (k3 clamped to ±10)
+	KLLossType  string  // "k1", "k2", "k3" or "low_var_kl" (k3 clamped to ±10, as slime); "" is read as "low_var_kl"
 	EntropyCoef float64 // subtracts EntropyCoef·H
 	// PolicyLoss: "ppo" (default): a ratio per token; "gspo": one ratio per sequence,
 	// exp(mean over the sequence's trained tokens of (logp − logp_old)), clipped the same way.
@@ -139,9 +139,9 @@ type Batch struct {
 type TrainStats struct {
 	Loss     float64 // the reduced loss
 	PGLoss   float64 // policy-gradient part
-	KL       float64 // token-mean KL to the reference (0 when KLLossCoef is 0)
+	KL       float64 // KL to the reference, reduced like the loss (0 when KLLossCoef is 0)
 	ClipFrac float64 // fraction of trained tokens whose ratio was clipped
-	Entropy  float64 // token-mean entropy of the policy
+	Entropy  float64 // entropy of the policy, reduced like the loss: Loss = PGLoss + KLLossCoef·KL − EntropyCoef·Entropy
 	GradNorm float64 // global gradient norm before clipping
 	Tokens   int     // trained tokens (loss mask 1)
 	Skipped  bool    // the step was not applied (non-finite loss or gradient)
