@@ -51,6 +51,18 @@ func keySeed(base uint64, taskID string, key []int) uint64 {
 	return h.Sum64()
 }
 
+// keyFromRequestID recovers a call's position from its request id ("TASK/1.0.2").
+func keyFromRequestID(id string) []int {
+	pos := id[strings.LastIndex(id, "/")+1:]
+	var key []int
+	for _, part := range strings.Split(pos, ".") {
+		if k, err := strconv.Atoi(part); err == nil {
+			key = append(key, k)
+		}
+	}
+	return key
+}
+
 func keyString(key []int) string {
 	parts := make([]string, len(key))
 	for i, k := range key {
@@ -127,20 +139,29 @@ func builtinGenerate(thread *starlark.Thread, b *starlark.Builtin, args starlark
 		return nil, fmt.Errorf("%s: policy %q: %v", b.Name(), policy, err)
 	}
 	res := make([]starlark.Value, len(outs))
-	for i, o := range outs {
-		c := &Completion{
-			id: req.ID + "#" + strconv.Itoa(i), policy: policy, messages: msgs,
-			prompt: o.PromptTokens, tokens: o.Tokens, logprobs: o.Logprobs, text: o.Text,
-			finish: o.FinishReason, key: append(append([]int(nil), key...), i),
-		}
+	for i, c := range newCompletions(policy, req, key, outs) {
 		ro.noteCompletion(c)
-		ro.svc.generated(len(o.Tokens))
+		ro.svc.generated(len(c.tokens))
 		res[i] = c
 	}
 	if n == 1 && len(res) == 1 {
 		return res[0], nil
 	}
 	return starlark.NewList(res), nil
+}
+
+// newCompletions wraps an engine's answer to one request. A sandbox host builds the same
+// completions (same ids and keys) as its child, so rewards and train requests can name them.
+func newCompletions(policy string, req engines.GenerateRequest, key []int, outs []engines.Completion) []*Completion {
+	cs := make([]*Completion, len(outs))
+	for i, o := range outs {
+		cs[i] = &Completion{
+			id: req.ID + "#" + strconv.Itoa(i), policy: policy, messages: req.Messages,
+			prompt: o.PromptTokens, tokens: o.Tokens, logprobs: o.Logprobs, text: o.Text,
+			finish: o.FinishReason, key: append(append([]int(nil), key...), i),
+		}
+	}
+	return cs
 }
 
 // maxSamplesPerCall bounds n: a typo like n=10**6 is an error, not an out-of-memory.

@@ -433,13 +433,7 @@ func decodeState(b []byte, s *State) error {
 		return err
 	}
 	for k, raw := range in {
-		var x any
-		d := json.NewDecoder(bytes.NewReader(raw))
-		d.UseNumber()
-		if err := d.Decode(&x); err != nil {
-			return err
-		}
-		v, err := decodeValue(x)
+		v, err := decodeJSONValue(raw)
 		if err != nil {
 			return fmt.Errorf("%q: %w", k, err)
 		}
@@ -448,6 +442,17 @@ func decodeState(b []byte, s *State) error {
 		}
 	}
 	return nil
+}
+
+// decodeJSONValue decodes one value written by encodeValue.
+func decodeJSONValue(raw []byte) (starlark.Value, error) {
+	var x any
+	d := json.NewDecoder(bytes.NewReader(raw))
+	d.UseNumber()
+	if err := d.Decode(&x); err != nil {
+		return nil, err
+	}
+	return decodeValue(x)
 }
 
 func decodeValue(x any) (starlark.Value, error) {

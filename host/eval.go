@@ -73,13 +73,13 @@ func (r *Run) Eval(ctx context.Context) ([]Metrics, error) {
 			return nil, fmt.Errorf("eval dataset %q: %w", ds.Name, err)
 		}
 		n := max(ds.NSamples, 1)
-		var fn starlark.Callable = r.script.evalRollout
+		rf := rolloutFn{fn: r.script.evalRollout, name: "eval_rollout"}
 		if r.script.evalRollout == nil {
-			var names []string
+			rf = rolloutFn{name: "default_eval", n: n}
 			for _, p := range r.policyList() {
-				names = append(names, p.name)
+				rf.policies = append(rf.policies, p.name)
 			}
-			if fn, err = defaultEval(names, n); err != nil {
+			if rf.fn, err = defaultEval(rf.policies, n); err != nil {
 				return nil, err
 			}
 		}
@@ -87,7 +87,7 @@ func (r *Run) Eval(ctx context.Context) ([]Metrics, error) {
 		if s.MaxTokens <= 0 {
 			s.MaxTokens = cfg.Rollout.MaxResponseLen
 		}
-		ros, err := r.runRollouts(ctx, r.step, tasks, fn, &s)
+		ros, err := r.runRollouts(ctx, r.step, tasks, rf, &s)
 		if err != nil {
 			return nil, err
 		}

@@ -6,6 +6,7 @@ import (
 
 	"go.starlark.net/starlark"
 
+	"github.com/slimen/slimen/graphs"
 	"github.com/slimen/slimen/starlib"
 )
 
@@ -14,7 +15,7 @@ func nativeModules() map[string]map[string]starlark.StringDict { return starlib.
 
 // starlarkPackages are the packages of Starlark source embedded in the binary.
 func starlarkPackages() map[string]fs.FS {
-	return map[string]fs.FS{}
+	return map[string]fs.FS{"graphs": graphs.FS}
 }
 
 func sortStrings(s []string) { sort.Strings(s) }

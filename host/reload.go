@@ -30,7 +30,6 @@ type reloader struct {
 	mu         sync.Mutex
 	scriptPath string
 	cfgPath    string
-	sandbox    bool
 	rejected   string         // hash of the last version found broken (reported once)
 	pending    *Script        // a good new version waiting for the step boundary
 	pendingCfg *config.Config // a good new config waiting for the step boundary
@@ -117,7 +116,7 @@ func (r *Run) checkReload() {
 		current = rl.pending
 	}
 	if h, err := hashFiles(current.Files); err != nil || h != current.Hash {
-		s, err := LoadScript(rl.scriptPath, ScriptOptions{Config: configValue{get: r.Config}, Sandbox: rl.sandbox})
+		s, err := LoadScript(rl.scriptPath, ScriptOptions{Config: configValue{get: r.Config}, Sandbox: r.sandbox != nil, ParseOnly: r.sandbox != nil})
 		switch {
 		case err != nil:
 			// A broken version: report it once, keep running the last good one.
@@ -191,6 +190,9 @@ func (r *Run) applyReload(ctx context.Context, step int) error {
 	rl.mu.Unlock()
 	if s != nil {
 		r.script = s
+		if r.sandbox != nil {
+			r.sandbox.close() // children of the old version; new ones load the new one
+		}
 		r.watchDirs() // the new version may load new files
 		if err := r.saveScriptVersion(step); err != nil {
 			return err

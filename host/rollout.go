@@ -2,6 +2,7 @@ package host
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"runtime/debug"
 	"sort"
@@ -31,7 +32,8 @@ type rollout struct {
 	seed   uint64
 	eval   *engines.Sampling // eval rollouts sample with these settings and do not train
 
-	result starlark.Value // what the rollout function returned
+	result      starlark.Value             // what the rollout function returned
+	stateCommit func(starlark.Value) error // sandbox host: the pending state.update of this rollout
 
 	mu        sync.Mutex
 	queued    []queued
@@ -111,7 +113,14 @@ func noLoad(_ *starlark.Thread, module string) (starlark.StringDict, error) {
 // call runs fn on th, turning a cancelled context into a cancelled thread and a Go panic inside a
 // built-in into an error of this rollout alone.
 func (ro *rollout) call(th *starlark.Thread, fn starlark.Callable, args starlark.Tuple) (v starlark.Value, err error) {
-	stop := context.AfterFunc(ro.ctx, func() { th.Cancel("the run was stopped") })
+	stop := context.AfterFunc(ro.ctx, func() {
+		var be *BudgetError
+		if cause := context.Cause(ro.ctx); errors.As(cause, &be) {
+			th.Cancel(be.Error())
+			return
+		}
+		th.Cancel("the run was stopped")
+	})
 	defer stop()
 	defer func() {
 		if p := recover(); p != nil {

@@ -39,6 +39,11 @@ type Options struct {
 	Out string
 	// Log receives progress lines and rollout failures; nil discards them.
 	Log io.Writer
+	// Sandbox runs the script's rollouts in child processes under the config's sandbox budgets
+	// (also set by sandbox.enabled in the config). SandboxCommand starts a child; nil: this
+	// executable, which must call SandboxChildMain when SandboxChildEnv is set (the CLI does).
+	Sandbox        bool
+	SandboxCommand []string
 }
 
 // TaskSource yields the tasks of a run by index (data.Source is one).
@@ -83,8 +88,9 @@ type Run struct {
 	openErrs map[string]error // zero-config policies whose engine failed to open: not retried
 	order    []string         // policy names in config order, then first use
 
-	step   int       // steps completed
-	reload *reloader // nil unless Watch was called
+	step    int       // steps completed
+	reload  *reloader // nil unless Watch was called
+	sandbox *sandbox  // nil unless the run is sandboxed
 
 	live struct{ done, total, tokens atomic.Int64 } // the current step, for progress displays
 }
@@ -105,12 +111,23 @@ type policy struct {
 // Load reads the script, resolves the configuration and opens the engines.
 func Load(ctx context.Context, scriptPath string, opts Options) (*Run, error) {
 	r := newRun(opts)
-	s, err := LoadScript(scriptPath, ScriptOptions{Config: configValue{get: r.Config}})
+	sandboxed := opts.Sandbox || r.cfg.Sandbox.Enabled
+	s, err := LoadScript(scriptPath, ScriptOptions{Config: configValue{get: r.Config}, Sandbox: sandboxed, ParseOnly: sandboxed})
 	if err != nil {
 		r.cancel()
 		return nil, err
 	}
 	r.script = s
+	if sandboxed {
+		r.cfg.Sandbox.Enabled = true
+		r.sandbox = newSandbox(r, opts.SandboxCommand)
+		// The first child runs the script's top level under the sandbox's limits: a script that
+		// does not load fails here, with the child's message.
+		if _, err := r.sandbox.pick(); err != nil {
+			r.Close()
+			return nil, &ScriptError{err.Error()}
+		}
+	}
 	if err := r.openOutputs(); err != nil {
 		r.cancel()
 		return nil, err
@@ -172,6 +189,9 @@ func (r *Run) State() *State { return r.state }
 // Close stops the dispatchers and closes every engine the run opened.
 func (r *Run) Close() error {
 	r.cancel()
+	if r.sandbox != nil {
+		r.sandbox.close()
+	}
 	var errs []error
 	r.polMu.Lock()
 	for _, name := range r.order {
@@ -358,7 +378,7 @@ func (r *Run) Step(ctx context.Context) (*StepResult, error) {
 	for i := range tasks {
 		tasks[i] = r.tasks.Task((step-1)*n + i)
 	}
-	ros, err := r.runRollouts(ctx, step, tasks, r.script.rollout, nil)
+	ros, err := r.runRollouts(ctx, step, tasks, rolloutFn{fn: r.script.rollout, name: "rollout"}, nil)
 	if err != nil {
 		return nil, err
 	}
@@ -424,9 +444,19 @@ func (r *Run) Step(ctx context.Context) (*StepResult, error) {
 	return res, nil
 }
 
-// runRollouts calls fn(task) for every task, each on its own goroutine. eval, when not nil, marks
-// eval rollouts: they sample with its settings and may not train.
-func (r *Run) runRollouts(ctx context.Context, step int, tasks []Task, fn starlark.Callable, eval *engines.Sampling) ([]*rollout, error) {
+// rolloutFn is the function rollouts call: its value in-process, its name in a sandbox child
+// (where default_eval is compiled for policies and n samples).
+type rolloutFn struct {
+	fn       starlark.Callable
+	name     string // rollout | eval_rollout | default_eval
+	policies []string
+	n        int
+}
+
+// runRollouts calls fn(task) for every task, each on its own goroutine (or, sandboxed, in child
+// processes). eval, when not nil, marks eval rollouts: they sample with its settings and may not
+// train.
+func (r *Run) runRollouts(ctx context.Context, step int, tasks []Task, rf rolloutFn, eval *engines.Sampling) ([]*rollout, error) {
 	n := len(tasks)
 	ros := make([]*rollout, n)
 	stepCtx, cancel := context.WithCancel(ctx)
@@ -440,6 +470,14 @@ func (r *Run) runRollouts(ctx context.Context, step int, tasks []Task, fn starla
 	r.live.total.Store(int64(n))
 	r.live.tokens.Store(0)
 	r.activity.add(n)
+	if r.sandbox != nil {
+		r.runSandboxed(stepCtx, ros, rf.name, rf.policies, rf.n)
+		if err := ctx.Err(); err != nil {
+			return nil, err
+		}
+		return ros, nil
+	}
+	fn := rf.fn
 	var wg sync.WaitGroup
 	for _, ro := range ros {
 		wg.Add(1)

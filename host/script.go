@@ -40,6 +40,9 @@ func (e *ScriptError) Error() string { return e.Msg }
 type ScriptOptions struct {
 	Sandbox bool           // only @packages may be loaded
 	Config  starlark.Value // the script's `config`; nil: none attached
+	// ParseOnly checks syntax and names without running the top level: the host of a sandboxed
+	// run must not execute untrusted code itself (its children do).
+	ParseOnly bool
 }
 
 // LoadScript reads, executes and freezes a script.
@@ -61,6 +64,13 @@ func LoadScriptSource(path string, src []byte, opts ScriptOptions) (*Script, err
 	pre := predeclared()
 	if opts.Config != nil {
 		pre["config"] = opts.Config
+	}
+	if opts.ParseOnly {
+		if _, _, err := starlark.SourceProgramOptions(fileOptions, path, src, pre.Has); err != nil {
+			return nil, &ScriptError{scriptErrorText(err)}
+		}
+		sum := sha256.Sum256(append([]byte(path), src...))
+		return &Script{Path: path, Files: []string{path}, Source: src, Hash: hex.EncodeToString(sum[:])}, nil
 	}
 	l := newLoader(filepath.Dir(abs), pre, !opts.Sandbox)
 	l.cache[filepath.Clean(path)] = &loadEntry{} // the main file loading itself is a cycle

@@ -47,9 +47,10 @@ func cmdExec(args []string) int {
 	out := fs.String("out", "", "run directory (overrides run.out; default runs/SCRIPT_NAME)")
 	batch := fs.Int("batch-size", 0, "tasks per step (overrides rollout.batch_size)")
 	resume := fs.String("resume", "", "continue a run: its directory (newest valid checkpoint) or a checkpoints/step_N folder")
+	sandbox := fs.Bool("sandbox", false, "run the script's rollouts in child processes under the config's sandbox budgets (for contributed workflows)")
 	watch := fs.Bool("watch", false, "reload the script, the files it loads and the config when they change (at step boundaries)")
 	fs.Usage = func() {
-		fmt.Fprintln(fs.Output(), "usage: slimen exec SCRIPT [--config Y] [--data D] [--steps N] [--seed S] [--out DIR] [--batch-size B] [--watch] [--resume RUN_DIR]")
+		fmt.Fprintln(fs.Output(), "usage: slimen exec SCRIPT [--config Y] [--data D] [--steps N] [--seed S] [--out DIR] [--batch-size B] [--watch] [--sandbox] [--resume RUN_DIR]")
 		fs.PrintDefaults()
 	}
 	pos, err := parseInterleaved(fs, args)
@@ -126,7 +127,7 @@ func cmdExec(args []string) int {
 
 	ctx := context.Background()
 	prog := newProgress(os.Stderr, cfg.Run.Steps)
-	r, err := host.Load(ctx, script, host.Options{Config: cfg, Zero: *cfgPath == "", Out: dir, Log: prog.logWriter()})
+	r, err := host.Load(ctx, script, host.Options{Config: cfg, Zero: *cfgPath == "", Out: dir, Log: prog.logWriter(), Sandbox: *sandbox})
 	if err != nil {
 		fmt.Fprintln(os.Stderr, "slimen:", err)
 		var se *host.ScriptError

@@ -10,6 +10,8 @@ import (
 	"fmt"
 	"os"
 	"sort"
+
+	"github.com/slimen/slimen/host"
 )
 
 // command is one subcommand. run returns the process exit code: 0 ok, 1 run failed, 2 bad input.
@@ -22,6 +24,10 @@ type command struct {
 var commands = map[string]command{}
 
 func main() {
+	if os.Getenv(host.SandboxChildEnv) != "" {
+		// This process evaluates a sandboxed script's rollouts for a parent slimen (host/sandbox.go).
+		os.Exit(host.SandboxChildMain())
+	}
 	if len(os.Args) < 2 || os.Args[1] == "help" || os.Args[1] == "-h" || os.Args[1] == "--help" {
 		usage()
 		if len(os.Args) < 2 {

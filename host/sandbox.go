@@ -1,0 +1,448 @@
+package host
+
+import (
+	"bufio"
+	"bytes"
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"os"
+	"os/exec"
+	"strconv"
+	"strings"
+	"sync"
+	"syscall"
+
+	"go.starlark.net/starlark"
+)
+
+// The host side of the sandbox (`slimen exec --sandbox`, DESIGN §8). Rollouts of an untrusted
+// script run in child processes (sandbox_child.go) under memory and CPU rlimits; their built-ins
+// call back here. A child that dies takes only the rollouts it was running, and each of those
+// runs again alone in a fresh child: honest rollouts then complete, and the one that kills its
+// child again fails with the limit it broke.
+
+type sandbox struct {
+	r   *Run
+	cmd []string // how to start a child: the slimen binary itself
+
+	mu       sync.Mutex
+	children []*sbChild
+	next     int
+}
+
+type sbChild struct {
+	sb     *sandbox
+	cmd    *exec.Cmd
+	in     io.WriteCloser
+	encMu  sync.Mutex
+	enc    *json.Encoder
+	stderr *tailBuffer
+
+	mu       sync.Mutex
+	rollouts map[int64]*rollout // in flight
+	results  map[int64]chan sbDone
+	locks    map[int64]func() // state locks held, by rollout id
+	nextID   int64
+	dead     chan struct{}
+	deathErr error
+}
+
+// newSandbox starts nothing yet: children start when the first rollouts come.
+func newSandbox(r *Run, cmd []string) *sandbox {
+	if len(cmd) == 0 {
+		exe, err := os.Executable()
+		if err != nil {
+			exe = os.Args[0]
+		}
+		cmd = []string{exe}
+	}
+	return &sandbox{r: r, cmd: cmd}
+}
+
+func (sb *sandbox) close() {
+	sb.mu.Lock()
+	defer sb.mu.Unlock()
+	for _, c := range sb.children {
+		c.kill()
+	}
+	sb.children = nil
+}
+
+// start launches a child and sends it the script.
+func (sb *sandbox) start() (*sbChild, error) {
+	cfg := sb.r.Config()
+	cmd := exec.Command(sb.cmd[0], sb.cmd[1:]...)
+	cmd.Env = append(os.Environ(), SandboxChildEnv+"="+strconv.Itoa(cfg.Sandbox.MemoryMB))
+	if cfg.Sandbox.CPUSeconds > 0 {
+		cmd.Env = append(cmd.Env, SandboxCPUEnv+"="+strconv.Itoa(cfg.Sandbox.CPUSeconds))
+	}
+	c := &sbChild{sb: sb, cmd: cmd, stderr: &tailBuffer{max: 4096}, rollouts: map[int64]*rollout{},
+		results: map[int64]chan sbDone{}, locks: map[int64]func(){}, dead: make(chan struct{})}
+	cmd.Stderr = c.stderr
+	in, err := cmd.StdinPipe()
+	if err != nil {
+		return nil, err
+	}
+	out, err := cmd.StdoutPipe()
+	if err != nil {
+		return nil, err
+	}
+	c.in, c.enc = in, json.NewEncoder(in)
+	if err := cmd.Start(); err != nil {
+		return nil, fmt.Errorf("sandbox: start %s: %w", sb.cmd[0], err)
+	}
+	init, _ := json.Marshal(sbInit{Script: sb.r.script.Path, Source: string(sb.r.script.Source), Config: cfg})
+	c.send(sbMsg{T: "init", Args: init})
+	sc := bufio.NewScanner(out)
+	sc.Buffer(make([]byte, 1<<20), 1<<30)
+	if !sc.Scan() {
+		c.kill()
+		return nil, fmt.Errorf("sandbox: the script's process died while running its top level: %v", c.describeDeath(cmd.Wait()))
+	}
+	var first sbMsg
+	if err := json.Unmarshal(sc.Bytes(), &first); err != nil || first.T != "ready" {
+		c.kill()
+		return nil, fmt.Errorf("%s", first.Error)
+	}
+	go c.read(sc)
+	return c, nil
+}
+
+func (c *sbChild) send(m sbMsg) {
+	c.encMu.Lock()
+	defer c.encMu.Unlock()
+	c.enc.Encode(m)
+}
+
+func (c *sbChild) kill() {
+	c.cmd.Process.Kill()
+	c.in.Close()
+}
+
+// read handles the child's messages until its stdout closes, then fails what it was running.
+func (c *sbChild) read(sc *bufio.Scanner) {
+	for sc.Scan() {
+		var m sbMsg
+		if err := json.Unmarshal(sc.Bytes(), &m); err != nil {
+			break
+		}
+		switch m.T {
+		case "call":
+			go c.answer(m)
+		case "note":
+			c.note(m)
+		case "done":
+			var d sbDone
+			if err := json.Unmarshal(m.Result, &d); err != nil {
+				d = sbDone{Error: "sandbox: bad report from the child: " + err.Error()}
+			}
+			c.mu.Lock()
+			ch := c.results[m.ID]
+			delete(c.results, m.ID)
+			delete(c.rollouts, m.ID)
+			c.mu.Unlock()
+			if ch != nil {
+				ch <- d
+			}
+		}
+	}
+	err := c.cmd.Wait()
+	c.mu.Lock()
+	c.deathErr = c.describeDeath(err)
+	for id, release := range c.locks {
+		release()
+		delete(c.locks, id)
+	}
+	c.mu.Unlock()
+	close(c.dead)
+}
+
+// describeDeath says why a child ended, naming the limit it most likely broke.
+func (c *sbChild) describeDeath(err error) error {
+	cfg := c.sb.r.Config().Sandbox
+	tail := c.stderr.String()
+	var ee *exec.ExitError
+	switch {
+	case strings.Contains(tail, "out of memory") || strings.Contains(tail, "cannot allocate memory"):
+		return &BudgetError{"memory_mb", strconv.Itoa(cfg.MemoryMB), "the script's process ran out of memory"}
+	case errors.As(err, &ee) && ee.Sys().(syscall.WaitStatus).Signal() == syscall.SIGXCPU,
+		errors.As(err, &ee) && ee.Sys().(syscall.WaitStatus).Signal() == syscall.SIGKILL && cfg.CPUSeconds > 0:
+		return &BudgetError{"cpu_seconds", strconv.Itoa(cfg.CPUSeconds), "the script's process used up its CPU time"}
+	case strings.Contains(tail, "stack exceeds"):
+		return &BudgetError{"memory_mb", strconv.Itoa(cfg.MemoryMB), "the script's process overflowed its stack"}
+	}
+	last := strings.TrimSpace(tail)
+	if i := strings.LastIndex(last, "\n"); i >= 0 && len(last)-i < 300 {
+		last = last[i+1:]
+	}
+	return fmt.Errorf("sandbox: the script's process died (%v): %s", err, last)
+}
+
+// answer serves one call of the child's built-ins with the run's own services.
+func (c *sbChild) answer(m sbMsg) {
+	c.mu.Lock()
+	ro := c.rollouts[m.Rollout]
+	c.mu.Unlock()
+	reply := func(v any, err error) {
+		r := sbMsg{T: "reply", ID: m.ID}
+		if err != nil {
+			r.Error = err.Error()
+		} else {
+			r.Result, _ = json.Marshal(v)
+		}
+		c.send(r)
+	}
+	if ro == nil {
+		reply(nil, errors.New("unknown rollout"))
+		return
+	}
+	svc := localServices{c.sb.r}
+	switch m.Method {
+	case "policy":
+		var name string
+		json.Unmarshal(m.Args, &name)
+		trainable, place, err := svc.checkPolicy(name)
+		reply(map[string]any{"trainable": trainable, "place": place}, err)
+	case "generate":
+		var g sbGenerate
+		if err := json.Unmarshal(m.Args, &g); err != nil {
+			reply(nil, err)
+			return
+		}
+		// The host keeps its own copy of what the child will see: the report names these ids.
+		outs, err := svc.generate(ro.ctx, g.Policy, g.Req)
+		if err == nil {
+			for _, cmp := range newCompletions(g.Policy, g.Req, keyFromRequestID(g.Req.ID), outs) {
+				ro.noteCompletion(cmp)
+				svc.generated(len(cmp.tokens))
+			}
+		}
+		reply(outs, err)
+	case "score":
+		var s sbScore
+		if err := json.Unmarshal(m.Args, &s); err != nil {
+			reply(nil, err)
+			return
+		}
+		reply(svc.score(ro.ctx, s.Policy, s.Req))
+	case "state_get":
+		var k string
+		json.Unmarshal(m.Args, &k)
+		v, ok, _ := svc.stateGet(k)
+		reply(stateReply(v, ok))
+	case "state_lock":
+		var k string
+		json.Unmarshal(m.Args, &k)
+		v, ok, commit, release, _ := svc.stateLock(k)
+		c.mu.Lock()
+		c.locks[m.Rollout] = release
+		c.mu.Unlock()
+		ro.mu.Lock()
+		ro.stateCommit = commit
+		ro.mu.Unlock()
+		reply(stateReply(v, ok))
+	case "state_set", "state_unlock":
+		c.mu.Lock()
+		release := c.locks[m.Rollout]
+		delete(c.locks, m.Rollout)
+		c.mu.Unlock()
+		var err error
+		if m.Method == "state_set" {
+			var a struct {
+				Key   string          `json:"key"`
+				Value json.RawMessage `json:"value"`
+			}
+			json.Unmarshal(m.Args, &a)
+			var v starlark.Value
+			if v, err = decodeJSONValue(a.Value); err == nil {
+				ro.mu.Lock()
+				commit := ro.stateCommit
+				ro.mu.Unlock()
+				err = commit(v)
+			}
+		}
+		if release != nil {
+			release()
+		}
+		reply(true, err)
+	default:
+		reply(nil, fmt.Errorf("unknown call %q", m.Method))
+	}
+}
+
+func stateReply(v starlark.Value, ok bool) (any, error) {
+	if !ok {
+		return map[string]any{"found": false}, nil
+	}
+	enc, err := encodeValue(v)
+	return map[string]any{"found": true, "value": enc}, err
+}
+
+func (c *sbChild) note(m sbMsg) {
+	switch m.Method {
+	case "event":
+		var msg string
+		json.Unmarshal(m.Args, &msg)
+		c.sb.r.events.printf("%s", msg)
+	case "running":
+		var n int
+		json.Unmarshal(m.Args, &n)
+		c.sb.r.activity.add(n)
+	}
+}
+
+// run evaluates one rollout in a child. alone starts a child of its own (after a crash).
+func (sb *sandbox) run(ro *rollout, a sbRollout, alone bool) error {
+	var c *sbChild
+	var err error
+	if alone {
+		if c, err = sb.start(); err != nil {
+			return err
+		}
+		defer c.kill()
+	} else if c, err = sb.pick(); err != nil {
+		return err
+	}
+	b, _ := json.Marshal(a)
+	ch := make(chan sbDone, 1)
+	c.mu.Lock()
+	c.nextID++
+	id := c.nextID
+	c.rollouts[id] = ro
+	c.results[id] = ch
+	c.mu.Unlock()
+	c.send(sbMsg{T: "rollout", ID: id, Args: b})
+	select {
+	case d := <-ch:
+		return ro.applyReport(d)
+	case <-c.dead:
+		return &childDied{c.deathErr}
+	}
+}
+
+type childDied struct{ err error }
+
+func (e *childDied) Error() string { return e.err.Error() }
+
+// pick returns a live child, starting children up to sandbox.processes.
+func (sb *sandbox) pick() (*sbChild, error) {
+	sb.mu.Lock()
+	defer sb.mu.Unlock()
+	live := sb.children[:0]
+	for _, c := range sb.children {
+		select {
+		case <-c.dead:
+		default:
+			live = append(live, c)
+		}
+	}
+	sb.children = live
+	if len(sb.children) < sb.r.Config().Sandbox.Processes {
+		c, err := sb.start()
+		if err != nil {
+			return nil, err
+		}
+		sb.children = append(sb.children, c)
+		return c, nil
+	}
+	sb.next++
+	return sb.children[sb.next%len(sb.children)], nil
+}
+
+// applyReport fills the host's rollout from the child's report.
+func (ro *rollout) applyReport(d sbDone) error {
+	ro.mu.Lock()
+	defer ro.mu.Unlock()
+	byID := map[string]*Completion{}
+	for _, c := range ro.generated {
+		byID[c.id] = c
+		if r, ok := d.Rewards[c.id]; ok {
+			c.reward, c.rewSet = r, true
+		}
+	}
+	for _, q := range d.Queued {
+		c := byID[q.ID]
+		if c == nil {
+			return fmt.Errorf("sandbox: the child trained completion %s, which the host never generated", q.ID)
+		}
+		c.trained = true
+		ro.queued = append(ro.queued, queued{c: c, group: q.Group, advantage: q.Advantage, hasAdv: q.HasAdv, perToken: q.PerToken, teacher: q.Teacher})
+	}
+	ro.logs = d.Logs
+	if d.Result != nil {
+		raw, _ := json.Marshal(d.Result)
+		v, err := decodeJSONValue(raw)
+		if err != nil {
+			return err
+		}
+		ro.result = v
+	}
+	if d.Error != "" {
+		return errors.New(d.Error)
+	}
+	return nil
+}
+
+// runSandboxed runs the rollouts in child processes; the counterpart of the in-process loop in
+// runRollouts.
+func (r *Run) runSandboxed(ctx context.Context, ros []*rollout, fn string, policies []string, n int) {
+	cfg := r.Config()
+	var wg sync.WaitGroup
+	for _, ro := range ros {
+		wg.Add(1)
+		go func(ro *rollout) {
+			defer wg.Done()
+			defer r.live.done.Add(1)
+			a := sbRollout{Fn: fn, Task: ro.task, Index: ro.index, Step: ro.step, Seed: ro.seed,
+				Sampling: r.sampling(), Eval: ro.eval, Policies: policies, NSamples: n, WallLimit: cfg.Sandbox.WallSeconds}
+			err := r.sandbox.run(ro, a, false)
+			var died *childDied
+			if errors.As(err, &died) {
+				// Its child died with other rollouts in it: run it again alone, from scratch.
+				ro.reset()
+				r.events.printf("sandbox: step %d task %s: its process died (%v); running it again alone", ro.step, ro.task.ID, died.err)
+				r.activity.add(1)
+				err = r.sandbox.run(ro, a, true)
+				if errors.As(err, &died) {
+					err = died.err
+				}
+			}
+			ro.err = err
+			r.activity.leave()
+		}(ro)
+	}
+	wg.Wait()
+}
+
+// reset forgets what a rollout did before its child died.
+func (ro *rollout) reset() {
+	ro.mu.Lock()
+	defer ro.mu.Unlock()
+	ro.queued, ro.generated, ro.logs, ro.result, ro.prints = nil, nil, nil, nil, 0
+}
+
+// tailBuffer keeps the last max bytes written to it (a child's stderr).
+type tailBuffer struct {
+	mu  sync.Mutex
+	max int
+	b   []byte
+}
+
+func (t *tailBuffer) Write(p []byte) (int, error) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	t.b = append(t.b, p...)
+	if len(t.b) > t.max {
+		t.b = t.b[len(t.b)-t.max:]
+	}
+	return len(p), nil
+}
+
+func (t *tailBuffer) String() string {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	return string(bytes.TrimSpace(t.b))
+}
