@@ -94,7 +94,10 @@ func (o Options) withDefaults() Options {
 // Serve(Listen(address, opts)). Stopping the server does not close eng.
 func New(eng engines.Engine, opts Options) *grpc.Server {
 	opts = opts.withDefaults()
-	svc := newService(eng, opts)
+	return newGRPCServer(newService(eng, opts), opts)
+}
+
+func newGRPCServer(svc *service, opts Options) *grpc.Server {
 	sopts := []grpc.ServerOption{
 		grpc.MaxRecvMsgSize(opts.MaxMessageBytes),
 		grpc.MaxSendMsgSize(opts.MaxMessageBytes),

@@ -130,12 +130,20 @@ func (s streaming) GenerateStream(ctx context.Context, reqs []engines.GenerateRe
 
 // start serves eng on a free loopback port and returns a raw protocol client.
 func start(t *testing.T, eng engines.Engine, opts Options) enginepb.EngineClient {
+	c, _ := startService(t, eng, opts)
+	return c
+}
+
+// startService is start that also returns the service, for tests that look inside it.
+func startService(t *testing.T, eng engines.Engine, opts Options) (enginepb.EngineClient, *service) {
 	t.Helper()
 	l, err := Listen("127.0.0.1:0", opts)
 	if err != nil {
 		t.Fatal(err)
 	}
-	s := New(eng, opts)
+	opts = opts.withDefaults()
+	svc := newService(eng, opts)
+	s := newGRPCServer(svc, opts)
 	go func() { _ = s.Serve(l) }()
 	t.Cleanup(s.Stop)
 	conn, err := grpc.NewClient(l.Addr().String(), grpc.WithTransportCredentials(insecure.NewCredentials()))
@@ -143,7 +151,7 @@ func start(t *testing.T, eng engines.Engine, opts Options) enginepb.EngineClient
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { conn.Close() })
-	return enginepb.NewEngineClient(conn)
+	return enginepb.NewEngineClient(conn), svc
 }
 
 func open(t *testing.T, c enginepb.EngineClient) enginepb.Engine_GenerateClient {
@@ -223,12 +231,23 @@ func TestStreamingEngineAnswersEachRequestAsItFinishes(t *testing.T) {
 func TestRequestsArrivingWhileBusyShareABatch(t *testing.T) {
 	eng := newGated()
 	openA := eng.gate("a")
-	s := open(t, start(t, eng, Options{MaxConcurrentBatches: 1}))
+	c, svc := startService(t, eng, Options{MaxConcurrentBatches: 1})
+	s := open(t, c)
 	send(t, s, "a")
 	waitStarted(t, eng, "a")
 	send(t, s, "b")
 	send(t, s, "c", "d")
-	time.Sleep(50 * time.Millisecond) // b, c and d queue behind a
+	for deadline := time.Now().Add(5 * time.Second); ; time.Sleep(time.Millisecond) {
+		svc.gen.mu.Lock()
+		queued := svc.gen.queued
+		svc.gen.mu.Unlock()
+		if queued == 3 {
+			break // b, c and d wait behind a
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("%d requests queued, want 3", queued)
+		}
+	}
 	openA()
 	var got []string
 	for len(got) < 4 {
@@ -243,7 +262,7 @@ func TestRequestsArrivingWhileBusyShareABatch(t *testing.T) {
 // With a batch window, requests sent separately but close together share a batch.
 func TestBatchWindowGathersRequests(t *testing.T) {
 	eng := newGated()
-	s := open(t, start(t, eng, Options{BatchWindow: 100 * time.Millisecond}))
+	s := open(t, start(t, eng, Options{BatchWindow: 200 * time.Millisecond}))
 	send(t, s, "a")
 	send(t, s, "b")
 	var got []string
