@@ -1,0 +1,129 @@
+"""The policy loss of DESIGN §4, on per-token tensors.
+
+These are the definitions of the Go engine (engines/tiny/loss.go), pinned by
+testdata/loss_vectors.json, which tests/test_loss_vectors.py reproduces:
+
+* ratio r = exp(logp − logp_old) per token (ppo), or for gspo one ratio per sample,
+  exp(mask-weighted mean over the sample of logp − logp_old), shared by its tokens;
+* pg = max(−r·A, −clip(r, 1 − eps_clip, 1 + eps_clip_high)·A); where the clipped term is strictly
+  larger the token counts as clipped and passes no gradient;
+* KL with Δ = logp − logp_ref: k1 = Δ, k2 = Δ²/2, k3 = e^−Δ − 1 + Δ, low_var_kl = k3 clamped to
+  [−10, 10];
+* loss = Σ w·(pg + kl_loss_coef·KL − entropy_coef·H) with per-token weights w that do the
+  reduction (group_token_mean, token_mean or token_sum). Because the reduction is a weighted sum,
+  a batch can be split into micro-batches and their gradients added.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from .types import LossConfig
+
+KL_TYPES = ("k1", "k2", "k3", "low_var_kl")
+POLICY_LOSSES = ("ppo", "gspo")
+AGGREGATIONS = ("group_token_mean", "token_mean", "token_sum")
+
+
+@dataclasses.dataclass(frozen=True)
+class Loss:
+    """A LossConfig with its defaults resolved and its names checked."""
+
+    eps_lo: float
+    eps_hi: float
+    kl_coef: float
+    ent_coef: float
+    kl_type: str
+    policy: str
+    aggregation: str
+
+
+def resolve(c: LossConfig) -> Loss:
+    r = Loss(eps_lo=c.eps_clip, eps_hi=c.eps_clip_high or c.eps_clip, kl_coef=c.kl_loss_coef,
+             ent_coef=c.entropy_coef, kl_type=c.kl_loss_type or "low_var_kl",
+             policy=c.policy_loss or "ppo", aggregation=c.aggregation or "group_token_mean")
+    if r.kl_type not in KL_TYPES:
+        raise ValueError(f"kl_loss_type {r.kl_type!r} is not one of {', '.join(KL_TYPES)}")
+    if r.policy not in POLICY_LOSSES:
+        raise ValueError(f"policy_loss {r.policy!r} is not one of {', '.join(POLICY_LOSSES)}")
+    if r.aggregation not in AGGREGATIONS:
+        raise ValueError(f"aggregation {r.aggregation!r} is not one of {', '.join(AGGREGATIONS)}")
+    if min(r.eps_lo, r.eps_hi, r.kl_coef, r.ent_coef) < 0:
+        raise ValueError("eps_clip, eps_clip_high, kl_loss_coef and entropy_coef must not be "
+                         "negative")
+    return r
+
+
+def token_weights(groups: list[str], masks: list[list[float]], aggregation: str) -> list[list[float]]:
+    """Each token's weight w in the reduced loss Σ w·ℓ.
+
+    group_token_mean: mean over groups of each group's token-mean, w = mask/(G·group mask sum),
+    G counting groups with a trained token; token_mean: w = mask/(batch mask sum); token_sum:
+    w = mask. An empty group name is a group of its own.
+    """
+    keys = [g if g else ("", i) for i, g in enumerate(groups)]
+    mass: dict = {}
+    for k, m in zip(keys, masks):
+        mass[k] = mass.get(k, 0.0) + sum(m)
+    total = sum(mass.values())
+    n_groups = sum(1 for v in mass.values() if v > 0)
+    out = []
+    for k, m in zip(keys, masks):
+        if aggregation == "token_sum":
+            out.append([float(x) for x in m])
+        elif aggregation == "token_mean":
+            out.append([x / total if x else 0.0 for x in m])
+        else:
+            out.append([x / (n_groups * mass[k]) if x else 0.0 for x in m])
+    return out
+
+
+def kl_term(delta: torch.Tensor, kind: str) -> torch.Tensor:
+    if kind == "k1":
+        return delta
+    if kind == "k2":
+        return delta * delta / 2
+    k3 = torch.exp(-delta) - 1 + delta
+    return k3.clamp(-10, 10) if kind == "low_var_kl" else k3
+
+
+def policy_loss(cfg: Loss, logp, old_logp, adv, mask, weight, entropy=None, ref_logp=None,
+                seq=None, n_seqs: int = 0) -> dict[str, torch.Tensor]:
+    """Weighted sums over the given tokens (1-D tensors of one length).
+
+    seq (gspo only): the sample index of each token, in [0, n_seqs). entropy may be None when
+    entropy_coef is 0 (the statistic is then reported by the caller). Returns loss, pg, kl and
+    entropy as weighted sums, and clipped and tokens as counts.
+    """
+    trained = mask != 0
+    log_ratio = logp - old_logp
+    if cfg.policy == "gspo":
+        m = torch.where(trained, mask, torch.zeros_like(mask))
+        num = torch.zeros(n_seqs, dtype=logp.dtype, device=logp.device).index_add(
+            0, seq, torch.where(trained, m * log_ratio, torch.zeros_like(log_ratio)))
+        den = torch.zeros(n_seqs, dtype=logp.dtype, device=logp.device).index_add(0, seq, m)
+        log_ratio = (num / den.clamp_min(torch.finfo(den.dtype).tiny))[seq]
+    ratio = torch.exp(log_ratio)
+    l1 = -ratio * adv
+    l2 = -ratio.clamp(1 - cfg.eps_lo, 1 + cfg.eps_hi) * adv
+    clipped = (l2 > l1) & trained
+    pg = torch.where(clipped, l2, l1)
+    zero = torch.zeros_like(pg)
+    # where (not multiplication) keeps a non-finite value on an untrained token from leaking.
+    pg_sum = torch.where(trained, weight * pg, zero).sum()
+    loss = pg_sum
+    out = {"pg": pg_sum, "clipped": clipped.sum(), "tokens": trained.sum()}
+    if cfg.kl_coef > 0:
+        kl_sum = torch.where(trained, weight * kl_term(logp - ref_logp, cfg.kl_type), zero).sum()
+        loss = loss + cfg.kl_coef * kl_sum
+        out["kl"] = kl_sum
+    else:
+        out["kl"] = pg_sum.new_zeros(())
+    if entropy is not None:
+        ent_sum = torch.where(trained, weight * entropy, zero).sum()
+        loss = loss - cfg.ent_coef * ent_sum
+        out["entropy"] = ent_sum
+    out["loss"] = loss
+    return out

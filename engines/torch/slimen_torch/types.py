@@ -1,0 +1,100 @@
+"""The engine's request and result types, field for field those of engines/engine.go.
+
+The engine works on these; server.py converts them to and from the protocol messages, so the
+engine can be used (and tested) in-process without gRPC.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass
+class Sampling:
+    max_tokens: int = 64  # > 0
+    temperature: float = 1.0  # 0 means greedy
+    top_p: float = 1.0  # (0, 1]; 0 is read as 1
+    stop: list[str] = dataclasses.field(default_factory=list)
+    seed: int = 0  # a response is a function of (seed, prompt, sample index)
+
+
+@dataclasses.dataclass
+class GenerateRequest:
+    id: str = ""
+    messages: list[dict] | None = None  # [{"role", "content"}], rendered with the chat template
+    prompt_tokens: list[int] | None = None  # used as they are
+    n: int = 1
+    sampling: Sampling = dataclasses.field(default_factory=Sampling)
+
+
+@dataclasses.dataclass
+class Completion:
+    request_id: str
+    index: int
+    prompt_tokens: list[int]
+    tokens: list[int]  # including a final EOS token when one was sampled
+    logprobs: list[float]  # under the temperature-1 distribution
+    text: str  # without EOS and stop string
+    finish_reason: str  # "stop" or "length"
+
+
+@dataclasses.dataclass
+class ScoreRequest:
+    tokens: list[int]
+    messages: list[dict] | None = None
+    prompt_tokens: list[int] | None = None
+
+
+@dataclasses.dataclass
+class Sample:
+    prompt: list[int]
+    response: list[int]
+    loss_mask: list[float]
+    old_logprobs: list[float]
+    advantages: list[float]
+    group: str = ""  # "" is a group of its own
+
+
+@dataclasses.dataclass
+class LossConfig:
+    lr: float = 1e-6
+    beta1: float = 0.0  # 0 is read as 0.9
+    beta2: float = 0.0  # 0 is read as 0.999
+    adam_eps: float = 0.0  # 0 is read as 1e-8
+    weight_decay: float = 0.0
+    max_grad_norm: float = 0.0  # 0: no clipping
+    eps_clip: float = 0.2
+    eps_clip_high: float = 0.0  # 0 is read as eps_clip
+    kl_loss_coef: float = 0.0
+    kl_loss_type: str = ""  # "" is read as low_var_kl
+    entropy_coef: float = 0.0
+    policy_loss: str = ""  # "" is read as ppo
+    aggregation: str = ""  # "" is read as group_token_mean
+
+
+@dataclasses.dataclass
+class Batch:
+    samples: list[Sample]
+    loss: LossConfig = dataclasses.field(default_factory=LossConfig)
+    id: str = ""
+
+
+@dataclasses.dataclass
+class TrainStats:
+    loss: float = 0.0
+    pg_loss: float = 0.0
+    kl: float = 0.0
+    clip_frac: float = 0.0
+    entropy: float = 0.0
+    grad_norm: float = 0.0
+    tokens: int = 0
+    skipped: bool = False
+    reason: str = ""
+
+
+class RequestError(Exception):
+    """A request the engine refuses; code is a gRPC status code name (e.g. INVALID_ARGUMENT)."""
+
+    def __init__(self, code: str, message: str):
+        super().__init__(message)
+        self.code = code
