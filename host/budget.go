@@ -67,7 +67,7 @@ func (b *budget) parallel(fn string, items int) error {
 	if b == nil || items <= b.cfg.ParallelItems {
 		return nil
 	}
-	return &BudgetError{"parallel_items", fmt.Sprint(b.cfg.ParallelItems), fmt.Sprintf("%s over %d items", fn, items)}
+	return &BudgetError{"parallel_items", fmt.Sprint(b.cfg.ParallelItems), fmt.Sprintf("%s over more than %d items", fn, items-1)}
 }
 
 // state checks the size of a value about to be stored.

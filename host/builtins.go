@@ -102,7 +102,7 @@ func builtinGenerate(thread *starlark.Thread, b *starlark.Builtin, args starlark
 	if ro.eval != nil {
 		s = *ro.eval
 	}
-	if s.MaxTokens, err = optInt(b.Name(), "max_tokens", maxTokens, s.MaxTokens, 1, 1<<20); err != nil {
+	if s.MaxTokens, err = optInt(b.Name(), "max_tokens", maxTokens, s.MaxTokens, 1, math.MaxInt32); err != nil {
 		return nil, err
 	}
 	if s.Temperature, err = optFloat(b.Name(), "temperature", temperature, s.Temperature, 0, 100); err != nil {
@@ -438,6 +438,10 @@ func builtinParallel(thread *starlark.Thread, b *starlark.Builtin, args starlark
 	iter := items.Iterate()
 	var x starlark.Value
 	for iter.Next(&x) {
+		if err := ts.ro.budget.parallel(b.Name(), len(xs)+1); err != nil {
+			iter.Done()
+			return nil, err
+		}
 		if len(xs) >= maxParallelItems {
 			iter.Done()
 			return nil, fmt.Errorf("%s: more than %d items; split the work", b.Name(), maxParallelItems)
@@ -448,9 +452,6 @@ func builtinParallel(thread *starlark.Thread, b *starlark.Builtin, args starlark
 	iter.Done()
 	base := ts.next()
 	ro := ts.ro
-	if err := ro.budget.parallel(b.Name(), len(xs)); err != nil {
-		return nil, err
-	}
 	results := make([]starlark.Value, len(xs))
 	errs := make([]error, len(xs))
 	sem := make(chan struct{}, parallelWidth)

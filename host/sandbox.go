@@ -174,11 +174,8 @@ func (c *sbChild) describeDeath(err error) error {
 	case strings.Contains(tail, "stack exceeds"):
 		return &BudgetError{"memory_mb", strconv.Itoa(cfg.MemoryMB), "the script's process overflowed its stack"}
 	}
-	last := strings.TrimSpace(tail)
-	if i := strings.LastIndex(last, "\n"); i >= 0 && len(last)-i < 300 {
-		last = last[i+1:]
-	}
-	return fmt.Errorf("sandbox: the script's process died (%v): %s", err, last)
+	first, _, _ := strings.Cut(strings.TrimSpace(tail), "\n")
+	return fmt.Errorf("sandbox: the script's process died (%v): %s", err, first)
 }
 
 // answer serves one call of the child's built-ins with the run's own services.
@@ -424,25 +421,33 @@ func (ro *rollout) reset() {
 	ro.queued, ro.generated, ro.logs, ro.result, ro.prints = nil, nil, nil, nil, 0
 }
 
-// tailBuffer keeps the last max bytes written to it (a child's stderr).
+// tailBuffer keeps the first and the last max bytes written to it (a child's stderr: a Go
+// runtime's fatal error comes first, the goroutine dump after it).
 type tailBuffer struct {
-	mu  sync.Mutex
-	max int
-	b   []byte
+	mu         sync.Mutex
+	max        int
+	head, tail []byte
 }
 
 func (t *tailBuffer) Write(p []byte) (int, error) {
 	t.mu.Lock()
 	defer t.mu.Unlock()
-	t.b = append(t.b, p...)
-	if len(t.b) > t.max {
-		t.b = t.b[len(t.b)-t.max:]
+	written := len(p)
+	if room := t.max - len(t.head); room > 0 {
+		n := min(room, len(p))
+		t.head = append(t.head, p[:n]...)
+		p = p[n:]
 	}
-	return len(p), nil
+	t.tail = append(t.tail, p...)
+	if len(t.tail) > t.max {
+		t.tail = t.tail[len(t.tail)-t.max:]
+	}
+	return written, nil
 }
 
+// String is the start of the output (where a fatal error is), then its end.
 func (t *tailBuffer) String() string {
 	t.mu.Lock()
 	defer t.mu.Unlock()
-	return string(bytes.TrimSpace(t.b))
+	return string(bytes.TrimSpace(append(append([]byte(nil), t.head...), t.tail...)))
 }

@@ -3,10 +3,16 @@ package host
 import (
 	"context"
 	"encoding/json"
+	"os"
+	"path/filepath"
+	"regexp"
+	"strconv"
+	"strings"
 	"testing"
 
 	"github.com/slimen/slimen/engines"
 	"github.com/slimen/slimen/engines/scripted"
+	"github.com/slimen/slimen/host/config"
 )
 
 const honestScript = `
@@ -66,4 +72,74 @@ func joinLines(l []string) string {
 		out += s + "\n"
 	}
 	return out
+}
+
+// TestHostileScripts is issue 8's acceptance: each script of testdata/hostile attacks from one
+// task (t3) of a normal run. The run completes, every honest task's sample is trained, the
+// attacking rollout fails with the budget or rule it broke, and the host's memory stays small.
+func TestHostileScripts(t *testing.T) {
+	files, _ := filepath.Glob("../testdata/hostile/*.star")
+	if len(files) < 15 {
+		t.Fatalf("%d hostile scripts, want at least 15", len(files))
+	}
+	for _, f := range files {
+		name := strings.TrimSuffix(filepath.Base(f), ".star")
+		t.Run(name, func(t *testing.T) {
+			src, _ := os.ReadFile(f)
+			header, _, _ := strings.Cut(string(src), "\n")
+			cfg := testConfig(8, "p", "judge")
+			cfg.Policies[1].Trainable = false
+			cfg.Sandbox = config.SandboxConfig{Steps: 2_000_000, GenerateCalls: 32, Tokens: 4096, WallSeconds: 2,
+				PrintBytes: 4096, StateBytes: 4096, ParallelItems: 256, MemoryMB: 256, Processes: 2,
+				Policies: []string{"p", "judge"}, Train: []string{"p"}}
+			if name == "not_granted" {
+				cfg.Sandbox.Policies = []string{"p"}
+			}
+			engs := map[string]engines.Engine{"p": scripted.Echo(`\boxed{1}`), "judge": scripted.Echo("yes")}
+			r, err := Load(context.Background(), f, Options{Config: cfg, Engines: engs, Tasks: numberedTasks(8), Sandbox: true})
+			if want, ok := strings.CutPrefix(header, "# load-time: "); ok {
+				if err == nil || !strings.Contains(err.Error(), want) {
+					t.Fatalf("Load: %v, want an error containing %q", err, want)
+				}
+				return
+			}
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer r.Close()
+			res, err := r.Step(context.Background())
+			if err != nil {
+				t.Fatalf("the run did not survive: %v", err)
+			}
+			want := regexp.MustCompile(strings.TrimPrefix(header, "# expect: "))
+			if len(res.Failed) != 1 || res.Failed[0].TaskID != "t3" || !want.MatchString(res.Failed[0].Msg) {
+				for _, f := range res.Failed {
+					t.Logf("failed: %s", f.Error())
+				}
+				t.Fatalf("want exactly task t3 failed with %q", want)
+			}
+			for _, m := range res.Policies {
+				if m.Policy() == "p" && m.Float("samples") != 7 {
+					t.Errorf("policy p trained %v samples, want the 7 honest ones", m.Float("samples"))
+				}
+			}
+			if rss := residentMB(t); rss > 400 {
+				t.Errorf("host resident memory %d MiB, want under 400", rss)
+			}
+		})
+	}
+}
+
+func residentMB(t *testing.T) int {
+	b, err := os.ReadFile("/proc/self/status")
+	if err != nil {
+		t.Skip("no /proc/self/status")
+	}
+	for _, line := range strings.Split(string(b), "\n") {
+		if kb, ok := strings.CutPrefix(line, "VmRSS:"); ok {
+			n, _ := strconv.Atoi(strings.Fields(kb)[0])
+			return n / 1024
+		}
+	}
+	return 0
 }

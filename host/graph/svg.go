@@ -9,6 +9,14 @@ import (
 	"strconv"
 )
 
+// note tells a reader who has not seen the tracer what the boxes and arrows mean.
+var note = []string{
+	"policy ×n: the generate calls of a policy in one round, n samples in all",
+	"arrow: completions whose text reached the next prompts; number: how many, when more than one",
+}
+
+const noteSize = 11.0
+
 const fontFamily = `system-ui, -apple-system, 'Segoe UI', 'Helvetica Neue', Arial, 'DejaVu Sans', sans-serif`
 
 // SVG renders g as a standalone SVG document: one column per round, a rounded box per node
@@ -31,7 +39,10 @@ func SVG(g Graph) []byte {
 
 	// The legend sits under the drawing and wraps to the drawing's width.
 	legendTop := l.bottom + 30
-	width := max(l.right+margin, 2*margin+textWidth(g.Title, titleSize, true), 360)
+	width := max(l.right+margin, 2*margin+textWidth(g.Title, titleSize, true))
+	for _, s := range note {
+		width = max(width, 2*margin+textWidth(s, noteSize, false))
+	}
 	type legendItem struct {
 		x, y float64
 		p    string
@@ -46,8 +57,8 @@ func SVG(g Graph) []byte {
 		legend = append(legend, legendItem{lx, ly, p})
 		lx += w
 	}
-	noteY := ly + 30
-	height := noteY + margin/2
+	noteY := ly + 28
+	height := noteY + float64(len(note)-1)*(noteSize+lineGap) + margin/2
 
 	var b bytes.Buffer
 	fmt.Fprintf(&b, `<svg xmlns="http://www.w3.org/2000/svg" width="%s" height="%s" viewBox="0 0 %s %s" font-family="%s">`+"\n",
@@ -56,11 +67,10 @@ func SVG(g Graph) []byte {
 		fmt.Fprintf(&b, "<title>%s</title>\n", esc(g.Title))
 	}
 	b.WriteString("<defs>\n")
-	for i, p := range policies {
+	for _, p := range policies {
 		// One arrowhead per colour: SVG 1.1 markers cannot take the colour of the path using them.
 		fmt.Fprintf(&b, `<marker id="arrow%d" viewBox="0 0 10 10" refX="9" refY="5" markerWidth="9" markerHeight="9" markerUnits="userSpaceOnUse" orient="auto"><path d="M0,0 L10,5 L0,10 z" fill="%s"/></marker><!-- %s -->`+"\n",
 			colour[p], palette[colour[p]].stroke, esc(p))
-		_ = i
 	}
 	b.WriteString("</defs>\n")
 	fmt.Fprintf(&b, `<rect width="100%%" height="100%%" fill="#ffffff"/>`+"\n")
@@ -132,8 +142,10 @@ func SVG(g Graph) []byte {
 		fmt.Fprintf(&b, `<g class="legend"><rect x="%s" y="%s" width="14" height="14" rx="3" fill="%s" stroke="%s" stroke-width="2"/><text x="%s" y="%s" font-size="%s" fill="#222">%s</text></g>`+"\n",
 			num(it.x), num(it.y-11), c.fill, c.stroke, num(it.x+20), num(it.y), num(textSize), esc(it.p))
 	}
-	fmt.Fprintf(&b, `<text x="%s" y="%s" font-size="11" fill="#777">policy ×n: n samples drawn · arrow: completions whose text reached the next prompts (number: how many, when more than one)</text>`+"\n",
-		num(margin), num(noteY))
+	for i, s := range note {
+		fmt.Fprintf(&b, `<text x="%s" y="%s" font-size="%s" fill="#777">%s</text>`+"\n",
+			num(margin), num(noteY+float64(i)*(noteSize+lineGap)), num(noteSize), esc(s))
+	}
 	b.WriteString("</svg>\n")
 	return b.Bytes()
 }

@@ -1,0 +1,131 @@
+package plot
+
+import (
+	"bufio"
+	"bytes"
+	"encoding/json"
+	"fmt"
+	"io"
+	"math"
+	"os"
+	"slices"
+	"strings"
+)
+
+// Run is the numbers of a run's metrics.jsonl, as one curve per (line source, key).
+type Run struct {
+	// Skipped holds the 1-based numbers of the lines that were not a metrics object with an
+	// integer "step" and a string "policy" (a line cut short by a crash, a stray print).
+	Skipped []int
+
+	values map[SeriesID]map[int]float64
+}
+
+// SeriesID names one curve: a numeric key of the lines of one source. Source is the line's
+// "policy": a policy name, "_run" or "_eval"; Dataset is the "dataset" of eval lines.
+type SeriesID struct {
+	Source, Dataset, Key string
+}
+
+// Point is one value of a curve.
+type Point struct {
+	Step  int
+	Value float64
+}
+
+// Load reads a metrics.jsonl file.
+func Load(path string) (*Run, error) {
+	f, err := os.Open(path)
+	if err != nil {
+		return nil, err
+	}
+	defer f.Close()
+	r, err := Read(f)
+	if err != nil {
+		return nil, fmt.Errorf("%s: %w", path, err)
+	}
+	return r, nil
+}
+
+// Read parses metrics lines. Every numeric key becomes a curve, so numbers that the host or a
+// script starts logging later are plotted without a change here. When a step appears twice (a
+// resumed run re-logs the steps after its checkpoint) the later line wins.
+func Read(rd io.Reader) (*Run, error) {
+	r := &Run{values: map[SeriesID]map[int]float64{}}
+	sc := bufio.NewScanner(rd)
+	sc.Buffer(make([]byte, 0, 64<<10), 16<<20)
+	for n := 1; sc.Scan(); n++ {
+		line := bytes.TrimSpace(sc.Bytes())
+		if len(line) == 0 {
+			continue
+		}
+		var obj map[string]any
+		if err := json.Unmarshal(line, &obj); err != nil {
+			r.Skipped = append(r.Skipped, n)
+			continue
+		}
+		step, okStep := obj["step"].(float64)
+		source, okSource := obj["policy"].(string)
+		if !okStep || !okSource || source == "" || step != math.Trunc(step) || math.Abs(step) > 1<<53 {
+			r.Skipped = append(r.Skipped, n)
+			continue
+		}
+		dataset, _ := obj["dataset"].(string)
+		for k, v := range obj {
+			x, ok := v.(float64) // null (a NaN when written), strings and bools are not plotted
+			if !ok || k == "step" {
+				continue
+			}
+			id := SeriesID{source, dataset, k}
+			if r.values[id] == nil {
+				r.values[id] = map[int]float64{}
+			}
+			r.values[id][int(step)] = x
+		}
+	}
+	if err := sc.Err(); err != nil {
+		return nil, err
+	}
+	return r, nil
+}
+
+// Series returns a curve's points in step order; nil if the run has none.
+func (r *Run) Series(id SeriesID) []Point {
+	m := r.values[id]
+	pts := make([]Point, 0, len(m))
+	for s, v := range m {
+		pts = append(pts, Point{s, v})
+	}
+	slices.SortFunc(pts, func(a, b Point) int { return a.Step - b.Step })
+	if len(pts) == 0 {
+		return nil
+	}
+	return pts
+}
+
+// IDs returns every curve of the run, sorted.
+func (r *Run) IDs() []SeriesID {
+	ids := make([]SeriesID, 0, len(r.values))
+	for id := range r.values {
+		ids = append(ids, id)
+	}
+	slices.SortFunc(ids, func(a, b SeriesID) int {
+		return strings.Compare(a.Source+"\x00"+a.Dataset+"\x00"+a.Key, b.Source+"\x00"+b.Dataset+"\x00"+b.Key)
+	})
+	return ids
+}
+
+// Policies returns the policies that have per-policy lines, sorted; "_run", "_eval" and any other
+// source starting with "_" are run-wide.
+func (r *Run) Policies() []string {
+	seen := map[string]bool{}
+	var out []string
+	for id := range r.values {
+		if !strings.HasPrefix(id.Source, "_") && !seen[id.Source] {
+			seen[id.Source] = true
+			out = append(out, id.Source)
+		}
+	}
+	slices.Sort(out)
+	return out
+}
