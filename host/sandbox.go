@@ -168,6 +168,10 @@ func (c *sbChild) describeDeath(err error) error {
 	switch {
 	case strings.Contains(tail, "out of memory") || strings.Contains(tail, "cannot allocate memory"):
 		return &BudgetError{"memory_mb", strconv.Itoa(cfg.MemoryMB), "the script's process ran out of memory"}
+	case strings.Contains(tail, "SIGSEGV"):
+		// Starlark cannot fault by itself; under RLIMIT_DATA the Go runtime sometimes dies this
+		// way instead of reporting a failed allocation.
+		return &BudgetError{"memory_mb", strconv.Itoa(cfg.MemoryMB), "the script's process ran out of memory (the runtime crashed: SIGSEGV)"}
 	case errors.As(err, &ee) && ee.Sys().(syscall.WaitStatus).Signal() == syscall.SIGXCPU,
 		errors.As(err, &ee) && ee.Sys().(syscall.WaitStatus).Signal() == syscall.SIGKILL && cfg.CPUSeconds > 0:
 		return &BudgetError{"cpu_seconds", strconv.Itoa(cfg.CPUSeconds), "the script's process used up its CPU time"}
