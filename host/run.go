@@ -2,6 +2,8 @@ package host
 
 import (
 	"context"
+	"crypto/rand"
+	"encoding/hex"
 	"errors"
 	"fmt"
 	"io"
@@ -88,6 +90,7 @@ type Run struct {
 	openErrs map[string]error // zero-config policies whose engine failed to open: not retried
 	order    []string         // policy names in config order, then first use
 
+	id      string    // random per process: part of optimizer step ids
 	step    int       // steps completed
 	reload  *reloader // nil unless Watch was called
 	sandbox *sandbox  // nil unless the run is sandboxed
@@ -148,7 +151,7 @@ func Load(ctx context.Context, scriptPath string, opts Options) (*Run, error) {
 
 // newRun makes a run with no script, outputs or engines yet.
 func newRun(opts Options) *Run {
-	r := &Run{opts: opts, state: NewState(), policies: map[string]*policy{}, tasks: opts.Tasks,
+	r := &Run{opts: opts, state: NewState(), policies: map[string]*policy{}, tasks: opts.Tasks, id: newRunID(),
 		events: &eventLog{w: opts.Log}, metrics: &metricsWriter{}}
 	r.ctx, r.cancel = context.WithCancel(context.Background())
 	r.cfg, r.zero = opts.Config, opts.Zero
@@ -210,7 +213,9 @@ func (r *Run) addPolicy(ctx context.Context, pc config.PolicyConfig) (*policy, e
 	if eng == nil {
 		open := r.opts.OpenEngine
 		if open == nil {
-			open = OpenEngine
+			open = func(ctx context.Context, p config.PolicyConfig) (engines.Engine, error) {
+				return openEngine(ctx, p, r.events.printf)
+			}
 		}
 		var err error
 		if eng, err = open(ctx, pc); err != nil {
@@ -609,7 +614,9 @@ func (r *Run) trainOne(ctx context.Context, step int, p *policy, ss []trainSampl
 	steps, skipped, tokens := 0, 0, 0
 	for k := 0; k < len(ss); k += size {
 		end := min(k+size, len(ss))
-		b := engines.Batch{ID: fmt.Sprintf("%s/step%d/%d", p.name, step, k/size), Loss: lc}
+		// The run id keeps a server that outlived a crashed host from taking a resumed run's
+		// steps for ones it has already applied.
+		b := engines.Batch{ID: fmt.Sprintf("%s/%s/step%d/%d", r.id, p.name, step, k/size), Loss: lc}
 		for i := k; i < end; i++ {
 			c := ss[i].c
 			mask := make([]float32, len(c.tokens))
@@ -875,4 +882,10 @@ func (r *Run) writeConfig() error {
 		return err
 	}
 	return os.WriteFile(filepath.Join(r.opts.Out, "config.yaml"), y, 0o644)
+}
+
+func newRunID() string {
+	var b [6]byte
+	rand.Read(b[:])
+	return hex.EncodeToString(b[:])
 }

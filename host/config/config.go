@@ -2,6 +2,8 @@
 // schema unchanged, slimen's own names, defaults for zero-config runs, errors with YAML line numbers.
 package config
 
+import "time"
+
 // Config is a run's resolved configuration (DESIGN §3). It loads slime-n's policy YAML unchanged
 // (`megatron:` and `sglang:` are aliases of `train:` and `engine:`) and fills every default, so
 // the rest of the host reads plain fields.
@@ -95,6 +97,10 @@ type EngineConfig struct {
 	Insecure     bool       `yaml:"insecure,omitempty" json:"insecure,omitempty"`   // plaintext to a non-loopback address
 	TLS          *TLSConfig `yaml:"tls,omitempty" json:"tls,omitempty"`
 	MaxMessageMB int        `yaml:"max_message_mb,omitempty" json:"max_message_mb,omitempty"`
+	// Timeout bounds one call (0: 10 minutes); ReconnectTimeout how long calls wait for an
+	// unreachable engine to come back before the run stops (0: 2 minutes).
+	Timeout          time.Duration `yaml:"timeout,omitempty" json:"timeout,omitempty"`
+	ReconnectTimeout time.Duration `yaml:"reconnect_timeout,omitempty" json:"reconnect_timeout,omitempty"`
 
 	// Extra holds the other server arguments (chunked_prefill_size, …); they pass through.
 	Extra map[string]any `yaml:",inline" json:"extra,omitempty"`

@@ -8,6 +8,7 @@ import (
 	"path/filepath"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/google/go-cmp/cmp"
 	"github.com/google/go-cmp/cmp/cmpopts"
@@ -285,5 +286,19 @@ func TestNearest(t *testing.T) {
 	}
 	if got := nearest("global-batch-size", []string{"global_batch_size"}); got != "global_batch_size" {
 		t.Errorf("dashes: got %q", got)
+	}
+}
+
+func TestRemoteDurations(t *testing.T) {
+	c, err := Parse([]byte("policies:\n  - name: p\n    engine: {kind: remote, address: \"127.0.0.1:1\", reconnect_timeout: 30s, timeout: 2m}\n"), "d.yaml")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if e := c.Policies[0].Engine; e.ReconnectTimeout != 30*time.Second || e.Timeout != 2*time.Minute {
+		t.Errorf("durations: %v %v", e.ReconnectTimeout, e.Timeout)
+	}
+	_, err = Parse([]byte("policies:\n  - name: p\n    engine: {kind: remote, address: \"127.0.0.1:1\", timeout: soon}\n"), "d.yaml")
+	if err == nil || !strings.Contains(err.Error(), "d.yaml:3: policies[0].engine.timeout: expected a duration") {
+		t.Errorf("bad duration: %v", err)
 	}
 }

@@ -7,6 +7,7 @@ import (
 	"sort"
 	"strconv"
 	"strings"
+	"time"
 
 	"gopkg.in/yaml.v3"
 )
@@ -355,6 +356,15 @@ func (d *decoder) decodeScalar(n *yaml.Node, v reflect.Value, p pathName) {
 	tag := n.ShortTag()
 	if n.Kind != yaml.ScalarNode {
 		tag = ""
+	}
+	if v.Type() == reflect.TypeOf(time.Duration(0)) {
+		dur, err := time.ParseDuration(n.Value)
+		if n.Kind != yaml.ScalarNode || err != nil || dur < 0 {
+			d.errorf(n.Line, p, "expected a duration such as 30s or 2m, got %s", describe(n))
+			return
+		}
+		v.SetInt(int64(dur))
+		return
 	}
 	switch v.Kind() {
 	case reflect.String:

@@ -10,7 +10,6 @@ import (
 	"path/filepath"
 	"strings"
 
-	gplot "gonum.org/v1/plot"
 	"gonum.org/v1/plot/vg"
 	"gonum.org/v1/plot/vg/draw"
 	"gonum.org/v1/plot/vg/vgimg"
@@ -69,7 +68,7 @@ func (r *Run) Write(dir string) ([]string, error) {
 // charts picks the curves of each picture. Colours follow the sorted policy names, so a policy
 // has the same colour on the reward and the loss chart.
 func (r *Run) charts() []chart {
-	reward := chart{name: "reward", title: "Reward per policy", yLabel: "reward_mean"}
+	reward := chart{name: "reward", title: "Reward per policy", yLabel: "reward_mean", band: "± reward_std"}
 	loss := chart{name: "loss", title: "Training loss per policy", yLabel: "loss"}
 	for i, p := range r.Policies() {
 		col := palette[i%len(palette)]
@@ -174,8 +173,6 @@ func (c chart) render() (svg, png []byte, err error) {
 	}
 	return svg, b.Bytes(), nil
 }
-
-var _ = gplot.New // the chart drawing is in chart.go
 
 // writeAtomic replaces path with data through a rename, so that a viewer reloading the picture
 // while a run redraws it never reads half a file.
