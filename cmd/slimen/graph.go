@@ -1,0 +1,72 @@
+package main
+
+import (
+	"context"
+	"flag"
+	"fmt"
+	"os"
+	"path/filepath"
+	"strings"
+
+	"github.com/slimen/slimen/host"
+	"github.com/slimen/slimen/host/config"
+	"github.com/slimen/slimen/host/data"
+	"github.com/slimen/slimen/host/graph"
+)
+
+func init() {
+	commands["graph"] = command{"trace one rollout and draw the dataflow between policies (Mermaid and SVG)", cmdGraph}
+}
+
+func cmdGraph(args []string) int {
+	fs := flag.NewFlagSet("graph", flag.ContinueOnError)
+	cfgPath := fs.String("config", "", "YAML config (its policies and data source)")
+	out := fs.String("out", "", "folder for NAME.mmd and NAME.svg (default: beside the script)")
+	fs.Usage = func() {
+		fmt.Fprintln(fs.Output(), "usage: slimen graph SCRIPT [--config Y] [--out DIR]")
+		fs.PrintDefaults()
+	}
+	pos, err := parseInterleaved(fs, args)
+	if err != nil || len(pos) != 1 {
+		fs.Usage()
+		return 2
+	}
+	script := pos[0]
+	var cfg *config.Config
+	if *cfgPath != "" {
+		if cfg, err = config.Load(*cfgPath); err != nil {
+			fmt.Fprintln(os.Stderr, err)
+			return 2
+		}
+	}
+	dc := config.Default(nil)
+	if cfg != nil {
+		dc = cfg
+	}
+	src, err := data.Open(dc.Data.Path, data.Options{InputKey: dc.Data.InputKey, LabelKey: dc.Data.LabelKey, Seed: dc.Run.Seed})
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "slimen graph:", err)
+		return 2
+	}
+	g, err := host.Trace(context.Background(), script, cfg, src.Task(0))
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "slimen graph:", err)
+		return 1
+	}
+	dir := *out
+	if dir == "" {
+		dir = filepath.Dir(script)
+	}
+	name := strings.TrimSuffix(filepath.Base(script), filepath.Ext(script))
+	mmd, svg := filepath.Join(dir, name+".mmd"), filepath.Join(dir, name+".svg")
+	if err := os.WriteFile(mmd, []byte(graph.Mermaid(g)), 0o644); err != nil {
+		fmt.Fprintln(os.Stderr, "slimen graph:", err)
+		return 1
+	}
+	if err := os.WriteFile(svg, graph.SVG(g), 0o644); err != nil {
+		fmt.Fprintln(os.Stderr, "slimen graph:", err)
+		return 1
+	}
+	fmt.Printf("%s\n%s\n", mmd, svg)
+	return 0
+}
