@@ -146,6 +146,15 @@ func Load(ctx context.Context, scriptPath string, opts Options) (*Run, error) {
 		return nil, err
 	}
 	r.events.printf("loaded %s (sha256 %s) with %d policies", s.Path, s.Hash[:12], len(r.cfg.Policies))
+	for _, w := range r.cfg.Warnings {
+		r.events.printf("config: %s", w)
+	}
+	for _, p := range r.cfg.Policies {
+		// The tiny engine reads none of slime-n's parallelism and server settings: say so once.
+		if keys := p.PassThrough(); len(keys) > 0 && p.Engine.Kind == "tiny" {
+			r.events.printf("config: policy %q: the tiny engine ignores %s", p.Name, strings.Join(keys, ", "))
+		}
+	}
 	return r, nil
 }
 
