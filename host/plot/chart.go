@@ -37,11 +37,11 @@ var (
 
 const (
 	lineWidth   = 1.8 // points
-	maxLegend   = 22  // entries that fit beside the plot at 10 pt
+	maxLegend   = 18  // curves named in the legend: with the style key, what fits beside the plot at 10 pt
 	legendChars = 38  // longer names are shortened so the legend leaves the plot most of the width
 )
 
-func (c chart) draw(dc draw.Canvas) error {
+func (c chart) draw(dc draw.Canvas) {
 	p := gplot.New()
 	p.Title.Text = c.title
 	p.Title.TextStyle.Font = font.From(bold, 15)
@@ -100,7 +100,7 @@ func (c chart) draw(dc draw.Canvas) error {
 	if n := len(c.curves) - maxLegend; n > 0 {
 		legend.Add(strconv.Itoa(n) + " more not listed")
 	}
-	// The key to the styles comes after the names, in grey, so it reads as a note.
+	// The key to the line styles comes after the names, in grey lines, set off by a blank entry.
 	grey := color.Gray{0x70}
 	if anySmooth || anyBand {
 		legend.Add("")
@@ -110,10 +110,7 @@ func (c chart) draw(dc draw.Canvas) error {
 		legend.Add("mean of "+strconv.Itoa(window)+" steps", newLine(nil, grey, 2.6, nil))
 	}
 	if anyBand {
-		b, _ := plotter.NewPolygon()
-		b.Color = fade(grey, 0x40)
-		b.LineStyle.Width = 0
-		legend.Add(c.band, b)
+		legend.Add(c.band, &plotter.Polygon{Color: fade(grey, 0x40)})
 	}
 	p.Add(bands...)
 	p.Add(raws...)
@@ -124,11 +121,11 @@ func (c chart) draw(dc draw.Canvas) error {
 	// The legend gets a column right of the plot, so it never hides a curve.
 	dc.SetColor(color.White)
 	dc.Fill(dc.Rectangle.Path())
-	lw := legend.Rectangle(dc).Size().X + vg.Points(24)
+	lw := legend.Rectangle(dc).Size().X + vg.Points(30)
+	dc = draw.Crop(dc, 0, 0, 0, -vg.Points(8)) // air above the title
 	p.Draw(draw.Crop(dc, 0, -lw, 0, 0))
 	top := p.Title.TextStyle.Height(p.Title.Text) + p.Title.Padding + vg.Points(4)
 	legend.Draw(draw.Crop(dc, dc.Size().X-lw+vg.Points(12), 0, 0, -top))
-	return nil
 }
 
 // setRanges fits the axes to the data with a margin, so no curve runs along the frame, and shows
@@ -237,17 +234,20 @@ func smoothingWindow(cs []curve) int {
 	return min(max(3, n/10), 100)
 }
 
-// noisy says that a curve zig-zags: its path goes up and down over three times its range, where a
-// curve that only rises or only falls covers its range once.
+// noisy says that a curve zig-zags: at least a third of its steps turn back from the step
+// before, where a trend, even a wobbly one, mostly goes on in one direction.
 func noisy(pts []Point) bool {
-	lo, hi, path := math.Inf(1), math.Inf(-1), 0.0
-	for i, pt := range pts {
-		lo, hi = math.Min(lo, pt.Value), math.Max(hi, pt.Value)
-		if i > 0 {
-			path += math.Abs(pt.Value - pts[i-1].Value)
+	if len(pts) < 12 {
+		return false
+	}
+	turns := 0
+	for i := 2; i < len(pts); i++ {
+		a, b := pts[i-1].Value-pts[i-2].Value, pts[i].Value-pts[i-1].Value
+		if a*b < 0 {
+			turns++
 		}
 	}
-	return hi > lo && path > 3*(hi-lo)
+	return 3*turns >= len(pts)-2
 }
 
 // movingAverage is the centred mean over window points, narrower at the ends where fewer points

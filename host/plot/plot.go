@@ -4,10 +4,13 @@ package plot
 
 import (
 	"bytes"
+	"errors"
 	"fmt"
 	"image/color"
+	"image/png"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 
 	"gonum.org/v1/plot/vg"
@@ -25,6 +28,9 @@ const (
 	PNGHeight = 660  // 5.5 in at 120 dpi
 )
 
+// ErrNothingToPlot is returned by Write when the metrics hold no reward, accuracy or loss yet.
+var ErrNothingToPlot = errors.New("plot: no reward_mean, loss, accuracy or eval numbers to plot yet")
+
 // Write reads <runDir>/metrics.jsonl and draws its curves into <runDir>/plots/. It returns the
 // files written: reward.svg/.png, accuracy.svg/.png and loss.svg/.png, each only when the run has
 // numbers for it. Malformed lines are left out; Load reports them.
@@ -40,7 +46,7 @@ func Write(runDir string) ([]string, error) {
 func (r *Run) Write(dir string) ([]string, error) {
 	charts := r.charts()
 	if len(charts) == 0 {
-		return nil, fmt.Errorf("plot: no reward_mean, loss or accuracy numbers to plot yet")
+		return nil, ErrNothingToPlot
 	}
 	if err := os.MkdirAll(dir, 0o755); err != nil {
 		return nil, fmt.Errorf("plot: %w", err)
@@ -81,7 +87,14 @@ func (r *Run) charts() []chart {
 		}
 	}
 	acc := chart{name: "accuracy", title: "Accuracy", yLabel: "accuracy"}
-	for _, id := range r.IDs() {
+	// Training curves first, evals after: the legend then reads in the order of the run.
+	ids := r.IDs()
+	slices.SortStableFunc(ids, func(a, b SeriesID) int {
+		_, ea := accuracyName(a)
+		_, eb := accuracyName(b)
+		return cmpBool(ea, eb)
+	})
+	for _, id := range ids {
 		name, eval := accuracyName(id)
 		if name == "" {
 			continue
@@ -126,6 +139,16 @@ func accuracyName(id SeriesID) (name string, eval bool) {
 	return "", false
 }
 
+func cmpBool(a, b bool) int {
+	switch {
+	case a == b:
+		return 0
+	case a:
+		return 1
+	}
+	return -1
+}
+
 // dashesFor gives the curves past the palette's length a dash pattern, so that two curves of the
 // same colour still differ.
 func dashesFor(i int) []vg.Length {
@@ -149,29 +172,25 @@ func rgb(x uint32) color.NRGBA {
 }
 
 // render draws the chart twice: gonum's canvases cannot be replayed from one to the other.
-func (c chart) render() (svg, png []byte, err error) {
+func (c chart) render() (svgData, pngData []byte, err error) {
 	sc := vgsvg.New(width, height)
-	if err := c.draw(draw.New(sc)); err != nil {
-		return nil, nil, err
-	}
+	c.draw(draw.New(sc))
 	var b bytes.Buffer
 	if _, err := sc.WriteTo(&b); err != nil {
 		return nil, nil, err
 	}
 	// The layout was measured with Liberation Sans; Arial has the same metrics, so a viewer
 	// without Liberation keeps labels where they were placed instead of falling back to serif.
-	svg = bytes.ReplaceAll(b.Bytes(), []byte("font-family:Liberation Sans;"),
+	svgData = bytes.ReplaceAll(b.Bytes(), []byte("font-family:Liberation Sans;"),
 		[]byte("font-family:'Liberation Sans',Arial,Helvetica,sans-serif;"))
 
 	ic := vgimg.NewWith(vgimg.UseWH(width, height), vgimg.UseDPI(dpi))
-	if err := c.draw(draw.New(ic)); err != nil {
-		return nil, nil, err
-	}
+	c.draw(draw.New(ic))
 	b.Reset()
-	if _, err := (vgimg.PngCanvas{Canvas: ic}).WriteTo(&b); err != nil {
+	if err := png.Encode(&b, ic.Image()); err != nil {
 		return nil, nil, err
 	}
-	return svg, b.Bytes(), nil
+	return svgData, b.Bytes(), nil
 }
 
 // writeAtomic replaces path with data through a rename, so that a viewer reloading the picture
