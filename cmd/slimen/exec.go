@@ -15,6 +15,7 @@ import (
 
 	"github.com/slimen/slimen/host"
 	"github.com/slimen/slimen/host/config"
+	"github.com/slimen/slimen/host/plot"
 )
 
 func init() {
@@ -185,6 +186,11 @@ func cmdExec(args []string) int {
 			return 1
 		}
 		prog.step(res)
+		if len(res.Eval) > 0 {
+			if err := writePlots(dir); err != nil {
+				fmt.Fprintln(prog.logWriter(), "slimen: plots:", err)
+			}
+		}
 	}
 	prog.end()
 	if r.StepsDone() > 0 {
@@ -230,5 +236,10 @@ func runDir(script, fromConfig, flagOut string) (string, error) {
 
 var _ io.Writer = (*os.File)(nil)
 
-// writePlots is replaced by host/plot once it lands.
-func writePlots(string) error { return nil }
+// writePlots redraws the run's curves; a run with nothing to plot yet is not an error.
+func writePlots(dir string) error {
+	if _, err := plot.Write(dir); err != nil && !errors.Is(err, plot.ErrNothingToPlot) {
+		return err
+	}
+	return nil
+}
