@@ -1,0 +1,76 @@
+"""The command line: serve, make-model, sft (`python -m slimen_torch COMMAND --help`)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(prog="python -m slimen_torch",
+                                description="slimen's PyTorch policy engine")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    s = sub.add_parser("serve", help="serve a model over the slimen engine protocol (gRPC)")
+    s.add_argument("--model", required=True, help="Hugging Face model folder")
+    s.add_argument("--listen", default="127.0.0.1:7777",
+                   help="host:port (default 127.0.0.1:7777; port 0 picks a free one)")
+    s.add_argument("--device", default="", help="cuda:0, cpu, … (default: cuda:0 if available)")
+    s.add_argument("--dtype", default="", help="bfloat16 or float32 (default: bf16 on GPU)")
+    s.add_argument("--token-env", default="",
+                   help="environment variable holding the bearer token every call must carry")
+    s.add_argument("--address-file", default="",
+                   help="write host:port here once listening (for supervisors using port 0)")
+    s.add_argument("--slots", type=int, default=0, help="concurrent samples (KV cache rows)")
+    s.add_argument("--max-seq-len", type=int, default=0, help="KV cache positions per row")
+    s.add_argument("--micro-batch-tokens", type=int, default=0,
+                   help="padded tokens per training micro-batch")
+    s.add_argument("--grad-checkpointing", action="store_true",
+                   help="recompute activations in the backward pass (less memory)")
+    s.add_argument("--ref-model", default="",
+                   help="folder of the frozen KL reference (default: --model)")
+    s.add_argument("--no-cuda-graphs", action="store_true")
+    s.add_argument("--no-compile", action="store_true", help="do not torch.compile the decode step")
+
+    m = sub.add_parser("make-model", help="write a randomly initialised model folder")
+    m.add_argument("--shape", required=True, help="tiny, tiny-qwen3, tiny-qwen2, qwen3-50m, "
+                   "qwen3-0.6b")
+    m.add_argument("--out", required=True)
+    m.add_argument("--seed", type=int, default=0)
+    m.add_argument("--dtype", default="", help="float32 or bfloat16 (default by size)")
+
+    t = sub.add_parser("sft", help="supervised warm-up on a prompt/response JSONL file")
+    t.add_argument("--model", required=True)
+    t.add_argument("--data", required=True, help='JSONL: {"prompt", "response"} or '
+                   '{"prompt", "label"} per line (see docs/torch.md)')
+    t.add_argument("--out", default="", help="output folder (default: overwrite --model)")
+    t.add_argument("--steps", type=int, default=0, help="optimizer steps (default: from --epochs)")
+    t.add_argument("--epochs", type=int, default=1)
+    t.add_argument("--batch-size", type=int, default=32)
+    t.add_argument("--lr", type=float, default=1e-3)
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--device", default="")
+    t.add_argument("--dtype", default="")
+    t.add_argument("--log-every", type=int, default=50)
+
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format="%(asctime)s slimen_torch %(levelname)s %(message)s")
+    if getattr(args, "device", None) == "":
+        import torch
+        args.device = "cuda:0" if torch.cuda.is_available() else "cpu"
+    if args.command == "serve":
+        from .server import serve
+        serve(args)
+    elif args.command == "make-model":
+        from .make_model import make_model
+        out = make_model(args.shape, args.out, seed=args.seed, dtype=args.dtype)
+        print(out)
+    elif args.command == "sft":
+        from .sft import run
+        run(args)
+
+
+if __name__ == "__main__":
+    main()

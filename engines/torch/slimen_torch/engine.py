@@ -1,0 +1,346 @@
+"""The engine: one model, its tokenizer, the generator and the trainer, driven by one thread.
+
+Every use of the model happens on the worker thread, so generation, scoring, training, saving
+and loading never race on the weights or the CUDA graphs. Generate requests join the running
+decode batch at the next scheduler iteration; the other calls run between decode steps.
+The methods mirror engines.Engine in Go (engines/engine.go); server.py serves them over gRPC.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import json
+import logging
+import pathlib
+import shutil
+import threading
+
+import torch
+
+from .config import ModelConfig, eos_ids, read_config
+from .generate import Generator, Request
+from .model import Transformer
+from .tokenizer import TOKENIZER_FILES, Tokenizer
+from .train import Trainer, micro_batches, response_logits
+from .types import (Batch, Completion, GenerateRequest, LossConfig, RequestError, Sampling,
+                    ScoreRequest, TrainStats)
+from .weights import load_weights, save_weights
+
+log = logging.getLogger("slimen_torch")
+
+OPTIMIZER_FILE = "optimizer.pt"
+
+
+@dataclasses.dataclass
+class Options:
+    device: str = "cpu"
+    dtype: str = ""  # "" → bfloat16 on a GPU, float32 on the CPU
+    slots: int = 0  # cache rows (concurrent samples); 0 → 16 on the CPU, 256 on a GPU (fitted)
+    max_seq_len: int = 0  # cache positions; 0 → min(model's, 2048 CPU / 4096 GPU)
+    cuda_graphs: bool = True  # capture decode steps (GPU only)
+    compile: bool = True  # torch.compile the decode layer before capturing it (GPU only)
+    prefill_tokens: int = 0  # prompt tokens admitted per iteration; 0 → 2048 CPU / 16384 GPU
+    micro_batch_tokens: int = 0  # padded tokens per training micro-batch; 0 → 4096 / 16384
+    grad_checkpointing: bool = False  # recompute layer activations in the backward pass
+    ref_model: str = ""  # the frozen KL reference; "" → the folder the engine started with
+    kv_memory_fraction: float = 0.4  # share of free GPU memory the default cache may take
+
+
+def _dtype(name: str, device: torch.device) -> torch.dtype:
+    if not name:
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    try:
+        return {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32,
+                "fp32": torch.float32, "float16": torch.float16}[name]
+    except KeyError:
+        raise ValueError(f"dtype {name!r}: use bfloat16 or float32") from None
+
+
+def _eos(raw: dict, model_dir: pathlib.Path, tok: Tokenizer) -> list[int]:
+    ids = eos_ids(raw)
+    gen = model_dir / "generation_config.json"
+    if gen.exists():
+        ids += eos_ids(json.loads(gen.read_text()))
+    t = tok.token_id(tok.special.get("eos_token"))
+    if t is not None:
+        ids.append(t)
+    return list(dict.fromkeys(ids))
+
+
+class Engine:
+    def __init__(self, model_dir: str, options: Options | None = None):
+        self.opts = options or Options()
+        self.device = torch.device(self.opts.device)
+        self.dtype = _dtype(self.opts.dtype, self.device)
+        self._reference = None
+        self._ref_dir = self.opts.ref_model or str(model_dir)
+        self._build(pathlib.Path(model_dir))
+        self._cv = threading.Condition()
+        self._tasks: list = []
+        self._new: list[Request] = []
+        self._cancels: list[str] = []
+        self._closed = False
+        self._thread = threading.Thread(target=self._loop, name="slimen-torch-worker", daemon=True)
+        self._thread.start()
+
+    # ---- building the model ----
+
+    def _build(self, model_dir: pathlib.Path) -> None:
+        cfg, raw = read_config(model_dir)
+        self.model_dir, self.cfg, self.raw = model_dir, cfg, raw
+        self.tokenizer = Tokenizer(model_dir)
+        self.eos = _eos(raw, model_dir, self.tokenizer)
+        model = Transformer(cfg, device=self.device, dtype=self.dtype)
+        load_weights(model, model_dir)
+        self.model = model.eval().requires_grad_(True)
+        o, cuda = self.opts, self.device.type == "cuda"
+        max_len = min(cfg.max_seq_len, o.max_seq_len or (4096 if cuda else 2048))
+        self.gen = Generator(
+            model, self.tokenizer, self.eos, slots=o.slots or self._default_slots(max_len),
+            max_len=max_len, cuda_graphs=o.cuda_graphs, compile_layers=o.compile and cuda,
+            prefill_tokens=o.prefill_tokens or (16384 if cuda else 2048))
+        model.grad_checkpointing = o.grad_checkpointing
+        self.trainer = Trainer(model, micro_batch_tokens=o.micro_batch_tokens or (
+            16384 if cuda else 4096), reference=self._reference_model)
+        self._load_optimizer(model_dir)
+
+    def _default_slots(self, max_len: int) -> int:
+        if self.device.type != "cuda":
+            return 16
+        c = self.cfg
+        per_row = 2 * c.layers * c.kv_heads * max_len * c.head_dim * self.dtype.itemsize
+        free, _ = torch.cuda.mem_get_info(self.device)
+        slots = 256
+        while slots > 1 and slots * per_row > self.opts.kv_memory_fraction * free:
+            slots //= 2
+        return slots
+
+    def _reference_model(self) -> Transformer:
+        if self._reference is None:
+            cfg, _ = read_config(self._ref_dir)
+            ref = Transformer(cfg, device=self.device, dtype=self.dtype)
+            load_weights(ref, self._ref_dir)
+            self._reference = ref.eval().requires_grad_(False)
+        return self._reference
+
+    def _load_optimizer(self, model_dir: pathlib.Path) -> None:
+        path = model_dir / OPTIMIZER_FILE
+        if path.exists():
+            self.trainer.load_state_dict(torch.load(path, map_location=self.device))
+
+    # ---- the worker thread ----
+
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                while not (self._closed or self._tasks or self._new or self._cancels
+                           or self.gen.busy()):
+                    self._cv.wait()
+                if self._closed:
+                    return
+                tasks, self._tasks = self._tasks, []
+                new, self._new = self._new, []
+                cancels, self._cancels = self._cancels, []
+            for r in new:
+                self.gen.add(r)
+            for rid in cancels:
+                self.gen.cancel(rid)
+            if tasks:
+                self.gen.flush()
+            for fn, fut in tasks:
+                if fut.set_running_or_notify_cancel():
+                    try:
+                        fut.set_result(fn())
+                    except BaseException as e:  # handed to the caller
+                        fut.set_exception(e)
+            if self.gen.busy():
+                try:
+                    self.gen.step()
+                except Exception as e:
+                    log.exception("generation failed")
+                    self.gen.fail_all(f"generation failed: {e}")
+
+    def _call(self, fn, *args):
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        with self._cv:
+            if self._closed:
+                raise RuntimeError("engine closed")
+            self._tasks.append((lambda: fn(*args), fut))
+            self._cv.notify()
+        return fut.result()
+
+    # ---- the engine methods ----
+
+    def info(self) -> dict:
+        return dict(model=str(self.model_dir), architecture=self.cfg.architecture,
+                    vocab_size=self.cfg.vocab_size, max_seq_len=self.gen.L,
+                    chat_template=self.tokenizer.chat_template, eos_tokens=list(self.eos),
+                    params=self.cfg.params(), devices=[str(self.device)],
+                    capabilities=["generate", "score", "train"])
+
+    def tokenize(self, texts: list[str]) -> list[list[int]]:
+        return [self.tokenizer.encode(t) for t in texts]
+
+    def prompt_of(self, messages, prompt_tokens, what: str) -> list[int]:
+        """The prompt ids of a request with exactly one of messages and prompt_tokens."""
+        if bool(messages) == bool(prompt_tokens):
+            raise RequestError("INVALID_ARGUMENT", f"{what}: set exactly one of messages and "
+                               "prompt_tokens")
+        if messages:
+            try:
+                ids = self.tokenizer.encode_chat([dict(m) for m in messages])
+            except Exception as e:
+                raise RequestError("INVALID_ARGUMENT", f"{what}: chat template: {e}") from None
+        else:
+            ids = list(prompt_tokens)
+        V = self.cfg.vocab_size
+        bad = next((t for t in ids if not 0 <= t < V), None)
+        if bad is not None:
+            raise RequestError("INVALID_ARGUMENT", f"{what}: token {bad} outside the vocabulary "
+                               f"[0, {V})")
+        if not ids:
+            raise RequestError("INVALID_ARGUMENT", f"{what}: empty prompt")
+        return ids
+
+    def submit(self, req: GenerateRequest, on_completion, on_error=None) -> None:
+        """Queues req; on_completion(Completion) is called (on the worker thread) for each sample
+        as it finishes, on_error(code, message) once if the request fails after submission.
+        Raises RequestError for a request that cannot be served at all."""
+        prompt = self.prompt_of(req.messages, req.prompt_tokens, f"request {req.id!r}")
+        if len(prompt) >= self.gen.L:
+            raise RequestError("INVALID_ARGUMENT", f"request {req.id!r}: prompt of {len(prompt)} "
+                               f"tokens leaves no room in the engine's {self.gen.L} positions")
+        s = req.sampling
+        if s.temperature < 0:
+            raise RequestError("INVALID_ARGUMENT", f"request {req.id!r}: negative temperature")
+        if req.n < 0:
+            raise RequestError("INVALID_ARGUMENT", f"request {req.id!r}: negative n")
+        sampling = Sampling(max_tokens=s.max_tokens if s.max_tokens > 0 else 64,
+                            temperature=s.temperature,
+                            top_p=s.top_p if 0 < s.top_p <= 1 else 1.0,
+                            stop=[x for x in s.stop if x], seed=s.seed)
+        r = Request(req.id, prompt, req.n or 1, sampling, on_completion, on_error)
+        with self._cv:
+            if self._closed:
+                raise RuntimeError("engine closed")
+            self._new.append(r)
+            self._cv.notify()
+
+    def cancel(self, request_id: str) -> None:
+        with self._cv:
+            self._cancels.append(request_id)
+            self._cv.notify()
+
+    def generate(self, reqs: list[GenerateRequest], timeout: float | None = None) -> list[Completion]:
+        """Blocking: all completions, request by request in order, by sample index within one."""
+        done = threading.Condition()
+        got: dict[tuple[int, int], Completion] = {}
+        errors: list[str] = []
+        want = sum(r.n or 1 for r in reqs)
+
+        for i, r in enumerate(reqs):
+            def on_completion(c, i=i):
+                with done:
+                    got[(i, c.index)] = c
+                    done.notify()
+
+            def on_error(code, message):
+                with done:
+                    errors.append(message)
+                    done.notify()
+
+            self.submit(r, on_completion, on_error)
+        with done:
+            if not done.wait_for(lambda: errors or len(got) == want, timeout):
+                raise TimeoutError("generate timed out")
+        if errors:
+            raise RuntimeError(errors[0])
+        return [got[k] for k in sorted(got)]
+
+    def score(self, reqs: list[ScoreRequest]) -> list[list[float]]:
+        pairs = [(self.prompt_of(r.messages, r.prompt_tokens, f"score request {i}"), list(r.tokens))
+                 for i, r in enumerate(reqs)]
+        for i, (p, t) in enumerate(pairs):
+            bad = next((x for x in t if not 0 <= x < self.cfg.vocab_size), None)
+            if bad is not None:
+                raise RequestError("INVALID_ARGUMENT", f"score request {i}: token {bad} outside "
+                                   "the vocabulary")
+            if len(p) + len(t) > self.cfg.max_seq_len:
+                raise RequestError("INVALID_ARGUMENT", f"score request {i}: {len(p) + len(t)} "
+                                   f"tokens, longer than the model's {self.cfg.max_seq_len}")
+        return self._call(self._score, pairs)
+
+    @torch.no_grad()
+    def _score(self, pairs) -> list[list[float]]:
+        out: list[list[float]] = [[] for _ in pairs]
+        todo = [i for i, (_, t) in enumerate(pairs) if t]
+        budget = self.trainer.micro_batch_tokens
+        for mb in micro_batches([len(pairs[i][0]) + len(pairs[i][1]) for i in todo], budget):
+            idx = [todo[j] for j in mb]
+            logits, targets = response_logits(self.model, [pairs[i] for i in idx])
+            lp = (logits.gather(1, targets[:, None]).squeeze(1)
+                  - torch.logsumexp(logits, dim=-1)).tolist()
+            k = 0
+            for i in idx:
+                n = len(pairs[i][1])
+                out[i] = lp[k:k + n]
+                k += n
+        return out
+
+    def train(self, batch: Batch) -> TrainStats:
+        return self._call(self.trainer.step, batch)
+
+    def sft_step(self, pairs: list[tuple[list[int], list[int]]], loss: LossConfig) -> TrainStats:
+        """A supervised step on (prompt ids, response ids) pairs (sft.py)."""
+        return self._call(self.trainer.sft_step, pairs, loss)
+
+    def save(self, out_dir: str) -> None:
+        self._call(self._save, pathlib.Path(out_dir))
+
+    def _save(self, out: pathlib.Path) -> None:
+        out.mkdir(parents=True, exist_ok=True)
+        raw = dict(self.raw)
+        raw["dtype"] = str(self.dtype).removeprefix("torch.")
+        raw.pop("torch_dtype", None)
+        (out / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
+        save_weights(self.model, out)
+        if out.resolve() != self.model_dir.resolve():
+            for name in TOKENIZER_FILES:
+                if (self.model_dir / name).exists():
+                    shutil.copyfile(self.model_dir / name, out / name)
+        state = self.trainer.state_dict()
+        if state is not None:
+            torch.save(state, out / OPTIMIZER_FILE)
+
+    def load(self, model_dir: str) -> None:
+        self._call(self._load, pathlib.Path(model_dir))
+
+    def _load(self, model_dir: pathlib.Path) -> None:
+        cfg, _ = read_config(model_dir)
+        if cfg != self.cfg:
+            # Another architecture: a new model, cache and graphs.
+            self.gen.fail_all("the engine loaded another model")
+            self._build(model_dir)
+            return
+        # The same shapes: copy in place, so the captured decode graphs stay valid.
+        self.gen.flush()
+        _, raw = read_config(model_dir)
+        with torch.no_grad():
+            load_weights(self.model, model_dir)
+        self.model_dir, self.raw = model_dir, raw
+        self.tokenizer = self.gen.tokenizer = Tokenizer(model_dir)
+        self.eos = _eos(raw, model_dir, self.tokenizer)
+        self.gen.eos = set(self.eos)
+        self.trainer = Trainer(self.model, micro_batch_tokens=self.trainer.micro_batch_tokens,
+                               reference=self._reference_model)
+        self._load_optimizer(model_dir)
+
+    def close(self) -> None:
+        with self._cv:
+            self._closed = True
+            self._cv.notify()
+        self._thread.join(timeout=30)
+
+
+__all__ = ["Engine", "Options", "ModelConfig"]

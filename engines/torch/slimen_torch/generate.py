@@ -1,0 +1,402 @@
+"""Continuous batching over a static KV cache.
+
+The cache has `slots` rows of `max_len` positions per layer. Every sample of a request gets a row
+while it is being generated and gives it back when it finishes; a new sample takes the lowest free
+row at the next scheduler iteration (its prompt is prefilled into the row, once per request for all
+its n samples), so short responses come back at once and their rows go to waiting requests.
+
+A decode step runs rows [0, B) of the cache over positions [0, L), with B and L rounded up to
+buckets, so a step has few distinct shapes; on a GPU each shape is captured once as a CUDA graph
+(optionally compiled first) and replayed. The step keeps its state on the device (the next input
+token, its position, its step index), so the host never has to feed it: while the GPU runs step
+k, the host reads the tokens of step k-1, finishes samples and prepares admissions. A row that
+finished in step k-1 is computed once more in step k and the result is dropped.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+
+import torch
+
+from . import sampling
+from .model import Transformer, decode_layer, decode_step
+from .types import Completion
+
+log = logging.getLogger("slimen_torch")
+
+
+class Request:
+    """A generate request being served: its prompt, sampling settings and samples."""
+
+    def __init__(self, rid, prompt, n, sampling_, on_completion, on_error=None):
+        self.id = rid
+        self.prompt = prompt
+        self.n = n
+        self.sampling = sampling_
+        self.on_completion = on_completion  # called with each finished Completion
+        self.on_error = on_error  # called with (code, message) if the request fails
+        self.cancelled = False
+
+
+class Sequence:
+    """One sample of a request."""
+
+    __slots__ = ("req", "index", "max_tokens", "key", "tokens", "logprobs", "slot", "launched",
+                 "done", "finish_reason", "text", "stop_scan", "has_stop")
+
+    def __init__(self, req: Request, index: int, max_tokens: int):
+        self.req = req
+        self.index = index
+        self.max_tokens = max_tokens
+        self.key = sampling.row_key(req.sampling.seed, index)
+        self.tokens: list[int] = []
+        self.logprobs: list[float] = []
+        self.slot = -1
+        self.launched = 0  # tokens whose sampling has been launched (prefill counts one)
+        self.done = False
+        self.finish_reason = ""
+        self.text = ""
+        self.stop_scan = 0  # text length already searched for stop strings
+        self.has_stop = bool(req.sampling.stop)
+
+
+def _bucket(n: int, cap: int, sizes) -> int:
+    for s in sizes:
+        if s >= n:
+            return min(s, cap)
+    return cap
+
+
+class Generator:
+    """Owns the KV cache and the decode graphs; driven by one thread (engine.Worker)."""
+
+    def __init__(self, model: Transformer, tokenizer, eos: list[int], *, slots: int, max_len: int,
+                 cuda_graphs: bool, compile_layers: bool, prefill_tokens: int,
+                 length_bucket: int = 256):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.eos = set(eos)
+        self.S, self.L = slots, max_len
+        self.device = model.embed.device
+        self.cuda = self.device.type == "cuda"
+        self.use_graphs = cuda_graphs and self.cuda
+        self.prefill_tokens = prefill_tokens
+        self.length_bucket = length_bucket
+        self.layer_fn = decode_layer
+        if compile_layers:
+            # One compiled function serves every layer: the layer's weights are arguments. Shapes
+            # are dynamic so that new (rows, length) buckets do not recompile.
+            self.layer_fn = torch.compile(decode_layer, fullgraph=True, dynamic=True)
+        self.k = self.v = None  # per layer [slots, kv_heads, max_len, head_dim], on first use
+        long = dict(dtype=torch.long, device=self.device)
+        f32 = dict(dtype=torch.float32, device=self.device)
+        S = slots
+        # Device-side step state, one entry per cache row (see the module comment).
+        self.tok, self.pos, self.step_idx, self.key = (torch.zeros(S, **long) for _ in range(4))
+        self.temp, self.top_p = torch.zeros(S, **f32), torch.ones(S, **f32)
+        self.active = torch.zeros(S, dtype=torch.bool, device=self.device)
+        self.out_tok, self.out_lp = torch.zeros(S, **long), torch.zeros(S, **f32)
+        pin = self.cuda
+        self.host = [(torch.zeros(S, dtype=torch.long, pin_memory=pin),
+                      torch.zeros(S, dtype=torch.float32, pin_memory=pin)) for _ in range(2)]
+        self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
+        self.pool = None
+        self.slots: list[Sequence | None] = [None] * S
+        self.waiting: collections.deque[Sequence] = collections.deque()
+        self.inflight = None
+        self.launches = 0
+        self.batch_sizes = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024]
+
+    # ---- requests ----
+
+    def add(self, req: Request) -> None:
+        s = req.sampling
+        room = self.L - len(req.prompt)
+        for i in range(req.n):
+            self.waiting.append(Sequence(req, i, max(1, min(s.max_tokens, room))))
+
+    def busy(self) -> bool:
+        return bool(self.waiting) or self.inflight is not None or any(
+            s is not None for s in self.slots)
+
+    def cancel(self, rid: str) -> None:
+        """Drops the samples of request rid, waiting or running; nothing more is emitted."""
+        for s in list(self.waiting):
+            if s.req.id == rid:
+                s.req.cancelled = True
+        self.waiting = collections.deque(s for s in self.waiting if not s.req.cancelled)
+        freed = []
+        for slot, s in enumerate(self.slots):
+            if s is not None and s.req.id == rid:
+                s.req.cancelled = True
+                s.done = True
+                freed.append(slot)
+        self._free(freed)
+
+    def fail_all(self, message: str) -> None:
+        """Ends every waiting and running request with an error and empties the cache rows."""
+        reqs = {id(s.req): s.req for s in self.waiting}
+        reqs.update({id(s.req): s.req for s in self.slots if s is not None})
+        self.waiting.clear()
+        self.inflight = None
+        for s in self.slots:
+            if s is not None:
+                s.done = True
+        self._free([i for i, s in enumerate(self.slots) if s is not None])
+        for r in reqs.values():
+            if not r.cancelled and r.on_error is not None:
+                r.cancelled = True
+                r.on_error("INTERNAL", message)
+
+    def reset(self) -> None:
+        """Forgets captured graphs (after the model's tensors were replaced)."""
+        self.flush()
+        self.graphs.clear()
+
+    # ---- the scheduler iteration ----
+
+    def step(self) -> None:
+        """Admits waiting samples, launches one decode step, processes the previous one."""
+        self._admit()
+        launched = self._launch()
+        if self.inflight is not None:
+            self._process(self.inflight)
+        self.inflight = launched
+
+    def flush(self) -> None:
+        """Processes the step in flight (before anything else touches the model)."""
+        if self.inflight is not None:
+            self._process(self.inflight)
+            self.inflight = None
+
+    # ---- cache ----
+
+    def _ensure_cache(self) -> None:
+        if self.k is not None:
+            return
+        cfg = self.model.cfg
+        shape = (self.S, cfg.kv_heads, self.L, cfg.head_dim)
+        dt = self.model.embed.dtype
+        # One tensor per layer: the compiled layer function sees the same kind of input each time.
+        self.k = [torch.zeros(shape, dtype=dt, device=self.device) for _ in range(cfg.layers)]
+        self.v = [torch.zeros(shape, dtype=dt, device=self.device) for _ in range(cfg.layers)]
+
+    def _free(self, slots: list[int]) -> None:
+        if not slots:
+            return
+        for slot in slots:
+            self.slots[slot] = None
+        idx = torch.tensor(slots, device=self.device)
+        self.active[idx] = False
+        self.pos[idx] = 0  # an idle row keeps writing at position 0, inside every length bucket
+
+    # ---- prefill ----
+
+    @torch.no_grad()
+    def _admit(self) -> None:
+        free = [i for i, s in enumerate(self.slots) if s is None]
+        if not free or not self.waiting:
+            return
+        picked: list[Sequence] = []
+        prompts: dict[int, int] = {}  # id(request) -> prefill row
+        budget = 0
+        while self.waiting and len(picked) < len(free):
+            s = self.waiting[0]
+            if id(s.req) not in prompts:
+                cost = len(s.req.prompt)
+                if prompts and budget + cost > self.prefill_tokens:
+                    break
+                budget += cost
+                prompts[id(s.req)] = len(prompts)
+            picked.append(self.waiting.popleft())
+        self._ensure_cache()
+        for s, slot in zip(picked, free):
+            s.slot = slot
+            self.slots[slot] = s
+        reqs = {id(s.req): s.req for s in picked}
+        rows = list(prompts)  # request ids in row order
+        T = max(len(reqs[r].prompt) for r in rows)
+        tokens = torch.zeros(len(rows), T, dtype=torch.long)
+        for i, r in enumerate(rows):
+            p = reqs[r].prompt
+            tokens[i, :len(p)] = torch.tensor(p)
+        tokens = tokens.to(self.device)
+        src = torch.tensor([prompts[id(s.req)] for s in picked], device=self.device)
+        dst = torch.tensor([s.slot for s in picked], device=self.device)
+
+        def sink(layer, k, v):
+            # Every sample of a prompt gets a copy of the prompt's keys and values.
+            self.k[layer][dst, :, :T] = k[src]
+            self.v[layer][dst, :, :T] = v[src]
+
+        hidden = self.model(tokens, kv_sink=sink)
+        last = torch.tensor([len(reqs[r].prompt) - 1 for r in rows], device=self.device)
+        logits = self.model.logits(hidden[torch.arange(len(rows), device=self.device), last])
+        logits = logits.float()[src]
+        n = len(picked)
+        temp = torch.tensor([s.req.sampling.temperature for s in picked], dtype=torch.float32)
+        top_p = torch.tensor([s.req.sampling.top_p for s in picked], dtype=torch.float32)
+        key = torch.tensor([s.key for s in picked], dtype=torch.long)
+        temp, top_p, key = temp.to(self.device), top_p.to(self.device), key.to(self.device)
+        u = sampling.uniform(key, torch.zeros(n, dtype=torch.long, device=self.device))
+        tok, lp = sampling.sample(logits, temp, top_p, u, bool((top_p < 1).any()))
+        tok_l, lp_l = tok.tolist(), lp.tolist()
+        plen = torch.tensor([len(s.req.prompt) for s in picked], device=self.device)
+        self.tok[dst] = tok
+        self.pos[dst] = plen
+        self.step_idx[dst] = 1
+        self.key[dst] = key
+        self.temp[dst] = temp
+        self.top_p[dst] = top_p
+        self.active[dst] = True
+        finished = []
+        for s, t, l in zip(picked, tok_l, lp_l):
+            s.launched = 1
+            if self._append(s, t, l):
+                finished.append(s)
+        self._finish(finished)
+
+    # ---- decode ----
+
+    def _decode(self, B: int, L: int, use_top_p: bool) -> None:
+        """One decode step on rows [0, B) over positions [0, L): what a CUDA graph captures."""
+        pos = self.pos[:B]
+        kc = [k[:B, :, :L] for k in self.k]
+        vc = [v[:B, :, :L] for v in self.v]
+        hidden = decode_step(self.model, self.layer_fn, self.tok[:B], pos, kc, vc)
+        logits = self.model.logits(hidden).float()
+        u = sampling.uniform(self.key[:B], self.step_idx[:B])
+        tok, lp = sampling.sample(logits, self.temp[:B], self.top_p[:B], u, use_top_p)
+        self.out_tok[:B].copy_(tok)
+        self.out_lp[:B].copy_(lp)
+        act = self.active[:B]
+        self.tok[:B].copy_(tok)
+        self.pos[:B].copy_(torch.where(act, (pos + 1).clamp(max=self.L - 1), pos))
+        self.step_idx[:B].add_(act.long())
+
+    def _run(self, B: int, L: int, use_top_p: bool) -> None:
+        if not self.use_graphs:
+            self._decode(B, L, use_top_p)
+            return
+        key = (B, L, use_top_p)
+        g = self.graphs.get(key)
+        if g is None:
+            g = self._capture(B, L, use_top_p)
+            self.graphs[key] = g
+        g.replay()
+
+    def _capture(self, B: int, L: int, use_top_p: bool) -> torch.cuda.CUDAGraph:
+        # A warm-up run compiles and initialises the libraries outside the capture. It advances
+        # the step state, which is saved and restored; the keys and values it writes are the ones
+        # the real step writes again at the same positions.
+        saved = [t.clone() for t in (self.tok, self.pos, self.step_idx)]
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            self._decode(B, L, use_top_p)
+        torch.cuda.current_stream().wait_stream(stream)
+        for t, s in zip((self.tok, self.pos, self.step_idx), saved):
+            t.copy_(s)
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        g = torch.cuda.CUDAGraph()
+        # Every graph writes its results into the buffers above, so graphs may share scratch
+        # memory and be replayed in any order.
+        with torch.cuda.graph(g, pool=self.pool):
+            self._decode(B, L, use_top_p)
+        log.info("captured decode graph rows=%d length=%d top_p=%s", B, L, use_top_p)
+        return g
+
+    @torch.no_grad()
+    def _launch(self):
+        rows = []
+        stop = []
+        for slot, s in enumerate(self.slots):
+            if s is None or s.done:
+                continue
+            if s.launched >= s.max_tokens:
+                stop.append(slot)  # its last token is in flight; keep the row idle
+                continue
+            rows.append((slot, s))
+        if stop:
+            # Idle rows must not advance, and must write inside whatever length bucket runs next.
+            idx = torch.tensor(stop, device=self.device)
+            self.active[idx] = False
+            self.pos[idx] = 0
+        if not rows:
+            return None
+        B = _bucket(rows[-1][0] + 1, self.S, self.batch_sizes)
+        longest = max(len(s.req.prompt) + s.launched for _, s in rows)  # = last position + 1
+        L = min(-(-longest // self.length_bucket) * self.length_bucket, self.L)
+        use_top_p = any(s.req.sampling.top_p < 1 for _, s in rows)
+        self._run(B, L, use_top_p)
+        for _, s in rows:
+            s.launched += 1
+        h_tok, h_lp = self.host[self.launches % 2]
+        self.launches += 1
+        h_tok[:B].copy_(self.out_tok[:B], non_blocking=True)
+        h_lp[:B].copy_(self.out_lp[:B], non_blocking=True)
+        event = None
+        if self.cuda:
+            event = torch.cuda.Event()
+            event.record()
+        return event, h_tok, h_lp, rows
+
+    def _process(self, rec) -> None:
+        event, h_tok, h_lp, rows = rec
+        if event is not None:
+            event.synchronize()
+        toks, lps = h_tok.tolist(), h_lp.tolist()
+        finished = []
+        for slot, s in rows:
+            if s.done:
+                continue
+            if self._append(s, toks[slot], lps[slot]):
+                finished.append(s)
+        self._finish(finished)
+
+    # ---- finishing ----
+
+    def _append(self, s: Sequence, tok: int, lp: float) -> bool:
+        """Records a sampled token; True when the sample is finished."""
+        if s.req.cancelled:
+            s.done = True
+            return True
+        s.tokens.append(tok)
+        s.logprobs.append(lp)
+        if tok in self.eos:
+            s.finish_reason = "stop"
+            s.text = self.tokenizer.decode(s.tokens[:-1])
+            return True
+        if s.has_stop and self._hit_stop(s):
+            return True
+        if len(s.tokens) >= s.max_tokens:
+            s.finish_reason = "length"
+            s.text = self.tokenizer.decode(s.tokens)
+            return True
+        return False
+
+    def _hit_stop(self, s: Sequence) -> bool:
+        text = self.tokenizer.decode(s.tokens)
+        stops = s.req.sampling.stop
+        start = max(0, s.stop_scan - max(len(x) for x in stops))
+        cut = min((i for i in (text.find(x, start) for x in stops if x) if i >= 0), default=-1)
+        s.stop_scan = len(text)
+        if cut < 0:
+            return False
+        s.text = text[:cut]
+        s.finish_reason = "stop"
+        return True
+
+    def _finish(self, seqs: list[Sequence]) -> None:
+        self._free([s.slot for s in seqs if s.slot >= 0 and self.slots[s.slot] is s])
+        for s in seqs:
+            s.done = True
+            if s.req.cancelled:
+                continue
+            s.req.on_completion(Completion(
+                request_id=s.req.id, index=s.index, prompt_tokens=list(s.req.prompt),
+                tokens=s.tokens, logprobs=s.logprobs, text=s.text,
+                finish_reason=s.finish_reason))

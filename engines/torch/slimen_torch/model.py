@@ -1,0 +1,209 @@
+"""The Llama-family decoder (Llama, Qwen2, Qwen3) in plain PyTorch.
+
+Two forward paths share the weights:
+
+* `Transformer.forward` runs whole sequences (training, scoring, prefill) with causal attention.
+* `decode_step` runs one token for each row of a static KV cache (generation). Every shape in it is
+  fixed for a given (rows, cache length), so a step can be compiled and captured as a CUDA graph.
+
+The projections are fused the way gpt-fast fuses them (q/k/v in one matrix, gate/up in another):
+one matrix product instead of three at batch 1, where the step is bound by kernel launches.
+`weights.py` maps these names to and from Hugging Face checkpoint names. The arithmetic follows
+transformers' modeling code step for step (RMSNorm in fp32 cast back before the weight, rotary
+tables in fp32 cast to the activation dtype), which is what the logit-parity test checks.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from .config import ModelConfig
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # As transformers: normalise in fp32, cast back, then scale (the order matters in bf16).
+    dtype = x.dtype
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [..., heads, head_dim]; cos, sin: [..., head_dim], broadcast over the heads."""
+    cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
+    return x * cos + rotate_half(x) * sin
+
+
+def inv_frequencies(cfg: ModelConfig) -> torch.Tensor:
+    d = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    if cfg.llama3_rope is None:
+        return inv
+    factor, low, high, old_len = cfg.llama3_rope
+    low_wavelen, high_wavelen = old_len / low, old_len / high
+    wavelen = 2 * math.pi / inv
+    scaled = torch.where(wavelen > low_wavelen, inv / factor, inv)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+class Block(nn.Module):
+    """One decoder layer: pre-norm attention with grouped-query heads, then a SwiGLU MLP."""
+
+    def __init__(self, cfg: ModelConfig, device=None, dtype=None):
+        super().__init__()
+        f = dict(device=device, dtype=dtype)
+        self.cfg = cfg
+        qkv = cfg.q_dim + 2 * cfg.kv_dim
+        self.attn_norm = nn.Parameter(torch.ones(cfg.hidden, **f))
+        self.wqkv = nn.Parameter(torch.empty(qkv, cfg.hidden, **f))
+        self.bqkv = nn.Parameter(torch.zeros(qkv, **f)) if cfg.qkv_bias else None
+        self.q_norm = nn.Parameter(torch.ones(cfg.head_dim, **f)) if cfg.qk_norm else None
+        self.k_norm = nn.Parameter(torch.ones(cfg.head_dim, **f)) if cfg.qk_norm else None
+        self.wo = nn.Parameter(torch.empty(cfg.hidden, cfg.q_dim, **f))
+        self.bo = nn.Parameter(torch.zeros(cfg.hidden, **f)) if cfg.o_bias else None
+        self.mlp_norm = nn.Parameter(torch.ones(cfg.hidden, **f))
+        self.w13 = nn.Parameter(torch.empty(2 * cfg.intermediate, cfg.hidden, **f))  # gate; up
+        self.w2 = nn.Parameter(torch.empty(cfg.hidden, cfg.intermediate, **f))
+
+    def weights(self) -> tuple:
+        """The layer's tensors in the order decode_layer takes them (None where absent)."""
+        return (self.attn_norm, self.wqkv, self.bqkv, self.q_norm, self.k_norm, self.wo, self.bo,
+                self.mlp_norm, self.w13, self.w2)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """x: [B, T, hidden] → (x, k, v) with k, v: [B, kv_heads, T, head_dim] after rope."""
+        cfg = self.cfg
+        q, k, v = project_qkv(cfg, self.weights(), x, cos, sin)  # [B, T, heads, D]
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=cfg.head_dim ** -0.5,
+                                           enable_gqa=cfg.heads != cfg.kv_heads)
+        o = o.transpose(1, 2).flatten(2)
+        x = x + F.linear(o, self.wo, self.bo)
+        return x + mlp(cfg, self.weights(), x), k, v
+
+
+def project_qkv(cfg: ModelConfig, w: tuple, x, cos, sin):
+    """Normalised input → q [..., heads, D], k and v [..., kv_heads, D], rope applied."""
+    attn_norm, wqkv, bqkv, q_norm, k_norm = w[:5]
+    h = rms_norm(x, attn_norm, cfg.rms_eps)
+    q, k, v = F.linear(h, wqkv, bqkv).split([cfg.q_dim, cfg.kv_dim, cfg.kv_dim], dim=-1)
+    q = q.unflatten(-1, (cfg.heads, cfg.head_dim))
+    k = k.unflatten(-1, (cfg.kv_heads, cfg.head_dim))
+    v = v.unflatten(-1, (cfg.kv_heads, cfg.head_dim))
+    if cfg.qk_norm:
+        q, k = rms_norm(q, q_norm, cfg.rms_eps), rms_norm(k, k_norm, cfg.rms_eps)
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+
+def mlp(cfg: ModelConfig, w: tuple, x):
+    mlp_norm, w13, w2 = w[7:]
+    gate, up = F.linear(rms_norm(x, mlp_norm, cfg.rms_eps), w13).chunk(2, dim=-1)
+    return F.linear(F.silu(gate) * up, w2)
+
+
+def decode_layer(cfg: ModelConfig, x, w: tuple, k_cache, v_cache, pos, mask, cos, sin):
+    """One layer for one new token per cache row.
+
+    x: [B, hidden]; k_cache, v_cache: [B, kv_heads, L, D] (views of the static cache); pos: [B]
+    positions the new token is written at; mask: [B, L], True where a key is visible.
+    """
+    B = x.shape[0]
+    q, k, v = project_qkv(cfg, w, x, cos, sin)  # [B, heads, D]
+    rows = torch.arange(B, device=x.device)
+    k_cache[rows, :, pos] = k
+    v_cache[rows, :, pos] = v
+    # Grouped-query attention as two batched products: the query heads of one key/value head form
+    # the rows of one small matrix, so the cache is read once per key/value head, never copied.
+    group = cfg.heads // cfg.kv_heads
+    qg = q.view(B, cfg.kv_heads, group, cfg.head_dim)
+    scores = torch.matmul(qg, k_cache.transpose(-1, -2)).float() * cfg.head_dim ** -0.5
+    scores = scores.masked_fill(~mask[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(v_cache.dtype)
+    o = torch.matmul(probs, v_cache).reshape(B, cfg.q_dim)
+    wo, bo = w[5], w[6]
+    x = x + F.linear(o, wo, bo)
+    return x + mlp(cfg, w, x)
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: ModelConfig, device=None, dtype=torch.float32):
+        super().__init__()
+        f = dict(device=device, dtype=dtype)
+        self.cfg = cfg
+        self.embed = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden, **f))
+        self.layers = nn.ModuleList(Block(cfg, **f) for _ in range(cfg.layers))
+        self.norm = nn.Parameter(torch.ones(cfg.hidden, **f))
+        self.lm_head = None if cfg.tie_embeddings else nn.Parameter(
+            torch.empty(cfg.vocab_size, cfg.hidden, **f))
+        # Rotary tables in fp32 for every position, computed the way transformers computes them.
+        angles = torch.arange(cfg.max_seq_len, dtype=torch.float32)[:, None] * inv_frequencies(cfg)
+        angles = torch.cat((angles, angles), dim=-1)
+        self.register_buffer("cos", angles.cos().to(device), persistent=False)
+        self.register_buffer("sin", angles.sin().to(device), persistent=False)
+        self.grad_checkpointing = False
+
+    def init_weights(self, generator: torch.Generator, std: float = 0.02) -> None:
+        """Random initialisation (make-model): normal(0, std) matrices, unit norms, zero biases."""
+        with torch.no_grad():
+            for name, p in self.named_parameters():
+                if p.ndim == 2:
+                    p.copy_(torch.randn(p.shape, generator=generator) * std)
+                elif "norm" in name:
+                    p.fill_(1.0)
+                else:
+                    p.zero_()
+
+    @property
+    def head_weight(self) -> torch.Tensor:
+        return self.embed if self.lm_head is None else self.lm_head
+
+    def forward(self, tokens: torch.Tensor, kv_sink=None) -> torch.Tensor:
+        """tokens: [B, T] → final hidden states [B, T, hidden] (after the last norm).
+
+        Rows may be right-padded: causal attention keeps padding from reaching real tokens.
+        kv_sink(layer, k, v), when given, receives every layer's keys and values (prefill).
+        """
+        T = tokens.shape[1]
+        x = F.embedding(tokens, self.embed)
+        cos, sin = self.cos[:T], self.sin[:T]
+        for i, layer in enumerate(self.layers):
+            if self.grad_checkpointing and self.training:
+                x, k, v = checkpoint(layer, x, cos, sin, use_reentrant=False)
+            else:
+                x, k, v = layer(x, cos, sin)
+            if kv_sink is not None:
+                kv_sink(i, k, v)
+        return rms_norm(x, self.norm, self.cfg.rms_eps)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden, self.head_weight)
+
+
+def decode_step(model: Transformer, layer_fn, tokens, pos, k_caches, v_caches):
+    """One generated token for each of B cache rows → final hidden states [B, hidden].
+
+    tokens, pos: [B]; k_caches[i], v_caches[i]: [B, kv_heads, L, D] views of layer i's cache.
+    layer_fn is decode_layer, or a compiled version of it (the same function serves every layer
+    because the layer's weights are arguments, so it is compiled once).
+    """
+    L = k_caches[0].shape[2]
+    x = F.embedding(tokens, model.embed)
+    cos, sin = model.cos[pos], model.sin[pos]
+    mask = torch.arange(L, device=pos.device)[None, :] <= pos[:, None]
+    for layer, kc, vc in zip(model.layers, k_caches, v_caches):
+        x = layer_fn(model.cfg, x, layer.weights(), kc, vc, pos, mask, cos, sin)
+    return rms_norm(x, model.norm, model.cfg.rms_eps)

@@ -1,0 +1,467 @@
+"""The gRPC server of the slimen engine protocol (engines/proto/engine.proto) over an Engine.
+
+What the protocol adds to the engine lives here: request-id and step-id idempotency, routing of
+completions to the Generate streams waiting for them, the bearer token, and health while the model
+loads. The server listens before the model is loaded (Health says NOT_SERVING, other calls are
+UNAVAILABLE, which clients retry), so a supervisor can tell a slow start from a dead one.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import hmac
+import logging
+import os
+import queue
+import secrets
+import threading
+import time
+
+import grpc
+
+from .proto import engine_pb2 as pb
+from .proto import engine_pb2_grpc as pb_grpc
+from .types import Batch, GenerateRequest, LossConfig, RequestError, Sample, Sampling, ScoreRequest
+
+log = logging.getLogger("slimen_torch")
+
+PROTOCOL_VERSION = 1
+GENERATE_MEMORY_S = 600  # finished generate requests are remembered this long
+TRAIN_MEMORY = 512  # step ids remembered
+MAX_MESSAGE_BYTES = 64 << 20
+
+
+def _code(name: str) -> grpc.StatusCode:
+    return getattr(grpc.StatusCode, name, grpc.StatusCode.UNKNOWN)
+
+
+# ---- conversions ----
+
+def _messages(ms) -> list[dict]:
+    return [{"role": m.role, "content": m.content} for m in ms]
+
+
+def generate_request(r: pb.GenerateRequest) -> GenerateRequest:
+    s = r.sampling
+    return GenerateRequest(
+        id=r.id, messages=_messages(r.messages) or None, prompt_tokens=list(r.prompt_tokens) or None,
+        n=r.n, sampling=Sampling(max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p,
+                                 stop=list(s.stop), seed=s.seed))
+
+
+def completion_pb(c) -> pb.Completion:
+    return pb.Completion(request_id=c.request_id, index=c.index, prompt_tokens=c.prompt_tokens,
+                         tokens=c.tokens, logprobs=c.logprobs, text=c.text,
+                         finish_reason=c.finish_reason)
+
+
+def batch_of(b: pb.Batch) -> Batch:
+    lc = b.loss
+    loss = LossConfig(**{f: getattr(lc, f) for f in LossConfig.__dataclass_fields__})
+    samples = [Sample(prompt=list(s.prompt), response=list(s.response), loss_mask=list(s.loss_mask),
+                      old_logprobs=list(s.old_logprobs), advantages=list(s.advantages),
+                      group=s.group) for s in b.samples]
+    return Batch(samples=samples, loss=loss, id=b.id)
+
+
+# ---- Generate: ids, entries and streams ----
+
+class _Entry:
+    """One request id: its samples as they finish, and the streams waiting for them."""
+
+    def __init__(self, rid: str, fingerprint: bytes, n: int):
+        self.id, self.fp, self.n = rid, fingerprint, n
+        self.got: list = [None] * n
+        self.ngot = 0
+        self.error = None
+        self.subs: set[_Session] = set()
+        self.finished_at = 0.0
+
+    @property
+    def done(self) -> bool:
+        return self.error is not None or self.ngot == self.n
+
+
+class _Session:
+    """One Generate stream: completions for it queue here until its handler sends them."""
+
+    def __init__(self):
+        self.q: queue.Queue = queue.Queue()
+        self.waiting: dict[str, _Entry] = {}  # ids this stream still expects results for
+        self.recv_done = False
+
+
+class _Generate:
+    def __init__(self, engine_ref):
+        self.engine = engine_ref  # callable returning the Engine
+        self.lock = threading.Lock()
+        self.entries: dict[str, _Entry] = {}
+        self.finished: collections.deque[_Entry] = collections.deque()
+
+    def submit(self, sess: _Session, r: pb.GenerateRequest) -> None:
+        fp = r.SerializeToString(deterministic=True)
+        with self.lock:
+            self._prune()
+            e = self.entries.get(r.id) if r.id else None
+            if e is not None:
+                if e.fp != fp:
+                    sess.q.put(([], [pb.RequestError(
+                        request_id=r.id, code=grpc.StatusCode.ALREADY_EXISTS.value[0],
+                        message=f"request id {r.id!r} was used before for a different request")]))
+                    return
+                # A resent request: answer from memory, never sample again.
+                done = [c for c in e.got if c is not None]
+                errs = [e.error] if e.error is not None else []
+                if done or errs:
+                    sess.q.put((done, errs))
+                if not e.done:
+                    e.subs.add(sess)
+                    sess.waiting[r.id] = e
+                return
+            e = _Entry(r.id, fp, r.n or 1)
+            e.subs.add(sess)
+            sess.waiting[r.id] = e
+            if r.id:
+                self.entries[r.id] = e
+        try:
+            self.engine().submit(generate_request(r), lambda c: self._deliver(e, c),
+                                 lambda code, msg: self._fail(e, code, msg))
+        except RequestError as err:
+            self._fail(e, err.code, str(err))
+        except Exception as err:  # the engine's own failure, for this request only
+            self._fail(e, "UNKNOWN", str(err))
+
+    def _deliver(self, e: _Entry, c) -> None:
+        msg = completion_pb(c)
+        with self.lock:
+            if e.got[c.index] is not None:
+                return
+            e.got[c.index] = msg
+            e.ngot += 1
+            self._notify(e, [msg], [])
+
+    def _fail(self, e: _Entry, code: str, message: str) -> None:
+        err = pb.RequestError(request_id=e.id, code=_code(code).value[0], message=message)
+        with self.lock:
+            if e.done:
+                return
+            e.error = err
+            # A failed id is forgotten, so that a resend is tried again.
+            if self.entries.get(e.id) is e:
+                del self.entries[e.id]
+            self._notify(e, [], [err])
+
+    def _notify(self, e: _Entry, comps, errs) -> None:
+        # Called with the lock held.
+        for s in e.subs:
+            s.q.put((comps, errs))
+            if e.done:
+                s.waiting.pop(e.id, None)
+        if e.done:
+            e.subs.clear()
+            e.finished_at = time.monotonic()
+            self.finished.append(e)
+
+    def cancel(self, sess: _Session, ids) -> None:
+        drop = []
+        with self.lock:
+            for rid in ids:
+                e = sess.waiting.pop(rid, None)
+                if e is None:
+                    continue
+                e.subs.discard(sess)
+                if not e.subs and not e.done:
+                    # Nobody waits for it any more: stop sampling and forget the id.
+                    if self.entries.get(rid) is e:
+                        del self.entries[rid]
+                    drop.append(rid)
+        for rid in drop:
+            self.engine().cancel(rid)
+
+    def leave(self, sess: _Session) -> None:
+        # A closed stream stops listening; its requests run on so that a client that reconnects
+        # and resends them gets the results from memory.
+        with self.lock:
+            for e in sess.waiting.values():
+                e.subs.discard(sess)
+            sess.waiting.clear()
+
+    def forget_finished(self) -> None:
+        with self.lock:
+            for e in self.finished:
+                if self.entries.get(e.id) is e:
+                    del self.entries[e.id]
+            self.finished.clear()
+
+    def _prune(self) -> None:
+        cutoff = time.monotonic() - GENERATE_MEMORY_S
+        while self.finished and self.finished[0].finished_at < cutoff:
+            e = self.finished.popleft()
+            if self.entries.get(e.id) is e:
+                del self.entries[e.id]
+
+
+# ---- Train: step ids ----
+
+class _Train:
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.done: collections.OrderedDict[str, pb.TrainStats] = collections.OrderedDict()
+        self.running: dict[str, concurrent.futures.Future] = {}
+
+    def run(self, bid: str, fn):
+        """Returns (stats, duplicate); fn runs at most once per id."""
+        if not bid:
+            return fn(), False
+        with self.lock:
+            if bid in self.done:
+                return self.done[bid], True
+            fut = self.running.get(bid)
+            owner = fut is None
+            if owner:
+                fut = self.running[bid] = concurrent.futures.Future()
+        if not owner:
+            return fut.result(), True
+        try:
+            stats = fn()
+        except BaseException as e:
+            with self.lock:
+                del self.running[bid]
+            fut.set_exception(e)
+            raise
+        with self.lock:
+            del self.running[bid]
+            self.done[bid] = stats
+            while len(self.done) > TRAIN_MEMORY:
+                self.done.popitem(last=False)
+        fut.set_result(stats)
+        return stats, False
+
+    def forget(self) -> None:
+        with self.lock:
+            self.done.clear()
+
+
+# ---- the service ----
+
+class Service(pb_grpc.EngineServicer):
+    def __init__(self):
+        self.instance = secrets.token_hex(8)
+        self.engine = None  # set once the model is loaded
+        self.loading = True
+        self.gen = _Generate(lambda: self.engine)
+        self.train = _Train()
+
+    def _ready(self, context):
+        if self.engine is None or self.loading:
+            context.abort(grpc.StatusCode.UNAVAILABLE, "the engine is loading its model")
+        return self.engine
+
+    def _fail(self, context, err: Exception):
+        if isinstance(err, RequestError):
+            context.abort(_code(err.code), str(err))
+        log.exception("engine call failed")
+        context.abort(grpc.StatusCode.UNKNOWN, str(err))
+
+    def Health(self, request, context):
+        status = pb.HealthResponse.NOT_SERVING if self.loading else pb.HealthResponse.SERVING
+        return pb.HealthResponse(status=status, protocol_version=PROTOCOL_VERSION,
+                                 instance=self.instance)
+
+    def Info(self, request, context):
+        if request.protocol_version not in (0, PROTOCOL_VERSION):
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                          f"the client speaks engine protocol version {request.protocol_version} "
+                          f"and this server version {PROTOCOL_VERSION}")
+        eng = self._ready(context)
+        return pb.InfoResponse(protocol_version=PROTOCOL_VERSION, instance=self.instance,
+                               info=pb.Info(**eng.info()))
+
+    def Generate(self, request_iterator, context):
+        self._ready(context)
+        sess = _Session()
+
+        def read():
+            try:
+                for msg in request_iterator:
+                    if msg.cancel:
+                        self.gen.cancel(sess, msg.cancel)
+                    for r in msg.requests:
+                        self.gen.submit(sess, r)
+            except grpc.RpcError:
+                pass  # the client went away; the handler below notices
+            except Exception:
+                log.exception("generate stream reader failed")
+            finally:
+                sess.recv_done = True
+                sess.q.put(None)  # wake the sender
+
+        reader = threading.Thread(target=read, name="slimen-torch-generate-reader", daemon=True)
+        reader.start()
+        try:
+            while context.is_active():
+                try:
+                    item = sess.q.get(timeout=1.0)
+                except queue.Empty:
+                    continue
+                items = [item]
+                while True:  # several completions finished together go out in one message
+                    try:
+                        items.append(sess.q.get_nowait())
+                    except queue.Empty:
+                        break
+                comps = [c for it in items if it for c in it[0]]
+                errs = [e for it in items if it for e in it[1]]
+                if comps or errs:
+                    yield pb.GenerateStreamResponse(completions=comps, errors=errs)
+                # The client closed its side and every request it sent is answered.
+                if sess.recv_done and not sess.waiting and sess.q.empty():
+                    return
+        finally:
+            self.gen.leave(sess)
+
+    def Score(self, request, context):
+        eng = self._ready(context)
+        reqs = [ScoreRequest(tokens=list(r.tokens), messages=_messages(r.messages) or None,
+                             prompt_tokens=list(r.prompt_tokens) or None) for r in request.requests]
+        try:
+            out = eng.score(reqs)
+        except Exception as e:
+            self._fail(context, e)
+        return pb.ScoreBatchResponse(scores=[pb.Scores(logprobs=lp) for lp in out])
+
+    def Train(self, request, context):
+        eng = self._ready(context)
+
+        def step():
+            s = eng.train(batch_of(request.batch))
+            return pb.TrainStats(loss=s.loss, pg_loss=s.pg_loss, kl=s.kl, clip_frac=s.clip_frac,
+                                 entropy=s.entropy, grad_norm=s.grad_norm, tokens=s.tokens,
+                                 skipped=s.skipped, reason=s.reason)
+        try:
+            stats, dup = self.train.run(request.batch.id, step)
+        except Exception as e:
+            self._fail(context, e)
+        return pb.TrainResponse(stats=stats, duplicate=dup)
+
+    def Tokenize(self, request, context):
+        eng = self._ready(context)
+        return pb.TokenizeResponse(tokens=[pb.TokenIds(ids=ids) for ids in eng.tokenize(request.texts)])
+
+    def Save(self, request, context):
+        eng = self._ready(context)
+        if not request.dir:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "save: empty dir")
+        try:
+            eng.save(request.dir)
+        except Exception as e:
+            self._fail(context, e)
+        return pb.SaveResponse()
+
+    def Load(self, request, context):
+        eng = self._ready(context)
+        if not request.dir:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "load: empty dir")
+        try:
+            eng.load(request.dir)
+        except Exception as e:
+            self._fail(context, e)
+        # The weights went back in time: old step ids must apply again and old completions must
+        # not answer new requests.
+        self.train.forget()
+        self.gen.forget_finished()
+        return pb.LoadResponse()
+
+
+class _TokenAuth(grpc.ServerInterceptor):
+    """Refuses every call without "authorization: Bearer <token>"."""
+
+    def __init__(self, token: str):
+        self.want = f"Bearer {token}".encode()
+
+    def intercept_service(self, continuation, details):
+        got = dict(details.invocation_metadata).get("authorization", "")
+        if hmac.compare_digest(got.encode(), self.want):
+            return continuation(details)
+        handler = continuation(details)
+        msg = ("this engine server requires a bearer token: set the client's token environment "
+               "variable to the server's token" if not got else
+               "the bearer token does not match this engine server's")
+
+        def deny(request, context):
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, msg)
+
+        if handler is None:
+            return None
+        if handler.request_streaming and handler.response_streaming:
+            return grpc.stream_stream_rpc_method_handler(deny)
+        if handler.request_streaming:
+            return grpc.stream_unary_rpc_method_handler(deny)
+        if handler.response_streaming:
+            return grpc.unary_stream_rpc_method_handler(deny)
+        return grpc.unary_unary_rpc_method_handler(deny)
+
+
+def make_server(listen: str, token: str = "", workers: int = 32):
+    """A started server on listen (host:port; port 0 picks one). Returns (server, service, port)."""
+    host, _, port = listen.rpartition(":")
+    if not host:
+        raise ValueError(f"--listen {listen!r}: write it as host:port, e.g. 127.0.0.1:7777")
+    if host not in ("127.0.0.1", "localhost", "::1", "[::1]") and not token:
+        log.warning("listening on %s without a bearer token: anyone who reaches it can use the "
+                    "engine (set --token-env)", listen)
+    options = [
+        ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+        ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+        # The Go client pings every 30 s, also between calls; let it.
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000),
+        ("grpc.http2.max_ping_strikes", 0),
+    ]
+    interceptors = [_TokenAuth(token)] if token else []
+    server = grpc.server(concurrent.futures.ThreadPoolExecutor(max_workers=workers),
+                         interceptors=interceptors, options=options)
+    service = Service()
+    pb_grpc.add_EngineServicer_to_server(service, server)
+    bound = server.add_insecure_port(listen)
+    if bound == 0:
+        raise OSError(f"cannot listen on {listen}")
+    server.start()
+    return server, service, bound
+
+
+def serve(args) -> None:
+    """`python -m slimen_torch serve`: listen, load the model, serve until SIGTERM/SIGINT."""
+    import signal
+
+    from .engine import Engine, Options
+
+    token = ""
+    if args.token_env:
+        token = os.environ.get(args.token_env, "")
+        if not token:
+            raise SystemExit(f"--token-env {args.token_env}: the variable is empty or unset")
+    server, service, port = make_server(args.listen, token)
+    host = args.listen.rpartition(":")[0]
+    addr = f"{host}:{port}"
+    log.info("listening on %s (loading %s)", addr, args.model)
+    if args.address_file:
+        tmp = args.address_file + ".tmp"
+        with open(tmp, "w") as f:
+            f.write(addr + "\n")
+        os.replace(tmp, args.address_file)  # readers never see half a line
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    opts = Options(device=args.device, dtype=args.dtype, slots=args.slots,
+                   max_seq_len=args.max_seq_len, cuda_graphs=not args.no_cuda_graphs,
+                   compile=not args.no_compile, micro_batch_tokens=args.micro_batch_tokens,
+                   grad_checkpointing=args.grad_checkpointing, ref_model=args.ref_model)
+    service.engine = Engine(args.model, opts)
+    service.loading = False
+    log.info("serving %s on %s", args.model, addr)
+    stop.wait()
+    service.loading = True
+    server.stop(grace=5).wait()
+    service.engine.close()

@@ -1,0 +1,242 @@
+"""One optimizer step of the policy loss on a batch of samples.
+
+The model that generates is the model that trains: its parameters are the rollout weights. On a
+GPU they are bf16 (what generation reads) and the optimizer keeps fp32 master copies with its
+moments; after a step the masters are cast back into the parameters in place, so captured decode
+graphs stay valid. On the CPU everything is fp32 and the parameters are their own masters.
+
+A batch is cut into micro-batches of at most `micro_batch_tokens` padded tokens; the loss is a
+weighted sum with weights computed over the whole batch (loss.token_weights), so the gradients of
+the micro-batches add up to the gradient of the batch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+
+import torch
+
+from . import loss as L
+from .model import Transformer
+from .types import Batch, RequestError, Sample, TrainStats
+
+
+def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, entropy_grad: bool):
+    """logits [N, V] fp32 → (log-prob of each target [N], entropy [N]).
+
+    The entropy is always computed (it is reported); it carries a gradient only when asked, so
+    that an unused entropy bonus costs no backward pass over the vocabulary.
+    """
+    lsm = torch.log_softmax(logits, dim=-1)
+    logp = lsm.gather(1, targets[:, None]).squeeze(1)
+    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+        ent = -(lsm.exp() * lsm).sum(-1)
+    return logp, ent
+
+
+def response_logits(model: Transformer, pairs: list[tuple[list[int], list[int]]]):
+    """Logits [N, V] (fp32) predicting every response token of the (prompt, response) pairs,
+    flattened in order, and the response tokens [N]. Rows are right-padded into one batch."""
+    dev = model.embed.device
+    T = max(len(p) + len(r) for p, r in pairs)
+    tokens = torch.zeros(len(pairs), T, dtype=torch.long)
+    idx, targets = [], []
+    for row, (p, r) in enumerate(pairs):
+        tokens[row, :len(p) + len(r)] = torch.tensor(p + r)
+        idx.extend(range(row * T + len(p) - 1, row * T + len(p) - 1 + len(r)))
+        targets.extend(r)
+    tokens = tokens.to(dev)
+    idx = torch.tensor(idx, device=dev)
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if dev.type == "cuda" \
+        else contextlib.nullcontext()
+    with autocast:
+        logits = model.logits(model(tokens).flatten(0, 1)[idx])
+    return logits.float(), torch.tensor(targets, device=dev)
+
+
+def check_samples(samples: list[Sample], vocab: int, max_len: int) -> None:
+    for i, s in enumerate(samples):
+        n = len(s.response)
+        for name in ("loss_mask", "old_logprobs", "advantages"):
+            if len(getattr(s, name)) != n:
+                raise RequestError("INVALID_ARGUMENT", f"sample {i}: {name} has "
+                                   f"{len(getattr(s, name))} entries for {n} response tokens")
+        if n and not s.prompt:
+            raise RequestError("INVALID_ARGUMENT", f"sample {i}: empty prompt (the first response "
+                               "token needs a token before it)")
+        if len(s.prompt) + n > max_len:
+            raise RequestError("INVALID_ARGUMENT", f"sample {i}: {len(s.prompt) + n} tokens, "
+                               f"longer than the model's {max_len}")
+        bad = [t for t in s.prompt + s.response if not 0 <= t < vocab]
+        if bad:
+            raise RequestError("INVALID_ARGUMENT", f"sample {i}: token {bad[0]} outside the "
+                               f"vocabulary [0, {vocab})")
+
+
+def micro_batches(lengths: list[int], budget: int) -> list[list[int]]:
+    """Sample indices grouped so that (rows × longest row) ≤ budget, longest first."""
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    out, cur = [], []
+    for i in order:
+        if cur and lengths[cur[0]] * (len(cur) + 1) > budget:
+            out.append(cur)
+            cur = []
+        cur.append(i)
+    if cur:
+        out.append(cur)
+    return out
+
+
+class Trainer:
+    def __init__(self, model: Transformer, *, micro_batch_tokens: int, reference=None):
+        self.model = model
+        self.params = [p for p in model.parameters()]
+        self.mixed = self.params[0].dtype != torch.float32
+        self.cuda = self.params[0].device.type == "cuda"
+        self.micro_batch_tokens = micro_batch_tokens
+        self.reference = reference  # callable returning the frozen reference Transformer
+        self.masters = None
+        self.opt = None
+        self.steps = 0
+
+    def _optimizer(self) -> torch.optim.Optimizer:
+        if self.opt is None:
+            if self.mixed:
+                self.masters = [p.detach().float().clone().requires_grad_() for p in self.params]
+            else:
+                self.masters = self.params
+            self.opt = torch.optim.AdamW(self.masters, lr=0.0, fused=self.cuda)
+        return self.opt
+
+    def _forward(self, model: Transformer, samples: list[Sample]):
+        return response_logits(model, [(s.prompt, s.response) for s in samples])
+
+    def step(self, batch: Batch) -> TrainStats:
+        cfg = L.resolve(batch.loss)
+        samples = [s for s in batch.samples if s.response]
+        check_samples(samples, self.model.cfg.vocab_size, self.model.cfg.max_seq_len)
+        opt = self._optimizer()
+        weights = L.token_weights([s.group for s in samples], [s.loss_mask for s in samples],
+                                  cfg.aggregation)
+        dev = self.params[0].device
+        ref_model = self.reference() if cfg.kl_coef > 0 else None
+        self.model.train()
+        sums = {k: torch.zeros((), dtype=torch.float64, device=dev)
+                for k in ("loss", "pg", "kl", "entropy", "clipped", "tokens")}
+        lengths = [len(s.prompt) + len(s.response) for s in samples]
+        for mb in micro_batches(lengths, self.micro_batch_tokens):
+            group = [samples[i] for i in mb]
+
+            def flat(values, dtype=torch.float32):
+                return torch.tensor([x for v in values for x in v], dtype=dtype, device=dev)
+
+            logits, targets = self._forward(self.model, group)
+            logp, ent = token_logprobs(logits, targets, entropy_grad=cfg.ent_coef > 0)
+            del logits
+            ref = None
+            if ref_model is not None:
+                with torch.no_grad():
+                    rl, _ = self._forward(ref_model, group)
+                    ref = token_logprobs(rl, targets, entropy_grad=False)[0]
+                    del rl
+            seq = torch.repeat_interleave(torch.arange(len(group), device=dev),
+                                          torch.tensor([len(s.response) for s in group], device=dev))
+            out = L.policy_loss(cfg, logp, flat(s.old_logprobs for s in group),
+                                flat(s.advantages for s in group), flat(s.loss_mask for s in group),
+                                flat(weights[i] for i in mb), entropy=ent, ref_logp=ref, seq=seq,
+                                n_seqs=len(group))
+            out["loss"].backward()
+            for k in sums:
+                if k in out:
+                    sums[k] += out[k].detach().double()
+        return self._apply(batch.loss, sums)
+
+    def sft_step(self, pairs: list[tuple[list[int], list[int]]], lc) -> TrainStats:
+        """One supervised step: token-mean negative log-likelihood of the responses.
+
+        Reported as TrainStats with loss = pg_loss = the NLL (warm-up before RL, see sft.py)."""
+        pairs = [(p, r) for p, r in pairs if r]
+        check_samples([Sample(p, r, [1.0] * len(r), [0.0] * len(r), [0.0] * len(r))
+                       for p, r in pairs], self.model.cfg.vocab_size, self.model.cfg.max_seq_len)
+        self._optimizer()
+        self.model.train()
+        dev = self.params[0].device
+        total = sum(len(r) for _, r in pairs)
+        sums = {k: torch.zeros((), dtype=torch.float64, device=dev)
+                for k in ("loss", "pg", "kl", "entropy", "clipped", "tokens")}
+        for mb in micro_batches([len(p) + len(r) for p, r in pairs], self.micro_batch_tokens):
+            logits, targets = response_logits(self.model, [pairs[i] for i in mb])
+            logp, ent = token_logprobs(logits, targets, entropy_grad=False)
+            nll = -logp.sum() / total
+            nll.backward()
+            sums["loss"] += nll.detach().double()
+            sums["entropy"] += ent.sum().double() / total
+            sums["tokens"] += len(targets)
+        sums["pg"] = sums["loss"]
+        return self._apply(lc, sums)
+
+    def _apply(self, lc, sums) -> TrainStats:
+        vals = {k: v.item() for k, v in sums.items()}
+        tokens = int(vals["tokens"])
+        stats = TrainStats(loss=vals["loss"], pg_loss=vals["pg"], kl=vals["kl"],
+                           entropy=vals["entropy"], tokens=tokens,
+                           clip_frac=vals["clipped"] / tokens if tokens else 0.0)
+        opt = self.opt
+        if not math.isfinite(stats.loss):
+            return self._skip(stats, f"non-finite loss {stats.loss}")
+        if self.mixed:
+            for p, m in zip(self.params, self.masters):
+                m.grad = None if p.grad is None else p.grad.float()
+                p.grad = None
+        grads = [m.grad for m in self.masters if m.grad is not None]
+        norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
+        stats.grad_norm = norm.item()
+        if not math.isfinite(stats.grad_norm):
+            return self._skip(stats, f"non-finite gradient norm {stats.grad_norm}")
+        if lc.max_grad_norm > 0 and grads:
+            torch.nn.utils.clip_grads_with_norm_(grads, lc.max_grad_norm, norm)
+        for g in opt.param_groups:
+            g["lr"] = lc.lr
+            g["betas"] = (lc.beta1 or 0.9, lc.beta2 or 0.999)
+            g["eps"] = lc.adam_eps or 1e-8
+            g["weight_decay"] = lc.weight_decay
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if self.mixed:
+            with torch.no_grad():
+                for p, m in zip(self.params, self.masters):
+                    p.copy_(m)
+        self.steps += 1
+        self.model.eval()
+        return stats
+
+    def _skip(self, stats: TrainStats, reason: str) -> TrainStats:
+        for p in self.params:
+            p.grad = None
+        if self.masters is not None:
+            for m in self.masters:
+                m.grad = None
+        stats.skipped = True
+        stats.reason = reason
+        self.model.eval()
+        return stats
+
+    # ---- optimizer state in checkpoints ----
+
+    def state_dict(self) -> dict | None:
+        if self.opt is None:
+            return None
+        state = {"optimizer": self.opt.state_dict(), "steps": self.steps}
+        if self.mixed:
+            state["masters"] = [m.detach().cpu() for m in self.masters]
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        opt = self._optimizer()
+        if self.mixed:
+            with torch.no_grad():
+                for m, saved in zip(self.masters, state["masters"]):
+                    m.copy_(saved)
+        opt.load_state_dict(state["optimizer"])
+        self.steps = state.get("steps", 0)

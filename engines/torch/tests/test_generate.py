@@ -1,0 +1,110 @@
+"""Generation on the CPU: seeded determinism, independence from batching, sampling settings, and
+log-probs that equal the forward pass."""
+
+import torch
+
+from slimen_torch.types import GenerateRequest, Sampling, ScoreRequest
+
+USER = [{"role": "user", "content": "Ann has 12 pens and gets 7 more. How many pens?"}]
+
+
+def req(rid, seed=1, n=1, **kw):
+    kw.setdefault("max_tokens", 24)
+    return GenerateRequest(id=rid, messages=USER, n=n, sampling=Sampling(seed=seed, **kw))
+
+
+def tokens_of(cs):
+    return [c.tokens for c in cs]
+
+
+def test_same_seed_same_samples(engine):
+    a = engine.generate([req("a", seed=3, n=4)])
+    b = engine.generate([req("b", seed=3, n=4)])
+    assert tokens_of(a) == tokens_of(b)
+    assert [c.logprobs for c in a] == [c.logprobs for c in b]
+    # The n samples of one request differ from each other, and another seed gives others.
+    assert len({tuple(t) for t in tokens_of(a)}) > 1
+    assert tokens_of(engine.generate([req("c", seed=4, n=4)])) != tokens_of(a)
+
+
+def test_samples_do_not_depend_on_the_batch(engine):
+    alone = engine.generate([req("x", seed=9, n=2)])
+    crowd = engine.generate([req("y", seed=2, n=3, max_tokens=5), req("x2", seed=9, n=2),
+                             GenerateRequest(id="z", prompt_tokens=[3, 4], n=5,
+                                             sampling=Sampling(seed=1, max_tokens=40))])
+    assert tokens_of(alone) == tokens_of(crowd[3:5])
+
+
+def test_greedy_and_top_p(engine):
+    g = engine.generate([req("g", temperature=0.0, seed=1), req("g2", temperature=0.0, seed=2)])
+    assert g[0].tokens == g[1].tokens  # greedy ignores the seed
+    # A nucleus smaller than the top token's mass keeps only the top token: greedy again.
+    p = engine.generate([req("p", temperature=1.0, top_p=1e-6, seed=5)])
+    assert p[0].tokens == g[0].tokens
+    # Greedy picks the arg-max of the forward pass at every step.
+    prompt = g[0].prompt_tokens
+    seq = torch.tensor([prompt + g[0].tokens])
+    with torch.no_grad():
+        logits = engine.model.logits(engine.model(seq))[0]
+    argmax = logits[len(prompt) - 1:-1].argmax(-1).tolist()
+    assert argmax == g[0].tokens
+
+
+def test_logprobs_equal_the_forward_pass(engine):
+    c = engine.generate([req("lp", seed=11, temperature=0.7, max_tokens=16)])[0]
+    seq = torch.tensor([c.prompt_tokens + c.tokens])
+    with torch.no_grad():
+        lsm = torch.log_softmax(engine.model.logits(engine.model(seq))[0].float(), -1)
+    want = lsm[len(c.prompt_tokens) - 1:-1].gather(1, torch.tensor(c.tokens)[:, None])[:, 0]
+    # Sampled at temperature 0.7, reported under the temperature-1 distribution.
+    assert torch.allclose(torch.tensor(c.logprobs), want, atol=1e-5)
+    scores = engine.score([ScoreRequest(tokens=c.tokens, messages=USER),
+                           ScoreRequest(tokens=c.tokens[:3], prompt_tokens=c.prompt_tokens),
+                           ScoreRequest(tokens=[], prompt_tokens=[1, 2])])
+    assert torch.allclose(torch.tensor(scores[0]), want, atol=1e-5)
+    assert torch.allclose(torch.tensor(scores[1]), want[:3], atol=1e-5)
+    assert scores[2] == []
+
+
+def test_length_and_stop_strings(noeos_dir):
+    from slimen_torch.engine import Engine
+    e = Engine(str(noeos_dir))
+    try:
+        c = e.generate([req("len", seed=1, max_tokens=9)])[0]
+        assert len(c.tokens) == 9 and c.finish_reason == "length"
+        assert c.text == e.tokenizer.decode(c.tokens)
+        # Stop at a piece of text the unconstrained sample contains.
+        long = e.generate([req("long", seed=1, max_tokens=40)])[0]
+        stop = long.text[10:12]
+        assert stop and stop not in long.text[:10]
+        s = e.generate([req("stop", seed=1, max_tokens=40, stop=[stop])])[0]
+        assert s.finish_reason == "stop"
+        assert s.text == long.text[:long.text.index(stop)]
+        assert s.tokens == long.tokens[:len(s.tokens)] and len(s.tokens) < 40
+    finally:
+        e.close()
+
+
+def test_eos_ends_a_response(engine):
+    # Many samples of a random model: some end with the end-of-sequence token, which is kept in
+    # the tokens and left out of the text.
+    cs = engine.generate([req("eos", seed=1, n=64, max_tokens=48)])
+    ended = [c for c in cs if c.finish_reason == "stop"]
+    assert ended, "no sample ended with EOS"
+    for c in ended:
+        assert c.tokens[-1] in engine.eos
+        assert c.text == engine.tokenizer.decode(c.tokens[:-1])
+    for c in cs:
+        assert len(c.tokens) == len(c.logprobs) <= 48
+
+
+def test_bad_requests_are_refused(engine):
+    import pytest
+
+    from slimen_torch.types import RequestError
+    with pytest.raises(RequestError, match="exactly one"):
+        engine.submit(GenerateRequest(id="b"), print)
+    with pytest.raises(RequestError, match="vocabulary"):
+        engine.submit(GenerateRequest(id="b", prompt_tokens=[10**6]), print)
+    with pytest.raises(RequestError, match="no room"):
+        engine.submit(GenerateRequest(id="b", prompt_tokens=[1] * engine.gen.L), print)

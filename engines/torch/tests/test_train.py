@@ -1,0 +1,133 @@
+"""Training on the CPU: a step lowers the loss, micro-batching does not change the step, the KL
+reference, skipped steps, and optimizer state that survives save and load."""
+
+import math
+
+import pytest
+import torch
+
+from slimen_torch.engine import Engine, Options
+from slimen_torch.types import Batch, LossConfig, Sample, ScoreRequest
+
+
+def fixed_batch(e: Engine, lc: LossConfig, seed=0) -> Batch:
+    """Four samples in two groups, with rollout log-probs equal to the model's own."""
+    g = torch.Generator().manual_seed(seed)
+    V = e.cfg.vocab_size
+    samples = []
+    for i in range(4):
+        prompt = torch.randint(0, V, (5 + i,), generator=g).tolist()
+        response = torch.randint(0, V, (6 + 2 * i,), generator=g).tolist()
+        old = e.score([ScoreRequest(tokens=response, prompt_tokens=prompt)])[0]
+        adv = 1.0 if i % 2 == 0 else -1.0
+        mask = [1.0] * len(response)
+        mask[0] = 0.0  # an injected token: not trained
+        samples.append(Sample(prompt, response, mask, old, [adv] * len(response),
+                              group=f"g{i // 2}"))
+    return Batch(samples=samples, loss=lc)
+
+
+def weights(e: Engine):
+    return [p.detach().clone() for p in e.model.parameters()]
+
+
+def test_train_step_lowers_the_loss(model_dirs):
+    e = Engine(str(model_dirs["tiny-qwen3"]))
+    try:
+        lc = LossConfig(lr=1e-2, eps_clip=0.2, eps_clip_high=0.28)
+        batch = fixed_batch(e, lc)
+        first = e.train(batch)
+        assert not first.skipped
+        assert first.tokens == sum(len(s.response) - 1 for s in batch.samples)
+        # At the rollout policy the ratio is 1: loss = −(mean over groups of the token-mean
+        # advantage), and nothing is clipped. g0: (5·1 − 7·1)/12; g1: (9·1 − 11·1)/20.
+        assert first.loss == pytest.approx(-((-2 / 12) + (-2 / 20)) / 2, abs=1e-5)
+        assert first.clip_frac == 0.0 and first.grad_norm > 0
+        # Each step reports the loss before its update: the second reports the first's effect.
+        second = e.train(batch)
+        assert second.loss < first.loss - 1e-2
+        assert second.clip_frac > 0  # the ratios moved, some past the clip range
+    finally:
+        e.close()
+
+
+def test_micro_batches_give_the_same_step(model_dirs):
+    lc = LossConfig(lr=1e-2, kl_loss_coef=0.1, entropy_coef=0.01)
+    results = []
+    for budget in (4096, 16):  # one micro-batch, or one sample per micro-batch
+        e = Engine(str(model_dirs["tiny"]), Options(micro_batch_tokens=budget))
+        try:
+            start = weights(e)
+            batch = fixed_batch(e, lc)
+            s1 = e.train(batch)
+            s2 = e.train(batch)
+            results.append((s1, s2, [w - w0 for w, w0 in zip(weights(e), start)]))
+        finally:
+            e.close()
+    (a1, a2, da), (b1, b2, db) = results
+    for x, y in ((a1, b1), (a2, b2)):
+        for f in ("loss", "pg_loss", "kl", "entropy", "clip_frac", "grad_norm"):
+            assert getattr(x, f) == pytest.approx(getattr(y, f), rel=1e-5, abs=1e-7), f
+    assert a2.kl > 0  # the policy moved away from the reference
+    # The same update up to summation order (Adam magnifies rounding on near-zero gradients, so
+    # compare the whole update, not each entry).
+    diff = torch.cat([(p - q).flatten() for p, q in zip(da, db)]).norm()
+    assert diff <= 1e-3 * torch.cat([p.flatten() for p in da]).norm()
+
+
+def test_non_finite_loss_skips_the_step(model_dirs):
+    e = Engine(str(model_dirs["tiny"]))
+    try:
+        batch = fixed_batch(e, LossConfig(lr=1e-2))
+        batch.samples[0].advantages = [math.nan] * len(batch.samples[0].response)
+        before = weights(e)
+        st = e.train(batch)
+        assert st.skipped and "non-finite loss" in st.reason
+        assert all(torch.equal(p, q) for p, q in zip(before, weights(e)))
+    finally:
+        e.close()
+
+
+def test_bad_batches_are_refused(engine):
+    from slimen_torch.types import RequestError
+    bad = Batch(samples=[Sample([1], [2, 3], [1.0], [0.0, 0.0], [1.0, 1.0])])
+    with pytest.raises(RequestError, match="loss_mask"):
+        engine.train(bad)
+    with pytest.raises(ValueError, match="kl_loss_type"):
+        engine.train(Batch(samples=[], loss=LossConfig(kl_loss_type="k9")))
+
+
+def test_optimizer_state_survives_save_and_load(model_dirs, tmp_path):
+    lc = LossConfig(lr=5e-3)
+    a = Engine(str(model_dirs["tiny-qwen2"]))
+    try:
+        batch = fixed_batch(a, lc)
+        a.train(batch)
+        a.save(str(tmp_path / "ck"))
+        b = Engine(str(tmp_path / "ck"))
+        try:
+            sa, sb = a.train(batch), b.train(batch)
+            assert sa.loss == pytest.approx(sb.loss, rel=1e-6)
+            for p, q in zip(weights(a), weights(b)):
+                assert torch.allclose(p, q, atol=1e-7)
+            # Load in place replaces weights and optimizer state.
+            a.load(str(tmp_path / "ck"))
+            b.load(str(tmp_path / "ck"))
+            assert a.train(batch).loss == pytest.approx(b.train(batch).loss, rel=1e-6)
+        finally:
+            b.close()
+    finally:
+        a.close()
+
+
+def test_sft_learns_a_response(model_dirs, tmp_path):
+    """The supervised warm-up: the NLL of the taught pairs falls."""
+    e = Engine(str(model_dirs["tiny"]))
+    try:
+        pairs = [(e.tokenizer.encode_chat([{"role": "user", "content": f"{i}+1?"}]),
+                  e.tokenizer.encode(f"\\boxed{{{i + 1}}}") + [e.eos[0]]) for i in range(8)]
+        lc = LossConfig(lr=1e-2)
+        losses = [e.sft_step(pairs, lc).loss for _ in range(15)]
+        assert losses[-1] < 0.7 * losses[0], losses
+    finally:
+        e.close()
