@@ -104,6 +104,11 @@ type Sample struct {
 	OldLogprobs []float32 // log-probs at rollout time
 	Advantages  []float32 // per-token advantage
 	Group       string    // samples of one group are averaged together before averaging groups
+	// PPO critic (an engine with a value head): the value target of each token and the values
+	// at rollout time. A critic trains on these with the clipped value loss; it ignores the
+	// policy fields above.
+	Returns   []float32
+	OldValues []float32
 }
 
 // LossConfig holds the loss and optimizer settings of one training step. They travel with every
@@ -126,6 +131,16 @@ type LossConfig struct {
 	// Aggregation: "group_token_mean" (default): mean over groups of the token-mean within each
 	// group; "token_mean": mean over all tokens of the batch; "token_sum": sum over tokens.
 	Aggregation string
+	// ValueClip is the critic's value clipping: loss = max((V − R)², (clip(V, V_old ± ValueClip)
+	// − R)²), reduced as above; 0 disables clipping.
+	ValueClip float64
+}
+
+// Valuer is implemented by engines with a value head (a PPO critic; Info lists "values").
+type Valuer interface {
+	// Values returns one value estimate per response token of each request: the value of the
+	// state before that token, at the positions whose logits predict it.
+	Values(ctx context.Context, reqs []ScoreRequest) ([][]float32, error)
 }
 
 // Batch is what one optimizer step trains on.
@@ -137,15 +152,16 @@ type Batch struct {
 
 // TrainStats reports one optimizer step.
 type TrainStats struct {
-	Loss     float64 // the reduced loss
-	PGLoss   float64 // policy-gradient part
-	KL       float64 // KL to the reference, reduced like the loss (0 when KLLossCoef is 0)
-	ClipFrac float64 // fraction of trained tokens whose ratio was clipped
-	Entropy  float64 // entropy of the policy, reduced like the loss: Loss = PGLoss + KLLossCoef·KL − EntropyCoef·Entropy
-	GradNorm float64 // global gradient norm before clipping
-	Tokens   int     // trained tokens (loss mask 1)
-	Skipped  bool    // the step was not applied (non-finite loss or gradient)
-	Reason   string  // why it was skipped
+	Loss      float64 // the reduced loss
+	PGLoss    float64 // policy-gradient part
+	KL        float64 // KL to the reference, reduced like the loss (0 when KLLossCoef is 0)
+	ClipFrac  float64 // fraction of trained tokens whose ratio was clipped
+	Entropy   float64 // entropy of the policy, reduced like the loss: Loss = PGLoss + KLLossCoef·KL − EntropyCoef·Entropy
+	GradNorm  float64 // global gradient norm before clipping
+	Tokens    int     // trained tokens (loss mask 1)
+	ValueLoss float64 // a critic's value loss
+	Skipped   bool    // the step was not applied (non-finite loss or gradient)
+	Reason    string  // why it was skipped
 }
 
 // ErrNotSupported is returned by engines for a method they do not implement (for instance Train on

@@ -534,12 +534,16 @@ type trainSample struct {
 func (r *Run) trainPolicies(ctx context.Context, step int, cfg *config.Config, ros []*rollout, rolloutS float64) ([]Metrics, error) {
 	byPolicy, gens := gather(ros)
 	pols := r.policyList()
-	advs, err := r.advantages(ctx, pols, byPolicy)
+	advs, targets, err := r.advantages(ctx, pols, byPolicy)
 	if err != nil {
 		return nil, err
 	}
 	var out []Metrics
+	crit := r.critic()
 	for _, p := range pols {
+		if p == crit {
+			continue // trained below, on the targets of the ppo actors' samples
+		}
 		m := newMetrics(step, p.name)
 		ss := byPolicy[p.name]
 		fillRewardMetrics(m, gens[p.name], ss)
@@ -553,6 +557,29 @@ func (r *Run) trainPolicies(ctx context.Context, step int, cfg *config.Config, r
 		} else {
 			m.set("train_s", 0.0)
 			m.set("loss", 0.0)
+		}
+		out = append(out, m)
+	}
+	if crit != nil {
+		m := newMetrics(step, crit.name)
+		fillRewardMetrics(m, nil, nil)
+		m.set("rollout_s", rolloutS)
+		var samples []engines.Sample
+		for _, p := range pols {
+			for i, t := range targets[p.name] {
+				c := byPolicy[p.name][i].c
+				mask := make([]float32, len(c.tokens))
+				for j := range mask {
+					mask[j] = 1
+				}
+				samples = append(samples, engines.Sample{Prompt: c.prompt, Response: c.tokens, LossMask: mask,
+					Returns: t.returns, OldValues: t.values, Group: byPolicy[p.name][i].group})
+			}
+		}
+		if len(samples) > 0 && crit.cfg.Trainable {
+			if err := r.trainCritic(ctx, step, crit, samples, m); err != nil {
+				return nil, err
+			}
 		}
 		out = append(out, m)
 	}
@@ -687,8 +714,9 @@ func lossConfig(tc config.TrainConfig) engines.LossConfig {
 
 // advantages computes the per-token advantages of every policy's samples. Shared-buffer policies
 // are normalised together; split ones alone. Teacher terms (on-policy distillation) come last.
-func (r *Run) advantages(ctx context.Context, pols []*policy, byPolicy map[string][]trainSample) (map[string][][]float32, error) {
+func (r *Run) advantages(ctx context.Context, pols []*policy, byPolicy map[string][]trainSample) (map[string][][]float32, map[string][]ppoTargets, error) {
 	out := map[string][][]float32{}
+	targets := map[string][]ppoTargets{}
 	type pool struct {
 		names []string
 		tc    config.TrainConfig
@@ -696,7 +724,15 @@ func (r *Run) advantages(ctx context.Context, pols []*policy, byPolicy map[strin
 	var pools []pool
 	var shared *pool
 	for _, p := range pols {
-		if !p.cfg.Trainable {
+		if !p.cfg.Trainable || p.cfg.IsCritic() {
+			continue
+		}
+		if p.cfg.Train.AdvantageEstimator == "ppo" {
+			adv, t, err := r.ppoAdvantages(ctx, p, byPolicy[p.name])
+			if err != nil {
+				return nil, nil, err
+			}
+			out[p.name], targets[p.name] = adv, t
 			continue
 		}
 		if p.cfg.BufferMode == "shared" {
@@ -722,7 +758,7 @@ func (r *Run) advantages(ctx context.Context, pols []*policy, byPolicy map[strin
 		}
 		adv, err := ComputeAdvantages(estimatorOf(pl.tc), in)
 		if err != nil {
-			return nil, err
+			return nil, nil, err
 		}
 		k := 0
 		for _, n := range pl.names {
@@ -733,10 +769,10 @@ func (r *Run) advantages(ctx context.Context, pols []*policy, byPolicy map[strin
 	}
 	for _, p := range pols {
 		if err := r.applyTeacher(ctx, p, byPolicy[p.name], out[p.name]); err != nil {
-			return nil, err
+			return nil, nil, err
 		}
 	}
-	return out, nil
+	return out, targets, nil
 }
 
 // applyTeacher subtracts opd_kl_coef·(logp_student − logp_teacher) per token for samples trained

@@ -403,3 +403,58 @@ def rollout(task):
 		t.Fatalf("err = %v", err)
 	}
 }
+
+func TestPPOActorAndCritic(t *testing.T) {
+	cfg := testConfig(2, "actor", "critic")
+	cfg.Policies[0].Train.AdvantageEstimator = "ppo"
+	cfg.Policies[1].Role = "critic"
+	actor, critic := scripted.Echo("ok"), scripted.Echo("unused")
+	critic.Value = 0.25
+	r := loadRun(t, `
+def rollout(task):
+    c = generate("actor", task.prompt)
+    reward(c, 1.0 if task.id == "t0" else 0.0)
+    train(c)
+`, cfg, map[string]engines.Engine{"actor": actor, "critic": critic}, numberedTasks(2))
+	res, err := r.Step(context.Background())
+	if err != nil {
+		t.Fatal(err)
+	}
+	// γ = λ = 1: every token's advantage is R − V, every return R.
+	ab := actor.Batches()[0].Samples
+	for i, want := range []float32{0.75, -0.25} {
+		for _, a := range ab[i].Advantages {
+			if a != want {
+				t.Errorf("actor sample %d: advantage %v, want %v", i, a, want)
+			}
+		}
+	}
+	cb := critic.Batches()
+	if len(cb) != 1 || len(cb[0].Samples) != 2 || cb[0].Loss.ValueClip != 0.2 {
+		t.Fatalf("critic batches: %+v", cb)
+	}
+	for i, want := range []float32{1, 0} {
+		s := cb[0].Samples[i]
+		if s.Returns[0] != want || s.OldValues[0] != 0.25 || len(s.Returns) != len(s.Response) {
+			t.Errorf("critic sample %d: returns %v old values %v", i, s.Returns, s.OldValues)
+		}
+	}
+	for _, m := range res.Policies {
+		if m.Policy() == "critic" && m.Float("samples") != 2 {
+			t.Errorf("critic metrics: %v", m)
+		}
+	}
+}
+
+func TestGAE(t *testing.T) {
+	// γ = 0.5, λ = 1, values 0.5, 0.25, 0.1, reward 1 at the end:
+	// δ = (0 + 0.5·0.25 − 0.5, 0 + 0.5·0.1 − 0.25, 1 − 0.1) = (−0.375, −0.2, 0.9)
+	// A_2 = 0.9, A_1 = −0.2 + 0.5·0.9 = 0.25, A_0 = −0.375 + 0.5·0.25 = −0.25.
+	adv, ret := gae(1, []float32{0.5, 0.25, 0.1}, 0.5, 1)
+	if d := cmp.Diff([]float32{-0.25, 0.25, 0.9}, adv, cmpopts.EquateApprox(0, 1e-6)); d != "" {
+		t.Errorf("advantages (-want +got):\n%s", d)
+	}
+	if d := cmp.Diff([]float32{0.25, 0.5, 1}, ret, cmpopts.EquateApprox(0, 1e-6)); d != "" {
+		t.Errorf("returns (-want +got):\n%s", d)
+	}
+}

@@ -209,7 +209,7 @@ func builtinSimulate(thread *starlark.Thread, b *starlark.Builtin, args starlark
 	}
 	byPolicy, _ := gather(ros)
 	pols := r.policyList()
-	advs, err := r.advantages(ctx, pols, byPolicy)
+	advs, _, err := r.advantages(ctx, pols, byPolicy)
 	if err != nil {
 		return nil, err
 	}

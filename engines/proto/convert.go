@@ -149,6 +149,8 @@ func EncodeBatch(b engines.Batch) *Batch {
 			OldLogprobs: s.OldLogprobs,
 			Advantages:  s.Advantages,
 			Group:       s.Group,
+			Returns:     s.Returns,
+			OldValues:   s.OldValues,
 		}
 	}
 	l := b.Loss
@@ -169,6 +171,7 @@ func EncodeBatch(b engines.Batch) *Batch {
 			EntropyCoef: l.EntropyCoef,
 			PolicyLoss:  l.PolicyLoss,
 			Aggregation: l.Aggregation,
+			ValueClip:   l.ValueClip,
 		},
 	}
 }
@@ -187,6 +190,8 @@ func DecodeBatch(m *Batch) engines.Batch {
 			OldLogprobs: s.GetOldLogprobs(),
 			Advantages:  s.GetAdvantages(),
 			Group:       s.GetGroup(),
+			Returns:     s.GetReturns(),
+			OldValues:   s.GetOldValues(),
 		}
 	}
 	l := m.GetLoss()
@@ -207,6 +212,7 @@ func DecodeBatch(m *Batch) engines.Batch {
 			EntropyCoef: l.GetEntropyCoef(),
 			PolicyLoss:  l.GetPolicyLoss(),
 			Aggregation: l.GetAggregation(),
+			ValueClip:   l.GetValueClip(),
 		},
 	}
 }
@@ -214,30 +220,32 @@ func DecodeBatch(m *Batch) engines.Batch {
 // EncodeTrainStats converts engines.TrainStats to its message.
 func EncodeTrainStats(s engines.TrainStats) *TrainStats {
 	return &TrainStats{
-		Loss:     s.Loss,
-		PgLoss:   s.PGLoss,
-		Kl:       s.KL,
-		ClipFrac: s.ClipFrac,
-		Entropy:  s.Entropy,
-		GradNorm: s.GradNorm,
-		Tokens:   int64(s.Tokens),
-		Skipped:  s.Skipped,
-		Reason:   s.Reason,
+		Loss:      s.Loss,
+		PgLoss:    s.PGLoss,
+		Kl:        s.KL,
+		ClipFrac:  s.ClipFrac,
+		Entropy:   s.Entropy,
+		GradNorm:  s.GradNorm,
+		Tokens:    int64(s.Tokens),
+		Skipped:   s.Skipped,
+		Reason:    s.Reason,
+		ValueLoss: s.ValueLoss,
 	}
 }
 
 // DecodeTrainStats converts a TrainStats message to engines.TrainStats.
 func DecodeTrainStats(m *TrainStats) engines.TrainStats {
 	return engines.TrainStats{
-		Loss:     m.GetLoss(),
-		PGLoss:   m.GetPgLoss(),
-		KL:       m.GetKl(),
-		ClipFrac: m.GetClipFrac(),
-		Entropy:  m.GetEntropy(),
-		GradNorm: m.GetGradNorm(),
-		Tokens:   int(m.GetTokens()),
-		Skipped:  m.GetSkipped(),
-		Reason:   m.GetReason(),
+		Loss:      m.GetLoss(),
+		PGLoss:    m.GetPgLoss(),
+		KL:        m.GetKl(),
+		ClipFrac:  m.GetClipFrac(),
+		Entropy:   m.GetEntropy(),
+		GradNorm:  m.GetGradNorm(),
+		Tokens:    int(m.GetTokens()),
+		Skipped:   m.GetSkipped(),
+		Reason:    m.GetReason(),
+		ValueLoss: m.GetValueLoss(),
 	}
 }
 

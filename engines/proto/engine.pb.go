@@ -1078,6 +1078,50 @@ func (x *ScoreBatchResponse) GetScores() []*Scores {
 	return nil
 }
 
+type ValuesResponse struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Values        []*Scores              `protobuf:"bytes,1,rep,name=values,proto3" json:"values,omitempty"` // one per request, in order: a value per response token
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ValuesResponse) Reset() {
+	*x = ValuesResponse{}
+	mi := &file_engine_proto_msgTypes[16]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ValuesResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ValuesResponse) ProtoMessage() {}
+
+func (x *ValuesResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_engine_proto_msgTypes[16]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ValuesResponse.ProtoReflect.Descriptor instead.
+func (*ValuesResponse) Descriptor() ([]byte, []int) {
+	return file_engine_proto_rawDescGZIP(), []int{16}
+}
+
+func (x *ValuesResponse) GetValues() []*Scores {
+	if x != nil {
+		return x.Values
+	}
+	return nil
+}
+
 // engines.Sample: one training sequence. The per-token fields all have len(response) entries.
 type Sample struct {
 	state         protoimpl.MessageState `protogen:"open.v1"`
@@ -1087,13 +1131,15 @@ type Sample struct {
 	OldLogprobs   []float32              `protobuf:"fixed32,4,rep,packed,name=old_logprobs,json=oldLogprobs,proto3" json:"old_logprobs,omitempty"` // log-probs at rollout time
 	Advantages    []float32              `protobuf:"fixed32,5,rep,packed,name=advantages,proto3" json:"advantages,omitempty"`                      // per-token advantage
 	Group         string                 `protobuf:"bytes,6,opt,name=group,proto3" json:"group,omitempty"`                                         // samples of one group are averaged together first
+	Returns       []float32              `protobuf:"fixed32,7,rep,packed,name=returns,proto3" json:"returns,omitempty"`                            // PPO critic: value target per token
+	OldValues     []float32              `protobuf:"fixed32,8,rep,packed,name=old_values,json=oldValues,proto3" json:"old_values,omitempty"`       // PPO critic: values at rollout time
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
 
 func (x *Sample) Reset() {
 	*x = Sample{}
-	mi := &file_engine_proto_msgTypes[16]
+	mi := &file_engine_proto_msgTypes[17]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1105,7 +1151,7 @@ func (x *Sample) String() string {
 func (*Sample) ProtoMessage() {}
 
 func (x *Sample) ProtoReflect() protoreflect.Message {
-	mi := &file_engine_proto_msgTypes[16]
+	mi := &file_engine_proto_msgTypes[17]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1118,7 +1164,7 @@ func (x *Sample) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Sample.ProtoReflect.Descriptor instead.
 func (*Sample) Descriptor() ([]byte, []int) {
-	return file_engine_proto_rawDescGZIP(), []int{16}
+	return file_engine_proto_rawDescGZIP(), []int{17}
 }
 
 func (x *Sample) GetPrompt() []int32 {
@@ -1163,6 +1209,20 @@ func (x *Sample) GetGroup() string {
 	return ""
 }
 
+func (x *Sample) GetReturns() []float32 {
+	if x != nil {
+		return x.Returns
+	}
+	return nil
+}
+
+func (x *Sample) GetOldValues() []float32 {
+	if x != nil {
+		return x.OldValues
+	}
+	return nil
+}
+
 // engines.LossConfig: loss and optimizer settings of one step.
 type LossConfig struct {
 	state         protoimpl.MessageState `protogen:"open.v1"`
@@ -1179,13 +1239,14 @@ type LossConfig struct {
 	EntropyCoef   float64                `protobuf:"fixed64,11,opt,name=entropy_coef,json=entropyCoef,proto3" json:"entropy_coef,omitempty"`
 	PolicyLoss    string                 `protobuf:"bytes,12,opt,name=policy_loss,json=policyLoss,proto3" json:"policy_loss,omitempty"` // "ppo" (default) or "gspo"
 	Aggregation   string                 `protobuf:"bytes,13,opt,name=aggregation,proto3" json:"aggregation,omitempty"`                 // "group_token_mean" (default), "token_mean" or "token_sum"
+	ValueClip     float64                `protobuf:"fixed64,14,opt,name=value_clip,json=valueClip,proto3" json:"value_clip,omitempty"`  // PPO critic: clip values to old_values ± value_clip; 0: no clipping
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
 
 func (x *LossConfig) Reset() {
 	*x = LossConfig{}
-	mi := &file_engine_proto_msgTypes[17]
+	mi := &file_engine_proto_msgTypes[18]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1197,7 +1258,7 @@ func (x *LossConfig) String() string {
 func (*LossConfig) ProtoMessage() {}
 
 func (x *LossConfig) ProtoReflect() protoreflect.Message {
-	mi := &file_engine_proto_msgTypes[17]
+	mi := &file_engine_proto_msgTypes[18]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1210,7 +1271,7 @@ func (x *LossConfig) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use LossConfig.ProtoReflect.Descriptor instead.
 func (*LossConfig) Descriptor() ([]byte, []int) {
-	return file_engine_proto_rawDescGZIP(), []int{17}
+	return file_engine_proto_rawDescGZIP(), []int{18}
 }
 
 func (x *LossConfig) GetLr() float64 {
@@ -1304,6 +1365,13 @@ func (x *LossConfig) GetAggregation() string {
 	return ""
 }
 
+func (x *LossConfig) GetValueClip() float64 {
+	if x != nil {
+		return x.ValueClip
+	}
+	return 0
+}
+
 // engines.Batch: what one optimizer step trains on.
 type Batch struct {
 	state         protoimpl.MessageState `protogen:"open.v1"`
@@ -1316,7 +1384,7 @@ type Batch struct {
 
 func (x *Batch) Reset() {
 	*x = Batch{}
-	mi := &file_engine_proto_msgTypes[18]
+	mi := &file_engine_proto_msgTypes[19]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1328,7 +1396,7 @@ func (x *Batch) String() string {
 func (*Batch) ProtoMessage() {}
 
 func (x *Batch) ProtoReflect() protoreflect.Message {
-	mi := &file_engine_proto_msgTypes[18]
+	mi := &file_engine_proto_msgTypes[19]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1341,7 +1409,7 @@ func (x *Batch) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Batch.ProtoReflect.Descriptor instead.
 func (*Batch) Descriptor() ([]byte, []int) {
-	return file_engine_proto_rawDescGZIP(), []int{18}
+	return file_engine_proto_rawDescGZIP(), []int{19}
 }
 
 func (x *Batch) GetId() string {
@@ -1374,16 +1442,17 @@ type TrainStats struct {
 	ClipFrac      float64                `protobuf:"fixed64,4,opt,name=clip_frac,json=clipFrac,proto3" json:"clip_frac,omitempty"`
 	Entropy       float64                `protobuf:"fixed64,5,opt,name=entropy,proto3" json:"entropy,omitempty"`
 	GradNorm      float64                `protobuf:"fixed64,6,opt,name=grad_norm,json=gradNorm,proto3" json:"grad_norm,omitempty"`
-	Tokens        int64                  `protobuf:"varint,7,opt,name=tokens,proto3" json:"tokens,omitempty"`   // trained tokens (loss mask 1)
-	Skipped       bool                   `protobuf:"varint,8,opt,name=skipped,proto3" json:"skipped,omitempty"` // the step was not applied (non-finite loss or gradient)
-	Reason        string                 `protobuf:"bytes,9,opt,name=reason,proto3" json:"reason,omitempty"`    // why it was skipped
+	Tokens        int64                  `protobuf:"varint,7,opt,name=tokens,proto3" json:"tokens,omitempty"`                          // trained tokens (loss mask 1)
+	Skipped       bool                   `protobuf:"varint,8,opt,name=skipped,proto3" json:"skipped,omitempty"`                        // the step was not applied (non-finite loss or gradient)
+	Reason        string                 `protobuf:"bytes,9,opt,name=reason,proto3" json:"reason,omitempty"`                           // why it was skipped
+	ValueLoss     float64                `protobuf:"fixed64,10,opt,name=value_loss,json=valueLoss,proto3" json:"value_loss,omitempty"` // a critic's value loss
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
 
 func (x *TrainStats) Reset() {
 	*x = TrainStats{}
-	mi := &file_engine_proto_msgTypes[19]
+	mi := &file_engine_proto_msgTypes[20]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1395,7 +1464,7 @@ func (x *TrainStats) String() string {
 func (*TrainStats) ProtoMessage() {}
 
 func (x *TrainStats) ProtoReflect() protoreflect.Message {
-	mi := &file_engine_proto_msgTypes[19]
+	mi := &file_engine_proto_msgTypes[20]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1408,7 +1477,7 @@ func (x *TrainStats) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use TrainStats.ProtoReflect.Descriptor instead.
 func (*TrainStats) Descriptor() ([]byte, []int) {
-	return file_engine_proto_rawDescGZIP(), []int{19}
+	return file_engine_proto_rawDescGZIP(), []int{20}
 }
 
 func (x *TrainStats) GetLoss() float64 {
@@ -1474,6 +1543,13 @@ func (x *TrainStats) GetReason() string {
 	return ""
 }
 
+func (x *TrainStats) GetValueLoss() float64 {
+	if x != nil {
+		return x.ValueLoss
+	}
+	return 0
+}
+
 type TrainRequest struct {
 	state         protoimpl.MessageState `protogen:"open.v1"`
 	Batch         *Batch                 `protobuf:"bytes,1,opt,name=batch,proto3" json:"batch,omitempty"`
@@ -1483,7 +1559,7 @@ type TrainRequest struct {
 
 func (x *TrainRequest) Reset() {
 	*x = TrainRequest{}
-	mi := &file_engine_proto_msgTypes[20]
+	mi := &file_engine_proto_msgTypes[21]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1495,7 +1571,7 @@ func (x *TrainRequest) String() string {
 func (*TrainRequest) ProtoMessage() {}
 
 func (x *TrainRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_engine_proto_msgTypes[20]
+	mi := &file_engine_proto_msgTypes[21]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1508,7 +1584,7 @@ func (x *TrainRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use TrainRequest.ProtoReflect.Descriptor instead.
 func (*TrainRequest) Descriptor() ([]byte, []int) {
-	return file_engine_proto_rawDescGZIP(), []int{20}
+	return file_engine_proto_rawDescGZIP(), []int{21}
 }
 
 func (x *TrainRequest) GetBatch() *Batch {
@@ -1529,7 +1605,7 @@ type TrainResponse struct {
 
 func (x *TrainResponse) Reset() {
 	*x = TrainResponse{}
-	mi := &file_engine_proto_msgTypes[21]
+	mi := &file_engine_proto_msgTypes[22]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1541,7 +1617,7 @@ func (x *TrainResponse) String() string {
 func (*TrainResponse) ProtoMessage() {}
 
 func (x *TrainResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_engine_proto_msgTypes[21]
+	mi := &file_engine_proto_msgTypes[22]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1554,7 +1630,7 @@ func (x *TrainResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use TrainResponse.ProtoReflect.Descriptor instead.
 func (*TrainResponse) Descriptor() ([]byte, []int) {
-	return file_engine_proto_rawDescGZIP(), []int{21}
+	return file_engine_proto_rawDescGZIP(), []int{22}
 }
 
 func (x *TrainResponse) GetStats() *TrainStats {
@@ -1580,7 +1656,7 @@ type TokenizeRequest struct {
 
 func (x *TokenizeRequest) Reset() {
 	*x = TokenizeRequest{}
-	mi := &file_engine_proto_msgTypes[22]
+	mi := &file_engine_proto_msgTypes[23]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1592,7 +1668,7 @@ func (x *TokenizeRequest) String() string {
 func (*TokenizeRequest) ProtoMessage() {}
 
 func (x *TokenizeRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_engine_proto_msgTypes[22]
+	mi := &file_engine_proto_msgTypes[23]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1605,7 +1681,7 @@ func (x *TokenizeRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use TokenizeRequest.ProtoReflect.Descriptor instead.
 func (*TokenizeRequest) Descriptor() ([]byte, []int) {
-	return file_engine_proto_rawDescGZIP(), []int{22}
+	return file_engine_proto_rawDescGZIP(), []int{23}
 }
 
 func (x *TokenizeRequest) GetTexts() []string {
@@ -1624,7 +1700,7 @@ type TokenIds struct {
 
 func (x *TokenIds) Reset() {
 	*x = TokenIds{}
-	mi := &file_engine_proto_msgTypes[23]
+	mi := &file_engine_proto_msgTypes[24]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1636,7 +1712,7 @@ func (x *TokenIds) String() string {
 func (*TokenIds) ProtoMessage() {}
 
 func (x *TokenIds) ProtoReflect() protoreflect.Message {
-	mi := &file_engine_proto_msgTypes[23]
+	mi := &file_engine_proto_msgTypes[24]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1649,7 +1725,7 @@ func (x *TokenIds) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use TokenIds.ProtoReflect.Descriptor instead.
 func (*TokenIds) Descriptor() ([]byte, []int) {
-	return file_engine_proto_rawDescGZIP(), []int{23}
+	return file_engine_proto_rawDescGZIP(), []int{24}
 }
 
 func (x *TokenIds) GetIds() []int32 {
@@ -1668,7 +1744,7 @@ type TokenizeResponse struct {
 
 func (x *TokenizeResponse) Reset() {
 	*x = TokenizeResponse{}
-	mi := &file_engine_proto_msgTypes[24]
+	mi := &file_engine_proto_msgTypes[25]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1680,7 +1756,7 @@ func (x *TokenizeResponse) String() string {
 func (*TokenizeResponse) ProtoMessage() {}
 
 func (x *TokenizeResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_engine_proto_msgTypes[24]
+	mi := &file_engine_proto_msgTypes[25]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1693,7 +1769,7 @@ func (x *TokenizeResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use TokenizeResponse.ProtoReflect.Descriptor instead.
 func (*TokenizeResponse) Descriptor() ([]byte, []int) {
-	return file_engine_proto_rawDescGZIP(), []int{24}
+	return file_engine_proto_rawDescGZIP(), []int{25}
 }
 
 func (x *TokenizeResponse) GetTokens() []*TokenIds {
@@ -1712,7 +1788,7 @@ type SaveRequest struct {
 
 func (x *SaveRequest) Reset() {
 	*x = SaveRequest{}
-	mi := &file_engine_proto_msgTypes[25]
+	mi := &file_engine_proto_msgTypes[26]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1724,7 +1800,7 @@ func (x *SaveRequest) String() string {
 func (*SaveRequest) ProtoMessage() {}
 
 func (x *SaveRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_engine_proto_msgTypes[25]
+	mi := &file_engine_proto_msgTypes[26]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1737,7 +1813,7 @@ func (x *SaveRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SaveRequest.ProtoReflect.Descriptor instead.
 func (*SaveRequest) Descriptor() ([]byte, []int) {
-	return file_engine_proto_rawDescGZIP(), []int{25}
+	return file_engine_proto_rawDescGZIP(), []int{26}
 }
 
 func (x *SaveRequest) GetDir() string {
@@ -1755,7 +1831,7 @@ type SaveResponse struct {
 
 func (x *SaveResponse) Reset() {
 	*x = SaveResponse{}
-	mi := &file_engine_proto_msgTypes[26]
+	mi := &file_engine_proto_msgTypes[27]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1767,7 +1843,7 @@ func (x *SaveResponse) String() string {
 func (*SaveResponse) ProtoMessage() {}
 
 func (x *SaveResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_engine_proto_msgTypes[26]
+	mi := &file_engine_proto_msgTypes[27]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1780,7 +1856,7 @@ func (x *SaveResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SaveResponse.ProtoReflect.Descriptor instead.
 func (*SaveResponse) Descriptor() ([]byte, []int) {
-	return file_engine_proto_rawDescGZIP(), []int{26}
+	return file_engine_proto_rawDescGZIP(), []int{27}
 }
 
 type LoadRequest struct {
@@ -1792,7 +1868,7 @@ type LoadRequest struct {
 
 func (x *LoadRequest) Reset() {
 	*x = LoadRequest{}
-	mi := &file_engine_proto_msgTypes[27]
+	mi := &file_engine_proto_msgTypes[28]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1804,7 +1880,7 @@ func (x *LoadRequest) String() string {
 func (*LoadRequest) ProtoMessage() {}
 
 func (x *LoadRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_engine_proto_msgTypes[27]
+	mi := &file_engine_proto_msgTypes[28]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1817,7 +1893,7 @@ func (x *LoadRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use LoadRequest.ProtoReflect.Descriptor instead.
 func (*LoadRequest) Descriptor() ([]byte, []int) {
-	return file_engine_proto_rawDescGZIP(), []int{27}
+	return file_engine_proto_rawDescGZIP(), []int{28}
 }
 
 func (x *LoadRequest) GetDir() string {
@@ -1835,7 +1911,7 @@ type LoadResponse struct {
 
 func (x *LoadResponse) Reset() {
 	*x = LoadResponse{}
-	mi := &file_engine_proto_msgTypes[28]
+	mi := &file_engine_proto_msgTypes[29]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1847,7 +1923,7 @@ func (x *LoadResponse) String() string {
 func (*LoadResponse) ProtoMessage() {}
 
 func (x *LoadResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_engine_proto_msgTypes[28]
+	mi := &file_engine_proto_msgTypes[29]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1860,7 +1936,7 @@ func (x *LoadResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use LoadResponse.ProtoReflect.Descriptor instead.
 func (*LoadResponse) Descriptor() ([]byte, []int) {
-	return file_engine_proto_rawDescGZIP(), []int{28}
+	return file_engine_proto_rawDescGZIP(), []int{29}
 }
 
 var File_engine_proto protoreflect.FileDescriptor
@@ -1941,7 +2017,9 @@ const file_engine_proto_rawDesc = "" +
 	"\x11ScoreBatchRequest\x12:\n" +
 	"\brequests\x18\x01 \x03(\v2\x1e.slimen.engine.v1.ScoreRequestR\brequests\"F\n" +
 	"\x12ScoreBatchResponse\x120\n" +
-	"\x06scores\x18\x01 \x03(\v2\x18.slimen.engine.v1.ScoresR\x06scores\"\xb2\x01\n" +
+	"\x06scores\x18\x01 \x03(\v2\x18.slimen.engine.v1.ScoresR\x06scores\"B\n" +
+	"\x0eValuesResponse\x120\n" +
+	"\x06values\x18\x01 \x03(\v2\x18.slimen.engine.v1.ScoresR\x06values\"\xeb\x01\n" +
 	"\x06Sample\x12\x16\n" +
 	"\x06prompt\x18\x01 \x03(\x05R\x06prompt\x12\x1a\n" +
 	"\bresponse\x18\x02 \x03(\x05R\bresponse\x12\x1b\n" +
@@ -1950,7 +2028,10 @@ const file_engine_proto_rawDesc = "" +
 	"\n" +
 	"advantages\x18\x05 \x03(\x02R\n" +
 	"advantages\x12\x14\n" +
-	"\x05group\x18\x06 \x01(\tR\x05group\"\x93\x03\n" +
+	"\x05group\x18\x06 \x01(\tR\x05group\x12\x18\n" +
+	"\areturns\x18\a \x03(\x02R\areturns\x12\x1d\n" +
+	"\n" +
+	"old_values\x18\b \x03(\x02R\toldValues\"\xb2\x03\n" +
 	"\n" +
 	"LossConfig\x12\x0e\n" +
 	"\x02lr\x18\x01 \x01(\x01R\x02lr\x12\x14\n" +
@@ -1969,11 +2050,13 @@ const file_engine_proto_rawDesc = "" +
 	"\fentropy_coef\x18\v \x01(\x01R\ventropyCoef\x12\x1f\n" +
 	"\vpolicy_loss\x18\f \x01(\tR\n" +
 	"policyLoss\x12 \n" +
-	"\vaggregation\x18\r \x01(\tR\vaggregation\"}\n" +
+	"\vaggregation\x18\r \x01(\tR\vaggregation\x12\x1d\n" +
+	"\n" +
+	"value_clip\x18\x0e \x01(\x01R\tvalueClip\"}\n" +
 	"\x05Batch\x12\x0e\n" +
 	"\x02id\x18\x01 \x01(\tR\x02id\x122\n" +
 	"\asamples\x18\x02 \x03(\v2\x18.slimen.engine.v1.SampleR\asamples\x120\n" +
-	"\x04loss\x18\x03 \x01(\v2\x1c.slimen.engine.v1.LossConfigR\x04loss\"\xe7\x01\n" +
+	"\x04loss\x18\x03 \x01(\v2\x1c.slimen.engine.v1.LossConfigR\x04loss\"\x86\x02\n" +
 	"\n" +
 	"TrainStats\x12\x12\n" +
 	"\x04loss\x18\x01 \x01(\x01R\x04loss\x12\x17\n" +
@@ -1984,7 +2067,10 @@ const file_engine_proto_rawDesc = "" +
 	"\tgrad_norm\x18\x06 \x01(\x01R\bgradNorm\x12\x16\n" +
 	"\x06tokens\x18\a \x01(\x03R\x06tokens\x12\x18\n" +
 	"\askipped\x18\b \x01(\bR\askipped\x12\x16\n" +
-	"\x06reason\x18\t \x01(\tR\x06reason\"=\n" +
+	"\x06reason\x18\t \x01(\tR\x06reason\x12\x1d\n" +
+	"\n" +
+	"value_loss\x18\n" +
+	" \x01(\x01R\tvalueLoss\"=\n" +
 	"\fTrainRequest\x12-\n" +
 	"\x05batch\x18\x01 \x01(\v2\x17.slimen.engine.v1.BatchR\x05batch\"a\n" +
 	"\rTrainResponse\x122\n" +
@@ -2001,7 +2087,7 @@ const file_engine_proto_rawDesc = "" +
 	"\fSaveResponse\"\x1f\n" +
 	"\vLoadRequest\x12\x10\n" +
 	"\x03dir\x18\x01 \x01(\tR\x03dir\"\x0e\n" +
-	"\fLoadResponse2\xfe\x04\n" +
+	"\fLoadResponse2\xcf\x05\n" +
 	"\x06Engine\x12E\n" +
 	"\x04Info\x12\x1d.slimen.engine.v1.InfoRequest\x1a\x1e.slimen.engine.v1.InfoResponse\x12a\n" +
 	"\bGenerate\x12'.slimen.engine.v1.GenerateStreamRequest\x1a(.slimen.engine.v1.GenerateStreamResponse(\x010\x01\x12R\n" +
@@ -2010,7 +2096,8 @@ const file_engine_proto_rawDesc = "" +
 	"\bTokenize\x12!.slimen.engine.v1.TokenizeRequest\x1a\".slimen.engine.v1.TokenizeResponse\x12E\n" +
 	"\x04Save\x12\x1d.slimen.engine.v1.SaveRequest\x1a\x1e.slimen.engine.v1.SaveResponse\x12E\n" +
 	"\x04Load\x12\x1d.slimen.engine.v1.LoadRequest\x1a\x1e.slimen.engine.v1.LoadResponse\x12K\n" +
-	"\x06Health\x12\x1f.slimen.engine.v1.HealthRequest\x1a .slimen.engine.v1.HealthResponseB1Z/github.com/slimen/slimen/engines/proto;enginepbb\x06proto3"
+	"\x06Health\x12\x1f.slimen.engine.v1.HealthRequest\x1a .slimen.engine.v1.HealthResponse\x12O\n" +
+	"\x06Values\x12#.slimen.engine.v1.ScoreBatchRequest\x1a .slimen.engine.v1.ValuesResponseB1Z/github.com/slimen/slimen/engines/proto;enginepbb\x06proto3"
 
 var (
 	file_engine_proto_rawDescOnce sync.Once
@@ -2025,7 +2112,7 @@ func file_engine_proto_rawDescGZIP() []byte {
 }
 
 var file_engine_proto_enumTypes = make([]protoimpl.EnumInfo, 1)
-var file_engine_proto_msgTypes = make([]protoimpl.MessageInfo, 29)
+var file_engine_proto_msgTypes = make([]protoimpl.MessageInfo, 30)
 var file_engine_proto_goTypes = []any{
 	(HealthResponse_Status)(0),     // 0: slimen.engine.v1.HealthResponse.Status
 	(*InfoRequest)(nil),            // 1: slimen.engine.v1.InfoRequest
@@ -2044,19 +2131,20 @@ var file_engine_proto_goTypes = []any{
 	(*Scores)(nil),                 // 14: slimen.engine.v1.Scores
 	(*ScoreBatchRequest)(nil),      // 15: slimen.engine.v1.ScoreBatchRequest
 	(*ScoreBatchResponse)(nil),     // 16: slimen.engine.v1.ScoreBatchResponse
-	(*Sample)(nil),                 // 17: slimen.engine.v1.Sample
-	(*LossConfig)(nil),             // 18: slimen.engine.v1.LossConfig
-	(*Batch)(nil),                  // 19: slimen.engine.v1.Batch
-	(*TrainStats)(nil),             // 20: slimen.engine.v1.TrainStats
-	(*TrainRequest)(nil),           // 21: slimen.engine.v1.TrainRequest
-	(*TrainResponse)(nil),          // 22: slimen.engine.v1.TrainResponse
-	(*TokenizeRequest)(nil),        // 23: slimen.engine.v1.TokenizeRequest
-	(*TokenIds)(nil),               // 24: slimen.engine.v1.TokenIds
-	(*TokenizeResponse)(nil),       // 25: slimen.engine.v1.TokenizeResponse
-	(*SaveRequest)(nil),            // 26: slimen.engine.v1.SaveRequest
-	(*SaveResponse)(nil),           // 27: slimen.engine.v1.SaveResponse
-	(*LoadRequest)(nil),            // 28: slimen.engine.v1.LoadRequest
-	(*LoadResponse)(nil),           // 29: slimen.engine.v1.LoadResponse
+	(*ValuesResponse)(nil),         // 17: slimen.engine.v1.ValuesResponse
+	(*Sample)(nil),                 // 18: slimen.engine.v1.Sample
+	(*LossConfig)(nil),             // 19: slimen.engine.v1.LossConfig
+	(*Batch)(nil),                  // 20: slimen.engine.v1.Batch
+	(*TrainStats)(nil),             // 21: slimen.engine.v1.TrainStats
+	(*TrainRequest)(nil),           // 22: slimen.engine.v1.TrainRequest
+	(*TrainResponse)(nil),          // 23: slimen.engine.v1.TrainResponse
+	(*TokenizeRequest)(nil),        // 24: slimen.engine.v1.TokenizeRequest
+	(*TokenIds)(nil),               // 25: slimen.engine.v1.TokenIds
+	(*TokenizeResponse)(nil),       // 26: slimen.engine.v1.TokenizeResponse
+	(*SaveRequest)(nil),            // 27: slimen.engine.v1.SaveRequest
+	(*SaveResponse)(nil),           // 28: slimen.engine.v1.SaveResponse
+	(*LoadRequest)(nil),            // 29: slimen.engine.v1.LoadRequest
+	(*LoadResponse)(nil),           // 30: slimen.engine.v1.LoadResponse
 }
 var file_engine_proto_depIdxs = []int32{
 	3,  // 0: slimen.engine.v1.InfoResponse.info:type_name -> slimen.engine.v1.Info
@@ -2069,32 +2157,35 @@ var file_engine_proto_depIdxs = []int32{
 	6,  // 7: slimen.engine.v1.ScoreRequest.messages:type_name -> slimen.engine.v1.Message
 	13, // 8: slimen.engine.v1.ScoreBatchRequest.requests:type_name -> slimen.engine.v1.ScoreRequest
 	14, // 9: slimen.engine.v1.ScoreBatchResponse.scores:type_name -> slimen.engine.v1.Scores
-	17, // 10: slimen.engine.v1.Batch.samples:type_name -> slimen.engine.v1.Sample
-	18, // 11: slimen.engine.v1.Batch.loss:type_name -> slimen.engine.v1.LossConfig
-	19, // 12: slimen.engine.v1.TrainRequest.batch:type_name -> slimen.engine.v1.Batch
-	20, // 13: slimen.engine.v1.TrainResponse.stats:type_name -> slimen.engine.v1.TrainStats
-	24, // 14: slimen.engine.v1.TokenizeResponse.tokens:type_name -> slimen.engine.v1.TokenIds
-	1,  // 15: slimen.engine.v1.Engine.Info:input_type -> slimen.engine.v1.InfoRequest
-	9,  // 16: slimen.engine.v1.Engine.Generate:input_type -> slimen.engine.v1.GenerateStreamRequest
-	15, // 17: slimen.engine.v1.Engine.Score:input_type -> slimen.engine.v1.ScoreBatchRequest
-	21, // 18: slimen.engine.v1.Engine.Train:input_type -> slimen.engine.v1.TrainRequest
-	23, // 19: slimen.engine.v1.Engine.Tokenize:input_type -> slimen.engine.v1.TokenizeRequest
-	26, // 20: slimen.engine.v1.Engine.Save:input_type -> slimen.engine.v1.SaveRequest
-	28, // 21: slimen.engine.v1.Engine.Load:input_type -> slimen.engine.v1.LoadRequest
-	4,  // 22: slimen.engine.v1.Engine.Health:input_type -> slimen.engine.v1.HealthRequest
-	2,  // 23: slimen.engine.v1.Engine.Info:output_type -> slimen.engine.v1.InfoResponse
-	12, // 24: slimen.engine.v1.Engine.Generate:output_type -> slimen.engine.v1.GenerateStreamResponse
-	16, // 25: slimen.engine.v1.Engine.Score:output_type -> slimen.engine.v1.ScoreBatchResponse
-	22, // 26: slimen.engine.v1.Engine.Train:output_type -> slimen.engine.v1.TrainResponse
-	25, // 27: slimen.engine.v1.Engine.Tokenize:output_type -> slimen.engine.v1.TokenizeResponse
-	27, // 28: slimen.engine.v1.Engine.Save:output_type -> slimen.engine.v1.SaveResponse
-	29, // 29: slimen.engine.v1.Engine.Load:output_type -> slimen.engine.v1.LoadResponse
-	5,  // 30: slimen.engine.v1.Engine.Health:output_type -> slimen.engine.v1.HealthResponse
-	23, // [23:31] is the sub-list for method output_type
-	15, // [15:23] is the sub-list for method input_type
-	15, // [15:15] is the sub-list for extension type_name
-	15, // [15:15] is the sub-list for extension extendee
-	0,  // [0:15] is the sub-list for field type_name
+	14, // 10: slimen.engine.v1.ValuesResponse.values:type_name -> slimen.engine.v1.Scores
+	18, // 11: slimen.engine.v1.Batch.samples:type_name -> slimen.engine.v1.Sample
+	19, // 12: slimen.engine.v1.Batch.loss:type_name -> slimen.engine.v1.LossConfig
+	20, // 13: slimen.engine.v1.TrainRequest.batch:type_name -> slimen.engine.v1.Batch
+	21, // 14: slimen.engine.v1.TrainResponse.stats:type_name -> slimen.engine.v1.TrainStats
+	25, // 15: slimen.engine.v1.TokenizeResponse.tokens:type_name -> slimen.engine.v1.TokenIds
+	1,  // 16: slimen.engine.v1.Engine.Info:input_type -> slimen.engine.v1.InfoRequest
+	9,  // 17: slimen.engine.v1.Engine.Generate:input_type -> slimen.engine.v1.GenerateStreamRequest
+	15, // 18: slimen.engine.v1.Engine.Score:input_type -> slimen.engine.v1.ScoreBatchRequest
+	22, // 19: slimen.engine.v1.Engine.Train:input_type -> slimen.engine.v1.TrainRequest
+	24, // 20: slimen.engine.v1.Engine.Tokenize:input_type -> slimen.engine.v1.TokenizeRequest
+	27, // 21: slimen.engine.v1.Engine.Save:input_type -> slimen.engine.v1.SaveRequest
+	29, // 22: slimen.engine.v1.Engine.Load:input_type -> slimen.engine.v1.LoadRequest
+	4,  // 23: slimen.engine.v1.Engine.Health:input_type -> slimen.engine.v1.HealthRequest
+	15, // 24: slimen.engine.v1.Engine.Values:input_type -> slimen.engine.v1.ScoreBatchRequest
+	2,  // 25: slimen.engine.v1.Engine.Info:output_type -> slimen.engine.v1.InfoResponse
+	12, // 26: slimen.engine.v1.Engine.Generate:output_type -> slimen.engine.v1.GenerateStreamResponse
+	16, // 27: slimen.engine.v1.Engine.Score:output_type -> slimen.engine.v1.ScoreBatchResponse
+	23, // 28: slimen.engine.v1.Engine.Train:output_type -> slimen.engine.v1.TrainResponse
+	26, // 29: slimen.engine.v1.Engine.Tokenize:output_type -> slimen.engine.v1.TokenizeResponse
+	28, // 30: slimen.engine.v1.Engine.Save:output_type -> slimen.engine.v1.SaveResponse
+	30, // 31: slimen.engine.v1.Engine.Load:output_type -> slimen.engine.v1.LoadResponse
+	5,  // 32: slimen.engine.v1.Engine.Health:output_type -> slimen.engine.v1.HealthResponse
+	17, // 33: slimen.engine.v1.Engine.Values:output_type -> slimen.engine.v1.ValuesResponse
+	25, // [25:34] is the sub-list for method output_type
+	16, // [16:25] is the sub-list for method input_type
+	16, // [16:16] is the sub-list for extension type_name
+	16, // [16:16] is the sub-list for extension extendee
+	0,  // [0:16] is the sub-list for field type_name
 }
 
 func init() { file_engine_proto_init() }
@@ -2108,7 +2199,7 @@ func file_engine_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_engine_proto_rawDesc), len(file_engine_proto_rawDesc)),
 			NumEnums:      1,
-			NumMessages:   29,
+			NumMessages:   30,
 			NumExtensions: 0,
 			NumServices:   1,
 		},

@@ -54,6 +54,7 @@ const (
 	Engine_Save_FullMethodName     = "/slimen.engine.v1.Engine/Save"
 	Engine_Load_FullMethodName     = "/slimen.engine.v1.Engine/Load"
 	Engine_Health_FullMethodName   = "/slimen.engine.v1.Engine/Health"
+	Engine_Values_FullMethodName   = "/slimen.engine.v1.Engine/Values"
 )
 
 // EngineClient is the client API for Engine service.
@@ -83,6 +84,9 @@ type EngineClient interface {
 	Load(ctx context.Context, in *LoadRequest, opts ...grpc.CallOption) (*LoadResponse, error)
 	// Health answers as long as the server is up; it never touches the model.
 	Health(ctx context.Context, in *HealthRequest, opts ...grpc.CallOption) (*HealthResponse, error)
+	// Values returns a critic's value estimate of each response token (engines.Valuer); an engine
+	// without a value head answers UNIMPLEMENTED.
+	Values(ctx context.Context, in *ScoreBatchRequest, opts ...grpc.CallOption) (*ValuesResponse, error)
 }
 
 type engineClient struct {
@@ -176,6 +180,16 @@ func (c *engineClient) Health(ctx context.Context, in *HealthRequest, opts ...gr
 	return out, nil
 }
 
+func (c *engineClient) Values(ctx context.Context, in *ScoreBatchRequest, opts ...grpc.CallOption) (*ValuesResponse, error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	out := new(ValuesResponse)
+	err := c.cc.Invoke(ctx, Engine_Values_FullMethodName, in, out, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
 // EngineServer is the server API for Engine service.
 // All implementations must embed UnimplementedEngineServer
 // for forward compatibility.
@@ -203,6 +217,9 @@ type EngineServer interface {
 	Load(context.Context, *LoadRequest) (*LoadResponse, error)
 	// Health answers as long as the server is up; it never touches the model.
 	Health(context.Context, *HealthRequest) (*HealthResponse, error)
+	// Values returns a critic's value estimate of each response token (engines.Valuer); an engine
+	// without a value head answers UNIMPLEMENTED.
+	Values(context.Context, *ScoreBatchRequest) (*ValuesResponse, error)
 	mustEmbedUnimplementedEngineServer()
 }
 
@@ -236,6 +253,9 @@ func (UnimplementedEngineServer) Load(context.Context, *LoadRequest) (*LoadRespo
 }
 func (UnimplementedEngineServer) Health(context.Context, *HealthRequest) (*HealthResponse, error) {
 	return nil, status.Error(codes.Unimplemented, "method Health not implemented")
+}
+func (UnimplementedEngineServer) Values(context.Context, *ScoreBatchRequest) (*ValuesResponse, error) {
+	return nil, status.Error(codes.Unimplemented, "method Values not implemented")
 }
 func (UnimplementedEngineServer) mustEmbedUnimplementedEngineServer() {}
 func (UnimplementedEngineServer) testEmbeddedByValue()                {}
@@ -391,6 +411,24 @@ func _Engine_Health_Handler(srv interface{}, ctx context.Context, dec func(inter
 	return interceptor(ctx, in, info, handler)
 }
 
+func _Engine_Values_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(ScoreBatchRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(EngineServer).Values(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: Engine_Values_FullMethodName,
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(EngineServer).Values(ctx, req.(*ScoreBatchRequest))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
 // Engine_ServiceDesc is the grpc.ServiceDesc for Engine service.
 // It's only intended for direct use with grpc.RegisterService,
 // and not to be introspected or modified (even as a copy)
@@ -425,6 +463,10 @@ var Engine_ServiceDesc = grpc.ServiceDesc{
 		{
 			MethodName: "Health",
 			Handler:    _Engine_Health_Handler,
+		},
+		{
+			MethodName: "Values",
+			Handler:    _Engine_Values_Handler,
 		},
 	},
 	Streams: []grpc.StreamDesc{

@@ -263,6 +263,30 @@ func (c *Client) Score(ctx context.Context, reqs []engines.ScoreRequest) ([]engi
 	return out, nil
 }
 
+// Values asks a critic engine for the value of each response token (engines.Valuer).
+func (c *Client) Values(ctx context.Context, reqs []engines.ScoreRequest) ([][]float32, error) {
+	req := &enginepb.ScoreBatchRequest{Requests: make([]*enginepb.ScoreRequest, len(reqs))}
+	for i, r := range reqs {
+		req.Requests[i] = enginepb.EncodeScoreRequest(r)
+	}
+	var resp *enginepb.ValuesResponse
+	err := c.call(ctx, "values", req, func(ctx context.Context) (err error) {
+		resp, err = c.rpc.Values(ctx, req)
+		return err
+	})
+	if err != nil {
+		return nil, err
+	}
+	if len(resp.GetValues()) != len(reqs) {
+		return nil, fmt.Errorf("engine at %s: values: %d results for %d requests", c.addr, len(resp.GetValues()), len(reqs))
+	}
+	out := make([][]float32, len(reqs))
+	for i, v := range resp.GetValues() {
+		out[i] = v.GetLogprobs()
+	}
+	return out, nil
+}
+
 // Train runs one optimizer step. The step carries b.ID (a random one when b.ID is empty) and is
 // resent with it while the engine is unreachable; the server applies an id at most once.
 func (c *Client) Train(ctx context.Context, b engines.Batch) (engines.TrainStats, error) {

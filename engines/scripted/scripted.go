@@ -35,6 +35,8 @@ type Engine struct {
 	respond Responder
 	// Logprob is the log-probability reported for every generated or scored token.
 	Logprob float32
+	// Value is what Values reports for every token: a scripted PPO critic.
+	Value float32
 
 	mu      sync.Mutex
 	calls   [][]engines.GenerateRequest
@@ -159,6 +161,18 @@ func (e *Engine) Score(_ context.Context, reqs []engines.ScoreRequest) ([]engine
 	return out, nil
 }
 
+// Values answers like a critic whose every estimate is e.Value.
+func (e *Engine) Values(_ context.Context, reqs []engines.ScoreRequest) ([][]float32, error) {
+	out := make([][]float32, len(reqs))
+	for i, r := range reqs {
+		out[i] = make([]float32, len(r.Tokens))
+		for j := range out[i] {
+			out[i][j] = e.Value
+		}
+	}
+	return out, nil
+}
+
 // Train records the batch and reports the token-mean of −A·mask as its loss, which is the policy
 // loss at ratio 1: enough for tests to see that advantages reached the engine.
 func (e *Engine) Train(_ context.Context, b engines.Batch) (engines.TrainStats, error) {
@@ -211,4 +225,7 @@ func (e *Engine) Load(_ context.Context, dir string) error {
 
 func (e *Engine) Close() error { return nil }
 
-var _ engines.Engine = (*Engine)(nil)
+var (
+	_ engines.Engine = (*Engine)(nil)
+	_ engines.Valuer = (*Engine)(nil)
+)

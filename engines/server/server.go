@@ -191,6 +191,30 @@ func (s *service) Score(ctx context.Context, req *enginepb.ScoreBatchRequest) (*
 	return out, nil
 }
 
+// Values serves a critic's value head; an engine without one answers UNIMPLEMENTED.
+func (s *service) Values(ctx context.Context, req *enginepb.ScoreBatchRequest) (*enginepb.ValuesResponse, error) {
+	v, ok := s.eng.(engines.Valuer)
+	if !ok {
+		return nil, status.Error(codes.Unimplemented, "this engine has no value head (it is not a PPO critic)")
+	}
+	reqs := make([]engines.ScoreRequest, len(req.GetRequests()))
+	for i, r := range req.GetRequests() {
+		reqs[i] = enginepb.DecodeScoreRequest(r)
+	}
+	vals, err := v.Values(ctx, reqs)
+	if err != nil {
+		return nil, toStatus(err)
+	}
+	if len(vals) != len(reqs) {
+		return nil, status.Errorf(codes.Internal, "the engine returned %d results for %d requests", len(vals), len(reqs))
+	}
+	out := &enginepb.ValuesResponse{Values: make([]*enginepb.Scores, len(vals))}
+	for i, x := range vals {
+		out.Values[i] = &enginepb.Scores{Logprobs: x}
+	}
+	return out, nil
+}
+
 func (s *service) Train(ctx context.Context, req *enginepb.TrainRequest) (*enginepb.TrainResponse, error) {
 	b := req.GetBatch()
 	if b.GetId() == "" {

@@ -1,0 +1,133 @@
+package host
+
+import (
+	"context"
+	"fmt"
+	"time"
+
+	"github.com/slimen/slimen/engines"
+)
+
+// Asymmetric PPO (issue 4): an actor trained with advantage_estimator: ppo and a critic policy
+// (role: critic) — its own model with a value head and its own optimizer. The critic values every
+// response token of the actor's samples; GAE turns rewards and values into advantages for the
+// actor and returns for the critic, which then trains with the clipped value loss.
+
+// valueClip is slime's value clipping for the critic: V within V_old ± 0.2.
+const valueClip = 0.2
+
+// critic returns the run's critic policy, if any.
+func (r *Run) critic() *policy {
+	for _, p := range r.policyList() {
+		if p.cfg.IsCritic() {
+			return p
+		}
+	}
+	return nil
+}
+
+// ppoTargets holds what the critic computed for one actor sample.
+type ppoTargets struct {
+	values, returns []float32
+}
+
+// gae computes per-token advantages and returns for one sample whose reward comes at its last
+// token: δ_t = r_t + γ·V_{t+1} − V_t, A_t = δ_t + γλ·A_{t+1}, returns = A + V.
+func gae(reward float64, values []float32, gamma, lambda float64) (adv, ret []float32) {
+	n := len(values)
+	adv, ret = make([]float32, n), make([]float32, n)
+	next, last := 0.0, 0.0 // V_{t+1} and A_{t+1}; zero past the end of the response
+	for t := n - 1; t >= 0; t-- {
+		r := 0.0
+		if t == n-1 {
+			r = reward
+		}
+		v := float64(values[t])
+		delta := r + gamma*next - v
+		last = delta + gamma*lambda*last
+		adv[t], ret[t] = float32(last), float32(last+v)
+		next = v
+	}
+	return adv, ret
+}
+
+// ppoAdvantages values an actor's samples with the critic and returns their advantages, keeping
+// the targets for the critic's own training step.
+func (r *Run) ppoAdvantages(ctx context.Context, actor *policy, ss []trainSample) ([][]float32, []ppoTargets, error) {
+	crit := r.critic()
+	if crit == nil {
+		return nil, nil, fmt.Errorf("policy %q trains with ppo but the run has no critic policy (role: critic)", actor.name)
+	}
+	valuer, ok := crit.eng.(engines.Valuer)
+	if !ok {
+		return nil, nil, fmt.Errorf("policy %q is the critic but its engine has no value head", crit.name)
+	}
+	reqs := make([]engines.ScoreRequest, len(ss))
+	for i, s := range ss {
+		reqs[i] = engines.ScoreRequest{PromptTokens: s.c.prompt, Tokens: s.c.tokens}
+	}
+	vals, err := valuer.Values(ctx, reqs)
+	if err != nil {
+		return nil, nil, fmt.Errorf("critic %q: values: %w", crit.name, err)
+	}
+	tc := actor.cfg.Train
+	adv := make([][]float32, len(ss))
+	targets := make([]ppoTargets, len(ss))
+	for i, s := range ss {
+		if len(vals[i]) != len(s.c.tokens) {
+			return nil, nil, fmt.Errorf("critic %q returned %d values for %d tokens", crit.name, len(vals[i]), len(s.c.tokens))
+		}
+		a, ret := gae(s.reward, vals[i], tc.Gamma, tc.Lambda)
+		if s.hasAdv { // the script's own advantage wins, as with every estimator
+			a = broadcast(s.advantage, len(s.c.tokens))
+		}
+		adv[i] = a
+		targets[i] = ppoTargets{values: vals[i], returns: ret}
+	}
+	return adv, targets, nil
+}
+
+func broadcast(a []float64, n int) []float32 {
+	out := make([]float32, n)
+	for t := range out {
+		if len(a) == n {
+			out[t] = float32(a[t])
+		} else {
+			out[t] = float32(a[0])
+		}
+	}
+	return out
+}
+
+// trainCritic runs the critic's optimizer steps on the targets of every ppo actor's samples.
+func (r *Run) trainCritic(ctx context.Context, step int, crit *policy, samples []engines.Sample, m Metrics) error {
+	t0 := time.Now()
+	lc := lossConfig(crit.cfg.Train)
+	lc.ValueClip = valueClip
+	size := crit.cfg.Train.GlobalBatchSize
+	if size <= 0 || size > len(samples) {
+		size = len(samples)
+	}
+	var loss float64
+	steps := 0
+	for k := 0; k < len(samples); k += size {
+		b := engines.Batch{ID: fmt.Sprintf("%s/%s/step%d/%d", r.id, crit.name, step, k/size), Loss: lc,
+			Samples: samples[k:min(k+size, len(samples))]}
+		st, err := crit.eng.Train(ctx, b)
+		if err != nil {
+			return fmt.Errorf("step %d: critic %q: train: %w", step, crit.name, err)
+		}
+		if st.Skipped {
+			r.events.printf("step %d: critic %q: optimizer step %s skipped: %s", step, crit.name, b.ID, st.Reason)
+			continue
+		}
+		loss += st.ValueLoss
+		steps++
+	}
+	m.set("samples", len(samples))
+	m.set("value_loss", loss/float64(max(steps, 1)))
+	m.set("loss", loss/float64(max(steps, 1)))
+	m.set("optimizer_steps", steps)
+	m.set("train_s", time.Since(t0).Seconds())
+	return nil
+}
