@@ -29,17 +29,7 @@ func metricsWithoutTimings(t *testing.T, dir string) string {
 	if err != nil {
 		t.Fatal(err)
 	}
-	var out []string
-	for _, line := range strings.Split(strings.TrimSpace(string(b)), "\n") {
-		for _, k := range TimingFields {
-			if i := strings.Index(line, `"`+k+`":`); i >= 0 {
-				j := strings.IndexAny(line[i:], ",}")
-				line = line[:i] + line[i+j:]
-			}
-		}
-		out = append(out, line)
-	}
-	return strings.Join(out, "\n")
+	return WithoutTimings(string(b))
 }
 
 func TestCheckpointResumeEqualsUninterrupted(t *testing.T) {

@@ -9,6 +9,7 @@ import (
 	"os"
 	"sort"
 	"strconv"
+	"strings"
 	"sync"
 	"time"
 )
@@ -39,6 +40,25 @@ func (m Metrics) int(k string) int { v, _ := m[k].(int); return v }
 
 // TimingFields are the metrics that measure wall time and so differ between equal runs.
 var TimingFields = []string{"rollout_s", "train_s", "step_s", "tokens_per_s"}
+
+// WithoutTimings returns metrics.jsonl text with the TimingFields removed from every line: what
+// two equal runs must agree on byte for byte.
+func WithoutTimings(jsonl string) string {
+	var out []string
+	for _, line := range strings.Split(strings.TrimSpace(jsonl), "\n") {
+		for _, k := range TimingFields {
+			if i := strings.Index(line, `"`+k+`":`); i >= 0 {
+				j := strings.IndexAny(line[i:], ",}")
+				if line[i+j] == ',' {
+					j++ // drop the separator with the field
+				}
+				line = line[:i] + line[i+j:]
+			}
+		}
+		out = append(out, strings.TrimSuffix(strings.Replace(line, ",}", "}", 1), ","))
+	}
+	return strings.Join(out, "\n")
+}
 
 // reservedMetric are names log() may not use.
 var reservedMetric = map[string]bool{"step": true, "policy": true}

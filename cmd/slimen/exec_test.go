@@ -73,17 +73,7 @@ func metricsNoTimings(t *testing.T, dir string) string {
 	if err != nil {
 		t.Fatal(err)
 	}
-	var lines []string
-	for _, line := range strings.Split(strings.TrimSpace(string(b)), "\n") {
-		for _, k := range host.TimingFields {
-			if i := strings.Index(line, `"`+k+`":`); i >= 0 {
-				j := strings.IndexAny(line[i:], ",}")
-				line = line[:i] + line[i+j:]
-			}
-		}
-		lines = append(lines, line)
-	}
-	return strings.Join(lines, "\n")
+	return host.WithoutTimings(string(b))
 }
 
 func TestSameSeedSameMetrics(t *testing.T) {

@@ -25,7 +25,7 @@ func cmdPretrain(args []string) int {
 	difficulty := fs.Int("difficulty", 0, "problem difficulty 1..4 (overrides the task's; default 2)")
 	steps := fs.Int("steps", 3000, "optimizer steps")
 	batch := fs.Int("batch-size", 64, "examples per step")
-	lr := fs.Float64("lr", 3e-3, "peak learning rate (linear warm-up, cosine decay to a tenth)")
+	lr := fs.Float64("lr", 3e-3, "learning rate (after a linear warm-up; constant, so a run of N steps is the start of any longer run)")
 	warmup := fs.Int("warmup", 100, "warm-up steps")
 	wd := fs.Float64("weight-decay", 0.01, "AdamW weight decay")
 	seed := fs.Uint64("seed", 1, "seed of the initial weights and of the training problems")
