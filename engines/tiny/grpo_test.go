@@ -4,8 +4,10 @@ import (
 	"fmt"
 	"math"
 	"testing"
+	"time"
 
 	"github.com/slimen/slimen/engines"
+	"github.com/slimen/slimen/host/synthetic"
 )
 
 // grpoStep is plain single-policy GRPO as the host runs it: n samples per prompt, a reward per
@@ -86,3 +88,60 @@ func TestGRPOToyLearns(t *testing.T) {
 	}
 	t.Logf("mean reward %.2f → %.2f", first, last)
 }
+
+// BenchmarkGRPOArith is the learning check of docs/tiny.md: plain single-policy GRPO from
+// builtin:tiny-arith on synthetic:arith (difficulty 2) for five minutes of engine time — 32
+// problems a step, 8 samples each at temperature 1, reward 1 for an exact \boxed{} answer, group-
+// normalised advantages, one Train call a step — with the held-out exact-match accuracy at
+// temperature 1 (500 problems of another seed) logged along the way. It fails unless the accuracy
+// rises by 15 points. Run it alone:
+//
+//	go test ./engines/tiny -run '^$' -bench GRPOArith -benchtime 1x -timeout 30m
+func BenchmarkGRPOArith(b *testing.B) {
+	const budget = 5 * time.Minute
+	for b.Loop() {
+		e := openBuiltin(b)
+		train := synthetic.Arith{Seed: 777, Difficulty: 2}
+		heldOut := synthetic.Arith{Seed: 4242, Difficulty: 2}
+		eval := func() float64 {
+			acc, err := ArithAccuracy(ctx, e, heldOut, 500, 1, 99)
+			if err != nil {
+				b.Fatal(err)
+			}
+			return acc
+		}
+		loss := engines.LossConfig{LR: grpoLR, EpsClip: 0.2, EpsClipHigh: 0.28, MaxGradNorm: 1}
+		start := eval()
+		b.Logf("step 0 (0s): held-out accuracy %.1f%%", 100*start)
+		var spent time.Duration
+		acc := start
+		for step := 0; spent < budget; step++ {
+			t0 := time.Now()
+			prompts, labels := make([]string, 32), make([]string, 32)
+			for i := range prompts {
+				p := train.Problem(step*32 + i)
+				prompts[i], labels[i] = p.Prompt, p.Label
+			}
+			exact := func(i int, c engines.Completion) float64 {
+				if got, ok := lastBoxed(c.Text); ok && got == labels[i] {
+					return 1
+				}
+				return 0
+			}
+			reward, st := grpoStep(b, e, prompts, 8, 1, uint64(step), exact, loss)
+			spent += time.Since(t0)
+			if (step+1)%10 == 0 || spent >= budget {
+				acc = eval()
+				b.Logf("step %d (%.0fs): train reward %.2f, clip %.3f, held-out accuracy %.1f%%", step+1, spent.Seconds(), reward, st.ClipFrac, 100*acc)
+			}
+		}
+		b.ReportMetric(100*start, "start_acc_%")
+		b.ReportMetric(100*acc, "end_acc_%")
+		if acc < start+0.15 {
+			b.Errorf("held-out accuracy went from %.1f%% to %.1f%% in %v: less than 15 points", 100*start, 100*acc, budget)
+		}
+	}
+}
+
+// grpoLR is the learning rate docs/tiny.md recommends for RL on builtin:tiny-arith.
+const grpoLR = 2e-3

@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"math"
 
 	"github.com/slimen/slimen/engines"
 )
@@ -20,8 +19,8 @@ type Example struct {
 type PretrainOptions struct {
 	Steps       int     // optimizer steps; required
 	BatchSize   int     // examples per step; 0: 64
-	LR          float64 // peak learning rate; 0: 3e-3
-	WarmupSteps int     // linear warm-up from 0 to LR; then cosine decay to LR/10
+	LR          float64 // learning rate after warm-up; 0: 3e-3
+	WarmupSteps int     // linear warm-up from 0 to LR, then constant
 	WeightDecay float64
 	MaxGradNorm float64 // 0: 1
 	// OnStep, when set, is called after every step with its number (1-based) and mean loss per
@@ -74,14 +73,14 @@ func Pretrain(ctx context.Context, e *Engine, examples func(i int) Example, o Pr
 	return nil
 }
 
-// lrAt is the learning rate of a step: linear warm-up, then cosine decay to a tenth of the peak.
+// lrAt is the learning rate of a step: a linear warm-up, then constant. The schedule does not
+// depend on Steps, so a run of N steps is exactly the first N steps of any longer run: one long run
+// with evaluations shows what every shorter run would give.
 func (o PretrainOptions) lrAt(step int) float64 {
 	if step <= o.WarmupSteps {
 		return o.LR * float64(step) / float64(o.WarmupSteps)
 	}
-	span := max(o.Steps-o.WarmupSteps, 1)
-	progress := float64(step-o.WarmupSteps) / float64(span)
-	return o.LR * (0.1 + 0.9*0.5*(1+math.Cos(math.Pi*progress)))
+	return o.LR
 }
 
 // supervisedStep runs one AdamW step on the cross-entropy of the examples' responses.
