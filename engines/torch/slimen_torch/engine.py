@@ -22,7 +22,7 @@ from .config import ModelConfig, eos_ids, read_config
 from .generate import Generator, Request
 from .model import Transformer
 from .tokenizer import TOKENIZER_FILES, Tokenizer
-from .train import Trainer, micro_batches, response_logits
+from .train import Trainer, micro_batches, response_logits, token_logprobs
 from .types import (Batch, Completion, GenerateRequest, LossConfig, RequestError, Sampling,
                     ScoreRequest, TrainStats)
 from .weights import load_weights, save_weights
@@ -102,7 +102,7 @@ class Engine:
             prefill_tokens=o.prefill_tokens or (16384 if cuda else 2048))
         model.grad_checkpointing = o.grad_checkpointing
         self.trainer = Trainer(model, micro_batch_tokens=o.micro_batch_tokens or (
-            16384 if cuda else 4096), reference=self._reference_model)
+            16384 if cuda else 4096), reference=self._reference_model, compile=o.compile and cuda)
         self._load_optimizer(model_dir)
 
     def _default_slots(self, max_len: int) -> int:
@@ -279,6 +279,7 @@ class Engine:
         for mb in micro_batches([len(pairs[i][0]) + len(pairs[i][1]) for i in todo], budget):
             idx = [todo[j] for j in mb]
             logits, targets = response_logits(self.model, [pairs[i] for i in idx])
+            logits = logits.float()
             lp = (logits.gather(1, targets[:, None]).squeeze(1)
                   - torch.logsumexp(logits, dim=-1)).tolist()
             k = 0
@@ -333,7 +334,8 @@ class Engine:
         self.eos = _eos(raw, model_dir, self.tokenizer)
         self.gen.eos = set(self.eos)
         self.trainer = Trainer(self.model, micro_batch_tokens=self.trainer.micro_batch_tokens,
-                               reference=self._reference_model)
+                               reference=self._reference_model,
+                               compile=self.trainer.logprob_fn is not token_logprobs)
         self._load_optimizer(model_dir)
 
     def close(self) -> None:

@@ -74,7 +74,7 @@ class Generator:
 
     def __init__(self, model: Transformer, tokenizer, eos: list[int], *, slots: int, max_len: int,
                  cuda_graphs: bool, compile_layers: bool, prefill_tokens: int,
-                 length_bucket: int = 256):
+                 length_bucket: int = 64):
         self.model = model
         self.tokenizer = tokenizer
         self.eos = set(eos)
@@ -85,6 +85,7 @@ class Generator:
         self.prefill_tokens = prefill_tokens
         self.length_bucket = length_bucket
         self.layer_fn = decode_layer
+        self.compile_error = ""
         if compile_layers:
             # One compiled function serves every layer: the layer's weights are arguments. Shapes
             # are dynamic so that new (rows, length) buckets do not recompile.
@@ -196,8 +197,10 @@ class Generator:
 
     @torch.no_grad()
     def _admit(self) -> None:
+        if not self.waiting:
+            return
         free = [i for i, s in enumerate(self.slots) if s is None]
-        if not free or not self.waiting:
+        if not free:
             return
         picked: list[Sequence] = []
         prompts: dict[int, int] = {}  # id(request) -> prefill row
@@ -263,9 +266,7 @@ class Generator:
     def _decode(self, B: int, L: int, use_top_p: bool) -> None:
         """One decode step on rows [0, B) over positions [0, L): what a CUDA graph captures."""
         pos = self.pos[:B]
-        kc = [k[:B, :, :L] for k in self.k]
-        vc = [v[:B, :, :L] for v in self.v]
-        hidden = decode_step(self.model, self.layer_fn, self.tok[:B], pos, kc, vc)
+        hidden = decode_step(self.model, self.layer_fn, self.tok[:B], pos, self.k, self.v, L)
         logits = self.model.logits(hidden).float()
         u = sampling.uniform(self.key[:B], self.step_idx[:B])
         tok, lp = sampling.sample(logits, self.temp[:B], self.top_p[:B], u, use_top_p)
@@ -295,7 +296,16 @@ class Generator:
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
-            self._decode(B, L, use_top_p)
+            try:
+                self._decode(B, L, use_top_p)
+            except Exception as e:
+                if self.layer_fn is decode_layer:
+                    raise
+                # A compiler failure costs speed, not service.
+                log.warning("torch.compile of the decode layer failed, running it eagerly: %s", e)
+                self.compile_error = str(e)
+                self.layer_fn = decode_layer
+                self._decode(B, L, use_top_p)
         torch.cuda.current_stream().wait_stream(stream)
         for t, s in zip((self.tok, self.pos, self.step_idx), saved):
             t.copy_(s)

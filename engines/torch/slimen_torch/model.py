@@ -84,15 +84,19 @@ class Block(nn.Module):
                 self.mlp_norm, self.w13, self.w2)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        """x: [B, T, hidden] → (x, k, v) with k, v: [B, kv_heads, T, head_dim] after rope."""
-        cfg = self.cfg
-        q, k, v = project_qkv(cfg, self.weights(), x, cos, sin)  # [B, T, heads, D]
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=cfg.head_dim ** -0.5,
-                                           enable_gqa=cfg.heads != cfg.kv_heads)
-        o = o.transpose(1, 2).flatten(2)
-        x = x + F.linear(o, self.wo, self.bo)
-        return x + mlp(cfg, self.weights(), x), k, v
+        return block_forward(self.cfg, x, self.weights(), cos, sin)
+
+
+def block_forward(cfg: ModelConfig, x, w: tuple, cos, sin):
+    """One layer over whole sequences: x [B, T, hidden] → (x, k, v), k and v [B, kv_heads, T, D]
+    after rope (what prefill writes into the cache)."""
+    q, k, v = project_qkv(cfg, w, x, cos, sin)  # [B, T, heads, D]
+    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=cfg.head_dim ** -0.5,
+                                       enable_gqa=cfg.heads != cfg.kv_heads)
+    o = o.transpose(1, 2).flatten(2)
+    x = x + F.linear(o, w[5], w[6])
+    return x + mlp(cfg, w, x), k, v
 
 
 def project_qkv(cfg: ModelConfig, w: tuple, x, cos, sin):
@@ -116,24 +120,27 @@ def mlp(cfg: ModelConfig, w: tuple, x):
 
 
 def decode_layer(cfg: ModelConfig, x, w: tuple, k_cache, v_cache, pos, mask, cos, sin):
-    """One layer for one new token per cache row.
+    """One layer for one new token in each of the first B cache rows.
 
-    x: [B, hidden]; k_cache, v_cache: [B, kv_heads, L, D] (views of the static cache); pos: [B]
-    positions the new token is written at; mask: [B, L], True where a key is visible.
+    x: [B, hidden]; k_cache, v_cache: the layer's whole cache [slots, kv_heads, max_len, D];
+    pos: [B] the positions the new tokens are written at; mask: [B, L], True where a key is
+    visible; attention reads positions [0, L) only. The cache is updated in place, which a
+    compiled version of this function does in place too (the pattern gpt-fast relies on).
     """
-    B = x.shape[0]
+    B, L = x.shape[0], mask.shape[1]
     q, k, v = project_qkv(cfg, w, x, cos, sin)  # [B, heads, D]
     rows = torch.arange(B, device=x.device)
     k_cache[rows, :, pos] = k
     v_cache[rows, :, pos] = v
+    keys, values = k_cache[:B, :, :L], v_cache[:B, :, :L]
     # Grouped-query attention as two batched products: the query heads of one key/value head form
     # the rows of one small matrix, so the cache is read once per key/value head, never copied.
     group = cfg.heads // cfg.kv_heads
     qg = q.view(B, cfg.kv_heads, group, cfg.head_dim)
-    scores = torch.matmul(qg, k_cache.transpose(-1, -2)).float() * cfg.head_dim ** -0.5
+    scores = torch.matmul(qg, keys.transpose(-1, -2)).float() * cfg.head_dim ** -0.5
     scores = scores.masked_fill(~mask[:, None, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1).to(v_cache.dtype)
-    o = torch.matmul(probs, v_cache).reshape(B, cfg.q_dim)
+    probs = torch.softmax(scores, dim=-1).to(values.dtype)
+    o = torch.matmul(probs, values).reshape(B, cfg.q_dim)
     wo, bo = w[5], w[6]
     x = x + F.linear(o, wo, bo)
     return x + mlp(cfg, w, x)
@@ -155,6 +162,9 @@ class Transformer(nn.Module):
         self.register_buffer("cos", angles.cos().to(device), persistent=False)
         self.register_buffer("sin", angles.sin().to(device), persistent=False)
         self.grad_checkpointing = False
+        # The layer function of training passes: block_forward, or a compiled version of it
+        # (engine.Options.compile on a GPU). Inference passes (prefill, score) run it eagerly.
+        self.train_block_fn = block_forward
 
     def init_weights(self, generator: torch.Generator, std: float = 0.02) -> None:
         """Random initialisation (make-model): normal(0, std) matrices, unit norms, zero biases."""
@@ -180,11 +190,13 @@ class Transformer(nn.Module):
         T = tokens.shape[1]
         x = F.embedding(tokens, self.embed)
         cos, sin = self.cos[:T], self.sin[:T]
+        fn = self.train_block_fn if self.training else block_forward
         for i, layer in enumerate(self.layers):
             if self.grad_checkpointing and self.training:
-                x, k, v = checkpoint(layer, x, cos, sin, use_reentrant=False)
+                x, k, v = checkpoint(fn, self.cfg, x, layer.weights(), cos, sin,
+                                     use_reentrant=False)
             else:
-                x, k, v = layer(x, cos, sin)
+                x, k, v = fn(self.cfg, x, layer.weights(), cos, sin)
             if kv_sink is not None:
                 kv_sink(i, k, v)
         return rms_norm(x, self.norm, self.cfg.rms_eps)
@@ -193,14 +205,13 @@ class Transformer(nn.Module):
         return F.linear(hidden, self.head_weight)
 
 
-def decode_step(model: Transformer, layer_fn, tokens, pos, k_caches, v_caches):
+def decode_step(model: Transformer, layer_fn, tokens, pos, k_caches, v_caches, L: int):
     """One generated token for each of B cache rows → final hidden states [B, hidden].
 
-    tokens, pos: [B]; k_caches[i], v_caches[i]: [B, kv_heads, L, D] views of layer i's cache.
-    layer_fn is decode_layer, or a compiled version of it (the same function serves every layer
-    because the layer's weights are arguments, so it is compiled once).
+    tokens, pos: [B]; k_caches[i], v_caches[i]: layer i's whole cache; attention reads positions
+    [0, L). layer_fn is decode_layer, or a compiled version of it (one function serves every
+    layer because the layer's weights are arguments, so it is compiled once).
     """
-    L = k_caches[0].shape[2]
     x = F.embedding(tokens, model.embed)
     cos, sin = model.cos[pos], model.sin[pos]
     mask = torch.arange(L, device=pos.device)[None, :] <= pos[:, None]

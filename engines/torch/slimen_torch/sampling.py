@@ -43,6 +43,35 @@ def uniform(key: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
     return ((h >> 8).float() + 0.5) * (1.0 / (1 << 24))
 
 
+def _inverse_cdf(w: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """For each row of non-negative weights w [B, V], the first index whose running sum reaches
+    u·(row sum), never an index of weight 0.
+
+    Two levels, because a running sum along one row of 150k entries is one long sequential scan
+    on a GPU: sums of chunks first (a parallel reduction), the running sum over the chunk sums,
+    then the running sum inside the one chunk that holds the target.
+    """
+    B, V = w.shape
+    C = 1024
+    while C >= 64 and V % C:
+        C //= 2
+    if C < 64 or V // C < 2:
+        c = w.cumsum(-1)
+        target = torch.minimum(u * c[:, -1], c[:, -1])[:, None].contiguous()
+        return torch.searchsorted(c, target).squeeze(1).clamp(max=V - 1)
+    blocks = w.view(B, V // C, C)
+    cmass = blocks.sum(-1).cumsum(-1)  # [B, chunks]
+    target = (u * cmass[:, -1])[:, None].contiguous()
+    j = torch.searchsorted(cmass, target).clamp(max=V // C - 1)  # [B, 1]
+    before = torch.where(j > 0, cmass.gather(1, (j - 1).clamp(min=0)), torch.zeros_like(target))
+    inner = blocks.gather(1, j[:, :, None].expand(B, 1, C)).squeeze(1).cumsum(-1)  # [B, C]
+    # Rounding can leave the rest of the target just above the chunk's own total; the last
+    # entry with weight then takes it (searchsorted finds the first index reaching the total).
+    rest = torch.minimum(target - before, inner[:, -1:]).contiguous()
+    k = torch.searchsorted(inner, rest).clamp(max=C - 1)
+    return (j * C + k).squeeze(1)
+
+
 def sample(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor,
            u: torch.Tensor, use_top_p: bool):
     """Draws one token per row.
@@ -53,17 +82,17 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor,
     """
     greedy = temperature <= 0
     t = torch.where(greedy, torch.ones_like(temperature), temperature)
-    probs = torch.softmax(logits / t[:, None], dim=-1)
+    # Unnormalised probabilities (the largest is 1): sampling needs no division by the total.
+    w = torch.exp((logits - logits.amax(-1, keepdim=True)) / t[:, None])
     if use_top_p:
-        probs, order = probs.sort(dim=-1, descending=True)
+        w, order = w.sort(dim=-1, descending=True)
         # Keep the smallest prefix of the sorted distribution whose mass reaches top_p: a token
         # stays while the mass before it is below top_p (so the first always stays).
-        before = probs.cumsum(dim=-1) - probs
-        probs = probs * (before < top_p[:, None])
-    cdf = probs.cumsum(dim=-1)
-    target = (u * cdf[:, -1])[:, None].contiguous()
-    idx = torch.searchsorted(cdf, target).clamp_(max=logits.shape[-1] - 1)
-    tokens = (order.gather(1, idx) if use_top_p else idx).squeeze(1)
+        before = w.cumsum(dim=-1) - w
+        w = w * (before < top_p[:, None] * w.sum(-1, keepdim=True))
+        tokens = order.gather(1, _inverse_cdf(w, u)[:, None]).squeeze(1)
+    else:
+        tokens = _inverse_cdf(w, u)
     tokens = torch.where(greedy, logits.argmax(dim=-1), tokens)
     logprobs = logits.gather(1, tokens[:, None]).squeeze(1) - torch.logsumexp(logits, dim=-1)
     return tokens, logprobs

@@ -13,22 +13,26 @@ the micro-batches add up to the gradient of the batch.
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 
 import torch
 
 from . import loss as L
-from .model import Transformer
+from .model import Transformer, block_forward
 from .types import Batch, RequestError, Sample, TrainStats
+
+log = logging.getLogger("slimen_torch")
 
 
 def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, entropy_grad: bool):
-    """logits [N, V] fp32 → (log-prob of each target [N], entropy [N]).
+    """logits [N, V] → (log-prob of each target [N], entropy [N]), computed in fp32.
 
     The entropy is always computed (it is reported); it carries a gradient only when asked, so
-    that an unused entropy bonus costs no backward pass over the vocabulary.
+    that an unused entropy bonus costs no backward pass over the vocabulary. Compiled (on a GPU)
+    this reads the bf16 logits a few times instead of materialising several fp32 copies of them.
     """
-    lsm = torch.log_softmax(logits, dim=-1)
+    lsm = torch.log_softmax(logits.float(), dim=-1)
     logp = lsm.gather(1, targets[:, None]).squeeze(1)
     with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
         ent = -(lsm.exp() * lsm).sum(-1)
@@ -36,8 +40,9 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, entropy_grad: bo
 
 
 def response_logits(model: Transformer, pairs: list[tuple[list[int], list[int]]]):
-    """Logits [N, V] (fp32) predicting every response token of the (prompt, response) pairs,
-    flattened in order, and the response tokens [N]. Rows are right-padded into one batch."""
+    """Logits [N, V] (bf16 under autocast) predicting every response token of the (prompt,
+    response) pairs, flattened in order, and the response tokens [N]. Rows are right-padded into
+    one batch."""
     dev = model.embed.device
     T = max(len(p) + len(r) for p, r in pairs)
     tokens = torch.zeros(len(pairs), T, dtype=torch.long)
@@ -52,7 +57,7 @@ def response_logits(model: Transformer, pairs: list[tuple[list[int], list[int]]]
         else contextlib.nullcontext()
     with autocast:
         logits = model.logits(model(tokens).flatten(0, 1)[idx])
-    return logits.float(), torch.tensor(targets, device=dev)
+    return logits, torch.tensor(targets, device=dev)
 
 
 def check_samples(samples: list[Sample], vocab: int, max_len: int) -> None:
@@ -89,7 +94,8 @@ def micro_batches(lengths: list[int], budget: int) -> list[list[int]]:
 
 
 class Trainer:
-    def __init__(self, model: Transformer, *, micro_batch_tokens: int, reference=None):
+    def __init__(self, model: Transformer, *, micro_batch_tokens: int, reference=None,
+                 compile: bool = False):
         self.model = model
         self.params = [p for p in model.parameters()]
         self.mixed = self.params[0].dtype != torch.float32
@@ -99,6 +105,25 @@ class Trainer:
         self.masters = None
         self.opt = None
         self.steps = 0
+        self.logprob_fn = token_logprobs
+        self.compile_error = ""
+        if compile:
+            # One compiled layer (forward and backward) serves every layer; shapes are dynamic
+            # because micro-batches differ in rows and length.
+            model.train_block_fn = torch.compile(block_forward, dynamic=True)
+            self.logprob_fn = torch.compile(token_logprobs, dynamic=True)
+
+    def _uncompile(self, err: Exception) -> bool:
+        """Falls back to eager training after a compiler failure; False if already eager."""
+        if self.logprob_fn is token_logprobs:
+            return False
+        log.warning("torch.compile of the training step failed, training eagerly: %s", err)
+        self.compile_error = str(err)
+        self.model.train_block_fn = block_forward
+        self.logprob_fn = token_logprobs
+        for p in self.params:
+            p.grad = None
+        return True
 
     def _optimizer(self) -> torch.optim.Optimizer:
         if self.opt is None:
@@ -113,6 +138,16 @@ class Trainer:
         return response_logits(model, [(s.prompt, s.response) for s in samples])
 
     def step(self, batch: Batch) -> TrainStats:
+        try:
+            return self._step(batch)
+        except (RequestError, ValueError):
+            raise
+        except Exception as e:
+            if not self._uncompile(e):
+                raise
+            return self._step(batch)
+
+    def _step(self, batch: Batch) -> TrainStats:
         cfg = L.resolve(batch.loss)
         samples = [s for s in batch.samples if s.response]
         check_samples(samples, self.model.cfg.vocab_size, self.model.cfg.max_seq_len)
@@ -132,13 +167,13 @@ class Trainer:
                 return torch.tensor([x for v in values for x in v], dtype=dtype, device=dev)
 
             logits, targets = self._forward(self.model, group)
-            logp, ent = token_logprobs(logits, targets, entropy_grad=cfg.ent_coef > 0)
+            logp, ent = self.logprob_fn(logits, targets, entropy_grad=cfg.ent_coef > 0)
             del logits
             ref = None
             if ref_model is not None:
                 with torch.no_grad():
                     rl, _ = self._forward(ref_model, group)
-                    ref = token_logprobs(rl, targets, entropy_grad=False)[0]
+                    ref = self.logprob_fn(rl, targets, entropy_grad=False)[0]
                     del rl
             seq = torch.repeat_interleave(torch.arange(len(group), device=dev),
                                           torch.tensor([len(s.response) for s in group], device=dev))
@@ -156,6 +191,16 @@ class Trainer:
         """One supervised step: token-mean negative log-likelihood of the responses.
 
         Reported as TrainStats with loss = pg_loss = the NLL (warm-up before RL, see sft.py)."""
+        try:
+            return self._sft_step(pairs, lc)
+        except (RequestError, ValueError):
+            raise
+        except Exception as e:
+            if not self._uncompile(e):
+                raise
+            return self._sft_step(pairs, lc)
+
+    def _sft_step(self, pairs, lc) -> TrainStats:
         pairs = [(p, r) for p, r in pairs if r]
         check_samples([Sample(p, r, [1.0] * len(r), [0.0] * len(r), [0.0] * len(r))
                        for p, r in pairs], self.model.cfg.vocab_size, self.model.cfg.max_seq_len)
@@ -167,7 +212,7 @@ class Trainer:
                 for k in ("loss", "pg", "kl", "entropy", "clipped", "tokens")}
         for mb in micro_batches([len(p) + len(r) for p, r in pairs], self.micro_batch_tokens):
             logits, targets = response_logits(self.model, [pairs[i] for i in mb])
-            logp, ent = token_logprobs(logits, targets, entropy_grad=False)
+            logp, ent = self.logprob_fn(logits, targets, entropy_grad=False)
             nll = -logp.sum() / total
             nll.backward()
             sums["loss"] += nll.detach().double()
