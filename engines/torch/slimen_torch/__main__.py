@@ -32,6 +32,8 @@ def main(argv=None) -> None:
                    help="folder of the frozen KL reference (default: --model)")
     s.add_argument("--no-cuda-graphs", action="store_true")
     s.add_argument("--no-compile", action="store_true", help="do not torch.compile the decode step")
+    s.add_argument("--compile-train", action="store_true",
+                   help="torch.compile the training step (experimental; falls back to eager)")
 
     m = sub.add_parser("make-model", help="write a randomly initialised model folder")
     m.add_argument("--shape", required=True, help="tiny, tiny-qwen3, tiny-qwen2, qwen3-50m, "

@@ -40,6 +40,9 @@ class Options:
     max_seq_len: int = 0  # cache positions; 0 → min(model's, 2048 CPU / 4096 GPU)
     cuda_graphs: bool = True  # capture decode steps (GPU only)
     compile: bool = True  # torch.compile the decode layer before capturing it (GPU only)
+    # torch.compile the training layer and loss head (GPU only). Off: on the H200 with torch
+    # 2.11 dynamo stopped with an AssertionError (the trainer then falls back to eager).
+    compile_train: bool = False
     prefill_tokens: int = 0  # prompt tokens admitted per iteration; 0 → 2048 CPU / 16384 GPU
     micro_batch_tokens: int = 0  # padded tokens per training micro-batch; 0 → 4096 / 16384
     grad_checkpointing: bool = False  # recompute layer activations in the backward pass
@@ -102,7 +105,7 @@ class Engine:
             prefill_tokens=o.prefill_tokens or (16384 if cuda else 2048))
         model.grad_checkpointing = o.grad_checkpointing
         self.trainer = Trainer(model, micro_batch_tokens=o.micro_batch_tokens or (
-            16384 if cuda else 4096), reference=self._reference_model, compile=o.compile and cuda)
+            16384 if cuda else 4096), reference=self._reference_model, compile=o.compile_train and cuda)
         self._load_optimizer(model_dir)
 
     def _default_slots(self, max_len: int) -> int:

@@ -456,7 +456,8 @@ def serve(args) -> None:
         signal.signal(sig, lambda *_: stop.set())
     opts = Options(device=args.device, dtype=args.dtype, slots=args.slots,
                    max_seq_len=args.max_seq_len, cuda_graphs=not args.no_cuda_graphs,
-                   compile=not args.no_compile, micro_batch_tokens=args.micro_batch_tokens,
+                   compile=not args.no_compile, compile_train=args.compile_train,
+                   micro_batch_tokens=args.micro_batch_tokens,
                    grad_checkpointing=args.grad_checkpointing, ref_model=args.ref_model)
     service.engine = Engine(args.model, opts)
     service.loading = False

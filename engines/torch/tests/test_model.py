@@ -53,7 +53,7 @@ def test_decode_matches_forward(shape, engines):
         vc = [torch.zeros(shape_kv) for _ in m.layers]
         for t in range(T):
             pos = torch.full((B,), t)
-            got = m.logits(decode_step(m, decode_layer, tokens[:, t], pos, kc, vc))
+            got = m.logits(decode_step(m, decode_layer, tokens[:, t], pos, kc, vc, T))
             assert rel_err(got, want[:, t]) <= 1e-5, f"position {t}"
 
 
@@ -73,7 +73,7 @@ def test_rows_at_different_positions(engines):
         for t in range(5):
             toks = torch.tensor([a[t], b[min(t, 1)]])
             pos = torch.tensor([t, min(t, 1)])
-            out = m.logits(decode_step(m, decode_layer, toks, pos, kc, vc))
+            out = m.logits(decode_step(m, decode_layer, toks, pos, kc, vc, 8))
             if t == 1:
                 assert rel_err(out[1], want_b) <= 1e-5
         assert rel_err(out[0], want_a) <= 1e-5

@@ -175,24 +175,34 @@ class ScoreBatchResponse(_message.Message):
     scores: _containers.RepeatedCompositeFieldContainer[Scores]
     def __init__(self, scores: _Optional[_Iterable[_Union[Scores, _Mapping]]] = ...) -> None: ...
 
+class ValuesResponse(_message.Message):
+    __slots__ = ("values",)
+    VALUES_FIELD_NUMBER: _ClassVar[int]
+    values: _containers.RepeatedCompositeFieldContainer[Scores]
+    def __init__(self, values: _Optional[_Iterable[_Union[Scores, _Mapping]]] = ...) -> None: ...
+
 class Sample(_message.Message):
-    __slots__ = ("prompt", "response", "loss_mask", "old_logprobs", "advantages", "group")
+    __slots__ = ("prompt", "response", "loss_mask", "old_logprobs", "advantages", "group", "returns", "old_values")
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     RESPONSE_FIELD_NUMBER: _ClassVar[int]
     LOSS_MASK_FIELD_NUMBER: _ClassVar[int]
     OLD_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     ADVANTAGES_FIELD_NUMBER: _ClassVar[int]
     GROUP_FIELD_NUMBER: _ClassVar[int]
+    RETURNS_FIELD_NUMBER: _ClassVar[int]
+    OLD_VALUES_FIELD_NUMBER: _ClassVar[int]
     prompt: _containers.RepeatedScalarFieldContainer[int]
     response: _containers.RepeatedScalarFieldContainer[int]
     loss_mask: _containers.RepeatedScalarFieldContainer[float]
     old_logprobs: _containers.RepeatedScalarFieldContainer[float]
     advantages: _containers.RepeatedScalarFieldContainer[float]
     group: str
-    def __init__(self, prompt: _Optional[_Iterable[int]] = ..., response: _Optional[_Iterable[int]] = ..., loss_mask: _Optional[_Iterable[float]] = ..., old_logprobs: _Optional[_Iterable[float]] = ..., advantages: _Optional[_Iterable[float]] = ..., group: _Optional[str] = ...) -> None: ...
+    returns: _containers.RepeatedScalarFieldContainer[float]
+    old_values: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, prompt: _Optional[_Iterable[int]] = ..., response: _Optional[_Iterable[int]] = ..., loss_mask: _Optional[_Iterable[float]] = ..., old_logprobs: _Optional[_Iterable[float]] = ..., advantages: _Optional[_Iterable[float]] = ..., group: _Optional[str] = ..., returns: _Optional[_Iterable[float]] = ..., old_values: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class LossConfig(_message.Message):
-    __slots__ = ("lr", "beta1", "beta2", "adam_eps", "weight_decay", "max_grad_norm", "eps_clip", "eps_clip_high", "kl_loss_coef", "kl_loss_type", "entropy_coef", "policy_loss", "aggregation")
+    __slots__ = ("lr", "beta1", "beta2", "adam_eps", "weight_decay", "max_grad_norm", "eps_clip", "eps_clip_high", "kl_loss_coef", "kl_loss_type", "entropy_coef", "policy_loss", "aggregation", "value_clip")
     LR_FIELD_NUMBER: _ClassVar[int]
     BETA1_FIELD_NUMBER: _ClassVar[int]
     BETA2_FIELD_NUMBER: _ClassVar[int]
@@ -206,6 +216,7 @@ class LossConfig(_message.Message):
     ENTROPY_COEF_FIELD_NUMBER: _ClassVar[int]
     POLICY_LOSS_FIELD_NUMBER: _ClassVar[int]
     AGGREGATION_FIELD_NUMBER: _ClassVar[int]
+    VALUE_CLIP_FIELD_NUMBER: _ClassVar[int]
     lr: float
     beta1: float
     beta2: float
@@ -219,7 +230,8 @@ class LossConfig(_message.Message):
     entropy_coef: float
     policy_loss: str
     aggregation: str
-    def __init__(self, lr: _Optional[float] = ..., beta1: _Optional[float] = ..., beta2: _Optional[float] = ..., adam_eps: _Optional[float] = ..., weight_decay: _Optional[float] = ..., max_grad_norm: _Optional[float] = ..., eps_clip: _Optional[float] = ..., eps_clip_high: _Optional[float] = ..., kl_loss_coef: _Optional[float] = ..., kl_loss_type: _Optional[str] = ..., entropy_coef: _Optional[float] = ..., policy_loss: _Optional[str] = ..., aggregation: _Optional[str] = ...) -> None: ...
+    value_clip: float
+    def __init__(self, lr: _Optional[float] = ..., beta1: _Optional[float] = ..., beta2: _Optional[float] = ..., adam_eps: _Optional[float] = ..., weight_decay: _Optional[float] = ..., max_grad_norm: _Optional[float] = ..., eps_clip: _Optional[float] = ..., eps_clip_high: _Optional[float] = ..., kl_loss_coef: _Optional[float] = ..., kl_loss_type: _Optional[str] = ..., entropy_coef: _Optional[float] = ..., policy_loss: _Optional[str] = ..., aggregation: _Optional[str] = ..., value_clip: _Optional[float] = ...) -> None: ...
 
 class Batch(_message.Message):
     __slots__ = ("id", "samples", "loss")
@@ -232,7 +244,7 @@ class Batch(_message.Message):
     def __init__(self, id: _Optional[str] = ..., samples: _Optional[_Iterable[_Union[Sample, _Mapping]]] = ..., loss: _Optional[_Union[LossConfig, _Mapping]] = ...) -> None: ...
 
 class TrainStats(_message.Message):
-    __slots__ = ("loss", "pg_loss", "kl", "clip_frac", "entropy", "grad_norm", "tokens", "skipped", "reason")
+    __slots__ = ("loss", "pg_loss", "kl", "clip_frac", "entropy", "grad_norm", "tokens", "skipped", "reason", "value_loss")
     LOSS_FIELD_NUMBER: _ClassVar[int]
     PG_LOSS_FIELD_NUMBER: _ClassVar[int]
     KL_FIELD_NUMBER: _ClassVar[int]
@@ -242,6 +254,7 @@ class TrainStats(_message.Message):
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     SKIPPED_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
+    VALUE_LOSS_FIELD_NUMBER: _ClassVar[int]
     loss: float
     pg_loss: float
     kl: float
@@ -251,7 +264,8 @@ class TrainStats(_message.Message):
     tokens: int
     skipped: bool
     reason: str
-    def __init__(self, loss: _Optional[float] = ..., pg_loss: _Optional[float] = ..., kl: _Optional[float] = ..., clip_frac: _Optional[float] = ..., entropy: _Optional[float] = ..., grad_norm: _Optional[float] = ..., tokens: _Optional[int] = ..., skipped: _Optional[bool] = ..., reason: _Optional[str] = ...) -> None: ...
+    value_loss: float
+    def __init__(self, loss: _Optional[float] = ..., pg_loss: _Optional[float] = ..., kl: _Optional[float] = ..., clip_frac: _Optional[float] = ..., entropy: _Optional[float] = ..., grad_norm: _Optional[float] = ..., tokens: _Optional[int] = ..., skipped: _Optional[bool] = ..., reason: _Optional[str] = ..., value_loss: _Optional[float] = ...) -> None: ...
 
 class TrainRequest(_message.Message):
     __slots__ = ("batch",)

@@ -74,6 +74,11 @@ class EngineStub:
                 request_serializer=engine__pb2.HealthRequest.SerializeToString,
                 response_deserializer=engine__pb2.HealthResponse.FromString,
                 _registered_method=True)
+        self.Values = channel.unary_unary(
+                '/slimen.engine.v1.Engine/Values',
+                request_serializer=engine__pb2.ScoreBatchRequest.SerializeToString,
+                response_deserializer=engine__pb2.ValuesResponse.FromString,
+                _registered_method=True)
 
 
 class EngineServicer:
@@ -142,6 +147,14 @@ class EngineServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Values(self, request, context):
+        """Values returns a critic's value estimate of each response token (engines.Valuer); an engine
+        without a value head answers UNIMPLEMENTED.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_EngineServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -184,6 +197,11 @@ def add_EngineServicer_to_server(servicer, server):
                     servicer.Health,
                     request_deserializer=engine__pb2.HealthRequest.FromString,
                     response_serializer=engine__pb2.HealthResponse.SerializeToString,
+            ),
+            'Values': grpc.unary_unary_rpc_method_handler(
+                    servicer.Values,
+                    request_deserializer=engine__pb2.ScoreBatchRequest.FromString,
+                    response_serializer=engine__pb2.ValuesResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -402,6 +420,33 @@ class Engine:
             '/slimen.engine.v1.Engine/Health',
             engine__pb2.HealthRequest.SerializeToString,
             engine__pb2.HealthResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Values(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/slimen.engine.v1.Engine/Values',
+            engine__pb2.ScoreBatchRequest.SerializeToString,
+            engine__pb2.ValuesResponse.FromString,
             options,
             channel_credentials,
             insecure,
