@@ -1,0 +1,292 @@
+"""The gRPC server over real loopback connections: the Generate stream (continuous batching,
+early finishers first, resent ids answered from memory, cancels, per-request errors), Train
+step-id idempotency, Score, Tokenize, Save/Load, Info/Health and the bearer token."""
+
+import concurrent.futures
+import queue
+import threading
+
+import grpc
+import pytest
+
+from slimen_torch.engine import Engine
+from slimen_torch.proto import engine_pb2 as pb
+from slimen_torch.proto import engine_pb2_grpc as pb_grpc
+from slimen_torch.server import make_server
+from slimen_torch.types import GenerateRequest, Sampling, ScoreRequest
+
+
+class Spy:
+    """The engine, counting the generate requests that reach it."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.submitted = []
+
+    def submit(self, req, *a, **kw):
+        self.submitted.append(req.id)
+        return self.engine.submit(req, *a, **kw)
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+
+@pytest.fixture(scope="module")
+def served(noeos_dir):
+    engine = Engine(str(noeos_dir))
+    server, service, port = make_server("127.0.0.1:0")
+    spy = Spy(engine)
+    service.engine = spy
+    service.loading = False
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+    yield pb_grpc.EngineStub(channel), service, spy
+    channel.close()
+    server.stop(0).wait()
+    engine.close()
+
+
+class Stream:
+    """A Generate stream: send messages whenever, read responses with a timeout."""
+
+    def __init__(self, stub, metadata=None):
+        self.out: queue.Queue = queue.Queue()
+        self.got: queue.Queue = queue.Queue()
+
+        def requests():
+            while (m := self.out.get()) is not None:
+                yield m
+
+        self.call = stub.Generate(requests(), metadata=metadata)
+
+        def read():
+            try:
+                for r in self.call:
+                    self.got.put(r)
+            except grpc.RpcError as e:
+                self.got.put(e)
+            self.got.put(None)
+
+        threading.Thread(target=read, daemon=True).start()
+
+    def send(self, *reqs, cancel=()):
+        self.out.put(pb.GenerateStreamRequest(requests=list(reqs), cancel=list(cancel)))
+
+    def close(self):
+        self.out.put(None)
+
+    def events(self, n, timeout=60):
+        """The next n completions or errors, in arrival order."""
+        out = []
+        while len(out) < n:
+            r = self.got.get(timeout=timeout)
+            if r is None or isinstance(r, grpc.RpcError):
+                raise AssertionError(f"stream ended after {out}: {r}")
+            out += list(r.completions) + list(r.errors)
+        return out
+
+    def ended(self, timeout=30):
+        r = self.got.get(timeout=timeout)
+        return r is None
+
+
+def gen_req(rid, max_tokens, n=1, seed=1, **kw):
+    return pb.GenerateRequest(id=rid, n=n, messages=[pb.Message(role="user", content="Bo has 3 eggs.")],
+                              sampling=pb.Sampling(max_tokens=max_tokens, seed=seed, temperature=1.0,
+                                                   **kw))
+
+
+def test_info_health_tokenize(served):
+    stub, service, spy = served
+    info = stub.Info(pb.InfoRequest(protocol_version=1))
+    health = stub.Health(pb.HealthRequest())
+    assert info.protocol_version == health.protocol_version == 1
+    assert info.instance == health.instance != ""
+    assert health.status == pb.HealthResponse.SERVING
+    assert info.info.architecture == "Qwen3ForCausalLM"
+    assert info.info.vocab_size == spy.cfg.vocab_size
+    assert info.info.max_seq_len == spy.gen.L
+    assert "<|im_start|>" in info.info.chat_template
+    assert set(info.info.capabilities) >= {"generate", "score", "train"}
+    with pytest.raises(grpc.RpcError) as e:
+        stub.Info(pb.InfoRequest(protocol_version=2))
+    assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    texts = ["Ann has 12 pens.", ""]
+    got = stub.Tokenize(pb.TokenizeRequest(texts=texts))
+    assert [list(t.ids) for t in got.tokens] == spy.tokenize(texts)
+
+
+def test_early_finishers_come_back_first(served):
+    """A long request does not hold back short ones sent after it: they join the running batch
+    and stream back as soon as they are done."""
+    stub, _, _ = served
+    s = Stream(stub)
+    s.send(gen_req("long", 300))
+    s.send(gen_req("short1", 3), gen_req("short2", 6))
+    first = s.events(2)
+    assert {c.request_id for c in first} == {"short1", "short2"}
+    s.send(gen_req("short3", 4))  # sent while "long" is still running
+    nxt = s.events(1)
+    assert nxt[0].request_id == "short3"
+    last = s.events(1)[0]
+    assert last.request_id == "long" and len(last.tokens) == 300 and last.finish_reason == "length"
+    s.close()
+    assert s.ended()
+
+
+def test_stream_equals_the_engine(served):
+    stub, _, spy = served
+    s = Stream(stub)
+    s.send(gen_req("same", 12, n=3, seed=42))
+    got = sorted(s.events(3), key=lambda c: c.index)
+    s.close()
+    want = spy.generate([GenerateRequest(id="direct", messages=[{"role": "user", "content": "Bo has 3 eggs."}],
+                                         n=3, sampling=Sampling(max_tokens=12, seed=42))])
+    for g, w in zip(got, want):
+        assert list(g.tokens) == w.tokens and list(g.prompt_tokens) == w.prompt_tokens
+        assert g.text == w.text and g.finish_reason == w.finish_reason
+        assert list(g.logprobs) == pytest.approx(w.logprobs, abs=1e-6)
+
+
+def test_resent_id_is_answered_from_memory(served):
+    stub, _, spy = served
+    s = Stream(stub)
+    s.send(gen_req("once", 8, n=2, seed=5))
+    first = sorted(s.events(2), key=lambda c: c.index)
+    s.close()
+    assert s.ended()
+    # Another stream (a reconnected client) resends the same request: same answer, not sampled.
+    before = spy.submitted.count("once")
+    s2 = Stream(stub)
+    s2.send(gen_req("once", 8, n=2, seed=5))
+    again = sorted(s2.events(2), key=lambda c: c.index)
+    assert again == first
+    assert spy.submitted.count("once") == before == 1
+    # The same id for a different request is a client bug.
+    s2.send(gen_req("once", 9, n=2, seed=5))
+    err = s2.events(1)[0]
+    assert isinstance(err, pb.RequestError) and err.code == grpc.StatusCode.ALREADY_EXISTS.value[0]
+    s2.close()
+
+
+def test_bad_request_fails_alone(served):
+    stub, _, _ = served
+    s = Stream(stub)
+    bad = pb.GenerateRequest(id="bad", prompt_tokens=[1, 2], messages=[pb.Message(role="user", content="x")])
+    s.send(bad, gen_req("good", 4))
+    events = s.events(2)
+    err = next(e for e in events if isinstance(e, pb.RequestError))
+    assert err.request_id == "bad" and err.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+    assert "exactly one" in err.message
+    assert any(isinstance(e, pb.Completion) and e.request_id == "good" for e in events)
+    s.close()
+
+
+def test_cancel_stops_a_request(served):
+    stub, _, spy = served
+    s = Stream(stub)
+    s.send(gen_req("cancelled", 400))
+    s.send(gen_req("kept", 3))
+    assert s.events(1)[0].request_id == "kept"
+    s.send(cancel=["cancelled"])
+    s.close()
+    # Nothing more comes for the cancelled request and the stream ends with nothing pending.
+    assert s.ended()
+    for _ in range(100):
+        if not spy.gen.busy():
+            break
+        threading.Event().wait(0.05)
+    assert not spy.gen.busy(), "the cancelled request still occupies the engine"
+
+
+def batch_pb(bid, spy):
+    prompt = spy.tokenize(["Ann has 3 pens."])[0]
+    response = spy.tokenize([" 5 pens"])[0]
+    n = len(response)
+    return pb.Batch(id=bid, samples=[pb.Sample(prompt=prompt, response=response, loss_mask=[1.0] * n,
+                                               old_logprobs=[-6.0] * n, advantages=[1.0] * n)],
+                    loss=pb.LossConfig(lr=1e-2, eps_clip=0.2))
+
+
+def score(stub, spy):
+    b = batch_pb("x", spy).samples[0]
+    r = stub.Score(pb.ScoreBatchRequest(requests=[pb.ScoreRequest(prompt_tokens=b.prompt, tokens=b.response)]))
+    return list(r.scores[0].logprobs)
+
+
+def test_train_step_id_applies_once(served, tmp_path):
+    stub, _, spy = served
+    stub.Save(pb.SaveRequest(dir=str(tmp_path / "before")))
+    start = score(stub, spy)
+    b = batch_pb("step-1", spy)
+    # Two concurrent sends of one step (a retry racing the original): applied once.
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        r1, r2 = pool.map(lambda _: stub.Train(pb.TrainRequest(batch=b)), range(2))
+    assert sorted([r1.duplicate, r2.duplicate]) == [False, True]
+    assert r1.stats == r2.stats and r1.stats.tokens == len(b.samples[0].response)
+    after = score(stub, spy)
+    assert after != start
+    r3 = stub.Train(pb.TrainRequest(batch=b))
+    assert r3.duplicate and r3.stats == r1.stats
+    assert score(stub, spy) == after
+    # Score over gRPC is the engine's Score.
+    direct = ScoreRequest(tokens=list(b.samples[0].response), prompt_tokens=list(b.samples[0].prompt))
+    assert after == pytest.approx(spy.score([direct])[0], abs=1e-6)
+    # Load goes back in time and forgets step ids: the same step applies again.
+    stub.Load(pb.LoadRequest(dir=str(tmp_path / "before")))
+    assert score(stub, spy) == pytest.approx(start, abs=1e-6)
+    r4 = stub.Train(pb.TrainRequest(batch=b))
+    assert not r4.duplicate
+    assert score(stub, spy) == pytest.approx(after, abs=1e-5)
+
+
+def test_bad_train_request_is_an_error(served):
+    stub, _, _ = served
+    bad = pb.Batch(id="bad", samples=[pb.Sample(prompt=[1], response=[2, 3], loss_mask=[1.0])])
+    with pytest.raises(grpc.RpcError) as e:
+        stub.Train(pb.TrainRequest(batch=bad))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "loss_mask" in e.value.details()
+
+
+def test_values_is_unimplemented(served):
+    stub, _, _ = served
+    with pytest.raises(grpc.RpcError) as e:
+        stub.Values(pb.ScoreBatchRequest())
+    assert e.value.code() == grpc.StatusCode.UNIMPLEMENTED
+
+
+def test_bearer_token(served):
+    _, _, spy = served
+    server, service, port = make_server("127.0.0.1:0", token="s3cret")
+    service.engine, service.loading = spy, False
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+            stub = pb_grpc.EngineStub(ch)
+            for md in (None, [("authorization", "Bearer wrong")]):
+                with pytest.raises(grpc.RpcError) as e:
+                    stub.Health(pb.HealthRequest(), metadata=md)
+                assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            s = Stream(stub)
+            s.send(gen_req("t", 2))
+            r = s.got.get(timeout=30)
+            assert isinstance(r, grpc.RpcError) and r.code() == grpc.StatusCode.UNAUTHENTICATED
+            ok = [("authorization", "Bearer s3cret")]
+            assert stub.Health(pb.HealthRequest(), metadata=ok).status == pb.HealthResponse.SERVING
+            s = Stream(stub, metadata=ok)
+            s.send(gen_req("t", 2))
+            assert s.events(1)[0].request_id == "t"
+            s.close()
+    finally:
+        server.stop(0).wait()
+
+
+def test_loading_server_is_not_serving():
+    server, service, port = make_server("127.0.0.1:0")
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+            stub = pb_grpc.EngineStub(ch)
+            assert stub.Health(pb.HealthRequest()).status == pb.HealthResponse.NOT_SERVING
+            with pytest.raises(grpc.RpcError) as e:
+                stub.Info(pb.InfoRequest())
+            assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+    finally:
+        server.stop(0).wait()
