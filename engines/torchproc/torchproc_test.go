@@ -1,0 +1,123 @@
+package torchproc
+
+import (
+	"context"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/slimen/slimen/engines"
+)
+
+// python finds an interpreter with the worker's requirements: $SLIMEN_TORCH_PYTHON, or the
+// environment scripts/pyenv.sh keeps (which CI builds for the Python tests anyway).
+func python(t *testing.T) string {
+	t.Helper()
+	if p := os.Getenv("SLIMEN_TORCH_PYTHON"); p != "" {
+		return p
+	}
+	if _, err := exec.LookPath("python3"); err != nil {
+		t.Skip("no python3 on PATH: the torch worker cannot run here")
+	}
+	out, err := exec.Command(filepath.Join("..", "..", "scripts", "pyenv.sh")).Output()
+	if err != nil {
+		t.Fatalf("scripts/pyenv.sh: %v (set SLIMEN_TORCH_PYTHON to an interpreter with engines/torch/requirements.txt)", err)
+	}
+	return filepath.Join(strings.TrimSpace(string(out)), "bin", "python")
+}
+
+// tinyModel writes a random tiny Llama folder with the worker's own make-model command.
+func tinyModel(t *testing.T, py string) string {
+	t.Helper()
+	dir := filepath.Join(t.TempDir(), "tiny")
+	cmd := exec.Command(py, "-m", "slimen_torch", "make-model", "--shape", "tiny", "--out", dir)
+	cmd.Env = append(os.Environ(), "PYTHONPATH="+filepath.Join("..", "torch"))
+	if out, err := cmd.CombinedOutput(); err != nil {
+		t.Fatalf("make-model: %v\n%s", err, out)
+	}
+	return dir
+}
+
+func TestStartServeAndClose(t *testing.T) {
+	py := python(t)
+	model := tinyModel(t, py)
+	t.Setenv("XDG_CACHE_HOME", t.TempDir()) // the embedded package is unpacked here
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	var log strings.Builder
+	e, err := Start(ctx, Options{Python: py, Model: model, Device: "cpu", Log: &log,
+		Args: []string{"--slots", "8"}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer e.Close()
+	info, err := e.Info(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if info.Architecture != "LlamaForCausalLM" || info.VocabSize == 0 || len(info.EOSTokens) == 0 {
+		t.Fatalf("info = %+v", info)
+	}
+	reqs := []engines.GenerateRequest{
+		{ID: "a", Messages: []engines.Message{{Role: "user", Content: "Ann has 3 pens."}}, N: 2,
+			Sampling: engines.Sampling{MaxTokens: 8, Temperature: 1, Seed: 4}},
+		{ID: "b", PromptTokens: []int32{5, 6, 7}, Sampling: engines.Sampling{MaxTokens: 5, Seed: 1}},
+	}
+	cs, err := e.Generate(ctx, reqs)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(cs) != 3 || cs[0].RequestID != "a" || cs[2].RequestID != "b" {
+		t.Fatalf("completions %+v", cs)
+	}
+	for _, c := range cs {
+		if len(c.Tokens) == 0 || len(c.Tokens) != len(c.Logprobs) {
+			t.Fatalf("completion %+v", c)
+		}
+	}
+	sc, err := e.Score(ctx, []engines.ScoreRequest{{PromptTokens: cs[2].PromptTokens, Tokens: cs[2].Tokens}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for i, lp := range sc[0].Logprobs {
+		if d := lp - cs[2].Logprobs[i]; d > 1e-4 || d < -1e-4 {
+			t.Fatalf("score %v, generation log-probs %v", sc[0].Logprobs, cs[2].Logprobs)
+		}
+	}
+	n := len(cs[0].Tokens)
+	ones := make([]float32, n)
+	for i := range ones {
+		ones[i] = 1
+	}
+	st, err := e.Train(ctx, engines.Batch{ID: "step-1", Samples: []engines.Sample{{
+		Prompt: cs[0].PromptTokens, Response: cs[0].Tokens, LossMask: ones,
+		OldLogprobs: cs[0].Logprobs, Advantages: ones}}, Loss: engines.LossConfig{LR: 1e-3, EpsClip: 0.2}})
+	if err != nil || st.Tokens != n || st.Skipped {
+		t.Fatalf("train: %+v, %v", st, err)
+	}
+	if err := e.Save(ctx, filepath.Join(t.TempDir(), "saved")); err != nil {
+		t.Fatal(err)
+	}
+	if err := e.Close(); err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case <-e.exited:
+	default:
+		t.Fatal("the worker still runs after Close")
+	}
+}
+
+func TestStartReportsWorkerErrors(t *testing.T) {
+	py := python(t)
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	_, err := Start(ctx, Options{Python: py, Model: t.TempDir(), Device: "cpu",
+		PackageDir: filepath.Join("..", "torch"), Log: &strings.Builder{}})
+	if err == nil || !strings.Contains(err.Error(), "no config.json") {
+		t.Fatalf("Start on an empty folder: %v", err)
+	}
+}
