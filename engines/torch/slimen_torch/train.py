@@ -146,6 +146,8 @@ class Trainer:
             if not self._uncompile(e):
                 raise
             return self._step(batch)
+        finally:
+            self.model.eval()  # generation and scoring always see the model in eval mode
 
     def _step(self, batch: Batch) -> TrainStats:
         cfg = L.resolve(batch.loss)
@@ -199,6 +201,8 @@ class Trainer:
             if not self._uncompile(e):
                 raise
             return self._sft_step(pairs, lc)
+        finally:
+            self.model.eval()
 
     def _sft_step(self, pairs, lc) -> TrainStats:
         pairs = [(p, r) for p, r in pairs if r]
