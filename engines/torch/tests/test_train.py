@@ -131,3 +131,18 @@ def test_sft_learns_a_response(model_dirs, tmp_path):
         assert losses[-1] < 0.7 * losses[0], losses
     finally:
         e.close()
+
+
+def test_activation_checkpointing_gives_the_same_step(model_dirs):
+    lc = LossConfig(lr=1e-2, entropy_coef=0.01)
+    stats = []
+    for ckpt in (False, True):
+        e = Engine(str(model_dirs["tiny-qwen3"]), Options(grad_checkpointing=ckpt))
+        try:
+            batch = fixed_batch(e, lc)
+            e.train(batch)
+            stats.append(e.train(batch))
+        finally:
+            e.close()
+    for f in ("loss", "pg_loss", "entropy", "grad_norm", "clip_frac"):
+        assert getattr(stats[0], f) == pytest.approx(getattr(stats[1], f), rel=1e-5, abs=1e-7), f
