@@ -87,6 +87,11 @@ func TestStartServeAndClose(t *testing.T) {
 			t.Fatalf("score %v, generation log-probs %v", sc[0].Logprobs, cs[2].Logprobs)
 		}
 	}
+	// A critic's value head is created on first use: every value starts at 0.
+	vals, err := e.Values(ctx, []engines.ScoreRequest{{PromptTokens: cs[2].PromptTokens, Tokens: cs[2].Tokens}})
+	if err != nil || len(vals) != 1 || len(vals[0]) != len(cs[2].Tokens) || vals[0][0] != 0 {
+		t.Fatalf("values %v, %v", vals, err)
+	}
 	n := len(cs[0].Tokens)
 	ones := make([]float32, n)
 	for i := range ones {

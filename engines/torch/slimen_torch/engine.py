@@ -22,7 +22,7 @@ from .config import ModelConfig, eos_ids, read_config
 from .generate import Generator, Request
 from .model import Transformer
 from .tokenizer import TOKENIZER_FILES, Tokenizer
-from .train import Trainer, micro_batches, response_logits, token_logprobs
+from .train import Trainer, micro_batches, response_hidden, response_logits, token_logprobs
 from .types import (Batch, Completion, GenerateRequest, LossConfig, RequestError, Sampling,
                     ScoreRequest, TrainStats)
 from .weights import load_weights, save_weights
@@ -180,7 +180,7 @@ class Engine:
                     vocab_size=self.cfg.vocab_size, max_seq_len=self.gen.L,
                     chat_template=self.tokenizer.chat_template, eos_tokens=list(self.eos),
                     params=self.cfg.params(), devices=[str(self.device)],
-                    capabilities=["generate", "score", "train"])
+                    capabilities=["generate", "score", "train", "values"])
 
     def tokenize(self, texts: list[str]) -> list[list[int]]:
         return [self.tokenizer.encode(t) for t in texts]
@@ -262,17 +262,20 @@ class Engine:
         return [got[k] for k in sorted(got)]
 
     def score(self, reqs: list[ScoreRequest]) -> list[list[float]]:
-        pairs = [(self.prompt_of(r.messages, r.prompt_tokens, f"score request {i}"), list(r.tokens))
+        return self._call(self._score, self._pairs(reqs, "score request"))
+
+    def _pairs(self, reqs: list[ScoreRequest], what: str) -> list[tuple[list[int], list[int]]]:
+        pairs = [(self.prompt_of(r.messages, r.prompt_tokens, f"{what} {i}"), list(r.tokens))
                  for i, r in enumerate(reqs)]
         for i, (p, t) in enumerate(pairs):
             bad = next((x for x in t if not 0 <= x < self.cfg.vocab_size), None)
             if bad is not None:
-                raise RequestError("INVALID_ARGUMENT", f"score request {i}: token {bad} outside "
+                raise RequestError("INVALID_ARGUMENT", f"{what} {i}: token {bad} outside "
                                    "the vocabulary")
             if len(p) + len(t) > self.cfg.max_seq_len:
-                raise RequestError("INVALID_ARGUMENT", f"score request {i}: {len(p) + len(t)} "
+                raise RequestError("INVALID_ARGUMENT", f"{what} {i}: {len(p) + len(t)} "
                                    f"tokens, longer than the model's {self.cfg.max_seq_len}")
-        return self._call(self._score, pairs)
+        return pairs
 
     @torch.no_grad()
     def _score(self, pairs) -> list[list[float]]:
@@ -292,8 +295,41 @@ class Engine:
                 k += n
         return out
 
+    def values(self, reqs: list[ScoreRequest]) -> list[list[float]]:
+        """A PPO critic's value of each response token: the value head on the hidden state at
+        the position whose logits predict the token. The head is created (zeros) on first use
+        unless the checkpoint had one (score.weight)."""
+        pairs = self._pairs(reqs, "values request")
+        return self._call(self._values, pairs)
+
+    @torch.no_grad()
+    def _values(self, pairs) -> list[list[float]]:
+        self._ensure_value_head()
+        out: list[list[float]] = [[] for _ in pairs]
+        todo = [i for i, (_, t) in enumerate(pairs) if t]
+        for mb in micro_batches([len(pairs[i][0]) + len(pairs[i][1]) for i in todo],
+                                self.trainer.micro_batch_tokens):
+            idx = [todo[j] for j in mb]
+            hidden, _ = response_hidden(self.model, [pairs[i] for i in idx])
+            vals = self.model.values(hidden).tolist()
+            k = 0
+            for i in idx:
+                n = len(pairs[i][1])
+                out[i] = vals[k:k + n]
+                k += n
+        return out
+
+    def _ensure_value_head(self) -> None:
+        if self.model.score is None:
+            self.trainer.add_params(self.model.add_value_head())
+
     def train(self, batch: Batch) -> TrainStats:
-        return self._call(self.trainer.step, batch)
+        return self._call(self._train, batch)
+
+    def _train(self, batch: Batch) -> TrainStats:
+        if any(s.returns for s in batch.samples):
+            self._ensure_value_head()
+        return self.trainer.step(batch)
 
     def sft_step(self, pairs: list[tuple[list[int], list[int]]], loss: LossConfig) -> TrainStats:
         """A supervised step on (prompt ids, response ids) pairs (sft.py)."""

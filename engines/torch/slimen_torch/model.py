@@ -156,6 +156,10 @@ class Transformer(nn.Module):
         self.norm = nn.Parameter(torch.ones(cfg.hidden, **f))
         self.lm_head = None if cfg.tie_embeddings else nn.Parameter(
             torch.empty(cfg.vocab_size, cfg.hidden, **f))
+        # A PPO critic's value head (hidden → 1), added by add_value_head; saved as score.*,
+        # the names of transformers' *ForTokenClassification heads with one label.
+        self.score = None
+        self.score_bias = None
         # Rotary tables in fp32 for every position, computed the way transformers computes them.
         angles = torch.arange(cfg.max_seq_len, dtype=torch.float32)[:, None] * inv_frequencies(cfg)
         angles = torch.cat((angles, angles), dim=-1)
@@ -176,6 +180,17 @@ class Transformer(nn.Module):
                     p.fill_(1.0)
                 else:
                     p.zero_()
+
+    def add_value_head(self) -> list[nn.Parameter]:
+        """Creates a zero value head (every value starts at 0); returns its new parameters."""
+        f = dict(device=self.embed.device, dtype=self.embed.dtype)
+        self.score = nn.Parameter(torch.zeros(1, self.cfg.hidden, **f))
+        self.score_bias = nn.Parameter(torch.zeros(1, **f))
+        return [self.score, self.score_bias]
+
+    def values(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Final hidden states [..., hidden] → values [...] (fp32)."""
+        return F.linear(hidden, self.score, self.score_bias).float().squeeze(-1)
 
     @property
     def head_weight(self) -> torch.Tensor:

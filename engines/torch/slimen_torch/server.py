@@ -61,7 +61,8 @@ def batch_of(b: pb.Batch) -> Batch:
     loss = LossConfig(**{f: getattr(lc, f) for f in LossConfig.__dataclass_fields__})
     samples = [Sample(prompt=list(s.prompt), response=list(s.response), loss_mask=list(s.loss_mask),
                       old_logprobs=list(s.old_logprobs), advantages=list(s.advantages),
-                      group=s.group) for s in b.samples]
+                      group=s.group, returns=list(s.returns), old_values=list(s.old_values))
+               for s in b.samples]
     return Batch(samples=samples, loss=loss, id=b.id)
 
 
@@ -331,6 +332,16 @@ class Service(pb_grpc.EngineServicer):
             self._fail(context, e)
         return pb.ScoreBatchResponse(scores=[pb.Scores(logprobs=lp) for lp in out])
 
+    def Values(self, request, context):
+        eng = self._ready(context)
+        reqs = [ScoreRequest(tokens=list(r.tokens), messages=_messages(r.messages) or None,
+                             prompt_tokens=list(r.prompt_tokens) or None) for r in request.requests]
+        try:
+            out = eng.values(reqs)
+        except Exception as e:
+            self._fail(context, e)
+        return pb.ValuesResponse(values=[pb.Scores(logprobs=v) for v in out])
+
     def Train(self, request, context):
         eng = self._ready(context)
 
@@ -338,7 +349,7 @@ class Service(pb_grpc.EngineServicer):
             s = eng.train(batch_of(request.batch))
             return pb.TrainStats(loss=s.loss, pg_loss=s.pg_loss, kl=s.kl, clip_frac=s.clip_frac,
                                  entropy=s.entropy, grad_norm=s.grad_norm, tokens=s.tokens,
-                                 skipped=s.skipped, reason=s.reason)
+                                 value_loss=s.value_loss, skipped=s.skipped, reason=s.reason)
         try:
             stats, dup = self.train.run(request.batch.id, step)
         except Exception as e:

@@ -39,10 +39,10 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, entropy_grad: bo
     return logp, ent
 
 
-def response_logits(model: Transformer, pairs: list[tuple[list[int], list[int]]]):
-    """Logits [N, V] (bf16 under autocast) predicting every response token of the (prompt,
-    response) pairs, flattened in order, and the response tokens [N]. Rows are right-padded into
-    one batch."""
+def response_hidden(model: Transformer, pairs: list[tuple[list[int], list[int]]]):
+    """Final hidden states [N, hidden] at the positions that predict every response token of the
+    (prompt, response) pairs, flattened in order, and the response tokens [N]. Rows are
+    right-padded into one batch; on a GPU the forward runs under bf16 autocast."""
     dev = model.embed.device
     T = max(len(p) + len(r) for p, r in pairs)
     tokens = torch.zeros(len(pairs), T, dtype=torch.long)
@@ -53,11 +53,23 @@ def response_logits(model: Transformer, pairs: list[tuple[list[int], list[int]]]
         targets.extend(r)
     tokens = tokens.to(dev)
     idx = torch.tensor(idx, device=dev)
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if dev.type == "cuda" \
-        else contextlib.nullcontext()
-    with autocast:
-        logits = model.logits(model(tokens).flatten(0, 1)[idx])
-    return logits, torch.tensor(targets, device=dev)
+    with _autocast(dev):
+        hidden = model(tokens).flatten(0, 1)[idx]
+    return hidden, torch.tensor(targets, device=dev)
+
+
+def _autocast(dev: torch.device):
+    if dev.type == "cuda":
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def response_logits(model: Transformer, pairs: list[tuple[list[int], list[int]]]):
+    """Logits [N, V] (bf16 under autocast) predicting every response token of the pairs, and the
+    response tokens [N]."""
+    hidden, targets = response_hidden(model, pairs)
+    with _autocast(hidden.device):
+        return model.logits(hidden), targets
 
 
 def check_samples(samples: list[Sample], vocab: int, max_len: int) -> None:
@@ -65,6 +77,10 @@ def check_samples(samples: list[Sample], vocab: int, max_len: int) -> None:
         n = len(s.response)
         for name in ("loss_mask", "old_logprobs", "advantages"):
             if len(getattr(s, name)) != n:
+                raise RequestError("INVALID_ARGUMENT", f"sample {i}: {name} has "
+                                   f"{len(getattr(s, name))} entries for {n} response tokens")
+        for name in ("returns", "old_values"):
+            if getattr(s, name) and len(getattr(s, name)) != n:
                 raise RequestError("INVALID_ARGUMENT", f"sample {i}: {name} has "
                                    f"{len(getattr(s, name))} entries for {n} response tokens")
         if n and not s.prompt:
@@ -113,6 +129,16 @@ class Trainer:
             model.train_block_fn = torch.compile(block_forward, dynamic=True)
             self.logprob_fn = torch.compile(token_logprobs, dynamic=True)
 
+    def add_params(self, params: list) -> None:
+        """Parameters created after the trainer (a critic's value head) train from now on."""
+        self.params += params
+        if self.opt is not None:
+            new = [p.detach().float().clone().requires_grad_() for p in params] if self.mixed \
+                else params
+            self.masters += new
+            self.opt.add_param_group({**{k: v for k, v in self.opt.param_groups[0].items()
+                                         if k != "params"}, "params": new})
+
     def _uncompile(self, err: Exception) -> bool:
         """Falls back to eager training after a compiler failure; False if already eager."""
         if self.logprob_fn is token_logprobs:
@@ -153,6 +179,8 @@ class Trainer:
         cfg = L.resolve(batch.loss)
         samples = [s for s in batch.samples if s.response]
         check_samples(samples, self.model.cfg.vocab_size, self.model.cfg.max_seq_len)
+        if any(s.returns for s in samples):
+            return self._critic_step(batch.loss, cfg, samples)
         opt = self._optimizer()
         weights = L.token_weights([s.group for s in samples], [s.loss_mask for s in samples],
                                   cfg.aggregation)
@@ -188,6 +216,51 @@ class Trainer:
                 if k in out:
                     sums[k] += out[k].detach().double()
         return self._apply(batch.loss, sums)
+
+    def _critic_step(self, lc, cfg: L.Loss, samples: list[Sample]) -> TrainStats:
+        """The value loss of a PPO critic: Σ w·max((V − R)², (clip(V, V_old ± c) − R)²), with
+        the token weights of the policy loss's aggregation and no clipping when c is 0."""
+        if any(not s.returns for s in samples):
+            raise RequestError("INVALID_ARGUMENT", "a critic batch needs returns for every sample")
+        clip = lc.value_clip
+        if clip > 0 and any(not s.old_values for s in samples):
+            raise RequestError("INVALID_ARGUMENT", "value_clip needs old_values for every sample")
+        self._optimizer()
+        self.model.train()
+        dev = self.params[0].device
+        weights = L.token_weights([s.group for s in samples], [s.loss_mask for s in samples],
+                                  cfg.aggregation)
+        sums = {k: torch.zeros((), dtype=torch.float64, device=dev)
+                for k in ("loss", "pg", "kl", "entropy", "clipped", "tokens")}
+        lengths = [len(s.prompt) + len(s.response) for s in samples]
+        for mb in micro_batches(lengths, self.micro_batch_tokens):
+            group = [samples[i] for i in mb]
+
+            def flat(values):
+                return torch.tensor([x for v in values for x in v], dtype=torch.float32,
+                                    device=dev)
+
+            hidden, _ = response_hidden(self.model, [(s.prompt, s.response) for s in group])
+            v = self.model.values(hidden)
+            ret, mask, w = flat(s.returns for s in group), flat(s.loss_mask for s in group), \
+                flat(weights[i] for i in mb)
+            trained = mask != 0
+            l1 = (v - ret) ** 2
+            clipped = torch.zeros_like(trained)
+            if clip > 0:
+                old = flat(s.old_values for s in group)
+                l2 = (old + (v - old).clamp(-clip, clip) - ret) ** 2
+                clipped = (l2 > l1) & trained
+                l1 = torch.where(clipped, l2, l1)
+            loss = torch.where(trained, w * l1, torch.zeros_like(l1)).sum()
+            loss.backward()
+            sums["loss"] += loss.detach().double()
+            sums["clipped"] += clipped.sum()
+            sums["tokens"] += trained.sum()
+        stats = self._apply(lc, sums)
+        stats.value_loss = stats.loss
+        stats.pg_loss = 0.0
+        return stats
 
     def sft_step(self, pairs: list[tuple[list[int], list[int]]], lc) -> TrainStats:
         """One supervised step: token-mean negative log-likelihood of the responses.

@@ -53,6 +53,10 @@ class Sample:
     old_logprobs: list[float]
     advantages: list[float]
     group: str = ""  # "" is a group of its own
+    # PPO critic: the value target of each token and the values at rollout time. A sample with
+    # returns trains the value head (the policy fields are ignored).
+    returns: list[float] = dataclasses.field(default_factory=list)
+    old_values: list[float] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass
@@ -70,6 +74,7 @@ class LossConfig:
     entropy_coef: float = 0.0
     policy_loss: str = ""  # "" is read as ppo
     aggregation: str = ""  # "" is read as group_token_mean
+    value_clip: float = 0.0  # critic: V clipped to old_values ± value_clip; 0: no clipping
 
 
 @dataclasses.dataclass
@@ -88,6 +93,7 @@ class TrainStats:
     entropy: float = 0.0
     grad_norm: float = 0.0
     tokens: int = 0
+    value_loss: float = 0.0  # a critic's value loss
     skipped: bool = False
     reason: str = ""
 

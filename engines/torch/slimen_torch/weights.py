@@ -41,6 +41,9 @@ def _parts(model: Transformer):
     yield model.norm, ["model.norm.weight"], None
     if model.lm_head is not None:
         yield model.lm_head, ["lm_head.weight"], None
+    if model.score is not None:
+        yield model.score, ["score.weight"], None
+        yield model.score_bias, ["score.bias"], None
     splits = {"wqkv": [cfg.q_dim, cfg.kv_dim, cfg.kv_dim], "bqkv": [cfg.q_dim, cfg.kv_dim, cfg.kv_dim],
               "w13": [cfg.intermediate, cfg.intermediate]}
     for i, layer in enumerate(model.layers):
@@ -71,10 +74,15 @@ def load_weights(model: Transformer, model_dir: str | pathlib.Path) -> None:
         handles[f] = h
         for k in h.keys():
             where[k] = h
+    if "score.weight" in where and model.score is None:
+        model.add_value_head()  # a critic's checkpoint
     used = set()
     with torch.no_grad():
         for p, names, _ in _parts(model):
             missing = [n for n in names if n not in where]
+            if missing and names[0].startswith("score."):
+                p.zero_()  # a plain language model loaded into a critic: a fresh value head
+                continue
             if missing:
                 raise ValueError(f"{model_dir}: checkpoint has no tensor {missing[0]}")
             parts = [where[n].get_tensor(n) for n in names]

@@ -247,11 +247,12 @@ def test_bad_train_request_is_an_error(served):
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "loss_mask" in e.value.details()
 
 
-def test_values_is_unimplemented(served):
-    stub, _, _ = served
-    with pytest.raises(grpc.RpcError) as e:
-        stub.Values(pb.ScoreBatchRequest())
-    assert e.value.code() == grpc.StatusCode.UNIMPLEMENTED
+def test_values_over_grpc(served):
+    stub, _, spy = served
+    prompt, tokens = spy.tokenize(["Ann has 3 pens."])[0], spy.tokenize([" 5"])[0]
+    r = stub.Values(pb.ScoreBatchRequest(requests=[pb.ScoreRequest(prompt_tokens=prompt, tokens=tokens)]))
+    want = spy.values([ScoreRequest(tokens=tokens, prompt_tokens=prompt)])[0]
+    assert list(r.values[0].logprobs) == pytest.approx(want) and len(want) == len(tokens)
 
 
 def test_bearer_token(served):

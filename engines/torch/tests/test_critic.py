@@ -1,0 +1,103 @@
+"""A PPO critic: the value head (created on first use, saved as score.*), Values, and the clipped
+value loss Σ w·max((V − R)², (clip(V, V_old ± c) − R)²)."""
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from slimen_torch import loss as L
+from slimen_torch.engine import Engine
+from slimen_torch.types import Batch, LossConfig, Sample, ScoreRequest
+
+
+def critic_batch(e, returns_value, old_values=None, clip=0.0, lr=1e-2):
+    g = torch.Generator().manual_seed(3)
+    V = e.cfg.vocab_size
+    samples = []
+    for i in range(3):
+        prompt = torch.randint(0, V, (4 + i,), generator=g).tolist()
+        response = torch.randint(0, V, (5 + i,), generator=g).tolist()
+        n = len(response)
+        mask = [1.0] * n
+        mask[-1] = 0.0
+        samples.append(Sample(prompt, response, mask, [0.0] * n, [0.0] * n, group=f"g{i % 2}",
+                              returns=[returns_value + 0.1 * t for t in range(n)],
+                              old_values=old_values[i] if old_values else []))
+    return Batch(samples=samples, loss=LossConfig(lr=lr, value_clip=clip))
+
+
+def values_of(e, batch):
+    return e.values([ScoreRequest(prompt_tokens=s.prompt, tokens=s.response) for s in batch.samples])
+
+
+def expected_loss(batch, values, clip):
+    w = L.token_weights([s.group for s in batch.samples], [s.loss_mask for s in batch.samples],
+                        "group_token_mean")
+    total = 0.0
+    for s, v, ws in zip(batch.samples, values, w):
+        for t, r in enumerate(s.returns):
+            l1 = (v[t] - r) ** 2
+            if clip > 0:
+                o = s.old_values[t]
+                l1 = max(l1, (o + min(max(v[t] - o, -clip), clip) - r) ** 2)
+            total += ws[t] * l1
+    return total
+
+
+def test_critic_learns_the_returns(model_dirs, tmp_path):
+    e = Engine(str(model_dirs["tiny-qwen3"]))
+    try:
+        batch = critic_batch(e, 2.0)
+        v0 = values_of(e, batch)
+        assert all(x == 0.0 for v in v0 for x in v)  # a fresh head values everything at 0
+        first = e.train(batch)
+        assert first.value_loss == pytest.approx(expected_loss(batch, v0, 0.0), rel=1e-5)
+        assert first.tokens == sum(len(s.response) - 1 for s in batch.samples)
+        for _ in range(5):
+            last = e.train(batch)
+        assert last.value_loss < 0.5 * first.value_loss
+        v1 = values_of(e, batch)
+        # (Each step reports the loss before its update; after the last one it is lower still.)
+        assert expected_loss(batch, v1, 0.0) < last.value_loss
+        # The head is saved under transformers' token-classification names and loaded back.
+        e.save(str(tmp_path / "critic"))
+        with safe_open(str(tmp_path / "critic" / "model.safetensors"), "pt") as f:
+            assert f.get_tensor("score.weight").shape == (1, e.cfg.hidden)
+        back = Engine(str(tmp_path / "critic"))
+        try:
+            for got, want in zip(values_of(back, batch), v1):
+                assert got == pytest.approx(want, abs=1e-6)
+        finally:
+            back.close()
+    finally:
+        e.close()
+
+
+def test_value_clipping(model_dirs):
+    e = Engine(str(model_dirs["tiny"]))
+    try:
+        e.train(critic_batch(e, 3.0, lr=5e-2))  # move the values away from 0
+        batch = critic_batch(e, 3.0, clip=0.05)
+        v = values_of(e, batch)
+        # Old values 0.2 below the current ones: the clipped term is larger wherever V moved
+        # more than 0.05 towards the return.
+        batch = critic_batch(e, 3.0, old_values=[[x - 0.2 for x in vi] for vi in v], clip=0.05)
+        st = e.train(batch)
+        assert st.value_loss == pytest.approx(expected_loss(batch, v, 0.05), rel=1e-5)
+        assert st.clip_frac > 0
+    finally:
+        e.close()
+
+
+def test_critic_batch_needs_returns_everywhere(model_dirs):
+    e = Engine(str(model_dirs["tiny"]))
+    try:
+        batch = critic_batch(e, 1.0)
+        batch.samples[1].returns = []
+        from slimen_torch.types import RequestError
+        with pytest.raises(RequestError, match="returns"):
+            e.train(batch)
+        with pytest.raises(RequestError, match="old_values"):
+            e.train(critic_batch(e, 1.0, clip=0.2))
+    finally:
+        e.close()
