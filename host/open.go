@@ -1,12 +1,23 @@
 package host
 
 import (
+	"bytes"
 	"context"
+	"errors"
 	"fmt"
+	"io/fs"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"slices"
+	"strings"
+	"sync"
+	"time"
 
 	"github.com/slimen/slimen/engines"
 	"github.com/slimen/slimen/engines/remote"
 	"github.com/slimen/slimen/engines/tiny"
+	"github.com/slimen/slimen/engines/torchproc"
 	"github.com/slimen/slimen/host/config"
 )
 
@@ -14,14 +25,31 @@ import (
 //
 //	tiny    the embedded pure-Go engine on hf_checkpoint (a folder or builtin:NAME), or on the
 //	        folder given by load: (a checkpoint this engine saved)
+//	torch   a PyTorch worker (python -m slimen_torch serve) started on this machine for this
+//	        policy, on hf_checkpoint or the folder given by load:; it stops with Close
 //	remote  an engine server at engine.address (slimen serve, python -m slimen_torch serve, …)
+//
+// A torch worker's output goes to this process's stderr; a run sends it to its events.log.
 func OpenEngine(ctx context.Context, p config.PolicyConfig) (engines.Engine, error) {
-	return openEngine(ctx, p, nil)
+	return openEngine(ctx, p, engineLogs{})
 }
 
-// openEngine is OpenEngine with a place to report a remote engine that restarted (and so lost
-// whatever it had learned since its last save).
-func openEngine(ctx context.Context, p config.PolicyConfig, logf func(string, ...any)) (engines.Engine, error) {
+// engineLogs are where openEngine reports; a nil func drops its lines, except worker output,
+// which then goes to stderr.
+type engineLogs struct {
+	printf func(string, ...any) // start-up lines and engine restarts (the run's events)
+	worker func(string, ...any) // a torch worker's output, line by line (events.log only)
+}
+
+func (l engineLogs) logf(format string, args ...any) {
+	if l.printf != nil {
+		l.printf(format, args...)
+	}
+}
+
+// openEngine is OpenEngine with places to report to: a remote engine that restarted (and so lost
+// whatever it had learned since its last save), a torch worker's start and output.
+func openEngine(ctx context.Context, p config.PolicyConfig, logs engineLogs) (engines.Engine, error) {
 	switch p.Engine.Kind {
 	case "tiny":
 		spec := p.HFCheckpoint
@@ -29,12 +57,14 @@ func openEngine(ctx context.Context, p config.PolicyConfig, logf func(string, ..
 			spec = p.Load
 		}
 		return tiny.Open(spec, tiny.Options{Threads: p.Engine.Threads})
+	case "torch":
+		return openTorch(ctx, p, logs)
 	case "remote":
 		o := remote.Options{Address: p.Engine.Address, Insecure: p.Engine.Insecure, TokenEnv: p.Engine.TokenEnv,
 			MaxMessageBytes: p.Engine.MaxMessageMB << 20, Timeout: p.Engine.Timeout, ReconnectTimeout: p.Engine.ReconnectTimeout}
-		if logf != nil {
+		if logs.printf != nil {
 			o.OnRestart = func(prev, cur string) {
-				logf("policy %q: its engine at %s restarted (instance %s → %s) and lost what it learned since its last save; resume from a checkpoint to restore it", p.Name, p.Engine.Address, prev, cur)
+				logs.printf("policy %q: its engine at %s restarted (instance %s → %s) and lost what it learned since its last save; resume from a checkpoint to restore it", p.Name, p.Engine.Address, prev, cur)
 			}
 		}
 		if t := p.Engine.TLS; t != nil {
@@ -42,6 +72,146 @@ func openEngine(ctx context.Context, p config.PolicyConfig, logf func(string, ..
 		}
 		return remote.Dial(ctx, o)
 	default:
-		return nil, fmt.Errorf("engine kind %q is not available in this build (known: tiny, remote)", p.Engine.Kind)
+		return nil, fmt.Errorf("engine kind %q is not available in this build (known: tiny, torch, remote)", p.Engine.Kind)
+	}
+}
+
+// PythonEnv is the environment variable naming the interpreter of torch workers whose policy
+// gives no engine.python.
+const PythonEnv = "SLIMEN_PYTHON"
+
+// torchPython is the interpreter of a policy's torch worker and where that choice came from.
+func torchPython(p config.PolicyConfig) (python, from string) {
+	if p.Engine.Python != "" {
+		return p.Engine.Python, "engine.python"
+	}
+	if py := os.Getenv(PythonEnv); py != "" {
+		return py, "$" + PythonEnv
+	}
+	return "python3", "the default: engine.python, else $" + PythonEnv + ", else python3 from PATH"
+}
+
+// openTorch starts a policy's torch worker and connects to it.
+func openTorch(ctx context.Context, p config.PolicyConfig, logs engineLogs) (engines.Engine, error) {
+	python, from := torchPython(p)
+	model := p.HFCheckpoint
+	args := slices.Clone(p.Engine.Args)
+	if p.Load != "" {
+		model = p.Load
+		// The KL reference stays the base model, not the checkpoint the policy resumes from.
+		if !slices.ContainsFunc(args, func(a string) bool { return a == "--ref-model" || strings.HasPrefix(a, "--ref-model=") }) {
+			ref, err := filepath.Abs(p.HFCheckpoint)
+			if err != nil {
+				return nil, err
+			}
+			args = append(args, "--ref-model", ref)
+		}
+	}
+	o := torchproc.Options{Python: python, Model: model, Device: p.Engine.Device, Args: args,
+		TokenEnv: p.Engine.TokenEnv, StartTimeout: p.Engine.StartTimeout,
+		Client: remote.Options{MaxMessageBytes: p.Engine.MaxMessageMB << 20, Timeout: p.Engine.Timeout,
+			ReconnectTimeout: p.Engine.ReconnectTimeout}}
+	where := "device " + p.Engine.Device
+	if p.Engine.Device == "" {
+		where = "the worker's default device (the first GPU it sees, else the CPU)"
+	}
+	if len(p.Engine.GPUs) > 0 {
+		o.Env = []string{"CUDA_VISIBLE_DEVICES=" + strings.Join(p.Engine.GPUs, ",")}
+		where += ", " + o.Env[0]
+	}
+	if logs.printf != nil {
+		o.Client.OnRestart = func(prev, cur string) {
+			logs.printf("policy %q: its torch worker restarted (instance %s → %s) and lost what it learned since its last save; resume from a checkpoint to restore it", p.Name, prev, cur)
+		}
+	}
+	var lines *lineWriter
+	if logs.worker != nil {
+		lines = &lineWriter{emit: func(line string) { logs.worker("policy %q: worker: %s", p.Name, line) }}
+		o.Log = lines
+	}
+	logs.logf("policy %q: starting a torch worker: %s -m slimen_torch serve --model %s, on %s", p.Name, python, model, where)
+	start := time.Now()
+	e, err := torchproc.Start(ctx, o)
+	if err != nil {
+		if lines != nil {
+			lines.flush()
+		}
+		return nil, torchStartError(err, python, from)
+	}
+	logs.logf("policy %q: torch worker ready in %.1fs", p.Name, time.Since(start).Seconds())
+	return e, nil
+}
+
+// workerTailLines is how many lines of a torch worker's output a start-up error quotes.
+const workerTailLines = 30
+
+// startError is a torch worker that did not start: torchproc's error with the worker's output
+// cut to its last lines, and a hint where one applies.
+type startError struct {
+	msg string
+	err error
+}
+
+func (e *startError) Error() string { return e.msg }
+func (e *startError) Unwrap() error { return e.err }
+
+func torchStartError(err error, python, from string) error {
+	msg := "the torch worker did not start: " + lastLines(err.Error(), workerTailLines)
+	switch {
+	case errors.Is(err, exec.ErrNotFound) || errors.Is(err, fs.ErrNotExist) || errors.Is(err, fs.ErrPermission):
+		msg += fmt.Sprintf("\nthe interpreter %s comes from %s; set engine.python (or $%s) to the python of an environment with engines/torch/requirements.txt (scripts/pyenv.sh makes one)",
+			python, from, PythonEnv)
+	case strings.Contains(err.Error(), "No module named"):
+		msg += fmt.Sprintf("\n%s (from %s) lacks the worker's requirements: install engines/torch/requirements.txt into its environment, or set engine.python (or $%s) to one that has them (scripts/pyenv.sh makes one)",
+			python, from, PythonEnv)
+	}
+	return &startError{msg: msg, err: err}
+}
+
+// lastLines keeps the first line of s (the summary) and its last n lines.
+func lastLines(s string, n int) string {
+	lines := strings.Split(strings.TrimRight(s, "\n"), "\n")
+	if len(lines) <= n+1 {
+		return strings.Join(lines, "\n")
+	}
+	cut := len(lines) - n
+	return lines[0] + fmt.Sprintf("\n  … (%d earlier lines left out)\n", cut-1) + strings.Join(lines[cut:], "\n")
+}
+
+// lineWriter hands each complete line written to it to emit; a line longer than maxLine is
+// emitted in pieces.
+type lineWriter struct {
+	mu   sync.Mutex
+	buf  []byte
+	emit func(string)
+}
+
+const maxLine = 8 << 10
+
+func (w *lineWriter) Write(p []byte) (int, error) {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	w.buf = append(w.buf, p...)
+	for {
+		i := bytes.IndexByte(w.buf, '\n')
+		if i < 0 {
+			if len(w.buf) >= maxLine {
+				w.emit(string(w.buf))
+				w.buf = w.buf[:0]
+			}
+			return len(p), nil
+		}
+		w.emit(strings.TrimRight(string(w.buf[:i]), "\r"))
+		w.buf = w.buf[i+1:]
+	}
+}
+
+// flush emits a last line that has no newline yet.
+func (w *lineWriter) flush() {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	if len(w.buf) > 0 {
+		w.emit(string(w.buf))
+		w.buf = nil
 	}
 }

@@ -150,9 +150,10 @@ func Load(ctx context.Context, scriptPath string, opts Options) (*Run, error) {
 		r.events.printf("config: %s", w)
 	}
 	for _, p := range r.cfg.Policies {
-		// The tiny engine reads none of slime-n's parallelism and server settings: say so once.
-		if keys := p.PassThrough(); len(keys) > 0 && p.Engine.Kind == "tiny" {
-			r.events.printf("config: policy %q: the tiny engine ignores %s", p.Name, strings.Join(keys, ", "))
+		// The engines the host runs read none of slime-n's parallelism and server settings: say
+		// so once (a torch worker takes its own flags from engine.args).
+		if keys := p.PassThrough(); len(keys) > 0 && (p.Engine.Kind == "tiny" || p.Engine.Kind == "torch") {
+			r.events.printf("config: policy %q: the %s engine ignores %s", p.Name, p.Engine.Kind, strings.Join(keys, ", "))
 		}
 	}
 	return r, nil
@@ -223,7 +224,7 @@ func (r *Run) addPolicy(ctx context.Context, pc config.PolicyConfig) (*policy, e
 		open := r.opts.OpenEngine
 		if open == nil {
 			open = func(ctx context.Context, p config.PolicyConfig) (engines.Engine, error) {
-				return openEngine(ctx, p, r.events.printf)
+				return openEngine(ctx, p, engineLogs{printf: r.events.printf, worker: r.events.filef})
 			}
 		}
 		var err error

@@ -85,14 +85,23 @@ type TrainConfig struct {
 type EngineConfig struct {
 	Kind              string        `yaml:"kind" json:"kind"`                 // tiny | torch | remote
 	Address           string        `yaml:"address,omitempty" json:"address"` // remote: host:port
-	Python            string        `yaml:"python,omitempty" json:"python,omitempty"`
 	ModelPath         string        `yaml:"model_path" json:"model_path,omitempty"`
 	NumGPUsPerEngine  int           `yaml:"num_gpus_per_engine" json:"num_gpus_per_engine"`
 	UpdateWeights     bool          `yaml:"update_weights" json:"update_weights"`
 	MemFractionStatic float64       `yaml:"mem_fraction_static,omitempty" json:"mem_fraction_static,omitempty"`
 	ServerGroups      []ServerGroup `yaml:"server_groups,omitempty" json:"server_groups,omitempty"`
 	Threads           int           `yaml:"threads,omitempty" json:"threads,omitempty"` // tiny: worker goroutines (0: all cores)
-	// remote: security and limits of the connection (docs/remote.md).
+	// torch: the worker the host starts (docs/torch.md). Python is its interpreter ("": the
+	// variable SLIMEN_PYTHON, else python3 from PATH); Device its --device ("": the first GPU if
+	// any); GPUs its CUDA_VISIBLE_DEVICES (none: inherited); Args extra `serve` flags;
+	// StartTimeout how long it may take to load the model (0: 10 minutes).
+	Python       string        `yaml:"python,omitempty" json:"python,omitempty"`
+	Device       string        `yaml:"device,omitempty" json:"device,omitempty"`
+	GPUs         []string      `yaml:"gpus,omitempty" json:"gpus,omitempty"`
+	Args         []string      `yaml:"args,omitempty" json:"args,omitempty"`
+	StartTimeout time.Duration `yaml:"start_timeout,omitempty" json:"start_timeout,omitempty"`
+	// remote: security and limits of the connection (docs/remote.md); torch: TokenEnv makes the
+	// worker demand the token, the others are the client's settings.
 	TokenEnv     string     `yaml:"token_env,omitempty" json:"token_env,omitempty"` // env var holding the bearer token
 	Insecure     bool       `yaml:"insecure,omitempty" json:"insecure,omitempty"`   // plaintext to a non-loopback address
 	TLS          *TLSConfig `yaml:"tls,omitempty" json:"tls,omitempty"`

@@ -127,15 +127,26 @@ func (r *resolver) resolvePolicy(i int) {
 		p.Train.EpsClipHigh = p.Train.EpsClip
 	}
 
-	// The torch engine does not exist yet, so Hugging Face folders run on the tiny engine too
-	// (it reads Llama-family folders); torch becomes the folder default when it lands.
+	// A Hugging Face folder runs on the torch worker unless the config says otherwise (what a
+	// slime-n config, which names no engine kind, expects); builtin:* models run on tiny, the
+	// only engine that has them.
 	r.fill(&p.Engine, base.Engine, pp+".engine")
+	if !r.given(pp+".engine.kind") && !isBuiltin(p.HFCheckpoint) {
+		p.Engine.Kind = "torch"
+	}
+	if p.Engine.Kind != "torch" {
+		for _, k := range []string{"python", "device", "gpus", "args", "start_timeout"} {
+			if path := pp + ".engine." + k; r.given(path) {
+				r.warnf(r.line(path, p.Line), path, "has no effect on a %s engine: it is a setting of the worker that kind: torch starts", p.Engine.Kind)
+			}
+		}
+	}
 	if !r.given(pp + ".engine.model_path") {
 		p.Engine.ModelPath = p.HFCheckpoint
 	}
 	if !r.given(pp + ".num_gpus_per_node") {
 		p.NumGPUsPerNode = 0
-		if p.Engine.Kind == "torch" {
+		if p.Engine.Kind == "torch" && p.Engine.Device != "cpu" {
 			p.NumGPUsPerNode = defaultTorchGPUsPerNode
 		}
 	}

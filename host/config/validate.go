@@ -3,6 +3,7 @@ package config
 import (
 	"fmt"
 	"net"
+	"regexp"
 	"slices"
 	"strings"
 
@@ -154,6 +155,9 @@ func (r *resolver) validatePolicy(p *PolicyConfig, pp string) {
 		r.check(e.Address != "", ep+".address", at, "a remote engine needs address: host:port")
 		r.check(e.Address == "" || err == nil, ep+".address", at, "%q is not host:port", e.Address)
 	}
+	if e.Kind == "torch" {
+		r.validateTorch(p, pp)
+	}
 	r.check(e.NumGPUsPerEngine >= 0, ep+".num_gpus_per_engine", at, "must be ≥ 0, got %d", e.NumGPUsPerEngine)
 	r.check(e.MemFractionStatic >= 0 && e.MemFractionStatic <= 1, ep+".mem_fraction_static", at, "must be in [0, 1], got %g", e.MemFractionStatic)
 	r.check(e.Threads >= 0, ep+".threads", at, "must be ≥ 0 (0: all cores), got %d", e.Threads)
@@ -171,6 +175,45 @@ func (r *resolver) validatePolicy(p *PolicyConfig, pp string) {
 			"the server groups have %d GPUs in all but sglang_num_nodes × num_gpus_per_node is %d × %d = %d; make them equal",
 			sum, p.SGLangNumNodes, p.NumGPUsPerNode, want)
 	}
+}
+
+// torchDevice is what engine.device may be: a torch device name, with an index or not.
+var torchDevice = regexp.MustCompile(`^[a-z]+(:[0-9]+)?$`)
+
+// validateTorch checks the settings of a worker the host starts (engine.kind torch).
+func (r *resolver) validateTorch(p *PolicyConfig, pp string) {
+	e, ep := p.Engine, pp+".engine"
+	// A torch worker loads a model folder; builtin:* models live in the Go binary.
+	ckpt := pp + ".hf_checkpoint"
+	if !r.given(ckpt) {
+		ckpt = ep + ".kind"
+	}
+	r.check(!isBuiltin(p.HFCheckpoint), ckpt, p.Line,
+		"policy %q: a torch engine loads a Hugging Face model folder, and %s is built into the Go binary for the tiny engine; give hf_checkpoint: a model folder (python -m slimen_torch make-model writes a small random one) or use engine: {kind: tiny}",
+		p.Name, p.HFCheckpoint)
+	r.check(e.Address == "", ep+".address", p.Line,
+		"policy %q: the host starts a torch worker itself, on a port of its choosing; to reach a worker started elsewhere use engine: {kind: remote, address: %s}", p.Name, e.Address)
+	r.check(e.Device == "" || torchDevice.MatchString(e.Device), ep+".device", p.Line,
+		"%q is not a torch device: give cpu, cuda, cuda:N, or leave it out (the first GPU if there is one)", e.Device)
+	for j, g := range e.GPUs {
+		r.check(g != "" && !strings.ContainsAny(g, ", \t"), fmt.Sprintf("%s.gpus[%d]", ep, j), r.line(ep+".gpus", p.Line),
+			"%q is not a GPU: give one index (0) or UUID (GPU-…) per list item", g)
+	}
+	for j, a := range e.Args {
+		for _, f := range hostSetFlags {
+			r.check(a != f.flag && !strings.HasPrefix(a, f.flag+"="), fmt.Sprintf("%s.args[%d]", ep, j), r.line(ep+".args", p.Line),
+				"%s is set by the host from %s; remove it from args", f.flag, f.from)
+		}
+	}
+}
+
+// hostSetFlags are the worker's `serve` flags that the host sets itself, and from what.
+var hostSetFlags = []struct{ flag, from string }{
+	{"--model", "hf_checkpoint (or load:)"},
+	{"--listen", "a free loopback port of its choosing"},
+	{"--address-file", "a file of its own"},
+	{"--device", "engine.device"},
+	{"--token-env", "engine.token_env"},
 }
 
 // validateShared checks what slime-n checks of shared buffers: the policies pool their samples

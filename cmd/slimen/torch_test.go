@@ -1,0 +1,151 @@
+package main
+
+import (
+	"encoding/json"
+	"fmt"
+	"math"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"testing"
+)
+
+// Issue 6, item 5: `engine: {kind: torch}` makes the host start a PyTorch worker per policy.
+
+// torchPython finds an interpreter with the worker's requirements: $SLIMEN_TORCH_PYTHON, or the
+// environment scripts/pyenv.sh keeps (CI builds it for the Python tests, so this test runs there).
+func torchPython(t *testing.T) string {
+	t.Helper()
+	if p := os.Getenv("SLIMEN_TORCH_PYTHON"); p != "" {
+		return p
+	}
+	if _, err := exec.LookPath("python3"); err != nil {
+		t.Skip("no python3 on PATH and no $SLIMEN_TORCH_PYTHON: the torch worker cannot run here")
+	}
+	out, err := exec.Command(filepath.Join("..", "..", "scripts", "pyenv.sh")).Output()
+	if err != nil {
+		t.Fatalf("scripts/pyenv.sh: %v (set SLIMEN_TORCH_PYTHON to an interpreter with engines/torch/requirements.txt)", err)
+	}
+	return filepath.Join(strings.TrimSpace(string(out)), "bin", "python")
+}
+
+// torchConfig writes a config of the debate's two policies on torch workers.
+func torchConfig(t *testing.T, dir, model, python string) string {
+	t.Helper()
+	cfg := filepath.Join(dir, "torch.yaml")
+	y := fmt.Sprintf(`policies:
+  - name: generator
+    hf_checkpoint: %s
+    engine: {kind: torch, python: %q, device: cpu, args: [--max-seq-len, "512"]}
+    train: {lr: 1.0e-3, global_batch_size: 0}
+  - name: critic
+    hf_checkpoint: %s
+    sglang: {kind: torch, device: cpu, args: [--max-seq-len, "512"]}   # python from $SLIMEN_PYTHON
+    train: {lr: 1.0e-3, global_batch_size: 0}
+rollout: {batch_size: 4, max_response_len: 8}
+run: {steps: 2, seed: 3}
+`, model, python, model)
+	if err := os.WriteFile(cfg, []byte(y), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	return cfg
+}
+
+func TestTorchEngineDebate(t *testing.T) {
+	py := torchPython(t)
+	dir := t.TempDir()
+	model := filepath.Join(dir, "model")
+	mk := exec.Command(py, "-m", "slimen_torch", "make-model", "--shape", "tiny", "--out", model)
+	mk.Env = append(os.Environ(), "PYTHONPATH="+filepath.Join("..", "..", "engines", "torch"))
+	if out, err := mk.CombinedOutput(); err != nil {
+		t.Fatalf("make-model: %v\n%s", err, out)
+	}
+	out := filepath.Join(dir, "run")
+	// The binary unpacks its embedded worker package under the user cache folder: keep it here.
+	env := []string{"SLIMEN_PYTHON=" + py, "XDG_CACHE_HOME=" + filepath.Join(dir, "cache")}
+	log, err := slimen(t, env, "exec", "examples/debate/debate.star", "--config", torchConfig(t, dir, model, py), "--out", out)
+	if err != nil {
+		t.Fatalf("%v\n%s", err, log)
+	}
+
+	b, err := os.ReadFile(filepath.Join(out, "metrics.jsonl"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	seen := map[string]bool{}
+	for _, line := range strings.Split(strings.TrimSpace(string(b)), "\n") {
+		var m map[string]any
+		if err := json.Unmarshal([]byte(line), &m); err != nil {
+			t.Fatal(err)
+		}
+		pol, _ := m["policy"].(string)
+		if pol != "generator" && pol != "critic" {
+			continue
+		}
+		key := fmt.Sprintf("%s@%v", pol, m["step"])
+		seen[key] = true
+		samples, _ := m["samples"].(float64)
+		loss, ok := m["loss"].(float64)
+		if samples <= 0 || !ok || math.IsNaN(loss) || math.IsInf(loss, 0) {
+			t.Errorf("%s: samples %v, loss %v (%T): want samples > 0 and a finite loss\n%s", key, m["samples"], m["loss"], m["loss"], line)
+		}
+	}
+	for _, k := range []string{"generator@1", "generator@2", "critic@1", "critic@2"} {
+		if !seen[k] {
+			t.Errorf("metrics.jsonl has no line for %s:\n%s", k, b)
+		}
+	}
+
+	// Both workers started, with their output in events.log.
+	ev, err := os.ReadFile(filepath.Join(out, "events.log"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, want := range []string{
+		`policy "generator": starting a torch worker: ` + py,
+		`policy "critic": starting a torch worker: ` + py,
+		`policy "generator": torch worker ready`,
+		`policy "critic": worker: `,
+	} {
+		if !strings.Contains(string(ev), want) {
+			t.Errorf("events.log lacks %q:\n%s", want, ev)
+		}
+	}
+}
+
+// A worker that cannot start stops the run with the policy, its config line and what went wrong.
+func TestTorchEngineStartErrors(t *testing.T) {
+	dir := t.TempDir()
+	model := filepath.Join(dir, "model")
+	os.Mkdir(model, 0o755)
+	env := []string{"XDG_CACHE_HOME=" + filepath.Join(dir, "cache")}
+
+	// No such interpreter: no Python needed to see this one.
+	missing := filepath.Join(dir, "no-such-python")
+	log, err := slimen(t, env, "exec", "examples/debate/debate.star", "--config", torchConfig(t, dir, model, missing), "--out", filepath.Join(dir, "a"))
+	cfg := filepath.Join(dir, "torch.yaml")
+	for _, want := range []string{
+		fmt.Sprintf(`policy "generator" in %s:2: the torch worker did not start: torch engine: start %s`, cfg, missing),
+		"the interpreter " + missing + " comes from engine.python; set engine.python (or $SLIMEN_PYTHON)",
+	} {
+		if err == nil || !strings.Contains(log, want) {
+			t.Errorf("exit %v; output lacks %q:\n%s", err, want, log)
+		}
+	}
+
+	// An empty model folder: the worker exits, and its last lines say why.
+	if testing.Short() {
+		return
+	}
+	py := torchPython(t)
+	log, err = slimen(t, append(env, "SLIMEN_PYTHON="+py), "exec", "examples/debate/debate.star", "--config", torchConfig(t, dir, model, py), "--out", filepath.Join(dir, "b"))
+	for _, want := range []string{
+		fmt.Sprintf(`policy "generator" in %s:2: the torch worker did not start: torch engine for %s exited during start-up`, cfg, model),
+		"no config.json",
+	} {
+		if err == nil || !strings.Contains(log, want) {
+			t.Errorf("exit %v; output lacks %q:\n%s", err, want, log)
+		}
+	}
+}
