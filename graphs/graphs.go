@@ -1,6 +1,7 @@
 // Package graphs is the topology library: one Starlark file per multi-agent topology (debate,
 // solver_summarizer, generator_verifier, orchestrator, exam_swarm, shared_state,
-// solver_rewriter_selector, distillation), each exporting a function that runs one rollout of it.
+// solver_rewriter_selector, distillation, ppo), each exporting a function that runs one rollout of
+// it.
 // The files are embedded in the binary and scripts load them as @graphs//NAME.star:
 //
 //	load("@graphs//debate.star", "debate")

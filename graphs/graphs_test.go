@@ -118,6 +118,11 @@ func TestExamplesTwoSteps(t *testing.T) {
 			counts:     map[string]perTask{"student": both(4)},
 			rewardMean: map[string]float64{"student": 0.5},
 		},
+		// The critic is never named by the script: it trains on the actor's samples.
+		"ppo": {
+			counts:     map[string]perTask{"actor": both(4), "critic": both(4)},
+			rewardMean: map[string]float64{"actor": 0.5},
+		},
 	}
 	for _, name := range examples(t) {
 		w, ok := cases[name]
@@ -204,6 +209,78 @@ func TestDistillationTerm(t *testing.T) {
 			for _, a := range s.Advantages {
 				if math.Abs(float64(a)-0.03) > 1e-6 {
 					t.Fatalf("task %s: advantage %v, want 0.03 on every token", s.Group, a)
+				}
+			}
+		}
+	}
+}
+
+// TestPPOExample runs examples/ppo for two steps on scripted policies: the actor always answers
+// 5 (right on task a, wrong on b) and the critic values every token at 0.25. With γ = λ = 1 GAE
+// gives every token of a sample the advantage R − 0.25 and the return R; the critic trains on
+// those returns against its old values 0.25 with value clipping 0.2.
+func TestPPOExample(t *testing.T) {
+	cfg := loadConfig(t, "ppo")
+	cfg.Rollout.BatchSize = 2
+	actor, critic := scripted.Echo(`\boxed{5}`), scripted.Echo("unused")
+	critic.Value = 0.25
+	run, err := host.Load(context.Background(), script("ppo"), host.Options{Config: cfg, Tasks: twoTasks,
+		Engines: map[string]engines.Engine{"actor": actor, "critic": critic}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer run.Close()
+	reward := map[string]float32{"a": 1, "b": 0}
+	for step := 1; step <= 2; step++ {
+		res, err := run.Step(context.Background())
+		if err != nil {
+			t.Fatal(err)
+		}
+		if len(res.Failed) > 0 {
+			t.Fatal(res.Failed[0])
+		}
+		got := map[string]float64{}
+		for _, m := range res.Policies {
+			got[m.Policy()+" samples"] = m.Float("samples")
+			if m.Policy() == "actor" {
+				got["actor reward_mean"] = m.Float("reward_mean")
+			}
+		}
+		want := map[string]float64{"actor samples": 8, "critic samples": 8, "actor reward_mean": 0.5}
+		if d := cmp.Diff(want, got); d != "" {
+			t.Errorf("step %d metrics (-want +got):\n%s", step, d)
+		}
+		if acc := res.Run.Float("accuracy"); acc != 0.5 {
+			t.Errorf("step %d accuracy %v, want 0.5", step, acc)
+		}
+	}
+	if len(critic.Calls()) != 0 {
+		t.Error("the critic generated; the host should only value with it")
+	}
+	ab, cb := actor.Batches(), critic.Batches()
+	if len(ab) != 2 || len(cb) != 2 {
+		t.Fatalf("%d actor and %d critic batches, want one each a step", len(ab), len(cb))
+	}
+	for step := range 2 {
+		for i, s := range ab[step].Samples {
+			for _, a := range s.Advantages {
+				if want := reward[s.Group] - 0.25; a != want {
+					t.Fatalf("step %d actor sample %d (task %s): advantage %v, want %v", step+1, i, s.Group, a, want)
+				}
+			}
+		}
+		b := cb[step]
+		if b.Loss.ValueClip != 0.2 || len(b.Samples) != 8 {
+			t.Fatalf("step %d critic batch: value clip %v, %d samples", step+1, b.Loss.ValueClip, len(b.Samples))
+		}
+		for i, s := range b.Samples {
+			if scripted.Decode(s.Response) != `\boxed{5}` || len(s.Returns) != len(s.Response) || len(s.OldValues) != len(s.Response) {
+				t.Fatalf("step %d critic sample %d: %q, %d returns, %d old values", step+1, i, scripted.Decode(s.Response), len(s.Returns), len(s.OldValues))
+			}
+			for j := range s.Returns {
+				if s.Returns[j] != reward[s.Group] || s.OldValues[j] != 0.25 || s.LossMask[j] != 1 {
+					t.Fatalf("step %d critic sample %d (task %s) token %d: return %v, old value %v, mask %v; want %v, 0.25, 1",
+						step+1, i, s.Group, j, s.Returns[j], s.OldValues[j], s.LossMask[j], reward[s.Group])
 				}
 			}
 		}

@@ -14,6 +14,8 @@ import (
 
 	"github.com/slimen/slimen/engines"
 	"github.com/slimen/slimen/engines/scripted"
+	"github.com/slimen/slimen/engines/tiny"
+	"github.com/slimen/slimen/host/config"
 )
 
 // rewardsOf returns the rewards a policy's engine trained on, batch by batch, read back from the
@@ -135,5 +137,59 @@ func TestSameSeedSameMetrics(t *testing.T) {
 	}
 	if a == c {
 		t.Error("different seeds gave identical metrics: seeds do not reach the engine")
+	}
+}
+
+// TestPPOExampleOnTinyEngine runs examples/ppo with its own config on the embedded engine for two
+// small steps: the actor trains on GAE advantages and the critic, the tiny engine's value head,
+// trains on the returns — end to end, no scripted engine.
+func TestPPOExampleOnTinyEngine(t *testing.T) {
+	cfg, err := config.Load("../examples/ppo/config.yaml")
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg.Rollout.BatchSize = 2
+	r, err := Load(context.Background(), "../examples/ppo/ppo.star", Options{Config: cfg})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer r.Close()
+	critic, ok := r.policies["critic"].eng.(*tiny.Engine)
+	if !ok {
+		t.Fatalf("the critic's engine is a %T, want the tiny engine", r.policies["critic"].eng)
+	}
+	probe := []engines.ScoreRequest{{Messages: []engines.Message{{Role: "user", Content: "Ann has 2 pens and gets 3 more. How many pens?"}}, Tokens: []int32{10, 11, 12}}}
+	for step := 1; step <= 2; step++ {
+		res, err := r.Step(context.Background())
+		if err != nil {
+			t.Fatal(err)
+		}
+		if len(res.Failed) > 0 {
+			t.Fatal(res.Failed[0])
+		}
+		byPolicy := map[string]Metrics{}
+		for _, m := range res.Policies {
+			byPolicy[m.Policy()] = m
+		}
+		a, c := byPolicy["actor"], byPolicy["critic"]
+		if a.Float("samples") != 8 || a.Float("optimizer_steps") != 1 || !(a.Float("grad_norm") > 0) || math.IsNaN(a.Float("loss")) {
+			t.Errorf("step %d actor: %v", step, a)
+		}
+		if c.Float("samples") != 8 || c.Float("optimizer_steps") != 1 || c.Float("trained_tokens") != a.Float("trained_tokens") || !(c.Float("grad_norm") > 0) {
+			t.Errorf("step %d critic: %v", step, c)
+		}
+		// A fresh head values everything at 0, so at step 1 every token's advantage and return is
+		// its sample's reward R ∈ {0, 1}: the critic's loss, the task-mean of each task's
+		// token-mean of R², equals the actor's on-policy loss, the same mean of −1·R.
+		if step == 1 && (c.Float("value_loss") <= 0 || math.Abs(c.Float("value_loss")+a.Float("pg_loss")) > 1e-6) {
+			t.Errorf("step 1: critic value loss %v, actor pg loss %v; want opposite numbers", c.Float("value_loss"), a.Float("pg_loss"))
+		}
+		v, err := critic.Values(context.Background(), probe)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if v[0][0] == 0 {
+			t.Errorf("step %d: the critic still values everything at 0: its head did not train", step)
+		}
 	}
 }

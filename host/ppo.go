@@ -108,8 +108,8 @@ func (r *Run) trainCritic(ctx context.Context, step int, crit *policy, samples [
 	if size <= 0 || size > len(samples) {
 		size = len(samples)
 	}
-	var loss float64
-	steps := 0
+	var loss, clip, gn float64
+	steps, skipped, tokens := 0, 0, 0
 	for k := 0; k < len(samples); k += size {
 		b := engines.Batch{ID: fmt.Sprintf("%s/%s/step%d/%d", r.id, crit.name, step, k/size), Loss: lc,
 			Samples: samples[k:min(k+size, len(samples))]}
@@ -118,16 +118,25 @@ func (r *Run) trainCritic(ctx context.Context, step int, crit *policy, samples [
 			return fmt.Errorf("step %d: critic %q: train: %w", step, crit.name, err)
 		}
 		if st.Skipped {
+			skipped++
 			r.events.printf("step %d: critic %q: optimizer step %s skipped: %s", step, crit.name, b.ID, st.Reason)
 			continue
 		}
 		loss += st.ValueLoss
+		clip += st.ClipFrac
+		gn += st.GradNorm
+		tokens += st.Tokens
 		steps++
 	}
+	d := float64(max(steps, 1))
 	m.set("samples", len(samples))
-	m.set("value_loss", loss/float64(max(steps, 1)))
-	m.set("loss", loss/float64(max(steps, 1)))
+	m.set("value_loss", loss/d)
+	m.set("loss", loss/d)
+	m.set("clip_frac", clip/d) // tokens whose value was clipped
+	m.set("grad_norm", gn/d)
 	m.set("optimizer_steps", steps)
+	m.set("skipped_steps", skipped)
+	m.set("trained_tokens", tokens)
 	m.set("train_s", time.Since(t0).Seconds())
 	return nil
 }

@@ -10,6 +10,7 @@ import (
 	"regexp"
 	"sort"
 	"strings"
+	"sync/atomic"
 	"time"
 
 	"go.starlark.net/starlark"
@@ -94,6 +95,8 @@ func runTestFile(ctx context.Context, file string, w io.Writer) []TestResult {
 	}
 	abs, _ := filepath.Abs(file)
 	pre := predeclared()
+	sim := &simConfig{}
+	pre["config"] = configValue{get: sim.get}
 	pre["assert"] = assertModule
 	pre["simulate"] = starlark.NewBuiltin("simulate", builtinSimulate)
 	l := newLoader(filepath.Dir(abs), pre, true)
@@ -117,6 +120,7 @@ func runTestFile(ctx context.Context, file string, w io.Writer) []TestResult {
 		start := time.Now()
 		th := &starlark.Thread{Name: name, Print: func(_ *starlark.Thread, msg string) { fmt.Fprintf(w, "    %s\n", msg) }}
 		th.SetLocal(testCtxLocal, ctx)
+		th.SetLocal(simConfigLocal, sim)
 		_, err := starlark.Call(th, fn, nil, nil)
 		r := TestResult{File: file, Name: name, Duration: time.Since(start)}
 		if err != nil {
@@ -135,17 +139,36 @@ func runTestFile(ctx context.Context, file string, w io.Writer) []TestResult {
 	return out
 }
 
-const testCtxLocal = "slimen.test.ctx"
+const (
+	testCtxLocal   = "slimen.test.ctx"
+	simConfigLocal = "slimen.test.config"
+)
+
+// simConfig is the `config` of a test file's scripts: the configuration of the simulate() run in
+// progress (its scripted policies), none outside one.
+type simConfig struct{ run atomic.Pointer[Run] }
+
+func (s *simConfig) get() *config.Config {
+	if r := s.run.Load(); r != nil {
+		return r.Config()
+	}
+	return nil
+}
+
+// simCritic names the scripted critic that simulate adds for estimator "ppo".
+const simCritic = "_critic"
 
 // builtinSimulate runs one rollout on scripted policies and returns what the host would train.
 //
-//	simulate(rollout, task, responses, frozen=[], estimator="grpo", seed=1)
+//	simulate(rollout, task, responses, frozen=[], estimator="grpo", seed=1, value=0.0)
 //
 // task: a prompt string or a dict with prompt, label, id, metadata. responses: policy → a list of
 // texts (sample i of every call answers with item i, cycling) or a function (prompt, index) →
-// text, prompt being the last message's content. Returns a struct with samples (policy → list of
-// struct(text, reward, advantage, group, prompt)), completions (every generated completion, in
-// call order) and logs (name → mean of the values logged). A failing rollout fails simulate.
+// text, prompt being the last message's content. estimator "ppo" adds a scripted critic policy
+// (role: critic) that values every token at value. Returns a struct with samples (policy → list
+// of struct(text, reward, advantage, group, prompt); advantage is the first token's), completions
+// (every generated completion, in call order) and logs (name → mean of the values logged). The
+// rollout sees the scripted policies in `config`. A failing rollout fails simulate.
 func builtinSimulate(thread *starlark.Thread, b *starlark.Builtin, args starlark.Tuple, kwargs []starlark.Tuple) (starlark.Value, error) {
 	var fn starlark.Callable
 	var task starlark.Value
@@ -153,9 +176,14 @@ func builtinSimulate(thread *starlark.Thread, b *starlark.Builtin, args starlark
 	var frozen *starlark.List
 	estimator := "grpo"
 	seed := 1
+	var value starlark.Value = starlark.Float(0)
 	if err := starlark.UnpackArgs(b.Name(), args, kwargs, "rollout", &fn, "task", &task, "responses", &responses,
-		"frozen?", &frozen, "estimator?", &estimator, "seed?", &seed); err != nil {
+		"frozen?", &frozen, "estimator?", &estimator, "seed?", &seed, "value?", &value); err != nil {
 		return nil, err
+	}
+	v, ok := starlark.AsFloat(value)
+	if !ok {
+		return nil, fmt.Errorf("%s: value must be a number, got %s", b.Name(), value.Type())
 	}
 	t, err := simTask(b.Name(), task)
 	if err != nil {
@@ -190,12 +218,23 @@ func builtinSimulate(thread *starlark.Thread, b *starlark.Builtin, args starlark
 		cfg.Policies = append(cfg.Policies, pc)
 		engs[string(name)] = scripted.New(respond)
 	}
+	if estimator == "ppo" {
+		pc := config.DefaultPolicy(simCritic)
+		pc.Role = "critic"
+		cfg.Policies = append(cfg.Policies, pc)
+		crit := scripted.Echo("")
+		crit.Value = float32(v)
+		engs[simCritic] = crit
+	}
 	ctx, _ := thread.Local(testCtxLocal).(context.Context)
 	if ctx == nil {
 		ctx = context.Background()
 	}
 	r := newRun(Options{Config: cfg, Engines: engs, Tasks: listSource{t}})
 	defer r.Close()
+	if sc, ok := thread.Local(simConfigLocal).(*simConfig); ok {
+		defer sc.run.Store(sc.run.Swap(r))
+	}
 	if err := r.openPolicies(ctx); err != nil {
 		return nil, err
 	}
@@ -215,6 +254,9 @@ func builtinSimulate(thread *starlark.Thread, b *starlark.Builtin, args starlark
 	}
 	samples := starlark.NewDict(len(pols))
 	for _, p := range pols {
+		if p.name == simCritic {
+			continue
+		}
 		var l []starlark.Value
 		for i, s := range byPolicy[p.name] {
 			var adv starlark.Value = starlark.None

@@ -80,3 +80,12 @@ func (o *adamState) update(w, g *weights[float32], c optimConfig, gradScale floa
 		}
 	}
 }
+
+// grow adds zero moments for the parameters of w created after the optimizer state (the value
+// head, which comes last in the canonical order).
+func (o *adamState) grow(w *weights[float32]) {
+	for _, t := range w.tensors()[len(o.m):] {
+		o.m = append(o.m, make([]float32, len(t.data)))
+		o.v = append(o.v, make([]float32, len(t.data)))
+	}
+}

@@ -13,11 +13,7 @@ func (m *model[T]) transposed(threads int) *transposedWeights[T] {
 	c := m.w.cfg
 	d, qd, kvd, in, v := c.Hidden, c.qDim(), c.kvDim(), c.Intermediate, c.VocabSize
 	t := &transposedWeights[T]{layers: make([]layerWeights[T], c.Layers)}
-	tr := func(src []T, rows, cols int) []T {
-		dst := make([]T, rows*cols)
-		transpose(threads, dst, src, rows, cols)
-		return dst
-	}
+	tr := func(src []T, rows, cols int) []T { return transposeOf(threads, src, rows, cols) }
 	for l := range c.Layers {
 		w := &m.w.layers[l]
 		t.layers[l] = layerWeights[T]{
@@ -29,14 +25,56 @@ func (m *model[T]) transposed(threads int) *transposedWeights[T] {
 	return t
 }
 
+// transposeOf returns the transpose of the rows×cols matrix src.
+func transposeOf[T Float](threads int, src []T, rows, cols int) []T {
+	dst := make([]T, rows*cols)
+	transpose(threads, dst, src, rows, cols)
+	return dst
+}
+
 // backward adds to g the gradient of a loss whose derivative with respect to the logits at
 // outRows is dlogits, given the activations a of forward(…, keep=true) on the same batch. Weight
 // gradients are sums over the batch rows in row order, one sequential sum per element, so they do
 // not depend on the number of threads.
 func (m *model[T]) backward(threads int, tokens []int32, seqs []seqView[T], outRows []int, a *acts[T], dlogits []T, g *weights[T], wt *transposedWeights[T]) {
 	c := m.w.cfg
-	d, qd, kvd, in, vocab := c.Hidden, c.qDim(), c.kvDim(), c.Intermediate, c.VocabSize
-	rows, nout := a.rows, len(outRows)
+	d, vocab, nout := c.Hidden, c.VocabSize, len(outRows)
+	dOut := make([]T, nout*d)
+	matMulT(threads, dOut, dlogits, wt.head, nout, d, vocab, false)
+	gHead := g.lmHead
+	if c.TieEmbeddings {
+		gHead = g.embed
+	}
+	matMulT(threads, gHead, transposeOf(threads, dlogits, nout, vocab), transposeOf(threads, a.xnfOut, nout, d), vocab, d, nout, true)
+	m.backwardTrunk(threads, tokens, seqs, outRows, a, dOut, g, wt)
+}
+
+// valueBackward is backward for a loss whose derivative with respect to the values at outRows
+// (model.values) is dv.
+func (m *model[T]) valueBackward(threads int, tokens []int32, seqs []seqView[T], outRows []int, a *acts[T], dv []T, g *weights[T], wt *transposedWeights[T]) {
+	d, nout := m.w.cfg.Hidden, len(outRows)
+	dOut := make([]T, nout*d)
+	matMulT(threads, dOut, dv, m.w.score, nout, d, 1, false) // dv ⊗ score
+	matMulT(threads, g.score, dv, transposeOf(threads, a.xnfOut, nout, d), 1, d, nout, true)
+	matMulT(threads, g.scoreBias, dv, ones[T](nout), 1, 1, nout, true)
+	m.backwardTrunk(threads, tokens, seqs, outRows, a, dOut, g, wt)
+}
+
+func ones[T Float](n int) []T {
+	v := make([]T, n)
+	for i := range v {
+		v[i] = 1
+	}
+	return v
+}
+
+// backwardTrunk adds to g the gradient through the final norm, the layers and the embeddings of
+// a loss whose derivative with respect to the normalised hidden states at outRows (a.xnfOut) is
+// dOut.
+func (m *model[T]) backwardTrunk(threads int, tokens []int32, seqs []seqView[T], outRows []int, a *acts[T], dOut []T, g *weights[T], wt *transposedWeights[T]) {
+	c := m.w.cfg
+	d, qd, kvd, in := c.Hidden, c.qDim(), c.kvDim(), c.Intermediate
+	rows := a.rows
 	pos := make([]int, rows)
 	for _, s := range seqs {
 		if s.cache != nil || s.pos0 != 0 {
@@ -46,20 +84,8 @@ func (m *model[T]) backward(threads int, tokens []int32, seqs []seqView[T], outR
 			pos[s.start+i] = i
 		}
 	}
-	tr := func(src []T, r, cols int) []T {
-		dst := make([]T, r*cols)
-		transpose(threads, dst, src, r, cols)
-		return dst
-	}
+	tr := func(src []T, r, cols int) []T { return transposeOf(threads, src, r, cols) }
 
-	// LM head.
-	dOut := make([]T, nout*d)
-	matMulT(threads, dOut, dlogits, wt.head, nout, d, vocab, false)
-	gHead := g.lmHead
-	if c.TieEmbeddings {
-		gHead = g.embed
-	}
-	matMulT(threads, gHead, tr(dlogits, nout, vocab), tr(a.xnfOut, nout, d), vocab, d, nout, true)
 	dxnf := make([]T, rows*d)
 	for i, r := range outRows {
 		copy(dxnf[r*d:(r+1)*d], dOut[i*d:(i+1)*d])

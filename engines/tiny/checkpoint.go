@@ -96,6 +96,9 @@ func readCheckpoint(fsys fs.FS, label string) (*checkpoint, error) {
 		return nil, wrap(fileWeights, err)
 	}
 	w := newWeights[float32](cfg)
+	if _, ok := ts["score.weight"]; ok {
+		w.addValueHead() // a PPO critic's checkpoint
+	}
 	if err := fillTensors(w, ts, "", func(name string) bool {
 		// transformers drops the tied head on save but some writers keep it; older checkpoints
 		// carry the rotary buffer. Neither is a parameter here.
@@ -128,7 +131,7 @@ func readCheckpoint(fsys fs.FS, label string) (*checkpoint, error) {
 	}
 	opt := newAdamState(w)
 	opt.step = meta.Step
-	mw, vw := newWeights[float32](cfg), newWeights[float32](cfg)
+	mw, vw := w.zeros(), w.zeros()
 	if err := fillTensors(mw, ots, "exp_avg.", func(name string) bool { return strings.HasPrefix(name, "exp_avg_sq.") }); err != nil {
 		return nil, wrap(fileOptimizer, err)
 	}

@@ -4,6 +4,14 @@
 // DESIGN §4 through a hand-written backward pass and AdamW, so that a multi-agent RL script runs,
 // and learns, on any laptop without a GPU or a download.
 //
+// It also serves as a PPO critic (engines.Valuer, capability "values"): a value head, a linear map
+// hidden → 1 (with a bias) on the final-norm hidden state, is created with zeros on first use —
+// by Values or by a Train batch whose samples carry Returns — and Values reports it at the
+// position that predicts each token. Such a batch trains the whole model and the head with the
+// clipped value loss max((V − R)², (clip(V, V_old ± ValueClip) − R)²), reduced like the policy
+// loss, and AdamW; the head is saved in model.safetensors as score.weight and score.bias, the
+// PyTorch engine's names, so critic checkpoints move between the two engines.
+//
 // Models are Hugging Face folders (config.json for LlamaForCausalLM, model.safetensors with the
 // standard tensor names, tokenizer.json and tokenizer_config.json with a chat template) that
 // transformers loads as they are; testdata/tiny_compat/ proves it. The vocabulary is
@@ -15,6 +23,7 @@
 //	e, err := tiny.Open("builtin:tiny-arith", tiny.Options{}) // or a model folder
 //	e, err := tiny.New(tiny.DefaultConfig(), seed, tiny.Options{}) // random weights
 //	var _ engines.Engine = e                                      // Generate, Score, Train, Save, …
+//	var _ engines.Valuer = e                                      // Values: a PPO critic
 //	err = tiny.Pretrain(ctx, e, examples, tiny.PretrainOptions{Steps: 3000})
 //
 // Everything is deterministic: a completion depends only on the weights, its prompt, its sampling

@@ -34,7 +34,10 @@ type Engine struct {
 	closed  bool
 }
 
-var _ engines.Engine = (*Engine)(nil)
+var (
+	_ engines.Engine = (*Engine)(nil)
+	_ engines.Valuer = (*Engine)(nil)
+)
 
 // ErrClosed is returned by the methods of a closed engine.
 var ErrClosed = errors.New("tiny: engine is closed")
@@ -119,6 +122,10 @@ func (e *Engine) Info(ctx context.Context) (engines.Info, error) {
 		return engines.Info{}, ErrClosed
 	}
 	c := e.m.w.cfg
+	params := c.params()
+	if e.m.w.score != nil {
+		params += int64(c.Hidden + 1)
+	}
 	return engines.Info{
 		Model:        e.spec,
 		Architecture: "LlamaForCausalLM",
@@ -126,9 +133,9 @@ func (e *Engine) Info(ctx context.Context) (engines.Info, error) {
 		MaxSeqLen:    c.MaxSeqLen,
 		ChatTemplate: ChatTemplate,
 		EOSTokens:    append([]int32(nil), e.eos...),
-		Params:       c.params(),
+		Params:       params,
 		Devices:      []string{"cpu"},
-		Capabilities: []string{"generate", "score", "train"},
+		Capabilities: []string{"generate", "score", "train", "values"},
 	}, nil
 }
 
@@ -148,7 +155,8 @@ func (e *Engine) Tokenize(ctx context.Context, texts []string) ([][]int32, error
 
 // Save writes the model folder (config.json, model.safetensors, tokenizer.json,
 // tokenizer_config.json) and, once the optimizer has taken a step, optimizer.safetensors
-// (exp_avg.NAME and exp_avg_sq.NAME per parameter) and optimizer.json (the step count).
+// (exp_avg.NAME and exp_avg_sq.NAME per parameter) and optimizer.json (the step count). A value
+// head, once created, is saved with the weights as score.weight and score.bias.
 func (e *Engine) Save(ctx context.Context, dir string) error {
 	e.mu.RLock()
 	defer e.mu.RUnlock()
@@ -162,8 +170,10 @@ func (e *Engine) Save(ctx context.Context, dir string) error {
 }
 
 // Load replaces the weights and the optimizer state (reset when the folder has none) with those
-// in dir, which must hold a model of the same architecture. The KL reference stays the model the
-// engine was opened with: resuming a run keeps measuring the distance to the base model.
+// in dir, which must hold a model of the same architecture. The value head is the folder's: a
+// folder without one leaves the model without one until it is next used. The KL reference stays
+// the model the engine was opened with: resuming a run keeps measuring the distance to the base
+// model.
 func (e *Engine) Load(ctx context.Context, dir string) error {
 	ck, err := readCheckpoint(os.DirFS(dir), dir)
 	if err != nil {

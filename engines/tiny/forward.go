@@ -78,6 +78,28 @@ type acts[T Float] struct {
 // outRows. keep retains the activations for backward; otherwise buffers are reused across layers.
 func (m *model[T]) forward(threads int, tokens []int32, seqs []seqView[T], outRows []int, keep bool) ([]T, *acts[T]) {
 	c := m.w.cfg
+	a := m.trunk(threads, tokens, seqs, outRows, keep)
+	logits := make([]T, len(outRows)*c.VocabSize)
+	matMulT(threads, logits, a.xnfOut, m.w.head(), len(outRows), c.VocabSize, c.Hidden, false)
+	return logits, a
+}
+
+// values runs the model over a packed batch and returns the value head's output at outRows: a
+// PPO critic's value of the state before each predicted token.
+func (m *model[T]) values(threads int, tokens []int32, seqs []seqView[T], outRows []int, keep bool) ([]T, *acts[T]) {
+	a := m.trunk(threads, tokens, seqs, outRows, keep)
+	v := make([]T, len(outRows))
+	matMulT(threads, v, a.xnfOut, m.w.score, len(outRows), 1, m.w.cfg.Hidden, false)
+	for i := range v {
+		v[i] += m.w.scoreBias[0]
+	}
+	return v, a
+}
+
+// trunk runs the decoder layers and the final norm over a packed batch; the normalised hidden
+// states at outRows are a.xnfOut, what the LM head and the value head read.
+func (m *model[T]) trunk(threads int, tokens []int32, seqs []seqView[T], outRows []int, keep bool) *acts[T] {
+	c := m.w.cfg
 	d, qd, kvd, in := c.Hidden, c.qDim(), c.kvDim(), c.Intermediate
 	rows := len(tokens)
 	a := &acts[T]{rows: rows}
@@ -158,9 +180,7 @@ func (m *model[T]) forward(threads int, tokens []int32, seqs []seqView[T], outRo
 		copy(out[i*d:(i+1)*d], xnf[r*d:(r+1)*d])
 	}
 	a.xnfOut = out
-	logits := make([]T, len(outRows)*c.VocabSize)
-	matMulT(threads, logits, out, m.w.head(), len(outRows), c.VocabSize, d, false)
-	return logits, a
+	return a
 }
 
 // rmsNormRows sets dst = w ⊙ x/rms(x) row by row and records 1/rms per row.

@@ -279,8 +279,66 @@ func (e *Engine) Score(ctx context.Context, reqs []engines.ScoreRequest) ([]engi
 	if e.closed {
 		return nil, ErrClosed
 	}
+	vocab := e.m.w.cfg.VocabSize
+	lps, err := e.perToken(ctx, "score", reqs, func(p packed[float32]) []float64 {
+		logits, _ := e.m.forward(e.threads, p.tokens, p.views, p.outRows, false)
+		lp, _ := tokenLogprobs(e.threads, logits, p.targets, vocab)
+		return lp
+	})
+	if err != nil {
+		return nil, err
+	}
+	out := make([]engines.Scores, len(reqs))
+	for i, lp := range lps {
+		out[i].Logprobs = lp
+	}
+	return out, nil
+}
+
+// Values returns a PPO critic's value of each request's tokens: the value head on the final
+// hidden state at the position whose logits predict the token (the state before it). The head is
+// created, all zeros, on first use unless the checkpoint had one (score.weight), as in the
+// PyTorch engine.
+func (e *Engine) Values(ctx context.Context, reqs []engines.ScoreRequest) ([][]float32, error) {
+	if err := e.rlockWithValueHead(); err != nil {
+		return nil, err
+	}
+	defer e.mu.RUnlock()
+	return e.perToken(ctx, "values", reqs, func(p packed[float32]) []float64 {
+		v, _ := e.m.values(e.threads, p.tokens, p.views, p.outRows, false)
+		return f64(v)
+	})
+}
+
+// rlockWithValueHead takes the read lock of an open engine whose model has a value head, creating
+// the head under the write lock first if needed.
+func (e *Engine) rlockWithValueHead() error {
+	for {
+		e.mu.RLock()
+		if e.closed {
+			e.mu.RUnlock()
+			return ErrClosed
+		}
+		if e.m.w.score != nil {
+			return nil
+		}
+		e.mu.RUnlock()
+		e.mu.Lock()
+		if !e.closed {
+			e.ensureValueHead()
+		}
+		e.mu.Unlock()
+	}
+}
+
+// perToken resolves each request's prompt and returns one number per token of the request: what
+// at makes of the forward pass over a chunk of requests (one number per predicted token, in row
+// order). what names the method in errors.
+func (e *Engine) perToken(ctx context.Context, what string, reqs []engines.ScoreRequest, at func(p packed[float32]) []float64) ([][]float32, error) {
 	cfg := e.m.w.cfg
-	seqs := make([]trainSeq, len(reqs))
+	out := make([][]float32, len(reqs))
+	var seqs []trainSeq
+	var req []int // the request of each sequence
 	for i, r := range reqs {
 		p, err := e.promptTokens(r.Messages, r.PromptTokens)
 		if err == nil {
@@ -290,44 +348,23 @@ func (e *Engine) Score(ctx context.Context, reqs []engines.ScoreRequest) ([]engi
 			err = fmt.Errorf("prompt and tokens are %d tokens; the model takes at most %d", len(p)+len(r.Tokens), cfg.MaxSeqLen)
 		}
 		if err != nil {
-			return nil, fmt.Errorf("tiny: score request %d: %w", i, err)
+			return nil, fmt.Errorf("tiny: %s request %d: %w", what, i, err)
 		}
-		seqs[i] = trainSeq{prompt: p, response: r.Tokens}
+		out[i] = []float32{}
+		if len(r.Tokens) > 0 {
+			seqs = append(seqs, trainSeq{prompt: p, response: r.Tokens})
+			req = append(req, i)
+		}
 	}
-	out := make([]engines.Scores, len(reqs))
-	for lo := 0; lo < len(seqs); {
-		if err := ctx.Err(); err != nil {
-			return nil, err
+	err := eachChunk(ctx, seqs, chunkTokens, func(lo, hi int, p packed[float32]) {
+		v := at(p)
+		for k := lo; k < hi; k++ {
+			n := len(seqs[k].response)
+			out[req[k]], v = fromF64[float32](v[:n]), v[n:]
 		}
-		hi, rows := lo, 0
-		for hi < len(seqs) && (hi == lo || rows+len(seqs[hi].prompt)+len(seqs[hi].response) <= chunkTokens) {
-			rows += len(seqs[hi].prompt) + len(seqs[hi].response)
-			hi++
-		}
-		var scored []trainSeq
-		for _, s := range seqs[lo:hi] {
-			if len(s.response) > 0 {
-				scored = append(scored, s)
-			}
-		}
-		if len(scored) > 0 {
-			tokens, views, outRows, targets := packTrain[float32](scored)
-			logits, _ := e.m.forward(e.threads, tokens, views, outRows, false)
-			lp, _ := tokenLogprobs(e.threads, logits, targets, cfg.VocabSize)
-			for i := lo; i < hi; i++ {
-				n := len(seqs[i].response)
-				out[i].Logprobs = make([]float32, n)
-				for j := range n {
-					out[i].Logprobs[j] = float32(lp[j])
-				}
-				lp = lp[n:]
-			}
-		} else {
-			for i := lo; i < hi; i++ {
-				out[i].Logprobs = []float32{}
-			}
-		}
-		lo = hi
+	})
+	if err != nil {
+		return nil, err
 	}
 	return out, nil
 }

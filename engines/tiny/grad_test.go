@@ -135,3 +135,104 @@ func TestGradientsMatchFiniteDifferences(t *testing.T) {
 		})
 	}
 }
+
+// valueLossOf evaluates the critic's pipeline (forward → value head → value loss) without
+// gradients.
+func valueLossOf(m *model[float64], seqs []trainSeq, samples []lossSample, w [][]float64, c lossConfig) float64 {
+	tokens, views, outRows, _ := packTrain[float64](seqs)
+	v, _ := m.values(1, tokens, views, outRows, false)
+	all := make([]lossSample, len(samples))
+	for i, vs := range splitBySeq(v, seqs) {
+		all[i] = samples[i]
+		all[i].Values = vs
+	}
+	st, _ := valueLoss(all, w, c)
+	return st.Loss
+}
+
+// TestValueGradientsMatchFiniteDifferences checks the backward pass of the value head and the
+// clipped value loss through the whole transformer against central differences, in float64.
+func TestValueGradientsMatchFiniteDifferences(t *testing.T) {
+	for _, tc := range []struct {
+		name string
+		tied bool
+		loss engines.LossConfig
+	}{
+		{"clipped-untied", false, engines.LossConfig{ValueClip: 0.2}},
+		{"unclipped-tied-token-sum", true, engines.LossConfig{Aggregation: "token_sum"}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			r := rand.New(rand.NewPCG(21, 22))
+			cfg := testConfig(tc.tied)
+			w := newWeights[float64](cfg)
+			w.initRandom(1)
+			w.addValueHead()
+			for _, tn := range w.tensors() {
+				for i := range tn.data {
+					tn.data[i] += 0.3 * r.NormFloat64()
+				}
+			}
+			m := newModel(w)
+			seqs := randomSeqs(r, 8, cfg.VocabSize)
+			c, err := resolveLoss(tc.loss)
+			if err != nil {
+				t.Fatal(err)
+			}
+			// Old values within ±0.4 of the current ones, so that with a clip of 0.2 some tokens
+			// take the clipped term and some not.
+			tokens, views, outRows, _ := packTrain[float64](seqs)
+			v, _ := m.values(1, tokens, views, outRows, false)
+			vs := splitBySeq(v, seqs)
+			samples := make([]lossSample, len(seqs))
+			for i, s := range seqs {
+				n := len(s.response)
+				ls := lossSample{Group: []string{"a", "b", ""}[i%3], Mask: make([]float64, n), Returns: make([]float64, n), OldValues: make([]float64, n)}
+				for j := range n {
+					ls.Returns[j] = r.NormFloat64()
+					ls.OldValues[j] = vs[i][j] + 0.8*(r.Float64()-0.5)
+					ls.Mask[j] = 1
+					if r.IntN(5) == 0 {
+						ls.Mask[j] = 0
+					}
+				}
+				samples[i] = ls
+			}
+			wts := tokenWeights(samples, c.aggregation)
+			// A chunk of 9 rows forces several chunks.
+			st, g, err := m.accumulateValueGrads(context.Background(), 2, 9, seqs, criticChunkLoss(samples, wts, c))
+			if err != nil {
+				t.Fatal(err)
+			}
+			if want := valueLossOf(m, seqs, samples, wts, c); math.Abs(st.Loss-want) > 1e-12*math.Max(1, math.Abs(want)) {
+				t.Fatalf("chunked loss %v, unchunked %v", st.Loss, want)
+			}
+			if c.valueClip > 0 && (st.Clipped == 0 || st.Clipped == st.Tokens) {
+				t.Fatalf("clipped %d of %d tokens: the check should cover both branches", st.Clipped, st.Tokens)
+			}
+			gt := g.tensors()
+			names := map[string]bool{}
+			for ti, tn := range w.tensors() {
+				names[tn.name] = true
+				for k := 0; k < 3; k++ {
+					j := r.IntN(len(tn.data))
+					orig := tn.data[j]
+					const eps = 1e-6
+					tn.data[j] = orig + eps
+					lp := valueLossOf(m, seqs, samples, wts, c)
+					tn.data[j] = orig - eps
+					lm := valueLossOf(m, seqs, samples, wts, c)
+					tn.data[j] = orig
+					fd := (lp - lm) / (2 * eps)
+					an := gt[ti].data[j]
+					if math.Abs(fd-an) > 1e-6*math.Max(1e-2, math.Abs(fd)) {
+						t.Errorf("%s[%d]: backward %.10g, finite difference %.10g", tn.name, j, an, fd)
+					}
+				}
+			}
+			if !names["score.weight"] || !names["score.bias"] || !names["model.layers.0.self_attn.q_proj.weight"] {
+				t.Fatalf("the check did not cover the value head and the layers: %v", names)
+			}
+			t.Logf("loss %.6f, clipped %d/%d", st.Loss, st.Clipped, st.Tokens)
+		})
+	}
+}

@@ -9,6 +9,7 @@ import (
 // The policy loss of DESIGN §4, over per-token numbers only. The model's backward pass and the
 // test vectors in testdata/loss_vectors.json both go through policyLoss, so what the vectors pin
 // down is exactly what the engine trains with; the Python engine must reproduce the same vectors.
+// A PPO critic's value loss (valueLoss) is reduced with the same token weights.
 
 // lossSample is one sample's per-token inputs; all slices have one entry per response token.
 type lossSample struct {
@@ -19,12 +20,32 @@ type lossSample struct {
 	Entropy []float64 // full-vocabulary entropy of the current policy
 	Adv     []float64
 	Mask    []float64
+	// PPO critic: the value head's current values, the values at rollout time (only read when
+	// value clipping is on) and the returns they are trained towards.
+	Values, OldValues, Returns []float64
 }
 
 // lossStats are the reduced numbers of one loss evaluation.
 type lossStats struct {
 	Loss, PG, KL, Entropy float64
-	Clipped, Tokens       int // tokens with loss mask > 0 whose ratio was clipped; tokens with loss mask > 0
+	Clipped, Tokens       int // tokens with loss mask > 0 whose ratio (or value) was clipped; tokens with loss mask > 0
+}
+
+func (s *lossStats) add(o lossStats) {
+	s.Loss += o.Loss
+	s.PG += o.PG
+	s.KL += o.KL
+	s.Entropy += o.Entropy
+	s.Clipped += o.Clipped
+	s.Tokens += o.Tokens
+}
+
+// clipFrac is the fraction of trained tokens that were clipped.
+func (s lossStats) clipFrac() float64 {
+	if s.Tokens == 0 {
+		return 0
+	}
+	return float64(s.Clipped) / float64(s.Tokens)
 }
 
 // lossConfig is a LossConfig with its defaults resolved and its names checked.
@@ -33,11 +54,12 @@ type lossConfig struct {
 	klCoef, entCoef float64
 	klType, policy  string
 	aggregation     string
+	valueClip       float64
 }
 
 func resolveLoss(c engines.LossConfig) (lossConfig, error) {
 	r := lossConfig{epsLo: c.EpsClip, epsHi: c.EpsClipHigh, klCoef: c.KLLossCoef, entCoef: c.EntropyCoef,
-		klType: c.KLLossType, policy: c.PolicyLoss, aggregation: c.Aggregation}
+		klType: c.KLLossType, policy: c.PolicyLoss, aggregation: c.Aggregation, valueClip: c.ValueClip}
 	if r.epsHi == 0 {
 		r.epsHi = r.epsLo
 	}
@@ -57,8 +79,8 @@ func resolveLoss(c engines.LossConfig) (lossConfig, error) {
 		return r, fmt.Errorf("policy_loss %q is not one of ppo, gspo", r.policy)
 	case r.aggregation != "group_token_mean" && r.aggregation != "token_mean" && r.aggregation != "token_sum":
 		return r, fmt.Errorf("aggregation %q is not one of group_token_mean, token_mean, token_sum", r.aggregation)
-	case r.epsLo < 0 || r.epsHi < 0 || r.klCoef < 0 || r.entCoef < 0:
-		return r, fmt.Errorf("eps_clip, eps_clip_high, kl_loss_coef and entropy_coef must not be negative")
+	case r.epsLo < 0 || r.epsHi < 0 || r.klCoef < 0 || r.entCoef < 0 || r.valueClip < 0:
+		return r, fmt.Errorf("eps_clip, eps_clip_high, kl_loss_coef, entropy_coef and value_clip must not be negative")
 	}
 	return r, nil
 }
@@ -176,6 +198,40 @@ func policyLoss(samples []lossSample, w [][]float64, c lossConfig) (st lossStats
 	}
 	st.Loss = st.PG + c.klCoef*st.KL - c.entCoef*st.Entropy
 	return st, dLogp, dEnt
+}
+
+// valueLoss returns a PPO critic's clipped value loss Σ_tokens w·max((V − R)², (clip(V, V_old ±
+// value_clip) − R)²) — the clipped term only when value_clip > 0 — and its gradient with respect
+// to every token's value V. Clipped counts the trained tokens where the clipped term is the
+// larger, as the PyTorch engine does.
+func valueLoss(samples []lossSample, w [][]float64, c lossConfig) (st lossStats, dV [][]float64) {
+	dV = make([][]float64, len(samples))
+	for i, s := range samples {
+		dV[i] = make([]float64, len(s.Values))
+		for t, v := range s.Values {
+			if s.Mask[t] == 0 {
+				continue
+			}
+			st.Tokens++
+			r := s.Returns[t]
+			l, dl := (v-r)*(v-r), 2*(v-r)
+			if c.valueClip > 0 {
+				// V itself inside the range (not old + (V − old), which may round off V).
+				vc, old := v, s.OldValues[t]
+				if d := v - old; d > c.valueClip || d < -c.valueClip {
+					vc = old + min(max(d, -c.valueClip), c.valueClip)
+				}
+				if l2 := (vc - r) * (vc - r); l2 > l {
+					// Only where the clamp is active, where the clipped term is constant in V.
+					l, dl = l2, 0
+					st.Clipped++
+				}
+			}
+			st.Loss += w[i][t] * l
+			dV[i][t] = w[i][t] * dl
+		}
+	}
+	return st, dV
 }
 
 // klTerm returns the KL estimate for Δ = logp − logp_ref and its derivative in Δ.

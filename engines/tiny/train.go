@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"math"
+	"slices"
 
 	"github.com/slimen/slimen/engines"
 )
@@ -23,44 +24,87 @@ const chunkTokens = 4096
 // the gradient of the loss with respect to each of them.
 type chunkLoss func(first int, logp, ent, refLogp [][]float64) (lossStats, [][]float64, [][]float64)
 
-// accumulateGrads runs forward and backward over seqs, chunk by chunk in order, and returns the
-// gradient of the loss that lossFn defines, with the summed statistics. Sequences never straddle
-// chunks, so per-sequence losses (gspo) see all their tokens at once.
-func (m *model[T]) accumulateGrads(ctx context.Context, threads, chunk int, seqs []trainSeq, ref *model[T], lossFn chunkLoss) (lossStats, *weights[T], error) {
-	var total lossStats
-	g := newWeights[T](m.w.cfg)
-	wt := m.transposed(threads)
+// packed is a run of sequences laid out for forward by packTrain.
+type packed[T Float] struct {
+	tokens  []int32
+	views   []seqView[T]
+	outRows []int   // the rows whose outputs predict the response tokens
+	targets []int32 // those tokens
+}
+
+// eachChunk packs seqs, in order, into chunks of at most chunk rows (a longer sequence alone) and
+// calls fn with each chunk and the range lo..hi−1 of seqs it holds. Sequences never straddle
+// chunks, so per-sequence losses (gspo) see all their tokens at once. Every sequence has a
+// response.
+func eachChunk[T Float](ctx context.Context, seqs []trainSeq, chunk int, fn func(lo, hi int, p packed[T])) error {
 	for lo := 0; lo < len(seqs); {
 		if err := ctx.Err(); err != nil {
-			return total, nil, err
+			return err
 		}
 		hi, rows := lo, 0
 		for hi < len(seqs) && (hi == lo || rows+len(seqs[hi].prompt)+len(seqs[hi].response)-1 <= chunk) {
 			rows += len(seqs[hi].prompt) + len(seqs[hi].response) - 1
 			hi++
 		}
-		tokens, views, outRows, targets := packTrain[T](seqs[lo:hi])
-		var refLogp [][]float64
-		if ref != nil {
-			logits, _ := ref.forward(threads, tokens, views, outRows, false)
-			lp, _ := tokenLogprobs(threads, logits, targets, m.w.cfg.VocabSize)
-			refLogp = splitBySeq(lp, seqs[lo:hi])
-		}
-		logits, a := m.forward(threads, tokens, views, outRows, true)
-		lp, ent := tokenLogprobs(threads, logits, targets, m.w.cfg.VocabSize)
-		st, dLogp, dEnt := lossFn(lo, splitBySeq(lp, seqs[lo:hi]), splitBySeq(ent, seqs[lo:hi]), refLogp)
-		total.Loss += st.Loss
-		total.PG += st.PG
-		total.KL += st.KL
-		total.Entropy += st.Entropy
-		total.Clipped += st.Clipped
-		total.Tokens += st.Tokens
-		dlogits := make([]T, len(logits))
-		logitsGrad(threads, dlogits, logits, targets, m.w.cfg.VocabSize, concat(dLogp), concat(dEnt))
-		m.backward(threads, tokens, views, outRows, a, dlogits, g, wt)
+		var p packed[T]
+		p.tokens, p.views, p.outRows, p.targets = packTrain[T](seqs[lo:hi])
+		fn(lo, hi, p)
 		lo = hi
 	}
+	return nil
+}
+
+// accumulate runs forward and backward over seqs chunk by chunk: step evaluates the loss on the
+// chunk holding seqs[lo:hi] and adds its gradient to g. It returns the gradient and the summed
+// statistics.
+func (m *model[T]) accumulate(ctx context.Context, threads, chunk int, seqs []trainSeq, step func(lo, hi int, p packed[T], g *weights[T], wt *transposedWeights[T]) lossStats) (lossStats, *weights[T], error) {
+	var total lossStats
+	g := m.w.zeros()
+	wt := m.transposed(threads)
+	err := eachChunk(ctx, seqs, chunk, func(lo, hi int, p packed[T]) {
+		total.add(step(lo, hi, p, g, wt))
+	})
+	if err != nil {
+		return total, nil, err
+	}
 	return total, g, nil
+}
+
+// accumulateGrads returns the gradient of the loss that lossFn defines on the per-token
+// log-probabilities and entropies (and reference log-probabilities, when ref is given), with the
+// summed statistics.
+func (m *model[T]) accumulateGrads(ctx context.Context, threads, chunk int, seqs []trainSeq, ref *model[T], lossFn chunkLoss) (lossStats, *weights[T], error) {
+	vocab := m.w.cfg.VocabSize
+	return m.accumulate(ctx, threads, chunk, seqs, func(lo, hi int, p packed[T], g *weights[T], wt *transposedWeights[T]) lossStats {
+		var refLogp [][]float64
+		if ref != nil {
+			logits, _ := ref.forward(threads, p.tokens, p.views, p.outRows, false)
+			lp, _ := tokenLogprobs(threads, logits, p.targets, vocab)
+			refLogp = splitBySeq(lp, seqs[lo:hi])
+		}
+		logits, a := m.forward(threads, p.tokens, p.views, p.outRows, true)
+		lp, ent := tokenLogprobs(threads, logits, p.targets, vocab)
+		st, dLogp, dEnt := lossFn(lo, splitBySeq(lp, seqs[lo:hi]), splitBySeq(ent, seqs[lo:hi]), refLogp)
+		dlogits := make([]T, len(logits))
+		logitsGrad(threads, dlogits, logits, p.targets, vocab, concat(dLogp), concat(dEnt))
+		m.backward(threads, p.tokens, p.views, p.outRows, a, dlogits, g, wt)
+		return st
+	})
+}
+
+// valueChunkLoss maps the values of the sequences first..first+n−1 (one per response token) to
+// loss statistics and the gradient of the loss with respect to each value.
+type valueChunkLoss func(first int, values [][]float64) (lossStats, [][]float64)
+
+// accumulateValueGrads returns the gradient of the loss that lossFn defines on the value head's
+// per-token values (the model must have a value head), with the summed statistics.
+func (m *model[T]) accumulateValueGrads(ctx context.Context, threads, chunk int, seqs []trainSeq, lossFn valueChunkLoss) (lossStats, *weights[T], error) {
+	return m.accumulate(ctx, threads, chunk, seqs, func(lo, hi int, p packed[T], g *weights[T], wt *transposedWeights[T]) lossStats {
+		v, a := m.values(threads, p.tokens, p.views, p.outRows, true)
+		st, dV := lossFn(lo, splitBySeq(f64(v), seqs[lo:hi]))
+		m.valueBackward(threads, p.tokens, p.views, p.outRows, a, fromF64[T](concat(dV)), g, wt)
+		return st
+	})
 }
 
 // packTrain lays sequences out for forward: rows, views, the rows that predict response tokens and
@@ -112,11 +156,25 @@ func policyChunkLoss(samples []lossSample, w [][]float64, c lossConfig) chunkLos
 	}
 }
 
-// Train runs one optimizer step on the batch with the policy loss of DESIGN §4 (see policyLoss),
-// then AdamW with global gradient-norm clipping. A non-finite loss or gradient skips the step
-// (reported in TrainStats) and leaves weights and optimizer state untouched. The step is
-// deterministic: the same weights and batch give the same new weights to the bit, for any number
-// of threads.
+// criticChunkLoss evaluates the value loss on each chunk: samples carry the batch's returns,
+// old values and masks, w the batch-wide token weights.
+func criticChunkLoss(samples []lossSample, w [][]float64, c lossConfig) valueChunkLoss {
+	return func(first int, values [][]float64) (lossStats, [][]float64) {
+		chunk := make([]lossSample, len(values))
+		for i := range chunk {
+			chunk[i] = samples[first+i]
+			chunk[i].Values = values[i]
+		}
+		return valueLoss(chunk, w[first:first+len(chunk)], c)
+	}
+}
+
+// Train runs one optimizer step on the batch, then AdamW with global gradient-norm clipping. The
+// loss is the policy loss of DESIGN §4 (see policyLoss), or, when the samples carry Returns (a PPO
+// critic), the clipped value loss of the value head (see valueLoss), which is created on first use
+// and trains with the whole model. A non-finite loss or gradient skips the step (reported in
+// TrainStats) and leaves weights and optimizer state untouched. The step is deterministic: the
+// same weights and batch give the same new weights to the bit, for any number of threads.
 func (e *Engine) Train(ctx context.Context, b engines.Batch) (engines.TrainStats, error) {
 	e.mu.Lock()
 	defer e.mu.Unlock()
@@ -131,19 +189,29 @@ func (e *Engine) Train(ctx context.Context, b engines.Batch) (engines.TrainStats
 	if err != nil {
 		return engines.TrainStats{}, fmt.Errorf("tiny: train: %w", err)
 	}
+	critic := slices.ContainsFunc(b.Samples, func(s engines.Sample) bool { return len(s.Returns) > 0 })
 	var seqs []trainSeq
 	var samples []lossSample
 	for i, s := range b.Samples {
-		if err := e.checkSample(s); err != nil {
+		if err := e.checkSample(s, critic, lc); err != nil {
 			return engines.TrainStats{}, fmt.Errorf("tiny: train: sample %d: %w", i, err)
 		}
 		if len(s.Response) == 0 {
 			continue
 		}
 		seqs = append(seqs, trainSeq{prompt: s.Prompt, response: s.Response})
-		samples = append(samples, lossSample{Group: s.Group, OldLogp: f64(s.OldLogprobs), Adv: f64(s.Advantages), Mask: f64(s.LossMask)})
+		samples = append(samples, lossSample{Group: s.Group, OldLogp: f64(s.OldLogprobs), Adv: f64(s.Advantages), Mask: f64(s.LossMask),
+			Returns: f64(s.Returns), OldValues: f64(s.OldValues)})
 	}
 	w := tokenWeights(samples, lc.aggregation)
+	if critic {
+		e.ensureValueHead()
+		st, g, err := e.m.accumulateValueGrads(ctx, e.threads, chunkTokens, seqs, criticChunkLoss(samples, w, lc))
+		if err != nil {
+			return engines.TrainStats{}, err
+		}
+		return e.applyStep(engines.TrainStats{Loss: st.Loss, ValueLoss: st.Loss, Tokens: st.Tokens, ClipFrac: st.clipFrac()}, g, oc), nil
+	}
 	var ref *model[float32]
 	if lc.klCoef > 0 {
 		ref = e.ref
@@ -152,11 +220,17 @@ func (e *Engine) Train(ctx context.Context, b engines.Batch) (engines.TrainStats
 	if err != nil {
 		return engines.TrainStats{}, err
 	}
-	out := engines.TrainStats{Loss: st.Loss, PGLoss: st.PG, KL: st.KL, Entropy: st.Entropy, Tokens: st.Tokens}
-	if st.Tokens > 0 {
-		out.ClipFrac = float64(st.Clipped) / float64(st.Tokens)
-	}
+	out := engines.TrainStats{Loss: st.Loss, PGLoss: st.PG, KL: st.KL, Entropy: st.Entropy, Tokens: st.Tokens, ClipFrac: st.clipFrac()}
 	return e.applyStep(out, g, oc), nil
+}
+
+// ensureValueHead gives the model a zero value head, and the optimizer its moments, unless it has
+// one. The caller holds the write lock.
+func (e *Engine) ensureValueHead() {
+	if e.m.w.score == nil {
+		e.m.w.addValueHead()
+		e.opt.grow(e.m.w)
+	}
 }
 
 // applyStep finishes a step: it skips it when there is nothing to learn from or a number is not
@@ -182,10 +256,20 @@ func (e *Engine) applyStep(st engines.TrainStats, g *weights[float32], oc optimC
 	return st
 }
 
-func (e *Engine) checkSample(s engines.Sample) error {
+// checkSample checks one sample of a batch: a policy sample needs a loss mask, old log-probs and
+// advantages per response token; a critic sample (critic: the batch carries returns) a loss mask
+// and returns per token, and old values where value clipping is on. The policy fields of a critic
+// sample are ignored.
+func (e *Engine) checkSample(s engines.Sample, critic bool, lc lossConfig) error {
 	n := len(s.Response)
 	switch {
-	case len(s.LossMask) != n || len(s.OldLogprobs) != n || len(s.Advantages) != n:
+	case critic && (len(s.LossMask) != n || len(s.Returns) != n):
+		return fmt.Errorf("response has %d tokens but loss_mask %d, returns %d entries (a critic batch needs returns for every sample)", n, len(s.LossMask), len(s.Returns))
+	case critic && lc.valueClip > 0 && len(s.OldValues) != n:
+		return fmt.Errorf("response has %d tokens but old_values %d entries (value_clip needs old_values for every sample)", n, len(s.OldValues))
+	case critic && len(s.OldValues) != 0 && len(s.OldValues) != n:
+		return fmt.Errorf("response has %d tokens but old_values %d entries", n, len(s.OldValues))
+	case !critic && (len(s.LossMask) != n || len(s.OldLogprobs) != n || len(s.Advantages) != n):
 		return fmt.Errorf("response has %d tokens but loss_mask %d, old_logprobs %d, advantages %d entries", n, len(s.LossMask), len(s.OldLogprobs), len(s.Advantages))
 	case len(s.Prompt) == 0 && n > 0:
 		return fmt.Errorf("the prompt is empty: the first response token needs a position to be predicted from")
@@ -201,10 +285,18 @@ func (e *Engine) checkSample(s engines.Sample) error {
 	return nil
 }
 
-func f64(v []float32) []float64 {
+func f64[T Float](v []T) []float64 {
 	out := make([]float64, len(v))
 	for i, x := range v {
 		out[i] = float64(x)
+	}
+	return out
+}
+
+func fromF64[T Float](v []float64) []T {
+	out := make([]T, len(v))
+	for i, x := range v {
+		out[i] = T(x)
 	}
 	return out
 }

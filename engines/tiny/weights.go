@@ -14,6 +14,11 @@ type weights[T Float] struct {
 	layers []layerWeights[T]
 	norm   []T // hidden
 	lmHead []T // vocab×hidden; nil when the embeddings are tied
+	// A PPO critic's value head (hidden → 1 on the final-norm hidden state), saved as score.weight
+	// and score.bias — transformers' names for a one-label token-classification head, as the
+	// PyTorch engine saves it. nil until the engine first values or trains on returns.
+	score     []T // 1×hidden
+	scoreBias []T // 1
 }
 
 type layerWeights[T Float] struct {
@@ -71,7 +76,24 @@ func (w *weights[T]) shapes() []paramSlot[T] {
 	if !c.TieEmbeddings {
 		s = append(s, paramSlot[T]{"lm_head.weight", []int{v, d}, &w.lmHead})
 	}
+	if w.score != nil { // last, so that optimizer state made before the head still lines up
+		s = append(s, paramSlot[T]{"score.weight", []int{1, d}, &w.score}, paramSlot[T]{"score.bias", []int{1}, &w.scoreBias})
+	}
 	return s
+}
+
+// addValueHead creates a zero value head: every value starts at 0, as in the PyTorch engine.
+func (w *weights[T]) addValueHead() {
+	w.score, w.scoreBias = make([]T, w.cfg.Hidden), make([]T, 1)
+}
+
+// zeros returns weights of the same shapes, value head included, set to 0 (gradients, moments).
+func (w *weights[T]) zeros() *weights[T] {
+	z := newWeights[T](w.cfg)
+	if w.score != nil {
+		z.addValueHead()
+	}
+	return z
 }
 
 // tensors lists the parameters with their data.
@@ -132,6 +154,9 @@ func (w *weights[T]) initRandom(seed uint64) {
 // convertWeights copies weights into another element type (float64 for gradient checks).
 func convertWeights[U, T Float](w *weights[T]) *weights[U] {
 	u := newWeights[U](w.cfg)
+	if w.score != nil {
+		u.addValueHead()
+	}
 	src, dst := w.tensors(), u.tensors()
 	for i := range src {
 		for j, x := range src[i].data {
