@@ -168,6 +168,10 @@ func (c *sbChild) describeDeath(err error) error {
 	switch {
 	case strings.Contains(tail, "out of memory") || strings.Contains(tail, "cannot allocate memory"):
 		return &BudgetError{"memory_mb", strconv.Itoa(cfg.MemoryMB), "the script's process ran out of memory"}
+	case strings.Contains(tail, "pthread_create failed") || strings.Contains(tail, "failed to create new OS thread"):
+		// A thread's stack is a private mapping, so RLIMIT_DATA refuses it too: a runtime that
+		// cannot start a thread under that limit has run out of memory.
+		return &BudgetError{"memory_mb", strconv.Itoa(cfg.MemoryMB), "the script's process ran out of memory (the runtime could not start a thread)"}
 	case strings.Contains(tail, "SIGSEGV"):
 		// Starlark cannot fault by itself; under RLIMIT_DATA the Go runtime sometimes dies this
 		// way instead of reporting a failed allocation.
