@@ -75,7 +75,9 @@ def response_logits(model: Transformer, pairs: list[tuple[list[int], list[int]]]
 def check_samples(samples: list[Sample], vocab: int, max_len: int) -> None:
     for i, s in enumerate(samples):
         n = len(s.response)
-        for name in ("loss_mask", "old_logprobs", "advantages"):
+        # A critic's sample (it has returns) carries no policy fields: the critic ignores them.
+        policy_fields = ("old_logprobs", "advantages") if not s.returns else ()
+        for name in ("loss_mask",) + policy_fields:
             if len(getattr(s, name)) != n:
                 raise RequestError("INVALID_ARGUMENT", f"sample {i}: {name} has "
                                    f"{len(getattr(s, name))} entries for {n} response tokens")

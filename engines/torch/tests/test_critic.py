@@ -101,3 +101,17 @@ def test_critic_batch_needs_returns_everywhere(model_dirs):
             e.train(critic_batch(e, 1.0, clip=0.2))
     finally:
         e.close()
+
+
+def test_critic_batch_as_the_host_sends_it(model_dirs):
+    # The host's critic samples carry returns, old values and the loss mask, but no old
+    # log-probs or advantages (host/run.go): the critic must train on them.
+    e = Engine(str(model_dirs["tiny"]))
+    try:
+        batch = critic_batch(e, 1.0)
+        for s in batch.samples:
+            s.old_logprobs, s.advantages = [], []
+        st = e.train(batch)
+        assert st.value_loss > 0 and not st.skipped
+    finally:
+        e.close()
