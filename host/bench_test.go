@@ -19,6 +19,7 @@ func BenchmarkDebateStep(b *testing.B) {
 		b.Run(fmt.Sprintf("sandbox=%v", sandbox), func(b *testing.B) {
 			answer := func(r scripted.Request) string { return fmt.Sprintf(`\boxed{%d}`, r.Seed%3) }
 			cfg := testConfig(32, "generator", "critic")
+			cfg.Sandbox.Train = []string{"generator", "critic"}
 			r, err := Load(context.Background(), "../examples/debate/debate.star", Options{Config: cfg, Tasks: numberedTasks(32),
 				Engines: map[string]engines.Engine{"generator": scripted.New(answer), "critic": scripted.New(answer)}, Sandbox: sandbox})
 			if err != nil {

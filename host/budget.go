@@ -6,19 +6,24 @@ import (
 
 	"go.starlark.net/starlark"
 
+	"github.com/slimen/slimen/engines"
 	"github.com/slimen/slimen/host/config"
 )
 
 // budget enforces a sandboxed rollout's limits (config.SandboxConfig). A nil *budget allows
 // everything, so the in-process path pays nothing. Steps and wall time are enforced on the
-// rollout's threads (SetMaxExecutionSteps, a deadline); the rest here, at each built-in.
+// rollout's threads (a shared step count, a deadline); the rest here, at each built-in. The
+// budgets that bound the whole run rather than one rollout (state_total_bytes, message_bytes)
+// are the host's to enforce (sandbox.go).
 type budget struct {
-	cfg config.SandboxConfig
+	cfg  config.SandboxConfig
+	zero bool // zero-config run: every policy is a fresh model of this run, so train may use any
 
 	mu         sync.Mutex
 	calls      int
 	tokens     int // reserved: max_tokens × n of every call, refunded to what was generated
 	printBytes int
+	steps      uint64 // Starlark steps counted so far, all the rollout's threads together
 }
 
 // BudgetError is a sandboxed rollout that went over one of its budgets.
@@ -32,7 +37,7 @@ func (e *BudgetError) Error() string {
 	return fmt.Sprintf("sandbox budget %s (%s) exceeded: %s", e.Budget, e.Limit, e.What)
 }
 
-func newBudget(c config.SandboxConfig) *budget { return &budget{cfg: c} }
+func newBudget(c config.SandboxConfig, zero bool) *budget { return &budget{cfg: c, zero: zero} }
 
 // generate reserves a call of n samples of up to maxTokens tokens.
 func (b *budget) generate(fn string, n, maxTokens int) error {
@@ -63,6 +68,31 @@ func (b *budget) settle(reserved, used int) {
 	b.mu.Unlock()
 }
 
+// prompt checks the size of one prompt passed to generate or score.
+func (b *budget) prompt(fn string, msgs []engines.Message) error {
+	if b == nil {
+		return nil
+	}
+	return checkPrompt(b.cfg, fn, msgs)
+}
+
+// checkPrompt is the prompt_bytes budget, which the host also applies to what a child sends.
+func checkPrompt(cfg config.SandboxConfig, fn string, msgs []engines.Message) error {
+	if n := promptBytes(msgs); n > cfg.PromptBytes {
+		return &BudgetError{"prompt_bytes", fmt.Sprint(cfg.PromptBytes), fmt.Sprintf("%s was given a prompt of %d bytes", fn, n)}
+	}
+	return nil
+}
+
+// promptBytes is the size of a prompt: the bytes of its roles and contents.
+func promptBytes(msgs []engines.Message) int {
+	n := 0
+	for _, m := range msgs {
+		n += len(m.Role) + len(m.Content)
+	}
+	return n
+}
+
 func (b *budget) parallel(fn string, items int) error {
 	if b == nil || items <= b.cfg.ParallelItems {
 		return nil
@@ -70,19 +100,59 @@ func (b *budget) parallel(fn string, items int) error {
 	return &BudgetError{"parallel_items", fmt.Sprint(b.cfg.ParallelItems), fmt.Sprintf("%s over more than %d items", fn, items-1)}
 }
 
-// state checks the size of a value about to be stored.
+// state checks the size of a value about to be stored under a key.
 func (b *budget) state(fn string, v starlark.Value) error {
 	if b == nil {
 		return nil
 	}
-	enc, err := encodeValue(v)
-	if err != nil {
-		return nil // plainData reports it
-	}
-	if n := len(fmt.Sprint(enc)); n > b.cfg.StateBytes {
-		return &BudgetError{"state_bytes", fmt.Sprint(b.cfg.StateBytes), fmt.Sprintf("%s stores a value of about %d bytes", fn, n)}
+	if n := valueSize(v, 0, b.cfg.StateBytes); n > b.cfg.StateBytes {
+		return &BudgetError{"state_bytes", fmt.Sprint(b.cfg.StateBytes), fmt.Sprintf("%s stores a value of about %d bytes or more", fn, n)}
 	}
 	return nil
+}
+
+// entrySize is the size a state entry counts for: its key and its value, as valueSize estimates.
+func entrySize(key string, v starlark.Value, limit int) int {
+	return len(key) + 16 + valueSize(v, 0, limit)
+}
+
+// valueSize estimates the memory a plain-data value takes in the host: 16 bytes a value plus the
+// bytes of its strings, 32 more per list or tuple and 48 per dict plus 16 per dict entry. It stops
+// counting once past limit (a value built of shared parts can be far larger unfolded than it is),
+// and counts what plainData will refuse (too deep, not data) as 16 bytes.
+func valueSize(v starlark.Value, depth, limit int) int {
+	if depth > 32 {
+		return 16
+	}
+	switch v := v.(type) {
+	case starlark.String:
+		return 16 + len(v)
+	case starlark.Int:
+		if _, ok := v.Int64(); ok {
+			return 16
+		}
+		return 16 + (v.BigInt().BitLen()+7)/8
+	case *starlark.List, starlark.Tuple:
+		n := 32
+		it := starlark.Iterate(v)
+		defer it.Done()
+		var x starlark.Value
+		for n <= limit && it.Next(&x) {
+			n += valueSize(x, depth+1, limit-n)
+		}
+		return n
+	case *starlark.Dict:
+		n := 48
+		for _, kv := range v.Items() {
+			if n > limit {
+				break
+			}
+			n += 16 + valueSize(kv[0], depth+1, limit-n)
+			n += valueSize(kv[1], depth+1, limit-n)
+		}
+		return n
+	}
+	return 16
 }
 
 // print counts output; over budget, the caller cancels the thread.
@@ -99,33 +169,102 @@ func (b *budget) print(n int) error {
 	return nil
 }
 
+// The steps budget is the rollout's, not a thread's: parallel must not multiply it. Each thread
+// runs in grants of at most stepGrant steps; at the end of a grant and when the thread finishes
+// (threadDone) it adds what it ran to the rollout's count, and a thread that finds the count
+// over the budget stops. Threads that are running may each overrun by less than a grant before
+// they notice; a thread that finishes over the budget fails it.
+const (
+	stepGrant  = 10_000
+	stepsLocal = "slimen.steps"
+)
+
+// threadSteps is a thread's share of the count: the steps of it already counted.
+type threadSteps struct{ counted uint64 }
+
 // limitThread applies the step budget to a thread of the rollout.
 func (b *budget) limitThread(th *starlark.Thread) {
 	if b == nil {
 		return
 	}
-	th.SetMaxExecutionSteps(b.cfg.Steps)
+	acct := &threadSteps{}
+	th.SetLocal(stepsLocal, acct)
 	th.OnMaxSteps = func(th *starlark.Thread) {
-		th.Cancel((&BudgetError{"steps", fmt.Sprint(b.cfg.Steps), "the script ran too long without finishing (an endless loop?)"}).Error())
+		if err := b.countSteps(th, acct); err != nil {
+			th.Cancel(err.Error())
+			return
+		}
+		th.SetMaxExecutionSteps(th.ExecutionSteps() + b.grant())
 	}
+	th.SetMaxExecutionSteps(b.grant())
+}
+
+// grant is how many steps a thread may run before it counts them again (at least 1: a limit of 0
+// means none to Starlark).
+func (b *budget) grant() uint64 {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	left := uint64(0)
+	if b.steps < b.cfg.Steps {
+		left = b.cfg.Steps - b.steps
+	}
+	return max(1, min(stepGrant, left))
+}
+
+// countSteps adds the steps a thread ran since it last counted to the rollout's count.
+func (b *budget) countSteps(th *starlark.Thread, acct *threadSteps) error {
+	ran := th.ExecutionSteps() - acct.counted
+	acct.counted = th.ExecutionSteps()
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	b.steps += ran
+	if b.steps > b.cfg.Steps {
+		return &BudgetError{"steps", fmt.Sprint(b.cfg.Steps),
+			fmt.Sprintf("the rollout's threads ran %d Starlark steps in all without finishing (an endless loop?)", b.steps)}
+	}
+	return nil
+}
+
+// threadDone counts the last steps of a thread that returned; an error if they put the rollout
+// over its budget.
+func (b *budget) threadDone(th *starlark.Thread) error {
+	if b == nil {
+		return nil
+	}
+	acct, _ := th.Local(stepsLocal).(*threadSteps)
+	if acct == nil {
+		return nil
+	}
+	return b.countSteps(th, acct)
 }
 
 // allowed checks a policy against sandbox.policies (generate, score) or sandbox.train (train).
+// Without sandbox.policies every policy of the config may be used (the host refuses names the
+// config does not define); without sandbox.train no policy may be trained, except in a
+// zero-config run, whose policies are fresh models the run itself created.
 func (b *budget) allowed(fn, policy string, train bool) error {
 	if b == nil {
 		return nil
 	}
-	list, key := b.cfg.Policies, "policies"
+	return grantCheck(b.cfg, b.zero, fn, policy, train)
+}
+
+// grantCheck is allowed without a rollout: the host applies it to what a child reports.
+func grantCheck(cfg config.SandboxConfig, zero bool, fn, policy string, train bool) error {
+	list, key := cfg.Policies, "policies"
 	if train {
-		list, key = b.cfg.Train, "train"
-	}
-	if len(list) == 0 {
-		return nil
+		list, key = cfg.Train, "train"
 	}
 	for _, p := range list {
 		if p == policy {
 			return nil
 		}
 	}
-	return fmt.Errorf("%s: policy %q is not granted to this script (sandbox.%s: %v)", fn, policy, key, list)
+	switch {
+	case len(list) > 0:
+		return fmt.Errorf("%s: policy %q is not granted to this script (sandbox.%s: %v)", fn, policy, key, list)
+	case !train || zero:
+		return nil
+	}
+	return fmt.Errorf("%s: policy %q is not granted to this script for training (sandbox.train is not set: a sandboxed script trains only the policies it lists, e.g. sandbox: {train: [%s]})", fn, policy, policy)
 }

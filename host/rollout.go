@@ -127,7 +127,12 @@ func (ro *rollout) call(th *starlark.Thread, fn starlark.Callable, args starlark
 			err = fmt.Errorf("internal error (panic) in task %s: %v\n%s", ro.task.ID, p, debug.Stack())
 		}
 	}()
-	return starlark.Call(th, fn, args, nil)
+	v, err = starlark.Call(th, fn, args, nil)
+	// A sandboxed rollout's steps are counted over all its threads: this one's last steps too.
+	if berr := ro.budget.threadDone(th); berr != nil && err == nil {
+		v, err = nil, berr
+	}
+	return v, err
 }
 
 // taskValue is the frozen `task` struct a rollout receives.

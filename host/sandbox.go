@@ -8,14 +8,19 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"math"
 	"os"
 	"os/exec"
 	"strconv"
 	"strings"
 	"sync"
 	"syscall"
+	"time"
 
 	"go.starlark.net/starlark"
+
+	"github.com/slimen/slimen/engines"
+	"github.com/slimen/slimen/host/config"
 )
 
 // The host side of the sandbox (`slimen exec --sandbox`, DESIGN §8). Rollouts of an untrusted
@@ -31,6 +36,16 @@ type sandbox struct {
 	mu       sync.Mutex
 	children []*sbChild
 	next     int
+	alone    chan struct{} // turns of the children that run a rollout alone
+	warnOnce sync.Once
+	createMu sync.Mutex // zero-config policies are created one at a time
+
+	// The size of the run's state store as sandbox.state_total_bytes counts it, by key. It is
+	// worked out again from the store at every step (a step that does not complete puts the
+	// store back as it was).
+	stMu    sync.Mutex
+	stSizes map[string]int
+	stTotal int
 }
 
 type sbChild struct {
@@ -42,12 +57,16 @@ type sbChild struct {
 	stderr *tailBuffer
 
 	mu       sync.Mutex
+	breach   error              // why the host stopped the child (a message over message_bytes, wall time)
 	rollouts map[int64]*rollout // in flight
 	results  map[int64]chan sbDone
 	locks    map[int64]func() // state locks held, by rollout id
 	nextID   int64
 	dead     chan struct{}
 	deathErr error
+	gone     bool // read has released the locks of a dead child: none may be taken for it now
+
+	calls, peakCalls int // calls being answered, and the most at once (the child bounds them)
 }
 
 // newSandbox starts nothing yet: children start when the first rollouts come.
@@ -67,6 +86,14 @@ func (sb *sandbox) close() {
 	defer sb.mu.Unlock()
 	for _, c := range sb.children {
 		c.kill()
+	}
+	// Reap them (their reader waits for each), so that none outlives the run.
+	timeout := time.After(5 * time.Second)
+	for _, c := range sb.children {
+		select {
+		case <-c.dead:
+		case <-timeout:
+		}
 	}
 	sb.children = nil
 }
@@ -94,11 +121,14 @@ func (sb *sandbox) start() (*sbChild, error) {
 	if err := cmd.Start(); err != nil {
 		return nil, fmt.Errorf("sandbox: start %s: %w", sb.cmd[0], err)
 	}
-	init, _ := json.Marshal(sbInit{Script: sb.r.script.Path, Source: string(sb.r.script.Source), Config: cfg})
+	init, _ := json.Marshal(sbInit{Script: sb.r.script.Path, Source: string(sb.r.script.Source), Config: cfg, Zero: sb.r.zero})
 	c.send(sbMsg{T: "init", Args: init})
 	sc := bufio.NewScanner(out)
-	sc.Buffer(make([]byte, 1<<20), 1<<30)
+	// The child sends nothing larger than message_bytes (the newline included); a line longer
+	// than that ends the scan, and the host stops the child rather than hold more of it.
+	sc.Buffer(make([]byte, 64<<10), cfg.Sandbox.MessageBytes)
 	if !sc.Scan() {
+		c.noteTooLong(sc.Err())
 		c.kill()
 		return nil, fmt.Errorf("sandbox: the script's process died while running its top level: %v", c.describeDeath(cmd.Wait()))
 	}
@@ -122,6 +152,26 @@ func (c *sbChild) kill() {
 	c.in.Close()
 }
 
+// noteTooLong records a message over message_bytes as the reason the child is stopped.
+func (c *sbChild) noteTooLong(err error) {
+	if !errors.Is(err, bufio.ErrTooLong) {
+		return
+	}
+	mb := c.sb.r.Config().Sandbox.MessageBytes
+	c.stop(&BudgetError{"message_bytes", strconv.Itoa(mb),
+		fmt.Sprintf("the script's process sent the host a message of more than %d bytes; the host stopped it", mb)})
+}
+
+// stop kills the child, giving the reason its rollouts will report.
+func (c *sbChild) stop(why error) {
+	c.mu.Lock()
+	if c.breach == nil {
+		c.breach = why
+	}
+	c.mu.Unlock()
+	c.kill()
+}
+
 // read handles the child's messages until its stdout closes, then fails what it was running.
 func (c *sbChild) read(sc *bufio.Scanner) {
 	for sc.Scan() {
@@ -131,6 +181,10 @@ func (c *sbChild) read(sc *bufio.Scanner) {
 		}
 		switch m.T {
 		case "call":
+			c.mu.Lock()
+			c.calls++
+			c.peakCalls = max(c.peakCalls, c.calls)
+			c.mu.Unlock()
 			go c.answer(m)
 		case "note":
 			c.note(m)
@@ -149,9 +203,13 @@ func (c *sbChild) read(sc *bufio.Scanner) {
 			}
 		}
 	}
+	c.noteTooLong(sc.Err())
+	c.kill()
 	err := c.cmd.Wait()
+	death := c.describeDeath(err)
 	c.mu.Lock()
-	c.deathErr = c.describeDeath(err)
+	c.deathErr = death
+	c.gone = true
 	for id, release := range c.locks {
 		release()
 		delete(c.locks, id)
@@ -163,9 +221,17 @@ func (c *sbChild) read(sc *bufio.Scanner) {
 // describeDeath says why a child ended, naming the limit it most likely broke.
 func (c *sbChild) describeDeath(err error) error {
 	cfg := c.sb.r.Config().Sandbox
+	c.mu.Lock()
+	breach := c.breach
+	c.mu.Unlock()
+	if breach != nil {
+		return breach
+	}
 	tail := c.stderr.String()
 	var ee *exec.ExitError
 	switch {
+	case strings.Contains(tail, cpuLimitMsg):
+		return &BudgetError{"cpu_seconds", strconv.Itoa(cfg.CPUSeconds), "the script's process used up its CPU time"}
 	case strings.Contains(tail, "out of memory") || strings.Contains(tail, "cannot allocate memory"):
 		return &BudgetError{"memory_mb", strconv.Itoa(cfg.MemoryMB), "the script's process ran out of memory"}
 	case strings.Contains(tail, "pthread_create failed") || strings.Contains(tail, "failed to create new OS thread"):
@@ -178,7 +244,7 @@ func (c *sbChild) describeDeath(err error) error {
 		return &BudgetError{"memory_mb", strconv.Itoa(cfg.MemoryMB), "the script's process ran out of memory (the runtime crashed: SIGSEGV)"}
 	case errors.As(err, &ee) && ee.Sys().(syscall.WaitStatus).Signal() == syscall.SIGXCPU,
 		errors.As(err, &ee) && ee.Sys().(syscall.WaitStatus).Signal() == syscall.SIGKILL && cfg.CPUSeconds > 0:
-		return &BudgetError{"cpu_seconds", strconv.Itoa(cfg.CPUSeconds), "the script's process used up its CPU time"}
+		return &BudgetError{"cpu_seconds", strconv.Itoa(cfg.CPUSeconds), "the script's process used up its CPU time (killed at the hard limit)"}
 	case strings.Contains(tail, "stack exceeds"):
 		return &BudgetError{"memory_mb", strconv.Itoa(cfg.MemoryMB), "the script's process overflowed its stack"}
 	}
@@ -188,6 +254,16 @@ func (c *sbChild) describeDeath(err error) error {
 
 // answer serves one call of the child's built-ins with the run's own services.
 func (c *sbChild) answer(m sbMsg) {
+	answered := false
+	finish := func() { // the call is no longer in flight: before the child can see the reply
+		if !answered {
+			answered = true
+			c.mu.Lock()
+			c.calls--
+			c.mu.Unlock()
+		}
+	}
+	defer finish()
 	c.mu.Lock()
 	ro := c.rollouts[m.Rollout]
 	c.mu.Unlock()
@@ -198,6 +274,7 @@ func (c *sbChild) answer(m sbMsg) {
 		} else {
 			r.Result, _ = json.Marshal(v)
 		}
+		finish()
 		c.send(r)
 	}
 	if ro == nil {
@@ -205,15 +282,25 @@ func (c *sbChild) answer(m sbMsg) {
 		return
 	}
 	svc := localServices{c.sb.r}
+	cfg := c.sb.r.Config().Sandbox
 	switch m.Method {
 	case "policy":
 		var name string
 		json.Unmarshal(m.Args, &name)
+		if err := c.sb.mayCreate(name); err != nil {
+			reply(nil, err)
+			return
+		}
 		trainable, place, err := svc.checkPolicy(name)
 		reply(map[string]any{"trainable": trainable, "place": place}, err)
 	case "generate":
 		var g sbGenerate
 		if err := json.Unmarshal(m.Args, &g); err != nil {
+			reply(nil, err)
+			return
+		}
+		// The child checks these too; the host does not take its word for it.
+		if err := c.sb.usable("generate", g.Policy, g.Req.Messages); err != nil {
 			reply(nil, err)
 			return
 		}
@@ -232,6 +319,10 @@ func (c *sbChild) answer(m sbMsg) {
 			reply(nil, err)
 			return
 		}
+		if err := c.sb.usable("score", s.Policy, s.Req.Messages); err != nil {
+			reply(nil, err)
+			return
+		}
 		reply(svc.score(ro.ctx, s.Policy, s.Req))
 	case "state_get":
 		var k string
@@ -243,6 +334,12 @@ func (c *sbChild) answer(m sbMsg) {
 		json.Unmarshal(m.Args, &k)
 		v, ok, commit, release, _ := svc.stateLock(k)
 		c.mu.Lock()
+		if c.gone {
+			// The child died while this call waited for the lock: nobody will release it.
+			c.mu.Unlock()
+			release()
+			return
+		}
 		c.locks[m.Rollout] = release
 		c.mu.Unlock()
 		ro.mu.Lock()
@@ -266,7 +363,14 @@ func (c *sbChild) answer(m sbMsg) {
 				ro.mu.Lock()
 				commit := ro.stateCommit
 				ro.mu.Unlock()
-				err = commit(v)
+				var size int
+				if commit == nil {
+					err = errors.New("state_set without state_lock")
+				} else if size, err = c.sb.stateFits(cfg, a.Key, v); err == nil {
+					if err = commit(v); err == nil {
+						c.sb.stateStored(a.Key, size)
+					}
+				}
 			}
 		}
 		if release != nil {
@@ -276,6 +380,101 @@ func (c *sbChild) answer(m sbMsg) {
 	default:
 		reply(nil, fmt.Errorf("unknown call %q", m.Method))
 	}
+}
+
+// maxZeroPolicies bounds the policies a sandboxed zero-config run creates as the script names
+// them: each is a model in the host's memory.
+const maxZeroPolicies = 8
+
+// mayCreate refuses a policy a sandboxed zero-config run would create past maxZeroPolicies, and
+// creates one below it (under createMu: a fan-out of new names must not all pass the count).
+func (sb *sandbox) mayCreate(name string) error {
+	if !sb.r.zero {
+		return nil
+	}
+	if known, _ := sb.policies(name); known {
+		return nil
+	}
+	sb.createMu.Lock()
+	defer sb.createMu.Unlock()
+	known, names := sb.policies(name)
+	if known || len(names) < maxZeroPolicies {
+		_, err := sb.r.policyFor(name)
+		return err
+	}
+	return fmt.Errorf("policy %q: a sandboxed run without a config creates at most %d policies (it has %s); name the policies in a config", name, maxZeroPolicies, quoteList(names))
+}
+
+// policies says whether the run has a policy, and names them all. A zero-config run adds
+// policies to its config as the script names them, under the run's config lock.
+func (sb *sandbox) policies(name string) (bool, []string) {
+	sb.r.cfgMu.RLock()
+	defer sb.r.cfgMu.RUnlock()
+	_, ok := sb.r.cfg.Policy(name)
+	return ok, policyNames(sb.r.cfg)
+}
+
+// usable applies the host's own checks to a generate or score call of a child: the policy is
+// granted and may be created, and the prompt is within prompt_bytes.
+func (sb *sandbox) usable(fn, policy string, msgs []engines.Message) error {
+	cfg := sb.r.Config().Sandbox
+	if err := grantCheck(cfg, sb.r.zero, fn, policy, false); err != nil {
+		return err
+	}
+	if err := checkPrompt(cfg, fn, msgs); err != nil {
+		return err
+	}
+	return sb.mayCreate(policy)
+}
+
+// stateFits checks a state entry about to be stored against state_bytes and the whole store
+// against state_total_bytes; it returns the entry's size for stateStored. The caller holds the
+// store's lock, so no other update runs between the check and the store.
+func (sb *sandbox) stateFits(cfg config.SandboxConfig, key string, v starlark.Value) (int, error) {
+	size := entrySize(key, v, cfg.StateTotalBytes)
+	if size > cfg.StateBytes {
+		return 0, &BudgetError{"state_bytes", strconv.Itoa(cfg.StateBytes), fmt.Sprintf("state.update(%s) stores an entry of about %d bytes or more (key and value)", quoteKey(key), size)}
+	}
+	sb.stMu.Lock()
+	defer sb.stMu.Unlock()
+	if sb.stSizes == nil {
+		sb.stSizes = map[string]int{} // runSandboxed syncs at every step; it cannot here (the store is locked)
+	}
+	if total := sb.stTotal - sb.stSizes[key] + size; total > cfg.StateTotalBytes {
+		return 0, &BudgetError{"state_total_bytes", strconv.Itoa(cfg.StateTotalBytes),
+			fmt.Sprintf("state.update(%s) would make the run's state hold about %d bytes (%d keys); the store is run-wide: keep fewer or smaller entries", quoteKey(key), total, len(sb.stSizes)+1)}
+	}
+	return size, nil
+}
+
+// stateStored records an entry that was stored.
+func (sb *sandbox) stateStored(key string, size int) {
+	sb.stMu.Lock()
+	defer sb.stMu.Unlock()
+	sb.stTotal += size - sb.stSizes[key]
+	sb.stSizes[key] = size
+}
+
+// syncState works the sizes out from the store itself, at every step: a step that does not
+// complete puts the store back as it was, and a resumed run starts with the checkpoint's. The
+// caller holds stMu, and not the store's lock.
+func (sb *sandbox) syncState() {
+	sb.stSizes, sb.stTotal = map[string]int{}, 0
+	for _, k := range sb.r.state.Keys() {
+		if v, ok := sb.r.state.Get(k); ok {
+			n := entrySize(k, v, math.MaxInt/2)
+			sb.stSizes[k] = n
+			sb.stTotal += n
+		}
+	}
+}
+
+// quoteKey quotes a state key for a message, shortened if long.
+func quoteKey(k string) string {
+	if len(k) > 40 {
+		return strconv.Quote(k[:40]) + "…"
+	}
+	return strconv.Quote(k)
 }
 
 func stateReply(v starlark.Value, ok bool) (any, error) {
@@ -304,6 +503,16 @@ func (sb *sandbox) run(ro *rollout, a sbRollout, alone bool) error {
 	var c *sbChild
 	var err error
 	if alone {
+		// Rollouts run again alone after a crash take turns, sandbox.processes at a time: a child
+		// that died with many rollouts must not start as many children (each up to memory_mb).
+		sb.mu.Lock()
+		if sb.alone == nil {
+			sb.alone = make(chan struct{}, sb.r.Config().Sandbox.Processes)
+		}
+		turn := sb.alone
+		sb.mu.Unlock()
+		turn <- struct{}{}
+		defer func() { <-turn }()
 		if c, err = sb.start(); err != nil {
 			return err
 		}
@@ -320,13 +529,25 @@ func (sb *sandbox) run(ro *rollout, a sbRollout, alone bool) error {
 	c.results[id] = ch
 	c.mu.Unlock()
 	c.send(sbMsg{T: "rollout", ID: id, Args: b})
+	// The child ends a rollout at its wall time itself; a child that does not (stuck where it
+	// cannot be interrupted) is stopped by the host a while later.
+	limit := sb.r.Config().Sandbox.WallSeconds
+	timer := time.NewTimer(time.Duration((limit + wallGrace.Seconds()) * float64(time.Second)))
+	defer timer.Stop()
 	select {
 	case d := <-ch:
 		return ro.applyReport(d)
 	case <-c.dead:
 		return &childDied{c.deathErr}
+	case <-timer.C:
+		c.stop(&BudgetError{"wall_seconds", fmt.Sprint(limit), fmt.Sprintf("the rollout did not finish in time, nor stop %v after; the host stopped its process", wallGrace)})
+		<-c.dead
+		return &childDied{c.deathErr}
 	}
 }
+
+// wallGrace is how long after a rollout's wall time the host waits for its child to report.
+const wallGrace = 30 * time.Second
 
 type childDied struct{ err error }
 
@@ -368,10 +589,20 @@ func (ro *rollout) applyReport(d sbDone) error {
 			c.reward, c.rewSet = r, true
 		}
 	}
+	cfg := ro.run.Config().Sandbox
 	for _, q := range d.Queued {
 		c := byID[q.ID]
 		if c == nil {
 			return fmt.Errorf("sandbox: the child trained completion %s, which the host never generated", q.ID)
+		}
+		// The child checks the grants; the host does not take its word for it.
+		if err := grantCheck(cfg, ro.run.zero, "train", c.policy, true); err != nil {
+			return err
+		}
+		if q.Teacher != "" {
+			if err := grantCheck(cfg, ro.run.zero, "train: teacher", q.Teacher, false); err != nil {
+				return err
+			}
 		}
 		c.trained = true
 		ro.queued = append(ro.queued, queued{c: c, group: q.Group, advantage: q.Advantage, hasAdv: q.HasAdv, perToken: q.PerToken, teacher: q.Teacher})
@@ -395,6 +626,14 @@ func (ro *rollout) applyReport(d sbDone) error {
 // runRollouts.
 func (r *Run) runSandboxed(ctx context.Context, ros []*rollout, fn string, policies []string, n int) {
 	cfg := r.Config()
+	r.sandbox.warnOnce.Do(func() {
+		if !r.zero && len(cfg.Sandbox.Train) == 0 {
+			r.events.printf("sandbox: sandbox.train lists no policy, so this script may train none; grant what it may train with sandbox: {train: [%s]}", strings.Join(policyNames(cfg), ", "))
+		}
+	})
+	r.sandbox.stMu.Lock()
+	r.sandbox.syncState()
+	r.sandbox.stMu.Unlock()
 	var wg sync.WaitGroup
 	for _, ro := range ros {
 		wg.Add(1)

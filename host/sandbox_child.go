@@ -2,12 +2,14 @@ package host
 
 import (
 	"bufio"
+	"bytes"
 	"context"
 	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
 	"os"
+	"os/signal"
 	"runtime/debug"
 	"strconv"
 	"sync"
@@ -51,6 +53,7 @@ type sbInit struct {
 	Script string         `json:"script"`
 	Source string         `json:"source"`
 	Config *config.Config `json:"config"`
+	Zero   bool           `json:"zero,omitempty"` // zero-config run: train may use any policy
 }
 
 // sbRollout is a rollout to run. Fn is "rollout", "eval_rollout" or "default_eval".
@@ -106,32 +109,74 @@ func SandboxChildMain() int {
 		debug.SetMemoryLimit(int64(limit) / 2)
 	}
 	if s, err := strconv.ParseUint(os.Getenv(SandboxCPUEnv), 10, 64); err == nil && s > 0 {
+		// The Go runtime ignores SIGXCPU, which the soft limit sends: catch it and exit, saying
+		// why (the host names cpu_seconds from this line). The hard limit's SIGKILL is the
+		// backstop.
+		xcpu := make(chan os.Signal, 1)
+		signal.Notify(xcpu, syscall.SIGXCPU)
+		go func() {
+			<-xcpu
+			fmt.Fprintln(os.Stderr, cpuLimitMsg)
+			os.Exit(3)
+		}()
 		syscall.Setrlimit(syscall.RLIMIT_CPU, &syscall.Rlimit{Cur: s, Max: s + 5})
 	}
-	c := &childConn{out: json.NewEncoder(os.Stdout), waiting: map[int64]chan sbMsg{}}
+	c := &childConn{out: os.Stdout, waiting: map[int64]chan sbMsg{}}
 	return c.serve(os.Stdin)
 }
+
+// cpuLimitMsg is what a child that used up its CPU time (sandbox.cpu_seconds) writes to stderr.
+const cpuLimitMsg = "slimen sandbox child: CPU time limit reached (RLIMIT_CPU)"
 
 // childConn is the child's side of the pipe.
 type childConn struct {
 	outMu   sync.Mutex
-	out     *json.Encoder
+	out     io.Writer
 	mu      sync.Mutex
 	nextID  int64
 	waiting map[int64]chan sbMsg
 	script  *Script
 	cfg     *config.Config
+	zero    bool
+	calls   *inflight
 }
 
-func (c *childConn) send(m sbMsg) {
+// marshal encodes a value as JSON without HTML escaping (which would turn every < of a prompt
+// into six bytes).
+func marshal(v any) ([]byte, error) {
+	var b bytes.Buffer
+	enc := json.NewEncoder(&b)
+	enc.SetEscapeHTML(false)
+	if err := enc.Encode(v); err != nil {
+		return nil, err
+	}
+	return bytes.TrimSuffix(b.Bytes(), []byte("\n")), nil
+}
+
+// send writes one message to the host. A message over sandbox.message_bytes is not sent: the host
+// would stop reading this child (what it is to do with a child that breaks the protocol).
+func (c *childConn) send(m sbMsg) error {
+	b, err := marshal(m)
+	if err != nil {
+		return err
+	}
+	if c.cfg != nil && len(b)+1 > c.cfg.Sandbox.MessageBytes {
+		what := m.T
+		if m.Method != "" {
+			what = m.Method
+		}
+		return &BudgetError{"message_bytes", fmt.Sprint(c.cfg.Sandbox.MessageBytes),
+			fmt.Sprintf("a %s message of %d bytes to the host", what, len(b)+1)}
+	}
 	c.outMu.Lock()
 	defer c.outMu.Unlock()
-	c.out.Encode(m)
+	_, err = c.out.Write(append(b, '\n'))
+	return err
 }
 
 func (c *childConn) serve(in io.Reader) int {
 	sc := bufio.NewScanner(in)
-	sc.Buffer(make([]byte, 1<<20), 1<<30)
+	sc.Buffer(make([]byte, 64<<10), 1<<30)
 	for sc.Scan() {
 		var m sbMsg
 		if err := json.Unmarshal(sc.Bytes(), &m); err != nil {
@@ -145,10 +190,15 @@ func (c *childConn) serve(in io.Reader) int {
 				c.send(sbMsg{T: "fatal", Error: err.Error()})
 				return 2
 			}
-			c.cfg = in.Config
+			c.cfg, c.zero = in.Config, in.Zero
+			c.calls = newInflight(maxCallsInFlight, inflightMessages*c.cfg.Sandbox.MessageBytes)
 			s, err := LoadScriptSource(in.Script, []byte(in.Source), ScriptOptions{Sandbox: true, Config: configValue{get: func() *config.Config { return c.cfg }}})
 			if err != nil {
-				c.send(sbMsg{T: "fatal", Error: err.Error()})
+				msg := err.Error()
+				if len(msg) > 64<<10 {
+					msg = msg[:64<<10] + "…"
+				}
+				c.send(sbMsg{T: "fatal", Error: msg})
 				return 2
 			}
 			c.script = s
@@ -168,11 +218,31 @@ func (c *childConn) serve(in io.Reader) int {
 	return 0
 }
 
-// call sends a request to the host and waits for its reply.
-func (c *childConn) call(rollout int64, method string, args any) (json.RawMessage, error) {
-	b, err := json.Marshal(args)
+// The calls a child has in flight at the host are bounded, in number and in bytes, so that no
+// script can make the host hold more than a few messages' worth of its calls at once (a parallel
+// fan-out of state.get, nested parallel generate calls with large prompts). Calls past the bound
+// wait in the child, where memory_mb bounds them.
+const (
+	maxCallsInFlight = 256
+	inflightMessages = 4 // bytes in flight: this many message_bytes
+)
+
+// call sends a request to the host and waits for its reply, or until ctx ends (the rollout's
+// wall time): then the host's late reply is dropped. state_set and state_unlock are never held
+// back or abandoned, since they release the host's state lock.
+func (c *childConn) call(ctx context.Context, rollout int64, method string, args any) (json.RawMessage, error) {
+	b, err := marshal(args)
 	if err != nil {
 		return nil, err
+	}
+	releases := method == "state_set" || method == "state_unlock"
+	if releases {
+		ctx = context.Background()
+	} else {
+		if err := c.calls.acquire(ctx, len(b)); err != nil {
+			return nil, err
+		}
+		defer c.calls.release(len(b))
 	}
 	ch := make(chan sbMsg, 1)
 	c.mu.Lock()
@@ -180,19 +250,80 @@ func (c *childConn) call(rollout int64, method string, args any) (json.RawMessag
 	id := c.nextID
 	c.waiting[id] = ch
 	c.mu.Unlock()
-	c.send(sbMsg{T: "call", ID: id, Rollout: rollout, Method: method, Args: b})
-	r := <-ch
-	if r.Error != "" {
-		return nil, errors.New(r.Error)
+	forget := func() {
+		c.mu.Lock()
+		delete(c.waiting, id)
+		c.mu.Unlock()
 	}
-	return r.Result, nil
+	if err := c.send(sbMsg{T: "call", ID: id, Rollout: rollout, Method: method, Args: b}); err != nil {
+		forget()
+		return nil, err
+	}
+	select {
+	case r := <-ch:
+		if r.Error != "" {
+			return nil, errors.New(r.Error)
+		}
+		return r.Result, nil
+	case <-ctx.Done():
+		forget()
+		return nil, context.Cause(ctx)
+	}
+}
+
+// inflight is a counting semaphore over calls and their bytes.
+type inflight struct {
+	mu                 sync.Mutex
+	cond               *sync.Cond
+	n, bytes           int
+	maxCalls, maxBytes int
+}
+
+func newInflight(calls, bytes int) *inflight {
+	l := &inflight{maxCalls: calls, maxBytes: bytes}
+	l.cond = sync.NewCond(&l.mu)
+	return l
+}
+
+// acquire waits for room for a call of size bytes (a call alone always has room).
+func (l *inflight) acquire(ctx context.Context, size int) error {
+	stop := context.AfterFunc(ctx, func() {
+		l.mu.Lock()
+		l.cond.Broadcast()
+		l.mu.Unlock()
+	})
+	defer stop()
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	for l.n > 0 && (l.n >= l.maxCalls || l.bytes+size > l.maxBytes) {
+		if ctx.Err() != nil {
+			return context.Cause(ctx)
+		}
+		l.cond.Wait()
+	}
+	l.n++
+	l.bytes += size
+	return nil
+}
+
+func (l *inflight) release(size int) {
+	l.mu.Lock()
+	l.n--
+	l.bytes -= size
+	l.cond.Broadcast()
+	l.mu.Unlock()
 }
 
 func (c *childConn) runRollout(id int64, raw json.RawMessage) {
 	var a sbRollout
 	done := func(d sbDone) {
-		b, _ := json.Marshal(d)
-		c.send(sbMsg{T: "done", ID: id, Result: b})
+		b, _ := marshal(d)
+		if err := c.send(sbMsg{T: "done", ID: id, Result: b}); err != nil {
+			// The report is too large (a flood of log() names, a huge eval result): the rollout
+			// fails, saying so, and nothing of it is trained.
+			b, _ = marshal(sbDone{Error: fmt.Sprintf("the rollout's report to the host: %v", err)})
+			c.send(sbMsg{T: "done", ID: id, Result: b})
+		}
 	}
 	if err := json.Unmarshal(raw, &a); err != nil {
 		done(sbDone{Error: err.Error()})
@@ -216,7 +347,8 @@ func (c *childConn) runRollout(id int64, raw json.RawMessage) {
 	ctx, cancel := context.WithTimeoutCause(context.Background(), wall,
 		&BudgetError{"wall_seconds", fmt.Sprint(a.WallLimit), "the rollout did not finish in time"})
 	defer cancel()
-	ro := &rollout{svc: &pipeServices{c: c, id: id, defaults: a.Sampling}, budget: newBudget(c.cfg.Sandbox),
+	b := newBudget(c.cfg.Sandbox, c.zero)
+	ro := &rollout{svc: &pipeServices{c: c, id: id, defaults: a.Sampling, budget: b, ctx: ctx}, budget: b,
 		ctx: ctx, task: a.Task, index: a.Index, step: a.Step, seed: a.Seed, eval: a.Eval}
 	th := ro.newThread(nil)
 	res, err := ro.call(th, fn, starlark.Tuple{taskValue(a.Task, a.Step)})
@@ -264,10 +396,12 @@ type pipeServices struct {
 	c        *childConn
 	id       int64
 	defaults engines.Sampling // the host's rollout settings when the rollout started
+	budget   *budget
+	ctx      context.Context // the rollout's: its wall time ends every call it waits on
 }
 
 func (s *pipeServices) checkPolicy(name string) (bool, string, error) {
-	raw, err := s.c.call(s.id, "policy", name)
+	raw, err := s.c.call(s.ctx, s.id, "policy", name)
 	if err != nil {
 		return false, "", err
 	}
@@ -282,7 +416,10 @@ func (s *pipeServices) checkPolicy(name string) (bool, string, error) {
 func (s *pipeServices) sampling() engines.Sampling { return s.defaults }
 
 func (s *pipeServices) generate(ctx context.Context, policy string, req engines.GenerateRequest) ([]engines.Completion, error) {
-	raw, err := s.c.call(s.id, "generate", sbGenerate{Policy: policy, Req: req})
+	if err := s.budget.prompt("generate", req.Messages); err != nil {
+		return nil, err
+	}
+	raw, err := s.c.call(ctx, s.id, "generate", sbGenerate{Policy: policy, Req: req})
 	if err != nil {
 		return nil, err
 	}
@@ -292,7 +429,10 @@ func (s *pipeServices) generate(ctx context.Context, policy string, req engines.
 }
 
 func (s *pipeServices) score(ctx context.Context, policy string, req engines.ScoreRequest) ([]float32, error) {
-	raw, err := s.c.call(s.id, "score", sbScore{Policy: policy, Req: req})
+	if err := s.budget.prompt("score", req.Messages); err != nil {
+		return nil, err
+	}
+	raw, err := s.c.call(ctx, s.id, "score", sbScore{Policy: policy, Req: req})
 	if err != nil {
 		return nil, err
 	}
@@ -302,28 +442,30 @@ func (s *pipeServices) score(ctx context.Context, policy string, req engines.Sco
 }
 
 func (s *pipeServices) stateGet(key string) (starlark.Value, bool, error) {
-	raw, err := s.c.call(s.id, "state_get", key)
+	raw, err := s.c.call(s.ctx, s.id, "state_get", key)
 	if err != nil {
 		return nil, false, err
 	}
 	return decodeStateReply(raw)
 }
 
+// stateLock is not abandoned at the wall time (the host may be granting the lock as the child
+// gives up, and would then hold it for nobody); what the holder does next ends, and releases it.
 func (s *pipeServices) stateLock(key string) (starlark.Value, bool, func(starlark.Value) error, func(), error) {
-	raw, err := s.c.call(s.id, "state_lock", key)
+	raw, err := s.c.call(context.Background(), s.id, "state_lock", key)
 	if err != nil {
 		return nil, false, nil, nil, err
 	}
 	cur, found, err := decodeStateReply(raw)
 	if err != nil {
-		s.c.call(s.id, "state_unlock", key)
+		s.c.call(context.Background(), s.id, "state_unlock", key)
 		return nil, false, nil, nil, err
 	}
 	done := false
 	release := func() {
 		if !done {
 			done = true
-			s.c.call(s.id, "state_unlock", key)
+			s.c.call(context.Background(), s.id, "state_unlock", key)
 		}
 	}
 	commit := func(v starlark.Value) error {
@@ -332,7 +474,13 @@ func (s *pipeServices) stateLock(key string) (starlark.Value, bool, func(starlar
 			return err
 		}
 		done = true
-		_, err = s.c.call(s.id, "state_set", map[string]any{"key": key, "value": enc})
+		if _, err = s.c.call(context.Background(), s.id, "state_set", map[string]any{"key": key, "value": enc}); err != nil {
+			var be *BudgetError
+			if errors.As(err, &be) && be.Budget == "message_bytes" {
+				// Not sent: the host still holds the lock for this update.
+				s.c.call(context.Background(), s.id, "state_unlock", key)
+			}
+		}
 		return err
 	}
 	return cur, found, commit, release, nil
@@ -351,7 +499,7 @@ func decodeStateReply(raw json.RawMessage) (starlark.Value, bool, error) {
 }
 
 func (s *pipeServices) event(msg string) {
-	b, _ := json.Marshal(msg)
+	b, _ := marshal(msg)
 	s.c.send(sbMsg{T: "note", Rollout: s.id, Method: "event", Args: b})
 }
 

@@ -3,12 +3,20 @@ package host
 import (
 	"context"
 	"encoding/json"
+	"fmt"
 	"os"
 	"path/filepath"
 	"regexp"
+	"runtime/debug"
+	"slices"
+	"sort"
 	"strconv"
 	"strings"
+	"syscall"
 	"testing"
+	"time"
+
+	"go.starlark.net/starlark"
 
 	"github.com/slimen/slimen/engines"
 	"github.com/slimen/slimen/engines/scripted"
@@ -34,6 +42,7 @@ func TestSandboxMatchesInProcess(t *testing.T) {
 	seeded := func(r scripted.Request) string { return []string{`\boxed{1}`, `\boxed{2}`}[r.Seed%2] }
 	run := func(sandbox bool) string {
 		cfg := testConfig(4, "p")
+		cfg.Sandbox.Train = []string{"p"}
 		r, err := Load(context.Background(), writeScript(t, honestScript), Options{Config: cfg, Tasks: numberedTasks(4),
 			Engines: map[string]engines.Engine{"p": scripted.New(seeded)}, Sandbox: sandbox})
 		if err != nil {
@@ -74,9 +83,26 @@ func joinLines(l []string) string {
 	return out
 }
 
+// hostileSandbox is the sandbox config of the hostile scripts' runs: budgets far below the
+// defaults, so that each attack meets its limit quickly.
+func hostileSandbox() config.SandboxConfig {
+	sb := config.DefaultSandbox()
+	sb.Steps, sb.GenerateCalls, sb.Tokens, sb.WallSeconds = 2_000_000, 32, 4096, 60
+	sb.PrintBytes, sb.StateBytes, sb.StateTotalBytes, sb.ParallelItems = 4096, 4096, 1<<20, 256
+	sb.PromptBytes, sb.MessageBytes, sb.MemoryMB, sb.Processes = 64<<10, 1<<20, 256, 2
+	sb.Policies, sb.Train = []string{"p", "judge"}, []string{"p"}
+	return sb
+}
+
+// hostPeakMiB is the bound on the host's peak resident memory while one hostile script runs. The
+// host itself (the test binary with scripted engines) peaks near 20 MiB; what a script makes it
+// hold comes on top.
+const hostPeakMiB = 100
+
 // TestHostileScripts is issue 8's acceptance: each script of testdata/hostile attacks from one
 // task (t3) of a normal run. The run completes, every honest task's sample is trained, the
-// attacking rollout fails with the budget or rule it broke, and the host's memory stays small.
+// attacking rollout fails with the budget or rule it broke, and the host's peak memory while the
+// script runs stays under hostPeakMiB.
 func TestHostileScripts(t *testing.T) {
 	files, _ := filepath.Glob("../testdata/hostile/*.star")
 	if len(files) < 15 {
@@ -89,18 +115,16 @@ func TestHostileScripts(t *testing.T) {
 			header, _, _ := strings.Cut(string(src), "\n")
 			cfg := testConfig(8, "p", "judge")
 			cfg.Policies[1].Trainable = false
+			cfg.Sandbox = hostileSandbox()
 			// The wall-time budget is tight only where it is what the script attacks: on a loaded
 			// machine a memory bomb may take seconds to reach its limit.
-			wall := 60.0
-			if name == "wall_time" {
-				wall = 2
+			if strings.Contains(header, "wall_seconds") {
+				cfg.Sandbox.WallSeconds = 2
 			}
-			cfg.Sandbox = config.SandboxConfig{Steps: 2_000_000, GenerateCalls: 32, Tokens: 4096, WallSeconds: wall,
-				PrintBytes: 4096, StateBytes: 4096, ParallelItems: 256, MemoryMB: 256, Processes: 2,
-				Policies: []string{"p", "judge"}, Train: []string{"p"}}
 			if name == "not_granted" {
 				cfg.Sandbox.Policies = []string{"p"}
 			}
+			peak := resetPeak(t)
 			engs := map[string]engines.Engine{"p": scripted.Echo(`\boxed{1}`), "judge": scripted.Echo("yes")}
 			r, err := Load(context.Background(), f, Options{Config: cfg, Engines: engs, Tasks: numberedTasks(8), Sandbox: true})
 			if want, ok := strings.CutPrefix(header, "# load-time: "); ok {
@@ -124,28 +148,330 @@ func TestHostileScripts(t *testing.T) {
 				}
 				t.Fatalf("want exactly task t3 failed with %q", want)
 			}
+			trained := -1.0
 			for _, m := range res.Policies {
-				if m.Policy() == "p" && m.Float("samples") != 7 {
-					t.Errorf("policy p trained %v samples, want the 7 honest ones", m.Float("samples"))
+				if m.Policy() == "p" {
+					trained = m.Float("samples")
 				}
 			}
-			if rss := residentMB(t); rss > 400 {
-				t.Errorf("host resident memory %d MiB, want under 400", rss)
+			if trained != 7 {
+				t.Errorf("policy p trained %v samples (-1: it has no metrics line), want the 7 honest ones", trained)
+			}
+			mib := peak()
+			t.Logf("host peak resident memory: %d MiB", mib)
+			if mib > hostPeakMiB {
+				t.Errorf("host peak resident memory %d MiB while the script ran, want under %d", mib, hostPeakMiB)
 			}
 		})
 	}
 }
 
-func residentMB(t *testing.T) int {
-	b, err := os.ReadFile("/proc/self/status")
-	if err != nil {
+// resetPeak starts measuring the process's peak resident memory (VmHWM) and returns a function
+// that reads it in MiB. Writing 5 to /proc/self/clear_refs resets the high-water mark to the
+// current resident size (Linux 4.0 and later); where it cannot, the peak is the whole test
+// process's, a bound all the same.
+func resetPeak(t *testing.T) func() int {
+	t.Helper()
+	if _, err := os.Stat("/proc/self/status"); err != nil {
 		t.Skip("no /proc/self/status")
 	}
+	debug.FreeOSMemory() // what earlier subtests left in the heap does not count
+	if err := os.WriteFile("/proc/self/clear_refs", []byte("5"), 0); err != nil {
+		t.Logf("cannot reset the peak (%v): measuring the whole process's", err)
+	}
+	return func() int { return statusMiB(t, "VmHWM:") }
+}
+
+// statusMiB reads a field of /proc/self/status in MiB.
+func statusMiB(t *testing.T, field string) int {
+	t.Helper()
+	b, err := os.ReadFile("/proc/self/status")
+	if err != nil {
+		t.Fatal(err)
+	}
 	for _, line := range strings.Split(string(b), "\n") {
-		if kb, ok := strings.CutPrefix(line, "VmRSS:"); ok {
+		if kb, ok := strings.CutPrefix(line, field); ok {
 			n, _ := strconv.Atoi(strings.Fields(kb)[0])
 			return n / 1024
 		}
 	}
+	t.Fatalf("no %s in /proc/self/status", field)
 	return 0
+}
+
+// TestSandboxRogueChild: the host does not rely on the child to keep its messages small. A child
+// that sends a 200 MB line is stopped once the line passes message_bytes; its rollout fails
+// naming the budget, and the host never holds the line.
+func TestSandboxRogueChild(t *testing.T) {
+	if _, err := os.Stat("/bin/sh"); err != nil {
+		t.Skip("no /bin/sh")
+	}
+	cfg := testConfig(1, "p")
+	cfg.Sandbox = hostileSandbox()
+	cfg.Rollout.MaxFailedFraction = 1
+	// Answers the init, then sends a 200 MB line with no newline for the rollout.
+	rogue := []string{"/bin/sh", "-c", `read a; echo '{"t":"ready"}'; read b; exec head -c 200000000 /dev/zero`}
+	peak := resetPeak(t)
+	r, err := Load(context.Background(), writeScript(t, honestScript), Options{Config: cfg, Tasks: numberedTasks(1),
+		Engines: map[string]engines.Engine{"p": scripted.Echo("x")}, Sandbox: true, SandboxCommand: rogue})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer r.Close()
+	res, err := r.Step(context.Background())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(res.Failed) != 1 || !strings.Contains(res.Failed[0].Msg, "sandbox budget message_bytes (1048576) exceeded") {
+		t.Fatalf("failed: %v; want the rollout failed with message_bytes", res.Failed)
+	}
+	if mib := peak(); mib > hostPeakMiB {
+		t.Errorf("host peak resident memory %d MiB, want under %d", mib, hostPeakMiB)
+	}
+}
+
+// TestSandboxCPUSeconds: a child past sandbox.cpu_seconds (RLIMIT_CPU) dies; the honest rollouts
+// it took with it run again and are trained, and the looping one fails naming cpu_seconds.
+func TestSandboxCPUSeconds(t *testing.T) {
+	cfg := testConfig(4, "p")
+	cfg.Sandbox = hostileSandbox()
+	cfg.Sandbox.Steps = 1 << 62 // only the CPU limit stops the loop
+	cfg.Sandbox.CPUSeconds = 1
+	cfg.Sandbox.Policies, cfg.Sandbox.Train = nil, []string{"p"}
+	src := `
+def rollout(task):
+    c = generate("p", task.prompt)
+    reward(c, 1.0)
+    train(c)
+    if task.id == "t1":
+        while True:
+            pass
+`
+	before := childrenCPU(t)
+	r, err := Load(context.Background(), writeScript(t, src), Options{Config: cfg, Tasks: numberedTasks(4),
+		Engines: map[string]engines.Engine{"p": scripted.Echo("x")}, Sandbox: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer r.Close()
+	res, err := r.Step(context.Background())
+	if err != nil {
+		t.Fatal(err)
+	}
+	// The looping rollout killed two children (the shared one, then its own): about a CPU second
+	// each, not the 6 of the hard limit. CPU time, unlike wall time, does not depend on the load.
+	if cpu := childrenCPU(t) - before; cpu > 5*time.Second {
+		t.Errorf("the children that died used %v of CPU: they did not stop at the soft limit", cpu)
+	}
+	// The child stops itself at the soft limit (SIGXCPU, which the Go runtime would ignore), not
+	// at the hard one 5 CPU seconds later.
+	want := "sandbox budget cpu_seconds (1) exceeded: the script's process used up its CPU time"
+	if len(res.Failed) != 1 || res.Failed[0].TaskID != "t1" || strings.TrimSpace(res.Failed[0].Msg) != want {
+		t.Fatalf("failed: %v; want task t1 failed with cpu_seconds", res.Failed)
+	}
+	if n := res.Policies[0].Float("samples"); n != 3 {
+		t.Errorf("trained %v samples, want the 3 honest ones", n)
+	}
+}
+
+// childrenCPU is the CPU time of this process's children that have ended.
+func childrenCPU(t *testing.T) time.Duration {
+	var ru syscall.Rusage
+	if err := syscall.Getrusage(syscall.RUSAGE_CHILDREN, &ru); err != nil {
+		t.Fatal(err)
+	}
+	return time.Duration(ru.Utime.Nano() + ru.Stime.Nano())
+}
+
+// TestSandboxGrants: what sandbox.policies and sandbox.train grant (docs/sandbox.md). generate
+// may use every policy of the config unless policies lists some; train only what train lists,
+// except in a zero-config run, whose policies are the run's own fresh models (at most 8 of them).
+func TestSandboxGrants(t *testing.T) {
+	src := `
+def rollout(task):
+    c = generate(task.metadata["policy"], task.prompt)
+    reward(c, 1.0)
+    train(c)
+`
+	tasks := func(policies ...string) listTasks {
+		var out listTasks
+		for i, p := range policies {
+			out = append(out, Task{ID: fmt.Sprintf("t%d", i), Prompt: "q", Metadata: map[string]any{"policy": p}})
+		}
+		return out
+	}
+	echo := func(_ context.Context, p config.PolicyConfig) (engines.Engine, error) { return scripted.Echo("x"), nil }
+	step := func(t *testing.T, cfg *config.Config, zero bool, ts listTasks) *StepResult {
+		t.Helper()
+		if cfg == nil {
+			cfg = config.Default(nil)
+		}
+		cfg.Rollout.BatchSize, cfg.Rollout.MaxFailedFraction = len(ts), 1
+		r, err := Load(context.Background(), writeScript(t, src), Options{Config: cfg, Zero: zero, Tasks: ts, OpenEngine: echo, Sandbox: true})
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer r.Close()
+		res, err := r.Step(context.Background())
+		if err != nil {
+			t.Fatal(err)
+		}
+		return res
+	}
+	failures := func(res *StepResult) string {
+		var out []string
+		for _, f := range res.Failed {
+			out = append(out, f.TaskID+": "+f.Msg)
+		}
+		return strings.Join(out, "\n")
+	}
+
+	t.Run("train not listed", func(t *testing.T) {
+		res := step(t, testConfig(1, "p", "q"), false, tasks("p"))
+		if !strings.Contains(failures(res), `train: policy "p" is not granted to this script for training (sandbox.train is not set`) {
+			t.Fatalf("failures:\n%s\nwant train refused: sandbox.train is not set", failures(res))
+		}
+	})
+	t.Run("train listed", func(t *testing.T) {
+		cfg := testConfig(1, "p", "q")
+		cfg.Sandbox.Train = []string{"q"}
+		res := step(t, cfg, false, tasks("q", "p"))
+		if f := failures(res); !strings.HasPrefix(f, "t1: ") || strings.Count(f, "\n") > 3 || !strings.Contains(f, `sandbox.train: [q]`) {
+			t.Fatalf("failures:\n%s\nwant only t1 (policy p) refused", f)
+		}
+	})
+	t.Run("policies listed", func(t *testing.T) {
+		cfg := testConfig(1, "p", "q")
+		cfg.Sandbox.Policies, cfg.Sandbox.Train = []string{"p"}, []string{"p"}
+		res := step(t, cfg, false, tasks("p", "q"))
+		if f := failures(res); !strings.HasPrefix(f, "t1: ") || !strings.Contains(f, `generate: policy "q" is not granted to this script (sandbox.policies: [p])`) {
+			t.Fatalf("failures:\n%s\nwant only t1 (policy q) refused", f)
+		}
+	})
+	t.Run("zero-config trains", func(t *testing.T) {
+		res := step(t, nil, true, tasks("a", "b"))
+		if len(res.Failed) > 0 {
+			t.Fatalf("failures:\n%s", failures(res))
+		}
+	})
+	t.Run("zero-config creates at most 8", func(t *testing.T) {
+		var names []string
+		for i := range 10 {
+			names = append(names, fmt.Sprintf("p%d", i))
+		}
+		res := step(t, nil, true, tasks(names...))
+		if len(res.Failed) != 2 || !strings.Contains(failures(res), "a sandboxed run without a config creates at most 8 policies") {
+			t.Fatalf("failures:\n%s\nwant 2 policies refused", failures(res))
+		}
+	})
+}
+
+// TestSandboxReportGrants: the host checks the grants of what a child reports for training
+// itself, rather than trusting the child.
+func TestSandboxReportGrants(t *testing.T) {
+	cfg := testConfig(1, "p", "q")
+	cfg.Sandbox.Train = []string{"p"}
+	r := &Run{cfg: cfg}
+	for _, tc := range []struct {
+		policy, teacher, want string
+	}{
+		{"p", "", ""},
+		{"q", "", `train: policy "q" is not granted to this script (sandbox.train: [p])`},
+	} {
+		ro := &rollout{run: r, generated: []*Completion{{id: "t0/0#0", policy: tc.policy}}}
+		err := ro.applyReport(sbDone{Queued: []sbQueued{{ID: "t0/0#0", Group: "t0", Teacher: tc.teacher}}})
+		if got := fmt.Sprint(err); (tc.want == "" && err != nil) || (tc.want != "" && !strings.Contains(got, tc.want)) {
+			t.Errorf("%s: applyReport: %v, want %q", tc.policy, err, tc.want)
+		}
+	}
+	cfg.Sandbox.Policies = []string{"p"}
+	ro := &rollout{run: r, generated: []*Completion{{id: "t0/0#0", policy: "p"}}}
+	err := ro.applyReport(sbDone{Queued: []sbQueued{{ID: "t0/0#0", Group: "t0", Teacher: "q"}}})
+	if err == nil || !strings.Contains(err.Error(), `train: teacher: policy "q" is not granted to this script (sandbox.policies: [p])`) {
+		t.Errorf("teacher q: applyReport: %v, want it refused", err)
+	}
+}
+
+// TestSandboxPredeclared pins what a sandboxed script can name without loading it (DESIGN §8: no
+// predeclared names beyond the documented built-ins) and the modules it may load. A new name here
+// is a decision: document it in README's built-ins (or keep it out of the sandbox).
+func TestSandboxPredeclared(t *testing.T) {
+	var got []string
+	for name := range predeclared() {
+		got = append(got, name)
+	}
+	for name := range starlark.Universe {
+		got = append(got, name)
+	}
+	sort.Strings(got)
+	want := []string{
+		// slimen's built-ins (host/script.go predeclared)
+		"completion", "config", "generate", "log", "parallel", "reward", "score", "state", "struct", "train",
+		// Starlark's own (go.starlark.net Universe)
+		"False", "None", "True", "abs", "all", "any", "bool", "bytes", "chr", "dict", "dir", "enumerate", "fail",
+		"float", "getattr", "hasattr", "hash", "int", "len", "list", "max", "min", "ord", "print", "range",
+		"repr", "reversed", "set", "sorted", "str", "tuple", "type", "zip",
+	}
+	sort.Strings(want)
+	if !slices.Equal(got, want) {
+		t.Errorf("predeclared names changed:\n got %v\nwant %v", got, want)
+	}
+	var mods []string
+	for pkg, files := range nativeModules() {
+		for f := range files {
+			mods = append(mods, "@"+pkg+"//"+f)
+		}
+	}
+	sort.Strings(mods)
+	wantMods := []string{"@slimen//answers.star", "@slimen//random.star", "@slimen//stats.star", "@slimen//text.star",
+		"@slimen//vote.star", "@std//json.star", "@std//math.star"}
+	if !slices.Equal(mods, wantMods) {
+		t.Errorf("loadable native modules changed:\n got %v\nwant %v", mods, wantMods)
+	}
+	// And a sandboxed script meets exactly these: no clock, no files, no environment.
+	for _, name := range []string{"time", "now", "sleep", "open", "exec", "eval", "getenv", "random", "json", "math"} {
+		src := "def rollout(task):\n    return " + name + "\n"
+		_, err := Load(context.Background(), writeScript(t, src), Options{Config: testConfig(1, "p"), Sandbox: true,
+			Engines: map[string]engines.Engine{"p": scripted.Echo("x")}, Tasks: numberedTasks(1)})
+		if err == nil || !strings.Contains(err.Error(), "undefined: "+name) {
+			t.Errorf("a sandboxed script naming %s: %v, want undefined", name, err)
+		}
+	}
+}
+
+// TestSandboxCallsInFlight: a child has at most maxCallsInFlight calls at the host at once, so a
+// fan-out cannot make the host hold one goroutine and one message per thread; the fan-out still
+// completes.
+func TestSandboxCallsInFlight(t *testing.T) {
+	cfg := testConfig(1, "p")
+	cfg.Sandbox.Processes, cfg.Sandbox.Train, cfg.Sandbox.GenerateCalls = 1, []string{"p"}, 1000
+	src := `
+def rollout(task):
+    cs = parallel(lambda i: generate("p", "q%d" % i, max_tokens = 1), range(1000))
+    reward(cs, 1.0)
+    train(cs)
+`
+	r, err := Load(context.Background(), writeScript(t, src), Options{Config: cfg, Tasks: numberedTasks(1),
+		Engines: map[string]engines.Engine{"p": scripted.Echo("x")}, Sandbox: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer r.Close()
+	res, err := r.Step(context.Background())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(res.Failed) > 0 || res.Policies[0].Float("samples") != 1000 {
+		t.Fatalf("failed %v, trained %v samples; want 1000 trained", res.Failed, res.Policies[0].Float("samples"))
+	}
+	r.sandbox.mu.Lock()
+	defer r.sandbox.mu.Unlock()
+	for _, c := range r.sandbox.children {
+		c.mu.Lock()
+		peak := c.peakCalls
+		c.mu.Unlock()
+		if peak > maxCallsInFlight || peak == 0 {
+			t.Errorf("the host answered up to %d calls of a child at once, want 1 to %d", peak, maxCallsInFlight)
+		}
+	}
 }

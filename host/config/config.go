@@ -195,23 +195,30 @@ type EvalDataset struct {
 	Line int `yaml:"-" json:"-"`
 }
 
-// SandboxConfig bounds what a contributed script may do (slimen exec --sandbox, DESIGN §8). The
-// budgets are per rollout; the memory and CPU limits are those of the child processes that
-// evaluate the Starlark.
+// SandboxConfig bounds what a contributed script may do (slimen exec --sandbox, DESIGN §8). Most
+// budgets are per rollout; state_total_bytes is the run's whole state store, message_bytes one
+// message of a child process, and the memory and CPU limits are those of the child processes that
+// evaluate the Starlark (docs/sandbox.md).
 type SandboxConfig struct {
-	Enabled       bool     `yaml:"enabled" json:"enabled"`                       // --sandbox sets it
-	Steps         uint64   `yaml:"steps" json:"steps"`                           // Starlark execution steps, per thread
-	GenerateCalls int      `yaml:"generate_calls" json:"generate_calls"`         // generate calls
-	Tokens        int      `yaml:"tokens" json:"tokens"`                         // generated tokens (max_tokens × n counted up front)
-	WallSeconds   float64  `yaml:"wall_seconds" json:"wall_seconds"`             // wall time
-	PrintBytes    int      `yaml:"print_bytes" json:"print_bytes"`               // bytes of print output
-	StateBytes    int      `yaml:"state_bytes" json:"state_bytes"`               // size of one value stored in state
-	ParallelItems int      `yaml:"parallel_items" json:"parallel_items"`         // items of one parallel() call
-	MemoryMB      int      `yaml:"memory_mb" json:"memory_mb"`                   // address space of a child process
-	CPUSeconds    int      `yaml:"cpu_seconds" json:"cpu_seconds"`               // CPU time of a child process (0: unlimited)
-	Processes     int      `yaml:"processes" json:"processes"`                   // child processes evaluating rollouts
-	Policies      []string `yaml:"policies,omitempty" json:"policies,omitempty"` // generate/score allowed on these (empty: all)
-	Train         []string `yaml:"train,omitempty" json:"train,omitempty"`       // train allowed on these (empty: every trainable policy)
+	Enabled         bool    `yaml:"enabled" json:"enabled"`                     // --sandbox sets it
+	Steps           uint64  `yaml:"steps" json:"steps"`                         // Starlark execution steps of a rollout, all its threads together
+	GenerateCalls   int     `yaml:"generate_calls" json:"generate_calls"`       // generate calls
+	Tokens          int     `yaml:"tokens" json:"tokens"`                       // generated tokens (max_tokens × n counted up front)
+	PromptBytes     int     `yaml:"prompt_bytes" json:"prompt_bytes"`           // bytes of one prompt passed to generate or score
+	WallSeconds     float64 `yaml:"wall_seconds" json:"wall_seconds"`           // wall time
+	PrintBytes      int     `yaml:"print_bytes" json:"print_bytes"`             // bytes of print output
+	StateBytes      int     `yaml:"state_bytes" json:"state_bytes"`             // size of one entry (key and value) stored in state
+	StateTotalBytes int     `yaml:"state_total_bytes" json:"state_total_bytes"` // size of everything the run's state holds (run-wide)
+	ParallelItems   int     `yaml:"parallel_items" json:"parallel_items"`       // items of one parallel() call
+	MessageBytes    int     `yaml:"message_bytes" json:"message_bytes"`         // one message from a child process to the host
+	MemoryMB        int     `yaml:"memory_mb" json:"memory_mb"`                 // memory (RLIMIT_DATA) of a child process
+	CPUSeconds      int     `yaml:"cpu_seconds" json:"cpu_seconds"`             // CPU time of a child process (0: unlimited)
+	Processes       int     `yaml:"processes" json:"processes"`                 // child processes evaluating rollouts
+	// Policies may be used by generate and score (absent: every policy the config names). Train
+	// may be trained (absent: none, unless the run is zero-config, where every policy is a fresh
+	// model of this run); each must also be trainable.
+	Policies []string `yaml:"policies,omitempty" json:"policies,omitempty"`
+	Train    []string `yaml:"train,omitempty" json:"train,omitempty"`
 }
 
 // RunConfig holds run-wide settings.

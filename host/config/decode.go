@@ -89,6 +89,8 @@ func (d *decoder) spec(t reflect.Type) *structSpec {
 		s.passKeys = setOf(evalPassKeys)
 	case reflect.TypeFor[RunConfig]():
 		s.name = "run:"
+	case reflect.TypeFor[SandboxConfig]():
+		s.name = "sandbox:"
 	}
 	d.specs[t] = s
 	return s

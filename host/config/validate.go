@@ -105,17 +105,71 @@ func (r *resolver) validate() {
 	r.check(run.EvalInterval >= 0, "run.eval_interval", 0, "must be ≥ 0 (0: no periodic eval), got %d", run.EvalInterval)
 	r.check(run.KeepCheckpoints >= 0, "run.keep_checkpoints", 0, "must be ≥ 0 (0: keep all), got %d", run.KeepCheckpoints)
 	r.check(run.OnSignal == "finish" || run.OnSignal == "abandon", "run.on_signal", 0, "must be finish or abandon, got %q", run.OnSignal)
-	sb := c.Sandbox
-	r.check(sb.Steps > 0 && sb.GenerateCalls > 0 && sb.Tokens > 0 && sb.WallSeconds > 0 && sb.PrintBytes > 0 &&
-		sb.StateBytes > 0 && sb.ParallelItems > 0, "sandbox", 0, "every budget must be positive")
-	r.check(sb.MemoryMB >= 64, "sandbox.memory_mb", 0, "must be at least 64, got %d", sb.MemoryMB)
-	r.check(sb.Processes >= 1, "sandbox.processes", 0, "must be at least 1, got %d", sb.Processes)
-	for _, list := range [][]string{sb.Policies, sb.Train} {
-		for _, name := range list {
-			_, ok := c.Policy(name)
-			r.check(ok || len(c.Policies) == 0, "sandbox", 0, "names policy %q, which the config does not define", name)
-		}
+	r.validateSandbox()
+}
+
+// validateSandbox checks the sandbox: section (docs/sandbox.md). A check of a key the user did
+// not write reports the line of sandbox:, or none for a config without one.
+func (r *resolver) validateSandbox() {
+	sb := r.c.Sandbox
+	at := r.line("sandbox", 0)
+	atLeast := func(key string, v, lo int64) {
+		r.check(v >= lo, "sandbox."+key, at, "must be at least %d, got %d", lo, v)
 	}
+	atLeast("steps", int64(min(sb.Steps, 1<<62)), 1)
+	atLeast("generate_calls", int64(sb.GenerateCalls), 1)
+	atLeast("tokens", int64(sb.Tokens), 1)
+	atLeast("prompt_bytes", int64(sb.PromptBytes), 1)
+	r.check(sb.WallSeconds > 0, "sandbox.wall_seconds", at, "must be more than 0 seconds, got %g", sb.WallSeconds)
+	atLeast("print_bytes", int64(sb.PrintBytes), 1)
+	atLeast("state_bytes", int64(sb.StateBytes), 1)
+	r.check(sb.StateTotalBytes >= sb.StateBytes, "sandbox.state_total_bytes", at,
+		"is %d, less than state_bytes (%d): the whole store must have room for one entry", sb.StateTotalBytes, sb.StateBytes)
+	atLeast("parallel_items", int64(sb.ParallelItems), 1)
+	// One prompt (or one stored value) travels to the host in one message, and JSON escaping can
+	// grow it; the host reads each message whole, so the cap stays far below its memory.
+	need := 2 * max(sb.PromptBytes, sb.StateBytes, 32<<10)
+	r.check(sb.MessageBytes >= need, "sandbox.message_bytes", at,
+		"is %d, less than %d: a prompt of prompt_bytes (%d) or a state entry of state_bytes (%d) must fit in one message, escaped, so give at least twice the larger (and at least 64 KiB)",
+		sb.MessageBytes, need, sb.PromptBytes, sb.StateBytes)
+	r.check(sb.MessageBytes <= maxMessageBytes, "sandbox.message_bytes", at,
+		"is %d, more than %d (256 MiB): the host reads each message of a child whole, so this is host memory", sb.MessageBytes, maxMessageBytes)
+	atLeast("memory_mb", int64(sb.MemoryMB), 64)
+	atLeast("cpu_seconds", int64(sb.CPUSeconds), 0)
+	atLeast("processes", int64(sb.Processes), 1)
+
+	// Grants name policies of this config (a config without policies leaves them to the script,
+	// as zero-config does, so there is nothing to check them against).
+	if len(r.c.Policies) == 0 {
+		return
+	}
+	for _, name := range sb.Policies {
+		_, ok := r.c.Policy(name)
+		r.check(ok, "sandbox.policies", at, "names policy %q, which the config does not define (it defines %s)", name, quoted(r.c))
+	}
+	for _, name := range sb.Train {
+		p, ok := r.c.Policy(name)
+		if !ok {
+			r.check(false, "sandbox.train", at, "names policy %q, which the config does not define (it defines %s)", name, quoted(r.c))
+			continue
+		}
+		r.check(p.Trainable, "sandbox.train", at,
+			"grants training of policy %q, which is frozen (trainable: false, policy at line %d); remove it from sandbox.train or make it trainable", name, p.Line)
+		r.check(len(sb.Policies) == 0 || slices.Contains(sb.Policies, name), "sandbox.train", at,
+			"grants training of policy %q, which sandbox.policies does not grant; add it there too", name)
+	}
+}
+
+// maxMessageBytes bounds sandbox.message_bytes.
+const maxMessageBytes = 256 << 20
+
+// quoted lists a config's policy names for messages.
+func quoted(c *Config) string {
+	var names []string
+	for _, p := range c.Policies {
+		names = append(names, fmt.Sprintf("%q", p.Name))
+	}
+	return strings.Join(names, ", ")
 }
 
 func (r *resolver) validatePolicy(p *PolicyConfig, pp string) {
