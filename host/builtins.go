@@ -1,6 +1,7 @@
 package host
 
 import (
+	"context"
 	"fmt"
 	"hash/fnv"
 	"math"
@@ -49,6 +50,60 @@ func keySeed(base uint64, taskID string, key []int) uint64 {
 		fmt.Fprintf(h, "|%d", k)
 	}
 	return h.Sum64()
+}
+
+// Request ids. A generate request carries two ids:
+//
+//   - its id within its rollout, "TASK/CALL" (CALL is the call's position, "1.0.2"): the
+//     completion ids derive from it ("TASK/CALL#i"), so they are the same in every run, and a
+//     sandboxed rollout's child and host agree on them;
+//   - its wire id, the one an engine sees: "RUN/PASS/INDEX/TASK/CALL", where RUN is the host
+//     process's run id (the one optimizer step ids carry), PASS counts the rollout passes of the
+//     process (each step and each eval dataset run is one) and INDEX is the task's position in
+//     its pass. An engine server remembers ids to answer a resent request once, so the wire id
+//     must never name two different requests: not the same task twice in one step (a data file
+//     smaller than the batch), not the next pass over the data, not an eval of the same tasks,
+//     not a resumed run talking to a server that outlived the previous host. The client keeps it
+//     through its own retries.
+//
+// Only the wire id reaches the engine, and nothing is derived from it: seeds and sample order
+// come from the call's position (keySeed), so runs stay reproducible.
+
+// requestIDs is the context key of a rollout's wire-id prefix, "RUN/PASS/INDEX/".
+type requestIDs struct{}
+
+// withRequestIDs gives the calls of one rollout their wire-id prefix.
+func withRequestIDs(ctx context.Context, run string, pass, index int) context.Context {
+	return context.WithValue(ctx, requestIDs{}, fmt.Sprintf("%s/%d/%d/", run, pass, index))
+}
+
+// wireID turns a request's id within its rollout into the id its engine sees. Outside a run's
+// rollouts (scripted tests, traces) the id stays as it is.
+func wireID(ctx context.Context, id string) string {
+	if prefix, ok := ctx.Value(requestIDs{}).(string); ok {
+		return prefix + id
+	}
+	return id
+}
+
+// occurrence counts the tasks of a pass: it returns how many times id was seen before (0 the
+// first time). A task that runs twice in a step (a data file smaller than the batch) is two
+// rollouts: the second gets seeds of its own and a group of its own.
+func occurrence(seen map[string]int, id string) int {
+	k := seen[id]
+	seen[id] = k + 1
+	return k
+}
+
+// defaultGroup is the group of train() calls that name none: the task id, as in slime, where a
+// group is the n samples of one prompt of the batch. A task that runs again in the same step is
+// another prompt of the batch, so its rollout is a group of its own ("ID#2", "ID#3", …): its
+// samples are not normalised against those of the first.
+func defaultGroup(id string, occurrence int) string {
+	if occurrence == 0 {
+		return id
+	}
+	return fmt.Sprintf("%s#%d", id, occurrence+1)
 }
 
 // keyFromRequestID recovers a call's position from its request id ("TASK/1.0.2").
@@ -340,10 +395,15 @@ func builtinTrain(thread *starlark.Thread, b *starlark.Builtin, args starlark.Tu
 	if ro.eval != nil {
 		return nil, fmt.Errorf("%s: eval rollouts do not train; return metrics from eval_rollout instead", b.Name())
 	}
-	q := queued{group: ro.task.ID}
+	// The default group ("") is resolved when the step's samples are gathered: it is the task id,
+	// unless the task runs more than once in the step (see defaultGroup).
+	var q queued
 	switch g := group.(type) {
 	case starlark.NoneType:
 	case starlark.String:
+		if g == "" {
+			return nil, fmt.Errorf("%s: group is an empty string; leave it out for the default group (the task's rollout), or name one", b.Name())
+		}
 		q.group = string(g)
 	case starlark.Int:
 		q.group = g.String()

@@ -12,6 +12,7 @@ import (
 	"slices"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/slimen/slimen/engines"
@@ -39,6 +40,22 @@ func OpenEngine(ctx context.Context, p config.PolicyConfig) (engines.Engine, err
 type engineLogs struct {
 	printf func(string, ...any) // start-up lines and engine restarts (the run's events)
 	worker func(string, ...any) // a torch worker's output, line by line (events.log only)
+	// restarted, when set, is told that a remote engine or torch worker restarted as a new
+	// process, before anything that process says is used; it puts the policy's state back or
+	// returns why it cannot (then the engine fails every call). Unset, a restart is only logged.
+	restarted func(ctx context.Context, ev restartEvent) error
+}
+
+// onRestart is the OnRestart of a policy's engine client; eng holds the engine once it is open.
+func (l engineLogs) onRestart(p config.PolicyConfig, engine string, eng *atomic.Value) func(ctx context.Context, prev, cur string) error {
+	return func(ctx context.Context, prev, cur string) error {
+		if l.restarted == nil {
+			l.logf("policy %q: %s restarted as a new process (instance %s → %s) and lost what it learned since it started; resume from a checkpoint to restore it", p.Name, engine, prev, cur)
+			return nil
+		}
+		e, _ := eng.Load().(engines.Engine)
+		return l.restarted(ctx, restartEvent{policy: p.Name, trainable: p.Trainable, engine: engine, prev: prev, cur: cur, eng: e})
+	}
 }
 
 func (l engineLogs) logf(format string, args ...any) {
@@ -62,15 +79,19 @@ func openEngine(ctx context.Context, p config.PolicyConfig, logs engineLogs) (en
 	case "remote":
 		o := remote.Options{Address: p.Engine.Address, Insecure: p.Engine.Insecure, TokenEnv: p.Engine.TokenEnv,
 			MaxMessageBytes: p.Engine.MaxMessageMB << 20, Timeout: p.Engine.Timeout, ReconnectTimeout: p.Engine.ReconnectTimeout}
-		if logs.printf != nil {
-			o.OnRestart = func(prev, cur string) {
-				logs.printf("policy %q: its engine at %s restarted (instance %s → %s) and lost what it learned since its last save; resume from a checkpoint to restore it", p.Name, p.Engine.Address, prev, cur)
-			}
+		var self atomic.Value
+		if logs.printf != nil || logs.restarted != nil {
+			o.OnRestart = logs.onRestart(p, "its engine at "+p.Engine.Address, &self)
 		}
 		if t := p.Engine.TLS; t != nil {
 			o.TLS = &remote.TLS{CAFile: t.CA, CertFile: t.Cert, KeyFile: t.Key, ServerName: t.ServerName}
 		}
-		return remote.Dial(ctx, o)
+		c, err := remote.Dial(ctx, o)
+		if err != nil {
+			return nil, err
+		}
+		self.Store(engines.Engine(c))
+		return c, nil
 	default:
 		return nil, fmt.Errorf("engine kind %q is not available in this build (known: tiny, torch, remote)", p.Engine.Kind)
 	}
@@ -119,10 +140,9 @@ func openTorch(ctx context.Context, p config.PolicyConfig, logs engineLogs) (eng
 		o.Env = []string{"CUDA_VISIBLE_DEVICES=" + strings.Join(p.Engine.GPUs, ",")}
 		where += ", " + o.Env[0]
 	}
-	if logs.printf != nil {
-		o.Client.OnRestart = func(prev, cur string) {
-			logs.printf("policy %q: its torch worker restarted (instance %s → %s) and lost what it learned since its last save; resume from a checkpoint to restore it", p.Name, prev, cur)
-		}
+	var self atomic.Value
+	if logs.printf != nil || logs.restarted != nil {
+		o.Client.OnRestart = logs.onRestart(p, "its torch worker", &self)
 	}
 	var lines *lineWriter
 	if logs.worker != nil {
@@ -138,6 +158,7 @@ func openTorch(ctx context.Context, p config.PolicyConfig, logs engineLogs) (eng
 		}
 		return nil, torchStartError(err, python, from)
 	}
+	self.Store(engines.Engine(e))
 	logs.logf("policy %q: torch worker ready in %.1fs", p.Name, time.Since(start).Seconds())
 	return e, nil
 }

@@ -117,6 +117,7 @@ func (r *Run) trainCritic(ctx context.Context, step int, crit *policy, samples [
 		if err != nil {
 			return fmt.Errorf("step %d: critic %q: train: %w", step, crit.name, err)
 		}
+		r.restart.trained(crit.name, b)
 		if st.Skipped {
 			skipped++
 			r.events.printf("step %d: critic %q: optimizer step %s skipped: %s", step, crit.name, b.ID, st.Reason)

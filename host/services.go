@@ -46,6 +46,7 @@ func (s localServices) generate(ctx context.Context, policy string, req engines.
 	if err != nil {
 		return nil, err
 	}
+	req.ID = wireID(ctx, req.ID) // a sandboxed rollout's requests come this way too
 	return p.disp.generate(ctx, req)
 }
 

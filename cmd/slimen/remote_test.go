@@ -2,7 +2,6 @@ package main
 
 import (
 	"bufio"
-	"context"
 	"encoding/json"
 	"fmt"
 	"net"
@@ -12,12 +11,15 @@ import (
 	"strings"
 	"testing"
 	"time"
-
-	"github.com/slimen/slimen/engines/tiny"
 )
 
 // Issue 5's acceptance: the debate example against `slimen serve` engines over real gRPC on
 // loopback writes the same metrics as in-process, and survives an engine killed mid-run.
+//
+// The runs train for real: the embedded base model answers the arithmetic tasks well enough for
+// the debate's agreement rewards to vary within groups, so every optimizer step has a gradient
+// (asserted below). An engine that dropped a step, or lost its weights, would then sample
+// differently from the in-process run in the steps after.
 
 func freeAddr(t *testing.T) string {
 	t.Helper()
@@ -48,59 +50,130 @@ func startServe(t *testing.T, model, addr string) *exec.Cmd {
 	return nil
 }
 
-func remoteConfigs(t *testing.T, steps int) (model, local, remote string, addrs [2]string) {
+// remoteModel is the model every engine of these tests runs.
+const remoteModel = "builtin:tiny-arith"
+
+// remoteRun is a run configured twice: on in-process engines and on two `slimen serve` engines.
+type remoteRun struct {
+	local, remote string    // config files
+	addrs         [2]string // the generator's and the critic's engine
+}
+
+// remoteConfigs writes the two configs of a debate run. run and data are YAML flow mappings'
+// extra keys ("save_interval: 1") and a data section ("" for the synthetic default).
+func remoteConfigs(t *testing.T, steps, batch int, run, data string) remoteRun {
 	t.Helper()
 	dir := t.TempDir()
-	model = filepath.Join(dir, "model")
-	e, err := tiny.New(tiny.ModelConfig{Hidden: 32, Intermediate: 64, Layers: 1, Heads: 2, KVHeads: 1, MaxSeqLen: 256}, 11, tiny.Options{})
+	rr := remoteRun{addrs: [2]string{freeAddr(t), freeAddr(t)}}
+	if run != "" {
+		run = ", " + run
+	}
+	tail := fmt.Sprintf("rollout: {batch_size: %d, max_response_len: 12}\nrun: {steps: %d, seed: 1%s}\n%s", batch, steps, run, data)
+	pol := func(name, engine string) string {
+		return fmt.Sprintf("  - {name: %s, hf_checkpoint: %q, engine: %s, train: {lr: 1.0e-3, global_batch_size: 0}}\n", name, remoteModel, engine)
+	}
+	rr.local = filepath.Join(dir, "local.yaml")
+	os.WriteFile(rr.local, []byte("policies:\n"+pol("generator", "{kind: tiny}")+pol("critic", "{kind: tiny}")+tail), 0o644)
+	rr.remote = filepath.Join(dir, "remote.yaml")
+	os.WriteFile(rr.remote, []byte("policies:\n"+
+		pol("generator", fmt.Sprintf("{kind: remote, address: %q}", rr.addrs[0]))+
+		pol("critic", fmt.Sprintf("{kind: remote, address: %q}", rr.addrs[1]))+tail), 0o644)
+	return rr
+}
+
+// execRun runs the debate example with a config into a fresh run directory.
+func execRun(t *testing.T, cfg, name string) string {
+	t.Helper()
+	out := filepath.Join(t.TempDir(), name)
+	if log, err := slimen(t, nil, "exec", "examples/debate/debate.star", "--config", cfg, "--out", out); err != nil {
+		t.Fatalf("%s run: %v\n%s", name, err, log)
+	}
+	return out
+}
+
+// metricLines reads a run's metrics.jsonl.
+func metricLines(t *testing.T, dir string) []map[string]any {
+	t.Helper()
+	b, err := os.ReadFile(filepath.Join(dir, "metrics.jsonl"))
 	if err != nil {
 		t.Fatal(err)
 	}
-	if err := e.Save(context.Background(), model); err != nil {
-		t.Fatal(err)
+	var out []map[string]any
+	for _, line := range strings.Split(strings.TrimSpace(string(b)), "\n") {
+		var m map[string]any
+		if err := json.Unmarshal([]byte(line), &m); err != nil {
+			t.Fatal(err)
+		}
+		out = append(out, m)
 	}
-	addrs = [2]string{freeAddr(t), freeAddr(t)}
-	tail := fmt.Sprintf("rollout: {batch_size: 4, max_response_len: 6}\nrun: {steps: %d, seed: 5}\n", steps)
-	pol := func(name, engine string) string {
-		return fmt.Sprintf("  - {name: %s, hf_checkpoint: %s, engine: %s, train: {lr: 1.0e-2, global_batch_size: 0}}\n", name, model, engine)
+	return out
+}
+
+// assertTrained checks that every policy took an optimizer step with a gradient in every one of
+// the run's steps: the run can tell an engine that trains from one that does not.
+func assertTrained(t *testing.T, dir string, steps int) {
+	t.Helper()
+	seen := map[string]bool{}
+	for _, m := range metricLines(t, dir) {
+		p, _ := m["policy"].(string)
+		if strings.HasPrefix(p, "_") {
+			continue
+		}
+		key := fmt.Sprintf("%s@%v", p, m["step"])
+		seen[key] = true
+		if g, _ := m["grad_norm"].(float64); !(g > 0) || m["optimizer_steps"] != 1.0 {
+			t.Errorf("%s: grad_norm %v after %v optimizer steps; the test needs a gradient in every step (rewards that vary within a group)", key, m["grad_norm"], m["optimizer_steps"])
+		}
 	}
-	local = filepath.Join(dir, "local.yaml")
-	os.WriteFile(local, []byte("policies:\n"+pol("generator", "{kind: tiny}")+pol("critic", "{kind: tiny}")+tail), 0o644)
-	remote = filepath.Join(dir, "remote.yaml")
-	os.WriteFile(remote, []byte("policies:\n"+
-		pol("generator", fmt.Sprintf("{kind: remote, address: %q}", addrs[0]))+
-		pol("critic", fmt.Sprintf("{kind: remote, address: %q}", addrs[1]))+tail), 0o644)
-	return
+	for s := 1; s <= steps; s++ {
+		for _, p := range []string{"generator", "critic"} {
+			if !seen[fmt.Sprintf("%s@%d", p, s)] {
+				t.Errorf("%s@%d: no metrics line", p, s)
+			}
+		}
+	}
 }
 
 func TestRemoteEqualsInProcess(t *testing.T) {
-	model, local, remote, addrs := remoteConfigs(t, 3)
-	startServe(t, model, addrs[0])
-	startServe(t, model, addrs[1])
-	a, b := filepath.Join(t.TempDir(), "local"), filepath.Join(t.TempDir(), "remote")
-	for _, c := range [][2]string{{local, a}, {remote, b}} {
-		if log, err := slimen(t, nil, "exec", "examples/debate/debate.star", "--config", c[0], "--out", c[1]); err != nil {
-			t.Fatalf("%v\n%s", err, log)
-		}
-	}
+	rr := remoteConfigs(t, 3, 4, "", "")
+	startServe(t, remoteModel, rr.addrs[0])
+	startServe(t, remoteModel, rr.addrs[1])
+	a, b := execRun(t, rr.local, "local"), execRun(t, rr.remote, "remote")
+	assertTrained(t, a, 3)
 	if ma, mb := metricsNoTimings(t, a), metricsNoTimings(t, b); ma != mb {
 		t.Errorf("remote metrics differ from in-process:\n%s\n---\n%s", ma, mb)
+	}
+}
+
+// A data file smaller than the batch: every step runs each task twice, and the steps pass over
+// the file again and again. Each generate request still needs an id of its own on the engine
+// server, which remembers ids across steps to answer resends once.
+func TestRemoteSmallDataFile(t *testing.T) {
+	dir := t.TempDir()
+	file := filepath.Join(dir, "two.jsonl")
+	os.WriteFile(file, []byte(`{"id": "a", "prompt": "Ann has 3 apples and gets 4 more. How many apples?", "label": "7"}
+{"id": "b", "prompt": "Bob has 9 pens and gives away 5. How many pens?", "label": "4"}
+`), 0o644)
+	rr := remoteConfigs(t, 3, 4, "", fmt.Sprintf("data: {path: %q}\n", file))
+	startServe(t, remoteModel, rr.addrs[0])
+	startServe(t, remoteModel, rr.addrs[1])
+	a, b := execRun(t, rr.local, "local"), execRun(t, rr.remote, "remote")
+	assertTrained(t, a, 3)
+	if ma, mb := metricsNoTimings(t, a), metricsNoTimings(t, b); ma != mb {
+		t.Errorf("remote metrics differ from in-process:\n%s\n---\n%s", ma, mb)
+	}
+	for _, m := range metricLines(t, b) {
+		if m["policy"] == "_run" && (m["rollouts"] != 4.0 || m["failed"] != 0.0) {
+			t.Errorf("step %v: %v rollouts, %v failed; want 4 and 0", m["step"], m["rollouts"], m["failed"])
+		}
 	}
 }
 
 // samplesPerStep reads "policy@step" → samples from a run's metrics.
 func samplesPerStep(t *testing.T, dir string) map[string]float64 {
 	t.Helper()
-	b, err := os.ReadFile(filepath.Join(dir, "metrics.jsonl"))
-	if err != nil {
-		t.Fatal(err)
-	}
 	out := map[string]float64{}
-	for _, line := range strings.Split(strings.TrimSpace(string(b)), "\n") {
-		var m map[string]any
-		if err := json.Unmarshal([]byte(line), &m); err != nil {
-			t.Fatal(err)
-		}
+	for _, m := range metricLines(t, dir) {
 		if s, ok := m["samples"].(float64); ok {
 			out[fmt.Sprintf("%v@%v", m["policy"], m["step"])] = s
 		}
@@ -108,41 +181,97 @@ func samplesPerStep(t *testing.T, dir string) map[string]float64 {
 	return out
 }
 
-func TestRemoteEngineKilledAndRestarted(t *testing.T) {
-	model, local, remote, addrs := remoteConfigs(t, 4)
-	gen := startServe(t, model, addrs[0])
-	startServe(t, model, addrs[1])
-	clean := filepath.Join(t.TempDir(), "clean")
-	if log, err := slimen(t, nil, "exec", "examples/debate/debate.star", "--config", local, "--out", clean); err != nil {
-		t.Fatalf("%v\n%s", err, log)
-	}
+// killGeneratorDuring runs the remote config and, once the progress line of step `after` is out,
+// SIGKILLs the generator's engine (the next step's generate calls are in flight) and starts a
+// new one on the same port a moment later. It returns the run directory, the run's stderr and
+// its error.
+func killGeneratorDuring(t *testing.T, rr remoteRun, gen *exec.Cmd, after, steps int) (string, string, error) {
+	t.Helper()
 	out := filepath.Join(t.TempDir(), "faulty")
-	cmd := exec.Command(slimenBin, "exec", "examples/debate/debate.star", "--config", remote, "--out", out)
+	cmd := exec.Command(slimenBin, "exec", "examples/debate/debate.star", "--config", rr.remote, "--out", out)
 	cmd.Dir = "../.."
 	stderr, _ := cmd.StderrPipe()
 	if err := cmd.Start(); err != nil {
 		t.Fatal(err)
 	}
-	// Once step 1 is done, SIGKILL the generator's engine (step 2 is starting, its generate calls
-	// in flight), then start a new engine on the same port a moment later.
 	sc := bufio.NewScanner(stderr)
 	var log strings.Builder
+	killed := false
 	for sc.Scan() {
 		log.WriteString(sc.Text() + "\n")
-		if strings.HasPrefix(sc.Text(), "step 1/4") {
+		if !killed && strings.HasPrefix(sc.Text(), fmt.Sprintf("step %d/%d", after, steps)) {
+			killed = true
 			gen.Process.Kill()
 			gen.Wait()
 			time.Sleep(700 * time.Millisecond) // the run's stderr waits in the pipe meanwhile
-			startServe(t, model, addrs[0])
+			startServe(t, remoteModel, rr.addrs[0])
 		}
 	}
-	if err := cmd.Wait(); err != nil {
-		t.Fatalf("the run failed after the engine came back: %v\n%s", err, log.String())
+	err := cmd.Wait()
+	if !killed {
+		t.Fatalf("the run never printed step %d:\n%s", after, log.String())
+	}
+	return out, log.String(), err
+}
+
+func eventsLog(t *testing.T, dir string) string {
+	t.Helper()
+	b, err := os.ReadFile(filepath.Join(dir, "events.log"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	return string(b)
+}
+
+// With a checkpoint after every step the host loads the newest one into the restarted engine
+// before anything else reaches it: the run completes exactly as if nothing had happened.
+func TestRemoteEngineKilledAndRestarted(t *testing.T) {
+	rr := remoteConfigs(t, 4, 4, "save_interval: 1", "")
+	gen := startServe(t, remoteModel, rr.addrs[0])
+	startServe(t, remoteModel, rr.addrs[1])
+	clean := execRun(t, rr.local, "clean")
+	assertTrained(t, clean, 4)
+	out, log, err := killGeneratorDuring(t, rr, gen, 1, 4)
+	if err != nil {
+		t.Fatalf("the run failed after the engine came back: %v\n%s", err, log)
+	}
+	events := eventsLog(t, out)
+	if !strings.Contains(events, `policy "generator": its engine at `+rr.addrs[0]+" restarted") ||
+		!strings.Contains(events, "loaded "+filepath.Join(out, "checkpoints", "step_1")) {
+		t.Errorf("events.log does not tell that the generator's engine restarted and got its checkpoint back:\n%s", events)
 	}
 	want, got := samplesPerStep(t, clean), samplesPerStep(t, out)
 	for k, v := range want {
 		if got[k] != v {
 			t.Errorf("%s: %v samples, the fault-free run had %v", k, got[k], v)
 		}
+	}
+	if ma, mb := metricsNoTimings(t, clean), metricsNoTimings(t, out); ma != mb {
+		t.Errorf("metrics differ from the fault-free run's:\n%s\n---\n%s", ma, mb)
+	}
+}
+
+// Without a checkpoint of the engine's state the run cannot go on: it stops and says how to
+// resume.
+func TestRemoteEngineRestartWithoutCheckpointStopsTheRun(t *testing.T) {
+	rr := remoteConfigs(t, 4, 4, "save_interval: 2", "")
+	gen := startServe(t, remoteModel, rr.addrs[0])
+	startServe(t, remoteModel, rr.addrs[1])
+	out, log, err := killGeneratorDuring(t, rr, gen, 3, 4) // step 3 was trained, not saved
+	if err == nil {
+		t.Fatalf("the run went on with an engine that lost its weights:\n%s", log)
+	}
+	for _, want := range []string{
+		`step 4: policy "generator": its engine at ` + rr.addrs[0] + " restarted",
+		"no checkpoint of step 3",
+		"slimen exec --resume " + out,
+		"last checkpoint (step 2)",
+	} {
+		if !strings.Contains(log, want) {
+			t.Errorf("the run's error lacks %q:\n%s", want, log)
+		}
+	}
+	if strings.Contains(metricsNoTimings(t, out), `"step":4`) {
+		t.Error("the stopped run wrote metrics for step 4")
 	}
 }

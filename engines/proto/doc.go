@@ -16,3 +16,8 @@ package enginepb
 // ProtocolVersion is the version of engine.proto this code speaks; see the proto's header for
 // when it changes.
 const ProtocolVersion = 1
+
+// InstanceHeader is the response header in which a server names its process (the `instance` of
+// Info and Health) on every call, the Generate stream included: a client that sees it change
+// knows that the engine restarted, without a Health call, and before it trusts the answer.
+const InstanceHeader = "slimen-instance"

@@ -28,6 +28,7 @@ type fake struct {
 	canceled int                      // Generate calls that ended by their context
 	saved    []string
 	loaded   []string
+	events   []string // "gen ID", "train ID", "load DIR", in the order they reached the engine
 }
 
 func newFake() *fake {
@@ -79,6 +80,7 @@ func (f *fake) Generate(ctx context.Context, reqs []engines.GenerateRequest) ([]
 		p := prompt(r)
 		f.mu.Lock()
 		f.sampled[r.ID]++
+		f.events = append(f.events, "gen "+r.ID)
 		hold, fail := f.holds[p], f.failing[p]
 		f.mu.Unlock()
 		select {
@@ -127,6 +129,7 @@ func (f *fake) Score(_ context.Context, reqs []engines.ScoreRequest) ([]engines.
 func (f *fake) Train(_ context.Context, b engines.Batch) (engines.TrainStats, error) {
 	f.mu.Lock()
 	f.trained[b.ID]++
+	f.events = append(f.events, "train "+b.ID)
 	f.mu.Unlock()
 	n := 0
 	for _, s := range b.Samples {
@@ -157,10 +160,18 @@ func (f *fake) Load(_ context.Context, dir string) error {
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	f.loaded = append(f.loaded, dir)
+	f.events = append(f.events, "load "+dir)
 	return nil
 }
 
 func (f *fake) Close() error { return nil }
+
+// log returns what reached the engine so far, in order.
+func (f *fake) log() []string {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	return append([]string(nil), f.events...)
+}
 
 func (f *fake) count(m map[string]int, id string) int {
 	f.mu.Lock()

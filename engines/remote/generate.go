@@ -23,6 +23,9 @@ func (c *Client) Generate(ctx context.Context, reqs []engines.GenerateRequest) (
 	if len(reqs) == 0 {
 		return nil, nil
 	}
+	if err := c.brokenErr(); err != nil {
+		return nil, fmt.Errorf("engine at %s: generate: %w", c.addr, err)
+	}
 	calls := make([]*genCall, len(reqs))
 	seen := make(map[string]bool, len(reqs))
 	total := 0
@@ -204,6 +207,11 @@ func (m *mux) run() {
 		if m.c.ctx.Err() != nil {
 			continue // closed: the loop ends above
 		}
+		var refused *restartError
+		if errors.As(err, &refused) {
+			m.failAll(fmt.Errorf("engine at %s: generate: %w", m.c.addr, err))
+			continue
+		}
 		if !reconnectable(err) {
 			m.failAll(m.c.callError(context.Background(), "generate", err, nil))
 			continue
@@ -225,16 +233,41 @@ func (m *mux) run() {
 }
 
 // session opens a stream, resends every waiting request on it and routes what comes back until
-// the stream breaks; it returns why it broke.
+// the stream breaks; it returns why it broke. Nothing is resent before the client knows which
+// server process answers: a new one is restored (OnRestart) before it sees any request. A server
+// that names itself in its headers sends the stream's header at once, so the client reads it
+// before sending; of one that does not, the client asks Health after an outage.
 func (m *mux) session() error {
 	ctx, cancel := context.WithCancel(m.c.ctx)
 	defer cancel()
+	m.mu.Lock()
+	recovered := m.out.began()
+	m.mu.Unlock()
+	named := m.c.named.Load()
+	if recovered && !named {
+		if err := m.c.confirm(ctx); err != nil {
+			return err
+		}
+	}
 	s, err := m.c.rpc.Generate(ctx)
 	if err != nil {
 		return err
 	}
+	if named {
+		// The header proves the engine is back (it comes after the token check) and names it.
+		header, err := s.Header()
+		if err != nil {
+			return err
+		}
+		if err := m.c.sawInstance(firstValue(header, enginepb.InstanceHeader)); err != nil {
+			return err
+		}
+	}
 	st := &stream{s: s}
 	m.mu.Lock()
+	if named || recovered { // the engine answered: the header, or Health above
+		m.out.reset()
+	}
 	m.st = st
 	waiting := make([]*genCall, 0, len(m.calls))
 	for _, call := range m.calls {
@@ -256,17 +289,13 @@ func (m *mux) session() error {
 		}
 		_ = st.send(m.pack(reqs)) // on failure Header or Recv below says why
 	}
-	// The server sends its header when the stream starts (after the token check), so this
-	// proves the engine is back.
-	if _, err := s.Header(); err != nil {
-		return err
-	}
-	m.mu.Lock()
-	recovered := m.out.began()
-	m.out.reset()
-	m.mu.Unlock()
-	if recovered {
-		m.c.recovered()
+	if !named {
+		if _, err := s.Header(); err != nil {
+			return err
+		}
+		m.mu.Lock()
+		m.out.reset()
+		m.mu.Unlock()
 	}
 	for {
 		resp, err := s.Recv()

@@ -7,6 +7,12 @@
 // same request ids: the server answers a resent generate request or optimizer step once, so a
 // retry never doubles a sample or a step. Generate multiplexes all callers over one long-lived
 // stream and resends the requests in flight when the stream has to be re-established.
+//
+// A server that comes back as a new process (its instance id changed) has lost every state it had
+// not saved. The client notices before it trusts anything that process says — from the instance
+// in every answer's header, or from a Health call before resending after an outage — and runs
+// Options.OnRestart first, so that its caller can put the state back (Load a checkpoint) before
+// any request in flight is answered by the new process.
 package remote
 
 import (
@@ -19,6 +25,7 @@ import (
 	"net"
 	"os"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/slimen/slimen/engines"
@@ -27,6 +34,7 @@ import (
 	"google.golang.org/grpc/backoff"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/keepalive"
+	"google.golang.org/grpc/metadata"
 	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/proto"
 )
@@ -73,11 +81,28 @@ type Options struct {
 	ReconnectTimeout time.Duration
 	// MaxBackoff caps the wait between reconnection attempts; 0: DefaultMaxBackoff.
 	MaxBackoff time.Duration
-	// OnRestart, when set, is called (on its own goroutine) when the client reconnects to a
-	// server process other than the one it talked to before: that engine lost every state it had
-	// not saved, so the host may want to Load its last checkpoint.
-	OnRestart func(previous, current string)
+	// OnRestart, when set, is called when the client finds a server process other than the one
+	// it talked to before: that engine lost every state it had not saved. It runs before anything
+	// the new process answers is trusted: requests in flight are resent to it, and calls go on,
+	// only once OnRestart has returned, so it can put the lost state back (Load a checkpoint,
+	// replay optimizer steps) through this client with the ctx it is given; calls made with that
+	// ctx go straight through. Calls that meet the new process meanwhile wait for it. An answer
+	// the new process gave before OnRestart ran is not used: the call is made again (a train step
+	// too: Load makes the server forget the step ids it applied).
+	//
+	// An error from OnRestart means the engine cannot be used any more: the call that found the
+	// new process, and every later call of this client, fails with an error wrapping it.
+	OnRestart func(ctx context.Context, previous, current string) error
 }
+
+// restoring marks the context of OnRestart: the calls it makes are part of putting the state back.
+type restoring struct{}
+
+// restartError is OnRestart's refusal of a new server process.
+type restartError struct{ err error }
+
+func (e *restartError) Error() string { return e.err.Error() }
+func (e *restartError) Unwrap() error { return e.err }
 
 // Client is an engines.Engine served by a remote engine server. It is safe for concurrent use.
 type Client struct {
@@ -91,8 +116,16 @@ type Client struct {
 	ctx    context.Context // cancelled by Close
 	cancel context.CancelFunc
 
+	// restartMu is held while a new server process is checked and OnRestart runs for it.
+	restartMu sync.Mutex
+	// named is set once an answer's header has named the server process (enginepb.InstanceHeader):
+	// such a server sends the Generate stream's header at once, before any completion.
+	named atomic.Bool
+
 	mu       sync.Mutex
-	instance string // the server process last seen, from Health
+	instance string // the server process the client trusts: seen at Dial, or accepted by OnRestart
+	restores uint64 // how many times OnRestart has accepted a new process
+	broken   error  // OnRestart refused a new process: every call fails with this
 }
 
 var _ engines.Engine = (*Client)(nil)
@@ -158,7 +191,9 @@ func Dial(ctx context.Context, opts Options) (*Client, error) {
 		c.Close()
 		return nil, err
 	}
+	c.mu.Lock()
 	c.instance = h.Instance
+	c.mu.Unlock()
 	return c, nil
 }
 
@@ -176,8 +211,8 @@ type Health struct {
 // call.
 func (c *Client) Health(ctx context.Context) (Health, error) {
 	var resp *enginepb.HealthResponse
-	err := c.call(ctx, "health", &enginepb.HealthRequest{}, func(ctx context.Context) (err error) {
-		resp, err = c.rpc.Health(ctx, &enginepb.HealthRequest{})
+	err := c.call(ctx, "health", &enginepb.HealthRequest{}, func(ctx context.Context, o ...grpc.CallOption) (err error) {
+		resp, err = c.rpc.Health(ctx, &enginepb.HealthRequest{}, o...)
 		return err
 	})
 	if err != nil {
@@ -202,35 +237,83 @@ func (c *Client) Instance() string {
 	return c.instance
 }
 
-// recovered runs after a call succeeded following an outage: it checks whether the server that
-// answers now is the same process as before.
-func (c *Client) recovered() {
-	if c.opts.OnRestart == nil {
-		return
+// confirm asks which server process answers now, after an outage and before anything is resent
+// to it: a new process is checked by sawInstance (and so restored) first. An error means the
+// engine is still unreachable, or OnRestart refused it (a *restartError).
+func (c *Client) confirm(ctx context.Context) error {
+	resp, err := c.rpc.Health(ctx, &enginepb.HealthRequest{})
+	if err != nil {
+		return err
 	}
-	go func() {
-		ctx, cancel := context.WithTimeout(c.ctx, c.opts.ReconnectTimeout)
-		defer cancel()
-		h, err := c.Health(ctx)
-		if err != nil {
-			return
+	return c.sawInstance(resp.GetInstance())
+}
+
+// sawInstance checks the server process an answer came from. A process other than the trusted
+// one is handed to OnRestart (once, however many calls meet it; the others wait) and trusted if
+// OnRestart accepts it.
+func (c *Client) sawInstance(instance string) error {
+	c.mu.Lock()
+	if c.instance == "" { // the first answer, at Dial
+		c.instance = instance
+	}
+	same, broken := instance == "" || instance == c.instance, c.broken
+	c.mu.Unlock()
+	if broken != nil {
+		return broken
+	}
+	if same {
+		return nil
+	}
+	c.restartMu.Lock()
+	defer c.restartMu.Unlock()
+	c.mu.Lock()
+	prev, broken := c.instance, c.broken
+	c.mu.Unlock()
+	if broken != nil {
+		return broken
+	}
+	if prev == instance {
+		return nil // another call met it first, and OnRestart accepted it
+	}
+	if c.opts.OnRestart != nil {
+		// OnRestart's calls are not bound to the deadline of the call that happened to meet the
+		// new process: putting the state back must not be cut short halfway.
+		ctx := context.WithValue(c.ctx, restoring{}, true)
+		if err := c.opts.OnRestart(ctx, prev, instance); err != nil {
+			err = &restartError{fmt.Errorf("the engine restarted as a new process (instance %s → %s) and cannot be used: %w", prev, instance, err)}
+			c.mu.Lock()
+			c.broken = err
+			c.mu.Unlock()
+			return err
 		}
-		c.mu.Lock()
-		prev := c.instance
-		c.instance = h.Instance
-		c.mu.Unlock()
-		if prev != "" && prev != h.Instance { // "": Dial itself waited for the engine to start
-			c.opts.OnRestart(prev, h.Instance)
-		}
-	}()
+	}
+	c.mu.Lock()
+	c.instance = instance
+	c.restores++
+	c.mu.Unlock()
+	return nil
+}
+
+// restoreCount is how many new server processes OnRestart has accepted so far.
+func (c *Client) restoreCount() uint64 {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.restores
+}
+
+// brokenErr is OnRestart's refusal, if any.
+func (c *Client) brokenErr() error {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.broken
 }
 
 // Info describes the remote engine's model.
 func (c *Client) Info(ctx context.Context) (engines.Info, error) {
 	req := &enginepb.InfoRequest{ProtocolVersion: enginepb.ProtocolVersion}
 	var resp *enginepb.InfoResponse
-	err := c.call(ctx, "info", req, func(ctx context.Context) (err error) {
-		resp, err = c.rpc.Info(ctx, req)
+	err := c.call(ctx, "info", req, func(ctx context.Context, o ...grpc.CallOption) (err error) {
+		resp, err = c.rpc.Info(ctx, req, o...)
 		return err
 	})
 	if err != nil {
@@ -246,8 +329,8 @@ func (c *Client) Score(ctx context.Context, reqs []engines.ScoreRequest) ([]engi
 		req.Requests[i] = enginepb.EncodeScoreRequest(r)
 	}
 	var resp *enginepb.ScoreBatchResponse
-	err := c.call(ctx, "score", req, func(ctx context.Context) (err error) {
-		resp, err = c.rpc.Score(ctx, req)
+	err := c.call(ctx, "score", req, func(ctx context.Context, o ...grpc.CallOption) (err error) {
+		resp, err = c.rpc.Score(ctx, req, o...)
 		return err
 	})
 	if err != nil {
@@ -270,8 +353,8 @@ func (c *Client) Values(ctx context.Context, reqs []engines.ScoreRequest) ([][]f
 		req.Requests[i] = enginepb.EncodeScoreRequest(r)
 	}
 	var resp *enginepb.ValuesResponse
-	err := c.call(ctx, "values", req, func(ctx context.Context) (err error) {
-		resp, err = c.rpc.Values(ctx, req)
+	err := c.call(ctx, "values", req, func(ctx context.Context, o ...grpc.CallOption) (err error) {
+		resp, err = c.rpc.Values(ctx, req, o...)
 		return err
 	})
 	if err != nil {
@@ -295,8 +378,8 @@ func (c *Client) Train(ctx context.Context, b engines.Batch) (engines.TrainStats
 	}
 	req := &enginepb.TrainRequest{Batch: enginepb.EncodeBatch(b)}
 	var resp *enginepb.TrainResponse
-	err := c.call(ctx, "train", req, func(ctx context.Context) (err error) {
-		resp, err = c.rpc.Train(ctx, req)
+	err := c.call(ctx, "train", req, func(ctx context.Context, o ...grpc.CallOption) (err error) {
+		resp, err = c.rpc.Train(ctx, req, o...)
 		return err
 	})
 	if err != nil {
@@ -309,8 +392,8 @@ func (c *Client) Train(ctx context.Context, b engines.Batch) (engines.TrainStats
 func (c *Client) Tokenize(ctx context.Context, texts []string) ([][]int32, error) {
 	req := &enginepb.TokenizeRequest{Texts: texts}
 	var resp *enginepb.TokenizeResponse
-	err := c.call(ctx, "tokenize", req, func(ctx context.Context) (err error) {
-		resp, err = c.rpc.Tokenize(ctx, req)
+	err := c.call(ctx, "tokenize", req, func(ctx context.Context, o ...grpc.CallOption) (err error) {
+		resp, err = c.rpc.Tokenize(ctx, req, o...)
 		return err
 	})
 	if err != nil {
@@ -329,8 +412,8 @@ func (c *Client) Tokenize(ctx context.Context, texts []string) ([][]int32, error
 // Save writes the model into dir, a path on the engine server's machine.
 func (c *Client) Save(ctx context.Context, dir string) error {
 	req := &enginepb.SaveRequest{Dir: dir}
-	return c.call(ctx, "save", req, func(ctx context.Context) error {
-		_, err := c.rpc.Save(ctx, req)
+	return c.call(ctx, "save", req, func(ctx context.Context, o ...grpc.CallOption) error {
+		_, err := c.rpc.Save(ctx, req, o...)
 		return err
 	})
 }
@@ -338,8 +421,8 @@ func (c *Client) Save(ctx context.Context, dir string) error {
 // Load replaces the model with the one in dir, a path on the engine server's machine.
 func (c *Client) Load(ctx context.Context, dir string) error {
 	req := &enginepb.LoadRequest{Dir: dir}
-	return c.call(ctx, "load", req, func(ctx context.Context) error {
-		_, err := c.rpc.Load(ctx, req)
+	return c.call(ctx, "load", req, func(ctx context.Context, o ...grpc.CallOption) error {
+		_, err := c.rpc.Load(ctx, req, o...)
 		return err
 	})
 }
@@ -352,32 +435,79 @@ func (c *Client) Close() error {
 }
 
 // call runs one unary RPC under the call's deadline, retrying with backoff while the engine is
-// unreachable.
-func (c *Client) call(ctx context.Context, method string, req proto.Message, rpc func(context.Context) error) error {
+// unreachable. After an outage it confirms which server process answers before resending; an
+// answer from a process the client does not trust yet is checked (and the state restored) first,
+// and the call made again.
+func (c *Client) call(ctx context.Context, method string, req proto.Message, rpc func(context.Context, ...grpc.CallOption) error) error {
 	if err := c.checkSize(method, req); err != nil {
 		return err
 	}
 	ctx, cancel := c.deadline(ctx)
 	defer cancel()
+	inRestore := ctx.Value(restoring{}) != nil
 	var out outage
 	for {
 		if c.ctx.Err() != nil {
 			return fmt.Errorf("engine at %s: %s: %w", c.addr, method, ErrClosed)
 		}
-		err := rpc(ctx)
+		if err := c.brokenErr(); err != nil && !inRestore {
+			return fmt.Errorf("engine at %s: %s: %w", c.addr, method, err)
+		}
+		if out.began() && !inRestore {
+			if err := c.confirm(ctx); err != nil {
+				var re *restartError
+				if errors.As(err, &re) {
+					return fmt.Errorf("engine at %s: %s: %w", c.addr, method, err)
+				}
+				if retry, failed := c.retry(ctx, method, err, &out); !retry {
+					return failed
+				}
+				continue
+			}
+		}
+		restores := c.restoreCount()
+		var header metadata.MD
+		err := rpc(ctx, grpc.Header(&header))
 		if err == nil {
-			if out.began() {
-				c.recovered()
+			if inRestore {
+				return nil
+			}
+			instance := firstValue(header, enginepb.InstanceHeader)
+			if instance != "" {
+				c.named.Store(true)
+			}
+			if err := c.sawInstance(instance); err != nil {
+				return fmt.Errorf("engine at %s: %s: %w", c.addr, method, err)
+			}
+			if c.restoreCount() != restores {
+				// A new process was restored while this call ran: its answer may predate that.
+				out.reset()
+				continue
 			}
 			return nil
 		}
-		if st := status.Convert(err); st.Code() != codes.Unavailable || permanent(st.Message()) || ctx.Err() != nil {
-			return c.callError(ctx, method, err, &out)
-		}
-		if d, ok := out.next(err, c.opts); !ok || !sleep(ctx, d) {
-			return c.callError(ctx, method, err, &out)
+		if retry, failed := c.retry(ctx, method, err, &out); !retry {
+			return failed
 		}
 	}
+}
+
+// retry decides after a failed attempt whether to try again (after a backoff) or fail the call.
+func (c *Client) retry(ctx context.Context, method string, err error, out *outage) (bool, error) {
+	if st := status.Convert(err); st.Code() != codes.Unavailable || permanent(st.Message()) || ctx.Err() != nil {
+		return false, c.callError(ctx, method, err, out)
+	}
+	if d, ok := out.next(err, c.opts); !ok || !sleep(ctx, d) {
+		return false, c.callError(ctx, method, err, out)
+	}
+	return true, nil
+}
+
+func firstValue(md metadata.MD, key string) string {
+	if v := md.Get(key); len(v) > 0 {
+		return v[0]
+	}
+	return ""
 }
 
 // deadline gives ctx the default timeout unless it has a deadline already.

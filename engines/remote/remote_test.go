@@ -231,18 +231,26 @@ func TestTrainWithSameIDIsAppliedOnce(t *testing.T) {
 	}
 }
 
-// The server dies in the middle of a generate call and comes back on the same address: the
-// client reconnects and the requests in flight are answered; a step sent while the server is
-// down goes through once it is back.
+// The server dies in the middle of a generate call and comes back on the same address as a new
+// process: the client reconnects, runs OnRestart (which loads a checkpoint) before the new
+// process sees anything else, and then the requests in flight are answered; a step sent while
+// the server is down goes through once it is back, applied once, after the load.
 func TestServerRestartMidGenerate(t *testing.T) {
 	old := newFake()
 	defer old.hold("p")() // never answers: it dies first
 	srv := serveAt(t, "127.0.0.1:0", old, server.Options{})
 	var restarts atomic.Int32
-	c := dial(t, remote.Options{
+	var c *remote.Client
+	c = dial(t, remote.Options{
 		Address:    srv.addr,
 		MaxBackoff: 100 * time.Millisecond,
-		OnRestart:  func(prev, cur string) { restarts.Add(1) },
+		OnRestart: func(ctx context.Context, prev, cur string) error {
+			restarts.Add(1)
+			if prev == cur || prev == "" || cur == "" {
+				t.Errorf("OnRestart(%q, %q): want two different instances", prev, cur)
+			}
+			return c.Load(ctx, "/ckpt/step_1")
+		},
 	})
 	ctx := context.Background()
 
@@ -285,12 +293,93 @@ func TestServerRestartMidGenerate(t *testing.T) {
 	if n := fresh.count(fresh.trained, "during-outage"); n != 1 {
 		t.Errorf("the step sent during the outage was applied %d times, want once", n)
 	}
-	deadline := time.Now().Add(5 * time.Second)
-	for restarts.Load() == 0 && time.Now().Before(deadline) {
-		time.Sleep(10 * time.Millisecond)
+	if n := restarts.Load(); n != 1 {
+		t.Errorf("OnRestart ran %d times, want once (the stream and the step both met the new process)", n)
 	}
-	if restarts.Load() == 0 {
-		t.Error("OnRestart was not called after the engine came back as a new process")
+	if log := fresh.log(); len(log) == 0 || log[0] != "load /ckpt/step_1" {
+		t.Errorf("the new process got %q; OnRestart's load must come before anything else", log)
+	}
+}
+
+// A call that reaches a new server process without noticing an outage (the connection came back
+// before the call was made) learns of it from the answer's header: OnRestart runs, and the call
+// is made again on the restored engine instead of trusting the answer.
+func TestRestartFoundInTheAnswer(t *testing.T) {
+	srv := serveAt(t, "127.0.0.1:0", newFake(), server.Options{})
+	var restarts atomic.Int32
+	var c *remote.Client
+	c = dial(t, remote.Options{
+		Address:    srv.addr,
+		MaxBackoff: 50 * time.Millisecond,
+		OnRestart: func(ctx context.Context, prev, cur string) error {
+			restarts.Add(1)
+			return c.Load(ctx, "/ckpt/step_3")
+		},
+	})
+	ctx := context.Background()
+	if _, err := c.Train(ctx, batch("before")); err != nil {
+		t.Fatal(err)
+	}
+	srv.stop()
+	fresh := newFake()
+	serveAt(t, srv.addr, fresh, server.Options{})
+	if _, err := c.Train(ctx, batch("after")); err != nil {
+		t.Fatal(err)
+	}
+	if n := restarts.Load(); n != 1 {
+		t.Fatalf("OnRestart ran %d times before Train returned, want once", n)
+	}
+	// Either the call failed first and the client asked who answers before resending, or it
+	// went through at once and the header told; either way the step that counts came after the
+	// load.
+	log := fresh.log()
+	if len(log) < 2 || log[len(log)-2] != "load /ckpt/step_3" || log[len(log)-1] != "train after" {
+		t.Errorf("the new process got %q; want the step applied after the load", log)
+	}
+	if got := c.Instance(); got == "" {
+		t.Error("Instance is empty after the restart")
+	}
+}
+
+// When OnRestart refuses the new process, the calls waiting for the engine fail with its error,
+// and so does every later call: nothing is sampled or trained by an engine that lost its state.
+func TestRefusedRestartStopsTheClient(t *testing.T) {
+	old := newFake()
+	defer old.hold("p")()
+	srv := serveAt(t, "127.0.0.1:0", old, server.Options{})
+	refusal := errors.New("no checkpoint of step 7 to load")
+	c := dial(t, remote.Options{
+		Address:    srv.addr,
+		MaxBackoff: 50 * time.Millisecond,
+		OnRestart:  func(context.Context, string, string) error { return refusal },
+	})
+	ctx := context.Background()
+	done := make(chan error, 1)
+	go func() {
+		_, err := c.Generate(ctx, []engines.GenerateRequest{chat("p-1", "p", 1)})
+		done <- err
+	}()
+	old.waitStarted(t, "p-1")
+	srv.stop()
+	fresh := newFake()
+	serveAt(t, srv.addr, fresh, server.Options{})
+	var err error
+	select {
+	case err = <-done:
+	case <-time.After(10 * time.Second):
+		t.Fatal("the generate call did not end after the refused restart")
+	}
+	if !errors.Is(err, refusal) || !strings.Contains(err.Error(), "restarted as a new process") {
+		t.Errorf("the waiting call: got %v, want an error wrapping OnRestart's", err)
+	}
+	if _, err := c.Train(ctx, batch("later")); !errors.Is(err, refusal) {
+		t.Errorf("a later Train: got %v, want OnRestart's error", err)
+	}
+	if _, err := c.Generate(ctx, []engines.GenerateRequest{chat("q-1", "q", 1)}); !errors.Is(err, refusal) {
+		t.Errorf("a later Generate: got %v, want OnRestart's error", err)
+	}
+	if log := fresh.log(); len(log) != 0 {
+		t.Errorf("the refused process got %q; want nothing", log)
 	}
 }
 

@@ -114,8 +114,9 @@ func requestError(id string, code codes.Code, format string, args ...any) *engin
 // Generate serves one stream: requests in, completions out as they finish.
 func (s *service) Generate(stream enginepb.Engine_GenerateServer) error {
 	// The header tells the client at once that the stream is up (and the token accepted), before
-	// any completion is ready.
-	if err := stream.SendHeader(metadata.MD{}); err != nil {
+	// any completion is ready, and which server process answers: the client checks that before it
+	// sends anything.
+	if err := stream.SendHeader(metadata.Pairs(enginepb.InstanceHeader, s.instance)); err != nil {
 		return err
 	}
 	g := s.gen

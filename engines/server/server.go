@@ -21,6 +21,7 @@ import (
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/credentials"
 	"google.golang.org/grpc/keepalive"
+	"google.golang.org/grpc/metadata"
 	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/proto"
 )
@@ -101,7 +102,7 @@ func newGRPCServer(svc *service, opts Options) *grpc.Server {
 	sopts := []grpc.ServerOption{
 		grpc.MaxRecvMsgSize(opts.MaxMessageBytes),
 		grpc.MaxSendMsgSize(opts.MaxMessageBytes),
-		grpc.ChainUnaryInterceptor(svc.auth.unary),
+		grpc.ChainUnaryInterceptor(svc.auth.unary, svc.stampUnary),
 		grpc.ChainStreamInterceptor(svc.auth.stream),
 		// Pings find a host that vanished without closing its connection; the policy admits the
 		// client's own pings (engines/remote pings every 30 s, also between calls).
@@ -138,6 +139,13 @@ func newService(eng engines.Engine, opts Options) *service {
 		gen:      newGenerator(eng, opts),
 		train:    newTrainLog(opts.TrainMemory),
 	}
+}
+
+// stampUnary names this server process in the header of every unary answer, so that a client
+// notices a restarted engine on the first call it answers (Generate sends it in its own header).
+func (s *service) stampUnary(ctx context.Context, req any, _ *grpc.UnaryServerInfo, h grpc.UnaryHandler) (any, error) {
+	_ = grpc.SetHeader(ctx, metadata.Pairs(enginepb.InstanceHeader, s.instance))
+	return h(ctx, req)
 }
 
 func (s *service) checkVersion(v uint32) error {

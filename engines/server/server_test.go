@@ -17,6 +17,7 @@ import (
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/credentials/insecure"
+	"google.golang.org/grpc/metadata"
 )
 
 // gated is an engine whose requests finish when the test opens their gate (by request id; a
@@ -459,5 +460,34 @@ func TestDedupKeepsTheNewestWithinItsBudget(t *testing.T) {
 	want := [][]string{{"r1"}, {"r2"}, {"r3"}, {"r1"}} // r3 answered from memory, r1 sampled again
 	if calls := eng.callsSoFar(); !slices.EqualFunc(calls, want, slices.Equal) {
 		t.Errorf("engine calls %v, want %v", calls, want)
+	}
+}
+
+// Every answer names the server process in its header (the Generate stream's first thing), the
+// same instance Health reports: that is how a client notices a restarted engine at once.
+func TestAnswersNameTheInstance(t *testing.T) {
+	c, svc := startService(t, newGated(), Options{})
+	ctx := context.Background()
+	var md metadata.MD
+	h, err := c.Health(ctx, &enginepb.HealthRequest{}, grpc.Header(&md))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := md.Get(enginepb.InstanceHeader); len(got) != 1 || got[0] != svc.instance || h.GetInstance() != svc.instance {
+		t.Errorf("Health: header %q, body %q; want both %q", got, h.GetInstance(), svc.instance)
+	}
+	md = nil
+	if _, err := c.Info(ctx, &enginepb.InfoRequest{}, grpc.Header(&md)); err != nil {
+		t.Fatal(err)
+	}
+	if got := md.Get(enginepb.InstanceHeader); len(got) != 1 || got[0] != svc.instance {
+		t.Errorf("Info: header %q, want %q", got, svc.instance)
+	}
+	s := open(t, c)
+	if md, err = s.Header(); err != nil {
+		t.Fatal(err)
+	}
+	if got := md.Get(enginepb.InstanceHeader); len(got) != 1 || got[0] != svc.instance {
+		t.Errorf("Generate: stream header %q, want %q", got, svc.instance)
 	}
 }

@@ -1,0 +1,209 @@
+package host
+
+import (
+	"context"
+	"fmt"
+	"path/filepath"
+	"sync"
+
+	"github.com/slimen/slimen/engines"
+)
+
+// Engines that restart. A remote engine (or a torch worker) can die and come back as a new
+// process, which has the weights it was started with and no optimizer state: everything the
+// policy learned since is gone. Its client notices before it trusts anything the new process
+// says (engines/remote, Options.OnRestart) and calls engineRestarted, which puts the policy's
+// state back before any request in flight is resent:
+//
+//   - a frozen policy lost nothing (its state is what its config says); the restart is logged;
+//   - a trainable policy's state is the run's checkpoint of step B plus the optimizer steps
+//     applied since, where B is the last step the run checkpointed (0: the model the engine was
+//     started with). The host keeps those optimizer steps only until the next checkpoint, i.e.
+//     within one step when run.save_interval is 1: it loads the checkpoint into the new process
+//     and replays them. The run then goes on exactly as if nothing had happened.
+//   - otherwise (no checkpoint of the steps done, no run directory) the state cannot be put
+//     back: the run stops with a *RestartError that says how to resume.
+
+// restartGuard is what the run knows of the state of its trainable engines, to put it back into
+// one that restarted. All fields are guarded by mu, which a restore holds throughout.
+type restartGuard struct {
+	mu    sync.Mutex
+	known bool // base is a state the host can restore: engines hold base plus applied
+	base  int  // the step of that state: a checkpoint of the run, or 0 (the models as started)
+	done  int  // the steps completed, as last told by the step loop
+	// applied are the optimizer steps each policy's engine applied since base, in order.
+	applied map[string][]engines.Batch
+	err     *RestartError // the first restart the run could not recover from
+}
+
+// stepStarting is called when a step begins with done steps completed; haveCheckpoint says
+// whether the run has a complete checkpoint of step done (it wrote it, or resumed from it).
+func (g *restartGuard) stepStarting(done int, haveCheckpoint bool) {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	if g.known && g.done == done {
+		return // the engines hold base plus applied still (this may be a step tried again)
+	}
+	// The first step of this process, fresh or resumed.
+	g.done, g.applied = done, nil
+	g.known, g.base = done == 0 || haveCheckpoint, done
+}
+
+// trained records an optimizer step a policy's engine applied.
+func (g *restartGuard) trained(policy string, b engines.Batch) {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	if !g.known {
+		return
+	}
+	if g.applied == nil {
+		g.applied = map[string][]engines.Batch{}
+	}
+	g.applied[policy] = append(g.applied[policy], b)
+}
+
+// stepDone is called at the end of a step; checkpointed says whether the run now has a complete
+// checkpoint of it. Without one, what the engines hold is no longer a state the host can restore.
+func (g *restartGuard) stepDone(step int, checkpointed bool) {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	g.done, g.applied = step, nil
+	g.known, g.base = checkpointed, step
+}
+
+// failure is the restart the run could not recover from, if any.
+func (g *restartGuard) failure() error {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	if g.err == nil {
+		return nil // not a typed nil in an interface
+	}
+	return g.err
+}
+
+// restartEvent is an engine's report that it restarted.
+type restartEvent struct {
+	policy    string
+	trainable bool
+	engine    string         // "its engine at ADDR", "its torch worker"
+	prev, cur string         // the server processes' instance ids
+	eng       engines.Engine // the engine's client: calls with the hook's ctx reach the new process
+}
+
+// RestartError stops a run: a trainable policy's engine restarted as a new process, lost its
+// weights and optimizer state, and the host had no checkpoint to give them back from.
+type RestartError struct {
+	Step   int    // the step in progress
+	Policy string // the policy whose engine restarted
+	Engine string // "its engine at ADDR"
+	Prev   string // instance ids of the server processes
+	Cur    string
+	Why    string // why the state could not be put back
+	Hint   string // how to go on
+}
+
+func (e *RestartError) Error() string {
+	return fmt.Sprintf("step %d: policy %q: %s restarted as a new process (instance %s → %s) and lost the weights and optimizer state it had trained; %s, so the run stops: %s",
+		e.Step, e.Policy, e.Engine, e.Prev, e.Cur, e.Why, e.Hint)
+}
+
+// engineRestarted is every engine's OnRestart: it puts the policy's state back into the new
+// process, or refuses it (and the run stops).
+func (r *Run) engineRestarted(ctx context.Context, ev restartEvent) error {
+	g := &r.restart
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	who := fmt.Sprintf("policy %q: %s restarted as a new process (instance %s → %s)", ev.policy, ev.engine, ev.prev, ev.cur)
+	if !ev.trainable {
+		r.events.printf("%s; the policy is frozen, so it lost nothing", who)
+		return nil
+	}
+	if g.err != nil {
+		return g.err
+	}
+	step := g.done + 1
+	fail := func(format string, args ...any) error {
+		g.err = &RestartError{Step: step, Policy: ev.policy, Engine: ev.engine, Prev: ev.prev, Cur: ev.cur,
+			Why: fmt.Sprintf(format, args...), Hint: r.resumeHint()}
+		r.events.filef("%s", g.err.Error()) // the run's error shows it on the terminal
+		return g.err
+	}
+	switch {
+	case ev.eng == nil:
+		return fail("its engine was not ready to be given its state back")
+	case !g.known:
+		return fail("the run has no checkpoint of step %d to load into it (with run.save_interval: 1 it always has one)", g.done)
+	}
+	what := "it had not been trained yet, so it needs no checkpoint"
+	if g.base > 0 {
+		dir, err := r.policyCheckpoint(g.base, ev.policy)
+		if err != nil {
+			return fail("its checkpoint of step %d cannot be loaded: %v", g.base, err)
+		}
+		if err := ev.eng.Load(ctx, dir); err != nil {
+			return fail("loading its checkpoint of step %d (%s) into it failed: %v", g.base, dir, err)
+		}
+		what = fmt.Sprintf("loaded %s (step %d) into it", dir, g.base)
+	}
+	replay := g.applied[ev.policy]
+	for i, b := range replay {
+		if _, err := ev.eng.Train(ctx, b); err != nil {
+			return fail("replaying optimizer step %d of %d since step %d (%s) failed: %v", i+1, len(replay), g.base, b.ID, err)
+		}
+	}
+	if len(replay) > 0 {
+		what += fmt.Sprintf(" and replayed the %d optimizer steps applied since", len(replay))
+	}
+	r.events.printf("%s: %s; the run goes on", who, what)
+	return nil
+}
+
+// policyCheckpoint is the folder a policy's engine loads its state from in the run's checkpoint
+// of a step: a folder inside the checkpoint, or one on the engine's server that the manifest
+// names (checkpoint.go).
+func (r *Run) policyCheckpoint(step int, policy string) (string, error) {
+	if r.opts.Out == "" {
+		return "", fmt.Errorf("the run has no directory")
+	}
+	dir, err := filepath.Abs(filepath.Join(r.opts.Out, "checkpoints", fmt.Sprintf("step_%d", step)))
+	if err != nil {
+		return "", err
+	}
+	m, err := readManifest(dir)
+	if err != nil {
+		return "", err
+	}
+	if ext, ok := m.External[policy]; ok {
+		return ext.Dir, nil
+	}
+	if !m.holds(policy) {
+		return "", fmt.Errorf("checkpoint %s holds no state for it", dir)
+	}
+	return filepath.Join(dir, policy), nil
+}
+
+// resumeHint says how to go on after a run stopped for an engine: resume from its newest
+// checkpoint once the engine is back, or start again when it has none.
+func (r *Run) resumeHint() string {
+	if r.opts.Out == "" {
+		return "start it again once the engine is back (a run without a directory keeps no checkpoints)"
+	}
+	dir, _, err := FindCheckpoint(r.opts.Out)
+	if err != nil {
+		return fmt.Sprintf("start it again once the engine is back: %s has no checkpoint to resume from (run.save_interval writes them)", r.opts.Out)
+	}
+	step, _, err := CheckpointInfo(dir)
+	if err != nil {
+		return fmt.Sprintf("resume from its last checkpoint once the engine is back: slimen exec --resume %s", r.opts.Out)
+	}
+	return fmt.Sprintf("resume from its last checkpoint (step %d) once the engine is back: slimen exec --resume %s", step, r.opts.Out)
+}
+
+// engineErrorHint is the EngineError hint of a run with a directory (the resume command); a run
+// without one keeps the general hint.
+func (r *Run) engineErrorHint() string {
+	if r.opts.Out == "" {
+		return ""
+	}
+	return r.resumeHint()
+}
