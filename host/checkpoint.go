@@ -15,6 +15,7 @@ import (
 	"math/big"
 	"os"
 	"path/filepath"
+	"regexp"
 	"sort"
 	"strconv"
 	"strings"
@@ -31,18 +32,37 @@ import (
 //	run.json           the step, the script's path and hash, the seed
 //	config.yaml        the resolved config (with zero-config policies created on the way)
 //	script.star        the running script version
-//	MANIFEST.json      sha256 and size of every file above; written last
+//	MANIFEST.json      sha256 and size of every file above, and where the state of policies on
+//	                   remote engines lives; written last
 //
 // Buffers need no saving: the loop is synchronous and on-policy, so they are empty between steps.
 // RNG state needs none either: every seed is a function of the run seed, the step and the task.
-// A checkpoint is written into a temporary folder and renamed into place when complete, so a crash
-// during the write leaves at most a stray temporary folder, never a step_N that resume accepts.
+// A checkpoint is written into a temporary folder (.step_N.tmp-*) and renamed into place when
+// complete, so a crash during the write leaves at most a stray temporary folder, never a step_N
+// that resume accepts; stray folders are removed at the next resume or checkpoint.
+//
+// Where engine state lives. tiny and torch engines write on this machine's disk: they save into
+// the temporary folder and the host checks that files arrived, so their state is checksummed and
+// renamed with the rest. A remote engine writes on its server's disk, which the host may not
+// see: it saves straight into the final path <out>/checkpoints/step_N/<policy> (absolute), which
+// no rename moves on the server. If that folder then shows up here (a shared file system, a
+// server on this machine), the host moves it into the temporary folder and it is checksummed like
+// the rest; otherwise the manifest names the policy and the folder under "external", and resume
+// asks the engine to load it (checking it first when this host can see it).
 
 const (
 	manifestFile = "MANIFEST.json"
 	runFile      = "run.json"
 	stateFile    = "state.json"
+	// saveMarker is written into a policy's save: folder with the step it holds (Megatron's name
+	// for the file that says which iteration a save folder has).
+	saveMarker = "latest_checkpointed_iteration.txt"
 )
+
+// tempName matches the host's own temporary folders in a checkpoints folder: a checkpoint being
+// written (.step_N.tmp-*) and one set aside while its replacement is renamed in (.step_N.old-*).
+// os.MkdirTemp puts decimal digits where the pattern has its star.
+var tempName = regexp.MustCompile(`^\.step_[0-9]+\.(tmp|old)-[0-9]+$`)
 
 type runInfo struct {
 	Step       int    `json:"step"`
@@ -53,6 +73,9 @@ type runInfo struct {
 
 type manifest struct {
 	Files map[string]fileSum `json:"files"`
+	// External are the policies whose engine saved its state where this host could not see it
+	// (a remote engine's own disk); their files are not under Files.
+	External map[string]externalState `json:"external,omitempty"`
 }
 
 type fileSum struct {
@@ -60,66 +83,202 @@ type fileSum struct {
 	Size   int64  `json:"size"`
 }
 
-// Checkpoint writes <out>/checkpoints/step_N for the steps done so far and keeps the newest
-// run.keep_checkpoints of them.
+// externalState is a policy's engine state saved outside the checkpoint folder.
+type externalState struct {
+	Dir     string `json:"dir"`     // the folder the engine saved into, a path on its server
+	Address string `json:"address"` // the engine server
+}
+
+// checkpoints is what a run remembers of its checkpoints.
+type checkpoints struct {
+	have    bool // a complete checkpoint of step `step` is in place: this run wrote it or resumed from it
+	step    int
+	cleaned bool            // stray temporary folders were looked for
+	told    map[string]bool // remote policies whose off-host state was explained in the events
+}
+
+func stepName(step int) string { return fmt.Sprintf("step_%d", step) }
+
+// Checkpoint writes <out>/checkpoints/step_N for the steps done so far, writes the save: folder
+// of every trainable policy that has one, and keeps the newest run.keep_checkpoints checkpoints.
+// A step whose checkpoint this run already wrote (or resumed from) is not written again: the
+// complete checkpoint in place is never replaced.
 func (r *Run) Checkpoint(ctx context.Context) (string, error) {
 	if r.opts.Out == "" {
 		return "", errors.New("checkpoint: the run has no directory")
 	}
-	root := filepath.Join(r.opts.Out, "checkpoints")
-	final := filepath.Join(root, fmt.Sprintf("step_%d", r.step))
-	if err := os.MkdirAll(root, 0o755); err != nil {
-		return "", err
-	}
-	tmp, err := os.MkdirTemp(root, fmt.Sprintf(".step_%d.tmp-", r.step))
+	root, err := filepath.Abs(filepath.Join(r.opts.Out, "checkpoints"))
 	if err != nil {
 		return "", err
 	}
+	step := r.step
+	final := filepath.Join(root, stepName(step))
+	if r.ckpt.have && r.ckpt.step == step {
+		if VerifyCheckpoint(final) == nil {
+			r.events.filef("checkpoint: step %d is already saved in %s", step, final)
+			return final, nil
+		}
+	}
+	if err := os.MkdirAll(root, 0o755); err != nil {
+		return "", fmt.Errorf("checkpoint: %w", err)
+	}
+	if !r.ckpt.cleaned {
+		r.removeStrays(root)
+		r.ckpt.cleaned = true
+	}
+	// A step_N already there is not one of this run's (an interrupted write, or a run this one
+	// did not resume): it is set aside, and removed once the new one is in place.
+	var aside string
+	if _, err := os.Lstat(final); err == nil {
+		if aside, err = setAside(root, final, step); err != nil {
+			return "", fmt.Errorf("checkpoint: %s is in the way and could not be moved: %w", final, err)
+		}
+		r.events.printf("checkpoint: replacing %s, written by an earlier run or an interrupted save", final)
+	}
+	tmp, err := os.MkdirTemp(root, fmt.Sprintf(".step_%d.tmp-", step))
+	if err != nil {
+		return "", fmt.Errorf("checkpoint: %w", err)
+	}
 	defer os.RemoveAll(tmp) // after a successful rename there is nothing left to remove
+	external := map[string]externalState{}
 	for _, p := range r.policyList() {
 		if !p.cfg.Trainable {
 			continue // a frozen policy is what its config says it is: nothing to save
 		}
-		if err := p.eng.Save(ctx, filepath.Join(tmp, p.name)); err != nil {
-			return "", fmt.Errorf("checkpoint: policy %q: %w", p.name, err)
+		if p.cfg.Engine.Kind == "remote" {
+			ext, err := r.saveRemote(ctx, p, final, tmp)
+			if err != nil {
+				return "", err
+			}
+			if ext != nil {
+				external[p.name] = *ext
+			}
+		} else {
+			dir := filepath.Join(tmp, p.name)
+			if err := p.eng.Save(ctx, dir); err != nil {
+				return "", fmt.Errorf("checkpoint: policy %q: its engine could not save: %w", p.name, err)
+			}
+			if !hasFiles(dir) {
+				return "", fmt.Errorf("checkpoint: policy %q: its %s engine reported the save done, but %s holds no files; the engine does not write on this machine's disk — give it engine: {kind: remote} so that its state is recorded as living on its server",
+					p.name, p.cfg.Engine.Kind, dir)
+			}
 		}
 		// Fault injection for the crash-safety test: die by SIGKILL halfway through a write.
-		if os.Getenv("SLIMEN_TEST_SIGKILL_IN_CHECKPOINT") == strconv.Itoa(r.step) {
+		if os.Getenv("SLIMEN_TEST_SIGKILL_IN_CHECKPOINT") == strconv.Itoa(step) {
 			syscall.Kill(os.Getpid(), syscall.SIGKILL)
 		}
 	}
 	st, err := encodeState(r.state)
 	if err != nil {
-		return "", err
+		return "", fmt.Errorf("checkpoint: %w", err)
 	}
-	info, _ := json.MarshalIndent(runInfo{Step: r.step, Script: r.script.Path, ScriptHash: r.script.Hash, Seed: r.Config().Run.Seed}, "", "  ")
+	info, _ := json.MarshalIndent(runInfo{Step: step, Script: r.script.Path, ScriptHash: r.script.Hash, Seed: r.Config().Run.Seed}, "", "  ")
 	y, err := r.Config().Marshal()
 	if err != nil {
 		return "", err
 	}
 	for name, b := range map[string][]byte{stateFile: st, runFile: info, "config.yaml": y, "script.star": r.script.Source} {
 		if err := os.WriteFile(filepath.Join(tmp, name), b, 0o644); err != nil {
-			return "", err
+			return "", fmt.Errorf("checkpoint: %w", err)
 		}
 	}
-	m, err := sumTree(tmp)
+	m, err := sumTree(tmp, nil)
 	if err != nil {
-		return "", err
+		return "", fmt.Errorf("checkpoint: %w", err)
+	}
+	if len(external) > 0 {
+		m.External = external
 	}
 	mb, _ := json.MarshalIndent(m, "", "  ")
 	if err := writeSynced(filepath.Join(tmp, manifestFile), mb); err != nil {
-		return "", err
-	}
-	if err := os.RemoveAll(final); err != nil { // a checkpoint of the same step from an earlier attempt
-		return "", err
+		return "", fmt.Errorf("checkpoint: %w", err)
 	}
 	if err := os.Rename(tmp, final); err != nil {
-		return "", err
+		return "", fmt.Errorf("checkpoint: %w", err)
 	}
 	syncDir(root)
-	r.events.printf("checkpoint: step %d saved in %s", r.step, final)
+	r.ckpt.have, r.ckpt.step = true, step
+	if aside != "" {
+		os.RemoveAll(aside)
+	}
+	r.events.printf("checkpoint: step %d saved in %s", step, final)
 	r.pruneCheckpoints(root)
+	for _, p := range r.policyList() {
+		if p.cfg.Trainable && p.cfg.Save != "" {
+			if err := r.writeSaveFolder(ctx, p, step); err != nil {
+				return final, err
+			}
+		}
+	}
 	return final, nil
+}
+
+// saveRemote saves a remote engine's state into the final path final/<policy> on its server. If
+// the folder shows up on this machine, it is moved into tmp and checksummed with the rest;
+// otherwise it is recorded as external.
+func (r *Run) saveRemote(ctx context.Context, p *policy, final, tmp string) (*externalState, error) {
+	dir := filepath.Join(final, p.name)
+	if err := p.eng.Save(ctx, dir); err != nil {
+		return nil, fmt.Errorf("checkpoint: policy %q: its engine at %s could not save into %s: %w", p.name, p.cfg.Engine.Address, dir, err)
+	}
+	if hasFiles(dir) { // a file system this host shares with the server
+		if err := os.Rename(dir, filepath.Join(tmp, p.name)); err != nil {
+			return nil, fmt.Errorf("checkpoint: policy %q: the engine saved into %s, but it could not be moved into the checkpoint being written: %w", p.name, dir, err)
+		}
+		if err := os.Remove(final); err != nil {
+			return nil, fmt.Errorf("checkpoint: %s should be empty once policy %q's state is moved out: %w", final, p.name, err)
+		}
+		return nil, nil
+	}
+	if r.ckpt.told == nil {
+		r.ckpt.told = map[string]bool{}
+	}
+	if !r.ckpt.told[p.name] {
+		r.ckpt.told[p.name] = true
+		r.events.printf("checkpoint: policy %q: its engine at %s saves on its own disk, which this host cannot see: its state stays on the server in %s (step_N for each checkpoint); the manifest names that folder and resume asks the engine to load it. Pruning (run.keep_checkpoints) does not reach the server's copies",
+			p.name, p.cfg.Engine.Address, dir)
+	}
+	return &externalState{Dir: dir, Address: p.cfg.Engine.Address}, nil
+}
+
+// setAside renames a folder in the way to one of the host's temporary names in root.
+func setAside(root, path string, step int) (string, error) {
+	aside, err := os.MkdirTemp(root, fmt.Sprintf(".step_%d.old-", step))
+	if err != nil {
+		return "", err
+	}
+	if err := os.Remove(aside); err != nil {
+		return "", err
+	}
+	return aside, os.Rename(path, aside)
+}
+
+// removeStrays removes the temporary folders a crashed or killed run left in root: only names of
+// the host's own pattern (.step_N.tmp-DIGITS, .step_N.old-DIGITS), only folders.
+func (r *Run) removeStrays(root string) {
+	entries, _ := os.ReadDir(root)
+	for _, e := range entries {
+		if e.IsDir() && tempName.MatchString(e.Name()) {
+			if err := os.RemoveAll(filepath.Join(root, e.Name())); err == nil {
+				r.events.printf("checkpoint: removed %s, left by an interrupted checkpoint write", filepath.Join(root, e.Name()))
+			}
+		}
+	}
+}
+
+// hasFiles says whether dir holds at least one regular file (at any depth).
+func hasFiles(dir string) bool {
+	found := errors.New("found")
+	err := filepath.WalkDir(dir, func(_ string, d fs.DirEntry, err error) error {
+		if err != nil {
+			return err
+		}
+		if d.Type().IsRegular() {
+			return found
+		}
+		return nil
+	})
+	return err == found
 }
 
 func writeSynced(path string, b []byte) error {
@@ -145,12 +304,20 @@ func syncDir(dir string) {
 	}
 }
 
-// sumTree hashes every file under dir (paths relative to dir, slash-separated).
-func sumTree(dir string) (manifest, error) {
+// sumTree hashes every file under dir (paths relative to dir, slash-separated), leaving out the
+// top-level folders named in skip.
+func sumTree(dir string, skip map[string]externalState) (manifest, error) {
 	m := manifest{Files: map[string]fileSum{}}
 	err := filepath.WalkDir(dir, func(p string, d fs.DirEntry, err error) error {
-		if err != nil || d.IsDir() || d.Name() == manifestFile {
+		if err != nil {
 			return err
+		}
+		rel, _ := filepath.Rel(dir, p)
+		if _, ok := skip[filepath.ToSlash(rel)]; ok && d.IsDir() {
+			return fs.SkipDir
+		}
+		if d.IsDir() || rel == manifestFile {
+			return nil
 		}
 		f, err := os.Open(p)
 		if err != nil {
@@ -162,7 +329,6 @@ func sumTree(dir string) (manifest, error) {
 		if err != nil {
 			return err
 		}
-		rel, _ := filepath.Rel(dir, p)
 		m.Files[filepath.ToSlash(rel)] = fileSum{SHA256: hex.EncodeToString(h.Sum(nil)), Size: n}
 		return nil
 	})
@@ -171,17 +337,23 @@ func sumTree(dir string) (manifest, error) {
 
 // VerifyCheckpoint checks a checkpoint folder against its manifest and names what is wrong.
 func VerifyCheckpoint(dir string) error {
+	_, err := readManifest(dir)
+	return err
+}
+
+// readManifest verifies a checkpoint folder and returns its manifest.
+func readManifest(dir string) (manifest, error) {
+	var want manifest
 	b, err := os.ReadFile(filepath.Join(dir, manifestFile))
 	if err != nil {
-		return fmt.Errorf("checkpoint %s is incomplete: no %s (it was not finished being written)", dir, manifestFile)
+		return want, fmt.Errorf("checkpoint %s is incomplete: it has no %s (its write never finished)", dir, manifestFile)
 	}
-	var want manifest
 	if err := json.Unmarshal(b, &want); err != nil {
-		return fmt.Errorf("checkpoint %s: %s is corrupt: %v", dir, manifestFile, err)
+		return want, fmt.Errorf("checkpoint %s: %s is corrupt: %v", dir, manifestFile, err)
 	}
-	got, err := sumTree(dir)
+	got, err := sumTree(dir, want.External)
 	if err != nil {
-		return fmt.Errorf("checkpoint %s: %w", dir, err)
+		return want, fmt.Errorf("checkpoint %s: %w", dir, err)
 	}
 	names := make([]string, 0, len(want.Files))
 	for n := range want.Files {
@@ -193,19 +365,29 @@ func VerifyCheckpoint(dir string) error {
 		g, ok := got.Files[n]
 		switch {
 		case !ok:
-			return fmt.Errorf("checkpoint %s: file %s is missing", dir, n)
+			return want, fmt.Errorf("checkpoint %s: file %s is missing", dir, n)
 		case g.Size != w.Size:
-			return fmt.Errorf("checkpoint %s: file %s has %d bytes, the manifest says %d (truncated or overwritten)", dir, n, g.Size, w.Size)
+			return want, fmt.Errorf("checkpoint %s: file %s has %d bytes, the manifest says %d (truncated or overwritten)", dir, n, g.Size, w.Size)
 		case g.SHA256 != w.SHA256:
-			return fmt.Errorf("checkpoint %s: file %s does not match its checksum (corrupted)", dir, n)
+			return want, fmt.Errorf("checkpoint %s: file %s does not match its checksum (corrupted)", dir, n)
 		}
 	}
 	for n := range got.Files {
 		if _, ok := want.Files[n]; !ok {
-			return fmt.Errorf("checkpoint %s: file %s is not in the manifest", dir, n)
+			return want, fmt.Errorf("checkpoint %s: file %s is not in the manifest (written after the checkpoint was complete)", dir, n)
 		}
 	}
-	return nil
+	return want, nil
+}
+
+// holds says whether the manifest lists files under the folder name/.
+func (m manifest) holds(name string) bool {
+	for f := range m.Files {
+		if strings.HasPrefix(f, name+"/") {
+			return true
+		}
+	}
+	return false
 }
 
 // checkpointSteps lists the step_N folders of a run's checkpoints, newest first.
@@ -214,7 +396,7 @@ func checkpointSteps(root string) []int {
 	var steps []int
 	for _, e := range entries {
 		if n, ok := strings.CutPrefix(e.Name(), "step_"); ok && e.IsDir() {
-			if k, err := strconv.Atoi(n); err == nil {
+			if k, err := strconv.Atoi(n); err == nil && k >= 0 && stepName(k) == e.Name() {
 				steps = append(steps, k)
 			}
 		}
@@ -223,45 +405,60 @@ func checkpointSteps(root string) []int {
 	return steps
 }
 
+// pruneCheckpoints keeps the newest run.keep_checkpoints checkpoints up to the current step.
+// Folders of later steps (left by a run this one did not resume) are not this run's to prune.
 func (r *Run) pruneCheckpoints(root string) {
 	keep := r.Config().Run.KeepCheckpoints
 	if keep <= 0 {
 		return
 	}
-	for i, s := range checkpointSteps(root) {
-		if i >= keep {
-			os.RemoveAll(filepath.Join(root, fmt.Sprintf("step_%d", s)))
+	kept := 0
+	for _, s := range checkpointSteps(root) {
+		if s > r.step {
+			continue
+		}
+		if kept++; kept > keep {
+			os.RemoveAll(filepath.Join(root, stepName(s)))
 		}
 	}
 }
 
-// FindCheckpoint resolves --resume: a checkpoint folder itself, or a run directory whose newest
-// valid checkpoint is taken. A checkpoint that fails verification is an error naming what is
-// wrong and the previous checkpoint to resume from instead.
-func FindCheckpoint(path string) (string, error) {
-	if _, err := os.Stat(filepath.Join(path, runFile)); err == nil || strings.HasPrefix(filepath.Base(path), "step_") {
+// FindCheckpoint resolves --resume. path is a checkpoint folder (checkpoints/step_N), which must
+// verify: if it does not, the error says what is wrong and names the previous valid checkpoint.
+// Or path is a run directory (or its checkpoints folder), whose newest valid checkpoint is taken:
+// skipped describes each newer checkpoint that failed verification, newest first, for the caller
+// to warn about.
+func FindCheckpoint(path string) (dir string, skipped []error, err error) {
+	if _, err := os.Stat(filepath.Join(path, runFile)); err == nil || strings.HasPrefix(filepath.Base(filepath.Clean(path)), "step_") {
 		if err := VerifyCheckpoint(path); err != nil {
-			return "", withPrevious(err, filepath.Dir(path), path)
+			return "", nil, withPrevious(err, filepath.Dir(filepath.Clean(path)), path)
 		}
-		return path, nil
+		return path, nil, nil
 	}
 	root := filepath.Join(path, "checkpoints")
+	if filepath.Base(filepath.Clean(path)) == "checkpoints" {
+		root = path
+	}
 	steps := checkpointSteps(root)
 	if len(steps) == 0 {
-		return "", fmt.Errorf("resume %s: no checkpoints in %s", path, root)
+		return "", nil, fmt.Errorf("resume %s: there are no checkpoints in %s (a run writes one when it ends or stops on a signal, and every run.save_interval steps)", path, root)
 	}
-	newest := filepath.Join(root, fmt.Sprintf("step_%d", steps[0]))
-	if err := VerifyCheckpoint(newest); err != nil {
-		return "", withPrevious(err, root, newest)
+	for _, s := range steps {
+		d := filepath.Join(root, stepName(s))
+		if err := VerifyCheckpoint(d); err != nil {
+			skipped = append(skipped, err)
+			continue
+		}
+		return d, skipped, nil
 	}
-	return newest, nil
+	return "", skipped, fmt.Errorf("resume %s: none of its %d checkpoints is valid:\n%w", path, len(steps), errors.Join(skipped...))
 }
 
 // withPrevious adds the newest valid checkpoint older than bad to err.
 func withPrevious(err error, root, bad string) error {
-	badStep, _ := strconv.Atoi(strings.TrimPrefix(filepath.Base(bad), "step_"))
+	badStep, _ := strconv.Atoi(strings.TrimPrefix(filepath.Base(filepath.Clean(bad)), "step_"))
 	for _, s := range checkpointSteps(root) {
-		dir := filepath.Join(root, fmt.Sprintf("step_%d", s))
+		dir := filepath.Join(root, stepName(s))
 		if s < badStep && VerifyCheckpoint(dir) == nil {
 			return fmt.Errorf("%w\nresume from the previous checkpoint instead: --resume %s", err, dir)
 		}
@@ -273,7 +470,7 @@ func withPrevious(err error, root, bad string) error {
 func CheckpointInfo(dir string) (step int, script string, err error) {
 	b, err := os.ReadFile(filepath.Join(dir, runFile))
 	if err != nil {
-		return 0, "", err
+		return 0, "", fmt.Errorf("checkpoint %s: %w", dir, err)
 	}
 	var info runInfo
 	if err := json.Unmarshal(b, &info); err != nil {
@@ -286,15 +483,23 @@ func CheckpointInfo(dir string) (step int, script string, err error) {
 func RunDirOf(checkpoint string) string { return filepath.Dir(filepath.Dir(checkpoint)) }
 
 // Resume restores a run loaded with the checkpoint's config: engines, state and the step
-// counter; metrics lines of later steps (written before the run stopped) are dropped.
+// counter. Its engine state wins over a policy's load: folder (the engine opened on load:, then
+// loads the checkpoint). Then what the stopped run wrote after the checkpoint is dropped: metrics
+// lines of later steps, later checkpoints in the run directory (they belong to steps this run
+// will redo), and stray temporary folders of interrupted writes.
 func (r *Run) Resume(ctx context.Context, dir string) error {
-	if err := VerifyCheckpoint(dir); err != nil {
+	dir, err := filepath.Abs(dir)
+	if err != nil {
+		return err
+	}
+	m, err := readManifest(dir)
+	if err != nil {
 		return err
 	}
 	var info runInfo
 	b, err := os.ReadFile(filepath.Join(dir, runFile))
 	if err != nil {
-		return err
+		return fmt.Errorf("checkpoint %s: %w", dir, err)
 	}
 	if err := json.Unmarshal(b, &info); err != nil {
 		return fmt.Errorf("checkpoint %s: %s: %w", dir, runFile, err)
@@ -303,17 +508,28 @@ func (r *Run) Resume(ctx context.Context, dir string) error {
 		if !p.cfg.Trainable {
 			continue
 		}
+		if ext, ok := m.External[p.name]; ok {
+			if err := r.loadExternal(ctx, dir, p, ext); err != nil {
+				return err
+			}
+			continue
+		}
+		if !m.holds(p.name) {
+			return fmt.Errorf("resume: checkpoint %s holds no state for policy %q (it was frozen or not yet used when the checkpoint was written); resume with the config the checkpoint was written with (its config.yaml)", dir, p.name)
+		}
 		if err := p.eng.Load(ctx, filepath.Join(dir, p.name)); err != nil {
-			return fmt.Errorf("resume: policy %q: %w", p.name, err)
+			return fmt.Errorf("resume: policy %q: its engine could not load %s: %w", p.name, filepath.Join(dir, p.name), err)
 		}
 	}
 	sb, err := os.ReadFile(filepath.Join(dir, stateFile))
 	if err != nil {
-		return err
+		return fmt.Errorf("checkpoint %s: %w", dir, err)
 	}
-	if err := decodeState(sb, r.state); err != nil {
+	st := NewState()
+	if err := decodeState(sb, st); err != nil {
 		return fmt.Errorf("checkpoint %s: %s: %w", dir, stateFile, err)
 	}
+	r.state.restore(st.snapshot())
 	r.step = info.Step
 	if info.ScriptHash != r.script.Hash {
 		r.events.printf("resume: the script differs from the checkpoint's version %s; the run goes on with version %s", short(info.ScriptHash), short(r.script.Hash))
@@ -321,7 +537,159 @@ func (r *Run) Resume(ctx context.Context, dir string) error {
 	if err := r.metrics.truncateAfter(info.Step); err != nil {
 		return err
 	}
+	if r.opts.Out != "" {
+		if root, err := filepath.Abs(filepath.Join(r.opts.Out, "checkpoints")); err == nil {
+			r.removeLater(root, info.Step)
+			r.removeStrays(root)
+			r.ckpt.cleaned = true
+			r.ckpt.have, r.ckpt.step = filepath.Join(root, stepName(info.Step)) == dir, info.Step
+		}
+	}
 	r.events.printf("resume: from %s at step %d", dir, info.Step)
+	return nil
+}
+
+// loadExternal loads a policy's state that its remote engine saved on its own disk.
+func (r *Run) loadExternal(ctx context.Context, dir string, p *policy, ext externalState) error {
+	if _, err := os.Stat(ext.Dir); err == nil {
+		// This host sees the folder: check it before the engine is asked to load it.
+		if !hasFiles(ext.Dir) {
+			return fmt.Errorf("resume: checkpoint %s: policy %q's state should be in %s (saved by its engine at %s), but that folder is empty; resume from an earlier checkpoint", dir, p.name, ext.Dir, ext.Address)
+		}
+	} else {
+		r.events.printf("resume: policy %q: its state is in %s on the engine server %s, which this host cannot see; the engine loads it", p.name, ext.Dir, ext.Address)
+	}
+	if err := p.eng.Load(ctx, ext.Dir); err != nil {
+		return fmt.Errorf("resume: policy %q: its engine at %s could not load %s, the folder on the server's disk where %s says its state was saved: %w\nrestore that folder on the server (or point the policy at the server that saved it), or resume from an earlier checkpoint",
+			p.name, p.cfg.Engine.Address, ext.Dir, filepath.Join(dir, manifestFile), err)
+	}
+	return nil
+}
+
+// removeLater removes the checkpoints of steps after step: the run goes on from step and will
+// write its own.
+func (r *Run) removeLater(root string, step int) {
+	for _, s := range checkpointSteps(root) {
+		if s <= step {
+			continue
+		}
+		d := filepath.Join(root, stepName(s))
+		if err := os.RemoveAll(d); err != nil {
+			r.events.printf("resume: could not remove %s, a checkpoint of a later step than the one resumed from: %v; remove it by hand", d, err)
+			continue
+		}
+		r.events.printf("resume: removed %s, a checkpoint of a later step than the one resumed from (its metrics lines were dropped too; the run writes its own)", d)
+	}
+}
+
+// checkSaveFolders looks at the policies' save: folders at start-up: a frozen policy's is never
+// written (said once), and a folder on this machine that holds something other than a model
+// folder is refused before the run starts rather than at its first checkpoint.
+func (r *Run) checkSaveFolders() error {
+	for _, p := range r.policyList() {
+		if p.cfg.Save == "" {
+			continue
+		}
+		switch {
+		case !p.cfg.Trainable:
+			r.events.printf("config: policy %q is frozen (trainable: false): its save: folder %s is not written; only trainable policies are saved", p.name, p.cfg.Save)
+		case p.cfg.Engine.Kind == "remote":
+			r.events.printf("config: policy %q: save: %s is a folder on the engine server at %s, which writes it at every checkpoint", p.name, p.cfg.Save, p.cfg.Engine.Address)
+		default:
+			if err := saveFolderUsable(p); err != nil {
+				return err
+			}
+		}
+	}
+	return nil
+}
+
+// saveFolderUsable refuses a save: folder that holds something other than a model folder: it is
+// replaced at every checkpoint.
+func saveFolderUsable(p *policy) error {
+	dst := p.cfg.Save
+	fi, err := os.Stat(dst)
+	if errors.Is(err, fs.ErrNotExist) {
+		return nil
+	}
+	if err != nil {
+		return fmt.Errorf("policy %q: save: %w", p.name, err)
+	}
+	if !fi.IsDir() {
+		return fmt.Errorf("policy %q: save: %s is a file; give a folder (slimen writes the policy's model folder there at every checkpoint)", p.name, dst)
+	}
+	entries, err := os.ReadDir(dst)
+	if err != nil {
+		return fmt.Errorf("policy %q: save: %w", p.name, err)
+	}
+	if len(entries) == 0 {
+		return nil
+	}
+	for _, f := range []string{saveMarker, "config.json"} {
+		if _, err := os.Stat(filepath.Join(dst, f)); err == nil {
+			return nil
+		}
+	}
+	return fmt.Errorf("policy %q: save: %s holds files but is not a model folder (no config.json); slimen replaces the whole save: folder at every checkpoint, so point save: at a folder of its own", p.name, dst)
+}
+
+// writeSaveFolder writes a policy's save: folder (slime-n's per-policy save path): the engine's
+// state (a Hugging Face model folder plus the engine's optimizer files, what Engine.Save writes)
+// and latest_checkpointed_iteration.txt with the step. On this machine the folder is written
+// beside the old one and swapped in; a remote engine writes it on its server, in place.
+func (r *Run) writeSaveFolder(ctx context.Context, p *policy, step int) error {
+	fail := func(err error) error {
+		return fmt.Errorf("checkpoint: step %d is saved, but policy %q's save: folder %s was not written: %w", step, p.name, p.cfg.Save, err)
+	}
+	if p.cfg.Engine.Kind == "remote" {
+		if err := p.eng.Save(ctx, p.cfg.Save); err != nil {
+			return fail(err)
+		}
+		r.events.filef("checkpoint: policy %q: step %d saved by its engine into %s on its server", p.name, step, p.cfg.Save)
+		return nil
+	}
+	if err := saveFolderUsable(p); err != nil {
+		return fail(err)
+	}
+	dst, err := filepath.Abs(p.cfg.Save)
+	if err != nil {
+		return fail(err)
+	}
+	parent, base := filepath.Dir(dst), filepath.Base(dst)
+	if err := os.MkdirAll(parent, 0o755); err != nil {
+		return fail(err)
+	}
+	tmp, err := os.MkdirTemp(parent, "."+base+".tmp-")
+	if err != nil {
+		return fail(err)
+	}
+	defer os.RemoveAll(tmp)
+	if err := p.eng.Save(ctx, tmp); err != nil {
+		return fail(err)
+	}
+	if !hasFiles(tmp) {
+		return fail(fmt.Errorf("the engine reported the save done but wrote no files into %s", tmp))
+	}
+	if err := os.WriteFile(filepath.Join(tmp, saveMarker), []byte(strconv.Itoa(step)+"\n"), 0o644); err != nil {
+		return fail(err)
+	}
+	var old string
+	if _, err := os.Lstat(dst); err == nil {
+		if old, err = os.MkdirTemp(parent, "."+base+".old-"); err != nil {
+			return fail(err)
+		}
+		os.Remove(old)
+		if err := os.Rename(dst, old); err != nil {
+			return fail(err)
+		}
+	}
+	if err := os.Rename(tmp, dst); err != nil {
+		return fail(err)
+	}
+	if old != "" {
+		os.RemoveAll(old)
+	}
+	r.events.filef("checkpoint: policy %q: step %d written to its save: folder %s", p.name, step, dst)
 	return nil
 }
 

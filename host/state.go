@@ -12,6 +12,11 @@ import (
 // State is the run-wide store scripts reach as `state`: it survives steps, hot reloads and
 // checkpoints. It holds plain data only (None, bools, numbers, strings, lists, tuples, dicts), so
 // it can be saved and no completion or function leaks from one rollout into another.
+//
+// A step's writes count only if the step completes: Run.Step snapshots the store before the step
+// and restores it when the step does not complete (abandoned on a signal, stopped by an error),
+// so a checkpoint never holds the writes of a step whose samples were never trained. Within a
+// step, updates apply at once, under the store's lock, so concurrent rollouts see each other's.
 type State struct {
 	mu     sync.Mutex
 	values map[string]starlark.Value
@@ -50,6 +55,28 @@ func (s *State) Set(k string, v starlark.Value) error {
 	s.values[k] = v
 	s.mu.Unlock()
 	return nil
+}
+
+// snapshot returns the store's contents. Stored values are frozen, so a copy of the map is a
+// snapshot: nothing can change what it holds.
+func (s *State) snapshot() map[string]starlark.Value {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	m := make(map[string]starlark.Value, len(s.values))
+	for k, v := range s.values {
+		m[k] = v
+	}
+	return m
+}
+
+// restore puts back what snapshot returned: the writes made since are forgotten.
+func (s *State) restore(m map[string]starlark.Value) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.values = make(map[string]starlark.Value, len(m))
+	for k, v := range m {
+		s.values[k] = v
+	}
 }
 
 func plainData(v starlark.Value, depth int) error {

@@ -2,7 +2,7 @@ package main
 
 import (
 	"bufio"
-	"context"
+	"encoding/json"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -11,7 +11,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/slimen/slimen/engines/tiny"
 	"github.com/slimen/slimen/host"
 )
 
@@ -33,23 +32,16 @@ func TestMain(m *testing.M) {
 	os.Exit(code)
 }
 
-// smallRun writes a random tiny model and a two-policy debate config of a few small steps.
+// smallRun writes a two-policy debate config on builtin:tiny-arith that trains for real (the
+// debate's answers disagree, so rewards vary within groups and the weights move every step) and
+// stays fast: two tasks a step, responses of at most 12 tokens.
 func smallRun(t *testing.T, steps string, extra string) (cfg string) {
 	t.Helper()
-	dir := t.TempDir()
-	model := filepath.Join(dir, "model")
-	e, err := tiny.New(tiny.ModelConfig{Hidden: 32, Intermediate: 64, Layers: 1, Heads: 2, KVHeads: 1, MaxSeqLen: 256}, 7, tiny.Options{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := e.Save(context.Background(), model); err != nil {
-		t.Fatal(err)
-	}
-	cfg = filepath.Join(dir, "config.yaml")
+	cfg = filepath.Join(t.TempDir(), "config.yaml")
 	y := `policies:
-  - {name: generator, hf_checkpoint: ` + model + `, engine: {kind: tiny}, train: {lr: 1.0e-2, global_batch_size: 0}}
-  - {name: critic, hf_checkpoint: ` + model + `, engine: {kind: tiny}, train: {lr: 1.0e-2, global_batch_size: 0}}
-rollout: {batch_size: 4, max_response_len: 6}
+  - {name: generator, hf_checkpoint: builtin:tiny-arith, engine: {kind: tiny}, train: {lr: 1.0e-3, global_batch_size: 0}}
+  - {name: critic, hf_checkpoint: builtin:tiny-arith, engine: {kind: tiny}, train: {lr: 1.0e-3, global_batch_size: 0}}
+rollout: {batch_size: 2, max_response_len: 12}
 run: {steps: ` + steps + `, seed: 3` + extra + `}
 `
 	if err := os.WriteFile(cfg, []byte(y), 0o644); err != nil {
@@ -58,6 +50,8 @@ run: {steps: ` + steps + `, seed: 3` + extra + `}
 	return cfg
 }
 
+const debate = "examples/debate/debate.star"
+
 func slimen(t *testing.T, env []string, args ...string) (string, error) {
 	t.Helper()
 	cmd := exec.Command(slimenBin, args...)
@@ -65,6 +59,38 @@ func slimen(t *testing.T, env []string, args ...string) (string, error) {
 	cmd.Env = append(os.Environ(), env...)
 	out, err := cmd.CombinedOutput()
 	return string(out), err
+}
+
+// signalled runs slimen and, when a line of its output starts with prefix, waits delay and sends
+// it the signals (20 ms apart). It returns the output and the exit error. The delay puts the
+// signal inside the step that starts after the line, whatever the scheduling of a loaded machine
+// does to the moment the line is read.
+func signalled(t *testing.T, prefix string, delay time.Duration, sigs []syscall.Signal, args ...string) (string, error) {
+	t.Helper()
+	cmd := exec.Command(slimenBin, args...)
+	cmd.Dir = "../.."
+	stderr, err := cmd.StderrPipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	sc := bufio.NewScanner(stderr)
+	var log strings.Builder
+	for sc.Scan() {
+		log.WriteString(sc.Text() + "\n")
+		if strings.HasPrefix(sc.Text(), prefix) {
+			time.Sleep(delay)
+			for i, s := range sigs {
+				if i > 0 {
+					time.Sleep(20 * time.Millisecond)
+				}
+				cmd.Process.Signal(s)
+			}
+		}
+	}
+	return log.String(), cmd.Wait()
 }
 
 func metricsNoTimings(t *testing.T, dir string) string {
@@ -76,11 +102,44 @@ func metricsNoTimings(t *testing.T, dir string) string {
 	return host.WithoutTimings(string(b))
 }
 
+// checkTrains fails unless every policy has a step among the first `by` with grad_norm > 0: a run
+// whose weights never move cannot tell a restored checkpoint from a lost one.
+func checkTrains(t *testing.T, dir string, by int) {
+	t.Helper()
+	b, err := os.ReadFile(filepath.Join(dir, "metrics.jsonl"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	moved := map[string]bool{"generator": false, "critic": false}
+	for _, line := range strings.Split(strings.TrimSpace(string(b)), "\n") {
+		var m struct {
+			Step     int     `json:"step"`
+			Policy   string  `json:"policy"`
+			GradNorm float64 `json:"grad_norm"`
+		}
+		if err := json.Unmarshal([]byte(line), &m); err != nil {
+			t.Fatal(err)
+		}
+		if _, ok := moved[m.Policy]; ok && m.Step <= by && m.GradNorm > 0 {
+			moved[m.Policy] = true
+		}
+	}
+	for p, ok := range moved {
+		if !ok {
+			t.Errorf("policy %s has grad_norm 0 in steps 1 to %d: the run does not train", p, by)
+		}
+	}
+}
+
+func steps(t *testing.T, dir string) int {
+	return strings.Count(metricsNoTimings(t, dir), `"_run"`)
+}
+
 func TestSameSeedSameMetrics(t *testing.T) {
 	cfg := smallRun(t, "3", "")
 	a, b := filepath.Join(t.TempDir(), "a"), filepath.Join(t.TempDir(), "b")
 	for _, out := range []string{a, b} {
-		if log, err := slimen(t, nil, "exec", "examples/debate/debate.star", "--config", cfg, "--out", out); err != nil {
+		if log, err := slimen(t, nil, "exec", debate, "--config", cfg, "--out", out); err != nil {
 			t.Fatalf("%v\n%s", err, log)
 		}
 	}
@@ -88,38 +147,91 @@ func TestSameSeedSameMetrics(t *testing.T) {
 	if ma != mb {
 		t.Errorf("same seed, different metrics:\n%s\n---\n%s", ma, mb)
 	}
-	if strings.Count(ma, `"_run"`) != 3 {
-		t.Errorf("want 3 steps:\n%s", ma)
+	if n := steps(t, a); n != 3 {
+		t.Errorf("%d steps, want 3:\n%s", n, ma)
 	}
+	checkTrains(t, a, 3)
 }
 
-// TestResumeAfterSIGTERM is issue 9's acceptance: 6 steps in one go, and 6 steps with a SIGTERM
-// after step 3 and a resume, write the same metrics apart from timings.
+// TestResumeAfterSIGTERM is issue 9's acceptance: the debate example for 6 steps in one go, and
+// for 3 steps stopped by SIGTERM, then resumed for 3 more, write the same metrics apart from
+// timings. The runs train, so a resume that lost the weights or the optimizer would differ.
 func TestResumeAfterSIGTERM(t *testing.T) {
 	cfg := smallRun(t, "6", "")
 	whole, split := filepath.Join(t.TempDir(), "whole"), filepath.Join(t.TempDir(), "split")
-	if log, err := slimen(t, nil, "exec", "examples/debate/debate.star", "--config", cfg, "--out", whole); err != nil {
+	if log, err := slimen(t, nil, "exec", debate, "--config", cfg, "--out", whole); err != nil {
 		t.Fatalf("%v\n%s", err, log)
 	}
-	cmd := exec.Command(slimenBin, "exec", "examples/debate/debate.star", "--config", cfg, "--out", split)
-	cmd.Dir = "../.."
-	stderr, _ := cmd.StderrPipe()
-	if err := cmd.Start(); err != nil {
+	checkTrains(t, whole, 3)
+	// SIGTERM early in step 3: the step in progress finishes, is checkpointed, and the run stops.
+	log, err := signalled(t, "step 2/6", 100*time.Millisecond, []syscall.Signal{syscall.SIGTERM}, "exec", debate, "--config", cfg, "--out", split)
+	if err != nil {
+		t.Fatalf("SIGTERM: exit %v, want 0\n%s", err, log)
+	}
+	if !strings.Contains(log, "stopped after 3 steps") {
+		t.Fatalf("the run did not stop after step 3:\n%s", log)
+	}
+	if ck, skipped, err := host.FindCheckpoint(split); err != nil || filepath.Base(ck) != "step_3" || len(skipped) > 0 {
+		t.Fatalf("FindCheckpoint = %q, %v, %v; want step_3", ck, skipped, err)
+	}
+	if n := steps(t, split); n != 3 {
+		t.Fatalf("%d steps in metrics when stopped, want 3", n)
+	}
+	out, err := slimen(t, nil, "exec", "--resume", split)
+	if err != nil {
+		t.Fatalf("resume: %v\n%s", err, out)
+	}
+	if !strings.Contains(out, "(steps 4 to 6,") {
+		t.Errorf("the resumed run does not go on at step 4:\n%s", out)
+	}
+	if a, b := metricsNoTimings(t, whole), metricsNoTimings(t, split); a != b {
+		t.Errorf("resumed run's metrics differ:\n%s\n---\n%s", a, b)
+	}
+}
+
+// stateDebate is the debate with a `state` counter bumped as each rollout starts and logged.
+// Step 2's rollouts dawdle after the bump, so that a signal sent as step 2 starts lands in them.
+const stateDebate = `load("@graphs//debate.star", "debate")
+
+def rollout(task):
+    n = state.update("calls", lambda n: n + 1, 0)
+    if task.step == 2:
+        for i in range(2000000):
+            pass
+    debate(task, generator = "generator", critic = "critic", agents = 3, rounds = 2)
+    log(calls = n)
+`
+
+// TestAbandonOnSignal: with run.on_signal: abandon, SIGTERM as step 2 starts cuts it short; the
+// run exits 0 with a checkpoint of step 1 that holds none of step 2's state writes, and resuming
+// it equals a run that never stopped.
+func TestAbandonOnSignal(t *testing.T) {
+	cfg := smallRun(t, "3", ", on_signal: abandon")
+	script := filepath.Join(t.TempDir(), "debate.star")
+	if err := os.WriteFile(script, []byte(stateDebate), 0o644); err != nil {
 		t.Fatal(err)
 	}
-	sc := bufio.NewScanner(stderr)
-	var log strings.Builder
-	for sc.Scan() {
-		log.WriteString(sc.Text() + "\n")
-		if strings.HasPrefix(sc.Text(), "step 3/6") {
-			cmd.Process.Signal(syscall.SIGTERM)
-		}
+	whole, split := filepath.Join(t.TempDir(), "whole"), filepath.Join(t.TempDir(), "split")
+	if log, err := slimen(t, nil, "exec", script, "--config", cfg, "--out", whole); err != nil {
+		t.Fatalf("%v\n%s", err, log)
 	}
-	if err := cmd.Wait(); err != nil {
-		t.Fatalf("SIGTERM: exit %v, want 0\n%s", err, log.String())
+	log, err := signalled(t, "step 1/3", 50*time.Millisecond, []syscall.Signal{syscall.SIGTERM}, "exec", script, "--config", cfg, "--out", split)
+	if err != nil {
+		t.Fatalf("SIGTERM: exit %v, want 0\n%s", err, log)
 	}
-	if !strings.Contains(log.String(), "stopped after") {
-		t.Fatalf("no graceful stop:\n%s", log.String())
+	if !strings.Contains(log, "abandoning the step in progress") || !strings.Contains(log, "stopped after 1 steps") {
+		t.Fatalf("step 2 was not abandoned:\n%s", log)
+	}
+	ck, _, err := host.FindCheckpoint(split)
+	if err != nil || filepath.Base(ck) != "step_1" {
+		t.Fatalf("FindCheckpoint = %q, %v; want step_1", ck, err)
+	}
+	st, err := os.ReadFile(filepath.Join(ck, "state.json"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !strings.Contains(string(st), `"int": "2"`) {
+		t.Errorf("step_1's state.json should count step 1's two rollouts only:\n%s", st)
 	}
 	if out, err := slimen(t, nil, "exec", "--resume", split); err != nil {
 		t.Fatalf("resume: %v\n%s", err, out)
@@ -129,35 +241,103 @@ func TestResumeAfterSIGTERM(t *testing.T) {
 	}
 }
 
+// TestSecondSignal: a second signal exits at once with a nonzero status, and the last good
+// checkpoint is intact and resumes.
+func TestSecondSignal(t *testing.T) {
+	cfg := smallRun(t, "3", ", save_interval: 1")
+	out := filepath.Join(t.TempDir(), "run")
+	log, err := signalled(t, "step 2/3", 100*time.Millisecond, []syscall.Signal{syscall.SIGTERM, syscall.SIGTERM}, "exec", debate, "--config", cfg, "--out", out)
+	ee, ok := err.(*exec.ExitError)
+	if !ok || ee.ExitCode() != 130 {
+		t.Fatalf("exit %v, want status 130\n%s", err, log)
+	}
+	if !strings.Contains(log, "second signal: exiting now") || strings.Contains(log, "stopped after") {
+		t.Fatalf("the second signal did not exit at once:\n%s", log)
+	}
+	ck, skipped, err := host.FindCheckpoint(out)
+	if err != nil || filepath.Base(ck) != "step_2" || len(skipped) > 0 {
+		t.Fatalf("FindCheckpoint = %q, %v, %v; want an intact step_2", ck, skipped, err)
+	}
+	if log, err := slimen(t, nil, "exec", "--resume", out); err != nil {
+		t.Fatalf("resume: %v\n%s", err, log)
+	}
+	if n := steps(t, out); n != 3 {
+		t.Errorf("%d steps in metrics after resume, want 3", n)
+	}
+}
+
+// TestResumeFromChosenCheckpoint: --resume RUN_DIR/checkpoints/step_N goes back to step N, and
+// --resume RUN_DIR with a corrupt newest checkpoint warns, naming it, and goes on from the one
+// before; both end where the uninterrupted run ended.
+func TestResumeFromChosenCheckpoint(t *testing.T) {
+	cfg := smallRun(t, "3", ", save_interval: 1, keep_checkpoints: 0")
+	out := filepath.Join(t.TempDir(), "run")
+	if log, err := slimen(t, nil, "exec", debate, "--config", cfg, "--out", out); err != nil {
+		t.Fatalf("%v\n%s", err, log)
+	}
+	checkTrains(t, out, 1)
+	want := metricsNoTimings(t, out)
+	root := filepath.Join(out, "checkpoints")
+
+	log, err := slimen(t, nil, "exec", "--resume", filepath.Join(root, "step_1"))
+	if err != nil {
+		t.Fatalf("resume from step_1: %v\n%s", err, log)
+	}
+	if !strings.Contains(log, "(steps 2 to 3,") {
+		t.Errorf("the run does not go on at step 2:\n%s", log)
+	}
+	if got := metricsNoTimings(t, out); got != want {
+		t.Errorf("after resuming from step_1:\n%s\nwant\n%s", got, want)
+	}
+
+	state := filepath.Join(root, "step_3", "state.json")
+	if err := os.WriteFile(state, nil, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	log, err = slimen(t, nil, "exec", "--resume", out)
+	if err != nil {
+		t.Fatalf("resume with a corrupt newest checkpoint: %v\n%s", err, log)
+	}
+	if !strings.Contains(log, "warning: checkpoint "+filepath.Join(root, "step_3")+": file state.json has 0 bytes") ||
+		!strings.Contains(log, "resuming from "+filepath.Join(root, "step_2")) || !strings.Contains(log, "(steps 3 to 3,") {
+		t.Errorf("no warning naming the corrupt step_3, or not resumed from step_2:\n%s", log)
+	}
+	if got := metricsNoTimings(t, out); got != want {
+		t.Errorf("after resuming past the corrupt step_3:\n%s\nwant\n%s", got, want)
+	}
+	if err := host.VerifyCheckpoint(filepath.Join(root, "step_3")); err != nil {
+		t.Errorf("step_3 was not written again: %v", err)
+	}
+}
+
 // TestSIGKILLDuringCheckpoint kills the process halfway through writing step 2's checkpoint: the
-// partial write is never taken for a checkpoint, and resume goes on from step 1's.
+// partial write is never taken for a checkpoint, resume goes on from step 1's and removes the
+// partial write.
 func TestSIGKILLDuringCheckpoint(t *testing.T) {
 	cfg := smallRun(t, "3", ", save_interval: 1")
 	out := filepath.Join(t.TempDir(), "run")
-	_, err := slimen(t, []string{"SLIMEN_TEST_SIGKILL_IN_CHECKPOINT=2"}, "exec", "examples/debate/debate.star", "--config", cfg, "--out", out)
+	_, err := slimen(t, []string{"SLIMEN_TEST_SIGKILL_IN_CHECKPOINT=2"}, "exec", debate, "--config", cfg, "--out", out)
 	if ee, ok := err.(*exec.ExitError); !ok || ee.Sys().(syscall.WaitStatus).Signal() != syscall.SIGKILL {
 		t.Fatalf("the run was not killed: %v", err)
 	}
-	ck, err := host.FindCheckpoint(out)
+	ck, _, err := host.FindCheckpoint(out)
 	if err != nil || filepath.Base(ck) != "step_1" {
 		t.Fatalf("FindCheckpoint = %q, %v; want step_1", ck, err)
 	}
 	if _, err := os.Stat(filepath.Join(out, "checkpoints", "step_2")); err == nil {
 		t.Fatal("a half-written step_2 exists")
 	}
-	done := make(chan struct{})
-	go func() {
-		defer close(done)
-		if log, err := slimen(t, nil, "exec", "--resume", out); err != nil {
-			t.Errorf("resume: %v\n%s", err, log)
-		}
-	}()
-	select {
-	case <-done:
-	case <-time.After(2 * time.Minute):
-		t.Fatal("resume did not finish")
+	partial, _ := filepath.Glob(filepath.Join(out, "checkpoints", ".step_2.tmp-*"))
+	if len(partial) != 1 {
+		t.Fatalf("partial writes %v, want one .step_2.tmp-* folder", partial)
 	}
-	if n := strings.Count(metricsNoTimings(t, out), `"_run"`); n != 3 {
+	if log, err := slimen(t, nil, "exec", "--resume", out); err != nil {
+		t.Fatalf("resume: %v\n%s", err, log)
+	}
+	if n := steps(t, out); n != 3 {
 		t.Errorf("%d steps in metrics after resume, want 3", n)
+	}
+	if _, err := os.Stat(partial[0]); err == nil {
+		t.Errorf("the partial write %s is still there after resume", partial[0])
 	}
 }
