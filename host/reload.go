@@ -34,6 +34,7 @@ type reloader struct {
 	pending    *Script        // a good new version waiting for the step boundary
 	pendingCfg *config.Config // a good new config waiting for the step boundary
 	cfgHash    string
+	override   func(*config.Config) error // the command line's overrides, applied to every reloaded config
 	watcher    *fsnotify.Watcher
 }
 
@@ -44,7 +45,7 @@ func (r *Run) Watch(cfgPath string) error {
 	if err != nil {
 		return fmt.Errorf("watch: %w", err)
 	}
-	r.reload = &reloader{scriptPath: r.script.Path, cfgPath: cfgPath, watcher: w}
+	r.reload = &reloader{scriptPath: r.script.Path, cfgPath: cfgPath, override: r.opts.ConfigOverride, watcher: w}
 	if cfgPath != "" {
 		r.reload.cfgHash, _ = hashFiles([]string{cfgPath})
 	}
@@ -138,9 +139,17 @@ func (r *Run) checkReload() {
 	}
 	rl.cfgHash = h
 	c, err := config.Load(rl.cfgPath)
+	if err == nil && rl.override != nil {
+		// The reloaded file gets the command line's overrides, as the first one did.
+		err = rl.override(c)
+	}
 	if err != nil {
 		r.events.printf("reload: %s is invalid; the run keeps its config:\n%s", rl.cfgPath, indent(err.Error()))
 		return
+	}
+	if r.zero && len(c.Policies) == 0 {
+		// A config that lists no policies leaves them to the script: keep those it created.
+		c.Policies = append([]config.PolicyConfig(nil), r.Config().Policies...)
 	}
 	if why := needsNewEngine(r.Config(), c); why != "" {
 		r.events.printf("reload: %s changes %s, which needs a new engine; restart the run to apply it (the run keeps its config)", rl.cfgPath, why)
@@ -189,7 +198,9 @@ func (r *Run) applyReload(ctx context.Context, step int) error {
 	rl.pending, rl.pendingCfg = nil, nil
 	rl.mu.Unlock()
 	if s != nil {
+		rl.mu.Lock() // checkReload reads the running version from the watcher's goroutine
 		r.script = s
+		rl.mu.Unlock()
 		if r.sandbox != nil {
 			r.sandbox.close() // children of the old version; new ones load the new one
 		}
@@ -221,18 +232,39 @@ func (r *Run) applyReload(ctx context.Context, step int) error {
 }
 
 // saveScriptVersion keeps each accepted version in the run directory: script.star is the running
-// one, scripts/step_N-HASH.star the version that started at step N.
+// main script, and scripts/step_N-HASH/ holds the version that started at step N — the main script
+// and every file it loaded, at their paths relative to the main script's folder. HASH (the first
+// 12 hex digits of Script.Hash) covers all of them.
 func (r *Run) saveScriptVersion(step int) error {
 	if r.opts.Out == "" {
 		return nil
 	}
-	dir := filepath.Join(r.opts.Out, "scripts")
-	if err := os.MkdirAll(dir, 0o755); err != nil {
+	s := r.script
+	dir := filepath.Join(r.opts.Out, "scripts", fmt.Sprintf("step_%d-%s", step, s.Hash[:12]))
+	root, err := filepath.Abs(filepath.Dir(s.Path))
+	if err != nil {
 		return err
 	}
-	name := fmt.Sprintf("step_%d-%s.star", step, r.script.Hash[:12])
-	if err := os.WriteFile(filepath.Join(dir, name), r.script.Source, 0o644); err != nil {
-		return err
+	for _, f := range s.Files {
+		src, ok := s.Sources[f]
+		if !ok {
+			return fmt.Errorf("script version %s: no source for %s", s.Hash[:12], f)
+		}
+		abs, err := filepath.Abs(f)
+		if err != nil {
+			return err
+		}
+		rel, err := filepath.Rel(root, abs)
+		if err != nil || !filepath.IsLocal(rel) {
+			return fmt.Errorf("script version %s: %s is outside the script's folder %s", s.Hash[:12], f, root)
+		}
+		dst := filepath.Join(dir, rel)
+		if err := os.MkdirAll(filepath.Dir(dst), 0o755); err != nil {
+			return err
+		}
+		if err := os.WriteFile(dst, src, 0o644); err != nil {
+			return err
+		}
 	}
-	return os.WriteFile(filepath.Join(r.opts.Out, "script.star"), r.script.Source, 0o644)
+	return os.WriteFile(filepath.Join(r.opts.Out, "script.star"), s.Source, 0o644)
 }

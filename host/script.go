@@ -26,6 +26,7 @@ type Script struct {
 	Files   []string            // the script and every file it loaded (not @packages)
 	Hash    string              // sha256 of the sources of Files, hex
 	Source  []byte              // the main file
+	Sources map[string][]byte   // every file of Files as it was loaded, the main file included
 
 	rollout     *starlark.Function
 	evalRollout *starlark.Function // nil when the script has none
@@ -70,7 +71,7 @@ func LoadScriptSource(path string, src []byte, opts ScriptOptions) (*Script, err
 			return nil, &ScriptError{scriptErrorText(err)}
 		}
 		sum := sha256.Sum256(append([]byte(path), src...))
-		return &Script{Path: path, Files: []string{path}, Source: src, Hash: hex.EncodeToString(sum[:])}, nil
+		return &Script{Path: path, Files: []string{path}, Source: src, Sources: map[string][]byte{path: src}, Hash: hex.EncodeToString(sum[:])}, nil
 	}
 	l := newLoader(filepath.Dir(abs), pre, !opts.Sandbox)
 	l.cache[filepath.Clean(path)] = &loadEntry{} // the main file loading itself is a cycle
@@ -80,11 +81,12 @@ func LoadScriptSource(path string, src []byte, opts ScriptOptions) (*Script, err
 		return nil, &ScriptError{scriptErrorText(err)}
 	}
 	globals.Freeze()
-	s := &Script{Path: path, Globals: globals, Files: l.files, Source: src}
+	s := &Script{Path: path, Globals: globals, Files: l.files, Source: src, Sources: map[string][]byte{}}
 	h := sha256.New()
 	for _, f := range l.files {
 		h.Write([]byte(f))
 		h.Write(l.srcs[f])
+		s.Sources[f] = l.srcs[f]
 	}
 	s.Hash = hex.EncodeToString(h.Sum(nil))
 

@@ -19,7 +19,8 @@ import (
 // found in a later prompt is an edge from the completion that produced it to that call, however
 // the script carried it (whole text, boxed answer, tag contents). Nodes are generate calls
 // grouped by policy and round, the round being the length of the longest chain of calls that
-// feeds the call.
+// feeds the call; an edge's count is how many completions of its source node reached prompts of
+// its target node.
 func Trace(ctx context.Context, scriptPath string, cfg *config.Config, task Task) (graph.Graph, error) {
 	var next atomic.Int64
 	next.Store(traceMarkerBase)
@@ -59,12 +60,13 @@ func traceGraph(gen []*Completion) graph.Graph {
 		policy  string
 		prompt  string
 		comps   []*Completion
-		sources map[*call]int // feeding call → completions of it seen in the prompt
+		sources map[*call]map[*Completion]bool // feeding call → its completions seen in the prompt
 		round   int
 	}
 	calls := map[string]*call{}
 	var order []*call
-	byMarker := map[string]*call{}
+	byMarker := map[string]*Completion{}
+	callOf := map[*Completion]*call{}
 	sort.SliceStable(gen, func(i, j int) bool { return lessKey(gen[i].key, gen[j].key) })
 	for _, c := range gen {
 		id, _, _ := strings.Cut(c.id, "#")
@@ -75,20 +77,25 @@ func traceGraph(gen []*Completion) graph.Graph {
 				prompt.WriteString(m.Content)
 				prompt.WriteByte('\n')
 			}
-			k = &call{id: id, policy: c.policy, prompt: prompt.String(), sources: map[*call]int{}}
+			k = &call{id: id, policy: c.policy, prompt: prompt.String(), sources: map[*call]map[*Completion]bool{}}
 			calls[id] = k
 			order = append(order, k)
 		}
 		k.comps = append(k.comps, c)
+		callOf[c] = k
 		for _, m := range traceMarker.FindAllString(c.text, -1) {
-			byMarker[m] = k
+			byMarker[m] = c
 		}
 	}
 	// Calls are in call-tree order, so every source precedes the calls it feeds.
 	for _, k := range order {
 		for _, m := range traceMarker.FindAllString(k.prompt, -1) {
-			if src := byMarker[m]; src != nil && src != k {
-				k.sources[src]++
+			c := byMarker[m]
+			if src := callOf[c]; src != nil && src != k {
+				if k.sources[src] == nil {
+					k.sources[src] = map[*Completion]bool{}
+				}
+				k.sources[src][c] = true
 				k.round = max(k.round, src.round+1)
 			}
 		}
@@ -96,7 +103,9 @@ func traceGraph(gen []*Completion) graph.Graph {
 	var g graph.Graph
 	index := map[string]int{} // node id → position in g.Nodes
 	nodeOf := func(k *call) string { return fmt.Sprintf("%s_r%d", k.policy, k.round) }
-	edges := map[[2]string]int{}
+	// An edge counts the completions of its source box that reached any prompt of its target
+	// box, each once however many prompts it reached.
+	edges := map[[2]string]map[*Completion]bool{}
 	for _, k := range order {
 		id := nodeOf(k)
 		i, ok := index[id]
@@ -106,8 +115,14 @@ func traceGraph(gen []*Completion) graph.Graph {
 			g.Nodes = append(g.Nodes, graph.Node{ID: id, Policy: k.policy, Round: k.round})
 		}
 		g.Nodes[i].Samples += len(k.comps)
-		for src, cnt := range k.sources {
-			edges[[2]string{nodeOf(src), id}] += cnt
+		for src, comps := range k.sources {
+			e := [2]string{nodeOf(src), id}
+			if edges[e] == nil {
+				edges[e] = map[*Completion]bool{}
+			}
+			for c := range comps {
+				edges[e][c] = true
+			}
 		}
 	}
 	ncalls := map[string]int{}
@@ -121,8 +136,8 @@ func traceGraph(gen []*Completion) graph.Graph {
 			n.Label = "1 generate call"
 		}
 	}
-	for e, cnt := range edges {
-		g.Edges = append(g.Edges, graph.Edge{From: e[0], To: e[1], Count: cnt})
+	for e, comps := range edges {
+		g.Edges = append(g.Edges, graph.Edge{From: e[0], To: e[1], Count: len(comps)})
 	}
 	sort.Slice(g.Edges, func(i, j int) bool {
 		if g.Edges[i].From != g.Edges[j].From {

@@ -23,8 +23,9 @@ func TestTraceDebate(t *testing.T) {
 	if d := cmp.Diff(want, g.Nodes); d != "" {
 		t.Errorf("nodes (-want +got):\n%s", d)
 	}
-	// Every critic sees all three answers of the round before.
-	wantEdges := []graph.Edge{{From: "critic_r1", To: "critic_r2", Count: 9}, {From: "generator_r0", To: "critic_r1", Count: 9}}
+	// Every critic sees all three answers of the round before: three completions feed each round,
+	// however many prompts each of them reached.
+	wantEdges := []graph.Edge{{From: "critic_r1", To: "critic_r2", Count: 3}, {From: "generator_r0", To: "critic_r1", Count: 3}}
 	if d := cmp.Diff(wantEdges, g.Edges); d != "" {
 		t.Errorf("edges (-want +got):\n%s", d)
 	}

@@ -21,9 +21,12 @@ func init() {
 func cmdGraph(args []string) int {
 	fs := flag.NewFlagSet("graph", flag.ContinueOnError)
 	cfgPath := fs.String("config", "", "YAML config (its policies and data source)")
-	out := fs.String("out", "", "folder for NAME.mmd and NAME.svg (default: beside the script)")
+	out := fs.String("out", "", "folder for NAME.mmd and NAME.svg (default: runs/NAME, NAME being the script's name without .star)")
 	fs.Usage = func() {
-		fmt.Fprintln(fs.Output(), "usage: slimen graph SCRIPT [--config Y] [--out DIR]")
+		fmt.Fprintln(fs.Output(), "usage: slimen graph SCRIPT [--config Y] [--out DIR]\n\n"+
+			"Traces one rollout of SCRIPT on scripted policies and draws the dataflow between them as\n"+
+			"NAME.mmd (Mermaid) and NAME.svg in runs/NAME/ under the current folder, or in --out DIR,\n"+
+			"then prints the two paths.")
 		fs.PrintDefaults()
 	}
 	pos, err := parseInterleaved(fs, args)
@@ -53,11 +56,17 @@ func cmdGraph(args []string) int {
 		fmt.Fprintln(os.Stderr, "slimen graph:", err)
 		return 1
 	}
+	// By default the drawings go where runs go (runs/ is the place for outputs, and is ignored by
+	// git), never beside the script.
+	name := strings.TrimSuffix(filepath.Base(script), filepath.Ext(script))
 	dir := *out
 	if dir == "" {
-		dir = filepath.Dir(script)
+		dir = filepath.Join("runs", name)
 	}
-	name := strings.TrimSuffix(filepath.Base(script), filepath.Ext(script))
+	if err := os.MkdirAll(dir, 0o755); err != nil {
+		fmt.Fprintln(os.Stderr, "slimen graph:", err)
+		return 1
+	}
 	mmd, svg := filepath.Join(dir, name+".mmd"), filepath.Join(dir, name+".svg")
 	if err := os.WriteFile(mmd, []byte(graph.Mermaid(g)), 0o644); err != nil {
 		fmt.Fprintln(os.Stderr, "slimen graph:", err)

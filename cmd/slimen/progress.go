@@ -4,7 +4,6 @@ import (
 	"fmt"
 	"io"
 	"os"
-	"sort"
 	"strings"
 	"sync"
 	"time"
@@ -12,28 +11,46 @@ import (
 	"github.com/slimen/slimen/host"
 )
 
-// progress shows a run's progress: on a terminal one live line (step, rollouts done, tokens/s,
-// reward per policy, ETA) redrawn in place; otherwise one plain line per step.
+// progress shows a run's progress. On a terminal a live line (step, rollouts done, tokens/s,
+// reward per policy of the last step, ETA) is redrawn in place while a step runs, and each
+// finished step leaves a line above it; otherwise there is one plain line per finished step.
 type progress struct {
 	w     io.Writer
 	tty   bool
 	total int
-	start time.Time
+	now   func() time.Time // the clock (tests replace it)
+	tick  time.Duration    // how often the live line is redrawn
 
-	mu      sync.Mutex
-	last    string // the latest per-step summary
-	stop    chan struct{}
-	stopped chan struct{}
-	live    bool // a live line is on screen
+	mu        sync.Mutex
+	started   bool      // begin has been called once
+	start     time.Time // when the first step of this process began
+	startStep int       // steps done before it (a resumed run)
+	stepStart time.Time
+	last      string // reward per policy of the last finished step ("" before the first)
+	live      bool   // a live line is on screen
+	stop      chan struct{}
+	stopped   chan struct{}
+}
+
+// liveRun is what the live line reads of a run (a *host.Run).
+type liveRun interface {
+	Live() (done, total, tokens int)
+	StepsDone() int
 }
 
 func newProgress(f *os.File, total int) *progress {
 	st, err := f.Stat()
 	tty := err == nil && st.Mode()&os.ModeCharDevice != 0 && os.Getenv("TERM") != "dumb"
-	return &progress{w: f, tty: tty, total: total, start: time.Now()}
+	return newProgressTo(f, tty, total)
 }
 
-// logWriter is where run log lines go: on a terminal the live line is cleared first.
+// newProgressTo shows progress on w, as on a terminal when tty is set.
+func newProgressTo(w io.Writer, tty bool, total int) *progress {
+	return &progress{w: w, tty: tty, total: total, now: time.Now, tick: 200 * time.Millisecond}
+}
+
+// logWriter is where run log lines go: on a terminal the live line is cleared first (the next
+// redraw puts it back under them).
 func (p *progress) logWriter() io.Writer { return logLines{p} }
 
 type logLines struct{ p *progress }
@@ -41,50 +58,73 @@ type logLines struct{ p *progress }
 func (l logLines) Write(b []byte) (int, error) {
 	l.p.mu.Lock()
 	defer l.p.mu.Unlock()
-	if l.p.live {
-		fmt.Fprint(l.p.w, "\r\033[K")
-		l.p.live = false
-	}
+	l.p.clearLive()
 	return l.p.w.Write(b)
 }
 
+// clearLive erases the live line; p.mu is held.
+func (p *progress) clearLive() {
+	if p.live {
+		fmt.Fprint(p.w, "\r\033[K")
+		p.live = false
+	}
+}
+
 // begin starts redrawing the live line for the step now starting.
-func (p *progress) begin(r *host.Run) {
+func (p *progress) begin(r liveRun) {
+	p.mu.Lock()
+	p.stepStart = p.now()
+	if !p.started {
+		p.started, p.start, p.startStep = true, p.stepStart, r.StepsDone()
+	}
+	p.mu.Unlock()
 	if !p.tty {
 		return
 	}
 	p.stop, p.stopped = make(chan struct{}), make(chan struct{})
-	go func() {
-		defer close(p.stopped)
-		t := time.NewTicker(200 * time.Millisecond)
+	go func(stop <-chan struct{}, stopped chan<- struct{}) {
+		defer close(stopped)
+		t := time.NewTicker(p.tick)
 		defer t.Stop()
-		stepStart := time.Now()
 		for {
 			select {
-			case <-p.stop:
+			case <-stop:
 				return
 			case <-t.C:
+				p.drawLive(r)
 			}
-			done, total, tokens := r.Live()
-			rate := float64(tokens) / time.Since(stepStart).Seconds()
-			p.draw(fmt.Sprintf("step %d/%d · rollouts %d/%d · %.0f tok/s · %s · ETA %s",
-				r.StepsDone()+1, p.total, done, total, rate, p.last, p.eta(r.StepsDone())))
 		}
-	}()
+	}(p.stop, p.stopped)
 }
 
-func (p *progress) draw(s string) {
+// drawLive redraws the live line of the step in progress.
+func (p *progress) drawLive(r liveRun) {
+	done, total, tokens := r.Live()
+	steps := r.StepsDone()
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	fmt.Fprintf(p.w, "\r\033[K%s", s)
+	parts := []string{
+		fmt.Sprintf("step %d/%d", steps+1, p.total),
+		fmt.Sprintf("rollouts %d/%d", done, total),
+	}
+	if s := p.now().Sub(p.stepStart).Seconds(); s > 0 {
+		parts = append(parts, fmt.Sprintf("%.0f tok/s", float64(tokens)/s))
+	}
+	if p.last != "" {
+		parts = append(parts, p.last)
+	}
+	parts = append(parts, "ETA "+p.eta(steps))
+	fmt.Fprintf(p.w, "\r\033[K%s", strings.Join(parts, " · "))
 	p.live = true
 }
 
+// eta estimates the time left from the pace of the steps this process ran; p.mu is held.
 func (p *progress) eta(done int) string {
-	if done == 0 {
+	ran := done - p.startStep
+	if !p.started || ran <= 0 {
 		return "?"
 	}
-	left := time.Duration(float64(time.Since(p.start)) / float64(done) * float64(p.total-done))
+	left := time.Duration(float64(p.now().Sub(p.start)) / float64(ran) * float64(p.total-done))
 	return left.Round(time.Second).String()
 }
 
@@ -96,34 +136,49 @@ func (p *progress) halt() {
 	}
 }
 
-// step reports a finished step.
+// rewards renders the reward of each policy; a policy that generated nothing (a PPO critic) is
+// named without one.
+func rewards(res *host.StepResult) string {
+	var parts []string
+	for _, m := range res.Policies { // sorted by name
+		if m.Float("completions") > 0 {
+			parts = append(parts, fmt.Sprintf("%s %.2f", m.Policy(), m.Float("reward_mean")))
+		} else {
+			parts = append(parts, m.Policy()+" –")
+		}
+	}
+	if len(parts) == 0 {
+		return ""
+	}
+	return "reward " + strings.Join(parts, " ")
+}
+
+// step reports a finished step: a line that stays (on a terminal, in place of the live line).
 func (p *progress) step(res *host.StepResult) {
 	p.halt()
-	var parts []string
-	for _, m := range res.Policies {
-		parts = append(parts, fmt.Sprintf("%s %.2f", m.Policy(), m.Float("reward_mean")))
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	p.last = rewards(res)
+	parts := []string{fmt.Sprintf("step %d/%d", res.Step, p.total)}
+	if p.last != "" {
+		parts = append(parts, p.last)
 	}
-	sort.Strings(parts)
-	p.last = "reward " + strings.Join(parts, " ")
-	line := fmt.Sprintf("step %d/%d · %s · %.1fs (rollout %.1fs, train %.1fs) · %.0f tok/s",
-		res.Step, p.total, p.last, res.Run.Float("step_s"), res.Run.Float("rollout_s"),
-		res.Run.Float("train_s"), res.Run.Float("tokens_per_s"))
+	parts = append(parts,
+		fmt.Sprintf("%.1fs (rollout %.1fs, train %.1fs)", res.Run.Float("step_s"), res.Run.Float("rollout_s"), res.Run.Float("train_s")),
+		fmt.Sprintf("%.0f tok/s", res.Run.Float("tokens_per_s")))
 	if len(res.Failed) > 0 {
-		line += fmt.Sprintf(" · %d rollouts failed", len(res.Failed))
+		parts = append(parts, fmt.Sprintf("%d rollouts failed", len(res.Failed)))
 	}
 	if p.tty {
-		p.draw(line + " · ETA " + p.eta(res.Step))
-		return
+		p.clearLive()
+		parts = append(parts, "ETA "+p.eta(res.Step))
 	}
-	fmt.Fprintln(p.w, line)
+	fmt.Fprintln(p.w, strings.Join(parts, " · "))
 }
 
 func (p *progress) end() {
 	p.halt()
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	if p.live {
-		fmt.Fprintln(p.w)
-		p.live = false
-	}
+	p.clearLive()
 }

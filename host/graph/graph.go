@@ -18,7 +18,8 @@ type Node struct {
 	Samples int    `json:"samples"`
 }
 
-// Edge says that Count completions of From had their text reach a prompt of To.
+// Edge says that completions of From had their text reach prompts of To. Count is how many
+// completions of From did, each counted once however many prompts of To it reached.
 type Edge struct {
 	From  string `json:"from"`
 	To    string `json:"to"`

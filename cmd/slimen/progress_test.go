@@ -1,0 +1,98 @@
+package main
+
+import (
+	"bytes"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/google/go-cmp/cmp"
+
+	"github.com/slimen/slimen/host"
+)
+
+// fakeRun is the step in progress as the live line reads it.
+type fakeRun struct{ done, total, tokens, steps int }
+
+func (f *fakeRun) Live() (int, int, int) { return f.done, f.total, f.tokens }
+func (f *fakeRun) StepsDone() int        { return f.steps }
+
+// stepResult is a finished step of policies a (rewarded) and critic (no completions: a PPO critic).
+func stepResult(step int) *host.StepResult {
+	return &host.StepResult{
+		Step: step,
+		Policies: []host.Metrics{
+			{"step": step, "policy": "a", "reward_mean": 0.5, "completions": 4},
+			{"step": step, "policy": "critic", "reward_mean": 0.0, "completions": 0},
+		},
+		Run: host.Metrics{"step": step, "policy": "_run", "step_s": 4.0, "rollout_s": 3.0, "train_s": 1.0, "tokens_per_s": 25.0},
+	}
+}
+
+// fakeClock is a clock the test moves by hand.
+type fakeClock struct{ t time.Time }
+
+func (c *fakeClock) now() time.Time          { return c.t }
+func (c *fakeClock) advance(d time.Duration) { c.t = c.t.Add(d) }
+
+// On a terminal: the live line is redrawn in place (carriage return, erase line), a finished step
+// replaces it with a line of its own that stays, log lines clear the live line first, and ETA
+// comes from the pace of the steps this process ran.
+func TestProgressTerminal(t *testing.T) {
+	var buf bytes.Buffer
+	clock := &fakeClock{t: time.Unix(1000, 0)}
+	p := newProgressTo(&buf, true, 10)
+	p.now, p.tick = clock.now, time.Hour                      // the test draws the live line itself
+	run := &fakeRun{done: 3, total: 8, tokens: 100, steps: 2} // a run resumed after step 2
+
+	p.begin(run)
+	clock.advance(2 * time.Second)
+	p.drawLive(run)
+	run.done, run.tokens = 8, 150
+	clock.advance(time.Second)
+	p.drawLive(run)
+	clock.advance(time.Second)
+	p.step(stepResult(3))
+	run.steps, run.done, run.tokens = 3, 1, 40
+	p.begin(run)
+	clock.advance(2 * time.Second)
+	p.drawLive(run)
+	p.logWriter().Write([]byte("checkpoint: saved\n"))
+	p.drawLive(run)
+	p.end()
+
+	const clr = "\r\033[K"
+	want := clr + "step 3/10 · rollouts 3/8 · 50 tok/s · ETA ?" +
+		clr + "step 3/10 · rollouts 8/8 · 50 tok/s · ETA ?" +
+		clr + "step 3/10 · reward a 0.50 critic – · 4.0s (rollout 3.0s, train 1.0s) · 25 tok/s · ETA 28s\n" +
+		clr + "step 4/10 · rollouts 1/8 · 20 tok/s · reward a 0.50 critic – · ETA 42s" +
+		clr + "checkpoint: saved\n" +
+		clr + "step 4/10 · rollouts 1/8 · 20 tok/s · reward a 0.50 critic – · ETA 42s" +
+		clr
+	if d := cmp.Diff(strings.Split(want, "\r"), strings.Split(buf.String(), "\r")); d != "" {
+		t.Errorf("terminal output (-want +got), split at carriage returns:\n%s", d)
+	}
+}
+
+// Not on a terminal: one plain line per finished step, no live line, no control characters.
+func TestProgressPlain(t *testing.T) {
+	var buf bytes.Buffer
+	p := newProgressTo(&buf, false, 10)
+	p.tick = time.Millisecond // a live line, if one were drawn, would show up
+	run := &fakeRun{done: 3, total: 8, tokens: 100}
+	p.begin(run)
+	time.Sleep(20 * time.Millisecond)
+	p.step(stepResult(1))
+	p.logWriter().Write([]byte("checkpoint: saved\n"))
+	res := stepResult(2)
+	res.Failed = []*host.RolloutError{{Step: 2, TaskID: "t1", Msg: "boom"}}
+	p.begin(run)
+	p.step(res)
+	p.end()
+	want := "step 1/10 · reward a 0.50 critic – · 4.0s (rollout 3.0s, train 1.0s) · 25 tok/s\n" +
+		"checkpoint: saved\n" +
+		"step 2/10 · reward a 0.50 critic – · 4.0s (rollout 3.0s, train 1.0s) · 25 tok/s · 1 rollouts failed\n"
+	if d := cmp.Diff(want, buf.String()); d != "" {
+		t.Errorf("plain output (-want +got):\n%s", d)
+	}
+}
