@@ -17,10 +17,10 @@ type AdvInput struct {
 
 // Estimator names an advantage estimator and its settings (REFERENCE.md, Formulas).
 type Estimator struct {
-	Name         string // grpo | gspo | rloo | reinforce_plus_plus | reinforce_plus_plus_baseline
-	Normalize    bool   // rewards_normalization: false trains on raw rewards
-	StdNormalize bool   // grpo_std_normalization: divide by the group's std
-	Gamma        float64
+	Name         string  // grpo | gspo | rloo | reinforce_plus_plus | reinforce_plus_plus_baseline
+	Normalize    bool    // rewards_normalization: false trains on raw rewards
+	StdNormalize bool    // grpo_std_normalization: divide by the group's std
+	Gamma        float64 // discount of reinforce_plus_plus returns (G_t = r_t + γ·G_{t+1}); 1 undiscounted
 }
 
 func estimatorOf(tc config.TrainConfig) Estimator {
@@ -40,9 +40,12 @@ const groupEps = 1e-6
 //	grpo, gspo:  A = (r − mean_g)/(std_g + 1e-6), std unbiased (n−1); without std normalisation
 //	             (or for groups of one) A = r − mean_g; without reward normalisation A = r.
 //	rloo:        A_i = r_i − mean of the other samples of its group (0 alone).
-//	reinforce_plus_plus: every token gets the return r (γ = 1, no reward-side KL), then all
-//	             tokens of the batch are whitened: (A − mean)/(std + 1e-8).
-//	reinforce_plus_plus_baseline: r − mean_g, then whitened the same way.
+//	reinforce_plus_plus: the reward sits on the last token and token t of T gets the discounted
+//	             return G_t = r_t + γ·G_{t+1} = γ^(T−1−t)·r (no reward-side KL), then all
+//	             tokens of the batch are whitened: (A − mean)/sqrt(var + 1e-8), var unbiased,
+//	             as slime's distributed_masked_whiten.
+//	reinforce_plus_plus_baseline: r − mean_g (r without reward normalisation; no discount, as in
+//	             slime), then whitened the same way.
 func ComputeAdvantages(est Estimator, in []AdvInput) ([][]float32, error) {
 	seq := make([]float64, len(in))
 	groups := map[string][]int{}
@@ -91,7 +94,7 @@ func ComputeAdvantages(est Estimator, in []AdvInput) ([][]float32, error) {
 			mean, _ := groupStats(in, idx)
 			for _, i := range idx {
 				seq[i] = in[i].Reward
-				if est.Name == "reinforce_plus_plus_baseline" {
+				if est.Name == "reinforce_plus_plus_baseline" && est.Normalize {
 					seq[i] -= mean
 				}
 			}
@@ -110,6 +113,13 @@ func ComputeAdvantages(est Estimator, in []AdvInput) ([][]float32, error) {
 		case s.Override != nil:
 			for t := range a {
 				a[t] = float32(s.Override[0])
+			}
+		case est.Name == "reinforce_plus_plus":
+			// G_t = r_t + γ·G_{t+1} with the reward on the last token only.
+			g := seq[i]
+			for t := len(a) - 1; t >= 0; t-- {
+				a[t] = float32(g)
+				g *= est.Gamma
 			}
 		default:
 			for t := range a {
@@ -167,13 +177,18 @@ func whiten(in []AdvInput, adv [][]float32) {
 			sq += (float64(x) - mean) * (float64(x) - mean)
 		}
 	}
-	std := math.Sqrt(sq / float64(n))
+	// slime's distributed_masked_whiten: Bessel-corrected variance, (x − mean)·rsqrt(var + 1e-8).
+	variance := sq / float64(n)
+	if n >= 2 {
+		variance = sq / float64(n-1)
+	}
+	scale := 1 / math.Sqrt(variance+1e-8)
 	for i, a := range adv {
 		if in[i].Override != nil {
 			continue
 		}
 		for t := range a {
-			a[t] = float32((float64(a[t]) - mean) / (std + 1e-8))
+			a[t] = float32((float64(a[t]) - mean) * scale)
 		}
 	}
 }

@@ -1,6 +1,11 @@
 package tiny
 
 import (
+	"crypto/sha256"
+	"encoding/binary"
+	"encoding/hex"
+	"fmt"
+	"math"
 	"strings"
 	"testing"
 
@@ -66,5 +71,62 @@ func TestArithExample(t *testing.T) {
 	}
 	if _, ok := lastBoxed(`\boxed{12`); ok {
 		t.Fatal("unterminated box accepted")
+	}
+}
+
+// pretrainRecipe is `slimen pretrain`'s default recipe (cmd/slimen/pretrain.go: DefaultConfig,
+// --seed 1, synthetic:arith at difficulty 2, --batch-size 64, --lr 3e-3, --warmup 100,
+// --weight-decay 0.01), the one that made builtin:tiny-arith with --steps 900.
+func pretrainRecipe(t *testing.T, steps int) *Engine {
+	t.Helper()
+	arith, ok, err := synthetic.ParseSpec("synthetic:arith", 1)
+	if err != nil || !ok {
+		t.Fatalf("synthetic:arith: %v", err)
+	}
+	e, err := New(DefaultConfig(), 1, Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	err = Pretrain(ctx, e, func(i int) Example { return ArithExample(arith, i) }, PretrainOptions{
+		Steps: steps, BatchSize: 64, LR: 3e-3, WarmupSteps: 100, WeightDecay: 0.01,
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return e
+}
+
+// weightsSHA256 hashes every parameter in canonical order: name, shape, little-endian float32 bits.
+func weightsSHA256(e *Engine) string {
+	h := sha256.New()
+	for _, tn := range e.m.w.tensors() {
+		fmt.Fprintf(h, "%s%v;", tn.name, tn.shape)
+		buf := make([]byte, 0, 4*len(tn.data))
+		for _, v := range tn.data {
+			buf = binary.LittleEndian.AppendUint32(buf, math.Float32bits(v))
+		}
+		h.Write(buf)
+	}
+	return hex.EncodeToString(h.Sum(nil))
+}
+
+// pinnedPretrain is weightsSHA256 after pinnedSteps steps of pretrainRecipe (about 12 s of CPU time). Every bit of the training
+// numerics (initialisation, corpus, forward, backward, AdamW, the learning-rate schedule) feeds
+// it; builtin:tiny-arith is the same recipe run for 900 steps, so an unintended change here means
+// `slimen pretrain` no longer reproduces the embedded checkpoint. If a change is intended, refresh
+// the hash with the one this test prints (go test ./engines/tiny -run TestPretrainPinned -v),
+// rebuild builtin:tiny-arith with `slimen pretrain --out engines/tiny/builtin/tiny-arith` and
+// regenerate the compat fixture (go test ./engines/tiny -run TestCompatTinyArith -update).
+const (
+	pinnedSteps    = 10
+	pinnedPretrain = "c0e4f9ee609f6b33392c7c111e2af78cbb42c2075cde132f5006dd8485742ab4"
+)
+
+// TestPretrainPinned guards the pretraining numerics with a short run of the embedded
+// checkpoint's recipe.
+func TestPretrainPinned(t *testing.T) {
+	if got := weightsSHA256(pretrainRecipe(t, pinnedSteps)); got != pinnedPretrain {
+		t.Fatalf("%d steps of the builtin:tiny-arith pretraining recipe give weights with sha256 %s, pinned %s: the training numerics changed",
+			pinnedSteps, got, pinnedPretrain)
 	}
 }

@@ -4,6 +4,10 @@ testdata/tiny_compat/ holds model folders written by the Go engine (engines/tiny
 what the Go side computed for them: logits for some token sequences, token ids for some texts and
 chat renderings. transformers must load the folders as they are and find the same numbers.
 Regenerate the fixture with `go test ./engines/tiny -run TestCompatFixture -update`.
+
+The embedded base checkpoint builtin:tiny-arith (engines/tiny/builtin/tiny-arith, the folder
+compiled into the slimen binary) is checked the same way against tiny_arith.json, which the Go
+engine writes for it: `go test ./engines/tiny -run TestCompatTinyArith -update`.
 """
 
 import json
@@ -13,9 +17,18 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-FIXTURE = pathlib.Path(__file__).resolve().parents[3] / "testdata" / "tiny_compat"
+REPO = pathlib.Path(__file__).resolve().parents[3]
+FIXTURE = REPO / "testdata" / "tiny_compat"
 EXPECTED = json.loads((FIXTURE / "expected.json").read_text())
 MODELS = sorted(EXPECTED["models"])
+BUILTIN = REPO / "engines" / "tiny" / "builtin" / "tiny-arith"
+TINY_ARITH = json.loads((FIXTURE / "tiny_arith.json").read_text())
+
+
+def relative_error(got, ref):
+    """The largest elementwise difference relative to the largest |logit| of the reference: an
+    elementwise relative error is meaningless for logits near zero."""
+    return ((got - ref).abs().max() / ref.abs().max()).item()
 
 
 @pytest.fixture(scope="module")
@@ -33,10 +46,7 @@ def test_logits_match_go(name):
     for seq, logits in zip(want["sequences"], want["logits"]):
         with torch.no_grad():
             got = model(torch.tensor([seq])).logits[0]
-        ref = torch.tensor(logits)
-        # Relative to the scale of the logits: elementwise relative error is meaningless for
-        # logits near zero.
-        err = (got - ref).abs().max() / ref.abs().max()
+        err = relative_error(got, torch.tensor(logits))
         assert err < 1e-4, f"{name}: sequence of {len(seq)} tokens, relative error {err:.2e}"
 
 
@@ -65,3 +75,34 @@ def test_chat_template_matches_go(tokenizer, case):
     )
     assert rendered == case["rendered"]
     assert tokenizer(rendered, add_special_tokens=False)["input_ids"] == case["ids"]
+
+
+@pytest.fixture(scope="module")
+def tiny_arith():
+    model = AutoModelForCausalLM.from_pretrained(BUILTIN, dtype=torch.float32)
+    model.eval()
+    return model, AutoTokenizer.from_pretrained(BUILTIN)
+
+
+def test_builtin_tiny_arith_fixture_is_for_it():
+    assert TINY_ARITH["model"] == "builtin:tiny-arith"
+    assert len(TINY_ARITH["cases"]) >= 2
+
+
+@pytest.mark.parametrize("case", TINY_ARITH["cases"], ids=lambda c: c["messages"][-1]["content"][:20])
+def test_builtin_tiny_arith_matches_go(tiny_arith, case):
+    """transformers loads the embedded checkpoint folder as it is, renders and tokenizes the chat
+    as the Go engine does, and computes the Go engine's logits at every position."""
+    model, tok = tiny_arith
+    assert type(model).__name__ == "LlamaForCausalLM"
+    rendered = tok.apply_chat_template(case["messages"], tokenize=False, add_generation_prompt=True)
+    assert rendered + case["response"] == case["text"]
+    ids = tok(case["text"], add_special_tokens=True)["input_ids"]
+    assert ids == case["ids"]
+    assert tok.decode(ids) == case["text"]
+    with torch.no_grad():
+        got = model(torch.tensor([ids])).logits[0]
+    ref = torch.tensor(case["logits"])
+    assert got.shape == ref.shape
+    err = relative_error(got, ref)
+    assert err < 1e-4, f"builtin:tiny-arith, {len(ids)} tokens: relative error {err:.2e}"

@@ -1,0 +1,271 @@
+package host
+
+import (
+	"context"
+	"fmt"
+	"math"
+	"testing"
+
+	"github.com/google/go-cmp/cmp"
+	"github.com/google/go-cmp/cmp/cmpopts"
+
+	"github.com/slimen/slimen/engines"
+	"github.com/slimen/slimen/engines/scripted"
+)
+
+// advCases is the batch of TestAdvantagesByHand: group a has rewards 1 (two tokens), 0, 0; group b
+// one sample with reward 5; group c two samples whose advantages the script gave.
+var advCases = []AdvInput{
+	{Reward: 1, Group: "a", Tokens: 2},
+	{Reward: 0, Group: "a", Tokens: 1},
+	{Reward: 0, Group: "a", Tokens: 1},
+	{Reward: 5, Group: "b", Tokens: 1},
+	{Reward: 3, Group: "c", Tokens: 1, Override: []float64{0.25}},
+	{Reward: 3, Group: "c", Tokens: 2, Override: []float64{1, 2}},
+}
+
+// TestAdvantagesBaselineByHand: reinforce_plus_plus_baseline subtracts the group mean (with
+// rewards_normalization, as slime's reward post-processing does), broadcasts it to every token
+// without discount and whitens all tokens of the batch with slime's distributed_masked_whiten:
+// (x − mean)/sqrt(unbiased var + 1e-8). Script-given advantages stay as given.
+func TestAdvantagesBaselineByHand(t *testing.T) {
+	// Group a: mean 1/3 → 2/3, −1/3, −1/3; group b: 5 − 5 = 0. Tokens: 2/3, 2/3, −1/3, −1/3, 0.
+	// Batch mean 2/15; deviations 8/15 (×2), −7/15 (×2), −2/15; Σ squares 230/225; var 230/900.
+	sd := math.Sqrt(230.0/900 + 1e-8)
+	hi, lo, b := f((8.0/15)/sd), f((-7.0/15)/sd), f((-2.0/15)/sd)
+	want := [][]float32{{hi, hi}, {lo}, {lo}, {b}, {0.25}, {1, 2}}
+	// γ does not discount the baseline variant (slime broadcasts r − mean).
+	for _, gamma := range []float64{1, 0.5} {
+		got, err := ComputeAdvantages(Estimator{Name: "reinforce_plus_plus_baseline", Normalize: true, StdNormalize: true, Gamma: gamma}, advCases)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if d := cmp.Diff(want, got, cmpopts.EquateApprox(0, 1e-5)); d != "" {
+			t.Errorf("reinforce_plus_plus_baseline, γ=%v (-want +got):\n%s", gamma, d)
+		}
+	}
+	// Without rewards_normalization slime subtracts no baseline: the raw rewards 1, 1, 0, 0, 5
+	// are whitened (mean 1.4, Σ squares 17.2, var 17.2/4).
+	sd = math.Sqrt(17.2/4 + 1e-8)
+	w := func(x float64) float32 { return f((x - 1.4) / sd) }
+	got, err := ComputeAdvantages(Estimator{Name: "reinforce_plus_plus_baseline", Gamma: 1}, advCases[:4])
+	if err != nil {
+		t.Fatal(err)
+	}
+	if d := cmp.Diff([][]float32{{w(1), w(1)}, {w(0)}, {w(0)}, {w(5)}}, got, cmpopts.EquateApprox(0, 1e-5)); d != "" {
+		t.Errorf("reinforce_plus_plus_baseline without reward normalisation (-want +got):\n%s", d)
+	}
+}
+
+// TestReinforcePlusPlusDiscount: REFERENCE.md's returns G_t = r_t + γ·G_{t+1} with the reward on the
+// last token (slime's get_reinforce_plus_plus_returns, kl_coef 0), then batch whitening.
+func TestReinforcePlusPlusDiscount(t *testing.T) {
+	in := []AdvInput{
+		{Reward: 2, Group: "a", Tokens: 2}, // γ = 0.5: returns 1, 2
+		{Reward: 0, Group: "a", Tokens: 2}, // 0, 0
+		{Reward: 9, Group: "b", Tokens: 3, Override: []float64{7}},
+	}
+	// Tokens 1, 2, 0, 0: mean 0.75, deviations 0.25, 1.25, −0.75, −0.75, Σ squares 2.75, var 2.75/3.
+	sd := math.Sqrt(2.75/3 + 1e-8)
+	w := func(x float64) float32 { return f((x - 0.75) / sd) }
+	got, err := ComputeAdvantages(Estimator{Name: "reinforce_plus_plus", Normalize: true, StdNormalize: true, Gamma: 0.5}, in)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if d := cmp.Diff([][]float32{{w(1), w(2)}, {w(0), w(0)}, {7, 7, 7}}, got, cmpopts.EquateApprox(0, 1e-5)); d != "" {
+		t.Errorf("reinforce++ γ=0.5 (-want +got):\n%s", d)
+	}
+	// γ = 0: only the last token carries the reward (returns 0, 2 and 0, 0: mean 0.5, var 3/3).
+	got, _ = ComputeAdvantages(Estimator{Name: "reinforce_plus_plus", Gamma: 0}, in[:2])
+	sd = math.Sqrt(1 + 1e-8)
+	if d := cmp.Diff([][]float32{{f(-0.5 / sd), f(1.5 / sd)}, {f(-0.5 / sd), f(-0.5 / sd)}}, got, cmpopts.EquateApprox(0, 1e-5)); d != "" {
+		t.Errorf("reinforce++ γ=0 (-want +got):\n%s", d)
+	}
+}
+
+// TestGSPOAdvantagesByHand: GSPO's advantages are GRPO's group normalisation (the sequence-level
+// ratio is the engine's business, selected through LossConfig.PolicyLoss).
+func TestGSPOAdvantagesByHand(t *testing.T) {
+	// Group a: mean 1/3, unbiased std sqrt(1/3); group b alone: 5 − 5 = 0.
+	s := math.Sqrt(1.0 / 3)
+	a1, a0 := f((2.0/3)/(s+1e-6)), f((-1.0/3)/(s+1e-6))
+	for _, c := range []struct {
+		name string
+		est  Estimator
+		want [][]float32
+	}{
+		{"std", Estimator{Name: "gspo", Normalize: true, StdNormalize: true, Gamma: 0.5}, [][]float32{{a1, a1}, {a0}, {a0}, {0}, {0.25}, {1, 2}}},
+		{"no std", Estimator{Name: "gspo", Normalize: true}, [][]float32{{2.0 / 3, 2.0 / 3}, {-1.0 / 3}, {-1.0 / 3}, {0}, {0.25}, {1, 2}}},
+		{"raw", Estimator{Name: "gspo"}, [][]float32{{1, 1}, {0}, {0}, {5}, {0.25}, {1, 2}}},
+	} {
+		got, err := ComputeAdvantages(c.est, advCases)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if d := cmp.Diff(c.want, got, cmpopts.EquateApprox(0, 1e-6)); d != "" {
+			t.Errorf("gspo %s (-want +got):\n%s", c.name, d)
+		}
+	}
+}
+
+// TestEstimatorSelectsPolicyLoss runs a step per estimator on a scripted engine: gspo must reach
+// the engine as the sequence-level policy loss, the others as the per-token PPO loss, with the
+// policy's clip settings and the gspo advantages computed by hand.
+func TestEstimatorSelectsPolicyLoss(t *testing.T) {
+	src := `
+def rollout(task):
+    cs = generate("p", task.prompt, n = 3)
+    for c in cs:
+        reward(c, 1.0 if c.text == "0" else 0.0)
+    train(cs)
+`
+	s := math.Sqrt(1.0 / 3)
+	hi, lo := f((2.0/3)/(s+1e-6)), f((-1.0/3)/(s+1e-6))
+	for est, wantLoss := range map[string]string{"gspo": "gspo", "grpo": "ppo", "reinforce_plus_plus": "ppo", "rloo": "ppo"} {
+		cfg := testConfig(2, "p")
+		cfg.Policies[0].Train.AdvantageEstimator = est
+		cfg.Policies[0].Train.EpsClip, cfg.Policies[0].Train.EpsClipHigh = 3e-4, 4e-4
+		eng := scripted.New(func(req scripted.Request) string { return fmt.Sprint(req.Index) })
+		r := loadRun(t, src, cfg, map[string]engines.Engine{"p": eng}, numberedTasks(2))
+		if _, err := r.Step(context.Background()); err != nil {
+			t.Fatal(err)
+		}
+		b := eng.Batches()
+		if len(b) != 1 {
+			t.Fatalf("%s: %d training batches, want 1", est, len(b))
+		}
+		if l := b[0].Loss; l.PolicyLoss != wantLoss || l.EpsClip != 3e-4 || l.EpsClipHigh != 4e-4 {
+			t.Errorf("advantage_estimator %s: engine got policy loss %q (eps_clip %v/%v), want %q", est, l.PolicyLoss, l.EpsClip, l.EpsClipHigh, wantLoss)
+		}
+		if est != "gspo" {
+			continue
+		}
+		for i, smp := range b[0].Samples {
+			want := lo
+			if i%3 == 0 {
+				want = hi
+			}
+			for _, a := range smp.Advantages {
+				if math.Abs(float64(a-want)) > 1e-5 {
+					t.Errorf("gspo sample %d: advantage %v, want %v", i, a, want)
+				}
+			}
+		}
+	}
+}
+
+// TestSharedAndSplitBuffers runs real steps with three policies on scripted engines. Policy a
+// answers twice per task, b and c once; all samples of a task share its group. With a and b in
+// buffer_mode shared they are normalised together (a task's group spans both), c alone; split,
+// every policy is normalised alone. Each engine trains on its own samples only.
+func TestSharedAndSplitBuffers(t *testing.T) {
+	src := `
+def rollout(task):
+    xs = generate("a", task.prompt, n = 2)
+    y = generate("b", task.prompt)
+    z = generate("c", task.prompt)
+    # task t0: a gets 1, 0; task t1: a gets 1, 1. b always 0, c always 1.
+    reward(xs[0], 1.0)
+    reward(xs[1], 0.0 if task.id == "t0" else 1.0)
+    reward(y, 0.0)
+    reward(z, 1.0)
+    train(xs + [y, z])
+`
+	s := math.Sqrt(1.0 / 3) // unbiased std of {1, 0, 0} (mean 1/3) and of {1, 1, 0} (mean 2/3)
+	big, down := f((2.0/3)/(s+1e-6)), f((-1.0/3)/(s+1e-6))
+	up, down2 := f((1.0/3)/(s+1e-6)), f((-2.0/3)/(s+1e-6))
+	half := f(0.5 / (math.Sqrt(0.5) + 1e-6)) // a alone in t0: {1, 0}
+	for _, c := range []struct {
+		mode string
+		want map[string][]float32 // per policy, one advantage per sample in task order
+	}{
+		{"shared", map[string][]float32{
+			"a": {big, down, up, up}, // t0 {a:1, a:0, b:0}; t1 {a:1, a:1, b:0}
+			"b": {down, down2},
+			"c": {0, 0}, // split: alone in its group
+		}},
+		{"split", map[string][]float32{
+			"a": {half, -half, 0, 0}, // t0 {1, 0}; t1 {1, 1}
+			"b": {0, 0},
+			"c": {0, 0},
+		}},
+	} {
+		t.Run(c.mode, func(t *testing.T) {
+			cfg := testConfig(2, "a", "b", "c")
+			cfg.Policies[0].BufferMode, cfg.Policies[1].BufferMode = c.mode, c.mode
+			engs := map[string]*scripted.Engine{}
+			given := map[string]engines.Engine{}
+			for _, p := range []string{"a", "b", "c"} {
+				engs[p] = scripted.Echo("answer of " + p)
+				given[p] = engs[p]
+			}
+			r := loadRun(t, src, cfg, given, numberedTasks(2))
+			res, err := r.Step(context.Background())
+			if err != nil {
+				t.Fatal(err)
+			}
+			if len(res.Failed) > 0 {
+				t.Fatal(res.Failed[0])
+			}
+			for p, want := range c.want {
+				b := engs[p].Batches()
+				if len(b) != 1 {
+					t.Fatalf("policy %s: %d training batches, want 1", p, len(b))
+				}
+				var got []float32
+				for i, smp := range b[0].Samples {
+					if text := scripted.Decode(smp.Response); text != "answer of "+p {
+						t.Errorf("policy %s trained sample %d of another policy: %q", p, i, text)
+					}
+					if smp.Group != fmt.Sprintf("t%d", i*2/len(b[0].Samples)) {
+						t.Errorf("policy %s sample %d: group %q", p, i, smp.Group)
+					}
+					for _, a := range smp.Advantages[1:] {
+						if a != smp.Advantages[0] {
+							t.Errorf("policy %s sample %d: advantages differ across tokens: %v", p, i, smp.Advantages)
+						}
+					}
+					got = append(got, smp.Advantages[0])
+				}
+				if d := cmp.Diff(want, got, cmpopts.EquateApprox(0, 1e-5)); d != "" {
+					t.Errorf("%s buffers, policy %s advantages (-want +got):\n%s", c.mode, p, d)
+				}
+			}
+		})
+	}
+}
+
+// TestGammaFromConfigReachesReinforcePlusPlus: the policy's train.gamma discounts the returns the
+// engine trains on.
+func TestGammaFromConfigReachesReinforcePlusPlus(t *testing.T) {
+	cfg := testConfig(1, "p")
+	cfg.Policies[0].Train.AdvantageEstimator = "reinforce_plus_plus"
+	cfg.Policies[0].Train.Gamma = 0.5
+	// Two samples of three tokens ("ab" + EOS): rewards 4 and 0 give returns 1, 2, 4 and 0, 0, 0.
+	eng := scripted.Echo("ab")
+	r := loadRun(t, `
+def rollout(task):
+    cs = generate("p", task.prompt, n = 2)
+    reward(cs[0], 4.0)
+    reward(cs[1], 0.0)
+    train(cs)
+`, cfg, map[string]engines.Engine{"p": eng}, numberedTasks(1))
+	if _, err := r.Step(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	// Mean 7/6; Σ squares of the deviations 14.8333…; var that over 5.
+	mean := 7.0 / 6
+	var sq float64
+	for _, x := range []float64{1, 2, 4, 0, 0, 0} {
+		sq += (x - mean) * (x - mean)
+	}
+	sd := math.Sqrt(sq/5 + 1e-8)
+	w := func(x float64) float32 { return f((x - mean) / sd) }
+	var got [][]float32
+	for _, s := range eng.Batches()[0].Samples {
+		got = append(got, s.Advantages)
+	}
+	if d := cmp.Diff([][]float32{{w(1), w(2), w(4)}, {w(0), w(0), w(0)}}, got, cmpopts.EquateApprox(0, 1e-5)); d != "" {
+		t.Errorf("reinforce++ with gamma 0.5 from the config (-want +got):\n%s", d)
+	}
+}
