@@ -79,7 +79,7 @@ func TestDebateExampleRewards(t *testing.T) {
 	first := critic.Calls()[0]
 	var prompts []string
 	for _, req := range first {
-		if strings.HasPrefix(req.ID, "a/") { // task a's three critics, in agent order
+		if strings.HasPrefix(rolloutID(req.ID), "a/") { // task a's three critics, in agent order
 			prompts = append(prompts, req.Messages[0].Content)
 		}
 	}

@@ -21,6 +21,7 @@ import (
 	"github.com/slimen/slimen/engines"
 	"github.com/slimen/slimen/host/config"
 	"github.com/slimen/slimen/host/data"
+	"github.com/slimen/slimen/host/plot"
 )
 
 // Options configure a run.
@@ -35,6 +36,10 @@ type Options struct {
 	// Zero marks a zero-config run even when Config is given (the CLI fills --steps and friends
 	// into a default config): policies are created as the script names them.
 	Zero bool
+	// ConfigOverride, when set, is applied to every config a reload reads (--watch): the command
+	// line's changes to the config file (--steps, --seed, --data, --batch-size, --out), which the
+	// caller has already applied to Config.
+	ConfigOverride func(*config.Config) error
 	// Tasks replaces the config's data source.
 	Tasks TaskSource
 	// Out is the run directory; "" writes no files (metrics are still returned by Step).
@@ -95,6 +100,11 @@ type Run struct {
 	reload  *reloader // nil unless Watch was called
 	sandbox *sandbox  // nil unless the run is sandboxed
 
+	ckpt checkpoints // what the run remembers of its checkpoints (checkpoint.go)
+
+	passes  atomic.Int64 // rollout passes so far (steps, eval datasets): part of generate request ids
+	restart restartGuard // what puts a restarted engine's state back (restart.go)
+
 	live struct{ done, total, tokens atomic.Int64 } // the current step, for progress displays
 }
 
@@ -145,7 +155,11 @@ func Load(ctx context.Context, scriptPath string, opts Options) (*Run, error) {
 		r.Close()
 		return nil, err
 	}
-	r.events.printf("loaded %s (sha256 %s) with %d policies", s.Path, s.Hash[:12], len(r.cfg.Policies))
+	if err := r.checkSaveFolders(); err != nil { // policies' save: folders (checkpoint.go)
+		r.Close()
+		return nil, err
+	}
+	r.events.printf("loaded %s (sha256 %s); %s", s.Path, s.Hash[:12], policiesLoaded(r.cfg.Policies))
 	for _, w := range r.cfg.Warnings {
 		r.events.printf("config: %s", w)
 	}
@@ -157,6 +171,29 @@ func Load(ctx context.Context, scriptPath string, opts Options) (*Run, error) {
 		}
 	}
 	return r, nil
+}
+
+// policiesLoaded says which policies a run starts with, for its first events.log line.
+func policiesLoaded(ps []config.PolicyConfig) string {
+	if len(ps) == 0 {
+		return "policies: created as the script names them"
+	}
+	names := make([]string, len(ps))
+	for i, p := range ps {
+		names[i] = p.Name
+	}
+	return "policies: " + strings.Join(names, ", ")
+}
+
+// redrawPlots redraws the run's curves into <out>/plots/ after an eval, the one before training
+// included (the CLI draws them once more at the end of the run). A failure is reported, not fatal.
+func (r *Run) redrawPlots() {
+	if r.opts.Out == "" {
+		return
+	}
+	if _, err := plot.Write(r.opts.Out); err != nil && !errors.Is(err, plot.ErrNothingToPlot) {
+		r.events.printf("plots: %v", err)
+	}
 }
 
 // newRun makes a run with no script, outputs or engines yet.
@@ -224,7 +261,7 @@ func (r *Run) addPolicy(ctx context.Context, pc config.PolicyConfig) (*policy, e
 		open := r.opts.OpenEngine
 		if open == nil {
 			open = func(ctx context.Context, p config.PolicyConfig) (engines.Engine, error) {
-				return openEngine(ctx, p, engineLogs{printf: r.events.printf, worker: r.events.filef})
+				return openEngine(ctx, p, engineLogs{printf: r.events.printf, worker: r.events.filef, restarted: r.engineRestarted})
 			}
 		}
 		var err error
@@ -341,9 +378,13 @@ type EngineError struct {
 	Step   int
 	Policy string
 	Err    error
+	Hint   string // how to go on (the run's resume command); "" gives a general hint
 }
 
 func (e *EngineError) Error() string {
+	if e.Hint != "" {
+		return fmt.Sprintf("step %d: the engine of policy %q failed: %v; the run stops: %s", e.Step, e.Policy, e.Err, e.Hint)
+	}
 	return fmt.Sprintf("step %d: the engine of policy %q failed: %v; the run stops (resume from its last checkpoint with --resume once the engine is back)", e.Step, e.Policy, e.Err)
 }
 
@@ -371,9 +412,22 @@ func (r *Run) Steps(ctx context.Context, n int) error {
 	return nil
 }
 
-// Step runs one step of DESIGN §4: rollouts, advantages, training, metrics.
+// Step runs one step of DESIGN §4: rollouts, advantages, training, metrics. A step that does not
+// complete (abandoned on a signal, stopped by an error before its training and metrics) leaves
+// the `state` store as it was after the last step that did.
 func (r *Run) Step(ctx context.Context) (*StepResult, error) {
+	before, snap := r.step, r.state.snapshot()
+	res, err := r.runStep(ctx)
+	if r.step == before {
+		r.state.restore(snap)
+	}
+	return res, err
+}
+
+// runStep is Step without the rollback of the state store.
+func (r *Run) runStep(ctx context.Context) (*StepResult, error) {
 	step := r.step + 1
+	r.restart.stepStarting(r.step, r.ckpt.have && r.ckpt.step == r.step)
 	if err := r.applyReload(ctx, step); err != nil {
 		return nil, err
 	}
@@ -386,6 +440,7 @@ func (r *Run) Step(ctx context.Context) (*StepResult, error) {
 		if err := r.metrics.writeLines(evs); err != nil {
 			return nil, err
 		}
+		r.redrawPlots()
 	}
 	t0 := time.Now()
 	n := cfg.Rollout.BatchSize
@@ -399,10 +454,14 @@ func (r *Run) Step(ctx context.Context) (*StepResult, error) {
 	}
 	rolloutS := time.Since(t0).Seconds()
 	// An engine that failed after its own retries is not the script's fault: dropping the
-	// rollouts that met it would bias the step, so the run stops and can resume later.
+	// rollouts that met it would bias the step, so the run stops and can resume later. So does
+	// one that restarted and could not be given its state back.
+	if err := r.restart.failure(); err != nil {
+		return nil, err
+	}
 	for _, p := range r.policyList() {
 		if err := p.disp.takeErr(); err != nil && ctx.Err() == nil {
-			return nil, &EngineError{Step: step, Policy: p.name, Err: err}
+			return nil, &EngineError{Step: step, Policy: p.name, Err: err, Hint: r.engineErrorHint()}
 		}
 	}
 	res := &StepResult{Step: step}
@@ -434,6 +493,9 @@ func (r *Run) Step(ctx context.Context) (*StepResult, error) {
 	// never between two optimizer steps of a policy.
 	pm, err := r.trainPolicies(context.WithoutCancel(ctx), step, cfg, ros, rolloutS)
 	if err != nil {
+		if rerr := r.restart.failure(); rerr != nil {
+			return nil, rerr
+		}
 		return nil, err
 	}
 	trainS := time.Since(t1).Seconds()
@@ -450,12 +512,19 @@ func (r *Run) Step(ctx context.Context) (*StepResult, error) {
 		if err := r.metrics.writeLines(res.Eval); err != nil {
 			return nil, err
 		}
+		r.redrawPlots()
 	}
+	checkpointed := false
 	if si := cfg.Run.SaveInterval; si > 0 && step%si == 0 && r.opts.Out != "" {
 		if _, err := r.Checkpoint(ctx); err != nil {
+			if rerr := r.restart.failure(); rerr != nil {
+				return nil, rerr
+			}
 			return nil, err
 		}
+		checkpointed = true
 	}
+	r.restart.stepDone(step, checkpointed)
 	return res, nil
 }
 
@@ -477,9 +546,17 @@ func (r *Run) runRollouts(ctx context.Context, step int, tasks []Task, rf rollou
 	stepCtx, cancel := context.WithCancel(ctx)
 	defer cancel()
 	seed := r.Config().Run.Seed
+	pass := int(r.passes.Add(1))
+	seen := map[string]int{}
 	for i, t := range tasks {
-		ros[i] = &rollout{run: r, svc: localServices{r}, ctx: stepCtx, task: t, index: i, step: step, eval: eval,
-			seed: keySeed(seed, t.ID, []int{step})}
+		// A task that runs again in the same pass (a data file smaller than the batch) is another
+		// rollout, not a copy of the first: it gets seeds of its own.
+		key := []int{step}
+		if k := occurrence(seen, t.ID); k > 0 {
+			key = append(key, k)
+		}
+		ros[i] = &rollout{run: r, svc: localServices{r}, ctx: withRequestIDs(stepCtx, r.id, pass, i), task: t, index: i, step: step, eval: eval,
+			seed: keySeed(seed, t.ID, key)}
 	}
 	r.live.done.Store(0)
 	r.live.total.Store(int64(n))
@@ -604,11 +681,16 @@ func (r *Run) policyList() []*policy {
 func gather(ros []*rollout) (map[string][]trainSample, map[string][]*Completion) {
 	byPolicy := map[string][]trainSample{}
 	gens := map[string][]*Completion{}
+	seen := map[string]int{}
 	for _, ro := range ros {
+		group := defaultGroup(ro.task.ID, occurrence(seen, ro.task.ID))
 		if ro.err != nil {
 			continue
 		}
 		for _, q := range ro.queued {
+			if q.group == "" {
+				q.group = group
+			}
 			rw, _ := q.c.Reward()
 			byPolicy[q.c.policy] = append(byPolicy[q.c.policy], trainSample{queued: q, task: ro.index, reward: rw})
 		}
@@ -667,8 +749,9 @@ func (r *Run) trainOne(ctx context.Context, step int, p *policy, ss []trainSampl
 		}
 		st, err := p.eng.Train(ctx, b)
 		if err != nil {
-			return fmt.Errorf("step %d: policy %q: train: %w", step, p.name, err)
+			return &EngineError{Step: step, Policy: p.name, Err: fmt.Errorf("train: %w", err), Hint: r.engineErrorHint()}
 		}
+		r.restart.trained(p.name, b)
 		if st.Skipped {
 			skipped++
 			r.events.printf("step %d: policy %q: optimizer step %s skipped: %s", step, p.name, b.ID, st.Reason)

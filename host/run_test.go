@@ -145,10 +145,11 @@ func TestAdvantagesByHand(t *testing.T) {
 	if d := cmp.Diff([][]float32{{1, 1}, {0}, {0}, {5}}, got); d != "" {
 		t.Errorf("grpo without normalisation (-want +got):\n%s", d)
 	}
-	// REINFORCE++ whitens over the batch's tokens: returns 1,1,0,0,5 → mean 1.4, std sqrt(3.44).
-	got, _ = ComputeAdvantages(Estimator{Name: "reinforce_plus_plus"}, in[:4])
-	sd := math.Sqrt(((1-1.4)*(1-1.4)*2 + 1.4*1.4*2 + 3.6*3.6) / 5)
-	w := func(x float64) float32 { return float32((x - 1.4) / (sd + 1e-8)) }
+	// REINFORCE++ (γ = 1) whitens over the batch's tokens as slime does: returns 1,1,0,0,5 → mean
+	// 1.4, unbiased variance 17.2/4, (x − mean)/sqrt(var + 1e-8). γ < 1: advantage_test.go.
+	got, _ = ComputeAdvantages(Estimator{Name: "reinforce_plus_plus", Gamma: 1}, in[:4])
+	sd := math.Sqrt(((1-1.4)*(1-1.4)*2+1.4*1.4*2+3.6*3.6)/4 + 1e-8)
+	w := func(x float64) float32 { return float32((x - 1.4) / sd) }
 	if d := cmp.Diff([][]float32{{w(1), w(1)}, {w(0)}, {w(0)}, {w(5)}}, got, cmpopts.EquateApprox(0, 1e-5)); d != "" {
 		t.Errorf("reinforce++ (-want +got):\n%s", d)
 	}
@@ -324,7 +325,7 @@ func TestWatchReloadsAtStepBoundary(t *testing.T) {
 			t.Errorf("events.log lacks %q:\n%s", want, events)
 		}
 	}
-	versions, _ := filepath.Glob(filepath.Join(out, "scripts", "step_*.star"))
+	versions, _ := filepath.Glob(filepath.Join(out, "scripts", "step_*"))
 	if len(versions) != 2 {
 		t.Errorf("saved script versions: %v, want step_1 and step_2", versions)
 	}

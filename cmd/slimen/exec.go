@@ -47,11 +47,11 @@ func cmdExec(args []string) int {
 	seed := fs.Uint64("seed", 0, "run seed (overrides run.seed)")
 	out := fs.String("out", "", "run directory (overrides run.out; default runs/SCRIPT_NAME)")
 	batch := fs.Int("batch-size", 0, "tasks per step (overrides rollout.batch_size)")
-	resume := fs.String("resume", "", "continue a run: its directory (newest valid checkpoint) or a checkpoints/step_N folder")
+	resume := fs.String("resume", "", "continue a run: its directory (its newest valid checkpoint; newer invalid ones are reported and skipped) or a checkpoints/step_N folder")
 	sandbox := fs.Bool("sandbox", false, "run the script's rollouts in child processes under the config's sandbox budgets (for contributed workflows)")
 	watch := fs.Bool("watch", false, "reload the script, the files it loads and the config when they change (at step boundaries)")
 	fs.Usage = func() {
-		fmt.Fprintln(fs.Output(), "usage: slimen exec SCRIPT [--config Y] [--data D] [--steps N] [--seed S] [--out DIR] [--batch-size B] [--watch] [--sandbox] [--resume RUN_DIR]")
+		fmt.Fprintln(fs.Output(), "usage: slimen exec SCRIPT [--config Y] [--data D] [--steps N] [--seed S] [--out DIR] [--batch-size B] [--watch] [--sandbox] [--resume RUN_DIR|RUN_DIR/checkpoints/step_N]")
 		fs.PrintDefaults()
 	}
 	pos, err := parseInterleaved(fs, args)
@@ -72,9 +72,16 @@ func cmdExec(args []string) int {
 	}
 	if *resume != "" {
 		// The checkpoint's resolved config and run directory; the script as given, or as recorded.
-		if ckpt, err = host.FindCheckpoint(*resume); err != nil {
+		var skipped []error
+		if ckpt, skipped, err = host.FindCheckpoint(*resume); err != nil {
 			fmt.Fprintln(os.Stderr, "slimen:", err)
 			return 2
+		}
+		for _, bad := range skipped {
+			fmt.Fprintf(os.Stderr, "slimen: warning: %v\n", bad)
+		}
+		if len(skipped) > 0 {
+			fmt.Fprintf(os.Stderr, "slimen: warning: resuming from %s, the newest valid checkpoint; the newer ones above are removed when the run goes on\n", ckpt)
 		}
 		_, recorded, err := host.CheckpointInfo(ckpt)
 		if err != nil {
@@ -96,26 +103,33 @@ func cmdExec(args []string) int {
 	if cfg == nil {
 		cfg = config.Default(nil) // zero-config: policies appear as the script names them
 	}
-	var o config.Overrides
-	if set["data"] {
-		o.Data = data
+	// The command line's overrides of the config file: applied to it now, and by the run to every
+	// version of it that --watch reloads (run.out is the run's for good: the run keeps it).
+	override := func(c *config.Config) error {
+		var o config.Overrides
+		if set["data"] {
+			o.Data = data
+		}
+		if set["steps"] {
+			o.Steps = steps
+		}
+		if set["seed"] {
+			o.Seed = seed
+		}
+		if err := c.Override(o); err != nil {
+			return err
+		}
+		if set["batch-size"] {
+			if *batch < 1 {
+				return errors.New("--batch-size must be at least 1")
+			}
+			c.Rollout.BatchSize = *batch
+		}
+		return nil
 	}
-	if set["steps"] {
-		o.Steps = steps
-	}
-	if set["seed"] {
-		o.Seed = seed
-	}
-	if err := cfg.Override(o); err != nil {
+	if err := override(cfg); err != nil {
 		fmt.Fprintln(os.Stderr, "slimen:", err)
 		return 2
-	}
-	if set["batch-size"] {
-		if *batch < 1 {
-			fmt.Fprintln(os.Stderr, "slimen: --batch-size must be at least 1")
-			return 2
-		}
-		cfg.Rollout.BatchSize = *batch
 	}
 	dir := *out
 	if ckpt == "" {
@@ -128,7 +142,7 @@ func cmdExec(args []string) int {
 
 	ctx := context.Background()
 	prog := newProgress(os.Stderr, cfg.Run.Steps)
-	r, err := host.Load(ctx, script, host.Options{Config: cfg, Zero: *cfgPath == "", Out: dir, Log: prog.logWriter(), Sandbox: *sandbox})
+	r, err := host.Load(ctx, script, host.Options{Config: cfg, Zero: *cfgPath == "", Out: dir, Log: prog.logWriter(), Sandbox: *sandbox, ConfigOverride: override})
 	if err != nil {
 		fmt.Fprintln(os.Stderr, "slimen:", err)
 		var se *host.ScriptError
@@ -179,18 +193,13 @@ func cmdExec(args []string) int {
 		res, err := r.Step(stepCtx)
 		if err != nil {
 			prog.end()
-			if stopping.Load() {
-				break // the abandoned step left the run as it was after the last one
+			if stopping.Load() && errors.Is(err, context.Canceled) {
+				break // the abandoned step left the run (and its state store) as it was after the last one
 			}
 			fmt.Fprintln(os.Stderr, "slimen:", err)
 			return 1
 		}
-		prog.step(res)
-		if len(res.Eval) > 0 {
-			if err := writePlots(dir); err != nil {
-				fmt.Fprintln(prog.logWriter(), "slimen: plots:", err)
-			}
-		}
+		prog.step(res) // the run redraws the plots after each eval itself
 	}
 	prog.end()
 	if r.StepsDone() > 0 {
