@@ -105,8 +105,12 @@ def rollout(task):
 	if len(calls) > 4 {
 		t.Errorf("two waves of generate calls reached the engine as %d batches, want at most 4", len(calls))
 	}
-	if got := len(eng.Batches()[0].Samples); got != 80 {
-		t.Errorf("trained %d samples, want 80", got)
+	trained := 0
+	for _, b := range eng.Batches() {
+		trained += len(b.Samples)
+	}
+	if trained != 80 {
+		t.Errorf("trained %d samples, want 80", trained)
 	}
 }
 

@@ -9,13 +9,15 @@ const BuiltinCheckpoint = "builtin:tiny-arith"
 // embedded tiny engine): the zero-config run and any YAML policy on a builtin model start from
 // them. They are the tiny engine's to tune; keep them here, in one place.
 //
-// They depart from slime-n's (SlimeTrainDefaults) where a model of a few million parameters
-// needs it: lr 1e-3 (1e-6 barely moves it) and global_batch_size 0, meaning one optimizer step
-// on all the samples of a step.
+// They depart from slime-n's (SlimeTrainDefaults) where a model of a hundred thousand parameters
+// needs it: lr 3e-4 (1e-6 barely moves it) and global_batch_size 32, so a step of 32 tasks with
+// 8 samples each makes 8 optimizer steps. Measured by BenchmarkGRPOArith (docs/tiny.md): at these
+// settings plain GRPO lifts held-out accuracy by 20+ points in five minutes on two cores; at
+// 2e-3 or with one optimizer step per rollout step it learns less or collapses.
 func TinyTrainDefaults() TrainConfig {
 	t := SlimeTrainDefaults()
-	t.LR = 1e-3
-	t.GlobalBatchSize = 0
+	t.LR = 3e-4
+	t.GlobalBatchSize = 32
 	return t
 }
 
