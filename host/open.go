@@ -69,11 +69,17 @@ func (l engineLogs) logf(format string, args ...any) {
 func openEngine(ctx context.Context, p config.PolicyConfig, logs engineLogs) (engines.Engine, error) {
 	switch p.Engine.Kind {
 	case "tiny":
-		spec := p.HFCheckpoint
-		if p.Load != "" {
-			spec = p.Load
+		// The engine keeps the model it opens as its KL reference, so it opens the reference and
+		// then loads the weights the policy starts from when they are another folder.
+		e, err := tiny.Open(klReference(p), tiny.Options{Threads: p.Engine.Threads})
+		if err != nil || p.Load == "" || p.Load == klReference(p) {
+			return e, err
 		}
-		return tiny.Open(spec, tiny.Options{Threads: p.Engine.Threads})
+		if err := e.Load(ctx, p.Load); err != nil {
+			e.Close()
+			return nil, fmt.Errorf("policy %q: load: %w", p.Name, err)
+		}
+		return e, nil
 	case "torch":
 		return openTorch(ctx, p, logs)
 	case "remote":
@@ -95,6 +101,15 @@ func openEngine(ctx context.Context, p config.PolicyConfig, logs engineLogs) (en
 	default:
 		return nil, fmt.Errorf("engine kind %q is not available in this build (known: tiny, torch, remote)", p.Engine.Kind)
 	}
+}
+
+// klReference is the model a policy's KL loss measures against: ref_load, else hf_checkpoint (as
+// in slime-n), never the load: folder a policy resumes from.
+func klReference(p config.PolicyConfig) string {
+	if p.RefLoad != "" {
+		return p.RefLoad
+	}
+	return p.HFCheckpoint
 }
 
 // PythonEnv is the environment variable naming the interpreter of torch workers whose policy
@@ -119,14 +134,14 @@ func openTorch(ctx context.Context, p config.PolicyConfig, logs engineLogs) (eng
 	args := slices.Clone(p.Engine.Args)
 	if p.Load != "" {
 		model = p.Load
-		// The KL reference stays the base model, not the checkpoint the policy resumes from.
-		if !slices.ContainsFunc(args, func(a string) bool { return a == "--ref-model" || strings.HasPrefix(a, "--ref-model=") }) {
-			ref, err := filepath.Abs(p.HFCheckpoint)
-			if err != nil {
-				return nil, err
-			}
-			args = append(args, "--ref-model", ref)
+	}
+	// The KL reference stays the base model, not the checkpoint the policy resumes from.
+	if ref := klReference(p); ref != model && !slices.ContainsFunc(args, func(a string) bool { return a == "--ref-model" || strings.HasPrefix(a, "--ref-model=") }) {
+		ref, err := filepath.Abs(ref)
+		if err != nil {
+			return nil, err
 		}
+		args = append(args, "--ref-model", ref)
 	}
 	o := torchproc.Options{Python: python, Model: model, Device: p.Engine.Device, Args: args,
 		TokenEnv: p.Engine.TokenEnv, StartTimeout: p.Engine.StartTimeout,
