@@ -65,7 +65,10 @@ const (
 var tempName = regexp.MustCompile(`^\.step_[0-9]+\.(tmp|old)-[0-9]+$`)
 
 type runInfo struct {
-	Step       int    `json:"step"`
+	Step int `json:"step"`
+	// NextTask is the data position: the index of the first task of the next step. Checkpoints
+	// written before it was recorded lack it; they were written at a fixed batch size.
+	NextTask   *int   `json:"next_task,omitempty"`
 	Script     string `json:"script"`
 	ScriptHash string `json:"script_hash"`
 	Seed       uint64 `json:"seed"`
@@ -172,7 +175,7 @@ func (r *Run) Checkpoint(ctx context.Context) (string, error) {
 	if err != nil {
 		return "", fmt.Errorf("checkpoint: %w", err)
 	}
-	info, _ := json.MarshalIndent(runInfo{Step: step, Script: r.script.Path, ScriptHash: r.script.Hash, Seed: r.Config().Run.Seed}, "", "  ")
+	info, _ := json.MarshalIndent(runInfo{Step: step, NextTask: &r.next, Script: r.script.Path, ScriptHash: r.script.Hash, Seed: r.Config().Run.Seed}, "", "  ")
 	y, err := r.Config().Marshal()
 	if err != nil {
 		return "", err
@@ -531,6 +534,10 @@ func (r *Run) Resume(ctx context.Context, dir string) error {
 	}
 	r.state.restore(st.snapshot())
 	r.step = info.Step
+	r.next = info.Step * r.Config().Rollout.BatchSize
+	if info.NextTask != nil {
+		r.next = *info.NextTask
+	}
 	if info.ScriptHash != r.script.Hash {
 		r.events.printf("resume: the script differs from the checkpoint's version %s; the run goes on with version %s", short(info.ScriptHash), short(r.script.Hash))
 	}

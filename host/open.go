@@ -71,13 +71,20 @@ func openEngine(ctx context.Context, p config.PolicyConfig, logs engineLogs) (en
 	case "tiny":
 		// The engine keeps the model it opens as its KL reference, so it opens the reference and
 		// then loads the weights the policy starts from when they are another folder.
-		e, err := tiny.Open(klReference(p), tiny.Options{Threads: p.Engine.Threads})
+		o := tiny.Options{Threads: p.Engine.Threads}
+		e, err := tiny.Open(klReference(p), o)
 		if err != nil || p.Load == "" || p.Load == klReference(p) {
 			return e, err
 		}
 		if err := e.Load(ctx, p.Load); err != nil {
 			e.Close()
-			return nil, fmt.Errorf("policy %q: load: %w", p.Name, err)
+			if !errors.Is(err, tiny.ErrArchitecture) {
+				return nil, fmt.Errorf("policy %q: load: %w", p.Name, err)
+			}
+			// A load: folder of another shape cannot be measured against the reference (an
+			// hf_checkpoint left at its builtin default, say): it is its own reference.
+			logs.logf("policy %q: load: %s has another architecture than %s, so the KL reference is the load: folder itself; set hf_checkpoint (or ref_load) to its base model to measure against that", p.Name, p.Load, klReference(p))
+			return tiny.Open(p.Load, o)
 		}
 		return e, nil
 	case "torch":

@@ -4,6 +4,7 @@ import (
 	"context"
 	"os"
 	"path/filepath"
+	"slices"
 	"strconv"
 	"strings"
 	"testing"
@@ -332,5 +333,64 @@ func TestReloadConfigWithoutPolicies(t *testing.T) {
 	}
 	if ps := r.Config().Policies; len(ps) != 1 || ps[0].Name != "p" {
 		t.Errorf("policies after the reload: %+v", ps)
+	}
+}
+
+// A reloaded batch size takes tasks on from where the last step stopped: none skipped, none
+// repeated, and a checkpoint remembers the position.
+func TestReloadedBatchSizeKeepsTheDataPosition(t *testing.T) {
+	cfgFile := filepath.Join(t.TempDir(), "config.yaml")
+	saveByRename(t, cfgFile, reloadConfig("1.0e-3", "1.0", 2, ""))
+	r, eng, out := watchedRun(t, cfgFile, nil)
+	prompts := func(from int) []string {
+		var ps []string
+		for _, c := range eng.Calls()[from:] {
+			for _, req := range c {
+				ps = append(ps, req.Messages[0].Content)
+			}
+		}
+		return ps
+	}
+	step(t, r)
+	saveByRename(t, cfgFile, reloadConfig("1.0e-3", "1.0", 3, ""))
+	step(t, r)
+	got := prompts(0)
+	slices.Sort(got) // the order within a step is the engine batches'; what matters is the set
+	if want := []string{"q0", "q1", "q2", "q3", "q4"}; strings.Join(got, " ") != strings.Join(want, " ") {
+		t.Fatalf("prompts of steps 1 (batch 2) and 2 (batch 3): %v, want %v", got, want)
+	}
+	if _, err := r.Checkpoint(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+
+	// A run resumed from that checkpoint goes on at task 5.
+	cfg, err := config.Load(cfgFile)
+	if err != nil {
+		t.Fatal(err)
+	}
+	eng2 := scripted.Echo("x")
+	r2, err := Load(context.Background(), filepath.Join(filepath.Dir(cfgFile), "s.star"), Options{Config: cfg, Out: out,
+		Engines: map[string]engines.Engine{"p": eng2}, Tasks: numberedTasks(8)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer r2.Close()
+	dir, _, err := FindCheckpoint(out)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := r2.Resume(context.Background(), dir); err != nil {
+		t.Fatal(err)
+	}
+	step(t, r2)
+	var next []string
+	for _, c := range eng2.Calls() {
+		for _, req := range c {
+			next = append(next, req.Messages[0].Content)
+		}
+	}
+	slices.Sort(next)
+	if want := []string{"q5", "q6", "q7"}; strings.Join(next, " ") != strings.Join(want, " ") {
+		t.Fatalf("the resumed run's step 3: %v, want %v", next, want)
 	}
 }

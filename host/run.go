@@ -97,6 +97,7 @@ type Run struct {
 
 	id      string    // random per process: part of optimizer step ids
 	step    int       // steps completed
+	next    int       // index of the first task of the next step: the data position
 	reload  *reloader // nil unless Watch was called
 	sandbox *sandbox  // nil unless the run is sandboxed
 
@@ -443,10 +444,12 @@ func (r *Run) runStep(ctx context.Context) (*StepResult, error) {
 		r.redrawPlots()
 	}
 	t0 := time.Now()
+	// Tasks are taken in order from the data position, so a batch size changed by a reload
+	// neither skips tasks nor repeats them.
 	n := cfg.Rollout.BatchSize
 	tasks := make([]Task, n)
 	for i := range tasks {
-		tasks[i] = r.tasks.Task((step-1)*n + i)
+		tasks[i] = r.tasks.Task(r.next + i)
 	}
 	ros, err := r.runRollouts(ctx, step, tasks, rolloutFn{fn: r.script.rollout, name: "rollout"}, nil)
 	if err != nil {
@@ -501,7 +504,7 @@ func (r *Run) runStep(ctx context.Context) (*StepResult, error) {
 	trainS := time.Since(t1).Seconds()
 	res.Policies = pm
 	res.Run = r.runMetrics(step, ros, res, rolloutS, trainS, time.Since(t0).Seconds())
-	r.step = step
+	r.step, r.next = step, r.next+n
 	if err := r.metrics.writeLines(append(append([]Metrics(nil), res.Policies...), res.Run)); err != nil {
 		return nil, err
 	}

@@ -169,6 +169,9 @@ func (e *Engine) Save(ctx context.Context, dir string) error {
 	return nil
 }
 
+// ErrArchitecture is returned by Load for a folder whose model has another shape.
+var ErrArchitecture = errors.New("wrong architecture")
+
 // Load replaces the weights and the optimizer state (reset when the folder has none) with those
 // in dir, which must hold a model of the same architecture. The value head is the folder's: a
 // folder without one leaves the model without one until it is next used. The KL reference stays
@@ -185,7 +188,7 @@ func (e *Engine) Load(ctx context.Context, dir string) error {
 		return ErrClosed
 	}
 	if ck.w.cfg != e.m.w.cfg {
-		return fmt.Errorf("tiny: load %s: its architecture %+v differs from the open model's %+v; open it with tiny.Open instead", dir, ck.w.cfg, e.m.w.cfg)
+		return fmt.Errorf("tiny: load %s: %w: its architecture %+v differs from the open model's %+v; open it with tiny.Open instead", dir, ErrArchitecture, ck.w.cfg, e.m.w.cfg)
 	}
 	e.m, e.tok, e.eos = newModel(ck.w), ck.tok, ck.eos
 	e.opt = ck.opt
