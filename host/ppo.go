@@ -68,7 +68,7 @@ func (r *Run) ppoAdvantages(ctx context.Context, actor *policy, ss []trainSample
 	}
 	vals, err := valuer.Values(ctx, reqs)
 	if err != nil {
-		return nil, nil, fmt.Errorf("critic %q: values: %w", crit.name, err)
+		return nil, nil, &EngineError{Step: r.step + 1, Policy: crit.name, Err: fmt.Errorf("values: %w", err), Hint: r.engineErrorHint()}
 	}
 	tc := actor.cfg.Train
 	adv := make([][]float32, len(ss))
@@ -115,7 +115,7 @@ func (r *Run) trainCritic(ctx context.Context, step int, crit *policy, samples [
 			Samples: samples[k:min(k+size, len(samples))]}
 		st, err := crit.eng.Train(ctx, b)
 		if err != nil {
-			return fmt.Errorf("step %d: critic %q: train: %w", step, crit.name, err)
+			return &EngineError{Step: step, Policy: crit.name, Err: fmt.Errorf("train: %w", err), Hint: r.engineErrorHint()}
 		}
 		r.restart.trained(crit.name, b)
 		if st.Skipped {

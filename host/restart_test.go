@@ -12,6 +12,7 @@ import (
 
 	"github.com/slimen/slimen/engines"
 	"github.com/slimen/slimen/engines/scripted"
+	"github.com/slimen/slimen/host/config"
 )
 
 // restarting is a scripted engine that plays a remote engine restarting: at a chosen call its
@@ -235,5 +236,65 @@ func TestTrainFailureStopsTheRunWithResumeHint(t *testing.T) {
 		if !strings.Contains(err.Error(), want) {
 			t.Errorf("the error lacks %q:\n%s", want, err)
 		}
+	}
+}
+
+type failingScore struct{ *scripted.Engine }
+
+func (failingScore) Score(context.Context, []engines.ScoreRequest) ([]engines.Scores, error) {
+	return nil, fmt.Errorf("engine at 127.0.0.1:1 is unreachable: score gave up after retrying for 2m0s")
+}
+
+type failingValues struct{ *scripted.Engine }
+
+func (failingValues) Values(context.Context, []engines.ScoreRequest) ([][]float32, error) {
+	return nil, fmt.Errorf("engine at 127.0.0.1:1 is unreachable: values gave up after retrying for 2m0s")
+}
+
+// A teacher that cannot score and a critic that cannot value stop the run like a failing
+// optimizer step: an EngineError naming the failing policy, with the resume hint.
+func TestTeacherAndCriticFailuresStopTheRunWithResumeHint(t *testing.T) {
+	for _, tc := range []struct {
+		name, script, failing, want string
+		cfg                         func() *config.Config
+		engs                        map[string]engines.Engine
+	}{
+		{name: "teacher", failing: "t", want: `the engine of policy "t" failed: scoring 1 samples of policy "p" as their teacher: engine at 127.0.0.1:1 is unreachable`,
+			script: "def rollout(task):\n    c = generate(\"p\", task.prompt)\n    reward(c, 1.0)\n    train(c, teacher = \"t\")\n",
+			cfg: func() *config.Config {
+				c := testConfig(1, "p", "t")
+				c.Policies[1].Trainable = false
+				return c
+			},
+			engs: map[string]engines.Engine{"p": scripted.Echo("x"), "t": failingScore{scripted.Echo("x")}}},
+		{name: "critic", failing: "c", want: `the engine of policy "c" failed: values: engine at 127.0.0.1:1 is unreachable`,
+			script: restartScript,
+			cfg: func() *config.Config {
+				c := testConfig(1, "p", "c")
+				c.Policies[0].Train.AdvantageEstimator = "ppo"
+				c.Policies[1].Role = "critic"
+				return c
+			},
+			engs: map[string]engines.Engine{"p": scripted.Echo("x"), "c": failingValues{scripted.Echo("x")}}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			out := filepath.Join(t.TempDir(), "run")
+			r, err := Load(context.Background(), writeScript(t, tc.script), Options{Config: tc.cfg(), Out: out,
+				Engines: tc.engs, Tasks: numberedTasks(1)})
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer r.Close()
+			_, err = r.Step(context.Background())
+			var ee *EngineError
+			if !errors.As(err, &ee) || ee.Policy != tc.failing || ee.Step != 1 {
+				t.Fatalf("got %v, want an EngineError of policy %s in step 1", err, tc.failing)
+			}
+			for _, want := range []string{tc.want, "has no checkpoint to resume from"} {
+				if !strings.Contains(err.Error(), want) {
+					t.Errorf("the error lacks %q:\n%s", want, err)
+				}
+			}
+		})
 	}
 }

@@ -890,7 +890,7 @@ func (r *Run) applyTeacher(ctx context.Context, p *policy, ss []trainSample, adv
 		}
 		scores, err := tp.eng.Score(ctx, reqs)
 		if err != nil {
-			return fmt.Errorf("policy %q: scoring %d samples under teacher %q: %w", p.name, len(idx), t, err)
+			return &EngineError{Step: r.step + 1, Policy: t, Err: fmt.Errorf("scoring %d samples of policy %q as their teacher: %w", len(idx), p.name, err), Hint: r.engineErrorHint()}
 		}
 		for k, i := range idx {
 			c := ss[i].c
