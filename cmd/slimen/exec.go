@@ -188,7 +188,10 @@ func cmdExec(args []string) int {
 		fmt.Fprintln(os.Stderr, "\nslimen: second signal: exiting now")
 		os.Exit(130)
 	}()
-	for r.StepsDone() < cfg.Run.Steps && !stopping.Load() {
+	// run.steps is read at every step boundary: a reloaded config (--watch) may lengthen or
+	// shorten the run; --steps, an override, still wins.
+	for r.StepsDone() < r.Config().Run.Steps && !stopping.Load() {
+		prog.total = r.Config().Run.Steps
 		prog.begin(r)
 		res, err := r.Step(stepCtx)
 		if err != nil {

@@ -267,3 +267,35 @@ run: {steps: 100000, seed: 1}
 			c.Policies[0].Train.LR, c.Rollout.Temperature)
 	}
 }
+
+// Shortening run.steps in the watched config ends the run there, with its final checkpoint.
+func TestWatchCLIConfigSteps(t *testing.T) {
+	dir := t.TempDir()
+	renameInto(t, filepath.Join(dir, "s.star"), "def rollout(task):\n    c = generate(\"p\", task.prompt)\n    reward(c, 1.0)\n    train(c)\n")
+	cfgText := func(steps int) string {
+		return fmt.Sprintf("policies:\n  - name: p\nrollout: {batch_size: 2, max_response_len: 8}\nrun: {steps: %d, seed: 1}\n", steps)
+	}
+	cfgFile := filepath.Join(dir, "config.yaml")
+	renameInto(t, cfgFile, cfgText(100000))
+	out := filepath.Join(dir, "run")
+	metrics := filepath.Join(out, "metrics.jsonl")
+	r := startSlimen(t, dir, "exec", "s.star", "--config", "config.yaml", "--watch", "--out", out)
+	r.waitFor(t, "step 1 in metrics.jsonl", func() bool { return lastStep(metrics) >= 1 })
+	end := lastStep(metrics) + 20 // steps take tens of milliseconds: room for the reload to land first
+	renameInto(t, cfgFile, cfgText(end))
+	select {
+	case <-r.exited:
+	case <-time.After(waitLimit):
+		r.stop(t)
+		t.Fatalf("the run did not end after run.steps was set to %d; it reached step %d", end, lastStep(metrics))
+	}
+	if r.err != nil {
+		t.Fatalf("slimen exited with %v:\n%s", r.err, r.out.String())
+	}
+	if got := lastStep(metrics); got != end {
+		t.Errorf("the run ended after step %d, want %d (the reloaded run.steps)", got, end)
+	}
+	if _, err := os.Stat(filepath.Join(out, "checkpoints", fmt.Sprintf("step_%d", end))); err != nil {
+		t.Errorf("no final checkpoint: %v", err)
+	}
+}
