@@ -1,18 +1,37 @@
-"""GPU numbers of issue 6 in one run: parity, generation and training throughput, one table.
+"""GPU numbers of issue 6 in one run: kernel checks, generation and training throughput, one table.
 
-    python engines/torch/bench.py [--out DIR] [--skip-hf]
+    python engines/torch/bench.py [--out DIR] [--budget SECONDS] [--sections a,b,…]
 
-On a random Qwen3-0.6B-shaped model (make-model, bf16):
-  1. logit parity with transformers in bf16 (relative error ‖ours − hf‖/‖hf‖ on 4×128 tokens),
-     and generation log-probs against Score (the decode path against the full forward pass);
-  2. generation, 128 prompt + 256 sampled tokens (temperature 1, top_p 1, no EOS so every
-     response is 256 tokens), batch 1 and 256: HF generate (measured here, the baseline; on fewer
-     new tokens because it is slow, which flatters it: its step time grows with the context) and
-     ours with and without torch.compile (always CUDA graphs); tok/s = sampled tokens / wall time
-     from submission to the last completion, prefill included;
-  3. training: one optimizer step (policy loss, AdamW) on 8 samples of 2,048 tokens, tokens/s and
-     model-FLOPs utilisation against the H100/H200 dense bf16 peak of 989 TFLOP/s.
-The table is printed last and written to DIR/bench.md with the raw numbers in DIR/bench.json.
+On a random Qwen3-0.6B-shaped model (make-model, bf16, no EOS so every response has exactly the
+asked length). Each section runs in its own process (a compiler crash or an out-of-memory error
+costs that section only), in this order, skipping those that no longer fit in --budget:
+
+  kernels        the Triton kernels against PyTorch in bf16 on the model's shapes (relative
+                 error, sampled-token agreement) and their times against the PyTorch code
+  gen            the engine's defaults (Triton attention and sampler, all-Triton batch-1 step,
+                 compiled layer halves, CUDA graphs): 128 prompt + 256 sampled tokens (temperature
+                 1, top_p 1) at batch 1 and 256, tok/s = sampled tokens / wall time from submission
+                 to the last completion (prefill included), best of two after a warm-up run; GPU
+                 time of one captured step; bf16 logit parity with transformers; generation
+                 log-probs against Score at batch 1 and 4
+  train          one AdamW step of the policy loss on 8 × 2,048 tokens (and 16 × 2,048 in one
+                 micro-batch): tokens/s, model-FLOPs utilisation against 989 TFLOP/s, peak memory,
+                 with the defaults (chunked log-prob head, fused RMSNorm, the layer compiled with
+                 dynamic shapes; TORCHDYNAMO_VERBOSE=1, so a compiler failure is recorded with its
+                 whole traceback before the trainer falls back)
+  train_eager    the same with compilation off
+  gen_before     generation as before this change (no Triton kernels: compiled decode layer,
+                 PyTorch attention and sampler)
+  train_before   training as before (whole fp32 logits, unfused RMSNorm)
+  hf             HF generate (sdpa, dynamic cache, sampling) on 32 / 64 new tokens at batch 1 / 256
+  train_regional the training layer's q/k/v and MLP halves compiled around eager attention
+  gen_layer_b1   batch 1 with the Triton attention and sampler but the compiled layer halves
+                 instead of the all-Triton step
+  train_static   the whole layer compiled for static shapes (recompiles for every new shape)
+
+Results: DIR/bench.json (everything, errors included), DIR/bench.md (the table, also printed last),
+DIR/bench.log (all output). A dry run on the CPU: --device cpu --shape tiny --new 8 --train-len 64
+(with TRITON_INTERPRET=1 for the kernels).
 """
 
 from __future__ import annotations
@@ -21,20 +40,34 @@ import argparse
 import json
 import os
 import pathlib
+import subprocess
 import sys
 import time
 import traceback
 
 import torch
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+HERE = pathlib.Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
 
+from slimen_torch import kernels as K  # noqa: E402
+from slimen_torch import sampling as S  # noqa: E402
 from slimen_torch.engine import Engine, Options  # noqa: E402
 from slimen_torch.make_model import make_model  # noqa: E402
-from slimen_torch.types import Batch, GenerateRequest, LossConfig, Sample, Sampling, ScoreRequest  # noqa: E402
+from slimen_torch.model import apply_rope, rms_norm  # noqa: E402
+from slimen_torch.train import token_logprobs  # noqa: E402
+from slimen_torch.types import (Batch, GenerateRequest, LossConfig, Sample, Sampling,  # noqa: E402
+                                ScoreRequest)
 
 PEAK_BF16 = 989e12  # dense bf16 FLOP/s of an H100/H200 SXM (datasheet)
-PROMPT, NEW = 128, 256
+PROMPT = 128
+
+# name → seconds it is expected to take (a section starts only if ~60% of that is left)
+SECTIONS = {
+    "kernels": 45, "gen": 110, "train": 100, "train_eager": 40, "gen_before": 90,
+    "train_before": 40, "hf": 60, "train_regional": 60, "gen_layer_b1": 60,
+    "train_static": 60,
+}
 
 
 def log(*a):
@@ -55,56 +88,172 @@ def no_eos(d: pathlib.Path) -> None:
         (d / name).write_text(json.dumps(raw))
 
 
-def prompts(n: int, vocab: int, seed: int) -> torch.Tensor:
+def prompts(n: int, vocab: int, seed: int, length: int = PROMPT) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, vocab, (n, PROMPT), generator=g)
+    return torch.randint(0, vocab, (n, length), generator=g)
 
 
-def parity(model_dir, eng: Engine, res: dict, dev: str) -> None:
-    from transformers import AutoModelForCausalLM
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).to(dev).eval()
-    toks = prompts(4, eng.cfg.vocab_size, 1).to(dev)
-    with torch.no_grad():
-        ref = hf(toks).logits.float()
-        got = eng.model.logits(eng.model(toks)).float()
-        hf32 = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(dev).eval()
-        ref32 = hf32(toks).logits.float()
-    res["parity_rel_vs_hf_bf16"] = ((got - ref).norm() / ref.norm()).item()
-    res["parity_rel_vs_hf_fp32"] = ((got - ref32).norm() / ref32.norm()).item()
-    res["hf_bf16_rel_vs_hf_fp32"] = ((ref - ref32).norm() / ref32.norm()).item()
-    del hf, hf32
-    # The decode path (KV cache, graphs) against the full forward pass, on generated tokens.
-    c = eng.generate([GenerateRequest(id="p", prompt_tokens=toks[0].tolist(),
-                                      sampling=Sampling(max_tokens=64, seed=1))])[0]
-    s = eng.score([ScoreRequest(tokens=c.tokens, prompt_tokens=c.prompt_tokens)])[0]
-    a, b = torch.tensor(c.logprobs), torch.tensor(s)
-    res["decode_vs_score_max_abs_logprob"] = (a - b).abs().max().item()
-    log("parity", {k: v for k, v in res.items() if "rel" in k or "logprob" in k})
+def rel(a, b) -> float:
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm()).item()
 
 
-def hf_generate(model_dir, batch: int, new: int) -> float:
-    from transformers import AutoModelForCausalLM
-    dev = "cuda" if torch.cuda.is_available() else "cpu"
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).to(dev).eval()
-    toks = prompts(batch, hf.config.vocab_size, 2).to(dev)
-    kw = dict(do_sample=True, temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=new,
-              min_new_tokens=new, pad_token_id=0, attention_mask=torch.ones_like(toks))
-    with torch.no_grad():
-        hf.generate(toks[:, :16], **{**kw, "max_new_tokens": 4, "min_new_tokens": 4})  # warm up
+def timed(fn, reps: int = 20) -> float:
+    """Milliseconds per call: CUDA events around reps calls after two warm-ups (wall on CPU)."""
+    fn()
+    fn()
+    sync()
+    if torch.cuda.is_available():
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(reps):
+            fn()
+        b.record()
         sync()
-        t = time.perf_counter()
-        out = hf.generate(toks, **kw)
-        sync()
-        dt = time.perf_counter() - t
-    assert out.shape[1] == PROMPT + new
-    del hf
-    return batch * new / dt
+        return a.elapsed_time(b) / reps
+    t = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    return (time.perf_counter() - t) * 1e3 / reps
 
 
-def ours_generate(eng: Engine, batch: int, reps: int = 2) -> float:
+# ---- sections ------------------------------------------------------------------------------
+
+def sec_kernels(a, res):
+    from slimen_torch.config import read_config
+    cfg, _ = read_config(a.model)
+    dev, dt = a.device, torch.bfloat16 if a.device != "cpu" else torch.float32
+    H, KV, D, Hd, I, V = cfg.heads, cfg.kv_heads, cfg.head_dim, cfg.hidden, cfg.intermediate, \
+        cfg.vocab_size
+    g = torch.Generator(device=dev).manual_seed(0)
+
+    def rn(*shape, s=1.0):
+        return (torch.randn(*shape, generator=g, device=dev) * s).to(dt)
+
+    # Attention: new key written, rows at various lengths.
+    for B, L in ((1, 384), (256, 384), (1, 4096), (8, 4096)):
+        if dev == "cpu" and B * L > 2048:
+            continue
+        kc, vc = rn(B, KV, L, D), rn(B, KV, L, D)
+        q, kn, vn = rn(B, H, D), rn(B, KV, D), rn(B, KV, D)
+        pos = torch.randint(0, L, (B,), generator=g, device=dev)
+        pos[0] = L - 1
+        kc2, vc2 = kc.clone(), vc.clone()
+        o = K.decode_attention(q, kn, vn, kc, vc, pos, L, D ** -0.5)
+        ref = K.decode_attention_reference(q.float(), kn.float(), vn.float(), kc2.float(),
+                                           vc2.float(), pos, L, D ** -0.5)
+        res[f"attn_rel_b{B}_L{L}"] = rel(o.float(), ref)
+        res[f"attn_cache_ok_b{B}_L{L}"] = bool(torch.equal(kc[torch.arange(B), :, pos], kn))
+        t_k = timed(lambda: K.decode_attention(q, kn, vn, kc, vc, pos, L, D ** -0.5))
+        t_r = timed(lambda: K.decode_attention_reference(q, kn, vn, kc2, vc2, pos, L, D ** -0.5))
+        nbytes = ((pos + 1).sum().item()) * KV * D * 2 * dt.itemsize
+        res[f"attn_ms_b{B}_L{L}"] = t_k
+        res[f"attn_torch_ms_b{B}_L{L}"] = t_r
+        res[f"attn_GBps_b{B}_L{L}"] = nbytes / t_k / 1e6
+        log(f"attention B={B} L={L}: rel {res[f'attn_rel_b{B}_L{L}']:.2e}, {t_k:.4f} ms "
+            f"({res[f'attn_GBps_b{B}_L{L}']:.0f} GB/s) vs torch {t_r:.4f} ms")
+    # Sampler: tokens against sampling.sample on the same bf16 logits.
+    for B in (1, 256):
+        logits = rn(B, V, s=3.0)
+        temp = torch.ones(B, device=dev)
+        key = torch.tensor([S.row_key(9, i) for i in range(B)], device=dev)
+        step = torch.randint(0, 1000, (B,), generator=g, device=dev)
+        u = S.uniform(key, step)
+        want, want_lp = S.sample(logits.float(), temp, temp, u, False)
+        got, got_lp = K.sample_and_advance(logits, temp, key, step)
+        res[f"sample_agree_b{B}"] = (got == want).float().mean().item()
+        res[f"sample_lp_maxdiff_b{B}"] = (got_lp - want_lp).abs().max().item()
+        res[f"sample_ms_b{B}"] = timed(lambda: K.sample_and_advance(logits, temp, key, step))
+        res[f"sample_torch_ms_b{B}"] = timed(
+            lambda: S.sample(logits.float(), temp, temp, S.uniform(key, step), False))
+        log(f"sampler B={B}: agree {res[f'sample_agree_b{B}']:.4f}, lp Δ "
+            f"{res[f'sample_lp_maxdiff_b{B}']:.2e}, {res[f'sample_ms_b{B}']:.4f} ms vs torch "
+            f"{res[f'sample_torch_ms_b{B}']:.4f} ms")
+    # Batch-1 products and rope.
+    x, nw = rn(Hd), (1 + 0.1 * torch.randn(Hd, generator=g, device=dev)).to(dt)
+    wqkv, w13, w2 = rn(H * D + 2 * KV * D, Hd, s=0.02), rn(2 * I, Hd, s=0.02), rn(Hd, I, s=0.02)
+    qkv = torch.empty(H * D + 2 * KV * D, dtype=dt, device=dev)
+    K.gemv(x, wqkv, qkv, norm_w=nw, eps=1e-6)
+    res["gemv_norm_rel"] = rel(qkv.float(), torch.nn.functional.linear(
+        rms_norm(x[None], nw, 1e-6), wqkv)[0].float())
+    act = torch.empty(I, dtype=dt, device=dev)
+    K.gemv(x, w13, act, norm_w=nw, eps=1e-6, swiglu=True)
+    gt, up = torch.nn.functional.linear(rms_norm(x[None], nw, 1e-6), w13).chunk(2, -1)
+    res["gemv_swiglu_rel"] = rel(act.float(), (torch.nn.functional.silu(gt) * up)[0].float())
+    out = torch.empty(Hd, dtype=dt, device=dev)
+    K.gemv(act, w2, out, res=x)
+    res["gemv_res_rel"] = rel(out.float(), (x + torch.nn.functional.linear(act, w2)).float())
+    for name, fn, nbytes in (
+            ("qkv", lambda: K.gemv(x, wqkv, qkv, norm_w=nw, eps=1e-6), wqkv.numel() * 2),
+            ("swiglu", lambda: K.gemv(x, w13, act, norm_w=nw, eps=1e-6, swiglu=True),
+             w13.numel() * 2),
+            ("down", lambda: K.gemv(act, w2, out, res=x), w2.numel() * 2)):
+        t = timed(fn, reps=50)
+        res[f"gemv_{name}_us"] = t * 1e3
+        res[f"gemv_{name}_GBps"] = nbytes / t / 1e6
+    res["gemv_torch_qkv_us"] = timed(
+        lambda: torch.nn.functional.linear(rms_norm(x[None], nw, 1e-6), wqkv), reps=50) * 1e3
+    log("gemv", {k: v for k, v in res.items() if k.startswith("gemv")})
+    # The batch-1 attention with q/k norm and rope inside (rope=…) against PyTorch.
+    ang = torch.arange(384.0, device=dev)[:, None] / 1e6 ** (
+        torch.arange(0, D, 2, device=dev).float() / D)
+    ang = torch.cat((ang, ang), -1)
+    cos, sin = ang.cos(), ang.sin()
+    qn, kn_w = (1 + 0.1 * torch.randn(D, generator=g, device=dev)).to(dt), \
+        (1 + 0.1 * torch.randn(D, generator=g, device=dev)).to(dt)
+    qkv1 = rn(1, H * D + 2 * KV * D)
+    q1, k1, v1 = (t.view(1, -1, D) for t in qkv1.split([H * D, KV * D, KV * D], -1))
+    kc, vc = rn(1, KV, 384, D), rn(1, KV, 384, D)
+    kc2, vc2 = kc.clone(), vc.clone()
+    pos = torch.tensor([300], device=dev)
+    o = K.decode_attention(q1, k1, v1, kc, vc, pos, 384, D ** -0.5,
+                           rope=(qn if cfg.qk_norm else None, kn_w if cfg.qk_norm else None,
+                                 cos, sin, 1e-6))
+    qr, kr = q1, k1
+    if cfg.qk_norm:
+        qr, kr = rms_norm(q1, qn, 1e-6), rms_norm(k1, kn_w, 1e-6)
+    c, s_ = cos[pos].to(dt), sin[pos].to(dt)
+    ref = K.decode_attention_reference(apply_rope(qr, c, s_).float(), apply_rope(kr, c, s_).float(),
+                                       v1.float(), kc2.float(), vc2.float(), pos, 384, D ** -0.5)
+    res["attn_rope_rel"] = rel(o.float(), ref)
+    log("attention with rope", res["attn_rope_rel"])
+    # The chunked log-prob head against token_logprobs on the whole logits (values, gradients,
+    # time of forward + backward, peak memory).
+    N = 4096 if dev != "cpu" else 64
+    h = rn(N, Hd).requires_grad_()
+    W = rn(V, Hd, s=0.02).requires_grad_()
+    tg = torch.randint(0, V, (N,), generator=g, device=dev)
+    c = torch.randn(N, generator=g, device=dev)
+
+    def run(fused):
+        if fused:
+            lp, ent = K.linear_logprobs(h, W, tg, entropy_grad=True)
+        else:
+            lp, ent = token_logprobs(h @ W.t(), tg, entropy_grad=True)
+        ((lp * c).sum() + 0.01 * (ent * c).sum()).backward()
+        return lp.detach(), ent.detach()
+
+    outs = []
+    for fused in (False, True):
+        h.grad = W.grad = None
+        if dev != "cpu":
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+        lp, ent = run(fused)
+        outs.append((lp, ent, h.grad.clone(), W.grad.clone()))
+        name = "fused" if fused else "torch"
+        if dev != "cpu":
+            res[f"head_{name}_peak_gib"] = (torch.cuda.max_memory_allocated() - base) / 2**30
+        res[f"head_{name}_ms"] = timed(lambda: run(fused), reps=3)
+    for i, what in enumerate(("logp", "entropy", "grad_hidden", "grad_weight")):
+        res[f"head_rel_{what}"] = rel(outs[1][i].float(), outs[0][i].float())
+    log("head", {k: v for k, v in res.items() if k.startswith("head")})
+
+
+def ours_generate(eng: Engine, batch: int, new: int, reps: int = 2) -> float:
     toks = prompts(batch, eng.cfg.vocab_size, 3).tolist()
     reqs = [GenerateRequest(id=f"b{batch}-{i}", prompt_tokens=t,
-                            sampling=Sampling(max_tokens=NEW, temperature=1.0, seed=i))
+                            sampling=Sampling(max_tokens=new, temperature=1.0, seed=i))
             for i, t in enumerate(toks)]
     eng.generate(reqs)  # warm-up: compiles and captures the shapes this batch goes through
     best = 0.0
@@ -113,199 +262,335 @@ def ours_generate(eng: Engine, batch: int, reps: int = 2) -> float:
         t = time.perf_counter()
         cs = eng.generate(reqs)
         dt = time.perf_counter() - t
-        assert all(len(c.tokens) == NEW for c in cs)
-        best = max(best, batch * NEW / dt)
+        assert all(len(c.tokens) == new for c in cs)
+        best = max(best, batch * new / dt)
     return best
 
 
 def step_times(eng: Engine, res: dict, prefix: str) -> None:
-    """GPU time of one captured decode step, and of sampling alone, without the scheduler."""
-    from slimen_torch import sampling
+    """GPU time of one captured decode step at the longest bucket, without the scheduler: with
+    every row at its last position (all keys read: _step_ms) and at position 0 (_step0_ms; the
+    Triton attention then reads one key)."""
     if not torch.cuda.is_available():
         return
     gen = eng.gen
     for (B, L, top), g in sorted(gen.graphs.items()):
         if B not in (1, 256) or L != gen.L or top:
             continue
-        # All rows are idle after the benchmark: replays rewrite position 0 of free rows only.
-        g.replay()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(50):
+        # All rows are idle after the benchmark, so replays do not advance them.
+        for name, p in (("step0", 0), ("step", L - 1)):
+            gen.pos[:B] = p
             g.replay()
-        end.record()
-        sync()
-        res[f"{prefix}_step_ms_b{B}"] = start.elapsed_time(end) / 50
-    for B in (1, 256):
-        logits = torch.randn(B, eng.cfg.vocab_size, device="cuda") * 3
-        ones = torch.ones(B, device="cuda")
-        u = torch.rand(B, device="cuda")
-        sampling.sample(logits, ones, ones, u, False)
-        sg = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(sg):
-            sampling.sample(logits, ones, ones, u, False)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(50):
-            sg.replay()
-        end.record()
-        sync()
-        res[f"sample_ms_b{B}"] = start.elapsed_time(end) / 50
-    log("step times", {k: v for k, v in res.items() if k.endswith(("_b1", "_b256")) and "ms" in k})
+            start = torch.cuda.Event(enable_timing=True)
+            end = torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(50):
+                g.replay()
+            end.record()
+            sync()
+            res[f"{prefix}_{name}_ms_b{B}"] = start.elapsed_time(end) / 50
+        gen.pos[:B] = 0
+    log("step times", {k: v for k, v in res.items() if "step_ms" in k})
 
 
-def train_bench(eng: Engine, res: dict, samples=8, length=2048, steps=3, prefix="train") -> None:
-    cfg = eng.cfg
-    g = torch.Generator().manual_seed(4)
-    p = min(64, length // 4)
-    batch = []
-    for i in range(samples):
-        seq = torch.randint(0, cfg.vocab_size, (length,), generator=g).tolist()
-        r = length - p
-        batch.append(Sample(seq[:p], seq[p:], [1.0] * r, [-5.0] * r, [1.0 if i % 2 else -1.0] * r,
-                            group=f"g{i // 4}"))
-    b = Batch(samples=batch, loss=LossConfig(lr=1e-6, max_grad_norm=1.0))
-    eng.train(b)  # warm-up
-    sync()
-    times = []
-    for _ in range(steps):
+def decode_vs_score(eng: Engine, res: dict, prefix: str) -> None:
+    """Generation log-probs (KV cache, kernels, graphs) against Score (the full forward pass), at
+    batch 1 and with four rows; and the greedy tokens, for comparison across sections."""
+    toks = prompts(4, eng.cfg.vocab_size, 1).tolist()
+    for n in (1, 4):
+        reqs = [GenerateRequest(id=f"p{n}-{i}", prompt_tokens=toks[i],
+                                sampling=Sampling(max_tokens=64, seed=i)) for i in range(n)]
+        cs = eng.generate(reqs)
+        worst = 0.0
+        for c in cs:
+            s = eng.score([ScoreRequest(tokens=c.tokens, prompt_tokens=c.prompt_tokens)])[0]
+            worst = max(worst, (torch.tensor(c.logprobs) - torch.tensor(s)).abs().max().item())
+        res[f"{prefix}_decode_vs_score_b{n}"] = worst
+    g = eng.generate([GenerateRequest(id="greedy", prompt_tokens=toks[0],
+                                      sampling=Sampling(max_tokens=32, temperature=0.0))])[0]
+    res[f"{prefix}_greedy"] = g.tokens
+    log(prefix, "decode vs score", {k: v for k, v in res.items() if "decode_vs" in k})
+
+
+def parity(a, eng: Engine, res: dict) -> None:
+    from transformers import AutoModelForCausalLM
+    dev = a.device
+    toks = prompts(4, eng.cfg.vocab_size, 1).to(dev)
+    with torch.no_grad():
+        hf = AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.bfloat16).to(dev).eval()
+        ref = hf(toks).logits.float()
+        del hf
+        got = eng.model.logits(eng.model(toks)).float()
+        hf32 = AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.float32).to(dev).eval()
+        ref32 = hf32(toks).logits.float()
+        del hf32
+    res["parity_rel_vs_hf_bf16"] = rel(got, ref)
+    res["parity_rel_vs_hf_fp32"] = rel(got, ref32)
+    res["hf_bf16_rel_vs_hf_fp32"] = rel(ref, ref32)
+    log("parity", {k: v for k, v in res.items() if k.startswith(("parity", "hf_bf16"))})
+
+
+def gen_section(a, res, prefix, opts, b256=True, extra=True):
+    eng = Engine(a.model, Options(device=a.device, slots=256 if b256 else 8,
+                                  max_seq_len=PROMPT + a.new, **opts))
+    try:
+        res[f"{prefix}_b1"] = ours_generate(eng, 1, a.new)
+        log(prefix, "b1", res[f"{prefix}_b1"])
+        if b256:
+            res[f"{prefix}_b256"] = ours_generate(eng, 256, a.new)
+            log(prefix, "b256", res[f"{prefix}_b256"])
+        step_times(eng, res, prefix)
+        res[f"{prefix}_compile_error"] = eng.gen.compile_error[:3000]
+        res[f"{prefix}_kernel_error"] = eng.gen.kernel_error[:3000]
+        res[f"{prefix}_paths"] = dict(triton=eng.gen.triton, fused_b1=eng.gen.fused_b1,
+                                      graphs=len(eng.gen.graphs))
+        if extra:
+            decode_vs_score(eng, res, prefix)
+        if prefix == "gen":
+            parity(a, eng, res)
+    finally:
+        eng.close()
+
+
+def sec_gen(a, res):
+    gen_section(a, res, "gen", {})
+
+
+def sec_gen_before(a, res):
+    gen_section(a, res, "gen_before", dict(kernels=False))
+
+
+def sec_gen_layer_b1(a, res):
+    gen_section(a, res, "gen_layer_b1", dict(fused_b1=False), b256=False, extra=False)
+
+
+def train_bench(a, res, prefix, opts, samples=8, steps=3, micro=0):
+    length = a.train_len
+    eng = Engine(a.model, Options(device=a.device, slots=1, micro_batch_tokens=micro, **opts))
+    try:
+        cfg = eng.cfg
+        g = torch.Generator().manual_seed(4)
+        p = min(64, length // 4)
+        batch = []
+        for i in range(samples):
+            seq = torch.randint(0, cfg.vocab_size, (length,), generator=g).tolist()
+            r = length - p
+            batch.append(Sample(seq[:p], seq[p:], [1.0] * r, [-5.0] * r,
+                                [1.0 if i % 2 else -1.0] * r, group=f"g{i // 4}"))
+        b = Batch(samples=batch, loss=LossConfig(lr=1e-6, max_grad_norm=1.0))
+        if torch.cuda.is_available():
+            torch.cuda.reset_peak_memory_stats()
         t = time.perf_counter()
-        st = eng.train(b)
+        eng.train(b)  # warm-up (compiles)
+        res[f"{prefix}_first_step_s"] = time.perf_counter() - t
         sync()
-        times.append(time.perf_counter() - t)
-    dt = sorted(times)[len(times) // 2]
-    tokens = samples * length
-    # Model FLOPs: 6 per parameter per token for the matrices (the tied embedding counts once,
-    # as the output head; the lookup is free) + causal attention 6·2·layers·T/2·q_dim per token.
-    matrix_params = cfg.params() - (0 if cfg.tie_embeddings else cfg.vocab_size * cfg.hidden)
-    flops = tokens * (6 * matrix_params + 6 * 2 * cfg.layers * (length / 2) * cfg.q_dim)
-    res[f"{prefix}_tokens_per_s"] = tokens / dt
-    res[f"{prefix}_mfu"] = flops / dt / PEAK_BF16
-    res[f"{prefix}_step_s"] = dt
-    res[f"{prefix}_loss"] = st.loss
-    res[f"{prefix}_compile_error"] = eng.trainer.compile_error[:500]
-    if torch.cuda.is_available():
-        res[f"{prefix}_peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
-        torch.cuda.reset_peak_memory_stats()
-    log(prefix, {k: v for k, v in res.items() if k.startswith(prefix)})
+        times = []
+        for _ in range(steps):
+            t = time.perf_counter()
+            st = eng.train(b)
+            sync()
+            times.append(time.perf_counter() - t)
+        dt = sorted(times)[len(times) // 2]
+        tokens = samples * length
+        # Model FLOPs: 6 per parameter per token for the matrices (the tied embedding counts
+        # once, as the output head; the lookup is free) + causal attention
+        # 6·2·layers·T/2·q_dim per token.
+        matrix_params = cfg.params() - (0 if cfg.tie_embeddings else cfg.vocab_size * cfg.hidden)
+        flops = tokens * (6 * matrix_params + 6 * 2 * cfg.layers * (length / 2) * cfg.q_dim)
+        res[f"{prefix}_tokens_per_s"] = tokens / dt
+        res[f"{prefix}_mfu"] = flops / dt / PEAK_BF16
+        res[f"{prefix}_step_s"] = dt
+        res[f"{prefix}_loss"] = st.loss
+        res[f"{prefix}_mode"] = eng.trainer.mode
+        res[f"{prefix}_compile_error"] = eng.trainer.compile_error[-20000:]
+        if torch.cuda.is_available():
+            res[f"{prefix}_peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
+        log(prefix, {k: v for k, v in res.items()
+                     if k.startswith(prefix) and k != f"{prefix}_compile_error"})
+        if res[f"{prefix}_compile_error"]:
+            log(prefix, "compile error:\n", res[f"{prefix}_compile_error"][-6000:])
+    finally:
+        eng.close()
+
+
+def sec_train(a, res):
+    import torch._dynamo
+    torch._dynamo.config.verbose = True  # a compiler failure is recorded with its whole stack
+    train_bench(a, res, "train", {})
+    train_bench(a, res, "train_16x", {}, samples=16, micro=16 * a.train_len)
+
+
+def sec_train_eager(a, res):
+    train_bench(a, res, "train_eager", dict(compile_train="off"))
+
+
+def sec_train_static(a, res):
+    train_bench(a, res, "train_static", dict(compile_train="block-static"))
+
+
+def sec_train_regional(a, res):
+    train_bench(a, res, "train_regional", dict(compile_train="regional"))
+
+
+def sec_train_before(a, res):
+    train_bench(a, res, "train_before", dict(fused_head=False, fused_norm=False,
+                                             compile_train="off"))
+
+
+def sec_hf(a, res):
+    from transformers import AutoModelForCausalLM
+    dev = a.device
+    hf = AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.bfloat16).to(dev).eval()
+    for batch, new in ((1, 32), (256, 64)):
+        if dev == "cpu" and batch > 1:
+            continue
+        toks = prompts(batch, hf.config.vocab_size, 2).to(dev)
+        kw = dict(do_sample=True, temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=new,
+                  min_new_tokens=new, pad_token_id=0, attention_mask=torch.ones_like(toks))
+        with torch.no_grad():
+            hf.generate(toks[:, :16], **{**kw, "max_new_tokens": 4, "min_new_tokens": 4})
+            sync()
+            t = time.perf_counter()
+            out = hf.generate(toks, **kw)
+            sync()
+            dt = time.perf_counter() - t
+        assert out.shape[1] == PROMPT + new
+        res[f"hf_b{batch}"] = batch * new / dt
+        log("hf", batch, res[f"hf_b{batch}"])
+
+
+# ---- the driver ------------------------------------------------------------------------------
+
+def table(res: dict) -> str:
+    def num(k, digits=0):
+        return "—" if k not in res else f"{res[k]:,.{digits}f}"
+
+    def pct(k):
+        return "—" if k not in res else f"{100 * res[k]:.1f}%"
+
+    def mode(k):
+        m = res.get(f"{k}_mode")
+        return "" if m is None else f" (ran: {m or 'eager'})"
+
+    rows = [
+        "| Qwen3-0.6B shape, bf16, 128 prompt + 256 sampled tokens | batch 1 tok/s | "
+        "batch 256 tok/s |",
+        "|---|---:|---:|",
+        f"| HF generate, same run (32 / 64 new tokens) | {num('hf_b1')} | {num('hf_b256')} |",
+        f"| before: compiled layer, PyTorch attention and sampler, CUDA graphs | "
+        f"{num('gen_before_b1')} | {num('gen_before_b256')} |",
+        f"| Triton attention + sampler, compiled layer halves (batch 1 without the all-Triton "
+        f"step) | {num('gen_layer_b1_b1')} | |",
+        f"| **now** (default): + all-Triton batch-1 step | **{num('gen_b1')}** | "
+        f"**{num('gen_b256')}** |",
+        "| target | 1,000 | 50,000 |",
+        f"| GPU time of one decode step, every row at position 383, ms (now / before) | "
+        f"{num('gen_step_ms_b1', 3)} / {num('gen_before_step_ms_b1', 3)} | "
+        f"{num('gen_step_ms_b256', 3)} / {num('gen_before_step_ms_b256', 3)} |",
+        f"| the same, rows at position 0, ms (now / before) | "
+        f"{num('gen_step0_ms_b1', 3)} / {num('gen_before_step0_ms_b1', 3)} | "
+        f"{num('gen_step0_ms_b256', 3)} / {num('gen_before_step0_ms_b256', 3)} |",
+        f"| sampling alone, launched eagerly (host launch time included), ms (Triton / PyTorch) | "
+        f"{num('sample_ms_b1', 3)} / "
+        f"{num('sample_torch_ms_b1', 3)} | {num('sample_ms_b256', 3)} / "
+        f"{num('sample_torch_ms_b256', 3)} |",
+        "",
+        "| training, one AdamW step, 8 × 2,048 tokens unless said | tokens/s | "
+        "MFU (989 TFLOP/s) | step s | peak GiB |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for key, name in (
+            ("train_before", "before: whole fp32 logits, unfused RMSNorm, eager"),
+            ("train_eager", "chunked log-prob head + fused RMSNorm, eager"),
+            ("train", "**now** (default): + whole layer compiled (dynamic shapes)"),
+            ("train_16x", "now, 16 × 2,048 in one micro-batch"),
+            ("train_static", "whole layer compiled for static shapes"),
+            ("train_regional", "q/k/v and MLP compiled around eager attention")):
+        rows.append(f"| {name}{mode(key)} | {num(key + '_tokens_per_s')} | {pct(key + '_mfu')} "
+                    f"| {num(key + '_step_s', 3)} | {num(key + '_peak_mem_gib', 1)} |")
+    rows.append("| target | | 40% | | |")
+    rows += [
+        "",
+        f"parity (‖a − b‖/‖b‖ of logits): ours bf16 vs HF bf16 "
+        f"{res.get('parity_rel_vs_hf_bf16', float('nan')):.2e}, ours bf16 vs HF fp32 "
+        f"{res.get('parity_rel_vs_hf_fp32', float('nan')):.2e}, HF bf16 vs HF fp32 "
+        f"{res.get('hf_bf16_rel_vs_hf_fp32', float('nan')):.2e}; generation vs Score log-probs, "
+        f"max |Δ|: now b1 {num('gen_decode_vs_score_b1', 3)}, b4 "
+        f"{num('gen_decode_vs_score_b4', 3)}; before b1 {num('gen_before_decode_vs_score_b1', 3)}"
+        f", b4 {num('gen_before_decode_vs_score_b4', 3)}",
+    ]
+    errs = [k for k in res if k.startswith("error_") or (k.endswith("_error") and res[k])]
+    if errs:
+        rows.append("errors (bench.json): " + ", ".join(errs))
+    return "\n".join(rows)
 
 
 def main():
-    global NEW
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/bench"))
-    ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--model", default="")
-    # A dry run of the script itself on the CPU: --device cpu --shape tiny --new 8 --train-len 64
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--shape", default="qwen3-0.6b")
-    ap.add_argument("--new", type=int, default=NEW)
+    ap.add_argument("--new", type=int, default=256)
     ap.add_argument("--train-len", type=int, default=2048)
-    args = ap.parse_args()
-    NEW = args.new
-    dev = args.device
-    out = pathlib.Path(args.out)
+    ap.add_argument("--budget", type=float, default=540, help="seconds for all sections")
+    ap.add_argument("--sections", default=",".join(SECTIONS))
+    ap.add_argument("--section", default="", help=argparse.SUPPRESS)  # run one, in this process
+    a = ap.parse_args()
+    out = pathlib.Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    res: dict = {"device": torch.cuda.get_device_name() if dev == "cuda" else dev,
-                 "torch": torch.__version__}
+    if a.section:
+        res: dict = {}
+        try:
+            globals()["sec_" + a.section](a, res)
+        except Exception:
+            res[f"error_{a.section}"] = traceback.format_exc()[-4000:]
+            log(f"{a.section} FAILED:\n{res[f'error_{a.section}']}")
+        (out / f"{a.section}.json").write_text(json.dumps(res))
+        return
     t0 = time.time()
-    model_dir = pathlib.Path(args.model or f"/tmp/bench-{args.shape}")
+    model_dir = pathlib.Path(a.model or f"/tmp/bench-{a.shape}")
     if not (model_dir / "config.json").exists():
-        make_model(args.shape, model_dir, seed=0, dtype="bfloat16" if dev == "cuda" else "")
+        make_model(a.shape, model_dir, seed=0, dtype="bfloat16" if a.device != "cpu" else "")
         no_eos(model_dir)
     log(f"model ready in {time.time() - t0:.0f}s")
-    def section(name, fn):
+    res = {"device": torch.cuda.get_device_name() if a.device != "cpu" else "cpu",
+           "torch": torch.__version__}
+    try:
+        import triton
+        res["triton"] = triton.__version__
+    except Exception:
+        pass
+    for name in a.sections.split(","):
+        left = a.budget - (time.time() - t0)
+        if left < 0.6 * SECTIONS[name]:
+            log(f"[{name}: skipped, {left:.0f}s left]")
+            res[f"skipped_{name}"] = True
+            continue
         t = time.time()
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        if name == "train":
+            env["TORCHDYNAMO_VERBOSE"] = "1"
+        cmd = [sys.executable, __file__, "--section", name, "--model", str(model_dir),
+               "--out", str(out), "--device", a.device, "--new", str(a.new),
+               "--train-len", str(a.train_len)]
         try:
-            fn()
-        except Exception:
-            res[f"error_{name}"] = traceback.format_exc()[-2000:]
-            log(f"{name} FAILED:\n{res[f'error_{name}']}")
+            subprocess.run(cmd, env=env, timeout=max(10, left - 5), check=False)
+        except subprocess.TimeoutExpired:
+            res[f"error_{name}"] = f"timed out after {left - 5:.0f}s"
+        f = out / f"{name}.json"
+        if f.exists():
+            res.update(json.loads(f.read_text()))
+            f.unlink()
+        elif f"error_{name}" not in res:
+            res[f"error_{name}"] = "the section's process died (no results)"
         log(f"[{name}: {time.time() - t:.0f}s, total {time.time() - t0:.0f}s]")
-
-    # Ours first (compiled): the headline numbers must come back even if a later part fails.
-    eng = None
-
-    def ours_compiled():
-        nonlocal eng
-        eng = Engine(str(model_dir), Options(device=dev, slots=256, max_seq_len=PROMPT + NEW,
-                                             compile_train=True))
-        res["ours_compiled_b1"] = ours_generate(eng, 1)
-        log("ours compiled b1", res["ours_compiled_b1"])
-        res["ours_compiled_b256"] = ours_generate(eng, 256)
-        log("ours compiled b256", res["ours_compiled_b256"])
-        res["compile_error"] = eng.gen.compile_error
-        res["graphs"] = sorted(str(k) for k in eng.gen.graphs)
-        step_times(eng, res, "compiled")
-
-    section("ours_compiled", ours_compiled)
-    if eng is not None:
-        section("parity", lambda: parity(model_dir, eng, res, dev))
-        section("train", lambda: train_bench(eng, res, length=args.train_len))
-        eng.close()
-        del eng
-
-    def ours_eager():
-        e = Engine(str(model_dir), Options(device=dev, slots=256, max_seq_len=PROMPT + NEW,
-                                           compile=False))
-        res["ours_graphs_b1"] = ours_generate(e, 1, reps=1)
-        res["ours_graphs_b256"] = ours_generate(e, 256, reps=1)
-        log("ours graphs-only", res["ours_graphs_b1"], res["ours_graphs_b256"])
-        step_times(e, res, "graphs")
-        train_bench(e, res, length=args.train_len, prefix="train_eager")
-        e.close()
-
-    section("ours_eager", ours_eager)
-    if not args.skip_hf:
-        def hf():
-            res["hf_b1"] = hf_generate(model_dir, 1, 32)
-            log("hf b1", res["hf_b1"])
-            res["hf_b256"] = hf_generate(model_dir, 256, 64)
-            log("hf b256", res["hf_b256"])
-        section("hf", hf)
-
-    def num(k, digits=0):
-        return "failed" if k not in res else f"{res[k]:,.{digits}f}"
-
-    def sci(k):
-        return "failed" if k not in res else f"{res[k]:.2e}"
-
-    def pct(k):
-        return "failed" if k not in res else f"{100 * res[k]:.1f}%"
-
-    rows = [
-        "| Qwen3-0.6B shape, bf16, 128 prompt + 256 sampled tokens | batch 1 tok/s | batch 256 tok/s |",
-        "|---|---:|---:|",
-        f"| HF generate, same run (32 / 64 new tokens) | {num('hf_b1')} | {num('hf_b256')} |",
-        f"| ours, CUDA graphs | {num('ours_graphs_b1')} | {num('ours_graphs_b256')} |",
-        f"| ours, compiled layer + CUDA graphs | {num('ours_compiled_b1')} | "
-        f"{num('ours_compiled_b256')} |",
-        "| target | 1,000 | 50,000 |",
-        f"| GPU time of one decode step at 384 positions, ms (graph replay; compiled / not) | "
-        f"{num('compiled_step_ms_b1', 3)} / {num('graphs_step_ms_b1', 3)} | "
-        f"{num('compiled_step_ms_b256', 3)} / {num('graphs_step_ms_b256', 3)} |",
-        f"| of which sampling (graph replay), ms | {num('sample_ms_b1', 3)} | "
-        f"{num('sample_ms_b256', 3)} |",
-        "",
-        "| training, 8 × 2,048 tokens, one AdamW step | tokens/s | MFU (989 TFLOP/s) | step s | peak GiB |",
-        "|---|---:|---:|---:|---:|",
-        f"| ours, compiled layer and loss head"
-        f"{' (compile failed: ran eagerly)' if res.get('train_compile_error') else ''} | "
-        f"{num('train_tokens_per_s')} | {pct('train_mfu')} | "
-        f"{num('train_step_s', 2)} | {num('train_peak_mem_gib', 1)} |",
-        f"| ours, eager | {num('train_eager_tokens_per_s')} | {pct('train_eager_mfu')} | "
-        f"{num('train_eager_step_s', 2)} | {num('train_eager_peak_mem_gib', 1)} |",
-        "",
-        f"parity (‖a − b‖/‖b‖ of logits): ours bf16 vs HF bf16 {sci('parity_rel_vs_hf_bf16')}, "
-        f"ours bf16 vs HF fp32 {sci('parity_rel_vs_hf_fp32')}, HF bf16 vs HF fp32 "
-        f"{sci('hf_bf16_rel_vs_hf_fp32')}; generation vs Score log-probs: max |Δ| "
-        f"{num('decode_vs_score_max_abs_logprob', 3)}",
-    ]
-    table = "\n".join(rows)
+        (out / "bench.json").write_text(json.dumps(res, indent=1))
+    md = table(res)
     (out / "bench.json").write_text(json.dumps(res, indent=1))
-    (out / "bench.md").write_text(table + "\n")
+    (out / "bench.md").write_text(md + "\n")
     log(f"total {time.time() - t0:.0f}s")
-    log(table)
+    log(md)
 
 
 if __name__ == "__main__":

@@ -32,8 +32,16 @@ def main(argv=None) -> None:
                    help="folder of the frozen KL reference (default: --model)")
     s.add_argument("--no-cuda-graphs", action="store_true")
     s.add_argument("--no-compile", action="store_true", help="do not torch.compile the decode step")
-    s.add_argument("--compile-train", action="store_true",
-                   help="torch.compile the training step (experimental; falls back to eager)")
+    s.add_argument("--compile-train", nargs="?", const="block", default="block",
+                   choices=["block", "block-static", "regional", "off"],
+                   help="torch.compile of the training layer on a GPU: block (default), "
+                   "block-static, regional, off; a failure falls back block → regional → eager")
+    s.add_argument("--no-kernels", action="store_true",
+                   help="no Triton decode attention and sampler (GPU)")
+    s.add_argument("--no-fused-b1", action="store_true",
+                   help="no all-Triton decode step at batch 1 (GPU)")
+    s.add_argument("--no-fused-head", action="store_true",
+                   help="training log-probs from the whole fp32 logits, not in chunks")
 
     m = sub.add_parser("make-model", help="write a randomly initialised model folder")
     m.add_argument("--shape", required=True, help="tiny, tiny-qwen3, tiny-qwen2, qwen3-50m, "
@@ -55,6 +63,12 @@ def main(argv=None) -> None:
     t.add_argument("--device", default="")
     t.add_argument("--dtype", default="")
     t.add_argument("--log-every", type=int, default=50)
+    t.add_argument("--max-seconds", type=float, default=0,
+                   help="stop (and save) once this much time has passed (0: no limit)")
+    t.add_argument("--compile-train", default="block",
+                   choices=["block", "block-static", "regional", "off"],
+                   help="torch.compile of the training layer on a GPU (as serve); compiling "
+                   "takes about a minute, so short warm-ups may prefer off")
 
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,

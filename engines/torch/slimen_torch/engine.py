@@ -18,11 +18,12 @@ import threading
 
 import torch
 
+from . import kernels
 from .config import ModelConfig, eos_ids, read_config
 from .generate import Generator, Request
-from .model import Transformer
+from .model import Transformer, fused_rms_norm
 from .tokenizer import TOKENIZER_FILES, Tokenizer
-from .train import Trainer, micro_batches, response_hidden, response_logits, token_logprobs
+from .train import Trainer, micro_batches, response_hidden, response_logits
 from .types import (Batch, Completion, GenerateRequest, LossConfig, RequestError, Sampling,
                     ScoreRequest, TrainStats)
 from .weights import load_weights, save_weights
@@ -40,9 +41,20 @@ class Options:
     max_seq_len: int = 0  # cache positions; 0 → min(model's, 2048 CPU / 4096 GPU)
     cuda_graphs: bool = True  # capture decode steps (GPU only)
     compile: bool = True  # torch.compile the decode layer before capturing it (GPU only)
-    # torch.compile the training layer and loss head (GPU only). Off: on the H200 with torch
-    # 2.11 dynamo stopped with an AssertionError (the trainer then falls back to eager).
-    compile_train: bool = False
+    # Triton decode attention and sampler (kernels.py); None: on a GPU when Triton is there.
+    # On the CPU only under TRITON_INTERPRET=1 (tests).
+    kernels: bool | None = None
+    # Batch-1 decode steps entirely in Triton kernels (model.decode_step_b1); None: as kernels.
+    fused_b1: bool | None = None
+    # Training: log-probs and entropy computed in chunks from the hidden states, never the whole
+    # fp32 logits (kernels.linear_logprobs; Triton element-wise passes on a GPU).
+    fused_head: bool = True
+    # Training RMSNorm in PyTorch's fused kernel (model.fused_rms_norm); None: on a GPU.
+    fused_norm: bool | None = None
+    # torch.compile of training (GPU only): "block" the whole layer (forward and backward,
+    # dynamic shapes), "block-static", "regional" (the q/k/v and MLP parts around an eager
+    # attention), "off" (or ""). A failure falls back block → regional → eager.
+    compile_train: str | bool = "block"
     prefill_tokens: int = 0  # prompt tokens admitted per iteration; 0 → 2048 CPU / 16384 GPU
     micro_batch_tokens: int = 0  # padded tokens per training micro-batch; 0 → 4096 / 16384
     grad_checkpointing: bool = False  # recompute layer activations in the backward pass
@@ -99,13 +111,21 @@ class Engine:
         self.model = model.eval().requires_grad_(True)
         o, cuda = self.opts, self.device.type == "cuda"
         max_len = min(cfg.max_seq_len, o.max_seq_len or (4096 if cuda else 2048))
+        use_kernels = o.kernels if o.kernels is not None else (cuda and kernels.HAVE_TRITON)
         self.gen = Generator(
             model, self.tokenizer, self.eos, slots=o.slots or self._default_slots(max_len),
             max_len=max_len, cuda_graphs=o.cuda_graphs, compile_layers=o.compile and cuda,
-            prefill_tokens=o.prefill_tokens or (16384 if cuda else 2048))
+            prefill_tokens=o.prefill_tokens or (16384 if cuda else 2048),
+            triton=use_kernels, fused_b1=use_kernels if o.fused_b1 is None else o.fused_b1)
         model.grad_checkpointing = o.grad_checkpointing
+        if o.fused_norm if o.fused_norm is not None else cuda:
+            model.train_norm = fused_rms_norm
+        mode = o.compile_train
+        mode = "block" if mode is True else ("" if mode in (False, None, "off") else mode)
+        mode = mode if cuda else ""
         self.trainer = Trainer(model, micro_batch_tokens=o.micro_batch_tokens or (
-            16384 if cuda else 4096), reference=self._reference_model, compile=o.compile_train and cuda)
+            16384 if cuda else 4096), reference=self._reference_model, compile=mode,
+            fused_head=o.fused_head)
         self._load_optimizer(model_dir)
 
     def _default_slots(self, max_len: int) -> int:
@@ -284,10 +304,24 @@ class Engine:
         budget = self.trainer.micro_batch_tokens
         for mb in micro_batches([len(pairs[i][0]) + len(pairs[i][1]) for i in todo], budget):
             idx = [todo[j] for j in mb]
-            logits, targets = response_logits(self.model, [pairs[i] for i in idx])
-            logits = logits.float()
-            lp = (logits.gather(1, targets[:, None]).squeeze(1)
-                  - torch.logsumexp(logits, dim=-1)).tolist()
+            if self.trainer.fused_head:
+                hidden, targets = response_hidden(self.model, [pairs[i] for i in idx])
+                try:
+                    lp = kernels.linear_logprobs(hidden, self.model.head_weight, targets,
+                                                 use_triton=self.trainer.head_triton)[0]
+                except Exception as e:
+                    if not self.trainer.head_triton:
+                        raise
+                    log.warning("the Triton log-prob kernels failed, using PyTorch: %s", e)
+                    self.trainer.head_triton = False
+                    lp = kernels.linear_logprobs(hidden, self.model.head_weight, targets,
+                                                 use_triton=False)[0]
+                lp = lp.tolist()
+            else:
+                logits, targets = response_logits(self.model, [pairs[i] for i in idx])
+                logits = logits.float()
+                lp = (logits.gather(1, targets[:, None]).squeeze(1)
+                      - torch.logsumexp(logits, dim=-1)).tolist()
             k = 0
             for i in idx:
                 n = len(pairs[i][1])
@@ -373,8 +407,8 @@ class Engine:
         self.eos = _eos(raw, model_dir, self.tokenizer)
         self.gen.eos = set(self.eos)
         self.trainer = Trainer(self.model, micro_batch_tokens=self.trainer.micro_batch_tokens,
-                               reference=self._reference_model,
-                               compile=self.trainer.logprob_fn is not token_logprobs)
+                               reference=self._reference_model, compile=self.trainer.mode,
+                               fused_head=self.trainer.fused_head)
         self._load_optimizer(model_dir)
 
     def close(self) -> None:

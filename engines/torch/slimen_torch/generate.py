@@ -20,8 +20,9 @@ import logging
 
 import torch
 
-from . import sampling
-from .model import Transformer, decode_layer, decode_step
+from . import kernels, sampling
+from .model import (Transformer, decode_layer, decode_post, decode_pre, decode_step,
+                    decode_step_b1, decode_step_split)
 from .types import Completion
 
 log = logging.getLogger("slimen_torch")
@@ -74,7 +75,7 @@ class Generator:
 
     def __init__(self, model: Transformer, tokenizer, eos: list[int], *, slots: int, max_len: int,
                  cuda_graphs: bool, compile_layers: bool, prefill_tokens: int,
-                 length_bucket: int = 64):
+                 length_bucket: int = 64, triton: bool = False, fused_b1: bool = False):
         self.model = model
         self.tokenizer = tokenizer
         self.eos = set(eos)
@@ -86,10 +87,21 @@ class Generator:
         self.length_bucket = length_bucket
         self.layer_fn = decode_layer
         self.compile_error = ""
+        self.kernel_error = ""
+        # With Triton (kernels.py): attention and sampling in Triton kernels, each layer split
+        # around the attention into decode_pre and decode_post (compiled); at batch 1 optionally
+        # the whole step in Triton kernels (decode_step_b1).
+        self.triton = triton and kernels.available(self.device)
+        self.fused_b1 = fused_b1 and self.triton
+        self.pre_fn, self.post_fn = decode_pre, decode_post
         if compile_layers:
             # One compiled function serves every layer: the layer's weights are arguments. Shapes
             # are dynamic so that new (rows, length) buckets do not recompile.
-            self.layer_fn = torch.compile(decode_layer, fullgraph=True, dynamic=True)
+            if self.triton:
+                self.pre_fn = torch.compile(decode_pre, fullgraph=True, dynamic=True)
+                self.post_fn = torch.compile(decode_post, fullgraph=True, dynamic=True)
+            else:
+                self.layer_fn = torch.compile(decode_layer, fullgraph=True, dynamic=True)
         self.k = self.v = None  # per layer [slots, kv_heads, max_len, head_dim], on first use
         long = dict(dtype=torch.long, device=self.device)
         f32 = dict(dtype=torch.float32, device=self.device)
@@ -266,8 +278,24 @@ class Generator:
     def _decode(self, B: int, L: int, use_top_p: bool) -> None:
         """One decode step on rows [0, B) over positions [0, L): what a CUDA graph captures."""
         pos = self.pos[:B]
-        hidden = decode_step(self.model, self.layer_fn, self.tok[:B], pos, self.k, self.v, L)
-        logits = self.model.logits(hidden).float()
+        if self.fused_b1 and B == 1:
+            logits = decode_step_b1(self.model, kernels, self.tok[:B], pos, self.k, self.v, L)
+        else:
+            if self.triton:
+                hidden = decode_step_split(self.model, self.pre_fn, self.post_fn,
+                                           kernels.decode_attention, self.tok[:B], pos, self.k,
+                                           self.v, L)
+            else:
+                hidden = decode_step(self.model, self.layer_fn, self.tok[:B], pos, self.k,
+                                     self.v, L)
+            logits = self.model.logits(hidden)
+        if self.triton and not use_top_p:
+            # Sampling, log-probs and the step state in two kernels, reading the logits once.
+            kernels.sample_and_advance(logits, self.temp, self.key, self.step_idx, self.active,
+                                       self.pos, self.tok, self.out_tok, self.out_lp,
+                                       max_pos=self.L - 1)
+            return
+        logits = logits.float()
         u = sampling.uniform(self.key[:B], self.step_idx[:B])
         tok, lp = sampling.sample(logits, self.temp[:B], self.top_p[:B], u, use_top_p)
         self.out_tok[:B].copy_(tok)
@@ -296,16 +324,16 @@ class Generator:
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
-            try:
-                self._decode(B, L, use_top_p)
-            except Exception as e:
-                if self.layer_fn is decode_layer:
-                    raise
-                # A compiler failure costs speed, not service.
-                log.warning("torch.compile of the decode layer failed, running it eagerly: %s", e)
-                self.compile_error = str(e)
-                self.layer_fn = decode_layer
-                self._decode(B, L, use_top_p)
+            while True:
+                try:
+                    self._decode(B, L, use_top_p)
+                    break
+                except Exception as e:
+                    # A compiler or kernel failure costs speed, not service.
+                    for t, s in zip((self.tok, self.pos, self.step_idx), saved):
+                        t.copy_(s)
+                    if not self._degrade(e, B):
+                        raise
         torch.cuda.current_stream().wait_stream(stream)
         for t, s in zip((self.tok, self.pos, self.step_idx), saved):
             t.copy_(s)
@@ -318,6 +346,28 @@ class Generator:
             self._decode(B, L, use_top_p)
         log.info("captured decode graph rows=%d length=%d top_p=%s", B, L, use_top_p)
         return g
+
+    def _degrade(self, e: Exception, B: int) -> bool:
+        """After a failed decode step: drops the batch-1 Triton step, compilation, then the
+        Triton kernels; False when there is nothing left to drop."""
+        if self.fused_b1 and B == 1:
+            log.warning("the batch-1 Triton decode step failed, using the layer path: %s", e)
+            self.kernel_error = f"batch 1: {type(e).__name__}: {e}"
+            self.fused_b1 = False
+            return True
+        compiled = self.layer_fn is not decode_layer or self.pre_fn is not decode_pre
+        if compiled:
+            log.warning("torch.compile of the decode layer failed, running it eagerly: %s", e)
+            self.compile_error = f"{type(e).__name__}: {e}"
+            self.layer_fn, self.pre_fn, self.post_fn = decode_layer, decode_pre, decode_post
+            return True
+        if self.triton:
+            log.warning("the Triton decode kernels failed, using PyTorch: %s", e)
+            self.kernel_error = f"{type(e).__name__}: {e}"
+            self.triton = self.fused_b1 = False
+            self.graphs.clear()
+            return True
+        return False
 
     @torch.no_grad()
     def _launch(self):

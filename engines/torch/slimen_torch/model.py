@@ -87,35 +87,47 @@ class Block(nn.Module):
         return block_forward(self.cfg, x, self.weights(), cos, sin)
 
 
-def block_forward(cfg: ModelConfig, x, w: tuple, cos, sin):
+def fused_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm in one kernel (PyTorch's fused CUDA kernel, forward and backward): the weight is
+    applied before rounding, so in bf16 it differs from rms_norm in the last bit. Training only."""
+    return F.rms_norm(x, (x.shape[-1],), weight, eps).to(x.dtype)
+
+
+def block_forward(cfg: ModelConfig, x, w: tuple, cos, sin, qkv_fn=None, mlp_fn=None,
+                  norm=rms_norm):
     """One layer over whole sequences: x [B, T, hidden] → (x, k, v), k and v [B, kv_heads, T, D]
-    after rope (what prefill writes into the cache)."""
-    q, k, v = project_qkv(cfg, w, x, cos, sin)  # [B, T, heads, D]
+    after rope (what prefill writes into the cache). qkv_fn and mlp_fn replace project_qkv and
+    mlp (compiled versions of them: Trainer's regional compile); norm replaces rms_norm."""
+    q, k, v = (qkv_fn or project_qkv)(cfg, w, x, cos, sin, norm)  # [B, T, heads, D]
     q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
     o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=cfg.head_dim ** -0.5,
                                        enable_gqa=cfg.heads != cfg.kv_heads)
     o = o.transpose(1, 2).flatten(2)
     x = x + F.linear(o, w[5], w[6])
-    return x + mlp(cfg, w, x), k, v
+    return x + (mlp_fn or mlp)(cfg, w, x, norm), k, v
 
 
-def project_qkv(cfg: ModelConfig, w: tuple, x, cos, sin):
-    """Normalised input → q [..., heads, D], k and v [..., kv_heads, D], rope applied."""
-    attn_norm, wqkv, bqkv, q_norm, k_norm = w[:5]
-    h = rms_norm(x, attn_norm, cfg.rms_eps)
+def project_qkv(cfg: ModelConfig, w: tuple, x, cos, sin, norm=rms_norm):
+    """Input → q [..., heads, D], k and v [..., kv_heads, D], normalised, rope applied."""
+    return qkv_from_normed(cfg, w, norm(x, w[0], cfg.rms_eps), cos, sin, norm)
+
+
+def qkv_from_normed(cfg: ModelConfig, w: tuple, h, cos, sin, norm=rms_norm):
+    """project_qkv after the layer's input norm (h = norm(x))."""
+    wqkv, bqkv, q_norm, k_norm = w[1:5]
     q, k, v = F.linear(h, wqkv, bqkv).split([cfg.q_dim, cfg.kv_dim, cfg.kv_dim], dim=-1)
     q = q.unflatten(-1, (cfg.heads, cfg.head_dim))
     k = k.unflatten(-1, (cfg.kv_heads, cfg.head_dim))
     v = v.unflatten(-1, (cfg.kv_heads, cfg.head_dim))
     if cfg.qk_norm:
-        q, k = rms_norm(q, q_norm, cfg.rms_eps), rms_norm(k, k_norm, cfg.rms_eps)
-    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+        q, k = norm(q, q_norm, cfg.rms_eps), norm(k, k_norm, cfg.rms_eps)
+    cos, sin = cos.to(h.dtype), sin.to(h.dtype)
     return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
 
-def mlp(cfg: ModelConfig, w: tuple, x):
+def mlp(cfg: ModelConfig, w: tuple, x, norm=rms_norm):
     mlp_norm, w13, w2 = w[7:]
-    gate, up = F.linear(rms_norm(x, mlp_norm, cfg.rms_eps), w13).chunk(2, dim=-1)
+    gate, up = F.linear(norm(x, mlp_norm, cfg.rms_eps), w13).chunk(2, dim=-1)
     return F.linear(F.silu(gate) * up, w2)
 
 
@@ -167,8 +179,10 @@ class Transformer(nn.Module):
         self.register_buffer("sin", angles.sin().to(device), persistent=False)
         self.grad_checkpointing = False
         # The layer function of training passes: block_forward, or a compiled version of it
-        # (engine.Options.compile on a GPU). Inference passes (prefill, score) run it eagerly.
+        # (engine.Options.compile_train on a GPU), and its RMSNorm (rms_norm, or fused_rms_norm
+        # on a GPU). Inference passes (prefill, score) run block_forward with rms_norm.
         self.train_block_fn = block_forward
+        self.train_norm = rms_norm
 
     def init_weights(self, generator: torch.Generator, std: float = 0.02) -> None:
         """Random initialisation (make-model): normal(0, std) matrices, unit norms, zero biases."""
@@ -205,16 +219,18 @@ class Transformer(nn.Module):
         T = tokens.shape[1]
         x = F.embedding(tokens, self.embed)
         cos, sin = self.cos[:T], self.sin[:T]
-        fn = self.train_block_fn if self.training else block_forward
+        train = self.training
+        fn = self.train_block_fn if train else block_forward
+        kw = {"norm": self.train_norm} if train and self.train_norm is not rms_norm else {}
         for i, layer in enumerate(self.layers):
-            if self.grad_checkpointing and self.training:
+            if self.grad_checkpointing and train:
                 x, k, v = checkpoint(fn, self.cfg, x, layer.weights(), cos, sin,
-                                     use_reentrant=False)
+                                     use_reentrant=False, **kw)
             else:
-                x, k, v = fn(self.cfg, x, layer.weights(), cos, sin)
+                x, k, v = fn(self.cfg, x, layer.weights(), cos, sin, **kw)
             if kv_sink is not None:
                 kv_sink(i, k, v)
-        return rms_norm(x, self.norm, self.cfg.rms_eps)
+        return (self.train_norm if train else rms_norm)(x, self.norm, self.cfg.rms_eps)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return F.linear(hidden, self.head_weight)
@@ -233,3 +249,69 @@ def decode_step(model: Transformer, layer_fn, tokens, pos, k_caches, v_caches, L
     for layer, kc, vc in zip(model.layers, k_caches, v_caches):
         x = layer_fn(model.cfg, x, layer.weights(), kc, vc, pos, mask, cos, sin)
     return rms_norm(x, model.norm, model.cfg.rms_eps)
+
+
+# ---- decode with Triton attention (kernels.py): each layer is split around the attention ----
+
+def decode_pre(cfg: ModelConfig, h, w: tuple, cos, sin):
+    """The layer's normalised input h [B, hidden] → q [B, heads, D], k and v [B, kv_heads, D]."""
+    return qkv_from_normed(cfg, w, h, cos, sin)
+
+
+def decode_post(cfg: ModelConfig, x, o, w: tuple, next_norm):
+    """After attention: x + o-projection + MLP → (x, the next layer's normalised input), so a
+    compiled version fuses the residual add with the next norm."""
+    x = x + F.linear(o, w[5], w[6])
+    x = x + mlp(cfg, w, x)
+    return x, rms_norm(x, next_norm, cfg.rms_eps)
+
+
+def decode_step_split(model: Transformer, pre_fn, post_fn, attn_fn, tokens, pos, k_caches,
+                      v_caches, L: int):
+    """decode_step with the attention outside the layer functions: pre_fn (decode_pre) and
+    post_fn (decode_post) may be compiled, attn_fn is kernels.decode_attention (it writes the new
+    key and value into the cache). Returns the final normalised hidden states [B, hidden]."""
+    cfg = model.cfg
+    B = tokens.shape[0]
+    x = F.embedding(tokens, model.embed)
+    cos, sin = model.cos[pos], model.sin[pos]
+    layers = model.layers
+    h = rms_norm(x, layers[0].attn_norm, cfg.rms_eps)
+    scale = cfg.head_dim ** -0.5
+    for i, (layer, kc, vc) in enumerate(zip(layers, k_caches, v_caches)):
+        w = layer.weights()
+        q, k, v = pre_fn(cfg, h, w, cos, sin)
+        o = attn_fn(q, k, v, kc, vc, pos, L, scale)
+        nxt = layers[i + 1].attn_norm if i + 1 < len(layers) else model.norm
+        x, h = post_fn(cfg, x, o.reshape(B, cfg.q_dim), w, nxt)
+    return h
+
+
+def decode_step_b1(model: Transformer, kernels, tokens, pos, k_caches, v_caches, L: int):
+    """One token of cache row 0 in Triton kernels (kernels.py): per layer a fused norm + q/k/v
+    product, q/k norm + rope + attention (writing the cache), o-projection + residual, fused norm
+    + gate/up + SwiGLU, down projection + residual; then the final norm fused with the output
+    head. Returns the logits [1, vocab] in the model's dtype."""
+    cfg = model.cfg
+    dev, dt = tokens.device, model.embed.dtype
+    H, KV, D = cfg.heads, cfg.kv_heads, cfg.head_dim
+    x = F.embedding(tokens[:1], model.embed)[0]
+    x2 = torch.empty_like(x)
+    qkv = torch.empty(cfg.q_dim + 2 * cfg.kv_dim, dtype=dt, device=dev)
+    a = torch.empty(cfg.intermediate, dtype=dt, device=dev)
+    q = qkv[:cfg.q_dim].view(1, H, D)
+    k = qkv[cfg.q_dim:cfg.q_dim + cfg.kv_dim].view(1, KV, D)
+    v = qkv[cfg.q_dim + cfg.kv_dim:].view(1, KV, D)
+    scale = D ** -0.5
+    eps = cfg.rms_eps
+    for layer, kc, vc in zip(model.layers, k_caches, v_caches):
+        (attn_norm, wqkv, bqkv, q_norm, k_norm, wo, bo, mlp_norm, w13, w2) = layer.weights()
+        kernels.gemv(x, wqkv, qkv, bias=bqkv, norm_w=attn_norm, eps=eps)
+        o = kernels.decode_attention(q, k, v, kc, vc, pos, L, scale,
+                                     rope=(q_norm, k_norm, model.cos, model.sin, eps))
+        kernels.gemv(o.view(-1), wo, x2, bias=bo, res=x)
+        kernels.gemv(x2, w13, a, norm_w=mlp_norm, eps=eps, swiglu=True)
+        kernels.gemv(a, w2, x, res=x2)
+    logits = torch.empty(1, cfg.vocab_size, dtype=dt, device=dev)
+    kernels.gemv(x, model.head_weight, logits[0], norm_w=model.norm, eps=eps)
+    return logits

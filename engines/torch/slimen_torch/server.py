@@ -468,6 +468,9 @@ def serve(args) -> None:
     opts = Options(device=args.device, dtype=args.dtype, slots=args.slots,
                    max_seq_len=args.max_seq_len, cuda_graphs=not args.no_cuda_graphs,
                    compile=not args.no_compile, compile_train=args.compile_train,
+                   kernels=False if args.no_kernels else None,
+                   fused_b1=False if args.no_fused_b1 else None,
+                   fused_head=not args.no_fused_head,
                    micro_batch_tokens=args.micro_batch_tokens,
                    grad_checkpointing=args.grad_checkpointing, ref_model=args.ref_model)
     service.engine = Engine(args.model, opts)

@@ -10,6 +10,8 @@ line:
 and its generation prompt; the target is `response`, or `\\boxed{label}` when only a label is given
 (the format of the host's synthetic:arith export), followed by the end-of-sequence token. The loss
 is the token-mean negative log-likelihood of the targets; the result is saved as a model folder.
+--max-seconds ends the run early (after the step that crosses it), keeping the learning-rate
+schedule of --steps.
 """
 
 from __future__ import annotations
@@ -56,7 +58,8 @@ def read_pairs(path: str, engine: Engine) -> list[tuple[list[int], list[int]]]:
 
 
 def run(args) -> None:
-    engine = Engine(args.model, Options(device=args.device, dtype=args.dtype))
+    engine = Engine(args.model, Options(device=args.device, dtype=args.dtype,
+                                        compile_train=getattr(args, "compile_train", "block")))
     try:
         pairs = read_pairs(args.data, engine)
         rng = random.Random(args.seed)
@@ -65,6 +68,10 @@ def run(args) -> None:
         order: list[int] = []
         start = time.time()
         for step in range(1, steps + 1):
+            if args.max_seconds and time.time() - start > args.max_seconds:
+                log.info("sft stopped after %d steps: --max-seconds %g reached", step - 1,
+                         args.max_seconds)
+                break
             if len(order) < args.batch_size:
                 more = list(range(len(pairs)))
                 rng.shuffle(more)

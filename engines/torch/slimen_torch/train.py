@@ -13,13 +13,16 @@ the micro-batches add up to the gradient of the batch.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import math
+import traceback
 
 import torch
 
+from . import kernels
 from . import loss as L
-from .model import Transformer, block_forward
+from .model import Transformer, block_forward, mlp, project_qkv
 from .types import Batch, RequestError, Sample, TrainStats
 
 log = logging.getLogger("slimen_torch")
@@ -111,9 +114,17 @@ def micro_batches(lengths: list[int], budget: int) -> list[list[int]]:
     return out
 
 
+# Inductor's coalescing analysis asserts on some of the training layer's kernels when shapes are
+# dynamic (torch 2.11: AssertionError in tiling_utils.get_pw_red_splits, "coalesce_tiling_analysis
+# does not yet apply to dynamic shapes" says its config); without it the layer compiles.
+COMPILE_OPTIONS = {"triton.coalesce_tiling_analysis": False}
+
+
 class Trainer:
+    COMPILE_MODES = ("", "block", "block-static", "regional")
+
     def __init__(self, model: Transformer, *, micro_batch_tokens: int, reference=None,
-                 compile: bool = False):
+                 compile: str | bool = "", fused_head: bool = False):
         self.model = model
         self.params = [p for p in model.parameters()]
         self.mixed = self.params[0].dtype != torch.float32
@@ -123,13 +134,33 @@ class Trainer:
         self.masters = None
         self.opt = None
         self.steps = 0
-        self.logprob_fn = token_logprobs
+        # Log-probs from the hidden states in chunks (kernels.linear_logprobs), with the Triton
+        # element-wise passes on a GPU; else from the whole logits (token_logprobs).
+        self.fused_head = fused_head
+        self.head_triton = kernels.HAVE_TRITON and self.cuda
         self.compile_error = ""
-        if compile:
-            # One compiled layer (forward and backward) serves every layer; shapes are dynamic
-            # because micro-batches differ in rows and length.
-            model.train_block_fn = torch.compile(block_forward, dynamic=True)
-            self.logprob_fn = torch.compile(token_logprobs, dynamic=True)
+        self._set_mode("block" if compile is True else (compile or ""))
+
+    def _set_mode(self, mode: str) -> None:
+        """Installs the training layer of a compile mode: "" eager; "block" the whole layer
+        compiled (forward and backward; shapes dynamic, since micro-batches differ in rows and
+        length), "block-static" the same specialised to each shape, "regional" the q/k/v and MLP
+        parts compiled around an eager attention."""
+        if mode not in self.COMPILE_MODES:
+            raise ValueError(f"compile mode {mode!r}: use one of {self.COMPILE_MODES}")
+        self.mode = mode
+        self.model.train_block_fn = block_forward
+        self.logprob_fn = token_logprobs
+        opts = COMPILE_OPTIONS if self.cuda else None
+        if mode in ("block", "block-static"):
+            self.model.train_block_fn = torch.compile(block_forward, dynamic=mode == "block",
+                                                      options=opts)
+            if not self.fused_head:
+                self.logprob_fn = torch.compile(token_logprobs, dynamic=True, options=opts)
+        elif mode == "regional":
+            self.model.train_block_fn = functools.partial(
+                block_forward, qkv_fn=torch.compile(project_qkv, dynamic=True, options=opts),
+                mlp_fn=torch.compile(mlp, dynamic=True, options=opts))
 
     def add_params(self, params: list) -> None:
         """Parameters created after the trainer (a critic's value head) train from now on."""
@@ -142,13 +173,15 @@ class Trainer:
                                          if k != "params"}, "params": new})
 
     def _uncompile(self, err: Exception) -> bool:
-        """Falls back to eager training after a compiler failure; False if already eager."""
-        if self.logprob_fn is token_logprobs:
+        """After a failure of a compiled step: the next mode down (block → regional → eager);
+        False if already eager. The whole traceback is kept in compile_error."""
+        if not self.mode:
             return False
-        log.warning("torch.compile of the training step failed, training eagerly: %s", err)
-        self.compile_error = str(err)
-        self.model.train_block_fn = block_forward
-        self.logprob_fn = token_logprobs
+        nxt = "regional" if self.mode.startswith("block") else ""
+        log.warning("torch.compile of the training step (%s) failed, now %s: %s", self.mode,
+                    nxt or "eager", err)
+        self.compile_error += f"[{self.mode}] {traceback.format_exc()}\n"
+        self._set_mode(nxt)
         for p in self.params:
             p.grad = None
         return True
@@ -162,20 +195,42 @@ class Trainer:
             self.opt = torch.optim.AdamW(self.masters, lr=0.0, fused=self.cuda)
         return self.opt
 
-    def _forward(self, model: Transformer, samples: list[Sample]):
-        return response_logits(model, [(s.prompt, s.response) for s in samples])
+    def _logprobs(self, model: Transformer, pairs, entropy_grad: bool):
+        """(log-prob [N], entropy [N]) of every response token of the (prompt, response) pairs,
+        and the response tokens [N]."""
+        if self.fused_head:
+            hidden, targets = response_hidden(model, pairs)
+            logp, ent = kernels.linear_logprobs(hidden, model.head_weight, targets,
+                                                entropy_grad=entropy_grad,
+                                                use_triton=self.head_triton)
+            return logp, ent, targets
+        logits, targets = response_logits(model, pairs)
+        logp, ent = self.logprob_fn(logits, targets, entropy_grad=entropy_grad)
+        return logp, ent, targets
+
+    def _retrying(self, fn, *args):
+        """fn(*args), retried after dropping a failed compile mode (block → regional → eager),
+        then the Triton passes of the log-prob head."""
+        while True:
+            try:
+                return fn(*args)
+            except (RequestError, ValueError):
+                raise
+            except Exception as e:
+                if self._uncompile(e):
+                    continue
+                if not (self.fused_head and self.head_triton):
+                    raise
+                log.warning("the Triton log-prob kernels failed, using PyTorch: %s", e)
+                self.compile_error += f"[head] {traceback.format_exc()}\n"
+                self.head_triton = False
+                for p in self.params:
+                    p.grad = None
+            finally:
+                self.model.eval()  # generation and scoring always see the model in eval mode
 
     def step(self, batch: Batch) -> TrainStats:
-        try:
-            return self._step(batch)
-        except (RequestError, ValueError):
-            raise
-        except Exception as e:
-            if not self._uncompile(e):
-                raise
-            return self._step(batch)
-        finally:
-            self.model.eval()  # generation and scoring always see the model in eval mode
+        return self._retrying(self._step, batch)
 
     def _step(self, batch: Batch) -> TrainStats:
         cfg = L.resolve(batch.loss)
@@ -198,15 +253,12 @@ class Trainer:
             def flat(values, dtype=torch.float32):
                 return torch.tensor([x for v in values for x in v], dtype=dtype, device=dev)
 
-            logits, targets = self._forward(self.model, group)
-            logp, ent = self.logprob_fn(logits, targets, entropy_grad=cfg.ent_coef > 0)
-            del logits
+            pairs = [(s.prompt, s.response) for s in group]
+            logp, ent, targets = self._logprobs(self.model, pairs, cfg.ent_coef > 0)
             ref = None
             if ref_model is not None:
                 with torch.no_grad():
-                    rl, _ = self._forward(ref_model, group)
-                    ref = self.logprob_fn(rl, targets, entropy_grad=False)[0]
-                    del rl
+                    ref = self._logprobs(ref_model, pairs, False)[0]
             seq = torch.repeat_interleave(torch.arange(len(group), device=dev),
                                           torch.tensor([len(s.response) for s in group], device=dev))
             out = L.policy_loss(cfg, logp, flat(s.old_logprobs for s in group),
@@ -268,16 +320,7 @@ class Trainer:
         """One supervised step: token-mean negative log-likelihood of the responses.
 
         Reported as TrainStats with loss = pg_loss = the NLL (warm-up before RL, see sft.py)."""
-        try:
-            return self._sft_step(pairs, lc)
-        except (RequestError, ValueError):
-            raise
-        except Exception as e:
-            if not self._uncompile(e):
-                raise
-            return self._sft_step(pairs, lc)
-        finally:
-            self.model.eval()
+        return self._retrying(self._sft_step, pairs, lc)
 
     def _sft_step(self, pairs, lc) -> TrainStats:
         pairs = [(p, r) for p, r in pairs if r]
@@ -290,8 +333,7 @@ class Trainer:
         sums = {k: torch.zeros((), dtype=torch.float64, device=dev)
                 for k in ("loss", "pg", "kl", "entropy", "clipped", "tokens")}
         for mb in micro_batches([len(p) + len(r) for p, r in pairs], self.micro_batch_tokens):
-            logits, targets = response_logits(self.model, [pairs[i] for i in mb])
-            logp, ent = self.logprob_fn(logits, targets, entropy_grad=False)
+            logp, ent, targets = self._logprobs(self.model, [pairs[i] for i in mb], False)
             nll = -logp.sum() / total
             nll.backward()
             sums["loss"] += nll.detach().double()

@@ -1,12 +1,18 @@
 """Shared fixtures: tiny random model folders (made once per session) and CPU engines."""
 
 import json
+import os
 import pathlib
 import shutil
 import sys
 
 import pytest
 import torch
+
+# The Triton kernels run on the CPU under Triton's interpreter (tests/test_kernels.py); it must be
+# chosen before kernels.py is imported.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 # The package is used from the source tree (no install needed).
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))

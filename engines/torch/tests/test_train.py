@@ -133,6 +133,19 @@ def test_sft_learns_a_response(model_dirs, tmp_path):
         e.close()
 
 
+def test_sft_command_stops_at_max_seconds(model_dirs, tmp_path):
+    """`sft --max-seconds` ends early and still saves a model folder."""
+    from slimen_torch.__main__ import main
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"prompt": "1+1?", "label": "2"}\n{"prompt": "2+1?", "response": "3"}\n')
+    out = tmp_path / "out"
+    main(["sft", "--model", str(model_dirs["tiny"]), "--data", str(data), "--out", str(out),
+          "--steps", "100000", "--batch-size", "2", "--max-seconds", "0.5", "--device", "cpu",
+          "--compile-train", "off"])
+    assert (out / "model.safetensors").exists() and (out / "optimizer.pt").exists()
+    assert torch.load(out / "optimizer.pt")["steps"] < 100000
+
+
 def test_activation_checkpointing_gives_the_same_step(model_dirs):
     lc = LossConfig(lr=1e-2, entropy_coef=0.01)
     stats = []

@@ -1,0 +1,102 @@
+package main
+
+import (
+	"bufio"
+	"encoding/json"
+	"flag"
+	"fmt"
+	"io"
+	"os"
+
+	"github.com/slimen/slimen/engines/tiny"
+	"github.com/slimen/slimen/host/synthetic"
+)
+
+func init() {
+	commands["export"] = command{"write a synthetic task source as JSONL (SFT data for the torch engine, or tasks)", cmdExport}
+}
+
+// cmdExport writes problems of a synthetic source as JSONL, one object a line:
+//
+//	--format sft    {"prompt": …, "response": "\\boxed{N}"}: the corpus builtin:tiny-arith was
+//	                pretrained on (tiny.ArithExample: half the prompts list candidate answers, as the
+//	                debate's critic prompts do); `python -m slimen_torch sft --data` reads it
+//	--format tasks  {"id": …, "prompt": …, "label": …}: the tasks a run on the source sees, as a
+//	                data file (data: {path: FILE})
+func cmdExport(args []string) int {
+	fs := flag.NewFlagSet("export", flag.ContinueOnError)
+	task := fs.String("task", "synthetic:arith", "task source: synthetic:arith[?difficulty=N&seed=S]")
+	seed := fs.Uint64("seed", 1, "seed of the problems (unless --task gives seed=); a run's problems use its run.seed")
+	n := fs.Int("n", 10000, "number of lines")
+	start := fs.Int("start", 0, "index of the first problem")
+	format := fs.String("format", "sft", "sft (prompt/response pairs) or tasks (id/prompt/label)")
+	out := fs.String("out", "", "output file (default: standard output)")
+	fs.Usage = func() {
+		fmt.Fprintln(fs.Output(), "usage: slimen export [--task synthetic:arith] [--seed S] [--n N] [--start I] [--format sft|tasks] [--out FILE]")
+		fs.PrintDefaults()
+	}
+	if err := fs.Parse(args); err != nil {
+		return 2
+	}
+	bad := func(f string, a ...any) int {
+		fmt.Fprintf(os.Stderr, "slimen export: "+f+"\n", a...)
+		return 2
+	}
+	if fs.NArg() > 0 {
+		return bad("unexpected argument %q", fs.Arg(0))
+	}
+	arith, ok, err := synthetic.ParseSpec(*task, *seed)
+	if err != nil {
+		return bad("%v", err)
+	}
+	if !ok {
+		return bad("--task %q: only synthetic sources can be exported (synthetic:arith)", *task)
+	}
+	if *n < 0 || *start < 0 {
+		return bad("--n and --start must not be negative")
+	}
+	if *format != "sft" && *format != "tasks" {
+		return bad("--format %q: use sft or tasks", *format)
+	}
+	var w io.Writer = os.Stdout
+	if *out != "" {
+		f, err := os.Create(*out)
+		if err != nil {
+			return bad("%v", err)
+		}
+		defer f.Close()
+		w = f
+	}
+	if err := writeExport(w, arith, *start, *n, *format); err != nil {
+		fmt.Fprintln(os.Stderr, "slimen export:", err)
+		return 1
+	}
+	return 0
+}
+
+func writeExport(w io.Writer, a synthetic.Arith, start, n int, format string) error {
+	bw := bufio.NewWriter(w)
+	enc := json.NewEncoder(bw)
+	enc.SetEscapeHTML(false)
+	for i := start; i < start+n; i++ {
+		var row any
+		if format == "sft" {
+			ex := tiny.ArithExample(a, i)
+			row = struct {
+				Prompt   string `json:"prompt"`
+				Response string `json:"response"`
+			}{ex.Prompt, ex.Response}
+		} else {
+			p := a.Problem(i)
+			row = struct {
+				ID     string `json:"id"`
+				Prompt string `json:"prompt"`
+				Label  string `json:"label"`
+			}{p.ID, p.Prompt, p.Label}
+		}
+		if err := enc.Encode(row); err != nil {
+			return err
+		}
+	}
+	return bw.Flush()
+}

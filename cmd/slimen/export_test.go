@@ -1,0 +1,83 @@
+package main
+
+import (
+	"bufio"
+	"encoding/json"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+
+	"github.com/slimen/slimen/engines/tiny"
+	"github.com/slimen/slimen/host/synthetic"
+)
+
+// slimen export writes the synthetic source line for line as the host and the tiny corpus make it.
+func TestExport(t *testing.T) {
+	dir := t.TempDir()
+	sft, tasks := filepath.Join(dir, "sft.jsonl"), filepath.Join(dir, "tasks.jsonl")
+	if out, err := slimen(t, nil, "export", "--task", "synthetic:arith?difficulty=3", "--seed", "7", "--start", "5", "--n", "40", "--out", sft); err != nil {
+		t.Fatalf("%v\n%s", err, out)
+	}
+	if out, err := slimen(t, nil, "export", "--format", "tasks", "--seed", "7", "--n", "40", "--out", tasks); err != nil {
+		t.Fatalf("%v\n%s", err, out)
+	}
+	a3 := synthetic.Arith{Seed: 7, Difficulty: 3}
+	hints := 0
+	for i, row := range readJSONL(t, sft) {
+		ex := tiny.ArithExample(a3, 5+i)
+		if row["prompt"] != ex.Prompt || row["response"] != ex.Response || len(row) != 2 {
+			t.Fatalf("sft line %d: %v, want %+v", i, row, ex)
+		}
+		if !strings.HasPrefix(row["response"], `\boxed{`) {
+			t.Fatalf("sft line %d: response %q", i, row["response"])
+		}
+		if strings.Contains(row["prompt"], " Answers: ") {
+			hints++
+		}
+	}
+	if hints == 0 || hints == 40 {
+		t.Fatalf("%d of 40 prompts list candidate answers, want some but not all", hints)
+	}
+	a2 := synthetic.Arith{Seed: 7, Difficulty: 2} // the default difficulty of synthetic:arith
+	rows := readJSONL(t, tasks)
+	if len(rows) != 40 {
+		t.Fatalf("%d task lines, want 40", len(rows))
+	}
+	for i, row := range rows {
+		p := a2.Problem(i)
+		if row["id"] != p.ID || row["prompt"] != p.Prompt || row["label"] != p.Label {
+			t.Fatalf("task line %d: %v, want %+v", i, row, p)
+		}
+	}
+	for _, args := range [][]string{
+		{"export", "--task", "data.jsonl"},
+		{"export", "--task", "synthetic:arith?difficulty=9"},
+		{"export", "--format", "csv"},
+		{"export", "--n", "-1"},
+		{"export", "extra"},
+	} {
+		if out, err := slimen(t, nil, args...); err == nil || !strings.Contains(out, "slimen export") {
+			t.Errorf("%v: err %v, output %q; want exit 2 with a message", args, err, out)
+		}
+	}
+}
+
+func readJSONL(t *testing.T, path string) []map[string]string {
+	t.Helper()
+	f, err := os.Open(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	var rows []map[string]string
+	sc := bufio.NewScanner(f)
+	for sc.Scan() {
+		var row map[string]string
+		if err := json.Unmarshal(sc.Bytes(), &row); err != nil {
+			t.Fatalf("%s: %v", path, err)
+		}
+		rows = append(rows, row)
+	}
+	return rows
+}

@@ -1,0 +1,227 @@
+"""The Triton kernels (kernels.py) against the PyTorch code they replace, on the CPU under Triton's
+interpreter (conftest sets TRITON_INTERPRET=1 when there is no GPU): decode attention with and
+without splits, the sampler and its state update, the batch-1 fused matrix-vector products and
+rope, the chunked log-prob/entropy head with its gradients, and whole engines using them.
+
+In fp32, so a difference is a bug and not rounding (the interpreter also rounds to bf16 by
+truncation where the GPU rounds to nearest, so bf16 is checked on the GPU by bench.py)."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from slimen_torch import kernels as K
+from slimen_torch import sampling as S
+from slimen_torch.engine import Engine, Options
+from slimen_torch.model import apply_rope, rms_norm
+from slimen_torch.train import token_logprobs
+from slimen_torch.types import Batch, GenerateRequest, LossConfig, Sample, Sampling, ScoreRequest
+
+pytestmark = [
+    pytest.mark.skipif(not K.available("cpu"),
+                       reason="Triton (interpreter) not available on this machine"),
+    # Masked lanes compute -inf − -inf before a where() drops them; the interpreter warns.
+    pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning"),
+]
+
+
+def rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+@pytest.mark.parametrize("D,H,KV", [(16, 4, 2), (8, 4, 4)])
+@pytest.mark.parametrize("L,nsplit", [(100, 0), (300, 4)])
+def test_decode_attention(D, H, KV, L, nsplit):
+    g = torch.Generator().manual_seed(D + L)
+    B, slots, max_len = 3, 5, 320
+    kc = torch.randn(slots, KV, max_len, D, generator=g)
+    vc = torch.randn(slots, KV, max_len, D, generator=g)
+    kc2, vc2 = kc.clone(), vc.clone()
+    q = torch.randn(B, H, D, generator=g)
+    kn, vn = torch.randn(B, KV, D, generator=g), torch.randn(B, KV, D, generator=g)
+    pos = torch.tensor([L - 1, 0, L // 2])
+    if nsplit:  # 300 positions in 128-position splits: three programs per row and head
+        assert -(-L // (-(-(-(-L // nsplit)) // 64) * 64)) == 3
+    o = K.decode_attention(q, kn, vn, kc, vc, pos, L, D ** -0.5, nsplit=nsplit)
+    want = K.decode_attention_reference(q, kn, vn, kc2, vc2, pos, L, D ** -0.5)
+    assert rel(o, want) < 1e-6
+    assert torch.equal(kc, kc2) and torch.equal(vc, vc2)  # the new keys and values written
+
+
+def test_attention_splits():
+    assert K.attention_splits(256, 8, 4096) == 1  # rows × heads fill the GPU
+    assert K.attention_splits(1, 8, 64) == 1  # one tile
+    assert K.attention_splits(1, 8, 384) == 6  # tiles of 64 positions in parallel
+    assert K.attention_splits(1, 8, 4096) == 16  # at most 16 splits
+    assert K.attention_splits(8, 8, 4096) == 4  # ~256 programs
+
+
+@pytest.mark.parametrize("V,chunk", [(1000, 256), (4096, 1024)])
+def test_sampler_equals_torch(V, chunk):
+    g = torch.Generator().manual_seed(V)
+    B = 8
+    logits = torch.randn(B, V, generator=g) * 3
+    temp = torch.tensor([1.0, 0.7, 0.0, 1.3, 1.0, 0.5, 0.0, 2.0])
+    key = torch.tensor([S.row_key(s, i) for s, i in zip(range(100, 108), range(B))])
+    step = torch.randint(0, 1000, (B,), generator=g)
+    want_tok, want_lp = S.sample(logits, temp, torch.ones(B), S.uniform(key, step), False)
+    active = torch.tensor([True, False] * 4)
+    pos = torch.randint(0, 50, (B,), generator=g)
+    tok, out_tok, out_lp = torch.zeros(B, dtype=torch.long), torch.zeros(B, dtype=torch.long), \
+        torch.zeros(B)
+    pos0, step0 = pos.clone(), step.clone()
+    K.sample_and_advance(logits, temp, key, step, active, pos, tok, out_tok, out_lp, max_pos=40,
+                         chunk=chunk)
+    assert out_tok.tolist() == want_tok.tolist() == tok.tolist()
+    assert torch.allclose(out_lp, want_lp, atol=1e-5)
+    assert pos.tolist() == torch.where(active, (pos0 + 1).clamp(max=40), pos0).tolist()
+    assert step.tolist() == (step0 + active.long()).tolist()
+
+
+def test_sampler_frequencies_and_zero_weights():
+    # As test_sampling: four tokens with mass in different chunks, the rest -inf (whole chunks
+    # of -inf too); evenly spread uniforms draw each token in proportion to its probability.
+    where, values = [3, 700, 1100, 2040], torch.tensor([0.0, 1.0, 2.0, -1.0])
+    logits = torch.full((1, 2048), float("-inf"))
+    logits[0, where] = values
+    n = 64
+    u = (torch.arange(n) + 0.5) / n
+    L = logits.expand(n, -1).contiguous()
+    zeros = torch.zeros(n, dtype=torch.long)
+    toks, lp = K.sample_and_advance(L, torch.ones(n), zeros, zeros, u=u, chunk=512)
+    want, want_lp = S.sample(L, torch.ones(n), torch.ones(n), u, False)
+    assert toks.tolist() == want.tolist()
+    assert torch.allclose(lp, want_lp, atol=1e-6)
+    freq = torch.tensor([(toks == w).float().mean().item() for w in where])
+    assert torch.allclose(freq, torch.softmax(values, 0), atol=1 / n)
+
+
+@pytest.mark.parametrize("K_,N", [(32, 64), (100, 37)])
+def test_gemv(K_, N):
+    g = torch.Generator().manual_seed(N)
+    x = torch.randn(K_, generator=g)
+    w = torch.randn(N, K_, generator=g) * 0.1
+    nw = 1 + 0.1 * torch.randn(K_, generator=g)
+    bias, res = torch.randn(N, generator=g), torch.randn(N, generator=g)
+    out = torch.empty(N)
+    K.gemv(x, w, out, bias=bias, norm_w=nw, eps=1e-6)
+    assert rel(out, F.linear(rms_norm(x[None], nw, 1e-6), w, bias)[0]) < 1e-6
+    K.gemv(x, w, out, res=res)
+    assert rel(out, res + F.linear(x, w)) < 1e-6
+    w13 = torch.randn(2 * N, K_, generator=g) * 0.1
+    K.gemv(x, w13, out, norm_w=nw, eps=1e-6, swiglu=True)
+    gate, up = F.linear(rms_norm(x[None], nw, 1e-6), w13).chunk(2, -1)
+    assert rel(out, (F.silu(gate) * up)[0]) < 1e-6
+
+
+@pytest.mark.parametrize("qk_norm", [True, False])
+@pytest.mark.parametrize("nsplit", [1, 3])
+def test_decode_attention_with_rope(qk_norm, nsplit):
+    """rope=…: the kernel normalises and rotates the raw q and k itself (the batch-1 step)."""
+    g = torch.Generator().manual_seed(nsplit + 2 * qk_norm)
+    B, H, KV, D, L, slots = 2, 4, 2, 16, 300, 3
+    kc, vc = torch.randn(slots, KV, L, D, generator=g), torch.randn(slots, KV, L, D, generator=g)
+    kc2, vc2 = kc.clone(), vc.clone()
+    qkv = torch.randn(B, (H + 2 * KV) * D, generator=g)
+    q, k, v = qkv.split([H * D, KV * D, KV * D], -1)
+    q, k, v = q.view(B, H, D), k.view(B, KV, D), v.view(B, KV, D)
+    qn, kn = 1 + 0.1 * torch.randn(D, generator=g), 1 + 0.1 * torch.randn(D, generator=g)
+    ang = torch.arange(float(L))[:, None] / 10000 ** (torch.arange(0, D, 2).float() / D)
+    ang = torch.cat((ang, ang), -1)
+    cos, sin = ang.cos(), ang.sin()
+    pos = torch.tensor([L - 1, 40])
+    rope = (qn if qk_norm else None, kn if qk_norm else None, cos, sin, 1e-6)
+    o = K.decode_attention(q, k, v, kc, vc, pos, L, D ** -0.5, nsplit=nsplit, rope=rope)
+    if qk_norm:
+        q, k = rms_norm(q, qn, 1e-6), rms_norm(k, kn, 1e-6)
+    c, s_ = cos[pos], sin[pos]
+    want = K.decode_attention_reference(apply_rope(q, c, s_), apply_rope(k, c, s_), v, kc2, vc2,
+                                        pos, L, D ** -0.5)
+    assert rel(o, want) < 1e-6
+    assert torch.allclose(kc, kc2, atol=1e-6) and torch.equal(vc, vc2)
+
+
+@pytest.mark.parametrize("use_triton", [False, True])
+@pytest.mark.parametrize("entropy_grad", [False, True])
+def test_linear_logprobs(use_triton, entropy_grad):
+    g = torch.Generator().manual_seed(int(use_triton) + 2 * int(entropy_grad))
+    N, H, V = 37, 16, 300
+    for budget in (1 << 20, 10 * V):  # one chunk, or four
+        h = torch.randn(N, H, generator=g).requires_grad_()
+        W = torch.randn(V, H, generator=g).requires_grad_()
+        tg = torch.randint(0, V, (N,), generator=g)
+        a, b = torch.randn(N, generator=g), torch.randn(N, generator=g)
+        lp, ent = token_logprobs(h @ W.t(), tg, entropy_grad=entropy_grad)
+        loss = (lp * a).sum() + ((ent * b).sum() if entropy_grad else 0)
+        want = torch.autograd.grad(loss, (h, W))
+        lp2, ent2 = K.linear_logprobs(h, W, tg, entropy_grad=entropy_grad,
+                                      use_triton=use_triton, budget=budget)
+        assert ent2.requires_grad == entropy_grad
+        loss2 = (lp2 * a).sum() + ((ent2 * b).sum() if entropy_grad else 0)
+        got = torch.autograd.grad(loss2, (h, W))
+        assert rel(lp2, lp) < 1e-6 and rel(ent2, ent) < 1e-5
+        assert rel(got[0], want[0]) < 1e-5 and rel(got[1], want[1]) < 1e-5
+
+
+def requests():
+    user = [{"role": "user", "content": "Ann has 12 pens and gets 7 more. How many pens?"}]
+    return [GenerateRequest(id="one", messages=user, n=1,
+                            sampling=Sampling(seed=5, max_tokens=6)),
+            GenerateRequest(id="two", messages=user, n=2,
+                            sampling=Sampling(seed=6, max_tokens=5, temperature=0.8)),
+            GenerateRequest(id="greedy", messages=user, n=1,
+                            sampling=Sampling(seed=1, max_tokens=4, temperature=0.0))]
+
+
+def test_engine_with_kernels_generates_the_same(noeos_dir):
+    """Whole engines: batch-1 steps (the all-Triton step), several rows (Triton attention between
+    eager layer halves) and the Triton sampler give the tokens and log-probs of the PyTorch
+    engine."""
+    ref = Engine(str(noeos_dir), Options(device="cpu"))
+    fast = Engine(str(noeos_dir), Options(device="cpu", kernels=True, fused_b1=True))
+    try:
+        assert fast.gen.triton and fast.gen.fused_b1
+        for alone in (True, False):
+            reqs = requests()[:1] if alone else requests()
+            a, b = ref.generate(reqs), fast.generate(reqs)
+            assert [c.tokens for c in a] == [c.tokens for c in b]
+            for x, y in zip(a, b):
+                assert torch.allclose(torch.tensor(x.logprobs), torch.tensor(y.logprobs),
+                                      atol=1e-5)
+        # Log-probs still equal Score (the full forward pass).
+        c = b[1]
+        s = fast.score([ScoreRequest(tokens=c.tokens, prompt_tokens=c.prompt_tokens)])[0]
+        assert torch.allclose(torch.tensor(c.logprobs), torch.tensor(s), atol=1e-5)
+    finally:
+        ref.close()
+        fast.close()
+
+
+def test_fused_head_trains_the_same(model_dirs):
+    """A training step with the chunked head (Triton passes) moves the weights as the step on
+    the whole logits does (Adam's ε = 1 makes the update linear in the gradient, so a rounding
+    difference in a tiny gradient cannot become a full step)."""
+    lc = LossConfig(lr=1.0, kl_loss_coef=0.1, entropy_coef=0.01, adam_eps=1.0)
+    out = []
+    for fused in (False, True):
+        e = Engine(str(model_dirs["tiny"]), Options(device="cpu", fused_head=fused))
+        e.trainer.head_triton = fused
+        try:
+            g = torch.Generator().manual_seed(0)
+            V = e.cfg.vocab_size
+            samples = []
+            for i in range(3):
+                p = torch.randint(0, V, (4 + i,), generator=g).tolist()
+                r = torch.randint(0, V, (5 + i,), generator=g).tolist()
+                old = e.score([ScoreRequest(tokens=r, prompt_tokens=p)])[0]
+                samples.append(Sample(p, r, [1.0] * len(r), [x - 0.1 for x in old],
+                                      [1.0 - i] * len(r), group=f"g{i % 2}"))
+            st = e.train(Batch(samples=samples, loss=lc))
+            out.append((st, [q.detach().clone() for q in e.model.parameters()]))
+        finally:
+            e.close()
+    (a, wa), (b, wb) = out
+    for k in ("loss", "pg_loss", "kl", "entropy", "grad_norm"):
+        assert getattr(b, k) == pytest.approx(getattr(a, k), rel=1e-4, abs=1e-6), k
+    for x, y in zip(wa, wb):
+        assert torch.allclose(x, y, atol=1e-6)
