@@ -29,6 +29,16 @@ costs that section only), in this order, skipping those that no longer fit in --
                  instead of the all-Triton step
   train_static   the whole layer compiled for static shapes (recompiles for every new shape)
 
+Not in the default list (select with --sections):
+
+  gen_b1         batch 1 only, with the engine's defaults (the prefill of the lone 128-token
+                 prompt replayed from a CUDA graph, its first token drawn by the Triton sampler),
+                 then on the same engine the eager prefill with the Triton first-token sampler
+                 and the eager prefill with the PyTorch sampler (as before); for each the time
+                 an admission takes (prefill + first token, read back); the captured step's GPU
+                 time; the checks: the graph prefill's logits and cache row against the eager
+                 prefill's (bf16), generation log-probs against Score at batch 1, greedy tokens
+
 Results: DIR/bench.json (everything, errors included), DIR/bench.md (the table, also printed last),
 DIR/bench.log (all output). A dry run on the CPU: --device cpu --shape tiny --new 8 --train-len 64
 (with TRITON_INTERPRET=1 for the kernels).
@@ -66,8 +76,10 @@ PROMPT = 128
 SECTIONS = {
     "kernels": 45, "gen": 110, "train": 100, "train_eager": 40, "gen_before": 90,
     "train_before": 40, "hf": 60, "train_regional": 60, "gen_layer_b1": 60,
-    "train_static": 60,
+    "train_static": 60, "gen_b1": 60,
 }
+DEFAULT_SECTIONS = ["kernels", "gen", "train", "train_eager", "gen_before", "train_before", "hf",
+                    "train_regional", "gen_layer_b1", "train_static"]
 
 
 def log(*a):
@@ -250,12 +262,14 @@ def sec_kernels(a, res):
     log("head", {k: v for k, v in res.items() if k.startswith("head")})
 
 
-def ours_generate(eng: Engine, batch: int, new: int, reps: int = 2) -> float:
+def ours_generate(eng: Engine, batch: int, new: int, reps: int = 2, after_warmup=None) -> float:
     toks = prompts(batch, eng.cfg.vocab_size, 3).tolist()
     reqs = [GenerateRequest(id=f"b{batch}-{i}", prompt_tokens=t,
                             sampling=Sampling(max_tokens=new, temperature=1.0, seed=i))
             for i, t in enumerate(toks)]
     eng.generate(reqs)  # warm-up: compiles and captures the shapes this batch goes through
+    if after_warmup is not None:
+        after_warmup()
     best = 0.0
     for _ in range(reps):
         sync()
@@ -293,11 +307,11 @@ def step_times(eng: Engine, res: dict, prefix: str) -> None:
     log("step times", {k: v for k, v in res.items() if "step_ms" in k})
 
 
-def decode_vs_score(eng: Engine, res: dict, prefix: str) -> None:
+def decode_vs_score(eng: Engine, res: dict, prefix: str, ns=(1, 4)) -> None:
     """Generation log-probs (KV cache, kernels, graphs) against Score (the full forward pass), at
     batch 1 and with four rows; and the greedy tokens, for comparison across sections."""
     toks = prompts(4, eng.cfg.vocab_size, 1).tolist()
-    for n in (1, 4):
+    for n in ns:
         reqs = [GenerateRequest(id=f"p{n}-{i}", prompt_tokens=toks[i],
                                 sampling=Sampling(max_tokens=64, seed=i)) for i in range(n)]
         cs = eng.generate(reqs)
@@ -348,6 +362,92 @@ def gen_section(a, res, prefix, opts, b256=True, extra=True):
             decode_vs_score(eng, res, prefix)
         if prefix == "gen":
             parity(a, eng, res)
+    finally:
+        eng.close()
+
+
+def admit_timer(gen) -> dict:
+    """Wraps gen._admit: wall time of the admissions that admitted something (each ends by
+    reading the first tokens back, so the prefill's GPU time is included)."""
+    acc = {"s": 0.0, "n": 0}
+    orig = gen._admit
+
+    def timed_admit():
+        busy = bool(gen.waiting)
+        t = time.perf_counter()
+        orig()
+        if busy:
+            acc["s"] += time.perf_counter() - t
+            acc["n"] += 1
+    gen._admit = timed_admit
+    return acc
+
+
+def prefill_check(eng: Engine, res: dict, prefix: str) -> None:
+    """The bucketed (graph) prefill against the eager one on the same prompts, in the model's
+    dtype: ‖Δ‖/‖·‖ of the last token's logits and of the keys and values written, and whether
+    the arg-max agrees; 128 tokens (bucket = prompt length) and 100 (padded to 128)."""
+    gen = eng.gen
+    dev = gen.device
+    for T in (128, 100):
+        toks = prompts(1, eng.cfg.vocab_size, 5, length=T)[0].tolist()
+
+        def run():
+            gen._ensure_cache()
+            a, b = gen.S - 1, gen.S - 2  # rows no benchmark request uses
+            got = gen._prefill_bucketed(toks, a)
+            if got is None:
+                return None
+            got = got.float().clone()
+            want = gen._prefill_eager([toks], torch.tensor([0], device=dev),
+                                      torch.tensor([b], device=dev)).float()
+            kerr = max(rel(kc[a, :, :T].float(), kc[b, :, :T].float()) for kc in gen.k)
+            verr = max(rel(vc[a, :, :T].float(), vc[b, :, :T].float()) for vc in gen.v)
+            return rel(got, want), kerr, verr, bool(got.argmax() == want.argmax())
+
+        out = eng._call(run)
+        if out is None:
+            res[f"{prefix}_prefill_check_T{T}"] = "the bucketed prefill did not run"
+            continue
+        lg, kerr, verr, agree = out
+        res[f"{prefix}_prefill_logits_rel_T{T}"] = lg
+        res[f"{prefix}_prefill_kv_rel_T{T}"] = max(kerr, verr)
+        res[f"{prefix}_prefill_argmax_agree_T{T}"] = agree
+    log(prefix, "prefill check", {k: v for k, v in res.items() if "prefill_" in k})
+
+
+def sec_gen_b1(a, res):
+    prefix, opts = "gen_b1", {}
+    if a.device == "cpu":  # a dry run: the GPU defaults' paths, without graphs
+        opts = dict(prefill_graph_max=512, kernels=True, fused_b1=True)
+    eng = Engine(a.model, Options(device=a.device, slots=256, max_seq_len=PROMPT + a.new, **opts))
+    try:
+        gen = eng.gen
+        acc = admit_timer(gen)
+        runs = [("", {}), ("_eager_prefill", dict(prefill_graph_max=0)),
+                ("_before", dict(prefill_graph_max=0, first_token_triton=False))]
+        keep = dict(prefill_graph_max=gen.prefill_graph_max, first_token_triton=True)
+        for suffix, attrs in runs:
+            for k, v in {**keep, **attrs}.items():
+                setattr(gen, k, v)
+
+            def reset():  # admissions timed after the warm-up
+                acc["s"] = acc["n"] = 0
+            res[f"{prefix}{suffix}_b1"] = ours_generate(eng, 1, a.new, after_warmup=reset)
+            res[f"{prefix}{suffix}_admit_ms"] = 1e3 * acc["s"] / max(1, acc["n"])
+            log(prefix + suffix, "b1", res[f"{prefix}{suffix}_b1"], "tok/s; admission",
+                res[f"{prefix}{suffix}_admit_ms"], "ms")
+        for k, v in keep.items():
+            setattr(gen, k, v)
+        res[f"{prefix}_prefill_graphs"] = sorted(gen.pf_graphs)
+        res[f"{prefix}_prefill_error"] = gen.prefill_error[:3000]
+        res[f"{prefix}_kernel_error"] = gen.kernel_error[:3000]
+        res[f"{prefix}_compile_error"] = gen.compile_error[:3000]
+        res[f"{prefix}_paths"] = dict(triton=gen.triton, fused_b1=gen.fused_b1,
+                                      graphs=len(gen.graphs))
+        step_times(eng, res, prefix)
+        prefill_check(eng, res, prefix)
+        decode_vs_score(eng, res, prefix, ns=(1,))
     finally:
         eng.close()
 
@@ -519,6 +619,34 @@ def table(res: dict) -> str:
         f"{num('gen_decode_vs_score_b4', 3)}; before b1 {num('gen_before_decode_vs_score_b1', 3)}"
         f", b4 {num('gen_before_decode_vs_score_b4', 3)}",
     ]
+    if not any(k.startswith(("gen_", "hf_", "train", "sample_", "parity", "attn_")) and
+               not k.startswith("gen_b1") for k in res):
+        rows = []  # only the batch-1 sections ran
+    if any(k.startswith("gen_b1") for k in res):
+        rows += [
+            "",
+            "| batch 1, 128 prompt + 256 sampled tokens | tok/s | one admission (prefill + first "
+            "token), ms |",
+            "|---|---:|---:|"]
+        for key, name in (
+                ("gen_b1_before", "eager prefill, first token by the PyTorch sampler (before)"),
+                ("gen_b1_eager_prefill", "eager prefill, first token by the Triton sampler"),
+                ("gen_b1", "**now** (default): prefill from a CUDA graph + Triton sampler")):
+            if key + "_b1" in res:
+                rows.append(f"| {name} | {num(key + '_b1')} | {num(key + '_admit_ms', 2)} |")
+        rows.append("| target | 1,000 | |")
+        p = "gen_b1"
+        if p + "_b1" in res:
+            rows.append(
+                f"{p}: step {num(p + '_step_ms_b1', 3)} ms at position 383; prefill graph vs "
+                f"eager (‖Δ‖/‖·‖, 128 / 100 tokens): logits "
+                f"{res.get(p + '_prefill_logits_rel_T128', float('nan')):.2e} / "
+                f"{res.get(p + '_prefill_logits_rel_T100', float('nan')):.2e}, keys and values "
+                f"{res.get(p + '_prefill_kv_rel_T128', float('nan')):.2e} / "
+                f"{res.get(p + '_prefill_kv_rel_T100', float('nan')):.2e}, arg-max agrees "
+                f"{res.get(p + '_prefill_argmax_agree_T128')} / "
+                f"{res.get(p + '_prefill_argmax_agree_T100')}; generation vs Score max |Δ| "
+                f"{num(p + '_decode_vs_score_b1', 3)}; graphs {res.get(p + '_prefill_graphs')}")
     errs = [k for k in res if k.startswith("error_") or (k.endswith("_error") and res[k])]
     if errs:
         rows.append("errors (bench.json): " + ", ".join(errs))
@@ -534,7 +662,8 @@ def main():
     ap.add_argument("--new", type=int, default=256)
     ap.add_argument("--train-len", type=int, default=2048)
     ap.add_argument("--budget", type=float, default=540, help="seconds for all sections")
-    ap.add_argument("--sections", default=",".join(SECTIONS))
+    ap.add_argument("--sections", default=",".join(DEFAULT_SECTIONS),
+                    help="comma-separated, from: " + ", ".join(SECTIONS))
     ap.add_argument("--section", default="", help=argparse.SUPPRESS)  # run one, in this process
     a = ap.parse_args()
     out = pathlib.Path(a.out)

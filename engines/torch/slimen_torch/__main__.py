@@ -40,6 +40,9 @@ def main(argv=None) -> None:
                    help="no Triton decode attention and sampler (GPU)")
     s.add_argument("--no-fused-b1", action="store_true",
                    help="no all-Triton decode step at batch 1 (GPU)")
+    s.add_argument("--prefill-graph-max", type=int, default=None,
+                   help="longest prompt prefilled alone by a CUDA graph (default 512 on a GPU; "
+                        "0: always eagerly)")
     s.add_argument("--no-fused-head", action="store_true",
                    help="training log-probs from the whole fp32 logits, not in chunks")
 

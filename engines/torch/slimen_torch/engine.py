@@ -13,7 +13,6 @@ import dataclasses
 import json
 import logging
 import pathlib
-import shutil
 import threading
 
 import torch
@@ -22,7 +21,7 @@ from . import kernels
 from .config import ModelConfig, eos_ids, read_config
 from .generate import Generator, Request
 from .model import Transformer, fused_rms_norm
-from .tokenizer import TOKENIZER_FILES, Tokenizer
+from .tokenizer import Tokenizer
 from .train import Trainer, micro_batches, response_hidden, response_logits
 from .types import (Batch, Completion, GenerateRequest, LossConfig, RequestError, Sampling,
                     ScoreRequest, TrainStats)
@@ -56,6 +55,10 @@ class Options:
     # attention), "off" (or ""). A failure falls back block → regional → eager.
     compile_train: str | bool = "block"
     prefill_tokens: int = 0  # prompt tokens admitted per iteration; 0 → 2048 CPU / 16384 GPU
+    # A prompt admitted alone (batch 1) and at most this long is prefilled by a CUDA graph per
+    # length bucket (multiples of 64); 0: always eagerly. None: 512 on a GPU with cuda_graphs,
+    # else 0 (on the CPU a positive value runs the same bucketed code without graphs: tests).
+    prefill_graph_max: int | None = None
     micro_batch_tokens: int = 0  # padded tokens per training micro-batch; 0 → 4096 / 16384
     grad_checkpointing: bool = False  # recompute layer activations in the backward pass
     ref_model: str = ""  # the frozen KL reference; "" → the folder the engine started with
@@ -72,11 +75,11 @@ def _dtype(name: str, device: torch.device) -> torch.dtype:
         raise ValueError(f"dtype {name!r}: use bfloat16 or float32") from None
 
 
-def _eos(raw: dict, model_dir: pathlib.Path, tok: Tokenizer) -> list[int]:
+def _eos(raw: dict, tok: Tokenizer) -> list[int]:
     ids = eos_ids(raw)
-    gen = model_dir / "generation_config.json"
-    if gen.exists():
-        ids += eos_ids(json.loads(gen.read_text()))
+    gen = tok.files.get("generation_config.json")
+    if gen is not None:
+        ids += eos_ids(json.loads(gen))
     t = tok.token_id(tok.special.get("eos_token"))
     if t is not None:
         ids.append(t)
@@ -105,7 +108,7 @@ class Engine:
         cfg, raw = read_config(model_dir)
         self.model_dir, self.cfg, self.raw = model_dir, cfg, raw
         self.tokenizer = Tokenizer(model_dir)
-        self.eos = _eos(raw, model_dir, self.tokenizer)
+        self.eos = _eos(raw, self.tokenizer)
         model = Transformer(cfg, device=self.device, dtype=self.dtype)
         load_weights(model, model_dir)
         self.model = model.eval().requires_grad_(True)
@@ -116,7 +119,9 @@ class Engine:
             model, self.tokenizer, self.eos, slots=o.slots or self._default_slots(max_len),
             max_len=max_len, cuda_graphs=o.cuda_graphs, compile_layers=o.compile and cuda,
             prefill_tokens=o.prefill_tokens or (16384 if cuda else 2048),
-            triton=use_kernels, fused_b1=use_kernels if o.fused_b1 is None else o.fused_b1)
+            triton=use_kernels, fused_b1=use_kernels if o.fused_b1 is None else o.fused_b1,
+            prefill_graph_max=(512 if cuda and o.cuda_graphs else 0) if o.prefill_graph_max is None
+            else o.prefill_graph_max)
         model.grad_checkpointing = o.grad_checkpointing
         if o.fused_norm if o.fused_norm is not None else cuda:
             model.train_norm = fused_rms_norm
@@ -379,10 +384,9 @@ class Engine:
         raw.pop("torch_dtype", None)
         (out / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
         save_weights(self.model, out)
-        if out.resolve() != self.model_dir.resolve():
-            for name in TOKENIZER_FILES:
-                if (self.model_dir / name).exists():
-                    shutil.copyfile(self.model_dir / name, out / name)
+        # From memory, not from model_dir: that folder may be gone by now (a checkpoint the
+        # host pruned after the engine was started or loaded from it).
+        self.tokenizer.save(out)
         state = self.trainer.state_dict()
         if state is not None:
             torch.save(state, out / OPTIMIZER_FILE)
@@ -404,7 +408,7 @@ class Engine:
             load_weights(self.model, model_dir)
         self.model_dir, self.raw = model_dir, raw
         self.tokenizer = self.gen.tokenizer = Tokenizer(model_dir)
-        self.eos = _eos(raw, model_dir, self.tokenizer)
+        self.eos = _eos(raw, self.tokenizer)
         self.gen.eos = set(self.eos)
         self.trainer = Trainer(self.model, micro_batch_tokens=self.trainer.micro_batch_tokens,
                                reference=self._reference_model, compile=self.trainer.mode,

@@ -19,10 +19,11 @@ import collections
 import logging
 
 import torch
+import torch.nn.functional as F
 
 from . import kernels, sampling
-from .model import (Transformer, decode_layer, decode_post, decode_pre, decode_step,
-                    decode_step_b1, decode_step_split)
+from .model import (Transformer, block_forward, decode_layer, decode_post, decode_pre,
+                    decode_step, decode_step_b1, decode_step_split, rms_norm)
 from .types import Completion
 
 log = logging.getLogger("slimen_torch")
@@ -75,7 +76,8 @@ class Generator:
 
     def __init__(self, model: Transformer, tokenizer, eos: list[int], *, slots: int, max_len: int,
                  cuda_graphs: bool, compile_layers: bool, prefill_tokens: int,
-                 length_bucket: int = 64, triton: bool = False, fused_b1: bool = False):
+                 length_bucket: int = 64, triton: bool = False, fused_b1: bool = False,
+                 prefill_graph_max: int = 0):
         self.model = model
         self.tokenizer = tokenizer
         self.eos = set(eos)
@@ -103,6 +105,14 @@ class Generator:
             else:
                 self.layer_fn = torch.compile(decode_layer, fullgraph=True, dynamic=True)
         self.k = self.v = None  # per layer [slots, kv_heads, max_len, head_dim], on first use
+        # A lone prompt of at most prefill_graph_max tokens is prefilled padded to a multiple of
+        # length_bucket, by a CUDA graph per bucket (_prefill_bucketed); 0: always eagerly.
+        self.prefill_graph_max = min(prefill_graph_max, max_len)
+        self.pf_graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.pf_buf = self.pf_host = self.pf_logits = None
+        self.prefill_error = ""
+        # The first token of a prompt is drawn by the Triton sampler when the decode steps' is.
+        self.first_token_triton = True
         long = dict(dtype=torch.long, device=self.device)
         f32 = dict(dtype=torch.float32, device=self.device)
         S = slots
@@ -167,6 +177,7 @@ class Generator:
         """Forgets captured graphs (after the model's tensors were replaced)."""
         self.flush()
         self.graphs.clear()
+        self.pf_graphs.clear()
 
     # ---- the scheduler iteration ----
 
@@ -230,16 +241,61 @@ class Generator:
         for s, slot in zip(picked, free):
             s.slot = slot
             self.slots[slot] = s
-        reqs = {id(s.req): s.req for s in picked}
-        rows = list(prompts)  # request ids in row order
-        T = max(len(reqs[r].prompt) for r in rows)
-        tokens = torch.zeros(len(rows), T, dtype=torch.long)
-        for i, r in enumerate(rows):
-            p = reqs[r].prompt
+        n = len(picked)
+        # The samples' rows, prompt lengths and keys, and their sampling settings: one copy each.
+        meta = torch.tensor([[s.slot for s in picked], [len(s.req.prompt) for s in picked],
+                             [s.key for s in picked]], dtype=torch.long).to(self.device)
+        fmeta = torch.tensor([[s.req.sampling.temperature for s in picked],
+                              [s.req.sampling.top_p for s in picked]],
+                             dtype=torch.float32).to(self.device)
+        dst, plen, key = meta
+        temp, top_p = fmeta
+        logits = None
+        if len(prompts) == 1:
+            # One prompt (the batch-1 case): the bucketed, graph-captured prefill into the first
+            # sample's row; the other samples' rows get copies.
+            logits = self._prefill_bucketed(picked[0].req.prompt, picked[0].slot)
+            if logits is not None:
+                if n > 1:
+                    self._copy_rows(dst[:1], dst[1:], len(picked[0].req.prompt))
+                    logits = logits.expand(n, -1).contiguous()
+        if logits is None:
+            reqs = {id(s.req): s.req for s in picked}
+            src = torch.tensor([prompts[id(s.req)] for s in picked], device=self.device)
+            logits = self._prefill_eager([reqs[r].prompt for r in prompts], src, dst)[src]
+        use_top_p = any(s.req.sampling.top_p < 1 for s in picked)
+        zeros = torch.zeros(n, dtype=torch.long, device=self.device)
+        if self.triton and self.first_token_triton and not use_top_p:
+            # The decode steps' sampler (two kernels) with step index 0: the same draws.
+            tok, lp = kernels.sample_and_advance(logits, temp, key, zeros)
+        else:
+            tok, lp = sampling.sample(logits.float(), temp, top_p, sampling.uniform(key, zeros),
+                                      use_top_p)
+        self.tok.index_copy_(0, dst, tok)
+        self.pos.index_copy_(0, dst, plen)
+        self.step_idx.index_fill_(0, dst, 1)
+        self.key.index_copy_(0, dst, key)
+        self.temp.index_copy_(0, dst, temp)
+        self.top_p.index_copy_(0, dst, top_p)
+        self.active.index_fill_(0, dst, True)
+        tok_l, lp_l = tok.tolist(), lp.tolist()
+        finished = []
+        for s, t, l in zip(picked, tok_l, lp_l):
+            s.launched = 1
+            if self._append(s, t, l):
+                finished.append(s)
+        self._finish(finished)
+
+    @torch.no_grad()
+    def _prefill_eager(self, prompts: list[list[int]], src, dst) -> torch.Tensor:
+        """The prompts (right-padded into one batch) through Transformer.forward; every sample
+        row dst[i] gets the keys and values of prompt src[i]. Returns the logits of each prompt's
+        last token [len(prompts), vocab] in the model's dtype."""
+        T = max(len(p) for p in prompts)
+        tokens = torch.zeros(len(prompts), T, dtype=torch.long)
+        for i, p in enumerate(prompts):
             tokens[i, :len(p)] = torch.tensor(p)
         tokens = tokens.to(self.device)
-        src = torch.tensor([prompts[id(s.req)] for s in picked], device=self.device)
-        dst = torch.tensor([s.slot for s in picked], device=self.device)
 
         def sink(layer, k, v):
             # Every sample of a prompt gets a copy of the prompt's keys and values.
@@ -247,31 +303,96 @@ class Generator:
             self.v[layer][dst, :, :T] = v[src]
 
         hidden = self.model(tokens, kv_sink=sink)
-        last = torch.tensor([len(reqs[r].prompt) - 1 for r in rows], device=self.device)
-        logits = self.model.logits(hidden[torch.arange(len(rows), device=self.device), last])
-        logits = logits.float()[src]
-        n = len(picked)
-        temp = torch.tensor([s.req.sampling.temperature for s in picked], dtype=torch.float32)
-        top_p = torch.tensor([s.req.sampling.top_p for s in picked], dtype=torch.float32)
-        key = torch.tensor([s.key for s in picked], dtype=torch.long)
-        temp, top_p, key = temp.to(self.device), top_p.to(self.device), key.to(self.device)
-        u = sampling.uniform(key, torch.zeros(n, dtype=torch.long, device=self.device))
-        tok, lp = sampling.sample(logits, temp, top_p, u, bool((top_p < 1).any()))
-        tok_l, lp_l = tok.tolist(), lp.tolist()
-        plen = torch.tensor([len(s.req.prompt) for s in picked], device=self.device)
-        self.tok[dst] = tok
-        self.pos[dst] = plen
-        self.step_idx[dst] = 1
-        self.key[dst] = key
-        self.temp[dst] = temp
-        self.top_p[dst] = top_p
-        self.active[dst] = True
-        finished = []
-        for s, t, l in zip(picked, tok_l, lp_l):
-            s.launched = 1
-            if self._append(s, t, l):
-                finished.append(s)
-        self._finish(finished)
+        last = torch.tensor([len(p) - 1 for p in prompts], device=self.device)
+        return self.model.logits(hidden[torch.arange(len(prompts), device=self.device), last])
+
+    def _copy_rows(self, src, dst, T: int) -> None:
+        """The first T positions of cache row src [1] into the rows dst [m]."""
+        for kc, vc in zip(self.k, self.v):
+            kc[dst, :, :T] = kc[src, :, :T]
+            vc[dst, :, :T] = vc[src, :, :T]
+
+    # ---- bucketed prefill (one prompt, CUDA graphs) ----
+
+    def _prefill_bucket(self, T: int) -> int:
+        """The padded length a prompt of T tokens is prefilled at; 0: too long for the path."""
+        if T > self.prefill_graph_max:
+            return 0
+        return min(-(-T // self.length_bucket) * self.length_bucket, self.L)
+
+    @torch.no_grad()
+    def _prefill_bucketed(self, prompt: list[int], slot: int):
+        """One prompt into cache row slot, padded to a length bucket, replaying the bucket's CUDA
+        graph (captured on first use; on the CPU the same code runs directly). Returns the last
+        token's logits [1, vocab] (a buffer the next call overwrites), or None when the prompt is
+        too long for the path or the path failed (it is then switched off; the caller prefills
+        eagerly)."""
+        Tb = self._prefill_bucket(len(prompt))
+        if not Tb:
+            return None
+        P = self.L  # room for any prompt, whatever prefill_graph_max is set to later
+        if self.pf_buf is None:
+            # Inputs: the padded tokens, then (at P) the last token's index and the cache row.
+            self.pf_host = torch.zeros(P + 2, dtype=torch.long, pin_memory=self.cuda)
+            self.pf_buf = torch.zeros(P + 2, dtype=torch.long, device=self.device)
+            self.pf_logits = torch.empty(1, self.model.cfg.vocab_size, dtype=self.model.embed.dtype,
+                                         device=self.device)
+        # The previous prefill's copy is done: its first token was read back (a sync) since.
+        h = self.pf_host
+        h[:len(prompt)] = torch.tensor(prompt)
+        h[P] = len(prompt) - 1
+        h[P + 1] = slot
+        self.pf_buf.copy_(h, non_blocking=True)
+        try:
+            if self.use_graphs:
+                g = self.pf_graphs.get(Tb)
+                if g is None:
+                    g = self._capture_prefill(Tb)
+                    self.pf_graphs[Tb] = g
+                g.replay()
+            else:
+                self._prefill_static(Tb)
+            return self.pf_logits
+        except Exception as e:  # costs speed, not service
+            log.warning("the bucketed prefill failed, prefilling eagerly from now on: %s", e)
+            self.prefill_error = f"{type(e).__name__}: {e}"
+            self.pf_graphs.clear()
+            self.prefill_graph_max = 0
+            return None
+
+    def _prefill_static(self, Tb: int) -> None:
+        """What a prefill graph captures: the prompt in pf_buf padded to Tb tokens through every
+        layer, its keys and values written into cache row pf_buf[L + 1] (positions [0, Tb); those
+        past the prompt hold the padding's, which no decode step reads before overwriting them),
+        the last token's logits into pf_logits. Causal attention keeps the padding from reaching
+        the prompt's tokens."""
+        m, cfg, P = self.model, self.model.cfg, self.L
+        tokens = self.pf_buf[:Tb].view(1, Tb)
+        last, row = self.pf_buf[P:P + 1], self.pf_buf[P + 1:P + 2]
+        x = F.embedding(tokens, m.embed)
+        cos, sin = m.cos[:Tb], m.sin[:Tb]
+        for layer, kc, vc in zip(m.layers, self.k, self.v):
+            x, k, v = block_forward(cfg, x, layer.weights(), cos, sin)
+            kc[:, :, :Tb].index_copy_(0, row, k)
+            vc[:, :, :Tb].index_copy_(0, row, v)
+        h = rms_norm(x[0].index_select(0, last), m.norm, cfg.rms_eps)
+        self.pf_logits.copy_(m.logits(h))
+
+    def _capture_prefill(self, Tb: int) -> torch.cuda.CUDAGraph:
+        # A warm-up run outside the capture (it initialises the libraries, and computes what the
+        # replay computes again), then the capture, as _capture does for the decode steps.
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            self._prefill_static(Tb)
+        torch.cuda.current_stream().wait_stream(stream)
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, pool=self.pool):
+            self._prefill_static(Tb)
+        log.info("captured prefill graph length=%d", Tb)
+        return g
 
     # ---- decode ----
 

@@ -30,6 +30,10 @@ PROTOCOL_VERSION = 1
 GENERATE_MEMORY_S = 600  # finished generate requests are remembered this long
 TRAIN_MEMORY = 512  # step ids remembered
 MAX_MESSAGE_BYTES = 64 << 20
+# The response header naming the server process (the `instance` of Info and Health) on every
+# answer, the Generate stream's included (engines/proto/doc.go, InstanceHeader): a client that sees
+# it change knows that the engine restarted, without a Health call.
+INSTANCE_HEADER = "slimen-instance"
 
 
 def _code(name: str) -> grpc.StatusCode:
@@ -254,6 +258,11 @@ class Service(pb_grpc.EngineServicer):
         self.gen = _Generate(lambda: self.engine)
         self.train = _Train()
 
+    def _name(self, context) -> None:
+        """Sends the header that names this process (before any answer or error), as the Go
+        server's stampUnary does for every unary call after the token check."""
+        context.send_initial_metadata(((INSTANCE_HEADER, self.instance),))
+
     def _ready(self, context):
         if self.engine is None or self.loading:
             context.abort(grpc.StatusCode.UNAVAILABLE, "the engine is loading its model")
@@ -266,11 +275,13 @@ class Service(pb_grpc.EngineServicer):
         context.abort(grpc.StatusCode.UNKNOWN, str(err))
 
     def Health(self, request, context):
+        self._name(context)
         status = pb.HealthResponse.NOT_SERVING if self.loading else pb.HealthResponse.SERVING
         return pb.HealthResponse(status=status, protocol_version=PROTOCOL_VERSION,
                                  instance=self.instance)
 
     def Info(self, request, context):
+        self._name(context)
         if request.protocol_version not in (0, PROTOCOL_VERSION):
             context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                           f"the client speaks engine protocol version {request.protocol_version} "
@@ -281,6 +292,10 @@ class Service(pb_grpc.EngineServicer):
 
     def Generate(self, request_iterator, context):
         self._ready(context)
+        # The header at once, before any completion is ready: it tells the client that the stream
+        # is up (the token accepted, the model loaded) and which process answers; the client
+        # checks it before it sends anything.
+        self._name(context)
         sess = _Session()
 
         def read():
@@ -323,6 +338,7 @@ class Service(pb_grpc.EngineServicer):
             self.gen.leave(sess)
 
     def Score(self, request, context):
+        self._name(context)
         eng = self._ready(context)
         reqs = [ScoreRequest(tokens=list(r.tokens), messages=_messages(r.messages) or None,
                              prompt_tokens=list(r.prompt_tokens) or None) for r in request.requests]
@@ -333,6 +349,7 @@ class Service(pb_grpc.EngineServicer):
         return pb.ScoreBatchResponse(scores=[pb.Scores(logprobs=lp) for lp in out])
 
     def Values(self, request, context):
+        self._name(context)
         eng = self._ready(context)
         reqs = [ScoreRequest(tokens=list(r.tokens), messages=_messages(r.messages) or None,
                              prompt_tokens=list(r.prompt_tokens) or None) for r in request.requests]
@@ -343,6 +360,7 @@ class Service(pb_grpc.EngineServicer):
         return pb.ValuesResponse(values=[pb.Scores(logprobs=v) for v in out])
 
     def Train(self, request, context):
+        self._name(context)
         eng = self._ready(context)
 
         def step():
@@ -357,10 +375,12 @@ class Service(pb_grpc.EngineServicer):
         return pb.TrainResponse(stats=stats, duplicate=dup)
 
     def Tokenize(self, request, context):
+        self._name(context)
         eng = self._ready(context)
         return pb.TokenizeResponse(tokens=[pb.TokenIds(ids=ids) for ids in eng.tokenize(request.texts)])
 
     def Save(self, request, context):
+        self._name(context)
         eng = self._ready(context)
         if not request.dir:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "save: empty dir")
@@ -371,6 +391,7 @@ class Service(pb_grpc.EngineServicer):
         return pb.SaveResponse()
 
     def Load(self, request, context):
+        self._name(context)
         eng = self._ready(context)
         if not request.dir:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "load: empty dir")
@@ -471,6 +492,7 @@ def serve(args) -> None:
                    kernels=False if args.no_kernels else None,
                    fused_b1=False if args.no_fused_b1 else None,
                    fused_head=not args.no_fused_head,
+                   prefill_graph_max=args.prefill_graph_max,
                    micro_batch_tokens=args.micro_batch_tokens,
                    grad_checkpointing=args.grad_checkpointing, ref_model=args.ref_model)
     service.engine = Engine(args.model, opts)

@@ -35,15 +35,18 @@ class Tokenizer:
         path = model_dir / "tokenizer.json"
         if not path.exists():
             raise ValueError(f"{model_dir}: no tokenizer.json")
-        self.tk = HFTokenizer.from_file(str(path))
-        cfg_path = model_dir / "tokenizer_config.json"
-        self.config = json.loads(cfg_path.read_text()) if cfg_path.exists() else {}
+        # The files as read, so that a saved folder gets them even after model_dir is gone (a
+        # checkpoint the host prunes after the engine resumed from it).
+        self.files = {name: (model_dir / name).read_bytes() for name in TOKENIZER_FILES
+                      if (model_dir / name).is_file()}
+        self.tk = HFTokenizer.from_str(self.files["tokenizer.json"].decode())
+        cfg = self.files.get("tokenizer_config.json")
+        self.config = json.loads(cfg) if cfg is not None else {}
         template = self.config.get("chat_template")
         if isinstance(template, list):  # a list of named templates: take "default"
             template = next((t["template"] for t in template if t.get("name") == "default"), None)
-        jinja_file = model_dir / "chat_template.jinja"
-        if template is None and jinja_file.exists():
-            template = jinja_file.read_text()
+        if template is None and "chat_template.jinja" in self.files:
+            template = self.files["chat_template.jinja"].decode()
         self.chat_template = template or ""
         self.special = {k: _token_text(v) for k, v in self.config.items()
                         if k.endswith("_token") and _token_text(v) is not None}
@@ -55,6 +58,15 @@ class Tokenizer:
             env.globals["raise_exception"] = _raise
             env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
             self._template = env.from_string(self.chat_template)
+
+    def save(self, out_dir: str | pathlib.Path) -> None:
+        """Writes the tokenizer files this tokenizer was read from (tokenizer.json, its config, the
+        chat template, generation_config.json) into out_dir, from memory."""
+        out_dir = pathlib.Path(out_dir)
+        for name, data in self.files.items():
+            tmp = out_dir / (name + ".tmp")
+            tmp.write_bytes(data)
+            tmp.replace(out_dir / name)
 
     @property
     def size(self) -> int:

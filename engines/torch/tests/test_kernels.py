@@ -175,10 +175,11 @@ def requests():
 
 def test_engine_with_kernels_generates_the_same(noeos_dir):
     """Whole engines: batch-1 steps (the all-Triton step), several rows (Triton attention between
-    eager layer halves) and the Triton sampler give the tokens and log-probs of the PyTorch
-    engine."""
+    eager layer halves), the Triton sampler (the first token too) and the bucketed prefill give
+    the tokens and log-probs of the PyTorch engine."""
     ref = Engine(str(noeos_dir), Options(device="cpu"))
-    fast = Engine(str(noeos_dir), Options(device="cpu", kernels=True, fused_b1=True))
+    fast = Engine(str(noeos_dir), Options(device="cpu", kernels=True, fused_b1=True,
+                                          prefill_graph_max=128))
     try:
         assert fast.gen.triton and fast.gen.fused_b1
         for alone in (True, False):

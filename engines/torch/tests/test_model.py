@@ -7,6 +7,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from slimen_torch.engine import Engine
 from slimen_torch.model import decode_layer, decode_step
+from slimen_torch.tokenizer import Tokenizer
 
 SHAPES = ["tiny", "tiny-qwen3", "tiny-qwen2"]
 
@@ -112,3 +113,35 @@ def test_unsupported_config_is_refused(model_dirs, tmp_path):
     (d / "config.json").write_text(json.dumps(raw))
     with pytest.raises(ValueError, match="hidden_act"):
         Engine(str(d))
+
+
+def test_save_after_the_model_folder_is_gone(model_dirs, tmp_path):
+    """A resumed engine was loaded from a checkpoint folder that the host prunes later: its next
+    save must still write the tokenizer, its config and the chat template (from memory)."""
+    import shutil
+    src = tmp_path / "step_3" / "policy"
+    shutil.copytree(model_dirs["tiny-qwen3"], src)
+    e = Engine(str(src))
+    try:
+        want_eos = list(e.eos)
+        shutil.rmtree(tmp_path / "step_3")
+        e.save(str(tmp_path / "step_4"))
+    finally:
+        e.close()
+    saved = tmp_path / "step_4"
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        assert (saved / name).read_bytes() == (model_dirs["tiny-qwen3"] / name).read_bytes()
+    e2 = Engine(str(saved))
+    try:
+        orig_tok = Tokenizer(model_dirs["tiny-qwen3"])
+        msgs = [{"role": "user", "content": "Ann has 3 pens. How many?"}]
+        assert e2.tokenizer.chat_template == orig_tok.chat_template != ""
+        assert e2.tokenizer.encode_chat(msgs) == orig_tok.encode_chat(msgs)
+        assert e2.tokenizer.encode("café 12+7") == orig_tok.encode("café 12+7")
+        assert e2.eos == want_eos
+    finally:
+        e2.close()
+    # transformers reads the saved tokenizer too.
+    hf = AutoTokenizer.from_pretrained(saved)
+    assert hf.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True) == \
+        orig_tok.render(msgs)

@@ -291,3 +291,66 @@ def test_loading_server_is_not_serving():
             assert e.value.code() == grpc.StatusCode.UNAVAILABLE
     finally:
         server.stop(0).wait()
+
+
+def instance_header(call):
+    return dict(call.initial_metadata() or ()).get("slimen-instance")
+
+
+def stream_header(stub, timeout=10):
+    """Opens a Generate stream that sends nothing and reads its header: it must come at once.
+    Returns (instance header, close function)."""
+    out: queue.Queue = queue.Queue()
+    call = stub.Generate(iter(out.get, None))
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        fut = pool.submit(call.initial_metadata)
+        try:
+            md = fut.result(timeout=timeout)
+        except concurrent.futures.TimeoutError:
+            call.cancel()
+            raise AssertionError("the Generate stream sent no header before any completion")
+    out.put(None)  # close the sending side: the stream ends, nothing was asked
+    assert list(call) == []
+    return dict(md).get("slimen-instance")
+
+
+def test_answers_name_the_instance(served):
+    """As the Go server: every answer's header names the server process (the instance of Health
+    and Info), errors included, and a Generate stream's header comes before anything is sent, so
+    that a client notices a restarted engine without a Health call."""
+    stub, service, spy = served
+    inst = service.instance
+    h, call = stub.Health.with_call(pb.HealthRequest())
+    assert instance_header(call) == h.instance == inst != ""
+    info, call = stub.Info.with_call(pb.InfoRequest(protocol_version=1))
+    assert instance_header(call) == info.instance == inst
+    _, call = stub.Tokenize.with_call(pb.TokenizeRequest(texts=["Ann"]))
+    assert instance_header(call) == inst
+    with pytest.raises(grpc.RpcError) as e:
+        stub.Info(pb.InfoRequest(protocol_version=2))
+    assert instance_header(e.value) == inst
+    assert stream_header(stub) == inst
+    # A stream that is used gets the same header, then its completions.
+    s = Stream(stub)
+    assert instance_header(s.call) == inst
+    s.send(gen_req("named", 2))
+    assert s.events(1)[0].request_id == "named"
+    s.close()
+    # One process keeps its id across calls; another process (a restarted engine) has another.
+    server2, service2, port2 = make_server("127.0.0.1:0")
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port2}") as ch:
+            stub2 = pb_grpc.EngineStub(ch)
+            # While loading it names itself in Health; the stream is not up yet (UNAVAILABLE).
+            h2, call = stub2.Health.with_call(pb.HealthRequest())
+            assert h2.status == pb.HealthResponse.NOT_SERVING
+            other = instance_header(call)
+            assert other == h2.instance == service2.instance and other != inst
+            service2.engine, service2.loading = spy, False
+            assert stream_header(stub2) == other
+            _, call = stub2.Health.with_call(pb.HealthRequest())
+            assert instance_header(call) == other
+    finally:
+        server2.stop(0).wait()
+    _, call = stub.Health.with_call(pb.HealthRequest())
+    assert instance_header(call) == inst
