@@ -16,7 +16,7 @@ import (
 	"google.golang.org/grpc/metadata"
 )
 
-// A server that, like the PyTorch worker, names itself only in Info and Health: no instance
+// A server that names itself only in Info and Health (as the PyTorch worker once did): no instance
 // header, and the Generate stream's header comes with its first answer. The client must neither
 // wait for that header before sending (it would wait forever) nor resend to a restarted process
 // before OnRestart has run: after an outage it asks Health first.
