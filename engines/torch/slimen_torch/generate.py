@@ -265,9 +265,12 @@ class Generator:
             logits = self._prefill_eager([reqs[r].prompt for r in prompts], src, dst)[src]
         use_top_p = any(s.req.sampling.top_p < 1 for s in picked)
         zeros = torch.zeros(n, dtype=torch.long, device=self.device)
-        if self.triton and self.first_token_triton and not use_top_p:
+        if self.triton and self.first_token_triton:
             # The decode steps' sampler (two kernels) with step index 0: the same draws.
             tok, lp = kernels.sample_and_advance(logits, temp, key, zeros)
+            if use_top_p:
+                tok, lp = self._with_top_p(logits, temp, top_p, sampling.uniform(key, zeros),
+                                           tok, lp)
         else:
             tok, lp = sampling.sample(logits.float(), temp, top_p, sampling.uniform(key, zeros),
                                       use_top_p)
@@ -416,15 +419,27 @@ class Generator:
                                        self.pos, self.tok, self.out_tok, self.out_lp,
                                        max_pos=self.L - 1)
             return
-        logits = logits.float()
         u = sampling.uniform(self.key[:B], self.step_idx[:B])
-        tok, lp = sampling.sample(logits, self.temp[:B], self.top_p[:B], u, use_top_p)
+        if self.triton:
+            tok, lp = kernels.sample_and_advance(logits, self.temp, self.key, self.step_idx)
+            tok, lp = self._with_top_p(logits, self.temp[:B], self.top_p[:B], u, tok, lp)
+        else:
+            tok, lp = sampling.sample(logits.float(), self.temp[:B], self.top_p[:B], u, use_top_p)
         self.out_tok[:B].copy_(tok)
         self.out_lp[:B].copy_(lp)
         act = self.active[:B]
         self.tok[:B].copy_(tok)
         self.pos[:B].copy_(torch.where(act, (pos + 1).clamp(max=self.L - 1), pos))
         self.step_idx[:B].add_(act.long())
+
+    @staticmethod
+    def _with_top_p(logits, temp, top_p, u, tok, lp):
+        """The Triton sampler's draws (tok, lp) with the rows that ask for top-p drawn again by
+        the PyTorch nucleus sampler: the other rows keep exactly the draws they get in a batch
+        without top-p."""
+        tok_p, lp_p = sampling.sample(logits.float(), temp, top_p, u, True)
+        nucleus = top_p < 1
+        return torch.where(nucleus, tok_p, tok), torch.where(nucleus, lp_p, lp)
 
     def _run(self, B: int, L: int, use_top_p: bool) -> None:
         if not self.use_graphs:

@@ -84,15 +84,17 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor,
     t = torch.where(greedy, torch.ones_like(temperature), temperature)
     # Unnormalised probabilities (the largest is 1): sampling needs no division by the total.
     w = torch.exp((logits - logits.amax(-1, keepdim=True)) / t[:, None])
+    tokens = _inverse_cdf(w, u)
     if use_top_p:
-        w, order = w.sort(dim=-1, descending=True)
+        ws, order = w.sort(dim=-1, descending=True)
         # Keep the smallest prefix of the sorted distribution whose mass reaches top_p: a token
         # stays while the mass before it is below top_p (so the first always stays).
-        before = w.cumsum(dim=-1) - w
-        w = w * (before < top_p[:, None] * w.sum(-1, keepdim=True))
-        tokens = order.gather(1, _inverse_cdf(w, u)[:, None]).squeeze(1)
-    else:
-        tokens = _inverse_cdf(w, u)
+        before = ws.cumsum(dim=-1) - ws
+        ws = ws * (before < top_p[:, None] * ws.sum(-1, keepdim=True))
+        nucleus = order.gather(1, _inverse_cdf(ws, u)[:, None]).squeeze(1)
+        # Rows without top-p keep the unsorted draw: a row's token must not depend on whether
+        # another row of its batch asked for top-p.
+        tokens = torch.where(top_p < 1, nucleus, tokens)
     tokens = torch.where(greedy, logits.argmax(dim=-1), tokens)
     logprobs = logits.gather(1, tokens[:, None]).squeeze(1) - torch.logsumexp(logits, dim=-1)
     return tokens, logprobs

@@ -226,3 +226,21 @@ def test_fused_head_trains_the_same(model_dirs):
         assert getattr(b, k) == pytest.approx(getattr(a, k), rel=1e-4, abs=1e-6), k
     for x, y in zip(wa, wb):
         assert torch.allclose(x, y, atol=1e-6)
+
+
+def test_top_p_neighbour_leaves_other_rows_alone(noeos_dir):
+    """With the Triton sampler, a request's tokens are the same alone and beside a top-p one."""
+    fast = Engine(str(noeos_dir), Options(device="cpu", kernels=True))
+    try:
+        user = [{"role": "user", "content": "Ann has 3 pens."}]
+        plain = GenerateRequest(id="plain", messages=user, n=2,
+                                sampling=Sampling(seed=3, max_tokens=6, temperature=1.0))
+        nucleus = GenerateRequest(id="nucleus", messages=[{"role": "user", "content": "Bo has 9 eggs."}], n=2,
+                                  sampling=Sampling(seed=4, max_tokens=6, temperature=1.0,
+                                                    top_p=0.8))
+        alone = fast.generate([plain])
+        both = fast.generate([GenerateRequest(id="plain2", messages=user, n=2,
+                                              sampling=plain.sampling), nucleus])
+        assert [c.tokens for c in alone] == [c.tokens for c in both[:2]]
+    finally:
+        fast.close()

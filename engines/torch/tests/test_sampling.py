@@ -59,3 +59,20 @@ def test_uniforms_are_per_sample_and_step():
     assert ((u0 > 0) & (u0 < 1)).all()
     # Seeds above 2^32 matter too.
     assert S.row_key(7 + 2**40, 0) != S.row_key(7, 0)
+
+
+def test_rows_without_top_p_ignore_their_neighbours():
+    # A row's draw must not depend on whether another row of its batch asks for top-p.
+    g = torch.Generator().manual_seed(1)
+    n, V = 64, 3000
+    logits = torch.randn(n, V, generator=g) * 2
+    u, t = torch.rand(n, generator=g), torch.full((n,), 0.9)
+    top_p = torch.ones(n)
+    top_p[::3] = 0.5
+    mixed, lp_mixed = S.sample(logits, t, top_p, u, True)
+    plain, lp_plain = S.sample(logits, t, torch.ones(n), u, False)
+    keep = top_p == 1
+    assert mixed[keep].tolist() == plain[keep].tolist()
+    assert torch.equal(lp_mixed[keep], lp_plain[keep])
+    nucleus, _ = S.sample(logits[~keep], t[~keep], top_p[~keep], u[~keep], True)
+    assert mixed[~keep].tolist() == nucleus.tolist()
