@@ -102,6 +102,11 @@ type checkpoints struct {
 
 func stepName(step int) string { return fmt.Sprintf("step_%d", step) }
 
+// checkpointRoot is the absolute path of the run's checkpoints folder (the run has a directory).
+func (r *Run) checkpointRoot() (string, error) {
+	return filepath.Abs(filepath.Join(r.opts.Out, "checkpoints"))
+}
+
 // Checkpoint writes <out>/checkpoints/step_N for the steps done so far, writes the save: folder
 // of every trainable policy that has one, and keeps the newest run.keep_checkpoints checkpoints.
 // A step whose checkpoint this run already wrote (or resumed from) is not written again: the
@@ -110,7 +115,7 @@ func (r *Run) Checkpoint(ctx context.Context) (string, error) {
 	if r.opts.Out == "" {
 		return "", errors.New("checkpoint: the run has no directory")
 	}
-	root, err := filepath.Abs(filepath.Join(r.opts.Out, "checkpoints"))
+	root, err := r.checkpointRoot()
 	if err != nil {
 		return "", err
 	}
@@ -133,7 +138,7 @@ func (r *Run) Checkpoint(ctx context.Context) (string, error) {
 	// did not resume): it is set aside, and removed once the new one is in place.
 	var aside string
 	if _, err := os.Lstat(final); err == nil {
-		if aside, err = setAside(root, final, step); err != nil {
+		if aside, err = setAside(root, fmt.Sprintf(".step_%d.old-", step), final); err != nil {
 			return "", fmt.Errorf("checkpoint: %s is in the way and could not be moved: %w", final, err)
 		}
 		r.events.printf("checkpoint: replacing %s, written by an earlier run or an interrupted save", final)
@@ -244,9 +249,10 @@ func (r *Run) saveRemote(ctx context.Context, p *policy, final, tmp string) (*ex
 	return &externalState{Dir: dir, Address: p.cfg.Engine.Address}, nil
 }
 
-// setAside renames a folder in the way to one of the host's temporary names in root.
-func setAside(root, path string, step int) (string, error) {
-	aside, err := os.MkdirTemp(root, fmt.Sprintf(".step_%d.old-", step))
+// setAside renames a folder in the way to a fresh temporary name in dir (pattern as for
+// os.MkdirTemp), for the caller to remove once its replacement is in place.
+func setAside(dir, pattern, path string) (string, error) {
+	aside, err := os.MkdirTemp(dir, pattern)
 	if err != nil {
 		return "", err
 	}
@@ -471,15 +477,21 @@ func withPrevious(err error, root, bad string) error {
 
 // CheckpointInfo reads a checkpoint's step and the path of the script it ran.
 func CheckpointInfo(dir string) (step int, script string, err error) {
+	info, err := readRunInfo(dir)
+	return info.Step, info.Script, err
+}
+
+// readRunInfo reads a checkpoint's run.json.
+func readRunInfo(dir string) (runInfo, error) {
+	var info runInfo
 	b, err := os.ReadFile(filepath.Join(dir, runFile))
 	if err != nil {
-		return 0, "", fmt.Errorf("checkpoint %s: %w", dir, err)
+		return info, fmt.Errorf("checkpoint %s: %w", dir, err)
 	}
-	var info runInfo
 	if err := json.Unmarshal(b, &info); err != nil {
-		return 0, "", fmt.Errorf("checkpoint %s: %s: %w", dir, runFile, err)
+		return info, fmt.Errorf("checkpoint %s: %s: %w", dir, runFile, err)
 	}
-	return info.Step, info.Script, nil
+	return info, nil
 }
 
 // RunDirOf is the run directory a checkpoint folder belongs to.
@@ -499,13 +511,9 @@ func (r *Run) Resume(ctx context.Context, dir string) error {
 	if err != nil {
 		return err
 	}
-	var info runInfo
-	b, err := os.ReadFile(filepath.Join(dir, runFile))
+	info, err := readRunInfo(dir)
 	if err != nil {
-		return fmt.Errorf("checkpoint %s: %w", dir, err)
-	}
-	if err := json.Unmarshal(b, &info); err != nil {
-		return fmt.Errorf("checkpoint %s: %s: %w", dir, runFile, err)
+		return err
 	}
 	for _, p := range r.policyList() {
 		if !p.cfg.Trainable {
@@ -545,7 +553,7 @@ func (r *Run) Resume(ctx context.Context, dir string) error {
 		return err
 	}
 	if r.opts.Out != "" {
-		if root, err := filepath.Abs(filepath.Join(r.opts.Out, "checkpoints")); err == nil {
+		if root, err := r.checkpointRoot(); err == nil {
 			r.removeLater(root, info.Step)
 			r.removeStrays(root)
 			r.ckpt.cleaned = true
@@ -682,11 +690,7 @@ func (r *Run) writeSaveFolder(ctx context.Context, p *policy, step int) error {
 	}
 	var old string
 	if _, err := os.Lstat(dst); err == nil {
-		if old, err = os.MkdirTemp(parent, "."+base+".old-"); err != nil {
-			return fail(err)
-		}
-		os.Remove(old)
-		if err := os.Rename(dst, old); err != nil {
+		if old, err = setAside(parent, "."+base+".old-", dst); err != nil {
 			return fail(err)
 		}
 	}

@@ -165,10 +165,11 @@ func (r *Run) policyCheckpoint(step int, policy string) (string, error) {
 	if r.opts.Out == "" {
 		return "", fmt.Errorf("the run has no directory")
 	}
-	dir, err := filepath.Abs(filepath.Join(r.opts.Out, "checkpoints", fmt.Sprintf("step_%d", step)))
+	root, err := r.checkpointRoot()
 	if err != nil {
 		return "", err
 	}
+	dir := filepath.Join(root, stepName(step))
 	m, err := readManifest(dir)
 	if err != nil {
 		return "", err
