@@ -30,6 +30,7 @@ type rollout struct {
 	index  int // position of the task in its step: the first sort key of its samples
 	step   int
 	seed   uint64
+	group  string            // the group of its train() calls that name none (defaultGroup)
 	eval   *engines.Sampling // eval rollouts sample with these settings and do not train
 
 	result      starlark.Value             // what the rollout function returned

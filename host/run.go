@@ -553,13 +553,14 @@ func (r *Run) runRollouts(ctx context.Context, step int, tasks []Task, rf rollou
 	seen := map[string]int{}
 	for i, t := range tasks {
 		// A task that runs again in the same pass (a data file smaller than the batch) is another
-		// rollout, not a copy of the first: it gets seeds of its own.
+		// rollout, not a copy of the first: it gets seeds and a default group of its own.
+		k := occurrence(seen, t.ID)
 		key := []int{step}
-		if k := occurrence(seen, t.ID); k > 0 {
+		if k > 0 {
 			key = append(key, k)
 		}
 		ros[i] = &rollout{run: r, svc: localServices{r}, ctx: withRequestIDs(stepCtx, r.id, pass, i), task: t, index: i, step: step, eval: eval,
-			seed: keySeed(seed, t.ID, key)}
+			seed: keySeed(seed, t.ID, key), group: defaultGroup(t.ID, k)}
 	}
 	r.live.done.Store(0)
 	r.live.total.Store(int64(n))
@@ -684,15 +685,13 @@ func (r *Run) policyList() []*policy {
 func gather(ros []*rollout) (map[string][]trainSample, map[string][]*Completion) {
 	byPolicy := map[string][]trainSample{}
 	gens := map[string][]*Completion{}
-	seen := map[string]int{}
 	for _, ro := range ros {
-		group := defaultGroup(ro.task.ID, occurrence(seen, ro.task.ID))
 		if ro.err != nil {
 			continue
 		}
 		for _, q := range ro.queued {
 			if q.group == "" {
-				q.group = group
+				q.group = ro.group
 			}
 			rw, _ := q.c.Reward()
 			byPolicy[q.c.policy] = append(byPolicy[q.c.policy], trainSample{queued: q, task: ro.index, reward: rw})
