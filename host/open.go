@@ -71,9 +71,9 @@ func openEngine(ctx context.Context, p config.PolicyConfig, logs engineLogs) (en
 	case "tiny":
 		// The engine keeps the model it opens as its KL reference, so it opens the reference and
 		// then loads the weights the policy starts from when they are another folder.
-		o := tiny.Options{Threads: p.Engine.Threads}
-		e, err := tiny.Open(klReference(p), o)
-		if err != nil || p.Load == "" || p.Load == klReference(p) {
+		o, ref := tiny.Options{Threads: p.Engine.Threads}, klReference(p)
+		e, err := tiny.Open(ref, o)
+		if err != nil || p.Load == "" || p.Load == ref {
 			return e, err
 		}
 		if err := e.Load(ctx, p.Load); err != nil {
@@ -83,15 +83,15 @@ func openEngine(ctx context.Context, p config.PolicyConfig, logs engineLogs) (en
 			}
 			// A load: folder of another shape cannot be measured against the reference (an
 			// hf_checkpoint left at its builtin default, say): it is its own reference.
-			logs.logf("policy %q: load: %s has another architecture than %s, so the KL reference is the load: folder itself; set hf_checkpoint (or ref_load) to its base model to measure against that", p.Name, p.Load, klReference(p))
+			logs.logf("policy %q: load: %s has another architecture than %s, so the KL reference is the load: folder itself; set hf_checkpoint (or ref_load) to its base model to measure against that", p.Name, p.Load, ref)
 			return tiny.Open(p.Load, o)
 		}
 		return e, nil
 	case "torch":
 		return openTorch(ctx, p, logs)
 	case "remote":
-		o := remote.Options{Address: p.Engine.Address, Insecure: p.Engine.Insecure, TokenEnv: p.Engine.TokenEnv,
-			MaxMessageBytes: p.Engine.MaxMessageMB << 20, Timeout: p.Engine.Timeout, ReconnectTimeout: p.Engine.ReconnectTimeout}
+		o := clientOptions(p)
+		o.Address, o.Insecure, o.TokenEnv = p.Engine.Address, p.Engine.Insecure, p.Engine.TokenEnv
 		var self atomic.Value
 		if logs.printf != nil || logs.restarted != nil {
 			o.OnRestart = logs.onRestart(p, "its engine at "+p.Engine.Address, &self)
@@ -108,6 +108,12 @@ func openEngine(ctx context.Context, p config.PolicyConfig, logs engineLogs) (en
 	default:
 		return nil, fmt.Errorf("engine kind %q is not available in this build (known: tiny, torch, remote)", p.Engine.Kind)
 	}
+}
+
+// clientOptions are the gRPC client settings of a policy's engine, remote or torch worker alike.
+func clientOptions(p config.PolicyConfig) remote.Options {
+	return remote.Options{MaxMessageBytes: p.Engine.MaxMessageMB << 20, Timeout: p.Engine.Timeout,
+		ReconnectTimeout: p.Engine.ReconnectTimeout}
 }
 
 // klReference is the model a policy's KL loss measures against: ref_load, else hf_checkpoint (as
@@ -152,8 +158,7 @@ func openTorch(ctx context.Context, p config.PolicyConfig, logs engineLogs) (eng
 	}
 	o := torchproc.Options{Python: python, Model: model, Device: p.Engine.Device, Args: args,
 		TokenEnv: p.Engine.TokenEnv, StartTimeout: p.Engine.StartTimeout,
-		Client: remote.Options{MaxMessageBytes: p.Engine.MaxMessageMB << 20, Timeout: p.Engine.Timeout,
-			ReconnectTimeout: p.Engine.ReconnectTimeout}}
+		Client: clientOptions(p)}
 	where := "device " + p.Engine.Device
 	if p.Engine.Device == "" {
 		where = "the worker's default device (the first GPU it sees, else the CPU)"

@@ -81,6 +81,15 @@ func (g *restartGuard) failure() error {
 	return g.err
 }
 
+// cause is what stopped a call that failed with err: the restart the run could not recover from
+// (the engine then fails every call), else err.
+func (g *restartGuard) cause(err error) error {
+	if rerr := g.failure(); rerr != nil {
+		return rerr
+	}
+	return err
+}
+
 // restartEvent is an engine's report that it restarted.
 type restartEvent struct {
 	policy    string

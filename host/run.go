@@ -496,10 +496,7 @@ func (r *Run) runStep(ctx context.Context) (*StepResult, error) {
 	// never between two optimizer steps of a policy.
 	pm, err := r.trainPolicies(context.WithoutCancel(ctx), step, cfg, ros, rolloutS)
 	if err != nil {
-		if rerr := r.restart.failure(); rerr != nil {
-			return nil, rerr
-		}
-		return nil, err
+		return nil, r.restart.cause(err)
 	}
 	trainS := time.Since(t1).Seconds()
 	res.Policies = pm
@@ -520,10 +517,7 @@ func (r *Run) runStep(ctx context.Context) (*StepResult, error) {
 	checkpointed := false
 	if si := cfg.Run.SaveInterval; si > 0 && step%si == 0 && r.opts.Out != "" {
 		if _, err := r.Checkpoint(ctx); err != nil {
-			if rerr := r.restart.failure(); rerr != nil {
-				return nil, rerr
-			}
-			return nil, err
+			return nil, r.restart.cause(err)
 		}
 		checkpointed = true
 	}
