@@ -9,6 +9,7 @@ import (
 	"regexp"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/google/go-cmp/cmp"
 	"go.starlark.net/starlark"
@@ -19,10 +20,11 @@ import (
 	"github.com/slimen/slimen/host/config"
 )
 
-// stepOK runs one step and fails the test on an error or a failed rollout.
+// stepOK runs one step and fails the test on an error or a failed rollout; a step still running
+// after a minute fails it (see deadline).
 func stepOK(t *testing.T, r *Run) *StepResult {
 	t.Helper()
-	res, err := r.Step(context.Background())
+	res, err := r.Step(deadline(t, time.Minute))
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -47,7 +47,7 @@ func defaultEval(policies []string, n int) (starlark.Callable, error) {
 	for i, p := range policies {
 		names[i] = starlark.String(p)
 	}
-	pre["POLICIES"] = starlark.NewList(names)
+	pre["POLICIES"] = starlark.Tuple(names) // shared by every eval rollout at once: immutable
 	pre["N"] = starlark.MakeInt(n)
 	l := newLoader("/", pre, false)
 	g, err := l.execFile("<default eval>", []byte(defaultEvalSource))

@@ -49,6 +49,9 @@ type loadEntry struct {
 const fileLocal = "slimen.loader.file" // thread-local: the module a thread executes
 
 func newLoader(root string, predeclared starlark.StringDict, allowFiles bool) *loader {
+	// Every rollout thread sees the predeclared values at once: they must be immutable (even
+	// iterating a mutable list writes to it).
+	predeclared.Freeze()
 	return &loader{
 		root:        root,
 		natives:     nativeModules(),
