@@ -6,6 +6,8 @@ package engines
 import (
 	"context"
 	"errors"
+	"fmt"
+	"math"
 )
 
 // Engine is one policy's model: it samples completions, scores given tokens, trains on a batch of
@@ -168,13 +170,28 @@ type TrainStats struct {
 // an engine that only serves a frozen judge).
 var ErrNotSupported = errors.New("not supported by this engine")
 
-// NormalizeSampling fills the defaults of Sampling that the zero value leaves open.
+// NormalizeSampling reads the protocol's zero top_p as 1 (no nucleus cut). Every other setting has
+// no default here: the caller (the host, from the run's config) sets it, and Check refuses a
+// request that leaves it open.
 func NormalizeSampling(s Sampling) Sampling {
-	if s.TopP <= 0 || s.TopP > 1 {
+	if s.TopP == 0 {
 		s.TopP = 1
 	}
-	if s.MaxTokens <= 0 {
-		s.MaxTokens = 64
-	}
 	return s
+}
+
+// Check is the one validation of a request's sampling settings where it enters an engine: n ≥ 0
+// (0 is read as 1), max_tokens ≥ 1, a finite temperature ≥ 0 and top_p in [0, 1] (0 is read as 1).
+func (r GenerateRequest) Check() error {
+	switch {
+	case r.N < 0:
+		return fmt.Errorf("n = %d; want at least 1", r.N)
+	case r.MaxTokens < 1:
+		return fmt.Errorf("max_tokens = %d; want at least 1", r.MaxTokens)
+	case !(r.Temperature >= 0) || math.IsInf(r.Temperature, 0):
+		return fmt.Errorf("temperature %v; want a finite value ≥ 0", r.Temperature)
+	case !(r.TopP >= 0 && r.TopP <= 1):
+		return fmt.Errorf("top_p %v; want a value in (0, 1]", r.TopP)
+	}
+	return nil
 }

@@ -115,6 +115,9 @@ func (e *Engine) Generate(ctx context.Context, reqs []engines.GenerateRequest) (
 		if err := ctx.Err(); err != nil {
 			return nil, err
 		}
+		if err := r.Check(); err != nil {
+			return nil, fmt.Errorf("request %s: %w", r.ID, err)
+		}
 		s := engines.NormalizeSampling(r.Sampling)
 		prompt := Decode(r.PromptTokens)
 		if r.Messages != nil {

@@ -5,7 +5,6 @@ import (
 	"encoding/binary"
 	"fmt"
 	"hash/fnv"
-	"math"
 	"math/rand/v2"
 	"slices"
 	"strings"
@@ -47,7 +46,7 @@ func (e *Engine) Generate(ctx context.Context, reqs []engines.GenerateRequest) (
 			err = fmt.Errorf("the prompt has %d tokens; the model takes at most %d tokens of prompt and response together", len(p), cfg.MaxSeqLen)
 		}
 		if err == nil {
-			err = checkSampling(r)
+			err = r.Check()
 		}
 		if err != nil {
 			return nil, fmt.Errorf("tiny: generate request %d (%q): %w", i, r.ID, err)
@@ -138,18 +137,6 @@ func (e *Engine) Generate(ctx context.Context, reqs []engines.GenerateRequest) (
 		}
 	}
 	return out, nil
-}
-
-func checkSampling(r engines.GenerateRequest) error {
-	switch {
-	case r.N < 0:
-		return fmt.Errorf("n = %d; want at least 1", r.N)
-	case !(r.Temperature >= 0) || math.IsInf(r.Temperature, 0):
-		return fmt.Errorf("temperature %v; want a finite value ≥ 0", r.Temperature)
-	case math.IsNaN(r.TopP) || r.TopP < 0 || r.TopP > 1:
-		return fmt.Errorf("top_p %v; want a value in (0, 1]", r.TopP)
-	}
-	return nil
 }
 
 // advance samples the next token of s from logits and decides whether s is finished: on an EOS

@@ -2,6 +2,7 @@ package config
 
 import (
 	"fmt"
+	"math"
 	"net"
 	"regexp"
 	"slices"
@@ -69,9 +70,7 @@ func (r *resolver) validate() {
 
 	ro := c.Rollout
 	r.check(ro.BatchSize > 0, "rollout.batch_size", 0, "must be at least 1 (tasks per step), got %d", ro.BatchSize)
-	r.check(ro.MaxResponseLen > 0, "rollout.max_response_len", 0, "must be at least 1 token, got %d", ro.MaxResponseLen)
-	r.check(ro.Temperature >= 0, "rollout.temperature", 0, "must be ≥ 0 (0 is greedy), got %g", ro.Temperature)
-	r.check(ro.TopP > 0 && ro.TopP <= 1, "rollout.top_p", 0, "must be in (0, 1], got %g", ro.TopP)
+	r.validateSampling("rollout", 0, ro.MaxResponseLen, ro.Temperature, ro.TopP)
 	r.check(ro.MaxFailedFraction >= 0 && ro.MaxFailedFraction <= 1, "rollout.max_failed_fraction", 0, "must be in [0, 1], got %g", ro.MaxFailedFraction)
 	r.check(ro.MaxBatchTokens >= 0, "rollout.max_batch_tokens", 0, "must be ≥ 0 (0: no limit), got %d", ro.MaxBatchTokens)
 
@@ -93,9 +92,7 @@ func (r *resolver) validate() {
 		r.check(ds.Limit >= 0, dp+".limit", ds.Line, "must be ≥ 0 (0: the whole file), got %d", ds.Limit)
 		r.check(ds.Limit > 0 || !strings.HasPrefix(ds.Path, "synthetic:"), dp+".limit", ds.Line, "a synthetic source never ends: give a limit of at least 1")
 		r.check(ds.NSamples >= 1, dp+".n_samples_per_eval_prompt", ds.Line, "must be at least 1, got %d", ds.NSamples)
-		r.check(ds.Temperature >= 0, dp+".temperature", ds.Line, "must be ≥ 0 (0 is greedy), got %g", ds.Temperature)
-		r.check(ds.TopP > 0 && ds.TopP <= 1, dp+".top_p", ds.Line, "must be in (0, 1], got %g", ds.TopP)
-		r.check(ds.MaxResponseLen > 0, dp+".max_response_len", ds.Line, "must be at least 1 token, got %d", ds.MaxResponseLen)
+		r.validateSampling(dp, ds.Line, ds.MaxResponseLen, ds.Temperature, ds.TopP)
 		r.check(ds.InputKey != "", dp+".input_key", ds.Line, "must name the JSONL key that holds the prompt")
 	}
 
@@ -323,4 +320,11 @@ func checkDataPath(path string) string {
 		return err.Error()
 	}
 	return ""
+}
+
+// validateSampling checks the sampling settings of the rollout or of an eval dataset (prefix).
+func (r *resolver) validateSampling(prefix string, line, maxLen int, temperature, topP float64) {
+	r.check(maxLen > 0, prefix+".max_response_len", line, "must be at least 1 token, got %d", maxLen)
+	r.check(temperature >= 0 && !math.IsInf(temperature, 0), prefix+".temperature", line, "must be a finite value ≥ 0 (0 is greedy), got %g", temperature)
+	r.check(topP > 0 && topP <= 1, prefix+".top_p", line, "must be in (0, 1], got %g", topP)
 }

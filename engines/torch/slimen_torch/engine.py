@@ -240,13 +240,19 @@ class Engine:
             raise RequestError("INVALID_ARGUMENT", f"request {req.id!r}: prompt of {len(prompt)} "
                                f"tokens leaves no room in the engine's {self.gen.L} positions")
         s = req.sampling
-        if s.temperature < 0:
-            raise RequestError("INVALID_ARGUMENT", f"request {req.id!r}: negative temperature")
+        if not 0 <= s.temperature < float("inf"):
+            raise RequestError("INVALID_ARGUMENT", f"request {req.id!r}: temperature {s.temperature}; "
+                               "want a finite value ≥ 0")
         if req.n < 0:
             raise RequestError("INVALID_ARGUMENT", f"request {req.id!r}: negative n")
-        sampling = Sampling(max_tokens=s.max_tokens if s.max_tokens > 0 else 64,
+        if s.max_tokens < 1:  # the host sets it from the run's config: no second default here
+            raise RequestError("INVALID_ARGUMENT", f"request {req.id!r}: max_tokens = {s.max_tokens}; "
+                               "want at least 1")
+        if not 0 <= s.top_p <= 1:
+            raise RequestError("INVALID_ARGUMENT", f"request {req.id!r}: top_p {s.top_p}; want a value in (0, 1]")
+        sampling = Sampling(max_tokens=s.max_tokens,
                             temperature=s.temperature,
-                            top_p=s.top_p if 0 < s.top_p <= 1 else 1.0,
+                            top_p=s.top_p or 1.0,
                             stop=[x for x in s.stop if x], seed=s.seed)
         r = Request(req.id, prompt, req.n or 1, sampling, on_completion, on_error)
         with self._cv:

@@ -11,7 +11,7 @@ import dataclasses
 
 @dataclasses.dataclass
 class Sampling:
-    max_tokens: int = 64  # > 0
+    max_tokens: int = 0  # ≥ 1; the caller sets it (the engine refuses 0)
     temperature: float = 1.0  # 0 means greedy
     top_p: float = 1.0  # (0, 1]; 0 is read as 1
     stop: list[str] = dataclasses.field(default_factory=list)

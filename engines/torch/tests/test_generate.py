@@ -108,3 +108,10 @@ def test_bad_requests_are_refused(engine):
         engine.submit(GenerateRequest(id="b", prompt_tokens=[10**6]), print)
     with pytest.raises(RequestError, match="no room"):
         engine.submit(GenerateRequest(id="b", prompt_tokens=[1] * engine.gen.L), print)
+    # Sampling settings have no defaults in the engine: the host sets them from the run's config.
+    with pytest.raises(RequestError, match="max_tokens = 0"):
+        engine.submit(GenerateRequest(id="b", messages=USER, sampling=Sampling(max_tokens=0)), print)
+    with pytest.raises(RequestError, match="temperature nan"):
+        engine.submit(req("b", temperature=float("nan")), print)
+    with pytest.raises(RequestError, match="top_p 1.5"):
+        engine.submit(req("b", top_p=1.5), print)
