@@ -21,7 +21,10 @@ func cmdCheck(args []string) int {
 		fs.PrintDefaults()
 	}
 	pos, err := parseInterleaved(fs, args)
-	if err != nil || len(pos) == 0 {
+	if err != nil {
+		return flagExit(err)
+	}
+	if len(pos) == 0 {
 		fs.Usage()
 		return 2
 	}

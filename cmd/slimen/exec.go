@@ -15,6 +15,7 @@ import (
 
 	"github.com/slimen/slimen/host"
 	"github.com/slimen/slimen/host/config"
+	tasks "github.com/slimen/slimen/host/data"
 	"github.com/slimen/slimen/host/plot"
 )
 
@@ -56,7 +57,7 @@ func cmdExec(args []string) int {
 	}
 	pos, err := parseInterleaved(fs, args)
 	if err != nil {
-		return 2
+		return flagExit(err)
 	}
 	if len(pos) > 1 || len(pos) == 0 && *resume == "" {
 		fs.Usage()
@@ -146,7 +147,8 @@ func cmdExec(args []string) int {
 	if err != nil {
 		fmt.Fprintln(os.Stderr, "slimen:", err)
 		var se *host.ScriptError
-		if errors.As(err, &se) || *cfgPath != "" {
+		var de *tasks.SourceError
+		if errors.As(err, &se) || errors.As(err, &de) || *cfgPath != "" {
 			return 2
 		}
 		return 1
@@ -231,19 +233,28 @@ func runDir(script, fromConfig, flagOut string) (string, error) {
 		explicit = fromConfig
 	}
 	if explicit != "" {
-		if _, err := os.Stat(filepath.Join(explicit, "metrics.jsonl")); err == nil {
+		if holdsRun(explicit) {
 			return "", fmt.Errorf("%s already holds a run (metrics.jsonl); choose another --out or remove it", explicit)
 		}
 		return explicit, nil
 	}
 	base := filepath.Join("runs", strings.TrimSuffix(filepath.Base(script), filepath.Ext(script)))
 	dir := base
-	for i := 2; ; i++ {
-		if _, err := os.Stat(filepath.Join(dir, "metrics.jsonl")); errors.Is(err, os.ErrNotExist) {
-			return dir, nil
-		}
+	for i := 2; holdsRun(dir); i++ {
 		dir = fmt.Sprintf("%s-%d", base, i)
 	}
+	return dir, nil
+}
+
+// holdsRun reports whether dir holds a run that trained: metrics or checkpoints. A run that
+// stopped before its first step (a typo in a data path, say) leaves an empty metrics.jsonl; the
+// corrected command may use its folder.
+func holdsRun(dir string) bool {
+	if fi, err := os.Stat(filepath.Join(dir, "metrics.jsonl")); err == nil && fi.Size() > 0 {
+		return true
+	}
+	_, err := os.Stat(filepath.Join(dir, "checkpoints"))
+	return err == nil
 }
 
 var _ io.Writer = (*os.File)(nil)

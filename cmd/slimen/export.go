@@ -36,7 +36,7 @@ func cmdExport(args []string) int {
 		fs.PrintDefaults()
 	}
 	if err := fs.Parse(args); err != nil {
-		return 2
+		return flagExit(err)
 	}
 	bad := func(f string, a ...any) int {
 		fmt.Fprintf(os.Stderr, "slimen export: "+f+"\n", a...)

@@ -30,7 +30,10 @@ func cmdGraph(args []string) int {
 		fs.PrintDefaults()
 	}
 	pos, err := parseInterleaved(fs, args)
-	if err != nil || len(pos) != 1 {
+	if err != nil {
+		return flagExit(err)
+	}
+	if len(pos) != 1 {
 		fs.Usage()
 		return 2
 	}

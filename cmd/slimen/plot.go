@@ -21,7 +21,10 @@ func cmdPlot(args []string) int {
 		fs.PrintDefaults()
 	}
 	dirs, err := parseInterleaved(fs, args)
-	if err != nil || len(dirs) == 0 {
+	if err != nil {
+		return flagExit(err)
+	}
+	if len(dirs) == 0 {
 		fs.Usage()
 		return 2
 	}

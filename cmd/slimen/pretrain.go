@@ -46,7 +46,7 @@ func cmdPretrain(args []string) int {
 		fs.PrintDefaults()
 	}
 	if err := fs.Parse(args); err != nil {
-		return 2
+		return flagExit(err)
 	}
 	if *out == "" || fs.NArg() > 0 {
 		fs.Usage()

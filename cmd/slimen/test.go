@@ -20,7 +20,7 @@ func cmdTest(args []string) int {
 	}
 	pos, err := parseInterleaved(fs, args)
 	if err != nil {
-		return 2
+		return flagExit(err)
 	}
 	files, err := host.FindTestFiles(pos)
 	if err != nil {

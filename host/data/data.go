@@ -63,6 +63,21 @@ func EvalSeed(seed uint64) uint64 { return seed + EvalSeedOffset }
 // object per line). Malformed lines of a file are skipped and reported by Warnings; a missing
 // file, or one without a single usable line, is an error.
 func Open(path string, o Options) (Source, error) {
+	s, err := openSource(path, o)
+	if err != nil {
+		return nil, &SourceError{err}
+	}
+	return s, nil
+}
+
+// SourceError is a task source that cannot be opened: bad input (exit status 2 in the CLI), not
+// a failed run.
+type SourceError struct{ Err error }
+
+func (e *SourceError) Error() string { return e.Err.Error() }
+func (e *SourceError) Unwrap() error { return e.Err }
+
+func openSource(path string, o Options) (Source, error) {
 	if o.InputKey == "" {
 		o.InputKey = "prompt"
 	}
