@@ -143,10 +143,21 @@ func torchPython(p config.PolicyConfig) (python, from string) {
 // openTorch starts a policy's torch worker and connects to it.
 func openTorch(ctx context.Context, p config.PolicyConfig, logs engineLogs) (engines.Engine, error) {
 	python, from := torchPython(p)
-	model := p.HFCheckpoint
+	model, key := p.HFCheckpoint, "hf_checkpoint"
 	args := slices.Clone(p.Engine.Args)
 	if p.Load != "" {
-		model = p.Load
+		model, key = p.Load, "load"
+	}
+	if err := checkModelFolder(key, model); err != nil {
+		return nil, err
+	}
+	if ref := klReference(p); ref != model {
+		if err := checkModelFolder("the KL reference (ref_load, else hf_checkpoint)", ref); err != nil {
+			return nil, err
+		}
+	}
+	if err := checkTorchPython(ctx, python, from); err != nil {
+		return nil, err
 	}
 	// The KL reference stays the base model, not the checkpoint the policy resumes from.
 	if ref := klReference(p); ref != model && !slices.ContainsFunc(args, func(a string) bool { return a == "--ref-model" || strings.HasPrefix(a, "--ref-model=") }) {
@@ -188,6 +199,57 @@ func openTorch(ctx context.Context, p config.PolicyConfig, logs engineLogs) (eng
 	self.Store(engines.Engine(e))
 	logs.logf("policy %q: torch worker ready in %.1fs", p.Name, time.Since(start).Seconds())
 	return e, nil
+}
+
+// checkModelFolder checks, before a worker starts, that a policy's model path (named by key) is a
+// Hugging Face model folder, so a typo is reported in the config's words, not as the worker's
+// Python traceback.
+func checkModelFolder(key, dir string) error {
+	fi, err := os.Stat(dir)
+	switch {
+	case errors.Is(err, fs.ErrNotExist):
+		return fmt.Errorf("%s %s does not exist; give a Hugging Face model folder (config.json, *.safetensors, tokenizer.json)", key, dir)
+	case err != nil:
+		return fmt.Errorf("%s %s: %w", key, dir, err)
+	case !fi.IsDir():
+		return fmt.Errorf("%s %s is a file; give the Hugging Face model folder that holds config.json and the *.safetensors weights", key, dir)
+	}
+	if _, err := os.Stat(filepath.Join(dir, "config.json")); err != nil {
+		return fmt.Errorf("%s %s has no config.json, so it is not a Hugging Face model folder (make one with `python -m slimen_torch make-model`, or save one with transformers' save_pretrained)", key, dir)
+	}
+	return nil
+}
+
+// torchRequirements are the modules a torch worker imports; checkTorchPython finds them without
+// importing them (which takes seconds for torch).
+const torchRequirements = "torch transformers safetensors tokenizers grpc google.protobuf"
+
+// checkTorchPython checks that the worker's interpreter runs and has the worker's requirements.
+func checkTorchPython(ctx context.Context, python, from string) error {
+	const probe = `import importlib.util as u, sys
+missing = []
+for m in sys.argv[1:]:
+    try:
+        found = u.find_spec(m) is not None
+    except ModuleNotFoundError:
+        found = False
+    if not found:
+        missing.append(m)
+print(" ".join(missing))`
+	cmd := exec.CommandContext(ctx, python, append([]string{"-c", probe}, strings.Fields(torchRequirements)...)...)
+	out, err := cmd.Output()
+	if err != nil {
+		var ee *exec.ExitError
+		if errors.As(err, &ee) {
+			err = fmt.Errorf("%w: %s", err, strings.TrimSpace(string(ee.Stderr)))
+		}
+		return torchStartError(fmt.Errorf("torch engine: start %s: %w", python, err), python, from)
+	}
+	if missing := strings.TrimSpace(string(out)); missing != "" {
+		return &startError{msg: fmt.Sprintf("the torch worker cannot start: %s (from %s) lacks %s; install engines/torch/requirements.txt into its environment, or set engine.python (or $%s) to one that has them (scripts/pyenv.sh makes one)",
+			python, from, missing, PythonEnv)}
+	}
+	return nil
 }
 
 // workerTailLines is how many lines of a torch worker's output a start-up error quotes.

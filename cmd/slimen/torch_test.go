@@ -117,35 +117,46 @@ func TestTorchEngineDebate(t *testing.T) {
 // A worker that cannot start stops the run with the policy, its config line and what went wrong.
 func TestTorchEngineStartErrors(t *testing.T) {
 	dir := t.TempDir()
+	empty := filepath.Join(dir, "empty")
+	os.Mkdir(empty, 0o755)
 	model := filepath.Join(dir, "model")
 	os.Mkdir(model, 0o755)
+	os.WriteFile(filepath.Join(model, "config.json"), []byte("{}"), 0o644)
 	env := []string{"XDG_CACHE_HOME=" + filepath.Join(dir, "cache")}
-
-	// No such interpreter: no Python needed to see this one.
-	missing := filepath.Join(dir, "no-such-python")
-	log, err := slimen(t, env, "exec", "examples/debate/debate.star", "--config", torchConfig(t, dir, model, missing), "--out", filepath.Join(dir, "a"))
 	cfg := filepath.Join(dir, "torch.yaml")
-	for _, want := range []string{
-		fmt.Sprintf(`policy "generator" in %s:2: the torch worker did not start: torch engine: start %s`, cfg, missing),
-		"the interpreter " + missing + " comes from engine.python; set engine.python (or $SLIMEN_PYTHON)",
-	} {
-		if err == nil || !strings.Contains(log, want) {
-			t.Errorf("exit %v; output lacks %q:\n%s", err, want, log)
+	run := func(name, model, python string, env []string, wants ...string) {
+		t.Helper()
+		log, err := slimen(t, env, "exec", "examples/debate/debate.star", "--config", torchConfig(t, dir, model, python), "--out", filepath.Join(dir, name))
+		for _, want := range wants {
+			if err == nil || !strings.Contains(log, want) {
+				t.Errorf("%s: exit %v; output lacks %q:\n%s", name, err, want, log)
+			}
 		}
 	}
 
-	// An empty model folder: the worker exits, and its last lines say why.
+	// Found in Go before any worker starts: no Python needed to see these.
+	missing := filepath.Join(dir, "no-such-python")
+	run("nopython", model, missing, env,
+		fmt.Sprintf(`policy "generator" in %s:2: the torch worker did not start: torch engine: start %s`, cfg, missing),
+		"the interpreter "+missing+" comes from engine.python; set engine.python (or $SLIMEN_PYTHON)")
+	run("nomodel", filepath.Join(dir, "no-such-model"), missing, env,
+		fmt.Sprintf(`policy "generator" in %s:2: hf_checkpoint %s does not exist; give a Hugging Face model folder`, cfg, filepath.Join(dir, "no-such-model")))
+	run("emptymodel", empty, missing, env,
+		fmt.Sprintf(`policy "generator" in %s:2: hf_checkpoint %s has no config.json`, cfg, empty))
+	if py, err := exec.LookPath("python3"); err == nil {
+		// An interpreter without the worker's requirements (-S: no site-packages).
+		bare := filepath.Join(dir, "bare-python")
+		os.WriteFile(bare, []byte("#!/bin/sh\nexec "+py+" -S \"$@\"\n"), 0o755)
+		run("bare", model, bare, env, "lacks torch transformers safetensors tokenizers grpc",
+			"install engines/torch/requirements.txt into its environment")
+	}
+
+	// A folder with a config.json the worker cannot read: the worker exits, and its last lines
+	// say why.
 	if testing.Short() {
 		return
 	}
 	py := torchPython(t)
-	log, err = slimen(t, append(env, "SLIMEN_PYTHON="+py), "exec", "examples/debate/debate.star", "--config", torchConfig(t, dir, model, py), "--out", filepath.Join(dir, "b"))
-	for _, want := range []string{
-		fmt.Sprintf(`policy "generator" in %s:2: the torch worker did not start: torch engine for %s exited during start-up`, cfg, model),
-		"no config.json",
-	} {
-		if err == nil || !strings.Contains(log, want) {
-			t.Errorf("exit %v; output lacks %q:\n%s", err, want, log)
-		}
-	}
+	run("badmodel", model, py, append(env, "SLIMEN_PYTHON="+py),
+		fmt.Sprintf(`policy "generator" in %s:2: the torch worker did not start: torch engine for %s exited during start-up`, cfg, model))
 }
