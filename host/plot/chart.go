@@ -68,10 +68,11 @@ func (c chart) draw(dc draw.Canvas) {
 	legend.ThumbnailWidth = vg.Points(22)
 
 	window := smoothingWindow(c.curves)
+	lo, hi := bandRange(c.curves)
 	var bands, raws, smooths, marks []gplot.Plotter
 	anyBand, anySmooth, listed := false, false, 0
 	for _, cv := range c.curves {
-		if band := bandOf(cv); band != nil {
+		if band := bandOf(cv, lo, hi); band != nil {
 			bands = append(bands, band)
 			anyBand = true
 		}
@@ -183,8 +184,28 @@ func newMarkers(pts []Point, c color.Color) *plotter.Scatter {
 	return s
 }
 
-// bandOf is the light area between mean - std and mean + std, at the steps that have both.
-func bandOf(cv curve) *plotter.Polygon {
+// bandRange is where a band may reach: [0, 1] when every value of the chart lies there (a reward
+// that is a score or a pass rate), [-1, 1] likewise, else anywhere. mean ± std of a 0/1 reward
+// with mean 0.9 is [0.6, 1.2]: no reward reaches 1.2.
+func bandRange(cs []curve) (lo, hi float64) {
+	lo, hi = math.Inf(1), math.Inf(-1)
+	for _, c := range cs {
+		for _, pt := range c.pts {
+			lo, hi = min(lo, pt.Value), max(hi, pt.Value)
+		}
+	}
+	switch {
+	case lo >= 0 && hi <= 1:
+		return 0, 1
+	case lo >= -1 && hi <= 1:
+		return -1, 1
+	}
+	return math.Inf(-1), math.Inf(1)
+}
+
+// bandOf is the light area between mean - std and mean + std at the steps that have both, cut to
+// [lo, hi].
+func bandOf(cv curve, lo, hi float64) *plotter.Polygon {
 	if len(cv.std) == 0 {
 		return nil
 	}
@@ -195,8 +216,8 @@ func bandOf(cv curve) *plotter.Polygon {
 	var upper, lower plotter.XYs
 	for _, pt := range cv.pts {
 		if s, ok := std[pt.Step]; ok {
-			upper = append(upper, plotter.XY{X: float64(pt.Step), Y: pt.Value + s})
-			lower = append(lower, plotter.XY{X: float64(pt.Step), Y: pt.Value - s})
+			upper = append(upper, plotter.XY{X: float64(pt.Step), Y: min(pt.Value+s, hi)})
+			lower = append(lower, plotter.XY{X: float64(pt.Step), Y: max(pt.Value-s, lo)})
 		}
 	}
 	if len(upper) < 2 {
@@ -250,18 +271,19 @@ func noisy(pts []Point) bool {
 	return 3*turns >= len(pts)-2
 }
 
-// movingAverage is the centred mean over window points, narrower at the ends where fewer points
-// exist, so the smoothed line starts and ends with the curve.
+// movingAverage is the mean over window points, centred where it can be; near the ends the window
+// slides inward and keeps its width, so the last point of the smoothed line is the mean of the
+// last window steps, not the last step's raw value.
 func movingAverage(pts []Point, window int) []Point {
 	out := make([]Point, len(pts))
-	half := window / 2
+	window = min(window, len(pts))
 	for i := range pts {
-		k := min(half, i, len(pts)-1-i)
+		from := min(max(i-window/2, 0), len(pts)-window)
 		sum := 0.0
-		for _, pt := range pts[i-k : i+k+1] {
+		for _, pt := range pts[from : from+window] {
 			sum += pt.Value
 		}
-		out[i] = Point{pts[i].Step, sum / float64(2*k+1)}
+		out[i] = Point{pts[i].Step, sum / float64(window)}
 	}
 	return out
 }

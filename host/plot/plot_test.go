@@ -5,8 +5,10 @@ import (
 	"encoding/xml"
 	"errors"
 	"fmt"
+	"image/color"
 	"image/png"
 	"io"
+	"math"
 	"os"
 	"path/filepath"
 	"slices"
@@ -266,5 +268,33 @@ func writeMetrics(t *testing.T, dir, lines string) {
 	t.Helper()
 	if err := os.WriteFile(filepath.Join(dir, "metrics.jsonl"), []byte(lines), 0o644); err != nil {
 		t.Fatal(err)
+	}
+}
+
+// TestSmoothingEndsAndBandRange: the moving average keeps its width at the ends (its last point is
+// the mean of the last window steps, not the raw last value), and a band of a 0..1 reward stops
+// at 0 and 1.
+func TestSmoothingEndsAndBandRange(t *testing.T) {
+	var pts []Point
+	for i := 1; i <= 20; i++ {
+		pts = append(pts, Point{i, float64(i % 2)}) // 0, 1, 0, 1, …: the raw last value is 0
+	}
+	avg := movingAverage(pts, 4)
+	if first, last := avg[0].Value, avg[len(avg)-1].Value; first != 0.5 || last != 0.5 {
+		t.Errorf("moving average of 0/1 zig-zag starts at %v and ends at %v, want 0.5 and 0.5", first, last)
+	}
+	cv := curve{pts: []Point{{1, 0.1}, {2, 0.5}, {3, 0.9}}, std: []Point{{1, 0.3}, {2, 0.5}, {3, 0.3}}, colour: color.Black}
+	lo, hi := bandRange([]curve{cv})
+	band := bandOf(cv, lo, hi)
+	if band == nil || lo != 0 || hi != 1 {
+		t.Fatalf("band %v in [%v, %v], want one in [0, 1]", band, lo, hi)
+	}
+	for _, xy := range band.XYs[0] {
+		if xy.Y < 0 || xy.Y > 1 {
+			t.Errorf("band point %v lies outside the reward range [0, 1]", xy)
+		}
+	}
+	if lo, hi := bandRange([]curve{{pts: []Point{{1, 3}, {2, -2}}}}); !math.IsInf(lo, -1) || !math.IsInf(hi, 1) {
+		t.Errorf("rewards in [-2, 3]: band range [%v, %v], want unbounded", lo, hi)
 	}
 }
