@@ -4,6 +4,7 @@ import (
 	"fmt"
 	"io"
 	"os"
+	"slices"
 	"strings"
 	"sync"
 	"time"
@@ -26,8 +27,9 @@ type progress struct {
 	start     time.Time // when the first step of this process began
 	startStep int       // steps done before it (a resumed run)
 	stepStart time.Time
-	last      string // reward per policy of the last finished step ("" before the first)
-	live      bool   // a live line is on screen
+	last      string    // reward per policy of the last finished step ("" before the first)
+	genEnd    time.Time // when the step's rollouts were all done (zero while they run)
+	live      bool      // a live line is on screen
 	stop      chan struct{}
 	stopped   chan struct{}
 }
@@ -73,7 +75,7 @@ func (p *progress) clearLive() {
 // begin starts redrawing the live line for the step now starting.
 func (p *progress) begin(r liveRun) {
 	p.mu.Lock()
-	p.stepStart = p.now()
+	p.stepStart, p.genEnd = p.now(), time.Time{}
 	if !p.started {
 		p.started, p.start, p.startStep = true, p.stepStart, r.StepsDone()
 	}
@@ -107,8 +109,21 @@ func (p *progress) drawLive(r liveRun) {
 		fmt.Sprintf("step %d/%d", steps+1, p.total),
 		fmt.Sprintf("rollouts %d/%d", done, total),
 	}
-	if s := p.now().Sub(p.stepStart).Seconds(); s > 0 {
-		parts = append(parts, fmt.Sprintf("%.0f tok/s", float64(tokens)/s))
+	// Generation throughput counts the rollout phase only; once every rollout is done the step
+	// trains, and the line says for how long instead of letting tok/s fall.
+	now := p.now()
+	if total > 0 && done == total && p.genEnd.IsZero() {
+		p.genEnd = now
+	}
+	gen := now
+	if !p.genEnd.IsZero() {
+		gen = p.genEnd
+	}
+	if s := gen.Sub(p.stepStart).Seconds(); s > 0 {
+		parts = append(parts, fmt.Sprintf("gen %.0f tok/s", float64(tokens)/s))
+	}
+	if !p.genEnd.IsZero() {
+		parts = append(parts, fmt.Sprintf("training %.0fs", now.Sub(p.genEnd).Seconds()))
 	}
 	if p.last != "" {
 		parts = append(parts, p.last)
@@ -165,7 +180,7 @@ func (p *progress) step(res *host.StepResult) {
 	}
 	parts = append(parts,
 		fmt.Sprintf("%.1fs (rollout %.1fs, train %.1fs)", res.Run.Float("step_s"), res.Run.Float("rollout_s"), res.Run.Float("train_s")),
-		fmt.Sprintf("%.0f tok/s", res.Run.Float("tokens_per_s")))
+		fmt.Sprintf("gen %.0f tok/s", res.Run.Float("tokens_per_s")))
 	if len(res.Failed) > 0 {
 		parts = append(parts, fmt.Sprintf("%d rollouts failed", len(res.Failed)))
 	}
@@ -174,6 +189,34 @@ func (p *progress) step(res *host.StepResult) {
 		parts = append(parts, "ETA "+p.eta(res.Step))
 	}
 	fmt.Fprintln(p.w, strings.Join(parts, " · "))
+	for _, m := range res.Eval {
+		fmt.Fprintln(p.w, evalLine(m))
+	}
+}
+
+// evalLine renders an eval dataset's result: its accuracies and pass@n, else every number the
+// eval returned.
+func evalLine(m host.Metrics) string {
+	var keys, all []string
+	for k, v := range m {
+		if _, num := v.(float64); !num || k == "step" || k == "tasks" || k == "failed" {
+			continue
+		}
+		all = append(all, k)
+		if strings.Contains(k, "accuracy") || strings.Contains(k, "pass@") {
+			keys = append(keys, k)
+		}
+	}
+	if len(keys) == 0 {
+		keys = all
+	}
+	slices.Sort(keys)
+	parts := make([]string, len(keys))
+	for i, k := range keys {
+		parts[i] = fmt.Sprintf("%s %.3f", k, m.Float(k))
+	}
+	name, _ := m["dataset"].(string)
+	return fmt.Sprintf("  eval %s: %s", name, strings.Join(parts, " · "))
 }
 
 func (p *progress) end() {

@@ -51,7 +51,8 @@ func TestProgressTerminal(t *testing.T) {
 	run.done, run.tokens = 8, 150
 	clock.advance(time.Second)
 	p.drawLive(run)
-	clock.advance(time.Second)
+	clock.advance(time.Second) // training: the generation rate stays, the training time counts
+	p.drawLive(run)
 	p.step(stepResult(3))
 	run.steps, run.done, run.tokens = 3, 1, 40
 	p.begin(run)
@@ -62,12 +63,13 @@ func TestProgressTerminal(t *testing.T) {
 	p.end()
 
 	const clr = "\r\033[K"
-	want := clr + "step 3/10 · rollouts 3/8 · 50 tok/s · ETA ?" +
-		clr + "step 3/10 · rollouts 8/8 · 50 tok/s · ETA ?" +
-		clr + "step 3/10 · reward a 0.50 critic – · 4.0s (rollout 3.0s, train 1.0s) · 25 tok/s · ETA 28s\n" +
-		clr + "step 4/10 · rollouts 1/8 · 20 tok/s · reward a 0.50 critic – · ETA 42s" +
+	want := clr + "step 3/10 · rollouts 3/8 · gen 50 tok/s · ETA ?" +
+		clr + "step 3/10 · rollouts 8/8 · gen 50 tok/s · training 0s · ETA ?" +
+		clr + "step 3/10 · rollouts 8/8 · gen 50 tok/s · training 1s · ETA ?" +
+		clr + "step 3/10 · reward a 0.50 critic – · 4.0s (rollout 3.0s, train 1.0s) · gen 25 tok/s · ETA 28s\n" +
+		clr + "step 4/10 · rollouts 1/8 · gen 20 tok/s · reward a 0.50 critic – · ETA 42s" +
 		clr + "checkpoint: saved\n" +
-		clr + "step 4/10 · rollouts 1/8 · 20 tok/s · reward a 0.50 critic – · ETA 42s" +
+		clr + "step 4/10 · rollouts 1/8 · gen 20 tok/s · reward a 0.50 critic – · ETA 42s" +
 		clr
 	if d := cmp.Diff(strings.Split(want, "\r"), strings.Split(buf.String(), "\r")); d != "" {
 		t.Errorf("terminal output (-want +got), split at carriage returns:\n%s", d)
@@ -86,12 +88,15 @@ func TestProgressPlain(t *testing.T) {
 	p.logWriter().Write([]byte("checkpoint: saved\n"))
 	res := stepResult(2)
 	res.Failed = []*host.RolloutError{{Step: 2, TaskID: "t1", Msg: "boom"}}
+	res.Eval = []host.Metrics{{"step": 2, "policy": "_eval", "dataset": "arith", "tasks": 64, "failed": 0.0,
+		"a/greedy_accuracy": 0.40625, "a/pass@4": 0.75, "a/mean_len": 9.5}}
 	p.begin(run)
 	p.step(res)
 	p.end()
-	want := "step 1/10 · reward a 0.50 critic – · 4.0s (rollout 3.0s, train 1.0s) · 25 tok/s\n" +
+	want := "step 1/10 · reward a 0.50 critic – · 4.0s (rollout 3.0s, train 1.0s) · gen 25 tok/s\n" +
 		"checkpoint: saved\n" +
-		"step 2/10 · reward a 0.50 critic – · 4.0s (rollout 3.0s, train 1.0s) · 25 tok/s · 1 rollouts failed\n"
+		"step 2/10 · reward a 0.50 critic – · 4.0s (rollout 3.0s, train 1.0s) · gen 25 tok/s · 1 rollouts failed\n" +
+		"  eval arith: a/greedy_accuracy 0.406 · a/pass@4 0.750\n"
 	if d := cmp.Diff(want, buf.String()); d != "" {
 		t.Errorf("plain output (-want +got):\n%s", d)
 	}
