@@ -90,6 +90,10 @@ type ScoreRequest struct {
 	Messages     []Message
 	PromptTokens []int32
 	Tokens       []int32
+	// Reference scores with the engine's frozen KL reference (the model the KL loss measures
+	// against) instead of its current weights; engines that have one list "reference" in
+	// Info.Capabilities. The host asks for it for the reward-side KL (kl_coef).
+	Reference bool
 }
 
 // Scores holds one log-probability per scored token.
@@ -123,15 +127,19 @@ type LossConfig struct {
 	WeightDecay float64
 	MaxGradNorm float64 // clip the global gradient norm; 0 disables clipping
 	EpsClip     float64 // lower ratio clip: 1 − EpsClip
-	EpsClipHigh float64 // upper ratio clip: 1 + EpsClipHigh; 0 is read as EpsClip
+	EpsClipHigh float64 // upper ratio clip: 1 + EpsClipHigh, taken as given: 0 clips at exactly 1 (as slime; the host's config fills eps_clip in when eps_clip_high is not set)
 	KLLossCoef  float64 // > 0 adds KL against the frozen reference copy
 	KLLossType  string  // "k1", "k2", "k3" or "low_var_kl" (k3 clamped to ±10, as slime); "" is read as "low_var_kl"
 	EntropyCoef float64 // subtracts EntropyCoef·H
 	// PolicyLoss: "ppo" (default): a ratio per token; "gspo": one ratio per sequence,
 	// exp(mean over the sequence's trained tokens of (logp − logp_old)), clipped the same way.
 	PolicyLoss string
-	// Aggregation: "group_token_mean" (default): mean over groups of the token-mean within each
-	// group; "token_mean": mean over all tokens of the batch; "token_sum": sum over tokens.
+	// Aggregation is how the per-token losses of the batch are reduced. "sample_mean" (default,
+	// slime's): the mean over the batch's samples of each sample's mean over its trained tokens;
+	// "token_mean" (slime's calculate_per_token_loss): the mean over the batch's trained tokens;
+	// in both a sample without trained tokens still counts, as a sample or as one token.
+	// "group_token_mean": the mean over groups of the token-mean within each group; "token_sum":
+	// the sum over trained tokens.
 	Aggregation string
 	// ValueClip is the critic's value clipping: loss = max((V − R)², (clip(V, V_old ± ValueClip)
 	// − R)²), reduced as above; 0 disables clipping.

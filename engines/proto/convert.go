@@ -126,7 +126,7 @@ func DecodeCompletion(m *Completion) engines.Completion {
 
 // EncodeScoreRequest converts an engines.ScoreRequest to its message.
 func EncodeScoreRequest(r engines.ScoreRequest) *ScoreRequest {
-	return &ScoreRequest{Messages: encodeMessages(r.Messages), PromptTokens: r.PromptTokens, Tokens: r.Tokens}
+	return &ScoreRequest{Messages: encodeMessages(r.Messages), PromptTokens: r.PromptTokens, Tokens: r.Tokens, Reference: r.Reference}
 }
 
 // DecodeScoreRequest converts a ScoreRequest message to an engines.ScoreRequest.
@@ -135,6 +135,7 @@ func DecodeScoreRequest(m *ScoreRequest) engines.ScoreRequest {
 		Messages:     decodeMessages(m.GetMessages()),
 		PromptTokens: m.GetPromptTokens(),
 		Tokens:       m.GetTokens(),
+		Reference:    m.GetReference(),
 	}
 }
 

@@ -890,6 +890,7 @@ type ScoreRequest struct {
 	Messages      []*Message             `protobuf:"bytes,1,rep,name=messages,proto3" json:"messages,omitempty"`
 	PromptTokens  []int32                `protobuf:"varint,2,rep,packed,name=prompt_tokens,json=promptTokens,proto3" json:"prompt_tokens,omitempty"`
 	Tokens        []int32                `protobuf:"varint,3,rep,packed,name=tokens,proto3" json:"tokens,omitempty"`
+	Reference     bool                   `protobuf:"varint,4,opt,name=reference,proto3" json:"reference,omitempty"` // score with the engine's frozen KL reference, not the current weights
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -943,6 +944,13 @@ func (x *ScoreRequest) GetTokens() []int32 {
 		return x.Tokens
 	}
 	return nil
+}
+
+func (x *ScoreRequest) GetReference() bool {
+	if x != nil {
+		return x.Reference
+	}
+	return false
 }
 
 // engines.Scores: one log-probability per scored token.
@@ -1233,12 +1241,12 @@ type LossConfig struct {
 	WeightDecay   float64                `protobuf:"fixed64,5,opt,name=weight_decay,json=weightDecay,proto3" json:"weight_decay,omitempty"`
 	MaxGradNorm   float64                `protobuf:"fixed64,6,opt,name=max_grad_norm,json=maxGradNorm,proto3" json:"max_grad_norm,omitempty"` // 0 disables clipping
 	EpsClip       float64                `protobuf:"fixed64,7,opt,name=eps_clip,json=epsClip,proto3" json:"eps_clip,omitempty"`               // lower ratio clip: 1 − eps_clip
-	EpsClipHigh   float64                `protobuf:"fixed64,8,opt,name=eps_clip_high,json=epsClipHigh,proto3" json:"eps_clip_high,omitempty"` // upper ratio clip: 1 + eps_clip_high; 0 is read as eps_clip
+	EpsClipHigh   float64                `protobuf:"fixed64,8,opt,name=eps_clip_high,json=epsClipHigh,proto3" json:"eps_clip_high,omitempty"` // upper ratio clip: 1 + eps_clip_high, as given (0 clips at exactly 1)
 	KlLossCoef    float64                `protobuf:"fixed64,9,opt,name=kl_loss_coef,json=klLossCoef,proto3" json:"kl_loss_coef,omitempty"`
 	KlLossType    string                 `protobuf:"bytes,10,opt,name=kl_loss_type,json=klLossType,proto3" json:"kl_loss_type,omitempty"` // "k1", "k2", "k3" or "low_var_kl"
 	EntropyCoef   float64                `protobuf:"fixed64,11,opt,name=entropy_coef,json=entropyCoef,proto3" json:"entropy_coef,omitempty"`
 	PolicyLoss    string                 `protobuf:"bytes,12,opt,name=policy_loss,json=policyLoss,proto3" json:"policy_loss,omitempty"` // "ppo" (default) or "gspo"
-	Aggregation   string                 `protobuf:"bytes,13,opt,name=aggregation,proto3" json:"aggregation,omitempty"`                 // "group_token_mean" (default), "token_mean" or "token_sum"
+	Aggregation   string                 `protobuf:"bytes,13,opt,name=aggregation,proto3" json:"aggregation,omitempty"`                 // "sample_mean" (default), "token_mean", "group_token_mean" or "token_sum"
 	ValueClip     float64                `protobuf:"fixed64,14,opt,name=value_clip,json=valueClip,proto3" json:"value_clip,omitempty"`  // PPO critic: clip values to old_values ± value_clip; 0: no clipping
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
@@ -2007,11 +2015,12 @@ const file_engine_proto_rawDesc = "" +
 	"\amessage\x18\x03 \x01(\tR\amessage\"\x90\x01\n" +
 	"\x16GenerateStreamResponse\x12>\n" +
 	"\vcompletions\x18\x01 \x03(\v2\x1c.slimen.engine.v1.CompletionR\vcompletions\x126\n" +
-	"\x06errors\x18\x02 \x03(\v2\x1e.slimen.engine.v1.RequestErrorR\x06errors\"\x82\x01\n" +
+	"\x06errors\x18\x02 \x03(\v2\x1e.slimen.engine.v1.RequestErrorR\x06errors\"\xa0\x01\n" +
 	"\fScoreRequest\x125\n" +
 	"\bmessages\x18\x01 \x03(\v2\x19.slimen.engine.v1.MessageR\bmessages\x12#\n" +
 	"\rprompt_tokens\x18\x02 \x03(\x05R\fpromptTokens\x12\x16\n" +
-	"\x06tokens\x18\x03 \x03(\x05R\x06tokens\"$\n" +
+	"\x06tokens\x18\x03 \x03(\x05R\x06tokens\x12\x1c\n" +
+	"\treference\x18\x04 \x01(\bR\treference\"$\n" +
 	"\x06Scores\x12\x1a\n" +
 	"\blogprobs\x18\x01 \x03(\x02R\blogprobs\"O\n" +
 	"\x11ScoreBatchRequest\x12:\n" +

@@ -48,17 +48,16 @@ func valuesOf(t *testing.T, e *Engine, b engines.Batch) [][]float32 {
 	return v
 }
 
-// expectedValueLoss is the clipped value loss written out from its definition: mean over groups
-// of each group's token-mean of max((V − R)², (clip(V, V_old ± clip) − R)²).
+// expectedValueLoss is the clipped value loss written out from its definition with the default
+// reduction (slime's value_loss_function): mean over samples of each sample's token-mean of
+// max((V − R)², (clip(V, V_old ± clip) − R)²).
 func expectedValueLoss(b engines.Batch, values [][]float32, clip float64) float64 {
-	mass := map[string]float64{}
-	for _, s := range b.Samples {
-		for _, m := range s.LossMask {
-			mass[s.Group] += float64(m)
-		}
-	}
 	total := 0.0
 	for i, s := range b.Samples {
+		mass := 0.0
+		for _, m := range s.LossMask {
+			mass += float64(m)
+		}
 		for t, r := range s.Returns {
 			v, ret := float64(values[i][t]), float64(r)
 			l := (v - ret) * (v - ret)
@@ -67,7 +66,7 @@ func expectedValueLoss(b engines.Batch, values [][]float32, clip float64) float6
 				vc := o + math.Min(math.Max(v-o, -clip), clip)
 				l = math.Max(l, (vc-ret)*(vc-ret))
 			}
-			total += float64(s.LossMask[t]) * l / mass[s.Group] / float64(len(mass))
+			total += float64(s.LossMask[t]) * l / math.Max(mass, 1) / float64(len(b.Samples))
 		}
 	}
 	return total

@@ -259,7 +259,7 @@ func sampleToken(logits []float32, temperature, topP float64, rng *rand.Rand) (i
 
 // Score returns the log-probability of each request's tokens after its prompt, computed by the
 // same code as Generate's: the numbers agree to the bit with what Generate reported for the same
-// tokens.
+// tokens. Requests with Reference set are scored by the frozen KL reference copy instead.
 func (e *Engine) Score(ctx context.Context, reqs []engines.ScoreRequest) ([]engines.Scores, error) {
 	e.mu.RLock()
 	defer e.mu.RUnlock()
@@ -267,17 +267,33 @@ func (e *Engine) Score(ctx context.Context, reqs []engines.ScoreRequest) ([]engi
 		return nil, ErrClosed
 	}
 	vocab := e.m.w.cfg.VocabSize
-	lps, err := e.perToken(ctx, "score", reqs, func(p packed[float32]) []float64 {
-		logits, _ := e.m.forward(e.threads, p.tokens, p.views, p.outRows, false)
-		lp, _ := tokenLogprobs(e.threads, logits, p.targets, vocab)
-		return lp
-	})
-	if err != nil {
-		return nil, err
-	}
 	out := make([]engines.Scores, len(reqs))
-	for i, lp := range lps {
-		out[i].Logprobs = lp
+	for _, ref := range []bool{false, true} {
+		m := e.m
+		if ref {
+			m = e.ref
+		}
+		var idx []int
+		var part []engines.ScoreRequest
+		for i, r := range reqs {
+			if r.Reference == ref {
+				idx, part = append(idx, i), append(part, r)
+			}
+		}
+		if len(part) == 0 {
+			continue
+		}
+		lps, err := e.perToken(ctx, "score", part, func(p packed[float32]) []float64 {
+			logits, _ := m.forward(e.threads, p.tokens, p.views, p.outRows, false)
+			lp, _ := tokenLogprobs(e.threads, logits, p.targets, vocab)
+			return lp
+		})
+		if err != nil {
+			return nil, err
+		}
+		for k, lp := range lps {
+			out[idx[k]].Logprobs = lp
+		}
 	}
 	return out, nil
 }

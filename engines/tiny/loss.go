@@ -7,8 +7,9 @@ import (
 )
 
 // The policy loss of DESIGN §4, over per-token numbers only. The model's backward pass and the
-// test vectors in testdata/loss_vectors.json both go through policyLoss, so what the vectors pin
-// down is exactly what the engine trains with; the Python engine must reproduce the same vectors.
+// test vectors in testdata/slime/loss_vectors.json (computed by slime's own loss code) both go
+// through policyLoss, so what the vectors pin down is exactly what the engine trains with; the
+// Python engine reproduces the same vectors.
 // A PPO critic's value loss (valueLoss) is reduced with the same token weights.
 
 // lossSample is one sample's per-token inputs; all slices have one entry per response token.
@@ -60,9 +61,6 @@ type lossConfig struct {
 func resolveLoss(c engines.LossConfig) (lossConfig, error) {
 	r := lossConfig{epsLo: c.EpsClip, epsHi: c.EpsClipHigh, klCoef: c.KLLossCoef, entCoef: c.EntropyCoef,
 		klType: c.KLLossType, policy: c.PolicyLoss, aggregation: c.Aggregation, valueClip: c.ValueClip}
-	if r.epsHi == 0 {
-		r.epsHi = r.epsLo
-	}
 	if r.klType == "" {
 		r.klType = "low_var_kl"
 	}
@@ -70,28 +68,37 @@ func resolveLoss(c engines.LossConfig) (lossConfig, error) {
 		r.policy = "ppo"
 	}
 	if r.aggregation == "" {
-		r.aggregation = "group_token_mean"
+		r.aggregation = "sample_mean"
 	}
 	switch {
 	case r.klType != "k1" && r.klType != "k2" && r.klType != "k3" && r.klType != "low_var_kl":
 		return r, fmt.Errorf("kl_loss_type %q is not one of k1, k2, k3, low_var_kl", r.klType)
 	case r.policy != "ppo" && r.policy != "gspo":
 		return r, fmt.Errorf("policy_loss %q is not one of ppo, gspo", r.policy)
-	case r.aggregation != "group_token_mean" && r.aggregation != "token_mean" && r.aggregation != "token_sum":
-		return r, fmt.Errorf("aggregation %q is not one of group_token_mean, token_mean, token_sum", r.aggregation)
+	case r.aggregation != "sample_mean" && r.aggregation != "token_mean" && r.aggregation != "group_token_mean" && r.aggregation != "token_sum":
+		return r, fmt.Errorf("aggregation %q is not one of sample_mean, token_mean, group_token_mean, token_sum", r.aggregation)
 	case r.epsLo < 0 || r.epsHi < 0 || r.klCoef < 0 || r.entCoef < 0 || r.valueClip < 0:
 		return r, fmt.Errorf("eps_clip, eps_clip_high, kl_loss_coef, entropy_coef and value_clip must not be negative")
 	}
 	return r, nil
 }
 
-// tokenWeights returns each token's weight w in the reduced loss Σ w·ℓ. group_token_mean: mean
-// over groups of each group's token-mean, w = mask/(G·Σ_group mask), G counting the groups that
-// have a trained token; token_mean: w = mask/Σ mask; token_sum: w = mask. A sample with an empty
-// Group is a group of its own.
+// tokenWeights returns each token's weight w in the reduced loss Σ w·ℓ, over the N samples of
+// one optimizer step. With m a sample's mask sum:
+//
+//	sample_mean:      mean over samples of each sample's token-mean, w = mask/(N·max(m, 1))
+//	                  (slime's default, cp_utils.get_sum_of_sample_mean over the step's samples);
+//	token_mean:       w = mask/Σ_samples max(m, 1) (slime's calculate_per_token_loss);
+//	group_token_mean: mean over groups of each group's token-mean, w = mask/(G·Σ_group mask), G
+//	                  counting the groups that have a trained token;
+//	token_sum:        w = mask.
+//
+// In the two slime reductions a sample with no trained token still counts: as one of the N
+// samples, or as one token. A sample with an empty Group is a group of its own.
 func tokenWeights(samples []lossSample, aggregation string) [][]float64 {
 	w := make([][]float64, len(samples))
-	total := 0.0
+	tokens := 0.0 // token_mean's denominator
+	mass := make([]float64, len(samples))
 	groupMass := map[string]float64{}
 	key := func(i int) string {
 		if samples[i].Group == "" {
@@ -101,9 +108,10 @@ func tokenWeights(samples []lossSample, aggregation string) [][]float64 {
 	}
 	for i, s := range samples {
 		for _, m := range s.Mask {
-			total += m
-			groupMass[key(i)] += m
+			mass[i] += m
 		}
+		groupMass[key(i)] += mass[i]
+		tokens += max(mass[i], 1)
 	}
 	groups := 0
 	for _, m := range groupMass {
@@ -121,9 +129,11 @@ func tokenWeights(samples []lossSample, aggregation string) [][]float64 {
 			case "token_sum":
 				w[i][t] = m
 			case "token_mean":
-				w[i][t] = m / total
-			default:
+				w[i][t] = m / tokens
+			case "group_token_mean":
 				w[i][t] = m / (float64(groups) * groupMass[key(i)])
+			default:
+				w[i][t] = m / (float64(len(samples)) * max(mass[i], 1))
 			}
 		}
 	}

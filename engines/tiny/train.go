@@ -190,20 +190,27 @@ func (e *Engine) Train(ctx context.Context, b engines.Batch) (engines.TrainStats
 		return engines.TrainStats{}, fmt.Errorf("tiny: train: %w", err)
 	}
 	critic := slices.ContainsFunc(b.Samples, func(s engines.Sample) bool { return len(s.Returns) > 0 })
-	var seqs []trainSeq
-	var samples []lossSample
+	all := make([]lossSample, len(b.Samples))
 	for i, s := range b.Samples {
 		if err := e.checkSample(s, critic, lc); err != nil {
 			return engines.TrainStats{}, fmt.Errorf("tiny: train: sample %d: %w", i, err)
 		}
-		if len(s.Response) == 0 {
-			continue
-		}
-		seqs = append(seqs, trainSeq{prompt: s.Prompt, response: s.Response})
-		samples = append(samples, lossSample{Group: s.Group, OldLogp: f64(s.OldLogprobs), Adv: f64(s.Advantages), Mask: f64(s.LossMask),
-			Returns: f64(s.Returns), OldValues: f64(s.OldValues)})
+		all[i] = lossSample{Group: s.Group, OldLogp: f64(s.OldLogprobs), Adv: f64(s.Advantages), Mask: f64(s.LossMask),
+			Returns: f64(s.Returns), OldValues: f64(s.OldValues)}
 	}
-	w := tokenWeights(samples, lc.aggregation)
+	// The weights count every sample of the step, those with an empty response too (slime's
+	// reductions count a sample without trained tokens); only the others are run.
+	allW := tokenWeights(all, lc.aggregation)
+	var seqs []trainSeq
+	var samples []lossSample
+	var w [][]float64
+	for i, s := range b.Samples {
+		if len(s.Response) > 0 {
+			seqs = append(seqs, trainSeq{prompt: s.Prompt, response: s.Response})
+			samples = append(samples, all[i])
+			w = append(w, allW[i])
+		}
+	}
 	if critic {
 		e.ensureValueHead()
 		st, g, err := e.m.accumulateValueGrads(ctx, e.threads, chunkTokens, seqs, criticChunkLoss(samples, w, lc))

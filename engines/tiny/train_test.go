@@ -169,3 +169,47 @@ func TestTrainRejectsBadBatches(t *testing.T) {
 		}
 	}
 }
+
+// Reference scoring: after a step a Reference request still gets the starting log-probs (the
+// frozen KL copy), a plain one the trained model's, in one mixed call.
+func TestScoreWithTheReference(t *testing.T) {
+	e := newSmall(t, 1)
+	if info, _ := e.Info(ctx); !slices.Contains(info.Capabilities, "reference") {
+		t.Fatalf("capabilities %v lack reference", info.Capabilities)
+	}
+	b := rolloutBatch(t, e, func(i int, _ engines.Completion) float32 { return float32(i%3) - 1 })
+	reqs := make([]engines.ScoreRequest, len(b.Samples))
+	for i, s := range b.Samples {
+		reqs[i] = engines.ScoreRequest{PromptTokens: s.Prompt, Tokens: s.Response}
+	}
+	before, err := e.Score(ctx, reqs)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if st, err := e.Train(ctx, b); err != nil || st.Skipped {
+		t.Fatalf("%v %+v", err, st)
+	}
+	now, err := e.Score(ctx, reqs)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for i := range reqs {
+		reqs[i].Reference = i%2 == 0
+	}
+	got, err := e.Score(ctx, reqs)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for i := range reqs {
+		want := now[i]
+		if i%2 == 0 {
+			want = before[i]
+		}
+		if !cmp.Equal(got[i], want) {
+			t.Errorf("request %d (reference %v): %v, want %v", i, reqs[i].Reference, got[i].Logprobs, want.Logprobs)
+		}
+		if cmp.Equal(before[i], now[i]) {
+			t.Errorf("request %d: the step did not change the log-probs", i)
+		}
+	}
+}

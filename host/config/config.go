@@ -63,7 +63,7 @@ type TrainConfig struct {
 	GRPOStdNormalization bool    `yaml:"grpo_std_normalization" json:"grpo_std_normalization"`
 	EpsClip              float64 `yaml:"eps_clip" json:"eps_clip"`
 	EpsClipHigh          float64 `yaml:"eps_clip_high" json:"eps_clip_high"`
-	KLCoef               float64 `yaml:"kl_coef" json:"kl_coef"` // reward-side KL (reinforce++)
+	KLCoef               float64 `yaml:"kl_coef" json:"kl_coef"` // reward-side KL (reinforce++, reinforce++-baseline, ppo)
 	KLLossCoef           float64 `yaml:"kl_loss_coef" json:"kl_loss_coef"`
 	KLLossType           string  `yaml:"kl_loss_type" json:"kl_loss_type"`
 	UseKLLoss            bool    `yaml:"use_kl_loss" json:"use_kl_loss"`
@@ -73,8 +73,11 @@ type TrainConfig struct {
 	UseOPD               bool    `yaml:"use_opd" json:"use_opd"`
 	OPDType              string  `yaml:"opd_type,omitempty" json:"opd_type"`
 	OPDKLCoef            float64 `yaml:"opd_kl_coef" json:"opd_kl_coef"`
-	LossAggregation      string  `yaml:"loss_aggregation" json:"loss_aggregation"` // group_token_mean | token_mean | token_sum
-	ModelArgsPath        string  `yaml:"model_args_path,omitempty" json:"model_args_path,omitempty"`
+	LossAggregation      string  `yaml:"loss_aggregation" json:"loss_aggregation"` // sample_mean | token_mean | group_token_mean | token_sum
+	// CalculatePerTokenLoss is slime's name for loss_aggregation: token_mean (true); false is
+	// slime's default, sample_mean.
+	CalculatePerTokenLoss bool   `yaml:"calculate_per_token_loss" json:"calculate_per_token_loss"`
+	ModelArgsPath         string `yaml:"model_args_path,omitempty" json:"model_args_path,omitempty"`
 
 	// Extra holds keys slimen does not interpret (tensor_model_parallel_size, …, and the flags
 	// read from model_args_path); they pass through to the engine.

@@ -302,3 +302,45 @@ func TestRemoteDurations(t *testing.T) {
 		t.Errorf("bad duration: %v", err)
 	}
 }
+
+// slime's loss reduction settings: calculate_per_token_loss selects the token mean, the default is
+// slime's per-sample mean, and an explicit eps_clip_high of 0 stays 0 (an upper clip of exactly 1).
+func TestSlimeLossSettings(t *testing.T) {
+	for _, tc := range []struct {
+		yaml, agg string
+		hi        float64
+	}{
+		{"lr: 1.0e-6", "sample_mean", 0.2},
+		{"calculate_per_token_loss: true", "token_mean", 0.2},
+		{"{calculate_per_token_loss: true, loss_aggregation: token_mean}", "token_mean", 0.2},
+		{"loss_aggregation: group_token_mean", "group_token_mean", 0.2},
+		{"eps_clip_high: 0", "sample_mean", 0},
+		{"{eps_clip: 0.3}", "sample_mean", 0.3},
+	} {
+		src := "policies:\n  - name: a\n    hf_checkpoint: m\n    megatron:\n      " + strings.Trim(tc.yaml, "{}") + "\n"
+		src = strings.ReplaceAll(src, ", ", "\n      ")
+		c, err := Parse([]byte(src), "p.yaml")
+		if err != nil {
+			t.Fatalf("%s: %v", tc.yaml, err)
+		}
+		if tr := c.Policies[0].Train; tr.LossAggregation != tc.agg || tr.EpsClipHigh != tc.hi {
+			t.Errorf("%s: loss_aggregation %q, eps_clip_high %g; want %q, %g", tc.yaml, tr.LossAggregation, tr.EpsClipHigh, tc.agg, tc.hi)
+		}
+	}
+	for _, tc := range []struct{ yaml, want string }{
+		{"calculate_per_token_loss: true\n      loss_aggregation: group_token_mean", "p.yaml:5: policies[0].megatron.calculate_per_token_loss: true asks for loss_aggregation token_mean"},
+		{"kl_coef: 0.1\n      kl_loss_coef: 0.1\n      advantage_estimator: ppo", "only one of the two may be non-zero"},
+	} {
+		_, err := Parse([]byte("policies:\n  - name: a\n    hf_checkpoint: m\n    megatron:\n      "+tc.yaml+"\n"), "p.yaml")
+		if err == nil || !strings.Contains(err.Error(), tc.want) {
+			t.Errorf("%s: error %v, want %q", tc.yaml, err, tc.want)
+		}
+	}
+	c, err := Parse([]byte("policies:\n  - name: a\n    hf_checkpoint: m\n    megatron:\n      kl_coef: 0.1\n"), "p.yaml")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(c.Warnings) != 1 || !strings.Contains(c.Warnings[0], "kl_coef: 0.1 has no effect with advantage_estimator grpo") {
+		t.Errorf("warnings = %q", c.Warnings)
+	}
+}

@@ -43,7 +43,7 @@ func SlimeTrainDefaults() TrainConfig {
 		Gamma:                1,
 		Lambda:               1,
 		OPDKLCoef:            1.0,
-		LossAggregation:      "group_token_mean",
+		LossAggregation:      "sample_mean", // slime's default reduction
 	}
 }
 

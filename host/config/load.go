@@ -7,6 +7,7 @@ import (
 	"os"
 	"path/filepath"
 	"reflect"
+	"slices"
 	"sort"
 	"strings"
 
@@ -125,6 +126,14 @@ func (r *resolver) resolvePolicy(i int) {
 	r.fill(&p.Train, def, pp+".train")
 	if !r.given(pp + ".train.eps_clip_high") {
 		p.Train.EpsClipHigh = p.Train.EpsClip
+	}
+	if p.Train.CalculatePerTokenLoss && !r.given(pp+".train.loss_aggregation") {
+		p.Train.LossAggregation = "token_mean"
+	}
+	if p.Train.KLCoef > 0 && !slices.Contains([]string{"reinforce_plus_plus", "reinforce_plus_plus_baseline", "ppo"}, p.Train.AdvantageEstimator) {
+		r.warnf(r.line(pp+".train.kl_coef", p.Line), pp+".train.kl_coef",
+			"%g has no effect with advantage_estimator %s (as in slime): the reward-side KL is applied by reinforce_plus_plus, reinforce_plus_plus_baseline and ppo",
+			p.Train.KLCoef, p.Train.AdvantageEstimator)
 	}
 
 	// A Hugging Face folder runs on the torch worker unless the config says otherwise (what a

@@ -19,7 +19,7 @@ var (
 	klLossTypes    = []string{"k1", "k2", "k3", "low_var_kl"}
 	engineKinds    = []string{"tiny", "torch", "remote"}
 	optimizers     = []string{"adam", "sgd"}
-	aggregations   = []string{"group_token_mean", "token_mean", "token_sum"}
+	aggregations   = []string{"sample_mean", "token_mean", "group_token_mean", "token_sum"}
 	sglWorkerTypes = []string{"regular", "prefill", "decode", "placeholder", "encoder"}
 )
 
@@ -198,6 +198,10 @@ func (r *resolver) validatePolicy(p *PolicyConfig, pp string) {
 	r.check(t.Lambda >= 0 && t.Lambda <= 1, tp+".lambd", at, "must be in [0, 1], got %g", t.Lambda)
 	r.check(t.OPDKLCoef >= 0, tp+".opd_kl_coef", at, "must be ≥ 0, got %g", t.OPDKLCoef)
 	r.check(oneOf(t.LossAggregation, aggregations), tp+".loss_aggregation", at, "loss_aggregation %q is not one of %s", t.LossAggregation, list(aggregations))
+	r.check(!t.CalculatePerTokenLoss || t.LossAggregation == "token_mean", tp+".calculate_per_token_loss", at,
+		"true asks for loss_aggregation token_mean, but loss_aggregation is %q; set one of the two", t.LossAggregation)
+	r.check(t.KLCoef == 0 || t.KLLossCoef == 0, tp+".kl_coef", at,
+		"%g and kl_loss_coef %g are both set; as in slime, only one of the two may be non-zero", t.KLCoef, t.KLLossCoef)
 
 	e, ep := p.Engine, pp+".engine"
 	r.check(oneOf(e.Kind, engineKinds), ep+".kind", at, "engine kind %q is not one of %s", e.Kind, list(engineKinds))

@@ -205,7 +205,7 @@ class Engine:
                     vocab_size=self.cfg.vocab_size, max_seq_len=self.gen.L,
                     chat_template=self.tokenizer.chat_template, eos_tokens=list(self.eos),
                     params=self.cfg.params(), devices=[str(self.device)],
-                    capabilities=["generate", "score", "train", "values"])
+                    capabilities=["generate", "score", "train", "values", "reference"])
 
     def tokenize(self, texts: list[str]) -> list[list[int]]:
         return [self.tokenizer.encode(t) for t in texts]
@@ -293,7 +293,21 @@ class Engine:
         return [got[k] for k in sorted(got)]
 
     def score(self, reqs: list[ScoreRequest]) -> list[list[float]]:
-        return self._call(self._score, self._pairs(reqs, "score request"))
+        """Log-probs of each request's tokens; a request with reference set is scored by the
+        frozen KL reference model instead of the current weights."""
+        pairs = self._pairs(reqs, "score request")
+        return self._call(self._score_split, pairs, [bool(r.reference) for r in reqs])
+
+    def _score_split(self, pairs, reference: list[bool]) -> list[list[float]]:
+        out: list[list[float]] = [[] for _ in pairs]
+        for ref in (False, True):
+            idx = [i for i, r in enumerate(reference) if r == ref]
+            if not idx:
+                continue
+            model = self._reference_model() if ref else self.model
+            for i, lp in zip(idx, self._score([pairs[i] for i in idx], model)):
+                out[i] = lp
+        return out
 
     def _pairs(self, reqs: list[ScoreRequest], what: str) -> list[tuple[list[int], list[int]]]:
         pairs = [(self.prompt_of(r.messages, r.prompt_tokens, f"{what} {i}"), list(r.tokens))
@@ -309,27 +323,28 @@ class Engine:
         return pairs
 
     @torch.no_grad()
-    def _score(self, pairs) -> list[list[float]]:
+    def _score(self, pairs, model=None) -> list[list[float]]:
+        model = self.model if model is None else model
         out: list[list[float]] = [[] for _ in pairs]
         todo = [i for i, (_, t) in enumerate(pairs) if t]
         budget = self.trainer.micro_batch_tokens
         for mb in micro_batches([len(pairs[i][0]) + len(pairs[i][1]) for i in todo], budget):
             idx = [todo[j] for j in mb]
             if self.trainer.fused_head:
-                hidden, targets = response_hidden(self.model, [pairs[i] for i in idx])
+                hidden, targets = response_hidden(model, [pairs[i] for i in idx])
                 try:
-                    lp = kernels.linear_logprobs(hidden, self.model.head_weight, targets,
+                    lp = kernels.linear_logprobs(hidden, model.head_weight, targets,
                                                  use_triton=self.trainer.head_triton)[0]
                 except Exception as e:
                     if not self.trainer.head_triton:
                         raise
                     log.warning("the Triton log-prob kernels failed, using PyTorch: %s", e)
                     self.trainer.head_triton = False
-                    lp = kernels.linear_logprobs(hidden, self.model.head_weight, targets,
+                    lp = kernels.linear_logprobs(hidden, model.head_weight, targets,
                                                  use_triton=False)[0]
                 lp = lp.tolist()
             else:
-                logits, targets = response_logits(self.model, [pairs[i] for i in idx])
+                logits, targets = response_logits(model, [pairs[i] for i in idx])
                 logits = logits.float()
                 lp = (logits.gather(1, targets[:, None]).squeeze(1)
                       - torch.logsumexp(logits, dim=-1)).tolist()

@@ -1,7 +1,8 @@
 """The policy loss of DESIGN §4, on per-token tensors.
 
-These are the definitions of the Go engine (engines/tiny/loss.go), pinned by
-testdata/loss_vectors.json, which tests/test_loss_vectors.py reproduces:
+These are the definitions of the Go engine (engines/tiny/loss.go) and of slime's
+ppo_utils/loss.py, pinned by testdata/slime/loss_vectors.json (computed by running slime's own
+functions, testdata/slime/make_vectors.py), which tests/test_loss_vectors.py reproduces:
 
 * ratio r = exp(logp − logp_old) per token (ppo), or for gspo one ratio per sample,
   exp(mask-weighted mean over the sample of logp − logp_old), shared by its tokens;
@@ -10,8 +11,9 @@ testdata/loss_vectors.json, which tests/test_loss_vectors.py reproduces:
 * KL with Δ = logp − logp_ref: k1 = Δ, k2 = Δ²/2, k3 = e^−Δ − 1 + Δ, low_var_kl = k3 clamped to
   [−10, 10];
 * loss = Σ w·(pg + kl_loss_coef·KL − entropy_coef·H) with per-token weights w that do the
-  reduction (group_token_mean, token_mean or token_sum). Because the reduction is a weighted sum,
-  a batch can be split into micro-batches and their gradients added.
+  reduction (sample_mean, token_mean, group_token_mean or token_sum; see token_weights).
+  Because the reduction is a weighted sum, a batch can be split into micro-batches and their
+  gradients added.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from .types import LossConfig
 
 KL_TYPES = ("k1", "k2", "k3", "low_var_kl")
 POLICY_LOSSES = ("ppo", "gspo")
-AGGREGATIONS = ("group_token_mean", "token_mean", "token_sum")
+AGGREGATIONS = ("sample_mean", "token_mean", "group_token_mean", "token_sum")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,9 +43,9 @@ class Loss:
 
 
 def resolve(c: LossConfig) -> Loss:
-    r = Loss(eps_lo=c.eps_clip, eps_hi=c.eps_clip_high or c.eps_clip, kl_coef=c.kl_loss_coef,
+    r = Loss(eps_lo=c.eps_clip, eps_hi=c.eps_clip_high, kl_coef=c.kl_loss_coef,
              ent_coef=c.entropy_coef, kl_type=c.kl_loss_type or "low_var_kl",
-             policy=c.policy_loss or "ppo", aggregation=c.aggregation or "group_token_mean")
+             policy=c.policy_loss or "ppo", aggregation=c.aggregation or "sample_mean")
     if r.kl_type not in KL_TYPES:
         raise ValueError(f"kl_loss_type {r.kl_type!r} is not one of {', '.join(KL_TYPES)}")
     if r.policy not in POLICY_LOSSES:
@@ -57,26 +59,32 @@ def resolve(c: LossConfig) -> Loss:
 
 
 def token_weights(groups: list[str], masks: list[list[float]], aggregation: str) -> list[list[float]]:
-    """Each token's weight w in the reduced loss Σ w·ℓ.
+    """Each token's weight w in the reduced loss Σ w·ℓ over the N samples of one optimizer step.
 
-    group_token_mean: mean over groups of each group's token-mean, w = mask/(G·group mask sum),
-    G counting groups with a trained token; token_mean: w = mask/(batch mask sum); token_sum:
-    w = mask. An empty group name is a group of its own.
+    With m a sample's mask sum: sample_mean (slime's default): mean over samples of each sample's
+    token-mean, w = mask/(N·max(m, 1)); token_mean (slime's calculate_per_token_loss):
+    w = mask/Σ max(m, 1); group_token_mean: mean over groups of each group's token-mean,
+    w = mask/(G·group mask sum), G counting groups with a trained token; token_sum: w = mask.
+    In the slime reductions a sample without trained tokens still counts (as a sample, or as one
+    token). An empty group name is a group of its own.
     """
     keys = [g if g else ("", i) for i, g in enumerate(groups)]
+    sample_mass = [float(sum(m)) for m in masks]
     mass: dict = {}
-    for k, m in zip(keys, masks):
-        mass[k] = mass.get(k, 0.0) + sum(m)
-    total = sum(mass.values())
+    for k, m in zip(keys, sample_mass):
+        mass[k] = mass.get(k, 0.0) + m
+    tokens = sum(max(m, 1.0) for m in sample_mass)
     n_groups = sum(1 for v in mass.values() if v > 0)
     out = []
-    for k, m in zip(keys, masks):
+    for k, m, sm in zip(keys, masks, sample_mass):
         if aggregation == "token_sum":
             out.append([float(x) for x in m])
         elif aggregation == "token_mean":
-            out.append([x / total if x else 0.0 for x in m])
-        else:
+            out.append([x / tokens if x else 0.0 for x in m])
+        elif aggregation == "group_token_mean":
             out.append([x / (n_groups * mass[k]) if x else 0.0 for x in m])
+        else:
+            out.append([x / (len(masks) * max(sm, 1.0)) if x else 0.0 for x in m])
     return out
 
 

@@ -341,7 +341,8 @@ class Service(pb_grpc.EngineServicer):
         self._name(context)
         eng = self._ready(context)
         reqs = [ScoreRequest(tokens=list(r.tokens), messages=_messages(r.messages) or None,
-                             prompt_tokens=list(r.prompt_tokens) or None) for r in request.requests]
+                             prompt_tokens=list(r.prompt_tokens) or None, reference=r.reference)
+                for r in request.requests]
         try:
             out = eng.score(reqs)
         except Exception as e:

@@ -234,13 +234,17 @@ class Trainer:
 
     def _step(self, batch: Batch) -> TrainStats:
         cfg = L.resolve(batch.loss)
-        samples = [s for s in batch.samples if s.response]
+        # The weights count every sample of the step, those with an empty response too (slime's
+        # reductions count a sample without trained tokens); only the others are run.
+        all_weights = L.token_weights([s.group for s in batch.samples],
+                                      [s.loss_mask for s in batch.samples], cfg.aggregation)
+        kept = [i for i, s in enumerate(batch.samples) if s.response]
+        samples = [batch.samples[i] for i in kept]
+        weights = [all_weights[i] for i in kept]
         check_samples(samples, self.model.cfg.vocab_size, self.model.cfg.max_seq_len)
         if any(s.returns for s in samples):
-            return self._critic_step(batch.loss, cfg, samples)
+            return self._critic_step(batch.loss, cfg, samples, weights)
         opt = self._optimizer()
-        weights = L.token_weights([s.group for s in samples], [s.loss_mask for s in samples],
-                                  cfg.aggregation)
         dev = self.params[0].device
         ref_model = self.reference() if cfg.kl_coef > 0 else None
         self.model.train()
@@ -271,7 +275,8 @@ class Trainer:
                     sums[k] += out[k].detach().double()
         return self._apply(batch.loss, sums)
 
-    def _critic_step(self, lc, cfg: L.Loss, samples: list[Sample]) -> TrainStats:
+    def _critic_step(self, lc, cfg: L.Loss, samples: list[Sample],
+                     weights: list[list[float]]) -> TrainStats:
         """The value loss of a PPO critic: Σ w·max((V − R)², (clip(V, V_old ± c) − R)²), with
         the token weights of the policy loss's aggregation and no clipping when c is 0."""
         if any(not s.returns for s in samples):
@@ -282,8 +287,6 @@ class Trainer:
         self._optimizer()
         self.model.train()
         dev = self.params[0].device
-        weights = L.token_weights([s.group for s in samples], [s.loss_mask for s in samples],
-                                  cfg.aggregation)
         sums = {k: torch.zeros((), dtype=torch.float64, device=dev)
                 for k in ("loss", "pg", "kl", "entropy", "clipped", "tokens")}
         lengths = [len(s.prompt) + len(s.response) for s in samples]

@@ -43,6 +43,7 @@ class ScoreRequest:
     tokens: list[int]
     messages: list[dict] | None = None
     prompt_tokens: list[int] | None = None
+    reference: bool = False  # score with the frozen KL reference, not the current weights
 
 
 @dataclasses.dataclass
@@ -68,12 +69,12 @@ class LossConfig:
     weight_decay: float = 0.0
     max_grad_norm: float = 0.0  # 0: no clipping
     eps_clip: float = 0.2
-    eps_clip_high: float = 0.0  # 0 is read as eps_clip
+    eps_clip_high: float = 0.2  # as given: 0 clips the ratio at exactly 1
     kl_loss_coef: float = 0.0
     kl_loss_type: str = ""  # "" is read as low_var_kl
     entropy_coef: float = 0.0
     policy_loss: str = ""  # "" is read as ppo
-    aggregation: str = ""  # "" is read as group_token_mean
+    aggregation: str = ""  # "" is read as sample_mean
     value_clip: float = 0.0  # critic: V clipped to old_values ± value_clip; 0: no clipping
 
 

@@ -32,7 +32,7 @@ def values_of(e, batch):
 
 def expected_loss(batch, values, clip):
     w = L.token_weights([s.group for s in batch.samples], [s.loss_mask for s in batch.samples],
-                        "group_token_mean")
+                        "sample_mean")  # the default reduction
     total = 0.0
     for s, v, ws in zip(batch.samples, values, w):
         for t, r in enumerate(s.returns):

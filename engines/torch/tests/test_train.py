@@ -34,7 +34,8 @@ def weights(e: Engine):
 def test_train_step_lowers_the_loss(model_dirs):
     e = Engine(str(model_dirs["tiny-qwen3"]))
     try:
-        lc = LossConfig(lr=1e-2, eps_clip=0.2, eps_clip_high=0.28)
+        # group_token_mean: the default per-sample mean is 0 here (advantages ±1 alternate).
+        lc = LossConfig(lr=1e-2, eps_clip=0.2, eps_clip_high=0.28, aggregation="group_token_mean")
         batch = fixed_batch(e, lc)
         first = e.train(batch)
         assert not first.skipped
@@ -159,3 +160,23 @@ def test_activation_checkpointing_gives_the_same_step(model_dirs):
             e.close()
     for f in ("loss", "pg_loss", "entropy", "grad_norm", "clip_frac"):
         assert getattr(stats[0], f) == pytest.approx(getattr(stats[1], f), rel=1e-5, abs=1e-7), f
+
+
+def test_score_with_the_reference(model_dirs):
+    # reference=True scores with the frozen KL reference: after a step it still gives the
+    # starting log-probs, while a plain request gives the trained model's.
+    e = Engine(str(model_dirs["tiny-qwen3"]))
+    try:
+        batch = fixed_batch(e, LossConfig(lr=1e-2))
+        reqs = [ScoreRequest(tokens=s.response, prompt_tokens=s.prompt) for s in batch.samples]
+        before = e.score(reqs)
+        assert "reference" in e.info()["capabilities"]
+        assert not e.train(batch).skipped
+        mixed = [ScoreRequest(tokens=r.tokens, prompt_tokens=r.prompt_tokens, reference=i % 2 == 0)
+                 for i, r in enumerate(reqs)]
+        now, got = e.score(reqs), e.score(mixed)
+        for i, (b, n, g) in enumerate(zip(before, now, got)):
+            assert g == pytest.approx(b if i % 2 == 0 else n, abs=1e-5)
+            assert max(abs(x - y) for x, y in zip(b, n)) > 1e-3
+    finally:
+        e.close()
