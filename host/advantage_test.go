@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"math"
+	"strings"
 	"testing"
 
 	"github.com/google/go-cmp/cmp"
@@ -267,5 +268,95 @@ def rollout(task):
 	}
 	if d := cmp.Diff([][]float32{{w(1), w(2), w(4)}, {w(0), w(0), w(0)}}, got, cmpopts.EquateApprox(0, 1e-5)); d != "" {
 		t.Errorf("reinforce++ with gamma 0.5 from the config (-want +got):\n%s", d)
+	}
+}
+
+// refEngine is a scripted engine with a KL reference whose log-probs are refLogprob per token.
+type refEngine struct {
+	*scripted.Engine
+	refLogprob float32
+	refCalls   int
+}
+
+func (e *refEngine) Info(ctx context.Context) (engines.Info, error) {
+	info, err := e.Engine.Info(ctx)
+	info.Capabilities = append(info.Capabilities, "reference")
+	return info, err
+}
+
+func (e *refEngine) Score(ctx context.Context, reqs []engines.ScoreRequest) ([]engines.Scores, error) {
+	out, err := e.Engine.Score(ctx, reqs)
+	for i, r := range reqs {
+		if r.Reference {
+			e.refCalls++
+			for j := range out[i].Logprobs {
+				out[i].Logprobs[j] = e.refLogprob
+			}
+		}
+	}
+	return out, err
+}
+
+// kl_coef reaches the advantages through reference log-probs the host asks the policy's engine
+// for: REINFORCE++ gets −kl_coef·KL per token, here k1 = logp_rollout − logp_ref = 0.5 − (−0.25).
+// An engine without a reference is refused with a message naming the setting; grpo ignores
+// kl_coef and asks for nothing.
+func TestRewardKLUsesTheReference(t *testing.T) {
+	src := `
+def rollout(task):
+    cs = generate("p", task.prompt, n = 2)
+    for c in cs:
+        reward(c, 1.0 if c.text == "0" else 0.0)
+    train(cs)
+`
+	for _, est := range []string{"reinforce_plus_plus", "reinforce_plus_plus_baseline", "grpo"} {
+		cfg := testConfig(1, "p")
+		tc := &cfg.Policies[0].Train
+		tc.AdvantageEstimator, tc.KLCoef, tc.KLLossType, tc.Gamma = est, 0.1, "k1", 1
+		se := scripted.New(func(req scripted.Request) string { return fmt.Sprint(req.Index) })
+		se.Logprob = 0.5
+		eng := &refEngine{Engine: se, refLogprob: -0.25}
+		r := loadRun(t, src, cfg, map[string]engines.Engine{"p": eng}, numberedTasks(1))
+		if _, err := r.Step(context.Background()); err != nil {
+			t.Fatalf("%s: %v", est, err)
+		}
+		b := se.Batches()
+		var in []AdvInput
+		for _, s := range b[0].Samples {
+			kl := make([]float64, len(s.Response))
+			for j := range kl {
+				kl[j] = 0.75
+			}
+			rw := 0.0
+			if scripted.Decode(s.Response[:1]) == "0" {
+				rw = 1
+			}
+			in = append(in, AdvInput{Reward: rw, Group: s.Group, Tokens: len(s.Response), KL: kl})
+		}
+		want, err := ComputeAdvantages(estimatorOf(*tc), in)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if est == "grpo" {
+			want, _ = ComputeAdvantages(Estimator{Name: "grpo", Normalize: true, StdNormalize: true}, in)
+		}
+		for i, s := range b[0].Samples {
+			if d := cmp.Diff(want[i], s.Advantages, cmpopts.EquateApprox(0, 1e-6)); d != "" {
+				t.Errorf("%s: sample %d advantages (-want +got):\n%s", est, i, d)
+			}
+		}
+		if (eng.refCalls > 0) != (est != "grpo") {
+			t.Errorf("%s: %d reference scores", est, eng.refCalls)
+		}
+		noKL, _ := ComputeAdvantages(Estimator{Name: est, Normalize: true, StdNormalize: true, Gamma: 1}, in)
+		if est == "reinforce_plus_plus" && cmp.Equal(noKL, want, cmpopts.EquateApprox(0, 1e-6)) {
+			t.Errorf("%s: kl_coef changed nothing", est)
+		}
+	}
+	cfg := testConfig(1, "p")
+	cfg.Policies[0].Train.AdvantageEstimator, cfg.Policies[0].Train.KLCoef = "reinforce_plus_plus", 0.1
+	r := loadRun(t, src, cfg, map[string]engines.Engine{"p": scripted.New(answerLastChar)}, numberedTasks(1))
+	if _, err := r.Step(context.Background()); err == nil || !strings.Contains(err.Error(), `kl_coef 0.1 needs the log-probs of the KL reference`) {
+		t.Errorf("an engine without a reference: %v", err)
 	}
 }

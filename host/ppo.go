@@ -31,17 +31,14 @@ type ppoTargets struct {
 	values, returns []float32
 }
 
-// gae computes per-token advantages and returns for one sample whose reward comes at its last
-// token: δ_t = r_t + γ·V_{t+1} − V_t, A_t = δ_t + γλ·A_{t+1}, returns = A + V.
-func gae(reward float64, values []float32, gamma, lambda float64) (adv, ret []float32) {
+// gae computes per-token advantages and returns for one sample from its per-token rewards (see
+// ppoRewards): δ_t = r_t + γ·V_{t+1} − V_t, A_t = δ_t + γλ·A_{t+1}, returns = A + V.
+func gae(rewards []float64, values []float32, gamma, lambda float64) (adv, ret []float32) {
 	n := len(values)
 	adv, ret = make([]float32, n), make([]float32, n)
 	next, last := 0.0, 0.0 // V_{t+1} and A_{t+1}; zero past the end of the response
 	for t := n - 1; t >= 0; t-- {
-		r := 0.0
-		if t == n-1 {
-			r = reward
-		}
+		r := rewards[t]
 		v := float64(values[t])
 		delta := r + gamma*next - v
 		last = delta + gamma*lambda*last
@@ -52,8 +49,9 @@ func gae(reward float64, values []float32, gamma, lambda float64) (adv, ret []fl
 }
 
 // ppoAdvantages values an actor's samples with the critic and returns their advantages, keeping
-// the targets for the critic's own training step.
-func (r *Run) ppoAdvantages(ctx context.Context, actor *policy, ss []trainSample) ([][]float32, []ppoTargets, error) {
+// the targets for the critic's own training step. kl holds each sample's per-token KL for
+// kl_coef (nil: none).
+func (r *Run) ppoAdvantages(ctx context.Context, actor *policy, ss []trainSample, kl [][]float64) ([][]float32, []ppoTargets, error) {
 	crit := r.critic()
 	if crit == nil {
 		return nil, nil, fmt.Errorf("policy %q trains with ppo but the run has no critic policy (role: critic)", actor.name)
@@ -77,7 +75,11 @@ func (r *Run) ppoAdvantages(ctx context.Context, actor *policy, ss []trainSample
 		if len(vals[i]) != len(s.c.tokens) {
 			return nil, nil, fmt.Errorf("critic %q returned %d values for %d tokens", crit.name, len(vals[i]), len(s.c.tokens))
 		}
-		a, ret := gae(s.reward, vals[i], tc.Gamma, tc.Lambda)
+		var k []float64
+		if kl != nil {
+			k = kl[i]
+		}
+		a, ret := gae(ppoRewards(s.reward, tc.KLCoef, k, len(s.c.tokens)), vals[i], tc.Gamma, tc.Lambda)
 		if s.hasAdv { // the script's own advantage wins, as with every estimator
 			a = broadcast(s.advantage, len(s.c.tokens))
 		}

@@ -803,12 +803,18 @@ func (r *Run) advantages(ctx context.Context, pols []*policy, byPolicy map[strin
 	}
 	var pools []pool
 	var shared *pool
+	kls := map[string][][]float64{} // the reward-side KL of each policy's samples (kl_coef)
 	for _, p := range pols {
 		if !p.cfg.Trainable || p.cfg.IsCritic() {
 			continue
 		}
+		kl, err := r.rewardKL(ctx, p, byPolicy[p.name])
+		if err != nil {
+			return nil, nil, err
+		}
+		kls[p.name] = kl
 		if p.cfg.Train.AdvantageEstimator == "ppo" {
-			adv, t, err := r.ppoAdvantages(ctx, p, byPolicy[p.name])
+			adv, t, err := r.ppoAdvantages(ctx, p, byPolicy[p.name], kl)
 			if err != nil {
 				return nil, nil, err
 			}
@@ -828,8 +834,11 @@ func (r *Run) advantages(ctx context.Context, pols []*policy, byPolicy map[strin
 	for _, pl := range pools {
 		var in []AdvInput
 		for _, n := range pl.names {
-			for _, s := range byPolicy[n] {
+			for i, s := range byPolicy[n] {
 				a := AdvInput{Reward: s.reward, Group: s.group, Tokens: len(s.c.tokens)}
+				if kls[n] != nil {
+					a.KL = kls[n][i]
+				}
 				if s.hasAdv {
 					a.Override = s.advantage
 				}

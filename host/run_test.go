@@ -455,7 +455,7 @@ func TestGAE(t *testing.T) {
 	// γ = 0.5, λ = 1, values 0.5, 0.25, 0.1, reward 1 at the end:
 	// δ = (0 + 0.5·0.25 − 0.5, 0 + 0.5·0.1 − 0.25, 1 − 0.1) = (−0.375, −0.2, 0.9)
 	// A_2 = 0.9, A_1 = −0.2 + 0.5·0.9 = 0.25, A_0 = −0.375 + 0.5·0.25 = −0.25.
-	adv, ret := gae(1, []float32{0.5, 0.25, 0.1}, 0.5, 1)
+	adv, ret := gae(ppoRewards(1, 0, nil, 3), []float32{0.5, 0.25, 0.1}, 0.5, 1)
 	if d := cmp.Diff([]float32{-0.25, 0.25, 0.9}, adv, cmpopts.EquateApprox(0, 1e-6)); d != "" {
 		t.Errorf("advantages (-want +got):\n%s", d)
 	}
