@@ -31,10 +31,11 @@ func freeAddr(t *testing.T) string {
 	return l.Addr().String()
 }
 
-// startServe starts `slimen serve` on addr and waits until it accepts connections.
-func startServe(t *testing.T, model, addr string) *exec.Cmd {
+// startServe starts `slimen serve` on addr, with Save and Load confined to root, and waits until
+// it accepts connections.
+func startServe(t *testing.T, model, addr, root string) *exec.Cmd {
 	t.Helper()
-	cmd := exec.Command(slimenBin, "serve", "--engine", "tiny", "--model", model, "--listen", addr)
+	cmd := exec.Command(slimenBin, "serve", "--engine", "tiny", "--model", model, "--listen", addr, "--root", root)
 	cmd.Stderr = os.Stderr
 	if err := cmd.Start(); err != nil {
 		t.Fatal(err)
@@ -57,6 +58,13 @@ const remoteModel = "builtin:tiny-arith"
 type remoteRun struct {
 	local, remote string    // config files
 	addrs         [2]string // the generator's and the critic's engine
+	runs          string    // the run directories' folder, the engine servers' root
+}
+
+// serve starts the engine server i (0: the generator's, 1: the critic's).
+func (rr remoteRun) serve(t *testing.T, i int) *exec.Cmd {
+	t.Helper()
+	return startServe(t, remoteModel, rr.addrs[i], rr.runs)
 }
 
 // remoteConfigs writes the two configs of a debate run. run and data are YAML flow mappings'
@@ -64,7 +72,7 @@ type remoteRun struct {
 func remoteConfigs(t *testing.T, steps, batch int, run, data string) remoteRun {
 	t.Helper()
 	dir := t.TempDir()
-	rr := remoteRun{addrs: [2]string{freeAddr(t), freeAddr(t)}}
+	rr := remoteRun{addrs: [2]string{freeAddr(t), freeAddr(t)}, runs: t.TempDir()}
 	if run != "" {
 		run = ", " + run
 	}
@@ -81,10 +89,10 @@ func remoteConfigs(t *testing.T, steps, batch int, run, data string) remoteRun {
 	return rr
 }
 
-// execRun runs the debate example with a config into a fresh run directory.
-func execRun(t *testing.T, cfg, name string) string {
+// execRun runs the debate example with a config into a fresh run directory in rr.runs.
+func (rr remoteRun) execRun(t *testing.T, cfg, name string) string {
 	t.Helper()
-	out := filepath.Join(t.TempDir(), name)
+	out := filepath.Join(rr.runs, name)
 	if log, err := slimen(t, nil, "exec", "examples/debate/debate.star", "--config", cfg, "--out", out); err != nil {
 		t.Fatalf("%s run: %v\n%s", name, err, log)
 	}
@@ -136,9 +144,9 @@ func assertTrained(t *testing.T, dir string, steps int) {
 
 func TestRemoteEqualsInProcess(t *testing.T) {
 	rr := remoteConfigs(t, 3, 4, "", "")
-	startServe(t, remoteModel, rr.addrs[0])
-	startServe(t, remoteModel, rr.addrs[1])
-	a, b := execRun(t, rr.local, "local"), execRun(t, rr.remote, "remote")
+	rr.serve(t, 0)
+	rr.serve(t, 1)
+	a, b := rr.execRun(t, rr.local, "local"), rr.execRun(t, rr.remote, "remote")
 	assertTrained(t, a, 3)
 	if ma, mb := metricsNoTimings(t, a), metricsNoTimings(t, b); ma != mb {
 		t.Errorf("remote metrics differ from in-process:\n%s\n---\n%s", ma, mb)
@@ -155,9 +163,9 @@ func TestRemoteSmallDataFile(t *testing.T) {
 {"id": "b", "prompt": "Bob has 9 pens and gives away 5. How many pens?", "label": "4"}
 `), 0o644)
 	rr := remoteConfigs(t, 3, 4, "", fmt.Sprintf("data: {path: %q}\n", file))
-	startServe(t, remoteModel, rr.addrs[0])
-	startServe(t, remoteModel, rr.addrs[1])
-	a, b := execRun(t, rr.local, "local"), execRun(t, rr.remote, "remote")
+	rr.serve(t, 0)
+	rr.serve(t, 1)
+	a, b := rr.execRun(t, rr.local, "local"), rr.execRun(t, rr.remote, "remote")
 	assertTrained(t, a, 3)
 	if ma, mb := metricsNoTimings(t, a), metricsNoTimings(t, b); ma != mb {
 		t.Errorf("remote metrics differ from in-process:\n%s\n---\n%s", ma, mb)
@@ -187,7 +195,7 @@ func samplesPerStep(t *testing.T, dir string) map[string]float64 {
 // its error.
 func killGeneratorDuring(t *testing.T, rr remoteRun, gen *exec.Cmd, after, steps int) (string, string, error) {
 	t.Helper()
-	out := filepath.Join(t.TempDir(), "faulty")
+	out := filepath.Join(rr.runs, "faulty")
 	cmd := exec.Command(slimenBin, "exec", "examples/debate/debate.star", "--config", rr.remote, "--out", out)
 	cmd.Dir = "../.."
 	stderr, _ := cmd.StderrPipe()
@@ -204,7 +212,7 @@ func killGeneratorDuring(t *testing.T, rr remoteRun, gen *exec.Cmd, after, steps
 			gen.Process.Kill()
 			gen.Wait()
 			time.Sleep(700 * time.Millisecond) // the run's stderr waits in the pipe meanwhile
-			startServe(t, remoteModel, rr.addrs[0])
+			rr.serve(t, 0)
 		}
 	}
 	err := cmd.Wait()
@@ -227,9 +235,9 @@ func eventsLog(t *testing.T, dir string) string {
 // before anything else reaches it: the run completes exactly as if nothing had happened.
 func TestRemoteEngineKilledAndRestarted(t *testing.T) {
 	rr := remoteConfigs(t, 4, 4, "save_interval: 1", "")
-	gen := startServe(t, remoteModel, rr.addrs[0])
-	startServe(t, remoteModel, rr.addrs[1])
-	clean := execRun(t, rr.local, "clean")
+	gen := rr.serve(t, 0)
+	rr.serve(t, 1)
+	clean := rr.execRun(t, rr.local, "clean")
 	assertTrained(t, clean, 4)
 	out, log, err := killGeneratorDuring(t, rr, gen, 1, 4)
 	if err != nil {
@@ -255,8 +263,8 @@ func TestRemoteEngineKilledAndRestarted(t *testing.T) {
 // resume.
 func TestRemoteEngineRestartWithoutCheckpointStopsTheRun(t *testing.T) {
 	rr := remoteConfigs(t, 4, 4, "save_interval: 2", "")
-	gen := startServe(t, remoteModel, rr.addrs[0])
-	startServe(t, remoteModel, rr.addrs[1])
+	gen := rr.serve(t, 0)
+	rr.serve(t, 1)
 	out, log, err := killGeneratorDuring(t, rr, gen, 3, 4) // step 3 was trained, not saved
 	if err == nil {
 		t.Fatalf("the run went on with an engine that lost its weights:\n%s", log)

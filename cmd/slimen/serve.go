@@ -2,6 +2,7 @@ package main
 
 import (
 	"context"
+	"errors"
 	"flag"
 	"fmt"
 	"log"
@@ -34,7 +35,9 @@ func cmdServe(args []string) int {
 	fs := flag.NewFlagSet("serve", flag.ContinueOnError)
 	kind := fs.String("engine", "tiny", "engine to serve: "+strings.Join(slices.Sorted(maps.Keys(serveEngines)), ", "))
 	model := fs.String("model", "builtin:tiny-arith", "model to load: a Hugging Face folder or builtin:NAME")
-	listen := fs.String("listen", "127.0.0.1:7777", "host:port to listen on; anything but loopback needs TLS or --insecure")
+	listen := fs.String("listen", "127.0.0.1:7777", "host:port to listen on; anything but loopback needs TLS or --insecure, and --token-env or --tls-client-ca")
+	var roots rootFlag
+	fs.Var(&roots, "root", "folder that clients' Save and Load may use (repeatable; relative paths are taken from the first; default: the current directory)")
 	certFile := fs.String("tls-cert", "", "PEM certificate to serve TLS with (with --tls-key)")
 	keyFile := fs.String("tls-key", "", "PEM private key of --tls-cert")
 	clientCA := fs.String("tls-client-ca", "", "PEM CAs that sign client certificates: require mutual TLS")
@@ -44,7 +47,7 @@ func cmdServe(args []string) int {
 	threads := fs.Int("threads", 0, "tiny: goroutines for the math (0: all cores)")
 	window := fs.Duration("batch-window", 0, "how long a generate request waits for others to batch with (0: start at once)")
 	fs.Usage = func() {
-		fmt.Fprintln(fs.Output(), "usage: slimen serve [--engine tiny] [--model M] [--listen ADDR] [--tls-cert C --tls-key K] [--insecure] [--token-env VAR]")
+		fmt.Fprintln(fs.Output(), "usage: slimen serve [--engine tiny] [--model M] [--listen ADDR] [--root DIR] [--tls-cert C --tls-key K [--tls-client-ca CA]] [--insecure] [--token-env VAR]")
 		fs.PrintDefaults()
 	}
 	if err := fs.Parse(args); err != nil {
@@ -65,7 +68,17 @@ func cmdServe(args []string) int {
 	if *maxMB < 1 {
 		return bad("--max-message-mb must be at least 1")
 	}
+	rootDirs, err := server.ResolveRoots(roots)
+	if err != nil {
+		return bad("%v", err)
+	}
+	for _, d := range rootDirs {
+		if _, err := os.Stat(d); err != nil {
+			return bad("--root: %v; create the folder first", err)
+		}
+	}
 	opts := server.Options{
+		Roots:           rootDirs,
 		Insecure:        *insecure,
 		MaxMessageBytes: *maxMB << 20,
 		BatchWindow:     *window,
@@ -101,16 +114,16 @@ func cmdServe(args []string) int {
 	security := "plaintext"
 	if opts.TLS != nil {
 		security = "TLS"
+		if opts.TLS.ClientCAs != nil {
+			security = "mutual TLS"
+		}
 	}
 	if opts.Token == "" {
 		security += ", no token"
-		if !enginepb.IsLoopback(*listen) {
-			log.Printf("warning: serving on %s without a token: anyone who can reach it can sample from and train this model; set --token-env", *listen)
-		}
 	} else {
 		security += ", token from $" + *tokenEnv
 	}
-	log.Printf("serving %s engine %s on %s (%s, protocol version %d)", *kind, *model, l.Addr(), security, enginepb.ProtocolVersion)
+	log.Printf("serving %s engine %s on %s (%s, protocol version %d); clients save and load model folders only under %s", *kind, *model, l.Addr(), security, enginepb.ProtocolVersion, strings.Join(rootDirs, ", "))
 
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()
@@ -133,4 +146,17 @@ func cmdServe(args []string) int {
 		srv.Stop()
 	}
 	return 0
+}
+
+// rootFlag collects the --root folders, in order.
+type rootFlag []string
+
+func (r *rootFlag) String() string { return strings.Join(*r, ", ") }
+
+func (r *rootFlag) Set(s string) error {
+	if s == "" {
+		return errors.New("an empty folder name")
+	}
+	*r = append(*r, s)
+	return nil
 }

@@ -208,6 +208,9 @@ type running struct {
 
 func serveAt(t testing.TB, addr string, eng engines.Engine, opts server.Options) running {
 	t.Helper()
+	if opts.Roots == nil {
+		opts.Roots = []string{"/ckpt"} // the folders the tests save and load (the fake writes nothing)
+	}
 	l, err := server.Listen(addr, opts)
 	if err != nil {
 		t.Fatal(err)

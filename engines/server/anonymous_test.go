@@ -39,7 +39,7 @@ func serveAnonymous(t *testing.T, addr string, eng engines.Engine) (string, func
 	if err != nil {
 		t.Fatal(err)
 	}
-	opts := Options{}.withDefaults()
+	opts := Options{Roots: []string{"/ckpt"}}.withDefaults() // the folder the test loads from
 	svc := newService(eng, opts)
 	s := grpc.NewServer(grpc.StreamInterceptor(func(srv any, ss grpc.ServerStream, _ *grpc.StreamServerInfo, h grpc.StreamHandler) error {
 		return h(srv, lateHeaders{ss})

@@ -29,8 +29,8 @@ import (
 // DefaultMaxMessageBytes is the largest message sent or received when Options leaves it zero.
 const DefaultMaxMessageBytes = 64 << 20
 
-// Options configure a server. The zero value serves plaintext, without a token, with the defaults
-// below.
+// Options configure a server. The zero value serves plaintext, without a token, confines Save and
+// Load to the working directory, and has the defaults below.
 type Options struct {
 	// Token, when set, is the bearer token every call must carry.
 	Token string
@@ -38,6 +38,11 @@ type Options struct {
 	TLS *tls.Config
 	// Insecure allows Listen to bind a non-loopback address without TLS.
 	Insecure bool
+	// Roots are the folders a client's Save and Load may name: a request's folder, taken
+	// relative to the first root when it is relative, must lie inside one of them once cleaned
+	// and its symbolic links resolved, or the call fails with PERMISSION_DENIED (see
+	// ResolveRoots). Empty: the working directory.
+	Roots []string
 	// MaxMessageBytes bounds every message in both directions; 0: DefaultMaxMessageBytes.
 	MaxMessageBytes int
 
@@ -95,7 +100,11 @@ func (o Options) withDefaults() Options {
 // Serve(Listen(address, opts)). Stopping the server does not close eng.
 func New(eng engines.Engine, opts Options) *grpc.Server {
 	opts = opts.withDefaults()
-	return newGRPCServer(newService(eng, opts), opts)
+	svc := newService(eng, opts)
+	if svc.roots.err != nil {
+		opts.Logf("engine server: every Save and Load will fail: %v", svc.roots.err)
+	}
+	return newGRPCServer(svc, opts)
 }
 
 func newGRPCServer(svc *service, opts Options) *grpc.Server {
@@ -124,6 +133,7 @@ type service struct {
 	opts     Options
 	instance string
 	auth     tokenAuth
+	roots    roots
 	gen      *generator
 	train    *trainLog
 }
@@ -136,6 +146,7 @@ func newService(eng engines.Engine, opts Options) *service {
 		opts:     opts,
 		instance: hex.EncodeToString(b[:]),
 		auth:     tokenAuth{token: opts.Token},
+		roots:    newRoots(opts.Roots),
 		gen:      newGenerator(eng, opts),
 		train:    newTrainLog(opts.TrainMemory),
 	}
@@ -257,14 +268,22 @@ func (s *service) Tokenize(ctx context.Context, req *enginepb.TokenizeRequest) (
 }
 
 func (s *service) Save(ctx context.Context, req *enginepb.SaveRequest) (*enginepb.SaveResponse, error) {
-	if err := s.eng.Save(ctx, req.GetDir()); err != nil {
+	dir, err := s.roots.resolve("save", req.GetDir())
+	if err != nil {
+		return nil, err
+	}
+	if err := s.eng.Save(ctx, dir); err != nil {
 		return nil, toStatus(err)
 	}
 	return &enginepb.SaveResponse{}, nil
 }
 
 func (s *service) Load(ctx context.Context, req *enginepb.LoadRequest) (*enginepb.LoadResponse, error) {
-	if err := s.eng.Load(ctx, req.GetDir()); err != nil {
+	dir, err := s.roots.resolve("load", req.GetDir())
+	if err != nil {
+		return nil, err
+	}
+	if err := s.eng.Load(ctx, dir); err != nil {
 		return nil, toStatus(err)
 	}
 	// The weights went back in time: a step id applied before must apply again, and completions

@@ -361,9 +361,9 @@ func TestListenRefusesPlaintextOffLoopback(t *testing.T) {
 	if err == nil || !strings.Contains(err.Error(), "listen address 0.0.0.0:0 is not loopback: serving an engine to the network needs TLS (--tls-cert and --tls-key) or --insecure") {
 		t.Errorf("got %v", err)
 	}
-	l, err := Listen("0.0.0.0:0", Options{Insecure: true})
+	l, err := Listen("0.0.0.0:0", Options{Insecure: true, Token: "t"})
 	if err != nil {
-		t.Fatalf("with Insecure: %v", err)
+		t.Fatalf("with Insecure and a token: %v", err)
 	}
 	l.Close()
 	if _, err := Listen("7777", Options{}); err == nil || !strings.Contains(err.Error(), "write it as host:port") {
