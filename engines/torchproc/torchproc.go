@@ -4,7 +4,7 @@
 // Start unpacks the worker's Python package (embedded in the binary by engines/torch, so worker
 // and host always speak the same protocol version), runs
 //
-//	PYTHON -m slimen_torch serve --model MODEL --listen 127.0.0.1:0 --address-file F [--device D]
+//	PYTHON -m slimen_torch serve --model MODEL --listen 127.0.0.1:0 --address-file F [--device D] [--root DIR]…
 //
 // with PYTHONPATH pointing at it, waits until the worker listens and its Health says SERVING (the
 // model is loaded), and connects an engines/remote client to it. Close stops the client and the
@@ -52,6 +52,10 @@ type Options struct {
 	// PackageDir, when set, is a folder holding slimen_torch (engines/torch of a checkout) used
 	// instead of the copy embedded in the binary.
 	PackageDir string
+	// Roots are the folders the worker lets its clients save into and load from (its --root
+	// flags; a relative folder in a Save or Load is taken from the first). Empty: the worker's
+	// working directory, which is this process's.
+	Roots []string
 	// TokenEnv names an environment variable holding a bearer token that the worker will demand
 	// and the client will send; "" is no token (the worker listens on loopback only).
 	TokenEnv string
@@ -116,6 +120,14 @@ func Start(ctx context.Context, opts Options) (*Engine, error) {
 	}
 	if opts.TokenEnv != "" {
 		args = append(args, "--token-env", opts.TokenEnv)
+	}
+	for _, r := range opts.Roots {
+		abs, err := filepath.Abs(r)
+		if err != nil {
+			os.RemoveAll(tmp)
+			return nil, err
+		}
+		args = append(args, "--root", abs)
 	}
 	args = append(args, opts.Args...)
 	cmd := exec.Command(opts.Python, args...)

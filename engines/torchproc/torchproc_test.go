@@ -48,8 +48,9 @@ func TestStartServeAndClose(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 	defer cancel()
 	var log strings.Builder
+	saves := t.TempDir()
 	e, err := Start(ctx, Options{Python: py, Model: model, Device: "cpu", Log: &log,
-		Args: []string{"--slots", "8"}})
+		Roots: []string{saves}, Args: []string{"--slots", "8"}})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -103,8 +104,17 @@ func TestStartServeAndClose(t *testing.T) {
 	if err != nil || st.Tokens != n || st.Skipped {
 		t.Fatalf("train: %+v, %v", st, err)
 	}
-	if err := e.Save(ctx, filepath.Join(t.TempDir(), "saved")); err != nil {
+	if err := e.Save(ctx, filepath.Join(saves, "saved")); err != nil {
 		t.Fatal(err)
+	}
+	if _, err := os.Stat(filepath.Join(saves, "saved", "config.json")); err != nil {
+		t.Errorf("the save is not in the worker's root: %v", err)
+	}
+	// The worker keeps its clients to its root.
+	elsewhere := t.TempDir()
+	real, _ := filepath.EvalSymlinks(saves)
+	if err := e.Save(ctx, elsewhere); err == nil || !strings.Contains(err.Error(), "outside this server's root "+real) {
+		t.Errorf("a save outside the root: got %v, want a refusal naming the root", err)
 	}
 	if err := e.Close(); err != nil {
 		t.Fatal(err)

@@ -20,6 +20,9 @@ def main(argv=None) -> None:
     s.add_argument("--dtype", default="", help="bfloat16 or float32 (default: bf16 on GPU)")
     s.add_argument("--token-env", default="",
                    help="environment variable holding the bearer token every call must carry")
+    s.add_argument("--root", action="append", default=[],
+                   help="folder that clients' Save and Load may use (repeatable; relative paths "
+                   "are taken from the first; default: the current directory)")
     s.add_argument("--address-file", default="",
                    help="write host:port here once listening (for supervisors using port 0)")
     s.add_argument("--slots", type=int, default=0, help="concurrent samples (KV cache rows)")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import hmac
+import ipaddress
 import logging
 import os
 import queue
@@ -248,10 +249,74 @@ class _Train:
             self.done.clear()
 
 
+# ---- where Save and Load may go ----
+
+class Refused(Exception):
+    """A Save or Load folder the server refuses; code is the gRPC status name."""
+
+    def __init__(self, code: str, message: str):
+        super().__init__(message)
+        self.code = code
+
+
+class Roots:
+    """The folders a client's Save and Load may name, as in the Go server (engines/server): a
+    relative folder is taken from the first root, and the folder, with its symbolic links resolved,
+    must lie inside one of them. No dirs is the working directory, unless that is the file
+    system's root. A root need not exist yet."""
+
+    def __init__(self, dirs=None):
+        if not dirs:
+            cwd = os.getcwd()
+            if os.path.dirname(cwd) == cwd:
+                raise ValueError(
+                    f"root: the working directory is {cwd}, so by default clients could save and "
+                    f"load model folders anywhere this process can; give the folder to confine "
+                    f"them to (--root DIR; --root {cwd} to allow it)")
+            dirs = [cwd]
+        self.dirs = []
+        for d in dirs:
+            if not d:
+                raise ValueError("root: an empty folder name")
+            real = os.path.realpath(os.path.abspath(d))
+            if os.path.exists(real) and not os.path.isdir(real):
+                raise ValueError(f"root {d} is a file, not a folder")
+            self.dirs.append(real)
+
+    def describe(self) -> str:
+        if len(self.dirs) == 1:
+            return f"this server's root {self.dirs[0]}"
+        return "this server's roots " + ", ".join(self.dirs)
+
+    def contains(self, path: str) -> bool:
+        return any(os.path.commonpath([d, path]) == d for d in self.dirs)
+
+    def resolve(self, what: str, folder: str) -> str:
+        """The path the engine gets for the folder of a Save or Load request (what: "save",
+        "load"), or Refused."""
+        if not folder:
+            raise Refused("INVALID_ARGUMENT", f"{what}: no folder given; name a folder inside "
+                          f"{self.describe()}")
+        path = folder if os.path.isabs(folder) else os.path.join(self.dirs[0], folder)
+        # realpath follows every symbolic link, one that points nowhere included, before it
+        # applies "..", as the file system will.
+        real = os.path.realpath(path)
+        if not self.contains(real):
+            where = f" ({real})" if real != folder else ""
+            raise Refused(
+                "PERMISSION_DENIED",
+                f"{what}: folder {folder!r}{where} is outside {self.describe()}: a client may only "
+                f"save and load model folders under the root the server was started with; give a "
+                f"path inside it (relative paths are taken from {self.dirs[0]}), or start the "
+                f"server with --root covering the folder")
+        return real
+
+
 # ---- the service ----
 
 class Service(pb_grpc.EngineServicer):
-    def __init__(self):
+    def __init__(self, roots: Roots | None = None):
+        self.roots = roots or Roots()
         self.instance = secrets.token_hex(8)
         self.engine = None  # set once the model is loaded
         self.loading = True
@@ -267,6 +332,12 @@ class Service(pb_grpc.EngineServicer):
         if self.engine is None or self.loading:
             context.abort(grpc.StatusCode.UNAVAILABLE, "the engine is loading its model")
         return self.engine
+
+    def _confine(self, context, what: str, folder: str) -> str:
+        try:
+            return self.roots.resolve(what, folder)
+        except Refused as e:
+            context.abort(_code(e.code), str(e))
 
     def _fail(self, context, err: Exception):
         if isinstance(err, RequestError):
@@ -383,10 +454,9 @@ class Service(pb_grpc.EngineServicer):
     def Save(self, request, context):
         self._name(context)
         eng = self._ready(context)
-        if not request.dir:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "save: empty dir")
+        folder = self._confine(context, "save", request.dir)
         try:
-            eng.save(request.dir)
+            eng.save(folder)
         except Exception as e:
             self._fail(context, e)
         return pb.SaveResponse()
@@ -394,10 +464,9 @@ class Service(pb_grpc.EngineServicer):
     def Load(self, request, context):
         self._name(context)
         eng = self._ready(context)
-        if not request.dir:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "load: empty dir")
+        folder = self._confine(context, "load", request.dir)
         try:
-            eng.load(request.dir)
+            eng.load(folder)
         except Exception as e:
             self._fail(context, e)
         # The weights went back in time: old step ids must apply again and old completions must
@@ -436,14 +505,37 @@ class _TokenAuth(grpc.ServerInterceptor):
         return grpc.unary_unary_rpc_method_handler(deny)
 
 
-def make_server(listen: str, token: str = "", workers: int = 32):
-    """A started server on listen (host:port; port 0 picks one). Returns (server, service, port)."""
+def is_loopback(host: str) -> bool:
+    """Whether a listen host names this machine only: localhost or a loopback IP (names are not
+    resolved, as in the Go server)."""
+    host = host.strip("[]")
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def make_server(listen: str, token: str = "", workers: int = 32, roots=None):
+    """A started server on listen (host:port; port 0 picks one) whose Save and Load stay inside
+    roots (folders; None: the working directory). Returns (server, service, port).
+
+    Off loopback it needs a token: without one anyone who reaches the port could train the model
+    and make it save and load model folders."""
     host, _, port = listen.rpartition(":")
     if not host:
         raise ValueError(f"--listen {listen!r}: write it as host:port, e.g. 127.0.0.1:7777")
-    if host not in ("127.0.0.1", "localhost", "::1", "[::1]") and not token:
-        log.warning("listening on %s without a bearer token: anyone who reaches it can use the "
-                    "engine (set --token-env)", listen)
+    if not is_loopback(host):
+        if not token:
+            raise ValueError(
+                f"--listen {listen} is not loopback: an engine served to the network must "
+                f"authenticate its clients, or anyone who reaches the port could train it and make "
+                f"it save and load model folders: set a bearer token (--token-env VAR); to serve "
+                f"this machine only, listen on 127.0.0.1")
+        log.warning("listening on %s in plaintext: the token and all traffic cross the network "
+                    "unencrypted; use a private network or a tunnel", listen)
+    service = Service(Roots(roots))
     options = [
         ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
         ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
@@ -455,7 +547,6 @@ def make_server(listen: str, token: str = "", workers: int = 32):
     interceptors = [_TokenAuth(token)] if token else []
     server = grpc.server(concurrent.futures.ThreadPoolExecutor(max_workers=workers),
                          interceptors=interceptors, options=options)
-    service = Service()
     pb_grpc.add_EngineServicer_to_server(service, server)
     bound = server.add_insecure_port(listen)
     if bound == 0:
@@ -475,10 +566,14 @@ def serve(args) -> None:
         token = os.environ.get(args.token_env, "")
         if not token:
             raise SystemExit(f"--token-env {args.token_env}: the variable is empty or unset")
-    server, service, port = make_server(args.listen, token)
+    try:
+        server, service, port = make_server(args.listen, token, roots=args.root)
+    except ValueError as e:
+        raise SystemExit(f"slimen_torch serve: {e}") from None
     host = args.listen.rpartition(":")[0]
     addr = f"{host}:{port}"
-    log.info("listening on %s (loading %s)", addr, args.model)
+    log.info("listening on %s (loading %s); clients save and load model folders only under %s",
+             addr, args.model, ", ".join(service.roots.dirs))
     if args.address_file:
         tmp = args.address_file + ".tmp"
         with open(tmp, "w") as f:

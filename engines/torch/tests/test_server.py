@@ -3,8 +3,11 @@ early finishers first, resent ids answered from memory, cancels, per-request err
 step-id idempotency, Score, Tokenize, Save/Load, Info/Health and the bearer token."""
 
 import concurrent.futures
+import os
 import queue
 import threading
+
+import pathlib
 
 import grpc
 import pytest
@@ -12,7 +15,7 @@ import pytest
 from slimen_torch.engine import Engine
 from slimen_torch.proto import engine_pb2 as pb
 from slimen_torch.proto import engine_pb2_grpc as pb_grpc
-from slimen_torch.server import make_server
+from slimen_torch.server import Roots, is_loopback, make_server
 from slimen_torch.types import GenerateRequest, Sampling, ScoreRequest
 
 
@@ -32,9 +35,10 @@ class Spy:
 
 
 @pytest.fixture(scope="module")
-def served(noeos_dir):
+def served(noeos_dir, tmp_path_factory):
     engine = Engine(str(noeos_dir))
-    server, service, port = make_server("127.0.0.1:0")
+    # Save and Load may use the session's temporary folders (tmp_path).
+    server, service, port = make_server("127.0.0.1:0", roots=[str(tmp_path_factory.getbasetemp())])
     spy = Spy(engine)
     service.engine = spy
     service.loading = False
@@ -354,3 +358,110 @@ def test_answers_name_the_instance(served):
         server2.stop(0).wait()
     _, call = stub.Health.with_call(pb.HealthRequest())
     assert instance_header(call) == inst
+
+
+# ---- Save and Load stay inside the root; the network needs a token ----
+
+class Folders:
+    """The engine, recording the folders that reach its save and load."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.calls = []
+
+    def save(self, d):
+        self.calls.append(("save", d))
+        return self.engine.save(d)
+
+    def load(self, d):
+        self.calls.append(("load", d))
+        return self.engine.load(d)
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+
+def test_save_and_load_stay_inside_the_root(noeos_dir, tmp_path):
+    """Hostile folders (parent references, absolute paths elsewhere, symbolic links out of the
+    root, one that points nowhere, a load of a real model folder outside) are refused before they
+    reach the engine, with an error naming the root; folders inside reach it resolved."""
+    spy = Engine(str(noeos_dir))
+    base = pathlib.Path(os.path.realpath(tmp_path))
+    root, outside = base / "root", base / "outside"
+    root.mkdir()
+    spy.save(str(outside / "model"))  # a real model folder a load must not reach
+    before = sorted(p.name for p in outside.iterdir())
+    (root / "escape").symlink_to(outside)
+    (root / "dangling").symlink_to(base / "nowhere")
+    (base / "alias").symlink_to(root)  # the server is given its root through a link
+    eng = Folders(spy)
+    server, service, port = make_server("127.0.0.1:0", roots=[str(base / "alias")])
+    service.engine, service.loading = eng, False
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+            stub = pb_grpc.EngineStub(ch)
+
+            def call(what, d):
+                if what == "save":
+                    return stub.Save(pb.SaveRequest(dir=d))
+                return stub.Load(pb.LoadRequest(dir=d))
+
+            for d in ["../outside/model", str(outside / "model"), "/etc", "/", "escape",
+                      "escape/model", "escape/new", "dangling", "dangling/x",
+                      "ckpt/../../outside/model", str(root / ".." / "outside" / "model")]:
+                for what in ("save", "load"):
+                    with pytest.raises(grpc.RpcError) as e:
+                        call(what, d)
+                    assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED, (what, d)
+                    assert f"outside this server's root {root}:" in e.value.details(), (what, d)
+            for what in ("save", "load"):
+                with pytest.raises(grpc.RpcError) as e:
+                    call(what, "")
+                assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and str(root) in e.value.details()
+            assert eng.calls == []
+            assert sorted(p.name for p in outside.iterdir()) == before
+            assert not os.path.lexists(base / "nowhere")
+
+            # Inside: relative to the root, and absolute through the link it was given as.
+            call("save", "ckpt/step_1")
+            call("load", str(base / "alias" / "ckpt" / "x" / ".." / "step_1"))
+            assert (root / "ckpt" / "step_1" / "config.json").exists()
+            want = str(root / "ckpt" / "step_1")
+            assert eng.calls == [("save", want), ("load", want)]
+    finally:
+        server.stop(0).wait()
+        spy.close()
+
+
+def test_roots(tmp_path, monkeypatch):
+    base = os.path.realpath(tmp_path)
+    r = Roots([os.path.join(base, "run"), os.path.join(base, "models")])  # need not exist yet
+    assert r.resolve("save", "checkpoints/step_1") == os.path.join(base, "run", "checkpoints", "step_1")
+    assert r.resolve("save", os.path.join(base, "models", "m")) == os.path.join(base, "models", "m")
+    with pytest.raises(Exception, match=f"outside this server's roots {base}/run, {base}/models"):
+        r.resolve("load", base)
+    with pytest.raises(ValueError, match="is a file"):
+        (tmp_path / "f").write_text("x")
+        Roots([str(tmp_path / "f")])
+    # The default is the working directory, but not the file system's root.
+    monkeypatch.chdir(tmp_path)
+    assert Roots().dirs == [base]
+    monkeypatch.chdir("/")
+    with pytest.raises(ValueError, match="--root DIR"):
+        Roots()
+    assert Roots(["/"]).dirs == ["/"]
+
+
+def test_off_loopback_needs_a_token():
+    for host in ("127.0.0.1", "127.3.2.1", "[::1]", "::1", "localhost", "LOCALHOST"):
+        assert is_loopback(host), host
+    for host in ("0.0.0.0", "", "10.0.0.5", "gpu-node", "[::]"):
+        assert not is_loopback(host), host
+    for listen in ("0.0.0.0:0", "[::]:0"):
+        with pytest.raises(ValueError, match=r"must authenticate its clients.*--token-env VAR"):
+            make_server(listen)
+    server, _, port = make_server("0.0.0.0:0", token="s3cret")
+    try:
+        assert port > 0
+    finally:
+        server.stop(0).wait()
