@@ -32,7 +32,7 @@ import (
 //
 // A torch worker's output goes to this process's stderr; a run sends it to its events.log.
 func OpenEngine(ctx context.Context, p config.PolicyConfig) (engines.Engine, error) {
-	return openEngine(ctx, p, engineLogs{})
+	return openEngine(ctx, p, "", engineLogs{})
 }
 
 // engineLogs are where openEngine reports; a nil func drops its lines, except worker output,
@@ -65,8 +65,9 @@ func (l engineLogs) logf(format string, args ...any) {
 }
 
 // openEngine is OpenEngine with places to report to: a remote engine that restarted (and so lost
-// whatever it had learned since its last save), a torch worker's start and output.
-func openEngine(ctx context.Context, p config.PolicyConfig, logs engineLogs) (engines.Engine, error) {
+// whatever it had learned since its last save), a torch worker's start and output. runDir is the
+// run's directory ("" if it has none), where a torch worker lets the run save and load checkpoints.
+func openEngine(ctx context.Context, p config.PolicyConfig, runDir string, logs engineLogs) (engines.Engine, error) {
 	switch p.Engine.Kind {
 	case "tiny":
 		// The engine keeps the model it opens as its KL reference, so it opens the reference and
@@ -88,7 +89,7 @@ func openEngine(ctx context.Context, p config.PolicyConfig, logs engineLogs) (en
 		}
 		return e, nil
 	case "torch":
-		return openTorch(ctx, p, logs)
+		return openTorch(ctx, p, runDir, logs)
 	case "remote":
 		o := clientOptions(p)
 		o.Address, o.Insecure, o.TokenEnv = p.Engine.Address, p.Engine.Insecure, p.Engine.TokenEnv
@@ -141,7 +142,7 @@ func torchPython(p config.PolicyConfig) (python, from string) {
 }
 
 // openTorch starts a policy's torch worker and connects to it.
-func openTorch(ctx context.Context, p config.PolicyConfig, logs engineLogs) (engines.Engine, error) {
+func openTorch(ctx context.Context, p config.PolicyConfig, runDir string, logs engineLogs) (engines.Engine, error) {
 	python, from := torchPython(p)
 	model, key := p.HFCheckpoint, "hf_checkpoint"
 	args := slices.Clone(p.Engine.Args)
@@ -168,7 +169,7 @@ func openTorch(ctx context.Context, p config.PolicyConfig, logs engineLogs) (eng
 		args = append(args, "--ref-model", ref)
 	}
 	o := torchproc.Options{Python: python, Model: model, Device: p.Engine.Device, Args: args,
-		TokenEnv: p.Engine.TokenEnv, StartTimeout: p.Engine.StartTimeout,
+		Roots: torchRoots(p, runDir), TokenEnv: p.Engine.TokenEnv, StartTimeout: p.Engine.StartTimeout,
 		Client: clientOptions(p)}
 	where := "device " + p.Engine.Device
 	if p.Engine.Device == "" {
@@ -199,6 +200,21 @@ func openTorch(ctx context.Context, p config.PolicyConfig, logs engineLogs) (eng
 	self.Store(engines.Engine(e))
 	logs.logf("policy %q: torch worker ready in %.1fs", p.Name, time.Since(start).Seconds())
 	return e, nil
+}
+
+// torchRoots are the folders a policy's torch worker lets its clients save into and load from:
+// the run's directory (its checkpoints) and the folder that holds the policy's save: folder (which
+// is written beside it and swapped in). With neither, the worker's default: this process's
+// working directory.
+func torchRoots(p config.PolicyConfig, runDir string) []string {
+	var roots []string
+	if runDir != "" {
+		roots = append(roots, runDir)
+	}
+	if p.Save != "" && p.Trainable {
+		roots = append(roots, filepath.Dir(p.Save))
+	}
+	return roots
 }
 
 // checkModelFolder checks, before a worker starts, that a policy's model path (named by key) is a

@@ -30,8 +30,9 @@ func torchPython(t *testing.T) string {
 	return filepath.Join(strings.TrimSpace(string(out)), "bin", "python")
 }
 
-// torchConfig writes a config of the debate's two policies on torch workers.
-func torchConfig(t *testing.T, dir, model, python string) string {
+// torchConfig writes a config of the debate's two policies on torch workers; gen holds extra
+// lines of the generator ("    save: DIR\n"), run extra keys of run (", save_interval: 1").
+func torchConfig(t *testing.T, dir, model, python, gen, run string) string {
 	t.Helper()
 	cfg := filepath.Join(dir, "torch.yaml")
 	y := fmt.Sprintf(`policies:
@@ -39,13 +40,13 @@ func torchConfig(t *testing.T, dir, model, python string) string {
     hf_checkpoint: %s
     engine: {kind: torch, python: %q, device: cpu, args: [--max-seq-len, "512"]}
     train: {lr: 1.0e-3, global_batch_size: 0}
-  - name: critic
+%s  - name: critic
     hf_checkpoint: %s
     sglang: {kind: torch, device: cpu, args: [--max-seq-len, "512"]}   # python from $SLIMEN_PYTHON
     train: {lr: 1.0e-3, global_batch_size: 0}
 rollout: {batch_size: 4, max_response_len: 8}
-run: {steps: 2, seed: 3}
-`, model, python, model)
+run: {steps: 2, seed: 3%s}
+`, model, python, gen, model, run)
 	if err := os.WriteFile(cfg, []byte(y), 0o644); err != nil {
 		t.Fatal(err)
 	}
@@ -64,9 +65,24 @@ func TestTorchEngineDebate(t *testing.T) {
 	out := filepath.Join(dir, "run")
 	// The binary unpacks its embedded worker package under the user cache folder: keep it here.
 	env := []string{"SLIMEN_PYTHON=" + py, "XDG_CACHE_HOME=" + filepath.Join(dir, "cache")}
-	log, err := slimen(t, env, "exec", "examples/debate/debate.star", "--config", torchConfig(t, dir, model, py), "--out", out)
+	// A checkpoint after every step, and the generator's save: folder outside the run directory:
+	// the workers save and load only where the run lets them (the run directory, the save:
+	// folder's parent).
+	saved := filepath.Join(dir, "saves", "generator")
+	cfg := torchConfig(t, dir, model, py, fmt.Sprintf("    save: %q\n", saved), ", save_interval: 1")
+	log, err := slimen(t, env, "exec", "examples/debate/debate.star", "--config", cfg, "--out", out)
 	if err != nil {
 		t.Fatalf("%v\n%s", err, log)
+	}
+	for _, f := range []string{filepath.Join(out, "checkpoints", "step_2", "generator", "config.json"),
+		filepath.Join(out, "checkpoints", "step_2", "critic", "config.json"), filepath.Join(saved, "config.json")} {
+		if _, err := os.Stat(f); err != nil {
+			t.Errorf("the workers' saves: %v", err)
+		}
+	}
+	// Resuming loads the checkpoint into new workers, and the run goes on for a third step.
+	if log, err := slimen(t, env, "exec", "--resume", out, "--steps", "3"); err != nil {
+		t.Fatalf("resume: %v\n%s", err, log)
 	}
 
 	b, err := os.ReadFile(filepath.Join(out, "metrics.jsonl"))
@@ -91,7 +107,7 @@ func TestTorchEngineDebate(t *testing.T) {
 			t.Errorf("%s: samples %v, loss %v (%T): want samples > 0 and a finite loss\n%s", key, m["samples"], m["loss"], m["loss"], line)
 		}
 	}
-	for _, k := range []string{"generator@1", "generator@2", "critic@1", "critic@2"} {
+	for _, k := range []string{"generator@1", "generator@2", "generator@3", "critic@1", "critic@2", "critic@3"} {
 		if !seen[k] {
 			t.Errorf("metrics.jsonl has no line for %s:\n%s", k, b)
 		}
@@ -126,7 +142,7 @@ func TestTorchEngineStartErrors(t *testing.T) {
 	cfg := filepath.Join(dir, "torch.yaml")
 	run := func(name, model, python string, env []string, wants ...string) {
 		t.Helper()
-		log, err := slimen(t, env, "exec", "examples/debate/debate.star", "--config", torchConfig(t, dir, model, python), "--out", filepath.Join(dir, name))
+		log, err := slimen(t, env, "exec", "examples/debate/debate.star", "--config", torchConfig(t, dir, model, python, "", ""), "--out", filepath.Join(dir, name))
 		for _, want := range wants {
 			if err == nil || !strings.Contains(log, want) {
 				t.Errorf("%s: exit %v; output lacks %q:\n%s", name, err, want, log)
