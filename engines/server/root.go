@@ -116,10 +116,17 @@ func within(dir, p string) bool {
 	return err == nil && rel != ".." && !strings.HasPrefix(rel, ".."+string(filepath.Separator)) && !filepath.IsAbs(rel)
 }
 
-// resolveExisting resolves the symbolic links of the longest part of the clean absolute path p
-// that exists, and appends the rest, which the engine will create. A symbolic link that points
-// nowhere is refused: the engine would create its target, wherever that is.
+// resolveExisting resolves the symbolic links of the clean absolute path p as the file system
+// will when the engine creates what is missing: those of the longest part that exists, and a link
+// whose target does not exist yet, followed to that target.
 func resolveExisting(p string) (string, error) {
+	return resolveLinks(p, 0)
+}
+
+// maxLinks bounds the dangling links followed in one path (a loop of them never ends otherwise).
+const maxLinks = 40
+
+func resolveLinks(p string, links int) (string, error) {
 	rest := ""
 	for d := p; ; d = filepath.Dir(d) {
 		real, err := filepath.EvalSymlinks(d)
@@ -130,7 +137,22 @@ func resolveExisting(p string) (string, error) {
 			return "", err
 		}
 		if fi, lerr := os.Lstat(d); lerr == nil && fi.Mode()&fs.ModeSymlink != 0 {
-			return "", fmt.Errorf("%s is a symbolic link to a path that does not exist", d)
+			// A link to a path that does not exist: the engine would create its target.
+			if links >= maxLinks {
+				return "", fmt.Errorf("%s: too many levels of symbolic links", p)
+			}
+			target, err := os.Readlink(d)
+			if err != nil {
+				return "", err
+			}
+			if !filepath.IsAbs(target) {
+				dir, err := filepath.EvalSymlinks(filepath.Dir(d)) // it exists: d does
+				if err != nil {
+					return "", err
+				}
+				target = filepath.Join(dir, target)
+			}
+			return resolveLinks(filepath.Join(filepath.Clean(target), rest), links+1)
 		}
 		if filepath.Dir(d) == d {
 			return p, nil

@@ -45,8 +45,9 @@ func (f *folders) seen() []string {
 }
 
 // Hostile Save and Load requests (parent references, absolute paths elsewhere, symbolic links out
-// of the root, one that points nowhere) are refused before they reach the engine, with an error
-// that names the root; folders inside it reach the engine as clean absolute paths.
+// of the root, one that points nowhere outside it, a loop of links) are refused before they reach
+// the engine, with an error that names the root; folders inside it reach the engine as clean
+// absolute paths with their links resolved.
 func TestSaveAndLoadStayInsideTheRoot(t *testing.T) {
 	base, err := filepath.EvalSymlinks(t.TempDir())
 	if err != nil {
@@ -63,6 +64,8 @@ func TestSaveAndLoadStayInsideTheRoot(t *testing.T) {
 		filepath.Join(root, "dangling"): filepath.Join(base, "nowhere"),
 		filepath.Join(base, "alias"):    root, // the server is given its root through a link
 		filepath.Join(root, "inner"):    filepath.Join(root, "ckpt"),
+		filepath.Join(root, "later"):    "made", // points nowhere yet, inside the root
+		filepath.Join(root, "loop"):     "loop",
 	} {
 		if err := os.Symlink(target, link); err != nil {
 			t.Fatal(err)
@@ -92,10 +95,11 @@ func TestSaveAndLoadStayInsideTheRoot(t *testing.T) {
 		"escape/new",
 		"dangling",
 		"dangling/x",
+		"loop/x",
 	} {
 		for _, what := range []string{"save", "load"} {
 			err := call(what, dir)
-			if status.Code(err) != codes.PermissionDenied || !strings.Contains(err.Error(), "outside this server's root "+root) && !strings.Contains(err.Error(), "this server's root "+root+" refuses it") {
+			if status.Code(err) != codes.PermissionDenied || !strings.Contains(err.Error(), "outside this server's root "+root) && !strings.Contains(err.Error(), "links; this server's root "+root+" refuses it") {
 				t.Errorf("%s %q: got %v, want PERMISSION_DENIED naming the root %s", what, dir, err, root)
 			}
 		}
@@ -118,7 +122,7 @@ func TestSaveAndLoadStayInsideTheRoot(t *testing.T) {
 
 	// Inside the root: relative to it, absolute through the link it was given as, and through a
 	// link that stays inside.
-	for _, dir := range []string{"ckpt/step_1", filepath.Join(base, "alias", "a", "..", "b"), filepath.Join(root, "c"), "inner/step_2", "."} {
+	for _, dir := range []string{"ckpt/step_1", filepath.Join(base, "alias", "a", "..", "b"), filepath.Join(root, "c"), "inner/step_2", ".", "later/x"} {
 		if err := call("save", dir); err != nil {
 			t.Errorf("save %q: %v", dir, err)
 		}
@@ -132,6 +136,7 @@ func TestSaveAndLoadStayInsideTheRoot(t *testing.T) {
 		"save " + filepath.Join(root, "c"),
 		"save " + filepath.Join(root, "ckpt", "step_2"),
 		"save " + root,
+		"save " + filepath.Join(root, "made", "x"),
 		"load " + filepath.Join(root, "ckpt", "step_2"),
 	}
 	if got := eng.seen(); !slices.Equal(got, want) {

@@ -383,8 +383,9 @@ class Folders:
 
 def test_save_and_load_stay_inside_the_root(noeos_dir, tmp_path):
     """Hostile folders (parent references, absolute paths elsewhere, symbolic links out of the
-    root, one that points nowhere, a load of a real model folder outside) are refused before they
-    reach the engine, with an error naming the root; folders inside reach it resolved."""
+    root, one that points nowhere outside it, a load of a real model folder outside) are refused
+    before they reach the engine, with an error naming the root; folders inside reach it with
+    their links resolved."""
     spy = Engine(str(noeos_dir))
     base = pathlib.Path(os.path.realpath(tmp_path))
     root, outside = base / "root", base / "outside"
@@ -393,6 +394,7 @@ def test_save_and_load_stay_inside_the_root(noeos_dir, tmp_path):
     before = sorted(p.name for p in outside.iterdir())
     (root / "escape").symlink_to(outside)
     (root / "dangling").symlink_to(base / "nowhere")
+    (root / "later").symlink_to("made")  # points nowhere yet, inside the root
     (base / "alias").symlink_to(root)  # the server is given its root through a link
     eng = Folders(spy)
     server, service, port = make_server("127.0.0.1:0", roots=[str(base / "alias")])
@@ -425,9 +427,10 @@ def test_save_and_load_stay_inside_the_root(noeos_dir, tmp_path):
             # Inside: relative to the root, and absolute through the link it was given as.
             call("save", "ckpt/step_1")
             call("load", str(base / "alias" / "ckpt" / "x" / ".." / "step_1"))
+            call("save", "later/x")
             assert (root / "ckpt" / "step_1" / "config.json").exists()
             want = str(root / "ckpt" / "step_1")
-            assert eng.calls == [("save", want), ("load", want)]
+            assert eng.calls == [("save", want), ("load", want), ("save", str(root / "made" / "x"))]
     finally:
         server.stop(0).wait()
         spy.close()
