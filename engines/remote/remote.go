@@ -72,6 +72,9 @@ type Options struct {
 	Insecure bool
 	// TokenEnv names the environment variable holding the bearer token; empty: no token.
 	TokenEnv string
+	// Token is the bearer token itself, for a caller that holds it rather than an environment
+	// variable (engines/torchproc makes one per worker). Set TokenEnv or Token, not both.
+	Token string
 	// MaxMessageBytes bounds every message in both directions; 0: DefaultMaxMessageBytes.
 	MaxMessageBytes int
 	// Timeout is the deadline of a call whose context has none; 0: DefaultTimeout.
@@ -170,11 +173,16 @@ func Dial(ctx context.Context, opts Options) (*Client, error) {
 		// dropped route) while a long generate call waits.
 		grpc.WithKeepaliveParams(keepalive.ClientParameters{Time: 30 * time.Second, Timeout: 20 * time.Second, PermitWithoutStream: true}),
 	}
+	tok := opts.Token
 	if opts.TokenEnv != "" {
-		tok := os.Getenv(opts.TokenEnv)
-		if tok == "" {
+		if tok != "" {
+			return nil, fmt.Errorf("engine at %s: both a token and a token environment variable (%s) given; set one", addr, opts.TokenEnv)
+		}
+		if tok = os.Getenv(opts.TokenEnv); tok == "" {
 			return nil, fmt.Errorf("engine at %s: the token environment variable %s (engine.token_env) is empty or unset: export the server's token in it", addr, opts.TokenEnv)
 		}
+	}
+	if tok != "" {
 		dopts = append(dopts, grpc.WithPerRPCCredentials(bearer(tok)))
 	}
 	// passthrough: the name is resolved again at each connection attempt, so an engine that

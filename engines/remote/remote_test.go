@@ -455,6 +455,18 @@ func TestTokenChecks(t *testing.T) {
 	if _, err := c.Generate(ctx, []engines.GenerateRequest{chat("t-1", "hi", 1)}); err != nil {
 		t.Errorf("right token: %v", err)
 	}
+
+	// The token itself, as a program that holds it in memory gives it.
+	c = dial(t, remote.Options{Address: addr, Token: "s3cret"})
+	if _, err := c.Generate(ctx, []engines.GenerateRequest{chat("t-2", "hi", 1)}); err != nil {
+		t.Errorf("right token in Options.Token: %v", err)
+	}
+	if _, err := remote.Dial(ctx, remote.Options{Address: addr, Token: "wrong"}); err == nil || !strings.Contains(err.Error(), "rejected the token: the bearer token does not match") {
+		t.Errorf("wrong token in Options.Token: got %v", err)
+	}
+	if _, err := remote.Dial(ctx, remote.Options{Address: addr, Token: "s3cret", TokenEnv: "SLIMEN_TEST_TOKEN"}); err == nil || !strings.Contains(err.Error(), "set one") {
+		t.Errorf("a token and a token variable: got %v", err)
+	}
 }
 
 func TestPlaintextToNonLoopbackIsRefused(t *testing.T) {

@@ -4,7 +4,7 @@
 // Start unpacks the worker's Python package (embedded in the binary by engines/torch, so worker
 // and host always speak the same protocol version), runs
 //
-//	PYTHON -m slimen_torch serve --model MODEL --listen 127.0.0.1:0 --address-file F [--device D] [--root DIR]…
+//	PYTHON -m slimen_torch serve --model MODEL --listen 127.0.0.1:0 --address-file F --token-env VAR [--device D] [--root DIR]…
 //
 // with PYTHONPATH pointing at it, waits until the worker listens and its Health says SERVING (the
 // model is loaded), and connects an engines/remote client to it. Close stops the client and the
@@ -15,6 +15,7 @@ package torchproc
 import (
 	"bytes"
 	"context"
+	"crypto/rand"
 	"errors"
 	"fmt"
 	"io"
@@ -57,7 +58,8 @@ type Options struct {
 	// working directory, which is this process's.
 	Roots []string
 	// TokenEnv names an environment variable holding a bearer token that the worker will demand
-	// and the client will send; "" is no token (the worker listens on loopback only).
+	// and the client will send. "": Start makes a random token for this worker, handed to it in
+	// its environment (WorkerTokenEnv), so that no other process on the machine can use it.
 	TokenEnv string
 	// StartTimeout bounds the start, model loading included; 0 is DefaultStartTimeout.
 	StartTimeout time.Duration
@@ -66,6 +68,10 @@ type Options struct {
 	// Client holds the settings of the gRPC client; its Address and TokenEnv are set by Start.
 	Client remote.Options
 }
+
+// WorkerTokenEnv is the variable of a worker's environment that holds the token Start made for it
+// (when Options.TokenEnv is empty).
+const WorkerTokenEnv = "SLIMEN_WORKER_TOKEN"
 
 // Engine is a running worker: the remote client (every engines.Engine method) plus the process.
 type Engine struct {
@@ -118,9 +124,14 @@ func Start(ctx context.Context, opts Options) (*Engine, error) {
 	if opts.Device != "" {
 		args = append(args, "--device", opts.Device)
 	}
-	if opts.TokenEnv != "" {
-		args = append(args, "--token-env", opts.TokenEnv)
+	// The worker listens on loopback, which every process on this machine can reach: a token
+	// keeps them out. Its own is passed in its environment, which only its user can read, never
+	// on its command line.
+	tokenEnv, token := opts.TokenEnv, ""
+	if tokenEnv == "" {
+		tokenEnv, token = WorkerTokenEnv, rand.Text()
 	}
+	args = append(args, "--token-env", tokenEnv)
 	for _, r := range opts.Roots {
 		abs, err := filepath.Abs(r)
 		if err != nil {
@@ -133,6 +144,9 @@ func Start(ctx context.Context, opts Options) (*Engine, error) {
 	cmd := exec.Command(opts.Python, args...)
 	cmd.Env = append(os.Environ(), "PYTHONPATH="+pythonPath(pkg), "PYTHONUNBUFFERED=1")
 	cmd.Env = append(cmd.Env, opts.Env...)
+	if token != "" {
+		cmd.Env = append(cmd.Env, WorkerTokenEnv+"="+token) // the last value of a name wins
+	}
 	tail := &tailBuffer{max: 64 << 10}
 	out := io.MultiWriter(opts.Log, tail)
 	cmd.Stdout, cmd.Stderr = out, out
@@ -148,15 +162,16 @@ func Start(ctx context.Context, opts Options) (*Engine, error) {
 	}()
 	ctx, cancel := context.WithTimeout(ctx, opts.StartTimeout)
 	defer cancel()
-	if err := e.connect(ctx, addrFile, opts); err != nil {
+	if err := e.connect(ctx, addrFile, opts, token); err != nil {
 		e.stop()
 		return nil, err
 	}
 	return e, nil
 }
 
-// connect waits for the address file, dials, and waits for the model to be served.
-func (e *Engine) connect(ctx context.Context, addrFile string, opts Options) error {
+// connect waits for the address file, dials (with the token Start made, if any), and waits for the
+// model to be served.
+func (e *Engine) connect(ctx context.Context, addrFile string, opts Options, token string) error {
 	tick := time.NewTicker(50 * time.Millisecond)
 	defer tick.Stop()
 	var addr string
@@ -171,7 +186,7 @@ func (e *Engine) connect(ctx context.Context, addrFile string, opts Options) err
 	}
 	copts := opts.Client
 	copts.Address = addr
-	copts.TokenEnv = opts.TokenEnv
+	copts.TokenEnv, copts.Token = opts.TokenEnv, token
 	dialCtx, cancel := context.WithCancel(ctx)
 	defer cancel()
 	go func() { // a worker that dies while we dial must not leave Dial retrying

@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/slimen/slimen/engines"
+	"github.com/slimen/slimen/engines/remote"
 )
 
 // python finds an interpreter with the worker's requirements: $SLIMEN_TORCH_PYTHON, or the
@@ -109,6 +110,20 @@ func TestStartServeAndClose(t *testing.T) {
 	}
 	if _, err := os.Stat(filepath.Join(saves, "saved", "config.json")); err != nil {
 		t.Errorf("the save is not in the worker's root: %v", err)
+	}
+	// Other processes of this machine cannot use the worker: it wants the token Start made.
+	addr, err := os.ReadFile(filepath.Join(e.tmp, "address"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, tok := range []string{"", "guess"} {
+		c, err := remote.Dial(ctx, remote.Options{Address: strings.TrimSpace(string(addr)), Token: tok})
+		if err == nil {
+			c.Close()
+		}
+		if err == nil || !strings.Contains(err.Error(), "rejected the token") {
+			t.Errorf("a client with token %q: got %v, want a rejection", tok, err)
+		}
 	}
 	// The worker keeps its clients to its root.
 	elsewhere := t.TempDir()
