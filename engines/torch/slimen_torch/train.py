@@ -126,7 +126,12 @@ class Trainer:
     def __init__(self, model: Transformer, *, micro_batch_tokens: int, reference=None,
                  compile: str | bool = "", fused_head: bool = False):
         self.model = model
-        self.params = [p for p in model.parameters()]
+        # A critic's value head (score, score_bias) comes last, wherever the model registers it: a head
+        # created after the optimizer is appended (add_params), so every trainer of the same
+        # model, with or without the head at its start, orders the optimizer's state alike.
+        named = list(model.named_parameters())
+        self.params = [p for n, p in named if not n.startswith("score")] + \
+            [p for n, p in named if n.startswith("score")]
         self.mixed = self.params[0].dtype != torch.float32
         self.cuda = self.params[0].device.type == "cuda"
         self.micro_batch_tokens = micro_batch_tokens
@@ -403,6 +408,19 @@ class Trainer:
 
     def load_state_dict(self, state: dict) -> None:
         opt = self._optimizer()
+        sizes = [len(g["params"]) for g in state["optimizer"]["param_groups"]]
+        if len(sizes) != len(opt.param_groups):
+            # Parameters added after the optimizer was made (a value head created once the
+            # engine had trained) were saved as a group of their own; a trainer built on the
+            # loaded model has them in its first: split its parameters as the save did.
+            if sum(sizes) != len(self.masters):
+                raise ValueError(f"the optimizer state holds {sum(sizes)} parameters, the model "
+                                 f"{len(self.masters)}: it belongs to another model")
+            groups, k = [], 0
+            for n in sizes:
+                groups.append({"params": self.masters[k:k + n]})
+                k += n
+            self.opt = opt = torch.optim.AdamW(groups, lr=0.0, fused=self.cuda)
         if self.mixed:
             with torch.no_grad():
                 for m, saved in zip(self.masters, state["masters"]):

@@ -115,3 +115,33 @@ def test_critic_batch_as_the_host_sends_it(model_dirs):
         assert st.value_loss > 0 and not st.skipped
     finally:
         e.close()
+
+
+def test_head_created_after_the_optimizer_survives_save_and_load(model_dirs, tmp_path):
+    """An engine that trained as an actor before its value head existed keeps the head's optimizer
+    state in a parameter group of its own; its save loads back (a new engine and in place)."""
+    e = Engine(str(model_dirs["tiny-qwen3"]))
+    try:
+        actor = critic_batch(e, 0.0)
+        for s in actor.samples:
+            s.returns, s.advantages = [], [1.0] * len(s.response)
+        e.train(actor)  # the optimizer exists now, without the head
+        batch = critic_batch(e, 2.0)
+        values_of(e, batch)  # creates the head: a second parameter group
+        e.train(batch)
+        e.save(str(tmp_path / "c"))
+        want = values_of(e, batch)
+        again = e.train(batch)
+        for engine in (Engine(str(tmp_path / "c")), e):
+            if engine is e:
+                e.load(str(tmp_path / "c"))
+            try:
+                for got, w in zip(values_of(engine, batch), want):
+                    assert got == pytest.approx(w, abs=1e-6)
+                # The optimizer state came back too: the same next step as before the save.
+                assert engine.train(batch).value_loss == pytest.approx(again.value_loss, rel=1e-5)
+            finally:
+                if engine is not e:
+                    engine.close()
+    finally:
+        e.close()
