@@ -10,7 +10,7 @@ import (
 	"go.starlark.net/starlark"
 
 	"github.com/slimen/slimen/engines"
-	"github.com/slimen/slimen/host/data"
+	"github.com/slimen/slimen/host/tasks"
 )
 
 // Eval (DESIGN §2, issue 7): every run.eval_interval steps, and before the first step, each eval
@@ -64,11 +64,11 @@ func (r *Run) Eval(ctx context.Context) ([]Metrics, error) {
 	cfg := r.Config()
 	var out []Metrics
 	for _, ds := range cfg.Eval.Datasets {
-		src, err := data.Open(ds.Path, data.Options{InputKey: ds.InputKey, LabelKey: ds.LabelKey, Seed: data.EvalSeed(cfg.Run.Seed)})
+		src, err := tasks.Open(ds.Path, tasks.Options{InputKey: ds.InputKey, LabelKey: ds.LabelKey, Seed: tasks.EvalSeed(cfg.Run.Seed)})
 		if err != nil {
 			return nil, fmt.Errorf("eval dataset %q: %w", ds.Name, err)
 		}
-		tasks, err := data.EvalTasks(src, ds.Limit)
+		tasks, err := tasks.EvalTasks(src, ds.Limit)
 		if err != nil {
 			return nil, fmt.Errorf("eval dataset %q: %w", ds.Name, err)
 		}

@@ -13,11 +13,11 @@ import (
 	"go.starlark.net/starlarkstruct"
 
 	"github.com/slimen/slimen/engines"
-	"github.com/slimen/slimen/host/data"
+	"github.com/slimen/slimen/host/tasks"
 )
 
 // Task is one unit of work handed to rollout(task).
-type Task = data.Task
+type Task = tasks.Task
 
 // rollout is one call of the script's rollout(task): its threads, the samples it queued for
 // training and the metrics it logged. Nothing it queued reaches a buffer unless it succeeds.

@@ -20,8 +20,8 @@ import (
 
 	"github.com/slimen/slimen/engines"
 	"github.com/slimen/slimen/host/config"
-	"github.com/slimen/slimen/host/data"
 	"github.com/slimen/slimen/host/plot"
+	"github.com/slimen/slimen/host/tasks"
 )
 
 // Options configure a run.
@@ -53,7 +53,7 @@ type Options struct {
 	SandboxCommand []string
 }
 
-// TaskSource yields the tasks of a run by index (data.Source is one).
+// TaskSource yields the tasks of a run by index (tasks.Source is one).
 type TaskSource interface {
 	// Task returns task i; a finite source wraps around.
 	Task(i int) Task
@@ -62,7 +62,7 @@ type TaskSource interface {
 // openTasks opens the config's data source; skipped lines are reported in the events log.
 func (r *Run) openTasks() error {
 	c := r.cfg
-	src, err := data.Open(c.Data.Path, data.Options{InputKey: c.Data.InputKey, LabelKey: c.Data.LabelKey, Seed: c.Run.Seed, Shuffle: c.Data.Shuffle})
+	src, err := tasks.Open(c.Data.Path, tasks.Options{InputKey: c.Data.InputKey, LabelKey: c.Data.LabelKey, Seed: c.Run.Seed, Shuffle: c.Data.Shuffle})
 	if err != nil {
 		return err
 	}

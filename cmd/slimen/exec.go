@@ -15,8 +15,8 @@ import (
 
 	"github.com/slimen/slimen/host"
 	"github.com/slimen/slimen/host/config"
-	tasks "github.com/slimen/slimen/host/data"
 	"github.com/slimen/slimen/host/plot"
+	"github.com/slimen/slimen/host/tasks"
 )
 
 func init() {

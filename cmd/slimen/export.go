@@ -8,8 +8,7 @@ import (
 	"io"
 	"os"
 
-	"github.com/slimen/slimen/engines/tiny"
-	"github.com/slimen/slimen/host/synthetic"
+	"github.com/slimen/slimen/host/tasks"
 )
 
 func init() {
@@ -19,7 +18,7 @@ func init() {
 // cmdExport writes problems of a synthetic source as JSONL, one object a line:
 //
 //	--format sft    {"prompt": …, "response": "\\boxed{N}"}: the corpus builtin:tiny-arith was
-//	                pretrained on (tiny.ArithExample: half the prompts list candidate answers, as the
+//	                pretrained on (tasks.Arith.Example: half the prompts list candidate answers, as the
 //	                debate's critic prompts do); `python -m slimen_torch sft --data` reads it
 //	--format tasks  {"id": …, "prompt": …, "label": …}: the tasks a run on the source sees, as a
 //	                data file (data: {path: FILE})
@@ -45,7 +44,7 @@ func cmdExport(args []string) int {
 	if fs.NArg() > 0 {
 		return bad("unexpected argument %q", fs.Arg(0))
 	}
-	arith, ok, err := synthetic.ParseSpec(*task, *seed)
+	arith, ok, err := tasks.ParseSpec(*task, *seed)
 	if err != nil {
 		return bad("%v", err)
 	}
@@ -74,18 +73,18 @@ func cmdExport(args []string) int {
 	return 0
 }
 
-func writeExport(w io.Writer, a synthetic.Arith, start, n int, format string) error {
+func writeExport(w io.Writer, a tasks.Arith, start, n int, format string) error {
 	bw := bufio.NewWriter(w)
 	enc := json.NewEncoder(bw)
 	enc.SetEscapeHTML(false)
 	for i := start; i < start+n; i++ {
 		var row any
 		if format == "sft" {
-			ex := tiny.ArithExample(a, i)
+			prompt, response := a.Example(i)
 			row = struct {
 				Prompt   string `json:"prompt"`
 				Response string `json:"response"`
-			}{ex.Prompt, ex.Response}
+			}{prompt, response}
 		} else {
 			p := a.Problem(i)
 			row = struct {

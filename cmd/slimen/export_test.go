@@ -8,26 +8,25 @@ import (
 	"strings"
 	"testing"
 
-	"github.com/slimen/slimen/engines/tiny"
-	"github.com/slimen/slimen/host/synthetic"
+	"github.com/slimen/slimen/host/tasks"
 )
 
 // slimen export writes the synthetic source line for line as the host and the tiny corpus make it.
 func TestExport(t *testing.T) {
 	dir := t.TempDir()
-	sft, tasks := filepath.Join(dir, "sft.jsonl"), filepath.Join(dir, "tasks.jsonl")
+	sft, taskFile := filepath.Join(dir, "sft.jsonl"), filepath.Join(dir, "tasks.jsonl")
 	if out, err := slimen(t, nil, "export", "--task", "synthetic:arith?difficulty=3", "--seed", "7", "--start", "5", "--n", "40", "--out", sft); err != nil {
 		t.Fatalf("%v\n%s", err, out)
 	}
-	if out, err := slimen(t, nil, "export", "--format", "tasks", "--seed", "7", "--n", "40", "--out", tasks); err != nil {
+	if out, err := slimen(t, nil, "export", "--format", "tasks", "--seed", "7", "--n", "40", "--out", taskFile); err != nil {
 		t.Fatalf("%v\n%s", err, out)
 	}
-	a3 := synthetic.Arith{Seed: 7, Difficulty: 3}
+	a3 := tasks.Arith{Seed: 7, Difficulty: 3}
 	hints := 0
 	for i, row := range readJSONL(t, sft) {
-		ex := tiny.ArithExample(a3, 5+i)
-		if row["prompt"] != ex.Prompt || row["response"] != ex.Response || len(row) != 2 {
-			t.Fatalf("sft line %d: %v, want %+v", i, row, ex)
+		prompt, response := a3.Example(5 + i)
+		if row["prompt"] != prompt || row["response"] != response || len(row) != 2 {
+			t.Fatalf("sft line %d: %v, want %q → %q", i, row, prompt, response)
 		}
 		if !strings.HasPrefix(row["response"], `\boxed{`) {
 			t.Fatalf("sft line %d: response %q", i, row["response"])
@@ -39,8 +38,8 @@ func TestExport(t *testing.T) {
 	if hints == 0 || hints == 40 {
 		t.Fatalf("%d of 40 prompts list candidate answers, want some but not all", hints)
 	}
-	a2 := synthetic.Arith{Seed: 7, Difficulty: 2} // the default difficulty of synthetic:arith
-	rows := readJSONL(t, tasks)
+	a2 := tasks.Arith{Seed: 7, Difficulty: 2} // the default difficulty of synthetic:arith
+	rows := readJSONL(t, taskFile)
 	if len(rows) != 40 {
 		t.Fatalf("%d task lines, want 40", len(rows))
 	}

@@ -10,8 +10,8 @@ import (
 
 	"github.com/slimen/slimen/host"
 	"github.com/slimen/slimen/host/config"
-	"github.com/slimen/slimen/host/data"
 	"github.com/slimen/slimen/host/graph"
+	"github.com/slimen/slimen/host/tasks"
 )
 
 func init() {
@@ -49,7 +49,7 @@ func cmdGraph(args []string) int {
 	if cfg != nil {
 		dc = cfg
 	}
-	src, err := data.Open(dc.Data.Path, data.Options{InputKey: dc.Data.InputKey, LabelKey: dc.Data.LabelKey, Seed: dc.Run.Seed})
+	src, err := tasks.Open(dc.Data.Path, tasks.Options{InputKey: dc.Data.InputKey, LabelKey: dc.Data.LabelKey, Seed: dc.Run.Seed})
 	if err != nil {
 		fmt.Fprintln(os.Stderr, "slimen graph:", err)
 		return 2

@@ -9,7 +9,7 @@ import (
 	"time"
 
 	"github.com/slimen/slimen/engines/tiny"
-	"github.com/slimen/slimen/host/synthetic"
+	"github.com/slimen/slimen/host/tasks"
 )
 
 func init() {
@@ -17,7 +17,7 @@ func init() {
 }
 
 // cmdPretrain trains a tiny model from random weights on the synthetic:arith corpus
-// (tiny.ArithExample) and saves it as a model folder. builtin:tiny-arith is its output; the exact
+// (tasks.Arith.Example) and saves it as a model folder. builtin:tiny-arith is its output; the exact
 // command is in docs/tiny.md.
 func cmdPretrain(args []string) int {
 	fs := flag.NewFlagSet("pretrain", flag.ContinueOnError)
@@ -52,7 +52,7 @@ func cmdPretrain(args []string) int {
 		fs.Usage()
 		return 2
 	}
-	arith, ok, err := synthetic.ParseSpec(*task, *seed)
+	arith, ok, err := tasks.ParseSpec(*task, *seed)
 	if err == nil && !ok {
 		err = fmt.Errorf("--task %q: only synthetic tasks can be pretrained on (synthetic:arith)", *task)
 	}
@@ -61,8 +61,8 @@ func cmdPretrain(args []string) int {
 		return 2
 	}
 	if *difficulty != 0 {
-		if *difficulty < 1 || *difficulty > synthetic.MaxDifficulty {
-			fmt.Fprintf(os.Stderr, "slimen pretrain: --difficulty must be 1..%d\n", synthetic.MaxDifficulty)
+		if *difficulty < 1 || *difficulty > tasks.MaxDifficulty {
+			fmt.Fprintf(os.Stderr, "slimen pretrain: --difficulty must be 1..%d\n", tasks.MaxDifficulty)
 			return 2
 		}
 		arith.Difficulty = *difficulty
@@ -86,13 +86,13 @@ func cmdPretrain(args []string) int {
 	defer stop()
 	info, _ := e.Info(ctx)
 	fmt.Printf("pretrain %s: %d parameters, %d steps × %d examples; held out: %s\n",
-		tiny.ArithDescribe(arith), info.Params, *steps, *batch, tiny.ArithDescribe(heldOut))
+		arith, info.Params, *steps, *batch, heldOut)
 	evaluate := func(step int) error {
-		t1, err := tiny.ArithAccuracy(ctx, e, heldOut, *evalN, 1, 1)
+		t1, err := tasks.ArithAccuracy(ctx, e, heldOut, *evalN, 1, 1)
 		if err != nil {
 			return err
 		}
-		t0, err := tiny.ArithAccuracy(ctx, e, heldOut, *evalN, 0, 1)
+		t0, err := tasks.ArithAccuracy(ctx, e, heldOut, *evalN, 0, 1)
 		if err != nil {
 			return err
 		}
@@ -100,7 +100,11 @@ func cmdPretrain(args []string) int {
 		return nil
 	}
 	start, sum, count := time.Now(), 0.0, 0
-	err = tiny.Pretrain(ctx, e, func(i int) tiny.Example { return tiny.ArithExample(arith, i) }, tiny.PretrainOptions{
+	err = tiny.Pretrain(ctx, e, func(i int) tiny.Example {
+		// The tiny engine pretrains on whatever examples its caller hands it: here the synthetic corpus.
+		prompt, response := arith.Example(i)
+		return tiny.Example{Prompt: prompt, Response: response}
+	}, tiny.PretrainOptions{
 		Steps: *steps, BatchSize: *batch, LR: *lr, WarmupSteps: *warmup, WeightDecay: *wd,
 		OnStep: func(step int, loss float64) error {
 			sum += loss

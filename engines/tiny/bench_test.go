@@ -5,7 +5,7 @@ import (
 	"testing"
 
 	"github.com/slimen/slimen/engines"
-	"github.com/slimen/slimen/host/synthetic"
+	"github.com/slimen/slimen/host/tasks"
 )
 
 // The benchmarks measure builtin:tiny-arith on the workloads of the examples (docs/tiny.md has the
@@ -24,7 +24,7 @@ func openBuiltin(b *testing.B) *Engine {
 
 // grpoRequests is one step of single-policy GRPO: 32 problems, 8 samples each.
 func grpoRequests(step int) []engines.GenerateRequest {
-	a := synthetic.Arith{Seed: 7, Difficulty: 2}
+	a := tasks.Arith{Seed: 7, Difficulty: 2}
 	var reqs []engines.GenerateRequest
 	for i := range 32 {
 		p := a.Problem(step*32 + i)
@@ -37,7 +37,7 @@ func grpoRequests(step int) []engines.GenerateRequest {
 // debateRequests is one step of the debate example: 32 tasks, 3 generator answers on the problem,
 // then 2 critic rounds of 3 whose prompts carry the other answers.
 func debateRequests(step int) (generators, critics []engines.GenerateRequest) {
-	a := synthetic.Arith{Seed: 7, Difficulty: 2}
+	a := tasks.Arith{Seed: 7, Difficulty: 2}
 	for i := range 32 {
 		p := a.Problem(step*32 + i)
 		s := engines.Sampling{MaxTokens: 16, Temperature: 1, Seed: uint64(step)}

@@ -4,7 +4,7 @@ import (
 	"slices"
 	"testing"
 
-	"github.com/slimen/slimen/host/synthetic"
+	"github.com/slimen/slimen/host/tasks"
 )
 
 // builtin:tiny-arith is embedded, has the documented architecture and is the imperfect base model
@@ -24,7 +24,7 @@ func TestBuiltinTinyArith(t *testing.T) {
 	if e.opt.step != 0 {
 		t.Fatal("the base model carries optimizer state")
 	}
-	acc, err := ArithAccuracy(ctx, e, synthetic.Arith{Seed: 1001, Difficulty: 2}, 200, 1, 1)
+	acc, err := tasks.ArithAccuracy(ctx, e, tasks.Arith{Seed: 1001, Difficulty: 2}, 200, 1, 1)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -7,7 +7,7 @@ import (
 	"time"
 
 	"github.com/slimen/slimen/engines"
-	"github.com/slimen/slimen/host/synthetic"
+	"github.com/slimen/slimen/host/tasks"
 )
 
 // grpoStep is plain single-policy GRPO as the host runs it: n samples per prompt, a reward per
@@ -110,10 +110,10 @@ func BenchmarkGRPOArith(b *testing.B) {
 	const budget = 5 * time.Minute
 	for b.Loop() {
 		e := openBuiltin(b)
-		train := synthetic.Arith{Seed: 777, Difficulty: 2}
-		heldOut := synthetic.Arith{Seed: 4242, Difficulty: 2}
+		train := tasks.Arith{Seed: 777, Difficulty: 2}
+		heldOut := tasks.Arith{Seed: 4242, Difficulty: 2}
 		eval := func() float64 {
-			acc, err := ArithAccuracy(ctx, e, heldOut, 500, 1, 99)
+			acc, err := tasks.ArithAccuracy(ctx, e, heldOut, 500, 1, 99)
 			if err != nil {
 				b.Fatal(err)
 			}
@@ -126,13 +126,13 @@ func BenchmarkGRPOArith(b *testing.B) {
 		acc := start
 		for step := 0; spent < budget; step++ {
 			t0 := time.Now()
-			prompts, labels := make([]string, 32), make([]string, 32)
+			prompts := make([]string, 32)
 			for i := range prompts {
 				p := train.Problem(step*32 + i)
-				prompts[i], labels[i] = p.Prompt, p.Label
+				prompts[i] = p.Prompt
 			}
 			exact := func(i int, c engines.Completion) float64 {
-				if got, ok := lastBoxed(c.Text); ok && got == labels[i] {
+				if train.Correct(step*32+i, c.Text) {
 					return 1
 				}
 				return 0

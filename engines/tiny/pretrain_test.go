@@ -6,22 +6,21 @@ import (
 	"encoding/hex"
 	"fmt"
 	"math"
-	"strings"
 	"testing"
 
 	"github.com/google/go-cmp/cmp"
-	"github.com/slimen/slimen/host/synthetic"
+	"github.com/slimen/slimen/host/tasks"
 )
 
 // Pretraining is deterministic across runs and thread counts, learns, and leaves no optimizer
 // state behind.
 func TestPretrainDeterministic(t *testing.T) {
-	a := synthetic.Arith{Seed: 3, Difficulty: 1}
+	a := tasks.Arith{Seed: 3, Difficulty: 1}
 	var snaps [][][]float32
 	for _, threads := range []int{1, 2} {
 		e := newSmall(t, threads)
 		var losses []float64
-		err := Pretrain(ctx, e, func(i int) Example { return ArithExample(a, i) }, PretrainOptions{
+		err := Pretrain(ctx, e, arithCorpus(a), PretrainOptions{
 			Steps: 12, BatchSize: 8, LR: 1e-2, WarmupSteps: 2,
 			OnStep: func(_ int, loss float64) error { losses = append(losses, loss); return nil },
 		})
@@ -41,45 +40,12 @@ func TestPretrainDeterministic(t *testing.T) {
 	}
 }
 
-func TestArithExample(t *testing.T) {
-	a := synthetic.Arith{Seed: 1, Difficulty: 2}
-	withAnswers, right, shown := 0, 0, 0
-	for i := range 400 {
-		ex := ArithExample(a, i)
-		p := a.Problem(i)
-		if ex.Response != p.Answer() || !strings.HasPrefix(ex.Prompt, p.Prompt) {
-			t.Fatalf("example %d: %+v for problem %+v", i, ex, p)
-		}
-		if rest, ok := strings.CutPrefix(ex.Prompt, p.Prompt+" Answers: "); ok {
-			withAnswers++
-			for _, c := range strings.Split(strings.TrimSuffix(rest, "."), ", ") {
-				shown++
-				if c == p.Label {
-					right++
-				}
-			}
-		}
-		if ex != ArithExample(a, i) {
-			t.Fatal("examples are not a function of (seed, index)")
-		}
-	}
-	if withAnswers < 160 || withAnswers > 240 || right < shown*4/10 || right > shown*6/10 {
-		t.Fatalf("%d of 400 prompts carry answers, %d of %d answers right; want about half and half", withAnswers, right, shown)
-	}
-	if got, ok := lastBoxed(`x \boxed{3} then \boxed{ 12 }`); !ok || got != "12" {
-		t.Fatalf("lastBoxed = %q, %v", got, ok)
-	}
-	if _, ok := lastBoxed(`\boxed{12`); ok {
-		t.Fatal("unterminated box accepted")
-	}
-}
-
 // pretrainRecipe is `slimen pretrain`'s default recipe (cmd/slimen/pretrain.go: DefaultConfig,
 // --seed 1, synthetic:arith at difficulty 2, --batch-size 64, --lr 3e-3, --warmup 100,
 // --weight-decay 0.01), the one that made builtin:tiny-arith with --steps 900.
 func pretrainRecipe(t *testing.T, steps int) *Engine {
 	t.Helper()
-	arith, ok, err := synthetic.ParseSpec("synthetic:arith", 1)
+	arith, ok, err := tasks.ParseSpec("synthetic:arith", 1)
 	if err != nil || !ok {
 		t.Fatalf("synthetic:arith: %v", err)
 	}
@@ -87,7 +53,7 @@ func pretrainRecipe(t *testing.T, steps int) *Engine {
 	if err != nil {
 		t.Fatal(err)
 	}
-	err = Pretrain(ctx, e, func(i int) Example { return ArithExample(arith, i) }, PretrainOptions{
+	err = Pretrain(ctx, e, arithCorpus(arith), PretrainOptions{
 		Steps: steps, BatchSize: 64, LR: 3e-3, WarmupSteps: 100, WeightDecay: 0.01,
 	})
 	if err != nil {
@@ -128,5 +94,13 @@ func TestPretrainPinned(t *testing.T) {
 	if got := weightsSHA256(pretrainRecipe(t, pinnedSteps)); got != pinnedPretrain {
 		t.Fatalf("%d steps of the builtin:tiny-arith pretraining recipe give weights with sha256 %s, pinned %s: the training numerics changed",
 			pinnedSteps, got, pinnedPretrain)
+	}
+}
+
+// arithCorpus is the pretraining corpus of builtin:tiny-arith on a, as `slimen pretrain` wires it.
+func arithCorpus(a tasks.Arith) func(int) Example {
+	return func(i int) Example {
+		p, r := a.Example(i)
+		return Example{Prompt: p, Response: r}
 	}
 }

@@ -8,7 +8,7 @@ import (
 	"slices"
 	"strings"
 
-	"github.com/slimen/slimen/host/synthetic"
+	"github.com/slimen/slimen/host/tasks"
 )
 
 // The values slimen accepts for the enumerated keys.
@@ -320,7 +320,7 @@ func checkDataPath(path string) string {
 	if path == "" {
 		return "give a JSONL file or synthetic:arith"
 	}
-	if _, ok, err := synthetic.ParseSpec(path, 0); ok && err != nil {
+	if _, ok, err := tasks.ParseSpec(path, 0); ok && err != nil {
 		return err.Error()
 	}
 	return ""

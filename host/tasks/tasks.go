@@ -1,13 +1,12 @@
-// Package data opens a run's task sources: JSONL files and the built-in synthetic tasks
-// (synthetic:arith). A source is an indexed, deterministic stream of tasks; the host turns each
-// Task into the Starlark `task` a rollout receives.
-package data
+// Package tasks holds a run's tasks: the Task type, the sources that yield them (JSONL files and
+// the built-in synthetic tasks, synthetic:arith) and the pretraining corpus of builtin:tiny-arith
+// drawn from the synthetic ones. A source is an indexed, deterministic stream of tasks; the host
+// turns each Task into the Starlark `task` a rollout receives.
+package tasks
 
 import (
 	"fmt"
 	"strings"
-
-	"github.com/slimen/slimen/host/synthetic"
 )
 
 // Task is one unit of work for rollout(task).
@@ -84,7 +83,7 @@ func openSource(path string, o Options) (Source, error) {
 	if o.LabelKey == "" {
 		o.LabelKey = "label"
 	}
-	a, ok, err := synthetic.ParseSpec(path, o.Seed)
+	a, ok, err := ParseSpec(path, o.Seed)
 	if err != nil {
 		return nil, fmt.Errorf("data: %w", err)
 	}
@@ -127,7 +126,7 @@ func EvalTasks(src Source, limit int) ([]Task, error) {
 // arithSource is synthetic:arith: endless, problem i a pure function of (seed, difficulty, i).
 type arithSource struct {
 	path string
-	a    synthetic.Arith
+	a    Arith
 }
 
 func (s arithSource) Name() string       { return s.path }

@@ -1,8 +1,8 @@
-// Package synthetic generates the built-in task sources (synthetic:arith): short arithmetic word
-// problems whose answers are integers, written as \boxed{N}. Problem i of a seed is a pure
-// function of (seed, difficulty, i), so runs and pretraining corpora are reproducible and an eval
-// split is just another seed.
-package synthetic
+package tasks
+
+// The built-in task source synthetic:arith: short arithmetic word problems whose answers are
+// integers, written as \boxed{N}. Problem i of a seed is a pure function of (seed, difficulty, i),
+// so runs and pretraining corpora are reproducible and an eval split is just another seed.
 
 import (
 	"fmt"

@@ -1,4 +1,4 @@
-package tiny
+package tasks
 
 import (
 	"context"
@@ -8,11 +8,10 @@ import (
 	"strings"
 
 	"github.com/slimen/slimen/engines"
-	"github.com/slimen/slimen/host/synthetic"
 )
 
-// ArithExample is example i of the pretraining corpus of builtin:tiny-arith, drawn from problem i
-// of a. Half the prompts are the bare problem; the other half append candidate answers, as the
+// Example is example i of the pretraining corpus of builtin:tiny-arith, drawn from problem i of
+// a: the CLI's `slimen pretrain` hands these to the tiny engine's Pretrain. Half the prompts are the bare problem; the other half append candidate answers, as the
 // multi-agent topologies do when they show one agent the others' answers:
 //
 //	Ann has 12 pens and gets 7 more. How many pens? Answers: 19, 17.
@@ -20,14 +19,14 @@ import (
 // Each candidate is right with probability 1/2. The response is always the correct \boxed{N}, so
 // the model learns to use agreeing context without trusting it blindly. Formats are terse: every
 // character is a token.
-func ArithExample(a synthetic.Arith, i int) Example {
+func (a Arith) Example(i int) (prompt, response string) {
 	p := a.Problem(i)
 	r := rand.New(rand.NewPCG(a.Seed^0x636f_7270_7573, uint64(i))) // "corpus"
-	prompt := p.Prompt
+	prompt = p.Prompt
 	if r.IntN(2) == 1 {
 		prompt += " Answers: " + strings.Join(candidates(r, p.Label, 1+r.IntN(3)), ", ") + "."
 	}
-	return Example{Prompt: prompt, Response: p.Answer()}
+	return prompt, p.Answer()
 }
 
 // candidates returns n answers to show with a problem, each the label with probability 1/2 and
@@ -49,7 +48,7 @@ func candidates(r *rand.Rand, label string, n int) []string {
 
 // ArithAccuracy generates one answer to each of problems 0..n−1 of a at the given temperature and
 // returns the fraction whose last \boxed{…} equals the label exactly.
-func ArithAccuracy(ctx context.Context, e engines.Engine, a synthetic.Arith, n int, temperature float64, seed uint64) (float64, error) {
+func ArithAccuracy(ctx context.Context, e engines.Engine, a Arith, n int, temperature float64, seed uint64) (float64, error) {
 	reqs := make([]engines.GenerateRequest, n)
 	for i := range reqs {
 		p := a.Problem(i)
@@ -62,11 +61,17 @@ func ArithAccuracy(ctx context.Context, e engines.Engine, a synthetic.Arith, n i
 	}
 	right := 0
 	for i, c := range cs {
-		if got, ok := lastBoxed(c.Text); ok && got == a.Problem(i).Label {
+		if a.Correct(i, c.Text) {
 			right++
 		}
 	}
 	return float64(right) / float64(n), nil
+}
+
+// Correct says whether text answers problem i: its last \boxed{…} holds the label exactly.
+func (a Arith) Correct(i int, text string) bool {
+	got, ok := lastBoxed(text)
+	return ok && got == a.Problem(i).Label
 }
 
 // lastBoxed returns the content of the last \boxed{…} in s (no nesting: the answers are integers).
@@ -83,7 +88,7 @@ func lastBoxed(s string) (string, bool) {
 	return strings.TrimSpace(rest[:j]), true
 }
 
-// ArithDescribe names the corpus of a for logs.
-func ArithDescribe(a synthetic.Arith) string {
+// String names the source of a for logs, as a data path would.
+func (a Arith) String() string {
 	return fmt.Sprintf("synthetic:arith?difficulty=%d&seed=%d", a.Difficulty, a.Seed)
 }
