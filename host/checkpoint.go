@@ -475,12 +475,6 @@ func withPrevious(err error, root, bad string) error {
 	return fmt.Errorf("%w\nno earlier valid checkpoint was found", err)
 }
 
-// CheckpointInfo reads a checkpoint's step and the path of the script it ran.
-func CheckpointInfo(dir string) (step int, script string, err error) {
-	info, err := readRunInfo(dir)
-	return info.Step, info.Script, err
-}
-
 // readRunInfo reads a checkpoint's run.json.
 func readRunInfo(dir string) (runInfo, error) {
 	var info runInfo
@@ -494,15 +488,15 @@ func readRunInfo(dir string) (runInfo, error) {
 	return info, nil
 }
 
-// RunDirOf is the run directory a checkpoint folder belongs to.
-func RunDirOf(checkpoint string) string { return filepath.Dir(filepath.Dir(checkpoint)) }
+// runDirOf is the run directory a checkpoint folder belongs to.
+func runDirOf(checkpoint string) string { return filepath.Dir(filepath.Dir(checkpoint)) }
 
-// Resume restores a run loaded with the checkpoint's config: engines, state and the step
-// counter. Its engine state wins over a policy's load: folder (the engine opened on load:, then
+// restore puts back a run loaded with the checkpoint's config (Resume does both): engines, state
+// and the step counter. Its engine state wins over a policy's load: folder (the engine opened on load:, then
 // loads the checkpoint). Then what the stopped run wrote after the checkpoint is dropped: metrics
 // lines of later steps, later checkpoints in the run directory (they belong to steps this run
 // will redo), and stray temporary folders of interrupted writes.
-func (r *Run) Resume(ctx context.Context, dir string) error {
+func (r *Run) restore(ctx context.Context, dir string) error {
 	dir, err := filepath.Abs(dir)
 	if err != nil {
 		return err

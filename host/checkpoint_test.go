@@ -88,7 +88,7 @@ func TestCheckpointResumeEqualsUninterrupted(t *testing.T) {
 		t.Fatalf("FindCheckpoint = %q, %v, %v; want %q", found, skipped, err, ck)
 	}
 	r = counterRun(t, script, split, nil)
-	if err := r.Resume(context.Background(), found); err != nil {
+	if err := r.restore(context.Background(), found); err != nil {
 		t.Fatal(err)
 	}
 	if err := r.Steps(context.Background(), 3); err != nil {
@@ -165,7 +165,7 @@ func TestResumeAfterCorruptNewest(t *testing.T) {
 	}
 	r = counterRun(t, script, out, func(c *config.Config) { c.Run.SaveInterval = 1 })
 	defer r.Close()
-	if err := r.Resume(context.Background(), found); err != nil {
+	if err := r.restore(context.Background(), found); err != nil {
 		t.Fatal(err)
 	}
 	if _, err := os.Stat(filepath.Join(root, "step_3")); !errors.Is(err, os.ErrNotExist) {
@@ -201,7 +201,7 @@ func TestResumeFromOlderCheckpoint(t *testing.T) {
 	root := filepath.Join(out, "checkpoints")
 	r = counterRun(t, script, out, func(c *config.Config) { c.Run.SaveInterval = 1; c.Run.KeepCheckpoints = 1 })
 	defer r.Close()
-	if err := r.Resume(context.Background(), filepath.Join(root, "step_2")); err != nil {
+	if err := r.restore(context.Background(), filepath.Join(root, "step_2")); err != nil {
 		t.Fatal(err)
 	}
 	if got := fmt.Sprint(checkpointSteps(root)); got != "[2 1]" {
@@ -272,7 +272,7 @@ func TestCheckpointNotRewritten(t *testing.T) {
 	// A resumed run does not rewrite the checkpoint it resumed from either.
 	r2 := counterRun(t, script, out, nil)
 	defer r2.Close()
-	if err := r2.Resume(context.Background(), final); err != nil {
+	if err := r2.restore(context.Background(), final); err != nil {
 		t.Fatal(err)
 	}
 	if _, err := r2.Checkpoint(context.Background()); err != nil {
@@ -309,7 +309,7 @@ func TestStrayTemporaryFolders(t *testing.T) {
 	kept = append(kept, ".step_3.tmp-99")
 	r = counterRun(t, script, out, nil)
 	defer r.Close()
-	if err := r.Resume(context.Background(), ck); err != nil {
+	if err := r.restore(context.Background(), ck); err != nil {
 		t.Fatal(err)
 	}
 	for _, d := range strays {
@@ -374,7 +374,7 @@ def rollout(task):
 	}
 	r = counterRun(t, script, out, nil)
 	defer r.Close()
-	if err := r.Resume(context.Background(), ck); err != nil {
+	if err := r.restore(context.Background(), ck); err != nil {
 		t.Fatal(err)
 	}
 	if err := r.Steps(context.Background(), 2); err != nil {
@@ -451,7 +451,7 @@ func TestRemoteEngineCheckpoint(t *testing.T) {
 			t.Error("events.log does not say where the remote policy's state is")
 		}
 		r = load(out, &diskEngine{Engine: scripted.Echo("a"), root: server})
-		if err := r.Resume(context.Background(), ck); err != nil {
+		if err := r.restore(context.Background(), ck); err != nil {
 			t.Fatalf("resume: %v", err)
 		}
 		r.Close()
@@ -459,7 +459,7 @@ func TestRemoteEngineCheckpoint(t *testing.T) {
 		os.RemoveAll(filepath.Join(server, want.Dir))
 		r = load(out, &diskEngine{Engine: scripted.Echo("a"), root: server})
 		defer r.Close()
-		err = r.Resume(context.Background(), ck)
+		err = r.restore(context.Background(), ck)
 		if err == nil || !strings.Contains(err.Error(), `policy "p"`) || !strings.Contains(err.Error(), want.Dir) ||
 			!strings.Contains(err.Error(), "gpu7:50051") || !strings.Contains(err.Error(), "restore that folder on the server") {
 			t.Errorf("resume without the server's copy: %v", err)
@@ -560,7 +560,7 @@ def rollout(task):
 	}
 	r = open()
 	defer r.Close()
-	if err := r.Resume(context.Background(), ck); err != nil {
+	if err := r.restore(context.Background(), ck); err != nil {
 		t.Fatal(err)
 	}
 	if err := r.Steps(context.Background(), 1); err != nil {
@@ -712,7 +712,7 @@ func TestResumeWinsOverLoad(t *testing.T) {
 	}
 	r = loadTiny(t, script, split, cfg())
 	defer r.Close()
-	if err := r.Resume(context.Background(), ck); err != nil {
+	if err := r.restore(context.Background(), ck); err != nil {
 		t.Fatal(err)
 	}
 	if err := r.Steps(context.Background(), 2); err != nil {

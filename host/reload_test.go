@@ -379,7 +379,7 @@ func TestReloadedBatchSizeKeepsTheDataPosition(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if err := r2.Resume(context.Background(), dir); err != nil {
+	if err := r2.restore(context.Background(), dir); err != nil {
 		t.Fatal(err)
 	}
 	step(t, r2)

@@ -202,7 +202,8 @@ func (r *Run) resumeHint() string {
 	if err != nil {
 		return fmt.Sprintf("start it again once the engine is back: %s has no checkpoint to resume from (run.save_interval writes them)", r.opts.Out)
 	}
-	step, _, err := CheckpointInfo(dir)
+	info, err := readRunInfo(dir)
+	step := info.Step
 	if err != nil {
 		return fmt.Sprintf("resume from its last checkpoint once the engine is back: slimen exec --resume %s", r.opts.Out)
 	}

@@ -20,7 +20,6 @@ import (
 
 	"github.com/slimen/slimen/engines"
 	"github.com/slimen/slimen/host/config"
-	"github.com/slimen/slimen/host/plot"
 	"github.com/slimen/slimen/host/tasks"
 )
 
@@ -51,6 +50,14 @@ type Options struct {
 	// executable, which must call SandboxChildMain when SandboxChildEnv is set (the CLI does).
 	Sandbox        bool
 	SandboxCommand []string
+	// BeforeStep and AfterStep are called by Train around each step it runs, on its goroutine
+	// (the CLI draws its progress with them). AfterStep is called only for a step that completed.
+	BeforeStep func(r *Run)
+	AfterStep  func(r *Run, res *StepResult)
+	// AfterEval is called once the metrics of an eval are written, the one before training
+	// included (the CLI redraws its charts with host/plot). An error it returns goes to the
+	// run's log; the run goes on.
+	AfterEval func(r *Run) error
 }
 
 // TaskSource yields the tasks of a run by index (tasks.Source is one).
@@ -102,6 +109,8 @@ type Run struct {
 	sandbox *sandbox  // nil unless the run is sandboxed
 
 	ckpt checkpoints // what the run remembers of its checkpoints (checkpoint.go)
+
+	stopping atomic.Bool // Stop was called: Train ends after the step in progress
 
 	passes  atomic.Int64 // rollout passes so far (steps, eval datasets): part of generate request ids
 	restart restartGuard // what puts a restarted engine's state back (restart.go)
@@ -184,17 +193,6 @@ func policiesLoaded(ps []config.PolicyConfig) string {
 		names[i] = p.Name
 	}
 	return "policies: " + strings.Join(names, ", ")
-}
-
-// redrawPlots redraws the run's curves into <out>/plots/ after an eval, the one before training
-// included (the CLI draws them once more at the end of the run). A failure is reported, not fatal.
-func (r *Run) redrawPlots() {
-	if r.opts.Out == "" {
-		return
-	}
-	if _, err := plot.Write(r.opts.Out); err != nil && !errors.Is(err, plot.ErrNothingToPlot) {
-		r.events.printf("plots: %v", err)
-	}
 }
 
 // newRun makes a run with no script, outputs or engines yet.
@@ -441,7 +439,7 @@ func (r *Run) runStep(ctx context.Context) (*StepResult, error) {
 		if err := r.metrics.writeLines(evs); err != nil {
 			return nil, err
 		}
-		r.redrawPlots()
+		r.afterEval()
 	}
 	t0 := time.Now()
 	// Tasks are taken in order from the data position, so a batch size changed by a reload
@@ -512,7 +510,7 @@ func (r *Run) runStep(ctx context.Context) (*StepResult, error) {
 		if err := r.metrics.writeLines(res.Eval); err != nil {
 			return nil, err
 		}
-		r.redrawPlots()
+		r.afterEval()
 	}
 	checkpointed := false
 	if si := cfg.Run.SaveInterval; si > 0 && step%si == 0 && r.opts.Out != "" {

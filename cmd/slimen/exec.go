@@ -5,7 +5,6 @@ import (
 	"errors"
 	"flag"
 	"fmt"
-	"io"
 	"os"
 	"os/signal"
 	"path/filepath"
@@ -40,138 +39,163 @@ func parseInterleaved(fs *flag.FlagSet, args []string) ([]string, error) {
 	}
 }
 
-func cmdExec(args []string) int {
+// execFlags are the flags of `slimen exec`.
+type execFlags struct {
+	fs                         *flag.FlagSet
+	cfgPath, data, out, resume *string
+	steps, batch               *int
+	seed                       *uint64
+	sandbox, watch             *bool
+	set                        map[string]bool // the flags given on the command line
+}
+
+func newExecFlags() *execFlags {
 	fs := flag.NewFlagSet("exec", flag.ContinueOnError)
-	cfgPath := fs.String("config", "", "YAML config (slime-n's policies: schema); default: every policy the script names on builtin:tiny-arith")
-	data := fs.String("data", "", "task source: a JSONL file or synthetic:arith[?difficulty=N] (overrides data.path)")
-	steps := fs.Int("steps", 0, "steps to run (overrides run.steps)")
-	seed := fs.Uint64("seed", 0, "run seed (overrides run.seed)")
-	out := fs.String("out", "", "run directory (overrides run.out; default runs/SCRIPT_NAME)")
-	batch := fs.Int("batch-size", 0, "tasks per step (overrides rollout.batch_size)")
-	resume := fs.String("resume", "", "continue a run: its directory (its newest valid checkpoint; newer invalid ones are reported and skipped) or a checkpoints/step_N folder")
-	sandbox := fs.Bool("sandbox", false, "run the script's rollouts in child processes under the config's sandbox budgets (for contributed workflows)")
-	watch := fs.Bool("watch", false, "reload the script, the files it loads and the config when they change (at step boundaries)")
+	f := &execFlags{fs: fs,
+		cfgPath: fs.String("config", "", "YAML config (slime-n's policies: schema); default: every policy the script names on builtin:tiny-arith"),
+		data:    fs.String("data", "", "task source: a JSONL file or synthetic:arith[?difficulty=N] (overrides data.path)"),
+		steps:   fs.Int("steps", 0, "steps to run (overrides run.steps)"),
+		seed:    fs.Uint64("seed", 0, "run seed (overrides run.seed)"),
+		out:     fs.String("out", "", "run directory (overrides run.out; default runs/SCRIPT_NAME)"),
+		batch:   fs.Int("batch-size", 0, "tasks per step (overrides rollout.batch_size)"),
+		resume:  fs.String("resume", "", "continue a run: its directory (its newest valid checkpoint; newer invalid ones are reported and skipped) or a checkpoints/step_N folder"),
+		sandbox: fs.Bool("sandbox", false, "run the script's rollouts in child processes under the config's sandbox budgets (for contributed workflows)"),
+		watch:   fs.Bool("watch", false, "reload the script, the files it loads and the config when they change (at step boundaries)"),
+		set:     map[string]bool{},
+	}
 	fs.Usage = func() {
 		fmt.Fprintln(fs.Output(), "usage: slimen exec SCRIPT [--config Y] [--data D] [--steps N] [--seed S] [--out DIR] [--batch-size B] [--watch] [--sandbox] [--resume RUN_DIR|RUN_DIR/checkpoints/step_N]")
 		fs.PrintDefaults()
 	}
-	pos, err := parseInterleaved(fs, args)
+	return f
+}
+
+// override applies the command line's overrides of the config file: to it now, and by the run
+// to every version of it that --watch reloads (run.out is the run's for good: the run keeps it).
+func (f *execFlags) override(c *config.Config) error {
+	var o config.Overrides
+	if f.set["data"] {
+		o.Data = f.data
+	}
+	if f.set["steps"] {
+		o.Steps = f.steps
+	}
+	if f.set["seed"] {
+		o.Seed = f.seed
+	}
+	if err := c.Override(o); err != nil {
+		return err
+	}
+	if f.set["batch-size"] {
+		if *f.batch < 1 {
+			return errors.New("--batch-size must be at least 1")
+		}
+		c.Rollout.BatchSize = *f.batch
+	}
+	return nil
+}
+
+func cmdExec(args []string) int {
+	f := newExecFlags()
+	pos, err := parseInterleaved(f.fs, args)
 	if err != nil {
 		return flagExit(err)
 	}
-	if len(pos) > 1 || len(pos) == 0 && *resume == "" {
-		fs.Usage()
+	if len(pos) > 1 || len(pos) == 0 && *f.resume == "" {
+		f.fs.Usage()
 		return 2
 	}
-	set := map[string]bool{}
-	fs.Visit(func(f *flag.Flag) { set[f.Name] = true })
-
-	var cfg *config.Config
-	var script, ckpt string
+	f.fs.Visit(func(fl *flag.Flag) { f.set[fl.Name] = true })
+	var script string
 	if len(pos) == 1 {
 		script = pos[0]
 	}
-	if *resume != "" {
-		// The checkpoint's resolved config and run directory; the script as given, or as recorded.
-		var skipped []error
-		if ckpt, skipped, err = host.FindCheckpoint(*resume); err != nil {
-			fmt.Fprintln(os.Stderr, "slimen:", err)
-			return 2
-		}
-		for _, bad := range skipped {
-			fmt.Fprintf(os.Stderr, "slimen: warning: %v\n", bad)
-		}
-		if len(skipped) > 0 {
-			fmt.Fprintf(os.Stderr, "slimen: warning: resuming from %s, the newest valid checkpoint; the newer ones above are removed when the run goes on\n", ckpt)
-		}
-		_, recorded, err := host.CheckpointInfo(ckpt)
-		if err != nil {
-			fmt.Fprintln(os.Stderr, "slimen:", err)
-			return 2
-		}
-		if script == "" {
-			script = recorded
-		}
-		*cfgPath = filepath.Join(ckpt, "config.yaml")
-		*out = host.RunDirOf(ckpt)
+	prog := newProgress(os.Stderr, 0)
+	r, code := loadRun(f, script, prog)
+	if r == nil {
+		return code
 	}
-	if *cfgPath != "" {
-		if cfg, err = config.Load(*cfgPath); err != nil {
-			fmt.Fprintln(os.Stderr, "slimen:", err)
-			return 2
-		}
-	}
-	if cfg == nil {
-		cfg = config.Default(nil) // zero-config: policies appear as the script names them
-	}
-	// The command line's overrides of the config file: applied to it now, and by the run to every
-	// version of it that --watch reloads (run.out is the run's for good: the run keeps it).
-	override := func(c *config.Config) error {
-		var o config.Overrides
-		if set["data"] {
-			o.Data = data
-		}
-		if set["steps"] {
-			o.Steps = steps
-		}
-		if set["seed"] {
-			o.Seed = seed
-		}
-		if err := c.Override(o); err != nil {
-			return err
-		}
-		if set["batch-size"] {
-			if *batch < 1 {
-				return errors.New("--batch-size must be at least 1")
-			}
-			c.Rollout.BatchSize = *batch
-		}
-		return nil
-	}
-	if err := override(cfg); err != nil {
-		fmt.Fprintln(os.Stderr, "slimen:", err)
-		return 2
-	}
-	dir := *out
-	if ckpt == "" {
-		if dir, err = runDir(script, cfg.Run.Out, *out); err != nil {
-			fmt.Fprintln(os.Stderr, "slimen:", err)
-			return 2
-		}
-	}
-	cfg.Run.Out = dir
+	defer r.Close()
+	return train(r, prog)
+}
 
+// loadRun loads the run the flags ask for, a new one or a resumed one, and its progress display.
+// A nil run comes with the exit code.
+func loadRun(f *execFlags, script string, prog *progress) (*host.Run, int) {
 	ctx := context.Background()
-	prog := newProgress(os.Stderr, cfg.Run.Steps)
-	r, err := host.Load(ctx, script, host.Options{Config: cfg, Zero: *cfgPath == "", Out: dir, Log: prog.logWriter(), Sandbox: *sandbox, ConfigOverride: override})
+	opts := host.Options{Log: prog.logWriter(), Sandbox: *f.sandbox, ConfigOverride: f.override,
+		BeforeStep: func(r *host.Run) {
+			prog.total = r.Config().Run.Steps // a reloaded config may change it
+			prog.begin(r)
+		},
+		AfterStep: func(_ *host.Run, res *host.StepResult) { prog.step(res) },
+		AfterEval: func(r *host.Run) error {
+			if err := writePlots(r.Config().Run.Out); err != nil {
+				return fmt.Errorf("plots: %w", err)
+			}
+			return nil
+		}}
+	var r *host.Run
+	var err error
+	if *f.resume != "" {
+		// The checkpoint's resolved config and run directory; the script as given, or as recorded.
+		r, err = host.Resume(ctx, *f.resume, script, opts)
+	} else {
+		r, err = loadNew(ctx, f, script, opts)
+	}
 	if err != nil {
 		fmt.Fprintln(os.Stderr, "slimen:", err)
 		var se *host.ScriptError
 		var de *tasks.SourceError
-		if errors.As(err, &se) || errors.As(err, &de) || *cfgPath != "" {
-			return 2
+		if errors.As(err, &se) || errors.As(err, &de) || *f.cfgPath != "" {
+			return nil, 2
 		}
-		return 1
+		return nil, 1
 	}
-	defer r.Close()
-	if ckpt != "" {
-		if err := r.Resume(ctx, ckpt); err != nil {
+	if *f.watch {
+		cfgPath := *f.cfgPath
+		if *f.resume != "" {
+			cfgPath = r.Config().File // the checkpoint's config.yaml
+		}
+		if err := r.Watch(cfgPath); err != nil {
+			r.Close()
 			fmt.Fprintln(os.Stderr, "slimen:", err)
-			return 1
+			return nil, 1
 		}
 	}
-	if *watch {
-		if err := r.Watch(*cfgPath); err != nil {
-			fmt.Fprintln(os.Stderr, "slimen:", err)
-			return 1
-		}
-	}
-	fmt.Fprintf(os.Stderr, "slimen: %s → %s (steps %d to %d, %d tasks each)\n", script, dir, r.StepsDone()+1, cfg.Run.Steps, cfg.Rollout.BatchSize)
+	cfg := r.Config()
+	prog.total = cfg.Run.Steps
+	fmt.Fprintf(os.Stderr, "slimen: %s → %s (steps %d to %d, %d tasks each)\n", r.Script().Path, cfg.Run.Out, r.StepsDone()+1, cfg.Run.Steps, cfg.Rollout.BatchSize)
+	return r, 0
+}
 
-	// SIGINT/SIGTERM: finish (or, with run.on_signal: abandon, cut short) the step in progress,
-	// checkpoint and exit 0. A second signal exits at once; checkpoints are renamed into place
-	// when complete, so the last good one survives it.
-	stepCtx, abandon := context.WithCancel(ctx)
+// loadNew loads a new run: its config (or zero-config), the command line's overrides, and a run
+// directory of its own.
+func loadNew(ctx context.Context, f *execFlags, script string, opts host.Options) (*host.Run, error) {
+	cfg := config.Default(nil) // zero-config: policies appear as the script names them
+	if *f.cfgPath != "" {
+		var err error
+		if cfg, err = config.Load(*f.cfgPath); err != nil {
+			return nil, err
+		}
+	}
+	if err := f.override(cfg); err != nil {
+		return nil, &host.ScriptError{Msg: err.Error()}
+	}
+	dir, err := runDir(script, cfg.Run.Out, *f.out)
+	if err != nil {
+		return nil, &host.ScriptError{Msg: err.Error()}
+	}
+	cfg.Run.Out = dir
+	opts.Config, opts.Zero, opts.Out = cfg, *f.cfgPath == "", dir
+	return host.Load(ctx, script, opts)
+}
+
+// train runs the loaded run to its end. SIGINT/SIGTERM: finish (or, with run.on_signal: abandon,
+// cut short) the step in progress, checkpoint and exit 0. A second signal exits at once;
+// checkpoints are renamed into place when complete, so the last good one survives it.
+func train(r *host.Run, prog *progress) int {
+	ctx, abandon := context.WithCancel(context.Background())
 	defer abandon()
 	var stopping atomic.Bool
 	sigs := make(chan os.Signal, 2)
@@ -180,7 +204,8 @@ func cmdExec(args []string) int {
 	go func() {
 		<-sigs
 		stopping.Store(true)
-		if cfg.Run.OnSignal == "abandon" {
+		r.Stop()
+		if r.Config().Run.OnSignal == "abandon" {
 			fmt.Fprintln(prog.logWriter(), "slimen: stopping: abandoning the step in progress, then checkpointing (a second signal exits at once)")
 			abandon()
 		} else {
@@ -190,29 +215,13 @@ func cmdExec(args []string) int {
 		fmt.Fprintln(os.Stderr, "\nslimen: second signal: exiting now")
 		os.Exit(130)
 	}()
-	// run.steps is read at every step boundary: a reloaded config (--watch) may lengthen or
-	// shorten the run; --steps, an override, still wins.
-	for r.StepsDone() < r.Config().Run.Steps && !stopping.Load() {
-		prog.total = r.Config().Run.Steps
-		prog.begin(r)
-		res, err := r.Step(stepCtx)
-		if err != nil {
-			prog.end()
-			if stopping.Load() && errors.Is(err, context.Canceled) {
-				break // the abandoned step left the run (and its state store) as it was after the last one
-			}
-			fmt.Fprintln(os.Stderr, "slimen:", err)
-			return 1
-		}
-		prog.step(res) // the run redraws the plots after each eval itself
-	}
+	err := r.Train(ctx)
 	prog.end()
-	if r.StepsDone() > 0 {
-		if _, err := r.Checkpoint(ctx); err != nil {
-			fmt.Fprintln(os.Stderr, "slimen: final checkpoint:", err)
-			return 1
-		}
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "slimen:", err)
+		return 1
 	}
+	dir := r.Config().Run.Out
 	if err := writePlots(dir); err != nil {
 		fmt.Fprintln(os.Stderr, "slimen: plots:", err)
 	}
@@ -256,8 +265,6 @@ func holdsRun(dir string) bool {
 	_, err := os.Stat(filepath.Join(dir, "checkpoints"))
 	return err == nil
 }
-
-var _ io.Writer = (*os.File)(nil)
 
 // writePlots redraws the run's curves; a run with nothing to plot yet is not an error.
 func writePlots(dir string) error {

@@ -54,7 +54,7 @@ func cmdGraph(args []string) int {
 		fmt.Fprintln(os.Stderr, "slimen graph:", err)
 		return 2
 	}
-	g, err := host.Trace(context.Background(), script, cfg, src.Task(0))
+	g, err := traceGraph(context.Background(), script, cfg, src.Task(0))
 	if err != nil {
 		fmt.Fprintln(os.Stderr, "slimen graph:", err)
 		return 1
@@ -81,4 +81,17 @@ func cmdGraph(args []string) int {
 	}
 	fmt.Printf("%s\n%s\n", mmd, svg)
 	return 0
+}
+
+// traceGraph traces one rollout of script and draws the dataflow between its policies.
+func traceGraph(ctx context.Context, script string, cfg *config.Config, task tasks.Task) (graph.Graph, error) {
+	traced, err := host.Trace(ctx, script, cfg, task)
+	if err != nil {
+		return graph.Graph{}, err
+	}
+	calls := make([]graph.Call, len(traced))
+	for i, c := range traced {
+		calls[i] = graph.Call{Policy: c.Policy, Prompt: c.Prompt, Outputs: c.Outputs}
+	}
+	return graph.Dataflow(script+": dataflow of one rollout", calls), nil
 }

@@ -1,11 +1,17 @@
 package main
 
 import (
+	"context"
 	"os"
 	"os/exec"
 	"path/filepath"
 	"strings"
 	"testing"
+
+	"github.com/google/go-cmp/cmp"
+
+	"github.com/slimen/slimen/host/graph"
+	"github.com/slimen/slimen/host/tasks"
 )
 
 // `slimen graph SCRIPT` writes its drawings into runs/NAME/ under the current folder, not beside
@@ -45,5 +51,30 @@ func TestGraphDefaultOutput(t *testing.T) {
 	}
 	if entries, _ := os.ReadDir(src); len(entries) != 1 {
 		t.Errorf("slimen graph wrote beside the script: %v", entries)
+	}
+}
+
+func TestTraceDebate(t *testing.T) {
+	g, err := traceGraph(context.Background(), "../../examples/debate/debate.star", nil,
+		tasks.Task{ID: "t", Prompt: "Ann has 2 pens and gets 3 more. How many pens?", Label: "5", HasLabel: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := []graph.Node{
+		{ID: "generator_r0", Policy: "generator", Round: 0, Samples: 3, Label: "1 generate call"},
+		{ID: "critic_r1", Policy: "critic", Round: 1, Samples: 3, Label: "3 generate calls"},
+		{ID: "critic_r2", Policy: "critic", Round: 2, Samples: 3, Label: "3 generate calls"},
+	}
+	if d := cmp.Diff(want, g.Nodes); d != "" {
+		t.Errorf("nodes (-want +got):\n%s", d)
+	}
+	// Every critic sees all three answers of the round before: three completions feed each round,
+	// however many prompts each of them reached.
+	wantEdges := []graph.Edge{{From: "critic_r1", To: "critic_r2", Count: 3}, {From: "generator_r0", To: "critic_r1", Count: 3}}
+	if d := cmp.Diff(wantEdges, g.Edges); d != "" {
+		t.Errorf("edges (-want +got):\n%s", d)
+	}
+	if g.Title != "../../examples/debate/debate.star: dataflow of one rollout" {
+		t.Errorf("title %q", g.Title)
 	}
 }

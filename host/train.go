@@ -1,0 +1,114 @@
+package host
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"path/filepath"
+
+	"github.com/slimen/slimen/host/config"
+)
+
+// Train runs the run's remaining steps, up to run.steps (read again at every step boundary, so a
+// config reloaded by Watch may lengthen or shorten the run), then checkpoints it when it has an
+// output folder and a step is done. Options.BeforeStep and AfterStep are called around each step.
+//
+// Stop ends Train after the step in progress. Cancelling ctx abandons the step in progress: the
+// run (its `state` included) stays as it was after the last step, and Train still checkpoints
+// that. Train returns nil when it ran every step or was stopped by Stop, ctx's error when ctx ended
+// it without Stop, and any other error of a step or of the final checkpoint.
+func (r *Run) Train(ctx context.Context) error {
+	for r.step < r.Config().Run.Steps && !r.stopping.Load() {
+		if f := r.opts.BeforeStep; f != nil {
+			f(r)
+		}
+		res, err := r.Step(ctx)
+		if err != nil {
+			if ctx.Err() != nil && errors.Is(err, context.Canceled) {
+				break // the abandoned step left the run as it was after the last one
+			}
+			return err
+		}
+		if f := r.opts.AfterStep; f != nil {
+			f(r, res)
+		}
+	}
+	if r.step > 0 && r.opts.Out != "" {
+		if _, err := r.Checkpoint(context.WithoutCancel(ctx)); err != nil {
+			return fmt.Errorf("final checkpoint: %w", err)
+		}
+	}
+	if r.stopping.Load() {
+		return nil
+	}
+	return ctx.Err()
+}
+
+// Stop asks Train to stop after the step in progress. It may be called from any goroutine (a
+// signal handler's).
+func (r *Run) Stop() { r.stopping.Store(true) }
+
+// afterEval runs Options.AfterEval once eval metrics are written; its error is reported, not
+// fatal.
+func (r *Run) afterEval() {
+	if r.opts.AfterEval == nil {
+		return
+	}
+	if err := r.opts.AfterEval(r); err != nil {
+		r.events.printf("%v", err)
+	}
+}
+
+// Resume loads a stopped run again and restores it: from is its run directory (its newest valid
+// checkpoint is taken; newer ones that fail verification are reported in the run's log and
+// removed as the run goes on) or one of its checkpoints/step_N folders. script "" is the script
+// the checkpoint recorded. opts.Config nil is the checkpoint's own config (opts.ConfigOverride is
+// applied to it); opts.Out "" is the run directory the checkpoint belongs to. The run then goes on
+// at the step after the checkpoint's. A checkpoint that cannot be found or read, and a config or
+// script that does not load, are ScriptErrors.
+func Resume(ctx context.Context, from, script string, opts Options) (*Run, error) {
+	ckpt, skipped, err := FindCheckpoint(from)
+	if err != nil {
+		return nil, &ScriptError{err.Error()}
+	}
+	info, err := readRunInfo(ckpt)
+	if err != nil {
+		return nil, &ScriptError{err.Error()}
+	}
+	if script == "" {
+		script = info.Script
+	}
+	if opts.Out == "" {
+		opts.Out = runDirOf(ckpt)
+	}
+	if opts.Config == nil {
+		if opts.Config, err = config.Load(filepath.Join(ckpt, "config.yaml")); err != nil {
+			return nil, &ScriptError{err.Error()}
+		}
+		if opts.ConfigOverride != nil {
+			if err := opts.ConfigOverride(opts.Config); err != nil {
+				return nil, &ScriptError{err.Error()}
+			}
+		}
+		opts.Config.Run.Out = opts.Out
+	}
+	r, err := Load(ctx, script, opts)
+	if err != nil {
+		var se *ScriptError
+		if !errors.As(err, &se) {
+			err = &ScriptError{err.Error()}
+		}
+		return nil, err
+	}
+	for _, bad := range skipped {
+		r.events.printf("warning: %v", bad)
+	}
+	if len(skipped) > 0 {
+		r.events.printf("warning: resuming from %s, the newest valid checkpoint; the newer ones above are removed when the run goes on", ckpt)
+	}
+	if err := r.restore(ctx, ckpt); err != nil {
+		r.Close()
+		return nil, err
+	}
+	return r, nil
+}
