@@ -12,102 +12,8 @@ import (
 
 	"github.com/slimen/slimen/engines"
 	"github.com/slimen/slimen/engines/scripted"
+	"github.com/slimen/slimen/host/advantage"
 )
-
-// advCases is the batch of TestAdvantagesByHand: group a has rewards 1 (two tokens), 0, 0; group b
-// one sample with reward 5; group c two samples whose advantages the script gave.
-var advCases = []AdvInput{
-	{Reward: 1, Group: "a", Tokens: 2},
-	{Reward: 0, Group: "a", Tokens: 1},
-	{Reward: 0, Group: "a", Tokens: 1},
-	{Reward: 5, Group: "b", Tokens: 1},
-	{Reward: 3, Group: "c", Tokens: 1, Override: []float64{0.25}},
-	{Reward: 3, Group: "c", Tokens: 2, Override: []float64{1, 2}},
-}
-
-// TestAdvantagesBaselineByHand: reinforce_plus_plus_baseline subtracts the group mean (with
-// rewards_normalization, as slime's reward post-processing does), broadcasts it to every token
-// without discount and whitens all tokens of the batch with slime's distributed_masked_whiten:
-// (x − mean)/sqrt(unbiased var + 1e-8). Script-given advantages stay as given.
-func TestAdvantagesBaselineByHand(t *testing.T) {
-	// Group a: mean 1/3 → 2/3, −1/3, −1/3; group b: 5 − 5 = 0. Tokens: 2/3, 2/3, −1/3, −1/3, 0.
-	// Batch mean 2/15; deviations 8/15 (×2), −7/15 (×2), −2/15; Σ squares 230/225; var 230/900.
-	sd := math.Sqrt(230.0/900 + 1e-8)
-	hi, lo, b := f((8.0/15)/sd), f((-7.0/15)/sd), f((-2.0/15)/sd)
-	want := [][]float32{{hi, hi}, {lo}, {lo}, {b}, {0.25}, {1, 2}}
-	// γ does not discount the baseline variant (slime broadcasts r − mean).
-	for _, gamma := range []float64{1, 0.5} {
-		got, err := ComputeAdvantages(Estimator{Name: "reinforce_plus_plus_baseline", Normalize: true, StdNormalize: true, Gamma: gamma}, advCases)
-		if err != nil {
-			t.Fatal(err)
-		}
-		if d := cmp.Diff(want, got, cmpopts.EquateApprox(0, 1e-5)); d != "" {
-			t.Errorf("reinforce_plus_plus_baseline, γ=%v (-want +got):\n%s", gamma, d)
-		}
-	}
-	// Without rewards_normalization slime subtracts no baseline: the raw rewards 1, 1, 0, 0, 5
-	// are whitened (mean 1.4, Σ squares 17.2, var 17.2/4).
-	sd = math.Sqrt(17.2/4 + 1e-8)
-	w := func(x float64) float32 { return f((x - 1.4) / sd) }
-	got, err := ComputeAdvantages(Estimator{Name: "reinforce_plus_plus_baseline", Gamma: 1}, advCases[:4])
-	if err != nil {
-		t.Fatal(err)
-	}
-	if d := cmp.Diff([][]float32{{w(1), w(1)}, {w(0)}, {w(0)}, {w(5)}}, got, cmpopts.EquateApprox(0, 1e-5)); d != "" {
-		t.Errorf("reinforce_plus_plus_baseline without reward normalisation (-want +got):\n%s", d)
-	}
-}
-
-// TestReinforcePlusPlusDiscount: REFERENCE.md's returns G_t = r_t + γ·G_{t+1} with the reward on the
-// last token (slime's get_reinforce_plus_plus_returns, kl_coef 0), then batch whitening.
-func TestReinforcePlusPlusDiscount(t *testing.T) {
-	in := []AdvInput{
-		{Reward: 2, Group: "a", Tokens: 2}, // γ = 0.5: returns 1, 2
-		{Reward: 0, Group: "a", Tokens: 2}, // 0, 0
-		{Reward: 9, Group: "b", Tokens: 3, Override: []float64{7}},
-	}
-	// Tokens 1, 2, 0, 0: mean 0.75, deviations 0.25, 1.25, −0.75, −0.75, Σ squares 2.75, var 2.75/3.
-	sd := math.Sqrt(2.75/3 + 1e-8)
-	w := func(x float64) float32 { return f((x - 0.75) / sd) }
-	got, err := ComputeAdvantages(Estimator{Name: "reinforce_plus_plus", Normalize: true, StdNormalize: true, Gamma: 0.5}, in)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if d := cmp.Diff([][]float32{{w(1), w(2)}, {w(0), w(0)}, {7, 7, 7}}, got, cmpopts.EquateApprox(0, 1e-5)); d != "" {
-		t.Errorf("reinforce++ γ=0.5 (-want +got):\n%s", d)
-	}
-	// γ = 0: only the last token carries the reward (returns 0, 2 and 0, 0: mean 0.5, var 3/3).
-	got, _ = ComputeAdvantages(Estimator{Name: "reinforce_plus_plus", Gamma: 0}, in[:2])
-	sd = math.Sqrt(1 + 1e-8)
-	if d := cmp.Diff([][]float32{{f(-0.5 / sd), f(1.5 / sd)}, {f(-0.5 / sd), f(-0.5 / sd)}}, got, cmpopts.EquateApprox(0, 1e-5)); d != "" {
-		t.Errorf("reinforce++ γ=0 (-want +got):\n%s", d)
-	}
-}
-
-// TestGSPOAdvantagesByHand: GSPO's advantages are GRPO's group normalisation (the sequence-level
-// ratio is the engine's business, selected through LossConfig.PolicyLoss).
-func TestGSPOAdvantagesByHand(t *testing.T) {
-	// Group a: mean 1/3, unbiased std sqrt(1/3); group b alone: 5 − 5 = 0.
-	s := math.Sqrt(1.0 / 3)
-	a1, a0 := f((2.0/3)/(s+1e-6)), f((-1.0/3)/(s+1e-6))
-	for _, c := range []struct {
-		name string
-		est  Estimator
-		want [][]float32
-	}{
-		{"std", Estimator{Name: "gspo", Normalize: true, StdNormalize: true, Gamma: 0.5}, [][]float32{{a1, a1}, {a0}, {a0}, {0}, {0.25}, {1, 2}}},
-		{"no std", Estimator{Name: "gspo", Normalize: true}, [][]float32{{2.0 / 3, 2.0 / 3}, {-1.0 / 3}, {-1.0 / 3}, {0}, {0.25}, {1, 2}}},
-		{"raw", Estimator{Name: "gspo"}, [][]float32{{1, 1}, {0}, {0}, {5}, {0.25}, {1, 2}}},
-	} {
-		got, err := ComputeAdvantages(c.est, advCases)
-		if err != nil {
-			t.Fatal(err)
-		}
-		if d := cmp.Diff(c.want, got, cmpopts.EquateApprox(0, 1e-6)); d != "" {
-			t.Errorf("gspo %s (-want +got):\n%s", c.name, d)
-		}
-	}
-}
 
 // TestEstimatorSelectsPolicyLoss runs a step per estimator on a scripted engine: gspo must reach
 // the engine as the sequence-level policy loss, the others as the per-token PPO loss, with the
@@ -321,7 +227,7 @@ def rollout(task):
 			t.Fatalf("%s: %v", est, err)
 		}
 		b := se.Batches()
-		var in []AdvInput
+		var in []advantage.Input
 		for _, s := range b[0].Samples {
 			kl := make([]float64, len(s.Response))
 			for j := range kl {
@@ -331,14 +237,14 @@ def rollout(task):
 			if scripted.Decode(s.Response[:1]) == "0" {
 				rw = 1
 			}
-			in = append(in, AdvInput{Reward: rw, Group: s.Group, Tokens: len(s.Response), KL: kl})
+			in = append(in, advantage.Input{Reward: rw, Group: s.Group, Tokens: len(s.Response), KL: kl})
 		}
-		want, err := ComputeAdvantages(estimatorOf(*tc), in)
+		want, err := advantage.Compute(estimatorOf(*tc), in)
 		if err != nil {
 			t.Fatal(err)
 		}
 		if est == "grpo" {
-			want, _ = ComputeAdvantages(Estimator{Name: "grpo", Normalize: true, StdNormalize: true}, in)
+			want, _ = advantage.Compute(advantage.Estimator{Name: "grpo", Normalize: true, StdNormalize: true}, in)
 		}
 		for i, s := range b[0].Samples {
 			if d := cmp.Diff(want[i], s.Advantages, cmpopts.EquateApprox(0, 1e-6)); d != "" {
@@ -348,7 +254,7 @@ def rollout(task):
 		if (eng.refCalls > 0) != (est != "grpo") {
 			t.Errorf("%s: %d reference scores", est, eng.refCalls)
 		}
-		noKL, _ := ComputeAdvantages(Estimator{Name: est, Normalize: true, StdNormalize: true, Gamma: 1}, in)
+		noKL, _ := advantage.Compute(advantage.Estimator{Name: est, Normalize: true, StdNormalize: true, Gamma: 1}, in)
 		if est == "reinforce_plus_plus" && cmp.Equal(noKL, want, cmpopts.EquateApprox(0, 1e-6)) {
 			t.Errorf("%s: kl_coef changed nothing", est)
 		}

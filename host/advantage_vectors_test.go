@@ -1,6 +1,6 @@
 package host
 
-// This file checks ComputeAdvantages and the ppo path (ppoRewards, gae) against
+// This file checks host/advantage's Compute and the ppo path (ppoRewards, gae) against
 // testdata/slime/advantage_vectors.json: inputs and the advantages (and ppo returns) that
 // THUDM/slime's own code computes on them — RolloutManager._post_process_rewards for the group
 // normalisation, then compute_advantages_and_returns (testdata/slime/make_vectors.py regenerates
@@ -28,6 +28,8 @@ import (
 	"os"
 	"path/filepath"
 	"testing"
+
+	"github.com/slimen/slimen/host/advantage"
 )
 
 type advVectorCase struct {
@@ -71,7 +73,7 @@ func TestAdvantageVectors(t *testing.T) {
 	covered := map[string]bool{}
 	for _, c := range f.Cases {
 		e := c.Estimator
-		est := Estimator{Name: e.Name, Normalize: e.RewardsNormalization, StdNormalize: e.GRPOStdNormalization,
+		est := advantage.Estimator{Name: e.Name, Normalize: e.RewardsNormalization, StdNormalize: e.GRPOStdNormalization,
 			Gamma: e.Gamma, KLCoef: e.KLCoef}
 		var adv, ret [][]float32
 		if e.Name == "ppo" {
@@ -80,12 +82,12 @@ func TestAdvantageVectors(t *testing.T) {
 				adv, ret = append(adv, a), append(ret, r)
 			}
 		} else {
-			var in []AdvInput
+			var in []advantage.Input
 			for _, s := range c.Samples {
-				in = append(in, AdvInput{Reward: s.Reward, Group: s.Group, Tokens: len(s.Logprobs), Mask: s.LossMask,
+				in = append(in, advantage.Input{Reward: s.Reward, Group: s.Group, Tokens: len(s.Logprobs), Mask: s.LossMask,
 					KL: tokenKL(s.Logprobs, s.RefLogprobs, e.KLLossType)})
 			}
-			if adv, err = ComputeAdvantages(est, in); err != nil {
+			if adv, err = advantage.Compute(est, in); err != nil {
 				t.Fatalf("%s: %v", c.Name, err)
 			}
 		}

@@ -19,6 +19,7 @@ import (
 	"go.starlark.net/starlark"
 
 	"github.com/slimen/slimen/engines"
+	"github.com/slimen/slimen/host/advantage"
 	"github.com/slimen/slimen/host/config"
 	"github.com/slimen/slimen/host/tasks"
 )
@@ -830,10 +831,10 @@ func (r *Run) advantages(ctx context.Context, pols []*policy, byPolicy map[strin
 		pools = append(pools, pool{names: []string{p.name}, tc: p.cfg.Train})
 	}
 	for _, pl := range pools {
-		var in []AdvInput
+		var in []advantage.Input
 		for _, n := range pl.names {
 			for i, s := range byPolicy[n] {
-				a := AdvInput{Reward: s.reward, Group: s.group, Tokens: len(s.c.tokens)}
+				a := advantage.Input{Reward: s.reward, Group: s.group, Tokens: len(s.c.tokens)}
 				if kls[n] != nil {
 					a.KL = kls[n][i]
 				}
@@ -843,7 +844,7 @@ func (r *Run) advantages(ctx context.Context, pols []*policy, byPolicy map[strin
 				in = append(in, a)
 			}
 		}
-		adv, err := ComputeAdvantages(estimatorOf(pl.tc), in)
+		adv, err := advantage.Compute(estimatorOf(pl.tc), in)
 		if err != nil {
 			return nil, nil, err
 		}

@@ -114,54 +114,6 @@ def rollout(task):
 	}
 }
 
-func TestAdvantagesByHand(t *testing.T) {
-	in := []AdvInput{
-		{Reward: 1, Group: "a", Tokens: 2},
-		{Reward: 0, Group: "a", Tokens: 1},
-		{Reward: 0, Group: "a", Tokens: 1},
-		{Reward: 5, Group: "b", Tokens: 1},
-		{Reward: 3, Group: "c", Tokens: 1, Override: []float64{0.25}},
-		{Reward: 3, Group: "c", Tokens: 2, Override: []float64{1, 2}},
-	}
-	// Group a: mean 1/3, unbiased std sqrt(((2/3)^2 + 2(1/3)^2)/2) = sqrt(1/3).
-	s := math.Sqrt(1.0 / 3)
-	a1, a0 := (2.0/3)/(s+1e-6), (-1.0/3)/(s+1e-6)
-	want := map[string][][]float32{
-		"grpo": {{f(a1), f(a1)}, {f(a0)}, {f(a0)}, {0}, {0.25}, {1, 2}},
-		// rloo: 1 − 0 = 1; 0 − 1/2 = −1/2.
-		"rloo": {{1, 1}, {-0.5}, {-0.5}, {0}, {0.25}, {1, 2}},
-	}
-	for name, w := range want {
-		got, err := ComputeAdvantages(Estimator{Name: name, Normalize: true, StdNormalize: true}, in)
-		if err != nil {
-			t.Fatal(err)
-		}
-		if d := cmp.Diff(w, got, cmpopts.EquateApprox(0, 1e-5)); d != "" {
-			t.Errorf("%s advantages (-want +got):\n%s", name, d)
-		}
-	}
-	// Without std normalisation GRPO is r − mean; without reward normalisation it is r.
-	got, _ := ComputeAdvantages(Estimator{Name: "grpo", Normalize: true}, in[:4])
-	if d := cmp.Diff([][]float32{{2.0 / 3, 2.0 / 3}, {-1.0 / 3}, {-1.0 / 3}, {0}}, got, cmpopts.EquateApprox(0, 1e-6)); d != "" {
-		t.Errorf("grpo without std (-want +got):\n%s", d)
-	}
-	got, _ = ComputeAdvantages(Estimator{Name: "grpo"}, in[:4])
-	if d := cmp.Diff([][]float32{{1, 1}, {0}, {0}, {5}}, got); d != "" {
-		t.Errorf("grpo without normalisation (-want +got):\n%s", d)
-	}
-	// REINFORCE++ (γ = 1) whitens over the batch's tokens as slime does: returns 1,1,0,0,5 → mean
-	// 1.4, unbiased variance 17.2/4, (x − mean)/sqrt(var + 1e-8). γ < 1: advantage_test.go.
-	got, _ = ComputeAdvantages(Estimator{Name: "reinforce_plus_plus", Gamma: 1}, in[:4])
-	sd := math.Sqrt(((1-1.4)*(1-1.4)*2+1.4*1.4*2+3.6*3.6)/4 + 1e-8)
-	w := func(x float64) float32 { return float32((x - 1.4) / sd) }
-	if d := cmp.Diff([][]float32{{w(1), w(1)}, {w(0)}, {w(0)}, {w(5)}}, got, cmpopts.EquateApprox(0, 1e-5)); d != "" {
-		t.Errorf("reinforce++ (-want +got):\n%s", d)
-	}
-	if _, err := ComputeAdvantages(Estimator{Name: "nope"}, in); err == nil {
-		t.Error("unknown estimator: no error")
-	}
-}
-
 func f(x float64) float32 { return float32(x) }
 
 func TestTrainedAdvantagesReachEngine(t *testing.T) {

@@ -8,6 +8,7 @@ import (
 	"slices"
 	"strings"
 
+	"github.com/slimen/slimen/host/advantage"
 	"github.com/slimen/slimen/host/tasks"
 )
 
@@ -15,7 +16,7 @@ import (
 var (
 	roles          = []string{"actor", "critic"}
 	bufferModes    = []string{"split", "shared"}
-	estimators     = []string{"grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "gspo", "ppo"}
+	estimators     = advantage.Names()
 	klLossTypes    = []string{"k1", "k2", "k3", "low_var_kl"}
 	engineKinds    = []string{"tiny", "torch", "remote"}
 	optimizers     = []string{"adam", "sgd"}
