@@ -153,7 +153,7 @@ func (r *Run) Checkpoint(ctx context.Context) (string, error) {
 		if !p.cfg.Trainable {
 			continue // a frozen policy is what its config says it is: nothing to save
 		}
-		if p.cfg.Engine.Kind == "remote" {
+		if offHost(p.cfg) {
 			ext, err := r.saveRemote(ctx, p, final, tmp)
 			if err != nil {
 				return "", err
@@ -602,7 +602,7 @@ func (r *Run) checkSaveFolders() error {
 		switch {
 		case !p.cfg.Trainable:
 			r.events.printf("config: policy %q is frozen (trainable: false): its save: folder %s is not written; only trainable policies are saved", p.name, p.cfg.Save)
-		case p.cfg.Engine.Kind == "remote":
+		case offHost(p.cfg):
 			r.events.printf("config: policy %q: save: %s is a folder on the engine server at %s, which writes it at every checkpoint", p.name, p.cfg.Save, p.cfg.Engine.Address)
 		default:
 			if err := saveFolderUsable(p); err != nil {
@@ -650,7 +650,7 @@ func (r *Run) writeSaveFolder(ctx context.Context, p *policy, step int) error {
 	fail := func(err error) error {
 		return fmt.Errorf("checkpoint: step %d is saved, but policy %q's save: folder %s was not written: %w", step, p.name, p.cfg.Save, err)
 	}
-	if p.cfg.Engine.Kind == "remote" {
+	if offHost(p.cfg) {
 		if err := p.eng.Save(ctx, p.cfg.Save); err != nil {
 			return fail(err)
 		}

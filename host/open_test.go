@@ -50,7 +50,7 @@ func TestTinyKLReferenceIsNotTheLoadFolder(t *testing.T) {
 
 	firstKL := func(p config.PolicyConfig) float64 {
 		t.Helper()
-		e, err := OpenEngine(ctx, p)
+		e, err := openEngine(ctx, p, "", engineLogs{})
 		if err != nil {
 			t.Fatal(err)
 		}

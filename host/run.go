@@ -177,7 +177,8 @@ func Load(ctx context.Context, scriptPath string, opts Options) (*Run, error) {
 	for _, p := range r.cfg.Policies {
 		// The engines the host runs read none of slime-n's parallelism and server settings: say
 		// so once (a torch worker takes its own flags from engine.args).
-		if keys := p.PassThrough(); len(keys) > 0 && (p.Engine.Kind == "tiny" || p.Engine.Kind == "torch") {
+		k, err := engineKind(p.Engine.Kind)
+		if keys := p.PassThrough(); err == nil && !k.PassThrough && len(keys) > 0 {
 			r.events.printf("config: policy %q: the %s engine ignores %s", p.Name, p.Engine.Kind, strings.Join(keys, ", "))
 		}
 	}

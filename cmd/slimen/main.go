@@ -14,6 +14,7 @@ import (
 	"sort"
 
 	"github.com/slimen/slimen/host"
+	_ "github.com/slimen/slimen/host/torch" // engine kind torch: the PyTorch worker
 )
 
 // command is one subcommand. run returns the process exit code: 0 ok, 1 run failed, 2 bad input.

@@ -86,7 +86,7 @@ type TrainConfig struct {
 
 // EngineConfig holds a policy's engine settings (slime-n's `sglang:` block plus slimen's `kind`).
 type EngineConfig struct {
-	Kind              string        `yaml:"kind" json:"kind"`                 // tiny | torch | remote
+	Kind              string        `yaml:"kind" json:"kind"`                 // tiny | torch | remote | a registered kind (RegisterEngineKind)
 	Address           string        `yaml:"address,omitempty" json:"address"` // remote: host:port
 	ModelPath         string        `yaml:"model_path" json:"model_path,omitempty"`
 	NumGPUsPerEngine  int           `yaml:"num_gpus_per_engine" json:"num_gpus_per_engine"`

@@ -277,6 +277,15 @@ func (p *PolicyConfig) IsCritic() bool {
 	return p.Role == "critic" || (p.Trainable && p.SGLangNumNodes == 0 && p.Train.AdvantageEstimator == "ppo")
 }
 
+// KLReference is the model the policy's KL loss measures against: ref_load, else hf_checkpoint
+// (as in slime-n), never the load: folder the policy resumes from.
+func (p *PolicyConfig) KLReference() string {
+	if p.RefLoad != "" {
+		return p.RefLoad
+	}
+	return p.HFCheckpoint
+}
+
 // PassThrough lists the keys of the policy that slimen does not interpret, as "train.KEY",
 // "engine.KEY" or "KEY" (slime-n's policy-level data keys), sorted, for the host to print once
 // at start-up. Train and engine keys reach the engine, which may use them.

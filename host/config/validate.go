@@ -7,10 +7,35 @@ import (
 	"regexp"
 	"slices"
 	"strings"
+	"sync"
 
 	"github.com/slimen/slimen/host/advantage"
 	"github.com/slimen/slimen/host/tasks"
 )
+
+// engineKinds are the engine kinds a config may name: those whose settings this package knows
+// (tiny, torch, remote) and those a program registered (host.RegisterEngineKind).
+var engineKinds = struct {
+	sync.Mutex
+	names []string
+}{names: []string{"tiny", "torch", "remote"}}
+
+// RegisterEngineKind adds an engine kind to those a config may name (host.RegisterEngineKind
+// calls it; a name known already is left as it is).
+func RegisterEngineKind(name string) {
+	engineKinds.Lock()
+	defer engineKinds.Unlock()
+	if !slices.Contains(engineKinds.names, name) {
+		engineKinds.names = append(engineKinds.names, name)
+	}
+}
+
+// engineKindNames lists the engine kinds a config may name.
+func engineKindNames() []string {
+	engineKinds.Lock()
+	defer engineKinds.Unlock()
+	return slices.Clone(engineKinds.names)
+}
 
 // The values slimen accepts for the enumerated keys.
 var (
@@ -18,7 +43,6 @@ var (
 	bufferModes    = []string{"split", "shared"}
 	estimators     = advantage.Names()
 	klLossTypes    = []string{"k1", "k2", "k3", "low_var_kl"}
-	engineKinds    = []string{"tiny", "torch", "remote"}
 	optimizers     = []string{"adam", "sgd"}
 	aggregations   = []string{"sample_mean", "token_mean", "group_token_mean", "token_sum"}
 	sglWorkerTypes = []string{"regular", "prefill", "decode", "placeholder", "encoder"}
@@ -205,7 +229,8 @@ func (r *resolver) validatePolicy(p *PolicyConfig, pp string) {
 		"%g and kl_loss_coef %g are both set; as in slime, only one of the two may be non-zero", t.KLCoef, t.KLLossCoef)
 
 	e, ep := p.Engine, pp+".engine"
-	r.check(oneOf(e.Kind, engineKinds), ep+".kind", at, "engine kind %q is not one of %s", e.Kind, list(engineKinds))
+	kinds := engineKindNames()
+	r.check(oneOf(e.Kind, kinds), ep+".kind", at, "engine kind %q is not one of %s", e.Kind, list(kinds))
 	if e.Kind == "remote" {
 		_, _, err := net.SplitHostPort(e.Address)
 		r.check(e.Address != "", ep+".address", at, "a remote engine needs address: host:port")

@@ -1,4 +1,12 @@
-package host
+// Package torch registers the engine kind torch with the host: a PyTorch worker
+// (python -m slimen_torch serve, embedded in the binary by engines/torch) started on this machine
+// for each policy of that kind, on hf_checkpoint or the folder given by load:, and stopped with
+// the engine's Close. A program links it by importing this package; the slimen CLI does:
+//
+//	import _ "github.com/slimen/slimen/host/torch"
+//
+// A worker's output goes to the run's events.log (to stderr when the run keeps none).
+package torch
 
 import (
 	"bytes"
@@ -16,115 +24,12 @@ import (
 	"time"
 
 	"github.com/slimen/slimen/engines"
-	"github.com/slimen/slimen/engines/remote"
-	"github.com/slimen/slimen/engines/tiny"
 	"github.com/slimen/slimen/engines/torchproc"
+	"github.com/slimen/slimen/host"
 	"github.com/slimen/slimen/host/config"
 )
 
-// OpenEngine opens the engine a policy's config asks for:
-//
-//	tiny    the embedded pure-Go engine on hf_checkpoint (a folder or builtin:NAME), or on the
-//	        folder given by load: (a checkpoint this engine saved)
-//	torch   a PyTorch worker (python -m slimen_torch serve) started on this machine for this
-//	        policy, on hf_checkpoint or the folder given by load:; it stops with Close
-//	remote  an engine server at engine.address (slimen serve, python -m slimen_torch serve, …)
-//
-// A torch worker's output goes to this process's stderr; a run sends it to its events.log.
-func OpenEngine(ctx context.Context, p config.PolicyConfig) (engines.Engine, error) {
-	return openEngine(ctx, p, "", engineLogs{})
-}
-
-// engineLogs are where openEngine reports; a nil func drops its lines, except worker output,
-// which then goes to stderr.
-type engineLogs struct {
-	printf func(string, ...any) // start-up lines and engine restarts (the run's events)
-	worker func(string, ...any) // a torch worker's output, line by line (events.log only)
-	// restarted, when set, is told that a remote engine or torch worker restarted as a new
-	// process, before anything that process says is used; it puts the policy's state back or
-	// returns why it cannot (then the engine fails every call). Unset, a restart is only logged.
-	restarted func(ctx context.Context, ev restartEvent) error
-}
-
-// onRestart is the OnRestart of a policy's engine client; eng holds the engine once it is open.
-func (l engineLogs) onRestart(p config.PolicyConfig, engine string, eng *atomic.Value) func(ctx context.Context, prev, cur string) error {
-	return func(ctx context.Context, prev, cur string) error {
-		if l.restarted == nil {
-			l.logf("policy %q: %s restarted as a new process (instance %s → %s) and lost what it learned since it started; resume from a checkpoint to restore it", p.Name, engine, prev, cur)
-			return nil
-		}
-		e, _ := eng.Load().(engines.Engine)
-		return l.restarted(ctx, restartEvent{policy: p.Name, trainable: p.Trainable, engine: engine, prev: prev, cur: cur, eng: e})
-	}
-}
-
-func (l engineLogs) logf(format string, args ...any) {
-	if l.printf != nil {
-		l.printf(format, args...)
-	}
-}
-
-// openEngine is OpenEngine with places to report to: a remote engine that restarted (and so lost
-// whatever it had learned since its last save), a torch worker's start and output. runDir is the
-// run's directory ("" if it has none), where a torch worker lets the run save and load checkpoints.
-func openEngine(ctx context.Context, p config.PolicyConfig, runDir string, logs engineLogs) (engines.Engine, error) {
-	switch p.Engine.Kind {
-	case "tiny":
-		// The engine keeps the model it opens as its KL reference, so it opens the reference and
-		// then loads the weights the policy starts from when they are another folder.
-		o, ref := tiny.Options{Threads: p.Engine.Threads}, klReference(p)
-		e, err := tiny.Open(ref, o)
-		if err != nil || p.Load == "" || p.Load == ref {
-			return e, err
-		}
-		if err := e.Load(ctx, p.Load); err != nil {
-			e.Close()
-			if !errors.Is(err, tiny.ErrArchitecture) {
-				return nil, fmt.Errorf("policy %q: load: %w", p.Name, err)
-			}
-			// A load: folder of another shape cannot be measured against the reference (an
-			// hf_checkpoint left at its builtin default, say): it is its own reference.
-			logs.logf("policy %q: load: %s has another architecture than %s, so the KL reference is the load: folder itself; set hf_checkpoint (or ref_load) to its base model to measure against that", p.Name, p.Load, ref)
-			return tiny.Open(p.Load, o)
-		}
-		return e, nil
-	case "torch":
-		return openTorch(ctx, p, runDir, logs)
-	case "remote":
-		o := clientOptions(p)
-		o.Address, o.Insecure, o.TokenEnv = p.Engine.Address, p.Engine.Insecure, p.Engine.TokenEnv
-		var self atomic.Value
-		if logs.printf != nil || logs.restarted != nil {
-			o.OnRestart = logs.onRestart(p, "its engine at "+p.Engine.Address, &self)
-		}
-		if t := p.Engine.TLS; t != nil {
-			o.TLS = &remote.TLS{CAFile: t.CA, CertFile: t.Cert, KeyFile: t.Key, ServerName: t.ServerName}
-		}
-		c, err := remote.Dial(ctx, o)
-		if err != nil {
-			return nil, err
-		}
-		self.Store(engines.Engine(c))
-		return c, nil
-	default:
-		return nil, fmt.Errorf("engine kind %q is not available in this build (known: tiny, torch, remote)", p.Engine.Kind)
-	}
-}
-
-// clientOptions are the gRPC client settings of a policy's engine, remote or torch worker alike.
-func clientOptions(p config.PolicyConfig) remote.Options {
-	return remote.Options{MaxMessageBytes: p.Engine.MaxMessageMB << 20, Timeout: p.Engine.Timeout,
-		ReconnectTimeout: p.Engine.ReconnectTimeout}
-}
-
-// klReference is the model a policy's KL loss measures against: ref_load, else hf_checkpoint (as
-// in slime-n), never the load: folder a policy resumes from.
-func klReference(p config.PolicyConfig) string {
-	if p.RefLoad != "" {
-		return p.RefLoad
-	}
-	return p.HFCheckpoint
-}
+func init() { host.RegisterEngineKind("torch", host.EngineKind{Open: open}) }
 
 // PythonEnv is the environment variable naming the interpreter of torch workers whose policy
 // gives no engine.python.
@@ -141,8 +46,8 @@ func torchPython(p config.PolicyConfig) (python, from string) {
 	return "python3", "the default: engine.python, else $" + PythonEnv + ", else python3 from PATH"
 }
 
-// openTorch starts a policy's torch worker and connects to it.
-func openTorch(ctx context.Context, p config.PolicyConfig, runDir string, logs engineLogs) (engines.Engine, error) {
+// open starts a policy's torch worker and connects to it.
+func open(ctx context.Context, p config.PolicyConfig, env host.EngineEnv) (engines.Engine, error) {
 	python, from := torchPython(p)
 	model, key := p.HFCheckpoint, "hf_checkpoint"
 	args := slices.Clone(p.Engine.Args)
@@ -152,7 +57,7 @@ func openTorch(ctx context.Context, p config.PolicyConfig, runDir string, logs e
 	if err := checkModelFolder(key, model); err != nil {
 		return nil, err
 	}
-	if ref := klReference(p); ref != model {
+	if ref := p.KLReference(); ref != model {
 		if err := checkModelFolder("the KL reference (ref_load, else hf_checkpoint)", ref); err != nil {
 			return nil, err
 		}
@@ -161,7 +66,7 @@ func openTorch(ctx context.Context, p config.PolicyConfig, runDir string, logs e
 		return nil, err
 	}
 	// The KL reference stays the base model, not the checkpoint the policy resumes from.
-	if ref := klReference(p); ref != model && !slices.ContainsFunc(args, func(a string) bool { return a == "--ref-model" || strings.HasPrefix(a, "--ref-model=") }) {
+	if ref := p.KLReference(); ref != model && !slices.ContainsFunc(args, func(a string) bool { return a == "--ref-model" || strings.HasPrefix(a, "--ref-model=") }) {
 		ref, err := filepath.Abs(ref)
 		if err != nil {
 			return nil, err
@@ -169,8 +74,8 @@ func openTorch(ctx context.Context, p config.PolicyConfig, runDir string, logs e
 		args = append(args, "--ref-model", ref)
 	}
 	o := torchproc.Options{Python: python, Model: model, Device: p.Engine.Device, Args: args,
-		Roots: torchRoots(p, runDir), TokenEnv: p.Engine.TokenEnv, StartTimeout: p.Engine.StartTimeout,
-		Client: clientOptions(p)}
+		Roots: torchRoots(p, env.RunDir), TokenEnv: p.Engine.TokenEnv, StartTimeout: p.Engine.StartTimeout,
+		Client: host.ClientOptions(p)}
 	where := "device " + p.Engine.Device
 	if p.Engine.Device == "" {
 		where = "the worker's default device (the first GPU it sees, else the CPU)"
@@ -180,15 +85,15 @@ func openTorch(ctx context.Context, p config.PolicyConfig, runDir string, logs e
 		where += ", " + o.Env[0]
 	}
 	var self atomic.Value
-	if logs.printf != nil || logs.restarted != nil {
-		o.Client.OnRestart = logs.onRestart(p, "its torch worker", &self)
+	if env.OnRestart != nil {
+		o.Client.OnRestart = env.OnRestart("its torch worker", func() engines.Engine { e, _ := self.Load().(engines.Engine); return e })
 	}
 	var lines *lineWriter
-	if logs.worker != nil {
-		lines = &lineWriter{emit: func(line string) { logs.worker("policy %q: worker: %s", p.Name, line) }}
+	if env.Worker != nil {
+		lines = &lineWriter{emit: func(line string) { env.Worker("policy %q: worker: %s", p.Name, line) }}
 		o.Log = lines
 	}
-	logs.logf("policy %q: starting a torch worker: %s -m slimen_torch serve --model %s, on %s", p.Name, python, model, where)
+	env.Logf("policy %q: starting a torch worker: %s -m slimen_torch serve --model %s, on %s", p.Name, python, model, where)
 	start := time.Now()
 	e, err := torchproc.Start(ctx, o)
 	if err != nil {
@@ -198,7 +103,7 @@ func openTorch(ctx context.Context, p config.PolicyConfig, runDir string, logs e
 		return nil, torchStartError(err, python, from)
 	}
 	self.Store(engines.Engine(e))
-	logs.logf("policy %q: torch worker ready in %.1fs", p.Name, time.Since(start).Seconds())
+	env.Logf("policy %q: torch worker ready in %.1fs", p.Name, time.Since(start).Seconds())
 	return e, nil
 }
 

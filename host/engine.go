@@ -1,0 +1,192 @@
+package host
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"sort"
+	"strings"
+	"sync"
+	"sync/atomic"
+
+	"github.com/slimen/slimen/engines"
+	"github.com/slimen/slimen/engines/remote"
+	"github.com/slimen/slimen/engines/tiny"
+	"github.com/slimen/slimen/host/config"
+)
+
+// An EngineKind opens the engines of one engine kind: the engine.kind of a policy's config. The
+// host has two, tiny (the embedded pure-Go engine) and remote (an engine server over gRPC); a
+// package registers another with RegisterEngineKind in its init, and a program links the kind by
+// importing that package (host/torch registers torch, the CLI imports it).
+type EngineKind struct {
+	// Open opens the engine of a policy; env is where it reports and how it hears of restarts.
+	Open func(ctx context.Context, p config.PolicyConfig, env EngineEnv) (engines.Engine, error)
+	// OffHost marks engines whose state lives on a server the run does not own: a checkpoint
+	// records where that state lives instead of saving it on this machine's disk, and the server
+	// writes the policy's save: folder itself.
+	OffHost bool
+	// PassThrough marks engines that may use the slime-n settings slimen does not interpret
+	// (train.KEY, engine.KEY); for the other kinds the run notes that they are ignored.
+	PassThrough bool
+}
+
+// EngineEnv is what a run gives the engines it opens.
+type EngineEnv struct {
+	// RunDir is the run's directory ("" when it has none): where the run asks the engine to
+	// save and load checkpoints.
+	RunDir string
+	// Logf reports start-up lines and restarts in the run's events; never nil.
+	Logf func(format string, args ...any)
+	// Worker, when not nil, takes a worker process's output line by line (the run's events.log
+	// only); nil: let the output go to stderr.
+	Worker func(format string, args ...any)
+	// OnRestart, when not nil, makes the callback an engine client calls when its engine
+	// restarted as a new process (remote.Options.OnRestart): it puts the policy's state back or
+	// says why it cannot. engine names the engine in messages ("its engine at host:port"), self
+	// returns it once it is open. nil: the run does not listen, a restart is only logged.
+	OnRestart func(engine string, self func() engines.Engine) func(ctx context.Context, prev, cur string) error
+}
+
+var engineKinds = struct {
+	sync.RWMutex
+	m map[string]EngineKind
+}{m: map[string]EngineKind{}}
+
+// RegisterEngineKind makes an engine kind available to every run under name (and to config
+// validation). It panics on a second registration of a name or a kind without Open: both are
+// programming errors, found at start-up.
+func RegisterEngineKind(name string, k EngineKind) {
+	engineKinds.Lock()
+	defer engineKinds.Unlock()
+	if _, dup := engineKinds.m[name]; dup || k.Open == nil || name == "" {
+		panic(fmt.Sprintf("host.RegisterEngineKind(%q): registered twice, or without Open", name))
+	}
+	engineKinds.m[name] = k
+	config.RegisterEngineKind(name)
+}
+
+// engineKind finds a registered kind.
+func engineKind(name string) (EngineKind, error) {
+	engineKinds.RLock()
+	defer engineKinds.RUnlock()
+	if k, ok := engineKinds.m[name]; ok {
+		return k, nil
+	}
+	known := make([]string, 0, len(engineKinds.m))
+	for n := range engineKinds.m {
+		known = append(known, n)
+	}
+	sort.Strings(known)
+	hint := ""
+	if name == "torch" {
+		hint = "; a program links the torch worker by importing github.com/slimen/slimen/host/torch (the slimen CLI does)"
+	}
+	return EngineKind{}, fmt.Errorf("engine kind %q is not available in this build (known: %s)%s", name, strings.Join(known, ", "), hint)
+}
+
+func init() {
+	RegisterEngineKind("tiny", EngineKind{Open: openTiny})
+	RegisterEngineKind("remote", EngineKind{Open: openRemote, OffHost: true, PassThrough: true})
+}
+
+// offHost says whether a policy's engine keeps its state on a server the run does not own.
+func offHost(p config.PolicyConfig) bool {
+	k, err := engineKind(p.Engine.Kind)
+	return err == nil && k.OffHost
+}
+
+// engineLogs are where openEngine reports; a nil func drops its lines, except worker output,
+// which then goes to stderr.
+type engineLogs struct {
+	printf func(string, ...any) // start-up lines and engine restarts (the run's events)
+	worker func(string, ...any) // a worker's output, line by line (events.log only)
+	// restarted, when set, is told that a remote engine or torch worker restarted as a new
+	// process, before anything that process says is used; it puts the policy's state back or
+	// returns why it cannot (then the engine fails every call). Unset, a restart is only logged.
+	restarted func(ctx context.Context, ev restartEvent) error
+}
+
+func (l engineLogs) logf(format string, args ...any) {
+	if l.printf != nil {
+		l.printf(format, args...)
+	}
+}
+
+// env is the EngineEnv of a policy's engine in a run with directory runDir.
+func (l engineLogs) env(p config.PolicyConfig, runDir string) EngineEnv {
+	e := EngineEnv{RunDir: runDir, Logf: l.logf, Worker: l.worker}
+	if l.printf != nil || l.restarted != nil {
+		e.OnRestart = func(engine string, self func() engines.Engine) func(ctx context.Context, prev, cur string) error {
+			return func(ctx context.Context, prev, cur string) error {
+				if l.restarted == nil {
+					l.logf("policy %q: %s restarted as a new process (instance %s → %s) and lost what it learned since it started; resume from a checkpoint to restore it", p.Name, engine, prev, cur)
+					return nil
+				}
+				return l.restarted(ctx, restartEvent{policy: p.Name, trainable: p.Trainable, engine: engine, prev: prev, cur: cur, eng: self()})
+			}
+		}
+	}
+	return e
+}
+
+// openEngine opens the engine a policy's config asks for, of a registered kind, with places to
+// report to: a remote engine that restarted (and so lost whatever it had learned since its last
+// save), a worker's start and output. runDir is the run's directory ("" if it has none).
+func openEngine(ctx context.Context, p config.PolicyConfig, runDir string, logs engineLogs) (engines.Engine, error) {
+	k, err := engineKind(p.Engine.Kind)
+	if err != nil {
+		return nil, err
+	}
+	return k.Open(ctx, p, logs.env(p, runDir))
+}
+
+// openTiny opens the embedded pure-Go engine on hf_checkpoint (a folder or builtin:NAME), or on
+// the folder given by load: (a checkpoint this engine saved).
+func openTiny(ctx context.Context, p config.PolicyConfig, env EngineEnv) (engines.Engine, error) {
+	// The engine keeps the model it opens as its KL reference, so it opens the reference and
+	// then loads the weights the policy starts from when they are another folder.
+	o, ref := tiny.Options{Threads: p.Engine.Threads}, p.KLReference()
+	e, err := tiny.Open(ref, o)
+	if err != nil || p.Load == "" || p.Load == ref {
+		return e, err
+	}
+	if err := e.Load(ctx, p.Load); err != nil {
+		e.Close()
+		if !errors.Is(err, tiny.ErrArchitecture) {
+			return nil, fmt.Errorf("policy %q: load: %w", p.Name, err)
+		}
+		// A load: folder of another shape cannot be measured against the reference (an
+		// hf_checkpoint left at its builtin default, say): it is its own reference.
+		env.Logf("policy %q: load: %s has another architecture than %s, so the KL reference is the load: folder itself; set hf_checkpoint (or ref_load) to its base model to measure against that", p.Name, p.Load, ref)
+		return tiny.Open(p.Load, o)
+	}
+	return e, nil
+}
+
+// openRemote connects to an engine server at engine.address (slimen serve, python -m
+// slimen_torch serve, …).
+func openRemote(ctx context.Context, p config.PolicyConfig, env EngineEnv) (engines.Engine, error) {
+	o := ClientOptions(p)
+	o.Address, o.Insecure, o.TokenEnv = p.Engine.Address, p.Engine.Insecure, p.Engine.TokenEnv
+	var self atomic.Value
+	if env.OnRestart != nil {
+		o.OnRestart = env.OnRestart("its engine at "+p.Engine.Address, func() engines.Engine { e, _ := self.Load().(engines.Engine); return e })
+	}
+	if t := p.Engine.TLS; t != nil {
+		o.TLS = &remote.TLS{CAFile: t.CA, CertFile: t.Cert, KeyFile: t.Key, ServerName: t.ServerName}
+	}
+	c, err := remote.Dial(ctx, o)
+	if err != nil {
+		return nil, err
+	}
+	self.Store(engines.Engine(c))
+	return c, nil
+}
+
+// ClientOptions are the gRPC client settings of a policy's engine, for engine kinds that reach
+// their engine over gRPC (remote, torch).
+func ClientOptions(p config.PolicyConfig) remote.Options {
+	return remote.Options{MaxMessageBytes: p.Engine.MaxMessageMB << 20, Timeout: p.Engine.Timeout,
+		ReconnectTimeout: p.Engine.ReconnectTimeout}
+}
