@@ -15,6 +15,7 @@ import (
 	"github.com/slimen/slimen/engines/scripted"
 	"github.com/slimen/slimen/host"
 	"github.com/slimen/slimen/host/config"
+	scriptpkg "github.com/slimen/slimen/host/script"
 )
 
 // Two tasks whose answers differ, so a policy that always answers 5 is right on "a" and wrong on
@@ -62,7 +63,7 @@ func TestExamplesCheck(t *testing.T) {
 				t.Errorf("%s: %v", name, err)
 			}
 		}
-		if problems := host.Check(script(name), loadConfig(t, name)); len(problems) > 0 {
+		if problems := scriptpkg.Check(script(name), loadConfig(t, name)); len(problems) > 0 {
 			t.Errorf("slimen check %s:\n%v", name, problems)
 		}
 	}

@@ -47,7 +47,7 @@ func (r *Run) rewardKL(ctx context.Context, p *policy, ss []trainSample) ([][]fl
 	}
 	reqs := make([]engines.ScoreRequest, len(ss))
 	for i, s := range ss {
-		reqs[i] = engines.ScoreRequest{PromptTokens: s.c.prompt, Tokens: s.c.tokens, Reference: true}
+		reqs[i] = engines.ScoreRequest{PromptTokens: s.C.PromptTokens(), Tokens: s.C.Tokens(), Reference: true}
 	}
 	scores, err := p.eng.Score(ctx, reqs)
 	if err != nil {
@@ -55,10 +55,10 @@ func (r *Run) rewardKL(ctx context.Context, p *policy, ss []trainSample) ([][]fl
 	}
 	out := make([][]float64, len(ss))
 	for i, s := range ss {
-		if len(scores[i].Logprobs) != len(s.c.tokens) || len(s.c.logprobs) != len(s.c.tokens) {
-			return nil, fmt.Errorf("policy %q: the KL reference returned %d log-probs for %d tokens (%d rollout log-probs)", p.name, len(scores[i].Logprobs), len(s.c.tokens), len(s.c.logprobs))
+		if len(scores[i].Logprobs) != len(s.C.Tokens()) || len(s.C.Logprobs()) != len(s.C.Tokens()) {
+			return nil, fmt.Errorf("policy %q: the KL reference returned %d log-probs for %d tokens (%d rollout log-probs)", p.name, len(scores[i].Logprobs), len(s.C.Tokens()), len(s.C.Logprobs()))
 		}
-		out[i] = tokenKL(s.c.logprobs, scores[i].Logprobs, tc.KLLossType)
+		out[i] = tokenKL(s.C.Logprobs(), scores[i].Logprobs, tc.KLLossType)
 	}
 	return out, nil
 }

@@ -16,6 +16,7 @@ import (
 	"github.com/slimen/slimen/engines/scripted"
 	"github.com/slimen/slimen/engines/tiny"
 	"github.com/slimen/slimen/host/config"
+	"github.com/slimen/slimen/host/script"
 )
 
 const counterScript = `
@@ -724,7 +725,7 @@ func TestResumeWinsOverLoad(t *testing.T) {
 }
 
 func TestStateRoundTrip(t *testing.T) {
-	s := NewState()
+	s := script.NewState()
 	d := starlark.NewDict(2)
 	d.SetKey(starlark.MakeInt(1), starlark.Tuple{starlark.String("x"), starlark.Float(0.1)})
 	d.SetKey(starlark.String("big"), starlark.MakeInt64(1<<62))
@@ -733,12 +734,12 @@ func TestStateRoundTrip(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	b, err := encodeState(s)
+	b, err := script.EncodeState(s)
 	if err != nil {
 		t.Fatal(err)
 	}
-	s2 := NewState()
-	if err := decodeState(b, s2); err != nil {
+	s2 := script.NewState()
+	if err := script.DecodeState(b, s2); err != nil {
 		t.Fatal(err)
 	}
 	for _, k := range s.Keys() {

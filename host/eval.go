@@ -10,53 +10,14 @@ import (
 	"go.starlark.net/starlark"
 
 	"github.com/slimen/slimen/engines"
+	"github.com/slimen/slimen/host/script"
 	"github.com/slimen/slimen/host/tasks"
 )
 
 // Eval (DESIGN §2, issue 7): every run.eval_interval steps, and before the first step, each eval
 // dataset's tasks go through the script's eval_rollout(task) — which returns a dict of numbers —
-// or, when the script has none, through defaultEval below. The numbers are averaged per dataset
+// or, when the script has none, through script.DefaultEval. The numbers are averaged per dataset
 // and written as a metrics line with "policy": "_eval" and "dataset": NAME.
-
-// defaultEvalSource grades every policy on the task: its greedy answer, and with n samples per
-// prompt (n > 1) the mean accuracy at the dataset's temperature and pass@n.
-const defaultEvalSource = `
-load("@slimen//answers.star", "grade")
-
-def default_eval(task):
-    out = {}
-    if task.label == None:
-        return out
-    for p in POLICIES:
-        greedy = generate(p, task.prompt, temperature = 0)
-        out[p + "/greedy_accuracy"] = grade(greedy.text, task.label, "math")
-        if N > 1:
-            scores = [grade(c.text, task.label, "math") for c in generate(p, task.prompt, n = N)]
-            total = 0.0
-            for s in scores:
-                total += s
-            out[p + "/accuracy"] = total / N
-            out[p + "/pass@%d" % N] = max(scores)
-    return out
-`
-
-// defaultEval compiles the default eval function for the given policies and samples per task.
-func defaultEval(policies []string, n int) (starlark.Callable, error) {
-	pre := predeclared()
-	names := make([]starlark.Value, len(policies))
-	for i, p := range policies {
-		names[i] = starlark.String(p)
-	}
-	pre["POLICIES"] = starlark.Tuple(names) // shared by every eval rollout at once: immutable
-	pre["N"] = starlark.MakeInt(n)
-	l := newLoader("/", pre, false)
-	g, err := l.execFile("<default eval>", []byte(defaultEvalSource))
-	if err != nil {
-		return nil, fmt.Errorf("default eval: %w", err)
-	}
-	g.Freeze()
-	return g["default_eval"].(starlark.Callable), nil
-}
 
 // Eval runs every eval dataset of the config and returns one metrics line per dataset. It is part
 // of Step when run.eval_interval is set; embedders may call it between steps.
@@ -73,13 +34,13 @@ func (r *Run) Eval(ctx context.Context) ([]Metrics, error) {
 			return nil, fmt.Errorf("eval dataset %q: %w", ds.Name, err)
 		}
 		n := max(ds.NSamples, 1)
-		rf := rolloutFn{fn: r.script.evalRollout, name: "eval_rollout"}
-		if r.script.evalRollout == nil {
+		rf := rolloutFn{fn: r.script.EvalRollout(), name: "eval_rollout"}
+		if r.script.EvalRollout() == nil {
 			rf = rolloutFn{name: "default_eval", n: n}
 			for _, p := range r.policyList() {
 				rf.policies = append(rf.policies, p.name)
 			}
-			if rf.fn, err = defaultEval(rf.policies, n); err != nil {
+			if rf.fn, err = script.DefaultEval(rf.policies, n); err != nil {
 				return nil, err
 			}
 		}
@@ -96,12 +57,12 @@ func (r *Run) Eval(ctx context.Context) ([]Metrics, error) {
 		sums := map[string][2]float64{}
 		failed := 0
 		for _, ro := range ros {
-			if ro.err == nil {
-				ro.err = addEvalResult(sums, ro.result)
+			if ro.Err == nil {
+				ro.Err = addEvalResult(sums, ro.Result)
 			}
-			if ro.err != nil {
+			if ro.Err != nil {
 				failed++
-				r.events.printf("eval %s: task %s failed:\n%s", ds.Name, ro.task.ID, indent(scriptErrorText(ro.err)))
+				r.events.printf("eval %s: task %s failed:\n%s", ds.Name, ro.Task.ID, indent(script.ErrorText(ro.Err)))
 			}
 		}
 		keys := make([]string, 0, len(sums))

@@ -5,10 +5,12 @@ import (
 	"context"
 	"strings"
 	"testing"
+
+	"github.com/slimen/slimen/host/script"
 )
 
 func TestLoads(t *testing.T) {
-	s, err := LoadScript("../testdata/loads/main.star", ScriptOptions{})
+	s, err := script.Load("../testdata/loads/main.star", script.Options{})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -26,31 +28,31 @@ func TestLoads(t *testing.T) {
 		{"broken_lib_user.star", "broken_lib_user.star:1:1"},
 		{"broken_lib_user.star", "broken_lib.star:4:7: in <toplevel>"},
 	} {
-		_, err := LoadScript("../testdata/loads/"+tc.file, ScriptOptions{})
+		_, err := script.Load("../testdata/loads/"+tc.file, script.Options{})
 		if err == nil || !strings.Contains(err.Error(), tc.want) {
 			t.Errorf("%s: err = %v, want it to contain %q", tc.file, err, tc.want)
 		}
 	}
-	_, err = LoadScriptSource("x.star", []byte(`load("@nope//a.star", "a")`), ScriptOptions{})
+	_, err = script.LoadSource("x.star", []byte(`load("@nope//a.star", "a")`), script.Options{})
 	if err == nil || !strings.Contains(err.Error(), "unknown package @nope") {
 		t.Errorf("unknown package: %v", err)
 	}
-	_, err = LoadScriptSource("x.star", []byte(`load("/etc/passwd", "a")`), ScriptOptions{})
+	_, err = script.LoadSource("x.star", []byte(`load("/etc/passwd", "a")`), script.Options{})
 	if err == nil || !strings.Contains(err.Error(), "absolute paths are not loadable") {
 		t.Errorf("absolute path: %v", err)
 	}
-	_, err = LoadScriptSource("x.star", []byte("load(\"helper.star\", \"a\")\ndef rollout(t):\n  pass\n"), ScriptOptions{Sandbox: true})
+	_, err = script.LoadSource("x.star", []byte("load(\"helper.star\", \"a\")\ndef rollout(t):\n  pass\n"), script.Options{Sandbox: true})
 	if err == nil || !strings.Contains(err.Error(), "sandbox only loads") {
 		t.Errorf("sandbox: %v", err)
 	}
 }
 
 func TestRolloutSignature(t *testing.T) {
-	_, err := LoadScriptSource("x.star", []byte("def rollout(a, b):\n  pass\n"), ScriptOptions{})
+	_, err := script.LoadSource("x.star", []byte("def rollout(a, b):\n  pass\n"), script.Options{})
 	if err == nil || !strings.Contains(err.Error(), "exactly one parameter") {
 		t.Errorf("two parameters: %v", err)
 	}
-	_, err = LoadScriptSource("x.star", []byte("rollout = 3\n"), ScriptOptions{})
+	_, err = script.LoadSource("x.star", []byte("rollout = 3\n"), script.Options{})
 	if err == nil || !strings.Contains(err.Error(), "not a function") {
 		t.Errorf("not a function: %v", err)
 	}

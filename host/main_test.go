@@ -3,12 +3,14 @@ package host
 import (
 	"os"
 	"testing"
+
+	"github.com/slimen/slimen/host/script/sandbox"
 )
 
 // TestMain lets the test binary serve as its own sandbox child, as the slimen binary does.
 func TestMain(m *testing.M) {
-	if os.Getenv(SandboxChildEnv) != "" {
-		os.Exit(SandboxChildMain())
+	if os.Getenv(sandbox.ChildEnv) != "" {
+		os.Exit(sandbox.ChildMain())
 	}
 	os.Exit(m.Run())
 }

@@ -60,9 +60,6 @@ func WithoutTimings(jsonl string) string {
 	return strings.Join(out, "\n")
 }
 
-// reservedMetric are names log() may not use.
-var reservedMetric = map[string]bool{"step": true, "policy": true}
-
 // MarshalJSON writes step and policy first, then the other keys sorted.
 func (m Metrics) MarshalJSON() ([]byte, error) {
 	var b bytes.Buffer

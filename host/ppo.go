@@ -62,7 +62,7 @@ func (r *Run) ppoAdvantages(ctx context.Context, actor *policy, ss []trainSample
 	}
 	reqs := make([]engines.ScoreRequest, len(ss))
 	for i, s := range ss {
-		reqs[i] = engines.ScoreRequest{PromptTokens: s.c.prompt, Tokens: s.c.tokens}
+		reqs[i] = engines.ScoreRequest{PromptTokens: s.C.PromptTokens(), Tokens: s.C.Tokens()}
 	}
 	vals, err := valuer.Values(ctx, reqs)
 	if err != nil {
@@ -72,16 +72,16 @@ func (r *Run) ppoAdvantages(ctx context.Context, actor *policy, ss []trainSample
 	adv := make([][]float32, len(ss))
 	targets := make([]ppoTargets, len(ss))
 	for i, s := range ss {
-		if len(vals[i]) != len(s.c.tokens) {
-			return nil, nil, fmt.Errorf("critic %q returned %d values for %d tokens", crit.name, len(vals[i]), len(s.c.tokens))
+		if len(vals[i]) != len(s.C.Tokens()) {
+			return nil, nil, fmt.Errorf("critic %q returned %d values for %d tokens", crit.name, len(vals[i]), len(s.C.Tokens()))
 		}
 		var k []float64
 		if kl != nil {
 			k = kl[i]
 		}
-		a, ret := gae(ppoRewards(s.reward, tc.KLCoef, k, len(s.c.tokens)), vals[i], tc.Gamma, tc.Lambda)
-		if s.hasAdv { // the script's own advantage wins, as with every estimator
-			a = broadcast(s.advantage, len(s.c.tokens))
+		a, ret := gae(ppoRewards(s.reward, tc.KLCoef, k, len(s.C.Tokens())), vals[i], tc.Gamma, tc.Lambda)
+		if s.HasAdv { // the script's own advantage wins, as with every estimator
+			a = broadcast(s.Advantage, len(s.C.Tokens()))
 		}
 		adv[i] = a
 		targets[i] = ppoTargets{values: vals[i], returns: ret}

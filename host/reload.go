@@ -14,6 +14,7 @@ import (
 	"github.com/fsnotify/fsnotify"
 
 	"github.com/slimen/slimen/host/config"
+	"github.com/slimen/slimen/host/script"
 )
 
 // Hot reload (DESIGN §8, `slimen exec --watch`). The host watches the script, every file it
@@ -31,7 +32,7 @@ type reloader struct {
 	scriptPath string
 	cfgPath    string
 	rejected   string         // hash of the last version found broken (reported once)
-	pending    *Script        // a good new version waiting for the step boundary
+	pending    *script.Script // a good new version waiting for the step boundary
 	pendingCfg *config.Config // a good new config waiting for the step boundary
 	cfgHash    string
 	override   func(*config.Config) error // the command line's overrides, applied to every reloaded config
@@ -117,7 +118,7 @@ func (r *Run) checkReload() {
 		current = rl.pending
 	}
 	if h, err := hashFiles(current.Files); err != nil || h != current.Hash {
-		s, err := LoadScript(rl.scriptPath, ScriptOptions{Config: configValue{get: r.Config}, Sandbox: r.sandbox != nil, ParseOnly: r.sandbox != nil})
+		s, err := script.Load(rl.scriptPath, script.Options{Config: script.ConfigValue(r.Config), Sandbox: r.sandbox != nil, ParseOnly: r.sandbox != nil})
 		switch {
 		case err != nil:
 			// A broken version: report it once, keep running the last good one.

@@ -11,6 +11,7 @@ import (
 	"github.com/slimen/slimen/engines"
 	"github.com/slimen/slimen/engines/scripted"
 	"github.com/slimen/slimen/host/config"
+	"github.com/slimen/slimen/host/script"
 )
 
 // requestsOf flattens the generate requests a scripted engine received.
@@ -110,7 +111,7 @@ def rollout(task):
 	base := r.Config().Run.Seed
 	for i, id := range []string{"t0", "t1"} {
 		first, again := seeds[fmt.Sprintf("1/%d/%s/0", i, id)], seeds[fmt.Sprintf("1/%d/%s/0", i+2, id)]
-		if want := keySeed(keySeed(base, id, []int{1}), id, []int{0}); first != want {
+		if want := script.KeySeed(script.KeySeed(base, id, []int{1}), id, []int{0}); first != want {
 			t.Errorf("task %s, first rollout: seed %d, want %d (as when each task runs once)", id, first, want)
 		}
 		if again == first {

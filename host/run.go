@@ -21,6 +21,7 @@ import (
 	"github.com/slimen/slimen/engines"
 	"github.com/slimen/slimen/host/advantage"
 	"github.com/slimen/slimen/host/config"
+	"github.com/slimen/slimen/host/script"
 	"github.com/slimen/slimen/host/tasks"
 )
 
@@ -48,7 +49,7 @@ type Options struct {
 	Log io.Writer
 	// Sandbox runs the script's rollouts in child processes under the config's sandbox budgets
 	// (also set by sandbox.enabled in the config). SandboxCommand starts a child; nil: this
-	// executable, which must call SandboxChildMain when SandboxChildEnv is set (the CLI does).
+	// executable, which must call SandboxChildMain when sandbox.ChildEnv is set (the CLI does).
 	Sandbox        bool
 	SandboxCommand []string
 	// BeforeStep and AfterStep are called by Train around each step it runs, on its goroutine
@@ -60,6 +61,12 @@ type Options struct {
 	// run's log; the run goes on.
 	AfterEval func(r *Run) error
 }
+
+// Task is one unit of work handed to rollout(task).
+type Task = tasks.Task
+
+// ScriptError is a problem with the user's script or config: the CLI exits 2 on it.
+type ScriptError = script.Error
 
 // TaskSource yields the tasks of a run by index (tasks.Source is one).
 type TaskSource interface {
@@ -88,9 +95,9 @@ type Run struct {
 	cfg      *config.Config
 	cfgMu    sync.RWMutex
 	zero     bool // zero-config: policies are created on first use
-	script   *Script
+	script   *script.Script
 	tasks    TaskSource
-	state    *State
+	state    *script.State
 	activity activity
 	events   *eventLog
 	metrics  *metricsWriter
@@ -107,7 +114,7 @@ type Run struct {
 	step    int       // steps completed
 	next    int       // index of the first task of the next step: the data position
 	reload  *reloader // nil unless Watch was called
-	sandbox *sandbox  // nil unless the run is sandboxed
+	sandbox *pool     // nil unless the run is sandboxed
 
 	ckpt checkpoints // what the run remembers of its checkpoints (checkpoint.go)
 
@@ -136,7 +143,7 @@ type policy struct {
 func Load(ctx context.Context, scriptPath string, opts Options) (*Run, error) {
 	r := newRun(opts)
 	sandboxed := opts.Sandbox || r.cfg.Sandbox.Enabled
-	s, err := LoadScript(scriptPath, ScriptOptions{Config: configValue{get: r.Config}, Sandbox: sandboxed, ParseOnly: sandboxed})
+	s, err := script.Load(scriptPath, script.Options{Config: script.ConfigValue(r.Config), Sandbox: sandboxed, ParseOnly: sandboxed})
 	if err != nil {
 		r.cancel()
 		return nil, err
@@ -149,7 +156,7 @@ func Load(ctx context.Context, scriptPath string, opts Options) (*Run, error) {
 		// does not load fails here, with the child's message.
 		if _, err := r.sandbox.pick(); err != nil {
 			r.Close()
-			return nil, &ScriptError{err.Error()}
+			return nil, &ScriptError{Msg: err.Error()}
 		}
 	}
 	if err := r.openOutputs(); err != nil {
@@ -199,7 +206,7 @@ func policiesLoaded(ps []config.PolicyConfig) string {
 
 // newRun makes a run with no script, outputs or engines yet.
 func newRun(opts Options) *Run {
-	r := &Run{opts: opts, state: NewState(), policies: map[string]*policy{}, tasks: opts.Tasks, id: newRunID(),
+	r := &Run{opts: opts, state: script.NewState(), policies: map[string]*policy{}, tasks: opts.Tasks, id: newRunID(),
 		events: &eventLog{w: opts.Log}, metrics: &metricsWriter{}}
 	r.ctx, r.cancel = context.WithCancel(context.Background())
 	r.cfg, r.zero = opts.Config, opts.Zero
@@ -232,10 +239,10 @@ func (r *Run) Config() *config.Config {
 func (r *Run) StepsDone() int { return r.step }
 
 // Script returns the script version the run executes.
-func (r *Run) Script() *Script { return r.script }
+func (r *Run) Script() *script.Script { return r.script }
 
 // State returns the run-wide store of `state`.
-func (r *Run) State() *State { return r.state }
+func (r *Run) State() *script.State { return r.state }
 
 // Close stops the dispatchers and closes every engine the run opened.
 func (r *Run) Close() error {
@@ -293,7 +300,7 @@ func (r *Run) policyFor(name string) (*policy, error) {
 		return p, nil
 	}
 	if !r.zero {
-		return nil, fmt.Errorf("unknown policy %q; %s defines %s — add it under policies: or fix the name", name, r.cfgName(), quoteList(r.order))
+		return nil, fmt.Errorf("unknown policy %q; %s defines %s — add it under policies: or fix the name", name, r.cfgName(), config.QuotePolicyNames(r.order))
 	}
 	if name == "" || strings.ContainsAny(name, " \t\n/") {
 		return nil, fmt.Errorf("policy name %q is not a valid name", name)
@@ -330,17 +337,6 @@ func (r *Run) cfgPlace(p *policy) string {
 		return fmt.Sprintf(" in %s:%d", r.cfg.File, p.cfg.Line)
 	}
 	return ""
-}
-
-func quoteList(names []string) string {
-	if len(names) == 0 {
-		return "no policies"
-	}
-	q := make([]string, len(names))
-	for i, n := range names {
-		q[i] = fmt.Sprintf("%q", n)
-	}
-	return strings.Join(q, ", ")
 }
 
 // sampling returns the rollout defaults of the current config.
@@ -391,6 +387,21 @@ func (e *EngineError) Error() string {
 
 func (e *EngineError) Unwrap() error { return e.Err }
 
+// RolloutError is a failed rollout: its task and the Starlark backtrace.
+type RolloutError struct {
+	Step   int
+	TaskID string
+	Msg    string
+}
+
+func (e *RolloutError) Error() string {
+	return fmt.Sprintf("step %d task %s: rollout failed:\n%s", e.Step, e.TaskID, indent(e.Msg))
+}
+
+func indent(s string) string {
+	return "  " + strings.ReplaceAll(strings.TrimRight(s, "\n"), "\n", "\n  ")
+}
+
 // shownFailures is how many failed rollouts a step shows in full on the run's log.
 const shownFailures = 3
 
@@ -417,10 +428,10 @@ func (r *Run) Steps(ctx context.Context, n int) error {
 // complete (abandoned on a signal, stopped by an error before its training and metrics) leaves
 // the `state` store as it was after the last step that did.
 func (r *Run) Step(ctx context.Context) (*StepResult, error) {
-	before, snap := r.step, r.state.snapshot()
+	before, snap := r.step, r.state.Snapshot()
 	res, err := r.runStep(ctx)
 	if r.step == before {
-		r.state.restore(snap)
+		r.state.Restore(snap)
 	}
 	return res, err
 }
@@ -451,7 +462,7 @@ func (r *Run) runStep(ctx context.Context) (*StepResult, error) {
 	for i := range tasks {
 		tasks[i] = r.tasks.Task(r.next + i)
 	}
-	ros, err := r.runRollouts(ctx, step, tasks, rolloutFn{fn: r.script.rollout, name: "rollout"}, nil)
+	ros, err := r.runRollouts(ctx, step, tasks, rolloutFn{fn: r.script.Rollout(), name: "rollout"}, nil)
 	if err != nil {
 		return nil, err
 	}
@@ -470,8 +481,8 @@ func (r *Run) runStep(ctx context.Context) (*StepResult, error) {
 	res := &StepResult{Step: step}
 	var first *RolloutError
 	for _, ro := range ros {
-		if ro.err != nil {
-			re := &RolloutError{Step: step, TaskID: ro.task.ID, Msg: scriptErrorText(ro.err)}
+		if ro.Err != nil {
+			re := &RolloutError{Step: step, TaskID: ro.Task.ID, Msg: script.ErrorText(ro.Err)}
 			res.Failed = append(res.Failed, re)
 			if len(res.Failed) <= shownFailures {
 				r.events.printf("%s", re.Error())
@@ -537,9 +548,9 @@ type rolloutFn struct {
 // runRollouts calls fn(task) for every task, each on its own goroutine (or, sandboxed, in child
 // processes). eval, when not nil, marks eval rollouts: they sample with its settings and may not
 // train.
-func (r *Run) runRollouts(ctx context.Context, step int, tasks []Task, rf rolloutFn, eval *engines.Sampling) ([]*rollout, error) {
+func (r *Run) runRollouts(ctx context.Context, step int, tasks []Task, rf rolloutFn, eval *engines.Sampling) ([]*script.Rollout, error) {
 	n := len(tasks)
-	ros := make([]*rollout, n)
+	ros := make([]*script.Rollout, n)
 	stepCtx, cancel := context.WithCancel(ctx)
 	defer cancel()
 	seed := r.Config().Run.Seed
@@ -548,13 +559,13 @@ func (r *Run) runRollouts(ctx context.Context, step int, tasks []Task, rf rollou
 	for i, t := range tasks {
 		// A task that runs again in the same pass (a data file smaller than the batch) is another
 		// rollout, not a copy of the first: it gets seeds and a default group of its own.
-		k := occurrence(seen, t.ID)
+		k := script.Occurrence(seen, t.ID)
 		key := []int{step}
 		if k > 0 {
 			key = append(key, k)
 		}
-		ros[i] = &rollout{run: r, svc: localServices{r}, ctx: withRequestIDs(stepCtx, r.id, pass, i), task: t, index: i, step: step, eval: eval,
-			seed: keySeed(seed, t.ID, key), group: defaultGroup(t.ID, k)}
+		ros[i] = &script.Rollout{Host: localHost{r}, Ctx: script.WithRequestIDs(stepCtx, r.id, pass, i), Task: t, Index: i, Step: step, Eval: eval,
+			Seed: script.KeySeed(seed, t.ID, key), Group: script.DefaultGroup(t.ID, k)}
 	}
 	r.live.done.Store(0)
 	r.live.total.Store(int64(n))
@@ -571,14 +582,14 @@ func (r *Run) runRollouts(ctx context.Context, step int, tasks []Task, rf rollou
 	var wg sync.WaitGroup
 	for _, ro := range ros {
 		wg.Add(1)
-		go func(ro *rollout) {
+		go func(ro *script.Rollout) {
 			defer wg.Done()
 			defer r.live.done.Add(1)
 			defer r.activity.leave()
-			th := ro.newThread(nil)
-			ro.result, ro.err = ro.call(th, fn, starlark.Tuple{taskValue(ro.task, step)})
-			if ro.err == nil {
-				ro.err = ro.checkQueued()
+			th := ro.NewThread(nil)
+			ro.Result, ro.Err = ro.Call(th, fn, starlark.Tuple{script.TaskValue(ro.Task, step)})
+			if ro.Err == nil {
+				ro.Err = ro.CheckQueued()
 			}
 		}(ro)
 	}
@@ -589,25 +600,15 @@ func (r *Run) runRollouts(ctx context.Context, step int, tasks []Task, rf rollou
 	return ros, nil
 }
 
-// checkQueued verifies, once the rollout is done, that every queued sample can be trained.
-func (ro *rollout) checkQueued() error {
-	for _, q := range ro.queued {
-		if _, ok := q.c.Reward(); !ok && !q.hasAdv {
-			return fmt.Errorf("train: completion %s has no reward", q.c.id)
-		}
-	}
-	return nil
-}
-
 // trainSample is a queued sample of a successful rollout, in deterministic order.
 type trainSample struct {
-	queued
+	script.Queued
 	task   int
 	reward float64
 }
 
 // trainPolicies computes advantages and trains every trainable policy on its samples.
-func (r *Run) trainPolicies(ctx context.Context, step int, cfg *config.Config, ros []*rollout, rolloutS float64) ([]Metrics, error) {
+func (r *Run) trainPolicies(ctx context.Context, step int, cfg *config.Config, ros []*script.Rollout, rolloutS float64) ([]Metrics, error) {
 	byPolicy, gens := gather(ros)
 	pols := r.policyList()
 	advs, targets, err := r.advantages(ctx, pols, byPolicy)
@@ -643,13 +644,13 @@ func (r *Run) trainPolicies(ctx context.Context, step int, cfg *config.Config, r
 		var samples []engines.Sample
 		for _, p := range pols {
 			for i, t := range targets[p.name] {
-				c := byPolicy[p.name][i].c
-				mask := make([]float32, len(c.tokens))
+				c := byPolicy[p.name][i].C
+				mask := make([]float32, len(c.Tokens()))
 				for j := range mask {
 					mask[j] = 1
 				}
-				samples = append(samples, engines.Sample{Prompt: c.prompt, Response: c.tokens, LossMask: mask,
-					Returns: t.returns, OldValues: t.values, Group: byPolicy[p.name][i].group})
+				samples = append(samples, engines.Sample{Prompt: c.PromptTokens(), Response: c.Tokens(), LossMask: mask,
+					Returns: t.returns, OldValues: t.values, Group: byPolicy[p.name][i].Group})
 			}
 		}
 		if len(samples) > 0 && crit.cfg.Trainable {
@@ -676,22 +677,22 @@ func (r *Run) policyList() []*policy {
 
 // gather collects the samples and completions of the successful rollouts, per policy, in an order
 // that does not depend on scheduling: task, then position in the rollout's call tree.
-func gather(ros []*rollout) (map[string][]trainSample, map[string][]*Completion) {
+func gather(ros []*script.Rollout) (map[string][]trainSample, map[string][]*script.Completion) {
 	byPolicy := map[string][]trainSample{}
-	gens := map[string][]*Completion{}
+	gens := map[string][]*script.Completion{}
 	for _, ro := range ros {
-		if ro.err != nil {
+		if ro.Err != nil {
 			continue
 		}
-		for _, q := range ro.queued {
-			if q.group == "" {
-				q.group = ro.group
+		for _, q := range ro.Queued() {
+			if q.Group == "" {
+				q.Group = ro.Group
 			}
-			rw, _ := q.c.Reward()
-			byPolicy[q.c.policy] = append(byPolicy[q.c.policy], trainSample{queued: q, task: ro.index, reward: rw})
+			rw, _ := q.C.Reward()
+			byPolicy[q.C.Policy()] = append(byPolicy[q.C.Policy()], trainSample{Queued: q, task: ro.Index, reward: rw})
 		}
-		for _, c := range ro.generated {
-			gens[c.policy] = append(gens[c.policy], c)
+		for _, c := range ro.Generated() {
+			gens[c.Policy()] = append(gens[c.Policy()], c)
 		}
 	}
 	for _, ss := range byPolicy {
@@ -699,22 +700,13 @@ func gather(ros []*rollout) (map[string][]trainSample, map[string][]*Completion)
 			if ss[i].task != ss[j].task {
 				return ss[i].task < ss[j].task
 			}
-			return lessKey(ss[i].c.key, ss[j].c.key)
+			return ss[i].C.Before(ss[j].C)
 		})
 	}
 	for _, cs := range gens {
-		sort.SliceStable(cs, func(i, j int) bool { return lessKey(cs[i].key, cs[j].key) })
+		sort.SliceStable(cs, func(i, j int) bool { return cs[i].Before(cs[j]) })
 	}
 	return byPolicy, gens
-}
-
-func lessKey(a, b []int) bool {
-	for i := 0; i < len(a) && i < len(b); i++ {
-		if a[i] != b[i] {
-			return a[i] < b[i]
-		}
-	}
-	return len(a) < len(b)
 }
 
 // trainOne splits a policy's samples into optimizer steps of global_batch_size and trains.
@@ -733,14 +725,14 @@ func (r *Run) trainOne(ctx context.Context, step int, p *policy, ss []trainSampl
 		// steps for ones it has already applied.
 		b := engines.Batch{ID: fmt.Sprintf("%s/%s/step%d/%d", r.id, p.name, step, k/size), Loss: lc}
 		for i := k; i < end; i++ {
-			c := ss[i].c
-			mask := make([]float32, len(c.tokens))
+			c := ss[i].C
+			mask := make([]float32, len(c.Tokens()))
 			for j := range mask {
 				mask[j] = 1
 			}
 			b.Samples = append(b.Samples, engines.Sample{
-				Prompt: c.prompt, Response: c.tokens, LossMask: mask, OldLogprobs: c.logprobs,
-				Advantages: adv[i], Group: ss[i].group,
+				Prompt: c.PromptTokens(), Response: c.Tokens(), LossMask: mask, OldLogprobs: c.Logprobs(),
+				Advantages: adv[i], Group: ss[i].Group,
 			})
 		}
 		st, err := p.eng.Train(ctx, b)
@@ -835,12 +827,12 @@ func (r *Run) advantages(ctx context.Context, pols []*policy, byPolicy map[strin
 		var in []advantage.Input
 		for _, n := range pl.names {
 			for i, s := range byPolicy[n] {
-				a := advantage.Input{Reward: s.reward, Group: s.group, Tokens: len(s.c.tokens)}
+				a := advantage.Input{Reward: s.reward, Group: s.Group, Tokens: len(s.C.Tokens())}
 				if kls[n] != nil {
 					a.KL = kls[n][i]
 				}
-				if s.hasAdv {
-					a.Override = s.advantage
+				if s.HasAdv {
+					a.Override = s.Advantage
 				}
 				in = append(in, a)
 			}
@@ -869,8 +861,8 @@ func (r *Run) advantages(ctx context.Context, pols []*policy, byPolicy map[strin
 func (r *Run) applyTeacher(ctx context.Context, p *policy, ss []trainSample, adv [][]float32) error {
 	byTeacher := map[string][]int{}
 	for i, s := range ss {
-		if s.teacher != "" {
-			byTeacher[s.teacher] = append(byTeacher[s.teacher], i)
+		if s.Teacher != "" {
+			byTeacher[s.Teacher] = append(byTeacher[s.Teacher], i)
 		}
 	}
 	teachers := make([]string, 0, len(byTeacher))
@@ -887,36 +879,36 @@ func (r *Run) applyTeacher(ctx context.Context, p *policy, ss []trainSample, adv
 		idx := byTeacher[t]
 		reqs := make([]engines.ScoreRequest, len(idx))
 		for k, i := range idx {
-			c := ss[i].c
-			reqs[k] = engines.ScoreRequest{Messages: c.messages, Tokens: c.tokens}
+			c := ss[i].C
+			reqs[k] = engines.ScoreRequest{Messages: c.Messages(), Tokens: c.Tokens()}
 		}
 		scores, err := tp.eng.Score(ctx, reqs)
 		if err != nil {
 			return &EngineError{Step: r.step + 1, Policy: t, Err: fmt.Errorf("scoring %d samples of policy %q as their teacher: %w", len(idx), p.name, err), Hint: r.engineErrorHint()}
 		}
 		for k, i := range idx {
-			c := ss[i].c
+			c := ss[i].C
 			lp := scores[k].Logprobs
-			if len(lp) != len(c.tokens) {
-				return fmt.Errorf("teacher %q returned %d log-probs for %d tokens", t, len(lp), len(c.tokens))
+			if len(lp) != len(c.Tokens()) {
+				return fmt.Errorf("teacher %q returned %d log-probs for %d tokens", t, len(lp), len(c.Tokens()))
 			}
 			for j := range adv[i] {
-				adv[i][j] -= float32(coef * float64(c.logprobs[j]-lp[j]))
+				adv[i][j] -= float32(coef * float64(c.Logprobs()[j]-lp[j]))
 			}
 		}
 	}
 	return nil
 }
 
-func fillRewardMetrics(m Metrics, gens []*Completion, ss []trainSample) {
+func fillRewardMetrics(m Metrics, gens []*script.Completion, ss []trainSample) {
 	var rs []float64
 	tokens, truncated := 0, 0
 	for _, c := range gens {
 		if rw, ok := c.Reward(); ok {
 			rs = append(rs, rw)
 		}
-		tokens += len(c.tokens)
-		if c.finish == "length" {
+		tokens += len(c.Tokens())
+		if c.FinishReason() == "length" {
 			truncated++
 		}
 	}
@@ -953,7 +945,7 @@ func meanStd(xs []float64) (float64, float64) {
 	return mean, math.Sqrt(v / float64(len(xs)))
 }
 
-func (r *Run) runMetrics(step int, ros []*rollout, res *StepResult, rolloutS, trainS, stepS float64) Metrics {
+func (r *Run) runMetrics(step int, ros []*script.Rollout, res *StepResult, rolloutS, trainS, stepS float64) Metrics {
 	m := newMetrics(step, "_run")
 	m.set("rollouts", len(ros))
 	m.set("failed", len(res.Failed))
@@ -970,10 +962,10 @@ func (r *Run) runMetrics(step int, ros []*rollout, res *StepResult, rolloutS, tr
 	}
 	sums := map[string][2]float64{}
 	for _, ro := range ros {
-		if ro.err != nil {
+		if ro.Err != nil {
 			continue
 		}
-		for k, v := range ro.logs {
+		for k, v := range ro.Logs() {
 			a := sums[k]
 			sums[k] = [2]float64{a[0] + v[0], a[1] + v[1]}
 		}

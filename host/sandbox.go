@@ -21,6 +21,8 @@ import (
 
 	"github.com/slimen/slimen/engines"
 	"github.com/slimen/slimen/host/config"
+	"github.com/slimen/slimen/host/script"
+	"github.com/slimen/slimen/host/script/sandbox"
 )
 
 // The host side of the sandbox (`slimen exec --sandbox`, DESIGN §8). Rollouts of an untrusted
@@ -29,7 +31,8 @@ import (
 // runs again alone in a fresh child: honest rollouts then complete, and the one that kills its
 // child again fails with the limit it broke.
 
-type sandbox struct {
+// pool is the host's side of a sandboxed run: its children and what it counts of them.
+type pool struct {
 	r   *Run
 	cmd []string // how to start a child: the slimen binary itself
 
@@ -49,7 +52,7 @@ type sandbox struct {
 }
 
 type sbChild struct {
-	sb     *sandbox
+	sb     *pool
 	cmd    *exec.Cmd
 	in     io.WriteCloser
 	encMu  sync.Mutex
@@ -57,10 +60,11 @@ type sbChild struct {
 	stderr *tailBuffer
 
 	mu       sync.Mutex
-	breach   error              // why the host stopped the child (a message over message_bytes, wall time)
-	rollouts map[int64]*rollout // in flight
-	results  map[int64]chan sbDone
-	locks    map[int64]func() // state locks held, by rollout id
+	breach   error                     // why the host stopped the child (a message over message_bytes, wall time)
+	rollouts map[int64]*script.Rollout // in flight
+	results  map[int64]chan sandbox.Done
+	locks    map[int64]func()                     // state locks held, by rollout id
+	commits  map[int64]func(starlark.Value) error // the pending state.update of each lock
 	nextID   int64
 	dead     chan struct{}
 	deathErr error
@@ -70,7 +74,7 @@ type sbChild struct {
 }
 
 // newSandbox starts nothing yet: children start when the first rollouts come.
-func newSandbox(r *Run, cmd []string) *sandbox {
+func newSandbox(r *Run, cmd []string) *pool {
 	if len(cmd) == 0 {
 		exe, err := os.Executable()
 		if err != nil {
@@ -78,10 +82,10 @@ func newSandbox(r *Run, cmd []string) *sandbox {
 		}
 		cmd = []string{exe}
 	}
-	return &sandbox{r: r, cmd: cmd}
+	return &pool{r: r, cmd: cmd}
 }
 
-func (sb *sandbox) close() {
+func (sb *pool) close() {
 	sb.mu.Lock()
 	defer sb.mu.Unlock()
 	for _, c := range sb.children {
@@ -99,15 +103,16 @@ func (sb *sandbox) close() {
 }
 
 // start launches a child and sends it the script.
-func (sb *sandbox) start() (*sbChild, error) {
+func (sb *pool) start() (*sbChild, error) {
 	cfg := sb.r.Config()
 	cmd := exec.Command(sb.cmd[0], sb.cmd[1:]...)
-	cmd.Env = append(os.Environ(), SandboxChildEnv+"="+strconv.Itoa(cfg.Sandbox.MemoryMB))
+	cmd.Env = append(os.Environ(), sandbox.ChildEnv+"="+strconv.Itoa(cfg.Sandbox.MemoryMB))
 	if cfg.Sandbox.CPUSeconds > 0 {
-		cmd.Env = append(cmd.Env, SandboxCPUEnv+"="+strconv.Itoa(cfg.Sandbox.CPUSeconds))
+		cmd.Env = append(cmd.Env, sandbox.CPUEnv+"="+strconv.Itoa(cfg.Sandbox.CPUSeconds))
 	}
-	c := &sbChild{sb: sb, cmd: cmd, stderr: &tailBuffer{max: 4096}, rollouts: map[int64]*rollout{},
-		results: map[int64]chan sbDone{}, locks: map[int64]func(){}, dead: make(chan struct{})}
+	c := &sbChild{sb: sb, cmd: cmd, stderr: &tailBuffer{max: 4096}, rollouts: map[int64]*script.Rollout{},
+		results: map[int64]chan sandbox.Done{}, locks: map[int64]func(){},
+		commits: map[int64]func(starlark.Value) error{}, dead: make(chan struct{})}
 	cmd.Stderr = c.stderr
 	in, err := cmd.StdinPipe()
 	if err != nil {
@@ -121,8 +126,8 @@ func (sb *sandbox) start() (*sbChild, error) {
 	if err := cmd.Start(); err != nil {
 		return nil, fmt.Errorf("sandbox: start %s: %w", sb.cmd[0], err)
 	}
-	init, _ := json.Marshal(sbInit{Script: sb.r.script.Path, Source: string(sb.r.script.Source), Config: cfg, Zero: sb.r.zero})
-	c.send(sbMsg{T: "init", Args: init})
+	init, _ := json.Marshal(sandbox.Init{Script: sb.r.script.Path, Source: string(sb.r.script.Source), Config: cfg, Zero: sb.r.zero})
+	c.send(sandbox.Msg{T: "init", Args: init})
 	sc := bufio.NewScanner(out)
 	// The child sends nothing larger than message_bytes (the newline included); a line longer
 	// than that ends the scan, and the host stops the child rather than hold more of it.
@@ -132,7 +137,7 @@ func (sb *sandbox) start() (*sbChild, error) {
 		c.kill()
 		return nil, fmt.Errorf("sandbox: the script's process died while running its top level: %v", c.describeDeath(cmd.Wait()))
 	}
-	var first sbMsg
+	var first sandbox.Msg
 	if err := json.Unmarshal(sc.Bytes(), &first); err != nil || first.T != "ready" {
 		c.kill()
 		return nil, fmt.Errorf("%s", first.Error)
@@ -141,7 +146,7 @@ func (sb *sandbox) start() (*sbChild, error) {
 	return c, nil
 }
 
-func (c *sbChild) send(m sbMsg) {
+func (c *sbChild) send(m sandbox.Msg) {
 	c.encMu.Lock()
 	defer c.encMu.Unlock()
 	c.enc.Encode(m)
@@ -158,8 +163,8 @@ func (c *sbChild) noteTooLong(err error) {
 		return
 	}
 	mb := c.sb.r.Config().Sandbox.MessageBytes
-	c.stop(&BudgetError{"message_bytes", strconv.Itoa(mb),
-		fmt.Sprintf("the script's process sent the host a message of more than %d bytes; the host stopped it", mb)})
+	c.stop(&script.BudgetError{Budget: "message_bytes", Limit: strconv.Itoa(mb),
+		What: fmt.Sprintf("the script's process sent the host a message of more than %d bytes; the host stopped it", mb)})
 }
 
 // stop kills the child, giving the reason its rollouts will report.
@@ -175,7 +180,7 @@ func (c *sbChild) stop(why error) {
 // read handles the child's messages until its stdout closes, then fails what it was running.
 func (c *sbChild) read(sc *bufio.Scanner) {
 	for sc.Scan() {
-		var m sbMsg
+		var m sandbox.Msg
 		if err := json.Unmarshal(sc.Bytes(), &m); err != nil {
 			break
 		}
@@ -189,9 +194,9 @@ func (c *sbChild) read(sc *bufio.Scanner) {
 		case "note":
 			c.note(m)
 		case "done":
-			var d sbDone
+			var d sandbox.Done
 			if err := json.Unmarshal(m.Result, &d); err != nil {
-				d = sbDone{Error: "sandbox: bad report from the child: " + err.Error()}
+				d = sandbox.Done{Error: "sandbox: bad report from the child: " + err.Error()}
 			}
 			c.mu.Lock()
 			ch := c.results[m.ID]
@@ -230,30 +235,30 @@ func (c *sbChild) describeDeath(err error) error {
 	tail := c.stderr.String()
 	var ee *exec.ExitError
 	switch {
-	case strings.Contains(tail, cpuLimitMsg):
-		return &BudgetError{"cpu_seconds", strconv.Itoa(cfg.CPUSeconds), "the script's process used up its CPU time"}
+	case strings.Contains(tail, sandbox.CPULimitMsg):
+		return &script.BudgetError{Budget: "cpu_seconds", Limit: strconv.Itoa(cfg.CPUSeconds), What: "the script's process used up its CPU time"}
 	case strings.Contains(tail, "out of memory") || strings.Contains(tail, "cannot allocate memory"):
-		return &BudgetError{"memory_mb", strconv.Itoa(cfg.MemoryMB), "the script's process ran out of memory"}
+		return &script.BudgetError{Budget: "memory_mb", Limit: strconv.Itoa(cfg.MemoryMB), What: "the script's process ran out of memory"}
 	case strings.Contains(tail, "pthread_create failed") || strings.Contains(tail, "failed to create new OS thread"):
 		// A thread's stack is a private mapping, so RLIMIT_DATA refuses it too: a runtime that
 		// cannot start a thread under that limit has run out of memory.
-		return &BudgetError{"memory_mb", strconv.Itoa(cfg.MemoryMB), "the script's process ran out of memory (the runtime could not start a thread)"}
+		return &script.BudgetError{Budget: "memory_mb", Limit: strconv.Itoa(cfg.MemoryMB), What: "the script's process ran out of memory (the runtime could not start a thread)"}
 	case strings.Contains(tail, "SIGSEGV"):
 		// Starlark cannot fault by itself; under RLIMIT_DATA the Go runtime sometimes dies this
 		// way instead of reporting a failed allocation.
-		return &BudgetError{"memory_mb", strconv.Itoa(cfg.MemoryMB), "the script's process ran out of memory (the runtime crashed: SIGSEGV)"}
+		return &script.BudgetError{Budget: "memory_mb", Limit: strconv.Itoa(cfg.MemoryMB), What: "the script's process ran out of memory (the runtime crashed: SIGSEGV)"}
 	case errors.As(err, &ee) && ee.Sys().(syscall.WaitStatus).Signal() == syscall.SIGXCPU,
 		errors.As(err, &ee) && ee.Sys().(syscall.WaitStatus).Signal() == syscall.SIGKILL && cfg.CPUSeconds > 0:
-		return &BudgetError{"cpu_seconds", strconv.Itoa(cfg.CPUSeconds), "the script's process used up its CPU time (killed at the hard limit)"}
+		return &script.BudgetError{Budget: "cpu_seconds", Limit: strconv.Itoa(cfg.CPUSeconds), What: "the script's process used up its CPU time (killed at the hard limit)"}
 	case strings.Contains(tail, "stack exceeds"):
-		return &BudgetError{"memory_mb", strconv.Itoa(cfg.MemoryMB), "the script's process overflowed its stack"}
+		return &script.BudgetError{Budget: "memory_mb", Limit: strconv.Itoa(cfg.MemoryMB), What: "the script's process overflowed its stack"}
 	}
 	first, _, _ := strings.Cut(strings.TrimSpace(tail), "\n")
 	return fmt.Errorf("sandbox: the script's process died (%v): %s", err, first)
 }
 
 // answer serves one call of the child's built-ins with the run's own services.
-func (c *sbChild) answer(m sbMsg) {
+func (c *sbChild) answer(m sandbox.Msg) {
 	answered := false
 	finish := func() { // the call is no longer in flight: before the child can see the reply
 		if !answered {
@@ -268,7 +273,7 @@ func (c *sbChild) answer(m sbMsg) {
 	ro := c.rollouts[m.Rollout]
 	c.mu.Unlock()
 	reply := func(v any, err error) {
-		r := sbMsg{T: "reply", ID: m.ID}
+		r := sandbox.Msg{T: "reply", ID: m.ID}
 		if err != nil {
 			r.Error = err.Error()
 		} else {
@@ -281,7 +286,7 @@ func (c *sbChild) answer(m sbMsg) {
 		reply(nil, errors.New("unknown rollout"))
 		return
 	}
-	svc := localServices{c.sb.r}
+	svc := localHost{c.sb.r}
 	cfg := c.sb.r.Config().Sandbox
 	switch m.Method {
 	case "policy":
@@ -291,10 +296,10 @@ func (c *sbChild) answer(m sbMsg) {
 			reply(nil, err)
 			return
 		}
-		trainable, place, err := svc.checkPolicy(name)
+		trainable, place, err := svc.CheckPolicy(name)
 		reply(map[string]any{"trainable": trainable, "place": place}, err)
 	case "generate":
-		var g sbGenerate
+		var g sandbox.Generate
 		if err := json.Unmarshal(m.Args, &g); err != nil {
 			reply(nil, err)
 			return
@@ -305,16 +310,16 @@ func (c *sbChild) answer(m sbMsg) {
 			return
 		}
 		// The host keeps its own copy of what the child will see: the report names these ids.
-		outs, err := svc.generate(ro.ctx, g.Policy, g.Req)
+		outs, err := svc.Generate(ro.Ctx, g.Policy, g.Req)
 		if err == nil {
-			for _, cmp := range newCompletions(g.Policy, g.Req, keyFromRequestID(g.Req.ID), outs) {
-				ro.noteCompletion(cmp)
-				svc.generated(len(cmp.tokens))
+			for _, cmp := range script.CompletionsOf(g.Policy, g.Req, outs) {
+				ro.Note(cmp)
+				svc.Generated(len(cmp.Tokens()))
 			}
 		}
 		reply(outs, err)
 	case "score":
-		var s sbScore
+		var s sandbox.Score
 		if err := json.Unmarshal(m.Args, &s); err != nil {
 			reply(nil, err)
 			return
@@ -323,16 +328,16 @@ func (c *sbChild) answer(m sbMsg) {
 			reply(nil, err)
 			return
 		}
-		reply(svc.score(ro.ctx, s.Policy, s.Req))
+		reply(svc.Score(ro.Ctx, s.Policy, s.Req))
 	case "state_get":
 		var k string
 		json.Unmarshal(m.Args, &k)
-		v, ok, _ := svc.stateGet(k)
+		v, ok, _ := svc.StateGet(k)
 		reply(stateReply(v, ok))
 	case "state_lock":
 		var k string
 		json.Unmarshal(m.Args, &k)
-		v, ok, commit, release, _ := svc.stateLock(k)
+		v, ok, commit, release, _ := svc.StateLock(k)
 		c.mu.Lock()
 		if c.gone {
 			// The child died while this call waited for the lock: nobody will release it.
@@ -340,16 +345,14 @@ func (c *sbChild) answer(m sbMsg) {
 			release()
 			return
 		}
-		c.locks[m.Rollout] = release
+		c.locks[m.Rollout], c.commits[m.Rollout] = release, commit
 		c.mu.Unlock()
-		ro.mu.Lock()
-		ro.stateCommit = commit
-		ro.mu.Unlock()
 		reply(stateReply(v, ok))
 	case "state_set", "state_unlock":
 		c.mu.Lock()
-		release := c.locks[m.Rollout]
+		release, commit := c.locks[m.Rollout], c.commits[m.Rollout]
 		delete(c.locks, m.Rollout)
+		delete(c.commits, m.Rollout)
 		c.mu.Unlock()
 		var err error
 		if m.Method == "state_set" {
@@ -359,10 +362,7 @@ func (c *sbChild) answer(m sbMsg) {
 			}
 			json.Unmarshal(m.Args, &a)
 			var v starlark.Value
-			if v, err = decodeJSONValue(a.Value); err == nil {
-				ro.mu.Lock()
-				commit := ro.stateCommit
-				ro.mu.Unlock()
+			if v, err = script.DecodeValue(a.Value); err == nil {
 				var size int
 				if commit == nil {
 					err = errors.New("state_set without state_lock")
@@ -388,7 +388,7 @@ const maxZeroPolicies = 8
 
 // mayCreate refuses a policy a sandboxed zero-config run would create past maxZeroPolicies, and
 // creates one below it (under createMu: a fan-out of new names must not all pass the count).
-func (sb *sandbox) mayCreate(name string) error {
+func (sb *pool) mayCreate(name string) error {
 	if !sb.r.zero {
 		return nil
 	}
@@ -402,26 +402,26 @@ func (sb *sandbox) mayCreate(name string) error {
 		_, err := sb.r.policyFor(name)
 		return err
 	}
-	return fmt.Errorf("policy %q: a sandboxed run without a config creates at most %d policies (it has %s); name the policies in a config", name, maxZeroPolicies, quoteList(names))
+	return fmt.Errorf("policy %q: a sandboxed run without a config creates at most %d policies (it has %s); name the policies in a config", name, maxZeroPolicies, config.QuotePolicyNames(names))
 }
 
 // policies says whether the run has a policy, and names them all. A zero-config run adds
 // policies to its config as the script names them, under the run's config lock.
-func (sb *sandbox) policies(name string) (bool, []string) {
+func (sb *pool) policies(name string) (bool, []string) {
 	sb.r.cfgMu.RLock()
 	defer sb.r.cfgMu.RUnlock()
 	_, ok := sb.r.cfg.Policy(name)
-	return ok, policyNames(sb.r.cfg)
+	return ok, sb.r.cfg.PolicyNames()
 }
 
 // usable applies the host's own checks to a generate or score call of a child: the policy is
 // granted and may be created, and the prompt is within prompt_bytes.
-func (sb *sandbox) usable(fn, policy string, msgs []engines.Message) error {
+func (sb *pool) usable(fn, policy string, msgs []engines.Message) error {
 	cfg := sb.r.Config().Sandbox
-	if err := grantCheck(cfg, sb.r.zero, fn, policy, false); err != nil {
+	if err := script.GrantCheck(cfg, sb.r.zero, fn, policy, false); err != nil {
 		return err
 	}
-	if err := checkPrompt(cfg, fn, msgs); err != nil {
+	if err := script.CheckPrompt(cfg, fn, msgs); err != nil {
 		return err
 	}
 	return sb.mayCreate(policy)
@@ -430,10 +430,10 @@ func (sb *sandbox) usable(fn, policy string, msgs []engines.Message) error {
 // stateFits checks a state entry about to be stored against state_bytes and the whole store
 // against state_total_bytes; it returns the entry's size for stateStored. The caller holds the
 // store's lock, so no other update runs between the check and the store.
-func (sb *sandbox) stateFits(cfg config.SandboxConfig, key string, v starlark.Value) (int, error) {
-	size := entrySize(key, v, cfg.StateTotalBytes)
+func (sb *pool) stateFits(cfg config.SandboxConfig, key string, v starlark.Value) (int, error) {
+	size := script.EntrySize(key, v, cfg.StateTotalBytes)
 	if size > cfg.StateBytes {
-		return 0, &BudgetError{"state_bytes", strconv.Itoa(cfg.StateBytes), fmt.Sprintf("state.update(%s) stores an entry of about %d bytes or more (key and value)", quoteKey(key), size)}
+		return 0, &script.BudgetError{Budget: "state_bytes", Limit: strconv.Itoa(cfg.StateBytes), What: fmt.Sprintf("state.update(%s) stores an entry of about %d bytes or more (key and value)", quoteKey(key), size)}
 	}
 	sb.stMu.Lock()
 	defer sb.stMu.Unlock()
@@ -441,14 +441,14 @@ func (sb *sandbox) stateFits(cfg config.SandboxConfig, key string, v starlark.Va
 		sb.stSizes = map[string]int{} // runSandboxed syncs at every step; it cannot here (the store is locked)
 	}
 	if total := sb.stTotal - sb.stSizes[key] + size; total > cfg.StateTotalBytes {
-		return 0, &BudgetError{"state_total_bytes", strconv.Itoa(cfg.StateTotalBytes),
-			fmt.Sprintf("state.update(%s) would make the run's state hold about %d bytes (%d keys); the store is run-wide: keep fewer or smaller entries", quoteKey(key), total, len(sb.stSizes)+1)}
+		return 0, &script.BudgetError{Budget: "state_total_bytes", Limit: strconv.Itoa(cfg.StateTotalBytes),
+			What: fmt.Sprintf("state.update(%s) would make the run's state hold about %d bytes (%d keys); the store is run-wide: keep fewer or smaller entries", quoteKey(key), total, len(sb.stSizes)+1)}
 	}
 	return size, nil
 }
 
 // stateStored records an entry that was stored.
-func (sb *sandbox) stateStored(key string, size int) {
+func (sb *pool) stateStored(key string, size int) {
 	sb.stMu.Lock()
 	defer sb.stMu.Unlock()
 	sb.stTotal += size - sb.stSizes[key]
@@ -458,11 +458,11 @@ func (sb *sandbox) stateStored(key string, size int) {
 // syncState works the sizes out from the store itself, at every step: a step that does not
 // complete puts the store back as it was, and a resumed run starts with the checkpoint's. The
 // caller holds stMu, and not the store's lock.
-func (sb *sandbox) syncState() {
+func (sb *pool) syncState() {
 	sb.stSizes, sb.stTotal = map[string]int{}, 0
 	for _, k := range sb.r.state.Keys() {
 		if v, ok := sb.r.state.Get(k); ok {
-			n := entrySize(k, v, math.MaxInt/2)
+			n := script.EntrySize(k, v, math.MaxInt/2)
 			sb.stSizes[k] = n
 			sb.stTotal += n
 		}
@@ -481,11 +481,11 @@ func stateReply(v starlark.Value, ok bool) (any, error) {
 	if !ok {
 		return map[string]any{"found": false}, nil
 	}
-	enc, err := encodeValue(v)
+	enc, err := script.EncodeValue(v)
 	return map[string]any{"found": true, "value": enc}, err
 }
 
-func (c *sbChild) note(m sbMsg) {
+func (c *sbChild) note(m sandbox.Msg) {
 	switch m.Method {
 	case "event":
 		var msg string
@@ -499,7 +499,7 @@ func (c *sbChild) note(m sbMsg) {
 }
 
 // run evaluates one rollout in a child. alone starts a child of its own (after a crash).
-func (sb *sandbox) run(ro *rollout, a sbRollout, alone bool) error {
+func (sb *pool) run(ro *script.Rollout, a sandbox.Rollout, alone bool) error {
 	var c *sbChild
 	var err error
 	if alone {
@@ -521,14 +521,14 @@ func (sb *sandbox) run(ro *rollout, a sbRollout, alone bool) error {
 		return err
 	}
 	b, _ := json.Marshal(a)
-	ch := make(chan sbDone, 1)
+	ch := make(chan sandbox.Done, 1)
 	c.mu.Lock()
 	c.nextID++
 	id := c.nextID
 	c.rollouts[id] = ro
 	c.results[id] = ch
 	c.mu.Unlock()
-	c.send(sbMsg{T: "rollout", ID: id, Args: b})
+	c.send(sandbox.Msg{T: "rollout", ID: id, Args: b})
 	// The child ends a rollout at its wall time itself; a child that does not (stuck where it
 	// cannot be interrupted) is stopped by the host a while later.
 	limit := sb.r.Config().Sandbox.WallSeconds
@@ -536,11 +536,11 @@ func (sb *sandbox) run(ro *rollout, a sbRollout, alone bool) error {
 	defer timer.Stop()
 	select {
 	case d := <-ch:
-		return ro.applyReport(d)
+		return sb.r.applyReport(ro, d)
 	case <-c.dead:
 		return &childDied{c.deathErr}
 	case <-timer.C:
-		c.stop(&BudgetError{"wall_seconds", fmt.Sprint(limit), fmt.Sprintf("the rollout did not finish in time, nor stop %v after; the host stopped its process", wallGrace)})
+		c.stop(&script.BudgetError{Budget: "wall_seconds", Limit: fmt.Sprint(limit), What: fmt.Sprintf("the rollout did not finish in time, nor stop %v after; the host stopped its process", wallGrace)})
 		<-c.dead
 		return &childDied{c.deathErr}
 	}
@@ -554,7 +554,7 @@ type childDied struct{ err error }
 func (e *childDied) Error() string { return e.err.Error() }
 
 // pick returns a live child, starting children up to sandbox.processes.
-func (sb *sandbox) pick() (*sbChild, error) {
+func (sb *pool) pick() (*sbChild, error) {
 	sb.mu.Lock()
 	defer sb.mu.Unlock()
 	live := sb.children[:0]
@@ -578,43 +578,44 @@ func (sb *sandbox) pick() (*sbChild, error) {
 	return sb.children[sb.next%len(sb.children)], nil
 }
 
-// applyReport fills the host's rollout from the child's report.
-func (ro *rollout) applyReport(d sbDone) error {
-	ro.mu.Lock()
-	defer ro.mu.Unlock()
-	byID := map[string]*Completion{}
-	for _, c := range ro.generated {
-		byID[c.id] = c
-		if r, ok := d.Rewards[c.id]; ok {
-			c.reward, c.rewSet = r, true
+// applyReport fills the host's copy of a rollout from its child's report.
+func (r *Run) applyReport(ro *script.Rollout, d sandbox.Done) error {
+	byID := map[string]*script.Completion{}
+	for _, c := range ro.Generated() {
+		byID[c.ID()] = c
+	}
+	qs := make([]script.Queued, len(d.Queued))
+	for i, q := range d.Queued {
+		qs[i] = script.Queued{C: byID[q.ID], Group: q.Group, Advantage: q.Advantage, HasAdv: q.HasAdv, PerToken: q.PerToken, Teacher: q.Teacher}
+		if qs[i].C == nil {
+			qs = qs[:i]
+			break
 		}
 	}
-	cfg := ro.run.Config().Sandbox
-	for _, q := range d.Queued {
-		c := byID[q.ID]
-		if c == nil {
-			return fmt.Errorf("sandbox: the child trained completion %s, which the host never generated", q.ID)
-		}
-		// The child checks the grants; the host does not take its word for it.
-		if err := grantCheck(cfg, ro.run.zero, "train", c.policy, true); err != nil {
+	cfg := r.Config().Sandbox
+	// The child checks the grants; the host does not take its word for it.
+	err := ro.Adopt(d.Rewards, qs, d.Logs, func(q script.Queued) error {
+		if err := script.GrantCheck(cfg, r.zero, "train", q.C.Policy(), true); err != nil {
 			return err
 		}
 		if q.Teacher != "" {
-			if err := grantCheck(cfg, ro.run.zero, "train: teacher", q.Teacher, false); err != nil {
-				return err
-			}
+			return script.GrantCheck(cfg, r.zero, "train: teacher", q.Teacher, false)
 		}
-		c.trained = true
-		ro.queued = append(ro.queued, queued{c: c, group: q.Group, advantage: q.Advantage, hasAdv: q.HasAdv, perToken: q.PerToken, teacher: q.Teacher})
+		return nil
+	})
+	if err != nil {
+		return err
 	}
-	ro.logs = d.Logs
+	if len(qs) < len(d.Queued) {
+		return fmt.Errorf("sandbox: the child trained completion %s, which the host never generated", d.Queued[len(qs)].ID)
+	}
 	if d.Result != nil {
 		raw, _ := json.Marshal(d.Result)
-		v, err := decodeJSONValue(raw)
+		v, err := script.DecodeValue(raw)
 		if err != nil {
 			return err
 		}
-		ro.result = v
+		ro.Result = v
 	}
 	if d.Error != "" {
 		return errors.New(d.Error)
@@ -624,11 +625,11 @@ func (ro *rollout) applyReport(d sbDone) error {
 
 // runSandboxed runs the rollouts in child processes; the counterpart of the in-process loop in
 // runRollouts.
-func (r *Run) runSandboxed(ctx context.Context, ros []*rollout, fn string, policies []string, n int) {
+func (r *Run) runSandboxed(ctx context.Context, ros []*script.Rollout, fn string, policies []string, n int) {
 	cfg := r.Config()
 	r.sandbox.warnOnce.Do(func() {
 		if !r.zero && len(cfg.Sandbox.Train) == 0 {
-			r.events.printf("sandbox: sandbox.train lists no policy, so this script may train none; grant what it may train with sandbox: {train: [%s]}", strings.Join(policyNames(cfg), ", "))
+			r.events.printf("sandbox: sandbox.train lists no policy, so this script may train none; grant what it may train with sandbox: {train: [%s]}", strings.Join(cfg.PolicyNames(), ", "))
 		}
 	})
 	r.sandbox.stMu.Lock()
@@ -637,35 +638,28 @@ func (r *Run) runSandboxed(ctx context.Context, ros []*rollout, fn string, polic
 	var wg sync.WaitGroup
 	for _, ro := range ros {
 		wg.Add(1)
-		go func(ro *rollout) {
+		go func(ro *script.Rollout) {
 			defer wg.Done()
 			defer r.live.done.Add(1)
-			a := sbRollout{Fn: fn, Task: ro.task, Index: ro.index, Step: ro.step, Seed: ro.seed,
-				Sampling: r.sampling(), Eval: ro.eval, Policies: policies, NSamples: n, WallLimit: cfg.Sandbox.WallSeconds}
+			a := sandbox.Rollout{Fn: fn, Task: ro.Task, Index: ro.Index, Step: ro.Step, Seed: ro.Seed,
+				Sampling: r.sampling(), Eval: ro.Eval, Policies: policies, NSamples: n, WallLimit: cfg.Sandbox.WallSeconds}
 			err := r.sandbox.run(ro, a, false)
 			var died *childDied
 			if errors.As(err, &died) {
 				// Its child died with other rollouts in it: run it again alone, from scratch.
-				ro.reset()
-				r.events.printf("sandbox: step %d task %s: its process died (%v); running it again alone", ro.step, ro.task.ID, died.err)
+				ro.Reset()
+				r.events.printf("sandbox: step %d task %s: its process died (%v); running it again alone", ro.Step, ro.Task.ID, died.err)
 				r.activity.add(1)
 				err = r.sandbox.run(ro, a, true)
 				if errors.As(err, &died) {
 					err = died.err
 				}
 			}
-			ro.err = err
+			ro.Err = err
 			r.activity.leave()
 		}(ro)
 	}
 	wg.Wait()
-}
-
-// reset forgets what a rollout did before its child died.
-func (ro *rollout) reset() {
-	ro.mu.Lock()
-	defer ro.mu.Unlock()
-	ro.queued, ro.generated, ro.logs, ro.result, ro.prints = nil, nil, nil, nil, 0
 }
 
 // tailBuffer keeps the first and the last max bytes written to it (a child's stderr: a Go

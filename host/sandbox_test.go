@@ -8,19 +8,17 @@ import (
 	"path/filepath"
 	"regexp"
 	"runtime/debug"
-	"slices"
-	"sort"
 	"strconv"
 	"strings"
 	"syscall"
 	"testing"
 	"time"
 
-	"go.starlark.net/starlark"
-
 	"github.com/slimen/slimen/engines"
 	"github.com/slimen/slimen/engines/scripted"
 	"github.com/slimen/slimen/host/config"
+	"github.com/slimen/slimen/host/script"
+	"github.com/slimen/slimen/host/script/sandbox"
 )
 
 const honestScript = `
@@ -384,57 +382,33 @@ func TestSandboxReportGrants(t *testing.T) {
 		{"p", "", ""},
 		{"q", "", `train: policy "q" is not granted to this script (sandbox.train: [p])`},
 	} {
-		ro := &rollout{run: r, generated: []*Completion{{id: "t0/0#0", policy: tc.policy}}}
-		err := ro.applyReport(sbDone{Queued: []sbQueued{{ID: "t0/0#0", Group: "t0", Teacher: tc.teacher}}})
+		ro := reported(tc.policy)
+		err := r.applyReport(ro, sandbox.Done{Queued: []sandbox.Queued{{ID: "t0/0#0", Group: "t0", Teacher: tc.teacher}}})
 		if got := fmt.Sprint(err); (tc.want == "" && err != nil) || (tc.want != "" && !strings.Contains(got, tc.want)) {
 			t.Errorf("%s: applyReport: %v, want %q", tc.policy, err, tc.want)
 		}
 	}
 	cfg.Sandbox.Policies = []string{"p"}
-	ro := &rollout{run: r, generated: []*Completion{{id: "t0/0#0", policy: "p"}}}
-	err := ro.applyReport(sbDone{Queued: []sbQueued{{ID: "t0/0#0", Group: "t0", Teacher: "q"}}})
+	ro := reported("p")
+	err := r.applyReport(ro, sandbox.Done{Queued: []sandbox.Queued{{ID: "t0/0#0", Group: "t0", Teacher: "q"}}})
 	if err == nil || !strings.Contains(err.Error(), `train: teacher: policy "q" is not granted to this script (sandbox.policies: [p])`) {
 		t.Errorf("teacher q: applyReport: %v, want it refused", err)
 	}
 }
 
-// TestSandboxPredeclared pins what a sandboxed script can name without loading it (DESIGN §8: no
-// predeclared names beyond the documented built-ins) and the modules it may load. A new name here
-// is a decision: document it in README's built-ins (or keep it out of the sandbox).
+// reported is the host's copy of a sandboxed rollout whose child generated completion t0/0#0 of
+// policy.
+func reported(policy string) *script.Rollout {
+	ro := &script.Rollout{}
+	for _, c := range script.CompletionsOf(policy, engines.GenerateRequest{ID: "t0/0"}, []engines.Completion{{Text: "x"}}) {
+		ro.Note(c)
+	}
+	return ro
+}
+
+// TestSandboxPredeclared: a sandboxed script meets exactly the names script's TestPredeclared
+// pins: no clock, no files, no environment.
 func TestSandboxPredeclared(t *testing.T) {
-	var got []string
-	for name := range predeclared() {
-		got = append(got, name)
-	}
-	for name := range starlark.Universe {
-		got = append(got, name)
-	}
-	sort.Strings(got)
-	want := []string{
-		// slimen's built-ins (host/script.go predeclared)
-		"completion", "config", "generate", "log", "parallel", "reward", "score", "state", "struct", "train",
-		// Starlark's own (go.starlark.net Universe)
-		"False", "None", "True", "abs", "all", "any", "bool", "bytes", "chr", "dict", "dir", "enumerate", "fail",
-		"float", "getattr", "hasattr", "hash", "int", "len", "list", "max", "min", "ord", "print", "range",
-		"repr", "reversed", "set", "sorted", "str", "tuple", "type", "zip",
-	}
-	sort.Strings(want)
-	if !slices.Equal(got, want) {
-		t.Errorf("predeclared names changed:\n got %v\nwant %v", got, want)
-	}
-	var mods []string
-	for pkg, files := range nativeModules() {
-		for f := range files {
-			mods = append(mods, "@"+pkg+"//"+f)
-		}
-	}
-	sort.Strings(mods)
-	wantMods := []string{"@slimen//answers.star", "@slimen//random.star", "@slimen//stats.star", "@slimen//text.star",
-		"@slimen//vote.star", "@std//json.star", "@std//math.star"}
-	if !slices.Equal(mods, wantMods) {
-		t.Errorf("loadable native modules changed:\n got %v\nwant %v", mods, wantMods)
-	}
-	// And a sandboxed script meets exactly these: no clock, no files, no environment.
 	for _, name := range []string{"time", "now", "sleep", "open", "exec", "eval", "getenv", "random", "json", "math"} {
 		src := "def rollout(task):\n    return " + name + "\n"
 		_, err := Load(context.Background(), writeScript(t, src), Options{Config: testConfig(1, "p"), Sandbox: true,
@@ -445,7 +419,7 @@ func TestSandboxPredeclared(t *testing.T) {
 	}
 }
 
-// TestSandboxCallsInFlight: a child has at most maxCallsInFlight calls at the host at once, so a
+// TestSandboxCallsInFlight: a child has at most sandbox.MaxCallsInFlight calls at the host at once, so a
 // fan-out cannot make the host hold one goroutine and one message per thread; the fan-out still
 // completes.
 func TestSandboxCallsInFlight(t *testing.T) {
@@ -476,8 +450,8 @@ def rollout(task):
 		c.mu.Lock()
 		peak := c.peakCalls
 		c.mu.Unlock()
-		if peak > maxCallsInFlight || peak == 0 {
-			t.Errorf("the host answered up to %d calls of a child at once, want 1 to %d", peak, maxCallsInFlight)
+		if peak > sandbox.MaxCallsInFlight || peak == 0 {
+			t.Errorf("the host answered up to %d calls of a child at once, want 1 to %d", peak, sandbox.MaxCallsInFlight)
 		}
 	}
 }

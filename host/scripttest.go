@@ -20,6 +20,7 @@ import (
 	"github.com/slimen/slimen/engines"
 	"github.com/slimen/slimen/engines/scripted"
 	"github.com/slimen/slimen/host/config"
+	"github.com/slimen/slimen/host/script"
 )
 
 // Script tests (`slimen test`): files named *_test.star define test_* functions that call
@@ -93,20 +94,15 @@ func runTestFile(ctx context.Context, file string, w io.Writer) []TestResult {
 		fmt.Fprintf(w, "FAIL %s: %s\n", file, r.Err)
 		return []TestResult{r}
 	}
-	abs, _ := filepath.Abs(file)
-	pre := predeclared()
 	sim := &simConfig{}
-	pre["config"] = configValue{get: sim.get}
-	pre["assert"] = assertModule
-	pre["simulate"] = starlark.NewBuiltin("simulate", builtinSimulate)
-	l := newLoader(filepath.Dir(abs), pre, true)
-	globals, err := l.execFile(file, src)
+	s, err := script.LoadSource(file, src, script.Options{Library: true, Config: script.ConfigValue(sim.get),
+		Builtins: starlark.StringDict{"assert": assertModule, "simulate": starlark.NewBuiltin("simulate", builtinSimulate)}})
 	if err != nil {
-		r := TestResult{File: file, Name: "(load)", Err: scriptErrorText(err)}
+		r := TestResult{File: file, Name: "(load)", Err: err.Error()}
 		fmt.Fprintf(w, "FAIL %s:\n%s\n", file, indent(r.Err))
 		return []TestResult{r}
 	}
-	globals.Freeze()
+	globals := s.Globals
 	var names []string
 	for name, v := range globals {
 		if _, ok := v.(*starlark.Function); ok && strings.HasPrefix(name, "test_") {
@@ -124,7 +120,7 @@ func runTestFile(ctx context.Context, file string, w io.Writer) []TestResult {
 		_, err := starlark.Call(th, fn, nil, nil)
 		r := TestResult{File: file, Name: name, Duration: time.Since(start)}
 		if err != nil {
-			r.Err = scriptErrorText(err)
+			r.Err = script.ErrorText(err)
 			fmt.Fprintf(w, "FAIL %s %s\n%s\n", file, name, indent(r.Err))
 		} else {
 			fmt.Fprintf(w, "ok   %s %s (%s)\n", file, name, r.Duration.Round(time.Millisecond))
@@ -243,8 +239,8 @@ func builtinSimulate(thread *starlark.Thread, b *starlark.Builtin, args starlark
 	if err != nil {
 		return nil, err
 	}
-	if ros[0].err != nil {
-		return nil, fmt.Errorf("the rollout failed:\n%s", indent(scriptErrorText(ros[0].err)))
+	if ros[0].Err != nil {
+		return nil, fmt.Errorf("the rollout failed:\n%s", indent(script.ErrorText(ros[0].Err)))
 	}
 	byPolicy, _ := gather(ros)
 	pols := r.policyList()
@@ -264,27 +260,27 @@ func builtinSimulate(thread *starlark.Thread, b *starlark.Builtin, args starlark
 				adv = starlark.Float(a[i][0])
 			}
 			l = append(l, structOfDict(starlark.StringDict{
-				"text": starlark.String(s.c.text), "reward": starlark.Float(s.reward), "advantage": adv,
-				"group": starlark.String(s.group), "prompt": starlark.String(lastContent(s.c.messages)),
+				"text": starlark.String(s.C.Text()), "reward": starlark.Float(s.reward), "advantage": adv,
+				"group": starlark.String(s.Group), "prompt": starlark.String(lastContent(s.C.Messages())),
 			}))
 		}
 		samples.SetKey(starlark.String(p.name), starlark.NewList(l))
 	}
 	var comps []starlark.Value
-	gen := append([]*Completion(nil), ros[0].generated...)
-	sort.SliceStable(gen, func(i, j int) bool { return lessKey(gen[i].key, gen[j].key) })
+	gen := append([]*script.Completion(nil), ros[0].Generated()...)
+	sort.SliceStable(gen, func(i, j int) bool { return gen[i].Before(gen[j]) })
 	for _, c := range gen {
 		var rw starlark.Value = starlark.None
 		if v, ok := c.Reward(); ok {
 			rw = starlark.Float(v)
 		}
 		comps = append(comps, structOfDict(starlark.StringDict{
-			"policy": starlark.String(c.policy), "text": starlark.String(c.text),
-			"prompt": starlark.String(lastContent(c.messages)), "reward": rw,
+			"policy": starlark.String(c.Policy()), "text": starlark.String(c.Text()),
+			"prompt": starlark.String(lastContent(c.Messages())), "reward": rw,
 		}))
 	}
-	logs := starlark.NewDict(len(ros[0].logs))
-	for k, v := range ros[0].logs {
+	logs := starlark.NewDict(len(ros[0].Logs()))
+	for k, v := range ros[0].Logs() {
 		logs.SetKey(starlark.String(k), starlark.Float(v[0]/v[1]))
 	}
 	return structOfDict(starlark.StringDict{
@@ -307,7 +303,7 @@ func simTask(fn string, v starlark.Value) (Task, error) {
 			k, _ := kv[0].(starlark.String)
 			switch k {
 			case "prompt":
-				msgs, err := toMessages(fn, kv[1])
+				msgs, err := script.ToMessages(fn, kv[1])
 				if err != nil {
 					return t, err
 				}

@@ -10,6 +10,7 @@ import (
 	"github.com/slimen/slimen/engines"
 	"github.com/slimen/slimen/engines/scripted"
 	"github.com/slimen/slimen/host/config"
+	"github.com/slimen/slimen/host/script"
 )
 
 // TracedCall is one generate call of a traced rollout: its policy, its prompt's text (the
@@ -40,37 +41,37 @@ func Trace(ctx context.Context, scriptPath string, cfg *config.Config, task Task
 		return nil, err
 	}
 	defer r.Close()
-	ros, err := r.runRollouts(ctx, 1, []Task{task}, rolloutFn{fn: r.script.rollout, name: "rollout"}, nil)
+	ros, err := r.runRollouts(ctx, 1, []Task{task}, rolloutFn{fn: r.script.Rollout(), name: "rollout"}, nil)
 	if err != nil {
 		return nil, err
 	}
-	if ros[0].err != nil {
-		return nil, fmt.Errorf("the traced rollout failed:\n%s", indent(scriptErrorText(ros[0].err)))
+	if ros[0].Err != nil {
+		return nil, fmt.Errorf("the traced rollout failed:\n%s", indent(script.ErrorText(ros[0].Err)))
 	}
-	return tracedCalls(ros[0].generated), nil
+	return tracedCalls(ros[0].Generated()), nil
 }
 
 const traceMarkerBase = 90000
 
 // tracedCalls groups the completions of one traced rollout by their call, in call-tree order.
-func tracedCalls(gen []*Completion) []TracedCall {
-	sort.SliceStable(gen, func(i, j int) bool { return lessKey(gen[i].key, gen[j].key) })
+func tracedCalls(gen []*script.Completion) []TracedCall {
+	sort.SliceStable(gen, func(i, j int) bool { return gen[i].Before(gen[j]) })
 	var calls []TracedCall
 	index := map[string]int{}
 	for _, c := range gen {
-		id, _, _ := strings.Cut(c.id, "#")
+		id, _, _ := strings.Cut(c.ID(), "#")
 		k, ok := index[id]
 		if !ok {
 			var prompt strings.Builder
-			for _, m := range c.messages {
+			for _, m := range c.Messages() {
 				prompt.WriteString(m.Content)
 				prompt.WriteByte('\n')
 			}
 			k = len(calls)
 			index[id] = k
-			calls = append(calls, TracedCall{Policy: c.policy, Prompt: prompt.String()})
+			calls = append(calls, TracedCall{Policy: c.Policy(), Prompt: prompt.String()})
 		}
-		calls[k].Outputs = append(calls[k].Outputs, c.text)
+		calls[k].Outputs = append(calls[k].Outputs, c.Text())
 	}
 	return calls
 }

@@ -69,11 +69,11 @@ func (r *Run) afterEval() {
 func Resume(ctx context.Context, from, script string, opts Options) (*Run, error) {
 	ckpt, skipped, err := FindCheckpoint(from)
 	if err != nil {
-		return nil, &ScriptError{err.Error()}
+		return nil, &ScriptError{Msg: err.Error()}
 	}
 	info, err := readRunInfo(ckpt)
 	if err != nil {
-		return nil, &ScriptError{err.Error()}
+		return nil, &ScriptError{Msg: err.Error()}
 	}
 	if script == "" {
 		script = info.Script
@@ -83,11 +83,11 @@ func Resume(ctx context.Context, from, script string, opts Options) (*Run, error
 	}
 	if opts.Config == nil {
 		if opts.Config, err = config.Load(filepath.Join(ckpt, "config.yaml")); err != nil {
-			return nil, &ScriptError{err.Error()}
+			return nil, &ScriptError{Msg: err.Error()}
 		}
 		if opts.ConfigOverride != nil {
 			if err := opts.ConfigOverride(opts.Config); err != nil {
-				return nil, &ScriptError{err.Error()}
+				return nil, &ScriptError{Msg: err.Error()}
 			}
 		}
 		opts.Config.Run.Out = opts.Out
@@ -96,7 +96,7 @@ func Resume(ctx context.Context, from, script string, opts Options) (*Run, error
 	if err != nil {
 		var se *ScriptError
 		if !errors.As(err, &se) {
-			err = &ScriptError{err.Error()}
+			err = &ScriptError{Msg: err.Error()}
 		}
 		return nil, err
 	}

@@ -5,8 +5,8 @@ import (
 	"fmt"
 	"os"
 
-	"github.com/slimen/slimen/host"
 	"github.com/slimen/slimen/host/config"
+	"github.com/slimen/slimen/host/script"
 )
 
 func init() {
@@ -36,8 +36,8 @@ func cmdCheck(args []string) int {
 		}
 	}
 	bad := false
-	for _, script := range pos {
-		problems := host.Check(script, cfg)
+	for _, path := range pos {
+		problems := script.Check(path, cfg)
 		for _, p := range problems {
 			fmt.Fprintln(os.Stderr, p)
 		}
@@ -45,7 +45,7 @@ func cmdCheck(args []string) int {
 			bad = true
 			continue
 		}
-		fmt.Fprintf(os.Stderr, "%s: ok\n", script)
+		fmt.Fprintf(os.Stderr, "%s: ok\n", path)
 	}
 	if bad {
 		return 2

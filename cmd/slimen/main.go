@@ -13,7 +13,7 @@ import (
 	"os"
 	"sort"
 
-	"github.com/slimen/slimen/host"
+	"github.com/slimen/slimen/host/script/sandbox"
 	_ "github.com/slimen/slimen/host/torch" // engine kind torch: the PyTorch worker
 )
 
@@ -27,9 +27,9 @@ type command struct {
 var commands = map[string]command{}
 
 func main() {
-	if os.Getenv(host.SandboxChildEnv) != "" {
-		// This process evaluates a sandboxed script's rollouts for a parent slimen (host/sandbox.go).
-		os.Exit(host.SandboxChildMain())
+	if os.Getenv(sandbox.ChildEnv) != "" {
+		// This process evaluates a sandboxed script's rollouts for a parent slimen (host/script/sandbox).
+		os.Exit(sandbox.ChildMain())
 	}
 	if len(os.Args) < 2 || os.Args[1] == "help" || os.Args[1] == "-h" || os.Args[1] == "--help" {
 		usage()

@@ -1,4 +1,4 @@
-package host
+package script
 
 import (
 	"fmt"
@@ -57,9 +57,9 @@ func (s *State) Set(k string, v starlark.Value) error {
 	return nil
 }
 
-// snapshot returns the store's contents. Stored values are frozen, so a copy of the map is a
+// Snapshot returns the store's contents. Stored values are frozen, so a copy of the map is a
 // snapshot: nothing can change what it holds.
-func (s *State) snapshot() map[string]starlark.Value {
+func (s *State) Snapshot() map[string]starlark.Value {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	m := make(map[string]starlark.Value, len(s.values))
@@ -69,14 +69,38 @@ func (s *State) snapshot() map[string]starlark.Value {
 	return m
 }
 
-// restore puts back what snapshot returned: the writes made since are forgotten.
-func (s *State) restore(m map[string]starlark.Value) {
+// Restore puts back what Snapshot returned: the writes made since are forgotten.
+func (s *State) Restore(m map[string]starlark.Value) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	s.values = make(map[string]starlark.Value, len(m))
 	for k, v := range m {
 		s.values[k] = v
 	}
+}
+
+// Lock holds the store for an atomic update of key (state.update): the caller computes the new
+// value and calls commit, or release to leave it unchanged. release after commit is a no-op.
+func (s *State) Lock(key string) (cur starlark.Value, found bool, commit func(starlark.Value) error, release func()) {
+	s.mu.Lock()
+	done := false
+	release = func() {
+		if !done {
+			done = true
+			s.mu.Unlock()
+		}
+	}
+	commit = func(v starlark.Value) error {
+		if err := plainData(v, 0); err != nil {
+			return err
+		}
+		v.Freeze()
+		s.values[key] = v
+		release()
+		return nil
+	}
+	cur, found = s.values[key]
+	return cur, found, commit, release
 }
 
 func plainData(v starlark.Value, depth int) error {
@@ -134,7 +158,7 @@ func stateGet(thread *starlark.Thread, b *starlark.Builtin, args starlark.Tuple,
 	if err := starlark.UnpackArgs(b.Name(), args, kwargs, "key", &k, "default?", &def); err != nil {
 		return nil, err
 	}
-	v, ok, err := ts.ro.svc.stateGet(k)
+	v, ok, err := ts.ro.Host.StateGet(k)
 	if err != nil {
 		return nil, fmt.Errorf("%s: %v", b.Name(), err)
 	}
@@ -160,7 +184,7 @@ func stateUpdate(thread *starlark.Thread, b *starlark.Builtin, args starlark.Tup
 	if thread.Local(inUpdateLocal) != nil {
 		return nil, fmt.Errorf("%s: called inside another state.update function; compute the value first", b.Name())
 	}
-	cur, ok, commit, release, err := ts.ro.svc.stateLock(k)
+	cur, ok, commit, release, err := ts.ro.Host.StateLock(k)
 	if err != nil {
 		return nil, fmt.Errorf("%s: %v", b.Name(), err)
 	}
@@ -174,7 +198,7 @@ func stateUpdate(thread *starlark.Thread, b *starlark.Builtin, args starlark.Tup
 	if err != nil {
 		return nil, err
 	}
-	if err := ts.ro.budget.state(b.Name(), v); err != nil {
+	if err := ts.ro.Budget.state(b.Name(), v); err != nil {
 		return nil, err
 	}
 	if err := commit(v); err != nil {

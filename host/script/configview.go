@@ -1,4 +1,4 @@
-package host
+package script
 
 import (
 	"encoding/json"
@@ -17,6 +17,10 @@ import (
 type configValue struct {
 	get func() *config.Config
 }
+
+// ConfigValue is the script's `config` (Options.Config): get returns the run's current config,
+// or nil when none is attached.
+func ConfigValue(get func() *config.Config) starlark.Value { return configValue{get: get} }
 
 func (v configValue) String() string        { return "<config>" }
 func (v configValue) Type() string          { return "config" }

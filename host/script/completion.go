@@ -1,4 +1,4 @@
-package host
+package script
 
 import (
 	"fmt"
@@ -56,6 +56,28 @@ func (c *Completion) Text() string { return c.text }
 // Policy is the policy that produced the completion.
 func (c *Completion) Policy() string { return c.policy }
 
+// ID is the completion's id, "TASK/CALL#i": the same in every run of the same seed.
+func (c *Completion) ID() string { return c.id }
+
+// Messages is the prompt the completion answers.
+func (c *Completion) Messages() []engines.Message { return c.messages }
+
+// PromptTokens are the prompt's token ids as the engine encoded it.
+func (c *Completion) PromptTokens() []int32 { return c.prompt }
+
+// Tokens are the response's token ids.
+func (c *Completion) Tokens() []int32 { return c.tokens }
+
+// Logprobs are the sampling log-probabilities of Tokens.
+func (c *Completion) Logprobs() []float32 { return c.logprobs }
+
+// FinishReason is "stop" or "length".
+func (c *Completion) FinishReason() string { return c.finish }
+
+// Before says whether c was made before d in their rollout's call tree: the order of samples
+// and of traces, whatever the order the calls were scheduled in.
+func (c *Completion) Before(d *Completion) bool { return lessKey(c.key, d.key) }
+
 var completionAttrs = []string{"finish_reason", "id", "logprobs", "policy", "prompt_tokens", "reward", "text", "tokens"}
 
 func (c *Completion) AttrNames() []string { return completionAttrs }
@@ -91,4 +113,14 @@ func (c *Completion) Attr(name string) (starlark.Value, error) {
 		return starlark.None, nil
 	}
 	return nil, nil
+}
+
+// lessKey orders call-tree positions.
+func lessKey(a, b []int) bool {
+	for i := 0; i < len(a) && i < len(b); i++ {
+		if a[i] != b[i] {
+			return a[i] < b[i]
+		}
+	}
+	return len(a) < len(b)
 }

@@ -1,4 +1,4 @@
-package host
+package script
 
 import (
 	"errors"
@@ -16,9 +16,9 @@ import (
 // literals in generate/score calls and train(teacher=…) that the config does not define (cfg nil:
 // any name is fine, as in a zero-config run). Each problem is a line "file:line:col: message".
 func Check(path string, cfg *config.Config) []string {
-	s, err := LoadScript(path, ScriptOptions{Config: configValue{get: func() *config.Config { return cfg }}})
+	s, err := Load(path, Options{Config: configValue{get: func() *config.Config { return cfg }}})
 	if err != nil {
-		var se *ScriptError
+		var se *Error
 		if errors.As(err, &se) {
 			return []string{se.Msg}
 		}
@@ -45,7 +45,7 @@ func Check(path string, cfg *config.Config) []string {
 		for _, u := range policyLiterals(file) {
 			if !known[u.name] {
 				problems = append(problems, fmt.Sprintf("%s: %s: unknown policy %q; %s defines %s — add it under policies: or fix the name",
-					u.pos, u.fn, u.name, cfgFile(cfg), quoteList(policyNames(cfg))))
+					u.pos, u.fn, u.name, cfgFile(cfg), config.QuotePolicyNames(cfg.PolicyNames())))
 			}
 		}
 	}
@@ -92,14 +92,6 @@ func policyLiterals(f *syntax.File) []policyUse {
 		}
 		return true
 	})
-	return out
-}
-
-func policyNames(c *config.Config) []string {
-	var out []string
-	for _, p := range c.Policies {
-		out = append(out, p.Name)
-	}
 	return out
 }
 

@@ -1,4 +1,4 @@
-package host
+package script
 
 import (
 	"io/fs"
@@ -13,8 +13,9 @@ import (
 // nativeModules are the Go-implemented packages scripts can load: @slimen// and @std//.
 func nativeModules() map[string]map[string]starlark.StringDict { return starlib.Packages() }
 
-// starlarkPackages are the packages of Starlark source embedded in the binary.
-func starlarkPackages() map[string]fs.FS {
+// bundledPackages are the packages of Starlark source embedded in the binary (a fresh map: a
+// loader adds Options.Modules to its own).
+func bundledPackages() map[string]fs.FS {
 	return map[string]fs.FS{"graphs": graphs.FS}
 }
 

@@ -1,4 +1,4 @@
-package host
+package script
 
 import (
 	"context"
@@ -23,7 +23,7 @@ const threadLocal = "slimen.thread"
 // call a position that does not depend on goroutine scheduling: the seed of a call and the order
 // of samples derive from it, so runs are reproducible however rollouts interleave.
 type threadState struct {
-	ro    *rollout
+	ro    *Rollout
 	path  []int
 	calls int
 }
@@ -43,7 +43,7 @@ func (ts *threadState) next() []int {
 	return k
 }
 
-func keySeed(base uint64, taskID string, key []int) uint64 {
+func KeySeed(base uint64, taskID string, key []int) uint64 {
 	h := fnv.New64a()
 	fmt.Fprintf(h, "%d|%s", base, taskID)
 	for _, k := range key {
@@ -73,13 +73,13 @@ func keySeed(base uint64, taskID string, key []int) uint64 {
 type requestIDs struct{}
 
 // withRequestIDs gives the calls of one rollout their wire-id prefix.
-func withRequestIDs(ctx context.Context, run string, pass, index int) context.Context {
+func WithRequestIDs(ctx context.Context, run string, pass, index int) context.Context {
 	return context.WithValue(ctx, requestIDs{}, fmt.Sprintf("%s/%d/%d/", run, pass, index))
 }
 
 // wireID turns a request's id within its rollout into the id its engine sees. Outside a run's
 // rollouts (scripted tests, traces) the id stays as it is.
-func wireID(ctx context.Context, id string) string {
+func WireID(ctx context.Context, id string) string {
 	if prefix, ok := ctx.Value(requestIDs{}).(string); ok {
 		return prefix + id
 	}
@@ -89,7 +89,7 @@ func wireID(ctx context.Context, id string) string {
 // occurrence counts the tasks of a pass: it returns how many times id was seen before (0 the
 // first time). A task that runs twice in a step (a data file smaller than the batch) is two
 // rollouts: the second gets seeds of its own and a group of its own.
-func occurrence(seen map[string]int, id string) int {
+func Occurrence(seen map[string]int, id string) int {
 	k := seen[id]
 	seen[id] = k + 1
 	return k
@@ -99,7 +99,7 @@ func occurrence(seen map[string]int, id string) int {
 // group is the n samples of one prompt of the batch. A task that runs again in the same step is
 // another prompt of the batch, so its rollout is a group of its own ("ID#2", "ID#3", …): its
 // samples are not normalised against those of the first.
-func defaultGroup(id string, occurrence int) string {
+func DefaultGroup(id string, occurrence int) string {
 	if occurrence == 0 {
 		return id
 	}
@@ -142,20 +142,20 @@ func builtinGenerate(thread *starlark.Thread, b *starlark.Builtin, args starlark
 	if n < 1 || n > maxSamplesPerCall {
 		return nil, fmt.Errorf("%s: n=%d is out of range; ask for 1 to %d samples", b.Name(), n, maxSamplesPerCall)
 	}
-	msgs, err := toMessages(b.Name(), prompt)
+	msgs, err := ToMessages(b.Name(), prompt)
 	if err != nil {
 		return nil, err
 	}
 	ro := ts.ro
-	if err := ro.budget.allowed(b.Name(), policy, false); err != nil {
+	if err := ro.Budget.allowed(b.Name(), policy, false); err != nil {
 		return nil, err
 	}
-	if _, _, err := ro.svc.checkPolicy(policy); err != nil {
+	if _, _, err := ro.Host.CheckPolicy(policy); err != nil {
 		return nil, fmt.Errorf("%s: %v", b.Name(), err)
 	}
-	s := ro.svc.sampling()
-	if ro.eval != nil {
-		s = *ro.eval
+	s := ro.Host.Sampling()
+	if ro.Eval != nil {
+		s = *ro.Eval
 	}
 	if s.MaxTokens, err = optInt(b.Name(), "max_tokens", maxTokens, s.MaxTokens, 1, math.MaxInt32); err != nil {
 		return nil, err
@@ -172,7 +172,7 @@ func builtinGenerate(thread *starlark.Thread, b *starlark.Builtin, args starlark
 		}
 	}
 	key := ts.next()
-	s.Seed = keySeed(ro.seed, ro.task.ID, key)
+	s.Seed = KeySeed(ro.Seed, ro.Task.ID, key)
 	if seed != starlark.None {
 		v, err := optInt(b.Name(), "seed", seed, 0, 0, math.MaxInt64)
 		if err != nil {
@@ -180,23 +180,23 @@ func builtinGenerate(thread *starlark.Thread, b *starlark.Builtin, args starlark
 		}
 		s.Seed = uint64(v)
 	}
-	req := engines.GenerateRequest{ID: ro.task.ID + "/" + keyString(key), Messages: msgs, N: n, Sampling: s}
-	if err := ro.budget.generate(b.Name(), n, s.MaxTokens); err != nil {
+	req := engines.GenerateRequest{ID: ro.Task.ID + "/" + keyString(key), Messages: msgs, N: n, Sampling: s}
+	if err := ro.Budget.generate(b.Name(), n, s.MaxTokens); err != nil {
 		return nil, err
 	}
-	outs, err := ro.svc.generate(ro.ctx, policy, req)
+	outs, err := ro.Host.Generate(ro.Ctx, policy, req)
 	used := 0
 	for _, o := range outs {
 		used += len(o.Tokens)
 	}
-	ro.budget.settle(n*s.MaxTokens, used)
+	ro.Budget.settle(n*s.MaxTokens, used)
 	if err != nil {
 		return nil, fmt.Errorf("%s: policy %q: %v", b.Name(), policy, err)
 	}
 	res := make([]starlark.Value, len(outs))
 	for i, c := range newCompletions(policy, req, key, outs) {
 		ro.noteCompletion(c)
-		ro.svc.generated(len(c.tokens))
+		ro.Host.Generated(len(c.tokens))
 		res[i] = c
 	}
 	if n == 1 && len(res) == 1 {
@@ -219,11 +219,18 @@ func newCompletions(policy string, req engines.GenerateRequest, key []int, outs 
 	return cs
 }
 
+// CompletionsOf makes the completions of an engine's answer to a generate request of a rollout
+// as the rollout's generate call makes them (same ids, same order): the host of a sandboxed
+// rollout keeps its own copy of what the child sees, so the child's report can name them.
+func CompletionsOf(policy string, req engines.GenerateRequest, outs []engines.Completion) []*Completion {
+	return newCompletions(policy, req, keyFromRequestID(req.ID), outs)
+}
+
 // maxSamplesPerCall bounds n: a typo like n=10**6 is an error, not an out-of-memory.
 const maxSamplesPerCall = 4096
 
-// toMessages converts a prompt (a string: one user turn, or a list of {"role","content"} dicts).
-func toMessages(fn string, v starlark.Value) ([]engines.Message, error) {
+// ToMessages converts a prompt (a string: one user turn, or a list of {"role","content"} dicts).
+func ToMessages(fn string, v starlark.Value) ([]engines.Message, error) {
 	switch v := v.(type) {
 	case starlark.String:
 		return []engines.Message{{Role: "user", Content: string(v)}}, nil
@@ -343,7 +350,7 @@ func builtinCompletion(thread *starlark.Thread, b *starlark.Builtin, args starla
 	var key []int
 	if ts, _ := thread.Local(threadLocal).(*threadState); ts != nil {
 		key = ts.next()
-		id = ts.ro.task.ID + "/" + keyString(key) + "#injected"
+		id = ts.ro.Task.ID + "/" + keyString(key) + "#injected"
 	}
 	return &Completion{id: id, policy: policy, text: text, finish: finish, injected: true, key: key}, nil
 }
@@ -392,21 +399,21 @@ func builtinTrain(thread *starlark.Thread, b *starlark.Builtin, args starlark.Tu
 		return nil, err
 	}
 	ro := ts.ro
-	if ro.eval != nil {
+	if ro.Eval != nil {
 		return nil, fmt.Errorf("%s: eval rollouts do not train; return metrics from eval_rollout instead", b.Name())
 	}
 	// The default group ("") is resolved when the step's samples are gathered: it is the task id,
 	// unless the task runs more than once in the step (see defaultGroup).
-	var q queued
+	var q Queued
 	switch g := group.(type) {
 	case starlark.NoneType:
 	case starlark.String:
 		if g == "" {
 			return nil, fmt.Errorf("%s: group is an empty string; leave it out for the default group (the task's rollout), or name one", b.Name())
 		}
-		q.group = string(g)
+		q.Group = string(g)
 	case starlark.Int:
-		q.group = g.String()
+		q.Group = g.String()
 	default:
 		return nil, fmt.Errorf("%s: group must be a string or int, got %s", b.Name(), group.Type())
 	}
@@ -415,17 +422,17 @@ func builtinTrain(thread *starlark.Thread, b *starlark.Builtin, args starlark.Tu
 		if !ok {
 			return nil, fmt.Errorf("%s: teacher must be a policy name, got %s", b.Name(), teacher.Type())
 		}
-		if _, _, err := ro.svc.checkPolicy(string(name)); err != nil {
+		if _, _, err := ro.Host.CheckPolicy(string(name)); err != nil {
 			return nil, fmt.Errorf("%s: teacher: %v", b.Name(), err)
 		}
-		q.teacher = string(name)
+		q.Teacher = string(name)
 	}
 	if advantage != starlark.None {
 		if x, ok := starlark.AsFloat(advantage); ok {
 			if math.IsNaN(x) || math.IsInf(x, 0) {
 				return nil, fmt.Errorf("%s: advantage is %v; it must be finite", b.Name(), x)
 			}
-			q.advantage, q.hasAdv = []float64{x}, true
+			q.Advantage, q.HasAdv = []float64{x}, true
 		} else if it, ok := advantage.(starlark.Iterable); ok {
 			iter := it.Iterate()
 			var v starlark.Value
@@ -435,19 +442,19 @@ func builtinTrain(thread *starlark.Thread, b *starlark.Builtin, args starlark.Tu
 					iter.Done()
 					return nil, fmt.Errorf("%s: advantage holds %s; per-token advantages must be finite numbers", b.Name(), v)
 				}
-				q.advantage = append(q.advantage, x)
+				q.Advantage = append(q.Advantage, x)
 			}
 			iter.Done()
-			q.hasAdv, q.perToken = true, true
+			q.HasAdv, q.PerToken = true, true
 		} else {
 			return nil, fmt.Errorf("%s: advantage must be a number or a list of per-token numbers, got %s", b.Name(), advantage.Type())
 		}
 	}
 	for _, c := range cs {
-		if err := ro.budget.allowed(b.Name(), c.policy, true); err != nil {
+		if err := ro.Budget.allowed(b.Name(), c.policy, true); err != nil {
 			return nil, err
 		}
-		trainable, place, err := ro.svc.checkPolicy(c.policy)
+		trainable, place, err := ro.Host.CheckPolicy(c.policy)
 		if err != nil {
 			return nil, fmt.Errorf("%s: %v", b.Name(), err)
 		}
@@ -457,22 +464,22 @@ func builtinTrain(thread *starlark.Thread, b *starlark.Builtin, args starlark.Tu
 		if c.injected {
 			return nil, fmt.Errorf("%s: completion %s was made by completion(), not sampled; only generated completions can be trained", b.Name(), c.id)
 		}
-		if q.perToken && len(q.advantage) != len(c.tokens) {
-			return nil, fmt.Errorf("%s: advantage has %d values but completion %s has %d tokens", b.Name(), len(q.advantage), c.id, len(c.tokens))
+		if q.PerToken && len(q.Advantage) != len(c.tokens) {
+			return nil, fmt.Errorf("%s: advantage has %d values but completion %s has %d tokens", b.Name(), len(q.Advantage), c.id, len(c.tokens))
 		}
 		c.mu.Lock()
 		switch {
 		case c.trained:
 			c.mu.Unlock()
 			return nil, fmt.Errorf("%s: completion %s is already queued for training", b.Name(), c.id)
-		case !c.rewSet && !q.hasAdv:
+		case !c.rewSet && !q.HasAdv:
 			c.mu.Unlock()
 			return nil, fmt.Errorf("%s: completion %s of policy %q has no reward; call reward(c, value) before train(c), or pass advantage=", b.Name(), c.id, c.policy)
 		}
 		c.trained = true
 		c.mu.Unlock()
 		qc := q
-		qc.c = c
+		qc.C = c
 		ro.queue(qc)
 	}
 	return starlark.None, nil
@@ -498,7 +505,7 @@ func builtinParallel(thread *starlark.Thread, b *starlark.Builtin, args starlark
 	iter := items.Iterate()
 	var x starlark.Value
 	for iter.Next(&x) {
-		if err := ts.ro.budget.parallel(b.Name(), len(xs)+1); err != nil {
+		if err := ts.ro.Budget.parallel(b.Name(), len(xs)+1); err != nil {
 			iter.Done()
 			return nil, err
 		}
@@ -516,23 +523,23 @@ func builtinParallel(thread *starlark.Thread, b *starlark.Builtin, args starlark
 	errs := make([]error, len(xs))
 	sem := make(chan struct{}, parallelWidth)
 	var wg sync.WaitGroup
-	ro.svc.running(len(xs) - 1) // children count as running before the parent stops running
+	ro.Host.Running(len(xs) - 1) // children count as running before the parent stops running
 	for i := range xs {
 		wg.Add(1)
 		sem <- struct{}{}
 		go func(i int) {
 			defer wg.Done()
 			defer func() { <-sem }()
-			defer ro.svc.running(-1)
-			child := ro.newThread(append(append([]int(nil), base...), i))
-			results[i], errs[i] = ro.call(child, fn, starlark.Tuple{xs[i]})
+			defer ro.Host.Running(-1)
+			child := ro.NewThread(append(append([]int(nil), base...), i))
+			results[i], errs[i] = ro.Call(child, fn, starlark.Tuple{xs[i]})
 		}(i)
 	}
 	wg.Wait()
-	ro.svc.running(1)
+	ro.Host.Running(1)
 	for i, err := range errs {
 		if err != nil {
-			return nil, fmt.Errorf("%s: item %d: %s", b.Name(), i, scriptErrorText(err))
+			return nil, fmt.Errorf("%s: item %d: %s", b.Name(), i, ErrorText(err))
 		}
 	}
 	return starlark.NewList(results), nil
@@ -554,17 +561,17 @@ func builtinScore(thread *starlark.Thread, b *starlark.Builtin, args starlark.Tu
 	if err := starlark.UnpackArgs(b.Name(), args, kwargs, "policy", &policy, "prompt", &prompt, "completion", &c); err != nil {
 		return nil, err
 	}
-	msgs, err := toMessages(b.Name(), prompt)
+	msgs, err := ToMessages(b.Name(), prompt)
 	if err != nil {
 		return nil, err
 	}
 	if c.injected {
 		return nil, fmt.Errorf("%s: completion %s was made by completion() and has no tokens to score", b.Name(), c.id)
 	}
-	if err := ts.ro.budget.allowed(b.Name(), policy, false); err != nil {
+	if err := ts.ro.Budget.allowed(b.Name(), policy, false); err != nil {
 		return nil, err
 	}
-	lp, err := ts.ro.svc.score(ts.ro.ctx, policy, engines.ScoreRequest{Messages: msgs, Tokens: c.tokens})
+	lp, err := ts.ro.Host.Score(ts.ro.Ctx, policy, engines.ScoreRequest{Messages: msgs, Tokens: c.tokens})
 	if err != nil {
 		return nil, fmt.Errorf("%s: policy %q: %v", b.Name(), policy, err)
 	}
@@ -574,6 +581,9 @@ func builtinScore(thread *starlark.Thread, b *starlark.Builtin, args starlark.Tu
 	}
 	return starlark.NewList(out), nil
 }
+
+// reservedMetric are names log() may not use: every metrics record has them.
+var reservedMetric = map[string]bool{"step": true, "policy": true}
 
 func builtinLog(thread *starlark.Thread, b *starlark.Builtin, args starlark.Tuple, kwargs []starlark.Tuple) (starlark.Value, error) {
 	ts, err := stateOf(thread, b.Name())

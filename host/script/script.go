@@ -1,10 +1,19 @@
-package host
+// Package script is slimen's Starlark runtime: loading a rollout script and the modules it loads,
+// the built-ins (generate, reward, train, parallel, score, state, log, config, …), completions,
+// the per-rollout budgets of sandboxed scripts and the static checker. It reaches the
+// orchestration only through the Host interface, implemented by the host package in-process and
+// by the sandbox child's pipe (host/script/sandbox).
+//
+// A built-in is one file (a function with Starlark's builtin signature that finds its rollout
+// with rolloutOf) and one line in predeclared.
+package script
 
 import (
 	"crypto/sha256"
 	"encoding/hex"
 	"errors"
 	"fmt"
+	"io/fs"
 	"os"
 	"path/filepath"
 	"sort"
@@ -32,53 +41,93 @@ type Script struct {
 	evalRollout *starlark.Function // nil when the script has none
 }
 
-// ScriptError is a problem with the user's script or config: the CLI exits 2 on it.
-type ScriptError struct{ Msg string }
+// Rollout is the script's rollout(task); nil for a Library.
+func (s *Script) Rollout() *starlark.Function { return s.rollout }
 
-func (e *ScriptError) Error() string { return e.Msg }
+// EvalRollout is the script's eval_rollout(task); nil when it has none.
+func (s *Script) EvalRollout() *starlark.Function { return s.evalRollout }
 
-// ScriptOptions configure how a script is loaded.
-type ScriptOptions struct {
+// Error is a problem with the user's script or config: the CLI exits 2 on it.
+type Error struct{ Msg string }
+
+func (e *Error) Error() string { return e.Msg }
+
+// Options configure how a script is loaded.
+type Options struct {
 	Sandbox bool           // only @packages may be loaded
-	Config  starlark.Value // the script's `config`; nil: none attached
+	Config  starlark.Value // the script's `config` (ConfigValue); nil: none attached
 	// ParseOnly checks syntax and names without running the top level: the host of a sandboxed
 	// run must not execute untrusted code itself (its children do).
 	ParseOnly bool
+	// Builtins are predeclared names added to the built-ins (or replacing one): an embedder's
+	// own functions and values. They are frozen, as every value rollouts share.
+	Builtins starlark.StringDict
+	// Modules are packages of Starlark files a script may load as @NAME//path.star, beside the
+	// bundled @graphs.
+	Modules map[string]fs.FS
+	// Library loads a file of definitions that need not define rollout(task) (test files).
+	Library bool
+	// FS, when set, is where the script and its relative loads are read: path is a path in it
+	// (io/fs's slash-separated form). nil: the operating system's files.
+	FS fs.FS
 }
 
-// LoadScript reads, executes and freezes a script.
-func LoadScript(path string, opts ScriptOptions) (*Script, error) {
-	src, err := os.ReadFile(path)
-	if err != nil {
-		return nil, &ScriptError{fmt.Sprintf("cannot read script: %v", err)}
+// Load reads, executes and freezes a script.
+func Load(path string, opts Options) (*Script, error) {
+	var src []byte
+	var err error
+	if opts.FS != nil {
+		src, err = fs.ReadFile(opts.FS, path)
+	} else {
+		src, err = os.ReadFile(path)
 	}
-	return LoadScriptSource(path, src, opts)
+	if err != nil {
+		return nil, &Error{fmt.Sprintf("cannot read script: %v", err)}
+	}
+	return LoadSource(path, src, opts)
 }
 
-// LoadScriptSource loads a script whose text is already read (path names it in messages and
-// anchors its relative loads).
-func LoadScriptSource(path string, src []byte, opts ScriptOptions) (*Script, error) {
-	abs, err := filepath.Abs(path)
-	if err != nil {
-		return nil, err
+// LoadSource loads a script whose text is already read (path names it in messages and anchors
+// its relative loads).
+func LoadSource(path string, src []byte, opts Options) (*Script, error) {
+	abs := path
+	if opts.FS == nil {
+		var err error
+		if abs, err = filepath.Abs(path); err != nil {
+			return nil, err
+		}
 	}
 	pre := predeclared()
+	for name, v := range opts.Builtins {
+		pre[name] = v
+	}
 	if opts.Config != nil {
 		pre["config"] = opts.Config
 	}
 	if opts.ParseOnly {
 		if _, _, err := starlark.SourceProgramOptions(fileOptions, path, src, pre.Has); err != nil {
-			return nil, &ScriptError{scriptErrorText(err)}
+			return nil, &Error{ErrorText(err)}
 		}
 		sum := sha256.Sum256(append([]byte(path), src...))
 		return &Script{Path: path, Files: []string{path}, Source: src, Sources: map[string][]byte{path: src}, Hash: hex.EncodeToString(sum[:])}, nil
 	}
-	l := newLoader(filepath.Dir(abs), pre, !opts.Sandbox)
+	root := filepath.Dir(abs)
+	if opts.FS != nil {
+		root = slashDir(path)
+	}
+	l := newLoader(root, pre, !opts.Sandbox)
+	l.fsys = opts.FS
+	for name, fsys := range opts.Modules {
+		if _, taken := l.natives[name]; taken || l.starFS[name] != nil {
+			return nil, &Error{fmt.Sprintf("module package @%s: the name is taken by a bundled package; choose another", name)}
+		}
+		l.starFS[name] = fsys
+	}
 	l.cache[filepath.Clean(path)] = &loadEntry{} // the main file loading itself is a cycle
 	l.stack = []string{filepath.Clean(path)}
 	globals, err := l.execFile(path, src)
 	if err != nil {
-		return nil, &ScriptError{scriptErrorText(err)}
+		return nil, &Error{ErrorText(err)}
 	}
 	globals.Freeze()
 	s := &Script{Path: path, Globals: globals, Files: l.files, Source: src, Sources: map[string][]byte{}}
@@ -89,7 +138,9 @@ func LoadScriptSource(path string, src []byte, opts ScriptOptions) (*Script, err
 		s.Sources[f] = l.srcs[f]
 	}
 	s.Hash = hex.EncodeToString(h.Sum(nil))
-
+	if opts.Library {
+		return s, nil
+	}
 	fn, err := entryPoint(globals, "rollout", path, true)
 	if err != nil {
 		return nil, err
@@ -106,23 +157,23 @@ func entryPoint(g starlark.StringDict, name, path string, required bool) (*starl
 	v, ok := g[name]
 	if !ok {
 		if required {
-			return nil, &ScriptError{fmt.Sprintf("%s: the script defines no %s(task) function; define one: the host calls it once per task", path, name)}
+			return nil, &Error{fmt.Sprintf("%s: the script defines no %s(task) function; define one: the host calls it once per task", path, name)}
 		}
 		return nil, nil
 	}
 	fn, ok := v.(*starlark.Function)
 	if !ok {
-		return nil, &ScriptError{fmt.Sprintf("%s: %s is a %s, not a function; define def %s(task): …", path, name, v.Type(), name)}
+		return nil, &Error{fmt.Sprintf("%s: %s is a %s, not a function; define def %s(task): …", path, name, v.Type(), name)}
 	}
 	if fn.NumParams() != 1 || fn.NumKwonlyParams() != 0 {
-		return nil, &ScriptError{fmt.Sprintf("%s: %s: %s must take exactly one parameter (the task), it takes %d", path, fn.Position(), name, fn.NumParams())}
+		return nil, &Error{fmt.Sprintf("%s: %s: %s must take exactly one parameter (the task), it takes %d", path, fn.Position(), name, fn.NumParams())}
 	}
 	return fn, nil
 }
 
-// scriptErrorText renders a Starlark error with its backtrace (file:line:col of every frame) and,
+// ErrorText renders a Starlark error with its backtrace (file:line:col of every frame) and,
 // for syntax and resolve errors, a hint of what to do.
-func scriptErrorText(err error) string {
+func ErrorText(err error) string {
 	var ee *starlark.EvalError
 	if errors.As(err, &ee) {
 		// Built-ins name themselves in their messages, as Starlark's own do; the backtrace's

@@ -1,4 +1,4 @@
-package host
+package script
 
 import (
 	"fmt"
@@ -10,12 +10,12 @@ import (
 	"github.com/slimen/slimen/host/config"
 )
 
-// budget enforces a sandboxed rollout's limits (config.SandboxConfig). A nil *budget allows
+// budget enforces a sandboxed rollout's limits (config.SandboxConfig). A nil *Budget allows
 // everything, so the in-process path pays nothing. Steps and wall time are enforced on the
 // rollout's threads (a shared step count, a deadline); the rest here, at each built-in. The
 // budgets that bound the whole run rather than one rollout (state_total_bytes, message_bytes)
 // are the host's to enforce (sandbox.go).
-type budget struct {
+type Budget struct {
 	cfg  config.SandboxConfig
 	zero bool // zero-config run: every policy is a fresh model of this run, so train may use any
 
@@ -37,10 +37,10 @@ func (e *BudgetError) Error() string {
 	return fmt.Sprintf("sandbox budget %s (%s) exceeded: %s", e.Budget, e.Limit, e.What)
 }
 
-func newBudget(c config.SandboxConfig, zero bool) *budget { return &budget{cfg: c, zero: zero} }
+func NewBudget(c config.SandboxConfig, zero bool) *Budget { return &Budget{cfg: c, zero: zero} }
 
 // generate reserves a call of n samples of up to maxTokens tokens.
-func (b *budget) generate(fn string, n, maxTokens int) error {
+func (b *Budget) generate(fn string, n, maxTokens int) error {
 	if b == nil {
 		return nil
 	}
@@ -59,7 +59,7 @@ func (b *budget) generate(fn string, n, maxTokens int) error {
 }
 
 // settle replaces a call's reservation with the tokens it generated.
-func (b *budget) settle(reserved, used int) {
+func (b *Budget) settle(reserved, used int) {
 	if b == nil {
 		return
 	}
@@ -69,15 +69,15 @@ func (b *budget) settle(reserved, used int) {
 }
 
 // prompt checks the size of one prompt passed to generate or score.
-func (b *budget) prompt(fn string, msgs []engines.Message) error {
+func (b *Budget) Prompt(fn string, msgs []engines.Message) error {
 	if b == nil {
 		return nil
 	}
-	return checkPrompt(b.cfg, fn, msgs)
+	return CheckPrompt(b.cfg, fn, msgs)
 }
 
 // checkPrompt is the prompt_bytes budget, which the host also applies to what a child sends.
-func checkPrompt(cfg config.SandboxConfig, fn string, msgs []engines.Message) error {
+func CheckPrompt(cfg config.SandboxConfig, fn string, msgs []engines.Message) error {
 	if n := promptBytes(msgs); n > cfg.PromptBytes {
 		return &BudgetError{"prompt_bytes", fmt.Sprint(cfg.PromptBytes), fmt.Sprintf("%s was given a prompt of %d bytes", fn, n)}
 	}
@@ -93,7 +93,7 @@ func promptBytes(msgs []engines.Message) int {
 	return n
 }
 
-func (b *budget) parallel(fn string, items int) error {
+func (b *Budget) parallel(fn string, items int) error {
 	if b == nil || items <= b.cfg.ParallelItems {
 		return nil
 	}
@@ -101,7 +101,7 @@ func (b *budget) parallel(fn string, items int) error {
 }
 
 // state checks the size of a value about to be stored under a key.
-func (b *budget) state(fn string, v starlark.Value) error {
+func (b *Budget) state(fn string, v starlark.Value) error {
 	if b == nil {
 		return nil
 	}
@@ -111,8 +111,8 @@ func (b *budget) state(fn string, v starlark.Value) error {
 	return nil
 }
 
-// entrySize is the size a state entry counts for: its key and its value, as valueSize estimates.
-func entrySize(key string, v starlark.Value, limit int) int {
+// EntrySize is the size a state entry counts for (sandbox.state_bytes): its key and its value, as valueSize estimates.
+func EntrySize(key string, v starlark.Value, limit int) int {
 	return len(key) + 16 + valueSize(v, 0, limit)
 }
 
@@ -156,7 +156,7 @@ func valueSize(v starlark.Value, depth, limit int) int {
 }
 
 // print counts output; over budget, the caller cancels the thread.
-func (b *budget) print(n int) error {
+func (b *Budget) print(n int) error {
 	if b == nil {
 		return nil
 	}
@@ -183,7 +183,7 @@ const (
 type threadSteps struct{ counted uint64 }
 
 // limitThread applies the step budget to a thread of the rollout.
-func (b *budget) limitThread(th *starlark.Thread) {
+func (b *Budget) limitThread(th *starlark.Thread) {
 	if b == nil {
 		return
 	}
@@ -201,7 +201,7 @@ func (b *budget) limitThread(th *starlark.Thread) {
 
 // grant is how many steps a thread may run before it counts them again (at least 1: a limit of 0
 // means none to Starlark).
-func (b *budget) grant() uint64 {
+func (b *Budget) grant() uint64 {
 	b.mu.Lock()
 	defer b.mu.Unlock()
 	left := uint64(0)
@@ -212,7 +212,7 @@ func (b *budget) grant() uint64 {
 }
 
 // countSteps adds the steps a thread ran since it last counted to the rollout's count.
-func (b *budget) countSteps(th *starlark.Thread, acct *threadSteps) error {
+func (b *Budget) countSteps(th *starlark.Thread, acct *threadSteps) error {
 	ran := th.ExecutionSteps() - acct.counted
 	acct.counted = th.ExecutionSteps()
 	b.mu.Lock()
@@ -227,7 +227,7 @@ func (b *budget) countSteps(th *starlark.Thread, acct *threadSteps) error {
 
 // threadDone counts the last steps of a thread that returned; an error if they put the rollout
 // over its budget.
-func (b *budget) threadDone(th *starlark.Thread) error {
+func (b *Budget) threadDone(th *starlark.Thread) error {
 	if b == nil {
 		return nil
 	}
@@ -242,15 +242,15 @@ func (b *budget) threadDone(th *starlark.Thread) error {
 // Without sandbox.policies every policy of the config may be used (the host refuses names the
 // config does not define); without sandbox.train no policy may be trained, except in a
 // zero-config run, whose policies are fresh models the run itself created.
-func (b *budget) allowed(fn, policy string, train bool) error {
+func (b *Budget) allowed(fn, policy string, train bool) error {
 	if b == nil {
 		return nil
 	}
-	return grantCheck(b.cfg, b.zero, fn, policy, train)
+	return GrantCheck(b.cfg, b.zero, fn, policy, train)
 }
 
 // grantCheck is allowed without a rollout: the host applies it to what a child reports.
-func grantCheck(cfg config.SandboxConfig, zero bool, fn, policy string, train bool) error {
+func GrantCheck(cfg config.SandboxConfig, zero bool, fn, policy string, train bool) error {
 	list, key := cfg.Policies, "policies"
 	if train {
 		list, key = cfg.Train, "train"

@@ -1,4 +1,4 @@
-package host
+package script
 
 import (
 	"errors"
@@ -30,7 +30,8 @@ var fileOptions = &syntax.FileOptions{Set: true, While: true, TopLevelControl: t
 type loader struct {
 	root        string                                    // folder of the main script; relative loads stay inside it
 	natives     map[string]map[string]starlark.StringDict // package → file → members
-	starFS      map[string]fs.FS                          // package → Starlark sources (graphs)
+	starFS      map[string]fs.FS                          // package → Starlark sources (graphs, Options.Modules)
+	fsys        fs.FS                                     // where files are read (Options.FS); nil: the OS's
 	predeclared starlark.StringDict
 	allowFiles  bool // false in the sandbox: only @packages may be loaded
 
@@ -55,7 +56,7 @@ func newLoader(root string, predeclared starlark.StringDict, allowFiles bool) *l
 	return &loader{
 		root:        root,
 		natives:     nativeModules(),
-		starFS:      starlarkPackages(),
+		starFS:      bundledPackages(),
 		predeclared: predeclared,
 		allowFiles:  allowFiles,
 		cache:       map[string]*loadEntry{},
@@ -118,8 +119,15 @@ func (l *loader) resolve(from, module string) (string, error) {
 	if !l.allowFiles {
 		return "", fmt.Errorf("load %q: the sandbox only loads @slimen, @graphs and @std modules", module)
 	}
-	if filepath.IsAbs(module) {
+	if filepath.IsAbs(module) || path.IsAbs(module) {
 		return "", fmt.Errorf("load %q: absolute paths are not loadable; load files relative to the script", module)
+	}
+	if l.fsys != nil {
+		p := path.Join(path.Dir(from), module)
+		if !fs.ValidPath(p) || l.root != "." && !strings.HasPrefix(p, l.root+"/") {
+			return "", fmt.Errorf("load %q: it escapes the script's folder %s; keep loaded files beside the script", module, l.root)
+		}
+		return p, nil
 	}
 	p := filepath.Clean(filepath.Join(filepath.Dir(from), module))
 	abs, err := filepath.Abs(p)
@@ -148,7 +156,13 @@ func (l *loader) loadModule(id string) (starlark.StringDict, error) {
 		}
 		return l.execModule(id, src)
 	}
-	src, err := os.ReadFile(id)
+	var src []byte
+	var err error
+	if l.fsys != nil {
+		src, err = fs.ReadFile(l.fsys, id)
+	} else {
+		src, err = os.ReadFile(id)
+	}
 	if err != nil {
 		if errors.Is(err, fs.ErrNotExist) {
 			return nil, fmt.Errorf("load %q: no such file", id)
@@ -172,6 +186,9 @@ func (l *loader) execModule(id string, src []byte) (starlark.StringDict, error) 
 	g.Freeze()
 	return g, nil
 }
+
+// slashDir is the folder of a slash-separated path of an fs.FS.
+func slashDir(p string) string { return path.Dir(path.Clean(p)) }
 
 func known[V any](m map[string]V) string {
 	var names []string

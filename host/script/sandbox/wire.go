@@ -1,0 +1,107 @@
+// Package sandbox is the sandbox child of a sandboxed run and its wire protocol: a copy of the
+// slimen binary, started with ChildEnv set, that evaluates rollouts of an untrusted script under
+// memory and CPU rlimits and reaches the host for everything else (generate, score, state, print)
+// over its stdin/stdout, one JSON message a line. If the script exhausts the child's memory, the
+// child dies and the host loses nothing but the rollouts it ran. The host's side of the pipe is
+// the host package's (host/sandbox.go); the child runs the same built-ins as an in-process run,
+// on a script.Host that is the pipe.
+package sandbox
+
+import (
+	"bytes"
+	"encoding/json"
+
+	"github.com/slimen/slimen/engines"
+	"github.com/slimen/slimen/host/config"
+	"github.com/slimen/slimen/host/tasks"
+)
+
+// ChildEnv marks a process as a sandbox child; its value is the memory limit in MiB, and
+// CPUEnv (if set) the CPU limit in seconds.
+const (
+	ChildEnv = "SLIMEN_SANDBOX_CHILD"
+	CPUEnv   = "SLIMEN_SANDBOX_CPU"
+)
+
+// Msg is one line of the host–child protocol (JSON lines in both directions).
+//
+//	host → child:  init {script, source, config}, rollout {id, args}, reply {id, result|error}
+//	child → host:  ready | fatal {error}, call {id, rollout, method, args}, note {rollout, method, args},
+//	               done {id, result}
+type Msg struct {
+	T       string          `json:"t"`
+	ID      int64           `json:"id,omitempty"`
+	Rollout int64           `json:"rollout,omitempty"`
+	Method  string          `json:"method,omitempty"`
+	Args    json.RawMessage `json:"args,omitempty"`
+	Result  json.RawMessage `json:"result,omitempty"`
+	Error   string          `json:"error,omitempty"`
+}
+
+// Init starts a child: the script to load and the run's config.
+type Init struct {
+	Script string         `json:"script"`
+	Source string         `json:"source"`
+	Config *config.Config `json:"config"`
+	Zero   bool           `json:"zero,omitempty"` // zero-config run: train may use any policy
+}
+
+// Rollout is a rollout to run. Fn is "rollout", "eval_rollout" or "default_eval".
+type Rollout struct {
+	Fn        string            `json:"fn"`
+	Task      tasks.Task        `json:"task"`
+	Index     int               `json:"index"`
+	Step      int               `json:"step"`
+	Seed      uint64            `json:"seed"`
+	Sampling  engines.Sampling  `json:"sampling"`
+	Eval      *engines.Sampling `json:"eval,omitempty"`
+	Policies  []string          `json:"policies,omitempty"` // default_eval
+	NSamples  int               `json:"n_samples,omitempty"`
+	WallLimit float64           `json:"wall_limit"`
+}
+
+// Done is a finished rollout's report.
+type Done struct {
+	Error   string                `json:"error,omitempty"`
+	Queued  []Queued              `json:"queued,omitempty"`
+	Rewards map[string]float64    `json:"rewards,omitempty"` // completion id → reward
+	Logs    map[string][2]float64 `json:"logs,omitempty"`
+	Result  any                   `json:"result,omitempty"` // eval_rollout's dict, encoded
+}
+
+// Queued is a train() request of a finished rollout; ID names its completion.
+type Queued struct {
+	ID        string    `json:"id"`
+	Group     string    `json:"group"`
+	Advantage []float64 `json:"advantage,omitempty"`
+	HasAdv    bool      `json:"has_adv,omitempty"`
+	PerToken  bool      `json:"per_token,omitempty"`
+	Teacher   string    `json:"teacher,omitempty"`
+}
+
+// Generate is the arguments of a generate call.
+type Generate struct {
+	Policy string                  `json:"policy"`
+	Req    engines.GenerateRequest `json:"req"`
+}
+
+// Score is the arguments of a score call.
+type Score struct {
+	Policy string               `json:"policy"`
+	Req    engines.ScoreRequest `json:"req"`
+}
+
+// marshal encodes a value as JSON without HTML escaping (which would turn every < of a prompt
+// into six bytes).
+func Marshal(v any) ([]byte, error) {
+	var b bytes.Buffer
+	enc := json.NewEncoder(&b)
+	enc.SetEscapeHTML(false)
+	if err := enc.Encode(v); err != nil {
+		return nil, err
+	}
+	return bytes.TrimSuffix(b.Bytes(), []byte("\n")), nil
+}
+
+// CPULimitMsg is what a child that used up its CPU time (sandbox.cpu_seconds) writes to stderr.
+const CPULimitMsg = "slimen sandbox child: CPU time limit reached (RLIMIT_CPU)"
