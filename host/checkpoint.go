@@ -146,58 +146,8 @@ func (r *Run) Checkpoint(ctx context.Context) (string, error) {
 		return "", fmt.Errorf("checkpoint: %w", err)
 	}
 	defer os.RemoveAll(tmp) // after a successful rename there is nothing left to remove
-	external := map[string]externalState{}
-	for _, p := range r.policyList() {
-		if !p.cfg.Trainable {
-			continue // a frozen policy is what its config says it is: nothing to save
-		}
-		if offHost(p.cfg) {
-			ext, err := r.saveRemote(ctx, p, final, tmp)
-			if err != nil {
-				return "", err
-			}
-			if ext != nil {
-				external[p.name] = *ext
-			}
-		} else {
-			dir := filepath.Join(tmp, p.name)
-			if err := p.eng.Save(ctx, dir); err != nil {
-				return "", fmt.Errorf("checkpoint: policy %q: its engine could not save: %w", p.name, err)
-			}
-			if !hasFiles(dir) {
-				return "", fmt.Errorf("checkpoint: policy %q: its %s engine reported the save done, but %s holds no files; the engine does not write on this machine's disk — give it engine: {kind: remote} so that its state is recorded as living on its server",
-					p.name, p.cfg.Engine.Kind, dir)
-			}
-		}
-		// Fault injection for the crash-safety test: die by SIGKILL halfway through a write.
-		if os.Getenv("SLIMEN_TEST_SIGKILL_IN_CHECKPOINT") == strconv.Itoa(step) {
-			syscall.Kill(os.Getpid(), syscall.SIGKILL)
-		}
-	}
-	st, err := script.EncodeState(r.state)
-	if err != nil {
-		return "", fmt.Errorf("checkpoint: %w", err)
-	}
-	info, _ := json.MarshalIndent(runInfo{Step: step, NextTask: &r.next, Script: r.script.Path, ScriptHash: r.script.Hash, Seed: r.Config().Run.Seed}, "", "  ")
-	y, err := r.Config().Marshal()
-	if err != nil {
+	if err := r.writeCheckpoint(ctx, step, final, tmp); err != nil {
 		return "", err
-	}
-	for name, b := range map[string][]byte{stateFile: st, runFile: info, "config.yaml": y, "script.star": r.script.Source} {
-		if err := os.WriteFile(filepath.Join(tmp, name), b, 0o644); err != nil {
-			return "", fmt.Errorf("checkpoint: %w", err)
-		}
-	}
-	m, err := sumTree(tmp, nil)
-	if err != nil {
-		return "", fmt.Errorf("checkpoint: %w", err)
-	}
-	if len(external) > 0 {
-		m.External = external
-	}
-	mb, _ := json.MarshalIndent(m, "", "  ")
-	if err := writeSynced(filepath.Join(tmp, manifestFile), mb); err != nil {
-		return "", fmt.Errorf("checkpoint: %w", err)
 	}
 	if err := os.Rename(tmp, final); err != nil {
 		return "", fmt.Errorf("checkpoint: %w", err)
@@ -217,6 +167,75 @@ func (r *Run) Checkpoint(ctx context.Context) (string, error) {
 		}
 	}
 	return final, nil
+}
+
+// writeCheckpoint writes everything of a checkpoint into tmp, the folder that becomes final once
+// complete: the policies' engine states, the run's files and the manifest that checksums them.
+func (r *Run) writeCheckpoint(ctx context.Context, step int, final, tmp string) error {
+	external, err := r.savePolicies(ctx, step, final, tmp)
+	if err != nil {
+		return err
+	}
+	st, err := script.EncodeState(r.state)
+	if err != nil {
+		return fmt.Errorf("checkpoint: %w", err)
+	}
+	info, _ := json.MarshalIndent(runInfo{Step: step, NextTask: &r.next, Script: r.script.Path, ScriptHash: r.script.Hash, Seed: r.Config().Run.Seed}, "", "  ")
+	y, err := r.Config().Marshal()
+	if err != nil {
+		return err
+	}
+	for name, b := range map[string][]byte{stateFile: st, runFile: info, "config.yaml": y, "script.star": r.script.Source} {
+		if err := os.WriteFile(filepath.Join(tmp, name), b, 0o644); err != nil {
+			return fmt.Errorf("checkpoint: %w", err)
+		}
+	}
+	m, err := sumTree(tmp, nil)
+	if err != nil {
+		return fmt.Errorf("checkpoint: %w", err)
+	}
+	if len(external) > 0 {
+		m.External = external
+	}
+	mb, _ := json.MarshalIndent(m, "", "  ")
+	if err := writeSynced(filepath.Join(tmp, manifestFile), mb); err != nil {
+		return fmt.Errorf("checkpoint: %w", err)
+	}
+	return nil
+}
+
+// savePolicies has every trainable policy's engine save its state into tmp/<policy> (an engine
+// whose state lives on its server saves there, and is recorded as external).
+func (r *Run) savePolicies(ctx context.Context, step int, final, tmp string) (map[string]externalState, error) {
+	external := map[string]externalState{}
+	for _, p := range r.policyList() {
+		if !p.cfg.Trainable {
+			continue // a frozen policy is what its config says it is: nothing to save
+		}
+		if offHost(p.cfg) {
+			ext, err := r.saveRemote(ctx, p, final, tmp)
+			if err != nil {
+				return nil, err
+			}
+			if ext != nil {
+				external[p.name] = *ext
+			}
+		} else {
+			dir := filepath.Join(tmp, p.name)
+			if err := p.eng.Save(ctx, dir); err != nil {
+				return nil, fmt.Errorf("checkpoint: policy %q: its engine could not save: %w", p.name, err)
+			}
+			if !hasFiles(dir) {
+				return nil, fmt.Errorf("checkpoint: policy %q: its %s engine reported the save done, but %s holds no files; the engine does not write on this machine's disk — give it engine: {kind: remote} so that its state is recorded as living on its server",
+					p.name, p.cfg.Engine.Kind, dir)
+			}
+		}
+		// Fault injection for the crash-safety test: die by SIGKILL halfway through a write.
+		if os.Getenv("SLIMEN_TEST_SIGKILL_IN_CHECKPOINT") == strconv.Itoa(step) {
+			syscall.Kill(os.Getpid(), syscall.SIGKILL)
+		}
+	}
+	return external, nil
 }
 
 // saveRemote saves a remote engine's state into the final path final/<policy> on its server. If

@@ -445,14 +445,9 @@ func (r *Run) runStep(ctx context.Context) (*StepResult, error) {
 	}
 	cfg := r.Config()
 	if step == 1 && r.evalDue(0) {
-		evs, err := r.Eval(ctx)
-		if err != nil {
+		if _, err := r.evalAndLog(ctx); err != nil {
 			return nil, err
 		}
-		if err := r.metrics.writeLines(evs); err != nil {
-			return nil, err
-		}
-		r.afterEval()
 	}
 	t0 := time.Now()
 	// Tasks are taken in order from the data position, so a batch size changed by a reload
@@ -467,41 +462,10 @@ func (r *Run) runStep(ctx context.Context) (*StepResult, error) {
 		return nil, err
 	}
 	rolloutS := time.Since(t0).Seconds()
-	// An engine that failed after its own retries is not the script's fault: dropping the
-	// rollouts that met it would bias the step, so the run stops and can resume later. So does
-	// one that restarted and could not be given its state back.
-	if err := r.restart.failure(); err != nil {
+	res := &StepResult{Step: step}
+	if err := r.rolloutFailures(ctx, cfg, res, ros); err != nil {
 		return nil, err
 	}
-	for _, p := range r.policyList() {
-		if err := p.disp.takeErr(); err != nil && ctx.Err() == nil {
-			return nil, &EngineError{Step: step, Policy: p.name, Err: err, Hint: r.engineErrorHint()}
-		}
-	}
-	res := &StepResult{Step: step}
-	var first *RolloutError
-	for _, ro := range ros {
-		if ro.Err != nil {
-			re := &RolloutError{Step: step, TaskID: ro.Task.ID, Msg: script.ErrorText(ro.Err)}
-			res.Failed = append(res.Failed, re)
-			if len(res.Failed) <= shownFailures {
-				r.events.printf("%s", re.Error())
-			} else {
-				r.events.filef("%s", re.Error())
-			}
-			if first == nil {
-				first = re
-			}
-		}
-	}
-	if len(res.Failed) > shownFailures {
-		r.events.printf("step %d: %d more rollouts failed (all in events.log)", step, len(res.Failed)-shownFailures)
-	}
-	if first != nil && len(ros) > 0 && float64(len(res.Failed))/float64(len(ros)) > cfg.Rollout.MaxFailedFraction {
-		return nil, fmt.Errorf("step %d: %d of %d rollouts failed, more than rollout.max_failed_fraction (%g); the run stops. First failure:\n%s",
-			step, len(res.Failed), len(ros), cfg.Rollout.MaxFailedFraction, first.Error())
-	}
-
 	t1 := time.Now()
 	// Training is not cut short by a cancelled context: an abandoned step stops in its rollouts,
 	// never between two optimizer steps of a policy.
@@ -517,13 +481,9 @@ func (r *Run) runStep(ctx context.Context) (*StepResult, error) {
 		return nil, err
 	}
 	if r.evalDue(step) {
-		if res.Eval, err = r.Eval(ctx); err != nil {
+		if res.Eval, err = r.evalAndLog(ctx); err != nil {
 			return nil, err
 		}
-		if err := r.metrics.writeLines(res.Eval); err != nil {
-			return nil, err
-		}
-		r.afterEval()
 	}
 	checkpointed := false
 	if si := cfg.Run.SaveInterval; si > 0 && step%si == 0 && r.opts.Out != "" {
@@ -534,6 +494,58 @@ func (r *Run) runStep(ctx context.Context) (*StepResult, error) {
 	}
 	r.restart.stepDone(step, checkpointed)
 	return res, nil
+}
+
+// evalAndLog runs the eval datasets, writes their metrics and calls Options.AfterEval.
+func (r *Run) evalAndLog(ctx context.Context) ([]Metrics, error) {
+	evs, err := r.Eval(ctx)
+	if err != nil {
+		return nil, err
+	}
+	if err := r.metrics.writeLines(evs); err != nil {
+		return nil, err
+	}
+	r.afterEval()
+	return evs, nil
+}
+
+// rolloutFailures sorts out what failed in a step's rollouts. An engine that failed after its own
+// retries is not the script's fault: dropping the rollouts that met it would bias the step, so
+// the run stops and can resume later; so does one that restarted and could not be given its
+// state back. Failed rollouts are reported in res and logged; more than
+// rollout.max_failed_fraction of them stop the run.
+func (r *Run) rolloutFailures(ctx context.Context, cfg *config.Config, res *StepResult, ros []*script.Rollout) error {
+	if err := r.restart.failure(); err != nil {
+		return err
+	}
+	for _, p := range r.policyList() {
+		if err := p.disp.takeErr(); err != nil && ctx.Err() == nil {
+			return &EngineError{Step: res.Step, Policy: p.name, Err: err, Hint: r.engineErrorHint()}
+		}
+	}
+	var first *RolloutError
+	for _, ro := range ros {
+		if ro.Err != nil {
+			re := &RolloutError{Step: res.Step, TaskID: ro.Task.ID, Msg: script.ErrorText(ro.Err)}
+			res.Failed = append(res.Failed, re)
+			if len(res.Failed) <= shownFailures {
+				r.events.printf("%s", re.Error())
+			} else {
+				r.events.filef("%s", re.Error())
+			}
+			if first == nil {
+				first = re
+			}
+		}
+	}
+	if len(res.Failed) > shownFailures {
+		r.events.printf("step %d: %d more rollouts failed (all in events.log)", res.Step, len(res.Failed)-shownFailures)
+	}
+	if first != nil && len(ros) > 0 && float64(len(res.Failed))/float64(len(ros)) > cfg.Rollout.MaxFailedFraction {
+		return fmt.Errorf("step %d: %d of %d rollouts failed, more than rollout.max_failed_fraction (%g); the run stops. First failure:\n%s",
+			res.Step, len(res.Failed), len(ros), cfg.Rollout.MaxFailedFraction, first.Error())
+	}
+	return nil
 }
 
 // rolloutFn is the function rollouts call: its value in-process, its name in a sandbox child

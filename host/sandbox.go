@@ -272,114 +272,131 @@ func (c *sbChild) answer(m sandbox.Msg) {
 	c.mu.Lock()
 	ro := c.rollouts[m.Rollout]
 	c.mu.Unlock()
-	reply := func(v any, err error) {
-		r := sandbox.Msg{T: "reply", ID: m.ID}
-		if err != nil {
-			r.Error = err.Error()
-		} else {
-			r.Result, _ = json.Marshal(v)
-		}
-		finish()
-		c.send(r)
+	var v any
+	err := errors.New("unknown rollout")
+	if ro != nil {
+		v, err = c.serve(ro, m)
 	}
-	if ro == nil {
-		reply(nil, errors.New("unknown rollout"))
+	if errors.Is(err, errNoReply) {
 		return
 	}
-	svc := localHost{c.sb.r}
-	cfg := c.sb.r.Config().Sandbox
+	r := sandbox.Msg{T: "reply", ID: m.ID}
+	if err != nil {
+		r.Error = err.Error()
+	} else {
+		r.Result, _ = json.Marshal(v)
+	}
+	finish()
+	c.send(r)
+}
+
+// errNoReply is a call that gets no reply: its child died while it waited.
+var errNoReply = errors.New("no reply")
+
+// serve runs one call of the child's built-ins for rollout ro and returns the reply's value.
+func (c *sbChild) serve(ro *script.Rollout, m sandbox.Msg) (any, error) {
+	h := localHost{c.sb.r}
 	switch m.Method {
 	case "policy":
 		var name string
 		json.Unmarshal(m.Args, &name)
 		if err := c.sb.mayCreate(name); err != nil {
-			reply(nil, err)
-			return
+			return nil, err
 		}
-		trainable, place, err := svc.CheckPolicy(name)
-		reply(map[string]any{"trainable": trainable, "place": place}, err)
+		trainable, place, err := h.CheckPolicy(name)
+		return map[string]any{"trainable": trainable, "place": place}, err
 	case "generate":
-		var g sandbox.Generate
-		if err := json.Unmarshal(m.Args, &g); err != nil {
-			reply(nil, err)
-			return
-		}
-		// The child checks these too; the host does not take its word for it.
-		if err := c.sb.usable("generate", g.Policy, g.Req.Messages); err != nil {
-			reply(nil, err)
-			return
-		}
-		// The host keeps its own copy of what the child will see: the report names these ids.
-		outs, err := svc.Generate(ro.Ctx, g.Policy, g.Req)
-		if err == nil {
-			for _, cmp := range script.CompletionsOf(g.Policy, g.Req, outs) {
-				ro.Note(cmp)
-				svc.Generated(len(cmp.Tokens()))
-			}
-		}
-		reply(outs, err)
+		return c.generate(h, ro, m.Args)
 	case "score":
 		var s sandbox.Score
 		if err := json.Unmarshal(m.Args, &s); err != nil {
-			reply(nil, err)
-			return
+			return nil, err
 		}
 		if err := c.sb.usable("score", s.Policy, s.Req.Messages); err != nil {
-			reply(nil, err)
-			return
+			return nil, err
 		}
-		reply(svc.Score(ro.Ctx, s.Policy, s.Req))
+		return h.Score(ro.Ctx, s.Policy, s.Req)
 	case "state_get":
 		var k string
 		json.Unmarshal(m.Args, &k)
-		v, ok, _ := svc.StateGet(k)
-		reply(stateReply(v, ok))
+		v, ok, _ := h.StateGet(k)
+		return stateReply(v, ok)
 	case "state_lock":
 		var k string
 		json.Unmarshal(m.Args, &k)
-		v, ok, commit, release, _ := svc.StateLock(k)
+		v, ok, commit, release, _ := h.StateLock(k)
 		c.mu.Lock()
 		if c.gone {
 			// The child died while this call waited for the lock: nobody will release it.
 			c.mu.Unlock()
 			release()
-			return
+			return nil, errNoReply
 		}
 		c.locks[m.Rollout], c.commits[m.Rollout] = release, commit
 		c.mu.Unlock()
-		reply(stateReply(v, ok))
+		return stateReply(v, ok)
 	case "state_set", "state_unlock":
-		c.mu.Lock()
-		release, commit := c.locks[m.Rollout], c.commits[m.Rollout]
-		delete(c.locks, m.Rollout)
-		delete(c.commits, m.Rollout)
-		c.mu.Unlock()
-		var err error
-		if m.Method == "state_set" {
-			var a struct {
-				Key   string          `json:"key"`
-				Value json.RawMessage `json:"value"`
-			}
-			json.Unmarshal(m.Args, &a)
-			var v starlark.Value
-			if v, err = script.DecodeValue(a.Value); err == nil {
-				var size int
-				if commit == nil {
-					err = errors.New("state_set without state_lock")
-				} else if size, err = c.sb.stateFits(cfg, a.Key, v); err == nil {
-					if err = commit(v); err == nil {
-						c.sb.stateStored(a.Key, size)
-					}
-				}
-			}
-		}
-		if release != nil {
-			release()
-		}
-		reply(true, err)
-	default:
-		reply(nil, fmt.Errorf("unknown call %q", m.Method))
+		return true, c.stateSet(m)
 	}
+	return nil, fmt.Errorf("unknown call %q", m.Method)
+}
+
+// generate serves a generate call. The host keeps its own copy of the completions the child will
+// see: the child's report names them by id.
+func (c *sbChild) generate(h localHost, ro *script.Rollout, args json.RawMessage) ([]engines.Completion, error) {
+	var g sandbox.Generate
+	if err := json.Unmarshal(args, &g); err != nil {
+		return nil, err
+	}
+	// The child checks these too; the host does not take its word for it.
+	if err := c.sb.usable("generate", g.Policy, g.Req.Messages); err != nil {
+		return nil, err
+	}
+	outs, err := h.Generate(ro.Ctx, g.Policy, g.Req)
+	if err == nil {
+		for _, cmp := range script.CompletionsOf(g.Policy, g.Req, outs) {
+			ro.Note(cmp)
+			h.Generated(len(cmp.Tokens()))
+		}
+	}
+	return outs, err
+}
+
+// stateSet ends a state.update of the rollout: state_set stores the new value (within the
+// sandbox's state budgets), state_unlock leaves the store as it was; both release the lock.
+func (c *sbChild) stateSet(m sandbox.Msg) error {
+	c.mu.Lock()
+	release, commit := c.locks[m.Rollout], c.commits[m.Rollout]
+	delete(c.locks, m.Rollout)
+	delete(c.commits, m.Rollout)
+	c.mu.Unlock()
+	if release != nil {
+		defer release()
+	}
+	if m.Method != "state_set" {
+		return nil
+	}
+	var a struct {
+		Key   string          `json:"key"`
+		Value json.RawMessage `json:"value"`
+	}
+	json.Unmarshal(m.Args, &a)
+	v, err := script.DecodeValue(a.Value)
+	if err != nil {
+		return err
+	}
+	if commit == nil {
+		return errors.New("state_set without state_lock")
+	}
+	size, err := c.sb.stateFits(c.sb.r.Config().Sandbox, a.Key, v)
+	if err != nil {
+		return err
+	}
+	if err := commit(v); err != nil {
+		return err
+	}
+	c.sb.stateStored(a.Key, size)
+	return nil
 }
 
 // maxZeroPolicies bounds the policies a sandboxed zero-config run creates as the script names

@@ -185,42 +185,9 @@ func builtinSimulate(thread *starlark.Thread, b *starlark.Builtin, args starlark
 	if err != nil {
 		return nil, err
 	}
-	frozenSet := map[string]bool{}
-	if frozen != nil {
-		for i := 0; i < frozen.Len(); i++ {
-			s, ok := frozen.Index(i).(starlark.String)
-			if !ok {
-				return nil, fmt.Errorf("%s: frozen must list policy names", b.Name())
-			}
-			frozenSet[string(s)] = true
-		}
-	}
-	cfg := config.Default(nil)
-	cfg.Rollout.BatchSize = 1
-	cfg.Run.Seed = uint64(seed)
-	engs := map[string]engines.Engine{}
-	for _, kv := range responses.Items() {
-		name, ok := kv[0].(starlark.String)
-		if !ok {
-			return nil, fmt.Errorf("%s: responses keys must be policy names", b.Name())
-		}
-		respond, err := responder(b.Name(), string(name), kv[1])
-		if err != nil {
-			return nil, err
-		}
-		pc := config.DefaultPolicy(string(name))
-		pc.Trainable = !frozenSet[string(name)]
-		pc.Train.AdvantageEstimator = estimator
-		cfg.Policies = append(cfg.Policies, pc)
-		engs[string(name)] = scripted.New(respond)
-	}
-	if estimator == "ppo" {
-		pc := config.DefaultPolicy(simCritic)
-		pc.Role = "critic"
-		cfg.Policies = append(cfg.Policies, pc)
-		crit := scripted.Echo("")
-		crit.Value = float32(v)
-		engs[simCritic] = crit
+	cfg, engs, err := simPolicies(b.Name(), responses, frozen, estimator, seed, v)
+	if err != nil {
+		return nil, err
 	}
 	ctx, _ := thread.Local(testCtxLocal).(context.Context)
 	if ctx == nil {
@@ -248,6 +215,56 @@ func builtinSimulate(thread *starlark.Thread, b *starlark.Builtin, args starlark
 	if err != nil {
 		return nil, err
 	}
+	return simResult(pols, byPolicy, advs, ros[0]), nil
+}
+
+// simPolicies is the config and the scripted engines of a simulate() run: one policy per entry of
+// responses (frozen ones not trainable), and for estimator "ppo" a critic that values every token
+// at value.
+func simPolicies(fn string, responses *starlark.Dict, frozen *starlark.List, estimator string, seed int, value float64) (*config.Config, map[string]engines.Engine, error) {
+	frozenSet := map[string]bool{}
+	if frozen != nil {
+		for i := 0; i < frozen.Len(); i++ {
+			s, ok := frozen.Index(i).(starlark.String)
+			if !ok {
+				return nil, nil, fmt.Errorf("%s: frozen must list policy names", fn)
+			}
+			frozenSet[string(s)] = true
+		}
+	}
+	cfg := config.Default(nil)
+	cfg.Rollout.BatchSize = 1
+	cfg.Run.Seed = uint64(seed)
+	engs := map[string]engines.Engine{}
+	for _, kv := range responses.Items() {
+		name, ok := kv[0].(starlark.String)
+		if !ok {
+			return nil, nil, fmt.Errorf("%s: responses keys must be policy names", fn)
+		}
+		respond, err := responder(fn, string(name), kv[1])
+		if err != nil {
+			return nil, nil, err
+		}
+		pc := config.DefaultPolicy(string(name))
+		pc.Trainable = !frozenSet[string(name)]
+		pc.Train.AdvantageEstimator = estimator
+		cfg.Policies = append(cfg.Policies, pc)
+		engs[string(name)] = scripted.New(respond)
+	}
+	if estimator == "ppo" {
+		pc := config.DefaultPolicy(simCritic)
+		pc.Role = "critic"
+		cfg.Policies = append(cfg.Policies, pc)
+		crit := scripted.Echo("")
+		crit.Value = float32(value)
+		engs[simCritic] = crit
+	}
+	return cfg, engs, nil
+}
+
+// simResult is what simulate returns: the samples the host would train, the completions and the
+// logs of the rollout.
+func simResult(pols []*policy, byPolicy map[string][]trainSample, advs map[string][][]float32, ro *script.Rollout) starlark.Value {
 	samples := starlark.NewDict(len(pols))
 	for _, p := range pols {
 		if p.name == simCritic {
@@ -267,7 +284,7 @@ func builtinSimulate(thread *starlark.Thread, b *starlark.Builtin, args starlark
 		samples.SetKey(starlark.String(p.name), starlark.NewList(l))
 	}
 	var comps []starlark.Value
-	gen := append([]*script.Completion(nil), ros[0].Generated()...)
+	gen := append([]*script.Completion(nil), ro.Generated()...)
 	sort.SliceStable(gen, func(i, j int) bool { return gen[i].Before(gen[j]) })
 	for _, c := range gen {
 		var rw starlark.Value = starlark.None
@@ -279,13 +296,13 @@ func builtinSimulate(thread *starlark.Thread, b *starlark.Builtin, args starlark
 			"prompt": starlark.String(lastContent(c.Messages())), "reward": rw,
 		}))
 	}
-	logs := starlark.NewDict(len(ros[0].Logs()))
-	for k, v := range ros[0].Logs() {
+	logs := starlark.NewDict(len(ro.Logs()))
+	for k, v := range ro.Logs() {
 		logs.SetKey(starlark.String(k), starlark.Float(v[0]/v[1]))
 	}
 	return structOfDict(starlark.StringDict{
 		"samples": samples, "completions": starlark.NewList(comps), "logs": logs,
-	}), nil
+	})
 }
 
 type listSource []Task

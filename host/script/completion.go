@@ -124,3 +124,18 @@ func lessKey(a, b []int) bool {
 	}
 	return len(a) < len(b)
 }
+
+func builtinCompletion(thread *starlark.Thread, b *starlark.Builtin, args starlark.Tuple, kwargs []starlark.Tuple) (starlark.Value, error) {
+	var policy, text string
+	finish := "stop"
+	if err := starlark.UnpackArgs(b.Name(), args, kwargs, "policy", &policy, "text", &text, "finish_reason?", &finish); err != nil {
+		return nil, err
+	}
+	id := "injected"
+	var key []int
+	if ts, _ := thread.Local(threadLocal).(*threadState); ts != nil {
+		key = ts.next()
+		id = ts.ro.Task.ID + "/" + keyString(key) + "#injected"
+	}
+	return &Completion{id: id, policy: policy, text: text, finish: finish, injected: true, key: key}, nil
+}

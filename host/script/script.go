@@ -4,8 +4,9 @@
 // orchestration only through the Host interface, implemented by the host package in-process and
 // by the sandbox child's pipe (host/script/sandbox).
 //
-// A built-in is one file (a function with Starlark's builtin signature that finds its rollout
-// with rolloutOf) and one line in predeclared.
+// A built-in is one file (a function with Starlark's builtin signature that finds the rollout it
+// runs in through the calling thread, stateOf, and asks the run for what it needs through
+// Rollout.Host) and one line in predeclared.
 package script
 
 import (
