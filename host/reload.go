@@ -4,6 +4,7 @@ import (
 	"context"
 	"crypto/sha256"
 	"encoding/hex"
+	"errors"
 	"fmt"
 	"os"
 	"path/filepath"
@@ -42,6 +43,9 @@ type reloader struct {
 // Watch starts watching the script, the files it loaded and the config (cfgPath, "" for none)
 // until the run is closed. Changes take effect at step boundaries.
 func (r *Run) Watch(cfgPath string) error {
+	if r.opts.FS != nil {
+		return errors.New("watch: the script was read from Options.FS; only files on disk can be watched")
+	}
 	w, err := fsnotify.NewWatcher()
 	if err != nil {
 		return fmt.Errorf("watch: %w", err)
@@ -118,7 +122,7 @@ func (r *Run) checkReload() {
 		current = rl.pending
 	}
 	if h, err := hashFiles(current.Files); err != nil || h != current.Hash {
-		s, err := script.Load(rl.scriptPath, script.Options{Config: script.ConfigValue(r.Config), Sandbox: r.sandbox != nil, ParseOnly: r.sandbox != nil})
+		s, err := script.Load(rl.scriptPath, r.scriptOptions(r.sandbox != nil))
 		switch {
 		case err != nil:
 			// A broken version: report it once, keep running the last good one.

@@ -7,6 +7,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"io/fs"
 	"math"
 	"os"
 	"path/filepath"
@@ -52,6 +53,14 @@ type Options struct {
 	// executable, which must call SandboxChildMain when sandbox.ChildEnv is set (the CLI does).
 	Sandbox        bool
 	SandboxCommand []string
+	// Builtins are Go values (starlark.NewBuiltin functions, constants) added to the script's
+	// predeclared names, beside generate, reward, train…; Modules are packages of Starlark files
+	// a script may load as @NAME//path.star. Neither reaches a sandboxed run's children.
+	Builtins starlark.StringDict
+	Modules  map[string]fs.FS
+	// FS, when set, is where the script (scriptPath, a slash-separated path in it) and the
+	// files it loads are read; nil: the operating system's files. Watch needs real files.
+	FS fs.FS
 	// BeforeStep and AfterStep are called by Train around each step it runs, on its goroutine
 	// (the CLI draws its progress with them). AfterStep is called only for a step that completed.
 	BeforeStep func(r *Run)
@@ -143,7 +152,11 @@ type policy struct {
 func Load(ctx context.Context, scriptPath string, opts Options) (*Run, error) {
 	r := newRun(opts)
 	sandboxed := opts.Sandbox || r.cfg.Sandbox.Enabled
-	s, err := script.Load(scriptPath, script.Options{Config: script.ConfigValue(r.Config), Sandbox: sandboxed, ParseOnly: sandboxed})
+	if sandboxed && (len(opts.Builtins) > 0 || len(opts.Modules) > 0) {
+		r.cancel()
+		return nil, &ScriptError{Msg: "a sandboxed run cannot have Options.Builtins or Options.Modules: they are Go values of this process, and the script runs in child processes"}
+	}
+	s, err := script.Load(scriptPath, r.scriptOptions(sandboxed))
 	if err != nil {
 		r.cancel()
 		return nil, err
@@ -202,6 +215,12 @@ func policiesLoaded(ps []config.PolicyConfig) string {
 		names[i] = p.Name
 	}
 	return "policies: " + strings.Join(names, ", ")
+}
+
+// scriptOptions are how the run loads (and reloads) its script.
+func (r *Run) scriptOptions(sandboxed bool) script.Options {
+	return script.Options{Config: script.ConfigValue(r.Config), Sandbox: sandboxed, ParseOnly: sandboxed,
+		Builtins: r.opts.Builtins, Modules: r.opts.Modules, FS: r.opts.FS}
 }
 
 // newRun makes a run with no script, outputs or engines yet.
