@@ -21,7 +21,7 @@ type Engine interface {
 	Generate(ctx context.Context, reqs []GenerateRequest) ([]Completion, error)
 	// Score returns the log-probabilities of each request's response tokens given its prompt.
 	Score(ctx context.Context, reqs []ScoreRequest) ([]Scores, error)
-	// Train runs one optimizer step on the batch with the loss of DESIGN §4.
+	// Train runs one optimizer step on the batch with the policy loss of docs/architecture.md.
 	Train(ctx context.Context, b Batch) (TrainStats, error)
 	// Tokenize turns raw text (no chat template) into token ids.
 	Tokenize(ctx context.Context, texts []string) ([][]int32, error)

@@ -14,7 +14,7 @@ import (
 	"github.com/slimen/slimen/host/tasks"
 )
 
-// Eval (DESIGN §2, issue 7): every run.eval_interval steps, and before the first step, each eval
+// Eval (docs/config.md, `eval:`): every run.eval_interval steps, and before the first step, each eval
 // dataset's tasks go through the script's eval_rollout(task) — which returns a dict of numbers —
 // or, when the script has none, through script.DefaultEval. The numbers are averaged per dataset
 // and written as a metrics line with "policy": "_eval" and "dataset": NAME.

@@ -14,7 +14,7 @@ import (
 	"time"
 )
 
-// Metrics is one line of metrics.jsonl: step, policy and named numbers (DESIGN §6). Keys are
+// Metrics is one line of metrics.jsonl: step, policy and named numbers (docs/architecture.md, "The run directory"). Keys are
 // written sorted, step and policy first, so equal runs give byte-equal files apart from timings.
 type Metrics map[string]any
 

@@ -18,7 +18,7 @@ import (
 	"github.com/slimen/slimen/host/script"
 )
 
-// Hot reload (DESIGN §8, `slimen exec --watch`). The host watches the script, every file it
+// Hot reload (`slimen exec --watch`, docs/host.md). The host watches the script, every file it
 // loaded and the config. A changed script is loaded (parsed, resolved, top level executed) as
 // soon as it is saved, so a broken edit is reported at once; a good version is swapped in at the
 // next step boundary. Engines, buffers, optimizer state, `state` and the step counter stay. The

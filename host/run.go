@@ -50,7 +50,8 @@ type Options struct {
 	Log io.Writer
 	// Sandbox runs the script's rollouts in child processes under the config's sandbox budgets
 	// (also set by sandbox.enabled in the config). SandboxCommand starts a child; nil: this
-	// executable, which must call SandboxChildMain when sandbox.ChildEnv is set (the CLI does).
+	// executable, which must call sandbox.ChildMain (host/script/sandbox) when sandbox.ChildEnv
+	// is set (the CLI does).
 	Sandbox        bool
 	SandboxCommand []string
 	// Builtins are Go values (starlark.NewBuiltin functions, constants) added to the script's
@@ -443,7 +444,7 @@ func (r *Run) Steps(ctx context.Context, n int) error {
 	return nil
 }
 
-// Step runs one step of DESIGN §4: rollouts, advantages, training, metrics. A step that does not
+// Step runs one step (docs/architecture.md, "One step"): rollouts, advantages, training, metrics. A step that does not
 // complete (abandoned on a signal, stopped by an error before its training and metrics) leaves
 // the `state` store as it was after the last step that did.
 func (r *Run) Step(ctx context.Context) (*StepResult, error) {

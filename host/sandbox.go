@@ -25,9 +25,9 @@ import (
 	"github.com/slimen/slimen/host/script/sandbox"
 )
 
-// The host side of the sandbox (`slimen exec --sandbox`, DESIGN §8). Rollouts of an untrusted
-// script run in child processes (sandbox_child.go) under memory and CPU rlimits; their built-ins
-// call back here. A child that dies takes only the rollouts it was running, and each of those
+// The host side of the sandbox (`slimen exec --sandbox`, docs/sandbox.md). Rollouts of an
+// untrusted script run in child processes (host/script/sandbox) under memory and CPU rlimits;
+// their built-ins call back here. A child that dies takes only the rollouts it was running, and each of those
 // runs again alone in a fresh child: honest rollouts then complete, and the one that kills its
 // child again fails with the limit it broke.
 

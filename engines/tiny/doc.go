@@ -1,7 +1,7 @@
 // Package tiny is slimen's embedded policy engine: a small Llama-family language model (RMSNorm,
 // rotary embeddings, grouped-query attention, SwiGLU, tied or untied LM head) in pure Go, float32,
 // on every core. It generates with a KV cache, scores, and trains with the policy loss of
-// DESIGN §4 through a hand-written backward pass and AdamW, so that a multi-agent RL script runs,
+// docs/architecture.md through a hand-written backward pass and AdamW, so that a multi-agent RL script runs,
 // and learns, on any laptop without a GPU or a download.
 //
 // It also serves as a PPO critic (engines.Valuer, capability "values"): a value head, a linear map

@@ -6,10 +6,10 @@ import (
 	"github.com/slimen/slimen/engines"
 )
 
-// The policy loss of DESIGN §4, over per-token numbers only. The model's backward pass and the
-// test vectors in testdata/slime/loss_vectors.json (computed by slime's own loss code) both go
-// through policyLoss, so what the vectors pin down is exactly what the engine trains with; the
-// Python engine reproduces the same vectors.
+// The policy loss (docs/architecture.md), over per-token numbers only. The model's backward pass
+// and the test vectors in testdata/slime/loss_vectors.json (computed by slime's own loss code)
+// both go through policyLoss, so what the vectors pin down is exactly what the engine trains
+// with; the Python engine reproduces the same vectors.
 // A PPO critic's value loss (valueLoss) is reduced with the same token weights.
 
 // lossSample is one sample's per-token inputs; all slices have one entry per response token.

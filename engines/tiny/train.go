@@ -170,7 +170,7 @@ func criticChunkLoss(samples []lossSample, w [][]float64, c lossConfig) valueChu
 }
 
 // Train runs one optimizer step on the batch, then AdamW with global gradient-norm clipping. The
-// loss is the policy loss of DESIGN §4 (see policyLoss), or, when the samples carry Returns (a PPO
+// loss is the policy loss of docs/architecture.md (see policyLoss), or, when the samples carry Returns (a PPO
 // critic), the clipped value loss of the value head (see valueLoss), which is created on first use
 // and trains with the whole model. A non-finite loss or gradient skips the step (reported in
 // TrainStats) and leaves weights and optimizer state untouched. The step is deterministic: the

@@ -55,7 +55,7 @@ func TestAdvantagesBaselineByHand(t *testing.T) {
 	}
 }
 
-// TestReinforcePlusPlusDiscount: REFERENCE.md's returns G_t = r_t + γ·G_{t+1} with the reward on the
+// TestReinforcePlusPlusDiscount: slime's returns G_t = r_t + γ·G_{t+1} with the reward on the
 // last token (slime's get_reinforce_plus_plus_returns, kl_coef 0), then batch whitening.
 func TestReinforcePlusPlusDiscount(t *testing.T) {
 	in := []Input{

@@ -1,10 +1,10 @@
-// Package config loads and validates a run's YAML configuration (DESIGN §3): slime-n's policy
+// Package config loads and validates a run's YAML configuration (docs/config.md): slime-n's policy
 // schema unchanged, slimen's own names, defaults for zero-config runs, errors with YAML line numbers.
 package config
 
 import "time"
 
-// Config is a run's resolved configuration (DESIGN §3). It loads slime-n's policy YAML unchanged
+// Config is a run's resolved configuration (docs/config.md). It loads slime-n's policy YAML unchanged
 // (`megatron:` and `sglang:` are aliases of `train:` and `engine:`) and fills every default, so
 // the rest of the host reads plain fields.
 type Config struct {
@@ -198,7 +198,7 @@ type EvalDataset struct {
 	Line int `yaml:"-" json:"-"`
 }
 
-// SandboxConfig bounds what a contributed script may do (slimen exec --sandbox, DESIGN §8). Most
+// SandboxConfig bounds what a contributed script may do (slimen exec --sandbox, docs/sandbox.md). Most
 // budgets are per rollout; state_total_bytes is the run's whole state store, message_bytes one
 // message of a child process, and the memory and CPU limits are those of the child processes that
 // evaluate the Starlark (docs/sandbox.md).

@@ -21,7 +21,7 @@ func TinyTrainDefaults() TrainConfig {
 	return t
 }
 
-// SlimeTrainDefaults are slime-n's defaults for the `megatron:` block (REFERENCE.md), used for
+// SlimeTrainDefaults are slime-n's defaults for the `megatron:` block (as slime-n sets them), used for
 // policies on Hugging Face checkpoints.
 func SlimeTrainDefaults() TrainConfig {
 	return TrainConfig{

@@ -13,7 +13,7 @@ import (
 	"github.com/slimen/slimen/engines"
 )
 
-// The built-ins of DESIGN §2. Each one converts its Starlark arguments and calls plain Go on the
+// The built-ins (README.md lists them). Each one converts its Starlark arguments and calls plain Go on the
 // rollout it runs in; that rollout is found through the calling thread.
 
 const threadLocal = "slimen.thread"

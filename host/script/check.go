@@ -40,7 +40,7 @@ func Check(path string, cfg *config.Config) []string {
 		}
 		file, err := fileOptions.Parse(f, src, 0)
 		if err != nil {
-			continue // LoadScript already reported it
+			continue // Load already reported it
 		}
 		for _, u := range policyLiterals(file) {
 			if !known[u.name] {

@@ -18,7 +18,7 @@ import (
 // which step limits catch, rather than overflowing the Go stack.
 var fileOptions = &syntax.FileOptions{Set: true, While: true, TopLevelControl: true, GlobalReassign: true}
 
-// loader resolves load() statements of one version of a script (DESIGN §2):
+// loader resolves load() statements of one version of a script (docs/host.md, "Loading"):
 //
 //	load("@slimen//answers.star", …)  Go-native modules (starlib)
 //	load("@std//json.star", …)        go.starlark.net's lib modules

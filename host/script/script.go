@@ -254,7 +254,7 @@ func editDistance(a, b string) int {
 	return prev[len(b)]
 }
 
-// predeclared is the environment of every script: the built-ins of DESIGN §2.
+// predeclared is the environment of every script: the built-ins (README.md lists them).
 func predeclared() starlark.StringDict {
 	return starlark.StringDict{
 		"generate":   starlark.NewBuiltin("generate", builtinGenerate),

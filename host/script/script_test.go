@@ -8,7 +8,7 @@ import (
 	"go.starlark.net/starlark"
 )
 
-// TestPredeclared pins what a sandboxed script can name without loading it (DESIGN §8: no
+// TestPredeclared pins what a sandboxed script can name without loading it (docs/sandbox.md: no
 // predeclared names beyond the documented built-ins) and the modules it may load. A new name here
 // is a decision: document it in README's built-ins (or keep it out of the sandbox).
 func TestPredeclared(t *testing.T) {

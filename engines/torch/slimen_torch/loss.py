@@ -1,4 +1,4 @@
-"""The policy loss of DESIGN §4, on per-token tensors.
+"""The policy loss of docs/architecture.md, on per-token tensors.
 
 These are the definitions of the Go engine (engines/tiny/loss.go) and of slime's
 ppo_utils/loss.py, pinned by testdata/slime/loss_vectors.json (computed by running slime's own
