@@ -582,23 +582,11 @@ type rolloutFn struct {
 // train.
 func (r *Run) runRollouts(ctx context.Context, step int, tasks []Task, rf rolloutFn, eval *engines.Sampling) ([]*script.Rollout, error) {
 	n := len(tasks)
-	ros := make([]*script.Rollout, n)
 	stepCtx, cancel := context.WithCancel(ctx)
 	defer cancel()
-	seed := r.Config().Run.Seed
-	pass := int(r.passes.Add(1))
-	seen := map[string]int{}
-	for i, t := range tasks {
-		// A task that runs again in the same pass (a data file smaller than the batch) is another
-		// rollout, not a copy of the first: it gets seeds and a default group of its own.
-		k := script.Occurrence(seen, t.ID)
-		key := []int{step}
-		if k > 0 {
-			key = append(key, k)
-		}
-		ros[i] = &script.Rollout{Host: localHost{r}, Ctx: script.WithRequestIDs(stepCtx, r.id, pass, i), Task: t, Index: i, Step: step, Eval: eval,
-			Seed: script.KeySeed(seed, t.ID, key), Group: script.DefaultGroup(t.ID, k)}
-	}
+	pass := script.Pass{Host: localHost{r}, Ctx: stepCtx, RunID: r.id, Number: int(r.passes.Add(1)), Step: step,
+		Seed: r.Config().Run.Seed, Eval: eval}
+	ros := pass.Rollouts(tasks)
 	r.live.done.Store(0)
 	r.live.total.Store(int64(n))
 	r.live.tokens.Store(0)

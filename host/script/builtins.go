@@ -72,7 +72,7 @@ func KeySeed(base uint64, taskID string, key []int) uint64 {
 type requestIDs struct{}
 
 // withRequestIDs gives the calls of one rollout their wire-id prefix.
-func WithRequestIDs(ctx context.Context, run string, pass, index int) context.Context {
+func withRequestIDs(ctx context.Context, run string, pass, index int) context.Context {
 	return context.WithValue(ctx, requestIDs{}, fmt.Sprintf("%s/%d/%d/", run, pass, index))
 }
 
@@ -88,7 +88,7 @@ func WireID(ctx context.Context, id string) string {
 // occurrence counts the tasks of a pass: it returns how many times id was seen before (0 the
 // first time). A task that runs twice in a step (a data file smaller than the batch) is two
 // rollouts: the second gets seeds of its own and a group of its own.
-func Occurrence(seen map[string]int, id string) int {
+func occurrence(seen map[string]int, id string) int {
 	k := seen[id]
 	seen[id] = k + 1
 	return k
@@ -98,7 +98,7 @@ func Occurrence(seen map[string]int, id string) int {
 // group is the n samples of one prompt of the batch. A task that runs again in the same step is
 // another prompt of the batch, so its rollout is a group of its own ("ID#2", "ID#3", …): its
 // samples are not normalised against those of the first.
-func DefaultGroup(id string, occurrence int) string {
+func defaultGroup(id string, occurrence int) string {
 	if occurrence == 0 {
 		return id
 	}

@@ -29,7 +29,7 @@ type Rollout struct {
 	Index  int // position of the task in its step: the first sort key of its samples
 	Step   int
 	Seed   uint64
-	Group  string            // the group of its train() calls that name none (DefaultGroup)
+	Group  string            // the group of its train() calls that name none (defaultGroup)
 	Eval   *engines.Sampling // eval rollouts sample with these settings and do not train
 
 	Result starlark.Value // what the rollout function returned
@@ -40,6 +40,36 @@ type Rollout struct {
 	generated []*Completion
 	logs      map[string][2]float64 // name → (sum, count)
 	prints    int
+}
+
+// Pass is one pass of rollouts over tasks: a step, or one eval dataset's run.
+type Pass struct {
+	Host   Host
+	Ctx    context.Context
+	RunID  string            // the host process's run id: part of every wire id
+	Number int               // counts the passes of the process: part of every wire id
+	Step   int               // the step the pass belongs to
+	Seed   uint64            // the run's seed
+	Eval   *engines.Sampling // an eval pass: its sampling settings; nil: a training step
+}
+
+// Rollouts makes the rollouts of the pass, one per task in order. Each rollout's seeds derive
+// from (run seed, step, task id, occurrence) and its requests' wire ids from (run id, pass,
+// index): a task that runs again in the same pass (a data file smaller than the batch) is another
+// rollout, not a copy of the first, with seeds and a default group of its own.
+func (p Pass) Rollouts(tasks []Task) []*Rollout {
+	ros := make([]*Rollout, len(tasks))
+	seen := map[string]int{}
+	for i, t := range tasks {
+		k := occurrence(seen, t.ID)
+		key := []int{p.Step}
+		if k > 0 {
+			key = append(key, k)
+		}
+		ros[i] = &Rollout{Host: p.Host, Ctx: withRequestIDs(p.Ctx, p.RunID, p.Number, i), Task: t, Index: i, Step: p.Step,
+			Eval: p.Eval, Seed: KeySeed(p.Seed, t.ID, key), Group: defaultGroup(t.ID, k)}
+	}
+	return ros
 }
 
 // Queued is one train() request.

@@ -45,7 +45,7 @@ func builtinTrain(thread *starlark.Thread, b *starlark.Builtin, args starlark.Tu
 // trainRequest reads the settings of a train() call: its group, teacher and advantages.
 func trainRequest(fn string, host Host, advantage, group, teacher starlark.Value) (Queued, error) {
 	// The default group ("") is resolved when the step's samples are gathered: it is the task id,
-	// unless the task runs more than once in the step (see DefaultGroup).
+	// unless the task runs more than once in the step (see defaultGroup).
 	var q Queued
 	switch g := group.(type) {
 	case starlark.NoneType:
