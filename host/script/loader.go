@@ -7,6 +7,7 @@ import (
 	"os"
 	"path"
 	"path/filepath"
+	"sort"
 	"strings"
 
 	"go.starlark.net/starlark"
@@ -195,6 +196,6 @@ func known[V any](m map[string]V) string {
 	for k := range m {
 		names = append(names, k)
 	}
-	sortStrings(names)
+	sort.Strings(names)
 	return strings.Join(names, ", ")
 }

@@ -2,7 +2,6 @@ package script
 
 import (
 	"io/fs"
-	"sort"
 
 	"go.starlark.net/starlark"
 
@@ -18,8 +17,6 @@ func nativeModules() map[string]map[string]starlark.StringDict { return starlib.
 func bundledPackages() map[string]fs.FS {
 	return map[string]fs.FS{"graphs": graphs.FS}
 }
-
-func sortStrings(s []string) { sort.Strings(s) }
 
 // setThreadRandom seeds the thread's generator for @slimen//random.star and vote tie-breaks. The
 // seed comes from the thread's position in the rollout's call tree, so parallel children draw
