@@ -10,11 +10,11 @@ import (
 	"github.com/slimen/slimen/host/config"
 )
 
-// budget enforces a sandboxed rollout's limits (config.SandboxConfig). A nil *Budget allows
+// Budget enforces a sandboxed rollout's limits (config.SandboxConfig). A nil *Budget allows
 // everything, so the in-process path pays nothing. Steps and wall time are enforced on the
 // rollout's threads (a shared step count, a deadline); the rest here, at each built-in. The
 // budgets that bound the whole run rather than one rollout (state_total_bytes, message_bytes)
-// are the host's to enforce (sandbox.go).
+// are the host's to enforce (host/sandbox.go).
 type Budget struct {
 	cfg  config.SandboxConfig
 	zero bool // zero-config run: every policy is a fresh model of this run, so train may use any
