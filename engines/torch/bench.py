@@ -31,6 +31,15 @@ costs that section only), in this order, skipping those that no longer fit in --
 
 Not in the default list (select with --sections):
 
+  first_step     the first step of a new worker process, three times in a row on one model
+                 shape, each a fresh process with the engine's defaults: with an empty compile
+                 cache (cold), again with the cache the first one filled (warm), and with the
+                 caches in a fresh folder the user named (TORCHINDUCTOR_CACHE_DIR and
+                 TRITON_CACHE_DIR: what every new machine did before the cache was kept); each
+                 times building the engine, a first generate (8 prompts × 32 tokens: the decode
+                 layer compiled and captured) and a first and second training step (8 × 2,048
+                 tokens), and records the compile cache's start-up line and hits
+
   gen_b1         batch 1 only, with the engine's defaults (the prefill of the lone 128-token
                  prompt replayed from a CUDA graph, its first token drawn by the Triton sampler),
                  then on the same engine the eager prefill with the Triton first-token sampler
@@ -50,6 +59,7 @@ import argparse
 import json
 import os
 import pathlib
+import shutil
 import subprocess
 import sys
 import time
@@ -76,7 +86,7 @@ PROMPT = 128
 SECTIONS = {
     "kernels": 45, "gen": 110, "train": 100, "train_eager": 40, "gen_before": 90,
     "train_before": 40, "hf": 60, "train_regional": 60, "gen_layer_b1": 60,
-    "train_static": 60, "gen_b1": 60,
+    "train_static": 60, "gen_b1": 60, "first_step": 300, "first_step_run": 150,
 }
 DEFAULT_SECTIONS = ["kernels", "gen", "train", "train_eager", "gen_before", "train_before", "hf",
                     "train_regional", "gen_layer_b1", "train_static"]
@@ -537,6 +547,83 @@ def sec_train_before(a, res):
                                              compile_train="off"))
 
 
+def sec_first_step_run(a, res):
+    """One fresh worker process's first steps (run by sec_first_step)."""
+    import logging
+    from slimen_torch import compile_cache
+    logging.basicConfig(level=logging.INFO, stream=sys.stdout,
+                        format="%(asctime)s slimen_torch %(levelname)s %(message)s")
+    t = time.perf_counter()
+    eng = Engine(a.model, Options(device=a.device))
+    res["build_s"] = time.perf_counter() - t
+    try:
+        st = eng.compile_cache
+        res["cache"] = st.line() if st else "none"
+        res["cache_warm"] = bool(st and st.warm)
+        cfg = eng.cfg
+        t = time.perf_counter()
+        eng.generate([GenerateRequest(id=f"p{i}", prompt_tokens=p.tolist(),
+                                      sampling=Sampling(max_tokens=32, temperature=1.0, seed=i))
+                      for i, p in enumerate(prompts(8, cfg.vocab_size, 1))])
+        res["gen_s"] = time.perf_counter() - t
+        res["after_gen"] = compile_cache.counts()
+        g = torch.Generator().manual_seed(4)
+        length, p = a.train_len, min(64, a.train_len // 4)
+        batch = []
+        for i in range(8):
+            seq = torch.randint(0, cfg.vocab_size, (length,), generator=g).tolist()
+            r = length - p
+            batch.append(Sample(seq[:p], seq[p:], [1.0] * r, [-5.0] * r,
+                                [1.0 if i % 2 else -1.0] * r, group=f"g{i // 4}"))
+        b = Batch(samples=batch, loss=LossConfig(lr=1e-6, max_grad_norm=1.0))
+        for k in ("train_s", "train2_s"):
+            t = time.perf_counter()
+            eng.train(b)
+            sync()
+            res[k] = time.perf_counter() - t
+        res["counts"] = compile_cache.counts()
+        from torch._dynamo.utils import compile_times
+        res["compile_times"] = compile_times(repr="str", aggregate=True)[-6000:]
+        res["mode"] = eng.trainer.mode
+        res["gen_compile_error"] = eng.gen.compile_error[-3000:]
+        res["train_compile_error"] = eng.trainer.compile_error[-6000:]
+    finally:
+        eng.close()
+    log("first_step_run", json.dumps(res))
+
+
+def sec_first_step(a, res):
+    import tempfile
+    root = pathlib.Path(tempfile.mkdtemp(prefix="slimen-first-step-"))
+    fresh = root / "user"
+    runs = (("cold", {"SLIMEN_COMPILE_CACHE": str(root / "ours")}),
+            ("warm", {"SLIMEN_COMPILE_CACHE": str(root / "ours")}),
+            ("before", {"TORCHINDUCTOR_CACHE_DIR": str(fresh),
+                        "TRITON_CACHE_DIR": str(fresh / "triton")}))
+    for label, extra in runs:
+        env = {k: v for k, v in os.environ.items()
+               if k not in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR",
+                            "SLIMEN_COMPILE_CACHE", "SLIMEN_COMPILE_CACHE_IN_USE")}
+        env.update(extra, PYTHONUNBUFFERED="1")
+        cmd = [sys.executable, __file__, "--section", "first_step_run", "--model", str(a.model),
+               "--out", str(a.out), "--device", a.device, "--train-len", str(a.train_len)]
+        t = time.perf_counter()
+        try:
+            subprocess.run(cmd, env=env, timeout=SECTIONS["first_step_run"] * 2, check=False)
+        except subprocess.TimeoutExpired:
+            res[f"error_first_step_{label}"] = "timed out"
+            continue
+        res[f"first_step_{label}_process_s"] = time.perf_counter() - t
+        f = pathlib.Path(a.out) / "first_step_run.json"
+        if not f.exists():
+            res[f"error_first_step_{label}"] = "the process died (no results)"
+            continue
+        for k, v in json.loads(f.read_text()).items():
+            res[f"first_step_{label}_{k}"] = v
+        f.unlink()
+    shutil.rmtree(root, ignore_errors=True)
+
+
 def sec_hf(a, res):
     from transformers import AutoModelForCausalLM
     dev = a.device
@@ -647,6 +734,27 @@ def table(res: dict) -> str:
                 f"{res.get(p + '_prefill_argmax_agree_T128')} / "
                 f"{res.get(p + '_prefill_argmax_agree_T100')}; generation vs Score max |Δ| "
                 f"{num(p + '_decode_vs_score_b1', 3)}; graphs {res.get(p + '_prefill_graphs')}")
+    if any(k.startswith("first_step_") for k in res):
+        rows += [
+            "",
+            "| first steps of a new worker (Qwen3-0.6B shape) | build s | first generate s | "
+            "first train step s | second step s | whole process s | fx graph hit / miss | "
+            "AOTAutograd hit / miss |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|"]
+        for key, name in (("first_step_cold", "empty compile cache (cold)"),
+                          ("first_step_warm", "**warm** compile cache (a second run)"),
+                          ("first_step_before", "before: the caches in a fresh folder")):
+            c = res.get(key + "_counts", {})
+            rows.append(
+                f"| {name} | {num(key + '_build_s', 1)} | {num(key + '_gen_s', 1)} | "
+                f"{num(key + '_train_s', 1)} | {num(key + '_train2_s', 2)} | "
+                f"{num(key + '_process_s', 1)} | {c.get('fx graph hit', '—')} / "
+                f"{c.get('fx graph miss', '—')} | {c.get('AOTAutograd hit', '—')} / "
+                f"{c.get('AOTAutograd miss', '—')} |")
+        rows.append("| target (warm first train step) | | | 20 | | | | |")
+        for key in ("first_step_cold", "first_step_warm", "first_step_before"):
+            if key + "_cache" in res:
+                rows.append(f"{key}: {res[key + '_cache']}")
     errs = [k for k in res if k.startswith("error_") or (k.endswith("_error") and res[k])]
     if errs:
         rows.append("errors (bench.json): " + ", ".join(errs))

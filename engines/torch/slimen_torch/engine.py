@@ -14,10 +14,11 @@ import json
 import logging
 import pathlib
 import threading
+import time
 
 import torch
 
-from . import kernels
+from . import compile_cache, kernels
 from .config import ModelConfig, eos_ids, read_config
 from .generate import Generator, Request
 from .model import Transformer, fused_rms_norm
@@ -93,7 +94,11 @@ class Engine:
         self.dtype = _dtype(self.opts.dtype, self.device)
         self._reference = None
         self._ref_dir = self.opts.ref_model or str(model_dir)
+        self.compile_cache: compile_cache.Status | None = None
+        self._first_train = True
         self._build(pathlib.Path(model_dir))
+        log.info("engine ready: %s on %s; %s", model_dir, self.device,
+                 self.compile_cache.line() if self.compile_cache else "nothing compiled")
         self._cv = threading.Condition()
         self._tasks: list = []
         self._new: list[Request] = []
@@ -105,6 +110,10 @@ class Engine:
     # ---- building the model ----
 
     def _build(self, model_dir: pathlib.Path) -> None:
+        if self.device.type == "cuda" and self.compile_cache is None:
+            # Before anything compiles (torch.compile, the Triton kernels): the compilers read
+            # these folders when they first use them.
+            self.compile_cache = compile_cache.setup(self.device)
         cfg, raw = read_config(model_dir)
         self.model_dir, self.cfg, self.raw = model_dir, cfg, raw
         self.tokenizer = Tokenizer(model_dir)
@@ -389,11 +398,22 @@ class Engine:
     def _train(self, batch: Batch) -> TrainStats:
         if any(s.returns for s in batch.samples):
             self._ensure_value_head()
-        return self.trainer.step(batch)
+        return self._first_logged(self.trainer.step, batch)
+
+    def _first_logged(self, step, *args) -> TrainStats:
+        """step(*args); the first training step of a worker that compiles logs its time and the
+        compiler caches' hits (how much of it was compiling)."""
+        t = time.perf_counter()
+        stats = step(*args)
+        if self._first_train and self.compile_cache is not None:
+            self._first_train = False
+            log.info("first training step %.1f s (%s); %s", time.perf_counter() - t,
+                     self.trainer.mode or "eager", compile_cache.counts_line())
+        return stats
 
     def sft_step(self, pairs: list[tuple[list[int], list[int]]], loss: LossConfig) -> TrainStats:
         """A supervised step on (prompt ids, response ids) pairs (sft.py)."""
-        return self._call(self.trainer.sft_step, pairs, loss)
+        return self._call(self._first_logged, self.trainer.sft_step, pairs, loss)
 
     def save(self, out_dir: str) -> None:
         self._call(self._save, pathlib.Path(out_dir))
