@@ -35,7 +35,8 @@ Not in the default list (select with --sections):
                  shape, each a fresh process with the engine's defaults: with an empty compile
                  cache (cold), again with the cache the first one filled (warm), and with the
                  caches in a fresh folder the user named (TORCHINDUCTOR_CACHE_DIR and
-                 TRITON_CACHE_DIR: what every new machine did before the cache was kept); each
+                 TRITON_CACHE_DIR: a machine that never ran slimen_torch, as every machine was
+                 before the cache was kept); each
                  times building the engine, a first generate (8 prompts × 32 tokens: the decode
                  layer compiled and captured) and a first and second training step (8 × 2,048
                  tokens), and records the compile cache's start-up line and hits
@@ -743,7 +744,7 @@ def table(res: dict) -> str:
             "|---|---:|---:|---:|---:|---:|---:|---:|"]
         for key, name in (("first_step_cold", "empty compile cache (cold)"),
                           ("first_step_warm", "**warm** compile cache (a second run)"),
-                          ("first_step_before", "before: the caches in a fresh folder")):
+                          ("first_step_before", "the caches in a fresh folder of the user's")):
             c = res.get(key + "_counts", {})
             rows.append(
                 f"| {name} | {num(key + '_build_s', 1)} | {num(key + '_gen_s', 1)} | "

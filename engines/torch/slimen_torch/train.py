@@ -117,7 +117,12 @@ def micro_batches(lengths: list[int], budget: int) -> list[list[int]]:
 # Inductor's coalescing analysis asserts on some of the training layer's kernels when shapes are
 # dynamic (torch 2.11: AssertionError in tiling_utils.get_pw_red_splits, "coalesce_tiling_analysis
 # does not yet apply to dynamic shapes" says its config); without it the layer compiles.
-COMPILE_OPTIONS = {"triton.coalesce_tiling_analysis": False}
+# cpp.vec_isa_ok False: the layer's graph holds one CPU kernel (the attention's scale, a float64
+# scalar saved for the backward pass), and choosing its CPU vector instructions makes inductor
+# build and load a test program in a new Python process for each candidate (AVX-512, AVX2, …):
+# ~30 s of every worker's first step on the H200 machine, warm compile cache or not. Plain C++
+# is all one scalar store needs.
+COMPILE_OPTIONS = {"triton.coalesce_tiling_analysis": False, "cpp.vec_isa_ok": False}
 
 
 class Trainer:
