@@ -98,3 +98,21 @@ func ppoRewards(reward, klCoef float64, kl []float64, n int) []float64 {
 	}
 	return r
 }
+
+// warnSingletons warns once per policy when a group estimator sees only groups of one sample:
+// every advantage is then 0, loss and grad_norm are 0, and nothing trains — the simplest script
+// (one generate, reward and train a task) does this under the default grpo.
+func (r *Run) warnSingletons(names []string, tc config.TrainConfig, in []advantage.Input) {
+	est := tc.AdvantageEstimator
+	if est == "" {
+		est = "grpo"
+	}
+	if !advantage.Grouped(est) || !advantage.Singletons(in) {
+		return
+	}
+	if _, seen := r.warned.LoadOrStore("singletons/"+names[0], true); seen {
+		return
+	}
+	r.events.printf("warning: policy %s: every %s group of step %d holds one sample, so every advantage is 0 and the policy does not learn. Sample several answers a task (generate(..., n=4) trains them as one group), run each task several times (n_samples_per_prompt: 4), or use an estimator that needs no group (advantage_estimator: reinforce_plus_plus)",
+		config.QuotePolicyNames(names), est, r.step+1)
+}

@@ -128,6 +128,8 @@ type Run struct {
 
 	ckpt checkpoints // what the run remembers of its checkpoints (checkpoint.go)
 
+	warned sync.Map // warnings given once per run, by key
+
 	stopping atomic.Bool // Stop was called: Train ends after the step in progress
 
 	passes  atomic.Int64 // rollout passes so far (steps, eval datasets): part of generate request ids
@@ -477,7 +479,7 @@ func (r *Run) runStep(ctx context.Context) (*StepResult, error) {
 	for i := range tasks {
 		tasks[i] = r.tasks.Task(r.next + i)
 	}
-	ros, err := r.runRollouts(ctx, step, tasks, rolloutFn{fn: r.script.Rollout(), name: "rollout"}, nil)
+	ros, err := r.runRollouts(ctx, step, tasks, samplesPerTask(cfg), rolloutFn{fn: r.script.Rollout(), name: "rollout"}, nil)
 	if err != nil {
 		return nil, err
 	}
@@ -580,13 +582,13 @@ type rolloutFn struct {
 // runRollouts calls fn(task) for every task, each on its own goroutine (or, sandboxed, in child
 // processes). eval, when not nil, marks eval rollouts: they sample with its settings and may not
 // train.
-func (r *Run) runRollouts(ctx context.Context, step int, tasks []Task, rf rolloutFn, eval *engines.Sampling) ([]*script.Rollout, error) {
-	n := len(tasks)
+func (r *Run) runRollouts(ctx context.Context, step int, tasks []Task, samples int, rf rolloutFn, eval *engines.Sampling) ([]*script.Rollout, error) {
 	stepCtx, cancel := context.WithCancel(ctx)
 	defer cancel()
 	pass := script.Pass{Host: localHost{r}, Ctx: stepCtx, RunID: r.id, Number: int(r.passes.Add(1)), Step: step,
-		Seed: r.Config().Run.Seed, Eval: eval}
+		Seed: r.Config().Run.Seed, Eval: eval, Samples: samples}
 	ros := pass.Rollouts(tasks)
+	n := len(ros)
 	r.live.done.Store(0)
 	r.live.total.Store(int64(n))
 	r.live.tokens.Store(0)
@@ -857,6 +859,7 @@ func (r *Run) advantages(ctx context.Context, pols []*policy, byPolicy map[strin
 				in = append(in, a)
 			}
 		}
+		r.warnSingletons(pl.names, pl.tc, in)
 		adv, err := advantage.Compute(estimatorOf(pl.tc), in)
 		if err != nil {
 			return nil, nil, err
@@ -1034,4 +1037,17 @@ func newRunID() string {
 	var b [6]byte
 	rand.Read(b[:])
 	return hex.EncodeToString(b[:])
+}
+
+// samplesPerTask is how many times each task of a step runs: the largest n_samples_per_prompt of
+// the trainable policies (slime's n samples of a prompt). A rollout samples every policy it calls,
+// so the policies of one script cannot run a task a different number of times each.
+func samplesPerTask(cfg *config.Config) int {
+	n := 1
+	for _, p := range cfg.Policies {
+		if p.Trainable {
+			n = max(n, p.Train.NSamplesPerPrompt)
+		}
+	}
+	return n
 }

@@ -202,7 +202,7 @@ func builtinSimulate(thread *starlark.Thread, b *starlark.Builtin, args starlark
 		return nil, err
 	}
 	fn.Freeze()
-	ros, err := r.runRollouts(ctx, 1, []Task{t}, rolloutFn{fn: fn, name: "rollout"}, nil)
+	ros, err := r.runRollouts(ctx, 1, []Task{t}, 1, rolloutFn{fn: fn, name: "rollout"}, nil)
 	if err != nil {
 		return nil, err
 	}

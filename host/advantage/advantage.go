@@ -61,15 +61,16 @@ type estimator struct {
 	// perToken spreads sample s's sequence advantage over its tokens a; nil: every token gets it.
 	perToken func(est Estimator, s Input, seq float64, a []float32)
 	whiten   bool // normalise over the batch's trained tokens afterwards
+	grouped  bool // the baseline is the sample's group: a group of one sample has advantage 0
 }
 
 // estimators is the table of the estimators, in the order messages list them ("" is grpo).
 var estimators = []estimator{
-	{name: "grpo", sequence: groupNormalised},
-	{name: "rloo", sequence: leaveOneOut},
+	{name: "grpo", sequence: groupNormalised, grouped: true},
+	{name: "rloo", sequence: leaveOneOut, grouped: true},
 	{name: "reinforce_plus_plus", sequence: rawRewards, perToken: discountedReturns, whiten: true},
-	{name: "reinforce_plus_plus_baseline", sequence: rawRewards, perToken: minusKL, whiten: true},
-	{name: "gspo", sequence: groupNormalised},
+	{name: "reinforce_plus_plus_baseline", sequence: rawRewards, perToken: minusKL, whiten: true, grouped: true},
+	{name: "gspo", sequence: groupNormalised, grouped: true},
 	{name: "ppo"}, // GAE over a critic's values: the host's PPO (it needs the critic engine)
 }
 
@@ -80,6 +81,30 @@ func Names() []string {
 		names[i] = e.name
 	}
 	return names
+}
+
+// Grouped reports whether an estimator's baseline is the sample's group (grpo, rloo, gspo,
+// reinforce_plus_plus_baseline): with one sample a group, every advantage is 0 and nothing trains.
+func Grouped(name string) bool {
+	e, ok := lookup(name)
+	return ok && e.grouped
+}
+
+// Singletons reports whether the samples that take part in group statistics (no Override) all
+// sit in groups of one — and there is at least one.
+func Singletons(in []Input) bool {
+	n := map[string]int{}
+	for _, s := range in {
+		if s.Override == nil {
+			n[s.Group]++
+		}
+	}
+	for _, k := range n {
+		if k > 1 {
+			return false
+		}
+	}
+	return len(n) > 0
 }
 
 // lookup finds an estimator by name.

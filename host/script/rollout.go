@@ -51,6 +51,10 @@ type Pass struct {
 	Step   int               // the step the pass belongs to
 	Seed   uint64            // the run's seed
 	Eval   *engines.Sampling // an eval pass: its sampling settings; nil: a training step
+	// Samples is how many times each task runs (n_samples_per_prompt); 0 is 1. The runs of one
+	// task share its default group, so GRPO normalises each policy's samples of the task
+	// against each other, as slime does with the n samples of a prompt.
+	Samples int
 }
 
 // Rollouts makes the rollouts of the pass, one per task in order. Each rollout's seeds derive
@@ -58,16 +62,23 @@ type Pass struct {
 // index): a task that runs again in the same pass (a data file smaller than the batch) is another
 // rollout, not a copy of the first, with seeds and a default group of its own.
 func (p Pass) Rollouts(tasks []Task) []*Rollout {
-	ros := make([]*Rollout, len(tasks))
+	n := max(p.Samples, 1)
+	ros := make([]*Rollout, 0, len(tasks)*n)
 	seen := map[string]int{}
-	for i, t := range tasks {
+	for _, t := range tasks {
 		k := occurrence(seen, t.ID)
-		key := []int{p.Step}
-		if k > 0 {
-			key = append(key, k)
+		for j := range n {
+			key := []int{p.Step}
+			if k > 0 || n > 1 {
+				key = append(key, k)
+			}
+			if n > 1 {
+				key = append(key, j)
+			}
+			i := len(ros)
+			ros = append(ros, &Rollout{Host: p.Host, Ctx: withRequestIDs(p.Ctx, p.RunID, p.Number, i), Task: t, Index: i, Step: p.Step,
+				Eval: p.Eval, Seed: KeySeed(p.Seed, t.ID, key), Group: defaultGroup(t.ID, k)})
 		}
-		ros[i] = &Rollout{Host: p.Host, Ctx: withRequestIDs(p.Ctx, p.RunID, p.Number, i), Task: t, Index: i, Step: p.Step,
-			Eval: p.Eval, Seed: KeySeed(p.Seed, t.ID, key), Group: defaultGroup(t.ID, k)}
 	}
 	return ros
 }
