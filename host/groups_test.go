@@ -1,6 +1,7 @@
 package host
 
 import (
+	"context"
 	"os"
 	"path/filepath"
 	"strings"
@@ -9,6 +10,7 @@ import (
 
 	"github.com/slimen/slimen/engines"
 	"github.com/slimen/slimen/engines/scripted"
+	"github.com/slimen/slimen/host/config"
 )
 
 // oneSample is the simplest single-agent script: one generate, reward and train a task.
@@ -83,5 +85,32 @@ func TestSamplesPerPrompt(t *testing.T) {
 	b, _ := os.ReadFile(filepath.Join(out, "events.log"))
 	if strings.Contains(string(b), "holds one sample") {
 		t.Errorf("warned about groups of one with n_samples_per_prompt 4:\n%s", b)
+	}
+}
+
+// TestZeroConfigPoliciesAtStart: a zero-config run starts the policies its script names before
+// the first step, lists them in config.yaml, and warns about names a typo apart.
+func TestZeroConfigPoliciesAtStart(t *testing.T) {
+	out := filepath.Join(t.TempDir(), "run")
+	src := `
+def rollout(task):
+    a = generate("solver", task.prompt)
+    b = generate("sovler", a.text)
+    reward([a, b], 1.0)
+    train([a, b])
+`
+	r, err := Load(deadline(t, time.Minute), writeScript(t, src), Options{Out: out, Tasks: numberedTasks(2),
+		OpenEngine: func(context.Context, config.PolicyConfig) (engines.Engine, error) { return scripted.Echo("x"), nil }})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer r.Close()
+	y, _ := os.ReadFile(filepath.Join(out, "config.yaml"))
+	if !strings.Contains(string(y), "name: solver") || !strings.Contains(string(y), "name: sovler") {
+		t.Errorf("config.yaml before the first step lists no policies:\n%s", y)
+	}
+	b, _ := os.ReadFile(filepath.Join(out, "events.log"))
+	if !strings.Contains(string(b), `generate("solver") and `) || !strings.Contains(string(b), `generate("sovler") name two policies that differ by a letter or two`) {
+		t.Errorf("no typo warning at start-up:\n%s", b)
 	}
 }

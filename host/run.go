@@ -205,7 +205,29 @@ func Load(ctx context.Context, scriptPath string, opts Options) (*Run, error) {
 			r.events.printf("config: policy %q: the %s engine ignores %s", p.Name, p.Engine.Kind, strings.Join(keys, ", "))
 		}
 	}
+	if r.zero {
+		if err := r.openScriptPolicies(); err != nil {
+			r.Close()
+			return nil, err
+		}
+	}
 	return r, nil
+}
+
+// openScriptPolicies starts, in a zero-config run, the policies the script names literally, so
+// that they are listed at start-up and in config.yaml before the first step (names a script
+// computes are still created when first used), and warns about names a typo apart.
+func (r *Run) openScriptPolicies() error {
+	uses := script.PolicyNames(r.script)
+	for _, w := range script.NearPolicyNames(uses) {
+		r.events.printf("warning: %s", w)
+	}
+	for _, u := range uses {
+		if _, err := r.policyFor(u.Name); err != nil {
+			return fmt.Errorf("%s: %w", u.Pos, err)
+		}
+	}
+	return r.writeConfig()
 }
 
 // policiesLoaded says which policies a run starts with, for its first events.log line.
@@ -322,7 +344,11 @@ func (r *Run) policyFor(name string) (*policy, error) {
 		return p, nil
 	}
 	if !r.zero {
-		return nil, fmt.Errorf("unknown policy %q; %s defines %s — add it under policies: or fix the name", name, r.cfgName(), config.QuotePolicyNames(r.order))
+		hint := ""
+		if best := script.ClosestName(name, r.order); best != "" {
+			hint = fmt.Sprintf(" (did you mean %q?)", best)
+		}
+		return nil, fmt.Errorf("unknown policy %q%s; %s defines %s — add it under policies: or fix the name", name, hint, r.cfgName(), config.QuotePolicyNames(r.order))
 	}
 	if name == "" || strings.ContainsAny(name, " \t\n/") {
 		return nil, fmt.Errorf("policy name %q is not a valid name", name)
@@ -343,6 +369,12 @@ func (r *Run) policyFor(name string) (*policy, error) {
 	r.cfg.Policies = append(r.cfg.Policies, pc)
 	r.cfgMu.Unlock()
 	r.events.printf("zero-config: policy %q on %s (%s engine)", name, pc.HFCheckpoint, pc.Engine.Kind)
+	if r.step > 0 || r.live.total.Load() > 0 {
+		// A name the script computed, created mid-run: config.yaml lists it too.
+		if err := r.writeConfig(); err != nil {
+			r.events.printf("config.yaml: %v", err)
+		}
+	}
 	return p, nil
 }
 

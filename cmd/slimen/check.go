@@ -37,9 +37,12 @@ func cmdCheck(args []string) int {
 	}
 	bad := false
 	for _, path := range pos {
-		problems := script.Check(path, cfg)
+		problems, warnings := script.Lint(path, cfg)
 		for _, p := range problems {
 			fmt.Fprintln(os.Stderr, p)
+		}
+		for _, w := range warnings {
+			fmt.Fprintln(os.Stderr, "warning: "+w)
 		}
 		if len(problems) > 0 {
 			bad = true

@@ -459,14 +459,15 @@ func nearest(key string, known []string) string {
 		if len(k) <= 4 {
 			limit = 1
 		}
-		if dist := levenshtein(key, k); dist <= limit && dist < bestD {
+		if dist := EditDistance(key, k); dist <= limit && dist < bestD {
 			best, bestD = k, dist
 		}
 	}
 	return best
 }
 
-func levenshtein(a, b string) int {
+// EditDistance is the Levenshtein distance of two names, for did-you-mean hints.
+func EditDistance(a, b string) int {
 	prev := make([]int, len(b)+1)
 	cur := make([]int, len(b)+1)
 	for j := range prev {

@@ -4,10 +4,12 @@ import (
 	"errors"
 	"fmt"
 	"os"
+	"slices"
 	"sort"
 
 	"go.starlark.net/syntax"
 
+	"github.com/slimen/slimen/host/advantage"
 	"github.com/slimen/slimen/host/config"
 )
 
@@ -16,53 +18,240 @@ import (
 // literals in generate/score calls and train(teacher=…) that the config does not define (cfg nil:
 // any name is fine, as in a zero-config run). Each problem is a line "file:line:col: message".
 func Check(path string, cfg *config.Config) []string {
+	problems, _ := Lint(path, cfg)
+	return problems
+}
+
+// Lint is Check with warnings: what runs but is likely not what was meant. Policy names one or
+// two edits apart ("sovler" beside "solver": in a zero-config run a typo trains a second model)
+// and a policy whose only generate call samples one completion a task under a group estimator
+// (every group holds one sample, every advantage is 0, nothing trains).
+func Lint(path string, cfg *config.Config) (problems, warnings []string) {
 	s, err := Load(path, Options{Config: configValue{get: func() *config.Config { return cfg }}})
 	if err != nil {
 		var se *Error
 		if errors.As(err, &se) {
-			return []string{se.Msg}
+			return []string{se.Msg}, nil
 		}
-		return []string{err.Error()}
+		return []string{err.Error()}, nil
 	}
-	if cfg == nil {
-		return nil
+	var names []string
+	if cfg != nil {
+		names = cfg.PolicyNames()
 	}
-	known := map[string]bool{}
-	for _, p := range cfg.Policies {
-		known[p.Name] = true
+	uses, files := scriptPolicies(s.Files)
+	for _, u := range uses {
+		if cfg != nil && !slices.Contains(names, u.Name) {
+			hint := ""
+			if best := ClosestName(u.Name, names); best != "" {
+				hint = fmt.Sprintf(" (did you mean %q?)", best)
+			}
+			problems = append(problems, fmt.Sprintf("%s: %s: unknown policy %q%s; %s defines %s — add it under policies: or fix the name",
+				u.Pos, u.Fn, u.Name, hint, cfgFile(cfg), config.QuotePolicyNames(names)))
+		}
 	}
-	var problems []string
-	for _, f := range s.Files {
+	warnings = append(NearPolicyNames(uses), singleSamples(files, uses, cfg)...)
+	sort.Strings(problems)
+	return problems, warnings
+}
+
+// PolicyUse is a policy name written as a string literal in a script.
+type PolicyUse struct {
+	Pos  syntax.Position
+	Fn   string // generate, score or train
+	Name string
+}
+
+// PolicyNames lists the policy names a loaded script writes as string literals (generate,
+// score, train(teacher=…)), each once, where it first appears.
+func PolicyNames(s *Script) []PolicyUse {
+	uses, _ := scriptPolicies(s.Files)
+	var out []PolicyUse
+	seen := map[string]bool{}
+	for _, u := range uses {
+		if !seen[u.Name] {
+			seen[u.Name] = true
+			out = append(out, u)
+		}
+	}
+	return out
+}
+
+// scriptPolicies parses a script's files (Load has reported their errors) and finds their
+// policy literals.
+func scriptPolicies(paths []string) ([]PolicyUse, []*syntax.File) {
+	var uses []PolicyUse
+	var files []*syntax.File
+	for _, f := range paths {
 		src, err := os.ReadFile(f)
 		if err != nil {
-			problems = append(problems, fmt.Sprintf("%s: %v", f, err))
 			continue
 		}
 		file, err := fileOptions.Parse(f, src, 0)
 		if err != nil {
-			continue // Load already reported it
+			continue
 		}
-		for _, u := range policyLiterals(file) {
-			if !known[u.name] {
-				problems = append(problems, fmt.Sprintf("%s: %s: unknown policy %q; %s defines %s — add it under policies: or fix the name",
-					u.pos, u.fn, u.name, cfgFile(cfg), config.QuotePolicyNames(cfg.PolicyNames())))
+		files = append(files, file)
+		uses = append(uses, policyLiterals(file)...)
+	}
+	return uses, files
+}
+
+// NearPolicyNames warns about distinct policy names one edit apart (two for names longer than
+// four letters), each pair once.
+func NearPolicyNames(uses []PolicyUse) []string {
+	first := map[string]PolicyUse{}
+	var names []string
+	for _, u := range uses {
+		if _, ok := first[u.Name]; !ok {
+			first[u.Name] = u
+			names = append(names, u.Name)
+		}
+	}
+	var out []string
+	for i, a := range names {
+		for _, b := range names[i+1:] {
+			if nearNames(a, b) {
+				ua, ub := first[a], first[b]
+				out = append(out, fmt.Sprintf("%s: %s(%q) and %s: %s(%q) name two policies that differ by a letter or two; in a zero-config run each is a model of its own — fix the name if one is a typo",
+					ua.Pos, ua.Fn, a, ub.Pos, ub.Fn, b))
 			}
 		}
 	}
-	sort.Strings(problems)
-	return problems
+	return out
 }
 
-type policyUse struct {
-	pos  syntax.Position
-	fn   string
-	name string
+func nearNames(a, b string) bool {
+	limit := 2
+	if min(len(a), len(b)) <= 4 {
+		limit = 1
+	}
+	return a != b && config.EditDistance(a, b) <= limit
+}
+
+// closestName is the name of names nearest to s, if one is near.
+func ClosestName(s string, names []string) string {
+	for _, n := range names {
+		if nearNames(s, n) {
+			return n
+		}
+	}
+	return ""
+}
+
+// singleSamples warns about policies whose only generate call, in rollout's own body (not in a
+// loop, comprehension, lambda or another function), samples one completion, while no train()
+// names a group or an advantage and the policy's estimator normalises within groups: every
+// group then holds one sample.
+func singleSamples(files []*syntax.File, uses []PolicyUse, cfg *config.Config) []string {
+	calls := map[string][]*syntax.CallExpr{}
+	once := map[string]bool{} // one completion, straight in rollout's body
+	grouped := false
+	for _, f := range files {
+		syntax.Walk(f, func(n syntax.Node) bool {
+			call, ok := n.(*syntax.CallExpr)
+			if !ok {
+				return true
+			}
+			switch callee(call) {
+			case "generate":
+				if name := literalArg(call); name != "" {
+					calls[name] = append(calls[name], call)
+				}
+			case "train":
+				grouped = grouped || hasKeyword(call, "group") || hasKeyword(call, "advantage")
+			}
+			return true
+		})
+		for _, st := range f.Stmts {
+			def, ok := st.(*syntax.DefStmt)
+			if !ok || def.Name.Name != "rollout" {
+				continue
+			}
+			for _, body := range def.Body {
+				syntax.Walk(body, func(n syntax.Node) bool {
+					switch n := n.(type) {
+					case *syntax.ForStmt, *syntax.WhileStmt, *syntax.Comprehension, *syntax.LambdaExpr, *syntax.DefStmt:
+						return false
+					case *syntax.CallExpr:
+						if callee(n) == "generate" && !sampleCount(n) {
+							once[literalArg(n)] = true
+						}
+					}
+					return true
+				})
+			}
+		}
+	}
+	if grouped {
+		return nil
+	}
+	var out []string
+	seen := map[string]bool{}
+	for _, u := range uses {
+		if u.Fn != "generate" || seen[u.Name] || len(calls[u.Name]) != 1 || !once[u.Name] {
+			continue
+		}
+		seen[u.Name] = true
+		est, n := "grpo", 1
+		if cfg != nil {
+			if p, ok := cfg.Policy(u.Name); ok {
+				est, n = p.Train.AdvantageEstimator, p.Train.NSamplesPerPrompt
+			}
+		}
+		if !advantage.Grouped(est) || n > 1 {
+			continue
+		}
+		out = append(out, fmt.Sprintf("%s: generate(%q, …) is the policy's only sample of a task, so each %s group holds one sample and every advantage is 0: sample several (n=4), run each task several times (n_samples_per_prompt: 4), or use advantage_estimator: reinforce_plus_plus",
+			u.Pos, u.Name, est))
+	}
+	return out
+}
+
+func callee(call *syntax.CallExpr) string {
+	if id, ok := call.Fn.(*syntax.Ident); ok {
+		return id.Name
+	}
+	return ""
+}
+
+func literalArg(call *syntax.CallExpr) string {
+	if len(call.Args) > 0 {
+		if lit, ok := call.Args[0].(*syntax.Literal); ok && lit.Token == syntax.STRING {
+			return lit.Value.(string)
+		}
+	}
+	return ""
+}
+
+func hasKeyword(call *syntax.CallExpr, name string) bool {
+	for _, a := range call.Args {
+		if b, ok := a.(*syntax.BinaryExpr); ok && b.Op == syntax.EQ {
+			if k, ok := b.X.(*syntax.Ident); ok && k.Name == name {
+				return true
+			}
+		}
+	}
+	return false
+}
+
+// sampleCount reports whether a generate call asks for a number of samples other than a literal 1.
+func sampleCount(call *syntax.CallExpr) bool {
+	for _, a := range call.Args {
+		if b, ok := a.(*syntax.BinaryExpr); ok && b.Op == syntax.EQ {
+			if k, ok := b.X.(*syntax.Ident); ok && k.Name == "n" {
+				lit, ok := b.Y.(*syntax.Literal)
+				return !ok || lit.Value != 1
+			}
+		}
+	}
+	return false
 }
 
 // policyLiterals finds policy names written literally: generate("p", …), score("p", …),
 // train(…, teacher="p").
-func policyLiterals(f *syntax.File) []policyUse {
-	var out []policyUse
+func policyLiterals(f *syntax.File) []PolicyUse {
+	var out []PolicyUse
 	syntax.Walk(f, func(n syntax.Node) bool {
 		call, ok := n.(*syntax.CallExpr)
 		if !ok {
@@ -76,7 +265,7 @@ func policyLiterals(f *syntax.File) []policyUse {
 		case "generate", "score":
 			if len(call.Args) > 0 {
 				if lit, ok := call.Args[0].(*syntax.Literal); ok && lit.Token == syntax.STRING {
-					out = append(out, policyUse{lit.TokenPos, id.Name, lit.Value.(string)})
+					out = append(out, PolicyUse{lit.TokenPos, id.Name, lit.Value.(string)})
 				}
 			}
 		case "train":
@@ -84,7 +273,7 @@ func policyLiterals(f *syntax.File) []policyUse {
 				if b, ok := a.(*syntax.BinaryExpr); ok && b.Op == syntax.EQ {
 					if k, ok := b.X.(*syntax.Ident); ok && k.Name == "teacher" {
 						if lit, ok := b.Y.(*syntax.Literal); ok && lit.Token == syntax.STRING {
-							out = append(out, policyUse{lit.TokenPos, "train", lit.Value.(string)})
+							out = append(out, PolicyUse{lit.TokenPos, "train", lit.Value.(string)})
 						}
 					}
 				}

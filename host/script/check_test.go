@@ -43,3 +43,57 @@ func TestCheckGolden(t *testing.T) {
 		})
 	}
 }
+
+// TestLintWarnings: names a typo apart and a policy sampled once a task under grpo are warnings
+// (the script runs, but not as meant); the examples have neither.
+func TestLintWarnings(t *testing.T) {
+	dir := t.TempDir()
+	write := func(name, src string) string {
+		p := filepath.Join(dir, name)
+		os.WriteFile(p, []byte(src), 0o644)
+		return p
+	}
+	typo := write("typo.star", `
+def rollout(task):
+    a = generate("solver", task.prompt)
+    b = generate("sovler", "Summarize: " + a.text)
+    reward([a, b], 1.0)
+    train([a, b])
+`)
+	problems, warnings := Lint(typo, nil)
+	if len(problems) != 0 || len(warnings) != 3 ||
+		!strings.Contains(warnings[0], `typo.star:3:18: generate("solver") and `) || !strings.Contains(warnings[0], `typo.star:4:18: generate("sovler") name two policies`) ||
+		!strings.Contains(warnings[1], `generate("solver", …) is the policy's only sample of a task`) {
+		t.Fatalf("problems %q, warnings %q", problems, warnings)
+	}
+	// With a config the typo is a problem, with a did-you-mean.
+	cfg := config.Default([]string{"solver"})
+	if problems, _ := Lint(typo, cfg); len(problems) != 1 || !strings.Contains(problems[0], `unknown policy "sovler" (did you mean "solver"?)`) {
+		t.Errorf("with a config: %q", problems)
+	}
+	// Several samples, a loop, an explicit group, or n_samples_per_prompt: no single-sample warning.
+	for _, src := range []string{
+		"def rollout(task):\n    cs = generate(\"p\", task.prompt, n = 4)\n    reward(cs, 1.0)\n    train(cs)\n",
+		"def rollout(task):\n    for i in range(4):\n        c = generate(\"p\", task.prompt)\n        reward(c, 1.0)\n        train(c)\n",
+		"def rollout(task):\n    c = generate(\"p\", task.prompt)\n    reward(c, 1.0)\n    train(c, group = \"all\")\n",
+	} {
+		if _, w := Lint(write("ok.star", src), nil); len(w) != 0 {
+			t.Errorf("%s: warnings %q", src, w)
+		}
+	}
+	one := "def rollout(task):\n    c = generate(\"p\", task.prompt)\n    reward(c, 1.0)\n    train(c)\n"
+	cfg = config.Default([]string{"p"})
+	cfg.Policies[0].Train.NSamplesPerPrompt = 4
+	if _, w := Lint(write("one.star", one), cfg); len(w) != 0 {
+		t.Errorf("n_samples_per_prompt 4: warnings %q", w)
+	}
+	examples, _ := filepath.Glob("../../examples/*/*.star")
+	for _, f := range examples {
+		if strings.HasSuffix(f, "_test.star") {
+			continue
+		}
+		if p, w := Lint(f, nil); len(p)+len(w) != 0 {
+			t.Errorf("%s: problems %q, warnings %q", f, p, w)
+		}
+	}
+}

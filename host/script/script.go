@@ -227,31 +227,11 @@ func closest(s string, names []string) string {
 	best, bestD := "", 3
 	sort.Strings(names)
 	for _, n := range names {
-		if d := editDistance(s, n); d < bestD {
+		if d := config.EditDistance(s, n); d < bestD {
 			best, bestD = n, d
 		}
 	}
 	return best
-}
-
-func editDistance(a, b string) int {
-	prev := make([]int, len(b)+1)
-	for j := range prev {
-		prev[j] = j
-	}
-	for i := 1; i <= len(a); i++ {
-		cur := make([]int, len(b)+1)
-		cur[0] = i
-		for j := 1; j <= len(b); j++ {
-			cost := 1
-			if a[i-1] == b[j-1] {
-				cost = 0
-			}
-			cur[j] = min(prev[j]+1, cur[j-1]+1, prev[j-1]+cost)
-		}
-		prev = cur
-	}
-	return prev[len(b)]
 }
 
 // predeclared is the environment of every script: the built-ins (README.md lists them).
