@@ -15,6 +15,9 @@ package tiny
 const (
 	mmRowBlock = 16 // rows of a per task
 	mmColBlock = 64 // rows of b per task; 64×k floats stay in L1/L2 while 16 rows of a stream by
+	// mmPackRows is the least m for which matMulT packs b for the SIMD kernels (matmul_panels.go):
+	// packing costs about as much as a few rows of the product.
+	mmPackRows = 4
 )
 
 // matMulT sets c = a·bᵀ, or adds a·bᵀ to c when acc is true (continuing each element's sum from
@@ -31,6 +34,11 @@ func matMulT[T Float](threads int, c, a, b []T, m, n, k int, acc bool) {
 		return
 	}
 	_, _, _ = c[m*n-1], a[m*k-1], b[n*k-1]
+	if cf, ok := any(c).([]float32); ok && haveSIMD && m >= mmPackRows {
+		af, bf := any(a).([]float32), any(b).([]float32)
+		mmPanels(threads, cf, af, k, 1, packRows(threads, bf, n, k), m, acc)
+		return
+	}
 	rb := (m + mmRowBlock - 1) / mmRowBlock
 	cb := (n + mmColBlock - 1) / mmColBlock
 	if m*n*k < 1<<14 {

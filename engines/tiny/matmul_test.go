@@ -1,6 +1,7 @@
 package tiny
 
 import (
+	"math"
 	"math/rand/v2"
 	"testing"
 )
@@ -30,20 +31,94 @@ func naiveMatMulT(c, a, b []float32, m, n, k int, acc bool) {
 	}
 }
 
+// withSIMD runs fn with the SIMD kernels on and, where the CPU has them, off.
+func withSIMD(t *testing.T, fn func(t *testing.T)) {
+	saved := haveSIMD
+	defer func() { haveSIMD = saved }()
+	for _, on := range []bool{false, true} {
+		if on && !saved {
+			continue
+		}
+		haveSIMD = on
+		t.Run(map[bool]string{false: "portable", true: "simd"}[on], fn)
+	}
+}
+
+// Shapes with every kind of edge: rows that fill no register tile or leave a tail of 1..5, column
+// counts off the 16-wide panels and the 64-wide tasks, k of 1 and odd k.
+var mmShapes = [][3]int{{1, 1, 1}, {1, 7, 5}, {5, 3, 9}, {17, 65, 13}, {33, 130, 64}, {4, 2, 1},
+	{6, 16, 1}, {7, 17, 3}, {12, 64, 64}, {13, 80, 31}, {49, 129, 17}, {100, 192, 64}, {64, 64, 193},
+	{3, 64, 64}, {5, 200, 7}, {97, 33, 100}}
+
 func TestMatMulTMatchesSequentialSum(t *testing.T) {
-	r := rand.New(rand.NewPCG(1, 2))
-	for _, sz := range [][3]int{{1, 1, 1}, {1, 7, 5}, {5, 3, 9}, {17, 65, 13}, {33, 130, 64}, {4, 2, 1}} {
+	withSIMD(t, func(t *testing.T) {
+		r := rand.New(rand.NewPCG(1, 2))
+		for _, sz := range mmShapes {
+			m, n, k := sz[0], sz[1], sz[2]
+			a, b := randSlice[float32](r, m*k), randSlice[float32](r, n*k)
+			for _, acc := range []bool{false, true} {
+				for _, threads := range []int{1, 3} {
+					init := randSlice[float32](r, m*n)
+					got, want := append([]float32(nil), init...), append([]float32(nil), init...)
+					matMulT(threads, got, a, b, m, n, k, acc)
+					naiveMatMulT(want, a, b, m, n, k, acc)
+					for i := range got {
+						if got[i] != want[i] {
+							t.Fatalf("%v acc=%v threads=%d: c[%d] = %v, want %v", sz, acc, threads, i, got[i], want[i])
+						}
+					}
+				}
+			}
+		}
+	})
+}
+
+// The panel path with every operand layout: a row-major or read through its transpose, B packed
+// from its rows or from its transpose, into a c whose surroundings must stay untouched.
+func TestMMPanelsLayouts(t *testing.T) {
+	if !haveSIMD {
+		t.Log("no SIMD kernels on this CPU: testing the Go panel kernels")
+	}
+	r := rand.New(rand.NewPCG(7, 8))
+	for _, sz := range mmShapes {
 		m, n, k := sz[0], sz[1], sz[2]
 		a, b := randSlice[float32](r, m*k), randSlice[float32](r, n*k)
+		aT, bT := make([]float32, m*k), make([]float32, n*k)
+		transpose(1, aT, a, m, k)
+		transpose(1, bT, b, n, k)
 		for _, acc := range []bool{false, true} {
-			for _, threads := range []int{1, 3} {
-				init := randSlice[float32](r, m*n)
-				got, want := append([]float32(nil), init...), append([]float32(nil), init...)
-				matMulT(threads, got, a, b, m, n, k, acc)
-				naiveMatMulT(want, a, b, m, n, k, acc)
-				for i := range got {
-					if got[i] != want[i] {
-						t.Fatalf("%v acc=%v threads=%d: c[%d] = %v, want %v", sz, acc, threads, i, got[i], want[i])
+			init := randSlice[float32](r, m*n)
+			want := append([]float32(nil), init...)
+			naiveMatMulT(want, a, b, m, n, k, acc)
+			for _, transA := range []bool{false, true} {
+				for _, fromCols := range []bool{false, true} {
+					for _, threads := range []int{1, 2} {
+						p := packRows(threads, b, n, k)
+						if fromCols {
+							p = packCols(threads, bT, k, n)
+						}
+						// c sits inside a larger buffer whose guard cells must keep their value.
+						buf := make([]float32, m*n+32)
+						for i := range buf {
+							buf[i] = -7
+						}
+						c := buf[16 : 16+m*n]
+						copy(c, init)
+						if transA {
+							mmPanels(threads, c, aT, 1, m, p, m, acc)
+						} else {
+							mmPanels(threads, c, a, k, 1, p, m, acc)
+						}
+						for i := range want {
+							if c[i] != want[i] {
+								t.Fatalf("%v acc=%v transA=%v fromCols=%v threads=%d: c[%d] = %v, want %v", sz, acc, transA, fromCols, threads, i, c[i], want[i])
+							}
+						}
+						for i := range 16 {
+							if buf[i] != -7 || buf[16+m*n+i] != -7 {
+								t.Fatalf("%v: wrote outside c", sz)
+							}
+						}
 					}
 				}
 			}
@@ -51,8 +126,39 @@ func TestMatMulTMatchesSequentialSum(t *testing.T) {
 	}
 }
 
+// Infinities, NaNs, signed zeros and subnormals go through the same rounding in both kernels.
+func TestMatMulTSpecialValues(t *testing.T) {
+	specials := []float32{0, float32(math.Copysign(0, -1)), 1e-40, -3e-39, float32(math.Inf(1)), float32(math.NaN()), 3e38, -3e38, 1}
+	r := rand.New(rand.NewPCG(9, 10))
+	const m, n, k = 13, 37, 11
+	a, b := randSlice[float32](r, m*k), randSlice[float32](r, n*k)
+	for i := range a {
+		if r.IntN(3) == 0 {
+			a[i] = specials[r.IntN(len(specials))]
+		}
+	}
+	for i := range b {
+		if r.IntN(3) == 0 {
+			b[i] = specials[r.IntN(len(specials))]
+		}
+	}
+	want := make([]float32, m*n)
+	naiveMatMulT(want, a, b, m, n, k, false)
+	withSIMD(t, func(t *testing.T) {
+		got := make([]float32, m*n)
+		matMulT(2, got, a, b, m, n, k, false)
+		for i := range got {
+			if math.Float32bits(got[i]) != math.Float32bits(want[i]) && !(got[i] != got[i] && want[i] != want[i]) {
+				t.Fatalf("c[%d] = %v, want %v", i, got[i], want[i])
+			}
+		}
+	})
+}
+
 // A row's result must not depend on which rows surround it: generation relies on it.
-func TestMatMulTRowInvariant(t *testing.T) {
+func TestMatMulTRowInvariant(t *testing.T) { withSIMD(t, testMatMulTRowInvariant) }
+
+func testMatMulTRowInvariant(t *testing.T) {
 	r := rand.New(rand.NewPCG(3, 4))
 	const n, k = 70, 24
 	b := randSlice[float32](r, n*k)

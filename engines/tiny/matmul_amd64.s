@@ -1,0 +1,211 @@
+//go:build !purego
+
+#include "textflag.h"
+
+// The kernels compute c = a·bᵀ tiles with B packed in 16-column panels (see panels in
+// matmul_simd.go). Each lane keeps one element of c and adds the rounded products in order of
+// k: VMULPS then VADDPS, never a fused multiply-add, so every element is the same sequential
+// float32 sum that the portable kernel computes, bit for bit.
+
+// func mmKernel6x16(k int, a *float32, rsa, csa uintptr, b *float32, c *float32, ldc uintptr, acc bool)
+TEXT ·mmKernel6x16(SB), NOSPLIT, $0-57
+	MOVQ k+0(FP), CX
+	MOVQ a+8(FP), SI
+	MOVQ rsa+16(FP), R8
+	MOVQ csa+24(FP), R9
+	MOVQ b+32(FP), DI
+	MOVQ c+40(FP), DX
+	MOVQ ldc+48(FP), R11
+	LEAQ (SI)(R8*2), R10
+	ADDQ R8, R10 // R10: row 3 of a
+	LEAQ (DX)(R11*2), R12
+	ADDQ R11, R12 // R12: row 3 of c
+	MOVBLZX acc+56(FP), AX
+	TESTQ AX, AX
+	JZ k6zero
+	VMOVUPS (DX), Y0
+	VMOVUPS 32(DX), Y1
+	VMOVUPS (DX)(R11*1), Y2
+	VMOVUPS 32(DX)(R11*1), Y3
+	VMOVUPS (DX)(R11*2), Y4
+	VMOVUPS 32(DX)(R11*2), Y5
+	VMOVUPS (R12), Y6
+	VMOVUPS 32(R12), Y7
+	VMOVUPS (R12)(R11*1), Y8
+	VMOVUPS 32(R12)(R11*1), Y9
+	VMOVUPS (R12)(R11*2), Y10
+	VMOVUPS 32(R12)(R11*2), Y11
+	JMP k6check
+k6zero:
+	VXORPS Y0, Y0, Y0
+	VXORPS Y1, Y1, Y1
+	VXORPS Y2, Y2, Y2
+	VXORPS Y3, Y3, Y3
+	VXORPS Y4, Y4, Y4
+	VXORPS Y5, Y5, Y5
+	VXORPS Y6, Y6, Y6
+	VXORPS Y7, Y7, Y7
+	VXORPS Y8, Y8, Y8
+	VXORPS Y9, Y9, Y9
+	VXORPS Y10, Y10, Y10
+	VXORPS Y11, Y11, Y11
+k6check:
+	TESTQ CX, CX
+	JZ k6store
+k6loop:
+	VMOVUPS (DI), Y12
+	VMOVUPS 32(DI), Y13
+	VBROADCASTSS (SI), Y14
+	VMULPS Y12, Y14, Y15
+	VADDPS Y15, Y0, Y0
+	VMULPS Y13, Y14, Y15
+	VADDPS Y15, Y1, Y1
+	VBROADCASTSS (SI)(R8*1), Y14
+	VMULPS Y12, Y14, Y15
+	VADDPS Y15, Y2, Y2
+	VMULPS Y13, Y14, Y15
+	VADDPS Y15, Y3, Y3
+	VBROADCASTSS (SI)(R8*2), Y14
+	VMULPS Y12, Y14, Y15
+	VADDPS Y15, Y4, Y4
+	VMULPS Y13, Y14, Y15
+	VADDPS Y15, Y5, Y5
+	VBROADCASTSS (R10), Y14
+	VMULPS Y12, Y14, Y15
+	VADDPS Y15, Y6, Y6
+	VMULPS Y13, Y14, Y15
+	VADDPS Y15, Y7, Y7
+	VBROADCASTSS (R10)(R8*1), Y14
+	VMULPS Y12, Y14, Y15
+	VADDPS Y15, Y8, Y8
+	VMULPS Y13, Y14, Y15
+	VADDPS Y15, Y9, Y9
+	VBROADCASTSS (R10)(R8*2), Y14
+	VMULPS Y12, Y14, Y15
+	VADDPS Y15, Y10, Y10
+	VMULPS Y13, Y14, Y15
+	VADDPS Y15, Y11, Y11
+	ADDQ $64, DI
+	ADDQ R9, SI
+	ADDQ R9, R10
+	DECQ CX
+	JNZ k6loop
+k6store:
+	VMOVUPS Y0, (DX)
+	VMOVUPS Y1, 32(DX)
+	VMOVUPS Y2, (DX)(R11*1)
+	VMOVUPS Y3, 32(DX)(R11*1)
+	VMOVUPS Y4, (DX)(R11*2)
+	VMOVUPS Y5, 32(DX)(R11*2)
+	VMOVUPS Y6, (R12)
+	VMOVUPS Y7, 32(R12)
+	VMOVUPS Y8, (R12)(R11*1)
+	VMOVUPS Y9, 32(R12)(R11*1)
+	VMOVUPS Y10, (R12)(R11*2)
+	VMOVUPS Y11, 32(R12)(R11*2)
+	VZEROUPPER
+	RET
+
+// func mmKernel1x64(k int, a *float32, csa uintptr, b *float32, ps uintptr, c *float32, acc bool)
+TEXT ·mmKernel1x64(SB), NOSPLIT, $0-49
+	MOVQ k+0(FP), CX
+	MOVQ a+8(FP), SI
+	MOVQ csa+16(FP), R9
+	MOVQ b+24(FP), DI
+	MOVQ ps+32(FP), R8
+	MOVQ c+40(FP), DX
+	LEAQ (DI)(R8*2), R10
+	ADDQ R8, R10 // R10: panel 3
+	MOVBLZX acc+48(FP), AX
+	TESTQ AX, AX
+	JZ k1zero
+	VMOVUPS 0(DX), Y0
+	VMOVUPS 32(DX), Y1
+	VMOVUPS 64(DX), Y2
+	VMOVUPS 96(DX), Y3
+	VMOVUPS 128(DX), Y4
+	VMOVUPS 160(DX), Y5
+	VMOVUPS 192(DX), Y6
+	VMOVUPS 224(DX), Y7
+	JMP k1check
+k1zero:
+	VXORPS Y0, Y0, Y0
+	VXORPS Y1, Y1, Y1
+	VXORPS Y2, Y2, Y2
+	VXORPS Y3, Y3, Y3
+	VXORPS Y4, Y4, Y4
+	VXORPS Y5, Y5, Y5
+	VXORPS Y6, Y6, Y6
+	VXORPS Y7, Y7, Y7
+k1check:
+	TESTQ CX, CX
+	JZ k1store
+k1loop:
+	VBROADCASTSS (SI), Y8
+	VMULPS (DI), Y8, Y9
+	VADDPS Y9, Y0, Y0
+	VMULPS 32(DI), Y8, Y10
+	VADDPS Y10, Y1, Y1
+	VMULPS (DI)(R8*1), Y8, Y11
+	VADDPS Y11, Y2, Y2
+	VMULPS 32(DI)(R8*1), Y8, Y12
+	VADDPS Y12, Y3, Y3
+	VMULPS (DI)(R8*2), Y8, Y13
+	VADDPS Y13, Y4, Y4
+	VMULPS 32(DI)(R8*2), Y8, Y14
+	VADDPS Y14, Y5, Y5
+	VMULPS (R10), Y8, Y15
+	VADDPS Y15, Y6, Y6
+	VMULPS 32(R10), Y8, Y9
+	VADDPS Y9, Y7, Y7
+	ADDQ $64, DI
+	ADDQ $64, R10
+	ADDQ R9, SI
+	DECQ CX
+	JNZ k1loop
+k1store:
+	VMOVUPS Y0, 0(DX)
+	VMOVUPS Y1, 32(DX)
+	VMOVUPS Y2, 64(DX)
+	VMOVUPS Y3, 96(DX)
+	VMOVUPS Y4, 128(DX)
+	VMOVUPS Y5, 160(DX)
+	VMOVUPS Y6, 192(DX)
+	VMOVUPS Y7, 224(DX)
+	VZEROUPPER
+	RET
+
+// func mmKernel1x16(k int, a *float32, csa uintptr, b *float32, c *float32, acc bool)
+TEXT ·mmKernel1x16(SB), NOSPLIT, $0-41
+	MOVQ k+0(FP), CX
+	MOVQ a+8(FP), SI
+	MOVQ csa+16(FP), R9
+	MOVQ b+24(FP), DI
+	MOVQ c+32(FP), DX
+	MOVBLZX acc+40(FP), AX
+	TESTQ AX, AX
+	JZ k16zero
+	VMOVUPS (DX), Y0
+	VMOVUPS 32(DX), Y1
+	JMP k16check
+k16zero:
+	VXORPS Y0, Y0, Y0
+	VXORPS Y1, Y1, Y1
+k16check:
+	TESTQ CX, CX
+	JZ k16store
+k16loop:
+	VBROADCASTSS (SI), Y8
+	VMULPS (DI), Y8, Y9
+	VADDPS Y9, Y0, Y0
+	VMULPS 32(DI), Y8, Y10
+	VADDPS Y10, Y1, Y1
+	ADDQ $64, DI
+	ADDQ R9, SI
+	DECQ CX
+	JNZ k16loop
+k16store:
+	VMOVUPS Y0, (DX)
+	VMOVUPS Y1, 32(DX)
+	VZEROUPPER
+	RET
