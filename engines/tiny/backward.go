@@ -3,15 +3,30 @@ package tiny
 import "math"
 
 // transposedWeights holds the transposes of the weight matrices, which the backward pass
-// multiplies by (dx = dy·W is computed as dy·(Wᵀ)ᵀ). They are made once per optimizer step.
+// multiplies by (dx = dy·W is computed as dy·(Wᵀ)ᵀ). They are made once per optimizer step: for
+// the SIMD kernels as panels of Wᵀ (pl, headP; a copy of W's rows), otherwise as matrices.
 type transposedWeights[T Float] struct {
 	layers []layerWeights[T] // q, k, v, o, gate, up, d transposed; norms unused
 	head   []T
+	pl     []layerPanels
+	headP  panels
 }
 
 func (m *model[T]) transposed(threads int) *transposedWeights[T] {
 	c := m.w.cfg
 	d, qd, kvd, in, v := c.Hidden, c.qDim(), c.kvDim(), c.Intermediate, c.VocabSize
+	if w, ok := any(m.w).(*weights[float32]); ok && haveSIMD {
+		t := &transposedWeights[T]{pl: make([]layerPanels, c.Layers), headP: packCols(threads, w.head(), v, d)}
+		for l := range c.Layers {
+			lw := &w.layers[l]
+			t.pl[l] = layerPanels{
+				q: packCols(threads, lw.q, qd, d), k: packCols(threads, lw.k, kvd, d), v: packCols(threads, lw.v, kvd, d),
+				o: packCols(threads, lw.o, d, qd), gate: packCols(threads, lw.gate, in, d), up: packCols(threads, lw.up, in, d),
+				d: packCols(threads, lw.d, d, in),
+			}
+		}
+		return t
+	}
 	t := &transposedWeights[T]{layers: make([]layerWeights[T], c.Layers)}
 	tr := func(src []T, rows, cols int) []T { return transposeOf(threads, src, rows, cols) }
 	for l := range c.Layers {
@@ -23,6 +38,35 @@ func (m *model[T]) transposed(threads int) *transposedWeights[T] {
 	}
 	t.head = tr(m.w.head(), v, d)
 	return t
+}
+
+// mulT sets (acc: adds to) c = x·wtᵀ for x rows×k, wt n×k a transposed weight whose panels are
+// p when the transposes are panels.
+func (t *transposedWeights[T]) mulT(threads int, c, x, wt []T, p panels, rows, n, k int, acc bool) {
+	if t.pl != nil {
+		mmPanels(threads, any(c).([]float32), any(x).([]float32), k, 1, p, rows, acc)
+		return
+	}
+	matMulT(threads, c, x, wt, rows, n, k, acc)
+}
+
+// layer returns the panels of layer l's transposes, or none.
+func (t *transposedWeights[T]) layer(l int) layerPanels {
+	if t.pl == nil {
+		return layerPanels{}
+	}
+	return t.pl[l]
+}
+
+// matMulTN adds xᵀ·y to c (p×q), for x rows×p and y rows×q: the weight gradients, sums over the
+// rows in row order. The SIMD kernels read x through its transpose and pack y's rows; otherwise
+// both are transposed for matMulT.
+func matMulTN[T Float](threads int, c, x, y []T, rows, p, q int) {
+	if cf, ok := any(c).([]float32); ok && haveSIMD {
+		mmPanels(threads, cf, any(x).([]float32), 1, p, packCols(threads, any(y).([]float32), rows, q), p, true)
+		return
+	}
+	matMulT(threads, c, transposeOf(threads, x, rows, p), transposeOf(threads, y, rows, q), p, q, rows, true)
 }
 
 // transposeOf returns the transpose of the rows×cols matrix src.
@@ -40,12 +84,12 @@ func (m *model[T]) backward(threads int, tokens []int32, seqs []seqView[T], outR
 	c := m.w.cfg
 	d, vocab, nout := c.Hidden, c.VocabSize, len(outRows)
 	dOut := make([]T, nout*d)
-	matMulT(threads, dOut, dlogits, wt.head, nout, d, vocab, false)
+	wt.mulT(threads, dOut, dlogits, wt.head, wt.headP, nout, d, vocab, false)
 	gHead := g.lmHead
 	if c.TieEmbeddings {
 		gHead = g.embed
 	}
-	matMulT(threads, gHead, transposeOf(threads, dlogits, nout, vocab), transposeOf(threads, a.xnfOut, nout, d), vocab, d, nout, true)
+	matMulTN(threads, gHead, dlogits, a.xnfOut, nout, vocab, d)
 	m.backwardTrunk(threads, tokens, seqs, outRows, a, dOut, g, wt)
 }
 
@@ -84,8 +128,6 @@ func (m *model[T]) backwardTrunk(threads int, tokens []int32, seqs []seqView[T],
 			pos[s.start+i] = i
 		}
 	}
-	tr := func(src []T, r, cols int) []T { return transposeOf(threads, src, r, cols) }
-
 	dxnf := make([]T, rows*d)
 	for i, r := range outRows {
 		copy(dxnf[r*d:(r+1)*d], dOut[i*d:(i+1)*d])
@@ -99,36 +141,38 @@ func (m *model[T]) backwardTrunk(threads int, tokens []int32, seqs []seqView[T],
 	datt, dq := make([]T, rows*qd), make([]T, rows*qd)
 	dk, dv := make([]T, rows*kvd), make([]T, rows*kvd)
 	for l := c.Layers - 1; l >= 0; l-- {
-		la, w, wtl, gl := &a.layers[l], &m.w.layers[l], &wt.layers[l], &g.layers[l]
+		la, w, gl := &a.layers[l], &m.w.layers[l], &g.layers[l]
+		var wtl layerWeights[T]
+		if wt.layers != nil {
+			wtl = wt.layers[l]
+		}
+		pl := wt.layer(l)
 
 		// MLP: x_next = x2 + down(silu(gate)·up).
-		dxT := tr(dx, rows, d)
-		matMulT(threads, dact, dx, wtl.d, rows, in, d, false)
-		matMulT(threads, gl.d, dxT, tr(la.act, rows, in), d, in, rows, true)
+		wt.mulT(threads, dact, dx, wtl.d, pl.d, rows, in, d, false)
+		matMulTN(threads, gl.d, dx, la.act, rows, d, in)
 		swigluBackward(threads, dgate, dup, dact, la.gate, la.sig, la.up)
-		matMulT(threads, dxn, dgate, wtl.gate, rows, d, in, false)
-		matMulT(threads, dxn, dup, wtl.up, rows, d, in, true)
-		xn2T := tr(la.xn2, rows, d)
-		matMulT(threads, gl.gate, tr(dgate, rows, in), xn2T, in, d, rows, true)
-		matMulT(threads, gl.up, tr(dup, rows, in), xn2T, in, d, rows, true)
+		wt.mulT(threads, dxn, dgate, wtl.gate, pl.gate, rows, d, in, false)
+		wt.mulT(threads, dxn, dup, wtl.up, pl.up, rows, d, in, true)
+		matMulTN(threads, gl.gate, dgate, la.xn2, rows, in, d)
+		matMulTN(threads, gl.up, dup, la.xn2, rows, in, d)
 		copy(dx2, dx)
 		rmsNormBackward(threads, dx2, gl.mlpNorm, dxn, la.x2, la.inv2, w.mlpNorm, rows, d, true)
 
 		// Attention: x2 = x + o(attn(rope(q), rope(k), v)).
-		matMulT(threads, datt, dx2, wtl.o, rows, qd, d, false)
-		matMulT(threads, gl.o, tr(dx2, rows, d), tr(la.att, rows, qd), d, qd, rows, true)
+		wt.mulT(threads, datt, dx2, wtl.o, pl.o, rows, qd, d, false)
+		matMulTN(threads, gl.o, dx2, la.att, rows, d, qd)
 		clear(dk)
 		clear(dv)
 		m.attentionBackward(threads, la, seqs, a.probOff, datt, dq, dk, dv)
 		m.ropeRows(threads, dq, pos, c.Heads, true)
 		m.ropeRows(threads, dk, pos, c.KVHeads, true)
-		matMulT(threads, dxn, dq, wtl.q, rows, d, qd, false)
-		matMulT(threads, dxn, dk, wtl.k, rows, d, kvd, true)
-		matMulT(threads, dxn, dv, wtl.v, rows, d, kvd, true)
-		xn1T := tr(la.xn1, rows, d)
-		matMulT(threads, gl.q, tr(dq, rows, qd), xn1T, qd, d, rows, true)
-		matMulT(threads, gl.k, tr(dk, rows, kvd), xn1T, kvd, d, rows, true)
-		matMulT(threads, gl.v, tr(dv, rows, kvd), xn1T, kvd, d, rows, true)
+		wt.mulT(threads, dxn, dq, wtl.q, pl.q, rows, d, qd, false)
+		wt.mulT(threads, dxn, dk, wtl.k, pl.k, rows, d, kvd, true)
+		wt.mulT(threads, dxn, dv, wtl.v, pl.v, rows, d, kvd, true)
+		matMulTN(threads, gl.q, dq, la.xn1, rows, qd, d)
+		matMulTN(threads, gl.k, dk, la.xn1, rows, kvd, d)
+		matMulTN(threads, gl.v, dv, la.xn1, rows, kvd, d)
 		copy(dx, dx2)
 		rmsNormBackward(threads, dx, gl.attnNorm, dxn, la.x, la.inv1, w.attnNorm, rows, d, true)
 	}

@@ -5,7 +5,51 @@ import "math"
 // model is the computation: weights plus the rotary tables derived from the config.
 type model[T Float] struct {
 	w        *weights[T]
-	cos, sin []T // maxSeqLen × headDim/2
+	cos, sin []T          // maxSeqLen × headDim/2
+	pk       *modelPanels // the weights packed for the SIMD kernels; nil: multiply them as they are
+}
+
+// modelPanels are a float32 model's weight matrices packed for the SIMD kernels
+// (matmul_panels.go).
+type modelPanels struct {
+	layers []layerPanels
+	head   panels
+}
+
+type layerPanels struct{ q, k, v, o, gate, up, d panels }
+
+// packed returns the model with its weights packed for the SIMD kernels, to use while the weights
+// do not change (one generation call, one optimizer step), or m itself where there are no such
+// kernels. The packing costs about one product of a single row per matrix.
+func (m *model[T]) packed(threads int) *model[T] {
+	w, ok := any(m.w).(*weights[float32])
+	if !ok || !haveSIMD || m.pk != nil {
+		return m
+	}
+	c := w.cfg
+	d, qd, kvd, in := c.Hidden, c.qDim(), c.kvDim(), c.Intermediate
+	pk := &modelPanels{layers: make([]layerPanels, c.Layers), head: packRows(threads, w.head(), c.VocabSize, d)}
+	for l := range pk.layers {
+		lw := &w.layers[l]
+		pk.layers[l] = layerPanels{
+			q: packRows(threads, lw.q, qd, d), k: packRows(threads, lw.k, kvd, d), v: packRows(threads, lw.v, kvd, d),
+			o: packRows(threads, lw.o, d, qd), gate: packRows(threads, lw.gate, in, d), up: packRows(threads, lw.up, in, d),
+			d: packRows(threads, lw.d, d, in),
+		}
+	}
+	pm := *m
+	pm.pk = pk
+	return &pm
+}
+
+// linear sets out = x·wᵀ for x rows×k and a weight w n×k whose panels, when the model has them,
+// are p.
+func (m *model[T]) linear(threads int, out, x, w []T, p panels, rows, n, k int) {
+	if m.pk != nil {
+		mmPanels(threads, any(out).([]float32), any(x).([]float32), k, 1, p, rows, false)
+		return
+	}
+	matMulT(threads, out, x, w, rows, n, k, false)
 }
 
 func newModel[T Float](w *weights[T]) *model[T] {
@@ -80,7 +124,11 @@ func (m *model[T]) forward(threads int, tokens []int32, seqs []seqView[T], outRo
 	c := m.w.cfg
 	a := m.trunk(threads, tokens, seqs, outRows, keep)
 	logits := make([]T, len(outRows)*c.VocabSize)
-	matMulT(threads, logits, a.xnfOut, m.w.head(), len(outRows), c.VocabSize, c.Hidden, false)
+	var hp panels
+	if m.pk != nil {
+		hp = m.pk.head
+	}
+	m.linear(threads, logits, a.xnfOut, m.w.head(), hp, len(outRows), c.VocabSize, c.Hidden)
 	return logits, a
 }
 
@@ -136,6 +184,10 @@ func (m *model[T]) trunk(threads int, tokens []int32, seqs []seqView[T], outRows
 	for l := range c.Layers {
 		lw := &m.w.layers[l]
 		la := &scratch
+		var lp layerPanels
+		if m.pk != nil {
+			lp = m.pk.layers[l]
+		}
 		if keep {
 			la = &a.layers[l]
 			alloc(la)
@@ -144,9 +196,9 @@ func (m *model[T]) trunk(threads int, tokens []int32, seqs []seqView[T], outRows
 		}
 		la.x = x
 		rmsNormRows(threads, la.xn1, la.inv1, x, lw.attnNorm, rows, d, c.RMSNormEps)
-		matMulT(threads, la.q, la.xn1, lw.q, rows, qd, d, false)
-		matMulT(threads, la.k, la.xn1, lw.k, rows, kvd, d, false)
-		matMulT(threads, la.v, la.xn1, lw.v, rows, kvd, d, false)
+		m.linear(threads, la.q, la.xn1, lw.q, lp.q, rows, qd, d)
+		m.linear(threads, la.k, la.xn1, lw.k, lp.k, rows, kvd, d)
+		m.linear(threads, la.v, la.xn1, lw.v, lp.v, rows, kvd, d)
 		m.ropeRows(threads, la.q, pos, c.Heads, false)
 		m.ropeRows(threads, la.k, pos, c.KVHeads, false)
 		for _, s := range seqs {
@@ -157,13 +209,13 @@ func (m *model[T]) trunk(threads int, tokens []int32, seqs []seqView[T], outRows
 		}
 		m.attention(threads, la, seqs, a.probOff, l)
 		o := down // o_proj output; down is free until the MLP
-		matMulT(threads, o, la.att, lw.o, rows, d, qd, false)
+		m.linear(threads, o, la.att, lw.o, lp.o, rows, d, qd)
 		addRows(threads, la.x2, x, o)
 		rmsNormRows(threads, la.xn2, la.inv2, la.x2, lw.mlpNorm, rows, d, c.RMSNormEps)
-		matMulT(threads, la.gate, la.xn2, lw.gate, rows, in, d, false)
-		matMulT(threads, la.up, la.xn2, lw.up, rows, in, d, false)
+		m.linear(threads, la.gate, la.xn2, lw.gate, lp.gate, rows, in, d)
+		m.linear(threads, la.up, la.xn2, lw.up, lp.up, rows, in, d)
 		swiglu(threads, la.act, la.sig, la.gate, la.up)
-		matMulT(threads, down, la.act, lw.d, rows, d, in, false)
+		m.linear(threads, down, la.act, lw.d, lp.d, rows, d, in)
 		next := x // without keep, this layer's input is no longer needed
 		if keep {
 			next = make([]T, rows*d)

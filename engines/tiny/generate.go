@@ -39,6 +39,7 @@ func (e *Engine) Generate(ctx context.Context, reqs []engines.GenerateRequest) (
 		return nil, ErrClosed
 	}
 	cfg := e.m.w.cfg
+	m := e.m.packed(e.threads) // the weights do not change while the read lock is held
 	prompts := make([][]int32, len(reqs))
 	for i, r := range reqs {
 		p, err := e.promptTokens(r.Messages, r.PromptTokens)
@@ -78,7 +79,7 @@ func (e *Engine) Generate(ctx context.Context, reqs []engines.GenerateRequest) (
 			tokens = append(tokens, prompts[i]...)
 			outRows = append(outRows, len(tokens)-1)
 		}
-		logits, _ := e.m.forward(e.threads, tokens, views, outRows, false)
+		logits, _ := m.forward(e.threads, tokens, views, outRows, false)
 		for i := lo; i < hi; i++ {
 			last[i] = logits[(i-lo)*cfg.VocabSize : (i-lo+1)*cfg.VocabSize]
 		}
@@ -116,7 +117,7 @@ func (e *Engine) Generate(ctx context.Context, reqs []engines.GenerateRequest) (
 			views[k] = seqView[float32]{start: k, n: 1, pos0: s.length, cache: s.cache}
 			outRows[k] = k
 		}
-		logits, _ := e.m.forward(e.threads, tokens, views, outRows, false)
+		logits, _ := m.forward(e.threads, tokens, views, outRows, false)
 		for k, s := range active {
 			s.length++
 			e.advance(s, logits[k*cfg.VocabSize:(k+1)*cfg.VocabSize])
@@ -283,6 +284,7 @@ func (e *Engine) Score(ctx context.Context, reqs []engines.ScoreRequest) ([]engi
 		if len(part) == 0 {
 			continue
 		}
+		m = m.packed(e.threads) // the weights do not change while the read lock is held
 		lps, err := e.perToken(ctx, "score", part, func(p packed[float32]) []float64 {
 			logits, _ := m.forward(e.threads, p.tokens, p.views, p.outRows, false)
 			lp, _ := tokenLogprobs(e.threads, logits, p.targets, vocab)
@@ -307,8 +309,9 @@ func (e *Engine) Values(ctx context.Context, reqs []engines.ScoreRequest) ([][]f
 		return nil, err
 	}
 	defer e.mu.RUnlock()
+	m := e.m.packed(e.threads)
 	return e.perToken(ctx, "values", reqs, func(p packed[float32]) []float64 {
-		v, _ := e.m.values(e.threads, p.tokens, p.views, p.outRows, false)
+		v, _ := m.values(e.threads, p.tokens, p.views, p.outRows, false)
 		return f64(v)
 	})
 }

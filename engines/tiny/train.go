@@ -75,6 +75,10 @@ func (m *model[T]) accumulate(ctx context.Context, threads, chunk int, seqs []tr
 // summed statistics.
 func (m *model[T]) accumulateGrads(ctx context.Context, threads, chunk int, seqs []trainSeq, ref *model[T], lossFn chunkLoss) (lossStats, *weights[T], error) {
 	vocab := m.w.cfg.VocabSize
+	pm := m.packed(threads) // the weights change only after the step
+	if ref != nil {
+		ref = ref.packed(threads)
+	}
 	return m.accumulate(ctx, threads, chunk, seqs, func(lo, hi int, p packed[T], g *weights[T], wt *transposedWeights[T]) lossStats {
 		var refLogp [][]float64
 		if ref != nil {
@@ -82,7 +86,7 @@ func (m *model[T]) accumulateGrads(ctx context.Context, threads, chunk int, seqs
 			lp, _ := tokenLogprobs(threads, logits, p.targets, vocab)
 			refLogp = splitBySeq(lp, seqs[lo:hi])
 		}
-		logits, a := m.forward(threads, p.tokens, p.views, p.outRows, true)
+		logits, a := pm.forward(threads, p.tokens, p.views, p.outRows, true)
 		lp, ent := tokenLogprobs(threads, logits, p.targets, vocab)
 		st, dLogp, dEnt := lossFn(lo, splitBySeq(lp, seqs[lo:hi]), splitBySeq(ent, seqs[lo:hi]), refLogp)
 		dlogits := make([]T, len(logits))
@@ -99,8 +103,9 @@ type valueChunkLoss func(first int, values [][]float64) (lossStats, [][]float64)
 // accumulateValueGrads returns the gradient of the loss that lossFn defines on the value head's
 // per-token values (the model must have a value head), with the summed statistics.
 func (m *model[T]) accumulateValueGrads(ctx context.Context, threads, chunk int, seqs []trainSeq, lossFn valueChunkLoss) (lossStats, *weights[T], error) {
+	pm := m.packed(threads)
 	return m.accumulate(ctx, threads, chunk, seqs, func(lo, hi int, p packed[T], g *weights[T], wt *transposedWeights[T]) lossStats {
-		v, a := m.values(threads, p.tokens, p.views, p.outRows, true)
+		v, a := pm.values(threads, p.tokens, p.views, p.outRows, true)
 		st, dV := lossFn(lo, splitBySeq(f64(v), seqs[lo:hi]))
 		m.valueBackward(threads, p.tokens, p.views, p.outRows, a, fromF64[T](concat(dV)), g, wt)
 		return st
