@@ -345,7 +345,28 @@ func (m *model[T]) attention(threads int, la *layerActs[T], seqs []seqView[T], p
 func attendRow[T Float](out, q, keys, vals []T, kvd, n int, scale float64, probs []T, scores []float64) {
 	hd := len(q)
 	mx := math.Inf(-1)
-	for s := range n {
+	s := 0
+	// Four positions at a time: four independent sums (each still in order of i) keep the adder
+	// busy where one sum would wait on each addition.
+	for ; s+4 <= n; s += 4 {
+		k0 := keys[s*kvd : s*kvd+hd]
+		k1 := keys[(s+1)*kvd : (s+1)*kvd+hd]
+		k2 := keys[(s+2)*kvd : (s+2)*kvd+hd]
+		k3 := keys[(s+3)*kvd : (s+3)*kvd+hd]
+		var d0, d1, d2, d3 T
+		for i, qv := range q {
+			d0 += T(qv * k0[i])
+			d1 += T(qv * k1[i])
+			d2 += T(qv * k2[i])
+			d3 += T(qv * k3[i])
+		}
+		for j, dot := range [4]T{d0, d1, d2, d3} {
+			sc := float64(dot) * scale
+			scores[s+j] = sc
+			mx = max(mx, sc)
+		}
+	}
+	for ; s < n; s++ {
 		kr := keys[s*kvd : s*kvd+hd]
 		var dot T
 		for i, qv := range q {
