@@ -1,8 +1,10 @@
 package tiny
 
 import (
+	"fmt"
 	"math"
 	"math/rand/v2"
+	"strings"
 	"testing"
 )
 
@@ -209,6 +211,33 @@ func benchMatMul(b *testing.B, threads, m, n, k int) {
 func BenchmarkMatMulT1Thread(b *testing.B)    { benchMatMul(b, 1, 4096, 192, 64) }
 func BenchmarkMatMulTAllThreads(b *testing.B) { benchMatMul(b, defaultThreads(), 4096, 192, 64) }
 func BenchmarkMatMulTDecode(b *testing.B)     { benchMatMul(b, defaultThreads(), 64, 192, 64) }
+
+// BenchmarkMatMulShapes: the products of builtin:tiny-arith (bench/numpy_matmul.py has the same
+// list, for numpy's numbers), with the portable and the SIMD kernel, on one thread and on all.
+func BenchmarkMatMulShapes(b *testing.B) {
+	shapes := []struct {
+		name    string
+		m, n, k int
+	}{{"mlp-up 4096x192x64", 4096, 192, 64}, {"mlp-down 4096x64x192", 4096, 64, 192},
+		{"attn 4096x64x64", 4096, 64, 64}, {"decode 64x192x64", 64, 192, 64},
+		{"grad 192x64x4096", 192, 64, 4096}, {"head 4096x102x64", 4096, 102, 64}}
+	saved := haveSIMD
+	defer func() { haveSIMD = saved }()
+	for _, on := range []bool{false, true} {
+		if on && !saved {
+			continue
+		}
+		for _, threads := range []int{1, defaultThreads()} {
+			for _, s := range shapes {
+				name := fmt.Sprintf("%s/threads=%d/%s", map[bool]string{false: "portable", true: "simd"}[on], threads, s.name)
+				b.Run(strings.ReplaceAll(name, " ", "_"), func(b *testing.B) {
+					haveSIMD = on
+					benchMatMul(b, threads, s.m, s.n, s.k)
+				})
+			}
+		}
+	}
+}
 
 func naive(c, a, b []float32, m, n, k int) {
 	for i := range m {
