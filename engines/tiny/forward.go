@@ -264,13 +264,21 @@ func addRows[T Float](threads int, dst, a, b []T) {
 // swiglu sets act = silu(gate)·up, recording σ(gate) in sig unless sig is nil.
 func swiglu[T Float](threads int, act, sig, gate, up []T) {
 	parallelFor(threads, len(act), 1<<13, func(lo, hi int) {
-		for i := lo; i < hi; i++ {
-			g := gate[i]
-			s := T(sigmoid64(float64(g)))
-			if sig != nil {
-				sig[i] = s
+		var e [256]float64
+		for b := lo; b < hi; b += len(e) {
+			n := min(len(e), hi-b)
+			for i := range n {
+				e[i] = -math.Abs(float64(gate[b+i]))
 			}
-			act[i] = T(g*s) * up[i]
+			expSlice(e[:n], e[:n])
+			for i := range n {
+				g := gate[b+i]
+				s := T(sigmoidExp(float64(g), e[i])) // = sigmoid64(g)
+				if sig != nil {
+					sig[b+i] = s
+				}
+				act[b+i] = T(g*s) * up[b+i]
+			}
 		}
 	})
 }
@@ -376,10 +384,12 @@ func attendRow[T Float](out, q, keys, vals []T, kvd, n int, scale float64, probs
 		scores[s] = sc
 		mx = max(mx, sc)
 	}
-	sum := 0.0
 	for s := range n {
-		e := exp64(scores[s] - mx)
-		scores[s] = e
+		scores[s] -= mx
+	}
+	expSlice(scores[:n], scores[:n])
+	sum := 0.0
+	for _, e := range scores[:n] {
 		sum += e
 	}
 	inv := 1 / sum

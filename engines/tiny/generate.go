@@ -214,7 +214,10 @@ func sampleToken(logits []float32, temperature, topP float64, rng *rand.Rand) (i
 		order := make([]int, len(logits))
 		sum := 0.0
 		for i, v := range logits {
-			q[i] = exp64((float64(v) - mx) / temperature)
+			q[i] = (float64(v) - mx) / temperature
+		}
+		expSlice(q, q)
+		for i := range q {
 			sum += q[i]
 			order[i] = i
 		}

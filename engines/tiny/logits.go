@@ -11,11 +11,23 @@ func logSumExp[T Float](z []T) float64 {
 	if math.IsInf(mx, 0) || mx != mx {
 		return mx
 	}
+	var buf [256]float64
+	e := expShifted(buf[:], z, mx)
 	s := 0.0
-	for _, v := range z {
-		s += exp64(float64(v) - mx)
+	for _, v := range e {
+		s += v
 	}
 	return mx + log64(s)
+}
+
+// expShifted returns exp64(z[i] − shift) for each i, in buf when it is long enough.
+func expShifted[T Float](buf []float64, z []T, shift float64) []float64 {
+	e := expBuf(buf, len(z))
+	for i, v := range z {
+		e[i] = float64(v) - shift
+	}
+	expSlice(e, e)
+	return e
 }
 
 // tokenLogprobs returns, for each row of logits (rows×vocab), the log-probability of its target
@@ -24,14 +36,16 @@ func tokenLogprobs[T Float](threads int, logits []T, targets []int32, vocab int)
 	rows := len(targets)
 	logp, ent = make([]float64, rows), make([]float64, rows)
 	parallelFor(threads, rows, 16, func(lo, hi int) {
+		var buf [256]float64
 		for r := lo; r < hi; r++ {
 			z := logits[r*vocab : (r+1)*vocab]
 			lse := logSumExp(z)
 			logp[r] = float64(z[targets[r]]) - lse
+			p := expShifted(buf[:], z, lse)
 			h := 0.0
-			for _, v := range z {
+			for i, v := range z {
 				lp := float64(v) - lse
-				h -= float64(exp64(lp) * lp)
+				h -= float64(p[i] * lp)
 			}
 			ent[r] = h
 		}
@@ -43,19 +57,21 @@ func tokenLogprobs[T Float](threads int, logits []T, targets []int32, vocab int)
 // ∂logp/∂z = onehot − p and ∂H/∂z = −p(log p + H).
 func logitsGrad[T Float](threads int, dlogits, logits []T, targets []int32, vocab int, dlogp, dent []float64) {
 	parallelFor(threads, len(targets), 16, func(lo, hi int) {
+		var buf [256]float64
 		for r := lo; r < hi; r++ {
 			z, dz := logits[r*vocab:(r+1)*vocab], dlogits[r*vocab:(r+1)*vocab]
 			lse := logSumExp(z)
+			ps := expShifted(buf[:], z, lse)
 			h := 0.0
 			if dent[r] != 0 {
-				for _, v := range z {
+				for i, v := range z {
 					lp := float64(v) - lse
-					h -= float64(exp64(lp) * lp)
+					h -= float64(ps[i] * lp)
 				}
 			}
 			for i, v := range z {
 				lp := float64(v) - lse
-				p := exp64(lp)
+				p := ps[i]
 				g := -dlogp[r] * p
 				if dent[r] != 0 {
 					g -= dent[r] * float64(p*float64(lp+h))

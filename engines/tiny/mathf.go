@@ -110,10 +110,21 @@ func log64(x float64) float64 {
 }
 
 // sigmoid64 is the logistic function, written so it never overflows.
-func sigmoid64(x float64) float64 {
+func sigmoid64(x float64) float64 { return sigmoidExp(x, exp64(-math.Abs(x))) }
+
+// sigmoidExp is sigmoid64(x) given e = exp64(−|x|), for callers that compute their exponentials
+// with expSlice.
+func sigmoidExp(x, e float64) float64 {
 	if x >= 0 {
-		return 1 / (1 + exp64(-x))
+		return 1 / (1 + e)
 	}
-	z := exp64(x)
-	return z / (1 + z)
+	return e / (1 + e)
+}
+
+// expBuf returns a slice of n float64s, buf's when it is long enough.
+func expBuf(buf []float64, n int) []float64 {
+	if n <= len(buf) {
+		return buf[:n]
+	}
+	return make([]float64, n)
 }

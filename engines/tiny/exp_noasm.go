@@ -1,0 +1,11 @@
+//go:build !amd64 || purego
+
+package tiny
+
+// expSlice sets dst[i] = exp64(src[i]).
+func expSlice(dst, src []float64) {
+	dst = dst[:len(src)]
+	for i, v := range src {
+		dst[i] = exp64(v)
+	}
+}
