@@ -256,14 +256,32 @@ func (m *model[T]) attentionBackward(threads int, la *layerActs[T], seqs []seqVi
 					do := datt[r*qd+h*hd : r*qd+(h+1)*hd]
 					qr := la.q[r*qd+h*hd : r*qd+(h+1)*hd]
 					dqr := dq[r*qd+h*hd : r*qd+(h+1)*hd]
-					sum := 0.0
-					for j := range n {
-						vr := la.v[(s.start+j)*kvd+g*hd : (s.start+j)*kvd+(g+1)*hd]
+					vals := la.v[s.start*kvd+g*hd:]
+					j := 0
+					for ; j+4 <= n; j += 4 { // four independent dot products, as in attendRow
+						v0 := vals[j*kvd : j*kvd+hd]
+						v1 := vals[(j+1)*kvd : (j+1)*kvd+hd]
+						v2 := vals[(j+2)*kvd : (j+2)*kvd+hd]
+						v3 := vals[(j+3)*kvd : (j+3)*kvd+hd]
+						var d0, d1, d2, d3 T
+						for i, o := range do {
+							d0 += T(o * v0[i])
+							d1 += T(o * v1[i])
+							d2 += T(o * v2[i])
+							d3 += T(o * v3[i])
+						}
+						dp[j], dp[j+1], dp[j+2], dp[j+3] = float64(d0), float64(d1), float64(d2), float64(d3)
+					}
+					for ; j < n; j++ {
+						vr := vals[j*kvd : j*kvd+hd]
 						var dot T
 						for i, v := range vr {
 							dot += T(do[i] * v)
 						}
 						dp[j] = float64(dot)
+					}
+					sum := 0.0
+					for j := range n {
 						sum += float64(float64(p[j]) * dp[j])
 					}
 					clear(dqr)
