@@ -241,11 +241,12 @@ func (m *model[T]) attentionBackward(threads int, la *layerActs[T], seqs []seqVi
 	scale := 1 / math.Sqrt(float64(hd))
 	parallelFor(threads, len(seqs)*c.KVHeads, 2, func(lo, hi int) {
 		var dp []float64
+		var csb []T
 		for task := lo; task < hi; task++ {
 			si, g := task/c.KVHeads, task%c.KVHeads
 			s := seqs[si]
 			if cap(dp) < s.n {
-				dp = make([]float64, s.n)
+				dp, csb = make([]float64, s.n), make([]T, s.n)
 			}
 			for h := g * rep; h < (g+1)*rep; h++ {
 				for t := range s.n {
@@ -284,14 +285,24 @@ func (m *model[T]) attentionBackward(threads int, la *layerActs[T], seqs []seqVi
 					for j := range n {
 						sum += float64(float64(p[j]) * dp[j])
 					}
+					for j := range n {
+						csb[j] = T(float64(p[j]) * (dp[j] - sum) * scale)
+					}
+					if qf, ok := any(la.q).([]float32); ok && haveSIMD && hd%16 == 0 {
+						base := s.start*kvd + g*hd
+						_, _, _ = la.k[base+(n-1)*kvd+hd-1], dk[base+(n-1)*kvd+hd-1], dv[base+(n-1)*kvd+hd-1]
+						kf, dkf, dvf := any(la.k).([]float32), any(dk).([]float32), any(dv).([]float32)
+						csf, pf, dof, dqf := any(csb).([]float32), any(p).([]float32), any(do).([]float32), any(dqr).([]float32)
+						attnGradRow16(n, &csf[0], &pf[0], &kf[base], &dkf[base], &dvf[base], uintptr(kvd)*4, &qf[r*qd+h*hd], &dof[0], &dqf[0], hd/16)
+						continue
+					}
 					clear(dqr)
 					for j := range n {
 						kvRow := (s.start + j) * kvd
 						kr := la.k[kvRow+g*hd : kvRow+(g+1)*hd]
 						dkr := dk[kvRow+g*hd : kvRow+(g+1)*hd]
 						dvr := dv[kvRow+g*hd : kvRow+(g+1)*hd]
-						pj := p[j]
-						cs := T(float64(pj) * (dp[j] - sum) * scale)
+						pj, cs := p[j], csb[j]
 						for i := range kr {
 							dqr[i] += T(cs * kr[i])
 							dkr[i] += T(cs * qr[i])

@@ -393,10 +393,18 @@ func attendRow[T Float](out, q, keys, vals []T, kvd, n int, scale float64, probs
 		sum += e
 	}
 	inv := 1 / sum
+	for s := range n {
+		probs[s] = T(scores[s] * inv)
+	}
+	if of, ok := any(out).([]float32); ok && haveSIMD && hd%16 == 0 && n > 0 {
+		pf, vf := any(probs).([]float32), any(vals).([]float32)
+		_ = vf[(n-1)*kvd+hd-1]
+		attnOut16(&of[0], &pf[0], &vf[0], uintptr(kvd)*4, n, hd/16)
+		return
+	}
 	clear(out)
 	for s := range n {
-		p := T(scores[s] * inv)
-		probs[s] = p
+		p := probs[s]
 		vr := vals[s*kvd : s*kvd+hd]
 		for i, v := range vr {
 			out[i] += T(p * v)
