@@ -242,6 +242,7 @@ func (m *model[T]) attentionBackward(threads int, la *layerActs[T], seqs []seqVi
 	parallelFor(threads, len(seqs)*c.KVHeads, 2, func(lo, hi int) {
 		var dp []float64
 		var csb []T
+		var dbuf []float32
 		for task := lo; task < hi; task++ {
 			si, g := task/c.KVHeads, task%c.KVHeads
 			s := seqs[si]
@@ -249,6 +250,8 @@ func (m *model[T]) attentionBackward(threads int, la *layerActs[T], seqs []seqVi
 				dp, csb = make([]float64, s.n), make([]T, s.n)
 			}
 			for h := g * rep; h < (g+1)*rep; h++ {
+				// dots[t][j] = do_t·v_j, or nil: computed below
+				dots := dotsMatrix(&dbuf, datt[s.start*qd+h*hd:], qd, la.v[s.start*kvd+g*hd:], kvd, s.n, s.n, hd)
 				for t := range s.n {
 					r := s.start + t
 					n := t + 1
@@ -259,6 +262,12 @@ func (m *model[T]) attentionBackward(threads int, la *layerActs[T], seqs []seqVi
 					dqr := dq[r*qd+h*hd : r*qd+(h+1)*hd]
 					vals := la.v[s.start*kvd+g*hd:]
 					j := 0
+					if dots != nil {
+						for j = range n {
+							dp[j] = float64(dots[t*s.n+j])
+						}
+						j = n
+					}
 					for ; j+4 <= n; j += 4 { // four independent dot products, as in attendRow
 						v0 := vals[j*kvd : j*kvd+hd]
 						v1 := vals[(j+1)*kvd : (j+1)*kvd+hd]

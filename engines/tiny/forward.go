@@ -324,6 +324,7 @@ func (m *model[T]) attention(threads int, la *layerActs[T], seqs []seqView[T], p
 		if probOff == nil {
 			probs = make([]T, maxCtx)
 		}
+		var dbuf []float32
 		for task := lo; task < hi; task++ {
 			si, h := task/c.Heads, task%c.Heads
 			s := seqs[si]
@@ -333,15 +334,21 @@ func (m *model[T]) attention(threads int, la *layerActs[T], seqs []seqView[T], p
 				keys, vals = s.cache.k[layer], s.cache.v[layer]
 			}
 			keys, vals = keys[g*hd:], vals[g*hd:]
+			ctx := s.pos0 + s.n
+			dots := dotsMatrix(&dbuf, la.q[s.start*qd+h*hd:], qd, keys, kvd, s.n, ctx, hd) // or nil
 			for t := range s.n {
 				r := s.start + t
 				n := s.pos0 + t + 1
+				var dr []T
+				if dots != nil {
+					dr = dots[t*ctx : t*ctx+n]
+				}
 				p := probs
 				if probOff != nil {
 					base := probOff[si] + h*s.n*(s.n+1)/2 + t*(t+1)/2
 					p = la.probs[base : base+n]
 				}
-				attendRow(la.att[r*qd+h*hd:r*qd+(h+1)*hd], la.q[r*qd+h*hd:r*qd+(h+1)*hd], keys, vals, kvd, n, scale, p[:n], scores[:n])
+				attendRow(la.att[r*qd+h*hd:r*qd+(h+1)*hd], la.q[r*qd+h*hd:r*qd+(h+1)*hd], keys, vals, kvd, n, scale, p[:n], scores[:n], dr)
 			}
 		}
 	})
@@ -349,11 +356,20 @@ func (m *model[T]) attention(threads int, la *layerActs[T], seqs []seqView[T], p
 
 // attendRow computes one query's attention output over n positions of keys and values (row
 // stride kvd) and records the probabilities. It is the only attention code: prefill, decode and
-// training all call it, so their numbers agree to the bit.
-func attendRow[T Float](out, q, keys, vals []T, kvd, n int, scale float64, probs []T, scores []float64) {
+// training all call it, so their numbers agree to the bit. dots, when not nil, holds the n dot
+// products of q with the keys, computed as this function would (dotsMatrix).
+func attendRow[T Float](out, q, keys, vals []T, kvd, n int, scale float64, probs []T, scores []float64, dots []T) {
 	hd := len(q)
 	mx := math.Inf(-1)
 	s := 0
+	if dots != nil {
+		for i, dot := range dots[:n] {
+			sc := float64(dot) * scale
+			scores[i] = sc
+			mx = max(mx, sc)
+		}
+		s = n
+	}
 	// Four positions at a time: four independent sums (each still in order of i) keep the adder
 	// busy where one sum would wait on each addition.
 	for ; s+4 <= n; s += 4 {

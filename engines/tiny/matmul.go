@@ -11,6 +11,11 @@ package tiny
 // depends on nothing but its own row of a: a sequence's numbers do not change with the other
 // sequences of its batch, with the number of threads, or between the full forward pass and the
 // one-token decode step.
+//
+// This file is the portable kernel: the float64 gradient checks use it, and so does float32 where
+// the CPU has no AVX2 or the build has the purego tag. Otherwise float32 products go through the
+// packed kernels of matmul_panels.go and matmul_amd64.s, which compute the same sums in the same
+// order, vectorised across elements of c rather than along k, and so give identical bits.
 
 const (
 	mmRowBlock = 16 // rows of a per task

@@ -23,18 +23,21 @@ type panels struct {
 func (p *panels) count() int { return (p.n + mmPanel - 1) / mmPanel }
 
 // packRows packs the n×k row-major matrix b.
-func packRows(threads int, b []float32, n, k int) panels {
+func packRows(threads int, b []float32, n, k int) panels { return packStrided(threads, b, n, k, k) }
+
+// packStrided packs the n×k matrix whose row j is b[j·stride : j·stride+k].
+func packStrided(threads int, b []float32, n, k, stride int) panels {
 	p := panels{n: n, k: k}
 	p.data = make([]float32, p.count()*k*mmPanel)
-	if k == 0 {
+	if k == 0 || n == 0 {
 		return p
 	}
-	_ = b[n*k-1]
+	_ = b[(n-1)*stride+k-1]
 	parallelFor(threads, p.count(), 1, func(lo, hi int) {
 		for q := lo; q < hi; q++ {
 			dst := p.data[q*k*mmPanel : (q+1)*k*mmPanel]
 			for j := q * mmPanel; j < min(q*mmPanel+mmPanel, n); j++ {
-				row := b[j*k : j*k+k]
+				row := b[j*stride : j*stride+k]
 				jj := j - q*mmPanel
 				for x, v := range row {
 					dst[x*mmPanel+jj] = v
@@ -147,4 +150,23 @@ func mmRowsTail(c, a []float32, rsa, csa int, b panels, i0, i1, j0, j1 int, tmp 
 			copy(c[i*n+j:i*n+j+w], tmp[:w])
 		}
 	}
+}
+
+// dotsMatrix returns D (rows×cols, row-major, in *buf) with D[t][s] = Σ_i a[t·lda+i]·b[s·ldb+i]
+// over i < k, each sum in order of i as attention's Go loops compute a dot product, through the
+// SIMD kernels on one thread (attention already runs a task per goroutine). It returns nil where
+// there are no such kernels, or for fewer than 8 rows, where packing b would cost more than it
+// saves; the caller computes the dot products itself then.
+func dotsMatrix[T Float](buf *[]float32, a []T, lda int, b []T, ldb int, rows, cols, k int) []T {
+	af, ok := any(a).([]float32)
+	if !ok || !haveSIMD || rows < 8 {
+		return nil
+	}
+	p := packStrided(1, any(b).([]float32), cols, k, ldb)
+	if cap(*buf) < rows*cols {
+		*buf = make([]float32, rows*cols)
+	}
+	d := (*buf)[:rows*cols]
+	mmPanels(1, d, af, lda, 1, p, rows, false)
+	return any(d).([]T)
 }
