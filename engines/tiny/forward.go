@@ -265,13 +265,24 @@ func addRows[T Float](threads int, dst, a, b []T) {
 func swiglu[T Float](threads int, act, sig, gate, up []T) {
 	parallelFor(threads, len(act), 1<<13, func(lo, hi int) {
 		var e [256]float64
+		var sbuf [256]float32
 		for b := lo; b < hi; b += len(e) {
 			n := min(len(e), hi-b)
-			for i := range n {
+			done := 0
+			if af, ok := any(act[b : b+n]).([]float32); ok {
+				// With AVX2: four at a time, the same operations (exp_amd64.s); a value it cannot
+				// take ends its run and the loops below do the rest of the chunk.
+				s := sbuf[:n]
+				if sig != nil {
+					s = any(sig[b : b+n]).([]float32)
+				}
+				done = swigluSIMD(af, s, any(gate[b:b+n]).([]float32), any(up[b:b+n]).([]float32))
+			}
+			for i := done; i < n; i++ {
 				e[i] = -math.Abs(float64(gate[b+i]))
 			}
-			expSlice(e[:n], e[:n])
-			for i := range n {
+			expSlice(e[done:n], e[done:n])
+			for i := done; i < n; i++ {
 				g := gate[b+i]
 				s := T(sigmoidExp(float64(g), e[i])) // = sigmoid64(g)
 				if sig != nil {

@@ -64,3 +64,55 @@ func TestSIMDForwardBackwardMatchPortable(t *testing.T) {
 		}
 	}
 }
+
+// SwiGLU with AVX2 gives the portable loop's bits for every gate: ±0, subnormals, infinities,
+// NaN, values beyond the vector exp's range, and lengths off the 4-wide blocks.
+func TestSwigluSIMDMatchesPortable(t *testing.T) {
+	if !haveSIMD {
+		t.Skip("no SIMD kernels on this CPU")
+	}
+	defer func(saved bool) { haveSIMD = saved }(haveSIMD)
+	r := rand.New(rand.NewPCG(13, 14))
+	specials := []float32{0, float32(math.Copysign(0, -1)), 1e-40, -1e-40, float32(math.Inf(1)), float32(math.Inf(-1)),
+		float32(math.NaN()), 706.9, -706.9, 707.1, -707.1, 800, -800, 3e38, -3e38, 88, -88, 1, -1}
+	const n = 5000
+	gate, up := make([]float32, n), make([]float32, n)
+	for i := range gate {
+		switch {
+		case i < len(specials):
+			gate[i] = specials[i]
+		case r.IntN(50) == 0:
+			gate[i] = specials[r.IntN(len(specials))]
+		default:
+			gate[i] = float32(4 * r.NormFloat64())
+		}
+		up[i] = float32(r.NormFloat64())
+	}
+	for _, off := range []int{0, 100} {
+		for _, m := range []int{n - 100, n - 101, 3, 7, 300} {
+			for _, withSig := range []bool{true, false} {
+				out := func(simd bool) ([]float32, []float32) {
+					haveSIMD = simd
+					act := make([]float32, m)
+					var sig []float32
+					if withSig {
+						sig = make([]float32, m)
+					}
+					// From 0 the specials come first; from 100 only now and then.
+					swiglu(2, act, sig, gate[off:off+m], up[off:off+m])
+					return act, sig
+				}
+				a0, s0 := out(false)
+				a1, s1 := out(true)
+				for i := range m {
+					if math.Float32bits(a0[i]) != math.Float32bits(a1[i]) && !(a0[i] != a0[i] && a1[i] != a1[i]) {
+						t.Fatalf("m=%d: act(gate %v, up %v) = %v with SIMD, %v without", m, gate[off+i], up[off+i], a1[i], a0[i])
+					}
+					if withSig && math.Float32bits(s0[i]) != math.Float32bits(s1[i]) && !(s0[i] != s0[i] && s1[i] != s1[i]) {
+						t.Fatalf("m=%d: σ(%v) = %v with SIMD, %v without", m, gate[off+i], s1[i], s0[i])
+					}
+				}
+			}
+		}
+	}
+}
