@@ -31,7 +31,10 @@
 // number of threads — and a training step maps the same weights and batch to the same new
 // weights, bit for bit. Every matrix element is one sequential sum (matMulT), attention has one
 // implementation for prefill, decode and training (attendRow), and exp and log are the package's
-// own so that no platform-dependent fused multiply-add changes a bit.
+// own so that no platform-dependent fused multiply-add changes a bit. On amd64 with AVX2 the
+// products, exp, SwiGLU and attention's sums run in Go assembly that vectorises across elements
+// and keeps each element's operations and their order, so its results equal the portable Go
+// code's bit for bit (the purego build tag selects the Go code).
 //
 // builtin:tiny-arith, embedded from builtin/, is the base model of the examples, trained by
 // `slimen pretrain` on synthetic:arith; docs/tiny.md has its recipe and measured speeds.
