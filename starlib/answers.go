@@ -2,6 +2,7 @@ package starlib
 
 import (
 	"fmt"
+	"math"
 	"regexp"
 	"strconv"
 	"strings"
@@ -116,52 +117,105 @@ func Extract(text string) (string, bool) {
 	return strings.TrimSpace(all[len(all)-1][1]), true
 }
 
-// Grading modes of Grade.
+// Grading modes of Grade, named after slime's rm_hub reward types.
 const (
-	GradeMath       = "math"       // \boxed{} anywhere in the response: 1 or 0
-	GradeDeepscaler = "deepscaler" // \boxed{} after the thinking: 1 or 0
-	GradeDAPO       = "dapo"       // "Answer: …" in the last 300 characters: 1 or -1
+	GradeMath       = "math"       // the last \boxed{} of the response: 1 or 0
+	GradeDeepscaler = "deepscaler" // the last \boxed{} after </think>: 1 or 0
+	GradeDAPO       = "dapo"       // "Answer: …" in the last 300 characters, as an integer: 1 or -1
+	GradeF1         = "f1"         // token F1 of the response against the label
+	GradeGPQA       = "gpqa"       // the chosen letter of a multiple-choice answer: 1 or 0
 )
 
-// dapoWindow is how many trailing characters DAPO's grader reads.
-const dapoWindow = 300
+// GradeOptions are Grade's departures from slime's verdict, all off by default.
+type GradeOptions struct {
+	// Lenient compares answers with Equal (normalised text, or numbers within 1e-9, so 2/4 and
+	// 0.3333333333 pass for 1/2 and 1/3) and reads answers with Boxed and Extract (an earlier box
+	// when the last is cut off, \fbox, a trimmed "Answer:" after a word boundary), instead of
+	// slime's SlimeEqual, SlimeBoxed and SlimeExtract. For math, deepscaler and dapo.
+	Lenient bool
+	// NoThinkOK makes deepscaler grade a response with no </think> whole (unless it opens a
+	// <think> it never closes), for models that write no think tags; slime scores it 0.
+	NoThinkOK bool
+	// Choices are the options of a gpqa question (slime's metadata "choices"), so that a label
+	// may be the text of the correct option and a response may name it instead of its letter.
+	Choices []string
+}
 
-// Grade scores a response against a label the way slime's rm_hub graders do:
+// Label is what Grade grades against: text, or a number as a script gives it.
+type Label struct {
+	Text    string
+	Number  bool    // the label was a number; Text is Python's str() of it
+	Value   float64 // the number, when Number
+	IsFloat bool    // the number was a float
+}
+
+// TextLabel is a label given as a string.
+func TextLabel(s string) Label { return Label{Text: s} }
+
+// Grade scores a response against a label as slime's rm_hub does for the reward type mode:
 //
-//   - "math": the last \boxed{} of the whole response equals the label → 1, else 0.
-//   - "deepscaler": the same, on the text after the last `</think>` → 1, else 0. A response with
-//     an unclosed `<think>` (cut off while thinking) scores 0. A response with no think tags at
-//     all is graded whole, because small models write none; requireThink makes it score 0, as
-//     slime does.
-//   - "dapo": the last `Answer: …` in the last 300 characters equals the label → 1, else -1,
-//     like slime's DAPO score (a missing answer is -1).
-//
-// Equality is Equal: normalised strings, or numbers within 1e-9. requireThink is only meaningful
-// for "deepscaler"; with another mode it is an error rather than silently ignored.
-func Grade(response, label, mode string, requireThink bool) (float64, error) {
-	if requireThink && mode != GradeDeepscaler {
+//   - "math": the last \boxed{…} of the response equals the label (SlimeEqual) → 1, else 0. A label
+//     in a box is unboxed; an empty or zero label scores 0.
+//   - "deepscaler": the same on the text after the last </think> (or after the first
+//     "###Response"); a response with neither scores 0.
+//   - "dapo": the last "Answer: …" of the last 300 characters, normalised as DAPO does, is the
+//     integer part of the label → 1, else -1. A label that is not a finite number is an error, as
+//     it is in slime.
+//   - "f1": SlimeF1 of the response and the label.
+//   - "gpqa": the letter the response chooses (or, failing that, the text of the correct option
+//     in the response) is the label's → 1, else 0. The label is a letter, an option's text, or the
+//     index of the correct option.
+func Grade(response string, label Label, mode string, opts GradeOptions) (float64, error) {
+	if opts.NoThinkOK && mode != GradeDeepscaler {
 		return 0, fmt.Errorf("require_think applies to mode %q only, not %q", GradeDeepscaler, mode)
+	}
+	if opts.Lenient && mode != GradeMath && mode != GradeDeepscaler && mode != GradeDAPO {
+		return 0, fmt.Errorf("lenient applies to modes %q, %q and %q, not %q", GradeMath, GradeDeepscaler, GradeDAPO, mode)
+	}
+	if opts.Choices != nil && mode != GradeGPQA {
+		return 0, fmt.Errorf("choices apply to mode %q only, not %q", GradeGPQA, mode)
 	}
 	switch mode {
 	case GradeMath:
-		return gradeBoxed(response, label), nil
+		if opts.Lenient {
+			return gradeBoxed(response, label.Text), nil
+		}
+		return slimeMath(response, label.Text, label.Text == "" || label.Number && label.Value == 0), nil
 	case GradeDeepscaler:
-		visible, ok := afterThinking(response, requireThink)
-		if !ok {
+		if opts.Lenient {
+			visible, ok := afterThinking(response, !opts.NoThinkOK)
+			if !ok {
+				return 0, nil
+			}
+			return gradeBoxed(visible, label.Text), nil
+		}
+		if opts.NoThinkOK && !strings.Contains(response, "</think>") && strings.Contains(response, "<think>") {
 			return 0, nil
 		}
-		return gradeBoxed(visible, label), nil
+		return slimeDeepscaler(response, label.Text, !opts.NoThinkOK), nil
 	case GradeDAPO:
-		tail := response
-		if r := []rune(response); len(r) > dapoWindow {
-			tail = string(r[len(r)-dapoWindow:])
+		if opts.Lenient {
+			tail := Truncate(response, dapoWindow, true)
+			if pred, ok := Extract(tail); ok && Equal(pred, label.Text) {
+				return 1, nil
+			}
+			return -1, nil
 		}
-		if pred, ok := Extract(tail); ok && Equal(pred, label) {
-			return 1, nil
+		score, ok := slimeDAPO(response, label.Text)
+		if !ok {
+			return 0, fmt.Errorf("mode %q needs a label that is a finite number (DAPO compares integers), got %q", GradeDAPO, label.Text)
 		}
-		return -1, nil
+		return score, nil
+	case GradeF1:
+		return SlimeF1(response, label.Text), nil
+	case GradeGPQA:
+		l := gpqaLabel{text: label.Text, isText: !label.Number}
+		if label.Number {
+			l.isIndex, l.index = true, int(label.Value)
+		}
+		return slimeGPQA(response, l, opts.Choices), nil
 	}
-	return 0, fmt.Errorf("unknown mode %q (want %q, %q or %q)", mode, GradeMath, GradeDeepscaler, GradeDAPO)
+	return 0, fmt.Errorf("unknown mode %q (want %q, %q, %q, %q or %q)", mode, GradeMath, GradeDeepscaler, GradeDAPO, GradeF1, GradeGPQA)
 }
 
 func gradeBoxed(text, label string) float64 {
@@ -182,11 +236,12 @@ func afterThinking(response string, requireThink bool) (string, bool) {
 	return response, true
 }
 
-// answerArg unpacks an answer: a string, a number (so a label of 42 compares to "42"), or None
-// for no answer.
+// answerArg unpacks an answer: a string, a number (so a label of 42 compares to "42", written as
+// Python's str() writes it, as slime sees it), or None for no answer.
 type answerArg struct {
 	s  string
 	ok bool
+	l  Label
 }
 
 func (a *answerArg) Unpack(v starlark.Value) error {
@@ -194,15 +249,44 @@ func (a *answerArg) Unpack(v starlark.Value) error {
 	case starlark.NoneType:
 		*a = answerArg{}
 	case starlark.String:
-		*a = answerArg{string(v), true}
+		*a = answerArg{s: string(v), ok: true, l: TextLabel(string(v))}
 	case starlark.Int:
-		*a = answerArg{v.String(), true}
+		f, _ := starlark.AsFloat(v)
+		*a = answerArg{s: v.String(), ok: true, l: Label{Text: v.String(), Number: true, Value: f}}
 	case starlark.Float:
-		*a = answerArg{strconv.FormatFloat(float64(v), 'g', -1, 64), true}
+		s := pyFloatRepr(float64(v))
+		*a = answerArg{s: s, ok: true, l: Label{Text: s, Number: true, Value: float64(v), IsFloat: true}}
 	default:
 		return fmt.Errorf("got %s, want string, int, float or None", v.Type())
 	}
 	return nil
+}
+
+// pyFloatRepr writes a float as Python's repr does: "5.0", "0.0001", "1e-05", "1e+16".
+func pyFloatRepr(f float64) string {
+	switch {
+	case math.IsInf(f, 1):
+		return "inf"
+	case math.IsInf(f, -1):
+		return "-inf"
+	case math.IsNaN(f):
+		return "nan"
+	}
+	sci := strconv.FormatFloat(f, 'e', -1, 64)
+	mant, expText, _ := strings.Cut(sci, "e")
+	exp, _ := strconv.Atoi(expText)
+	if exp < -4 || exp >= 16 {
+		sign := "+"
+		if exp < 0 {
+			sign, exp = "-", -exp
+		}
+		return fmt.Sprintf("%se%s%02d", mant, sign, exp)
+	}
+	s := strconv.FormatFloat(f, 'f', -1, 64)
+	if !strings.Contains(s, ".") {
+		s += ".0"
+	}
+	return s
 }
 
 // stringOrNone is the Starlark result of an extraction.
@@ -213,20 +297,30 @@ func stringOrNone(s string, ok bool) starlark.Value {
 	return starlark.String(s)
 }
 
+// answersBoxed is slime's reading of a box unless lenient=True.
 func answersBoxed(_ *starlark.Thread, b *starlark.Builtin, args starlark.Tuple, kwargs []starlark.Tuple) (starlark.Value, error) {
 	var text string
-	if err := starlark.UnpackArgs(b.Name(), args, kwargs, "text", &text); err != nil {
+	var lenient bool
+	if err := starlark.UnpackArgs(b.Name(), args, kwargs, "text", &text, "lenient?", &lenient); err != nil {
 		return nil, err
 	}
-	return stringOrNone(Boxed(text)), nil
+	if lenient {
+		return stringOrNone(Boxed(text)), nil
+	}
+	return stringOrNone(SlimeBoxed(text)), nil
 }
 
+// answersExtract is DAPO's reading of an "Answer:" line unless lenient=True.
 func answersExtract(_ *starlark.Thread, b *starlark.Builtin, args starlark.Tuple, kwargs []starlark.Tuple) (starlark.Value, error) {
 	var text string
-	if err := starlark.UnpackArgs(b.Name(), args, kwargs, "text", &text); err != nil {
+	var lenient bool
+	if err := starlark.UnpackArgs(b.Name(), args, kwargs, "text", &text, "lenient?", &lenient); err != nil {
 		return nil, err
 	}
-	return stringOrNone(Extract(text)), nil
+	if lenient {
+		return stringOrNone(Extract(text)), nil
+	}
+	return stringOrNone(SlimeExtract(text)), nil
 }
 
 // answersNormalize passes None through, so normalize(boxed(t)) needs no check.
@@ -241,26 +335,48 @@ func answersNormalize(_ *starlark.Thread, b *starlark.Builtin, args starlark.Tup
 	return starlark.String(Normalize(s.s)), nil
 }
 
+// answersEqual is slime's comparison of an answer a with a true answer b unless lenient=True.
 func answersEqual(_ *starlark.Thread, b *starlark.Builtin, args starlark.Tuple, kwargs []starlark.Tuple) (starlark.Value, error) {
 	var x, y answerArg
-	if err := starlark.UnpackArgs(b.Name(), args, kwargs, "a", &x, "b", &y); err != nil {
+	var lenient bool
+	if err := starlark.UnpackArgs(b.Name(), args, kwargs, "a", &x, "b", &y, "lenient?", &lenient); err != nil {
 		return nil, err
 	}
-	return starlark.Bool(x.ok && y.ok && Equal(x.s, y.s)), nil
+	if !x.ok || !y.ok {
+		return starlark.False, nil
+	}
+	if lenient {
+		return starlark.Bool(Equal(x.s, y.s)), nil
+	}
+	return starlark.Bool(SlimeEqual(x.s, y.s)), nil
 }
 
-// answersGrade accepts a list of labels too (any match counts), as slime's graders do for
-// problems with several accepted answers.
+// answersGrade accepts a list of labels too (the best score counts), for problems with several
+// accepted answers.
 func answersGrade(_ *starlark.Thread, b *starlark.Builtin, args starlark.Tuple, kwargs []starlark.Tuple) (starlark.Value, error) {
 	var (
 		response     string
 		label        starlark.Value
 		mode         = GradeMath
-		requireThink bool
+		requireThink = true
+		lenient      bool
+		choices      *starlark.List
 	)
 	if err := starlark.UnpackArgs(b.Name(), args, kwargs,
-		"response", &response, "label", &label, "mode?", &mode, "require_think?", &requireThink); err != nil {
+		"response", &response, "label", &label, "mode?", &mode, "require_think?", &requireThink,
+		"lenient?", &lenient, "choices?", &choices); err != nil {
 		return nil, err
+	}
+	opts := GradeOptions{Lenient: lenient, NoThinkOK: !requireThink}
+	if choices != nil {
+		opts.Choices = []string{}
+		for i := 0; i < choices.Len(); i++ {
+			var a answerArg
+			if err := a.Unpack(choices.Index(i)); err != nil || !a.ok {
+				return nil, fmt.Errorf("%s: for parameter choices: element %d is %s, want string", b.Name(), i, choices.Index(i).Type())
+			}
+			opts.Choices = append(opts.Choices, a.s)
+		}
 	}
 	labels, err := gradeLabels(label)
 	if err != nil {
@@ -268,7 +384,7 @@ func answersGrade(_ *starlark.Thread, b *starlark.Builtin, args starlark.Tuple, 
 	}
 	best := 0.0
 	for i, l := range labels {
-		score, err := Grade(response, l, mode, requireThink)
+		score, err := Grade(response, l, mode, opts)
 		if err != nil {
 			return nil, fmt.Errorf("%s: %v", b.Name(), err)
 		}
@@ -279,7 +395,7 @@ func answersGrade(_ *starlark.Thread, b *starlark.Builtin, args starlark.Tuple, 
 	return starlark.Float(best), nil
 }
 
-func gradeLabels(v starlark.Value) ([]string, error) {
+func gradeLabels(v starlark.Value) ([]Label, error) {
 	if _, ok := v.(starlark.NoneType); ok {
 		return nil, fmt.Errorf("got None; this task has no label to grade against")
 	}
@@ -289,9 +405,9 @@ func gradeLabels(v starlark.Value) ([]string, error) {
 		if err := a.Unpack(v); err != nil {
 			return nil, fmt.Errorf("got %s, want string, int, float or a list of them", v.Type())
 		}
-		return []string{a.s}, nil
+		return []Label{a.l}, nil
 	}
-	var labels []string
+	var labels []Label
 	it := seq.Iterate()
 	defer it.Done()
 	var x starlark.Value
@@ -300,7 +416,7 @@ func gradeLabels(v starlark.Value) ([]string, error) {
 		if err := a.Unpack(x); err != nil || !a.ok {
 			return nil, fmt.Errorf("element %d is %s, want string, int or float", i, x.Type())
 		}
-		labels = append(labels, a.s)
+		labels = append(labels, a.l)
 	}
 	if len(labels) == 0 {
 		return nil, fmt.Errorf("got an empty %s; give at least one accepted answer", v.Type())

@@ -172,22 +172,22 @@ func TestGrade(t *testing.T) {
 		{`<think>x</think>\boxed{5}`, "5", GradeDeepscaler, true, 1},
 
 		{"work\nAnswer: 5", "5", GradeDAPO, false, 1},
-		{"Answer: 5.", "5", GradeDAPO, false, 1},
+		{"Answer: 5.", "5", GradeDAPO, false, -1}, // DAPO keeps the period
 		{"Answer: 4", "5", GradeDAPO, false, -1},
 		{`\boxed{5}`, "5", GradeDAPO, false, -1},
 		{long, "5", GradeDAPO, false, -1},
 		{short, "5", GradeDAPO, false, 1},
 	}
 	for _, c := range cases {
-		got, err := Grade(c.response, c.label, c.mode, c.requireThink)
+		got, err := Grade(c.response, TextLabel(c.label), c.mode, GradeOptions{NoThinkOK: !c.requireThink && c.mode == GradeDeepscaler})
 		if err != nil || got != c.want {
 			t.Errorf("Grade(%q, %q, %s, %v) = %v, %v; want %v", c.response, c.label, c.mode, c.requireThink, got, err, c.want)
 		}
 	}
-	if _, err := Grade("x", "5", "exact", false); err == nil {
+	if _, err := Grade("x", TextLabel("5"), "exact", GradeOptions{}); err == nil {
 		t.Error("Grade with an unknown mode succeeded")
 	}
-	if _, err := Grade("x", "5", GradeMath, true); err == nil {
+	if _, err := Grade("x", TextLabel("5"), GradeMath, GradeOptions{NoThinkOK: true}); err == nil {
 		t.Error("Grade accepted require_think for mode math")
 	}
 }
@@ -211,7 +211,20 @@ func TestAnswersScript(t *testing.T) {
 		{src: `got = grade("x", None)`, wantErr: "answers.grade: for parameter label: got None; this task has no label"},
 		{src: `got = grade("x", [])`, wantErr: "answers.grade: for parameter label: got an empty list"},
 		{src: `got = grade("x", "1", mode = "exact")`, wantErr: `answers.grade: unknown mode "exact"`},
-		{src: `got = grade("x", "1", require_think = True)`, wantErr: `answers.grade: require_think applies to mode "deepscaler" only`},
+		{src: `got = grade("x", "1", require_think = False)`, wantErr: `answers.grade: require_think applies to mode "deepscaler" only`},
+		{src: `got = grade("\\boxed{5}", "5", mode = "deepscaler")`, want: "0.0"},
+		{src: `got = grade("\\boxed{5}", "5", mode = "deepscaler", require_think = False)`, want: "1.0"},
+		{src: `got = grade("<think>\\boxed{5}", "5", mode = "deepscaler", require_think = False)`, want: "0.0"},
+		{src: `got = [grade("\\boxed{2/4}", "1/2"), grade("\\boxed{2/4}", "1/2", lenient = True)]`, want: "[0.0, 1.0]"},
+		{src: `got = [equal("0.3333333333", "1/3"), equal("0.3333333333", "1/3", lenient = True)]`, want: "[False, True]"},
+		{src: `got = [boxed("\\boxed{1} \\boxed{2"), boxed("\\boxed{1} \\boxed{2", lenient = True)]`, want: `[None, "1"]`},
+		{src: `got = [extract("FinalAnswer: 5 "), extract("FinalAnswer: 5 ", lenient = True)]`, want: `["5 ", None]`},
+		{src: `got = grade("The capital is Rome", "Rome", mode = "gpqa", choices = ["Paris", "Rome"])`, want: "1.0"},
+		{src: `got = grade("Answer: B", 1, mode = "gpqa")`, want: "1.0"},
+		{src: `got = grade("the cat", "a cat sat", mode = "f1")`, want: "0.6666666666666666"},
+		{src: `got = grade("Answer: 5", "five", mode = "dapo")`, wantErr: `answers.grade: mode "dapo" needs a label that is a finite number`},
+		{src: `got = grade("x", "1", lenient = True, mode = "f1")`, wantErr: `answers.grade: lenient applies to modes`},
+		{src: `got = grade("x", "1", choices = ["a"])`, wantErr: `answers.grade: choices apply to mode "gpqa" only`},
 		{src: `got = grade("x", "1", mood = "math")`, wantErr: "answers.grade: unexpected keyword argument"},
 	})
 }

@@ -15,7 +15,7 @@ func ExampleEqual() {
 func ExampleGrade() {
 	response := `<think>2 + 2 is \boxed{5}?</think> No: \boxed{4}`
 	for _, mode := range []string{starlib.GradeMath, starlib.GradeDeepscaler, starlib.GradeDAPO} {
-		score, _ := starlib.Grade(response, "4", mode, false)
+		score, _ := starlib.Grade(response, starlib.TextLabel("4"), mode, starlib.GradeOptions{})
 		fmt.Println(mode, score)
 	}
 	// Output:

@@ -233,7 +233,7 @@ func textF1(_ *starlark.Thread, b *starlark.Builtin, args starlark.Tuple, kwargs
 	if err := starlark.UnpackArgs(b.Name(), args, kwargs, "prediction", &prediction, "reference", &reference); err != nil {
 		return nil, err
 	}
-	return starlark.Float(F1(prediction, reference)), nil
+	return starlark.Float(SlimeF1(prediction, reference)), nil
 }
 
 func textFind(_ *starlark.Thread, b *starlark.Builtin, args starlark.Tuple, kwargs []starlark.Tuple) (starlark.Value, error) {

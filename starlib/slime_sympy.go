@@ -1,0 +1,686 @@
+package starlib
+
+import (
+	"errors"
+	"math"
+	"math/big"
+	"math/cmplx"
+	"sort"
+	"strings"
+	"unicode"
+)
+
+// This file decides what slime's math grader decides with sympy: whether sympy.simplify of
+// "(a)-(b)", parsed by sympy's parse_expr with implicit multiplication and application, is 0.
+// Instead of a computer algebra system it evaluates the difference: exactly, in rationals, while
+// the expression stays rational (symbols take fixed rational values, two sets of them); with
+// sympy's Float precision where the answer has decimals; numerically, in complex numbers, once a
+// square root, pi or a logarithm makes it irrational. An identity sympy proves evaluates to 0 at
+// every point; a difference that is not 0 for all values almost never is at these points.
+
+// exprKind is how a value is known.
+type exprKind int
+
+const (
+	exactValue  exprKind = iota // a rational number, exactly
+	floatValue                  // a sympy Float: a binary float of a given precision
+	approxValue                 // an irrational number, in complex128
+)
+
+type exprValue struct {
+	kind     exprKind
+	r        *big.Rat
+	f        *big.Float
+	c        complex128
+	hasFloat bool // a Float took part
+}
+
+var errNotEvaluable = errors.New("not an expression slimen evaluates")
+
+func exactOf(r *big.Rat) exprValue { return exprValue{kind: exactValue, r: r} }
+
+func (v exprValue) complex() complex128 {
+	switch v.kind {
+	case exactValue:
+		f, _ := v.r.Float64()
+		return complex(f, 0)
+	case floatValue:
+		f, _ := v.f.Float64()
+		return complex(f, 0)
+	}
+	return v.c
+}
+
+func approxOf(c complex128, hasFloat bool) (exprValue, error) {
+	if cmplx.IsNaN(c) || cmplx.IsInf(c) {
+		return exprValue{}, errNotEvaluable
+	}
+	return exprValue{kind: approxValue, c: c, hasFloat: hasFloat}, nil
+}
+
+// floatPair converts both operands to sympy Floats of the larger precision.
+func floatPair(a, b exprValue) (*big.Float, *big.Float, uint) {
+	prec := uint(0)
+	for _, v := range []exprValue{a, b} {
+		if v.kind == floatValue && v.f.Prec() > prec {
+			prec = v.f.Prec()
+		}
+	}
+	conv := func(v exprValue) *big.Float {
+		if v.kind == floatValue {
+			return v.f
+		}
+		return new(big.Float).SetPrec(prec).SetRat(v.r)
+	}
+	return conv(a), conv(b), prec
+}
+
+func binaryOp(op byte, a, b exprValue) (exprValue, error) {
+	hasFloat := a.hasFloat || b.hasFloat || a.kind == floatValue || b.kind == floatValue
+	if op == '/' {
+		if b.kind == exactValue && b.r.Sign() == 0 || b.kind == floatValue && b.f.Sign() == 0 {
+			return exprValue{}, errNotEvaluable // sympy's zoo: never equal to anything
+		}
+	}
+	if a.kind == approxValue || b.kind == approxValue {
+		x, y := a.complex(), b.complex()
+		switch op {
+		case '+':
+			return approxOf(x+y, hasFloat)
+		case '-':
+			return approxOf(x-y, hasFloat)
+		case '*':
+			return approxOf(x*y, hasFloat)
+		case '/':
+			if y == 0 {
+				return exprValue{}, errNotEvaluable
+			}
+			return approxOf(x/y, hasFloat)
+		}
+	}
+	if a.kind == exactValue && b.kind == exactValue {
+		z := new(big.Rat)
+		switch op {
+		case '+':
+			z.Add(a.r, b.r)
+		case '-':
+			z.Sub(a.r, b.r)
+		case '*':
+			z.Mul(a.r, b.r)
+		case '/':
+			z.Quo(a.r, b.r)
+		}
+		return exactOf(z), nil
+	}
+	x, y, prec := floatPair(a, b)
+	z := new(big.Float).SetPrec(prec)
+	switch op {
+	case '+':
+		z.Add(x, y)
+	case '-':
+		z.Sub(x, y)
+	case '*':
+		z.Mul(x, y)
+	case '/':
+		z.Quo(x, y)
+	}
+	if z.IsInf() {
+		return exprValue{}, errNotEvaluable
+	}
+	return exprValue{kind: floatValue, f: z, hasFloat: true}, nil
+}
+
+// maxExactBits bounds the size of exact powers and factorials; larger ones are evaluated
+// numerically.
+const maxExactBits = 1 << 14
+
+func powValue(a, b exprValue) (exprValue, error) {
+	hasFloat := a.hasFloat || b.hasFloat || a.kind == floatValue || b.kind == floatValue
+	if b.kind == exactValue && b.r.IsInt() && b.r.Num().IsInt64() {
+		n := b.r.Num().Int64()
+		switch a.kind {
+		case exactValue:
+			if a.r.Sign() == 0 && n < 0 {
+				return exprValue{}, errNotEvaluable
+			}
+			if bits := int64(a.r.Num().BitLen()+a.r.Denom().BitLen()) * abs64(n); bits <= maxExactBits {
+				return exactOf(ratPow(a.r, n)), nil
+			}
+		case floatValue:
+			if abs64(n) <= 64 && !(a.f.Sign() == 0 && n < 0) {
+				z := new(big.Float).SetPrec(a.f.Prec()).SetInt64(1)
+				for i := int64(0); i < abs64(n); i++ {
+					z.Mul(z, a.f)
+				}
+				if n < 0 {
+					z.Quo(new(big.Float).SetPrec(a.f.Prec()).SetInt64(1), z)
+				}
+				return exprValue{kind: floatValue, f: z, hasFloat: true}, nil
+			}
+		}
+	}
+	if a.kind == exactValue && b.kind == exactValue && a.r.Sign() > 0 {
+		// A rational power of a rational that is a perfect power stays exact: 4^(1/2) = 2.
+		q := b.r.Denom()
+		if q.IsInt64() && q.Int64() <= 16 && b.r.Num().IsInt64() {
+			num, ok1 := intRoot(a.r.Num(), q.Int64())
+			den, ok2 := intRoot(a.r.Denom(), q.Int64())
+			if ok1 && ok2 {
+				return powValue(exactOf(new(big.Rat).SetFrac(num, den)), exactOf(new(big.Rat).SetInt(b.r.Num())))
+			}
+		}
+	}
+	x, y := a.complex(), b.complex()
+	if x == 0 {
+		if real(y) > 0 {
+			return approxOf(0, hasFloat)
+		}
+		return exprValue{}, errNotEvaluable
+	}
+	if imag(x) == 0 && real(x) > 0 && imag(y) == 0 {
+		return approxOf(complex(math.Pow(real(x), real(y)), 0), hasFloat)
+	}
+	return approxOf(cmplx.Pow(x, y), hasFloat)
+}
+
+func abs64(n int64) int64 {
+	if n < 0 {
+		return -n
+	}
+	return n
+}
+
+func ratPow(r *big.Rat, n int64) *big.Rat {
+	num := new(big.Int).Exp(r.Num(), big.NewInt(abs64(n)), nil)
+	den := new(big.Int).Exp(r.Denom(), big.NewInt(abs64(n)), nil)
+	if n < 0 {
+		if num.Sign() < 0 {
+			num.Neg(num)
+			den.Neg(den)
+		}
+		return new(big.Rat).SetFrac(den, num)
+	}
+	return new(big.Rat).SetFrac(num, den)
+}
+
+// intRoot returns the q-th root of a non-negative integer when it is an integer.
+func intRoot(x *big.Int, q int64) (*big.Int, bool) {
+	if x.Sign() < 0 {
+		return nil, false
+	}
+	if q == 2 {
+		r := new(big.Int).Sqrt(x)
+		return r, new(big.Int).Mul(r, r).Cmp(x) == 0
+	}
+	f, _ := new(big.Float).SetInt(x).Float64()
+	guess := big.NewInt(int64(math.Round(math.Pow(f, 1/float64(q)))))
+	if math.IsInf(f, 0) || f > 1<<62 {
+		return nil, false
+	}
+	for _, d := range []int64{-1, 0, 1} {
+		g := new(big.Int).Add(guess, big.NewInt(d))
+		if g.Sign() >= 0 && new(big.Int).Exp(g, big.NewInt(q), nil).Cmp(x) == 0 {
+			return g, true
+		}
+	}
+	return nil, false
+}
+
+// exprNode is a parsed expression.
+type exprNode struct {
+	op       byte // 'n' number, 's' symbol, 'p' pi, 'f' function call, '+', '-', '*', '/', '^', '~' negation, '!' factorial
+	value    exprValue
+	name     string
+	children []*exprNode
+}
+
+type exprToken struct {
+	kind byte // 'n' number, 'a' name, 'o' operator
+	text string
+}
+
+// pythonKeywords cannot be names in a Python expression.
+var pythonKeywords = map[string]bool{
+	"False": true, "None": true, "True": true, "and": true, "as": true, "assert": true, "async": true,
+	"await": true, "break": true, "class": true, "continue": true, "def": true, "del": true, "elif": true,
+	"else": true, "except": true, "finally": true, "for": true, "from": true, "global": true, "if": true,
+	"import": true, "in": true, "is": true, "lambda": true, "nonlocal": true, "not": true, "or": true,
+	"pass": true, "raise": true, "return": true, "try": true, "while": true, "with": true, "yield": true,
+}
+
+// sympyFunctions are the sympy functions slimen evaluates; sympyOtherNames are the other sympy
+// names an answer that passes slime's two-letter gate can spell, which slimen does not evaluate.
+var (
+	sympyFunctions  = map[string]bool{"sqrt": true, "ln": true, "log": true, "exp": true}
+	sympyOtherNames = map[string]bool{"nan": true, "oo": true, "zoo": true, "gff": true, "rf": true, "ff": true,
+		"re": true, "im": true, "csc": true, "li": true, "jn": true, "yn": true, "hn1": true, "hn2": true,
+		"fft": true, "ntt": true, "fu": true, "eye": true, "sin": true, "cos": true, "tan": true, "E": true,
+		"I": true, "S": true, "N": true, "O": true, "Q": true}
+	// greekNames are names sympy keeps whole instead of splitting into letters.
+	greekNames = map[string]bool{"mu": true, "nu": true, "xi": true, "pi": true}
+)
+
+func isNameStart(r rune) bool { return r == '_' || unicode.IsLetter(r) }
+func isNameChar(r rune) bool {
+	return r == '_' || unicode.IsLetter(r) || unicode.IsDigit(r) || unicode.Is(unicode.Mn, r) || unicode.Is(unicode.Mc, r)
+}
+
+// tokenizeExpr splits a Python expression, sympy's transformations applied: a name that is not a
+// sympy name is split into one symbol per letter and numbers for runs of digits ("x2" is x*2).
+func tokenizeExpr(s string) ([]exprToken, error) {
+	var out []exprToken
+	rs := []rune(s)
+	for i := 0; i < len(rs); {
+		r := rs[i]
+		switch {
+		case r == ' ' || r == '\t':
+			i++
+		case r >= '0' && r <= '9' || r == '.' && i+1 < len(rs) && rs[i+1] >= '0' && rs[i+1] <= '9':
+			j := i
+			for j < len(rs) && (rs[j] >= '0' && rs[j] <= '9' || rs[j] == '_' && j+1 < len(rs) && rs[j+1] >= '0' && rs[j+1] <= '9') {
+				j++
+			}
+			if j < len(rs) && rs[j] == '.' {
+				j++
+				for j < len(rs) && rs[j] >= '0' && rs[j] <= '9' {
+					j++
+				}
+			}
+			if j < len(rs) && (rs[j] == 'e' || rs[j] == 'E') {
+				k := j + 1
+				if k < len(rs) && (rs[k] == '+' || rs[k] == '-') {
+					k++
+				}
+				if k < len(rs) && rs[k] >= '0' && rs[k] <= '9' {
+					for k < len(rs) && rs[k] >= '0' && rs[k] <= '9' {
+						k++
+					}
+					j = k
+				}
+			}
+			if j < len(rs) && (rs[j] == 'j' || rs[j] == 'J' || rs[j] == 'x' || rs[j] == 'o' || rs[j] == 'b') && string(rs[i:j]) == "0" {
+				return nil, errNotEvaluable // 0x, 0o, 0b literals
+			}
+			if j < len(rs) && (rs[j] == 'j' || rs[j] == 'J') {
+				return nil, errNotEvaluable // an imaginary literal
+			}
+			text := strings.ReplaceAll(string(rs[i:j]), "_", "")
+			if len(text) > 1 && text[0] == '0' && !strings.ContainsAny(text, ".eE") && strings.Trim(text, "0") != "" {
+				return nil, errNotEvaluable // Python rejects 07
+			}
+			out = append(out, exprToken{'n', text})
+			i = j
+		case isNameStart(r):
+			j := i
+			for j < len(rs) && isNameChar(rs[j]) {
+				j++
+			}
+			name := string(rs[i:j])
+			i = j
+			if pythonKeywords[name] {
+				return nil, errNotEvaluable
+			}
+			if name == "pi" || sympyFunctions[name] || sympyOtherNames[name] || greekNames[name] ||
+				strings.Contains(name, "_") || len([]rune(name)) == 1 {
+				out = append(out, exprToken{'a', name})
+				continue
+			}
+			nr := []rune(name)
+			for k := 0; k < len(nr); {
+				if nr[k] >= '0' && nr[k] <= '9' {
+					m := k
+					for m < len(nr) && nr[m] >= '0' && nr[m] <= '9' {
+						m++
+					}
+					out = append(out, exprToken{'n', string(nr[k:m])})
+					k = m
+					continue
+				}
+				out = append(out, exprToken{'a', string(nr[k])})
+				k++
+			}
+		case r == '*' && i+1 < len(rs) && rs[i+1] == '*':
+			out = append(out, exprToken{'o', "**"})
+			i += 2
+		case strings.ContainsRune("+-*/()!", r):
+			if r == '/' && i+1 < len(rs) && rs[i+1] == '/' {
+				return nil, errNotEvaluable
+			}
+			out = append(out, exprToken{'o', string(r)})
+			i++
+		default:
+			return nil, errNotEvaluable
+		}
+	}
+	return out, nil
+}
+
+type exprParser struct {
+	toks []exprToken
+	i    int
+}
+
+// parseExpr parses a Python expression with sympy's implicit multiplication ("2x", "x(x+1)",
+// "(1)(2)") and application ("sqrt 2").
+func parseExpr(s string) (*exprNode, error) {
+	toks, err := tokenizeExpr(s)
+	if err != nil {
+		return nil, err
+	}
+	p := &exprParser{toks: toks}
+	n, err := p.sum()
+	if err != nil {
+		return nil, err
+	}
+	if p.i != len(p.toks) {
+		return nil, errNotEvaluable
+	}
+	return n, nil
+}
+
+func (p *exprParser) peek() (exprToken, bool) {
+	if p.i < len(p.toks) {
+		return p.toks[p.i], true
+	}
+	return exprToken{}, false
+}
+
+func (p *exprParser) isOp(s string) bool {
+	t, ok := p.peek()
+	return ok && t.kind == 'o' && t.text == s
+}
+
+func (p *exprParser) sum() (*exprNode, error) {
+	left, err := p.product()
+	if err != nil {
+		return nil, err
+	}
+	for p.isOp("+") || p.isOp("-") {
+		op := p.toks[p.i].text[0]
+		p.i++
+		right, err := p.product()
+		if err != nil {
+			return nil, err
+		}
+		left = &exprNode{op: op, children: []*exprNode{left, right}}
+	}
+	return left, nil
+}
+
+// startsAtom reports whether the next token can begin a factor multiplied implicitly.
+func (p *exprParser) startsAtom() bool {
+	t, ok := p.peek()
+	return ok && (t.kind != 'o' || t.text == "(")
+}
+
+func (p *exprParser) product() (*exprNode, error) {
+	left, err := p.unary()
+	if err != nil {
+		return nil, err
+	}
+	for {
+		var op byte
+		switch {
+		case p.isOp("*"):
+			op = '*'
+			p.i++
+		case p.isOp("/"):
+			op = '/'
+			p.i++
+		case p.startsAtom():
+			op = '*'
+		default:
+			return left, nil
+		}
+		right, err := p.unary()
+		if err != nil {
+			return nil, err
+		}
+		left = &exprNode{op: op, children: []*exprNode{left, right}}
+	}
+}
+
+func (p *exprParser) unary() (*exprNode, error) {
+	if p.isOp("-") || p.isOp("+") {
+		neg := p.toks[p.i].text == "-"
+		p.i++
+		x, err := p.unary()
+		if err != nil || !neg {
+			return x, err
+		}
+		return &exprNode{op: '~', children: []*exprNode{x}}, nil
+	}
+	return p.power()
+}
+
+func (p *exprParser) power() (*exprNode, error) {
+	base, err := p.postfix()
+	if err != nil {
+		return nil, err
+	}
+	if p.isOp("**") {
+		p.i++
+		exp, err := p.unary()
+		if err != nil {
+			return nil, err
+		}
+		return &exprNode{op: '^', children: []*exprNode{base, exp}}, nil
+	}
+	return base, nil
+}
+
+func (p *exprParser) postfix() (*exprNode, error) {
+	x, err := p.atom()
+	if err != nil {
+		return nil, err
+	}
+	for p.isOp("!") {
+		p.i++
+		x = &exprNode{op: '!', children: []*exprNode{x}}
+	}
+	return x, nil
+}
+
+func (p *exprParser) atom() (*exprNode, error) {
+	t, ok := p.peek()
+	if !ok {
+		return nil, errNotEvaluable
+	}
+	p.i++
+	switch t.kind {
+	case 'n':
+		v, err := numberLiteral(t.text)
+		if err != nil {
+			return nil, err
+		}
+		return &exprNode{op: 'n', value: v}, nil
+	case 'a':
+		switch {
+		case t.text == "pi":
+			return &exprNode{op: 'p'}, nil
+		case sympyFunctions[t.text]:
+			var arg *exprNode
+			var err error
+			if p.isOp("(") {
+				arg, err = p.atom()
+			} else if p.startsAtom() {
+				arg, err = p.postfix() // sympy's implicit application: "sqrt 2" is sqrt(2)
+			} else {
+				err = errNotEvaluable
+			}
+			if err != nil {
+				return nil, err
+			}
+			return &exprNode{op: 'f', name: t.text, children: []*exprNode{arg}}, nil
+		case sympyOtherNames[t.text]:
+			return nil, errNotEvaluable
+		}
+		return &exprNode{op: 's', name: t.text}, nil
+	}
+	if t.text != "(" {
+		return nil, errNotEvaluable
+	}
+	x, err := p.sum()
+	if err != nil {
+		return nil, err
+	}
+	if !p.isOp(")") {
+		return nil, errNotEvaluable
+	}
+	p.i++
+	return x, nil
+}
+
+// numberLiteral is sympy's reading of a number: an Integer, or a Float of at least 15 significant
+// digits' precision (more when the literal has more digits).
+func numberLiteral(text string) (exprValue, error) {
+	if !strings.ContainsAny(text, ".eE") {
+		n, ok := new(big.Int).SetString(text, 10)
+		if !ok {
+			return exprValue{}, errNotEvaluable
+		}
+		return exactOf(new(big.Rat).SetInt(n)), nil
+	}
+	mant := text
+	if i := strings.IndexAny(mant, "eE"); i >= 0 {
+		mant = mant[:i]
+	}
+	digits := strings.TrimLeft(strings.ReplaceAll(mant, ".", ""), "0")
+	dps := max(15, len(digits))
+	prec := uint(max(1, int(math.Round(float64(dps+1)*3.3219280948873626))))
+	r, ok := new(big.Rat).SetString(text)
+	if !ok {
+		return exprValue{}, errNotEvaluable
+	}
+	f := new(big.Float).SetPrec(prec).SetRat(r)
+	return exprValue{kind: floatValue, f: f, hasFloat: true}, nil
+}
+
+// symbolPoints are the values symbols take, one set per evaluation: rationals of both signs, so
+// that sqrt(x^2) is not x.
+var symbolPoints = [][]*big.Rat{
+	{big.NewRat(37, 17), big.NewRat(-41, 13), big.NewRat(23, 29)},
+	{big.NewRat(-19, 11), big.NewRat(53, 31), big.NewRat(-7, 43)},
+}
+
+func (n *exprNode) eval(symbols map[string]*big.Rat) (exprValue, error) {
+	switch n.op {
+	case 'n':
+		return n.value, nil
+	case 's':
+		return exactOf(symbols[n.name]), nil
+	case 'p':
+		return approxOf(complex(math.Pi, 0), false)
+	}
+	args := make([]exprValue, len(n.children))
+	for i, c := range n.children {
+		v, err := c.eval(symbols)
+		if err != nil {
+			return exprValue{}, err
+		}
+		args[i] = v
+	}
+	switch n.op {
+	case '+', '-', '*', '/':
+		return binaryOp(n.op, args[0], args[1])
+	case '^':
+		return powValue(args[0], args[1])
+	case '~':
+		return binaryOp('*', exactOf(big.NewRat(-1, 1)), args[0])
+	case '!':
+		a := args[0]
+		if a.kind != exactValue || !a.r.IsInt() || a.r.Sign() < 0 || a.r.Num().Cmp(big.NewInt(1000)) > 0 {
+			return exprValue{}, errNotEvaluable
+		}
+		return exactOf(new(big.Rat).SetInt(new(big.Int).MulRange(1, a.r.Num().Int64()))), nil
+	case 'f':
+		a := args[0]
+		switch n.name {
+		case "sqrt":
+			return powValue(a, exactOf(big.NewRat(1, 2)))
+		case "ln", "log":
+			if a.kind == exactValue && a.r.Cmp(big.NewRat(1, 1)) == 0 {
+				return exactOf(new(big.Rat)), nil
+			}
+			if a.complex() == 0 {
+				return exprValue{}, errNotEvaluable
+			}
+			return approxOf(cmplx.Log(a.complex()), a.hasFloat || a.kind == floatValue)
+		case "exp":
+			if a.kind == exactValue && a.r.Sign() == 0 {
+				return exactOf(big.NewRat(1, 1)), nil
+			}
+			return approxOf(cmplx.Exp(a.complex()), a.hasFloat || a.kind == floatValue)
+		}
+	}
+	return exprValue{}, errNotEvaluable
+}
+
+func (n *exprNode) collectSymbols(into map[string]bool) {
+	if n.op == 's' {
+		into[n.name] = true
+	}
+	for _, c := range n.children {
+		c.collectSymbols(into)
+	}
+}
+
+// sympyDifferenceIsZero reports whether sympy.simplify of the parsed expression, which is
+// "(a)-(b)", is 0. An expression slimen cannot parse or evaluate is not 0, as in slime, where
+// sympy's errors count as "not equal".
+func sympyDifferenceIsZero(expr string) bool {
+	n, err := parseExpr(expr)
+	if err != nil {
+		return false
+	}
+	names := map[string]bool{}
+	n.collectSymbols(names)
+	if len(names) > len(symbolPoints[0]) {
+		return false
+	}
+	sorted := make([]string, 0, len(names))
+	for name := range names {
+		sorted = append(sorted, name)
+	}
+	sort.Strings(sorted)
+	points := symbolPoints
+	if len(names) == 0 {
+		points = points[:1]
+	}
+	for _, point := range points {
+		symbols := map[string]*big.Rat{}
+		for i, name := range sorted {
+			symbols[name] = point[i]
+		}
+		d, err := n.eval(symbols)
+		if err != nil {
+			return false
+		}
+		scale := 1.0
+		if (n.op == '-' || n.op == '+') && len(n.children) == 2 {
+			for _, c := range n.children {
+				if v, err := c.eval(symbols); err == nil {
+					scale = math.Max(scale, cmplx.Abs(v.complex()))
+				}
+			}
+		}
+		if !valueIsZero(d, scale, len(names) > 0) {
+			return false
+		}
+	}
+	return true
+}
+
+func valueIsZero(d exprValue, scale float64, symbolic bool) bool {
+	switch {
+	case d.kind == exactValue:
+		return d.r.Sign() == 0
+	case d.kind == floatValue && !symbolic:
+		return d.f.Sign() == 0
+	}
+	tol := 1e-10
+	if d.hasFloat || d.kind == floatValue {
+		tol = 1e-13
+	}
+	return cmplx.Abs(d.complex()) <= tol*scale
+}
