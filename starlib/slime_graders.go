@@ -426,14 +426,14 @@ func slimeDeepscaler(response, label string, requireThink bool) float64 {
 const pyS = `[\t\n\v\f\r\x{1c}-\x{20}\x{85}\x{a0}\x{1680}\x{2000}-\x{200a}\x{2028}\x{2029}\x{202f}\x{205f}\x{3000}]`
 
 var (
-	dapoAnswer    = regexp.MustCompile(`(?i)Answer` + pyS + `*:` + pyS + `*([^\n]+)`)
-	dapoDollars   = regexp.MustCompile(`(.*?)(\$)(.*?)(\$)(.*)`)
-	dapoText      = regexp.MustCompile(`(\\text\{)(.*?)(\})`)
-	dapoTextbf    = regexp.MustCompile(`(\\textbf\{)(.*?)(\})`)
-	dapoOverline  = regexp.MustCompile(`(\\overline\{)(.*?)(\})`)
-	dapoBoxed     = regexp.MustCompile(`(\\boxed\{)(.*)(\})`)
-	dapoFrac      = regexp.MustCompile(`(frac)([^{])(.)`)
-	dapoSqrt      = regexp.MustCompile(`(sqrt)([^{])`)
+	dapoAnswer   = regexp.MustCompile(`(?i)Answer` + pyS + `*:` + pyS + `*([^\n]+)`)
+	dapoDollars  = regexp.MustCompile(`(.*?)(\$)(.*?)(\$)(.*)`)
+	dapoText     = regexp.MustCompile(`(\\text\{)(.*?)(\})`)
+	dapoTextbf   = regexp.MustCompile(`(\\textbf\{)(.*?)(\})`)
+	dapoOverline = regexp.MustCompile(`(\\overline\{)(.*?)(\})`)
+	dapoBoxed    = regexp.MustCompile(`(\\boxed\{)(.*)(\})`)
+	dapoFrac     = regexp.MustCompile(`(frac)([^{])(.)`)
+	dapoSqrt     = regexp.MustCompile(`(sqrt)([^{])`)
 )
 
 var dapoSubstitutions = [][2]string{
