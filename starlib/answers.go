@@ -136,9 +136,13 @@ type GradeOptions struct {
 	// NoThinkOK makes deepscaler grade a response with no </think> whole (unless it opens a
 	// <think> it never closes), for models that write no think tags; slime scores it 0.
 	NoThinkOK bool
-	// Choices are the options of a gpqa question (slime's metadata "choices"), so that a label
-	// may be the text of the correct option and a response may name it instead of its letter.
-	Choices []string
+	// StrictBox is DAPO's strict_box_verify: the last \boxed{…} of the last 100 characters must
+	// be the label, character for character. For dapo.
+	StrictBox bool
+	// GPQA is the sample's metadata for gpqa (slime's "choices", "valid_letters",
+	// "correct_letter", "correct_answer", "answer_text"), so that a label may be the text or the
+	// index of the correct option and a response may name the option instead of its letter.
+	GPQA *GPQAMetadata
 }
 
 // Label is what Grade grades against: text, or a number as a script gives it.
@@ -172,8 +176,11 @@ func Grade(response string, label Label, mode string, opts GradeOptions) (float6
 	if opts.Lenient && mode != GradeMath && mode != GradeDeepscaler && mode != GradeDAPO {
 		return 0, fmt.Errorf("lenient applies to modes %q, %q and %q, not %q", GradeMath, GradeDeepscaler, GradeDAPO, mode)
 	}
-	if opts.Choices != nil && mode != GradeGPQA {
-		return 0, fmt.Errorf("choices apply to mode %q only, not %q", GradeGPQA, mode)
+	if opts.GPQA != nil && mode != GradeGPQA {
+		return 0, fmt.Errorf("choices and metadata apply to mode %q only, not %q", GradeGPQA, mode)
+	}
+	if opts.StrictBox && mode != GradeDAPO {
+		return 0, fmt.Errorf("strict_box applies to mode %q only, not %q", GradeDAPO, mode)
 	}
 	switch mode {
 	case GradeMath:
@@ -201,6 +208,9 @@ func Grade(response string, label Label, mode string, opts GradeOptions) (float6
 			}
 			return -1, nil
 		}
+		if opts.StrictBox {
+			return slimeDAPOStrictBox(response, label.Text), nil
+		}
 		score, ok := slimeDAPO(response, label.Text)
 		if !ok {
 			return 0, fmt.Errorf("mode %q needs a label that is a finite number (DAPO compares integers), got %q", GradeDAPO, label.Text)
@@ -213,7 +223,11 @@ func Grade(response string, label Label, mode string, opts GradeOptions) (float6
 		if label.Number {
 			l.isIndex, l.index = true, int(label.Value)
 		}
-		return slimeGPQA(response, l, opts.Choices), nil
+		var meta GPQAMetadata
+		if opts.GPQA != nil {
+			meta = *opts.GPQA
+		}
+		return slimeGPQA(response, l, meta), nil
 	}
 	return 0, fmt.Errorf("unknown mode %q (want %q, %q, %q, %q or %q)", mode, GradeMath, GradeDeepscaler, GradeDAPO, GradeF1, GradeGPQA)
 }
@@ -360,23 +374,22 @@ func answersGrade(_ *starlark.Thread, b *starlark.Builtin, args starlark.Tuple, 
 		mode         = GradeMath
 		requireThink = true
 		lenient      bool
-		choices      *starlark.List
+		strictBox    bool
+		choices      starlark.Value
+		metadata     *starlark.Dict
 	)
 	if err := starlark.UnpackArgs(b.Name(), args, kwargs,
 		"response", &response, "label", &label, "mode?", &mode, "require_think?", &requireThink,
-		"lenient?", &lenient, "choices?", &choices); err != nil {
+		"lenient?", &lenient, "strict_box?", &strictBox, "choices?", &choices, "metadata?", &metadata); err != nil {
 		return nil, err
 	}
-	opts := GradeOptions{Lenient: lenient, NoThinkOK: !requireThink}
-	if choices != nil {
-		opts.Choices = []string{}
-		for i := 0; i < choices.Len(); i++ {
-			var a answerArg
-			if err := a.Unpack(choices.Index(i)); err != nil || !a.ok {
-				return nil, fmt.Errorf("%s: for parameter choices: element %d is %s, want string", b.Name(), i, choices.Index(i).Type())
-			}
-			opts.Choices = append(opts.Choices, a.s)
+	opts := GradeOptions{Lenient: lenient, NoThinkOK: !requireThink, StrictBox: strictBox}
+	if choices != nil || metadata != nil {
+		meta, err := gpqaMetadata(choices, metadata)
+		if err != nil {
+			return nil, fmt.Errorf("%s: %v", b.Name(), err)
 		}
+		opts.GPQA = meta
 	}
 	labels, err := gradeLabels(label)
 	if err != nil {
@@ -393,6 +406,90 @@ func answersGrade(_ *starlark.Thread, b *starlark.Builtin, args starlark.Tuple, 
 		}
 	}
 	return starlark.Float(best), nil
+}
+
+// gpqaMetadata reads gpqa's choices= and metadata= arguments.
+func gpqaMetadata(choices starlark.Value, metadata *starlark.Dict) (*GPQAMetadata, error) {
+	meta := &GPQAMetadata{}
+	text := func(where string, v starlark.Value) (string, error) {
+		var a answerArg
+		if err := a.Unpack(v); err != nil || !a.ok {
+			return "", fmt.Errorf("for parameter %s: got %s, want string or number", where, v.Type())
+		}
+		return a.s, nil
+	}
+	readChoices := func(where string, v starlark.Value) error {
+		if d, ok := v.(*starlark.Dict); ok {
+			var values []starlark.Value // a dict's options are its values, in order
+			for _, item := range d.Items() {
+				values = append(values, item[1])
+			}
+			v = starlark.NewList(values)
+		}
+		seq, ok := v.(starlark.Indexable)
+		if _, isStr := v.(starlark.String); !ok || isStr {
+			return fmt.Errorf("for parameter %s: got %s, want a list or dict of options", where, v.Type())
+		}
+		meta.Choices = []string{}
+		for i := 0; i < seq.Len(); i++ {
+			s, err := text(fmt.Sprintf("%s[%d]", where, i), seq.Index(i))
+			if err != nil {
+				return err
+			}
+			meta.Choices = append(meta.Choices, s)
+		}
+		return nil
+	}
+	if metadata != nil {
+		for _, item := range metadata.Items() {
+			key, ok := starlark.AsString(item[0])
+			if !ok {
+				return nil, fmt.Errorf("for parameter metadata: key %s is not a string", item[0])
+			}
+			where := "metadata[" + strconv.Quote(key) + "]"
+			v := item[1]
+			if v == starlark.None {
+				continue
+			}
+			var err error
+			switch key {
+			case "choices":
+				err = readChoices(where, v)
+			case "valid_letters":
+				seq, ok := v.(starlark.Indexable)
+				if !ok {
+					return nil, fmt.Errorf("for parameter %s: got %s, want a list of letters", where, v.Type())
+				}
+				for i := 0; i < seq.Len(); i++ {
+					s, err := text(fmt.Sprintf("%s[%d]", where, i), seq.Index(i))
+					if err != nil {
+						return nil, err
+					}
+					meta.ValidLetters = append(meta.ValidLetters, s)
+				}
+			case "correct_letter":
+				if s, ok := starlark.AsString(v); ok {
+					meta.CorrectLetter = &s
+				}
+			case "correct_answer":
+				meta.CorrectAnswer, err = text(where, v)
+			case "answer_text":
+				meta.AnswerText, err = text(where, v)
+			}
+			if err != nil {
+				return nil, err
+			}
+		}
+	}
+	if choices != nil {
+		if meta.Choices != nil {
+			return nil, fmt.Errorf("give the options once, as choices or as metadata[\"choices\"]")
+		}
+		if err := readChoices("choices", choices); err != nil {
+			return nil, err
+		}
+	}
+	return meta, nil
 }
 
 func gradeLabels(v starlark.Value) ([]Label, error) {

@@ -224,7 +224,7 @@ func TestAnswersScript(t *testing.T) {
 		{src: `got = grade("the cat", "a cat sat", mode = "f1")`, want: "0.6666666666666666"},
 		{src: `got = grade("Answer: 5", "five", mode = "dapo")`, wantErr: `answers.grade: mode "dapo" needs a label that is a finite number`},
 		{src: `got = grade("x", "1", lenient = True, mode = "f1")`, wantErr: `answers.grade: lenient applies to modes`},
-		{src: `got = grade("x", "1", choices = ["a"])`, wantErr: `answers.grade: choices apply to mode "gpqa" only`},
+		{src: `got = grade("x", "1", choices = ["a"])`, wantErr: `answers.grade: choices and metadata apply to mode "gpqa" only`},
 		{src: `got = grade("x", "1", mood = "math")`, wantErr: "answers.grade: unexpected keyword argument"},
 	})
 }

@@ -4,6 +4,7 @@ import (
 	"math"
 	"math/big"
 	"regexp"
+	"slices"
 	"strconv"
 	"strings"
 	"unicode"
@@ -521,6 +522,32 @@ func slimeDAPO(response, label string) (float64, bool) {
 	return -1, true
 }
 
+// slimeDAPOStrictBox is DAPO's compute_score with strict_box_verify: the content of the last
+// `\boxed{…}` in the last 100 of the last 300 characters is the label, as text → 1, else -1.
+func slimeDAPOStrictBox(response, label string) float64 {
+	response = Truncate(Truncate(response, dapoWindow, true), 100, true)
+	idx := strings.LastIndex(response, `\boxed{`)
+	if idx < 0 {
+		return -1
+	}
+	depth := 0
+	for i := idx; i < len(response); i++ {
+		switch response[i] {
+		case '{':
+			depth++
+		case '}':
+			depth--
+			if depth == 0 {
+				if response[idx+len(`\boxed{`):i] == label {
+					return 1
+				}
+				return -1
+			}
+		}
+	}
+	return -1
+}
+
 // --- f1 ---
 
 // slimeF1Tokens normalises as slime's f1 grader: lowercased, ASCII punctuation deleted, the
@@ -643,24 +670,44 @@ type gpqaLabel struct {
 	isIndex bool
 }
 
-// slimeGPQA is rm_type "gpqa" (compute_gpqa_reward) with metadata {"choices": choices}.
-func slimeGPQA(response string, label gpqaLabel, choices []string) float64 {
+// GPQAMetadata is what slime's gpqa grader reads from a sample's metadata.
+type GPQAMetadata struct {
+	Choices       []string // the options, in order (slime's "choices", a list or a dict's values)
+	ValidLetters  []string // the letters a response may choose; A… for the choices, else A–J
+	CorrectLetter *string  // the correct option's letter, over a letter label
+	CorrectAnswer string   // the correct option's text
+	AnswerText    string   // another accepted text
+}
+
+// slimeGPQA is rm_type "gpqa" (compute_gpqa_reward).
+func slimeGPQA(response string, label gpqaLabel, meta GPQAMetadata) float64 {
+	choices := meta.Choices
 	var letters []string
-	n := 10
-	if len(choices) > 0 {
-		n = len(choices)
-	}
-	for i := 0; i < n && i < 26; i++ {
-		letters = append(letters, string(rune('A'+i)))
+	switch {
+	case len(meta.ValidLetters) > 0:
+		for _, l := range meta.ValidLetters {
+			letters = append(letters, strings.ToUpper(l))
+		}
+	case len(choices) > 0:
+		for i := 0; i < len(choices) && i < 26; i++ {
+			letters = append(letters, string(rune('A'+i)))
+		}
+	default:
+		letters = strings.Split("ABCDEFGHIJ", "")
 	}
 	valid := map[string]bool{}
 	for _, l := range letters {
-		valid[l] = true
+		valid[strings.ToUpper(l)] = true
 	}
+	inLetters := func(l string) bool { return slices.Contains(letters, l) }
 	correct, labelText := "", ""
+	if meta.CorrectLetter != nil {
+		correct = strings.ToUpper(strings.TrimFunc(*meta.CorrectLetter, pyIsSpace))
+	}
+	correctAnswer := meta.CorrectAnswer
 	if label.isText {
 		labelText = strings.TrimFunc(label.text, pyIsSpace)
-		if utf8.RuneCountInString(labelText) == 1 && valid[strings.ToUpper(labelText)] {
+		if utf8.RuneCountInString(labelText) == 1 && inLetters(strings.ToUpper(labelText)) && correct == "" {
 			correct = strings.ToUpper(labelText)
 		}
 	} else if label.isIndex && label.index >= 0 && label.index < len(letters) {
@@ -670,6 +717,9 @@ func slimeGPQA(response string, label gpqaLabel, choices []string) float64 {
 		for i, c := range choices {
 			if gpqaNormalize(c) == gpqaNormalize(labelText) {
 				correct = letters[i]
+				if correctAnswer == "" {
+					correctAnswer = c
+				}
 				break
 			}
 		}
@@ -683,14 +733,14 @@ func slimeGPQA(response string, label gpqaLabel, choices []string) float64 {
 	}
 	var candidates []string
 	if correct != "" && len(choices) > 0 {
-		for i, l := range letters {
-			if l == correct && i < len(choices) {
-				candidates = append(candidates, choices[i])
-			}
+		if i := slices.Index(letters, correct); i >= 0 && i < len(choices) {
+			candidates = append(candidates, choices[i])
 		}
 	}
-	if labelText != "" {
-		candidates = append(candidates, labelText)
+	for _, c := range []string{correctAnswer, meta.AnswerText, labelText} {
+		if c != "" {
+			candidates = append(candidates, c)
+		}
 	}
 	resp := gpqaNormalize(gpqaStripThinking(response))
 	for _, c := range candidates {

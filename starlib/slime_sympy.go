@@ -584,6 +584,9 @@ func (n *exprNode) eval(symbols map[string]*big.Rat) (exprValue, error) {
 	case '+', '-', '*', '/':
 		return binaryOp(n.op, args[0], args[1])
 	case '^':
+		if args[1].kind == floatValue && n.children[0].hasSymbol() {
+			return exprValue{}, errNotEvaluable // sympy keeps x**2.0 apart from x**2
+		}
 		return powValue(args[0], args[1])
 	case '~':
 		return binaryOp('*', exactOf(big.NewRat(-1, 1)), args[0])
@@ -614,6 +617,18 @@ func (n *exprNode) eval(symbols map[string]*big.Rat) (exprValue, error) {
 		}
 	}
 	return exprValue{}, errNotEvaluable
+}
+
+func (n *exprNode) hasSymbol() bool {
+	if n.op == 's' {
+		return true
+	}
+	for _, c := range n.children {
+		if c.hasSymbol() {
+			return true
+		}
+	}
+	return false
 }
 
 func (n *exprNode) collectSymbols(into map[string]bool) {

@@ -16,12 +16,14 @@ import (
 // rewardVector is one line of testdata/slime/rewards.jsonl: an input and slime's rm_hub verdict on
 // it, written by testdata/slime/make_reward_vectors.py.
 type rewardVector struct {
-	Mode     string          `json:"mode"`
-	Response string          `json:"response"`
-	Label    json.RawMessage `json:"label"`
-	Choices  []string        `json:"choices"`
-	Want     json.RawMessage `json:"want"`
-	Crash    string          `json:"crash"`
+	Mode      string          `json:"mode"`
+	Response  string          `json:"response"`
+	Label     json.RawMessage `json:"label"`
+	Choices   []string        `json:"choices"`
+	Metadata  json.RawMessage `json:"metadata"`
+	StrictBox bool            `json:"strict_box"`
+	Want      json.RawMessage `json:"want"`
+	Crash     string          `json:"crash"`
 }
 
 // knownRewardDifferences are the vectors where slimen deliberately or unavoidably gives another
@@ -29,9 +31,18 @@ type rewardVector struct {
 // The test fails on any other difference, and on an entry here that no longer differs.
 var knownRewardDifferences = map[string]string{}
 
+// rewardVectorsFile is the committed vectors, or the file named by SLIMEN_REWARD_VECTORS (made by
+// the same script from other inputs or another slime commit).
+func rewardVectorsFile() string {
+	if p := os.Getenv("SLIMEN_REWARD_VECTORS"); p != "" {
+		return p
+	}
+	return "../testdata/slime/rewards.jsonl"
+}
+
 func loadRewardVectors(t testing.TB) []rewardVector {
 	t.Helper()
-	f, err := os.Open("../testdata/slime/rewards.jsonl")
+	f, err := os.Open(rewardVectorsFile())
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -52,26 +63,62 @@ func loadRewardVectors(t testing.TB) []rewardVector {
 	return out
 }
 
-// starlarkOf turns a JSON label or verdict into the Starlark value a script would hold.
+// starlarkOf turns a JSON label, verdict or metadata into the Starlark value a script would hold.
 func starlarkOf(raw json.RawMessage) (starlark.Value, error) {
+	d := json.NewDecoder(strings.NewReader(string(raw)))
+	d.UseNumber()
 	var x any
-	if err := json.Unmarshal(raw, &x); err != nil {
+	if err := d.Decode(&x); err != nil {
 		return nil, err
 	}
+	return starlarkOfAny(x)
+}
+
+func starlarkOfAny(x any) (starlark.Value, error) {
 	switch x := x.(type) {
+	case json.Number:
+		if i, err := x.Int64(); err == nil {
+			return starlark.MakeInt64(i), nil
+		}
+		f, err := x.Float64()
+		return starlark.Float(f), err
+	case []any:
+		var out []starlark.Value
+		for _, e := range x {
+			v, err := starlarkOfAny(e)
+			if err != nil {
+				return nil, err
+			}
+			out = append(out, v)
+		}
+		return starlark.NewList(out), nil
+	case map[string]any:
+		// Go maps lose JSON's key order, which a dict of choices needs: the generator writes
+		// such dicts with keys in sorted order, so sorting restores it.
+		keys := make([]string, 0, len(x))
+		for k := range x {
+			keys = append(keys, k)
+		}
+		sort.Strings(keys)
+		d := starlark.NewDict(len(x))
+		for _, k := range keys {
+			v, err := starlarkOfAny(x[k])
+			if err != nil {
+				return nil, err
+			}
+			if err := d.SetKey(starlark.String(k), v); err != nil {
+				return nil, err
+			}
+		}
+		return d, nil
 	case nil:
 		return starlark.None, nil
 	case string:
 		return starlark.String(x), nil
 	case bool:
 		return starlark.Bool(x), nil
-	case float64:
-		if x == math.Trunc(x) && !strings.ContainsAny(string(raw), ".eE") {
-			return starlark.MakeInt64(int64(x)), nil
-		}
-		return starlark.Float(x), nil
 	}
-	return nil, fmt.Errorf("unexpected JSON %s", raw)
+	return nil, fmt.Errorf("unexpected JSON %v", x)
 }
 
 // runRewardVector calls the Starlark built-in that answers the vector's mode.
@@ -98,6 +145,16 @@ func runRewardVector(thread *starlark.Thread, answers, text starlark.StringDict,
 			choices[i] = starlark.String(c)
 		}
 		kwargs = append(kwargs, starlark.Tuple{starlark.String("choices"), starlark.NewList(choices)})
+	}
+	if v.Metadata != nil {
+		meta, err := starlarkOf(v.Metadata)
+		if err != nil {
+			return nil, err
+		}
+		kwargs = append(kwargs, starlark.Tuple{starlark.String("metadata"), meta})
+	}
+	if v.StrictBox {
+		kwargs = append(kwargs, starlark.Tuple{starlark.String("strict_box"), starlark.True})
 	}
 	return starlark.Call(thread, answers["grade"], starlark.Tuple{resp, label, starlark.String(v.Mode)}, kwargs)
 }

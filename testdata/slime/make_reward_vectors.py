@@ -6,15 +6,18 @@ Usage: make_reward_vectors.py SLIME_CHECKOUT [OUT]
 
 SLIME_CHECKOUT is a checkout of THUDM/slime; the rm_hub files are imported directly by path, so
 only sympy and pylatexenc are needed (pip install sympy pylatexenc). Each line of OUT is
-{"mode", "response", "label", "want"} (plus "choices" for gpqa); a case where slime raises or runs
+{"mode", "response", "label", "want"} (plus "choices" or "metadata" for gpqa, "strict_box" for
+dapo's strict_box_verify); a case where slime raises or runs
 past the time limit has "crash" (the error) instead of "want", and the Go test skips it.
 
 Modes, with the slime function that gives the verdict:
   math        1 if grade_answer_verl(response, label) else 0      (rm_type "math")
   deepscaler  get_deepscaler_rule_based_reward(response, label)   (rm_type "deepscaler")
-  dapo        compute_score(response, label)["score"]             (rm_type "dapo")
+  dapo        compute_score(response, label)["score"]             (rm_type "dapo"; strict_box_verify
+                                                                   where the case says strict_box)
   f1          f1_score(response, label)[0]                        (rm_type "f1")
-  gpqa        compute_gpqa_reward(response, label, metadata)      (rm_type "gpqa")
+  gpqa        compute_gpqa_reward(response, label, metadata)      (rm_type "gpqa"; metadata from
+                                                                   the case's metadata and choices)
   equal       grade_answer_mathd(a, b) or grade_answer_sympy(a, b): math's comparison of two answers
   boxed       math_utils.extract_answer(text): the answer math grades, or None
   extract     the last match of is_correct_minerva's answer pattern: the answer dapo grades, or None
@@ -161,6 +164,89 @@ GPQA = [
 ]
 
 
+# The end-to-end inputs of slime's own rm_hub tests (tests/test_rm_*.py), as (mode, response,
+# label[, extra]) rows.
+SLIME_TEST_INPUTS = [
+    ("math", r"answer: \boxed{42}", r"\boxed{42}"), ("math", "just 42", "42"), ("math", r"\boxed{42}", ""),
+    ("equal", "x+1", "1+x"), ("equal", r"\frac{2}{4}", r"\frac{1}{2}"), ("equal", r"\frac{1}{2}", "0.5"),
+    ("equal", r"\frac12", r"\frac{1}{2}"), ("equal", r"45^\circ", "45"), ("equal", "3/4", r"\frac{3}{4}"),
+    ("equal", "42", "43"), ("equal", r"\text{42}", "42"), ("equal", r"\left(1\right)", "(1)"), ("equal", ".7", "0.7"),
+    ("equal", "1 + 1", "1+1"), ("equal", r"\tfrac{1}{2}", r"\frac{1}{2}"),
+    ("boxed", r"first attempt \boxed{wrong}, final \boxed{42}", ""), ("boxed", r"answer: \fbox{7}", ""),
+    ("boxed", r"start \boxed{never closes", ""), ("boxed", "plain text, no box", ""),
+    ("deepscaler", r"Let me reconsider. \boxed{99}</think>Final: \boxed{42}", "42"),
+    ("deepscaler", r"Scratch work \boxed{wrong}###Response\boxed{42}", "42"), ("deepscaler", r"\boxed{42}", "42"),
+    ("deepscaler", "plain</think>no box here", "42"), ("deepscaler", r"</think>\boxed{42}", ""),
+    ("deepscaler", r"</think>\boxed{42}", 42), ("deepscaler", r"</think>\boxed{42}", 42.0),
+    ("deepscaler", r"</think>\boxed{42}", r"\boxed{42}"), ("deepscaler", r"</think>\boxed{43}", "42"),
+    ("deepscaler", r"</think>\boxed{\frac{1}{2}}", "0.5"),
+    ("dapo", "Long solution. Answer: 42", "42"), ("dapo", "just a number 42", "42"), ("dapo", "Answer: 42", "42"),
+    ("dapo", "Answer: x = 42", "42"), ("dapo", "Answer: an answer", "42"), ("dapo", "Answer: 42 square", "42"),
+    ("dapo", "Answer: 100 dollars", "100"), ("dapo", r"Answer: \text{hello}", "42"), ("dapo", r"Answer: \boxed{42}", "42"),
+    ("dapo", "Answer: 1,234,567", "1234567"), ("dapo", "Answer: 42<|endoftext|>", "42"), ("dapo", "Answer: 42<|im_end|>", "42"),
+    ("dapo", r"long preamble … \boxed{42}", "42", {"strict_box": True}), ("dapo", r"\boxed{43}", "42", {"strict_box": True}),
+    ("dapo", "plain 42", "42", {"strict_box": True}), ("dapo", r"\boxed{42}" + " filler" * 60, "42", {"strict_box": True}),
+    ("dapo", r"\boxed{42}", "42", {"strict_box": True}), ("dapo", r"\boxed{ 42}", "42", {"strict_box": True}),
+    ("dapo", r"x" * 250 + r"\boxed{42}", "42", {"strict_box": True}), ("dapo", r"\boxed{4{2}}", "4{2}", {"strict_box": True}),
+    ("dapo", r"\boxed{42} \boxed{7", "42", {"strict_box": True}), ("dapo", r"\boxed 42", "42", {"strict_box": True}),
+    ("f1", "The Quick Brown Fox.", "quick brown fox"), ("f1", "An apple, a day", "apple day"), ("f1", "HELLO   WORLD", "hello world"),
+    ("f1", "a.b,c!", "abc"), ("f1", "the", ""), ("f1", "Paris is the capital", "Paris is the capital"),
+    ("f1", "the brown fox", "a quick brown fox"), ("f1", "apple banana", "carrot date"),
+    ("f1", "yes", "some other phrase"), ("f1", "no", "some other phrase"), ("f1", "noanswer", "some other phrase"),
+    ("f1", "some other phrase", "yes"), ("f1", "some other phrase", "no"), ("f1", "some other phrase", "noanswer"), ("f1", "yes", "yes"),
+    ("gpqa", "The answer is B.", "B"), ("gpqa", "My choice is D", "D"), ("gpqa", "A is correct here", "A"),
+    ("gpqa", "E is the correct option", "E"), ("gpqa", "the final option is C", "C"),
+    ("gpqa", "we ruled out A, then B, settled on C", "C"), ("gpqa", "Let me think… Answer: A is wrong.</think>The answer is B.", "B"),
+    ("gpqa", "no idea, sorry", "A"), ("gpqa", "Answer: C, but actually A was right, no wait B.", "B", {"metadata": {"valid_letters": ["A", "B"]}}),
+    ("gpqa", "The answer is C.", "C"), ("gpqa", "The answer is C.", "D"),
+    ("gpqa", "Answer: C", 2, {"metadata": {"choices": ["alpha", "beta", "gamma", "delta"]}}),
+    ("gpqa", "Answer: B", 1, {"metadata": {"choices": {"a": "first", "b": "second", "c": "third"}}}),
+    ("gpqa", "I think the answer is B.", "capital of france", {"metadata": {"choices": ["London", "Capital of France", "Berlin"]}}),
+    ("gpqa", "Definitely paris.", "Paris", {"metadata": {"choices": ["London", "Paris", "Berlin"]}}),
+    ("gpqa", "Answer: A", "anything", {"metadata": {"correct_letter": "a"}}),
+    ("gpqa", "random text", "some answer"),
+]
+
+# More gpqa metadata shapes.
+GPQA_META = [
+    ("The answer is B", "A", {"correct_letter": "B"}), ("The answer is B", "A", {"correct_letter": " b "}),
+    ("The answer is B", 0, {"correct_letter": "B"}), ("It is Paris", "x", {"correct_answer": "Paris"}),
+    ("It is Paris", "x", {"answer_text": "paris"}), ("It is Paris", "x", {"correct_answer": "London", "answer_text": "Paris"}),
+    ("I'd say F", "F", {"valid_letters": ["a", "b", "c", "d", "e", "f"]}), ("I'd say F", "F", {"choices": ["1", "2", "3", "4"]}),
+    ("I'd say F", 5, {"valid_letters": ["A", "B", "C", "D", "E", "F"]}), ("option: z", "Z", {"valid_letters": ["X", "Y", "Z"]}),
+    ("Answer: D", "D", {"choices": []}), ("the answer is gamma", 2, {"choices": ["alpha", "beta", "gamma"]}),
+    ("no letter, but gamma", 2, {"choices": ["alpha", "beta", "gamma"]}), ("no letter, but gamma", "C", {"choices": ["alpha", "beta", "gamma"]}),
+    ("no letter, but gamma", "Z", {"correct_letter": "Z", "choices": ["alpha", "beta", "gamma"]}),
+    ("Answer: A", "alpha!", {"choices": ["Alpha", "beta"]}), ("answer: b", "beta", {"choices": ["alpha", "Beta"]}),
+    ("</think>none", "B", {"choices": ["alpha", "beta"]}), ("none", 7, {"choices": ["alpha", "beta"]}),
+    ("choice is 3", 3, {"choices": [1, 2, 3, 4]}), ("has 3 in it", 2, {"choices": [1, 2, 3, 4]}),
+]
+
+# Answers as MATH, GSM8K and AIME labels write them; each is paired with forms a model might
+# write (see variants()).
+REAL_ANSWERS = [
+    r"\frac{\sqrt{3}}{3}", r"\left( -\frac{1}{2}, \frac{3}{2} \right)", "x^2 - 4x + 4", r"\$32.50", r"6\sqrt{2}", "p - q",
+    r"\text{(E)}", "-2, 1", "1,2,3", r"\frac{1}{4}(x-1)^2", r"48\pi", "9.2", r"\frac{\pi}{3}", r"\sqrt{5}", "14", "-7",
+    r"\frac{7}{2}", "0.25", r"2\sqrt{3}+1", r"\frac{3\sqrt{2}}{4}", "(3,-1)", r"[-2,\infty)", r"(-\infty,-1)\cup(1,\infty)",
+    r"\{1,3\}", r"\text{Tuesday}", "2017", "588", "35\%", r"120^\circ", "8 cm", r"12\text{ inches}", "1.5 hours",
+    "x=3", "y = -2x + 5", r"\dfrac{5}{9}", r"3\frac{1}{3}", "a+b", "2a", r"\sqrt[3]{4}", r"\frac{1}{\sqrt{2}}",
+    r"5\pi/4", "3.1416", "100,000", "2^5", "-0.5", r"\frac{-5}{3}", "x(x+1)", "(x-2)(x+3)", r"\infty", "0", "1/3",
+    r"\begin{pmatrix} 2 \\ -1 \end{pmatrix}", r"\begin{pmatrix} 1 & 0 \\ 0 & 1 \end{pmatrix}", r"\mathbf{(A)}", "B",
+    r"\frac{a}{2b}", "4!", r"\binom{5}{2}", "10", r"\pm 2", r"x \ge 2", r"\text{no solution}", "even", r"\ln 2", "e^2",
+    r"\frac{1}{e}", r"\log_2 3", r"\sin 30^\circ", "2i", "1+i", r"3-2\sqrt{2}", r"\sqrt{2}-1", r"\frac{2}{3}\pi",
+]
+
+
+def variants(a):
+    """Ways a model may write answer a: the same value in other notation, and near misses."""
+    out = {a, "$" + a + "$", " " + a + " ", r"\left(" + a + r"\right)", "(" + a + ")", a + ".", r"\text{" + a + "}",
+           a.replace(r"\frac", r"\dfrac"), a.replace(" ", ""), a.replace(",", ", "), a.replace(r"\sqrt{", r"\sqrt {"),
+           a.upper(), a.lower(), a + r"\%", a + " units", "x = " + a, a.replace("x", "y"), a.replace("2", "3"),
+           a.replace("-", "+"), "-" + a, "2" + a, a + "+0", "1*" + a, a + "*1", "(" + a + ")/1", a.replace(r"\pi", "pi"),
+           a.replace(r"\sqrt", "sqrt"), a.replace("^", "**"), a.replace(r"\left", "").replace(r"\right", "")}
+    return sorted(out)
+
+
 def box(s):
     return r"\boxed{" + s + "}"
 
@@ -260,6 +346,22 @@ def build_cases():
     for p, g in F1_PAIRS:
         cases.append({"mode": "f1", "response": p, "label": g})
         cases.append({"mode": "f1", "response": g, "label": p})
+    # slime's own test inputs
+    for row in SLIME_TEST_INPUTS:
+        c = {"mode": row[0], "response": row[1], "label": row[2]}
+        if len(row) > 3:
+            c.update(row[3])
+        cases.append(c)
+    # realistic answers and their variants
+    for k, a in enumerate(REAL_ANSWERS):
+        for v in variants(a):
+            cases.append({"mode": "equal", "response": v, "label": a})
+            cases.append({"mode": "math", "response": "Thus " + box(v) + ".", "label": a})
+        b = REAL_ANSWERS[(k + 1) % len(REAL_ANSWERS)]
+        cases.append({"mode": "equal", "response": b, "label": a})
+        cases.append({"mode": "deepscaler", "response": "<think>t</think>" + box(a), "label": a})
+    for resp, label, meta in GPQA_META:
+        cases.append({"mode": "gpqa", "response": resp, "label": label, "metadata": meta})
     # gpqa
     for resp, label, choices in GPQA:
         c = {"mode": "gpqa", "response": resp, "label": label}
@@ -288,13 +390,19 @@ def main():
     verdict = {
         "math": lambda c: 1 if mu.grade_answer_verl(c["response"], c["label"]) else 0,
         "deepscaler": lambda c: ds.get_deepscaler_rule_based_reward(c["response"], c["label"]),
-        "dapo": lambda c: dapo.compute_score(c["response"], c["label"])["score"],
+        "dapo": lambda c: dapo.compute_score(c["response"], c["label"], strict_box_verify=c.get("strict_box", False))["score"],
         "f1": lambda c: f1.f1_score(c["response"], c["label"])[0],
-        "gpqa": lambda c: gpqa.compute_gpqa_reward(c["response"], c["label"], metadata={"choices": c["choices"]} if "choices" in c else {}),
+        "gpqa": lambda c: gpqa.compute_gpqa_reward(c["response"], c["label"], metadata=gpqa_metadata(c)),
         "equal": lambda c: bool(mu.grade_answer_mathd(c["response"], c["label"]) or mu.grade_answer_sympy(c["response"], c["label"])),
         "boxed": lambda c: mu.extract_answer(c["response"]),
         "extract": lambda c: extract(c["response"]),
     }
+    def gpqa_metadata(c):
+        meta = json.loads(json.dumps(c.get("metadata", {})))  # a copy: slime writes into it
+        if "choices" in c:
+            meta["choices"] = c["choices"]
+        return meta
+
     signal.signal(signal.SIGALRM, on_alarm)
     seen = set()
     counts = {}
