@@ -648,6 +648,11 @@ func sympyDifferenceIsZero(expr string) bool {
 	if err != nil {
 		return false
 	}
+	if n.hasFloat() {
+		if p, err := n.poly(); err == nil {
+			return len(p) == 0
+		}
+	}
 	names := map[string]bool{}
 	n.collectSymbols(names)
 	if len(names) > len(symbolPoints[0]) {
@@ -698,4 +703,307 @@ func valueIsZero(d exprValue, scale float64, symbolic bool) bool {
 		tol = 1e-13
 	}
 	return cmplx.Abs(d.complex()) <= tol*scale
+}
+
+// A polynomial in symbols, π and square roots, with sympy's number coefficients. Where an answer
+// has decimals, sympy combines like terms with Float arithmetic: 0.5x - x/2 is 0, but
+// 167.0(0.00598802395209581y - 1.0) - (y - 167) is not, because the coefficient of y is off by a
+// rounding. Evaluating at points cannot tell these apart; expanding into terms can.
+type polyTerm struct {
+	exps map[string]int // atom → exponent: a symbol, "π", or "√n" for a square-free n > 1
+	coef exprValue      // exact or a sympy Float
+}
+
+type poly map[string]polyTerm
+
+func monomialKey(exps map[string]int) string {
+	names := make([]string, 0, len(exps))
+	for a, e := range exps {
+		if e != 0 {
+			names = append(names, a)
+		}
+	}
+	sort.Strings(names)
+	var b strings.Builder
+	for _, a := range names {
+		b.WriteString(a)
+		b.WriteByte('^')
+		b.WriteString(big.NewInt(int64(exps[a])).String())
+		b.WriteByte(' ')
+	}
+	return b.String()
+}
+
+func isZeroNumber(v exprValue) bool {
+	return v.kind == exactValue && v.r.Sign() == 0 || v.kind == floatValue && v.f.Sign() == 0
+}
+
+// addTerm adds c·monomial to p, dropping a term whose coefficient becomes 0 as sympy does.
+func (p poly) addTerm(exps map[string]int, c exprValue) error {
+	// Fold square roots: √a·√b = √(ab) with square factors taken out, √n² = n.
+	rad := big.NewInt(1)
+	clean := map[string]int{}
+	for a, e := range exps {
+		if strings.HasPrefix(a, "√") {
+			n, _ := new(big.Int).SetString(a[len("√"):], 10)
+			if e%2 != 0 {
+				rad.Mul(rad, n)
+			}
+			half := e / 2
+			if e < 0 && e%2 != 0 {
+				half = (e - 1) / 2 // √n^-1 = √n / n
+			}
+			var err error
+			if c, err = binaryOp('*', c, exactOf(ratPow(new(big.Rat).SetInt(n), int64(half)))); err != nil {
+				return err
+			}
+			continue
+		}
+		if e != 0 {
+			clean[a] = e
+		}
+	}
+	if rad.Cmp(big.NewInt(1)) != 0 {
+		s, r := squareFree(rad)
+		var err error
+		if c, err = binaryOp('*', c, exactOf(new(big.Rat).SetInt(s))); err != nil {
+			return err
+		}
+		if r.Cmp(big.NewInt(1)) != 0 {
+			clean["√"+r.String()] = 1
+		}
+	}
+	key := monomialKey(clean)
+	if t, ok := p[key]; ok {
+		sum, err := binaryOp('+', t.coef, c)
+		if err != nil {
+			return err
+		}
+		c = sum
+	}
+	if isZeroNumber(c) {
+		delete(p, key)
+		return nil
+	}
+	p[key] = polyTerm{exps: clean, coef: c}
+	return nil
+}
+
+// squareFree splits n = s²·r with r square-free (trial division; n is small in answers).
+func squareFree(n *big.Int) (*big.Int, *big.Int) {
+	s, r := big.NewInt(1), new(big.Int).Set(n)
+	if r.BitLen() > 64 {
+		return s, r
+	}
+	v := r.Uint64()
+	out := uint64(1)
+	for f := uint64(2); f*f <= v; f++ {
+		for v%(f*f) == 0 {
+			v /= f * f
+			out *= f
+		}
+	}
+	return new(big.Int).SetUint64(out), new(big.Int).SetUint64(v)
+}
+
+func polyConst(v exprValue) (poly, error) {
+	if v.kind == approxValue {
+		return nil, errNotEvaluable
+	}
+	p := poly{}
+	return p, p.addTerm(map[string]int{}, v)
+}
+
+func polyAdd(a, b poly, sign int64) (poly, error) {
+	out := poly{}
+	for _, t := range a {
+		if err := out.addTerm(t.exps, t.coef); err != nil {
+			return nil, err
+		}
+	}
+	for _, t := range b {
+		c := t.coef
+		if sign < 0 {
+			var err error
+			if c, err = binaryOp('*', exactOf(big.NewRat(-1, 1)), c); err != nil {
+				return nil, err
+			}
+		}
+		if err := out.addTerm(t.exps, c); err != nil {
+			return nil, err
+		}
+	}
+	return out, nil
+}
+
+func polyMul(a, b poly) (poly, error) {
+	out := poly{}
+	for _, x := range a {
+		for _, y := range b {
+			exps := map[string]int{}
+			for k, e := range x.exps {
+				exps[k] += e
+			}
+			for k, e := range y.exps {
+				exps[k] += e
+			}
+			c, err := coefMul(x.coef, y.coef)
+			if err != nil {
+				return nil, err
+			}
+			if err := out.addTerm(exps, c); err != nil {
+				return nil, err
+			}
+		}
+	}
+	return out, nil
+}
+
+// coefMul multiplies coefficients. A Float times an exact number is rounded once, from the exact
+// product: sympy multiplies a product's rational factors together before a Float meets them, so
+// 36·0.5/49 is 18/49 rounded, not 18.0 times 1/49 rounded.
+func coefMul(a, b exprValue) (exprValue, error) {
+	if a.kind == floatValue && b.kind == exactValue {
+		a, b = b, a
+	}
+	if a.kind == exactValue && b.kind == floatValue {
+		r, _ := b.f.Rat(nil)
+		z := new(big.Float).SetPrec(b.f.Prec()).SetRat(r.Mul(r, a.r))
+		return exprValue{kind: floatValue, f: z, hasFloat: true}, nil
+	}
+	return binaryOp('*', a, b)
+}
+
+// polyInverse inverts a single term; a sum in a denominator is not a polynomial.
+func polyInverse(a poly) (poly, error) {
+	if len(a) != 1 {
+		return nil, errNotEvaluable
+	}
+	for _, t := range a {
+		c, err := binaryOp('/', exactOf(big.NewRat(1, 1)), t.coef)
+		if err != nil {
+			return nil, err
+		}
+		exps := map[string]int{}
+		for k, e := range t.exps {
+			exps[k] = -e
+		}
+		out := poly{}
+		return out, out.addTerm(exps, c)
+	}
+	return nil, errNotEvaluable
+}
+
+const maxPolyTerms = 256
+
+func (n *exprNode) poly() (poly, error) {
+	switch n.op {
+	case 'n':
+		return polyConst(n.value)
+	case 's':
+		return poly{monomialKey(map[string]int{n.name: 1}): {exps: map[string]int{n.name: 1}, coef: exactOf(big.NewRat(1, 1))}}, nil
+	case 'p':
+		return poly{monomialKey(map[string]int{"π": 1}): {exps: map[string]int{"π": 1}, coef: exactOf(big.NewRat(1, 1))}}, nil
+	}
+	args := make([]poly, len(n.children))
+	for i, c := range n.children {
+		if n.op == '^' && i == 1 || n.op == 'f' || n.op == '!' {
+			break // exponents and function arguments are read as numbers below
+		}
+		p, err := c.poly()
+		if err != nil {
+			return nil, err
+		}
+		if len(p) > maxPolyTerms {
+			return nil, errNotEvaluable
+		}
+		args[i] = p
+	}
+	switch n.op {
+	case '+':
+		return polyAdd(args[0], args[1], 1)
+	case '-':
+		return polyAdd(args[0], args[1], -1)
+	case '~':
+		return polyAdd(poly{}, args[0], -1)
+	case '*':
+		return polyMul(args[0], args[1])
+	case '/':
+		inv, err := polyInverse(args[1])
+		if err != nil {
+			return nil, err
+		}
+		return polyMul(args[0], inv)
+	case '^':
+		if n.children[1].hasSymbol() {
+			return nil, errNotEvaluable
+		}
+		e, err := n.children[1].eval(nil)
+		if err != nil || e.kind != exactValue {
+			return nil, errNotEvaluable
+		}
+		if e.r.Cmp(big.NewRat(1, 2)) == 0 {
+			return polySqrt(args[0])
+		}
+		if !e.r.IsInt() || e.r.Num().BitLen() > 5 {
+			return nil, errNotEvaluable
+		}
+		k := e.r.Num().Int64()
+		base := args[0]
+		if k < 0 {
+			if base, err = polyInverse(base); err != nil {
+				return nil, err
+			}
+			k = -k
+		}
+		out, _ := polyConst(exactOf(big.NewRat(1, 1)))
+		for i := int64(0); i < k; i++ {
+			if out, err = polyMul(out, base); err != nil {
+				return nil, err
+			}
+		}
+		return out, nil
+	case 'f':
+		if n.name == "sqrt" {
+			p, err := n.children[0].poly()
+			if err != nil {
+				return nil, err
+			}
+			return polySqrt(p)
+		}
+	case '!':
+		v, err := n.eval(nil)
+		if err != nil {
+			return nil, err
+		}
+		return polyConst(v)
+	}
+	return nil, errNotEvaluable
+}
+
+// polySqrt is the square root of a positive exact rational: r·√n.
+func polySqrt(p poly) (poly, error) {
+	if len(p) == 0 {
+		return p, nil
+	}
+	t, ok := p[""]
+	if len(p) != 1 || !ok || t.coef.kind != exactValue || t.coef.r.Sign() < 0 {
+		return nil, errNotEvaluable
+	}
+	// √(a/b) = √(ab)/b
+	ab := new(big.Int).Mul(t.coef.r.Num(), t.coef.r.Denom())
+	out := poly{}
+	return out, out.addTerm(map[string]int{"√" + ab.String(): 1}, exactOf(new(big.Rat).SetFrac(big.NewInt(1), t.coef.r.Denom())))
+}
+
+func (n *exprNode) hasFloat() bool {
+	if n.op == 'n' && n.value.kind == floatValue {
+		return true
+	}
+	for _, c := range n.children {
+		if c.hasFloat() {
+			return true
+		}
+	}
+	return false
 }
