@@ -59,13 +59,13 @@ var latexSymbols = map[string]string{
 // latexArgCommands print their one argument as is (formatting, boxes, bars).
 var latexArgCommands = map[string]string{
 	"text": "", "textbf": "", "textit": "", "textrm": "", "textsf": "", "texttt": "", "emph": "",
-	"mathrm": "", "mbox": "", "operatorname": "", "boxed": "", "fbox": "", "overline": "",
+	"mathrm": "", "operatorname": "", "boxed": "", "fbox": "", "overline": "",
 	"underline": "", "widehat": "", "widetilde": "", "phantom": "", "pmod": "",
 	"hat": "\u0302", "bar": "\u0305", "vec": "\u20d7", "tilde": "\u0303", "dot": "\u0307",
 }
 
 // latexDropArgCommands take one argument and print nothing.
-var latexDropArgCommands = map[string]bool{"hspace": true, "vspace": true, "color": true, "label": true}
+var latexDropArgCommands = map[string]bool{"hspace": true, "vspace": true, "color": true, "label": true, "mbox": true}
 
 // mathStyles map letters and digits of \mathbf, \mathit and \mathbb to their Unicode forms.
 var mathStyles = map[string]func(r rune) rune{
@@ -277,11 +277,14 @@ func (p *latexParser) skipSpaces() {
 }
 
 // arg reads a command's argument: a {group}, a command, or one character, rendered. ok is false at
-// the end of input.
+// the end of input. A "}" (the end of the enclosing group) is an empty argument, left in place.
 func (p *latexParser) arg() (string, bool, error) {
 	p.skipSpaces()
 	if p.i >= len(p.s) {
 		return "", false, nil
+	}
+	if p.s[p.i] == '}' {
+		return "", true, nil
 	}
 	var b strings.Builder
 	switch c := p.s[p.i]; c {
