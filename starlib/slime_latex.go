@@ -3,6 +3,7 @@ package starlib
 import (
 	"errors"
 	"strings"
+	"unicode"
 	"unicode/utf8"
 )
 
@@ -149,15 +150,24 @@ func (p *latexParser) command(b *strings.Builder) error {
 		return nil
 	}
 	start := p.i
-	if isLetter(p.s[p.i]) {
-		for p.i < len(p.s) && isLetter(p.s[p.i]) {
-			p.i++
+	isAlpha := func(i int) (bool, int) {
+		r, size := utf8.DecodeRuneInString(p.s[i:])
+		return unicode.IsLetter(r), size
+	}
+	if ok, _ := isAlpha(p.i); ok { // a control word: letters, as Python's isalpha counts them
+		for p.i < len(p.s) {
+			ok, size := isAlpha(p.i)
+			if !ok {
+				break
+			}
+			p.i += size
 		}
 	} else {
-		p.i++
+		_, size := utf8.DecodeRuneInString(p.s[p.i:])
+		p.i += size
 	}
 	name := p.s[start:p.i]
-	if isLetter(name[0]) {
+	if ok, _ := isAlpha(start); ok {
 		p.skipSpaces() // a control word eats the spaces after it
 	}
 	if name == "(" || name == ")" || name == "[" || name == "]" {
@@ -285,6 +295,9 @@ func (p *latexParser) arg() (string, bool, error) {
 	}
 	if p.s[p.i] == '}' {
 		return "", true, nil
+	}
+	if p.s[p.i] == '\\' && p.i == len(p.s)-1 {
+		return "", false, nil // a lone backslash at the end is no argument
 	}
 	var b strings.Builder
 	switch c := p.s[p.i]; c {

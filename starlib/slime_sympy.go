@@ -162,7 +162,7 @@ func powValue(a, b exprValue) (exprValue, error) {
 	if a.kind == exactValue && b.kind == exactValue && a.r.Sign() > 0 {
 		// A rational power of a rational that is a perfect power stays exact: 4^(1/2) = 2.
 		q := b.r.Denom()
-		if q.IsInt64() && q.Int64() <= 16 && b.r.Num().IsInt64() {
+		if q.IsInt64() && q.Int64() > 1 && q.Int64() <= 16 && b.r.Num().IsInt64() {
 			num, ok1 := intRoot(a.r.Num(), q.Int64())
 			den, ok2 := intRoot(a.r.Denom(), q.Int64())
 			if ok1 && ok2 {
