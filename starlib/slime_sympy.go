@@ -648,10 +648,8 @@ func sympyDifferenceIsZero(expr string) bool {
 	if err != nil {
 		return false
 	}
-	if n.hasFloat() {
-		if p, err := n.poly(); err == nil {
-			return len(p) == 0
-		}
+	if f, err := n.ratFunc(); err == nil {
+		return len(f.num) == 0
 	}
 	names := map[string]bool{}
 	n.collectSymbols(names)
@@ -896,89 +894,181 @@ func polyInverse(a poly) (poly, error) {
 
 const maxPolyTerms = 256
 
-func (n *exprNode) poly() (poly, error) {
+// ratFunc is a quotient of polynomials: sympy's simplify brings a difference over a common
+// denominator, so it is 0 exactly when the numerator is.
+type ratFunc struct{ num, den poly }
+
+func polyOne() poly {
+	p, _ := polyConst(exactOf(big.NewRat(1, 1)))
+	return p
+}
+
+func atomPoly(name string) ratFunc {
+	exps := map[string]int{name: 1}
+	return ratFunc{poly{monomialKey(exps): {exps: exps, coef: exactOf(big.NewRat(1, 1))}}, polyOne()}
+}
+
+// simplify moves a one-term denominator into the numerator, so that a polynomial's numerator is
+// its normal form, and bounds the sizes.
+func (f ratFunc) simplify() (ratFunc, error) {
+	if len(f.den) == 1 {
+		inv, err := polyInverse(f.den)
+		if err != nil {
+			return ratFunc{}, err
+		}
+		num, err := polyMul(f.num, inv)
+		if err != nil {
+			return ratFunc{}, err
+		}
+		return ratFunc{num, polyOne()}, nil
+	}
+	if len(f.num) > maxPolyTerms || len(f.den) > maxPolyTerms {
+		return ratFunc{}, errNotEvaluable
+	}
+	return f, nil
+}
+
+func ratMul(a, b ratFunc) (ratFunc, error) {
+	num, err := polyMul(a.num, b.num)
+	if err != nil {
+		return ratFunc{}, err
+	}
+	den, err := polyMul(a.den, b.den)
+	if err != nil {
+		return ratFunc{}, err
+	}
+	return ratFunc{num, den}.simplify()
+}
+
+func ratAdd(a, b ratFunc, sign int64) (ratFunc, error) {
+	if len(a.den) == 1 && len(b.den) == 1 { // simplify leaves a one-term denominator only as 1
+		num, err := polyAdd(a.num, b.num, sign)
+		return ratFunc{num, polyOne()}, err
+	}
+	x, err := polyMul(a.num, b.den)
+	if err != nil {
+		return ratFunc{}, err
+	}
+	y, err := polyMul(b.num, a.den)
+	if err != nil {
+		return ratFunc{}, err
+	}
+	num, err := polyAdd(x, y, sign)
+	if err != nil {
+		return ratFunc{}, err
+	}
+	den, err := polyMul(a.den, b.den)
+	if err != nil {
+		return ratFunc{}, err
+	}
+	return ratFunc{num, den}.simplify()
+}
+
+func ratInverse(a ratFunc) (ratFunc, error) {
+	if len(a.num) == 0 {
+		return ratFunc{}, errNotEvaluable // division by 0: sympy's zoo
+	}
+	return ratFunc{a.den, a.num}.simplify()
+}
+
+// ratFunc evaluates the expression as a quotient of polynomials in symbols, π and square roots
+// of integers, with exact or Float coefficients; an error where it is not one (a logarithm, the
+// square root of a symbol).
+func (n *exprNode) ratFunc() (ratFunc, error) {
 	switch n.op {
 	case 'n':
-		return polyConst(n.value)
+		p, err := polyConst(n.value)
+		return ratFunc{p, polyOne()}, err
 	case 's':
-		return poly{monomialKey(map[string]int{n.name: 1}): {exps: map[string]int{n.name: 1}, coef: exactOf(big.NewRat(1, 1))}}, nil
+		return atomPoly(n.name), nil
 	case 'p':
-		return poly{monomialKey(map[string]int{"π": 1}): {exps: map[string]int{"π": 1}, coef: exactOf(big.NewRat(1, 1))}}, nil
-	}
-	args := make([]poly, len(n.children))
-	for i, c := range n.children {
-		if n.op == '^' && i == 1 || n.op == 'f' || n.op == '!' {
-			break // exponents and function arguments are read as numbers below
-		}
-		p, err := c.poly()
-		if err != nil {
-			return nil, err
-		}
-		if len(p) > maxPolyTerms {
-			return nil, errNotEvaluable
-		}
-		args[i] = p
-	}
-	switch n.op {
-	case '+':
-		return polyAdd(args[0], args[1], 1)
-	case '-':
-		return polyAdd(args[0], args[1], -1)
-	case '~':
-		return polyAdd(poly{}, args[0], -1)
-	case '*':
-		return polyMul(args[0], args[1])
-	case '/':
-		inv, err := polyInverse(args[1])
-		if err != nil {
-			return nil, err
-		}
-		return polyMul(args[0], inv)
-	case '^':
-		if n.children[1].hasSymbol() {
-			return nil, errNotEvaluable
-		}
-		e, err := n.children[1].eval(nil)
-		if err != nil || e.kind != exactValue {
-			return nil, errNotEvaluable
-		}
-		if e.r.Cmp(big.NewRat(1, 2)) == 0 {
-			return polySqrt(args[0])
-		}
-		if !e.r.IsInt() || e.r.Num().BitLen() > 5 {
-			return nil, errNotEvaluable
-		}
-		k := e.r.Num().Int64()
-		base := args[0]
-		if k < 0 {
-			if base, err = polyInverse(base); err != nil {
-				return nil, err
-			}
-			k = -k
-		}
-		out, _ := polyConst(exactOf(big.NewRat(1, 1)))
-		for i := int64(0); i < k; i++ {
-			if out, err = polyMul(out, base); err != nil {
-				return nil, err
-			}
-		}
-		return out, nil
-	case 'f':
-		if n.name == "sqrt" {
-			p, err := n.children[0].poly()
-			if err != nil {
-				return nil, err
-			}
-			return polySqrt(p)
-		}
+		return atomPoly("π"), nil
 	case '!':
 		v, err := n.eval(nil)
 		if err != nil {
-			return nil, err
+			return ratFunc{}, err
 		}
-		return polyConst(v)
+		p, err := polyConst(v)
+		return ratFunc{p, polyOne()}, err
+	case 'f':
+		if n.name != "sqrt" {
+			return ratFunc{}, errNotEvaluable
+		}
+		a, err := n.children[0].ratFunc()
+		if err != nil {
+			return ratFunc{}, err
+		}
+		return ratSqrt(a)
 	}
-	return nil, errNotEvaluable
+	a, err := n.children[0].ratFunc()
+	if err != nil {
+		return ratFunc{}, err
+	}
+	switch n.op {
+	case '~':
+		num, err := polyAdd(poly{}, a.num, -1)
+		return ratFunc{num, a.den}, err
+	case '^':
+		if n.children[1].hasSymbol() {
+			return ratFunc{}, errNotEvaluable
+		}
+		e, err := n.children[1].eval(nil)
+		if err != nil || e.kind != exactValue {
+			return ratFunc{}, errNotEvaluable
+		}
+		if e.r.Cmp(big.NewRat(1, 2)) == 0 {
+			return ratSqrt(a)
+		}
+		if !e.r.IsInt() || e.r.Num().BitLen() > 5 {
+			return ratFunc{}, errNotEvaluable
+		}
+		k := e.r.Num().Int64()
+		if k < 0 {
+			if a, err = ratInverse(a); err != nil {
+				return ratFunc{}, err
+			}
+			k = -k
+		}
+		out := ratFunc{polyOne(), polyOne()}
+		for i := int64(0); i < k; i++ {
+			if out, err = ratMul(out, a); err != nil {
+				return ratFunc{}, err
+			}
+		}
+		return out, nil
+	}
+	b, err := n.children[1].ratFunc()
+	if err != nil {
+		return ratFunc{}, err
+	}
+	switch n.op {
+	case '+':
+		return ratAdd(a, b, 1)
+	case '-':
+		return ratAdd(a, b, -1)
+	case '*':
+		return ratMul(a, b)
+	case '/':
+		inv, err := ratInverse(b)
+		if err != nil {
+			return ratFunc{}, err
+		}
+		return ratMul(a, inv)
+	}
+	return ratFunc{}, errNotEvaluable
+}
+
+// ratSqrt is the square root of a positive exact rational.
+func ratSqrt(a ratFunc) (ratFunc, error) {
+	if len(a.den) != 1 {
+		return ratFunc{}, errNotEvaluable
+	}
+	a, err := a.simplify()
+	if err != nil {
+		return ratFunc{}, err
+	}
+	p, err := polySqrt(a.num)
+	return ratFunc{p, polyOne()}, err
 }
 
 // polySqrt is the square root of a positive exact rational: r·√n.

@@ -25,6 +25,7 @@ Modes, with the slime function that gives the verdict:
 import importlib
 import json
 import os
+import random
 import re
 import signal
 import sys
@@ -247,6 +248,100 @@ def variants(a):
     return sorted(out)
 
 
+# Fragments that random answers are made of, to reach the corners of slime's string handling.
+FRAGMENTS = [
+    "1", "2", "3", "12", "0", "-", "+", " ", ".", ",", "5", "1,000", "0.5", ".5", "x", "y", "a", "(", ")", "[", "]",
+    r"\frac", r"\dfrac", r"\tfrac", "{", "}", r"\sqrt", r"\pi", r"\infty", r"\text{", r"\text{ ", r"\mbox{", r"\left",
+    r"\right", r"\%", "%", r"\$", "$", "^", r"^\circ", r"^{\circ}", "=", "x=", "/", "*", r"\cdot", r"\times", r"\!", r"\,",
+    r"\;", " cm", " degrees", " meters", "hours", "inches", " and ", " or ", "million", r"\boxed{", r"\fbox{", "\n", "\\\\",
+    r"\{", r"\}", r"\cup", r"\le", "e", "i", r"\sqrt{2}", r"\frac{1}{2}", r"\frac12", "3/4", "2/4", "10^3", "1e3",
+    "Answer: ", "The", " the ", "yes", "No", "A", "(B)", r"\mathrm{", r"\textbf{", "_", "'", '"', "!", "?", "~",
+    "<|im_end|>", "é", "½", "²", "−",
+]
+
+
+def random_cases(rng, rounds):
+    """Random strings of FRAGMENTS through every grader."""
+    def answer():
+        return "".join(rng.choice(FRAGMENTS) for _ in range(rng.randint(1, 6)))
+    cases = []
+    for _ in range(rounds):
+        a, b = answer(), answer()
+        cases.append({"mode": "equal", "response": a, "label": b})
+        cases.append({"mode": "equal", "response": a, "label": a.replace(" ", "")})
+        cases.append({"mode": "math", "response": "so " + box(a), "label": b})
+        cases.append({"mode": "deepscaler", "label": a, "response": rng.choice(["</think>", "<think>", "###Response", ""]) + answer() + box(a)})
+        cases.append({"mode": "dapo", "response": answer() + "Answer: " + a, "label": rng.choice(["1", "12", "5", "0", "-1", "1000", "2"])})
+        cases.append({"mode": "f1", "response": a, "label": b})
+        cases.append({"mode": "gpqa", "response": a + answer(), "label": rng.choice(["A", "B", "x", "1", "12"])})
+        cases.append({"mode": "boxed", "response": answer() + answer(), "label": ""})
+        cases.append({"mode": "extract", "response": answer() + answer(), "label": ""})
+    return cases
+
+
+def expression_cases(rng, count):
+    """Random expressions in numbers, x, y, pi, square roots and decimals, each compared with the
+    forms sympy writes it in (LaTeX, plain, expanded, factored, rationalised, 6 digits) and with
+    another expression."""
+    import sympy
+
+    x, y = sympy.symbols("x y")
+
+    def atom():
+        r = rng.random()
+        if r < 0.3:
+            return sympy.Integer(rng.randint(-9, 12))
+        if r < 0.45:
+            return sympy.Rational(rng.randint(1, 9), rng.randint(2, 9))
+        if r < 0.6:
+            return x
+        if r < 0.7:
+            return y
+        if r < 0.8:
+            return sympy.sqrt(rng.choice([2, 3, 5, 8, 12, 18]))
+        if r < 0.87:
+            return sympy.pi
+        if r < 0.93:
+            return sympy.Float(rng.choice(["0.5", "1.25", "2.0", "0.1", "3.75"]))
+        return sympy.Integer(rng.randint(10, 999))
+
+    def expr(depth=0):
+        if depth > 2 or rng.random() < 0.35:
+            return atom()
+        op = rng.choice("+-*/^")
+        a, b = expr(depth + 1), expr(depth + 1)
+        if op == "+":
+            return a + b
+        if op == "-":
+            return a - b
+        if op == "*":
+            return a * b
+        if op == "/":
+            return a / b if b != 0 else a
+        return a ** rng.randint(2, 3)
+
+    def forms(e):
+        out = []
+        for f in (sympy.latex, lambda e: str(e).replace("**", "^"), lambda e: sympy.latex(sympy.expand(e)),
+                  lambda e: sympy.latex(sympy.factor(e)), lambda e: str(sympy.nsimplify(e)).replace("**", "^"),
+                  lambda e: sympy.latex(sympy.N(e, 6))):
+            try:
+                s = f(e)
+            except Exception:
+                continue
+            if len(s) < 120 and s not in out:
+                out.append(s)
+        return out
+
+    cases = []
+    for _ in range(count):
+        fs, other = forms(expr()), forms(expr())
+        for a in fs:
+            for b in fs + other[:1]:
+                cases.append({"mode": "equal", "response": a, "label": b})
+    return cases
+
+
 def box(s):
     return r"\boxed{" + s + "}"
 
@@ -362,6 +457,8 @@ def build_cases():
         cases.append({"mode": "deepscaler", "response": "<think>t</think>" + box(a), "label": a})
     for resp, label, meta in GPQA_META:
         cases.append({"mode": "gpqa", "response": resp, "label": label, "metadata": meta})
+    cases += random_cases(random.Random(1), 700)
+    cases += expression_cases(random.Random(2), 120)
     # gpqa
     for resp, label, choices in GPQA:
         c = {"mode": "gpqa", "response": resp, "label": label}
