@@ -235,3 +235,50 @@ func TestSlimeRewardVectors(t *testing.T) {
 			m, r.match, r.total, 100*float64(r.match)/float64(max(r.total, 1)), r.known, r.crash)
 	}
 }
+
+// BenchmarkGrade times one grader call on typical inputs: a plain number, an expression that
+// needs the symbolic comparison, a long response, and the other modes.
+func BenchmarkGrade(b *testing.B) {
+	long := strings.Repeat("Let me think about this step by step. ", 400) + `So the answer is \boxed{\frac{\sqrt{3}}{2}}.`
+	cases := []struct {
+		name, response, label, mode string
+	}{
+		{"math/number", `The answer is \boxed{42}.`, "42", GradeMath},
+		{"math/fraction", `The answer is \boxed{\dfrac{3}{4}}.`, "0.75", GradeMath},
+		{"math/symbolic", `The answer is \boxed{\frac{\sqrt{3}}{2}}.`, `\sqrt{3}/2`, GradeMath},
+		{"math/polynomial", `\boxed{(x+1)^2}`, "x^2+2x+1", GradeMath},
+		{"math/wrong", `\boxed{x^2+2x}`, "(x+1)^2", GradeMath},
+		{"math/long", long, `\frac{\sqrt{3}}{2}`, GradeMath},
+		{"deepscaler", `<think>hmm</think> so \boxed{2\sqrt{2}}`, `\sqrt{8}`, GradeDeepscaler},
+		{"dapo", "work\nAnswer: 1,000", "1000", GradeDAPO},
+		{"f1", "the city of Paris, France", "Paris", GradeF1},
+		{"gpqa", "The answer is (B).", "B", GradeGPQA},
+	}
+	for _, c := range cases {
+		b.Run(c.name, func(b *testing.B) {
+			for b.Loop() {
+				if _, err := Grade(c.response, TextLabel(c.label), c.mode, GradeOptions{}); err != nil {
+					b.Fatal(err)
+				}
+			}
+		})
+	}
+}
+
+// BenchmarkRewardVectors times a pass over every committed vector: the mean cost of a call over
+// inputs as varied as the test's.
+func BenchmarkRewardVectors(b *testing.B) {
+	vectors := loadRewardVectors(b)
+	answers, _ := Module("slimen", "answers.star")
+	text, _ := Module("slimen", "text.star")
+	thread := &starlark.Thread{Name: "bench"}
+	b.ResetTimer()
+	for b.Loop() {
+		for _, v := range vectors {
+			if v.Crash == "" {
+				runRewardVector(thread, answers, text, v)
+			}
+		}
+	}
+	b.ReportMetric(float64(b.Elapsed().Nanoseconds())/float64(b.N*len(vectors))/1000, "µs/vector")
+}
