@@ -25,7 +25,8 @@ var Answers = &starlarkstruct.Module{
 
 var boxCommands = []string{`\boxed`, `\fbox`}
 
-// Boxed returns the content of the last well-formed `\boxed{…}` or `\fbox{…}` in text, braces
+// Boxed is slimen's lenient reading of a box (answers.boxed with lenient=True; the default is
+// slime's SlimeBoxed). It returns the content of the last well-formed `\boxed{…}` or `\fbox{…}` in text, braces
 // matched (escaped `\{` and `\}` do not count) and the content trimmed. A box whose braces never
 // close, as in a response cut off by the length limit, is skipped in favour of an earlier one.
 // The brace-less form `\boxed 5` reads up to the next `$` or end of line.
@@ -107,8 +108,9 @@ func matchBrace(s string) int {
 
 var answerLine = regexp.MustCompile(`(?i)\banswer\s*:\s*([^\n]+)`)
 
-// Extract returns the answer of the last `Answer: …` line of text (case-insensitive, as in
-// "Final answer: 5"), trimmed. As in DAPO's grader, the answer may start on the next line.
+// Extract is slimen's lenient reading of an answer line (answers.extract with lenient=True; the
+// default is DAPO's SlimeExtract). It returns the answer of the last `Answer: …` line of text
+// (case-insensitive, as in "Final answer: 5", "Answer" starting a word), trimmed. As in DAPO's grader, the answer may start on the next line.
 func Extract(text string) (string, bool) {
 	all := answerLine.FindAllStringSubmatch(text, -1)
 	if len(all) == 0 {
@@ -165,7 +167,7 @@ func TextLabel(s string) Label { return Label{Text: s} }
 //   - "dapo": the last "Answer: …" of the last 300 characters, normalised as DAPO does, is the
 //     integer part of the label → 1, else -1. A label that is not a finite number is an error, as
 //     it is in slime.
-//   - "f1": SlimeF1 of the response and the label.
+//   - "f1": F1 of the response and the label.
 //   - "gpqa": the letter the response chooses (or, failing that, the text of the correct option
 //     in the response) is the label's → 1, else 0. The label is a letter, an option's text, or the
 //     index of the correct option.
@@ -217,7 +219,7 @@ func Grade(response string, label Label, mode string, opts GradeOptions) (float6
 		}
 		return score, nil
 	case GradeF1:
-		return SlimeF1(response, label.Text), nil
+		return F1(response, label.Text), nil
 	case GradeGPQA:
 		l := gpqaLabel{text: label.Text, isText: !label.Number}
 		if label.Number {

@@ -18,6 +18,8 @@
 // that generator and fail with a clear error on a thread that has none.
 //
 // Every built-in unpacks its arguments with starlark.UnpackArgs and prefixes its errors with its
-// qualified name ("answers.grade: …"). The work is done by plain Go functions (Boxed, Normalize,
-// Equal, Grade, Tag, StripThink, F1, …) that embedders may call directly.
+// qualified name ("answers.grade: …"). The work is done by plain Go functions (Grade, SlimeEqual,
+// SlimeBoxed, SlimeExtract, F1, Normalize, Equal, Tag, StripThink, …) that embedders may call
+// directly. The graders reproduce slime's rm_hub (slime_graders.go): testdata/slime/rewards.jsonl
+// holds slime's verdicts, written by the script beside it, and TestSlimeRewardVectors checks them.
 package starlib

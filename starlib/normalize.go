@@ -160,9 +160,11 @@ func canonicalDecimal(s string) string {
 // that 0.333333 is not 1/3, loose enough that a ten-digit decimal of 1/3 is.
 var equalTolerance = big.NewRat(1, 1_000_000_000)
 
-// Equal reports whether two answers are the same: equal after Normalize, or both numbers (integers,
-// decimals, `\frac{a}{b}`, `a/b`, with signs) within a relative difference of 1e-9. An empty
-// answer equals nothing, not even another empty answer: it means the model gave none.
+// Equal is slimen's lenient comparison (answers.equal and answers.grade with lenient=True; the
+// default is slime's SlimeEqual): two answers are the same when equal after Normalize, or both
+// numbers (integers, decimals, `\frac{a}{b}`, `a/b`, with signs) within a relative difference of
+// 1e-9, so 2/4 passes for 1/2 and 0.3333333333 for 1/3. An empty answer equals nothing, not even
+// another empty answer: it means the model gave none.
 func Equal(a, b string) bool {
 	na, nb := Normalize(a), Normalize(b)
 	if na == "" || nb == "" {

@@ -589,10 +589,13 @@ func pyIsWord(r rune) bool { return r == '_' || unicode.IsLetter(r) || unicode.I
 // pyLower is Python's str.lower, which differs from Go's for İ.
 func pyLower(s string) string { return strings.ToLower(strings.ReplaceAll(s, "\u0130", "i\u0307")) }
 
-// SlimeF1 is slime's f1 grader: token F1 after slime's normalisation; 0 when no token is shared,
-// when either side is empty, and when either side is "yes", "no" or "noanswer" and the other is
-// not the same.
-func SlimeF1(prediction, reference string) float64 {
+// F1 is slime's f1 grader (the SQuAD token F1): the harmonic mean of the precision and recall of
+// the tokens prediction and reference share, counted with multiplicity, after slime's
+// normalisation (lowercased, ASCII punctuation deleted so "don't" is "dont", the words a/an/the
+// removed, split on white space). It is 0 when no token is shared (so also when either side is
+// empty, both included), and when either side is "yes", "no" or "noanswer" and the other is not
+// the same.
+func F1(prediction, reference string) float64 {
 	p, r := slimeF1Tokens(prediction), slimeF1Tokens(reference)
 	np, nr := strings.Join(p, " "), strings.Join(r, " ")
 	special := func(s string) bool { return s == "yes" || s == "no" || s == "noanswer" }

@@ -4,7 +4,6 @@ import (
 	"fmt"
 	"regexp"
 	"strings"
-	"unicode"
 
 	"go.starlark.net/starlark"
 	"go.starlark.net/starlarkstruct"
@@ -86,55 +85,6 @@ func StripThink(text string) string {
 		text = text[i+j+len(closing):]
 	}
 	return strings.TrimSpace(b.String())
-}
-
-// f1Tokens splits text the way SQuAD's evaluation (and slime's f1 grader) does: lowercased,
-// punctuation deleted (so "don't" is one token "dont"), the articles a/an/the dropped, split on
-// white space.
-func f1Tokens(text string) []string {
-	text = strings.Map(func(r rune) rune {
-		if unicode.IsPunct(r) {
-			return -1
-		}
-		return unicode.ToLower(r)
-	}, text)
-	var out []string
-	for _, w := range strings.Fields(text) {
-		if w != "a" && w != "an" && w != "the" {
-			out = append(out, w)
-		}
-	}
-	return out
-}
-
-// F1 is the token F1 of a prediction against a reference: the harmonic mean of the precision and
-// recall of their shared tokens, counted with multiplicity. When either has no tokens it is 1 if
-// both have none, else 0.
-func F1(prediction, reference string) float64 {
-	p, r := f1Tokens(prediction), f1Tokens(reference)
-	if len(p) == 0 || len(r) == 0 {
-		if len(p) == len(r) {
-			return 1
-		}
-		return 0
-	}
-	counts := map[string]int{}
-	for _, t := range r {
-		counts[t]++
-	}
-	common := 0
-	for _, t := range p {
-		if counts[t] > 0 {
-			counts[t]--
-			common++
-		}
-	}
-	if common == 0 {
-		return 0
-	}
-	precision := float64(common) / float64(len(p))
-	recall := float64(common) / float64(len(r))
-	return 2 * precision * recall / (precision + recall)
 }
 
 // Truncate keeps the first n characters of text (the last n when tail is set). Characters are
@@ -233,7 +183,7 @@ func textF1(_ *starlark.Thread, b *starlark.Builtin, args starlark.Tuple, kwargs
 	if err := starlark.UnpackArgs(b.Name(), args, kwargs, "prediction", &prediction, "reference", &reference); err != nil {
 		return nil, err
 	}
-	return starlark.Float(SlimeF1(prediction, reference)), nil
+	return starlark.Float(F1(prediction, reference)), nil
 }
 
 func textFind(_ *starlark.Thread, b *starlark.Builtin, args starlark.Tuple, kwargs []starlark.Tuple) (starlark.Value, error) {

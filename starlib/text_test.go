@@ -62,9 +62,13 @@ func TestF1(t *testing.T) {
 		{"tower tower", "tower", 2.0 / 3},           // repeats count once per reference token
 		{"don't", "dont", 1},
 		{"london", "paris", 0},
-		{"", "", 1},
-		{"the", "", 1}, // articles only: no tokens on either side
+		{"", "", 0},    // nothing shared, as in slime
+		{"the", "", 0}, // articles only: no tokens on either side
 		{"x", "", 0},
+		{"yes", "yes", 1},
+		{"yes", "yes it is", 0}, // yes/no/noanswer must match whole
+		{"no answer", "noanswer", 0},
+		{"naïve—café", "naïve café", 0}, // only ASCII punctuation is deleted
 	}
 	for _, c := range cases {
 		if got := F1(c.a, c.b); math.Abs(got-c.want) > 1e-12 {
