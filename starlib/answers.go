@@ -149,10 +149,9 @@ type GradeOptions struct {
 
 // Label is what Grade grades against: text, or a number as a script gives it.
 type Label struct {
-	Text    string
-	Number  bool    // the label was a number; Text is Python's str() of it
-	Value   float64 // the number, when Number
-	IsFloat bool    // the number was a float
+	Text   string
+	Number bool    // the label was a number; Text is Python's str() of it
+	Value  float64 // the number, when Number
 }
 
 // TextLabel is a label given as a string.
@@ -271,7 +270,7 @@ func (a *answerArg) Unpack(v starlark.Value) error {
 		*a = answerArg{s: v.String(), ok: true, l: Label{Text: v.String(), Number: true, Value: f}}
 	case starlark.Float:
 		s := pyFloatRepr(float64(v))
-		*a = answerArg{s: s, ok: true, l: Label{Text: s, Number: true, Value: float64(v), IsFloat: true}}
+		*a = answerArg{s: s, ok: true, l: Label{Text: s, Number: true, Value: float64(v)}}
 	default:
 		return fmt.Errorf("got %s, want string, int, float or None", v.Type())
 	}

@@ -228,3 +228,14 @@ func TestAnswersScript(t *testing.T) {
 		{src: `got = grade("x", "1", mood = "math")`, wantErr: "answers.grade: unexpected keyword argument"},
 	})
 }
+
+func TestPyFloatRepr(t *testing.T) {
+	for f, want := range map[float64]string{
+		5: "5.0", -2.5: "-2.5", 0.0001: "0.0001", 0.00001: "1e-05", 1e16: "1e+16", 123456789012345.0: "123456789012345.0",
+		1.5e300: "1.5e+300", 0.1: "0.1",
+	} {
+		if got := pyFloatRepr(f); got != want {
+			t.Errorf("pyFloatRepr(%v) = %q, want %q (Python's repr)", f, got, want)
+		}
+	}
+}
