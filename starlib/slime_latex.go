@@ -132,7 +132,7 @@ func (p *latexParser) render(b *strings.Builder, stop string) error {
 			p.i++
 			b.WriteString("\u00a0")
 		case '\\':
-			if err := p.command(b); err != nil {
+			if err := p.command(b, true); err != nil {
 				return err
 			}
 		default:
@@ -143,8 +143,10 @@ func (p *latexParser) render(b *strings.Builder, stop string) error {
 	return nil
 }
 
-// command reads and renders the command at p.i (a backslash).
-func (p *latexParser) command(b *strings.Builder) error {
+// command reads and renders the command at p.i (a backslash). A command that is itself the
+// argument of another (\frac\frac12) takes no arguments of its own (withArgs false), and renders
+// as pylatexenc renders a command whose arguments are missing.
+func (p *latexParser) command(b *strings.Builder, withArgs bool) error {
 	p.i++
 	if p.i >= len(p.s) {
 		return nil
@@ -175,6 +177,18 @@ func (p *latexParser) command(b *strings.Builder) error {
 	}
 	if s, ok := latexSymbols[name]; ok {
 		b.WriteString(s)
+		return nil
+	}
+	if !withArgs {
+		switch name {
+		case "frac":
+			b.WriteString("%s/%s")
+		case "sqrt":
+			return errLatexArgument
+		}
+		if accent := latexArgCommands[name]; accent != "" {
+			b.WriteString(" " + accent) // an accent over nothing
+		}
 		return nil
 	}
 	switch name {
@@ -307,7 +321,7 @@ func (p *latexParser) arg() (string, bool, error) {
 			return "", false, err
 		}
 	case '\\':
-		if err := p.command(&b); err != nil {
+		if err := p.command(&b, false); err != nil {
 			return "", false, err
 		}
 	default:

@@ -568,7 +568,11 @@ func (n *exprNode) eval(symbols map[string]*big.Rat) (exprValue, error) {
 	case 'n':
 		return n.value, nil
 	case 's':
-		return exactOf(symbols[n.name]), nil
+		v, ok := symbols[n.name]
+		if !ok {
+			return exprValue{}, errNotEvaluable
+		}
+		return exactOf(v), nil
 	case 'p':
 		return approxOf(complex(math.Pi, 0), false)
 	}
