@@ -45,7 +45,7 @@ func SlimeBoxed(text string) (string, bool) {
 // pyFloat parses a string as Python's float() does: surrounding white space, a sign, "_" between
 // digits, "inf", "infinity" and "nan" in any case.
 func pyFloat(s string) (float64, bool) {
-	s = strings.TrimFunc(s, pyIsSpace)
+	s = strings.Map(asciiDigit, strings.TrimFunc(s, pyIsSpace))
 	t := strings.TrimLeft(s, "+-")
 	if len(s)-len(t) > 1 {
 		return 0, false
@@ -67,6 +67,18 @@ func pyFloat(s string) (float64, bool) {
 		return 0, false
 	}
 	return f, true
+}
+
+// asciiDigit writes a decimal digit of any script ("١٢") as the ASCII digit Python reads it as.
+func asciiDigit(r rune) rune {
+	if r < 0x80 || !unicode.Is(unicode.Nd, r) {
+		return r
+	}
+	start := r
+	for unicode.Is(unicode.Nd, start-1) {
+		start--
+	}
+	return '0' + (r-start)%10
 }
 
 var pyFloatSyntax = regexp.MustCompile(`^(?:[0-9](?:_?[0-9])*(?:\.(?:[0-9](?:_?[0-9])*)?)?|\.[0-9](?:_?[0-9])*)(?:[eE][+-]?[0-9](?:_?[0-9])*)?$`)
@@ -624,10 +636,12 @@ func F1(prediction, reference string) float64 {
 // --- gpqa ---
 
 var (
+	// Python's case-insensitive "i" also matches İ and ı (Go's matches neither).
+	pyI          = strings.NewReplacer("i", "[iİı]", "[A-Z]", "[A-Zİı]")
 	gpqaPatterns = []*regexp.Regexp{
-		regexp.MustCompile(`(?i)(?:answer|option|choice)` + pyS + `*(?:is|:)?` + pyS + `*([A-Z])`),
-		regexp.MustCompile(`(?i)([A-Z])` + pyS + `*(?:is` + pyS + `*(?:the)?` + pyS + `*correct)`),
-		regexp.MustCompile(`(?i)final` + pyS + `*(?:answer|option)` + pyS + `*(?:is|:)?` + pyS + `*([A-Z])`),
+		regexp.MustCompile(`(?i)` + pyI.Replace(`(?:answer|option|choice)`+pyS+`*(?:is|:)?`+pyS+`*([A-Z])`)),
+		regexp.MustCompile(`(?i)` + pyI.Replace(`([A-Z])`+pyS+`*(?:is`+pyS+`*(?:the)?`+pyS+`*correct)`)),
+		regexp.MustCompile(`(?i)` + pyI.Replace(`final`+pyS+`*(?:answer|option)`+pyS+`*(?:is|:)?`+pyS+`*([A-Z])`)),
 	}
 	gpqaNonAlnum = regexp.MustCompile(`[^a-z0-9]+`)
 )
