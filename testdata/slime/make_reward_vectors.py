@@ -279,6 +279,37 @@ def random_cases(rng, rounds):
     return cases
 
 
+# Labels, answer-line fragments and words for random dapo, f1, gpqa and math cases.
+NUMBERS = ["0", "1", "5", "12", "-3", "007", "1e2", "2.5", "-0.5", "1_000", "+4", ".5", "5.", "1,000", "10^3",
+           "\\frac{1}{2}", "1e400", "nan", "-inf", "١٢", "²"]
+ANSWER_FRAGMENTS = ["Answer", "answer", "ANSWER", ":", " ", "\n", "=", "$", "\\boxed{", "}", "\\text{", "dollars", "cm",
+                    " units", ",", ".", "a ", "an ", "\\$", "\\%", "^\\circ", "<|endoftext|>", "\\sqrt", "frac", "\\frac",
+                    "\\overline{", "\\textbf{", "mbox{", "\\text{and}", "\\text{m}", "\\;", ",\\!", "{,}", '"', "\\ldots",
+                    "Final", "x"]
+WORDS = ["Paris", "the", "a", "an", "yes", "no", "noanswer", "No Answer", "é", "É", "ß", "İ", "’", "—", "_", "-", ".", ",",
+         "!", " ", "\t", "\n", "\u00a0", "\u3000", "B", "(C)", "1", "2", "A", "is", "correct", "answer", "option", "choice",
+         "final", "</think>", "<think>", "ſ", "K", "ı"]
+
+
+def label_cases(rng, rounds):
+    """Random labels and answers for dapo and math, words for f1 and gpqa (with metadata)."""
+    def join(pool, lo, hi):
+        return "".join(rng.choice(pool) for _ in range(rng.randint(lo, hi)))
+    metas = [{"choices": ["Paris", "yes", "B"]}, {"valid_letters": ["A", "b"]}, {"correct_letter": "c"},
+             {"correct_answer": "Paris"}, {"choices": {"x": "a", "y": "correct"}}]
+    cases = []
+    for _ in range(rounds):
+        cases.append({"mode": "dapo", "response": join(ANSWER_FRAGMENTS + NUMBERS, 1, 8), "label": rng.choice(NUMBERS)})
+        cases.append({"mode": "dapo", "response": "Answer: " + join(ANSWER_FRAGMENTS + NUMBERS, 1, 4), "label": rng.choice(NUMBERS)})
+        cases.append({"mode": "f1", "response": join(WORDS, 0, 6), "label": join(WORDS, 0, 6)})
+        g = {"mode": "gpqa", "response": join(WORDS, 1, 8), "label": rng.choice(["A", "b", "C ", "x", 0, 2, 1.0, -1, "Paris", "yes", ""])}
+        if rng.random() < 0.5:
+            g["metadata"] = rng.choice(metas)
+        cases.append(g)
+        cases.append({"mode": "math", "response": join(ANSWER_FRAGMENTS + NUMBERS, 1, 6), "label": rng.choice(NUMBERS)})
+    return cases
+
+
 def expression_cases(rng, count):
     """Random expressions in numbers, x, y, pi, square roots and decimals, each compared with the
     forms sympy writes it in (LaTeX, plain, expanded, factored, rationalised, 6 digits) and with
@@ -459,6 +490,7 @@ def build_cases():
         cases.append({"mode": "gpqa", "response": resp, "label": label, "metadata": meta})
     cases += random_cases(random.Random(1), 700)
     cases += expression_cases(random.Random(2), 120)
+    cases += label_cases(random.Random(3), 500)
     # gpqa
     for resp, label, choices in GPQA:
         c = {"mode": "gpqa", "response": resp, "label": label}
