@@ -839,6 +839,9 @@ func polyAdd(a, b poly, sign int64) (poly, error) {
 }
 
 func polyMul(a, b poly) (poly, error) {
+	if len(a)*len(b) > maxPolyTerms*maxPolyTerms/4 {
+		return nil, errNotEvaluable
+	}
 	out := poly{}
 	for _, x := range a {
 		for _, y := range b {
@@ -915,6 +918,9 @@ func atomPoly(name string) ratFunc {
 // simplify moves a one-term denominator into the numerator, so that a polynomial's numerator is
 // its normal form, and bounds the sizes.
 func (f ratFunc) simplify() (ratFunc, error) {
+	if len(f.num) > maxPolyTerms || len(f.den) > maxPolyTerms {
+		return ratFunc{}, errNotEvaluable // too large to expand; evaluated at points instead
+	}
 	if len(f.den) == 1 {
 		inv, err := polyInverse(f.den)
 		if err != nil {
@@ -925,9 +931,6 @@ func (f ratFunc) simplify() (ratFunc, error) {
 			return ratFunc{}, err
 		}
 		return ratFunc{num, polyOne()}, nil
-	}
-	if len(f.num) > maxPolyTerms || len(f.den) > maxPolyTerms {
-		return ratFunc{}, errNotEvaluable
 	}
 	return f, nil
 }
