@@ -230,6 +230,20 @@ func init() {
 	}
 }
 
+// slimeParseLatex is slime's _parse_latex: LaTeX rendered as text (latexToText), with the
+// characters sympy cannot read written as names (√ → sqrt, π → pi, ∞ → inf, ∪ → U, ·, × → *).
+// \frac gets a space before it, so that a mixed number 1\frac{1}{2} reads as 1+1/2.
+func slimeParseLatex(expr string) (string, error) {
+	expr = strings.ReplaceAll(expr, `\tfrac`, `\frac`)
+	expr = strings.ReplaceAll(expr, `\dfrac`, `\frac`)
+	expr = strings.ReplaceAll(expr, `\frac`, ` \frac`)
+	text, err := latexToText(expr)
+	if err != nil {
+		return "", err
+	}
+	return strings.TrimFunc(latexUnicodeOps.Replace(text), pyIsSpace), nil
+}
+
 // sympyNormalize is slime's _normalize.
 func sympyNormalize(expr string) string {
 	if m := sympyTextOnly.FindStringSubmatch(expr); m != nil {
@@ -256,11 +270,8 @@ func sympyNormalize(expr string) string {
 		expr = pyIntString(pyRound(f))
 	}
 	if strings.Contains(expr, `\`) {
-		s := strings.ReplaceAll(expr, `\tfrac`, `\frac`)
-		s = strings.ReplaceAll(s, `\dfrac`, `\frac`)
-		s = strings.ReplaceAll(s, `\frac`, ` \frac`)
-		if text, err := latexToText(s); err == nil {
-			expr = strings.TrimFunc(latexUnicodeOps.Replace(text), pyIsSpace)
+		if text, err := slimeParseLatex(expr); err == nil {
+			expr = text
 		}
 	}
 	expr = dashSpaces.ReplaceAllString(expr, "-")

@@ -5,6 +5,8 @@ import (
 	"strings"
 	"unicode"
 	"unicode/utf8"
+
+	"golang.org/x/text/unicode/norm"
 )
 
 // latexToText renders LaTeX as plain text the way slime's math grader sees it (it runs
@@ -44,6 +46,14 @@ var latexSymbols = map[string]string{
 	"square": "□", "oplus": "⊕", "otimes": "⊗", "gg": "≫", "ll": "≪", "leqslant": "⩽",
 	"geqslant": "⩾", "nleq": "≰", "dagger": "†", "star": "⋆", "ast": "∗", "bullet": "∙",
 	"aleph": "ℵ", "hbar": "ħ", "ell": "ℓ", "textdegree": "°", "backslash": "\\", "textbackslash": "\\",
+	"Leftarrow": "⇐", "Longrightarrow": "⟹", "longrightarrow": "⟶", "leftrightarrow": "↔", "downarrow": "↓",
+	"hookrightarrow": "↪", "nearrow": "↗", "searrow": "↘", "Upsilon": "Υ", "omicron": "ο", "varkappa": "ϰ",
+	"varpi": "ϖ", "varrho": "ϱ", "varsigma": "ς", "amalg": "⨿", "asymp": "≍", "beth": "ℶ", "blacksquare": "▪",
+	"dag": "†", "dashv": "⊣", "diamond": "♢", "doteq": "≐", "dotsb": "…", "dotsc": "…", "gtrsim": "≳",
+	"lesssim": "≲", "liminf": "lim inf", "limsup": "lim sup", "measuredangle": "∡", "nexists": "∄", "ngeq": "≱",
+	"ngtr": "≯", "ni": "∋", "nless": "≮", "nmid": "∤", "notin": "∉", "odot": "⊙", "ominus": "⊖", "oslash": "⊘",
+	"prec": "≺", "sqcap": "⊓", "sqcup": "⊔", "succ": "≻", "supset": "⊃", "supseteq": "⊇", "vdash": "⊢",
+	"wp": "℘", "wr": "≀",
 	"sin": "sin", "cos": "cos", "tan": "tan", "arcsin": "arcsin", "arccos": "arccos", "arctan": "arctan",
 	"sinh": "sinh", "cosh": "cosh", "tanh": "tanh", "ln": "ln", "log": "log", "exp": "exp", "lim": "lim",
 	"max": "max", "min": "min", "sup": "sup", "inf": "inf",
@@ -57,53 +67,50 @@ var latexSymbols = map[string]string{
 	"{": "{", "}": "}", "%": "%", "$": "$", "&": "&", "#": "#", "_": "_", "\\": "\n",
 }
 
-// latexArgCommands print their one argument as is (formatting, boxes, bars).
+// latexArgCommands print their one argument, with an accent after each character where they have
+// one (as pylatexenc does, then composed: \\hat{a} is â). A missing argument prints the accent
+// over a space, or "%s" for the commands in latexMissingArgPercent.
 var latexArgCommands = map[string]string{
-	"text": "", "textbf": "", "textit": "", "textrm": "", "textsf": "", "texttt": "", "emph": "",
-	"mathrm": "", "operatorname": "", "boxed": "", "fbox": "", "overline": "",
-	"underline": "", "widehat": "", "widetilde": "", "phantom": "", "pmod": "",
-	"hat": "\u0302", "bar": "\u0305", "vec": "\u20d7", "tilde": "\u0303", "dot": "\u0307",
+	"text": "", "textbf": "", "textit": "", "textrm": "", "textsl": "", "textsc": "", "textnormal": "", "emph": "",
+	"mathrm": "", "mathnormal": "", "boldsymbol": "", "bm": "", "operatorname": "", "boxed": "", "fbox": "",
+	"overline": "", "underline": "", "widehat": "", "widetilde": "", "overbrace": "", "underbrace": "",
+	"overleftarrow": "", "overrightarrow": "", "ensuremath": "", "phantom": "", "pmod": "", "mathring": "",
+	"hat": "\u0302", "bar": "\u0305", "vec": "\u20d7", "tilde": "\u0303", "dot": "\u0307", "ddot": "\u0308",
+	"acute": "\u0301", "grave": "\u0300", "check": "\u030c", "breve": "\u0306",
 }
 
-// latexDropArgCommands take one argument and print nothing.
-var latexDropArgCommands = map[string]bool{"hspace": true, "vspace": true, "color": true, "label": true, "mbox": true}
+var latexMissingArgPercent = map[string]bool{
+	"overline": true, "underline": true, "widehat": true, "widetilde": true, "overbrace": true,
+	"underbrace": true, "overleftarrow": true, "overrightarrow": true, "ensuremath": true,
+}
 
-// mathStyles map letters and digits of \mathbf, \mathit and \mathbb to their Unicode forms.
-var mathStyles = map[string]func(r rune) rune{
-	"mathbf": func(r rune) rune {
-		switch {
-		case r >= 'A' && r <= 'Z':
-			return 0x1D400 + r - 'A'
-		case r >= 'a' && r <= 'z':
-			return 0x1D41A + r - 'a'
-		}
-		return r
-	},
-	"mathit": func(r rune) rune {
-		switch {
-		case r == 'h':
-			return 'ℎ'
-		case r >= 'A' && r <= 'Z':
-			return 0x1D434 + r - 'A'
-		case r >= 'a' && r <= 'z':
-			return 0x1D44E + r - 'a'
-		}
-		return r
-	},
-	"mathbb": func(r rune) rune {
-		if s, ok := map[rune]rune{'C': 'ℂ', 'H': 'ℍ', 'N': 'ℕ', 'P': 'ℙ', 'Q': 'ℚ', 'R': 'ℝ', 'Z': 'ℤ'}[r]; ok {
-			return s
-		}
-		switch {
-		case r >= 'A' && r <= 'Z':
-			return 0x1D538 + r - 'A'
-		case r >= 'a' && r <= 'z':
-			return 0x1D552 + r - 'a'
-		case r >= '0' && r <= '9':
-			return 0x1D7D8 + r - '0'
-		}
-		return r
-	},
+// latexDropArgCommands take one argument and print what is given here instead.
+var latexDropArgCommands = map[string]string{
+	"hspace": "", "vspace": "\n", "color": "", "label": "", "mbox": "", "textsf": "", "texttt": "", "textup": "",
+	"hphantom": "", "vphantom": "", "cite": "<cit.>", "ref": "<ref>",
+}
+
+// mathStyles are the Unicode forms of the letters A–Z, a–z that \\mathbf and its kin print; digits
+// and other characters stay as they are.
+var mathStyles = map[string][]rune{
+	"mathbf":   []rune("𝐀𝐁𝐂𝐃𝐄𝐅𝐆𝐇𝐈𝐉𝐊𝐋𝐌𝐍𝐎𝐏𝐐𝐑𝐒𝐓𝐔𝐕𝐖𝐗𝐘𝐙𝐚𝐛𝐜𝐝𝐞𝐟𝐠𝐡𝐢𝐣𝐤𝐥𝐦𝐧𝐨𝐩𝐪𝐫𝐬𝐭𝐮𝐯𝐰𝐱𝐲𝐳"),
+	"mathit":   []rune("𝐴𝐵𝐶𝐷𝐸𝐹𝐺𝐻𝐼𝐽𝐾𝐿𝑀𝑁𝑂𝑃𝑄𝑅𝑆𝑇𝑈𝑉𝑊𝑋𝑌𝑍𝑎𝑏𝑐𝑑𝑒𝑓𝑔ℎ𝑖𝑗𝑘𝑙𝑚𝑛𝑜𝑝𝑞𝑟𝑠𝑡𝑢𝑣𝑤𝑥𝑦𝑧"),
+	"mathbb":   []rune("𝔸𝔹ℂ𝔻𝔼𝔽𝔾ℍ𝕀𝕁𝕂𝕃𝕄ℕ𝕆ℙℚℝ𝕊𝕋𝕌𝕍𝕎𝕏𝕐ℤ𝕒𝕓𝕔𝕕𝕖𝕗𝕘𝕙𝕚𝕛𝕜𝕝𝕞𝕟𝕠𝕡𝕢𝕣𝕤𝕥𝕦𝕧𝕨𝕩𝕪𝕫"),
+	"mathcal":  []rune("𝒜ℬ𝒞𝒟ℰℱ𝒢ℋℐ𝒥𝒦ℒℳ𝒩𝒪𝒫𝒬ℛ𝒮𝒯𝒰𝒱𝒲𝒳𝒴𝒵𝒶𝒷𝒸𝒹ℯ𝒻ℊ𝒽𝒾𝒿𝓀𝓁𝓂𝓃ℴ𝓅𝓆𝓇𝓈𝓉𝓊𝓋𝓌𝓍𝓎𝓏"),
+	"mathscr":  []rune("𝒜ℬ𝒞𝒟ℰℱ𝒢ℋℐ𝒥𝒦ℒℳ𝒩𝒪𝒫𝒬ℛ𝒮𝒯𝒰𝒱𝒲𝒳𝒴𝒵𝒶𝒷𝒸𝒹ℯ𝒻ℊ𝒽𝒾𝒿𝓀𝓁𝓂𝓃ℴ𝓅𝓆𝓇𝓈𝓉𝓊𝓋𝓌𝓍𝓎𝓏"),
+	"mathfrak": []rune("𝔄𝔅ℭ𝔇𝔈𝔉𝔊ℌℑ𝔍𝔎𝔏𝔐𝔑𝔒𝔓𝔔ℜ𝔖𝔗𝔘𝔙𝔚𝔛𝔜ℨ𝔞𝔟𝔠𝔡𝔢𝔣𝔤𝔥𝔦𝔧𝔨𝔩𝔪𝔫𝔬𝔭𝔮𝔯𝔰𝔱𝔲𝔳𝔴𝔵𝔶𝔷"),
+	"mathsf":   []rune("𝖠𝖡𝖢𝖣𝖤𝖥𝖦𝖧𝖨𝖩𝖪𝖫𝖬𝖭𝖮𝖯𝖰𝖱𝖲𝖳𝖴𝖵𝖶𝖷𝖸𝖹𝖺𝖻𝖼𝖽𝖾𝖿𝗀𝗁𝗂𝗃𝗄𝗅𝗆𝗇𝗈𝗉𝗊𝗋𝗌𝗍𝗎𝗏𝗐𝗑𝗒𝗓"),
+	"mathtt":   []rune("𝙰𝙱𝙲𝙳𝙴𝙵𝙶𝙷𝙸𝙹𝙺𝙻𝙼𝙽𝙾𝙿𝚀𝚁𝚂𝚃𝚄𝚅𝚆𝚇𝚈𝚉𝚊𝚋𝚌𝚍𝚎𝚏𝚐𝚑𝚒𝚓𝚔𝚕𝚖𝚗𝚘𝚙𝚚𝚛𝚜𝚝𝚞𝚟𝚠𝚡𝚢𝚣"),
+}
+
+func styled(table []rune, r rune) rune {
+	switch {
+	case r >= 'A' && r <= 'Z':
+		return table[r-'A']
+	case r >= 'a' && r <= 'z':
+		return table[26+r-'a']
+	}
+	return r
 }
 
 // render writes nodes until the end of input or the closing brace of the group being read (stop
@@ -188,6 +195,10 @@ func (p *latexParser) command(b *strings.Builder, withArgs bool) error {
 		}
 		if accent := latexArgCommands[name]; accent != "" {
 			b.WriteString(" " + accent) // an accent over nothing
+		} else if latexMissingArgPercent[name] {
+			b.WriteString("%s")
+		} else if text, ok := latexDropArgCommands[name]; ok {
+			b.WriteString(text)
 		}
 		return nil
 	}
@@ -208,12 +219,7 @@ func (p *latexParser) command(b *strings.Builder, withArgs bool) error {
 		b.WriteString(num + "/" + den)
 		return nil
 	case "sqrt":
-		p.skipSpaces()
-		if p.i < len(p.s) && p.s[p.i] == '[' { // the index of \sqrt[3]{x} is dropped
-			if j := strings.IndexByte(p.s[p.i:], ']'); j >= 0 {
-				p.i += j + 1
-			}
-		}
+		p.skipOptional() // the index of \sqrt[3]{x} is dropped
 		arg, ok, err := p.arg()
 		if err != nil {
 			return err
@@ -234,23 +240,55 @@ func (p *latexParser) command(b *strings.Builder, withArgs bool) error {
 		return nil
 	}
 	if accent, ok := latexArgCommands[name]; ok {
-		arg, _, err := p.arg()
+		arg, ok, err := p.arg()
 		if err != nil {
 			return err
 		}
-		b.WriteString(arg + accent)
+		switch {
+		case !ok && latexMissingArgPercent[name]:
+			b.WriteString("%s")
+		case !ok && accent != "":
+			b.WriteString(" " + accent)
+		case accent == "":
+			b.WriteString(arg)
+		default:
+			var acc strings.Builder
+			for _, r := range arg {
+				acc.WriteRune(r)
+				acc.WriteString(accent)
+			}
+			b.WriteString(norm.NFC.String(acc.String()))
+		}
 		return nil
 	}
-	if latexDropArgCommands[name] {
+	if text, ok := latexDropArgCommands[name]; ok {
+		if name == "hphantom" || name == "vphantom" || name == "color" || name == "cite" {
+			p.skipOptional()
+		}
 		_, _, err := p.arg()
+		b.WriteString(text)
 		return err
 	}
-	if style, ok := mathStyles[name]; ok {
+	if name == "textcolor" { // \textcolor{color}{text}
+		if p.skipSpaces(); p.i < len(p.s) && p.s[p.i] == '[' {
+			return errLatexArgument
+		}
+		if _, ok, err := p.arg(); err != nil || !ok {
+			return errLatexArgument
+		}
+		arg, ok, err := p.arg()
+		if err != nil || !ok {
+			return errLatexArgument
+		}
+		b.WriteString(arg)
+		return nil
+	}
+	if table, ok := mathStyles[name]; ok {
 		arg, _, err := p.arg()
 		if err != nil {
 			return err
 		}
-		b.WriteString(strings.Map(style, arg))
+		b.WriteString(strings.Map(func(r rune) rune { return styled(table, r) }, arg))
 		return nil
 	}
 	return nil // an unknown command prints nothing; its arguments print as groups
@@ -294,6 +332,16 @@ func (p *latexParser) matrix(b *strings.Builder, kind, env string) error {
 	return nil
 }
 
+// skipOptional skips an optional argument [..].
+func (p *latexParser) skipOptional() {
+	p.skipSpaces()
+	if p.i < len(p.s) && p.s[p.i] == '[' {
+		if j := strings.IndexByte(p.s[p.i:], ']'); j >= 0 {
+			p.i += j + 1
+		}
+	}
+}
+
 func (p *latexParser) skipSpaces() {
 	for p.i < len(p.s) && (p.s[p.i] == ' ' || p.s[p.i] == '\t' || p.s[p.i] == '\n') {
 		p.i++
@@ -303,7 +351,11 @@ func (p *latexParser) skipSpaces() {
 // arg reads a command's argument: a {group}, a command, or one character, rendered. ok is false at
 // the end of input. A "}" (the end of the enclosing group) is an empty argument, left in place.
 func (p *latexParser) arg() (string, bool, error) {
-	p.skipSpaces()
+	for p.skipSpaces(); p.i < len(p.s) && p.s[p.i] == '%'; p.skipSpaces() { // comments are skipped
+		for p.i < len(p.s) && p.s[p.i] != '\n' {
+			p.i++
+		}
+	}
 	if p.i >= len(p.s) {
 		return "", false, nil
 	}
@@ -324,6 +376,9 @@ func (p *latexParser) arg() (string, bool, error) {
 		if err := p.command(&b, false); err != nil {
 			return "", false, err
 		}
+	case '~':
+		p.i++
+		b.WriteString("\u00a0")
 	default:
 		_, size := utf8.DecodeRuneInString(p.s[p.i:])
 		b.WriteString(p.s[p.i : p.i+size])

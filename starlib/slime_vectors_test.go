@@ -129,6 +129,12 @@ func runRewardVector(thread *starlark.Thread, answers, text starlark.StringDict,
 	}
 	resp := starlark.String(v.Response)
 	switch v.Mode {
+	case "latex": // slime's rendering of LaTeX for sympy, which no Starlark function exposes alone
+		text, err := slimeParseLatex(v.Response)
+		if err != nil {
+			return starlark.None, nil // slime raises and keeps the answer as it was
+		}
+		return starlark.String(text), nil
 	case "equal":
 		return starlark.Call(thread, answers["equal"], starlark.Tuple{resp, label}, nil)
 	case "boxed":

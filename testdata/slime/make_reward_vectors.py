@@ -21,6 +21,7 @@ Modes, with the slime function that gives the verdict:
   equal       grade_answer_mathd(a, b) or grade_answer_sympy(a, b): math's comparison of two answers
   boxed       math_utils.extract_answer(text): the answer math grades, or None
   extract     the last match of is_correct_minerva's answer pattern: the answer dapo grades, or None
+  latex       math_utils._parse_latex(text), or None where it raises: LaTeX as the sympy step reads it
 """
 import importlib
 import json
@@ -260,6 +261,36 @@ FRAGMENTS = [
 ]
 
 
+# LaTeX commands, rendered by themselves, before, with and around arguments.
+LATEX_COMMANDS = """
+alpha beta gamma delta epsilon varepsilon zeta eta theta vartheta iota kappa varkappa lambda mu nu xi omicron pi varpi
+rho varrho sigma varsigma tau upsilon phi varphi chi psi omega Gamma Delta Theta Lambda Xi Pi Sigma Upsilon Phi Psi Omega
+infty partial nabla forall exists nexists neg lnot emptyset varnothing angle measuredangle triangle square blacksquare
+diamond Box checkmark cdot times div pm mp ast star circ bullet oplus ominus otimes oslash odot cap cup sqcap sqcup vee
+wedge setminus wr amalg le leq ge geq neq ne approx sim simeq cong equiv propto ll gg prec succ subset supset subseteq
+supseteq in ni notin mid nmid parallel perp models vdash dashv asymp doteq lt gt leqslant geqslant lesssim gtrsim nless
+ngtr nleq ngeq to rightarrow leftarrow Rightarrow Leftarrow leftrightarrow Leftrightarrow mapsto implies iff impliedby
+longrightarrow Longrightarrow uparrow downarrow nearrow searrow hookrightarrow ldots cdots vdots ddots dots dotsc dotsb
+langle rangle lfloor rfloor lceil rceil lvert rvert lVert rVert vert Vert backslash sin cos tan cot sec csc arcsin arccos
+arctan sinh cosh tanh coth ln log lg exp lim liminf limsup max min sup inf det gcd deg dim ker hom arg Pr mod bmod pmod
+aleph beth hbar ell wp Re Im imath jmath prime degree textdegree S P dag ddag copyright pounds quad qquad enspace
+thinspace negthinspace hfill displaystyle textstyle scriptstyle limits nolimits text textbf textit textrm textsf texttt
+textsc textsl textup textnormal emph mathrm mathbf mathit mathsf mathtt mathcal mathfrak mathscr mathbb mathnormal
+boldsymbol bm operatorname mbox hbox fbox boxed ensuremath overline underline widehat widetilde hat bar vec tilde dot
+ddot check breve acute grave mathring overrightarrow overleftarrow underbrace overbrace phantom hphantom vphantom hspace
+vspace color textcolor label tag ref cite frac dfrac tfrac cfrac sfrac binom dbinom tbinom choose over sqrt root left
+right big Big bigg Bigg bigl bigr Bigl Bigr middle
+""".split()
+
+
+def latex_cases():
+    cases = []
+    for name in LATEX_COMMANDS:
+        for template in ["\\%s{ab}c", "\\%s ab", "x\\%s", "\\%s{a}{b}c", "\\%s[3]{ab}", "2\\%s 3"]:
+            cases.append({"mode": "latex", "response": template % name, "label": ""})
+    return cases
+
+
 def random_cases(rng, rounds):
     """Random strings of FRAGMENTS through every grader."""
     def answer():
@@ -491,6 +522,10 @@ def build_cases():
     cases += random_cases(random.Random(1), 700)
     cases += expression_cases(random.Random(2), 120)
     cases += label_cases(random.Random(3), 500)
+    cases += latex_cases()
+    for c in random_cases(random.Random(4), 400):
+        if c["mode"] == "equal":
+            cases.append({"mode": "latex", "response": c["response"], "label": ""})
     # gpqa
     for resp, label, choices in GPQA:
         c = {"mode": "gpqa", "response": resp, "label": label}
@@ -525,7 +560,14 @@ def main():
         "equal": lambda c: bool(mu.grade_answer_mathd(c["response"], c["label"]) or mu.grade_answer_sympy(c["response"], c["label"])),
         "boxed": lambda c: mu.extract_answer(c["response"]),
         "extract": lambda c: extract(c["response"]),
+        "latex": lambda c: parse_latex(c["response"]),
     }
+    def parse_latex(text):
+        try:
+            return mu._parse_latex(text)
+        except Exception:  # _normalize catches this and keeps the text as it was
+            return None
+
     def gpqa_metadata(c):
         meta = json.loads(json.dumps(c.get("metadata", {})))  # a copy: slime writes into it
         if "choices" in c:
