@@ -653,7 +653,15 @@ func sympyDifferenceIsZero(expr string) bool {
 		return false
 	}
 	if f, err := n.ratFunc(); err == nil {
-		return len(f.num) == 0
+		if len(f.num) == 0 {
+			return true
+		}
+		// Not 0 in normal form is sympy's verdict too, unless an opaque square root may hide
+		// an identity that simplify finds (then evaluate below). With decimals it is final:
+		// sympy keeps their rounding, which no identity removes.
+		if !f.hasOpaque() || n.hasFloat() {
+			return false
+		}
 	}
 	names := map[string]bool{}
 	n.collectSymbols(names)
@@ -678,7 +686,7 @@ func sympyDifferenceIsZero(expr string) bool {
 		if err != nil {
 			return false
 		}
-		scale := 1.0
+		scale := 0.0 // the larger magnitude of the two sides: a tolerance relative to the answer
 		if (n.op == '-' || n.op == '+') && len(n.children) == 2 {
 			for _, c := range n.children {
 				if v, err := c.eval(symbols); err == nil {
@@ -1065,17 +1073,65 @@ func (n *exprNode) ratFunc() (ratFunc, error) {
 	return ratFunc{}, errNotEvaluable
 }
 
-// ratSqrt is the square root of a positive exact rational.
+// ratSqrt is a square root: of a positive exact rational, r·√n. The square root of anything else (√(√2+3), √(x+1)) is an opaque atom named after its
+// argument's normal form: sympy leaves it alone, and combines the terms it multiplies.
 func ratSqrt(a ratFunc) (ratFunc, error) {
-	if len(a.den) != 1 {
-		return ratFunc{}, errNotEvaluable
-	}
 	a, err := a.simplify()
 	if err != nil {
 		return ratFunc{}, err
 	}
-	p, err := polySqrt(a.num)
-	return ratFunc{p, polyOne()}, err
+	if len(a.den) == 1 {
+		if p, err := polySqrt(a.num); err == nil {
+			return ratFunc{p, polyOne()}, nil
+		}
+	}
+	if len(a.num) == 0 {
+		return ratFunc{poly{}, polyOne()}, nil
+	}
+	return atomPoly(opaqueSqrt + a.key() + "]"), nil
+}
+
+// opaqueSqrt begins the name of an opaque square-root atom.
+const opaqueSqrt = "sqrt["
+
+// key is a canonical text of a quotient: its terms in order, with their coefficients.
+func (f ratFunc) key() string {
+	write := func(b *strings.Builder, p poly) {
+		keys := make([]string, 0, len(p))
+		for k := range p {
+			keys = append(keys, k)
+		}
+		sort.Strings(keys)
+		for _, k := range keys {
+			c := p[k].coef
+			if c.kind == exactValue {
+				b.WriteString(c.r.String())
+			} else {
+				b.WriteString(c.f.Text('p', 0))
+			}
+			b.WriteString("·" + k + ";")
+		}
+	}
+	var b strings.Builder
+	write(&b, f.num)
+	b.WriteString("/")
+	write(&b, f.den)
+	return b.String()
+}
+
+// hasOpaque reports whether a quotient has an opaque atom, whose relations to other terms
+// (√(x+1)² = x+1) the normal form does not see.
+func (f ratFunc) hasOpaque() bool {
+	for _, p := range []poly{f.num, f.den} {
+		for _, t := range p {
+			for a := range t.exps {
+				if strings.HasPrefix(a, opaqueSqrt) {
+					return true
+				}
+			}
+		}
+	}
+	return false
 }
 
 // polySqrt is the square root of a positive exact rational: r·√n.
