@@ -341,10 +341,10 @@ def label_cases(rng, rounds):
     return cases
 
 
-def expression_cases(rng, count):
-    """Random expressions in numbers, x, y, pi, square roots and decimals, each compared with the
-    forms sympy writes it in (LaTeX, plain, expanded, factored, rationalised, 6 digits) and with
-    another expression."""
+def expression_cases(rng, count, radicals=False):
+    """Random expressions in numbers, x, y, pi, square roots and decimals (with radicals, also
+    square roots of sums, logarithms and 1/(x+n)), each compared with the forms sympy writes it in
+    (LaTeX, plain, expanded, factored, rationalised, 6 digits) and with another expression."""
     import sympy
 
     x, y = sympy.symbols("x y")
@@ -360,8 +360,12 @@ def expression_cases(rng, count):
         if r < 0.7:
             return y
         if r < 0.8:
+            if radicals:
+                return sympy.sqrt(rng.choice([2, 3, 5, 8, 12, 18]) + rng.choice([0, 1, sympy.sqrt(2), x]))
             return sympy.sqrt(rng.choice([2, 3, 5, 8, 12, 18]))
         if r < 0.87:
+            if radicals:
+                return rng.choice([sympy.pi, sympy.log(rng.randint(2, 9)), 1 / (x + rng.randint(1, 3))])
             return sympy.pi
         if r < 0.93:
             return sympy.Float(rng.choice(["0.5", "1.25", "2.0", "0.1", "3.75"]))
@@ -521,6 +525,7 @@ def build_cases():
         cases.append({"mode": "gpqa", "response": resp, "label": label, "metadata": meta})
     cases += random_cases(random.Random(1), 700)
     cases += expression_cases(random.Random(2), 120)
+    cases += expression_cases(random.Random(5), 60, radicals=True)
     cases += label_cases(random.Random(3), 500)
     cases += latex_cases()
     for c in random_cases(random.Random(4), 400):
