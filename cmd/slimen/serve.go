@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"log"
 	"maps"
+	"net"
 	"os"
 	"os/signal"
 	"slices"
@@ -46,8 +47,9 @@ func cmdServe(args []string) int {
 	maxMB := fs.Int("max-message-mb", server.DefaultMaxMessageBytes>>20, "largest message accepted or sent, in MiB")
 	threads := fs.Int("threads", 0, "tiny: goroutines for the math (0: all cores)")
 	window := fs.Duration("batch-window", 0, "how long a generate request waits for others to batch with (0: start at once)")
+	openaiAddr := fs.String("openai", "", "also serve an OpenAI-compatible HTTP API (/v1/chat/completions, …) on host:port, with the same TLS, token and loopback rule")
 	fs.Usage = func() {
-		fmt.Fprintln(fs.Output(), "usage: slimen serve [--engine tiny] [--model M] [--listen ADDR] [--root DIR] [--tls-cert C --tls-key K [--tls-client-ca CA]] [--insecure] [--token-env VAR]")
+		fmt.Fprintln(fs.Output(), "usage: slimen serve [--engine tiny] [--model M] [--listen ADDR] [--root DIR] [--tls-cert C --tls-key K [--tls-client-ca CA]] [--insecure] [--token-env VAR] [--openai ADDR]")
 		fs.PrintDefaults()
 	}
 	if err := fs.Parse(args); err != nil {
@@ -102,6 +104,14 @@ func cmdServe(args []string) int {
 	if err != nil {
 		return bad("%v", err)
 	}
+	var hl net.Listener
+	if *openaiAddr != "" {
+		if hl, err = listenOpenAI(*openaiAddr, opts); err != nil {
+			l.Close()
+			return bad("--openai: %v", err)
+		}
+		defer hl.Close()
+	}
 	eng, err := open(*model, *threads)
 	if err != nil {
 		l.Close()
@@ -127,8 +137,25 @@ func cmdServe(args []string) int {
 
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()
-	errc := make(chan error, 1)
+	errc := make(chan error, 2)
 	go func() { errc <- srv.Serve(l) }()
+	if hl != nil {
+		hs, err := serveOpenAI(eng, hl, opts, errc)
+		if err != nil {
+			fmt.Fprintf(os.Stderr, "slimen serve: %v\n", err)
+			return 1
+		}
+		defer func() { // requests under way finish, for up to 30 s, as on the gRPC side
+			sctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+			defer cancel()
+			hs.Shutdown(sctx)
+		}()
+		scheme := "http"
+		if opts.TLS != nil {
+			scheme = "https"
+		}
+		log.Printf("serving the OpenAI API at %s://%s/v1", scheme, hl.Addr())
+	}
 	select {
 	case err := <-errc:
 		fmt.Fprintf(os.Stderr, "slimen serve: %v\n", err)

@@ -1,0 +1,49 @@
+package main
+
+import (
+	"context"
+	"crypto/tls"
+	"log"
+	"net"
+	"net/http"
+	"time"
+
+	"github.com/slimen/slimen/engines"
+	"github.com/slimen/slimen/engines/openai"
+	"github.com/slimen/slimen/engines/server"
+	"github.com/slimen/slimen/engines/tiny"
+)
+
+// listenOpenAI binds the address of `slimen serve --openai` under the rules of the gRPC address:
+// loopback, or TLS, or --insecure.
+func listenOpenAI(addr string, opts server.Options) (net.Listener, error) {
+	l, err := server.Listen(addr, opts)
+	if err != nil {
+		return nil, err
+	}
+	if opts.TLS != nil {
+		l = tls.NewListener(l, opts.TLS)
+	}
+	return l, nil
+}
+
+// serveOpenAI serves eng's OpenAI-compatible front on l (with the server's token as its API
+// key) until the returned server is shut down; Serve's error goes to errc.
+func serveOpenAI(eng engines.Engine, l net.Listener, opts server.Options, errc chan<- error) (*http.Server, error) {
+	ho := openai.HandlerOptions{Token: opts.Token, Logf: log.Printf}
+	if t, ok := eng.(*tiny.Engine); ok {
+		tok := t.Tokenizer()
+		ho.Decode = func(id int32) string { return tok.Decode([]int32{id}) }
+	}
+	h, err := openai.NewHandler(context.Background(), eng, ho)
+	if err != nil {
+		return nil, err
+	}
+	s := &http.Server{Handler: h, ReadHeaderTimeout: 30 * time.Second}
+	go func() {
+		if err := s.Serve(l); err != http.ErrServerClosed {
+			errc <- err
+		}
+	}()
+	return s, nil
+}
