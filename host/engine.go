@@ -16,8 +16,8 @@ import (
 )
 
 // An EngineKind opens the engines of one engine kind: the engine.kind of a policy's config. The
-// host has two, tiny (the embedded pure-Go engine) and remote (an engine server over gRPC); a
-// package registers another with RegisterEngineKind in its init, and a program links the kind by
+// host has three, tiny (the embedded pure-Go engine), remote (an engine server over gRPC) and
+// openai (an OpenAI-compatible HTTP server, for frozen policies); a package registers another with RegisterEngineKind in its init, and a program links the kind by
 // importing that package (host/torch registers torch, the CLI imports it).
 type EngineKind struct {
 	// Open opens the engine of a policy; env is where it reports and how it hears of restarts.
@@ -88,6 +88,7 @@ func engineKind(name string) (EngineKind, error) {
 func init() {
 	RegisterEngineKind("tiny", EngineKind{Open: openTiny})
 	RegisterEngineKind("remote", EngineKind{Open: openRemote, OffHost: true, PassThrough: true})
+	RegisterEngineKind("openai", EngineKind{Open: openOpenAI})
 }
 
 // offHost says whether a policy's engine keeps its state on a server the run does not own.

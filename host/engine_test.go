@@ -39,12 +39,12 @@ func TestRegisteredEngineKind(t *testing.T) {
 	}
 
 	_, err = openEngine(context.Background(), config.PolicyConfig{Name: "g", Engine: config.EngineConfig{Kind: "torch"}}, "", engineLogs{})
-	if err == nil || !strings.Contains(err.Error(), `engine kind "torch" is not available in this build (known: echo-test, remote, tiny)`) ||
+	if err == nil || !strings.Contains(err.Error(), `engine kind "torch" is not available in this build (known: echo-test, openai, remote, tiny)`) ||
 		!strings.Contains(err.Error(), "github.com/slimen/slimen/host/torch") {
 		t.Fatalf("opening an unlinked torch engine: %v", err)
 	}
 	if _, err := config.Parse([]byte("policies:\n  - {name: p, engine: {kind: gpu}}\n"), "gpu.yaml"); err == nil ||
-		!strings.Contains(err.Error(), `engine kind "gpu" is not one of tiny, torch, remote, echo-test`) {
+		!strings.Contains(err.Error(), `engine kind "gpu" is not one of tiny, torch, remote, openai, echo-test`) {
 		t.Fatalf("an unknown kind: %v", err)
 	}
 }

@@ -86,7 +86,7 @@ type TrainConfig struct {
 
 // EngineConfig holds a policy's engine settings (slime-n's `sglang:` block plus slimen's `kind`).
 type EngineConfig struct {
-	Kind              string        `yaml:"kind" json:"kind"`                 // tiny | torch | remote | a registered kind (RegisterEngineKind)
+	Kind              string        `yaml:"kind" json:"kind"`                 // tiny | torch | remote | openai | a registered kind (RegisterEngineKind)
 	Address           string        `yaml:"address,omitempty" json:"address"` // remote: host:port
 	ModelPath         string        `yaml:"model_path" json:"model_path,omitempty"`
 	NumGPUsPerEngine  int           `yaml:"num_gpus_per_engine" json:"num_gpus_per_engine"`
@@ -113,6 +113,16 @@ type EngineConfig struct {
 	// unreachable engine to come back before the run stops (0: 2 minutes).
 	Timeout          time.Duration `yaml:"timeout,omitempty" json:"timeout,omitempty"`
 	ReconnectTimeout time.Duration `yaml:"reconnect_timeout,omitempty" json:"reconnect_timeout,omitempty"`
+	// openai: an OpenAI-compatible server (docs/openai.md). BaseURL is its API root (…/v1),
+	// Model the model name, APIKeyEnv the variable holding its key; MaxRetries retries a failed
+	// attempt (0: 4, -1: none), MaxConcurrency caps the requests in flight (0: 32), TokenIDs is
+	// auto, vllm or none; Timeout bounds one attempt.
+	BaseURL        string `yaml:"base_url,omitempty" json:"base_url,omitempty"`
+	Model          string `yaml:"model,omitempty" json:"model,omitempty"`
+	APIKeyEnv      string `yaml:"api_key_env,omitempty" json:"api_key_env,omitempty"`
+	MaxRetries     int    `yaml:"max_retries,omitempty" json:"max_retries,omitempty"`
+	MaxConcurrency int    `yaml:"max_concurrency,omitempty" json:"max_concurrency,omitempty"`
+	TokenIDs       string `yaml:"token_ids,omitempty" json:"token_ids,omitempty"`
 
 	// Extra holds the other server arguments (chunked_prefill_size, …); they pass through.
 	Extra map[string]any `yaml:",inline" json:"extra,omitempty"`

@@ -4,6 +4,7 @@ import (
 	"fmt"
 	"math"
 	"net"
+	"net/url"
 	"regexp"
 	"slices"
 	"strings"
@@ -14,11 +15,11 @@ import (
 )
 
 // engineKinds are the engine kinds a config may name: those whose settings this package knows
-// (tiny, torch, remote) and those a program registered (host.RegisterEngineKind).
+// (tiny, torch, remote, openai) and those a program registered (host.RegisterEngineKind).
 var engineKinds = struct {
 	sync.Mutex
 	names []string
-}{names: []string{"tiny", "torch", "remote"}}
+}{names: []string{"tiny", "torch", "remote", "openai"}}
 
 // RegisterEngineKind adds an engine kind to those a config may name (host.RegisterEngineKind
 // calls it; a name known already is left as it is).
@@ -239,6 +240,9 @@ func (r *resolver) validatePolicy(p *PolicyConfig, pp string) {
 	if e.Kind == "torch" {
 		r.validateTorch(p, pp)
 	}
+	if e.Kind == "openai" {
+		r.validateOpenAI(p, pp)
+	}
 	r.check(e.NumGPUsPerEngine >= 0, ep+".num_gpus_per_engine", at, "must be ≥ 0, got %d", e.NumGPUsPerEngine)
 	r.check(e.MemFractionStatic >= 0 && e.MemFractionStatic <= 1, ep+".mem_fraction_static", at, "must be in [0, 1], got %g", e.MemFractionStatic)
 	r.check(e.Threads >= 0, ep+".threads", at, "must be ≥ 0 (0: all cores), got %d", e.Threads)
@@ -256,6 +260,27 @@ func (r *resolver) validatePolicy(p *PolicyConfig, pp string) {
 			"the server groups have %d GPUs in all but sglang_num_nodes × num_gpus_per_node is %d × %d = %d; make them equal",
 			sum, p.SGLangNumNodes, p.NumGPUsPerNode, want)
 	}
+}
+
+// validateOpenAI checks a policy on an OpenAI-compatible server (engine.kind openai), which only
+// generates: such a policy is frozen.
+func (r *resolver) validateOpenAI(p *PolicyConfig, pp string) {
+	e, ep := p.Engine, pp+".engine"
+	u, err := url.Parse(e.BaseURL)
+	r.check(e.BaseURL != "", ep+".base_url", p.Line, "policy %q: an openai engine needs base_url: the server's API root, e.g. http://127.0.0.1:8000/v1", p.Name)
+	r.check(e.BaseURL == "" || (err == nil && (u.Scheme == "http" || u.Scheme == "https") && u.Host != ""), ep+".base_url", r.line(ep+".base_url", p.Line),
+		"%q is not an http:// or https:// URL such as http://127.0.0.1:8000/v1", e.BaseURL)
+	r.check(e.Model != "", ep+".model", p.Line, "policy %q: an openai engine needs model: a name the server's /v1/models lists", p.Name)
+	r.check(e.MaxRetries >= -1, ep+".max_retries", r.line(ep+".max_retries", p.Line), "must be ≥ -1 (0: 4 retries, -1: none), got %d", e.MaxRetries)
+	r.check(e.MaxConcurrency >= 0, ep+".max_concurrency", r.line(ep+".max_concurrency", p.Line), "must be ≥ 0 (0: 32), got %d", e.MaxConcurrency)
+	r.check(oneOf(e.TokenIDs, []string{"", "auto", "vllm", "none"}), ep+".token_ids", r.line(ep+".token_ids", p.Line), "token_ids %q is not one of auto, vllm, none", e.TokenIDs)
+	key := pp + ".trainable"
+	if !r.given(key) {
+		key = ep + ".kind"
+	}
+	r.check(!p.Trainable, key, r.line(key, p.Line),
+		"policy %q is trainable, but an openai engine only generates (the OpenAI API has no score, train or save): set trainable: false for a frozen judge, expert or teacher, or serve the model on a torch or tiny engine to train it",
+		p.Name)
 }
 
 // torchDevice is what engine.device may be: a torch device name, with an index or not.
