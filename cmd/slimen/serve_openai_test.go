@@ -1,0 +1,73 @@
+package main
+
+import (
+	"context"
+	"net"
+	"os"
+	"os/exec"
+	"reflect"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/slimen/slimen/engines"
+	"github.com/slimen/slimen/engines/openai"
+	"github.com/slimen/slimen/engines/tiny"
+)
+
+// `slimen serve --openai` answers the OpenAI API with exactly what the tiny engine samples
+// in-process (the openai engine kind as the client), requires the token, and stops on SIGTERM.
+func TestServeOpenAI(t *testing.T) {
+	grpcAddr, httpAddr := freeAddr(t), freeAddr(t)
+	cmd := exec.Command(slimenBin, "serve", "--model", remoteModel, "--threads", "1", "--listen", grpcAddr,
+		"--openai", httpAddr, "--token-env", "SLIMEN_TEST_KEY")
+	cmd.Env = append(os.Environ(), "SLIMEN_TEST_KEY=sk-serve")
+	cmd.Stderr = os.Stderr
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { cmd.Process.Kill(); cmd.Wait() })
+	for deadline := time.Now().Add(20 * time.Second); ; time.Sleep(50 * time.Millisecond) {
+		if c, err := net.Dial("tcp", httpAddr); err == nil {
+			c.Close()
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("slimen serve --openai %s did not come up", httpAddr)
+		}
+	}
+	ctx := context.Background()
+	base := "http://" + httpAddr + "/v1"
+	if _, err := openai.Open(ctx, openai.Options{BaseURL: base, Model: remoteModel}); err == nil {
+		t.Fatal("a client without the token was served")
+	}
+	c, err := openai.Open(ctx, openai.Options{BaseURL: base, Model: remoteModel, APIKey: "sk-serve"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	local, err := tiny.Open(remoteModel, tiny.Options{Threads: 1})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer local.Close()
+	reqs := []engines.GenerateRequest{
+		{ID: "a", Messages: []engines.Message{{Role: "user", Content: "What is 17+25?"}}, N: 2, Sampling: engines.Sampling{MaxTokens: 16, Temperature: 1, Seed: 3}},
+		{ID: "b", PromptTokens: local.Tokenizer().Encode("<|user|>8*7=<|end|><|assistant|>"), Sampling: engines.Sampling{MaxTokens: 16, Seed: 4}},
+	}
+	want, err := local.Generate(ctx, reqs)
+	if err != nil {
+		t.Fatal(err)
+	}
+	got, err := c.Generate(ctx, reqs)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !reflect.DeepEqual(got, want) {
+		t.Fatalf("through slimen serve --openai:\n%+v\nin-process:\n%+v", got, want)
+	}
+	cmd.Process.Signal(syscall.SIGTERM)
+	if err := cmd.Wait(); err != nil {
+		t.Fatalf("slimen serve after SIGTERM: %v", err)
+	}
+}
