@@ -333,3 +333,37 @@ func TestUnsupportedAndOpen(t *testing.T) {
 		t.Fatalf("a request without a prompt: %v", err)
 	}
 }
+
+// A Generate that fails part-way, or whose caller has gone, gives back every slot of the concurrency cap: the next calls
+// still run.
+func TestFailedGenerateFreesTheCap(t *testing.T) {
+	s, _ := fakeServer(t, func(attempt int, w http.ResponseWriter, r *http.Request) {
+		var req chatRequest
+		json.NewDecoder(r.Body).Decode(&req)
+		if req.Messages[0].Content == "bad" {
+			http.Error(w, `{"error":{"message":"bad prompt"}}`, http.StatusBadRequest)
+			return
+		}
+		io.WriteString(w, okChat)
+	})
+	e := newEngine(t, Options{BaseURL: s.URL + "/v1", MaxConcurrency: 1})
+	bad := chatReq("bad")
+	bad.Messages[0].Content = "bad"
+	gone, cancelGone := context.WithCancel(context.Background())
+	cancelGone()
+	for i := range 30 {
+		if _, err := e.Generate(context.Background(), []engines.GenerateRequest{bad, chatReq("a"), chatReq("b")}); err == nil || !strings.Contains(err.Error(), "bad prompt") {
+			t.Fatalf("call %d: %v", i, err)
+		}
+		// A caller that has gone: a free slot and an ended context are both ready.
+		if _, err := e.Generate(gone, []engines.GenerateRequest{chatReq("x")}); !errors.Is(err, context.Canceled) {
+			t.Fatalf("call %d with an ended context: %v", i, err)
+		}
+		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+		_, err := e.Generate(ctx, []engines.GenerateRequest{chatReq("c")})
+		cancel()
+		if err != nil {
+			t.Fatalf("after failed call %d: %v", i, err)
+		}
+	}
+}

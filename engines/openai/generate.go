@@ -38,11 +38,7 @@ func (e *Engine) Generate(ctx context.Context, reqs []engines.GenerateRequest) (
 		firstErr error
 	)
 	for i, r := range reqs {
-		select {
-		case e.sem <- struct{}{}:
-		case <-ctx.Done():
-		}
-		if ctx.Err() != nil {
+		if !e.acquire(ctx) {
 			break
 		}
 		wg.Add(1)
@@ -74,6 +70,20 @@ func (e *Engine) Generate(ctx context.Context, reqs []engines.GenerateRequest) (
 		out = append(out, cs...)
 	}
 	return out, nil
+}
+
+// acquire takes a slot of the concurrency cap; false (holding none) when ctx ends first.
+func (e *Engine) acquire(ctx context.Context) bool {
+	select {
+	case e.sem <- struct{}{}:
+		if ctx.Err() != nil {
+			<-e.sem
+			return false
+		}
+		return true
+	case <-ctx.Done():
+		return false
+	}
 }
 
 // generateOne asks for one request's samples, without the token-id fields if the server refuses
