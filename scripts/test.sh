@@ -14,7 +14,7 @@ go vet ./...
 echo "== go test"
 go test -count=1 -timeout 15m ./...
 echo "== go test -race (the packages where rollouts, dispatchers and engine streams run concurrently)"
-go test -race -count=1 -timeout 10m ./host/... ./engines/remote ./engines/server ./engines/scripted ./graphs ./starlib
+go test -race -count=1 -timeout 10m ./host/... ./engines/remote ./engines/server ./engines/scripted ./engines/openai ./graphs ./starlib
 
 echo "== python worker tests"
 venv=$(scripts/pyenv.sh)
