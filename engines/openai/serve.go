@@ -38,9 +38,10 @@ type HandlerOptions struct {
 
 // handler is the OpenAI-compatible front of one engine.
 type handler struct {
-	eng     engines.Engine
-	o       HandlerOptions
-	created int64
+	eng       engines.Engine
+	o         HandlerOptions
+	created   int64
+	maxSeqLen int // the engine's context length, reported as vLLM's max_model_len
 }
 
 // NewHandler returns an OpenAI-compatible HTTP front for eng: POST /v1/chat/completions (with
@@ -66,7 +67,7 @@ func NewHandler(ctx context.Context, eng engines.Engine, o HandlerOptions) (http
 	if o.MaxRequestBytes <= 0 {
 		o.MaxRequestBytes = 64 << 20
 	}
-	h := &handler{eng: eng, o: o, created: time.Now().Unix()}
+	h := &handler{eng: eng, o: o, created: time.Now().Unix(), maxSeqLen: info.MaxSeqLen}
 	mux := http.NewServeMux()
 	mux.HandleFunc("/v1/chat/completions", h.only(http.MethodPost, h.chat))
 	mux.HandleFunc("/v1/completions", h.only(http.MethodPost, h.completions))
@@ -171,7 +172,7 @@ func (h *handler) model(w http.ResponseWriter, r *http.Request) {
 }
 
 func (h *handler) modelInfo() modelInfo {
-	return modelInfo{ID: h.o.Model, Object: "model", Created: h.created, OwnedBy: "slimen"}
+	return modelInfo{ID: h.o.Model, Object: "model", Created: h.created, OwnedBy: "slimen", MaxModelLen: h.maxSeqLen}
 }
 
 func (h *handler) tokenize(w http.ResponseWriter, r *http.Request) {

@@ -84,8 +84,10 @@ func TestRoundTripTiny(t *testing.T) {
 	if err != nil || fmt.Sprint(ids[0]) != fmt.Sprint(tok.Encode("<|user|>3+4")) {
 		t.Fatalf("tokenize through the front: %v, %v", ids, err)
 	}
-	if info, _ := c.Info(ctx); fmt.Sprint(info.Capabilities) != "[generate token_ids logprobs]" {
-		t.Fatalf("capabilities %v", info.Capabilities)
+	info, _ := c.Info(ctx)
+	tinfo, _ := tn.Info(ctx)
+	if fmt.Sprint(info.Capabilities) != "[generate token_ids logprobs]" || info.MaxSeqLen != tinfo.MaxSeqLen || info.MaxSeqLen == 0 {
+		t.Fatalf("info through the front %+v; the tiny engine's context length is %d", info, tinfo.MaxSeqLen)
 	}
 }
 
