@@ -244,3 +244,27 @@ func TestFrontToken(t *testing.T) {
 		t.Fatalf("a wrong key: %v", err)
 	}
 }
+
+// failing is an engine whose Generate fails.
+type failing struct{ engines.Engine }
+
+func (failing) Generate(context.Context, []engines.GenerateRequest) ([]engines.Completion, error) {
+	return nil, fmt.Errorf("the GPU caught fire")
+}
+
+// An engine failure is a 500 in the API's error JSON, or, once a stream has begun, an error event
+// before [DONE] (which the openai client raises).
+func TestFrontEngineFailure(t *testing.T) {
+	base := front(t, failing{openTiny(t)}, HandlerOptions{})
+	status, body := post(t, base+"/chat/completions", `{"messages":[{"role":"user","content":"hi"}]}`)
+	var eb errorBody
+	if status != 500 || json.Unmarshal([]byte(body), &eb) != nil || eb.Error.Message != "the GPU caught fire" || eb.Error.Type != "server_error" {
+		t.Fatalf("%d %s", status, body)
+	}
+	status, body = post(t, base+"/chat/completions", `{"messages":[{"role":"user","content":"hi"}],"stream":true}`)
+	events := strings.Split(strings.TrimSpace(body), "\n\n")
+	if status != 200 || len(events) != 3 || !strings.Contains(events[0], `"role":"assistant"`) ||
+		events[1] != `data: {"error":{"message":"the GPU caught fire","type":"server_error","param":null,"code":null}}` || events[2] != "data: [DONE]" {
+		t.Fatalf("%d %q", status, events)
+	}
+}
