@@ -367,3 +367,23 @@ func TestFailedGenerateFreesTheCap(t *testing.T) {
 		}
 	}
 }
+
+func TestRetryAfterHeader(t *testing.T) {
+	now := time.Date(2026, 1, 2, 3, 4, 5, 0, time.UTC)
+	for _, tc := range []struct {
+		h    http.Header
+		want time.Duration
+	}{
+		{http.Header{"Retry-After": {"2"}}, 2 * time.Second},
+		{http.Header{"Retry-After": {"0.5"}}, 500 * time.Millisecond},
+		{http.Header{"Retry-After": {now.Add(7 * time.Second).Format(http.TimeFormat)}}, 7 * time.Second},
+		{http.Header{"Retry-After": {now.Add(-time.Second).Format(http.TimeFormat)}}, 0},
+		{http.Header{"Retry-After": {"soon"}}, 0},
+		{http.Header{"Retry-After-Ms": {"250"}, "Retry-After": {"9"}}, 250 * time.Millisecond},
+		{http.Header{}, 0},
+	} {
+		if got := retryAfter(tc.h, now); got != tc.want {
+			t.Errorf("%v: %s; want %s", tc.h, got, tc.want)
+		}
+	}
+}
