@@ -18,6 +18,7 @@ import (
 	"strconv"
 	"strings"
 	"syscall"
+	"time"
 
 	"github.com/slimen/slimen/host/script"
 )
@@ -96,6 +97,12 @@ type checkpoints struct {
 	step    int
 	cleaned bool            // stray temporary folders were looked for
 	told    map[string]bool // remote policies whose off-host state was explained in the events
+	since   time.Time       // when the last checkpoint was written (or the run started)
+}
+
+// due reports whether run.save_minutes have passed since the last checkpoint.
+func (c *checkpoints) due(minutes float64) bool {
+	return minutes > 0 && !c.since.IsZero() && time.Since(c.since) >= time.Duration(minutes*float64(time.Minute))
 }
 
 func stepName(step int) string { return fmt.Sprintf("step_%d", step) }
@@ -153,7 +160,7 @@ func (r *Run) Checkpoint(ctx context.Context) (string, error) {
 		return "", fmt.Errorf("checkpoint: %w", err)
 	}
 	syncDir(root)
-	r.ckpt.have, r.ckpt.step = true, step
+	r.ckpt.have, r.ckpt.step, r.ckpt.since = true, step, time.Now()
 	if aside != "" {
 		os.RemoveAll(aside)
 	}

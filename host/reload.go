@@ -9,6 +9,7 @@ import (
 	"os"
 	"path/filepath"
 	"reflect"
+	"strings"
 	"sync"
 	"time"
 
@@ -32,7 +33,12 @@ type reloader struct {
 	mu         sync.Mutex
 	scriptPath string
 	cfgPath    string
-	rejected   string         // hash of the last version found broken (reported once)
+	rejected   string // hash of the last version found broken (reported once)
+	// previous is the version a swap replaced, kept while the new one runs its first step (at
+	// swappedAt): if too many of that step's rollouts fail, the run goes back to it.
+	previous   *script.Script
+	swappedAt  int
+	failed     string         // Hash of a version rolled back after its first step: not swapped in again
 	pending    *script.Script // a good new version waiting for the step boundary
 	pendingCfg *config.Config // a good new config waiting for the step boundary
 	cfgHash    string
@@ -123,7 +129,20 @@ func (r *Run) checkReload() {
 	}
 	if h, err := hashFiles(current.Files); err != nil || h != current.Hash {
 		s, err := script.Load(rl.scriptPath, r.scriptOptions(r.sandbox != nil))
+		if err == nil && r.sandbox == nil {
+			// The checks of `slimen check --config`: a version that names a policy the run
+			// does not have would fail every rollout.
+			var cfg *config.Config
+			if !r.zero {
+				cfg = r.Config()
+			}
+			if problems, _ := script.LintScript(s, cfg); len(problems) > 0 {
+				err = errors.New(strings.Join(problems, "\n"))
+			}
+		}
 		switch {
+		case err == nil && s.Hash == rl.failed:
+			// The version rolled back after its first step: wait for another edit.
 		case err != nil:
 			// A broken version: report it once, keep running the last good one.
 			if h != rl.rejected {
@@ -204,6 +223,7 @@ func (r *Run) applyReload(ctx context.Context, step int) error {
 	rl.mu.Unlock()
 	if s != nil {
 		rl.mu.Lock() // checkReload reads the running version from the watcher's goroutine
+		rl.previous, rl.swappedAt = r.script, step
 		r.script = s
 		rl.mu.Unlock()
 		if r.sandbox != nil {
@@ -272,4 +292,29 @@ func (r *Run) saveScriptVersion(step int) error {
 		}
 	}
 	return os.WriteFile(filepath.Join(r.opts.Out, "script.star"), s.Source, 0o644)
+}
+
+// rollBack puts back the version a swap replaced when the new one's first step (step) failed
+// too many rollouts; false if there is none to go back to.
+func (r *Run) rollBack(step int, why error) bool {
+	rl := r.reload
+	if rl == nil {
+		return false
+	}
+	rl.mu.Lock()
+	prev := rl.previous
+	if prev == nil || rl.swappedAt != step {
+		rl.mu.Unlock()
+		return false
+	}
+	bad := r.script
+	r.script, rl.previous, rl.failed = prev, nil, bad.Hash
+	rl.mu.Unlock()
+	if r.sandbox != nil {
+		r.sandbox.close() // children of the failed version
+	}
+	r.watchDirs()
+	r.events.printf("reload: version %s failed its first step (step %d), so the run goes back to version %s and runs the step again; edit the script to try another version:\n%s",
+		bad.Hash[:12], step, prev.Hash[:12], indent(why.Error()))
+	return true
 }

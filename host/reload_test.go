@@ -394,3 +394,51 @@ func TestReloadedBatchSizeKeepsTheDataPosition(t *testing.T) {
 		t.Fatalf("the resumed run's step 3: %v, want %v", next, want)
 	}
 }
+
+// TestWatchRefusesAndRollsBack: an edit that names a policy the run does not have is refused
+// before it is swapped in (the checks of slimen check --config), and an edit whose first step
+// fails too many rollouts is rolled back: the last good version runs that step again, and the
+// run goes on.
+func TestWatchRefusesAndRollsBack(t *testing.T) {
+	dir := t.TempDir()
+	path := filepath.Join(dir, "s.star")
+	write := func(src string) {
+		if err := os.WriteFile(path, []byte(src), 0o644); err != nil {
+			t.Fatal(err)
+		}
+	}
+	good := "def rollout(task):\n    c = generate(\"p\", task.prompt, n = 2)\n    reward(c, 1.0)\n    train(c)\n    log(version = 1)\n"
+	write(good)
+	out := filepath.Join(dir, "run")
+	r, err := Load(deadline(t, time.Minute), path, Options{Config: testConfig(2, "p"), Out: out,
+		Engines: map[string]engines.Engine{"p": scripted.Echo("x")}, Tasks: numberedTasks(2)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer r.Close()
+	if err := r.Watch(""); err != nil {
+		t.Fatal(err)
+	}
+	stepOK(t, r)
+	write(strings.ReplaceAll(good, `generate("p"`, `generate("q"`))
+	if res := stepOK(t, r); res.Run.Float("version") != 1 {
+		t.Fatalf("a version naming an unknown policy was swapped in")
+	}
+	write(strings.ReplaceAll(good, "log(version = 1)", "log(version = 2)\n    fail(\"broken\")"))
+	res, err := r.Step(deadline(t, time.Minute))
+	if err != nil {
+		t.Fatalf("a version whose first step fails stopped the run: %v", err)
+	}
+	if res.Step != 3 || res.Run.Float("version") != 1 || len(res.Failed) != 0 {
+		t.Fatalf("step %d ran version %v with %d failures; want step 3 on version 1, none failed", res.Step, res.Run["version"], len(res.Failed))
+	}
+	if res := stepOK(t, r); res.Run.Float("version") != 1 {
+		t.Fatalf("the rolled-back version came back at step 4")
+	}
+	events := readFile(t, filepath.Join(out, "events.log"))
+	for _, want := range []string{`unknown policy "q" (did you mean "p"?)`, "failed its first step (step 3), so the run goes back to version"} {
+		if !strings.Contains(events, want) {
+			t.Errorf("events.log lacks %q:\n%s", want, events)
+		}
+	}
+}

@@ -211,7 +211,28 @@ func Load(ctx context.Context, scriptPath string, opts Options) (*Run, error) {
 			return nil, err
 		}
 	}
+	if r.opts.Out != "" {
+		r.events.printf("checkpoints: %s", checkpointPlan(r.cfg.Run))
+	}
+	r.ckpt.since = time.Now()
 	return r, nil
+}
+
+// checkpointPlan says when a run checkpoints and how many it keeps, for its start-up line.
+func checkpointPlan(c config.RunConfig) string {
+	var when []string
+	if c.SaveInterval > 0 {
+		when = append(when, fmt.Sprintf("every %d steps (run.save_interval)", c.SaveInterval))
+	}
+	if c.SaveMinutes > 0 {
+		when = append(when, fmt.Sprintf("after the first step past %g minutes since the last (run.save_minutes)", c.SaveMinutes))
+	}
+	when = append(when, "at the end or on a signal")
+	keep := "all kept"
+	if c.KeepCheckpoints > 0 {
+		keep = fmt.Sprintf("the newest %d kept (run.keep_checkpoints)", c.KeepCheckpoints)
+	}
+	return strings.Join(when, ", ") + "; " + keep
 }
 
 // openScriptPolicies starts, in a zero-config run, the policies the script names literally, so
@@ -487,6 +508,14 @@ func (r *Run) Step(ctx context.Context) (*StepResult, error) {
 	if r.step == before {
 		r.state.Restore(snap)
 	}
+	var tf *tooManyFailed
+	if errors.As(err, &tf) && r.rollBack(before+1, err) {
+		// A new version's first step failed: the last good version runs the step again.
+		res, err = r.runStep(ctx)
+		if r.step == before {
+			r.state.Restore(snap)
+		}
+	}
 	return res, err
 }
 
@@ -540,7 +569,7 @@ func (r *Run) runStep(ctx context.Context) (*StepResult, error) {
 		}
 	}
 	checkpointed := false
-	if si := cfg.Run.SaveInterval; si > 0 && step%si == 0 && r.opts.Out != "" {
+	if r.opts.Out != "" && (cfg.Run.SaveInterval > 0 && step%cfg.Run.SaveInterval == 0 || r.ckpt.due(cfg.Run.SaveMinutes)) {
 		if _, err := r.Checkpoint(ctx); err != nil {
 			return nil, r.restart.cause(err)
 		}
@@ -596,8 +625,8 @@ func (r *Run) rolloutFailures(ctx context.Context, cfg *config.Config, res *Step
 		r.events.printf("step %d: %d more rollouts failed (all in events.log)", res.Step, len(res.Failed)-shownFailures)
 	}
 	if first != nil && len(ros) > 0 && float64(len(res.Failed))/float64(len(ros)) > cfg.Rollout.MaxFailedFraction {
-		return fmt.Errorf("step %d: %d of %d rollouts failed, more than rollout.max_failed_fraction (%g); the run stops. First failure:\n%s",
-			res.Step, len(res.Failed), len(ros), cfg.Rollout.MaxFailedFraction, first.Error())
+		return &tooManyFailed{fmt.Sprintf("step %d: %d of %d rollouts failed, more than rollout.max_failed_fraction (%g); the run stops. First failure:\n%s",
+			res.Step, len(res.Failed), len(ros), cfg.Rollout.MaxFailedFraction, first.Error())}
 	}
 	return nil
 }
@@ -1083,3 +1112,8 @@ func samplesPerTask(cfg *config.Config) int {
 	}
 	return n
 }
+
+// tooManyFailed stops a step: more of its rollouts failed than rollout.max_failed_fraction allows.
+type tooManyFailed struct{ msg string }
+
+func (e *tooManyFailed) Error() string { return e.msg }

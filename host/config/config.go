@@ -236,12 +236,15 @@ type SandboxConfig struct {
 
 // RunConfig holds run-wide settings.
 type RunConfig struct {
-	Steps           int    `yaml:"steps" json:"steps"`
-	Seed            uint64 `yaml:"seed" json:"seed"`
-	Out             string `yaml:"out" json:"out"`
-	SaveInterval    int    `yaml:"save_interval" json:"save_interval"`
-	EvalInterval    int    `yaml:"eval_interval" json:"eval_interval"`
-	KeepCheckpoints int    `yaml:"keep_checkpoints" json:"keep_checkpoints"`
+	Steps        int    `yaml:"steps" json:"steps"`
+	Seed         uint64 `yaml:"seed" json:"seed"`
+	Out          string `yaml:"out" json:"out"`
+	SaveInterval int    `yaml:"save_interval" json:"save_interval"`
+	// SaveMinutes checkpoints at the end of the first step that ends this many minutes of wall
+	// time after the last checkpoint (or the run's start), whatever save_interval says; 0: off.
+	SaveMinutes     float64 `yaml:"save_minutes" json:"save_minutes"`
+	EvalInterval    int     `yaml:"eval_interval" json:"eval_interval"`
+	KeepCheckpoints int     `yaml:"keep_checkpoints" json:"keep_checkpoints"`
 	// OnSignal is what SIGINT/SIGTERM do to the step in progress: "finish" it (default) or
 	// "abandon" its rollouts; either way the run then checkpoints and exits 0.
 	OnSignal string `yaml:"on_signal" json:"on_signal"`

@@ -95,7 +95,7 @@ func defaultData() DataConfig {
 
 // defaultRun leaves Out empty: the host fills runs/<script name>.
 func defaultRun() RunConfig {
-	return RunConfig{Steps: 50, Seed: 1, KeepCheckpoints: 3, OnSignal: "finish"}
+	return RunConfig{Steps: 50, Seed: 1, KeepCheckpoints: 3, OnSignal: "finish", SaveMinutes: 5}
 }
 
 // DefaultSandbox are the budgets of a sandboxed run: room for any topology of the examples, far

@@ -125,6 +125,7 @@ func (r *resolver) validate() {
 	run := c.Run
 	r.check(run.Steps >= 1, "run.steps", 0, "a run needs at least 1 step, got %d", run.Steps)
 	r.check(run.SaveInterval >= 0, "run.save_interval", 0, "must be ≥ 0 (0: no periodic checkpoints), got %d", run.SaveInterval)
+	r.check(run.SaveMinutes >= 0, "run.save_minutes", 0, "must be ≥ 0 (0: no checkpoints by wall time), got %g", run.SaveMinutes)
 	r.check(run.EvalInterval >= 0, "run.eval_interval", 0, "must be ≥ 0 (0: no periodic eval), got %d", run.EvalInterval)
 	r.check(run.KeepCheckpoints >= 0, "run.keep_checkpoints", 0, "must be ≥ 0 (0: keep all), got %d", run.KeepCheckpoints)
 	r.check(run.OnSignal == "finish" || run.OnSignal == "abandon", "run.on_signal", 0, "must be finish or abandon, got %q", run.OnSignal)

@@ -35,6 +35,11 @@ func Lint(path string, cfg *config.Config) (problems, warnings []string) {
 		}
 		return []string{err.Error()}, nil
 	}
+	return LintScript(s, cfg)
+}
+
+// LintScript is Lint of a script already loaded (a new version --watch found).
+func LintScript(s *Script, cfg *config.Config) (problems, warnings []string) {
 	var names []string
 	if cfg != nil {
 		names = cfg.PolicyNames()
