@@ -146,6 +146,23 @@ type LossConfig struct {
 	ValueClip float64
 }
 
+// RenderRequest asks for the token ids of messages rendered with the model's chat template, as
+// transformers' apply_chat_template(messages, tools=…, add_generation_prompt=…, tokenize=True)
+// makes them. Tools are JSON schemas (one JSON object each) for templates with a `tools`
+// variable.
+type RenderRequest struct {
+	Messages            []Message
+	Tools               []string
+	AddGenerationPrompt bool
+}
+
+// Renderer is implemented by engines that render their chat template to token ids. A
+// conversation (the host's chat()) samples from its own token ids and renders only the messages
+// appended after a sampled turn, through this call: the engine that owns the template renders it.
+type Renderer interface {
+	Render(ctx context.Context, reqs []RenderRequest) ([][]int32, error)
+}
+
 // Valuer is implemented by engines with a value head (a PPO critic; Info lists "values").
 type Valuer interface {
 	// Values returns one value estimate per response token of each request: the value of the

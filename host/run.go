@@ -728,11 +728,7 @@ func (r *Run) trainPolicies(ctx context.Context, step int, cfg *config.Config, r
 		for _, p := range pols {
 			for i, t := range targets[p.name] {
 				c := byPolicy[p.name][i].C
-				mask := make([]float32, len(c.Tokens()))
-				for j := range mask {
-					mask[j] = 1
-				}
-				samples = append(samples, engines.Sample{Prompt: c.PromptTokens(), Response: c.Tokens(), LossMask: mask,
+				samples = append(samples, engines.Sample{Prompt: c.PromptTokens(), Response: c.Tokens(), LossMask: c.LossMask(),
 					Returns: t.returns, OldValues: t.values, Group: byPolicy[p.name][i].Group})
 			}
 		}
@@ -809,12 +805,8 @@ func (r *Run) trainOne(ctx context.Context, step int, p *policy, ss []trainSampl
 		b := engines.Batch{ID: fmt.Sprintf("%s/%s/step%d/%d", r.id, p.name, step, k/size), Loss: lc}
 		for i := k; i < end; i++ {
 			c := ss[i].C
-			mask := make([]float32, len(c.Tokens()))
-			for j := range mask {
-				mask[j] = 1
-			}
 			b.Samples = append(b.Samples, engines.Sample{
-				Prompt: c.PromptTokens(), Response: c.Tokens(), LossMask: mask, OldLogprobs: c.Logprobs(),
+				Prompt: c.PromptTokens(), Response: c.Tokens(), LossMask: c.LossMask(), OldLogprobs: c.Logprobs(),
 				Advantages: adv[i], Group: ss[i].Group,
 			})
 		}
@@ -910,7 +902,7 @@ func (r *Run) advantages(ctx context.Context, pols []*policy, byPolicy map[strin
 		var in []advantage.Input
 		for _, n := range pl.names {
 			for i, s := range byPolicy[n] {
-				a := advantage.Input{Reward: s.reward, Group: s.Group, Tokens: len(s.C.Tokens())}
+				a := advantage.Input{Reward: s.reward, Group: s.Group, Tokens: len(s.C.Tokens()), Mask: maskOf(s.C)}
 				if kls[n] != nil {
 					a.KL = kls[n][i]
 				}
@@ -994,6 +986,11 @@ func fillRewardMetrics(m Metrics, gens []*script.Completion, ss []trainSample) {
 		tokens += len(c.Tokens())
 		if c.FinishReason() == "length" {
 			truncated++
+		}
+	}
+	for _, s := range ss {
+		if s.C.Conversation() {
+			rs = append(rs, s.reward) // a chat's reward is its conversation's, not a turn's
 		}
 	}
 	mean, std := meanStd(rs)
@@ -1117,3 +1114,19 @@ func samplesPerTask(cfg *config.Config) int {
 type tooManyFailed struct{ msg string }
 
 func (e *tooManyFailed) Error() string { return e.msg }
+
+// maskOf is a sample's loss mask for the advantage estimators: nil when every token is trained
+// (a generate call's completion), else the conversation's mask (chat).
+func maskOf(c *script.Completion) []float64 {
+	m := c.LossMask()
+	out := make([]float64, len(m))
+	all := true
+	for i, x := range m {
+		out[i] = float64(x)
+		all = all && x == 1
+	}
+	if all {
+		return nil
+	}
+	return out
+}

@@ -316,6 +316,17 @@ func (c *sbChild) serve(ro *script.Rollout, m sandbox.Msg) (any, error) {
 			return nil, err
 		}
 		return h.Score(ro.Ctx, s.Policy, s.Req)
+	case "render":
+		var rq sandbox.Render
+		if err := json.Unmarshal(m.Args, &rq); err != nil {
+			return nil, err
+		}
+		for _, q := range rq.Reqs {
+			if err := c.sb.usable("chat", rq.Policy, q.Messages); err != nil {
+				return nil, err
+			}
+		}
+		return h.Render(ro.Ctx, rq.Policy, rq.Reqs)
 	case "state_get":
 		var k string
 		json.Unmarshal(m.Args, &k)
@@ -604,6 +615,20 @@ func (r *Run) applyReport(ro *script.Rollout, d sandbox.Done) error {
 	qs := make([]script.Queued, len(d.Queued))
 	for i, q := range d.Queued {
 		qs[i] = script.Queued{C: byID[q.ID], Group: q.Group, Advantage: q.Advantage, HasAdv: q.HasAdv, PerToken: q.PerToken, Teacher: q.Teacher}
+		if len(q.Turns) > 0 {
+			// A chat's sample: rebuilt from the host's copies of its turns, never the child's tokens.
+			turns := make([]*script.Completion, len(q.Turns))
+			for k, id := range q.Turns {
+				if turns[k] = byID[id]; turns[k] == nil {
+					return fmt.Errorf("sandbox: the child trained a conversation with turn %s, which the host never generated", id)
+				}
+			}
+			c, err := script.NewConversation(q.ID, q.Key, turns)
+			if err != nil {
+				return fmt.Errorf("sandbox: %v", err)
+			}
+			qs[i].C = c
+		}
 		if qs[i].C == nil {
 			qs = qs[:i]
 			break

@@ -2,6 +2,7 @@ package host
 
 import (
 	"context"
+	"fmt"
 
 	"go.starlark.net/starlark"
 
@@ -40,6 +41,29 @@ func (h localHost) Score(ctx context.Context, policy string, req engines.ScoreRe
 		return nil, err
 	}
 	return h.r.score(ctx, p, req)
+}
+
+func (h localHost) Render(ctx context.Context, policy string, reqs []engines.RenderRequest) (script.Rendered, error) {
+	p, err := h.r.policyFor(policy)
+	if err != nil {
+		return script.Rendered{}, err
+	}
+	rd, ok := p.eng.(engines.Renderer)
+	if !ok {
+		return script.Rendered{}, fmt.Errorf("policy %q: its engine cannot render its chat template to tokens (no Render), which a chat needs; the tiny, remote and torch engines can", policy)
+	}
+	info, err := p.eng.Info(ctx)
+	if err != nil {
+		return script.Rendered{}, fmt.Errorf("policy %q: info: %w", policy, err)
+	}
+	toks, err := rd.Render(ctx, reqs)
+	if err != nil {
+		return script.Rendered{}, fmt.Errorf("policy %q: render: %w", policy, err)
+	}
+	if len(toks) != len(reqs) {
+		return script.Rendered{}, fmt.Errorf("policy %q: render returned %d token lists for %d requests", policy, len(toks), len(reqs))
+	}
+	return script.Rendered{Tokens: toks, EOS: info.EOSTokens, MaxSeqLen: info.MaxSeqLen}, nil
 }
 
 func (h localHost) StateGet(key string) (starlark.Value, bool, error) {

@@ -55,13 +55,32 @@ func Echo(text string) *Engine {
 }
 
 // Render is the scripted chat template: "role: content" lines, then "assistant: ".
-func Render(msgs []engines.Message) string {
+func Render(msgs []engines.Message) string { return RenderChat(msgs, true) }
+
+// RenderChat is the scripted chat template with or without the generation prompt.
+func RenderChat(msgs []engines.Message, addGenerationPrompt bool) string {
 	var b strings.Builder
 	for _, m := range msgs {
 		fmt.Fprintf(&b, "%s: %s\n", m.Role, m.Content)
 	}
-	b.WriteString("assistant: ")
+	if addGenerationPrompt {
+		b.WriteString("assistant: ")
+	}
 	return b.String()
+}
+
+// Render encodes each request's messages rendered with the scripted template (tools, when given,
+// as one "tools: …" line first).
+func (e *Engine) Render(_ context.Context, reqs []engines.RenderRequest) ([][]int32, error) {
+	out := make([][]int32, len(reqs))
+	for i, r := range reqs {
+		text := RenderChat(r.Messages, r.AddGenerationPrompt)
+		if len(r.Tools) > 0 {
+			text = "tools: " + strings.Join(r.Tools, " ") + "\n" + text
+		}
+		out[i] = Encode(text)
+	}
+	return out, nil
 }
 
 // Encode tokenizes text bytewise.
@@ -119,9 +138,10 @@ func (e *Engine) Generate(ctx context.Context, reqs []engines.GenerateRequest) (
 			return nil, fmt.Errorf("request %s: %w", r.ID, err)
 		}
 		s := engines.NormalizeSampling(r.Sampling)
-		prompt := Decode(r.PromptTokens)
+		prompt, promptToks := Decode(r.PromptTokens), r.PromptTokens
 		if r.Messages != nil {
 			prompt = Render(r.Messages)
+			promptToks = Encode(prompt)
 		}
 		n := max(r.N, 1)
 		for i := 0; i < n; i++ {
@@ -144,7 +164,7 @@ func (e *Engine) Generate(ctx context.Context, reqs []engines.GenerateRequest) (
 				lp[j] = e.Logprob
 			}
 			out = append(out, engines.Completion{
-				RequestID: r.ID, Index: i, PromptTokens: Encode(prompt), Tokens: toks,
+				RequestID: r.ID, Index: i, PromptTokens: promptToks, Tokens: toks,
 				Logprobs: lp, Text: text, FinishReason: finish,
 			})
 		}
@@ -229,6 +249,7 @@ func (e *Engine) Load(_ context.Context, dir string) error {
 func (e *Engine) Close() error { return nil }
 
 var (
-	_ engines.Engine = (*Engine)(nil)
-	_ engines.Valuer = (*Engine)(nil)
+	_ engines.Engine   = (*Engine)(nil)
+	_ engines.Valuer   = (*Engine)(nil)
+	_ engines.Renderer = (*Engine)(nil)
 )

@@ -207,6 +207,25 @@ func (e *Engine) Close() error {
 	return nil
 }
 
+// Render renders each request's messages with the chat template (renderChat) and encodes them.
+// The template has no tools variable: a request with tools is refused (put the schemas in a
+// system message instead).
+func (e *Engine) Render(_ context.Context, reqs []engines.RenderRequest) ([][]int32, error) {
+	e.mu.RLock()
+	defer e.mu.RUnlock()
+	if e.closed {
+		return nil, ErrClosed
+	}
+	out := make([][]int32, len(reqs))
+	for i, r := range reqs {
+		if len(r.Tools) > 0 {
+			return nil, fmt.Errorf("render request %d: the tiny chat template has no tools variable; describe the tools in a system message", i)
+		}
+		out[i] = e.tok.Encode(renderChat(r.Messages, r.AddGenerationPrompt))
+	}
+	return out, nil
+}
+
 // promptTokens resolves the prompt of a request: messages rendered with the chat template and the
 // generation prompt, or token ids checked against the vocabulary.
 func (e *Engine) promptTokens(msgs []engines.Message, ids []int32) ([]int32, error) {

@@ -218,18 +218,33 @@ func completions(fn string, v starlark.Value) ([]*Completion, error) {
 	if c, ok := v.(*Completion); ok {
 		return []*Completion{c}, nil
 	}
+	if ch, ok := v.(*Chat); ok {
+		c, err := ch.conversation(fn)
+		if err != nil {
+			return nil, err
+		}
+		return []*Completion{c}, nil
+	}
 	it, ok := v.(starlark.Iterable)
 	if !ok {
-		return nil, fmt.Errorf("%s: target is a %s; pass a completion or a list of completions", fn, v.Type())
+		return nil, fmt.Errorf("%s: target is a %s; pass a completion, a chat or a list of them", fn, v.Type())
 	}
 	var out []*Completion
 	iter := it.Iterate()
 	defer iter.Done()
 	var x starlark.Value
 	for iter.Next(&x) {
+		if ch, ok := x.(*Chat); ok {
+			c, err := ch.conversation(fn)
+			if err != nil {
+				return nil, err
+			}
+			out = append(out, c)
+			continue
+		}
 		c, ok := x.(*Completion)
 		if !ok {
-			return nil, fmt.Errorf("%s: target holds a %s; pass completions returned by generate", fn, x.Type())
+			return nil, fmt.Errorf("%s: target holds a %s; pass completions returned by generate, or chats", fn, x.Type())
 		}
 		out = append(out, c)
 	}

@@ -23,6 +23,10 @@ type Completion struct {
 	finish   string
 	key      []int // deterministic order within its rollout
 	injected bool  // made by completion(), not sampled: it cannot be trained
+	// mask is the loss mask of tokens; nil: every token was sampled (a generate call). A
+	// conversation's sample (chat) has 0 at the tokens rendered between its turns.
+	mask  []float32
+	turns []*Completion // a conversation's sampled turns
 
 	mu      sync.Mutex
 	reward  float64
@@ -70,6 +74,28 @@ func (c *Completion) Tokens() []int32 { return c.tokens }
 
 // Logprobs are the sampling log-probabilities of Tokens.
 func (c *Completion) Logprobs() []float32 { return c.logprobs }
+
+// LossMask is 1 at the tokens that were sampled and are trained, 0 at injected ones (the
+// messages rendered between a conversation's turns): all ones for a generate call's completion.
+func (c *Completion) LossMask() []float32 {
+	if c.mask != nil {
+		return c.mask
+	}
+	m := make([]float32, len(c.tokens))
+	for i := range m {
+		m[i] = 1
+	}
+	return m
+}
+
+// Turns are the sampled turns of a conversation's sample (chat), in order; nil for others.
+func (c *Completion) Turns() []*Completion { return c.turns }
+
+// Key is the completion's position in its rollout's call tree (the order of samples).
+func (c *Completion) Key() []int { return c.key }
+
+// Conversation says whether c is a chat's sample (its tokens hold injected messages).
+func (c *Completion) Conversation() bool { return c.mask != nil }
 
 // FinishReason is "stop" or "length".
 func (c *Completion) FinishReason() string { return c.finish }

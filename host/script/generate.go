@@ -37,32 +37,9 @@ func builtinGenerate(thread *starlark.Thread, b *starlark.Builtin, args starlark
 	if _, _, err := ro.Host.CheckPolicy(policy); err != nil {
 		return nil, fmt.Errorf("%s: %v", b.Name(), err)
 	}
-	s := ro.Host.Sampling()
-	if ro.Eval != nil {
-		s = *ro.Eval
-	}
-	if s.MaxTokens, err = optInt(b.Name(), "max_tokens", maxTokens, s.MaxTokens, 1, math.MaxInt32); err != nil {
+	s, key, err := samplingArgs(b.Name(), ts, maxTokens, temperature, topP, stop, seed)
+	if err != nil {
 		return nil, err
-	}
-	if s.Temperature, err = optFloat(b.Name(), "temperature", temperature, s.Temperature, 0, 100); err != nil {
-		return nil, err
-	}
-	if s.TopP, err = optFloat(b.Name(), "top_p", topP, s.TopP, 1e-9, 1); err != nil {
-		return nil, err
-	}
-	if stop != starlark.None {
-		if s.Stop, err = toStrings(b.Name(), "stop", stop); err != nil {
-			return nil, err
-		}
-	}
-	key := ts.next()
-	s.Seed = KeySeed(ro.Seed, ro.Task.ID, key)
-	if seed != starlark.None {
-		v, err := optInt(b.Name(), "seed", seed, 0, 0, math.MaxInt64)
-		if err != nil {
-			return nil, err
-		}
-		s.Seed = uint64(v)
 	}
 	req := engines.GenerateRequest{ID: ro.Task.ID + "/" + keyString(key), Messages: msgs, N: n, Sampling: s}
 	if err := ro.Budget.generate(b.Name(), n, s.MaxTokens); err != nil {
@@ -87,6 +64,41 @@ func builtinGenerate(thread *starlark.Thread, b *starlark.Builtin, args starlark
 		return res[0], nil
 	}
 	return starlark.NewList(res), nil
+}
+
+// samplingArgs reads the sampling arguments of a generate call (or a chat turn) over the run's
+// defaults, and takes the call's position in the call tree, from which its seed derives.
+func samplingArgs(fn string, ts *threadState, maxTokens, temperature, topP, stop, seed starlark.Value) (engines.Sampling, []int, error) {
+	ro := ts.ro
+	var err error
+	s := ro.Host.Sampling()
+	if ro.Eval != nil {
+		s = *ro.Eval
+	}
+	if s.MaxTokens, err = optInt(fn, "max_tokens", maxTokens, s.MaxTokens, 1, math.MaxInt32); err != nil {
+		return s, nil, err
+	}
+	if s.Temperature, err = optFloat(fn, "temperature", temperature, s.Temperature, 0, 100); err != nil {
+		return s, nil, err
+	}
+	if s.TopP, err = optFloat(fn, "top_p", topP, s.TopP, 1e-9, 1); err != nil {
+		return s, nil, err
+	}
+	if stop != starlark.None {
+		if s.Stop, err = toStrings(fn, "stop", stop); err != nil {
+			return s, nil, err
+		}
+	}
+	key := ts.next()
+	s.Seed = KeySeed(ro.Seed, ro.Task.ID, key)
+	if seed != starlark.None {
+		v, err := optInt(fn, "seed", seed, 0, 0, math.MaxInt64)
+		if err != nil {
+			return s, nil, err
+		}
+		s.Seed = uint64(v)
+	}
+	return s, key, nil
 }
 
 // newCompletions wraps an engine's answer to one request. A sandbox host builds the same

@@ -23,6 +23,9 @@ type Host interface {
 	Generate(ctx context.Context, policy string, req engines.GenerateRequest) ([]engines.Completion, error)
 	// Score returns the log-probabilities of req's tokens under a policy.
 	Score(ctx context.Context, policy string, req engines.ScoreRequest) ([]float32, error)
+	// Render renders messages with a policy's chat template, in its engine (engines.Renderer),
+	// and tells the model facts a conversation (chat) needs.
+	Render(ctx context.Context, policy string, reqs []engines.RenderRequest) (Rendered, error)
 	// StateGet reads the run-wide `state` store.
 	StateGet(key string) (starlark.Value, bool, error)
 	// StateLock holds the state store for an atomic update of key: the caller computes the new
@@ -34,4 +37,12 @@ type Host interface {
 	Running(n int)
 	// Generated counts tokens sampled, for progress displays.
 	Generated(tokens int)
+}
+
+// Rendered is the answer to Host.Render: the token ids of each request, the model's end-of-sequence
+// tokens and its context length (prompt and response together).
+type Rendered struct {
+	Tokens    [][]int32 `json:"tokens"`
+	EOS       []int32   `json:"eos"`
+	MaxSeqLen int       `json:"max_seq_len"`
 }

@@ -153,6 +153,11 @@ func (ro *Rollout) Adopt(rewards map[string]float64, queued []Queued, logs map[s
 		if err := check(q); err != nil {
 			return err
 		}
+		if r, ok := rewards[q.C.id]; ok && q.C.Conversation() {
+			q.C.mu.Lock()
+			q.C.reward, q.C.rewSet = r, true // a conversation's sample is the host's own, made for the report
+			q.C.mu.Unlock()
+		}
 		q.C.mu.Lock()
 		q.C.trained = true
 		q.C.mu.Unlock()

@@ -239,6 +239,7 @@ func predeclared() starlark.StringDict {
 	return starlark.StringDict{
 		"generate":   starlark.NewBuiltin("generate", builtinGenerate),
 		"completion": starlark.NewBuiltin("completion", builtinCompletion),
+		"chat":       starlark.NewBuiltin("chat", builtinChat),
 		"reward":     starlark.NewBuiltin("reward", builtinReward),
 		"train":      starlark.NewBuiltin("train", builtinTrain),
 		"parallel":   starlark.NewBuiltin("parallel", builtinParallel),

@@ -270,7 +270,17 @@ func (c *childConn) runRollout(id int64, raw json.RawMessage) {
 		d.Error = script.ErrorText(err)
 	}
 	for _, q := range ro.Queued() {
-		d.Queued = append(d.Queued, Queued{ID: q.C.ID(), Group: q.Group, Advantage: q.Advantage, HasAdv: q.HasAdv, PerToken: q.PerToken, Teacher: q.Teacher})
+		wq := Queued{ID: q.C.ID(), Group: q.Group, Advantage: q.Advantage, HasAdv: q.HasAdv, PerToken: q.PerToken, Teacher: q.Teacher}
+		if q.C.Conversation() {
+			for _, t := range q.C.Turns() {
+				wq.Turns = append(wq.Turns, t.ID())
+			}
+			wq.Key = q.C.Key()
+			if r, ok := q.C.Reward(); ok {
+				d.Rewards[q.C.ID()] = r
+			}
+		}
+		d.Queued = append(d.Queued, wq)
 	}
 	for _, g := range ro.Generated() {
 		if r, ok := g.Reward(); ok {
@@ -347,6 +357,21 @@ func (s *pipeHost) Score(ctx context.Context, policy string, req engines.ScoreRe
 		return nil, err
 	}
 	var out []float32
+	err = json.Unmarshal(raw, &out)
+	return out, err
+}
+
+func (s *pipeHost) Render(ctx context.Context, policy string, reqs []engines.RenderRequest) (script.Rendered, error) {
+	for _, r := range reqs {
+		if err := s.budget.Prompt("chat", r.Messages); err != nil {
+			return script.Rendered{}, err
+		}
+	}
+	raw, err := s.c.call(ctx, s.id, "render", Render{Policy: policy, Reqs: reqs})
+	if err != nil {
+		return script.Rendered{}, err
+	}
+	var out script.Rendered
 	err = json.Unmarshal(raw, &out)
 	return out, err
 }

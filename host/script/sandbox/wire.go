@@ -77,6 +77,10 @@ type Queued struct {
 	HasAdv    bool      `json:"has_adv,omitempty"`
 	PerToken  bool      `json:"per_token,omitempty"`
 	Teacher   string    `json:"teacher,omitempty"`
+	// A chat's sample: the ids of its turns and its position in the call tree; the host
+	// rebuilds the conversation from its own copies of the turns (script.NewConversation).
+	Turns []string `json:"turns,omitempty"`
+	Key   []int    `json:"key,omitempty"`
 }
 
 // Generate is the arguments of a generate call.
@@ -89,6 +93,12 @@ type Generate struct {
 type Score struct {
 	Policy string               `json:"policy"`
 	Req    engines.ScoreRequest `json:"req"`
+}
+
+// Render is the arguments of a render call (a chat's turn).
+type Render struct {
+	Policy string                  `json:"policy"`
+	Reqs   []engines.RenderRequest `json:"reqs"`
 }
 
 // marshal encodes a value as JSON without HTML escaping (which would turn every < of a prompt
