@@ -264,3 +264,13 @@ func IsLoopback(address string) bool {
 	ip := net.ParseIP(host)
 	return ip != nil && ip.IsLoopback()
 }
+
+// EncodeRenderRequest converts an engines.RenderRequest.
+func EncodeRenderRequest(r engines.RenderRequest) *RenderRequest {
+	return &RenderRequest{Messages: encodeMessages(r.Messages), Tools: r.Tools, AddGenerationPrompt: r.AddGenerationPrompt}
+}
+
+// DecodeRenderRequest converts a RenderRequest.
+func DecodeRenderRequest(r *RenderRequest) engines.RenderRequest {
+	return engines.RenderRequest{Messages: decodeMessages(r.GetMessages()), Tools: r.GetTools(), AddGenerationPrompt: r.GetAddGenerationPrompt()}
+}

@@ -1787,6 +1787,155 @@ func (x *TokenizeResponse) GetTokens() []*TokenIds {
 	return nil
 }
 
+// engines.RenderRequest
+type RenderRequest struct {
+	state               protoimpl.MessageState `protogen:"open.v1"`
+	Messages            []*Message             `protobuf:"bytes,1,rep,name=messages,proto3" json:"messages,omitempty"`
+	Tools               []string               `protobuf:"bytes,2,rep,name=tools,proto3" json:"tools,omitempty"` // JSON schemas, one JSON object each, for the template's tools variable
+	AddGenerationPrompt bool                   `protobuf:"varint,3,opt,name=add_generation_prompt,json=addGenerationPrompt,proto3" json:"add_generation_prompt,omitempty"`
+	unknownFields       protoimpl.UnknownFields
+	sizeCache           protoimpl.SizeCache
+}
+
+func (x *RenderRequest) Reset() {
+	*x = RenderRequest{}
+	mi := &file_engine_proto_msgTypes[26]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *RenderRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*RenderRequest) ProtoMessage() {}
+
+func (x *RenderRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_engine_proto_msgTypes[26]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use RenderRequest.ProtoReflect.Descriptor instead.
+func (*RenderRequest) Descriptor() ([]byte, []int) {
+	return file_engine_proto_rawDescGZIP(), []int{26}
+}
+
+func (x *RenderRequest) GetMessages() []*Message {
+	if x != nil {
+		return x.Messages
+	}
+	return nil
+}
+
+func (x *RenderRequest) GetTools() []string {
+	if x != nil {
+		return x.Tools
+	}
+	return nil
+}
+
+func (x *RenderRequest) GetAddGenerationPrompt() bool {
+	if x != nil {
+		return x.AddGenerationPrompt
+	}
+	return false
+}
+
+type RenderBatchRequest struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Requests      []*RenderRequest       `protobuf:"bytes,1,rep,name=requests,proto3" json:"requests,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *RenderBatchRequest) Reset() {
+	*x = RenderBatchRequest{}
+	mi := &file_engine_proto_msgTypes[27]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *RenderBatchRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*RenderBatchRequest) ProtoMessage() {}
+
+func (x *RenderBatchRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_engine_proto_msgTypes[27]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use RenderBatchRequest.ProtoReflect.Descriptor instead.
+func (*RenderBatchRequest) Descriptor() ([]byte, []int) {
+	return file_engine_proto_rawDescGZIP(), []int{27}
+}
+
+func (x *RenderBatchRequest) GetRequests() []*RenderRequest {
+	if x != nil {
+		return x.Requests
+	}
+	return nil
+}
+
+type RenderResponse struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Tokens        []*TokenIds            `protobuf:"bytes,1,rep,name=tokens,proto3" json:"tokens,omitempty"` // one per request, in order
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *RenderResponse) Reset() {
+	*x = RenderResponse{}
+	mi := &file_engine_proto_msgTypes[28]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *RenderResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*RenderResponse) ProtoMessage() {}
+
+func (x *RenderResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_engine_proto_msgTypes[28]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use RenderResponse.ProtoReflect.Descriptor instead.
+func (*RenderResponse) Descriptor() ([]byte, []int) {
+	return file_engine_proto_rawDescGZIP(), []int{28}
+}
+
+func (x *RenderResponse) GetTokens() []*TokenIds {
+	if x != nil {
+		return x.Tokens
+	}
+	return nil
+}
+
 type SaveRequest struct {
 	state         protoimpl.MessageState `protogen:"open.v1"`
 	Dir           string                 `protobuf:"bytes,1,opt,name=dir,proto3" json:"dir,omitempty"`
@@ -1796,7 +1945,7 @@ type SaveRequest struct {
 
 func (x *SaveRequest) Reset() {
 	*x = SaveRequest{}
-	mi := &file_engine_proto_msgTypes[26]
+	mi := &file_engine_proto_msgTypes[29]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1808,7 +1957,7 @@ func (x *SaveRequest) String() string {
 func (*SaveRequest) ProtoMessage() {}
 
 func (x *SaveRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_engine_proto_msgTypes[26]
+	mi := &file_engine_proto_msgTypes[29]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1821,7 +1970,7 @@ func (x *SaveRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SaveRequest.ProtoReflect.Descriptor instead.
 func (*SaveRequest) Descriptor() ([]byte, []int) {
-	return file_engine_proto_rawDescGZIP(), []int{26}
+	return file_engine_proto_rawDescGZIP(), []int{29}
 }
 
 func (x *SaveRequest) GetDir() string {
@@ -1839,7 +1988,7 @@ type SaveResponse struct {
 
 func (x *SaveResponse) Reset() {
 	*x = SaveResponse{}
-	mi := &file_engine_proto_msgTypes[27]
+	mi := &file_engine_proto_msgTypes[30]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1851,7 +2000,7 @@ func (x *SaveResponse) String() string {
 func (*SaveResponse) ProtoMessage() {}
 
 func (x *SaveResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_engine_proto_msgTypes[27]
+	mi := &file_engine_proto_msgTypes[30]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1864,7 +2013,7 @@ func (x *SaveResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SaveResponse.ProtoReflect.Descriptor instead.
 func (*SaveResponse) Descriptor() ([]byte, []int) {
-	return file_engine_proto_rawDescGZIP(), []int{27}
+	return file_engine_proto_rawDescGZIP(), []int{30}
 }
 
 type LoadRequest struct {
@@ -1876,7 +2025,7 @@ type LoadRequest struct {
 
 func (x *LoadRequest) Reset() {
 	*x = LoadRequest{}
-	mi := &file_engine_proto_msgTypes[28]
+	mi := &file_engine_proto_msgTypes[31]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1888,7 +2037,7 @@ func (x *LoadRequest) String() string {
 func (*LoadRequest) ProtoMessage() {}
 
 func (x *LoadRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_engine_proto_msgTypes[28]
+	mi := &file_engine_proto_msgTypes[31]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1901,7 +2050,7 @@ func (x *LoadRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use LoadRequest.ProtoReflect.Descriptor instead.
 func (*LoadRequest) Descriptor() ([]byte, []int) {
-	return file_engine_proto_rawDescGZIP(), []int{28}
+	return file_engine_proto_rawDescGZIP(), []int{31}
 }
 
 func (x *LoadRequest) GetDir() string {
@@ -1919,7 +2068,7 @@ type LoadResponse struct {
 
 func (x *LoadResponse) Reset() {
 	*x = LoadResponse{}
-	mi := &file_engine_proto_msgTypes[29]
+	mi := &file_engine_proto_msgTypes[32]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1931,7 +2080,7 @@ func (x *LoadResponse) String() string {
 func (*LoadResponse) ProtoMessage() {}
 
 func (x *LoadResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_engine_proto_msgTypes[29]
+	mi := &file_engine_proto_msgTypes[32]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1944,7 +2093,7 @@ func (x *LoadResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use LoadResponse.ProtoReflect.Descriptor instead.
 func (*LoadResponse) Descriptor() ([]byte, []int) {
-	return file_engine_proto_rawDescGZIP(), []int{29}
+	return file_engine_proto_rawDescGZIP(), []int{32}
 }
 
 var File_engine_proto protoreflect.FileDescriptor
@@ -2090,13 +2239,21 @@ const file_engine_proto_rawDesc = "" +
 	"\bTokenIds\x12\x10\n" +
 	"\x03ids\x18\x01 \x03(\x05R\x03ids\"F\n" +
 	"\x10TokenizeResponse\x122\n" +
+	"\x06tokens\x18\x01 \x03(\v2\x1a.slimen.engine.v1.TokenIdsR\x06tokens\"\x90\x01\n" +
+	"\rRenderRequest\x125\n" +
+	"\bmessages\x18\x01 \x03(\v2\x19.slimen.engine.v1.MessageR\bmessages\x12\x14\n" +
+	"\x05tools\x18\x02 \x03(\tR\x05tools\x122\n" +
+	"\x15add_generation_prompt\x18\x03 \x01(\bR\x13addGenerationPrompt\"Q\n" +
+	"\x12RenderBatchRequest\x12;\n" +
+	"\brequests\x18\x01 \x03(\v2\x1f.slimen.engine.v1.RenderRequestR\brequests\"D\n" +
+	"\x0eRenderResponse\x122\n" +
 	"\x06tokens\x18\x01 \x03(\v2\x1a.slimen.engine.v1.TokenIdsR\x06tokens\"\x1f\n" +
 	"\vSaveRequest\x12\x10\n" +
 	"\x03dir\x18\x01 \x01(\tR\x03dir\"\x0e\n" +
 	"\fSaveResponse\"\x1f\n" +
 	"\vLoadRequest\x12\x10\n" +
 	"\x03dir\x18\x01 \x01(\tR\x03dir\"\x0e\n" +
-	"\fLoadResponse2\xcf\x05\n" +
+	"\fLoadResponse2\xa1\x06\n" +
 	"\x06Engine\x12E\n" +
 	"\x04Info\x12\x1d.slimen.engine.v1.InfoRequest\x1a\x1e.slimen.engine.v1.InfoResponse\x12a\n" +
 	"\bGenerate\x12'.slimen.engine.v1.GenerateStreamRequest\x1a(.slimen.engine.v1.GenerateStreamResponse(\x010\x01\x12R\n" +
@@ -2106,7 +2263,8 @@ const file_engine_proto_rawDesc = "" +
 	"\x04Save\x12\x1d.slimen.engine.v1.SaveRequest\x1a\x1e.slimen.engine.v1.SaveResponse\x12E\n" +
 	"\x04Load\x12\x1d.slimen.engine.v1.LoadRequest\x1a\x1e.slimen.engine.v1.LoadResponse\x12K\n" +
 	"\x06Health\x12\x1f.slimen.engine.v1.HealthRequest\x1a .slimen.engine.v1.HealthResponse\x12O\n" +
-	"\x06Values\x12#.slimen.engine.v1.ScoreBatchRequest\x1a .slimen.engine.v1.ValuesResponseB1Z/github.com/slimen/slimen/engines/proto;enginepbb\x06proto3"
+	"\x06Values\x12#.slimen.engine.v1.ScoreBatchRequest\x1a .slimen.engine.v1.ValuesResponse\x12P\n" +
+	"\x06Render\x12$.slimen.engine.v1.RenderBatchRequest\x1a .slimen.engine.v1.RenderResponseB1Z/github.com/slimen/slimen/engines/proto;enginepbb\x06proto3"
 
 var (
 	file_engine_proto_rawDescOnce sync.Once
@@ -2121,7 +2279,7 @@ func file_engine_proto_rawDescGZIP() []byte {
 }
 
 var file_engine_proto_enumTypes = make([]protoimpl.EnumInfo, 1)
-var file_engine_proto_msgTypes = make([]protoimpl.MessageInfo, 30)
+var file_engine_proto_msgTypes = make([]protoimpl.MessageInfo, 33)
 var file_engine_proto_goTypes = []any{
 	(HealthResponse_Status)(0),     // 0: slimen.engine.v1.HealthResponse.Status
 	(*InfoRequest)(nil),            // 1: slimen.engine.v1.InfoRequest
@@ -2150,10 +2308,13 @@ var file_engine_proto_goTypes = []any{
 	(*TokenizeRequest)(nil),        // 24: slimen.engine.v1.TokenizeRequest
 	(*TokenIds)(nil),               // 25: slimen.engine.v1.TokenIds
 	(*TokenizeResponse)(nil),       // 26: slimen.engine.v1.TokenizeResponse
-	(*SaveRequest)(nil),            // 27: slimen.engine.v1.SaveRequest
-	(*SaveResponse)(nil),           // 28: slimen.engine.v1.SaveResponse
-	(*LoadRequest)(nil),            // 29: slimen.engine.v1.LoadRequest
-	(*LoadResponse)(nil),           // 30: slimen.engine.v1.LoadResponse
+	(*RenderRequest)(nil),          // 27: slimen.engine.v1.RenderRequest
+	(*RenderBatchRequest)(nil),     // 28: slimen.engine.v1.RenderBatchRequest
+	(*RenderResponse)(nil),         // 29: slimen.engine.v1.RenderResponse
+	(*SaveRequest)(nil),            // 30: slimen.engine.v1.SaveRequest
+	(*SaveResponse)(nil),           // 31: slimen.engine.v1.SaveResponse
+	(*LoadRequest)(nil),            // 32: slimen.engine.v1.LoadRequest
+	(*LoadResponse)(nil),           // 33: slimen.engine.v1.LoadResponse
 }
 var file_engine_proto_depIdxs = []int32{
 	3,  // 0: slimen.engine.v1.InfoResponse.info:type_name -> slimen.engine.v1.Info
@@ -2172,29 +2333,34 @@ var file_engine_proto_depIdxs = []int32{
 	20, // 13: slimen.engine.v1.TrainRequest.batch:type_name -> slimen.engine.v1.Batch
 	21, // 14: slimen.engine.v1.TrainResponse.stats:type_name -> slimen.engine.v1.TrainStats
 	25, // 15: slimen.engine.v1.TokenizeResponse.tokens:type_name -> slimen.engine.v1.TokenIds
-	1,  // 16: slimen.engine.v1.Engine.Info:input_type -> slimen.engine.v1.InfoRequest
-	9,  // 17: slimen.engine.v1.Engine.Generate:input_type -> slimen.engine.v1.GenerateStreamRequest
-	15, // 18: slimen.engine.v1.Engine.Score:input_type -> slimen.engine.v1.ScoreBatchRequest
-	22, // 19: slimen.engine.v1.Engine.Train:input_type -> slimen.engine.v1.TrainRequest
-	24, // 20: slimen.engine.v1.Engine.Tokenize:input_type -> slimen.engine.v1.TokenizeRequest
-	27, // 21: slimen.engine.v1.Engine.Save:input_type -> slimen.engine.v1.SaveRequest
-	29, // 22: slimen.engine.v1.Engine.Load:input_type -> slimen.engine.v1.LoadRequest
-	4,  // 23: slimen.engine.v1.Engine.Health:input_type -> slimen.engine.v1.HealthRequest
-	15, // 24: slimen.engine.v1.Engine.Values:input_type -> slimen.engine.v1.ScoreBatchRequest
-	2,  // 25: slimen.engine.v1.Engine.Info:output_type -> slimen.engine.v1.InfoResponse
-	12, // 26: slimen.engine.v1.Engine.Generate:output_type -> slimen.engine.v1.GenerateStreamResponse
-	16, // 27: slimen.engine.v1.Engine.Score:output_type -> slimen.engine.v1.ScoreBatchResponse
-	23, // 28: slimen.engine.v1.Engine.Train:output_type -> slimen.engine.v1.TrainResponse
-	26, // 29: slimen.engine.v1.Engine.Tokenize:output_type -> slimen.engine.v1.TokenizeResponse
-	28, // 30: slimen.engine.v1.Engine.Save:output_type -> slimen.engine.v1.SaveResponse
-	30, // 31: slimen.engine.v1.Engine.Load:output_type -> slimen.engine.v1.LoadResponse
-	5,  // 32: slimen.engine.v1.Engine.Health:output_type -> slimen.engine.v1.HealthResponse
-	17, // 33: slimen.engine.v1.Engine.Values:output_type -> slimen.engine.v1.ValuesResponse
-	25, // [25:34] is the sub-list for method output_type
-	16, // [16:25] is the sub-list for method input_type
-	16, // [16:16] is the sub-list for extension type_name
-	16, // [16:16] is the sub-list for extension extendee
-	0,  // [0:16] is the sub-list for field type_name
+	6,  // 16: slimen.engine.v1.RenderRequest.messages:type_name -> slimen.engine.v1.Message
+	27, // 17: slimen.engine.v1.RenderBatchRequest.requests:type_name -> slimen.engine.v1.RenderRequest
+	25, // 18: slimen.engine.v1.RenderResponse.tokens:type_name -> slimen.engine.v1.TokenIds
+	1,  // 19: slimen.engine.v1.Engine.Info:input_type -> slimen.engine.v1.InfoRequest
+	9,  // 20: slimen.engine.v1.Engine.Generate:input_type -> slimen.engine.v1.GenerateStreamRequest
+	15, // 21: slimen.engine.v1.Engine.Score:input_type -> slimen.engine.v1.ScoreBatchRequest
+	22, // 22: slimen.engine.v1.Engine.Train:input_type -> slimen.engine.v1.TrainRequest
+	24, // 23: slimen.engine.v1.Engine.Tokenize:input_type -> slimen.engine.v1.TokenizeRequest
+	30, // 24: slimen.engine.v1.Engine.Save:input_type -> slimen.engine.v1.SaveRequest
+	32, // 25: slimen.engine.v1.Engine.Load:input_type -> slimen.engine.v1.LoadRequest
+	4,  // 26: slimen.engine.v1.Engine.Health:input_type -> slimen.engine.v1.HealthRequest
+	15, // 27: slimen.engine.v1.Engine.Values:input_type -> slimen.engine.v1.ScoreBatchRequest
+	28, // 28: slimen.engine.v1.Engine.Render:input_type -> slimen.engine.v1.RenderBatchRequest
+	2,  // 29: slimen.engine.v1.Engine.Info:output_type -> slimen.engine.v1.InfoResponse
+	12, // 30: slimen.engine.v1.Engine.Generate:output_type -> slimen.engine.v1.GenerateStreamResponse
+	16, // 31: slimen.engine.v1.Engine.Score:output_type -> slimen.engine.v1.ScoreBatchResponse
+	23, // 32: slimen.engine.v1.Engine.Train:output_type -> slimen.engine.v1.TrainResponse
+	26, // 33: slimen.engine.v1.Engine.Tokenize:output_type -> slimen.engine.v1.TokenizeResponse
+	31, // 34: slimen.engine.v1.Engine.Save:output_type -> slimen.engine.v1.SaveResponse
+	33, // 35: slimen.engine.v1.Engine.Load:output_type -> slimen.engine.v1.LoadResponse
+	5,  // 36: slimen.engine.v1.Engine.Health:output_type -> slimen.engine.v1.HealthResponse
+	17, // 37: slimen.engine.v1.Engine.Values:output_type -> slimen.engine.v1.ValuesResponse
+	29, // 38: slimen.engine.v1.Engine.Render:output_type -> slimen.engine.v1.RenderResponse
+	29, // [29:39] is the sub-list for method output_type
+	19, // [19:29] is the sub-list for method input_type
+	19, // [19:19] is the sub-list for extension type_name
+	19, // [19:19] is the sub-list for extension extendee
+	0,  // [0:19] is the sub-list for field type_name
 }
 
 func init() { file_engine_proto_init() }
@@ -2208,7 +2374,7 @@ func file_engine_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_engine_proto_rawDesc), len(file_engine_proto_rawDesc)),
 			NumEnums:      1,
-			NumMessages:   30,
+			NumMessages:   33,
 			NumExtensions: 0,
 			NumServices:   1,
 		},

@@ -55,6 +55,7 @@ const (
 	Engine_Load_FullMethodName     = "/slimen.engine.v1.Engine/Load"
 	Engine_Health_FullMethodName   = "/slimen.engine.v1.Engine/Health"
 	Engine_Values_FullMethodName   = "/slimen.engine.v1.Engine/Values"
+	Engine_Render_FullMethodName   = "/slimen.engine.v1.Engine/Render"
 )
 
 // EngineClient is the client API for Engine service.
@@ -87,6 +88,10 @@ type EngineClient interface {
 	// Values returns a critic's value estimate of each response token (engines.Valuer); an engine
 	// without a value head answers UNIMPLEMENTED.
 	Values(ctx context.Context, in *ScoreBatchRequest, opts ...grpc.CallOption) (*ValuesResponse, error)
+	// Render applies the model's chat template to each request's messages and returns the token
+	// ids (engines.Renderer; a conversation renders the messages between its turns with it); an
+	// engine without a template answers UNIMPLEMENTED.
+	Render(ctx context.Context, in *RenderBatchRequest, opts ...grpc.CallOption) (*RenderResponse, error)
 }
 
 type engineClient struct {
@@ -190,6 +195,16 @@ func (c *engineClient) Values(ctx context.Context, in *ScoreBatchRequest, opts .
 	return out, nil
 }
 
+func (c *engineClient) Render(ctx context.Context, in *RenderBatchRequest, opts ...grpc.CallOption) (*RenderResponse, error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	out := new(RenderResponse)
+	err := c.cc.Invoke(ctx, Engine_Render_FullMethodName, in, out, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
 // EngineServer is the server API for Engine service.
 // All implementations must embed UnimplementedEngineServer
 // for forward compatibility.
@@ -220,6 +235,10 @@ type EngineServer interface {
 	// Values returns a critic's value estimate of each response token (engines.Valuer); an engine
 	// without a value head answers UNIMPLEMENTED.
 	Values(context.Context, *ScoreBatchRequest) (*ValuesResponse, error)
+	// Render applies the model's chat template to each request's messages and returns the token
+	// ids (engines.Renderer; a conversation renders the messages between its turns with it); an
+	// engine without a template answers UNIMPLEMENTED.
+	Render(context.Context, *RenderBatchRequest) (*RenderResponse, error)
 	mustEmbedUnimplementedEngineServer()
 }
 
@@ -256,6 +275,9 @@ func (UnimplementedEngineServer) Health(context.Context, *HealthRequest) (*Healt
 }
 func (UnimplementedEngineServer) Values(context.Context, *ScoreBatchRequest) (*ValuesResponse, error) {
 	return nil, status.Error(codes.Unimplemented, "method Values not implemented")
+}
+func (UnimplementedEngineServer) Render(context.Context, *RenderBatchRequest) (*RenderResponse, error) {
+	return nil, status.Error(codes.Unimplemented, "method Render not implemented")
 }
 func (UnimplementedEngineServer) mustEmbedUnimplementedEngineServer() {}
 func (UnimplementedEngineServer) testEmbeddedByValue()                {}
@@ -429,6 +451,24 @@ func _Engine_Values_Handler(srv interface{}, ctx context.Context, dec func(inter
 	return interceptor(ctx, in, info, handler)
 }
 
+func _Engine_Render_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(RenderBatchRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(EngineServer).Render(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: Engine_Render_FullMethodName,
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(EngineServer).Render(ctx, req.(*RenderBatchRequest))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
 // Engine_ServiceDesc is the grpc.ServiceDesc for Engine service.
 // It's only intended for direct use with grpc.RegisterService,
 // and not to be introspected or modified (even as a copy)
@@ -467,6 +507,10 @@ var Engine_ServiceDesc = grpc.ServiceDesc{
 		{
 			MethodName: "Values",
 			Handler:    _Engine_Values_Handler,
+		},
+		{
+			MethodName: "Render",
+			Handler:    _Engine_Render_Handler,
 		},
 	},
 	Streams: []grpc.StreamDesc{

@@ -131,7 +131,10 @@ type Client struct {
 	broken   error  // OnRestart refused a new process: every call fails with this
 }
 
-var _ engines.Engine = (*Client)(nil)
+var (
+	_ engines.Engine   = (*Client)(nil)
+	_ engines.Renderer = (*Client)(nil)
+)
 
 // Dial connects to the engine at opts.Address and checks that it answers, speaks this protocol
 // version and accepts the token. It waits for an engine that is starting up for as long as ctx
@@ -394,6 +397,30 @@ func (c *Client) Train(ctx context.Context, b engines.Batch) (engines.TrainStats
 		return engines.TrainStats{}, err
 	}
 	return enginepb.DecodeTrainStats(resp.GetStats()), nil
+}
+
+// Render applies the engine's chat template (engines.Renderer).
+func (c *Client) Render(ctx context.Context, reqs []engines.RenderRequest) ([][]int32, error) {
+	req := &enginepb.RenderBatchRequest{Requests: make([]*enginepb.RenderRequest, len(reqs))}
+	for i, r := range reqs {
+		req.Requests[i] = enginepb.EncodeRenderRequest(r)
+	}
+	var resp *enginepb.RenderResponse
+	err := c.call(ctx, "render", req, func(ctx context.Context, o ...grpc.CallOption) (err error) {
+		resp, err = c.rpc.Render(ctx, req, o...)
+		return err
+	})
+	if err != nil {
+		return nil, err
+	}
+	if len(resp.GetTokens()) != len(reqs) {
+		return nil, fmt.Errorf("engine at %s: render: %d results for %d requests", c.addr, len(resp.GetTokens()), len(reqs))
+	}
+	out := make([][]int32, len(reqs))
+	for i, t := range resp.GetTokens() {
+		out[i] = t.GetIds()
+	}
+	return out, nil
 }
 
 // Tokenize turns raw text into token ids.

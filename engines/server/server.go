@@ -210,6 +210,31 @@ func (s *service) Score(ctx context.Context, req *enginepb.ScoreBatchRequest) (*
 	return out, nil
 }
 
+// Render serves the engine's chat template (engines.Renderer); an engine without one answers
+// UNIMPLEMENTED.
+func (s *service) Render(ctx context.Context, req *enginepb.RenderBatchRequest) (*enginepb.RenderResponse, error) {
+	rd, ok := s.eng.(engines.Renderer)
+	if !ok {
+		return nil, status.Error(codes.Unimplemented, "this engine cannot render a chat template to tokens")
+	}
+	reqs := make([]engines.RenderRequest, len(req.GetRequests()))
+	for i, r := range req.GetRequests() {
+		reqs[i] = enginepb.DecodeRenderRequest(r)
+	}
+	toks, err := rd.Render(ctx, reqs)
+	if err != nil {
+		return nil, toStatus(err)
+	}
+	if len(toks) != len(reqs) {
+		return nil, status.Errorf(codes.Internal, "the engine returned %d results for %d requests", len(toks), len(reqs))
+	}
+	out := &enginepb.RenderResponse{Tokens: make([]*enginepb.TokenIds, len(toks))}
+	for i, t := range toks {
+		out.Tokens[i] = &enginepb.TokenIds{Ids: t}
+	}
+	return out, nil
+}
+
 // Values serves a critic's value head; an engine without one answers UNIMPLEMENTED.
 func (s *service) Values(ctx context.Context, req *enginepb.ScoreBatchRequest) (*enginepb.ValuesResponse, error) {
 	v, ok := s.eng.(engines.Valuer)

@@ -219,6 +219,20 @@ class Engine:
     def tokenize(self, texts: list[str]) -> list[list[int]]:
         return [self.tokenizer.encode(t) for t in texts]
 
+    def render(self, reqs) -> list[list[int]]:
+        """The chat template applied to each request's messages, as token ids (a conversation's
+        turns: engines.Renderer). Each request is (messages, tools, add_generation_prompt); tools
+        are JSON schemas, given to the template's `tools` variable."""
+        out = []
+        for i, (messages, tools, add_generation_prompt) in enumerate(reqs):
+            try:
+                schemas = [json.loads(t) for t in tools] or None
+                out.append(self.tokenizer.encode_chat([dict(m) for m in messages],
+                                                      add_generation_prompt, schemas))
+            except Exception as e:
+                raise RequestError("INVALID_ARGUMENT", f"render request {i}: chat template: {e}") from None
+        return out
+
     def prompt_of(self, messages, prompt_tokens, what: str) -> list[int]:
         """The prompt ids of a request with exactly one of messages and prompt_tokens."""
         if bool(messages) == bool(prompt_tokens):

@@ -446,6 +446,16 @@ class Service(pb_grpc.EngineServicer):
             self._fail(context, e)
         return pb.TrainResponse(stats=stats, duplicate=dup)
 
+    def Render(self, request, context):
+        self._name(context)
+        eng = self._ready(context)
+        reqs = [(_messages(r.messages), list(r.tools), r.add_generation_prompt) for r in request.requests]
+        try:
+            out = eng.render(reqs)
+        except Exception as e:
+            self._fail(context, e)
+        return pb.RenderResponse(tokens=[pb.TokenIds(ids=ids) for ids in out])
+
     def Tokenize(self, request, context):
         self._name(context)
         eng = self._ready(context)

@@ -82,15 +82,17 @@ class Tokenizer:
     def decode(self, ids: list[int]) -> str:
         return self.tk.decode(ids, skip_special_tokens=True)
 
-    def render(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def render(self, messages: list[dict], add_generation_prompt: bool = True,
+               tools: list[dict] | None = None) -> str:
         if self._template is None:
             raise ValueError("the model has no chat template (tokenizer_config.json "
                              "chat_template); send prompt tokens instead of messages")
-        return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                     **self.special)
+        return self._template.render(messages=messages, tools=tools or None,
+                                     add_generation_prompt=add_generation_prompt, **self.special)
 
-    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
-        return self.encode(self.render(messages, add_generation_prompt))
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True,
+                    tools: list[dict] | None = None) -> list[int]:
+        return self.encode(self.render(messages, add_generation_prompt, tools))
 
 
 def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):

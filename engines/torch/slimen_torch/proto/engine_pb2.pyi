@@ -301,6 +301,28 @@ class TokenizeResponse(_message.Message):
     tokens: _containers.RepeatedCompositeFieldContainer[TokenIds]
     def __init__(self, tokens: _Optional[_Iterable[_Union[TokenIds, _Mapping]]] = ...) -> None: ...
 
+class RenderRequest(_message.Message):
+    __slots__ = ("messages", "tools", "add_generation_prompt")
+    MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    TOOLS_FIELD_NUMBER: _ClassVar[int]
+    ADD_GENERATION_PROMPT_FIELD_NUMBER: _ClassVar[int]
+    messages: _containers.RepeatedCompositeFieldContainer[Message]
+    tools: _containers.RepeatedScalarFieldContainer[str]
+    add_generation_prompt: bool
+    def __init__(self, messages: _Optional[_Iterable[_Union[Message, _Mapping]]] = ..., tools: _Optional[_Iterable[str]] = ..., add_generation_prompt: _Optional[bool] = ...) -> None: ...
+
+class RenderBatchRequest(_message.Message):
+    __slots__ = ("requests",)
+    REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    requests: _containers.RepeatedCompositeFieldContainer[RenderRequest]
+    def __init__(self, requests: _Optional[_Iterable[_Union[RenderRequest, _Mapping]]] = ...) -> None: ...
+
+class RenderResponse(_message.Message):
+    __slots__ = ("tokens",)
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    tokens: _containers.RepeatedCompositeFieldContainer[TokenIds]
+    def __init__(self, tokens: _Optional[_Iterable[_Union[TokenIds, _Mapping]]] = ...) -> None: ...
+
 class SaveRequest(_message.Message):
     __slots__ = ("dir",)
     DIR_FIELD_NUMBER: _ClassVar[int]

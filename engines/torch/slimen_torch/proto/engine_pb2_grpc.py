@@ -79,6 +79,11 @@ class EngineStub:
                 request_serializer=engine__pb2.ScoreBatchRequest.SerializeToString,
                 response_deserializer=engine__pb2.ValuesResponse.FromString,
                 _registered_method=True)
+        self.Render = channel.unary_unary(
+                '/slimen.engine.v1.Engine/Render',
+                request_serializer=engine__pb2.RenderBatchRequest.SerializeToString,
+                response_deserializer=engine__pb2.RenderResponse.FromString,
+                _registered_method=True)
 
 
 class EngineServicer:
@@ -155,6 +160,15 @@ class EngineServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Render(self, request, context):
+        """Render applies the model's chat template to each request's messages and returns the token
+        ids (engines.Renderer; a conversation renders the messages between its turns with it); an
+        engine without a template answers UNIMPLEMENTED.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_EngineServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -202,6 +216,11 @@ def add_EngineServicer_to_server(servicer, server):
                     servicer.Values,
                     request_deserializer=engine__pb2.ScoreBatchRequest.FromString,
                     response_serializer=engine__pb2.ValuesResponse.SerializeToString,
+            ),
+            'Render': grpc.unary_unary_rpc_method_handler(
+                    servicer.Render,
+                    request_deserializer=engine__pb2.RenderBatchRequest.FromString,
+                    response_serializer=engine__pb2.RenderResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -447,6 +466,33 @@ class Engine:
             '/slimen.engine.v1.Engine/Values',
             engine__pb2.ScoreBatchRequest.SerializeToString,
             engine__pb2.ValuesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Render(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/slimen.engine.v1.Engine/Render',
+            engine__pb2.RenderBatchRequest.SerializeToString,
+            engine__pb2.RenderResponse.FromString,
             options,
             channel_credentials,
             insecure,
