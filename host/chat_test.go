@@ -371,3 +371,21 @@ def rollout(task):
 		t.Errorf("sandboxed run trains other samples (-in-process +sandboxed):\n%s", d)
 	}
 }
+
+// TestChatToolsFallback: for a template without a tools variable the tool schemas reach the
+// model in the system message, after the chat's own system text.
+func TestChatToolsFallback(t *testing.T) {
+	var prompt string
+	eng := scripted.New(func(r scripted.Request) string { prompt = r.Prompt; return "ok" })
+	r := loadRun(t, `
+def rollout(task):
+    c = chat("p", system = "Be exact.", tools = [{"type": "function", "function": {"name": "calc"}}])
+    c.user("hi")
+    c.generate()
+`, testConfig(1, "p"), map[string]engines.Engine{"p": eng}, numberedTasks(1))
+	stepOK(t, r)
+	want := "system: Be exact.\n\n# Tools"
+	if !strings.HasPrefix(prompt, want) || !strings.Contains(prompt, `<tools>`+"\n"+`{"function":{"name":"calc"},"type":"function"}`+"\n</tools>") || !strings.HasSuffix(prompt, "user: hi\nassistant: ") {
+		t.Errorf("prompt %q; want the system text, then the tools, then the user's message", prompt)
+	}
+}

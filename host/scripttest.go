@@ -392,7 +392,11 @@ func responder(fn, policy string, v starlark.Value) (scripted.Responder, error) 
 		v.Freeze()
 		return func(r scripted.Request) string {
 			th := &starlark.Thread{Name: "responses " + policy}
-			out, err := starlark.Call(th, v, starlark.Tuple{starlark.String(lastContent(r.Messages)), starlark.MakeInt(r.Index)}, nil)
+			prompt := lastContent(r.Messages)
+			if r.Messages == nil {
+				prompt = scripted.LastMessage(r.Prompt) // a chat turn: sampled from the conversation's tokens
+			}
+			out, err := starlark.Call(th, v, starlark.Tuple{starlark.String(prompt), starlark.MakeInt(r.Index)}, nil)
 			if err != nil {
 				return fmt.Sprintf("<responses[%q] failed: %v>", policy, err)
 			}

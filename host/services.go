@@ -3,11 +3,13 @@ package host
 import (
 	"context"
 	"fmt"
+	"strings"
 
 	"go.starlark.net/starlark"
 
 	"github.com/slimen/slimen/engines"
 	"github.com/slimen/slimen/host/script"
+	"github.com/slimen/slimen/starlib"
 )
 
 // localHost is the script.Host of an in-process rollout: the run itself. A sandboxed rollout's
@@ -56,6 +58,9 @@ func (h localHost) Render(ctx context.Context, policy string, reqs []engines.Ren
 	if err != nil {
 		return script.Rendered{}, fmt.Errorf("policy %q: info: %w", policy, err)
 	}
+	if !strings.Contains(info.ChatTemplate, "tools") {
+		reqs = toolsInSystem(reqs)
+	}
 	toks, err := rd.Render(ctx, reqs)
 	if err != nil {
 		return script.Rendered{}, fmt.Errorf("policy %q: render: %w", policy, err)
@@ -64,6 +69,27 @@ func (h localHost) Render(ctx context.Context, policy string, reqs []engines.Ren
 		return script.Rendered{}, fmt.Errorf("policy %q: render returned %d token lists for %d requests", policy, len(toks), len(reqs))
 	}
 	return script.Rendered{Tokens: toks, EOS: info.EOSTokens, MaxSeqLen: info.MaxSeqLen}, nil
+}
+
+// toolsInSystem is the fallback for a chat template without a tools variable: the tool schemas
+// described in the system message (starlib.ToolsSystemPrompt), after its own text, or in one of
+// their own.
+func toolsInSystem(reqs []engines.RenderRequest) []engines.RenderRequest {
+	out := make([]engines.RenderRequest, len(reqs))
+	for i, r := range reqs {
+		out[i] = r
+		if len(r.Tools) == 0 {
+			continue
+		}
+		desc := starlib.ToolsSystemPrompt(r.Tools)
+		out[i].Tools = nil
+		if len(r.Messages) > 0 && r.Messages[0].Role == "system" {
+			out[i].Messages = append([]engines.Message{{Role: "system", Content: r.Messages[0].Content + "\n\n" + desc}}, r.Messages[1:]...)
+		} else {
+			out[i].Messages = append([]engines.Message{{Role: "system", Content: desc}}, r.Messages...)
+		}
+	}
+	return out
 }
 
 func (h localHost) StateGet(key string) (starlark.Value, bool, error) {

@@ -17,6 +17,7 @@ var (
 		"vote.star":    Vote,
 		"stats.star":   Stats,
 		"random.star":  Random,
+		"tools.star":   Tools,
 	}
 	stdModules = map[string]*starlarkstruct.Module{
 		"json.star": json.Module,

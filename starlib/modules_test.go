@@ -17,7 +17,7 @@ func TestPackages(t *testing.T) {
 		sort.Strings(files[pkg])
 	}
 	want := map[string][]string{
-		"slimen": {"answers.star", "random.star", "stats.star", "text.star", "vote.star"},
+		"slimen": {"answers.star", "random.star", "stats.star", "text.star", "tools.star", "vote.star"},
 		"std":    {"json.star", "math.star"},
 	}
 	if diff := cmp.Diff(want, files); diff != "" {

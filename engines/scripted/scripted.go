@@ -69,6 +69,20 @@ func RenderChat(msgs []engines.Message, addGenerationPrompt bool) string {
 	return b.String()
 }
 
+// LastMessage is the content of the last message of a prompt rendered with RenderChat and the
+// generation prompt: what a request that carries tokens (a chat turn) answers. A content line
+// that itself begins with "user: " (or another role) is taken for the message's start.
+func LastMessage(prompt string) string {
+	p := strings.TrimSuffix(strings.TrimSuffix(prompt, "assistant: "), "\n")
+	start := 0
+	for _, role := range []string{"system", "user", "assistant", "tool"} {
+		if k := strings.LastIndex("\n"+p, "\n"+role+": "); k >= 0 && k+len(role)+2 > start {
+			start = k + len(role) + 2
+		}
+	}
+	return p[start:]
+}
+
 // Render encodes each request's messages rendered with the scripted template (tools, when given,
 // as one "tools: …" line first).
 func (e *Engine) Render(_ context.Context, reqs []engines.RenderRequest) ([][]int32, error) {

@@ -39,7 +39,7 @@ func TestPredeclared(t *testing.T) {
 		}
 	}
 	sort.Strings(mods)
-	wantMods := []string{"@slimen//answers.star", "@slimen//random.star", "@slimen//stats.star", "@slimen//text.star",
+	wantMods := []string{"@slimen//answers.star", "@slimen//random.star", "@slimen//stats.star", "@slimen//text.star", "@slimen//tools.star",
 		"@slimen//vote.star", "@std//json.star", "@std//math.star"}
 	if !slices.Equal(mods, wantMods) {
 		t.Errorf("loadable native modules changed:\n got %v\nwant %v", mods, wantMods)
