@@ -4,6 +4,8 @@ import (
 	"context"
 	"fmt"
 	"math"
+	"os"
+	"path/filepath"
 	"strings"
 	"testing"
 
@@ -387,5 +389,54 @@ def rollout(task):
 	want := "system: Be exact.\n\n# Tools"
 	if !strings.HasPrefix(prompt, want) || !strings.Contains(prompt, `<tools>`+"\n"+`{"function":{"name":"calc"},"type":"function"}`+"\n</tools>") || !strings.HasSuffix(prompt, "user: hi\nassistant: ") {
 		t.Errorf("prompt %q; want the system text, then the tools, then the user's message", prompt)
+	}
+}
+
+// BenchmarkChatTurn is the host's cost of a conversation turn compared with a plain generate
+// of the same conversation as messages: 32 rollouts of 8 turns a step on a scripted engine, so
+// the numbers are the host's (batching, rendering, bookkeeping), not a model's.
+func BenchmarkChatTurn(b *testing.B) {
+	scripts := map[string]string{
+		"generate": `
+def rollout(task):
+    msgs = []
+    for i in range(8):
+        msgs.append({"role": "user", "content": "step %d of %s" % (i, task.prompt)})
+        c = generate("p", msgs, max_tokens = 16)
+        msgs.append({"role": "assistant", "content": c.text})
+`,
+		"chat": `
+def rollout(task):
+    c = chat("p")
+    for i in range(8):
+        c.user("step %d of %s" % (i, task.prompt))
+        c.generate(max_tokens = 16)
+`,
+	}
+	for _, name := range []string{"generate", "chat"} {
+		b.Run(name, func(b *testing.B) {
+			cfg := testConfig(32, "p")
+			path := filepath.Join(b.TempDir(), "script.star")
+			if err := os.WriteFile(path, []byte(scripts[name]), 0o644); err != nil {
+				b.Fatal(err)
+			}
+			r, err := Load(context.Background(), path, Options{Config: cfg, Tasks: numberedTasks(32),
+				Engines: map[string]engines.Engine{"p": scripted.Echo("the answer is 42")}})
+			if err != nil {
+				b.Fatal(err)
+			}
+			defer r.Close()
+			b.ResetTimer()
+			for i := 0; i < b.N; i++ {
+				res, err := r.Step(context.Background())
+				if err != nil {
+					b.Fatal(err)
+				}
+				if len(res.Failed) > 0 {
+					b.Fatal(res.Failed[0])
+				}
+			}
+			b.ReportMetric(float64(b.Elapsed().Microseconds())/float64(b.N)/(32*8), "µs/turn")
+		})
 	}
 }
