@@ -119,6 +119,11 @@ func TestExamplesTwoSteps(t *testing.T) {
 			counts:     map[string]perTask{"student": both(4)},
 			rewardMean: map[string]float64{"student": 0.5},
 		},
+		// Four conversations a task, each one sample; no tool call in "\boxed{5}": one turn each.
+		"calculator_agent": {
+			counts:     map[string]perTask{"agent": both(4)},
+			rewardMean: map[string]float64{"agent": 0.5},
+		},
 		// The critic is never named by the script: it trains on the actor's samples.
 		"ppo": {
 			counts:     map[string]perTask{"actor": both(4), "critic": both(4)},
