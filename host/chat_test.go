@@ -28,10 +28,10 @@ def rollout(task):
     c.generate(max_tokens = 6)
     c.tool("42")
     c.user("Again?")
-    c.generate(max_tokens = 6)
+    c.generate(max_tokens = 24)
     c.assistant("Injected.")
     c.user("Last.")
-    c.generate(max_tokens = 6)
+    c.generate(max_tokens = 24)
     reward(c, 1.0)
     train(c)
     out = {
@@ -129,9 +129,14 @@ func TestChatTokenExactTiny(t *testing.T) {
 	for _, f := range res.Failed {
 		t.Fatalf("rollout failed: %v", f)
 	}
+	endings := map[bool]int{} // turns that sampled EOS, turns cut by max_tokens
+	eos := eosOf(t, eng)
 	for _, id := range []string{"a", "b"} {
 		o := readChat(t, r, id)
 		checkSpans(t, o)
+		for _, turn := range o.turns {
+			endings[len(turn) > 0 && turn[len(turn)-1] == eos]++
+		}
 		var text strings.Builder
 		for _, m := range o.msgs {
 			text.WriteString("<|" + m.Role + "|>" + m.Content + "<|end|>")
@@ -151,6 +156,9 @@ func TestChatTokenExactTiny(t *testing.T) {
 		if len(o.msgs) != 9 || o.msgs[3].Role != "tool" || o.msgs[6].Content != "Injected." {
 			t.Errorf("task %s: messages %v", id, o.msgs)
 		}
+	}
+	if endings[true] == 0 || endings[false] == 0 {
+		t.Errorf("turns ending in EOS: %d, cut by max_tokens: %d; the test must see both", endings[true], endings[false])
 	}
 	if n := res.Policies[0].Float("samples"); n != 2 {
 		t.Errorf("%v samples trained, want 2 (one per conversation)", n)
@@ -439,4 +447,40 @@ def rollout(task):
 			b.ReportMetric(float64(b.Elapsed().Microseconds())/float64(b.N)/(32*8), "µs/turn")
 		})
 	}
+}
+
+// TestChatBudgets: in a sandboxed run a chat's turns count against generate_calls like generate
+// calls do.
+func TestChatBudgets(t *testing.T) {
+	cfg := testConfig(1, "p")
+	cfg.Sandbox = config.DefaultSandbox()
+	cfg.Sandbox.Train, cfg.Sandbox.GenerateCalls = []string{"p"}, 2
+	cfg.Rollout.MaxFailedFraction = 1
+	r, err := Load(context.Background(), writeScript(t, `
+def rollout(task):
+    c = chat("p")
+    for i in range(3):
+        c.user("turn %d" % i)
+        c.generate()
+`), Options{Config: cfg, Tasks: numberedTasks(1), Engines: map[string]engines.Engine{"p": scripted.Echo("ok")}, Sandbox: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer r.Close()
+	res, err := r.Step(context.Background())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if msg := failures(res)["t0"]; !strings.Contains(msg, "generate_calls") || !strings.Contains(msg, "chat.generate call 3") {
+		t.Errorf("third turn with generate_calls 2: %q", msg)
+	}
+}
+
+func eosOf(t *testing.T, e engines.Engine) int32 {
+	t.Helper()
+	info, err := e.Info(context.Background())
+	if err != nil || len(info.EOSTokens) == 0 {
+		t.Fatalf("no EOS token: %v", err)
+	}
+	return info.EOSTokens[0]
 }
