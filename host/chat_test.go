@@ -484,3 +484,25 @@ func eosOf(t *testing.T, e engines.Engine) int32 {
 	}
 	return info.EOSTokens[0]
 }
+
+// TestChatTrace: `slimen graph`'s trace sees a chat's turns as calls whose prompts hold the
+// conversation so far, so an earlier turn's output links to the turns after it.
+func TestChatTrace(t *testing.T) {
+	calls, err := Trace(context.Background(), writeScript(t, `
+def rollout(task):
+    c = chat("agent")
+    c.user(task.prompt)
+    first = c.generate()
+    c.tool("result of " + first.text)
+    c.generate()
+`), nil, Task{ID: "a", Prompt: "2+3?"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(calls) != 2 || calls[0].Policy != "agent" || len(calls[0].Outputs) != 1 {
+		t.Fatalf("traced %+v, want the chat's two turns", calls)
+	}
+	if !strings.Contains(calls[1].Prompt, calls[0].Outputs[0]) || !strings.Contains(calls[1].Prompt, "result of "+calls[0].Outputs[0]) {
+		t.Errorf("the second turn's prompt %q does not hold the first turn's output %q and the tool result", calls[1].Prompt, calls[0].Outputs[0])
+	}
+}
