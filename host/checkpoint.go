@@ -20,6 +20,7 @@ import (
 	"syscall"
 	"time"
 
+	"github.com/slimen/slimen/host/config"
 	"github.com/slimen/slimen/host/script"
 )
 
@@ -28,7 +29,7 @@ import (
 //
 //	<policy>/          each trainable policy's engine state (Engine.Save: HF folder + optimizer)
 //	state.json         the `state` store
-//	run.json           the step, the script's path and hash, the seed
+//	run.json           the step, the script's path and hash, the seed, the directory the run started in
 //	config.yaml        the resolved config (with zero-config policies created on the way)
 //	script.star        the running script version
 //	MANIFEST.json      sha256 and size of every file above, and where the state of policies on
@@ -71,6 +72,10 @@ type runInfo struct {
 	Script     string `json:"script"`
 	ScriptHash string `json:"script_hash"`
 	Seed       uint64 `json:"seed"`
+	// Dir is the absolute working directory the run started in: the script's path and the
+	// config's relative paths (data.path, …) are taken from it when the run resumes elsewhere.
+	// Checkpoints written before it was recorded lack it.
+	Dir string `json:"dir,omitempty"`
 }
 
 type manifest struct {
@@ -187,7 +192,7 @@ func (r *Run) writeCheckpoint(ctx context.Context, step int, final, tmp string) 
 	if err != nil {
 		return fmt.Errorf("checkpoint: %w", err)
 	}
-	info, _ := json.MarshalIndent(runInfo{Step: step, NextTask: &r.next, Script: r.script.Path, ScriptHash: r.script.Hash, Seed: r.Config().Run.Seed}, "", "  ")
+	info, _ := json.MarshalIndent(runInfo{Step: step, NextTask: &r.next, Script: r.script.Path, ScriptHash: r.script.Hash, Seed: r.Config().Run.Seed, Dir: r.wd}, "", "  ")
 	y, err := r.Config().Marshal()
 	if err != nil {
 		return err
@@ -510,6 +515,68 @@ func readRunInfo(dir string) (runInfo, error) {
 		return info, fmt.Errorf("checkpoint %s: %s: %w", dir, runFile, err)
 	}
 	return info, nil
+}
+
+// resumeScript is the script a resumed run executes when none is given: the file the checkpoint
+// recorded, its path taken from the directory the run started in, so that a run resumes from any
+// working directory; if that file is gone (or the checkpoint predates run.json's dir and the
+// path does not resolve from here), the copy the run directory keeps of the version the
+// checkpoint ran (scripts/step_N-HASH/, with every file it loaded), else the checkpoint's
+// script.star. note says which copy was taken, "" for the file itself. inFS: the script is a path
+// in Options.FS, taken as recorded.
+func resumeScript(ckpt string, info runInfo, inFS bool) (path, note string) {
+	path = info.Script
+	if inFS {
+		return path, ""
+	}
+	if !filepath.IsAbs(path) && info.Dir != "" {
+		path = filepath.Join(info.Dir, path)
+	}
+	if st, err := os.Stat(path); err == nil && st.Mode().IsRegular() {
+		return path, ""
+	}
+	saved := filepath.Join(ckpt, "script.star")
+	if len(info.ScriptHash) >= 12 {
+		matches, _ := filepath.Glob(filepath.Join(runDirOf(ckpt), "scripts", "step_*-"+info.ScriptHash[:12], filepath.Base(info.Script)))
+		if len(matches) > 0 {
+			saved = matches[0] // every such folder holds the same files: the hash covers them
+		}
+	}
+	return saved, fmt.Sprintf("the script %s cannot be read from here; running the copy the run kept of the version the checkpoint ran, %s", path, saved)
+}
+
+// rebasePaths makes the config's relative local paths (data, eval datasets, the models, load and
+// save folders and TLS files of engines on this machine) relative to dir, the working directory
+// the run started in, so that a resumed run reads the same files from anywhere. Names with a
+// scheme (builtin:, synthetic:) stay; so do a remote engine's folders, which are paths on its
+// server. dir "" changes nothing.
+func rebasePaths(c *config.Config, dir string) {
+	if dir == "" {
+		return
+	}
+	fix := func(p *string) {
+		if *p != "" && !filepath.IsAbs(*p) && !strings.Contains(*p, ":") {
+			*p = filepath.Join(dir, *p)
+		}
+	}
+	fix(&c.Data.Path)
+	for i := range c.Eval.Datasets {
+		fix(&c.Eval.Datasets[i].Path)
+	}
+	for i := range c.Policies {
+		p := &c.Policies[i]
+		if t := p.Engine.TLS; t != nil {
+			fix(&t.CA)
+			fix(&t.Cert)
+			fix(&t.Key)
+		}
+		if offHost(*p) {
+			continue
+		}
+		for _, f := range []*string{&p.HFCheckpoint, &p.Load, &p.Save, &p.RefLoad, &p.Engine.ModelPath, &p.Train.ModelArgsPath} {
+			fix(f)
+		}
+	}
 }
 
 // runDirOf is the run directory a checkpoint folder belongs to.

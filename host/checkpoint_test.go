@@ -750,3 +750,36 @@ func TestStateRoundTrip(t *testing.T) {
 		}
 	}
 }
+
+// TestResumeScriptFallsBackToCopies: the recorded script is taken from the directory the run
+// started in; when it is gone, the run directory's copy of the version the checkpoint ran, else
+// the checkpoint's script.star.
+func TestResumeScriptFallsBackToCopies(t *testing.T) {
+	start, run := t.TempDir(), t.TempDir()
+	ckpt := filepath.Join(run, "checkpoints", "step_2")
+	hash := "0123456789abcdef"
+	info := runInfo{Script: "ex/main.star", ScriptHash: hash, Dir: start}
+	if err := os.MkdirAll(filepath.Join(start, "ex"), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(filepath.Join(start, "ex", "main.star"), nil, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if got, note := resumeScript(ckpt, info, false); got != filepath.Join(start, "ex", "main.star") || note != "" {
+		t.Errorf("with the file in place: %q (%q)", got, note)
+	}
+	os.RemoveAll(filepath.Join(start, "ex"))
+	if got, note := resumeScript(ckpt, info, false); got != filepath.Join(ckpt, "script.star") || !strings.Contains(note, "cannot be read") {
+		t.Errorf("without the file or a kept version: %q (%q)", got, note)
+	}
+	kept := filepath.Join(run, "scripts", "step_1-"+hash[:12], "main.star")
+	if err := os.MkdirAll(filepath.Dir(kept), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(kept, nil, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if got, _ := resumeScript(ckpt, info, false); got != kept {
+		t.Errorf("with a kept version: %q, want %q", got, kept)
+	}
+}

@@ -70,6 +70,10 @@ type Options struct {
 	// included (the CLI redraws its charts with host/plot). An error it returns goes to the
 	// run's log; the run goes on.
 	AfterEval func(r *Run) error
+
+	// workDir is the working directory the run started in, when Resume knows it ("": this
+	// process's).
+	workDir string
 }
 
 // Task is one unit of work handed to rollout(task).
@@ -121,6 +125,7 @@ type Run struct {
 	order    []string         // policy names in config order, then first use
 
 	id      string    // random per process: part of optimizer step ids
+	wd      string    // the absolute working directory the run started in (run.json's dir)
 	step    int       // steps completed
 	next    int       // index of the first task of the next step: the data position
 	reload  *reloader // nil unless Watch was called
@@ -275,6 +280,9 @@ func newRun(opts Options) *Run {
 		events: &eventLog{w: opts.Log}, metrics: &metricsWriter{}}
 	r.ctx, r.cancel = context.WithCancel(context.Background())
 	r.cfg, r.zero = opts.Config, opts.Zero
+	if r.wd = opts.workDir; r.wd == "" {
+		r.wd, _ = os.Getwd()
+	}
 	if r.cfg == nil {
 		r.cfg, r.zero = config.Default(nil), true
 	}

@@ -62,7 +62,8 @@ func (r *Run) afterEval() {
 // Resume loads a stopped run again and restores it: from is its run directory (its newest valid
 // checkpoint is taken; newer ones that fail verification are reported in the run's log and
 // removed as the run goes on) or one of its checkpoints/step_N folders. script "" is the script
-// the checkpoint recorded. opts.Config nil is the checkpoint's own config (opts.ConfigOverride is
+// the checkpoint recorded, found from any working directory (resumeScript). The config's relative
+// paths are taken from the directory the run started in, which run.json records. opts.Config nil is the checkpoint's own config (opts.ConfigOverride is
 // applied to it); opts.Out "" is the run directory the checkpoint belongs to. The run then goes on
 // at the step after the checkpoint's. A checkpoint that cannot be found or read, and a config or
 // script that does not load, are ScriptErrors.
@@ -75,15 +76,20 @@ func Resume(ctx context.Context, from, script string, opts Options) (*Run, error
 	if err != nil {
 		return nil, &ScriptError{Msg: err.Error()}
 	}
+	var scriptNote string
 	if script == "" {
-		script = info.Script
+		script, scriptNote = resumeScript(ckpt, info, opts.FS != nil)
 	}
 	if opts.Out == "" {
 		opts.Out = runDirOf(ckpt)
 	}
+	opts.workDir = info.Dir
 	if opts.Config == nil {
 		if opts.Config, err = config.Load(filepath.Join(ckpt, "config.yaml")); err != nil {
 			return nil, &ScriptError{Msg: err.Error()}
+		}
+		if opts.FS == nil {
+			rebasePaths(opts.Config, info.Dir) // before the command line's changes, which are relative to here
 		}
 		if opts.ConfigOverride != nil {
 			if err := opts.ConfigOverride(opts.Config); err != nil {
@@ -99,6 +105,9 @@ func Resume(ctx context.Context, from, script string, opts Options) (*Run, error
 			err = &ScriptError{Msg: err.Error()}
 		}
 		return nil, err
+	}
+	if scriptNote != "" {
+		r.events.printf("resume: %s", scriptNote)
 	}
 	for _, bad := range skipped {
 		r.events.printf("warning: %v", bad)

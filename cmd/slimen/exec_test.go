@@ -356,3 +356,54 @@ func TestSIGKILLDuringCheckpoint(t *testing.T) {
 		t.Errorf("the partial write %s is still there after resume", partial[0])
 	}
 }
+
+// TestResumeFromAnotherDirectory (issue 15): a run started with a relative script and data path
+// resumes from any working directory — the script and data.path are found where the run started
+// (run.json's dir) — and ends where the uninterrupted run ended.
+func TestResumeFromAnotherDirectory(t *testing.T) {
+	proj := t.TempDir()
+	src, err := os.ReadFile(filepath.Join("../..", debate))
+	if err != nil {
+		t.Fatal(err)
+	}
+	var data strings.Builder
+	for i := range 16 {
+		fmt.Fprintf(&data, "{\"prompt\": \"What is %d + %d?\", \"label\": \"%d\"}\n", i, 2*i+1, 3*i+1)
+	}
+	y := `policies:
+  - {name: generator, hf_checkpoint: builtin:tiny-arith, engine: {kind: tiny}, train: {lr: 1.0e-3, global_batch_size: 0}}
+  - {name: critic, hf_checkpoint: builtin:tiny-arith, engine: {kind: tiny}, train: {lr: 1.0e-3, global_batch_size: 0}}
+rollout: {batch_size: 2, max_response_len: 12}
+data: {path: data/tasks.jsonl}
+run: {steps: 3, seed: 3, save_interval: 1, keep_checkpoints: 0}
+`
+	for name, b := range map[string]string{"debate.star": string(src), "data/tasks.jsonl": data.String(), "config.yaml": y} {
+		os.MkdirAll(filepath.Dir(filepath.Join(proj, name)), 0o755)
+		if err := os.WriteFile(filepath.Join(proj, name), []byte(b), 0o644); err != nil {
+			t.Fatal(err)
+		}
+	}
+	run := func(dir string, args ...string) string {
+		t.Helper()
+		cmd := exec.Command(slimenBin, args...)
+		cmd.Dir = dir
+		b, err := cmd.CombinedOutput()
+		if err != nil {
+			t.Fatalf("slimen %s in %s: %v\n%s", strings.Join(args, " "), dir, err, b)
+		}
+		return string(b)
+	}
+	out := filepath.Join(t.TempDir(), "run")
+	run(proj, "exec", "debate.star", "--config", "config.yaml", "--out", out)
+	checkTrains(t, out, 2)
+	want := metricsNoTimings(t, out)
+
+	// Neither the script nor the data is reachable by its relative path from here.
+	log := run(t.TempDir(), "exec", "--resume", filepath.Join(out, "checkpoints", "step_1"))
+	if !strings.Contains(log, "(steps 2 to 3,") {
+		t.Errorf("the run does not go on at step 2:\n%s", log)
+	}
+	if got := metricsNoTimings(t, out); got != want {
+		t.Errorf("after resuming from another directory:\n%s\nwant\n%s", got, want)
+	}
+}
