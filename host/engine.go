@@ -191,3 +191,67 @@ func ClientOptions(p config.PolicyConfig) remote.Options {
 	return remote.Options{MaxMessageBytes: p.Engine.MaxMessageMB << 20, Timeout: p.Engine.Timeout,
 		ReconnectTimeout: p.Engine.ReconnectTimeout}
 }
+
+// instanced is an engine client that knows which server process it talks to (remote.Client:
+// the server's random instance id).
+type instanced interface{ Instance() string }
+
+// claimServer prepares the engine of a policy on a server the run does not own (kind remote),
+// which other policies and earlier runs may share:
+//
+//   - two trainable policies must not train one server process, whatever addresses reach it
+//     (the instance id tells): each would train one model on both policies' samples. A frozen
+//     policy on a trained policy's server samples from the weights being trained: said once.
+//   - a trainable policy's server is put back to the policy's starting weights — its load:
+//     folder, else the model the server was started with (as the server names it, Info.Model) —
+//     with a fresh optimizer, so a run on a server an earlier run trained starts where a run on
+//     a fresh one does (same seed, same metrics). engine.continue: true trains on from the
+//     state it holds instead; a resumed run loads its checkpoint instead. A server that cannot
+//     load that model is refused with the ways to go on.
+func (r *Run) claimServer(ctx context.Context, pc config.PolicyConfig, eng engines.Engine) error {
+	if in, ok := eng.(instanced); ok && in.Instance() != "" {
+		for _, name := range r.order {
+			q := r.policies[name]
+			qi, ok := q.eng.(instanced)
+			if !ok || qi.Instance() != in.Instance() {
+				continue
+			}
+			at := "at " + pc.Engine.Address
+			if q.cfg.Engine.Address != pc.Engine.Address {
+				at = fmt.Sprintf("at %s and at %s", q.cfg.Engine.Address, pc.Engine.Address)
+			}
+			switch {
+			case q.cfg.Trainable && pc.Trainable:
+				return fmt.Errorf("policies %q and %q are both trainable, and their engines %s are one server process (instance %s): it would train one model on both policies' samples. Give each trainable policy an engine server of its own (another slimen serve on its own --listen address), or make one of them trainable: false",
+					q.name, pc.Name, at, in.Instance())
+			case q.cfg.Trainable || pc.Trainable:
+				frozen, trained := q.name, pc.Name
+				if q.cfg.Trainable {
+					frozen, trained = pc.Name, q.name
+				}
+				r.events.printf("warning: policy %q is frozen, but its engine is policy %q's (%s, instance %s): it samples from the weights %q trains; give it an engine server of its own to keep it as it started", frozen, trained, at, in.Instance(), trained)
+			}
+		}
+	}
+	if !pc.Trainable || r.opts.resuming {
+		return nil
+	}
+	if pc.Engine.Continue {
+		r.events.printf("policy %q: engine.continue: training on from the state its engine at %s holds (not reset to its starting weights)", pc.Name, pc.Engine.Address)
+		return nil
+	}
+	target, what := pc.Load, "its load: folder"
+	if target == "" {
+		info, err := eng.Info(ctx)
+		if err != nil {
+			return fmt.Errorf("its engine at %s: info: %w", pc.Engine.Address, err)
+		}
+		target, what = info.Model, "the model the server was started with"
+	}
+	if err := eng.Load(ctx, target); err != nil {
+		return fmt.Errorf("its engine at %s could not be reset to %s (%s), and without that the run would start from whatever the server learned before (an earlier run's training): %w\nrestart the server before the run, start it with a --root that covers that folder, or set engine: {continue: true} to train on from the state it holds",
+			pc.Engine.Address, what, target, err)
+	}
+	r.events.printf("policy %q: reset its engine at %s to %s (%s) with a fresh optimizer, so the run does not start from what the server learned before; engine: {continue: true} keeps that state instead", pc.Name, pc.Engine.Address, target, what)
+	return nil
+}

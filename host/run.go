@@ -72,8 +72,10 @@ type Options struct {
 	AfterEval func(r *Run) error
 
 	// workDir is the working directory the run started in, when Resume knows it ("": this
-	// process's).
-	workDir string
+	// process's); resuming says that Resume loads the run, which puts the engines' state back
+	// from the checkpoint (so remote engines need no reset to their starting weights).
+	workDir  string
+	resuming bool
 }
 
 // Task is one unit of work handed to rollout(task).
@@ -348,6 +350,12 @@ func (r *Run) addPolicy(ctx context.Context, pc config.PolicyConfig) (*policy, e
 		var err error
 		if eng, err = open(ctx, pc); err != nil {
 			return nil, fmt.Errorf("policy %q%s: %w", pc.Name, r.cfgPlace(&policy{cfg: pc}), err)
+		}
+		if offHost(pc) {
+			if err := r.claimServer(ctx, pc, eng); err != nil { // engine.go
+				eng.Close()
+				return nil, fmt.Errorf("policy %q%s: %w", pc.Name, r.cfgPlace(&policy{cfg: pc}), err)
+			}
 		}
 	}
 	p := &policy{name: pc.Name, cfg: pc, eng: eng}

@@ -83,7 +83,7 @@ func Resume(ctx context.Context, from, script string, opts Options) (*Run, error
 	if opts.Out == "" {
 		opts.Out = runDirOf(ckpt)
 	}
-	opts.workDir = info.Dir
+	opts.workDir, opts.resuming = info.Dir, true
 	if opts.Config == nil {
 		if opts.Config, err = config.Load(filepath.Join(ckpt, "config.yaml")); err != nil {
 			return nil, &ScriptError{Msg: err.Error()}

@@ -283,3 +283,66 @@ func TestRemoteEngineRestartWithoutCheckpointStopsTheRun(t *testing.T) {
 		t.Error("the stopped run wrote metrics for step 4")
 	}
 }
+
+// TestRemoteServerTrainedByAnEarlierRun (issue 15): a second run against engine servers that an
+// earlier run trained starts from the servers' starting weights, so it writes the first run's
+// metrics; with engine.continue it trains on from what the first run taught them, and differs.
+func TestRemoteServerTrainedByAnEarlierRun(t *testing.T) {
+	rr := remoteConfigs(t, 3, 4, "", "")
+	rr.serve(t, 0)
+	rr.serve(t, 1)
+	first := rr.execRun(t, rr.remote, "first")
+	assertTrained(t, first, 3)
+	second := rr.execRun(t, rr.remote, "second")
+	if a, b := metricsNoTimings(t, first), metricsNoTimings(t, second); a != b {
+		t.Errorf("a second run against the trained servers differs from the first:\n%s\n---\n%s", a, b)
+	}
+	if ev := eventsLog(t, second); !strings.Contains(ev, `policy "generator": reset its engine at `+rr.addrs[0]+" to builtin:tiny-arith") {
+		t.Errorf("the events do not say the engine was reset:\n%s", ev)
+	}
+	b, err := os.ReadFile(rr.remote)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cont := filepath.Join(t.TempDir(), "continue.yaml")
+	if err := os.WriteFile(cont, []byte(strings.ReplaceAll(string(b), "{kind: remote,", "{kind: remote, continue: true,")), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	third := rr.execRun(t, cont, "third")
+	if metricsNoTimings(t, first) == metricsNoTimings(t, third) {
+		t.Errorf("with engine.continue the run starts from the trained weights, yet it equals the first run")
+	}
+}
+
+// TestRemoteTwoTrainersOneServer (issue 15): two trainable policies whose engines are one server
+// process — here reached by two addresses — are refused at start-up, naming both; a frozen policy
+// may share a trained policy's server, with a warning.
+func TestRemoteTwoTrainersOneServer(t *testing.T) {
+	addr := freeAddr(t)
+	runs := t.TempDir()
+	startServe(t, remoteModel, addr, runs)
+	_, port, _ := net.SplitHostPort(addr)
+	cfg := func(criticTrains bool) string {
+		p := filepath.Join(t.TempDir(), "shared.yaml")
+		y := fmt.Sprintf(`policies:
+  - {name: generator, engine: {kind: remote, address: %q}}
+  - {name: critic, trainable: %v, engine: {kind: remote, address: "localhost:%s"}}
+rollout: {batch_size: 2, max_response_len: 8}
+run: {steps: 1, seed: 1}
+`, addr, criticTrains, port)
+		if err := os.WriteFile(p, []byte(y), 0o644); err != nil {
+			t.Fatal(err)
+		}
+		return p
+	}
+	out, err := slimen(t, nil, "exec", "examples/debate/debate.star", "--config", cfg(true), "--out", filepath.Join(runs, "both"))
+	if err == nil || !strings.Contains(out, `policies "generator" and "critic" are both trainable, and their engines at `+addr+" and at localhost:"+port+" are one server process") {
+		t.Fatalf("two trainers on one server: %v\n%s", err, out)
+	}
+	// The debate trains the critic too, so this run's rollouts fail; the warning comes at
+	// start-up, before them.
+	out, _ = slimen(t, nil, "exec", "examples/debate/debate.star", "--config", cfg(false), "--out", filepath.Join(runs, "frozen"))
+	if !strings.Contains(out, `warning: policy "critic" is frozen, but its engine is policy "generator"'s`) || strings.Contains(out, "are both trainable") {
+		t.Errorf("no warning about the shared server:\n%s", out)
+	}
+}

@@ -10,6 +10,7 @@ import (
 	"net"
 	"os"
 	"os/signal"
+	"path/filepath"
 	"slices"
 	"strings"
 	"syscall"
@@ -111,6 +112,13 @@ func cmdServe(args []string) int {
 			return bad("--openai: %v", err)
 		}
 		defer hl.Close()
+	}
+	if m := *model; !strings.HasPrefix(m, "builtin:") && !filepath.IsAbs(m) {
+		// The engine reports its model by this name (Info), and a host that resets the engine
+		// to it asks to Load that name, which the server takes from its root, not from here.
+		if abs, err := filepath.Abs(m); err == nil {
+			*model = abs
+		}
 	}
 	eng, err := open(*model, *threads)
 	if err != nil {

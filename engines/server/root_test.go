@@ -96,6 +96,7 @@ func TestSaveAndLoadStayInsideTheRoot(t *testing.T) {
 		"dangling",
 		"dangling/x",
 		"loop/x",
+		"builtin:x/../../outside/model", // not a built-in model's name but a path, and outside
 	} {
 		for _, what := range []string{"save", "load"} {
 			err := call(what, dir)
@@ -130,6 +131,11 @@ func TestSaveAndLoadStayInsideTheRoot(t *testing.T) {
 	if err := call("load", "inner/step_2"); err != nil {
 		t.Errorf("load: %v", err)
 	}
+	// A model built into the engine names no folder: it reaches the engine as it is (a host
+	// resets a trained server to the model it started with this way).
+	if err := call("load", "builtin:tiny-arith"); err != nil {
+		t.Errorf("load builtin:tiny-arith: %v", err)
+	}
 	want := []string{
 		"save " + filepath.Join(root, "ckpt", "step_1"),
 		"save " + filepath.Join(root, "b"),
@@ -138,6 +144,7 @@ func TestSaveAndLoadStayInsideTheRoot(t *testing.T) {
 		"save " + root,
 		"save " + filepath.Join(root, "made", "x"),
 		"load " + filepath.Join(root, "ckpt", "step_2"),
+		"load builtin:tiny-arith",
 	}
 	if got := eng.seen(); !slices.Equal(got, want) {
 		t.Errorf("the engine got\n%q\nwant\n%q", got, want)

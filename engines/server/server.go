@@ -13,6 +13,7 @@ import (
 	"encoding/hex"
 	"errors"
 	"fmt"
+	"strings"
 	"time"
 
 	"github.com/slimen/slimen/engines"
@@ -304,9 +305,14 @@ func (s *service) Save(ctx context.Context, req *enginepb.SaveRequest) (*enginep
 }
 
 func (s *service) Load(ctx context.Context, req *enginepb.LoadRequest) (*enginepb.LoadResponse, error) {
-	dir, err := s.roots.resolve("load", req.GetDir())
-	if err != nil {
-		return nil, err
+	// A model built into the binary (builtin:NAME) names no folder, so there is nothing to
+	// confine: a host resets a server it trains to the model the server was started with that way.
+	dir := req.GetDir()
+	if !builtinModel(dir) {
+		var err error
+		if dir, err = s.roots.resolve("load", dir); err != nil {
+			return nil, err
+		}
 	}
 	if err := s.eng.Load(ctx, dir); err != nil {
 		return nil, toStatus(err)
@@ -316,6 +322,13 @@ func (s *service) Load(ctx context.Context, req *enginepb.LoadRequest) (*enginep
 	s.train.forget()
 	s.gen.forgetFinished()
 	return &enginepb.LoadResponse{}, nil
+}
+
+// builtinModel says whether a Load names a model built into the engine (builtin:NAME) rather
+// than a folder.
+func builtinModel(dir string) bool {
+	name, ok := strings.CutPrefix(dir, "builtin:")
+	return ok && name != "" && !strings.ContainsAny(name, `/\`) && name != "." && name != ".."
 }
 
 // toStatus turns an engine error into the status the protocol promises for it.

@@ -157,3 +157,32 @@ func TestOpenBadFolders(t *testing.T) {
 		t.Fatalf("unknown builtin: %v", err)
 	}
 }
+
+// Load of builtin:NAME puts back the built-in model and a fresh optimizer: a trained engine opened
+// on it is then the engine just opened (a served engine is reset so).
+func TestLoadBuiltinResets(t *testing.T) {
+	e, err := Open("builtin:tiny-arith", Options{Threads: 1})
+	if err != nil {
+		t.Fatal(err)
+	}
+	fresh, err := Open("builtin:tiny-arith", Options{Threads: 1})
+	if err != nil {
+		t.Fatal(err)
+	}
+	b := rolloutBatch(t, e, func(i int, _ engines.Completion) float32 { return float32(i%2)*2 - 1 })
+	if _, err := e.Train(ctx, b); err != nil {
+		t.Fatal(err)
+	}
+	if cmp.Equal(snapshot(e), snapshot(fresh)) {
+		t.Fatal("the training step changed nothing: the test cannot tell a reset")
+	}
+	if err := e.Load(ctx, "builtin:tiny-arith"); err != nil {
+		t.Fatal(err)
+	}
+	if !cmp.Equal(snapshot(e), snapshot(fresh)) || e.opt.step != 0 {
+		t.Errorf("after Load(builtin:tiny-arith) the engine differs from a fresh one (optimizer step %d)", e.opt.step)
+	}
+	if err := e.Load(ctx, "builtin:nope"); err == nil || !strings.Contains(err.Error(), "unknown model builtin:nope") {
+		t.Errorf("Load(builtin:nope): %v", err)
+	}
+}

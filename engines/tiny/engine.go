@@ -176,9 +176,18 @@ var ErrArchitecture = errors.New("wrong architecture")
 // in dir, which must hold a model of the same architecture. The value head is the folder's: a
 // folder without one leaves the model without one until it is next used. The KL reference stays
 // the model the engine was opened with: resuming a run keeps measuring the distance to the base
-// model.
+// model. dir may also be builtin:NAME, a model built into the binary (a server puts back the
+// model it was started with that way).
 func (e *Engine) Load(ctx context.Context, dir string) error {
-	ck, err := readCheckpoint(os.DirFS(dir), dir)
+	fsys := os.DirFS(dir)
+	if name, ok := strings.CutPrefix(dir, "builtin:"); ok {
+		sub, err := builtinFS(name)
+		if err != nil {
+			return err
+		}
+		fsys = sub
+	}
+	ck, err := readCheckpoint(fsys, dir)
 	if err != nil {
 		return fmt.Errorf("tiny: %w", err)
 	}

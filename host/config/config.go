@@ -113,6 +113,10 @@ type EngineConfig struct {
 	// unreachable engine to come back before the run stops (0: 2 minutes).
 	Timeout          time.Duration `yaml:"timeout,omitempty" json:"timeout,omitempty"`
 	ReconnectTimeout time.Duration `yaml:"reconnect_timeout,omitempty" json:"reconnect_timeout,omitempty"`
+	// Continue (remote, trainable): train on from the state the server holds (what an earlier
+	// run taught it) instead of resetting it at start-up to the policy's load: folder or the model
+	// the server was started with.
+	Continue bool `yaml:"continue,omitempty" json:"continue,omitempty"`
 	// openai: an OpenAI-compatible server (docs/openai.md). BaseURL is its API root (…/v1),
 	// Model the model name, APIKeyEnv the variable holding its key; MaxRetries retries a failed
 	// attempt (0: 4, -1: none), MaxConcurrency caps the requests in flight (0: 32), TokenIDs is

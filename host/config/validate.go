@@ -238,6 +238,8 @@ func (r *resolver) validatePolicy(p *PolicyConfig, pp string) {
 		r.check(e.Address != "", ep+".address", at, "a remote engine needs address: host:port")
 		r.check(e.Address == "" || err == nil, ep+".address", at, "%q is not host:port", e.Address)
 	}
+	r.check(!e.Continue || e.Kind == "remote", ep+".continue", at,
+		"applies to remote engines only (a server the run does not start, which may hold what an earlier run taught it); a %s engine starts from hf_checkpoint or load:", e.Kind)
 	if e.Kind == "torch" {
 		r.validateTorch(p, pp)
 	}
