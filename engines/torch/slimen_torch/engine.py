@@ -94,6 +94,9 @@ class Engine:
         self.dtype = _dtype(self.opts.dtype, self.device)
         self._reference = None
         self._ref_dir = self.opts.ref_model or str(model_dir)
+        # What info() reports as the model: the folder the engine started from, even after a
+        # load (a host resets a server it trains to it by loading it).
+        self._started = str(pathlib.Path(model_dir).absolute())
         self.compile_cache: compile_cache.Status | None = None
         self._first_train = True
         self._build(pathlib.Path(model_dir))
@@ -210,7 +213,7 @@ class Engine:
     # ---- the engine methods ----
 
     def info(self) -> dict:
-        return dict(model=str(self.model_dir), architecture=self.cfg.architecture,
+        return dict(model=self._started, architecture=self.cfg.architecture,
                     vocab_size=self.cfg.vocab_size, max_seq_len=self.gen.L,
                     chat_template=self.tokenizer.chat_template, eos_tokens=list(self.eos),
                     params=self.cfg.params(), devices=[str(self.device)],

@@ -2,6 +2,7 @@
 reference, skipped steps, and optimizer state that survives save and load."""
 
 import math
+import pathlib
 
 import pytest
 import torch
@@ -119,6 +120,27 @@ def test_optimizer_state_survives_save_and_load(model_dirs, tmp_path):
             b.close()
     finally:
         a.close()
+
+
+def test_info_names_the_start_model_and_loading_it_resets(model_dirs, tmp_path):
+    """info() reports the folder the engine started from, even after a load; loading it puts
+    back the start weights and a fresh optimizer (how a host resets a served engine it trains)."""
+    lc = LossConfig(lr=5e-3)
+    start = pathlib.Path(model_dirs["tiny-qwen2"]).absolute()
+    a, fresh = Engine(str(model_dirs["tiny-qwen2"])), Engine(str(start))
+    try:
+        batch = fixed_batch(a, lc)
+        a.train(batch)
+        a.save(str(tmp_path / "ck"))
+        a.load(str(tmp_path / "ck"))
+        assert a.info()["model"] == str(start)
+        a.load(a.info()["model"])
+        assert a.train(batch).loss == pytest.approx(fresh.train(batch).loss, rel=1e-6)
+        for p, q in zip(weights(a), weights(fresh)):
+            assert torch.allclose(p, q, atol=1e-7)
+    finally:
+        a.close()
+        fresh.close()
 
 
 def test_sft_learns_a_response(model_dirs, tmp_path):
