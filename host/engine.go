@@ -237,6 +237,7 @@ func (r *Run) claimServer(ctx context.Context, pc config.PolicyConfig, eng engin
 		return nil
 	}
 	if pc.Engine.Continue {
+		r.restart.startedFrom(pc.Name, "", true)
 		r.events.printf("policy %q: engine.continue: training on from the state its engine at %s holds (not reset to its starting weights)", pc.Name, pc.Engine.Address)
 		return nil
 	}
@@ -251,6 +252,9 @@ func (r *Run) claimServer(ctx context.Context, pc config.PolicyConfig, eng engin
 	if err := eng.Load(ctx, target); err != nil {
 		return fmt.Errorf("its engine at %s could not be reset to %s (%s), and without that the run would start from whatever the server learned before (an earlier run's training): %w\nrestart the server before the run, start it with a --root that covers that folder, or set engine: {continue: true} to train on from the state it holds",
 			pc.Engine.Address, what, target, err)
+	}
+	if pc.Load != "" {
+		r.restart.startedFrom(pc.Name, pc.Load, false)
 	}
 	r.events.printf("policy %q: reset its engine at %s to %s (%s) with a fresh optimizer, so the run does not start from what the server learned before; engine: {continue: true} keeps that state instead", pc.Name, pc.Engine.Address, target, what)
 	return nil

@@ -34,6 +34,23 @@ type restartGuard struct {
 	// applied are the optimizer steps each policy's engine applied since base, in order.
 	applied map[string][]engines.Batch
 	err     *RestartError // the first restart the run could not recover from
+	// start is, for policies on servers the run reset at start-up to a folder of their own
+	// (load:), that folder: a process that restarts before the first checkpoint has the model it
+	// was started with, not that one. continued are the policies that trained on from the state
+	// their server held (engine.continue): the run cannot give that back.
+	start     map[string]string
+	continued map[string]bool
+}
+
+// startedFrom records how a policy's engine on a server started: reset to dir (a load: folder),
+// or, with continued, from whatever state the server held.
+func (g *restartGuard) startedFrom(policy, dir string, continued bool) {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	if g.start == nil {
+		g.start, g.continued = map[string]string{}, map[string]bool{}
+	}
+	g.start[policy], g.continued[policy] = dir, continued
 }
 
 // stepStarting is called when a step begins with done steps completed; haveCheckpoint says
@@ -144,6 +161,16 @@ func (r *Run) engineRestarted(ctx context.Context, ev restartEvent) error {
 		return fail("the run has no checkpoint of step %d to load into it (with run.save_interval: 1 it always has one)", g.done)
 	}
 	what := "it had not been trained yet, so it needs no checkpoint"
+	switch {
+	case g.base == 0 && g.continued[ev.policy]:
+		return fail("the run trained on from the state the server held when it started (engine.continue), which no checkpoint of the run holds")
+	case g.base == 0 && g.start[ev.policy] != "":
+		dir := g.start[ev.policy]
+		if err := ev.eng.Load(ctx, dir); err != nil {
+			return fail("loading its load: folder %s, which the run started from, into it failed: %v", dir, err)
+		}
+		what = fmt.Sprintf("loaded its load: folder %s, which the run started from, into it", dir)
+	}
 	if g.base > 0 {
 		dir, err := r.policyCheckpoint(g.base, ev.policy)
 		if err != nil {

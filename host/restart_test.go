@@ -298,3 +298,31 @@ func TestTeacherAndCriticFailuresStopTheRunWithResumeHint(t *testing.T) {
 		})
 	}
 }
+
+// A server the run reset to a policy's load: folder that restarts before the first checkpoint is
+// given that folder again before the optimizer steps are replayed; one that trained on from the
+// state its server held (engine.continue) cannot be given it back, and the run stops.
+func TestRestartBeforeCheckpointOfServerStartedFromFolder(t *testing.T) {
+	start := t.TempDir()
+	if err := os.WriteFile(filepath.Join(start, "scripted.txt"), nil, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	r, eng, out := restartRun(t, 0, "train 2")
+	r.restart.startedFrom("p", start, false)
+	stepsWithoutFailures(t, r, 1)
+	want := []string{"train p/step1/0", "restart", "load " + start, "train p/step1/0", "train p/step1/1"}
+	if got := eng.events(); strings.Join(got, "\n") != strings.Join(want, "\n") {
+		t.Errorf("the engine got:\n  %s\nwant:\n  %s", strings.Join(got, "\n  "), strings.Join(want, "\n  "))
+	}
+	if ev := readEvents(t, out); !strings.Contains(ev, "loaded its load: folder "+start+", which the run started from, into it and replayed the 1 optimizer steps") {
+		t.Errorf("events.log:\n%s", ev)
+	}
+
+	r, _, _ = restartRun(t, 0, "train 2")
+	r.restart.startedFrom("p", "", true)
+	_, err := r.Step(context.Background())
+	var re *RestartError
+	if !errors.As(err, &re) || !strings.Contains(err.Error(), "engine.continue") {
+		t.Errorf("a restart of a server trained on from its own state: %v, want a RestartError naming engine.continue", err)
+	}
+}
