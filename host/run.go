@@ -351,7 +351,7 @@ func (r *Run) addPolicy(ctx context.Context, pc config.PolicyConfig) (*policy, e
 		if eng, err = open(ctx, pc); err != nil {
 			return nil, fmt.Errorf("policy %q%s: %w", pc.Name, r.cfgPlace(&policy{cfg: pc}), err)
 		}
-		if offHost(pc) {
+		if r.opts.OpenEngine == nil && offHost(pc) { // a server this run reached itself
 			if err := r.claimServer(ctx, pc, eng); err != nil { // engine.go
 				eng.Close()
 				return nil, fmt.Errorf("policy %q%s: %w", pc.Name, r.cfgPlace(&policy{cfg: pc}), err)

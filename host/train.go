@@ -62,11 +62,11 @@ func (r *Run) afterEval() {
 // Resume loads a stopped run again and restores it: from is its run directory (its newest valid
 // checkpoint is taken; newer ones that fail verification are reported in the run's log and
 // removed as the run goes on) or one of its checkpoints/step_N folders. script "" is the script
-// the checkpoint recorded, found from any working directory (resumeScript). The config's relative
-// paths are taken from the directory the run started in, which run.json records. opts.Config nil is the checkpoint's own config (opts.ConfigOverride is
-// applied to it); opts.Out "" is the run directory the checkpoint belongs to. The run then goes on
-// at the step after the checkpoint's. A checkpoint that cannot be found or read, and a config or
-// script that does not load, are ScriptErrors.
+// the checkpoint recorded, found from any working directory (resumeScript). opts.Config nil is the
+// checkpoint's own config, its relative paths taken from the directory the run started in (which
+// run.json records), then opts.ConfigOverride applied to it; opts.Out "" is the run directory the
+// checkpoint belongs to. The run then goes on at the step after the checkpoint's. A checkpoint
+// that cannot be found or read, and a config or script that does not load, are ScriptErrors.
 func Resume(ctx context.Context, from, script string, opts Options) (*Run, error) {
 	ckpt, skipped, err := FindCheckpoint(from)
 	if err != nil {
@@ -119,5 +119,6 @@ func Resume(ctx context.Context, from, script string, opts Options) (*Run, error
 		r.Close()
 		return nil, err
 	}
+	r.opts.resuming = false // the engines hold the checkpoint's state now
 	return r, nil
 }
