@@ -783,3 +783,30 @@ func TestResumeScriptFallsBackToCopies(t *testing.T) {
 		t.Errorf("with a kept version: %q, want %q", got, kept)
 	}
 }
+
+// TestRebasePaths: a resumed run takes the config's relative local paths from the directory the
+// run started in; names with a scheme, absolute paths and a remote engine's folders (paths on its
+// server) stay as written.
+func TestRebasePaths(t *testing.T) {
+	c := config.Default([]string{"local", "far"})
+	c.Data.Path = "data/train.jsonl"
+	c.Eval.Datasets = []config.EvalDataset{{Name: "a", Path: "data/eval.jsonl"}, {Name: "b", Path: "synthetic:arith"}}
+	c.Policies[0].HFCheckpoint, c.Policies[0].Save = "models/base", "/abs/save"
+	c.Policies[1].Engine = config.EngineConfig{Kind: "remote", Address: "127.0.0.1:1", TLS: &config.TLSConfig{CA: "ca.pem"}}
+	c.Policies[1].Save, c.Policies[1].HFCheckpoint = "ckpts/far", "builtin:tiny-arith"
+	rebasePaths(c, "/start")
+	for got, want := range map[*string]string{
+		&c.Data.Path:                 "/start/data/train.jsonl",
+		&c.Eval.Datasets[0].Path:     "/start/data/eval.jsonl",
+		&c.Eval.Datasets[1].Path:     "synthetic:arith",
+		&c.Policies[0].HFCheckpoint:  "/start/models/base",
+		&c.Policies[0].Save:          "/abs/save",
+		&c.Policies[1].Engine.TLS.CA: "/start/ca.pem",
+		&c.Policies[1].Save:          "ckpts/far",
+		&c.Policies[1].HFCheckpoint:  "builtin:tiny-arith",
+	} {
+		if *got != want {
+			t.Errorf("got %q, want %q", *got, want)
+		}
+	}
+}

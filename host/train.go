@@ -85,11 +85,24 @@ func Resume(ctx context.Context, from, script string, opts Options) (*Run, error
 	}
 	opts.workDir, opts.resuming = info.Dir, true
 	if opts.Config == nil {
-		if opts.Config, err = config.Load(filepath.Join(ckpt, "config.yaml")); err != nil {
+		ckptConfig := filepath.Join(ckpt, "config.yaml")
+		if opts.Config, err = config.Load(ckptConfig); err != nil {
 			return nil, &ScriptError{Msg: err.Error()}
 		}
 		if opts.FS == nil {
-			rebasePaths(opts.Config, info.Dir) // before the command line's changes, which are relative to here
+			// Before the command line's changes, which are relative to here; and so for every
+			// version of the checkpoint's config a reload reads (--watch on a resumed run).
+			rebasePaths(opts.Config, info.Dir)
+			override := opts.ConfigOverride
+			opts.ConfigOverride = func(c *config.Config) error {
+				if c.File == ckptConfig {
+					rebasePaths(c, info.Dir)
+				}
+				if override != nil {
+					return override(c)
+				}
+				return nil
+			}
 		}
 		if opts.ConfigOverride != nil {
 			if err := opts.ConfigOverride(opts.Config); err != nil {
