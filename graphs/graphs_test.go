@@ -84,10 +84,10 @@ type want struct {
 func TestExamplesTwoSteps(t *testing.T) {
 	both := func(n int) perTask { return perTask{"a": n, "b": n} }
 	cases := map[string]want{
-		// Consensus rewards agreement, not the label: everyone agrees on 5.
+		// Every answer by the label: right on a, wrong on b. Each role's answers to a task are then
+		// all right or all wrong, zero advantage under GRPO, so the debate trains none of them.
 		"debate": {
-			counts:     map[string]perTask{"generator": both(3), "critic": both(6)},
-			rewardMean: map[string]float64{"generator": 1, "critic": 1},
+			rewardMean: map[string]float64{"generator": 0.5, "critic": 0.5},
 		},
 		// a: right and the summarizers are right, ×1.2; b: wrong, 0×0.8.
 		"solver_summarizer": {

@@ -34,8 +34,9 @@ func trainedTexts(e *scripted.Engine) []string {
 var ownAnswer = regexp.MustCompile(`Answers: ([^,]+),`)
 
 // TestDebateExampleRewards runs examples/debate/debate.star on scripted policies: generators
-// answer 5, 5, 7; each critic repeats its own previous answer. The majority is 5, so generators
-// and critics of agents 0 and 1 get reward 1, agent 2 gets 0 in every round.
+// answer 5, 5, 7; each critic repeats its own previous answer. Every answer is rewarded by the
+// label: on task a (5) agents 0 and 1 get reward 1 and agent 2 gets 0 in every round, on task b
+// (7) the other way round.
 func TestDebateExampleRewards(t *testing.T) {
 	gen := scripted.New(func(r scripted.Request) string {
 		return []string{`\boxed{5}`, `\boxed{5}`, `\boxed{7}`}[r.Index]
@@ -64,10 +65,10 @@ func TestDebateExampleRewards(t *testing.T) {
 		for _, m := range res.Policies {
 			byPolicy[m.Policy()] = m
 		}
-		if g := byPolicy["generator"]; g.Float("samples") != 6 || math.Abs(g.Float("reward_mean")-2.0/3) > 1e-9 {
+		if g := byPolicy["generator"]; g.Float("samples") != 6 || math.Abs(g.Float("reward_mean")-0.5) > 1e-9 {
 			t.Errorf("step %d generator: %v", step, g)
 		}
-		if c := byPolicy["critic"]; c.Float("samples") != 12 || math.Abs(c.Float("reward_mean")-2.0/3) > 1e-9 {
+		if c := byPolicy["critic"]; c.Float("samples") != 12 || math.Abs(c.Float("reward_mean")-0.5) > 1e-9 {
 			t.Errorf("step %d critic: %v", step, c)
 		}
 		// Task a's majority (5) matches its label, task b's does not (label 7).
@@ -90,10 +91,10 @@ func TestDebateExampleRewards(t *testing.T) {
 	if d := cmp.Diff(want, prompts); d != "" {
 		t.Errorf("first critic prompts (-want +got):\n%s", d)
 	}
-	// Per task: 3 generator samples, rewards 1, 1, 0 → GRPO advantages +, +, −.
+	// Per task: 3 generator samples, rewards 1, 1, 0 on a → GRPO advantages +, +, −; b the reverse.
 	b := gen.Batches()[0]
 	for i, s := range b.Samples {
-		if (i%3 == 2) != (s.Advantages[0] < 0) {
+		if (i%3 == 2) != (s.Advantages[0] < 0) != (s.Group == "b") {
 			t.Errorf("generator sample %d (%q): advantage %v", i, scripted.Decode(s.Response), s.Advantages[0])
 		}
 	}
