@@ -172,12 +172,15 @@ func loadRun(f *execFlags, script string, prog *progress) (*host.Run, int) {
 // loadNew loads a new run: its config (or zero-config), the command line's overrides, and a run
 // directory of its own.
 func loadNew(ctx context.Context, f *execFlags, script string, opts host.Options) (*host.Run, error) {
-	cfg := config.Default(nil) // zero-config: policies appear as the script names them
+	var cfg *config.Config
+	var err error
 	if *f.cfgPath != "" {
-		var err error
-		if cfg, err = config.Load(*f.cfgPath); err != nil {
-			return nil, err
-		}
+		cfg, err = config.Load(*f.cfgPath)
+	} else {
+		cfg, err = zeroConfig(!f.set["data"]) // policies appear as the script names them
+	}
+	if err != nil {
+		return nil, err
 	}
 	if err := f.override(cfg); err != nil {
 		return nil, &host.ScriptError{Msg: err.Error()}
@@ -189,6 +192,26 @@ func loadNew(ctx context.Context, f *execFlags, script string, opts host.Options
 	cfg.Run.Out = dir
 	opts.Config, opts.Zero, opts.Out = cfg, *f.cfgPath == "", dir
 	return host.Load(ctx, script, opts)
+}
+
+// zeroConfigEval is what a zero-config run on the synthetic source adds to config.Default: 200
+// held-out problems of synthetic:arith (opened with the eval seed, so none is trained on),
+// evaluated before the first step and every 10 steps (the eval defaults of docs/config.md), so
+// the first run a user makes shows whether training helps.
+const zeroConfigEval = "eval: {datasets: [{path: synthetic:arith, limit: 200}]}\n"
+
+// zeroConfig is the config of `slimen exec SCRIPT` without --config: config.Default, plus the
+// held-out eval when the tasks come from the synthetic source (no --data).
+func zeroConfig(eval bool) (*config.Config, error) {
+	if !eval {
+		return config.Default(nil), nil
+	}
+	c, err := config.Parse([]byte(zeroConfigEval), "zero-config eval")
+	if err != nil {
+		return nil, fmt.Errorf("zero-config eval: %w", err)
+	}
+	c.File = "" // still the zero-config defaults, as the resolved config.yaml says
+	return c, nil
 }
 
 // train runs the loaded run to its end. SIGINT/SIGTERM: finish (or, with run.on_signal: abandon,
