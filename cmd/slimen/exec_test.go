@@ -53,7 +53,9 @@ run: {steps: ` + steps + `, seed: 3` + extra + `}
 	return cfg
 }
 
-const debate = "examples/debate/debate.star"
+// debate is the debate example under slime-n's agreement rule (see the file), run from the
+// repository root.
+const debate = "cmd/slimen/testdata/consensus_debate.star"
 
 func slimen(t *testing.T, env []string, args ...string) (string, error) {
 	t.Helper()

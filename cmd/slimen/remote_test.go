@@ -13,8 +13,9 @@ import (
 	"time"
 )
 
-// Issue 5's acceptance: the debate example against `slimen serve` engines over real gRPC on
-// loopback writes the same metrics as in-process, and survives an engine killed mid-run.
+// Issue 5's acceptance: the debate (under slime-n's agreement rule) against `slimen serve` engines
+// over real gRPC on loopback writes the same metrics as in-process, and survives an engine killed
+// mid-run.
 //
 // The runs train for real: the embedded base model answers the arithmetic tasks well enough for
 // the debate's agreement rewards to vary within groups, so every optimizer step has a gradient
@@ -93,7 +94,7 @@ func remoteConfigs(t *testing.T, steps, batch int, run, data string) remoteRun {
 func (rr remoteRun) execRun(t *testing.T, cfg, name string) string {
 	t.Helper()
 	out := filepath.Join(rr.runs, name)
-	if log, err := slimen(t, nil, "exec", "examples/debate/debate.star", "--config", cfg, "--out", out); err != nil {
+	if log, err := slimen(t, nil, "exec", debate, "--config", cfg, "--out", out); err != nil {
 		t.Fatalf("%s run: %v\n%s", name, err, log)
 	}
 	return out
@@ -196,7 +197,7 @@ func samplesPerStep(t *testing.T, dir string) map[string]float64 {
 func killGeneratorDuring(t *testing.T, rr remoteRun, gen *exec.Cmd, after, steps int) (string, string, error) {
 	t.Helper()
 	out := filepath.Join(rr.runs, "faulty")
-	cmd := exec.Command(slimenBin, "exec", "examples/debate/debate.star", "--config", rr.remote, "--out", out)
+	cmd := exec.Command(slimenBin, "exec", debate, "--config", rr.remote, "--out", out)
 	cmd.Dir = "../.."
 	stderr, _ := cmd.StderrPipe()
 	if err := cmd.Start(); err != nil {

@@ -70,7 +70,7 @@ func TestTorchEngineDebate(t *testing.T) {
 	// folder's parent).
 	saved := filepath.Join(dir, "saves", "generator")
 	cfg := torchConfig(t, dir, model, py, fmt.Sprintf("    save: %q\n", saved), ", save_interval: 1")
-	log, err := slimen(t, env, "exec", "examples/debate/debate.star", "--config", cfg, "--out", out)
+	log, err := slimen(t, env, "exec", debate, "--config", cfg, "--out", out)
 	if err != nil {
 		t.Fatalf("%v\n%s", err, log)
 	}
