@@ -4,7 +4,6 @@ import (
 	"fmt"
 	"io"
 	"os"
-	"slices"
 	"strings"
 	"sync"
 	"time"
@@ -189,34 +188,6 @@ func (p *progress) step(res *host.StepResult) {
 		parts = append(parts, "ETA "+p.eta(res.Step))
 	}
 	fmt.Fprintln(p.w, strings.Join(parts, " · "))
-	for _, m := range res.Eval {
-		fmt.Fprintln(p.w, evalLine(m))
-	}
-}
-
-// evalLine renders an eval dataset's result: its accuracies and pass@n, else every number the
-// eval returned.
-func evalLine(m host.Metrics) string {
-	var keys, all []string
-	for k, v := range m {
-		if _, num := v.(float64); !num || k == "step" || k == "tasks" || k == "failed" {
-			continue
-		}
-		all = append(all, k)
-		if strings.Contains(k, "accuracy") || strings.Contains(k, "pass@") {
-			keys = append(keys, k)
-		}
-	}
-	if len(keys) == 0 {
-		keys = all
-	}
-	slices.Sort(keys)
-	parts := make([]string, len(keys))
-	for i, k := range keys {
-		parts[i] = fmt.Sprintf("%s %.3f", k, m.Float(k))
-	}
-	name, _ := m["dataset"].(string)
-	return fmt.Sprintf("  eval %s: %s", name, strings.Join(parts, " · "))
 }
 
 func (p *progress) end() {

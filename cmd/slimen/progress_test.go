@@ -88,15 +88,12 @@ func TestProgressPlain(t *testing.T) {
 	p.logWriter().Write([]byte("checkpoint: saved\n"))
 	res := stepResult(2)
 	res.Failed = []*host.RolloutError{{Step: 2, TaskID: "t1", Msg: "boom"}}
-	res.Eval = []host.Metrics{{"step": 2, "policy": "_eval", "dataset": "arith", "tasks": 64, "failed": 0.0,
-		"a/greedy_accuracy": 0.40625, "a/pass@4": 0.75, "a/mean_len": 9.5}}
 	p.begin(run)
 	p.step(res)
 	p.end()
 	want := "step 1/10 · reward a 0.50 critic – · 4.0s (rollout 3.0s, train 1.0s) · gen 25 tok/s\n" +
 		"checkpoint: saved\n" +
-		"step 2/10 · reward a 0.50 critic – · 4.0s (rollout 3.0s, train 1.0s) · gen 25 tok/s · 1 rollouts failed\n" +
-		"  eval arith: a/greedy_accuracy 0.406 · a/pass@4 0.750\n"
+		"step 2/10 · reward a 0.50 critic – · 4.0s (rollout 3.0s, train 1.0s) · gen 25 tok/s · 1 rollouts failed\n"
 	if d := cmp.Diff(want, buf.String()); d != "" {
 		t.Errorf("plain output (-want +got):\n%s", d)
 	}
