@@ -81,15 +81,29 @@ func transposeOf[T Float](threads int, src []T, rows, cols int) []T {
 // gradients are sums over the batch rows in row order, one sequential sum per element, so they do
 // not depend on the number of threads.
 func (m *model[T]) backward(threads int, tokens []int32, seqs []seqView[T], outRows []int, a *acts[T], dlogits []T, g *weights[T], wt *transposedWeights[T]) {
+	m.backwardG(threads, tokens, seqs, outRows, a, dlogits, grads[T]{w: g}, wt)
+}
+
+// grads are where a backward pass adds its gradients: the model's weights (w) or, when the model
+// trains a LoRA adapter (model.ad), that adapter (ad) with the base left out.
+type grads[T Float] struct {
+	w  *weights[T]
+	ad *loraWeights[T]
+}
+
+// backwardG is backward with the gradients going to g.
+func (m *model[T]) backwardG(threads int, tokens []int32, seqs []seqView[T], outRows []int, a *acts[T], dlogits []T, g grads[T], wt *transposedWeights[T]) {
 	c := m.w.cfg
 	d, vocab, nout := c.Hidden, c.VocabSize, len(outRows)
 	dOut := make([]T, nout*d)
 	wt.mulT(threads, dOut, dlogits, wt.head, wt.headP, nout, d, vocab, false)
-	gHead := g.lmHead
-	if c.TieEmbeddings {
-		gHead = g.embed
+	if g.w != nil {
+		gHead := g.w.lmHead
+		if c.TieEmbeddings {
+			gHead = g.w.embed
+		}
+		matMulTN(threads, gHead, dlogits, a.xnfOut, nout, vocab, d)
 	}
-	matMulTN(threads, gHead, dlogits, a.xnfOut, nout, vocab, d)
 	m.backwardTrunk(threads, tokens, seqs, outRows, a, dOut, g, wt)
 }
 
@@ -101,7 +115,7 @@ func (m *model[T]) valueBackward(threads int, tokens []int32, seqs []seqView[T],
 	matMulT(threads, dOut, dv, m.w.score, nout, d, 1, false) // dv ⊗ score
 	matMulT(threads, g.score, dv, transposeOf(threads, a.xnfOut, nout, d), 1, d, nout, true)
 	matMulT(threads, g.scoreBias, dv, ones[T](nout), 1, 1, nout, true)
-	m.backwardTrunk(threads, tokens, seqs, outRows, a, dOut, g, wt)
+	m.backwardTrunk(threads, tokens, seqs, outRows, a, dOut, grads[T]{w: g}, wt)
 }
 
 func ones[T Float](n int) []T {
@@ -115,7 +129,15 @@ func ones[T Float](n int) []T {
 // backwardTrunk adds to g the gradient through the final norm, the layers and the embeddings of
 // a loss whose derivative with respect to the normalised hidden states at outRows (a.xnfOut) is
 // dOut.
-func (m *model[T]) backwardTrunk(threads int, tokens []int32, seqs []seqView[T], outRows []int, a *acts[T], dOut []T, g *weights[T], wt *transposedWeights[T]) {
+func (m *model[T]) backwardTrunk(threads int, tokens []int32, seqs []seqView[T], outRows []int, a *acts[T], dOut []T, gr grads[T], wt *transposedWeights[T]) {
+	g, ga := gr.w, gr.ad
+	// Without g (only an adapter trains) no base gradient is computed: the norms' go nowhere.
+	var gNormF []T
+	gLayer := func(l int) *layerWeights[T] { return &layerWeights[T]{} }
+	if g != nil {
+		gNormF = g.norm
+		gLayer = func(l int) *layerWeights[T] { return &g.layers[l] }
+	}
 	c := m.w.cfg
 	d, qd, kvd, in := c.Hidden, c.qDim(), c.kvDim(), c.Intermediate
 	rows := a.rows
@@ -133,7 +155,7 @@ func (m *model[T]) backwardTrunk(threads int, tokens []int32, seqs []seqView[T],
 		copy(dxnf[r*d:(r+1)*d], dOut[i*d:(i+1)*d])
 	}
 	dx := make([]T, rows*d)
-	rmsNormBackward(threads, dx, g.norm, dxnf, a.xf, a.invf, m.w.norm, rows, d, false)
+	rmsNormBackward(threads, dx, gNormF, dxnf, a.xf, a.invf, m.w.norm, rows, d, false)
 
 	dact, dgate, dup := make([]T, rows*in), make([]T, rows*in), make([]T, rows*in)
 	dxn := make([]T, rows*d)
@@ -141,7 +163,7 @@ func (m *model[T]) backwardTrunk(threads int, tokens []int32, seqs []seqView[T],
 	datt, dq := make([]T, rows*qd), make([]T, rows*qd)
 	dk, dv := make([]T, rows*kvd), make([]T, rows*kvd)
 	for l := c.Layers - 1; l >= 0; l-- {
-		la, w, gl := &a.layers[l], &m.w.layers[l], &g.layers[l]
+		la, w, gl := &a.layers[l], &m.w.layers[l], gLayer(l)
 		var wtl layerWeights[T]
 		if wt.layers != nil {
 			wtl = wt.layers[l]
@@ -150,18 +172,28 @@ func (m *model[T]) backwardTrunk(threads int, tokens []int32, seqs []seqView[T],
 
 		// MLP: x_next = x2 + down(silu(gate)·up).
 		wt.mulT(threads, dact, dx, wtl.d, pl.d, rows, in, d, false)
-		matMulTN(threads, gl.d, dx, la.act, rows, d, in)
+		m.loraBackward(threads, seqs, l, tDown, dx, la.act, dact, d, in, ga)
+		if g != nil {
+			matMulTN(threads, gl.d, dx, la.act, rows, d, in)
+		}
 		swigluBackward(threads, dgate, dup, dact, la.gate, la.sig, la.up)
 		wt.mulT(threads, dxn, dgate, wtl.gate, pl.gate, rows, d, in, false)
 		wt.mulT(threads, dxn, dup, wtl.up, pl.up, rows, d, in, true)
-		matMulTN(threads, gl.gate, dgate, la.xn2, rows, in, d)
-		matMulTN(threads, gl.up, dup, la.xn2, rows, in, d)
+		m.loraBackward(threads, seqs, l, tGate, dgate, la.xn2, dxn, in, d, ga)
+		m.loraBackward(threads, seqs, l, tUp, dup, la.xn2, dxn, in, d, ga)
+		if g != nil {
+			matMulTN(threads, gl.gate, dgate, la.xn2, rows, in, d)
+			matMulTN(threads, gl.up, dup, la.xn2, rows, in, d)
+		}
 		copy(dx2, dx)
 		rmsNormBackward(threads, dx2, gl.mlpNorm, dxn, la.x2, la.inv2, w.mlpNorm, rows, d, true)
 
 		// Attention: x2 = x + o(attn(rope(q), rope(k), v)).
 		wt.mulT(threads, datt, dx2, wtl.o, pl.o, rows, qd, d, false)
-		matMulTN(threads, gl.o, dx2, la.att, rows, d, qd)
+		m.loraBackward(threads, seqs, l, tO, dx2, la.att, datt, d, qd, ga)
+		if g != nil {
+			matMulTN(threads, gl.o, dx2, la.att, rows, d, qd)
+		}
 		clear(dk)
 		clear(dv)
 		m.attentionBackward(threads, la, seqs, a.probOff, datt, dq, dk, dv)
@@ -170,14 +202,22 @@ func (m *model[T]) backwardTrunk(threads int, tokens []int32, seqs []seqView[T],
 		wt.mulT(threads, dxn, dq, wtl.q, pl.q, rows, d, qd, false)
 		wt.mulT(threads, dxn, dk, wtl.k, pl.k, rows, d, kvd, true)
 		wt.mulT(threads, dxn, dv, wtl.v, pl.v, rows, d, kvd, true)
-		matMulTN(threads, gl.q, dq, la.xn1, rows, qd, d)
-		matMulTN(threads, gl.k, dk, la.xn1, rows, kvd, d)
-		matMulTN(threads, gl.v, dv, la.xn1, rows, kvd, d)
+		m.loraBackward(threads, seqs, l, tQ, dq, la.xn1, dxn, qd, d, ga)
+		m.loraBackward(threads, seqs, l, tK, dk, la.xn1, dxn, kvd, d, ga)
+		m.loraBackward(threads, seqs, l, tV, dv, la.xn1, dxn, kvd, d, ga)
+		if g != nil {
+			matMulTN(threads, gl.q, dq, la.xn1, rows, qd, d)
+			matMulTN(threads, gl.k, dk, la.xn1, rows, kvd, d)
+			matMulTN(threads, gl.v, dv, la.xn1, rows, kvd, d)
+		}
 		copy(dx, dx2)
 		rmsNormBackward(threads, dx, gl.attnNorm, dxn, la.x, la.inv1, w.attnNorm, rows, d, true)
 	}
 
 	// Embeddings, in row order.
+	if g == nil {
+		return
+	}
 	for r, t := range tokens {
 		ge, dr := g.embed[int(t)*d:int(t+1)*d], dx[r*d:(r+1)*d]
 		for i, v := range dr {
@@ -187,7 +227,7 @@ func (m *model[T]) backwardTrunk(threads int, tokens []int32, seqs []seqView[T],
 }
 
 // rmsNormBackward, for y = w ⊙ x·inv with inv = 1/rms(x): sets (or with acc adds to) dx the
-// gradient through the norm, and adds Σ_rows dy ⊙ x·inv to gw.
+// gradient through the norm, and adds Σ_rows dy ⊙ x·inv to gw unless gw is nil.
 func rmsNormBackward[T Float](threads int, dx, gw, dy, x []T, inv []float64, w []T, rows, d int, acc bool) {
 	parallelFor(threads, rows, 64, func(lo, hi int) {
 		for r := lo; r < hi; r++ {
@@ -208,6 +248,9 @@ func rmsNormBackward[T Float](threads int, dx, gw, dy, x []T, inv []float64, w [
 			}
 		}
 	})
+	if gw == nil {
+		return
+	}
 	parallelFor(threads, d, 8, func(lo, hi int) {
 		for i := lo; i < hi; i++ {
 			s := 0.0

@@ -7,6 +7,9 @@ type model[T Float] struct {
 	w        *weights[T]
 	cos, sin []T          // maxSeqLen × headDim/2
 	pk       *modelPanels // the weights packed for the SIMD kernels; nil: multiply them as they are
+	// ad is the LoRA adapter of the sequences that name none (nil: the base model), and the one
+	// backward differentiates: with it set, only the adapter receives gradients.
+	ad *loraWeights[T]
 }
 
 // modelPanels are a float32 model's weight matrices packed for the SIMD kernels
@@ -76,6 +79,7 @@ func newModel[T Float](w *weights[T]) *model[T] {
 type seqView[T Float] struct {
 	start, n, pos0 int
 	cache          *kvCache[T]
+	ad             *loraWeights[T] // the sequence's LoRA adapter; nil: the model's (model.ad)
 }
 
 // kvCache holds one sequence's keys and values, per layer, capacity×kvDim each.
@@ -199,6 +203,9 @@ func (m *model[T]) trunk(threads int, tokens []int32, seqs []seqView[T], outRows
 		m.linear(threads, la.q, la.xn1, lw.q, lp.q, rows, qd, d)
 		m.linear(threads, la.k, la.xn1, lw.k, lp.k, rows, kvd, d)
 		m.linear(threads, la.v, la.xn1, lw.v, lp.v, rows, kvd, d)
+		m.loraAdd(threads, seqs, l, tQ, la.q, la.xn1, qd, d)
+		m.loraAdd(threads, seqs, l, tK, la.k, la.xn1, kvd, d)
+		m.loraAdd(threads, seqs, l, tV, la.v, la.xn1, kvd, d)
 		m.ropeRows(threads, la.q, pos, c.Heads, false)
 		m.ropeRows(threads, la.k, pos, c.KVHeads, false)
 		for _, s := range seqs {
@@ -210,12 +217,16 @@ func (m *model[T]) trunk(threads int, tokens []int32, seqs []seqView[T], outRows
 		m.attention(threads, la, seqs, a.probOff, l)
 		o := down // o_proj output; down is free until the MLP
 		m.linear(threads, o, la.att, lw.o, lp.o, rows, d, qd)
+		m.loraAdd(threads, seqs, l, tO, o, la.att, d, qd)
 		addRows(threads, la.x2, x, o)
 		rmsNormRows(threads, la.xn2, la.inv2, la.x2, lw.mlpNorm, rows, d, c.RMSNormEps)
 		m.linear(threads, la.gate, la.xn2, lw.gate, lp.gate, rows, in, d)
 		m.linear(threads, la.up, la.xn2, lw.up, lp.up, rows, in, d)
+		m.loraAdd(threads, seqs, l, tGate, la.gate, la.xn2, in, d)
+		m.loraAdd(threads, seqs, l, tUp, la.up, la.xn2, in, d)
 		swiglu(threads, la.act, la.sig, la.gate, la.up)
 		m.linear(threads, down, la.act, lw.d, lp.d, rows, d, in)
+		m.loraAdd(threads, seqs, l, tDown, down, la.act, d, in)
 		next := x // without keep, this layer's input is no longer needed
 		if keep {
 			next = make([]T, rows*d)

@@ -55,17 +55,22 @@ func eachChunk[T Float](ctx context.Context, seqs []trainSeq, chunk int, fn func
 }
 
 // accumulate runs forward and backward over seqs chunk by chunk: step evaluates the loss on the
-// chunk holding seqs[lo:hi] and adds its gradient to g. It returns the gradient and the summed
-// statistics.
-func (m *model[T]) accumulate(ctx context.Context, threads, chunk int, seqs []trainSeq, step func(lo, hi int, p packed[T], g *weights[T], wt *transposedWeights[T]) lossStats) (lossStats, *weights[T], error) {
+// chunk holding seqs[lo:hi] and adds its gradient to g. It returns the gradient (of the weights,
+// or of the adapter m.ad when the model has one) and the summed statistics.
+func (m *model[T]) accumulate(ctx context.Context, threads, chunk int, seqs []trainSeq, step func(lo, hi int, p packed[T], g grads[T], wt *transposedWeights[T]) lossStats) (lossStats, grads[T], error) {
 	var total lossStats
-	g := m.w.zeros()
+	var g grads[T]
+	if m.ad != nil {
+		g.ad = m.ad.zeros()
+	} else {
+		g.w = m.w.zeros()
+	}
 	wt := m.transposed(threads)
 	err := eachChunk(ctx, seqs, chunk, func(lo, hi int, p packed[T]) {
 		total.add(step(lo, hi, p, g, wt))
 	})
 	if err != nil {
-		return total, nil, err
+		return total, grads[T]{}, err
 	}
 	return total, g, nil
 }
@@ -74,12 +79,18 @@ func (m *model[T]) accumulate(ctx context.Context, threads, chunk int, seqs []tr
 // log-probabilities and entropies (and reference log-probabilities, when ref is given), with the
 // summed statistics.
 func (m *model[T]) accumulateGrads(ctx context.Context, threads, chunk int, seqs []trainSeq, ref *model[T], lossFn chunkLoss) (lossStats, *weights[T], error) {
+	st, g, err := m.policyGrads(ctx, threads, chunk, seqs, ref, lossFn)
+	return st, g.w, err
+}
+
+// policyGrads is accumulateGrads for a model that may train an adapter (m.ad).
+func (m *model[T]) policyGrads(ctx context.Context, threads, chunk int, seqs []trainSeq, ref *model[T], lossFn chunkLoss) (lossStats, grads[T], error) {
 	vocab := m.w.cfg.VocabSize
 	pm := m.packed(threads) // the weights change only after the step
 	if ref != nil {
 		ref = ref.packed(threads)
 	}
-	return m.accumulate(ctx, threads, chunk, seqs, func(lo, hi int, p packed[T], g *weights[T], wt *transposedWeights[T]) lossStats {
+	return m.accumulate(ctx, threads, chunk, seqs, func(lo, hi int, p packed[T], g grads[T], wt *transposedWeights[T]) lossStats {
 		var refLogp [][]float64
 		if ref != nil {
 			logits, _ := ref.forward(threads, p.tokens, p.views, p.outRows, false)
@@ -91,7 +102,7 @@ func (m *model[T]) accumulateGrads(ctx context.Context, threads, chunk int, seqs
 		st, dLogp, dEnt := lossFn(lo, splitBySeq(lp, seqs[lo:hi]), splitBySeq(ent, seqs[lo:hi]), refLogp)
 		dlogits := make([]T, len(logits))
 		logitsGrad(threads, dlogits, logits, p.targets, vocab, concat(dLogp), concat(dEnt))
-		m.backward(threads, p.tokens, p.views, p.outRows, a, dlogits, g, wt)
+		m.backwardG(threads, p.tokens, p.views, p.outRows, a, dlogits, g, wt)
 		return st
 	})
 }
@@ -104,12 +115,13 @@ type valueChunkLoss func(first int, values [][]float64) (lossStats, [][]float64)
 // per-token values (the model must have a value head), with the summed statistics.
 func (m *model[T]) accumulateValueGrads(ctx context.Context, threads, chunk int, seqs []trainSeq, lossFn valueChunkLoss) (lossStats, *weights[T], error) {
 	pm := m.packed(threads)
-	return m.accumulate(ctx, threads, chunk, seqs, func(lo, hi int, p packed[T], g *weights[T], wt *transposedWeights[T]) lossStats {
+	st, g, err := m.accumulate(ctx, threads, chunk, seqs, func(lo, hi int, p packed[T], g grads[T], wt *transposedWeights[T]) lossStats {
 		v, a := pm.values(threads, p.tokens, p.views, p.outRows, true)
 		st, dV := lossFn(lo, splitBySeq(f64(v), seqs[lo:hi]))
-		m.valueBackward(threads, p.tokens, p.views, p.outRows, a, fromF64[T](concat(dV)), g, wt)
+		m.valueBackward(threads, p.tokens, p.views, p.outRows, a, fromF64[T](concat(dV)), g.w, wt)
 		return st
 	})
+	return st, g.w, err
 }
 
 // packTrain lays sequences out for forward: rows, views, the rows that predict response tokens and
