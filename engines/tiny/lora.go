@@ -199,7 +199,7 @@ func (m *model[T]) loraBackward(threads int, seqs []seqView[T], l, t int, dy, x,
 		for i := range du {
 			du[i] *= ad.scale
 		}
-		matMulTN(threads, ga.a[l][t], du, xg, rows, r, k)                              // dA += s·(dy·B)ᵀ·x
+		matMulTN(threads, ga.a[l][t], du, xg, rows, r, k)                                    // dA += s·(dy·B)ᵀ·x
 		matMulT(threads, dx[r0*k:r1*k], du, transposeOf(threads, a, r, k), rows, k, r, true) // dx += s·(dy·B)·A
 	})
 }
