@@ -6,9 +6,12 @@ import (
 )
 
 // gradNorm returns the global L2 norm of the gradients, summed in parameter order.
-func gradNorm[T Float](g *weights[T]) float64 {
+func gradNorm[T Float](g *weights[T]) float64 { return tensorsNorm(g.tensors()) }
+
+// tensorsNorm is the L2 norm of tensors, summed in their order.
+func tensorsNorm[T Float](ts []namedTensor[T]) float64 {
 	s := 0.0
-	for _, t := range g.tensors() {
+	for _, t := range ts {
 		for _, v := range t.data {
 			s += float64(float64(v) * float64(v))
 		}
@@ -23,9 +26,12 @@ type adamState struct {
 	m, v [][]float32
 }
 
-func newAdamState(w *weights[float32]) *adamState {
+func newAdamState(w *weights[float32]) *adamState { return newAdamStateOf(w.tensors()) }
+
+// newAdamStateOf is a fresh optimizer state for the parameters ts.
+func newAdamStateOf(ts []namedTensor[float32]) *adamState {
 	o := &adamState{}
-	for _, t := range w.tensors() {
+	for _, t := range ts {
 		o.m = append(o.m, make([]float32, len(t.data)))
 		o.v = append(o.v, make([]float32, len(t.data)))
 	}
@@ -59,11 +65,15 @@ func resolveOptim(lr, beta1, beta2, eps, wd, maxNorm float64) (optimConfig, erro
 // then p ← p − lr·m̂/(√v̂ + eps)) with the gradients scaled by gradScale. As in Megatron, norm
 // weights (the 1-D tensors) are not decayed.
 func (o *adamState) update(w, g *weights[float32], c optimConfig, gradScale float64) {
+	o.updateTensors(w.tensors(), g.tensors(), c, gradScale)
+}
+
+// updateTensors is update for the parameters ws with the gradients gt, in the same order.
+func (o *adamState) updateTensors(ws, gt []namedTensor[float32], c optimConfig, gradScale float64) {
 	o.step++
 	bc1 := 1 - math.Pow(c.beta1, float64(o.step))
 	bc2 := 1 - math.Pow(c.beta2, float64(o.step))
-	gt := g.tensors()
-	for i, t := range w.tensors() {
+	for i, t := range ws {
 		decay := c.weightDecay
 		if len(t.shape) == 1 {
 			decay = 0

@@ -152,8 +152,13 @@ func readCheckpoint(fsys fs.FS, label string) (*checkpoint, error) {
 // present with the right shape and that nothing unexpected is left (other than what ignore
 // accepts).
 func fillTensors(w *weights[float32], ts map[string]tensor, prefix string, ignore func(string) bool) error {
+	return fillNamed(w.tensors(), ts, prefix, ignore)
+}
+
+// fillNamed is fillTensors for the parameters ps.
+func fillNamed(ps []namedTensor[float32], ts map[string]tensor, prefix string, ignore func(string) bool) error {
 	used := map[string]bool{}
-	for _, p := range w.tensors() {
+	for _, p := range ps {
 		name := prefix + p.name
 		t, ok := ts[name]
 		if !ok {
@@ -212,13 +217,23 @@ func writeCheckpoint(dir string, ck *checkpoint) error {
 		files[fileOptimizer] = encodeSafetensors(ots, nil)
 		meta, _ := json.Marshal(optimizerMeta{Optimizer: "adamw", Step: ck.opt.step})
 		files[fileOptimizerState] = append(meta, '\n')
-	} else {
-		// A fresh optimizer: stale state from an earlier save into the same folder must not be
-		// picked up by the next load.
-		for _, f := range []string{fileOptimizer, fileOptimizerState} {
-			if err := os.Remove(filepath.Join(dir, f)); err != nil && !errors.Is(err, fs.ErrNotExist) {
-				return err
-			}
+	}
+	return writeFiles(dir, files, []string{fileOptimizer, fileOptimizerState})
+}
+
+// writeFiles writes files into dir, each to a temporary name then renamed, and removes the files
+// of stale that it does not write (a fresh optimizer: stale state from an earlier save into the
+// same folder must not be picked up by the next load).
+func writeFiles(dir string, files map[string][]byte, stale []string) error {
+	if err := os.MkdirAll(dir, 0o755); err != nil {
+		return err
+	}
+	for _, f := range stale {
+		if _, ok := files[f]; ok {
+			continue
+		}
+		if err := os.Remove(filepath.Join(dir, f)); err != nil && !errors.Is(err, fs.ErrNotExist) {
+			return err
 		}
 	}
 	for _, name := range slices.Sorted(maps.Keys(files)) {

@@ -31,7 +31,9 @@ type Engine struct {
 	m       *model[float32]
 	ref     *model[float32]
 	opt     *adamState
-	closed  bool
+	// adapters are the LoRA adapters over the base weights m (AddAdapter), by name.
+	adapters map[string]*adapterState
+	closed   bool
 }
 
 var (

@@ -33,10 +33,22 @@ type genSeq struct {
 // stream is its own (see sampleRNG) and every row is computed alone (see matMulT and attendRow),
 // so neither the other requests of the batch nor the number of threads change it.
 func (e *Engine) Generate(ctx context.Context, reqs []engines.GenerateRequest) ([]engines.Completion, error) {
+	return e.GenerateAdapters(ctx, reqs, nil)
+}
+
+// GenerateAdapters is Generate where request i uses the LoRA adapter named adapters[i] ("" or a
+// nil adapters: the base model), all in the same forward passes: the base products are shared,
+// the low-rank products are computed per run of rows with the same adapter. A row's numbers do not
+// depend on the other rows, so each request gets what it would get alone.
+func (e *Engine) GenerateAdapters(ctx context.Context, reqs []engines.GenerateRequest, adapters []string) ([]engines.Completion, error) {
 	e.mu.RLock()
 	defer e.mu.RUnlock()
 	if e.closed {
 		return nil, ErrClosed
+	}
+	ads, err := e.adapterList(adapters, len(reqs))
+	if err != nil {
+		return nil, err
 	}
 	cfg := e.m.w.cfg
 	m := e.m.packed(e.threads) // the weights do not change while the read lock is held
@@ -75,7 +87,7 @@ func (e *Engine) Generate(ctx context.Context, reqs []engines.GenerateRequest) (
 		var outRows []int
 		for i := lo; i < hi; i++ {
 			caches[i] = newKVCache[float32](cfg, capacity(i))
-			views = append(views, seqView[float32]{start: len(tokens), n: len(prompts[i]), cache: caches[i]})
+			views = append(views, seqView[float32]{start: len(tokens), n: len(prompts[i]), cache: caches[i], ad: ads[i]})
 			tokens = append(tokens, prompts[i]...)
 			outRows = append(outRows, len(tokens)-1)
 		}
@@ -114,7 +126,7 @@ func (e *Engine) Generate(ctx context.Context, reqs []engines.GenerateRequest) (
 		outRows := make([]int, len(active))
 		for k, s := range active {
 			tokens[k] = s.tokens[len(s.tokens)-1]
-			views[k] = seqView[float32]{start: k, n: 1, pos0: s.length, cache: s.cache}
+			views[k] = seqView[float32]{start: k, n: 1, pos0: s.length, cache: s.cache, ad: ads[s.req]}
 			outRows[k] = k
 		}
 		logits, _ := m.forward(e.threads, tokens, views, outRows, false)
@@ -265,6 +277,12 @@ func sampleToken(logits []float32, temperature, topP float64, rng *rand.Rand) (i
 // same code as Generate's: the numbers agree to the bit with what Generate reported for the same
 // tokens. Requests with Reference set are scored by the frozen KL reference copy instead.
 func (e *Engine) Score(ctx context.Context, reqs []engines.ScoreRequest) ([]engines.Scores, error) {
+	return e.score(ctx, reqs, nil)
+}
+
+// score is Score with the adapter ad (nil: none) on the current model; the reference is the base
+// without it.
+func (e *Engine) score(ctx context.Context, reqs []engines.ScoreRequest, ad *adapterState) ([]engines.Scores, error) {
 	e.mu.RLock()
 	defer e.mu.RUnlock()
 	if e.closed {
@@ -274,8 +292,15 @@ func (e *Engine) Score(ctx context.Context, reqs []engines.ScoreRequest) ([]engi
 	out := make([]engines.Scores, len(reqs))
 	for _, ref := range []bool{false, true} {
 		m := e.m
-		if ref {
+		switch {
+		case ref && ad != nil:
+			// The reference of an adapter is the base without it.
+		case ref:
 			m = e.ref
+		case ad != nil:
+			mc := *e.m
+			mc.ad = ad.w
+			m = &mc
 		}
 		var idx []int
 		var part []engines.ScoreRequest

@@ -2,6 +2,7 @@ package tiny
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"math"
 	"slices"
@@ -193,6 +194,11 @@ func criticChunkLoss(samples []lossSample, w [][]float64, c lossConfig) valueChu
 // TrainStats) and leaves weights and optimizer state untouched. The step is deterministic: the
 // same weights and batch give the same new weights to the bit, for any number of threads.
 func (e *Engine) Train(ctx context.Context, b engines.Batch) (engines.TrainStats, error) {
+	return e.train(ctx, b, nil)
+}
+
+// train is Train of the base weights (ad nil) or of one adapter, whose KL reference is the base.
+func (e *Engine) train(ctx context.Context, b engines.Batch, ad *adapterState) (engines.TrainStats, error) {
 	e.mu.Lock()
 	defer e.mu.Unlock()
 	if e.closed {
@@ -228,6 +234,19 @@ func (e *Engine) Train(ctx context.Context, b engines.Batch) (engines.TrainStats
 			w = append(w, allW[i])
 		}
 	}
+	if critic && ad != nil {
+		return engines.TrainStats{}, errors.New("tiny: train: a LoRA adapter has no value head; a PPO critic trains full weights")
+	}
+	if ad != nil {
+		m := *e.m
+		m.ad = ad.w
+		st, g, err := m.policyGrads(ctx, e.threads, chunkTokens, seqs, e.m, policyChunkLoss(samples, w, lc))
+		if err != nil {
+			return engines.TrainStats{}, err
+		}
+		out := engines.TrainStats{Loss: st.Loss, PGLoss: st.PG, KL: st.KL, Entropy: st.Entropy, Tokens: st.Tokens, ClipFrac: st.clipFrac()}
+		return finishStep(out, g.ad.tensors(), func(scale float64) { ad.opt.updateTensors(ad.w.tensors(), g.ad.tensors(), oc, scale) }, oc), nil
+	}
 	if critic {
 		e.ensureValueHead()
 		st, g, err := e.m.accumulateValueGrads(ctx, e.threads, chunkTokens, seqs, criticChunkLoss(samples, w, lc))
@@ -260,7 +279,12 @@ func (e *Engine) ensureValueHead() {
 // applyStep finishes a step: it skips it when there is nothing to learn from or a number is not
 // finite, otherwise clips the gradients and updates the weights.
 func (e *Engine) applyStep(st engines.TrainStats, g *weights[float32], oc optimConfig) engines.TrainStats {
-	st.GradNorm = gradNorm(g)
+	return finishStep(st, g.tensors(), func(scale float64) { e.opt.update(e.m.w, g, oc, scale) }, oc)
+}
+
+// finishStep is applyStep for the gradients g, which update applies with the gradient scale.
+func finishStep(st engines.TrainStats, g []namedTensor[float32], update func(scale float64), oc optimConfig) engines.TrainStats {
+	st.GradNorm = tensorsNorm(g)
 	switch {
 	case st.Tokens == 0:
 		st.Skipped, st.Reason = true, "no trained tokens: every loss mask is 0"
@@ -276,7 +300,7 @@ func (e *Engine) applyStep(st engines.TrainStats, g *weights[float32], oc optimC
 	if oc.maxGradNorm > 0 && st.GradNorm > oc.maxGradNorm {
 		scale = oc.maxGradNorm / (st.GradNorm + 1e-6) // torch.nn.utils.clip_grad_norm_
 	}
-	e.opt.update(e.m.w, g, oc, scale)
+	update(scale)
 	return st
 }
 
