@@ -37,6 +37,10 @@ type PolicyConfig struct {
 	SGLangNumNodes   int          `yaml:"sglang_num_nodes" json:"sglang_num_nodes"`
 	Train            TrainConfig  `yaml:"train" json:"train"`   // alias: megatron
 	Engine           EngineConfig `yaml:"engine" json:"engine"` // alias: sglang
+	// LoRA, when set, makes the policy a low-rank adapter over hf_checkpoint: it trains (or, frozen,
+	// serves) only the adapter, and the LoRA policies on the same hf_checkpoint and engine share
+	// one copy of the base (docs/config.md).
+	LoRA *LoRAConfig `yaml:"lora,omitempty" json:"lora,omitempty"`
 
 	// Extra holds slime-n policy keys slimen accepts but does not interpret (input_key,
 	// label_key, apply_chat_template, eval_datasets: in slimen the script decides what each
@@ -44,6 +48,17 @@ type PolicyConfig struct {
 	Extra map[string]any `yaml:",inline" json:"extra,omitempty"`
 
 	Line int `yaml:"-" json:"-"` // YAML line of the entry, for messages
+}
+
+// LoRAConfig is a policy's adapter: rank r, the update scaled by alpha/r (PEFT's lora_alpha),
+// dropout on the adapter's input while training, and the projections it adapts.
+type LoRAConfig struct {
+	Rank    int      `yaml:"rank" json:"rank"`
+	Alpha   float64  `yaml:"alpha" json:"alpha"`
+	Dropout float64  `yaml:"dropout" json:"dropout"`
+	Targets []string `yaml:"targets" json:"targets"`
+
+	Line int `yaml:"-" json:"-"` // YAML line of the block, for messages
 }
 
 // TrainConfig holds a policy's training settings (slime-n's `megatron:` block).

@@ -87,6 +87,8 @@ func (d *decoder) spec(t reflect.Type) *structSpec {
 	case reflect.TypeFor[EvalDefaults](), reflect.TypeFor[EvalDataset]():
 		s.name = "an eval dataset"
 		s.passKeys = setOf(evalPassKeys)
+	case reflect.TypeFor[LoRAConfig]():
+		s.name = "lora:"
 	case reflect.TypeFor[RunConfig]():
 		s.name = "run:"
 	case reflect.TypeFor[SandboxConfig]():
@@ -179,6 +181,11 @@ func (d *decoder) decode(n *yaml.Node, v reflect.Value, p pathName) {
 		return
 	}
 	switch v.Kind() {
+	case reflect.Pointer:
+		if v.IsNil() {
+			v.Set(reflect.New(v.Type().Elem()))
+		}
+		d.decode(n, v.Elem(), p)
 	case reflect.Struct:
 		d.decodeStruct(n, v, p)
 	case reflect.Slice:

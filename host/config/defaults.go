@@ -49,6 +49,12 @@ func SlimeTrainDefaults() TrainConfig {
 
 // DefaultPolicy is the policy a zero-config run gives every name the script uses: trainable, on
 // the builtin checkpoint, on the embedded tiny engine.
+// DefaultLoRA is what a policy's lora: block leaves out: PEFT's defaults (rank 8, alpha 8, no
+// dropout, the query and value projections).
+func DefaultLoRA() LoRAConfig {
+	return LoRAConfig{Rank: 8, Alpha: 8, Targets: []string{"q_proj", "v_proj"}}
+}
+
 func DefaultPolicy(name string) PolicyConfig {
 	return PolicyConfig{
 		Name:             name,

@@ -165,6 +165,12 @@ func (r *resolver) resolvePolicy(i int) {
 			"%g has no effect because use_kl_loss is false (as in slime); set use_kl_loss: true to apply it",
 			p.Train.KLLossCoef)
 	}
+	if p.LoRA != nil {
+		r.fill(p.LoRA, DefaultLoRA(), pp+".lora")
+		if !r.given(pp + ".lora.targets") {
+			p.LoRA.Targets = DefaultLoRA().Targets
+		}
+	}
 	r.warnTypos(pp+".train", p.Train.Extra, reflect.TypeFor[TrainConfig]())
 	r.warnTypos(pp+".engine", p.Engine.Extra, reflect.TypeFor[EngineConfig]())
 }

@@ -230,6 +230,10 @@ func (r *resolver) validatePolicy(p *PolicyConfig, pp string) {
 	r.check(t.KLCoef == 0 || t.KLLossCoef == 0, tp+".kl_coef", at,
 		"%g and kl_loss_coef %g are both set; as in slime, only one of the two may be non-zero", t.KLCoef, t.KLLossCoef)
 
+	if p.LoRA != nil {
+		r.validateLoRA(p, pp)
+	}
+
 	e, ep := p.Engine, pp+".engine"
 	kinds := engineKindNames()
 	r.check(oneOf(e.Kind, kinds), ep+".kind", at, "engine kind %q is not one of %s", e.Kind, list(kinds))
@@ -263,6 +267,29 @@ func (r *resolver) validatePolicy(p *PolicyConfig, pp string) {
 			"the server groups have %d GPUs in all but sglang_num_nodes × num_gpus_per_node is %d × %d = %d; make them equal",
 			sum, p.SGLangNumNodes, p.NumGPUsPerNode, want)
 	}
+}
+
+// LoRATargets are the projections a lora: block may adapt.
+var LoRATargets = []string{"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
+
+// validateLoRA checks a policy's lora: block. Adapters run on the tiny engine, which trains them
+// without dropout; a critic (a value head) trains full weights.
+func (r *resolver) validateLoRA(p *PolicyConfig, pp string) {
+	l, lp := p.LoRA, pp+".lora"
+	at := r.line(lp, p.Line)
+	r.check(l.Rank >= 1, lp+".rank", at, "must be at least 1, got %d", l.Rank)
+	r.check(l.Alpha > 0, lp+".alpha", at, "must be > 0 (the update is scaled by alpha/rank), got %g", l.Alpha)
+	r.check(l.Dropout >= 0 && l.Dropout < 1, lp+".dropout", at, "must be in [0, 1), got %g", l.Dropout)
+	r.check(len(l.Targets) > 0, lp+".targets", at, "is empty: name the projections to adapt, some of %s", list(LoRATargets))
+	seen := map[string]bool{}
+	for _, t := range l.Targets {
+		r.check(oneOf(t, LoRATargets), lp+".targets", at, "%q is not a projection of the model; want some of %s", t, list(LoRATargets))
+		r.check(!seen[t], lp+".targets", at, "%q is listed twice", t)
+		seen[t] = true
+	}
+	r.check(p.Role != "critic", lp, at, "policy %q is a critic: its value head trains with full weights; remove lora:", p.Name)
+	r.check(p.Engine.Kind == "tiny", lp, at, "policy %q: LoRA adapters run on the tiny engine for now, and its engine kind is %s; use engine: {kind: tiny} or remove lora:", p.Name, p.Engine.Kind)
+	r.check(p.Engine.Kind != "tiny" || l.Dropout == 0, lp+".dropout", at, "%g: the tiny engine trains adapters without dropout; set dropout: 0", l.Dropout)
 }
 
 // validateOpenAI checks a policy on an OpenAI-compatible server (engine.kind openai), which only
