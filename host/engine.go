@@ -46,6 +46,8 @@ type EngineEnv struct {
 	// says why it cannot. engine names the engine in messages ("its engine at host:port"), self
 	// returns it once it is open. nil: the run does not listen, a restart is only logged.
 	OnRestart func(engine string, self func() engines.Engine) func(ctx context.Context, prev, cur string) error
+
+	bases *loraBases // the run's shared LoRA bases (host/lora.go); nil: none shared
 }
 
 var engineKinds = struct {
@@ -106,6 +108,7 @@ type engineLogs struct {
 	// process, before anything that process says is used; it puts the policy's state back or
 	// returns why it cannot (then the engine fails every call). Unset, a restart is only logged.
 	restarted func(ctx context.Context, ev restartEvent) error
+	bases     *loraBases // where the run's LoRA policies share their base models
 }
 
 func (l engineLogs) logf(format string, args ...any) {
@@ -116,7 +119,7 @@ func (l engineLogs) logf(format string, args ...any) {
 
 // env is the EngineEnv of a policy's engine in a run with directory runDir.
 func (l engineLogs) env(p config.PolicyConfig, runDir string) EngineEnv {
-	e := EngineEnv{RunDir: runDir, Logf: l.logf, Worker: l.worker}
+	e := EngineEnv{RunDir: runDir, Logf: l.logf, Worker: l.worker, bases: l.bases}
 	if l.printf != nil || l.restarted != nil {
 		e.OnRestart = func(engine string, self func() engines.Engine) func(ctx context.Context, prev, cur string) error {
 			return func(ctx context.Context, prev, cur string) error {
@@ -145,6 +148,9 @@ func openEngine(ctx context.Context, p config.PolicyConfig, runDir string, logs 
 // openTiny opens the embedded pure-Go engine on hf_checkpoint (a folder or builtin:NAME), or on
 // the folder given by load: (a checkpoint this engine saved).
 func openTiny(ctx context.Context, p config.PolicyConfig, env EngineEnv) (engines.Engine, error) {
+	if p.LoRA != nil {
+		return openTinyLoRA(ctx, p, env)
+	}
 	// The engine keeps the model it opens as its KL reference, so it opens the reference and
 	// then loads the weights the policy starts from when they are another folder.
 	o, ref := tiny.Options{Threads: p.Engine.Threads}, p.KLReference()

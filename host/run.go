@@ -122,6 +122,7 @@ type Run struct {
 	cancel context.CancelFunc
 
 	polMu    sync.Mutex
+	bases    loraBases // the base models the LoRA policies share
 	policies map[string]*policy
 	openErrs map[string]error // zero-config policies whose engine failed to open: not retried
 	order    []string         // policy names in config order, then first use
@@ -344,7 +345,7 @@ func (r *Run) addPolicy(ctx context.Context, pc config.PolicyConfig) (*policy, e
 		open := r.opts.OpenEngine
 		if open == nil {
 			open = func(ctx context.Context, p config.PolicyConfig) (engines.Engine, error) {
-				return openEngine(ctx, p, r.opts.Out, engineLogs{printf: r.events.printf, worker: r.events.filef, restarted: r.engineRestarted})
+				return openEngine(ctx, p, r.opts.Out, engineLogs{printf: r.events.printf, worker: r.events.filef, restarted: r.engineRestarted, bases: &r.bases})
 			}
 		}
 		var err error

@@ -47,6 +47,14 @@ func (e *Engine) AddAdapter(name string, c LoRAConfig, seed uint64) error {
 	return nil
 }
 
+// RemoveAdapter drops an adapter; its AdapterEngine must no longer be used. A name the engine
+// does not have is ignored.
+func (e *Engine) RemoveAdapter(name string) {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	delete(e.adapters, name)
+}
+
 // adapterList resolves the adapter names of n requests; the caller holds the lock.
 func (e *Engine) adapterList(names []string, n int) ([]*loraWeights[float32], error) {
 	ads := make([]*loraWeights[float32], n)
@@ -129,6 +137,12 @@ func (v *AdapterEngine) Train(ctx context.Context, b engines.Batch) (engines.Tra
 func (v *AdapterEngine) Tokenize(ctx context.Context, texts []string) ([][]int32, error) {
 	return v.e.Tokenize(ctx, texts)
 }
+
+// Base is the engine the adapter is on.
+func (v *AdapterEngine) Base() *Engine { return v.e }
+
+// Name is the adapter's name.
+func (v *AdapterEngine) Name() string { return v.a.name }
 
 // Close releases nothing: the base engine is closed by its owner.
 func (v *AdapterEngine) Close() error { return nil }

@@ -1,0 +1,102 @@
+package host
+
+import (
+	"context"
+	"fmt"
+	"hash/fnv"
+	"sync"
+
+	"github.com/slimen/slimen/engines"
+	"github.com/slimen/slimen/engines/tiny"
+	"github.com/slimen/slimen/host/config"
+)
+
+// loraBases are the tiny engines a run's LoRA policies share: one per base model and thread
+// count, holding the base weights once, each policy an adapter on it (tiny.Engine.Adapter). The
+// last policy to close its adapter closes the base.
+type loraBases struct {
+	mu sync.Mutex
+	m  map[string]*loraBase
+}
+
+type loraBase struct {
+	e    *tiny.Engine
+	refs int
+}
+
+// openTinyLoRA opens a LoRA policy on the tiny engine: an adapter named after the policy on the
+// run's shared base for its hf_checkpoint (its own base when bases is nil), new (B = 0: the base's
+// outputs) or, with load:, the PEFT folder there.
+func openTinyLoRA(ctx context.Context, p config.PolicyConfig, env EngineEnv) (engines.Engine, error) {
+	if p.RefLoad != "" && p.RefLoad != p.HFCheckpoint {
+		return nil, fmt.Errorf("policy %q: ref_load %s: the KL reference of a LoRA policy is its base, hf_checkpoint %s; remove ref_load", p.Name, p.RefLoad, p.HFCheckpoint)
+	}
+	b := env.bases
+	if b == nil {
+		b = &loraBases{}
+	}
+	key := fmt.Sprintf("%s\x00%d", p.HFCheckpoint, p.Engine.Threads)
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	base := b.m[key]
+	if base == nil {
+		e, err := tiny.Open(p.HFCheckpoint, tiny.Options{Threads: p.Engine.Threads})
+		if err != nil {
+			return nil, err
+		}
+		base = &loraBase{e: e}
+		if b.m == nil {
+			b.m = map[string]*loraBase{}
+		}
+		b.m[key] = base
+	} else {
+		env.Logf("policy %q: a LoRA adapter on the base %s that another policy of the run holds", p.Name, p.HFCheckpoint)
+	}
+	releaseLocked := func() error {
+		base.refs--
+		if base.refs > 0 {
+			return nil
+		}
+		delete(b.m, key)
+		return base.e.Close()
+	}
+	release := func() error {
+		b.mu.Lock()
+		defer b.mu.Unlock()
+		return releaseLocked()
+	}
+	base.refs++
+	l := p.LoRA
+	h := fnv.New64a()
+	h.Write([]byte(p.Name))
+	v, err := func() (*tiny.AdapterEngine, error) {
+		if err := base.e.AddAdapter(p.Name, tiny.LoRAConfig{Rank: l.Rank, Alpha: l.Alpha, Dropout: l.Dropout, Targets: l.Targets}, h.Sum64()); err != nil {
+			return nil, err
+		}
+		v, err := base.e.Adapter(p.Name)
+		if err == nil && p.Load != "" {
+			if err = v.Load(ctx, p.Load); err != nil {
+				err = fmt.Errorf("policy %q: load: %w", p.Name, err)
+			}
+		}
+		return v, err
+	}()
+	if err != nil {
+		base.e.RemoveAdapter(p.Name)
+		releaseLocked()
+		return nil, err
+	}
+	return &sharedAdapter{AdapterEngine: v, release: sync.OnceValue(release)}, nil
+}
+
+// sharedAdapter is a policy's adapter; closing it lets go of the shared base.
+type sharedAdapter struct {
+	*tiny.AdapterEngine
+	release func() error
+}
+
+// Close removes the adapter from the base and lets go of the base.
+func (s *sharedAdapter) Close() error {
+	s.Base().RemoveAdapter(s.Name())
+	return s.release()
+}
