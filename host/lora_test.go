@@ -6,6 +6,7 @@ import (
 	"path/filepath"
 	"testing"
 
+	"github.com/slimen/slimen/engines"
 	"github.com/slimen/slimen/host/config"
 )
 
@@ -45,6 +46,9 @@ func TestLoRAPoliciesShareABase(t *testing.T) {
 	b, okB := r.policies["b"].eng.(*sharedAdapter)
 	if !okA || !okB || a.Base() != b.Base() {
 		t.Fatalf("policies a and b have engines %T and %T; want adapters on one base", r.policies["a"].eng, r.policies["b"].eng)
+	}
+	if _, ok := r.policies["a"].eng.(engines.Renderer); !ok {
+		t.Fatal("a LoRA policy's engine does not render chats: chat() would refuse it")
 	}
 	if _, ok := r.policies["full"].eng.(*sharedAdapter); ok {
 		t.Fatal("the full-weight policy got an adapter")

@@ -96,7 +96,10 @@ type AdapterEngine struct {
 	a *adapterState
 }
 
-var _ engines.Engine = (*AdapterEngine)(nil)
+var (
+	_ engines.Engine   = (*AdapterEngine)(nil)
+	_ engines.Renderer = (*AdapterEngine)(nil)
+)
 
 // Info is the base's, with the adapter's parameter count.
 func (v *AdapterEngine) Info(ctx context.Context) (engines.Info, error) {
@@ -136,6 +139,11 @@ func (v *AdapterEngine) Train(ctx context.Context, b engines.Batch) (engines.Tra
 // Tokenize is the base's.
 func (v *AdapterEngine) Tokenize(ctx context.Context, texts []string) ([][]int32, error) {
 	return v.e.Tokenize(ctx, texts)
+}
+
+// Render is the base's: an adapter shares its tokenizer and chat template.
+func (v *AdapterEngine) Render(ctx context.Context, reqs []engines.RenderRequest) ([][]int32, error) {
+	return v.e.Render(ctx, reqs)
 }
 
 // Base is the engine the adapter is on.
