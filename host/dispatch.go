@@ -117,7 +117,7 @@ func (d *dispatcher) generate(ctx context.Context, req engines.GenerateRequest) 
 	case r := <-p.done:
 		return r.out, r.err
 	case <-ctx.Done():
-		return nil, ctx.Err()
+		return nil, context.Cause(ctx) // a rollout's time limit, say, rather than "context canceled"
 	}
 }
 

@@ -138,7 +138,9 @@ type Run struct {
 
 	warned sync.Map // warnings given once per run, by key
 
-	stopping atomic.Bool // Stop was called: Train ends after the step in progress
+	stopping atomic.Bool   // Stop was called: Train ends after the step in progress
+	stopped  chan struct{} // closed by the first Stop: rollouts get rollout.stop_grace_s more
+	stopOnce sync.Once
 
 	passes  atomic.Int64 // rollout passes so far (steps, eval datasets): part of generate request ids
 	restart restartGuard // what puts a restarted engine's state back (restart.go)
@@ -280,7 +282,7 @@ func (r *Run) scriptOptions(sandboxed bool) script.Options {
 // newRun makes a run with no script, outputs or engines yet.
 func newRun(opts Options) *Run {
 	r := &Run{opts: opts, state: script.NewState(), policies: map[string]*policy{}, tasks: opts.Tasks, id: newRunID(),
-		events: &eventLog{w: opts.Log}, metrics: &metricsWriter{}}
+		events: &eventLog{w: opts.Log}, metrics: &metricsWriter{}, stopped: make(chan struct{})}
 	r.ctx, r.cancel = context.WithCancel(context.Background())
 	r.cfg, r.zero = opts.Config, opts.Zero
 	if r.wd = opts.workDir; r.wd == "" {
@@ -624,7 +626,12 @@ func (r *Run) rolloutFailures(ctx context.Context, cfg *config.Config, res *Step
 		}
 	}
 	var first *RolloutError
+	cancelled := 0 // cancelled by a stopping run: not the script's failures
 	for _, ro := range ros {
+		var sc *StopCancelled
+		if ro.Err != nil && errors.As(context.Cause(ro.Ctx), &sc) {
+			cancelled++
+		}
 		if ro.Err != nil {
 			re := &RolloutError{Step: res.Step, TaskID: ro.Task.ID, Msg: script.ErrorText(ro.Err)}
 			res.Failed = append(res.Failed, re)
@@ -641,7 +648,7 @@ func (r *Run) rolloutFailures(ctx context.Context, cfg *config.Config, res *Step
 	if len(res.Failed) > shownFailures {
 		r.events.printf("step %d: %d more rollouts failed (all in events.log)", res.Step, len(res.Failed)-shownFailures)
 	}
-	if first != nil && len(ros) > 0 && float64(len(res.Failed))/float64(len(ros)) > cfg.Rollout.MaxFailedFraction {
+	if first != nil && len(ros) > 0 && float64(len(res.Failed)-cancelled)/float64(len(ros)) > cfg.Rollout.MaxFailedFraction {
 		return &tooManyFailed{fmt.Sprintf("step %d: %d of %d rollouts failed, more than rollout.max_failed_fraction (%g); the run stops. First failure:\n%s",
 			res.Step, len(res.Failed), len(ros), cfg.Rollout.MaxFailedFraction, first.Error())}
 	}
@@ -661,8 +668,9 @@ type rolloutFn struct {
 // processes). eval, when not nil, marks eval rollouts: they sample with its settings and may not
 // train.
 func (r *Run) runRollouts(ctx context.Context, step int, tasks []Task, samples int, rf rolloutFn, eval *engines.Sampling) ([]*script.Rollout, error) {
-	stepCtx, cancel := context.WithCancel(ctx)
-	defer cancel()
+	stepCtx, cancel := context.WithCancelCause(ctx)
+	defer cancel(nil)
+	go r.cancelOnStop(stepCtx, cancel)
 	pass := script.Pass{Host: localHost{r}, Ctx: stepCtx, RunID: r.id, Number: int(r.passes.Add(1)), Step: step,
 		Seed: r.Config().Run.Seed, Eval: eval, Samples: samples}
 	ros := pass.Rollouts(tasks)
@@ -686,6 +694,11 @@ func (r *Run) runRollouts(ctx context.Context, step int, tasks []Task, samples i
 			defer wg.Done()
 			defer r.live.done.Add(1)
 			defer r.activity.leave()
+			if limit := r.Config().Rollout.TimeoutS; limit > 0 {
+				var stop context.CancelFunc
+				ro.Ctx, stop = context.WithTimeoutCause(ro.Ctx, seconds(limit), &RolloutTimeout{Limit: limit})
+				defer stop()
+			}
 			th := ro.NewThread(nil)
 			ro.Result, ro.Err = ro.Call(th, fn, starlark.Tuple{script.TaskValue(ro.Task, step)})
 			if ro.Err == nil {

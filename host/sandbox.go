@@ -567,6 +567,13 @@ func (sb *pool) run(ro *script.Rollout, a sandbox.Rollout, alone bool) error {
 		return sb.r.applyReport(ro, d)
 	case <-c.dead:
 		return &childDied{c.deathErr}
+	case <-ro.Ctx.Done():
+		// The pass is cut short (a stopping run's grace is over, an abandoned step): a loop in
+		// the child would not notice, so its process goes, with whatever else it was running.
+		cause := context.Cause(ro.Ctx)
+		c.stop(cause)
+		<-c.dead
+		return cause
 	case <-timer.C:
 		c.stop(&script.BudgetError{Budget: "wall_seconds", Limit: fmt.Sprint(limit), What: fmt.Sprintf("the rollout did not finish in time, nor stop %v after; the host stopped its process", wallGrace)})
 		<-c.dead
@@ -687,7 +694,9 @@ func (r *Run) runSandboxed(ctx context.Context, ros []*script.Rollout, fn string
 				Sampling: r.sampling(), Eval: ro.Eval, Policies: policies, NSamples: n, WallLimit: cfg.Sandbox.WallSeconds}
 			err := r.sandbox.run(ro, a, false)
 			var died *childDied
-			if errors.As(err, &died) {
+			if errors.As(err, &died) && ro.Ctx.Err() != nil {
+				err = context.Cause(ro.Ctx) // the pass was cut short: nothing runs again
+			} else if errors.As(err, &died) {
 				// Its child died with other rollouts in it: run it again alone, from scratch.
 				ro.Reset()
 				r.events.printf("sandbox: step %d task %s: its process died (%v); running it again alone", ro.Step, ro.Task.ID, died.err)

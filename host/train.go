@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"path/filepath"
+	"time"
 
 	"github.com/slimen/slimen/host/config"
 )
@@ -45,8 +46,62 @@ func (r *Run) Train(ctx context.Context) error {
 }
 
 // Stop asks Train to stop after the step in progress. It may be called from any goroutine (a
-// signal handler's).
-func (r *Run) Stop() { r.stopping.Store(true) }
+// signal handler's). Rollouts still running rollout.stop_grace_s after the first Stop are
+// cancelled: they fail with StopCancelled, the step trains on the others and the run stops.
+func (r *Run) Stop() {
+	r.stopping.Store(true)
+	r.stopOnce.Do(func() { close(r.stopped) })
+}
+
+// StopGrace is how long rollouts may still run after Stop before they are cancelled
+// (rollout.stop_grace_s).
+func (r *Run) StopGrace() time.Duration { return seconds(r.Config().Rollout.StopGraceS) }
+
+// LastCheckpoint is the folder of the newest complete checkpoint this run wrote or resumed from;
+// "" when there is none.
+func (r *Run) LastCheckpoint() string {
+	if !r.ckpt.have || r.opts.Out == "" {
+		return ""
+	}
+	return filepath.Join(r.opts.Out, "checkpoints", stepName(r.ckpt.step))
+}
+
+// cancelOnStop cancels a pass's rollouts once Stop was called and rollout.stop_grace_s has
+// passed; it returns when the pass ends.
+func (r *Run) cancelOnStop(pass context.Context, cancel context.CancelCauseFunc) {
+	select {
+	case <-r.stopped:
+	case <-pass.Done():
+		return
+	}
+	grace := r.Config().Rollout.StopGraceS
+	t := time.NewTimer(seconds(grace))
+	defer t.Stop()
+	select {
+	case <-t.C:
+		cancel(&StopCancelled{Grace: grace})
+	case <-pass.Done():
+	}
+}
+
+// RolloutTimeout is a rollout that ran past rollout.timeout_s: it fails alone, its samples dropped.
+type RolloutTimeout struct{ Limit float64 }
+
+func (e *RolloutTimeout) Error() string {
+	return fmt.Sprintf("the rollout ran past its wall-time limit of %gs and was cancelled (rollout.timeout_s; an endless loop? Raise the limit, or 0 turns it off)", e.Limit)
+}
+
+// StopCancelled is a rollout cancelled because the run was stopping: it was still running
+// rollout.stop_grace_s after the signal. Such rollouts fail without counting against
+// rollout.max_failed_fraction.
+type StopCancelled struct{ Grace float64 }
+
+func (e *StopCancelled) Error() string {
+	return fmt.Sprintf("the run is stopping: the rollout was still running %gs after the stop signal (rollout.stop_grace_s) and was cancelled", e.Grace)
+}
+
+// seconds converts a config's seconds to a duration.
+func seconds(s float64) time.Duration { return time.Duration(s * float64(time.Second)) }
 
 // afterEval runs Options.AfterEval once eval metrics are written; its error is reported, not
 // fatal.

@@ -215,8 +215,9 @@ func zeroConfig(eval bool) (*config.Config, error) {
 }
 
 // train runs the loaded run to its end. SIGINT/SIGTERM: finish (or, with run.on_signal: abandon,
-// cut short) the step in progress, checkpoint and exit 0. A second signal exits at once;
-// checkpoints are renamed into place when complete, so the last good one survives it.
+// cut short) the step in progress, checkpoint and exit 0; rollouts still running
+// rollout.stop_grace_s after the signal are cancelled. A second signal exits at once; checkpoints
+// are renamed into place when complete, so the last good one survives it.
 func train(r *host.Run, prog *progress) int {
 	ctx, abandon := context.WithCancel(context.Background())
 	defer abandon()
@@ -228,11 +229,16 @@ func train(r *host.Run, prog *progress) int {
 		<-sigs
 		stopping.Store(true)
 		r.Stop()
+		then := "then checkpointing"
+		if r.StepsDone() == 0 && r.LastCheckpoint() == "" {
+			then = "no step is complete yet, so there will be nothing to checkpoint"
+		}
 		if r.Config().Run.OnSignal == "abandon" {
-			fmt.Fprintln(prog.logWriter(), "slimen: stopping: abandoning the step in progress, then checkpointing (a second signal exits at once)")
+			fmt.Fprintf(prog.logWriter(), "slimen: stopping: abandoning the step in progress, %s (a second signal exits at once)\n", then)
 			abandon()
 		} else {
-			fmt.Fprintln(prog.logWriter(), "slimen: stopping: finishing the step in progress, then checkpointing (a second signal exits at once)")
+			fmt.Fprintf(prog.logWriter(), "slimen: stopping: finishing the step in progress (rollouts still running in %v are cancelled: rollout.stop_grace_s), %s (a second signal exits at once)\n",
+				r.StopGrace(), then)
 		}
 		<-sigs
 		fmt.Fprintln(os.Stderr, "\nslimen: second signal: exiting now")
@@ -252,8 +258,12 @@ func train(r *host.Run, prog *progress) int {
 	if stopping.Load() {
 		verb = "stopped"
 	}
-	fmt.Fprintf(os.Stderr, "slimen: %s after %d steps; metrics in %s, checkpoint in %s\n", verb, r.StepsDone(),
-		filepath.Join(dir, "metrics.jsonl"), filepath.Join(dir, "checkpoints"))
+	saved := "no checkpoint (no step completed)"
+	if ck := r.LastCheckpoint(); ck != "" {
+		saved = "checkpoint in " + ck
+	}
+	fmt.Fprintf(os.Stderr, "slimen: %s after %d steps; metrics in %s, %s\n", verb, r.StepsDone(),
+		filepath.Join(dir, "metrics.jsonl"), saved)
 	return 0
 }
 

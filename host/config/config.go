@@ -172,6 +172,11 @@ type RolloutConfig struct {
 	Stop              []string `yaml:"stop,omitempty" json:"stop,omitempty"`
 	MaxFailedFraction float64  `yaml:"max_failed_fraction" json:"max_failed_fraction"` // a step with more failed rollouts stops the run
 	MaxBatchTokens    int      `yaml:"max_batch_tokens" json:"max_batch_tokens,omitempty"`
+	// TimeoutS is the wall time one rollout may take (0: none); a rollout past it fails alone.
+	TimeoutS float64 `yaml:"timeout_s" json:"timeout_s"`
+	// StopGraceS is how long rollouts may still run after Run.Stop (the first SIGINT/SIGTERM)
+	// before they are cancelled and the step goes on without them.
+	StopGraceS float64 `yaml:"stop_grace_s" json:"stop_grace_s"`
 }
 
 // DataConfig names the task source.

@@ -92,7 +92,8 @@ func Default(policies []string) *Config {
 }
 
 func defaultRollout() RolloutConfig {
-	return RolloutConfig{BatchSize: 32, MaxResponseLen: 32, Temperature: 1.0, TopP: 1.0, MaxFailedFraction: 0.5}
+	return RolloutConfig{BatchSize: 32, MaxResponseLen: 32, Temperature: 1.0, TopP: 1.0, MaxFailedFraction: 0.5,
+		TimeoutS: DefaultRolloutTimeoutS, StopGraceS: DefaultStopGraceS}
 }
 
 func defaultData() DataConfig {
@@ -111,6 +112,15 @@ func DefaultSandbox() SandboxConfig {
 		PrintBytes: 64 << 10, StateBytes: 64 << 10, StateTotalBytes: 16 << 20, ParallelItems: 1024, MessageBytes: 4 << 20,
 		MemoryMB: 1024, CPUSeconds: 0, Processes: 2}
 }
+
+// DefaultRolloutTimeoutS is rollout.timeout_s: ten minutes, far longer than an honest rollout of
+// the examples takes even on a slow engine, short enough that a rollout stuck in an endless loop
+// costs one step ten minutes rather than the run forever.
+const DefaultRolloutTimeoutS = 600
+
+// DefaultStopGraceS is rollout.stop_grace_s: after the first signal, rollouts get this long to
+// finish before they are cancelled, so a Ctrl-C ends a step stuck in a loop within half a minute.
+const DefaultStopGraceS = 30
 
 // defaultEvalInterval is the eval cadence when eval datasets are given without eval_interval.
 const defaultEvalInterval = 10

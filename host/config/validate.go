@@ -98,6 +98,8 @@ func (r *resolver) validate() {
 	r.check(ro.BatchSize > 0, "rollout.batch_size", 0, "must be at least 1 (tasks per step), got %d", ro.BatchSize)
 	r.validateSampling("rollout", 0, ro.MaxResponseLen, ro.Temperature, ro.TopP)
 	r.check(ro.MaxFailedFraction >= 0 && ro.MaxFailedFraction <= 1, "rollout.max_failed_fraction", 0, "must be in [0, 1], got %g", ro.MaxFailedFraction)
+	r.check(ro.TimeoutS >= 0, "rollout.timeout_s", 0, "must be ≥ 0 seconds (0: no limit), got %g", ro.TimeoutS)
+	r.check(ro.StopGraceS >= 0, "rollout.stop_grace_s", 0, "must be ≥ 0 seconds, got %g", ro.StopGraceS)
 	r.check(ro.MaxBatchTokens >= 0, "rollout.max_batch_tokens", 0, "must be ≥ 0 (0: no limit), got %d", ro.MaxBatchTokens)
 
 	msg := checkDataPath(c.Data.Path)

@@ -2,7 +2,6 @@ package script
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"runtime/debug"
 	"sort"
@@ -228,9 +227,9 @@ func noLoad(_ *starlark.Thread, module string) (starlark.StringDict, error) {
 // built-in into an error of this rollout alone.
 func (ro *Rollout) Call(th *starlark.Thread, fn starlark.Callable, args starlark.Tuple) (v starlark.Value, err error) {
 	stop := context.AfterFunc(ro.Ctx, func() {
-		var be *BudgetError
-		if cause := context.Cause(ro.Ctx); errors.As(cause, &be) {
-			th.Cancel(be.Error())
+		// A cause of its own (a budget, a time limit, a stopping run) is what the rollout reports.
+		if cause := context.Cause(ro.Ctx); cause != nil && cause != context.Canceled && cause != context.DeadlineExceeded {
+			th.Cancel(cause.Error())
 			return
 		}
 		th.Cancel("the run was stopped")
