@@ -409,3 +409,80 @@ run: {steps: 3, seed: 3, save_interval: 1, keep_checkpoints: 0}
 		t.Errorf("after resuming from another directory:\n%s\nwant\n%s", got, want)
 	}
 }
+
+// loopingDebate is the debate until step %d (a format verb), from which every other rollout loops forever.
+const loopingDebate = `load("@graphs//debate.star", "debate")
+
+def rollout(task):
+    debate(task, generator = "generator", critic = "critic", agents = 2, rounds = 1)
+    n = state.update("rollouts", lambda n: n + 1, 0)
+    if task.step >= %d and n %% 2 == 0:
+        while True:
+            pass
+`
+
+// loopingRun writes loopingDebate, looping from step from, and a config with the given rollout:
+// and run: settings.
+func loopingRun(t *testing.T, from int, rollout, run string) (script, cfg string) {
+	t.Helper()
+	dir := t.TempDir()
+	script, cfg = filepath.Join(dir, "loop.star"), filepath.Join(dir, "config.yaml")
+	y := `policies:
+  - {name: generator, hf_checkpoint: builtin:tiny-arith, engine: {kind: tiny}}
+  - {name: critic, hf_checkpoint: builtin:tiny-arith, engine: {kind: tiny}}
+rollout: {batch_size: 2, max_response_len: 8` + rollout + `}
+run: {steps: 3, seed: 3` + run + `}
+`
+	if err := os.WriteFile(cfg, []byte(y), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(script, []byte(fmt.Sprintf(loopingDebate, from)), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	return script, cfg
+}
+
+// TestSignalEndsEndlessLoop: SIGTERM while a rollout loops forever (no --sandbox, no time limit)
+// ends the step once rollout.stop_grace_s has passed: the looping rollout is cancelled, the step
+// trains the other, is checkpointed, and the run exits 0.
+func TestSignalEndsEndlessLoop(t *testing.T) {
+	script, cfg := loopingRun(t, 2, ", timeout_s: 0, stop_grace_s: 1", "")
+	out := filepath.Join(t.TempDir(), "run")
+	t0 := time.Now()
+	log, err := signalled(t, "step 1/3", 50*time.Millisecond, []syscall.Signal{syscall.SIGTERM}, "exec", script, "--config", cfg, "--out", out)
+	if err != nil {
+		t.Fatalf("SIGTERM: exit %v, want 0\n%s", err, log)
+	}
+	if took := time.Since(t0); took > 60*time.Second {
+		t.Errorf("the run took %v to stop with a 1s grace", took)
+	}
+	for _, want := range []string{"rollouts still running in 1s are cancelled", "rollout.stop_grace_s) and was cancelled", "stopped after 2 steps"} {
+		if !strings.Contains(log, want) {
+			t.Fatalf("no %q in the output:\n%s", want, log)
+		}
+	}
+	if ck, _, err := host.FindCheckpoint(out); err != nil || filepath.Base(ck) != "step_2" {
+		t.Fatalf("FindCheckpoint = %q, %v; want step_2", ck, err)
+	}
+	if !strings.Contains(log, "checkpoint in "+filepath.Join(out, "checkpoints", "step_2")) {
+		t.Errorf("the last line does not name the checkpoint:\n%s", log)
+	}
+}
+
+// TestAbandonClaimsNoCheckpoint: with run.on_signal: abandon, a signal during the first step
+// leaves no checkpoint, and the CLI does not claim one.
+func TestAbandonClaimsNoCheckpoint(t *testing.T) {
+	script, cfg := loopingRun(t, 1, "", ", on_signal: abandon")
+	out := filepath.Join(t.TempDir(), "run")
+	log, err := signalled(t, "slimen: "+script, 50*time.Millisecond, []syscall.Signal{syscall.SIGTERM}, "exec", script, "--config", cfg, "--out", out)
+	if err != nil {
+		t.Fatalf("SIGTERM: exit %v, want 0\n%s", err, log)
+	}
+	if !strings.Contains(log, "stopped after 0 steps") || !strings.Contains(log, "no checkpoint (no step completed)") ||
+		!strings.Contains(log, "nothing to checkpoint") || strings.Contains(log, "checkpoint in") {
+		t.Fatalf("the output claims a checkpoint, or the run did not stop in step 1:\n%s", log)
+	}
+	if _, err := os.Stat(filepath.Join(out, "checkpoints")); err == nil {
+		t.Errorf("a checkpoints folder was written")
+	}
+}
