@@ -455,3 +455,129 @@ def rollout(task):
 		}
 	}
 }
+
+// nestedFanout nests parallel calls a thousand wide, each under the default parallel_items: a
+// contributed script that tries to stall its step rather than break a budget outright.
+const nestedFanout = `
+def honest(task):
+    c = generate("p", task.prompt)
+    reward(c, 1.0)
+    train(c)
+
+def rollout(task):
+    honest(task)
+    if task.id == "t3":
+        parallel(lambda i: parallel(lambda j: parallel(lambda k: k, range(1000)), range(1000)), range(1000))
+`
+
+// TestSandboxNestedFanout: at the default budgets, a rollout that nests parallel calls a
+// thousand wide fails on its steps budget alone, and containing it costs the step little: the
+// step ends within nestedStepBound and the host's peak memory stays under hostPeakMiB
+// (docs/sandbox.md has the numbers before and after sandbox.threads).
+func TestSandboxNestedFanout(t *testing.T) {
+	if raceEnabled {
+		t.Skip("timing bound; the race detector multiplies the cost of every thread")
+	}
+	cfg := testConfig(8, "p")
+	cfg.Sandbox.Train = []string{"p"}
+	peak := resetPeak(t)
+	r, err := Load(context.Background(), writeScript(t, nestedFanout), Options{Config: cfg, Tasks: numberedTasks(8),
+		Engines: map[string]engines.Engine{"p": scripted.Echo(`\boxed{1}`)}, Sandbox: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer r.Close()
+	t0 := time.Now()
+	res, err := r.Step(context.Background())
+	if err != nil {
+		t.Fatal(err)
+	}
+	took := time.Since(t0)
+	mib := peak()
+	r.Close() // reaps the children: their peak shows in RUSAGE_CHILDREN
+	var ru syscall.Rusage
+	syscall.Getrusage(syscall.RUSAGE_CHILDREN, &ru)
+	t.Logf("step with the nested fan-out: %.1fs; host peak resident memory %d MiB, the largest child's %d MiB", took.Seconds(), mib, ru.Maxrss/1024)
+	for _, f := range res.Failed {
+		t.Logf("failed: %s", f.Msg)
+	}
+	if len(res.Failed) != 1 || res.Failed[0].TaskID != "t3" || !strings.Contains(res.Failed[0].Msg, "sandbox budget") {
+		for _, f := range res.Failed {
+			t.Logf("failed: %s", f.Error())
+		}
+		t.Fatalf("want exactly task t3 failed on a sandbox budget")
+	}
+	if got := res.Policies[0].Float("samples"); got != 7 {
+		t.Errorf("trained %v samples, want the 7 honest ones", got)
+	}
+	if took > nestedStepBound {
+		t.Errorf("the step took %v, want under %v", took, nestedStepBound)
+	}
+	if mib > hostPeakMiB {
+		t.Errorf("host peak resident memory %d MiB, want under %d", mib, hostPeakMiB)
+	}
+}
+
+const nestedStepBound = 30 * time.Second
+
+// nestedRandom nests parallel three deep; every leaf draws from its thread's generator and
+// generates, so what the rollout logs and trains depends on each item's call-tree position.
+const nestedRandom = `
+load("@slimen//random.star", "randint", "random")
+
+def leaf(k):
+    c = generate("p", "q%d" % randint(0, 1000000))
+    reward(c, random())
+    train(c)
+    return randint(0, 1000000)
+
+def rollout(task):
+    xs = parallel(lambda i: parallel(lambda j: parallel(leaf, range(3)), range(3)), range(3))
+    total = 0
+    for x in xs:
+        for y in x:
+            for z in y:
+                total += z
+    log(total = total)
+`
+
+// TestParallelThreadsBound: with sandbox.threads down to 1 (every item runs on its caller's
+// goroutine) nested parallel calls neither deadlock nor change what a rollout computes: the run
+// equals the in-process one, which has threads to spare.
+func TestParallelThreadsBound(t *testing.T) {
+	run := func(sandboxed bool, threads int) string {
+		cfg := testConfig(2, "p")
+		cfg.Sandbox.Train, cfg.Sandbox.Threads = []string{"p"}, threads
+		r, err := Load(context.Background(), writeScript(t, nestedRandom), Options{Config: cfg, Tasks: numberedTasks(2),
+			Engines: map[string]engines.Engine{"p": scripted.New(func(r scripted.Request) string { return fmt.Sprint(r.Seed % 97) })}, Sandbox: sandboxed})
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer r.Close()
+		res, err := r.Step(context.Background())
+		if err != nil {
+			t.Fatal(err)
+		}
+		if len(res.Failed) > 0 {
+			t.Fatalf("threads %d: %v", threads, res.Failed[0])
+		}
+		var lines []string
+		for _, m := range append(res.Policies, res.Run) {
+			for _, k := range TimingFields {
+				delete(m, k)
+			}
+			b, _ := json.Marshal(m)
+			lines = append(lines, string(b))
+		}
+		return joinLines(lines)
+	}
+	want := run(false, 0)
+	if !strings.Contains(want, `"total"`) || !strings.Contains(want, `"samples":54`) {
+		t.Fatalf("the in-process run did not log its total or train 54 samples:\n%s", want)
+	}
+	for _, threads := range []int{1, 3} {
+		if got := run(true, threads); got != want {
+			t.Errorf("sandbox.threads %d changes the run:\n%s\n---\n%s", threads, got, want)
+		}
+	}
+}

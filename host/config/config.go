@@ -247,6 +247,7 @@ type SandboxConfig struct {
 	StateBytes      int     `yaml:"state_bytes" json:"state_bytes"`             // size of one entry (key and value) stored in state
 	StateTotalBytes int     `yaml:"state_total_bytes" json:"state_total_bytes"` // size of everything the run's state holds (run-wide)
 	ParallelItems   int     `yaml:"parallel_items" json:"parallel_items"`       // items of one parallel() call
+	Threads         int     `yaml:"threads" json:"threads"`                     // threads of one rollout running at once; parallel items past it run on the calling thread
 	MessageBytes    int     `yaml:"message_bytes" json:"message_bytes"`         // one message from a child process to the host
 	MemoryMB        int     `yaml:"memory_mb" json:"memory_mb"`                 // memory (RLIMIT_DATA) of a child process
 	CPUSeconds      int     `yaml:"cpu_seconds" json:"cpu_seconds"`             // CPU time of a child process (0: unlimited)

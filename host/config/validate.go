@@ -152,6 +152,7 @@ func (r *resolver) validateSandbox() {
 	r.check(sb.StateTotalBytes >= sb.StateBytes, "sandbox.state_total_bytes", at,
 		"is %d, less than state_bytes (%d): the whole store must have room for one entry", sb.StateTotalBytes, sb.StateBytes)
 	atLeast("parallel_items", int64(sb.ParallelItems), 1)
+	atLeast("threads", int64(sb.Threads), 1)
 	// One prompt (or one stored value) travels to the host in one message, and JSON escaping can
 	// grow it; the host reads each message whole, so the cap stays far below its memory.
 	need := 2 * max(sb.PromptBytes, sb.StateBytes, 32<<10)

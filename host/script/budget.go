@@ -100,6 +100,15 @@ func (b *Budget) parallel(fn string, items int) error {
 	return &BudgetError{"parallel_items", fmt.Sprint(b.cfg.ParallelItems), fmt.Sprintf("%s over more than %d items", fn, items-1)}
 }
 
+// threads is how many of the rollout's threads may run at once: sandbox.threads, or
+// maxRolloutThreads without a sandbox.
+func (b *Budget) threads() int {
+	if b == nil {
+		return maxRolloutThreads
+	}
+	return b.cfg.Threads
+}
+
 // state checks the size of a value about to be stored under a key.
 func (b *Budget) state(fn string, v starlark.Value) error {
 	if b == nil {
@@ -182,13 +191,27 @@ const (
 // threadSteps is a thread's share of the count: the steps of it already counted.
 type threadSteps struct{ counted uint64 }
 
-// limitThread applies the step budget to a thread of the rollout.
+// threadStepCost is what starting a thread costs a rollout's steps budget: a thread (its goroutine,
+// its Starlark state, its seeds) costs the host as much as a few hundred steps of a loop, so a
+// fan-out of tiny items meets the budget as soon as a loop of the same cost would.
+const threadStepCost = 200
+
+// limitThread applies the step budget to a thread of the rollout, charging it threadStepCost.
 func (b *Budget) limitThread(th *starlark.Thread) {
 	if b == nil {
 		return
 	}
 	acct := &threadSteps{}
 	th.SetLocal(stepsLocal, acct)
+	b.mu.Lock()
+	b.steps += threadStepCost
+	over := b.steps > b.cfg.Steps
+	steps := b.steps
+	b.mu.Unlock()
+	if over {
+		th.Cancel((&BudgetError{"steps", fmt.Sprint(b.cfg.Steps),
+			fmt.Sprintf("the rollout's threads ran %d Starlark steps in all, counting %d for each thread it started, without finishing", steps, threadStepCost)}).Error())
+	}
 	th.OnMaxSteps = func(th *starlark.Thread) {
 		if err := b.countSteps(th, acct); err != nil {
 			th.Cancel(err.Error())

@@ -40,23 +40,39 @@ func builtinParallel(thread *starlark.Thread, b *starlark.Builtin, args starlark
 	}
 	iter.Done()
 	base := ts.next()
+	if depth := (len(base) + 1) / 2; depth > maxParallelDepth { // a path grows by 2 a nesting: the call, the item
+		return nil, fmt.Errorf("%s: parallel calls nested more than %d deep", b.Name(), maxParallelDepth)
+	}
 	ro := ts.ro
 	results := make([]starlark.Value, len(xs))
 	errs := make([]error, len(xs))
-	sem := make(chan struct{}, parallelWidth)
-	var wg sync.WaitGroup
-	ro.Host.Running(len(xs) - 1) // children count as running before the parent stops running
-	for i := range xs {
-		wg.Add(1)
-		sem <- struct{}{}
-		go func(i int) {
-			defer wg.Done()
-			defer func() { <-sem }()
-			defer ro.Host.Running(-1)
-			child := ro.NewThread(append(append([]int(nil), base...), i))
-			results[i], errs[i] = ro.Call(child, fn, starlark.Tuple{xs[i]})
-		}(i)
+	run := func(i int) {
+		child := ro.NewThread(append(append([]int(nil), base...), i))
+		results[i], errs[i] = ro.Call(child, fn, starlark.Tuple{xs[i]})
 	}
+	// Each item runs on a thread of its own while the rollout has a thread slot free; an item
+	// that finds none runs on the calling thread, so a rollout never has more threads running
+	// than its slots allow (a fan-out nested a thousand wide stays a handful of threads), nested
+	// calls cannot deadlock waiting for slots, and every item still runs on a Starlark thread of
+	// its own call-tree position, so what it computes does not depend on where it ran.
+	slots := ro.threadSlots()
+	var wg sync.WaitGroup
+	for i := range xs {
+		select {
+		case slots <- struct{}{}:
+			ro.Host.Running(1) // counts as running before its parent stops running
+			wg.Add(1)
+			go func(i int) {
+				defer wg.Done()
+				defer func() { <-slots }()
+				defer ro.Host.Running(-1)
+				run(i)
+			}(i)
+		default:
+			run(i)
+		}
+	}
+	ro.Host.Running(-1)
 	wg.Wait()
 	ro.Host.Running(1)
 	for i, err := range errs {
@@ -69,5 +85,10 @@ func builtinParallel(thread *starlark.Thread, b *starlark.Builtin, args starlark
 
 const (
 	maxParallelItems = 100_000
-	parallelWidth    = 4096 // items running at once; more wait their turn
+	// maxRolloutThreads bounds the threads of one rollout running at once outside a sandbox
+	// (inside one, sandbox.threads does).
+	maxRolloutThreads = 4096
+	// maxParallelDepth bounds how deep parallel calls nest: a thread's Starlark stack starts
+	// empty, so recursion through parallel escapes Starlark's own recursion check.
+	maxParallelDepth = 64
 )

@@ -34,6 +34,9 @@ type Rollout struct {
 	Result starlark.Value // what the rollout function returned
 	Err    error          // why it failed; nil: it succeeded
 
+	slotsOnce sync.Once
+	slots     chan struct{} // the rollout's threads running besides its first (Budget.threads)
+
 	mu        sync.Mutex
 	queued    []Queued
 	generated []*Completion
@@ -208,6 +211,13 @@ func (ro *Rollout) print(th *starlark.Thread, msg string) {
 	case n == maxPrintsPerRollout+1:
 		ro.Host.Event(fmt.Sprintf("step %d task %s: more print output dropped (limit %d lines a rollout)", ro.Step, ro.Task.ID, maxPrintsPerRollout))
 	}
+}
+
+// threadSlots is the semaphore of the rollout's threads: parallel takes a slot for each item it
+// runs on a thread of its own.
+func (ro *Rollout) threadSlots() chan struct{} {
+	ro.slotsOnce.Do(func() { ro.slots = make(chan struct{}, max(ro.Budget.threads()-1, 0)) })
+	return ro.slots
 }
 
 // newThread makes a Starlark thread of this rollout at the given call-tree position.
