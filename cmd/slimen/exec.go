@@ -229,16 +229,16 @@ func train(r *host.Run, prog *progress) int {
 		<-sigs
 		stopping.Store(true)
 		r.Stop()
-		then := "then checkpointing"
-		if r.StepsDone() == 0 && r.LastCheckpoint() == "" {
-			then = "no step is complete yet, so there will be nothing to checkpoint"
-		}
 		if r.Config().Run.OnSignal == "abandon" {
+			then := "then checkpointing"
+			if r.StepsDone() == 0 && r.LastCheckpoint() == "" {
+				then = "no step is complete yet, so there will be nothing to checkpoint"
+			}
 			fmt.Fprintf(prog.logWriter(), "slimen: stopping: abandoning the step in progress, %s (a second signal exits at once)\n", then)
 			abandon()
 		} else {
-			fmt.Fprintf(prog.logWriter(), "slimen: stopping: finishing the step in progress (rollouts still running in %v are cancelled: rollout.stop_grace_s), %s (a second signal exits at once)\n",
-				r.StopGrace(), then)
+			fmt.Fprintf(prog.logWriter(), "slimen: stopping: finishing the step in progress (rollouts still running in %v are cancelled: rollout.stop_grace_s), then checkpointing (a second signal exits at once)\n",
+				r.StopGrace())
 		}
 		<-sigs
 		fmt.Fprintln(os.Stderr, "\nslimen: second signal: exiting now")
