@@ -230,11 +230,8 @@ func train(r *host.Run, prog *progress) int {
 		stopping.Store(true)
 		r.Stop()
 		if r.Config().Run.OnSignal == "abandon" {
-			then := "then checkpointing"
-			if r.StepsDone() == 0 && r.LastCheckpoint() == "" {
-				then = "no step is complete yet, so there will be nothing to checkpoint"
-			}
-			fmt.Fprintf(prog.logWriter(), "slimen: stopping: abandoning the step in progress, %s (a second signal exits at once)\n", then)
+			// The run's step count belongs to Train's goroutine: the last line says what was saved.
+			fmt.Fprintln(prog.logWriter(), "slimen: stopping: abandoning the step in progress, then checkpointing the last completed step, if any (a second signal exits at once)")
 			abandon()
 		} else {
 			fmt.Fprintf(prog.logWriter(), "slimen: stopping: finishing the step in progress (rollouts still running in %v are cancelled: rollout.stop_grace_s), then checkpointing (a second signal exits at once)\n",

@@ -479,7 +479,7 @@ func TestAbandonClaimsNoCheckpoint(t *testing.T) {
 		t.Fatalf("SIGTERM: exit %v, want 0\n%s", err, log)
 	}
 	if !strings.Contains(log, "stopped after 0 steps") || !strings.Contains(log, "no checkpoint (no step completed)") ||
-		!strings.Contains(log, "nothing to checkpoint") || strings.Contains(log, "checkpoint in") {
+		strings.Contains(log, "checkpoint in") {
 		t.Fatalf("the output claims a checkpoint, or the run did not stop in step 1:\n%s", log)
 	}
 	if _, err := os.Stat(filepath.Join(out, "checkpoints")); err == nil {
