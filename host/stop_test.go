@@ -64,6 +64,7 @@ func TestStopCancelsAfterGrace(t *testing.T) {
 			cfg := testConfig(4, "p")
 			cfg.Rollout.TimeoutS, cfg.Rollout.StopGraceS = 0, 0.5
 			cfg.Sandbox.Train = []string{"p"}
+			cfg.Sandbox.Steps = 1 << 60 // the loops must end by the stop, not on their budget
 			tasks := numberedTasks(4)
 			for i := range tasks {
 				tasks[i].Metadata = map[string]any{"all": i > 0}
