@@ -3,6 +3,7 @@ module github.com/slimen/slimen
 go 1.26.8
 
 require (
+	github.com/NVIDIA/go-nvml v0.13.4-1
 	github.com/fsnotify/fsnotify v1.10.1
 	github.com/google/go-cmp v0.7.0
 	go.starlark.net v0.0.0-20260908191801-89a6a09411d5
