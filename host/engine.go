@@ -48,6 +48,10 @@ type EngineEnv struct {
 	OnRestart func(engine string, self func() engines.Engine) func(ctx context.Context, prev, cur string) error
 
 	bases *loraBases // the run's shared LoRA bases (host/lora.go); nil: none shared
+	// Config is the run's config, all its policies (nil when the caller has none): what a kind
+	// that places its workers among the run's other policies reads (host/torch, on the GPUs).
+	// It is the run's; an engine must not change it.
+	Config *config.Config
 }
 
 var engineKinds = struct {
@@ -108,7 +112,8 @@ type engineLogs struct {
 	// process, before anything that process says is used; it puts the policy's state back or
 	// returns why it cannot (then the engine fails every call). Unset, a restart is only logged.
 	restarted func(ctx context.Context, ev restartEvent) error
-	bases     *loraBases // where the run's LoRA policies share their base models
+	bases     *loraBases     // where the run's LoRA policies share their base models
+	cfg       *config.Config // the run's config, for EngineEnv.Config
 }
 
 func (l engineLogs) logf(format string, args ...any) {
@@ -119,7 +124,7 @@ func (l engineLogs) logf(format string, args ...any) {
 
 // env is the EngineEnv of a policy's engine in a run with directory runDir.
 func (l engineLogs) env(p config.PolicyConfig, runDir string) EngineEnv {
-	e := EngineEnv{RunDir: runDir, Logf: l.logf, Worker: l.worker, bases: l.bases}
+	e := EngineEnv{RunDir: runDir, Logf: l.logf, Worker: l.worker, bases: l.bases, Config: l.cfg}
 	if l.printf != nil || l.restarted != nil {
 		e.OnRestart = func(engine string, self func() engines.Engine) func(ctx context.Context, prev, cur string) error {
 			return func(ctx context.Context, prev, cur string) error {

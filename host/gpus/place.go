@@ -53,7 +53,8 @@ func (e Estimate) String() string {
 type Worker struct {
 	Policy        string
 	GPUs          []int
-	From          string // "placement", "engine.gpus" or "engine.device"
+	UUIDs         []string // the same GPUs by UUID (what CUDA_VISIBLE_DEVICES should name: CUDA's order may not be NVML's)
+	From          string   // "placement", "engine.gpus" or "engine.device"
 	Estimate      Estimate
 	ExplicitSlots bool
 	Shares        []string // the other policies whose workers run on the same GPU
@@ -147,7 +148,7 @@ func Place(c *config.Config, models map[string]Model, list []GPU) (*Plan, error)
 				if !ok {
 					return nil, fmt.Errorf("policy %q: engine.gpus names GPU %s, which this machine does not have (%s)", p.Name, id, describe(list))
 				}
-				w.GPUs = append(w.GPUs, list[i].Index)
+				w.GPUs, w.UUIDs = append(w.GPUs, list[i].Index), append(w.UUIDs, list[i].UUID)
 			}
 		case strings.HasPrefix(p.Engine.Device, "cuda:"):
 			w.From = "engine.device"
@@ -156,7 +157,7 @@ func Place(c *config.Config, models map[string]Model, list []GPU) (*Plan, error)
 			if !ok {
 				return nil, fmt.Errorf("policy %q: engine.device %s names a GPU this machine does not have (%s)", p.Name, p.Engine.Device, describe(list))
 			}
-			w.GPUs = []int{list[i].Index}
+			w.GPUs, w.UUIDs = []int{list[i].Index}, []string{list[i].UUID}
 		default:
 			var slice []int
 			for k := actOff; k < actOff+a; k++ {
@@ -179,7 +180,7 @@ func Place(c *config.Config, models map[string]Model, list []GPU) (*Plan, error)
 					p.Name, span(slice), sizing(p), len(list), plural(len(list)), plan.Total, totals(plan))
 			}
 			for _, k := range slice {
-				w.GPUs = append(w.GPUs, list[k].Index)
+				w.GPUs, w.UUIDs = append(w.GPUs, list[k].Index), append(w.UUIDs, list[k].UUID)
 			}
 		}
 		if !pinned(p) {

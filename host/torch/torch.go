@@ -65,6 +65,12 @@ func open(ctx context.Context, p config.PolicyConfig, env host.EngineEnv) (engin
 	if err := checkTorchPython(ctx, python, from); err != nil {
 		return nil, err
 	}
+	w, err := placement(p, env)
+	if err != nil {
+		return nil, err
+	}
+	placeEnv, placeArgs := placed(p, w)
+	args = append(args, placeArgs...)
 	// The KL reference stays the base model, not the checkpoint the policy resumes from.
 	if ref := p.KLReference(); ref != model && !slices.ContainsFunc(args, func(a string) bool { return a == "--ref-model" || strings.HasPrefix(a, "--ref-model=") }) {
 		ref, err := filepath.Abs(ref)
@@ -83,6 +89,10 @@ func open(ctx context.Context, p config.PolicyConfig, env host.EngineEnv) (engin
 	if len(p.Engine.GPUs) > 0 {
 		o.Env = []string{"CUDA_VISIBLE_DEVICES=" + strings.Join(p.Engine.GPUs, ",")}
 		where += ", " + o.Env[0]
+	}
+	if len(placeEnv) > 0 {
+		o.Env = placeEnv
+		where += fmt.Sprintf(" of GPU %s (placed: %s)", joinInts(w.GPUs), o.Env[0])
 	}
 	var self atomic.Value
 	if env.OnRestart != nil {

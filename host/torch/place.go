@@ -1,0 +1,122 @@
+package torch
+
+import (
+	"errors"
+	"fmt"
+	"strconv"
+	"strings"
+	"sync"
+
+	"github.com/slimen/slimen/host"
+	"github.com/slimen/slimen/host/config"
+	"github.com/slimen/slimen/host/gpus"
+)
+
+// inventory is what torch workers are placed on: this machine's GPUs (tests replace it).
+var inventory gpus.Inventory = gpus.NVML()
+
+// runPlan is the placement of one run's torch workers, made when its first worker opens, before
+// any starts (so a config that cannot fit starts none), and forgotten once all have opened.
+type runPlan struct {
+	plan *gpus.Plan // nil: nothing is placed (no GPUs visible)
+	left int        // placed workers not opened yet
+}
+
+var plans = struct {
+	sync.Mutex
+	m map[*config.Config]*runPlan
+}{m: map[*config.Config]*runPlan{}}
+
+// placement is a policy's worker as the run's placement gives it (docs/gpus.md), nil when it is
+// not placed: no config, not a local GPU worker, or no GPUs visible.
+func placement(p config.PolicyConfig, env host.EngineEnv) (*gpus.Worker, error) {
+	if env.Config == nil || !gpus.Local(p) {
+		return nil, nil
+	}
+	plans.Lock()
+	defer plans.Unlock()
+	rp := plans.m[env.Config]
+	if rp == nil {
+		plan, err := place(env.Config, env.Logf)
+		if err != nil {
+			return nil, fmt.Errorf("placement of the torch workers on this machine's GPUs: %w", err)
+		}
+		rp = &runPlan{plan: plan}
+		if plan != nil {
+			rp.left = len(plan.Workers)
+		}
+		plans.m[env.Config] = rp
+	}
+	if rp.plan == nil {
+		return nil, nil
+	}
+	w := rp.plan.Worker(p.Name)
+	if w == nil {
+		return nil, nil
+	}
+	if rp.left--; rp.left <= 0 {
+		delete(plans.m, env.Config)
+	}
+	return w, nil
+}
+
+// place reads the GPUs and the models of the config's local workers and places them.
+func place(c *config.Config, logf func(string, ...any)) (*gpus.Plan, error) {
+	list, err := inventory.GPUs()
+	if errors.Is(err, gpus.ErrNoNVML) {
+		logf("torch workers are not placed: %v; each uses the device it finds", err)
+		return nil, nil
+	}
+	if err != nil {
+		return nil, err
+	}
+	models := map[string]gpus.Model{}
+	for _, p := range c.Policies {
+		if !gpus.Local(p) {
+			continue
+		}
+		m, err := gpus.ReadModel(gpus.ModelDir(p))
+		if err != nil {
+			return nil, fmt.Errorf("policy %q: %w", p.Name, err)
+		}
+		models[p.Name] = m
+	}
+	plan, err := gpus.Place(c, models, list)
+	if err != nil {
+		return nil, err
+	}
+	for _, w := range plan.Workers {
+		line := fmt.Sprintf("policy %q: placed on GPU %s (%s): memory about %s (%s)", w.Policy, joinInts(w.GPUs), w.From, gpus.GiB(w.Estimate.Total()), w.Estimate)
+		if len(w.Shares) > 0 {
+			line += fmt.Sprintf("; shares GPU %d with %s", w.GPUs[0], strings.Join(w.Shares, ", "))
+		}
+		logf("%s", line)
+	}
+	return plan, nil
+}
+
+// placed is what a placement changes in a worker's start: CUDA_VISIBLE_DEVICES for a worker
+// placed by the sizing rules (engine.gpus, when given, wins), and --slots for a worker sharing its
+// GPU whose engine.args do not size the cache, so the caches of the workers on a GPU add up to
+// what one worker alone would take (the worker's own rule measures the free memory when it starts,
+// which counts its neighbours only if they started first).
+func placed(p config.PolicyConfig, w *gpus.Worker) (env, args []string) {
+	if w == nil {
+		return nil, nil
+	}
+	if w.From == "placement" && len(p.Engine.GPUs) == 0 {
+		env = []string{"CUDA_VISIBLE_DEVICES=" + strings.Join(w.UUIDs, ",")}
+	}
+	if len(w.Shares) > 0 && !w.ExplicitSlots {
+		args = []string{"--slots", strconv.Itoa(w.Estimate.Slots)}
+	}
+	return env, args
+}
+
+func joinInts(s []int) string {
+	parts := make([]string, len(s))
+	for i, k := range s {
+		parts[i] = strconv.Itoa(k)
+	}
+	return strings.Join(parts, ",")
+}
