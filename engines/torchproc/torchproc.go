@@ -67,22 +67,59 @@ type Options struct {
 	Log io.Writer
 	// Client holds the settings of the gRPC client; its Address and TokenEnv are set by Start.
 	Client remote.Options
+
+	// MaxRestarts is how many times a worker that exits after its start, or hangs, is started
+	// again, on the same address with the same arguments, so that its client reconnects and
+	// finds a new server process (remote.Options.OnRestart puts the state back); 0: never, a
+	// dead worker stays dead. Client.ReconnectTimeout must cover the new worker's start.
+	MaxRestarts int
+	// HangTimeout: a worker whose Health has not answered for this long (it is probed every
+	// HangTimeout/5) is killed with SIGKILL, and restarted when MaxRestarts allows; a worker
+	// started again has StartTimeout until it first answers; 0: not watched.
+	HangTimeout time.Duration
+	// Logf, when set, receives a line for each exit, hang and restart of the worker after its start.
+	Logf func(format string, args ...any)
 }
 
 // WorkerTokenEnv is the variable of a worker's environment that holds the token Start made for it
 // (when Options.TokenEnv is empty).
 const WorkerTokenEnv = "SLIMEN_WORKER_TOKEN"
 
-// Engine is a running worker: the remote client (every engines.Engine method) plus the process.
+// Engine is a running worker: the remote client (every engines.Engine method) plus the process,
+// and the supervisor that restarts it (Options.MaxRestarts, Options.HangTimeout).
 type Engine struct {
 	*remote.Client
+	mu       sync.Mutex
+	proc     *proc // the current process; guarded by mu
+	closing  bool  // Close began: nothing restarts the worker any more; guarded by mu
+	restarts int   // guarded by mu
+	closed   chan struct{}
+	tail     *tailBuffer
+	tmp      string
+	once     sync.Once
+	stopErr  error
+	spawn    func(listen string) (*proc, error)
+}
+
+// proc is one process of the worker.
+type proc struct {
 	cmd     *exec.Cmd
 	exited  chan struct{} // closed when the process has exited
 	waitErr error
-	tail    *tailBuffer
-	tmp     string
-	once    sync.Once
-	stopErr error
+}
+
+// Restarts is how many times the worker has been started again after its start.
+func (e *Engine) Restarts() int {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	return e.restarts
+}
+
+// Pid is the process id of the worker's current process.
+func (e *Engine) Pid() int {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	return e.proc.cmd.Process.Pid
 }
 
 var _ engines.Engine = (*Engine)(nil)
@@ -119,8 +156,7 @@ func Start(ctx context.Context, opts Options) (*Engine, error) {
 		return nil, err
 	}
 	addrFile := filepath.Join(tmp, "address")
-	args := []string{"-m", "slimen_torch", "serve", "--model", model, "--listen", "127.0.0.1:0",
-		"--address-file", addrFile}
+	args := []string{"--address-file", addrFile}
 	if opts.Device != "" {
 		args = append(args, "--device", opts.Device)
 	}
@@ -141,32 +177,141 @@ func Start(ctx context.Context, opts Options) (*Engine, error) {
 		args = append(args, "--root", abs)
 	}
 	args = append(args, opts.Args...)
-	cmd := exec.Command(opts.Python, args...)
-	cmd.Env = append(os.Environ(), "PYTHONPATH="+pythonPath(pkg), "PYTHONUNBUFFERED=1")
-	cmd.Env = append(cmd.Env, opts.Env...)
-	if token != "" {
-		cmd.Env = append(cmd.Env, WorkerTokenEnv+"="+token) // the last value of a name wins
-	}
 	tail := &tailBuffer{max: 64 << 10}
 	out := io.MultiWriter(opts.Log, tail)
-	cmd.Stdout, cmd.Stderr = out, out
-	setProcAttr(cmd)
-	if err := cmd.Start(); err != nil {
-		os.RemoveAll(tmp)
-		return nil, fmt.Errorf("torch engine: start %s: %w (set engine.python to an interpreter with engines/torch/requirements.txt)", opts.Python, err)
+	e := &Engine{tail: tail, tmp: tmp, closed: make(chan struct{})}
+	// The first process listens on a free port; one started again listens where it did.
+	e.spawn = func(listen string) (*proc, error) {
+		argv := append([]string{"-m", "slimen_torch", "serve", "--model", model, "--listen", listen}, args...)
+		cmd := exec.Command(opts.Python, argv...)
+		cmd.Env = append(os.Environ(), "PYTHONPATH="+pythonPath(pkg), "PYTHONUNBUFFERED=1")
+		cmd.Env = append(cmd.Env, opts.Env...)
+		if token != "" {
+			cmd.Env = append(cmd.Env, WorkerTokenEnv+"="+token) // the last value of a name wins
+		}
+		cmd.Stdout, cmd.Stderr = out, out
+		setProcAttr(cmd)
+		if err := cmd.Start(); err != nil {
+			return nil, fmt.Errorf("torch engine: start %s: %w (set engine.python to an interpreter with engines/torch/requirements.txt)", opts.Python, err)
+		}
+		p := &proc{cmd: cmd, exited: make(chan struct{})}
+		go func() {
+			p.waitErr = cmd.Wait()
+			close(p.exited)
+		}()
+		return p, nil
 	}
-	e := &Engine{cmd: cmd, exited: make(chan struct{}), tail: tail, tmp: tmp}
-	go func() {
-		e.waitErr = cmd.Wait()
-		close(e.exited)
-	}()
+	p, err := e.spawn("127.0.0.1:0")
+	if err != nil {
+		os.RemoveAll(tmp)
+		return nil, err
+	}
+	e.proc = p
 	ctx, cancel := context.WithTimeout(ctx, opts.StartTimeout)
 	defer cancel()
 	if err := e.connect(ctx, addrFile, opts, token); err != nil {
 		e.stop()
 		return nil, err
 	}
+	if opts.MaxRestarts > 0 || opts.HangTimeout > 0 {
+		go e.supervise(opts)
+	}
 	return e, nil
+}
+
+// supervise waits for the worker to exit, or to stop answering Health for opts.HangTimeout (then
+// kills it), and starts it again on its address while opts.MaxRestarts allows.
+func (e *Engine) supervise(opts Options) {
+	logf := opts.Logf
+	if logf == nil {
+		logf = func(string, ...any) {}
+	}
+	hung := make(chan *proc, 1)
+	if opts.HangTimeout > 0 {
+		go e.heartbeat(opts.HangTimeout, opts.StartTimeout, hung)
+	}
+	addr := e.Client.Address()
+	for {
+		e.mu.Lock()
+		p := e.proc
+		e.mu.Unlock()
+		select {
+		case <-e.closed:
+			return
+		case <-p.exited:
+			logf("the torch worker (pid %d) exited: %v", p.cmd.Process.Pid, p.waitErr)
+		case h := <-hung:
+			if h != p {
+				continue
+			}
+			logf("the torch worker (pid %d) has not answered Health for %v: killing it", p.cmd.Process.Pid, opts.HangTimeout)
+			kill(p.cmd)
+			<-p.exited
+		}
+		e.mu.Lock()
+		if e.closing {
+			e.mu.Unlock()
+			return
+		}
+		if e.restarts >= opts.MaxRestarts {
+			e.mu.Unlock()
+			logf("the torch worker is not started again: it was restarted %d times already (the limit); calls fail once the client's reconnect timeout has passed", e.restarts)
+			return
+		}
+		e.restarts++
+		n := e.restarts
+		np, err := e.spawn(addr)
+		if err != nil {
+			e.mu.Unlock()
+			logf("the torch worker could not be started again: %v", err)
+			return
+		}
+		e.proc = np
+		e.mu.Unlock()
+		logf("the torch worker is started again on %s (restart %d of at most %d, pid %d)", addr, n, opts.MaxRestarts, np.cmd.Process.Pid)
+	}
+}
+
+// heartbeat probes Health every timeout/5 and hands the current process to hung when no probe
+// has succeeded for timeout; a process started again that has not answered yet has start (its
+// start-up: importing torch and loading the model) instead.
+func (e *Engine) heartbeat(timeout, start time.Duration, hung chan<- *proc) {
+	every := timeout / 5
+	tick := time.NewTicker(every)
+	defer tick.Stop()
+	watched, answered := e.proc, true // Start saw the first process serve
+	alive := time.Now()
+	for {
+		select {
+		case <-e.closed:
+			return
+		case <-tick.C:
+		}
+		e.mu.Lock()
+		p := e.proc
+		e.mu.Unlock()
+		if p != watched {
+			watched, answered, alive = p, false, time.Now()
+		}
+		ctx, cancel := context.WithTimeout(context.Background(), every)
+		_, err := e.Client.Health(ctx)
+		cancel()
+		if err == nil {
+			answered, alive = true, time.Now()
+			continue
+		}
+		limit := timeout
+		if !answered {
+			limit = start
+		}
+		if time.Since(alive) >= limit {
+			select {
+			case hung <- p:
+			default:
+			}
+			alive = time.Now()
+		}
+	}
 }
 
 // connect waits for the address file, dials (with the token Start made, if any), and waits for the
@@ -191,7 +336,7 @@ func (e *Engine) connect(ctx context.Context, addrFile string, opts Options, tok
 	defer cancel()
 	go func() { // a worker that dies while we dial must not leave Dial retrying
 		select {
-		case <-e.exited:
+		case <-e.proc.exited:
 			cancel()
 		case <-dialCtx.Done():
 		}
@@ -218,7 +363,7 @@ func (e *Engine) connect(ctx context.Context, addrFile string, opts Options, tok
 
 func (e *Engine) waitTick(ctx context.Context, tick *time.Ticker, model string) error {
 	select {
-	case <-e.exited:
+	case <-e.proc.exited:
 		return e.exitError(model)
 	case <-ctx.Done():
 		return fmt.Errorf("torch engine for %s: not serving after %v: %w; its log ends:\n%s",
@@ -231,9 +376,9 @@ func (e *Engine) waitTick(ctx context.Context, tick *time.Ticker, model string) 
 // exitError describes a worker that exited, with the end of its log; nil while it runs.
 func (e *Engine) exitError(model string) error {
 	select {
-	case <-e.exited:
+	case <-e.proc.exited:
 		return fmt.Errorf("torch engine for %s exited during start-up (%v); its log ends:\n%s",
-			model, e.waitErr, e.tail.String())
+			model, e.proc.waitErr, e.tail.String())
 	default:
 		return nil
 	}
@@ -242,6 +387,10 @@ func (e *Engine) exitError(model string) error {
 // Close stops the client and the worker.
 func (e *Engine) Close() error {
 	e.once.Do(func() {
+		e.mu.Lock()
+		e.closing = true
+		e.mu.Unlock()
+		close(e.closed)
 		if e.Client != nil {
 			e.Client.Close()
 		}
@@ -253,18 +402,21 @@ func (e *Engine) Close() error {
 // stop ends the worker: SIGTERM (it stops serving and exits), SIGKILL after DefaultStopTimeout.
 func (e *Engine) stop() error {
 	defer os.RemoveAll(e.tmp)
+	e.mu.Lock()
+	p := e.proc
+	e.mu.Unlock()
 	select {
-	case <-e.exited:
+	case <-p.exited:
 		return nil
 	default:
 	}
-	terminate(e.cmd)
+	terminate(p.cmd)
 	select {
-	case <-e.exited:
+	case <-p.exited:
 		return nil
 	case <-time.After(DefaultStopTimeout):
-		kill(e.cmd)
-		<-e.exited
+		kill(p.cmd)
+		<-p.exited
 		return fmt.Errorf("torch engine: the worker did not stop within %v and was killed", DefaultStopTimeout)
 	}
 }

@@ -135,7 +135,7 @@ func TestStartServeAndClose(t *testing.T) {
 		t.Fatal(err)
 	}
 	select {
-	case <-e.exited:
+	case <-e.proc.exited:
 	default:
 		t.Fatal("the worker still runs after Close")
 	}

@@ -118,6 +118,11 @@ type EngineConfig struct {
 	GPUs         []string      `yaml:"gpus,omitempty" json:"gpus,omitempty"`
 	Args         []string      `yaml:"args,omitempty" json:"args,omitempty"`
 	StartTimeout time.Duration `yaml:"start_timeout,omitempty" json:"start_timeout,omitempty"`
+	// torch: MaxRestarts bounds how often a worker that dies or hangs is started again (nil: 3,
+	// 0: never); HangTimeout is how long its Health may go unanswered before it is killed as
+	// hung (0: 2 minutes).
+	MaxRestarts *int          `yaml:"max_restarts,omitempty" json:"max_restarts,omitempty"`
+	HangTimeout time.Duration `yaml:"hang_timeout,omitempty" json:"hang_timeout,omitempty"`
 	// remote: security and limits of the connection (docs/remote.md); torch: TokenEnv makes the
 	// worker demand the token, the others are the client's settings.
 	TokenEnv     string     `yaml:"token_env,omitempty" json:"token_env,omitempty"` // env var holding the bearer token

@@ -338,6 +338,8 @@ func (r *resolver) validateTorch(p *PolicyConfig, pp string) {
 		r.check(g != "" && !strings.ContainsAny(g, ", \t"), fmt.Sprintf("%s.gpus[%d]", ep, j), r.line(ep+".gpus", p.Line),
 			"%q is not a GPU: give one index (0) or UUID (GPU-…) per list item", g)
 	}
+	r.check(e.MaxRestarts == nil || *e.MaxRestarts >= 0, ep+".max_restarts", r.line(ep+".max_restarts", p.Line), "must be ≥ 0 (0: a worker that dies is not started again), got %d", deref(e.MaxRestarts))
+	r.check(e.HangTimeout >= 0, ep+".hang_timeout", r.line(ep+".hang_timeout", p.Line), "must be ≥ 0 (0: the default, 2 minutes), got %v", e.HangTimeout)
 	for j, a := range e.Args {
 		for _, f := range hostSetFlags {
 			r.check(a != f.flag && !strings.HasPrefix(a, f.flag+"="), fmt.Sprintf("%s.args[%d]", ep, j), r.line(ep+".args", p.Line),
@@ -415,4 +417,11 @@ func (r *resolver) validateSampling(prefix string, line, maxLen int, temperature
 	r.check(maxLen > 0, prefix+".max_response_len", line, "must be at least 1 token, got %d", maxLen)
 	r.check(temperature >= 0 && !math.IsInf(temperature, 0), prefix+".temperature", line, "must be a finite value ≥ 0 (0 is greedy), got %g", temperature)
 	r.check(topP > 0 && topP <= 1, prefix+".top_p", line, "must be in (0, 1], got %g", topP)
+}
+
+func deref(p *int) int {
+	if p == nil {
+		return 0
+	}
+	return *p
 }

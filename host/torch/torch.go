@@ -46,6 +46,13 @@ func torchPython(p config.PolicyConfig) (python, from string) {
 	return "python3", "the default: engine.python, else $" + PythonEnv + ", else python3 from PATH"
 }
 
+// Supervision defaults (engine.max_restarts, engine.hang_timeout): a worker that dies or hangs is
+// started again up to 3 times; one whose Health goes unanswered for 2 minutes is hung.
+const (
+	defaultMaxRestarts = 3
+	defaultHangTimeout = 2 * time.Minute
+)
+
 // open starts a policy's torch worker and connects to it.
 func open(ctx context.Context, p config.PolicyConfig, env host.EngineEnv) (engines.Engine, error) {
 	python, from := torchPython(p)
@@ -81,7 +88,14 @@ func open(ctx context.Context, p config.PolicyConfig, env host.EngineEnv) (engin
 	}
 	o := torchproc.Options{Python: python, Model: model, Device: p.Engine.Device, Args: args,
 		Roots: torchRoots(p, env.RunDir), TokenEnv: p.Engine.TokenEnv, StartTimeout: p.Engine.StartTimeout,
-		Client: host.ClientOptions(p)}
+		Client: host.ClientOptions(p), MaxRestarts: defaultMaxRestarts, HangTimeout: p.Engine.HangTimeout,
+		Logf: func(format string, args ...any) { env.Logf("policy %q: %s", p.Name, fmt.Sprintf(format, args...)) }}
+	if p.Engine.MaxRestarts != nil {
+		o.MaxRestarts = *p.Engine.MaxRestarts
+	}
+	if o.HangTimeout == 0 {
+		o.HangTimeout = defaultHangTimeout
+	}
 	where := "device " + p.Engine.Device
 	if p.Engine.Device == "" {
 		where = "the worker's default device (the first GPU it sees, else the CPU)"

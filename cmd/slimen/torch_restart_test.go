@@ -1,0 +1,158 @@
+//go:build linux
+
+package main
+
+import (
+	"bufio"
+	"encoding/json"
+	"fmt"
+	"math"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+)
+
+// torchWorkers are the slimen_torch processes whose parent is pid.
+func torchWorkers(t *testing.T, pid int) []int {
+	t.Helper()
+	var out []int
+	dirs, _ := filepath.Glob("/proc/[0-9]*")
+	for _, d := range dirs {
+		stat, err := os.ReadFile(filepath.Join(d, "stat"))
+		if err != nil {
+			continue
+		}
+		// pid (comm) state ppid …: comm may hold spaces, so split after its closing parenthesis.
+		fields := strings.Fields(string(stat[strings.LastIndexByte(string(stat), ')')+1:]))
+		if len(fields) < 2 || fields[1] != strconv.Itoa(pid) {
+			continue
+		}
+		if cmdline, _ := os.ReadFile(filepath.Join(d, "cmdline")); strings.Contains(string(cmdline), "slimen_torch") {
+			n, _ := strconv.Atoi(filepath.Base(d))
+			out = append(out, n)
+		}
+	}
+	return out
+}
+
+// Issue 18: a local torch worker killed with SIGKILL in the middle of a step is started again on
+// its address, gets the run's last checkpoint and the optimizer steps since, and the run
+// completes with the metrics of one that was never interrupted.
+func TestTorchWorkerKilledMidStep(t *testing.T) {
+	py := torchPython(t)
+	dir := t.TempDir()
+	model := filepath.Join(dir, "model")
+	mk := exec.Command(py, "-m", "slimen_torch", "make-model", "--shape", "tiny", "--out", model)
+	mk.Env = append(os.Environ(), "PYTHONPATH="+filepath.Join("..", "..", "engines", "torch"))
+	if out, err := mk.CombinedOutput(); err != nil {
+		t.Fatalf("make-model: %v\n%s", err, out)
+	}
+	env := []string{"SLIMEN_PYTHON=" + py, "XDG_CACHE_HOME=" + filepath.Join(dir, "cache")}
+	cfg := torchConfig(t, dir, model, py, "", ", save_interval: 1")
+	// A random model's answers are never right, so the reward is the parity of its first token:
+	// it varies within groups and the weights move every step (a restore that lost them would
+	// show in the metrics).
+	script := filepath.Join(dir, "lengths.star")
+	os.WriteFile(script, []byte(`def rollout(task):
+    for p in ["generator", "critic"]:
+        for i in range(3):
+            c = generate(p, task.prompt)
+            reward(c, float(c.tokens[0] % 2))
+            train(c)
+`), 0o644)
+	clean := filepath.Join(dir, "clean")
+	if log, err := slimen(t, env, "exec", script, "--config", cfg, "--steps", "3", "--out", clean); err != nil {
+		t.Fatalf("%v\n%s", err, log)
+	}
+
+	faulty := filepath.Join(dir, "faulty")
+	cmd := exec.Command(slimenBin, "exec", script, "--config", cfg, "--steps", "3", "--out", faulty)
+	cmd.Dir = "../.."
+	cmd.Env = append(os.Environ(), env...)
+	stderr, _ := cmd.StderrPipe()
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	sc := bufio.NewScanner(stderr)
+	var log strings.Builder
+	var killed []int
+	for sc.Scan() {
+		log.WriteString(sc.Text() + "\n")
+		if killed == nil && strings.HasPrefix(sc.Text(), "step 1/3") {
+			// Step 2 has begun: its rollouts are generating on both workers.
+			time.Sleep(300 * time.Millisecond)
+			killed = torchWorkers(t, cmd.Process.Pid)
+			for _, pid := range killed {
+				syscall.Kill(pid, syscall.SIGKILL)
+			}
+		}
+	}
+	if err := cmd.Wait(); err != nil {
+		t.Fatalf("the run failed after its workers were killed: %v\n%s", err, log.String())
+	}
+	if len(killed) != 2 {
+		t.Fatalf("killed %v, want the two workers' processes", killed)
+	}
+	events := eventsLog(t, faulty)
+	for _, p := range []string{"generator", "critic"} {
+		for _, want := range []string{
+			fmt.Sprintf(`policy %q: the torch worker (pid `, p),
+			fmt.Sprintf(`policy %q: the torch worker is started again on 127.0.0.1:`, p),
+			fmt.Sprintf(`policy %q: its torch worker restarted as a new process`, p),
+			"into it; the run goes on",
+		} {
+			if !strings.Contains(events, want) {
+				t.Errorf("events.log lacks %q:\n%s", want, events)
+			}
+		}
+	}
+	if !strings.Contains(events, "loaded "+filepath.Join(faulty, "checkpoints", "step_")) {
+		t.Errorf("events.log does not say which checkpoint the new workers got:\n%s", events)
+	}
+	// The CPU worker's sums are not bit-reproducible from one process to the next (two
+	// uninterrupted runs differ in the 8th digit), so the metrics are compared to a tolerance.
+	want, got := untimed(t, clean), untimed(t, faulty)
+	if len(want) != len(got) {
+		t.Fatalf("%d metric lines, the uninterrupted run has %d", len(got), len(want))
+	}
+	moved := 0
+	for i, w := range want {
+		for k, wv := range w {
+			gv := got[i][k]
+			wf, wok := wv.(float64)
+			gf, gok := gv.(float64)
+			if wok && gok {
+				if math.Abs(wf-gf) > 1e-6+1e-4*math.Abs(wf) {
+					t.Errorf("step %v %v: %s = %v, the uninterrupted run had %v", w["step"], w["policy"], k, gv, wv)
+				}
+			} else if fmt.Sprint(wv) != fmt.Sprint(gv) {
+				t.Errorf("step %v %v: %s = %v, the uninterrupted run had %v", w["step"], w["policy"], k, gv, wv)
+			}
+		}
+		if g, _ := w["grad_norm"].(float64); g > 0 && w["step"] != 1.0 {
+			moved++
+		}
+	}
+	if moved < 3 {
+		t.Errorf("only %d policy-steps after step 1 had a gradient: the test needs the weights to move", moved)
+	}
+}
+
+// untimed is a run's metrics lines without their timing fields.
+func untimed(t *testing.T, dir string) []map[string]any {
+	t.Helper()
+	var out []map[string]any
+	for _, line := range strings.Split(strings.TrimSpace(metricsNoTimings(t, dir)), "\n") {
+		var m map[string]any
+		if err := json.Unmarshal([]byte(line), &m); err != nil {
+			t.Fatal(err)
+		}
+		out = append(out, m)
+	}
+	return out
+}
