@@ -66,6 +66,10 @@ func cmdGPUs(args []string) int {
 	if *cfgPath == "" {
 		return 0
 	}
+	if noGPUs {
+		// As in slimen exec: without NVML nothing is placed and each worker uses the device it finds.
+		fmt.Println("no placement: slimen exec starts each torch worker on the device it finds (give --machine FILE to place the config on a saved inventory)")
+	}
 	cfg, err := config.Load(*cfgPath)
 	if err != nil {
 		fmt.Fprintln(os.Stderr, err)
@@ -82,6 +86,9 @@ func cmdGPUs(args []string) int {
 			return 2
 		}
 		models[p.Name] = m
+	}
+	if noGPUs {
+		return 0
 	}
 	plan, err := gpus.Place(cfg, models, list)
 	if err != nil {

@@ -20,6 +20,8 @@ func TestGPUsWithoutNVML(t *testing.T) {
 		t.Errorf("slimen gpus printed %q", out)
 	}
 	bin := filepath.Join(t.TempDir(), "slimen")
+	cfg := filepath.Join(t.TempDir(), "c.yaml")
+	os.WriteFile(cfg, []byte("policies:\n  - {name: g, trainable: true, hf_checkpoint: testdata/tiny_compat/gqa_untied, num_gpus_per_node: 1}\n"), 0o644)
 	build := exec.Command("go", "build", "-o", bin, ".")
 	build.Env = append(os.Environ(), "CGO_ENABLED=0")
 	if b, err := build.CombinedOutput(); err != nil {
@@ -31,6 +33,12 @@ func TestGPUsWithoutNVML(t *testing.T) {
 	}
 	if lines := strings.Split(strings.TrimSpace(string(b)), "\n"); len(lines) != 1 || !strings.Contains(lines[0], "built without cgo") {
 		t.Errorf("slimen gpus built without cgo printed %q, want one line that says so", b)
+	}
+	// With a config it says that nothing is placed, as slimen exec does without NVML.
+	with := exec.Command(bin, "gpus", "--config", cfg)
+	with.Dir = "../.."
+	if b, err := with.CombinedOutput(); err != nil || !strings.Contains(string(b), "no placement: slimen exec starts each torch worker on the device it finds") {
+		t.Errorf("slimen gpus --config without NVML: %v\n%s", err, b)
 	}
 }
 
