@@ -84,8 +84,13 @@ func TestTorchWorkerKilledMidStep(t *testing.T) {
 	for sc.Scan() {
 		log.WriteString(sc.Text() + "\n")
 		if killed == nil && strings.HasPrefix(sc.Text(), "step 1/3") {
-			// Step 2 has begun: its rollouts are generating on both workers.
-			time.Sleep(300 * time.Millisecond)
+			// Once step 1's checkpoint is complete, step 2 is under way on both workers.
+			for deadline := time.Now().Add(time.Minute); time.Now().Before(deadline); time.Sleep(20 * time.Millisecond) {
+				if _, err := os.Stat(filepath.Join(faulty, "checkpoints", "step_1", "MANIFEST.json")); err == nil {
+					break
+				}
+			}
+			time.Sleep(200 * time.Millisecond)
 			killed = torchWorkers(t, cmd.Process.Pid)
 			for _, pid := range killed {
 				syscall.Kill(pid, syscall.SIGKILL)
@@ -111,7 +116,7 @@ func TestTorchWorkerKilledMidStep(t *testing.T) {
 			}
 		}
 	}
-	if !strings.Contains(events, "loaded "+filepath.Join(faulty, "checkpoints", "step_")) {
+	if !strings.Contains(events, "loaded "+filepath.Join(faulty, "checkpoints", "step_")) || strings.Contains(events, "needs no checkpoint") {
 		t.Errorf("events.log does not say which checkpoint the new workers got:\n%s", events)
 	}
 	// The CPU worker's sums are not bit-reproducible from one process to the next (two
