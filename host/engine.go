@@ -46,12 +46,12 @@ type EngineEnv struct {
 	// says why it cannot. engine names the engine in messages ("its engine at host:port"), self
 	// returns it once it is open. nil: the run does not listen, a restart is only logged.
 	OnRestart func(engine string, self func() engines.Engine) func(ctx context.Context, prev, cur string) error
-
-	bases *loraBases // the run's shared LoRA bases (host/lora.go); nil: none shared
 	// Config is the run's config, all its policies (nil when the caller has none): what a kind
 	// that places its workers among the run's other policies reads (host/torch, on the GPUs).
 	// It is the run's; an engine must not change it.
 	Config *config.Config
+
+	bases *loraBases // the run's shared LoRA bases (host/lora.go); nil: none shared
 }
 
 var engineKinds = struct {
