@@ -109,16 +109,16 @@ func TestTorchWorkerKilledMidStep(t *testing.T) {
 			fmt.Sprintf(`policy %q: the torch worker (pid `, p),
 			fmt.Sprintf(`policy %q: the torch worker is started again on 127.0.0.1:`, p),
 			fmt.Sprintf(`policy %q: its torch worker restarted as a new process`, p),
-			"into it; the run goes on",
+			"; the run goes on",
 		} {
 			if !strings.Contains(events, want) {
 				t.Errorf("events.log lacks %q:\n%s", want, events)
 			}
 		}
 	}
-	if !strings.Contains(events, "loaded "+filepath.Join(faulty, "checkpoints", "step_")) || strings.Contains(events, "needs no checkpoint") {
-		t.Errorf("events.log does not say which checkpoint the new workers got:\n%s", events)
-	}
+	// Which state each new worker got depends on where in step 2 the kill landed (the step's
+	// checkpoint and replayed optimizer steps, or nothing to restore yet); the metrics below say
+	// whether it was the right one.
 	// The CPU worker's sums are not bit-reproducible from one process to the next (two
 	// uninterrupted runs differ in the 8th digit), so the metrics are compared to a tolerance.
 	want, got := untimed(t, clean), untimed(t, faulty)
