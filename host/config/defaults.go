@@ -128,9 +128,10 @@ const defaultEvalInterval = 10
 // defaultSyntheticEvalLimit bounds an eval on an endless synthetic source given without limit.
 const defaultSyntheticEvalLimit = 100
 
-// defaultTorchGPUsPerNode is slime-n's num_gpus_per_node, kept for policies on GPU engines. Tiny
+// defaultTorchGPUsPerNode is one GPU: slime-n's default, 8 (a full node), would refuse every
+// default torch config on a machine of fewer GPUs; a config sized for 8-GPU nodes says so. Tiny
 // engines run on the CPU and remote ones are placed by whoever runs them, so theirs defaults to 0.
-const defaultTorchGPUsPerNode = 8
+const defaultTorchGPUsPerNode = 1
 
 // isBuiltin reports whether a checkpoint is one embedded in the binary.
 func isBuiltin(ckpt string) bool { return strings.HasPrefix(ckpt, "builtin:") }
