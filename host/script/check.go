@@ -164,7 +164,7 @@ func singleSamples(files []*syntax.File, uses []PolicyUse, cfg *config.Config) [
 					calls[name] = append(calls[name], call)
 				}
 			case "train":
-				grouped = grouped || hasKeyword(call, "group") || hasKeyword(call, "advantage")
+				grouped = grouped || keyword(call, "group") != nil || keyword(call, "advantage") != nil
 			}
 			return true
 		})
@@ -222,35 +222,41 @@ func callee(call *syntax.CallExpr) string {
 
 func literalArg(call *syntax.CallExpr) string {
 	if len(call.Args) > 0 {
-		if lit, ok := call.Args[0].(*syntax.Literal); ok && lit.Token == syntax.STRING {
+		if lit := stringLit(call.Args[0]); lit != nil {
 			return lit.Value.(string)
 		}
 	}
 	return ""
 }
 
-func hasKeyword(call *syntax.CallExpr, name string) bool {
+// stringLit is e when it is a string literal, else nil.
+func stringLit(e syntax.Expr) *syntax.Literal {
+	if lit, ok := e.(*syntax.Literal); ok && lit.Token == syntax.STRING {
+		return lit
+	}
+	return nil
+}
+
+// keyword is the value a call passes as name=…, nil if it passes none.
+func keyword(call *syntax.CallExpr, name string) syntax.Expr {
 	for _, a := range call.Args {
 		if b, ok := a.(*syntax.BinaryExpr); ok && b.Op == syntax.EQ {
 			if k, ok := b.X.(*syntax.Ident); ok && k.Name == name {
-				return true
+				return b.Y
 			}
 		}
 	}
-	return false
+	return nil
 }
 
 // sampleCount reports whether a generate call asks for a number of samples other than a literal 1.
 func sampleCount(call *syntax.CallExpr) bool {
-	for _, a := range call.Args {
-		if b, ok := a.(*syntax.BinaryExpr); ok && b.Op == syntax.EQ {
-			if k, ok := b.X.(*syntax.Ident); ok && k.Name == "n" {
-				lit, ok := b.Y.(*syntax.Literal)
-				return !ok || lit.Value != 1
-			}
-		}
+	n := keyword(call, "n")
+	if n == nil {
+		return false
 	}
-	return false
+	lit, ok := n.(*syntax.Literal)
+	return !ok || lit.Value != 1
 }
 
 // policyLiterals finds policy names written literally: generate("p", …), score("p", …),
@@ -262,27 +268,17 @@ func policyLiterals(f *syntax.File) []PolicyUse {
 		if !ok {
 			return true
 		}
-		id, ok := call.Fn.(*syntax.Ident)
-		if !ok {
-			return true
-		}
-		switch id.Name {
+		var arg syntax.Expr
+		switch fn := callee(call); fn {
 		case "generate", "score":
 			if len(call.Args) > 0 {
-				if lit, ok := call.Args[0].(*syntax.Literal); ok && lit.Token == syntax.STRING {
-					out = append(out, PolicyUse{lit.TokenPos, id.Name, lit.Value.(string)})
-				}
+				arg = call.Args[0]
 			}
 		case "train":
-			for _, a := range call.Args {
-				if b, ok := a.(*syntax.BinaryExpr); ok && b.Op == syntax.EQ {
-					if k, ok := b.X.(*syntax.Ident); ok && k.Name == "teacher" {
-						if lit, ok := b.Y.(*syntax.Literal); ok && lit.Token == syntax.STRING {
-							out = append(out, PolicyUse{lit.TokenPos, "train", lit.Value.(string)})
-						}
-					}
-				}
-			}
+			arg = keyword(call, "teacher")
+		}
+		if lit := stringLit(arg); lit != nil {
+			out = append(out, PolicyUse{lit.TokenPos, callee(call), lit.Value.(string)})
 		}
 		return true
 	})
