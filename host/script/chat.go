@@ -57,11 +57,8 @@ func builtinChat(thread *starlark.Thread, b *starlark.Builtin, args starlark.Tup
 		return nil, err
 	}
 	ro := ts.ro
-	if err := ro.Budget.allowed(b.Name(), policy, false); err != nil {
+	if err := ro.mayGenerate(b.Name(), policy); err != nil {
 		return nil, err
-	}
-	if _, _, err := ro.Host.CheckPolicy(policy); err != nil {
-		return nil, fmt.Errorf("%s: %v", b.Name(), err)
 	}
 	key := ts.next()
 	c := &Chat{policy: policy, id: ro.Task.ID + "/" + keyString(key), key: key}

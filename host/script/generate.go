@@ -31,11 +31,8 @@ func builtinGenerate(thread *starlark.Thread, b *starlark.Builtin, args starlark
 		return nil, err
 	}
 	ro := ts.ro
-	if err := ro.Budget.allowed(b.Name(), policy, false); err != nil {
+	if err := ro.mayGenerate(b.Name(), policy); err != nil {
 		return nil, err
-	}
-	if _, _, err := ro.Host.CheckPolicy(policy); err != nil {
-		return nil, fmt.Errorf("%s: %v", b.Name(), err)
 	}
 	s, key, err := samplingArgs(b.Name(), ts, maxTokens, temperature, topP, stop, seed)
 	if err != nil {
@@ -64,6 +61,18 @@ func builtinGenerate(thread *starlark.Thread, b *starlark.Builtin, args starlark
 		return res[0], nil
 	}
 	return starlark.NewList(res), nil
+}
+
+// mayGenerate checks that a rollout may sample policy (the sandbox's grants) and that the run
+// has it, for generate and chat.
+func (ro *Rollout) mayGenerate(fn, policy string) error {
+	if err := ro.Budget.allowed(fn, policy, false); err != nil {
+		return err
+	}
+	if _, _, err := ro.Host.CheckPolicy(policy); err != nil {
+		return fmt.Errorf("%s: %v", fn, err)
+	}
+	return nil
 }
 
 // samplingArgs reads the sampling arguments of a generate call (or a chat turn) over the run's
