@@ -450,6 +450,19 @@ def sec_gen_b1(a, res):
                 res[f"{prefix}{suffix}_admit_ms"], "ms")
         for k, v in keep.items():
             setattr(gen, k, v)
+        if torch.cuda.is_available():
+            # The same engine without programmatic dependent launch (kernels._pdl): each kernel
+            # of the step starts only when the previous one has finished, as before.
+            os.environ["SLIMEN_PDL"] = "0"
+            K._PDL.clear()
+            gen.graphs.clear()
+            res[f"{prefix}_no_pdl_b1"] = ours_generate(eng, 1, a.new)
+            step_times(eng, res, prefix + "_no_pdl")
+            log(prefix, "without PDL: b1", res[f"{prefix}_no_pdl_b1"], "tok/s")
+            os.environ["SLIMEN_PDL"] = "1"
+            K._PDL.clear()
+            gen.graphs.clear()
+            ours_generate(eng, 1, a.new)  # capture again with PDL for the checks below
         res[f"{prefix}_prefill_graphs"] = sorted(gen.pf_graphs)
         res[f"{prefix}_prefill_error"] = gen.prefill_error[:3000]
         res[f"{prefix}_kernel_error"] = gen.kernel_error[:3000]
@@ -719,14 +732,18 @@ def table(res: dict) -> str:
         for key, name in (
                 ("gen_b1_before", "eager prefill, first token by the PyTorch sampler (before)"),
                 ("gen_b1_eager_prefill", "eager prefill, first token by the Triton sampler"),
-                ("gen_b1", "**now** (default): prefill from a CUDA graph + Triton sampler")):
+                ("gen_b1_no_pdl", "prefill from a CUDA graph + Triton sampler, no programmatic "
+                 "dependent launch (before)"),
+                ("gen_b1", "**now** (default): prefill from a CUDA graph + Triton sampler, "
+                 "kernels launched programmatically dependent")):
             if key + "_b1" in res:
                 rows.append(f"| {name} | {num(key + '_b1')} | {num(key + '_admit_ms', 2)} |")
         rows.append("| target | 1,000 | |")
         p = "gen_b1"
         if p + "_b1" in res:
             rows.append(
-                f"{p}: step {num(p + '_step_ms_b1', 3)} ms at position 383; prefill graph vs "
+                f"{p}: step {num(p + '_step_ms_b1', 3)} ms at position 383 "
+                f"({num(p + '_no_pdl_step_ms_b1', 3)} without PDL); prefill graph vs "
                 f"eager (‖Δ‖/‖·‖, 128 / 100 tokens): logits "
                 f"{res.get(p + '_prefill_logits_rel_T128', float('nan')):.2e} / "
                 f"{res.get(p + '_prefill_logits_rel_T100', float('nan')):.2e}, keys and values "

@@ -37,6 +37,12 @@ except Exception:  # pragma: no cover - depends on the platform
     tl = None
     HAVE_TRITON = False
 
+try:  # Grid dependency control (Hopper and later), for programmatic dependent launch.
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+    HAVE_GDC = True
+except Exception:  # pragma: no cover - another Triton version
+    HAVE_GDC = False
+
 INTERPRET = os.environ.get("TRITON_INTERPRET", "") == "1"
 
 if HAVE_TRITON and INTERPRET:
@@ -60,6 +66,25 @@ if HAVE_TRITON and INTERPRET:
 def available(device: torch.device | str) -> bool:
     device = torch.device(device)
     return HAVE_TRITON and (device.type == "cuda" or INTERPRET)
+
+
+_PDL: dict = {}
+
+
+def _pdl(device: torch.device) -> bool:
+    """Whether the decode kernels use programmatic dependent launch on this device: a kernel is
+    launched while the previous one still runs, starts the loads that do not depend on it (the
+    batch-1 products' weights) and waits for it with griddepcontrol.wait. At batch 1 a decode step
+    is ~170 short kernels, each of which otherwise starts only when the previous one has finished.
+    Needs compute capability 9.0 (Hopper) or later; SLIMEN_PDL=0 turns it off."""
+    if device.type != "cuda" or INTERPRET or not HAVE_GDC:
+        return False
+    on = _PDL.get(device.index)
+    if on is None:
+        on = (os.environ.get("SLIMEN_PDL", "1") != "0"
+              and torch.cuda.get_device_capability(device)[0] >= 9)
+        _PDL[device.index] = on
+    return on
 
 
 def _pow2(n: int) -> int:
@@ -91,7 +116,11 @@ if HAVE_TRITON:
                             split_len, n_heads,
                             GROUP: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
                             DP: tl.constexpr, BL: tl.constexpr, NSPLIT: tl.constexpr,
-                            F32DOT: tl.constexpr, ROPE: tl.constexpr, QK_NORM: tl.constexpr):
+                            F32DOT: tl.constexpr, ROPE: tl.constexpr, QK_NORM: tl.constexpr,
+                            PDL: tl.constexpr = False):
+        if PDL:
+            gdc_launch_dependents()
+            gdc_wait()
         b = tl.program_id(0).to(tl.int64)  # row offsets can pass 2³¹ elements
         kvh = tl.program_id(1)
         sp = tl.program_id(2)
@@ -177,7 +206,10 @@ if HAVE_TRITON:
     @triton.jit
     def _decode_attn_combine(part_ptr, ml_ptr, o_ptr, so_b, so_h, n_heads,
                              D: tl.constexpr, DP: tl.constexpr, NSPLIT: tl.constexpr,
-                             NSP: tl.constexpr):
+                             NSP: tl.constexpr, PDL: tl.constexpr = False):
+        if PDL:
+            gdc_launch_dependents()
+            gdc_wait()
         b = tl.program_id(0)
         h = tl.program_id(1)
         s = tl.arange(0, NSP)
@@ -290,36 +322,61 @@ if HAVE_TRITON:
     @triton.jit
     def _gemv_kernel(x_ptr, w_ptr, bias_ptr, res_ptr, nw_ptr, out_ptr, N, K, up_off, eps,
                      NORM: tl.constexpr, HAS_BIAS: tl.constexpr, SWIGLU: tl.constexpr,
-                     HAS_RES: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+                     HAS_RES: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                     PDL: tl.constexpr):
         pid = tl.program_id(0)
         rn = pid * BN + tl.arange(0, BN)
         nmask = rn < N
         dt = out_ptr.dtype.element_ty
-        r = 1.0
-        if NORM:
-            ss = tl.zeros([BK], tl.float32)
-            for k0 in range(0, K, BK):
-                rk = k0 + tl.arange(0, BK)
-                xk = tl.load(x_ptr + rk, mask=rk < K, other=0.0).to(tl.float32)
-                ss += xk * xk
-            r = 1.0 / tl.sqrt(tl.sum(ss, 0) / K + eps)
-        acc = tl.zeros([BN, BK], tl.float32)
-        acc2 = tl.zeros([BN, BK], tl.float32)
-        for k0 in range(0, K, BK):
-            rk = k0 + tl.arange(0, BK)
+        if PDL:
+            # Programmatic dependent launch (see _pdl): the next kernel may start now, and this
+            # one loads its weights, which no earlier kernel writes, before it waits for the
+            # previous kernel's output. The tile is then already on its way while that kernel
+            # finishes, instead of after it (K ≤ BK whenever PDL is on: one tile a row).
+            gdc_launch_dependents()
+            rk = tl.arange(0, BK)
             kmask = rk < K
-            x = tl.load(x_ptr + rk, mask=kmask, other=0.0).to(tl.float32)
-            if NORM:
-                # As model.rms_norm: normalise in fp32, round, then scale by the weight and round.
-                g = tl.load(nw_ptr + rk, mask=kmask, other=0.0).to(tl.float32)
-                x = ((x * r).to(dt).to(tl.float32) * g).to(dt).to(tl.float32)
             wmask = nmask[:, None] & kmask[None, :]
             w = tl.load(w_ptr + rn[:, None] * K + rk[None, :], mask=wmask, other=0.0)
-            acc += w.to(tl.float32) * x[None, :]
+            w2 = w
             if SWIGLU:
                 w2 = tl.load(w_ptr + (rn[:, None] + up_off) * K + rk[None, :], mask=wmask,
                              other=0.0)
-                acc2 += w2.to(tl.float32) * x[None, :]
+            gdc_wait()
+            x = tl.load(x_ptr + rk, mask=kmask, other=0.0).to(tl.float32)
+            if NORM:
+                r = 1.0 / tl.sqrt(tl.sum(x * x, 0) / K + eps)
+                g = tl.load(nw_ptr + rk, mask=kmask, other=0.0).to(tl.float32)
+                x = ((x * r).to(dt).to(tl.float32) * g).to(dt).to(tl.float32)
+            acc = w.to(tl.float32) * x[None, :]
+            acc2 = w2.to(tl.float32) * x[None, :]
+        else:
+            r = 1.0
+            if NORM:
+                ss = tl.zeros([BK], tl.float32)
+                for k0 in range(0, K, BK):
+                    rk = k0 + tl.arange(0, BK)
+                    xk = tl.load(x_ptr + rk, mask=rk < K, other=0.0).to(tl.float32)
+                    ss += xk * xk
+                r = 1.0 / tl.sqrt(tl.sum(ss, 0) / K + eps)
+            acc = tl.zeros([BN, BK], tl.float32)
+            acc2 = tl.zeros([BN, BK], tl.float32)
+            for k0 in range(0, K, BK):
+                rk = k0 + tl.arange(0, BK)
+                kmask = rk < K
+                x = tl.load(x_ptr + rk, mask=kmask, other=0.0).to(tl.float32)
+                if NORM:
+                    # As model.rms_norm: normalise in fp32, round, then scale by the weight and
+                    # round.
+                    g = tl.load(nw_ptr + rk, mask=kmask, other=0.0).to(tl.float32)
+                    x = ((x * r).to(dt).to(tl.float32) * g).to(dt).to(tl.float32)
+                wmask = nmask[:, None] & kmask[None, :]
+                w = tl.load(w_ptr + rn[:, None] * K + rk[None, :], mask=wmask, other=0.0)
+                acc += w.to(tl.float32) * x[None, :]
+                if SWIGLU:
+                    w2 = tl.load(w_ptr + (rn[:, None] + up_off) * K + rk[None, :], mask=wmask,
+                                 other=0.0)
+                    acc2 += w2.to(tl.float32) * x[None, :]
         y = tl.sum(acc, 1)
         if HAS_BIAS:
             y += tl.load(bias_ptr + rn, mask=nmask, other=0.0).to(tl.float32)
@@ -390,12 +447,18 @@ if HAVE_TRITON:
 # Decode attention
 # -------------------------------------------------------------------------------------------
 
-def attention_splits(B: int, kv_heads: int, L: int, min_split: int = 64) -> int:
+ATTN_MIN_SPLIT = 64  # positions; attention_splits' default (module-level so a benchmark can sweep it)
+GEMV_TILE = 8192  # elements of a batch-1 product's tile (_gemv_blocks)
+GEMV_WARPS = 4
+
+
+def attention_splits(B: int, kv_heads: int, L: int, min_split: int = 0) -> int:
     """How many programs share one row's keys. A program reads its positions one tile after
     another, each a trip to memory, so when rows × heads are too few to fill the GPU a row is
     split (flash-decoding) into pieces of at least min_split positions, for ~256 programs."""
     if B * kv_heads >= 128:
         return 1
+    min_split = min_split or ATTN_MIN_SPLIT
     return max(1, min(-(-L // min_split), -(-256 // (B * kv_heads)), 16))
 
 
@@ -418,6 +481,7 @@ def decode_attention(q, k_new, v_new, k_cache, v_cache, pos, L: int, scale: floa
     split_len = -(-split_len // BL) * BL
     nsplit = -(-L // split_len)
     DP = max(16, _pow2(D))
+    pdl = _pdl(q.device)
     o = torch.empty(q.shape, dtype=k_cache.dtype, device=q.device)
     if nsplit > 1:
         part = torch.empty(B * H * nsplit, DP, dtype=torch.float32, device=q.device)
@@ -442,10 +506,11 @@ def decode_attention(q, k_new, v_new, k_cache, v_cache, pos, L: int, scale: floa
         o.stride(0), o.stride(1), cos.stride(0) if rope is not None else 0, scale, eps,
         split_len, H, GROUP=group, GP=max(16, _pow2(group)), D=D, DP=DP, BL=BL,
         NSPLIT=nsplit, F32DOT=INTERPRET or q.dtype == torch.float32, ROPE=rope is not None,
-        QK_NORM=qk_norm, num_warps=4)
+        QK_NORM=qk_norm, PDL=pdl, launch_pdl=pdl, num_warps=4)
     if nsplit > 1:
         _decode_attn_combine[(B, H)](part, ml, o, o.stride(0), o.stride(1), H, D=D, DP=DP,
-                                     NSPLIT=nsplit, NSP=max(2, _pow2(nsplit)), num_warps=4)
+                                     NSPLIT=nsplit, NSP=max(2, _pow2(nsplit)), PDL=pdl,
+                                     launch_pdl=pdl, num_warps=4)
     return o
 
 
@@ -512,7 +577,7 @@ def _gemv_blocks(N: int, K: int) -> tuple[int, int]:
     every program has all its bytes in flight at once, and ~8,192 elements a tile, so there are
     many programs per multiprocessor (a 1,024 × 4,096 product: 512 programs of 8 rows)."""
     bk = max(16, min(_pow2(K), 8192))
-    bn = max(2, min(_pow2(N), 8192 // bk))
+    bn = max(2, min(_pow2(N), max(1, GEMV_TILE // bk)))
     return bn, bk
 
 
@@ -527,11 +592,12 @@ def gemv(x, w, out, *, bias=None, res=None, norm_w=None, eps: float = 0.0,
     dummy = out
     if swiglu and bn > 2:
         bn //= 2  # two tiles a program: gate and up rows
+    pdl = K <= bk and _pdl(out.device)
     _gemv_kernel[(triton.cdiv(N, bn),)](
         x, w, bias if bias is not None else dummy, res if res is not None else dummy,
         norm_w if norm_w is not None else dummy, out, N, K, N if swiglu else 0, eps,
         NORM=norm_w is not None, HAS_BIAS=bias is not None, SWIGLU=swiglu,
-        HAS_RES=res is not None, BN=bn, BK=bk, num_warps=4)
+        HAS_RES=res is not None, BN=bn, BK=bk, PDL=pdl, launch_pdl=pdl, num_warps=GEMV_WARPS)
     return out
 
 
