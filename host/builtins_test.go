@@ -330,6 +330,40 @@ def rollout(task):
 	}
 }
 
+// TestStateUpdateRefusesWaitingCalls: a state.update function runs holding the store's lock, so
+// state.get there (the same lock: the run used to hang), generate, score and parallel fail the
+// rollout with a clear error naming the line; the lock is released and other rollouts go on.
+func TestStateUpdateRefusesWaitingCalls(t *testing.T) {
+	cfg := testConfig(5, "p")
+	cfg.Rollout.MaxFailedFraction = 1
+	r := loadRun(t, `
+def rollout(task):
+    if task.id == "t0":
+        state.update("a", lambda v: state.get("b", 0) + 1, 0)
+    elif task.id == "t1":
+        state.update("a", lambda v: generate("p", "hi").text, 0)
+    elif task.id == "t2":
+        state.update("a", lambda v: score("p", "hi", "x"), 0)
+    elif task.id == "t3":
+        state.update("a", lambda v: parallel(lambda i: i, [1, 2]), 0)
+    else:
+        state.update("count", lambda n: n + 1, 0)
+`, cfg, map[string]engines.Engine{"p": scripted.Echo("x")}, numberedTasks(5))
+	res, err := r.Step(context.Background())
+	if err != nil {
+		t.Fatal(err)
+	}
+	f := failures(res)
+	for id, fn := range map[string]string{"t0": "state.get", "t1": "generate", "t2": "score", "t3": "parallel"} {
+		if msg := f[id]; !strings.Contains(msg, fn+": called inside a state.update function") || !strings.Contains(msg, ".star:") {
+			t.Errorf("%s: %q, want %s refused inside state.update with the script's line", id, msg, fn)
+		}
+	}
+	if v, _ := r.State().Get("count"); v == nil || v.String() != "1" {
+		t.Errorf("count = %v, want 1: the other rollout's update went through", v)
+	}
+}
+
 // TestMessageListPrompt: a prompt given as a message list — built by the script, or a JSONL task's
 // prompt — reaches the engine as those messages, not rendered into one string.
 func TestMessageListPrompt(t *testing.T) {

@@ -35,6 +35,17 @@ func stateOf(thread *starlark.Thread, fn string) (*threadState, error) {
 	return ts, nil
 }
 
+// blockingOf is stateOf for the built-ins that wait on the model, on other threads or on the
+// state store (generate, a chat's .generate, score, parallel, state.get). A state.update
+// function runs holding the store's lock, so such a call there would hang the run (state.get
+// on the same lock) or stall every rollout's state behind a model call: it is refused instead.
+func blockingOf(thread *starlark.Thread, fn string) (*threadState, error) {
+	if thread.Local(inUpdateLocal) != nil {
+		return nil, fmt.Errorf("%s: called inside a state.update function, which runs holding the state store's lock; call it before state.update and pass the result in", fn)
+	}
+	return stateOf(thread, fn)
+}
+
 // next returns the position of this thread's next call.
 func (ts *threadState) next() []int {
 	k := append(append([]int(nil), ts.path...), ts.calls)

@@ -236,7 +236,7 @@ func (c *Chat) copyLocked(task string, key []int) *Chat {
 // assistant turn. n=1 extends the chat and returns the turn's completion; n > 1 leaves the chat
 // as it is and returns n forks, each extended by one of the samples (its .turns[-1]).
 func (c *Chat) generate(thread *starlark.Thread, b *starlark.Builtin, args starlark.Tuple, kwargs []starlark.Tuple) (starlark.Value, error) {
-	ts, err := stateOf(thread, b.Name())
+	ts, err := blockingOf(thread, b.Name())
 	if err != nil {
 		return nil, err
 	}

@@ -11,7 +11,7 @@ import (
 )
 
 func builtinGenerate(thread *starlark.Thread, b *starlark.Builtin, args starlark.Tuple, kwargs []starlark.Tuple) (starlark.Value, error) {
-	ts, err := stateOf(thread, b.Name())
+	ts, err := blockingOf(thread, b.Name())
 	if err != nil {
 		return nil, err
 	}

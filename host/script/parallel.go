@@ -11,7 +11,7 @@ import (
 // order. The first failing item (in item order) fails the call with its own backtrace. fn (with
 // the values it captures) and the items are frozen first.
 func builtinParallel(thread *starlark.Thread, b *starlark.Builtin, args starlark.Tuple, kwargs []starlark.Tuple) (starlark.Value, error) {
-	ts, err := stateOf(thread, b.Name())
+	ts, err := blockingOf(thread, b.Name())
 	if err != nil {
 		return nil, err
 	}

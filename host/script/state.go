@@ -149,7 +149,7 @@ var stateModule = &starlarkstruct.Module{
 const inUpdateLocal = "slimen.state.update"
 
 func stateGet(thread *starlark.Thread, b *starlark.Builtin, args starlark.Tuple, kwargs []starlark.Tuple) (starlark.Value, error) {
-	ts, err := stateOf(thread, b.Name())
+	ts, err := blockingOf(thread, b.Name())
 	if err != nil {
 		return nil, err
 	}
