@@ -137,7 +137,7 @@ func (e *Engine) Info(ctx context.Context) (engines.Info, error) {
 		EOSTokens:    append([]int32(nil), e.eos...),
 		Params:       params,
 		Devices:      []string{"cpu"},
-		Capabilities: []string{"generate", "score", "train", "values", "reference"},
+		Capabilities: []string{"generate", "score", "train", "values", "reference", "tis"},
 	}, nil
 }
 

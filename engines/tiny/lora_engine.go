@@ -108,7 +108,7 @@ func (v *AdapterEngine) Info(ctx context.Context) (engines.Info, error) {
 		return in, err
 	}
 	in.Model = v.e.spec + " + LoRA " + v.a.name
-	in.Capabilities = []string{"generate", "score", "train", "reference"}
+	in.Capabilities = []string{"generate", "score", "train", "reference", "tis"}
 	n := 0
 	for _, t := range v.a.w.tensors() {
 		n += len(t.data)

@@ -2,6 +2,7 @@ package tiny
 
 import (
 	"fmt"
+	"slices"
 
 	"github.com/slimen/slimen/engines"
 )
@@ -16,11 +17,14 @@ import (
 type lossSample struct {
 	Group   string
 	Logp    []float64 // current policy
-	OldLogp []float64 // at rollout time
-	RefLogp []float64 // frozen reference; only read when KLLossCoef > 0
-	Entropy []float64 // full-vocabulary entropy of the current policy
-	Adv     []float64
-	Mask    []float64
+	OldLogp []float64 // the ratio's old log-probs: at rollout time, or the trainer's with TIS
+	// RolloutLogp (read with TIS only) are the log-probs at rollout time, the denominator of the
+	// TIS ratio exp(OldLogp − RolloutLogp).
+	RolloutLogp []float64
+	RefLogp     []float64 // frozen reference; only read when KLLossCoef > 0
+	Entropy     []float64 // full-vocabulary entropy of the current policy
+	Adv         []float64
+	Mask        []float64
 	// PPO critic: the value head's current values, the values at rollout time (only read when
 	// value clipping is on) and the returns they are trained towards.
 	Values, OldValues, Returns []float64
@@ -30,6 +34,10 @@ type lossSample struct {
 type lossStats struct {
 	Loss, PG, KL, Entropy float64
 	Clipped, Tokens       int // tokens with loss mask > 0 whose ratio (or value) was clipped; tokens with loss mask > 0
+	// TIS: trained tokens whose weight differs from their ratio (clipped or masked), and the sum
+	// of the weights over trained tokens.
+	TISClipped int
+	TISWeight  float64
 }
 
 func (s *lossStats) add(o lossStats) {
@@ -39,6 +47,17 @@ func (s *lossStats) add(o lossStats) {
 	s.Entropy += o.Entropy
 	s.Clipped += o.Clipped
 	s.Tokens += o.Tokens
+	s.TISClipped += o.TISClipped
+	s.TISWeight += o.TISWeight
+}
+
+// tisStats returns the share of trained tokens whose TIS weight was clipped or masked and the
+// mean weight.
+func (s lossStats) tisStats() (clipFrac, weight float64) {
+	if s.Tokens == 0 {
+		return 0, 0
+	}
+	return float64(s.TISClipped) / float64(s.Tokens), s.TISWeight / float64(s.Tokens)
 }
 
 // clipFrac is the fraction of trained tokens that were clipped.
@@ -56,11 +75,26 @@ type lossConfig struct {
 	klType, policy  string
 	aggregation     string
 	valueClip       float64
+	// Off-policy correction (LossConfig.UseTIS): tisMode "tis" or "icepop", the weight band
+	// [tisLow, tisHigh].
+	useTIS          bool
+	tisMode         string
+	tisLow, tisHigh float64
 }
+
+// tisModes are the names LossConfig.TISMode accepts.
+var tisModes = []string{"tis", "icepop"}
 
 func resolveLoss(c engines.LossConfig) (lossConfig, error) {
 	r := lossConfig{epsLo: c.EpsClip, epsHi: c.EpsClipHigh, klCoef: c.KLLossCoef, entCoef: c.EntropyCoef,
-		klType: c.KLLossType, policy: c.PolicyLoss, aggregation: c.Aggregation, valueClip: c.ValueClip}
+		klType: c.KLLossType, policy: c.PolicyLoss, aggregation: c.Aggregation, valueClip: c.ValueClip,
+		useTIS: c.UseTIS, tisMode: c.TISMode, tisLow: c.TISClipLow, tisHigh: c.TISClip}
+	if r.tisMode == "" {
+		r.tisMode = "tis"
+	}
+	if r.tisHigh == 0 {
+		r.tisHigh = 2
+	}
 	if r.klType == "" {
 		r.klType = "low_var_kl"
 	}
@@ -79,6 +113,10 @@ func resolveLoss(c engines.LossConfig) (lossConfig, error) {
 		return r, fmt.Errorf("aggregation %q is not one of sample_mean, token_mean, group_token_mean, token_sum", r.aggregation)
 	case r.epsLo < 0 || r.epsHi < 0 || r.klCoef < 0 || r.entCoef < 0 || r.valueClip < 0:
 		return r, fmt.Errorf("eps_clip, eps_clip_high, kl_loss_coef, entropy_coef and value_clip must not be negative")
+	case r.useTIS && !slices.Contains(tisModes, r.tisMode):
+		return r, fmt.Errorf("tis_mode %q is not one of tis, icepop", r.tisMode)
+	case r.useTIS && (r.tisLow < 0 || r.tisLow > r.tisHigh):
+		return r, fmt.Errorf("tis_clip_low %g and tis_clip %g are not a band: need 0 ≤ tis_clip_low ≤ tis_clip", r.tisLow, r.tisHigh)
 	}
 	return r, nil
 }
@@ -144,7 +182,8 @@ func tokenWeights(samples []lossSample, aggregation string) [][]float64 {
 // to every token's logp and entropy. pg = max(−r·A, −clip(r, 1−ε_lo, 1+ε_hi)·A) with
 // r = exp(logp − logp_old) per token (ppo) or r = exp(mask-weighted mean of logp − logp_old) per
 // sample (gspo). kl: k1 = Δ, k2 = Δ²/2, k3 = e^−Δ − 1 + Δ, low_var_kl = k3 clamped to [−10, 10],
-// with Δ = logp − logp_ref (slime's definitions). The statistics are reduced with the same
+// with Δ = logp − logp_ref (slime's definitions). With TIS, pg is multiplied by the detached
+// weight of ρ = exp(logp_old − logp_rollout) (tisWeight). The statistics are reduced with the same
 // weights, so Loss = PG + kl_coef·KL − entropy_coef·Entropy.
 func policyLoss(samples []lossSample, w [][]float64, c lossConfig) (st lossStats, dLogp, dEnt [][]float64) {
 	dLogp, dEnt = make([][]float64, len(samples)), make([][]float64, len(samples))
@@ -185,6 +224,14 @@ func policyLoss(samples []lossSample, w [][]float64, c lossConfig) (st lossStats
 				pg, dRatio = l2, 0
 				st.Clipped++
 			}
+			if c.useTIS {
+				tw, masked := tisWeight(exp64(s.OldLogp[t]-s.RolloutLogp[t]), c)
+				pg, dRatio = tw*pg, tw*dRatio
+				st.TISWeight += tw
+				if masked {
+					st.TISClipped++
+				}
+			}
 			st.PG += wt * pg
 			dLog := wt * dRatio * ratio // ∂(w·pg)/∂logRatio
 			if c.policy == "gspo" {
@@ -208,6 +255,19 @@ func policyLoss(samples []lossSample, w [][]float64, c lossConfig) (st lossStats
 	}
 	st.Loss = st.PG + c.klCoef*st.KL - c.entCoef*st.Entropy
 	return st, dLogp, dEnt
+}
+
+// tisWeight returns the off-policy weight of a token whose trainer-over-rollout ratio is rho, and
+// whether it differs from rho: clamp(rho, low, high) (tis, slime's vanilla_tis_function) or rho
+// inside [low, high] and 0 outside (icepop, slime's icepop_function).
+func tisWeight(rho float64, c lossConfig) (w float64, changed bool) {
+	if rho >= c.tisLow && rho <= c.tisHigh {
+		return rho, false
+	}
+	if c.tisMode == "icepop" {
+		return 0, true
+	}
+	return min(max(rho, c.tisLow), c.tisHigh), true
 }
 
 // valueLoss returns a PPO critic's clipped value loss Σ_tokens w·max((V − R)², (clip(V, V_old ±

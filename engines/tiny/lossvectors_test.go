@@ -39,6 +39,12 @@ package tiny
 //	  }]
 //	}
 //
+// testdata/slime/tis_vectors.json has the same schema with slime's off-policy correction on:
+// config "use_tis": true, "tis_mode": "tis" | "icepop", "tis_clip", "tis_clip_low"; per sample
+// "rollout_logprobs" (old_logprobs are then the trainer's); expected "tis_clip_frac" (tokens whose
+// weight was clipped or masked / tokens with loss_mask > 0) and "tis_weight" (the mean weight
+// over those tokens).
+//
 // sample_mean is slime's default reduction and token_mean its calculate_per_token_loss;
 // group_token_mean and token_sum are slimen's, applied by the script to slime's per-token terms.
 // slime computes the KL estimate in float32, hence the tolerances below.
@@ -48,12 +54,16 @@ import (
 	"math"
 	"os"
 	"path/filepath"
+	"slices"
 	"testing"
 
 	"github.com/slimen/slimen/engines"
 )
 
-var lossVectorsPath = filepath.Join("..", "..", "testdata", "slime", "loss_vectors.json")
+var (
+	lossVectorsPath = filepath.Join("..", "..", "testdata", "slime", "loss_vectors.json")
+	tisVectorsPath  = filepath.Join("..", "..", "testdata", "slime", "tis_vectors.json")
+)
 
 type lossVectorFile struct {
 	Description string           `json:"description"`
@@ -75,6 +85,10 @@ type lossVectorConfig struct {
 	EntropyCoef float64 `json:"entropy_coef"`
 	PolicyLoss  string  `json:"policy_loss"`
 	Aggregation string  `json:"aggregation"`
+	UseTIS      bool    `json:"use_tis"`
+	TISMode     string  `json:"tis_mode"`
+	TISClip     float64 `json:"tis_clip"`
+	TISClipLow  float64 `json:"tis_clip_low"`
 }
 
 type lossVectorSample struct {
@@ -85,6 +99,7 @@ type lossVectorSample struct {
 	Entropy     []float64 `json:"entropy"`
 	Advantages  []float64 `json:"advantages"`
 	LossMask    []float64 `json:"loss_mask"`
+	Rollout     []float64 `json:"rollout_logprobs"`
 }
 
 type lossVectorExpected struct {
@@ -96,11 +111,14 @@ type lossVectorExpected struct {
 	Tokens       int         `json:"tokens"`
 	GradLogprobs [][]float64 `json:"grad_logprobs"`
 	GradEntropy  [][]float64 `json:"grad_entropy"`
+	TISClipFrac  float64     `json:"tis_clip_frac"`
+	TISWeight    float64     `json:"tis_weight"`
 }
 
 func (c lossVectorConfig) resolve(t *testing.T) lossConfig {
 	r, err := resolveLoss(engines.LossConfig{EpsClip: c.EpsClip, EpsClipHigh: c.EpsClipHigh, KLLossCoef: c.KLLossCoef,
-		KLLossType: c.KLLossType, EntropyCoef: c.EntropyCoef, PolicyLoss: c.PolicyLoss, Aggregation: c.Aggregation})
+		KLLossType: c.KLLossType, EntropyCoef: c.EntropyCoef, PolicyLoss: c.PolicyLoss, Aggregation: c.Aggregation,
+		UseTIS: c.UseTIS, TISMode: c.TISMode, TISClip: c.TISClip, TISClipLow: c.TISClipLow})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -109,7 +127,7 @@ func (c lossVectorConfig) resolve(t *testing.T) lossConfig {
 
 func (s lossVectorSample) lossSample() lossSample {
 	return lossSample{Group: s.Group, Logp: s.Logprobs, OldLogp: s.OldLogprobs, RefLogp: s.RefLogprobs,
-		Entropy: s.Entropy, Adv: s.Advantages, Mask: s.LossMask}
+		Entropy: s.Entropy, Adv: s.Advantages, Mask: s.LossMask, RolloutLogp: s.Rollout}
 }
 
 func evalLossVector(t *testing.T, c lossVectorCase) lossVectorExpected {
@@ -124,11 +142,16 @@ func evalLossVector(t *testing.T, c lossVectorCase) lossVectorExpected {
 	if st.Tokens > 0 {
 		e.ClipFrac = float64(st.Clipped) / float64(st.Tokens)
 	}
+	e.TISClipFrac, e.TISWeight = st.tisStats()
 	return e
 }
 
 func readLossVectors(t *testing.T) lossVectorFile {
-	b, err := os.ReadFile(lossVectorsPath)
+	return readVectorFile(t, lossVectorsPath)
+}
+
+func readVectorFile(t *testing.T, path string) lossVectorFile {
+	b, err := os.ReadFile(path)
 	if err != nil {
 		t.Fatalf("%v (testdata/slime/make_vectors.py writes it)", err)
 	}
@@ -252,4 +275,73 @@ func checkLossGradients(t *testing.T, c lossVectorCase, got lossVectorExpected) 
 			}
 		}
 	}
+}
+
+// TestTISVectors checks the off-policy correction (TIS and IcePop, with ppo and gspo, every
+// reduction) against slime's vanilla_tis_function and icepop_function as its loss_function applies
+// them: loss, statistics, gradients and the share of clipped or masked tokens.
+func TestTISVectors(t *testing.T) {
+	f := readVectorFile(t, tisVectorsPath)
+	covered := map[string]bool{}
+	for _, c := range f.Cases {
+		if !c.Config.UseTIS {
+			t.Fatalf("%s: use_tis is off", c.Name)
+		}
+		got := evalLossVector(t, c)
+		want := c.Expected
+		scale := 1 + math.Abs(want.PGLoss) + c.Config.KLLossCoef*math.Abs(want.KL) + c.Config.EntropyCoef*math.Abs(want.Entropy)
+		check := func(what string, g, w, s float64) {
+			if !near(g, w, s) {
+				t.Errorf("%s: %s = %.12g, slime %.12g", c.Name, what, g, w)
+			}
+		}
+		check("loss", got.Loss, want.Loss, scale)
+		check("pg_loss", got.PGLoss, want.PGLoss, scale)
+		check("kl", got.KL, want.KL, 1+math.Abs(want.KL))
+		check("entropy", got.Entropy, want.Entropy, 1)
+		check("clip_frac", got.ClipFrac, want.ClipFrac, 1)
+		check("tis_clip_frac", got.TISClipFrac, want.TISClipFrac, 1)
+		check("tis_weight", got.TISWeight, want.TISWeight, 1)
+		if got.Tokens != want.Tokens {
+			t.Errorf("%s: tokens = %d, slime %d", c.Name, got.Tokens, want.Tokens)
+		}
+		for i := range c.Samples {
+			for j := range c.Samples[i].Logprobs {
+				check("d loss/d logprobs", got.GradLogprobs[i][j], want.GradLogprobs[i][j], 0.1)
+				check("d loss/d entropy", got.GradEntropy[i][j], want.GradEntropy[i][j], 0.1)
+			}
+		}
+		// A ratio of exactly 1 (the trainer's old log-probs are the current ones) at an upper clip
+		// of exactly 1 (eps_clip_high 0) sits on the kink of the clip: finite differences there
+		// average the two sides, while slime and slimen both take the unclipped side.
+		kink := c.Config.EpsClipHigh == 0 && slices.ContainsFunc(c.Samples, func(s lossVectorSample) bool {
+			return slices.Equal(s.Logprobs, s.OldLogprobs)
+		})
+		if !kink {
+			checkLossGradients(t, c, got)
+		}
+		mode := c.Config.TISMode + " " + c.Config.PolicyLoss
+		covered[mode] = true
+		if got.TISClipFrac > 0 {
+			covered[mode+" clipped"] = true
+		}
+		for _, s := range c.Samples {
+			for j := range s.Logprobs {
+				if s.LossMask[j] == 0 {
+					continue
+				}
+				rho := math.Exp(s.OldLogprobs[j] - s.Rollout[j])
+				covered["below the band"] = covered["below the band"] || rho < c.Config.TISClipLow
+				covered["above the band"] = covered["above the band"] || rho > c.Config.TISClip
+				covered["old = current"] = covered["old = current"] || s.OldLogprobs[j] == s.Logprobs[j] && rho != 1
+			}
+		}
+	}
+	for _, want := range []string{"tis ppo clipped", "tis gspo clipped", "icepop ppo clipped", "icepop gspo clipped",
+		"below the band", "above the band", "old = current"} {
+		if !covered[want] {
+			t.Errorf("no case covers %s", want)
+		}
+	}
+	t.Logf("%d TIS/IcePop cases checked (%s)", len(f.Cases), f.Description)
 }

@@ -165,6 +165,11 @@ func policyChunkLoss(samples []lossSample, w [][]float64, c lossConfig) chunkLos
 		for i := range chunk {
 			s := samples[first+i]
 			s.Logp, s.Entropy = logp[i], ent[i]
+			if c.useTIS && len(s.OldLogp) == 0 {
+				// The trainer's old log-probs are those of the weights before this step: the
+				// current ones, held constant by policyLoss.
+				s.OldLogp = logp[i]
+			}
 			if refLogp != nil {
 				s.RefLogp = refLogp[i]
 			}
@@ -220,6 +225,11 @@ func (e *Engine) train(ctx context.Context, b engines.Batch, ad *adapterState) (
 		}
 		all[i] = lossSample{Group: s.Group, OldLogp: f64(s.OldLogprobs), Adv: f64(s.Advantages), Mask: f64(s.LossMask),
 			Returns: f64(s.Returns), OldValues: f64(s.OldValues)}
+		if lc.useTIS && !critic {
+			// The rollout's log-probs only divide the TIS ratio; the PPO ratio's old log-probs are
+			// the trainer's (policyChunkLoss fills them in when the host sent none).
+			all[i].RolloutLogp, all[i].OldLogp = all[i].OldLogp, f64(s.TrainLogprobs)
+		}
 	}
 	// The weights count every sample of the step, those with an empty response too (slime's
 	// reductions count a sample without trained tokens); only the others are run.
@@ -244,7 +254,7 @@ func (e *Engine) train(ctx context.Context, b engines.Batch, ad *adapterState) (
 		if err != nil {
 			return engines.TrainStats{}, err
 		}
-		out := engines.TrainStats{Loss: st.Loss, PGLoss: st.PG, KL: st.KL, Entropy: st.Entropy, Tokens: st.Tokens, ClipFrac: st.clipFrac()}
+		out := policyStats(st)
 		return finishStep(out, g.ad.tensors(), func(scale float64) { ad.opt.updateTensors(ad.w.tensors(), g.ad.tensors(), oc, scale) }, oc), nil
 	}
 	if critic {
@@ -263,8 +273,15 @@ func (e *Engine) train(ctx context.Context, b engines.Batch, ad *adapterState) (
 	if err != nil {
 		return engines.TrainStats{}, err
 	}
-	out := engines.TrainStats{Loss: st.Loss, PGLoss: st.PG, KL: st.KL, Entropy: st.Entropy, Tokens: st.Tokens, ClipFrac: st.clipFrac()}
+	out := policyStats(st)
 	return e.applyStep(out, g, oc), nil
+}
+
+// policyStats reports a policy step's statistics.
+func policyStats(st lossStats) engines.TrainStats {
+	out := engines.TrainStats{Loss: st.Loss, PGLoss: st.PG, KL: st.KL, Entropy: st.Entropy, Tokens: st.Tokens, ClipFrac: st.clipFrac()}
+	out.TISClipFrac, out.TISWeight = st.tisStats()
+	return out
 }
 
 // ensureValueHead gives the model a zero value head, and the optimizer its moments, unless it has
@@ -319,6 +336,8 @@ func (e *Engine) checkSample(s engines.Sample, critic bool, lc lossConfig) error
 		return fmt.Errorf("response has %d tokens but old_values %d entries", n, len(s.OldValues))
 	case !critic && (len(s.LossMask) != n || len(s.OldLogprobs) != n || len(s.Advantages) != n):
 		return fmt.Errorf("response has %d tokens but loss_mask %d, old_logprobs %d, advantages %d entries", n, len(s.LossMask), len(s.OldLogprobs), len(s.Advantages))
+	case !critic && len(s.TrainLogprobs) != 0 && len(s.TrainLogprobs) != n:
+		return fmt.Errorf("response has %d tokens but train_logprobs %d entries (give one per token, or none)", n, len(s.TrainLogprobs))
 	case len(s.Prompt) == 0 && n > 0:
 		return fmt.Errorf("the prompt is empty: the first response token needs a position to be predicted from")
 	case len(s.Prompt)+n > e.m.w.cfg.MaxSeqLen:

@@ -1,5 +1,5 @@
-"""Writes loss_vectors.json and advantage_vectors.json next to this file by running THUDM/slime's
-own functions on generated inputs: slime is the oracle, the vectors are its answers.
+"""Writes loss_vectors.json, tis_vectors.json and advantage_vectors.json next to this file by running
+THUDM/slime's own functions on generated inputs: slime is the oracle, the vectors are its answers.
 
     git -C <slime clone> archive HEAD slime | tar -x -C /tmp/slime
     $(scripts/pyenv.sh)/bin/python testdata/slime/make_vectors.py --slime /tmp/slime \
@@ -15,6 +15,12 @@ What runs is slime's code, unchanged, on one CPU process:
   Two reductions are slimen's own (group_token_mean, token_sum): for those cases the reducer that
   get_sum_of_sample_mean would return is replaced by slimen's token weights (group_weights
   below); every per-token number is still slime's.
+* off-policy correction (tis_vectors.json): the same loss_function with --use-tis, the batch's
+  log_probs being the trainer's old log-probs and rollout_log_probs the rollout's, through
+  slime's vanilla_tis_function (tis) or, as --custom-tis-function-path names it, icepop_function
+  (icepop). The per-token tis_clipfrac and weight are read off slime's function (called a second
+  time with a pg_loss of ones for the weight); they are reported as shares and means over
+  trained tokens, as slimen reports clip_frac.
 * advantages: ray/rollout.py's RolloutManager._post_process_rewards (the group normalisation,
   taken out of the class with ast as its module needs ray and sglang) and then
   loss.compute_advantages_and_returns (grpo/gspo returns, REINFORCE++ returns with
@@ -125,6 +131,7 @@ def loss_inputs(rng: random.Random, cfg: dict, n_samples: int, empty: int, inter
 
 
 def slime_loss(torch, L, cfg: dict, samples: list[dict]) -> dict:
+    """slime's loss on the samples; with cfg["use_tis"] also its TIS/IcePop correction."""
     f64 = torch.float64
     n = len(samples)
     logp = [torch.tensor(s["logprobs"], dtype=f64, requires_grad=True) for s in samples]
@@ -141,6 +148,10 @@ def slime_loss(torch, L, cfg: dict, samples: list[dict]) -> dict:
         # every sample its own rollout (slime's default): the per-sample mask sums
         "rollout_mask_sums": torch.tensor([sum(s["loss_mask"]) for s in samples], dtype=f64),
     }
+    use_tis = cfg.get("use_tis", False)
+    if use_tis:
+        batch["rollout_log_probs"] = [torch.tensor(s["rollout_logprobs"], dtype=f64)
+                                      for s in samples]
     agg = cfg["aggregation"]
     args = Namespace(
         loss_type="policy_loss", calculate_per_token_loss=(agg != "sample_mean"),
@@ -148,11 +159,23 @@ def slime_loss(torch, L, cfg: dict, samples: list[dict]) -> dict:
         advantage_estimator="gspo" if cfg["policy_loss"] == "gspo" else "grpo",
         use_rollout_logprobs=False, use_opsm=False, eps_clip=cfg["eps_clip"],
         eps_clip_high=cfg["eps_clip_high"], eps_clip_c=None, get_mismatch_metrics=False,
-        use_tis=False, entropy_coef=cfg["entropy_coef"], use_kl_loss=cfg["kl_loss_coef"] > 0,
+        use_tis=use_tis, tis_clip=cfg.get("tis_clip", 2.0), tis_clip_low=cfg.get("tis_clip_low", 0.0),
+        custom_tis_function_path=("slime.backends.megatron_utils.loss.icepop_function"
+                                  if cfg.get("tis_mode") == "icepop" else None),
+        entropy_coef=cfg["entropy_coef"], use_kl_loss=cfg["kl_loss_coef"] > 0,
         kl_loss_coef=cfg["kl_loss_coef"], kl_loss_type=cfg["kl_loss_type"],
         use_unbiased_kl=False)
     captured = {}
     saved = L.get_log_probs_and_entropy, L.compute_policy_loss, L.get_sum_of_sample_mean
+    saved_tis = L.vanilla_tis_function, L.icepop_function
+
+    def tis_spy(fn):
+        def run(args, **kw):
+            pg, masks, metrics = fn(args, **kw)
+            weight, _, _ = fn(args, **{**kw, "pg_loss": torch.ones_like(kw["pg_loss"])})
+            captured["tis_clipfrac"], captured["tis_weight"] = metrics["tis_clipfrac"], weight
+            return pg, masks, metrics
+        return run
 
     def policy_loss(*a, **k):
         pg, clipfrac = saved[1](*a, **k)
@@ -161,6 +184,11 @@ def slime_loss(torch, L, cfg: dict, samples: list[dict]) -> dict:
 
     L.get_log_probs_and_entropy = lambda logits, **kw: (None, {"log_probs": logp, "entropy": ent})
     L.compute_policy_loss = policy_loss
+    L.vanilla_tis_function, L.icepop_function = tis_spy(saved_tis[0]), tis_spy(saved_tis[1])
+    # slime's load_function is functools.cache'd: without this it would hand out the spy of the
+    # first call, which writes into that call's `captured`.
+    clear = getattr(L.load_function, "cache_clear", lambda: None)
+    clear()
     if agg in ("group_token_mean", "token_sum"):
         w = torch.tensor([x for ws in group_weights([s["group"] for s in samples],
                                                     [s["loss_mask"] for s in samples], agg)
@@ -170,6 +198,8 @@ def slime_loss(torch, L, cfg: dict, samples: list[dict]) -> dict:
         loss, normalizer, log = L.loss_function(args, batch, 1, n, torch.zeros(1, 1, 1))
     finally:
         L.get_log_probs_and_entropy, L.compute_policy_loss, L.get_sum_of_sample_mean = saved
+        L.vanilla_tis_function, L.icepop_function = saved_tis
+        clear()
     if agg in ("group_token_mean", "token_sum"):
         normalizer = torch.ones(())
     obj = loss / normalizer
@@ -182,7 +212,7 @@ def slime_loss(torch, L, cfg: dict, samples: list[dict]) -> dict:
     trained = mask != 0
     tokens = int(trained.sum())
     clipped = captured["clipfrac"][trained].sum().item()
-    return {
+    out = {
         "loss": obj.item(),
         "pg_loss": values["pg_loss"] / d,
         "kl": values.get("kl_loss", 0.0) / d,
@@ -192,6 +222,13 @@ def slime_loss(torch, L, cfg: dict, samples: list[dict]) -> dict:
         "grad_logprobs": [g.grad.tolist() for g in logp],
         "grad_entropy": [g.grad.tolist() for g in ent],
     }
+    if use_tis:
+        assert "tis_clipfrac" in captured, "slime did not call the TIS function"
+        out["tis_clip_frac"] = (captured["tis_clipfrac"][trained].sum().item() / tokens
+                                if tokens else 0.0)
+        out["tis_weight"] = (captured["tis_weight"][trained].sum().item() / tokens
+                             if tokens else 0.0)
+    return out
 
 
 def loss_cases(rng: random.Random):
@@ -235,6 +272,67 @@ def loss_cases(rng: random.Random):
                                         "group_token_mean", "token_sum"]))
         out.append((f"random_{i:02d}", cfg, rng.randint(1, 12), rng.choice([0, 0, 1, 2]),
                     rng.random() < 0.5))
+    return out
+
+
+def tis_inputs(rng: random.Random, cfg: dict, n_samples: int, empty: int, interior: bool,
+               on_step: bool):
+    """loss_inputs plus rollout log-probs whose ratios reach past both ends of the band. on_step:
+    the trainer's old log-probs are the current ones (one optimizer step per rollout step, what a
+    slimen engine computes itself)."""
+    samples = loss_inputs(rng, cfg, n_samples, empty, interior)
+    for s in samples:
+        if on_step:
+            s["old_logprobs"] = list(s["logprobs"])
+        s["rollout_logprobs"] = [r6(x + rng.choice([0.05, 0.4, 1.0]) * rng.gauss(0, 1))
+                                 for x in s["old_logprobs"]]
+    return samples
+
+
+def tis_cases(rng: random.Random):
+    base = dict(eps_clip=0.2, eps_clip_high=0.28, kl_loss_coef=0.0, kl_loss_type="low_var_kl",
+                entropy_coef=0.0, policy_loss="ppo", aggregation="sample_mean", use_tis=True,
+                tis_mode="tis", tis_clip=2.0, tis_clip_low=0.0)
+
+    def w(**k):
+        return {**base, **k}
+
+    named = [
+        ("tis_default", w(), 0, False, False),
+        ("tis_on_step", w(), 0, False, True),
+        ("tis_band", w(tis_clip=1.5, tis_clip_low=0.5), 0, False, False),
+        ("tis_token_mean_empty", w(aggregation="token_mean", tis_clip_low=0.2), 2, True, False),
+        ("tis_group_token_mean", w(aggregation="group_token_mean"), 1, True, False),
+        ("tis_token_sum_kl_entropy", w(aggregation="token_sum", kl_loss_coef=0.1, kl_loss_type="k3",
+                                       entropy_coef=0.01), 0, False, False),
+        ("tis_gspo", w(policy_loss="gspo", eps_clip=0.05, eps_clip_high=0.08), 0, False, False),
+        ("tis_gspo_on_step", w(policy_loss="gspo", tis_clip_low=0.5), 1, True, True),
+        ("icepop", w(tis_mode="icepop", tis_clip_low=0.5), 0, False, False),
+        ("icepop_on_step", w(tis_mode="icepop", tis_clip_low=0.5), 0, False, True),
+        ("icepop_narrow", w(tis_mode="icepop", tis_clip=1.25, tis_clip_low=0.8), 0, False, False),
+        ("icepop_token_mean_empty", w(tis_mode="icepop", tis_clip_low=0.5, aggregation="token_mean"),
+         2, True, False),
+        ("icepop_gspo", w(tis_mode="icepop", policy_loss="gspo", tis_clip_low=0.5, eps_clip=0.1,
+                          eps_clip_high=0.1), 0, False, False),
+        ("icepop_gspo_kl", w(tis_mode="icepop", policy_loss="gspo", aggregation="token_mean",
+                             tis_clip=1.5, tis_clip_low=0.6, kl_loss_coef=0.2, kl_loss_type="k2"),
+         1, True, False),
+    ]
+    out = [(name, cfg, rng.randint(6, 12), empty, interior, on_step)
+           for name, cfg, empty, interior, on_step in named]
+    for i in range(40):
+        lo = rng.choice([0.0, 0.0, 0.2, 0.5, 0.8])
+        cfg = w(eps_clip=rng.choice([0.1, 0.2, 0.3]), eps_clip_high=rng.choice([0.0, 0.2, 0.28]),
+                kl_loss_coef=rng.choice([0.0, 0.0, 0.1]),
+                kl_loss_type=rng.choice(["k1", "k2", "k3", "low_var_kl"]),
+                entropy_coef=rng.choice([0.0, 0.0, 0.05]),
+                policy_loss=rng.choice(["ppo", "ppo", "gspo"]),
+                aggregation=rng.choice(["sample_mean", "token_mean", "group_token_mean",
+                                        "token_sum"]),
+                tis_mode=rng.choice(["tis", "icepop"]), tis_clip_low=lo,
+                tis_clip=rng.choice([1.2, 1.5, 2.0, 5.0]))
+        out.append((f"random_{i:02d}", cfg, rng.randint(1, 12), rng.choice([0, 0, 1]),
+                    rng.random() < 0.5, rng.random() < 0.3))
     return out
 
 
@@ -361,6 +459,20 @@ def main():
             " (testdata/slime/make_vectors.py). group_token_mean and token_sum are slimen's "
             "reductions applied to slime's per-token terms. Schema: engines/tiny/lossvectors_test.go.")
     write(pathlib.Path(a.out, "loss_vectors.json"), {"description": desc, "cases": cases})
+
+    # Its own random stream, so that adding TIS cases leaves the other two files as they were.
+    tis_rng = random.Random(21)
+    cases = []
+    for name, cfg, n, empty, interior, on_step in tis_cases(tis_rng):
+        samples = tis_inputs(tis_rng, cfg, n, empty, interior, on_step)
+        cases.append({"name": name, "config": cfg, "samples": samples,
+                      "expected": slime_loss(torch, L, cfg, samples)})
+    desc = ("Off-policy correction (TIS, IcePop) test vectors computed by THUDM/slime's own loss "
+            "code" + at + " (testdata/slime/make_vectors.py): loss_vectors.json's schema, plus "
+            "config use_tis/tis_mode/tis_clip/tis_clip_low, per-sample rollout_logprobs (old_logprobs "
+            "are the trainer's) and expected tis_clip_frac and tis_weight. Readers: "
+            "engines/tiny/lossvectors_test.go, engines/torch/tests/test_loss_vectors.py.")
+    write(pathlib.Path(a.out, "tis_vectors.json"), {"description": desc, "cases": cases})
 
     cases = []
     for name, est, groups, per, interior in adv_cases(rng):
