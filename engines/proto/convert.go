@@ -144,14 +144,15 @@ func EncodeBatch(b engines.Batch) *Batch {
 	samples := make([]*Sample, len(b.Samples))
 	for i, s := range b.Samples {
 		samples[i] = &Sample{
-			Prompt:      s.Prompt,
-			Response:    s.Response,
-			LossMask:    s.LossMask,
-			OldLogprobs: s.OldLogprobs,
-			Advantages:  s.Advantages,
-			Group:       s.Group,
-			Returns:     s.Returns,
-			OldValues:   s.OldValues,
+			Prompt:        s.Prompt,
+			Response:      s.Response,
+			LossMask:      s.LossMask,
+			OldLogprobs:   s.OldLogprobs,
+			Advantages:    s.Advantages,
+			Group:         s.Group,
+			Returns:       s.Returns,
+			OldValues:     s.OldValues,
+			TrainLogprobs: s.TrainLogprobs,
 		}
 	}
 	l := b.Loss
@@ -173,6 +174,10 @@ func EncodeBatch(b engines.Batch) *Batch {
 			PolicyLoss:  l.PolicyLoss,
 			Aggregation: l.Aggregation,
 			ValueClip:   l.ValueClip,
+			UseTis:      l.UseTIS,
+			TisMode:     l.TISMode,
+			TisClip:     l.TISClip,
+			TisClipLow:  l.TISClipLow,
 		},
 	}
 }
@@ -185,14 +190,15 @@ func DecodeBatch(m *Batch) engines.Batch {
 	}
 	for i, s := range m.GetSamples() {
 		samples[i] = engines.Sample{
-			Prompt:      s.GetPrompt(),
-			Response:    s.GetResponse(),
-			LossMask:    s.GetLossMask(),
-			OldLogprobs: s.GetOldLogprobs(),
-			Advantages:  s.GetAdvantages(),
-			Group:       s.GetGroup(),
-			Returns:     s.GetReturns(),
-			OldValues:   s.GetOldValues(),
+			Prompt:        s.GetPrompt(),
+			Response:      s.GetResponse(),
+			LossMask:      s.GetLossMask(),
+			OldLogprobs:   s.GetOldLogprobs(),
+			Advantages:    s.GetAdvantages(),
+			Group:         s.GetGroup(),
+			Returns:       s.GetReturns(),
+			OldValues:     s.GetOldValues(),
+			TrainLogprobs: s.GetTrainLogprobs(),
 		}
 	}
 	l := m.GetLoss()
@@ -214,6 +220,10 @@ func DecodeBatch(m *Batch) engines.Batch {
 			PolicyLoss:  l.GetPolicyLoss(),
 			Aggregation: l.GetAggregation(),
 			ValueClip:   l.GetValueClip(),
+			UseTIS:      l.GetUseTis(),
+			TISMode:     l.GetTisMode(),
+			TISClip:     l.GetTisClip(),
+			TISClipLow:  l.GetTisClipLow(),
 		},
 	}
 }
@@ -221,32 +231,36 @@ func DecodeBatch(m *Batch) engines.Batch {
 // EncodeTrainStats converts engines.TrainStats to its message.
 func EncodeTrainStats(s engines.TrainStats) *TrainStats {
 	return &TrainStats{
-		Loss:      s.Loss,
-		PgLoss:    s.PGLoss,
-		Kl:        s.KL,
-		ClipFrac:  s.ClipFrac,
-		Entropy:   s.Entropy,
-		GradNorm:  s.GradNorm,
-		Tokens:    int64(s.Tokens),
-		Skipped:   s.Skipped,
-		Reason:    s.Reason,
-		ValueLoss: s.ValueLoss,
+		Loss:        s.Loss,
+		PgLoss:      s.PGLoss,
+		Kl:          s.KL,
+		ClipFrac:    s.ClipFrac,
+		Entropy:     s.Entropy,
+		GradNorm:    s.GradNorm,
+		Tokens:      int64(s.Tokens),
+		Skipped:     s.Skipped,
+		Reason:      s.Reason,
+		ValueLoss:   s.ValueLoss,
+		TisClipFrac: s.TISClipFrac,
+		TisWeight:   s.TISWeight,
 	}
 }
 
 // DecodeTrainStats converts a TrainStats message to engines.TrainStats.
 func DecodeTrainStats(m *TrainStats) engines.TrainStats {
 	return engines.TrainStats{
-		Loss:      m.GetLoss(),
-		PGLoss:    m.GetPgLoss(),
-		KL:        m.GetKl(),
-		ClipFrac:  m.GetClipFrac(),
-		Entropy:   m.GetEntropy(),
-		GradNorm:  m.GetGradNorm(),
-		Tokens:    int(m.GetTokens()),
-		Skipped:   m.GetSkipped(),
-		Reason:    m.GetReason(),
-		ValueLoss: m.GetValueLoss(),
+		Loss:        m.GetLoss(),
+		PGLoss:      m.GetPgLoss(),
+		KL:          m.GetKl(),
+		ClipFrac:    m.GetClipFrac(),
+		Entropy:     m.GetEntropy(),
+		GradNorm:    m.GetGradNorm(),
+		Tokens:      int(m.GetTokens()),
+		Skipped:     m.GetSkipped(),
+		Reason:      m.GetReason(),
+		ValueLoss:   m.GetValueLoss(),
+		TISClipFrac: m.GetTisClipFrac(),
+		TISWeight:   m.GetTisWeight(),
 	}
 }
 

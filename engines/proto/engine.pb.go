@@ -1132,15 +1132,19 @@ func (x *ValuesResponse) GetValues() []*Scores {
 
 // engines.Sample: one training sequence. The per-token fields all have len(response) entries.
 type Sample struct {
-	state         protoimpl.MessageState `protogen:"open.v1"`
-	Prompt        []int32                `protobuf:"varint,1,rep,packed,name=prompt,proto3" json:"prompt,omitempty"`
-	Response      []int32                `protobuf:"varint,2,rep,packed,name=response,proto3" json:"response,omitempty"`
-	LossMask      []float32              `protobuf:"fixed32,3,rep,packed,name=loss_mask,json=lossMask,proto3" json:"loss_mask,omitempty"`          // 1 for generated tokens that are trained, 0 for injected ones
-	OldLogprobs   []float32              `protobuf:"fixed32,4,rep,packed,name=old_logprobs,json=oldLogprobs,proto3" json:"old_logprobs,omitempty"` // log-probs at rollout time
-	Advantages    []float32              `protobuf:"fixed32,5,rep,packed,name=advantages,proto3" json:"advantages,omitempty"`                      // per-token advantage
-	Group         string                 `protobuf:"bytes,6,opt,name=group,proto3" json:"group,omitempty"`                                         // samples of one group are averaged together first
-	Returns       []float32              `protobuf:"fixed32,7,rep,packed,name=returns,proto3" json:"returns,omitempty"`                            // PPO critic: value target per token
-	OldValues     []float32              `protobuf:"fixed32,8,rep,packed,name=old_values,json=oldValues,proto3" json:"old_values,omitempty"`       // PPO critic: values at rollout time
+	state       protoimpl.MessageState `protogen:"open.v1"`
+	Prompt      []int32                `protobuf:"varint,1,rep,packed,name=prompt,proto3" json:"prompt,omitempty"`
+	Response    []int32                `protobuf:"varint,2,rep,packed,name=response,proto3" json:"response,omitempty"`
+	LossMask    []float32              `protobuf:"fixed32,3,rep,packed,name=loss_mask,json=lossMask,proto3" json:"loss_mask,omitempty"`          // 1 for generated tokens that are trained, 0 for injected ones
+	OldLogprobs []float32              `protobuf:"fixed32,4,rep,packed,name=old_logprobs,json=oldLogprobs,proto3" json:"old_logprobs,omitempty"` // log-probs at rollout time
+	Advantages  []float32              `protobuf:"fixed32,5,rep,packed,name=advantages,proto3" json:"advantages,omitempty"`                      // per-token advantage
+	Group       string                 `protobuf:"bytes,6,opt,name=group,proto3" json:"group,omitempty"`                                         // samples of one group are averaged together first
+	Returns     []float32              `protobuf:"fixed32,7,rep,packed,name=returns,proto3" json:"returns,omitempty"`                            // PPO critic: value target per token
+	OldValues   []float32              `protobuf:"fixed32,8,rep,packed,name=old_values,json=oldValues,proto3" json:"old_values,omitempty"`       // PPO critic: values at rollout time
+	// With loss.use_tis: the trainer's log-probs before the rollout step's first optimizer step
+	// (none: the engine's own before this step, detached); old_logprobs then only divide the TIS
+	// ratio.
+	TrainLogprobs []float32 `protobuf:"fixed32,9,rep,packed,name=train_logprobs,json=trainLogprobs,proto3" json:"train_logprobs,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -1231,23 +1235,38 @@ func (x *Sample) GetOldValues() []float32 {
 	return nil
 }
 
+func (x *Sample) GetTrainLogprobs() []float32 {
+	if x != nil {
+		return x.TrainLogprobs
+	}
+	return nil
+}
+
 // engines.LossConfig: loss and optimizer settings of one step.
 type LossConfig struct {
-	state         protoimpl.MessageState `protogen:"open.v1"`
-	Lr            float64                `protobuf:"fixed64,1,opt,name=lr,proto3" json:"lr,omitempty"`
-	Beta1         float64                `protobuf:"fixed64,2,opt,name=beta1,proto3" json:"beta1,omitempty"`                    // AdamW β1; 0 is read as 0.9
-	Beta2         float64                `protobuf:"fixed64,3,opt,name=beta2,proto3" json:"beta2,omitempty"`                    // AdamW β2; 0 is read as 0.999
-	AdamEps       float64                `protobuf:"fixed64,4,opt,name=adam_eps,json=adamEps,proto3" json:"adam_eps,omitempty"` // 0 is read as 1e-8
-	WeightDecay   float64                `protobuf:"fixed64,5,opt,name=weight_decay,json=weightDecay,proto3" json:"weight_decay,omitempty"`
-	MaxGradNorm   float64                `protobuf:"fixed64,6,opt,name=max_grad_norm,json=maxGradNorm,proto3" json:"max_grad_norm,omitempty"` // 0 disables clipping
-	EpsClip       float64                `protobuf:"fixed64,7,opt,name=eps_clip,json=epsClip,proto3" json:"eps_clip,omitempty"`               // lower ratio clip: 1 − eps_clip
-	EpsClipHigh   float64                `protobuf:"fixed64,8,opt,name=eps_clip_high,json=epsClipHigh,proto3" json:"eps_clip_high,omitempty"` // upper ratio clip: 1 + eps_clip_high, as given (0 clips at exactly 1)
-	KlLossCoef    float64                `protobuf:"fixed64,9,opt,name=kl_loss_coef,json=klLossCoef,proto3" json:"kl_loss_coef,omitempty"`
-	KlLossType    string                 `protobuf:"bytes,10,opt,name=kl_loss_type,json=klLossType,proto3" json:"kl_loss_type,omitempty"` // "k1", "k2", "k3" or "low_var_kl"
-	EntropyCoef   float64                `protobuf:"fixed64,11,opt,name=entropy_coef,json=entropyCoef,proto3" json:"entropy_coef,omitempty"`
-	PolicyLoss    string                 `protobuf:"bytes,12,opt,name=policy_loss,json=policyLoss,proto3" json:"policy_loss,omitempty"` // "ppo" (default) or "gspo"
-	Aggregation   string                 `protobuf:"bytes,13,opt,name=aggregation,proto3" json:"aggregation,omitempty"`                 // "sample_mean" (default), "token_mean", "group_token_mean" or "token_sum"
-	ValueClip     float64                `protobuf:"fixed64,14,opt,name=value_clip,json=valueClip,proto3" json:"value_clip,omitempty"`  // PPO critic: clip values to old_values ± value_clip; 0: no clipping
+	state       protoimpl.MessageState `protogen:"open.v1"`
+	Lr          float64                `protobuf:"fixed64,1,opt,name=lr,proto3" json:"lr,omitempty"`
+	Beta1       float64                `protobuf:"fixed64,2,opt,name=beta1,proto3" json:"beta1,omitempty"`                    // AdamW β1; 0 is read as 0.9
+	Beta2       float64                `protobuf:"fixed64,3,opt,name=beta2,proto3" json:"beta2,omitempty"`                    // AdamW β2; 0 is read as 0.999
+	AdamEps     float64                `protobuf:"fixed64,4,opt,name=adam_eps,json=adamEps,proto3" json:"adam_eps,omitempty"` // 0 is read as 1e-8
+	WeightDecay float64                `protobuf:"fixed64,5,opt,name=weight_decay,json=weightDecay,proto3" json:"weight_decay,omitempty"`
+	MaxGradNorm float64                `protobuf:"fixed64,6,opt,name=max_grad_norm,json=maxGradNorm,proto3" json:"max_grad_norm,omitempty"` // 0 disables clipping
+	EpsClip     float64                `protobuf:"fixed64,7,opt,name=eps_clip,json=epsClip,proto3" json:"eps_clip,omitempty"`               // lower ratio clip: 1 − eps_clip
+	EpsClipHigh float64                `protobuf:"fixed64,8,opt,name=eps_clip_high,json=epsClipHigh,proto3" json:"eps_clip_high,omitempty"` // upper ratio clip: 1 + eps_clip_high, as given (0 clips at exactly 1)
+	KlLossCoef  float64                `protobuf:"fixed64,9,opt,name=kl_loss_coef,json=klLossCoef,proto3" json:"kl_loss_coef,omitempty"`
+	KlLossType  string                 `protobuf:"bytes,10,opt,name=kl_loss_type,json=klLossType,proto3" json:"kl_loss_type,omitempty"` // "k1", "k2", "k3" or "low_var_kl"
+	EntropyCoef float64                `protobuf:"fixed64,11,opt,name=entropy_coef,json=entropyCoef,proto3" json:"entropy_coef,omitempty"`
+	PolicyLoss  string                 `protobuf:"bytes,12,opt,name=policy_loss,json=policyLoss,proto3" json:"policy_loss,omitempty"` // "ppo" (default) or "gspo"
+	Aggregation string                 `protobuf:"bytes,13,opt,name=aggregation,proto3" json:"aggregation,omitempty"`                 // "sample_mean" (default), "token_mean", "group_token_mean" or "token_sum"
+	ValueClip   float64                `protobuf:"fixed64,14,opt,name=value_clip,json=valueClip,proto3" json:"value_clip,omitempty"`  // PPO critic: clip values to old_values ± value_clip; 0: no clipping
+	// Off-policy correction (slime's --use-tis): the policy-gradient term of each token times a
+	// weight of ρ = exp(logp_trainer − logp_rollout): clamp(ρ, tis_clip_low, tis_clip) for tis_mode
+	// "tis" (default), ρ inside that band and 0 outside for "icepop". An engine that does this lists
+	// "tis" in its capabilities.
+	UseTis        bool    `protobuf:"varint,15,opt,name=use_tis,json=useTis,proto3" json:"use_tis,omitempty"`
+	TisMode       string  `protobuf:"bytes,16,opt,name=tis_mode,json=tisMode,proto3" json:"tis_mode,omitempty"`
+	TisClip       float64 `protobuf:"fixed64,17,opt,name=tis_clip,json=tisClip,proto3" json:"tis_clip,omitempty"` // 0 is read as 2 (slime's default)
+	TisClipLow    float64 `protobuf:"fixed64,18,opt,name=tis_clip_low,json=tisClipLow,proto3" json:"tis_clip_low,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -1380,6 +1399,34 @@ func (x *LossConfig) GetValueClip() float64 {
 	return 0
 }
 
+func (x *LossConfig) GetUseTis() bool {
+	if x != nil {
+		return x.UseTis
+	}
+	return false
+}
+
+func (x *LossConfig) GetTisMode() string {
+	if x != nil {
+		return x.TisMode
+	}
+	return ""
+}
+
+func (x *LossConfig) GetTisClip() float64 {
+	if x != nil {
+		return x.TisClip
+	}
+	return 0
+}
+
+func (x *LossConfig) GetTisClipLow() float64 {
+	if x != nil {
+		return x.TisClipLow
+	}
+	return 0
+}
+
 // engines.Batch: what one optimizer step trains on.
 type Batch struct {
 	state         protoimpl.MessageState `protogen:"open.v1"`
@@ -1450,10 +1497,12 @@ type TrainStats struct {
 	ClipFrac      float64                `protobuf:"fixed64,4,opt,name=clip_frac,json=clipFrac,proto3" json:"clip_frac,omitempty"`
 	Entropy       float64                `protobuf:"fixed64,5,opt,name=entropy,proto3" json:"entropy,omitempty"`
 	GradNorm      float64                `protobuf:"fixed64,6,opt,name=grad_norm,json=gradNorm,proto3" json:"grad_norm,omitempty"`
-	Tokens        int64                  `protobuf:"varint,7,opt,name=tokens,proto3" json:"tokens,omitempty"`                          // trained tokens (loss mask 1)
-	Skipped       bool                   `protobuf:"varint,8,opt,name=skipped,proto3" json:"skipped,omitempty"`                        // the step was not applied (non-finite loss or gradient)
-	Reason        string                 `protobuf:"bytes,9,opt,name=reason,proto3" json:"reason,omitempty"`                           // why it was skipped
-	ValueLoss     float64                `protobuf:"fixed64,10,opt,name=value_loss,json=valueLoss,proto3" json:"value_loss,omitempty"` // a critic's value loss
+	Tokens        int64                  `protobuf:"varint,7,opt,name=tokens,proto3" json:"tokens,omitempty"`                                  // trained tokens (loss mask 1)
+	Skipped       bool                   `protobuf:"varint,8,opt,name=skipped,proto3" json:"skipped,omitempty"`                                // the step was not applied (non-finite loss or gradient)
+	Reason        string                 `protobuf:"bytes,9,opt,name=reason,proto3" json:"reason,omitempty"`                                   // why it was skipped
+	ValueLoss     float64                `protobuf:"fixed64,10,opt,name=value_loss,json=valueLoss,proto3" json:"value_loss,omitempty"`         // a critic's value loss
+	TisClipFrac   float64                `protobuf:"fixed64,11,opt,name=tis_clip_frac,json=tisClipFrac,proto3" json:"tis_clip_frac,omitempty"` // with use_tis: share of trained tokens whose weight was clipped or masked
+	TisWeight     float64                `protobuf:"fixed64,12,opt,name=tis_weight,json=tisWeight,proto3" json:"tis_weight,omitempty"`         // with use_tis: mean weight over trained tokens
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -1554,6 +1603,20 @@ func (x *TrainStats) GetReason() string {
 func (x *TrainStats) GetValueLoss() float64 {
 	if x != nil {
 		return x.ValueLoss
+	}
+	return 0
+}
+
+func (x *TrainStats) GetTisClipFrac() float64 {
+	if x != nil {
+		return x.TisClipFrac
+	}
+	return 0
+}
+
+func (x *TrainStats) GetTisWeight() float64 {
+	if x != nil {
+		return x.TisWeight
 	}
 	return 0
 }
@@ -2177,7 +2240,7 @@ const file_engine_proto_rawDesc = "" +
 	"\x12ScoreBatchResponse\x120\n" +
 	"\x06scores\x18\x01 \x03(\v2\x18.slimen.engine.v1.ScoresR\x06scores\"B\n" +
 	"\x0eValuesResponse\x120\n" +
-	"\x06values\x18\x01 \x03(\v2\x18.slimen.engine.v1.ScoresR\x06values\"\xeb\x01\n" +
+	"\x06values\x18\x01 \x03(\v2\x18.slimen.engine.v1.ScoresR\x06values\"\x92\x02\n" +
 	"\x06Sample\x12\x16\n" +
 	"\x06prompt\x18\x01 \x03(\x05R\x06prompt\x12\x1a\n" +
 	"\bresponse\x18\x02 \x03(\x05R\bresponse\x12\x1b\n" +
@@ -2189,7 +2252,8 @@ const file_engine_proto_rawDesc = "" +
 	"\x05group\x18\x06 \x01(\tR\x05group\x12\x18\n" +
 	"\areturns\x18\a \x03(\x02R\areturns\x12\x1d\n" +
 	"\n" +
-	"old_values\x18\b \x03(\x02R\toldValues\"\xb2\x03\n" +
+	"old_values\x18\b \x03(\x02R\toldValues\x12%\n" +
+	"\x0etrain_logprobs\x18\t \x03(\x02R\rtrainLogprobs\"\xa3\x04\n" +
 	"\n" +
 	"LossConfig\x12\x0e\n" +
 	"\x02lr\x18\x01 \x01(\x01R\x02lr\x12\x14\n" +
@@ -2210,11 +2274,16 @@ const file_engine_proto_rawDesc = "" +
 	"policyLoss\x12 \n" +
 	"\vaggregation\x18\r \x01(\tR\vaggregation\x12\x1d\n" +
 	"\n" +
-	"value_clip\x18\x0e \x01(\x01R\tvalueClip\"}\n" +
+	"value_clip\x18\x0e \x01(\x01R\tvalueClip\x12\x17\n" +
+	"\ause_tis\x18\x0f \x01(\bR\x06useTis\x12\x19\n" +
+	"\btis_mode\x18\x10 \x01(\tR\atisMode\x12\x19\n" +
+	"\btis_clip\x18\x11 \x01(\x01R\atisClip\x12 \n" +
+	"\ftis_clip_low\x18\x12 \x01(\x01R\n" +
+	"tisClipLow\"}\n" +
 	"\x05Batch\x12\x0e\n" +
 	"\x02id\x18\x01 \x01(\tR\x02id\x122\n" +
 	"\asamples\x18\x02 \x03(\v2\x18.slimen.engine.v1.SampleR\asamples\x120\n" +
-	"\x04loss\x18\x03 \x01(\v2\x1c.slimen.engine.v1.LossConfigR\x04loss\"\x86\x02\n" +
+	"\x04loss\x18\x03 \x01(\v2\x1c.slimen.engine.v1.LossConfigR\x04loss\"\xc9\x02\n" +
 	"\n" +
 	"TrainStats\x12\x12\n" +
 	"\x04loss\x18\x01 \x01(\x01R\x04loss\x12\x17\n" +
@@ -2228,7 +2297,10 @@ const file_engine_proto_rawDesc = "" +
 	"\x06reason\x18\t \x01(\tR\x06reason\x12\x1d\n" +
 	"\n" +
 	"value_loss\x18\n" +
-	" \x01(\x01R\tvalueLoss\"=\n" +
+	" \x01(\x01R\tvalueLoss\x12\"\n" +
+	"\rtis_clip_frac\x18\v \x01(\x01R\vtisClipFrac\x12\x1d\n" +
+	"\n" +
+	"tis_weight\x18\f \x01(\x01R\ttisWeight\"=\n" +
 	"\fTrainRequest\x12-\n" +
 	"\x05batch\x18\x01 \x01(\v2\x17.slimen.engine.v1.BatchR\x05batch\"a\n" +
 	"\rTrainResponse\x122\n" +

@@ -217,7 +217,7 @@ class Engine:
                     vocab_size=self.cfg.vocab_size, max_seq_len=self.gen.L,
                     chat_template=self.tokenizer.chat_template, eos_tokens=list(self.eos),
                     params=self.cfg.params(), devices=[str(self.device)],
-                    capabilities=["generate", "score", "train", "values", "reference"])
+                    capabilities=["generate", "score", "train", "values", "reference", "tis"])
 
     def tokenize(self, texts: list[str]) -> list[list[int]]:
         return [self.tokenizer.encode(t) for t in texts]

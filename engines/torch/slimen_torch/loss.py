@@ -10,6 +10,11 @@ functions, testdata/slime/make_vectors.py), which tests/test_loss_vectors.py rep
   larger the token counts as clipped and passes no gradient;
 * KL with Δ = logp − logp_ref: k1 = Δ, k2 = Δ²/2, k3 = e^−Δ − 1 + Δ, low_var_kl = k3 clamped to
   [−10, 10];
+* off-policy correction (use_tis, slime's --use-tis, pinned by testdata/slime/tis_vectors.json):
+  pg is multiplied by a constant weight of ρ = exp(logp_old − logp_rollout), where logp_old are
+  the trainer's old log-probs: clamp(ρ, tis_clip_low, tis_clip) (tis_mode "tis", slime's
+  vanilla_tis_function) or ρ inside that band and 0 outside (tis_mode "icepop", slime's
+  icepop_function);
 * loss = Σ w·(pg + kl_loss_coef·KL − entropy_coef·H) with per-token weights w that do the
   reduction (sample_mean, token_mean, group_token_mean or token_sum; see token_weights).
   Because the reduction is a weighted sum, a batch can be split into micro-batches and their
@@ -27,6 +32,7 @@ from .types import LossConfig
 KL_TYPES = ("k1", "k2", "k3", "low_var_kl")
 POLICY_LOSSES = ("ppo", "gspo")
 AGGREGATIONS = ("sample_mean", "token_mean", "group_token_mean", "token_sum")
+TIS_MODES = ("tis", "icepop")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,12 +46,18 @@ class Loss:
     kl_type: str
     policy: str
     aggregation: str
+    use_tis: bool = False
+    tis_mode: str = "tis"
+    tis_low: float = 0.0
+    tis_high: float = 2.0
 
 
 def resolve(c: LossConfig) -> Loss:
     r = Loss(eps_lo=c.eps_clip, eps_hi=c.eps_clip_high, kl_coef=c.kl_loss_coef,
              ent_coef=c.entropy_coef, kl_type=c.kl_loss_type or "low_var_kl",
-             policy=c.policy_loss or "ppo", aggregation=c.aggregation or "sample_mean")
+             policy=c.policy_loss or "ppo", aggregation=c.aggregation or "sample_mean",
+             use_tis=c.use_tis, tis_mode=c.tis_mode or "tis", tis_low=c.tis_clip_low,
+             tis_high=c.tis_clip or 2.0)
     if r.kl_type not in KL_TYPES:
         raise ValueError(f"kl_loss_type {r.kl_type!r} is not one of {', '.join(KL_TYPES)}")
     if r.policy not in POLICY_LOSSES:
@@ -55,6 +67,11 @@ def resolve(c: LossConfig) -> Loss:
     if min(r.eps_lo, r.eps_hi, r.kl_coef, r.ent_coef) < 0:
         raise ValueError("eps_clip, eps_clip_high, kl_loss_coef and entropy_coef must not be "
                          "negative")
+    if r.use_tis and r.tis_mode not in TIS_MODES:
+        raise ValueError(f"tis_mode {r.tis_mode!r} is not one of {', '.join(TIS_MODES)}")
+    if r.use_tis and not 0 <= r.tis_low <= r.tis_high:
+        raise ValueError(f"tis_clip_low {r.tis_low:g} and tis_clip {r.tis_high:g} are not a band: "
+                         "need 0 ≤ tis_clip_low ≤ tis_clip")
     return r
 
 
@@ -97,13 +114,28 @@ def kl_term(delta: torch.Tensor, kind: str) -> torch.Tensor:
     return k3.clamp(-10, 10) if kind == "low_var_kl" else k3
 
 
+def tis_weight(cfg: Loss, old_logp, rollout_logp):
+    """The off-policy weight of each token and whether it differs from the ratio ρ =
+    exp(old_logp − rollout_logp): clamp(ρ, low, high) (tis) or ρ inside [low, high], else 0
+    (icepop). Both inputs are constants of the loss."""
+    rho = torch.exp(old_logp - rollout_logp)
+    inside = (rho >= cfg.tis_low) & (rho <= cfg.tis_high)
+    if cfg.tis_mode == "icepop":
+        w = torch.where(inside, rho, torch.zeros_like(rho))
+    else:
+        w = rho.clamp(cfg.tis_low, cfg.tis_high)
+    return w, ~inside
+
+
 def policy_loss(cfg: Loss, logp, old_logp, adv, mask, weight, entropy=None, ref_logp=None,
-                seq=None, n_seqs: int = 0) -> dict[str, torch.Tensor]:
+                seq=None, n_seqs: int = 0, rollout_logp=None) -> dict[str, torch.Tensor]:
     """Weighted sums over the given tokens (1-D tensors of one length).
 
     seq (gspo only): the sample index of each token, in [0, n_seqs). entropy may be None when
-    entropy_coef is 0 (the statistic is then reported by the caller). Returns loss, pg, kl and
-    entropy as weighted sums, and clipped and tokens as counts.
+    entropy_coef is 0 (the statistic is then reported by the caller). With cfg.use_tis, old_logp
+    are the trainer's old log-probs and rollout_logp the rollout's. Returns loss, pg, kl and
+    entropy as weighted sums, and clipped and tokens as counts (with TIS also tis_clipped, a
+    count, and tis_weight, the sum of the weights over trained tokens).
     """
     trained = mask != 0
     log_ratio = logp - old_logp
@@ -119,10 +151,16 @@ def policy_loss(cfg: Loss, logp, old_logp, adv, mask, weight, entropy=None, ref_
     clipped = (l2 > l1) & trained
     pg = torch.where(clipped, l2, l1)
     zero = torch.zeros_like(pg)
+    tis = {}
+    if cfg.use_tis:
+        w_tis, changed = tis_weight(cfg, old_logp.detach(), rollout_logp)
+        pg = pg * w_tis
+        tis = {"tis_clipped": (changed & trained).sum(),
+               "tis_weight": torch.where(trained, w_tis, torch.zeros_like(w_tis)).sum()}
     # where (not multiplication) keeps a non-finite value on an untrained token from leaking.
     pg_sum = torch.where(trained, weight * pg, zero).sum()
     loss = pg_sum
-    out = {"pg": pg_sum, "clipped": clipped.sum(), "tokens": trained.sum()}
+    out = {"pg": pg_sum, "clipped": clipped.sum(), "tokens": trained.sum(), **tis}
     if cfg.kl_coef > 0:
         kl_sum = torch.where(trained, weight * kl_term(logp - ref_logp, cfg.kl_type), zero).sum()
         loss = loss + cfg.kl_coef * kl_sum

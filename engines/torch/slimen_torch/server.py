@@ -66,7 +66,8 @@ def batch_of(b: pb.Batch) -> Batch:
     loss = LossConfig(**{f: getattr(lc, f) for f in LossConfig.__dataclass_fields__})
     samples = [Sample(prompt=list(s.prompt), response=list(s.response), loss_mask=list(s.loss_mask),
                       old_logprobs=list(s.old_logprobs), advantages=list(s.advantages),
-                      group=s.group, returns=list(s.returns), old_values=list(s.old_values))
+                      group=s.group, returns=list(s.returns), old_values=list(s.old_values),
+                      train_logprobs=list(s.train_logprobs))
                for s in b.samples]
     return Batch(samples=samples, loss=loss, id=b.id)
 
@@ -439,7 +440,8 @@ class Service(pb_grpc.EngineServicer):
             s = eng.train(batch_of(request.batch))
             return pb.TrainStats(loss=s.loss, pg_loss=s.pg_loss, kl=s.kl, clip_frac=s.clip_frac,
                                  entropy=s.entropy, grad_norm=s.grad_norm, tokens=s.tokens,
-                                 value_loss=s.value_loss, skipped=s.skipped, reason=s.reason)
+                                 value_loss=s.value_loss, skipped=s.skipped, reason=s.reason,
+                                 tis_clip_frac=s.tis_clip_frac, tis_weight=s.tis_weight)
         try:
             stats, dup = self.train.run(request.batch.id, step)
         except Exception as e:

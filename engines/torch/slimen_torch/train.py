@@ -84,7 +84,7 @@ def check_samples(samples: list[Sample], vocab: int, max_len: int) -> None:
             if len(getattr(s, name)) != n:
                 raise RequestError("INVALID_ARGUMENT", f"sample {i}: {name} has "
                                    f"{len(getattr(s, name))} entries for {n} response tokens")
-        for name in ("returns", "old_values"):
+        for name in ("returns", "old_values", "train_logprobs"):
             if getattr(s, name) and len(getattr(s, name)) != n:
                 raise RequestError("INVALID_ARGUMENT", f"sample {i}: {name} has "
                                    f"{len(getattr(s, name))} entries for {n} response tokens")
@@ -259,7 +259,8 @@ class Trainer:
         ref_model = self.reference() if cfg.kl_coef > 0 else None
         self.model.train()
         sums = {k: torch.zeros((), dtype=torch.float64, device=dev)
-                for k in ("loss", "pg", "kl", "entropy", "clipped", "tokens")}
+                for k in ("loss", "pg", "kl", "entropy", "clipped", "tokens")
+                + (("tis_clipped", "tis_weight") if cfg.use_tis else ())}
         lengths = [len(s.prompt) + len(s.response) for s in samples]
         for mb in micro_batches(lengths, self.micro_batch_tokens):
             group = [samples[i] for i in mb]
@@ -275,10 +276,19 @@ class Trainer:
                     ref = self._logprobs(ref_model, pairs, False)[0]
             seq = torch.repeat_interleave(torch.arange(len(group), device=dev),
                                           torch.tensor([len(s.response) for s in group], device=dev))
-            out = L.policy_loss(cfg, logp, flat(s.old_logprobs for s in group),
-                                flat(s.advantages for s in group), flat(s.loss_mask for s in group),
-                                flat(weights[i] for i in mb), entropy=ent, ref_logp=ref, seq=seq,
-                                n_seqs=len(group))
+            old, rollout = flat(s.old_logprobs for s in group), None
+            if cfg.use_tis:
+                # The rollout's log-probs only divide the TIS ratio; the PPO ratio's old
+                # log-probs are the trainer's: sent by the host, else those of the weights
+                # before this step, which are the current ones, detached.
+                rollout = old
+                cur = logp.detach().float().split([len(s.response) for s in group])
+                old = torch.cat([torch.tensor(s.train_logprobs, dtype=torch.float32, device=dev)
+                                 if s.train_logprobs else c for s, c in zip(group, cur)])
+            out = L.policy_loss(cfg, logp, old, flat(s.advantages for s in group),
+                                flat(s.loss_mask for s in group), flat(weights[i] for i in mb),
+                                entropy=ent, ref_logp=ref, seq=seq, n_seqs=len(group),
+                                rollout_logp=rollout)
             out["loss"].backward()
             for k in sums:
                 if k in out:
@@ -361,6 +371,9 @@ class Trainer:
         stats = TrainStats(loss=vals["loss"], pg_loss=vals["pg"], kl=vals["kl"],
                            entropy=vals["entropy"], tokens=tokens,
                            clip_frac=vals["clipped"] / tokens if tokens else 0.0)
+        if tokens and "tis_clipped" in vals:
+            stats.tis_clip_frac = vals["tis_clipped"] / tokens
+            stats.tis_weight = vals["tis_weight"] / tokens
         opt = self.opt
         if not math.isfinite(stats.loss):
             return self._skip(stats, f"non-finite loss {stats.loss}")

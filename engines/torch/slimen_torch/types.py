@@ -58,6 +58,10 @@ class Sample:
     # returns trains the value head (the policy fields are ignored).
     returns: list[float] = dataclasses.field(default_factory=list)
     old_values: list[float] = dataclasses.field(default_factory=list)
+    # With LossConfig.use_tis: the trainer's log-probs before the rollout step's first optimizer
+    # step (empty: the engine's own before this step, detached); old_logprobs then only divide
+    # the TIS ratio.
+    train_logprobs: list[float] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass
@@ -76,6 +80,12 @@ class LossConfig:
     policy_loss: str = ""  # "" is read as ppo
     aggregation: str = ""  # "" is read as sample_mean
     value_clip: float = 0.0  # critic: V clipped to old_values ± value_clip; 0: no clipping
+    # Off-policy correction (slime's --use-tis; loss.py): tis_mode "tis" or "icepop", the weight
+    # band [tis_clip_low, tis_clip].
+    use_tis: bool = False
+    tis_mode: str = ""  # "" is read as tis
+    tis_clip: float = 0.0  # 0 is read as 2 (slime's default)
+    tis_clip_low: float = 0.0
 
 
 @dataclasses.dataclass
@@ -95,6 +105,8 @@ class TrainStats:
     grad_norm: float = 0.0
     tokens: int = 0
     value_loss: float = 0.0  # a critic's value loss
+    tis_clip_frac: float = 0.0  # use_tis: share of trained tokens whose weight was clipped/masked
+    tis_weight: float = 0.0  # use_tis: mean weight over trained tokens
     skipped: bool = False
     reason: str = ""
 

@@ -2,7 +2,9 @@
 code (testdata/slime/make_vectors.py) and shared with the Go engine: the reduced loss and
 statistics and the gradients with respect to every token's log-prob and entropy, for every case
 (ppo/gspo, each KL type, entropy bonus, each aggregation, samples without trained tokens). slime
-computes KL terms in float32, hence the tolerances."""
+computes KL terms in float32, hence the tolerances. testdata/slime/tis_vectors.json does the same
+for the off-policy correction (TIS and IcePop, slime's vanilla_tis_function and icepop_function),
+adding the share of clipped or masked tokens and the mean weight."""
 
 import json
 import pathlib
@@ -15,6 +17,7 @@ from slimen_torch.types import LossConfig
 
 VECTORS = pathlib.Path(__file__).resolve().parents[3] / "testdata" / "slime" / "loss_vectors.json"
 CASES = json.loads(VECTORS.read_text())["cases"]
+TIS_CASES = json.loads((VECTORS.parent / "tis_vectors.json").read_text())["cases"]
 
 
 def evaluate(case):
@@ -23,7 +26,9 @@ def evaluate(case):
     cfg = L.resolve(LossConfig(eps_clip=c["eps_clip"], eps_clip_high=c["eps_clip_high"],
                                kl_loss_coef=c["kl_loss_coef"], kl_loss_type=c["kl_loss_type"],
                                entropy_coef=c["entropy_coef"], policy_loss=c["policy_loss"],
-                               aggregation=c["aggregation"]))
+                               aggregation=c["aggregation"], use_tis=c.get("use_tis", False),
+                               tis_mode=c.get("tis_mode", ""), tis_clip=c.get("tis_clip", 0.0),
+                               tis_clip_low=c.get("tis_clip_low", 0.0)))
     weights = L.token_weights([s["group"] for s in samples], [s["loss_mask"] for s in samples],
                               cfg.aggregation)
 
@@ -36,7 +41,8 @@ def evaluate(case):
     out = L.policy_loss(cfg, logp, flat("old_logprobs"), flat("advantages"), flat("loss_mask"),
                         torch.tensor([w for ws in weights for w in ws], dtype=torch.float64),
                         entropy=entropy, ref_logp=flat("ref_logprobs"), seq=seq,
-                        n_seqs=len(samples))
+                        n_seqs=len(samples),
+                        rollout_logp=flat("rollout_logprobs") if cfg.use_tis else None)
     out["loss"].backward()
     lengths = [len(s["logprobs"]) for s in samples]
     return out, logp.grad.split(lengths), entropy.grad.split(lengths)
@@ -58,6 +64,31 @@ def test_loss_vector(case):
         assert got.tolist() == pytest.approx(exp, **tol)
     for got, exp in zip(g_ent, want["grad_entropy"]):
         assert got.tolist() == pytest.approx(exp, **tol)
+
+
+@pytest.mark.parametrize("case", TIS_CASES, ids=lambda c: c["name"])
+def test_tis_vector(case):
+    test_loss_vector(case)
+    out = evaluate(case)[0]
+    want = case["expected"]
+    tokens = max(want["tokens"], 1)
+    tol = dict(rel=1e-6, abs=1e-7)
+    assert out["tis_clipped"].item() / tokens == pytest.approx(want["tis_clip_frac"], **tol)
+    assert out["tis_weight"].item() / tokens == pytest.approx(want["tis_weight"], **tol)
+
+
+def test_tis_vectors_cover_both_modes():
+    seen = {(c["config"]["tis_mode"], c["config"]["policy_loss"]) for c in TIS_CASES
+            if c["expected"]["tis_clip_frac"] > 0}
+    assert seen == {(m, p) for m in L.TIS_MODES for p in L.POLICY_LOSSES}
+
+
+def test_tis_band_is_checked():
+    with pytest.raises(ValueError, match="tis_mode"):
+        L.resolve(LossConfig(use_tis=True, tis_mode="rs"))
+    with pytest.raises(ValueError, match="tis_clip_low"):
+        L.resolve(LossConfig(use_tis=True, tis_clip=1.5, tis_clip_low=2.0))
+    assert L.resolve(LossConfig(use_tis=True)).tis_high == 2.0  # slime's default
 
 
 def test_vectors_cover_every_option():

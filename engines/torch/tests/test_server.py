@@ -468,3 +468,15 @@ def test_off_loopback_needs_a_token():
         assert port > 0
     finally:
         server.stop(0).wait()
+
+
+def test_batch_of_carries_the_off_policy_fields():
+    from slimen_torch.server import batch_of
+    b = batch_of(pb.Batch(id="x", samples=[pb.Sample(prompt=[1], response=[2, 3], loss_mask=[1, 1],
+                                                     old_logprobs=[-1, -2], advantages=[1, 1],
+                                                     train_logprobs=[-0.5, -1.5])],
+                          loss=pb.LossConfig(use_tis=True, tis_mode="icepop", tis_clip=1.5,
+                                             tis_clip_low=0.5)))
+    assert b.samples[0].train_logprobs == [-0.5, -1.5]
+    lc = b.loss
+    assert (lc.use_tis, lc.tis_mode, lc.tis_clip, lc.tis_clip_low) == (True, "icepop", 1.5, 0.5)

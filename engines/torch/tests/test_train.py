@@ -202,3 +202,42 @@ def test_score_with_the_reference(model_dirs):
             assert max(abs(x - y) for x, y in zip(b, n)) > 1e-3
     finally:
         e.close()
+
+
+@pytest.mark.parametrize("mode", ["tis", "icepop"])
+def test_tis_weights_the_step_by_the_rollout_ratio(model_dirs, mode):
+    # Rollout log-probs off the trainer's by log 3, 0 and −log 3 in turn: ratios ρ of 3, 1 and
+    # 1/3 against the band [0.5, 2]. The trainer's old log-probs are the model's own (computed by
+    # the engine, or sent as train_logprobs), so the PPO ratio is 1 and the loss is
+    # −mean(A·w) with w = clamp(ρ) (tis: 2, 1, 0.5) or ρ in the band, else 0 (icepop: 0, 1, 0).
+    d = [math.log(3), 0.0, -math.log(3)]
+    w = {"tis": [2.0, 1.0, 0.5], "icepop": [0.0, 1.0, 0.0]}[mode]
+    results = []
+    for send in (False, True):
+        e = Engine(str(model_dirs["tiny-qwen3"]))
+        try:
+            lc = LossConfig(lr=1e-2, aggregation="token_sum", use_tis=True, tis_mode=mode,
+                            tis_clip=2.0, tis_clip_low=0.5)
+            batch = fixed_batch(e, lc)
+            want_loss, want_w, changed, tokens = 0.0, 0.0, 0, 0
+            for s in batch.samples:
+                if send:
+                    s.train_logprobs = list(s.old_logprobs)
+                s.old_logprobs = [x - d[t % 3] for t, x in enumerate(s.old_logprobs)]
+                for t, m in enumerate(s.loss_mask):
+                    if m:
+                        tokens += 1
+                        want_loss += -s.advantages[t] * w[t % 3]
+                        want_w += w[t % 3]
+                        changed += t % 3 != 1
+            st = e.train(batch)
+            assert not st.skipped and st.tokens == tokens
+            assert st.loss == pytest.approx(want_loss, abs=1e-4)
+            assert st.tis_clip_frac == pytest.approx(changed / tokens)
+            assert st.tis_weight == pytest.approx(want_w / tokens, abs=1e-5)
+            results.append(weights(e))
+        finally:
+            e.close()
+    # The engine's own old log-probs and the same ones sent by the host give the same step.
+    for a, b in zip(*results):
+        assert torch.allclose(a, b, atol=1e-6)

@@ -184,7 +184,7 @@ class ValuesResponse(_message.Message):
     def __init__(self, values: _Optional[_Iterable[_Union[Scores, _Mapping]]] = ...) -> None: ...
 
 class Sample(_message.Message):
-    __slots__ = ("prompt", "response", "loss_mask", "old_logprobs", "advantages", "group", "returns", "old_values")
+    __slots__ = ("prompt", "response", "loss_mask", "old_logprobs", "advantages", "group", "returns", "old_values", "train_logprobs")
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     RESPONSE_FIELD_NUMBER: _ClassVar[int]
     LOSS_MASK_FIELD_NUMBER: _ClassVar[int]
@@ -193,6 +193,7 @@ class Sample(_message.Message):
     GROUP_FIELD_NUMBER: _ClassVar[int]
     RETURNS_FIELD_NUMBER: _ClassVar[int]
     OLD_VALUES_FIELD_NUMBER: _ClassVar[int]
+    TRAIN_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     prompt: _containers.RepeatedScalarFieldContainer[int]
     response: _containers.RepeatedScalarFieldContainer[int]
     loss_mask: _containers.RepeatedScalarFieldContainer[float]
@@ -201,10 +202,11 @@ class Sample(_message.Message):
     group: str
     returns: _containers.RepeatedScalarFieldContainer[float]
     old_values: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(self, prompt: _Optional[_Iterable[int]] = ..., response: _Optional[_Iterable[int]] = ..., loss_mask: _Optional[_Iterable[float]] = ..., old_logprobs: _Optional[_Iterable[float]] = ..., advantages: _Optional[_Iterable[float]] = ..., group: _Optional[str] = ..., returns: _Optional[_Iterable[float]] = ..., old_values: _Optional[_Iterable[float]] = ...) -> None: ...
+    train_logprobs: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, prompt: _Optional[_Iterable[int]] = ..., response: _Optional[_Iterable[int]] = ..., loss_mask: _Optional[_Iterable[float]] = ..., old_logprobs: _Optional[_Iterable[float]] = ..., advantages: _Optional[_Iterable[float]] = ..., group: _Optional[str] = ..., returns: _Optional[_Iterable[float]] = ..., old_values: _Optional[_Iterable[float]] = ..., train_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class LossConfig(_message.Message):
-    __slots__ = ("lr", "beta1", "beta2", "adam_eps", "weight_decay", "max_grad_norm", "eps_clip", "eps_clip_high", "kl_loss_coef", "kl_loss_type", "entropy_coef", "policy_loss", "aggregation", "value_clip")
+    __slots__ = ("lr", "beta1", "beta2", "adam_eps", "weight_decay", "max_grad_norm", "eps_clip", "eps_clip_high", "kl_loss_coef", "kl_loss_type", "entropy_coef", "policy_loss", "aggregation", "value_clip", "use_tis", "tis_mode", "tis_clip", "tis_clip_low")
     LR_FIELD_NUMBER: _ClassVar[int]
     BETA1_FIELD_NUMBER: _ClassVar[int]
     BETA2_FIELD_NUMBER: _ClassVar[int]
@@ -219,6 +221,10 @@ class LossConfig(_message.Message):
     POLICY_LOSS_FIELD_NUMBER: _ClassVar[int]
     AGGREGATION_FIELD_NUMBER: _ClassVar[int]
     VALUE_CLIP_FIELD_NUMBER: _ClassVar[int]
+    USE_TIS_FIELD_NUMBER: _ClassVar[int]
+    TIS_MODE_FIELD_NUMBER: _ClassVar[int]
+    TIS_CLIP_FIELD_NUMBER: _ClassVar[int]
+    TIS_CLIP_LOW_FIELD_NUMBER: _ClassVar[int]
     lr: float
     beta1: float
     beta2: float
@@ -233,7 +239,11 @@ class LossConfig(_message.Message):
     policy_loss: str
     aggregation: str
     value_clip: float
-    def __init__(self, lr: _Optional[float] = ..., beta1: _Optional[float] = ..., beta2: _Optional[float] = ..., adam_eps: _Optional[float] = ..., weight_decay: _Optional[float] = ..., max_grad_norm: _Optional[float] = ..., eps_clip: _Optional[float] = ..., eps_clip_high: _Optional[float] = ..., kl_loss_coef: _Optional[float] = ..., kl_loss_type: _Optional[str] = ..., entropy_coef: _Optional[float] = ..., policy_loss: _Optional[str] = ..., aggregation: _Optional[str] = ..., value_clip: _Optional[float] = ...) -> None: ...
+    use_tis: bool
+    tis_mode: str
+    tis_clip: float
+    tis_clip_low: float
+    def __init__(self, lr: _Optional[float] = ..., beta1: _Optional[float] = ..., beta2: _Optional[float] = ..., adam_eps: _Optional[float] = ..., weight_decay: _Optional[float] = ..., max_grad_norm: _Optional[float] = ..., eps_clip: _Optional[float] = ..., eps_clip_high: _Optional[float] = ..., kl_loss_coef: _Optional[float] = ..., kl_loss_type: _Optional[str] = ..., entropy_coef: _Optional[float] = ..., policy_loss: _Optional[str] = ..., aggregation: _Optional[str] = ..., value_clip: _Optional[float] = ..., use_tis: _Optional[bool] = ..., tis_mode: _Optional[str] = ..., tis_clip: _Optional[float] = ..., tis_clip_low: _Optional[float] = ...) -> None: ...
 
 class Batch(_message.Message):
     __slots__ = ("id", "samples", "loss")
@@ -246,7 +256,7 @@ class Batch(_message.Message):
     def __init__(self, id: _Optional[str] = ..., samples: _Optional[_Iterable[_Union[Sample, _Mapping]]] = ..., loss: _Optional[_Union[LossConfig, _Mapping]] = ...) -> None: ...
 
 class TrainStats(_message.Message):
-    __slots__ = ("loss", "pg_loss", "kl", "clip_frac", "entropy", "grad_norm", "tokens", "skipped", "reason", "value_loss")
+    __slots__ = ("loss", "pg_loss", "kl", "clip_frac", "entropy", "grad_norm", "tokens", "skipped", "reason", "value_loss", "tis_clip_frac", "tis_weight")
     LOSS_FIELD_NUMBER: _ClassVar[int]
     PG_LOSS_FIELD_NUMBER: _ClassVar[int]
     KL_FIELD_NUMBER: _ClassVar[int]
@@ -257,6 +267,8 @@ class TrainStats(_message.Message):
     SKIPPED_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     VALUE_LOSS_FIELD_NUMBER: _ClassVar[int]
+    TIS_CLIP_FRAC_FIELD_NUMBER: _ClassVar[int]
+    TIS_WEIGHT_FIELD_NUMBER: _ClassVar[int]
     loss: float
     pg_loss: float
     kl: float
@@ -267,7 +279,9 @@ class TrainStats(_message.Message):
     skipped: bool
     reason: str
     value_loss: float
-    def __init__(self, loss: _Optional[float] = ..., pg_loss: _Optional[float] = ..., kl: _Optional[float] = ..., clip_frac: _Optional[float] = ..., entropy: _Optional[float] = ..., grad_norm: _Optional[float] = ..., tokens: _Optional[int] = ..., skipped: _Optional[bool] = ..., reason: _Optional[str] = ..., value_loss: _Optional[float] = ...) -> None: ...
+    tis_clip_frac: float
+    tis_weight: float
+    def __init__(self, loss: _Optional[float] = ..., pg_loss: _Optional[float] = ..., kl: _Optional[float] = ..., clip_frac: _Optional[float] = ..., entropy: _Optional[float] = ..., grad_norm: _Optional[float] = ..., tokens: _Optional[int] = ..., skipped: _Optional[bool] = ..., reason: _Optional[str] = ..., value_loss: _Optional[float] = ..., tis_clip_frac: _Optional[float] = ..., tis_weight: _Optional[float] = ...) -> None: ...
 
 class TrainRequest(_message.Message):
     __slots__ = ("batch",)
