@@ -6,6 +6,7 @@ import (
 	"testing"
 
 	"github.com/google/go-cmp/cmp"
+	"github.com/google/go-cmp/cmp/cmpopts"
 	"github.com/slimen/slimen/engines"
 )
 
@@ -211,5 +212,63 @@ func TestScoreWithTheReference(t *testing.T) {
 		if cmp.Equal(before[i], now[i]) {
 			t.Errorf("request %d: the step did not change the log-probs", i)
 		}
+	}
+}
+
+// With TIS the rollout's log-probs only weight the step: rollout log-probs off by log 3, 0 and
+// −log 3 in turn give ratios of 3, 1 and 1/3 against the band [0.5, 2], so a third of the tokens
+// keep their weight and the rest are clipped to 2 and 0.5 (tis) or masked (icepop). The
+// trainer's old log-probs computed by the engine and the same numbers sent as TrainLogprobs give
+// the same step.
+func TestTrainTIS(t *testing.T) {
+	d := []float32{float32(math.Log(3)), 0, -float32(math.Log(3))}
+	for mode, w := range map[string][3]float64{"tis": {2, 1, 0.5}, "icepop": {0, 1, 0}} {
+		var results [][][]float32
+		var stats []engines.TrainStats
+		var count [3]float64 // tokens by position mod 3
+		for _, send := range []bool{false, true} {
+			e := newSmall(t, 2)
+			b := rolloutBatch(t, e, func(i int, _ engines.Completion) float32 { return float32(i%3) - 1 })
+			b.Loss.UseTIS, b.Loss.TISMode, b.Loss.TISClip, b.Loss.TISClipLow = true, mode, 2, 0.5
+			count = [3]float64{}
+			for i := range b.Samples {
+				s := &b.Samples[i]
+				if send {
+					// The rollout's log-probs are the engine's own (the first step's weights).
+					s.TrainLogprobs = slices.Clone(s.OldLogprobs)
+				}
+				for j := range s.OldLogprobs {
+					s.OldLogprobs[j] -= d[j%3]
+					count[j%3]++
+				}
+			}
+			st, err := e.Train(ctx, b)
+			if err != nil {
+				t.Fatal(err)
+			}
+			stats = append(stats, st)
+			results = append(results, snapshot(e))
+		}
+		n := count[0] + count[1] + count[2]
+		wantFrac, wantW := (count[0]+count[2])/n, (w[0]*count[0]+w[1]*count[1]+w[2]*count[2])/n
+		if st := stats[0]; st.Skipped || st.ClipFrac != 0 || math.Abs(st.TISClipFrac-wantFrac) > 1e-12 || math.Abs(st.TISWeight-wantW) > 1e-6 {
+			t.Errorf("%s: stats %+v, want no PPO clipping, tis_clip_frac %v, tis_weight %v", mode, st, wantFrac, wantW)
+		}
+		if math.Abs(stats[0].Loss-stats[1].Loss) > 1e-6 || !cmp.Equal(results[0], results[1], cmpopts.EquateApprox(0, 1e-5)) {
+			t.Errorf("%s: own old log-probs and sent ones differ: %+v vs %+v", mode, stats[0], stats[1])
+		}
+	}
+	// Sent old log-probs are the PPO ratio's: one nat below the current ones, every ratio is e,
+	// outside the clip range.
+	e := newSmall(t, 2)
+	b := rolloutBatch(t, e, func(int, engines.Completion) float32 { return 1 })
+	b.Loss.UseTIS = true
+	for i := range b.Samples {
+		for _, x := range b.Samples[i].OldLogprobs {
+			b.Samples[i].TrainLogprobs = append(b.Samples[i].TrainLogprobs, x-1)
+		}
+	}
+	if st, err := e.Train(ctx, b); err != nil || st.ClipFrac != 1 || st.TISClipFrac != 0 {
+		t.Errorf("train_logprobs one nat low: %+v, %v; want every token clipped by PPO, none by TIS", st, err)
 	}
 }
