@@ -179,6 +179,18 @@ func (r *Run) checkReload() {
 		r.events.printf("reload: %s changes %s, which needs a new engine; restart the run to apply it (the run keeps its config)", rl.cfgPath, why)
 		return
 	}
+	for _, pc := range c.Policies {
+		r.polMu.Lock()
+		p := r.policies[pc.Name]
+		r.polMu.Unlock()
+		if p == nil {
+			continue
+		}
+		if err := r.checkTIS(r.ctx, pc.Name, pc, p.eng); err != nil {
+			r.events.printf("reload: %s: %v (the run keeps its config)", rl.cfgPath, err)
+			return
+		}
+	}
 	rl.pendingCfg = c
 	r.events.printf("reload: %s is valid; its new settings take over at the next step", rl.cfgPath)
 }

@@ -11,6 +11,7 @@ import (
 	"math"
 	"os"
 	"path/filepath"
+	"slices"
 	"sort"
 	"strings"
 	"sync"
@@ -360,6 +361,12 @@ func (r *Run) addPolicy(ctx context.Context, pc config.PolicyConfig) (*policy, e
 				return nil, fmt.Errorf("policy %q%s: %w", pc.Name, r.cfgPlace(&policy{cfg: pc}), err)
 			}
 		}
+	}
+	if err := r.checkTIS(ctx, pc.Name, pc, eng); err != nil {
+		if _, given := r.opts.Engines[pc.Name]; !given {
+			eng.Close()
+		}
+		return nil, err
 	}
 	p := &policy{name: pc.Name, cfg: pc, eng: eng}
 	p.disp = newDispatcher(eng, &r.activity, maxBatchSamples(r.cfg))
@@ -826,8 +833,12 @@ func (r *Run) trainOne(ctx context.Context, step int, p *policy, ss []trainSampl
 	if size <= 0 || size > len(ss) {
 		size = len(ss)
 	}
-	var sums struct{ loss, pg, kl, clip, ent, gn float64 }
+	var sums struct{ loss, pg, kl, clip, ent, gn, tisClip, tisW float64 }
 	steps, skipped, tokens := 0, 0, 0
+	trainLogp, err := r.trainLogprobs(ctx, step, p, ss, size)
+	if err != nil {
+		return err
+	}
 	for k := 0; k < len(ss); k += size {
 		end := min(k+size, len(ss))
 		// The run id keeps a server that outlived a crashed host from taking a resumed run's
@@ -839,6 +850,9 @@ func (r *Run) trainOne(ctx context.Context, step int, p *policy, ss []trainSampl
 				Prompt: c.PromptTokens(), Response: c.Tokens(), LossMask: c.LossMask(), OldLogprobs: c.Logprobs(),
 				Advantages: adv[i], Group: ss[i].Group,
 			})
+			if trainLogp != nil {
+				b.Samples[len(b.Samples)-1].TrainLogprobs = trainLogp[i]
+			}
 		}
 		st, err := p.eng.Train(ctx, b)
 		if err != nil {
@@ -858,6 +872,8 @@ func (r *Run) trainOne(ctx context.Context, step int, p *policy, ss []trainSampl
 		sums.clip += st.ClipFrac
 		sums.ent += st.Entropy
 		sums.gn += st.GradNorm
+		sums.tisClip += st.TISClipFrac
+		sums.tisW += st.TISWeight
 	}
 	d := float64(max(steps, 1))
 	m.set("loss", sums.loss/d)
@@ -866,6 +882,10 @@ func (r *Run) trainOne(ctx context.Context, step int, p *policy, ss []trainSampl
 	m.set("clip_frac", sums.clip/d)
 	m.set("entropy", sums.ent/d)
 	m.set("grad_norm", sums.gn/d)
+	if lc.UseTIS {
+		m.set("tis_clip_frac", sums.tisClip/d)
+		m.set("tis_weight", sums.tisW/d)
+	}
 	m.set("optimizer_steps", steps)
 	m.set("skipped_steps", skipped)
 	m.set("trained_tokens", tokens)
@@ -886,7 +906,51 @@ func lossConfig(tc config.TrainConfig) engines.LossConfig {
 		MaxGradNorm: tc.ClipGrad, EpsClip: tc.EpsClip, EpsClipHigh: tc.EpsClipHigh,
 		KLLossCoef: kl, KLLossType: tc.KLLossType, EntropyCoef: tc.EntropyCoef,
 		Aggregation: tc.LossAggregation, PolicyLoss: pl,
+		UseTIS: tc.UseTIS, TISMode: tc.TISMode, TISClip: tc.TISClip, TISClipLow: tc.TISClipLow,
 	}
+}
+
+// trainLogprobs returns, when use_tis is on and a policy's step is cut into several optimizer
+// steps of size samples, the trainer's log-probs of every sample before the first of them, as
+// slime recomputes its old log_probs once per rollout: the later optimizer steps then measure
+// their PPO ratio from the same weights as the first. nil otherwise: with one optimizer step the
+// engine's own log-probs before the step are those.
+func (r *Run) trainLogprobs(ctx context.Context, step int, p *policy, ss []trainSample, size int) ([][]float32, error) {
+	if !p.cfg.Train.UseTIS || size >= len(ss) {
+		return nil, nil
+	}
+	reqs := make([]engines.ScoreRequest, len(ss))
+	for i, s := range ss {
+		reqs[i] = engines.ScoreRequest{PromptTokens: s.C.PromptTokens(), Tokens: s.C.Tokens()}
+	}
+	scores, err := p.eng.Score(ctx, reqs)
+	if err != nil {
+		return nil, &EngineError{Step: step, Policy: p.name, Err: fmt.Errorf("scoring %d samples for use_tis's old log-probs: %w", len(ss), err), Hint: r.engineErrorHint()}
+	}
+	out := make([][]float32, len(ss))
+	for i, s := range ss {
+		if len(scores[i].Logprobs) != len(s.C.Tokens()) {
+			return nil, fmt.Errorf("policy %q: scoring for use_tis returned %d log-probs for %d tokens", p.name, len(scores[i].Logprobs), len(s.C.Tokens()))
+		}
+		out[i] = scores[i].Logprobs
+	}
+	return out, nil
+}
+
+// checkTIS refuses a policy with use_tis whose engine does not apply the correction (no "tis"
+// capability): without it the engine would train as if the samples were on-policy.
+func (r *Run) checkTIS(ctx context.Context, name string, pc config.PolicyConfig, eng engines.Engine) error {
+	if !pc.Trainable || !pc.Train.UseTIS || pc.IsCritic() {
+		return nil
+	}
+	info, err := eng.Info(ctx)
+	if err != nil {
+		return fmt.Errorf("policy %q: info: %w", name, err)
+	}
+	if !slices.Contains(info.Capabilities, "tis") {
+		return fmt.Errorf("policy %q%s: train.use_tis needs an engine that applies the off-policy correction, and its engine (%s) does not (no \"tis\" capability; the tiny and torch engines have it): set use_tis: false or use another engine", name, r.cfgPlace(&policy{cfg: pc}), info.Model)
+	}
+	return nil
 }
 
 // advantages computes the per-token advantages of every policy's samples. Shared-buffer policies

@@ -91,8 +91,17 @@ type TrainConfig struct {
 	LossAggregation      string  `yaml:"loss_aggregation" json:"loss_aggregation"` // sample_mean | token_mean | group_token_mean | token_sum
 	// CalculatePerTokenLoss is slime's name for loss_aggregation: token_mean (true); false is
 	// slime's default, sample_mean.
-	CalculatePerTokenLoss bool   `yaml:"calculate_per_token_loss" json:"calculate_per_token_loss"`
-	ModelArgsPath         string `yaml:"model_args_path,omitempty" json:"model_args_path,omitempty"`
+	CalculatePerTokenLoss bool `yaml:"calculate_per_token_loss" json:"calculate_per_token_loss"`
+	// Off-policy correction (slime's --use-tis, docs/config.md): TISMode "tis" (truncated
+	// importance sampling) or "icepop" (IcePop's masking), the weight band [TISClipLow, TISClip].
+	// CustomTISFunctionPath is slime-n's spelling of the mode: slime's vanilla_tis_function or
+	// icepop_function by their Python path.
+	UseTIS                bool    `yaml:"use_tis" json:"use_tis"`
+	TISMode               string  `yaml:"tis_mode" json:"tis_mode"`
+	TISClip               float64 `yaml:"tis_clip" json:"tis_clip"`
+	TISClipLow            float64 `yaml:"tis_clip_low" json:"tis_clip_low"`
+	CustomTISFunctionPath string  `yaml:"custom_tis_function_path,omitempty" json:"custom_tis_function_path,omitempty"`
+	ModelArgsPath         string  `yaml:"model_args_path,omitempty" json:"model_args_path,omitempty"`
 
 	// Extra holds keys slimen does not interpret (tensor_model_parallel_size, …, and the flags
 	// read from model_args_path); they pass through to the engine.

@@ -345,3 +345,46 @@ func TestSlimeLossSettings(t *testing.T) {
 		t.Errorf("warnings = %q", c.Warnings)
 	}
 }
+
+// The off-policy correction: slimen's tis_mode and slime-n's custom_tis_function_path name the
+// same two corrections of slime; the band is checked; TIS keys without use_tis are warned about.
+func TestTISSettings(t *testing.T) {
+	parse := func(yaml string) (*Config, error) {
+		return Parse([]byte("policies:\n  - name: a\n    hf_checkpoint: m\n    megatron:\n      "+strings.ReplaceAll(yaml, "; ", "\n      ")+"\n"), "p.yaml")
+	}
+	for _, tc := range []struct {
+		yaml, mode string
+		hi, lo     float64
+	}{
+		{"use_tis: true", "tis", 2, 0},
+		{"use_tis: true; tis_mode: icepop; tis_clip: 1.5; tis_clip_low: 0.5", "icepop", 1.5, 0.5},
+		{"use_tis: true; custom_tis_function_path: slime.backends.megatron_utils.loss.icepop_function; tis_clip_low: 0.5", "icepop", 2, 0.5},
+		{"use_tis: true; custom_tis_function_path: slime.backends.megatron_utils.loss.vanilla_tis_function", "tis", 2, 0},
+	} {
+		c, err := parse(tc.yaml)
+		if err != nil {
+			t.Fatalf("%s: %v", tc.yaml, err)
+		}
+		if tr := c.Policies[0].Train; !tr.UseTIS || tr.TISMode != tc.mode || tr.TISClip != tc.hi || tr.TISClipLow != tc.lo || len(c.Warnings) > 0 {
+			t.Errorf("%s: use_tis %v, tis_mode %q, band [%g, %g], warnings %q; want %q [%g, %g]", tc.yaml, tr.UseTIS, tr.TISMode, tr.TISClipLow, tr.TISClip, c.Warnings, tc.mode, tc.lo, tc.hi)
+		}
+	}
+	for _, tc := range []struct{ yaml, want string }{
+		{"use_tis: true; tis_mode: rs", "p.yaml:6: policies[0].megatron.tis_mode: tis_mode \"rs\" is not one of tis, icepop"},
+		{"use_tis: true; tis_clip: 0", "policies[0].megatron.tis_clip: must be > 0"},
+		{"use_tis: true; tis_clip: 1.5; tis_clip_low: 2", "p.yaml:7: policies[0].megatron.tis_clip_low: must be in [0, tis_clip 1.5], got 2"},
+		{"use_tis: true; custom_tis_function_path: examples.mis.compute_mis_weights", "p.yaml:6: policies[0].megatron.custom_tis_function_path: \"examples.mis.compute_mis_weights\" is not one of slime's corrections"},
+		{"use_tis: true; tis_mode: tis; custom_tis_function_path: slime.backends.megatron_utils.loss.icepop_function", "names slime's icepop function, but tis_mode is \"tis\""},
+	} {
+		if _, err := parse(tc.yaml); err == nil || !strings.Contains(err.Error(), tc.want) {
+			t.Errorf("%s: error %v, want %q", tc.yaml, err, tc.want)
+		}
+	}
+	c, err := parse("tis_mode: icepop")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(c.Warnings) != 1 || !strings.Contains(c.Warnings[0], "megatron.tis_mode: has no effect because use_tis is false") {
+		t.Errorf("warnings = %q", c.Warnings)
+	}
+}

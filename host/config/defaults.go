@@ -44,6 +44,8 @@ func SlimeTrainDefaults() TrainConfig {
 		Lambda:               1,
 		OPDKLCoef:            1.0,
 		LossAggregation:      "sample_mean", // slime's default reduction
+		TISMode:              "tis",
+		TISClip:              2, // slime's --tis-clip
 	}
 }
 

@@ -112,6 +112,45 @@ func (r *resolver) resolve() {
 	r.resolveEval()
 }
 
+// TISFunctions maps the Python paths of slime's off-policy corrections, as slime-n's
+// custom_tis_function_path names them, to tis_mode.
+var TISFunctions = map[string]string{
+	"slime.backends.megatron_utils.loss.vanilla_tis_function": "tis",
+	"slime.backends.megatron_utils.loss.icepop_function":      "icepop",
+}
+
+// resolveTIS reads slime-n's custom_tis_function_path as tis_mode and warns about TIS settings
+// that use_tis: false leaves unused.
+func (r *resolver) resolveTIS(p *PolicyConfig, pp string) {
+	t, tp := &p.Train, pp+".train"
+	if path := t.CustomTISFunctionPath; path != "" {
+		at := r.line(tp+".custom_tis_function_path", p.Line)
+		mode, ok := TISFunctions[path]
+		switch {
+		case !ok:
+			r.check(false, tp+".custom_tis_function_path", at,
+				"%q is not one of slime's corrections slimen has (slimen runs no Python functions of its own): use tis_mode: tis (%s) or tis_mode: icepop (%s)",
+				path, "slime.backends.megatron_utils.loss.vanilla_tis_function", "slime.backends.megatron_utils.loss.icepop_function")
+		case r.given(tp+".tis_mode") && t.TISMode != mode:
+			r.check(false, tp+".custom_tis_function_path", at,
+				"names slime's %s function, but tis_mode is %q; set one of the two", mode, t.TISMode)
+		default:
+			t.TISMode = mode
+		}
+	}
+	if !t.UseTIS {
+		// Only values other than the defaults: the config.yaml a run writes lists every key.
+		def := SlimeTrainDefaults()
+		unused := map[string]bool{"tis_mode": t.TISMode != def.TISMode, "tis_clip": t.TISClip != def.TISClip,
+			"tis_clip_low": t.TISClipLow != def.TISClipLow, "custom_tis_function_path": t.CustomTISFunctionPath != ""}
+		for _, k := range []string{"tis_mode", "tis_clip", "tis_clip_low", "custom_tis_function_path"} {
+			if path := tp + "." + k; r.given(path) && unused[k] {
+				r.warnf(r.line(path, p.Line), path, "has no effect because use_tis is false (as in slime); set use_tis: true to correct for off-policy samples")
+			}
+		}
+	}
+}
+
 func (r *resolver) resolvePolicy(i int) {
 	p := &r.c.Policies[i]
 	pp := fmt.Sprintf("policies[%d]", i)
@@ -130,6 +169,7 @@ func (r *resolver) resolvePolicy(i int) {
 	if p.Train.CalculatePerTokenLoss && !r.given(pp+".train.loss_aggregation") {
 		p.Train.LossAggregation = "token_mean"
 	}
+	r.resolveTIS(p, pp)
 	if p.Train.KLCoef > 0 && !slices.Contains([]string{"reinforce_plus_plus", "reinforce_plus_plus_baseline", "ppo"}, p.Train.AdvantageEstimator) {
 		r.warnf(r.line(pp+".train.kl_coef", p.Line), pp+".train.kl_coef",
 			"%g has no effect with advantage_estimator %s (as in slime): the reward-side KL is applied by reinforce_plus_plus, reinforce_plus_plus_baseline and ppo",

@@ -46,6 +46,7 @@ var (
 	klLossTypes    = []string{"k1", "k2", "k3", "low_var_kl"}
 	optimizers     = []string{"adam", "sgd"}
 	aggregations   = []string{"sample_mean", "token_mean", "group_token_mean", "token_sum"}
+	tisModes       = []string{"tis", "icepop"}
 	sglWorkerTypes = []string{"regular", "prefill", "decode", "placeholder", "encoder"}
 )
 
@@ -230,6 +231,9 @@ func (r *resolver) validatePolicy(p *PolicyConfig, pp string) {
 	r.check(oneOf(t.LossAggregation, aggregations), tp+".loss_aggregation", at, "loss_aggregation %q is not one of %s", t.LossAggregation, list(aggregations))
 	r.check(!t.CalculatePerTokenLoss || t.LossAggregation == "token_mean", tp+".calculate_per_token_loss", at,
 		"true asks for loss_aggregation token_mean, but loss_aggregation is %q; set one of the two", t.LossAggregation)
+	r.check(oneOf(t.TISMode, tisModes), tp+".tis_mode", at, "tis_mode %q is not one of %s (tis: truncated importance sampling, icepop: IcePop's masking)", t.TISMode, list(tisModes))
+	r.check(t.TISClip > 0, tp+".tis_clip", at, "must be > 0 (the upper bound of the importance weight; slime's default is 2), got %g", t.TISClip)
+	r.check(t.TISClipLow >= 0 && t.TISClipLow <= t.TISClip, tp+".tis_clip_low", at, "must be in [0, tis_clip %g], got %g", t.TISClip, t.TISClipLow)
 	r.check(t.KLCoef == 0 || t.KLLossCoef == 0, tp+".kl_coef", at,
 		"%g and kl_loss_coef %g are both set; as in slime, only one of the two may be non-zero", t.KLCoef, t.KLLossCoef)
 
