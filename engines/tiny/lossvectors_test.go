@@ -168,37 +168,48 @@ func near(got, want, scale float64) bool {
 	return math.Abs(got-want) <= 1e-6*math.Max(scale, math.Abs(want))+1e-12
 }
 
+// compareWithSlime reports every number of got that differs from slime's (c.Expected), and
+// whether all agree: loss, statistics, gradients, and with use_tis the TIS statistics.
+func compareWithSlime(t *testing.T, c lossVectorCase, got lossVectorExpected) bool {
+	t.Helper()
+	want := c.Expected
+	scale := 1 + math.Abs(want.PGLoss) + c.Config.KLLossCoef*math.Abs(want.KL) + c.Config.EntropyCoef*math.Abs(want.Entropy)
+	ok := true
+	check := func(what string, g, w, s float64) {
+		if !near(g, w, s) {
+			ok = false
+			t.Errorf("%s: %s = %.12g, slime %.12g", c.Name, what, g, w)
+		}
+	}
+	check("loss", got.Loss, want.Loss, scale)
+	check("pg_loss", got.PGLoss, want.PGLoss, scale)
+	check("kl", got.KL, want.KL, 1+math.Abs(want.KL))
+	check("entropy", got.Entropy, want.Entropy, 1)
+	check("clip_frac", got.ClipFrac, want.ClipFrac, 1)
+	if c.Config.UseTIS {
+		check("tis_clip_frac", got.TISClipFrac, want.TISClipFrac, 1)
+		check("tis_weight", got.TISWeight, want.TISWeight, 1)
+	}
+	if got.Tokens != want.Tokens {
+		ok = false
+		t.Errorf("%s: tokens = %d, slime %d", c.Name, got.Tokens, want.Tokens)
+	}
+	for i := range c.Samples {
+		for j := range c.Samples[i].Logprobs {
+			check("d loss/d logprobs", got.GradLogprobs[i][j], want.GradLogprobs[i][j], 0.1)
+			check("d loss/d entropy", got.GradEntropy[i][j], want.GradEntropy[i][j], 0.1)
+		}
+	}
+	return ok
+}
+
 func TestLossVectors(t *testing.T) {
 	f := readLossVectors(t)
 	covered := map[string]bool{}
 	matched := map[string]int{}
 	for _, c := range f.Cases {
 		got := evalLossVector(t, c)
-		want := c.Expected
-		scale := 1 + math.Abs(want.PGLoss) + c.Config.KLLossCoef*math.Abs(want.KL) + c.Config.EntropyCoef*math.Abs(want.Entropy)
-		ok := true
-		check := func(what string, g, w, s float64) {
-			if !near(g, w, s) {
-				ok = false
-				t.Errorf("%s: %s = %.12g, slime %.12g", c.Name, what, g, w)
-			}
-		}
-		check("loss", got.Loss, want.Loss, scale)
-		check("pg_loss", got.PGLoss, want.PGLoss, scale)
-		check("kl", got.KL, want.KL, 1+math.Abs(want.KL))
-		check("entropy", got.Entropy, want.Entropy, 1)
-		check("clip_frac", got.ClipFrac, want.ClipFrac, 1)
-		if got.Tokens != want.Tokens {
-			ok = false
-			t.Errorf("%s: tokens = %d, slime %d", c.Name, got.Tokens, want.Tokens)
-		}
-		for i := range c.Samples {
-			for j := range c.Samples[i].Logprobs {
-				check("d loss/d logprobs", got.GradLogprobs[i][j], want.GradLogprobs[i][j], 0.1)
-				check("d loss/d entropy", got.GradEntropy[i][j], want.GradEntropy[i][j], 0.1)
-			}
-		}
-		if ok {
+		if compareWithSlime(t, c, got) {
 			matched[c.Config.Aggregation+" "+c.Config.PolicyLoss]++
 		}
 		// The expected gradients are gradients: central differences of slimen's loss agree.
@@ -288,29 +299,7 @@ func TestTISVectors(t *testing.T) {
 			t.Fatalf("%s: use_tis is off", c.Name)
 		}
 		got := evalLossVector(t, c)
-		want := c.Expected
-		scale := 1 + math.Abs(want.PGLoss) + c.Config.KLLossCoef*math.Abs(want.KL) + c.Config.EntropyCoef*math.Abs(want.Entropy)
-		check := func(what string, g, w, s float64) {
-			if !near(g, w, s) {
-				t.Errorf("%s: %s = %.12g, slime %.12g", c.Name, what, g, w)
-			}
-		}
-		check("loss", got.Loss, want.Loss, scale)
-		check("pg_loss", got.PGLoss, want.PGLoss, scale)
-		check("kl", got.KL, want.KL, 1+math.Abs(want.KL))
-		check("entropy", got.Entropy, want.Entropy, 1)
-		check("clip_frac", got.ClipFrac, want.ClipFrac, 1)
-		check("tis_clip_frac", got.TISClipFrac, want.TISClipFrac, 1)
-		check("tis_weight", got.TISWeight, want.TISWeight, 1)
-		if got.Tokens != want.Tokens {
-			t.Errorf("%s: tokens = %d, slime %d", c.Name, got.Tokens, want.Tokens)
-		}
-		for i := range c.Samples {
-			for j := range c.Samples[i].Logprobs {
-				check("d loss/d logprobs", got.GradLogprobs[i][j], want.GradLogprobs[i][j], 0.1)
-				check("d loss/d entropy", got.GradEntropy[i][j], want.GradEntropy[i][j], 0.1)
-			}
-		}
+		compareWithSlime(t, c, got)
 		// A ratio of exactly 1 (the trainer's old log-probs are the current ones) at an upper clip
 		// of exactly 1 (eps_clip_high 0) sits on the kink of the clip: finite differences there
 		// average the two sides, while slime and slimen both take the unclipped side.
