@@ -387,4 +387,13 @@ func TestTISSettings(t *testing.T) {
 	if len(c.Warnings) != 1 || !strings.Contains(c.Warnings[0], "megatron.tis_mode: has no effect because use_tis is false") {
 		t.Errorf("warnings = %q", c.Warnings)
 	}
+	// slime's own flags, as a slime-n run script passes them, through model_args_path.
+	sh := filepath.Join(t.TempDir(), "args.sh")
+	os.WriteFile(sh, []byte("ARGS=(--use-tis --tis-clip 1.5 --tis-clip-low 0.5\n  --custom-tis-function-path slime.backends.megatron_utils.loss.icepop_function\n)\n"), 0o644)
+	if c, err = parse("model_args_path: " + sh); err != nil {
+		t.Fatal(err)
+	}
+	if tr := c.Policies[0].Train; !tr.UseTIS || tr.TISMode != "icepop" || tr.TISClip != 1.5 || tr.TISClipLow != 0.5 {
+		t.Errorf("from slime's flags: use_tis %v, tis_mode %q, band [%g, %g]", tr.UseTIS, tr.TISMode, tr.TISClipLow, tr.TISClip)
+	}
 }
