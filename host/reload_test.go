@@ -442,3 +442,21 @@ func TestWatchRefusesAndRollsBack(t *testing.T) {
 		}
 	}
 }
+
+// A reloaded config that turns use_tis on for a policy whose engine lacks the correction is
+// refused, as it would be at start-up, and the run keeps training without it.
+func TestReloadRefusesUseTISOnAnEngineWithoutIt(t *testing.T) {
+	cfgFile := filepath.Join(t.TempDir(), "config.yaml")
+	saveByRename(t, cfgFile, reloadConfig("1.0e-3", "1.0", 2, ""))
+	r, eng, out := watchedRun(t, cfgFile, nil)
+	step(t, r)
+	saveByRename(t, cfgFile, strings.Replace(reloadConfig("1.0e-3", "1.0", 2, ""), "{lr: 1.0e-3}", "{lr: 1.0e-3, use_tis: true}", 1))
+	step(t, r)
+	ev := readFile(t, filepath.Join(out, "events.log"))
+	if want := `train.use_tis needs an engine that applies the off-policy correction`; !strings.Contains(ev, want) || !strings.Contains(ev, `policy "p"`) || strings.Contains(ev, "config takes effect") {
+		t.Errorf("events.log lacks %q, or the config took effect:\n%s", want, ev)
+	}
+	if b := eng.Batches(); b[len(b)-1].Loss.UseTIS {
+		t.Error("the refused use_tis reached the engine")
+	}
+}
