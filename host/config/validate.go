@@ -410,7 +410,7 @@ func checkDataPath(path string) string {
 	if path == "" {
 		return "give a JSONL file or synthetic:arith"
 	}
-	if _, ok, err := tasks.ParseSpec(path, 0); ok && err != nil {
+	if err := tasks.CheckSynthetic(path); err != nil {
 		return err.Error()
 	}
 	return ""

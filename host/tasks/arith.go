@@ -91,7 +91,7 @@ func ParseSpec(path string, def uint64) (a Arith, ok bool, err error) {
 	}
 	name, query, _ := strings.Cut(rest, "?")
 	if name != "arith" {
-		return Arith{}, true, fmt.Errorf("unknown synthetic task %q (known: arith)", name)
+		return Arith{}, true, fmt.Errorf("unknown synthetic task %q (known: %s)", name, strings.Join(SyntheticNames, ", "))
 	}
 	a = Arith{Seed: def, Difficulty: 2}
 	if query == "" {

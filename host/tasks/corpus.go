@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"math/rand/v2"
+	"slices"
 	"strconv"
 	"strings"
 
@@ -91,4 +92,89 @@ func lastBoxed(s string) (string, bool) {
 // String names the source of a for logs, as a data path would.
 func (a Arith) String() string {
 	return fmt.Sprintf("synthetic:arith?difficulty=%d&seed=%d", a.Difficulty, a.Seed)
+}
+
+// AgentExample is example i of the pretraining corpus of builtin:tiny-agent: the conversation
+// before an assistant turn and the turn itself. It teaches the formats of the agent examples,
+// deliberately unevenly, so that reinforcement learning has something left to learn. Out of 20:
+//
+//   - 5: the first turn of a synthetic:calc problem (problem i of c) is a calculator call,
+//     <tool_call>{"name": "calc", "arguments": {"expr": "47*29"}}</tool_call>;
+//   - 5: after that call and its result (a tool message), the answer \boxed{N} copies the result;
+//   - 4: the first turn answers a calc problem directly, which the model cannot compute;
+//   - 2: a synthetic:arith problem at difficulty 2 answered directly, as builtin:tiny-arith does;
+//   - 2: a MemAgent memory update on a synthetic:facts document (examples/memagent): the question,
+//     the memory and a chunk of the document in, the new memory out (the fact asked for if the
+//     chunk holds it, else the memory as it was);
+//   - 2: a MemAgent answer from the memory.
+//
+// A model trained briefly on it calls the tool on about half the calc problems, answers the rest
+// directly (mostly wrongly), and copies the numbers of its calls only sometimes right.
+func (c Calc) AgentExample(i int) (context []engines.Message, response string) {
+	r := rand.New(rand.NewPCG(c.Seed^0x6167656e74, uint64(i))) // "agent"
+	p, expr := c.Problem(i)
+	user := func(s string) []engines.Message { return []engines.Message{{Role: "user", Content: s}} }
+	switch k := r.IntN(20); {
+	case k < 5:
+		return user(p.Prompt), ToolCall(expr)
+	case k < 10:
+		return append(user(p.Prompt), engines.Message{Role: "assistant", Content: ToolCall(expr)},
+			engines.Message{Role: "tool", Content: p.Label}), p.Answer()
+	case k < 14:
+		return user(p.Prompt), p.Answer()
+	case k < 16:
+		prompt, resp := Arith{Seed: c.Seed, Difficulty: 2}.Example(i)
+		return user(prompt), resp
+	default:
+		fp, doc := Facts{Seed: c.Seed}.Problem(i)
+		fact := fp.Prompt[len("What is "):len(fp.Prompt)-1] + " is " + fp.Label + "."
+		sents := Sentences(doc)
+		at := slices.Index(sents, fact)
+		chunk := r.IntN((len(sents) + MemoryChunk - 1) / MemoryChunk)
+		memory := "none"
+		if at >= 0 && at < chunk*MemoryChunk {
+			memory = fact
+		}
+		if k >= 18 {
+			if memory == "none" && r.IntN(2) == 0 {
+				memory = fact
+			}
+			return user(MemoryPrompt(fp.Prompt, memory, "")), fp.Answer()
+		}
+		text := strings.Join(sents[chunk*MemoryChunk:min(len(sents), (chunk+1)*MemoryChunk)], " ")
+		if at >= chunk*MemoryChunk && at < (chunk+1)*MemoryChunk {
+			return user(MemoryPrompt(fp.Prompt, memory, text)), fact
+		}
+		return user(MemoryPrompt(fp.Prompt, memory, text)), memory
+	}
+}
+
+// CalcFirstTurns samples the first turn of problems 0..n−1 of c at the given temperature and
+// returns the fraction that are exactly the right tool call and the fraction that answer
+// directly (a \boxed{…} and no <tool_call>).
+func CalcFirstTurns(ctx context.Context, e engines.Engine, c Calc, n int, temperature float64, seed uint64) (call, direct float64, sample []string, err error) {
+	reqs := make([]engines.GenerateRequest, n)
+	want := make([]string, n)
+	for i := range reqs {
+		p, expr := c.Problem(i)
+		want[i] = ToolCall(expr)
+		reqs[i] = engines.GenerateRequest{ID: p.ID, Messages: []engines.Message{{Role: "user", Content: p.Prompt}},
+			Sampling: engines.Sampling{MaxTokens: 96, Temperature: temperature, Seed: seed}}
+	}
+	cs, err := e.Generate(ctx, reqs)
+	if err != nil {
+		return 0, 0, nil, err
+	}
+	for i, cm := range cs {
+		if i < 3 {
+			sample = append(sample, cm.Text)
+		}
+		switch {
+		case cm.Text == want[i]:
+			call++
+		case !strings.Contains(cm.Text, "<tool_call>") && strings.Contains(cm.Text, `\boxed{`):
+			direct++
+		}
+	}
+	return call / float64(n), direct / float64(n), sample, nil
 }

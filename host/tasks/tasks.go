@@ -83,6 +83,12 @@ func openSource(path string, o Options) (Source, error) {
 	if o.LabelKey == "" {
 		o.LabelKey = "label"
 	}
+	if s, ok, err := parseSynthetic(path, o.Seed); ok {
+		if err != nil {
+			return nil, fmt.Errorf("data: %w", err)
+		}
+		return s, nil
+	}
 	a, ok, err := ParseSpec(path, o.Seed)
 	if err != nil {
 		return nil, fmt.Errorf("data: %w", err)
