@@ -2,6 +2,7 @@ package starlib
 
 import (
 	"fmt"
+	"math/big"
 	"strings"
 
 	"go.starlark.net/lib/json"
@@ -16,6 +17,7 @@ var Tools = &starlarkstruct.Module{
 	Members: starlark.StringDict{
 		"parse_tool_calls": starlark.NewBuiltin("tools.parse_tool_calls", toolsParse),
 		"system_prompt":    starlark.NewBuiltin("tools.system_prompt", toolsSystemPrompt),
+		"calc":             starlark.NewBuiltin("tools.calc", toolsCalc),
 	},
 }
 
@@ -175,4 +177,57 @@ func ToolsSystemPrompt(schemas []string) string {
 	b.WriteString("\n</tools>\n\nTo call a function, answer with a JSON object of its name and arguments within <tool_call></tool_call> tags:\n" +
 		"<tool_call>\n{\"name\": <function-name>, \"arguments\": <args-json-object>}\n</tool_call>")
 	return b.String()
+}
+
+// toolsCalc is calc(expr): the calculator tool of the agent examples. It evaluates integer
+// arithmetic with + - * and the usual precedence (spaces ignored) and returns the result as a
+// string, or "error: …" for anything else, the message a tool gives back to the model.
+func toolsCalc(thread *starlark.Thread, b *starlark.Builtin, args starlark.Tuple, kwargs []starlark.Tuple) (starlark.Value, error) {
+	var expr string
+	if err := starlark.UnpackPositionalArgs(b.Name(), args, kwargs, 1, &expr); err != nil {
+		return nil, err
+	}
+	return starlark.String(Calc(expr)), nil
+}
+
+// Calc evaluates integer arithmetic with + - * (see calc in @slimen//tools.star). Results are
+// exact at any size, but an expression longer than 200 characters is refused.
+func Calc(expr string) string {
+	s := strings.ReplaceAll(expr, " ", "")
+	switch {
+	case s == "":
+		return "error: empty expression"
+	case len(s) > 200:
+		return "error: expression too long"
+	}
+	total, term := new(big.Int), big.NewInt(1)
+	sign, num := 1, ""
+	for i := 0; i <= len(s); i++ {
+		ch := byte('+')
+		if i < len(s) {
+			ch = s[i]
+		}
+		if ch >= '0' && ch <= '9' {
+			num += string(ch)
+			continue
+		}
+		if (ch != '+' && ch != '-' && ch != '*') || num == "" {
+			return fmt.Sprintf("error: cannot read %q", expr)
+		}
+		n, _ := new(big.Int).SetString(num, 10)
+		term.Mul(term, n)
+		num = ""
+		if ch == '*' {
+			continue
+		}
+		if sign < 0 {
+			term.Neg(term)
+		}
+		total.Add(total, term)
+		sign, term = 1, big.NewInt(1)
+		if ch == '-' {
+			sign = -1
+		}
+	}
+	return total.String()
 }

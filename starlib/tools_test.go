@@ -41,3 +41,19 @@ def names(calls):
 		t.Error("the system prompt does not show the call format")
 	}
 }
+
+func TestCalc(t *testing.T) {
+	for expr, want := range map[string]string{
+		"12*34": "408", "2+3*4-5": "9", " 7 ": "7", "47*29": "1363", "100-250": "-150", "2*3*4+1": "25",
+		"99999999999*99999999999": "9999999999800000000001",
+	} {
+		if got := Calc(expr); got != want {
+			t.Errorf("Calc(%q) = %q, want %q", expr, got, want)
+		}
+	}
+	for _, bad := range []string{"", "2**3", "1+", "(1+2)", "x", "-3"} {
+		if got := Calc(bad); !strings.HasPrefix(got, "error: ") {
+			t.Errorf("Calc(%q) = %q, want an error", bad, got)
+		}
+	}
+}
