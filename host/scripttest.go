@@ -363,6 +363,29 @@ func fromStarlark(v starlark.Value) any {
 		return float64(v)
 	case starlark.Bool:
 		return bool(v)
+	case starlark.NoneType:
+		return nil
+	case *starlark.List, starlark.Tuple:
+		// Nested values, as a JSONL line's metadata holds them (a task's parts, a document's
+		// sections).
+		out := []any{}
+		it := starlark.Iterate(v)
+		defer it.Done()
+		var x starlark.Value
+		for it.Next(&x) {
+			out = append(out, fromStarlark(x))
+		}
+		return out
+	case *starlark.Dict:
+		out := map[string]any{}
+		for _, kv := range v.Items() {
+			k, ok := kv[0].(starlark.String)
+			if !ok {
+				k = starlark.String(kv[0].String())
+			}
+			out[string(k)] = fromStarlark(kv[1])
+		}
+		return out
 	}
 	return v.String()
 }
