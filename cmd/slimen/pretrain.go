@@ -33,6 +33,7 @@ func cmdPretrain(args []string) int {
 	evalEvery := fs.Int("eval-every", 500, "evaluate held-out accuracy every N steps (0: only at the end)")
 	evalN := fs.Int("eval-n", 500, "held-out problems per evaluation")
 	out := fs.String("out", "", "folder to write the model to (required)")
+	init := fs.String("init", "", "start from this checkpoint (a model folder or builtin:NAME) instead of random weights; the architecture flags are then ignored")
 	threads := fs.Int("threads", 0, "goroutines for the math (0: all cores; results do not depend on it)")
 	cfg := tiny.DefaultConfig()
 	fs.IntVar(&cfg.Hidden, "hidden", cfg.Hidden, "hidden size")
@@ -52,9 +53,13 @@ func cmdPretrain(args []string) int {
 		fs.Usage()
 		return 2
 	}
+	agent := *task == "synthetic:calc"
+	if agent {
+		*task = "synthetic:arith"
+	}
 	arith, ok, err := tasks.ParseSpec(*task, *seed)
 	if err == nil && !ok {
-		err = fmt.Errorf("--task %q: only synthetic tasks can be pretrained on (synthetic:arith)", *task)
+		err = fmt.Errorf("--task %q: only synthetic tasks can be pretrained on (synthetic:arith, synthetic:calc)", *task)
 	}
 	if err != nil {
 		fmt.Fprintln(os.Stderr, "slimen pretrain:", err)
@@ -77,7 +82,12 @@ func cmdPretrain(args []string) int {
 		return 2
 	}
 
-	e, err := tiny.New(cfg, *seed, tiny.Options{Threads: *threads})
+	var e *tiny.Engine
+	if *init != "" {
+		e, err = tiny.Open(*init, tiny.Options{Threads: *threads})
+	} else {
+		e, err = tiny.New(cfg, *seed, tiny.Options{Threads: *threads})
+	}
 	if err != nil {
 		fmt.Fprintln(os.Stderr, "slimen pretrain:", err)
 		return 2
@@ -85,9 +95,34 @@ func cmdPretrain(args []string) int {
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt)
 	defer stop()
 	info, _ := e.Info(ctx)
-	fmt.Printf("pretrain %s: %d parameters, %d steps × %d examples; held out: %s\n",
-		arith, info.Params, *steps, *batch, heldOut)
+	calc, calcHeldOut := tasks.Calc{Seed: arith.Seed}, tasks.Calc{Seed: heldOut.Seed}
+	corpus := func(i int) tiny.Example {
+		// The tiny engine pretrains on whatever examples its caller hands it: here a synthetic corpus.
+		if agent {
+			context, response := calc.AgentExample(i)
+			return tiny.Example{Context: context, Response: response}
+		}
+		prompt, response := arith.Example(i)
+		return tiny.Example{Prompt: prompt, Response: response}
+	}
+	source := arith.String()
+	if agent {
+		source = fmt.Sprintf("the synthetic:calc agent corpus (seed %d)", calc.Seed)
+	}
+	fmt.Printf("pretrain %s: %d parameters, %d steps × %d examples; held out: seed %d\n",
+		source, info.Params, *steps, *batch, heldOut.Seed)
 	evaluate := func(step int) error {
+		if agent {
+			call, direct, sample, err := tasks.CalcFirstTurns(ctx, e, calcHeldOut, *evalN, 1, 1)
+			if err != nil {
+				return err
+			}
+			for _, s := range sample {
+				fmt.Printf("  %q\n", s)
+			}
+			fmt.Printf("step %d: held-out synthetic:calc first turns at temperature 1: %.1f%% the exact tool call, %.1f%% a direct answer\n", step, 100*call, 100*direct)
+			return nil
+		}
 		t1, err := tasks.ArithAccuracy(ctx, e, heldOut, *evalN, 1, 1)
 		if err != nil {
 			return err
@@ -100,11 +135,7 @@ func cmdPretrain(args []string) int {
 		return nil
 	}
 	start, sum, count := time.Now(), 0.0, 0
-	err = tiny.Pretrain(ctx, e, func(i int) tiny.Example {
-		// The tiny engine pretrains on whatever examples its caller hands it: here the synthetic corpus.
-		prompt, response := arith.Example(i)
-		return tiny.Example{Prompt: prompt, Response: response}
-	}, tiny.PretrainOptions{
+	err = tiny.Pretrain(ctx, e, corpus, tiny.PretrainOptions{
 		Steps: *steps, BatchSize: *batch, LR: *lr, WarmupSteps: *warmup, WeightDecay: *wd,
 		OnStep: func(step int, loss float64) error {
 			sum += loss

@@ -13,6 +13,10 @@ import (
 type Example struct {
 	Prompt   string
 	Response string
+	// Context, when set, is the conversation before the response (rendered with the chat
+	// template and a generation prompt) and Prompt is ignored: a later turn of a multi-turn
+	// conversation, e.g. the answer after a tool's result.
+	Context []engines.Message
 }
 
 // PretrainOptions configure Pretrain. Zero fields take the defaults noted.
@@ -97,7 +101,11 @@ func (e *Engine) supervisedStep(ctx context.Context, batch []Example, lr, wd, ma
 	seqs := make([]trainSeq, len(batch))
 	total := 0
 	for i, ex := range batch {
-		p := e.tok.Encode(renderChat([]engines.Message{{Role: "user", Content: ex.Prompt}}, true))
+		msgs := ex.Context
+		if msgs == nil {
+			msgs = []engines.Message{{Role: "user", Content: ex.Prompt}}
+		}
+		p := e.tok.Encode(renderChat(msgs, true))
 		r := append(e.tok.Encode(ex.Response), e.eos[0])
 		if len(p)+len(r) > e.m.w.cfg.MaxSeqLen {
 			return engines.TrainStats{}, fmt.Errorf("tiny: pretrain: example %q is %d tokens, longer than the model's %d", ex.Prompt, len(p)+len(r), e.m.w.cfg.MaxSeqLen)
