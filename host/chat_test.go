@@ -7,6 +7,7 @@ import (
 	"os"
 	"path/filepath"
 	"strings"
+	"sync/atomic"
 	"testing"
 
 	"github.com/google/go-cmp/cmp"
@@ -504,5 +505,47 @@ def rollout(task):
 	}
 	if !strings.Contains(calls[1].Prompt, calls[0].Outputs[0]) || !strings.Contains(calls[1].Prompt, "result of "+calls[0].Outputs[0]) {
 		t.Errorf("the second turn's prompt %q does not hold the first turn's output %q and the tool result", calls[1].Prompt, calls[0].Outputs[0])
+	}
+}
+
+// infoCounter is the tiny engine with its Info calls counted.
+type infoCounter struct {
+	*tiny.Engine
+	infos atomic.Int32
+}
+
+func (e *infoCounter) Info(ctx context.Context) (engines.Info, error) {
+	e.infos.Add(1)
+	return e.Engine.Info(ctx)
+}
+
+// A chat asks its policy's engine for its Info (template, EOS, context) once, not at every turn,
+// and again after the engine restarted as a new process.
+func TestChatInfoCached(t *testing.T) {
+	eng, err := tiny.Open(config.BuiltinCheckpoint, tiny.Options{Threads: 1})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer eng.Close()
+	e := &infoCounter{Engine: eng}
+	r := loadRun(t, `
+def rollout(task):
+    c = chat("p")
+    for i in range(3):
+        c.user("Ann has %d pens and gets 2 more. How many pens?" % i)
+        c.generate(max_tokens = 4)
+`, testConfig(2, "p"), map[string]engines.Engine{"p": e}, numberedTasks(2))
+	stepOK(t, r)
+	after1 := e.infos.Load()
+	stepOK(t, r)
+	if got := e.infos.Load(); got != after1 || after1 > 2 {
+		t.Fatalf("Info calls: %d after a step of 2 conversations × 3 turns, %d after the next; want it asked once", after1, got)
+	}
+	if err := r.engineRestarted(context.Background(), restartEvent{policy: "p", engine: "its engine", prev: "a", cur: "b"}); err != nil {
+		t.Fatal(err)
+	}
+	stepOK(t, r)
+	if got := e.infos.Load(); got != after1+1 {
+		t.Fatalf("Info calls after a restart and a step: %d, want %d", got, after1+1)
 	}
 }

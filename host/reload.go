@@ -257,6 +257,7 @@ func (r *Run) applyReload(ctx context.Context, step int) error {
 		for i := range c.Policies {
 			if p := r.policies[c.Policies[i].Name]; p != nil {
 				p.cfg = c.Policies[i]
+				p.forgetInfo()
 			}
 		}
 		r.polMu.Unlock()

@@ -136,6 +136,11 @@ func (e *RestartError) Error() string {
 // engineRestarted is every engine's OnRestart: it puts the policy's state back into the new
 // process, or refuses it (and the run stops).
 func (r *Run) engineRestarted(ctx context.Context, ev restartEvent) error {
+	r.polMu.Lock()
+	if p := r.policies[ev.policy]; p != nil {
+		p.forgetInfo() // the new process renders with what it reports now
+	}
+	r.polMu.Unlock()
 	g := &r.restart
 	g.mu.Lock()
 	defer g.mu.Unlock()

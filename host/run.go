@@ -160,6 +160,34 @@ type policy struct {
 	cfg  config.PolicyConfig
 	eng  engines.Engine
 	disp *dispatcher
+
+	infoMu sync.Mutex
+	info   *engines.Info // the engine's Info as chat turns render with it; nil: ask again
+}
+
+// chatInfo is the engine's Info for rendering chat turns (template, EOS, context), asked once and
+// kept until forgetInfo: a chat renders at every turn, and a remote or torch engine's Info is a
+// round trip.
+func (p *policy) chatInfo(ctx context.Context) (engines.Info, error) {
+	p.infoMu.Lock()
+	defer p.infoMu.Unlock()
+	if p.info != nil {
+		return *p.info, nil
+	}
+	info, err := p.eng.Info(ctx)
+	if err != nil {
+		return engines.Info{}, err
+	}
+	p.info = &info
+	return info, nil
+}
+
+// forgetInfo drops the kept Info: the engine restarted as a new process, or the run's
+// configuration was reloaded, and the next render asks the engine again.
+func (p *policy) forgetInfo() {
+	p.infoMu.Lock()
+	p.info = nil
+	p.infoMu.Unlock()
 }
 
 // Load reads the script, resolves the configuration and opens the engines.

@@ -54,7 +54,7 @@ func (h localHost) Render(ctx context.Context, policy string, reqs []engines.Ren
 	if !ok {
 		return script.Rendered{}, fmt.Errorf("policy %q: its engine cannot render its chat template to tokens (no Render), which a chat needs; the tiny, remote and torch engines can", policy)
 	}
-	info, err := p.eng.Info(ctx)
+	info, err := p.chatInfo(ctx)
 	if err != nil {
 		return script.Rendered{}, fmt.Errorf("policy %q: info: %w", policy, err)
 	}
