@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# The ToolOrchestra example (examples/toolorchestra) at scale on torch workers: BATCH tasks × 4
+# conversations (256 by default) of up to 8 turns each (synthetic:multipart with PARTS parts, one
+# turn or more a part), on the e2e model shape (make-model qwen3-50m, random weights: the timing
+# does not depend on what the model says, and a random model answers each part in one turn, so
+# every conversation runs PARTS turns of up to MAXLEN tokens). Measures the step time and how much
+# of the prefill re-reads the conversation so far (the example logs prefill_tokens and
+# reread_tokens: each turn's prompt, and the part of it an earlier turn of its conversation had).
+#
+#   SLIMEN=.devbuild/slimen PY=python3 DEVICE=cuda:0 OUT=/tmp/orch engines/torch/e2e_toolorchestra.sh
+#   # on a CPU, tiny sizes:
+#   SLIMEN=.devbuild/slimen DEVICE=cpu SHAPE=tiny BATCH=2 PARTS=2 MAXLEN=16 STEPS=2 SEQ=512 SLOTS=16 \
+#     engines/torch/e2e_toolorchestra.sh
+#
+# Writes OUT/{exec.log,metrics.jsonl,events.log,config.yaml,summary.md} and prints a table. Run
+# from the repository root.
+set -euo pipefail
+SLIMEN=${SLIMEN:-.devbuild/slimen}
+PY=${PY:-python3}
+DEVICE=${DEVICE:-cuda:0}
+OUT=${OUT:-/tmp/orch}
+STEPS=${STEPS:-4}
+BATCH=${BATCH:-64}      # tasks a step; the example runs 4 conversations a task
+PARTS=${PARTS:-8}       # sub-questions a task: with one turn each, 8 turns a conversation
+MAXLEN=${MAXLEN:-64}
+SHAPE=${SHAPE:-qwen3-50m}
+SEQ=${SEQ:-2048}
+SLOTS=${SLOTS:-256}
+WORK=${WORK:-/tmp/orch-work}
+EXTRA_ARGS=${EXTRA_ARGS:-}
+mkdir -p "$OUT" "$WORK"
+export PYTHONPATH="$PWD/engines/torch${PYTHONPATH:+:$PYTHONPATH}"
+rm -rf "$WORK/model" "$WORK/run"
+"$PY" -m slimen_torch make-model --shape "$SHAPE" --out "$WORK/model" >/dev/null
+extra=""
+for a in $EXTRA_ARGS; do extra="$extra, \"$a\""; done
+args="[--slots, \"$SLOTS\", --max-seq-len, \"$SEQ\"$extra]"
+cat >"$OUT/config.yaml" <<CONFIG
+# ToolOrchestra on torch workers sharing $DEVICE: ${SHAPE}, random weights.
+policies:
+  - name: orchestrator
+    hf_checkpoint: $WORK/model
+    engine: {kind: torch, python: $PY, device: "$DEVICE", args: $args}
+    train: {lr: 1.0e-5, advantage_estimator: grpo, global_batch_size: 0}
+  - name: expert
+    trainable: false
+    hf_checkpoint: $WORK/model
+    engine: {kind: torch, python: $PY, device: "$DEVICE", args: $args}
+rollout: {batch_size: $BATCH, max_response_len: $MAXLEN, temperature: 1.0}
+data: {path: "synthetic:multipart?parts=$PARTS"}
+run: {steps: $STEPS, seed: 1}
+CONFIG
+t0=$(date +%s)
+set +e
+"$SLIMEN" exec examples/toolorchestra/toolorchestra.star --config "$OUT/config.yaml" \
+  --out "$WORK/run" 2>&1 | tee "$OUT/exec.log"
+rc=${PIPESTATUS[0]}
+set -e
+cp "$WORK/run/metrics.jsonl" "$WORK/run/events.log" "$OUT/" 2>/dev/null || true
+echo "e2e_toolorchestra: exec $(( $(date +%s) - t0 )) s, exit $rc"
+"$PY" "$(dirname "$0")/e2e_toolorchestra_summary.py" "$OUT/metrics.jsonl" | tee "$OUT/summary.md" || true
+exit "$rc"
