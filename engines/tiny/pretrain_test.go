@@ -104,3 +104,36 @@ func arithCorpus(a tasks.Arith) func(int) Example {
 		return Example{Prompt: p, Response: r}
 	}
 }
+
+// agentRecipe is the recipe of builtin:tiny-agent (`slimen pretrain --init builtin:tiny-arith
+// --task synthetic:calc --batch-size 32 --lr 2e-3 --warmup 20`, seed 1, weight decay 0.01) run
+// for steps steps: builtin:tiny-arith trained on on the agent corpus (tasks.Calc.AgentExample).
+func agentRecipe(t *testing.T, steps int) *Engine {
+	t.Helper()
+	e, err := Open("builtin:tiny-arith", Options{Threads: 1})
+	if err != nil {
+		t.Fatal(err)
+	}
+	calc := tasks.Calc{Seed: 1}
+	err = Pretrain(ctx, e, func(i int) Example {
+		c, r := calc.AgentExample(i)
+		return Example{Context: c, Response: r}
+	}, PretrainOptions{Steps: steps, BatchSize: 32, LR: 2e-3, WarmupSteps: 20, WeightDecay: 0.01})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return e
+}
+
+// pinnedAgent is weightsSHA256 after pinnedSteps steps of agentRecipe. Like pinnedPretrain, it
+// guards `slimen pretrain`'s reproduction of an embedded checkpoint, here builtin:tiny-agent (its
+// corpus and multi-turn examples too); refresh it the same way, and rebuild the checkpoint with
+// the command in engines/tiny/builtin/README.md.
+const pinnedAgent = "881ddc833ee89bea923870bd786932fcf6d97bc825e3b73f24da5d8d2438887e"
+
+func TestPretrainAgentPinned(t *testing.T) {
+	if got := weightsSHA256(agentRecipe(t, pinnedSteps)); got != pinnedAgent {
+		t.Fatalf("%d steps of the builtin:tiny-agent pretraining recipe give weights with sha256 %s, pinned %s: the training numerics or the agent corpus changed",
+			pinnedSteps, got, pinnedAgent)
+	}
+}
