@@ -20,9 +20,14 @@ import (
 
 // Two tasks whose answers differ, so a policy that always answers 5 is right on "a" and wrong on
 // "b": every reward below follows from that by hand.
+// Their metadata is what the agent examples read: memagent's document, toolorchestra's parts.
 var twoTasks = taskList{
-	{ID: "a", Prompt: "Ann has 2 pens and gets 3 more. How many pens?", Label: "5", HasLabel: true},
-	{ID: "b", Prompt: "Bo has 4 eggs and gets 3 more. How many eggs?", Label: "7", HasLabel: true},
+	{ID: "a", Prompt: "Ann has 2 pens and gets 3 more. How many pens?", Label: "5", HasLabel: true,
+		Metadata: map[string]any{"document": "Ann's pens is 5. It rained at noon.",
+			"parts": []any{map[string]any{"prompt": "Ann has 2 pens and gets 3 more. How many pens?", "label": "5", "kind": "arith", "expr": ""}}}},
+	{ID: "b", Prompt: "Bo has 4 eggs and gets 3 more. How many eggs?", Label: "7", HasLabel: true,
+		Metadata: map[string]any{"document": "Bo's eggs is 7. The sun was out.",
+			"parts": []any{map[string]any{"prompt": "Bo has 4 eggs and gets 3 more. How many eggs?", "label": "7", "kind": "arith", "expr": ""}}}},
 }
 
 type taskList []host.Task
@@ -118,6 +123,23 @@ func TestExamplesTwoSteps(t *testing.T) {
 		"distillation": {
 			counts:     map[string]perTask{"student": both(4)},
 			rewardMean: map[string]float64{"student": 0.5},
+		},
+		// The planner answers itself (no tool call): one turn, one sample a trajectory; the
+		// executor and verifier are frozen and never asked.
+		"agentflow": {
+			counts:     map[string]perTask{"planner": both(4)},
+			rewardMean: map[string]float64{"planner": 0.5},
+		},
+		// One chunk (the documents are two sentences): a memory update and the answer, two
+		// samples a trajectory, both with the answer's reward.
+		"memagent": {
+			counts:     map[string]perTask{"agent": both(8)},
+			rewardMean: map[string]float64{"agent": 0.5},
+		},
+		// One part a task answered directly: the trajectory is one sample; the expert is frozen.
+		"toolorchestra": {
+			counts:     map[string]perTask{"orchestrator": both(4)},
+			rewardMean: map[string]float64{"orchestrator": 0.5},
 		},
 		// Four conversations a task, each one sample; no tool call in "\boxed{5}": one turn each.
 		"calculator_agent": {

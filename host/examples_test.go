@@ -196,3 +196,39 @@ func TestPPOExampleOnTinyEngine(t *testing.T) {
 		}
 	}
 }
+
+// TestAgentExamplesOnTinyEngine runs each agent example with its own config, zero set-up, on the
+// embedded engine (builtin:tiny-agent) for one step of one task: its conversations train the
+// policy its config trains, and no rollout fails.
+func TestAgentExamplesOnTinyEngine(t *testing.T) {
+	trained := map[string]string{"calculator_agent": "agent", "agentflow": "planner", "memagent": "agent", "toolorchestra": "orchestrator"}
+	for _, name := range []string{"calculator_agent", "agentflow", "memagent", "toolorchestra"} {
+		t.Run(name, func(t *testing.T) {
+			cfg, err := config.Load("../examples/" + name + "/config.yaml")
+			if err != nil {
+				t.Fatal(err)
+			}
+			cfg.Rollout.BatchSize = 1
+			r, err := Load(context.Background(), "../examples/"+name+"/"+name+".star", Options{Config: cfg})
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer r.Close()
+			res, err := r.Step(context.Background())
+			if err != nil {
+				t.Fatal(err)
+			}
+			if len(res.Failed) > 0 {
+				t.Fatal(res.Failed[0])
+			}
+			for _, m := range res.Policies {
+				if m.Policy() == trained[name] && (m.Float("samples") < 4 || m.Float("optimizer_steps") != 1) {
+					t.Errorf("%s: %v", m.Policy(), m)
+				}
+			}
+			if _, ok := res.Run["accuracy"]; !ok {
+				t.Errorf("no accuracy logged: %v", res.Run)
+			}
+		})
+	}
+}
