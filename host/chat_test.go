@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"math"
+	"math/rand/v2"
 	"os"
 	"path/filepath"
 	"strings"
@@ -547,5 +548,97 @@ def rollout(task):
 	stepOK(t, r)
 	if got := e.infos.Load(); got != after1+1 {
 		t.Fatalf("Info calls after a restart and a step: %d, want %d", got, after1+1)
+	}
+}
+
+// randomChatScript plays the operations a task carries in its metadata ("user", "tool",
+// "assistant", "gen N") on one conversation and stores it like chatScript.
+const randomChatScript = `
+def rollout(task):
+    c = chat("p")
+    for k, op in enumerate(task.metadata["ops"]):
+        if op == "user":
+            c.user("Ann has %d pens and gets 2 more. How many pens?" % k)
+        elif op == "tool":
+            c.tool("%d" % (k * 37))
+        elif op == "assistant":
+            c.assistant("\\boxed{%d}" % k)
+        else:
+            c.generate(max_tokens = int(op.split(" ")[1]), temperature = 1.0)
+    reward(c, 1.0)
+    train(c)
+    out = {
+        "tokens": c.tokens, "mask": c.loss_mask, "messages": c.messages,
+        "turns": [t.tokens for t in c.turns], "prompts": [t.prompt_tokens for t in c.turns],
+        "logprobs": [t.logprobs for t in c.turns],
+    }
+    state.update(task.id, lambda _: out, None)
+`
+
+// TestChatTokensProperty: over random conversations (user, tool and injected assistant messages
+// and turns of random lengths in random order) on the tiny engine, the tokens are the prompt,
+// every turn's sampled ids and the rendered injections in order, i.e. the template applied to the
+// messages; the mask is 1 exactly at the sampled ids; and the trained sample is the conversation.
+func TestChatTokensProperty(t *testing.T) {
+	eng, err := tiny.Open(config.BuiltinCheckpoint, tiny.Options{Threads: 1})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer eng.Close()
+	rng := rand.New(rand.NewPCG(16, 1))
+	var tasks listTasks
+	for i := range 12 {
+		ops := []any{"user"}
+		gens, canTool := 0, false
+		for len(ops) < 10 && gens < 5 {
+			switch k := rng.IntN(6); {
+			case k < 3:
+				ops = append(ops, fmt.Sprintf("gen %d", 1+rng.IntN(12)))
+				gens++
+				canTool = true
+			case k == 3 && canTool:
+				ops = append(ops, "tool")
+			case k == 4:
+				ops = append(ops, "user")
+			case k == 5:
+				ops = append(ops, "assistant")
+				canTool = true
+			}
+		}
+		if gens == 0 || ops[len(ops)-1].(string)[:3] != "gen" {
+			ops = append(ops, "gen 6")
+		}
+		tasks = append(tasks, Task{ID: fmt.Sprintf("t%d", i), Prompt: "x", Metadata: map[string]any{"ops": ops}})
+	}
+	r := loadRun(t, randomChatScript, testConfig(len(tasks), "p"), map[string]engines.Engine{"p": eng}, tasks)
+	ctx := context.Background()
+	res, err := r.Step(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, f := range res.Failed {
+		t.Fatalf("rollout failed: %v", f)
+	}
+	for _, task := range tasks {
+		o := readChat(t, r, task.ID)
+		checkSpans(t, o)
+		var text strings.Builder
+		for _, m := range o.msgs {
+			text.WriteString("<|" + m.Role + "|>" + m.Content + "<|end|>")
+		}
+		enc, err := eng.Tokenize(ctx, []string{text.String()})
+		if err != nil {
+			t.Fatal(err)
+		}
+		want := enc[0]
+		if last := o.turns[len(o.turns)-1]; len(last) == 0 || last[len(last)-1] != want[len(want)-1] {
+			want = want[:len(want)-1] // the last turn ran out of max_tokens: nothing closes it yet
+		}
+		if d := cmp.Diff(want, o.tokens); d != "" {
+			t.Errorf("task %s %v: the tokens are not the template applied to the messages (-template +chat):\n%s", task.ID, task.Metadata["ops"], d)
+		}
+	}
+	if n := res.Policies[0].Float("samples"); n != float64(len(tasks)) {
+		t.Errorf("%v samples trained, want one per conversation (%d)", n, len(tasks))
 	}
 }
