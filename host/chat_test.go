@@ -109,6 +109,26 @@ func checkSpans(t *testing.T, o chatOut) {
 	}
 }
 
+// tinyTemplate is the tiny engine's chat template applied to a conversation's messages, as
+// tokens: what its tokens must be. When its last turn ran out of max_tokens nothing closes it yet,
+// so the template's final <|end|> is left off.
+func tinyTemplate(t *testing.T, eng *tiny.Engine, o chatOut) []int32 {
+	t.Helper()
+	var text strings.Builder
+	for _, m := range o.msgs {
+		text.WriteString("<|" + m.Role + "|>" + m.Content + "<|end|>")
+	}
+	enc, err := eng.Tokenize(context.Background(), []string{text.String()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := enc[0]
+	if last := o.turns[len(o.turns)-1]; len(last) == 0 || last[len(last)-1] != want[len(want)-1] {
+		want = want[:len(want)-1]
+	}
+	return want
+}
+
 // TestChatTokenExactTiny: on the tiny engine (a character tokenizer, so re-encoding the text of
 // a conversation gives the ids back) the conversation's tokens are the template applied to its
 // messages, whatever each turn ended with: EOS sampled, or max_tokens (then the template's <|end|>
@@ -139,20 +159,7 @@ func TestChatTokenExactTiny(t *testing.T) {
 		for _, turn := range o.turns {
 			endings[len(turn) > 0 && turn[len(turn)-1] == eos]++
 		}
-		var text strings.Builder
-		for _, m := range o.msgs {
-			text.WriteString("<|" + m.Role + "|>" + m.Content + "<|end|>")
-		}
-		enc, err := eng.Tokenize(ctx, []string{text.String()})
-		if err != nil {
-			t.Fatal(err)
-		}
-		want := enc[0]
-		last := o.turns[len(o.turns)-1]
-		if len(last) == 0 || last[len(last)-1] != want[len(want)-1] {
-			want = want[:len(want)-1] // the last turn ran out of max_tokens: nothing closes it yet
-		}
-		if d := cmp.Diff(want, o.tokens); d != "" {
+		if d := cmp.Diff(tinyTemplate(t, eng, o), o.tokens); d != "" {
 			t.Errorf("task %s: the conversation's tokens are not the template applied to its messages (-template +chat):\n%s", id, d)
 		}
 		if len(o.msgs) != 9 || o.msgs[3].Role != "tool" || o.msgs[6].Content != "Injected." {
@@ -622,19 +629,7 @@ func TestChatTokensProperty(t *testing.T) {
 	for _, task := range tasks {
 		o := readChat(t, r, task.ID)
 		checkSpans(t, o)
-		var text strings.Builder
-		for _, m := range o.msgs {
-			text.WriteString("<|" + m.Role + "|>" + m.Content + "<|end|>")
-		}
-		enc, err := eng.Tokenize(ctx, []string{text.String()})
-		if err != nil {
-			t.Fatal(err)
-		}
-		want := enc[0]
-		if last := o.turns[len(o.turns)-1]; len(last) == 0 || last[len(last)-1] != want[len(want)-1] {
-			want = want[:len(want)-1] // the last turn ran out of max_tokens: nothing closes it yet
-		}
-		if d := cmp.Diff(want, o.tokens); d != "" {
+		if d := cmp.Diff(tinyTemplate(t, eng, o), o.tokens); d != "" {
 			t.Errorf("task %s %v: the tokens are not the template applied to the messages (-template +chat):\n%s", task.ID, task.Metadata["ops"], d)
 		}
 	}

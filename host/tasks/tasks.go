@@ -94,7 +94,11 @@ func openSource(path string, o Options) (Source, error) {
 		return nil, fmt.Errorf("data: %w", err)
 	}
 	if ok {
-		return arithSource{path: path, a: a}, nil
+		return syntheticSource{path, func(i int) Task {
+			p := a.Problem(i)
+			return Task{ID: p.ID, Prompt: p.Prompt, Label: p.Label, HasLabel: true, Index: i,
+				Metadata: map[string]any{"difficulty": int64(a.Difficulty)}}
+		}}, nil
 	}
 	if strings.HasSuffix(path, ".parquet") {
 		return nil, fmt.Errorf("data: %s: parquet is not read by slimen; convert it to JSONL (one JSON object per line)", path)
@@ -127,25 +131,4 @@ func EvalTasks(src Source, limit int) ([]Task, error) {
 		out[i] = src.Task(i)
 	}
 	return out, nil
-}
-
-// arithSource is synthetic:arith: endless, problem i a pure function of (seed, difficulty, i).
-type arithSource struct {
-	path string
-	a    Arith
-}
-
-func (s arithSource) Name() string       { return s.path }
-func (s arithSource) Len() int           { return -1 }
-func (s arithSource) Warnings() []string { return nil }
-
-func (s arithSource) Task(i int) Task {
-	if i < 0 {
-		panic(fmt.Sprintf("data: task index %d < 0", i))
-	}
-	p := s.a.Problem(i)
-	return Task{
-		ID: p.ID, Prompt: p.Prompt, Label: p.Label, HasLabel: true, Index: i,
-		Metadata: map[string]any{"difficulty": int64(s.a.Difficulty)},
-	}
 }
