@@ -16,12 +16,13 @@ func init() {
 	commands["pretrain"] = command{"supervised warm-up of a tiny model on a synthetic task", cmdPretrain}
 }
 
-// cmdPretrain trains a tiny model from random weights on the synthetic:arith corpus
-// (tasks.Arith.Example) and saves it as a model folder. builtin:tiny-arith is its output; the exact
-// command is in docs/tiny.md.
+// cmdPretrain trains a tiny model from random weights (or --init's checkpoint) on the
+// synthetic:arith corpus (tasks.Arith.Example) or the agent corpus (--task synthetic:calc,
+// tasks.Calc.AgentExample) and saves it as a model folder. builtin:tiny-arith and
+// builtin:tiny-agent are its outputs; the exact commands are in docs/tiny.md.
 func cmdPretrain(args []string) int {
 	fs := flag.NewFlagSet("pretrain", flag.ContinueOnError)
-	task := fs.String("task", "synthetic:arith", "task source: synthetic:arith[?difficulty=N]")
+	task := fs.String("task", "synthetic:arith", "task source: synthetic:arith[?difficulty=N], or synthetic:calc for the agent corpus of builtin:tiny-agent (with --init builtin:tiny-arith)")
 	difficulty := fs.Int("difficulty", 0, "problem difficulty 1..4 (overrides the task's; default 2)")
 	steps := fs.Int("steps", 900, "optimizer steps (900, with every other flag at its default, reproduces builtin:tiny-arith byte for byte)")
 	batch := fs.Int("batch-size", 64, "examples per step")
