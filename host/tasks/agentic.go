@@ -14,7 +14,9 @@ package tasks
 
 import (
 	"fmt"
+	"maps"
 	"math/rand/v2"
+	"slices"
 	"strconv"
 	"strings"
 )
@@ -210,13 +212,7 @@ func parseSynthetic(path string, seed uint64) (Source, bool, error) {
 			k, v, _ := strings.Cut(kv, "=")
 			dst, ok := params[k]
 			if !ok {
-				known := make([]string, 0, len(params))
-				for _, key := range []string{"facts", "parts", "seed"} {
-					if params[key] != nil {
-						known = append(known, key)
-					}
-				}
-				return nil, true, fmt.Errorf("%s: unknown parameter %q (known: %s)", path, k, strings.Join(known, ", "))
+				return nil, true, fmt.Errorf("%s: unknown parameter %q (known: %s)", path, k, strings.Join(slices.Sorted(maps.Keys(params)), ", "))
 			}
 			u, err := strconv.ParseUint(v, 10, 64)
 			if err != nil {
