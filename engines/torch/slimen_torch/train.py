@@ -262,14 +262,17 @@ class Trainer:
                 for k in ("loss", "pg", "kl", "entropy", "clipped", "tokens")
                 + (("tis_clipped", "tis_weight") if cfg.use_tis else ())}
         lengths = [len(s.prompt) + len(s.response) for s in samples]
-        for mb in micro_batches(lengths, self.micro_batch_tokens):
+        for mb in self._plan(lengths):
+            idle = not mb  # a pass of no samples of this rank's (dist.py): weight 0, not counted
+            mb = mb or [0]
             group = [samples[i] for i in mb]
 
             def flat(values, dtype=torch.float32):
                 return torch.tensor([x for v in values for x in v], dtype=dtype, device=dev)
 
             pairs = [(s.prompt, s.response) for s in group]
-            logp, ent, targets = self._logprobs(self.model, pairs, cfg.ent_coef > 0)
+            logp, ent, targets = self._fwd(
+                lambda m: self._logprobs(m, pairs, cfg.ent_coef > 0))
             ref = None
             if ref_model is not None:
                 with torch.no_grad():
@@ -286,12 +289,13 @@ class Trainer:
                 old = torch.cat([torch.tensor(s.train_logprobs, dtype=torch.float32, device=dev)
                                  if s.train_logprobs else c for s, c in zip(group, cur)])
             out = L.policy_loss(cfg, logp, old, flat(s.advantages for s in group),
-                                flat(s.loss_mask for s in group), flat(weights[i] for i in mb),
+                                flat(s.loss_mask for s in group),
+                                flat(weights[i] for i in mb) * (0.0 if idle else 1.0),
                                 entropy=ent, ref_logp=ref, seq=seq, n_seqs=len(group),
                                 rollout_logp=rollout)
-            out["loss"].backward()
+            self._backward(out["loss"])
             for k in sums:
-                if k in out:
+                if k in out and not idle:
                     sums[k] += out[k].detach().double()
         return self._apply(batch.loss, sums)
 
@@ -310,17 +314,19 @@ class Trainer:
         sums = {k: torch.zeros((), dtype=torch.float64, device=dev)
                 for k in ("loss", "pg", "kl", "entropy", "clipped", "tokens")}
         lengths = [len(s.prompt) + len(s.response) for s in samples]
-        for mb in micro_batches(lengths, self.micro_batch_tokens):
+        for mb in self._plan(lengths):
+            idle = not mb  # as in _step
+            mb = mb or [0]
             group = [samples[i] for i in mb]
 
             def flat(values):
                 return torch.tensor([x for v in values for x in v], dtype=torch.float32,
                                     device=dev)
 
-            hidden, _ = response_hidden(self.model, [(s.prompt, s.response) for s in group])
-            v = self.model.values(hidden)
+            pairs = [(s.prompt, s.response) for s in group]
+            v = self._fwd(lambda m: m.values(response_hidden(m, pairs)[0]))
             ret, mask, w = flat(s.returns for s in group), flat(s.loss_mask for s in group), \
-                flat(weights[i] for i in mb)
+                flat(weights[i] for i in mb) * (0.0 if idle else 1.0)
             trained = mask != 0
             l1 = (v - ret) ** 2
             clipped = torch.zeros_like(trained)
@@ -330,7 +336,9 @@ class Trainer:
                 clipped = (l2 > l1) & trained
                 l1 = torch.where(clipped, l2, l1)
             loss = torch.where(trained, w * l1, torch.zeros_like(l1)).sum()
-            loss.backward()
+            self._backward(loss)
+            if idle:
+                continue
             sums["loss"] += loss.detach().double()
             sums["clipped"] += clipped.sum()
             sums["tokens"] += trained.sum()
@@ -355,17 +363,60 @@ class Trainer:
         total = sum(len(r) for _, r in pairs)
         sums = {k: torch.zeros((), dtype=torch.float64, device=dev)
                 for k in ("loss", "pg", "kl", "entropy", "clipped", "tokens")}
-        for mb in micro_batches([len(p) + len(r) for p, r in pairs], self.micro_batch_tokens):
-            logp, ent, targets = self._logprobs(self.model, [pairs[i] for i in mb], False)
-            nll = -logp.sum() / total
-            nll.backward()
+        for mb in self._plan([len(p) + len(r) for p, r in pairs]):
+            idle = not mb  # as in _step
+            mb = mb or [0]
+            logp, ent, targets = self._fwd(
+                lambda m: self._logprobs(m, [pairs[i] for i in mb], False))
+            nll = -logp.sum() / total * (0.0 if idle else 1.0)
+            self._backward(nll)
+            if idle:
+                continue
             sums["loss"] += nll.detach().double()
             sums["entropy"] += ent.sum().double() / total
             sums["tokens"] += len(targets)
         sums["pg"] = sums["loss"]
         return self._apply(lc, sums)
 
+    # ---- what a sharded trainer (dist.py) does differently ----
+
+    def _fwd(self, fn):
+        """fn(model): a training pass over the model; the sharded trainer runs it inside the
+        module call that gathers its weights."""
+        return fn(self.model)
+
+    def _plan(self, lengths: list[int]) -> list[list[int]]:
+        """The micro-batches this trainer runs, as sample indices; an empty one is a pass that
+        trains nothing (a rank with fewer micro-batches than another, dist.py)."""
+        return micro_batches(lengths, self.micro_batch_tokens)
+
+    def _backward(self, loss: torch.Tensor) -> None:
+        loss.backward()
+
+    def _reduce(self, sums: dict) -> dict:
+        """The step's sums over every rank."""
+        return sums
+
+    def _grad_norm(self, grads) -> torch.Tensor:
+        return torch.nn.utils.get_total_norm(grads)
+
+    def _clip(self, grads, max_norm: float, norm: torch.Tensor) -> None:
+        """Scales the gradients by max_norm / (norm + 1e-6) when that is below 1, as
+        clip_grads_with_norm_ does (which takes the parameters, not their gradients: given the
+        gradients it finds no .grad on them and clips nothing)."""
+        coef = max_norm / (norm.item() + 1e-6)
+        if coef < 1.0:
+            torch._foreach_mul_(grads, coef)
+
+    def _stepped(self) -> None:
+        """After an optimizer step: the generating model gets the new weights."""
+        if self.mixed:
+            with torch.no_grad():
+                for p, m in zip(self.params, self.masters):
+                    p.copy_(m)
+
     def _apply(self, lc, sums) -> TrainStats:
+        sums = self._reduce(sums)
         vals = {k: v.item() for k, v in sums.items()}
         tokens = int(vals["tokens"])
         stats = TrainStats(loss=vals["loss"], pg_loss=vals["pg"], kl=vals["kl"],
@@ -382,12 +433,12 @@ class Trainer:
                 m.grad = None if p.grad is None else p.grad.float()
                 p.grad = None
         grads = [m.grad for m in self.masters if m.grad is not None]
-        norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
+        norm = self._grad_norm(grads) if grads else torch.zeros(())
         stats.grad_norm = norm.item()
         if not math.isfinite(stats.grad_norm):
             return self._skip(stats, f"non-finite gradient norm {stats.grad_norm}")
         if lc.max_grad_norm > 0 and grads:
-            torch.nn.utils.clip_grads_with_norm_(grads, lc.max_grad_norm, norm)
+            self._clip(grads, lc.max_grad_norm, norm)
         for g in opt.param_groups:
             g["lr"] = lc.lr
             g["betas"] = (lc.beta1 or 0.9, lc.beta2 or 0.999)
@@ -395,10 +446,7 @@ class Trainer:
             g["weight_decay"] = lc.weight_decay
         opt.step()
         opt.zero_grad(set_to_none=True)
-        if self.mixed:
-            with torch.no_grad():
-                for p, m in zip(self.params, self.masters):
-                    p.copy_(m)
+        self._stepped()
         self.steps += 1
         self.model.eval()
         return stats

@@ -241,3 +241,21 @@ def test_tis_weights_the_step_by_the_rollout_ratio(model_dirs, mode):
     # The engine's own old log-probs and the same ones sent by the host give the same step.
     for a, b in zip(*results):
         assert torch.allclose(a, b, atol=1e-6)
+
+
+def test_max_grad_norm_clips(model_dirs):
+    """max_grad_norm scales the gradients down to that norm (with a large Adam epsilon the update
+    is about proportional to the gradient, so a clipped step moves the weights less)."""
+    moved = []
+    for clip in (0.0, 1e-3):
+        e = Engine(str(model_dirs["tiny"]))
+        try:
+            before = weights(e)
+            lc = LossConfig(lr=1e-2, adam_eps=1.0, max_grad_norm=clip,
+                            aggregation="group_token_mean")
+            s = e.train(fixed_batch(e, lc))
+            assert s.grad_norm > 1e-2  # the norm before the clip, well above it
+            moved.append(sum((a - b).abs().sum().item() for a, b in zip(weights(e), before)))
+        finally:
+            e.close()
+    assert moved[1] < moved[0] / 5
