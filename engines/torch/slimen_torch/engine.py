@@ -140,10 +140,14 @@ class Engine:
         mode = o.compile_train
         mode = "block" if mode is True else ("" if mode in (False, None, "off") else mode)
         mode = mode if cuda else ""
-        self.trainer = Trainer(model, micro_batch_tokens=o.micro_batch_tokens or (
+        self.trainer = self._new_trainer(model, micro_batch_tokens=o.micro_batch_tokens or (
             16384 if cuda else 4096), reference=self._reference_model, compile=mode,
             fused_head=o.fused_head)
         self._load_optimizer(model_dir)
+
+    def _new_trainer(self, model: Transformer, **kw) -> Trainer:
+        """The trainer of the model (dist.py's engine makes a sharded one)."""
+        return Trainer(model, **kw)
 
     def _default_slots(self, max_len: int) -> int:
         if self.device.type != "cuda":
@@ -261,6 +265,15 @@ class Engine:
         """Queues req; on_completion(Completion) is called (on the worker thread) for each sample
         as it finishes, on_error(code, message) once if the request fails after submission.
         Raises RequestError for a request that cannot be served at all."""
+        r = self.request(req, on_completion, on_error)
+        with self._cv:
+            if self._closed:
+                raise RuntimeError("engine closed")
+            self._new.append(r)
+            self._cv.notify()
+
+    def request(self, req: GenerateRequest, on_completion=None, on_error=None) -> Request:
+        """The generator's request of req, checked (RequestError for one that cannot be served)."""
         prompt = self.prompt_of(req.messages, req.prompt_tokens, f"request {req.id!r}")
         if len(prompt) >= self.gen.L:
             raise RequestError("INVALID_ARGUMENT", f"request {req.id!r}: prompt of {len(prompt)} "
@@ -280,12 +293,7 @@ class Engine:
                             temperature=s.temperature,
                             top_p=s.top_p or 1.0,
                             stop=[x for x in s.stop if x], seed=s.seed)
-        r = Request(req.id, prompt, req.n or 1, sampling, on_completion, on_error)
-        with self._cv:
-            if self._closed:
-                raise RuntimeError("engine closed")
-            self._new.append(r)
-            self._cv.notify()
+        return Request(req.id, prompt, req.n or 1, sampling, on_completion, on_error)
 
     def cancel(self, request_id: str) -> None:
         with self._cv:
@@ -436,6 +444,10 @@ class Engine:
         self._call(self._save, pathlib.Path(out_dir))
 
     def _save(self, out: pathlib.Path) -> None:
+        self._write(out, self.trainer.state_dict())
+
+    def _write(self, out: pathlib.Path, state: dict | None) -> None:
+        """Writes the model folder: config, weights, tokenizer and the optimizer state."""
         out.mkdir(parents=True, exist_ok=True)
         raw = dict(self.raw)
         raw["dtype"] = str(self.dtype).removeprefix("torch.")
@@ -445,7 +457,6 @@ class Engine:
         # From memory, not from model_dir: that folder may be gone by now (a checkpoint the
         # host pruned after the engine was started or loaded from it).
         self.tokenizer.save(out)
-        state = self.trainer.state_dict()
         if state is not None:
             torch.save(state, out / OPTIMIZER_FILE)
 
@@ -468,9 +479,10 @@ class Engine:
         self.tokenizer = self.gen.tokenizer = Tokenizer(model_dir)
         self.eos = _eos(raw, self.tokenizer)
         self.gen.eos = set(self.eos)
-        self.trainer = Trainer(self.model, micro_batch_tokens=self.trainer.micro_batch_tokens,
-                               reference=self._reference_model, compile=self.trainer.mode,
-                               fused_head=self.trainer.fused_head)
+        self.trainer = self._new_trainer(
+            self.model, micro_batch_tokens=self.trainer.micro_batch_tokens,
+            reference=self._reference_model, compile=self.trainer.mode,
+            fused_head=self.trainer.fused_head)
         self._load_optimizer(model_dir)
 
     def close(self) -> None:

@@ -83,8 +83,11 @@ class Block(nn.Module):
         return (self.attn_norm, self.wqkv, self.bqkv, self.q_norm, self.k_norm, self.wo, self.bo,
                 self.mlp_norm, self.w13, self.w2)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        return block_forward(self.cfg, x, self.weights(), cos, sin)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fn=None, **kw):
+        """The layer through its module call (fn: block_forward or a compiled copy of it), so
+        that hooks on the module run: FSDP2 gathers a sharded layer's weights in them
+        (Transformer.call_layers)."""
+        return (fn or block_forward)(self.cfg, x, self.weights(), cos, sin, **kw)
 
 
 def fused_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -183,6 +186,9 @@ class Transformer(nn.Module):
         # on a GPU). Inference passes (prefill, score) run block_forward with rms_norm.
         self.train_block_fn = block_forward
         self.train_norm = rms_norm
+        # Training passes call each layer as a module (Block.forward), not its function on its
+        # weights: set on a model whose layers FSDP2 shards (dist.py), whose hooks must run.
+        self.call_layers = False
 
     def init_weights(self, generator: torch.Generator, std: float = 0.02) -> None:
         """Random initialisation (make-model): normal(0, std) matrices, unit norms, zero biases."""
@@ -223,7 +229,12 @@ class Transformer(nn.Module):
         fn = self.train_block_fn if train else block_forward
         kw = {"norm": self.train_norm} if train and self.train_norm is not rms_norm else {}
         for i, layer in enumerate(self.layers):
-            if self.grad_checkpointing and train:
+            if self.call_layers and train:
+                if self.grad_checkpointing:
+                    x, k, v = checkpoint(layer, x, cos, sin, fn=fn, use_reentrant=False, **kw)
+                else:
+                    x, k, v = layer(x, cos, sin, fn=fn, **kw)
+            elif self.grad_checkpointing and train:
                 x, k, v = checkpoint(fn, self.cfg, x, layer.weights(), cos, sin,
                                      use_reentrant=False, **kw)
             else:

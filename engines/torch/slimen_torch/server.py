@@ -571,8 +571,16 @@ def serve(args) -> None:
     """`python -m slimen_torch serve`: listen, load the model, serve until SIGTERM/SIGINT."""
     import signal
 
+    from . import dist
     from .engine import Engine, Options
 
+    rank, local_rank, size = dist.world()
+    if size > 1:
+        args.device = dist.rank_device(args.device, local_rank)
+    if rank != 0:
+        # A follower of a worker group (torchrun): rank 0 serves; this rank runs its calls.
+        dist.serve_rank(args, _options(args), None)
+        return
     token = ""
     if args.token_env:
         token = os.environ.get(args.token_env, "")
@@ -583,6 +591,11 @@ def serve(args) -> None:
     except ValueError as e:
         raise SystemExit(f"slimen_torch serve: {e}") from None
     host = args.listen.rpartition(":")[0]
+    if host in ("0.0.0.0", "[::]", "::"):
+        # Every interface: the address others reach it at is this machine's name (a worker group
+        # on a cluster writes it for the host to find, docs/cluster.md).
+        import socket
+        host = socket.gethostname()
     addr = f"{host}:{port}"
     log.info("listening on %s (loading %s); clients save and load model folders only under %s",
              addr, args.model, ", ".join(service.roots.dirs))
@@ -594,7 +607,28 @@ def serve(args) -> None:
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    opts = Options(device=args.device, dtype=args.dtype, slots=args.slots,
+    opts = _options(args)
+    if size > 1:
+        service.engine = dist.serve_rank(args, opts, service)
+        log.info("serving %s on %s from %d ranks: %s", args.model, addr, size,
+                 ", ".join(service.engine.devices))
+    else:
+        service.engine = Engine(args.model, opts)
+        log.info("serving %s on %s", args.model, addr)
+    service.loading = False
+    stop.wait()
+    service.loading = True
+    server.stop(grace=5).wait()
+    service.engine.close()
+    if size > 1:
+        import torch.distributed
+        torch.distributed.destroy_process_group()
+
+
+def _options(args):
+    from .engine import Options
+
+    return Options(device=args.device, dtype=args.dtype, slots=args.slots,
                    max_seq_len=args.max_seq_len, cuda_graphs=not args.no_cuda_graphs,
                    compile=not args.no_compile, compile_train=args.compile_train,
                    kernels=False if args.no_kernels else None,
@@ -603,10 +637,3 @@ def serve(args) -> None:
                    prefill_graph_max=args.prefill_graph_max,
                    micro_batch_tokens=args.micro_batch_tokens,
                    grad_checkpointing=args.grad_checkpointing, ref_model=args.ref_model)
-    service.engine = Engine(args.model, opts)
-    service.loading = False
-    log.info("serving %s on %s", args.model, addr)
-    stop.wait()
-    service.loading = True
-    server.stop(grace=5).wait()
-    service.engine.close()

@@ -1,0 +1,147 @@
+"""One policy over two ranks on the CPU (gloo): FSDP2 training data-parallel over the ranks gives
+the step one rank gives on the same global batch, generation dealt out to the ranks gives the
+completions one rank gives, and the save is the folder (and optimizer state) one rank writes and
+loads. The ranks run as two processes (torch.multiprocessing) through dist.Group, rank 0's side of
+the gRPC service, and dist.follow, the other ranks'."""
+
+import os
+import pathlib
+import pickle
+import socket
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from slimen_torch.engine import Engine, Options
+from slimen_torch.types import Batch, GenerateRequest, LossConfig, Sample, Sampling, ScoreRequest
+
+STEPS = [
+    # the default reduction with a KL term; a second step with the token mean and a clipped norm
+    LossConfig(lr=1e-2, eps_clip=0.2, eps_clip_high=0.28, kl_loss_coef=0.1, adam_eps=1e-5),
+    LossConfig(lr=1e-2, eps_clip=0.2, eps_clip_high=0.28, aggregation="token_mean",
+               max_grad_norm=0.05, entropy_coef=0.01, adam_eps=1e-5),
+]
+OPTS = dict(device="cpu", micro_batch_tokens=24)  # one sample a micro-batch: ranks run 3 and 2
+
+
+def batches(e: Engine) -> list[Batch]:
+    g = torch.Generator().manual_seed(3)
+    V = e.cfg.vocab_size
+    samples = []
+    for i in range(5):  # odd: the ranks get 3 and 2 samples, rank 1 runs a pass of weight 0
+        prompt = torch.randint(0, V, (4 + i,), generator=g).tolist()
+        response = torch.randint(0, V, (5 + 2 * i,), generator=g).tolist()
+        old = e.score([ScoreRequest(tokens=response, prompt_tokens=prompt)])[0]
+        mask = [1.0] * len(response)
+        mask[0] = 0.0
+        adv = [1.0 if i % 2 == 0 else -0.5] * len(response)
+        samples.append(Sample(prompt, response, mask, old, adv, group=f"g{i // 2}"))
+    return [Batch(samples=samples, loss=lc, id=f"s{k}") for k, lc in enumerate(STEPS)]
+
+
+REQUESTS = [GenerateRequest(id=f"r{i}", prompt_tokens=[5 + i, 9, 11 + 2 * i], n=1 + i % 2,
+                            sampling=Sampling(max_tokens=6, temperature=1.0, top_p=0.9, seed=i))
+            for i in range(5)]
+
+
+def collect(submit, reqs):
+    import threading
+    cv = threading.Condition()
+    got = {}
+
+    def on(c):
+        with cv:
+            got[(c.request_id, c.index)] = c.tokens
+            cv.notify()
+
+    def fail(code, msg):
+        raise AssertionError(f"{code}: {msg}")
+
+    for r in reqs:
+        submit(r, on, fail)
+    want = sum(r.n for r in reqs)
+    with cv:
+        assert cv.wait_for(lambda: len(got) == want, timeout=60)
+    return got
+
+
+def _rank(rank, size, port, model, bs, out, result):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      LOCAL_RANK=str(rank), WORLD_SIZE=str(size))
+    torch.set_num_threads(1)
+    from slimen_torch import dist
+    rank, _, _, ctrl = dist.init("cpu")
+    engine = dist.RankEngine(model, Options(**OPTS), rank)
+    if rank != 0:
+        dist.follow(engine, ctrl, rank)
+        engine.close()
+        torch.distributed.destroy_process_group()
+        return
+    group = dist.Group(engine, ctrl, ["cpu"] * size)
+    stats = [group.train(b) for b in bs]
+    group.save(out)
+    gen = collect(group.submit, REQUESTS)
+    values_dev = group.info()["devices"]
+    group.close()
+    torch.distributed.destroy_process_group()
+    with open(result, "wb") as f:
+        pickle.dump({"stats": stats, "gen": gen, "devices": values_dev,
+                     "gather_s": engine.trainer.gather_seconds,
+                     "gather_bytes": engine.trainer.gathered_bytes}, f)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_ranks_equal_one(model_dirs, tmp_path):
+    model = str(model_dirs["tiny-qwen3"])
+    one = Engine(model, Options(**OPTS))
+    try:
+        bs = batches(one)
+        gen1 = collect(one.submit, REQUESTS)  # before training, as the group generates after
+        one_stats = [one.train(b) for b in bs]
+        one.save(str(tmp_path / "one"))
+        gen1 = collect(one.submit, [GenerateRequest(id="x" + r.id, prompt_tokens=r.prompt_tokens,
+                                                    n=r.n, sampling=r.sampling)
+                                    for r in REQUESTS])
+    finally:
+        one.close()
+    out, result = str(tmp_path / "two"), str(tmp_path / "result.pkl")
+    mp.start_processes(_rank, args=(2, free_port(), model, bs, out, result), nprocs=2,
+                       start_method="spawn", join=True)
+    with open(result, "rb") as f:
+        got = pickle.load(f)
+
+    for a, b in zip(got["stats"], one_stats):
+        assert not a.skipped and not b.skipped
+        assert a.tokens == b.tokens and a.clip_frac == b.clip_frac
+        for k in ("loss", "pg_loss", "kl", "entropy", "grad_norm"):
+            assert getattr(a, k) == pytest.approx(getattr(b, k), rel=1e-4, abs=1e-6), k
+    assert got["stats"][1].grad_norm > STEPS[1].max_grad_norm  # the clip was applied
+    assert got["devices"] == ["cpu", "cpu"] and got["gather_bytes"] > 0
+
+    # The save is one rank's folder: the same files, weights and optimizer state; one rank loads it.
+    two, ref = pathlib.Path(out), tmp_path / "one"
+    assert sorted(p.name for p in two.iterdir()) == sorted(p.name for p in ref.iterdir())
+    e2, e1 = Engine(str(two), Options(**OPTS)), Engine(str(ref), Options(**OPTS))
+    try:
+        for (n, p), q in zip(e1.model.named_parameters(), e2.model.parameters()):
+            torch.testing.assert_close(q, p, rtol=1e-4, atol=1e-5, msg=n)
+        o1, o2 = (torch.load(d / "optimizer.pt") for d in (ref, two))
+        assert o1["steps"] == o2["steps"] == 2
+        for k, s in o1["optimizer"]["state"].items():
+            for n, v in s.items():
+                torch.testing.assert_close(o2["optimizer"]["state"][k][n], v, rtol=1e-4,
+                                           atol=1e-6)
+        # and they train on alike from it
+        a, b = e1.train(bs[0]), e2.train(bs[0])
+        assert a.loss == pytest.approx(b.loss, rel=1e-4)
+    finally:
+        e1.close()
+        e2.close()
+    # Generation after the steps, from the gathered weights, on both ranks.
+    assert {(k[0][1:], k[1]): v for k, v in gen1.items()} == got["gen"]
