@@ -399,12 +399,17 @@ class Group:
         with self.cv:
             self.pending = [p for p in self.pending if p[0].id != request_id]
 
-    def close(self) -> None:
+    def close(self, timeout: float = 60) -> bool:
+        """Tells the followers to stop and closes rank 0's engine; False when the group thread
+        did not finish within timeout (a follower gone: its collectives never return)."""
         with self.cv:
             self.closed = True
             self.cv.notify()
-        self.thread.join(timeout=60)
+        self.thread.join(timeout=timeout)
+        if self.thread.is_alive():
+            return False
         self.local.close()
+        return True
 
     # -- the thread --
 

@@ -619,10 +619,18 @@ def serve(args) -> None:
     stop.wait()
     service.loading = True
     server.stop(grace=5).wait()
-    service.engine.close()
-    if size > 1:
+    if size == 1:
+        service.engine.close()
+        return
+    # torchrun stops every rank of the group at once: the followers may be gone already, and a
+    # collective with a rank that left never returns, so the group gets a few seconds.
+    if service.engine.close(timeout=5):
         import torch.distributed
         torch.distributed.destroy_process_group()
+    else:
+        log.info("the other ranks have stopped; exiting")
+        logging.shutdown()
+        os._exit(0)
 
 
 def _options(args):

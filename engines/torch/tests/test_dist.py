@@ -145,3 +145,79 @@ def test_two_ranks_equal_one(model_dirs, tmp_path):
         e2.close()
     # Generation after the steps, from the gathered weights, on both ranks.
     assert {(k[0][1:], k[1]): v for k, v in gen1.items()} == got["gen"]
+
+
+def _pb_batch(b: Batch):
+    from slimen_torch.proto import engine_pb2 as pb
+    lc = b.loss
+    return pb.Batch(id=b.id, loss=pb.LossConfig(**{f: getattr(lc, f) for f in
+                                                   type(lc).__dataclass_fields__}),
+                    samples=[pb.Sample(prompt=s.prompt, response=s.response, loss_mask=s.loss_mask,
+                                       old_logprobs=s.old_logprobs, advantages=s.advantages,
+                                       group=s.group) for s in b.samples])
+
+
+def test_two_nodes_over_rendezvous(model_dirs, tmp_path):
+    """Two torchrun "nodes" of one rank each on loopback (c10d rendezvous, gloo): the group's
+    rank 0 serves over gRPC and a client trains a step through it, equal to one rank's step, and
+    generates from both ranks."""
+    import subprocess
+    import sys
+    import time
+
+    import grpc
+
+    from slimen_torch.proto import engine_pb2 as pb
+    from slimen_torch.proto import engine_pb2_grpc as pb_grpc
+
+    model = str(model_dirs["tiny-qwen3"])
+    one = Engine(model, Options(**OPTS))
+    try:
+        b = batches(one)[0]
+        want = one.train(b)
+    finally:
+        one.close()
+    pkg = str(pathlib.Path(__file__).resolve().parents[1])
+    env = dict(os.environ, PYTHONPATH=pkg, OMP_NUM_THREADS="1")
+    port = free_port()
+    addr_files = [tmp_path / f"addr{n}" for n in (0, 1)]
+    procs = [subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(n),
+         "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
+         "--rdzv-id", "slimen-test", "-m", "slimen_torch", "serve", "--model", model,
+         "--device", "cpu", "--listen", "127.0.0.1:0", "--address-file", str(addr_files[n]),
+         "--micro-batch-tokens", str(OPTS["micro_batch_tokens"]), "--root", str(tmp_path)],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for n in (0, 1)]
+    try:
+        deadline = time.time() + 120
+        # The rendezvous, not --node-rank, orders the nodes: rank 0 is on either.
+        while not any(f.exists() for f in addr_files):
+            assert all(p.poll() is None for p in procs), [p.stdout.read() for p in procs]
+            assert time.time() < deadline, "no address file"
+            time.sleep(0.2)
+        addr = next(f for f in addr_files if f.exists()).read_text().strip()
+        with grpc.insecure_channel(addr) as ch:
+            stub = pb_grpc.EngineStub(ch)
+            while stub.Health(pb.HealthRequest()).status != pb.HealthResponse.SERVING:
+                assert all(p.poll() is None for p in procs), [p.stdout.read() for p in procs]
+                assert time.time() < deadline, "never serving"
+                time.sleep(0.2)
+            info = stub.Info(pb.InfoRequest()).info
+            assert len(info.devices) == 2
+            got = stub.Train(pb.TrainRequest(batch=_pb_batch(b))).stats
+            assert got.loss == pytest.approx(want.loss, rel=1e-4)
+            assert got.grad_norm == pytest.approx(want.grad_norm, rel=1e-4)
+            reqs = [pb.GenerateRequest(id=f"g{i}", prompt_tokens=[5 + i, 6, 7],
+                                       sampling=pb.Sampling(max_tokens=4, seed=i))
+                    for i in range(4)]
+            comps = [c for r in stub.Generate(iter([pb.GenerateStreamRequest(requests=reqs)]))
+                     for c in r.completions]
+            assert sorted(c.request_id for c in comps) == ["g0", "g1", "g2", "g3"]
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            p.wait(timeout=60)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
