@@ -6,6 +6,8 @@
 //
 //	PYTHON -m slimen_torch serve --model MODEL --listen 127.0.0.1:0 --address-file F --token-env VAR [--device D] [--root DIR]…
 //
+// (under torchrun, `PYTHON -m torch.distributed.run --standalone --nproc-per-node N -m slimen_torch
+// serve …`, when Options.Ranks is above 1: one policy over N GPUs, docs/gpus.md)
 // with PYTHONPATH pointing at it, waits until the worker listens and its Health says SERVING (the
 // model is loaded), and connects an engines/remote client to it. Close stops the client and the
 // worker (SIGTERM, then SIGKILL after a grace period). The Python environment must have the
@@ -22,6 +24,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"sync"
 	"time"
@@ -48,6 +51,10 @@ type Options struct {
 	// Env holds extra KEY=VALUE entries for the worker's environment, on top of this process's
 	// (CUDA_VISIBLE_DEVICES, say).
 	Env []string
+	// Ranks above 1 starts the worker under torchrun with that many ranks on this machine (one
+	// GPU each, cuda:0… of those it sees; on the CPU, gloo): rank 0 serves, FSDP2 shards the
+	// training (engines/torch/slimen_torch/dist.py).
+	Ranks int
 	// Args are extra `serve` flags (--slots, --max-seq-len, --grad-checkpointing, …).
 	Args []string
 	// PackageDir, when set, is a folder holding slimen_torch (engines/torch of a checkout) used
@@ -182,7 +189,8 @@ func Start(ctx context.Context, opts Options) (*Engine, error) {
 	e := &Engine{tail: tail, tmp: tmp, closed: make(chan struct{})}
 	// The first process listens on a free port; one started again listens where it did.
 	e.spawn = func(listen string) (*proc, error) {
-		argv := append([]string{"-m", "slimen_torch", "serve", "--model", model, "--listen", listen}, args...)
+		argv := append(launcher(opts.Ranks), "-m", "slimen_torch", "serve", "--model", model, "--listen", listen)
+		argv = append(argv, args...)
 		cmd := exec.Command(opts.Python, argv...)
 		cmd.Env = append(os.Environ(), "PYTHONPATH="+pythonPath(pkg), "PYTHONUNBUFFERED=1")
 		cmd.Env = append(cmd.Env, opts.Env...)
@@ -423,6 +431,16 @@ func (e *Engine) stop() error {
 
 // Log returns the end of the worker's output (for error reports).
 func (e *Engine) Log() string { return e.tail.String() }
+
+// launcher is what runs before `-m slimen_torch` on the interpreter's command line: torchrun
+// (as python -m torch.distributed.run, the interpreter's own) for a worker of several ranks, with a
+// rendezvous on a free port of this machine (--standalone).
+func launcher(ranks int) []string {
+	if ranks <= 1 {
+		return nil
+	}
+	return []string{"-m", "torch.distributed.run", "--standalone", "--nproc-per-node", strconv.Itoa(ranks)}
+}
 
 func pythonPath(pkg string) string {
 	if old := os.Getenv("PYTHONPATH"); old != "" {

@@ -86,7 +86,7 @@ func open(ctx context.Context, p config.PolicyConfig, env host.EngineEnv) (engin
 		}
 		args = append(args, "--ref-model", ref)
 	}
-	o := torchproc.Options{Python: python, Model: model, Device: p.Engine.Device, Args: args,
+	o := torchproc.Options{Python: python, Model: model, Device: p.Engine.Device, Args: args, Ranks: p.NumGPUsPerNode,
 		Roots: torchRoots(p, env.RunDir), TokenEnv: p.Engine.TokenEnv, StartTimeout: p.Engine.StartTimeout,
 		Client: host.ClientOptions(p), MaxRestarts: defaultMaxRestarts, HangTimeout: p.Engine.HangTimeout,
 		Logf: func(format string, args ...any) { env.Logf("policy %q: %s", p.Name, fmt.Sprintf(format, args...)) }}
@@ -117,7 +117,11 @@ func open(ctx context.Context, p config.PolicyConfig, env host.EngineEnv) (engin
 		lines = &lineWriter{emit: func(line string) { env.Worker("policy %q: worker: %s", p.Name, line) }}
 		o.Log = lines
 	}
-	env.Logf("policy %q: starting a torch worker: %s -m slimen_torch serve --model %s, on %s", p.Name, python, model, where)
+	launch := python + " -m slimen_torch serve"
+	if o.Ranks > 1 {
+		launch = fmt.Sprintf("%s -m torch.distributed.run --nproc-per-node %d -m slimen_torch serve (FSDP2 over %d ranks)", python, o.Ranks, o.Ranks)
+	}
+	env.Logf("policy %q: starting a torch worker: %s --model %s, on %s", p.Name, launch, model, where)
 	start := time.Now()
 	e, err := torchproc.Start(ctx, o)
 	if err != nil {

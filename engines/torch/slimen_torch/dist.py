@@ -48,6 +48,24 @@ def world() -> tuple[int, int, int]:
     return int(e.get("RANK", 0)), int(e.get("LOCAL_RANK", 0)), int(e.get("WORLD_SIZE", 1))
 
 
+def die_with_parent() -> None:
+    """A rank ends when its torchrun does (Linux): torchrun starts each rank in a session of its
+    own, so a supervisor that kills torchrun (a hung worker) would otherwise leave the ranks
+    holding their GPUs and rank 0 its port."""
+    import ctypes
+    import signal
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() == 1:  # torchrun died before the call
+        os._exit(1)
+
+
 def rank_device(device: str, local_rank: int) -> str:
     """The device of a rank: a GPU worker's ranks take one GPU each (cuda:LOCAL_RANK of the GPUs
     it sees); the CPU stays the CPU."""

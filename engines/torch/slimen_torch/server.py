@@ -577,6 +577,7 @@ def serve(args) -> None:
     rank, local_rank, size = dist.world()
     if size > 1:
         args.device = dist.rank_device(args.device, local_rank)
+        dist.die_with_parent()
     if rank != 0:
         # A follower of a worker group (torchrun): rank 0 serves; this rank runs its calls.
         dist.serve_rank(args, _options(args), None)
