@@ -38,8 +38,28 @@ func (m Metrics) Float(k string) float64 {
 
 func (m Metrics) int(k string) int { v, _ := m[k].(int); return v }
 
-// TimingFields are the metrics that measure wall time and so differ between equal runs.
-var TimingFields = []string{"rollout_s", "train_s", "step_s", "tokens_per_s"}
+// TimingFields are the metrics that measure wall time or the machine (a policy's GPU memory and
+// utilisation, DeviceMetrics) and so differ between equal runs.
+var TimingFields = []string{"rollout_s", "train_s", "step_s", "tokens_per_s", "gpu_mem_gib", "gpu_used_gib", "gpu_util"}
+
+// DeviceMetrics is implemented by an engine that can say what its devices hold and do now (a torch
+// worker on GPUs, read through NVML): its numbers join its policy's line of every step's metrics.
+// It returns nothing where it cannot tell (no NVML, a worker on the CPU): the keys are then absent,
+// never zero.
+type DeviceMetrics interface {
+	DeviceMetrics() map[string]float64
+}
+
+// addDeviceMetrics adds the engine's device numbers, if it has any, to its policy's line.
+func addDeviceMetrics(m Metrics, eng any) {
+	d, ok := eng.(DeviceMetrics)
+	if !ok {
+		return
+	}
+	for k, v := range d.DeviceMetrics() {
+		m.set(k, v)
+	}
+}
 
 // WithoutTimings returns metrics.jsonl text with the TimingFields removed from every line: what
 // two equal runs must agree on byte for byte.

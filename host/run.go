@@ -783,6 +783,7 @@ func (r *Run) trainPolicies(ctx context.Context, step int, cfg *config.Config, r
 			m.set("train_s", 0.0)
 			m.set("loss", 0.0)
 		}
+		addDeviceMetrics(m, p.eng)
 		out = append(out, m)
 	}
 	if crit != nil {
@@ -802,6 +803,7 @@ func (r *Run) trainPolicies(ctx context.Context, step int, cfg *config.Config, r
 				return nil, err
 			}
 		}
+		addDeviceMetrics(m, crit.eng)
 		out = append(out, m)
 	}
 	sort.Slice(out, func(i, j int) bool { return out[i].Policy() < out[j].Policy() })

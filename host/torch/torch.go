@@ -130,9 +130,13 @@ func open(ctx context.Context, p config.PolicyConfig, env host.EngineEnv) (engin
 		}
 		return nil, torchStartError(err, python, from)
 	}
-	self.Store(engines.Engine(e))
+	var eng engines.Engine = e
+	if w != nil {
+		eng = &gpuWorker{Engine: e, inv: inventory, gpus: w.UUIDs}
+	}
+	self.Store(eng)
 	env.Logf("policy %q: torch worker ready in %.1fs", p.Name, time.Since(start).Seconds())
-	return e, nil
+	return eng, nil
 }
 
 // torchRoots are the folders a policy's torch worker lets its clients save into and load from:
