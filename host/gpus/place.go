@@ -23,10 +23,13 @@ const (
 // Estimate is a worker's memory on its GPU, in bytes: the weights it serves, the frozen KL
 // reference it loads when the policy uses a KL term, and for a trainable policy the fp32
 // gradients and AdamW state (the two moments, plus an fp32 master copy when the weights are
-// bf16), and the KV cache of Slots rows × MaxLen positions. Activations are not counted.
+// bf16), and the KV cache of Slots rows × MaxLen positions. Activations are not counted. A worker
+// of Ranks > 1 ranks (num_gpus_per_node, under torchrun) holds on each of its GPUs the full
+// weights (it generates from them) and 1/Ranks of the gradients and AdamW state with its fp32
+// master shard (FSDP2): the estimate is one rank's.
 type Estimate struct {
 	Weights, Reference, Gradients, Optimizer, KVCache uint64
-	Slots, MaxLen                                     int
+	Slots, MaxLen, Ranks                              int
 }
 
 // Fixed is the estimate without the KV cache (what is resident before the cache is sized).
@@ -42,6 +45,9 @@ func (e Estimate) String() string {
 	}
 	if e.Gradients > 0 {
 		s += ", gradients " + GiB(e.Gradients) + ", AdamW state " + GiB(e.Optimizer)
+		if e.Ranks > 1 {
+			s += fmt.Sprintf(" (sharded over %d ranks)", e.Ranks)
+		}
 	}
 	return s + fmt.Sprintf(", KV cache %s (%d rows × %d positions)", GiB(e.KVCache), e.Slots, e.MaxLen)
 }
@@ -324,6 +330,13 @@ func fixedEstimate(p config.PolicyConfig, m Model) (e Estimate, explicit bool) {
 		e.Optimizer = n * adamWBytesPerElem
 		if dtype != bytesFP32 {
 			e.Optimizer += n * bytesFP32 // the fp32 master copy
+		}
+		if r := p.NumGPUsPerNode; r > 1 && p.Engine.Kind == "torch" {
+			// FSDP2: each rank a shard of the gradients and of the optimizer with its fp32 master
+			// (kept even for fp32 weights: the shards are the masters of the full weights).
+			e.Ranks = r
+			e.Gradients = (n*bytesFP32 + uint64(r) - 1) / uint64(r)
+			e.Optimizer = (n*(adamWBytesPerElem+bytesFP32) + uint64(r) - 1) / uint64(r)
 		}
 	}
 	e.MaxLen = defaultMaxLen

@@ -177,6 +177,9 @@ func TestEstimateParts(t *testing.T) {
 			p.Train.UseKLLoss, p.Train.KLLossCoef = true, 0.01
 			return p
 		}(), Estimate{Weights: 4000, Reference: 4000, Gradients: 4000, Optimizer: 8000}},
+		// FSDP2 over 4 ranks: full weights on each GPU, a quarter of the gradients and of the
+		// optimizer with its fp32 master shard.
+		{"trainable over 4 ranks", torchPolicy("a", 4, 1, 1), Estimate{Weights: 2000, Gradients: 1000, Optimizer: 3000}},
 	}
 	for _, tc := range cases {
 		e, _ := fixedEstimate(tc.p, m)
