@@ -74,17 +74,20 @@ def rank_device(device: str, local_rank: int) -> str:
     return device
 
 
-def init(device: str) -> tuple[int, int, int, object]:
-    """Joins the process group (NCCL on GPUs, gloo on the CPU) and makes the control group (gloo,
-    no practical timeout: a follower waits for rank 0's next call as long as the worker lives).
+def init(device: str, backend: str = "") -> tuple[int, int, int, object]:
+    """Joins the process group (NCCL on GPUs, gloo on the CPU; backend names another, e.g. gloo
+    for ranks sharing one GPU, which NCCL refuses) and makes the control group (gloo, no practical
+    timeout: a follower waits for rank 0's next call as long as the worker lives).
     Returns (rank, local rank, world size, control group)."""
     rank, local, size = world()
     dev = torch.device(device)
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
+    backend = backend or ("nccl" if dev.type == "cuda" else "gloo")
+    if backend == "nccl":
         dist.init_process_group("nccl", device_id=dev)
     else:
-        dist.init_process_group("gloo")
+        dist.init_process_group(backend)
     ctrl = dist.new_group(backend="gloo", timeout=datetime.timedelta(days=365))
     return rank, local, size, ctrl
 
