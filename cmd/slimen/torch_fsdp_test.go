@@ -3,7 +3,6 @@ package main
 import (
 	"math"
 	"os"
-	"os/exec"
 	"path/filepath"
 	"strings"
 	"testing"
@@ -14,12 +13,7 @@ import (
 func TestTorchWorkerOverTwoRanks(t *testing.T) {
 	py := torchPython(t)
 	dir := t.TempDir()
-	model := filepath.Join(dir, "model")
-	mk := exec.Command(py, "-m", "slimen_torch", "make-model", "--shape", "tiny", "--out", model)
-	mk.Env = append(os.Environ(), "PYTHONPATH="+filepath.Join("..", "..", "engines", "torch"))
-	if out, err := mk.CombinedOutput(); err != nil {
-		t.Fatalf("make-model: %v\n%s", err, out)
-	}
+	model := tinyTorchModel(t, py, dir)
 	env := []string{"SLIMEN_PYTHON=" + py, "XDG_CACHE_HOME=" + filepath.Join(dir, "cache")}
 	var runs [][]map[string]any
 	for _, ranks := range []string{"1", "2"} {

@@ -46,12 +46,7 @@ func torchWorkers(t *testing.T, pid int) []int {
 func TestTorchWorkerKilledMidStep(t *testing.T) {
 	py := torchPython(t)
 	dir := t.TempDir()
-	model := filepath.Join(dir, "model")
-	mk := exec.Command(py, "-m", "slimen_torch", "make-model", "--shape", "tiny", "--out", model)
-	mk.Env = append(os.Environ(), "PYTHONPATH="+filepath.Join("..", "..", "engines", "torch"))
-	if out, err := mk.CombinedOutput(); err != nil {
-		t.Fatalf("make-model: %v\n%s", err, out)
-	}
+	model := tinyTorchModel(t, py, dir)
 	env := []string{"SLIMEN_PYTHON=" + py, "XDG_CACHE_HOME=" + filepath.Join(dir, "cache")}
 	cfg := torchConfig(t, dir, model, py, "", ", save_interval: 1")
 	// A random model's answers are never right, so the reward is the parity of its first token:

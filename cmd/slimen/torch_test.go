@@ -30,6 +30,18 @@ func torchPython(t *testing.T) string {
 	return filepath.Join(strings.TrimSpace(string(out)), "bin", "python")
 }
 
+// tinyTorchModel writes a random tiny Llama folder (the worker's make-model) into dir/model.
+func tinyTorchModel(t *testing.T, py, dir string) string {
+	t.Helper()
+	model := filepath.Join(dir, "model")
+	mk := exec.Command(py, "-m", "slimen_torch", "make-model", "--shape", "tiny", "--out", model)
+	mk.Env = append(os.Environ(), "PYTHONPATH="+filepath.Join("..", "..", "engines", "torch"))
+	if out, err := mk.CombinedOutput(); err != nil {
+		t.Fatalf("make-model: %v\n%s", err, out)
+	}
+	return model
+}
+
 // torchConfig writes a config of the debate's two policies on torch workers; gen holds extra
 // lines of the generator ("    save: DIR\n"), run extra keys of run (", save_interval: 1").
 func torchConfig(t *testing.T, dir, model, python, gen, run string) string {
@@ -56,12 +68,7 @@ run: {steps: 2, seed: 3%s}
 func TestTorchEngineDebate(t *testing.T) {
 	py := torchPython(t)
 	dir := t.TempDir()
-	model := filepath.Join(dir, "model")
-	mk := exec.Command(py, "-m", "slimen_torch", "make-model", "--shape", "tiny", "--out", model)
-	mk.Env = append(os.Environ(), "PYTHONPATH="+filepath.Join("..", "..", "engines", "torch"))
-	if out, err := mk.CombinedOutput(); err != nil {
-		t.Fatalf("make-model: %v\n%s", err, out)
-	}
+	model := tinyTorchModel(t, py, dir)
 	out := filepath.Join(dir, "run")
 	// The binary unpacks its embedded worker package under the user cache folder: keep it here.
 	env := []string{"SLIMEN_PYTHON=" + py, "XDG_CACHE_HOME=" + filepath.Join(dir, "cache")}
