@@ -18,7 +18,6 @@ QUICK=0
 SLIMEN=${SLIMEN:-.devbuild/slimen}
 PY=${PY:-python3}
 WORK=${WORK:-/tmp/gpu-measure}
-STEPS=${STEPS:-4}
 if [ ! -x "$SLIMEN" ]; then
   mkdir -p "$(dirname "$SLIMEN")"
   go build -o "$SLIMEN" ./cmd/slimen
@@ -27,10 +26,10 @@ export PYTHONPATH="$PWD/engines/torch${PYTHONPATH:+:$PYTHONPATH}"
 rm -rf "$WORK"
 mkdir -p "$WORK"
 if [ "$QUICK" = 1 ]; then
-  SHAPE=tiny BATCH=4 MAXLEN=8
+  SHAPE=tiny BATCH=4 MAXLEN=8 STEPS=${STEPS:-4}
   where='device: cpu'
 else
-  SHAPE=${SHAPE:-qwen3-50m} BATCH=${BATCH:-16} MAXLEN=${MAXLEN:-32}
+  SHAPE=${SHAPE:-qwen3-50m} BATCH=${BATCH:-8} MAXLEN=${MAXLEN:-32} STEPS=${STEPS:-3}
   # Both pinned to GPU 0: the placement shares it between them (--slots that add up).
   where='gpus: ["0"]'
 fi
@@ -76,7 +75,7 @@ echo "== the uninterrupted run" >&2
 "$SLIMEN" exec "$WORK/parity.star" --config "$WORK/config.yaml" --out "$WORK/clean" \
   >"$WORK/clean.log" 2>&1
 
-echo "== the run whose generator worker is SIGKILLed after step 1's checkpoint" >&2
+echo "== the run with a worker SIGKILLed after step 1's checkpoint" >&2
 "$SLIMEN" exec "$WORK/parity.star" --config "$WORK/config.yaml" --out "$WORK/faulty" \
   > >(stamp >"$WORK/faulty.log") 2>&1 &
 pid=$!
@@ -84,7 +83,7 @@ t0=$(date +%s.%N)
 killed=""
 while kill -0 "$pid" 2>/dev/null; do
   if [ -z "$killed" ] && [ -f "$WORK/faulty/checkpoints/step_1/MANIFEST.json" ]; then
-    # The first worker slimen started (the generator's), whatever runs it (python or torchrun).
+    # One of the two workers (the lowest pid), whatever runs it (python, or torchrun).
     w=$(pgrep -P "$pid" -f slimen_torch | head -1 || true)
     if [ -n "$w" ]; then
       kill -9 "$w"
@@ -103,7 +102,7 @@ sleep 0.5  # the stamping reader finishes
 
 echo "== the gather of full weights" >&2
 gather() {
-  "$PY" -m torch.distributed.run --standalone --nproc-per-node "$1" engines/torch/bench_gather.py \
+  timeout 90 "$PY" -m torch.distributed.run --standalone --nproc-per-node "$1" engines/torch/bench_gather.py \
     --model "$WORK/model" "${@:2}" 2>"$WORK/gather.err" | tail -1
 }
 if [ "$QUICK" = 1 ]; then
