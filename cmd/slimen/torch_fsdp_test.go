@@ -1,7 +1,9 @@
+//go:build linux
+
 package main
 
 import (
-	"math"
+	"fmt"
 	"os"
 	"path/filepath"
 	"strings"
@@ -9,43 +11,51 @@ import (
 )
 
 // Issue 18: num_gpus_per_node 2 starts a policy's torch worker under torchrun with 2 ranks (FSDP2,
-// gloo on the CPU), and the run's metrics are those of the same run on one rank.
+// gloo on the CPU); a rank SIGKILLed mid-run takes its group down (torchrun stops the other rank),
+// the host starts the group again and puts the policy's state back, and the run completes with
+// the metrics of the same run on one rank, never interrupted.
 func TestTorchWorkerOverTwoRanks(t *testing.T) {
 	py := torchPython(t)
 	dir := t.TempDir()
 	model := tinyTorchModel(t, py, dir)
 	env := []string{"SLIMEN_PYTHON=" + py, "XDG_CACHE_HOME=" + filepath.Join(dir, "cache")}
-	var runs [][]map[string]any
-	for _, ranks := range []string{"1", "2"} {
-		out := filepath.Join(dir, "run"+ranks)
-		sub := filepath.Join(dir, ranks)
-		if err := os.MkdirAll(sub, 0o755); err != nil {
-			t.Fatal(err)
-		}
-		cfg := torchConfig(t, sub, model, py, "    num_gpus_per_node: "+ranks+"\n", "")
-		if log, err := slimen(t, env, "exec", debate, "--config", cfg, "--out", out, "--steps", "1"); err != nil {
-			t.Fatalf("%s ranks: %v\n%s", ranks, err, log)
-		}
-		runs = append(runs, untimed(t, out))
-		ev, _ := os.ReadFile(filepath.Join(out, "events.log"))
-		if ranks == "2" && !strings.Contains(string(ev), `policy "generator": starting a torch worker: `+py+" -m torch.distributed.run --nproc-per-node 2") {
-			t.Errorf("events.log does not say the generator runs under torchrun:\n%s", ev)
-		}
+	script := parityScript(t, dir)
+	one := filepath.Join(dir, "one")
+	cfg1 := torchConfig(t, dir, model, py, "", ", save_interval: 1")
+	if log, err := slimen(t, env, "exec", script, "--config", cfg1, "--steps", "3", "--out", one); err != nil {
+		t.Fatalf("one rank: %v\n%s", err, log)
 	}
-	if len(runs[0]) != len(runs[1]) {
-		t.Fatalf("metrics lines: %d on one rank, %d on two", len(runs[0]), len(runs[1]))
+
+	sub := filepath.Join(dir, "two")
+	if err := os.MkdirAll(sub, 0o755); err != nil {
+		t.Fatal(err)
 	}
-	for i, one := range runs[0] {
-		two := runs[1][i]
-		for k, v := range one {
-			a, isNum := v.(float64)
-			b, ok := two[k].(float64)
-			if !isNum {
-				continue
-			}
-			if !ok || math.Abs(a-b) > 1e-4*math.Max(1, math.Abs(a)) {
-				t.Errorf("line %d (%v %v) %s: one rank %v, two ranks %v", i, one["policy"], one["step"], k, v, two[k])
+	cfg2 := torchConfig(t, sub, model, py, "    num_gpus_per_node: 2\n", ", save_interval: 1")
+	two := filepath.Join(dir, "run-two")
+	// One rank of the generator's torchrun (the worker whose command line runs torch.distributed.run).
+	killed := execKilling(t, env, two, func(slimen int) []int {
+		for _, w := range torchWorkers(t, slimen) {
+			if cmd, _ := os.ReadFile(fmt.Sprintf("/proc/%d/cmdline", w)); strings.Contains(string(cmd), "torch.distributed.run") {
+				if ranks := torchWorkers(t, w); len(ranks) == 2 {
+					return ranks[1:]
+				}
 			}
 		}
+		return nil
+	}, "exec", script, "--config", cfg2, "--steps", "3", "--out", two)
+	if len(killed) != 1 {
+		t.Fatalf("killed %v, want one rank of the generator's two", killed)
 	}
+	events := eventsLog(t, two)
+	for _, want := range []string{
+		`policy "generator": starting a torch worker: ` + py + " -m torch.distributed.run --nproc-per-node 2",
+		`policy "generator": the torch worker (pid `,
+		`policy "generator": the torch worker is started again on 127.0.0.1:`,
+		`policy "generator": its torch worker restarted as a new process`,
+	} {
+		if !strings.Contains(events, want) {
+			t.Errorf("events.log lacks %q:\n%s", want, events)
+		}
+	}
+	sameMetrics(t, untimed(t, one), untimed(t, two))
 }

@@ -49,52 +49,15 @@ func TestTorchWorkerKilledMidStep(t *testing.T) {
 	model := tinyTorchModel(t, py, dir)
 	env := []string{"SLIMEN_PYTHON=" + py, "XDG_CACHE_HOME=" + filepath.Join(dir, "cache")}
 	cfg := torchConfig(t, dir, model, py, "", ", save_interval: 1")
-	// A random model's answers are never right, so the reward is the parity of its first token:
-	// it varies within groups and the weights move every step (a restore that lost them would
-	// show in the metrics).
-	script := filepath.Join(dir, "lengths.star")
-	os.WriteFile(script, []byte(`def rollout(task):
-    for p in ["generator", "critic"]:
-        for i in range(3):
-            c = generate(p, task.prompt)
-            reward(c, float(c.tokens[0] % 2))
-            train(c)
-`), 0o644)
+	script := parityScript(t, dir)
 	clean := filepath.Join(dir, "clean")
 	if log, err := slimen(t, env, "exec", script, "--config", cfg, "--steps", "3", "--out", clean); err != nil {
 		t.Fatalf("%v\n%s", err, log)
 	}
 
 	faulty := filepath.Join(dir, "faulty")
-	cmd := exec.Command(slimenBin, "exec", script, "--config", cfg, "--steps", "3", "--out", faulty)
-	cmd.Dir = "../.."
-	cmd.Env = append(os.Environ(), env...)
-	stderr, _ := cmd.StderrPipe()
-	if err := cmd.Start(); err != nil {
-		t.Fatal(err)
-	}
-	sc := bufio.NewScanner(stderr)
-	var log strings.Builder
-	var killed []int
-	for sc.Scan() {
-		log.WriteString(sc.Text() + "\n")
-		if killed == nil && strings.HasPrefix(sc.Text(), "step 1/3") {
-			// Once step 1's checkpoint is complete, step 2 is under way on both workers.
-			for deadline := time.Now().Add(time.Minute); time.Now().Before(deadline); time.Sleep(20 * time.Millisecond) {
-				if _, err := os.Stat(filepath.Join(faulty, "checkpoints", "step_1", "MANIFEST.json")); err == nil {
-					break
-				}
-			}
-			time.Sleep(200 * time.Millisecond)
-			killed = torchWorkers(t, cmd.Process.Pid)
-			for _, pid := range killed {
-				syscall.Kill(pid, syscall.SIGKILL)
-			}
-		}
-	}
-	if err := cmd.Wait(); err != nil {
-		t.Fatalf("the run failed after its workers were killed: %v\n%s", err, log.String())
-	}
+	killed := execKilling(t, env, faulty, func(slimen int) []int { return torchWorkers(t, slimen) },
+		"exec", script, "--config", cfg, "--steps", "3", "--out", faulty)
 	if len(killed) != 2 {
 		t.Fatalf("killed %v, want the two workers' processes", killed)
 	}
@@ -114,9 +77,69 @@ func TestTorchWorkerKilledMidStep(t *testing.T) {
 	// Which state each new worker got depends on where in step 2 the kill landed (the step's
 	// checkpoint and replayed optimizer steps, or nothing to restore yet); the metrics below say
 	// whether it was the right one.
-	// The CPU worker's sums are not bit-reproducible from one process to the next (two
-	// uninterrupted runs differ in the 8th digit), so the metrics are compared to a tolerance.
-	want, got := untimed(t, clean), untimed(t, faulty)
+	sameMetrics(t, untimed(t, clean), untimed(t, faulty))
+}
+
+// parityScript writes a rollout script for the generator and critic: a random model's answers are
+// never right, so the reward is the parity of its first token: it varies within groups and the
+// weights move every step (a restore that lost them would show in the metrics).
+func parityScript(t *testing.T, dir string) string {
+	t.Helper()
+	script := filepath.Join(dir, "parity.star")
+	if err := os.WriteFile(script, []byte(`def rollout(task):
+    for p in ["generator", "critic"]:
+        for i in range(3):
+            c = generate(p, task.prompt)
+            reward(c, float(c.tokens[0] % 2))
+            train(c)
+`), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	return script
+}
+
+// execKilling runs slimen with args and, once step 1's checkpoint in out is complete (step 2 is
+// then under way), SIGKILLs the processes victims(slimen's pid) names; it returns them once the
+// run has completed, and fails the test if the run does not.
+func execKilling(t *testing.T, env []string, out string, victims func(slimen int) []int, args ...string) []int {
+	t.Helper()
+	cmd := exec.Command(slimenBin, args...)
+	cmd.Dir = "../.."
+	cmd.Env = append(os.Environ(), env...)
+	stderr, _ := cmd.StderrPipe()
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	sc := bufio.NewScanner(stderr)
+	var log strings.Builder
+	var killed []int
+	for sc.Scan() {
+		log.WriteString(sc.Text() + "\n")
+		if killed == nil && strings.HasPrefix(sc.Text(), "step 1/") {
+			for deadline := time.Now().Add(time.Minute); time.Now().Before(deadline); time.Sleep(20 * time.Millisecond) {
+				if _, err := os.Stat(filepath.Join(out, "checkpoints", "step_1", "MANIFEST.json")); err == nil {
+					break
+				}
+			}
+			time.Sleep(200 * time.Millisecond)
+			killed = victims(cmd.Process.Pid)
+			for _, pid := range killed {
+				syscall.Kill(pid, syscall.SIGKILL)
+			}
+		}
+	}
+	if err := cmd.Wait(); err != nil {
+		t.Fatalf("the run failed after %v were killed: %v\n%s", killed, err, log.String())
+	}
+	return killed
+}
+
+// sameMetrics compares two runs' untimed metrics lines. The CPU worker's sums are not
+// bit-reproducible from one process to the next (two uninterrupted runs differ in the 8th
+// digit), so numbers are compared to a tolerance. At least 3 policy-steps after step 1 must have
+// had a gradient, or equal metrics would say nothing about the weights.
+func sameMetrics(t *testing.T, want, got []map[string]any) {
+	t.Helper()
 	if len(want) != len(got) {
 		t.Fatalf("%d metric lines, the uninterrupted run has %d", len(got), len(want))
 	}

@@ -336,6 +336,18 @@ def run_call(engine: RankEngine, call: tuple, ctrl, rank: int):
     raise ValueError(f"unknown call {name!r}")
 
 
+def broken(rank: int, what: str, err: BaseException) -> None:
+    """Ends this rank after a failure that is not a bad request: a rank gone (its collectives fail)
+    or one rank's own error, after which the ranks no longer run the same calls. torchrun then
+    stops the group, and whoever started it starts it again (the host's supervisor, docs/gpus.md;
+    a cluster manager, docs/cluster.md); the host's client sees the worker gone, not an answer, and
+    puts the policy's state back into the new group."""
+    log.error("rank %d: %s failed (%s: %s); the worker group cannot go on: exiting", rank, what,
+              type(err).__name__, err)
+    logging.shutdown()
+    os._exit(1)
+
+
 def follow(engine: RankEngine, ctrl, rank: int) -> None:
     """A follower's life: run rank 0's calls until it says close."""
     while True:
@@ -346,10 +358,10 @@ def follow(engine: RankEngine, ctrl, rank: int) -> None:
             return
         try:
             run_call(engine, call, ctrl, rank)
-        except RequestError:
+        except (RequestError, ValueError):
             pass  # rank 0 meets the same error (every rank checks the same input) and reports it
-        except Exception:
-            log.exception("rank %d: call %s failed", rank, call[0])
+        except Exception as e:
+            broken(rank, f"call {call[0]}", e)
 
 
 class Group:
@@ -461,10 +473,12 @@ class Group:
             try:
                 self._broadcast(call)
                 res = run_call(self.local, call, self.ctrl, 0)
-            except BaseException as e:
+            except (RequestError, ValueError) as e:  # a bad request: every rank refused it alike
                 if fut is not None:
                     fut.set_exception(e)
                 continue
+            except Exception as e:
+                broken(0, f"call {call[0]}", e)
             if fut is not None:
                 fut.set_result(res)
         self._broadcast(("close", None))
@@ -484,12 +498,8 @@ class Group:
         try:
             self._broadcast(("generate", shares))
             got = run_call(self.local, ("generate", shares), self.ctrl, 0)
-        except Exception as e:
-            log.exception("a round of generation failed")
-            for _, _, fail in gen:
-                if fail is not None:
-                    fail("UNKNOWN", f"generation failed: {e}")
-            return
+        except Exception as e:  # requests' own errors come back in got, not here
+            broken(0, "a round of generation", e)
         for r in range(self.size):
             for (ok, fail), (comps, err) in zip(owners[r], got[r]):
                 for c in comps:
