@@ -4,6 +4,7 @@ import (
 	"errors"
 	"os"
 	"os/exec"
+	"strings"
 	"testing"
 
 	"github.com/slimen/slimen/host/gpus"
@@ -63,5 +64,25 @@ func TestProcessTreeHasChildren(t *testing.T) {
 	}
 	if tree[1] {
 		t.Error("the tree has pid 1, an ancestor")
+	}
+}
+
+// A worker of several ranks needs as many GPUs as ranks, and cannot be pinned to one by device.
+func TestCheckRanks(t *testing.T) {
+	p := policy("solver", 2, 1, 0)
+	if err := checkRanks(p, &gpus.Worker{GPUs: []int{0, 1}}); err != nil {
+		t.Errorf("2 ranks on 2 placed GPUs: %v", err)
+	}
+	p.Engine.GPUs = []string{"3"}
+	if err := checkRanks(p, nil); err == nil || !strings.Contains(err.Error(), `policy "solver": num_gpus_per_node 2 runs 2 ranks, one GPU each, but engine.gpus gives the worker 1 GPU(s)`) {
+		t.Errorf("2 ranks on engine.gpus [3]: %v", err)
+	}
+	p.Engine.GPUs, p.Engine.Device = nil, "cuda:1"
+	if err := checkRanks(p, nil); err == nil || !strings.Contains(err.Error(), "engine.device cuda:1 names one GPU") {
+		t.Errorf("2 ranks on cuda:1: %v", err)
+	}
+	p.Engine.Device = "cpu"
+	if err := checkRanks(p, nil); err != nil {
+		t.Errorf("2 CPU ranks: %v", err)
 	}
 }

@@ -27,6 +27,7 @@ import (
 	"github.com/slimen/slimen/engines/torchproc"
 	"github.com/slimen/slimen/host"
 	"github.com/slimen/slimen/host/config"
+	"github.com/slimen/slimen/host/gpus"
 )
 
 func init() { host.RegisterEngineKind("torch", host.EngineKind{Open: open}) }
@@ -74,6 +75,9 @@ func open(ctx context.Context, p config.PolicyConfig, env host.EngineEnv) (engin
 	}
 	w, err := placement(p, env)
 	if err != nil {
+		return nil, err
+	}
+	if err := checkRanks(p, w); err != nil {
 		return nil, err
 	}
 	placeEnv, placeArgs := placed(p, w)
@@ -277,4 +281,27 @@ func (w *lineWriter) flush() {
 		w.emit(string(w.buf))
 		w.buf = nil
 	}
+}
+
+// checkRanks refuses a worker of several ranks (num_gpus_per_node > 1, one GPU each, cuda:0… of
+// those it sees) that would see fewer GPUs than ranks, or that names one GPU with engine.device.
+func checkRanks(p config.PolicyConfig, w *gpus.Worker) error {
+	n := p.NumGPUsPerNode
+	if n <= 1 || p.Engine.Device == "cpu" || strings.HasPrefix(p.Engine.Device, "cpu:") {
+		return nil
+	}
+	if strings.HasPrefix(p.Engine.Device, "cuda:") {
+		return fmt.Errorf("policy %q: engine.device %s names one GPU, but num_gpus_per_node %d runs %d ranks on cuda:0…%d of the GPUs the worker sees: leave engine.device out (or say cuda) and give the GPUs with engine.gpus", p.Name, p.Engine.Device, n, n, n-1)
+	}
+	seen, from := 0, ""
+	switch {
+	case len(p.Engine.GPUs) > 0:
+		seen, from = len(p.Engine.GPUs), "engine.gpus"
+	case w != nil:
+		seen, from = len(w.GPUs), "its placement"
+	}
+	if from != "" && seen < n {
+		return fmt.Errorf("policy %q: num_gpus_per_node %d runs %d ranks, one GPU each, but %s gives the worker %d GPU(s)", p.Name, n, n, from, seen)
+	}
+	return nil
 }
