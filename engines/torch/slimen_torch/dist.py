@@ -22,6 +22,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import datetime
 import logging
 import os
@@ -399,7 +400,6 @@ class Group:
     # -- every rank --
 
     def _call(self, name: str, arg):
-        import concurrent.futures
         fut = concurrent.futures.Future()
         with self.cv:
             if self.closed:
