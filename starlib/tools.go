@@ -8,6 +8,8 @@ import (
 	"go.starlark.net/lib/json"
 	"go.starlark.net/starlark"
 	"go.starlark.net/starlarkstruct"
+
+	"github.com/slimen/slimen/engines"
 )
 
 // Tools is @slimen//tools.star: tool calls in the Hermes format that Qwen's chat templates use,
@@ -21,10 +23,7 @@ var Tools = &starlarkstruct.Module{
 	},
 }
 
-const (
-	toolCallOpen  = "<tool_call>"
-	toolCallClose = "</tool_call>"
-)
+const toolCallClose = engines.ToolCallClose
 
 // toolsParse is parse_tool_calls(completion or text): the tool calls of a response, in order,
 // each a dict {"name", "arguments", "error", "raw"}. A well-formed call has a string name, an
@@ -41,7 +40,8 @@ func toolsParse(thread *starlark.Thread, b *starlark.Builtin, args starlark.Tupl
 		return nil, err
 	}
 	var out []starlark.Value
-	for _, raw := range splitToolCalls(text) {
+	calls, _ := engines.SplitToolCalls(text)
+	for _, raw := range calls {
 		out = append(out, parseToolCall(thread, raw))
 	}
 	return starlark.NewList(out), nil
@@ -62,36 +62,8 @@ func textOf(fn string, v starlark.Value) (string, error) {
 	return "", fmt.Errorf("%s: want a completion or a string, got %s", fn, v.Type())
 }
 
-// toolCall is one `<tool_call>` block: its text, and whether it was closed.
-type toolCall struct {
-	text   string
-	closed bool
-}
-
-func splitToolCalls(text string) []toolCall {
-	var out []toolCall
-	for {
-		i := strings.Index(text, toolCallOpen)
-		if i < 0 {
-			return out
-		}
-		text = text[i+len(toolCallOpen):]
-		j := strings.Index(text, toolCallClose)
-		if k := strings.Index(text, toolCallOpen); k >= 0 && (j < 0 || k < j) {
-			out = append(out, toolCall{text: text[:k]}) // a call opened again before it closed
-			text = text[k:]
-			continue
-		}
-		if j < 0 {
-			return append(out, toolCall{text: text})
-		}
-		out = append(out, toolCall{text: text[:j], closed: true})
-		text = text[j+len(toolCallClose):]
-	}
-}
-
-func parseToolCall(thread *starlark.Thread, c toolCall) starlark.Value {
-	raw := strings.TrimSpace(c.text)
+func parseToolCall(thread *starlark.Thread, c engines.RawToolCall) starlark.Value {
+	raw := strings.TrimSpace(c.Text)
 	d := starlark.NewDict(4)
 	d.SetKey(starlark.String("raw"), starlark.String(raw))
 	fail := func(msg string) starlark.Value {
@@ -100,7 +72,7 @@ func parseToolCall(thread *starlark.Thread, c toolCall) starlark.Value {
 		d.SetKey(starlark.String("error"), starlark.String(msg))
 		return d
 	}
-	if !c.closed {
+	if !c.Closed {
 		return fail("the tool call has no closing " + toolCallClose)
 	}
 	obj, err := jsonDecode(thread, raw)

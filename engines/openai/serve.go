@@ -42,6 +42,8 @@ type handler struct {
 	o         HandlerOptions
 	created   int64
 	maxSeqLen int // the engine's context length, reported as vLLM's max_model_len
+	backend   ChatBackend
+	anyModel  bool // requests may name any model (a chat backend's front)
 }
 
 // NewHandler returns an OpenAI-compatible HTTP front for eng: POST /v1/chat/completions (with
@@ -108,6 +110,11 @@ func (h *handler) fail(w http.ResponseWriter, err error) {
 	var ae *apiErr
 	if errors.As(err, &ae) {
 		writeError(w, ae.status, ae.typ, ae.param, "%s", ae.msg)
+		return
+	}
+	var be *APIError
+	if errors.As(err, &be) {
+		writeError(w, be.Status, be.Type, "", "%s", be.Msg)
 		return
 	}
 	if h.o.Logf != nil {
@@ -220,7 +227,7 @@ func (x extras) check() error {
 // request turns the shared settings into an engine request: the API's defaults (temperature 1,
 // top_p 1, n 1, a random seed) where the request says nothing.
 func (h *handler) request(s sampling) (engines.GenerateRequest, error) {
-	if s.Model != "" && s.Model != h.o.Model {
+	if s.Model != "" && s.Model != h.o.Model && !h.anyModel {
 		return engines.GenerateRequest{}, &apiErr{http.StatusNotFound, "invalid_request_error", "model",
 			fmt.Sprintf("the model %q does not exist; this server serves %q", s.Model, h.o.Model)}
 	}
@@ -292,6 +299,10 @@ func (h *handler) chat(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	gr, err := h.request(req.sampling)
+	tools := req.extras.Tools
+	if h.backend != nil {
+		req.extras.Tools = nil // a backend takes tools
+	}
 	if err == nil {
 		err = req.extras.check()
 	}
@@ -310,6 +321,50 @@ func (h *handler) chat(w http.ResponseWriter, r *http.Request) {
 	}
 	id := "chatcmpl-" + gr.ID
 	gr.ID = id
+	generate := func(ctx context.Context) ([]engines.Completion, error) {
+		return h.eng.Generate(ctx, []engines.GenerateRequest{gr})
+	}
+	withTools := false
+	if h.backend != nil {
+		call := ChatCall{Request: gr, Stream: req.Stream}
+		if req.MaxCompletionTokens != nil {
+			call.MaxTokens = *req.MaxCompletionTokens
+		} else if req.MaxTokens != nil {
+			call.MaxTokens = *req.MaxTokens
+		}
+		if call.Messages, err = chatMessages(req.Messages); err == nil {
+			call.Tools, err = toolsOf(tools)
+		}
+		if err != nil {
+			h.fail(w, err)
+			return
+		}
+		withTools = len(call.Tools) > 0
+		generate = func(ctx context.Context) ([]engines.Completion, error) { return h.backend(ctx, call) }
+	}
+	// message is a sampled turn as the answer's message: with tools offered, its Hermes tool
+	// calls become tool_calls (finish_reason "tool_calls").
+	message := func(c engines.Completion) (responseMessage, string) {
+		msg := responseMessage{Role: "assistant", Content: ptr(c.Text)}
+		if !withTools {
+			return msg, c.FinishReason
+		}
+		am := AssistantMessage(c.Text, true)
+		if len(am.ToolCalls) == 0 {
+			return msg, c.FinishReason
+		}
+		msg.Content = nil
+		if am.Content != "" {
+			msg.Content = &am.Content
+		}
+		for _, tc := range am.ToolCalls {
+			wc := wireToolCall{ID: newID("call_"), Type: "function"}
+			wc.Function.Name = tc.Name
+			wc.Function.Arguments, _ = json.Marshal(tc.Arguments)
+			msg.ToolCalls = append(msg.ToolCalls, wc)
+		}
+		return msg, "tool_calls"
+	}
 	choice := func(c engines.Completion) chatChoice {
 		ch := chatChoice{Index: c.Index, FinishReason: ptr(c.FinishReason)}
 		if req.Logprobs {
@@ -337,7 +392,7 @@ func (h *handler) chat(w http.ResponseWriter, r *http.Request) {
 			c.Choices = []chatChoice{{Index: i, Delta: &responseMessage{Role: "assistant", Content: ptr("")}}}
 			sw.send(c)
 		}
-		comps, err := h.eng.Generate(r.Context(), []engines.GenerateRequest{gr})
+		comps, err := generate(r.Context())
 		if err != nil {
 			sw.fail(h, err)
 			return
@@ -345,8 +400,16 @@ func (h *handler) chat(w http.ResponseWriter, r *http.Request) {
 		for _, comp := range comps {
 			c := head
 			ch := choice(comp)
-			fin := ch.FinishReason
-			ch.FinishReason, ch.Delta = nil, &responseMessage{Content: ptr(comp.Text)}
+			msg, finish := message(comp)
+			fin := &finish
+			msg.Role = ""
+			for k := range msg.ToolCalls {
+				msg.ToolCalls[k].Index = ptr(k)
+			}
+			if msg.Content == nil {
+				msg.Content = ptr("")
+			}
+			ch.FinishReason, ch.Delta = nil, &msg
 			c.Choices = []chatChoice{ch}
 			if req.ReturnTokenIDs && comp.Index == 0 {
 				c.PromptTokenIDs = nonNil(comp.PromptTokens)
@@ -364,7 +427,7 @@ func (h *handler) chat(w http.ResponseWriter, r *http.Request) {
 		sw.done()
 		return
 	}
-	comps, err := h.eng.Generate(r.Context(), []engines.GenerateRequest{gr})
+	comps, err := generate(r.Context())
 	if err != nil {
 		h.fail(w, err)
 		return
@@ -372,7 +435,8 @@ func (h *handler) chat(w http.ResponseWriter, r *http.Request) {
 	resp := head
 	for _, comp := range comps {
 		ch := choice(comp)
-		ch.Message = &responseMessage{Role: "assistant", Content: ptr(comp.Text)}
+		msg, finish := message(comp)
+		ch.Message, ch.FinishReason = &msg, &finish
 		resp.Choices = append(resp.Choices, ch)
 	}
 	resp.Usage = usageOf(comps)

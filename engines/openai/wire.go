@@ -14,8 +14,22 @@ import (
 // response, return_tokens_as_token_ids writes each log-prob's token as "token_id:N".
 
 type chatMessage struct {
-	Role    string      `json:"role"`
-	Content textContent `json:"content"`
+	Role       string         `json:"role"`
+	Content    textContent    `json:"content"`
+	ToolCalls  []wireToolCall `json:"tool_calls,omitempty"`   // an assistant's calls
+	ToolCallID string         `json:"tool_call_id,omitempty"` // a tool message: the call it answers
+	Name       string         `json:"name,omitempty"`
+}
+
+// wireToolCall is one tool call of an assistant message (or, with Index, of a stream's delta).
+type wireToolCall struct {
+	Index    *int   `json:"index,omitempty"`
+	ID       string `json:"id,omitempty"`
+	Type     string `json:"type,omitempty"`
+	Function struct {
+		Name      string          `json:"name"`
+		Arguments json.RawMessage `json:"arguments"` // a JSON string holding the object; some clients send the object
+	} `json:"function"`
 }
 
 // textContent is a message's content: a string, or a list of parts of which only text parts are
@@ -187,8 +201,9 @@ type chatChoice struct {
 }
 
 type responseMessage struct {
-	Role    string  `json:"role,omitempty"`
-	Content *string `json:"content,omitempty"`
+	Role      string         `json:"role,omitempty"`
+	Content   *string        `json:"content,omitempty"`
+	ToolCalls []wireToolCall `json:"tool_calls,omitempty"`
 }
 
 type chatLogprobs struct {

@@ -271,6 +271,9 @@ type SandboxConfig struct {
 	// model of this run); each must also be trainable.
 	Policies []string `yaml:"policies,omitempty" json:"policies,omitempty"`
 	Train    []string `yaml:"train,omitempty" json:"train,omitempty"`
+	// Programs are the programs agent() may start (its argv[0], exactly as the script writes it);
+	// absent: none. Only the operator's config grants them.
+	Programs []string `yaml:"programs,omitempty" json:"programs,omitempty"`
 }
 
 // RunConfig holds run-wide settings.

@@ -265,9 +265,30 @@ func (c *Chat) generate(thread *starlark.Thread, b *starlark.Builtin, args starl
 	if err != nil {
 		return nil, err
 	}
-	prompt, mask, maxSeq, err := c.promptLocked(ro, b.Name())
+	cs, prompt, mask, err := c.sampleLocked(ro, b.Name(), n, s, key)
 	if err != nil {
 		return nil, err
+	}
+	if n == 1 {
+		c.appendTurnLocked(prompt, mask, cs[0])
+		return cs[0], nil
+	}
+	forks := make([]starlark.Value, n)
+	for i, f := range c.forksLocked(ro, key, prompt, mask, cs) {
+		forks[i] = f
+	}
+	return starlark.NewList(forks), nil
+}
+
+// sampleLocked samples n next assistant turns of the conversation with settings s at call-tree
+// position key (.generate, and each call of an agent() program), and returns them with the
+// prompt they were sampled from and its loss mask; the chat is unchanged: appendTurnLocked
+// extends it by one of them, forksLocked makes a fork per sample. It checks what the engine
+// answered (the prompt it sampled from, a log-prob per token).
+func (c *Chat) sampleLocked(ro *Rollout, fn string, n int, s engines.Sampling, key []int) ([]*Completion, []int32, []float32, error) {
+	prompt, mask, maxSeq, err := c.promptLocked(ro, fn)
+	if err != nil {
+		return nil, nil, nil, err
 	}
 	req := engines.GenerateRequest{ID: ro.Task.ID + "/" + keyString(key), PromptTokens: prompt, N: n, Sampling: s}
 	var outs []engines.Completion
@@ -275,7 +296,7 @@ func (c *Chat) generate(thread *starlark.Thread, b *starlark.Builtin, args starl
 		// The conversation fills the policy's context: the turn ends before its first token,
 		// as a response that reached max_tokens does, and the script sees why.
 		ro.Host.Event(fmt.Sprintf("step %d task %s: %s: the conversation is %d tokens, the policy %q's whole context (%d); the turn ends with finish_reason \"length\" and no tokens",
-			ro.Step, ro.Task.ID, b.Name(), len(prompt), c.policy, maxSeq))
+			ro.Step, ro.Task.ID, fn, len(prompt), c.policy, maxSeq))
 		for i := 0; i < n; i++ {
 			outs = append(outs, engines.Completion{RequestID: req.ID, Index: i, PromptTokens: prompt, FinishReason: "length"})
 		}
@@ -283,9 +304,10 @@ func (c *Chat) generate(thread *starlark.Thread, b *starlark.Builtin, args starl
 		if maxSeq > 0 && req.MaxTokens > room {
 			req.MaxTokens = room // the engine cuts the turn at the context, with finish_reason "length"
 		}
-		if err := ro.Budget.generate(b.Name(), n, req.MaxTokens); err != nil {
-			return nil, err
+		if err := ro.Budget.generate(fn, n, req.MaxTokens); err != nil {
+			return nil, nil, nil, err
 		}
+		var err error
 		outs, err = ro.Host.Generate(ro.Ctx, c.policy, req)
 		used := 0
 		for _, o := range outs {
@@ -293,7 +315,7 @@ func (c *Chat) generate(thread *starlark.Thread, b *starlark.Builtin, args starl
 		}
 		ro.Budget.settle(n*req.MaxTokens, used)
 		if err != nil {
-			return nil, fmt.Errorf("%s: policy %q: %v", b.Name(), c.policy, err)
+			return nil, nil, nil, fmt.Errorf("%s: policy %q: %v", fn, c.policy, err)
 		}
 	}
 	msgs := slices.Clone(c.msgs)
@@ -301,25 +323,27 @@ func (c *Chat) generate(thread *starlark.Thread, b *starlark.Builtin, args starl
 	for i, cm := range cs {
 		cm.messages = msgs
 		if !slices.Equal(outs[i].PromptTokens, prompt) {
-			return nil, fmt.Errorf("%s: policy %q's engine answered for a prompt of %d tokens, not the conversation's %d", b.Name(), c.policy, len(outs[i].PromptTokens), len(prompt))
+			return nil, nil, nil, fmt.Errorf("%s: policy %q's engine answered for a prompt of %d tokens, not the conversation's %d", fn, c.policy, len(outs[i].PromptTokens), len(prompt))
 		}
 		if len(cm.logprobs) != len(cm.tokens) {
-			return nil, fmt.Errorf("%s: policy %q's engine returned %d log-probs for %d tokens", b.Name(), c.policy, len(cm.logprobs), len(cm.tokens))
+			return nil, nil, nil, fmt.Errorf("%s: policy %q's engine returned %d log-probs for %d tokens", fn, c.policy, len(cm.logprobs), len(cm.tokens))
 		}
 		ro.noteCompletion(cm)
 		ro.Host.Generated(len(cm.tokens))
 	}
-	if n == 1 {
-		c.appendTurnLocked(prompt, mask, cs[0])
-		return cs[0], nil
-	}
-	forks := make([]starlark.Value, n)
+	return cs, prompt, mask, nil
+}
+
+// forksLocked makes the forks of an n > 1 sampleLocked: copies of the chat, each extended by
+// one of the samples.
+func (c *Chat) forksLocked(ro *Rollout, key []int, prompt []int32, mask []float32, cs []*Completion) []*Chat {
+	forks := make([]*Chat, len(cs))
 	for i, cm := range cs {
 		f := c.copyLocked(ro.Task.ID, append(slices.Clone(key), i))
 		f.appendTurnLocked(prompt, mask, cm)
 		forks[i] = f
 	}
-	return starlark.NewList(forks), nil
+	return forks
 }
 
 // appendTurnLocked makes prompt (the conversation's tokens with the rendered messages, mask

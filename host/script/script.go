@@ -240,6 +240,7 @@ func predeclared() starlark.StringDict {
 		"generate":   starlark.NewBuiltin("generate", builtinGenerate),
 		"completion": starlark.NewBuiltin("completion", builtinCompletion),
 		"chat":       starlark.NewBuiltin("chat", builtinChat),
+		"agent":      starlark.NewBuiltin("agent", builtinAgent),
 		"reward":     starlark.NewBuiltin("reward", builtinReward),
 		"train":      starlark.NewBuiltin("train", builtinTrain),
 		"parallel":   starlark.NewBuiltin("parallel", builtinParallel),

@@ -1,0 +1,199 @@
+package host
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"os/exec"
+	"path/filepath"
+	"slices"
+	"strings"
+	"testing"
+
+	starlarkjson "go.starlark.net/lib/json"
+	"go.starlark.net/starlark"
+
+	"github.com/slimen/slimen/engines"
+	"github.com/slimen/slimen/engines/scripted"
+	"github.com/slimen/slimen/engines/tiny"
+	"github.com/slimen/slimen/host/config"
+)
+
+// agentScript runs host/testdata/agent_client.py (a chat-completions client on Python's standard
+// library) in the mode the task's label names, rewards and trains what it recorded, and stores
+// what the tests check.
+const agentScript = `
+LIMITS = {"hang": {"timeout": 1}, "flood": {"max_calls": 3}}
+
+def rollout(task):
+    mode = task.label
+    r = agent(["python3", %q, mode], task.prompt, policy = "p", tools_prompt = "system",
+              check = mode != "checked", **LIMITS.get(mode, {}))
+    for c in r.chats:
+        reward(c, 1.0)
+        train(c)
+    state.update(task.id, lambda _: {
+        "output": r.output, "exit": r.exit_code, "stderr": r.stderr, "calls": r.calls,
+        "chats": [{"tokens": c.tokens, "mask": c.loss_mask, "turns": [t.tokens for t in c.turns],
+                   "roles": [m["role"] for m in c.messages]} for c in r.chats],
+    }, None)
+`
+
+type agentOut struct {
+	Output string `json:"output"`
+	Exit   int    `json:"exit"`
+	Stderr string `json:"stderr"`
+	Calls  int    `json:"calls"`
+	Chats  []struct {
+		Tokens []int32   `json:"tokens"`
+		Mask   []int32   `json:"mask"`
+		Turns  [][]int32 `json:"turns"`
+		Roles  []string  `json:"roles"`
+	} `json:"chats"`
+}
+
+func needPython(t *testing.T) {
+	t.Helper()
+	if _, err := exec.LookPath("python3"); err != nil {
+		t.Skip("python3 is not installed: agent() has no program to run in this test")
+	}
+}
+
+func agentRun(t *testing.T, eng engines.Engine, tasks listTasks) (*Run, *StepResult) {
+	t.Helper()
+	needPython(t)
+	prog, err := filepath.Abs("testdata/agent_client.py")
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg := testConfig(len(tasks), "p")
+	cfg.Rollout.MaxFailedFraction, cfg.Rollout.MaxResponseLen = 1, 128
+	r := loadRun(t, fmt.Sprintf(agentScript, prog), cfg, map[string]engines.Engine{"p": eng}, tasks)
+	res, err := r.Step(context.Background())
+	if err != nil {
+		t.Fatal(err)
+	}
+	return r, res
+}
+
+func readAgent(t *testing.T, r *Run, id string) agentOut {
+	t.Helper()
+	v, ok := r.State().Get(id)
+	if !ok {
+		t.Fatalf("task %s stored nothing", id)
+	}
+	enc, err := starlark.Call(&starlark.Thread{}, starlarkjson.Module.Members["encode"], starlark.Tuple{v}, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var o agentOut
+	if err := json.Unmarshal([]byte(enc.(starlark.String)), &o); err != nil {
+		t.Fatal(err)
+	}
+	return o
+}
+
+// TestAgentTokenExactTiny: a program that sends its whole history back at each call (the last
+// call streamed) makes one conversation of three turns on the embedded engine. The token ids it
+// received are the turns' tokens, which are the conversation's tokens at loss mask 1 and nowhere
+// else; the conversation is the template applied to its messages, so each call continued the
+// recorded tokens instead of starting over.
+func TestAgentTokenExactTiny(t *testing.T) {
+	eng, err := tiny.Open(config.BuiltinCheckpoint, tiny.Options{Threads: 1})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer eng.Close()
+	r, res := agentRun(t, eng, listTasks{{ID: "a", Prompt: "What is 3 + 4?", Label: "turns", HasLabel: true}})
+	for _, f := range res.Failed {
+		t.Fatalf("rollout failed: %v", f)
+	}
+	o := readAgent(t, r, "a")
+	var got [][]int32
+	if err := json.Unmarshal([]byte(o.Output), &got); err != nil {
+		t.Fatalf("program output %q: %v", o.Output, err)
+	}
+	if len(o.Chats) != 1 || o.Calls != 3 {
+		t.Fatalf("%d calls made %d chats, want 3 calls continuing one chat", o.Calls, len(o.Chats))
+	}
+	c := o.Chats[0]
+	if !slices.EqualFunc(got, c.Turns, slices.Equal[[]int32]) {
+		t.Errorf("the program received %v, the chat recorded the turns %v", got, c.Turns)
+	}
+	var sampled, masked []int32
+	for _, turn := range c.Turns {
+		sampled = append(sampled, turn...)
+	}
+	for i, m := range c.Mask {
+		if m == 1 {
+			masked = append(masked, c.Tokens[i])
+		}
+	}
+	if !slices.Equal(sampled, masked) || len(sampled) == 0 {
+		t.Errorf("tokens at loss mask 1 %v, sampled %v", masked, sampled)
+	}
+	want := []string{"system", "user", "assistant", "user", "assistant", "user", "assistant"}
+	if !slices.Equal(c.Roles, want) {
+		t.Errorf("roles %v, want %v", c.Roles, want)
+	}
+	if n := res.Policies[0].Float("samples"); n != 1 {
+		t.Errorf("%v samples trained, want 1 (the conversation)", n)
+	}
+}
+
+// TestAgentToolCalls: the policy's Hermes tool call reaches the program as the API's tool_calls
+// (finish_reason "tool_calls"), the program's assistant message with tool_calls and its tool
+// message continue the same conversation, and the streamed answer is the policy's.
+func TestAgentToolCalls(t *testing.T) {
+	call := `<tool_call>{"name": "calc", "arguments": {"expr": "12*34"}}</tool_call>`
+	eng := scripted.New(func(req scripted.Request) string {
+		if last := scripted.LastMessage(req.Prompt); strings.Contains(req.Prompt, "\ntool: ") {
+			return `\boxed{` + last + `}`
+		}
+		return call
+	})
+	r, res := agentRun(t, eng, listTasks{{ID: "a", Prompt: "Ann has 12 bags of 34 pens.", Label: "tools", HasLabel: true}})
+	for _, f := range res.Failed {
+		t.Fatalf("rollout failed: %v", f)
+	}
+	o := readAgent(t, r, "a")
+	if strings.TrimSpace(o.Output) != `\boxed{408}` {
+		t.Errorf("the program printed %q; stderr: %s", o.Output, o.Stderr)
+	}
+	if len(o.Chats) != 1 || len(o.Chats[0].Turns) != 2 {
+		t.Fatalf("chats %+v, want one of two turns", o.Chats)
+	}
+	if want := []string{"system", "user", "assistant", "tool", "assistant"}; !slices.Equal(o.Chats[0].Roles, want) {
+		t.Errorf("roles %v, want %v (tools_prompt=\"system\" describes the tools in a system message)", o.Chats[0].Roles, want)
+	}
+}
+
+// TestAgentFailures: a program that exits non-zero, runs past its timeout or floods the endpoint
+// fails its rollout alone, with a message that says which; with check=False a non-zero exit is
+// returned; a history asked twice makes two conversations.
+func TestAgentFailures(t *testing.T) {
+	eng := scripted.New(func(req scripted.Request) string { return "ok" })
+	r, res := agentRun(t, eng, listTasks{
+		{ID: "crash", Prompt: "x", Label: "crash", HasLabel: true}, {ID: "hang", Prompt: "x", Label: "hang", HasLabel: true},
+		{ID: "flood", Prompt: "x", Label: "flood", HasLabel: true}, {ID: "branch", Prompt: "x", Label: "branch", HasLabel: true},
+	})
+	msgs := map[string]string{}
+	for _, f := range res.Failed {
+		msgs[f.TaskID] = f.Msg
+	}
+	for id, want := range map[string]string{
+		"crash": "exited with status 3; its stderr ends:\nsomething broke",
+		"hang":  "ran past its timeout of 1s and was killed",
+		"flood": "made more than 3 chat-completions calls (max_calls)",
+	} {
+		if !strings.Contains(msgs[id], want) {
+			t.Errorf("task %s: failure %q, want it to say %q", id, msgs[id], want)
+		}
+	}
+	if _, failed := msgs["branch"]; failed || len(res.Failed) != 3 {
+		t.Fatalf("failures %v; want crash, hang and flood alone", msgs)
+	}
+	if o := readAgent(t, r, "branch"); len(o.Chats) != 2 {
+		t.Errorf("the same history asked twice made %d chats, want 2", len(o.Chats))
+	}
+}

@@ -1,0 +1,590 @@
+package script
+
+import (
+	"bytes"
+	"context"
+	"crypto/rand"
+	"encoding/hex"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"net"
+	"net/http"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"slices"
+	"strings"
+	"sync"
+	"syscall"
+	"time"
+
+	"go.starlark.net/starlark"
+	"go.starlark.net/starlarkstruct"
+
+	"github.com/slimen/slimen/engines"
+	"github.com/slimen/slimen/engines/openai"
+	"github.com/slimen/slimen/starlib"
+)
+
+// agent(argv, task_input, policy, timeout=300, env=None, max_calls=64, max_tokens=65536,
+// tools_prompt="template", check=True) runs an external program for one rollout: an agent
+// written against the OpenAI chat-completions API, in any language or framework. The program
+// gets OPENAI_BASE_URL (a loopback endpoint this process serves while it runs) and an
+// OPENAI_API_KEY of its own that routes its calls to this rollout; task_input goes to its stdin
+// and to $SLIMEN_TASK_INPUT. Each chat-completions call it makes is a turn of a chat (chat.go)
+// with the policy: sampled through the run's batching like generate, with seeds from the call's
+// position, and recorded token-exactly: a call whose history continues a recorded conversation
+// continues its token ids, rendering only the messages appended since (Chat.sampleLocked); any
+// other history starts a new chat. agent() returns a struct: output (the program's stdout),
+// exit_code, stderr (its tail), calls and chats (the recorded conversations, for reward and
+// train).
+//
+// A program that runs past timeout is killed (its process group) and fails the rollout; so does
+// one that makes more than max_calls calls or samples more than max_tokens tokens (its calls
+// are answered 429 from then on), and, with check=True, one that exits non-zero.
+func builtinAgent(thread *starlark.Thread, b *starlark.Builtin, args starlark.Tuple, kwargs []starlark.Tuple) (starlark.Value, error) {
+	ts, err := stateOf(thread, b.Name())
+	if err != nil {
+		return nil, err
+	}
+	var argvV, input, env, timeoutV starlark.Value = nil, nil, starlark.None, starlark.None
+	var policy string
+	maxCalls, maxTokens := 64, 65536
+	toolsPrompt := "template"
+	check := true
+	if err := starlark.UnpackArgs(b.Name(), args, kwargs, "argv", &argvV, "task_input", &input, "policy", &policy,
+		"timeout?", &timeoutV, "env?", &env, "max_calls?", &maxCalls, "max_tokens?", &maxTokens,
+		"tools_prompt?", &toolsPrompt, "check?", &check); err != nil {
+		return nil, err
+	}
+	timeout, err := optFloat(b.Name(), "timeout", timeoutV, 300, 0, 7*24*3600)
+	if err != nil {
+		return nil, err
+	}
+	where := callerPos(thread)
+	argv, err := toStrings(b.Name(), "argv", argvV)
+	if _, isStr := argvV.(starlark.String); err == nil && (isStr || len(argv) == 0 || argv[0] == "") {
+		err = fmt.Errorf("%s: argv must be a non-empty list of strings (the program and its arguments), got %s", b.Name(), argvV.String())
+	}
+	if err != nil {
+		return nil, err
+	}
+	text, ok := input.(starlark.String)
+	if !ok {
+		if input == starlark.None {
+			text = ""
+		} else if text, ok = jsonOf(input); !ok {
+			return nil, fmt.Errorf("%s: task_input must be a string or a JSON-encodable value, got %s", b.Name(), input.Type())
+		}
+	}
+	extra := map[string]string{}
+	if env != starlark.None {
+		d, ok := env.(*starlark.Dict)
+		if !ok {
+			return nil, fmt.Errorf("%s: env must be a dict of strings, got %s", b.Name(), env.Type())
+		}
+		for _, kv := range d.Items() {
+			k, ok1 := kv[0].(starlark.String)
+			v, ok2 := kv[1].(starlark.String)
+			if !ok1 || !ok2 {
+				return nil, fmt.Errorf("%s: env must map strings to strings, got %s: %s", b.Name(), kv[0].Type(), kv[1].Type())
+			}
+			extra[string(k)] = string(v)
+		}
+	}
+	switch {
+	case timeout <= 0:
+		return nil, fmt.Errorf("%s: timeout=%g; give the program more than 0 seconds", b.Name(), timeout)
+	case maxCalls < 1:
+		return nil, fmt.Errorf("%s: max_calls=%d; allow at least 1 call", b.Name(), maxCalls)
+	case maxTokens < 1:
+		return nil, fmt.Errorf("%s: max_tokens=%d; allow at least 1 token", b.Name(), maxTokens)
+	case toolsPrompt != "template" && toolsPrompt != "system":
+		return nil, fmt.Errorf("%s: tools_prompt=%q; want \"template\" (the chat template's tools variable) or \"system\" (a Hermes description in the system message)", b.Name(), toolsPrompt)
+	}
+	ro := ts.ro
+	if err := ro.Budget.program(b.Name(), where, argv[0]); err != nil {
+		return nil, err
+	}
+	if err := ro.mayGenerate(b.Name(), policy); err != nil {
+		return nil, err
+	}
+	s := &agentSession{ro: ro, fn: b.Name(), policy: policy, key: ts.next(), toolsInSystem: toolsPrompt == "system",
+		maxCalls: maxCalls, maxTokens: maxTokens}
+	res, err := s.run(argv, string(text), extra, time.Duration(timeout*float64(time.Second)), scriptDir(where))
+	if err != nil {
+		return nil, err
+	}
+	if check && res.exit != 0 {
+		return nil, fmt.Errorf("%s: %s exited with status %d%s", b.Name(), argv[0], res.exit, stderrTail(res.stderr))
+	}
+	chats := make([]starlark.Value, len(s.chats))
+	for i, ac := range s.chats {
+		chats[i] = ac.chat
+	}
+	return starlarkstruct.FromStringDict(starlark.String("agent_result"), starlark.StringDict{
+		"output":    starlark.String(res.stdout),
+		"stderr":    starlark.String(res.stderr),
+		"exit_code": starlark.MakeInt(res.exit),
+		"calls":     starlark.MakeInt(s.calls),
+		"chats":     starlark.NewList(chats),
+	}), nil
+}
+
+// callerPos is where the script called the built-in: "file.star:12:5".
+func callerPos(thread *starlark.Thread) string {
+	if thread.CallStackDepth() < 2 {
+		return ""
+	}
+	return thread.CallFrame(1).Pos.String()
+}
+
+// scriptDir is the folder of the script file at pos, where the program runs; "" (the host's
+// working directory) when it is not a folder of this machine.
+func scriptDir(pos string) string {
+	file, _, _ := strings.Cut(pos, ":")
+	dir := filepath.Dir(file)
+	if st, err := os.Stat(dir); err != nil || !st.IsDir() || !filepath.IsAbs(dir) {
+		return ""
+	}
+	return dir
+}
+
+func jsonOf(v starlark.Value) (starlark.String, bool) {
+	s, err := jsonEncode(v)
+	return starlark.String(s), err == nil
+}
+
+func stderrTail(s string) string {
+	s = strings.TrimSpace(s)
+	if s == "" {
+		return " (its stderr is empty)"
+	}
+	if len(s) > 2000 {
+		s = "…" + s[len(s)-2000:]
+	}
+	return "; its stderr ends:\n" + s
+}
+
+// PythonEnv names the interpreter that argv "python" or "python3" of agent() runs, as it names
+// the torch worker's (docs/agents.md).
+const PythonEnv = "SLIMEN_PYTHON"
+
+// agentSession is one agent() call: the program's calls, routed to it by its API key, and the
+// chats they recorded.
+type agentSession struct {
+	ro            *Rollout
+	fn            string
+	policy        string
+	key           []int // the agent() call's position; its i-th call is at key+[i]
+	toolsInSystem bool
+	maxCalls      int
+	maxTokens     int
+
+	mu     sync.Mutex
+	calls  int
+	tokens int // sampled so far, all calls together
+	chats  []*agentChat
+	failed error // why the rollout fails (a flood); the program is killed
+	kill   func()
+	closed bool
+	wg     sync.WaitGroup // calls being answered
+}
+
+// agentChat is a recorded conversation and its messages as the program sends them back.
+type agentChat struct {
+	chat  *Chat
+	tools string   // the request's tools, as JSON lines: another set of tools is another chat
+	wire  []string // canonical form of each message the program sent or was answered (agentCanon)
+	ends  []int    // len(wire) after each sampled turn
+	msgs  []int    // len(chat.msgs) after each sampled turn
+	busy  bool     // a call is extending it
+}
+
+type agentResult struct {
+	stdout, stderr string
+	exit           int
+}
+
+// run starts the program, waits for it (or its timeout) and for the calls being answered.
+func (s *agentSession) run(argv []string, input string, extra map[string]string, timeout time.Duration, dir string) (agentResult, error) {
+	base, err := agentEndpoint()
+	if err != nil {
+		return agentResult{}, fmt.Errorf("%s: %v", s.fn, err)
+	}
+	var b [24]byte
+	rand.Read(b[:])
+	apiKey := "sk-slimen-" + hex.EncodeToString(b[:])
+	agentSrv.add(apiKey, s)
+	defer agentSrv.remove(apiKey)
+
+	prog := argv[0]
+	if (prog == "python" || prog == "python3") && os.Getenv(PythonEnv) != "" {
+		prog = os.Getenv(PythonEnv)
+	}
+	ctx, cancel := context.WithTimeout(s.ro.Ctx, timeout)
+	defer cancel()
+	cmd := exec.CommandContext(ctx, prog, argv[1:]...)
+	cmd.Dir = dir
+	cmd.Env = append(os.Environ(), "OPENAI_BASE_URL="+base+"/v1", "OPENAI_API_KEY="+apiKey, "OPENAI_MODEL="+s.policy,
+		"SLIMEN_TASK_INPUT="+input)
+	for k, v := range extra {
+		cmd.Env = append(cmd.Env, k+"="+v)
+	}
+	cmd.Stdin = strings.NewReader(input)
+	stdout, stderr := &cappedBuffer{max: 1 << 20}, &cappedBuffer{max: 64 << 10, tail: true}
+	cmd.Stdout, cmd.Stderr = stdout, stderr
+	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true}
+	killGroup := func() {
+		if cmd.Process != nil {
+			syscall.Kill(-cmd.Process.Pid, syscall.SIGKILL)
+		}
+	}
+	cmd.Cancel = func() error { killGroup(); return nil }
+	cmd.WaitDelay = 2 * time.Second // a child of the program holding its stdout open does not hold agent()
+	s.mu.Lock()
+	s.kill = cancel
+	s.mu.Unlock()
+	if err := cmd.Start(); err != nil {
+		return agentResult{}, fmt.Errorf("%s: cannot start %s: %v", s.fn, strings.Join(argv, " "), err)
+	}
+	werr := cmd.Wait()
+	killGroup() // what the program left running goes with it
+	s.mu.Lock()
+	s.closed = true
+	failed := s.failed
+	s.mu.Unlock()
+	s.wg.Wait()
+	res := agentResult{stdout: stdout.String(), stderr: stderr.String(), exit: cmd.ProcessState.ExitCode()}
+	switch {
+	case failed != nil:
+		return res, failed
+	case errors.Is(ctx.Err(), context.DeadlineExceeded):
+		return res, fmt.Errorf("%s: %s ran past its timeout of %s and was killed (its process group)%s", s.fn, argv[0], timeout, stderrTail(res.stderr))
+	case s.ro.Ctx.Err() != nil:
+		return res, fmt.Errorf("%s: %v", s.fn, s.ro.Ctx.Err())
+	case werr != nil && res.exit < 0:
+		return res, fmt.Errorf("%s: %s: %v%s", s.fn, argv[0], werr, stderrTail(res.stderr))
+	}
+	return res, nil
+}
+
+// fail makes the session's rollout fail with err and kills the program.
+func (s *agentSession) failLocked(err error) {
+	if s.failed == nil {
+		s.failed = err
+	}
+	if s.kill != nil {
+		s.kill()
+	}
+}
+
+// complete answers one chat-completions call of the program.
+func (s *agentSession) complete(call openai.ChatCall) ([]engines.Completion, error) {
+	s.mu.Lock()
+	if s.closed {
+		s.mu.Unlock()
+		return nil, &openai.APIError{Status: http.StatusGone, Type: "invalid_request_error", Msg: "the agent() call this key belonged to has ended"}
+	}
+	if s.failed != nil {
+		s.mu.Unlock()
+		return nil, &openai.APIError{Status: http.StatusTooManyRequests, Type: "rate_limit_exceeded", Msg: s.failed.Error()}
+	}
+	index := s.calls
+	s.calls++
+	if s.calls > s.maxCalls {
+		err := fmt.Errorf("%s: the program made more than %d chat-completions calls (max_calls) and was stopped", s.fn, s.maxCalls)
+		s.failLocked(err)
+		s.mu.Unlock()
+		return nil, &openai.APIError{Status: http.StatusTooManyRequests, Type: "rate_limit_exceeded", Msg: err.Error()}
+	}
+	room := s.maxTokens - s.tokens
+	if room <= 0 {
+		err := fmt.Errorf("%s: the program's calls sampled %d tokens, its max_tokens (%d), and it called again; it was stopped", s.fn, s.tokens, s.maxTokens)
+		s.failLocked(err)
+		s.mu.Unlock()
+		return nil, &openai.APIError{Status: http.StatusTooManyRequests, Type: "rate_limit_exceeded", Msg: err.Error()}
+	}
+	ac, turn, forked, err := s.matchLocked(call, index)
+	if err != nil {
+		s.mu.Unlock()
+		return nil, &openai.APIError{Status: http.StatusBadRequest, Type: "invalid_request_error", Msg: err.Error()}
+	}
+	s.wg.Add(1)
+	s.mu.Unlock()
+	defer s.wg.Done()
+
+	ro := s.ro
+	samp := ro.Host.Sampling()
+	if ro.Eval != nil {
+		samp = *ro.Eval
+	}
+	if call.MaxTokens > 0 && call.MaxTokens < samp.MaxTokens {
+		samp.MaxTokens = call.MaxTokens
+	}
+	n := max(call.Request.N, 1)
+	if per := room / n; per < samp.MaxTokens {
+		samp.MaxTokens = max(per, 1)
+	}
+	samp.Stop = append(slices.Clone(samp.Stop), call.Request.Stop...)
+	key := append(slices.Clone(s.key), index)
+	samp.Seed = KeySeed(ro.Seed, ro.Task.ID, key)
+
+	// The turn is sampled on a copy of the conversation (with the new messages), which replaces
+	// the recorded one only once it succeeded.
+	var wire []string
+	ac.chat.mu.Lock()
+	c := ac.chat.truncatedLocked(-1, 0, forked, ro.Task.ID, key)
+	if turn >= 0 {
+		c = ac.chat.truncatedLocked(turn, ac.msgs[turn], forked, ro.Task.ID, key)
+		wire = slices.Clone(ac.wire[:ac.ends[turn]])
+	}
+	ac.chat.mu.Unlock()
+	for _, m := range call.Messages[len(wire):] {
+		c.msgs = append(c.msgs, engineMessage(m))
+		wire = append(wire, agentCanon(m))
+	}
+	if turn < 0 && s.toolsInSystem && ac.tools != "" {
+		c.msgs = withToolsInSystem(c.msgs, call.Tools)
+	}
+	c.mu.Lock()
+	cs, prompt, mask, err := c.sampleLocked(ro, s.fn, n, samp, key)
+	c.mu.Unlock()
+
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if !forked {
+		ac.busy = false
+	}
+	used := 0
+	for _, cm := range cs {
+		used += len(cm.tokens)
+	}
+	s.tokens += used
+	if err != nil {
+		return nil, err
+	}
+	withTools := ac.tools != ""
+	record := func(rc *agentChat, ch *Chat, cm *Completion) {
+		rc.chat = ch
+		rc.wire = append(slices.Clone(wire), agentCanon(openai.AssistantMessage(cm.text, withTools)))
+		rc.ends = append(slices.Clone(ac.ends[:turn+1]), len(rc.wire))
+		rc.msgs = append(slices.Clone(ac.msgs[:turn+1]), len(ch.msgs))
+	}
+	if n == 1 {
+		c.appendTurnLocked(prompt, mask, cs[0])
+		rc := ac
+		if forked {
+			rc = &agentChat{tools: ac.tools}
+			s.chats = append(s.chats, rc)
+		}
+		record(rc, c, cs[0])
+	} else {
+		for i, f := range c.forksLocked(ro, key, prompt, mask, cs) {
+			fc := &agentChat{tools: ac.tools}
+			record(fc, f, cs[i])
+			s.chats = append(s.chats, fc)
+		}
+	}
+	out := make([]engines.Completion, len(cs))
+	for i, cm := range cs {
+		out[i] = engines.Completion{RequestID: call.Request.ID, Index: i, PromptTokens: cm.prompt, Tokens: cm.tokens,
+			Logprobs: cm.logprobs, Text: cm.text, FinishReason: cm.finish}
+	}
+	return out, nil
+}
+
+// matchLocked finds the recorded conversation a call's history continues: the longest one whose
+// messages up to the end of one of its sampled turns are the call's first messages (and whose
+// tools are the call's). It returns the chat, the turn (-1: none, a new chat) and whether the
+// turn is not the chat's last or the chat is busy, so the call continues a copy of it.
+func (s *agentSession) matchLocked(call openai.ChatCall, index int) (*agentChat, int, bool, error) {
+	if len(call.Messages) == 0 {
+		return nil, 0, false, fmt.Errorf("messages is empty")
+	}
+	tools := strings.Join(call.Tools, "\n")
+	canon := make([]string, len(call.Messages))
+	for i, m := range call.Messages {
+		canon[i] = agentCanon(m)
+	}
+	var best *agentChat
+	bestTurn, bestLen := -1, 0
+	for _, ac := range s.chats {
+		if ac.tools != tools {
+			continue
+		}
+		for t := len(ac.ends) - 1; t >= 0; t-- {
+			e := ac.ends[t]
+			if e > bestLen && e < len(canon) && slices.Equal(ac.wire[:e], canon[:e]) {
+				best, bestTurn, bestLen = ac, t, e
+				break
+			}
+		}
+	}
+	if best == nil {
+		c := &Chat{policy: s.policy}
+		if tools != "" && !s.toolsInSystem {
+			c.tools = call.Tools
+		}
+		return &agentChat{chat: c, tools: tools}, -1, true, nil
+	}
+	forked := best.busy || bestTurn != len(best.ends)-1
+	if !forked {
+		best.busy = true
+	}
+	return best, bestTurn, forked, nil
+}
+
+// truncatedLocked is a copy of the chat up to the end of its turn t, its first n messages (t <
+// 0: an empty conversation), under the id of the agent call at key when it is a new
+// conversation.
+func (c *Chat) truncatedLocked(t, n int, newChat bool, task string, key []int) *Chat {
+	cp := c.copyLocked(task, key)
+	if !newChat {
+		cp.id, cp.key = c.id, c.key
+	}
+	if t < 0 {
+		cp.msgs, cp.rendered, cp.tokens, cp.mask, cp.logprobs, cp.turns = nil, 0, nil, nil, nil, nil
+		return cp
+	}
+	last := c.turns[t]
+	end := len(last.prompt) + len(last.tokens)
+	cp.msgs, cp.rendered = cp.msgs[:n], n
+	cp.tokens, cp.mask, cp.logprobs, cp.turns = cp.tokens[:end], cp.mask[:end], cp.logprobs[:end], cp.turns[:t+1]
+	return cp
+}
+
+// engineMessage is a request's message as a chat holds it: an assistant message's tool calls
+// written after its content in the Hermes format, as a sampled turn holds them.
+func engineMessage(m openai.ChatMessage) engines.Message {
+	if m.Role == "assistant" && len(m.ToolCalls) > 0 {
+		return engines.Message{Role: "assistant", Content: openai.HermesText(m.Content, m.ToolCalls)}
+	}
+	return engines.Message{Role: m.Role, Content: m.Content}
+}
+
+// withToolsInSystem describes the tools in the system message (tools_prompt="system"), for a
+// template without a tools variable (the tiny engine's).
+func withToolsInSystem(msgs []engines.Message, tools []string) []engines.Message {
+	desc := starlib.ToolsSystemPrompt(tools)
+	if len(msgs) > 0 && msgs[0].Role == "system" {
+		out := slices.Clone(msgs)
+		out[0].Content += "\n\n" + desc
+		return out
+	}
+	return append([]engines.Message{{Role: "system", Content: desc}}, msgs...)
+}
+
+// agentCanon is a message as the matching of histories compares it: its role, its content
+// without surrounding space, and its tool calls' names and arguments (re-encoded, so that a
+// client that re-serialises them still matches); call ids are the client's business.
+func agentCanon(m openai.ChatMessage) string {
+	var b strings.Builder
+	b.WriteString(m.Role)
+	b.WriteByte(0)
+	b.WriteString(strings.TrimSpace(m.Content))
+	for _, c := range m.ToolCalls {
+		b.WriteByte(0)
+		b.WriteString(c.Name)
+		b.WriteByte(0)
+		var v any
+		if json.Unmarshal([]byte(c.Arguments), &v) == nil {
+			enc, _ := json.Marshal(v)
+			b.Write(enc)
+		} else {
+			b.WriteString(c.Arguments)
+		}
+	}
+	return b.String()
+}
+
+// cappedBuffer keeps the first max bytes written (or, with tail, the last ones).
+type cappedBuffer struct {
+	mu   sync.Mutex
+	buf  bytes.Buffer
+	max  int
+	tail bool
+	cut  bool
+}
+
+func (w *cappedBuffer) Write(p []byte) (int, error) {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	w.buf.Write(p)
+	if w.buf.Len() > w.max {
+		w.cut = true
+		b := w.buf.Bytes()
+		if w.tail {
+			b = slices.Clone(b[len(b)-w.max:])
+		} else {
+			b = slices.Clone(b[:w.max])
+		}
+		w.buf.Reset()
+		w.buf.Write(b)
+	}
+	return len(p), nil
+}
+
+func (w *cappedBuffer) String() string {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	return w.buf.String()
+}
+
+// agentSrv is the process's endpoint for agent programs: one loopback HTTP server, started at
+// the first agent() call, that routes each call by its API key to its session.
+var agentSrv = &agentServer{sessions: map[string]*agentSession{}}
+
+type agentServer struct {
+	once     sync.Once
+	url      string
+	err      error
+	mu       sync.Mutex
+	sessions map[string]*agentSession
+}
+
+func (a *agentServer) add(key string, s *agentSession) {
+	a.mu.Lock()
+	a.sessions[key] = s
+	a.mu.Unlock()
+}
+
+func (a *agentServer) remove(key string) {
+	a.mu.Lock()
+	delete(a.sessions, key)
+	a.mu.Unlock()
+}
+
+type agentSessionKey struct{}
+
+// agentEndpoint returns the root of the endpoint ("http://127.0.0.1:PORT"), starting it.
+func agentEndpoint() (string, error) {
+	a := agentSrv
+	a.once.Do(func() {
+		ln, err := net.Listen("tcp", "127.0.0.1:0")
+		if err != nil {
+			a.err = fmt.Errorf("cannot listen on loopback for the agent endpoint: %v", err)
+			return
+		}
+		a.url = "http://" + ln.Addr().String()
+		front := openai.NewChatHandler(openai.HandlerOptions{Model: "slimen-policy"}, func(ctx context.Context, call openai.ChatCall) ([]engines.Completion, error) {
+			return ctx.Value(agentSessionKey{}).(*agentSession).complete(call)
+		})
+		srv := &http.Server{Handler: http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+			key, _ := strings.CutPrefix(r.Header.Get("Authorization"), "Bearer ")
+			a.mu.Lock()
+			s := a.sessions[key]
+			a.mu.Unlock()
+			if s == nil {
+				w.Header().Set("Content-Type", "application/json")
+				w.WriteHeader(http.StatusUnauthorized)
+				fmt.Fprint(w, `{"error": {"message": "this endpoint answers the programs agent() runs, each with the OPENAI_API_KEY it was given; the request carried none, or the key of an agent() call that has ended", "type": "invalid_request_error", "param": null, "code": null}}`)
+				return
+			}
+			front.ServeHTTP(w, r.WithContext(context.WithValue(r.Context(), agentSessionKey{}, s)))
+		}), ReadHeaderTimeout: 30 * time.Second}
+		go srv.Serve(ln)
+	})
+	return a.url, a.err
+}

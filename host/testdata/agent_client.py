@@ -1,0 +1,87 @@
+"""A stand-in agent for host/agent_test.go: a chat-completions client on the standard library
+only (urllib), so the Go tests need nothing but python3. The tests against the official openai
+package and an agent framework are engines/torch/tests/test_agent.py."""
+
+import json
+import os
+import sys
+import time
+import urllib.error
+import urllib.request
+
+BASE = os.environ["OPENAI_BASE_URL"]
+KEY = os.environ["OPENAI_API_KEY"]
+TOOLS = [{"type": "function", "function": {"name": "calc", "description": "evaluate arithmetic",
+          "parameters": {"type": "object", "properties": {"expr": {"type": "string"}}}}}]
+
+
+def call(messages, stream=False, **extra):
+    body = dict(model="anything", messages=messages, return_token_ids=True, stream=stream, **extra)
+    req = urllib.request.Request(BASE + "/chat/completions", data=json.dumps(body).encode(),
+                                 headers={"Authorization": "Bearer " + KEY, "Content-Type": "application/json"})
+    with urllib.request.urlopen(req) as r:
+        if not stream:
+            return json.load(r)["choices"][0]
+        # Server-sent events: the deltas of choice 0, put together.
+        msg, ids, finish = {"role": "assistant", "content": ""}, [], None
+        for line in r:
+            line = line.decode().strip()
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            ch = json.loads(line[6:])["choices"]
+            if not ch:
+                continue
+            d = ch[0].get("delta") or {}
+            msg["content"] += d.get("content") or ""
+            if d.get("tool_calls"):
+                msg["tool_calls"] = d["tool_calls"]
+            ids += ch[0].get("token_ids") or []
+            finish = ch[0].get("finish_reason") or finish
+        return {"message": msg, "token_ids": ids, "finish_reason": finish}
+
+
+def main():
+    mode = sys.argv[1]
+    task = sys.stdin.read()
+    assert task == os.environ["SLIMEN_TASK_INPUT"], "stdin and $SLIMEN_TASK_INPUT differ"
+    if mode == "turns":  # three calls, each sending the whole history back; the last one streamed
+        msgs = [{"role": "system", "content": "Be exact."}, {"role": "user", "content": task}]
+        got = []
+        for i, stream in enumerate([False, False, True]):
+            ch = call(msgs, stream=stream, max_tokens=8)
+            got.append(ch["token_ids"])
+            msgs.append({"role": "assistant", "content": ch["message"]["content"]})
+            msgs.append({"role": "user", "content": "And then %d?" % i})
+        print(json.dumps(got))
+    elif mode == "tools":  # the scripted policy calls calc, gets its result and answers
+        msgs = [{"role": "user", "content": task}]
+        ch = call(msgs, tools=TOOLS)
+        assert ch["finish_reason"] == "tool_calls", ch
+        m = ch["message"]
+        tc = m["tool_calls"][0]
+        args = json.loads(tc["function"]["arguments"])
+        msgs.append({"role": "assistant", "content": m.get("content"), "tool_calls": m["tool_calls"]})
+        msgs.append({"role": "tool", "tool_call_id": tc["id"], "content": str(eval(args["expr"]))})
+        ch = call(msgs, tools=TOOLS, stream=True)
+        print(ch["message"]["content"])
+    elif mode == "branch":  # the same first turn asked twice: two conversations
+        msgs = [{"role": "user", "content": task}]
+        a = call(msgs, max_tokens=4)
+        b = call(msgs, max_tokens=4)
+        print(json.dumps([a["token_ids"], b["token_ids"]]))
+    elif mode == "crash":
+        call([{"role": "user", "content": task}], max_tokens=2)
+        sys.stderr.write("something broke\n")
+        sys.exit(3)
+    elif mode == "hang":
+        time.sleep(600)
+    elif mode == "flood":
+        while True:
+            try:
+                call([{"role": "user", "content": task}], max_tokens=2)
+            except urllib.error.HTTPError as e:
+                print(e.code, flush=True)
+                time.sleep(600)
+
+
+main()
