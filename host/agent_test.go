@@ -197,3 +197,43 @@ func TestAgentFailures(t *testing.T) {
 		t.Errorf("the same history asked twice made %d chats, want 2", len(o.Chats))
 	}
 }
+
+// TestAgentSandboxPrograms: a sandboxed script starts a program only when the operator's config
+// lists it under sandbox.programs; the refusal names the script's line. Listed, the program runs
+// in the sandbox's child process and its calls come back to the host like generate's.
+func TestAgentSandboxPrograms(t *testing.T) {
+	needPython(t)
+	prog, err := filepath.Abs("testdata/agent_client.py")
+	if err != nil {
+		t.Fatal(err)
+	}
+	step := func(programs []string) *StepResult {
+		cfg := testConfig(1, "p")
+		cfg.Rollout.MaxFailedFraction, cfg.Rollout.MaxResponseLen = 1, 16
+		cfg.Sandbox.Programs = programs
+		cfg.Sandbox.Train = []string{"p"}
+		echo := func(_ context.Context, p config.PolicyConfig) (engines.Engine, error) { return scripted.Echo("x"), nil }
+		r, err := Load(context.Background(), writeScript(t, fmt.Sprintf(agentScript, prog)),
+			Options{Config: cfg, Tasks: listTasks{{ID: "a", Prompt: "q", Label: "turns", HasLabel: true}}, OpenEngine: echo, Sandbox: true})
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer r.Close()
+		res, err := r.Step(context.Background())
+		if err != nil {
+			t.Fatal(err)
+		}
+		return res
+	}
+	res := step(nil)
+	if len(res.Failed) != 1 || !strings.Contains(res.Failed[0].Msg, "script.star:6:14: agent: a sandboxed script starts only the programs the operator's config grants, and sandbox.programs lists none, not \"python3\"") {
+		t.Errorf("unlisted program: failures %v", res.Failed)
+	}
+	res = step([]string{"python3"})
+	if len(res.Failed) != 0 {
+		t.Fatalf("listed program: failures %v", res.Failed)
+	}
+	if n := res.Policies[0].Float("samples"); n != 1 {
+		t.Errorf("%v samples trained, want 1", n)
+	}
+}

@@ -144,8 +144,8 @@ func callerPos(thread *starlark.Thread) string {
 // working directory) when it is not a folder of this machine.
 func scriptDir(pos string) string {
 	file, _, _ := strings.Cut(pos, ":")
-	dir := filepath.Dir(file)
-	if st, err := os.Stat(dir); err != nil || !st.IsDir() || !filepath.IsAbs(dir) {
+	dir, err := filepath.Abs(filepath.Dir(file))
+	if st, serr := os.Stat(dir); err != nil || serr != nil || !st.IsDir() {
 		return ""
 	}
 	return dir
