@@ -8,6 +8,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"math"
 	"net"
 	"net/http"
 	"os"
@@ -28,7 +29,7 @@ import (
 )
 
 // agent(argv, task_input, policy, timeout=300, env=None, max_calls=64, max_tokens=65536,
-// tools_prompt="template", check=True) runs an external program for one rollout: an agent
+// call_max_tokens=None, tools_prompt="template", check=True) runs an external program for one rollout: an agent
 // written against the OpenAI chat-completions API, in any language or framework. The program
 // gets OPENAI_BASE_URL (a loopback endpoint this process serves while it runs) and an
 // OPENAI_API_KEY of its own that routes its calls to this rollout; task_input goes to its stdin
@@ -48,17 +49,21 @@ func builtinAgent(thread *starlark.Thread, b *starlark.Builtin, args starlark.Tu
 	if err != nil {
 		return nil, err
 	}
-	var argvV, input, env, timeoutV starlark.Value = nil, nil, starlark.None, starlark.None
+	var argvV, input, env, timeoutV, callMaxV starlark.Value = nil, nil, starlark.None, starlark.None, starlark.None
 	var policy string
 	maxCalls, maxTokens := 64, 65536
 	toolsPrompt := "template"
 	check := true
 	if err := starlark.UnpackArgs(b.Name(), args, kwargs, "argv", &argvV, "task_input", &input, "policy", &policy,
-		"timeout?", &timeoutV, "env?", &env, "max_calls?", &maxCalls, "max_tokens?", &maxTokens,
+		"timeout?", &timeoutV, "env?", &env, "max_calls?", &maxCalls, "max_tokens?", &maxTokens, "call_max_tokens?", &callMaxV,
 		"tools_prompt?", &toolsPrompt, "check?", &check); err != nil {
 		return nil, err
 	}
 	timeout, err := optFloat(b.Name(), "timeout", timeoutV, 300, 0, 7*24*3600)
+	if err != nil {
+		return nil, err
+	}
+	callMax, err := optInt(b.Name(), "call_max_tokens", callMaxV, 0, 1, math.MaxInt32)
 	if err != nil {
 		return nil, err
 	}
@@ -111,7 +116,7 @@ func builtinAgent(thread *starlark.Thread, b *starlark.Builtin, args starlark.Tu
 		return nil, err
 	}
 	s := &agentSession{ro: ro, fn: b.Name(), policy: policy, key: ts.next(), toolsInSystem: toolsPrompt == "system",
-		maxCalls: maxCalls, maxTokens: maxTokens}
+		maxCalls: maxCalls, maxTokens: maxTokens, callMax: callMax}
 	res, err := s.run(argv, string(text), extra, time.Duration(timeout*float64(time.Second)), scriptDir(where))
 	if err != nil {
 		return nil, err
@@ -181,6 +186,7 @@ type agentSession struct {
 	toolsInSystem bool
 	maxCalls      int
 	maxTokens     int
+	callMax       int // the most tokens one call samples; 0: the run's max_response_len
 
 	mu     sync.Mutex
 	calls  int
@@ -319,6 +325,9 @@ func (s *agentSession) complete(call openai.ChatCall) ([]engines.Completion, err
 	samp := ro.Host.Sampling()
 	if ro.Eval != nil {
 		samp = *ro.Eval
+	}
+	if s.callMax > 0 {
+		samp.MaxTokens = s.callMax
 	}
 	if call.MaxTokens > 0 && call.MaxTokens < samp.MaxTokens {
 		samp.MaxTokens = call.MaxTokens

@@ -1,0 +1,206 @@
+"""agent() against clients nobody here wrote: the official `openai` package, and the agent
+framework smolagents running its own command line (`smolagent`) unchanged.
+
+Each test runs the Go binary (`slimen exec` on the embedded engine, or `slimen test` on scripted
+policies) with a script whose agent() runs the client in this very Python (SLIMEN_PYTHON). The
+scripts check, in Starlark, that the tokens each recorded conversation holds at loss mask 1 are
+exactly the turns the policy sampled, and that every call was recorded; the tests read what the
+scripts logged."""
+
+import json
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO
+
+BIN = pathlib.Path(sys.executable).parent
+
+
+@pytest.fixture(scope="module")
+def slimen(tmp_path_factory):
+    go = shutil.which("go")
+    if go is None:
+        pytest.skip("Go is not installed: the slimen binary cannot be built for this test")
+    binary = tmp_path_factory.mktemp("bin") / "slimen"
+    subprocess.run([go, "build", "-o", str(binary), "./cmd/slimen"], cwd=REPO, check=True)
+    return binary
+
+
+def env():
+    # agent() runs argv "python3" with $SLIMEN_PYTHON: this interpreter, which has the clients;
+    # its bin/ (smolagent) goes first on PATH.
+    return dict(os.environ, SLIMEN_PYTHON=sys.executable, PATH=f"{BIN}{os.pathsep}{os.environ['PATH']}")
+
+
+# Starlark: the tokens at loss mask 1 of each recorded chat are its turns' sampled tokens, in order.
+CHECK = '''
+load("@std//json.star", "decode")
+
+def check_exact(chats):
+    for c in chats:
+        sampled = []
+        for t in c.turns:
+            sampled += list(t.tokens)
+        masked = [x for x, m in zip(c.tokens, c.loss_mask) if m == 1]
+        if masked != sampled or not sampled:
+            fail("chat tokens at mask 1 %r are not the sampled turns %r" % (masked, sampled))
+'''
+
+OPENAI_CLIENT = r'''
+import json, sys
+from openai import OpenAI
+
+client = OpenAI()
+messages = [{"role": "system", "content": "Be exact."}, {"role": "user", "content": sys.stdin.read()}]
+got = []
+for i in range(3):
+    if i < 2:
+        r = client.chat.completions.create(model="any-name", messages=messages, max_tokens=8,
+                                           extra_body={"return_token_ids": True})
+        text, ids = r.choices[0].message.content, r.choices[0].model_extra["token_ids"]
+    else:  # the last call streamed
+        text, ids = "", []
+        for chunk in client.chat.completions.create(model="any-name", messages=messages, max_tokens=8, stream=True,
+                                                    extra_body={"return_token_ids": True}):
+            if chunk.choices:
+                text += chunk.choices[0].delta.content or ""
+                ids += (chunk.choices[0].model_extra or {}).get("token_ids") or []
+    got.append(ids)
+    messages += [{"role": "assistant", "content": text}, {"role": "user", "content": "And then?"}]
+print(json.dumps(got))
+'''
+
+
+def run_exec(slimen, tmp_path, script, config, steps=1):
+    (tmp_path / "run.star").write_text(script)
+    (tmp_path / "config.yaml").write_text(config)
+    out = tmp_path / "out"
+    p = subprocess.run([str(slimen), "exec", str(tmp_path / "run.star"), "--config", str(tmp_path / "config.yaml"),
+                        "--steps", str(steps), "--out", str(out)], env=env(), capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stdout + p.stderr
+    # The first step's lines (one per policy, and the run's with what the script logged) merged.
+    step = {}
+    for line in (out / "metrics.jsonl").read_text().splitlines():
+        m = json.loads(line)
+        if m.get("step") == 1:
+            step.update(m)
+    return step
+
+
+def test_openai_client_tokens_are_the_sampled_ones(slimen, tmp_path):
+    """Three calls of the official client, each sending the whole history back (the last one
+    streamed), make one conversation on the embedded engine; the token ids the client received
+    are the recorded turns, which are the conversation's tokens at loss mask 1."""
+    (tmp_path / "client.py").write_text(OPENAI_CLIENT)
+    script = CHECK + '''
+def rollout(task):
+    r = agent(["python3", "client.py"], task.prompt, policy = "p", timeout = 120)
+    got = decode(r.output)
+    check_exact(r.chats)
+    if len(r.chats) != 1:
+        fail("%d chats; the history continued the recorded conversation, so want 1" % len(r.chats))
+    turns = [list(t.tokens) for t in r.chats[0].turns]
+    if turns != got:
+        fail("the client received %r, the chat recorded %r" % (got, turns))
+    reward(r.chats[0], 1.0)
+    train(r.chats[0])
+    log(exact = 1.0, turns = len(turns))
+'''
+    config = '''
+policies:
+  - {name: p, hf_checkpoint: builtin:tiny-arith, engine: {kind: tiny}}
+rollout: {batch_size: 2, max_response_len: 16, max_failed_fraction: 0}
+data: {path: synthetic:arith}
+'''
+    step = run_exec(slimen, tmp_path, script, config)
+    assert step.get("exact") == 1.0 and step.get("turns") == 3, step
+
+
+def test_openai_client_tool_calls(slimen, tmp_path):
+    """A policy's Hermes tool call reaches the official client as tool_calls, streamed and not;
+    the client's assistant message with tool_calls and its tool message continue the chat."""
+    (tmp_path / "client.py").write_text(r'''
+import json, sys
+from openai import OpenAI
+
+client = OpenAI()
+tools = [{"type": "function", "function": {"name": "calc", "parameters": {"type": "object",
+          "properties": {"expr": {"type": "string"}}}}}]
+messages = [{"role": "user", "content": sys.stdin.read()}]
+r = client.chat.completions.create(model="m", messages=messages, tools=tools)
+assert r.choices[0].finish_reason == "tool_calls", r
+call = r.choices[0].message.tool_calls[0]
+messages.append(r.choices[0].message.model_dump(exclude_none=True))
+messages.append({"role": "tool", "tool_call_id": call.id, "content": str(eval(json.loads(call.function.arguments)["expr"]))})
+# The same history streamed: the call arrives as a delta.
+streamed = [c.choices[0].delta.tool_calls for c in client.chat.completions.create(model="m", messages=messages[:1], tools=tools, stream=True)
+            if c.choices and c.choices[0].delta.tool_calls]
+assert streamed and streamed[0][0].function.name == "calc", streamed
+r = client.chat.completions.create(model="m", messages=messages, tools=tools)
+print(call.function.name, call.function.arguments, r.choices[0].message.content)
+''')
+    (tmp_path / "tools_test.star").write_text(CHECK + r'''
+CALL = '<tool_call>{"name": "calc", "arguments": {"expr": "12*34"}}</tool_call>'
+
+def rollout(task):
+    r = agent(["python3", "client.py"], task.prompt, policy = "p", tools_prompt = "system", timeout = 120,
+              call_max_tokens = 96)
+    check_exact(r.chats)
+    if r.output != 'calc {"expr":"12*34"} \\boxed{408}\n':
+        fail("the client printed %r" % r.output)
+    roles = [m["role"] for m in r.chats[0].messages]
+    if roles != ["system", "user", "assistant", "tool", "assistant"]:
+        fail("roles %r" % roles)
+    log(chats = len(r.chats), turns = len(r.chats[0].turns))
+
+def respond(prompt, i):
+    return "\\boxed{%s}" % prompt if prompt.isdigit() else CALL
+
+def test_tool_call_round_trip():
+    out = simulate(rollout, task = {"prompt": "Ann has 12 bags of 34 pens."}, responses = {"p": respond})
+    assert.eq(out.logs["chats"], 2)  # the streamed call of the first message alone: a conversation of its own
+    assert.eq(out.logs["turns"], 2)
+''')
+    p = subprocess.run([str(slimen), "test", str(tmp_path / "tools_test.star")], env=env(), capture_output=True,
+                       text=True, timeout=300)
+    assert p.returncode == 0 and "1 passed, 0 failed" in p.stdout, p.stdout + p.stderr
+
+
+def test_smolagents_cli_unchanged(slimen, tmp_path):
+    """smolagents' own command line, `smolagent`, unchanged: its OpenAIModel and ToolCallingAgent
+    (which streams) pointed at agent()'s endpoint by its --api-base and --api-key flags. The
+    scripted policy answers smolagents' first call with a Hermes call of its final_answer tool;
+    smolagents reads it from the streamed tool_calls, finishes and prints the answer. Every call
+    it made is recorded, with the tokens the policy sampled."""
+    (tmp_path / "smol_test.star").write_text(CHECK + r"""
+SMOLAGENT = 'exec smolagent "$SLIMEN_TASK_INPUT" --model-type OpenAIModel --model-id slimen --action-type tool_calling --tools --api-base "$OPENAI_BASE_URL" --api-key "$OPENAI_API_KEY"'
+
+def rollout(task):
+    r = agent(["sh", "-c", SMOLAGENT], task.prompt, policy = "p", tools_prompt = "system", timeout = 240,
+              call_max_tokens = 128)
+    check_exact(r.chats)
+    turns = 0
+    for c in r.chats:
+        turns += len(c.turns)
+        reward(c, 1.0 if "408" in r.output else 0.0)
+        train(c)
+    if turns != r.calls:
+        fail("%d calls recorded as %d turns" % (r.calls, turns))
+    log(calls = r.calls, answered = 1.0 if "408" in r.output else 0.0)
+
+FINAL = '<tool_call>{"name": "final_answer", "arguments": {"answer": "408"}}</tool_call>'
+
+def test_smolagent_answers_with_the_policys_tool_call():
+    out = simulate(rollout, task = {"prompt": "How many pens are 12 bags of 34 pens?"}, responses = {"p": [FINAL]})
+    assert.eq(out.logs["answered"], 1.0)
+    assert.eq(out.logs["calls"], 1)
+    assert.eq([s.reward for s in out.samples["p"]], [1.0])
+""")
+    p = subprocess.run([str(slimen), "test", str(tmp_path / "smol_test.star")], env=env(), capture_output=True,
+                       text=True, timeout=300)
+    assert p.returncode == 0 and "1 passed, 0 failed" in p.stdout, p.stdout + p.stderr
