@@ -76,3 +76,30 @@ func TestOpenAIJudge(t *testing.T) {
 		t.Fatalf("a model the server does not serve: %v", err)
 	}
 }
+
+// A script that scores with an openai-kind policy (score, or train's teacher) is refused when the
+// run loads, naming the script's line and the policy's config line, not at its first score call.
+func TestOpenAIScoreRefusedAtStartup(t *testing.T) {
+	h, err := openai.NewHandler(context.Background(), scripted.Echo("x"), openai.HandlerOptions{Model: "m"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv := httptest.NewServer(h)
+	defer srv.Close()
+	cfg, err := config.Parse([]byte(fmt.Sprintf("policies:\n  - {name: solver, engine: {kind: tiny, threads: 1}}\n"+
+		"  - {name: judge, trainable: false, engine: {kind: openai, base_url: %s/v1, model: m}}\n", srv.URL)), "openai.yaml")
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, tc := range []struct{ src, want string }{
+		{"def rollout(task):\n    c = generate(\"solver\", task.prompt)\n    lp = score(\"judge\", c)\n",
+			`script.star:3:16: score("judge", …) scores with policy "judge", whose engine (kind openai, openai.yaml:3) only generates`},
+		{"def rollout(task):\n    c = generate(\"solver\", task.prompt)\n    train(c, teacher = \"judge\")\n",
+			`script.star:3:24: train(…, teacher="judge") scores with policy "judge"`},
+	} {
+		_, err := Load(context.Background(), writeScript(t, tc.src), Options{Config: cfg, Tasks: numberedTasks(1)})
+		if err == nil || !strings.Contains(err.Error(), tc.want) {
+			t.Errorf("got %v, want it to say %s", err, tc.want)
+		}
+	}
+}

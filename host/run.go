@@ -244,6 +244,10 @@ func Load(ctx context.Context, scriptPath string, opts Options) (*Run, error) {
 			r.events.printf("config: policy %q: the %s engine ignores %s", p.Name, p.Engine.Kind, strings.Join(keys, ", "))
 		}
 	}
+	if err := r.refuseScoringWithoutScore(); err != nil {
+		r.Close()
+		return nil, err
+	}
 	if r.zero {
 		if err := r.openScriptPolicies(); err != nil {
 			r.Close()
@@ -272,6 +276,27 @@ func checkpointPlan(c config.RunConfig) string {
 		keep = fmt.Sprintf("the newest %d kept (run.keep_checkpoints)", c.KeepCheckpoints)
 	}
 	return strings.Join(when, ", ") + "; " + keep
+}
+
+// refuseScoringWithoutScore stops a run at start-up, not at its first score call, when its
+// script scores with a policy whose engine only generates (kind openai: the OpenAI API returns
+// no log-probabilities of given tokens): score("judge", …) or train(…, teacher="judge") with the
+// name written literally. (Training such a policy is refused by the config check.)
+func (r *Run) refuseScoringWithoutScore() error {
+	for _, u := range script.ScoringUses(r.script) {
+		for _, p := range r.cfg.Policies {
+			if p.Name != u.Name || p.Engine.Kind != "openai" {
+				continue
+			}
+			call := fmt.Sprintf("score(%q, …)", u.Name)
+			if u.Fn == "train" {
+				call = fmt.Sprintf("train(…, teacher=%q)", u.Name)
+			}
+			return fmt.Errorf("%s: %s scores with policy %q, whose engine (kind openai, %s:%d) only generates: the OpenAI API returns no log-probabilities of given tokens; score with a tiny, torch or remote policy",
+				u.Pos, call, u.Name, r.cfgName(), p.Line)
+		}
+	}
+	return nil
 }
 
 // openScriptPolicies starts, in a zero-config run, the policies the script names literally, so

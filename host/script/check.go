@@ -82,6 +82,19 @@ func PolicyNames(s *Script) []PolicyUse {
 	return out
 }
 
+// ScoringUses lists every place a loaded script scores with a policy it names literally:
+// score("p", …) and train(…, teacher="p"), each place (not each name) once.
+func ScoringUses(s *Script) []PolicyUse {
+	uses, _ := scriptPolicies(s.Files)
+	var out []PolicyUse
+	for _, u := range uses {
+		if u.Fn == "score" || u.Fn == "train" {
+			out = append(out, u)
+		}
+	}
+	return out
+}
+
 // scriptPolicies parses a script's files (Load has reported their errors) and finds their
 // policy literals.
 func scriptPolicies(paths []string) ([]PolicyUse, []*syntax.File) {
