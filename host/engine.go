@@ -270,3 +270,15 @@ func (r *Run) claimServer(ctx context.Context, pc config.PolicyConfig, eng engin
 	r.events.printf("policy %q: reset its engine at %s to %s (%s) with a fresh optimizer, so the run does not start from what the server learned before; engine: {continue: true} keeps that state instead", pc.Name, pc.Engine.Address, target, what)
 	return nil
 }
+
+// OpenPolicyEngine opens the engine of the policy name of cfg as a run would (any registered
+// kind: tiny, torch, remote, openai), outside a run: what `slimen serve --config` serves. logf
+// takes its start-up lines; a worker's output goes to stderr.
+func OpenPolicyEngine(ctx context.Context, cfg *config.Config, name string, logf func(format string, args ...any)) (engines.Engine, error) {
+	for _, p := range cfg.Policies {
+		if p.Name == name {
+			return openEngine(ctx, p, "", engineLogs{printf: logf, cfg: cfg})
+		}
+	}
+	return nil, fmt.Errorf("%s defines no policy %q; it defines %s", cfg.File, name, config.QuotePolicyNames(cfg.PolicyNames()))
+}

@@ -20,6 +20,8 @@ import (
 	enginepb "github.com/slimen/slimen/engines/proto"
 	"github.com/slimen/slimen/engines/server"
 	"github.com/slimen/slimen/engines/tiny"
+	"github.com/slimen/slimen/host"
+	"github.com/slimen/slimen/host/config"
 )
 
 func init() {
@@ -48,9 +50,11 @@ func cmdServe(args []string) int {
 	maxMB := fs.Int("max-message-mb", server.DefaultMaxMessageBytes>>20, "largest message accepted or sent, in MiB")
 	threads := fs.Int("threads", 0, "tiny: goroutines for the math (0: all cores)")
 	window := fs.Duration("batch-window", 0, "how long a generate request waits for others to batch with (0: start at once)")
+	cfgPath := fs.String("config", "", "serve the engine of a policy of this run config instead of --engine/--model: any kind a run opens (tiny, torch, remote, openai); with --policy")
+	policyName := fs.String("policy", "", "with --config: the policy whose engine to serve (default: the config's only policy)")
 	openaiAddr := fs.String("openai", "", "also serve an OpenAI-compatible HTTP API (/v1/chat/completions, …) on host:port, with the same TLS, token and loopback rule")
 	fs.Usage = func() {
-		fmt.Fprintln(fs.Output(), "usage: slimen serve [--engine tiny] [--model M] [--listen ADDR] [--root DIR] [--tls-cert C --tls-key K [--tls-client-ca CA]] [--insecure] [--token-env VAR] [--openai ADDR]")
+		fmt.Fprintln(fs.Output(), "usage: slimen serve [--engine tiny] [--model M | --config C [--policy P]] [--listen ADDR] [--root DIR] [--tls-cert C --tls-key K [--tls-client-ca CA]] [--insecure] [--token-env VAR] [--openai ADDR]")
 		fs.PrintDefaults()
 	}
 	if err := fs.Parse(args); err != nil {
@@ -67,6 +71,30 @@ func cmdServe(args []string) int {
 	open, ok := serveEngines[*kind]
 	if !ok {
 		return bad("unknown engine %q; this binary serves: %s", *kind, strings.Join(slices.Sorted(maps.Keys(serveEngines)), ", "))
+	}
+	if *cfgPath != "" {
+		set := map[string]bool{}
+		fs.Visit(func(f *flag.Flag) { set[f.Name] = true })
+		if set["engine"] || set["model"] || set["threads"] {
+			return bad("--config names the engine (its policy's engine: section); leave out --engine, --model and --threads")
+		}
+		cfg, err := config.Load(*cfgPath)
+		if err != nil {
+			return bad("%v", err)
+		}
+		name := *policyName
+		if name == "" {
+			if len(cfg.Policies) != 1 {
+				return bad("--config %s defines %d policies; name the one to serve with --policy (%s)", *cfgPath, len(cfg.Policies), config.QuotePolicyNames(cfg.PolicyNames()))
+			}
+			name = cfg.Policies[0].Name
+		}
+		*kind, *model = "policy", name
+		open = func(string, int) (engines.Engine, error) {
+			return host.OpenPolicyEngine(context.Background(), cfg, name, log.Printf)
+		}
+	} else if *policyName != "" {
+		return bad("--policy names a policy of --config; give --config too")
 	}
 	if *maxMB < 1 {
 		return bad("--max-message-mb must be at least 1")
@@ -113,7 +141,7 @@ func cmdServe(args []string) int {
 		}
 		defer hl.Close()
 	}
-	if m := *model; !strings.HasPrefix(m, "builtin:") && !filepath.IsAbs(m) {
+	if m := *model; *cfgPath == "" && !strings.HasPrefix(m, "builtin:") && !filepath.IsAbs(m) {
 		// The engine reports its model by this name (Info), and a host that resets the engine
 		// to it asks to Load that name, which the server takes from its root, not from here.
 		if abs, err := filepath.Abs(m); err == nil {

@@ -2,10 +2,13 @@ package main
 
 import (
 	"context"
+	"fmt"
 	"net"
 	"os"
 	"os/exec"
+	"path/filepath"
 	"reflect"
+	"strings"
 	"syscall"
 	"testing"
 	"time"
@@ -69,5 +72,58 @@ func TestServeOpenAI(t *testing.T) {
 	cmd.Process.Signal(syscall.SIGTERM)
 	if err := cmd.Wait(); err != nil {
 		t.Fatalf("slimen serve after SIGTERM: %v", err)
+	}
+}
+
+// `slimen serve --config C --policy P --openai` serves the engine of a run config's policy, of
+// any kind a run opens: here a remote engine (another `slimen serve`), whose samples come back
+// through the OpenAI API exactly as the tiny engine makes them in-process.
+func TestServeOpenAIRemote(t *testing.T) {
+	backend := freeAddr(t)
+	startServe(t, remoteModel, backend, t.TempDir())
+	cfgFile := filepath.Join(t.TempDir(), "serve.yaml")
+	cfg := fmt.Sprintf("policies:\n  - {name: judge, trainable: false, engine: {kind: remote, address: %q}}\n  - {name: other, engine: {kind: tiny}}\n", backend)
+	if err := os.WriteFile(cfgFile, []byte(cfg), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	out, err := exec.Command(slimenBin, "serve", "--config", cfgFile, "--listen", freeAddr(t)).CombinedOutput()
+	if err == nil || !strings.Contains(string(out), "defines 2 policies; name the one to serve with --policy") {
+		t.Fatalf("two policies and no --policy: %v\n%s", err, out)
+	}
+	httpAddr := freeAddr(t)
+	cmd := exec.Command(slimenBin, "serve", "--config", cfgFile, "--policy", "judge", "--listen", freeAddr(t), "--openai", httpAddr)
+	cmd.Stderr = os.Stderr
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { cmd.Process.Kill(); cmd.Wait() })
+	ctx := context.Background()
+	var c *openai.Engine
+	for deadline := time.Now().Add(20 * time.Second); ; time.Sleep(50 * time.Millisecond) {
+		if c, err = openai.Open(ctx, openai.Options{BaseURL: "http://" + httpAddr + "/v1", Model: remoteModel}); err == nil {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("slimen serve --config --openai %s did not come up: %v", httpAddr, err)
+		}
+	}
+	defer c.Close()
+	local, err := tiny.Open(remoteModel, tiny.Options{Threads: 1})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer local.Close()
+	reqs := []engines.GenerateRequest{{ID: "a", Messages: []engines.Message{{Role: "user", Content: "What is 17+25?"}}, N: 2,
+		Sampling: engines.Sampling{MaxTokens: 16, Temperature: 1, Seed: 3}}}
+	want, err := local.Generate(ctx, reqs)
+	if err != nil {
+		t.Fatal(err)
+	}
+	got, err := c.Generate(ctx, reqs)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !reflect.DeepEqual(got, want) {
+		t.Fatalf("through a remote engine served by slimen serve --config --openai:\n%+v\nin-process:\n%+v", got, want)
 	}
 }
