@@ -52,7 +52,7 @@ type agentOut struct {
 	} `json:"chats"`
 }
 
-func needPython(t *testing.T) {
+func needPython(t testing.TB) {
 	t.Helper()
 	if _, err := exec.LookPath("python3"); err != nil {
 		t.Skip("python3 is not installed: agent() has no program to run in this test")

@@ -38,7 +38,7 @@ func testConfig(batch int, policies ...string) *config.Config {
 	return c
 }
 
-func writeScript(t *testing.T, src string) string {
+func writeScript(t testing.TB, src string) string {
 	t.Helper()
 	p := filepath.Join(t.TempDir(), "script.star")
 	if err := os.WriteFile(p, []byte(src), 0o644); err != nil {
@@ -47,7 +47,7 @@ func writeScript(t *testing.T, src string) string {
 	return p
 }
 
-func loadRun(t *testing.T, src string, cfg *config.Config, engs map[string]engines.Engine, tasks TaskSource) *Run {
+func loadRun(t testing.TB, src string, cfg *config.Config, engs map[string]engines.Engine, tasks TaskSource) *Run {
 	t.Helper()
 	r, err := Load(context.Background(), writeScript(t, src), Options{Config: cfg, Engines: engs, Tasks: tasks})
 	if err != nil {

@@ -255,6 +255,9 @@ func (s *agentSession) run(argv []string, input string, extra map[string]string,
 	if err := cmd.Start(); err != nil {
 		return agentResult{}, fmt.Errorf("%s: cannot start %s: %v", s.fn, strings.Join(argv, " "), err)
 	}
+	// While the program runs, this thread only waits: the dispatchers need not wait for it to
+	// send batches out. Each call the program makes runs (complete) as a thread of the rollout.
+	s.ro.Host.Running(-1)
 	werr := cmd.Wait()
 	killGroup() // what the program left running goes with it
 	s.mu.Lock()
@@ -262,6 +265,7 @@ func (s *agentSession) run(argv []string, input string, extra map[string]string,
 	failed := s.failed
 	s.mu.Unlock()
 	s.wg.Wait()
+	s.ro.Host.Running(1)
 	res := agentResult{stdout: stdout.String(), stderr: stderr.String(), exit: cmd.ProcessState.ExitCode()}
 	switch {
 	case failed != nil:
@@ -358,7 +362,9 @@ func (s *agentSession) complete(call openai.ChatCall) ([]engines.Completion, err
 		c.msgs = withToolsInSystem(c.msgs, call.Tools)
 	}
 	c.mu.Lock()
+	ro.Host.Running(1)
 	cs, prompt, mask, err := c.sampleLocked(ro, s.fn, n, samp, key)
+	ro.Host.Running(-1)
 	c.mu.Unlock()
 
 	s.mu.Lock()

@@ -69,6 +69,17 @@ def main():
         a = call(msgs, max_tokens=4)
         b = call(msgs, max_tokens=4)
         print(json.dumps([a["token_ids"], b["token_ids"]]))
+    elif mode == "bench":  # calls in conversations of 8 turns, each sending its history back
+        calls = int(sys.argv[2])
+        msgs = []
+        for i in range(calls):
+            if i % 8 == 0:
+                msgs = [{"role": "user", "content": task}]
+            ch = call(msgs, max_tokens=4)
+            msgs += [{"role": "assistant", "content": ch["message"]["content"]}, {"role": "user", "content": "more"}]
+            if len(sys.argv) > 3:
+                time.sleep(float(sys.argv[3]))  # the agent's own work between calls (a tool, say)
+        print(calls)
     elif mode == "crash":
         call([{"role": "user", "content": task}], max_tokens=2)
         sys.stderr.write("something broke\n")
