@@ -63,7 +63,7 @@ func LintScript(s *Script, cfg *config.Config) (problems, warnings []string) {
 // PolicyUse is a policy name written as a string literal in a script.
 type PolicyUse struct {
 	Pos  syntax.Position
-	Fn   string // generate, score or train
+	Fn   string // generate, score, train or agent
 	Name string
 }
 
@@ -273,7 +273,7 @@ func sampleCount(call *syntax.CallExpr) bool {
 }
 
 // policyLiterals finds policy names written literally: generate("p", …), score("p", …),
-// train(…, teacher="p").
+// train(…, teacher="p"), agent(…, policy="p").
 func policyLiterals(f *syntax.File) []PolicyUse {
 	var out []PolicyUse
 	syntax.Walk(f, func(n syntax.Node) bool {
@@ -289,6 +289,10 @@ func policyLiterals(f *syntax.File) []PolicyUse {
 			}
 		case "train":
 			arg = keyword(call, "teacher")
+		case "agent": // agent(argv, task_input, policy=…)
+			if arg = keyword(call, "policy"); arg == nil && len(call.Args) > 2 {
+				arg = call.Args[2]
+			}
 		}
 		if lit := stringLit(arg); lit != nil {
 			out = append(out, PolicyUse{lit.TokenPos, callee(call), lit.Value.(string)})

@@ -22,7 +22,7 @@ func TestPredeclared(t *testing.T) {
 	sort.Strings(got)
 	want := []string{
 		// slimen's built-ins (predeclared, script.go)
-		"chat", "completion", "config", "generate", "log", "parallel", "reward", "score", "state", "struct", "train",
+		"agent", "chat", "completion", "config", "generate", "log", "parallel", "reward", "score", "state", "struct", "train",
 		// Starlark's own (go.starlark.net Universe)
 		"False", "None", "True", "abs", "all", "any", "bool", "bytes", "chr", "dict", "dir", "enumerate", "fail",
 		"float", "getattr", "hasattr", "hash", "int", "len", "list", "max", "min", "ord", "print", "range",
