@@ -1,6 +1,6 @@
 """A stand-in agent for host/agent_test.go: a chat-completions client on the standard library
 only (urllib), so the Go tests need nothing but python3. The tests against the official openai
-package and an agent framework are engines/torch/tests/test_agent.py."""
+package and an agent framework are engines/torch/tests/test_agent_frameworks.py."""
 
 import json
 import os
