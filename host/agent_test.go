@@ -28,7 +28,7 @@ LIMITS = {"hang": {"timeout": 1}, "flood": {"max_calls": 3}}
 def rollout(task):
     mode = task.label
     r = agent(["python3", %q, mode], task.prompt, policy = "p", tools_prompt = "system",
-              check = mode != "checked", **LIMITS.get(mode, {}))
+              check = task.id != "unchecked", **LIMITS.get(mode, {}))
     for c in r.chats:
         reward(c, 1.0)
         train(c)
@@ -170,12 +170,14 @@ func TestAgentToolCalls(t *testing.T) {
 
 // TestAgentFailures: a program that exits non-zero, runs past its timeout or floods the endpoint
 // fails its rollout alone, with a message that says which; with check=False a non-zero exit is
-// returned; a history asked twice makes two conversations.
+// returned with the program's stderr and chats; a history asked twice makes two
+// conversations; conversations held at once by concurrent calls stay apart.
 func TestAgentFailures(t *testing.T) {
 	eng := scripted.New(func(req scripted.Request) string { return "ok" })
 	r, res := agentRun(t, eng, listTasks{
 		{ID: "crash", Prompt: "x", Label: "crash", HasLabel: true}, {ID: "hang", Prompt: "x", Label: "hang", HasLabel: true},
 		{ID: "flood", Prompt: "x", Label: "flood", HasLabel: true}, {ID: "branch", Prompt: "x", Label: "branch", HasLabel: true},
+		{ID: "parallel", Prompt: "x", Label: "parallel", HasLabel: true}, {ID: "unchecked", Prompt: "x", Label: "crash", HasLabel: true},
 	})
 	msgs := map[string]string{}
 	for _, f := range res.Failed {
@@ -190,11 +192,24 @@ func TestAgentFailures(t *testing.T) {
 			t.Errorf("task %s: failure %q, want it to say %q", id, msgs[id], want)
 		}
 	}
-	if _, failed := msgs["branch"]; failed || len(res.Failed) != 3 {
+	if len(res.Failed) != 3 {
 		t.Fatalf("failures %v; want crash, hang and flood alone", msgs)
 	}
 	if o := readAgent(t, r, "branch"); len(o.Chats) != 2 {
 		t.Errorf("the same history asked twice made %d chats, want 2", len(o.Chats))
+	}
+	if o := readAgent(t, r, "unchecked"); o.Exit != 3 || o.Stderr != "something broke\n" || len(o.Chats) != 1 {
+		t.Errorf("with check=False: exit %d, stderr %q, %d chats; want 3, its stderr and the chat of its call", o.Exit, o.Stderr, len(o.Chats))
+	}
+	// Four conversations at once, each continued by its own second call.
+	o := readAgent(t, r, "parallel")
+	if len(o.Chats) != 4 || o.Calls != 8 {
+		t.Fatalf("4 concurrent conversations of 2 calls made %d chats of %d calls", len(o.Chats), o.Calls)
+	}
+	for _, c := range o.Chats {
+		if len(c.Turns) != 2 {
+			t.Errorf("a concurrent conversation has %d turns, want 2", len(c.Turns))
+		}
 	}
 }
 

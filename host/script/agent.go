@@ -321,11 +321,24 @@ func (s *agentSession) complete(call openai.ChatCall) ([]engines.Completion, err
 		s.mu.Unlock()
 		return nil, &openai.APIError{Status: http.StatusBadRequest, Type: "invalid_request_error", Msg: err.Error()}
 	}
+	// The turn is sampled on a copy of the conversation (with the new messages), which replaces
+	// the recorded one only once it succeeded; the copy is taken under s.mu, which guards what
+	// the recorded conversations hold.
+	ro := s.ro
+	key := append(slices.Clone(s.key), index)
+	var wire []string
+	ac.chat.mu.Lock()
+	c := ac.chat.truncatedLocked(-1, 0, forked, ro.Task.ID, key)
+	if turn >= 0 {
+		c = ac.chat.truncatedLocked(turn, ac.msgs[turn], forked, ro.Task.ID, key)
+		wire = slices.Clone(ac.wire[:ac.ends[turn]])
+	}
+	ac.chat.mu.Unlock()
+	tools, ends, msgEnds := ac.tools, slices.Clone(ac.ends), slices.Clone(ac.msgs)
 	s.wg.Add(1)
 	s.mu.Unlock()
 	defer s.wg.Done()
 
-	ro := s.ro
 	samp := ro.Host.Sampling()
 	if ro.Eval != nil {
 		samp = *ro.Eval
@@ -341,24 +354,12 @@ func (s *agentSession) complete(call openai.ChatCall) ([]engines.Completion, err
 		samp.MaxTokens = max(per, 1)
 	}
 	samp.Stop = append(slices.Clone(samp.Stop), call.Request.Stop...)
-	key := append(slices.Clone(s.key), index)
 	samp.Seed = KeySeed(ro.Seed, ro.Task.ID, key)
-
-	// The turn is sampled on a copy of the conversation (with the new messages), which replaces
-	// the recorded one only once it succeeded.
-	var wire []string
-	ac.chat.mu.Lock()
-	c := ac.chat.truncatedLocked(-1, 0, forked, ro.Task.ID, key)
-	if turn >= 0 {
-		c = ac.chat.truncatedLocked(turn, ac.msgs[turn], forked, ro.Task.ID, key)
-		wire = slices.Clone(ac.wire[:ac.ends[turn]])
-	}
-	ac.chat.mu.Unlock()
 	for _, m := range call.Messages[len(wire):] {
 		c.msgs = append(c.msgs, engineMessage(m))
 		wire = append(wire, agentCanon(m))
 	}
-	if turn < 0 && s.toolsInSystem && ac.tools != "" {
+	if turn < 0 && s.toolsInSystem && tools != "" {
 		c.msgs = withToolsInSystem(c.msgs, call.Tools)
 	}
 	c.mu.Lock()
@@ -380,24 +381,23 @@ func (s *agentSession) complete(call openai.ChatCall) ([]engines.Completion, err
 	if err != nil {
 		return nil, err
 	}
-	withTools := ac.tools != ""
 	record := func(rc *agentChat, ch *Chat, cm *Completion) {
 		rc.chat = ch
-		rc.wire = append(slices.Clone(wire), agentCanon(openai.AssistantMessage(cm.text, withTools)))
-		rc.ends = append(slices.Clone(ac.ends[:turn+1]), len(rc.wire))
-		rc.msgs = append(slices.Clone(ac.msgs[:turn+1]), len(ch.msgs))
+		rc.wire = append(slices.Clone(wire), agentCanon(openai.AssistantMessage(cm.text, tools != "")))
+		rc.ends = append(slices.Clone(ends[:turn+1]), len(rc.wire))
+		rc.msgs = append(slices.Clone(msgEnds[:turn+1]), len(ch.msgs))
 	}
 	if n == 1 {
 		c.appendTurnLocked(prompt, mask, cs[0])
 		rc := ac
 		if forked {
-			rc = &agentChat{tools: ac.tools}
+			rc = &agentChat{tools: tools}
 			s.chats = append(s.chats, rc)
 		}
 		record(rc, c, cs[0])
 	} else {
 		for i, f := range c.forksLocked(ro, key, prompt, mask, cs) {
-			fc := &agentChat{tools: ac.tools}
+			fc := &agentChat{tools: tools}
 			record(fc, f, cs[i])
 			s.chats = append(s.chats, fc)
 		}

@@ -80,6 +80,21 @@ def main():
             if len(sys.argv) > 3:
                 time.sleep(float(sys.argv[3]))  # the agent's own work between calls (a tool, say)
         print(calls)
+    elif mode == "parallel":  # four conversations at once, two calls each
+        import threading
+
+        def talk(k):
+            msgs = [{"role": "user", "content": "%s %d" % (task, k)}]
+            ch = call(msgs, max_tokens=4)
+            msgs += [{"role": "assistant", "content": ch["message"]["content"]}, {"role": "user", "content": "more"}]
+            call(msgs, max_tokens=4)
+
+        threads = [threading.Thread(target=talk, args=(k,)) for k in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        print("done")
     elif mode == "crash":
         call([{"role": "user", "content": task}], max_tokens=2)
         sys.stderr.write("something broke\n")
