@@ -1,14 +1,20 @@
 package main
 
 import (
+	"context"
 	"encoding/json"
 	"fmt"
 	"math"
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strings"
 	"testing"
+	"time"
+
+	"github.com/slimen/slimen/engines"
+	"github.com/slimen/slimen/engines/openai"
 )
 
 // Issue 6, item 5: `engine: {kind: torch}` makes the host start a PyTorch worker per policy.
@@ -182,4 +188,61 @@ func TestTorchEngineStartErrors(t *testing.T) {
 	py := torchPython(t)
 	run("badmodel", model, py, append(env, "SLIMEN_PYTHON="+py),
 		fmt.Sprintf(`policy "generator" in %s:2: the torch worker did not start: torch engine for %s exited during start-up`, cfg, model))
+}
+
+// `slimen serve --config C --openai` serves a torch worker (engine kind torch, started as a run
+// starts it) through the OpenAI API: a chat request samples from the PyTorch model, with its
+// token ids, and the same seed samples the same tokens again.
+func TestServeOpenAITorch(t *testing.T) {
+	py := torchPython(t)
+	dir := t.TempDir()
+	model := filepath.Join(dir, "model")
+	mk := exec.Command(py, "-m", "slimen_torch", "make-model", "--shape", "tiny-qwen3", "--out", model)
+	mk.Env = append(os.Environ(), "PYTHONPATH="+filepath.Join("..", "..", "engines", "torch"))
+	if out, err := mk.CombinedOutput(); err != nil {
+		t.Fatalf("make-model: %v\n%s", err, out)
+	}
+	cfg := filepath.Join(dir, "serve.yaml")
+	y := fmt.Sprintf("policies:\n  - name: chatbot\n    hf_checkpoint: %s\n    engine: {kind: torch, python: %q, device: cpu, args: [--max-seq-len, \"512\"]}\n", model, py)
+	if err := os.WriteFile(cfg, []byte(y), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	httpAddr := freeAddr(t)
+	cmd := exec.Command(slimenBin, "serve", "--config", cfg, "--listen", freeAddr(t), "--openai", httpAddr)
+	cmd.Env = append(os.Environ(), "XDG_CACHE_HOME="+filepath.Join(dir, "cache"))
+	cmd.Stderr = os.Stderr
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { cmd.Process.Kill(); cmd.Wait() })
+	ctx := context.Background()
+	var c *openai.Engine
+	var err error
+	for deadline := time.Now().Add(180 * time.Second); ; time.Sleep(200 * time.Millisecond) {
+		if c, err = openai.Open(ctx, openai.Options{BaseURL: "http://" + httpAddr + "/v1", Model: model}); err == nil {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("slimen serve --config (torch) --openai %s did not come up: %v", httpAddr, err)
+		}
+	}
+	defer c.Close()
+	req := []engines.GenerateRequest{{ID: "a", Messages: []engines.Message{{Role: "user", Content: "Hello"}}, N: 2,
+		Sampling: engines.Sampling{MaxTokens: 6, Temperature: 1, Seed: 11}}}
+	first, err := c.Generate(ctx, req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	again, err := c.Generate(ctx, req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(first) != 2 || len(first[0].Tokens) == 0 || len(first[0].Logprobs) != len(first[0].Tokens) {
+		t.Fatalf("completions %+v; want 2 with tokens and a log-prob each", first)
+	}
+	for i := range first {
+		if !slices.Equal(first[i].Tokens, again[i].Tokens) {
+			t.Errorf("sample %d: the same seed sampled %v, then %v", i, first[i].Tokens, again[i].Tokens)
+		}
+	}
 }
