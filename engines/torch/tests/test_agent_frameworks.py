@@ -204,3 +204,36 @@ def test_smolagent_answers_with_the_policys_tool_call():
     p = subprocess.run([str(slimen), "test", str(tmp_path / "smol_test.star")], env=env(), capture_output=True,
                        text=True, timeout=300)
     assert p.returncode == 0 and "1 passed, 0 failed" in p.stdout, p.stdout + p.stderr
+
+
+def test_openai_client_on_a_torch_qwen3_policy(slimen, tmp_path, model_dirs):
+    """The same client with tools offered, on a torch worker with a Qwen3 chat template (its
+    tools variable, and the <think> handling of earlier turns): three calls continue one
+    conversation whose tokens at loss mask 1 are what the client received, and the run trains it."""
+    (tmp_path / "client.py").write_text(OPENAI_CLIENT.replace(
+        'extra_body={"return_token_ids": True}',
+        'extra_body={"return_token_ids": True}, tools=[{"type": "function", "function": {"name": "calc", '
+        '"parameters": {"type": "object", "properties": {"expr": {"type": "string"}}}}}]'))
+    script = CHECK + '''
+def rollout(task):
+    r = agent(["python3", "client.py"], task.prompt, policy = "p", timeout = 300)
+    got = decode(r.output)
+    check_exact(r.chats)
+    turns = [list(t.tokens) for t in r.chats[0].turns]
+    if len(r.chats) != 1 or turns != got:
+        fail("%d chats; the client received %r, the chat recorded %r" % (len(r.chats), got, turns))
+    reward(r.chats[0], 1.0)
+    train(r.chats[0])
+    log(exact = 1.0, turns = len(turns))
+'''
+    config = f'''
+policies:
+  - name: p
+    hf_checkpoint: {model_dirs["tiny-qwen3"]}
+    engine: {{kind: torch, python: {sys.executable!r}, device: cpu, args: [--max-seq-len, "2048"]}}
+    train: {{lr: 1.0e-3, global_batch_size: 0}}
+rollout: {{batch_size: 1, max_response_len: 8, max_failed_fraction: 0}}
+data: {{path: synthetic:arith}}
+'''
+    step = run_exec(slimen, tmp_path, script, config)
+    assert step.get("exact") == 1.0 and step.get("turns") == 3, step
