@@ -4,6 +4,7 @@ import (
 	"context"
 	"math"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"sort"
 	"testing"
@@ -46,6 +47,19 @@ func examples(t *testing.T) []string {
 	}
 	sort.Strings(names)
 	return names
+}
+
+// needOpenAIPython skips a test whose agent() program needs the openai package when the python
+// agent() runs ($SLIMEN_PYTHON, else python3) lacks it.
+func needOpenAIPython(t *testing.T) {
+	t.Helper()
+	py := os.Getenv(scriptpkg.PythonEnv)
+	if py == "" {
+		py = "python3"
+	}
+	if err := exec.Command(py, "-c", "import openai").Run(); err != nil {
+		t.Skipf("%s cannot import openai (%v): set %s to the python of scripts/pyenv.sh to run examples/openai_agent", py, err, scriptpkg.PythonEnv)
+	}
 }
 
 func script(name string) string { return filepath.Join("..", "examples", name, name+".star") }
@@ -146,6 +160,11 @@ func TestExamplesTwoSteps(t *testing.T) {
 			counts:     map[string]perTask{"agent": both(4)},
 			rewardMean: map[string]float64{"agent": 0.5},
 		},
+		// agent.py (the OpenAI client) answers \boxed{5} in one call; four runs of it a task.
+		"openai_agent": {
+			counts:     map[string]perTask{"agent": both(4)},
+			rewardMean: map[string]float64{"agent": 0.5},
+		},
 		// The critic is never named by the script: it trains on the actor's samples.
 		"ppo": {
 			counts:     map[string]perTask{"actor": both(4), "critic": both(4)},
@@ -159,6 +178,9 @@ func TestExamplesTwoSteps(t *testing.T) {
 			continue
 		}
 		t.Run(name, func(t *testing.T) {
+			if name == "openai_agent" {
+				needOpenAIPython(t)
+			}
 			cfg := loadConfig(t, name)
 			cfg.Rollout.BatchSize = 2
 			engs := map[string]engines.Engine{}
