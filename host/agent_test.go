@@ -139,6 +139,16 @@ func TestAgentTokenExactTiny(t *testing.T) {
 	if n := res.Policies[0].Float("samples"); n != 1 {
 		t.Errorf("%v samples trained, want 1 (the conversation)", n)
 	}
+	// The same run again samples the same tokens: each call's seed comes from its position.
+	eng2, err := tiny.Open(config.BuiltinCheckpoint, tiny.Options{Threads: 1})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer eng2.Close()
+	r2, _ := agentRun(t, eng2, listTasks{{ID: "a", Prompt: "What is 3 + 4?", Label: "turns", HasLabel: true}})
+	if again := readAgent(t, r2, "a"); len(again.Chats) != 1 || !slices.Equal(again.Chats[0].Tokens, c.Tokens) {
+		t.Errorf("a second run recorded %+v, the first %v", again.Chats, c.Tokens)
+	}
 }
 
 // TestAgentToolCalls: the policy's Hermes tool call reaches the program as the API's tool_calls
