@@ -116,7 +116,7 @@ func BenchmarkAgentProcesses(b *testing.B) {
 def rollout(task):
     agent(["python3", %q, "bench", "8", "0.5"], task.prompt, policy = "p", timeout = 600)
 `, prog)
-	for _, n := range []int{16, 64, 128} {
+	for _, n := range []int{1, 16, 64, 128} {
 		b.Run(fmt.Sprintf("procs=%d", n), func(b *testing.B) {
 			eng := scripted.New(func(scripted.Request) string { return "ok" })
 			cfg := testConfig(n, "p")
