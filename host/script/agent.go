@@ -45,7 +45,7 @@ import (
 // one that makes more than max_calls calls or samples more than max_tokens tokens (its calls
 // are answered 429 from then on), and, with check=True, one that exits non-zero.
 func builtinAgent(thread *starlark.Thread, b *starlark.Builtin, args starlark.Tuple, kwargs []starlark.Tuple) (starlark.Value, error) {
-	ts, err := stateOf(thread, b.Name())
+	ts, err := blockingOf(thread, b.Name())
 	if err != nil {
 		return nil, err
 	}

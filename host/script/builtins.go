@@ -36,7 +36,7 @@ func stateOf(thread *starlark.Thread, fn string) (*threadState, error) {
 }
 
 // blockingOf is stateOf for the built-ins that wait on the model, on other threads or on the
-// state store (generate, a chat's .generate, score, parallel, state.get). A state.update
+// state store (generate, a chat's .generate, score, parallel, agent, state.get). A state.update
 // function runs holding the store's lock, so such a call there would hang the run (state.get
 // on the same lock) or stall every rollout's state behind a model call: it is refused instead.
 func blockingOf(thread *starlark.Thread, fn string) (*threadState, error) {
