@@ -12,7 +12,8 @@ import (
 
 // Engine is one policy's model: it samples completions, scores given tokens, trains on a batch of
 // samples and saves and loads its state. Implementations must be safe for concurrent use; the host
-// serialises Train against Generate itself (training happens between rollout phases).
+// serialises Train against Generate and Score itself (training happens between rollout phases),
+// except that with rollout.max_staleness > 0 rollouts sample through Versions while Train runs.
 type Engine interface {
 	// Info describes the model and what the engine can do.
 	Info(ctx context.Context) (Info, error)
@@ -179,6 +180,31 @@ type RenderRequest struct {
 // appended after a sampled turn, through this call: the engine that owns the template renders it.
 type Renderer interface {
 	Render(ctx context.Context, reqs []RenderRequest) ([][]int32, error)
+}
+
+// Versions is implemented by engines that keep rollout copies of their weights, so that rollouts
+// may sample from the weights of an earlier step while the engine trains in place
+// (rollout.max_staleness > 0, docs/async.md). A version is named by the number of training steps
+// the host had run when it kept it: version 0 is the weights before any training. The host keeps
+// a version right after the training of a step (KeepVersion), samples from it for as long as
+// steps that generate from it run (GenerateVersion, ScoreVersion), and drops it when none is left
+// (DropVersions). Kept weights are read-only: GenerateVersion and ScoreVersion do not wait for
+// Train, and Train does not change what they compute. A LoRA adapter's version is its adapter;
+// its base does not train.
+type Versions interface {
+	// KeepVersion copies the current weights as version v (a version kept again is replaced).
+	KeepVersion(ctx context.Context, v int) error
+	// GenerateVersion is Generate with the weights kept as version v.
+	GenerateVersion(ctx context.Context, v int, reqs []GenerateRequest) ([]Completion, error)
+	// ScoreVersion is Score with the weights kept as version v (Reference requests are scored by
+	// the reference, as in Score).
+	ScoreVersion(ctx context.Context, v int, reqs []ScoreRequest) ([]Scores, error)
+	// SaveVersion writes the weights kept as version v into dir, as Save writes the model (no
+	// optimizer state): a checkpoint holds the versions its next steps generate from, and resume
+	// puts them back with Load and KeepVersion.
+	SaveVersion(ctx context.Context, v int, dir string) error
+	// DropVersions forgets every kept version below v.
+	DropVersions(ctx context.Context, below int) error
 }
 
 // Valuer is implemented by engines with a value head (a PPO critic; Info lists "values").

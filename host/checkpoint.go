@@ -76,6 +76,9 @@ type runInfo struct {
 	// config's relative paths (data.path, …) are taken from it when the run resumes elsewhere.
 	// Checkpoints written before it was recorded lack it.
 	Dir string `json:"dir,omitempty"`
+	// MaxStaleness is the run's rollout.max_staleness: the checkpoint holds the weights versions
+	// (rollout_versions/) its next steps generate from under it.
+	MaxStaleness int `json:"max_staleness,omitempty"`
 }
 
 type manifest struct {
@@ -188,11 +191,14 @@ func (r *Run) writeCheckpoint(ctx context.Context, step int, final, tmp string) 
 	if err != nil {
 		return err
 	}
+	if err := r.saveVersions(ctx, step, tmp); err != nil { // async.go
+		return err
+	}
 	st, err := script.EncodeState(r.state)
 	if err != nil {
 		return fmt.Errorf("checkpoint: %w", err)
 	}
-	info, _ := json.MarshalIndent(runInfo{Step: step, NextTask: &r.next, Script: r.script.Path, ScriptHash: r.script.Hash, Seed: r.Config().Run.Seed, Dir: r.wd}, "", "  ")
+	info, _ := json.MarshalIndent(runInfo{Step: step, NextTask: &r.next, Script: r.script.Path, ScriptHash: r.script.Hash, Seed: r.Config().Run.Seed, Dir: r.wd, MaxStaleness: r.staleness()}, "", "  ")
 	y, err := r.Config().Marshal()
 	if err != nil {
 		return err
@@ -600,9 +606,15 @@ func (r *Run) restore(ctx context.Context, dir string) error {
 	if err != nil {
 		return err
 	}
+	if k := r.staleness(); k > info.MaxStaleness && info.Step > 0 {
+		return fmt.Errorf("resume: checkpoint %s was written with rollout.max_staleness %d and the run now has %d: the checkpoint holds the weights versions its next steps generate from under %d only; resume with rollout.max_staleness at most %d", dir, info.MaxStaleness, k, info.MaxStaleness, info.MaxStaleness)
+	}
 	for _, p := range r.policyList() {
 		if !p.cfg.Trainable {
 			continue
+		}
+		if err := r.restoreVersions(ctx, dir, p); err != nil { // async.go
+			return err
 		}
 		if ext, ok := m.External[p.name]; ok {
 			if err := r.loadExternal(ctx, dir, p, ext); err != nil {

@@ -60,13 +60,15 @@ func (a *activity) kickAll() {
 // dispatcher coalesces the generate calls of all rollouts for one policy into engine batches.
 // A batch goes out when every rollout thread is waiting (nothing more can come), when it holds
 // maxSamples samples, or when its first request has waited maxWait. Requests arriving while the
-// engine works form the next batch.
+// engine works form the next batch. A batch holds requests of one weights version (async.go):
+// the oldest request's.
 type dispatcher struct {
 	eng        engines.Engine
 	act        *activity
 	kick       chan struct{}
 	maxSamples int
 	maxWait    time.Duration
+	busy       *busyMeter // nil: not measured
 
 	mu      sync.Mutex
 	pending []*pendingGen
@@ -86,9 +88,10 @@ func (d *dispatcher) takeErr() error {
 }
 
 type pendingGen struct {
-	ctx  context.Context
-	req  engines.GenerateRequest
-	done chan genResult
+	ctx     context.Context
+	req     engines.GenerateRequest
+	version int // the weights version to sample from; -1: the current weights
+	done    chan genResult
 }
 
 type genResult struct {
@@ -102,8 +105,8 @@ func newDispatcher(eng engines.Engine, act *activity, maxSamples int) *dispatche
 
 // generate queues a request and blocks until its completions are back. The calling thread stops
 // counting as running while it waits.
-func (d *dispatcher) generate(ctx context.Context, req engines.GenerateRequest) ([]engines.Completion, error) {
-	p := &pendingGen{ctx: ctx, req: req, done: make(chan genResult, 1)}
+func (d *dispatcher) generate(ctx context.Context, req engines.GenerateRequest, version int) ([]engines.Completion, error) {
+	p := &pendingGen{ctx: ctx, req: req, version: version, done: make(chan genResult, 1)}
 	d.mu.Lock()
 	d.pending = append(d.pending, p)
 	d.mu.Unlock()
@@ -163,7 +166,7 @@ func (d *dispatcher) flush(ctx context.Context) {
 		if p.ctx.Err() != nil {
 			continue // its rollout is gone
 		}
-		if len(batch) > 0 && samples+max(p.req.N, 1) > d.maxSamples {
+		if len(batch) > 0 && (samples+max(p.req.N, 1) > d.maxSamples || p.version != batch[0].version) {
 			rest = append(rest, p)
 			continue
 		}
@@ -183,7 +186,23 @@ func (d *dispatcher) flush(ctx context.Context) {
 	for i, p := range batch {
 		reqs[i] = p.req
 	}
-	out, err := d.eng.Generate(ctx, reqs)
+	if d.busy != nil {
+		d.busy.begin()
+	}
+	var out []engines.Completion
+	var err error
+	if v := batch[0].version; v >= 0 {
+		if vs, ok := d.eng.(engines.Versions); ok {
+			out, err = vs.GenerateVersion(ctx, v, reqs)
+		} else {
+			err = fmt.Errorf("the engine keeps no weights versions (rollout.max_staleness)")
+		}
+	} else {
+		out, err = d.eng.Generate(ctx, reqs)
+	}
+	if d.busy != nil {
+		d.busy.end()
+	}
 	if err == nil && len(out) != samples {
 		err = errShortBatch(len(out), samples)
 	}

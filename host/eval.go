@@ -48,7 +48,7 @@ func (r *Run) Eval(ctx context.Context) ([]Metrics, error) {
 		if s.MaxTokens <= 0 {
 			s.MaxTokens = cfg.Rollout.MaxResponseLen
 		}
-		ros, err := r.runRollouts(ctx, r.step, tasks, 1, rf, &s)
+		ros, err := r.runRollouts(ctx, r.step, tasks, 1, rf, &s, -1)
 		if err != nil {
 			return nil, err
 		}

@@ -143,7 +143,7 @@ func TestDispatcherAnswersEveryRequest(t *testing.T) {
 			id := fmt.Sprintf("r%d", i)
 			cctx, ccancel := context.WithTimeout(ctx, 10*time.Second)
 			defer ccancel()
-			out, err := d.generate(cctx, engines.GenerateRequest{ID: id, N: n, PromptTokens: []int32{1}})
+			out, err := d.generate(cctx, engines.GenerateRequest{ID: id, N: n, PromptTokens: []int32{1}}, -1)
 			if err != nil {
 				errs <- fmt.Errorf("request %s was not answered: %v", id, err)
 				return

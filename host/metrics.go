@@ -40,7 +40,7 @@ func (m Metrics) int(k string) int { v, _ := m[k].(int); return v }
 
 // TimingFields are the metrics that measure wall time or the machine (a policy's GPU memory and
 // utilisation, DeviceMetrics) and so differ between equal runs.
-var TimingFields = []string{"rollout_s", "train_s", "step_s", "tokens_per_s", "gpu_mem_gib", "gpu_used_gib", "gpu_util"}
+var TimingFields = []string{"rollout_s", "train_s", "step_s", "tokens_per_s", "gpu_mem_gib", "gpu_used_gib", "gpu_util", "engine_busy", "rollout_wall_s"}
 
 // DeviceMetrics is implemented by an engine that can say what its devices hold and do now (a torch
 // worker on GPUs, read through NVML): its numbers join its policy's line of every step's metrics.

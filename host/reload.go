@@ -219,6 +219,9 @@ func needsNewEngine(old, new *config.Config) string {
 	if old.Data != new.Data {
 		return "data"
 	}
+	if old.Rollout.MaxStaleness != new.Rollout.MaxStaleness {
+		return "rollout.max_staleness"
+	}
 	return ""
 }
 
@@ -233,6 +236,11 @@ func (r *Run) applyReload(ctx context.Context, step int) error {
 	s, c := rl.pending, rl.pendingCfg
 	rl.pending, rl.pendingCfg = nil, nil
 	rl.mu.Unlock()
+	if s != nil || c != nil {
+		// Rollouts launched under the old version (rollout.max_staleness > 0) run again under
+		// the new one: a reload takes effect from this step, as in the synchronous loop.
+		r.discardAhead("reload")
+	}
 	if s != nil {
 		rl.mu.Lock() // checkReload reads the running version from the watcher's goroutine
 		rl.previous, rl.swappedAt = r.script, step

@@ -137,6 +137,14 @@ type Run struct {
 
 	ckpt checkpoints // what the run remembers of its checkpoints (checkpoint.go)
 
+	// ahead are the rollouts launched for steps not yet trained, in step order (async.go); kept
+	// is, per policy, one more than the weights version it kept last.
+	ahead     []*launched
+	launchPos int // the data position after the steps launched (async.go)
+	kept      map[string]int
+	// lastStepEnd is when the last step ended, for engine_busy.
+	lastStepEnd time.Time
+
 	warned sync.Map // warnings given once per run, by key
 
 	stopping atomic.Bool   // Stop was called: Train ends after the step in progress
@@ -160,6 +168,9 @@ type policy struct {
 	cfg  config.PolicyConfig
 	eng  engines.Engine
 	disp *dispatcher
+	busy *busyMeter // the engine's generate and train calls
+	// busyMark is busy's total at the end of the last step.
+	busyMark time.Duration
 
 	infoMu sync.Mutex
 	info   *engines.Info // the engine's Info as chat turns render with it; nil: ask again
@@ -421,8 +432,9 @@ func (r *Run) addPolicy(ctx context.Context, pc config.PolicyConfig) (*policy, e
 		}
 		return nil, err
 	}
-	p := &policy{name: pc.Name, cfg: pc, eng: eng}
+	p := &policy{name: pc.Name, cfg: pc, eng: eng, busy: &busyMeter{}}
 	p.disp = newDispatcher(eng, &r.activity, maxBatchSamples(r.cfg))
+	p.disp.busy = p.busy
 	go p.disp.loop(r.ctx)
 	r.policies[pc.Name] = p
 	r.order = append(r.order, pc.Name)
@@ -505,7 +517,17 @@ func (r *Run) sampling() engines.Sampling {
 func (r *Run) score(ctx context.Context, p *policy, req engines.ScoreRequest) ([]float32, error) {
 	r.activity.leave()
 	defer r.activity.enter()
-	out, err := p.eng.Score(ctx, []engines.ScoreRequest{req})
+	var out []engines.Scores
+	var err error
+	if v := versionFor(ctx, p); v >= 0 {
+		vs, ok := p.eng.(engines.Versions)
+		if !ok {
+			return nil, fmt.Errorf("policy %q: its engine keeps no weights versions (rollout.max_staleness)", p.name)
+		}
+		out, err = vs.ScoreVersion(ctx, v, []engines.ScoreRequest{req})
+	} else {
+		out, err = p.eng.Score(ctx, []engines.ScoreRequest{req})
+	}
 	if err != nil {
 		return nil, err
 	}
@@ -590,6 +612,7 @@ func (r *Run) Step(ctx context.Context) (*StepResult, error) {
 	var tf *tooManyFailed
 	if errors.As(err, &tf) && r.rollBack(before+1, err) {
 		// A new version's first step failed: the last good version runs the step again.
+		r.discardAhead("reload: rollback")
 		res, err = r.runStep(ctx)
 		if r.step == before {
 			r.state.Restore(snap)
@@ -612,32 +635,34 @@ func (r *Run) runStep(ctx context.Context) (*StepResult, error) {
 		}
 	}
 	t0 := time.Now()
+	k := cfg.Rollout.MaxStaleness
+	if err := r.keepVersions(ctx, k); err != nil {
+		return nil, err
+	}
 	// Tasks are taken in order from the data position, so a batch size changed by a reload
 	// neither skips tasks nor repeats them.
-	n := cfg.Rollout.BatchSize
-	tasks := make([]Task, n)
-	for i := range tasks {
-		tasks[i] = r.tasks.Task(r.next + i)
-	}
-	ros, err := r.runRollouts(ctx, step, tasks, samplesPerTask(cfg), rolloutFn{fn: r.script.Rollout(), name: "rollout"}, nil)
+	l, err := r.awaitStep(ctx, step, cfg)
 	if err != nil {
 		return nil, err
 	}
+	ros, n := l.ros, l.n
 	rolloutS := time.Since(t0).Seconds()
 	res := &StepResult{Step: step}
 	if err := r.rolloutFailures(ctx, cfg, res, ros); err != nil {
 		return nil, err
 	}
+	r.launchAhead(step, cfg) // with K > 0, the next steps' rollouts run while this one trains
 	t1 := time.Now()
 	// Training is not cut short by a cancelled context: an abandoned step stops in its rollouts,
 	// never between two optimizer steps of a policy.
-	pm, err := r.trainPolicies(context.WithoutCancel(ctx), step, cfg, ros, rolloutS)
+	pm, err := r.trainPolicies(context.WithoutCancel(ctx), step, cfg, ros, rolloutS, l.version)
 	if err != nil {
 		return nil, r.restart.cause(err)
 	}
 	trainS := time.Since(t1).Seconds()
 	res.Policies = pm
 	res.Run = r.runMetrics(step, ros, res, rolloutS, trainS, time.Since(t0).Seconds())
+	r.asyncMetrics(res, l, k)
 	r.step, r.next = step, r.next+n
 	if err := r.metrics.writeLines(append(append([]Metrics(nil), res.Policies...), res.Run)); err != nil {
 		return nil, err
@@ -726,8 +751,12 @@ type rolloutFn struct {
 
 // runRollouts calls fn(task) for every task, each on its own goroutine (or, sandboxed, in child
 // processes). eval, when not nil, marks eval rollouts: they sample with its settings and may not
-// train.
-func (r *Run) runRollouts(ctx context.Context, step int, tasks []Task, samples int, rf rolloutFn, eval *engines.Sampling) ([]*script.Rollout, error) {
+// train. version ≥ 0 is the weights version the trainable policies generate from (async.go); -1:
+// their current weights.
+func (r *Run) runRollouts(ctx context.Context, step int, tasks []Task, samples int, rf rolloutFn, eval *engines.Sampling, version int) ([]*script.Rollout, error) {
+	if version >= 0 {
+		ctx = withVersion(ctx, version)
+	}
 	stepCtx, cancel := context.WithCancelCause(ctx)
 	defer cancel(nil)
 	go r.cancelOnStop(stepCtx, cancel)
@@ -776,13 +805,14 @@ func (r *Run) runRollouts(ctx context.Context, step int, tasks []Task, samples i
 // trainSample is a queued sample of a successful rollout, in deterministic order.
 type trainSample struct {
 	script.Queued
-	task   int
-	reward float64
+	task    int
+	reward  float64
+	version int // the weights version it was generated from; -1: the current one (K = 0)
 }
 
 // trainPolicies computes advantages and trains every trainable policy on its samples.
-func (r *Run) trainPolicies(ctx context.Context, step int, cfg *config.Config, ros []*script.Rollout, rolloutS float64) ([]Metrics, error) {
-	byPolicy, gens := gather(ros)
+func (r *Run) trainPolicies(ctx context.Context, step int, cfg *config.Config, ros []*script.Rollout, rolloutS float64, version int) ([]Metrics, error) {
+	byPolicy, gens := gather(ros, version)
 	pols := r.policyList()
 	advs, targets, err := r.advantages(ctx, pols, byPolicy)
 	if err != nil {
@@ -798,6 +828,9 @@ func (r *Run) trainPolicies(ctx context.Context, step int, cfg *config.Config, r
 		ss := byPolicy[p.name]
 		fillRewardMetrics(m, gens[p.name], ss)
 		m.set("rollout_s", rolloutS)
+		if cfg.Rollout.MaxStaleness > 0 && p.cfg.Trainable {
+			stalenessMetrics(m, step, ss)
+		}
 		if p.cfg.Trainable && len(ss) > 0 {
 			t := time.Now()
 			if err := r.trainOne(ctx, step, p, ss, advs[p.name], m); err != nil {
@@ -848,7 +881,7 @@ func (r *Run) policyList() []*policy {
 
 // gather collects the samples and completions of the successful rollouts, per policy, in an order
 // that does not depend on scheduling: task, then position in the rollout's call tree.
-func gather(ros []*script.Rollout) (map[string][]trainSample, map[string][]*script.Completion) {
+func gather(ros []*script.Rollout, version int) (map[string][]trainSample, map[string][]*script.Completion) {
 	byPolicy := map[string][]trainSample{}
 	gens := map[string][]*script.Completion{}
 	for _, ro := range ros {
@@ -860,7 +893,7 @@ func gather(ros []*script.Rollout) (map[string][]trainSample, map[string][]*scri
 				q.Group = ro.Group
 			}
 			rw, _ := q.C.Reward()
-			byPolicy[q.C.Policy()] = append(byPolicy[q.C.Policy()], trainSample{Queued: q, task: ro.Index, reward: rw})
+			byPolicy[q.C.Policy()] = append(byPolicy[q.C.Policy()], trainSample{Queued: q, task: ro.Index, reward: rw, version: version})
 		}
 		for _, c := range ro.Generated() {
 			gens[c.Policy()] = append(gens[c.Policy()], c)
@@ -909,7 +942,9 @@ func (r *Run) trainOne(ctx context.Context, step int, p *policy, ss []trainSampl
 				b.Samples[len(b.Samples)-1].TrainLogprobs = trainLogp[i]
 			}
 		}
+		p.busy.begin()
 		st, err := p.eng.Train(ctx, b)
+		p.busy.end()
 		if err != nil {
 			return &EngineError{Step: step, Policy: p.name, Err: fmt.Errorf("train: %w", err), Hint: r.engineErrorHint()}
 		}

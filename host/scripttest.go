@@ -202,14 +202,14 @@ func builtinSimulate(thread *starlark.Thread, b *starlark.Builtin, args starlark
 		return nil, err
 	}
 	fn.Freeze()
-	ros, err := r.runRollouts(ctx, 1, []Task{t}, 1, rolloutFn{fn: fn, name: "rollout"}, nil)
+	ros, err := r.runRollouts(ctx, 1, []Task{t}, 1, rolloutFn{fn: fn, name: "rollout"}, nil, -1)
 	if err != nil {
 		return nil, err
 	}
 	if ros[0].Err != nil {
 		return nil, fmt.Errorf("the rollout failed:\n%s", indent(script.ErrorText(ros[0].Err)))
 	}
-	byPolicy, _ := gather(ros)
+	byPolicy, _ := gather(ros, -1)
 	pols := r.policyList()
 	advs, _, err := r.advantages(ctx, pols, byPolicy)
 	if err != nil {

@@ -34,7 +34,7 @@ func (h localHost) Generate(ctx context.Context, policy string, req engines.Gene
 		return nil, err
 	}
 	req.ID = script.WireID(ctx, req.ID) // a sandboxed rollout's requests come this way too
-	return p.disp.generate(ctx, req)
+	return p.disp.generate(ctx, req, versionFor(ctx, p))
 }
 
 func (h localHost) Score(ctx context.Context, policy string, req engines.ScoreRequest) ([]float32, error) {

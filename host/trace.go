@@ -41,7 +41,7 @@ func Trace(ctx context.Context, scriptPath string, cfg *config.Config, task Task
 		return nil, err
 	}
 	defer r.Close()
-	ros, err := r.runRollouts(ctx, 1, []Task{task}, 1, rolloutFn{fn: r.script.Rollout(), name: "rollout"}, nil)
+	ros, err := r.runRollouts(ctx, 1, []Task{task}, 1, rolloutFn{fn: r.script.Rollout(), name: "rollout"}, nil, -1)
 	if err != nil {
 		return nil, err
 	}

@@ -43,7 +43,7 @@ func parseInterleaved(fs *flag.FlagSet, args []string) ([]string, error) {
 type execFlags struct {
 	fs                         *flag.FlagSet
 	cfgPath, data, out, resume *string
-	steps, batch               *int
+	steps, batch, staleness    *int
 	seed                       *uint64
 	sandbox, watch             *bool
 	set                        map[string]bool // the flags given on the command line
@@ -52,19 +52,20 @@ type execFlags struct {
 func newExecFlags() *execFlags {
 	fs := flag.NewFlagSet("exec", flag.ContinueOnError)
 	f := &execFlags{fs: fs,
-		cfgPath: fs.String("config", "", "YAML config (slime-n's policies: schema); default: every policy the script names on builtin:tiny-arith"),
-		data:    fs.String("data", "", "task source: a JSONL file or synthetic:arith[?difficulty=N] (overrides data.path)"),
-		steps:   fs.Int("steps", 0, "steps to run (overrides run.steps)"),
-		seed:    fs.Uint64("seed", 0, "run seed (overrides run.seed)"),
-		out:     fs.String("out", "", "run directory (overrides run.out; default runs/SCRIPT_NAME)"),
-		batch:   fs.Int("batch-size", 0, "tasks per step (overrides rollout.batch_size)"),
-		resume:  fs.String("resume", "", "continue a run: its directory (its newest valid checkpoint; newer invalid ones are reported and skipped) or a checkpoints/step_N folder"),
-		sandbox: fs.Bool("sandbox", false, "run the script's rollouts in child processes under the config's sandbox budgets (for contributed workflows)"),
-		watch:   fs.Bool("watch", false, "reload the script, the files it loads and the config when they change (at step boundaries)"),
-		set:     map[string]bool{},
+		cfgPath:   fs.String("config", "", "YAML config (slime-n's policies: schema); default: every policy the script names on builtin:tiny-arith"),
+		data:      fs.String("data", "", "task source: a JSONL file or synthetic:arith[?difficulty=N] (overrides data.path)"),
+		steps:     fs.Int("steps", 0, "steps to run (overrides run.steps)"),
+		seed:      fs.Uint64("seed", 0, "run seed (overrides run.seed)"),
+		out:       fs.String("out", "", "run directory (overrides run.out; default runs/SCRIPT_NAME)"),
+		batch:     fs.Int("batch-size", 0, "tasks per step (overrides rollout.batch_size)"),
+		staleness: fs.Int("max-staleness", 0, "K of the asynchronous loop: the rollouts of the next K steps run while a step trains, from weights at most K steps old (overrides rollout.max_staleness; 0: synchronous)"),
+		resume:    fs.String("resume", "", "continue a run: its directory (its newest valid checkpoint; newer invalid ones are reported and skipped) or a checkpoints/step_N folder"),
+		sandbox:   fs.Bool("sandbox", false, "run the script's rollouts in child processes under the config's sandbox budgets (for contributed workflows)"),
+		watch:     fs.Bool("watch", false, "reload the script, the files it loads and the config when they change (at step boundaries)"),
+		set:       map[string]bool{},
 	}
 	fs.Usage = func() {
-		fmt.Fprintln(fs.Output(), "usage: slimen exec SCRIPT [--config Y] [--data D] [--steps N] [--seed S] [--out DIR] [--batch-size B] [--watch] [--sandbox] [--resume RUN_DIR|RUN_DIR/checkpoints/step_N]")
+		fmt.Fprintln(fs.Output(), "usage: slimen exec SCRIPT [--config Y] [--data D] [--steps N] [--seed S] [--out DIR] [--batch-size B] [--max-staleness K] [--watch] [--sandbox] [--resume RUN_DIR|RUN_DIR/checkpoints/step_N]")
 		fs.PrintDefaults()
 	}
 	return f
@@ -91,6 +92,12 @@ func (f *execFlags) override(c *config.Config) error {
 			return errors.New("--batch-size must be at least 1")
 		}
 		c.Rollout.BatchSize = *f.batch
+	}
+	if f.set["max-staleness"] {
+		if *f.staleness < 0 {
+			return errors.New("--max-staleness must be ≥ 0")
+		}
+		c.Rollout.MaxStaleness = *f.staleness
 	}
 	return nil
 }

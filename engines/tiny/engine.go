@@ -34,6 +34,8 @@ type Engine struct {
 	// adapters are the LoRA adapters over the base weights m (AddAdapter), by name.
 	adapters map[string]*adapterState
 	closed   bool
+	// versions are the rollout copies of the weights (engines.Versions, versions.go).
+	versions versionStore
 }
 
 var (

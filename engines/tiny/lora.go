@@ -212,3 +212,16 @@ func loraTensors32(l *loraWeights[float32]) []tensor {
 	}
 	return ts
 }
+
+// clone returns a copy of the adapter's weights.
+func (l *loraWeights[T]) clone() *loraWeights[T] {
+	c := l.zeros()
+	c.scale = l.scale
+	for layer := range l.a {
+		for t := range nTargets {
+			copy(c.a[layer][t], l.a[layer][t])
+			copy(c.b[layer][t], l.b[layer][t])
+		}
+	}
+	return c
+}

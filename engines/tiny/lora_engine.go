@@ -86,7 +86,7 @@ func (e *Engine) Adapter(name string) (*AdapterEngine, error) {
 	if !ok {
 		return nil, fmt.Errorf("tiny: no adapter %q", name)
 	}
-	return &AdapterEngine{e: e, a: a}, nil
+	return &AdapterEngine{e: e, a: a, versions: &versionStore{}}, nil
 }
 
 // AdapterEngine is one LoRA adapter on an engine's base model (Engine.Adapter). Its KL reference
@@ -94,6 +94,8 @@ func (e *Engine) Adapter(name string) (*AdapterEngine, error) {
 type AdapterEngine struct {
 	e *Engine
 	a *adapterState
+	// versions are the rollout copies of the adapter (engines.Versions, versions.go).
+	versions *versionStore
 }
 
 var (

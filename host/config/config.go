@@ -191,6 +191,10 @@ type RolloutConfig struct {
 	// StopGraceS is how long rollouts may still run after Run.Stop (the first SIGINT/SIGTERM)
 	// before they are cancelled and the step goes on without them.
 	StopGraceS float64 `yaml:"stop_grace_s" json:"stop_grace_s"`
+	// MaxStaleness is K of the asynchronous loop (docs/async.md): the rollouts of step s generate
+	// from the weights after max(0, s−1−K) training steps, so those of steps k+1…k+K run while
+	// the policies train on step k. 0: the synchronous loop.
+	MaxStaleness int `yaml:"max_staleness" json:"max_staleness,omitempty"`
 }
 
 // DataConfig names the task source.

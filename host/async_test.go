@@ -1,0 +1,307 @@
+package host
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"os"
+	"path/filepath"
+	"strings"
+	"sync"
+	"testing"
+
+	"github.com/google/go-cmp/cmp"
+
+	"github.com/slimen/slimen/engines"
+	"github.com/slimen/slimen/engines/scripted"
+	"github.com/slimen/slimen/engines/tiny"
+	"github.com/slimen/slimen/host/config"
+)
+
+// versionSpy is a tiny engine that records which weights version each prompt was sampled from
+// and which versions the run kept.
+type versionSpy struct {
+	*tiny.Engine
+	mu   sync.Mutex
+	seen map[string][]int
+	kept []int
+}
+
+func (s *versionSpy) GenerateVersion(ctx context.Context, v int, reqs []engines.GenerateRequest) ([]engines.Completion, error) {
+	s.mu.Lock()
+	for _, q := range reqs {
+		if s.seen == nil {
+			s.seen = map[string][]int{}
+		}
+		p := q.Messages[len(q.Messages)-1].Content
+		s.seen[p] = append(s.seen[p], v)
+	}
+	s.mu.Unlock()
+	return s.Engine.GenerateVersion(ctx, v, reqs)
+}
+
+func (s *versionSpy) KeepVersion(ctx context.Context, v int) error {
+	s.mu.Lock()
+	s.kept = append(s.kept, v)
+	s.mu.Unlock()
+	return s.Engine.KeepVersion(ctx, v)
+}
+
+func newVersionSpy(t *testing.T, model string) *versionSpy {
+	t.Helper()
+	e, err := tiny.Open(model, tiny.Options{Threads: 1})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { e.Close() })
+	return &versionSpy{Engine: e}
+}
+
+// stepLines runs steps steps and returns each step's records without their timings, one JSON
+// line per record.
+func stepLines(t *testing.T, r *Run, steps int) []string {
+	t.Helper()
+	var lines []string
+	for i := 0; i < steps; i++ {
+		res, err := r.Step(context.Background())
+		if err != nil {
+			t.Fatal(err)
+		}
+		if len(res.Failed) > 0 {
+			t.Fatal(res.Failed[0])
+		}
+		for _, m := range append(res.Policies, res.Run) {
+			for _, k := range TimingFields {
+				delete(m, k)
+			}
+			b, _ := json.Marshal(m)
+			lines = append(lines, string(b))
+		}
+	}
+	return lines
+}
+
+// TestAsyncVersionsAndDeterminism: with rollout.max_staleness 1, step s samples from the weights
+// after max(0, s−2) steps (step 1 and 2 from the initial weights, step 3 from version 1, …), the
+// metrics say so, and two runs with the same seed write the same metrics. Step 1, which both
+// loops run from the initial weights, is the synchronous loop's step 1.
+func TestAsyncVersionsAndDeterminism(t *testing.T) {
+	model := tinyModel(t, 1)
+	script := writeScript(t, tinyScript)
+	run := func(k int) ([]string, *versionSpy) {
+		spy := newVersionSpy(t, model)
+		cfg := tinyConfig(model, nil)
+		cfg.Rollout.MaxStaleness = k
+		r, err := Load(context.Background(), script, Options{Config: cfg, Tasks: numberedTasks(100), Engines: map[string]engines.Engine{"p": spy}})
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer r.Close()
+		return stepLines(t, r, 4), spy
+	}
+	a, spy := run(1)
+	b, _ := run(1)
+	if d := cmp.Diff(a, b); d != "" {
+		t.Errorf("two runs at max_staleness 1 differ (-first +second):\n%s", d)
+	}
+	spy.mu.Lock()
+	for i, want := range []int{0, 0, 0, 0, 1, 1, 2, 2} { // two tasks a step
+		if got := spy.seen[fmt.Sprintf("q%d", i)]; !cmp.Equal(got, []int{want}) {
+			t.Errorf("task q%d (step %d) sampled from versions %v, want [%d]", i, i/2+1, got, want)
+		}
+	}
+	if !cmp.Equal(spy.kept, []int{0, 1, 2, 3}) {
+		t.Errorf("kept versions %v, want 0 1 2 3", spy.kept)
+	}
+	spy.mu.Unlock()
+	for s := 1; s <= 4; s++ {
+		var m Metrics
+		json.Unmarshal([]byte(a[2*(s-1)]), &m)
+		trained, from := s-1, max(0, s-2)
+		if m.Policy() != "p" || m.Float("trained_version") != float64(trained) || m.Float("rollout_version") != float64(from) ||
+			m.Float("staleness_max") != float64(trained-from) || m.Float("staleness_mean") != float64(trained-from) {
+			t.Errorf("step %d: %s; want trained_version %d, rollout_version %d, staleness %d", s, a[2*(s-1)], trained, from, trained-from)
+		}
+	}
+	sync, _ := run(0)
+	if strings.Contains(strings.Join(sync, "\n"), "staleness") {
+		t.Errorf("the synchronous loop reports staleness: %s", sync[0])
+	}
+	strip := func(line string) string {
+		var m Metrics
+		json.Unmarshal([]byte(line), &m)
+		for _, k := range []string{"trained_version", "rollout_version", "staleness_mean", "staleness_max"} {
+			delete(m, k)
+		}
+		b, _ := json.Marshal(m)
+		return string(b)
+	}
+	if strip(a[0]) != strip(sync[0]) {
+		t.Errorf("step 1 differs between max_staleness 1 and 0, though both sample from the initial weights:\n%s\n%s", a[0], sync[0])
+	}
+	if strip(a[4]) == strip(sync[4]) {
+		t.Errorf("step 3 is the same at max_staleness 1 and 0, though they sample from versions 1 and 2:\n%s", a[4])
+	}
+}
+
+// TestAsyncResumeEqualsUninterrupted: a run at max_staleness K resumed from a checkpoint writes
+// the metrics of the run that never stopped: the checkpoint holds the versions the next steps
+// generate from, and the rollouts in flight when it was written run again from them.
+func TestAsyncResumeEqualsUninterrupted(t *testing.T) {
+	model := tinyModel(t, 1)
+	script := writeScript(t, tinyScript)
+	for _, k := range []int{1, 2} {
+		t.Run(fmt.Sprint("K=", k), func(t *testing.T) {
+			cfg := func() *config.Config {
+				c := tinyConfig(model, nil)
+				c.Rollout.MaxStaleness = k
+				c.Run.KeepCheckpoints = 0
+				return c
+			}
+			whole := filepath.Join(t.TempDir(), "whole")
+			r := loadTiny(t, script, whole, cfg())
+			if err := r.Steps(context.Background(), 5); err != nil {
+				t.Fatal(err)
+			}
+			r.Close()
+
+			split := filepath.Join(t.TempDir(), "split")
+			r = loadTiny(t, script, split, cfg())
+			if err := r.Steps(context.Background(), 3); err != nil {
+				t.Fatal(err)
+			}
+			ck, err := r.Checkpoint(context.Background())
+			if err != nil {
+				t.Fatal(err)
+			}
+			if _, err := r.Step(context.Background()); err != nil { // written, then lost in the "crash"
+				t.Fatal(err)
+			}
+			r.Close()
+			vers, _ := filepath.Glob(filepath.Join(ck, versionsDir, "p", "*"))
+			if len(vers) != k {
+				t.Errorf("checkpoint of step 3 holds weights versions %v, want %d", vers, k)
+			}
+			r = loadTiny(t, script, split, cfg())
+			if err := r.restore(context.Background(), ck); err != nil {
+				t.Fatal(err)
+			}
+			if err := r.Steps(context.Background(), 2); err != nil {
+				t.Fatal(err)
+			}
+			r.Close()
+			if got, want := metricsWithoutTimings(t, split), metricsWithoutTimings(t, whole); got != want {
+				t.Errorf("resumed run's metrics differ:\n%s\n---\n%s", want, got)
+			}
+			events, _ := os.ReadFile(filepath.Join(split, "events.log"))
+			if want := fmt.Sprintf("the rollouts of steps 4–%d in flight are not in it: a resume runs them again", 3+k); !strings.Contains(string(events), want) {
+				t.Errorf("events.log lacks %q:\n%s", want, events)
+			}
+		})
+	}
+}
+
+// TestAsyncResumeWithLargerStaleness: a checkpoint holds the versions of its own K only.
+func TestAsyncResumeWithLargerStaleness(t *testing.T) {
+	model := tinyModel(t, 1)
+	script := writeScript(t, tinyScript)
+	out := filepath.Join(t.TempDir(), "run")
+	cfg := tinyConfig(model, nil)
+	cfg.Rollout.MaxStaleness = 1
+	r := loadTiny(t, script, out, cfg)
+	if err := r.Steps(context.Background(), 2); err != nil {
+		t.Fatal(err)
+	}
+	ck, err := r.Checkpoint(context.Background())
+	if err != nil {
+		t.Fatal(err)
+	}
+	r.Close()
+	cfg = tinyConfig(model, nil)
+	cfg.Rollout.MaxStaleness = 2
+	r = loadTiny(t, script, out, cfg)
+	defer r.Close()
+	if err := r.restore(context.Background(), ck); err == nil || !strings.Contains(err.Error(), "rollout.max_staleness at most 1") {
+		t.Errorf("resume at a larger max_staleness: %v", err)
+	}
+}
+
+// TestAsyncNeedsVersionedEngine: an engine that keeps no rollout copies is refused, by name.
+func TestAsyncNeedsVersionedEngine(t *testing.T) {
+	cfg := testConfig(2, "p")
+	cfg.Rollout.MaxStaleness = 1
+	r := loadRun(t, "def rollout(task):\n    c = generate(\"p\", task.prompt)\n    reward(c, 1.0)\n    train(c)\n", cfg,
+		map[string]engines.Engine{"p": scripted.Echo("x")}, numberedTasks(2))
+	_, err := r.Step(context.Background())
+	if err == nil || !strings.Contains(err.Error(), `policy "p"`) || !strings.Contains(err.Error(), "rollout.max_staleness is 1") {
+		t.Errorf("Step = %v; want a refusal naming the policy and rollout.max_staleness", err)
+	}
+}
+
+// TestAsyncReload: a script reloaded at a step boundary runs that step's rollouts, though they
+// were launched under the old version while the step before trained: they are discarded and run
+// again, and events.log says so.
+func TestAsyncReload(t *testing.T) {
+	model := tinyModel(t, 1)
+	dir := t.TempDir()
+	script := filepath.Join(dir, "s.star")
+	write := func(v int) {
+		src := fmt.Sprintf("def rollout(task):\n    c = generate(\"p\", task.prompt)\n    reward(c, 1.0)\n    train(c)\n    log(version = %d)\n", v)
+		if err := os.WriteFile(script, []byte(src), 0o644); err != nil {
+			t.Fatal(err)
+		}
+	}
+	write(1)
+	out := filepath.Join(dir, "run")
+	cfg := tinyConfig(model, nil)
+	cfg.Rollout.MaxStaleness = 1
+	r := loadTiny(t, script, out, cfg)
+	defer r.Close()
+	if err := r.Watch(""); err != nil {
+		t.Fatal(err)
+	}
+	logged := func() float64 {
+		res, err := r.Step(context.Background())
+		if err != nil {
+			t.Fatal(err)
+		}
+		return res.Run.Float("version")
+	}
+	if v := logged(); v != 1 {
+		t.Fatalf("step 1 logged version %v", v)
+	}
+	write(2)
+	if v := logged(); v != 2 {
+		t.Fatalf("step 2 after the rewrite logged version %v, want 2", v)
+	}
+	if v := logged(); v != 2 {
+		t.Fatalf("step 3 logged version %v, want 2", v)
+	}
+	r.Close()
+	events, _ := os.ReadFile(filepath.Join(out, "events.log"))
+	if want := "reload: the rollouts of steps 2–2, launched already, are discarded; they run again"; !strings.Contains(string(events), want) {
+		t.Errorf("events.log lacks %q:\n%s", want, events)
+	}
+}
+
+// TestAsyncSandboxed: a sandboxed run at max_staleness 1 writes the metrics of the same run in
+// process.
+func TestAsyncSandboxed(t *testing.T) {
+	model := tinyModel(t, 1)
+	script := writeScript(t, tinyScript)
+	run := func(sandboxed bool) []string {
+		cfg := tinyConfig(model, nil)
+		cfg.Rollout.MaxStaleness = 1
+		cfg.Sandbox.Train = []string{"p"}
+		r, err := Load(context.Background(), script, Options{Config: cfg, Tasks: numberedTasks(100), Sandbox: sandboxed,
+			Engines: map[string]engines.Engine{"p": newVersionSpy(t, model)}})
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer r.Close()
+		return stepLines(t, r, 3)
+	}
+	if d := cmp.Diff(run(false), run(true)); d != "" {
+		t.Errorf("sandboxed run differs from the run in process (-in process +sandboxed):\n%s", d)
+	}
+}
