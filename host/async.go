@@ -129,7 +129,7 @@ func (r *Run) discardAhead(why string) {
 		return
 	}
 	if why != "" {
-		r.events.printf("%s: the rollouts of steps %d–%d, launched already, are discarded; they run again", why, r.ahead[0].step, r.ahead[len(r.ahead)-1].step)
+		r.events.printf("%s: the rollouts of steps %s, launched already, are discarded; they run again", why, span(r.ahead[0].step, r.ahead[len(r.ahead)-1].step))
 	}
 	for _, l := range r.ahead {
 		l.cancel()
@@ -211,11 +211,11 @@ func (r *Run) saveVersions(ctx context.Context, step int, tmp string) error {
 		}
 	}
 	if lo < step {
-		msg := fmt.Sprintf("checkpoint: step %d holds weights versions %d–%d, which steps %d–%d generate from (rollout.max_staleness %d)", step, lo, step-1, step+1, step+k, k)
+		msg := fmt.Sprintf("checkpoint: step %d holds weights versions %s, which steps %s generate from (rollout.max_staleness %d)", step, span(lo, step-1), span(step+1, step+k), k)
 		if n := len(r.ahead); n > 0 {
-			msg += fmt.Sprintf("; the rollouts of steps %d–%d in flight are not in it: a resume runs them again from those versions", r.ahead[0].step, r.ahead[n-1].step)
+			msg += fmt.Sprintf("; the rollouts of steps %s in flight are not in it: a resume runs them again from those versions", span(r.ahead[0].step, r.ahead[n-1].step))
 		}
-		r.events.printf("%s", msg)
+		r.events.filef("%s", msg)
 	}
 	return nil
 }
@@ -316,7 +316,19 @@ func (r *Run) asyncMetrics(res *StepResult, l *launched, k int) {
 	r.lastStepEnd = now
 	if k > 0 {
 		res.Run.set("rollout_wall_s", l.wallS)
+		if l.wallS > 0 {
+			// tokens_per_s is the rollouts' rate: over their own wall time, not the step's wait.
+			res.Run.set("tokens_per_s", float64(res.Run.int("tokens"))/l.wallS)
+		}
 	}
+}
+
+// span writes a range of steps or versions: "4" or "4–6".
+func span(lo, hi int) string {
+	if lo == hi {
+		return strconv.Itoa(lo)
+	}
+	return fmt.Sprintf("%d–%d", lo, hi)
 }
 
 // stalenessMetrics records, with K > 0, the versions a policy's samples of step were generated

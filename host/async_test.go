@@ -194,7 +194,7 @@ func TestAsyncResumeEqualsUninterrupted(t *testing.T) {
 				t.Errorf("resumed run's metrics differ:\n%s\n---\n%s", want, got)
 			}
 			events, _ := os.ReadFile(filepath.Join(split, "events.log"))
-			if want := fmt.Sprintf("the rollouts of steps 4–%d in flight are not in it: a resume runs them again", 3+k); !strings.Contains(string(events), want) {
+			if want := fmt.Sprintf("the rollouts of steps %s in flight are not in it: a resume runs them again", span(4, 3+k)); !strings.Contains(string(events), want) {
 				t.Errorf("events.log lacks %q:\n%s", want, events)
 			}
 		})
@@ -279,7 +279,7 @@ func TestAsyncReload(t *testing.T) {
 	}
 	r.Close()
 	events, _ := os.ReadFile(filepath.Join(out, "events.log"))
-	if want := "reload: the rollouts of steps 2–2, launched already, are discarded; they run again"; !strings.Contains(string(events), want) {
+	if want := "reload: the rollouts of steps 2, launched already, are discarded; they run again"; !strings.Contains(string(events), want) {
 		t.Errorf("events.log lacks %q:\n%s", want, events)
 	}
 }
