@@ -62,24 +62,29 @@ type launched struct {
 
 // launch starts the rollouts of step from version v (-1: the current weights, the synchronous
 // loop) on the tasks after those of the steps launched already.
-func (r *Run) launch(step, v int, cfg *config.Config) *launched {
+func (r *Run) launch(ctx context.Context, step, v int, cfg *config.Config) error {
+	if v >= 0 {
+		if err := r.needVersion(ctx, v, cfg.Rollout.MaxStaleness); err != nil {
+			return err
+		}
+	}
 	pos, n := r.launchPos, cfg.Rollout.BatchSize
 	r.launchPos += n
 	tasks := make([]Task, n)
 	for i := range tasks {
 		tasks[i] = r.tasks.Task(pos + i)
 	}
-	ctx, cancel := context.WithCancel(r.ctx)
+	lctx, cancel := context.WithCancel(r.ctx)
 	l := &launched{step: step, version: v, n: n, start: time.Now(), done: make(chan struct{}), cancel: cancel}
 	rf := rolloutFn{fn: r.script.Rollout(), name: "rollout"}
 	samples := samplesPerTask(cfg)
 	go func() {
 		defer close(l.done)
-		l.ros, l.err = r.runRollouts(ctx, step, tasks, samples, rf, nil, v)
+		l.ros, l.err = r.runRollouts(lctx, step, tasks, samples, rf, nil, v)
 		l.wallS = time.Since(l.start).Seconds()
 	}()
 	r.ahead = append(r.ahead, l)
-	return l
+	return nil
 }
 
 // awaitStep returns the rollouts of step, launched earlier or now, once they are done. A cancelled
@@ -93,7 +98,9 @@ func (r *Run) awaitStep(ctx context.Context, step int, cfg *config.Config) (*lau
 		if k > 0 {
 			v = genVersion(step, k)
 		}
-		r.launch(step, v, cfg)
+		if err := r.launch(ctx, step, v, cfg); err != nil {
+			return nil, err
+		}
 	}
 	l := r.ahead[0]
 	select {
@@ -109,17 +116,29 @@ func (r *Run) awaitStep(ctx context.Context, step int, cfg *config.Config) (*lau
 	return l, l.err
 }
 
-// launchAhead starts the rollouts of steps step+1…step+K that are not running yet; the training
-// of step follows. Each generates from its genVersion, kept already: genVersion(step+K) = step−1.
-func (r *Run) launchAhead(step int, cfg *config.Config) {
+// launchAhead starts, once the rollouts of step are in, those of steps step+1…step+K that are
+// not running yet; the training of step follows. The versions below genVersion(step+1) are
+// dropped first: no step to come generates from them, so a policy keeps at most K versions.
+// Each new step generates from a kept version or from the current weights (genVersion(step+K)
+// = step−1), kept now, before the training changes them.
+func (r *Run) launchAhead(ctx context.Context, step int, cfg *config.Config) error {
 	k := cfg.Rollout.MaxStaleness
+	if k == 0 {
+		return nil
+	}
+	if err := r.dropVersions(ctx, genVersion(step+1, k), k); err != nil {
+		return err
+	}
 	last := step
 	if n := len(r.ahead); n > 0 {
 		last = r.ahead[n-1].step
 	}
 	for t := last + 1; t <= step+k; t++ {
-		r.launch(t, genVersion(t, k), cfg)
+		if err := r.launch(ctx, t, genVersion(t, k), cfg); err != nil {
+			return err
+		}
 	}
+	return nil
 }
 
 // discardAhead cancels the rollouts launched for steps not yet trained and waits for them; why,
@@ -140,27 +159,89 @@ func (r *Run) discardAhead(why string) {
 	r.ahead = nil
 }
 
-// versioned returns the engines.Versions of every trainable policy, or an error naming the first
-// whose engine keeps no rollout copies.
+// versioned returns the engines.Versions of every trainable policy: its engine's own, or rollout
+// replicas (replica.go) for an engine the run started that keeps none; an error names the first
+// policy that can have neither.
 func (r *Run) versioned(k int) (map[string]engines.Versions, error) {
 	out := map[string]engines.Versions{}
 	for _, p := range r.policyList() {
 		if !p.cfg.Trainable {
 			continue
 		}
-		vs, ok := p.eng.(engines.Versions)
-		if !ok {
-			return nil, fmt.Errorf("policy %q%s: rollout.max_staleness is %d, which needs an engine that keeps rollout copies of its weights while it trains (the tiny engine does); its %s engine does not — set rollout.max_staleness: 0 (docs/async.md)",
-				p.name, r.cfgPlace(p), k, p.cfg.Engine.Kind)
+		if p.vers == nil {
+			vs, err := r.versionsOf(p, k)
+			if err != nil {
+				return nil, err
+			}
+			p.vers = vs
+			p.disp.setVersions(vs)
 		}
-		out[p.name] = vs
+		out[p.name] = p.vers
 	}
 	return out, nil
 }
 
-// keepVersions has every trainable policy keep its current weights as version r.step (the
-// launches of the step need them) and forget the versions no step to come generates from.
-func (r *Run) keepVersions(ctx context.Context, k int) error {
+// versionsOf finds how policy p keeps weights versions.
+func (r *Run) versionsOf(p *policy, k int) (engines.Versions, error) {
+	if vs, ok := p.eng.(engines.Versions); ok {
+		return vs, nil
+	}
+	_, given := r.opts.Engines[p.name]
+	kind := p.cfg.Engine.Kind
+	if given || offHost(p.cfg) || kind == "openai" || r.opts.Out == "" {
+		why := "an engine the run opens itself and a run directory, through which its rollout replicas take the weights"
+		if offHost(p.cfg) {
+			why = "an engine the run starts itself: a replica of a server the run does not own would be the same server"
+		}
+		return nil, fmt.Errorf("policy %q%s: rollout.max_staleness is %d, which needs an engine that keeps rollout copies of its weights while it trains (the tiny engine does) or %s; its %s engine has neither — set rollout.max_staleness: 0 (docs/async.md)",
+			p.name, r.cfgPlace(p), k, why, kind)
+	}
+	pc := p.cfg
+	rep := &replicas{policy: p.name, trainer: p.eng, dir: filepath.Join(r.opts.Out, ".rollout_push", p.name), logf: r.events.filef,
+		open: func(ctx context.Context) (engines.Engine, error) {
+			open := r.opts.OpenEngine
+			if open == nil {
+				open = func(ctx context.Context, pc config.PolicyConfig) (engines.Engine, error) {
+					lost := func(ctx context.Context, ev restartEvent) error {
+						return fmt.Errorf("policy %q: a rollout replica restarted and lost the weights version it held; resume the run from its last checkpoint", pc.Name)
+					}
+					return openEngine(ctx, pc, r.opts.Out, engineLogs{printf: r.events.printf, worker: r.events.filef, restarted: lost, cfg: r.cfg})
+				}
+			}
+			return open(ctx, pc)
+		}}
+	p.replicas = rep
+	r.events.printf("policy %q: its %s engine trains its only copy of the weights in place, so rollouts at rollout.max_staleness %d sample from rollout replicas (another engine of the policy each, up to %d), which load the weights the trainer saves after each step", p.name, kind, k, k)
+	return rep, nil
+}
+
+// needVersion makes every trainable policy keep weights version v, which a step about to
+// launch generates from: kept already, or the current weights (v = r.step), kept now.
+func (r *Run) needVersion(ctx context.Context, v, k int) error {
+	vs, err := r.versioned(k)
+	if err != nil {
+		return err
+	}
+	if r.kept[v] {
+		return nil
+	}
+	if v != r.step {
+		return fmt.Errorf("step %d: weights version %d is needed, but only the current weights (version %d) and versions %v are at hand", r.step+1, v, r.step, r.keptList())
+	}
+	for _, name := range sortedKeys(vs) {
+		if err := vs[name].KeepVersion(ctx, v); err != nil {
+			return &EngineError{Step: r.step + 1, Policy: name, Err: fmt.Errorf("keeping weights version %d for rollouts: %w", v, err), Hint: r.engineErrorHint()}
+		}
+	}
+	if r.kept == nil {
+		r.kept = map[int]bool{}
+	}
+	r.kept[v] = true
+	return nil
+}
+
+// dropVersions forgets the weights versions below v: no step to come generates from them.
+func (r *Run) dropVersions(ctx context.Context, below, k int) error {
 	if k == 0 {
 		return nil
 	}
@@ -168,22 +249,35 @@ func (r *Run) keepVersions(ctx context.Context, k int) error {
 	if err != nil {
 		return err
 	}
-	for name, v := range vs {
-		if r.kept[name] == r.step+1 {
-			continue
+	for _, name := range sortedKeys(vs) {
+		if err := vs[name].DropVersions(ctx, below); err != nil {
+			return &EngineError{Step: r.step + 1, Policy: name, Err: fmt.Errorf("dropping weights versions: %w", err), Hint: r.engineErrorHint()}
 		}
-		if err := v.KeepVersion(ctx, r.step); err != nil {
-			return &EngineError{Step: r.step + 1, Policy: name, Err: fmt.Errorf("keeping weights version %d for rollouts: %w", r.step, err), Hint: r.engineErrorHint()}
+	}
+	for v := range r.kept {
+		if v < below {
+			delete(r.kept, v)
 		}
-		if err := v.DropVersions(ctx, genVersion(r.step+1, k)); err != nil {
-			return &EngineError{Step: r.step + 1, Policy: name, Err: fmt.Errorf("dropping old weights versions: %w", err), Hint: r.engineErrorHint()}
-		}
-		if r.kept == nil {
-			r.kept = map[string]int{}
-		}
-		r.kept[name] = r.step + 1 // one more than the version, so that the zero value is none
 	}
 	return nil
+}
+
+func (r *Run) keptList() []int {
+	var vs []int
+	for v := range r.kept {
+		vs = append(vs, v)
+	}
+	sort.Ints(vs)
+	return vs
+}
+
+func sortedKeys[V any](m map[string]V) []string {
+	keys := make([]string, 0, len(m))
+	for k := range m {
+		keys = append(keys, k)
+	}
+	sort.Strings(keys)
+	return keys
 }
 
 // versionsDir is where a checkpoint holds the weights versions its next steps generate from:
@@ -234,10 +328,10 @@ func (r *Run) restoreVersions(ctx context.Context, dir string, p *policy) error 
 	if len(vers) == 0 {
 		return nil
 	}
-	vs, ok := p.eng.(engines.Versions)
-	if !ok {
-		return fmt.Errorf("resume: policy %q: the checkpoint holds weights versions for rollouts, but its %s engine keeps none (rollout.max_staleness needs the tiny engine)", p.name, p.cfg.Engine.Kind)
+	if _, err := r.versioned(max(1, r.staleness())); err != nil {
+		return fmt.Errorf("resume: %w", err)
 	}
+	vs := p.vers
 	sort.Ints(vers)
 	for _, v := range vers {
 		if err := p.eng.Load(ctx, filepath.Join(root, strconv.Itoa(v))); err != nil {
@@ -246,6 +340,10 @@ func (r *Run) restoreVersions(ctx context.Context, dir string, p *policy) error 
 		if err := vs.KeepVersion(ctx, v); err != nil {
 			return fmt.Errorf("resume: policy %q: weights version %d: %w", p.name, v, err)
 		}
+		if r.kept == nil {
+			r.kept = map[int]bool{}
+		}
+		r.kept[v] = true
 	}
 	return nil
 }

@@ -305,3 +305,54 @@ func TestAsyncSandboxed(t *testing.T) {
 		t.Errorf("sandboxed run differs from the run in process (-in process +sandboxed):\n%s", d)
 	}
 }
+
+// plainEngine hides every method of an engine but engines.Engine's: an engine that keeps no
+// weights versions, as a torch worker.
+type plainEngine struct{ engines.Engine }
+
+// TestAsyncReplicas: a policy whose engine keeps no weights versions samples from rollout
+// replicas, which load the weights the trainer saves: the run writes the metrics of the run whose
+// engine keeps its versions itself, with at most K replicas.
+func TestAsyncReplicas(t *testing.T) {
+	model := tinyModel(t, 1)
+	script := writeScript(t, tinyScript)
+	for _, k := range []int{1, 2} {
+		t.Run(fmt.Sprint("K=", k), func(t *testing.T) {
+			run := func(plain bool) (string, string) {
+				cfg := tinyConfig(model, nil)
+				cfg.Rollout.MaxStaleness = k
+				out := filepath.Join(t.TempDir(), "run")
+				opts := Options{Config: cfg, Tasks: numberedTasks(100), Out: out}
+				if plain {
+					opts.OpenEngine = func(ctx context.Context, p config.PolicyConfig) (engines.Engine, error) {
+						e, err := tiny.Open(p.HFCheckpoint, tiny.Options{Threads: 1})
+						return plainEngine{e}, err
+					}
+				}
+				r, err := Load(context.Background(), script, opts)
+				if err != nil {
+					t.Fatal(err)
+				}
+				if err := r.Steps(context.Background(), 4); err != nil {
+					t.Fatal(err)
+				}
+				r.Close()
+				events, _ := os.ReadFile(filepath.Join(out, "events.log"))
+				return metricsWithoutTimings(t, out), string(events)
+			}
+			native, _ := run(false)
+			replicated, events := run(true)
+			if native != replicated {
+				t.Errorf("with rollout replicas the metrics differ:\n%s\n---\n%s", native, replicated)
+			}
+			for _, want := range []string{"sample from rollout replicas", fmt.Sprintf("rollout replica %d opened", k), "pushed to its rollout replica"} {
+				if !strings.Contains(events, want) {
+					t.Errorf("events.log lacks %q:\n%s", want, events)
+				}
+			}
+			if tooMany := fmt.Sprintf("rollout replica %d opened", k+1); strings.Contains(events, tooMany) {
+				t.Errorf("more than K = %d replicas:\n%s", k, events)
+			}
+		})
+	}
+}

@@ -68,7 +68,8 @@ type dispatcher struct {
 	kick       chan struct{}
 	maxSamples int
 	maxWait    time.Duration
-	busy       *busyMeter // nil: not measured
+	busy       *busyMeter       // nil: not measured
+	vers       engines.Versions // the engine's weights versions (setVersions); nil: none
 
 	mu      sync.Mutex
 	pending []*pendingGen
@@ -191,8 +192,11 @@ func (d *dispatcher) flush(ctx context.Context) {
 	}
 	var out []engines.Completion
 	var err error
+	d.mu.Lock()
+	vs := d.vers
+	d.mu.Unlock()
 	if v := batch[0].version; v >= 0 {
-		if vs, ok := d.eng.(engines.Versions); ok {
+		if vs != nil {
 			out, err = vs.GenerateVersion(ctx, v, reqs)
 		} else {
 			err = fmt.Errorf("the engine keeps no weights versions (rollout.max_staleness)")
@@ -243,4 +247,11 @@ func (d *dispatcher) stats() (batches, requests int) {
 
 func errShortBatch(got, want int) error {
 	return fmt.Errorf("engine returned %d completions for %d samples", got, want)
+}
+
+// setVersions gives the dispatcher the policy's weights versions (async.go).
+func (d *dispatcher) setVersions(vs engines.Versions) {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	d.vers = vs
 }

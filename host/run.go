@@ -140,8 +140,8 @@ type Run struct {
 	// ahead are the rollouts launched for steps not yet trained, in step order (async.go); kept
 	// is, per policy, one more than the weights version it kept last.
 	ahead     []*launched
-	launchPos int // the data position after the steps launched (async.go)
-	kept      map[string]int
+	launchPos int          // the data position after the steps launched (async.go)
+	kept      map[int]bool // the weights versions the trainable policies keep
 	// lastStepEnd is when the last step ended, for engine_busy.
 	lastStepEnd time.Time
 
@@ -169,6 +169,10 @@ type policy struct {
 	eng  engines.Engine
 	disp *dispatcher
 	busy *busyMeter // the engine's generate and train calls
+	// vers keeps the policy's weights versions (async.go): its engine, or replicas; nil until
+	// the first step with rollout.max_staleness > 0.
+	vers     engines.Versions
+	replicas *replicas // the rollout replicas the run opened for it (replica.go); nil: none
 	// busyMark is busy's total at the end of the last step.
 	busyMark time.Duration
 
@@ -400,6 +404,9 @@ func (r *Run) Close() error {
 		if _, given := r.opts.Engines[name]; !given && p.eng != nil {
 			errs = append(errs, p.eng.Close())
 		}
+		if p.replicas != nil {
+			errs = append(errs, p.replicas.Close())
+		}
 	}
 	r.polMu.Unlock()
 	errs = append(errs, r.events.close(), r.metrics.close())
@@ -520,11 +527,10 @@ func (r *Run) score(ctx context.Context, p *policy, req engines.ScoreRequest) ([
 	var out []engines.Scores
 	var err error
 	if v := versionFor(ctx, p); v >= 0 {
-		vs, ok := p.eng.(engines.Versions)
-		if !ok {
-			return nil, fmt.Errorf("policy %q: its engine keeps no weights versions (rollout.max_staleness)", p.name)
+		if p.vers == nil {
+			return nil, fmt.Errorf("policy %q: it keeps no weights versions (rollout.max_staleness)", p.name)
 		}
-		out, err = vs.ScoreVersion(ctx, v, []engines.ScoreRequest{req})
+		out, err = p.vers.ScoreVersion(ctx, v, []engines.ScoreRequest{req})
 	} else {
 		out, err = p.eng.Score(ctx, []engines.ScoreRequest{req})
 	}
@@ -636,9 +642,6 @@ func (r *Run) runStep(ctx context.Context) (*StepResult, error) {
 	}
 	t0 := time.Now()
 	k := cfg.Rollout.MaxStaleness
-	if err := r.keepVersions(ctx, k); err != nil {
-		return nil, err
-	}
 	// Tasks are taken in order from the data position, so a batch size changed by a reload
 	// neither skips tasks nor repeats them.
 	l, err := r.awaitStep(ctx, step, cfg)
@@ -651,7 +654,9 @@ func (r *Run) runStep(ctx context.Context) (*StepResult, error) {
 	if err := r.rolloutFailures(ctx, cfg, res, ros); err != nil {
 		return nil, err
 	}
-	r.launchAhead(step, cfg) // with K > 0, the next steps' rollouts run while this one trains
+	if err := r.launchAhead(ctx, step, cfg); err != nil { // with K > 0, the next steps' rollouts run while this one trains
+		return nil, err
+	}
 	t1 := time.Now()
 	// Training is not cut short by a cancelled context: an abandoned step stops in its rollouts,
 	// never between two optimizer steps of a policy.
