@@ -162,8 +162,9 @@ func (r *Run) discardAhead(why string) {
 // versioned returns the engines.Versions of every trainable policy: its engine's own, or rollout
 // replicas (replica.go) for an engine the run started that keeps none; an error names the first
 // policy that can have neither.
-func (r *Run) versioned(k int) (map[string]engines.Versions, error) {
+func (r *Run) versioned(ctx context.Context, k int) (map[string]engines.Versions, error) {
 	out := map[string]engines.Versions{}
+	var fresh []*replicas
 	for _, p := range r.policyList() {
 		if !p.cfg.Trainable {
 			continue
@@ -175,8 +176,27 @@ func (r *Run) versioned(k int) (map[string]engines.Versions, error) {
 			}
 			p.vers = vs
 			p.disp.setVersions(vs)
+			if p.replicas != nil {
+				fresh = append(fresh, p.replicas)
+			}
 		}
 		out[p.name] = p.vers
+	}
+	// The replicas of all policies start at once: worker processes, each seconds to start.
+	errs := make([]error, len(fresh))
+	var wg sync.WaitGroup
+	for i, rep := range fresh {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			errs[i] = rep.prepare(ctx, k)
+		}()
+	}
+	wg.Wait()
+	for i, err := range errs {
+		if err != nil {
+			return nil, &EngineError{Step: r.step + 1, Policy: fresh[i].policy, Err: err, Hint: r.engineErrorHint()}
+		}
 	}
 	return out, nil
 }
@@ -218,7 +238,7 @@ func (r *Run) versionsOf(p *policy, k int) (engines.Versions, error) {
 // needVersion makes every trainable policy keep weights version v, which a step about to
 // launch generates from: kept already, or the current weights (v = r.step), kept now.
 func (r *Run) needVersion(ctx context.Context, v, k int) error {
-	vs, err := r.versioned(k)
+	vs, err := r.versioned(ctx, k)
 	if err != nil {
 		return err
 	}
@@ -245,7 +265,7 @@ func (r *Run) dropVersions(ctx context.Context, below, k int) error {
 	if k == 0 {
 		return nil
 	}
-	vs, err := r.versioned(k)
+	vs, err := r.versioned(ctx, k)
 	if err != nil {
 		return err
 	}
@@ -291,7 +311,7 @@ func (r *Run) saveVersions(ctx context.Context, step int, tmp string) error {
 	if k == 0 || step == 0 {
 		return nil
 	}
-	vs, err := r.versioned(k)
+	vs, err := r.versioned(ctx, k)
 	if err != nil {
 		return err
 	}
@@ -328,7 +348,7 @@ func (r *Run) restoreVersions(ctx context.Context, dir string, p *policy) error 
 	if len(vers) == 0 {
 		return nil
 	}
-	if _, err := r.versioned(max(1, r.staleness())); err != nil {
+	if _, err := r.versioned(ctx, max(1, r.staleness())); err != nil {
 		return fmt.Errorf("resume: %w", err)
 	}
 	vs := p.vers

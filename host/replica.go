@@ -37,6 +37,34 @@ type replicas struct {
 
 var _ engines.Versions = (*replicas)(nil)
 
+// prepare opens n replicas at once (each a worker process to start: their start-up overlaps).
+func (r *replicas) prepare(ctx context.Context, n int) error {
+	opened := make([]engines.Engine, n)
+	errs := make([]error, n)
+	var wg sync.WaitGroup
+	for i := range n {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			opened[i], errs[i] = r.open(ctx)
+		}()
+	}
+	wg.Wait()
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	for i, e := range opened {
+		if errs[i] == nil {
+			r.all = append(r.all, e)
+			r.free = append(r.free, e)
+		}
+	}
+	if err := errors.Join(errs...); err != nil {
+		return fmt.Errorf("opening rollout replicas: %w", err)
+	}
+	r.logf("policy %q: %d rollout replicas opened (rollout.max_staleness: each holds one weights version)", r.policy, n)
+	return nil
+}
+
 // KeepVersion pushes the trainer's current weights into a free replica (opened when none is).
 func (r *replicas) KeepVersion(ctx context.Context, v int) error {
 	r.mu.Lock()
@@ -61,6 +89,8 @@ func (r *replicas) KeepVersion(ctx context.Context, v int) error {
 	t := time.Now()
 	err := r.trainer.Save(ctx, dir)
 	if err == nil {
+		// A replica never trains: the trainer's optimizer state stays out of it.
+		dropOptimizerFiles(dir)
 		err = rep.Load(ctx, dir)
 	}
 	d := time.Since(t)
@@ -169,4 +199,15 @@ func treeSize(dir string) int64 {
 		return nil
 	})
 	return n
+}
+
+// dropOptimizerFiles removes the optimizer state a model folder may hold (optimizer.pt of a
+// torch worker, optimizer.* and adapter_optimizer.* of the tiny engine).
+func dropOptimizerFiles(dir string) {
+	for _, pat := range []string{"optimizer*", "adapter_optimizer*"} {
+		files, _ := filepath.Glob(filepath.Join(dir, pat))
+		for _, f := range files {
+			os.RemoveAll(f)
+		}
+	}
 }

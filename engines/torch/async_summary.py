@@ -1,0 +1,88 @@
+"""Compares runs of one experiment at several rollout.max_staleness (docs/async.md).
+
+    python engines/torch/async_summary.py K=0:RUN0/metrics.jsonl K=1:RUN1/metrics.jsonl ...
+
+For each run: steps, mean step seconds and wall time after the first step (which starts the
+workers and replicas and compiles: nothing overlaps it), each policy's engine busy fraction, the
+mean reward of every policy over the first and the last quarter of the steps, and the reward
+against wall time (the mean reward, all policies, of the last quarter-run of steps ended within a
+quarter, a half and all of the slowest run's wall time after step 1; the step reached in brackets). With events.log beside metrics.jsonl,
+also the rollout replicas' weight push (seconds per GB saved and loaded).
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import re
+import sys
+
+
+def load(path: str):
+    by_step: dict[int, dict[str, dict]] = collections.defaultdict(dict)
+    with open(path) as f:
+        for line in f:
+            if line.strip():
+                m = json.loads(line)
+                by_step[m["step"]][m["policy"]] = m
+    steps = sorted(s for s in by_step if "_run" in by_step[s])
+    return by_step, steps
+
+
+def mean(xs):
+    xs = [x for x in xs if x is not None]
+    return sum(xs) / len(xs) if xs else float("nan")
+
+
+def push_rate(metrics_path: str):
+    ev = os.path.join(os.path.dirname(metrics_path), "events.log")
+    if not os.path.exists(ev):
+        return None
+    rates = [float(m.group(1)) for m in re.finditer(r"saved and loaded: ([0-9.]+) s/GB", open(ev).read())]
+    return mean(rates) if rates else None
+
+
+def main() -> None:
+    runs = []
+    for arg in sys.argv[1:]:
+        label, _, path = arg.partition(":")
+        by_step, steps = load(path)
+        if not steps:
+            print(f"{label}: no steps in {path}")
+            continue
+        runs.append((label, path, by_step, steps))
+    if not runs:
+        sys.exit(1)
+    policies = sorted({p for _, _, b, s in runs for st in s for p in b[st] if not p.startswith("_")})
+    horizon = max(sum(b[s]["_run"]["step_s"] for s in st[1:]) for _, _, b, st in runs)
+    head = ["run", "steps", "step s", "wall s after step 1"] + [f"{p} busy" for p in policies] + \
+        [f"{p} reward first→last ¼" for p in policies] + ["reward by ¼ / ½ / all of wall", "push s/GB"]
+    print("| " + " | ".join(head) + " |")
+    print("|" + "---|" * len(head))
+    for label, path, b, steps in runs:
+        run = [b[s]["_run"] for s in steps]
+        q = max(1, len(steps) // 4)
+        row = [label, str(len(steps)), f"{mean([r['step_s'] for r in run[1:]] or [run[0]['step_s']]):.3f}",
+               f"{sum(r['step_s'] for r in run[1:]):.1f}"]
+        row += [f"{mean([b[s].get(p, {}).get('engine_busy') for s in steps]):.2f}" for p in policies]
+        row += [f"{mean([b[s].get(p, {}).get('reward_mean') for s in steps[:q]]):.3f}→"
+                f"{mean([b[s].get(p, {}).get('reward_mean') for s in steps[-q:]]):.3f}" for p in policies]
+        by_time = []
+        for frac in (0.25, 0.5, 1.0):
+            t, done = 0.0, steps[:1]
+            for s in steps[1:]:
+                t += b[s]["_run"]["step_s"]
+                if t <= frac * horizon + 1e-9:
+                    done.append(s)
+            last = done[-q:] if done else []
+            by_time.append(f"{mean([b[s].get(p, {}).get('reward_mean') for s in last for p in policies]):.3f}"
+                           f" (step {done[-1] if done else 0})")
+        row.append(" / ".join(by_time))
+        pr = push_rate(path)
+        row.append("—" if pr is None else f"{pr:.3f}")
+        print("| " + " | ".join(row) + " |")
+
+
+if __name__ == "__main__":
+    main()

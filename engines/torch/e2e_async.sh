@@ -1,0 +1,75 @@
+#!/usr/bin/env bash
+# Issue 21's measurement: the end-to-end debate of e2e_debate.sh (a Qwen3-shaped ~55M model warmed
+# up on synthetic:arith, generator and critic on two torch workers sharing one device) at
+# rollout.max_staleness 0, 1 and 2 (docs/async.md). At K > 0 each policy samples from K rollout
+# replicas (more worker processes on the same device), which load the weights the trainer saves
+# after each step. One warm-up serves every K; each K is its own run from the same model.
+#
+#   SLIMEN=.devbuild/slimen PY=python3 DEVICE=cuda:0 OUT=/tmp/e2e-async engines/torch/e2e_async.sh
+#   SLIMEN=/tmp/slimen PY=$(scripts/pyenv.sh)/bin/python DEVICE=cpu QUICK=1 engines/torch/e2e_async.sh
+#
+# QUICK=1 is the CPU check: the tiny-qwen3 shape, 20 SFT steps, 3 steps of 2 tasks. Prints one
+# table (async_summary.py): step time, wall time, each engine's busy fraction, the reward over the
+# first and last quarter of the steps and against wall time, and the replicas' push in s/GB.
+set -euo pipefail
+SLIMEN=${SLIMEN:-.devbuild/slimen}
+PY=${PY:-python3}
+DEVICE=${DEVICE:-cuda:0}
+OUT=${OUT:-/tmp/e2e-async}
+KS=${KS:-0 1 2}
+if [ "${QUICK:-0}" = 1 ]; then
+  : "${SHAPE:=tiny-qwen3}" "${SFT_STEPS:=20}" "${STEPS:=3}" "${BATCH:=2}" "${MAXLEN:=8}" "${SLOTS:=8}" "${SFT_BATCH:=8}"
+fi
+STEPS=${STEPS:-40}
+BATCH=${BATCH:-32}
+SFT_STEPS=${SFT_STEPS:-300}
+SFT_BATCH=${SFT_BATCH:-64}
+SFT_LR=${SFT_LR:-1e-3}
+LR=${LR:-1e-5}
+SHAPE=${SHAPE:-qwen3-50m}
+MAXLEN=${MAXLEN:-32}
+DATA=${DATA:-synthetic:arith?difficulty=4}
+SLOTS=${SLOTS:-128}
+WORK=${WORK:-/tmp/e2e-async-work}
+mkdir -p "$OUT" "$WORK"
+export PYTHONPATH="$PWD/engines/torch${PYTHONPATH:+:$PYTHONPATH}"
+model="$WORK/model"
+rm -rf "$model" "$WORK"/run-*
+t0=$(date +%s)
+"$PY" -m slimen_torch make-model --shape "$SHAPE" --out "$WORK/init" >/dev/null
+"$SLIMEN" export --task synthetic:arith --seed 7 --n 50000 --out "$WORK/sft.jsonl"
+"$PY" -m slimen_torch sft --model "$WORK/init" --data "$WORK/sft.jsonl" --out "$model" \
+  --device "$DEVICE" --steps "$SFT_STEPS" --batch-size "$SFT_BATCH" --lr "$SFT_LR" \
+  --log-every 250 >"$OUT/sft.log" 2>&1
+rm -f "$model/optimizer.pt"  # RL starts with a fresh optimizer
+echo "e2e-async: model and warm-up $(( $(date +%s) - t0 )) s"
+args=()
+rc=0
+for k in $KS; do
+  cat >"$OUT/config-k$k.yaml" <<YAML
+policies:
+  - name: generator
+    hf_checkpoint: $model
+    engine: {kind: torch, python: $PY, device: "$DEVICE", args: [--slots, "$SLOTS", --max-seq-len, "512"]}
+    train: {lr: $LR, advantage_estimator: grpo, global_batch_size: 0}
+  - name: critic
+    hf_checkpoint: $model
+    engine: {kind: torch, python: $PY, device: "$DEVICE", args: [--slots, "$SLOTS", --max-seq-len, "512"]}
+    train: {lr: $LR, advantage_estimator: grpo, global_batch_size: 0}
+rollout: {batch_size: $BATCH, max_response_len: $MAXLEN, temperature: 1.0, max_staleness: $k}
+data: {path: "$DATA"}
+run: {steps: $STEPS, seed: 1}
+YAML
+  t1=$(date +%s)
+  set +e
+  "$SLIMEN" exec examples/debate/debate.star --config "$OUT/config-k$k.yaml" --out "$WORK/run-k$k" >"$OUT/exec-k$k.log" 2>&1
+  r=$?
+  set -e
+  [ "$r" != 0 ] && rc=$r && tail -5 "$OUT/exec-k$k.log"
+  mkdir -p "$OUT/k$k"
+  cp "$WORK/run-k$k/metrics.jsonl" "$WORK/run-k$k/events.log" "$OUT/k$k/" 2>/dev/null || true
+  echo "e2e-async: K=$k exec $(( $(date +%s) - t1 )) s, exit $r"
+  args+=("K=$k:$OUT/k$k/metrics.jsonl")
+done
+"$PY" "$(dirname "$0")/async_summary.py" "${args[@]}" | tee "$OUT/summary.md"
+exit "$rc"
