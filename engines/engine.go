@@ -82,6 +82,10 @@ type Completion struct {
 	Logprobs     []float32 // per token: log-softmax of the temperature-1 logits, before top-p (what Train and Score compute; slime's convention)
 	Text         string    // the decoded response, without EOS and stop string
 	FinishReason string    // "stop" (EOS or stop string) or "length"
+	// Versions, per token, is the weights version that sampled it, when the host continued the
+	// generation under a newer version (rollout.partial, docs/async.md); nil: one version.
+	// Engines leave it nil.
+	Versions []int32 `json:",omitempty"`
 }
 
 // ScoreRequest asks for the log-probabilities of Tokens following the prompt. As in

@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"path/filepath"
+	"slices"
 	"sort"
 	"strconv"
 	"sync"
@@ -27,24 +28,34 @@ import (
 // version max(0, step−1−K). K = 0 is the synchronous loop: the weights after the last step.
 func genVersion(step, k int) int { return max(0, step-1-k) }
 
+// contVersion is the version a partial rollout of step continues its long generations from
+// (rollout.partial): the one after genVersion, once the step before has made it; when it has
+// not (the first steps), genVersion itself, and nothing is split.
+func contVersion(step, k int) int { return min(genVersion(step, k)+1, step-1) }
+
 // staleness is the run's rollout.max_staleness.
 func (r *Run) staleness() int { return r.Config().Rollout.MaxStaleness }
 
 type versionKey struct{}
 
+// stepVersions are the weights versions of a step's rollouts: gen, and cont for the rest of
+// a long generation (rollout.partial).
+type stepVersions struct{ gen, cont int }
+
 // withVersion marks a pass's context: its rollouts generate from version v of the trainable
-// policies. A context without a mark (K = 0, eval passes) generates from the current weights.
-func withVersion(ctx context.Context, v int) context.Context {
-	return context.WithValue(ctx, versionKey{}, v)
+// policies (and continue from cont). A context without a mark (K = 0, eval passes) generates from
+// the current weights.
+func withVersion(ctx context.Context, v, cont int) context.Context {
+	return context.WithValue(ctx, versionKey{}, stepVersions{v, cont})
 }
 
-// versionFor is the weights version a call of a rollout with context ctx uses on policy p; -1:
-// the current weights (a frozen policy, which never changes, or an unmarked pass).
-func versionFor(ctx context.Context, p *policy) int {
-	if v, ok := ctx.Value(versionKey{}).(int); ok && p.cfg.Trainable {
+// versionFor is the weights versions a call of a rollout with context ctx uses on policy p; gen
+// -1: the current weights (a frozen policy, which never changes, or an unmarked pass).
+func versionFor(ctx context.Context, p *policy) stepVersions {
+	if v, ok := ctx.Value(versionKey{}).(stepVersions); ok && p.cfg.Trainable {
 		return v
 	}
-	return -1
+	return stepVersions{-1, -1}
 }
 
 // launched is the rollouts of one step, started on their own goroutine: in the synchronous loop
@@ -189,7 +200,11 @@ func (r *Run) versioned(ctx context.Context, k int) (map[string]engines.Versions
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			errs[i] = rep.prepare(ctx, k)
+			n := k
+			if r.Config().Rollout.Partial {
+				n++ // a step's rollouts continue under the version after theirs
+			}
+			errs[i] = rep.prepare(ctx, n)
 		}()
 	}
 	wg.Wait()
@@ -243,6 +258,7 @@ func (r *Run) needVersion(ctx context.Context, v, k int) error {
 		return err
 	}
 	if r.kept[v] {
+		r.gate.open(v)
 		return nil
 	}
 	if v != r.step {
@@ -257,6 +273,7 @@ func (r *Run) needVersion(ctx context.Context, v, k int) error {
 		r.kept = map[int]bool{}
 	}
 	r.kept[v] = true
+	r.gate.open(v)
 	return nil
 }
 
@@ -364,6 +381,7 @@ func (r *Run) restoreVersions(ctx context.Context, dir string, p *policy) error 
 			r.kept = map[int]bool{}
 		}
 		r.kept[v] = true
+		r.gate.open(v)
 	}
 	return nil
 }
@@ -451,22 +469,133 @@ func span(lo, hi int) string {
 
 // stalenessMetrics records, with K > 0, the versions a policy's samples of step were generated
 // from: trained_version (the weights the step trains, version step−1), rollout_version (the
-// oldest its samples came from) and staleness_mean and staleness_max (trained_version minus a
-// sample's version).
-func stalenessMetrics(m Metrics, step int, ss []trainSample) {
+// oldest its samples came from), staleness_mean (trained_version minus the mean version of a
+// sample's tokens, averaged over samples) and staleness_max (trained_version minus the oldest
+// version of a token); with rollout.partial, partial_samples: the samples whose tokens come from
+// two versions.
+func stalenessMetrics(m Metrics, step int, ss []trainSample, partial bool) {
 	trained := step - 1
 	m.set("trained_version", trained)
 	if len(ss) == 0 {
 		return
 	}
-	sum, most, oldest := 0, 0, ss[0].version
+	sum, oldest, two := 0.0, ss[0].version, 0
 	for _, s := range ss {
-		st := trained - s.version
-		sum += st
-		most = max(most, st)
+		mean := float64(s.version)
+		if vs := s.C.Versions(); len(vs) > 0 {
+			t := 0
+			for _, v := range vs {
+				t += int(v)
+			}
+			mean = float64(t) / float64(len(vs))
+			if vs[len(vs)-1] != vs[0] {
+				two++
+			}
+		}
+		sum += float64(trained) - mean
 		oldest = min(oldest, s.version)
 	}
 	m.set("rollout_version", oldest)
-	m.set("staleness_mean", float64(sum)/float64(len(ss)))
-	m.set("staleness_max", most)
+	m.set("staleness_mean", sum/float64(len(ss)))
+	m.set("staleness_max", trained-oldest)
+	if partial {
+		m.set("partial_samples", two)
+	}
+}
+
+// Partial rollouts (rollout.partial). A generation of a step that generates from version v and
+// has not ended after partialSplit(max_tokens) tokens is continued from version v+1, the weights
+// the policies finish training while it runs: its first tokens are v's, the rest v+1's, and the
+// completion says so per token (engines.Completion.Versions). The split is a rule on the token
+// count, not on timing, so a run stays deterministic; the continuation waits for version v+1.
+
+// partialSplit is how many tokens of a generation with max_tokens come from its step's version.
+func partialSplit(maxTokens int) int { return (maxTokens + 1) / 2 }
+
+// generatePartial is a generate call of a rollout that samples from version v under
+// rollout.partial.
+func (r *Run) generatePartial(ctx context.Context, p *policy, req engines.GenerateRequest, sv stepVersions) ([]engines.Completion, error) {
+	v, next := sv.gen, sv.cont
+	if next == v {
+		return p.disp.generate(ctx, req, v)
+	}
+	first := req
+	first.MaxTokens = partialSplit(req.MaxTokens)
+	outs, err := p.disp.generate(ctx, first, v)
+	if err != nil || first.MaxTokens >= req.MaxTokens {
+		return outs, err
+	}
+	for i := range outs {
+		o := &outs[i]
+		if o.FinishReason != "length" || len(o.Tokens) < first.MaxTokens {
+			continue // ended, or at the model's length limit
+		}
+		r.activity.leave()
+		err := r.gate.wait(ctx, next)
+		r.activity.enter()
+		if err != nil {
+			return nil, err
+		}
+		cont := engines.GenerateRequest{ID: fmt.Sprintf("%s+%d", req.ID, o.Index), PromptTokens: append(slices.Clone(o.PromptTokens), o.Tokens...),
+			N: 1, Sampling: req.Sampling}
+		cont.MaxTokens = req.MaxTokens - len(o.Tokens)
+		cs, err := p.disp.generate(ctx, cont, next)
+		if err != nil {
+			return nil, err
+		}
+		c := cs[0]
+		vs := make([]int32, len(o.Tokens)+len(c.Tokens))
+		for j := range vs {
+			vs[j] = int32(v)
+			if j >= len(o.Tokens) {
+				vs[j] = int32(next)
+			}
+		}
+		o.Tokens = append(o.Tokens, c.Tokens...)
+		o.Logprobs = append(o.Logprobs, c.Logprobs...)
+		o.Text += c.Text
+		o.FinishReason = c.FinishReason
+		o.Versions = vs
+	}
+	return outs, nil
+}
+
+// versionGate tells partial rollouts when a weights version is kept.
+type versionGate struct {
+	mu sync.Mutex
+	ch map[int]chan struct{}
+}
+
+func (g *versionGate) chanOf(v int) chan struct{} {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	if g.ch == nil {
+		g.ch = map[int]chan struct{}{}
+	}
+	c := g.ch[v]
+	if c == nil {
+		c = make(chan struct{})
+		g.ch[v] = c
+	}
+	return c
+}
+
+// open says that version v is kept.
+func (g *versionGate) open(v int) {
+	c := g.chanOf(v)
+	select {
+	case <-c:
+	default:
+		close(c)
+	}
+}
+
+// wait returns once version v is kept, or with ctx's cause.
+func (g *versionGate) wait(ctx context.Context, v int) error {
+	select {
+	case <-g.chanOf(v):
+		return nil
+	case <-ctx.Done():
+		return context.Cause(ctx)
+	}
 }

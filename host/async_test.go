@@ -33,7 +33,10 @@ func (s *versionSpy) GenerateVersion(ctx context.Context, v int, reqs []engines.
 		if s.seen == nil {
 			s.seen = map[string][]int{}
 		}
-		p := q.Messages[len(q.Messages)-1].Content
+		p := "continued" // a partial rollout's continuation: its prompt is tokens
+		if len(q.Messages) > 0 {
+			p = q.Messages[len(q.Messages)-1].Content
+		}
 		s.seen[p] = append(s.seen[p], v)
 	}
 	s.mu.Unlock()
@@ -354,5 +357,82 @@ func TestAsyncReplicas(t *testing.T) {
 				t.Errorf("more than K = %d replicas:\n%s", k, events)
 			}
 		})
+	}
+}
+
+// TestAsyncPartial: with rollout.partial, a generation of step s still running after half its
+// max_tokens continues from the version after its step's (when the step before has made it):
+// the runs are deterministic, the continuations sample versions 1, 2, 3 for steps 2, 3, 4 at
+// K = 1, the metrics count the samples of two versions, and a resume reproduces the run.
+func TestAsyncPartial(t *testing.T) {
+	model := tinyModel(t, 1)
+	script := writeScript(t, tinyScript)
+	cfg := func() *config.Config {
+		c := tinyConfig(model, nil)
+		c.Rollout.MaxStaleness, c.Rollout.Partial = 1, true
+		c.Run.KeepCheckpoints = 0
+		return c
+	}
+	run := func() ([]string, *versionSpy) {
+		spy := newVersionSpy(t, model)
+		r, err := Load(context.Background(), script, Options{Config: cfg(), Tasks: numberedTasks(2), Engines: map[string]engines.Engine{"p": spy}})
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer r.Close()
+		return stepLines(t, r, 4), spy
+	}
+	a, spy := run()
+	b, _ := run()
+	if d := cmp.Diff(a, b); d != "" {
+		t.Errorf("two partial runs differ (-first +second):\n%s", d)
+	}
+	spy.mu.Lock()
+	cont := map[int]bool{}
+	for _, v := range spy.seen["continued"] {
+		cont[v] = true
+	}
+	spy.mu.Unlock()
+	if !cont[1] || !cont[2] || !cont[3] || cont[0] {
+		t.Errorf("continuations sampled versions %v; want 1, 2 and 3 (steps 2–4), never 0", cont)
+	}
+	for s := 1; s <= 4; s++ {
+		var m Metrics
+		json.Unmarshal([]byte(a[2*(s-1)]), &m)
+		n := m.Float("partial_samples")
+		switch {
+		case s == 1 && n != 0:
+			t.Errorf("step 1 has %v samples of two versions; it has no version before its own", n)
+		case s > 1 && (n == 0 || !(m.Float("staleness_mean") < m.Float("staleness_max"))):
+			t.Errorf("step %d: %s; want samples of two versions, and a mean staleness below the max", s, a[2*(s-1)])
+		}
+	}
+
+	whole := filepath.Join(t.TempDir(), "whole")
+	r := loadTiny(t, script, whole, cfg())
+	if err := r.Steps(context.Background(), 4); err != nil {
+		t.Fatal(err)
+	}
+	r.Close()
+	split := filepath.Join(t.TempDir(), "split")
+	r = loadTiny(t, script, split, cfg())
+	if err := r.Steps(context.Background(), 2); err != nil {
+		t.Fatal(err)
+	}
+	ck, err := r.Checkpoint(context.Background())
+	if err != nil {
+		t.Fatal(err)
+	}
+	r.Close()
+	r = loadTiny(t, script, split, cfg())
+	if err := r.restore(context.Background(), ck); err != nil {
+		t.Fatal(err)
+	}
+	if err := r.Steps(context.Background(), 2); err != nil {
+		t.Fatal(err)
+	}
+	r.Close()
+	if got, want := metricsWithoutTimings(t, split), metricsWithoutTimings(t, whole); got != want {
+		t.Errorf("resumed partial run's metrics differ:\n%s\n---\n%s", want, got)
 	}
 }

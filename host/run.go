@@ -142,6 +142,7 @@ type Run struct {
 	ahead     []*launched
 	launchPos int          // the data position after the steps launched (async.go)
 	kept      map[int]bool // the weights versions the trainable policies keep
+	gate      versionGate  // opens when a version is kept, for partial rollouts
 	// lastStepEnd is when the last step ended, for engine_busy.
 	lastStepEnd time.Time
 
@@ -526,7 +527,7 @@ func (r *Run) score(ctx context.Context, p *policy, req engines.ScoreRequest) ([
 	defer r.activity.enter()
 	var out []engines.Scores
 	var err error
-	if v := versionFor(ctx, p); v >= 0 {
+	if v := versionFor(ctx, p).gen; v >= 0 {
 		if p.vers == nil {
 			return nil, fmt.Errorf("policy %q: it keeps no weights versions (rollout.max_staleness)", p.name)
 		}
@@ -642,6 +643,12 @@ func (r *Run) runStep(ctx context.Context) (*StepResult, error) {
 	}
 	t0 := time.Now()
 	k := cfg.Rollout.MaxStaleness
+	if cfg.Rollout.Partial && k > 0 {
+		// The rollouts running continue their long generations from the weights just trained.
+		if err := r.needVersion(ctx, r.step, k); err != nil {
+			return nil, err
+		}
+	}
 	// Tasks are taken in order from the data position, so a batch size changed by a reload
 	// neither skips tasks nor repeats them.
 	l, err := r.awaitStep(ctx, step, cfg)
@@ -760,7 +767,7 @@ type rolloutFn struct {
 // their current weights.
 func (r *Run) runRollouts(ctx context.Context, step int, tasks []Task, samples int, rf rolloutFn, eval *engines.Sampling, version int) ([]*script.Rollout, error) {
 	if version >= 0 {
-		ctx = withVersion(ctx, version)
+		ctx = withVersion(ctx, version, contVersion(step, r.Config().Rollout.MaxStaleness))
 	}
 	stepCtx, cancel := context.WithCancelCause(ctx)
 	defer cancel(nil)
@@ -834,7 +841,7 @@ func (r *Run) trainPolicies(ctx context.Context, step int, cfg *config.Config, r
 		fillRewardMetrics(m, gens[p.name], ss)
 		m.set("rollout_s", rolloutS)
 		if cfg.Rollout.MaxStaleness > 0 && p.cfg.Trainable {
-			stalenessMetrics(m, step, ss)
+			stalenessMetrics(m, step, ss, cfg.Rollout.Partial)
 		}
 		if p.cfg.Trainable && len(ss) > 0 {
 			t := time.Now()

@@ -34,7 +34,11 @@ func (h localHost) Generate(ctx context.Context, policy string, req engines.Gene
 		return nil, err
 	}
 	req.ID = script.WireID(ctx, req.ID) // a sandboxed rollout's requests come this way too
-	return p.disp.generate(ctx, req, versionFor(ctx, p))
+	v := versionFor(ctx, p)
+	if v.gen >= 0 && h.r.Config().Rollout.Partial {
+		return h.r.generatePartial(ctx, p, req, v)
+	}
+	return p.disp.generate(ctx, req, v.gen)
 }
 
 func (h localHost) Score(ctx context.Context, policy string, req engines.ScoreRequest) ([]float32, error) {

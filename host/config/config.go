@@ -195,6 +195,9 @@ type RolloutConfig struct {
 	// from the weights after max(0, s−1−K) training steps, so those of steps k+1…k+K run while
 	// the policies train on step k. 0: the synchronous loop.
 	MaxStaleness int `yaml:"max_staleness" json:"max_staleness,omitempty"`
+	// Partial continues, with MaxStaleness ≥ 1, a generation that has not ended after half its
+	// max_tokens under the next weights version (docs/async.md, "Partial rollouts").
+	Partial bool `yaml:"partial" json:"partial,omitempty"`
 }
 
 // DataConfig names the task source.

@@ -101,6 +101,7 @@ func (r *resolver) validate() {
 	r.check(ro.MaxFailedFraction >= 0 && ro.MaxFailedFraction <= 1, "rollout.max_failed_fraction", 0, "must be in [0, 1], got %g", ro.MaxFailedFraction)
 	r.check(ro.TimeoutS >= 0, "rollout.timeout_s", 0, "must be ≥ 0 seconds (0: no limit), got %g", ro.TimeoutS)
 	r.check(ro.StopGraceS >= 0, "rollout.stop_grace_s", 0, "must be ≥ 0 seconds, got %g", ro.StopGraceS)
+	r.check(!ro.Partial || ro.MaxStaleness >= 1, "rollout.partial", 0, "needs rollout.max_staleness ≥ 1: a generation is continued under the weights trained while it ran (docs/async.md)")
 	r.check(ro.MaxStaleness >= 0, "rollout.max_staleness", 0, "must be ≥ 0 (0: the synchronous loop), got %d", ro.MaxStaleness)
 	r.check(ro.MaxBatchTokens >= 0, "rollout.max_batch_tokens", 0, "must be ≥ 0 (0: no limit), got %d", ro.MaxBatchTokens)
 

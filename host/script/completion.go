@@ -27,6 +27,9 @@ type Completion struct {
 	// conversation's sample (chat) has 0 at the tokens rendered between its turns.
 	mask  []float32
 	turns []*Completion // a conversation's sampled turns
+	// versions, per token, are the weights versions that sampled it when a partial rollout
+	// continued it under a newer one (engines.Completion.Versions); nil: its step's version.
+	versions []int32
 
 	mu      sync.Mutex
 	reward  float64
@@ -87,6 +90,10 @@ func (c *Completion) LossMask() []float32 {
 	}
 	return m
 }
+
+// Versions returns, per token, the weights version that sampled it when the generation was
+// continued under a newer version (rollout.partial); nil: all from its step's version.
+func (c *Completion) Versions() []int32 { return c.versions }
 
 // Turns are the sampled turns of a conversation's sample (chat), in order; nil for others.
 func (c *Completion) Turns() []*Completion { return c.turns }

@@ -118,7 +118,7 @@ func newCompletions(policy string, req engines.GenerateRequest, key []int, outs 
 		cs[i] = &Completion{
 			id: req.ID + "#" + strconv.Itoa(i), policy: policy, messages: req.Messages,
 			prompt: o.PromptTokens, tokens: o.Tokens, logprobs: o.Logprobs, text: o.Text,
-			finish: o.FinishReason, key: append(append([]int(nil), key...), i),
+			finish: o.FinishReason, key: append(append([]int(nil), key...), i), versions: o.Versions,
 		}
 	}
 	return cs
