@@ -436,3 +436,34 @@ func TestAsyncPartial(t *testing.T) {
 		t.Errorf("resumed partial run's metrics differ:\n%s\n---\n%s", want, got)
 	}
 }
+
+// TestAsyncWithTIS: truncated importance sampling corrects the stale samples of the asynchronous
+// loop: at max_staleness 1 the samples of step 2 come from version 0 while the trainer holds
+// version 1, so their TIS weights move off 1; the run stays deterministic.
+func TestAsyncWithTIS(t *testing.T) {
+	model := tinyModel(t, 1)
+	script := writeScript(t, tinyScript)
+	run := func() []string {
+		cfg := tinyConfig(model, func(p *config.PolicyConfig) { p.Train.UseTIS = true })
+		cfg.Rollout.MaxStaleness = 1
+		r, err := Load(context.Background(), script, Options{Config: cfg, Tasks: numberedTasks(100)})
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer r.Close()
+		return stepLines(t, r, 3)
+	}
+	a := run()
+	if d := cmp.Diff(a, run()); d != "" {
+		t.Errorf("two runs differ (-first +second):\n%s", d)
+	}
+	var m1, m2 Metrics
+	json.Unmarshal([]byte(a[0]), &m1)
+	json.Unmarshal([]byte(a[2]), &m2)
+	if _, ok := m2["tis_weight"]; !ok || m1.Float("staleness_max") != 0 || m2.Float("staleness_max") != 1 {
+		t.Fatalf("step 1: %s\nstep 2: %s", a[0], a[2])
+	}
+	if w := m2.Float("tis_weight"); w == 1 {
+		t.Errorf("step 2's stale samples have TIS weight exactly 1: %s", a[2])
+	}
+}
