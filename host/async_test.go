@@ -161,40 +161,10 @@ func TestAsyncResumeEqualsUninterrupted(t *testing.T) {
 				c.Run.KeepCheckpoints = 0
 				return c
 			}
-			whole := filepath.Join(t.TempDir(), "whole")
-			r := loadTiny(t, script, whole, cfg())
-			if err := r.Steps(context.Background(), 5); err != nil {
-				t.Fatal(err)
-			}
-			r.Close()
-
-			split := filepath.Join(t.TempDir(), "split")
-			r = loadTiny(t, script, split, cfg())
-			if err := r.Steps(context.Background(), 3); err != nil {
-				t.Fatal(err)
-			}
-			ck, err := r.Checkpoint(context.Background())
-			if err != nil {
-				t.Fatal(err)
-			}
-			if _, err := r.Step(context.Background()); err != nil { // written, then lost in the "crash"
-				t.Fatal(err)
-			}
-			r.Close()
+			split, ck := resumeEqualsWhole(t, script, cfg, 3, 5, true)
 			vers, _ := filepath.Glob(filepath.Join(ck, versionsDir, "p", "*"))
 			if len(vers) != k {
 				t.Errorf("checkpoint of step 3 holds weights versions %v, want %d", vers, k)
-			}
-			r = loadTiny(t, script, split, cfg())
-			if err := r.restore(context.Background(), ck); err != nil {
-				t.Fatal(err)
-			}
-			if err := r.Steps(context.Background(), 2); err != nil {
-				t.Fatal(err)
-			}
-			r.Close()
-			if got, want := metricsWithoutTimings(t, split), metricsWithoutTimings(t, whole); got != want {
-				t.Errorf("resumed run's metrics differ:\n%s\n---\n%s", want, got)
 			}
 			events, _ := os.ReadFile(filepath.Join(split, "events.log"))
 			if want := fmt.Sprintf("the rollouts of steps %s in flight are not in it: a resume runs them again", span(4, 3+k)); !strings.Contains(string(events), want) {
@@ -202,6 +172,46 @@ func TestAsyncResumeEqualsUninterrupted(t *testing.T) {
 			}
 		})
 	}
+}
+
+// resumeEqualsWhole runs a tiny run of script whole for steps steps, and again with a checkpoint
+// after step at (and, with lost, one more step that the resume must drop), resumed from it: the
+// two must write the same metrics. It returns the second run's directory and its checkpoint.
+func resumeEqualsWhole(t *testing.T, script string, cfg func() *config.Config, at, steps int, lost bool) (string, string) {
+	t.Helper()
+	whole := filepath.Join(t.TempDir(), "whole")
+	r := loadTiny(t, script, whole, cfg())
+	if err := r.Steps(context.Background(), steps); err != nil {
+		t.Fatal(err)
+	}
+	r.Close()
+	split := filepath.Join(t.TempDir(), "split")
+	r = loadTiny(t, script, split, cfg())
+	if err := r.Steps(context.Background(), at); err != nil {
+		t.Fatal(err)
+	}
+	ck, err := r.Checkpoint(context.Background())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if lost {
+		if _, err := r.Step(context.Background()); err != nil { // written, then lost in the "crash"
+			t.Fatal(err)
+		}
+	}
+	r.Close()
+	r = loadTiny(t, script, split, cfg())
+	if err := r.restore(context.Background(), ck); err != nil {
+		t.Fatal(err)
+	}
+	if err := r.Steps(context.Background(), steps-at); err != nil {
+		t.Fatal(err)
+	}
+	r.Close()
+	if got, want := metricsWithoutTimings(t, split), metricsWithoutTimings(t, whole); got != want {
+		t.Errorf("resumed run's metrics differ:\n%s\n---\n%s", want, got)
+	}
+	return split, ck
 }
 
 // TestAsyncResumeWithLargerStaleness: a checkpoint holds the versions of its own K only.
@@ -408,33 +418,7 @@ func TestAsyncPartial(t *testing.T) {
 		}
 	}
 
-	whole := filepath.Join(t.TempDir(), "whole")
-	r := loadTiny(t, script, whole, cfg())
-	if err := r.Steps(context.Background(), 4); err != nil {
-		t.Fatal(err)
-	}
-	r.Close()
-	split := filepath.Join(t.TempDir(), "split")
-	r = loadTiny(t, script, split, cfg())
-	if err := r.Steps(context.Background(), 2); err != nil {
-		t.Fatal(err)
-	}
-	ck, err := r.Checkpoint(context.Background())
-	if err != nil {
-		t.Fatal(err)
-	}
-	r.Close()
-	r = loadTiny(t, script, split, cfg())
-	if err := r.restore(context.Background(), ck); err != nil {
-		t.Fatal(err)
-	}
-	if err := r.Steps(context.Background(), 2); err != nil {
-		t.Fatal(err)
-	}
-	r.Close()
-	if got, want := metricsWithoutTimings(t, split), metricsWithoutTimings(t, whole); got != want {
-		t.Errorf("resumed partial run's metrics differ:\n%s\n---\n%s", want, got)
-	}
+	resumeEqualsWhole(t, script, cfg, 2, 4, false)
 }
 
 // TestAsyncWithTIS: truncated importance sampling corrects the stale samples of the asynchronous

@@ -36,6 +36,30 @@ func (s *versionStore) get(v int) (engines.Engine, error) {
 	return snap, nil
 }
 
+func (s *versionStore) generate(ctx context.Context, v int, reqs []engines.GenerateRequest) ([]engines.Completion, error) {
+	snap, err := s.get(v)
+	if err != nil {
+		return nil, err
+	}
+	return snap.Generate(ctx, reqs)
+}
+
+func (s *versionStore) score(ctx context.Context, v int, reqs []engines.ScoreRequest) ([]engines.Scores, error) {
+	snap, err := s.get(v)
+	if err != nil {
+		return nil, err
+	}
+	return snap.Score(ctx, reqs)
+}
+
+func (s *versionStore) save(ctx context.Context, v int, dir string) error {
+	snap, err := s.get(v)
+	if err != nil {
+		return err
+	}
+	return snap.Save(ctx, dir)
+}
+
 func (s *versionStore) drop(below int) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
@@ -76,29 +100,17 @@ func (e *Engine) KeepVersion(ctx context.Context, v int) error {
 
 // GenerateVersion is Generate with the weights kept as version v.
 func (e *Engine) GenerateVersion(ctx context.Context, v int, reqs []engines.GenerateRequest) ([]engines.Completion, error) {
-	snap, err := e.versions.get(v)
-	if err != nil {
-		return nil, err
-	}
-	return snap.Generate(ctx, reqs)
+	return e.versions.generate(ctx, v, reqs)
 }
 
 // ScoreVersion is Score with the weights kept as version v.
 func (e *Engine) ScoreVersion(ctx context.Context, v int, reqs []engines.ScoreRequest) ([]engines.Scores, error) {
-	snap, err := e.versions.get(v)
-	if err != nil {
-		return nil, err
-	}
-	return snap.Score(ctx, reqs)
+	return e.versions.score(ctx, v, reqs)
 }
 
 // SaveVersion writes the weights kept as version v as a model folder (no optimizer state).
 func (e *Engine) SaveVersion(ctx context.Context, v int, dir string) error {
-	snap, err := e.versions.get(v)
-	if err != nil {
-		return err
-	}
-	return snap.Save(ctx, dir)
+	return e.versions.save(ctx, v, dir)
 }
 
 // DropVersions forgets the kept versions below v.
@@ -124,29 +136,17 @@ func (v *AdapterEngine) KeepVersion(ctx context.Context, ver int) error {
 
 // GenerateVersion is Generate with the adapter kept as version ver.
 func (v *AdapterEngine) GenerateVersion(ctx context.Context, ver int, reqs []engines.GenerateRequest) ([]engines.Completion, error) {
-	snap, err := v.versions.get(ver)
-	if err != nil {
-		return nil, err
-	}
-	return snap.Generate(ctx, reqs)
+	return v.versions.generate(ctx, ver, reqs)
 }
 
 // ScoreVersion is Score with the adapter kept as version ver.
 func (v *AdapterEngine) ScoreVersion(ctx context.Context, ver int, reqs []engines.ScoreRequest) ([]engines.Scores, error) {
-	snap, err := v.versions.get(ver)
-	if err != nil {
-		return nil, err
-	}
-	return snap.Score(ctx, reqs)
+	return v.versions.score(ctx, ver, reqs)
 }
 
 // SaveVersion writes the adapter kept as version ver as a PEFT folder (no optimizer state).
 func (v *AdapterEngine) SaveVersion(ctx context.Context, ver int, dir string) error {
-	snap, err := v.versions.get(ver)
-	if err != nil {
-		return err
-	}
-	return snap.Save(ctx, dir)
+	return v.versions.save(ctx, ver, dir)
 }
 
 // DropVersions forgets the kept versions below ver.
