@@ -312,6 +312,9 @@ func TestAsyncSandboxed(t *testing.T) {
 			t.Fatal(err)
 		}
 		defer r.Close()
+		if sandboxed != (r.sandbox != nil) {
+			t.Fatalf("sandboxed %v, but the run has sandbox %v", sandboxed, r.sandbox)
+		}
 		return stepLines(t, r, 3)
 	}
 	if d := cmp.Diff(run(false), run(true)); d != "" {
