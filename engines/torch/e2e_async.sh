@@ -8,6 +8,8 @@
 #   SLIMEN=.devbuild/slimen PY=python3 DEVICE=cuda:0 OUT=/tmp/e2e-async engines/torch/e2e_async.sh
 #   SLIMEN=/tmp/slimen PY=$(scripts/pyenv.sh)/bin/python DEVICE=cpu QUICK=1 engines/torch/e2e_async.sh
 #
+# REUSE=1 keeps a warmed-up model already in WORK (a second call for the other K, KS="2": the
+# table then covers every K run into OUT so far).
 # QUICK=1 is the CPU check: the tiny-qwen3 shape, 20 SFT steps, 3 steps of 2 tasks. Prints one
 # table (async_summary.py): step time, wall time, each engine's busy fraction, the reward over the
 # first and last quarter of the steps and against wall time, and the replicas' push in s/GB.
@@ -34,16 +36,17 @@ WORK=${WORK:-/tmp/e2e-async-work}
 mkdir -p "$OUT" "$WORK"
 export PYTHONPATH="$PWD/engines/torch${PYTHONPATH:+:$PYTHONPATH}"
 model="$WORK/model"
-rm -rf "$model" "$WORK"/run-*
 t0=$(date +%s)
-"$PY" -m slimen_torch make-model --shape "$SHAPE" --out "$WORK/init" >/dev/null
-"$SLIMEN" export --task synthetic:arith --seed 7 --n 50000 --out "$WORK/sft.jsonl"
-"$PY" -m slimen_torch sft --model "$WORK/init" --data "$WORK/sft.jsonl" --out "$model" \
-  --device "$DEVICE" --steps "$SFT_STEPS" --batch-size "$SFT_BATCH" --lr "$SFT_LR" \
-  --log-every 250 >"$OUT/sft.log" 2>&1
-rm -f "$model/optimizer.pt"  # RL starts with a fresh optimizer
+if [ "${REUSE:-0}" != 1 ] || [ ! -f "$model/config.json" ]; then
+  rm -rf "$model" "$WORK"/run-* "$OUT"/k*
+  "$PY" -m slimen_torch make-model --shape "$SHAPE" --out "$WORK/init" >/dev/null
+  "$SLIMEN" export --task synthetic:arith --seed 7 --n 50000 --out "$WORK/sft.jsonl"
+  "$PY" -m slimen_torch sft --model "$WORK/init" --data "$WORK/sft.jsonl" --out "$model" \
+    --device "$DEVICE" --steps "$SFT_STEPS" --batch-size "$SFT_BATCH" --lr "$SFT_LR" \
+    --log-every 250 >"$OUT/sft.log" 2>&1
+  rm -f "$model/optimizer.pt"  # RL starts with a fresh optimizer
+fi
 echo "e2e-async: model and warm-up $(( $(date +%s) - t0 )) s"
-args=()
 rc=0
 for k in $KS; do
   cat >"$OUT/config-k$k.yaml" <<YAML
@@ -61,6 +64,7 @@ data: {path: "$DATA"}
 run: {steps: $STEPS, seed: 1}
 YAML
   t1=$(date +%s)
+  rm -rf "$WORK/run-k$k" "$OUT/k$k"
   set +e
   "$SLIMEN" exec examples/debate/debate.star --config "$OUT/config-k$k.yaml" --out "$WORK/run-k$k" >"$OUT/exec-k$k.log" 2>&1
   r=$?
@@ -69,7 +73,11 @@ YAML
   mkdir -p "$OUT/k$k"
   cp "$WORK/run-k$k/metrics.jsonl" "$WORK/run-k$k/events.log" "$OUT/k$k/" 2>/dev/null || true
   echo "e2e-async: K=$k exec $(( $(date +%s) - t1 )) s, exit $r"
-  args+=("K=$k:$OUT/k$k/metrics.jsonl")
+  rm -rf "$WORK/run-k$k"
+done
+args=()
+for d in "$OUT"/k*/; do
+  [ -f "$d/metrics.jsonl" ] && args+=("K=$(basename "$d" | cut -c2-):$d/metrics.jsonl")
 done
 "$PY" "$(dirname "$0")/async_summary.py" "${args[@]}" | tee "$OUT/summary.md"
 exit "$rc"
