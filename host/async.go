@@ -72,7 +72,8 @@ type launched struct {
 }
 
 // launch starts the rollouts of step from version v (-1: the current weights, the synchronous
-// loop) on the tasks after those of the steps launched already.
+// loop) on the tasks after those of the steps launched already. Tasks are taken in order from the
+// data position, so a batch size changed by a reload neither skips tasks nor repeats them.
 func (r *Run) launch(ctx context.Context, step, v int, cfg *config.Config) error {
 	if v >= 0 {
 		if err := r.needVersion(ctx, v, cfg.Rollout.MaxStaleness); err != nil {

@@ -137,8 +137,7 @@ type Run struct {
 
 	ckpt checkpoints // what the run remembers of its checkpoints (checkpoint.go)
 
-	// ahead are the rollouts launched for steps not yet trained, in step order (async.go); kept
-	// is, per policy, one more than the weights version it kept last.
+	// ahead are the rollouts launched for steps not yet trained, in step order (async.go).
 	ahead     []*launched
 	launchPos int          // the data position after the steps launched (async.go)
 	kept      map[int]bool // the weights versions the trainable policies keep
@@ -649,8 +648,6 @@ func (r *Run) runStep(ctx context.Context) (*StepResult, error) {
 			return nil, err
 		}
 	}
-	// Tasks are taken in order from the data position, so a batch size changed by a reload
-	// neither skips tasks nor repeats them.
 	l, err := r.awaitStep(ctx, step, cfg)
 	if err != nil {
 		return nil, err
