@@ -88,6 +88,7 @@ func (r *replicas) KeepVersion(ctx context.Context, v int) error {
 	defer os.RemoveAll(dir)
 	t := time.Now()
 	err := r.trainer.Save(ctx, dir)
+	saved := treeSize(dir)
 	if err == nil {
 		// A replica never trains: the trainer's optimizer state stays out of it.
 		dropOptimizerFiles(dir)
@@ -111,7 +112,7 @@ func (r *replicas) KeepVersion(ctx context.Context, v int) error {
 	r.pushes++
 	r.pushDur += d
 	r.pushGB += gb
-	r.logf("policy %q: weights version %d pushed to its rollout replica in %.3fs (%.3f GB saved and loaded: %.3f s/GB)", r.policy, v, d.Seconds(), gb, d.Seconds()/max(gb, 1e-9))
+	r.logf("policy %q: weights version %d pushed to its rollout replica in %.3fs (%.3f GB of model loaded, %.3f GB saved with the optimizer state: %.3f s/GB saved and loaded)", r.policy, v, d.Seconds(), gb, float64(saved)/1e9, d.Seconds()/max(gb, 1e-9))
 	return nil
 }
 

@@ -7,7 +7,7 @@ workers and replicas and compiles: nothing overlaps it), each policy's engine bu
 mean reward of every policy over the first and the last quarter of the steps, and the reward
 against wall time (the mean reward, all policies, of the last quarter-run of steps ended within a
 quarter, a half and all of the slowest run's wall time after step 1; the step reached in brackets). With events.log beside metrics.jsonl,
-also the rollout replicas' weight push (seconds per GB saved and loaded).
+also the rollout replicas' weight push: mean seconds a push, and seconds per GB of model loaded.
 """
 
 from __future__ import annotations
@@ -39,8 +39,10 @@ def push_rate(metrics_path: str):
     ev = os.path.join(os.path.dirname(metrics_path), "events.log")
     if not os.path.exists(ev):
         return None
-    rates = [float(m.group(1)) for m in re.finditer(r"saved and loaded: ([0-9.]+) s/GB", open(ev).read())]
-    return mean(rates) if rates else None
+    text = open(ev).read()
+    secs = [float(m.group(1)) for m in re.finditer(r"pushed to its rollout replica in ([0-9.]+)s", text)]
+    rates = [float(m.group(1)) for m in re.finditer(r"([0-9.]+) s/GB saved and loaded", text)]
+    return (mean(secs), mean(rates)) if rates else None
 
 
 def main() -> None:
@@ -57,7 +59,7 @@ def main() -> None:
     policies = sorted({p for _, _, b, s in runs for st in s for p in b[st] if not p.startswith("_")})
     horizon = max(sum(b[s]["_run"]["step_s"] for s in st[1:]) for _, _, b, st in runs)
     head = ["run", "steps", "step s", "wall s after step 1"] + [f"{p} busy" for p in policies] + \
-        [f"{p} reward first→last ¼" for p in policies] + ["reward by ¼ / ½ / all of wall", "push s/GB"]
+        [f"{p} reward first→last ¼" for p in policies] + ["reward by ¼ / ½ / all of wall", "replica push s (s/GB)"]
     print("| " + " | ".join(head) + " |")
     print("|" + "---|" * len(head))
     for label, path, b, steps in runs:
@@ -80,7 +82,7 @@ def main() -> None:
                            f" (step {done[-1] if done else 0})")
         row.append(" / ".join(by_time))
         pr = push_rate(path)
-        row.append("—" if pr is None else f"{pr:.3f}")
+        row.append("—" if pr is None else f"{pr[0]:.3f} ({pr[1]:.3f})")
         print("| " + " | ".join(row) + " |")
 
 
