@@ -454,3 +454,41 @@ func TestAsyncWithTIS(t *testing.T) {
 		t.Errorf("step 2's stale samples have TIS weight exactly 1: %s", a[2])
 	}
 }
+
+// TestAsyncStop: Stop ends Train after the step in progress though the next step's rollouts are
+// running, and the final checkpoint resumes.
+func TestAsyncStop(t *testing.T) {
+	model := tinyModel(t, 1)
+	script := writeScript(t, tinyScript)
+	cfg := tinyConfig(model, nil)
+	cfg.Rollout.MaxStaleness = 1
+	cfg.Run.Steps = 10
+	out := filepath.Join(t.TempDir(), "run")
+	r, err := Load(context.Background(), script, Options{Config: cfg, Out: out, Tasks: numberedTasks(2),
+		AfterStep: func(r *Run, res *StepResult) {
+			if res.Step == 2 {
+				r.Stop()
+			}
+		}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := r.Train(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	ck := r.LastCheckpoint()
+	r.Close()
+	if r.StepsDone() != 2 || ck == "" {
+		t.Fatalf("stopped after %d steps, checkpoint %q; want 2 and one", r.StepsDone(), ck)
+	}
+	cfg = tinyConfig(model, nil)
+	cfg.Rollout.MaxStaleness = 1
+	r = loadTiny(t, script, out, cfg)
+	defer r.Close()
+	if err := r.restore(context.Background(), ck); err != nil {
+		t.Fatal(err)
+	}
+	if err := r.Steps(context.Background(), 1); err != nil {
+		t.Fatal(err)
+	}
+}
