@@ -543,12 +543,14 @@ func (x *Sampling) GetSeed() uint64 {
 // engines.GenerateRequest: n completions of one prompt. Exactly one of messages (rendered with the
 // model's chat template and the generation prompt) and prompt_tokens is non-empty.
 type GenerateRequest struct {
-	state         protoimpl.MessageState `protogen:"open.v1"`
-	Id            string                 `protobuf:"bytes,1,opt,name=id,proto3" json:"id,omitempty"` // unique per request; a resent request reuses it
-	Messages      []*Message             `protobuf:"bytes,2,rep,name=messages,proto3" json:"messages,omitempty"`
-	PromptTokens  []int32                `protobuf:"varint,3,rep,packed,name=prompt_tokens,json=promptTokens,proto3" json:"prompt_tokens,omitempty"`
-	N             int32                  `protobuf:"varint,4,opt,name=n,proto3" json:"n,omitempty"` // samples; 0 is read as 1
-	Sampling      *Sampling              `protobuf:"bytes,5,opt,name=sampling,proto3" json:"sampling,omitempty"`
+	state        protoimpl.MessageState `protogen:"open.v1"`
+	Id           string                 `protobuf:"bytes,1,opt,name=id,proto3" json:"id,omitempty"` // unique per request; a resent request reuses it
+	Messages     []*Message             `protobuf:"bytes,2,rep,name=messages,proto3" json:"messages,omitempty"`
+	PromptTokens []int32                `protobuf:"varint,3,rep,packed,name=prompt_tokens,json=promptTokens,proto3" json:"prompt_tokens,omitempty"`
+	N            int32                  `protobuf:"varint,4,opt,name=n,proto3" json:"n,omitempty"` // samples; 0 is read as 1
+	Sampling     *Sampling              `protobuf:"bytes,5,opt,name=sampling,proto3" json:"sampling,omitempty"`
+	// The LoRA adapter (AddAdapter) that generates it; "" is the base. One batch may mix adapters.
+	Adapter       string `protobuf:"bytes,6,opt,name=adapter,proto3" json:"adapter,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -616,6 +618,13 @@ func (x *GenerateRequest) GetSampling() *Sampling {
 		return x.Sampling
 	}
 	return nil
+}
+
+func (x *GenerateRequest) GetAdapter() string {
+	if x != nil {
+		return x.Adapter
+	}
+	return ""
 }
 
 // What the client sends on the Generate stream.
@@ -886,11 +895,13 @@ func (x *GenerateStreamResponse) GetErrors() []*RequestError {
 // engines.ScoreRequest: the log-probabilities of tokens following the prompt. As in
 // GenerateRequest, exactly one of messages and prompt_tokens is non-empty.
 type ScoreRequest struct {
-	state         protoimpl.MessageState `protogen:"open.v1"`
-	Messages      []*Message             `protobuf:"bytes,1,rep,name=messages,proto3" json:"messages,omitempty"`
-	PromptTokens  []int32                `protobuf:"varint,2,rep,packed,name=prompt_tokens,json=promptTokens,proto3" json:"prompt_tokens,omitempty"`
-	Tokens        []int32                `protobuf:"varint,3,rep,packed,name=tokens,proto3" json:"tokens,omitempty"`
-	Reference     bool                   `protobuf:"varint,4,opt,name=reference,proto3" json:"reference,omitempty"` // score with the engine's frozen KL reference, not the current weights
+	state        protoimpl.MessageState `protogen:"open.v1"`
+	Messages     []*Message             `protobuf:"bytes,1,rep,name=messages,proto3" json:"messages,omitempty"`
+	PromptTokens []int32                `protobuf:"varint,2,rep,packed,name=prompt_tokens,json=promptTokens,proto3" json:"prompt_tokens,omitempty"`
+	Tokens       []int32                `protobuf:"varint,3,rep,packed,name=tokens,proto3" json:"tokens,omitempty"`
+	Reference    bool                   `protobuf:"varint,4,opt,name=reference,proto3" json:"reference,omitempty"` // score with the engine's frozen KL reference, not the current weights
+	// Score with this LoRA adapter; with reference, its reference: the base without it.
+	Adapter       string `protobuf:"bytes,5,opt,name=adapter,proto3" json:"adapter,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -951,6 +962,13 @@ func (x *ScoreRequest) GetReference() bool {
 		return x.Reference
 	}
 	return false
+}
+
+func (x *ScoreRequest) GetAdapter() string {
+	if x != nil {
+		return x.Adapter
+	}
+	return ""
 }
 
 // engines.Scores: one log-probability per scored token.
@@ -1622,8 +1640,10 @@ func (x *TrainStats) GetTisWeight() float64 {
 }
 
 type TrainRequest struct {
-	state         protoimpl.MessageState `protogen:"open.v1"`
-	Batch         *Batch                 `protobuf:"bytes,1,opt,name=batch,proto3" json:"batch,omitempty"`
+	state protoimpl.MessageState `protogen:"open.v1"`
+	Batch *Batch                 `protobuf:"bytes,1,opt,name=batch,proto3" json:"batch,omitempty"`
+	// Train this LoRA adapter only (the base stays frozen); "" trains the full weights.
+	Adapter       string `protobuf:"bytes,2,opt,name=adapter,proto3" json:"adapter,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -1663,6 +1683,13 @@ func (x *TrainRequest) GetBatch() *Batch {
 		return x.Batch
 	}
 	return nil
+}
+
+func (x *TrainRequest) GetAdapter() string {
+	if x != nil {
+		return x.Adapter
+	}
+	return ""
 }
 
 type TrainResponse struct {
@@ -2000,8 +2027,11 @@ func (x *RenderResponse) GetTokens() []*TokenIds {
 }
 
 type SaveRequest struct {
-	state         protoimpl.MessageState `protogen:"open.v1"`
-	Dir           string                 `protobuf:"bytes,1,opt,name=dir,proto3" json:"dir,omitempty"`
+	state protoimpl.MessageState `protogen:"open.v1"`
+	Dir   string                 `protobuf:"bytes,1,opt,name=dir,proto3" json:"dir,omitempty"`
+	// Save only this LoRA adapter, as a PEFT folder (adapter_config.json naming the base,
+	// adapter_model.safetensors, its AdamW state).
+	Adapter       string `protobuf:"bytes,2,opt,name=adapter,proto3" json:"adapter,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -2043,6 +2073,13 @@ func (x *SaveRequest) GetDir() string {
 	return ""
 }
 
+func (x *SaveRequest) GetAdapter() string {
+	if x != nil {
+		return x.Adapter
+	}
+	return ""
+}
+
 type SaveResponse struct {
 	state         protoimpl.MessageState `protogen:"open.v1"`
 	unknownFields protoimpl.UnknownFields
@@ -2080,8 +2117,10 @@ func (*SaveResponse) Descriptor() ([]byte, []int) {
 }
 
 type LoadRequest struct {
-	state         protoimpl.MessageState `protogen:"open.v1"`
-	Dir           string                 `protobuf:"bytes,1,opt,name=dir,proto3" json:"dir,omitempty"`
+	state protoimpl.MessageState `protogen:"open.v1"`
+	Dir   string                 `protobuf:"bytes,1,opt,name=dir,proto3" json:"dir,omitempty"`
+	// Load the PEFT folder in dir into this LoRA adapter (made if new); the base is unchanged.
+	Adapter       string `protobuf:"bytes,2,opt,name=adapter,proto3" json:"adapter,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -2123,6 +2162,13 @@ func (x *LoadRequest) GetDir() string {
 	return ""
 }
 
+func (x *LoadRequest) GetAdapter() string {
+	if x != nil {
+		return x.Adapter
+	}
+	return ""
+}
+
 type LoadResponse struct {
 	state         protoimpl.MessageState `protogen:"open.v1"`
 	unknownFields protoimpl.UnknownFields
@@ -2157,6 +2203,214 @@ func (x *LoadResponse) ProtoReflect() protoreflect.Message {
 // Deprecated: Use LoadResponse.ProtoReflect.Descriptor instead.
 func (*LoadResponse) Descriptor() ([]byte, []int) {
 	return file_engine_proto_rawDescGZIP(), []int{32}
+}
+
+type AddAdapterRequest struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Name          string                 `protobuf:"bytes,1,opt,name=name,proto3" json:"name,omitempty"`
+	Rank          int32                  `protobuf:"varint,2,opt,name=rank,proto3" json:"rank,omitempty"`
+	Alpha         float64                `protobuf:"fixed64,3,opt,name=alpha,proto3" json:"alpha,omitempty"`     // the update is scaled by alpha / rank (PEFT's lora_alpha)
+	Dropout       float64                `protobuf:"fixed64,4,opt,name=dropout,proto3" json:"dropout,omitempty"` // engines train adapters without dropout: must be 0
+	Targets       []string               `protobuf:"bytes,5,rep,name=targets,proto3" json:"targets,omitempty"`   // q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj
+	Seed          uint64                 `protobuf:"varint,6,opt,name=seed,proto3" json:"seed,omitempty"`        // draws A (B starts at zero: the adapter computes what the base does)
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *AddAdapterRequest) Reset() {
+	*x = AddAdapterRequest{}
+	mi := &file_engine_proto_msgTypes[33]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *AddAdapterRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*AddAdapterRequest) ProtoMessage() {}
+
+func (x *AddAdapterRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_engine_proto_msgTypes[33]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use AddAdapterRequest.ProtoReflect.Descriptor instead.
+func (*AddAdapterRequest) Descriptor() ([]byte, []int) {
+	return file_engine_proto_rawDescGZIP(), []int{33}
+}
+
+func (x *AddAdapterRequest) GetName() string {
+	if x != nil {
+		return x.Name
+	}
+	return ""
+}
+
+func (x *AddAdapterRequest) GetRank() int32 {
+	if x != nil {
+		return x.Rank
+	}
+	return 0
+}
+
+func (x *AddAdapterRequest) GetAlpha() float64 {
+	if x != nil {
+		return x.Alpha
+	}
+	return 0
+}
+
+func (x *AddAdapterRequest) GetDropout() float64 {
+	if x != nil {
+		return x.Dropout
+	}
+	return 0
+}
+
+func (x *AddAdapterRequest) GetTargets() []string {
+	if x != nil {
+		return x.Targets
+	}
+	return nil
+}
+
+func (x *AddAdapterRequest) GetSeed() uint64 {
+	if x != nil {
+		return x.Seed
+	}
+	return 0
+}
+
+type AddAdapterResponse struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Params        int64                  `protobuf:"varint,1,opt,name=params,proto3" json:"params,omitempty"` // the adapter's parameter count
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *AddAdapterResponse) Reset() {
+	*x = AddAdapterResponse{}
+	mi := &file_engine_proto_msgTypes[34]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *AddAdapterResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*AddAdapterResponse) ProtoMessage() {}
+
+func (x *AddAdapterResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_engine_proto_msgTypes[34]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use AddAdapterResponse.ProtoReflect.Descriptor instead.
+func (*AddAdapterResponse) Descriptor() ([]byte, []int) {
+	return file_engine_proto_rawDescGZIP(), []int{34}
+}
+
+func (x *AddAdapterResponse) GetParams() int64 {
+	if x != nil {
+		return x.Params
+	}
+	return 0
+}
+
+type RemoveAdapterRequest struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Name          string                 `protobuf:"bytes,1,opt,name=name,proto3" json:"name,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *RemoveAdapterRequest) Reset() {
+	*x = RemoveAdapterRequest{}
+	mi := &file_engine_proto_msgTypes[35]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *RemoveAdapterRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*RemoveAdapterRequest) ProtoMessage() {}
+
+func (x *RemoveAdapterRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_engine_proto_msgTypes[35]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use RemoveAdapterRequest.ProtoReflect.Descriptor instead.
+func (*RemoveAdapterRequest) Descriptor() ([]byte, []int) {
+	return file_engine_proto_rawDescGZIP(), []int{35}
+}
+
+func (x *RemoveAdapterRequest) GetName() string {
+	if x != nil {
+		return x.Name
+	}
+	return ""
+}
+
+type RemoveAdapterResponse struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *RemoveAdapterResponse) Reset() {
+	*x = RemoveAdapterResponse{}
+	mi := &file_engine_proto_msgTypes[36]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *RemoveAdapterResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*RemoveAdapterResponse) ProtoMessage() {}
+
+func (x *RemoveAdapterResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_engine_proto_msgTypes[36]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use RemoveAdapterResponse.ProtoReflect.Descriptor instead.
+func (*RemoveAdapterResponse) Descriptor() ([]byte, []int) {
+	return file_engine_proto_rawDescGZIP(), []int{36}
 }
 
 var File_engine_proto protoreflect.FileDescriptor
@@ -2200,13 +2454,14 @@ const file_engine_proto_rawDesc = "" +
 	"\vtemperature\x18\x02 \x01(\x01R\vtemperature\x12\x13\n" +
 	"\x05top_p\x18\x03 \x01(\x01R\x04topP\x12\x12\n" +
 	"\x04stop\x18\x04 \x03(\tR\x04stop\x12\x12\n" +
-	"\x04seed\x18\x05 \x01(\x04R\x04seed\"\xc3\x01\n" +
+	"\x04seed\x18\x05 \x01(\x04R\x04seed\"\xdd\x01\n" +
 	"\x0fGenerateRequest\x12\x0e\n" +
 	"\x02id\x18\x01 \x01(\tR\x02id\x125\n" +
 	"\bmessages\x18\x02 \x03(\v2\x19.slimen.engine.v1.MessageR\bmessages\x12#\n" +
 	"\rprompt_tokens\x18\x03 \x03(\x05R\fpromptTokens\x12\f\n" +
 	"\x01n\x18\x04 \x01(\x05R\x01n\x126\n" +
-	"\bsampling\x18\x05 \x01(\v2\x1a.slimen.engine.v1.SamplingR\bsampling\"n\n" +
+	"\bsampling\x18\x05 \x01(\v2\x1a.slimen.engine.v1.SamplingR\bsampling\x12\x18\n" +
+	"\aadapter\x18\x06 \x01(\tR\aadapter\"n\n" +
 	"\x15GenerateStreamRequest\x12=\n" +
 	"\brequests\x18\x01 \x03(\v2!.slimen.engine.v1.GenerateRequestR\brequests\x12\x16\n" +
 	"\x06cancel\x18\x02 \x03(\tR\x06cancel\"\xd3\x01\n" +
@@ -2227,12 +2482,13 @@ const file_engine_proto_rawDesc = "" +
 	"\amessage\x18\x03 \x01(\tR\amessage\"\x90\x01\n" +
 	"\x16GenerateStreamResponse\x12>\n" +
 	"\vcompletions\x18\x01 \x03(\v2\x1c.slimen.engine.v1.CompletionR\vcompletions\x126\n" +
-	"\x06errors\x18\x02 \x03(\v2\x1e.slimen.engine.v1.RequestErrorR\x06errors\"\xa0\x01\n" +
+	"\x06errors\x18\x02 \x03(\v2\x1e.slimen.engine.v1.RequestErrorR\x06errors\"\xba\x01\n" +
 	"\fScoreRequest\x125\n" +
 	"\bmessages\x18\x01 \x03(\v2\x19.slimen.engine.v1.MessageR\bmessages\x12#\n" +
 	"\rprompt_tokens\x18\x02 \x03(\x05R\fpromptTokens\x12\x16\n" +
 	"\x06tokens\x18\x03 \x03(\x05R\x06tokens\x12\x1c\n" +
-	"\treference\x18\x04 \x01(\bR\treference\"$\n" +
+	"\treference\x18\x04 \x01(\bR\treference\x12\x18\n" +
+	"\aadapter\x18\x05 \x01(\tR\aadapter\"$\n" +
 	"\x06Scores\x12\x1a\n" +
 	"\blogprobs\x18\x01 \x03(\x02R\blogprobs\"O\n" +
 	"\x11ScoreBatchRequest\x12:\n" +
@@ -2300,9 +2556,10 @@ const file_engine_proto_rawDesc = "" +
 	" \x01(\x01R\tvalueLoss\x12\"\n" +
 	"\rtis_clip_frac\x18\v \x01(\x01R\vtisClipFrac\x12\x1d\n" +
 	"\n" +
-	"tis_weight\x18\f \x01(\x01R\ttisWeight\"=\n" +
+	"tis_weight\x18\f \x01(\x01R\ttisWeight\"W\n" +
 	"\fTrainRequest\x12-\n" +
-	"\x05batch\x18\x01 \x01(\v2\x17.slimen.engine.v1.BatchR\x05batch\"a\n" +
+	"\x05batch\x18\x01 \x01(\v2\x17.slimen.engine.v1.BatchR\x05batch\x12\x18\n" +
+	"\aadapter\x18\x02 \x01(\tR\aadapter\"a\n" +
 	"\rTrainResponse\x122\n" +
 	"\x05stats\x18\x01 \x01(\v2\x1c.slimen.engine.v1.TrainStatsR\x05stats\x12\x1c\n" +
 	"\tduplicate\x18\x02 \x01(\bR\tduplicate\"'\n" +
@@ -2319,13 +2576,27 @@ const file_engine_proto_rawDesc = "" +
 	"\x12RenderBatchRequest\x12;\n" +
 	"\brequests\x18\x01 \x03(\v2\x1f.slimen.engine.v1.RenderRequestR\brequests\"D\n" +
 	"\x0eRenderResponse\x122\n" +
-	"\x06tokens\x18\x01 \x03(\v2\x1a.slimen.engine.v1.TokenIdsR\x06tokens\"\x1f\n" +
+	"\x06tokens\x18\x01 \x03(\v2\x1a.slimen.engine.v1.TokenIdsR\x06tokens\"9\n" +
 	"\vSaveRequest\x12\x10\n" +
-	"\x03dir\x18\x01 \x01(\tR\x03dir\"\x0e\n" +
-	"\fSaveResponse\"\x1f\n" +
+	"\x03dir\x18\x01 \x01(\tR\x03dir\x12\x18\n" +
+	"\aadapter\x18\x02 \x01(\tR\aadapter\"\x0e\n" +
+	"\fSaveResponse\"9\n" +
 	"\vLoadRequest\x12\x10\n" +
-	"\x03dir\x18\x01 \x01(\tR\x03dir\"\x0e\n" +
-	"\fLoadResponse2\xa1\x06\n" +
+	"\x03dir\x18\x01 \x01(\tR\x03dir\x12\x18\n" +
+	"\aadapter\x18\x02 \x01(\tR\aadapter\"\x0e\n" +
+	"\fLoadResponse\"\x99\x01\n" +
+	"\x11AddAdapterRequest\x12\x12\n" +
+	"\x04name\x18\x01 \x01(\tR\x04name\x12\x12\n" +
+	"\x04rank\x18\x02 \x01(\x05R\x04rank\x12\x14\n" +
+	"\x05alpha\x18\x03 \x01(\x01R\x05alpha\x12\x18\n" +
+	"\adropout\x18\x04 \x01(\x01R\adropout\x12\x18\n" +
+	"\atargets\x18\x05 \x03(\tR\atargets\x12\x12\n" +
+	"\x04seed\x18\x06 \x01(\x04R\x04seed\",\n" +
+	"\x12AddAdapterResponse\x12\x16\n" +
+	"\x06params\x18\x01 \x01(\x03R\x06params\"*\n" +
+	"\x14RemoveAdapterRequest\x12\x12\n" +
+	"\x04name\x18\x01 \x01(\tR\x04name\"\x17\n" +
+	"\x15RemoveAdapterResponse2\xdc\a\n" +
 	"\x06Engine\x12E\n" +
 	"\x04Info\x12\x1d.slimen.engine.v1.InfoRequest\x1a\x1e.slimen.engine.v1.InfoResponse\x12a\n" +
 	"\bGenerate\x12'.slimen.engine.v1.GenerateStreamRequest\x1a(.slimen.engine.v1.GenerateStreamResponse(\x010\x01\x12R\n" +
@@ -2336,7 +2607,10 @@ const file_engine_proto_rawDesc = "" +
 	"\x04Load\x12\x1d.slimen.engine.v1.LoadRequest\x1a\x1e.slimen.engine.v1.LoadResponse\x12K\n" +
 	"\x06Health\x12\x1f.slimen.engine.v1.HealthRequest\x1a .slimen.engine.v1.HealthResponse\x12O\n" +
 	"\x06Values\x12#.slimen.engine.v1.ScoreBatchRequest\x1a .slimen.engine.v1.ValuesResponse\x12P\n" +
-	"\x06Render\x12$.slimen.engine.v1.RenderBatchRequest\x1a .slimen.engine.v1.RenderResponseB1Z/github.com/slimen/slimen/engines/proto;enginepbb\x06proto3"
+	"\x06Render\x12$.slimen.engine.v1.RenderBatchRequest\x1a .slimen.engine.v1.RenderResponse\x12W\n" +
+	"\n" +
+	"AddAdapter\x12#.slimen.engine.v1.AddAdapterRequest\x1a$.slimen.engine.v1.AddAdapterResponse\x12`\n" +
+	"\rRemoveAdapter\x12&.slimen.engine.v1.RemoveAdapterRequest\x1a'.slimen.engine.v1.RemoveAdapterResponseB1Z/github.com/slimen/slimen/engines/proto;enginepbb\x06proto3"
 
 var (
 	file_engine_proto_rawDescOnce sync.Once
@@ -2351,7 +2625,7 @@ func file_engine_proto_rawDescGZIP() []byte {
 }
 
 var file_engine_proto_enumTypes = make([]protoimpl.EnumInfo, 1)
-var file_engine_proto_msgTypes = make([]protoimpl.MessageInfo, 33)
+var file_engine_proto_msgTypes = make([]protoimpl.MessageInfo, 37)
 var file_engine_proto_goTypes = []any{
 	(HealthResponse_Status)(0),     // 0: slimen.engine.v1.HealthResponse.Status
 	(*InfoRequest)(nil),            // 1: slimen.engine.v1.InfoRequest
@@ -2387,6 +2661,10 @@ var file_engine_proto_goTypes = []any{
 	(*SaveResponse)(nil),           // 31: slimen.engine.v1.SaveResponse
 	(*LoadRequest)(nil),            // 32: slimen.engine.v1.LoadRequest
 	(*LoadResponse)(nil),           // 33: slimen.engine.v1.LoadResponse
+	(*AddAdapterRequest)(nil),      // 34: slimen.engine.v1.AddAdapterRequest
+	(*AddAdapterResponse)(nil),     // 35: slimen.engine.v1.AddAdapterResponse
+	(*RemoveAdapterRequest)(nil),   // 36: slimen.engine.v1.RemoveAdapterRequest
+	(*RemoveAdapterResponse)(nil),  // 37: slimen.engine.v1.RemoveAdapterResponse
 }
 var file_engine_proto_depIdxs = []int32{
 	3,  // 0: slimen.engine.v1.InfoResponse.info:type_name -> slimen.engine.v1.Info
@@ -2418,18 +2696,22 @@ var file_engine_proto_depIdxs = []int32{
 	4,  // 26: slimen.engine.v1.Engine.Health:input_type -> slimen.engine.v1.HealthRequest
 	15, // 27: slimen.engine.v1.Engine.Values:input_type -> slimen.engine.v1.ScoreBatchRequest
 	28, // 28: slimen.engine.v1.Engine.Render:input_type -> slimen.engine.v1.RenderBatchRequest
-	2,  // 29: slimen.engine.v1.Engine.Info:output_type -> slimen.engine.v1.InfoResponse
-	12, // 30: slimen.engine.v1.Engine.Generate:output_type -> slimen.engine.v1.GenerateStreamResponse
-	16, // 31: slimen.engine.v1.Engine.Score:output_type -> slimen.engine.v1.ScoreBatchResponse
-	23, // 32: slimen.engine.v1.Engine.Train:output_type -> slimen.engine.v1.TrainResponse
-	26, // 33: slimen.engine.v1.Engine.Tokenize:output_type -> slimen.engine.v1.TokenizeResponse
-	31, // 34: slimen.engine.v1.Engine.Save:output_type -> slimen.engine.v1.SaveResponse
-	33, // 35: slimen.engine.v1.Engine.Load:output_type -> slimen.engine.v1.LoadResponse
-	5,  // 36: slimen.engine.v1.Engine.Health:output_type -> slimen.engine.v1.HealthResponse
-	17, // 37: slimen.engine.v1.Engine.Values:output_type -> slimen.engine.v1.ValuesResponse
-	29, // 38: slimen.engine.v1.Engine.Render:output_type -> slimen.engine.v1.RenderResponse
-	29, // [29:39] is the sub-list for method output_type
-	19, // [19:29] is the sub-list for method input_type
+	34, // 29: slimen.engine.v1.Engine.AddAdapter:input_type -> slimen.engine.v1.AddAdapterRequest
+	36, // 30: slimen.engine.v1.Engine.RemoveAdapter:input_type -> slimen.engine.v1.RemoveAdapterRequest
+	2,  // 31: slimen.engine.v1.Engine.Info:output_type -> slimen.engine.v1.InfoResponse
+	12, // 32: slimen.engine.v1.Engine.Generate:output_type -> slimen.engine.v1.GenerateStreamResponse
+	16, // 33: slimen.engine.v1.Engine.Score:output_type -> slimen.engine.v1.ScoreBatchResponse
+	23, // 34: slimen.engine.v1.Engine.Train:output_type -> slimen.engine.v1.TrainResponse
+	26, // 35: slimen.engine.v1.Engine.Tokenize:output_type -> slimen.engine.v1.TokenizeResponse
+	31, // 36: slimen.engine.v1.Engine.Save:output_type -> slimen.engine.v1.SaveResponse
+	33, // 37: slimen.engine.v1.Engine.Load:output_type -> slimen.engine.v1.LoadResponse
+	5,  // 38: slimen.engine.v1.Engine.Health:output_type -> slimen.engine.v1.HealthResponse
+	17, // 39: slimen.engine.v1.Engine.Values:output_type -> slimen.engine.v1.ValuesResponse
+	29, // 40: slimen.engine.v1.Engine.Render:output_type -> slimen.engine.v1.RenderResponse
+	35, // 41: slimen.engine.v1.Engine.AddAdapter:output_type -> slimen.engine.v1.AddAdapterResponse
+	37, // 42: slimen.engine.v1.Engine.RemoveAdapter:output_type -> slimen.engine.v1.RemoveAdapterResponse
+	31, // [31:43] is the sub-list for method output_type
+	19, // [19:31] is the sub-list for method input_type
 	19, // [19:19] is the sub-list for extension type_name
 	19, // [19:19] is the sub-list for extension extendee
 	0,  // [0:19] is the sub-list for field type_name
@@ -2446,7 +2728,7 @@ func file_engine_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_engine_proto_rawDesc), len(file_engine_proto_rawDesc)),
 			NumEnums:      1,
-			NumMessages:   33,
+			NumMessages:   37,
 			NumExtensions: 0,
 			NumServices:   1,
 		},

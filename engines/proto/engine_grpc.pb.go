@@ -46,16 +46,18 @@ import (
 const _ = grpc.SupportPackageIsVersion9
 
 const (
-	Engine_Info_FullMethodName     = "/slimen.engine.v1.Engine/Info"
-	Engine_Generate_FullMethodName = "/slimen.engine.v1.Engine/Generate"
-	Engine_Score_FullMethodName    = "/slimen.engine.v1.Engine/Score"
-	Engine_Train_FullMethodName    = "/slimen.engine.v1.Engine/Train"
-	Engine_Tokenize_FullMethodName = "/slimen.engine.v1.Engine/Tokenize"
-	Engine_Save_FullMethodName     = "/slimen.engine.v1.Engine/Save"
-	Engine_Load_FullMethodName     = "/slimen.engine.v1.Engine/Load"
-	Engine_Health_FullMethodName   = "/slimen.engine.v1.Engine/Health"
-	Engine_Values_FullMethodName   = "/slimen.engine.v1.Engine/Values"
-	Engine_Render_FullMethodName   = "/slimen.engine.v1.Engine/Render"
+	Engine_Info_FullMethodName          = "/slimen.engine.v1.Engine/Info"
+	Engine_Generate_FullMethodName      = "/slimen.engine.v1.Engine/Generate"
+	Engine_Score_FullMethodName         = "/slimen.engine.v1.Engine/Score"
+	Engine_Train_FullMethodName         = "/slimen.engine.v1.Engine/Train"
+	Engine_Tokenize_FullMethodName      = "/slimen.engine.v1.Engine/Tokenize"
+	Engine_Save_FullMethodName          = "/slimen.engine.v1.Engine/Save"
+	Engine_Load_FullMethodName          = "/slimen.engine.v1.Engine/Load"
+	Engine_Health_FullMethodName        = "/slimen.engine.v1.Engine/Health"
+	Engine_Values_FullMethodName        = "/slimen.engine.v1.Engine/Values"
+	Engine_Render_FullMethodName        = "/slimen.engine.v1.Engine/Render"
+	Engine_AddAdapter_FullMethodName    = "/slimen.engine.v1.Engine/AddAdapter"
+	Engine_RemoveAdapter_FullMethodName = "/slimen.engine.v1.Engine/RemoveAdapter"
 )
 
 // EngineClient is the client API for Engine service.
@@ -92,6 +94,14 @@ type EngineClient interface {
 	// ids (engines.Renderer; a conversation renders the messages between its turns with it); an
 	// engine without a template answers UNIMPLEMENTED.
 	Render(ctx context.Context, in *RenderBatchRequest, opts ...grpc.CallOption) (*RenderResponse, error)
+	// AddAdapter gives the engine a LoRA adapter over its model, which becomes a frozen base shared
+	// by every adapter (one per policy of the host). Requests, batches, Save and Load that name the
+	// adapter (their `adapter` field) use it; those that name none use the base. An engine without
+	// adapters answers UNIMPLEMENTED.
+	AddAdapter(ctx context.Context, in *AddAdapterRequest, opts ...grpc.CallOption) (*AddAdapterResponse, error)
+	// RemoveAdapter drops an adapter; its requests in flight end with an error. An unknown name is
+	// not an error.
+	RemoveAdapter(ctx context.Context, in *RemoveAdapterRequest, opts ...grpc.CallOption) (*RemoveAdapterResponse, error)
 }
 
 type engineClient struct {
@@ -205,6 +215,26 @@ func (c *engineClient) Render(ctx context.Context, in *RenderBatchRequest, opts 
 	return out, nil
 }
 
+func (c *engineClient) AddAdapter(ctx context.Context, in *AddAdapterRequest, opts ...grpc.CallOption) (*AddAdapterResponse, error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	out := new(AddAdapterResponse)
+	err := c.cc.Invoke(ctx, Engine_AddAdapter_FullMethodName, in, out, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
+func (c *engineClient) RemoveAdapter(ctx context.Context, in *RemoveAdapterRequest, opts ...grpc.CallOption) (*RemoveAdapterResponse, error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	out := new(RemoveAdapterResponse)
+	err := c.cc.Invoke(ctx, Engine_RemoveAdapter_FullMethodName, in, out, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
 // EngineServer is the server API for Engine service.
 // All implementations must embed UnimplementedEngineServer
 // for forward compatibility.
@@ -239,6 +269,14 @@ type EngineServer interface {
 	// ids (engines.Renderer; a conversation renders the messages between its turns with it); an
 	// engine without a template answers UNIMPLEMENTED.
 	Render(context.Context, *RenderBatchRequest) (*RenderResponse, error)
+	// AddAdapter gives the engine a LoRA adapter over its model, which becomes a frozen base shared
+	// by every adapter (one per policy of the host). Requests, batches, Save and Load that name the
+	// adapter (their `adapter` field) use it; those that name none use the base. An engine without
+	// adapters answers UNIMPLEMENTED.
+	AddAdapter(context.Context, *AddAdapterRequest) (*AddAdapterResponse, error)
+	// RemoveAdapter drops an adapter; its requests in flight end with an error. An unknown name is
+	// not an error.
+	RemoveAdapter(context.Context, *RemoveAdapterRequest) (*RemoveAdapterResponse, error)
 	mustEmbedUnimplementedEngineServer()
 }
 
@@ -278,6 +316,12 @@ func (UnimplementedEngineServer) Values(context.Context, *ScoreBatchRequest) (*V
 }
 func (UnimplementedEngineServer) Render(context.Context, *RenderBatchRequest) (*RenderResponse, error) {
 	return nil, status.Error(codes.Unimplemented, "method Render not implemented")
+}
+func (UnimplementedEngineServer) AddAdapter(context.Context, *AddAdapterRequest) (*AddAdapterResponse, error) {
+	return nil, status.Error(codes.Unimplemented, "method AddAdapter not implemented")
+}
+func (UnimplementedEngineServer) RemoveAdapter(context.Context, *RemoveAdapterRequest) (*RemoveAdapterResponse, error) {
+	return nil, status.Error(codes.Unimplemented, "method RemoveAdapter not implemented")
 }
 func (UnimplementedEngineServer) mustEmbedUnimplementedEngineServer() {}
 func (UnimplementedEngineServer) testEmbeddedByValue()                {}
@@ -469,6 +513,42 @@ func _Engine_Render_Handler(srv interface{}, ctx context.Context, dec func(inter
 	return interceptor(ctx, in, info, handler)
 }
 
+func _Engine_AddAdapter_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(AddAdapterRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(EngineServer).AddAdapter(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: Engine_AddAdapter_FullMethodName,
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(EngineServer).AddAdapter(ctx, req.(*AddAdapterRequest))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
+func _Engine_RemoveAdapter_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(RemoveAdapterRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(EngineServer).RemoveAdapter(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: Engine_RemoveAdapter_FullMethodName,
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(EngineServer).RemoveAdapter(ctx, req.(*RemoveAdapterRequest))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
 // Engine_ServiceDesc is the grpc.ServiceDesc for Engine service.
 // It's only intended for direct use with grpc.RegisterService,
 // and not to be introspected or modified (even as a copy)
@@ -511,6 +591,14 @@ var Engine_ServiceDesc = grpc.ServiceDesc{
 		{
 			MethodName: "Render",
 			Handler:    _Engine_Render_Handler,
+		},
+		{
+			MethodName: "AddAdapter",
+			Handler:    _Engine_AddAdapter_Handler,
+		},
+		{
+			MethodName: "RemoveAdapter",
+			Handler:    _Engine_RemoveAdapter_Handler,
 		},
 	},
 	Streams: []grpc.StreamDesc{

@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from . import compile_cache, kernels
+from . import compile_cache, kernels, lora
 from .config import ModelConfig, eos_ids, read_config
 from .generate import Generator, Request
 from .model import Transformer, fused_rms_norm
@@ -144,6 +144,8 @@ class Engine:
             16384 if cuda else 4096), reference=self._reference_model, compile=mode,
             fused_head=o.fused_head)
         self._load_optimizer(model_dir)
+        # LoRA adapters over this model as a frozen base (one per policy of the host).
+        self.bank = self.gen.bank = lora.Bank(model)
 
     def _new_trainer(self, model: Transformer, **kw) -> Trainer:
         """The trainer of the model (dist.py's engine makes a sharded one)."""
@@ -221,7 +223,63 @@ class Engine:
                     vocab_size=self.cfg.vocab_size, max_seq_len=self.gen.L,
                     chat_template=self.tokenizer.chat_template, eos_tokens=list(self.eos),
                     params=self.cfg.params(), devices=[str(self.device)],
-                    capabilities=["generate", "score", "train", "values", "reference", "tis"])
+                    capabilities=["generate", "score", "train", "values", "reference", "tis",
+                                  "lora"])
+
+    # ---- LoRA adapters ----
+
+    def add_adapter(self, name: str, cfg: lora.LoRAConfig, seed: int) -> int:
+        """A new adapter over the model as a frozen base: A drawn from seed, B zero (it computes
+        what the base computes until it trains). Returns its parameter count."""
+        cfg.validate()
+        if not name:
+            raise RequestError("INVALID_ARGUMENT", "an adapter needs a name")
+        return self._call(self._add_adapter, name, cfg, seed)
+
+    def _add_adapter(self, name, cfg, seed) -> int:
+        if name in self.bank.adapters:
+            raise RequestError("ALREADY_EXISTS", f"adapter {name!r} exists already")
+        if self.trainer.steps:
+            raise RequestError("FAILED_PRECONDITION", f"adapter {name!r}: this worker trained its "
+                               "full weights; adapters need a frozen base")
+        ad = lora.Adapter(name, cfg, self.cfg, self.device, self.dtype)
+        ad.init_random(seed)
+        self.model.requires_grad_(False)  # the base is frozen: no gradients, no AdamW state
+        self.bank.adapters[name] = ad
+        self.bank.changed()
+        return ad.numel()
+
+    def remove_adapter(self, name: str) -> None:
+        """Drops an adapter; its requests in flight end with an error. Unknown names are ignored."""
+        self._call(self._remove_adapter, name)
+
+    def _remove_adapter(self, name) -> None:
+        ad = self.bank.adapters.pop(name, None)
+        if ad is not None:
+            self.gen.fail_adapter(ad, f"adapter {name!r} was removed")
+            self.bank.changed()
+
+    def adapter_names(self) -> list[str]:
+        return list(self.bank.adapters)
+
+    def _adapter(self, name: str, what: str):
+        """The adapter of a request (None for "": the base)."""
+        if not name:
+            return None
+        ad = self.bank.adapters.get(name)
+        if ad is None:
+            raise RequestError("NOT_FOUND", f"{what}: no adapter {name!r} (have "
+                               f"{sorted(self.bank.adapters)})")
+        return ad
+
+    def _adapter_trainer(self, ad) -> Trainer:
+        if ad.trainer is None:
+            # Eager layers (compiled ones were traced without adapters); the same loss code.
+            ad.trainer = Trainer(lora.View(self.model, lora.One(ad)),
+                                 micro_batch_tokens=self.trainer.micro_batch_tokens,
+                                 reference=lambda: self.model, compile="",
+                                 fused_head=self.trainer.fused_head, params=ad.params())
+        return ad.trainer
 
     def tokenize(self, texts: list[str]) -> list[list[int]]:
         return [self.tokenizer.encode(t) for t in texts]
@@ -293,7 +351,9 @@ class Engine:
                             temperature=s.temperature,
                             top_p=s.top_p or 1.0,
                             stop=[x for x in s.stop if x], seed=s.seed)
-        return Request(req.id, prompt, req.n or 1, sampling, on_completion, on_error)
+        r = Request(req.id, prompt, req.n or 1, sampling, on_completion, on_error)
+        r.adapter = self._adapter(req.adapter, f"request {req.id!r}")
+        return r
 
     def cancel(self, request_id: str) -> None:
         with self._cv:
@@ -330,16 +390,22 @@ class Engine:
         """Log-probs of each request's tokens; a request with reference set is scored by the
         frozen KL reference model instead of the current weights."""
         pairs = self._pairs(reqs, "score request")
-        return self._call(self._score_split, pairs, [bool(r.reference) for r in reqs])
+        return self._call(self._score_split, pairs, [bool(r.reference) for r in reqs],
+                          [r.adapter for r in reqs])
 
-    def _score_split(self, pairs, reference: list[bool]) -> list[list[float]]:
+    def _score_split(self, pairs, reference: list[bool], names: list[str]) -> list[list[float]]:
+        ads = [self._adapter(n, f"score request {i}") for i, n in enumerate(names)]
+        # The reference of an adapter's request is the base without it: the model, adapter 0.
+        ads = [None if r else a for r, a in zip(reference, ads)]
+        full_ref = [r and not n for r, n in zip(reference, names)]
         out: list[list[float]] = [[] for _ in pairs]
         for ref in (False, True):
-            idx = [i for i, r in enumerate(reference) if r == ref]
+            idx = [i for i, r in enumerate(full_ref) if r == ref]
             if not idx:
                 continue
             model = self._reference_model() if ref else self.model
-            for i, lp in zip(idx, self._score([pairs[i] for i in idx], model)):
+            for i, lp in zip(idx, self._score([pairs[i] for i in idx], model,
+                                              None if ref else [ads[i] for i in idx])):
                 out[i] = lp
         return out
 
@@ -357,37 +423,45 @@ class Engine:
         return pairs
 
     @torch.no_grad()
-    def _score(self, pairs, model=None) -> list[list[float]]:
+    def _score(self, pairs, model=None, adapters=None) -> list[list[float]]:
+        """adapters: each pair's lora.Adapter (None: the base), all in one pass per micro-batch."""
         model = self.model if model is None else model
         out: list[list[float]] = [[] for _ in pairs]
         todo = [i for i, (_, t) in enumerate(pairs) if t]
         budget = self.trainer.micro_batch_tokens
         for mb in micro_batches([len(pairs[i][0]) + len(pairs[i][1]) for i in todo], budget):
             idx = [todo[j] for j in mb]
-            if self.trainer.fused_head:
-                hidden, targets = response_hidden(model, [pairs[i] for i in idx])
-                try:
-                    lp = kernels.linear_logprobs(hidden, model.head_weight, targets,
-                                                 use_triton=self.trainer.head_triton)[0]
-                except Exception as e:
-                    if not self.trainer.head_triton:
-                        raise
-                    log.warning("the Triton log-prob kernels failed, using PyTorch: %s", e)
-                    self.trainer.head_triton = False
-                    lp = kernels.linear_logprobs(hidden, model.head_weight, targets,
-                                                 use_triton=False)[0]
-                lp = lp.tolist()
-            else:
-                logits, targets = response_logits(model, [pairs[i] for i in idx])
-                logits = logits.float()
-                lp = (logits.gather(1, targets[:, None]).squeeze(1)
-                      - torch.logsumexp(logits, dim=-1)).tolist()
+            sel = None
+            if adapters is not None and any(adapters[i] is not None for i in idx):
+                sel = self.gen._rows([adapters[i] for i in idx])
+            with model.using(sel):
+                lp = self._score_mb(model, [pairs[i] for i in idx])
             k = 0
             for i in idx:
                 n = len(pairs[i][1])
                 out[i] = lp[k:k + n]
                 k += n
         return out
+
+    def _score_mb(self, model, pairs) -> list[float]:
+        """The log-probs of one micro-batch's response tokens, flattened in order."""
+        if self.trainer.fused_head:
+            hidden, targets = response_hidden(model, pairs)
+            try:
+                lp = kernels.linear_logprobs(hidden, model.head_weight, targets,
+                                             use_triton=self.trainer.head_triton)[0]
+            except Exception as e:
+                if not self.trainer.head_triton:
+                    raise
+                log.warning("the Triton log-prob kernels failed, using PyTorch: %s", e)
+                self.trainer.head_triton = False
+                lp = kernels.linear_logprobs(hidden, model.head_weight, targets,
+                                             use_triton=False)[0]
+            return lp.tolist()
+        logits, targets = response_logits(model, pairs)
+        logits = logits.float()
+        return (logits.gather(1, targets[:, None]).squeeze(1)
+                - torch.logsumexp(logits, dim=-1)).tolist()
 
     def values(self, reqs: list[ScoreRequest]) -> list[list[float]]:
         """A PPO critic's value of each response token: the value head on the hidden state at
@@ -421,6 +495,17 @@ class Engine:
         return self._call(self._train, batch)
 
     def _train(self, batch: Batch) -> TrainStats:
+        if batch.adapter:
+            ad = self._adapter(batch.adapter, "train")
+            if any(s.returns for s in batch.samples):
+                raise RequestError("INVALID_ARGUMENT", f"adapter {batch.adapter!r}: a LoRA adapter "
+                                   "has no value head (a PPO critic trains full weights)")
+            stats = self._adapter_trainer(ad).step(batch)
+            self.bank.changed()
+            return stats
+        if self.bank.adapters:
+            raise RequestError("FAILED_PRECONDITION", "this worker's base is frozen under its "
+                               f"LoRA adapters {sorted(self.bank.adapters)}: name the adapter to train")
         if any(s.returns for s in batch.samples):
             self._ensure_value_head()
         return self._first_logged(self.trainer.step, batch)
@@ -440,8 +525,52 @@ class Engine:
         """A supervised step on (prompt ids, response ids) pairs (sft.py)."""
         return self._call(self._first_logged, self.trainer.sft_step, pairs, loss)
 
-    def save(self, out_dir: str) -> None:
+    def save(self, out_dir: str, adapter: str = "") -> None:
+        """The model as a Hugging Face folder; with adapter, only that adapter as a PEFT folder
+        (adapter_config.json naming the base, adapter_model.safetensors, and its AdamW state)."""
+        if adapter:
+            self._call(self._save_adapter, pathlib.Path(out_dir), adapter)
+            return
         self._call(self._save, pathlib.Path(out_dir))
+
+    def _save_adapter(self, out: pathlib.Path, name: str) -> None:
+        self._adapter(name, "save").save(out, self._started)
+
+    def load_adapter(self, folder: str, name: str) -> None:
+        """Replaces adapter name (made if new) with the PEFT folder, which must be a LoRA of this
+        base's shape; its rank, alpha and targets become the adapter's, and its AdamW state (reset
+        when the folder has none) resumes."""
+        self._call(self._load_adapter, pathlib.Path(folder), name)
+
+    def _load_adapter(self, folder: pathlib.Path, name: str) -> None:
+        try:
+            cfg = lora.read_config(folder)
+            ad = lora.Adapter(name, cfg, self.cfg, self.device, self.dtype)
+            opt = lora.load_tensors(folder, ad)
+        except (OSError, ValueError, KeyError) as e:
+            raise RequestError("INVALID_ARGUMENT", f"load adapter {name!r} from {folder}: {e}") from None
+        if opt is not None:
+            tr = self._adapter_trainer(ad)
+            o = tr._optimizer()
+            step = int(opt.pop("__step__"))
+            for (n, _), m in zip(ad.named(), tr.masters):
+                st = torch.tensor(float(step), dtype=torch.float32,
+                                  device=m.device if tr.cuda else "cpu")
+                o.state[m] = {"step": st, "exp_avg": opt["exp_avg." + n].to(m.device, m.dtype),
+                              "exp_avg_sq": opt["exp_avg_sq." + n].to(m.device, m.dtype)}
+            tr.steps = step
+        if self.trainer.steps and not self.bank.adapters:
+            raise RequestError("FAILED_PRECONDITION", f"adapter {name!r}: this worker trained its "
+                               "full weights; adapters need a frozen base")
+        self.model.requires_grad_(False)
+        old = self.bank.adapters.get(name)
+        self.gen.flush()
+        if old is not None:
+            for s in list(self.gen.waiting) + self.gen.slots:
+                if s is not None and s.req.adapter is old:
+                    s.req.adapter = ad
+        self.bank.adapters[name] = ad
+        self.bank.changed()
 
     def _save(self, out: pathlib.Path) -> None:
         self._write(out, self.trainer.state_dict())
@@ -460,7 +589,13 @@ class Engine:
         if state is not None:
             torch.save(state, out / OPTIMIZER_FILE)
 
-    def load(self, model_dir: str) -> None:
+    def load(self, model_dir: str, adapter: str = "") -> None:
+        if adapter:
+            self.load_adapter(model_dir, adapter)
+            return
+        if self.bank.adapters:
+            raise RequestError("FAILED_PRECONDITION", "this worker's base is frozen under its LoRA "
+                               f"adapters {sorted(self.bank.adapters)}: load an adapter by name")
         self._call(self._load, pathlib.Path(model_dir))
 
     def _load(self, model_dir: pathlib.Path) -> None:

@@ -15,6 +15,7 @@ tables in fp32 cast to the activation dtype), which is what the logit-parity tes
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -23,6 +24,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from .config import ModelConfig
+from .lora import linear
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -106,7 +108,7 @@ def block_forward(cfg: ModelConfig, x, w: tuple, cos, sin, qkv_fn=None, mlp_fn=N
     o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=cfg.head_dim ** -0.5,
                                        enable_gqa=cfg.heads != cfg.kv_heads)
     o = o.transpose(1, 2).flatten(2)
-    x = x + F.linear(o, w[5], w[6])
+    x = x + linear(o, w[5], w[6])
     return x + (mlp_fn or mlp)(cfg, w, x, norm), k, v
 
 
@@ -118,7 +120,7 @@ def project_qkv(cfg: ModelConfig, w: tuple, x, cos, sin, norm=rms_norm):
 def qkv_from_normed(cfg: ModelConfig, w: tuple, h, cos, sin, norm=rms_norm):
     """project_qkv after the layer's input norm (h = norm(x))."""
     wqkv, bqkv, q_norm, k_norm = w[1:5]
-    q, k, v = F.linear(h, wqkv, bqkv).split([cfg.q_dim, cfg.kv_dim, cfg.kv_dim], dim=-1)
+    q, k, v = linear(h, wqkv, bqkv).split([cfg.q_dim, cfg.kv_dim, cfg.kv_dim], dim=-1)
     q = q.unflatten(-1, (cfg.heads, cfg.head_dim))
     k = k.unflatten(-1, (cfg.kv_heads, cfg.head_dim))
     v = v.unflatten(-1, (cfg.kv_heads, cfg.head_dim))
@@ -130,8 +132,8 @@ def qkv_from_normed(cfg: ModelConfig, w: tuple, h, cos, sin, norm=rms_norm):
 
 def mlp(cfg: ModelConfig, w: tuple, x, norm=rms_norm):
     mlp_norm, w13, w2 = w[7:]
-    gate, up = F.linear(norm(x, mlp_norm, cfg.rms_eps), w13).chunk(2, dim=-1)
-    return F.linear(F.silu(gate) * up, w2)
+    gate, up = linear(norm(x, mlp_norm, cfg.rms_eps), w13).chunk(2, dim=-1)
+    return linear(F.silu(gate) * up, w2)
 
 
 def decode_layer(cfg: ModelConfig, x, w: tuple, k_cache, v_cache, pos, mask, cos, sin):
@@ -157,7 +159,7 @@ def decode_layer(cfg: ModelConfig, x, w: tuple, k_cache, v_cache, pos, mask, cos
     probs = torch.softmax(scores, dim=-1).to(values.dtype)
     o = torch.matmul(probs, values).reshape(B, cfg.q_dim)
     wo, bo = w[5], w[6]
-    x = x + F.linear(o, wo, bo)
+    x = x + linear(o, wo, bo)
     return x + mlp(cfg, w, x)
 
 
@@ -189,6 +191,23 @@ class Transformer(nn.Module):
         # Training passes call each layer as a module (Block.forward), not its function on its
         # weights: set on a model whose layers FSDP2 shards (dist.py), whose hooks must run.
         self.call_layers = False
+        # LoRA adapters applied by the passes (lora.One or lora.Rows; None: the base alone),
+        # set for the length of a call with `using`.
+        self.lora = None
+
+    @contextlib.contextmanager
+    def using(self, sel):
+        """Runs the model's passes with the adapters of sel (lora.One / lora.Rows / None)."""
+        saved, self.lora = self.lora, sel
+        try:
+            yield
+        finally:
+            self.lora = saved
+
+    def layer_weights(self, i: int) -> tuple:
+        """Layer i's weights (Block.weights), with the selected adapters' updates."""
+        w = self.layers[i].weights()
+        return w if self.lora is None else self.lora.weights(self, i, w)
 
     def init_weights(self, generator: torch.Generator, std: float = 0.02) -> None:
         """Random initialisation (make-model): normal(0, std) matrices, unit norms, zero biases."""
@@ -226,19 +245,20 @@ class Transformer(nn.Module):
         x = F.embedding(tokens, self.embed)
         cos, sin = self.cos[:T], self.sin[:T]
         train = self.training
-        fn = self.train_block_fn if train else block_forward
+        # Adapters run the eager layer: the compiled one was traced without them.
+        fn = self.train_block_fn if train and self.lora is None else block_forward
         kw = {"norm": self.train_norm} if train and self.train_norm is not rms_norm else {}
         for i, layer in enumerate(self.layers):
-            if self.call_layers and train:
+            if self.call_layers and train and self.lora is None:
                 if self.grad_checkpointing:
                     x, k, v = checkpoint(layer, x, cos, sin, fn=fn, use_reentrant=False, **kw)
                 else:
                     x, k, v = layer(x, cos, sin, fn=fn, **kw)
             elif self.grad_checkpointing and train:
-                x, k, v = checkpoint(fn, self.cfg, x, layer.weights(), cos, sin,
+                x, k, v = checkpoint(fn, self.cfg, x, self.layer_weights(i), cos, sin,
                                      use_reentrant=False, **kw)
             else:
-                x, k, v = fn(self.cfg, x, layer.weights(), cos, sin, **kw)
+                x, k, v = fn(self.cfg, x, self.layer_weights(i), cos, sin, **kw)
             if kv_sink is not None:
                 kv_sink(i, k, v)
         return (self.train_norm if train else rms_norm)(x, self.norm, self.cfg.rms_eps)
@@ -257,8 +277,8 @@ def decode_step(model: Transformer, layer_fn, tokens, pos, k_caches, v_caches, L
     x = F.embedding(tokens, model.embed)
     cos, sin = model.cos[pos], model.sin[pos]
     mask = torch.arange(L, device=pos.device)[None, :] <= pos[:, None]
-    for layer, kc, vc in zip(model.layers, k_caches, v_caches):
-        x = layer_fn(model.cfg, x, layer.weights(), kc, vc, pos, mask, cos, sin)
+    for i, (kc, vc) in enumerate(zip(k_caches, v_caches)):
+        x = layer_fn(model.cfg, x, model.layer_weights(i), kc, vc, pos, mask, cos, sin)
     return rms_norm(x, model.norm, model.cfg.rms_eps)
 
 
@@ -272,7 +292,7 @@ def decode_pre(cfg: ModelConfig, h, w: tuple, cos, sin):
 def decode_post(cfg: ModelConfig, x, o, w: tuple, next_norm):
     """After attention: x + o-projection + MLP → (x, the next layer's normalised input), so a
     compiled version fuses the residual add with the next norm."""
-    x = x + F.linear(o, w[5], w[6])
+    x = x + linear(o, w[5], w[6])
     x = x + mlp(cfg, w, x)
     return x, rms_norm(x, next_norm, cfg.rms_eps)
 

@@ -21,6 +21,7 @@ import time
 
 import grpc
 
+from . import lora
 from .proto import engine_pb2 as pb
 from .proto import engine_pb2_grpc as pb_grpc
 from .types import Batch, GenerateRequest, LossConfig, RequestError, Sample, Sampling, ScoreRequest
@@ -52,7 +53,7 @@ def generate_request(r: pb.GenerateRequest) -> GenerateRequest:
     return GenerateRequest(
         id=r.id, messages=_messages(r.messages) or None, prompt_tokens=list(r.prompt_tokens) or None,
         n=r.n, sampling=Sampling(max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p,
-                                 stop=list(s.stop), seed=s.seed))
+                                 stop=list(s.stop), seed=s.seed), adapter=r.adapter)
 
 
 def completion_pb(c) -> pb.Completion:
@@ -413,7 +414,8 @@ class Service(pb_grpc.EngineServicer):
         self._name(context)
         eng = self._ready(context)
         reqs = [ScoreRequest(tokens=list(r.tokens), messages=_messages(r.messages) or None,
-                             prompt_tokens=list(r.prompt_tokens) or None, reference=r.reference)
+                             prompt_tokens=list(r.prompt_tokens) or None, reference=r.reference,
+                             adapter=r.adapter)
                 for r in request.requests]
         try:
             out = eng.score(reqs)
@@ -437,13 +439,17 @@ class Service(pb_grpc.EngineServicer):
         eng = self._ready(context)
 
         def step():
-            s = eng.train(batch_of(request.batch))
+            b = batch_of(request.batch)
+            b.adapter = request.adapter
+            s = eng.train(b)
             return pb.TrainStats(loss=s.loss, pg_loss=s.pg_loss, kl=s.kl, clip_frac=s.clip_frac,
                                  entropy=s.entropy, grad_norm=s.grad_norm, tokens=s.tokens,
                                  value_loss=s.value_loss, skipped=s.skipped, reason=s.reason,
                                  tis_clip_frac=s.tis_clip_frac, tis_weight=s.tis_weight)
         try:
-            stats, dup = self.train.run(request.batch.id, step)
+            # Adapters step apart: the same batch id of two adapters is two steps.
+            bid = request.batch.id if not request.adapter else f"{request.adapter}\x00{request.batch.id}"
+            stats, dup = self.train.run(bid, step)
         except Exception as e:
             self._fail(context, e)
         return pb.TrainResponse(stats=stats, duplicate=dup)
@@ -468,7 +474,7 @@ class Service(pb_grpc.EngineServicer):
         eng = self._ready(context)
         folder = self._confine(context, "save", request.dir)
         try:
-            eng.save(folder)
+            eng.save(folder, request.adapter) if request.adapter else eng.save(folder)
         except Exception as e:
             self._fail(context, e)
         return pb.SaveResponse()
@@ -478,7 +484,7 @@ class Service(pb_grpc.EngineServicer):
         eng = self._ready(context)
         folder = self._confine(context, "load", request.dir)
         try:
-            eng.load(folder)
+            eng.load(folder, request.adapter) if request.adapter else eng.load(folder)
         except Exception as e:
             self._fail(context, e)
         # The weights went back in time: old step ids must apply again and old completions must
@@ -486,6 +492,28 @@ class Service(pb_grpc.EngineServicer):
         self.train.forget()
         self.gen.forget_finished()
         return pb.LoadResponse()
+
+    def AddAdapter(self, request, context):
+        self._name(context)
+        eng = self._ready(context)
+        try:
+            n = eng.add_adapter(request.name, lora.LoRAConfig(
+                rank=request.rank, alpha=request.alpha, dropout=request.dropout,
+                targets=tuple(request.targets)), request.seed)
+        except ValueError as e:
+            self._fail(context, RequestError("INVALID_ARGUMENT", f"adapter {request.name!r}: {e}"))
+        except Exception as e:
+            self._fail(context, e)
+        return pb.AddAdapterResponse(params=n)
+
+    def RemoveAdapter(self, request, context):
+        self._name(context)
+        eng = self._ready(context)
+        try:
+            eng.remove_adapter(request.name)
+        except Exception as e:
+            self._fail(context, e)
+        return pb.RemoveAdapterResponse()
 
 
 class _TokenAuth(grpc.ServerInterceptor):

@@ -129,14 +129,18 @@ class Trainer:
     COMPILE_MODES = ("", "block", "block-static", "regional")
 
     def __init__(self, model: Transformer, *, micro_batch_tokens: int, reference=None,
-                 compile: str | bool = "", fused_head: bool = False):
+                 compile: str | bool = "", fused_head: bool = False, params=None):
         self.model = model
         # A critic's value head (score, score_bias) comes last, wherever the model registers it: a head
         # created after the optimizer is appended (add_params), so every trainer of the same
         # model, with or without the head at its start, orders the optimizer's state alike.
-        named = list(model.named_parameters())
-        self.params = [p for n, p in named if not n.startswith("score")] + \
-            [p for n, p in named if n.startswith("score")]
+        # params: train only these (a LoRA adapter's A and B over a frozen base, lora.View).
+        if params is not None:
+            self.params = list(params)
+        else:
+            named = list(model.named_parameters())
+            self.params = [p for n, p in named if not n.startswith("score")] + \
+                [p for n, p in named if n.startswith("score")]
         self.mixed = self.params[0].dtype != torch.float32
         self.cuda = self.params[0].device.type == "cuda"
         self.micro_batch_tokens = micro_batch_tokens

@@ -25,6 +25,7 @@ class GenerateRequest:
     prompt_tokens: list[int] | None = None  # used as they are
     n: int = 1
     sampling: Sampling = dataclasses.field(default_factory=Sampling)
+    adapter: str = ""  # the LoRA adapter that generates it; "": the base
 
 
 @dataclasses.dataclass
@@ -44,6 +45,7 @@ class ScoreRequest:
     messages: list[dict] | None = None
     prompt_tokens: list[int] | None = None
     reference: bool = False  # score with the frozen KL reference, not the current weights
+    adapter: str = ""  # score with this LoRA adapter (its reference: the base without it)
 
 
 @dataclasses.dataclass
@@ -93,6 +95,7 @@ class Batch:
     samples: list[Sample]
     loss: LossConfig = dataclasses.field(default_factory=LossConfig)
     id: str = ""
+    adapter: str = ""  # train this LoRA adapter (the base stays frozen); "": the full weights
 
 
 @dataclasses.dataclass

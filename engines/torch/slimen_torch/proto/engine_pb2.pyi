@@ -90,18 +90,20 @@ class Sampling(_message.Message):
     def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., stop: _Optional[_Iterable[str]] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("id", "messages", "prompt_tokens", "n", "sampling")
+    __slots__ = ("id", "messages", "prompt_tokens", "n", "sampling", "adapter")
     ID_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     N_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
     id: str
     messages: _containers.RepeatedCompositeFieldContainer[Message]
     prompt_tokens: _containers.RepeatedScalarFieldContainer[int]
     n: int
     sampling: Sampling
-    def __init__(self, id: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[Message, _Mapping]]] = ..., prompt_tokens: _Optional[_Iterable[int]] = ..., n: _Optional[int] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ...) -> None: ...
+    adapter: str
+    def __init__(self, id: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[Message, _Mapping]]] = ..., prompt_tokens: _Optional[_Iterable[int]] = ..., n: _Optional[int] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., adapter: _Optional[str] = ...) -> None: ...
 
 class GenerateStreamRequest(_message.Message):
     __slots__ = ("requests", "cancel")
@@ -148,16 +150,18 @@ class GenerateStreamResponse(_message.Message):
     def __init__(self, completions: _Optional[_Iterable[_Union[Completion, _Mapping]]] = ..., errors: _Optional[_Iterable[_Union[RequestError, _Mapping]]] = ...) -> None: ...
 
 class ScoreRequest(_message.Message):
-    __slots__ = ("messages", "prompt_tokens", "tokens", "reference")
+    __slots__ = ("messages", "prompt_tokens", "tokens", "reference", "adapter")
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     REFERENCE_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
     messages: _containers.RepeatedCompositeFieldContainer[Message]
     prompt_tokens: _containers.RepeatedScalarFieldContainer[int]
     tokens: _containers.RepeatedScalarFieldContainer[int]
     reference: bool
-    def __init__(self, messages: _Optional[_Iterable[_Union[Message, _Mapping]]] = ..., prompt_tokens: _Optional[_Iterable[int]] = ..., tokens: _Optional[_Iterable[int]] = ..., reference: _Optional[bool] = ...) -> None: ...
+    adapter: str
+    def __init__(self, messages: _Optional[_Iterable[_Union[Message, _Mapping]]] = ..., prompt_tokens: _Optional[_Iterable[int]] = ..., tokens: _Optional[_Iterable[int]] = ..., reference: _Optional[bool] = ..., adapter: _Optional[str] = ...) -> None: ...
 
 class Scores(_message.Message):
     __slots__ = ("logprobs",)
@@ -284,10 +288,12 @@ class TrainStats(_message.Message):
     def __init__(self, loss: _Optional[float] = ..., pg_loss: _Optional[float] = ..., kl: _Optional[float] = ..., clip_frac: _Optional[float] = ..., entropy: _Optional[float] = ..., grad_norm: _Optional[float] = ..., tokens: _Optional[int] = ..., skipped: _Optional[bool] = ..., reason: _Optional[str] = ..., value_loss: _Optional[float] = ..., tis_clip_frac: _Optional[float] = ..., tis_weight: _Optional[float] = ...) -> None: ...
 
 class TrainRequest(_message.Message):
-    __slots__ = ("batch",)
+    __slots__ = ("batch", "adapter")
     BATCH_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
     batch: Batch
-    def __init__(self, batch: _Optional[_Union[Batch, _Mapping]] = ...) -> None: ...
+    adapter: str
+    def __init__(self, batch: _Optional[_Union[Batch, _Mapping]] = ..., adapter: _Optional[str] = ...) -> None: ...
 
 class TrainResponse(_message.Message):
     __slots__ = ("stats", "duplicate")
@@ -338,21 +344,57 @@ class RenderResponse(_message.Message):
     def __init__(self, tokens: _Optional[_Iterable[_Union[TokenIds, _Mapping]]] = ...) -> None: ...
 
 class SaveRequest(_message.Message):
-    __slots__ = ("dir",)
+    __slots__ = ("dir", "adapter")
     DIR_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
     dir: str
-    def __init__(self, dir: _Optional[str] = ...) -> None: ...
+    adapter: str
+    def __init__(self, dir: _Optional[str] = ..., adapter: _Optional[str] = ...) -> None: ...
 
 class SaveResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class LoadRequest(_message.Message):
-    __slots__ = ("dir",)
+    __slots__ = ("dir", "adapter")
     DIR_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
     dir: str
-    def __init__(self, dir: _Optional[str] = ...) -> None: ...
+    adapter: str
+    def __init__(self, dir: _Optional[str] = ..., adapter: _Optional[str] = ...) -> None: ...
 
 class LoadResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class AddAdapterRequest(_message.Message):
+    __slots__ = ("name", "rank", "alpha", "dropout", "targets", "seed")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    ALPHA_FIELD_NUMBER: _ClassVar[int]
+    DROPOUT_FIELD_NUMBER: _ClassVar[int]
+    TARGETS_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    rank: int
+    alpha: float
+    dropout: float
+    targets: _containers.RepeatedScalarFieldContainer[str]
+    seed: int
+    def __init__(self, name: _Optional[str] = ..., rank: _Optional[int] = ..., alpha: _Optional[float] = ..., dropout: _Optional[float] = ..., targets: _Optional[_Iterable[str]] = ..., seed: _Optional[int] = ...) -> None: ...
+
+class AddAdapterResponse(_message.Message):
+    __slots__ = ("params",)
+    PARAMS_FIELD_NUMBER: _ClassVar[int]
+    params: int
+    def __init__(self, params: _Optional[int] = ...) -> None: ...
+
+class RemoveAdapterRequest(_message.Message):
+    __slots__ = ("name",)
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    def __init__(self, name: _Optional[str] = ...) -> None: ...
+
+class RemoveAdapterResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...

@@ -84,6 +84,16 @@ class EngineStub:
                 request_serializer=engine__pb2.RenderBatchRequest.SerializeToString,
                 response_deserializer=engine__pb2.RenderResponse.FromString,
                 _registered_method=True)
+        self.AddAdapter = channel.unary_unary(
+                '/slimen.engine.v1.Engine/AddAdapter',
+                request_serializer=engine__pb2.AddAdapterRequest.SerializeToString,
+                response_deserializer=engine__pb2.AddAdapterResponse.FromString,
+                _registered_method=True)
+        self.RemoveAdapter = channel.unary_unary(
+                '/slimen.engine.v1.Engine/RemoveAdapter',
+                request_serializer=engine__pb2.RemoveAdapterRequest.SerializeToString,
+                response_deserializer=engine__pb2.RemoveAdapterResponse.FromString,
+                _registered_method=True)
 
 
 class EngineServicer:
@@ -169,6 +179,24 @@ class EngineServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def AddAdapter(self, request, context):
+        """AddAdapter gives the engine a LoRA adapter over its model, which becomes a frozen base shared
+        by every adapter (one per policy of the host). Requests, batches, Save and Load that name the
+        adapter (their `adapter` field) use it; those that name none use the base. An engine without
+        adapters answers UNIMPLEMENTED.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RemoveAdapter(self, request, context):
+        """RemoveAdapter drops an adapter; its requests in flight end with an error. An unknown name is
+        not an error.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_EngineServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -221,6 +249,16 @@ def add_EngineServicer_to_server(servicer, server):
                     servicer.Render,
                     request_deserializer=engine__pb2.RenderBatchRequest.FromString,
                     response_serializer=engine__pb2.RenderResponse.SerializeToString,
+            ),
+            'AddAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.AddAdapter,
+                    request_deserializer=engine__pb2.AddAdapterRequest.FromString,
+                    response_serializer=engine__pb2.AddAdapterResponse.SerializeToString,
+            ),
+            'RemoveAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.RemoveAdapter,
+                    request_deserializer=engine__pb2.RemoveAdapterRequest.FromString,
+                    response_serializer=engine__pb2.RemoveAdapterResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -493,6 +531,60 @@ class Engine:
             '/slimen.engine.v1.Engine/Render',
             engine__pb2.RenderBatchRequest.SerializeToString,
             engine__pb2.RenderResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AddAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/slimen.engine.v1.Engine/AddAdapter',
+            engine__pb2.AddAdapterRequest.SerializeToString,
+            engine__pb2.AddAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RemoveAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/slimen.engine.v1.Engine/RemoveAdapter',
+            engine__pb2.RemoveAdapterRequest.SerializeToString,
+            engine__pb2.RemoveAdapterResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,365 @@
+"""LoRA adapters over one frozen base (many policies in one worker).
+
+A target projection y = x·Wᵀ becomes y = x·Wᵀ + s·(x·Aᵀ)·Bᵀ with A rank×in, B out×rank and
+s = alpha/rank (PEFT's scaling, and the Go tiny engine's: engines/tiny/lora.go). The base W is
+shared and frozen; each adapter's A and B are its own parameters with their own AdamW state.
+
+The model's fused matrices (q/k/v in one, gate/up in another) get the update of each targeted
+part in its slice of the output; parts the adapter does not target get nothing.
+
+Two ways to apply adapters (model.Transformer.lora, set with `model.using(sel)`):
+
+* `One(adapter)`: every row uses one adapter, with its parameters (training: gradients reach A
+  and B only; scoring with one policy).
+* `Rows(bank, idx)`: row i of the batch uses adapter idx[i] of the bank (0: none) — one forward
+  pass for a batch mixing policies. The base product is computed once for all rows; the low-rank
+  part is a batched product over the rows with each row's A and B gathered from the bank's
+  stacked copies (zero-padded to the largest rank, so a row's result does not depend on the other
+  rows: batch invariance).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import pathlib
+
+import torch
+import torch.nn.functional as F
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+# Our fused parameter → the targets it holds, in output order.
+FUSED = {"wqkv": ("q_proj", "k_proj", "v_proj"), "wo": ("o_proj",),
+         "w13": ("gate_proj", "up_proj"), "w2": ("down_proj",)}
+# The index of each fused parameter in Block.weights().
+WEIGHT_INDEX = {"wqkv": 1, "wo": 5, "w13": 8, "w2": 9}
+
+CONFIG_FILE = "adapter_config.json"
+WEIGHTS_FILE = "adapter_model.safetensors"
+OPT_FILE = "adapter_optimizer.safetensors"  # the Go tiny engine's names: a resume works either way
+OPT_STATE_FILE = "adapter_optimizer.json"
+
+
+def module_of(target: str) -> str:
+    return ("self_attn." if target in TARGETS[:4] else "mlp.") + target
+
+
+def proj_shape(cfg, target: str) -> tuple[int, int]:
+    """(out, in) of a target projection."""
+    d, q, kv, im = cfg.hidden, cfg.q_dim, cfg.kv_dim, cfg.intermediate
+    return {"q_proj": (q, d), "k_proj": (kv, d), "v_proj": (kv, d), "o_proj": (d, q),
+            "gate_proj": (im, d), "up_proj": (im, d), "down_proj": (d, im)}[target]
+
+
+@dataclasses.dataclass
+class LoRAConfig:
+    rank: int
+    alpha: float
+    dropout: float = 0.0
+    targets: tuple = ()
+
+    def validate(self) -> None:
+        if self.rank < 1:
+            raise ValueError(f"lora rank {self.rank}; want at least 1")
+        if not (self.alpha > 0 and math.isfinite(self.alpha)):
+            raise ValueError(f"lora alpha {self.alpha}; want a finite value > 0")
+        if self.dropout != 0:
+            # As the tiny engine: an adapter trains without dropout (the loss of a step must
+            # be the loss its log-probs were scored with).
+            raise ValueError(f"lora dropout {self.dropout}: adapters train without dropout; set it to 0")
+        if not self.targets:
+            raise ValueError(f"lora targets are empty; name at least one of {list(TARGETS)}")
+        for t in self.targets:
+            if t not in TARGETS:
+                raise ValueError(f"lora target {t!r} is not a projection of the model (want one of {list(TARGETS)})")
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.rank
+
+
+class Adapter:
+    """One adapter: A and B per layer and target (PEFT's shapes), in the model's dtype."""
+
+    def __init__(self, name: str, cfg: LoRAConfig, model_cfg, device, dtype):
+        cfg.validate()
+        self.name, self.cfg = name, cfg
+        self.a: list[dict[str, torch.nn.Parameter]] = []
+        self.b: list[dict[str, torch.nn.Parameter]] = []
+        for _ in range(model_cfg.layers):
+            la, lb = {}, {}
+            for t in cfg.targets:
+                out, inp = proj_shape(model_cfg, t)
+                la[t] = torch.nn.Parameter(torch.zeros(cfg.rank, inp, device=device, dtype=dtype))
+                lb[t] = torch.nn.Parameter(torch.zeros(out, cfg.rank, device=device, dtype=dtype))
+            self.a.append(la)
+            self.b.append(lb)
+        self.trainer = None  # a Trainer over params(), made on the first train step
+
+    def init_random(self, seed: int) -> None:
+        """PEFT's initialisation: A uniform in ±1/√in (kaiming_uniform, a = √5), B = 0."""
+        g = torch.Generator().manual_seed(seed & 0x7FFF_FFFF_FFFF_FFFF)
+        with torch.no_grad():
+            for la, lb in zip(self.a, self.b):
+                for t in self.cfg.targets:
+                    bound = 1 / math.sqrt(la[t].shape[1])
+                    la[t].copy_((torch.rand(la[t].shape, generator=g, dtype=torch.float64) * 2 - 1) * bound)
+                    lb[t].zero_()
+
+    def named(self):
+        """(PEFT tensor name, parameter), layer by layer, A before B: the order of the optimizer
+        state and of the Go engine's files."""
+        for i, (la, lb) in enumerate(zip(self.a, self.b)):
+            for t in TARGETS:
+                if t in la:
+                    p = f"base_model.model.model.layers.{i}.{module_of(t)}."
+                    yield p + "lora_A.weight", la[t]
+                    yield p + "lora_B.weight", lb[t]
+
+    def params(self) -> list[torch.nn.Parameter]:
+        return [p for _, p in self.named()]
+
+    def numel(self) -> int:
+        return sum(p.numel() for p in self.params())
+
+    # ---- PEFT folders ----
+
+    def save(self, out: pathlib.Path, base: str) -> None:
+        out.mkdir(parents=True, exist_ok=True)
+        c = self.cfg
+        pc = dict(peft_type="LORA", task_type="CAUSAL_LM", base_model_name_or_path=base, r=c.rank,
+                  lora_alpha=c.alpha, lora_dropout=c.dropout, target_modules=list(c.targets),
+                  bias="none", fan_in_fan_out=False, inference_mode=True, use_rslora=False,
+                  use_dora=False, init_lora_weights=True)
+        (out / CONFIG_FILE).write_text(json.dumps(pc, indent=2) + "\n")
+        tr = self.trainer
+        masters = tr.masters if tr is not None and tr.masters is not None else self.params()
+        save_file({n: m.detach().float().contiguous().cpu() for (n, _), m in zip(self.named(), masters)},
+                  str(out / WEIGHTS_FILE), metadata={"format": "pt"})
+        for f in (OPT_FILE, OPT_STATE_FILE):
+            (out / f).unlink(missing_ok=True)
+        if tr is not None and tr.opt is not None and tr.steps > 0:
+            st, ts = tr.opt.state, {}
+            for (n, _), m in zip(self.named(), masters):
+                s = st.get(m, {})
+                ts["exp_avg." + n] = s.get("exp_avg", torch.zeros_like(m)).float().contiguous().cpu()
+                ts["exp_avg_sq." + n] = s.get("exp_avg_sq", torch.zeros_like(m)).float().contiguous().cpu()
+            save_file(ts, str(out / OPT_FILE))
+            (out / OPT_STATE_FILE).write_text(json.dumps({"optimizer": "adamw", "step": tr.steps}) + "\n")
+
+
+def read_config(folder: pathlib.Path) -> LoRAConfig:
+    try:
+        pc = json.loads((folder / CONFIG_FILE).read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{folder / CONFIG_FILE}: {e}") from None
+    if (pc.get("peft_type") != "LORA" or pc.get("use_rslora") or pc.get("use_dora")
+            or pc.get("bias", "none") not in ("none", None) or pc.get("fan_in_fan_out")):
+        raise ValueError(f"{folder / CONFIG_FILE}: only a plain LoRA without bias, rsLoRA or DoRA loads")
+    targets = pc.get("target_modules") or []
+    if isinstance(targets, str):
+        targets = [targets]
+    c = LoRAConfig(rank=int(pc.get("r", 0)), alpha=float(pc.get("lora_alpha", 0)), dropout=0.0,
+                   targets=tuple(sorted(targets, key=lambda t: TARGETS.index(t) if t in TARGETS else -1)))
+    c.validate()
+    c.dropout = float(pc.get("lora_dropout") or 0.0)
+    return c
+
+
+def load_tensors(folder: pathlib.Path, adapter: Adapter) -> dict[str, torch.Tensor] | None:
+    """Fills the adapter's A and B from folder/adapter_model.safetensors (every tensor must be
+    there, with its shape); returns the optimizer moments saved beside them, or None."""
+    want = dict(adapter.named())
+    with safe_open(str(folder / WEIGHTS_FILE), framework="pt") as f:
+        keys = set(f.keys())
+        extra = keys - want.keys()
+        if extra:
+            raise ValueError(f"{WEIGHTS_FILE}: tensor {sorted(extra)[0]} is not one of this adapter's")
+        with torch.no_grad():
+            for n, p in want.items():
+                if n not in keys:
+                    raise ValueError(f"{WEIGHTS_FILE}: no tensor {n}")
+                t = f.get_tensor(n)
+                if tuple(t.shape) != tuple(p.shape):
+                    raise ValueError(f"{WEIGHTS_FILE}: {n} has shape {list(t.shape)}, want {list(p.shape)}")
+                p.copy_(t)
+    if not (folder / OPT_FILE).exists():
+        return None
+    meta = json.loads((folder / OPT_STATE_FILE).read_text())
+    with safe_open(str(folder / OPT_FILE), framework="pt") as f:
+        out = {k: f.get_tensor(k) for k in f.keys()}
+    out["__step__"] = torch.tensor(int(meta["step"]))
+    return out
+
+
+class Bank:
+    """The adapters of a worker, by name, with the stacked copies the mixed-batch path gathers
+    from (rebuilt lazily after an adapter changes)."""
+
+    def __init__(self, model):
+        self.model = model
+        self.adapters: dict[str, Adapter] = {}
+        self._stack = None
+
+    def index(self, name: str) -> int:
+        """The row index of an adapter (0 for "", the base)."""
+        if not name:
+            return 0
+        if name not in self.adapters:
+            raise KeyError(name)
+        return list(self.adapters).index(name) + 1
+
+    def positions(self) -> dict[int, int]:
+        """id(adapter) → its row index in the stacks."""
+        return {id(a): k for k, a in enumerate(self.adapters.values(), 1)}
+
+    def changed(self) -> None:
+        self._stack = None
+
+    def stacks(self):
+        """{(layer, target): (A [n+1, r, in], B [n+1, out, r])} and scale [n+1]; entry 0 is the
+        base (zeros), r the largest rank."""
+        if self._stack is None:
+            m = self.model
+            ads = list(self.adapters.values())
+            r = max((a.cfg.rank for a in ads), default=1)
+            dev, dt = m.embed.device, m.embed.dtype
+            st = {}
+            with torch.no_grad():
+                for i in range(m.cfg.layers):
+                    for t in TARGETS:
+                        if not any(t in a.a[i] for a in ads):
+                            continue
+                        out, inp = proj_shape(m.cfg, t)
+                        A = torch.zeros(len(ads) + 1, r, inp, device=dev, dtype=dt)
+                        B = torch.zeros(len(ads) + 1, out, r, device=dev, dtype=dt)
+                        for k, a in enumerate(ads, 1):
+                            if t in a.a[i]:
+                                A[k, :a.cfg.rank] = a.a[i][t]
+                                B[k, :, :a.cfg.rank] = a.b[i][t]
+                        st[(i, t)] = (A, B)
+            scale = torch.tensor([0.0] + [a.cfg.scale for a in ads], device=dev, dtype=dt)
+            self._stack = (st, scale)
+        return self._stack
+
+
+class LoRAWeight:
+    """A fused projection weight with low-rank updates: `linear` applies it."""
+
+    __slots__ = ("w", "delta")
+
+    def __init__(self, w, delta):
+        self.w, self.delta = w, delta
+
+
+def linear(x: torch.Tensor, w, b=None) -> torch.Tensor:
+    """F.linear that also applies a LoRAWeight's update."""
+    if isinstance(w, LoRAWeight):
+        return F.linear(x, w.w, b) + w.delta(x)
+    return F.linear(x, w, b)
+
+
+def _fused_delta(parts, x, sizes):
+    """Concatenates each part's update (None: zeros of its size) along the last dimension."""
+    outs = []
+    for fn, n in zip(parts, sizes):
+        outs.append(fn(x) if fn is not None else x.new_zeros(*x.shape[:-1], n))
+    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
+
+
+class One:
+    """Every row uses one adapter (its own parameters: gradients reach them)."""
+
+    def __init__(self, adapter: Adapter):
+        self.ad = adapter
+
+    def weights(self, model, i: int, w: tuple) -> tuple:
+        ad, s = self.ad, self.ad.cfg.scale
+        w = list(w)
+        for attr, targets in FUSED.items():
+            fns = []
+            for t in targets:
+                if t in ad.a[i]:
+                    A, B = ad.a[i][t], ad.b[i][t]
+                    fns.append(lambda x, A=A, B=B: F.linear(F.linear(x, A) * s, B))
+                else:
+                    fns.append(None)
+            if any(f is not None for f in fns):
+                sizes = [proj_shape(model.cfg, t)[0] for t in targets]
+                w[WEIGHT_INDEX[attr]] = LoRAWeight(w[WEIGHT_INDEX[attr]], lambda x, fns=fns, sizes=sizes: _fused_delta(fns, x, sizes))
+        return tuple(w)
+
+
+class Rows:
+    """Row i of the batch uses adapter idx[i] of the bank (0: none)."""
+
+    def __init__(self, bank: Bank, idx: torch.Tensor):
+        self.bank, self.idx = bank, idx
+
+    def weights(self, model, i: int, w: tuple) -> tuple:
+        st, scale = self.bank.stacks()
+        idx = self.idx
+        s = scale[idx]
+        w = list(w)
+        for attr, targets in FUSED.items():
+            fns = []
+            for t in targets:
+                if (i, t) in st:
+                    A, B = st[(i, t)]
+                    fns.append(lambda x, A=A[idx], B=B[idx]: _rows(x, A, B, s))
+                else:
+                    fns.append(None)
+            if any(f is not None for f in fns):
+                sizes = [proj_shape(model.cfg, t)[0] for t in targets]
+                w[WEIGHT_INDEX[attr]] = LoRAWeight(w[WEIGHT_INDEX[attr]], lambda x, fns=fns, sizes=sizes: _fused_delta(fns, x, sizes))
+        return tuple(w)
+
+
+def _rows(x, A, B, s):
+    """x [R, in] or [R, T, in]; A [R, r, in], B [R, out, r], s [R] → s·(x·Aᵀ)·Bᵀ per row."""
+    flat = x.dim() == 2
+    xx = x.unsqueeze(1) if flat else x
+    u = torch.bmm(xx, A.transpose(1, 2)) * s[:, None, None].to(x.dtype)
+    d = torch.bmm(u, B.transpose(1, 2))
+    return d.squeeze(1) if flat else d
+
+
+class View:
+    """The model as one adapter sees it, for the Trainer: calls run under One(adapter); every
+    other attribute is the model's."""
+
+    def __init__(self, model, sel):
+        object.__setattr__(self, "_m", model)
+        object.__setattr__(self, "_sel", sel)
+
+    def __call__(self, *args, **kw):
+        with self._m.using(self._sel):
+            return self._m(*args, **kw)
+
+    def __getattr__(self, name):
+        return getattr(self._m, name)
+
+    def __setattr__(self, name, value):
+        if name == "train_block_fn":  # the trainer's compile mode: adapters run the eager layer
+            return
+        setattr(self._m, name, value)
+
+
+def merge_into(model, adapter: Adapter) -> None:
+    """Folds the adapter into the model's weights: W += s·B·A (slimen export --merge)."""
+    s = adapter.cfg.scale
+    with torch.no_grad():
+        for i, layer in enumerate(model.layers):
+            for attr, targets in FUSED.items():
+                W = getattr(layer, attr)
+                off = 0
+                for t in targets:
+                    out, _ = proj_shape(model.cfg, t)
+                    if t in adapter.a[i]:
+                        d = (adapter.b[i][t].double() @ adapter.a[i][t].double()) * s
+                        W[off:off + out] += d.to(W.dtype)
+                    off += out

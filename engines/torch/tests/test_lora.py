@@ -1,0 +1,213 @@
+"""LoRA adapters in the torch worker: the Go tiny engine's adapter (testdata/lora_peft, a PEFT
+folder the Go engine saved, with the logits it computes) gives the same log-probs here; a batch
+mixing adapters gives each row its own adapter's results; one training step of an adapter equals
+a step computed on the folded weights W + s·B·A; peft loads what the worker saves."""
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import REPO
+from slimen_torch import lora
+from slimen_torch import loss as L
+from slimen_torch.engine import Engine, Options
+from slimen_torch.types import Batch, GenerateRequest, LossConfig, Sample, Sampling, ScoreRequest
+
+FIXTURE = REPO / "testdata" / "lora_peft"
+BUILTIN = REPO / "engines" / "tiny" / "builtin" / "tiny-arith"
+
+
+@pytest.fixture(scope="module")
+def eng():
+    e = Engine(str(BUILTIN), Options(device="cpu"))
+    e.load_adapter(str(FIXTURE / "adapter"), "go")
+    yield e
+    e.close()
+
+
+@pytest.fixture(scope="module")
+def want():
+    return json.loads((FIXTURE / "expected.json").read_text())
+
+
+def expected_logprobs(want):
+    lsm = torch.log_softmax(torch.tensor(want["logits"], dtype=torch.float64), -1)
+    ids = want["ids"]
+    return [lsm[i - 1, ids[i]].item() for i in range(1, len(ids))]
+
+
+def test_adapter_of_the_go_engine_gives_its_logprobs(eng, want):
+    ids = want["ids"]
+    exp = expected_logprobs(want)
+    got, base = eng.score([ScoreRequest(tokens=ids[1:], prompt_tokens=ids[:1], adapter="go"),
+                           ScoreRequest(tokens=ids[1:], prompt_tokens=ids[:1])])
+    assert max(abs(a - b) for a, b in zip(got, exp)) < 1e-4
+    assert max(abs(a - b) for a, b in zip(base, exp)) > 1e-2, "the base must differ"
+    # The KL reference of an adapter is the base without it.
+    ref = eng.score([ScoreRequest(tokens=ids[1:], prompt_tokens=ids[:1], adapter="go",
+                                  reference=True)])[0]
+    assert ref == base
+
+
+def test_generation_with_an_adapter_matches_its_scores(eng, want):
+    prompt = want["ids"][:12]
+    c = eng.generate([GenerateRequest(id="g", prompt_tokens=prompt, n=2, adapter="go",
+                                      sampling=Sampling(max_tokens=6, temperature=1.0, seed=5))])
+    for x in c:
+        lp = eng.score([ScoreRequest(tokens=x.tokens, prompt_tokens=prompt, adapter="go")])[0]
+        assert max(abs(a - b) for a, b in zip(lp, x.logprobs)) < 1e-4
+
+
+def _random_adapter(e, name, seed, targets=("q_proj", "v_proj", "up_proj", "down_proj"), rank=2):
+    """An adapter with B drawn too (a new one computes what the base does)."""
+    e.add_adapter(name, lora.LoRAConfig(rank=rank, alpha=4.0, targets=targets), seed)
+    ad = e.bank.adapters[name]
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in ad.params():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.2)
+    e.bank.changed()
+    return ad
+
+
+def test_mixed_batch_gives_each_row_its_adapter(eng, want):
+    _random_adapter(eng, "mix", 11)
+    try:
+        ids = want["ids"]
+        rows = [("go", ids[:20], ids[20:30]), ("", ids[:15], ids[15:40]),
+                ("mix", ids[:9], ids[9:25]), ("go", ids[:30], ids[30:33])]
+        mixed = eng.score([ScoreRequest(tokens=t, prompt_tokens=p, adapter=a) for a, p, t in rows])
+        for (a, p, t), got in zip(rows, mixed):
+            alone = eng.score([ScoreRequest(tokens=t, prompt_tokens=p, adapter=a)])[0]
+            assert max(abs(x - y) for x, y in zip(got, alone)) < 1e-5
+        assert max(abs(x - y) for x, y in zip(mixed[0], eng.score(
+            [ScoreRequest(tokens=rows[0][2], prompt_tokens=rows[0][1], adapter="mix")])[0])) > 1e-3
+        # Generation: one batch of three adapters and the base, each row as when alone.
+        greedy = Sampling(max_tokens=5, temperature=0.0)
+        reqs = [GenerateRequest(id=f"r{i}", prompt_tokens=p, adapter=a, sampling=greedy)
+                for i, (a, p, _) in enumerate(rows)]
+        together = eng.generate(reqs)
+        for r, c in zip(reqs, together):
+            alone = eng.generate([GenerateRequest(id=r.id + "x", prompt_tokens=r.prompt_tokens,
+                                                  adapter=r.adapter, sampling=greedy)])[0]
+            assert c.tokens == alone.tokens
+            assert max(abs(x - y) for x, y in zip(c.logprobs, alone.logprobs)) < 1e-5
+    finally:
+        eng.remove_adapter("mix")
+
+
+def _folded_logprobs(model, ad, pairs):
+    """Log-probs of the response tokens with each target weight replaced by W + s·B·A, A and B
+    the adapter's parameters (gradients reach them through the sum)."""
+    s = ad.cfg.scale
+    params = dict(model.named_parameters())
+    for i in range(model.cfg.layers):
+        for attr, targets in lora.FUSED.items():
+            parts = []
+            for t in targets:
+                out, inp = lora.proj_shape(model.cfg, t)
+                if t in ad.a[i]:
+                    parts.append(s * ad.b[i][t] @ ad.a[i][t])
+                else:
+                    parts.append(torch.zeros(out, inp))
+            params[f"layers.{i}.{attr}"] = params[f"layers.{i}.{attr}"] + torch.cat(parts, 0)
+    T = max(len(p) + len(r) for p, r in pairs)
+    tokens = torch.zeros(len(pairs), T, dtype=torch.long)
+    idx, targets = [], []
+    for row, (p, r) in enumerate(pairs):
+        tokens[row, :len(p) + len(r)] = torch.tensor(p + r)
+        idx += range(row * T + len(p) - 1, row * T + len(p) - 1 + len(r))
+        targets += r
+    hidden = torch.func.functional_call(model, params, (tokens,)).flatten(0, 1)[torch.tensor(idx)]
+    logits = F.linear(hidden, params["embed"] if model.lm_head is None else params["lm_head"])
+    return torch.log_softmax(logits.double(), -1).gather(1, torch.tensor(targets)[:, None]).squeeze(1)
+
+
+def test_one_training_step_matches_the_folded_reference(want):
+    e = Engine(str(BUILTIN), Options(device="cpu"))
+    try:
+        ad = _random_adapter(e, "t", 3, targets=lora.TARGETS, rank=3)
+        ids = want["ids"]
+        pairs = [(ids[:10], ids[10:20]), (ids[:25], ids[25:31])]
+        old = e.score([ScoreRequest(tokens=r, prompt_tokens=p, adapter="t") for p, r in pairs])
+        adv = [[1.0] * len(pairs[0][1]), [-0.5] * len(pairs[1][1])]
+        lc = LossConfig(lr=1e-2, eps_clip=0.2, eps_clip_high=0.2, max_grad_norm=0.0)
+        batch = Batch(samples=[Sample(prompt=p, response=r, loss_mask=[1.0] * len(r),
+                                      old_logprobs=o, advantages=a)
+                               for (p, r), o, a in zip(pairs, old, adv)], loss=lc, adapter="t")
+        # The reference: the same loss on the folded weights, AdamW on clones of A and B.
+        ref = lora.Adapter("ref", ad.cfg, e.cfg, "cpu", torch.float32)
+        with torch.no_grad():
+            for p, q in zip(ref.params(), ad.params()):
+                p.copy_(q)
+        model = e.model
+        lp = _folded_logprobs(model, ref, pairs).float()
+        cfg = L.resolve(lc)
+        w = L.token_weights(["", ""], [s.loss_mask for s in batch.samples], cfg.aggregation)
+        flat = lambda vs: torch.tensor([x for v in vs for x in v], dtype=torch.float32)  # noqa: E731
+        seq = torch.repeat_interleave(torch.arange(2), torch.tensor([len(r) for _, r in pairs]))
+        out = L.policy_loss(cfg, lp, flat(old), flat(adv), flat(s.loss_mask for s in batch.samples),
+                            flat(w), entropy=torch.zeros_like(lp), ref_logp=None, seq=seq, n_seqs=2)
+        out["loss"].backward()
+        opt = torch.optim.AdamW(ref.params(), lr=lc.lr, weight_decay=0.0)
+        opt.step()
+        before = [p.detach().clone() for p in ad.params()]
+        stats = e.train(batch)
+        assert not stats.skipped
+        assert abs(stats.loss - out["loss"].item()) < 1e-5
+        for (n, p), q, b in zip(ad.named(), ref.params(), before):
+            assert torch.allclose(p, q, atol=1e-6), n
+            assert not torch.equal(p, b), f"{n} did not move"
+        # The base did not change and has no gradients.
+        assert all(p.grad is None and not p.requires_grad for p in e.model.parameters())
+    finally:
+        e.close()
+
+
+def test_peft_loads_the_saved_adapter_and_resume(tmp_path, want):
+    peft = pytest.importorskip("peft")
+    from transformers import AutoModelForCausalLM
+    e = Engine(str(BUILTIN), Options(device="cpu"))
+    try:
+        _random_adapter(e, "p", 8, targets=("q_proj", "k_proj", "o_proj", "gate_proj"), rank=4)
+        ids = want["ids"]
+        pairs = [(ids[:10], ids[10:20])]
+        old = e.score([ScoreRequest(tokens=r, prompt_tokens=p, adapter="p") for p, r in pairs])
+        batch = Batch(samples=[Sample(prompt=p, response=r, loss_mask=[1.0] * len(r),
+                                      old_logprobs=o, advantages=[1.0] * len(r))
+                               for (p, r), o in zip(pairs, old)], loss=LossConfig(lr=1e-2), adapter="p")
+        e.train(batch)
+        e.save(str(tmp_path / "a"), adapter="p")
+        assert {f.name for f in (tmp_path / "a").iterdir()} >= {lora.CONFIG_FILE, lora.WEIGHTS_FILE,
+                                                               lora.OPT_FILE, lora.OPT_STATE_FILE}
+        got = e.score([ScoreRequest(tokens=ids[1:], prompt_tokens=ids[:1], adapter="p")])[0]
+        base = AutoModelForCausalLM.from_pretrained(BUILTIN, dtype=torch.float32)
+        m = peft.PeftModel.from_pretrained(base, tmp_path / "a").eval()
+        with torch.no_grad():
+            logits = m(torch.tensor([ids])).logits[0].double()
+        lsm = torch.log_softmax(logits, -1)
+        ref = [lsm[i - 1, ids[i]].item() for i in range(1, len(ids))]
+        assert max(abs(a - b) for a, b in zip(got, ref)) < 1e-4
+        # Resume: the folder loaded into another adapter scores and trains on alike.
+        e.load_adapter(str(tmp_path / "a"), "q")
+        again = e.score([ScoreRequest(tokens=ids[1:], prompt_tokens=ids[:1], adapter="q")])[0]
+        assert again == got
+        s1 = e.train(Batch(samples=batch.samples, loss=batch.loss, adapter="p"))
+        s2 = e.train(Batch(samples=batch.samples, loss=batch.loss, adapter="q"))
+        assert s1.loss == s2.loss and s1.grad_norm == s2.grad_norm
+        for p, q in zip(e.bank.adapters["p"].params(), e.bank.adapters["q"].params()):
+            assert torch.equal(p, q)
+    finally:
+        e.close()
+
+
+def test_errors_name_the_adapter(eng):
+    from slimen_torch.types import RequestError
+    with pytest.raises(RequestError, match="no adapter 'nope'"):
+        eng.score([ScoreRequest(tokens=[1], prompt_tokens=[2], adapter="nope")])
+    with pytest.raises(RequestError, match="name the adapter"):
+        eng.train(Batch(samples=[], loss=LossConfig()))
+    with pytest.raises(ValueError, match="lora target 'x_proj'"):
+        eng.add_adapter("bad", lora.LoRAConfig(rank=2, alpha=2, targets=("x_proj",)), 1)
