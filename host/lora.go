@@ -15,8 +15,9 @@ import (
 // count, holding the base weights once, each policy an adapter on it (tiny.Engine.Adapter). The
 // last policy to close its adapter closes the base.
 type loraBases struct {
-	mu sync.Mutex
-	m  map[string]*loraBase
+	mu     sync.Mutex
+	m      map[string]*loraBase
+	shared map[string]*sharedEngine // other engine kinds' shared bases (SharedBase)
 }
 
 type loraBase struct {
@@ -99,4 +100,48 @@ type sharedAdapter struct {
 func (s *sharedAdapter) Close() error {
 	s.Base().RemoveAdapter(s.Name())
 	return s.release()
+}
+
+// sharedEngine is an engine that several LoRA policies of a run use as their base (an engine
+// kind's, through EngineEnv.SharedBase), with how many hold it.
+type sharedEngine struct {
+	e    engines.Engine
+	refs int
+}
+
+// SharedBase returns the engine the run's LoRA policies share under key, opening it with open
+// when none holds it yet (fresh is then true), and a release function: the last release closes
+// it. Outside a run (no shared bases) every call opens its own. Engine kinds that put policies'
+// adapters on one base (host/torch) use it.
+func (env EngineEnv) SharedBase(key string, open func() (engines.Engine, error)) (e engines.Engine, fresh bool, release func() error, err error) {
+	b := env.bases
+	if b == nil {
+		b = &loraBases{}
+	}
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	s := b.shared[key]
+	if s == nil {
+		eng, err := open()
+		if err != nil {
+			return nil, false, nil, err
+		}
+		s, fresh = &sharedEngine{e: eng}, true
+		if b.shared == nil {
+			b.shared = map[string]*sharedEngine{}
+		}
+		b.shared[key] = s
+	}
+	s.refs++
+	release = sync.OnceValue(func() error {
+		b.mu.Lock()
+		defer b.mu.Unlock()
+		s.refs--
+		if s.refs > 0 {
+			return nil
+		}
+		delete(b.shared, key)
+		return s.e.Close()
+	})
+	return s.e, fresh, release, nil
 }

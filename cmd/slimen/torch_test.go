@@ -246,3 +246,85 @@ func TestServeOpenAITorch(t *testing.T) {
 		}
 	}
 }
+
+// Issue 19: LoRA policies on the torch engine share one worker (one copy of the base), each an
+// adapter that trains, checkpoints as a PEFT folder and resumes.
+func TestTorchLoRAPoliciesShareOneWorker(t *testing.T) {
+	py := torchPython(t)
+	dir := t.TempDir()
+	model := filepath.Join(dir, "model")
+	mk := exec.Command(py, "-m", "slimen_torch", "make-model", "--shape", "tiny", "--out", model)
+	mk.Env = append(os.Environ(), "PYTHONPATH="+filepath.Join("..", "..", "engines", "torch"))
+	if out, err := mk.CombinedOutput(); err != nil {
+		t.Fatalf("make-model: %v\n%s", err, out)
+	}
+	out := filepath.Join(dir, "run")
+	env := []string{"SLIMEN_PYTHON=" + py, "XDG_CACHE_HOME=" + filepath.Join(dir, "cache")}
+	cfg := filepath.Join(dir, "lora.yaml")
+	y := fmt.Sprintf(`policies:
+  - name: generator
+    hf_checkpoint: %[1]s
+    engine: {kind: torch, device: cpu, args: [--max-seq-len, "512"]}
+    lora: {rank: 4, alpha: 8, targets: [q_proj, v_proj, down_proj]}
+    train: {lr: 1.0e-2, global_batch_size: 0}
+  - name: critic
+    hf_checkpoint: %[1]s
+    engine: {kind: torch, device: cpu, args: [--max-seq-len, "512"]}
+    lora: {rank: 2, alpha: 4, targets: [q_proj]}
+    train: {lr: 1.0e-2, global_batch_size: 0}
+rollout: {batch_size: 4, max_response_len: 8}
+run: {steps: 2, seed: 3, save_interval: 1}
+`, model)
+	if err := os.WriteFile(cfg, []byte(y), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if log, err := slimen(t, env, "exec", debate, "--config", cfg, "--out", out); err != nil {
+		t.Fatalf("%v\n%s", err, log)
+	}
+	for _, p := range []string{"generator", "critic"} {
+		for _, f := range []string{"adapter_config.json", "adapter_model.safetensors", "adapter_optimizer.safetensors"} {
+			if _, err := os.Stat(filepath.Join(out, "checkpoints", "step_2", p, f)); err != nil {
+				t.Errorf("%s's checkpoint: %v", p, err)
+			}
+		}
+	}
+	if log, err := slimen(t, env, "exec", "--resume", out, "--steps", "3"); err != nil {
+		t.Fatalf("resume: %v\n%s", err, log)
+	}
+	ev, err := os.ReadFile(filepath.Join(out, "events.log"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	// One worker per run (two runs: the first and the resumed one), the second policy an adapter on it.
+	if n := strings.Count(string(ev), "starting a torch worker"); n != 2 {
+		t.Errorf("events.log: %d workers started, want 1 per run (2):\n%s", n, ev)
+	}
+	if !strings.Contains(string(ev), `policy "critic": a LoRA adapter on the torch worker of `) {
+		t.Errorf("events.log does not say the critic shares the generator's worker:\n%s", ev)
+	}
+	b, err := os.ReadFile(filepath.Join(out, "metrics.jsonl"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	seen := map[string]bool{}
+	for _, line := range strings.Split(strings.TrimSpace(string(b)), "\n") {
+		var m map[string]any
+		if err := json.Unmarshal([]byte(line), &m); err != nil {
+			t.Fatal(err)
+		}
+		pol, _ := m["policy"].(string)
+		loss, ok := m["loss"].(float64)
+		if pol == "" || !ok {
+			continue
+		}
+		if math.IsNaN(loss) || math.IsInf(loss, 0) {
+			t.Errorf("%s: loss %v", pol, loss)
+		}
+		seen[fmt.Sprintf("%s@%v", pol, m["step"])] = true
+	}
+	for _, k := range []string{"generator@1", "generator@3", "critic@1", "critic@3"} {
+		if !seen[k] {
+			t.Errorf("metrics.jsonl has no line for %s:\n%s", k, b)
+		}
+	}
+}

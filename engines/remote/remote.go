@@ -335,9 +335,15 @@ func (c *Client) Info(ctx context.Context) (engines.Info, error) {
 
 // Score returns the log-probabilities of each request's response tokens.
 func (c *Client) Score(ctx context.Context, reqs []engines.ScoreRequest) ([]engines.Scores, error) {
+	return c.score(ctx, reqs, "")
+}
+
+// score scores with the LoRA adapter named adapter ("" the model itself).
+func (c *Client) score(ctx context.Context, reqs []engines.ScoreRequest, adapter string) ([]engines.Scores, error) {
 	req := &enginepb.ScoreBatchRequest{Requests: make([]*enginepb.ScoreRequest, len(reqs))}
 	for i, r := range reqs {
 		req.Requests[i] = enginepb.EncodeScoreRequest(r)
+		req.Requests[i].Adapter = adapter
 	}
 	var resp *enginepb.ScoreBatchResponse
 	err := c.call(ctx, "score", req, func(ctx context.Context, o ...grpc.CallOption) (err error) {
@@ -384,10 +390,15 @@ func (c *Client) Values(ctx context.Context, reqs []engines.ScoreRequest) ([][]f
 // Train runs one optimizer step. The step carries b.ID (a random one when b.ID is empty) and is
 // resent with it while the engine is unreachable; the server applies an id at most once.
 func (c *Client) Train(ctx context.Context, b engines.Batch) (engines.TrainStats, error) {
+	return c.train(ctx, b, "")
+}
+
+// train trains the LoRA adapter named adapter ("" the model's full weights).
+func (c *Client) train(ctx context.Context, b engines.Batch, adapter string) (engines.TrainStats, error) {
 	if b.ID == "" {
 		b.ID = "step-" + newID()
 	}
-	req := &enginepb.TrainRequest{Batch: enginepb.EncodeBatch(b)}
+	req := &enginepb.TrainRequest{Batch: enginepb.EncodeBatch(b), Adapter: adapter}
 	var resp *enginepb.TrainResponse
 	err := c.call(ctx, "train", req, func(ctx context.Context, o ...grpc.CallOption) (err error) {
 		resp, err = c.rpc.Train(ctx, req, o...)

@@ -281,8 +281,8 @@ func (r *resolver) validatePolicy(p *PolicyConfig, pp string) {
 // LoRATargets are the projections a lora: block may adapt.
 var LoRATargets = []string{"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
 
-// validateLoRA checks a policy's lora: block. Adapters run on the tiny engine, which trains them
-// without dropout; a critic (a value head) trains full weights.
+// validateLoRA checks a policy's lora: block. Adapters run on the tiny and torch engines, which
+// train them without dropout; a critic (a value head) trains full weights.
 func (r *resolver) validateLoRA(p *PolicyConfig, pp string) {
 	l, lp := p.LoRA, pp+".lora"
 	at := r.line(lp, p.Line)
@@ -297,8 +297,8 @@ func (r *resolver) validateLoRA(p *PolicyConfig, pp string) {
 		seen[t] = true
 	}
 	r.check(p.Role != "critic", lp, at, "policy %q is a critic: its value head trains with full weights; remove lora:", p.Name)
-	r.check(p.Engine.Kind == "tiny", lp, at, "policy %q: LoRA adapters run on the tiny engine for now, and its engine kind is %s; use engine: {kind: tiny} or remove lora:", p.Name, p.Engine.Kind)
-	r.check(p.Engine.Kind != "tiny" || l.Dropout == 0, lp+".dropout", at, "%g: the tiny engine trains adapters without dropout; set dropout: 0", l.Dropout)
+	r.check(p.Engine.Kind == "tiny" || p.Engine.Kind == "torch", lp, at, "policy %q: LoRA adapters run on the tiny and torch engines, and its engine kind is %s; use engine: {kind: tiny} or {kind: torch}, or remove lora:", p.Name, p.Engine.Kind)
+	r.check(l.Dropout == 0, lp+".dropout", at, "%g: the engines train adapters without dropout (a step's loss must be the one its log-probs were scored with); set dropout: 0", l.Dropout)
 }
 
 // validateOpenAI checks a policy on an OpenAI-compatible server (engine.kind openai), which only

@@ -56,6 +56,9 @@ const (
 
 // open starts a policy's torch worker and connects to it.
 func open(ctx context.Context, p config.PolicyConfig, env host.EngineEnv) (engines.Engine, error) {
+	if p.LoRA != nil {
+		return openLoRA(ctx, p, env)
+	}
 	python, from := torchPython(p)
 	model, key := p.HFCheckpoint, "hf_checkpoint"
 	args := slices.Clone(p.Engine.Args)

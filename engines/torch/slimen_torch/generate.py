@@ -284,7 +284,8 @@ class Generator:
         if logits is None:
             reqs = {id(s.req): s.req for s in picked}
             src = torch.tensor([prompts[id(s.req)] for s in picked], device=self.device)
-            logits = self._prefill_eager([reqs[r] for r in prompts], src, dst)[src]
+            logits = self._prefill_eager([reqs[r].prompt for r in prompts], src, dst,
+                                         [reqs[r].adapter for r in prompts])[src]
         use_top_p = any(s.req.sampling.top_p < 1 for s in picked)
         zeros = torch.zeros(n, dtype=torch.long, device=self.device)
         if self.triton and self.first_token_triton:
@@ -312,11 +313,10 @@ class Generator:
         self._finish(finished)
 
     @torch.no_grad()
-    def _prefill_eager(self, reqs: list[Request], src, dst) -> torch.Tensor:
+    def _prefill_eager(self, prompts: list[list[int]], src, dst, adapters=None) -> torch.Tensor:
         """The prompts (right-padded into one batch) through Transformer.forward; every sample
         row dst[i] gets the keys and values of prompt src[i]. Returns the logits of each prompt's
         last token [len(prompts), vocab] in the model's dtype."""
-        prompts = [r.prompt for r in reqs]
         T = max(len(p) for p in prompts)
         tokens = torch.zeros(len(prompts), T, dtype=torch.long)
         for i, p in enumerate(prompts):
@@ -328,7 +328,7 @@ class Generator:
             self.k[layer][dst, :, :T] = k[src]
             self.v[layer][dst, :, :T] = v[src]
 
-        with self.model.using(self._rows([r.adapter for r in reqs]) if self._lora() else None):
+        with self.model.using(self._rows(adapters) if adapters and self._lora() else None):
             hidden = self.model(tokens, kv_sink=sink)
         last = torch.tensor([len(p) - 1 for p in prompts], device=self.device)
         return self.model.logits(hidden[torch.arange(len(prompts), device=self.device), last])
