@@ -273,3 +273,18 @@ func (r GenerateRequest) Check() error {
 	}
 	return nil
 }
+
+// AdapterGenerator is implemented by engines that hold LoRA adapters over one base model and
+// generate a batch whose requests use different adapters in one pass: request i uses adapters[i]
+// ("" the base). Each request gets what it would get alone.
+type AdapterGenerator interface {
+	GenerateAdapters(ctx context.Context, reqs []GenerateRequest, adapters []string) ([]Completion, error)
+}
+
+// AdapterView is implemented by an engine that is one LoRA adapter on a base that other
+// policies' adapters share (tiny.AdapterEngine, remote.Adapter): the host sends the generate
+// batches of all the policies on one base together, through AdapterBase, as one batch.
+type AdapterView interface {
+	AdapterName() string
+	AdapterBase() AdapterGenerator
+}

@@ -63,7 +63,10 @@ func (a *activity) kickAll() {
 // engine works form the next batch. A batch holds requests of one weights version (async.go):
 // the oldest request's.
 type dispatcher struct {
-	eng        engines.Engine
+	eng engines.Engine
+	// gen sends a batch: eng.Generate, or the batcher of the policies on a shared LoRA base
+	// (adapterBatcher).
+	gen        func(ctx context.Context, reqs []engines.GenerateRequest) ([]engines.Completion, error)
 	act        *activity
 	kick       chan struct{}
 	maxSamples int
@@ -101,7 +104,7 @@ type genResult struct {
 }
 
 func newDispatcher(eng engines.Engine, act *activity, maxSamples int) *dispatcher {
-	return &dispatcher{eng: eng, act: act, kick: act.subscribe(), maxSamples: maxSamples, maxWait: 20 * time.Millisecond}
+	return &dispatcher{eng: eng, gen: eng.Generate, act: act, kick: act.subscribe(), maxSamples: maxSamples, maxWait: 20 * time.Millisecond}
 }
 
 // generate queues a request and blocks until its completions are back. The calling thread stops
@@ -202,7 +205,7 @@ func (d *dispatcher) flush(ctx context.Context) {
 			err = fmt.Errorf("the engine keeps no weights versions (rollout.max_staleness)")
 		}
 	} else {
-		out, err = d.eng.Generate(ctx, reqs)
+		out, err = d.gen(ctx, reqs)
 	}
 	if d.busy != nil {
 		d.busy.end()

@@ -22,6 +22,11 @@ def rollout(task):
 // loraRun loads loraScript with two LoRA policies and a full-weight one on the tiny engine.
 func loraRun(t *testing.T, out string) *Run {
 	t.Helper()
+	return loraRunScript(t, loraScript, out)
+}
+
+func loraRunScript(t *testing.T, script, out string) *Run {
+	t.Helper()
 	cfg := testConfig(2, "a", "b", "full")
 	for i := range cfg.Policies[:2] {
 		cfg.Policies[i].LoRA = &config.LoRAConfig{Rank: 2 + i, Alpha: 8, Targets: []string{"q_proj", "v_proj", "up_proj"}}
@@ -29,7 +34,7 @@ func loraRun(t *testing.T, out string) *Run {
 	}
 	cfg.Run.KeepCheckpoints = 0
 	cfg.Rollout.MaxResponseLen = 6
-	r, err := Load(context.Background(), writeScript(t, loraScript), Options{Config: cfg, Out: out, Tasks: numberedTasks(4)})
+	r, err := Load(context.Background(), writeScript(t, script), Options{Config: cfg, Out: out, Tasks: numberedTasks(4)})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -84,5 +89,55 @@ func TestLoRAPoliciesShareABase(t *testing.T) {
 	}
 	if got := metricsWithoutTimings(t, split); got != want {
 		t.Errorf("the resumed run's metrics differ from the uninterrupted run's:\n%s\n---\n%s", want, got)
+	}
+}
+
+// The generate batches of the LoRA policies on one base go out together as one engine batch
+// (adapterBatcher), and the run's metrics are those of a run that sends them policy by policy.
+func TestLoRACrossPolicyBatching(t *testing.T) {
+	ctx := context.Background()
+	// Odd tasks ask a first, even ones b: both policies have requests waiting at once.
+	const script = `
+def rollout(task):
+    names = ["a", "b", "full"] if int(task.label) % 2 else ["b", "full", "a"]
+    for name in names:
+        cs = generate(name, task.prompt, n = 2)
+        for c in cs:
+            reward(c, 1.0 if "1" in c.text else 0.0)
+            train(c)
+`
+	run := func(on bool) (string, *adapterBatcher) {
+		old := crossPolicyBatching
+		crossPolicyBatching = on
+		defer func() { crossPolicyBatching = old }()
+		out := filepath.Join(t.TempDir(), "run")
+		r := loraRunScript(t, script, out)
+		defer r.Close()
+		if err := r.Steps(ctx, 2); err != nil {
+			t.Fatal(err)
+		}
+		var bt *adapterBatcher
+		for _, b := range r.adapterBatchers {
+			bt = b
+		}
+		return metricsWithoutTimings(t, out), bt
+	}
+	merged, bt := run(true)
+	if bt == nil {
+		t.Fatal("no batcher for the policies on the shared base")
+	}
+	bt.mu.Lock()
+	batches, calls := bt.batches, bt.calls
+	bt.mu.Unlock()
+	t.Logf("%d engine batches carried %d policy batches", batches, calls)
+	if batches == 0 || calls <= batches {
+		t.Errorf("%d engine batches carried %d policy batches; want fewer engine batches than policy batches", batches, calls)
+	}
+	apart, bt2 := run(false)
+	if bt2 != nil {
+		t.Fatal("a batcher with cross-policy batching off")
+	}
+	if merged != apart {
+		t.Errorf("the metrics with cross-policy batching differ from those without:\n%s\n---\n%s", merged, apart)
 	}
 }

@@ -122,11 +122,13 @@ type Run struct {
 	ctx    context.Context // lives as long as the run; dispatchers stop with it
 	cancel context.CancelFunc
 
-	polMu    sync.Mutex
-	bases    loraBases // the base models the LoRA policies share
-	policies map[string]*policy
-	openErrs map[string]error // zero-config policies whose engine failed to open: not retried
-	order    []string         // policy names in config order, then first use
+	polMu sync.Mutex
+	bases loraBases // the base models the LoRA policies share
+	// adapterBatchers send the generate batches of the LoRA policies on one base together.
+	adapterBatchers map[engines.AdapterGenerator]*adapterBatcher
+	policies        map[string]*policy
+	openErrs        map[string]error // zero-config policies whose engine failed to open: not retried
+	order           []string         // policy names in config order, then first use
 
 	id      string    // random per process: part of optimizer step ids
 	wd      string    // the absolute working directory the run started in (run.json's dir)
@@ -442,6 +444,23 @@ func (r *Run) addPolicy(ctx context.Context, pc config.PolicyConfig) (*policy, e
 	p := &policy{name: pc.Name, cfg: pc, eng: eng, busy: &busyMeter{}}
 	p.disp = newDispatcher(eng, &r.activity, maxBatchSamples(r.cfg))
 	p.disp.busy = p.busy
+	if v, ok := eng.(engines.AdapterView); ok && crossPolicyBatching {
+		// A LoRA policy on a shared base: its batches go out with the other adapters' batches.
+		base := v.AdapterBase()
+		bt := r.adapterBatchers[base]
+		if bt == nil {
+			bt = newAdapterBatcher(base.GenerateAdapters, &r.activity)
+			if r.adapterBatchers == nil {
+				r.adapterBatchers = map[engines.AdapterGenerator]*adapterBatcher{}
+			}
+			r.adapterBatchers[base] = bt
+		}
+		name := v.AdapterName()
+		bt.join(name, p.disp)
+		p.disp.gen = func(ctx context.Context, reqs []engines.GenerateRequest) ([]engines.Completion, error) {
+			return bt.generate(ctx, name, reqs)
+		}
+	}
 	go p.disp.loop(r.ctx)
 	r.policies[pc.Name] = p
 	r.order = append(r.order, pc.Name)

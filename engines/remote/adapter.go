@@ -123,3 +123,9 @@ func (a *Adapter) Load(ctx context.Context, dir string) error {
 
 // Close releases nothing: the client belongs to its owner.
 func (a *Adapter) Close() error { return nil }
+
+// AdapterName is the adapter's name (engines.AdapterView).
+func (a *Adapter) AdapterName() string { return a.name }
+
+// AdapterBase is the client of the engine the adapter is on (engines.AdapterView).
+func (a *Adapter) AdapterBase() engines.AdapterGenerator { return a.c }

@@ -290,3 +290,9 @@ func (v *AdapterEngine) Load(ctx context.Context, dir string) error {
 	v.a.w, v.a.opt = w, opt
 	return nil
 }
+
+// AdapterName is the adapter's name (engines.AdapterView).
+func (v *AdapterEngine) AdapterName() string { return v.a.name }
+
+// AdapterBase is the engine the adapter is on (engines.AdapterView).
+func (v *AdapterEngine) AdapterBase() engines.AdapterGenerator { return v.e }
