@@ -3,10 +3,12 @@ package host
 import (
 	"context"
 	"fmt"
+	"runtime"
 	"testing"
 
 	"github.com/slimen/slimen/engines"
 	"github.com/slimen/slimen/engines/scripted"
+	"github.com/slimen/slimen/host/config"
 )
 
 // BenchmarkDebateStep measures the host's own cost of one step of the debate example (32 tasks,
@@ -37,6 +39,74 @@ func BenchmarkDebateStep(b *testing.B) {
 				}
 			}
 			b.ReportMetric(float64(b.Elapsed().Microseconds())/float64(b.N)/32, "µs/rollout")
+		})
+	}
+}
+
+// BenchmarkExamSwarmEight measures one step of the exam swarm with eight agents
+// (examples/exam_swarm/exam_swarm8.star) on the embedded engine: as LoRA adapters on one base
+// with the agents' generate batches sent as one engine batch (lora8-cross) or policy by policy
+// (lora8-per-policy), and as eight full copies (full8). heap-MB is the Go heap in use after the
+// steps; engine-batches/step counts the generate batches that reached an engine.
+//
+//	go test ./host -run '^$' -bench ExamSwarmEight -benchtime 4x -count 3
+func BenchmarkExamSwarmEight(b *testing.B) {
+	for _, c := range []struct {
+		name, cfg string
+		cross     bool
+	}{{"lora8-cross", "config_lora8.yaml", true}, {"lora8-per-policy", "config_lora8.yaml", false}, {"full8", "config_full8.yaml", false}} {
+		b.Run(c.name, func(b *testing.B) {
+			old := crossPolicyBatching
+			crossPolicyBatching = c.cross
+			defer func() { crossPolicyBatching = old }()
+			cfg, err := config.Load("../examples/exam_swarm/" + c.cfg)
+			if err != nil {
+				b.Fatal(err)
+			}
+			r, err := Load(context.Background(), "../examples/exam_swarm/exam_swarm8.star", Options{Config: cfg, Out: b.TempDir()})
+			if err != nil {
+				b.Fatal(err)
+			}
+			defer r.Close()
+			step := func() {
+				res, err := r.Step(context.Background())
+				if err != nil {
+					b.Fatal(err)
+				}
+				if len(res.Failed) > 0 {
+					b.Fatal(res.Failed[0])
+				}
+			}
+			step() // warm-up: the first step allocates the engines' buffers
+			batches := func() int {
+				if c.cross {
+					n := 0
+					for _, bt := range r.adapterBatchers {
+						bt.mu.Lock()
+						n += bt.batches
+						bt.mu.Unlock()
+					}
+					return n
+				}
+				n := 0
+				for _, p := range r.policies {
+					k, _ := p.disp.stats()
+					n += k
+				}
+				return n
+			}
+			before := batches()
+			b.ResetTimer()
+			for i := 0; i < b.N; i++ {
+				step()
+			}
+			b.StopTimer()
+			b.ReportMetric(float64(b.Elapsed().Milliseconds())/float64(b.N), "ms/step")
+			b.ReportMetric(float64(batches()-before)/float64(b.N), "engine-batches/step")
+			runtime.GC()
+			var ms runtime.MemStats
+			runtime.ReadMemStats(&ms)
+			b.ReportMetric(float64(ms.HeapInuse)/(1<<20), "heap-MB")
 		})
 	}
 }
