@@ -2,17 +2,19 @@ package main
 
 import (
 	"bufio"
+	"context"
 	"encoding/json"
 	"flag"
 	"fmt"
 	"io"
 	"os"
 
+	"github.com/slimen/slimen/engines/tiny"
 	"github.com/slimen/slimen/host/tasks"
 )
 
 func init() {
-	commands["export"] = command{"write a synthetic task source as JSONL (SFT data for the torch engine, or tasks)", cmdExport}
+	commands["export"] = command{"write a synthetic task source as JSONL (SFT data for the torch engine, or tasks), or a LoRA adapter merged into its base (--merge)", cmdExport}
 }
 
 // cmdExport writes problems of a synthetic source as JSONL, one object a line:
@@ -22,6 +24,11 @@ func init() {
 //	                debate's critic prompts do); `python -m slimen_torch sft --data` reads it
 //	--format tasks  {"id": …, "prompt": …, "label": …}: the tasks a run on the source sees, as a
 //	                data file (data: {path: FILE})
+//
+// With --merge ADAPTER it writes instead the LoRA adapter folder ADAPTER (a LoRA policy's
+// checkpoint or save: folder, PEFT format) folded into its base model (W + s·B·A) as a plain
+// Hugging Face folder in --out; the base is the adapter's base_model_name_or_path unless --base
+// names it.
 func cmdExport(args []string) int {
 	fs := flag.NewFlagSet("export", flag.ContinueOnError)
 	task := fs.String("task", "synthetic:arith", "task source: synthetic:arith[?difficulty=N&seed=S]")
@@ -29,9 +36,12 @@ func cmdExport(args []string) int {
 	n := fs.Int("n", 10000, "number of lines")
 	start := fs.Int("start", 0, "index of the first problem")
 	format := fs.String("format", "sft", "sft (prompt/response pairs) or tasks (id/prompt/label)")
-	out := fs.String("out", "", "output file (default: standard output)")
+	out := fs.String("out", "", "output file (default: standard output); with --merge the output folder")
+	merge := fs.String("merge", "", "a LoRA adapter folder (PEFT) to fold into its base and write as a Hugging Face folder to --out")
+	base := fs.String("base", "", "with --merge: the base model (a folder or builtin:NAME); default the adapter's base_model_name_or_path")
 	fs.Usage = func() {
 		fmt.Fprintln(fs.Output(), "usage: slimen export [--task synthetic:arith] [--seed S] [--n N] [--start I] [--format sft|tasks] [--out FILE]")
+		fmt.Fprintln(fs.Output(), "       slimen export --merge ADAPTER_DIR [--base MODEL] --out DIR")
 		fs.PrintDefaults()
 	}
 	if err := fs.Parse(args); err != nil {
@@ -43,6 +53,20 @@ func cmdExport(args []string) int {
 	}
 	if fs.NArg() > 0 {
 		return bad("unexpected argument %q", fs.Arg(0))
+	}
+	if *merge != "" {
+		if *out == "" {
+			return bad("--merge needs --out: the folder to write the merged model into")
+		}
+		if err := tiny.MergeAdapter(context.Background(), *merge, *base, *out, tiny.Options{}); err != nil {
+			fmt.Fprintln(os.Stderr, "slimen export --merge:", err)
+			return 1
+		}
+		fmt.Fprintf(os.Stderr, "slimen export: %s merged into its base, written to %s\n", *merge, *out)
+		return 0
+	}
+	if *base != "" {
+		return bad("--base goes with --merge")
 	}
 	arith, ok, err := tasks.ParseSpec(*task, *seed)
 	if err != nil {

@@ -2,6 +2,7 @@ package main
 
 import (
 	"bufio"
+	"bytes"
 	"encoding/json"
 	"os"
 	"path/filepath"
@@ -79,4 +80,33 @@ func readJSONL(t *testing.T, path string) []map[string]string {
 		rows = append(rows, row)
 	}
 	return rows
+}
+
+// slimen export --merge folds a LoRA adapter folder into its base: the tiny engine's own test
+// (TestLoRAMergedExport) checks the logits; here the command writes the folder the fixture holds.
+func TestExportMerge(t *testing.T) {
+	out := filepath.Join(t.TempDir(), "merged")
+	adapter := filepath.Join("testdata", "lora_peft", "adapter") // the command runs in the repository root
+	if log, err := slimen(t, nil, "export", "--merge", adapter, "--out", out); err != nil {
+		t.Fatalf("%v\n%s", err, log)
+	}
+	for _, f := range []string{"config.json", "model.safetensors"} {
+		a, err := os.ReadFile(filepath.Join(out, f))
+		if err != nil {
+			t.Fatal(err)
+		}
+		b, err := os.ReadFile(filepath.Join("..", "..", "testdata", "lora_peft", "merged", f))
+		if err != nil || !bytes.Equal(a, b) {
+			t.Errorf("%s differs from testdata/lora_peft/merged (%v)", f, err)
+		}
+	}
+	for _, args := range [][]string{
+		{"export", "--merge", adapter},
+		{"export", "--merge", t.TempDir(), "--out", out},
+		{"export", "--base", "builtin:tiny-arith"},
+	} {
+		if log, err := slimen(t, nil, args...); err == nil || !strings.Contains(log, "slimen export") {
+			t.Errorf("%v: err %v, output %q; want a failure with a message", args, err, log)
+		}
+	}
 }

@@ -39,3 +39,14 @@ def test_peft_loads_the_go_adapter_and_gives_its_logits():
     assert relative_error(base_logits, ref) > 1e-2, "the adapter must change the logits"
     err = relative_error(got, ref)
     assert err < 1e-4, f"relative error {err:.2e}"
+
+
+def test_transformers_loads_the_merged_export_and_gives_the_adapter_logits():
+    """testdata/lora_peft/merged is `slimen export --merge` of the adapter (the Go engine's
+    TestLoRAMergedExport keeps it in step): a plain model that computes base + adapter."""
+    want = json.loads((FIXTURE / "expected.json").read_text())
+    model = AutoModelForCausalLM.from_pretrained(FIXTURE / "merged", dtype=torch.float32).eval()
+    with torch.no_grad():
+        got = model(torch.tensor([want["ids"]])).logits[0]
+    err = relative_error(got, torch.tensor(want["logits"]))
+    assert err < 1e-4, f"relative error {err:.2e}"
