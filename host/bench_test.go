@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"runtime"
+	"syscall"
 	"testing"
 
 	"github.com/slimen/slimen/engines"
@@ -47,7 +48,8 @@ func BenchmarkDebateStep(b *testing.B) {
 // (examples/exam_swarm/exam_swarm8.star) on the embedded engine: as LoRA adapters on one base
 // with the agents' generate batches sent as one engine batch (lora8-cross) or policy by policy
 // (lora8-per-policy), and as eight full copies (full8). heap-MB is the Go heap in use after the
-// steps; engine-batches/step counts the generate batches that reached an engine.
+// steps; engine-batches/step counts the generate batches that reached an engine; cpu-ms/step is
+// the process's CPU time (steadier than the wall time on a shared machine).
 //
 //	go test ./host -run '^$' -bench ExamSwarmEight -benchtime 4x -count 3
 func BenchmarkExamSwarmEight(b *testing.B) {
@@ -96,12 +98,19 @@ func BenchmarkExamSwarmEight(b *testing.B) {
 				return n
 			}
 			before := batches()
+			cpu := func() float64 {
+				var ru syscall.Rusage
+				syscall.Getrusage(syscall.RUSAGE_SELF, &ru)
+				return float64(ru.Utime.Nano()+ru.Stime.Nano()) / 1e6
+			}
+			cpu0 := cpu()
 			b.ResetTimer()
 			for i := 0; i < b.N; i++ {
 				step()
 			}
 			b.StopTimer()
 			b.ReportMetric(float64(b.Elapsed().Milliseconds())/float64(b.N), "ms/step")
+			b.ReportMetric((cpu()-cpu0)/float64(b.N), "cpu-ms/step")
 			b.ReportMetric(float64(batches()-before)/float64(b.N), "engine-batches/step")
 			runtime.GC()
 			var ms runtime.MemStats
