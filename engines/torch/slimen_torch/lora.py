@@ -11,11 +11,12 @@ Two ways to apply adapters (model.Transformer.lora, set with `model.using(sel)`)
 
 * `One(adapter)`: every row uses one adapter, with its parameters (training: gradients reach A
   and B only; scoring with one policy).
-* `Rows(bank, idx)`: row i of the batch uses adapter idx[i] of the bank (0: none) — one forward
-  pass for a batch mixing policies. The base product is computed once for all rows; the low-rank
-  part is a batched product over the rows with each row's A and B gathered from the bank's
-  stacked copies (zero-padded to the largest rank, so a row's result does not depend on the other
-  rows: batch invariance).
+* `Rows` (Bank.rows): each row of the batch uses its own adapter (or none) — one forward pass
+  for a batch mixing policies. The base product is computed once for all rows; the low-rank part
+  is a batched product over the rows with each row's A and B gathered from stacked copies of the
+  batch's adapters (zero-padded to their largest rank, so a row's result does not depend on the
+  other rows: batch invariance). The stacks hold only the adapters of the batch, so a worker with
+  a thousand adapters pays for the eight a batch uses.
 """
 
 from __future__ import annotations
@@ -203,29 +204,27 @@ class Bank:
     def __init__(self, model):
         self.model = model
         self.adapters: dict[str, Adapter] = {}
-        self._stack = None
-
-    def index(self, name: str) -> int:
-        """The row index of an adapter (0 for "", the base)."""
-        if not name:
-            return 0
-        if name not in self.adapters:
-            raise KeyError(name)
-        return list(self.adapters).index(name) + 1
-
-    def positions(self) -> dict[int, int]:
-        """id(adapter) → its row index in the stacks."""
-        return {id(a): k for k, a in enumerate(self.adapters.values(), 1)}
+        self._stack = None  # (key, stacks, scale) of the last batch's adapters
 
     def changed(self) -> None:
         self._stack = None
 
-    def stacks(self):
-        """{(layer, target): (A [n+1, r, in], B [n+1, out, r])} and scale [n+1]; entry 0 is the
-        base (zeros), r the largest rank."""
-        if self._stack is None:
+    def rows(self, adapters, device) -> "Rows":
+        """The selection for a batch whose row i uses adapters[i] (None: the base)."""
+        uniq: dict[int, Adapter] = {}
+        for a in adapters:
+            if a is not None:
+                uniq.setdefault(id(a), a)
+        pos = {k: i for i, k in enumerate(uniq, 1)}
+        idx = torch.tensor([0 if a is None else pos[id(a)] for a in adapters], device=device)
+        return Rows(self, tuple(uniq.values()), idx)
+
+    def stacks(self, ads: tuple):
+        """For the adapters ads: {(layer, target): (A [n+1, r, in], B [n+1, out, r])} and scale
+        [n+1]; entry 0 is the base (zeros), entry k ads[k-1], r their largest rank."""
+        key = tuple(id(a) for a in ads)
+        if self._stack is None or self._stack[0] != key:
             m = self.model
-            ads = list(self.adapters.values())
             r = max((a.cfg.rank for a in ads), default=1)
             dev, dt = m.embed.device, m.embed.dtype
             st = {}
@@ -243,8 +242,8 @@ class Bank:
                                 B[k, :, :a.cfg.rank] = a.b[i][t]
                         st[(i, t)] = (A, B)
             scale = torch.tensor([0.0] + [a.cfg.scale for a in ads], device=dev, dtype=dt)
-            self._stack = (st, scale)
-        return self._stack
+            self._stack = (key, st, scale)
+        return self._stack[1:]
 
 
 class LoRAWeight:
@@ -295,13 +294,13 @@ class One:
 
 
 class Rows:
-    """Row i of the batch uses adapter idx[i] of the bank (0: none)."""
+    """Row i of the batch uses adapter ads[idx[i] - 1] (idx 0: none); made by Bank.rows."""
 
-    def __init__(self, bank: Bank, idx: torch.Tensor):
-        self.bank, self.idx = bank, idx
+    def __init__(self, bank: Bank, ads: tuple, idx: torch.Tensor):
+        self.bank, self.ads, self.idx = bank, ads, idx
 
     def weights(self, model, i: int, w: tuple) -> tuple:
-        st, scale = self.bank.stacks()
+        st, scale = self.bank.stacks(self.ads)
         idx = self.idx
         s = scale[idx]
         w = list(w)

@@ -1,0 +1,314 @@
+"""Issue 19 on one GPU: how many LoRA agents of one base train in one worker against how many full
+copies fit, and generation of a batch spread over adapters against one model.
+
+    python engines/torch/bench_lora.py [--out DIR] [--shape qwen3-0.6b] [--budget SECONDS]
+    python engines/torch/bench_lora.py --device cpu --shape tiny --quick     # a dry run on the CPU
+
+On a random model of --shape (make-model; bf16 on a GPU), three sections:
+
+  memory     the memory model: bytes per full-weight agent (bf16 weights, fp32 master copy, AdamW
+             moments, gradient; a frozen KL reference copy besides) and per LoRA agent (the same
+             for its A and B only, plus its rows in the stacks the mixed-batch path gathers from),
+             and how many of each the free memory holds after the shared parts (one base, the
+             KV cache, a training step's activations)
+  full       the allocation test of full copies: worker engines on the model, one after another,
+             each taking one AdamW step (so its optimizer state exists), until the next does not
+             fit (out of memory), --max-full or the time budget; all kept alive. Eager (no
+             compilation, no CUDA graphs) with --slots cache rows: memory is what it measures
+  lora       the same for LoRA agents in one worker: adapters (rank --rank on every projection)
+             added to one engine, each taking one AdamW step, in rounds that double, until out of
+             memory, --max-adapters or the time budget; then one mixed generate over the first 8
+             shows the worker still serves them all
+  gen        generation throughput: --rows rows (128-token prompts, --new sampled tokens,
+             temperature 1) of one model with the engine's defaults (CUDA graphs, Triton), the
+             same rows spread over 8 adapters (one batch, the per-row LoRA path: eager), and the
+             rows of one model on the eager path (what the LoRA path costs beside the graphs)
+
+Prints a table and writes DIR/bench_lora.json and DIR/bench_lora.md. Each section runs in its own
+process, so an out-of-memory error or a crash costs that section only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import time
+import traceback
+
+import torch
+
+HERE = pathlib.Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from slimen_torch import lora  # noqa: E402
+from slimen_torch.config import read_config  # noqa: E402
+from slimen_torch.engine import Engine, Options  # noqa: E402
+from slimen_torch.make_model import make_model  # noqa: E402
+from slimen_torch.types import (Batch, GenerateRequest, LossConfig, Sample, Sampling,  # noqa: E402
+                                ScoreRequest)
+
+SECTIONS = ("memory", "full", "lora", "gen")
+
+
+def opts(a, **kw) -> Options:
+    o = dict(device=a.device, slots=a.slots, max_seq_len=a.max_len)
+    if a.device == "cpu":
+        o.update(cuda_graphs=False, compile=False, kernels=False)
+    o.update(kw)
+    return Options(**o)
+
+
+# The allocation tests run eagerly: compiling each copy's step would take the time budget, and
+# memory is what they measure.
+NO_COMPILE = dict(cuda_graphs=False, compile=False, compile_train="off")
+
+
+def batch(a, adapter="") -> Batch:
+    g = torch.Generator().manual_seed(1)
+    n = a.train_len
+    samples = []
+    for _ in range(a.train_rows):
+        p = torch.randint(10, 200, (n // 2,), generator=g).tolist()
+        r = torch.randint(10, 200, (n - n // 2,), generator=g).tolist()
+        samples.append(Sample(prompt=p, response=r, loss_mask=[1.0] * len(r),
+                              old_logprobs=[-5.0] * len(r), advantages=[1.0] * len(r)))
+    return Batch(samples=samples, loss=LossConfig(lr=1e-5), adapter=adapter)
+
+
+def cuda() -> bool:
+    return torch.cuda.is_available()
+
+
+def mem() -> dict:
+    if not cuda():
+        return {}
+    free, total = torch.cuda.mem_get_info()
+    return dict(allocated_gb=torch.cuda.memory_allocated() / 2**30, free_gb=free / 2**30,
+                total_gb=total / 2**30)
+
+
+def is_oom(e: BaseException) -> bool:
+    return isinstance(e, torch.OutOfMemoryError) or "out of memory" in str(e).lower()
+
+
+# ---- sections ----
+
+def sec_memory(a, model_dir):
+    cfg, _ = read_config(model_dir)
+    P = cfg.params()
+    bf = 2 if a.device != "cpu" else 4
+    mixed = bf == 2
+    # A trained parameter: the weight, its gradient, AdamW's two fp32 moments, and on a GPU the
+    # fp32 master copy (engine: bf16 weights, fp32 masters).
+    per_trained = bf + bf + 8 + (4 if mixed else 0)
+    full = P * per_trained + P * bf  # + the frozen KL reference copy of a full-weight policy
+    ad = lora.Adapter("m", lora.LoRAConfig(rank=a.rank, alpha=2 * a.rank, targets=lora.TARGETS),
+                      cfg, "meta", torch.float32)
+    r_params = ad.numel()
+    per_adapter = r_params * per_trained + r_params * bf  # + its rows in the gather stacks
+    kv = 2 * cfg.layers * cfg.kv_heads * cfg.head_dim * a.max_len * a.slots * bf
+    out = dict(params=P, adapter_params=r_params, bytes_per_full_agent=full,
+               bytes_per_lora_agent=per_adapter, base_bytes=P * bf, kv_cache_bytes=kv)
+    if cuda():
+        free, total = torch.cuda.mem_get_info()
+        act = 2 * 1024**3  # a training step's activations, taken as 2 GiB (measured in `full`)
+        out.update(free_bytes=free, total_bytes=total,
+                   predicted_full=int((free - act) // (full + kv)),
+                   predicted_lora=int((free - act - kv - P * bf) // per_adapter))
+    return out
+
+
+def sec_full(a, model_dir):
+    engines, rows, t0 = [], [], time.perf_counter()
+    try:
+        while len(engines) < a.max_full and time.perf_counter() - t0 < a.budget:
+            try:
+                e = Engine(str(model_dir), opts(a, **NO_COMPILE))
+                engines.append(e)
+                st = e.train(batch(a))
+                rows.append(dict(n=len(engines), loss=st.loss, **mem()))
+                print(f"full copies: {len(engines)} {mem()}", flush=True)
+            except Exception as e:
+                if not is_oom(e):
+                    raise
+                if engines:
+                    engines.pop().close()
+                return dict(fits=len(engines), stopped="out of memory", steps=rows)
+        return dict(fits=len(engines), stopped="cap" if len(engines) >= a.max_full else "time budget",
+                    steps=rows)
+    finally:
+        for e in engines:
+            e.close()
+
+
+def sec_lora(a, model_dir):
+    e = Engine(str(model_dir), opts(a, **NO_COMPILE))
+    cfgl = lora.LoRAConfig(rank=a.rank, alpha=2 * a.rank, targets=lora.TARGETS)
+    rows, n, t0, stopped = [], 0, time.perf_counter(), "cap"
+    # One short sample per step: the step allocates the adapter's gradients and AdamW state, which
+    # stay; activations are transient and shared (the memory model budgets them once).
+    b = batch(a)
+    b.samples = b.samples[:1]
+    target = 8
+    try:
+        while n < a.max_adapters:
+            if time.perf_counter() - t0 > a.budget:
+                stopped = "time budget"
+                break
+            try:
+                while n < min(target, a.max_adapters):
+                    name = f"agent_{n}"
+                    e.add_adapter(name, cfgl, n)
+                    e.train(Batch(samples=b.samples, loss=b.loss, adapter=name))
+                    n += 1
+                    if time.perf_counter() - t0 > a.budget:
+                        break
+            except Exception as ex:
+                if not is_oom(ex):
+                    raise
+                e.remove_adapter(f"agent_{n}")
+                stopped = "out of memory"
+                break
+            rows.append(dict(n=n, **mem()))
+            print(f"LoRA agents: {n} {mem()}", flush=True)
+            target *= 2
+        # The worker still serves them: one batch over the first 8 adapters.
+        names = e.adapter_names()[:8]
+        reqs = [GenerateRequest(id=f"m{i}", prompt_tokens=list(range(10, 42)), adapter=names[i % len(names)],
+                                sampling=Sampling(max_tokens=8, temperature=1.0, seed=i))
+                for i in range(16)]
+        ok = len(e.generate(reqs)) == 16
+        return dict(fits=n, stopped=stopped, steps=rows, mixed_generate_ok=ok,
+                    adapter_params=e.bank.adapters[names[0]].numel())
+    finally:
+        e.close()
+
+
+def gen_run(e, a, adapters) -> float:
+    """tok/s of a.rows rows, row i by adapters[i % len] ("" base), after a warm-up run."""
+    def reqs(tag):
+        return [GenerateRequest(id=f"{tag}{i}", prompt_tokens=[10 + (i + j) % 190 for j in range(128)],
+                                adapter=adapters[i % len(adapters)],
+                                sampling=Sampling(max_tokens=a.new, temperature=1.0, seed=i))
+                for i in range(a.rows)]
+    e.generate(reqs("w"))
+    best = 0.0
+    for k in range(1):
+        t = time.perf_counter()
+        out = e.generate(reqs(f"r{k}"))
+        if cuda():
+            torch.cuda.synchronize()
+        best = max(best, sum(len(c.tokens) for c in out) / (time.perf_counter() - t))
+    return best
+
+
+def sec_gen(a, model_dir):
+    res = {}
+    slots = max(a.rows, a.slots)
+    e = Engine(str(model_dir), opts(a, slots=slots))
+    try:
+        res["one_model_defaults_tok_s"] = gen_run(e, a, [""])
+        for i in range(8):
+            e.add_adapter(f"g{i}", lora.LoRAConfig(rank=a.rank, alpha=2 * a.rank, targets=lora.TARGETS), i)
+        res["eight_adapters_tok_s"] = gen_run(e, a, [f"g{i}" for i in range(8)])
+        res["one_adapter_tok_s"] = gen_run(e, a, ["g0"])
+    finally:
+        e.close()
+    e = Engine(str(model_dir), opts(a, slots=slots, cuda_graphs=False, compile=False, kernels=False))
+    try:
+        res["one_model_eager_tok_s"] = gen_run(e, a, [""])
+    finally:
+        e.close()
+    return res
+
+
+# ---- driver ----
+
+def table(results: dict, a) -> str:
+    L = [f"# LoRA agents on one {a.device} ({a.shape}, rank {a.rank} on all 7 projections)", ""]
+    m = results.get("memory", {})
+    if "params" in m:
+        L.append(f"- base {m['params'] / 1e6:.1f} M parameters; adapter {m['adapter_params'] / 1e6:.2f} M")
+        L.append(f"- memory model: {m['bytes_per_full_agent'] / 2**30:.2f} GiB per full agent, "
+                 f"{m['bytes_per_lora_agent'] / 2**20:.1f} MiB per LoRA agent"
+                 + (f"; predicted {m['predicted_full']} full / {m['predicted_lora']} LoRA"
+                    if "predicted_full" in m else ""))
+    L += ["", "| agents that train in one run | fit | stopped by |", "|---|---:|---|"]
+    for k, what in (("full", "full copies (one worker each)"), ("lora", "LoRA adapters on one base")):
+        r = results.get(k, {})
+        L.append(f"| {what} | {r.get('fits', '—')} | {r.get('stopped', r.get('error', '—'))} |")
+    g = results.get("gen", {})
+    if g and "error" not in g:
+        L += ["", f"| generation, {a.rows} rows × {a.new} tokens | tok/s |", "|---|---:|"]
+        for k, what in (("one_model_defaults_tok_s", "one model, engine defaults (graphs, Triton)"),
+                        ("eight_adapters_tok_s", "spread over 8 adapters, one batch"),
+                        ("one_adapter_tok_s", "one adapter"),
+                        ("one_model_eager_tok_s", "one model, eager path")):
+            L.append(f"| {what} | {g.get(k, 0):,.0f} |")
+    elif g:
+        L.append(f"\ngen: {g['error']}")
+    return "\n".join(L) + "\n"
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default="bench_lora_out")
+    ap.add_argument("--device", default="cuda" if cuda() else "cpu")
+    ap.add_argument("--shape", default="qwen3-0.6b")
+    ap.add_argument("--rank", type=int, default=8)
+    ap.add_argument("--rows", type=int, default=256)
+    ap.add_argument("--new", type=int, default=128)
+    ap.add_argument("--slots", type=int, default=8, help="cache rows of the allocation tests' engines")
+    ap.add_argument("--max-len", type=int, default=1024)
+    ap.add_argument("--train-rows", type=int, default=2, help="the allocation tests' training step")
+    ap.add_argument("--train-len", type=int, default=256)
+    ap.add_argument("--max-full", type=int, default=64)
+    ap.add_argument("--max-adapters", type=int, default=4096)
+    ap.add_argument("--budget", type=float, default=75.0, help="seconds per allocation test")
+    ap.add_argument("--sections", default=",".join(SECTIONS))
+    ap.add_argument("--quick", action="store_true", help="tiny sizes (a CPU dry run)")
+    ap.add_argument("--section", help=argparse.SUPPRESS)
+    ap.add_argument("--model", help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.quick:
+        a.rows, a.new, a.max_full, a.max_adapters = 16, 4, 3, 24
+        a.train_rows, a.train_len, a.max_len, a.budget = 2, 32, 256, min(a.budget, 30)
+    out = pathlib.Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if a.section:  # a child: one section, its result as JSON on the last line
+        torch.manual_seed(0)
+        try:
+            r = globals()["sec_" + a.section](a, pathlib.Path(a.model))
+        except Exception as e:
+            r = dict(error=f"{type(e).__name__}: {e}", traceback=traceback.format_exc())
+        print("RESULT " + json.dumps(r), flush=True)
+        return
+    model = out / f"model-{a.shape}"
+    if not (model / "config.json").exists():
+        make_model(a.shape, model, seed=7)
+    results = {}
+    passthrough = [x for x in sys.argv[1:] if not x.startswith("--sections")]
+    for s in a.sections.split(","):
+        t = time.perf_counter()
+        p = subprocess.run([sys.executable, __file__, *passthrough, "--section", s, "--model", str(model)],
+                           capture_output=True, text=True, env=os.environ)
+        lines = [x for x in p.stdout.splitlines() if x.startswith("RESULT ")]
+        r = json.loads(lines[-1][7:]) if lines else dict(error=f"exit {p.returncode}: {p.stderr[-2000:]}")
+        r["seconds"] = round(time.perf_counter() - t, 1)
+        results[s] = r
+        (out / "bench_lora.log").open("a").write(f"== {s}\n{p.stdout}\n{p.stderr}\n")
+        print(f"{s}: {r.get('error') or 'done'} in {r['seconds']} s", flush=True)
+    (out / "bench_lora.json").write_text(json.dumps(results, indent=2) + "\n")
+    md = table(results, a)
+    (out / "bench_lora.md").write_text(md)
+    print(md)
+    if any("error" in r for r in results.values()):
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
