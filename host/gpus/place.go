@@ -64,6 +64,32 @@ type Worker struct {
 	Estimate      Estimate
 	ExplicitSlots bool
 	Shares        []string // the other policies whose workers run on the same GPU
+	// Adapters are the LoRA policies after Policy that are adapters in this worker (their
+	// hf_checkpoint and engine are Policy's): they start no worker and take no GPUs of their own.
+	Adapters []string
+}
+
+// LoRABaseKey is what the LoRA policies that share one torch worker have in common: the
+// hf_checkpoint and the engine settings that shape the worker. host/torch opens one worker per key.
+func LoRABaseKey(p config.PolicyConfig) string {
+	return strings.Join([]string{"torch", p.HFCheckpoint, p.Engine.Device, strings.Join(p.Engine.GPUs, ","), strings.Join(p.Engine.Args, "\x00")}, "\x00")
+}
+
+// loraRiders maps each LoRA policy that rides on an earlier LoRA policy's worker to that policy.
+func loraRiders(c *config.Config) map[string]string {
+	first, riders := map[string]string{}, map[string]string{}
+	for _, p := range c.Policies {
+		if !Local(p) || p.LoRA == nil {
+			continue
+		}
+		k := LoRABaseKey(p)
+		if f, ok := first[k]; ok {
+			riders[p.Name] = f
+		} else {
+			first[k] = p.Name
+		}
+	}
+	return riders
 }
 
 // Plan is the placement of a config's local workers on this machine's GPUs.
@@ -117,8 +143,9 @@ func ModelDir(p config.PolicyConfig) string {
 // instead and takes no slice. models maps each placed policy's name to its model's shape.
 func Place(c *config.Config, models map[string]Model, list []GPU) (*Plan, error) {
 	plan := &Plan{Colocate: c.Run.Colocate}
+	riders := loraRiders(c)
 	for _, p := range c.Policies {
-		if !Local(p) || pinned(p) {
+		if !Local(p) || pinned(p) || riders[p.Name] != "" {
 			continue
 		}
 		plan.Actor += p.MegatronNumNodes * p.NumGPUsPerNode
@@ -142,6 +169,11 @@ func Place(c *config.Config, models map[string]Model, list []GPU) (*Plan, error)
 				why = "engine.device " + p.Engine.Device
 			}
 			plan.NotPlaced = append(plan.NotPlaced, fmt.Sprintf("%s (%s)", p.Name, why))
+			continue
+		}
+		if host := riders[p.Name]; host != "" {
+			w := plan.Worker(host)
+			w.Adapters = append(w.Adapters, p.Name)
 			continue
 		}
 		a, r := p.MegatronNumNodes*p.NumGPUsPerNode, p.SGLangNumNodes*p.NumGPUsPerNode
@@ -322,10 +354,11 @@ func fixedEstimate(p config.PolicyConfig, m Model) (e Estimate, explicit bool) {
 	n := uint64(m.Params)
 	e.Weights = n * dtype
 	t := p.Train
-	if (t.UseKLLoss && t.KLLossCoef > 0) || t.KLCoef > 0 {
-		e.Reference = n * dtype
+	if ((t.UseKLLoss && t.KLLossCoef > 0) || t.KLCoef > 0) && p.LoRA == nil {
+		e.Reference = n * dtype // a LoRA policy's reference is its base: no copy
 	}
-	if p.Trainable {
+	if p.Trainable && p.LoRA == nil { // adapters train over a frozen base: their state is small
+
 		e.Gradients = n * bytesFP32
 		e.Optimizer = n * adamWBytesPerElem
 		if dtype != bytesFP32 {

@@ -224,3 +224,37 @@ func TestEstimateMaxPositions(t *testing.T) {
 		t.Errorf("MaxLen %d, row %d bytes; want 80 and %d", e.MaxLen, e.KVCache, 2*80*4*2)
 	}
 }
+
+// Eight LoRA policies on one hf_checkpoint are one worker: the first is placed, the others are
+// its adapters and take no GPUs; its estimate holds the frozen base, no optimizer or reference.
+// Eight full-weight copies of the same model do not fit the GPU.
+func TestPlaceLoRAPoliciesShareAWorker(t *testing.T) {
+	c := &config.Config{Run: config.RunConfig{Colocate: true}}
+	for i := range 8 {
+		p := torchPolicy(string(rune('a'+i)), 1, 1, 1)
+		p.HFCheckpoint = "/models/base"
+		p.Train.UseKLLoss, p.Train.KLLossCoef = true, 0.01
+		p.LoRA = &config.LoRAConfig{Rank: 8, Alpha: 16, Targets: []string{"q_proj"}}
+		c.Policies = append(c.Policies, p)
+	}
+	models := map[string]Model{}
+	for _, p := range c.Policies {
+		models[p.Name] = small
+	}
+	plan, err := Place(c, models, machine(1, 80*gib))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(plan.Workers) != 1 || plan.Workers[0].Policy != "a" || len(plan.Workers[0].Adapters) != 7 || plan.Total != 1 {
+		t.Fatalf("plan: %+v; want one worker (a) with 7 adapters on 1 GPU", plan)
+	}
+	if e := plan.Workers[0].Estimate; e.Weights != 2*gib || e.Optimizer != 0 || e.Gradients != 0 || e.Reference != 0 {
+		t.Errorf("the shared worker's estimate: %+v; want the bf16 base only", e)
+	}
+	for i := range c.Policies {
+		c.Policies[i].LoRA = nil
+	}
+	if _, err := Place(c, models, machine(1, 80*gib)); err == nil {
+		t.Error("eight full copies of 1 Gi parameters placed on one 80 GiB GPU")
+	}
+}

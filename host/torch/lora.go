@@ -5,7 +5,6 @@ import (
 	"fmt"
 	"hash/fnv"
 	"path/filepath"
-	"strings"
 	"sync"
 
 	"github.com/slimen/slimen/engines"
@@ -13,6 +12,7 @@ import (
 	"github.com/slimen/slimen/engines/torchproc"
 	"github.com/slimen/slimen/host"
 	"github.com/slimen/slimen/host/config"
+	"github.com/slimen/slimen/host/gpus"
 )
 
 // openLoRA opens a LoRA policy on the torch engine: an adapter named after the policy on the
@@ -28,7 +28,9 @@ func openLoRA(ctx context.Context, p config.PolicyConfig, env host.EngineEnv) (e
 	if err != nil {
 		return nil, err
 	}
-	key := strings.Join([]string{"torch", abs, p.Engine.Device, strings.Join(p.Engine.GPUs, ","), strings.Join(p.Engine.Args, " ")}, "\x00")
+	q := p
+	q.HFCheckpoint = abs
+	key := gpus.LoRABaseKey(q)
 	base := p
 	base.LoRA, base.Load, base.RefLoad = nil, "", ""
 	eng, fresh, release, err := env.SharedBase(key, func() (engines.Engine, error) { return open(ctx, base, env) })

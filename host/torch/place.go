@@ -87,6 +87,9 @@ func place(c *config.Config, logf func(string, ...any)) (*gpus.Plan, error) {
 	}
 	for _, w := range plan.Workers {
 		line := fmt.Sprintf("policy %q: placed on GPU %s (%s): memory about %s (%s)", w.Policy, joinInts(w.GPUs), w.From, gpus.GiB(w.Estimate.Total()), w.Estimate)
+		if len(w.Adapters) > 0 {
+			line += fmt.Sprintf("; LoRA adapters of %s in it", strings.Join(w.Adapters, ", "))
+		}
 		if len(w.Shares) > 0 {
 			line += fmt.Sprintf("; shares GPU %d with %s", w.GPUs[0], strings.Join(w.Shares, ", "))
 		}
