@@ -80,6 +80,40 @@ func TestTorchWorkerKilledMidStep(t *testing.T) {
 	sameMetrics(t, untimed(t, clean), untimed(t, faulty))
 }
 
+// Issue 19: the one worker of two LoRA policies, killed mid-step, comes back with both adapters,
+// each restored by its policy's rule, and the run's metrics are the uninterrupted run's.
+func TestTorchLoRAWorkerKilledMidStep(t *testing.T) {
+	py := torchPython(t)
+	dir := t.TempDir()
+	model := tinyTorchModel(t, py, dir)
+	env := []string{"SLIMEN_PYTHON=" + py, "XDG_CACHE_HOME=" + filepath.Join(dir, "cache")}
+	cfg := loraTorchConfig(t, dir, model)
+	script := parityScript(t, dir)
+	clean := filepath.Join(dir, "clean")
+	if log, err := slimen(t, env, "exec", script, "--config", cfg, "--steps", "3", "--out", clean); err != nil {
+		t.Fatalf("%v\n%s", err, log)
+	}
+	faulty := filepath.Join(dir, "faulty")
+	killed := execKilling(t, env, faulty, func(slimen int) []int { return torchWorkers(t, slimen) },
+		"exec", script, "--config", cfg, "--steps", "3", "--out", faulty)
+	if len(killed) != 1 {
+		t.Fatalf("killed %v, want the one shared worker's process", killed)
+	}
+	events := eventsLog(t, faulty)
+	for _, want := range []string{
+		`policy "generator": the torch worker (pid `,
+		`policy "generator": the torch worker is started again on 127.0.0.1:`,
+		`policy "generator": its torch worker (shared by the run's LoRA policies on`,
+		`policy "critic": its torch worker (shared by the run's LoRA policies on`,
+		"; the run goes on",
+	} {
+		if !strings.Contains(events, want) {
+			t.Errorf("events.log lacks %q:\n%s", want, events)
+		}
+	}
+	sameMetrics(t, untimed(t, clean), untimed(t, faulty))
+}
+
 // parityScript writes a rollout script for the generator and critic: a random model's answers are
 // never right, so the reward is the parity of its first token: it varies within groups and the
 // weights move every step (a restore that lost them would show in the metrics).

@@ -260,24 +260,7 @@ func TestTorchLoRAPoliciesShareOneWorker(t *testing.T) {
 	}
 	out := filepath.Join(dir, "run")
 	env := []string{"SLIMEN_PYTHON=" + py, "XDG_CACHE_HOME=" + filepath.Join(dir, "cache")}
-	cfg := filepath.Join(dir, "lora.yaml")
-	y := fmt.Sprintf(`policies:
-  - name: generator
-    hf_checkpoint: %[1]s
-    engine: {kind: torch, device: cpu, args: [--max-seq-len, "512"]}
-    lora: {rank: 4, alpha: 8, targets: [q_proj, v_proj, down_proj]}
-    train: {lr: 1.0e-2, global_batch_size: 0}
-  - name: critic
-    hf_checkpoint: %[1]s
-    engine: {kind: torch, device: cpu, args: [--max-seq-len, "512"]}
-    lora: {rank: 2, alpha: 4, targets: [q_proj]}
-    train: {lr: 1.0e-2, global_batch_size: 0}
-rollout: {batch_size: 4, max_response_len: 8}
-run: {steps: 2, seed: 3, save_interval: 1}
-`, model)
-	if err := os.WriteFile(cfg, []byte(y), 0o644); err != nil {
-		t.Fatal(err)
-	}
+	cfg := loraTorchConfig(t, dir, model)
 	if log, err := slimen(t, env, "exec", debate, "--config", cfg, "--out", out); err != nil {
 		t.Fatalf("%v\n%s", err, log)
 	}
@@ -327,4 +310,29 @@ run: {steps: 2, seed: 3, save_interval: 1}
 			t.Errorf("metrics.jsonl has no line for %s:\n%s", k, b)
 		}
 	}
+}
+
+// loraTorchConfig writes a config of two LoRA policies (generator, critic) on one CPU torch
+// worker, checkpointing every step.
+func loraTorchConfig(t *testing.T, dir, model string) string {
+	t.Helper()
+	cfg := filepath.Join(dir, "lora.yaml")
+	y := fmt.Sprintf(`policies:
+  - name: generator
+    hf_checkpoint: %[1]s
+    engine: {kind: torch, device: cpu, args: [--max-seq-len, "512"]}
+    lora: {rank: 4, alpha: 8, targets: [q_proj, v_proj, down_proj]}
+    train: {lr: 1.0e-2, global_batch_size: 0}
+  - name: critic
+    hf_checkpoint: %[1]s
+    engine: {kind: torch, device: cpu, args: [--max-seq-len, "512"]}
+    lora: {rank: 2, alpha: 4, targets: [q_proj]}
+    train: {lr: 1.0e-2, global_batch_size: 0}
+rollout: {batch_size: 4, max_response_len: 8}
+run: {steps: 2, seed: 3, save_interval: 1}
+`, model)
+	if err := os.WriteFile(cfg, []byte(y), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	return cfg
 }
