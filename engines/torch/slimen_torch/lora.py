@@ -270,6 +270,19 @@ def _fused_delta(parts, x, sizes):
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
 
 
+def _with_updates(model, w: tuple, update) -> tuple:
+    """w (Block.weights) with each fused projection that has targeted parts wrapped in a
+    LoRAWeight; update(target) is that part's update function of x, or None."""
+    w = list(w)
+    for attr, targets in FUSED.items():
+        fns = [update(t) for t in targets]
+        if any(f is not None for f in fns):
+            sizes = [proj_shape(model.cfg, t)[0] for t in targets]
+            w[WEIGHT_INDEX[attr]] = LoRAWeight(w[WEIGHT_INDEX[attr]],
+                                               lambda x, fns=fns, sizes=sizes: _fused_delta(fns, x, sizes))
+    return tuple(w)
+
+
 class One:
     """Every row uses one adapter (its own parameters: gradients reach them)."""
 
@@ -278,19 +291,13 @@ class One:
 
     def weights(self, model, i: int, w: tuple) -> tuple:
         ad, s = self.ad, self.ad.cfg.scale
-        w = list(w)
-        for attr, targets in FUSED.items():
-            fns = []
-            for t in targets:
-                if t in ad.a[i]:
-                    A, B = ad.a[i][t], ad.b[i][t]
-                    fns.append(lambda x, A=A, B=B: F.linear(F.linear(x, A) * s, B))
-                else:
-                    fns.append(None)
-            if any(f is not None for f in fns):
-                sizes = [proj_shape(model.cfg, t)[0] for t in targets]
-                w[WEIGHT_INDEX[attr]] = LoRAWeight(w[WEIGHT_INDEX[attr]], lambda x, fns=fns, sizes=sizes: _fused_delta(fns, x, sizes))
-        return tuple(w)
+
+        def update(t):
+            if t not in ad.a[i]:
+                return None
+            A, B = ad.a[i][t], ad.b[i][t]
+            return lambda x: F.linear(F.linear(x, A) * s, B)
+        return _with_updates(model, w, update)
 
 
 class Rows:
@@ -303,19 +310,14 @@ class Rows:
         st, scale = self.bank.stacks(self.ads)
         idx = self.idx
         s = scale[idx]
-        w = list(w)
-        for attr, targets in FUSED.items():
-            fns = []
-            for t in targets:
-                if (i, t) in st:
-                    A, B = st[(i, t)]
-                    fns.append(lambda x, A=A[idx], B=B[idx]: _rows(x, A, B, s))
-                else:
-                    fns.append(None)
-            if any(f is not None for f in fns):
-                sizes = [proj_shape(model.cfg, t)[0] for t in targets]
-                w[WEIGHT_INDEX[attr]] = LoRAWeight(w[WEIGHT_INDEX[attr]], lambda x, fns=fns, sizes=sizes: _fused_delta(fns, x, sizes))
-        return tuple(w)
+
+        def update(t):
+            if (i, t) not in st:
+                return None
+            A, B = st[(i, t)]
+            A, B = A[idx], B[idx]
+            return lambda x: _rows(x, A, B, s)
+        return _with_updates(model, w, update)
 
 
 def _rows(x, A, B, s):
