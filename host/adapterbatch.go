@@ -17,9 +17,9 @@ var crossPolicyBatching = true
 // dispatcher still forms its own batches (and counts them in its metrics); the batcher sends the
 // batches that are waiting together once every adapter of the base has one waiting, or nothing
 // more can come (every rollout thread waits and no member's dispatcher holds requests: the
-// dispatchers' own rule), or when the first has waited window. Engines compute each row as they would alone (batch invariance), so
-// the merge changes no result. A merged batch that fails is sent again call by call, so that one
-// policy's bad request fails only that policy's call.
+// dispatchers' own rule), or when the first has waited window. Engines compute each row as they
+// would alone (batch invariance), so the merge changes no result. A merged batch that fails is
+// sent again call by call, so that one policy's bad request fails only that policy's call.
 type adapterBatcher struct {
 	gen    func(ctx context.Context, reqs []engines.GenerateRequest, adapters []string) ([]engines.Completion, error)
 	window time.Duration
@@ -51,13 +51,6 @@ func (b *adapterBatcher) join(name string, d *dispatcher) {
 	b.mu.Lock()
 	b.members[name] = d
 	b.mu.Unlock()
-}
-
-func (b *adapterBatcher) leave(name string) {
-	b.mu.Lock()
-	delete(b.members, name)
-	b.mu.Unlock()
-	b.kickIfFull()
 }
 
 // ready says whether the waiting batches should go: every member has one, or nothing more can
