@@ -29,8 +29,9 @@ type adapterBatcher struct {
 	mu      sync.Mutex
 	members map[string]*dispatcher // the adapters on the base, with their policies' dispatchers
 	pending []*adapterCall
-	full    chan struct{} // signalled when every member has a call waiting
-	armed   bool          // a flush is scheduled
+	sent    map[string]int // calls per adapter in engine batches not yet answered
+	full    chan struct{}  // signalled when every member has a call waiting
+	armed   bool           // a flush is scheduled
 	// batches counts the engine batches sent, calls the policy batches they carried (tests).
 	batches, calls int
 }
@@ -44,7 +45,7 @@ type adapterCall struct {
 
 func newAdapterBatcher(gen func(context.Context, []engines.GenerateRequest, []string) ([]engines.Completion, error), act *activity) *adapterBatcher {
 	return &adapterBatcher{gen: gen, window: 20 * time.Millisecond, act: act, kick: act.subscribe(),
-		members: map[string]*dispatcher{}, full: make(chan struct{}, 1)}
+		members: map[string]*dispatcher{}, sent: map[string]int{}, full: make(chan struct{}, 1)}
 }
 
 func (b *adapterBatcher) join(name string, d *dispatcher) {
@@ -54,7 +55,8 @@ func (b *adapterBatcher) join(name string, d *dispatcher) {
 }
 
 // ready says whether the waiting batches should go: every member has one, or nothing more can
-// come. The caller holds b.mu.
+// come (every rollout thread waits, and each member without a batch here has nothing pending and
+// none on its way, or has one in an engine batch of this batcher already). The caller holds b.mu.
 func (b *adapterBatcher) ready() bool {
 	if len(b.pending) == 0 {
 		return false
@@ -69,9 +71,9 @@ func (b *adapterBatcher) ready() bool {
 			continue
 		}
 		all = false
-		if idle {
+		if idle && b.sent[m] == 0 {
 			d.mu.Lock()
-			idle = len(d.pending) == 0
+			idle = len(d.pending) == 0 && !d.sending
 			d.mu.Unlock()
 		}
 	}
@@ -132,8 +134,16 @@ wait:
 	}
 	b.batches++
 	b.calls += len(calls)
+	for _, c := range calls {
+		b.sent[c.adapter]++
+	}
 	b.mu.Unlock()
 	b.send(calls)
+	b.mu.Lock()
+	for _, c := range calls {
+		b.sent[c.adapter]--
+	}
+	b.mu.Unlock()
 }
 
 // send runs the calls as one batch; request ids get their adapter's name in front, so that two

@@ -76,6 +76,9 @@ type dispatcher struct {
 
 	mu      sync.Mutex
 	pending []*pendingGen
+	// sending is set while a batch taken from pending is on its way to the engine (an
+	// adapterBatcher waits for it rather than send its other batches without it).
+	sending bool
 	// batches and requests count what reached the engine, for tests and metrics.
 	batches, requests int
 	// engineErr is the first error the engine returned since the last takeErr.
@@ -181,6 +184,7 @@ func (d *dispatcher) flush(ctx context.Context) {
 	if len(batch) > 0 {
 		d.batches++
 		d.requests += len(batch)
+		d.sending = true
 	}
 	d.mu.Unlock()
 	if len(batch) == 0 {
@@ -207,6 +211,9 @@ func (d *dispatcher) flush(ctx context.Context) {
 	} else {
 		out, err = d.gen(ctx, reqs)
 	}
+	d.mu.Lock()
+	d.sending = false
+	d.mu.Unlock()
 	if d.busy != nil {
 		d.busy.end()
 	}
