@@ -268,7 +268,7 @@ def main():
     ap.add_argument("--train-len", type=int, default=256)
     ap.add_argument("--max-full", type=int, default=64)
     ap.add_argument("--max-adapters", type=int, default=4096)
-    ap.add_argument("--budget", type=float, default=75.0, help="seconds per allocation test")
+    ap.add_argument("--budget", type=float, default=60.0, help="seconds per allocation test")
     ap.add_argument("--sections", default=",".join(SECTIONS))
     ap.add_argument("--quick", action="store_true", help="tiny sizes (a CPU dry run)")
     ap.add_argument("--section", help=argparse.SUPPRESS)
