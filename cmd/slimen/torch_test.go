@@ -98,33 +98,7 @@ func TestTorchEngineDebate(t *testing.T) {
 		t.Fatalf("resume: %v\n%s", err, log)
 	}
 
-	b, err := os.ReadFile(filepath.Join(out, "metrics.jsonl"))
-	if err != nil {
-		t.Fatal(err)
-	}
-	seen := map[string]bool{}
-	for _, line := range strings.Split(strings.TrimSpace(string(b)), "\n") {
-		var m map[string]any
-		if err := json.Unmarshal([]byte(line), &m); err != nil {
-			t.Fatal(err)
-		}
-		pol, _ := m["policy"].(string)
-		if pol != "generator" && pol != "critic" {
-			continue
-		}
-		key := fmt.Sprintf("%s@%v", pol, m["step"])
-		seen[key] = true
-		samples, _ := m["samples"].(float64)
-		loss, ok := m["loss"].(float64)
-		if samples <= 0 || !ok || math.IsNaN(loss) || math.IsInf(loss, 0) {
-			t.Errorf("%s: samples %v, loss %v (%T): want samples > 0 and a finite loss\n%s", key, m["samples"], m["loss"], m["loss"], line)
-		}
-	}
-	for _, k := range []string{"generator@1", "generator@2", "generator@3", "critic@1", "critic@2", "critic@3"} {
-		if !seen[k] {
-			t.Errorf("metrics.jsonl has no line for %s:\n%s", k, b)
-		}
-	}
+	checkPolicySteps(t, out, []string{"generator@1", "generator@2", "generator@3", "critic@1", "critic@2", "critic@3"})
 
 	// Both workers started, with their output in events.log.
 	ev, err := os.ReadFile(filepath.Join(out, "events.log"))
@@ -280,6 +254,13 @@ func TestTorchLoRAPoliciesShareOneWorker(t *testing.T) {
 	if !strings.Contains(string(ev), `policy "critic": a LoRA adapter on the torch worker of `) {
 		t.Errorf("events.log does not say the critic shares the generator's worker:\n%s", ev)
 	}
+	checkPolicySteps(t, out, []string{"generator@1", "generator@2", "generator@3", "critic@1", "critic@2", "critic@3"})
+}
+
+// checkPolicySteps checks that a run's metrics.jsonl has a line for each "policy@step" of want,
+// and that every line of the generator and the critic has samples and a finite loss.
+func checkPolicySteps(t *testing.T, out string, want []string) {
+	t.Helper()
 	b, err := os.ReadFile(filepath.Join(out, "metrics.jsonl"))
 	if err != nil {
 		t.Fatal(err)
@@ -291,16 +272,18 @@ func TestTorchLoRAPoliciesShareOneWorker(t *testing.T) {
 			t.Fatal(err)
 		}
 		pol, _ := m["policy"].(string)
-		loss, ok := m["loss"].(float64)
-		if pol == "" || !ok {
+		if pol != "generator" && pol != "critic" {
 			continue
 		}
-		if math.IsNaN(loss) || math.IsInf(loss, 0) {
-			t.Errorf("%s: loss %v", pol, loss)
+		key := fmt.Sprintf("%s@%v", pol, m["step"])
+		seen[key] = true
+		samples, _ := m["samples"].(float64)
+		loss, ok := m["loss"].(float64)
+		if samples <= 0 || !ok || math.IsNaN(loss) || math.IsInf(loss, 0) {
+			t.Errorf("%s: samples %v, loss %v (%T): want samples > 0 and a finite loss\n%s", key, m["samples"], m["loss"], m["loss"], line)
 		}
-		seen[fmt.Sprintf("%s@%v", pol, m["step"])] = true
 	}
-	for _, k := range []string{"generator@1", "generator@3", "critic@1", "critic@3"} {
+	for _, k := range want {
 		if !seen[k] {
 			t.Errorf("metrics.jsonl has no line for %s:\n%s", k, b)
 		}
