@@ -211,3 +211,60 @@ def test_errors_name_the_adapter(eng):
         eng.train(Batch(samples=[], loss=LossConfig()))
     with pytest.raises(ValueError, match="lora target 'x_proj'"):
         eng.add_adapter("bad", lora.LoRAConfig(rank=2, alpha=2, targets=("x_proj",)), 1)
+
+
+def test_adapters_over_grpc(tmp_path, want):
+    """AddAdapter, Load/Save of an adapter, and the adapter field of Score, Generate (one stream
+    message mixing adapters) and Train, through the server."""
+    import shutil
+
+    import grpc
+
+    from slimen_torch.proto import engine_pb2 as pb
+    from slimen_torch.proto import engine_pb2_grpc as pb_grpc
+    from slimen_torch.server import make_server
+
+    e = Engine(str(BUILTIN), Options(device="cpu"))
+    server, service, port = make_server("127.0.0.1:0", roots=[str(tmp_path)])
+    service.engine, service.loading = e, False
+    ch = grpc.insecure_channel(f"127.0.0.1:{port}")
+    stub = pb_grpc.EngineStub(ch)
+    try:
+        assert stub.AddAdapter(pb.AddAdapterRequest(name="a", rank=2, alpha=4, targets=["q_proj", "v_proj"],
+                                                    seed=1)).params > 0
+        shutil.copytree(FIXTURE / "adapter", tmp_path / "go")
+        stub.Load(pb.LoadRequest(dir=str(tmp_path / "go"), adapter="go"))
+        ids = want["ids"]
+        got = stub.Score(pb.ScoreBatchRequest(requests=[
+            pb.ScoreRequest(prompt_tokens=ids[:1], tokens=ids[1:], adapter="go")])).scores[0].logprobs
+        assert max(abs(a - b) for a, b in zip(got, expected_logprobs(want))) < 1e-4
+        greedy = pb.Sampling(max_tokens=5, temperature=0.0)
+        msg = pb.GenerateStreamRequest(requests=[
+            pb.GenerateRequest(id="x", prompt_tokens=ids[:12], sampling=greedy, adapter="go"),
+            pb.GenerateRequest(id="y", prompt_tokens=ids[:12], sampling=greedy)])
+        comps = {c.request_id: c for r in stub.Generate(iter([msg]), timeout=60) for c in r.completions}
+        for rid, ad in (("x", "go"), ("y", "")):
+            direct = e.generate([GenerateRequest(id=rid + "d", prompt_tokens=ids[:12], adapter=ad,
+                                                 sampling=Sampling(max_tokens=5, temperature=0.0))])[0]
+            assert list(comps[rid].tokens) == direct.tokens
+        assert list(comps["x"].tokens) != list(comps["y"].tokens) or \
+            list(comps["x"].logprobs) != pytest.approx(list(comps["y"].logprobs))
+        r = ids[12:20]
+        b = pb.Batch(id="s1", samples=[pb.Sample(prompt=ids[:12], response=r, loss_mask=[1.0] * len(r),
+                                                 old_logprobs=[-3.0] * len(r), advantages=[1.0] * len(r))],
+                     loss=pb.LossConfig(lr=1e-2, eps_clip=0.2, eps_clip_high=0.2))
+        first = stub.Train(pb.TrainRequest(batch=b, adapter="a"))
+        again = stub.Train(pb.TrainRequest(batch=b, adapter="a"))
+        other = stub.Train(pb.TrainRequest(batch=b, adapter="go"))
+        assert first.stats.tokens == len(r) and again.duplicate and not other.duplicate
+        stub.Save(pb.SaveRequest(dir=str(tmp_path / "saved"), adapter="a"))
+        assert (tmp_path / "saved" / lora.CONFIG_FILE).exists()
+        with pytest.raises(grpc.RpcError) as err:
+            stub.Score(pb.ScoreBatchRequest(requests=[pb.ScoreRequest(prompt_tokens=[1], tokens=[2], adapter="no")]))
+        assert err.value.code() == grpc.StatusCode.NOT_FOUND
+        stub.RemoveAdapter(pb.RemoveAdapterRequest(name="a"))
+        assert e.adapter_names() == ["go"]
+    finally:
+        ch.close()
+        server.stop(0).wait()
+        e.close()
