@@ -554,6 +554,9 @@ class Engine:
             o = tr._optimizer()
             step = int(opt.pop("__step__"))
             for (n, _), m in zip(ad.named(), tr.masters):
+                if tr.mixed:  # the master copy as saved (fp32), not from the rounded weights
+                    with torch.no_grad():
+                        m.copy_(opt["weight." + n])
                 st = torch.tensor(float(step), dtype=torch.float32,
                                   device=m.device if tr.cuda else "cpu")
                 o.state[m] = {"step": st, "exp_avg": opt["exp_avg." + n].to(m.device, m.dtype),

@@ -173,8 +173,11 @@ def read_config(folder: pathlib.Path) -> LoRAConfig:
 
 def load_tensors(folder: pathlib.Path, adapter: Adapter) -> dict[str, torch.Tensor] | None:
     """Fills the adapter's A and B from folder/adapter_model.safetensors (every tensor must be
-    there, with its shape); returns the optimizer moments saved beside them, or None."""
+    there, with its shape); returns the optimizer moments saved beside them with the saved
+    weights as they are (fp32: a bf16 adapter's master copy) under "weight." + name, or None
+    when the folder has no optimizer state."""
     want = dict(adapter.named())
+    saved = {}
     with safe_open(str(folder / WEIGHTS_FILE), framework="pt") as f:
         keys = set(f.keys())
         extra = keys - want.keys()
@@ -188,13 +191,14 @@ def load_tensors(folder: pathlib.Path, adapter: Adapter) -> dict[str, torch.Tens
                 if tuple(t.shape) != tuple(p.shape):
                     raise ValueError(f"{WEIGHTS_FILE}: {n} has shape {list(t.shape)}, want {list(p.shape)}")
                 p.copy_(t)
+                saved["weight." + n] = t
     if not (folder / OPT_FILE).exists():
         return None
     meta = json.loads((folder / OPT_STATE_FILE).read_text())
     with safe_open(str(folder / OPT_FILE), framework="pt") as f:
         out = {k: f.get_tensor(k) for k in f.keys()}
     out["__step__"] = torch.tensor(int(meta["step"]))
-    return out
+    return out | saved
 
 
 class Bank:

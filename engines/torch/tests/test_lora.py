@@ -268,3 +268,27 @@ def test_adapters_over_grpc(tmp_path, want):
         ch.close()
         server.stop(0).wait()
         e.close()
+
+
+def test_bf16_adapter_resumes_its_fp32_masters(tmp_path):
+    """In bf16 (as on a GPU) an adapter trains fp32 master copies; its saved folder holds them, and
+    a load resumes from them (not from the rounded weights): the two adapters train on alike."""
+    e = Engine(str(BUILTIN), Options(device="cpu", dtype="bfloat16"))
+    try:
+        e.add_adapter("p", lora.LoRAConfig(rank=4, alpha=8, targets=("q_proj", "v_proj")), 3)
+        ids = list(range(10, 40))
+        b = Batch(samples=[Sample(prompt=ids[:10], response=ids[10:20], loss_mask=[1.0] * 10,
+                                  old_logprobs=[-3.0] * 10, advantages=[1.0] * 10)],
+                  loss=LossConfig(lr=1e-2), adapter="p")
+        e.train(b)
+        e.save(str(tmp_path / "p"), adapter="p")
+        e.load_adapter(str(tmp_path / "p"), "q")
+        tp, tq = e.bank.adapters["p"].trainer, e.bank.adapters["q"].trainer
+        assert tp.mixed and any(not torch.equal(m.to(torch.bfloat16).float(), m) for m in tp.masters)
+        assert all(torch.equal(x, y) for x, y in zip(tp.masters, tq.masters))
+        s1 = e.train(Batch(samples=b.samples, loss=b.loss, adapter="p"))
+        s2 = e.train(Batch(samples=b.samples, loss=b.loss, adapter="q"))
+        assert s1.loss == s2.loss
+        assert all(torch.equal(x, y) for x, y in zip(tp.masters, tq.masters))
+    finally:
+        e.close()
