@@ -13,10 +13,10 @@ Two ways to apply adapters (model.Transformer.lora, set with `model.using(sel)`)
   and B only; scoring with one policy).
 * `Rows` (Bank.rows): each row of the batch uses its own adapter (or none) — one forward pass
   for a batch mixing policies. The base product is computed once for all rows; the low-rank part
-  is a batched product over the rows with each row's A and B gathered from stacked copies of the
-  batch's adapters (zero-padded to their largest rank, so a row's result does not depend on the
-  other rows: batch invariance). The stacks hold only the adapters of the batch, so a worker with
-  a thousand adapters pays for the eight a batch uses.
+  is two dense products with the batch's adapters side by side (one wide A and B, zero-padded to
+  their largest rank) and a per-row mask that keeps the row's own block, scaled (so a row's
+  result does not depend on the other rows: batch invariance). The stacks hold only the adapters
+  of the batch, so a worker with a thousand adapters pays for the eight a batch uses.
 """
 
 from __future__ import annotations
@@ -224,8 +224,9 @@ class Bank:
         return Rows(self, tuple(uniq.values()), idx)
 
     def stacks(self, ads: tuple):
-        """For the adapters ads: {(layer, target): (A [n+1, r, in], B [n+1, out, r])} and scale
-        [n+1]; entry 0 is the base (zeros), entry k ads[k-1], r their largest rank."""
+        """For the n adapters ads, side by side: {(layer, target): (A [n·r, in], B [out, n·r])},
+        adapter k (from 0) in rows / columns k·r … k·r + rank, the rest zeros (r their largest
+        rank), and r."""
         key = tuple(id(a) for a in ads)
         if self._stack is None or self._stack[0] != key:
             m = self.model
@@ -238,15 +239,14 @@ class Bank:
                         if not any(t in a.a[i] for a in ads):
                             continue
                         out, inp = proj_shape(m.cfg, t)
-                        A = torch.zeros(len(ads) + 1, r, inp, device=dev, dtype=dt)
-                        B = torch.zeros(len(ads) + 1, out, r, device=dev, dtype=dt)
-                        for k, a in enumerate(ads, 1):
+                        A = torch.zeros(len(ads) * r, inp, device=dev, dtype=dt)
+                        B = torch.zeros(out, len(ads) * r, device=dev, dtype=dt)
+                        for k, a in enumerate(ads):
                             if t in a.a[i]:
-                                A[k, :a.cfg.rank] = a.a[i][t]
-                                B[k, :, :a.cfg.rank] = a.b[i][t]
+                                A[k * r:k * r + a.cfg.rank] = a.a[i][t]
+                                B[:, k * r:k * r + a.cfg.rank] = a.b[i][t]
                         st[(i, t)] = (A, B)
-            scale = torch.tensor([0.0] + [a.cfg.scale for a in ads], device=dev, dtype=dt)
-            self._stack = (key, st, scale)
+            self._stack = (key, st, r)
         return self._stack[1:]
 
 
@@ -305,32 +305,36 @@ class One:
 
 
 class Rows:
-    """Row i of the batch uses adapter ads[idx[i] - 1] (idx 0: none); made by Bank.rows."""
+    """Row i of the batch uses adapter ads[idx[i] - 1] (idx 0: none); made by Bank.rows.
+
+    The batch's adapters sit side by side in one wide A (n·r × in) and B (out × n·r): the update
+    is ((x·Aᵀ) ∘ M)·Bᵀ, two dense products for all rows, where the mask M keeps each row's own
+    block of n·r columns, scaled by its adapter's alpha/rank, and zeroes the others (a row's
+    result is its own adapter's: the zeros add nothing)."""
 
     def __init__(self, bank: Bank, ads: tuple, idx: torch.Tensor):
         self.bank, self.ads, self.idx = bank, ads, idx
+        self._mask = None
+
+    def mask(self, r: int, dtype) -> torch.Tensor:
+        """[R, n·r]: the scale of row i's adapter over its block, 0 elsewhere."""
+        if self._mask is None:
+            n = len(self.ads)
+            scale = torch.tensor([a.cfg.scale for a in self.ads], device=self.idx.device, dtype=torch.float32)
+            onehot = F.one_hot(self.idx, n + 1)[:, 1:].to(torch.float32) * scale
+            self._mask = onehot.repeat_interleave(r, dim=1).to(dtype)
+        return self._mask
 
     def weights(self, model, i: int, w: tuple) -> tuple:
-        st, scale = self.bank.stacks(self.ads)
-        idx = self.idx
-        s = scale[idx]
+        st, r = self.bank.stacks(self.ads)
 
         def update(t):
             if (i, t) not in st:
                 return None
             A, B = st[(i, t)]
-            A, B = A[idx], B[idx]
-            return lambda x: _rows(x, A, B, s)
+            M = self.mask(r, A.dtype)
+            return lambda x: F.linear(F.linear(x, A) * (M if x.dim() == 2 else M[:, None, :]), B)
         return _with_updates(model, w, update)
-
-
-def _rows(x, A, B, s):
-    """x [R, in] or [R, T, in]; A [R, r, in], B [R, out, r], s [R] → s·(x·Aᵀ)·Bᵀ per row."""
-    flat = x.dim() == 2
-    xx = x.unsqueeze(1) if flat else x
-    u = torch.bmm(xx, A.transpose(1, 2)) * s[:, None, None].to(x.dtype)
-    d = torch.bmm(u, B.transpose(1, 2))
-    return d.squeeze(1) if flat else d
 
 
 class View:
