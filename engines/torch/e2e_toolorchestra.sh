@@ -6,14 +6,17 @@
 # every conversation runs PARTS turns of up to MAXLEN tokens). Measures the step time and how much
 # of the prefill re-reads the conversation so far (the example logs prefill_tokens and
 # reread_tokens: each turn's prompt, and the part of it an earlier turn of its conversation had).
+# It runs twice, the workers' prefix cache off and then on (--prefix-cache SLOTS: a turn prefills
+# only what its conversation's kept cache row lacks; docs/torch.md), and compares the two;
+# PREFIX_CACHE=0 or PREFIX_CACHE=1 runs one of them.
 #
 #   SLIMEN=.devbuild/slimen PY=python3 DEVICE=cuda:0 OUT=/tmp/orch engines/torch/e2e_toolorchestra.sh
 #   # on a CPU, tiny sizes:
 #   SLIMEN=.devbuild/slimen DEVICE=cpu SHAPE=tiny BATCH=2 PARTS=2 MAXLEN=16 STEPS=2 SEQ=512 SLOTS=16 \
 #     engines/torch/e2e_toolorchestra.sh
 #
-# Writes OUT/{exec.log,metrics.jsonl,events.log,config.yaml,summary.md} and prints a table. Run
-# from the repository root.
+# Writes OUT/{off,on}/{exec.log,metrics.jsonl,events.log,config.yaml,summary.md} and
+# OUT/compare.md, and prints the tables. Run from the repository root.
 set -euo pipefail
 SLIMEN=${SLIMEN:-.devbuild/slimen}
 PY=${PY:-python3}
@@ -28,15 +31,28 @@ SEQ=${SEQ:-2048}
 SLOTS=${SLOTS:-256}
 WORK=${WORK:-/tmp/orch-work}
 EXTRA_ARGS=${EXTRA_ARGS:-}
+PREFIX_CACHE=${PREFIX_CACHE:-0 1}  # the runs: 0 prefix cache off, 1 on
 mkdir -p "$OUT" "$WORK"
 export PYTHONPATH="$PWD/engines/torch${PYTHONPATH:+:$PYTHONPATH}"
-rm -rf "$WORK/model" "$WORK/run"
+rm -rf "$WORK/model"
 "$PY" -m slimen_torch make-model --shape "$SHAPE" --out "$WORK/model" >/dev/null
-extra=""
-for a in $EXTRA_ARGS; do extra="$extra, \"$a\""; done
-args="[--slots, \"$SLOTS\", --max-seq-len, \"$SEQ\"$extra]"
-cat >"$OUT/config.yaml" <<CONFIG
-# ToolOrchestra on torch workers sharing $DEVICE: ${SHAPE}, random weights.
+summary="$(dirname "$0")/e2e_toolorchestra_summary.py"
+status=0
+runs=()
+for pc in $PREFIX_CACHE; do
+  case $pc in
+    0) mode=off; cache_args="" ;;
+    1) mode=on; cache_args="--prefix-cache $SLOTS" ;;
+    *) echo "e2e_toolorchestra: PREFIX_CACHE=$PREFIX_CACHE: want 0, 1 or \"0 1\"" >&2; exit 2 ;;
+  esac
+  dir="$OUT/$mode"
+  mkdir -p "$dir"
+  rm -rf "$WORK/run"
+  extra=""
+  for a in $EXTRA_ARGS $cache_args; do extra="$extra, \"$a\""; done
+  args="[--slots, \"$SLOTS\", --max-seq-len, \"$SEQ\"$extra]"
+  cat >"$dir/config.yaml" <<CONFIG
+# ToolOrchestra on torch workers sharing $DEVICE: ${SHAPE}, random weights; prefix cache $mode.
 policies:
   - name: orchestrator
     hf_checkpoint: $WORK/model
@@ -50,13 +66,19 @@ rollout: {batch_size: $BATCH, max_response_len: $MAXLEN, temperature: 1.0}
 data: {path: "synthetic:multipart?parts=$PARTS"}
 run: {steps: $STEPS, seed: 1}
 CONFIG
-t0=$(date +%s)
-set +e
-"$SLIMEN" exec examples/toolorchestra/toolorchestra.star --config "$OUT/config.yaml" \
-  --out "$WORK/run" 2>&1 | tee "$OUT/exec.log"
-rc=${PIPESTATUS[0]}
-set -e
-cp "$WORK/run/metrics.jsonl" "$WORK/run/events.log" "$OUT/" 2>/dev/null || true
-echo "e2e_toolorchestra: exec $(( $(date +%s) - t0 )) s, exit $rc"
-"$PY" "$(dirname "$0")/e2e_toolorchestra_summary.py" "$OUT/metrics.jsonl" | tee "$OUT/summary.md" || true
-exit "$rc"
+  echo "e2e_toolorchestra: prefix cache $mode"
+  t0=$(date +%s)
+  set +e
+  "$SLIMEN" exec examples/toolorchestra/toolorchestra.star --config "$dir/config.yaml" \
+    --out "$WORK/run" 2>&1 | tee "$dir/exec.log"
+  rc=${PIPESTATUS[0]}
+  set -e
+  cp "$WORK/run/metrics.jsonl" "$WORK/run/events.log" "$dir/" 2>/dev/null || true
+  echo "e2e_toolorchestra: prefix cache $mode: exec $(( $(date +%s) - t0 )) s, exit $rc"
+  "$PY" "$summary" "$dir/metrics.jsonl" "$dir/events.log" | tee "$dir/summary.md" || true
+  [ "$rc" = 0 ] || status=$rc
+  runs+=("$mode=$dir")
+done
+echo
+"$PY" "$summary" --compare "${runs[@]}" | tee "$OUT/compare.md" || true
+exit "$status"

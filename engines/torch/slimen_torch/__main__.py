@@ -46,6 +46,12 @@ def main(argv=None) -> None:
     s.add_argument("--prefill-graph-max", type=int, default=None,
                    help="longest prompt prefilled alone by a CUDA graph (default 512 on a GPU; "
                         "0: always eagerly)")
+    s.add_argument("--prefix-cache", type=int, default=0, metavar="ROWS",
+                   help="keep up to ROWS finished samples' KV cache rows and prefill a new prompt "
+                   "that starts with one's tokens from there (a conversation's turns); 0: off "
+                   "(default; see docs/torch.md)")
+    s.add_argument("--prefix-min", type=int, default=16, metavar="TOKENS",
+                   help="shortest cached prefix reused (default 16)")
     s.add_argument("--no-fused-head", action="store_true",
                    help="training log-probs from the whole fp32 logits, not in chunks")
 

@@ -64,6 +64,12 @@ class Options:
     grad_checkpointing: bool = False  # recompute layer activations in the backward pass
     ref_model: str = ""  # the frozen KL reference; "" → the folder the engine started with
     kv_memory_fraction: float = 0.4  # share of free GPU memory the default cache may take
+    # Prefix reuse across a conversation's turns (generate.py's module comment): up to this many
+    # finished samples' cache rows are kept and a new prompt that starts with one's tokens (at
+    # least prefix_min of them) is prefilled from there. 0: off (the default: with it on, a
+    # completion's floating-point values can depend on what was cached; docs/torch.md).
+    prefix_cache: int = 0
+    prefix_min: int = 16
 
 
 def _dtype(name: str, device: torch.device) -> torch.dtype:
@@ -133,7 +139,7 @@ class Engine:
             prefill_tokens=o.prefill_tokens or (16384 if cuda else 2048),
             triton=use_kernels, fused_b1=use_kernels if o.fused_b1 is None else o.fused_b1,
             prefill_graph_max=(512 if cuda and o.cuda_graphs else 0) if o.prefill_graph_max is None
-            else o.prefill_graph_max)
+            else o.prefill_graph_max, prefix_rows=o.prefix_cache, prefix_min=o.prefix_min)
         model.grad_checkpointing = o.grad_checkpointing
         if o.fused_norm if o.fused_norm is not None else cuda:
             model.train_norm = fused_rms_norm
@@ -246,7 +252,7 @@ class Engine:
         ad.init_random(seed)
         self.model.requires_grad_(False)  # the base is frozen: no gradients, no AdamW state
         self.bank.adapters[name] = ad
-        self.bank.changed()
+        self._adapters_changed()
         return ad.numel()
 
     def remove_adapter(self, name: str) -> None:
@@ -257,7 +263,7 @@ class Engine:
         ad = self.bank.adapters.pop(name, None)
         if ad is not None:
             self.gen.fail_adapter(ad, f"adapter {name!r} was removed")
-            self.bank.changed()
+            self._adapters_changed()
 
     def adapter_names(self) -> list[str]:
         return list(self.bank.adapters)
@@ -501,7 +507,7 @@ class Engine:
                 raise RequestError("INVALID_ARGUMENT", f"adapter {batch.adapter!r}: a LoRA adapter "
                                    "has no value head (a PPO critic trains full weights)")
             stats = self._adapter_trainer(ad).step(batch)
-            self.bank.changed()
+            self._adapters_changed()
             return stats
         if self.bank.adapters:
             raise RequestError("FAILED_PRECONDITION", "this worker's base is frozen under its "
@@ -513,6 +519,7 @@ class Engine:
     def _first_logged(self, step, *args) -> TrainStats:
         """step(*args); the first training step of a worker that compiles logs its time and the
         compiler caches' hits (how much of it was compiling)."""
+        self._weights_change("training step")
         t = time.perf_counter()
         stats = step(*args)
         if self._first_train and self.compile_cache is not None:
@@ -520,6 +527,24 @@ class Engine:
             log.info("first training step %.1f s (%s); %s", time.perf_counter() - t,
                      self.trainer.mode or "eager", compile_cache.counts_line())
         return stats
+
+    def _adapters_changed(self) -> None:
+        """After an adapter was added, removed, loaded or trained."""
+        self.bank.changed()
+        self._weights_change("adapters changed")
+
+    def _weights_change(self, why: str) -> None:
+        """Before the weights change: the kept prefix rows are dropped (their keys and values
+        would be stale), after a log line of the prefix-reuse counters since the last change."""
+        if not self.gen.prefix_rows:
+            return
+        st = self.gen.take_prefix_stats()
+        dropped = self.gen.forget_prefixes()
+        p, r = st["prompt_tokens"], st["reused_tokens"]
+        log.info("prefix cache: %d prompts, %d with a cached prefix; %d of %d prompt tokens reused "
+                 "(%.1f%%), %d prefilled; %d rows evicted; %d kept rows dropped (%s)",
+                 st["prompts"], st["hits"], r, p, 100 * r / p if p else 0.0, p - r,
+                 st["evicted"], dropped, why)
 
     def sft_step(self, pairs: list[tuple[list[int], list[int]]], loss: LossConfig) -> TrainStats:
         """A supervised step on (prompt ids, response ids) pairs (sft.py)."""
@@ -573,7 +598,7 @@ class Engine:
                 if s is not None and s.req.adapter is old:
                     s.req.adapter = ad
         self.bank.adapters[name] = ad
-        self.bank.changed()
+        self._adapters_changed()
 
     def _save(self, out: pathlib.Path) -> None:
         self._write(out, self.trainer.state_dict())
@@ -610,6 +635,7 @@ class Engine:
             return
         # The same shapes: copy in place, so the captured decode graphs stay valid.
         self.gen.flush()
+        self._weights_change("load")
         _, raw = read_config(model_dir)
         with torch.no_grad():
             load_weights(self.model, model_dir)

@@ -11,19 +11,40 @@ buckets, so a step has few distinct shapes; on a GPU each shape is captured once
 token, its position, its step index), so the host never has to feed it: while the GPU runs step
 k, the host reads the tokens of step k-1, finishes samples and prepares admissions. A row that
 finished in step k-1 is computed once more in step k and the result is dropped.
+
+Prefix reuse (opt-in: `prefix_rows` > 0, the worker's --prefix-cache). A conversation sends each
+turn as a new request whose prompt is the previous turn's prompt and sampled tokens followed by
+the new messages, so most of its prefill would re-read what the cache had a moment ago. With
+prefix reuse a finished sample's row is *kept* (up to prefix_rows of them, least recently used
+first out) instead of freed at once: its token ids (prompt + sampled tokens but the last, whose key
+and value were never computed) are what positions [0, n) of the row hold. Idle rows then park
+their position at max_len - 1, outside every kept prefix, so the decode steps they still ride in
+write nothing a kept row needs. `_place` is the one place that decides reuse: a new request's
+prompt is compared with every kept row; the longest common prefix (at least prefix_min tokens,
+at most the prompt's length - 1) wins, and the request's first sample takes that row (or, when
+an earlier request of the same admission took it, gets a copy of the prefix in a row of its
+own); its other samples get copies of the prompt after the prefill. A kept row is evicted (least
+recently used) only when a sample needs a row and no row is free. A prompt with a cached prefix
+is prefilled eagerly from its first new token (`_prefill_offsets`: positions start at the prefix
+length, attention covers the cached keys), never by the bucketed CUDA-graph path of a lone
+prompt; prompts without one are prefilled exactly as with reuse off. The engine drops every kept
+row when the weights change (a training step, a load): `forget_prefixes`.
+Reuse relaxes batch invariance: a suffix prefill is a different computation from a full one, so
+a completion's floating-point values can depend on whether an earlier turn was still cached.
 """
 
 from __future__ import annotations
 
 import collections
 import logging
+import typing
 
 import torch
 import torch.nn.functional as F
 
 from . import kernels, lora, sampling
 from .model import (Transformer, block_forward, decode_layer, decode_post, decode_pre,
-                    decode_step, decode_step_b1, decode_step_split, rms_norm)
+                    decode_step, decode_step_b1, decode_step_split, mlp, project_qkv, rms_norm)
 from .types import Completion
 
 log = logging.getLogger("slimen_torch")
@@ -47,7 +68,7 @@ class Sequence:
     """One sample of a request."""
 
     __slots__ = ("req", "index", "max_tokens", "key", "tokens", "logprobs", "slot", "launched",
-                 "done", "finish_reason", "text", "stop_scan", "has_stop")
+                 "done", "finish_reason", "text", "stop_scan", "has_stop", "weights")
 
     def __init__(self, req: Request, index: int, max_tokens: int):
         self.req = req
@@ -63,6 +84,19 @@ class Sequence:
         self.text = ""
         self.stop_scan = 0  # text length already searched for stop strings
         self.has_stop = bool(req.sampling.stop)
+        self.weights = 0  # Generator.weights when it was admitted
+
+
+class Placed(typing.NamedTuple):
+    """A sample admitted into its row (seq.slot): prefilled from prompt token `start` on (0: the
+    whole prompt). A lead (lead is seq, the request's first sample placed in this admission) with
+    start > 0 finds tokens [0, start) in row src (its own row, or one copied from first); another
+    sample (a follower) gets a copy of its lead's row after the lead's prefill."""
+
+    seq: Sequence
+    start: int
+    src: int
+    lead: Sequence
 
 
 def _bucket(n: int, cap: int, sizes) -> int:
@@ -78,7 +112,7 @@ class Generator:
     def __init__(self, model: Transformer, tokenizer, eos: list[int], *, slots: int, max_len: int,
                  cuda_graphs: bool, compile_layers: bool, prefill_tokens: int,
                  length_bucket: int = 64, triton: bool = False, fused_b1: bool = False,
-                 prefill_graph_max: int = 0):
+                 prefill_graph_max: int = 0, prefix_rows: int = 0, prefix_min: int = 16):
         self.model = model
         self.tokenizer = tokenizer
         self.eos = set(eos)
@@ -136,6 +170,21 @@ class Generator:
         # pass runs eagerly with each row's adapter (lora.Rows): no CUDA graphs, compiled
         # layers or Triton layer kernels, which were traced without adapters.
         self.bank = None
+        # Prefix reuse (see the module comment): kept rows, least recently used first, and the
+        # token ids each row holds (-1 past them, and everywhere in rows that are not kept).
+        self.prefix_rows = min(max(prefix_rows, 0), slots)
+        self.prefix_min = max(prefix_min, 1)
+        self.kept: collections.OrderedDict[int, None] = collections.OrderedDict()
+        self.kept_adapter: list = [None] * slots  # the LoRA adapter that computed a row's keys
+        self.kept_tokens = torch.full((slots, max_len), -1, dtype=torch.int32) \
+            if self.prefix_rows else None
+        # An idle row writes its (ignored) key and value here in the decode steps it rides in.
+        self.idle_pos = max_len - 1 if self.prefix_rows else 0
+        self.prefix_stats = dict(prompts=0, hits=0, prompt_tokens=0, reused_tokens=0, evicted=0)
+        # Counts forget_prefixes calls: a sample admitted before the weights changed finishes
+        # with keys and values partly of the old weights, so its row is not kept.
+        self.weights = 0
+        self.offset_scores = 1 << 28  # one offset-prefill chunk's attention scores, at most
 
     def _lora(self) -> bool:
         return self.bank is not None and bool(self.bank.adapters)
@@ -188,6 +237,7 @@ class Generator:
             if s is not None:
                 s.done = True
         self._free([i for i, s in enumerate(self.slots) if s is not None])
+        self.forget_prefixes()
         for r in reqs.values():
             if not r.cancelled and r.on_error is not None:
                 r.cancelled = True
@@ -196,8 +246,26 @@ class Generator:
     def reset(self) -> None:
         """Forgets captured graphs (after the model's tensors were replaced)."""
         self.flush()
+        self.forget_prefixes()
         self.graphs.clear()
         self.pf_graphs.clear()
+
+    def forget_prefixes(self) -> int:
+        """Drops every kept row (the weights changed: their keys and values are stale); returns
+        how many there were."""
+        n = len(self.kept)
+        self.weights += 1
+        self.kept.clear()
+        self.kept_adapter = [None] * self.S
+        if self.kept_tokens is not None:
+            self.kept_tokens.fill_(-1)
+        return n
+
+    def take_prefix_stats(self) -> dict:
+        """The prefix-reuse counters since the last call, and zeroes them."""
+        out = dict(self.prefix_stats, kept=len(self.kept))
+        self.prefix_stats = dict.fromkeys(self.prefix_stats, 0)
+        return out
 
     # ---- the scheduler iteration ----
 
@@ -234,7 +302,25 @@ class Generator:
             self.slots[slot] = None
         idx = torch.tensor(slots, device=self.device)
         self.active[idx] = False
-        self.pos[idx] = 0  # an idle row keeps writing at position 0, inside every length bucket
+        # An idle row keeps writing at idle_pos: position 0 (inside every length bucket) or,
+        # with prefix reuse, max_len - 1 (outside every kept prefix).
+        self.pos[idx] = self.idle_pos
+
+    def _keep(self, seqs: list[Sequence]) -> None:
+        """Keeps the rows of finished samples for prefix reuse (their slots were just freed)."""
+        for s in seqs:
+            ids = (s.req.prompt + s.tokens[:-1])[:self.L - 1]  # L - 1: the idle position
+            self.kept_tokens[s.slot, :len(ids)] = torch.tensor(ids, dtype=torch.int32)
+            self.kept_adapter[s.slot] = s.req.adapter
+            self.kept[s.slot] = None
+            self.kept.move_to_end(s.slot)
+        while len(self.kept) > self.prefix_rows:
+            self._evict(next(iter(self.kept)))
+
+    def _evict(self, row: int) -> None:
+        del self.kept[row]
+        self.kept_tokens[row].fill_(-1)
+        self.prefix_stats["evicted"] += 1
 
     # ---- prefill ----
 
@@ -242,25 +328,13 @@ class Generator:
     def _admit(self) -> None:
         if not self.waiting:
             return
-        free = [i for i, s in enumerate(self.slots) if s is None]
-        if not free:
+        placed = self._place()
+        if not placed:
             return
-        picked: list[Sequence] = []
-        prompts: dict[int, int] = {}  # id(request) -> prefill row
-        budget = 0
-        while self.waiting and len(picked) < len(free):
-            s = self.waiting[0]
-            if id(s.req) not in prompts:
-                cost = len(s.req.prompt)
-                if prompts and budget + cost > self.prefill_tokens:
-                    break
-                budget += cost
-                prompts[id(s.req)] = len(prompts)
-            picked.append(self.waiting.popleft())
+        picked = [p.seq for p in placed]
         self._ensure_cache()
-        for s, slot in zip(picked, free):
-            s.slot = slot
-            self.slots[slot] = s
+        for s in picked:
+            self.slots[s.slot] = s
         n = len(picked)
         # The samples' rows, prompt lengths and keys, and their sampling settings: one copy each.
         meta = torch.tensor([[s.slot for s in picked], [len(s.req.prompt) for s in picked],
@@ -270,20 +344,18 @@ class Generator:
                              dtype=torch.float32).to(self.device)
         dst, plen, key = meta
         temp, top_p = fmeta
-        logits = None
-        if len(prompts) == 1 and not self._lora():
-            # One prompt (the batch-1 case): the bucketed, graph-captured prefill into the first
-            # sample's row; the other samples' rows get copies.
-            logits = self._prefill_bucketed(picked[0].req.prompt, picked[0].slot)
-            if logits is not None:
-                if n > 1:
-                    self._copy_rows(dst[:1], dst[1:], len(picked[0].req.prompt))
-                    logits = logits.expand(n, -1).contiguous()
-        if logits is None:
-            reqs = {id(s.req): s.req for s in picked}
-            src = torch.tensor([prompts[id(s.req)] for s in picked], device=self.device)
-            logits = self._prefill_eager([reqs[r].prompt for r in prompts], src, dst,
-                                         [reqs[r].adapter for r in prompts])[src]
+        plain = [i for i, p in enumerate(placed) if not p.start]
+        cached = [i for i, p in enumerate(placed) if p.start]
+        logits = self._prefill_plain([picked[i] for i in plain])
+        if cached:
+            rest = self._prefill_from([placed[i] for i in cached])
+            if logits is None:
+                logits = rest
+            else:
+                both = torch.empty(n, rest.shape[1], dtype=rest.dtype, device=self.device)
+                both[torch.tensor(plain, device=self.device)] = logits
+                both[torch.tensor(cached, device=self.device)] = rest
+                logits = both
         use_top_p = any(s.req.sampling.top_p < 1 for s in picked)
         zeros = torch.zeros(n, dtype=torch.long, device=self.device)
         if self.triton and self.first_token_triton:
@@ -309,6 +381,226 @@ class Generator:
             if self._append(s, t, l):
                 finished.append(s)
         self._finish(finished)
+
+    def _place(self) -> list[Placed]:
+        """Takes the waiting samples admitted now off the queue and gives each a cache row
+        (s.slot). The one place that decides prefix reuse (see the module comment): the first
+        sample of a request whose prompt shares at least prefix_min tokens with a kept row starts
+        there, taking the row over or (when the row is pinned by another sample of this
+        admission) copying its prefix; the request's other samples follow it (copies after its
+        prefill)."""
+        free = [i for i, s in enumerate(self.slots) if s is None and i not in self.kept]
+        free.reverse()  # pop() takes the lowest row
+        reusing = bool(self.prefix_rows) and bool(self.kept)
+        pinned: set[int] = set()  # rows a sample of this admission takes or copies a prefix from
+        taken: list[int] = []  # kept rows taken over by a sample of this admission
+        placed: list[Placed] = []
+        leads: dict[int, Placed] = {}  # id(request) -> its first sample placed now
+        queue, self.waiting = list(self.waiting), collections.deque()
+        # Under slot pressure, the kept rows that waiting prompts would reuse are evicted last;
+        # a prompt that would have to evict one is passed over (it waits for a row that frees).
+        wanted = self._wanted(queue) if reusing and len(queue) > len(free) else set()
+        passed: set[int] = set()  # id() of the requests passed over
+        budget = 0
+        st = self.prefix_stats
+
+        def row(spare_wanted: bool) -> int:
+            """A row for a sample: a free one, else the least recently used kept one that is not
+            pinned (and not wanted, with spare_wanted); -1 if none."""
+            if free:
+                return free.pop()
+            spare = pinned | wanted if spare_wanted else pinned
+            old = next((r for r in self.kept if r not in spare), -1)
+            if old >= 0:
+                self._evict(old)
+            return old
+
+        for i, s in enumerate(queue):
+            if id(s.req) in passed:
+                self.waiting.append(s)
+                continue
+            lead = leads.get(id(s.req))
+            if lead is not None:  # another sample of a prompt prefilled now
+                slot = row(False)
+                if slot < 0:
+                    self.waiting.extend(queue[i:])
+                    break
+                p = Placed(s, lead.start, -1, lead.seq)
+            else:
+                start, src = self._match(s.req, pinned) if reusing else (0, -1)
+                cost = len(s.req.prompt) - start
+                if leads and budget + cost > self.prefill_tokens:
+                    self.waiting.extend(queue[i:])
+                    break
+                if src >= 0 and src in self.kept and src not in pinned:
+                    slot = src  # the sample takes the kept row over
+                    del self.kept[src]
+                    taken.append(src)
+                    # Its prefix stays valid (for copies) until the prefill writes past it.
+                    self.kept_tokens[src, start:].fill_(-1)
+                else:
+                    slot = row(True)
+                    if slot < 0:
+                        if any(r not in pinned for r in self.kept):  # only wanted rows left
+                            passed.add(id(s.req))
+                            self.waiting.append(s)
+                            continue
+                        self.waiting.extend(queue[i:])
+                        break
+                    if src >= 0:
+                        pinned.add(src)
+                        if src in self.kept:
+                            self.kept.move_to_end(src)
+                budget += cost
+                p = Placed(s, start, src, s)
+                leads[id(s.req)] = p
+                st["prompts"] += 1
+                st["prompt_tokens"] += len(s.req.prompt)
+                if start:
+                    st["hits"] += 1
+                    st["reused_tokens"] += start
+            pinned.add(slot)
+            s.slot = slot
+            s.weights = self.weights
+            placed.append(p)
+        for r in taken:
+            self.kept_tokens[r].fill_(-1)
+        return placed
+
+    def _wanted(self, queue: list[Sequence]) -> set[int]:
+        """The kept rows the prompts of the first waiting requests (twice as many as there are
+        rows) would reuse."""
+        out, seen = set(), set()
+        for s in queue:
+            if len(seen) >= 2 * self.S:
+                break
+            if id(s.req) not in seen:
+                seen.add(id(s.req))
+                _, src = self._match(s.req, set())
+                if src >= 0:
+                    out.add(src)
+        return out
+
+    def _match(self, req: Request, pinned: set[int]) -> tuple[int, int]:
+        """(length, row) of the longest prefix of req's prompt a kept row of the same adapter
+        holds (a row taken over in this admission holds its new sample's start), at most the
+        prompt's length - 1 tokens and at least prefix_min; (0, -1) when none. Ties go to a row
+        not pinned, then to the lowest."""
+        prompt = req.prompt
+        n = min(len(prompt), self.L) - 1
+        if n < self.prefix_min:
+            return 0, -1
+        p = torch.tensor(prompt[:n], dtype=torch.int32)
+        differ = self.kept_tokens[:, :n] != p  # -1 past a row's tokens: never equal
+        lcp = torch.where(differ.any(1), differ.int().argmax(1), n)
+        if self._lora():  # keys computed with another adapter are not this request's
+            other = [r for r, a in enumerate(self.kept_adapter) if a is not req.adapter]
+            if other:
+                lcp[other] = 0
+        score = lcp * 2 + 1
+        if pinned:
+            score[list(pinned)] -= 1
+        best = int(score.argmax())
+        length = int(lcp[best])
+        return (length, best) if length >= self.prefix_min else (0, -1)
+
+    def _prefill_plain(self, picked: list[Sequence]):
+        """The prompts of samples placed with start 0, as with prefix reuse off: one prompt by the
+        bucketed path when it can, else eagerly. Logits [len(picked), vocab] or None if none."""
+        if not picked:
+            return None
+        prompts: dict[int, int] = {}  # id(request) -> prefill row
+        for s in picked:
+            prompts.setdefault(id(s.req), len(prompts))
+        n = len(picked)
+        dst = torch.tensor([s.slot for s in picked], device=self.device)
+        if len(prompts) == 1 and not self._lora():
+            # One prompt (the batch-1 case): the bucketed, graph-captured prefill into the first
+            # sample's row; the other samples' rows get copies.
+            logits = self._prefill_bucketed(picked[0].req.prompt, picked[0].slot)
+            if logits is not None:
+                if n > 1:
+                    self._copy_rows(dst[:1], dst[1:], len(picked[0].req.prompt))
+                    logits = logits.expand(n, -1).contiguous()
+                return logits
+        reqs = {id(s.req): s.req for s in picked}
+        src = torch.tensor([prompts[id(s.req)] for s in picked], device=self.device)
+        return self._prefill_eager([reqs[r].prompt for r in prompts], src, dst,
+                                   [reqs[r].adapter for r in prompts])[src]
+
+    def _prefill_from(self, placed: list[Placed]) -> torch.Tensor:
+        """Samples placed with a prefix start: the source rows' prefixes copied into the leads'
+        rows, the leads' prompts prefilled from their starts (in chunks), the prompts copied into
+        the followers' rows. Returns each sample's last logits [len(placed), vocab]."""
+        leads = [p for p in placed if p.lead is p.seq]
+        for p in leads:
+            if p.src != p.seq.slot:
+                self._copy_rows(torch.tensor([p.src], device=self.device),
+                                torch.tensor([p.seq.slot], device=self.device), p.start)
+        # Chunks whose attention scores (rows × new tokens × attended positions × heads) stay
+        # within offset_scores elements: the math attention kernel materialises them.
+        parts, chunk, size = [], [], (0, 0)
+        heads = self.model.cfg.heads
+        for p in leads:
+            plen = len(p.seq.req.prompt)
+            new = (max(size[0], plen - p.start), max(size[1], plen))
+            if chunk and (len(chunk) + 1) * new[0] * new[1] * heads > self.offset_scores:
+                parts.append(self._prefill_offsets(chunk))
+                chunk, new = [], (plen - p.start, plen)
+            chunk.append(p)
+            size = new
+        parts.append(self._prefill_offsets(chunk))
+        logits = torch.cat(parts)
+        index = {id(p.seq): i for i, p in enumerate(leads)}
+        for p in placed:
+            if p.lead is not p.seq:
+                self._copy_rows(torch.tensor([p.lead.slot], device=self.device),
+                                torch.tensor([p.seq.slot], device=self.device),
+                                len(p.seq.req.prompt))
+        return logits[torch.tensor([index[id(p.lead)] for p in placed], device=self.device)]
+
+    @torch.no_grad()
+    def _prefill_offsets(self, leads: list[Placed]) -> torch.Tensor:
+        """Each lead's prompt i from token starts[i] on into its cache row, whose positions
+        [0, starts[i]) already hold the keys and values of its first starts[i] tokens: the new
+        tokens sit at positions starts[i] + t (rope), attend over the row's cached positions and
+        causally over each other, and their keys and values are written after the prefix. The
+        batch is right-padded; padding positions past a prompt hold the padding's keys (no decode
+        step reads them before overwriting), clamped to max_len - 1 (the idle position). Returns
+        the logits of each prompt's last token [len(prompts), vocab] in the model's dtype."""
+        m, cfg = self.model, self.model.cfg
+        prompts = [p.seq.req.prompt for p in leads]
+        starts = [p.start for p in leads]
+        rows = [p.seq.slot for p in leads]
+        B = len(prompts)
+        T = max(len(p) - s for p, s in zip(prompts, starts))
+        tokens = torch.zeros(B, T, dtype=torch.long)
+        for i, (p, s) in enumerate(zip(prompts, starts)):
+            tokens[i, :len(p) - s] = torch.tensor(p[s:])
+        tokens = tokens.to(self.device)
+        start = torch.tensor(starts, device=self.device)
+        pos = (start[:, None] + torch.arange(T, device=self.device)).clamp(max=self.L - 1)
+        Lk = min(max(starts) + T, self.L)  # attended positions [0, Lk)
+        mask = (torch.arange(Lk, device=self.device)[None, None, :] <= pos[:, :, None])[:, None]
+        row = torch.tensor(rows, device=self.device)
+        x = F.embedding(tokens, m.embed)
+        cos, sin = m.cos[pos], m.sin[pos]  # [B, T, D]
+        adapters = [p.seq.req.adapter for p in leads]
+        with m.using(self._rows(adapters) if self._lora() else None):
+            for i, (kc, vc) in enumerate(zip(self.k, self.v)):
+                w = m.layer_weights(i)
+                q, k, v = project_qkv(cfg, w, x, cos, sin)  # [B, T, heads, D]
+                kc[row[:, None], :, pos] = k
+                vc[row[:, None], :, pos] = v
+                o = F.scaled_dot_product_attention(
+                    q.transpose(1, 2), kc[row, :, :Lk], vc[row, :, :Lk], attn_mask=mask,
+                    scale=cfg.head_dim ** -0.5, enable_gqa=cfg.heads != cfg.kv_heads)
+                x = x + lora.linear(o.transpose(1, 2).flatten(2), w[5], w[6])
+                x = x + mlp(cfg, w, x)
+        last = torch.tensor([len(p) - s - 1 for p, s in zip(prompts, starts)], device=self.device)
+        h = rms_norm(x[torch.arange(B, device=self.device), last], m.norm, cfg.rms_eps)
+        return m.logits(h)
+
 
     @torch.no_grad()
     def _prefill_eager(self, prompts: list[list[int]], src, dst, adapters=None) -> torch.Tensor:
@@ -544,10 +836,10 @@ class Generator:
                 continue
             rows.append((slot, s))
         if stop:
-            # Idle rows must not advance, and must write inside whatever length bucket runs next.
+            # Idle rows must not advance, and write at idle_pos (see _free).
             idx = torch.tensor(stop, device=self.device)
             self.active[idx] = False
-            self.pos[idx] = 0
+            self.pos[idx] = self.idle_pos
         if not rows:
             return None
         B = _bucket(rows[-1][0] + 1, self.S, self.batch_sizes)
@@ -614,7 +906,10 @@ class Generator:
         return True
 
     def _finish(self, seqs: list[Sequence]) -> None:
-        self._free([s.slot for s in seqs if s.slot >= 0 and self.slots[s.slot] is s])
+        own = [s for s in seqs if s.slot >= 0 and self.slots[s.slot] is s]
+        self._free([s.slot for s in own])
+        if self.prefix_rows:
+            self._keep([s for s in own if not s.req.cancelled and s.weights == self.weights])
         for s in seqs:
             s.done = True
             if s.req.cancelled:
