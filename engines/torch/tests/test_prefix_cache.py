@@ -226,3 +226,38 @@ def test_a_sample_running_across_a_weight_change_is_not_kept(noeos_dir):
         assert len(got) == 1 and len(got[0].tokens) == 6 and kept == 0
     finally:
         e.close()
+
+
+def test_lora_adapters_reuse_only_their_own_rows(noeos_dir):
+    """Under LoRA adapters a kept row is reused only by a request of the adapter that computed
+    it; the turns equal those with reuse off, and adding an adapter drops the kept rows."""
+    from slimen_torch import lora
+    on, off = make(noeos_dir, 6), make(noeos_dir, 0)
+    try:
+        for e in (on, off):
+            for name, seed in (("a", 1), ("b", 2)):
+                e.add_adapter(name, lora.LoRAConfig(rank=2, alpha=4.0,
+                                                    targets=("q_proj", "v_proj", "up_proj")), seed)
+                g = torch.Generator().manual_seed(seed)  # B drawn too: not the base's outputs
+                with torch.no_grad():
+                    for p in e.bank.adapters[name].params():
+                        p.copy_(torch.randn(p.shape, generator=g) * 0.2)
+        on.gen.take_prefix_stats()
+        ids = prompt(61, 20)
+        first = [GenerateRequest(id="a1", prompt_tokens=ids, adapter="a",
+                                 sampling=Sampling(seed=1, max_tokens=6))]
+        got = together(on, first)
+        assert_same(got, together(off, first))
+        later = ids + got[0].tokens + [4, 5, 6]
+        # The same tokens under adapter b and the base: no reuse; under a: reuse.
+        reqs = [GenerateRequest(id=f"x{a or 'base'}", prompt_tokens=later, adapter=a,
+                                sampling=Sampling(seed=2, max_tokens=6)) for a in ("b", "", "a")]
+        assert_same(together(on, reqs), together(off, reqs))
+        st = on.gen.take_prefix_stats()
+        assert st["prompts"] == 4 and st["hits"] == 1 and st["reused_tokens"] == 20 + 6 - 1
+        assert len(on.gen.kept) == 3  # the request under a took its row over
+        on.add_adapter("c", lora.LoRAConfig(rank=2, alpha=4.0, targets=("q_proj",)), 3)
+        assert len(on.gen.kept) == 0
+    finally:
+        on.close()
+        off.close()
