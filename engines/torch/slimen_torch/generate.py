@@ -13,24 +13,26 @@ k, the host reads the tokens of step k-1, finishes samples and prepares admissio
 finished in step k-1 is computed once more in step k and the result is dropped.
 
 Prefix reuse (opt-in: `prefix_rows` > 0, the worker's --prefix-cache). A conversation sends each
-turn as a new request whose prompt is the previous turn's prompt and sampled tokens followed by
-the new messages, so most of its prefill would re-read what the cache had a moment ago. With
-prefix reuse a finished sample's row is *kept* (up to prefix_rows of them, least recently used
-first out) instead of freed at once: its token ids (prompt + sampled tokens but the last, whose key
-and value were never computed) are what positions [0, n) of the row hold. Idle rows then park
-their position at max_len - 1, outside every kept prefix, so the decode steps they still ride in
-write nothing a kept row needs. `_place` is the one place that decides reuse: a new request's
-prompt is compared with every kept row; the longest common prefix (at least prefix_min tokens,
-at most the prompt's length - 1) wins, and the request's first sample takes that row (or, when
-an earlier request of the same admission took it, gets a copy of the prefix in a row of its
-own); its other samples get copies of the prompt after the prefill. A kept row is evicted (least
-recently used) only when a sample needs a row and no row is free. A prompt with a cached prefix
-is prefilled eagerly from its first new token (`_prefill_offsets`: positions start at the prefix
-length, attention covers the cached keys), never by the bucketed CUDA-graph path of a lone
+turn as a new request whose prompt is the previous turn's prompt and sampled tokens followed by the
+new messages, so most of its prefill would re-read what the cache had a moment ago. With prefix
+reuse a finished sample's row is *kept* (up to prefix_rows of them, least recently used first out)
+instead of freed at once: its token ids (prompt + sampled tokens but the last, whose key and value
+were never computed) are what positions [0, n) of the row hold. An idle row still rides in decode
+steps, writing at position 0 (reading one key: cheap); so when a row goes idle its position 0 is
+saved (`_save_pos0`) and put back when the row is reused. `_place` is the one place that decides
+reuse: a new request's prompt is compared with every kept row; the longest common prefix (at least
+prefix_min tokens, at most the prompt's length - 1) wins, and the request's first sample takes that
+row (or, when an earlier request of the same admission took it, gets a copy of the prefix in a row
+of its own); its other samples get copies of the prompt after the prefill. A kept row is evicted
+(least recently used, sparing rows that waiting prompts would reuse) only when a sample needs a
+row and no row is free. A prompt with a cached
+prefix is prefilled eagerly from its first new token (`_prefill_offsets`: positions start at the
+prefix length, attention covers the cached keys), never by the bucketed CUDA-graph path of a lone
 prompt; prompts without one are prefilled exactly as with reuse off. The engine drops every kept
-row when the weights change (a training step, a load): `forget_prefixes`.
-Reuse relaxes batch invariance: a suffix prefill is a different computation from a full one, so
-a completion's floating-point values can depend on whether an earlier turn was still cached.
+row when the weights change (a training step, a load, an adapter change): `forget_prefixes`; under
+LoRA adapters a row is reused only by requests of the adapter that computed it.
+Reuse relaxes batch invariance: a suffix prefill is a different computation from a full one, so a
+completion's floating-point values can depend on whether an earlier turn was still cached.
 """
 
 from __future__ import annotations
@@ -178,8 +180,10 @@ class Generator:
         self.kept_adapter: list = [None] * slots  # the LoRA adapter that computed a row's keys
         self.kept_tokens = torch.full((slots, max_len), -1, dtype=torch.int32) \
             if self.prefix_rows else None
-        # An idle row writes its (ignored) key and value here in the decode steps it rides in.
-        self.idle_pos = max_len - 1 if self.prefix_rows else 0
+        # Position 0 of each layer's keys and values of rows gone idle (the decode steps an idle
+        # row rides in overwrite it), on first use: [slots, kv_heads, head_dim] a layer.
+        self.k0 = self.v0 = None
+        self.saved0 = [False] * slots  # the row's position 0 is in k0/v0
         self.prefix_stats = dict(prompts=0, hits=0, prompt_tokens=0, reused_tokens=0, evicted=0)
         # Counts forget_prefixes calls: a sample admitted before the weights changed finishes
         # with keys and values partly of the old weights, so its row is not kept.
@@ -302,20 +306,42 @@ class Generator:
             self.slots[slot] = None
         idx = torch.tensor(slots, device=self.device)
         self.active[idx] = False
-        # An idle row keeps writing at idle_pos: position 0 (inside every length bucket) or,
-        # with prefix reuse, max_len - 1 (outside every kept prefix).
-        self.pos[idx] = self.idle_pos
+        if self.prefix_rows:
+            self._save_pos0(slots)
+        self.pos[idx] = 0  # an idle row keeps writing at position 0, inside every length bucket
 
     def _keep(self, seqs: list[Sequence]) -> None:
         """Keeps the rows of finished samples for prefix reuse (their slots were just freed)."""
         for s in seqs:
-            ids = (s.req.prompt + s.tokens[:-1])[:self.L - 1]  # L - 1: the idle position
+            ids = s.req.prompt + s.tokens[:-1]
             self.kept_tokens[s.slot, :len(ids)] = torch.tensor(ids, dtype=torch.int32)
             self.kept_adapter[s.slot] = s.req.adapter
             self.kept[s.slot] = None
             self.kept.move_to_end(s.slot)
         while len(self.kept) > self.prefix_rows:
             self._evict(next(iter(self.kept)))
+
+    def _save_pos0(self, rows: list[int]) -> None:
+        """Saves position 0 of rows about to go idle (not already saved)."""
+        rows = [r for r in rows if not self.saved0[r]]
+        if not rows:
+            return
+        if self.k0 is None:
+            self.k0 = [kc[:, :, 0].clone() for kc in self.k]
+            self.v0 = [vc[:, :, 0].clone() for vc in self.v]
+        idx = torch.tensor(rows, device=self.device)
+        for kc, vc, k0, v0 in zip(self.k, self.v, self.k0, self.v0):
+            k0[idx] = kc[idx, :, 0]
+            v0[idx] = vc[idx, :, 0]
+        for r in rows:
+            self.saved0[r] = True
+
+    def _restore_pos0(self, rows: list[int]) -> None:
+        """Puts position 0 of idle rows back (before their prefix is read)."""
+        idx = torch.tensor(rows, device=self.device)
+        for kc, vc, k0, v0 in zip(self.k, self.v, self.k0, self.v0):
+            kc[idx, :, 0] = k0[idx]
+            vc[idx, :, 0] = v0[idx]
 
     def _evict(self, row: int) -> None:
         del self.kept[row]
@@ -462,6 +488,7 @@ class Generator:
             pinned.add(slot)
             s.slot = slot
             s.weights = self.weights
+            self.saved0[slot] = False
             placed.append(p)
         for r in taken:
             self.kept_tokens[r].fill_(-1)
@@ -533,6 +560,7 @@ class Generator:
         rows, the leads' prompts prefilled from their starts (in chunks), the prompts copied into
         the followers' rows. Returns each sample's last logits [len(placed), vocab]."""
         leads = [p for p in placed if p.lead is p.seq]
+        self._restore_pos0(sorted({p.src for p in leads}))
         for p in leads:
             if p.src != p.seq.slot:
                 self._copy_rows(torch.tensor([p.src], device=self.device),
@@ -566,7 +594,7 @@ class Generator:
         tokens sit at positions starts[i] + t (rope), attend over the row's cached positions and
         causally over each other, and their keys and values are written after the prefix. The
         batch is right-padded; padding positions past a prompt hold the padding's keys (no decode
-        step reads them before overwriting), clamped to max_len - 1 (the idle position). Returns
+        step reads them before overwriting), clamped to max_len - 1. Returns
         the logits of each prompt's last token [len(prompts), vocab] in the model's dtype."""
         m, cfg = self.model, self.model.cfg
         prompts = [p.seq.req.prompt for p in leads]
@@ -836,10 +864,12 @@ class Generator:
                 continue
             rows.append((slot, s))
         if stop:
-            # Idle rows must not advance, and write at idle_pos (see _free).
+            # Idle rows must not advance, and must write inside whatever length bucket runs next.
+            if self.prefix_rows:
+                self._save_pos0(stop)
             idx = torch.tensor(stop, device=self.device)
             self.active[idx] = False
-            self.pos[idx] = self.idle_pos
+            self.pos[idx] = 0
         if not rows:
             return None
         B = _bucket(rows[-1][0] + 1, self.S, self.batch_sizes)
