@@ -261,3 +261,20 @@ def test_lora_adapters_reuse_only_their_own_rows(noeos_dir):
     finally:
         on.close()
         off.close()
+
+
+def test_a_kept_row_idle_while_others_decode(pair):
+    """A kept row rides idle in the decode steps of longer samples (writing its position 0);
+    its next turn still gets the tokens of reuse off (position 0 saved and put back)."""
+    on, off = pair
+    a, b = prompt(71, 20), prompt(72, 20)
+    reqs = [GenerateRequest(id="short", prompt_tokens=a, sampling=Sampling(seed=1, max_tokens=2)),
+            GenerateRequest(id="long", prompt_tokens=b, sampling=Sampling(seed=2, max_tokens=14))]
+    on.gen.forget_prefixes()
+    first = together(on, reqs)
+    assert_same(first, together(off, reqs))
+    on.gen.take_prefix_stats()
+    nxt = [GenerateRequest(id="short2", prompt_tokens=a + first[0].tokens + [3, 4],
+                           sampling=Sampling(seed=3, max_tokens=6))]
+    assert_same(together(on, nxt), together(off, nxt))
+    assert on.gen.take_prefix_stats()["reused_tokens"] == 20 + 2 - 1
