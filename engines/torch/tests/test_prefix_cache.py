@@ -165,8 +165,8 @@ def test_train_drops_kept_rows(noeos_dir, caplog):
 
 
 def test_with_the_triton_decode_kernels(noeos_dir):
-    """The Triton decode attention (CPU: Triton's interpreter) with kept rows parked at the idle
-    position and two conversations of a shared opening running at once."""
+    """The Triton decode attention (CPU: Triton's interpreter), two conversations of a shared
+    opening running at once."""
     on = make(noeos_dir, 6, kernels=True, fused_b1=True, prefill_graph_max=128)
     off = make(noeos_dir, 0, kernels=True, fused_b1=True, prefill_graph_max=128)
     try:
