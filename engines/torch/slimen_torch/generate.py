@@ -178,6 +178,10 @@ class Generator:
         self.prefix_min = max(prefix_min, 1)
         self.kept: collections.OrderedDict[int, None] = collections.OrderedDict()
         self.kept_adapter: list = [None] * slots  # the LoRA adapter that computed a row's keys
+        # An index of the kept rows by their leading blocks of prefix_min tokens: a chain hash of
+        # blocks 1..k → the rows whose first k blocks hash so (_match compares only those rows).
+        self.by_hash: dict[int, set[int]] = {}
+        self.row_hashes: list[list[int]] = [[] for _ in range(slots)]
         self.kept_tokens = torch.full((slots, max_len), -1, dtype=torch.int32) \
             if self.prefix_rows else None
         # Position 0 of each layer's keys and values of rows gone idle (the decode steps an idle
@@ -261,6 +265,8 @@ class Generator:
         self.weights += 1
         self.kept.clear()
         self.kept_adapter = [None] * self.S
+        self.by_hash.clear()
+        self.row_hashes = [[] for _ in range(self.S)]
         if self.kept_tokens is not None:
             self.kept_tokens.fill_(-1)
         return n
@@ -316,6 +322,9 @@ class Generator:
             ids = s.req.prompt + s.tokens[:-1]
             self.kept_tokens[s.slot, :len(ids)] = torch.tensor(ids, dtype=torch.int32)
             self.kept_adapter[s.slot] = s.req.adapter
+            self.row_hashes[s.slot] = hs = list(self._block_hashes(ids, len(ids)))
+            for h in hs:
+                self.by_hash.setdefault(h, set()).add(s.slot)
             self.kept[s.slot] = None
             self.kept.move_to_end(s.slot)
         while len(self.kept) > self.prefix_rows:
@@ -345,8 +354,24 @@ class Generator:
 
     def _evict(self, row: int) -> None:
         del self.kept[row]
-        self.kept_tokens[row].fill_(-1)
+        self._unindex(row)
         self.prefix_stats["evicted"] += 1
+
+    def _unindex(self, row: int) -> None:
+        self.kept_tokens[row].fill_(-1)
+        for h in self.row_hashes[row]:
+            rows = self.by_hash[h]
+            rows.discard(row)
+            if not rows:
+                del self.by_hash[h]
+        self.row_hashes[row] = []
+
+    def _block_hashes(self, ids: list[int], n: int):
+        """The chain hashes of the whole blocks of prefix_min tokens in ids[:n]."""
+        B, h = self.prefix_min, 0
+        for k in range(n // B):
+            h = hash((h, tuple(ids[k * B:(k + 1) * B])))
+            yield h
 
     # ---- prefill ----
 
@@ -491,7 +516,7 @@ class Generator:
             self.saved0[slot] = False
             placed.append(p)
         for r in taken:
-            self.kept_tokens[r].fill_(-1)
+            self._unindex(r)
         return placed
 
     def _wanted(self, queue: list[Sequence]) -> set[int]:
@@ -515,21 +540,23 @@ class Generator:
         not pinned, then to the lowest."""
         prompt = req.prompt
         n = min(len(prompt), self.L) - 1
-        if n < self.prefix_min:
+        rows: set[int] = set()
+        for h in self._block_hashes(prompt, n):  # the rows sharing the most leading blocks
+            deeper = self.by_hash.get(h)
+            if not deeper:
+                break
+            rows = deeper
+        rows = sorted(r for r in rows if self.kept_adapter[r] is req.adapter)
+        if not rows:
             return 0, -1
+        # Exact from here (a hash may collide; a row taken over holds only its new start).
         p = torch.tensor(prompt[:n], dtype=torch.int32)
-        differ = self.kept_tokens[:, :n] != p  # -1 past a row's tokens: never equal
+        differ = self.kept_tokens[rows, :n] != p  # -1 past a row's tokens: never equal
         lcp = torch.where(differ.any(1), differ.int().argmax(1), n)
-        if self._lora():  # keys computed with another adapter are not this request's
-            other = [r for r, a in enumerate(self.kept_adapter) if a is not req.adapter]
-            if other:
-                lcp[other] = 0
-        score = lcp * 2 + 1
-        if pinned:
-            score[list(pinned)] -= 1
-        best = int(score.argmax())
-        length = int(lcp[best])
-        return (length, best) if length >= self.prefix_min else (0, -1)
+        score = lcp * 2 + torch.tensor([r not in pinned for r in rows])
+        i = int(score.argmax())
+        length = int(lcp[i])
+        return (length, rows[i]) if length >= self.prefix_min else (0, -1)
 
     def _prefill_plain(self, picked: list[Sequence]):
         """The prompts of samples placed with start 0, as with prefix reuse off: one prompt by the
