@@ -8,7 +8,8 @@
 # reread_tokens: each turn's prompt, and the part of it an earlier turn of its conversation had).
 # It runs twice, the workers' prefix cache off and then on (--prefix-cache SLOTS: a turn prefills
 # only what its conversation's kept cache row lacks; docs/torch.md), and compares the two;
-# PREFIX_CACHE=0 or PREFIX_CACHE=1 runs one of them.
+# PREFIX_CACHE=0 or PREFIX_CACHE=1 runs one of them (the comparison covers every run in OUT, so
+# two calls with the same OUT compare too).
 #
 #   SLIMEN=.devbuild/slimen PY=python3 DEVICE=cuda:0 OUT=/tmp/orch engines/torch/e2e_toolorchestra.sh
 #   # on a CPU, tiny sizes:
@@ -47,6 +48,7 @@ for pc in $PREFIX_CACHE; do
   esac
   dir="$OUT/$mode"
   mkdir -p "$dir"
+  rm -f "$dir/metrics.jsonl" "$dir/events.log"
   rm -rf "$WORK/run"
   extra=""
   for a in $EXTRA_ARGS $cache_args; do extra="$extra, \"$a\""; done
@@ -77,7 +79,10 @@ CONFIG
   echo "e2e_toolorchestra: prefix cache $mode: exec $(( $(date +%s) - t0 )) s, exit $rc"
   "$PY" "$summary" "$dir/metrics.jsonl" "$dir/events.log" | tee "$dir/summary.md" || true
   [ "$rc" = 0 ] || status=$rc
-  runs+=("$mode=$dir")
+done
+# Every run in OUT, this call's and an earlier call's (PREFIX_CACHE=0, then PREFIX_CACHE=1).
+for mode in off on; do
+  [ -f "$OUT/$mode/metrics.jsonl" ] && runs+=("$mode=$OUT/$mode")
 done
 echo
 "$PY" "$summary" --compare "${runs[@]}" | tee "$OUT/compare.md" || true
