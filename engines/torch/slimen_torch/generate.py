@@ -621,8 +621,8 @@ class Generator:
         tokens sit at positions starts[i] + t (rope), attend over the row's cached positions and
         causally over each other, and their keys and values are written after the prefix. The
         batch is right-padded; padding positions past a prompt hold the padding's keys (no decode
-        step reads them before overwriting), clamped to max_len - 1. Returns
-        the logits of each prompt's last token [len(prompts), vocab] in the model's dtype."""
+        step reads them before overwriting), clamped to max_len - 1. Returns the logits of each
+        prompt's last token [len(leads), vocab] in the model's dtype."""
         m, cfg = self.model, self.model.cfg
         prompts = [p.seq.req.prompt for p in leads]
         starts = [p.start for p in leads]
