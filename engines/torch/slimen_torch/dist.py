@@ -481,7 +481,12 @@ class Group:
                 broken(0, f"call {call[0]}", e)
             if fut is not None:
                 fut.set_result(res)
-        self._broadcast(("close", None))
+        try:
+            self._broadcast(("close", None))
+        except Exception as e:
+            # The followers are gone already: at the end of a run torchrun, stopped by the host,
+            # stops them too (and they die with it), so the close finds no one to tell.
+            log.info("closing the group: the other ranks are gone already (%s)", e)
 
     def _generate(self, gen: list) -> None:
         """One round: the requests dealt out to the ranks (each to the one with the fewest

@@ -218,3 +218,30 @@ def test_two_nodes_over_rendezvous(model_dirs, tmp_path):
         for p in procs:
             if p.poll() is None:
                 p.kill()
+
+
+def test_close_with_the_followers_gone(monkeypatch):
+    """At the end of a run the host stops torchrun, which stops every rank: rank 0's close finds
+    the followers gone. The close still ends the group thread and rank 0's engine, without the
+    thread's traceback in the worker's log."""
+    import threading
+
+    from slimen_torch import dist
+
+    class Local:
+        closed = False
+
+        def close(self):
+            self.closed = True
+
+    def gone(objs, src, group):
+        raise RuntimeError("Connection reset by peer")
+
+    raised = []
+    monkeypatch.setattr(threading, "excepthook", lambda a: raised.append(a.exc_value))
+    monkeypatch.setattr(dist.dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(dist.dist, "broadcast_object_list", gone)
+    local = Local()
+    group = dist.Group(local, object(), ["cpu", "cpu"])
+    assert group.close(timeout=10)
+    assert local.closed and not raised
