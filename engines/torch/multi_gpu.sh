@@ -36,6 +36,8 @@ if [ ! -x "$SLIMEN" ]; then
   CGO_ENABLED=1 go build -o "$SLIMEN" ./cmd/slimen || exit 1
 fi
 export PYTHONPATH="$PWD/engines/torch${PYTHONPATH:+:$PYTHONPATH}"
+# NVLink multicast stays off (the lent machines' rule; the workers inherit this environment).
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 rm -rf "$WORK"
 mkdir -p "$WORK/status"
 if [ "$QUICK" = 1 ]; then
@@ -234,6 +236,10 @@ inv = (work / "gpus.log").read_text().strip().splitlines() if (work / "gpus.log"
 rows.append(("slimen gpus", status("gpus") or "; ".join(l.strip() for l in inv if l.startswith("GPU") or "no NVIDIA" in l)[:300]))
 
 # ---- 1. placement: planned vs. where the processes were
+def events(run):
+    p = work / run / "events.log"
+    return p.read_text(errors="replace") if p.exists() else ""
+
 def planned(name):
     log = work / f"gpus-{name}.log"
     text = log.read_text() if log.exists() else ""
@@ -276,6 +282,8 @@ for name, run, n in (("one", "one", 1), ("many", "many", G)):
     line = f"planned GPU {','.join(map(str, plan)) if plan else none}; ran on GPU " \
            f"{','.join(map(str, obs)) if obs else '?'} ({how}); placement matches: " \
            f"{'yes' if plan and obs == plan[:n] else 'no'}"
+    ranks = re.search(r"from \d+ ranks: ([^\n]*)", events(run))
+    line += f"; the ranks said: {ranks.group(1).strip()}" if ranks else ""
     rows.append((f"placement N={n}", (st + "; " if st else "") + line))
 if quick:
     plan, text = planned("saved")
@@ -283,10 +291,6 @@ if quick:
                  (f"GPU {','.join(map(str, plan))}" if plan else text.strip()[:200])))
 
 # ---- 2. throughput
-def events(run):
-    p = work / run / "events.log"
-    return p.read_text(errors="replace") if p.exists() else ""
-
 def gathers(run):
     return [(float(gb), float(s)) for gb, s in
             re.findall(r"gathered the full weights \(([0-9.]+) GB fp32\) from \d+ ranks in ([0-9.]+) s", events(run))]
