@@ -148,7 +148,7 @@ func printPlan(w io.Writer, plan *gpus.Plan, list []gpus.GPU) {
 		fmt.Fprintf(w, "  not placed: %s\n", n)
 	}
 	if len(plan.Workers) > 0 {
-		fmt.Fprintln(w, "  (estimates leave out activations; a worker runs on the first GPU of its slice)")
+		fmt.Fprintln(w, "  (estimates leave out activations; a worker runs on the first GPU of its slice, or as N ranks on its first N GPUs with num_gpus_per_node N)")
 	}
 }
 
