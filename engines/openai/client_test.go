@@ -276,7 +276,7 @@ func TestTokenIDFields(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if got := fmt.Sprint(cs); got != "[{t 0 [7 8 9] [3 0] [-1 -0.5] a stop} {t 1 [7 8 9] [4] [-2] b length}]" {
+	if got := fmt.Sprint(cs); got != "[{t 0 [7 8 9] [3 0] [-1 -0.5] a stop []} {t 1 [7 8 9] [4] [-2] b length []}]" {
 		t.Fatalf("got %s", got)
 	}
 	if info, _ := e2.Info(context.Background()); fmt.Sprint(info.Capabilities) != "[generate token_ids logprobs]" {
