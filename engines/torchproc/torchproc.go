@@ -289,6 +289,7 @@ func (e *Engine) heartbeat(timeout, start time.Duration, hung chan<- *proc) {
 	defer tick.Stop()
 	watched, answered := e.proc, true // Start saw the first process serve
 	alive := time.Now()
+	var before string // the server process the client knew when watched was started
 	for {
 		select {
 		case <-e.closed:
@@ -299,7 +300,12 @@ func (e *Engine) heartbeat(timeout, start time.Duration, hung chan<- *proc) {
 		p := e.proc
 		e.mu.Unlock()
 		if p != watched {
-			watched, answered, alive = p, false, time.Now()
+			watched, answered, alive, before = p, false, time.Now(), e.Client.Instance()
+		}
+		if !answered && e.Client.Instance() != before {
+			// The client has met the new process (a call of the run reached it, between two
+			// probes): it has started, so from now on it has timeout, not start, to answer.
+			answered, alive = true, time.Now()
 		}
 		ctx, cancel := context.WithTimeout(context.Background(), every)
 		_, err := e.Client.Health(ctx)
