@@ -38,6 +38,16 @@ export PYTHONPATH="$PWD/engines/torch${PYTHONPATH:+:$PYTHONPATH}"
 rm -rf "$WORK/model"
 "$PY" -m slimen_torch make-model --shape "$SHAPE" --out "$WORK/model" >/dev/null
 summary="$(dirname "$0")/e2e_toolorchestra_summary.py"
+# The example with the embedded model's settings (the parts one user message at a time, no
+# schemas), which it would otherwise leave for the chat model's on a torch engine: a copy beside a
+# rollout that asks for them.
+cp examples/toolorchestra/toolorchestra.star "$WORK/"
+cat >"$WORK/orchestrate_parts.star" <<'STAR'
+load("toolorchestra.star", "SAMPLES", "orchestrate")
+
+def rollout(task):
+    parallel(lambda _: orchestrate(task, chat_settings = False), range(SAMPLES))
+STAR
 status=0
 runs=()
 for pc in $PREFIX_CACHE; do
@@ -71,7 +81,7 @@ CONFIG
   echo "e2e_toolorchestra: prefix cache $mode"
   t0=$(date +%s)
   set +e
-  "$SLIMEN" exec examples/toolorchestra/toolorchestra.star --config "$dir/config.yaml" \
+  "$SLIMEN" exec "$WORK/orchestrate_parts.star" --config "$dir/config.yaml" \
     --out "$WORK/run" 2>&1 | tee "$dir/exec.log"
   rc=${PIPESTATUS[0]}
   set -e
