@@ -3,7 +3,6 @@ package main
 import (
 	"encoding/json"
 	"os"
-	"os/exec"
 	"path/filepath"
 	"regexp"
 	"strings"
@@ -41,12 +40,7 @@ var torchExamples = []torchExample{
 func TestExampleTorchConfigs(t *testing.T) {
 	py := torchPython(t)
 	dir := t.TempDir()
-	model := filepath.Join(dir, "model")
-	mk := exec.Command(py, "-m", "slimen_torch", "make-model", "--shape", "tiny-qwen3", "--out", model)
-	mk.Env = append(os.Environ(), "PYTHONPATH="+filepath.Join("..", "..", "engines", "torch"))
-	if out, err := mk.CombinedOutput(); err != nil {
-		t.Fatalf("make-model: %v\n%s", err, out)
-	}
+	model := torchModelOfShape(t, py, dir, "tiny-qwen3")
 	widenContext(t, model, 2048)
 	env := []string{"SLIMEN_PYTHON=" + py, "XDG_CACHE_HOME=" + filepath.Join(dir, "cache")}
 	for _, ex := range torchExamples {

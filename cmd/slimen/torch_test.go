@@ -39,8 +39,14 @@ func torchPython(t *testing.T) string {
 // tinyTorchModel writes a random tiny Llama folder (the worker's make-model) into dir/model.
 func tinyTorchModel(t *testing.T, py, dir string) string {
 	t.Helper()
+	return torchModelOfShape(t, py, dir, "tiny")
+}
+
+// torchModelOfShape writes a random model folder of a make-model shape into dir/model.
+func torchModelOfShape(t *testing.T, py, dir, shape string) string {
+	t.Helper()
 	model := filepath.Join(dir, "model")
-	mk := exec.Command(py, "-m", "slimen_torch", "make-model", "--shape", "tiny", "--out", model)
+	mk := exec.Command(py, "-m", "slimen_torch", "make-model", "--shape", shape, "--out", model)
 	mk.Env = append(os.Environ(), "PYTHONPATH="+filepath.Join("..", "..", "engines", "torch"))
 	if out, err := mk.CombinedOutput(); err != nil {
 		t.Fatalf("make-model: %v\n%s", err, out)
@@ -170,12 +176,7 @@ func TestTorchEngineStartErrors(t *testing.T) {
 func TestServeOpenAITorch(t *testing.T) {
 	py := torchPython(t)
 	dir := t.TempDir()
-	model := filepath.Join(dir, "model")
-	mk := exec.Command(py, "-m", "slimen_torch", "make-model", "--shape", "tiny-qwen3", "--out", model)
-	mk.Env = append(os.Environ(), "PYTHONPATH="+filepath.Join("..", "..", "engines", "torch"))
-	if out, err := mk.CombinedOutput(); err != nil {
-		t.Fatalf("make-model: %v\n%s", err, out)
-	}
+	model := torchModelOfShape(t, py, dir, "tiny-qwen3")
 	cfg := filepath.Join(dir, "serve.yaml")
 	y := fmt.Sprintf("policies:\n  - name: chatbot\n    hf_checkpoint: %s\n    engine: {kind: torch, python: %q, device: cpu, args: [--max-seq-len, \"512\"]}\n", model, py)
 	if err := os.WriteFile(cfg, []byte(y), 0o644); err != nil {
