@@ -550,7 +550,10 @@ type GenerateRequest struct {
 	N            int32                  `protobuf:"varint,4,opt,name=n,proto3" json:"n,omitempty"` // samples; 0 is read as 1
 	Sampling     *Sampling              `protobuf:"bytes,5,opt,name=sampling,proto3" json:"sampling,omitempty"`
 	// The LoRA adapter (AddAdapter) that generates it; "" is the base. One batch may mix adapters.
-	Adapter       string `protobuf:"bytes,6,opt,name=adapter,proto3" json:"adapter,omitempty"`
+	Adapter string `protobuf:"bytes,6,opt,name=adapter,proto3" json:"adapter,omitempty"`
+	// Sample from this kept weights version (KeepVersion) instead of the current weights; only
+	// for a server that lists "versions" in its capabilities.
+	Version       *int32 `protobuf:"varint,7,opt,name=version,proto3,oneof" json:"version,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -625,6 +628,13 @@ func (x *GenerateRequest) GetAdapter() string {
 		return x.Adapter
 	}
 	return ""
+}
+
+func (x *GenerateRequest) GetVersion() int32 {
+	if x != nil && x.Version != nil {
+		return *x.Version
+	}
+	return 0
 }
 
 // What the client sends on the Generate stream.
@@ -1017,8 +1027,10 @@ func (x *Scores) GetLogprobs() []float32 {
 }
 
 type ScoreBatchRequest struct {
-	state         protoimpl.MessageState `protogen:"open.v1"`
-	Requests      []*ScoreRequest        `protobuf:"bytes,1,rep,name=requests,proto3" json:"requests,omitempty"`
+	state    protoimpl.MessageState `protogen:"open.v1"`
+	Requests []*ScoreRequest        `protobuf:"bytes,1,rep,name=requests,proto3" json:"requests,omitempty"`
+	// Score with this kept weights version (KeepVersion), as GenerateRequest.version.
+	Version       *int32 `protobuf:"varint,2,opt,name=version,proto3,oneof" json:"version,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -1058,6 +1070,13 @@ func (x *ScoreBatchRequest) GetRequests() []*ScoreRequest {
 		return x.Requests
 	}
 	return nil
+}
+
+func (x *ScoreBatchRequest) GetVersion() int32 {
+	if x != nil && x.Version != nil {
+		return *x.Version
+	}
+	return 0
 }
 
 type ScoreBatchResponse struct {
@@ -2031,7 +2050,10 @@ type SaveRequest struct {
 	Dir   string                 `protobuf:"bytes,1,opt,name=dir,proto3" json:"dir,omitempty"`
 	// Save only this LoRA adapter, as a PEFT folder (adapter_config.json naming the base,
 	// adapter_model.safetensors, its AdamW state).
-	Adapter       string `protobuf:"bytes,2,opt,name=adapter,proto3" json:"adapter,omitempty"`
+	Adapter string `protobuf:"bytes,2,opt,name=adapter,proto3" json:"adapter,omitempty"`
+	// Write this kept weights version (KeepVersion) as a Hugging Face folder, without optimizer
+	// state, instead of the current weights; as GenerateRequest.version.
+	Version       *int32 `protobuf:"varint,3,opt,name=version,proto3,oneof" json:"version,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -2078,6 +2100,13 @@ func (x *SaveRequest) GetAdapter() string {
 		return x.Adapter
 	}
 	return ""
+}
+
+func (x *SaveRequest) GetVersion() int32 {
+	if x != nil && x.Version != nil {
+		return *x.Version
+	}
+	return 0
 }
 
 type SaveResponse struct {
@@ -2413,6 +2442,86 @@ func (*RemoveAdapterResponse) Descriptor() ([]byte, []int) {
 	return file_engine_proto_rawDescGZIP(), []int{36}
 }
 
+type VersionRequest struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Version       int32                  `protobuf:"varint,1,opt,name=version,proto3" json:"version,omitempty"` // KeepVersion: the version to keep; DropVersions: every version below it goes
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *VersionRequest) Reset() {
+	*x = VersionRequest{}
+	mi := &file_engine_proto_msgTypes[37]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *VersionRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*VersionRequest) ProtoMessage() {}
+
+func (x *VersionRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_engine_proto_msgTypes[37]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use VersionRequest.ProtoReflect.Descriptor instead.
+func (*VersionRequest) Descriptor() ([]byte, []int) {
+	return file_engine_proto_rawDescGZIP(), []int{37}
+}
+
+func (x *VersionRequest) GetVersion() int32 {
+	if x != nil {
+		return x.Version
+	}
+	return 0
+}
+
+type VersionResponse struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *VersionResponse) Reset() {
+	*x = VersionResponse{}
+	mi := &file_engine_proto_msgTypes[38]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *VersionResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*VersionResponse) ProtoMessage() {}
+
+func (x *VersionResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_engine_proto_msgTypes[38]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use VersionResponse.ProtoReflect.Descriptor instead.
+func (*VersionResponse) Descriptor() ([]byte, []int) {
+	return file_engine_proto_rawDescGZIP(), []int{38}
+}
+
 var File_engine_proto protoreflect.FileDescriptor
 
 const file_engine_proto_rawDesc = "" +
@@ -2454,14 +2563,17 @@ const file_engine_proto_rawDesc = "" +
 	"\vtemperature\x18\x02 \x01(\x01R\vtemperature\x12\x13\n" +
 	"\x05top_p\x18\x03 \x01(\x01R\x04topP\x12\x12\n" +
 	"\x04stop\x18\x04 \x03(\tR\x04stop\x12\x12\n" +
-	"\x04seed\x18\x05 \x01(\x04R\x04seed\"\xdd\x01\n" +
+	"\x04seed\x18\x05 \x01(\x04R\x04seed\"\x88\x02\n" +
 	"\x0fGenerateRequest\x12\x0e\n" +
 	"\x02id\x18\x01 \x01(\tR\x02id\x125\n" +
 	"\bmessages\x18\x02 \x03(\v2\x19.slimen.engine.v1.MessageR\bmessages\x12#\n" +
 	"\rprompt_tokens\x18\x03 \x03(\x05R\fpromptTokens\x12\f\n" +
 	"\x01n\x18\x04 \x01(\x05R\x01n\x126\n" +
 	"\bsampling\x18\x05 \x01(\v2\x1a.slimen.engine.v1.SamplingR\bsampling\x12\x18\n" +
-	"\aadapter\x18\x06 \x01(\tR\aadapter\"n\n" +
+	"\aadapter\x18\x06 \x01(\tR\aadapter\x12\x1d\n" +
+	"\aversion\x18\a \x01(\x05H\x00R\aversion\x88\x01\x01B\n" +
+	"\n" +
+	"\b_version\"n\n" +
 	"\x15GenerateStreamRequest\x12=\n" +
 	"\brequests\x18\x01 \x03(\v2!.slimen.engine.v1.GenerateRequestR\brequests\x12\x16\n" +
 	"\x06cancel\x18\x02 \x03(\tR\x06cancel\"\xd3\x01\n" +
@@ -2490,9 +2602,12 @@ const file_engine_proto_rawDesc = "" +
 	"\treference\x18\x04 \x01(\bR\treference\x12\x18\n" +
 	"\aadapter\x18\x05 \x01(\tR\aadapter\"$\n" +
 	"\x06Scores\x12\x1a\n" +
-	"\blogprobs\x18\x01 \x03(\x02R\blogprobs\"O\n" +
+	"\blogprobs\x18\x01 \x03(\x02R\blogprobs\"z\n" +
 	"\x11ScoreBatchRequest\x12:\n" +
-	"\brequests\x18\x01 \x03(\v2\x1e.slimen.engine.v1.ScoreRequestR\brequests\"F\n" +
+	"\brequests\x18\x01 \x03(\v2\x1e.slimen.engine.v1.ScoreRequestR\brequests\x12\x1d\n" +
+	"\aversion\x18\x02 \x01(\x05H\x00R\aversion\x88\x01\x01B\n" +
+	"\n" +
+	"\b_version\"F\n" +
 	"\x12ScoreBatchResponse\x120\n" +
 	"\x06scores\x18\x01 \x03(\v2\x18.slimen.engine.v1.ScoresR\x06scores\"B\n" +
 	"\x0eValuesResponse\x120\n" +
@@ -2576,10 +2691,13 @@ const file_engine_proto_rawDesc = "" +
 	"\x12RenderBatchRequest\x12;\n" +
 	"\brequests\x18\x01 \x03(\v2\x1f.slimen.engine.v1.RenderRequestR\brequests\"D\n" +
 	"\x0eRenderResponse\x122\n" +
-	"\x06tokens\x18\x01 \x03(\v2\x1a.slimen.engine.v1.TokenIdsR\x06tokens\"9\n" +
+	"\x06tokens\x18\x01 \x03(\v2\x1a.slimen.engine.v1.TokenIdsR\x06tokens\"d\n" +
 	"\vSaveRequest\x12\x10\n" +
 	"\x03dir\x18\x01 \x01(\tR\x03dir\x12\x18\n" +
-	"\aadapter\x18\x02 \x01(\tR\aadapter\"\x0e\n" +
+	"\aadapter\x18\x02 \x01(\tR\aadapter\x12\x1d\n" +
+	"\aversion\x18\x03 \x01(\x05H\x00R\aversion\x88\x01\x01B\n" +
+	"\n" +
+	"\b_version\"\x0e\n" +
 	"\fSaveResponse\"9\n" +
 	"\vLoadRequest\x12\x10\n" +
 	"\x03dir\x18\x01 \x01(\tR\x03dir\x12\x18\n" +
@@ -2596,7 +2714,10 @@ const file_engine_proto_rawDesc = "" +
 	"\x06params\x18\x01 \x01(\x03R\x06params\"*\n" +
 	"\x14RemoveAdapterRequest\x12\x12\n" +
 	"\x04name\x18\x01 \x01(\tR\x04name\"\x17\n" +
-	"\x15RemoveAdapterResponse2\xdc\a\n" +
+	"\x15RemoveAdapterResponse\"*\n" +
+	"\x0eVersionRequest\x12\x18\n" +
+	"\aversion\x18\x01 \x01(\x05R\aversion\"\x11\n" +
+	"\x0fVersionResponse2\x85\t\n" +
 	"\x06Engine\x12E\n" +
 	"\x04Info\x12\x1d.slimen.engine.v1.InfoRequest\x1a\x1e.slimen.engine.v1.InfoResponse\x12a\n" +
 	"\bGenerate\x12'.slimen.engine.v1.GenerateStreamRequest\x1a(.slimen.engine.v1.GenerateStreamResponse(\x010\x01\x12R\n" +
@@ -2610,7 +2731,9 @@ const file_engine_proto_rawDesc = "" +
 	"\x06Render\x12$.slimen.engine.v1.RenderBatchRequest\x1a .slimen.engine.v1.RenderResponse\x12W\n" +
 	"\n" +
 	"AddAdapter\x12#.slimen.engine.v1.AddAdapterRequest\x1a$.slimen.engine.v1.AddAdapterResponse\x12`\n" +
-	"\rRemoveAdapter\x12&.slimen.engine.v1.RemoveAdapterRequest\x1a'.slimen.engine.v1.RemoveAdapterResponseB1Z/github.com/slimen/slimen/engines/proto;enginepbb\x06proto3"
+	"\rRemoveAdapter\x12&.slimen.engine.v1.RemoveAdapterRequest\x1a'.slimen.engine.v1.RemoveAdapterResponse\x12R\n" +
+	"\vKeepVersion\x12 .slimen.engine.v1.VersionRequest\x1a!.slimen.engine.v1.VersionResponse\x12S\n" +
+	"\fDropVersions\x12 .slimen.engine.v1.VersionRequest\x1a!.slimen.engine.v1.VersionResponseB1Z/github.com/slimen/slimen/engines/proto;enginepbb\x06proto3"
 
 var (
 	file_engine_proto_rawDescOnce sync.Once
@@ -2625,7 +2748,7 @@ func file_engine_proto_rawDescGZIP() []byte {
 }
 
 var file_engine_proto_enumTypes = make([]protoimpl.EnumInfo, 1)
-var file_engine_proto_msgTypes = make([]protoimpl.MessageInfo, 37)
+var file_engine_proto_msgTypes = make([]protoimpl.MessageInfo, 39)
 var file_engine_proto_goTypes = []any{
 	(HealthResponse_Status)(0),     // 0: slimen.engine.v1.HealthResponse.Status
 	(*InfoRequest)(nil),            // 1: slimen.engine.v1.InfoRequest
@@ -2665,6 +2788,8 @@ var file_engine_proto_goTypes = []any{
 	(*AddAdapterResponse)(nil),     // 35: slimen.engine.v1.AddAdapterResponse
 	(*RemoveAdapterRequest)(nil),   // 36: slimen.engine.v1.RemoveAdapterRequest
 	(*RemoveAdapterResponse)(nil),  // 37: slimen.engine.v1.RemoveAdapterResponse
+	(*VersionRequest)(nil),         // 38: slimen.engine.v1.VersionRequest
+	(*VersionResponse)(nil),        // 39: slimen.engine.v1.VersionResponse
 }
 var file_engine_proto_depIdxs = []int32{
 	3,  // 0: slimen.engine.v1.InfoResponse.info:type_name -> slimen.engine.v1.Info
@@ -2698,20 +2823,24 @@ var file_engine_proto_depIdxs = []int32{
 	28, // 28: slimen.engine.v1.Engine.Render:input_type -> slimen.engine.v1.RenderBatchRequest
 	34, // 29: slimen.engine.v1.Engine.AddAdapter:input_type -> slimen.engine.v1.AddAdapterRequest
 	36, // 30: slimen.engine.v1.Engine.RemoveAdapter:input_type -> slimen.engine.v1.RemoveAdapterRequest
-	2,  // 31: slimen.engine.v1.Engine.Info:output_type -> slimen.engine.v1.InfoResponse
-	12, // 32: slimen.engine.v1.Engine.Generate:output_type -> slimen.engine.v1.GenerateStreamResponse
-	16, // 33: slimen.engine.v1.Engine.Score:output_type -> slimen.engine.v1.ScoreBatchResponse
-	23, // 34: slimen.engine.v1.Engine.Train:output_type -> slimen.engine.v1.TrainResponse
-	26, // 35: slimen.engine.v1.Engine.Tokenize:output_type -> slimen.engine.v1.TokenizeResponse
-	31, // 36: slimen.engine.v1.Engine.Save:output_type -> slimen.engine.v1.SaveResponse
-	33, // 37: slimen.engine.v1.Engine.Load:output_type -> slimen.engine.v1.LoadResponse
-	5,  // 38: slimen.engine.v1.Engine.Health:output_type -> slimen.engine.v1.HealthResponse
-	17, // 39: slimen.engine.v1.Engine.Values:output_type -> slimen.engine.v1.ValuesResponse
-	29, // 40: slimen.engine.v1.Engine.Render:output_type -> slimen.engine.v1.RenderResponse
-	35, // 41: slimen.engine.v1.Engine.AddAdapter:output_type -> slimen.engine.v1.AddAdapterResponse
-	37, // 42: slimen.engine.v1.Engine.RemoveAdapter:output_type -> slimen.engine.v1.RemoveAdapterResponse
-	31, // [31:43] is the sub-list for method output_type
-	19, // [19:31] is the sub-list for method input_type
+	38, // 31: slimen.engine.v1.Engine.KeepVersion:input_type -> slimen.engine.v1.VersionRequest
+	38, // 32: slimen.engine.v1.Engine.DropVersions:input_type -> slimen.engine.v1.VersionRequest
+	2,  // 33: slimen.engine.v1.Engine.Info:output_type -> slimen.engine.v1.InfoResponse
+	12, // 34: slimen.engine.v1.Engine.Generate:output_type -> slimen.engine.v1.GenerateStreamResponse
+	16, // 35: slimen.engine.v1.Engine.Score:output_type -> slimen.engine.v1.ScoreBatchResponse
+	23, // 36: slimen.engine.v1.Engine.Train:output_type -> slimen.engine.v1.TrainResponse
+	26, // 37: slimen.engine.v1.Engine.Tokenize:output_type -> slimen.engine.v1.TokenizeResponse
+	31, // 38: slimen.engine.v1.Engine.Save:output_type -> slimen.engine.v1.SaveResponse
+	33, // 39: slimen.engine.v1.Engine.Load:output_type -> slimen.engine.v1.LoadResponse
+	5,  // 40: slimen.engine.v1.Engine.Health:output_type -> slimen.engine.v1.HealthResponse
+	17, // 41: slimen.engine.v1.Engine.Values:output_type -> slimen.engine.v1.ValuesResponse
+	29, // 42: slimen.engine.v1.Engine.Render:output_type -> slimen.engine.v1.RenderResponse
+	35, // 43: slimen.engine.v1.Engine.AddAdapter:output_type -> slimen.engine.v1.AddAdapterResponse
+	37, // 44: slimen.engine.v1.Engine.RemoveAdapter:output_type -> slimen.engine.v1.RemoveAdapterResponse
+	39, // 45: slimen.engine.v1.Engine.KeepVersion:output_type -> slimen.engine.v1.VersionResponse
+	39, // 46: slimen.engine.v1.Engine.DropVersions:output_type -> slimen.engine.v1.VersionResponse
+	33, // [33:47] is the sub-list for method output_type
+	19, // [19:33] is the sub-list for method input_type
 	19, // [19:19] is the sub-list for extension type_name
 	19, // [19:19] is the sub-list for extension extendee
 	0,  // [0:19] is the sub-list for field type_name
@@ -2722,13 +2851,16 @@ func file_engine_proto_init() {
 	if File_engine_proto != nil {
 		return
 	}
+	file_engine_proto_msgTypes[7].OneofWrappers = []any{}
+	file_engine_proto_msgTypes[14].OneofWrappers = []any{}
+	file_engine_proto_msgTypes[29].OneofWrappers = []any{}
 	type x struct{}
 	out := protoimpl.TypeBuilder{
 		File: protoimpl.DescBuilder{
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_engine_proto_rawDesc), len(file_engine_proto_rawDesc)),
 			NumEnums:      1,
-			NumMessages:   37,
+			NumMessages:   39,
 			NumExtensions: 0,
 			NumServices:   1,
 		},

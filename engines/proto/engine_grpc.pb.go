@@ -58,6 +58,8 @@ const (
 	Engine_Render_FullMethodName        = "/slimen.engine.v1.Engine/Render"
 	Engine_AddAdapter_FullMethodName    = "/slimen.engine.v1.Engine/AddAdapter"
 	Engine_RemoveAdapter_FullMethodName = "/slimen.engine.v1.Engine/RemoveAdapter"
+	Engine_KeepVersion_FullMethodName   = "/slimen.engine.v1.Engine/KeepVersion"
+	Engine_DropVersions_FullMethodName  = "/slimen.engine.v1.Engine/DropVersions"
 )
 
 // EngineClient is the client API for Engine service.
@@ -102,6 +104,12 @@ type EngineClient interface {
 	// RemoveAdapter drops an adapter; its requests in flight end with an error. An unknown name is
 	// not an error.
 	RemoveAdapter(ctx context.Context, in *RemoveAdapterRequest, opts ...grpc.CallOption) (*RemoveAdapterResponse, error)
+	// KeepVersion keeps a read-only copy of the current weights as weights version `version`
+	// (engines.Versions), which Generate requests and Score and Save calls naming the version then
+	// use while Train goes on. Only a server that lists "versions" in Info.capabilities has it.
+	KeepVersion(ctx context.Context, in *VersionRequest, opts ...grpc.CallOption) (*VersionResponse, error)
+	// DropVersions forgets every kept version below `version`.
+	DropVersions(ctx context.Context, in *VersionRequest, opts ...grpc.CallOption) (*VersionResponse, error)
 }
 
 type engineClient struct {
@@ -235,6 +243,26 @@ func (c *engineClient) RemoveAdapter(ctx context.Context, in *RemoveAdapterReque
 	return out, nil
 }
 
+func (c *engineClient) KeepVersion(ctx context.Context, in *VersionRequest, opts ...grpc.CallOption) (*VersionResponse, error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	out := new(VersionResponse)
+	err := c.cc.Invoke(ctx, Engine_KeepVersion_FullMethodName, in, out, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
+func (c *engineClient) DropVersions(ctx context.Context, in *VersionRequest, opts ...grpc.CallOption) (*VersionResponse, error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	out := new(VersionResponse)
+	err := c.cc.Invoke(ctx, Engine_DropVersions_FullMethodName, in, out, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
 // EngineServer is the server API for Engine service.
 // All implementations must embed UnimplementedEngineServer
 // for forward compatibility.
@@ -277,6 +305,12 @@ type EngineServer interface {
 	// RemoveAdapter drops an adapter; its requests in flight end with an error. An unknown name is
 	// not an error.
 	RemoveAdapter(context.Context, *RemoveAdapterRequest) (*RemoveAdapterResponse, error)
+	// KeepVersion keeps a read-only copy of the current weights as weights version `version`
+	// (engines.Versions), which Generate requests and Score and Save calls naming the version then
+	// use while Train goes on. Only a server that lists "versions" in Info.capabilities has it.
+	KeepVersion(context.Context, *VersionRequest) (*VersionResponse, error)
+	// DropVersions forgets every kept version below `version`.
+	DropVersions(context.Context, *VersionRequest) (*VersionResponse, error)
 	mustEmbedUnimplementedEngineServer()
 }
 
@@ -322,6 +356,12 @@ func (UnimplementedEngineServer) AddAdapter(context.Context, *AddAdapterRequest)
 }
 func (UnimplementedEngineServer) RemoveAdapter(context.Context, *RemoveAdapterRequest) (*RemoveAdapterResponse, error) {
 	return nil, status.Error(codes.Unimplemented, "method RemoveAdapter not implemented")
+}
+func (UnimplementedEngineServer) KeepVersion(context.Context, *VersionRequest) (*VersionResponse, error) {
+	return nil, status.Error(codes.Unimplemented, "method KeepVersion not implemented")
+}
+func (UnimplementedEngineServer) DropVersions(context.Context, *VersionRequest) (*VersionResponse, error) {
+	return nil, status.Error(codes.Unimplemented, "method DropVersions not implemented")
 }
 func (UnimplementedEngineServer) mustEmbedUnimplementedEngineServer() {}
 func (UnimplementedEngineServer) testEmbeddedByValue()                {}
@@ -549,6 +589,42 @@ func _Engine_RemoveAdapter_Handler(srv interface{}, ctx context.Context, dec fun
 	return interceptor(ctx, in, info, handler)
 }
 
+func _Engine_KeepVersion_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(VersionRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(EngineServer).KeepVersion(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: Engine_KeepVersion_FullMethodName,
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(EngineServer).KeepVersion(ctx, req.(*VersionRequest))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
+func _Engine_DropVersions_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(VersionRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(EngineServer).DropVersions(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: Engine_DropVersions_FullMethodName,
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(EngineServer).DropVersions(ctx, req.(*VersionRequest))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
 // Engine_ServiceDesc is the grpc.ServiceDesc for Engine service.
 // It's only intended for direct use with grpc.RegisterService,
 // and not to be introspected or modified (even as a copy)
@@ -599,6 +675,14 @@ var Engine_ServiceDesc = grpc.ServiceDesc{
 		{
 			MethodName: "RemoveAdapter",
 			Handler:    _Engine_RemoveAdapter_Handler,
+		},
+		{
+			MethodName: "KeepVersion",
+			Handler:    _Engine_KeepVersion_Handler,
+		},
+		{
+			MethodName: "DropVersions",
+			Handler:    _Engine_DropVersions_Handler,
 		},
 	},
 	Streams: []grpc.StreamDesc{

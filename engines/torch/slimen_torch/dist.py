@@ -274,6 +274,8 @@ class RankEngine(Engine):
     """The engine of one rank: full weights for generation and scoring, a ShardedTrainer for
     training; only rank 0 writes a save."""
 
+    keeps_versions = False  # its trainer's weights are shards: no in-worker rollout copies
+
     def __init__(self, model_dir: str, options, rank: int):
         self.rank = rank
         super().__init__(model_dir, options)

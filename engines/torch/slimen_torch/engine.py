@@ -26,6 +26,7 @@ from .tokenizer import Tokenizer
 from .train import Trainer, micro_batches, response_hidden, response_logits
 from .types import (Batch, Completion, GenerateRequest, LossConfig, RequestError, Sampling,
                     ScoreRequest, TrainStats)
+from .versions import Versions
 from .weights import load_weights, save_weights
 
 log = logging.getLogger("slimen_torch")
@@ -94,6 +95,10 @@ def _eos(raw: dict, tok: Tokenizer) -> list[int]:
 
 
 class Engine:
+    # Whether the engine keeps weights versions (versions.py; "versions" in its capabilities).
+    # A sharded trainer's engine (dist.py) does not.
+    keeps_versions = True
+
     def __init__(self, model_dir: str, options: Options | None = None):
         self.opts = options or Options()
         self.device = torch.device(self.opts.device)
@@ -105,6 +110,7 @@ class Engine:
         self._started = str(pathlib.Path(model_dir).absolute())
         self.compile_cache: compile_cache.Status | None = None
         self._first_train = True
+        self.versions = Versions(self)
         self._build(pathlib.Path(model_dir))
         log.info("engine ready: %s on %s; %s", model_dir, self.device,
                  self.compile_cache.line() if self.compile_cache else "nothing compiled")
@@ -131,15 +137,7 @@ class Engine:
         load_weights(model, model_dir)
         self.model = model.eval().requires_grad_(True)
         o, cuda = self.opts, self.device.type == "cuda"
-        max_len = min(cfg.max_seq_len, o.max_seq_len or (4096 if cuda else 2048))
-        use_kernels = o.kernels if o.kernels is not None else (cuda and kernels.HAVE_TRITON)
-        self.gen = Generator(
-            model, self.tokenizer, self.eos, slots=o.slots or self._default_slots(max_len),
-            max_len=max_len, cuda_graphs=o.cuda_graphs, compile_layers=o.compile and cuda,
-            prefill_tokens=o.prefill_tokens or (16384 if cuda else 2048),
-            triton=use_kernels, fused_b1=use_kernels if o.fused_b1 is None else o.fused_b1,
-            prefill_graph_max=(512 if cuda and o.cuda_graphs else 0) if o.prefill_graph_max is None
-            else o.prefill_graph_max, prefix_rows=o.prefix_cache, prefix_min=o.prefix_min)
+        self.gen = self.new_generator(model)
         model.grad_checkpointing = o.grad_checkpointing
         if o.fused_norm if o.fused_norm is not None else cuda:
             model.train_norm = fused_rms_norm
@@ -152,6 +150,19 @@ class Engine:
         self._load_optimizer(model_dir)
         # LoRA adapters over this model as a frozen base (one per policy of the host).
         self.bank = self.gen.bank = lora.Bank(model)
+
+    def new_generator(self, model: Transformer) -> Generator:
+        """A generator of model with the engine's options (its own KV cache and graphs)."""
+        o, cuda = self.opts, self.device.type == "cuda"
+        max_len = min(self.cfg.max_seq_len, o.max_seq_len or (4096 if cuda else 2048))
+        use_kernels = o.kernels if o.kernels is not None else (cuda and kernels.HAVE_TRITON)
+        return Generator(
+            model, self.tokenizer, self.eos, slots=o.slots or self._default_slots(max_len),
+            max_len=max_len, cuda_graphs=o.cuda_graphs, compile_layers=o.compile and cuda,
+            prefill_tokens=o.prefill_tokens or (16384 if cuda else 2048),
+            triton=use_kernels, fused_b1=use_kernels if o.fused_b1 is None else o.fused_b1,
+            prefill_graph_max=(512 if cuda and o.cuda_graphs else 0) if o.prefill_graph_max is None
+            else o.prefill_graph_max, prefix_rows=o.prefix_cache, prefix_min=o.prefix_min)
 
     def _new_trainer(self, model: Transformer, **kw) -> Trainer:
         """The trainer of the model (dist.py's engine makes a sharded one)."""
@@ -230,7 +241,7 @@ class Engine:
                     chat_template=self.tokenizer.chat_template, eos_tokens=list(self.eos),
                     params=self.cfg.params(), devices=[str(self.device)],
                     capabilities=["generate", "score", "train", "values", "reference", "tis",
-                                  "lora"])
+                                  "lora"] + (["versions"] if self._keeps_versions() else []))
 
     # ---- LoRA adapters ----
 
@@ -365,6 +376,51 @@ class Engine:
         with self._cv:
             self._cancels.append(request_id)
             self._cv.notify()
+        if self.versions.rollout is not None:
+            self.versions.rollout.cancel(request_id)
+
+    # ---- weights versions (engines.Versions; versions.py) ----
+
+    def _keeps_versions(self) -> bool:
+        """Versions are of the full weights: a worker serving LoRA adapters (over a frozen base)
+        keeps none (the host then uses rollout replicas for its policies)."""
+        return self.keeps_versions and not self.bank.adapters
+
+    def _versioned(self) -> Versions:
+        if not self.keeps_versions:
+            raise RequestError("UNIMPLEMENTED", "this engine keeps no weights versions")
+        if self.bank.adapters:
+            raise RequestError("FAILED_PRECONDITION", "a worker serving LoRA adapters keeps no "
+                               "weights versions (they would be of its frozen base)")
+        return self.versions
+
+    def keep_version(self, v: int) -> dict:
+        """Copies the current weights into kept version v (on the worker thread, between
+        training steps); returns the GB copied and the seconds the copy took."""
+        vs = self._versioned()
+        return self._call(vs.keep, v)
+
+    def drop_versions(self, below: int) -> None:
+        self._versioned().drop(below)
+
+    def submit_version(self, v: int, req: GenerateRequest, on_completion, on_error=None) -> None:
+        """As submit, sampled from kept version v by the rollout model, while training goes on."""
+        vs = self._versioned()
+        if req.adapter:
+            raise RequestError("INVALID_ARGUMENT", f"request {req.id!r}: a weights version is of the "
+                               "full weights, not of an adapter")
+        vs.submit(v, self.request(req, on_completion, on_error))
+
+    def score_version(self, v: int, reqs: list[ScoreRequest]) -> list[list[float]]:
+        pairs = self._pairs(reqs, "score request")
+        if any(r.reference for r in reqs):
+            raise RequestError("INVALID_ARGUMENT", "a score request of a weights version cannot "
+                               "ask for the reference model")
+        return self._versioned().call(v, lambda m: self._score(pairs, m))
+
+    def save_version(self, v: int, out_dir: str) -> None:
+        """Writes kept version v as a Hugging Face folder (no optimizer state)."""
+        self._versioned().call(v, lambda m: self._write(pathlib.Path(out_dir), None, m))
 
     def generate(self, reqs: list[GenerateRequest], timeout: float | None = None) -> list[Completion]:
         """Blocking: all completions, request by request in order, by sample index within one."""
@@ -603,14 +659,14 @@ class Engine:
     def _save(self, out: pathlib.Path) -> None:
         self._write(out, self.trainer.state_dict())
 
-    def _write(self, out: pathlib.Path, state: dict | None) -> None:
+    def _write(self, out: pathlib.Path, state: dict | None, model: Transformer | None = None) -> None:
         """Writes the model folder: config, weights, tokenizer and the optimizer state."""
         out.mkdir(parents=True, exist_ok=True)
         raw = dict(self.raw)
         raw["dtype"] = str(self.dtype).removeprefix("torch.")
         raw.pop("torch_dtype", None)
         (out / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
-        save_weights(self.model, out)
+        save_weights(self.model if model is None else model, out)
         # From memory, not from model_dir: that folder may be gone by now (a checkpoint the
         # host pruned after the engine was started or loaded from it).
         self.tokenizer.save(out)
@@ -631,6 +687,7 @@ class Engine:
         if cfg != self.cfg:
             # Another architecture: a new model, cache and graphs.
             self.gen.fail_all("the engine loaded another model")
+            self.versions.reset("the engine loaded another model")
             self._build(model_dir)
             return
         # The same shapes: copy in place, so the captured decode graphs stay valid.
@@ -643,6 +700,9 @@ class Engine:
         self.tokenizer = self.gen.tokenizer = Tokenizer(model_dir)
         self.eos = _eos(raw, self.tokenizer)
         self.gen.eos = set(self.eos)
+        if self.versions.rollout is not None:
+            self.versions.rollout.gen.tokenizer = self.tokenizer
+            self.versions.rollout.gen.eos = set(self.eos)
         self.trainer = self._new_trainer(
             self.model, micro_batch_tokens=self.trainer.micro_batch_tokens,
             reference=self._reference_model, compile=self.trainer.mode,
@@ -650,6 +710,7 @@ class Engine:
         self._load_optimizer(model_dir)
 
     def close(self) -> None:
+        self.versions.close()
         with self._cv:
             self._closed = True
             self._cv.notify()

@@ -761,7 +761,7 @@ class Generator:
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
         g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g, pool=self.pool):
+        with torch.cuda.graph(g, pool=self.pool, capture_error_mode="thread_local"):
             self._prefill_static(Tb)
         log.info("captured prefill graph length=%d", Tb)
         return g
@@ -852,7 +852,7 @@ class Generator:
         g = torch.cuda.CUDAGraph()
         # Every graph writes its results into the buffers above, so graphs may share scratch
         # memory and be replayed in any order.
-        with torch.cuda.graph(g, pool=self.pool):
+        with torch.cuda.graph(g, pool=self.pool, capture_error_mode="thread_local"):
             self._decode(B, L, use_top_p)
         log.info("captured decode graph rows=%d length=%d top_p=%s", B, L, use_top_p)
         return g

@@ -133,8 +133,12 @@ class _Generate:
             if r.id:
                 self.entries[r.id] = e
         try:
-            self.engine().submit(generate_request(r), lambda c: self._deliver(e, c),
-                                 lambda code, msg: self._fail(e, code, msg))
+            eng, req = self.engine(), generate_request(r)
+            deliver, fail = lambda c: self._deliver(e, c), lambda code, msg: self._fail(e, code, msg)
+            if r.HasField("version"):  # a kept weights version, served while Train runs
+                eng.submit_version(r.version, req, deliver, fail)
+            else:
+                eng.submit(req, deliver, fail)
         except RequestError as err:
             self._fail(e, err.code, str(err))
         except Exception as err:  # the engine's own failure, for this request only
@@ -418,7 +422,8 @@ class Service(pb_grpc.EngineServicer):
                              adapter=r.adapter)
                 for r in request.requests]
         try:
-            out = eng.score(reqs)
+            out = eng.score_version(request.version, reqs) if request.HasField("version") \
+                else eng.score(reqs)
         except Exception as e:
             self._fail(context, e)
         return pb.ScoreBatchResponse(scores=[pb.Scores(logprobs=lp) for lp in out])
@@ -474,10 +479,33 @@ class Service(pb_grpc.EngineServicer):
         eng = self._ready(context)
         folder = self._confine(context, "save", request.dir)
         try:
-            eng.save(folder, request.adapter) if request.adapter else eng.save(folder)
+            if request.HasField("version"):
+                eng.save_version(request.version, folder)
+            elif request.adapter:
+                eng.save(folder, request.adapter)
+            else:
+                eng.save(folder)
         except Exception as e:
             self._fail(context, e)
         return pb.SaveResponse()
+
+    def KeepVersion(self, request, context):
+        self._name(context)
+        eng = self._ready(context)
+        try:
+            eng.keep_version(request.version)
+        except Exception as e:
+            self._fail(context, e)
+        return pb.VersionResponse()
+
+    def DropVersions(self, request, context):
+        self._name(context)
+        eng = self._ready(context)
+        try:
+            eng.drop_versions(request.version)
+        except Exception as e:
+            self._fail(context, e)
+        return pb.VersionResponse()
 
     def Load(self, request, context):
         self._name(context)

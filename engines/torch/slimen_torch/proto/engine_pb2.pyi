@@ -90,20 +90,22 @@ class Sampling(_message.Message):
     def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., stop: _Optional[_Iterable[str]] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("id", "messages", "prompt_tokens", "n", "sampling", "adapter")
+    __slots__ = ("id", "messages", "prompt_tokens", "n", "sampling", "adapter", "version")
     ID_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     N_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     ADAPTER_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
     id: str
     messages: _containers.RepeatedCompositeFieldContainer[Message]
     prompt_tokens: _containers.RepeatedScalarFieldContainer[int]
     n: int
     sampling: Sampling
     adapter: str
-    def __init__(self, id: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[Message, _Mapping]]] = ..., prompt_tokens: _Optional[_Iterable[int]] = ..., n: _Optional[int] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., adapter: _Optional[str] = ...) -> None: ...
+    version: int
+    def __init__(self, id: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[Message, _Mapping]]] = ..., prompt_tokens: _Optional[_Iterable[int]] = ..., n: _Optional[int] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., adapter: _Optional[str] = ..., version: _Optional[int] = ...) -> None: ...
 
 class GenerateStreamRequest(_message.Message):
     __slots__ = ("requests", "cancel")
@@ -170,10 +172,12 @@ class Scores(_message.Message):
     def __init__(self, logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class ScoreBatchRequest(_message.Message):
-    __slots__ = ("requests",)
+    __slots__ = ("requests", "version")
     REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
     requests: _containers.RepeatedCompositeFieldContainer[ScoreRequest]
-    def __init__(self, requests: _Optional[_Iterable[_Union[ScoreRequest, _Mapping]]] = ...) -> None: ...
+    version: int
+    def __init__(self, requests: _Optional[_Iterable[_Union[ScoreRequest, _Mapping]]] = ..., version: _Optional[int] = ...) -> None: ...
 
 class ScoreBatchResponse(_message.Message):
     __slots__ = ("scores",)
@@ -344,12 +348,14 @@ class RenderResponse(_message.Message):
     def __init__(self, tokens: _Optional[_Iterable[_Union[TokenIds, _Mapping]]] = ...) -> None: ...
 
 class SaveRequest(_message.Message):
-    __slots__ = ("dir", "adapter")
+    __slots__ = ("dir", "adapter", "version")
     DIR_FIELD_NUMBER: _ClassVar[int]
     ADAPTER_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
     dir: str
     adapter: str
-    def __init__(self, dir: _Optional[str] = ..., adapter: _Optional[str] = ...) -> None: ...
+    version: int
+    def __init__(self, dir: _Optional[str] = ..., adapter: _Optional[str] = ..., version: _Optional[int] = ...) -> None: ...
 
 class SaveResponse(_message.Message):
     __slots__ = ()
@@ -396,5 +402,15 @@ class RemoveAdapterRequest(_message.Message):
     def __init__(self, name: _Optional[str] = ...) -> None: ...
 
 class RemoveAdapterResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class VersionRequest(_message.Message):
+    __slots__ = ("version",)
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    def __init__(self, version: _Optional[int] = ...) -> None: ...
+
+class VersionResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...

@@ -94,6 +94,16 @@ class EngineStub:
                 request_serializer=engine__pb2.RemoveAdapterRequest.SerializeToString,
                 response_deserializer=engine__pb2.RemoveAdapterResponse.FromString,
                 _registered_method=True)
+        self.KeepVersion = channel.unary_unary(
+                '/slimen.engine.v1.Engine/KeepVersion',
+                request_serializer=engine__pb2.VersionRequest.SerializeToString,
+                response_deserializer=engine__pb2.VersionResponse.FromString,
+                _registered_method=True)
+        self.DropVersions = channel.unary_unary(
+                '/slimen.engine.v1.Engine/DropVersions',
+                request_serializer=engine__pb2.VersionRequest.SerializeToString,
+                response_deserializer=engine__pb2.VersionResponse.FromString,
+                _registered_method=True)
 
 
 class EngineServicer:
@@ -197,6 +207,22 @@ class EngineServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def KeepVersion(self, request, context):
+        """KeepVersion keeps a read-only copy of the current weights as weights version `version`
+        (engines.Versions), which Generate requests and Score and Save calls naming the version then
+        use while Train goes on. Only a server that lists "versions" in Info.capabilities has it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DropVersions(self, request, context):
+        """DropVersions forgets every kept version below `version`.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_EngineServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -259,6 +285,16 @@ def add_EngineServicer_to_server(servicer, server):
                     servicer.RemoveAdapter,
                     request_deserializer=engine__pb2.RemoveAdapterRequest.FromString,
                     response_serializer=engine__pb2.RemoveAdapterResponse.SerializeToString,
+            ),
+            'KeepVersion': grpc.unary_unary_rpc_method_handler(
+                    servicer.KeepVersion,
+                    request_deserializer=engine__pb2.VersionRequest.FromString,
+                    response_serializer=engine__pb2.VersionResponse.SerializeToString,
+            ),
+            'DropVersions': grpc.unary_unary_rpc_method_handler(
+                    servicer.DropVersions,
+                    request_deserializer=engine__pb2.VersionRequest.FromString,
+                    response_serializer=engine__pb2.VersionResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -585,6 +621,60 @@ class Engine:
             '/slimen.engine.v1.Engine/RemoveAdapter',
             engine__pb2.RemoveAdapterRequest.SerializeToString,
             engine__pb2.RemoveAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def KeepVersion(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/slimen.engine.v1.Engine/KeepVersion',
+            engine__pb2.VersionRequest.SerializeToString,
+            engine__pb2.VersionResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DropVersions(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/slimen.engine.v1.Engine/DropVersions',
+            engine__pb2.VersionRequest.SerializeToString,
+            engine__pb2.VersionResponse.FromString,
             options,
             channel_credentials,
             insecure,
