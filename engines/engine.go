@@ -211,6 +211,15 @@ type Versions interface {
 	DropVersions(ctx context.Context, below int) error
 }
 
+// VersionsProber is implemented by an engine whose Versions methods work only when what serves it
+// keeps versions: a remote client (engines/remote) has them, and they work when the server lists
+// "versions" in Info.Capabilities (the PyTorch worker does). KeepsVersions asks; the host uses
+// the engine's Versions only when it says yes, and rollout replicas otherwise. An engine with
+// Versions and without this method always keeps versions.
+type VersionsProber interface {
+	KeepsVersions(ctx context.Context) (bool, error)
+}
+
 // Valuer is implemented by engines with a value head (a PPO critic; Info lists "values").
 type Valuer interface {
 	// Values returns one value estimate per response token of each request: the value of the

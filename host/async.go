@@ -182,7 +182,7 @@ func (r *Run) versioned(ctx context.Context, k int) (map[string]engines.Versions
 			continue
 		}
 		if p.vers == nil {
-			vs, err := r.versionsOf(p, k)
+			vs, err := r.versionsOf(ctx, p, k)
 			if err != nil {
 				return nil, err
 			}
@@ -218,12 +218,23 @@ func (r *Run) versioned(ctx context.Context, k int) (map[string]engines.Versions
 }
 
 // versionsOf finds how policy p keeps weights versions.
-func (r *Run) versionsOf(p *policy, k int) (engines.Versions, error) {
+func (r *Run) versionsOf(ctx context.Context, p *policy, k int) (engines.Versions, error) {
+	kind := p.cfg.Engine.Kind
 	if vs, ok := p.eng.(engines.Versions); ok {
-		return vs, nil
+		probe, asks := p.eng.(engines.VersionsProber)
+		if !asks {
+			return vs, nil
+		}
+		keeps, err := probe.KeepsVersions(ctx)
+		if err != nil {
+			return nil, fmt.Errorf("policy %q: asking its engine whether it keeps weights versions (rollout.max_staleness %d): %w", p.name, k, err)
+		}
+		if keeps {
+			r.events.printf("policy %q: its %s engine keeps rollout copies of its weights itself, so rollouts at rollout.max_staleness %d sample from them while it trains (a device copy of the weights per kept version, up to %d)", p.name, kind, k, k)
+			return vs, nil
+		}
 	}
 	_, given := r.opts.Engines[p.name]
-	kind := p.cfg.Engine.Kind
 	if given || offHost(p.cfg) || kind == "openai" || r.opts.Out == "" {
 		why := "an engine the run opens itself and a run directory, through which its rollout replicas take the weights"
 		if offHost(p.cfg) {

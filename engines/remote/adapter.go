@@ -75,12 +75,12 @@ func (a *Adapter) Generate(ctx context.Context, reqs []engines.GenerateRequest) 
 	for i := range names {
 		names[i] = a.name
 	}
-	return a.c.generate(ctx, reqs, names)
+	return a.c.generate(ctx, reqs, names, nil)
 }
 
 // Score scores with the adapter, or with the base for Reference requests.
 func (a *Adapter) Score(ctx context.Context, reqs []engines.ScoreRequest) ([]engines.Scores, error) {
-	return a.c.score(ctx, reqs, a.name)
+	return a.c.score(ctx, reqs, a.name, nil)
 }
 
 // Train takes one step of the adapter; the base does not change.

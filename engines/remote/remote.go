@@ -124,6 +124,8 @@ type Client struct {
 	// named is set once an answer's header has named the server process (enginepb.InstanceHeader):
 	// such a server sends the Generate stream's header at once, before any completion.
 	named atomic.Bool
+	// versions is set once KeepsVersions found "versions" in the server's capabilities.
+	versions atomic.Bool
 
 	mu       sync.Mutex
 	instance string // the server process the client trusts: seen at Dial, or accepted by OnRestart
@@ -335,12 +337,13 @@ func (c *Client) Info(ctx context.Context) (engines.Info, error) {
 
 // Score returns the log-probabilities of each request's response tokens.
 func (c *Client) Score(ctx context.Context, reqs []engines.ScoreRequest) ([]engines.Scores, error) {
-	return c.score(ctx, reqs, "")
+	return c.score(ctx, reqs, "", nil)
 }
 
-// score scores with the LoRA adapter named adapter ("" the model itself).
-func (c *Client) score(ctx context.Context, reqs []engines.ScoreRequest, adapter string) ([]engines.Scores, error) {
-	req := &enginepb.ScoreBatchRequest{Requests: make([]*enginepb.ScoreRequest, len(reqs))}
+// score scores with the LoRA adapter named adapter ("" the model itself), with kept weights
+// version *version when that is set (ScoreVersion).
+func (c *Client) score(ctx context.Context, reqs []engines.ScoreRequest, adapter string, version *int32) ([]engines.Scores, error) {
+	req := &enginepb.ScoreBatchRequest{Requests: make([]*enginepb.ScoreRequest, len(reqs)), Version: version}
 	for i, r := range reqs {
 		req.Requests[i] = enginepb.EncodeScoreRequest(r)
 		req.Requests[i].Adapter = adapter
@@ -457,7 +460,12 @@ func (c *Client) Tokenize(ctx context.Context, texts []string) ([][]int32, error
 
 // Save writes the model into dir, a path on the engine server's machine.
 func (c *Client) Save(ctx context.Context, dir string) error {
-	req := &enginepb.SaveRequest{Dir: dir}
+	return c.save(ctx, nil, dir)
+}
+
+// save is Save, of kept weights version *version when it is set (SaveVersion).
+func (c *Client) save(ctx context.Context, version *int32, dir string) error {
+	req := &enginepb.SaveRequest{Dir: dir, Version: version}
 	return c.call(ctx, "save", req, func(ctx context.Context, o ...grpc.CallOption) error {
 		_, err := c.rpc.Save(ctx, req, o...)
 		return err

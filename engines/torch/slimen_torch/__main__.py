@@ -34,6 +34,9 @@ def main(argv=None) -> None:
     s.add_argument("--ref-model", default="",
                    help="folder of the frozen KL reference (default: --model)")
     s.add_argument("--no-cuda-graphs", action="store_true")
+    s.add_argument("--no-versions", action="store_true",
+                   help="keep no weights versions in the worker (rollout.max_staleness > 0 then "
+                   "samples from rollout replicas: other worker processes)")
     s.add_argument("--no-compile", action="store_true", help="do not torch.compile the decode step")
     s.add_argument("--compile-train", nargs="?", const="block", default="block",
                    choices=["block", "block-static", "regional", "off"],

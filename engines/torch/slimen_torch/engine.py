@@ -71,6 +71,9 @@ class Options:
     # completion's floating-point values can depend on what was cached; docs/torch.md).
     prefix_cache: int = 0
     prefix_min: int = 16
+    # Keep weights versions in the worker (versions.py, "versions" in the capabilities): a
+    # rollout model and a device copy per kept version. False: the host uses rollout replicas.
+    versions: bool = True
 
 
 def _dtype(name: str, device: torch.device) -> torch.dtype:
@@ -110,6 +113,7 @@ class Engine:
         self._started = str(pathlib.Path(model_dir).absolute())
         self.compile_cache: compile_cache.Status | None = None
         self._first_train = True
+        self.keeps_versions = self.keeps_versions and self.opts.versions
         self.versions = Versions(self)
         self._build(pathlib.Path(model_dir))
         log.info("engine ready: %s on %s; %s", model_dir, self.device,
@@ -412,11 +416,19 @@ class Engine:
         vs.submit(v, self.request(req, on_completion, on_error))
 
     def score_version(self, v: int, reqs: list[ScoreRequest]) -> list[list[float]]:
+        """As score, with kept version v; requests with reference set are scored by the frozen
+        reference, as in score (on the worker thread)."""
         pairs = self._pairs(reqs, "score request")
-        if any(r.reference for r in reqs):
-            raise RequestError("INVALID_ARGUMENT", "a score request of a weights version cannot "
-                               "ask for the reference model")
-        return self._versioned().call(v, lambda m: self._score(pairs, m))
+        mine = [i for i, r in enumerate(reqs) if not r.reference]
+        out = self._versioned().call(v, lambda m: self._score([pairs[i] for i in mine], m))
+        got: list[list[float]] = [[] for _ in reqs]
+        for i, lp in zip(mine, out):
+            got[i] = lp
+        ref = [i for i, r in enumerate(reqs) if r.reference]
+        if ref:
+            for i, lp in zip(ref, self.score([reqs[i] for i in ref])):
+                got[i] = lp
+        return got
 
     def save_version(self, v: int, out_dir: str) -> None:
         """Writes kept version v as a Hugging Face folder (no optimizer state)."""

@@ -702,4 +702,5 @@ def _options(args):
                    prefill_graph_max=args.prefill_graph_max,
                    prefix_cache=args.prefix_cache, prefix_min=args.prefix_min,
                    micro_batch_tokens=args.micro_batch_tokens,
-                   grad_checkpointing=args.grad_checkpointing, ref_model=args.ref_model)
+                   grad_checkpointing=args.grad_checkpointing, ref_model=args.ref_model,
+                   versions=not getattr(args, "no_versions", False))
