@@ -7,7 +7,9 @@ workers and replicas and compiles: nothing overlaps it), each policy's engine bu
 mean reward of every policy over the first and the last quarter of the steps, and the reward
 against wall time (the mean reward, all policies, of the last quarter-run of steps ended within a
 quarter, a half and all of the slowest run's wall time after step 1; the step reached in brackets). With events.log beside metrics.jsonl,
-also the rollout replicas' weight push: mean seconds a push, and seconds per GB of model loaded.
+also the weights versions' cost: the workers' in-worker copy (KeepVersion, a device copy: mean
+seconds a copy and seconds per GB, the total over the total), and the rollout replicas' weight push
+(mean seconds a push, and seconds per GB of model loaded).
 """
 
 from __future__ import annotations
@@ -45,6 +47,19 @@ def push_rate(metrics_path: str):
     return (mean(secs), mean(rates)) if rates else None
 
 
+def copy_rate(metrics_path: str):
+    """The workers' KeepVersion copies (versions.py's log line, in events.log)."""
+    ev = os.path.join(os.path.dirname(metrics_path), "events.log")
+    if not os.path.exists(ev):
+        return None
+    pat = r"kept weights version \d+: ([0-9.e+-]+) GB copied on \S+ in ([0-9.]+) s"
+    got = [(float(m.group(1)), float(m.group(2))) for m in re.finditer(pat, open(ev).read())]
+    if not got:
+        return None
+    gb, secs = sum(g for g, _ in got), sum(s for _, s in got)
+    return secs / len(got), secs / max(gb, 1e-12), len(got)
+
+
 def main() -> None:
     runs = []
     for arg in sys.argv[1:]:
@@ -59,7 +74,8 @@ def main() -> None:
     policies = sorted({p for _, _, b, s in runs for st in s for p in b[st] if not p.startswith("_")})
     horizon = max(sum(b[s]["_run"]["step_s"] for s in st[1:]) for _, _, b, st in runs)
     head = ["run", "steps", "step s", "wall s after step 1"] + [f"{p} busy" for p in policies] + \
-        [f"{p} reward first→last ¼" for p in policies] + ["reward by ¼ / ½ / all of wall", "replica push s (s/GB)"]
+        [f"{p} reward first→last ¼" for p in policies] + ["reward by ¼ / ½ / all of wall",
+                                                        "in-worker copy s (s/GB)", "replica push s (s/GB)"]
     print("| " + " | ".join(head) + " |")
     print("|" + "---|" * len(head))
     for label, path, b, steps in runs:
@@ -81,6 +97,8 @@ def main() -> None:
             by_time.append(f"{mean([b[s].get(p, {}).get('reward_mean') for s in last for p in policies]):.3f}"
                            f" (step {done[-1] if done else 0})")
         row.append(" / ".join(by_time))
+        cr = copy_rate(path)
+        row.append("—" if cr is None else f"{cr[0]:.5f} ({cr[1]:.5f})")
         pr = push_rate(path)
         row.append("—" if pr is None else f"{pr[0]:.3f} ({pr[1]:.3f})")
         print("| " + " | ".join(row) + " |")

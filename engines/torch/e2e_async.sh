@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
 # Issue 21's measurement: the end-to-end debate of e2e_debate.sh (a Qwen3-shaped ~55M model warmed
 # up on synthetic:arith, generator and critic on two torch workers sharing one device) at
-# rollout.max_staleness 0, 1 and 2 (docs/async.md). At K > 0 each policy samples from K rollout
-# replicas (more worker processes on the same device), which load the weights the trainer saves
-# after each step. One warm-up serves every K; each K is its own run from the same model.
+# rollout.max_staleness 0, 1 and 2 (docs/async.md). At K > 0 each worker keeps the weights versions
+# itself (a device copy of the weights per kept version, sampled by a rollout model in the same
+# process while the trainer steps); the runs of REPLICA_KS (default 1) run again with
+# --no-versions, where each policy samples from rollout replicas (more worker processes on the
+# same device) that load the weights the trainer saves after each step. One warm-up serves every
+# run; each is its own run from the same model.
 #
 #   SLIMEN=.devbuild/slimen PY=python3 DEVICE=cuda:0 OUT=/tmp/e2e-async engines/torch/e2e_async.sh
 #   SLIMEN=/tmp/slimen PY=$(scripts/pyenv.sh)/bin/python DEVICE=cpu QUICK=1 engines/torch/e2e_async.sh
@@ -12,13 +15,15 @@
 # table then covers every K run into OUT so far).
 # QUICK=1 is the CPU check: the tiny-qwen3 shape, 20 SFT steps, 3 steps of 2 tasks. Prints one
 # table (async_summary.py): step time, wall time, each engine's busy fraction, the reward over the
-# first and last quarter of the steps and against wall time, and the replicas' push in s/GB.
+# first and last quarter of the steps and against wall time, the in-worker copy of a weights
+# version in s/GB (issue 21's target: ≤ 0.01 s/GB), and the replicas' push in s/GB.
 set -euo pipefail
 SLIMEN=${SLIMEN:-.devbuild/slimen}
 PY=${PY:-python3}
 DEVICE=${DEVICE:-cuda:0}
 OUT=${OUT:-/tmp/e2e-async}
 KS=${KS:-0 1 2}
+REPLICA_KS=${REPLICA_KS-1}
 if [ "${QUICK:-0}" = 1 ]; then
   : "${SHAPE:=tiny-qwen3}" "${SFT_STEPS:=20}" "${STEPS:=3}" "${BATCH:=2}" "${MAXLEN:=8}" "${SLOTS:=8}" "${SFT_BATCH:=8}"
 fi
@@ -48,36 +53,45 @@ if [ "${REUSE:-0}" != 1 ] || [ ! -f "$model/config.json" ]; then
 fi
 echo "e2e-async: model and warm-up $(( $(date +%s) - t0 )) s"
 rc=0
-for k in $KS; do
-  cat >"$OUT/config-k$k.yaml" <<YAML
+runs=""
+for k in $KS; do runs="$runs $k"; done
+for k in $REPLICA_KS; do [ "$k" != 0 ] && runs="$runs ${k}r"; done
+for run in $runs; do
+  k=${run%r}
+  extra=""
+  [ "$run" != "$k" ] && extra=', --no-versions'  # the rollout replicas' path
+  cat >"$OUT/config-k$run.yaml" <<YAML
 policies:
   - name: generator
     hf_checkpoint: $model
-    engine: {kind: torch, python: $PY, device: "$DEVICE", args: [--slots, "$SLOTS", --max-seq-len, "512"]}
+    engine: {kind: torch, python: $PY, device: "$DEVICE", args: [--slots, "$SLOTS", --max-seq-len, "512"$extra]}
     train: {lr: $LR, advantage_estimator: grpo, global_batch_size: 0}
   - name: critic
     hf_checkpoint: $model
-    engine: {kind: torch, python: $PY, device: "$DEVICE", args: [--slots, "$SLOTS", --max-seq-len, "512"]}
+    engine: {kind: torch, python: $PY, device: "$DEVICE", args: [--slots, "$SLOTS", --max-seq-len, "512"$extra]}
     train: {lr: $LR, advantage_estimator: grpo, global_batch_size: 0}
 rollout: {batch_size: $BATCH, max_response_len: $MAXLEN, temperature: 1.0, max_staleness: $k}
 data: {path: "$DATA"}
 run: {steps: $STEPS, seed: 1}
 YAML
   t1=$(date +%s)
-  rm -rf "$WORK/run-k$k" "$OUT/k$k"
+  rm -rf "$WORK/run-k$run" "$OUT/k$run"
   set +e
-  "$SLIMEN" exec examples/debate/debate.star --config "$OUT/config-k$k.yaml" --out "$WORK/run-k$k" >"$OUT/exec-k$k.log" 2>&1
+  "$SLIMEN" exec examples/debate/debate.star --config "$OUT/config-k$run.yaml" --out "$WORK/run-k$run" >"$OUT/exec-k$run.log" 2>&1
   r=$?
   set -e
-  [ "$r" != 0 ] && rc=$r && tail -5 "$OUT/exec-k$k.log"
-  mkdir -p "$OUT/k$k"
-  cp "$WORK/run-k$k/metrics.jsonl" "$WORK/run-k$k/events.log" "$OUT/k$k/" 2>/dev/null || true
-  echo "e2e-async: K=$k exec $(( $(date +%s) - t1 )) s, exit $r"
-  rm -rf "$WORK/run-k$k"
+  [ "$r" != 0 ] && rc=$r && tail -5 "$OUT/exec-k$run.log"
+  mkdir -p "$OUT/k$run"
+  cp "$WORK/run-k$run/metrics.jsonl" "$WORK/run-k$run/events.log" "$OUT/k$run/" 2>/dev/null || true
+  echo "e2e-async: K=$k${extra:+ (rollout replicas)} exec $(( $(date +%s) - t1 )) s, exit $r"
+  rm -rf "$WORK/run-k$run"
 done
 args=()
 for d in "$OUT"/k*/; do
-  [ -f "$d/metrics.jsonl" ] && args+=("K=$(basename "$d" | cut -c2-):$d/metrics.jsonl")
+  name=$(basename "$d" | cut -c2-)
+  label="K=${name%r}"
+  [ "$name" != "${name%r}" ] && label="$label replicas"
+  [ -f "$d/metrics.jsonl" ] && args+=("$label:$d/metrics.jsonl")
 done
 "$PY" "$(dirname "$0")/async_summary.py" "${args[@]}" | tee "$OUT/summary.md"
 exit "$rc"

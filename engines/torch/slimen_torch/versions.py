@@ -33,6 +33,16 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+@torch.no_grad()
+def _copy(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
+    """dst[i].copy_(src[i]) for every i: one fused launch per few tensors where PyTorch has it."""
+    if hasattr(torch, "_foreach_copy_"):
+        torch._foreach_copy_(dst, src)
+    else:
+        for d, s in zip(dst, src):
+            d.copy_(s)
+
+
 class Versions:
     """The kept versions of one engine and the rollout model that serves them."""
 
@@ -64,9 +74,7 @@ class Versions:
             bufs = [torch.empty_like(p, memory_format=torch.contiguous_format) for p in ro.params]
         _sync(self.eng.device)
         t = time.perf_counter()
-        with torch.no_grad():
-            for b, n in zip(bufs, ro.names):
-                b.copy_(src[n])
+        _copy(bufs, [src[n] for n in ro.names])
         _sync(self.eng.device)
         d = time.perf_counter() - t
         nbytes = sum(b.numel() * b.element_size() for b in bufs)
@@ -77,7 +85,7 @@ class Versions:
             self.copies += 1
         ro.forget(v)  # a version kept again (a resume) is copied into the rollout model again
         gb = nbytes / 1e9
-        log.info("kept weights version %d: %.3f GB copied on %s in %.6f s (%.6f s/GB)",
+        log.info("kept weights version %d: %.6g GB copied on %s in %.6f s (%.6f s/GB)",
                  v, gb, self.eng.device, d, d / max(gb, 1e-12))
         return dict(gb=gb, seconds=d)
 
@@ -259,9 +267,7 @@ class _Rollout:
         if self.gen.prefix_rows:  # kept prefix rows hold keys and values of the other weights
             self.gen.forget_prefixes()
         t = time.perf_counter()
-        with torch.no_grad():
-            for p, b in zip(self.params, bufs):
-                p.copy_(b)
+        _copy(self.params, bufs)
         _sync(self.device)
         self.holds = v
         log.debug("rollout model switched to weights version %d in %.6f s", v,
