@@ -28,9 +28,19 @@ from .types import RequestError
 log = logging.getLogger("slimen_torch")
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+def _timed_copy(dst: list[torch.Tensor], src: list[torch.Tensor], device: torch.device) -> float:
+    """_copy on the current stream, waited for; returns its seconds (CUDA events on a GPU: the
+    copy alone, not the work other streams have queued)."""
+    if device.type != "cuda":
+        t = time.perf_counter()
+        _copy(dst, src)
+        return time.perf_counter() - t
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    _copy(dst, src)
+    end.record()
+    end.synchronize()  # the rollout thread reads the buffers on its own stream once keep returns
+    return start.elapsed_time(end) / 1e3
 
 
 @torch.no_grad()
@@ -72,11 +82,7 @@ class Versions:
             bufs = self.kept.get(v)
         if bufs is None:
             bufs = [torch.empty_like(p, memory_format=torch.contiguous_format) for p in ro.params]
-        _sync(self.eng.device)
-        t = time.perf_counter()
-        _copy(bufs, [src[n] for n in ro.names])
-        _sync(self.eng.device)
-        d = time.perf_counter() - t
+        d = _timed_copy(bufs, [src[n] for n in ro.names], self.eng.device)
         nbytes = sum(b.numel() * b.element_size() for b in bufs)
         with self.lock:
             self.kept[v] = bufs
@@ -266,12 +272,14 @@ class _Rollout:
         self.gen.flush()
         if self.gen.prefix_rows:  # kept prefix rows hold keys and values of the other weights
             self.gen.forget_prefixes()
-        t = time.perf_counter()
+        # On the rollout thread's stream, ordered before its next decode steps; the kept buffers
+        # were written and waited for by keep. They may be dropped (freed) on another thread
+        # while this copy is queued: record_stream keeps the allocator from reusing them first.
         _copy(self.params, bufs)
-        _sync(self.device)
+        if self.stream is not None:
+            for b in bufs:
+                b.record_stream(self.stream)
         self.holds = v
-        log.debug("rollout model switched to weights version %d in %.6f s", v,
-                  time.perf_counter() - t)
 
     @staticmethod
     def _refuse(it, code: str, message: str) -> None:
