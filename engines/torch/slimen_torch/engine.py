@@ -141,6 +141,7 @@ class Engine:
         load_weights(model, model_dir)
         self.model = model.eval().requires_grad_(True)
         o, cuda = self.opts, self.device.type == "cuda"
+        self.gen = None  # (a rebuild: the old generator's cache is no reservation of the new one)
         self.gen = self.new_generator(model)
         model.grad_checkpointing = o.grad_checkpointing
         if o.fused_norm if o.fused_norm is not None else cuda:
@@ -178,6 +179,11 @@ class Engine:
         c = self.cfg
         per_row = 2 * c.layers * c.kv_heads * max_len * c.head_dim * self.dtype.itemsize
         free, _ = torch.cuda.mem_get_info(self.device)
+        gen = getattr(self, "gen", None)
+        if gen is not None and gen.k is None:
+            # A second generator (the rollout model's, versions.py) while the first has not
+            # allocated its cache yet (it does on first use): leave room for it.
+            free = max(0, free - gen.S * gen.L * per_row // max_len)
         slots = 256
         while slots > 1 and slots * per_row > self.opts.kv_memory_fraction * free:
             slots //= 2
