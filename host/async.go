@@ -611,3 +611,63 @@ func (g *versionGate) wait(ctx context.Context, v int) error {
 		return context.Cause(ctx)
 	}
 }
+
+// versionsInEngine says whether policy name's weights versions live in its engine's process (a
+// torch worker that keeps them, engines.VersionsProber), which loses them when it restarts.
+func (r *Run) versionsInEngine(name string) bool {
+	r.polMu.Lock()
+	p := r.policies[name]
+	r.polMu.Unlock()
+	if p == nil || r.staleness() == 0 {
+		return false
+	}
+	_, probed := p.eng.(engines.VersionsProber)
+	return probed && p.vers != nil && p.replicas == nil
+}
+
+// keepAgain puts back into eng, a restarted process of policy name that keeps its weights
+// versions itself, the versions the steps from base on generate from, when the engine holds the
+// state of step base (before any optimizer step replayed): those the run's checkpoint of base
+// holds (rollout_versions, docs/async.md) and base itself. It returns the versions kept.
+func (r *Run) keepAgain(ctx context.Context, eng engines.Engine, name string, base int) ([]int, error) {
+	vs, ok := eng.(engines.Versions)
+	if !ok {
+		return nil, fmt.Errorf("its engine keeps no weights versions")
+	}
+	var kept []int
+	if base > 0 {
+		root, err := r.checkpointRoot()
+		if err != nil {
+			return nil, err
+		}
+		dir := filepath.Join(root, stepName(base), versionsDir, name)
+		entries, _ := filepath.Glob(filepath.Join(dir, "*"))
+		for _, e := range entries {
+			if v, err := strconv.Atoi(filepath.Base(e)); err == nil && v < base {
+				kept = append(kept, v)
+			}
+		}
+		sort.Ints(kept)
+		for _, v := range kept {
+			if err := eng.Load(ctx, filepath.Join(dir, strconv.Itoa(v))); err != nil {
+				return nil, fmt.Errorf("weights version %d: %w", v, err)
+			}
+			if err := vs.KeepVersion(ctx, v); err != nil {
+				return nil, fmt.Errorf("weights version %d: %w", v, err)
+			}
+		}
+		if len(kept) > 0 { // the state of step base again
+			cur, err := r.policyCheckpoint(base, name)
+			if err != nil {
+				return nil, err
+			}
+			if err := eng.Load(ctx, cur); err != nil {
+				return nil, fmt.Errorf("loading the checkpoint of step %d again: %w", base, err)
+			}
+		}
+	}
+	if err := vs.KeepVersion(ctx, base); err != nil {
+		return nil, fmt.Errorf("weights version %d: %w", base, err)
+	}
+	return append(kept, base), nil
+}

@@ -186,6 +186,16 @@ func (r *Run) engineRestarted(ctx context.Context, ev restartEvent) error {
 		}
 		what = fmt.Sprintf("loaded %s (step %d) into it", dir, g.base)
 	}
+	if r.versionsInEngine(ev.policy) {
+		// Its rollouts sample weights versions the process kept (async.go): all of them are
+		// the state of g.base or in its checkpoint, since a version is kept at most up to the
+		// step done (with a checkpoint every step; without one the run stopped above).
+		kept, err := r.keepAgain(ctx, ev.eng, ev.policy, g.base)
+		if err != nil {
+			return fail("putting back the weights versions its rollouts sample from failed: %v", err)
+		}
+		what += fmt.Sprintf(", kept weights versions %v in it again", kept)
+	}
 	replay := g.applied[ev.policy]
 	for i, b := range replay {
 		if _, err := ev.eng.Train(ctx, b); err != nil {

@@ -12,14 +12,16 @@ import (
 // versions itself (a device copy per version; no rollout replica started), and the run writes
 // the metrics of the same run whose workers keep none (--no-versions), which samples from rollout
 // replicas that load the weights the trainers save (to sameMetrics' tolerance: the CPU worker's
-// sums are not bit-reproducible from one process to the next).
+// sums are not bit-reproducible from one process to the next). Both workers of the first run are
+// SIGKILLed after step 1: a new process has lost the versions it kept, and the host keeps them
+// in it again from the checkpoint before the run goes on.
 func TestTorchAsyncVersionsInWorker(t *testing.T) {
 	py := torchPython(t)
 	dir := t.TempDir()
 	model := tinyTorchModel(t, py, dir)
 	env := []string{"SLIMEN_PYTHON=" + py, "XDG_CACHE_HOME=" + filepath.Join(dir, "cache")}
 	script := parityScript(t, dir) // a reward that moves the weights at every step
-	run := func(name, args string) ([]map[string]any, string) {
+	run := func(name, args string, kill bool) ([]map[string]any, string) {
 		cfg := filepath.Join(dir, name+".yaml")
 		y := fmt.Sprintf(`policies:
   - name: generator
@@ -31,13 +33,19 @@ func TestTorchAsyncVersionsInWorker(t *testing.T) {
     engine: {kind: torch, python: %[2]q, device: cpu, args: [--max-seq-len, "512"%[3]s]}
     train: {lr: 1.0e-3, global_batch_size: 0}
 rollout: {batch_size: 4, max_response_len: 8, max_staleness: 1}
-run: {steps: 3, seed: 3}
+run: {steps: 3, seed: 3, save_interval: 1}
 `, model, py, args)
 		if err := os.WriteFile(cfg, []byte(y), 0o644); err != nil {
 			t.Fatal(err)
 		}
 		out := filepath.Join(dir, name)
-		if log, err := slimen(t, env, "exec", script, "--config", cfg, "--out", out); err != nil {
+		if kill {
+			killed := execKilling(t, env, out, func(slimen int) []int { return torchWorkers(t, slimen) },
+				"exec", script, "--config", cfg, "--out", out)
+			if len(killed) != 2 {
+				t.Fatalf("killed %v, want the two workers' processes", killed)
+			}
+		} else if log, err := slimen(t, env, "exec", script, "--config", cfg, "--out", out); err != nil {
 			t.Fatalf("%s: %v\n%s", name, err, log)
 		}
 		ev, err := os.ReadFile(filepath.Join(out, "events.log"))
@@ -46,11 +54,14 @@ run: {steps: 3, seed: 3}
 		}
 		return untimed(t, out), string(ev)
 	}
-	inWorker, ev := run("versions", "")
+	inWorker, ev := run("versions", "", true)
 	for _, want := range []string{
 		`policy "generator": its torch engine keeps rollout copies of its weights itself`,
 		`policy "critic": its torch engine keeps rollout copies of its weights itself`,
 		"kept weights version 1: ",
+		`policy "generator": its torch worker restarted as a new process`,
+		`policy "critic": its torch worker restarted as a new process`,
+		"in it again; the run goes on",
 	} {
 		if !strings.Contains(ev, want) {
 			t.Errorf("events.log lacks %q:\n%s", want, ev)
@@ -64,7 +75,7 @@ run: {steps: 3, seed: 3}
 			t.Errorf("step 3 of the generator: rollout_version %v, staleness_max %v; want 1 and 1", m["rollout_version"], m["staleness_max"])
 		}
 	}
-	replicas, ev := run("replicas", `, --no-versions`)
+	replicas, ev := run("replicas", `, --no-versions`, false)
 	if !strings.Contains(ev, "sample from rollout replicas") {
 		t.Errorf("with --no-versions events.log has no rollout replicas:\n%s", ev)
 	}
