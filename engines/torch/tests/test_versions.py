@@ -181,3 +181,26 @@ def test_keep_copies_in_the_generator_dtype(model_dirs):
         assert all(torch.equal(b, src[n]) for b, n in zip(bufs, e.versions.names()))
     finally:
         e.close()
+
+
+def test_a_switch_drops_the_rollout_models_kept_prefixes(model_dirs):
+    """With the prefix cache on, the rows the rollout model kept under one version are not reused
+    under another: version 1 samples a prompt that extends a version-0 conversation as the current
+    weights (version 1) do."""
+    e = Engine(str(model_dirs["tiny-qwen3"]), Options(device="cpu", prefix_cache=8, prefix_min=4))
+    try:
+        first = GenerateRequest(id="t1", prompt_tokens=[3, 5, 7, 9, 11, 13], n=1,
+                                sampling=Sampling(max_tokens=6, temperature=1.0, seed=5))
+        e.keep_version(0)
+        turn1 = collect(lambda r, *cb: e.submit_version(0, r, *cb), [first])[0][0]
+        e.train(fixed_batch(e, LossConfig(lr=5e-2)))
+        e.keep_version(1)
+        nxt = [GenerateRequest(id=f"t2{tag}", prompt_tokens=[3, 5, 7, 9, 11, 13] + turn1 + [17, 19],
+                               n=2, sampling=Sampling(max_tokens=6, temperature=1.0, seed=6))
+               for tag in "ab"]
+        got = collect(lambda r, *cb: e.submit_version(1, r, *cb), nxt[:1])
+        want = [(c.tokens, c.logprobs) for c in e.generate(nxt[1:])]
+        assert [t for t, _ in got] == [t for t, _ in want]
+        assert max(abs(a - b) for (_, x), (_, y) in zip(got, want) for a, b in zip(x, y)) < 1e-5
+    finally:
+        e.close()
