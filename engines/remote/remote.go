@@ -541,6 +541,16 @@ func (c *Client) call(ctx context.Context, method string, req proto.Message, rpc
 			return nil
 		}
 		if retry, failed := c.retry(ctx, method, err, &out); !retry {
+			// An error from a process other than the trusted one is no more to be trusted
+			// than an answer (it may be a state that process lost: a kept weights version):
+			// OnRestart first, then the call again.
+			if instance := firstValue(header, enginepb.InstanceHeader); !inRestore && instance != "" && instance != c.Instance() {
+				if err := c.sawInstance(instance); err != nil {
+					return fmt.Errorf("engine at %s: %s: %w", c.addr, method, err)
+				}
+				out.reset()
+				continue
+			}
 			return failed
 		}
 	}
