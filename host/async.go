@@ -186,6 +186,17 @@ func (r *Run) versioned(ctx context.Context, k int) (map[string]engines.Versions
 			if err != nil {
 				return nil, err
 			}
+			if p.replicas == nil {
+				// A policy the script created after the run kept its versions (a zero-config
+				// name first met by a step's rollouts, which sampled its current weights): it has
+				// not trained yet, so each kept version is its current weights. (Replicas load
+				// the kept versions when they are prepared.)
+				for _, v := range r.keptList() {
+					if err := vs.KeepVersion(ctx, v); err != nil {
+						return nil, &EngineError{Step: r.step + 1, Policy: p.name, Err: fmt.Errorf("keeping weights version %d for rollouts: %w", v, err), Hint: r.engineErrorHint()}
+					}
+				}
+			}
 			p.vers = vs
 			p.disp.setVersions(vs)
 			if p.replicas != nil {

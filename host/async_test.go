@@ -492,3 +492,29 @@ func TestAsyncStop(t *testing.T) {
 		t.Fatal(err)
 	}
 }
+
+// TestAsyncPolicyCreatedByRollouts: a zero-config policy whose name the script computes is first
+// met by step 1's rollouts, after the run kept its weights versions: it samples its current
+// weights until it trains, then keeps the run's versions like the others (the run used to stop
+// with "the engine keeps no weights versions"; a sandboxed zero-config run, whose policies all
+// come this way, did so at once). Its metrics equal those of the same policy named in the script.
+func TestAsyncPolicyCreatedByRollouts(t *testing.T) {
+	run := func(script string) []string {
+		cfg := config.Default(nil)
+		cfg.Rollout.MaxStaleness = 1
+		cfg.Rollout.BatchSize = 2
+		cfg.Rollout.MaxResponseLen = 8
+		cfg.Eval.Datasets = nil
+		r, err := Load(context.Background(), writeScript(t, script), Options{Config: cfg, Tasks: numberedTasks(100)})
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer r.Close()
+		return stepLines(t, r, 3)
+	}
+	named := run(tinyScript) // generate("p", …): opened at start-up
+	computed := run(`NAME = "".join(["p"])` + strings.ReplaceAll(tinyScript, `"p"`, "NAME"))
+	if d := cmp.Diff(named, computed); d != "" {
+		t.Errorf("a policy created by the rollouts differs from one named in the script (-named +computed):\n%s", d)
+	}
+}

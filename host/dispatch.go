@@ -202,13 +202,12 @@ func (d *dispatcher) flush(ctx context.Context) {
 	d.mu.Lock()
 	vs := d.vers
 	d.mu.Unlock()
-	if v := batch[0].version; v >= 0 {
-		if vs != nil {
-			out, err = vs.GenerateVersion(ctx, v, reqs)
-		} else {
-			err = fmt.Errorf("the engine keeps no weights versions (rollout.max_staleness)")
-		}
+	if v := batch[0].version; v >= 0 && vs != nil {
+		out, err = vs.GenerateVersion(ctx, v, reqs)
 	} else {
+		// The current weights: the synchronous loop, or (vs nil) a policy created by the script
+		// after the run set up its versions (a zero-config name first met by these rollouts),
+		// which has not trained yet, so every version of it is these weights (Run.versioned).
 		out, err = d.gen(ctx, reqs)
 	}
 	d.mu.Lock()
@@ -257,6 +256,13 @@ func (d *dispatcher) stats() (batches, requests int) {
 
 func errShortBatch(got, want int) error {
 	return fmt.Errorf("engine returned %d completions for %d samples", got, want)
+}
+
+// versions returns what setVersions gave, or nil.
+func (d *dispatcher) versions() engines.Versions {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	return d.vers
 }
 
 // setVersions gives the dispatcher the policy's weights versions (async.go).

@@ -545,12 +545,9 @@ func (r *Run) score(ctx context.Context, p *policy, req engines.ScoreRequest) ([
 	defer r.activity.enter()
 	var out []engines.Scores
 	var err error
-	if v := versionFor(ctx, p).gen; v >= 0 {
-		if p.vers == nil {
-			return nil, fmt.Errorf("policy %q: it keeps no weights versions (rollout.max_staleness)", p.name)
-		}
-		out, err = p.vers.ScoreVersion(ctx, v, []engines.ScoreRequest{req})
-	} else {
+	if v, vs := versionFor(ctx, p).gen, p.disp.versions(); v >= 0 && vs != nil {
+		out, err = vs.ScoreVersion(ctx, v, []engines.ScoreRequest{req})
+	} else { // the current weights: as the dispatcher's flush says
 		out, err = p.eng.Score(ctx, []engines.ScoreRequest{req})
 	}
 	if err != nil {
