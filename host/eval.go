@@ -34,8 +34,9 @@ func (r *Run) Eval(ctx context.Context) ([]Metrics, error) {
 			return nil, fmt.Errorf("eval dataset %q: %w", ds.Name, err)
 		}
 		n := max(ds.NSamples, 1)
+		// (A sandboxed run's host parses the script only: its children run eval_rollout.)
 		rf := rolloutFn{fn: r.script.EvalRollout(), name: "eval_rollout"}
-		if r.script.EvalRollout() == nil {
+		if !r.script.HasEvalRollout() {
 			rf = rolloutFn{name: "default_eval", n: n}
 			for _, p := range r.policyList() {
 				rf.policies = append(rf.policies, p.name)

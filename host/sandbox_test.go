@@ -581,3 +581,38 @@ func TestParallelThreadsBound(t *testing.T) {
 		}
 	}
 }
+
+// TestSandboxedEvalRunsEvalRollout: a sandboxed run's host only parses the script, yet its eval
+// goes through the script's eval_rollout (run by the children), as in process: it used to fall
+// back to the default eval (and, in a zero-config run, to an eval of no policy at all).
+func TestSandboxedEvalRunsEvalRollout(t *testing.T) {
+	src := `
+def rollout(task):
+    train(generate("p", task.prompt))
+
+def eval_rollout(task):
+    return {"mine": 0.25, "len": len(generate("p", task.prompt).text)}
+`
+	run := func(sandboxed bool) Metrics {
+		cfg := testConfig(2, "p")
+		cfg.Sandbox.Train = []string{"p"}
+		cfg.Eval.Datasets = []config.EvalDataset{{Name: "arith", Path: "synthetic:arith", Limit: 3, Temperature: 1, NSamples: 1}}
+		r, err := Load(context.Background(), writeScript(t, src), Options{Config: cfg, Tasks: numberedTasks(2),
+			Engines: map[string]engines.Engine{"p": scripted.Echo("abc")}, Sandbox: sandboxed})
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer r.Close()
+		ms, err := r.Eval(context.Background())
+		if err != nil || len(ms) != 1 {
+			t.Fatalf("sandboxed %v: eval %v, %v", sandboxed, ms, err)
+		}
+		return ms[0]
+	}
+	for _, sandboxed := range []bool{false, true} {
+		m := run(sandboxed)
+		if m.Float("mine") != 0.25 || m.Float("len") != 3 || m.Float("failed") != 0 {
+			t.Errorf("sandboxed %v: eval %v, want eval_rollout's mine 0.25 and len 3", sandboxed, m)
+		}
+	}
+}

@@ -40,6 +40,9 @@ type Script struct {
 
 	rollout     *starlark.Function
 	evalRollout *starlark.Function // nil when the script has none
+	// declaresEval: a script parsed only (the host of a sandboxed run, whose children run it)
+	// binds eval_rollout at its top level.
+	declaresEval bool
 }
 
 // Rollout is the script's rollout(task); nil for a Library.
@@ -47,6 +50,33 @@ func (s *Script) Rollout() *starlark.Function { return s.rollout }
 
 // EvalRollout is the script's eval_rollout(task); nil when it has none.
 func (s *Script) EvalRollout() *starlark.Function { return s.evalRollout }
+
+// HasEvalRollout says whether the script defines eval_rollout: EvalRollout is not nil, or, for a
+// script parsed only (a sandboxed run's host), its top level binds the name.
+func (s *Script) HasEvalRollout() bool { return s.evalRollout != nil || s.declaresEval }
+
+// declares says whether a file's top level binds name: a def, an assignment or a load.
+func declares(f *syntax.File, name string) bool {
+	for _, st := range f.Stmts {
+		switch st := st.(type) {
+		case *syntax.DefStmt:
+			if st.Name.Name == name {
+				return true
+			}
+		case *syntax.LoadStmt:
+			for _, id := range st.To {
+				if id.Name == name {
+					return true
+				}
+			}
+		case *syntax.AssignStmt:
+			if id, ok := st.LHS.(*syntax.Ident); ok && id.Name == name {
+				return true
+			}
+		}
+	}
+	return false
+}
 
 // Error is a problem with the user's script or config: the CLI exits 2 on it.
 type Error struct{ Msg string }
@@ -106,11 +136,13 @@ func LoadSource(path string, src []byte, opts Options) (*Script, error) {
 		pre["config"] = opts.Config
 	}
 	if opts.ParseOnly {
-		if _, _, err := starlark.SourceProgramOptions(fileOptions, path, src, pre.Has); err != nil {
+		f, _, err := starlark.SourceProgramOptions(fileOptions, path, src, pre.Has)
+		if err != nil {
 			return nil, &Error{ErrorText(err)}
 		}
 		sum := sha256.Sum256(append([]byte(path), src...))
-		return &Script{Path: path, Files: []string{path}, Source: src, Sources: map[string][]byte{path: src}, Hash: hex.EncodeToString(sum[:])}, nil
+		return &Script{Path: path, Files: []string{path}, Source: src, Sources: map[string][]byte{path: src}, Hash: hex.EncodeToString(sum[:]),
+			declaresEval: declares(f, "eval_rollout")}, nil
 	}
 	root := filepath.Dir(abs)
 	if opts.FS != nil {
