@@ -176,7 +176,11 @@ func cmdServe(args []string) int {
 	errc := make(chan error, 2)
 	go func() { errc <- srv.Serve(l) }()
 	if hl != nil {
-		hs, err := serveOpenAI(eng, hl, opts, errc)
+		var aliases []string
+		if *kind == "policy" {
+			aliases = []string{*model} // --config C --policy P: requests may name the policy
+		}
+		hs, err := serveOpenAI(eng, hl, opts, errc, aliases...)
 		if err != nil {
 			fmt.Fprintf(os.Stderr, "slimen serve: %v\n", err)
 			return 1

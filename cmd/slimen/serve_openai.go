@@ -28,9 +28,10 @@ func listenOpenAI(addr string, opts server.Options) (net.Listener, error) {
 }
 
 // serveOpenAI serves eng's OpenAI-compatible front on l (with the server's token as its API
-// key) until the returned server is shut down; Serve's error goes to errc.
-func serveOpenAI(eng engines.Engine, l net.Listener, opts server.Options, errc chan<- error) (*http.Server, error) {
-	ho := openai.HandlerOptions{Token: opts.Token, Logf: log.Printf}
+// key) until the returned server is shut down; Serve's error goes to errc. Requests may name the
+// engine's model or one of aliases (a served policy's name).
+func serveOpenAI(eng engines.Engine, l net.Listener, opts server.Options, errc chan<- error, aliases ...string) (*http.Server, error) {
+	ho := openai.HandlerOptions{Token: opts.Token, Logf: log.Printf, Aliases: aliases}
 	if t, ok := eng.(*tiny.Engine); ok {
 		tok := t.Tokenizer()
 		ho.Decode = func(id int32) string { return tok.Decode([]int32{id}) }

@@ -126,4 +126,13 @@ func TestServeOpenAIRemote(t *testing.T) {
 	if !reflect.DeepEqual(got, want) {
 		t.Fatalf("through a remote engine served by slimen serve --config --openai:\n%+v\nin-process:\n%+v", got, want)
 	}
+	// Requests may name the served policy instead of its model.
+	byPolicy, err := openai.Open(ctx, openai.Options{BaseURL: "http://" + httpAddr + "/v1", Model: "judge"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer byPolicy.Close()
+	if got, err := byPolicy.Generate(ctx, reqs); err != nil || !reflect.DeepEqual(got, want) {
+		t.Fatalf("naming the policy: %v, %+v; want %+v", err, got, want)
+	}
 }

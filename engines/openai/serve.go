@@ -10,6 +10,7 @@ import (
 	"errors"
 	"fmt"
 	"net/http"
+	"slices"
 	"strings"
 	"time"
 
@@ -21,6 +22,9 @@ type HandlerOptions struct {
 	// Model is the model name the front serves (what /v1/models lists and requests must name);
 	// "": the engine's Info().Model.
 	Model string
+	// Aliases are other names requests may give for Model (`slimen serve --config C --policy P`
+	// answers to the policy's name too).
+	Aliases []string
 	// Token, when not empty, is the API key every request must send as "Authorization: Bearer
 	// TOKEN".
 	Token string
@@ -166,20 +170,31 @@ func (h *handler) decode(w http.ResponseWriter, r *http.Request, v any) error {
 	return nil
 }
 
+// serves says whether a request's model names this front's: Model or one of its Aliases.
+func (h *handler) serves(name string) bool {
+	return name == h.o.Model || slices.Contains(h.o.Aliases, name)
+}
+
+// models lists Model, then its Aliases (as vLLM lists each --served-model-name).
 func (h *handler) models(w http.ResponseWriter, r *http.Request) {
-	writeJSON(w, modelList{Object: "list", Data: []modelInfo{h.modelInfo()}})
+	list := []modelInfo{h.modelInfo(h.o.Model)}
+	for _, a := range h.o.Aliases {
+		list = append(list, h.modelInfo(a))
+	}
+	writeJSON(w, modelList{Object: "list", Data: list})
 }
 
 func (h *handler) model(w http.ResponseWriter, r *http.Request) {
-	if id := r.PathValue("id"); id != h.o.Model {
+	id := r.PathValue("id")
+	if !h.serves(id) {
 		writeError(w, http.StatusNotFound, "invalid_request_error", "model", "the model %q does not exist; this server serves %q", id, h.o.Model)
 		return
 	}
-	writeJSON(w, h.modelInfo())
+	writeJSON(w, h.modelInfo(id))
 }
 
-func (h *handler) modelInfo() modelInfo {
-	return modelInfo{ID: h.o.Model, Object: "model", Created: h.created, OwnedBy: "slimen", MaxModelLen: h.maxSeqLen}
+func (h *handler) modelInfo(id string) modelInfo {
+	return modelInfo{ID: id, Object: "model", Created: h.created, OwnedBy: "slimen", MaxModelLen: h.maxSeqLen}
 }
 
 func (h *handler) tokenize(w http.ResponseWriter, r *http.Request) {
@@ -227,7 +242,7 @@ func (x extras) check() error {
 // request turns the shared settings into an engine request: the API's defaults (temperature 1,
 // top_p 1, n 1, a random seed) where the request says nothing.
 func (h *handler) request(s sampling) (engines.GenerateRequest, error) {
-	if s.Model != "" && s.Model != h.o.Model && !h.anyModel {
+	if s.Model != "" && !h.serves(s.Model) && !h.anyModel {
 		return engines.GenerateRequest{}, &apiErr{http.StatusNotFound, "invalid_request_error", "model",
 			fmt.Sprintf("the model %q does not exist; this server serves %q", s.Model, h.o.Model)}
 	}
