@@ -181,8 +181,10 @@ func (r *Run) versioned(ctx context.Context, k int) (map[string]engines.Versions
 		if !p.cfg.Trainable {
 			continue
 		}
-		if p.vers == nil {
-			vs, err := r.versionsOf(ctx, p, k)
+		vs := p.disp.versions() // nil until the first step with rollout.max_staleness > 0
+		if vs == nil {
+			var err error
+			vs, err = r.versionsOf(ctx, p, k)
 			if err != nil {
 				return nil, err
 			}
@@ -197,13 +199,12 @@ func (r *Run) versioned(ctx context.Context, k int) (map[string]engines.Versions
 					}
 				}
 			}
-			p.vers = vs
 			p.disp.setVersions(vs)
 			if p.replicas != nil {
 				fresh = append(fresh, p.replicas)
 			}
 		}
-		out[p.name] = p.vers
+		out[p.name] = vs
 	}
 	// The replicas of all policies start at once: worker processes, each seconds to start.
 	errs := make([]error, len(fresh))
@@ -391,7 +392,7 @@ func (r *Run) restoreVersions(ctx context.Context, dir string, p *policy) error 
 	if _, err := r.versioned(ctx, max(1, r.staleness())); err != nil {
 		return fmt.Errorf("resume: %w", err)
 	}
-	vs := p.vers
+	vs := p.disp.versions()
 	sort.Ints(vers)
 	for _, v := range vers {
 		if err := p.eng.Load(ctx, filepath.Join(root, strconv.Itoa(v))); err != nil {
@@ -633,7 +634,7 @@ func (r *Run) versionsInEngine(name string) bool {
 		return false
 	}
 	_, probed := p.eng.(engines.VersionsProber)
-	return probed && p.vers != nil && p.replicas == nil
+	return probed && p.disp.versions() != nil && p.replicas == nil
 }
 
 // keepAgain puts back into eng, a restarted process of policy name that keeps its weights

@@ -72,7 +72,7 @@ type dispatcher struct {
 	maxSamples int
 	maxWait    time.Duration
 	busy       *busyMeter       // nil: not measured
-	vers       engines.Versions // the engine's weights versions (setVersions); nil: none
+	vers       engines.Versions // the policy's weights versions (async.go: its engine's, or replicas; setVersions); nil: none
 
 	mu      sync.Mutex
 	pending []*pendingGen
@@ -199,9 +199,7 @@ func (d *dispatcher) flush(ctx context.Context) {
 	}
 	var out []engines.Completion
 	var err error
-	d.mu.Lock()
-	vs := d.vers
-	d.mu.Unlock()
+	vs := d.versions()
 	if v := batch[0].version; v >= 0 && vs != nil {
 		out, err = vs.GenerateVersion(ctx, v, reqs)
 	} else {

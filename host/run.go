@@ -166,15 +166,12 @@ func (r *Run) Live() (done, total, tokens int) {
 
 // policy is one policy's engine and its dispatcher.
 type policy struct {
-	name string
-	cfg  config.PolicyConfig
-	eng  engines.Engine
-	disp *dispatcher
-	busy *busyMeter // the engine's generate and train calls
-	// vers keeps the policy's weights versions (async.go): its engine, or replicas; nil until
-	// the first step with rollout.max_staleness > 0.
-	vers     engines.Versions
-	replicas *replicas // the rollout replicas the run opened for it (replica.go); nil: none
+	name     string
+	cfg      config.PolicyConfig
+	eng      engines.Engine
+	disp     *dispatcher
+	busy     *busyMeter // the engine's generate and train calls
+	replicas *replicas  // the rollout replicas the run opened for it (replica.go); nil: none
 	// busyMark is busy's total at the end of the last step.
 	busyMark time.Duration
 
