@@ -34,7 +34,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .engine import Engine
-from .model import Transformer
+from .model import Transformer, bind_thread
 from .train import Trainer, micro_batches
 from .types import RequestError
 
@@ -452,6 +452,7 @@ class Group:
         dist.broadcast_object_list([call], src=0, group=self.ctrl)
 
     def _loop(self) -> None:
+        bind_thread(self.local.device)
         while True:
             with self.cv:
                 self.cv.wait_for(lambda: self.closed or self.calls or self.pending,

@@ -21,7 +21,7 @@ import torch
 from . import compile_cache, kernels, lora
 from .config import ModelConfig, eos_ids, read_config
 from .generate import Generator, Request
-from .model import Transformer, fused_rms_norm
+from .model import Transformer, bind_thread, fused_rms_norm
 from .tokenizer import Tokenizer
 from .train import Trainer, micro_batches, response_hidden, response_logits
 from .types import (Batch, Completion, GenerateRequest, LossConfig, RequestError, Sampling,
@@ -205,6 +205,7 @@ class Engine:
     # ---- the worker thread ----
 
     def _loop(self) -> None:
+        bind_thread(self.device)
         while True:
             with self._cv:
                 while not (self._closed or self._tasks or self._new or self._cancels

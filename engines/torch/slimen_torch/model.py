@@ -27,6 +27,14 @@ from .config import ModelConfig
 from .lora import linear
 
 
+def bind_thread(device: torch.device) -> None:
+    """Makes device the calling thread's current CUDA device. The current device is per thread:
+    a thread started by a rank of a multi-GPU worker (rank k on cuda:k) would otherwise launch
+    Triton kernels and capture CUDA graphs on cuda:0."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     # As transformers: normalise in fp32, cast back, then scale (the order matters in bf16).
     dtype = x.dtype

@@ -22,7 +22,7 @@ import time
 import torch
 
 from .generate import Generator, Request
-from .model import Transformer
+from .model import Transformer, bind_thread
 from .types import RequestError
 
 log = logging.getLogger("slimen_torch")
@@ -192,6 +192,7 @@ class _Rollout:
     # ---- the rollout thread ----
 
     def _loop(self) -> None:
+        bind_thread(self.device)
         if self.stream is not None:
             with torch.cuda.stream(self.stream):
                 self._run()

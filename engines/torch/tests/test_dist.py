@@ -230,6 +230,7 @@ def test_close_with_the_followers_gone(monkeypatch):
 
     class Local:
         closed = False
+        device = torch.device("cpu")
 
         def close(self):
             self.closed = True
@@ -245,3 +246,18 @@ def test_close_with_the_followers_gone(monkeypatch):
     group = dist.Group(local, object(), ["cpu", "cpu"])
     assert group.close(timeout=10)
     assert local.closed and not raised
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_engine_threads_use_its_gpu(model_dirs):
+    """An engine on the second GPU (a multi-GPU worker's rank 1) runs its threads there: the
+    current CUDA device is per thread, and a thread left on cuda:0 captured empty CUDA graphs and
+    failed Triton launches ("cannot be accessed from Triton") on the first 2-GPU run."""
+    e = Engine(str(model_dirs["tiny-qwen3"]), Options(device="cuda:1"))
+    try:
+        assert e._call(torch.cuda.current_device) == 1
+        out = e.generate([GenerateRequest(id="a", prompt_tokens=[3, 4, 5], n=4,
+                                          sampling=Sampling(max_tokens=24, seed=1))])
+        assert len(out) == 4 and all(len(c.tokens) > 0 for c in out)
+    finally:
+        e.close()
