@@ -28,7 +28,7 @@ import torch  # noqa: E402
 from slimen_torch.engine import Engine, Options  # noqa: E402
 from slimen_torch.make_model import make_model  # noqa: E402
 from slimen_torch.types import (Batch, GenerateRequest, LossConfig, Sample,  # noqa: E402
-                                Sampling)
+                                Sampling, ScoreRequest)
 
 
 def requests(n: int, prompt_len: int, max_tokens: int, vocab: int, tag: str):
@@ -98,6 +98,16 @@ def main() -> None:
             e.close()
 
 
+def divergence(a, b) -> str:
+    """How many responses of a differ from b's, and the first differing token's position."""
+    at = [next((i for i, (p, q) in enumerate(zip(x.tokens, y.tokens)) if p != q),
+               min(len(x.tokens), len(y.tokens))) for x, y in zip(a, b) if x.tokens != y.tokens]
+    if not at:
+        return f"all {len(a)} responses equal"
+    return (f"{len(at)}/{len(a)} responses differ, first at token {min(at)} "
+            f"(median {statistics.median(at):.0f})")
+
+
 def run(e: Engine, shape: str, device: str, copies: int, B: int, T: int) -> None:
     V = e.cfg.vocab_size
     rows = []
@@ -117,6 +127,13 @@ def run(e: Engine, shape: str, device: str, copies: int, B: int, T: int) -> None
     reqs = requests(B, 32, T, V, "a")
     before = e.generate(reqs)
     e.keep_version(0)
+    # The rollout model against the weights' generator on the same weights (before the step):
+    # the same tokens, and its log-probs against the weights' own score of its tokens.
+    same_w = versioned(e, 0, requests(B, 32, T, V, "e"))
+    scored = e.score([ScoreRequest(tokens=c.tokens, prompt_tokens=c.prompt_tokens) for c in same_w])
+    dsc = max((abs(p - q) for c, s in zip(same_w, scored) for p, q in zip(c.logprobs, s)), default=0.0)
+    rows.append(("version 0 before the step (the same weights)", f"{divergence(before, same_w)}; "
+                 f"its log-probs against the weights' score of its tokens: largest difference {dsc:.2e}"))
     st = e.train(batch_of(before, 1e-3 if device != "cpu" else 5e-2))
     now = e.generate(requests(B, 32, T, V, "b"))
     old = versioned(e, 0, requests(B, 32, T, V, "c"))
@@ -125,8 +142,14 @@ def run(e: Engine, shape: str, device: str, copies: int, B: int, T: int) -> None
                if x.tokens == y.tokens), default=0.0)
     moved = sum(x.tokens != y.tokens for x, y in zip(before, now))
     rows.append(("version 0 after a step", f"tokens {'equal' if same else 'DIFFER'} to the "
-                 f"weights' before the step (largest log-prob difference {dlp:.2e}); the trained weights "
+                 f"weights' before the step{'' if same else ' ' + divergence(before, old)} (largest "
+                 f"log-prob difference where equal {dlp:.2e}); the trained weights "
                  f"differ in {moved}/{B} responses (step skipped: {st.skipped})"))
+    if not same:
+        # Which generator differs: the weights' own generator on a second run of the same requests
+        # (batch invariance), or the rollout model's (its own KV cache and graphs).
+        again = e.generate(requests(B, 32, T, V, "d"))
+        rows.append(("the weights' generator, the same requests again", divergence(now, again)))
 
     # Overlap: a versioned round alone, a training step alone, both at once.
     e.keep_version(1)

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Issue 21's measurement: the end-to-end debate of e2e_debate.sh (a Qwen3-shaped ~55M model warmed
-# up on synthetic:arith, generator and critic on two torch workers sharing one device) at
+# up on synthetic:arith, generator and critic on two torch workers sharing one device, or on two
+# with DEVICE2) at
 # rollout.max_staleness 0, 1 and 2 (docs/async.md). At K > 0 each worker keeps the weights versions
 # itself (a device copy of the weights per kept version, sampled by a rollout model in the same
 # process while the trainer steps); the runs of REPLICA_KS (default 1) run again with
@@ -21,6 +22,7 @@ set -euo pipefail
 SLIMEN=${SLIMEN:-.devbuild/slimen}
 PY=${PY:-python3}
 DEVICE=${DEVICE:-cuda:0}
+DEVICE2=${DEVICE2:-$DEVICE}  # the critic's device: DEVICE2=cuda:1 puts the two policies on two GPUs
 OUT=${OUT:-/tmp/e2e-async}
 KS=${KS:-0 1 2}
 REPLICA_KS=${REPLICA_KS-1}
@@ -68,7 +70,7 @@ policies:
     train: {lr: $LR, advantage_estimator: grpo, global_batch_size: 0}
   - name: critic
     hf_checkpoint: $model
-    engine: {kind: torch, python: $PY, device: "$DEVICE", args: [--slots, "$SLOTS", --max-seq-len, "512"$extra]}
+    engine: {kind: torch, python: $PY, device: "$DEVICE2", args: [--slots, "$SLOTS", --max-seq-len, "512"$extra]}
     train: {lr: $LR, advantage_estimator: grpo, global_batch_size: 0}
 rollout: {batch_size: $BATCH, max_response_len: $MAXLEN, temperature: 1.0, max_staleness: $k}
 data: {path: "$DATA"}
