@@ -3,6 +3,7 @@ package host
 import (
 	"context"
 	"fmt"
+	"math"
 	"path/filepath"
 	"slices"
 	"sort"
@@ -507,12 +508,17 @@ func stalenessMetrics(m Metrics, step int, ss []trainSample, partial bool) {
 	for _, s := range ss {
 		mean := float64(s.version)
 		if vs := s.C.Versions(); len(vs) > 0 {
-			t := 0
+			t, lo, hi := 0, math.MaxInt, math.MinInt
 			for _, v := range vs {
-				t += int(v)
+				v := int(v)
+				if v == script.StepVersion { // a conversation's turn that was not continued
+					v = s.version
+				}
+				t += v
+				lo, hi = min(lo, v), max(hi, v)
 			}
 			mean = float64(t) / float64(len(vs))
-			if vs[len(vs)-1] != vs[0] {
+			if hi != lo {
 				two++
 			}
 		}

@@ -424,6 +424,50 @@ func TestAsyncPartial(t *testing.T) {
 	resumeEqualsWhole(t, script, cfg, 2, 4, false)
 }
 
+// TestAsyncPartialChat: a chat's turns are split like generate calls under rollout.partial, and
+// the conversation's sample records its sampled tokens' versions, so the metrics count the
+// conversations of two versions and their mean staleness falls below the max.
+func TestAsyncPartialChat(t *testing.T) {
+	model := tinyModel(t, 1)
+	script := writeScript(t, `
+def rollout(task):
+    c = chat("p")
+    c.user(task.prompt)
+    c.generate(max_tokens = 8)
+    c.user("More.")
+    c.generate(max_tokens = 8)
+    reward(c, float(len(c.turns[-1].text) % 3))
+    train(c)
+`)
+	run := func(partial bool) []string {
+		cfg := tinyConfig(model, nil)
+		cfg.Rollout.MaxStaleness, cfg.Rollout.Partial = 1, partial
+		r, err := Load(context.Background(), script, Options{Config: cfg, Tasks: numberedTasks(4)})
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer r.Close()
+		return stepLines(t, r, 3)
+	}
+	a := run(true)
+	if d := cmp.Diff(a, run(true)); d != "" {
+		t.Errorf("two partial chat runs differ (-first +second):\n%s", d)
+	}
+	for s := 2; s <= 3; s++ {
+		var m Metrics
+		json.Unmarshal([]byte(a[2*(s-1)]), &m)
+		if m.Float("partial_samples") == 0 || !(m.Float("staleness_mean") < m.Float("staleness_max")) {
+			t.Errorf("step %d: %s; want conversations of two versions, and a mean staleness below the max", s, a[2*(s-1)])
+		}
+	}
+	// Without partial no conversation has a second version.
+	var m Metrics
+	json.Unmarshal([]byte(run(false)[2]), &m)
+	if _, ok := m["partial_samples"]; ok || m.Float("staleness_mean") != m.Float("staleness_max") {
+		t.Errorf("K = 1 without partial, step 2: %v", m)
+	}
+}
+
 // TestAsyncWithTIS: truncated importance sampling corrects the stale samples of the asynchronous
 // loop: at max_staleness 1 the samples of step 2 come from version 0 while the trainer holds
 // version 1, so their TIS weights move off 1; the run stays deterministic.

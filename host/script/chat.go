@@ -501,7 +501,38 @@ func NewConversation(id string, key []int, turns []*Completion) (*Completion, er
 		}
 		s.text += t.text
 	}
+	s.versions = turnVersions(turns)
 	return s, nil
+}
+
+// turnVersions are a conversation's per-token versions (Completion.versions): nil when no turn was
+// continued under a newer version (rollout.partial), else each sampled token's, StepVersion for the
+// turns that were not.
+func turnVersions(turns []*Completion) []int32 {
+	var vs []int32
+	for k, t := range turns {
+		if t.versions == nil && vs == nil {
+			continue
+		}
+		if vs == nil {
+			for _, u := range turns[:k] {
+				vs = appendStepVersions(vs, len(u.tokens))
+			}
+		}
+		if t.versions != nil {
+			vs = append(vs, t.versions...)
+		} else {
+			vs = appendStepVersions(vs, len(t.tokens))
+		}
+	}
+	return vs
+}
+
+func appendStepVersions(vs []int32, n int) []int32 {
+	for range n {
+		vs = append(vs, StepVersion)
+	}
+	return vs
 }
 
 // jsonEncode is json.encode of the json module.

@@ -29,6 +29,8 @@ type Completion struct {
 	turns []*Completion // a conversation's sampled turns
 	// versions, per token, are the weights versions that sampled it when a partial rollout
 	// continued it under a newer one (engines.Completion.Versions); nil: its step's version.
+	// A conversation's sample has one per sampled token (mask 1), in order, once one of its turns
+	// was continued; StepVersion stands for the tokens of its other turns.
 	versions []int32
 
 	mu      sync.Mutex
@@ -94,6 +96,10 @@ func (c *Completion) LossMask() []float32 {
 // Versions returns, per token, the weights version that sampled it when the generation was
 // continued under a newer version (rollout.partial); nil: all from its step's version.
 func (c *Completion) Versions() []int32 { return c.versions }
+
+// StepVersion in a conversation's Versions stands for the version its rollout's step sampled from
+// (a turn that was not continued records no versions of its own).
+const StepVersion = -1
 
 // Turns are the sampled turns of a conversation's sample (chat), in order; nil for others.
 func (c *Completion) Turns() []*Completion { return c.turns }
