@@ -248,6 +248,56 @@ def test_close_with_the_followers_gone(monkeypatch):
     assert local.closed and not raised
 
 
+def test_a_round_takes_the_whole_burst(monkeypatch):
+    """Requests that come close together (the host's burst at a step's start) are generated in
+    one round: a round started on the first of them kept the others waiting for all of it."""
+    import threading
+    import time
+
+    from slimen_torch import dist
+
+    class Local:
+        device = torch.device("cpu")
+
+        def request(self, req):
+            pass
+
+        def close(self):
+            pass
+
+    rounds = []
+
+    def run_call(engine, call, ctrl, rank):
+        if call[0] != "generate":
+            return None
+        rounds.append(sum(len(s) for s in call[1]))
+        time.sleep(0.05)  # a round's generation
+        return [[([f"done {q.id}"], None) for q in share] for share in call[1]]
+
+    monkeypatch.setattr(dist.dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(dist.dist, "broadcast_object_list", lambda objs, src, group: None)
+    monkeypatch.setattr(dist, "run_call", run_call)
+    monkeypatch.setattr(dist, "ROUND_QUIET_S", 0.2)  # far above the gaps below, on a busy machine
+    monkeypatch.setattr(dist, "ROUND_WAIT_S", 5.0)
+    group = dist.Group(Local(), object(), ["cpu", "cpu"])
+    got, done = [], threading.Event()
+
+    def ok(c):
+        got.append(c)
+        if len(got) == 20:
+            done.set()
+
+    try:
+        for i in range(20):
+            group.submit(GenerateRequest(id=str(i)), ok)
+            time.sleep(0.002)
+        assert done.wait(30)
+    finally:
+        group.close(timeout=10)
+    assert sorted(got) == sorted(f"done {i}" for i in range(20))
+    assert rounds == [20]
+
+
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
 def test_engine_threads_use_its_gpu(model_dirs):
     """An engine on the second GPU (a multi-GPU worker's rank 1) runs its threads there: the
