@@ -211,6 +211,11 @@ type Versions interface {
 	DropVersions(ctx context.Context, below int) error
 }
 
+// ErrVersionNotKept is wrapped by the error of a Versions method called with a version the engine
+// does not keep (never kept, dropped, or lost by a process that restarted); a server answers it
+// with FAILED_PRECONDITION.
+var ErrVersionNotKept = errors.New("weights version not kept")
+
 // VersionsProber is implemented by an engine whose Versions methods work only when what serves it
 // keeps versions: a remote client (engines/remote) has them, and they work when the server lists
 // "versions" in Info.Capabilities (the PyTorch worker does). KeepsVersions asks; the host uses

@@ -2,6 +2,7 @@ package server
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"io"
 	"runtime/debug"
@@ -32,6 +33,9 @@ type generator struct {
 	eng    engines.Engine
 	stream StreamGenerator // eng, when it streams; nil otherwise
 	opts   Options
+	// keeper gives the engine's kept weights versions for requests that name one (the service's
+	// keeper), or a status saying it keeps none.
+	keeper func(context.Context) (engines.Versions, error)
 
 	mu       sync.Mutex
 	entries  map[string]*genEntry // every request known by id: queued, running or finished
@@ -57,6 +61,7 @@ type genEntry struct {
 	id         string
 	fp         [32]byte
 	req        engines.GenerateRequest
+	version    *int // the kept weights version that samples it; nil: the current weights
 	n          int
 	got        []*enginepb.Completion // by sample index; nil until sampled
 	ngot       int
@@ -86,8 +91,8 @@ type session struct {
 	closed bool
 }
 
-func newGenerator(eng engines.Engine, opts Options) *generator {
-	g := &generator{eng: eng, opts: opts, entries: map[string]*genEntry{}}
+func newGenerator(eng engines.Engine, opts Options, keeper func(context.Context) (engines.Versions, error)) *generator {
+	g := &generator{eng: eng, opts: opts, keeper: keeper, entries: map[string]*genEntry{}}
 	g.stream, _ = eng.(StreamGenerator)
 	return g
 }
@@ -134,7 +139,7 @@ func (s *service) Generate(stream enginepb.Engine_GenerateServer) error {
 				g.cancel(sess, msg.GetCancel())
 			}
 			if len(msg.GetRequests()) > 0 {
-				g.submit(sess, msg.GetRequests())
+				g.submit(stream.Context(), sess, msg.GetRequests())
 			}
 		}
 	}()
@@ -197,10 +202,16 @@ func (s *service) flush(stream enginepb.Engine_GenerateServer, sess *session) er
 
 // submit takes the requests of one stream message. A known id is answered from the entry it
 // already has (finished: at once; running or queued: as its samples come), never sampled again.
-func (g *generator) submit(sess *session, reqs []*enginepb.GenerateRequest) {
+// A request that names a weights version is refused at once when the engine keeps none.
+func (g *generator) submit(ctx context.Context, sess *session, reqs []*enginepb.GenerateRequest) {
 	fps := make([][32]byte, len(reqs))
+	vers := make([]*int, len(reqs))
+	verErrs := make([]error, len(reqs))
 	for i, r := range reqs {
 		fps[i], _ = fingerprint(r) // a message that was just unmarshaled marshals again
+		if vers[i], verErrs[i] = version(r.Version); verErrs[i] == nil && vers[i] != nil {
+			_, verErrs[i] = g.keeper(ctx)
+		}
 	}
 	g.mu.Lock()
 	defer g.mu.Unlock()
@@ -215,6 +226,10 @@ func (g *generator) submit(sess *session, reqs []*enginepb.GenerateRequest) {
 			continue
 		case r.GetN() < 0:
 			sess.push(nil, requestError(id, codes.InvalidArgument, "generate request %q asks for n = %d samples; n must be ≥ 0 (0 is read as 1)", id, r.GetN()))
+			continue
+		case verErrs[i] != nil:
+			st := status.Convert(verErrs[i])
+			sess.push(nil, requestError(id, st.Code(), "generate request %q names weights version %d: %s", id, r.GetVersion(), st.Message()))
 			continue
 		}
 		if _, waiting := sess.subs[id]; waiting {
@@ -238,13 +253,14 @@ func (g *generator) submit(sess *session, reqs []*enginepb.GenerateRequest) {
 		}
 		n := max(int(r.GetN()), 1)
 		e := &genEntry{
-			id:    id,
-			fp:    fps[i],
-			req:   enginepb.DecodeGenerateRequest(r),
-			n:     n,
-			got:   make([]*enginepb.Completion, n),
-			state: stateQueued,
-			subs:  map[*session]struct{}{sess: {}},
+			id:      id,
+			fp:      fps[i],
+			req:     enginepb.DecodeGenerateRequest(r),
+			version: vers[i],
+			n:       n,
+			got:     make([]*enginepb.Completion, n),
+			state:   stateQueued,
+			subs:    map[*session]struct{}{sess: {}},
 		}
 		sess.subs[id] = e
 		g.entries[id] = e
@@ -322,18 +338,27 @@ func (g *generator) schedule() {
 		return
 	}
 	for g.running < g.opts.MaxConcurrentBatches && len(g.queue) > 0 {
-		i, samples := 0, 0
-		for i < len(g.queue) {
-			n := g.queue[i].n
-			if i > 0 && g.opts.MaxBatchSamples > 0 && samples+n > g.opts.MaxBatchSamples {
-				break
+		// A batch is one engine call, so its requests share the weights that sample them: the
+		// oldest request's version, and the queued requests of that version after it in order.
+		v := g.queue[0].version
+		var take, rest []*genEntry
+		samples, full := 0, false
+		for _, e := range g.queue {
+			if full || !sameVersion(e.version, v) {
+				rest = append(rest, e)
+				continue
 			}
-			samples += n
-			i++
+			if len(take) > 0 && g.opts.MaxBatchSamples > 0 && samples+e.n > g.opts.MaxBatchSamples {
+				full = true
+				rest = append(rest, e)
+				continue
+			}
+			samples += e.n
+			take = append(take, e)
 		}
 		ctx, cancel := context.WithCancel(context.Background())
-		b := &batch{cancel: cancel, entries: slices.Clone(g.queue[:i])}
-		g.queue = slices.Delete(g.queue, 0, i)
+		b := &batch{cancel: cancel, entries: take}
+		g.queue = rest
 		g.queued -= samples
 		for _, e := range b.entries {
 			e.state, e.batch = stateRunning, b
@@ -356,9 +381,10 @@ func (g *generator) run(ctx context.Context, b *batch) {
 		g.mu.Unlock()
 	}()
 	err := g.generate(ctx, b.entries)
-	if err != nil && len(b.entries) > 1 && ctx.Err() == nil {
+	if err != nil && len(b.entries) > 1 && ctx.Err() == nil && !errors.Is(err, engines.ErrVersionNotKept) {
 		// One bad request must not fail the unrelated requests that happened to share its
 		// batch: retry the unfinished ones alone, so the error lands on the one that caused it.
+		// (A weights version the engine does not keep fails every request of the batch alike.)
 		g.opts.Logf("engine server: a batch of %d generate requests failed (%v); retrying them one by one", len(b.entries), err)
 		for _, e := range b.entries {
 			if g.unfinished(e) {
@@ -391,6 +417,19 @@ func (g *generator) generate(ctx context.Context, entries []*genEntry) (err erro
 	for i, e := range entries {
 		reqs[i] = e.req
 	}
+	var comps []engines.Completion
+	if v := entries[0].version; v != nil {
+		// A kept version samples the whole batch at once (engines.Versions has no streaming
+		// form); schedule put only requests of this version into it.
+		vs, err := g.keeper(ctx)
+		if err != nil {
+			return err
+		}
+		if comps, err = vs.GenerateVersion(ctx, *v, reqs); err != nil {
+			return fmt.Errorf("generate from weights version %d: %w", *v, err)
+		}
+		return g.deliverAll(entries, comps)
+	}
 	if g.stream != nil {
 		byID := make(map[string]*genEntry, len(entries))
 		for _, e := range entries {
@@ -402,10 +441,16 @@ func (g *generator) generate(ctx context.Context, entries []*genEntry) (err erro
 			}
 		})
 	}
-	comps, err := g.eng.Generate(ctx, reqs)
+	comps, err = g.eng.Generate(ctx, reqs)
 	if err != nil {
 		return err
 	}
+	return g.deliverAll(entries, comps)
+}
+
+// deliverAll delivers the completions of one engine call for entries, which answers request by
+// request in order.
+func (g *generator) deliverAll(entries []*genEntry, comps []engines.Completion) error {
 	total := 0
 	for _, e := range entries {
 		total += e.n
@@ -508,6 +553,28 @@ func (g *generator) evict(now time.Time) {
 		i++
 	}
 	g.finished = slices.Delete(g.finished, 0, i)
+}
+
+// sameVersion says whether two requests are sampled by the same weights.
+func sameVersion(a, b *int) bool {
+	return (a == nil) == (b == nil) && (a == nil || *a == *b)
+}
+
+// forgetVersion drops the finished requests sampled from kept version v (KeepVersion replaced
+// it), so that a resend is sampled from the weights now kept as v.
+func (g *generator) forgetVersion(v int) {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	g.finished = slices.DeleteFunc(g.finished, func(f *genEntry) bool {
+		if f.version == nil || *f.version != v {
+			return false
+		}
+		if g.entries[f.id] == f {
+			delete(g.entries, f.id)
+		}
+		g.kept -= f.bytes
+		return true
+	})
 }
 
 // forgetFinished drops every finished request (Load replaced the weights they were sampled from).

@@ -14,6 +14,7 @@ import (
 	"errors"
 	"fmt"
 	"strings"
+	"sync/atomic"
 	"time"
 
 	"github.com/slimen/slimen/engines"
@@ -137,20 +138,22 @@ type service struct {
 	roots    roots
 	gen      *generator
 	train    *trainLog
+	keeps    atomic.Bool // the engine, an engines.VersionsProber, said it keeps weights versions
 }
 
 func newService(eng engines.Engine, opts Options) *service {
 	var b [8]byte
 	_, _ = rand.Read(b[:]) // crypto/rand.Read never fails
-	return &service{
+	s := &service{
 		eng:      eng,
 		opts:     opts,
 		instance: hex.EncodeToString(b[:]),
 		auth:     tokenAuth{token: opts.Token},
 		roots:    newRoots(opts.Roots),
-		gen:      newGenerator(eng, opts),
 		train:    newTrainLog(opts.TrainMemory),
 	}
+	s.gen = newGenerator(eng, opts, s.keeper)
+	return s
 }
 
 // stampUnary names this server process in the header of every unary answer, so that a client
@@ -177,6 +180,7 @@ func (s *service) Info(ctx context.Context, req *enginepb.InfoRequest) (*enginep
 	if err != nil {
 		return nil, toStatus(err)
 	}
+	info.Capabilities = s.withVersionsCapability(ctx, info.Capabilities)
 	return &enginepb.InfoResponse{
 		ProtocolVersion: enginepb.ProtocolVersion,
 		Instance:        s.instance,
@@ -192,13 +196,27 @@ func (s *service) Health(context.Context, *enginepb.HealthRequest) (*enginepb.He
 	}, nil
 }
 
+// Score scores with the current weights, or with the kept weights version the request names.
 func (s *service) Score(ctx context.Context, req *enginepb.ScoreBatchRequest) (*enginepb.ScoreBatchResponse, error) {
+	v, err := version(req.Version)
+	if err != nil {
+		return nil, err
+	}
 	reqs := make([]engines.ScoreRequest, len(req.GetRequests()))
 	for i, r := range req.GetRequests() {
 		reqs[i] = enginepb.DecodeScoreRequest(r)
 	}
-	scores, err := s.eng.Score(ctx, reqs)
-	if err != nil {
+	var scores []engines.Scores
+	if v != nil {
+		vs, err := s.keeper(ctx)
+		if err != nil {
+			return nil, err
+		}
+		scores, err = vs.ScoreVersion(ctx, *v, reqs)
+		if err != nil {
+			return nil, toStatus(fmt.Errorf("score with weights version %d: %w", *v, err))
+		}
+	} else if scores, err = s.eng.Score(ctx, reqs); err != nil {
 		return nil, toStatus(err)
 	}
 	if len(scores) != len(reqs) {
@@ -293,10 +311,26 @@ func (s *service) Tokenize(ctx context.Context, req *enginepb.TokenizeRequest) (
 	return out, nil
 }
 
+// Save writes the current weights and optimizer state into a folder inside the server's roots,
+// or, when the request names a kept weights version, that version's weights (no optimizer state).
 func (s *service) Save(ctx context.Context, req *enginepb.SaveRequest) (*enginepb.SaveResponse, error) {
+	v, err := version(req.Version)
+	if err != nil {
+		return nil, err
+	}
 	dir, err := s.roots.resolve("save", req.GetDir())
 	if err != nil {
 		return nil, err
+	}
+	if v != nil {
+		vs, err := s.keeper(ctx)
+		if err != nil {
+			return nil, err
+		}
+		if err := vs.SaveVersion(ctx, *v, dir); err != nil {
+			return nil, toStatus(fmt.Errorf("save weights version %d: %w", *v, err))
+		}
+		return &enginepb.SaveResponse{}, nil
 	}
 	if err := s.eng.Save(ctx, dir); err != nil {
 		return nil, toStatus(err)
@@ -339,6 +373,8 @@ func toStatus(err error) error {
 	switch {
 	case errors.Is(err, engines.ErrNotSupported):
 		return status.Error(codes.Unimplemented, err.Error())
+	case errors.Is(err, engines.ErrVersionNotKept):
+		return status.Error(codes.FailedPrecondition, err.Error())
 	case errors.Is(err, context.DeadlineExceeded):
 		return status.Error(codes.DeadlineExceeded, err.Error())
 	case errors.Is(err, context.Canceled):

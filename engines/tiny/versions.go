@@ -31,7 +31,7 @@ func (s *versionStore) get(v int) (engines.Engine, error) {
 	defer s.mu.RUnlock()
 	snap, ok := s.kept[v]
 	if !ok {
-		return nil, fmt.Errorf("tiny: no weights version %d is kept (have %v)", v, slices.Sorted(maps.Keys(s.kept)))
+		return nil, fmt.Errorf("tiny: no weights version %d is kept (have %v): %w", v, slices.Sorted(maps.Keys(s.kept)), engines.ErrVersionNotKept)
 	}
 	return snap, nil
 }
