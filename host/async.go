@@ -253,8 +253,13 @@ func (r *Run) versionsOf(ctx context.Context, p *policy, k int) (engines.Version
 		if offHost(p.cfg) {
 			why = "an engine the run starts itself: a replica of a server the run does not own would be the same server"
 		}
-		return nil, fmt.Errorf("policy %q%s: rollout.max_staleness is %d, which needs an engine that keeps rollout copies of its weights while it trains (the tiny engine does) or %s; its %s engine has neither — set rollout.max_staleness: 0 (docs/async.md)",
-			p.name, r.cfgPlace(p), k, why, kind)
+		server := ""
+		if _, asks := p.eng.(engines.VersionsProber); asks {
+			// A server reached over the protocol keeps them when it lists "versions".
+			server = " (its server lists no \"versions\" capability; `slimen serve` of an engine that keeps versions and the torch worker without --no-versions list it)"
+		}
+		return nil, fmt.Errorf("policy %q%s: rollout.max_staleness is %d, which needs an engine that keeps rollout copies of its weights while it trains (the tiny engine does) or %s; its %s engine has neither%s — set rollout.max_staleness: 0 (docs/async.md)",
+			p.name, r.cfgPlace(p), k, why, kind, server)
 	}
 	pc := p.cfg
 	rep := &replicas{policy: p.name, trainer: p.eng, dir: filepath.Join(r.opts.Out, ".rollout_push", p.name), logf: r.events.filef,
