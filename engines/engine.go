@@ -218,7 +218,8 @@ var ErrVersionNotKept = errors.New("weights version not kept")
 
 // VersionsProber is implemented by an engine whose Versions methods work only when what serves it
 // keeps versions: a remote client (engines/remote) has them, and they work when the server lists
-// "versions" in Info.Capabilities (the PyTorch worker does). KeepsVersions asks; the host uses
+// "versions" in Info.Capabilities (the PyTorch worker does, and `slimen serve` of an engine with
+// Versions). KeepsVersions asks; the host uses
 // the engine's Versions only when it says yes, and rollout replicas otherwise. An engine with
 // Versions and without this method always keeps versions.
 type VersionsProber interface {

@@ -12,10 +12,12 @@ import (
 )
 
 // The weights versions of the asynchronous loop (engines.Versions, docs/async.md), kept by the
-// server itself: a server that lists "versions" in Info.Capabilities (the PyTorch worker) copies
-// its weights on the device at KeepVersion and samples a kept version while it trains. A server
-// without it (an older worker, `slimen serve`) has none of this; the host asks KeepsVersions
-// before it uses them, and keeps rollout replicas for such an engine instead.
+// server itself: a server that lists "versions" in Info.Capabilities (the PyTorch worker, which
+// copies its weights on the device at KeepVersion; `slimen serve` of an engine with
+// engines.Versions) samples a kept version while it trains. A server without it (an older
+// release, a worker with --no-versions, `slimen serve` of an engine that keeps none) has none of
+// this; the host asks KeepsVersions before it uses them, and keeps rollout replicas for such an
+// engine instead, or refuses rollout.max_staleness > 0 for a server it does not own.
 var _ engines.Versions = (*Client)(nil)
 
 // KeepsVersions says whether the server keeps weights versions ("versions" in its capabilities).
