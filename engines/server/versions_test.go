@@ -238,11 +238,23 @@ func TestEngineWithoutVersions(t *testing.T) {
 	}
 }
 
-// keeping records the engine calls of a fake that keeps versions.
+// keeping records the engine calls of a fake that keeps versions. Its Train, once training is
+// set, holds until training is closed.
 type keeping struct {
 	*gated
-	mu    sync.Mutex
-	calls []string // "vN: ids" or "cur: ids"
+	mu       sync.Mutex
+	calls    []string // "vN: ids" or "cur: ids"
+	training chan struct{}
+	trains   chan struct{} // a Train call began
+}
+
+func (k *keeping) Train(ctx context.Context, b engines.Batch) (engines.TrainStats, error) {
+	if k.training == nil {
+		return k.gated.Train(ctx, b)
+	}
+	k.trains <- struct{}{}
+	<-k.training
+	return engines.TrainStats{Tokens: 1}, nil
 }
 
 func (k *keeping) note(v string, reqs []engines.GenerateRequest) {
@@ -266,8 +278,8 @@ func (k *keeping) GenerateVersion(ctx context.Context, v int, reqs []engines.Gen
 }
 
 func (k *keeping) KeepVersion(context.Context, int) error { return nil }
-func (k *keeping) ScoreVersion(context.Context, int, []engines.ScoreRequest) ([]engines.Scores, error) {
-	return nil, engines.ErrNotSupported
+func (k *keeping) ScoreVersion(_ context.Context, _ int, reqs []engines.ScoreRequest) ([]engines.Scores, error) {
+	return make([]engines.Scores, len(reqs)), nil
 }
 func (k *keeping) SaveVersion(context.Context, int, string) error { return nil }
 func (k *keeping) DropVersions(context.Context, int) error        { return nil }
@@ -332,5 +344,40 @@ func TestVersionCallsNeedTheToken(t *testing.T) {
 		if err := call(authed); err != nil {
 			t.Errorf("%s with the token: %v", name, err)
 		}
+	}
+}
+
+// A kept version samples and scores while an optimizer step runs on the server: nothing in the
+// server makes a versioned call wait for Train (the engine's versions promise the same).
+func TestVersionServedWhileTraining(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	k := &keeping{gated: newGated(), training: make(chan struct{}), trains: make(chan struct{}, 1)}
+	c := start(t, k, Options{})
+	trained := make(chan error, 1)
+	go func() {
+		_, err := c.Train(ctx, &enginepb.TrainRequest{Batch: &enginepb.Batch{Id: "step1"}})
+		trained <- err
+	}()
+	<-k.trains
+	s := open(t, c)
+	one := int32(1)
+	if err := s.Send(&enginepb.GenerateStreamRequest{Requests: []*enginepb.GenerateRequest{{Id: "a", PromptTokens: []int32{1}, N: 1, Version: &one}}}); err != nil {
+		t.Fatal(err)
+	}
+	if got := next(t, s); !slices.Equal(got, []string{"a#0"}) {
+		t.Errorf("generate from version 1 while training: %q", got)
+	}
+	if _, err := c.Score(ctx, &enginepb.ScoreBatchRequest{Requests: []*enginepb.ScoreRequest{{PromptTokens: []int32{1}, Tokens: []int32{2}}}, Version: &one}); err != nil {
+		t.Errorf("score with version 1 while training: %v", err)
+	}
+	select {
+	case err := <-trained:
+		t.Fatalf("the step ended before it was let go: %v", err)
+	default:
+	}
+	close(k.training)
+	if err := <-trained; err != nil {
+		t.Fatal(err)
 	}
 }
