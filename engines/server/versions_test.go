@@ -381,3 +381,54 @@ func TestVersionServedWhileTraining(t *testing.T) {
 		t.Fatal(err)
 	}
 }
+
+// without hides an engine's weights versions.
+type without struct{ engines.Engine }
+
+// A server whose engine is itself a remote client (what `slimen serve --config` serves for a
+// remote policy) keeps versions exactly when the server behind it does: it asks the client
+// (engines.VersionsProber) and passes the versions calls on.
+func TestServedRemoteClientKeepsVersionsOfItsServer(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	eng, err := tiny.Open("builtin:tiny-arith", tiny.Options{Threads: 2})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer eng.Close()
+	root := t.TempDir()
+	for _, keeps := range []bool{true, false} {
+		var served engines.Engine = eng
+		if !keeps {
+			served = without{eng}
+		}
+		front := serveVersioned(t, serveVersioned(t, served, root), root)
+		info, err := front.Info(ctx)
+		if err != nil || slices.Contains(info.Capabilities, "versions") != keeps {
+			t.Fatalf("behind a server that keeps versions: %v; the front server's capabilities %v (%v)", keeps, info.Capabilities, err)
+		}
+		if got, err := front.KeepsVersions(ctx); err != nil || got != keeps {
+			t.Fatalf("KeepsVersions = %v, %v; want %v", got, err, keeps)
+		}
+		if !keeps {
+			continue
+		}
+		if err := front.KeepVersion(ctx, 4); err != nil {
+			t.Fatal(err)
+		}
+		want, err := eng.GenerateVersion(ctx, 4, versionReqs("direct/"))
+		if err != nil {
+			t.Fatal(err)
+		}
+		got, err := front.GenerateVersion(ctx, 4, versionReqs("front/"))
+		if err != nil || !reflect.DeepEqual(samples(got), samples(want)) {
+			t.Errorf("version 4 through two servers: %v; want what the engine samples from it", err)
+		}
+		if err := front.DropVersions(ctx, 5); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := eng.GenerateVersion(ctx, 4, versionReqs("gone/")); err == nil {
+			t.Error("DropVersions through two servers left version 4 in the engine")
+		}
+	}
+}
