@@ -143,6 +143,9 @@ func printPlan(w io.Writer, plan *gpus.Plan, list []gpus.GPU) {
 		if len(wk.Shares) > 0 {
 			fmt.Fprintf(w, "    shares GPU %d with %s\n", wk.GPUs[0], strings.Join(quoteAll(wk.Shares), ", "))
 		}
+		if len(wk.Adapters) > 0 {
+			fmt.Fprintf(w, "    LoRA adapters in it: %s\n", strings.Join(quoteAll(wk.Adapters), ", "))
+		}
 	}
 	for _, n := range plan.NotPlaced {
 		fmt.Fprintf(w, "  not placed: %s\n", n)

@@ -81,6 +81,23 @@ run: {colocate: true}
 			t.Errorf("output lacks %q:\n%s", want, out)
 		}
 	}
+	// LoRA policies on one base are one worker: the first is placed, the others are its adapters.
+	lora := write("lora.yaml", `policies:
+  - {name: a0, hf_checkpoint: `+model+`, engine: {kind: torch, gpus: ["0"]}, lora: {rank: 4, alpha: 8}}
+  - {name: a1, hf_checkpoint: `+model+`, engine: {kind: torch, gpus: ["0"]}, lora: {rank: 4, alpha: 8}}
+  - {name: a2, hf_checkpoint: `+model+`, engine: {kind: torch, gpus: ["0"]}, lora: {rank: 4, alpha: 8}}
+`)
+	if out, err = slimen(t, nil, "gpus", "--machine", machine, "--config", lora); err != nil {
+		t.Fatalf("%v\n%s", err, out)
+	}
+	for _, want := range []string{"a0: GPU 0 (engine.gpus)", `LoRA adapters in it: "a1", "a2"`} {
+		if !strings.Contains(out, want) {
+			t.Errorf("output lacks %q:\n%s", want, out)
+		}
+	}
+	if strings.Contains(out, "a1: GPU") {
+		t.Errorf("an adapter is placed as a worker of its own:\n%s", out)
+	}
 	apart := write("apart.yaml", `policies:
   - {name: solver, trainable: true, hf_checkpoint: `+model+`, num_gpus_per_node: 1}
 `)
