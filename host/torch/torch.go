@@ -142,7 +142,7 @@ func open(ctx context.Context, p config.PolicyConfig, env host.EngineEnv) (engin
 		eng = &gpuWorker{Engine: e, inv: inventory, gpus: w.UUIDs}
 	}
 	self.Store(eng)
-	env.Logf("policy %q: torch worker ready in %.1fs", p.Name, time.Since(start).Seconds())
+	env.Logf("policy %q: torch worker ready in %.1fs (pid %d)", p.Name, time.Since(start).Seconds(), e.Pid())
 	return eng, nil
 }
 
