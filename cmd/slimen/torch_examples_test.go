@@ -10,11 +10,13 @@ import (
 )
 
 // Issue 16, the examples: each agent example runs on the torch engine with its config_torch.yaml
-// and no script edit, taking the chat model's settings (system prompt, tool schemas) there.
+// and no script edit, taking the chat model's settings (system prompt, tool schemas) there. So
+// does the eight-agent exam swarm (issue 23): eight LoRA adapters in one worker.
 
 // torchExample is an example folder and what its chat-model settings log in a torch run.
 type torchExample struct {
 	name     string
+	script   string             // the example's script in its folder; "" is name.star
 	policies int                // entries of config_torch.yaml (hf_checkpoint and device lines)
 	want     map[string]float64 // _run metrics only the chat model's settings log, and their values
 	// minPrompt bounds the first turn's prompt tokens from below where the schemas are in it. On
@@ -24,13 +26,15 @@ type torchExample struct {
 	// with them (the fallback that describes them in the system message: the template has no tools
 	// variable).
 	minPrompt float64
+	workers   int // torch workers the run starts (LoRA policies on one base share one); 0: unchecked
 }
 
 var torchExamples = []torchExample{
-	{"calculator_agent", 1, map[string]float64{"tool_schemas": 1}, 400},
-	{"agentflow", 3, map[string]float64{"tool_schemas": 2}, 650},
-	{"memagent", 1, map[string]float64{"chunk_sentences": 20, "memory_chars": 256}, 0},
-	{"toolorchestra", 2, map[string]float64{"tool_schemas": 2}, 650},
+	{"calculator_agent", "", 1, map[string]float64{"tool_schemas": 1}, 400, 1},
+	{"agentflow", "", 3, map[string]float64{"tool_schemas": 2}, 650, 0},
+	{"memagent", "", 1, map[string]float64{"chunk_sentences": 20, "memory_chars": 256}, 0, 1},
+	{"toolorchestra", "", 2, map[string]float64{"tool_schemas": 2}, 650, 0},
+	{"exam_swarm", "exam_swarm8.star", 8, map[string]float64{"boxed_instruction": 1}, 0, 1},
 }
 
 // TestExampleTorchConfigs runs each agent example one step with its config_torch.yaml, the model
@@ -48,6 +52,9 @@ func TestExampleTorchConfigs(t *testing.T) {
 			cfg := torchExampleConfig(t, ex, model, dir)
 			out := filepath.Join(dir, "run-"+ex.name)
 			script := filepath.Join("examples", ex.name, ex.name+".star")
+			if ex.script != "" {
+				script = filepath.Join("examples", ex.name, ex.script)
+			}
 			log, err := slimen(t, env, "exec", script, "--config", cfg, "--out", out, "--steps", "1", "--batch-size", "2")
 			if err != nil {
 				t.Fatalf("%v\n%s", err, log)
@@ -59,6 +66,15 @@ func TestExampleTorchConfigs(t *testing.T) {
 			for k, v := range ex.want {
 				if run[k] != v {
 					t.Errorf("%s = %v, want %v (the chat model's settings)\n%v", k, run[k], v, run)
+				}
+			}
+			if ex.workers > 0 {
+				ev, err := os.ReadFile(filepath.Join(out, "events.log"))
+				if err != nil {
+					t.Fatal(err)
+				}
+				if n := strings.Count(string(ev), "starting a torch worker"); n != ex.workers {
+					t.Errorf("%d torch workers started, want %d\n%s", n, ex.workers, ev)
 				}
 			}
 			if ex.minPrompt > 0 && run["first_prompt_tokens"] < ex.minPrompt {
