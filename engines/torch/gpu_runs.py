@@ -179,6 +179,11 @@ class Work:
             return (f"planned {compact(plan)}; ran on {compact(ran)} (nvidia-smi's processes, by the workers' "
                     f"pids in events.log); placement matches: {'yes' if ok else 'no'}")
         want = sorted({g for gs in plan.values() for g in gs})
+        if on:
+            seen = sorted({g for gs in on.values() for g in gs})
+            return (f"planned {compact(plan)}; GPUs with processes: {','.join(map(str, seen))} (events.log names no "
+                    f"worker pid: a slimen built before the ready line gave it); placement matches: "
+                    f"{'yes' if seen == want else 'no'}")
         return (f"planned {compact(plan)}; GPUs whose memory in use rose ≥ 1 GiB: {','.join(map(str, rose)) or 'none'} "
                 f"(nvidia-smi listed no process of the run); placement matches: {'yes' if rose == want else 'no'}")
 

@@ -84,3 +84,13 @@ def test_status_and_steady(tmp_path):
     assert [m["step"] for m in gpu_runs.steady(lines, 2)] == [3, 4, 5]
     assert gpu_runs.steady(lines[:2], 2) == [{"step": 2}]
     assert gpu_runs.steps_label(gpu_runs.steady(lines, 2)) == "steps 3–5 mean"
+
+
+def test_placement_without_worker_pids(tmp_path):
+    # An older binary's events.log: no pid on the ready lines; the GPUs with processes are compared.
+    w = work(tmp_path, "1, GPU-a, 100, 900\n1, GPU-b, 201, 900\n")
+    ev = tmp_path / "x" / "events.log"
+    ev.write_text(ev.read_text().replace(" (pid 100)", "").replace(" (pid 200)", "").replace(" (pid 300)", "")
+                  .replace(", pid 201)", ")"))
+    line = w.placement("gpus-x", "x")
+    assert "GPUs with processes: 0,1" in line and line.endswith("placement matches: yes"), line
