@@ -123,7 +123,8 @@ import re, sys
 from gpu_runs import Work, compact, mean, params, steady, steps_label
 w = Work(sys.argv[1])
 G, warmup, quick, layouts = int(sys.argv[2]), int(sys.argv[3]), sys.argv[4] == "1", sys.argv[5].split()
-where = {"spread": f"8 full-weight workers over {min(G, 8)} GPU{'s' if G > 1 else ''} ({8 // min(G, 8)} per GPU)",
+n = min(G, 8)
+where = {"spread": f"8 full-weight workers over {n} GPU{'s' if n > 1 else ''} ({8 // n if 8 % n == 0 else f'{8 // n}–{8 // n + 1}'} per GPU)",
          "one": "8 full-weight workers on GPU 0", "lora": "8 LoRA adapters in 1 worker on GPU 0"}
 print((w.path / "setup.txt").read_text().strip() + (f"; parameters {params(w.path / 'model'):,}" if (w.path / "model").exists() else ""))
 print("\n| layout | workers' start | step 1 s | step s | rollout s | train s (Σ policies) | rollout : train | gen tok/s | GPU memory gained | placement |")
