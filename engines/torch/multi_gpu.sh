@@ -1,16 +1,17 @@
 #!/usr/bin/env bash
 # Issue 23's run on a machine of G GPUs (G from nvidia-smi): one Qwen3-0.6B-shaped policy (random
-# weights, bf16) trained with GRPO by `slimen exec` over N = 1 and N = G GPUs (num_gpus_per_node: N,
-# FSDP2 under torchrun, NCCL), with
+# weights, bf16) trained with GRPO by `slimen exec` over N GPUs for each N of NS (default 1 and G;
+# NS="1 2 4" on a 4-GPU machine runs all three in one call) (num_gpus_per_node: N, FSDP2 under
+# torchrun, NCCL), with
 #   1. `slimen gpus` and `slimen gpus --config` of each run, and where its worker's processes were
 #      while it ran (nvidia-smi's process list, sampled every second): "placement matches: yes/no";
 #   2. per N: optimizer-step time, trained tokens/s and MFU per GPU, generation tokens/s per GPU,
-#      the gather of full weights after each optimizer step (events.log), scaling N=G against N=1;
-#   3. one non-zero rank SIGKILLed after step 1's checkpoint (N=G): the group restarts, the run
-#      completes, and its metrics against the uninterrupted N=G run's (same seed).
-# Weak scaling by default: the N=G run has PROMPTS×G prompts a step, so each GPU has the work of
-# the N=1 run and the per-GPU rates compare like for like (SCALING=strong: PROMPTS for both; each
-# GPU then has 1/G of the work and the fixed costs weigh G times more). The rates are means over
+#      the gather of full weights after each optimizer step (events.log), scaling against N=1;
+#   3. one non-zero rank SIGKILLed after step 1's checkpoint (the largest N): the group restarts,
+#      the run completes, and its metrics against the uninterrupted run's (same seed).
+# Weak scaling by default: the run over N GPUs has PROMPTS×N prompts a step, so each GPU has the
+# work of the N=1 run and the per-GPU rates compare like for like (SCALING=strong: PROMPTS for
+# all; each GPU then has 1/N of the work and the fixed costs weigh N times more). The rates are means over
 # the steps after the first WARMUP (compilation, CUDA graphs, the allocator growing). Only the run
 # with the SIGKILL saves a checkpoint every step (its restart needs step 1's; ~20 s each for
 # 0.6B's weights and AdamW state): the others write only the one every run writes at its end.
@@ -21,10 +22,11 @@
 # Run from the repository root:
 #
 #   SLIMEN=.devbuild/slimen PY=python3 engines/torch/multi_gpu.sh           # the GPUs (~6 min on 2)
+#   SLIMEN=.devbuild/slimen PY=python3 NS="1 2 4" engines/torch/multi_gpu.sh   # 4 GPUs (~8 min)
 #   SLIMEN=.devbuild/slimen PY=python3 engines/torch/multi_gpu.sh --quick   # CPU: tiny, 2 gloo ranks
 #
-# Knobs (env): STEPS (5), WARMUP (2), FAULTY_STEPS (3: the killed run's steps), PROMPTS (64: per
-# GPU with weak scaling), SCALING (weak | strong), SAMPLES (4), MAXLEN (128 new tokens), SHAPE
+# Knobs (env): NS ("1 G"), STEPS (5), WARMUP (2), FAULTY_STEPS (3: the killed run's steps), PROMPTS
+# (64: per GPU with weak scaling), SCALING (weak | strong), SAMPLES (4), MAXLEN (128 new tokens), SHAPE
 # (qwen3-0.6b), COMPILE_TRAIN (off: the training layer eager, so that no run spends its budget
 # compiling; block for the compiled layer), BUDGET (540 s), G (the GPU count, default from
 # nvidia-smi), WORK (/tmp/multi-gpu: the runs, their logs and table.md). SLIMEN is built with cgo
@@ -50,13 +52,31 @@ else
   DEV='' PEAK=989e12  # H100 SXM dense bf16
 fi
 STEPS=${STEPS:-5} WARMUP=${WARMUP:-2} FAULTY_STEPS=${FAULTY_STEPS:-3}
+NS=${NS:-$(printf '%s\n' 1 "$G" | sort -nu | tr '\n' ' ')}
+NMAX=0
+for n in $NS; do
+  if ! [[ "$n" =~ ^[1-9][0-9]*$ ]] || [ "$n" -gt "$G" ]; then
+    echo "NS=\"$NS\": each N must be a GPU count from 1 to G=$G" >&2
+    exit 2
+  fi
+  NMAX=$((n > NMAX ? n : NMAX))
+done
+# prompts N: the prompts of a step over N GPUs.
+prompts() {
+  case "$SCALING" in
+    weak) echo $((PROMPTS * $1)) ;;
+    strong) echo "$PROMPTS" ;;
+  esac
+}
 case "$SCALING" in
-  weak) MANY_PROMPTS=$((PROMPTS * G)) ;;
-  strong) MANY_PROMPTS=$PROMPTS ;;
+  weak | strong) ;;
   *) echo "SCALING=$SCALING: give weak or strong" >&2; exit 2 ;;
 esac
-echo "G=$G shape=$SHAPE; $SCALING scaling: N=1 $PROMPTS prompts x $SAMPLES samples a step, N=$G $MANY_PROMPTS x $SAMPLES;" \
-  "$MAXLEN new tokens; $STEPS steps, rates over the steps after step $WARMUP; compile-train $COMPILE_TRAIN" >"$WORK/setup.txt"
+{
+  printf 'G=%s shape=%s; %s scaling:' "$G" "$SHAPE" "$SCALING"
+  for n in $NS; do printf ' N=%s %s prompts x %s samples a step;' "$n" "$(prompts "$n")" "$SAMPLES"; done
+  echo " $MAXLEN new tokens; $STEPS steps, rates over the steps after step $WARMUP; compile-train $COMPILE_TRAIN"
+} >"$WORK/setup.txt"
 cat "$WORK/setup.txt" >&2
 
 # config N PROMPTS STEPS SAVE_INTERVAL: one policy over N GPUs (colocated: its worker trains and
@@ -82,22 +102,23 @@ def rollout(task):
 EOF
 
 part make-model 120 "$PY" -m slimen_torch make-model --shape "$SHAPE" --out "$WORK/model"
-config 1 "$PROMPTS" "$STEPS" 0 >"$WORK/one.yaml"
-config "$G" "$MANY_PROMPTS" "$STEPS" 0 >"$WORK/many.yaml"
-config "$G" "$MANY_PROMPTS" "$FAULTY_STEPS" 1 >"$WORK/faulty.yaml"
+for n in $NS; do
+  config "$n" "$(prompts "$n")" "$STEPS" 0 >"$WORK/n$n.yaml"
+done
+config "$NMAX" "$(prompts "$NMAX")" "$FAULTY_STEPS" 1 >"$WORK/faulty.yaml"
 
 # ---- 1. the inventory and the placement of each config
 part gpus 30 "$SLIMEN" gpus
-for n in one many; do
-  part "gpus-$n" 30 "$SLIMEN" gpus --config "$WORK/$n.yaml"
-  sed -n '/^placement:/,$p' "$WORK/gpus-$n.log" >&2
+for n in $NS; do
+  part "gpus-n$n" 30 "$SLIMEN" gpus --config "$WORK/n$n.yaml"
+  sed -n '/^placement:/,$p' "$WORK/gpus-n$n.log" >&2
 done
 if [ "$QUICK" = 1 ]; then
-  # Nothing is placed on the CPU: print the plan of the GPU form of the N=G config on a saved
-  # inventory of two H100s, so that the plan's path runs too.
-  saved_inventory 2 >"$WORK/machine.json"
-  sed 's/device: cpu, //' "$WORK/many.yaml" >"$WORK/many-gpu.yaml"
-  part gpus-saved 30 "$SLIMEN" gpus --machine "$WORK/machine.json" --config "$WORK/many-gpu.yaml"
+  # Nothing is placed on the CPU: print the plan of the GPU form of the largest N's config on a
+  # saved inventory of G H100s, so that the plan's path runs too.
+  saved_inventory "$G" >"$WORK/machine.json"
+  sed 's/device: cpu, //' "$WORK/n$NMAX.yaml" >"$WORK/n$NMAX-gpu.yaml"
+  part gpus-saved 30 "$SLIMEN" gpus --machine "$WORK/machine.json" --config "$WORK/n$NMAX-gpu.yaml"
 fi
 
 # run NAME SECONDS: slimen exec of the parity script with NAME.yaml, nvidia-smi sampled meanwhile.
@@ -113,11 +134,12 @@ run() {
   return "$rc"
 }
 
-# ---- 2. N = 1 and N = G, uninterrupted
-run one 180
-run many 200
+# ---- 2. each N, uninterrupted
+for n in $NS; do
+  run "n$n" 200
+done
 
-# ---- 3. N = G with rank 1 SIGKILLed once step 1's checkpoint is written
+# ---- 3. the largest N with rank 1 SIGKILLed once step 1's checkpoint is written
 faulty() {
   local killed="" run victim
   "$SLIMEN" exec "$WORK/parity.star" --config "$WORK/faulty.yaml" --out "$WORK/faulty" > >(stamp) 2>&1 &
@@ -135,7 +157,7 @@ faulty() {
           break
         fi
       done
-      if [ -z "$run" ] && [ "$G" = 1 ]; then
+      if [ -z "$run" ] && [ "$NMAX" = 1 ]; then
         victim=$(pgrep -P "$pid" -f slimen_torch | head -1 || true) rank="the-worker"
       fi
       if [ -n "$victim" ]; then
@@ -151,7 +173,7 @@ faulty() {
   wait "$pid"
 }
 export -f faulty stamp
-export SLIMEN WORK G
+export SLIMEN WORK NMAX
 if [ "$QUICK" = 0 ]; then
   sample faulty &
   sp=$!
@@ -160,11 +182,13 @@ part faulty 200 bash -c faulty
 [ "$QUICK" = 0 ] && kill "$sp" 2>/dev/null
 
 # ---- the table
-"$PY" - "$WORK" "$G" "$STEPS" "$WARMUP" "$PEAK" "$QUICK" <<'EOF' | tee "$WORK/table.md"
+"$PY" - "$WORK" "$G" "$STEPS" "$WARMUP" "$PEAK" "$QUICK" "$NS" <<'EOF' | tee "$WORK/table.md"
 import math, re, sys
 from gpu_runs import Work, mean, params, steady, steps_label, table
 w = Work(sys.argv[1])
 G, steps, warmup, peak, quick = int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), float(sys.argv[5]), sys.argv[6] == "1"
+NS = [int(x) for x in sys.argv[7].split()]
+NMAX = max(NS)
 rows = [("setup", (w.path / "setup.txt").read_text().strip())]
 P = params(w.path / "model") if (w.path / "model").exists() else 0
 rows.append(("parameters P", f"{P:,}" if P else w.status("make-model") or "?"))
@@ -172,7 +196,8 @@ inv = w.log("gpus").strip().splitlines()
 rows.append(("slimen gpus", w.status("gpus") or "; ".join(l.strip() for l in inv if l.startswith("GPU") or "no NVIDIA" in l)[:300]))
 
 # ---- 1. placement: planned vs. where the processes were
-for name, n in (("one", 1), ("many", G)):
+for n in NS:
+    name = f"n{n}"
     st = w.status(f"gpus-{name}")
     if quick:
         rows.append((f"placement N={n}", st or "nothing placed on the CPU (no NVML)"))
@@ -183,7 +208,7 @@ for name, n in (("one", 1), ("many", G)):
     rows.append((f"placement N={n}", (st + "; " if st else "") + line))
 if quick:
     plan = w.planned("gpus-saved")
-    rows.append((f"plan on a saved 2-GPU inventory, N={G}", w.status("gpus-saved") or
+    rows.append((f"plan on a saved {G}-GPU inventory, N={NMAX}", w.status("gpus-saved") or
                  (f"GPU {','.join(map(str, plan['solver']))}" if "solver" in plan else w.log("gpus-saved").strip()[:200])))
 
 # ---- 2. throughput
@@ -192,7 +217,8 @@ def gathers(run):
             re.findall(r"gathered the full weights \(([0-9.]+) GB fp32\) from \d+ ranks in ([0-9.]+) s", w.events(run))]
 
 res = {}
-for run, n in (("one", 1), ("many", G)):
+for n in NS:
+    run = f"n{n}"
     st = w.status(run)
     ms = w.metrics(run, "solver")
     if st:
@@ -219,10 +245,11 @@ for run, n in (("one", 1), ("many", G)):
     rows.append((f"N={n}: gather of full weights after each step",
                  ", ".join(f"{s:.3f} s" for _, s in g) + (f" ({g[0][0]:.3f} GB fp32, {mean(s / gb for gb, s in g):.3f} s/GB)" if g[0][0] > 0 else f" ({g[0][0]:.3f} GB fp32)")
                  if g else ("none: one rank generates from the weights it trains" if n == 1 else "no gather line in events.log")))
-if 1 in res and G in res and G > 1:
-    (t1, a1, g1), (tg, ag, gg) = res[1], res[G]
-    rows.append((f"scaling N={G} vs N=1 (per-GPU rate / N=1's)",
-                 f"training {100 * ag / a1:.0f}%, generation {100 * gg / g1:.0f}%; optimizer step N={G} / N=1: {tg / t1:.2f}×"))
+for n in NS:
+    if n > 1 and 1 in res and n in res:
+        (t1, a1, g1), (tg, ag, gg) = res[1], res[n]
+        rows.append((f"scaling N={n} vs N=1 (per-GPU rate / N=1's)",
+                     f"training {100 * ag / a1:.0f}%, generation {100 * gg / g1:.0f}%; optimizer step N={n} / N=1: {tg / t1:.2f}×"))
 
 # ---- 3. the SIGKILLed rank
 st = w.status("faulty")
@@ -239,11 +266,11 @@ if kp.exists():
         if t > float(tk) and "restarted as a new process" in msg:
             back = t - float(tk)
             break
-    rows.append((f"N={G}: rank SIGKILLed after step 1", f"pid {pid} ({rank}, newest checkpoint {last}); back in the run after "
+    rows.append((f"N={NMAX}: rank SIGKILLed after step 1", f"pid {pid} ({rank}, newest checkpoint {last}); back in the run after "
                  + (f"{back:.1f} s" if back is not None else "? (no restart line)") + (f"; {st}" if st else "")))
 else:
-    rows.append((f"N={G}: rank SIGKILLed", st or "no kill: the run ended before step 1's checkpoint?"))
-a, b = w.metrics("many", "solver"), w.metrics("faulty", "solver")
+    rows.append((f"N={NMAX}: rank SIGKILLed", st or "no kill: the run ended before step 1's checkpoint?"))
+a, b = w.metrics(f"n{NMAX}", "solver"), w.metrics("faulty", "solver")
 timing = {"rollout_s", "train_s", "step_s", "tokens_per_s", "gpu_mem_gib", "gpu_used_gib", "gpu_util",
           "engine_busy", "rollout_wall_s"}
 
@@ -262,9 +289,10 @@ def worst(pairs):
 if a and b:
     pairs = list(zip(a, b))
     moved = sum(1 for x in b if x.get("grad_norm", 0) > 0)
-    rows.append((f"faulty ({len(b)} steps, a checkpoint each) vs uninterrupted N={G}",
+    rows.append((f"faulty ({len(b)} steps, a checkpoint each) vs uninterrupted N={NMAX}",
                  f"{len(b)} policy-steps ({moved} with a gradient); largest relative difference: "
-                 f"step 1 (before the kill: run-to-run noise) {worst(pairs[:1])}, steps 2–{len(pairs)} {worst(pairs[1:])}"))
+                 f"step 1 (before the kill: run-to-run noise) {worst(pairs[:1])}, "
+                 f"{'step 2' if len(pairs) == 2 else f'steps 2–{len(pairs)}'} {worst(pairs[1:])}"))
 print(table(rows), end="")
 if peak:
     print(f"\nMFU per GPU = 6 · P · trained tokens / train_s / N / {peak / 1e12:.0f} TFLOP/s (H100 and H200 SXM, dense bf16); "
