@@ -11,6 +11,7 @@ import (
 	"math"
 	"os"
 	"path/filepath"
+	"reflect"
 	"slices"
 	"sort"
 	"strings"
@@ -842,6 +843,7 @@ func (r *Run) trainPolicies(ctx context.Context, step int, cfg *config.Config, r
 	}
 	var out []Metrics
 	crit := r.critic()
+	var lanes [][]*policy // policies whose training shares an engine, in config order
 	for _, p := range pols {
 		if p == crit {
 			continue // trained below, on the targets of the ppo actors' samples
@@ -854,17 +856,47 @@ func (r *Run) trainPolicies(ctx context.Context, step int, cfg *config.Config, r
 			stalenessMetrics(m, step, ss, cfg.Rollout.Partial)
 		}
 		if p.cfg.Trainable && len(ss) > 0 {
-			t := time.Now()
-			if err := r.trainOne(ctx, step, p, ss, advs[p.name], m); err != nil {
-				return nil, err
-			}
-			m.set("train_s", time.Since(t).Seconds())
+			lanes = addToLane(lanes, p)
 		} else {
 			m.set("train_s", 0.0)
 			m.set("loss", 0.0)
 		}
-		addDeviceMetrics(m, p.eng)
 		out = append(out, m)
+	}
+	// Policies on different engines (workers, GPUs) train at the same time; those that share an
+	// engine (LoRA adapters on one base, or one engine given for several policies) one after
+	// another. Each policy's optimizer steps depend only on its own samples, so the metrics do
+	// not depend on the order.
+	byName := map[string]Metrics{}
+	for _, m := range out {
+		byName[m.Policy()] = m
+	}
+	errs := make([]error, len(lanes))
+	var wg sync.WaitGroup
+	for i, lane := range lanes {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for _, p := range lane {
+				m, t := byName[p.name], time.Now()
+				if err := r.trainOne(ctx, step, p, byPolicy[p.name], advs[p.name], m); err != nil {
+					errs[i] = err
+					return
+				}
+				m.set("train_s", time.Since(t).Seconds())
+			}
+		}()
+	}
+	wg.Wait()
+	for _, err := range errs {
+		if err != nil {
+			return nil, err
+		}
+	}
+	for _, p := range pols {
+		if m := byName[p.name]; m != nil && p != crit {
+			addDeviceMetrics(m, p.eng)
+		}
 	}
 	if crit != nil {
 		m := newMetrics(step, crit.name)
@@ -888,6 +920,27 @@ func (r *Run) trainPolicies(ctx context.Context, step int, cfg *config.Config, r
 	}
 	sort.Slice(out, func(i, j int) bool { return out[i].Policy() < out[j].Policy() })
 	return out, nil
+}
+
+// addToLane puts p into the lane of the policies whose training shares its engine, or a new one:
+// LoRA policies share one lane (their adapters usually sit on one base, which trains one adapter
+// at a time), and so do policies given the same engine.
+func addToLane(lanes [][]*policy, p *policy) [][]*policy {
+	for i, lane := range lanes {
+		q := lane[0]
+		if (p.cfg.LoRA != nil && q.cfg.LoRA != nil) || sameEngine(p.eng, q.eng) {
+			lanes[i] = append(lane, p)
+			return lanes
+		}
+	}
+	return append(lanes, []*policy{p})
+}
+
+// sameEngine says whether a and b are one engine (false where the engines' type cannot be
+// compared).
+func sameEngine(a, b engines.Engine) bool {
+	ta, tb := reflect.TypeOf(a), reflect.TypeOf(b)
+	return ta == tb && ta != nil && ta.Comparable() && a == b
 }
 
 // policyList returns the policies in config order (then order of first use).

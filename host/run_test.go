@@ -8,7 +8,9 @@ import (
 	"os"
 	"path/filepath"
 	"strings"
+	"sync"
 	"testing"
+	"time"
 
 	"github.com/google/go-cmp/cmp"
 	"github.com/google/go-cmp/cmp/cmpopts"
@@ -413,5 +415,108 @@ func TestGAE(t *testing.T) {
 	}
 	if d := cmp.Diff([]float32{0.25, 0.5, 1}, ret, cmpopts.EquateApprox(0, 1e-6)); d != "" {
 		t.Errorf("returns (-want +got):\n%s", d)
+	}
+}
+
+// trainGate counts the Train calls in flight on the engines it wraps; until want calls have been
+// in flight at once, each call waits up to wait for that, so that calls made one after another
+// show as max 1.
+type trainGate struct {
+	mu      sync.Mutex
+	in, max int
+	want    int
+	wait    time.Duration
+}
+
+type gatedEngine struct {
+	*scripted.Engine
+	g *trainGate
+}
+
+func (e *gatedEngine) Train(ctx context.Context, b engines.Batch) (engines.TrainStats, error) {
+	g := e.g
+	g.mu.Lock()
+	g.in++
+	g.max = max(g.max, g.in)
+	g.mu.Unlock()
+	for end := time.Now().Add(g.wait); time.Now().Before(end); time.Sleep(time.Millisecond) {
+		g.mu.Lock()
+		met := g.max >= g.want
+		g.mu.Unlock()
+		if met {
+			break
+		}
+	}
+	st, err := e.Engine.Train(ctx, b)
+	g.mu.Lock()
+	g.in--
+	g.mu.Unlock()
+	return st, err
+}
+
+const twoPolicyScript = `
+def rollout(task):
+    a = generate("a", task.prompt)
+    b = generate("b", a.text)
+    reward(a, 1.0)
+    reward(b, 0.0)
+    train([a, b])
+`
+
+// TestPoliciesOnDifferentEnginesTrainTogether: two policies on two engines train at the same time
+// (one policy per GPU trained one after another before), while two policies given one engine
+// still train one at a time.
+func TestPoliciesOnDifferentEnginesTrainTogether(t *testing.T) {
+	g := &trainGate{want: 2, wait: 20 * time.Second}
+	a, b := &gatedEngine{scripted.New(answerLastChar), g}, &gatedEngine{scripted.New(answerLastChar), g}
+	r := loadRun(t, twoPolicyScript, testConfig(4, "a", "b"), map[string]engines.Engine{"a": a, "b": b}, numberedTasks(4))
+	res, err := r.Step(context.Background())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if g.max != 2 || len(a.Batches()) == 0 || len(b.Batches()) == 0 {
+		t.Errorf("two policies on two engines: %d train calls at most in flight at once (want 2); batches %d and %d", g.max, len(a.Batches()), len(b.Batches()))
+	}
+	for _, m := range res.Policies {
+		if _, ok := m["train_s"]; !ok {
+			t.Errorf("policy %s has no train_s: %v", m.Policy(), m)
+		}
+	}
+
+	one := &trainGate{want: 2, wait: 200 * time.Millisecond}
+	shared := &gatedEngine{scripted.New(answerLastChar), one}
+	r = loadRun(t, twoPolicyScript, testConfig(4, "a", "b"), map[string]engines.Engine{"a": shared, "b": shared}, numberedTasks(4))
+	if _, err := r.Step(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	if one.max != 1 {
+		t.Errorf("two policies given one engine: %d train calls in flight at once, want 1", one.max)
+	}
+}
+
+// TestLoRAPoliciesShareALane: LoRA policies (adapters on one base) train one after another,
+// full-weight policies each in their own lane.
+func TestLoRAPoliciesShareALane(t *testing.T) {
+	pol := func(name string, lora bool) *policy {
+		p := &policy{name: name, eng: scripted.New(answerLastChar)}
+		if lora {
+			p.cfg.LoRA = &config.LoRAConfig{Rank: 8}
+		}
+		return p
+	}
+	var lanes [][]*policy
+	for _, p := range []*policy{pol("a", true), pol("full1", false), pol("b", true), pol("full2", false)} {
+		lanes = addToLane(lanes, p)
+	}
+	var got [][]string
+	for _, l := range lanes {
+		var names []string
+		for _, p := range l {
+			names = append(names, p.name)
+		}
+		got = append(got, names)
+	}
+	if d := cmp.Diff([][]string{{"a", "b"}, {"full1"}, {"full2"}}, got); d != "" {
+		t.Errorf("lanes (-want +got):\n%s", d)
 	}
 }
