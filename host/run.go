@@ -35,7 +35,8 @@ type Options struct {
 	Config *config.Config
 	// Engines, keyed by policy name, replace the engines the config would open (tests, embedding).
 	Engines map[string]engines.Engine
-	// OpenEngine opens the engine of a policy that Engines does not give. nil: OpenEngine.
+	// OpenEngine opens the engine of a policy that Engines does not give. nil: OpenEngine. A
+	// run's start calls it for several policies at once (LoRA policies one at a time).
 	OpenEngine func(ctx context.Context, p config.PolicyConfig) (engines.Engine, error)
 	// Zero marks a zero-config run even when Config is given (the CLI fills --steps and friends
 	// into a default config): policies are created as the script names them.
@@ -366,10 +367,44 @@ func newRun(opts Options) *Run {
 	return r
 }
 
+// openPolicies opens the config's policies. Their engines start at the same time (eight torch
+// workers, each with its start-up of several seconds, started one after another before), except
+// LoRA policies, which join their shared bases one at a time in config order; then the policies
+// are registered in config order.
 func (r *Run) openPolicies(ctx context.Context) error {
-	for _, pc := range r.cfg.Policies {
-		if _, err := r.addPolicy(ctx, pc); err != nil {
-			return err
+	pcs := r.cfg.Policies
+	engs, errs := make([]engines.Engine, len(pcs)), make([]error, len(pcs))
+	var wg sync.WaitGroup
+	lane := func(idx ...int) {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for _, i := range idx {
+				engs[i], errs[i] = r.openPolicyEngine(ctx, pcs[i])
+			}
+		}()
+	}
+	var lora []int
+	for i, pc := range pcs {
+		if pc.LoRA != nil {
+			lora = append(lora, i)
+		} else {
+			lane(i)
+		}
+	}
+	lane(lora...)
+	wg.Wait()
+	for i, pc := range pcs {
+		if errs[i] == nil {
+			_, errs[i] = r.registerPolicy(ctx, pc, engs[i])
+		}
+		if errs[i] != nil {
+			for j := i + 1; j < len(pcs); j++ { // opened, never registered
+				if _, given := r.opts.Engines[pcs[j].Name]; !given && engs[j] != nil {
+					engs[j].Close()
+				}
+			}
+			return errs[i]
 		}
 	}
 	return nil
@@ -414,6 +449,15 @@ func (r *Run) Close() error {
 }
 
 func (r *Run) addPolicy(ctx context.Context, pc config.PolicyConfig) (*policy, error) {
+	eng, err := r.openPolicyEngine(ctx, pc)
+	if err != nil {
+		return nil, err
+	}
+	return r.registerPolicy(ctx, pc, eng)
+}
+
+// openPolicyEngine returns the engine of policy pc: the one Options.Engines gives, or a new one.
+func (r *Run) openPolicyEngine(ctx context.Context, pc config.PolicyConfig) (engines.Engine, error) {
 	eng := r.opts.Engines[pc.Name]
 	if eng == nil {
 		open := r.opts.OpenEngine
@@ -433,6 +477,12 @@ func (r *Run) addPolicy(ctx context.Context, pc config.PolicyConfig) (*policy, e
 			}
 		}
 	}
+	return eng, nil
+}
+
+// registerPolicy makes policy pc of its engine eng (closed on an error unless Options.Engines
+// gave it) and starts its dispatcher.
+func (r *Run) registerPolicy(ctx context.Context, pc config.PolicyConfig, eng engines.Engine) (*policy, error) {
 	if err := r.checkTIS(ctx, pc.Name, pc, eng); err != nil {
 		if _, given := r.opts.Engines[pc.Name]; !given {
 			eng.Close()

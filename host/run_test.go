@@ -520,3 +520,47 @@ func TestLoRAPoliciesShareALane(t *testing.T) {
 		t.Errorf("lanes (-want +got):\n%s", d)
 	}
 }
+
+// TestPoliciesOpenTogether: a run's start opens its policies' engines at the same time (eight
+// torch workers started one after another before), LoRA policies one at a time, and registers
+// them in config order.
+func TestPoliciesOpenTogether(t *testing.T) {
+	g := &trainGate{want: 2, wait: 20 * time.Second}
+	lora := &trainGate{want: 2, wait: 200 * time.Millisecond}
+	open := func(ctx context.Context, p config.PolicyConfig) (engines.Engine, error) {
+		gate := g
+		if p.LoRA != nil {
+			gate = lora
+		}
+		gate.mu.Lock()
+		gate.in++
+		gate.max = max(gate.max, gate.in)
+		gate.mu.Unlock()
+		for end := time.Now().Add(gate.wait); time.Now().Before(end); time.Sleep(time.Millisecond) {
+			gate.mu.Lock()
+			met := gate.max >= gate.want
+			gate.mu.Unlock()
+			if met {
+				break
+			}
+		}
+		gate.mu.Lock()
+		gate.in--
+		gate.mu.Unlock()
+		return scripted.New(answerLastChar), nil
+	}
+	cfg := testConfig(4, "a", "b", "la", "lb")
+	cfg.Policies[2].LoRA = &config.LoRAConfig{Rank: 8}
+	cfg.Policies[3].LoRA = &config.LoRAConfig{Rank: 8}
+	r, err := Load(context.Background(), writeScript(t, twoPolicyScript), Options{Config: cfg, Tasks: numberedTasks(4), OpenEngine: open})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer r.Close()
+	if g.max != 2 || lora.max != 1 {
+		t.Errorf("engines opened at once: %d of the two full-weight policies (want 2), %d of the two LoRA ones (want 1)", g.max, lora.max)
+	}
+	if d := cmp.Diff([]string{"a", "b", "la", "lb"}, r.order); d != "" {
+		t.Errorf("policies registered out of config order (-want +got):\n%s", d)
+	}
+}
