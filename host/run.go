@@ -470,12 +470,6 @@ func (r *Run) openPolicyEngine(ctx context.Context, pc config.PolicyConfig) (eng
 		if eng, err = open(ctx, pc); err != nil {
 			return nil, fmt.Errorf("policy %q%s: %w", pc.Name, r.cfgPlace(&policy{cfg: pc}), err)
 		}
-		if r.opts.OpenEngine == nil && offHost(pc) { // a server this run reached itself
-			if err := r.claimServer(ctx, pc, eng); err != nil { // engine.go
-				eng.Close()
-				return nil, fmt.Errorf("policy %q%s: %w", pc.Name, r.cfgPlace(&policy{cfg: pc}), err)
-			}
-		}
 	}
 	return eng, nil
 }
@@ -483,8 +477,17 @@ func (r *Run) openPolicyEngine(ctx context.Context, pc config.PolicyConfig) (eng
 // registerPolicy makes policy pc of its engine eng (closed on an error unless Options.Engines
 // gave it) and starts its dispatcher.
 func (r *Run) registerPolicy(ctx context.Context, pc config.PolicyConfig, eng engines.Engine) (*policy, error) {
+	_, given := r.opts.Engines[pc.Name]
+	if !given && r.opts.OpenEngine == nil && offHost(pc) { // a server this run reached itself
+		// After the policies before it are registered: it checks that no two trainable
+		// policies share one server process.
+		if err := r.claimServer(ctx, pc, eng); err != nil { // engine.go
+			eng.Close()
+			return nil, fmt.Errorf("policy %q%s: %w", pc.Name, r.cfgPlace(&policy{cfg: pc}), err)
+		}
+	}
 	if err := r.checkTIS(ctx, pc.Name, pc, eng); err != nil {
-		if _, given := r.opts.Engines[pc.Name]; !given {
+		if !given {
 			eng.Close()
 		}
 		return nil, err
