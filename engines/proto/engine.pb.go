@@ -2522,6 +2522,247 @@ func (*VersionResponse) Descriptor() ([]byte, []int) {
 	return file_engine_proto_rawDescGZIP(), []int{38}
 }
 
+type PushGroupRequest struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	InitMethod    string                 `protobuf:"bytes,1,opt,name=init_method,json=initMethod,proto3" json:"init_method,omitempty"` // where the members meet: tcp://host:port (rank 0 listens there)
+	Rank          int32                  `protobuf:"varint,2,opt,name=rank,proto3" json:"rank,omitempty"`                              // this engine's rank: 0 the trainer (the sender), 1… its replicas
+	World         int32                  `protobuf:"varint,3,opt,name=world,proto3" json:"world,omitempty"`                            // members in all
+	Group         string                 `protobuf:"bytes,4,opt,name=group,proto3" json:"group,omitempty"`                             // the group's name: PushWeights names it; a new name replaces the old group
+	TimeoutS      float64                `protobuf:"fixed64,5,opt,name=timeout_s,json=timeoutS,proto3" json:"timeout_s,omitempty"`     // how long a member waits for the others, at the join and at each push
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *PushGroupRequest) Reset() {
+	*x = PushGroupRequest{}
+	mi := &file_engine_proto_msgTypes[39]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *PushGroupRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*PushGroupRequest) ProtoMessage() {}
+
+func (x *PushGroupRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_engine_proto_msgTypes[39]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use PushGroupRequest.ProtoReflect.Descriptor instead.
+func (*PushGroupRequest) Descriptor() ([]byte, []int) {
+	return file_engine_proto_rawDescGZIP(), []int{39}
+}
+
+func (x *PushGroupRequest) GetInitMethod() string {
+	if x != nil {
+		return x.InitMethod
+	}
+	return ""
+}
+
+func (x *PushGroupRequest) GetRank() int32 {
+	if x != nil {
+		return x.Rank
+	}
+	return 0
+}
+
+func (x *PushGroupRequest) GetWorld() int32 {
+	if x != nil {
+		return x.World
+	}
+	return 0
+}
+
+func (x *PushGroupRequest) GetGroup() string {
+	if x != nil {
+		return x.Group
+	}
+	return ""
+}
+
+func (x *PushGroupRequest) GetTimeoutS() float64 {
+	if x != nil {
+		return x.TimeoutS
+	}
+	return 0
+}
+
+type PushGroupResponse struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// How this member reaches each other member, by rank ("nccl", "gloo"; "" for itself).
+	Links         []string `protobuf:"bytes,1,rep,name=links,proto3" json:"links,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *PushGroupResponse) Reset() {
+	*x = PushGroupResponse{}
+	mi := &file_engine_proto_msgTypes[40]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *PushGroupResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*PushGroupResponse) ProtoMessage() {}
+
+func (x *PushGroupResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_engine_proto_msgTypes[40]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use PushGroupResponse.ProtoReflect.Descriptor instead.
+func (*PushGroupResponse) Descriptor() ([]byte, []int) {
+	return file_engine_proto_rawDescGZIP(), []int{40}
+}
+
+func (x *PushGroupResponse) GetLinks() []string {
+	if x != nil {
+		return x.Links
+	}
+	return nil
+}
+
+type PushWeightsRequest struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Group         string                 `protobuf:"bytes,1,opt,name=group,proto3" json:"group,omitempty"`      // the group of JoinPushGroup
+	Peer          int32                  `protobuf:"varint,2,opt,name=peer,proto3" json:"peer,omitempty"`       // the receiving rank; the sender is rank 0
+	Version       int32                  `protobuf:"varint,3,opt,name=version,proto3" json:"version,omitempty"` // the weights version being pushed (for the logs)
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *PushWeightsRequest) Reset() {
+	*x = PushWeightsRequest{}
+	mi := &file_engine_proto_msgTypes[41]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *PushWeightsRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*PushWeightsRequest) ProtoMessage() {}
+
+func (x *PushWeightsRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_engine_proto_msgTypes[41]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use PushWeightsRequest.ProtoReflect.Descriptor instead.
+func (*PushWeightsRequest) Descriptor() ([]byte, []int) {
+	return file_engine_proto_rawDescGZIP(), []int{41}
+}
+
+func (x *PushWeightsRequest) GetGroup() string {
+	if x != nil {
+		return x.Group
+	}
+	return ""
+}
+
+func (x *PushWeightsRequest) GetPeer() int32 {
+	if x != nil {
+		return x.Peer
+	}
+	return 0
+}
+
+func (x *PushWeightsRequest) GetVersion() int32 {
+	if x != nil {
+		return x.Version
+	}
+	return 0
+}
+
+type PushWeightsResponse struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Bytes         int64                  `protobuf:"varint,1,opt,name=bytes,proto3" json:"bytes,omitempty"`      // the weights pushed
+	Seconds       float64                `protobuf:"fixed64,2,opt,name=seconds,proto3" json:"seconds,omitempty"` // this member's part: flattening, the transfer, and copying into place
+	Link          string                 `protobuf:"bytes,3,opt,name=link,proto3" json:"link,omitempty"`         // "nccl" or "gloo"
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *PushWeightsResponse) Reset() {
+	*x = PushWeightsResponse{}
+	mi := &file_engine_proto_msgTypes[42]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *PushWeightsResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*PushWeightsResponse) ProtoMessage() {}
+
+func (x *PushWeightsResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_engine_proto_msgTypes[42]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use PushWeightsResponse.ProtoReflect.Descriptor instead.
+func (*PushWeightsResponse) Descriptor() ([]byte, []int) {
+	return file_engine_proto_rawDescGZIP(), []int{42}
+}
+
+func (x *PushWeightsResponse) GetBytes() int64 {
+	if x != nil {
+		return x.Bytes
+	}
+	return 0
+}
+
+func (x *PushWeightsResponse) GetSeconds() float64 {
+	if x != nil {
+		return x.Seconds
+	}
+	return 0
+}
+
+func (x *PushWeightsResponse) GetLink() string {
+	if x != nil {
+		return x.Link
+	}
+	return ""
+}
+
 var File_engine_proto protoreflect.FileDescriptor
 
 const file_engine_proto_rawDesc = "" +
@@ -2717,7 +2958,25 @@ const file_engine_proto_rawDesc = "" +
 	"\x15RemoveAdapterResponse\"*\n" +
 	"\x0eVersionRequest\x12\x18\n" +
 	"\aversion\x18\x01 \x01(\x05R\aversion\"\x11\n" +
-	"\x0fVersionResponse2\x85\t\n" +
+	"\x0fVersionResponse\"\x90\x01\n" +
+	"\x10PushGroupRequest\x12\x1f\n" +
+	"\vinit_method\x18\x01 \x01(\tR\n" +
+	"initMethod\x12\x12\n" +
+	"\x04rank\x18\x02 \x01(\x05R\x04rank\x12\x14\n" +
+	"\x05world\x18\x03 \x01(\x05R\x05world\x12\x14\n" +
+	"\x05group\x18\x04 \x01(\tR\x05group\x12\x1b\n" +
+	"\ttimeout_s\x18\x05 \x01(\x01R\btimeoutS\")\n" +
+	"\x11PushGroupResponse\x12\x14\n" +
+	"\x05links\x18\x01 \x03(\tR\x05links\"X\n" +
+	"\x12PushWeightsRequest\x12\x14\n" +
+	"\x05group\x18\x01 \x01(\tR\x05group\x12\x12\n" +
+	"\x04peer\x18\x02 \x01(\x05R\x04peer\x12\x18\n" +
+	"\aversion\x18\x03 \x01(\x05R\aversion\"Y\n" +
+	"\x13PushWeightsResponse\x12\x14\n" +
+	"\x05bytes\x18\x01 \x01(\x03R\x05bytes\x12\x18\n" +
+	"\aseconds\x18\x02 \x01(\x01R\aseconds\x12\x12\n" +
+	"\x04link\x18\x03 \x01(\tR\x04link2\xbb\n" +
+	"\n" +
 	"\x06Engine\x12E\n" +
 	"\x04Info\x12\x1d.slimen.engine.v1.InfoRequest\x1a\x1e.slimen.engine.v1.InfoResponse\x12a\n" +
 	"\bGenerate\x12'.slimen.engine.v1.GenerateStreamRequest\x1a(.slimen.engine.v1.GenerateStreamResponse(\x010\x01\x12R\n" +
@@ -2733,7 +2992,9 @@ const file_engine_proto_rawDesc = "" +
 	"AddAdapter\x12#.slimen.engine.v1.AddAdapterRequest\x1a$.slimen.engine.v1.AddAdapterResponse\x12`\n" +
 	"\rRemoveAdapter\x12&.slimen.engine.v1.RemoveAdapterRequest\x1a'.slimen.engine.v1.RemoveAdapterResponse\x12R\n" +
 	"\vKeepVersion\x12 .slimen.engine.v1.VersionRequest\x1a!.slimen.engine.v1.VersionResponse\x12S\n" +
-	"\fDropVersions\x12 .slimen.engine.v1.VersionRequest\x1a!.slimen.engine.v1.VersionResponseB1Z/github.com/slimen/slimen/engines/proto;enginepbb\x06proto3"
+	"\fDropVersions\x12 .slimen.engine.v1.VersionRequest\x1a!.slimen.engine.v1.VersionResponse\x12X\n" +
+	"\rJoinPushGroup\x12\".slimen.engine.v1.PushGroupRequest\x1a#.slimen.engine.v1.PushGroupResponse\x12Z\n" +
+	"\vPushWeights\x12$.slimen.engine.v1.PushWeightsRequest\x1a%.slimen.engine.v1.PushWeightsResponseB1Z/github.com/slimen/slimen/engines/proto;enginepbb\x06proto3"
 
 var (
 	file_engine_proto_rawDescOnce sync.Once
@@ -2748,7 +3009,7 @@ func file_engine_proto_rawDescGZIP() []byte {
 }
 
 var file_engine_proto_enumTypes = make([]protoimpl.EnumInfo, 1)
-var file_engine_proto_msgTypes = make([]protoimpl.MessageInfo, 39)
+var file_engine_proto_msgTypes = make([]protoimpl.MessageInfo, 43)
 var file_engine_proto_goTypes = []any{
 	(HealthResponse_Status)(0),     // 0: slimen.engine.v1.HealthResponse.Status
 	(*InfoRequest)(nil),            // 1: slimen.engine.v1.InfoRequest
@@ -2790,6 +3051,10 @@ var file_engine_proto_goTypes = []any{
 	(*RemoveAdapterResponse)(nil),  // 37: slimen.engine.v1.RemoveAdapterResponse
 	(*VersionRequest)(nil),         // 38: slimen.engine.v1.VersionRequest
 	(*VersionResponse)(nil),        // 39: slimen.engine.v1.VersionResponse
+	(*PushGroupRequest)(nil),       // 40: slimen.engine.v1.PushGroupRequest
+	(*PushGroupResponse)(nil),      // 41: slimen.engine.v1.PushGroupResponse
+	(*PushWeightsRequest)(nil),     // 42: slimen.engine.v1.PushWeightsRequest
+	(*PushWeightsResponse)(nil),    // 43: slimen.engine.v1.PushWeightsResponse
 }
 var file_engine_proto_depIdxs = []int32{
 	3,  // 0: slimen.engine.v1.InfoResponse.info:type_name -> slimen.engine.v1.Info
@@ -2825,22 +3090,26 @@ var file_engine_proto_depIdxs = []int32{
 	36, // 30: slimen.engine.v1.Engine.RemoveAdapter:input_type -> slimen.engine.v1.RemoveAdapterRequest
 	38, // 31: slimen.engine.v1.Engine.KeepVersion:input_type -> slimen.engine.v1.VersionRequest
 	38, // 32: slimen.engine.v1.Engine.DropVersions:input_type -> slimen.engine.v1.VersionRequest
-	2,  // 33: slimen.engine.v1.Engine.Info:output_type -> slimen.engine.v1.InfoResponse
-	12, // 34: slimen.engine.v1.Engine.Generate:output_type -> slimen.engine.v1.GenerateStreamResponse
-	16, // 35: slimen.engine.v1.Engine.Score:output_type -> slimen.engine.v1.ScoreBatchResponse
-	23, // 36: slimen.engine.v1.Engine.Train:output_type -> slimen.engine.v1.TrainResponse
-	26, // 37: slimen.engine.v1.Engine.Tokenize:output_type -> slimen.engine.v1.TokenizeResponse
-	31, // 38: slimen.engine.v1.Engine.Save:output_type -> slimen.engine.v1.SaveResponse
-	33, // 39: slimen.engine.v1.Engine.Load:output_type -> slimen.engine.v1.LoadResponse
-	5,  // 40: slimen.engine.v1.Engine.Health:output_type -> slimen.engine.v1.HealthResponse
-	17, // 41: slimen.engine.v1.Engine.Values:output_type -> slimen.engine.v1.ValuesResponse
-	29, // 42: slimen.engine.v1.Engine.Render:output_type -> slimen.engine.v1.RenderResponse
-	35, // 43: slimen.engine.v1.Engine.AddAdapter:output_type -> slimen.engine.v1.AddAdapterResponse
-	37, // 44: slimen.engine.v1.Engine.RemoveAdapter:output_type -> slimen.engine.v1.RemoveAdapterResponse
-	39, // 45: slimen.engine.v1.Engine.KeepVersion:output_type -> slimen.engine.v1.VersionResponse
-	39, // 46: slimen.engine.v1.Engine.DropVersions:output_type -> slimen.engine.v1.VersionResponse
-	33, // [33:47] is the sub-list for method output_type
-	19, // [19:33] is the sub-list for method input_type
+	40, // 33: slimen.engine.v1.Engine.JoinPushGroup:input_type -> slimen.engine.v1.PushGroupRequest
+	42, // 34: slimen.engine.v1.Engine.PushWeights:input_type -> slimen.engine.v1.PushWeightsRequest
+	2,  // 35: slimen.engine.v1.Engine.Info:output_type -> slimen.engine.v1.InfoResponse
+	12, // 36: slimen.engine.v1.Engine.Generate:output_type -> slimen.engine.v1.GenerateStreamResponse
+	16, // 37: slimen.engine.v1.Engine.Score:output_type -> slimen.engine.v1.ScoreBatchResponse
+	23, // 38: slimen.engine.v1.Engine.Train:output_type -> slimen.engine.v1.TrainResponse
+	26, // 39: slimen.engine.v1.Engine.Tokenize:output_type -> slimen.engine.v1.TokenizeResponse
+	31, // 40: slimen.engine.v1.Engine.Save:output_type -> slimen.engine.v1.SaveResponse
+	33, // 41: slimen.engine.v1.Engine.Load:output_type -> slimen.engine.v1.LoadResponse
+	5,  // 42: slimen.engine.v1.Engine.Health:output_type -> slimen.engine.v1.HealthResponse
+	17, // 43: slimen.engine.v1.Engine.Values:output_type -> slimen.engine.v1.ValuesResponse
+	29, // 44: slimen.engine.v1.Engine.Render:output_type -> slimen.engine.v1.RenderResponse
+	35, // 45: slimen.engine.v1.Engine.AddAdapter:output_type -> slimen.engine.v1.AddAdapterResponse
+	37, // 46: slimen.engine.v1.Engine.RemoveAdapter:output_type -> slimen.engine.v1.RemoveAdapterResponse
+	39, // 47: slimen.engine.v1.Engine.KeepVersion:output_type -> slimen.engine.v1.VersionResponse
+	39, // 48: slimen.engine.v1.Engine.DropVersions:output_type -> slimen.engine.v1.VersionResponse
+	41, // 49: slimen.engine.v1.Engine.JoinPushGroup:output_type -> slimen.engine.v1.PushGroupResponse
+	43, // 50: slimen.engine.v1.Engine.PushWeights:output_type -> slimen.engine.v1.PushWeightsResponse
+	35, // [35:51] is the sub-list for method output_type
+	19, // [19:35] is the sub-list for method input_type
 	19, // [19:19] is the sub-list for extension type_name
 	19, // [19:19] is the sub-list for extension extendee
 	0,  // [0:19] is the sub-list for field type_name
@@ -2860,7 +3129,7 @@ func file_engine_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_engine_proto_rawDesc), len(file_engine_proto_rawDesc)),
 			NumEnums:      1,
-			NumMessages:   39,
+			NumMessages:   43,
 			NumExtensions: 0,
 			NumServices:   1,
 		},

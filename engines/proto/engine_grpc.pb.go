@@ -60,6 +60,8 @@ const (
 	Engine_RemoveAdapter_FullMethodName = "/slimen.engine.v1.Engine/RemoveAdapter"
 	Engine_KeepVersion_FullMethodName   = "/slimen.engine.v1.Engine/KeepVersion"
 	Engine_DropVersions_FullMethodName  = "/slimen.engine.v1.Engine/DropVersions"
+	Engine_JoinPushGroup_FullMethodName = "/slimen.engine.v1.Engine/JoinPushGroup"
+	Engine_PushWeights_FullMethodName   = "/slimen.engine.v1.Engine/PushWeights"
 )
 
 // EngineClient is the client API for Engine service.
@@ -110,6 +112,16 @@ type EngineClient interface {
 	KeepVersion(ctx context.Context, in *VersionRequest, opts ...grpc.CallOption) (*VersionResponse, error)
 	// DropVersions forgets every kept version below `version`.
 	DropVersions(ctx context.Context, in *VersionRequest, opts ...grpc.CallOption) (*VersionResponse, error)
+	// JoinPushGroup has the engine join a process group of its own with other engines of the same
+	// model: a trainer (rank 0) and its rollout replicas (host/replica.go). The host calls every
+	// member at once; each call returns once the group is made. Only a server that lists "push" in
+	// Info.capabilities has it (the PyTorch worker, one process: torch.distributed, NCCL between
+	// GPUs, gloo otherwise).
+	JoinPushGroup(ctx context.Context, in *PushGroupRequest, opts ...grpc.CallOption) (*PushGroupResponse, error)
+	// PushWeights sends the weights through the group from rank 0 to rank `peer`, which takes them
+	// into its model's parameters in place. The host calls the sender (rank 0) and the receiver at
+	// once; the receiver must not be generating.
+	PushWeights(ctx context.Context, in *PushWeightsRequest, opts ...grpc.CallOption) (*PushWeightsResponse, error)
 }
 
 type engineClient struct {
@@ -263,6 +275,26 @@ func (c *engineClient) DropVersions(ctx context.Context, in *VersionRequest, opt
 	return out, nil
 }
 
+func (c *engineClient) JoinPushGroup(ctx context.Context, in *PushGroupRequest, opts ...grpc.CallOption) (*PushGroupResponse, error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	out := new(PushGroupResponse)
+	err := c.cc.Invoke(ctx, Engine_JoinPushGroup_FullMethodName, in, out, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
+func (c *engineClient) PushWeights(ctx context.Context, in *PushWeightsRequest, opts ...grpc.CallOption) (*PushWeightsResponse, error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	out := new(PushWeightsResponse)
+	err := c.cc.Invoke(ctx, Engine_PushWeights_FullMethodName, in, out, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
 // EngineServer is the server API for Engine service.
 // All implementations must embed UnimplementedEngineServer
 // for forward compatibility.
@@ -311,6 +343,16 @@ type EngineServer interface {
 	KeepVersion(context.Context, *VersionRequest) (*VersionResponse, error)
 	// DropVersions forgets every kept version below `version`.
 	DropVersions(context.Context, *VersionRequest) (*VersionResponse, error)
+	// JoinPushGroup has the engine join a process group of its own with other engines of the same
+	// model: a trainer (rank 0) and its rollout replicas (host/replica.go). The host calls every
+	// member at once; each call returns once the group is made. Only a server that lists "push" in
+	// Info.capabilities has it (the PyTorch worker, one process: torch.distributed, NCCL between
+	// GPUs, gloo otherwise).
+	JoinPushGroup(context.Context, *PushGroupRequest) (*PushGroupResponse, error)
+	// PushWeights sends the weights through the group from rank 0 to rank `peer`, which takes them
+	// into its model's parameters in place. The host calls the sender (rank 0) and the receiver at
+	// once; the receiver must not be generating.
+	PushWeights(context.Context, *PushWeightsRequest) (*PushWeightsResponse, error)
 	mustEmbedUnimplementedEngineServer()
 }
 
@@ -362,6 +404,12 @@ func (UnimplementedEngineServer) KeepVersion(context.Context, *VersionRequest) (
 }
 func (UnimplementedEngineServer) DropVersions(context.Context, *VersionRequest) (*VersionResponse, error) {
 	return nil, status.Error(codes.Unimplemented, "method DropVersions not implemented")
+}
+func (UnimplementedEngineServer) JoinPushGroup(context.Context, *PushGroupRequest) (*PushGroupResponse, error) {
+	return nil, status.Error(codes.Unimplemented, "method JoinPushGroup not implemented")
+}
+func (UnimplementedEngineServer) PushWeights(context.Context, *PushWeightsRequest) (*PushWeightsResponse, error) {
+	return nil, status.Error(codes.Unimplemented, "method PushWeights not implemented")
 }
 func (UnimplementedEngineServer) mustEmbedUnimplementedEngineServer() {}
 func (UnimplementedEngineServer) testEmbeddedByValue()                {}
@@ -625,6 +673,42 @@ func _Engine_DropVersions_Handler(srv interface{}, ctx context.Context, dec func
 	return interceptor(ctx, in, info, handler)
 }
 
+func _Engine_JoinPushGroup_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(PushGroupRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(EngineServer).JoinPushGroup(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: Engine_JoinPushGroup_FullMethodName,
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(EngineServer).JoinPushGroup(ctx, req.(*PushGroupRequest))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
+func _Engine_PushWeights_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(PushWeightsRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(EngineServer).PushWeights(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: Engine_PushWeights_FullMethodName,
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(EngineServer).PushWeights(ctx, req.(*PushWeightsRequest))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
 // Engine_ServiceDesc is the grpc.ServiceDesc for Engine service.
 // It's only intended for direct use with grpc.RegisterService,
 // and not to be introspected or modified (even as a copy)
@@ -683,6 +767,14 @@ var Engine_ServiceDesc = grpc.ServiceDesc{
 		{
 			MethodName: "DropVersions",
 			Handler:    _Engine_DropVersions_Handler,
+		},
+		{
+			MethodName: "JoinPushGroup",
+			Handler:    _Engine_JoinPushGroup_Handler,
+		},
+		{
+			MethodName: "PushWeights",
+			Handler:    _Engine_PushWeights_Handler,
 		},
 	},
 	Streams: []grpc.StreamDesc{

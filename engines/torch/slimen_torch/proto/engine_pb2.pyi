@@ -414,3 +414,43 @@ class VersionRequest(_message.Message):
 class VersionResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
+
+class PushGroupRequest(_message.Message):
+    __slots__ = ("init_method", "rank", "world", "group", "timeout_s")
+    INIT_METHOD_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    WORLD_FIELD_NUMBER: _ClassVar[int]
+    GROUP_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    init_method: str
+    rank: int
+    world: int
+    group: str
+    timeout_s: float
+    def __init__(self, init_method: _Optional[str] = ..., rank: _Optional[int] = ..., world: _Optional[int] = ..., group: _Optional[str] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+
+class PushGroupResponse(_message.Message):
+    __slots__ = ("links",)
+    LINKS_FIELD_NUMBER: _ClassVar[int]
+    links: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, links: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class PushWeightsRequest(_message.Message):
+    __slots__ = ("group", "peer", "version")
+    GROUP_FIELD_NUMBER: _ClassVar[int]
+    PEER_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    group: str
+    peer: int
+    version: int
+    def __init__(self, group: _Optional[str] = ..., peer: _Optional[int] = ..., version: _Optional[int] = ...) -> None: ...
+
+class PushWeightsResponse(_message.Message):
+    __slots__ = ("bytes", "seconds", "link")
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    LINK_FIELD_NUMBER: _ClassVar[int]
+    bytes: int
+    seconds: float
+    link: str
+    def __init__(self, bytes: _Optional[int] = ..., seconds: _Optional[float] = ..., link: _Optional[str] = ...) -> None: ...

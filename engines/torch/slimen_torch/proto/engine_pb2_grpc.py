@@ -104,6 +104,16 @@ class EngineStub:
                 request_serializer=engine__pb2.VersionRequest.SerializeToString,
                 response_deserializer=engine__pb2.VersionResponse.FromString,
                 _registered_method=True)
+        self.JoinPushGroup = channel.unary_unary(
+                '/slimen.engine.v1.Engine/JoinPushGroup',
+                request_serializer=engine__pb2.PushGroupRequest.SerializeToString,
+                response_deserializer=engine__pb2.PushGroupResponse.FromString,
+                _registered_method=True)
+        self.PushWeights = channel.unary_unary(
+                '/slimen.engine.v1.Engine/PushWeights',
+                request_serializer=engine__pb2.PushWeightsRequest.SerializeToString,
+                response_deserializer=engine__pb2.PushWeightsResponse.FromString,
+                _registered_method=True)
 
 
 class EngineServicer:
@@ -223,6 +233,26 @@ class EngineServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def JoinPushGroup(self, request, context):
+        """JoinPushGroup has the engine join a process group of its own with other engines of the same
+        model: a trainer (rank 0) and its rollout replicas (host/replica.go). The host calls every
+        member at once; each call returns once the group is made. Only a server that lists "push" in
+        Info.capabilities has it (the PyTorch worker, one process: torch.distributed, NCCL between
+        GPUs, gloo otherwise).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PushWeights(self, request, context):
+        """PushWeights sends the weights through the group from rank 0 to rank `peer`, which takes them
+        into its model's parameters in place. The host calls the sender (rank 0) and the receiver at
+        once; the receiver must not be generating.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_EngineServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -295,6 +325,16 @@ def add_EngineServicer_to_server(servicer, server):
                     servicer.DropVersions,
                     request_deserializer=engine__pb2.VersionRequest.FromString,
                     response_serializer=engine__pb2.VersionResponse.SerializeToString,
+            ),
+            'JoinPushGroup': grpc.unary_unary_rpc_method_handler(
+                    servicer.JoinPushGroup,
+                    request_deserializer=engine__pb2.PushGroupRequest.FromString,
+                    response_serializer=engine__pb2.PushGroupResponse.SerializeToString,
+            ),
+            'PushWeights': grpc.unary_unary_rpc_method_handler(
+                    servicer.PushWeights,
+                    request_deserializer=engine__pb2.PushWeightsRequest.FromString,
+                    response_serializer=engine__pb2.PushWeightsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -675,6 +715,60 @@ class Engine:
             '/slimen.engine.v1.Engine/DropVersions',
             engine__pb2.VersionRequest.SerializeToString,
             engine__pb2.VersionResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def JoinPushGroup(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/slimen.engine.v1.Engine/JoinPushGroup',
+            engine__pb2.PushGroupRequest.SerializeToString,
+            engine__pb2.PushGroupResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PushWeights(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/slimen.engine.v1.Engine/PushWeights',
+            engine__pb2.PushWeightsRequest.SerializeToString,
+            engine__pb2.PushWeightsResponse.FromString,
             options,
             channel_credentials,
             insecure,
