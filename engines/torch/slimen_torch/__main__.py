@@ -37,6 +37,9 @@ def main(argv=None) -> None:
     s.add_argument("--no-versions", action="store_true",
                    help="keep no weights versions in the worker (rollout.max_staleness > 0 then "
                    "samples from rollout replicas: other worker processes)")
+    s.add_argument("--no-push", action="store_true",
+                   help="join no push group (rollout replicas then take the weights through a "
+                   "folder the trainer saves, not a broadcast)")
     s.add_argument("--no-compile", action="store_true", help="do not torch.compile the decode step")
     s.add_argument("--compile-train", nargs="?", const="block", default="block",
                    choices=["block", "block-static", "regional", "off"],

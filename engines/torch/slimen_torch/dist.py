@@ -281,6 +281,7 @@ class RankEngine(Engine):
     training; only rank 0 writes a save."""
 
     keeps_versions = False  # its trainer's weights are shards: no in-worker rollout copies
+    pushes_weights = False  # its default process group is the worker group's (push.py)
 
     def __init__(self, model_dir: str, options, rank: int):
         self.rank = rank

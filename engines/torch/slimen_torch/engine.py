@@ -74,6 +74,9 @@ class Options:
     # Keep weights versions in the worker (versions.py, "versions" in the capabilities): a
     # rollout model and a device copy per kept version. False: the host uses rollout replicas.
     versions: bool = True
+    # Join push groups (push.py, "push" in the capabilities): a trainer and its rollout replicas
+    # take the weights through a process group. False: the host pushes them through a folder.
+    push: bool = True
 
 
 def _dtype(name: str, device: torch.device) -> torch.dtype:
@@ -101,6 +104,9 @@ class Engine:
     # Whether the engine keeps weights versions (versions.py; "versions" in its capabilities).
     # A sharded trainer's engine (dist.py) does not.
     keeps_versions = True
+    # Whether the engine can join a push group (push.py). A worker group (dist.py) cannot: its
+    # processes' default group is its own.
+    pushes_weights = True
 
     def __init__(self, model_dir: str, options: Options | None = None):
         self.opts = options or Options()
@@ -115,6 +121,9 @@ class Engine:
         self._first_train = True
         self.keeps_versions = self.keeps_versions and self.opts.versions
         self.versions = Versions(self)
+        self.pushes_weights = self.pushes_weights and self.opts.push
+        self._push_group = None  # push.Group; made by join_push
+        self._push_lock = threading.Lock()
         self._build(pathlib.Path(model_dir))
         log.info("engine ready: %s on %s; %s", model_dir, self.device,
                  self.compile_cache.line() if self.compile_cache else "nothing compiled")
@@ -252,7 +261,8 @@ class Engine:
                     chat_template=self.tokenizer.chat_template, eos_tokens=list(self.eos),
                     params=self.cfg.params(), devices=[str(self.device)],
                     capabilities=["generate", "score", "train", "values", "reference", "tis",
-                                  "lora"] + (["versions"] if self._keeps_versions() else []))
+                                  "lora"] + (["versions"] if self._keeps_versions() else [])
+                    + (["push"] if self.pushes_weights else []))
 
     # ---- LoRA adapters ----
 
@@ -728,7 +738,72 @@ class Engine:
             fused_head=self.trainer.fused_head)
         self._load_optimizer(model_dir)
 
+    # ---- pushing weights through a process group (push.py) ----
+
+    def join_push(self, name: str, init_method: str, rank: int, world: int,
+                  timeout_s: float) -> list[str]:
+        """Joins push group name as rank of world (every member is called at once); returns how
+        this member reaches each rank. The same name again is the same group (a resent call); a
+        new name leaves the old group first."""
+        if not self.pushes_weights:
+            raise RequestError("FAILED_PRECONDITION", "this worker cannot join a push group (a "
+                               "worker group of several ranks, or started with --no-push): "
+                               "push its weights through a folder (Save, Load)")
+        with self._push_lock:
+            g = self._push_group
+            if g is not None and g.name == name:
+                return g.links
+            if g is not None:
+                g.close()
+                self._push_group = None
+            from .push import Group
+            try:
+                self._push_group = Group(name, init_method, rank, world, timeout_s, self.device)
+            except Exception as e:
+                raise RequestError("UNAVAILABLE" if "timed out" in str(e).lower() else "UNKNOWN",
+                                   f"joining push group {name!r} at {init_method} as rank {rank} "
+                                   f"of {world}: {e}") from None
+            return self._push_group.links
+
+    def push_weights(self, name: str, peer: int, version: int) -> dict:
+        """Rank 0 sends its weights to rank peer of push group name; rank peer takes them into its
+        parameters in place (between decode steps: the host pushes only into a replica that
+        holds no version still needed, so none of its requests runs)."""
+        g = self._push_group
+        if g is None or g.name != name:
+            raise RequestError("FAILED_PRECONDITION", f"push group {name!r}: this worker is not in "
+                               f"it (it is in {g.name if g else 'none'}; a worker that restarted "
+                               "has left its group)")
+        if g.rank == 0:
+            out = self._call(self._push_send, g, peer)
+        elif g.rank != peer:
+            raise RequestError("INVALID_ARGUMENT", f"push group {name!r}: a push to rank {peer} "
+                               f"reached rank {g.rank}")
+        else:
+            out = self._call(self._push_receive, g)
+        out["received"] = g.rank != 0
+        gb = out["bytes"] / 1e9
+        log.info("weights version %d %s rank %d of push group %s by broadcast (%s): %.6g GB in "
+                 "%.6f s (%.6f s/GB)", version, "sent to" if g.rank == 0 else "received as",
+                 peer, name, out["link"], gb, out["seconds"], out["seconds"] / max(gb, 1e-12))
+        return out
+
+    def _push_send(self, g, peer: int) -> dict:
+        if self.bank.adapters:
+            raise RequestError("FAILED_PRECONDITION", "this worker's base is frozen under its LoRA "
+                               f"adapters {sorted(self.bank.adapters)}: push them through a folder")
+        return g.send(self.model, peer)
+
+    def _push_receive(self, g) -> dict:
+        self.gen.flush()
+        self._weights_change("push")
+        return g.receive(self.model)
+
     def close(self) -> None:
+        with self._push_lock:
+            if self._push_group is not None:
+                self._push_group.close()
+                self._push_group = None
         self.versions.close()
         with self._cv:
             self._closed = True

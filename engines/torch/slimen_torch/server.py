@@ -507,6 +507,28 @@ class Service(pb_grpc.EngineServicer):
             self._fail(context, e)
         return pb.VersionResponse()
 
+    def JoinPushGroup(self, request, context):
+        self._name(context)
+        eng = self._ready(context)
+        try:
+            links = eng.join_push(request.group, request.init_method, request.rank, request.world,
+                                  request.timeout_s)
+        except Exception as e:
+            self._fail(context, e)
+        return pb.PushGroupResponse(links=links)
+
+    def PushWeights(self, request, context):
+        self._name(context)
+        eng = self._ready(context)
+        try:
+            out = eng.push_weights(request.group, request.peer, request.version)
+        except Exception as e:
+            self._fail(context, e)
+        if out["received"]:
+            # New weights, as after a Load: old completions must not answer new requests.
+            self.gen.forget_finished()
+        return pb.PushWeightsResponse(bytes=out["bytes"], seconds=out["seconds"], link=out["link"])
+
     def Load(self, request, context):
         self._name(context)
         eng = self._ready(context)
@@ -703,4 +725,5 @@ def _options(args):
                    prefix_cache=args.prefix_cache, prefix_min=args.prefix_min,
                    micro_batch_tokens=args.micro_batch_tokens,
                    grad_checkpointing=args.grad_checkpointing, ref_model=args.ref_model,
-                   versions=not getattr(args, "no_versions", False))
+                   versions=not getattr(args, "no_versions", False),
+                   push=not getattr(args, "no_push", False))
