@@ -226,6 +226,39 @@ type VersionsProber interface {
 	KeepsVersions(ctx context.Context) (bool, error)
 }
 
+// WeightsPusher is implemented by engines that push their weights to other engines of the same
+// model through a process group of their own (the PyTorch worker, which lists "push" in
+// Info.Capabilities: torch.distributed, NCCL between GPUs): a trainer's rollout replicas take its
+// weights this way after each step (host/replica.go) instead of through a folder. CanPush asks
+// whether what serves the engine can.
+type WeightsPusher interface {
+	CanPush(ctx context.Context) (bool, error)
+	// JoinPushGroup makes the engine member rank of group g (rank 0 sends, the others receive);
+	// the host calls every member at once. It returns how the member reaches each rank ("nccl",
+	// "gloo"; "" for itself and for ranks it has no link to).
+	JoinPushGroup(ctx context.Context, g PushGroup, rank int) ([]string, error)
+	// PushWeights sends the weights from rank 0 to rank peer of the group (called on rank 0) or
+	// takes them into the engine's weights in place (called on rank peer); the host calls both at
+	// once, and only on a receiver that is not generating.
+	PushWeights(ctx context.Context, group string, peer, version int) (PushStats, error)
+}
+
+// PushGroup is a process group a trainer and its replicas join (WeightsPusher).
+type PushGroup struct {
+	Name       string  // names the group in PushWeights; unique per group made
+	InitMethod string  // where the members meet: tcp://host:port (rank 0 listens there)
+	World      int     // members in all: the trainer and its replicas
+	TimeoutS   float64 // how long a member waits for the others, at the join and at each push
+}
+
+// PushStats is one member's part of a push: the bytes of weights, its seconds (flattening, the
+// transfer, copying into place) and the link ("nccl", "gloo").
+type PushStats struct {
+	Bytes   int64
+	Seconds float64
+	Link    string
+}
+
 // Valuer is implemented by engines with a value head (a PPO critic; Info lists "values").
 type Valuer interface {
 	// Values returns one value estimate per response token of each request: the value of the

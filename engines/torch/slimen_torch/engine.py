@@ -760,7 +760,7 @@ class Engine:
             try:
                 self._push_group = Group(name, init_method, rank, world, timeout_s, self.device)
             except Exception as e:
-                raise RequestError("UNAVAILABLE" if "timed out" in str(e).lower() else "UNKNOWN",
+                raise RequestError("UNKNOWN",
                                    f"joining push group {name!r} at {init_method} as rank {rank} "
                                    f"of {world}: {e}") from None
             return self._push_group.links
@@ -789,15 +789,22 @@ class Engine:
         return out
 
     def _push_send(self, g, peer: int) -> dict:
+        refuse = ""
         if self.bank.adapters:
-            raise RequestError("FAILED_PRECONDITION", "this worker's base is frozen under its LoRA "
-                               f"adapters {sorted(self.bank.adapters)}: push them through a folder")
-        return g.send(self.model, peer)
+            refuse = (f"this worker's base is frozen under its LoRA adapters "
+                      f"{sorted(self.bank.adapters)}: push them through a folder")
+        try:
+            return g.send(self.model, peer, refuse)
+        except ValueError as e:
+            raise RequestError("FAILED_PRECONDITION", str(e)) from None
 
     def _push_receive(self, g) -> dict:
         self.gen.flush()
         self._weights_change("push")
-        return g.receive(self.model)
+        try:
+            return g.receive(self.model)
+        except ValueError as e:
+            raise RequestError("FAILED_PRECONDITION", str(e)) from None
 
     def close(self) -> None:
         with self._push_lock:

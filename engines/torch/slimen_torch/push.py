@@ -34,8 +34,8 @@ DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 
 def layout(model) -> tuple[list[tuple[torch.dtype, list[torch.Tensor]]], list[int]]:
     """The model's parameters grouped by dtype in DTYPES order, and the header that describes
-    them: 4 words of a hash of every parameter's name, shape and dtype, then the element count
-    per dtype."""
+    them: 4 words of a hash of every parameter's name, shape and dtype, the element count per
+    dtype, and a last word 0 (a sender that cannot send sets it: REFUSED)."""
     named = list(model.named_parameters())
     h = hashlib.sha256()
     for n, p in named:
@@ -48,7 +48,11 @@ def layout(model) -> tuple[list[tuple[torch.dtype, list[torch.Tensor]]], list[in
     if other:
         raise ValueError(f"parameters of dtype {', '.join(other)} cannot be pushed")
     words = [int.from_bytes(h.digest()[8 * i:8 * i + 8], "little", signed=True) for i in range(4)]
-    return groups, words + [sum(p.numel() for p in ps) for _, ps in groups]
+    return groups, words + [sum(p.numel() for p in ps) for _, ps in groups] + [0]
+
+
+HEADER_WORDS = 4 + len(DTYPES) + 1
+REFUSED = 1  # the header's last word when the sender sends no weights after it
 
 
 def _device_id(device: torch.device) -> str:
@@ -112,8 +116,10 @@ class Group:
         return self.pairs[peer]
 
     @torch.no_grad()
-    def send(self, model, peer: int) -> dict:
-        """Rank 0: broadcasts model's parameters to peer. Returns bytes, seconds and the link."""
+    def send(self, model, peer: int, refuse: str = "") -> dict:
+        """Rank 0: broadcasts model's parameters to peer. Returns bytes, seconds and the link.
+        With refuse (a reason), or parameters it cannot send, it sends a header that tells the
+        receiver so (which then fails at once instead of waiting) and raises."""
         import torch.distributed as dist
 
         if self.rank != 0:
@@ -122,7 +128,15 @@ class Group:
         g, backend = self._pair(peer)
         dev = self.device if backend == "nccl" else torch.device("cpu")
         t = time.perf_counter()
-        groups, header = layout(model)
+        try:
+            if refuse:
+                raise ValueError(refuse)
+            groups, header = layout(model)
+        except ValueError:
+            header = [0] * HEADER_WORDS
+            header[-1] = REFUSED
+            dist.broadcast(torch.tensor(header, dtype=torch.int64, device=dev), src=0, group=g)
+            raise
         dist.broadcast(torch.tensor(header, dtype=torch.int64, device=dev), src=0, group=g)
         nbytes = 0
         for dt, ps in groups:
@@ -146,9 +160,11 @@ class Group:
         header = torch.zeros(len(mine), dtype=torch.int64, device=dev)
         dist.broadcast(header, src=0, group=g)
         theirs = header.tolist()
+        if theirs[-1] == REFUSED:
+            raise ValueError(f"push group {self.name!r}: the trainer sent no weights (it says why)")
         nbytes = 0
         bufs = []
-        for (dt, _), n in zip(groups, theirs[4:]):
+        for (dt, _), n in zip(groups, theirs[4:-1]):
             if n <= 0:
                 continue
             buf = torch.empty(n, dtype=dt, device=dev)
@@ -157,8 +173,8 @@ class Group:
             bufs.append((dt, buf))
         if theirs != mine:
             raise ValueError(f"push group {self.name!r}: the trainer's parameters differ from "
-                             f"this replica's (names, shapes, dtypes or sizes: {theirs[4:]} "
-                             f"elements per dtype {[str(d) for d in DTYPES]}, here {mine[4:]})")
+                             f"this replica's (names, shapes, dtypes or sizes: {theirs[4:-1]} "
+                             f"elements per dtype {[str(d) for d in DTYPES]}, here {mine[4:-1]})")
         for dt, buf in bufs:
             ps = next(ps for d, ps in groups if d == dt)
             if buf.device != self.device:

@@ -173,6 +173,17 @@ def test_a_pushed_replica_holds_the_trainers_weights_and_samples_as_it_does(pair
     assert remote_generate(stub, [r for r in reqs()]) == \
         [(c.tokens, c.logprobs) for c in trainer.generate(reqs())]
 
+    # A sender that cannot send tells the receiver, which fails at once instead of waiting.
+    def refused():
+        with pytest.raises(ValueError, match="no weights today"):
+            trainer._push_group.send(trainer.model, 1, refuse="no weights today")
+
+    _, err = both(refused, lambda: pytest.raises(
+        grpc.RpcError, stub.PushWeights, pb.PushWeightsRequest(group="g1", peer=1, version=3)))
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "sent no weights" in err.value.details()
+    assert remote_generate(stub, reqs()) == [(c.tokens, c.logprobs) for c in trainer.generate(reqs())]
+
     # A push naming a group the worker is not in fails at once.
     with pytest.raises(grpc.RpcError) as e:
         stub.PushWeights(pb.PushWeightsRequest(group="other", peer=1, version=3))
