@@ -276,7 +276,7 @@ func (r *Run) versionsOf(ctx context.Context, p *policy, k int) (engines.Version
 			return open(ctx, pc)
 		}}
 	p.replicas = rep
-	r.events.printf("policy %q: its %s engine trains its only copy of the weights in place, so rollouts at rollout.max_staleness %d sample from rollout replicas (another engine of the policy each, up to %d), which load the weights the trainer saves after each step", p.name, kind, k, k)
+	r.events.printf("policy %q: its %s engine trains its only copy of the weights in place, so rollouts at rollout.max_staleness %d sample from rollout replicas (another engine of the policy each, up to %d), which take the trainer's weights after each step (by broadcast through a push group when their engines join one, else through a folder)", p.name, kind, k, k)
 	return rep, nil
 }
 

@@ -121,7 +121,7 @@ func TestReplicaPush(t *testing.T) {
 	}
 	native, _ := run("", false)
 	for _, c := range []struct{ fail, want, not string }{
-		{"", "pushed to its rollout replica by broadcast in", "through a folder"},
+		{"", "pushed to its rollout replica by broadcast in", "replicas through a folder"},
 		{"join 2", "could not be made: rollout replica 2: no route to the trainer", "by broadcast in"},
 		{"push", "pushing weights version 0 by broadcast failed, so it and the later versions go through a folder: the trainer: the link broke", "by broadcast in"},
 	} {

@@ -146,6 +146,13 @@ func printPlan(w io.Writer, plan *gpus.Plan, list []gpus.GPU) {
 		if len(wk.Adapters) > 0 {
 			fmt.Fprintf(w, "    LoRA adapters in it: %s\n", strings.Join(quoteAll(wk.Adapters), ", "))
 		}
+		if len(wk.Replicas) > 0 {
+			ids := make([]string, len(wk.Replicas))
+			for i, g := range wk.Replicas {
+				ids[i] = fmt.Sprint(g)
+			}
+			fmt.Fprintf(w, "    rollout replicas (rollout.max_staleness > 0, a worker with --no-versions): GPU %s, weights pushed by NCCL broadcast\n", strings.Join(ids, ","))
+		}
 	}
 	for _, n := range plan.NotPlaced {
 		fmt.Fprintf(w, "  not placed: %s\n", n)

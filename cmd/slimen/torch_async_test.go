@@ -12,7 +12,9 @@ import (
 // versions itself (a device copy per version; no rollout replica started), and the run writes
 // the metrics of the same run whose workers keep none (--no-versions), which samples from rollout
 // replicas that load the weights the trainers save (to sameMetrics' tolerance: the CPU worker's
-// sums are not bit-reproducible from one process to the next). Both workers of the first run are
+// sums are not bit-reproducible from one process to the next); the replicas take the weights by
+// broadcast through a push group (gloo on the CPU), and with --no-push through the folder, with
+// the same metrics again. Both workers of the first run are
 // SIGKILLed after step 1: a new process has lost the versions it kept, and the host keeps them
 // in it again from the checkpoint before the run goes on.
 func TestTorchAsyncVersionsInWorker(t *testing.T) {
@@ -76,8 +78,31 @@ run: {steps: 6, seed: 3, save_interval: 1}
 		}
 	}
 	replicas, ev := run("replicas", `, --no-versions`, false)
-	if !strings.Contains(ev, "sample from rollout replicas") {
-		t.Errorf("with --no-versions events.log has no rollout replicas:\n%s", ev)
+	for _, want := range []string{
+		"sample from rollout replicas",
+		`policy "generator": its trainer and 1 rollout replicas joined push group`,
+		`policy "critic": weights version 1 pushed to its rollout replica by broadcast in`,
+	} {
+		if !strings.Contains(ev, want) {
+			t.Errorf("with --no-versions events.log lacks %q:\n%s", want, ev)
+		}
+	}
+	if strings.Contains(ev, "weights are pushed to its rollout replicas through a folder") || strings.Contains(ev, "saved and loaded") {
+		t.Errorf("replicas that join a push group took weights through a folder:\n%s", ev)
 	}
 	sameMetrics(t, replicas, inWorker)
+	// --no-push: the replicas load the folder the trainer saves, and sample the same.
+	folder, ev := run("folder", `, --no-versions, --no-push`, false)
+	for _, want := range []string{
+		"weights are pushed to its rollout replicas through a folder (the trainer saves, a replica loads): its engine does not join push groups",
+		"s/GB saved and loaded",
+	} {
+		if !strings.Contains(ev, want) {
+			t.Errorf("with --no-push events.log lacks %q:\n%s", want, ev)
+		}
+	}
+	if strings.Contains(ev, "pushed to its rollout replica by broadcast") {
+		t.Errorf("with --no-push a push went by broadcast:\n%s", ev)
+	}
+	sameMetrics(t, folder, replicas)
 }

@@ -9,7 +9,8 @@ against wall time (the mean reward, all policies, of the last quarter-run of ste
 quarter, a half and all of the slowest run's wall time after step 1; the step reached in brackets). With events.log beside metrics.jsonl,
 also the weights versions' cost: the workers' in-worker copy (KeepVersion, a device copy: mean
 seconds a copy and seconds per GB, the total over the total), and the rollout replicas' weight push
-(mean seconds a push, and seconds per GB of model loaded).
+(mean seconds a push, and seconds per GB of model pushed; by broadcast through a push group, with
+its link, or through a folder).
 """
 
 from __future__ import annotations
@@ -38,13 +39,27 @@ def mean(xs):
 
 
 def push_rate(metrics_path: str):
+    """The rollout replicas' pushes (host/replica.go's lines in events.log): mean seconds a push,
+    mean seconds per GB, and how ("broadcast nccl", "broadcast gloo", "folder", or both when a
+    run fell back from the one to the other)."""
     ev = os.path.join(os.path.dirname(metrics_path), "events.log")
     if not os.path.exists(ev):
         return None
     text = open(ev).read()
-    secs = [float(m.group(1)) for m in re.finditer(r"pushed to its rollout replica in ([0-9.]+)s", text)]
-    rates = [float(m.group(1)) for m in re.finditer(r"([0-9.]+) s/GB saved and loaded", text)]
-    return (mean(secs), mean(rates)) if rates else None
+    secs, rates, how = [], [], []
+    for m in re.finditer(r"pushed to its rollout replica in ([0-9.]+)s \(.*?: ([0-9.]+) s/GB saved and loaded",
+                         text):
+        secs.append(float(m.group(1)))
+        rates.append(float(m.group(2)))
+        how.append("folder")
+    for m in re.finditer(r"pushed to its rollout replica by broadcast in ([0-9.]+)s \([0-9.e+-]+ GB: "
+                         r"([0-9.]+) s/GB; (\w+)", text):
+        secs.append(float(m.group(1)))
+        rates.append(float(m.group(2)))
+        how.append("broadcast " + m.group(3))
+    if not rates:
+        return None
+    return mean(secs), mean(rates), " + ".join(sorted(set(how)))
 
 
 def copy_rate(metrics_path: str):
@@ -100,7 +115,7 @@ def main() -> None:
         cr = copy_rate(path)
         row.append("—" if cr is None else f"{cr[0]:.5f} ({cr[1]:.5f})")
         pr = push_rate(path)
-        row.append("—" if pr is None else f"{pr[0]:.3f} ({pr[1]:.3f})")
+        row.append("—" if pr is None else f"{pr[0]:.4f} ({pr[1]:.4f}) {pr[2]}")
         print("| " + " | ".join(row) + " |")
 
 

@@ -67,6 +67,11 @@ type Worker struct {
 	// Adapters are the LoRA policies after Policy that are adapters in this worker (their
 	// hf_checkpoint and engine are Policy's): they start no worker and take no GPUs of their own.
 	Adapters []string
+	// Replicas are the GPUs of the policy's rollout slice outside its actor slice (not colocated):
+	// where its rollout replicas run (rollout.max_staleness > 0 with a worker that keeps no
+	// weights versions, docs/async.md), one after another; empty: on the worker's own GPU.
+	Replicas     []int
+	ReplicaUUIDs []string
 }
 
 // LoRABaseKey is what the LoRA policies that share one torch worker have in common: the
@@ -219,6 +224,9 @@ func Place(c *config.Config, models map[string]Model, list []GPU) (*Plan, error)
 			}
 			for _, k := range slice {
 				w.GPUs, w.UUIDs = append(w.GPUs, list[k].Index), append(w.UUIDs, list[k].UUID)
+				if k >= rollOff && k < rollOff+r && !(k >= actOff && k < actOff+a) && a > 0 {
+					w.Replicas, w.ReplicaUUIDs = append(w.Replicas, list[k].Index), append(w.ReplicaUUIDs, list[k].UUID)
+				}
 			}
 		}
 		if !pinned(p) {

@@ -46,13 +46,14 @@ func TestPlace(t *testing.T) {
 		gpus     int
 		want     map[string][]int // policy → GPUs
 		shares   map[string][]string
+		replicas map[string][]int // policy → its rollout replicas' GPUs (absent: none)
 		total    int
 		err      string
 	}{
 		{name: "one policy colocated", colocate: true, policies: []config.PolicyConfig{torchPolicy("a", 1, 1, 1)}, gpus: 1,
 			want: map[string][]int{"a": {0}}, total: 1},
 		{name: "one policy, training and engine apart", policies: []config.PolicyConfig{torchPolicy("a", 1, 1, 1)}, gpus: 2,
-			want: map[string][]int{"a": {0, 1}}, total: 2},
+			want: map[string][]int{"a": {0, 1}}, replicas: map[string][]int{"a": {1}}, total: 2},
 		{name: "apart on too few GPUs", policies: []config.PolicyConfig{torchPolicy("a", 1, 1, 1)}, gpus: 1,
 			err: `policy "a" needs GPUs 0–1 (megatron_num_nodes 1 × num_gpus_per_node 1 for training, sglang_num_nodes 1 × 1 for generation) but this machine has 1 GPU: the config needs 2 in all (actor 1 + rollout 1, not colocated)`},
 		{name: "slices in YAML order, colocated", colocate: true,
@@ -60,7 +61,7 @@ func TestPlace(t *testing.T) {
 			want: map[string][]int{"solver": {0, 1}, "critic": {2}}, total: 3},
 		{name: "slices in YAML order, apart",
 			policies: []config.PolicyConfig{torchPolicy("solver", 1, 1, 1), torchPolicy("critic", 1, 1, 1)}, gpus: 4,
-			want: map[string][]int{"solver": {0, 2}, "critic": {1, 3}}, total: 4},
+			want: map[string][]int{"solver": {0, 2}, "critic": {1, 3}}, replicas: map[string][]int{"solver": {2}, "critic": {3}}, total: 4},
 		{name: "a train-only and an engine-only policy share when colocated", colocate: true,
 			policies: []config.PolicyConfig{torchPolicy("critic", 1, 1, 0), frozen(torchPolicy("judge", 1, 0, 1))}, gpus: 1,
 			want: map[string][]int{"critic": {0}, "judge": {0}}, shares: map[string][]string{"critic": {"judge"}, "judge": {"critic"}}, total: 1},
@@ -108,6 +109,10 @@ func TestPlace(t *testing.T) {
 				got[w.Policy] = w.GPUs
 				if want, ok := tc.shares[w.Policy]; ok && !slices.Equal(w.Shares, want) {
 					t.Errorf("%s shares with %v, want %v", w.Policy, w.Shares, want)
+				}
+				// Colocated, pinned or without a rollout slice: the replicas stay on the worker's GPU.
+				if want := tc.replicas[w.Policy]; !slices.Equal(w.Replicas, want) || len(w.ReplicaUUIDs) != len(want) {
+					t.Errorf("%s's rollout replicas on %v (%v), want %v", w.Policy, w.Replicas, w.ReplicaUUIDs, want)
 				}
 			}
 			if len(got) != len(tc.want) {
