@@ -9,6 +9,7 @@ import (
 	"sort"
 	"strconv"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/slimen/slimen/engines"
@@ -262,6 +263,7 @@ func (r *Run) versionsOf(ctx context.Context, p *policy, k int) (engines.Version
 			p.name, r.cfgPlace(p), k, why, kind, server)
 	}
 	pc := p.cfg
+	var opened atomic.Int64 // replicas opened: the next one's number (EngineEnv.Replica)
 	rep := &replicas{policy: p.name, trainer: p.eng, dir: filepath.Join(r.opts.Out, ".rollout_push", p.name), logf: r.events.filef,
 		open: func(ctx context.Context) (engines.Engine, error) {
 			open := r.opts.OpenEngine
@@ -270,7 +272,7 @@ func (r *Run) versionsOf(ctx context.Context, p *policy, k int) (engines.Version
 					lost := func(ctx context.Context, ev restartEvent) error {
 						return fmt.Errorf("policy %q: a rollout replica restarted and lost the weights version it held; resume the run from its last checkpoint", pc.Name)
 					}
-					return openEngine(ctx, pc, r.opts.Out, engineLogs{printf: r.events.printf, worker: r.events.filef, restarted: lost, cfg: r.cfg})
+					return openEngine(ctx, pc, r.opts.Out, engineLogs{printf: r.events.printf, worker: r.events.filef, restarted: lost, cfg: r.cfg, replica: int(opened.Add(1))})
 				}
 			}
 			return open(ctx, pc)

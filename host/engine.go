@@ -50,6 +50,10 @@ type EngineEnv struct {
 	// that places its workers among the run's other policies reads (host/torch, on the GPUs).
 	// It is the run's; an engine must not change it.
 	Config *config.Config
+	// Replica is 0 for a policy's own engine, n ≥ 1 for its n-th rollout replica (replica.go): a
+	// kind that places its workers may put a replica apart from the policy's worker (host/torch:
+	// on the GPUs of the policy's rollout slice).
+	Replica int
 
 	bases *loraBases // the run's shared LoRA bases (host/lora.go); nil: none shared
 }
@@ -114,6 +118,7 @@ type engineLogs struct {
 	restarted func(ctx context.Context, ev restartEvent) error
 	bases     *loraBases     // where the run's LoRA policies share their base models
 	cfg       *config.Config // the run's config, for EngineEnv.Config
+	replica   int            // EngineEnv.Replica
 }
 
 func (l engineLogs) logf(format string, args ...any) {
@@ -124,7 +129,7 @@ func (l engineLogs) logf(format string, args ...any) {
 
 // env is the EngineEnv of a policy's engine in a run with directory runDir.
 func (l engineLogs) env(p config.PolicyConfig, runDir string) EngineEnv {
-	e := EngineEnv{RunDir: runDir, Logf: l.logf, Worker: l.worker, bases: l.bases, Config: l.cfg}
+	e := EngineEnv{RunDir: runDir, Logf: l.logf, Worker: l.worker, bases: l.bases, Config: l.cfg, Replica: l.replica}
 	if l.printf != nil || l.restarted != nil {
 		e.OnRestart = func(engine string, self func() engines.Engine) func(ctx context.Context, prev, cur string) error {
 			return func(ctx context.Context, prev, cur string) error {

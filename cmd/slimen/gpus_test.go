@@ -109,4 +109,19 @@ run: {colocate: true}
 	if want := `cannot run on this machine: policy "solver" needs GPUs 0–1`; !strings.Contains(out, want) {
 		t.Errorf("output lacks %q:\n%s", want, out)
 	}
+	// On two GPUs the solver trains on GPU 0; its rollout replicas go on its rollout slice, GPU 1.
+	two := filepath.Join(dir, "two.json")
+	os.WriteFile(two, []byte(`[{"Index": 0, "UUID": "GPU-a", "Name": "NVIDIA H100", "MemTotal": 85899345920}, {"Index": 1, "UUID": "GPU-b", "Name": "NVIDIA H100", "MemTotal": 85899345920}]`), 0o644)
+	out, err = slimen(t, nil, "gpus", "--machine", two, "--config", apart)
+	if err != nil {
+		t.Fatalf("%v\n%s", err, out)
+	}
+	for _, want := range []string{
+		"solver: GPU 0,1 (placement)",
+		"rollout replicas (rollout.max_staleness > 0, a worker with --no-versions): GPU 1, weights pushed by NCCL broadcast",
+	} {
+		if !strings.Contains(out, want) {
+			t.Errorf("output lacks %q:\n%s", want, out)
+		}
+	}
 }

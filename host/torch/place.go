@@ -24,8 +24,9 @@ type runPlan struct {
 
 var plans = struct {
 	sync.Mutex
-	m map[*config.Config]*runPlan
-}{m: map[*config.Config]*runPlan{}}
+	m    map[*config.Config]*runPlan
+	made map[*config.Config]*gpus.Plan // every plan made: where a run's rollout replicas go
+}{m: map[*config.Config]*runPlan{}, made: map[*config.Config]*gpus.Plan{}}
 
 // placement is a policy's worker as the run's placement gives it (docs/gpus.md), nil when it is
 // not placed: no config, not a local GPU worker, or no GPUs visible.
@@ -35,6 +36,14 @@ func placement(p config.PolicyConfig, env host.EngineEnv) (*gpus.Worker, error) 
 	}
 	plans.Lock()
 	defer plans.Unlock()
+	if env.Replica > 0 {
+		// A rollout replica opens after the run's workers, under the plan they were placed by (a
+		// plan made now would count their memory as taken).
+		if plan := plans.made[env.Config]; plan != nil {
+			return plan.Worker(p.Name), nil
+		}
+		return nil, nil
+	}
 	rp := plans.m[env.Config]
 	if rp == nil {
 		plan, err := place(env.Config, env.Logf)
@@ -44,6 +53,7 @@ func placement(p config.PolicyConfig, env host.EngineEnv) (*gpus.Worker, error) 
 		rp = &runPlan{plan: plan}
 		if plan != nil {
 			rp.left = len(plan.Workers)
+			plans.made[env.Config] = plan
 		}
 		plans.m[env.Config] = rp
 	}
@@ -114,6 +124,17 @@ func placed(p config.PolicyConfig, w *gpus.Worker) (env, args []string) {
 		args = []string{"--slots", strconv.Itoa(w.Estimate.Slots)}
 	}
 	return env, args
+}
+
+// replicaPlace is where the n-th rollout replica (n ≥ 1) of a policy placed as w runs: one GPU of
+// its rollout slice outside its actor slice, in turn (w.Replicas); nil when there is none (the
+// replica then runs where the policy's worker does).
+func replicaPlace(p config.PolicyConfig, w *gpus.Worker, n int) *gpus.Worker {
+	if w == nil || len(w.ReplicaUUIDs) == 0 || len(p.Engine.GPUs) > 0 || n < 1 {
+		return nil
+	}
+	i := (n - 1) % len(w.ReplicaUUIDs)
+	return &gpus.Worker{Policy: w.Policy, GPUs: []int{w.Replicas[i]}, UUIDs: []string{w.ReplicaUUIDs[i]}, From: "rollout slice"}
 }
 
 func joinInts(s []int) string {

@@ -85,6 +85,46 @@ func TestPlacementInRun(t *testing.T) {
 	}
 }
 
+// A policy apart from its rollout slice (not colocated) puts its rollout replicas there, in turn,
+// under the plan its worker was placed by; colocated on one GPU (its rollout slice is its actor
+// slice), they run where the worker does.
+func TestPlacementOfRolloutReplicas(t *testing.T) {
+	withInventory(t, gpus.Fake{List: []gpus.GPU{gpu(0, 80), gpu(1, 80), gpu(2, 80)}})
+	a := policy("a", 1, 1, 2)
+	cfg := &config.Config{Policies: []config.PolicyConfig{a}}
+	env := host.EngineEnv{Config: cfg, Logf: func(string, ...any) {}}
+	w, err := placement(a, env)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !slices.Equal(w.GPUs, []int{0, 1, 2}) || !slices.Equal(w.Replicas, []int{1, 2}) {
+		t.Fatalf("a on %v, replicas on %v; want 0–2 and 1–2", w.GPUs, w.Replicas)
+	}
+	// The worker's GPUs are taken now: a replica still finds the plan.
+	withInventory(t, gpus.Fake{List: []gpus.GPU{gpu(0, 1), gpu(1, 1), gpu(2, 1)}})
+	for n, want := range map[int]int{1: 1, 2: 2, 3: 1} {
+		env.Replica = n
+		rw, err := placement(a, env)
+		if err != nil {
+			t.Fatal(err)
+		}
+		on := replicaPlace(a, rw, n)
+		if on == nil || !slices.Equal(on.GPUs, []int{want}) || on.UUIDs[0] != fmt.Sprintf("GPU-%d", want) {
+			t.Errorf("replica %d on %+v, want GPU %d", n, on, want)
+		}
+	}
+	b := policy("b", 1, 1, 1)
+	colo := &config.Config{Policies: []config.PolicyConfig{b}, Run: config.RunConfig{Colocate: true}}
+	withInventory(t, gpus.Fake{List: []gpus.GPU{gpu(0, 80), gpu(1, 80)}})
+	w, err = placement(b, host.EngineEnv{Config: colo, Logf: func(string, ...any) {}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if on := replicaPlace(b, w, 1); on != nil {
+		t.Errorf("colocated, a replica goes to %+v; want the worker's GPU", on)
+	}
+}
+
 func mustModel(t *testing.T) gpus.Model {
 	m, err := gpus.ReadModel(model)
 	if err != nil {

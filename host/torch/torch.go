@@ -84,6 +84,15 @@ func open(ctx context.Context, p config.PolicyConfig, env host.EngineEnv) (engin
 		return nil, err
 	}
 	placeEnv, placeArgs := placed(p, w)
+	replicaOn := ""
+	if env.Replica > 0 && w != nil {
+		placeArgs = nil // its cache was not sized with the worker's neighbours
+		if on := replicaPlace(p, w, env.Replica); on != nil {
+			w = on
+			placeEnv = []string{"CUDA_VISIBLE_DEVICES=" + on.UUIDs[0]}
+			replicaOn = fmt.Sprintf("rollout replica %d on GPU %d of its rollout slice", env.Replica, on.GPUs[0])
+		}
+	}
 	args = append(args, placeArgs...)
 	// The KL reference stays the base model, not the checkpoint the policy resumes from.
 	if ref := p.KLReference(); ref != model && !slices.ContainsFunc(args, func(a string) bool { return a == "--ref-model" || strings.HasPrefix(a, "--ref-model=") }) {
@@ -114,6 +123,9 @@ func open(ctx context.Context, p config.PolicyConfig, env host.EngineEnv) (engin
 	if len(placeEnv) > 0 {
 		o.Env = placeEnv
 		where += fmt.Sprintf(" of GPU %s (placed: %s)", joinInts(w.GPUs), o.Env[0])
+	}
+	if replicaOn != "" {
+		where += "; " + replicaOn
 	}
 	var self atomic.Value
 	if env.OnRestart != nil {
