@@ -39,27 +39,24 @@ def mean(xs):
 
 
 def push_rate(metrics_path: str):
-    """The rollout replicas' pushes (host/replica.go's lines in events.log): mean seconds a push,
-    mean seconds per GB, and how ("broadcast nccl", "broadcast gloo", "folder", or both when a
-    run fell back from the one to the other)."""
+    """The rollout replicas' pushes (host/replica.go's lines in events.log), by how they went
+    ("broadcast nccl", "broadcast gloo", "folder"): {how: (mean seconds a push, mean seconds per
+    GB, pushes)}."""
     ev = os.path.join(os.path.dirname(metrics_path), "events.log")
     if not os.path.exists(ev):
         return None
     text = open(ev).read()
-    secs, rates, how = [], [], []
+    got = collections.defaultdict(list)
     for m in re.finditer(r"pushed to its rollout replica in ([0-9.]+)s \(.*?: ([0-9.]+) s/GB saved and loaded",
                          text):
-        secs.append(float(m.group(1)))
-        rates.append(float(m.group(2)))
-        how.append("folder")
+        got["folder"].append((float(m.group(1)), float(m.group(2))))
     for m in re.finditer(r"pushed to its rollout replica by broadcast in ([0-9.]+)s \([0-9.e+-]+ GB: "
                          r"([0-9.]+) s/GB; (\w+)", text):
-        secs.append(float(m.group(1)))
-        rates.append(float(m.group(2)))
-        how.append("broadcast " + m.group(3))
-    if not rates:
+        got["broadcast " + m.group(3)].append((float(m.group(1)), float(m.group(2))))
+    if not got:
         return None
-    return mean(secs), mean(rates), " + ".join(sorted(set(how)))
+    return {how: (mean([s for s, _ in xs]), mean([r for _, r in xs]), len(xs))
+            for how, xs in sorted(got.items())}
 
 
 def copy_rate(metrics_path: str):
@@ -115,7 +112,8 @@ def main() -> None:
         cr = copy_rate(path)
         row.append("—" if cr is None else f"{cr[0]:.5f} ({cr[1]:.5f})")
         pr = push_rate(path)
-        row.append("—" if pr is None else f"{pr[0]:.4f} ({pr[1]:.4f}) {pr[2]}")
+        row.append("—" if pr is None else "; ".join(
+            f"{how} ×{n}: {secs:.4f} ({rate:.4f})" for how, (secs, rate, n) in pr.items()))
         print("| " + " | ".join(row) + " |")
 
 

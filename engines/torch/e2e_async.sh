@@ -5,19 +5,26 @@
 # rollout.max_staleness 0, 1 and 2 (docs/async.md). At K > 0 each worker keeps the weights versions
 # itself (a device copy of the weights per kept version, sampled by a rollout model in the same
 # process while the trainer steps); the runs of REPLICA_KS (default 1) run again with
-# --no-versions, where each policy samples from rollout replicas (more worker processes on the
-# same device) that load the weights the trainer saves after each step. One warm-up serves every
-# run; each is its own run from the same model.
+# --no-versions, where each policy samples from rollout replicas (more worker processes) that take
+# the trainer's weights after each step by broadcast through a push group (host/replica.go: NCCL
+# between two GPUs, gloo through the CPU on one). By default the replicas share their trainer's
+# device; REPLICA_GPU=1 places the generator instead (no engine.device; megatron_num_nodes 1,
+# sglang_num_nodes 1, run.colocate false): it trains on the machine's GPU 0 and its replicas run on
+# its rollout slice, GPU 1, so its push crosses GPUs by NCCL (the critic stays on DEVICE2; use
+# DEVICE2=cuda:1 or cuda:0). FOLDER=1 adds the replica runs again with --no-push (the folder push)
+# for comparison. One warm-up serves every run; each is its own run from the same model.
 #
 #   SLIMEN=.devbuild/slimen PY=python3 DEVICE=cuda:0 OUT=/tmp/e2e-async engines/torch/e2e_async.sh
 #   SLIMEN=/tmp/slimen PY=$(scripts/pyenv.sh)/bin/python DEVICE=cpu QUICK=1 engines/torch/e2e_async.sh
+#   KS=0 REPLICA_KS=1 REPLICA_GPU=1 FOLDER=1 DEVICE2=cuda:1 …  (the push between two GPUs)
 #
 # REUSE=1 keeps a warmed-up model already in WORK (a second call for the other K, KS="2": the
 # table then covers every K run into OUT so far).
 # QUICK=1 is the CPU check: the tiny-qwen3 shape, 20 SFT steps, 3 steps of 2 tasks. Prints one
 # table (async_summary.py): step time, wall time, each engine's busy fraction, the reward over the
 # first and last quarter of the steps and against wall time, the in-worker copy of a weights
-# version in s/GB (issue 21's target: ≤ 0.01 s/GB), and the replicas' push in s/GB.
+# version in s/GB, and the replicas' push in s/GB per link (issue 21's target between GPUs of one
+# host: ≤ 0.01 s/GB).
 set -euo pipefail
 SLIMEN=${SLIMEN:-.devbuild/slimen}
 PY=${PY:-python3}
@@ -58,15 +65,28 @@ rc=0
 runs=""
 for k in $KS; do runs="$runs $k"; done
 for k in $REPLICA_KS; do [ "$k" != 0 ] && runs="$runs ${k}r"; done
+if [ "${FOLDER:-0}" = 1 ]; then
+  for k in $REPLICA_KS; do [ "$k" != 0 ] && runs="$runs ${k}f"; done
+fi
 for run in $runs; do
-  k=${run%r}
+  k=${run%[rf]}
   extra=""
-  [ "$run" != "$k" ] && extra=', --no-versions'  # the rollout replicas' path
+  [ "$run" = "${k}r" ] && extra=', --no-versions'  # the rollout replicas' path: a push group
+  [ "$run" = "${k}f" ] && extra=', --no-versions, --no-push'  # … through a folder
+  gen_place="device: \"$DEVICE\", "
+  slices=""
+  colocate=""
+  if [ -n "$extra" ] && [ "${REPLICA_GPU:-0}" = 1 ]; then
+    # Placed: it trains on GPU 0 (its actor slice), its replicas run on GPU 1 (its rollout slice).
+    gen_place=""
+    slices=$'num_gpus_per_node: 1\n    megatron_num_nodes: 1\n    sglang_num_nodes: 1\n    '
+    colocate=", colocate: false"
+  fi
   cat >"$OUT/config-k$run.yaml" <<YAML
 policies:
   - name: generator
     hf_checkpoint: $model
-    engine: {kind: torch, python: $PY, device: "$DEVICE", args: [--slots, "$SLOTS", --max-seq-len, "512"$extra]}
+    ${slices}engine: {kind: torch, python: $PY, ${gen_place}args: [--slots, "$SLOTS", --max-seq-len, "512"$extra]}
     train: {lr: $LR, advantage_estimator: grpo, global_batch_size: 0}
   - name: critic
     hf_checkpoint: $model
@@ -74,7 +94,7 @@ policies:
     train: {lr: $LR, advantage_estimator: grpo, global_batch_size: 0}
 rollout: {batch_size: $BATCH, max_response_len: $MAXLEN, temperature: 1.0, max_staleness: $k}
 data: {path: "$DATA"}
-run: {steps: $STEPS, seed: 1}
+run: {steps: $STEPS, seed: 1$colocate}
 YAML
   t1=$(date +%s)
   rm -rf "$WORK/run-k$run" "$OUT/k$run"
@@ -85,14 +105,15 @@ YAML
   [ "$r" != 0 ] && rc=$r && tail -5 "$OUT/exec-k$run.log"
   mkdir -p "$OUT/k$run"
   cp "$WORK/run-k$run/metrics.jsonl" "$WORK/run-k$run/events.log" "$OUT/k$run/" 2>/dev/null || true
-  echo "e2e-async: K=$k${extra:+ (rollout replicas)} exec $(( $(date +%s) - t1 )) s, exit $r"
+  echo "e2e-async: K=$k${extra:+ (rollout replicas$([ "$run" = "${k}f" ] && echo ", folder push"))} exec $(( $(date +%s) - t1 )) s, exit $r"
   rm -rf "$WORK/run-k$run"
 done
 args=()
 for d in "$OUT"/k*/; do
   name=$(basename "$d" | cut -c2-)
-  label="K=${name%r}"
+  label="K=${name%[rf]}"
   [ "$name" != "${name%r}" ] && label="$label replicas"
+  [ "$name" != "${name%f}" ] && label="$label replicas (folder)"
   [ -f "$d/metrics.jsonl" ] && args+=("$label:$d/metrics.jsonl")
 done
 "$PY" "$(dirname "$0")/async_summary.py" "${args[@]}" | tee "$OUT/summary.md"

@@ -9,9 +9,10 @@ gloo otherwise (tensors staged through the CPU). A push from the trainer to repl
 broadcast in the pair's subgroup, so the other replicas, which may be generating from the
 versions they hold, take no part: first a header (a hash of the parameters' names, shapes and
 dtypes, and the element count per dtype), then the parameters flattened into one buffer per
-dtype. The replica receives into buffers of the same sizes and copies them into its model's
-parameters in place (its captured CUDA graphs keep pointing at them); a replica whose parameters
-do not match the header still receives everything (so the sender never hangs) and then fails.
+dtype (between CPU workers, where nothing is staged, each parameter as it is: flattening would
+only add two copies). The replica answers the header (its parameters match, or not: then both
+fail at once) and receives into buffers of the same sizes, which it copies into its model's
+parameters in place (its captured CUDA graphs keep pointing at them).
 
 A worker that is an FSDP group (dist.py: its default group is the trainer's, its weights shards)
 cannot join: the host keeps the folder push for it.
@@ -115,11 +116,17 @@ class Group:
                              f"{peer} (the sender is rank 0, the receivers 1…{self.world - 1})")
         return self.pairs[peer]
 
+    def _direct(self, backend: str) -> bool:
+        """Whether parameters go as they are, one broadcast each (gloo between CPU workers: no
+        staging, and flattening would only add two copies), rather than flattened per dtype."""
+        return backend == "gloo" and self.device.type == "cpu"
+
     @torch.no_grad()
     def send(self, model, peer: int, refuse: str = "") -> dict:
         """Rank 0: broadcasts model's parameters to peer. Returns bytes, seconds and the link.
         With refuse (a reason), or parameters it cannot send, it sends a header that tells the
-        receiver so (which then fails at once instead of waiting) and raises."""
+        receiver so (which then fails at once instead of waiting) and raises; so does a receiver
+        whose parameters differ (its answer to the header)."""
         import torch.distributed as dist
 
         if self.rank != 0:
@@ -138,9 +145,19 @@ class Group:
             dist.broadcast(torch.tensor(header, dtype=torch.int64, device=dev), src=0, group=g)
             raise
         dist.broadcast(torch.tensor(header, dtype=torch.int64, device=dev), src=0, group=g)
+        ok = torch.zeros(1, dtype=torch.int64, device=dev)
+        dist.broadcast(ok, src=peer, group=g)
+        if ok.item() != 1:
+            raise ValueError(f"push group {self.name!r}: rank {peer}'s parameters differ from the "
+                             "trainer's (names, shapes or dtypes): it took no weights")
         nbytes = 0
         for dt, ps in groups:
             if not ps:
+                continue
+            if self._direct(backend):
+                for p in ps:
+                    dist.broadcast(p.detach(), src=0, group=g)
+                    nbytes += p.numel() * p.element_size()
                 continue
             flat = torch.cat([p.detach().reshape(-1) for p in ps]).to(dev)
             dist.broadcast(flat, src=0, group=g)
@@ -162,21 +179,25 @@ class Group:
         theirs = header.tolist()
         if theirs[-1] == REFUSED:
             raise ValueError(f"push group {self.name!r}: the trainer sent no weights (it says why)")
-        nbytes = 0
-        bufs = []
-        for (dt, _), n in zip(groups, theirs[4:-1]):
-            if n <= 0:
-                continue
-            buf = torch.empty(n, dtype=dt, device=dev)
-            dist.broadcast(buf, src=0, group=g)
-            nbytes += buf.numel() * buf.element_size()
-            bufs.append((dt, buf))
-        if theirs != mine:
+        ok = theirs == mine
+        dist.broadcast(torch.tensor([int(ok)], dtype=torch.int64, device=dev), src=self.rank,
+                       group=g)
+        if not ok:
             raise ValueError(f"push group {self.name!r}: the trainer's parameters differ from "
                              f"this replica's (names, shapes, dtypes or sizes: {theirs[4:-1]} "
                              f"elements per dtype {[str(d) for d in DTYPES]}, here {mine[4:-1]})")
-        for dt, buf in bufs:
-            ps = next(ps for d, ps in groups if d == dt)
+        nbytes = 0
+        for dt, ps in groups:
+            if not ps:
+                continue
+            if self._direct(backend):
+                for p in ps:
+                    dist.broadcast(p.data, src=0, group=g)
+                    nbytes += p.numel() * p.element_size()
+                continue
+            buf = torch.empty(sum(p.numel() for p in ps), dtype=dt, device=dev)
+            dist.broadcast(buf, src=0, group=g)
+            nbytes += buf.numel() * buf.element_size()
             if buf.device != self.device:
                 buf = buf.to(self.device)
             parts = buf.split([p.numel() for p in ps])

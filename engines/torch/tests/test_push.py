@@ -182,7 +182,8 @@ def test_a_pushed_replica_holds_the_trainers_weights_and_samples_as_it_does(pair
         grpc.RpcError, stub.PushWeights, pb.PushWeightsRequest(group="g1", peer=1, version=3)))
     assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert "sent no weights" in err.value.details()
-    assert remote_generate(stub, reqs()) == [(c.tokens, c.logprobs) for c in trainer.generate(reqs())]
+    now = [(c.tokens, c.logprobs) for c in trainer.generate(reqs())]
+    assert remote_generate(stub, reqs()) == now
 
     # A push naming a group the worker is not in fails at once.
     with pytest.raises(grpc.RpcError) as e:
@@ -199,3 +200,34 @@ def test_a_worker_without_push_refuses_to_join(model_dirs):
         assert err.value.code == "FAILED_PRECONDITION" and "--no-push" in str(err.value)
     finally:
         e.close()
+
+
+def test_a_replica_of_another_model_takes_no_weights(model_dirs, tmp_path):
+    """The replica answers the header: parameters that differ fail both sides at once."""
+    if torch.distributed.is_initialized():
+        pytest.skip("this process is in a process group already")
+    proc, addr = serve(model_dirs["tiny-qwen3"], tmp_path, "--no-versions")
+    trainer = Engine(str(model_dirs["tiny"]), Options(device="cpu", versions=False))
+    try:
+        with grpc.insecure_channel(addr) as ch:
+            stub = pb_grpc.EngineStub(ch)
+            ready(stub)
+            before = remote_generate(stub, reqs())
+            init = f"tcp://127.0.0.1:{free_port()}"
+            both(lambda: trainer.join_push("g2", init, 0, 2, 60),
+                 lambda: stub.JoinPushGroup(pb.PushGroupRequest(init_method=init, rank=1, world=2,
+                                                                group="g2", timeout_s=60)))
+
+            def send():
+                with pytest.raises(RequestError, match="rank 1's parameters differ"):
+                    trainer.push_weights("g2", 1, 1)
+
+            req = pb.PushWeightsRequest(group="g2", peer=1, version=1)
+            _, err = both(send, lambda: pytest.raises(grpc.RpcError, stub.PushWeights, req))
+            assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+            assert "the trainer's parameters differ" in err.value.details()
+            assert remote_generate(stub, reqs()) == before
+    finally:
+        trainer.close()
+        stop(proc)
+
