@@ -4,7 +4,6 @@ import (
 	"context"
 	"fmt"
 	"math"
-	"slices"
 
 	"github.com/slimen/slimen/engines"
 	enginepb "github.com/slimen/slimen/engines/proto"
@@ -18,11 +17,7 @@ var _ engines.WeightsPusher = (*Client)(nil)
 
 // CanPush says whether the server joins push groups ("push" in its capabilities).
 func (c *Client) CanPush(ctx context.Context) (bool, error) {
-	info, err := c.Info(ctx)
-	if err != nil {
-		return false, err
-	}
-	return slices.Contains(info.Capabilities, "push"), nil
+	return c.capable(ctx, "push")
 }
 
 // JoinPushGroup has the server join group g as rank.

@@ -22,13 +22,20 @@ var _ engines.Versions = (*Client)(nil)
 
 // KeepsVersions says whether the server keeps weights versions ("versions" in its capabilities).
 func (c *Client) KeepsVersions(ctx context.Context) (bool, error) {
+	ok, err := c.capable(ctx, "versions")
+	if err == nil {
+		c.versions.Store(ok)
+	}
+	return ok, err
+}
+
+// capable says whether the server lists capability in Info.Capabilities.
+func (c *Client) capable(ctx context.Context, capability string) (bool, error) {
 	info, err := c.Info(ctx)
 	if err != nil {
 		return false, err
 	}
-	ok := slices.Contains(info.Capabilities, "versions")
-	c.versions.Store(ok)
-	return ok, nil
+	return slices.Contains(info.Capabilities, capability), nil
 }
 
 func (c *Client) version(method string, v int) (*int32, error) {
