@@ -23,6 +23,7 @@ from __future__ import annotations
 import datetime
 import hashlib
 import logging
+import threading
 import time
 
 import torch
@@ -104,11 +105,19 @@ class Group:
                  world, time.perf_counter() - t, init_method,
                  ", ".join(f"{i}: {b}" for i, b in enumerate(self.links) if b))
 
-    def close(self) -> None:
+    def close(self, timeout: float = 10) -> None:
+        """Leaves the group; gives up after timeout seconds (tearing down NCCL communicators may
+        wait for a member that is gone: the process is usually exiting then)."""
         import torch.distributed as dist
 
         if dist.is_initialized():
-            dist.destroy_process_group()
+            t = threading.Thread(target=dist.destroy_process_group, name="slimen-push-close",
+                                 daemon=True)
+            t.start()
+            t.join(timeout)
+            if t.is_alive():
+                log.warning("push group %s: leaving it took over %.0f s; going on", self.name,
+                            timeout)
 
     def _pair(self, peer: int):
         if peer == 0 or peer not in self.pairs:
