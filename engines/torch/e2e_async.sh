@@ -31,7 +31,7 @@ PY=${PY:-python3}
 DEVICE=${DEVICE:-cuda:0}
 DEVICE2=${DEVICE2:-$DEVICE}  # the critic's device: DEVICE2=cuda:1 puts the two policies on two GPUs
 OUT=${OUT:-/tmp/e2e-async}
-KS=${KS:-0 1 2}
+KS=${KS-0 1 2}  # KS="" runs none (only REPLICA_KS)
 REPLICA_KS=${REPLICA_KS-1}
 if [ "${QUICK:-0}" = 1 ]; then
   : "${SHAPE:=tiny-qwen3}" "${SFT_STEPS:=20}" "${STEPS:=3}" "${BATCH:=2}" "${MAXLEN:=8}" "${SLOTS:=8}" "${SFT_BATCH:=8}"
