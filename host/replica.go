@@ -102,7 +102,7 @@ func (r *replicas) join(ctx context.Context, reps []engines.Engine) {
 	for i, e := range members {
 		p, ok := e.(engines.WeightsPusher)
 		if !ok {
-			folder("its engine cannot join a push group")
+			folder("its engine cannot join a push group (a LoRA policy, whose adapter is what would move, or an engine without engines.WeightsPusher)")
 			return
 		}
 		can, err := p.CanPush(ctx)

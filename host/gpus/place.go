@@ -69,7 +69,8 @@ type Worker struct {
 	Adapters []string
 	// Replicas are the GPUs of the policy's rollout slice outside its actor slice (not colocated):
 	// where its rollout replicas run (rollout.max_staleness > 0 with a worker that keeps no
-	// weights versions, docs/async.md), one after another; empty: on the worker's own GPU.
+	// weights versions, docs/async.md), one after another; empty: on the worker's own GPU (a
+	// LoRA worker's replicas included).
 	Replicas     []int
 	ReplicaUUIDs []string
 }
@@ -224,7 +225,7 @@ func Place(c *config.Config, models map[string]Model, list []GPU) (*Plan, error)
 			}
 			for _, k := range slice {
 				w.GPUs, w.UUIDs = append(w.GPUs, list[k].Index), append(w.UUIDs, list[k].UUID)
-				if k >= rollOff && k < rollOff+r && !(k >= actOff && k < actOff+a) && a > 0 {
+				if k >= rollOff && k < rollOff+r && !(k >= actOff && k < actOff+a) && a > 0 && p.LoRA == nil {
 					w.Replicas, w.ReplicaUUIDs = append(w.Replicas, list[k].Index), append(w.ReplicaUUIDs, list[k].UUID)
 				}
 			}
