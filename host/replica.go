@@ -258,8 +258,12 @@ func (r *replicas) KeepVersion(ctx context.Context, v int) error {
 		}
 		r.mu.Lock()
 		r.all = append(r.all, rep)
+		n, grouped := len(r.all), r.group != nil
 		r.mu.Unlock()
-		r.logf("policy %q: rollout replica %d opened (rollout.max_staleness: it holds one weights version)", r.policy, len(r.all))
+		r.logf("policy %q: rollout replica %d opened (rollout.max_staleness: it holds one weights version)", r.policy, n)
+		if grouped {
+			r.logf("policy %q: rollout replica %d is not in the push group made before it opened: its weights go through a folder", r.policy, n)
+		}
 	}
 	t := time.Now()
 	st, grouped, err := r.broadcast(ctx, rep, v)
