@@ -119,7 +119,7 @@ done
 
 # ---- the table
 "$PY" - "$WORK" "$G" "$WARMUP" "$QUICK" "$LAYOUTS" <<'EOF' | tee "$WORK/table.md"
-import re, sys
+import datetime, re, sys
 from gpu_runs import Work, compact, mean, params, steady, steps_label
 w = Work(sys.argv[1])
 G, warmup, quick, layouts = int(sys.argv[2]), int(sys.argv[3]), sys.argv[4] == "1", sys.argv[5].split()
@@ -144,7 +144,13 @@ for lay in layouts:
     gen = mean(m["tokens"] / m["rollout_s"] for m in ss if m["rollout_s"] > 0)
     ev = w.events(lay)
     ready = [float(x) for x in re.findall(r"torch worker ready in ([0-9.]+)s", ev)]
-    start = f"{len(ready)} worker{'s' if len(ready) != 1 else ''}, {sum(ready):.1f} s"
+    # The workers start at the same time: from the first start to the last ready line (events.log
+    # stamps seconds), and the longest single start.
+    stamp = lambda pat: [datetime.datetime.fromisoformat(t.replace("Z", "+00:00")).timestamp()
+                         for t in re.findall(r"^(\S+) policy \"[^\"]+\": " + pat, ev, re.M)]
+    t0, t1 = stamp("starting a torch worker"), stamp("torch worker ready in")
+    span = f"{max(t1) - min(t0):.0f} s from the first start to the last ready, " if t0 and t1 else ""
+    start = f"{len(ready)} worker{'s' if len(ready) != 1 else ''}: {span}longest {max(ready, default=0):.1f} s"
     obs = w.observed(lay)
     if obs is None:
         mem = "n/a (no nvidia-smi)"
