@@ -433,8 +433,8 @@ type gatedEngine struct {
 	g *trainGate
 }
 
-func (e *gatedEngine) Train(ctx context.Context, b engines.Batch) (engines.TrainStats, error) {
-	g := e.g
+// enter counts a call in and waits (up to g.wait) until want calls have been in at once.
+func (g *trainGate) enter() {
 	g.mu.Lock()
 	g.in++
 	g.max = max(g.max, g.in)
@@ -444,14 +444,21 @@ func (e *gatedEngine) Train(ctx context.Context, b engines.Batch) (engines.Train
 		met := g.max >= g.want
 		g.mu.Unlock()
 		if met {
-			break
+			return
 		}
 	}
-	st, err := e.Engine.Train(ctx, b)
+}
+
+func (g *trainGate) leave() {
 	g.mu.Lock()
 	g.in--
 	g.mu.Unlock()
-	return st, err
+}
+
+func (e *gatedEngine) Train(ctx context.Context, b engines.Batch) (engines.TrainStats, error) {
+	e.g.enter()
+	defer e.g.leave()
+	return e.Engine.Train(ctx, b)
 }
 
 const twoPolicyScript = `
@@ -532,21 +539,8 @@ func TestPoliciesOpenTogether(t *testing.T) {
 		if p.LoRA != nil {
 			gate = lora
 		}
-		gate.mu.Lock()
-		gate.in++
-		gate.max = max(gate.max, gate.in)
-		gate.mu.Unlock()
-		for end := time.Now().Add(gate.wait); time.Now().Before(end); time.Sleep(time.Millisecond) {
-			gate.mu.Lock()
-			met := gate.max >= gate.want
-			gate.mu.Unlock()
-			if met {
-				break
-			}
-		}
-		gate.mu.Lock()
-		gate.in--
-		gate.mu.Unlock()
+		gate.enter()
+		defer gate.leave()
 		return scripted.New(answerLastChar), nil
 	}
 	cfg := testConfig(4, "a", "b", "la", "lb")
