@@ -151,7 +151,7 @@ func printPlan(w io.Writer, plan *gpus.Plan, list []gpus.GPU) {
 			for i, g := range wk.Replicas {
 				ids[i] = fmt.Sprint(g)
 			}
-			fmt.Fprintf(w, "    rollout replicas (rollout.max_staleness > 0, a worker with --no-versions): GPU %s, weights pushed by NCCL broadcast\n", strings.Join(ids, ","))
+			fmt.Fprintf(w, "    rollout replicas (rollout.max_staleness > 0: its worker keeps no versions): GPU %s, weights pushed by NCCL broadcast\n", strings.Join(ids, ","))
 		}
 	}
 	for _, n := range plan.NotPlaced {

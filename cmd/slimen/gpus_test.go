@@ -118,7 +118,7 @@ run: {colocate: true}
 	}
 	for _, want := range []string{
 		"solver: GPU 0,1 (placement)",
-		"rollout replicas (rollout.max_staleness > 0, a worker with --no-versions): GPU 1, weights pushed by NCCL broadcast",
+		"rollout replicas (rollout.max_staleness > 0: its worker keeps no versions): GPU 1, weights pushed by NCCL broadcast",
 	} {
 		if !strings.Contains(out, want) {
 			t.Errorf("output lacks %q:\n%s", want, out)

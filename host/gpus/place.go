@@ -68,9 +68,9 @@ type Worker struct {
 	// hf_checkpoint and engine are Policy's): they start no worker and take no GPUs of their own.
 	Adapters []string
 	// Replicas are the GPUs of the policy's rollout slice outside its actor slice (not colocated):
-	// where its rollout replicas run (rollout.max_staleness > 0 with a worker that keeps no
-	// weights versions, docs/async.md), one after another; empty: on the worker's own GPU (a
-	// LoRA worker's replicas included).
+	// where its rollout replicas run at rollout.max_staleness > 0 (its one-process worker then
+	// keeps no weights versions, docs/async.md), one after another; empty: on the worker's own
+	// GPU (a LoRA worker's replicas included).
 	Replicas     []int
 	ReplicaUUIDs []string
 }

@@ -3,6 +3,7 @@ package torch
 import (
 	"errors"
 	"fmt"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -135,6 +136,16 @@ func replicaPlace(p config.PolicyConfig, w *gpus.Worker, n int) *gpus.Worker {
 	}
 	i := (n - 1) % len(w.ReplicaUUIDs)
 	return &gpus.Worker{Policy: w.Policy, GPUs: []int{w.Replicas[i]}, UUIDs: []string{w.ReplicaUUIDs[i]}, From: "rollout slice"}
+}
+
+// replicasOnRolloutSlice says whether policy p, placed as w, samples the weights versions of the
+// asynchronous loop (rollout.max_staleness > 0) from rollout replicas on the GPUs of its rollout
+// slice outside its actor slice (slime's layout: actor GPUs train, rollout GPUs generate) rather
+// than from copies its worker keeps on its actor GPU. One-process workers only: an FSDP group keeps
+// no versions anyway.
+func replicasOnRolloutSlice(p config.PolicyConfig, w *gpus.Worker, cfg *config.Config) bool {
+	return w != nil && cfg != nil && cfg.Rollout.MaxStaleness > 0 && len(w.ReplicaUUIDs) > 0 &&
+		len(p.Engine.GPUs) == 0 && p.NumGPUsPerNode <= 1 && !slices.Contains(p.Engine.Args, "--no-versions")
 }
 
 func joinInts(s []int) string {

@@ -113,6 +113,20 @@ func TestPlacementOfRolloutReplicas(t *testing.T) {
 			t.Errorf("replica %d on %+v, want GPU %d", n, on, want)
 		}
 	}
+	// At K > 0 its worker keeps no versions: its replicas on the rollout slice do.
+	if replicasOnRolloutSlice(a, w, cfg) {
+		t.Errorf("K = 0: replicas on the rollout slice")
+	}
+	async := *cfg
+	async.Rollout.MaxStaleness = 1
+	if !replicasOnRolloutSlice(a, w, &async) {
+		t.Errorf("K = 1 with a rollout slice: the worker keeps the versions on its actor GPU")
+	}
+	pinned := a
+	pinned.Engine.GPUs = []string{"0"}
+	if replicasOnRolloutSlice(pinned, w, &async) {
+		t.Errorf("engine.gpus given: replicas moved to the rollout slice")
+	}
 	b := policy("b", 1, 1, 1)
 	colo := &config.Config{Policies: []config.PolicyConfig{b}, Run: config.RunConfig{Colocate: true}}
 	withInventory(t, gpus.Fake{List: []gpus.GPU{gpu(0, 80), gpu(1, 80)}})
@@ -122,6 +136,10 @@ func TestPlacementOfRolloutReplicas(t *testing.T) {
 	}
 	if on := replicaPlace(b, w, 1); on != nil {
 		t.Errorf("colocated, a replica goes to %+v; want the worker's GPU", on)
+	}
+	colo.Rollout.MaxStaleness = 1
+	if replicasOnRolloutSlice(b, w, colo) {
+		t.Errorf("colocated at K = 1: its worker should keep the versions")
 	}
 }
 

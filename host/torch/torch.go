@@ -84,6 +84,11 @@ func open(ctx context.Context, p config.PolicyConfig, env host.EngineEnv) (engin
 		return nil, err
 	}
 	placeEnv, placeArgs := placed(p, w)
+	if env.Replica == 0 && replicasOnRolloutSlice(p, w, env.Config) {
+		// The rollout slice would stay idle while the worker kept the versions on its actor GPU.
+		placeArgs = append(placeArgs, "--no-versions")
+		env.Logf("policy %q: rollout.max_staleness %d with a rollout slice of its own (GPU %s): its rollout replicas run there and take the weights after each step, so its worker keeps no versions (--no-versions); colocate it to keep them in the worker", p.Name, env.Config.Rollout.MaxStaleness, joinInts(w.Replicas))
+	}
 	replicaOn := ""
 	if env.Replica > 0 && w != nil {
 		placeArgs = nil // its cache was not sized with the worker's neighbours
