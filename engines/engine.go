@@ -336,3 +336,36 @@ type AdapterView interface {
 	AdapterName() string
 	AdapterBase() AdapterGenerator
 }
+
+// LoRA describes a LoRA adapter: rank r, the update scaled by Alpha/Rank (PEFT's lora_alpha),
+// the projections it adapts. Engines train adapters without dropout (Dropout must be 0).
+type LoRA struct {
+	Rank    int
+	Alpha   float64
+	Dropout float64
+	Targets []string
+}
+
+// AdapterHolder is implemented by engines that hold LoRA adapters over their model as a frozen
+// base (the tiny engine); an engine server (engines/server, `slimen serve`) serves their
+// adapters to hosts over the protocol's AddAdapter, RemoveAdapter and the adapter field of
+// requests, training batches, Save and Load.
+type AdapterHolder interface {
+	AdapterGenerator
+	// NewAdapter adds adapter name: A drawn from seed, B zero (it computes what the base
+	// computes until it trains). It returns the adapter's parameter count; a name it has
+	// already is an error wrapping ErrAdapterExists.
+	NewAdapter(name string, l LoRA, seed uint64) (params int64, err error)
+	// DropAdapter removes adapter name; a name it does not have is ignored.
+	DropAdapter(name string)
+	// LoadAdapter replaces adapter name, making it when new, with the PEFT folder dir.
+	LoadAdapter(ctx context.Context, name, dir string) error
+	// AdapterNames are the adapters it holds, sorted.
+	AdapterNames() []string
+	// AdapterEngine is the engine as adapter name sees it: it generates, scores (Reference
+	// requests with the base), trains and saves (a PEFT folder) that adapter only.
+	AdapterEngine(name string) (Engine, error)
+}
+
+// ErrAdapterExists is wrapped by AdapterHolder.NewAdapter's error for a name the engine has.
+var ErrAdapterExists = errors.New("adapter exists already")

@@ -11,12 +11,7 @@ import (
 
 // LoRA describes an adapter for AddAdapter: rank r, the update scaled by Alpha/Rank (PEFT's
 // lora_alpha), the projections it adapts.
-type LoRA struct {
-	Rank    int
-	Alpha   float64
-	Dropout float64
-	Targets []string
-}
+type LoRA = engines.LoRA
 
 // AddAdapter gives the engine a LoRA adapter over its model, which becomes a frozen base that
 // every adapter shares (one per policy): A drawn from seed, B zero. It returns the adapter's

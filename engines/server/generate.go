@@ -36,6 +36,8 @@ type generator struct {
 	// keeper gives the engine's kept weights versions for requests that name one (the service's
 	// keeper), or a status saying it keeps none.
 	keeper func(context.Context) (engines.Versions, error)
+	// adapters are the engine's LoRA adapters; nil: requests that name one are refused.
+	adapters engines.AdapterHolder
 
 	mu       sync.Mutex
 	entries  map[string]*genEntry // every request known by id: queued, running or finished
@@ -61,7 +63,8 @@ type genEntry struct {
 	id         string
 	fp         [32]byte
 	req        engines.GenerateRequest
-	version    *int // the kept weights version that samples it; nil: the current weights
+	version    *int   // the kept weights version that samples it; nil: the current weights
+	adapter    string // the LoRA adapter that samples it; "": the base
 	n          int
 	got        []*enginepb.Completion // by sample index; nil until sampled
 	ngot       int
@@ -227,6 +230,12 @@ func (g *generator) submit(ctx context.Context, sess *session, reqs []*enginepb.
 		case r.GetN() < 0:
 			sess.push(nil, requestError(id, codes.InvalidArgument, "generate request %q asks for n = %d samples; n must be ≥ 0 (0 is read as 1)", id, r.GetN()))
 			continue
+		case r.GetAdapter() != "" && g.adapters == nil:
+			sess.push(nil, requestError(id, codes.Unimplemented, "generate request %q names LoRA adapter %q, and this engine holds no adapters (its server lists no %q capability)", id, r.GetAdapter(), loraCapability))
+			continue
+		case r.GetAdapter() != "" && r.Version != nil:
+			sess.push(nil, requestError(id, codes.InvalidArgument, "generate request %q names LoRA adapter %q and weights version %d: versions are of the full weights; name one or the other", id, r.GetAdapter(), r.GetVersion()))
+			continue
 		case verErrs[i] != nil:
 			st := status.Convert(verErrs[i])
 			sess.push(nil, requestError(id, st.Code(), "generate request %q names weights version %d: %s", id, r.GetVersion(), st.Message()))
@@ -257,6 +266,7 @@ func (g *generator) submit(ctx context.Context, sess *session, reqs []*enginepb.
 			fp:      fps[i],
 			req:     enginepb.DecodeGenerateRequest(r),
 			version: vers[i],
+			adapter: r.GetAdapter(),
 			n:       n,
 			got:     make([]*enginepb.Completion, n),
 			state:   stateQueued,
@@ -414,8 +424,24 @@ func (g *generator) generate(ctx context.Context, entries []*genEntry) (err erro
 		}
 	}()
 	reqs := make([]engines.GenerateRequest, len(entries))
+	var adapters []string // the entries' adapters when one names any
 	for i, e := range entries {
 		reqs[i] = e.req
+		if e.adapter != "" && adapters == nil {
+			adapters = make([]string, len(entries))
+		}
+	}
+	if adapters != nil {
+		// One engine call mixes the adapters (engines.AdapterGenerator), as the host's own
+		// batches of the LoRA policies on one base do.
+		for i, e := range entries {
+			adapters[i] = e.adapter
+		}
+		comps, err := g.adapters.GenerateAdapters(ctx, reqs, adapters)
+		if err != nil {
+			return err
+		}
+		return g.deliverAll(entries, comps)
 	}
 	var comps []engines.Completion
 	if v := entries[0].version; v != nil {

@@ -13,6 +13,7 @@ import (
 	"encoding/hex"
 	"errors"
 	"fmt"
+	"slices"
 	"strings"
 	"sync/atomic"
 	"time"
@@ -138,7 +139,8 @@ type service struct {
 	roots    roots
 	gen      *generator
 	train    *trainLog
-	keeps    atomic.Bool // the engine, an engines.VersionsProber, said it keeps weights versions
+	keeps    atomic.Bool           // the engine, an engines.VersionsProber, said it keeps weights versions
+	adapters engines.AdapterHolder // the engine's LoRA adapters (adapters.go); nil: it holds none
 }
 
 func newService(eng engines.Engine, opts Options) *service {
@@ -152,7 +154,9 @@ func newService(eng engines.Engine, opts Options) *service {
 		roots:    newRoots(opts.Roots),
 		train:    newTrainLog(opts.TrainMemory),
 	}
+	s.adapters, _ = eng.(engines.AdapterHolder)
 	s.gen = newGenerator(eng, opts, s.keeper)
+	s.gen.adapters = s.adapters
 	return s
 }
 
@@ -181,6 +185,9 @@ func (s *service) Info(ctx context.Context, req *enginepb.InfoRequest) (*enginep
 		return nil, toStatus(err)
 	}
 	info.Capabilities = s.withVersionsCapability(ctx, info.Capabilities)
+	if s.adapters != nil && !slices.Contains(info.Capabilities, loraCapability) {
+		info.Capabilities = append(slices.Clip(info.Capabilities), loraCapability)
+	}
 	return &enginepb.InfoResponse{
 		ProtocolVersion: enginepb.ProtocolVersion,
 		Instance:        s.instance,
@@ -196,18 +203,33 @@ func (s *service) Health(context.Context, *enginepb.HealthRequest) (*enginepb.He
 	}, nil
 }
 
-// Score scores with the current weights, or with the kept weights version the request names.
+// Score scores with the current weights, with the LoRA adapters the requests name, or with the
+// kept weights version the request names.
 func (s *service) Score(ctx context.Context, req *enginepb.ScoreBatchRequest) (*enginepb.ScoreBatchResponse, error) {
 	v, err := version(req.Version)
 	if err != nil {
 		return nil, err
 	}
 	reqs := make([]engines.ScoreRequest, len(req.GetRequests()))
+	var adapters []string
 	for i, r := range req.GetRequests() {
 		reqs[i] = enginepb.DecodeScoreRequest(r)
+		if a := r.GetAdapter(); a != "" {
+			if adapters == nil {
+				adapters = make([]string, len(reqs))
+			}
+			adapters[i] = a
+		}
 	}
 	var scores []engines.Scores
-	if v != nil {
+	if adapters != nil {
+		if v != nil {
+			return nil, status.Error(codes.InvalidArgument, "score: weights versions are of the full weights, not of a LoRA adapter: name a version or an adapter, not both")
+		}
+		if scores, err = s.scoreAdapters(ctx, reqs, adapters); err != nil {
+			return nil, err
+		}
+	} else if v != nil {
 		vs, err := s.keeper(ctx)
 		if err != nil {
 			return nil, err
@@ -283,12 +305,25 @@ func (s *service) Train(ctx context.Context, req *enginepb.TrainRequest) (*engin
 	if b.GetId() == "" {
 		return nil, status.Error(codes.InvalidArgument, "the batch has no id; the protocol needs one per optimizer step so that a resent step is applied once")
 	}
-	fp, err := fingerprint(b)
+	// An adapter's steps are remembered apart from the base's and the other adapters'.
+	fp, err := fingerprint(req)
 	if err != nil {
 		return nil, status.Errorf(codes.Internal, "%v", err)
 	}
-	stats, dup, err := s.train.apply(ctx, b.GetId(), fp, func(ctx context.Context) (engines.TrainStats, error) {
-		return s.eng.Train(ctx, enginepb.DecodeBatch(b))
+	eng := s.eng
+	if a := req.GetAdapter(); a != "" {
+		if eng, err = s.adapterEngine(a); err != nil {
+			return nil, err
+		}
+	} else if err := s.frozenBase(); err != nil {
+		return nil, err
+	}
+	id := b.GetId()
+	if a := req.GetAdapter(); a != "" {
+		id = "adapter " + a + ": " + id
+	}
+	stats, dup, err := s.train.apply(ctx, id, fp, func(ctx context.Context) (engines.TrainStats, error) {
+		return eng.Train(ctx, enginepb.DecodeBatch(b))
 	})
 	if err != nil {
 		return nil, toStatus(err)
@@ -322,6 +357,19 @@ func (s *service) Save(ctx context.Context, req *enginepb.SaveRequest) (*enginep
 	if err != nil {
 		return nil, err
 	}
+	if a := req.GetAdapter(); a != "" {
+		if v != nil {
+			return nil, status.Error(codes.InvalidArgument, "save: weights versions are of the full weights, not of a LoRA adapter: name a version or an adapter, not both")
+		}
+		eng, err := s.adapterEngine(a)
+		if err != nil {
+			return nil, err
+		}
+		if err := eng.Save(ctx, dir); err != nil {
+			return nil, toStatus(fmt.Errorf("adapter %q: %w", a, err))
+		}
+		return &enginepb.SaveResponse{}, nil
+	}
 	if v != nil {
 		vs, err := s.keeper(ctx)
 		if err != nil {
@@ -348,7 +396,20 @@ func (s *service) Load(ctx context.Context, req *enginepb.LoadRequest) (*enginep
 			return nil, err
 		}
 	}
-	if err := s.eng.Load(ctx, dir); err != nil {
+	if a := req.GetAdapter(); a != "" {
+		h, err := s.holder()
+		if err != nil {
+			return nil, err
+		}
+		if builtinModel(req.GetDir()) {
+			return nil, status.Errorf(codes.InvalidArgument, "load adapter %q: %s is a model, not a PEFT folder", a, req.GetDir())
+		}
+		if err := h.LoadAdapter(ctx, a, dir); err != nil {
+			return nil, status.Errorf(codes.InvalidArgument, "%v", err)
+		}
+	} else if err := s.frozenBase(); err != nil {
+		return nil, err
+	} else if err := s.eng.Load(ctx, dir); err != nil {
 		return nil, toStatus(err)
 	}
 	// The weights went back in time: a step id applied before must apply again, and completions

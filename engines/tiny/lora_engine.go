@@ -36,7 +36,7 @@ func (e *Engine) AddAdapter(name string, c LoRAConfig, seed uint64) error {
 		return errors.New("tiny: an adapter needs a name")
 	}
 	if _, dup := e.adapters[name]; dup {
-		return fmt.Errorf("tiny: adapter %q exists already", name)
+		return fmt.Errorf("tiny: adapter %q: %w", name, engines.ErrAdapterExists)
 	}
 	w := newLoRA[float32](e.m.w.cfg, c)
 	w.initRandom(seed)
@@ -53,6 +53,79 @@ func (e *Engine) RemoveAdapter(name string) {
 	e.mu.Lock()
 	defer e.mu.Unlock()
 	delete(e.adapters, name)
+}
+
+var _ engines.AdapterHolder = (*Engine)(nil)
+
+// NewAdapter is AddAdapter for engines.AdapterHolder (an engine server's AddAdapter).
+func (e *Engine) NewAdapter(name string, l engines.LoRA, seed uint64) (int64, error) {
+	if err := e.AddAdapter(name, LoRAConfig{Rank: l.Rank, Alpha: l.Alpha, Dropout: l.Dropout, Targets: l.Targets}, seed); err != nil {
+		return 0, err
+	}
+	e.mu.RLock()
+	defer e.mu.RUnlock()
+	a, ok := e.adapters[name]
+	if !ok {
+		return 0, fmt.Errorf("tiny: adapter %q was removed as it was added", name)
+	}
+	return a.params(), nil
+}
+
+// DropAdapter is RemoveAdapter for engines.AdapterHolder.
+func (e *Engine) DropAdapter(name string) { e.RemoveAdapter(name) }
+
+// AdapterNames are the engine's adapters, sorted.
+func (e *Engine) AdapterNames() []string {
+	e.mu.RLock()
+	defer e.mu.RUnlock()
+	return slices.Sorted(maps.Keys(e.adapters))
+}
+
+// AdapterEngine is Adapter for engines.AdapterHolder.
+func (e *Engine) AdapterEngine(name string) (engines.Engine, error) {
+	v, err := e.Adapter(name)
+	if err != nil {
+		return nil, err
+	}
+	return v, nil
+}
+
+// LoadAdapter replaces adapter name with the PEFT folder dir (AdapterEngine.Load), making the
+// adapter when the engine does not have it; a failed load of a new one leaves none behind.
+func (e *Engine) LoadAdapter(ctx context.Context, name, dir string) error {
+	if name == "" {
+		return errors.New("tiny: an adapter needs a name")
+	}
+	if v, err := e.Adapter(name); err == nil {
+		return v.Load(ctx, dir)
+	}
+	a := &adapterState{name: name}
+	if err := (&AdapterEngine{e: e, a: a, versions: &versionStore{}}).Load(ctx, dir); err != nil {
+		return err
+	}
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	if e.closed {
+		return ErrClosed
+	}
+	if old, ok := e.adapters[name]; ok { // made meanwhile: this load replaces it as well
+		old.w, old.opt = a.w, a.opt
+		return nil
+	}
+	if e.adapters == nil {
+		e.adapters = map[string]*adapterState{}
+	}
+	e.adapters[name] = a
+	return nil
+}
+
+// params is the adapter's parameter count.
+func (a *adapterState) params() int64 {
+	n := 0
+	for _, t := range a.w.tensors() {
+		n += len(t.data)
+	}
+	return int64(n)
 }
 
 // adapterList resolves the adapter names of n requests; the caller holds the lock.
@@ -111,11 +184,7 @@ func (v *AdapterEngine) Info(ctx context.Context) (engines.Info, error) {
 	}
 	in.Model = v.e.spec + " + LoRA " + v.a.name
 	in.Capabilities = []string{"generate", "score", "train", "reference", "tis"}
-	n := 0
-	for _, t := range v.a.w.tensors() {
-		n += len(t.data)
-	}
-	in.Params = int64(n)
+	in.Params = v.a.params()
 	return in, nil
 }
 
