@@ -182,8 +182,29 @@ func openTiny(ctx context.Context, p config.PolicyConfig, env EngineEnv) (engine
 }
 
 // openRemote connects to an engine server at engine.address (slimen serve, python -m
-// slimen_torch serve, …).
+// slimen_torch serve, …). A LoRA policy is an adapter named after it on that server, whose
+// connection the run's LoRA policies at one address share (OpenAdapter).
 func openRemote(ctx context.Context, p config.PolicyConfig, env EngineEnv) (engines.Engine, error) {
+	if p.LoRA != nil {
+		key := fmt.Sprintf("remote\x00%s\x00%s\x00%v", p.Engine.Address, p.Engine.TokenEnv, p.Engine.Insecure)
+		if t := p.Engine.TLS; t != nil {
+			key += fmt.Sprintf("\x00%+v", *t)
+		}
+		base := p
+		base.LoRA, base.Load = nil, ""
+		return OpenAdapter(ctx, p, env, AdapterServer{
+			Key:    key,
+			Open:   func(benv EngineEnv) (engines.Engine, error) { return dialRemote(ctx, base, benv) },
+			Client: func(e engines.Engine) *remote.Client { return e.(*remote.Client) },
+			Engine: "its engine at " + p.Engine.Address + " (shared by the run's LoRA policies there)",
+			Joined: "a LoRA adapter on the engine at " + p.Engine.Address + " that another policy of the run reached",
+		})
+	}
+	return dialRemote(ctx, p, env)
+}
+
+// dialRemote connects to the engine server of a policy's engine.address.
+func dialRemote(ctx context.Context, p config.PolicyConfig, env EngineEnv) (engines.Engine, error) {
 	o := ClientOptions(p)
 	o.Address, o.Insecure, o.TokenEnv = p.Engine.Address, p.Engine.Insecure, p.Engine.TokenEnv
 	var self atomic.Value
@@ -249,7 +270,9 @@ func (r *Run) claimServer(ctx context.Context, pc config.PolicyConfig, eng engin
 			}
 		}
 	}
-	if !pc.Trainable || r.opts.resuming {
+	if !pc.Trainable || r.opts.resuming || pc.LoRA != nil {
+		// A LoRA policy's adapter started new, or from its load: folder, as it opened
+		// (OpenAdapter); the server's base weights are frozen under it.
 		return nil
 	}
 	if pc.Engine.Continue {

@@ -281,8 +281,9 @@ func (r *resolver) validatePolicy(p *PolicyConfig, pp string) {
 // LoRATargets are the projections a lora: block may adapt.
 var LoRATargets = []string{"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
 
-// validateLoRA checks a policy's lora: block. Adapters run on the tiny and torch engines, which
-// train them without dropout; a critic (a value head) trains full weights.
+// validateLoRA checks a policy's lora: block. Adapters run on the tiny and torch engines and on
+// engine servers (kind remote), which train them without dropout; a critic (a value head) trains
+// full weights; an openai engine only samples.
 func (r *resolver) validateLoRA(p *PolicyConfig, pp string) {
 	l, lp := p.LoRA, pp+".lora"
 	at := r.line(lp, p.Line)
@@ -297,7 +298,8 @@ func (r *resolver) validateLoRA(p *PolicyConfig, pp string) {
 		seen[t] = true
 	}
 	r.check(p.Role != "critic", lp, at, "policy %q is a critic: its value head trains with full weights; remove lora:", p.Name)
-	r.check(p.Engine.Kind == "tiny" || p.Engine.Kind == "torch", lp, at, "policy %q: LoRA adapters run on the tiny and torch engines, and its engine kind is %s; use engine: {kind: tiny} or {kind: torch}, or remove lora:", p.Name, p.Engine.Kind)
+	r.check(p.Engine.Kind != "openai", lp, at, "policy %q: LoRA adapters run on the tiny and torch engines and on an engine server (kind remote: slimen serve, the torch worker), and its engine kind is openai, which only samples; use engine: {kind: tiny}, {kind: torch} or {kind: remote}, or remove lora:", p.Name)
+	r.check(!p.Engine.Continue, pp+".engine.continue", r.line(pp+".engine.continue", at), "policy %q: engine.continue trains on the full weights a server holds, and a LoRA policy's adapter starts new (or from load:) on every run, over the server's frozen base; remove continue or lora:", p.Name)
 	r.check(l.Dropout == 0, lp+".dropout", at, "%g: the engines train adapters without dropout (a step's loss must be the one its log-probs were scored with); set dropout: 0", l.Dropout)
 }
 
