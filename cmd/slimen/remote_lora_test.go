@@ -1,12 +1,50 @@
 package main
 
 import (
+	"bufio"
 	"fmt"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"strings"
 	"testing"
+	"time"
 )
+
+const swarm8 = "examples/exam_swarm/exam_swarm8.star"
+
+// lora8Configs writes config_lora8.yaml for steps steps (run keys extra, e.g. ", save_interval:
+// 1") embedded and with every agent on the engine server at addr.
+func lora8Configs(t *testing.T, steps int, extra, addr string) (local, remote string) {
+	t.Helper()
+	b, err := os.ReadFile("../../examples/exam_swarm/config_lora8.yaml")
+	if err != nil {
+		t.Fatal(err)
+	}
+	embedded := strings.Replace(string(b), "run: {steps: 30, seed: 1}", fmt.Sprintf("run: {steps: %d, seed: 1%s}", steps, extra), 1)
+	if embedded == string(b) {
+		t.Fatal("config_lora8.yaml has no run: {steps: 30, seed: 1} line to change")
+	}
+	served := strings.ReplaceAll(embedded, "engine: {kind: tiny}", fmt.Sprintf("engine: {kind: remote, address: %q}", addr))
+	if strings.Count(served, "kind: remote") != 8 {
+		t.Fatalf("want the eight agents on the server:\n%s", served)
+	}
+	dir := t.TempDir()
+	local, remote = filepath.Join(dir, "local.yaml"), filepath.Join(dir, "remote.yaml")
+	os.WriteFile(local, []byte(embedded), 0o644)
+	os.WriteFile(remote, []byte(served), 0o644)
+	return local, remote
+}
+
+// runSwarm8 runs the eight-agent exam swarm with cfg into runs/name.
+func runSwarm8(t *testing.T, cfg, runs, name string) string {
+	t.Helper()
+	out := filepath.Join(runs, name)
+	if log, err := slimen(t, nil, "exec", swarm8, "--config", cfg, "--out", out); err != nil {
+		t.Fatalf("%s run: %v\n%s", name, err, log)
+	}
+	return out
+}
 
 // The exam swarm's eight LoRA agents (examples/exam_swarm/config_lora8.yaml) as adapters on one
 // `slimen serve` of the same base write exactly the metrics of the embedded run (same seed):
@@ -15,30 +53,10 @@ import (
 // the same server starts where the first did: it replaces the adapters the first left (the
 // names are the policies').
 func TestRemoteLoRASwarmEqualsEmbedded(t *testing.T) {
-	b, err := os.ReadFile("../../examples/exam_swarm/config_lora8.yaml")
-	if err != nil {
-		t.Fatal(err)
-	}
-	embedded := strings.Replace(string(b), "run: {steps: 30, seed: 1}", "run: {steps: 2, seed: 1}", 1)
-	if embedded == string(b) {
-		t.Fatal("config_lora8.yaml has no run: {steps: 30, seed: 1} line to shorten")
-	}
-	addr, runs, dir := freeAddr(t), t.TempDir(), t.TempDir()
-	served := strings.ReplaceAll(embedded, "engine: {kind: tiny}", fmt.Sprintf("engine: {kind: remote, address: %q}", addr))
-	if strings.Count(served, "kind: remote") != 8 {
-		t.Fatalf("want the eight agents on the server:\n%s", served)
-	}
-	local, remote := filepath.Join(dir, "local.yaml"), filepath.Join(dir, "remote.yaml")
-	os.WriteFile(local, []byte(embedded), 0o644)
-	os.WriteFile(remote, []byte(served), 0o644)
+	addr, runs := freeAddr(t), t.TempDir()
+	local, remote := lora8Configs(t, 2, "", addr)
 	startServe(t, remoteModel, addr, runs)
-	run := func(cfg, name string) string {
-		out := filepath.Join(runs, name)
-		if log, err := slimen(t, nil, "exec", "examples/exam_swarm/exam_swarm8.star", "--config", cfg, "--out", out); err != nil {
-			t.Fatalf("%s run: %v\n%s", name, err, log)
-		}
-		return out
-	}
+	run := func(cfg, name string) string { return runSwarm8(t, cfg, runs, name) }
 	a, r := run(local, "embedded"), run(remote, "served")
 	moved := map[string]bool{}
 	for _, m := range metricLines(t, a) {
@@ -57,5 +75,52 @@ func TestRemoteLoRASwarmEqualsEmbedded(t *testing.T) {
 	}
 	if got := metricsNoTimings(t, run(remote, "again")); got != want {
 		t.Errorf("a second run on the same server differs from the first:\n%s\n---\n%s", got, want)
+	}
+}
+
+// The server of the eight adapters killed after step 1 of 3 and started again on its port: with
+// a checkpoint every step, the host gives it every adapter back (each from its policy's
+// checkpoint, a PEFT folder the server wrote) and the run ends with the metrics of a run without
+// the fault.
+func TestRemoteLoRAServerKilledAndRestarted(t *testing.T) {
+	addr, runs := freeAddr(t), t.TempDir()
+	local, remote := lora8Configs(t, 3, ", save_interval: 1", addr)
+	srv := startServe(t, remoteModel, addr, runs)
+	want := metricsNoTimings(t, runSwarm8(t, local, runs, "clean"))
+
+	out := filepath.Join(runs, "faulty")
+	cmd := exec.Command(slimenBin, "exec", swarm8, "--config", remote, "--out", out)
+	cmd.Dir = "../.."
+	stderr, _ := cmd.StderrPipe()
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	sc := bufio.NewScanner(stderr)
+	var log strings.Builder
+	killed := false
+	for sc.Scan() {
+		log.WriteString(sc.Text() + "\n")
+		if !killed && strings.HasPrefix(sc.Text(), "step 1/3") {
+			killed = true
+			srv.Process.Kill()
+			srv.Wait()
+			time.Sleep(700 * time.Millisecond) // the run's stderr waits in the pipe meanwhile
+			startServe(t, remoteModel, addr, runs)
+		}
+	}
+	if err := cmd.Wait(); err != nil || !killed {
+		t.Fatalf("the run (server killed: %v) failed: %v\n%s", killed, err, log.String())
+	}
+	events := eventsLog(t, out)
+	for i := range 8 {
+		restarted := fmt.Sprintf(`policy "agent_%d": its engine at %s (shared by the run's LoRA policies there) restarted`, i, addr)
+		loaded := fmt.Sprintf("loaded %s (step 1) into it", filepath.Join(out, "checkpoints", "step_1", fmt.Sprintf("agent_%d", i)))
+		if !strings.Contains(events, restarted) || !strings.Contains(events, loaded) {
+			t.Errorf("events.log does not tell that agent_%d's server restarted and got its adapter back:\n%s", i, events)
+			break
+		}
+	}
+	if got := metricsNoTimings(t, out); got != want {
+		t.Errorf("metrics differ from the fault-free run's:\n%s\n---\n%s", got, want)
 	}
 }
