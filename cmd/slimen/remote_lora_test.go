@@ -81,10 +81,10 @@ func TestRemoteLoRASwarmEqualsEmbedded(t *testing.T) {
 // The server of the eight adapters killed after step 1 of 3 and started again on its port: with
 // a checkpoint every step, the host gives it every adapter back (each from its policy's
 // checkpoint, a PEFT folder the server wrote) and the run ends with the metrics of a run without
-// the fault.
+// the fault; --resume from step 1 ends alike.
 func TestRemoteLoRAServerKilledAndRestarted(t *testing.T) {
 	addr, runs := freeAddr(t), t.TempDir()
-	local, remote := lora8Configs(t, 3, ", save_interval: 1", addr)
+	local, remote := lora8Configs(t, 3, ", save_interval: 1, keep_checkpoints: 0", addr)
 	srv := startServe(t, remoteModel, addr, runs)
 	want := metricsNoTimings(t, runSwarm8(t, local, runs, "clean"))
 
@@ -122,5 +122,13 @@ func TestRemoteLoRAServerKilledAndRestarted(t *testing.T) {
 	}
 	if got := metricsNoTimings(t, out); got != want {
 		t.Errorf("metrics differ from the fault-free run's:\n%s\n---\n%s", got, want)
+	}
+
+	// --resume from step 1 loads each adapter's checkpoint into the server and ends alike.
+	if log, err := slimen(t, nil, "exec", "--resume", filepath.Join(out, "checkpoints", "step_1")); err != nil || !strings.Contains(log, "(steps 2 to 3,") {
+		t.Fatalf("resume from step_1 (%v) does not go on at step 2:\n%s", err, log)
+	}
+	if got := metricsNoTimings(t, out); got != want {
+		t.Errorf("after resuming from step_1:\n%s\nwant\n%s", got, want)
 	}
 }
