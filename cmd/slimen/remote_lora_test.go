@@ -1,14 +1,11 @@
 package main
 
 import (
-	"bufio"
 	"fmt"
 	"os"
-	"os/exec"
 	"path/filepath"
 	"strings"
 	"testing"
-	"time"
 )
 
 const swarm8 = "examples/exam_swarm/exam_swarm8.star"
@@ -89,27 +86,10 @@ func TestRemoteLoRAServerKilledAndRestarted(t *testing.T) {
 	want := metricsNoTimings(t, runSwarm8(t, local, runs, "clean"))
 
 	out := filepath.Join(runs, "faulty")
-	cmd := exec.Command(slimenBin, "exec", swarm8, "--config", remote, "--out", out)
-	cmd.Dir = "../.."
-	stderr, _ := cmd.StderrPipe()
-	if err := cmd.Start(); err != nil {
-		t.Fatal(err)
-	}
-	sc := bufio.NewScanner(stderr)
-	var log strings.Builder
-	killed := false
-	for sc.Scan() {
-		log.WriteString(sc.Text() + "\n")
-		if !killed && strings.HasPrefix(sc.Text(), "step 1/3") {
-			killed = true
-			srv.Process.Kill()
-			srv.Wait()
-			time.Sleep(700 * time.Millisecond) // the run's stderr waits in the pipe meanwhile
-			startServe(t, remoteModel, addr, runs)
-		}
-	}
-	if err := cmd.Wait(); err != nil || !killed {
-		t.Fatalf("the run (server killed: %v) failed: %v\n%s", killed, err, log.String())
+	log, err := killServerDuring(t, "step 1/3", srv, func() { startServe(t, remoteModel, addr, runs) },
+		"exec", swarm8, "--config", remote, "--out", out)
+	if err != nil {
+		t.Fatalf("the run failed after the server came back: %v\n%s", err, log)
 	}
 	events := eventsLog(t, out)
 	for i := range 8 {

@@ -197,7 +197,17 @@ func samplesPerStep(t *testing.T, dir string) map[string]float64 {
 func killGeneratorDuring(t *testing.T, rr remoteRun, gen *exec.Cmd, after, steps int) (string, string, error) {
 	t.Helper()
 	out := filepath.Join(rr.runs, "faulty")
-	cmd := exec.Command(slimenBin, "exec", debate, "--config", rr.remote, "--out", out)
+	log, err := killServerDuring(t, fmt.Sprintf("step %d/%d", after, steps), gen, func() { rr.serve(t, 0) },
+		"exec", debate, "--config", rr.remote, "--out", out)
+	return out, log, err
+}
+
+// killServerDuring runs slimen with args and, once a line of its stderr starts with prefix,
+// SIGKILLs the engine server srv and calls restart a moment later. It returns the run's stderr
+// and its error.
+func killServerDuring(t *testing.T, prefix string, srv *exec.Cmd, restart func(), args ...string) (string, error) {
+	t.Helper()
+	cmd := exec.Command(slimenBin, args...)
 	cmd.Dir = "../.."
 	stderr, _ := cmd.StderrPipe()
 	if err := cmd.Start(); err != nil {
@@ -208,19 +218,19 @@ func killGeneratorDuring(t *testing.T, rr remoteRun, gen *exec.Cmd, after, steps
 	killed := false
 	for sc.Scan() {
 		log.WriteString(sc.Text() + "\n")
-		if !killed && strings.HasPrefix(sc.Text(), fmt.Sprintf("step %d/%d", after, steps)) {
+		if !killed && strings.HasPrefix(sc.Text(), prefix) {
 			killed = true
-			gen.Process.Kill()
-			gen.Wait()
+			srv.Process.Kill()
+			srv.Wait()
 			time.Sleep(700 * time.Millisecond) // the run's stderr waits in the pipe meanwhile
-			rr.serve(t, 0)
+			restart()
 		}
 	}
 	err := cmd.Wait()
 	if !killed {
-		t.Fatalf("the run never printed step %d:\n%s", after, log.String())
+		t.Fatalf("the run never printed %q:\n%s", prefix, log.String())
 	}
-	return out, log.String(), err
+	return log.String(), err
 }
 
 func eventsLog(t *testing.T, dir string) string {

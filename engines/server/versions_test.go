@@ -96,17 +96,7 @@ func TestServedEngineKeepsVersions(t *testing.T) {
 	if err := c.KeepVersion(ctx, 0); err != nil {
 		t.Fatal(err)
 	}
-	var b engines.Batch
-	for i, cm := range before {
-		n := len(cm.Tokens)
-		adv, mask := make([]float32, n), make([]float32, n)
-		for j := range n {
-			adv[j], mask[j] = float32(i%3)-1, 1
-		}
-		b.Samples = append(b.Samples, engines.Sample{Prompt: cm.PromptTokens, Response: cm.Tokens, LossMask: mask, OldLogprobs: cm.Logprobs, Advantages: adv, Group: cm.RequestID})
-	}
-	b.ID, b.Loss = "step1", engines.LossConfig{LR: 1e-2, EpsClip: 0.2, EpsClipHigh: 0.28}
-	if st, err := c.Train(ctx, b); err != nil || st.Skipped {
+	if st, err := c.Train(ctx, stepBatch("step1", before)); err != nil || st.Skipped {
 		t.Fatalf("Train: %+v, %v", st, err)
 	}
 
