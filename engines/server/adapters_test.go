@@ -40,13 +40,7 @@ func stepBatch(id string, cs []engines.Completion) engines.Batch {
 func TestServedEngineHoldsAdapters(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
-	eng, err := tiny.Open("builtin:tiny-arith", tiny.Options{Threads: 2})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer eng.Close()
-	root := t.TempDir()
-	c := serveVersioned(t, eng, root)
+	c, root := serveTinyArith(t)
 	info, err := c.Info(ctx)
 	if err != nil || !slices.Contains(info.Capabilities, "lora") {
 		t.Fatalf("Info: capabilities %v, %v; want \"lora\" for an engine that holds adapters", info.Capabilities, err)

@@ -61,6 +61,18 @@ func serveVersioned(t *testing.T, eng engines.Engine, root string) *remote.Clien
 	return c
 }
 
+// serveTinyArith serves a tiny engine of builtin:tiny-arith (serveVersioned) with a fresh root.
+func serveTinyArith(t *testing.T) (*remote.Client, string) {
+	t.Helper()
+	eng, err := tiny.Open("builtin:tiny-arith", tiny.Options{Threads: 2})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { eng.Close() })
+	root := t.TempDir()
+	return serveVersioned(t, eng, root), root
+}
+
 // A host reaches the weights versions of an engine served by `slimen serve` through the remote
 // client: version 0, kept before an optimizer step, samples and scores over the protocol exactly
 // what the engine did before the step (same seeds), while the current weights moved; a version
@@ -69,13 +81,7 @@ func serveVersioned(t *testing.T, eng engines.Engine, root string) *remote.Clien
 func TestServedEngineKeepsVersions(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
-	eng, err := tiny.Open("builtin:tiny-arith", tiny.Options{Threads: 2})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer eng.Close()
-	root := t.TempDir()
-	c := serveVersioned(t, eng, root)
+	c, root := serveTinyArith(t)
 	info, err := c.Info(ctx)
 	if err != nil || !slices.Contains(info.Capabilities, "versions") {
 		t.Fatalf("Info: capabilities %v, %v; want \"versions\" for an engine that keeps them", info.Capabilities, err)
