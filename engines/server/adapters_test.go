@@ -12,8 +12,12 @@ import (
 	"time"
 
 	"github.com/slimen/slimen/engines"
+	enginepb "github.com/slimen/slimen/engines/proto"
 	"github.com/slimen/slimen/engines/remote"
 	"github.com/slimen/slimen/engines/tiny"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/metadata"
+	"google.golang.org/grpc/status"
 )
 
 // stepBatch is an optimizer step on completions cs: advantages -1, 0, 1 by sample.
@@ -160,6 +164,14 @@ func TestServedEngineHoldsAdapters(t *testing.T) {
 		t.Errorf("the adapter loaded from its save samples differently (%v)", err)
 	}
 
+	// A load that fails leaves no new adapter behind.
+	if err := c.Adapter("c").Load(ctx, "nowhere"); err == nil || !strings.Contains(err.Error(), "nowhere") {
+		t.Errorf("loading a missing folder into a new adapter: %v; want an error naming the folder", err)
+	}
+	if _, err := c.Adapter("c").Generate(ctx, versionReqs("c/")); err == nil || !strings.Contains(err.Error(), `no adapter "c"`) {
+		t.Errorf("generating with the adapter of a failed load: %v; want no such adapter", err)
+	}
+
 	if err := c.RemoveAdapter(ctx, "a"); err != nil {
 		t.Fatal(err)
 	}
@@ -195,5 +207,41 @@ func TestEngineWithoutAdaptersRefusesThem(t *testing.T) {
 	}
 	if _, err := a.Score(ctx, []engines.ScoreRequest{{PromptTokens: []int32{1}, Tokens: []int32{2}}}); !errors.Is(err, engines.ErrNotSupported) {
 		t.Errorf("Score with an adapter: %v; want UNIMPLEMENTED", err)
+	}
+}
+
+// The adapter calls are guarded by the token like every other call.
+func TestAdapterCallsNeedTheToken(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	defer cancel()
+	eng, err := tiny.Open("builtin:tiny-arith", tiny.Options{Threads: 1})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer eng.Close()
+	c := start(t, eng, Options{Token: "s3cret"})
+	for _, call := range []struct {
+		name string
+		f    func(context.Context) error
+	}{
+		{"AddAdapter", func(ctx context.Context) error {
+			_, err := c.AddAdapter(ctx, &enginepb.AddAdapterRequest{Name: "a", Rank: 2, Alpha: 2, Targets: []string{"q_proj"}, Seed: 1})
+			return err
+		}},
+		{"RemoveAdapter", func(ctx context.Context) error {
+			_, err := c.RemoveAdapter(ctx, &enginepb.RemoveAdapterRequest{Name: "a"})
+			return err
+		}},
+	} {
+		if err := call.f(ctx); status.Code(err) != codes.Unauthenticated {
+			t.Errorf("%s without a token: %v; want Unauthenticated", call.name, err)
+		}
+		authed := metadata.AppendToOutgoingContext(ctx, "authorization", "Bearer s3cret")
+		if err := call.f(authed); err != nil {
+			t.Errorf("%s with the token: %v", call.name, err)
+		}
+	}
+	if n := eng.AdapterNames(); len(n) != 0 {
+		t.Errorf("adapters after add and remove: %v", n)
 	}
 }
