@@ -113,6 +113,9 @@ type proc struct {
 	cmd     *exec.Cmd
 	exited  chan struct{} // closed when the process has exited
 	waitErr error
+	// before is the server process the client knew when this one was started again (its
+	// predecessor's instance): once the client knows another, it has met this one.
+	before string
 }
 
 // Restarts is how many times the worker has been started again after its start.
@@ -268,12 +271,14 @@ func (e *Engine) supervise(opts Options) {
 		}
 		e.restarts++
 		n := e.restarts
+		before := e.Client.Instance() // the old process's: the new one has not answered anyone yet
 		np, err := e.spawn(addr)
 		if err != nil {
 			e.mu.Unlock()
 			logf("the torch worker could not be started again: %v", err)
 			return
 		}
+		np.before = before
 		e.proc = np
 		e.mu.Unlock()
 		logf("the torch worker is started again on %s (restart %d of at most %d, pid %d)", addr, n, opts.MaxRestarts, np.cmd.Process.Pid)
@@ -287,9 +292,10 @@ func (e *Engine) heartbeat(timeout, start time.Duration, hung chan<- *proc) {
 	every := timeout / 5
 	tick := time.NewTicker(every)
 	defer tick.Stop()
+	e.mu.Lock()
 	watched, answered := e.proc, true // Start saw the first process serve
+	e.mu.Unlock()
 	alive := time.Now()
-	var before string // the server process the client knew when watched was started
 	for {
 		select {
 		case <-e.closed:
@@ -300,11 +306,12 @@ func (e *Engine) heartbeat(timeout, start time.Duration, hung chan<- *proc) {
 		p := e.proc
 		e.mu.Unlock()
 		if p != watched {
-			watched, answered, alive, before = p, false, time.Now(), e.Client.Instance()
+			watched, answered, alive = p, false, time.Now()
 		}
-		if !answered && e.Client.Instance() != before {
-			// The client has met the new process (a call of the run reached it, between two
-			// probes): it has started, so from now on it has timeout, not start, to answer.
+		if !answered && e.Client.Instance() != p.before {
+			// The client has met the new process (a call of the run reached it, maybe before
+			// this loop saw the restart): it has started, so from now on it has timeout, not
+			// start, to answer.
 			answered, alive = true, time.Now()
 		}
 		ctx, cancel := context.WithTimeout(context.Background(), every)
