@@ -255,7 +255,11 @@ func (r *Run) versionsOf(ctx context.Context, p *policy, k int) (engines.Version
 			why = "an engine the run starts itself: a replica of a server the run does not own would be the same server"
 		}
 		server := ""
-		if _, asks := p.eng.(engines.VersionsProber); asks {
+		if p.cfg.LoRA != nil && offHost(p.cfg) {
+			// An adapter on a server keeps no versions of its own (the tiny engine's adapters
+			// in the run's process do; a torch policy's adapters get rollout replicas).
+			server = " (a LoRA adapter on a server keeps no weights versions: run the policy on kind: tiny or kind: torch to train it asynchronously)"
+		} else if _, asks := p.eng.(engines.VersionsProber); asks {
 			// A server reached over the protocol keeps them when it lists "versions".
 			server = " (its server lists no \"versions\" capability; `slimen serve` of an engine that keeps versions and the torch worker without --no-versions list it)"
 		}

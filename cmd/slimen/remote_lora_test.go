@@ -74,6 +74,11 @@ func TestRemoteLoRASwarmEqualsEmbedded(t *testing.T) {
 	if got := metricsNoTimings(t, run(remote, "again")); got != want {
 		t.Errorf("a second run on the same server differs from the first:\n%s\n---\n%s", got, want)
 	}
+	// Asynchronously, an adapter on a server has no weights versions: refused at start, saying so.
+	log, err := slimen(t, nil, "exec", swarm8, "--config", remote, "--out", filepath.Join(runs, "async"), "--max-staleness", "1")
+	if err == nil || !strings.Contains(log, "a LoRA adapter on a server keeps no weights versions") {
+		t.Errorf("remote LoRA at --max-staleness 1: %v\n%s", err, log)
+	}
 }
 
 // The server of the eight adapters killed after step 1 of 3 and started again on its port: with
