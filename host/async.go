@@ -209,20 +209,11 @@ func (r *Run) versioned(ctx context.Context, k int) (map[string]engines.Versions
 		out[p.name] = vs
 	}
 	// The replicas of all policies start at once: worker processes, each seconds to start.
-	errs := make([]error, len(fresh))
-	var wg sync.WaitGroup
-	for i, rep := range fresh {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			n := k
-			if r.Config().Rollout.Partial {
-				n++ // a step's rollouts continue under the version after theirs
-			}
-			errs[i] = rep.prepare(ctx, n)
-		}()
+	n := k
+	if r.Config().Rollout.Partial {
+		n++ // a step's rollouts continue under the version after theirs
 	}
-	wg.Wait()
+	errs := atOnce(len(fresh), func(i int) error { return fresh[i].prepare(ctx, n) })
 	for i, err := range errs {
 		if err != nil {
 			return nil, &EngineError{Step: r.step + 1, Policy: fresh[i].policy, Err: err, Hint: r.engineErrorHint()}

@@ -65,16 +65,10 @@ var _ engines.Versions = (*replicas)(nil)
 // prepare opens n replicas at once (each a worker process to start: their start-up overlaps).
 func (r *replicas) prepare(ctx context.Context, n int) error {
 	opened := make([]engines.Engine, n)
-	errs := make([]error, n)
-	var wg sync.WaitGroup
-	for i := range n {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			opened[i], errs[i] = r.open(ctx)
-		}()
-	}
-	wg.Wait()
+	errs := atOnce(n, func(i int) (err error) {
+		opened[i], err = r.open(ctx)
+		return err
+	})
 	r.mu.Lock()
 	for i, e := range opened {
 		if errs[i] == nil {
@@ -130,20 +124,13 @@ func (r *replicas) join(ctx context.Context, reps []engines.Engine) {
 	jctx, cancel := context.WithTimeout(ctx, pushTimeout+30*time.Second)
 	defer cancel()
 	links := make([][]string, len(members))
-	errs := make([]error, len(members))
-	var wg sync.WaitGroup
 	t := time.Now()
-	for i, p := range pushers {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			links[i], errs[i] = p.JoinPushGroup(jctx, g, i)
-			if errs[i] != nil {
-				cancel() // the others wait for a member that will not come
-			}
-		}()
-	}
-	wg.Wait()
+	errs := atOnce(len(pushers), func(i int) (err error) {
+		if links[i], err = pushers[i].JoinPushGroup(jctx, g, i); err != nil {
+			cancel() // the others wait for a member that will not come
+		}
+		return err
+	})
 	for i, err := range errs {
 		if err != nil {
 			who := "the trainer"

@@ -367,33 +367,44 @@ func newRun(opts Options) *Run {
 	return r
 }
 
+// atOnce runs fn(0), …, fn(n−1) at the same time and returns their errors, by index.
+func atOnce(n int, fn func(i int) error) []error {
+	errs := make([]error, n)
+	var wg sync.WaitGroup
+	for i := range n {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			errs[i] = fn(i)
+		}()
+	}
+	wg.Wait()
+	return errs
+}
+
 // openPolicies opens the config's policies. Their engines start at the same time (eight torch
 // workers, each with its start-up of several seconds, started one after another before), except
 // LoRA policies, which join their shared bases one at a time in config order; then the policies
 // are registered in config order.
 func (r *Run) openPolicies(ctx context.Context) error {
 	pcs := r.cfg.Policies
-	engs, errs := make([]engines.Engine, len(pcs)), make([]error, len(pcs))
-	var wg sync.WaitGroup
-	lane := func(idx ...int) {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			for _, i := range idx {
-				engs[i], errs[i] = r.openPolicyEngine(ctx, pcs[i])
-			}
-		}()
-	}
+	var lanes [][]int // the policies opened one after another: each alone, the LoRA ones together
 	var lora []int
 	for i, pc := range pcs {
 		if pc.LoRA != nil {
 			lora = append(lora, i)
 		} else {
-			lane(i)
+			lanes = append(lanes, []int{i})
 		}
 	}
-	lane(lora...)
-	wg.Wait()
+	lanes = append(lanes, lora)
+	engs, errs := make([]engines.Engine, len(pcs)), make([]error, len(pcs))
+	atOnce(len(lanes), func(l int) error {
+		for _, i := range lanes[l] {
+			engs[i], errs[i] = r.openPolicyEngine(ctx, pcs[i])
+		}
+		return nil
+	})
 	for i, pc := range pcs {
 		if errs[i] == nil {
 			_, errs[i] = r.registerPolicy(ctx, pc, engs[i])
@@ -924,23 +935,16 @@ func (r *Run) trainPolicies(ctx context.Context, step int, cfg *config.Config, r
 	for _, m := range out {
 		byName[m.Policy()] = m
 	}
-	errs := make([]error, len(lanes))
-	var wg sync.WaitGroup
-	for i, lane := range lanes {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			for _, p := range lane {
-				m, t := byName[p.name], time.Now()
-				if err := r.trainOne(ctx, step, p, byPolicy[p.name], advs[p.name], m); err != nil {
-					errs[i] = err
-					return
-				}
-				m.set("train_s", time.Since(t).Seconds())
+	errs := atOnce(len(lanes), func(i int) error {
+		for _, p := range lanes[i] {
+			m, t := byName[p.name], time.Now()
+			if err := r.trainOne(ctx, step, p, byPolicy[p.name], advs[p.name], m); err != nil {
+				return err
 			}
-		}()
-	}
-	wg.Wait()
+			m.set("train_s", time.Since(t).Seconds())
+		}
+		return nil
+	})
 	for _, err := range errs {
 		if err != nil {
 			return nil, err
