@@ -34,8 +34,9 @@ type Engine struct {
 	// adapters are the LoRA adapters over the base weights m (AddAdapter), by name.
 	adapters map[string]*adapterState
 	closed   bool
-	// versions are the rollout copies of the weights (engines.Versions, versions.go).
-	versions versionStore
+	// versionStore holds the rollout copies of the weights and serves their engines.Versions
+	// methods (versions.go).
+	versionStore
 }
 
 var (

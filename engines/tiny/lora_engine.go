@@ -100,7 +100,7 @@ func (e *Engine) LoadAdapter(ctx context.Context, name, dir string) error {
 		return v.Load(ctx, dir)
 	}
 	a := &adapterState{name: name}
-	if err := (&AdapterEngine{e: e, a: a, versions: &versionStore{}}).Load(ctx, dir); err != nil {
+	if err := (&AdapterEngine{e: e, a: a, versionStore: &versionStore{}}).Load(ctx, dir); err != nil {
 		return err
 	}
 	e.mu.Lock()
@@ -159,7 +159,7 @@ func (e *Engine) Adapter(name string) (*AdapterEngine, error) {
 	if !ok {
 		return nil, fmt.Errorf("tiny: no adapter %q", name)
 	}
-	return &AdapterEngine{e: e, a: a, versions: &versionStore{}}, nil
+	return &AdapterEngine{e: e, a: a, versionStore: &versionStore{}}, nil
 }
 
 // AdapterEngine is one LoRA adapter on an engine's base model (Engine.Adapter). Its KL reference
@@ -167,8 +167,9 @@ func (e *Engine) Adapter(name string) (*AdapterEngine, error) {
 type AdapterEngine struct {
 	e *Engine
 	a *adapterState
-	// versions are the rollout copies of the adapter (engines.Versions, versions.go).
-	versions *versionStore
+	// versionStore holds the rollout copies of the adapter and serves their engines.Versions
+	// methods (versions.go).
+	*versionStore
 }
 
 var (

@@ -36,7 +36,9 @@ func (s *versionStore) get(v int) (engines.Engine, error) {
 	return snap, nil
 }
 
-func (s *versionStore) generate(ctx context.Context, v int, reqs []engines.GenerateRequest) ([]engines.Completion, error) {
+// GenerateVersion is Generate with the weights (of an adapter engine: the adapter) kept as
+// version v.
+func (s *versionStore) GenerateVersion(ctx context.Context, v int, reqs []engines.GenerateRequest) ([]engines.Completion, error) {
 	snap, err := s.get(v)
 	if err != nil {
 		return nil, err
@@ -44,7 +46,8 @@ func (s *versionStore) generate(ctx context.Context, v int, reqs []engines.Gener
 	return snap.Generate(ctx, reqs)
 }
 
-func (s *versionStore) score(ctx context.Context, v int, reqs []engines.ScoreRequest) ([]engines.Scores, error) {
+// ScoreVersion is Score with the weights kept as version v.
+func (s *versionStore) ScoreVersion(ctx context.Context, v int, reqs []engines.ScoreRequest) ([]engines.Scores, error) {
 	snap, err := s.get(v)
 	if err != nil {
 		return nil, err
@@ -52,7 +55,9 @@ func (s *versionStore) score(ctx context.Context, v int, reqs []engines.ScoreReq
 	return snap.Score(ctx, reqs)
 }
 
-func (s *versionStore) save(ctx context.Context, v int, dir string) error {
+// SaveVersion writes the weights kept as version v without optimizer state: a model folder, an
+// adapter engine's a PEFT folder.
+func (s *versionStore) SaveVersion(ctx context.Context, v int, dir string) error {
 	snap, err := s.get(v)
 	if err != nil {
 		return err
@@ -60,7 +65,8 @@ func (s *versionStore) save(ctx context.Context, v int, dir string) error {
 	return snap.Save(ctx, dir)
 }
 
-func (s *versionStore) drop(below int) {
+// DropVersions forgets the kept versions below below.
+func (s *versionStore) DropVersions(ctx context.Context, below int) error {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	for v := range s.kept {
@@ -68,6 +74,7 @@ func (s *versionStore) drop(below int) {
 			delete(s.kept, v)
 		}
 	}
+	return nil
 }
 
 var (
@@ -94,28 +101,7 @@ func (e *Engine) KeepVersion(ctx context.Context, v int) error {
 	for name, a := range e.adapters {
 		ads[name] = &adapterState{name: name, w: a.w.clone()}
 	}
-	e.versions.keep(v, e.frozenCopy(ads))
-	return nil
-}
-
-// GenerateVersion is Generate with the weights kept as version v.
-func (e *Engine) GenerateVersion(ctx context.Context, v int, reqs []engines.GenerateRequest) ([]engines.Completion, error) {
-	return e.versions.generate(ctx, v, reqs)
-}
-
-// ScoreVersion is Score with the weights kept as version v.
-func (e *Engine) ScoreVersion(ctx context.Context, v int, reqs []engines.ScoreRequest) ([]engines.Scores, error) {
-	return e.versions.score(ctx, v, reqs)
-}
-
-// SaveVersion writes the weights kept as version v as a model folder (no optimizer state).
-func (e *Engine) SaveVersion(ctx context.Context, v int, dir string) error {
-	return e.versions.save(ctx, v, dir)
-}
-
-// DropVersions forgets the kept versions below v.
-func (e *Engine) DropVersions(ctx context.Context, below int) error {
-	e.versions.drop(below)
+	e.keep(v, e.frozenCopy(ads))
 	return nil
 }
 
@@ -130,27 +116,6 @@ func (v *AdapterEngine) KeepVersion(ctx context.Context, ver int) error {
 	a := &adapterState{name: v.a.name, w: v.a.w.clone(), opt: newAdamStateOf(v.a.w.tensors())}
 	base := &Engine{spec: v.e.spec, threads: v.e.threads, tok: v.e.tok, eos: v.e.eos, m: v.e.m, ref: v.e.ref,
 		adapters: map[string]*adapterState{a.name: a}}
-	v.versions.keep(ver, &AdapterEngine{e: base, a: a})
-	return nil
-}
-
-// GenerateVersion is Generate with the adapter kept as version ver.
-func (v *AdapterEngine) GenerateVersion(ctx context.Context, ver int, reqs []engines.GenerateRequest) ([]engines.Completion, error) {
-	return v.versions.generate(ctx, ver, reqs)
-}
-
-// ScoreVersion is Score with the adapter kept as version ver.
-func (v *AdapterEngine) ScoreVersion(ctx context.Context, ver int, reqs []engines.ScoreRequest) ([]engines.Scores, error) {
-	return v.versions.score(ctx, ver, reqs)
-}
-
-// SaveVersion writes the adapter kept as version ver as a PEFT folder (no optimizer state).
-func (v *AdapterEngine) SaveVersion(ctx context.Context, ver int, dir string) error {
-	return v.versions.save(ctx, ver, dir)
-}
-
-// DropVersions forgets the kept versions below ver.
-func (v *AdapterEngine) DropVersions(ctx context.Context, below int) error {
-	v.versions.drop(below)
+	v.keep(ver, &AdapterEngine{e: base, a: a})
 	return nil
 }
