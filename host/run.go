@@ -384,23 +384,20 @@ func atOnce(n int, fn func(i int) error) []error {
 
 // openPolicies opens the config's policies. Their engines start at the same time (eight torch
 // workers, each with its start-up of several seconds, started one after another before), except
-// LoRA policies, which join their shared bases one at a time in config order; then the policies
-// are registered in config order.
+// those that share an engine (addToLane: LoRA policies join their shared bases one at a time, in
+// config order); then the policies are registered in config order.
 func (r *Run) openPolicies(ctx context.Context) error {
 	pcs := r.cfg.Policies
-	var lanes [][]int // the policies opened one after another: each alone, the LoRA ones together
-	var lora []int
+	at := map[string]int{} // a policy's index in pcs
+	var lanes [][]*policy
 	for i, pc := range pcs {
-		if pc.LoRA != nil {
-			lora = append(lora, i)
-		} else {
-			lanes = append(lanes, []int{i})
-		}
+		at[pc.Name] = i
+		lanes = addToLane(lanes, &policy{name: pc.Name, cfg: pc, eng: r.opts.Engines[pc.Name]})
 	}
-	lanes = append(lanes, lora)
 	engs, errs := make([]engines.Engine, len(pcs)), make([]error, len(pcs))
 	atOnce(len(lanes), func(l int) error {
-		for _, i := range lanes[l] {
+		for _, p := range lanes[l] {
+			i := at[p.name]
 			engs[i], errs[i] = r.openPolicyEngine(ctx, pcs[i])
 		}
 		return nil
@@ -951,7 +948,7 @@ func (r *Run) trainPolicies(ctx context.Context, step int, cfg *config.Config, r
 		}
 	}
 	for _, p := range pols {
-		if m := byName[p.name]; m != nil && p != crit {
+		if m := byName[p.name]; m != nil { // the critic's come below
 			addDeviceMetrics(m, p.eng)
 		}
 	}
