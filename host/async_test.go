@@ -326,6 +326,35 @@ func TestAsyncSandboxed(t *testing.T) {
 // weights versions, as a torch worker.
 type plainEngine struct{ engines.Engine }
 
+// asyncSteps runs script for 4 steps at max_staleness k on tiny engines of model, each wrapped by
+// wrap when it is given, and returns the metrics without timings and events.log.
+func asyncSteps(t *testing.T, script, model string, k int, wrap func(*tiny.Engine) engines.Engine) (string, string) {
+	t.Helper()
+	cfg := tinyConfig(model, nil)
+	cfg.Rollout.MaxStaleness = k
+	out := filepath.Join(t.TempDir(), "run")
+	opts := Options{Config: cfg, Tasks: numberedTasks(100), Out: out}
+	if wrap != nil {
+		opts.OpenEngine = func(ctx context.Context, p config.PolicyConfig) (engines.Engine, error) {
+			e, err := tiny.Open(p.HFCheckpoint, tiny.Options{Threads: 1})
+			if err != nil {
+				return nil, err
+			}
+			return wrap(e), nil
+		}
+	}
+	r, err := Load(context.Background(), script, opts)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := r.Steps(context.Background(), 4); err != nil {
+		t.Fatal(err)
+	}
+	r.Close()
+	events, _ := os.ReadFile(filepath.Join(out, "events.log"))
+	return metricsWithoutTimings(t, out), string(events)
+}
+
 // TestAsyncReplicas: a policy whose engine keeps no weights versions samples from rollout
 // replicas, which load the weights the trainer saves: the run writes the metrics of the run whose
 // engine keeps its versions itself, with at most K replicas.
@@ -334,30 +363,8 @@ func TestAsyncReplicas(t *testing.T) {
 	script := writeScript(t, tinyScript)
 	for _, k := range []int{1, 2} {
 		t.Run(fmt.Sprint("K=", k), func(t *testing.T) {
-			run := func(plain bool) (string, string) {
-				cfg := tinyConfig(model, nil)
-				cfg.Rollout.MaxStaleness = k
-				out := filepath.Join(t.TempDir(), "run")
-				opts := Options{Config: cfg, Tasks: numberedTasks(100), Out: out}
-				if plain {
-					opts.OpenEngine = func(ctx context.Context, p config.PolicyConfig) (engines.Engine, error) {
-						e, err := tiny.Open(p.HFCheckpoint, tiny.Options{Threads: 1})
-						return plainEngine{e}, err
-					}
-				}
-				r, err := Load(context.Background(), script, opts)
-				if err != nil {
-					t.Fatal(err)
-				}
-				if err := r.Steps(context.Background(), 4); err != nil {
-					t.Fatal(err)
-				}
-				r.Close()
-				events, _ := os.ReadFile(filepath.Join(out, "events.log"))
-				return metricsWithoutTimings(t, out), string(events)
-			}
-			native, _ := run(false)
-			replicated, events := run(true)
+			native, _ := asyncSteps(t, script, model, k, nil)
+			replicated, events := asyncSteps(t, script, model, k, func(e *tiny.Engine) engines.Engine { return plainEngine{e} })
 			if native != replicated {
 				t.Errorf("with rollout replicas the metrics differ:\n%s\n---\n%s", native, replicated)
 			}

@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"os"
 	"path/filepath"
 	"strings"
 	"sync"
@@ -12,7 +11,6 @@ import (
 
 	"github.com/slimen/slimen/engines"
 	"github.com/slimen/slimen/engines/tiny"
-	"github.com/slimen/slimen/host/config"
 )
 
 // pushBus stands in for a push group's transport between fake pushers: the sender (rank 0)
@@ -97,27 +95,11 @@ func TestReplicaPush(t *testing.T) {
 	model := tinyModel(t, 1)
 	script := writeScript(t, tinyScript)
 	run := func(fail string, push bool) (string, string) {
-		cfg := tinyConfig(model, nil)
-		cfg.Rollout.MaxStaleness = 2
-		out := filepath.Join(t.TempDir(), "run")
-		opts := Options{Config: cfg, Tasks: numberedTasks(100), Out: out}
-		if push {
-			bus := &pushBus{dir: t.TempDir(), fail: fail, sends: map[string]chan string{}}
-			opts.OpenEngine = func(ctx context.Context, p config.PolicyConfig) (engines.Engine, error) {
-				e, err := tiny.Open(p.HFCheckpoint, tiny.Options{Threads: 1})
-				return &pushEngine{Engine: e, bus: bus}, err
-			}
+		if !push {
+			return asyncSteps(t, script, model, 2, nil)
 		}
-		r, err := Load(context.Background(), script, opts)
-		if err != nil {
-			t.Fatal(err)
-		}
-		if err := r.Steps(context.Background(), 4); err != nil {
-			t.Fatal(err)
-		}
-		r.Close()
-		events, _ := os.ReadFile(filepath.Join(out, "events.log"))
-		return metricsWithoutTimings(t, out), string(events)
+		bus := &pushBus{dir: t.TempDir(), fail: fail, sends: map[string]chan string{}}
+		return asyncSteps(t, script, model, 2, func(e *tiny.Engine) engines.Engine { return &pushEngine{Engine: e, bus: bus} })
 	}
 	native, _ := run("", false)
 	for _, c := range []struct{ fail, want, not string }{
