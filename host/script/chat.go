@@ -509,28 +509,18 @@ func NewConversation(id string, key []int, turns []*Completion) (*Completion, er
 // continued under a newer version (rollout.partial), else each sampled token's, StepVersion for the
 // turns that were not.
 func turnVersions(turns []*Completion) []int32 {
+	if !slices.ContainsFunc(turns, func(t *Completion) bool { return t.versions != nil }) {
+		return nil
+	}
 	var vs []int32
-	for k, t := range turns {
-		if t.versions == nil && vs == nil {
-			continue
-		}
-		if vs == nil {
-			for _, u := range turns[:k] {
-				vs = appendStepVersions(vs, len(u.tokens))
-			}
-		}
+	for _, t := range turns {
 		if t.versions != nil {
 			vs = append(vs, t.versions...)
-		} else {
-			vs = appendStepVersions(vs, len(t.tokens))
+			continue
 		}
-	}
-	return vs
-}
-
-func appendStepVersions(vs []int32, n int) []int32 {
-	for range n {
-		vs = append(vs, StepVersion)
+		for range t.tokens {
+			vs = append(vs, StepVersion)
+		}
 	}
 	return vs
 }
