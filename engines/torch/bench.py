@@ -49,6 +49,12 @@ Not in the default list (select with --sections):
                  time; the checks: the graph prefill's logits and cache row against the eager
                  prefill's (bf16), generation log-probs against Score at batch 1, greedy tokens
 
+  profile        where the GPU time goes (torch.profiler): kernel tables (out/profile_*.txt) of a
+                 batch-1 and a batch-256 generation, of one captured decode step at each batch
+                 and of one training step (8 × 2,048 tokens): time by kind of kernel (GEMM,
+                 attention, compiled/Triton, optimizer, copies), kernels a run, and the GPU-busy
+                 share of the wall time (below 1: the GPU waited for the host)
+
 Results: DIR/bench.json (everything, errors included), DIR/bench.md (the table, also printed last),
 DIR/bench.log (all output). A dry run on the CPU: --device cpu --shape tiny --new 8 --train-len 64
 (with TRITON_INTERPRET=1 for the kernels).
@@ -88,6 +94,7 @@ SECTIONS = {
     "kernels": 45, "gen": 110, "train": 100, "train_eager": 40, "gen_before": 90,
     "train_before": 40, "hf": 60, "train_regional": 60, "gen_layer_b1": 60,
     "train_static": 60, "gen_b1": 60, "first_step": 300, "first_step_run": 150,
+    "profile": 150,
 }
 DEFAULT_SECTIONS = ["kernels", "gen", "train", "train_eager", "gen_before", "train_before", "hf",
                     "train_regional", "gen_layer_b1", "train_static"]
@@ -488,20 +495,25 @@ def sec_gen_layer_b1(a, res):
     gen_section(a, res, "gen_layer_b1", dict(fused_b1=False), b256=False, extra=False)
 
 
+def train_batch(cfg, samples: int, length: int) -> Batch:
+    """samples random sequences of length tokens (64 prompt, the rest trained), advantages ±1."""
+    g = torch.Generator().manual_seed(4)
+    p = min(64, length // 4)
+    batch = []
+    for i in range(samples):
+        seq = torch.randint(0, cfg.vocab_size, (length,), generator=g).tolist()
+        r = length - p
+        batch.append(Sample(seq[:p], seq[p:], [1.0] * r, [-5.0] * r,
+                            [1.0 if i % 2 else -1.0] * r, group=f"g{i // 4}"))
+    return Batch(samples=batch, loss=LossConfig(lr=1e-6, max_grad_norm=1.0))
+
+
 def train_bench(a, res, prefix, opts, samples=8, steps=3, micro=0):
     length = a.train_len
     eng = Engine(a.model, Options(device=a.device, slots=1, micro_batch_tokens=micro, **opts))
     try:
         cfg = eng.cfg
-        g = torch.Generator().manual_seed(4)
-        p = min(64, length // 4)
-        batch = []
-        for i in range(samples):
-            seq = torch.randint(0, cfg.vocab_size, (length,), generator=g).tolist()
-            r = length - p
-            batch.append(Sample(seq[:p], seq[p:], [1.0] * r, [-5.0] * r,
-                                [1.0 if i % 2 else -1.0] * r, group=f"g{i // 4}"))
-        b = Batch(samples=batch, loss=LossConfig(lr=1e-6, max_grad_norm=1.0))
+        b = train_batch(cfg, samples, length)
         if torch.cuda.is_available():
             torch.cuda.reset_peak_memory_stats()
         t = time.perf_counter()
@@ -533,6 +545,99 @@ def train_bench(a, res, prefix, opts, samples=8, steps=3, micro=0):
                      if k.startswith(prefix) and k != f"{prefix}_compile_error"})
         if res[f"{prefix}_compile_error"]:
             log(prefix, "compile error:\n", res[f"{prefix}_compile_error"][-6000:])
+    finally:
+        eng.close()
+
+
+KINDS = (("gemm", ("gemm", "cutlass", "nvjet", "sm90_", "sm80_", "cublas", "gemv", "splitk")),
+         ("attention", ("flash", "fmha", "attn", "attention")),
+         ("optimizer", ("adam", "foreach", "multi_tensor")),
+         ("sampler", ("sample",)),
+         ("copy", ("copy", "memcpy", "memset", "fill", "cat", "index")),
+         ("compiled/triton", ("triton",)))
+
+
+def kind_of(name: str) -> str:
+    n = name.lower()
+    for kind, keys in KINDS:
+        if any(k in n for k in keys):
+            return kind
+    return "other"
+
+
+def profiled(fn, out: pathlib.Path, name: str, res: dict, reps: int = 1) -> None:
+    """Runs fn reps times under torch.profiler: the GPU kernels by total time (a table in
+    out/profile_<name>.txt), their sum by kind, the kernel count, and the GPU-busy share of the
+    wall time (kernel time / wall: below 1 the GPU waited for the host)."""
+    from torch.profiler import ProfilerActivity, profile
+    sync()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        sync()
+        wall = time.perf_counter() - t
+    kern = {}
+    count = 0
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            k = kern.setdefault(e.name, [0, 0.0])
+            k[0] += 1
+            k[1] += e.time_range.elapsed_us()
+            count += 1
+    total = sum(v[1] for v in kern.values()) / 1e3 / reps  # ms
+    by_kind: dict = {}
+    for n, (c, us) in kern.items():
+        by_kind[kind_of(n)] = by_kind.get(kind_of(n), 0.0) + us / 1e3 / reps
+    rows = [f"{name}: wall {wall * 1e3 / reps:.3f} ms, kernels {total:.3f} ms "
+            f"({count / reps:.0f} a run), GPU busy {total / (wall * 1e3 / reps):.2f}",
+            "by kind (ms a run): " + ", ".join(f"{k} {v:.3f}" for k, v in
+                                                sorted(by_kind.items(), key=lambda x: -x[1])),
+            f"{'ms a run':>10} {'calls':>6}  kernel"]
+    for n, (c, us) in sorted(kern.items(), key=lambda x: -x[1][1])[:40]:
+        rows.append(f"{us / 1e3 / reps:10.4f} {c / reps:6.0f}  {n[:150]}")
+    text = "\n".join(rows)
+    (out / f"profile_{name}.txt").write_text(text + "\n")
+    log(text)
+    res[f"profile_{name}_wall_ms"] = wall * 1e3 / reps
+    res[f"profile_{name}_kernel_ms"] = total
+    res[f"profile_{name}_kernels"] = count / reps
+    res[f"profile_{name}_by_kind_ms"] = by_kind
+
+
+def sec_profile(a, res):
+    """Where the GPU time goes: kernel tables of a batch-1 and a batch-256 generation (the
+    whole request: prefill, decode steps, scheduling), of single captured decode steps, and of
+    one training step (8 × train_len tokens), each with the GPU-busy share of its wall time."""
+    out = pathlib.Path(a.out)
+    eng = Engine(a.model, Options(device=a.device, slots=256, max_seq_len=PROMPT + a.new))
+    try:
+        for batch in (1, 256):
+            toks = prompts(batch, eng.cfg.vocab_size, 3).tolist()
+            reqs = [GenerateRequest(id=f"p{batch}-{i}", prompt_tokens=t,
+                                    sampling=Sampling(max_tokens=a.new, temperature=1.0, seed=i))
+                    for i, t in enumerate(toks)]
+            eng.generate(reqs)  # compiles and captures
+            profiled(lambda: eng.generate(reqs), out, f"generate_b{batch}", res)
+        gen = eng.gen
+        for (B, L, top), g in sorted(gen.graphs.items()):
+            if B not in (1, 256) or L != gen.L or top:
+                continue
+            gen.pos[:B] = L // 2  # idle rows: replays do not advance them
+            profiled(g.replay, out, f"step_b{B}_pos{L // 2}", res, reps=20)
+            gen.pos[:B] = 0
+    finally:
+        eng.close()
+    import gc
+    gc.collect()
+    torch.cuda.empty_cache() if torch.cuda.is_available() else None
+    eng = Engine(a.model, Options(device=a.device, slots=1))
+    try:
+        b = train_batch(eng.cfg, 8, a.train_len)
+        eng.train(b)  # compiles
+        eng.train(b)
+        profiled(lambda: eng.train(b), out, "train_8x", res)
+        res["profile_train_mode"] = eng.trainer.mode
     finally:
         eng.close()
 
