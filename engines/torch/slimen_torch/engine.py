@@ -111,6 +111,10 @@ class Engine:
     def __init__(self, model_dir: str, options: Options | None = None):
         self.opts = options or Options()
         self.device = torch.device(self.opts.device)
+        if self.device.type == "cuda" and self.device.index is None:
+            # "cuda" is the current device of the thread that builds the engine; its own threads
+            # bind that device by index (bind_thread).
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self.dtype = _dtype(self.opts.dtype, self.device)
         self._reference = None
         self._ref_dir = self.opts.ref_model or str(model_dir)

@@ -32,7 +32,7 @@ def bind_thread(device: torch.device) -> None:
     a thread started by a rank of a multi-GPU worker (rank k on cuda:k) would otherwise launch
     Triton kernels and capture CUDA graphs on cuda:0."""
     if device.type == "cuda":
-        torch.cuda.set_device(device)
+        torch.cuda.set_device(device if device.index is not None else torch.cuda.current_device())
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -311,3 +311,17 @@ def test_engine_threads_use_its_gpu(model_dirs):
         assert len(out) == 4 and all(len(c.tokens) > 0 for c in out)
     finally:
         e.close()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_engine_on_cuda_without_an_index(model_dirs):
+    """device "cuda" (no index, bench.py's default) is the building thread's current GPU; binding
+    the engine thread to it by that name raised in the thread and left every call waiting."""
+    e = Engine(str(model_dirs["tiny-qwen3"]), Options(device="cuda"))
+    try:
+        assert e.device == torch.device("cuda", torch.cuda.current_device())
+        out = e.generate([GenerateRequest(id="a", prompt_tokens=[3, 4, 5],
+                                          sampling=Sampling(max_tokens=8, seed=1))], timeout=120)
+        assert len(out[0].tokens) > 0
+    finally:
+        e.close()
