@@ -3,16 +3,29 @@
 
 The trainer (rank 0) and its replicas (ranks 1 … world − 1), each a worker process of its own,
 join a torch.distributed group of their own: the default group of these processes, gloo (CPU),
-made at init_method (tcp://host:port, which the host picks). Every pair (0, i) gets a subgroup,
-NCCL when both members are on GPUs and on two different ones (NCCL refuses two ranks on one GPU),
-gloo otherwise (tensors staged through the CPU). A push from the trainer to replica i is a
-broadcast in the pair's subgroup, so the other replicas, which may be generating from the
-versions they hold, take no part: first a header (a hash of the parameters' names, shapes and
-dtypes, and the element count per dtype), then the parameters flattened into one buffer per
-dtype (between CPU workers, where nothing is staged, each parameter as it is: flattening would
-only add two copies). The replica answers the header (its parameters match, or not: then both
-fail at once) and receives into buffers of the same sizes, which it copies into its model's
-parameters in place (its captured CUDA graphs keep pointing at them).
+made at init_method (tcp://host:port, which the host picks). Every pair (0, i) gets a subgroup
+and a link (_link): NCCL when both members are on GPUs and on two different ones, CUDA IPC when
+both are on the same GPU (NCCL refuses two ranks on one GPU), gloo otherwise (CPU workers). A
+push from the trainer to replica i goes through the pair's subgroup, so the other replicas,
+which may be generating from the versions they hold, take no part: first a header (a hash of
+the parameters' names, shapes and dtypes, and the element count per dtype), which the replica
+answers (its parameters match, or not: then both fail at once), then the weights.
+
+NCCL (and gloo between GPU workers, the fallback): the parameters flattened into one buffer per
+dtype, broadcast (gloo stages them through the CPU); the replica receives into buffers of the
+same sizes and copies them into its model's parameters in place (its captured CUDA graphs keep
+pointing at them). gloo between CPU workers: each parameter as it is (flattening would only add
+two copies).
+
+CUDA IPC: at the first push to a replica the trainer allocates one flat GPU buffer per dtype and
+sends the replica their IPC handles (torch.multiprocessing's reduce_tensor, carried by the pair's
+gloo group); the replica maps them into its process and keeps them. Each push then is two device
+copies: the trainer copies its parameters into the buffers and synchronizes, signals the replica
+(a one-word gloo broadcast), the replica copies from the buffers into its parameters in place,
+synchronizes and acknowledges, so the trainer never overwrites a buffer being read. A pair whose
+buffers cannot be shared or mapped (an error on either side) falls back to the gloo path for
+good, and both members log why. close() drops the buffers (the caching allocator frees the
+trainer's once the replica has dropped its mapping).
 
 A worker that is an FSDP group (dist.py: its default group is the trainer's, its weights shards)
 cannot join: the host keeps the folder push for it.
@@ -20,9 +33,12 @@ cannot join: the host keeps the folder push for it.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import hashlib
+import inspect
 import logging
+import pickle
 import threading
 import time
 
@@ -64,6 +80,71 @@ def _device_id(device: torch.device) -> str:
     return str(torch.cuda.get_device_properties(device).uuid)
 
 
+def _link(mine: tuple[str, str], theirs: tuple[str, str], nccl: bool) -> str:
+    """How rank 0 and a replica, each (device type, _device_id), are linked: "nccl" between two
+    GPUs (when NCCL is there: nccl), "cuda-ipc" on one GPU, "gloo" otherwise."""
+    if mine[0] == "cuda" and theirs[0] == "cuda" and mine[1] and theirs[1]:
+        if mine[1] == theirs[1]:
+            return "cuda-ipc"
+        return "nccl" if nccl else "gloo"
+    return "gloo"
+
+
+def _on(device: torch.device):
+    """device as the calling thread's current CUDA device while in the block (an IPC handle is
+    opened on the current device; model.py's bind_thread sets it for the engine's thread only)."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+
+def _export(t: torch.Tensor) -> bytes:
+    """A handle to t's memory that another process on this machine can map (_import): CUDA IPC
+    for a GPU tensor (torch.multiprocessing's reduce_tensor; this process must keep t alive while
+    the other uses it), shared memory for a CPU tensor."""
+    from multiprocessing.reduction import ForkingPickler
+
+    from torch.multiprocessing.reductions import reduce_tensor
+
+    if t.device.type == "cpu":
+        t.share_memory_()
+    return bytes(ForkingPickler.dumps(reduce_tensor(t)))
+
+
+def _import(handle: bytes, device: torch.device) -> torch.Tensor:
+    """The tensor _export shared, mapped into this process on device (the same GPU as the
+    sender's: Group checks the GPUs' UUIDs). The sender's device index is its own numbering of
+    the GPUs (CUDA_VISIBLE_DEVICES may differ between the two processes): this process's index of
+    the same GPU replaces it."""
+    fn, args = pickle.loads(handle)
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        names = list(inspect.signature(fn).parameters)
+        if "storage_device" in names:
+            args = list(args)
+            args[names.index("storage_device")] = index
+        with _on(device):
+            t = fn(*args)
+        if t.device != torch.device("cuda", index):
+            raise RuntimeError(f"the buffer was mapped on {t.device}, not on {device}")
+        return t
+    t = fn(*args)
+    if t.device.type != device.type:
+        raise RuntimeError(f"the buffer was mapped on {t.device}, not on {device}")
+    return t
+
+
+def _views(buf: torch.Tensor, ps: list[torch.Tensor]) -> list[torch.Tensor]:
+    """buf (a flat buffer of the parameters ps, in order) as one view per parameter."""
+    return [s.view(p.shape) for s, p in zip(buf.split([p.numel() for p in ps]), ps)]
+
+
+def _copy(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
+    if hasattr(torch, "_foreach_copy_"):
+        torch._foreach_copy_(dst, src)
+    else:
+        for d, s in zip(dst, src):
+            d.copy_(s)
+
+
 class Group:
     """This process's membership of a push group."""
 
@@ -76,6 +157,9 @@ class Group:
         if dist.is_initialized():
             raise RuntimeError("this process is in a process group already")
         self.name, self.rank, self.world, self.device = name, rank, world, device
+        # A CUDA IPC pair's flat buffers by dtype (rank 0: its own; a replica: rank 0's, mapped),
+        # by the pair's key in pairs; shared at the first push (_buffers).
+        self._bufs: dict[int, dict[torch.dtype, torch.Tensor]] = {}
         self.timeout = datetime.timedelta(seconds=timeout_s if timeout_s > 0 else 300)
         t = time.perf_counter()
         dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world,
@@ -86,16 +170,15 @@ class Group:
             self.pairs: dict[int, object] = {}
             for i in range(1, world):
                 # Every member makes every pair's subgroup, in the same order (new_group's rule).
-                nccl = (ids[0][0] == "cuda" and ids[i][0] == "cuda" and ids[0][1] != ids[i][1]
-                        and dist.is_nccl_available())
-                backend = "nccl" if nccl else "gloo"
-                g = dist.new_group([0, i], backend=backend, timeout=self.timeout)
+                link = _link(tuple(ids[0]), tuple(ids[i]), dist.is_nccl_available())
+                g = dist.new_group([0, i], backend="nccl" if link == "nccl" else "gloo",
+                                   timeout=self.timeout)
                 if rank in (0, i):
-                    self.pairs[i] = (g, backend)
+                    self.pairs[i] = (g, link)
             self.links = [""] * world
             if rank == 0:
-                for i, (_, backend) in self.pairs.items():
-                    self.links[i] = backend
+                for i, (_, link) in self.pairs.items():
+                    self.links[i] = link
             else:
                 self.links[0] = self.pairs[rank][1]
         except BaseException:
@@ -110,6 +193,10 @@ class Group:
         wait for a member that is gone: the process is usually exiting then)."""
         import torch.distributed as dist
 
+        if self._bufs:
+            self._bufs.clear()
+            if self.device.type == "cuda" and torch.cuda.is_initialized():
+                torch.cuda.ipc_collect()  # rank 0's buffers the replica has let go of
         if dist.is_initialized():
             t = threading.Thread(target=dist.destroy_process_group, name="slimen-push-close",
                                  daemon=True)
@@ -125,14 +212,74 @@ class Group:
                              f"{peer} (the sender is rank 0, the receivers 1…{self.world - 1})")
         return self.pairs[peer]
 
-    def _direct(self, backend: str) -> bool:
+    def _direct(self, link: str) -> bool:
         """Whether parameters go as they are, one broadcast each (gloo between CPU workers: no
         staging, and flattening would only add two copies), rather than flattened per dtype."""
-        return backend == "gloo" and self.device.type == "cpu"
+        return link == "gloo" and self.device.type == "cpu"
+
+    def _buffers(self, key: int, g, counts: list[int]) -> dict | None:
+        """A CUDA IPC pair's flat buffers (key: the pair's key in pairs), shared at the first push
+        (and again should the element counts per dtype change): rank 0 allocates them and sends
+        their handles, the replica maps them and answers "" or why it could not. Both members
+        take the same counts (the header both agreed on) and the same answer, so both keep the
+        buffers or both fall back to gloo (None)."""
+        import torch.distributed as dist
+
+        bufs = self._bufs.get(key)
+        want = {dt: n for dt, n in zip(DTYPES, counts) if n}
+        if bufs is not None and {dt: b.numel() for dt, b in bufs.items()} == want:
+            return bufs
+        self._bufs.pop(key, None)
+        bufs, why = None, ""
+        peer = key if self.rank == 0 else 0
+        if self.rank == 0:
+            try:
+                with _on(self.device):
+                    bufs = {dt: torch.empty(n, dtype=dt, device=self.device)
+                            for dt, n in want.items()}
+                    sent = {dt: _export(b) for dt, b in bufs.items()}
+            except Exception as e:  # noqa: BLE001 — any failure means the gloo path
+                bufs, sent, why = None, None, f"sharing its buffers failed: {type(e).__name__}: {e}"
+            obj = [why or sent]
+            dist.broadcast_object_list(obj, src=0, group=g)
+            answer = [None]
+            dist.broadcast_object_list(answer, src=key, group=g)
+            why = why or answer[0]
+        else:
+            obj = [None]
+            dist.broadcast_object_list(obj, src=0, group=g)
+            got = obj[0]
+            if isinstance(got, str):
+                why = f"rank 0: {got}"
+            else:
+                try:
+                    bufs = {dt: _import(h, self.device) for dt, h in got.items()}
+                    for dt, b in bufs.items():
+                        if b.dtype != dt or b.numel() != want.get(dt):
+                            raise RuntimeError(f"rank 0's {dt} buffer holds {b.numel()} {b.dtype} "
+                                               f"elements, not {want.get(dt)}")
+                except Exception as e:  # noqa: BLE001 — any failure means the gloo path
+                    bufs, why = None, (f"mapping rank 0's buffers failed: {type(e).__name__}: "
+                                       f"{e}")
+            dist.broadcast_object_list([why], src=self.rank, group=g)
+        if why:
+            bufs = None
+            self.pairs[key] = (g, "gloo")
+            self.links[peer] = "gloo"
+            log.warning("push group %s: rank %d's link to rank %d falls back from CUDA IPC to gloo "
+                        "(through the CPU): %s", self.name, self.rank, peer, why)
+            return None
+        self._bufs[key] = bufs
+        log.info("push group %s: rank %d %s %.6g GB of flat buffers (%s) %s rank %d by CUDA IPC",
+                 self.name, self.rank, "shares" if self.rank == 0 else "mapped",
+                 sum(b.numel() * b.element_size() for b in bufs.values()) / 1e9,
+                 ", ".join(str(dt).removeprefix("torch.") for dt in bufs),
+                 "with" if self.rank == 0 else "of", peer)
+        return bufs
 
     @torch.no_grad()
     def send(self, model, peer: int, refuse: str = "") -> dict:
-        """Rank 0: broadcasts model's parameters to peer. Returns bytes, seconds and the link.
+        """Rank 0: pushes model's parameters to peer. Returns bytes, seconds and the link.
         With refuse (a reason), or parameters it cannot send, it sends a header that tells the
         receiver so (which then fails at once instead of waiting) and raises; so does a receiver
         whose parameters differ (its answer to the header)."""
@@ -141,8 +288,8 @@ class Group:
         if self.rank != 0:
             raise ValueError(f"push group {self.name!r}: rank {self.rank} sends nothing (only "
                              "rank 0, the trainer, does)")
-        g, backend = self._pair(peer)
-        dev = self.device if backend == "nccl" else torch.device("cpu")
+        g, link = self._pair(peer)
+        dev = self.device if link == "nccl" else torch.device("cpu")
         t = time.perf_counter()
         try:
             if refuse:
@@ -159,11 +306,17 @@ class Group:
         if ok.item() != 1:
             raise ValueError(f"push group {self.name!r}: rank {peer}'s parameters differ from the "
                              "trainer's (names, shapes or dtypes): it took no weights")
+        if link == "cuda-ipc":
+            bufs = self._buffers(peer, g, header[4:-1])
+            if bufs is not None:
+                nbytes = self._send_shared(g, peer, groups, bufs)
+                return dict(bytes=nbytes, seconds=time.perf_counter() - t, link=link)
+            link = "gloo"  # _buffers said why
         nbytes = 0
         for dt, ps in groups:
             if not ps:
                 continue
-            if self._direct(backend):
+            if self._direct(link):
                 for p in ps:
                     dist.broadcast(p.detach(), src=0, group=g)
                     nbytes += p.numel() * p.element_size()
@@ -172,15 +325,39 @@ class Group:
             dist.broadcast(flat, src=0, group=g)
             nbytes += flat.numel() * flat.element_size()
         self._sync(dev)
-        return dict(bytes=nbytes, seconds=time.perf_counter() - t, link=backend)
+        return dict(bytes=nbytes, seconds=time.perf_counter() - t, link=link)
+
+    def _send_shared(self, g, peer: int, groups, bufs: dict) -> int:
+        """Rank 0's half of a CUDA IPC push: copies the parameters into the shared buffers, waits
+        for the copies, tells the replica (1, or 0: it failed), waits for the replica's answer."""
+        import torch.distributed as dist
+
+        err = None
+        try:
+            with _on(self.device):
+                for dt, ps in groups:
+                    if ps:
+                        _copy(_views(bufs[dt], ps), [p.detach() for p in ps])
+                self._sync(self.device)  # the replica's process must see finished data
+        except Exception as e:  # noqa: BLE001 — the replica is told, then it is raised
+            err = e
+        dist.broadcast(torch.tensor([0 if err else 1], dtype=torch.int64), src=0, group=g)
+        if err is not None:
+            raise err
+        done = torch.zeros(1, dtype=torch.int64)
+        dist.broadcast(done, src=peer, group=g)  # the buffers are free again only after this
+        if done.item() != 1:
+            raise RuntimeError(f"push group {self.name!r}: rank {peer} could not copy the weights "
+                               "from the shared buffers (its log says why)")
+        return sum(b.numel() * b.element_size() for b in bufs.values())
 
     @torch.no_grad()
     def receive(self, model) -> dict:
         """A replica: takes rank 0's parameters into model's, in place."""
         import torch.distributed as dist
 
-        g, backend = self._pair(self.rank)
-        dev = self.device if backend == "nccl" else torch.device("cpu")
+        g, link = self._pair(self.rank)
+        dev = self.device if link == "nccl" else torch.device("cpu")
         t = time.perf_counter()
         groups, mine = layout(model)
         header = torch.zeros(len(mine), dtype=torch.int64, device=dev)
@@ -195,11 +372,17 @@ class Group:
             raise ValueError(f"push group {self.name!r}: the trainer's parameters differ from "
                              f"this replica's (names, shapes, dtypes or sizes: {theirs[4:-1]} "
                              f"elements per dtype {[str(d) for d in DTYPES]}, here {mine[4:-1]})")
+        if link == "cuda-ipc":
+            bufs = self._buffers(self.rank, g, mine[4:-1])
+            if bufs is not None:
+                nbytes = self._receive_shared(g, groups, bufs)
+                return dict(bytes=nbytes, seconds=time.perf_counter() - t, link=link)
+            link = "gloo"  # _buffers said why
         nbytes = 0
         for dt, ps in groups:
             if not ps:
                 continue
-            if self._direct(backend):
+            if self._direct(link):
                 for p in ps:
                     dist.broadcast(p.data, src=0, group=g)
                     nbytes += p.numel() * p.element_size()
@@ -209,15 +392,34 @@ class Group:
             nbytes += buf.numel() * buf.element_size()
             if buf.device != self.device:
                 buf = buf.to(self.device)
-            parts = buf.split([p.numel() for p in ps])
-            dst, src = ps, [s.view(p.shape) for s, p in zip(parts, ps)]
-            if hasattr(torch, "_foreach_copy_"):
-                torch._foreach_copy_(dst, src)
-            else:
-                for d, s in zip(dst, src):
-                    d.copy_(s)
+            _copy(ps, _views(buf, ps))
         self._sync(self.device)
-        return dict(bytes=nbytes, seconds=time.perf_counter() - t, link=backend)
+        return dict(bytes=nbytes, seconds=time.perf_counter() - t, link=link)
+
+    def _receive_shared(self, g, groups, bufs: dict) -> int:
+        """The replica's half of a CUDA IPC push: waits for rank 0's word, copies the shared
+        buffers into the parameters in place, waits for the copies, answers (1, or 0: it failed;
+        rank 0 may write the buffers again after it)."""
+        import torch.distributed as dist
+
+        ready = torch.zeros(1, dtype=torch.int64)
+        dist.broadcast(ready, src=0, group=g)
+        if ready.item() != 1:
+            raise RuntimeError(f"push group {self.name!r}: the trainer could not copy its weights "
+                               "into the shared buffers (its log says why)")
+        err = None
+        try:
+            with _on(self.device):
+                for dt, ps in groups:
+                    if ps:
+                        _copy(ps, _views(bufs[dt], ps))
+                self._sync(self.device)
+        except Exception as e:  # noqa: BLE001 — rank 0 is told, then it is raised
+            err = e
+        dist.broadcast(torch.tensor([0 if err else 1], dtype=torch.int64), src=self.rank, group=g)
+        if err is not None:
+            raise err
+        return sum(b.numel() * b.element_size() for b in bufs.values())
 
     @staticmethod
     def _sync(dev: torch.device) -> None:

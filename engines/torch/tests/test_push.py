@@ -1,7 +1,8 @@
 """Pushing weights through a push group (push.py; JoinPushGroup and PushWeights): a trainer (this
 process's engine, rank 0) and a replica (a worker process, rank 1, over gRPC) join a gloo group;
 after a training step the trainer's weights, pushed, equal the replica's bit for bit, and the
-replica then samples what the trainer samples."""
+replica then samples what the trainer samples. Two members on one GPU are linked by CUDA IPC
+(the GPU tests; on the CPU the same protocol runs through shared memory)."""
 
 import os
 import pathlib
@@ -15,9 +16,12 @@ import time
 import grpc
 import pytest
 import torch
+import torch.multiprocessing as mp
 from safetensors.torch import load_file
 
+from push_members import member
 from slimen_torch.engine import Engine, Options
+from slimen_torch.push import _link
 from slimen_torch.proto import engine_pb2 as pb
 from slimen_torch.proto import engine_pb2_grpc as pb_grpc
 from slimen_torch.types import GenerateRequest, LossConfig, RequestError, Sampling
@@ -34,12 +38,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def serve(model, tmp_path, *args):
-    """A worker process serving model on the CPU; returns (process, address)."""
+GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA IPC needs a GPU")
+
+
+def serve(model, tmp_path, *args, device="cpu"):
+    """A worker process serving model on device; returns (process, address)."""
     addr_file = tmp_path / "addr"
     proc = subprocess.Popen(
         [sys.executable, "-m", "slimen_torch", "serve", "--model", str(model), "--listen",
-         "127.0.0.1:0", "--device", "cpu", "--root", str(tmp_path), "--address-file",
+         "127.0.0.1:0", "--device", device, "--root", str(tmp_path), "--address-file",
          str(addr_file), *args],
         env=dict(os.environ, PYTHONPATH=str(PKG)), stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT, text=True)
@@ -231,3 +238,131 @@ def test_a_replica_of_another_model_takes_no_weights(model_dirs, tmp_path):
         trainer.close()
         stop(proc)
 
+
+
+def test_the_link_of_a_pair_follows_the_devices():
+    """NCCL between two GPUs, CUDA IPC on one GPU (NCCL refuses two ranks there), gloo for the
+    rest (a CPU member, or no NCCL)."""
+    assert _link(("cuda", "GPU-a"), ("cuda", "GPU-b"), True) == "nccl"
+    assert _link(("cuda", "GPU-a"), ("cuda", "GPU-b"), False) == "gloo"
+    assert _link(("cuda", "GPU-a"), ("cuda", "GPU-a"), True) == "cuda-ipc"
+    assert _link(("cuda", "GPU-a"), ("cuda", "GPU-a"), False) == "cuda-ipc"
+    assert _link(("cpu", ""), ("cpu", ""), True) == "gloo"
+    assert _link(("cuda", "GPU-a"), ("cpu", ""), True) == "gloo"
+    assert _link(("cpu", ""), ("cuda", "GPU-a"), True) == "gloo"
+
+
+def run_pair(device: str, force_shared=False, fail_map=False):
+    """Spawns push_members.member as rank 0 and rank 1 on device; returns their reports."""
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    init = f"tcp://127.0.0.1:{free_port()}"
+    procs = [ctx.Process(target=member, args=(r, device, init, force_shared, fail_map, out))
+             for r in (0, 1)]
+    for p in procs:
+        p.start()
+    got = {}
+    try:
+        for _ in procs:
+            r, res = out.get(timeout=180)
+            got[r] = res
+    finally:
+        for p in procs:
+            p.join(30)
+            if p.is_alive():
+                p.kill()
+    assert "error" not in got[0] and "error" not in got[1], got
+    return got[0], got[1]
+
+
+def check_shared_pushes(t, r):
+    """Pushes 1 and 2 and 4 went through the shared buffers (the same ones each time, on both
+    sides), bit for bit; push 3, into parameters of another shape, failed on both sides."""
+    assert t["links"] == ["", "cuda-ipc"] and r["links"] == ["cuda-ipc", ""]
+    assert t["before"] != r["before"]
+    tp, rp = t["pushes"], r["pushes"]
+    for i in (0, 1, 3):
+        assert tp[i]["link"] == rp[i]["link"] == "cuda-ipc", (i, tp[i], rp[i])
+        assert tp[i]["bytes"] == rp[i]["bytes"] == t["bytes"], i
+        assert tp[i]["digest"] == rp[i]["digest"], i
+        assert tp[i]["ptrs"] and tp[i]["ptrs"] == tp[0]["ptrs"], i  # one set of buffers
+        assert rp[i]["ptrs"] and rp[i]["ptrs"] == rp[0]["ptrs"], i
+    assert set(tp[0]["ptrs"]) == {"torch.float32", "torch.bfloat16"}
+    assert tp[0]["digest"] != tp[1]["digest"] != tp[3]["digest"]  # each push brought new weights
+    assert "rank 1's parameters differ" in tp[2]["error"]
+    assert "the trainer's parameters differ" in rp[2]["error"]
+    assert rp[2]["digest"] == rp[1]["digest"]  # the replica's model kept what it had
+    assert t["links_after"] == ["", "cuda-ipc"] and r["links_after"] == ["cuda-ipc", ""]
+    assert t["closed_bufs"] == r["closed_bufs"] == 0
+
+
+def check_fallback(t, r):
+    """A replica that cannot map the buffers: both members fall back to gloo, and every push
+    (the first included) still brings the weights bit for bit."""
+    tp, rp = t["pushes"], r["pushes"]
+    for i in (0, 1, 3):
+        assert tp[i]["link"] == rp[i]["link"] == "gloo", (i, tp[i], rp[i])
+        assert tp[i]["digest"] == rp[i]["digest"] and not tp[i]["ptrs"] and not rp[i]["ptrs"], i
+    assert "rank 1's parameters differ" in tp[2]["error"]
+    assert t["links_after"] == ["", "gloo"] and r["links_after"] == ["gloo", ""]
+
+
+def test_the_shared_buffer_protocol_on_the_cpu():
+    """push.py's CUDA IPC protocol (buffers shared once, copy, signal, copy, acknowledge), with
+    the buffers in shared memory: the CPU pair linked as one GPU's pair would be."""
+    check_shared_pushes(*run_pair("cpu", force_shared=True))
+
+
+def test_a_pair_that_cannot_map_the_buffers_falls_back_to_gloo_on_the_cpu():
+    check_fallback(*run_pair("cpu", force_shared=True, fail_map=True))
+
+
+@GPU
+def test_two_members_on_one_gpu_push_by_cuda_ipc():
+    check_shared_pushes(*run_pair("cuda:0"))
+
+
+@GPU
+def test_two_members_on_one_gpu_fall_back_to_gloo_when_ipc_fails():
+    check_fallback(*run_pair("cuda:0", fail_map=True))
+
+
+@GPU
+def test_a_replica_worker_on_the_trainers_gpu_takes_the_weights_by_cuda_ipc(model_dirs, tmp_path):
+    """The engines: a trainer and a replica worker on cuda:0 join with a CUDA IPC link, and two
+    pushes in a row leave the replica with the trainer's weights bit for bit."""
+    if torch.distributed.is_initialized():
+        pytest.skip("this process is in a process group already")
+    model = model_dirs["tiny-qwen3"]
+    proc, addr = serve(model, tmp_path, "--no-versions", device="cuda:0")
+    trainer = Engine(str(model), Options(device="cuda:0", versions=False))
+    try:
+        with grpc.insecure_channel(addr) as ch:
+            stub = pb_grpc.EngineStub(ch)
+            ready(stub)
+            init = f"tcp://127.0.0.1:{free_port()}"
+            links, resp = both(
+                lambda: trainer.join_push("g3", init, 0, 2, 60),
+                lambda: stub.JoinPushGroup(pb.PushGroupRequest(init_method=init, rank=1, world=2,
+                                                               group="g3", timeout_s=60)))
+            assert list(links) == ["", "cuda-ipc"] and list(resp.links) == ["cuda-ipc", ""]
+            n = sum(p.numel() * p.element_size() for p in trainer.model.parameters())
+            for v in (1, 2):
+                with torch.no_grad():
+                    for p in trainer.model.parameters():
+                        p.add_(0.01 * v)
+                sent, got = both(
+                    lambda: trainer.push_weights("g3", 1, v),
+                    lambda: stub.PushWeights(pb.PushWeightsRequest(group="g3", peer=1,
+                                                                   version=v)))
+                assert sent["link"] == got.link == "cuda-ipc"
+                assert sent["bytes"] == got.bytes == n
+                stub.Save(pb.SaveRequest(dir=f"replica{v}"))
+                saved = load_file(str(tmp_path / f"replica{v}" / "model.safetensors"))
+                mine = hf_state_dict(trainer.model)
+                assert saved.keys() == mine.keys()
+                for k, w in mine.items():
+                    assert torch.equal(saved[k], w.cpu()), (v, k)
+    finally:
+        trainer.close()
+        stop(proc)
