@@ -228,14 +228,14 @@ type VersionsProber interface {
 
 // WeightsPusher is implemented by engines that push their weights to other engines of the same
 // model through a process group of their own (the PyTorch worker, which lists "push" in
-// Info.Capabilities: torch.distributed, NCCL between GPUs): a trainer's rollout replicas take its
-// weights this way after each step (host/replica.go) instead of through a folder. CanPush asks
-// whether what serves the engine can.
+// Info.Capabilities: torch.distributed, NCCL between GPUs, CUDA IPC on one): a trainer's rollout
+// replicas take its weights this way after each step (host/replica.go) instead of through a
+// folder. CanPush asks whether what serves the engine can.
 type WeightsPusher interface {
 	CanPush(ctx context.Context) (bool, error)
 	// JoinPushGroup makes the engine member rank of group g (rank 0 sends, the others receive);
 	// the host calls every member at once. It returns how the member reaches each rank ("nccl",
-	// "gloo"; "" for itself and for ranks it has no link to).
+	// "cuda-ipc", "gloo"; "" for itself and for ranks it has no link to).
 	JoinPushGroup(ctx context.Context, g PushGroup, rank int) ([]string, error)
 	// PushWeights sends the weights from rank 0 to rank peer of the group (called on rank 0) or
 	// takes them into the engine's weights in place (called on rank peer); the host calls both at
@@ -252,7 +252,7 @@ type PushGroup struct {
 }
 
 // PushStats is one member's part of a push: the bytes of weights, its seconds (flattening, the
-// transfer, copying into place) and the link ("nccl", "gloo").
+// transfer, copying into place) and the link ("nccl", "cuda-ipc", "gloo").
 type PushStats struct {
 	Bytes   int64
 	Seconds float64

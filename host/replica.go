@@ -151,7 +151,7 @@ func (r *replicas) join(ctx context.Context, reps []engines.Engine) {
 	r.logf("policy %q: its trainer and %d rollout replicas joined push group %s at %s in %.3fs (links from the trainer: %s); weights are pushed by broadcast", r.policy, len(reps), g.Name, g.InitMethod, time.Since(t).Seconds(), describeLinks(links[0]))
 }
 
-// describeLinks names the trainer's link to each replica: "rank 1 nccl, rank 2 gloo".
+// describeLinks names the trainer's link to each replica: "rank 1 nccl, rank 2 cuda-ipc".
 func describeLinks(links []string) string {
 	var out []string
 	for i, l := range links {

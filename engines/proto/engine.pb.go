@@ -2600,7 +2600,7 @@ func (x *PushGroupRequest) GetTimeoutS() float64 {
 
 type PushGroupResponse struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
-	// How this member reaches each other member, by rank ("nccl", "gloo"; "" for itself).
+	// How this member reaches each other member, by rank ("nccl", "cuda-ipc", "gloo"; "" for itself).
 	Links         []string `protobuf:"bytes,1,rep,name=links,proto3" json:"links,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
@@ -2707,7 +2707,7 @@ type PushWeightsResponse struct {
 	state         protoimpl.MessageState `protogen:"open.v1"`
 	Bytes         int64                  `protobuf:"varint,1,opt,name=bytes,proto3" json:"bytes,omitempty"`      // the weights pushed
 	Seconds       float64                `protobuf:"fixed64,2,opt,name=seconds,proto3" json:"seconds,omitempty"` // this member's part: flattening, the transfer, and copying into place
-	Link          string                 `protobuf:"bytes,3,opt,name=link,proto3" json:"link,omitempty"`         // "nccl" or "gloo"
+	Link          string                 `protobuf:"bytes,3,opt,name=link,proto3" json:"link,omitempty"`         // "nccl", "cuda-ipc" or "gloo"
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }

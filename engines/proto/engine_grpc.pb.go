@@ -116,7 +116,7 @@ type EngineClient interface {
 	// model: a trainer (rank 0) and its rollout replicas (host/replica.go). The host calls every
 	// member at once; each call returns once the group is made. Only a server that lists "push" in
 	// Info.capabilities has it (the PyTorch worker, one process: torch.distributed, NCCL between
-	// GPUs, gloo otherwise).
+	// GPUs, CUDA IPC on one GPU, gloo otherwise).
 	JoinPushGroup(ctx context.Context, in *PushGroupRequest, opts ...grpc.CallOption) (*PushGroupResponse, error)
 	// PushWeights sends the weights through the group from rank 0 to rank `peer`, which takes them
 	// into its model's parameters in place. The host calls the sender (rank 0) and the receiver at
@@ -347,7 +347,7 @@ type EngineServer interface {
 	// model: a trainer (rank 0) and its rollout replicas (host/replica.go). The host calls every
 	// member at once; each call returns once the group is made. Only a server that lists "push" in
 	// Info.capabilities has it (the PyTorch worker, one process: torch.distributed, NCCL between
-	// GPUs, gloo otherwise).
+	// GPUs, CUDA IPC on one GPU, gloo otherwise).
 	JoinPushGroup(context.Context, *PushGroupRequest) (*PushGroupResponse, error)
 	// PushWeights sends the weights through the group from rank 0 to rank `peer`, which takes them
 	// into its model's parameters in place. The host calls the sender (rank 0) and the receiver at

@@ -40,8 +40,8 @@ def mean(xs):
 
 def push_rate(metrics_path: str):
     """The rollout replicas' pushes (host/replica.go's lines in events.log), by how they went
-    ("broadcast nccl", "broadcast gloo", "folder"): {how: (mean seconds a push, mean seconds per
-    GB, pushes)}."""
+    ("broadcast nccl", "broadcast cuda-ipc", "broadcast gloo", "folder"): {how: (mean seconds a
+    push, mean seconds per GB, pushes)}."""
     ev = os.path.join(os.path.dirname(metrics_path), "events.log")
     if not os.path.exists(ev):
         return None
@@ -51,7 +51,7 @@ def push_rate(metrics_path: str):
                          text):
         got["folder"].append((float(m.group(1)), float(m.group(2))))
     for m in re.finditer(r"pushed to its rollout replica by broadcast in ([0-9.]+)s \([0-9.e+-]+ GB: "
-                         r"([0-9.]+) s/GB; (\w+)", text):
+                         r"([0-9.]+) s/GB; ([\w-]+)", text):
         got["broadcast " + m.group(3)].append((float(m.group(1)), float(m.group(2))))
     if not got:
         return None

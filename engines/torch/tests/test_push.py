@@ -366,3 +366,22 @@ def test_a_replica_worker_on_the_trainers_gpu_takes_the_weights_by_cuda_ipc(mode
     finally:
         trainer.close()
         stop(proc)
+
+
+def test_the_async_summary_reads_each_links_pushes(tmp_path):
+    """async_summary.py's "replica push" column takes host/replica.go's events.log lines by link,
+    cuda-ipc included."""
+    sys.path.insert(0, str(PKG))
+    from async_summary import push_rate
+
+    line = ('policy "p": weights version {v} pushed to its rollout replica by broadcast in {s}s '
+            '(1.19 GB: {r} s/GB; {link}, 0.001000s in the workers)\n')
+    (tmp_path / "events.log").write_text(
+        line.format(v=1, s="0.003000", r="0.002521", link="cuda-ipc")
+        + line.format(v=2, s="0.005000", r="0.004202", link="cuda-ipc")
+        + line.format(v=3, s="0.008000", r="0.006723", link="nccl"))
+    got = push_rate(str(tmp_path / "metrics.jsonl"))
+    assert set(got) == {"broadcast cuda-ipc", "broadcast nccl"}
+    secs, rate, n = got["broadcast cuda-ipc"]
+    assert n == 2 and abs(secs - 0.004) < 1e-9 and abs(rate - 0.0033615) < 1e-9
+    assert got["broadcast nccl"][2] == 1
