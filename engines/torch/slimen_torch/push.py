@@ -44,6 +44,8 @@ import time
 
 import torch
 
+from .versions import _copy
+
 log = logging.getLogger("slimen_torch")
 
 # The dtypes a header counts, in the order their buffers are sent.
@@ -135,14 +137,6 @@ def _import(handle: bytes, device: torch.device) -> torch.Tensor:
 def _views(buf: torch.Tensor, ps: list[torch.Tensor]) -> list[torch.Tensor]:
     """buf (a flat buffer of the parameters ps, in order) as one view per parameter."""
     return [s.view(p.shape) for s, p in zip(buf.split([p.numel() for p in ps]), ps)]
-
-
-def _copy(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
-    if hasattr(torch, "_foreach_copy_"):
-        torch._foreach_copy_(dst, src)
-    else:
-        for d, s in zip(dst, src):
-            d.copy_(s)
 
 
 class Group:

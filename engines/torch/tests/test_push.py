@@ -100,6 +100,16 @@ def both(a, b):
     return ra, out["b"]
 
 
+def join(trainer, stub, group, init):
+    """The trainer (rank 0) and the replica behind stub (rank 1) join group at init at once;
+    returns both members' links."""
+    links, resp = both(
+        lambda: trainer.join_push(group, init, 0, 2, 60),
+        lambda: stub.JoinPushGroup(pb.PushGroupRequest(init_method=init, rank=1, world=2,
+                                                       group=group, timeout_s=60)))
+    return list(links), list(resp.links)
+
+
 def reqs():
     return [GenerateRequest(id=f"p{i}", prompt_tokens=[3 + i, 5, 7], n=2,
                             sampling=Sampling(max_tokens=6, temperature=1.0, seed=21 + i))
@@ -149,11 +159,8 @@ def test_a_pushed_replica_holds_the_trainers_weights_and_samples_as_it_does(pair
     assert remote_generate(stub, reqs()) != want  # the replica has the weights before the step
 
     init = f"tcp://127.0.0.1:{free_port()}"
-    links, resp = both(
-        lambda: trainer.join_push("g1", init, 0, 2, 60),
-        lambda: stub.JoinPushGroup(pb.PushGroupRequest(init_method=init, rank=1, world=2,
-                                                       group="g1", timeout_s=60)))
-    assert list(links) == ["", "gloo"] and list(resp.links) == ["gloo", ""]
+    links, theirs = join(trainer, stub, "g1", init)
+    assert links == ["", "gloo"] and theirs == ["gloo", ""]
     # A resent join of the same group is answered from the group made.
     assert trainer.join_push("g1", init, 0, 2, 60) == links
 
@@ -221,9 +228,7 @@ def test_a_replica_of_another_model_takes_no_weights(model_dirs, tmp_path):
             ready(stub)
             before = remote_generate(stub, reqs())
             init = f"tcp://127.0.0.1:{free_port()}"
-            both(lambda: trainer.join_push("g2", init, 0, 2, 60),
-                 lambda: stub.JoinPushGroup(pb.PushGroupRequest(init_method=init, rank=1, world=2,
-                                                                group="g2", timeout_s=60)))
+            join(trainer, stub, "g2", init)
 
             def send():
                 with pytest.raises(RequestError, match="rank 1's parameters differ"):
@@ -341,11 +346,8 @@ def test_a_replica_worker_on_the_trainers_gpu_takes_the_weights_by_cuda_ipc(mode
             stub = pb_grpc.EngineStub(ch)
             ready(stub)
             init = f"tcp://127.0.0.1:{free_port()}"
-            links, resp = both(
-                lambda: trainer.join_push("g3", init, 0, 2, 60),
-                lambda: stub.JoinPushGroup(pb.PushGroupRequest(init_method=init, rank=1, world=2,
-                                                               group="g3", timeout_s=60)))
-            assert list(links) == ["", "cuda-ipc"] and list(resp.links) == ["cuda-ipc", ""]
+            links, theirs = join(trainer, stub, "g3", init)
+            assert links == ["", "cuda-ipc"] and theirs == ["cuda-ipc", ""]
             n = sum(p.numel() * p.element_size() for p in trainer.model.parameters())
             for v in (1, 2):
                 with torch.no_grad():
