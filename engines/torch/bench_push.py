@@ -107,8 +107,8 @@ def member(rank: int, a, init: str, out) -> None:
         g._sync(torch.device(device))
         if i:
             per.append(time.perf_counter() - t)
-    out.put((rank, dict(flat=flat, per=per, copy=copy, link=link, bytes=nbytes, sha=sha, device=device,
-                        tensors=sum(1 for _ in model.parameters()))))
+    out.put((rank, dict(flat=flat, per=per, copy=copy, link=link, bytes=nbytes, sha=sha,
+                        device=device, tensors=sum(1 for _ in model.parameters()))))
     g.close()
 
 

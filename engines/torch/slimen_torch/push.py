@@ -232,7 +232,7 @@ class Group:
                     bufs = {dt: torch.empty(n, dtype=dt, device=self.device)
                             for dt, n in want.items()}
                     sent = {dt: _export(b) for dt, b in bufs.items()}
-            except Exception as e:  # noqa: BLE001 — any failure means the gloo path
+            except Exception as e:  # any failure means the gloo path
                 bufs, sent, why = None, None, f"sharing its buffers failed: {type(e).__name__}: {e}"
             obj = [why or sent]
             dist.broadcast_object_list(obj, src=0, group=g)
@@ -252,7 +252,7 @@ class Group:
                         if b.dtype != dt or b.numel() != want.get(dt):
                             raise RuntimeError(f"rank 0's {dt} buffer holds {b.numel()} {b.dtype} "
                                                f"elements, not {want.get(dt)}")
-                except Exception as e:  # noqa: BLE001 — any failure means the gloo path
+                except Exception as e:  # any failure means the gloo path
                     bufs, why = None, (f"mapping rank 0's buffers failed: {type(e).__name__}: "
                                        f"{e}")
             dist.broadcast_object_list([why], src=self.rank, group=g)
@@ -333,7 +333,7 @@ class Group:
                     if ps:
                         _copy(_views(bufs[dt], ps), [p.detach() for p in ps])
                 self._sync(self.device)  # the replica's process must see finished data
-        except Exception as e:  # noqa: BLE001 — the replica is told, then it is raised
+        except Exception as e:  # the replica is told, then it is raised
             err = e
         dist.broadcast(torch.tensor([0 if err else 1], dtype=torch.int64), src=0, group=g)
         if err is not None:
@@ -408,7 +408,7 @@ class Group:
                     if ps:
                         _copy(ps, _views(bufs[dt], ps))
                 self._sync(self.device)
-        except Exception as e:  # noqa: BLE001 — rank 0 is told, then it is raised
+        except Exception as e:  # rank 0 is told, then it is raised
             err = e
         dist.broadcast(torch.tensor([0 if err else 1], dtype=torch.int64), src=self.rank, group=g)
         if err is not None:
