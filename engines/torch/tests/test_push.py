@@ -353,6 +353,7 @@ def test_a_replica_worker_on_the_trainers_gpu_takes_the_weights_by_cuda_ipc(mode
                 with torch.no_grad():
                     for p in trainer.model.parameters():
                         p.add_(0.01 * v)
+                torch.cuda.synchronize()  # done before the engine's thread copies them
                 sent, got = both(
                     lambda: trainer.push_weights("g3", 1, v),
                     lambda: stub.PushWeights(pb.PushWeightsRequest(group="g3", peer=1,
