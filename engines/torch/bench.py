@@ -508,6 +508,33 @@ def train_batch(cfg, samples: int, length: int) -> Batch:
     return Batch(samples=batch, loss=LossConfig(lr=1e-6, max_grad_norm=1.0))
 
 
+def per_parameter_steps(eng: Engine, b: Batch, steps: int) -> float:
+    """The median step with the trainer's optimizer step as it was before the multi-tensor casts
+    (a cast and a copy-back launched per parameter, two reads of the GPU)."""
+    tr = eng.trainer
+
+    def master_grads():
+        for p, m in zip(tr.params, tr.masters):
+            m.grad = None if p.grad is None else p.grad.float()
+            p.grad = None
+
+    def stepped():
+        with torch.no_grad():
+            for p, m in zip(tr.params, tr.masters):
+                p.copy_(m)
+    tr._master_grads, tr._stepped = master_grads, stepped
+    times = []
+    try:
+        for _ in range(steps):
+            t = time.perf_counter()
+            eng.train(b)
+            sync()
+            times.append(time.perf_counter() - t)
+    finally:
+        del tr._master_grads, tr._stepped
+    return sorted(times)[len(times) // 2]
+
+
 def train_bench(a, res, prefix, opts, samples=8, steps=3, micro=0):
     length = a.train_len
     eng = Engine(a.model, Options(device=a.device, slots=1, micro_batch_tokens=micro, **opts))
@@ -527,6 +554,10 @@ def train_bench(a, res, prefix, opts, samples=8, steps=3, micro=0):
             sync()
             times.append(time.perf_counter() - t)
         dt = sorted(times)[len(times) // 2]
+        if prefix == "train" and eng.trainer.mixed:
+            # The same engine with the fp32 gradients cast and the weights copied back one
+            # parameter at a time from Python (as before), for a before/after of the same run.
+            res["train_per_param_step_s"] = per_parameter_steps(eng, b, steps)
         tokens = samples * length
         # Model FLOPs: 6 per parameter per token for the matrices (the tied embedding counts
         # once, as the output head; the lookup is free) + causal attention

@@ -79,7 +79,8 @@ def member(rank: int, a, init: str, out) -> None:
     # One device copy of the weights into the trainer's shared buffers (a push makes two).
     copy = []
     if rank == 0 and link == "cuda-ipc":
-        from slimen_torch.push import _copy, _views, layout
+        from slimen_torch.model import copy_tensors
+        from slimen_torch.push import _views, layout
 
         groups, _ = layout(model)
         bufs = g._bufs[1]
@@ -88,7 +89,7 @@ def member(rank: int, a, init: str, out) -> None:
             with torch.no_grad():
                 for dt, ps in groups:
                     if ps:
-                        _copy(_views(bufs[dt], ps), ps)
+                        copy_tensors(_views(bufs[dt], ps), ps)
             g._sync(torch.device(device))
             if i:
                 copy.append(time.perf_counter() - t)

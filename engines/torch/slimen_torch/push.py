@@ -44,7 +44,7 @@ import time
 
 import torch
 
-from .versions import _copy
+from .model import copy_tensors
 
 log = logging.getLogger("slimen_torch")
 
@@ -331,7 +331,7 @@ class Group:
             with _on(self.device):
                 for dt, ps in groups:
                     if ps:
-                        _copy(_views(bufs[dt], ps), [p.detach() for p in ps])
+                        copy_tensors(_views(bufs[dt], ps), [p.detach() for p in ps])
                 self._sync(self.device)  # the replica's process must see finished data
         except Exception as e:  # the replica is told, then it is raised
             err = e
@@ -386,7 +386,7 @@ class Group:
             nbytes += buf.numel() * buf.element_size()
             if buf.device != self.device:
                 buf = buf.to(self.device)
-            _copy(ps, _views(buf, ps))
+            copy_tensors(ps, _views(buf, ps))
         self._sync(self.device)
         return dict(bytes=nbytes, seconds=time.perf_counter() - t, link=link)
 
@@ -406,7 +406,7 @@ class Group:
             with _on(self.device):
                 for dt, ps in groups:
                     if ps:
-                        _copy(ps, _views(bufs[dt], ps))
+                        copy_tensors(ps, _views(bufs[dt], ps))
                 self._sync(self.device)
         except Exception as e:  # rank 0 is told, then it is raised
             err = e

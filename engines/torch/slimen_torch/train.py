@@ -22,7 +22,7 @@ import torch
 
 from . import kernels
 from . import loss as L
-from .model import Transformer, block_forward, mlp, project_qkv
+from .model import Transformer, block_forward, copy_tensors, mlp, project_qkv
 from .types import Batch, RequestError, Sample, TrainStats
 
 log = logging.getLogger("slimen_torch")
@@ -408,7 +408,7 @@ class Trainer:
         """Scales the gradients by max_norm / (norm + 1e-6) when that is below 1, as
         clip_grads_with_norm_ does (which takes the parameters, not their gradients: given the
         gradients it finds no .grad on them and clips nothing)."""
-        coef = max_norm / (norm.item() + 1e-6)
+        coef = max_norm / (float(norm) + 1e-6)
         if coef < 1.0:
             torch._foreach_mul_(grads, coef)
 
@@ -416,12 +416,37 @@ class Trainer:
         """After an optimizer step: the generating model gets the new weights."""
         if self.mixed:
             with torch.no_grad():
-                for p, m in zip(self.params, self.masters):
-                    p.copy_(m)
+                copy_tensors(self.params, self.masters)
+
+    def _master_grads(self) -> None:
+        """The bf16 gradients, cast into fp32 gradients of the masters: one flat buffer for the
+        step (freed with the gradients after it) and one multi-tensor copy, not a cast launched
+        from Python per parameter."""
+        pairs = [(p, m) for p, m in zip(self.params, self.masters) if p.grad is not None]
+        for m in self.masters:
+            m.grad = None
+        if pairs:
+            flat = torch.empty(sum(p.numel() for p, _ in pairs), dtype=torch.float32,
+                               device=pairs[0][1].device)
+            views = [v.view(p.shape) for v, (p, _) in
+                     zip(flat.split([p.numel() for p, _ in pairs]), pairs)]
+            copy_tensors(views, [p.grad for p, _ in pairs])
+            for v, (p, m) in zip(views, pairs):
+                m.grad = v
+        for p in self.params:
+            p.grad = None
 
     def _apply(self, lc, sums) -> TrainStats:
         sums = self._reduce(sums)
-        vals = {k: v.item() for k, v in sums.items()}
+        if self.mixed:
+            self._master_grads()
+        grads = [m.grad for m in self.masters if m.grad is not None]
+        dev = next(iter(sums.values())).device
+        norm = self._grad_norm(grads) if grads else torch.zeros((), device=dev)
+        # One wait for the GPU: the step's sums and the gradient norm read back together.
+        got = torch.stack([v.double() for v in sums.values()]
+                          + [norm.detach().double().reshape(()).to(dev)]).tolist()
+        vals = dict(zip(sums, got))
         tokens = int(vals["tokens"])
         stats = TrainStats(loss=vals["loss"], pg_loss=vals["pg"], kl=vals["kl"],
                            entropy=vals["entropy"], tokens=tokens,
@@ -432,13 +457,7 @@ class Trainer:
         opt = self.opt
         if not math.isfinite(stats.loss):
             return self._skip(stats, f"non-finite loss {stats.loss}")
-        if self.mixed:
-            for p, m in zip(self.params, self.masters):
-                m.grad = None if p.grad is None else p.grad.float()
-                p.grad = None
-        grads = [m.grad for m in self.masters if m.grad is not None]
-        norm = self._grad_norm(grads) if grads else torch.zeros(())
-        stats.grad_norm = norm.item()
+        stats.grad_norm = got[-1]
         if not math.isfinite(stats.grad_norm):
             return self._skip(stats, f"non-finite gradient norm {stats.grad_norm}")
         if lc.max_grad_norm > 0 and grads:

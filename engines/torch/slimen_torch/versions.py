@@ -22,35 +22,25 @@ import time
 import torch
 
 from .generate import Generator, Request
-from .model import Transformer, bind_thread
+from .model import Transformer, bind_thread, copy_tensors
 from .types import RequestError
 
 log = logging.getLogger("slimen_torch")
 
 
 def _timed_copy(dst: list[torch.Tensor], src: list[torch.Tensor], device: torch.device) -> float:
-    """_copy on the current stream, waited for; returns its seconds (CUDA events on a GPU: the
-    copy alone, not the work other streams have queued)."""
+    """copy_tensors on the current stream, waited for; returns its seconds (CUDA events on a GPU:
+    the copy alone, not the work other streams have queued)."""
     if device.type != "cuda":
         t = time.perf_counter()
-        _copy(dst, src)
+        copy_tensors(dst, src)
         return time.perf_counter() - t
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
-    _copy(dst, src)
+    copy_tensors(dst, src)
     end.record()
     end.synchronize()  # the rollout thread reads the buffers on its own stream once keep returns
     return start.elapsed_time(end) / 1e3
-
-
-@torch.no_grad()
-def _copy(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
-    """dst[i].copy_(src[i]) for every i: one fused launch per few tensors where PyTorch has it."""
-    if hasattr(torch, "_foreach_copy_"):
-        torch._foreach_copy_(dst, src)
-    else:
-        for d, s in zip(dst, src):
-            d.copy_(s)
 
 
 class Versions:
@@ -276,7 +266,7 @@ class _Rollout:
         # On the rollout thread's stream, ordered before its next decode steps; the kept buffers
         # were written and waited for by keep. They may be dropped (freed) on another thread
         # while this copy is queued: record_stream keeps the allocator from reusing them first.
-        _copy(self.params, bufs)
+        copy_tensors(self.params, bufs)
         if self.stream is not None:
             for b in bufs:
                 b.record_stream(self.stream)

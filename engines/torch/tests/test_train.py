@@ -259,3 +259,43 @@ def test_max_grad_norm_clips(model_dirs):
         finally:
             e.close()
     assert moved[1] < moved[0] / 5
+
+
+def test_mixed_precision_step_equals_the_per_parameter_casts(model_dirs):
+    """bf16 parameters with fp32 masters (the GPU's layout, here on the CPU): the gradients cast
+    into one flat fp32 buffer by one multi-tensor copy, the sums and the norm read back at once,
+    and the masters copied back by one multi-tensor copy give bit for bit the step of a cast and
+    a copy per parameter (the code before), over two steps with clipping."""
+    def per_parameter(tr):
+        def master_grads():
+            for p, m in zip(tr.params, tr.masters):
+                m.grad = None if p.grad is None else p.grad.float()
+                p.grad = None
+
+        def stepped():
+            with torch.no_grad():
+                for p, m in zip(tr.params, tr.masters):
+                    p.copy_(m)
+        tr._master_grads, tr._stepped = master_grads, stepped
+
+    lc = LossConfig(lr=1e-2, max_grad_norm=0.05)
+    runs = []
+    for old in (False, True):
+        e = Engine(str(model_dirs["tiny-qwen3"]), Options(dtype="bfloat16"))
+        try:
+            assert e.trainer.mixed
+            if old:
+                per_parameter(e.trainer)
+            batch = fixed_batch(e, lc)
+            stats = [e.train(batch) for _ in range(2)]
+            runs.append(([(s.loss, s.grad_norm, s.tokens) for s in stats], weights(e),
+                         [m.detach().clone() for m in e.trainer.masters]))
+            assert all(m.grad is None for m in e.trainer.masters)
+            assert all(p.grad is None for p in e.trainer.params)
+        finally:
+            e.close()
+    (s_new, w_new, m_new), (s_old, w_old, m_old) = runs
+    assert s_new == s_old and s_new[0][1] > 0.05  # clipped
+    assert all(torch.equal(a, b) for a, b in zip(w_new, w_old))
+    assert all(torch.equal(a, b) for a, b in zip(m_new, m_old))
+    assert all(w.dtype == torch.bfloat16 for w in w_new)
