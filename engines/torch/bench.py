@@ -580,8 +580,8 @@ def train_bench(a, res, prefix, opts, samples=8, steps=3, micro=0):
         eng.close()
 
 
-KINDS = (("gemm", ("gemm", "cutlass", "nvjet", "sm90_", "sm80_", "cublas", "gemv", "splitk")),
-         ("attention", ("flash", "fmha", "attn", "attention")),
+KINDS = (("attention", ("flash", "fmha", "attn", "attention", "sdpa")),  # before gemm: cuDNN's
+         ("gemm", ("gemm", "cutlass", "nvjet", "sm90_", "sm80_", "cublas", "gemv", "splitk")),
          ("optimizer", ("adam", "foreach", "multi_tensor")),
          ("sampler", ("sample",)),
          ("copy", ("copy", "memcpy", "memset", "fill", "cat", "index")),
