@@ -451,8 +451,16 @@ func (b *busyMeter) busy() time.Duration {
 	return t
 }
 
+// save has the policy's engine save its state into dir, metered as engine work (a checkpoint's
+// save keeps the engine busy like a train call does).
+func (p *policy) save(ctx context.Context, dir string) error {
+	p.busy.begin()
+	defer p.busy.end()
+	return p.eng.Save(ctx, dir)
+}
+
 // asyncMetrics adds what the overlap did to a step's records: per policy the share of the step's
-// wall time its engine was busy (engine_busy, generate and train calls; since the end of the last
+// wall time its engine was busy (engine_busy, generate, train and save calls; since the end of the last
 // step) and, with K > 0, the run's rollout_wall_s (the step's rollouts from launch to end).
 func (r *Run) asyncMetrics(res *StepResult, l *launched, k int) {
 	now := time.Now()

@@ -569,3 +569,34 @@ func TestAsyncPolicyCreatedByRollouts(t *testing.T) {
 		t.Errorf("a policy created by the rollouts differs from one named in the script (-named +computed):\n%s", d)
 	}
 }
+
+// savingEngine's Save reports whether its policy's busy meter had a call running during it.
+type savingEngine struct {
+	engines.Engine
+	meter   *busyMeter
+	running int
+}
+
+func (e *savingEngine) Save(ctx context.Context, dir string) error {
+	e.meter.mu.Lock()
+	e.running = e.meter.running
+	e.meter.mu.Unlock()
+	return nil
+}
+
+// A checkpoint's save is engine work: engine_busy counted it as idle time, which lowered it in
+// runs that save every step.
+func TestSaveCountsAsEngineBusy(t *testing.T) {
+	m := &busyMeter{}
+	e := &savingEngine{meter: m}
+	p := &policy{name: "p", eng: e, busy: m}
+	if err := p.save(context.Background(), t.TempDir()); err != nil {
+		t.Fatal(err)
+	}
+	if e.running != 1 {
+		t.Fatalf("the meter had %d calls running during the save, want 1", e.running)
+	}
+	if m.running != 0 || m.busy() <= 0 {
+		t.Fatalf("after the save: %d running, %v busy; want 0 running and the save's time", m.running, m.busy())
+	}
+}

@@ -240,7 +240,7 @@ func (r *Run) savePolicies(ctx context.Context, step int, final, tmp string) (ma
 			}
 		} else {
 			dir := filepath.Join(tmp, p.name)
-			if err := p.eng.Save(ctx, dir); err != nil {
+			if err := p.save(ctx, dir); err != nil {
 				return nil, fmt.Errorf("checkpoint: policy %q: its engine could not save: %w", p.name, err)
 			}
 			if !hasFiles(dir) {
@@ -261,7 +261,7 @@ func (r *Run) savePolicies(ctx context.Context, step int, final, tmp string) (ma
 // otherwise it is recorded as external.
 func (r *Run) saveRemote(ctx context.Context, p *policy, final, tmp string) (*externalState, error) {
 	dir := filepath.Join(final, p.name)
-	if err := p.eng.Save(ctx, dir); err != nil {
+	if err := p.save(ctx, dir); err != nil {
 		return nil, fmt.Errorf("checkpoint: policy %q: its engine at %s could not save into %s: %w", p.name, p.cfg.Engine.Address, dir, err)
 	}
 	if hasFiles(dir) { // a file system this host shares with the server
@@ -754,7 +754,7 @@ func (r *Run) writeSaveFolder(ctx context.Context, p *policy, step int) error {
 		return fmt.Errorf("checkpoint: step %d is saved, but policy %q's save: folder %s was not written: %w", step, p.name, p.cfg.Save, err)
 	}
 	if offHost(p.cfg) {
-		if err := p.eng.Save(ctx, p.cfg.Save); err != nil {
+		if err := p.save(ctx, p.cfg.Save); err != nil {
 			return fail(err)
 		}
 		r.events.filef("checkpoint: policy %q: step %d saved by its engine into %s on its server", p.name, step, p.cfg.Save)
@@ -776,7 +776,7 @@ func (r *Run) writeSaveFolder(ctx context.Context, p *policy, step int) error {
 		return fail(err)
 	}
 	defer os.RemoveAll(tmp)
-	if err := p.eng.Save(ctx, tmp); err != nil {
+	if err := p.save(ctx, tmp); err != nil {
 		return fail(err)
 	}
 	if !hasFiles(tmp) {

@@ -172,7 +172,7 @@ type policy struct {
 	cfg      config.PolicyConfig
 	eng      engines.Engine
 	disp     *dispatcher
-	busy     *busyMeter // the engine's generate and train calls
+	busy     *busyMeter // the engine's generate, train and save calls
 	replicas *replicas  // the rollout replicas the run opened for it (replica.go); nil: none
 	// busyMark is busy's total at the end of the last step.
 	busyMark time.Duration

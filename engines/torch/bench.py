@@ -53,7 +53,8 @@ Not in the default list (select with --sections):
                  batch-1 and a batch-256 generation, of one captured decode step at each batch
                  and of one training step (8 × 2,048 tokens): time by kind of kernel (GEMM,
                  attention, compiled/Triton, optimizer, copies), kernels a run, and the GPU-busy
-                 share of the wall time (below 1: the GPU waited for the host)
+                 share of the wall time (below 1: the GPU waited for the host); and the training
+                 step's Python under cProfile (out/profile_train_host.txt)
 
 Results: DIR/bench.json (everything, errors included), DIR/bench.md (the table, also printed last),
 DIR/bench.log (all output). A dry run on the CPU: --device cpu --shape tiny --new 8 --train-len 64
@@ -636,6 +637,35 @@ def profiled(fn, out: pathlib.Path, name: str, res: dict, reps: int = 1) -> None
     res[f"profile_{name}_by_kind_ms"] = by_kind
 
 
+def host_profile(eng: Engine, b: Batch, out: pathlib.Path, res: dict) -> None:
+    """The Python of one training step on the engine's thread under cProfile (the GPU-busy share
+    above says how much of the step waits for it): out/profile_train_host.txt, the functions by
+    their own time and by cumulative time."""
+    import cProfile
+    import io
+    import pstats
+
+    def run():
+        pr = cProfile.Profile()
+        t = time.perf_counter()
+        pr.enable()
+        eng._train(b)
+        sync()
+        pr.disable()
+        return pr, time.perf_counter() - t
+
+    pr, wall = eng._call(run)
+    buf = io.StringIO()
+    st = pstats.Stats(pr, stream=buf)
+    st.sort_stats("tottime").print_stats(30)
+    st.sort_stats("cumulative").print_stats(40)
+    (out / "profile_train_host.txt").write_text(f"one training step under cProfile: {wall:.3f} s\n"
+                                                + buf.getvalue())
+    res["profile_train_host_s"] = wall
+    log("train step under cProfile", f"{wall:.3f} s; top by own time:")
+    log("\n".join(buf.getvalue().splitlines()[:45]))
+
+
 def sec_profile(a, res):
     """Where the GPU time goes: kernel tables of a batch-1 and a batch-256 generation (the
     whole request: prefill, decode steps, scheduling), of single captured decode steps, and of
@@ -669,6 +699,7 @@ def sec_profile(a, res):
         eng.train(b)
         profiled(lambda: eng.train(b), out, "train_8x", res)
         res["profile_train_mode"] = eng.trainer.mode
+        host_profile(eng, b, out, res)
     finally:
         eng.close()
 
