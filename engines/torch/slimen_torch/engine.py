@@ -136,7 +136,8 @@ class Engine:
         self._new: list[Request] = []
         self._cancels: list[str] = []
         self._closed = False
-        self._thread = threading.Thread(target=self._loop, name="slimen-torch-worker", daemon=True)
+        self._dead = ""  # why the engine's thread stopped, if it did: every call then says so
+        self._thread = threading.Thread(target=self._run_loop, name="slimen-torch-worker", daemon=True)
         self._thread.start()
 
     # ---- building the model ----
@@ -217,6 +218,30 @@ class Engine:
 
     # ---- the worker thread ----
 
+    def _run_loop(self) -> None:
+        """The engine's thread: _loop, and should it raise (a bug, not a failed call: those go
+        to their callers), every waiting and later call fails with the reason instead of
+        waiting for a thread that is gone."""
+        try:
+            self._loop()
+        except BaseException as e:
+            log.exception("the engine's thread stopped")
+            with self._cv:
+                self._dead = f"the engine's thread stopped: {type(e).__name__}: {e}"
+                self._closed = True
+                tasks, self._tasks = self._tasks, []
+                new, self._new = self._new, []
+            for _, fut in tasks:
+                if fut.set_running_or_notify_cancel():
+                    fut.set_exception(RuntimeError(self._dead))
+            for r in new:
+                if r.on_error is not None:
+                    r.on_error("INTERNAL", self._dead)
+            try:
+                self.gen.fail_all(self._dead)
+            except Exception:  # the generator may be what broke
+                log.exception("failing the generator's requests")
+
     def _loop(self) -> None:
         bind_thread(self.device)
         while True:
@@ -252,7 +277,7 @@ class Engine:
         fut: concurrent.futures.Future = concurrent.futures.Future()
         with self._cv:
             if self._closed:
-                raise RuntimeError("engine closed")
+                raise RuntimeError(self._dead or "engine closed")
             self._tasks.append((lambda: fn(*args), fut))
             self._cv.notify()
         return fut.result()
@@ -368,7 +393,7 @@ class Engine:
         r = self.request(req, on_completion, on_error)
         with self._cv:
             if self._closed:
-                raise RuntimeError("engine closed")
+                raise RuntimeError(self._dead or "engine closed")
             self._new.append(r)
             self._cv.notify()
 

@@ -1,8 +1,10 @@
 """Generation on the CPU: seeded determinism, independence from batching, sampling settings, and
 log-probs that equal the forward pass."""
 
+import pytest
 import torch
 
+from slimen_torch.engine import Engine
 from slimen_torch.types import GenerateRequest, Sampling, ScoreRequest
 
 USER = [{"role": "user", "content": "Ann has 12 pens and gets 7 more. How many pens?"}]
@@ -115,3 +117,24 @@ def test_bad_requests_are_refused(engine):
         engine.submit(req("b", temperature=float("nan")), print)
     with pytest.raises(RequestError, match="top_p 1.5"):
         engine.submit(req("b", top_p=1.5), print)
+
+
+def test_a_dead_engine_thread_fails_every_call(model_dirs, monkeypatch):
+    """Should the engine's thread stop (here its start raises, as binding a GPU named without an
+    index once did), calls fail with the reason at once instead of waiting forever."""
+    import slimen_torch.engine as engine_mod
+
+    def broken(device):
+        raise ValueError("no such device")
+    monkeypatch.setattr(engine_mod, "bind_thread", broken)
+    e = Engine(str(model_dirs["tiny"]))
+    try:
+        e._thread.join(timeout=30)
+        for call in (lambda: e.generate([GenerateRequest(id="a", prompt_tokens=[1, 2],
+                                                         sampling=Sampling(max_tokens=4))],
+                                        timeout=30),
+                     lambda: e.score([ScoreRequest(tokens=[3], prompt_tokens=[1, 2])])):
+            with pytest.raises(RuntimeError, match="engine's thread stopped: ValueError: no such"):
+                call()
+    finally:
+        e.close()
