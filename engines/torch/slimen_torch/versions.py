@@ -182,12 +182,21 @@ class _Rollout:
     # ---- the rollout thread ----
 
     def _loop(self) -> None:
-        bind_thread(self.device)
-        if self.stream is not None:
-            with torch.cuda.stream(self.stream):
+        try:
+            bind_thread(self.device)
+            if self.stream is not None:
+                with torch.cuda.stream(self.stream):
+                    self._run()
+            else:
                 self._run()
-        else:
-            self._run()
+        except BaseException as e:  # a bug: what waits, and what comes later, fails with it
+            log.exception("the rollout thread stopped")
+            with self.cv:
+                self.closed = f"the rollout thread stopped: {type(e).__name__}: {e}"
+                queue = list(self.queue)
+                self.queue.clear()
+            for _, it in queue:
+                self._refuse(it, "INTERNAL", self.closed)
 
     def _run(self) -> None:
         pending: collections.deque = collections.deque()

@@ -204,3 +204,24 @@ def test_a_switch_drops_the_rollout_models_kept_prefixes(model_dirs):
         assert max(abs(a - b) for (_, x), (_, y) in zip(got, want) for a, b in zip(x, y)) < 1e-5
     finally:
         e.close()
+
+
+def test_a_dead_rollout_thread_fails_its_calls(model_dirs, monkeypatch):
+    """Should the rollout model's thread stop (here its start raises), generation and scoring of
+    a version fail with the reason instead of waiting for it."""
+    import slimen_torch.versions as versions_mod
+
+    def broken(device):
+        raise ValueError("no such device")
+    monkeypatch.setattr(versions_mod, "bind_thread", broken)
+    e = Engine(str(model_dirs["tiny-qwen3"]), Options(device="cpu"))
+    try:
+        e.keep_version(0)
+        # Refused at submission once the thread is gone, else by the thread's last act.
+        with pytest.raises((RequestError, RuntimeError),
+                           match="rollout thread stopped: ValueError: no such"):
+            collect(lambda r, *cb: e.submit_version(0, r, *cb), reqs(1))
+        with pytest.raises((RequestError, RuntimeError), match="rollout thread stopped"):
+            e.score_version(0, [ScoreRequest(tokens=[3], prompt_tokens=[1, 2])])
+    finally:
+        e.close()
