@@ -3,7 +3,10 @@
     python engines/torch/e2e_summary.py RUN/metrics.jsonl [--every 5]
 
 Prints a Markdown table (per block of steps: mean reward of each policy, consensus accuracy, step
-seconds, rollout and training seconds) and the totals over the run.
+seconds split into rollout, training and the rest (the step's failures handled and the next
+rollouts launched), and each policy's engine-busy share: the host's own share of a step is where
+no engine is busy) and the totals over the run and over its steps
+after the first (which compiles).
 """
 
 from __future__ import annotations
@@ -35,7 +38,8 @@ def main() -> None:
         return sum(xs) / len(xs) if xs else float("nan")
 
     head = ["steps"] + [f"{p} reward" for p in policies] + [
-        "accuracy", "generator accuracy", "step s", "rollout s", "train s", "tokens/s"]
+        "accuracy", "generator accuracy", "step s", "rollout s", "train s", "other s", "tokens/s"] + [
+        f"{p} busy" for p in policies]
     print("| " + " | ".join(head) + " |")
     print("|" + "---|" * len(head))
     for i in range(0, len(steps), args.every):
@@ -49,17 +53,29 @@ def main() -> None:
                 f"{mean([r['step_s'] for r in run]):.2f}",
                 f"{mean([r['rollout_s'] for r in run]):.2f}",
                 f"{mean([r['train_s'] for r in run]):.2f}",
+                f"{mean([r['step_s'] - r['rollout_s'] - r['train_s'] for r in run]):.2f}",
                 f"{mean([r['tokens_per_s'] for r in run]):,.0f}"]
+        row += [f"{mean([by_step[s].get(p, {}).get('engine_busy') for s in block]):.2f}"
+                for p in policies]
         print("| " + " | ".join(row) + " |")
-    run = [by_step[s]["_run"] for s in steps]
-    total = sum(r["step_s"] for r in run)
-    ro = sum(r["rollout_s"] for r in run)
-    tr = sum(r["train_s"] for r in run)
-    print(f"\n{len(steps)} steps, {total:.1f} s: rollout {ro:.1f} s ({100 * ro / total:.0f}%), "
-          f"training {tr:.1f} s ({100 * tr / total:.0f}%), other {total - ro - tr:.1f} s; "
-          + ", ".join(f"{p} training {sum(by_step[s].get(p, {}).get('train_s', 0) for s in steps):.1f} s"
-                      for p in policies)
-          + f"; failed rollouts {sum(r.get('failed', 0) for r in run)}")
+    print()
+    for label, span in (("", steps), (" after step 1", steps[1:])):
+        if not span:
+            continue
+        run = [by_step[s]["_run"] for s in span]
+        total = sum(r["step_s"] for r in run)
+        ro = sum(r["rollout_s"] for r in run)
+        tr = sum(r["train_s"] for r in run)
+        host = total - ro - tr
+        pct = (lambda x: f"{100 * x / total:.0f}%") if total > 0 else (lambda x: "—")
+        busy = ", ".join(
+            f"{p} busy {mean([by_step[s].get(p, {}).get('engine_busy') for s in span]):.2f}"
+            for p in policies)
+        print(f"{len(span)} steps{label}, {total:.1f} s: rollout {ro:.1f} s ({pct(ro)}), "
+              f"training {tr:.1f} s ({pct(tr)}), other {host:.1f} s ({pct(host)}); "
+              + ", ".join(f"{p} training {sum(by_step[s].get(p, {}).get('train_s', 0) for s in span):.1f} s"
+                          for p in policies)
+              + f"; {busy}; failed rollouts {sum(r.get('failed', 0) for r in run)}")
 
 
 if __name__ == "__main__":
