@@ -509,11 +509,10 @@ def train_batch(cfg, samples: int, length: int) -> Batch:
     return Batch(samples=batch, loss=LossConfig(lr=1e-6, max_grad_norm=1.0))
 
 
-def per_parameter_steps(eng: Engine, b: Batch, steps: int) -> float:
-    """The median step with the trainer's optimizer step as it was before the multi-tensor casts
-    (a cast and a copy-back launched per parameter, two reads of the GPU)."""
-    tr = eng.trainer
-
+def per_parameter(tr) -> None:
+    """Gives the trainer tr the optimizer step's casts as they were before the multi-tensor ones
+    (a cast into the masters' gradients and a copy back launched per parameter); `del
+    tr._master_grads, tr._stepped` undoes it. Also the reference of tests/test_train.py."""
     def master_grads():
         for p, m in zip(tr.params, tr.masters):
             m.grad = None if p.grad is None else p.grad.float()
@@ -524,6 +523,12 @@ def per_parameter_steps(eng: Engine, b: Batch, steps: int) -> float:
             for p, m in zip(tr.params, tr.masters):
                 p.copy_(m)
     tr._master_grads, tr._stepped = master_grads, stepped
+
+
+def per_parameter_steps(eng: Engine, b: Batch, steps: int) -> float:
+    """The median step with per_parameter's optimizer step (as before), on the same engine."""
+    tr = eng.trainer
+    per_parameter(tr)
     times = []
     try:
         for _ in range(steps):

@@ -266,17 +266,7 @@ def test_mixed_precision_step_equals_the_per_parameter_casts(model_dirs):
     into one flat fp32 buffer by one multi-tensor copy, the sums and the norm read back at once,
     and the masters copied back by one multi-tensor copy give bit for bit the step of a cast and
     a copy per parameter (the code before), over two steps with clipping."""
-    def per_parameter(tr):
-        def master_grads():
-            for p, m in zip(tr.params, tr.masters):
-                m.grad = None if p.grad is None else p.grad.float()
-                p.grad = None
-
-        def stepped():
-            with torch.no_grad():
-                for p, m in zip(tr.params, tr.masters):
-                    p.copy_(m)
-        tr._master_grads, tr._stepped = master_grads, stepped
+    from bench import per_parameter
 
     lc = LossConfig(lr=1e-2, max_grad_norm=0.05)
     runs = []
