@@ -244,3 +244,52 @@ def test_top_p_neighbour_leaves_other_rows_alone(noeos_dir):
         assert [c.tokens for c in alone] == [c.tokens for c in both[:2]]
     finally:
         fast.close()
+
+
+@pytest.mark.parametrize("nsplit", [3, 5])
+def test_gemv_combines_split_attention(nsplit):
+    """The o-projection taking a batch-1 attention output left in its splits (combine=False)
+    gives what the combining kernel and then the product give; splits past the row's position
+    (no keys) weigh nothing. (The GPU's path, which loads the weights before it waits for the
+    attention, is checked by bench.py's gen_b1 section.)"""
+    g = torch.Generator().manual_seed(nsplit)
+    H, KV, D, L, N = 4, 2, 16, 320, 24
+    kc, vc = torch.randn(2, KV, L, D, generator=g), torch.randn(2, KV, L, D, generator=g)
+    q, kn, vn = (torch.randn(1, h, D, generator=g) for h in (H, KV, KV))
+    pos = torch.tensor([150])  # splits of 64 or 128 positions: the last ones hold no keys
+    w = torch.randn(N, H * D, generator=g) * 0.1
+    res, bias = torch.randn(N, generator=g), torch.randn(N, generator=g)
+    want_o = K.decode_attention(q, kn, vn, kc.clone(), vc.clone(), pos, L, D ** -0.5,
+                                nsplit=nsplit)
+    want = torch.empty(N)
+    K.gemv(want_o.view(-1), w, want, bias=bias, res=res)
+    split = K.decode_attention(q, kn, vn, kc, vc, pos, L, D ** -0.5, nsplit=nsplit,
+                               combine=False)
+    assert isinstance(split, K.Splits) and split.n == nsplit
+    got = torch.empty(N)
+    K.gemv(split, w, got, bias=bias, res=res)
+    assert rel(got, want) < 1e-6
+
+
+def test_fused_combine_engine_generates_the_same(noeos_dir, monkeypatch):
+    """The batch-1 step with the o-projection combining the attention's splits (FUSE_COMBINE)
+    samples the tokens and log-probs of the step with the combining kernel."""
+    # Past 64 positions the row's keys are read in two splits (of 64).
+    reqs = [GenerateRequest(id="long", prompt_tokens=list(range(3, 63)),
+                            sampling=Sampling(seed=5, max_tokens=12))]
+    runs = []
+    calls = []
+    gemv = K.gemv
+    monkeypatch.setattr(K, "gemv", lambda x, *a, **kw: (calls.append(type(x).__name__),
+                                                        gemv(x, *a, **kw))[1])
+    for fuse in (False, True):
+        monkeypatch.setattr(K, "FUSE_COMBINE", fuse)
+        e = Engine(str(noeos_dir), Options(device="cpu", kernels=True, fused_b1=True))
+        try:
+            runs.append(e.generate(reqs))
+        finally:
+            e.close()
+    assert "Splits" in calls  # the fused path ran
+    a, b = runs
+    assert [c.tokens for c in a] == [c.tokens for c in b]
+    assert torch.allclose(torch.tensor(a[0].logprobs), torch.tensor(b[0].logprobs), atol=1e-6)
