@@ -478,10 +478,19 @@ def sec_gen_b1(a, res):
             K.FUSE_COMBINE = not fuse
             gen.graphs.clear()
             name = prefix + ("_combine_kernel" if fuse else "_fused_combine")
-            res[f"{name}_b1"] = ours_generate(eng, 1, a.new)
-            step_times(eng, res, name)
-            decode_vs_score(eng, res, name, ns=(1,))
-            log(name, "b1", res[f"{name}_b1"], "tok/s")
+            before = gen.kernel_error
+            try:  # a failure here costs this comparison only, not the checks below
+                tps = ours_generate(eng, 1, a.new)
+                if not gen.fused_b1:  # the step failed and the engine fell back (_degrade)
+                    raise RuntimeError(gen.kernel_error)
+                res[f"{name}_b1"] = tps
+                step_times(eng, res, name)
+                decode_vs_score(eng, res, name, ns=(1,))
+                log(name, "b1", res[f"{name}_b1"], "tok/s")
+            except Exception:
+                res[f"{name}_error"] = traceback.format_exc()[-3000:]
+                log(name, "FAILED:", res[f"{name}_error"])
+                gen.fused_b1, gen.kernel_error = True, before
             K.FUSE_COMBINE = fuse
             gen.graphs.clear()
             ours_generate(eng, 1, a.new)  # capture again with the defaults for the checks below
