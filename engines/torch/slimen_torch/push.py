@@ -134,6 +134,11 @@ def _import(handle: bytes, device: torch.device) -> torch.Tensor:
     return t
 
 
+def _nbytes(bufs: dict) -> int:
+    """Bytes of a pair's flat buffers (by dtype)."""
+    return sum(b.numel() * b.element_size() for b in bufs.values())
+
+
 def _views(buf: torch.Tensor, ps: list[torch.Tensor]) -> list[torch.Tensor]:
     """buf (a flat buffer of the parameters ps, in order) as one view per parameter."""
     return [s.view(p.shape) for s, p in zip(buf.split([p.numel() for p in ps]), ps)]
@@ -266,7 +271,7 @@ class Group:
         self._bufs[key] = bufs
         log.info("push group %s: rank %d %s %.6g GB of flat buffers (%s) %s rank %d by CUDA IPC",
                  self.name, self.rank, "shares" if self.rank == 0 else "mapped",
-                 sum(b.numel() * b.element_size() for b in bufs.values()) / 1e9,
+                 _nbytes(bufs) / 1e9,
                  ", ".join(str(dt).removeprefix("torch.") for dt in bufs),
                  "with" if self.rank == 0 else "of", peer)
         return bufs
@@ -321,29 +326,42 @@ class Group:
         self._sync(dev)
         return dict(bytes=nbytes, seconds=time.perf_counter() - t, link=link)
 
-    def _send_shared(self, g, peer: int, groups, bufs: dict) -> int:
-        """Rank 0's half of a CUDA IPC push: copies the parameters into the shared buffers, waits
-        for the copies, tells the replica (1, or 0: it failed), waits for the replica's answer."""
+    def _copy_and_tell(self, g, pairs) -> None:
+        """One side of a CUDA IPC push: copy_tensors(dst, src) for each (dst, src) of pairs on
+        this member's GPU, waited for (the other process must see finished data), then this
+        member's word to the pair: 1, or 0 when the copies failed (then raised here)."""
         import torch.distributed as dist
 
         err = None
         try:
             with _on(self.device):
-                for dt, ps in groups:
-                    if ps:
-                        copy_tensors(_views(bufs[dt], ps), [p.detach() for p in ps])
-                self._sync(self.device)  # the replica's process must see finished data
-        except Exception as e:  # the replica is told, then it is raised
+                for dst, src in pairs:
+                    copy_tensors(dst, src)
+                self._sync(self.device)
+        except Exception as e:  # the other member is told, then it is raised
             err = e
-        dist.broadcast(torch.tensor([0 if err else 1], dtype=torch.int64), src=0, group=g)
+        dist.broadcast(torch.tensor([0 if err else 1], dtype=torch.int64), src=self.rank, group=g)
         if err is not None:
             raise err
-        done = torch.zeros(1, dtype=torch.int64)
-        dist.broadcast(done, src=peer, group=g)  # the buffers are free again only after this
-        if done.item() != 1:
+
+    @staticmethod
+    def _word(g, src: int) -> int:
+        """The pair member src's word of _copy_and_tell."""
+        import torch.distributed as dist
+
+        w = torch.zeros(1, dtype=torch.int64)
+        dist.broadcast(w, src=src, group=g)
+        return int(w.item())
+
+    def _send_shared(self, g, peer: int, groups, bufs: dict) -> int:
+        """Rank 0's half of a CUDA IPC push: copies the parameters into the shared buffers, tells
+        the replica, waits for the replica's answer (the buffers are free again only after it)."""
+        self._copy_and_tell(g, [(_views(bufs[dt], ps), [p.detach() for p in ps])
+                                for dt, ps in groups if ps])
+        if self._word(g, peer) != 1:
             raise RuntimeError(f"push group {self.name!r}: rank {peer} could not copy the weights "
                                "from the shared buffers (its log says why)")
-        return sum(b.numel() * b.element_size() for b in bufs.values())
+        return _nbytes(bufs)
 
     @torch.no_grad()
     def receive(self, model) -> dict:
@@ -392,28 +410,13 @@ class Group:
 
     def _receive_shared(self, g, groups, bufs: dict) -> int:
         """The replica's half of a CUDA IPC push: waits for rank 0's word, copies the shared
-        buffers into the parameters in place, waits for the copies, answers (1, or 0: it failed;
-        rank 0 may write the buffers again after it)."""
-        import torch.distributed as dist
-
-        ready = torch.zeros(1, dtype=torch.int64)
-        dist.broadcast(ready, src=0, group=g)
-        if ready.item() != 1:
+        buffers into the parameters in place and answers (rank 0 may write the buffers again
+        after it)."""
+        if self._word(g, 0) != 1:
             raise RuntimeError(f"push group {self.name!r}: the trainer could not copy its weights "
                                "into the shared buffers (its log says why)")
-        err = None
-        try:
-            with _on(self.device):
-                for dt, ps in groups:
-                    if ps:
-                        copy_tensors(ps, _views(bufs[dt], ps))
-                self._sync(self.device)
-        except Exception as e:  # rank 0 is told, then it is raised
-            err = e
-        dist.broadcast(torch.tensor([0 if err else 1], dtype=torch.int64), src=self.rank, group=g)
-        if err is not None:
-            raise err
-        return sum(b.numel() * b.element_size() for b in bufs.values())
+        self._copy_and_tell(g, [(ps, _views(bufs[dt], ps)) for dt, ps in groups if ps])
+        return _nbytes(bufs)
 
     @staticmethod
     def _sync(dev: torch.device) -> None:
