@@ -137,7 +137,8 @@ class Engine:
         self._cancels: list[str] = []
         self._closed = False
         self._dead = ""  # why the engine's thread stopped, if it did: every call then says so
-        self._thread = threading.Thread(target=self._run_loop, name="slimen-torch-worker", daemon=True)
+        self._thread = threading.Thread(target=self._run_loop, name="slimen-torch-worker",
+                                        daemon=True)
         self._thread.start()
 
     # ---- building the model ----

@@ -30,9 +30,10 @@ from .lora import linear
 def bind_thread(device: torch.device) -> None:
     """Makes device the calling thread's current CUDA device. The current device is per thread:
     a thread started by a rank of a multi-GPU worker (rank k on cuda:k) would otherwise launch
-    Triton kernels and capture CUDA graphs on cuda:0."""
+    Triton kernels and capture CUDA graphs on cuda:0. A CUDA device has its index here: the
+    engine resolves "cuda" to the building thread's GPU (in another thread "cuda" would be GPU 0)."""
     if device.type == "cuda":
-        torch.cuda.set_device(device if device.index is not None else torch.cuda.current_device())
+        torch.cuda.set_device(device)
 
 
 @torch.no_grad()
