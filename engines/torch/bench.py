@@ -719,7 +719,8 @@ def sec_profile(a, res):
         eng.close()
     import gc
     gc.collect()
-    torch.cuda.empty_cache() if torch.cuda.is_available() else None
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
     eng = Engine(a.model, Options(device=a.device, slots=1))
     try:
         b = train_batch(eng.cfg, 8, a.train_len)
