@@ -564,6 +564,22 @@ def per_parameter_steps(eng: Engine, b: Batch, steps: int) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def step_syncs(trainer, batch) -> list[str]:
+    """Where one training step (trainer.step, run on this thread) waited for the GPU: the
+    file:line of each synchronisation PyTorch reports (torch.cuda.set_sync_debug_mode)."""
+    import warnings
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as got:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            trainer.step(batch)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    return [f"{pathlib.Path(w.filename).name}:{w.lineno}" for w in got
+            if "synchroniz" in str(w.message)]
+
+
 def train_bench(a, res, prefix, opts, samples=8, steps=3, micro=0):
     length = a.train_len
     eng = Engine(a.model, Options(device=a.device, slots=1, micro_batch_tokens=micro, **opts))
@@ -583,6 +599,8 @@ def train_bench(a, res, prefix, opts, samples=8, steps=3, micro=0):
             sync()
             times.append(time.perf_counter() - t)
         dt = sorted(times)[len(times) // 2]
+        if torch.cuda.is_available():
+            res[f"{prefix}_syncs"] = step_syncs(eng.trainer, b)
         if prefix == "train" and eng.trainer.mixed:
             # The same engine with the fp32 gradients cast and the weights copied back one
             # parameter at a time from Python (as before), for a before/after of the same run.

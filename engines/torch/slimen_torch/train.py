@@ -18,6 +18,7 @@ import logging
 import math
 import traceback
 
+import numpy as np
 import torch
 
 from . import kernels
@@ -42,23 +43,66 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, entropy_grad: bo
     return logp, ent
 
 
-def response_hidden(model: Transformer, pairs: list[tuple[list[int], list[int]]]):
+class Packed:
+    """A micro-batch's (prompt, response) pairs as device tensors, built on the host and sent in
+    one copy per dtype that does not wait for the GPU (pinned memory), before any of the pass's
+    work is launched. A tensor made from a Python list on a GPU (`torch.tensor(..., device=)`)
+    waits for every kernel queued before it: made between a micro-batch's forward and its loss,
+    each one left the GPU idle while the host built the next.
+
+    tokens [B, T] (rows right-padded), and over the N response tokens in order: idx [N] (the
+    flattened position whose hidden state predicts each), targets [N], seq [N] (the row of each);
+    floats: name → [N] fp32, one value per response token, given per row."""
+
+    def __init__(self, pairs: list[tuple[list[int], list[int]]], dev: torch.device,
+                 floats: dict | None = None):
+        B = len(pairs)
+        plen = np.fromiter((len(p) for p, _ in pairs), np.int64, B)
+        rlen = np.fromiter((len(r) for _, r in pairs), np.int64, B)
+        T = int((plen + rlen).max())
+        N = int(rlen.sum())
+        ints = np.zeros(B * T + 3 * N, np.int64)
+        tokens = ints[:B * T].reshape(B, T)
+        for row, (p, r) in enumerate(pairs):
+            tokens[row, :len(p)] = p
+            tokens[row, len(p):len(p) + len(r)] = r
+        first = np.cumsum(rlen) - rlen  # each row's first response token in the flat order
+        idx = ints[B * T:B * T + N]
+        idx[:] = np.arange(N) + np.repeat(np.arange(B) * T + plen - 1 - first, rlen)
+        ints[B * T + N:B * T + 2 * N] = tokens.reshape(-1)[idx + 1]
+        ints[B * T + 2 * N:] = np.repeat(np.arange(B), rlen)
+        names = list(floats or {})
+        vals = np.empty((len(names), N), np.float32)
+        for k, name in enumerate(names):
+            rows = [np.asarray(v, dtype=np.float64) for v in floats[name]]
+            # Rounded to fp32 from the Python floats, as torch.tensor(values, dtype=float32).
+            vals[k] = np.concatenate(rows) if rows else np.empty(0)
+        it, ft = _to_device(torch.from_numpy(ints), dev), _to_device(torch.from_numpy(vals), dev)
+        self.tokens = it[:B * T].view(B, T)
+        self.idx, self.targets, self.seq = it[B * T:].view(3, N).unbind(0)
+        self.lengths = rlen.tolist()
+        for k, name in enumerate(names):
+            setattr(self, name, ft[k])
+
+
+def _to_device(t: torch.Tensor, dev: torch.device) -> torch.Tensor:
+    """A host tensor on dev; to a GPU through pinned memory without waiting for the stream."""
+    if dev.type != "cuda":
+        return t.to(dev)
+    return t.pin_memory().to(dev, non_blocking=True)
+
+
+def response_hidden(model: Transformer, pairs: list[tuple[list[int], list[int]]],
+                    packed: Packed | None = None):
     """Final hidden states [N, hidden] at the positions that predict every response token of the
     (prompt, response) pairs, flattened in order, and the response tokens [N]. Rows are
-    right-padded into one batch; on a GPU the forward runs under bf16 autocast."""
+    right-padded into one batch; on a GPU the forward runs under bf16 autocast. packed: the
+    pairs already packed (Packed)."""
     dev = model.embed.device
-    T = max(len(p) + len(r) for p, r in pairs)
-    tokens = torch.zeros(len(pairs), T, dtype=torch.long)
-    idx, targets = [], []
-    for row, (p, r) in enumerate(pairs):
-        tokens[row, :len(p) + len(r)] = torch.tensor(p + r)
-        idx.extend(range(row * T + len(p) - 1, row * T + len(p) - 1 + len(r)))
-        targets.extend(r)
-    tokens = tokens.to(dev)
-    idx = torch.tensor(idx, device=dev)
+    pk = packed if packed is not None else Packed(pairs, dev)
     with _autocast(dev):
-        hidden = model(tokens).flatten(0, 1)[idx]
-    return hidden, torch.tensor(targets, device=dev)
+        hidden = model(pk.tokens).flatten(0, 1)[pk.idx]
+    return hidden, pk.targets
 
 
 def _autocast(dev: torch.device):
@@ -67,10 +111,11 @@ def _autocast(dev: torch.device):
     return contextlib.nullcontext()
 
 
-def response_logits(model: Transformer, pairs: list[tuple[list[int], list[int]]]):
+def response_logits(model: Transformer, pairs: list[tuple[list[int], list[int]]],
+                    packed: Packed | None = None):
     """Logits [N, V] (bf16 under autocast) predicting every response token of the pairs, and the
     response tokens [N]."""
-    hidden, targets = response_hidden(model, pairs)
+    hidden, targets = response_hidden(model, pairs, packed)
     with _autocast(hidden.device):
         return model.logits(hidden), targets
 
@@ -209,16 +254,16 @@ class Trainer:
             self.opt = torch.optim.AdamW(self.masters, lr=0.0, fused=self.cuda)
         return self.opt
 
-    def _logprobs(self, model: Transformer, pairs, entropy_grad: bool):
+    def _logprobs(self, model: Transformer, pairs, entropy_grad: bool, packed=None):
         """(log-prob [N], entropy [N]) of every response token of the (prompt, response) pairs,
-        and the response tokens [N]."""
+        and the response tokens [N]. packed: the pairs as Packed."""
         if self.fused_head:
-            hidden, targets = response_hidden(model, pairs)
+            hidden, targets = response_hidden(model, pairs, packed)
             logp, ent = kernels.linear_logprobs(hidden, model.head_weight, targets,
                                                 entropy_grad=entropy_grad,
                                                 use_triton=self.head_triton)
             return logp, ent, targets
-        logits, targets = response_logits(model, pairs)
+        logits, targets = response_logits(model, pairs, packed)
         logp, ent = self.logprob_fn(logits, targets, entropy_grad=entropy_grad)
         return logp, ent, targets
 
@@ -270,32 +315,31 @@ class Trainer:
             idle = not mb  # a pass of no samples of this rank's (dist.py): weight 0, not counted
             mb = mb or [0]
             group = [samples[i] for i in mb]
-
-            def flat(values, dtype=torch.float32):
-                return torch.tensor([x for v in values for x in v], dtype=dtype, device=dev)
-
             pairs = [(s.prompt, s.response) for s in group]
+            floats = {"old": [s.old_logprobs for s in group],
+                      "adv": [s.advantages for s in group],
+                      "mask": [s.loss_mask for s in group], "weight": [weights[i] for i in mb]}
+            if cfg.use_tis:
+                floats["train"] = [s.train_logprobs or [0.0] * len(s.response) for s in group]
+                floats["has_train"] = [[1.0 if s.train_logprobs else 0.0] * len(s.response)
+                                       for s in group]
+            pk = Packed(pairs, dev, floats)
             logp, ent, targets = self._fwd(
-                lambda m: self._logprobs(m, pairs, cfg.ent_coef > 0))
+                lambda m: self._logprobs(m, pairs, cfg.ent_coef > 0, pk))
             ref = None
             if ref_model is not None:
                 with torch.no_grad():
-                    ref = self._logprobs(ref_model, pairs, False)[0]
-            seq = torch.repeat_interleave(torch.arange(len(group), device=dev),
-                                          torch.tensor([len(s.response) for s in group], device=dev))
-            old, rollout = flat(s.old_logprobs for s in group), None
+                    ref = self._logprobs(ref_model, pairs, False, pk)[0]
+            old, rollout = pk.old, None
             if cfg.use_tis:
                 # The rollout's log-probs only divide the TIS ratio; the PPO ratio's old
                 # log-probs are the trainer's: sent by the host, else those of the weights
                 # before this step, which are the current ones, detached.
                 rollout = old
-                cur = logp.detach().float().split([len(s.response) for s in group])
-                old = torch.cat([torch.tensor(s.train_logprobs, dtype=torch.float32, device=dev)
-                                 if s.train_logprobs else c for s, c in zip(group, cur)])
-            out = L.policy_loss(cfg, logp, old, flat(s.advantages for s in group),
-                                flat(s.loss_mask for s in group),
-                                flat(weights[i] for i in mb) * (0.0 if idle else 1.0),
-                                entropy=ent, ref_logp=ref, seq=seq, n_seqs=len(group),
+                old = torch.where(pk.has_train != 0, pk.train, logp.detach().float())
+            out = L.policy_loss(cfg, logp, old, pk.adv, pk.mask,
+                                pk.weight * (0.0 if idle else 1.0),
+                                entropy=ent, ref_logp=ref, seq=pk.seq, n_seqs=len(group),
                                 rollout_logp=rollout)
             self._backward(out["loss"])
             for k in sums:
@@ -322,20 +366,19 @@ class Trainer:
             idle = not mb  # as in _step
             mb = mb or [0]
             group = [samples[i] for i in mb]
-
-            def flat(values):
-                return torch.tensor([x for v in values for x in v], dtype=torch.float32,
-                                    device=dev)
-
             pairs = [(s.prompt, s.response) for s in group]
-            v = self._fwd(lambda m: m.values(response_hidden(m, pairs)[0]))
-            ret, mask, w = flat(s.returns for s in group), flat(s.loss_mask for s in group), \
-                flat(weights[i] for i in mb) * (0.0 if idle else 1.0)
+            floats = {"ret": [s.returns for s in group], "mask": [s.loss_mask for s in group],
+                      "weight": [weights[i] for i in mb]}
+            if clip > 0:
+                floats["old"] = [s.old_values for s in group]
+            pk = Packed(pairs, dev, floats)
+            v = self._fwd(lambda m: m.values(response_hidden(m, pairs, pk)[0]))
+            ret, mask, w = pk.ret, pk.mask, pk.weight * (0.0 if idle else 1.0)
             trained = mask != 0
             l1 = (v - ret) ** 2
             clipped = torch.zeros_like(trained)
             if clip > 0:
-                old = flat(s.old_values for s in group)
+                old = pk.old
                 l2 = (old + (v - old).clamp(-clip, clip) - ret) ** 2
                 clipped = (l2 > l1) & trained
                 l1 = torch.where(clipped, l2, l1)
@@ -370,8 +413,9 @@ class Trainer:
         for mb in self._plan([len(p) + len(r) for p, r in pairs]):
             idle = not mb  # as in _step
             mb = mb or [0]
-            logp, ent, targets = self._fwd(
-                lambda m: self._logprobs(m, [pairs[i] for i in mb], False))
+            mine = [pairs[i] for i in mb]
+            pk = Packed(mine, dev)
+            logp, ent, targets = self._fwd(lambda m: self._logprobs(m, mine, False, pk))
             nll = -logp.sum() / total * (0.0 if idle else 1.0)
             self._backward(nll)
             if idle:
@@ -404,11 +448,11 @@ class Trainer:
     def _grad_norm(self, grads) -> torch.Tensor:
         return torch.nn.utils.get_total_norm(grads)
 
-    def _clip(self, grads, max_norm: float, norm: torch.Tensor) -> None:
+    def _clip(self, grads, max_norm: float, norm: float) -> None:
         """Scales the gradients by max_norm / (norm + 1e-6) when that is below 1, as
         clip_grads_with_norm_ does (which takes the parameters, not their gradients: given the
-        gradients it finds no .grad on them and clips nothing)."""
-        coef = max_norm / (float(norm) + 1e-6)
+        gradients it finds no .grad on them and clips nothing). norm: the read-back norm."""
+        coef = max_norm / (norm + 1e-6)
         if coef < 1.0:
             torch._foreach_mul_(grads, coef)
 
@@ -461,7 +505,7 @@ class Trainer:
         if not math.isfinite(stats.grad_norm):
             return self._skip(stats, f"non-finite gradient norm {stats.grad_norm}")
         if lc.max_grad_norm > 0 and grads:
-            self._clip(grads, lc.max_grad_norm, norm)
+            self._clip(grads, lc.max_grad_norm, stats.grad_norm)
         for g in opt.param_groups:
             g["lr"] = lc.lr
             g["betas"] = (lc.beta1 or 0.9, lc.beta2 or 0.999)

@@ -289,3 +289,52 @@ def test_mixed_precision_step_equals_the_per_parameter_casts(model_dirs):
     assert all(torch.equal(a, b) for a, b in zip(w_new, w_old))
     assert all(torch.equal(a, b) for a, b in zip(m_new, m_old))
     assert all(w.dtype == torch.bfloat16 for w in w_new)
+
+
+def test_packed_pairs_equal_the_lists():
+    """Packed builds what the lists gave (padded tokens, the predicting positions, the targets,
+    each token's row, the per-token values rounded to fp32 as torch.tensor rounds them), for rows
+    of different lengths, one with an empty response."""
+    from slimen_torch.train import Packed
+
+    g = torch.Generator().manual_seed(3)
+    lens = [(5, 7), (1, 1), (9, 0), (3, 12)]
+    pairs = [(torch.randint(0, 1000, (p,), generator=g).tolist(),
+              torch.randint(0, 1000, (r,), generator=g).tolist()) for p, r in lens]
+    vals = [[0.1 * (i + 1) * (t - 3) for t in range(len(r))] for i, (_, r) in enumerate(pairs)]
+    pk = Packed(pairs, torch.device("cpu"), {"v": vals, "one": [[1] * len(r) for _, r in pairs]})
+    T = max(len(p) + len(r) for p, r in pairs)
+    tokens = torch.zeros(len(pairs), T, dtype=torch.long)
+    idx, targets, seq = [], [], []
+    for row, (p, r) in enumerate(pairs):
+        tokens[row, :len(p) + len(r)] = torch.tensor(p + r)
+        idx.extend(range(row * T + len(p) - 1, row * T + len(p) - 1 + len(r)))
+        targets.extend(r)
+        seq.extend([row] * len(r))
+    assert torch.equal(pk.tokens, tokens)
+    assert pk.idx.tolist() == idx and pk.targets.tolist() == targets and pk.seq.tolist() == seq
+    assert torch.equal(pk.v, torch.tensor([x for v in vals for x in v], dtype=torch.float32))
+    assert pk.v.dtype == torch.float32 and pk.one.tolist() == [1.0] * len(idx)
+    assert pk.lengths == [r for _, r in lens]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_a_training_step_waits_for_the_gpu_once(model_dirs):
+    """On a GPU a step's host work never waits for its kernels except for the one read-back of
+    the sums and the gradient norm (a tensor made from a list on the GPU waits for every kernel
+    before it: made between a micro-batch's forward and its loss, they left the GPU idle)."""
+    from bench import step_syncs
+
+    e = Engine(str(model_dirs["tiny-qwen3"]), Options(device="cuda:0", dtype="bfloat16",
+                                                      compile_train="", micro_batch_tokens=40))
+    try:
+        lc = LossConfig(lr=1e-3, max_grad_norm=1.0, use_tis=True, kl_loss_coef=0.1)
+        batch = fixed_batch(e, lc)
+        e.trainer.reference = lambda: e.model
+        assert len(e.trainer._plan([len(s.prompt) + len(s.response)
+                                    for s in batch.samples])) > 1
+        e.trainer.step(batch)  # the optimizer's state and the caches made
+        syncs = step_syncs(e.trainer, batch)
+        assert len(syncs) == 1, syncs
+    finally:
+        e.close()
