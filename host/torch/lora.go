@@ -28,8 +28,16 @@ func openLoRA(ctx context.Context, p config.PolicyConfig, env host.EngineEnv) (e
 	return host.OpenAdapter(ctx, p, env, host.AdapterServer{
 		Key:    gpus.LoRABaseKey(q),
 		Open:   func(benv host.EngineEnv) (engines.Engine, error) { return open(ctx, base, benv) },
-		Client: func(e engines.Engine) *remote.Client { return e.(*torchproc.Engine).Client },
+		Client: workerClient,
 		Engine: "its torch worker (shared by the run's LoRA policies on " + p.HFCheckpoint + ")",
 		Joined: "a LoRA adapter on the torch worker of " + p.HFCheckpoint + " that another policy of the run started",
 	})
+}
+
+// workerClient is the gRPC client of a torch worker's engine, placed on GPUs (gpuWorker) or not.
+func workerClient(e engines.Engine) *remote.Client {
+	if w, ok := e.(*gpuWorker); ok {
+		return w.Client
+	}
+	return e.(*torchproc.Engine).Client
 }
