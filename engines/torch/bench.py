@@ -48,9 +48,7 @@ Not in the default list (select with --sections):
                  an admission takes (prefill + first token, read back); the captured step's GPU
                  time; the checks: the graph prefill's logits and cache row against the eager
                  prefill's (bf16), generation log-probs against Score at batch 1, greedy tokens;
-                 on a GPU also without programmatic dependent launch, and with the attention's
-                 splits combined the other way than the default (kernels.FUSE_COMBINE: in the
-                 o-projection's product, or by a kernel of their own), tok/s, step, log-probs
+                 on a GPU also without programmatic dependent launch: tok/s and step
 
   profile        where the GPU time goes (torch.profiler): kernel tables (out/profile_*.txt) of a
                  batch-1 and a batch-256 generation, of one captured decode step at each batch
@@ -472,28 +470,8 @@ def sec_gen_b1(a, res):
             log(prefix, "without PDL: b1", res[f"{prefix}_no_pdl_b1"], "tok/s")
             os.environ["SLIMEN_PDL"] = "1"
             K._PDL.clear()
-            # The same engine with the o-projection combining the attention's splits
-            # (kernels.FUSE_COMBINE: one kernel less a layer), its step and its log-probs.
-            fuse = K.FUSE_COMBINE
-            K.FUSE_COMBINE = not fuse
             gen.graphs.clear()
-            name = prefix + ("_combine_kernel" if fuse else "_fused_combine")
-            before = gen.kernel_error
-            try:  # a failure here costs this comparison only, not the checks below
-                tps = ours_generate(eng, 1, a.new)
-                if not gen.fused_b1:  # the step failed and the engine fell back (_degrade)
-                    raise RuntimeError(gen.kernel_error)
-                res[f"{name}_b1"] = tps
-                step_times(eng, res, name)
-                decode_vs_score(eng, res, name, ns=(1,))
-                log(name, "b1", res[f"{name}_b1"], "tok/s")
-            except Exception:
-                res[f"{name}_error"] = traceback.format_exc()[-3000:]
-                log(name, "FAILED:", res[f"{name}_error"])
-                gen.fused_b1, gen.kernel_error = True, before
-            K.FUSE_COMBINE = fuse
-            gen.graphs.clear()
-            ours_generate(eng, 1, a.new)  # capture again with the defaults for the checks below
+            ours_generate(eng, 1, a.new)  # capture again with PDL for the checks below
         res[f"{prefix}_prefill_graphs"] = sorted(gen.pf_graphs)
         res[f"{prefix}_prefill_error"] = gen.prefill_error[:3000]
         res[f"{prefix}_kernel_error"] = gen.kernel_error[:3000]
@@ -949,11 +927,7 @@ def table(res: dict) -> str:
                 ("gen_b1_no_pdl", "prefill from a CUDA graph + Triton sampler, no programmatic "
                  "dependent launch (before)"),
                 ("gen_b1", "**now** (default): prefill from a CUDA graph + Triton sampler, "
-                 "kernels launched programmatically dependent"),
-                ("gen_b1_fused_combine", "the same, the o-projection combining the attention's "
-                 "splits (SLIMEN_FUSE_COMBINE=1)"),
-                ("gen_b1_combine_kernel", "the same, the attention's splits combined by a "
-                 "kernel of their own (SLIMEN_FUSE_COMBINE=0)")):
+                 "kernels launched programmatically dependent")):
             if key + "_b1" in res:
                 rows.append(f"| {name} | {num(key + '_b1')} | {num(key + '_admit_ms', 2)} |")
         rows.append("| target | 1,000 | |")
@@ -961,12 +935,7 @@ def table(res: dict) -> str:
         if p + "_b1" in res:
             rows.append(
                 f"{p}: step {num(p + '_step_ms_b1', 3)} ms at position 383 "
-                f"({num(p + '_no_pdl_step_ms_b1', 3)} without PDL; "
-                f"{num(p + '_fused_combine_step_ms_b1', 3)} / "
-                f"{num(p + '_combine_kernel_step_ms_b1', 3)} with the splits combined in the "
-                f"o-projection / by their own kernel, generation vs Score there "
-                f"{num(p + '_fused_combine_decode_vs_score_b1', 3)} / "
-                f"{num(p + '_combine_kernel_decode_vs_score_b1', 3)}); prefill graph vs "
+                f"({num(p + '_no_pdl_step_ms_b1', 3)} without PDL); prefill graph vs "
                 f"eager (‖Δ‖/‖·‖, 128 / 100 tokens): logits "
                 f"{res.get(p + '_prefill_logits_rel_T128', float('nan')):.2e} / "
                 f"{res.get(p + '_prefill_logits_rel_T100', float('nan')):.2e}, keys and values "

@@ -25,7 +25,6 @@ when TRITON_INTERPRET=1 was set before this module was imported (the tests do).
 from __future__ import annotations
 
 import os
-import typing
 
 import torch
 
@@ -321,35 +320,10 @@ if HAVE_TRITON:
     # ---------------------------------------------------------------------------------------
 
     @triton.jit
-    def _split_x(part_ptr, ml_ptr, rk, kmask, dt: tl.constexpr, D: tl.constexpr,
-                 DP: tl.constexpr, NSPLIT: tl.constexpr, BK: tl.constexpr):
-        """Elements rk of a batch-1 attention output (head rk // D, dimension rk % D) from the
-        attention's split partials (_decode_attn_kernel with NSPLIT > 1, row 0), combined as
-        _decode_attn_combine combines them and rounded to dt as its output is: the o-projection
-        takes its input this way instead of from a combining kernel of its own."""
-        h = rk // D
-        d = rk % D
-        mx = tl.full([BK], float("-inf"), tl.float32)
-        for s in tl.static_range(NSPLIT):
-            mx = tl.maximum(mx, tl.load(ml_ptr + (h * NSPLIT + s) * 2, mask=kmask,
-                                        other=float("-inf")))
-        num = tl.zeros([BK], tl.float32)
-        den = tl.zeros([BK], tl.float32)
-        for s in tl.static_range(NSPLIT):
-            row = h * NSPLIT + s
-            m = tl.load(ml_ptr + row * 2, mask=kmask, other=float("-inf"))
-            w = tl.where(m > float("-inf"), tl.exp(m - mx), 0.0)
-            num += tl.load(part_ptr + row * DP + d, mask=kmask, other=0.0) * w
-            den += tl.load(ml_ptr + row * 2 + 1, mask=kmask, other=0.0) * w
-        x = tl.where(kmask, num / tl.where(kmask, den, 1.0), 0.0)
-        return x.to(dt).to(tl.float32)
-
-    @triton.jit
     def _gemv_kernel(x_ptr, w_ptr, bias_ptr, res_ptr, nw_ptr, out_ptr, N, K, up_off, eps,
                      NORM: tl.constexpr, HAS_BIAS: tl.constexpr, SWIGLU: tl.constexpr,
                      HAS_RES: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                     PDL: tl.constexpr, ml_ptr=None, NSPLIT: tl.constexpr = 0,
-                     D: tl.constexpr = 1, DP: tl.constexpr = 1):
+                     PDL: tl.constexpr):
         pid = tl.program_id(0)
         rn = pid * BN + tl.arange(0, BN)
         nmask = rn < N
@@ -369,10 +343,7 @@ if HAVE_TRITON:
                 w2 = tl.load(w_ptr + (rn[:, None] + up_off) * K + rk[None, :], mask=wmask,
                              other=0.0)
             gdc_wait()
-            if NSPLIT > 0:  # x_ptr: the attention's partials (_split_x)
-                x = _split_x(x_ptr, ml_ptr, rk, kmask, dt, D, DP, NSPLIT, BK)
-            else:
-                x = tl.load(x_ptr + rk, mask=kmask, other=0.0).to(tl.float32)
+            x = tl.load(x_ptr + rk, mask=kmask, other=0.0).to(tl.float32)
             if NORM:
                 r = 1.0 / tl.sqrt(tl.sum(x * x, 0) / K + eps)
                 g = tl.load(nw_ptr + rk, mask=kmask, other=0.0).to(tl.float32)
@@ -393,10 +364,7 @@ if HAVE_TRITON:
             for k0 in range(0, K, BK):
                 rk = k0 + tl.arange(0, BK)
                 kmask = rk < K
-                if NSPLIT > 0:
-                    x = _split_x(x_ptr, ml_ptr, rk, kmask, dt, D, DP, NSPLIT, BK)
-                else:
-                    x = tl.load(x_ptr + rk, mask=kmask, other=0.0).to(tl.float32)
+                x = tl.load(x_ptr + rk, mask=kmask, other=0.0).to(tl.float32)
                 if NORM:
                     # As model.rms_norm: normalise in fp32, round, then scale by the weight and
                     # round.
@@ -482,10 +450,6 @@ if HAVE_TRITON:
 ATTN_MIN_SPLIT = 64  # positions; attention_splits' default (module-level so a benchmark can sweep it)
 GEMV_TILE = 8192  # elements of a batch-1 product's tile (_gemv_blocks)
 GEMV_WARPS = 4
-# The batch-1 step's o-projection combines a split attention's partials as it loads them, instead
-# of a combining kernel (one kernel less a layer); SLIMEN_FUSE_COMBINE=1. Off until measured on a
-# GPU (bench.py --sections gen_b1 times both).
-FUSE_COMBINE = os.environ.get("SLIMEN_FUSE_COMBINE", "0") == "1"
 
 
 def attention_splits(B: int, kv_heads: int, L: int, min_split: int = 0) -> int:
@@ -498,26 +462,15 @@ def attention_splits(B: int, kv_heads: int, L: int, min_split: int = 0) -> int:
     return max(1, min(-(-L // min_split), -(-256 // (B * kv_heads)), 16))
 
 
-class Splits(typing.NamedTuple):
-    """A batch-1 attention output left in its split partials (decode_attention with
-    combine=False): gemv takes it as its input and combines it while loading it."""
-    part: torch.Tensor  # [heads · n, DP] fp32: each split's unnormalised output
-    ml: torch.Tensor  # [heads · n, 2] fp32: each split's running maximum and sum of exp
-    n: int
-    D: int
-    DP: int
-
-
 def decode_attention(q, k_new, v_new, k_cache, v_cache, pos, L: int, scale: float,
-                     nsplit: int = 0, rope=None, combine: bool = True):
+                     nsplit: int = 0, rope=None):
     """q [B, heads, D]; k_new, v_new [B, kv_heads, D]: the new token of rows [0, B). Writes
     k_new/v_new into k_cache/v_cache [slots, kv_heads, max_len, D] at pos [B] and returns the
     attention output [B, heads, D] over positions [0, pos] of each row. L (≥ pos + 1 for every
     row) only sets the number of splits (nsplit, unless given). With rope = (q_norm, k_norm,
     cos, sin, eps) q and k_new are the raw projections: the kernel applies the q/k RMSNorm
     (when q_norm is not None) and the rotary embedding at pos (cos/sin: the model's fp32 tables)
-    as model.qkv_from_normed does. With combine=False a batch-1 call whose row is split returns
-    Splits instead of the output, for gemv to combine (one kernel less a layer)."""
+    as model.qkv_from_normed does."""
     B, H, D = q.shape
     KV = k_new.shape[1]
     group = H // KV
@@ -554,8 +507,6 @@ def decode_attention(q, k_new, v_new, k_cache, v_cache, pos, L: int, scale: floa
         split_len, H, GROUP=group, GP=max(16, _pow2(group)), D=D, DP=DP, BL=BL,
         NSPLIT=nsplit, F32DOT=INTERPRET or q.dtype == torch.float32, ROPE=rope is not None,
         QK_NORM=qk_norm, PDL=pdl, launch_pdl=pdl, num_warps=4)
-    if nsplit > 1 and not combine and B == 1:
-        return Splits(part, ml, nsplit, D, DP)
     if nsplit > 1:
         _decode_attn_combine[(B, H)](part, ml, o, o.stride(0), o.stride(1), H, D=D, DP=DP,
                                      NSPLIT=nsplit, NSP=max(2, _pow2(nsplit)), PDL=pdl,
@@ -634,26 +585,19 @@ def gemv(x, w, out, *, bias=None, res=None, norm_w=None, eps: float = 0.0,
          swiglu: bool = False):
     """out [N] = (res +) f(W · n(x)) for one row x [K]: n is the RMSNorm with weight norm_w (as
     model.rms_norm) when given; with swiglu W is [2N, K] (gate rows, then up rows) and f(y) =
-    silu(gate)·up; bias is added to W·n(x). Rounded to out's dtype where the eager model rounds.
-    x may be Splits (an attention output left split): its partials are combined as loaded."""
-    split = x if isinstance(x, Splits) else None
-    K = w.shape[-1] if split else x.shape[-1]
+    silu(gate)·up; bias is added to W·n(x). Rounded to out's dtype where the eager model rounds."""
+    K = x.shape[-1]
     N = out.shape[-1]
     bn, bk = _gemv_blocks(N, K)
     dummy = out
     if swiglu and bn > 2:
         bn //= 2  # two tiles a program: gate and up rows
     pdl = K <= bk and _pdl(out.device)
-    if split:
-        extra = dict(ml_ptr=split.ml, NSPLIT=split.n, D=split.D, DP=split.DP)
-    else:
-        extra = dict(ml_ptr=dummy)
     _gemv_kernel[(triton.cdiv(N, bn),)](
-        split.part if split else x, w, bias if bias is not None else dummy,
-        res if res is not None else dummy, norm_w if norm_w is not None else dummy, out, N, K,
-        N if swiglu else 0, eps, NORM=norm_w is not None, HAS_BIAS=bias is not None,
-        SWIGLU=swiglu, HAS_RES=res is not None, BN=bn, BK=bk, PDL=pdl, launch_pdl=pdl,
-        num_warps=GEMV_WARPS, **extra)
+        x, w, bias if bias is not None else dummy, res if res is not None else dummy,
+        norm_w if norm_w is not None else dummy, out, N, K, N if swiglu else 0, eps,
+        NORM=norm_w is not None, HAS_BIAS=bias is not None, SWIGLU=swiglu,
+        HAS_RES=res is not None, BN=bn, BK=bk, PDL=pdl, launch_pdl=pdl, num_warps=GEMV_WARPS)
     return out
 
 

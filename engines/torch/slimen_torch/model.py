@@ -359,9 +359,8 @@ def decode_step_b1(model: Transformer, kernels, tokens, pos, k_caches, v_caches,
         (attn_norm, wqkv, bqkv, q_norm, k_norm, wo, bo, mlp_norm, w13, w2) = layer.weights()
         kernels.gemv(x, wqkv, qkv, bias=bqkv, norm_w=attn_norm, eps=eps)
         o = kernels.decode_attention(q, k, v, kc, vc, pos, L, scale,
-                                     rope=(q_norm, k_norm, model.cos, model.sin, eps),
-                                     combine=not kernels.FUSE_COMBINE)
-        kernels.gemv(o if isinstance(o, kernels.Splits) else o.view(-1), wo, x2, bias=bo, res=x)
+                                     rope=(q_norm, k_norm, model.cos, model.sin, eps))
+        kernels.gemv(o.view(-1), wo, x2, bias=bo, res=x)
         kernels.gemv(x2, w13, a, norm_w=mlp_norm, eps=eps, swiglu=True)
         kernels.gemv(a, w2, x, res=x2)
     logits = torch.empty(1, cfg.vocab_size, dtype=dt, device=dev)
