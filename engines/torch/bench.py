@@ -543,19 +543,29 @@ def per_parameter_steps(eng: Engine, b: Batch, steps: int) -> float:
 
 
 def step_syncs(trainer, batch) -> list[str]:
-    """Where one training step (trainer.step, run on this thread) waited for the GPU: the
-    file:line of each synchronisation PyTorch reports (torch.cuda.set_sync_debug_mode)."""
+    """Where one training step (trainer.step, run on this thread) waited for the GPU: for each
+    synchronisation PyTorch reports (torch.cuda.set_sync_debug_mode), the Python frames it came
+    from, innermost first ("train.py:492 < train.py:300 < ...")."""
+    import traceback
     import warnings
+    got = []
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        if "synchroniz" in str(message):
+            frames = [f for f in traceback.extract_stack()[:-1]
+                      if not f.filename.endswith("warnings.py")][::-1][:4]
+            got.append(" < ".join(f"{pathlib.Path(f.filename).name}:{f.lineno}" for f in frames))
+
     torch.cuda.synchronize()
-    with warnings.catch_warnings(record=True) as got:
+    with warnings.catch_warnings():
         warnings.simplefilter("always")
+        warnings.showwarning = show
         torch.cuda.set_sync_debug_mode("warn")
         try:
             trainer.step(batch)
         finally:
             torch.cuda.set_sync_debug_mode(0)
-    return [f"{pathlib.Path(w.filename).name}:{w.lineno}" for w in got
-            if "synchroniz" in str(w.message)]
+    return got
 
 
 def train_bench(a, res, prefix, opts, samples=8, steps=3, micro=0):

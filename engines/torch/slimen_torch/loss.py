@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import torch
 
 from .types import LossConfig
@@ -75,15 +76,17 @@ def resolve(c: LossConfig) -> Loss:
     return r
 
 
-def token_weights(groups: list[str], masks: list[list[float]], aggregation: str) -> list[list[float]]:
-    """Each token's weight w in the reduced loss Σ w·ℓ over the N samples of one optimizer step.
+def token_weights(groups: list[str], masks: list[list[float]], aggregation: str) -> list[np.ndarray]:
+    """Each token's weight w in the reduced loss Σ w·ℓ over the N samples of one optimizer step,
+    one float64 array per sample.
 
     With m a sample's mask sum: sample_mean (slime's default): mean over samples of each sample's
     token-mean, w = mask/(N·max(m, 1)); token_mean (slime's calculate_per_token_loss):
     w = mask/Σ max(m, 1); group_token_mean: mean over groups of each group's token-mean,
     w = mask/(G·group mask sum), G counting groups with a trained token; token_sum: w = mask.
     In the slime reductions a sample without trained tokens still counts (as a sample, or as one
-    token). An empty group name is a group of its own.
+    token). An empty group name is a group of its own. The sums run in order, as Python's; each
+    weight is one division of its mask value (0 where the mask is 0).
     """
     keys = [g if g else ("", i) for i, g in enumerate(groups)]
     sample_mass = [float(sum(m)) for m in masks]
@@ -94,14 +97,18 @@ def token_weights(groups: list[str], masks: list[list[float]], aggregation: str)
     n_groups = sum(1 for v in mass.values() if v > 0)
     out = []
     for k, m, sm in zip(keys, masks, sample_mass):
+        x = np.asarray(m, dtype=np.float64)
         if aggregation == "token_sum":
-            out.append([float(x) for x in m])
-        elif aggregation == "token_mean":
-            out.append([x / tokens if x else 0.0 for x in m])
+            out.append(x)
+            continue
+        if aggregation == "token_mean":
+            d = tokens
         elif aggregation == "group_token_mean":
-            out.append([x / (n_groups * mass[k]) if x else 0.0 for x in m])
+            d = n_groups * mass[k]
         else:
-            out.append([x / (len(masks) * max(sm, 1.0)) if x else 0.0 for x in m])
+            d = len(masks) * max(sm, 1.0)
+        with np.errstate(divide="ignore", invalid="ignore"):  # a group of mass 0: all masks 0
+            out.append(np.where(x != 0, x / d, 0.0))
     return out
 
 

@@ -192,6 +192,8 @@ class Trainer:
         self.reference = reference  # callable returning the frozen reference Transformer
         self.masters = None
         self.opt = None
+        # The optimizer step launched before the step's read-back (_apply): a fused optimizer's.
+        self.step_ahead = False
         self.steps = 0
         # Log-probs from the hidden states in chunks (kernels.linear_logprobs), with the Triton
         # element-wise passes on a GPU; else from the whole logits (token_logprobs).
@@ -252,6 +254,7 @@ class Trainer:
             else:
                 self.masters = self.params
             self.opt = torch.optim.AdamW(self.masters, lr=0.0, fused=self.cuda)
+            self.step_ahead = self.cuda
         return self.opt
 
     def _logprobs(self, model: Transformer, pairs, entropy_grad: bool, packed=None):
@@ -487,6 +490,30 @@ class Trainer:
         grads = [m.grad for m in self.masters if m.grad is not None]
         dev = next(iter(sums.values())).device
         norm = self._grad_norm(grads) if grads else torch.zeros((), device=dev)
+        opt = self.opt
+        for g in opt.param_groups:
+            g["lr"] = lc.lr
+            g["betas"] = (lc.beta1 or 0.9, lc.beta2 or 0.999)
+            g["eps"] = lc.adam_eps or 1e-8
+            g["weight_decay"] = lc.weight_decay
+        # With a fused optimizer the step is launched before anything is read back: the clip is
+        # scaled on the device and a non-finite loss or norm makes the optimizer skip the update
+        # there (found_inf, as under a GradScaler), so the GPU never waits for the host between
+        # the backward pass and the optimizer. Else the host reads first and decides.
+        ahead = self.step_ahead and bool(grads)
+        if ahead:
+            bad = ~(torch.isfinite(sums["loss"]) & torch.isfinite(norm))
+            if lc.max_grad_norm > 0:
+                n = norm.detach().double()
+                coef = torch.full((), lc.max_grad_norm, dtype=torch.float64, device=n.device)
+                torch._foreach_mul_(grads, (coef / (n + 1e-6)).clamp(max=1.0).float())
+            opt.found_inf = bad.float()
+            try:
+                opt.step()
+            finally:
+                del opt.found_inf
+            opt.zero_grad(set_to_none=True)
+            self._stepped()
         # One wait for the GPU: the step's sums and the gradient norm read back together.
         got = torch.stack([v.double() for v in sums.values()]
                           + [norm.detach().double().reshape(()).to(dev)]).tolist()
@@ -498,22 +525,17 @@ class Trainer:
         if tokens and "tis_clipped" in vals:
             stats.tis_clip_frac = vals["tis_clipped"] / tokens
             stats.tis_weight = vals["tis_weight"] / tokens
-        opt = self.opt
         if not math.isfinite(stats.loss):
             return self._skip(stats, f"non-finite loss {stats.loss}")
         stats.grad_norm = got[-1]
         if not math.isfinite(stats.grad_norm):
             return self._skip(stats, f"non-finite gradient norm {stats.grad_norm}")
-        if lc.max_grad_norm > 0 and grads:
-            self._clip(grads, lc.max_grad_norm, stats.grad_norm)
-        for g in opt.param_groups:
-            g["lr"] = lc.lr
-            g["betas"] = (lc.beta1 or 0.9, lc.beta2 or 0.999)
-            g["eps"] = lc.adam_eps or 1e-8
-            g["weight_decay"] = lc.weight_decay
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        self._stepped()
+        if not ahead:
+            if lc.max_grad_norm > 0 and grads:
+                self._clip(grads, lc.max_grad_norm, stats.grad_norm)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            self._stepped()
         self.steps += 1
         self.model.eval()
         return stats

@@ -338,3 +338,33 @@ def test_a_training_step_waits_for_the_gpu_once(model_dirs):
         assert len(syncs) == 1, syncs
     finally:
         e.close()
+
+
+def test_a_step_decided_on_the_device_equals_the_host_decision(model_dirs):
+    """The fused optimizer's step launched before the read-back (the GPU's way: the clip scaled on
+    the device, a non-finite loss skipped through found_inf) gives bit for bit what the host's
+    decision after the read-back gives, over a clipped step, a skipped one and a third (here on
+    the CPU, with the same fused AdamW both ways; bf16 parameters with fp32 masters)."""
+    runs = []
+    for ahead in (True, False):
+        e = Engine(str(model_dirs["tiny-qwen3"]), Options(dtype="bfloat16"))
+        try:
+            tr = e.trainer
+            tr._optimizer()
+            tr.opt = torch.optim.AdamW(tr.masters, lr=0.0, fused=True)
+            tr.step_ahead = ahead
+            lc = LossConfig(lr=1e-2, max_grad_norm=0.05, weight_decay=0.1)
+            good = fixed_batch(e, lc)
+            bad = fixed_batch(e, lc, seed=1)
+            bad.samples[1].advantages = [math.inf] * len(bad.samples[1].response)
+            stats = [e.train(b) for b in (good, bad, good)]
+            runs.append(([(s.loss, s.grad_norm, s.skipped, s.reason) for s in stats],
+                         weights(e), [m.detach().clone() for m in tr.masters],
+                         [float(st["step"]) for st in tr.opt.state.values()], tr.steps))
+        finally:
+            e.close()
+    (s1, w1, m1, steps1, n1), (s2, w2, m2, steps2, n2) = runs
+    assert s1 == s2 and s1[0][1] > 0.05 and s1[1][2] and not s1[2][2]
+    assert all(torch.equal(a, b) for a, b in zip(w1, w2))
+    assert all(torch.equal(a, b) for a, b in zip(m1, m2))
+    assert steps1 == steps2 == [2.0] * len(steps1) and n1 == n2 == 2
