@@ -544,14 +544,15 @@ def per_parameter_steps(eng: Engine, b: Batch, steps: int) -> float:
 
 def step_syncs(trainer, batch) -> list[str]:
     """Where one training step (trainer.step, run on this thread) waited for the GPU: for each
-    synchronisation PyTorch reports (torch.cuda.set_sync_debug_mode), the Python frames it came
-    from, innermost first ("train.py:492 < train.py:300 < ...")."""
+    synchronisation PyTorch reports (torch.cuda.set_sync_debug_mode) while the step runs, the
+    Python frames it came from, innermost first ("train.py:519 < train.py:351 < ..."). (Turning
+    the mode on reports one of its own, attributed to that call: not the step's.)"""
     import traceback
     import warnings
-    got = []
+    got, stepping = [], []
 
     def show(message, category, filename, lineno, file=None, line=None):
-        if "synchroniz" in str(message):
+        if stepping and "synchroniz" in str(message):
             frames = [f for f in traceback.extract_stack()[:-1]
                       if not f.filename.endswith("warnings.py")][::-1][:4]
             got.append(" < ".join(f"{pathlib.Path(f.filename).name}:{f.lineno}" for f in frames))
@@ -561,9 +562,11 @@ def step_syncs(trainer, batch) -> list[str]:
         warnings.simplefilter("always")
         warnings.showwarning = show
         torch.cuda.set_sync_debug_mode("warn")
+        stepping.append(True)
         try:
             trainer.step(batch)
         finally:
+            stepping.clear()
             torch.cuda.set_sync_debug_mode(0)
     return got
 
