@@ -96,7 +96,7 @@ SECTIONS = {
     "kernels": 45, "gen": 110, "train": 100, "train_eager": 40, "gen_before": 90,
     "train_before": 40, "hf": 60, "train_regional": 60, "gen_layer_b1": 60,
     "train_static": 60, "gen_b1": 60, "first_step": 300, "first_step_run": 150,
-    "profile": 150,
+    "profile": 150, "sweep_b1": 120,
 }
 DEFAULT_SECTIONS = ["kernels", "gen", "train", "train_eager", "gen_before", "train_before", "hf",
                     "train_regional", "gen_layer_b1", "train_static"]
@@ -491,6 +491,37 @@ def sec_gen(a, res):
 
 def sec_gen_before(a, res):
     gen_section(a, res, "gen_before", dict(kernels=False))
+
+
+def sec_sweep_b1(a, res):
+    """The batch-1 step's tunables on this GPU, one engine: the products' tile (kernels.GEMV_TILE
+    elements) and warps (GEMV_WARPS), and the attention's split length (ATTN_MIN_SPLIT); for each,
+    tok/s at batch 1 and the captured step's GPU time at the last position (sweep_b1 in
+    bench.json, the defaults first)."""
+    eng = Engine(a.model, Options(device=a.device, slots=256, max_seq_len=PROMPT + a.new))
+    default = (K.GEMV_TILE, K.GEMV_WARPS, K.ATTN_MIN_SPLIT)
+    configs = [default] + [(t, w, default[2]) for t in (4096, 8192, 16384) for w in (4, 8)
+                           if (t, w) != default[:2]] + \
+        [(default[0], default[1], s) for s in (32, 128)]
+    rows = []
+    try:
+        for tile, warps, split in configs:
+            K.GEMV_TILE, K.GEMV_WARPS, K.ATTN_MIN_SPLIT = tile, warps, split
+            eng.gen.graphs.clear()
+            row = {"tile": tile, "warps": warps, "min_split": split}
+            try:
+                row["b1"] = ours_generate(eng, 1, a.new)
+                got: dict = {}
+                step_times(eng, got, "s")
+                row["step_ms"] = got.get("s_step_ms_b1")
+            except Exception as e:
+                row["error"] = repr(e)[:300]
+            rows.append(row)
+            log("sweep_b1", row)
+    finally:
+        K.GEMV_TILE, K.GEMV_WARPS, K.ATTN_MIN_SPLIT = default
+        eng.close()
+    res["sweep_b1"] = rows
 
 
 def sec_gen_layer_b1(a, res):
