@@ -141,6 +141,16 @@ class Generator:
                 self.post_fn = torch.compile(decode_post, fullgraph=True, dynamic=True)
             else:
                 self.layer_fn = torch.compile(decode_layer, fullgraph=True, dynamic=True)
+        # The prefill's layer: compiled with the decode layers, its norms, rope and residual adds
+        # fuse into a few kernels (eagerly a layer is ~60 kernels, which bound a lone prompt's
+        # graph-captured prefill); the same arithmetic in another summation order, so its keys
+        # and values can differ from Score's forward pass in the last bits. Scoring and training
+        # keep their own layer functions. Not fullgraph: with dynamic shapes the head counts are
+        # symbolic and SDPA's enable_gqa takes only a bool, so the attention runs between two
+        # compiled halves (as in the training layer).
+        self.prefill_fn = block_forward
+        if compile_layers:
+            self.prefill_fn = torch.compile(block_forward, dynamic=True)
         self.k = self.v = None  # per layer [slots, kv_heads, max_len, head_dim], on first use
         # A lone prompt of at most prefill_graph_max tokens is prefilled padded to a multiple of
         # length_bucket, by a CUDA graph per bucket (_prefill_bucketed); 0: always eagerly.
@@ -673,8 +683,11 @@ class Generator:
             self.k[layer][dst, :, :T] = k[src]
             self.v[layer][dst, :, :T] = v[src]
 
-        with self.model.using(self._rows(adapters) if adapters and self._lora() else None):
-            hidden = self.model(tokens, kv_sink=sink)
+        lora_rows = adapters and self._lora()
+        with self.model.using(self._rows(adapters) if lora_rows else None):
+            # Adapters run the eager layer: the compiled one was traced without them.
+            hidden = self._uncompiling(lambda: self.model(
+                tokens, kv_sink=sink, block_fn=None if lora_rows else self.prefill_fn))
         last = torch.tensor([len(p) - 1 for p in prompts], device=self.device)
         return self.model.logits(hidden[torch.arange(len(prompts), device=self.device), last])
 
@@ -719,11 +732,11 @@ class Generator:
             if self.use_graphs:
                 g = self.pf_graphs.get(Tb)
                 if g is None:
-                    g = self._capture_prefill(Tb)
+                    g = self._uncompiling(lambda: self._capture_prefill(Tb))
                     self.pf_graphs[Tb] = g
                 g.replay()
             else:
-                self._prefill_static(Tb)
+                self._uncompiling(lambda: self._prefill_static(Tb))
             return self.pf_logits
         except Exception as e:  # costs speed, not service
             log.warning("the bucketed prefill failed, prefilling eagerly from now on: %s", e)
@@ -731,6 +744,19 @@ class Generator:
             self.pf_graphs.clear()
             self.prefill_graph_max = 0
             return None
+
+    def _uncompiling(self, fn):
+        """fn(); after a failure with the compiled prefill layer, fn() again with the eager one
+        (a compiler failure costs speed, not service)."""
+        try:
+            return fn()
+        except Exception as e:
+            if self.prefill_fn is block_forward:
+                raise
+            log.warning("torch.compile of the prefill layer failed, running it eagerly: %s", e)
+            self.compile_error = f"prefill: {type(e).__name__}: {e}"
+            self.prefill_fn = block_forward
+            return fn()
 
     def _prefill_static(self, Tb: int) -> None:
         """What a prefill graph captures: the prompt in pf_buf padded to Tb tokens through every
@@ -744,7 +770,7 @@ class Generator:
         x = F.embedding(tokens, m.embed)
         cos, sin = m.cos[:Tb], m.sin[:Tb]
         for layer, kc, vc in zip(m.layers, self.k, self.v):
-            x, k, v = block_forward(cfg, x, layer.weights(), cos, sin)
+            x, k, v = self.prefill_fn(cfg, x, layer.weights(), cos, sin)
             kc[:, :, :Tb].index_copy_(0, row, k)
             vc[:, :, :Tb].index_copy_(0, row, v)
         h = rms_norm(x[0].index_select(0, last), m.norm, cfg.rms_eps)

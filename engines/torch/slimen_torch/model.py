@@ -255,18 +255,20 @@ class Transformer(nn.Module):
     def head_weight(self) -> torch.Tensor:
         return self.embed if self.lm_head is None else self.lm_head
 
-    def forward(self, tokens: torch.Tensor, kv_sink=None) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, kv_sink=None, block_fn=None) -> torch.Tensor:
         """tokens: [B, T] → final hidden states [B, T, hidden] (after the last norm).
 
         Rows may be right-padded: causal attention keeps padding from reaching real tokens.
         kv_sink(layer, k, v), when given, receives every layer's keys and values (prefill).
+        block_fn: the layer function of an inference pass (default block_forward: the
+        transformers-order arithmetic; the generator's prefill passes a compiled copy).
         """
         T = tokens.shape[1]
         x = F.embedding(tokens, self.embed)
         cos, sin = self.cos[:T], self.sin[:T]
         train = self.training
         # Adapters run the eager layer: the compiled one was traced without them.
-        fn = self.train_block_fn if train and self.lora is None else block_forward
+        fn = self.train_block_fn if train and self.lora is None else (block_fn or block_forward)
         kw = {"norm": self.train_norm} if train and self.train_norm is not rms_norm else {}
         for i, layer in enumerate(self.layers):
             if self.call_layers and train and self.lora is None:

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from slimen_torch.engine import Engine, Options
-from slimen_torch.types import GenerateRequest, Sampling
+from slimen_torch.types import Batch, GenerateRequest, LossConfig, Sample, Sampling
 
 
 def rel(a, b):
@@ -114,5 +114,49 @@ def test_failure_falls_back_to_the_eager_prefill(model_dirs, engine):
         got = e.generate([r])
         assert [c.tokens for c in got] == [c.tokens for c in engine.generate([r])]
         assert "no kernel for this" in e.gen.prefill_error and e.gen.prefill_graph_max == 0
+    finally:
+        e.close()
+
+
+def test_a_compiled_prefill_layer_and_its_fallback(model_dirs, engine):
+    """The generator's prefill layer is a compiled copy of block_forward where the decode layers
+    are compiled (a GPU): traced by Dynamo with dynamic shapes (here with the aot_eager backend,
+    which runs the traced operations as they are) it generates what the eager layer generates, through the
+    bucketed and the batched prefill; a prefill layer that fails falls back to the eager layer,
+    keeping the bucketed path."""
+    from slimen_torch.model import block_forward
+
+    e = Engine(str(model_dirs["tiny-qwen3"]), Options(device="cpu", prefill_graph_max=128))
+    try:
+        gen = e.gen
+        gen.prefill_fn = torch.compile(block_forward, dynamic=True, backend="eager")
+        reqs = [r for r in requests(e.cfg.vocab_size) if r.sampling.top_p == 1]
+        for got, want in (([c for r in reqs for c in e.generate([r])],
+                           [c for r in reqs for c in engine.generate([r])]),
+                          (e.generate(reqs), engine.generate(reqs))):
+            assert [c.tokens for c in got] == [c.tokens for c in want]
+            for x, y in zip(got, want):
+                assert torch.allclose(torch.tensor(x.logprobs), torch.tensor(y.logprobs),
+                                      atol=1e-5)
+        assert gen.compile_error == "" and gen.prefill_fn is not block_forward
+
+        def broken(*a, **kw):
+            raise RuntimeError("inductor says no")
+
+        gen.prefill_fn = broken
+        alone, together = e.generate(reqs[:1]), e.generate(reqs[1:3])
+        assert [c.tokens for c in alone + together] == \
+            [c.tokens for c in engine.generate(reqs[:1]) + engine.generate(reqs[1:3])]
+        assert "inductor says no" in gen.compile_error and gen.prefill_fn is block_forward
+        assert gen.prefill_graph_max == 128 and gen.prefill_error == ""
+        # A training step on the engine's thread, as a worker runs it after generating. (Torch
+        # 2.11 on the CPU: after a compiled call from a thread that then ends without a backward
+        # pass, the process's next backward pass crashes; a worker's engine thread lives on.)
+        r = reqs[2]  # prompt tokens given
+        c = e.generate([r])[0]
+        st = e.train(Batch(samples=[Sample(r.prompt_tokens, c.tokens, [1.0] * len(c.tokens),
+                                           c.logprobs, [1.0] * len(c.tokens))],
+                           loss=LossConfig(lr=1e-3)))
+        assert not st.skipped
     finally:
         e.close()
