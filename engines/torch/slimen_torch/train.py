@@ -76,11 +76,10 @@ class Packed:
         for k, name in enumerate(names):
             rows = [np.asarray(v, dtype=np.float64) for v in floats[name]]
             # Rounded to fp32 from the Python floats, as torch.tensor(values, dtype=float32).
-            vals[k] = np.concatenate(rows) if rows else np.empty(0)
+            vals[k] = np.concatenate(rows)
         it, ft = _to_device(torch.from_numpy(ints), dev), _to_device(torch.from_numpy(vals), dev)
         self.tokens = it[:B * T].view(B, T)
         self.idx, self.targets, self.seq = it[B * T:].view(3, N).unbind(0)
-        self.lengths = rlen.tolist()
         for k, name in enumerate(names):
             setattr(self, name, ft[k])
 
