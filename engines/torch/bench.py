@@ -57,6 +57,12 @@ Not in the default list (select with --sections):
                  share of the wall time (below 1: the GPU waited for the host); and the training
                  step's Python under cProfile (out/profile_train_host.txt)
 
+  sweep_b1       the batch-1 step's tunables on one engine (the products' tile and warps, the
+                 attention's split length): tok/s and the captured step's GPU time of each
+
+  train_whole    the default training step with its compiled layer traced whole (the attention
+                 inside the graph; `train` breaks it around the attention): run beside `train`
+
 Results: DIR/bench.json (everything, errors included), DIR/bench.md (the table, also printed last),
 DIR/bench.log (all output). A dry run on the CPU: --device cpu --shape tiny --new 8 --train-len 64
 (with TRITON_INTERPRET=1 for the kernels).
@@ -96,7 +102,7 @@ SECTIONS = {
     "kernels": 45, "gen": 110, "train": 100, "train_eager": 40, "gen_before": 90,
     "train_before": 40, "hf": 60, "train_regional": 60, "gen_layer_b1": 60,
     "train_static": 60, "gen_b1": 60, "first_step": 300, "first_step_run": 150,
-    "profile": 150, "sweep_b1": 120,
+    "profile": 150, "sweep_b1": 120, "train_whole": 100,
 }
 DEFAULT_SECTIONS = ["kernels", "gen", "train", "train_eager", "gen_before", "train_before", "hf",
                     "train_regional", "gen_layer_b1", "train_static"]
@@ -612,10 +618,12 @@ def step_syncs(trainer, batch) -> list[str]:
     return got
 
 
-def train_bench(a, res, prefix, opts, samples=8, steps=3, micro=0):
+def train_bench(a, res, prefix, opts, samples=8, steps=3, micro=0, setup=None):
     length = a.train_len
     eng = Engine(a.model, Options(device=a.device, slots=1, micro_batch_tokens=micro, **opts))
     try:
+        if setup is not None:
+            setup(eng)
         cfg = eng.cfg
         b = train_batch(cfg, samples, length)
         if torch.cuda.is_available():
@@ -788,6 +796,21 @@ def sec_train(a, res):
     torch._dynamo.config.verbose = True  # a compiler failure is recorded with its whole stack
     train_bench(a, res, "train", {})
     train_bench(a, res, "train_16x", {}, samples=16, micro=16 * a.train_len)
+
+
+def sec_train_whole(a, res):
+    """The default step with its compiled layer traced whole: SDPA's enable_gqa given as a
+    constant (functools.partial), so the attention sits inside the graph instead of between two
+    compiled halves (what `train` runs: with dynamic shapes the head counts are symbolic)."""
+    import functools
+    from slimen_torch.train import COMPILE_OPTIONS
+
+    def whole(eng):
+        cfg = eng.cfg
+        eng.trainer.model.train_block_fn = torch.compile(
+            functools.partial(block_forward, gqa=cfg.heads != cfg.kv_heads), dynamic=True,
+            options=COMPILE_OPTIONS if torch.cuda.is_available() else None)
+    train_bench(a, res, "train_whole", {}, setup=whole)
 
 
 def sec_train_eager(a, res):

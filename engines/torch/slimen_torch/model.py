@@ -119,14 +119,18 @@ def fused_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.T
 
 
 def block_forward(cfg: ModelConfig, x, w: tuple, cos, sin, qkv_fn=None, mlp_fn=None,
-                  norm=rms_norm):
+                  norm=rms_norm, gqa: bool | None = None):
     """One layer over whole sequences: x [B, T, hidden] → (x, k, v), k and v [B, kv_heads, T, D]
     after rope (what prefill writes into the cache). qkv_fn and mlp_fn replace project_qkv and
-    mlp (compiled versions of them: Trainer's regional compile); norm replaces rms_norm."""
+    mlp (compiled versions of them: Trainer's regional compile); norm replaces rms_norm. gqa:
+    whether the heads are grouped (default: from cfg). Compiled with dynamic shapes, cfg's head
+    counts are symbolic and SDPA takes only a bool, so Dynamo breaks the graph around the
+    attention; a bool given here (functools.partial) is a constant and keeps the layer whole."""
     q, k, v = (qkv_fn or project_qkv)(cfg, w, x, cos, sin, norm)  # [B, T, heads, D]
     q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-    o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=cfg.head_dim ** -0.5,
-                                       enable_gqa=cfg.heads != cfg.kv_heads)
+    o = F.scaled_dot_product_attention(
+        q, k, v, is_causal=True, scale=cfg.head_dim ** -0.5,
+        enable_gqa=cfg.heads != cfg.kv_heads if gqa is None else gqa)
     o = o.transpose(1, 2).flatten(2)
     x = x + linear(o, w[5], w[6])
     return x + (mlp_fn or mlp)(cfg, w, x, norm), k, v
