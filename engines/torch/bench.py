@@ -48,7 +48,8 @@ Not in the default list (select with --sections):
                  an admission takes (prefill + first token, read back); the captured step's GPU
                  time; the checks: the graph prefill's logits and cache row against the eager
                  prefill's (bf16), generation log-probs against Score at batch 1, greedy tokens;
-                 on a GPU also without programmatic dependent launch: tok/s and step
+                 the prefill's layer compiled (--compile-prefill); on a GPU also without
+                 programmatic dependent launch: tok/s and step
 
   profile        where the GPU time goes (torch.profiler): kernel tables (out/profile_*.txt) of a
                  batch-1 and a batch-256 generation, of one captured decode step at each batch
@@ -89,6 +90,7 @@ from slimen_torch import kernels as K  # noqa: E402
 from slimen_torch import sampling as S  # noqa: E402
 from slimen_torch.engine import Engine, Options  # noqa: E402
 from slimen_torch.make_model import make_model  # noqa: E402
+from slimen_torch.generate import compiled_prefill_layer  # noqa: E402
 from slimen_torch.model import apply_rope, block_forward, rms_norm  # noqa: E402
 from slimen_torch.train import token_logprobs  # noqa: E402
 from slimen_torch.types import (Batch, GenerateRequest, LossConfig, Sample, Sampling,  # noqa: E402
@@ -379,13 +381,13 @@ def gen_section(a, res, prefix, opts, b256=True, extra=True):
         if b256:
             res[f"{prefix}_b256"] = ours_generate(eng, 256, a.new)
             log(prefix, "b256", res[f"{prefix}_b256"])
-            if prefix == "gen" and eng.gen.prefill_fn is not block_forward:
-                # The same engine with the prefill's layer eager (as before it was compiled).
-                compiled, eng.gen.prefill_fn = eng.gen.prefill_fn, block_forward
-                res[f"{prefix}_prefill_layer_eager_b256"] = ours_generate(eng, 256, a.new)
-                eng.gen.prefill_fn = compiled
-                log(prefix, "b256 with the prefill layer eager",
-                    res[f"{prefix}_prefill_layer_eager_b256"])
+            if prefix == "gen" and torch.cuda.is_available():
+                # The same engine with the prefill's layer compiled (--compile-prefill).
+                default, eng.gen.prefill_fn = eng.gen.prefill_fn, compiled_prefill_layer()
+                res[f"{prefix}_prefill_compiled_b256"] = ours_generate(eng, 256, a.new)
+                eng.gen.prefill_fn = default
+                log(prefix, "b256 with the prefill layer compiled",
+                    res[f"{prefix}_prefill_compiled_b256"])
         step_times(eng, res, prefix)
         res[f"{prefix}_compile_error"] = eng.gen.compile_error[:3000]
         res[f"{prefix}_kernel_error"] = eng.gen.kernel_error[:3000]
@@ -459,7 +461,7 @@ def sec_gen_b1(a, res):
         acc = admit_timer(gen)
         runs = [("", {}), ("_eager_prefill", dict(prefill_graph_max=0)),
                 ("_before", dict(prefill_graph_max=0, first_token_triton=False)),
-                ("_prefill_layer_eager", dict(prefill_fn=block_forward))]
+                ("_prefill_compiled", dict(prefill_fn=compiled_prefill_layer()))]
         keep = dict(prefill_graph_max=gen.prefill_graph_max, first_token_triton=True,
                     prefill_fn=gen.prefill_fn)
         for suffix, attrs in runs:
@@ -953,8 +955,8 @@ def table(res: dict) -> str:
         f"step) | {num('gen_layer_b1_b1')} | |",
         f"| **now** (default): + all-Triton batch-1 step | **{num('gen_b1')}** | "
         f"**{num('gen_b256')}** |",
-        f"| the same with the prefill's layer eager (before it was compiled) | | "
-        f"{num('gen_prefill_layer_eager_b256')} |",
+        f"| the same with the prefill's layer compiled (--compile-prefill) | | "
+        f"{num('gen_prefill_compiled_b256')} |",
         "| target | 1,000 | 50,000 |",
         f"| GPU time of one decode step, every row at position 383, ms (now / before) | "
         f"{num('gen_step_ms_b1', 3)} / {num('gen_before_step_ms_b1', 3)} | "
@@ -1005,8 +1007,8 @@ def table(res: dict) -> str:
                 ("gen_b1_eager_prefill", "eager prefill, first token by the Triton sampler"),
                 ("gen_b1_no_pdl", "prefill from a CUDA graph + Triton sampler, no programmatic "
                  "dependent launch (before)"),
-                ("gen_b1_prefill_layer_eager", "prefill from a CUDA graph of the eager layer "
-                 "(before it was compiled)"),
+                ("gen_b1_prefill_compiled", "the same with the prefill's layer compiled "
+                 "(--compile-prefill)"),
                 ("gen_b1", "**now** (default): prefill from a CUDA graph + Triton sampler, "
                  "kernels launched programmatically dependent")):
             if key + "_b1" in res:

@@ -108,11 +108,19 @@ def _bucket(n: int, cap: int, sizes) -> int:
     return cap
 
 
+def compiled_prefill_layer():
+    """block_forward compiled for the prefill (dynamic shapes). Not whole: with dynamic shapes
+    the head counts are symbolic and SDPA's enable_gqa takes only a bool, so the attention runs
+    between two compiled halves, as in the training layer."""
+    return torch.compile(block_forward, dynamic=True)
+
+
 class Generator:
     """Owns the KV cache and the decode graphs; driven by one thread (engine.Worker)."""
 
     def __init__(self, model: Transformer, tokenizer, eos: list[int], *, slots: int, max_len: int,
                  cuda_graphs: bool, compile_layers: bool, prefill_tokens: int,
+                 compile_prefill: bool = False,
                  length_bucket: int = 64, triton: bool = False, fused_b1: bool = False,
                  prefill_graph_max: int = 0, prefix_rows: int = 0, prefix_min: int = 16):
         self.model = model
@@ -141,16 +149,15 @@ class Generator:
                 self.post_fn = torch.compile(decode_post, fullgraph=True, dynamic=True)
             else:
                 self.layer_fn = torch.compile(decode_layer, fullgraph=True, dynamic=True)
-        # The prefill's layer: compiled with the decode layers, its norms, rope and residual adds
-        # fuse into a few kernels (eagerly a layer is ~60 kernels, which bound a lone prompt's
-        # graph-captured prefill); the same arithmetic in another summation order, so its keys
-        # and values can differ from Score's forward pass in the last bits. Scoring and training
-        # keep their own layer functions. Not fullgraph: with dynamic shapes the head counts are
-        # symbolic and SDPA's enable_gqa takes only a bool, so the attention runs between two
-        # compiled halves (as in the training layer).
+        # The prefill's layer, compiled when asked (compile_prefill): its norms, rope and
+        # residual adds fuse into a few kernels (eagerly a layer is ~60 kernels, which bound a
+        # lone prompt's graph-captured prefill), at the price of compiling it on first use (once
+        # for a lone prompt, again for a batch). The same arithmetic in another summation order,
+        # so its keys and values can differ from Score's forward pass in the last bits; scoring
+        # and training keep their own layer functions.
         self.prefill_fn = block_forward
-        if compile_layers:
-            self.prefill_fn = torch.compile(block_forward, dynamic=True)
+        if compile_prefill:
+            self.prefill_fn = compiled_prefill_layer()
         self.k = self.v = None  # per layer [slots, kv_heads, max_len, head_dim], on first use
         # A lone prompt of at most prefill_graph_max tokens is prefilled padded to a multiple of
         # length_bucket, by a CUDA graph per bucket (_prefill_bucketed); 0: always eagerly.

@@ -119,16 +119,18 @@ def test_failure_falls_back_to_the_eager_prefill(model_dirs, engine):
 
 
 def test_a_compiled_prefill_layer_and_its_fallback(model_dirs, engine):
-    """The generator's prefill layer is a compiled copy of block_forward where the decode layers
-    are compiled (a GPU): traced by Dynamo with dynamic shapes (here with the aot_eager backend,
-    which runs the traced operations as they are) it generates what the eager layer generates, through the
+    """With --compile-prefill (on a GPU) the generator's prefill layer is a compiled copy of
+    block_forward. Traced by Dynamo with dynamic shapes (here with the eager backend, which runs
+    the traced operations as they are) it generates what the eager layer generates, through the
     bucketed and the batched prefill; a prefill layer that fails falls back to the eager layer,
     keeping the bucketed path."""
     from slimen_torch.model import block_forward
 
-    e = Engine(str(model_dirs["tiny-qwen3"]), Options(device="cpu", prefill_graph_max=128))
+    e = Engine(str(model_dirs["tiny-qwen3"]), Options(device="cpu", prefill_graph_max=128,
+                                                      compile_prefill=True))
     try:
         gen = e.gen
+        assert gen.prefill_fn is block_forward  # --compile-prefill compiles on a GPU only
         gen.prefill_fn = torch.compile(block_forward, dynamic=True, backend="eager")
         reqs = [r for r in requests(e.cfg.vocab_size) if r.sampling.top_p == 1]
         for got, want in (([c for r in reqs for c in e.generate([r])],
