@@ -477,6 +477,7 @@ def sec_gen_b1(a, res):
                 res[f"{prefix}{suffix}_admit_ms"], "ms")
         for k, v in keep.items():
             setattr(gen, k, v)
+        gen.pf_graphs.clear()  # the last run's were captured with its prefill layer
         if torch.cuda.is_available():
             # The same engine without programmatic dependent launch (kernels._pdl): each kernel
             # of the step starts only when the previous one has finished, as before.
