@@ -690,11 +690,9 @@ class Generator:
             self.k[layer][dst, :, :T] = k[src]
             self.v[layer][dst, :, :T] = v[src]
 
-        lora_rows = adapters and self._lora()
-        with self.model.using(self._rows(adapters) if lora_rows else None):
-            # Adapters run the eager layer: the compiled one was traced without them.
-            hidden = self._uncompiling(lambda: self.model(
-                tokens, kv_sink=sink, block_fn=None if lora_rows else self.prefill_fn))
+        with self.model.using(self._rows(adapters) if adapters and self._lora() else None):
+            hidden = self._uncompiling(lambda: self.model(tokens, kv_sink=sink,
+                                                          block_fn=self.prefill_fn))
         last = torch.tensor([len(p) - 1 for p in prompts], device=self.device)
         return self.model.logits(hidden[torch.arange(len(prompts), device=self.device), last])
 

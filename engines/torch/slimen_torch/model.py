@@ -264,15 +264,18 @@ class Transformer(nn.Module):
 
         Rows may be right-padded: causal attention keeps padding from reaching real tokens.
         kv_sink(layer, k, v), when given, receives every layer's keys and values (prefill).
-        block_fn: the layer function of an inference pass (default block_forward: the
-        transformers-order arithmetic; the generator's prefill passes a compiled copy).
+        block_fn: the layer function of an inference pass without adapters (default
+        block_forward: the transformers-order arithmetic; the generator's prefill passes a
+        compiled copy).
         """
         T = tokens.shape[1]
         x = F.embedding(tokens, self.embed)
         cos, sin = self.cos[:T], self.sin[:T]
         train = self.training
-        # Adapters run the eager layer: the compiled one was traced without them.
-        fn = self.train_block_fn if train and self.lora is None else (block_fn or block_forward)
+        # Adapters run the eager layer: a compiled one was traced without them.
+        fn = block_forward
+        if self.lora is None:
+            fn = self.train_block_fn if train else (block_fn or block_forward)
         kw = {"norm": self.train_norm} if train and self.train_norm is not rms_norm else {}
         for i, layer in enumerate(self.layers):
             if self.call_layers and train and self.lora is None:
