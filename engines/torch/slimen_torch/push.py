@@ -139,6 +139,15 @@ def _nbytes(bufs: dict) -> int:
     return sum(b.numel() * b.element_size() for b in bufs.values())
 
 
+def _broadcast_each(ps: list[torch.Tensor], g) -> int:
+    """Rank 0's tensors ps into every member's, one broadcast each, in place; the bytes sent."""
+    import torch.distributed as dist
+
+    for p in ps:
+        dist.broadcast(p.detach(), src=0, group=g)
+    return sum(p.numel() * p.element_size() for p in ps)
+
+
 def _views(buf: torch.Tensor, ps: list[torch.Tensor]) -> list[torch.Tensor]:
     """buf (a flat buffer of the parameters ps, in order) as one view per parameter."""
     return [s.view(p.shape) for s, p in zip(buf.split([p.numel() for p in ps]), ps)]
@@ -316,9 +325,7 @@ class Group:
             if not ps:
                 continue
             if self._direct(link):
-                for p in ps:
-                    dist.broadcast(p.detach(), src=0, group=g)
-                    nbytes += p.numel() * p.element_size()
+                nbytes += _broadcast_each(ps, g)
                 continue
             flat = torch.cat([p.detach().reshape(-1) for p in ps]).to(dev)
             dist.broadcast(flat, src=0, group=g)
@@ -395,9 +402,7 @@ class Group:
             if not ps:
                 continue
             if self._direct(link):
-                for p in ps:
-                    dist.broadcast(p.data, src=0, group=g)
-                    nbytes += p.numel() * p.element_size()
+                nbytes += _broadcast_each(ps, g)
                 continue
             buf = torch.empty(sum(p.numel() for p in ps), dtype=dt, device=dev)
             dist.broadcast(buf, src=0, group=g)
