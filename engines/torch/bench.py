@@ -792,6 +792,17 @@ def sec_profile(a, res):
         host_profile(eng, b, out, res)
     finally:
         eng.close()
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    eng = Engine(a.model, Options(device=a.device, slots=1))
+    try:  # the same step with the layer traced whole (section train_whole)
+        trace_whole(eng)
+        eng.train(b)
+        eng.train(b)
+        profiled(lambda: eng.train(b), out, "train_whole_8x", res)
+    finally:
+        eng.close()
 
 
 def sec_train(a, res):
@@ -805,15 +816,17 @@ def sec_train_whole(a, res):
     """The default step with its compiled layer traced whole: SDPA's enable_gqa given as a
     constant (functools.partial), so the attention sits inside the graph instead of between two
     compiled halves (what `train` runs: with dynamic shapes the head counts are symbolic)."""
+    train_bench(a, res, "train_whole", {}, setup=trace_whole)
+
+
+def trace_whole(eng) -> None:
+    """Compiles eng's training layer with SDPA's enable_gqa a constant (traced whole)."""
     import functools
     from slimen_torch.train import COMPILE_OPTIONS
-
-    def whole(eng):
-        cfg = eng.cfg
-        eng.trainer.model.train_block_fn = torch.compile(
-            functools.partial(block_forward, gqa=cfg.heads != cfg.kv_heads), dynamic=True,
-            options=COMPILE_OPTIONS if torch.cuda.is_available() else None)
-    train_bench(a, res, "train_whole", {}, setup=whole)
+    cfg = eng.cfg
+    eng.trainer.model.train_block_fn = torch.compile(
+        functools.partial(block_forward, gqa=cfg.heads != cfg.kv_heads), dynamic=True,
+        options=COMPILE_OPTIONS if torch.cuda.is_available() else None)
 
 
 def sec_train_eager(a, res):
