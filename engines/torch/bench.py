@@ -61,8 +61,11 @@ Not in the default list (select with --sections):
   sweep_b1       the batch-1 step's tunables on one engine (the products' tile and warps, the
                  attention's split length): tok/s and the captured step's GPU time of each
 
-  train_whole    the default training step with its compiled layer traced whole (the attention
-                 inside the graph; `train` breaks it around the attention): run beside `train`
+  sweep_attn     the batched decode attention's tile, warps and pipeline stages: the kernel
+                 alone at batch 256 (ms, share of HBM bandwidth) and tok/s of the fastest three
+
+  train_split    before the layer was traced whole: the training layer compiled with the
+                 attention between two compiled halves (SDPA's grouping left symbolic)
 
 Results: DIR/bench.json (everything, errors included), DIR/bench.md (the table, also printed last),
 DIR/bench.log (all output). A dry run on the CPU: --device cpu --shape tiny --new 8 --train-len 64
@@ -104,7 +107,7 @@ SECTIONS = {
     "kernels": 45, "gen": 110, "train": 100, "train_eager": 40, "gen_before": 90,
     "train_before": 40, "hf": 60, "train_regional": 60, "gen_layer_b1": 60,
     "train_static": 60, "gen_b1": 60, "first_step": 300, "first_step_run": 150,
-    "profile": 150, "sweep_b1": 120, "train_whole": 100,
+    "profile": 150, "sweep_b1": 120, "train_split": 100, "sweep_attn": 120,
 }
 DEFAULT_SECTIONS = ["kernels", "gen", "train", "train_eager", "gen_before", "train_before", "hf",
                     "train_regional", "gen_layer_b1", "train_static"]
@@ -383,7 +386,7 @@ def gen_section(a, res, prefix, opts, b256=True, extra=True):
             log(prefix, "b256", res[f"{prefix}_b256"])
             if prefix == "gen" and torch.cuda.is_available():
                 # The same engine with the prefill's layer compiled (--compile-prefill).
-                default, eng.gen.prefill_fn = eng.gen.prefill_fn, compiled_prefill_layer()
+                default, eng.gen.prefill_fn = eng.gen.prefill_fn, compiled_prefill_layer(eng.cfg)
                 res[f"{prefix}_prefill_compiled_b256"] = ours_generate(eng, 256, a.new)
                 eng.gen.prefill_fn = default
                 log(prefix, "b256 with the prefill layer compiled",
@@ -461,7 +464,7 @@ def sec_gen_b1(a, res):
         acc = admit_timer(gen)
         runs = [("", {}), ("_eager_prefill", dict(prefill_graph_max=0)),
                 ("_before", dict(prefill_graph_max=0, first_token_triton=False)),
-                ("_prefill_compiled", dict(prefill_fn=compiled_prefill_layer()))]
+                ("_prefill_compiled", dict(prefill_fn=compiled_prefill_layer(eng.cfg)))]
         keep = dict(prefill_graph_max=gen.prefill_graph_max, first_token_triton=True,
                     prefill_fn=gen.prefill_fn)
         for suffix, attrs in runs:
@@ -541,6 +544,56 @@ def sec_sweep_b1(a, res):
         K.GEMV_TILE, K.GEMV_WARPS, K.ATTN_MIN_SPLIT = default
         eng.close()
     res["sweep_b1"] = rows
+
+
+def sec_sweep_attn(a, res):
+    """The batched decode attention's launch on this GPU (kernels.ATTN_BL positions a tile,
+    ATTN_WARPS, ATTN_STAGES): the kernel alone at batch 256, every row at position 192 of the
+    model's heads (ms and the share of the GPU's HBM bandwidth its key/value reads reach, against
+    the bytes-per-second figure measured here by a device copy), then tok/s at batch 256 for the
+    default and the three fastest (sweep_attn in bench.json)."""
+    eng = Engine(a.model, Options(device=a.device, slots=256, max_seq_len=PROMPT + a.new))
+    cfg, dev = eng.cfg, eng.gen.device
+    B, L, pos = 256, PROMPT + a.new, (PROMPT + a.new) // 2
+    dt = eng.model.embed.dtype
+    g = torch.Generator(device=dev).manual_seed(0)
+    kc, vc = (torch.randn(B, cfg.kv_heads, L, cfg.head_dim, generator=g, device=dev, dtype=dt)
+              for _ in range(2))
+    q = torch.randn(B, cfg.heads, cfg.head_dim, generator=g, device=dev, dtype=dt)
+    kn, vn = (torch.randn(B, cfg.kv_heads, cfg.head_dim, generator=g, device=dev, dtype=dt)
+              for _ in range(2))
+    p = torch.full((B,), pos, dtype=eng.gen.pos.dtype, device=dev)
+    kv_bytes = 2 * B * cfg.kv_heads * (pos + 1) * cfg.head_dim * kc.element_size()
+    big = torch.empty(1 << 28, dtype=torch.uint8, device=dev)  # 256 MiB, read and written
+    copy_bw = 2 * big.numel() / (timed(lambda: big.clone(), 10) / 1e3)
+    del big
+    default = (K.ATTN_BL, K.ATTN_WARPS, K.ATTN_STAGES)
+    configs = [default] + [(bl, w, st) for bl in (32, 64, 128) for w in (2, 4, 8)
+                           for st in (1, 2, 3, 4)]
+    rows = []
+    try:
+        for bl, w, st in configs:
+            K.ATTN_BL, K.ATTN_WARPS, K.ATTN_STAGES = bl, w, st
+            row = {"bl": bl, "warps": w, "stages": st}
+            try:
+                ms = timed(lambda: K.decode_attention(q, kn, vn, kc, vc, p, L,
+                                                      cfg.head_dim ** -0.5))
+                row.update(ms=ms, bw_share=kv_bytes / (ms / 1e3) / copy_bw)
+            except Exception as e:
+                row["error"] = repr(e)[:300]
+            rows.append(row)
+            log("sweep_attn", row)
+        fast = sorted((r for r in rows[1:] if "ms" in r), key=lambda r: r["ms"])[:3]
+        for r in [rows[0]] + fast:
+            K.ATTN_BL, K.ATTN_WARPS, K.ATTN_STAGES = r["bl"], r["warps"], r["stages"]
+            eng.gen.graphs.clear()
+            r["b256"] = ours_generate(eng, 256, a.new)
+            log("sweep_attn b256", r)
+    finally:
+        K.ATTN_BL, K.ATTN_WARPS, K.ATTN_STAGES = default
+        eng.close()
+    res["sweep_attn"] = rows
+    res["sweep_attn_copy_gbps"] = copy_bw / 1e9
 
 
 def sec_gen_layer_b1(a, res):
@@ -796,11 +849,11 @@ def sec_profile(a, res):
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     eng = Engine(a.model, Options(device=a.device, slots=1))
-    try:  # the same step with the layer traced whole (section train_whole)
-        trace_whole(eng)
+    try:  # the same step with the graph broken around the attention (section train_split)
+        split_layer(eng)
         eng.train(b)
         eng.train(b)
-        profiled(lambda: eng.train(b), out, "train_whole_8x", res)
+        profiled(lambda: eng.train(b), out, "train_split_8x", res)
     finally:
         eng.close()
 
@@ -812,20 +865,17 @@ def sec_train(a, res):
     train_bench(a, res, "train_16x", {}, samples=16, micro=16 * a.train_len)
 
 
-def sec_train_whole(a, res):
-    """The default step with its compiled layer traced whole: SDPA's enable_gqa given as a
-    constant (functools.partial), so the attention sits inside the graph instead of between two
-    compiled halves (what `train` runs: with dynamic shapes the head counts are symbolic)."""
-    train_bench(a, res, "train_whole", {}, setup=trace_whole)
+def sec_train_split(a, res):
+    """The default step as it was before its layer was traced whole (split_layer)."""
+    train_bench(a, res, "train_split", {}, setup=split_layer)
 
 
-def trace_whole(eng) -> None:
-    """Compiles eng's training layer with SDPA's enable_gqa a constant (traced whole)."""
-    import functools
+def split_layer(eng) -> None:
+    """Compiles eng's training layer with SDPA's grouping left to the config's (symbolic) head
+    counts: Dynamo breaks the graph around the attention (the default before whole_block)."""
     from slimen_torch.train import COMPILE_OPTIONS
-    cfg = eng.cfg
     eng.trainer.model.train_block_fn = torch.compile(
-        functools.partial(block_forward, gqa=cfg.heads != cfg.kv_heads), dynamic=True,
+        block_forward, dynamic=True,
         options=COMPILE_OPTIONS if torch.cuda.is_available() else None)
 
 
@@ -853,7 +903,7 @@ def sec_first_step_run(a, res):
     logging.basicConfig(level=logging.INFO, stream=sys.stdout,
                         format="%(asctime)s slimen_torch %(levelname)s %(message)s")
     t = time.perf_counter()
-    eng = Engine(a.model, Options(device=a.device))
+    eng = Engine(a.model, Options(device=a.device, compile_prefill=a.compile_prefill))
     res["build_s"] = time.perf_counter() - t
     try:
         st = eng.compile_cache
@@ -905,7 +955,8 @@ def sec_first_step(a, res):
                             "SLIMEN_COMPILE_CACHE", "SLIMEN_COMPILE_CACHE_IN_USE")}
         env.update(extra, PYTHONUNBUFFERED="1")
         cmd = [sys.executable, __file__, "--section", "first_step_run", "--model", str(a.model),
-               "--out", str(a.out), "--device", a.device, "--train-len", str(a.train_len)]
+               "--out", str(a.out), "--device", a.device, "--train-len", str(a.train_len)] + \
+            (["--compile-prefill"] if a.compile_prefill else [])
         t = time.perf_counter()
         try:
             subprocess.run(cmd, env=env, timeout=SECTIONS["first_step_run"] * 2, check=False)
@@ -1076,6 +1127,8 @@ def main():
     ap.add_argument("--shape", default="qwen3-0.6b")
     ap.add_argument("--new", type=int, default=256)
     ap.add_argument("--train-len", type=int, default=2048)
+    ap.add_argument("--compile-prefill", action="store_true",
+                    help="section first_step: the worker's --compile-prefill on")
     ap.add_argument("--budget", type=float, default=540, help="seconds for all sections")
     ap.add_argument("--sections", default=",".join(DEFAULT_SECTIONS),
                     help="comma-separated, from: " + ", ".join(SECTIONS))

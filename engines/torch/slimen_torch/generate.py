@@ -46,7 +46,8 @@ import torch.nn.functional as F
 
 from . import kernels, lora, sampling
 from .model import (Transformer, block_forward, decode_layer, decode_post, decode_pre,
-                    decode_step, decode_step_b1, decode_step_split, mlp, project_qkv, rms_norm)
+                    decode_step, decode_step_b1, decode_step_split, mlp, project_qkv, rms_norm,
+                    whole_block)
 from .types import Completion
 
 log = logging.getLogger("slimen_torch")
@@ -108,11 +109,9 @@ def _bucket(n: int, cap: int, sizes) -> int:
     return cap
 
 
-def compiled_prefill_layer():
-    """block_forward compiled for the prefill (dynamic shapes). Not whole: with dynamic shapes
-    the head counts are symbolic and SDPA's enable_gqa takes only a bool, so the attention runs
-    between two compiled halves, as in the training layer."""
-    return torch.compile(block_forward, dynamic=True)
+def compiled_prefill_layer(cfg):
+    """The prefill's layer compiled (dynamic shapes), traced whole (model.whole_block)."""
+    return torch.compile(whole_block(cfg), dynamic=True)
 
 
 class Generator:
@@ -157,7 +156,7 @@ class Generator:
         # and training keep their own layer functions.
         self.prefill_fn = block_forward
         if compile_prefill:
-            self.prefill_fn = compiled_prefill_layer()
+            self.prefill_fn = compiled_prefill_layer(model.cfg)
         self.k = self.v = None  # per layer [slots, kv_heads, max_len, head_dim], on first use
         # A lone prompt of at most prefill_graph_max tokens is prefilled padded to a multiple of
         # length_bucket, by a CUDA graph per bucket (_prefill_bucketed); 0: always eagerly.

@@ -450,6 +450,11 @@ if HAVE_TRITON:
 ATTN_MIN_SPLIT = 64  # positions; attention_splits' default (module-level so a benchmark can sweep it)
 GEMV_TILE = 8192  # elements of a batch-1 product's tile (_gemv_blocks)
 GEMV_WARPS = 4
+# The batched decode attention's launch (module-level so a benchmark can sweep them): positions a
+# tile (0: 64, or 32 for heads over 128 wide), warps, and software-pipeline stages (0: Triton's).
+ATTN_BL = 0
+ATTN_WARPS = 4
+ATTN_STAGES = 0
 
 
 def attention_splits(B: int, kv_heads: int, L: int, min_split: int = 0) -> int:
@@ -476,7 +481,7 @@ def decode_attention(q, k_new, v_new, k_cache, v_cache, pos, L: int, scale: floa
     group = H // KV
     if nsplit <= 0:
         nsplit = attention_splits(B, KV, L)
-    BL = 64 if D <= 128 else 32
+    BL = ATTN_BL or (64 if D <= 128 else 32)
     split_len = -(-L // nsplit)
     split_len = -(-split_len // BL) * BL
     nsplit = -(-L // split_len)
@@ -506,7 +511,8 @@ def decode_attention(q, k_new, v_new, k_cache, v_cache, pos, L: int, scale: floa
         o.stride(0), o.stride(1), cos.stride(0) if rope is not None else 0, scale, eps,
         split_len, H, GROUP=group, GP=max(16, _pow2(group)), D=D, DP=DP, BL=BL,
         NSPLIT=nsplit, F32DOT=INTERPRET or q.dtype == torch.float32, ROPE=rope is not None,
-        QK_NORM=qk_norm, PDL=pdl, launch_pdl=pdl, num_warps=4)
+        QK_NORM=qk_norm, PDL=pdl, launch_pdl=pdl, num_warps=ATTN_WARPS,
+        **({"num_stages": ATTN_STAGES} if ATTN_STAGES else {}))
     if nsplit > 1:
         _decode_attn_combine[(B, H)](part, ml, o, o.stride(0), o.stride(1), H, D=D, DP=DP,
                                      NSPLIT=nsplit, NSP=max(2, _pow2(nsplit)), PDL=pdl,

@@ -16,6 +16,7 @@ tables in fp32 cast to the activation dtype), which is what the logit-parity tes
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 
 import torch
@@ -125,7 +126,7 @@ def block_forward(cfg: ModelConfig, x, w: tuple, cos, sin, qkv_fn=None, mlp_fn=N
     mlp (compiled versions of them: Trainer's regional compile); norm replaces rms_norm. gqa:
     whether the heads are grouped (default: from cfg). Compiled with dynamic shapes, cfg's head
     counts are symbolic and SDPA takes only a bool, so Dynamo breaks the graph around the
-    attention; a bool given here (functools.partial) is a constant and keeps the layer whole."""
+    attention; a bool given here (whole_block) is a constant and keeps the layer whole."""
     q, k, v = (qkv_fn or project_qkv)(cfg, w, x, cos, sin, norm)  # [B, T, heads, D]
     q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
     o = F.scaled_dot_product_attention(
@@ -134,6 +135,14 @@ def block_forward(cfg: ModelConfig, x, w: tuple, cos, sin, qkv_fn=None, mlp_fn=N
     o = o.transpose(1, 2).flatten(2)
     x = x + linear(o, w[5], w[6])
     return x + (mlp_fn or mlp)(cfg, w, x, norm), k, v
+
+
+def whole_block(cfg: ModelConfig):
+    """block_forward with the grouping of cfg's heads a constant: what the trainer and the
+    prefill compile. Traced whole, the attention sits inside the layer's graph; with the
+    grouping left to cfg's (symbolic) head counts it would split the graph in two, and the
+    training layer would pay three layout copies a layer at the seams (docs/performance.md)."""
+    return functools.partial(block_forward, gqa=cfg.heads != cfg.kv_heads)
 
 
 def project_qkv(cfg: ModelConfig, w: tuple, x, cos, sin, norm=rms_norm):

@@ -23,7 +23,7 @@ import torch
 
 from . import kernels
 from . import loss as L
-from .model import Transformer, block_forward, copy_tensors, mlp, project_qkv
+from .model import Transformer, block_forward, copy_tensors, mlp, project_qkv, whole_block
 from .types import Batch, RequestError, Sample, TrainStats
 
 log = logging.getLogger("slimen_torch")
@@ -213,8 +213,8 @@ class Trainer:
         self.logprob_fn = token_logprobs
         opts = COMPILE_OPTIONS if self.cuda else None
         if mode in ("block", "block-static"):
-            self.model.train_block_fn = torch.compile(block_forward, dynamic=mode == "block",
-                                                      options=opts)
+            self.model.train_block_fn = torch.compile(whole_block(self.model.cfg),
+                                                      dynamic=mode == "block", options=opts)
             if not self.fused_head:
                 self.logprob_fn = torch.compile(token_logprobs, dynamic=True, options=opts)
         elif mode == "regional":

@@ -6,7 +6,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from slimen_torch.engine import Engine
-from slimen_torch.model import decode_layer, decode_step
+from slimen_torch.model import block_forward, decode_layer, decode_step, whole_block
 from slimen_torch.tokenizer import Tokenizer
 
 SHAPES = ["tiny", "tiny-qwen3", "tiny-qwen2"]
@@ -145,3 +145,24 @@ def test_save_after_the_model_folder_is_gone(model_dirs, tmp_path):
     hf = AutoTokenizer.from_pretrained(saved)
     assert hf.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True) == \
         orig_tok.render(msgs)
+
+
+def test_the_compiled_layer_is_traced_whole(engines):
+    """whole_block, the layer the trainer and --compile-prefill compile: Dynamo traces it with
+    dynamic shapes as one graph (fullgraph=True raises at a graph break; with the heads'
+    grouping left symbolic SDPA breaks it), computing block_forward's values and gradients."""
+    m = engines["tiny-qwen3"].model
+    cfg = m.cfg
+    assert cfg.heads != cfg.kv_heads  # grouped heads: the case that used to break
+    fn = torch.compile(whole_block(cfg), dynamic=True, fullgraph=True, backend="eager")
+    g = torch.Generator().manual_seed(2)
+    for T in (5, 9, 13):  # new lengths run the same dynamic graph
+        x = torch.randn(2, T, cfg.hidden, generator=g, requires_grad=True)
+        w = m.layer_weights(0)
+        outs = []
+        for f in (fn, block_forward):
+            y, k, v = f(cfg, x, w, m.cos[:T], m.sin[:T])
+            (gx,) = torch.autograd.grad((y * y).sum() + k.sum() + v.sum(), x)
+            outs.append((y, k, v, gx))
+        for a, b in zip(*outs):
+            assert torch.allclose(a, b, atol=1e-5, rtol=1e-5)
