@@ -267,12 +267,14 @@ class Generator:
                 r.cancelled = True
                 r.on_error("INTERNAL", message)
 
-    def reset(self) -> None:
-        """Forgets captured graphs (after the model's tensors were replaced)."""
-        self.flush()
-        self.forget_prefixes()
-        self.graphs.clear()
-        self.pf_graphs.clear()
+    def _graph_pool(self):
+        """The memory pool the graphs share: a new one when no captured graph holds the last
+        (after the graphs were dropped, e.g. the Triton kernels' fallback). Reopening a pool all
+        of whose graphs were destroyed trips an internal assert of PyTorch's allocator
+        ("use_count > 0"), failing the capture."""
+        if self.pool is None or not (self.graphs or self.pf_graphs):
+            self.pool = torch.cuda.graph_pool_handle()
+        return self.pool
 
     def forget_prefixes(self) -> int:
         """Drops every kept row (the weights changed: their keys and values are stale); returns
@@ -788,10 +790,8 @@ class Generator:
         with torch.cuda.stream(stream):
             self._prefill_static(Tb)
         torch.cuda.current_stream().wait_stream(stream)
-        if self.pool is None:
-            self.pool = torch.cuda.graph_pool_handle()
         g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g, pool=self.pool, capture_error_mode="thread_local"):
+        with torch.cuda.graph(g, pool=self._graph_pool(), capture_error_mode="thread_local"):
             self._prefill_static(Tb)
         log.info("captured prefill graph length=%d", Tb)
         return g
@@ -877,12 +877,10 @@ class Generator:
         torch.cuda.current_stream().wait_stream(stream)
         for t, s in zip((self.tok, self.pos, self.step_idx), saved):
             t.copy_(s)
-        if self.pool is None:
-            self.pool = torch.cuda.graph_pool_handle()
         g = torch.cuda.CUDAGraph()
         # Every graph writes its results into the buffers above, so graphs may share scratch
         # memory and be replayed in any order.
-        with torch.cuda.graph(g, pool=self.pool, capture_error_mode="thread_local"):
+        with torch.cuda.graph(g, pool=self._graph_pool(), capture_error_mode="thread_local"):
             self._decode(B, L, use_top_p)
         log.info("captured decode graph rows=%d length=%d top_p=%s", B, L, use_top_p)
         return g

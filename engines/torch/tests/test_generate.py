@@ -4,7 +4,7 @@ log-probs that equal the forward pass."""
 import pytest
 import torch
 
-from slimen_torch.engine import Engine
+from slimen_torch.engine import Engine, Options
 from slimen_torch.types import GenerateRequest, Sampling, ScoreRequest
 
 USER = [{"role": "user", "content": "Ann has 12 pens and gets 7 more. How many pens?"}]
@@ -68,8 +68,25 @@ def test_logprobs_equal_the_forward_pass(engine):
     assert scores[2] == []
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_graphs_are_captured_again_after_all_were_dropped(model_dirs):
+    """After every captured graph is dropped (the Triton kernels' fallback drops the decode
+    graphs), the next generation captures new ones and samples what it sampled before. Reopening
+    the memory pool of destroyed graphs failed in PyTorch's allocator ("use_count > 0")."""
+    e = Engine(str(model_dirs["tiny-qwen3"]), Options(device="cuda:0", dtype="bfloat16"))
+    try:
+        a = e.generate([req("a", seed=3, n=4)])
+        assert e.gen.graphs
+        e.gen.graphs.clear()
+        e.gen.pf_graphs.clear()
+        b = e.generate([req("b", seed=3, n=4)])
+        assert e.gen.graphs and tokens_of(b) == tokens_of(a)
+    finally:
+        e.close()
+
+
 def test_length_and_stop_strings(noeos_dir):
-    from slimen_torch.engine import Engine
+    from slimen_torch.engine import Engine, Options
     e = Engine(str(noeos_dir))
     try:
         c = e.generate([req("len", seed=1, max_tokens=9)])[0]
