@@ -760,6 +760,16 @@ def profiled(fn, out: pathlib.Path, name: str, res: dict, reps: int = 1) -> None
             k[1] += e.time_range.elapsed_us()
             count += 1
     total = sum(v[1] for v in kern.values()) / 1e3 / reps  # ms
+    # Where the GPU sat idle: the gaps between one kernel's end and the next one's start (a
+    # long gap names the kernels around it; the host launched too late there).
+    spans = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                   if e.device_type == torch.autograd.DeviceType.CUDA)
+    gaps, end, before = [], None, ""
+    for st, en, n in spans:
+        if end is not None and st > end:
+            gaps.append((st - end, before, n))
+        if end is None or en > end:
+            end, before = en, n
     by_kind: dict = {}
     for n, (c, us) in kern.items():
         by_kind[kind_of(n)] = by_kind.get(kind_of(n), 0.0) + us / 1e3 / reps
@@ -770,6 +780,12 @@ def profiled(fn, out: pathlib.Path, name: str, res: dict, reps: int = 1) -> None
             f"{'ms a run':>10} {'calls':>6}  kernel"]
     for n, (c, us) in sorted(kern.items(), key=lambda x: -x[1][1])[:40]:
         rows.append(f"{us / 1e3 / reps:10.4f} {c / reps:6.0f}  {n[:150]}")
+    idle = sum(g[0] for g in gaps) / 1e3 / reps
+    rows.append(f"GPU idle between kernels: {idle:.3f} ms a run in {len(gaps) / reps:.0f} gaps; "
+                "the longest (µs, the kernel before → the one after):")
+    for us, a_, b_ in sorted(gaps, reverse=True)[:15]:
+        rows.append(f"{us:10.1f}  {a_[:70]} → {b_[:70]}")
+    res[f"profile_{name}_idle_ms"] = idle
     text = "\n".join(rows)
     (out / f"profile_{name}.txt").write_text(text + "\n")
     log(text)

@@ -684,9 +684,14 @@ class _LinearLogprobs(torch.autograd.Function):
             else:
                 gl = _grad_torch(logits, targets[a:b], stats[a:b], g[a:b], has_ent)
             if need_h:
-                grad_h[a:b] = gl @ weight
+                torch.mm(gl, weight, out=grad_h[a:b])
             if need_w:
-                grad_w += (gl.t() @ h[a:b]).float()
+                if gl.dtype == grad_w.dtype:
+                    grad_w.addmm_(gl.t(), h[a:b])
+                elif gl.is_cuda:  # the GEMM adds its bf16 product into the fp32 sum itself
+                    torch.addmm(grad_w, gl.t(), h[a:b], out_dtype=torch.float32, out=grad_w)
+                else:
+                    grad_w += (gl.t() @ h[a:b]).float()
             del logits, gl
         if need_h:
             grad_h = grad_h.to(ctx.hidden_dtype)

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from slimen_torch.engine import Engine, Options
+from slimen_torch.train import token_logprobs
 from slimen_torch.types import Batch, LossConfig, Sample, ScoreRequest
 
 
@@ -337,6 +338,31 @@ def test_a_training_step_waits_for_the_gpu_once(model_dirs):
         assert len(syncs) == 1, syncs
     finally:
         e.close()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_the_chunked_head_in_bf16_on_the_gpu():
+    """kernels.linear_logprobs in bf16 on a GPU, where each chunk's weight gradient is summed
+    into the fp32 total by the GEMM itself (addmm with out_dtype): log-probs and both gradients
+    against the fp32 head on the same bf16 values, in one chunk and in several."""
+    from slimen_torch import kernels as K
+    g = torch.Generator(device="cuda").manual_seed(3)
+    N, H, V = 300, 64, 5000
+    h = torch.randn(N, H, generator=g, device="cuda").bfloat16()
+    W = (torch.randn(V, H, generator=g, device="cuda") * 0.2).bfloat16()
+    tg = torch.randint(0, V, (N,), generator=g, device="cuda")
+    a = torch.randn(N, generator=g, device="cuda")
+    h32, W32 = h.float().requires_grad_(), W.float().requires_grad_()
+    lp, _ = token_logprobs(h32 @ W32.t(), tg)
+    want = torch.autograd.grad((lp * a).sum(), (h32, W32))
+    for budget in (1 << 24, 40 * V):  # one chunk, or eight
+        hb, Wb = h.clone().requires_grad_(), W.clone().requires_grad_()
+        lp2, _ = K.linear_logprobs(hb, Wb, tg, budget=budget)
+        got = torch.autograd.grad((lp2 * a).sum(), (hb, Wb))
+        assert got[1].dtype == torch.bfloat16
+        assert ((lp2 - lp).norm() / lp.norm()).item() < 1e-2
+        for x, y in zip(got, want):
+            assert ((x.float() - y).norm() / y.norm()).item() < 2e-2
 
 
 def test_a_step_decided_on_the_device_equals_the_host_decision(model_dirs):
