@@ -1,11 +1,15 @@
 """Our Llama/Qwen2/Qwen3 code against transformers on the same random weights (fp32, CPU), the
 decode path against the full forward pass, and the folders make-model writes."""
 
+import pathlib
+import subprocess
+import sys
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from slimen_torch.engine import Engine
+from slimen_torch.engine import Engine, Options
 from slimen_torch.model import block_forward, decode_layer, decode_step, whole_block
 from slimen_torch.tokenizer import Tokenizer
 
@@ -147,22 +151,37 @@ def test_save_after_the_model_folder_is_gone(model_dirs, tmp_path):
         orig_tok.render(msgs)
 
 
-def test_the_compiled_layer_is_traced_whole(engines):
+def check_traced_whole(model_dir: str) -> None:
+    """The body of test_the_compiled_layer_is_traced_whole, run in a fresh process."""
+    e = Engine(model_dir, Options(device="cpu"))
+    try:
+        m, cfg = e.model, e.cfg
+        assert cfg.heads != cfg.kv_heads  # grouped heads: the case that used to break
+        fn = torch.compile(whole_block(cfg), dynamic=True, fullgraph=True, backend="eager")
+        g = torch.Generator().manual_seed(2)
+        for T in (5, 9, 13):  # new lengths run the same dynamic graph
+            x = torch.randn(2, T, cfg.hidden, generator=g, requires_grad=True)
+            w = m.layer_weights(0)
+            outs = []
+            for f in (fn, block_forward):
+                y, k, v = f(cfg, x, w, m.cos[:T], m.sin[:T])
+                (gx,) = torch.autograd.grad((y * y).sum() + k.sum() + v.sum(), x)
+                outs.append((y, k, v, gx))
+            for a, b in zip(*outs):
+                assert torch.allclose(a, b, atol=1e-5, rtol=1e-5)
+    finally:
+        e.close()
+
+
+def test_the_compiled_layer_is_traced_whole(model_dirs):
     """whole_block, the layer the trainer and --compile-prefill compile: Dynamo traces it with
     dynamic shapes as one graph (fullgraph=True raises at a graph break; with the heads'
-    grouping left symbolic SDPA breaks it), computing block_forward's values and gradients."""
-    m = engines["tiny-qwen3"].model
-    cfg = m.cfg
-    assert cfg.heads != cfg.kv_heads  # grouped heads: the case that used to break
-    fn = torch.compile(whole_block(cfg), dynamic=True, fullgraph=True, backend="eager")
-    g = torch.Generator().manual_seed(2)
-    for T in (5, 9, 13):  # new lengths run the same dynamic graph
-        x = torch.randn(2, T, cfg.hidden, generator=g, requires_grad=True)
-        w = m.layer_weights(0)
-        outs = []
-        for f in (fn, block_forward):
-            y, k, v = f(cfg, x, w, m.cos[:T], m.sin[:T])
-            (gx,) = torch.autograd.grad((y * y).sum() + k.sum() + v.sum(), x)
-            outs.append((y, k, v, gx))
-        for a, b in zip(*outs):
-            assert torch.allclose(a, b, atol=1e-5, rtol=1e-5)
+    grouping left symbolic SDPA breaks it), computing block_forward's values and gradients.
+    In a fresh process: torch 2.11 on the CPU can crash in Dynamo when a process that compiled
+    on one thread (other tests' engines) compiles again on another."""
+    here = pathlib.Path(__file__).parent
+    code = (f"import sys; sys.path.insert(0, {str(here)!r}); import test_model; "
+            f"test_model.check_traced_whole({str(model_dirs['tiny-qwen3'])!r})")
+    r = subprocess.run([sys.executable, "-c", code], cwd=here.parent, capture_output=True,
+                       text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
