@@ -59,6 +59,10 @@ def main(argv=None) -> None:
                    help="keep up to ROWS finished samples' KV cache rows and prefill a new prompt "
                    "that starts with one's tokens from there (a conversation's turns); 0: off "
                    "(default; see docs/torch.md)")
+    s.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"],
+                   help="KV cache storage: auto (the model's dtype, default) or fp8 "
+                   "(float8_e4m3fn, scale 1.0: half the cache bytes, keys and values rounded to "
+                   "3 mantissa bits; see docs/torch.md)")
     s.add_argument("--prefix-min", type=int, default=16, metavar="TOKENS",
                    help="shortest cached prefix reused (default 16)")
     s.add_argument("--no-fused-head", action="store_true",

@@ -69,6 +69,12 @@ class Options:
     grad_checkpointing: bool = False  # recompute layer activations in the backward pass
     ref_model: str = ""  # the frozen KL reference; "" → the folder the engine started with
     kv_memory_fraction: float = 0.4  # share of free GPU memory the default cache may take
+    # The KV cache's storage dtype: "auto" the model's; "fp8" float8_e4m3fn with a per-tensor
+    # scale of 1.0 (vLLM's and SGLang's --kv-cache-dtype fp8 without calibration): half the
+    # bytes a decode step reads at bf16, keys and values rounded to 3 mantissa bits and
+    # saturated at ±448 (docs/torch.md). Every generation path supports it; scoring and
+    # training never read the cache.
+    kv_cache_dtype: str = "auto"
     # Prefix reuse across a conversation's turns (generate.py's module comment): up to this many
     # finished samples' cache rows are kept and a new prompt that starts with one's tokens (at
     # least prefix_min of them) is prefilled from there. 0: off (the default: with it on, a
@@ -91,6 +97,19 @@ def _dtype(name: str, device: torch.device) -> torch.dtype:
                 "fp32": torch.float32, "float16": torch.float16}[name]
     except KeyError:
         raise ValueError(f"dtype {name!r}: use bfloat16 or float32") from None
+
+
+KV_CACHE_DTYPES = ("auto", "fp8")
+
+
+def _kv_dtype(name: str, dtype: torch.dtype) -> torch.dtype:
+    """Options.kv_cache_dtype → the cache's dtype (dtype: the model's)."""
+    if name in ("", "auto"):
+        return dtype
+    if name == "fp8":
+        return torch.float8_e4m3fn
+    raise ValueError(f"kv_cache_dtype {name!r} (--kv-cache-dtype): use auto (the model's dtype) "
+                     f"or fp8 (float8_e4m3fn)")
 
 
 def _eos(raw: dict, tok: Tokenizer) -> list[int]:
@@ -120,6 +139,7 @@ class Engine:
             # bind that device by index (bind_thread).
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.dtype = _dtype(self.opts.dtype, self.device)
+        self.kv_dtype = _kv_dtype(self.opts.kv_cache_dtype, self.dtype)
         self._reference = None
         self._ref_dir = self.opts.ref_model or str(model_dir)
         # What info() reports as the model: the folder the engine started from, even after a
@@ -133,6 +153,9 @@ class Engine:
         self._push_group = None  # push.Group; made by join_push
         self._push_lock = threading.Lock()
         self._build(pathlib.Path(model_dir))
+        if self.kv_dtype != self.dtype:
+            log.info("KV cache in %s (kv_cache_dtype %s)", str(self.kv_dtype).removeprefix(
+                "torch."), self.opts.kv_cache_dtype)
         log.info("engine ready: %s on %s; %s", model_dir, self.device,
                  self.compile_cache.line() if self.compile_cache else "nothing compiled")
         self._cv = threading.Condition()
@@ -187,7 +210,8 @@ class Engine:
             prefill_tokens=o.prefill_tokens or (16384 if cuda else 2048),
             triton=use_kernels, fused_b1=use_kernels if o.fused_b1 is None else o.fused_b1,
             prefill_graph_max=(512 if cuda and o.cuda_graphs else 0) if o.prefill_graph_max is None
-            else o.prefill_graph_max, prefix_rows=o.prefix_cache, prefix_min=o.prefix_min)
+            else o.prefill_graph_max, prefix_rows=o.prefix_cache, prefix_min=o.prefix_min,
+            kv_dtype=self.kv_dtype)
 
     def _new_trainer(self, model: Transformer, **kw) -> Trainer:
         """The trainer of the model (dist.py's engine makes a sharded one)."""
@@ -197,7 +221,7 @@ class Engine:
         if self.device.type != "cuda":
             return 16
         c = self.cfg
-        per_row = 2 * c.layers * c.kv_heads * max_len * c.head_dim * self.dtype.itemsize
+        per_row = 2 * c.layers * c.kv_heads * max_len * c.head_dim * self.kv_dtype.itemsize
         free, _ = torch.cuda.mem_get_info(self.device)
         gen = getattr(self, "gen", None)
         if gen is not None and gen.k is None:

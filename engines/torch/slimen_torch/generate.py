@@ -46,8 +46,8 @@ import torch.nn.functional as F
 
 from . import kernels, lora, sampling
 from .model import (Transformer, block_forward, decode_layer, decode_post, decode_pre,
-                    decode_step, decode_step_b1, decode_step_split, mlp, project_qkv, rms_norm,
-                    whole_block)
+                    decode_step, decode_step_b1, decode_step_split, kv_bytes, kv_read, kv_store,
+                    kv_write, mlp, project_qkv, rms_norm, whole_block)
 from .types import Completion
 
 log = logging.getLogger("slimen_torch")
@@ -121,8 +121,13 @@ class Generator:
                  cuda_graphs: bool, compile_layers: bool, prefill_tokens: int,
                  compile_prefill: bool = False,
                  length_bucket: int = 64, triton: bool = False, fused_b1: bool = False,
-                 prefill_graph_max: int = 0, prefix_rows: int = 0, prefix_min: int = 16):
+                 prefill_graph_max: int = 0, prefix_rows: int = 0, prefix_min: int = 16,
+                 kv_dtype: torch.dtype | None = None):
         self.model = model
+        # The cache's storage dtype: the model's, or float8_e4m3fn (engine.Options.kv_cache_dtype
+        # "fp8"): every write casts with saturation (model.kv_store), every read converts back
+        # to the model's dtype (model.kv_read, the Triton kernel's loads).
+        self.kv_dtype = kv_dtype or model.embed.dtype
         self.tokenizer = tokenizer
         self.eos = set(eos)
         self.S, self.L = slots, max_len
@@ -318,7 +323,7 @@ class Generator:
             return
         cfg = self.model.cfg
         shape = (self.S, cfg.kv_heads, self.L, cfg.head_dim)
-        dt = self.model.embed.dtype
+        dt = self.kv_dtype
         # One tensor per layer: the compiled layer function sees the same kind of input each time.
         self.k = [torch.zeros(shape, dtype=dt, device=self.device) for _ in range(cfg.layers)]
         self.v = [torch.zeros(shape, dtype=dt, device=self.device) for _ in range(cfg.layers)]
@@ -353,11 +358,13 @@ class Generator:
         rows = [r for r in rows if not self.saved0[r]]
         if not rows:
             return
+        # (An fp8 cache's bytes: these are copies, and not every index kernel takes float8.)
+        ks, vs = [kv_bytes(t) for t in self.k], [kv_bytes(t) for t in self.v]
         if self.k0 is None:
-            self.k0 = [kc[:, :, 0].clone() for kc in self.k]
-            self.v0 = [vc[:, :, 0].clone() for vc in self.v]
+            self.k0 = [kc[:, :, 0].clone() for kc in ks]
+            self.v0 = [vc[:, :, 0].clone() for vc in vs]
         idx = torch.tensor(rows, device=self.device)
-        for kc, vc, k0, v0 in zip(self.k, self.v, self.k0, self.v0):
+        for kc, vc, k0, v0 in zip(ks, vs, self.k0, self.v0):
             k0[idx] = kc[idx, :, 0]
             v0[idx] = vc[idx, :, 0]
         for r in rows:
@@ -366,7 +373,7 @@ class Generator:
     def _restore_pos0(self, rows: list[int]) -> None:
         """Puts position 0 of idle rows back (before their prefix is read)."""
         idx = torch.tensor(rows, device=self.device)
-        for kc, vc, k0, v0 in zip(self.k, self.v, self.k0, self.v0):
+        for kc, vc, k0, v0 in zip(map(kv_bytes, self.k), map(kv_bytes, self.v), self.k0, self.v0):
             kc[idx, :, 0] = k0[idx]
             vc[idx, :, 0] = v0[idx]
 
@@ -663,10 +670,14 @@ class Generator:
             for i, (kc, vc) in enumerate(zip(self.k, self.v)):
                 w = m.layer_weights(i)
                 q, k, v = project_qkv(cfg, w, x, cos, sin)  # [B, T, heads, D]
-                kc[row[:, None], :, pos] = k
-                vc[row[:, None], :, pos] = v
+                kv_write(kc, (row[:, None], slice(None), pos), k)
+                kv_write(vc, (row[:, None], slice(None), pos), v)
+                # The prompt's new tokens attend to their own keys as the cache holds them
+                # (rounded to fp8 with an fp8 cache), as the decode steps will.
+                keys = kv_read(kc, (row, slice(None), slice(None, Lk)), x.dtype)
+                values = kv_read(vc, (row, slice(None), slice(None, Lk)), x.dtype)
                 o = F.scaled_dot_product_attention(
-                    q.transpose(1, 2), kc[row, :, :Lk], vc[row, :, :Lk], attn_mask=mask,
+                    q.transpose(1, 2), keys, values, attn_mask=mask,
                     scale=cfg.head_dim ** -0.5, enable_gqa=cfg.heads != cfg.kv_heads)
                 x = x + lora.linear(o.transpose(1, 2).flatten(2), w[5], w[6])
                 x = x + mlp(cfg, w, x)
@@ -688,8 +699,8 @@ class Generator:
 
         def sink(layer, k, v):
             # Every sample of a prompt gets a copy of the prompt's keys and values.
-            self.k[layer][dst, :, :T] = k[src]
-            self.v[layer][dst, :, :T] = v[src]
+            kv_write(self.k[layer], (dst, slice(None), slice(None, T)), k[src])
+            kv_write(self.v[layer], (dst, slice(None), slice(None, T)), v[src])
 
         with self.model.using(self._rows(adapters) if adapters and self._lora() else None):
             hidden = self._uncompiling(lambda: self.model(tokens, kv_sink=sink,
@@ -699,7 +710,7 @@ class Generator:
 
     def _copy_rows(self, src, dst, T: int) -> None:
         """The first T positions of cache row src [1] into the rows dst [m]."""
-        for kc, vc in zip(self.k, self.v):
+        for kc, vc in zip(map(kv_bytes, self.k), map(kv_bytes, self.v)):
             kc[dst, :, :T] = kc[src, :, :T]
             vc[dst, :, :T] = vc[src, :, :T]
 
@@ -777,8 +788,9 @@ class Generator:
         cos, sin = m.cos[:Tb], m.sin[:Tb]
         for layer, kc, vc in zip(m.layers, self.k, self.v):
             x, k, v = self.prefill_fn(cfg, x, layer.weights(), cos, sin)
-            kc[:, :, :Tb].index_copy_(0, row, k)
-            vc[:, :, :Tb].index_copy_(0, row, v)
+            # (index_copy_ takes no float8 on the CPU: an fp8 cache is written as its bytes.)
+            kv_bytes(kc)[:, :, :Tb].index_copy_(0, row, kv_bytes(kv_store(k, kc.dtype)))
+            kv_bytes(vc)[:, :, :Tb].index_copy_(0, row, kv_bytes(kv_store(v, vc.dtype)))
         h = rms_norm(x[0].index_select(0, last), m.norm, cfg.rms_eps)
         self.pf_logits.copy_(m.logits(h))
 

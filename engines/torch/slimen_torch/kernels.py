@@ -28,6 +28,8 @@ import os
 
 import torch
 
+from .model import kv_read, kv_write
+
 try:  # Triton comes with PyTorch's CUDA wheels on Linux; elsewhere the fallbacks run.
     import triton
     import triton.language as tl
@@ -59,6 +61,24 @@ if HAVE_TRITON and INTERPRET:
                            lambda self: int(self.handle.data.reshape(-1)[0]))
 
         _interp._patch_lang_tensor = _patch_lang_tensor
+    except AttributeError:  # pragma: no cover - another Triton version
+        pass
+    # Its fp32 → float8e4nv cast rounds half up and loses the carry into the exponent (7.87 →
+    # 4.0, not 8.0), where the GPU's cvt.rn rounds to nearest even as PyTorch's cast does: the
+    # fp8 KV cache's store is rounded by PyTorch here (tests only).
+    try:
+        import numpy as _np
+
+        _fp_to_fp = _interp.InterpreterBuilder.create_fp_to_fp
+
+        def _create_fp_to_fp(self, src, dst_type, rounding_mode):
+            if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.float8e4nv:
+                data = torch.from_numpy(_np.ascontiguousarray(src.data, dtype=_np.float32))
+                return _interp.TensorHandle(
+                    data.to(torch.float8_e4m3fn).view(torch.uint8).numpy(), dst_type.scalar)
+            return _fp_to_fp(self, src, dst_type, rounding_mode)
+
+        _interp.InterpreterBuilder.create_fp_to_fp = _create_fp_to_fp
     except AttributeError:  # pragma: no cover - another Triton version
         pass
 
@@ -117,7 +137,7 @@ if HAVE_TRITON:
                             GROUP: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
                             DP: tl.constexpr, BL: tl.constexpr, NSPLIT: tl.constexpr,
                             F32DOT: tl.constexpr, ROPE: tl.constexpr, QK_NORM: tl.constexpr,
-                            PDL: tl.constexpr = False):
+                            KV8: tl.constexpr = False, PDL: tl.constexpr = False):
         if PDL:
             gdc_launch_dependents()
             gdc_wait()
@@ -129,7 +149,7 @@ if HAVE_TRITON:
         end = tl.minimum(start + split_len, pos + 1)
         d = tl.arange(0, DP)
         dmask = d < D
-        dt = kc_ptr.dtype.element_ty
+        dt = q_ptr.dtype.element_ty  # the compute dtype (KV8: the cache holds float8_e4m3fn)
         kc = kc_ptr + b * sc_b + kvh * sc_h
         vc = vc_ptr + b * sc_b + kvh * sc_h
         if ROPE:
@@ -156,6 +176,12 @@ if HAVE_TRITON:
             else:
                 kn = tl.load(kp + d, mask=dmask)
             vn = tl.load(vn_ptr + b * svn_b + kvh * svn_h + d, mask=dmask)
+            if KV8:
+                # Saturated into fp8's finite range (a plain cast would make NaN of an outlier).
+                kn = tl.minimum(tl.maximum(kn.to(tl.float32), -448.0), 448.0)
+                vn = tl.minimum(tl.maximum(vn.to(tl.float32), -448.0), 448.0)
+                kn = kn.to(kc_ptr.dtype.element_ty)
+                vn = vn.to(vc_ptr.dtype.element_ty)
             tl.store(kc + pos * sc_l + d, kn, mask=dmask)
             tl.store(vc + pos * sc_l + d, vn, mask=dmask)
         tl.debug_barrier()
@@ -182,6 +208,9 @@ if HAVE_TRITON:
             kv_mask = valid[:, None] & dmask[None, :]
             k = tl.load(kc + p_i[:, None] * sc_l + d[None, :], mask=kv_mask, other=0.0)
             v = tl.load(vc + p_i[:, None] * sc_l + d[None, :], mask=kv_mask, other=0.0)
+            if KV8:
+                k = k.to(dt)
+                v = v.to(dt)
             if F32DOT:
                 k = k.to(tl.float32)
                 v = v.to(tl.float32)
@@ -475,7 +504,10 @@ def decode_attention(q, k_new, v_new, k_cache, v_cache, pos, L: int, scale: floa
     row) only sets the number of splits (nsplit, unless given). With rope = (q_norm, k_norm,
     cos, sin, eps) q and k_new are the raw projections: the kernel applies the q/k RMSNorm
     (when q_norm is not None) and the rotary embedding at pos (cos/sin: the model's fp32 tables)
-    as model.qkv_from_normed does."""
+    as model.qkv_from_normed does. The cache may hold float8_e4m3fn (engine.Options.kv_cache_dtype
+    "fp8") while q and the new key and value are in the compute dtype: the new ones are stored
+    saturated at ±448, the cached ones converted to the compute dtype as they are loaded."""
+    assert k_cache.dtype in (q.dtype, torch.float8_e4m3fn) and v_cache.dtype == k_cache.dtype
     B, H, D = q.shape
     KV = k_new.shape[1]
     group = H // KV
@@ -487,7 +519,7 @@ def decode_attention(q, k_new, v_new, k_cache, v_cache, pos, L: int, scale: floa
     nsplit = -(-L // split_len)
     DP = max(16, _pow2(D))
     pdl = _pdl(q.device)
-    o = torch.empty(q.shape, dtype=k_cache.dtype, device=q.device)
+    o = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if nsplit > 1:
         part = torch.empty(B * H * nsplit, DP, dtype=torch.float32, device=q.device)
         ml = torch.empty(B * H * nsplit, 2, dtype=torch.float32, device=q.device)
@@ -511,8 +543,8 @@ def decode_attention(q, k_new, v_new, k_cache, v_cache, pos, L: int, scale: floa
         o.stride(0), o.stride(1), cos.stride(0) if rope is not None else 0, scale, eps,
         split_len, H, GROUP=group, GP=max(16, _pow2(group)), D=D, DP=DP, BL=BL,
         NSPLIT=nsplit, F32DOT=INTERPRET or q.dtype == torch.float32, ROPE=rope is not None,
-        QK_NORM=qk_norm, PDL=pdl, launch_pdl=pdl, num_warps=ATTN_WARPS,
-        **({"num_stages": ATTN_STAGES} if ATTN_STAGES else {}))
+        QK_NORM=qk_norm, KV8=k_cache.dtype == torch.float8_e4m3fn, PDL=pdl, launch_pdl=pdl,
+        num_warps=ATTN_WARPS, **({"num_stages": ATTN_STAGES} if ATTN_STAGES else {}))
     if nsplit > 1:
         _decode_attn_combine[(B, H)](part, ml, o, o.stride(0), o.stride(1), H, D=D, DP=DP,
                                      NSPLIT=nsplit, NSP=max(2, _pow2(nsplit)), PDL=pdl,
@@ -525,9 +557,10 @@ def decode_attention_reference(q, k_new, v_new, k_cache, v_cache, pos, L: int, s
     B, H, D = q.shape
     KV = k_new.shape[1]
     rows = torch.arange(B, device=q.device)
-    k_cache[rows, :, pos] = k_new
-    v_cache[rows, :, pos] = v_new
-    keys, values = k_cache[:B, :, :L], v_cache[:B, :, :L]
+    kv_write(k_cache, (rows, slice(None), pos), k_new)
+    kv_write(v_cache, (rows, slice(None), pos), v_new)
+    keys = kv_read(k_cache, (slice(None, B), slice(None), slice(None, L)), q.dtype)
+    values = kv_read(v_cache, (slice(None, B), slice(None), slice(None, L)), q.dtype)
     mask = torch.arange(L, device=q.device)[None, :] <= pos[:, None]
     qg = q.view(B, KV, H // KV, D)
     s = torch.matmul(qg, keys.transpose(-1, -2)).float() * scale

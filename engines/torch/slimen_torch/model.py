@@ -48,6 +48,47 @@ def copy_tensors(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
             d.copy_(s)
 
 
+# ---- the KV cache's storage dtype (engine.Options.kv_cache_dtype) ----
+#
+# The cache holds keys and values in the model's dtype ("auto") or in float8_e4m3fn ("fp8", as
+# vLLM's and SGLang's --kv-cache-dtype fp8 with its default per-tensor scale of 1.0): stored with
+# saturation at ±448 (e4m3fn's largest finite value: PyTorch's cast turns anything beyond it into
+# NaN), read back into the compute dtype. An fp8 cache is indexed through a uint8 view of it:
+# PyTorch's CPU index_copy_ (and not every index kernel on every device) takes no float8.
+
+KV_FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0
+
+
+def kv_store(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x in the cache's dtype: x itself when it is already; saturated into ±448 for fp8."""
+    if x.dtype == dtype:
+        return x
+    if dtype == KV_FP8:
+        x = x.clamp(-FP8_MAX, FP8_MAX)
+    return x.to(dtype)
+
+
+def kv_bytes(t: torch.Tensor) -> torch.Tensor:
+    """An fp8 cache tensor as its bytes (uint8, same shape), for indexing; any other as it is."""
+    return t.view(torch.uint8) if t.dtype == KV_FP8 else t
+
+
+def kv_write(cache: torch.Tensor, index, x: torch.Tensor) -> None:
+    """cache[index] = x, x cast into the cache's dtype (kv_store)."""
+    if cache.dtype == x.dtype:
+        cache[index] = x
+    else:
+        kv_bytes(cache)[index] = kv_bytes(kv_store(x, cache.dtype))
+
+
+def kv_read(cache: torch.Tensor, index, dtype: torch.dtype) -> torch.Tensor:
+    """cache[index] in the compute dtype."""
+    if cache.dtype == dtype:
+        return cache[index]
+    return kv_bytes(cache)[index].view(cache.dtype).to(dtype)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     # As transformers: normalise in fp32, cast back, then scale (the order matters in bf16).
     dtype = x.dtype
@@ -180,9 +221,10 @@ def decode_layer(cfg: ModelConfig, x, w: tuple, k_cache, v_cache, pos, mask, cos
     B, L = x.shape[0], mask.shape[1]
     q, k, v = project_qkv(cfg, w, x, cos, sin)  # [B, heads, D]
     rows = torch.arange(B, device=x.device)
-    k_cache[rows, :, pos] = k
-    v_cache[rows, :, pos] = v
-    keys, values = k_cache[:B, :, :L], v_cache[:B, :, :L]
+    kv_write(k_cache, (rows, slice(None), pos), k)
+    kv_write(v_cache, (rows, slice(None), pos), v)
+    keys = kv_read(k_cache, (slice(None, B), slice(None), slice(None, L)), x.dtype)
+    values = kv_read(v_cache, (slice(None, B), slice(None), slice(None, L)), x.dtype)
     # Grouped-query attention as two batched products: the query heads of one key/value head form
     # the rows of one small matrix, so the cache is read once per key/value head, never copied.
     group = cfg.heads // cfg.kv_heads

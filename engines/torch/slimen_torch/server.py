@@ -724,6 +724,7 @@ def _options(args):
                    prefill_graph_max=args.prefill_graph_max,
                    compile_prefill=getattr(args, "compile_prefill", False),
                    prefix_cache=args.prefix_cache, prefix_min=args.prefix_min,
+                   kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"),
                    micro_batch_tokens=args.micro_batch_tokens,
                    grad_checkpointing=args.grad_checkpointing, ref_model=args.ref_model,
                    versions=not getattr(args, "no_versions", False),
