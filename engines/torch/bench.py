@@ -67,6 +67,14 @@ Not in the default list (select with --sections):
   train_split    before the layer was traced whole: the training layer compiled with the
                  attention between two compiled halves (SDPA's grouping left symbolic)
 
+  gen_fp8kv      `gen` with the KV cache in fp8 (--kv-cache-dtype fp8): tok/s at batch 1 and
+                 256, the captured steps' GPU time, generation log-probs against Score's (bf16,
+                 no cache: the price of fp8 keys and values), and on the same engine a generator
+                 with the bf16 cache (8 rows) for the sampled and greedy tokens of the same
+                 seeded requests: how far they agree; then the PyTorch decode path (compiled
+                 decode_layer, --no-kernels) over an fp8 cache against Score; run beside `gen`
+                 (--sections gen,gen_fp8kv) for the table's comparison
+
 Results: DIR/bench.json (everything, errors included), DIR/bench.md (the table, also printed last),
 DIR/bench.log (all output). A dry run on the CPU: --device cpu --shape tiny --new 8 --train-len 64
 (with TRITON_INTERPRET=1 for the kernels).
@@ -94,7 +102,7 @@ from slimen_torch import sampling as S  # noqa: E402
 from slimen_torch.engine import Engine, Options  # noqa: E402
 from slimen_torch.make_model import make_model  # noqa: E402
 from slimen_torch.generate import compiled_prefill_layer  # noqa: E402
-from slimen_torch.model import apply_rope, block_forward, rms_norm  # noqa: E402
+from slimen_torch.model import apply_rope, block_forward, decode_layer, rms_norm  # noqa: E402
 from slimen_torch.train import token_logprobs  # noqa: E402
 from slimen_torch.types import (Batch, GenerateRequest, LossConfig, Sample, Sampling,  # noqa: E402
                                 ScoreRequest)
@@ -107,7 +115,7 @@ SECTIONS = {
     "kernels": 45, "gen": 110, "train": 100, "train_eager": 40, "gen_before": 90,
     "train_before": 40, "hf": 60, "train_regional": 60, "gen_layer_b1": 60,
     "train_static": 60, "gen_b1": 60, "first_step": 300, "first_step_run": 150,
-    "profile": 150, "sweep_b1": 120, "train_split": 100, "sweep_attn": 120,
+    "profile": 150, "sweep_b1": 120, "train_split": 100, "sweep_attn": 120, "gen_fp8kv": 150,
 }
 DEFAULT_SECTIONS = ["kernels", "gen", "train", "train_eager", "gen_before", "train_before", "hf",
                     "train_regional", "gen_layer_b1", "train_static"]
@@ -513,6 +521,75 @@ def sec_gen(a, res):
 
 def sec_gen_before(a, res):
     gen_section(a, res, "gen_before", dict(kernels=False))
+
+
+def sec_gen_fp8kv(a, res):
+    """gen_section's measurements with kv_cache_dtype fp8, then the same seeded requests on a
+    generator of the same model with the bf16 cache: sampled-token agreement."""
+    prefix = "gen_fp8kv"
+    eng = Engine(a.model, Options(device=a.device, slots=256, max_seq_len=PROMPT + a.new,
+                                  kv_cache_dtype="fp8"))
+    try:
+        gen = eng.gen
+        gen._ensure_cache()
+        res[f"{prefix}_cache_dtype"] = str(gen.k[0].dtype)
+        res[f"{prefix}_cache_gib"] = sum(t.nbytes for t in gen.k + gen.v) / 2 ** 30
+        res[f"{prefix}_b1"] = ours_generate(eng, 1, a.new)
+        log(prefix, "b1", res[f"{prefix}_b1"])
+        res[f"{prefix}_b256"] = ours_generate(eng, 256, a.new)
+        log(prefix, "b256", res[f"{prefix}_b256"])
+        step_times(eng, res, prefix)
+        res[f"{prefix}_compile_error"] = gen.compile_error[:3000]
+        res[f"{prefix}_kernel_error"] = gen.kernel_error[:3000]
+        res[f"{prefix}_prefill_error"] = gen.prefill_error[:3000]
+        res[f"{prefix}_paths"] = dict(triton=gen.triton, fused_b1=gen.fused_b1,
+                                      graphs=len(gen.graphs))
+        decode_vs_score(eng, res, prefix)
+        # The same requests from an fp8 generator and one of the model's dtype (bf16 on a GPU;
+        # 8 rows each: batch 1 and 4).
+        toks = prompts(4, eng.cfg.vocab_size, 11).tolist()
+        reqs = [GenerateRequest(id=f"agree-{i}", prompt_tokens=toks[i],
+                                sampling=Sampling(max_tokens=64, seed=i,
+                                                  temperature=0.0 if i == 3 else 1.0))
+                for i in range(4)]
+
+        def outputs():
+            return [c for n in (1, 4) for c in eng.generate(reqs[:n])]
+
+        eng.opts.slots = 8
+        eng.gen = eng.new_generator(eng.model)  # fp8, 8 rows
+        eng.gen.bank = eng.bank
+        f8 = outputs()
+        eng.kv_dtype = eng.dtype
+        eng.gen = eng.new_generator(eng.model)  # the model's dtype, 8 rows
+        eng.gen.bank = eng.bank
+        bf = outputs()
+        same, total, first, lp = 0, 0, [], 0.0
+        for x, y in zip(f8, bf):
+            n = next((i for i, (p, q) in enumerate(zip(x.tokens, y.tokens)) if p != q),
+                     len(x.tokens))
+            first.append(n)
+            same += sum(p == q for p, q in zip(x.tokens, y.tokens))
+            total += len(x.tokens)
+            if n:  # log-probs of the common prefix: the same tokens in the same contexts
+                lp = max(lp, max(abs(p - q) for p, q in zip(x.logprobs[:n], y.logprobs[:n])))
+        res[f"{prefix}_agree_identical"] = \
+            f"{sum(n == len(x.tokens) for n, x in zip(first, f8))} of {len(first)}"
+        res[f"{prefix}_agree_first_divergence"] = first
+        res[f"{prefix}_agree_tokens"] = same / total
+        res[f"{prefix}_agree_logprob_maxdiff"] = lp
+        log(prefix, "vs the bf16 cache", {k: v for k, v in res.items() if "_agree" in k})
+        # The PyTorch decode path over the fp8 cache (--no-kernels: the compiled decode_layer
+        # in CUDA graphs), 8 rows: that it runs compiled, and its log-probs against Score.
+        eng.kv_dtype, eng.opts.kernels = torch.float8_e4m3fn, False
+        eng.gen = eng.new_generator(eng.model)
+        eng.gen.bank = eng.bank
+        decode_vs_score(eng, res, prefix + "_torch")
+        res[f"{prefix}_torch_compile_error"] = eng.gen.compile_error[:3000]
+        res[f"{prefix}_torch_paths"] = dict(triton=eng.gen.triton, graphs=len(eng.gen.graphs),
+                                            compiled=eng.gen.layer_fn is not decode_layer)
+    finally:
+        eng.close()
 
 
 def sec_sweep_b1(a, res):
@@ -1075,8 +1152,8 @@ def table(res: dict) -> str:
         f", b4 {num('gen_before_decode_vs_score_b4', 3)}",
     ]
     if not any(k.startswith(("gen_", "hf_", "train", "sample_", "parity", "attn_")) and
-               not k.startswith("gen_b1") for k in res):
-        rows = []  # only the batch-1 sections ran
+               not k.startswith(("gen_b1", "gen_fp8kv")) for k in res):
+        rows = []  # only the batch-1 or fp8 sections ran
     if any(k.startswith("gen_b1") for k in res):
         rows += [
             "",
@@ -1129,6 +1206,31 @@ def table(res: dict) -> str:
         for key in ("first_step_cold", "first_step_warm", "first_step_before"):
             if key + "_cache" in res:
                 rows.append(f"{key}: {res[key + '_cache']}")
+    if "gen_fp8kv_b1" in res:
+        p = "gen_fp8kv"
+        rows += [
+            "",
+            "| KV cache, 128 prompt + 256 sampled tokens | batch 1 tok/s | batch 256 tok/s | "
+            "step ms b1 / b256 (position 383) | generation vs Score max abs Δ b1 / b4 |",
+            "|---|---:|---:|---:|---:|"]
+        for key, name in (("gen", "the model's dtype, bf16 (default: `gen`)"),
+                          (p, "fp8 (--kv-cache-dtype fp8)")):
+            rows.append(f"| {name} | {num(key + '_b1')} | {num(key + '_b256')} | "
+                        f"{num(key + '_step_ms_b1', 3)} / {num(key + '_step_ms_b256', 3)} | "
+                        f"{num(key + '_decode_vs_score_b1', 3)} / "
+                        f"{num(key + '_decode_vs_score_b4', 3)} |")
+        g8, g16 = res.get(p + "_greedy"), res.get("gen_greedy")
+        same = "—" if not (g8 and g16) else sum(x == y for x, y in zip(g8, g16))
+        rows.append(
+            f"{p}: cache {res.get(p + '_cache_dtype')} {num(p + '_cache_gib', 2)} GiB; the same "
+            f"seeded requests (3 sampled, 1 greedy, 64 tokens, at batch 1 and 4) with the model's "
+            f"dtype's cache: identical {res.get(p + '_agree_identical')}, first divergence at "
+            f"{res.get(p + '_agree_first_divergence')}, tokens equal {pct(p + '_agree_tokens')}, "
+            f"log-probs of the common prefix max abs Δ {num(p + '_agree_logprob_maxdiff', 4)}; "
+            f"greedy tokens equal to gen's: {same} of {len(g8 or [])}; --no-kernels (compiled "
+            f"decode_layer) over fp8: {res.get(p + '_torch_paths')}, generation vs Score max abs "
+            f"Δ b1 / b4 {num(p + '_torch_decode_vs_score_b1', 3)} / "
+            f"{num(p + '_torch_decode_vs_score_b4', 3)}")
     errs = [k for k in res if k.startswith("error_") or (k.endswith("_error") and res[k])]
     if errs:
         rows.append("errors (bench.json): " + ", ".join(errs))
