@@ -5,9 +5,9 @@ reads the cache).
 
 The tolerance: e4m3 keeps 3 mantissa bits where bf16 keeps 7, so rounding a key or value to fp8
 costs up to 2⁻⁴ of it against bf16's 2⁻⁸: 16× the error. The tests check that ratio (between 4×
-and 64×, measured 13–25× on the tiny models) against a generator whose cache is bf16, and an
-absolute bound of 0.02 nats (measured ≤ 0.0026 on the tiny models). Without the feature the
-error would be fp32 noise (~1e-6), which the lower bound catches."""
+and 64×, measured 13–25× on the tiny models) against a generator whose cache is bf16, and
+an absolute bound of 0.02 nats (measured ≤ 0.0026 on the tiny models). Without the feature
+the error would be fp32 noise (~1e-6), which the lower bound catches."""
 
 import argparse
 
