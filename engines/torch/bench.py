@@ -67,13 +67,14 @@ Not in the default list (select with --sections):
   train_split    before the layer was traced whole: the training layer compiled with the
                  attention between two compiled halves (SDPA's grouping left symbolic)
 
-  gen_fp8kv      `gen` with the KV cache in fp8 (--kv-cache-dtype fp8): tok/s at batch 1 and
-                 256, the captured steps' GPU time, generation log-probs against Score's (bf16,
-                 no cache: the price of fp8 keys and values), and on the same engine a generator
-                 with the bf16 cache (8 rows) for the sampled and greedy tokens of the same
-                 seeded requests: how far they agree; then the PyTorch decode path (compiled
-                 decode_layer, --no-kernels) over an fp8 cache against Score; run beside `gen`
-                 (--sections gen,gen_fp8kv) for the table's comparison
+  gen_fp8kv      the decode attention alone at batch 256 over a bf16 and an fp8 cache (ms, GB/s,
+                 a few launches for fp8); then `gen` with the KV cache in fp8 (--kv-cache-dtype
+                 fp8): tok/s at batch 1 and 256, the captured steps' GPU time, generation
+                 log-probs against Score's (bf16, no cache: the price of fp8 keys and values);
+                 on the same engine a generator with the bf16 cache (8 rows) for the sampled and
+                 greedy tokens of the same seeded requests: how far they agree; then the PyTorch
+                 decode path (compiled decode_layer, --no-kernels) over an fp8 cache against
+                 Score. Run beside `gen` (--sections gen,gen_fp8kv) for the table's comparison
 
 Results: DIR/bench.json (everything, errors included), DIR/bench.md (the table, also printed last),
 DIR/bench.log (all output). A dry run on the CPU: --device cpu --shape tiny --new 8 --train-len 64
@@ -523,6 +524,50 @@ def sec_gen_before(a, res):
     gen_section(a, res, "gen_before", dict(kernels=False))
 
 
+def fp8_attention_alone(eng: Engine, a, res: dict, prefix: str) -> None:
+    """The Triton decode attention alone at batch 256, every row at position 192, over a bf16
+    cache and over the same values in fp8: ms, GB/s of keys and values read, the outputs' relative
+    difference; then fp8 under a few launches (positions a tile, warps, stages: the defaults were
+    tuned on bf16's bytes)."""
+    cfg, dev, dt = eng.cfg, eng.gen.device, eng.model.embed.dtype
+    B, L, pos = 256, PROMPT + a.new, (PROMPT + a.new) // 2
+    g = torch.Generator(device=dev).manual_seed(0)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=g, device=dev, dtype=dt)
+
+    q, kn, vn = rand(B, cfg.heads, cfg.head_dim), *(rand(B, cfg.kv_heads, cfg.head_dim)
+                                                     for _ in range(2))
+    k16, v16 = (rand(B, cfg.kv_heads, L, cfg.head_dim) for _ in range(2))
+    k8, v8 = k16.to(torch.float8_e4m3fn), v16.to(torch.float8_e4m3fn)
+    p = torch.full((B,), pos, dtype=eng.gen.pos.dtype, device=dev)
+    scale = cfg.head_dim ** -0.5
+    outs = {}
+    for name, (kc, vc) in (("bf16", (k16, v16)), ("fp8", (k8, v8))):
+        def call(kc=kc, vc=vc):
+            return K.decode_attention(q, kn, vn, kc, vc, p, L, scale)
+        outs[name] = call().float()
+        ms = timed(call)
+        res[f"{prefix}_attn_ms_{name}"] = ms
+        res[f"{prefix}_attn_gbps_{name}"] = \
+            2 * B * cfg.kv_heads * (pos + 1) * cfg.head_dim * kc.element_size() / ms / 1e6
+    res[f"{prefix}_attn_rel_fp8_vs_bf16"] = rel(outs["fp8"], outs["bf16"])
+    default, rows = (K.ATTN_BL, K.ATTN_WARPS, K.ATTN_STAGES), []
+    try:
+        for bl, w, st in [(bl, w, st) for bl in (64, 128) for w in (4, 8) for st in (0, 2, 3)]:
+            K.ATTN_BL, K.ATTN_WARPS, K.ATTN_STAGES = bl, w, st
+            row = {"bl": bl, "warps": w, "stages": st}
+            try:
+                row["ms"] = timed(lambda: K.decode_attention(q, kn, vn, k8, v8, p, L, scale))
+            except Exception as e:
+                row["error"] = repr(e)[:300]
+            rows.append(row)
+    finally:
+        K.ATTN_BL, K.ATTN_WARPS, K.ATTN_STAGES = default
+    res[f"{prefix}_attn_sweep"] = rows
+    log(prefix, "attention alone", {k: v for k, v in res.items() if "_attn_" in k})
+
+
 def sec_gen_fp8kv(a, res):
     """gen_section's measurements with kv_cache_dtype fp8, then the same seeded requests on a
     generator of the same model with the bf16 cache: sampled-token agreement."""
@@ -530,6 +575,8 @@ def sec_gen_fp8kv(a, res):
     eng = Engine(a.model, Options(device=a.device, slots=256, max_seq_len=PROMPT + a.new,
                                   kv_cache_dtype="fp8"))
     try:
+        if torch.cuda.is_available():
+            fp8_attention_alone(eng, a, res, prefix)
         gen = eng.gen
         gen._ensure_cache()
         res[f"{prefix}_cache_dtype"] = str(gen.k[0].dtype)
@@ -1231,6 +1278,14 @@ def table(res: dict) -> str:
             f"decode_layer) over fp8: {res.get(p + '_torch_paths')}, generation vs Score max abs "
             f"Δ b1 / b4 {num(p + '_torch_decode_vs_score_b1', 3)} / "
             f"{num(p + '_torch_decode_vs_score_b4', 3)}")
+        sweep = [r for r in res.get(p + "_attn_sweep", []) if "ms" in r]
+        best = min(sweep, key=lambda r: r["ms"], default=None)
+        rows.append(
+            f"{p}: the decode attention alone, batch 256 at position 192: bf16 "
+            f"{num(p + '_attn_ms_bf16', 3)} ms ({num(p + '_attn_gbps_bf16')} GB/s), fp8 "
+            f"{num(p + '_attn_ms_fp8', 3)} ms ({num(p + '_attn_gbps_fp8')} GB/s), outputs "
+            f"‖Δ‖/‖·‖ {res.get(p + '_attn_rel_fp8_vs_bf16', float('nan')):.2e}; fastest fp8 "
+            f"launch {best}")
     errs = [k for k in res if k.startswith("error_") or (k.endswith("_error") and res[k])]
     if errs:
         rows.append("errors (bench.json): " + ", ".join(errs))
