@@ -388,7 +388,11 @@ func fixedEstimate(p config.PolicyConfig, m Model) (e Estimate, explicit bool) {
 	if m.MaxPositions > 0 {
 		e.MaxLen = min(e.MaxLen, m.MaxPositions)
 	}
-	row := 2 * uint64(m.Layers) * uint64(m.KVHeads) * uint64(e.MaxLen) * uint64(m.HeadDim) * dtype
+	kv := dtype // the cache's bytes per element: the weights' dtype, or --kv-cache-dtype fp8's 1
+	if argValue(p.Engine.Args, "--kv-cache-dtype") == "fp8" {
+		kv = 1
+	}
+	row := 2 * uint64(m.Layers) * uint64(m.KVHeads) * uint64(e.MaxLen) * uint64(m.HeadDim) * kv
 	e.KVCache = row
 	if v, err := strconv.Atoi(argValue(p.Engine.Args, "--slots")); err == nil && v > 0 {
 		e.Slots, e.KVCache, explicit = v, uint64(v)*row, true

@@ -230,6 +230,20 @@ func TestEstimateMaxPositions(t *testing.T) {
 	}
 }
 
+// An fp8 KV cache (--kv-cache-dtype fp8) is one byte an element, as the worker sizes it.
+func TestEstimateFP8KVCache(t *testing.T) {
+	p := torchPolicy("a", 1, 1, 1)
+	p.Engine.Args = []string{"--kv-cache-dtype", "fp8"}
+	m := Model{Params: 10, Layers: 1, KVHeads: 1, HeadDim: 4, MaxPositions: 80}
+	if e, _ := fixedEstimate(p, m); e.KVCache != 2*80*4 {
+		t.Errorf("fp8 row %d bytes; want %d", e.KVCache, 2*80*4)
+	}
+	p.Engine.Args = []string{"--kv-cache-dtype=auto", "--dtype", "float32"}
+	if e, _ := fixedEstimate(p, m); e.KVCache != 2*80*4*4 {
+		t.Errorf("auto fp32 row %d bytes; want %d", e.KVCache, 2*80*4*4)
+	}
+}
+
 // Eight LoRA policies on one hf_checkpoint are one worker: the first is placed, the others are
 // its adapters and take no GPUs; its estimate holds the frozen base, no optimizer or reference.
 // Eight full-weight copies of the same model do not fit the GPU.
