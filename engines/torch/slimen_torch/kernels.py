@@ -137,8 +137,7 @@ if HAVE_TRITON:
                             GROUP: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
                             DP: tl.constexpr, BL: tl.constexpr, NSPLIT: tl.constexpr,
                             F32DOT: tl.constexpr, ROPE: tl.constexpr, QK_NORM: tl.constexpr,
-                            KV8: tl.constexpr = False, PDL: tl.constexpr = False,
-                            cnt_ptr=None, FUSE: tl.constexpr = False, NSP: tl.constexpr = 2):
+                            KV8: tl.constexpr = False, PDL: tl.constexpr = False):
         if PDL:
             gdc_launch_dependents()
             gdc_wait()
@@ -232,36 +231,6 @@ if HAVE_TRITON:
             tl.store(part_ptr + row[:, None] * DP + d[None, :], acc, mask=gmask[:, None])
             tl.store(ml_ptr + row * 2, m, mask=gmask)
             tl.store(ml_ptr + row * 2 + 1, l, mask=gmask)
-            if FUSE:
-                # The last of the row's NSPLIT programs to finish combines their parts, instead
-                # of a second kernel: its atomic (acquire-release) orders the others' stores
-                # before its loads, and it zeroes the count for the next call.
-                c_ptr = cnt_ptr + b * tl.num_programs(1) + kvh
-                if tl.atomic_add(c_ptr, 1) == NSPLIT - 1:
-                    tl.atomic_xchg(c_ptr, 0)
-                    for g_ in tl.static_range(GROUP):
-                        h_ = kvh * GROUP + g_
-                        _combine_head(part_ptr, ml_ptr, o_ptr + b * so_b + h_ * so_h,
-                                      (b * n_heads + h_) * NSPLIT, D, DP, NSPLIT, NSP)
-
-    @triton.jit
-    def _combine_head(part_ptr, ml_ptr, out_ptr, row0, D: tl.constexpr, DP: tl.constexpr,
-                      NSPLIT: tl.constexpr, NSP: tl.constexpr):
-        """out[:D] ← one head's output from its NSPLIT parts (rows row0 …): each part's
-        accumulator weighted by exp(its max − the overall max), over the weighted sum of l."""
-        s = tl.arange(0, NSP)
-        smask = s < NSPLIT
-        row = row0 + s
-        # Through L2 (.cg): other programs wrote these a moment ago.
-        m = tl.load(ml_ptr + row * 2, mask=smask, other=float("-inf"), cache_modifier=".cg")
-        l = tl.load(ml_ptr + row * 2 + 1, mask=smask, other=0.0, cache_modifier=".cg")
-        d = tl.arange(0, DP)
-        part = tl.load(part_ptr + row[:, None] * DP + d[None, :], mask=smask[:, None], other=0.0,
-                       cache_modifier=".cg")
-        mx = tl.max(m, 0)
-        w = tl.where(m > float("-inf"), tl.exp(m - mx), 0.0)
-        o = tl.sum(part * w[:, None], 0) / tl.sum(l * w, 0)
-        tl.store(out_ptr + d, o.to(out_ptr.dtype.element_ty), mask=d < D)
 
     @triton.jit
     def _decode_attn_combine(part_ptr, ml_ptr, o_ptr, so_b, so_h, n_heads,
@@ -272,8 +241,17 @@ if HAVE_TRITON:
             gdc_wait()
         b = tl.program_id(0)
         h = tl.program_id(1)
-        _combine_head(part_ptr, ml_ptr, o_ptr + b * so_b + h * so_h, (b * n_heads + h) * NSPLIT,
-                      D, DP, NSPLIT, NSP)
+        s = tl.arange(0, NSP)
+        smask = s < NSPLIT
+        row = (b * n_heads + h) * NSPLIT + s
+        m = tl.load(ml_ptr + row * 2, mask=smask, other=float("-inf"))
+        l = tl.load(ml_ptr + row * 2 + 1, mask=smask, other=0.0)
+        d = tl.arange(0, DP)
+        part = tl.load(part_ptr + row[:, None] * DP + d[None, :], mask=smask[:, None], other=0.0)
+        mx = tl.max(m, 0)
+        w = tl.where(m > float("-inf"), tl.exp(m - mx), 0.0)
+        o = tl.sum(part * w[:, None], 0) / tl.sum(l * w, 0)
+        tl.store(o_ptr + b * so_b + h * so_h + d, o.to(o_ptr.dtype.element_ty), mask=d < D)
 
     # ---------------------------------------------------------------------------------------
     # Sampling
@@ -519,7 +497,7 @@ def attention_splits(B: int, kv_heads: int, L: int, min_split: int = 0) -> int:
 
 
 def decode_attention(q, k_new, v_new, k_cache, v_cache, pos, L: int, scale: float,
-                     nsplit: int = 0, rope=None, counts=None):
+                     nsplit: int = 0, rope=None):
     """q [B, heads, D]; k_new, v_new [B, kv_heads, D]: the new token of rows [0, B). Writes
     k_new/v_new into k_cache/v_cache [slots, kv_heads, max_len, D] at pos [B] and returns the
     attention output [B, heads, D] over positions [0, pos] of each row. L (≥ pos + 1 for every
@@ -528,9 +506,7 @@ def decode_attention(q, k_new, v_new, k_cache, v_cache, pos, L: int, scale: floa
     (when q_norm is not None) and the rotary embedding at pos (cos/sin: the model's fp32 tables)
     as model.qkv_from_normed does. The cache may hold float8_e4m3fn (engine.Options.kv_cache_dtype
     "fp8") while q and the new key and value are in the compute dtype: the new ones are stored
-    saturated at ±448, the cached ones converted to the compute dtype as they are loaded.
-    counts: int32 zeros, at least B × kv_heads (left zero): when a row is split, the last program
-    of each (row, kv head) combines the splits, without the second kernel (decode_step_b1)."""
+    saturated at ±448, the cached ones converted to the compute dtype as they are loaded."""
     assert k_cache.dtype in (q.dtype, torch.float8_e4m3fn) and v_cache.dtype == k_cache.dtype
     B, H, D = q.shape
     KV = k_new.shape[1]
@@ -551,8 +527,6 @@ def decode_attention(q, k_new, v_new, k_cache, v_cache, pos, L: int, scale: floa
         part = ml = o
     q, k_new, v_new = (t if t.stride(2) == 1 else t.contiguous() for t in (q, k_new, v_new))
     assert k_cache.stride() == v_cache.stride() and k_cache.stride(3) == 1
-    fuse = nsplit > 1 and counts is not None
-    assert not fuse or (counts.dtype == torch.int32 and counts.numel() >= B * KV)
     if rope is not None:
         q_norm, k_norm, cos, sin, eps = rope
         assert cos.stride(1) == 1 and cos.stride() == sin.stride()
@@ -570,9 +544,8 @@ def decode_attention(q, k_new, v_new, k_cache, v_cache, pos, L: int, scale: floa
         split_len, H, GROUP=group, GP=max(16, _pow2(group)), D=D, DP=DP, BL=BL,
         NSPLIT=nsplit, F32DOT=INTERPRET or q.dtype == torch.float32, ROPE=rope is not None,
         QK_NORM=qk_norm, KV8=k_cache.dtype == torch.float8_e4m3fn, PDL=pdl, launch_pdl=pdl,
-        num_warps=ATTN_WARPS, **({"num_stages": ATTN_STAGES} if ATTN_STAGES else {}),
-        cnt_ptr=counts if fuse else o, FUSE=fuse, NSP=max(2, _pow2(nsplit)))
-    if nsplit > 1 and not fuse:
+        num_warps=ATTN_WARPS, **({"num_stages": ATTN_STAGES} if ATTN_STAGES else {}))
+    if nsplit > 1:
         _decode_attn_combine[(B, H)](part, ml, o, o.stride(0), o.stride(1), H, D=D, DP=DP,
                                      NSPLIT=nsplit, NSP=max(2, _pow2(nsplit)), PDL=pdl,
                                      launch_pdl=pdl, num_warps=4)

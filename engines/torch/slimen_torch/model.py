@@ -415,13 +415,11 @@ def decode_step_b1(model: Transformer, kernels, tokens, pos, k_caches, v_caches,
     v = qkv[cfg.q_dim + cfg.kv_dim:].view(1, KV, D)
     scale = D ** -0.5
     eps = cfg.rms_eps
-    counts = torch.zeros(KV, dtype=torch.int32, device=dev)  # the attention's split counts
     for layer, kc, vc in zip(model.layers, k_caches, v_caches):
         (attn_norm, wqkv, bqkv, q_norm, k_norm, wo, bo, mlp_norm, w13, w2) = layer.weights()
         kernels.gemv(x, wqkv, qkv, bias=bqkv, norm_w=attn_norm, eps=eps)
         o = kernels.decode_attention(q, k, v, kc, vc, pos, L, scale,
-                                     rope=(q_norm, k_norm, model.cos, model.sin, eps),
-                                     counts=counts)
+                                     rope=(q_norm, k_norm, model.cos, model.sin, eps))
         kernels.gemv(o.view(-1), wo, x2, bias=bo, res=x)
         kernels.gemv(x2, w13, a, norm_w=mlp_norm, eps=eps, swiglu=True)
         kernels.gemv(a, w2, x, res=x2)

@@ -85,26 +85,6 @@ def test_graphs_are_captured_again_after_all_were_dropped(model_dirs):
         e.close()
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
-def test_split_attention_combined_by_its_last_program_on_the_gpu():
-    """The batch-1 step's attention (kernels.decode_attention with counts): each row's splits
-    combined by the last of their programs give what the separate combine kernel gives, bit for
-    bit, call after call (the counts are left zero), in bf16 at the Qwen3-0.6B head shape."""
-    from slimen_torch import kernels as K
-    g = torch.Generator(device="cuda").manual_seed(5)
-    B, H, KV, D, L = 1, 16, 8, 128, 384
-    kc, vc = (torch.randn(B, KV, L, D, generator=g, device="cuda").bfloat16() for _ in range(2))
-    q = torch.randn(B, H, D, generator=g, device="cuda").bfloat16()
-    kn, vn = (torch.randn(B, KV, D, generator=g, device="cuda").bfloat16() for _ in range(2))
-    pos = torch.tensor([L - 1], device="cuda")
-    assert K.attention_splits(B, KV, L) > 1
-    want = K.decode_attention(q, kn, vn, kc, vc, pos, L, D ** -0.5)
-    counts = torch.zeros(B * KV, dtype=torch.int32, device="cuda")
-    for _ in range(3):
-        got = K.decode_attention(q, kn, vn, kc, vc, pos, L, D ** -0.5, counts=counts)
-        assert torch.equal(got, want) and not counts.any()
-
-
 def test_length_and_stop_strings(noeos_dir):
     from slimen_torch.engine import Engine, Options
     e = Engine(str(noeos_dir))
