@@ -48,7 +48,7 @@ Not in the default list (select with --sections):
                  an admission takes (prefill + first token, read back); the captured step's GPU
                  time; the checks: the graph prefill's logits and cache row against the eager
                  prefill's (bf16), generation log-probs against Score at batch 1, greedy tokens;
-                 the prefill's layer compiled (--compile-prefill); on a GPU also without
+                 the prefill's layer eager (--no-compile-prefill); on a GPU also without
                  programmatic dependent launch: tok/s and step
 
   profile        where the GPU time goes (torch.profiler): kernel tables (out/profile_*.txt) of a
@@ -102,7 +102,6 @@ from slimen_torch import kernels as K  # noqa: E402
 from slimen_torch import sampling as S  # noqa: E402
 from slimen_torch.engine import Engine, Options  # noqa: E402
 from slimen_torch.make_model import make_model  # noqa: E402
-from slimen_torch.generate import compiled_prefill_layer  # noqa: E402
 from slimen_torch.model import apply_rope, block_forward, decode_layer, rms_norm  # noqa: E402
 from slimen_torch.train import token_logprobs  # noqa: E402
 from slimen_torch.types import (Batch, GenerateRequest, LossConfig, Sample, Sampling,  # noqa: E402
@@ -394,12 +393,12 @@ def gen_section(a, res, prefix, opts, b256=True, extra=True):
             res[f"{prefix}_b256"] = ours_generate(eng, 256, a.new)
             log(prefix, "b256", res[f"{prefix}_b256"])
             if prefix == "gen" and torch.cuda.is_available():
-                # The same engine with the prefill's layer compiled (--compile-prefill).
-                default, eng.gen.prefill_fn = eng.gen.prefill_fn, compiled_prefill_layer(eng.cfg)
-                res[f"{prefix}_prefill_compiled_b256"] = ours_generate(eng, 256, a.new)
+                # The same engine with the prefill's layer eager (--no-compile-prefill; before).
+                default, eng.gen.prefill_fn = eng.gen.prefill_fn, block_forward
+                res[f"{prefix}_prefill_eager_b256"] = ours_generate(eng, 256, a.new)
                 eng.gen.prefill_fn = default
-                log(prefix, "b256 with the prefill layer compiled",
-                    res[f"{prefix}_prefill_compiled_b256"])
+                log(prefix, "b256 with the prefill layer eager",
+                    res[f"{prefix}_prefill_eager_b256"])
         step_times(eng, res, prefix)
         res[f"{prefix}_compile_error"] = eng.gen.compile_error[:3000]
         res[f"{prefix}_kernel_error"] = eng.gen.kernel_error[:3000]
@@ -471,9 +470,11 @@ def sec_gen_b1(a, res):
     try:
         gen = eng.gen
         acc = admit_timer(gen)
-        runs = [("", {}), ("_eager_prefill", dict(prefill_graph_max=0)),
-                ("_before", dict(prefill_graph_max=0, first_token_triton=False)),
-                ("_prefill_compiled", dict(prefill_fn=compiled_prefill_layer(eng.cfg)))]
+        runs = [("", {}),
+                ("_eager_prefill", dict(prefill_graph_max=0, prefill_fn=block_forward)),
+                ("_before", dict(prefill_graph_max=0, first_token_triton=False,
+                                 prefill_fn=block_forward)),
+                ("_prefill_layer_eager", dict(prefill_fn=block_forward))]
         keep = dict(prefill_graph_max=gen.prefill_graph_max, first_token_triton=True,
                     prefill_fn=gen.prefill_fn)
         for suffix, attrs in runs:
@@ -1043,7 +1044,7 @@ def sec_first_step_run(a, res):
     logging.basicConfig(level=logging.INFO, stream=sys.stdout,
                         format="%(asctime)s slimen_torch %(levelname)s %(message)s")
     t = time.perf_counter()
-    eng = Engine(a.model, Options(device=a.device, compile_prefill=a.compile_prefill))
+    eng = Engine(a.model, Options(device=a.device, compile_prefill=not a.no_compile_prefill))
     res["build_s"] = time.perf_counter() - t
     try:
         st = eng.compile_cache
@@ -1096,7 +1097,7 @@ def sec_first_step(a, res):
         env.update(extra, PYTHONUNBUFFERED="1")
         cmd = [sys.executable, __file__, "--section", "first_step_run", "--model", str(a.model),
                "--out", str(a.out), "--device", a.device, "--train-len", str(a.train_len)] + \
-            (["--compile-prefill"] if a.compile_prefill else [])
+            (["--no-compile-prefill"] if a.no_compile_prefill else [])
         t = time.perf_counter()
         try:
             subprocess.run(cmd, env=env, timeout=SECTIONS["first_step_run"] * 2, check=False)
@@ -1160,8 +1161,8 @@ def table(res: dict) -> str:
         f"step) | {num('gen_layer_b1_b1')} | |",
         f"| **now** (default): + all-Triton batch-1 step | **{num('gen_b1')}** | "
         f"**{num('gen_b256')}** |",
-        f"| the same with the prefill's layer compiled (--compile-prefill) | | "
-        f"{num('gen_prefill_compiled_b256')} |",
+        f"| the same with the prefill's layer eager (--no-compile-prefill; before) | | "
+        f"{num('gen_prefill_eager_b256')} |",
         "| target | 1,000 | 50,000 |",
         f"| GPU time of one decode step, every row at position 383, ms (now / before) | "
         f"{num('gen_step_ms_b1', 3)} / {num('gen_before_step_ms_b1', 3)} | "
@@ -1212,10 +1213,10 @@ def table(res: dict) -> str:
                 ("gen_b1_eager_prefill", "eager prefill, first token by the Triton sampler"),
                 ("gen_b1_no_pdl", "prefill from a CUDA graph + Triton sampler, no programmatic "
                  "dependent launch (before)"),
-                ("gen_b1_prefill_compiled", "the same with the prefill's layer compiled "
-                 "(--compile-prefill)"),
-                ("gen_b1", "**now** (default): prefill from a CUDA graph + Triton sampler, "
-                 "kernels launched programmatically dependent")):
+                ("gen_b1_prefill_layer_eager", "prefill from a CUDA graph of the eager layer "
+                 "(--no-compile-prefill; before)"),
+                ("gen_b1", "**now** (default): prefill from a CUDA graph of the compiled layer + "
+                 "Triton sampler, kernels launched programmatically dependent")):
             if key + "_b1" in res:
                 rows.append(f"| {name} | {num(key + '_b1')} | {num(key + '_admit_ms', 2)} |")
         rows.append("| target | 1,000 | |")
@@ -1300,8 +1301,8 @@ def main():
     ap.add_argument("--shape", default="qwen3-0.6b")
     ap.add_argument("--new", type=int, default=256)
     ap.add_argument("--train-len", type=int, default=2048)
-    ap.add_argument("--compile-prefill", action="store_true",
-                    help="section first_step: the worker's --compile-prefill on")
+    ap.add_argument("--no-compile-prefill", action="store_true",
+                    help="section first_step: the worker's --no-compile-prefill (as before)")
     ap.add_argument("--budget", type=float, default=540, help="seconds for all sections")
     ap.add_argument("--sections", default=",".join(DEFAULT_SECTIONS),
                     help="comma-separated, from: " + ", ".join(SECTIONS))

@@ -52,9 +52,10 @@ def main(argv=None) -> None:
     s.add_argument("--prefill-graph-max", type=int, default=None,
                    help="longest prompt prefilled alone by a CUDA graph (default 512 on a GPU; "
                         "0: always eagerly)")
-    s.add_argument("--compile-prefill", action="store_true",
-                   help="torch.compile the prefill's layer too (GPU): faster admissions of lone "
-                   "prompts, one or two more compiles per worker on first use")
+    s.add_argument("--compile-prefill", action=argparse.BooleanOptionalAction, default=True,
+                   help="torch.compile the prefill's layer too (GPU; default on): faster "
+                   "admissions (batch 256 +10%%, a lone prompt's 4.9 → 2.1 ms on the H200), one "
+                   "or two more compiles per worker on first use (kept in the compile cache)")
     s.add_argument("--prefix-cache", type=int, default=0, metavar="ROWS",
                    help="keep up to ROWS finished samples' KV cache rows and prefill a new prompt "
                    "that starts with one's tokens from there (a conversation's turns); 0: off "

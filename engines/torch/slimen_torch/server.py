@@ -722,7 +722,7 @@ def _options(args):
                    fused_b1=False if args.no_fused_b1 else None,
                    fused_head=not args.no_fused_head,
                    prefill_graph_max=args.prefill_graph_max,
-                   compile_prefill=getattr(args, "compile_prefill", False),
+                   compile_prefill=getattr(args, "compile_prefill", True),
                    prefix_cache=args.prefix_cache, prefix_min=args.prefix_min,
                    kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"),
                    micro_batch_tokens=args.micro_batch_tokens,
