@@ -645,6 +645,9 @@ def gemv(x, w, out, *, bias=None, res=None, norm_w=None, eps: float = 0.0,
 # -------------------------------------------------------------------------------------------
 
 CHUNK_ELEMENTS = 1 << 29  # logits per chunk: 1 GiB in bf16
+# Logits of the forward pass kept for the backward pass (whole chunks, up to this many elements:
+# 4 GiB in bf16) instead of recomputed there: one matrix product a kept chunk fewer.
+KEEP_ELEMENTS = 1 << 31
 
 
 def _chunks(n: int, V: int, budget: int):
@@ -674,10 +677,11 @@ def _grad_torch(logits, targets, stats, g, has_ent):
 
 class _LinearLogprobs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, targets, use_triton, budget):
+    def forward(ctx, hidden, weight, targets, use_triton, budget, keep):
         h = hidden.to(weight.dtype)
         N, V = h.shape[0], weight.shape[0]
         stats = torch.empty(N, 3, dtype=torch.float32, device=h.device)
+        kept, room = [], keep if any(ctx.needs_input_grad[:2]) else 0
         for a, b in _chunks(N, V, budget):
             logits = h[a:b] @ weight.t()
             if use_triton:
@@ -685,7 +689,11 @@ class _LinearLogprobs(torch.autograd.Function):
                                             logits.stride(0), BV=2048, num_warps=8)
             else:
                 stats[a:b] = _stats_torch(logits, targets[a:b])
+            if logits.numel() <= room:
+                kept.append(logits)
+                room -= logits.numel()
             del logits
+        ctx.kept = kept
         ctx.set_materialize_grads(False)
         ctx.save_for_backward(h, weight, targets, stats)
         ctx.use_triton, ctx.budget, ctx.hidden_dtype = use_triton, budget, hidden.dtype
@@ -706,8 +714,12 @@ class _LinearLogprobs(torch.autograd.Function):
         grad_h = torch.empty_like(h) if need_h else None
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=h.device) \
             if need_w else None
-        for a, b in _chunks(N, V, ctx.budget):
-            logits = h[a:b] @ weight.t()
+        kept, ctx.kept = ctx.kept, []
+        for i, (a, b) in enumerate(_chunks(N, V, ctx.budget)):
+            if i < len(kept):  # the forward's (the gradient is written over them)
+                logits, kept[i] = kept[i], None
+            else:
+                logits = h[a:b] @ weight.t()
             if ctx.use_triton:
                 BV = 2048
                 _logprob_grad_kernel[(b - a, triton.cdiv(V, BV))](
@@ -730,18 +742,20 @@ class _LinearLogprobs(torch.autograd.Function):
             grad_h = grad_h.to(ctx.hidden_dtype)
         if need_w:
             grad_w = grad_w.to(weight.dtype)
-        return grad_h, grad_w, None, None, None
+        return grad_h, grad_w, None, None, None, None
 
 
 def linear_logprobs(hidden, weight, targets, entropy_grad: bool = False, *,
-                    use_triton: bool | None = None, budget: int = CHUNK_ELEMENTS):
+                    use_triton: bool | None = None, budget: int = CHUNK_ELEMENTS,
+                    keep: int = KEEP_ELEMENTS):
     """(log-prob of each target [N], entropy [N]) of softmax(hidden·weightᵀ) in fp32, computed in
     chunks of rows: train.token_logprobs(hidden @ weight.T, targets) without the [N, V] fp32
     tensors. The entropy carries a gradient only when entropy_grad. The matrix products run in
-    weight's dtype (bf16 on a GPU)."""
+    weight's dtype (bf16 on a GPU). When a gradient is wanted, the first chunks' logits, up to
+    keep elements, are kept for the backward pass; the others are recomputed there."""
     if use_triton is None:
         use_triton = available(hidden.device)
-    logp, ent, _ = _LinearLogprobs.apply(hidden, weight, targets, use_triton, budget)
+    logp, ent, _ = _LinearLogprobs.apply(hidden, weight, targets, use_triton, budget, keep)
     if not entropy_grad:
         ent = ent.detach()
     return logp, ent

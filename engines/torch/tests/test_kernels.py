@@ -146,7 +146,8 @@ def test_decode_attention_with_rope(qk_norm, nsplit):
 def test_linear_logprobs(use_triton, entropy_grad):
     g = torch.Generator().manual_seed(int(use_triton) + 2 * int(entropy_grad))
     N, H, V = 37, 16, 300
-    for budget in (1 << 20, 10 * V):  # one chunk, or four
+    # One chunk, kept or recomputed in the backward pass; four chunks, two kept or none.
+    for budget, keep in ((1 << 20, 1 << 20), (1 << 20, 0), (10 * V, 20 * V), (10 * V, 0)):
         h = torch.randn(N, H, generator=g).requires_grad_()
         W = torch.randn(V, H, generator=g).requires_grad_()
         tg = torch.randint(0, V, (N,), generator=g)
@@ -155,12 +156,30 @@ def test_linear_logprobs(use_triton, entropy_grad):
         loss = (lp * a).sum() + ((ent * b).sum() if entropy_grad else 0)
         want = torch.autograd.grad(loss, (h, W))
         lp2, ent2 = K.linear_logprobs(h, W, tg, entropy_grad=entropy_grad,
-                                      use_triton=use_triton, budget=budget)
+                                      use_triton=use_triton, budget=budget, keep=keep)
         assert ent2.requires_grad == entropy_grad
         loss2 = (lp2 * a).sum() + ((ent2 * b).sum() if entropy_grad else 0)
         got = torch.autograd.grad(loss2, (h, W))
         assert rel(lp2, lp) < 1e-6 and rel(ent2, ent) < 1e-5
         assert rel(got[0], want[0]) < 1e-5 and rel(got[1], want[1]) < 1e-5
+
+
+def test_linear_logprobs_keeps_the_forward_logits():
+    """With keep covering every chunk, the backward pass multiplies twice a chunk (the two
+    gradients), not three times (the logits again); with keep 0 it recomputes them."""
+    from torch.utils.flop_counter import FlopCounterMode
+    g = torch.Generator().manual_seed(9)
+    N, H, V = 40, 16, 300
+    flops = []
+    for keep in (1 << 20, 0):
+        h = torch.randn(N, H, generator=g).requires_grad_()
+        W = torch.randn(V, H, generator=g).requires_grad_()
+        lp, _ = K.linear_logprobs(h, W, torch.randint(0, V, (N,), generator=g),
+                                  use_triton=False, budget=10 * V, keep=keep)
+        with FlopCounterMode(display=False) as fc:
+            lp.sum().backward()
+        flops.append(fc.get_total_flops())
+    assert flops[1] - flops[0] == 2 * N * H * V  # the logits' product, not made again
 
 
 def requests():
