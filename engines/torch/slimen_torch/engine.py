@@ -176,6 +176,9 @@ class Engine:
             # Before anything compiles (torch.compile, the Triton kernels): the compilers read
             # these folders when they first use them.
             self.compile_cache = compile_cache.setup(self.device)
+            # A recompile mid-run (a new shape's guard failed) costs seconds of a step: the
+            # worker's log says which function and why (torch's "__recompiles" lines).
+            torch._logging.set_logs(recompiles=True)
         cfg, raw = read_config(model_dir)
         self.model_dir, self.cfg, self.raw = model_dir, cfg, raw
         self.tokenizer = Tokenizer(model_dir)
