@@ -383,6 +383,16 @@ def parity(a, eng: Engine, res: dict) -> None:
     log("parity", {k: v for k, v in res.items() if k.startswith(("parity", "hf_bf16"))})
 
 
+def gen_paths(gen, res: dict, prefix: str) -> None:
+    """The generator's paths (Triton kernels, all-Triton batch-1 step, graphs) and the errors
+    that made it fall back, into res."""
+    res[f"{prefix}_compile_error"] = gen.compile_error[:3000]
+    res[f"{prefix}_kernel_error"] = gen.kernel_error[:3000]
+    res[f"{prefix}_prefill_error"] = gen.prefill_error[:3000]
+    res[f"{prefix}_paths"] = dict(triton=gen.triton, fused_b1=gen.fused_b1,
+                                  graphs=len(gen.graphs))
+
+
 def gen_section(a, res, prefix, opts, b256=True, extra=True):
     eng = Engine(a.model, Options(device=a.device, slots=256 if b256 else 8,
                                   max_seq_len=PROMPT + a.new, **opts))
@@ -400,10 +410,7 @@ def gen_section(a, res, prefix, opts, b256=True, extra=True):
                 log(prefix, "b256 with the prefill layer eager",
                     res[f"{prefix}_prefill_eager_b256"])
         step_times(eng, res, prefix)
-        res[f"{prefix}_compile_error"] = eng.gen.compile_error[:3000]
-        res[f"{prefix}_kernel_error"] = eng.gen.kernel_error[:3000]
-        res[f"{prefix}_paths"] = dict(triton=eng.gen.triton, fused_b1=eng.gen.fused_b1,
-                                      graphs=len(eng.gen.graphs))
+        gen_paths(eng.gen, res, prefix)
         if extra:
             decode_vs_score(eng, res, prefix)
         if prefix == "gen":
@@ -505,11 +512,7 @@ def sec_gen_b1(a, res):
             gen.graphs.clear()
             ours_generate(eng, 1, a.new)  # capture again with PDL for the checks below
         res[f"{prefix}_prefill_graphs"] = sorted(gen.pf_graphs)
-        res[f"{prefix}_prefill_error"] = gen.prefill_error[:3000]
-        res[f"{prefix}_kernel_error"] = gen.kernel_error[:3000]
-        res[f"{prefix}_compile_error"] = gen.compile_error[:3000]
-        res[f"{prefix}_paths"] = dict(triton=gen.triton, fused_b1=gen.fused_b1,
-                                      graphs=len(gen.graphs))
+        gen_paths(gen, res, prefix)
         step_times(eng, res, prefix)
         prefill_check(eng, res, prefix)
         decode_vs_score(eng, res, prefix, ns=(1,))
@@ -587,11 +590,7 @@ def sec_gen_fp8kv(a, res):
         res[f"{prefix}_b256"] = ours_generate(eng, 256, a.new)
         log(prefix, "b256", res[f"{prefix}_b256"])
         step_times(eng, res, prefix)
-        res[f"{prefix}_compile_error"] = gen.compile_error[:3000]
-        res[f"{prefix}_kernel_error"] = gen.kernel_error[:3000]
-        res[f"{prefix}_prefill_error"] = gen.prefill_error[:3000]
-        res[f"{prefix}_paths"] = dict(triton=gen.triton, fused_b1=gen.fused_b1,
-                                      graphs=len(gen.graphs))
+        gen_paths(gen, res, prefix)
         decode_vs_score(eng, res, prefix)
         # The same requests from an fp8 generator and one of the model's dtype (bf16 on a GPU;
         # 8 rows each: batch 1 and 4).
