@@ -17,6 +17,10 @@ against (tests/test_kernels.py, on the CPU under TRITON_INTERPRET=1):
   hidden·Wᵀ, in chunks of rows, never materialising the whole [N, vocabulary] logits in fp32 (the
   backward pass recomputes each chunk's logits). The element-wise passes are Triton kernels on a
   GPU and PyTorch elsewhere.
+* `adamw`: the mixed-precision optimizer step of one parameter in one pass: the bf16 gradient
+  scaled by the clip coefficient, torch.optim.AdamW's update of the fp32 master and its two
+  moments, the bf16 parameter written from the new master, all skipped when a device flag says
+  the step's loss or gradient norm is not finite (train.Trainer's fused step).
 
 `available(device)` says whether the Triton kernels can run there: on a CUDA device, or on the CPU
 when TRITON_INTERPRET=1 was set before this module was imported (the tests do).
@@ -79,6 +83,25 @@ if HAVE_TRITON and INTERPRET:
             return _fp_to_fp(self, src, dst_type, rounding_mode)
 
         _interp.InterpreterBuilder.create_fp_to_fp = _create_fp_to_fp
+    except AttributeError:  # pragma: no cover - another Triton version
+        pass
+    # Its fp32 → bf16 cast truncates, where the GPU's cvt.rn and PyTorch round to nearest even:
+    # rounded by PyTorch here, so a kernel's bf16 stores equal PyTorch's casts (tests only).
+    try:
+        import numpy as _np
+
+        _cast_impl = _interp.InterpreterBuilder.cast_impl
+
+        def _cast_rne(self, src, dst_type):
+            if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
+                data = torch.from_numpy(_np.ascontiguousarray(src.data, dtype=_np.float32))
+                return _interp.TensorHandle(
+                    data.to(torch.bfloat16).view(torch.uint16).numpy(), dst_type.scalar)
+            return _cast_impl(self, src, dst_type)
+
+        _interp.InterpreterBuilder.cast_impl = _cast_rne
+        _interp.InterpreterBuilder.create_fp_trunc = \
+            lambda self, src, dst_type: self.cast_impl(src, dst_type)
     except AttributeError:  # pragma: no cover - another Triton version
         pass
 
@@ -471,6 +494,35 @@ if HAVE_TRITON:
         grad = tl.where(i == t, grad + g_lp, grad)
         tl.store(row + i, grad.to(logits_ptr.dtype.element_ty), mask=imask)
 
+    # ---------------------------------------------------------------------------------------
+    # AdamW over fp32 masters from bf16 gradients
+    # ---------------------------------------------------------------------------------------
+
+    @triton.jit
+    def _adamw_kernel(p_ptr, m_ptr, g_ptr, ea_ptr, eas_ptr, sc_ptr, n, decay, beta1c, beta2,
+                      beta2c, eps, WRITE_P: tl.constexpr, BLOCK: tl.constexpr):
+        # sc: [clip coefficient, non-finite flag, lr / bias_correction1, √bias_correction2]
+        coef = tl.load(sc_ptr)
+        bad = tl.load(sc_ptr + 1)
+        step_size = tl.load(sc_ptr + 2)
+        bc2_sqrt = tl.load(sc_ptr + 3)
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < tl.where(bad == 0.0, n, 0)  # a skipped step reads and writes nothing
+        g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32) * coef
+        m = tl.load(m_ptr + offs, mask=mask, other=0.0)
+        ea = tl.load(ea_ptr + offs, mask=mask, other=0.0)
+        eas = tl.load(eas_ptr + offs, mask=mask, other=0.0)
+        m = m * decay  # decoupled weight decay: p *= 1 − lr·wd
+        ea = ea + beta1c * (g - ea)  # exp_avg.lerp_(g, 1 − β1)
+        eas = eas * beta2 + beta2c * (g * g)
+        denom = tl.div_rn(tl.sqrt_rn(eas), bc2_sqrt) + eps
+        m = m - step_size * tl.div_rn(ea, denom)
+        tl.store(m_ptr + offs, m, mask=mask)
+        tl.store(ea_ptr + offs, ea, mask=mask)
+        tl.store(eas_ptr + offs, eas, mask=mask)
+        if WRITE_P:
+            tl.store(p_ptr + offs, m.to(p_ptr.dtype.element_ty), mask=mask)
+
 
 # -------------------------------------------------------------------------------------------
 # Decode attention
@@ -760,3 +812,54 @@ def linear_logprobs(hidden, weight, targets, entropy_grad: bool = False, *,
         ent = ent.detach()
     return logp, ent
 
+
+
+# -------------------------------------------------------------------------------------------
+# AdamW over fp32 masters from bf16 gradients
+# -------------------------------------------------------------------------------------------
+
+ADAMW_BLOCK = 2048  # elements a program (module-level so a benchmark can sweep them)
+ADAMW_WARPS = 4
+
+
+def adamw_scalars(coef, bad, steps, lr: float, beta1: float, beta2: float) -> torch.Tensor:
+    """The per-parameter scalars of `adamw` as one [n, 4] fp32 tensor on coef's device, made there
+    without a read-back: the clip coefficient (a 0-d tensor), the non-finite flag (0-d, nonzero
+    skips), lr / (1 − β1^t) and √(1 − β2^t) for each parameter's step count t (steps: its 0-d
+    tensors before this step; t counts this one), in fp64 as torch.optim.AdamW computes them."""
+    dev = coef.device
+    t = torch.stack([s.to(dev) for s in steps]).double() + 1
+    n = t.numel()
+    return torch.stack([coef.double().expand(n), bad.double().expand(n),
+                        lr / (1 - beta1 ** t), (1 - beta2 ** t).sqrt()], 1).float()
+
+
+def adamw(param, master, grad, exp_avg, exp_avg_sq, sc, *, lr: float, beta1: float, beta2: float,
+          eps: float, weight_decay: float, use_triton: bool = True) -> None:
+    """One step of torch.optim.AdamW (decoupled weight decay, no amsgrad) on the fp32 master from
+    grad (any float dtype) scaled by sc[0], writing master, exp_avg and exp_avg_sq in place and
+    param (the low-precision copy; None or master itself: not written) from the new master;
+    nothing at all when sc[1] is nonzero. sc: a row of adamw_scalars. One pass over memory with
+    the Triton kernel; use_triton=False: the same in PyTorch operations (on the device too, no
+    read-back), for tensors the kernel does not take (not contiguous) and after it failed."""
+    write_p = param is not None and param is not master
+    args = (1.0 - lr * weight_decay, 1.0 - beta1, beta2, 1.0 - beta2, eps)
+    n = master.numel()
+    if use_triton and all(t.is_contiguous() for t in (master, grad, exp_avg, exp_avg_sq, sc)) \
+            and (not write_p or param.is_contiguous()):
+        _adamw_kernel[(triton.cdiv(n, ADAMW_BLOCK),)](
+            param if write_p else master, master, grad, exp_avg, exp_avg_sq, sc, n, *args,
+            WRITE_P=write_p, BLOCK=ADAMW_BLOCK, num_warps=ADAMW_WARPS)
+        return
+    decay, beta1c, beta2, beta2c, eps = args
+    with torch.no_grad():
+        keep = sc[1] == 0
+        g = grad.float() * sc[0]
+        ea = exp_avg.lerp(g, beta1c)
+        eas = exp_avg_sq * beta2 + beta2c * (g * g)
+        m = master * decay - sc[2] * (ea / (eas.sqrt() / sc[3] + eps))
+        if write_p:
+            param.copy_(torch.where(keep, m.to(param.dtype), param))
+        master.copy_(torch.where(keep, m, master))
+        exp_avg.copy_(torch.where(keep, ea, exp_avg))
+        exp_avg_sq.copy_(torch.where(keep, eas, exp_avg_sq))

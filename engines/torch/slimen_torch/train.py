@@ -193,6 +193,10 @@ class Trainer:
         self.opt = None
         # The optimizer step launched before the step's read-back (_apply): a fused optimizer's.
         self.step_ahead = False
+        # bf16 parameters with fp32 masters on a GPU: the whole optimizer step (clip, AdamW, the
+        # copy into the parameters) in one Triton pass per parameter (_fused_apply); False: the
+        # masters' fp32 gradients, torch's fused AdamW and a copy back (bench's train_old_opt).
+        self.fused_step = kernels.HAVE_TRITON and self.cuda and self.mixed
         self.steps = 0
         # Log-probs from the hidden states in chunks (kernels.linear_logprobs), with the Triton
         # element-wise passes on a GPU; else from the whole logits (token_logprobs).
@@ -482,25 +486,100 @@ class Trainer:
         for p in self.params:
             p.grad = None
 
+    def _fusable(self) -> bool:
+        """Whether this step takes _fused_apply: bf16 parameters with fp32 masters, some with a
+        gradient, and an AdamW without the options the kernel does not implement."""
+        return (self.fused_step and self.mixed and self.opt is not None
+                and any(p.grad is not None for p in self.params)
+                and all(not g["amsgrad"] and not g["maximize"] and not g["differentiable"]
+                        and g.get("decoupled_weight_decay", True) for g in self.opt.param_groups))
+
+    def _fused_apply(self, lc, sums) -> torch.Tensor:
+        """The optimizer step of bf16 parameters with fp32 masters, launched without a read-back:
+        the gradient norm from the bf16 gradients (their fp32 values are exact, so it is the
+        masters' norm up to the order of the sum), then per parameter one pass
+        (kernels.adamw) that scales its bf16 gradient by the clip coefficient, applies
+        torch.optim.AdamW to the master and its moments and writes the bf16 parameter, or does
+        nothing when the loss or the norm is not finite: the steps of _master_grads, the norm,
+        the clip, the optimizer and _stepped without the fp32 gradients. The moments and step
+        counts stay in self.opt.state (checkpoints unchanged), the counts advanced as the fused
+        AdamW advances them (not on a skipped step). Returns the norm (a device tensor)."""
+        opt = self.opt
+        group = {m: g for g in opt.param_groups for m in g["params"]}
+        todo = [(p, m) for p, m in zip(self.params, self.masters) if p.grad is not None]
+        grads = [p.grad for p, _ in todo]
+        norm = torch.linalg.vector_norm(
+            torch.stack(torch._foreach_norm(grads, 2.0, dtype=torch.float32)), 2.0)
+        bad = ~(torch.isfinite(sums["loss"]) & torch.isfinite(norm))
+        if lc.max_grad_norm > 0:  # as the unfused path's: in fp64, applied in fp32
+            coef = torch.full((), lc.max_grad_norm, dtype=torch.float64, device=norm.device)
+            coef = (coef / (norm.double() + 1e-6)).clamp(max=1.0).float()
+        else:
+            coef = torch.ones((), dtype=torch.float32, device=norm.device)
+        for _, m in todo:
+            st = opt.state[m]
+            if not st:  # as torch.optim.Adam._init_group makes it
+                g = group[m]
+                st["step"] = (torch.zeros((), dtype=torch.float32, device=m.device)
+                              if g["capturable"] or g["fused"] else torch.tensor(0.0))
+                st["exp_avg"] = torch.zeros_like(m, memory_format=torch.preserve_format)
+                st["exp_avg_sq"] = torch.zeros_like(m, memory_format=torch.preserve_format)
+        steps = [opt.state[m]["step"] for _, m in todo]
+        g0 = opt.param_groups[0]
+        beta1, beta2 = g0["betas"]
+        hyper = dict(lr=g0["lr"], beta1=beta1, beta2=beta2, eps=g0["eps"],
+                     weight_decay=g0["weight_decay"])
+        sc = kernels.adamw_scalars(coef, bad.float(), steps, hyper["lr"], beta1, beta2)
+        with torch.no_grad():
+            for i, (p, m) in enumerate(todo):
+                st = opt.state[m]
+                if self.fused_step:
+                    try:
+                        kernels.adamw(p, m, p.grad, st["exp_avg"], st["exp_avg_sq"], sc[i],
+                                      **hyper)
+                        continue
+                    except Exception as e:
+                        # The parameters before this one are stepped: this step ends in
+                        # PyTorch, the next ones take the unfused path.
+                        log.warning("the fused optimizer step (Triton) failed, using "
+                                    "PyTorch's AdamW: %s", e)
+                        self.compile_error += f"[adamw] {traceback.format_exc()}\n"
+                        self.fused_step = False
+                kernels.adamw(p, m, p.grad, st["exp_avg"], st["exp_avg_sq"], sc[i],
+                              use_triton=False, **hyper)
+        # As the fused AdamW does under a GradScaler: + 1, − found_inf.
+        torch._foreach_add_(steps, 1)
+        torch._foreach_sub_(steps, [bad.float().to(steps[0].device)] * len(steps))
+        for p in self.params:
+            p.grad = None
+        for m in self.masters:
+            m.grad = None
+        return norm
+
     def _apply(self, lc, sums) -> TrainStats:
         sums = self._reduce(sums)
-        if self.mixed:
-            self._master_grads()
-        grads = [m.grad for m in self.masters if m.grad is not None]
-        dev = next(iter(sums.values())).device
-        norm = self._grad_norm(grads) if grads else torch.zeros((), device=dev)
         opt = self.opt
         for g in opt.param_groups:
             g["lr"] = lc.lr
             g["betas"] = (lc.beta1 or 0.9, lc.beta2 or 0.999)
             g["eps"] = lc.adam_eps or 1e-8
             g["weight_decay"] = lc.weight_decay
+        dev = next(iter(sums.values())).device
+        fused = self._fusable()
+        grads = []
+        if fused:
+            norm = self._fused_apply(lc, sums)
+        else:
+            if self.mixed:
+                self._master_grads()
+            grads = [m.grad for m in self.masters if m.grad is not None]
+            norm = self._grad_norm(grads) if grads else torch.zeros((), device=dev)
         # With a fused optimizer the step is launched before anything is read back: the clip is
         # scaled on the device and a non-finite loss or norm makes the optimizer skip the update
         # there (found_inf, as under a GradScaler), so the GPU never waits for the host between
         # the backward pass and the optimizer. Else the host reads first and decides.
-        ahead = self.step_ahead and bool(grads)
-        if ahead:
+        ahead = fused or (self.step_ahead and bool(grads))
+        if ahead and not fused:
             bad = ~(torch.isfinite(sums["loss"]) & torch.isfinite(norm))
             if lc.max_grad_norm > 0:
                 n = norm.detach().double()

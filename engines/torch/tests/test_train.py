@@ -393,3 +393,148 @@ def test_a_step_decided_on_the_device_equals_the_host_decision(model_dirs):
     assert all(torch.equal(a, b) for a, b in zip(w1, w2))
     assert all(torch.equal(a, b) for a, b in zip(m1, m2))
     assert steps1 == steps2 == [2.0] * len(steps1) and n1 == n2 == 2
+
+
+
+def bf16_close(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """bf16 tensors one unit in the last place apart at most (2⁻⁷ of the value), or 1e-6 of the
+    largest value (a weight that an update all but cancels, rounded from fp32 values that agree
+    to fp32 rounding of the operands)."""
+    a, b = a.float(), b.float()
+    return bool(((a - b).abs() <= 2 ** -7 * b.abs() + 1e-6 * b.abs().max()).all())
+
+
+def trainer_state(e: Engine, stats) -> dict:
+    tr = e.trainer
+    return dict(stats=stats, weights=weights(e), masters=[m.detach().clone() for m in tr.masters],
+                state=[{k: v.clone() for k, v in s.items()} for s in tr.opt.state.values()],
+                steps=tr.steps, grads=[t.grad for t in tr.params + tr.masters if t.grad is not None])
+
+
+def close_steps(a: dict, b: dict) -> None:
+    """The same step: stats, fp32 masters and AdamW state within fp32 rounding (torch's AdamW and
+    the one-pass kernel round apart), bf16 weights within one unit in the last place."""
+    def rel(x, y):
+        return ((x.double() - y.double()).norm() / y.double().norm().clamp(min=1e-30)).item()
+
+    for s, t in zip(a["stats"], b["stats"], strict=True):
+        assert (s.skipped, s.reason, s.tokens, s.loss) == (t.skipped, t.reason, t.tokens, t.loss)
+        assert s.grad_norm == pytest.approx(t.grad_norm, rel=1e-6)
+    assert all(rel(x, y) < 1e-6 for x, y in zip(a["masters"], b["masters"], strict=True))
+    assert all(bf16_close(x, y) for x, y in zip(a["weights"], b["weights"], strict=True))
+    assert len(a["state"]) == len(b["state"]) == len(a["masters"])
+    for x, y in zip(a["state"], b["state"]):
+        assert x.keys() == y.keys() == {"step", "exp_avg", "exp_avg_sq"}
+        assert float(x["step"]) == float(y["step"])
+        assert rel(x["exp_avg"], y["exp_avg"]) < 1e-6
+        assert rel(x["exp_avg_sq"], y["exp_avg_sq"]) < 1e-6
+    assert a["steps"] == b["steps"]
+    assert not a["grads"] and not b["grads"]
+
+
+def optimizer_batches():
+    """A clipped step with weight decay, a skipped one (a non-finite loss), the first again (a
+    second count of the bias corrections) and an unclipped one with other betas and epsilon."""
+    lc = LossConfig(lr=1e-2, max_grad_norm=0.05, weight_decay=0.1)
+    lc2 = LossConfig(lr=3e-3, max_grad_norm=100.0, weight_decay=0.01, beta1=0.8, beta2=0.99,
+                     adam_eps=1e-6)
+
+    def bad(e):
+        b = fixed_batch(e, lc, seed=1)
+        b.samples[1].advantages = [math.inf] * len(b.samples[1].response)
+        return b
+    return [lambda e: fixed_batch(e, lc), bad, lambda e: fixed_batch(e, lc),
+            lambda e: fixed_batch(e, lc2, seed=2)]
+
+
+@pytest.mark.parametrize("break_at", [-1, 0, 5])
+def test_the_fused_optimizer_step_equals_the_unfused_one(model_dirs, break_at):
+    """The GPU's fused optimizer step (the norm of the bf16 gradients, the clip, AdamW and the
+    bf16 copy in one Triton pass per parameter, here in Triton's interpreter; a non-finite step
+    skipped on the device) against the masters' fp32 gradients, torch's AdamW and the copy back
+    (bf16 parameters with fp32 masters, the GPU's layout), step by step from the same state over
+    four steps: the same stats, masters, moments and step counts (a skipped step not counted).
+    (From the same state: a master one fp32 ulp apart can round to another bf16 weight, and the
+    next gradients differ.) A kernel that fails (at once, or after five parameters of a step)
+    hands over to PyTorch: the same step still, the next ones unfused, the failure recorded."""
+    import copy
+
+    from slimen_torch import kernels as K
+    if not K.available("cpu"):
+        pytest.skip("Triton (interpreter) not available on this machine")
+    fused = Engine(str(model_dirs["tiny-qwen3"]), Options(dtype="bfloat16"))
+    old = Engine(str(model_dirs["tiny-qwen3"]), Options(dtype="bfloat16"))
+    launches, kernel = [0], K._adamw_kernel
+
+    class Broken:
+        def __getitem__(self, grid):
+            launches[0] += 1
+            if launches[0] > break_at:
+                raise RuntimeError("no kernel today")
+            return kernel[grid]
+    try:
+        if break_at >= 0:
+            K._adamw_kernel = Broken()
+        fused.trainer.fused_step = True
+        assert not old.trainer.fused_step  # not on the CPU by default
+        got = []
+        for i, batch in enumerate(optimizer_batches()):
+            if i:  # the unfused engine from the fused one's state
+                with torch.no_grad():
+                    for p, q in zip(old.model.parameters(), fused.model.parameters()):
+                        p.copy_(q)
+                old.trainer.load_state_dict(copy.deepcopy(fused.trainer.state_dict()))
+                old.trainer.steps = fused.trainer.steps
+            a = trainer_state(fused, [fused.train(batch(fused))])
+            b = trainer_state(old, [old.train(batch(old))])
+            close_steps(a, b)
+            got.append(a)
+    finally:
+        K._adamw_kernel = kernel
+        fused.close()
+        old.close()
+    s = [g["stats"][0] for g in got]
+    assert s[0].grad_norm > 0.05 and s[1].skipped and not s[2].skipped and s[3].grad_norm < 100
+    assert [float(x["step"]) for x in got[-1]["state"]] == [3.0] * len(got[-1]["state"])
+    if break_at < 0:
+        assert fused.trainer.fused_step and not fused.trainer.compile_error
+        # The bf16 parameters are the masters rounded (to nearest even, as PyTorch rounds).
+        assert all(torch.equal(w, m.to(torch.bfloat16))
+                   for g in got for w, m in zip(g["weights"], g["masters"]))
+    else:
+        assert not fused.trainer.fused_step and "[adamw]" in fused.trainer.compile_error
+        assert launches[0] == break_at + 1
+
+
+def test_the_fused_optimizer_state_survives_save_and_load(model_dirs, tmp_path):
+    """Checkpoints after fused steps hold torch's AdamW state: a new engine loaded from one
+    (fused, or unfused) steps on as the saving engine does."""
+    from slimen_torch import kernels as K
+    if not K.available("cpu"):
+        pytest.skip("Triton (interpreter) not available on this machine")
+    lc = LossConfig(lr=5e-3, max_grad_norm=1.0, weight_decay=0.1)
+    a = Engine(str(model_dirs["tiny-qwen3"]), Options(dtype="bfloat16"))
+    try:
+        a.trainer.fused_step = True
+        batch = fixed_batch(a, lc)
+        a.train(batch)
+        a.train(batch)
+        a.save(str(tmp_path / "ck"))
+        runs = []
+        for fused in (True, False):
+            b = Engine(str(tmp_path / "ck"), Options(dtype="bfloat16"))
+            try:
+                b.trainer.fused_step = fused
+                runs.append(trainer_state(b, [b.train(batch)]))
+            finally:
+                b.close()
+        want = trainer_state(a, [a.train(batch)])
+        assert want["steps"] == 3 and float(want["state"][0]["step"]) == 3.0
+        # Fused after the load: bit for bit the saving engine's third step.
+        s, t = runs[0]["stats"][0], want["stats"][0]
+        assert (s.loss, s.grad_norm) == (t.loss, t.grad_norm)
+        for k in ("masters", "weights"):
+            assert all(torch.equal(x, y) for x, y in zip(runs[0][k], want[k], strict=True))
+        close_steps(runs[1], want)
+    finally:
+        a.close()
