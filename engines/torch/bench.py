@@ -116,6 +116,7 @@ SECTIONS = {
     "train_before": 40, "hf": 60, "train_regional": 60, "gen_layer_b1": 60,
     "train_static": 60, "gen_b1": 60, "first_step": 300, "first_step_run": 150,
     "profile": 150, "sweep_b1": 120, "train_split": 100, "sweep_attn": 120, "gen_fp8kv": 150,
+    "train_old_opt": 60,
 }
 DEFAULT_SECTIONS = ["kernels", "gen", "train", "train_eager", "gen_before", "train_before", "hf",
                     "train_regional", "gen_layer_b1", "train_static"]
@@ -740,7 +741,9 @@ def train_batch(cfg, samples: int, length: int) -> Batch:
 def per_parameter(tr) -> None:
     """Gives the trainer tr the optimizer step's casts as they were before the multi-tensor ones
     (a cast into the masters' gradients and a copy back launched per parameter); `del
-    tr._master_grads, tr._stepped` undoes it. Also the reference of tests/test_train.py."""
+    tr._master_grads, tr._stepped` undoes it (and tr.fused_step, the one-pass step, off: it
+    has neither). Also the reference of tests/test_train.py."""
+    tr.fused_step = False
     def master_grads():
         for p, m in zip(tr.params, tr.masters):
             m.grad = None if p.grad is None else p.grad.float()
@@ -756,6 +759,7 @@ def per_parameter(tr) -> None:
 def per_parameter_steps(eng: Engine, b: Batch, steps: int) -> float:
     """The median step with per_parameter's optimizer step (as before), on the same engine."""
     tr = eng.trainer
+    fused = tr.fused_step
     per_parameter(tr)
     times = []
     try:
@@ -766,6 +770,7 @@ def per_parameter_steps(eng: Engine, b: Batch, steps: int) -> float:
             times.append(time.perf_counter() - t)
     finally:
         del tr._master_grads, tr._stepped
+        tr.fused_step = fused
     return sorted(times)[len(times) // 2]
 
 
@@ -836,6 +841,7 @@ def train_bench(a, res, prefix, opts, samples=8, steps=3, micro=0, setup=None):
         res[f"{prefix}_step_s"] = dt
         res[f"{prefix}_loss"] = st.loss
         res[f"{prefix}_mode"] = eng.trainer.mode
+        res[f"{prefix}_fused_step"] = eng.trainer.fused_step  # the one-pass optimizer step
         res[f"{prefix}_compile_error"] = eng.trainer.compile_error[-20000:]
         if torch.cuda.is_available():
             res[f"{prefix}_peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
@@ -1003,6 +1009,15 @@ def sec_train(a, res):
     torch._dynamo.config.verbose = True  # a compiler failure is recorded with its whole stack
     train_bench(a, res, "train", {})
     train_bench(a, res, "train_16x", {}, samples=16, micro=16 * a.train_len)
+
+
+def sec_train_old_opt(a, res):
+    """The default step with the optimizer step before the one-pass kernel (Trainer.fused_step
+    off): the masters' fp32 gradients, their norm, the clip, torch's fused AdamW and the copy
+    back; for a before/after with train in the same call."""
+    def unfused(eng):
+        eng.trainer.fused_step = False
+    train_bench(a, res, "train_old_opt", {}, setup=unfused)
 
 
 def sec_train_split(a, res):
@@ -1182,6 +1197,8 @@ def table(res: dict) -> str:
             ("train_before", "before: whole fp32 logits, unfused RMSNorm, eager"),
             ("train_eager", "chunked log-prob head + fused RMSNorm, eager"),
             ("train", "**now** (default): + whole layer compiled (dynamic shapes)"),
+            ("train_old_opt", "now, the optimizer step unfused (before: fp32 gradients, torch's "
+             "fused AdamW, copy back)"),
             ("train_16x", "now, 16 × 2,048 in one micro-batch"),
             ("train_static", "whole layer compiled for static shapes"),
             ("train_regional", "q/k/v and MLP compiled around eager attention")):

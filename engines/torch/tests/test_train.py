@@ -378,6 +378,7 @@ def test_a_step_decided_on_the_device_equals_the_host_decision(model_dirs):
             tr._optimizer()
             tr.opt = torch.optim.AdamW(tr.masters, lr=0.0, fused=True)
             tr.step_ahead = ahead
+            tr.fused_step = False  # torch's fused AdamW, not the one-pass kernel (tested below)
             lc = LossConfig(lr=1e-2, max_grad_norm=0.05, weight_decay=0.1)
             good = fixed_batch(e, lc)
             bad = fixed_batch(e, lc, seed=1)
@@ -408,10 +409,34 @@ def trainer_state(e: Engine, stats) -> dict:
     tr = e.trainer
     return dict(stats=stats, weights=weights(e), masters=[m.detach().clone() for m in tr.masters],
                 state=[{k: v.clone() for k, v in s.items()} for s in tr.opt.state.values()],
-                steps=tr.steps, grads=[t.grad for t in tr.params + tr.masters if t.grad is not None])
+                steps=tr.steps,
+                grads=[t.grad for t in tr.params + tr.masters if t.grad is not None])
 
 
-def close_steps(a: dict, b: dict) -> None:
+def lockstep(fused: Engine, old: Engine, batches, check) -> list[dict]:
+    """Trains both engines on each batch from the same state (old's weights, masters and AdamW
+    state replaced by fused's before each step) and check(fused's, old's, the masters before)
+    after each step; a master one fp32 ulp apart can round to another bf16 weight, and the next
+    gradients differ. Returns fused's states."""
+    import copy
+
+    got = []
+    before = [p.detach().float().clone() for p in fused.trainer.params]
+    for i, batch in enumerate(batches):
+        if i:
+            with torch.no_grad():
+                for p, q in zip(old.model.parameters(), fused.model.parameters(), strict=True):
+                    p.copy_(q)
+            old.trainer.load_state_dict(copy.deepcopy(fused.trainer.state_dict()))
+            old.trainer.steps = fused.trainer.steps
+        a = trainer_state(fused, [fused.train(batch(fused))])
+        check(a, trainer_state(old, [old.train(batch(old))]), before)
+        before = a["masters"]
+        got.append(a)
+    return got
+
+
+def close_steps(a: dict, b: dict, _before=None) -> None:
     """The same step: stats, fp32 masters and AdamW state within fp32 rounding (torch's AdamW and
     the one-pass kernel round apart), bf16 weights within one unit in the last place."""
     def rel(x, y):
@@ -457,8 +482,6 @@ def test_the_fused_optimizer_step_equals_the_unfused_one(model_dirs, break_at):
     (From the same state: a master one fp32 ulp apart can round to another bf16 weight, and the
     next gradients differ.) A kernel that fails (at once, or after five parameters of a step)
     hands over to PyTorch: the same step still, the next ones unfused, the failure recorded."""
-    import copy
-
     from slimen_torch import kernels as K
     if not K.available("cpu"):
         pytest.skip("Triton (interpreter) not available on this machine")
@@ -477,18 +500,7 @@ def test_the_fused_optimizer_step_equals_the_unfused_one(model_dirs, break_at):
             K._adamw_kernel = Broken()
         fused.trainer.fused_step = True
         assert not old.trainer.fused_step  # not on the CPU by default
-        got = []
-        for i, batch in enumerate(optimizer_batches()):
-            if i:  # the unfused engine from the fused one's state
-                with torch.no_grad():
-                    for p, q in zip(old.model.parameters(), fused.model.parameters()):
-                        p.copy_(q)
-                old.trainer.load_state_dict(copy.deepcopy(fused.trainer.state_dict()))
-                old.trainer.steps = fused.trainer.steps
-            a = trainer_state(fused, [fused.train(batch(fused))])
-            b = trainer_state(old, [old.train(batch(old))])
-            close_steps(a, b)
-            got.append(a)
+        got = lockstep(fused, old, optimizer_batches(), close_steps)
     finally:
         K._adamw_kernel = kernel
         fused.close()
@@ -538,3 +550,50 @@ def test_the_fused_optimizer_state_survives_save_and_load(model_dirs, tmp_path):
         close_steps(runs[1], want)
     finally:
         a.close()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_the_fused_optimizer_step_on_the_gpu(model_dirs):
+    """On a GPU in bf16 the fused optimizer step (the default there) against the unfused one
+    (fp32 gradients of the masters, torch's fused AdamW, the copy back), step by step from the
+    same state: the same loss, the gradient norm and the masters within the GPU's rounding
+    (the two backward passes' bf16 gradients may differ in the order of their sums), the moments
+    and counts alike, and no read-back but the step's one."""
+    from bench import step_syncs
+
+    def rel(x, y):
+        return ((x.double() - y.double()).norm() / y.double().norm().clamp(min=1e-30)).item()
+
+    def check(a, b, before):
+        s, t = a["stats"][0], b["stats"][0]
+        assert (s.skipped, s.reason, s.tokens) == (t.skipped, t.reason, t.tokens)
+        assert s.loss == pytest.approx(t.loss, rel=1e-5, abs=1e-6)
+        assert s.grad_norm == pytest.approx(t.grad_norm, rel=1e-3)
+        # Each master's update within 2% of the unfused one's (a bf16 gradient one unit in the
+        # last place apart is 0.4–0.8% of it), a skipped step's exactly zero in both.
+        for x, y, m in zip(a["masters"], b["masters"], before, strict=True):
+            assert rel(x - m, y - m) < 2e-2
+            assert not s.skipped or torch.equal(x, m)
+        assert all(torch.equal(w, m.to(torch.bfloat16))
+                   for w, m in zip(a["weights"], a["masters"]))
+        for x, y in zip(a["state"], b["state"], strict=True):
+            assert float(x["step"]) == float(y["step"])
+            assert x["step"].device == y["step"].device  # on the GPU, as the fused AdamW's
+            assert rel(x["exp_avg"], y["exp_avg"]) < 2e-2
+            assert rel(x["exp_avg_sq"], y["exp_avg_sq"]) < 4e-2
+        assert a["steps"] == b["steps"] and not a["grads"]
+
+    opts = Options(device="cuda:0", dtype="bfloat16", compile_train="")
+    fused = Engine(str(model_dirs["tiny-qwen3"]), opts)
+    old = Engine(str(model_dirs["tiny-qwen3"]), opts)
+    try:
+        assert fused.trainer.fused_step
+        old.trainer.fused_step = False
+        a = lockstep(fused, old, optimizer_batches(), check)[-1]
+        assert fused.trainer.fused_step and not fused.trainer.compile_error
+        assert [float(x["step"]) for x in a["state"]] == [3.0] * len(a["state"])
+        batch = fixed_batch(fused, LossConfig(lr=1e-3, max_grad_norm=1.0))
+        assert len(step_syncs(fused.trainer, batch)) == 1
+    finally:
+        fused.close()
+        old.close()
