@@ -574,10 +574,11 @@ class Trainer:
                 self._master_grads()
             grads = [m.grad for m in self.masters if m.grad is not None]
             norm = self._grad_norm(grads) if grads else torch.zeros((), device=dev)
-        # With a fused optimizer the step is launched before anything is read back: the clip is
-        # scaled on the device and a non-finite loss or norm makes the optimizer skip the update
-        # there (found_inf, as under a GradScaler), so the GPU never waits for the host between
-        # the backward pass and the optimizer. Else the host reads first and decides.
+        # With a fused optimizer (the one-pass step of _fused_apply, or torch's fused AdamW) the
+        # step is launched before anything is read back: the clip is scaled on the device and a
+        # non-finite loss or norm makes the optimizer skip the update there (found_inf, as under
+        # a GradScaler), so the GPU never waits for the host between the backward pass and the
+        # optimizer. Else the host reads first and decides.
         ahead = fused or (self.step_ahead and bool(grads))
         if ahead and not fused:
             bad = ~(torch.isfinite(sums["loss"]) & torch.isfinite(norm))
