@@ -597,3 +597,60 @@ def test_the_fused_optimizer_step_on_the_gpu(model_dirs):
     finally:
         fused.close()
         old.close()
+
+
+@pytest.mark.parametrize("device,use_triton", [("cpu", True), ("cpu", False), ("cuda", True)])
+def test_adamw_equals_torch_adamw(device, use_triton):
+    """kernels.adamw (the Triton pass, in the interpreter on the CPU, and its PyTorch form)
+    against torch.optim.AdamW (fused on a GPU) fed the same gradients, clipped by the same
+    coefficient, over five steps with weight decay, a skipped one (its count not advanced, as a
+    fused AdamW's with found_inf), tensors whose size is no multiple of the block, a
+    non-contiguous one (the PyTorch form) and an fp32 parameter that is its own master; the
+    bf16 copies are the new masters rounded to nearest even."""
+    from slimen_torch import kernels as K
+    from slimen_torch.model import copy_tensors
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    if use_triton and not K.available(device):
+        pytest.skip("Triton (interpreter) not available on this machine")
+
+    def rel(x, y):
+        return ((x.double() - y.double()).norm() / y.double().norm()).item()
+
+    g = torch.Generator().manual_seed(5)
+    shapes = [(3000,), (64, 48), (1,)]
+    masters = [torch.randn(s, generator=g).to(device) for s in shapes]
+    ref = [m.clone().requires_grad_() for m in masters]
+    params = [m.bfloat16() for m in masters]
+    params[2] = masters[2]  # fp32: the master is the parameter
+    ntc = torch.zeros(48, 64, device=device).t()  # transposed storage: not contiguous
+    ntc.copy_(masters[1])
+    masters[1] = ntc
+    hyper = dict(lr=1e-2, beta1=0.85, beta2=0.99, eps=1e-7, weight_decay=0.1)
+    opt = torch.optim.AdamW(ref, lr=hyper["lr"], betas=(hyper["beta1"], hyper["beta2"]),
+                            eps=hyper["eps"], weight_decay=hyper["weight_decay"],
+                            fused=device == "cuda")
+    ea = [torch.zeros_like(m) for m in masters]
+    eas = [torch.zeros_like(m) for m in masters]
+    steps = [torch.zeros((), device=device) for _ in masters]
+    for i, (coef, skip) in enumerate([(0.5, False), (1.0, False), (0.3, True), (1.0, False),
+                                      (0.2, False)]):
+        grads = [torch.randn(s, generator=g).bfloat16().to(device) for s in shapes]
+        if not skip:
+            for r, gr in zip(ref, grads):
+                r.grad = gr.float() * torch.tensor(coef, device=device)
+            opt.step()
+        sc = K.adamw_scalars(torch.tensor(coef, device=device),
+                             torch.tensor(float(skip), device=device), steps,
+                             hyper["lr"], hyper["beta1"], hyper["beta2"])
+        for j in range(len(masters)):
+            K.adamw(params[j], masters[j], grads[j], ea[j], eas[j], sc[j],
+                    use_triton=use_triton, **hyper)
+        copy_tensors(steps, [s + (0.0 if skip else 1.0) for s in steps])
+        for j, r in enumerate(ref):
+            st = opt.state[r]
+            assert float(st["step"]) == float(steps[j])
+            assert rel(masters[j], r.detach()) < 1e-6, (i, j)
+            assert rel(ea[j], st["exp_avg"]) < 1e-6 and rel(eas[j], st["exp_avg_sq"]) < 1e-6
+            assert torch.equal(params[j], masters[j].to(params[j].dtype))
+    assert float(steps[0]) == 4.0
