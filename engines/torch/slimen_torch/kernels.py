@@ -88,8 +88,6 @@ if HAVE_TRITON and INTERPRET:
     # Its fp32 → bf16 cast truncates, where the GPU's cvt.rn and PyTorch round to nearest even:
     # rounded by PyTorch here, so a kernel's bf16 stores equal PyTorch's casts (tests only).
     try:
-        import numpy as _np
-
         _cast_impl = _interp.InterpreterBuilder.cast_impl
 
         def _cast_rne(self, src, dst_type):
@@ -811,7 +809,6 @@ def linear_logprobs(hidden, weight, targets, entropy_grad: bool = False, *,
     if not entropy_grad:
         ent = ent.detach()
     return logp, ent
-
 
 
 # -------------------------------------------------------------------------------------------

@@ -263,4 +263,3 @@ def test_top_p_neighbour_leaves_other_rows_alone(noeos_dir):
         assert [c.tokens for c in alone] == [c.tokens for c in both[:2]]
     finally:
         fast.close()
-

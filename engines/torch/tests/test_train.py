@@ -396,7 +396,6 @@ def test_a_step_decided_on_the_device_equals_the_host_decision(model_dirs):
     assert steps1 == steps2 == [2.0] * len(steps1) and n1 == n2 == 2
 
 
-
 def bf16_close(a: torch.Tensor, b: torch.Tensor) -> bool:
     """bf16 tensors one unit in the last place apart at most (2⁻⁷ of the value), or 1e-6 of the
     largest value (a weight that an update all but cancels, rounded from fp32 values that agree
