@@ -741,9 +741,10 @@ def train_batch(cfg, samples: int, length: int) -> Batch:
 def per_parameter(tr) -> None:
     """Gives the trainer tr the optimizer step's casts as they were before the multi-tensor ones
     (a cast into the masters' gradients and a copy back launched per parameter); `del
-    tr._master_grads, tr._stepped` undoes it (and tr.fused_step, the one-pass step, off: it
-    has neither). Also the reference of tests/test_train.py."""
+    tr._master_grads, tr._stepped` undoes it. The one-pass step (tr.fused_step), which has
+    neither, is turned off. Also the reference of tests/test_train.py."""
     tr.fused_step = False
+
     def master_grads():
         for p, m in zip(tr.params, tr.masters):
             m.grad = None if p.grad is None else p.grad.float()
