@@ -500,12 +500,13 @@ if HAVE_TRITON:
     def _adamw_kernel(p_ptr, m_ptr, g_ptr, ea_ptr, eas_ptr, sc_ptr, n, decay, beta1c, beta2,
                       beta2c, eps, WRITE_P: tl.constexpr, BLOCK: tl.constexpr):
         # sc: [clip coefficient, non-finite flag, lr / bias_correction1, √bias_correction2]
+        if tl.load(sc_ptr + 1) != 0.0:  # a skipped step reads and writes nothing
+            return
         coef = tl.load(sc_ptr)
-        bad = tl.load(sc_ptr + 1)
         step_size = tl.load(sc_ptr + 2)
         bc2_sqrt = tl.load(sc_ptr + 3)
         offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        mask = offs < tl.where(bad == 0.0, n, 0)  # a skipped step reads and writes nothing
+        mask = offs < n  # (the skip is not in the mask: n's divisibility keeps loads vectorised)
         g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32) * coef
         m = tl.load(m_ptr + offs, mask=mask, other=0.0)
         ea = tl.load(ea_ptr + offs, mask=mask, other=0.0)
