@@ -3,8 +3,9 @@ interpreter (conftest sets TRITON_INTERPRET=1 when there is no GPU): decode atte
 without splits, the sampler and its state update, the batch-1 fused matrix-vector products and
 rope, the chunked log-prob/entropy head with its gradients, and whole engines using them.
 
-In fp32, so a difference is a bug and not rounding (the interpreter also rounds to bf16 by
-truncation where the GPU rounds to nearest, so bf16 is checked on the GPU by bench.py)."""
+In fp32, so a difference is a bug and not rounding (bf16 is checked on the GPU by bench.py; the
+interpreter's own fp32 → bf16 cast truncates, which kernels.py replaces by PyTorch's rounding to
+nearest even under the interpreter). The optimizer step's kernel is tested in test_train.py."""
 
 import pytest
 import torch
