@@ -292,3 +292,33 @@ def test_bf16_adapter_resumes_its_fp32_masters(tmp_path):
         assert all(torch.equal(x, y) for x, y in zip(tp.masters, tq.masters))
     finally:
         e.close()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_a_bf16_adapter_takes_the_fused_optimizer_step_on_the_gpu():
+    """On a GPU an adapter's trainer takes the one-pass optimizer step (kernels.adamw): two
+    adapters alike, one with the unfused step, train alike over two steps (updates within the
+    GPU's rounding), and the fused one never falls back."""
+    e = Engine(str(BUILTIN), Options(device="cuda:0", dtype="bfloat16"))
+    try:
+        cfg = lora.LoRAConfig(rank=4, alpha=8, targets=("q_proj", "v_proj"))
+        e.add_adapter("p", cfg, 3)
+        e.add_adapter("q", cfg, 3)
+        # The trainers as the first train step makes them, q's before it runs.
+        tp, tq = (e._call(e._adapter_trainer, e.bank.adapters[n]) for n in ("p", "q"))
+        tq.fused_step = False
+        ids = list(range(10, 40))
+        for _ in range(2):
+            stats = []
+            for name in ("p", "q"):
+                b = Batch(samples=[Sample(prompt=ids[:10], response=ids[10:20],
+                                          loss_mask=[1.0] * 10, old_logprobs=[-3.0] * 10,
+                                          advantages=[1.0] * 10)],
+                          loss=LossConfig(lr=1e-2, max_grad_norm=1.0), adapter=name)
+                stats.append(e.train(b))
+            assert stats[0].loss == pytest.approx(stats[1].loss, rel=1e-3)
+            assert tp.fused_step and not tp.compile_error and tp.mixed
+            for x, y in zip(tp.masters, tq.masters, strict=True):
+                assert torch.allclose(x, y, rtol=2e-2, atol=2e-3 * y.abs().max().item())
+    finally:
+        e.close()
