@@ -978,29 +978,30 @@ def sec_profile(a, res):
             gen.pos[:B] = 0
     finally:
         eng.close()
+    profile_train(a, out, res, "train_8x", host=True)
+    # The same step with the graph broken around the attention (section train_split).
+    profile_train(a, out, res, "train_split_8x", setup=split_layer)
+
+
+def profile_train(a, out: pathlib.Path, res: dict, name: str, setup=None,
+                  host: bool = False) -> None:
+    """The kernel table of one training step (8 × train_len tokens) on a fresh engine, after two
+    warm-up steps; setup(eng) first when given; host: also the step's Python (host_profile)."""
     import gc
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     eng = Engine(a.model, Options(device=a.device, slots=1))
     try:
+        if setup is not None:
+            setup(eng)
         b = train_batch(eng.cfg, 8, a.train_len)
         eng.train(b)  # compiles
         eng.train(b)
-        profiled(lambda: eng.train(b), out, "train_8x", res)
-        res["profile_train_mode"] = eng.trainer.mode
-        host_profile(eng, b, out, res)
-    finally:
-        eng.close()
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-    eng = Engine(a.model, Options(device=a.device, slots=1))
-    try:  # the same step with the graph broken around the attention (section train_split)
-        split_layer(eng)
-        eng.train(b)
-        eng.train(b)
-        profiled(lambda: eng.train(b), out, "train_split_8x", res)
+        profiled(lambda: eng.train(b), out, name, res)
+        if host:
+            res["profile_train_mode"] = eng.trainer.mode
+            host_profile(eng, b, out, res)
     finally:
         eng.close()
 

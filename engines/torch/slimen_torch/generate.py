@@ -153,10 +153,10 @@ class Generator:
                 self.post_fn = torch.compile(decode_post, fullgraph=True, dynamic=True)
             else:
                 self.layer_fn = torch.compile(decode_layer, fullgraph=True, dynamic=True)
-        # The prefill's layer, compiled when asked (compile_prefill): its norms, rope and
-        # residual adds fuse into a few kernels (eagerly a layer is ~60 kernels, which bound a
-        # lone prompt's graph-captured prefill), at the price of compiling it on first use (once
-        # for a lone prompt, again for a batch). The same arithmetic in another summation order,
+        # The prefill's layer, compiled with compile_prefill (the engine's GPU default): its
+        # norms, rope and residual adds fuse into a few kernels (eagerly a layer is ~60 kernels,
+        # which bound a lone prompt's graph-captured prefill), at the price of compiling it on
+        # first use (once for a lone prompt, again for a batch). The same arithmetic in another summation order,
         # so its keys and values can differ from Score's forward pass in the last bits; scoring
         # and training keep their own layer functions.
         self.prefill_fn = block_forward
