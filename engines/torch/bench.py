@@ -61,14 +61,15 @@ Not in the default list (select with --sections):
   sweep_b1       the batch-1 step's tunables on one engine (the products' tile and warps, the
                  attention's split length): tok/s and the captured step's GPU time of each
 
-  sweep_attn     the batched decode attention's tile, warps and pipeline stages: the kernel
-                 alone at batch 256 (ms, share of HBM bandwidth) and tok/s of the fastest three
+  sweep_attn     the batched decode attention's tile, warps and pipeline stages over a bf16 and
+                 an fp8 cache: the kernel alone at batch 256 and positions 0 to the last (GPU µs,
+                 share of a copy's bandwidth), and bf16 tok/s of the default and fastest two
 
   train_split    before the layer was traced whole: the training layer compiled with the
                  attention between two compiled halves (SDPA's grouping left symbolic)
 
-  gen_fp8kv      the decode attention alone at batch 256 over a bf16 and an fp8 cache (ms, GB/s,
-                 a few launches for fp8); then `gen` with the KV cache in fp8 (--kv-cache-dtype
+  gen_fp8kv      the decode attention alone at batch 256 over a bf16 and an fp8 cache (GPU ms,
+                 GB/s, at the middle and last position); then `gen` with the KV cache in fp8 (--kv-cache-dtype
                  fp8): tok/s at batch 1 and 256, the captured steps' GPU time, generation
                  log-probs against Score's (bf16, no cache: the price of fp8 keys and values);
                  on the same engine a generator with the bf16 cache (8 rows) for the sampled and
@@ -167,6 +168,32 @@ def timed(fn, reps: int = 20) -> float:
     for _ in range(reps):
         fn()
     return (time.perf_counter() - t) * 1e3 / reps
+
+
+def graph_timed(fn, reps: int = 20) -> float:
+    """Milliseconds per call of GPU time alone: reps calls captured in one CUDA graph, replayed
+    five times between CUDA events (timed's per-call launch from Python can exceed a small
+    kernel's time, and would then be what it measures)."""
+    fn()
+    sync()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(reps):
+            fn()
+    g.replay()
+    sync()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(5):
+        g.replay()
+    b.record()
+    sync()
+    return a.elapsed_time(b) / (5 * reps)
 
 
 # ---- sections ------------------------------------------------------------------------------
@@ -530,12 +557,11 @@ def sec_gen_before(a, res):
 
 
 def fp8_attention_alone(eng: Engine, a, res: dict, prefix: str) -> None:
-    """The Triton decode attention alone at batch 256, every row at position 192, over a bf16
-    cache and over the same values in fp8: ms, GB/s of keys and values read, the outputs' relative
-    difference; then fp8 under a few launches (positions a tile, warps, stages: the defaults were
-    tuned on bf16's bytes)."""
+    """The Triton decode attention alone at batch 256, every row at position 192 and at the last
+    position, over a bf16 cache and over the same values in fp8: GPU ms (graph_timed), GB/s of
+    keys and values read, and the outputs' relative difference at the last position."""
     cfg, dev, dt = eng.cfg, eng.gen.device, eng.model.embed.dtype
-    B, L, pos = 256, PROMPT + a.new, (PROMPT + a.new) // 2
+    B, L = 256, PROMPT + a.new
     g = torch.Generator(device=dev).manual_seed(0)
 
     def rand(*shape):
@@ -545,31 +571,19 @@ def fp8_attention_alone(eng: Engine, a, res: dict, prefix: str) -> None:
                                                      for _ in range(2))
     k16, v16 = (rand(B, cfg.kv_heads, L, cfg.head_dim) for _ in range(2))
     k8, v8 = k16.to(torch.float8_e4m3fn), v16.to(torch.float8_e4m3fn)
-    p = torch.full((B,), pos, dtype=eng.gen.pos.dtype, device=dev)
     scale = cfg.head_dim ** -0.5
     outs = {}
-    for name, (kc, vc) in (("bf16", (k16, v16)), ("fp8", (k8, v8))):
-        def call(kc=kc, vc=vc):
-            return K.decode_attention(q, kn, vn, kc, vc, p, L, scale)
-        outs[name] = call().float()
-        ms = timed(call)
-        res[f"{prefix}_attn_ms_{name}"] = ms
-        res[f"{prefix}_attn_gbps_{name}"] = \
-            2 * B * cfg.kv_heads * (pos + 1) * cfg.head_dim * kc.element_size() / ms / 1e6
+    for pos in (L // 2, L - 1):
+        p = torch.full((B,), pos, dtype=eng.gen.pos.dtype, device=dev)
+        for name, (kc, vc) in (("bf16", (k16, v16)), ("fp8", (k8, v8))):
+            def call(kc=kc, vc=vc):
+                return K.decode_attention(q, kn, vn, kc, vc, p, L, scale)
+            outs[name] = call().float()
+            ms = graph_timed(call)
+            res[f"{prefix}_attn_ms_{name}_pos{pos}"] = ms
+            res[f"{prefix}_attn_gbps_{name}_pos{pos}"] = \
+                2 * B * cfg.kv_heads * (pos + 1) * cfg.head_dim * kc.element_size() / ms / 1e6
     res[f"{prefix}_attn_rel_fp8_vs_bf16"] = rel(outs["fp8"], outs["bf16"])
-    default, rows = (K.ATTN_BL, K.ATTN_WARPS, K.ATTN_STAGES), []
-    try:
-        for bl, w, st in [(bl, w, st) for bl in (64, 128) for w in (4, 8) for st in (0, 2, 3)]:
-            K.ATTN_BL, K.ATTN_WARPS, K.ATTN_STAGES = bl, w, st
-            row = {"bl": bl, "warps": w, "stages": st}
-            try:
-                row["ms"] = timed(lambda: K.decode_attention(q, kn, vn, k8, v8, p, L, scale))
-            except Exception as e:
-                row["error"] = repr(e)[:300]
-            rows.append(row)
-    finally:
-        K.ATTN_BL, K.ATTN_WARPS, K.ATTN_STAGES = default
-    res[f"{prefix}_attn_sweep"] = rows
     log(prefix, "attention alone", {k: v for k, v in res.items() if "_attn_" in k})
 
 
@@ -672,50 +686,59 @@ def sec_sweep_b1(a, res):
 
 
 def sec_sweep_attn(a, res):
-    """The batched decode attention's launch on this GPU (kernels.ATTN_BL positions a tile,
-    ATTN_WARPS, ATTN_STAGES): the kernel alone at batch 256, every row at position 192 of the
-    model's heads (ms and the share of the GPU's HBM bandwidth its key/value reads reach, against
-    the bytes-per-second figure measured here by a device copy), then tok/s at batch 256 for the
-    default and the three fastest (sweep_attn in bench.json)."""
+    """The batched decode attention's launch on this GPU (kernels.ATTN_LAUNCH's unsplit entries:
+    positions a tile, warps, pipeline stages) over a bf16 and an fp8 cache: the kernel alone at
+    batch 256 (GPU µs, graph_timed) with every row at positions from 0 to the last, their mean
+    over the positions a 128 + new run decodes at, and the share of the bytes-per-second of a
+    device copy it reaches at the last; then bf16 tok/s at batch 256 for the default and the
+    fastest two (sweep_attn in bench.json)."""
     eng = Engine(a.model, Options(device=a.device, slots=256, max_seq_len=PROMPT + a.new))
     cfg, dev = eng.cfg, eng.gen.device
-    B, L, pos = 256, PROMPT + a.new, (PROMPT + a.new) // 2
+    B, L = 256, PROMPT + a.new
     dt = eng.model.embed.dtype
     g = torch.Generator(device=dev).manual_seed(0)
-    kc, vc = (torch.randn(B, cfg.kv_heads, L, cfg.head_dim, generator=g, device=dev, dtype=dt)
-              for _ in range(2))
+    k16, v16 = (torch.randn(B, cfg.kv_heads, L, cfg.head_dim, generator=g, device=dev, dtype=dt)
+                for _ in range(2))
+    caches = {"bf16": (k16, v16), "fp8": (k16.to(torch.float8_e4m3fn), v16.to(torch.float8_e4m3fn))}
     q = torch.randn(B, cfg.heads, cfg.head_dim, generator=g, device=dev, dtype=dt)
     kn, vn = (torch.randn(B, cfg.kv_heads, cfg.head_dim, generator=g, device=dev, dtype=dt)
               for _ in range(2))
-    p = torch.full((B,), pos, dtype=eng.gen.pos.dtype, device=dev)
-    kv_bytes = 2 * B * cfg.kv_heads * (pos + 1) * cfg.head_dim * kc.element_size()
     big = torch.empty(1 << 28, dtype=torch.uint8, device=dev)  # 256 MiB, read and written
-    copy_bw = 2 * big.numel() / (timed(lambda: big.clone(), 10) / 1e3)
+    copy_bw = 2 * big.numel() / (graph_timed(lambda: big.clone(), 5) / 1e3)
     del big
-    default = (K.ATTN_BL, K.ATTN_WARPS, K.ATTN_STAGES)
-    configs = [default] + [(bl, w, st) for bl in (32, 64, 128) for w in (2, 4, 8)
-                           for st in (1, 2, 3, 4)]
+    positions = sorted({0, PROMPT, (PROMPT + L) // 2, L - 1})
+    decoded = [p for p in positions if p >= PROMPT]
+    default = dict(K.ATTN_LAUNCH)
     rows = []
     try:
-        for bl, w, st in configs:
-            K.ATTN_BL, K.ATTN_WARPS, K.ATTN_STAGES = bl, w, st
-            row = {"bl": bl, "warps": w, "stages": st}
-            try:
-                ms = timed(lambda: K.decode_attention(q, kn, vn, kc, vc, p, L,
-                                                      cfg.head_dim ** -0.5))
-                row.update(ms=ms, bw_share=kv_bytes / (ms / 1e3) / copy_bw)
-            except Exception as e:
-                row["error"] = repr(e)[:300]
-            rows.append(row)
-            log("sweep_attn", row)
-        fast = sorted((r for r in rows[1:] if "ms" in r), key=lambda r: r["ms"])[:3]
-        for r in [rows[0]] + fast:
-            K.ATTN_BL, K.ATTN_WARPS, K.ATTN_STAGES = r["bl"], r["warps"], r["stages"]
+        for kv, (kc, vc) in caches.items():
+            configs = [default[(False, kv == "fp8")]] + [
+                (bl, w, st) for bl in (16, 32, 64) for w in (1, 2, 4) for st in (0, 2, 4)]
+            for bl, w, st in configs:
+                K.ATTN_LAUNCH[(False, kv == "fp8")] = (bl, w, st)
+                row = {"kv": kv, "bl": bl, "warps": w, "stages": st}
+                try:
+                    for pos in positions:
+                        p = torch.full((B,), pos, dtype=eng.gen.pos.dtype, device=dev)
+                        row[f"us_{pos}"] = 1e3 * graph_timed(
+                            lambda: K.decode_attention(q, kn, vn, kc, vc, p, L,
+                                                       cfg.head_dim ** -0.5))
+                    row["us_mean"] = sum(row[f"us_{p}"] for p in decoded) / len(decoded)
+                    row["bw_share_last"] = (2 * B * cfg.kv_heads * L * cfg.head_dim
+                                            * kc.element_size()) / (row[f"us_{L - 1}"] / 1e6) / copy_bw
+                except Exception as e:
+                    row["error"] = repr(e)[:300]
+                rows.append(row)
+                log("sweep_attn", row)
+            K.ATTN_LAUNCH.update(default)
+        bf = [r for r in rows if r["kv"] == "bf16" and "us_mean" in r]
+        for r in [bf[0]] + sorted(bf[1:], key=lambda r: r["us_mean"])[:2]:
+            K.ATTN_LAUNCH[(False, False)] = (r["bl"], r["warps"], r["stages"])
             eng.gen.graphs.clear()
             r["b256"] = ours_generate(eng, 256, a.new)
             log("sweep_attn b256", r)
     finally:
-        K.ATTN_BL, K.ATTN_WARPS, K.ATTN_STAGES = default
+        K.ATTN_LAUNCH.update(default)
         eng.close()
     res["sweep_attn"] = rows
     res["sweep_attn_copy_gbps"] = copy_bw / 1e9
@@ -1297,14 +1320,25 @@ def table(res: dict) -> str:
             f"decode_layer) over fp8: {res.get(p + '_torch_paths')}, generation vs Score max abs "
             f"Δ b1 / b4 {num(p + '_torch_decode_vs_score_b1', 3)} / "
             f"{num(p + '_torch_decode_vs_score_b4', 3)}")
-        sweep = [r for r in res.get(p + "_attn_sweep", []) if "ms" in r]
-        best = min(sweep, key=lambda r: r["ms"], default=None)
-        rows.append(
-            f"{p}: the decode attention alone, batch 256 at position 192: bf16 "
-            f"{num(p + '_attn_ms_bf16', 3)} ms ({num(p + '_attn_gbps_bf16')} GB/s), fp8 "
-            f"{num(p + '_attn_ms_fp8', 3)} ms ({num(p + '_attn_gbps_fp8')} GB/s), outputs "
-            f"‖Δ‖/‖·‖ {res.get(p + '_attn_rel_fp8_vs_bf16', float('nan')):.2e}; fastest fp8 "
-            f"launch {best}")
+        for pos in sorted({int(k.rsplit("pos", 1)[1]) for k in res
+                           if k.startswith(p + "_attn_ms_bf16_pos")}):
+            rows.append(
+                f"{p}: the decode attention alone, batch 256 at position {pos}: bf16 "
+                f"{num(f'{p}_attn_ms_bf16_pos{pos}', 3)} ms "
+                f"({num(f'{p}_attn_gbps_bf16_pos{pos}')} GB/s), fp8 "
+                f"{num(f'{p}_attn_ms_fp8_pos{pos}', 3)} ms "
+                f"({num(f'{p}_attn_gbps_fp8_pos{pos}')} GB/s)")
+        rows.append(f"{p}: attention outputs fp8 against bf16 ‖Δ‖/‖·‖ "
+                    f"{res.get(p + '_attn_rel_fp8_vs_bf16', float('nan')):.2e}")
+    sweep = [r for r in res.get("sweep_attn", []) if "us_mean" in r]
+    for kv in ("bf16", "fp8"):
+        rs = [r for r in sweep if r["kv"] == kv]
+        if rs:
+            best = min(rs, key=lambda r: r["us_mean"])
+            rows.append(f"sweep_attn {kv}: default {rs[0]['bl']}/{rs[0]['warps']}/"
+                        f"{rs[0]['stages']} {rs[0]['us_mean']:.1f} µs mean, fastest "
+                        f"{best['bl']}/{best['warps']}/{best['stages']} {best['us_mean']:.1f} µs "
+                        f"(tile/warps/stages; the kernel alone at batch 256)")
     errs = [k for k in res if k.startswith("error_") or (k.endswith("_error") and res[k])]
     if errs:
         rows.append("errors (bench.json): " + ", ".join(errs))

@@ -46,7 +46,7 @@ import torch.nn.functional as F
 
 from . import kernels, lora, sampling
 from .model import (Transformer, block_forward, decode_layer, decode_post, decode_pre,
-                    decode_step, decode_step_b1, decode_step_split, kv_bytes, kv_read, kv_store,
+                    decode_step, decode_step_b1, decode_step_split, kv_bytes, kv_read, kv_source,
                     kv_write, mlp, project_qkv, rms_norm, whole_block)
 from .types import Completion
 
@@ -126,7 +126,7 @@ class Generator:
         self.model = model
         # The cache's storage dtype: the model's, or float8_e4m3fn (engine.Options.kv_cache_dtype
         # "fp8"): every write casts with saturation (model.kv_store), every read converts back
-        # to the model's dtype (model.kv_read, the Triton kernel's loads).
+        # to the model's dtype (model.kv_read; the Triton kernel converts to fp16, exactly).
         self.kv_dtype = kv_dtype or model.embed.dtype
         self.tokenizer = tokenizer
         self.eos = set(eos)
@@ -603,9 +603,15 @@ class Generator:
                     logits = logits.expand(n, -1).contiguous()
                 return logits
         reqs = {id(s.req): s.req for s in picked}
-        src = torch.tensor([prompts[id(s.req)] for s in picked], device=self.device)
-        return self._prefill_eager([reqs[r].prompt for r in prompts], src, dst,
-                                   [reqs[r].adapter for r in prompts])[src]
+        src_list = [prompts[id(s.req)] for s in picked]
+        slots = [s.slot for s in picked]
+        if slots == list(range(slots[0], slots[0] + n)):
+            dst = slice(slots[0], slots[0] + n)  # consecutive rows: a strided copy, not an index
+        logits = self._prefill_eager([reqs[r].prompt for r in prompts],
+                                     None if src_list == list(range(n)) else
+                                     torch.tensor(src_list, device=self.device), dst,
+                                     [reqs[r].adapter for r in prompts])
+        return logits if src_list == list(range(n)) else logits[src_list]
 
     def _prefill_from(self, placed: list[Placed]) -> torch.Tensor:
         """Samples placed with a prefix start: the source rows' prefixes copied into the leads'
@@ -689,8 +695,9 @@ class Generator:
     @torch.no_grad()
     def _prefill_eager(self, prompts: list[list[int]], src, dst, adapters=None) -> torch.Tensor:
         """The prompts (right-padded into one batch) through Transformer.forward; every sample
-        row dst[i] gets the keys and values of prompt src[i]. Returns the logits of each prompt's
-        last token [len(prompts), vocab] in the model's dtype."""
+        row dst[i] (dst: an index tensor or a slice) gets the keys and values of prompt src[i]
+        (src None: of prompt i, without gathering them). Returns the logits of each prompt's last token [len(prompts), vocab] in
+        the model's dtype."""
         T = max(len(p) for p in prompts)
         tokens = torch.zeros(len(prompts), T, dtype=torch.long)
         for i, p in enumerate(prompts):
@@ -699,8 +706,10 @@ class Generator:
 
         def sink(layer, k, v):
             # Every sample of a prompt gets a copy of the prompt's keys and values.
-            kv_write(self.k[layer], (dst, slice(None), slice(None, T)), k[src])
-            kv_write(self.v[layer], (dst, slice(None), slice(None, T)), v[src])
+            kv_write(self.k[layer], (dst, slice(None), slice(None, T)),
+                     k if src is None else k[src])
+            kv_write(self.v[layer], (dst, slice(None), slice(None, T)),
+                     v if src is None else v[src])
 
         with self.model.using(self._rows(adapters) if adapters and self._lora() else None):
             hidden = self._uncompiling(lambda: self.model(tokens, kv_sink=sink,
@@ -789,8 +798,8 @@ class Generator:
         for layer, kc, vc in zip(m.layers, self.k, self.v):
             x, k, v = self.prefill_fn(cfg, x, layer.weights(), cos, sin)
             # (index_copy_ takes no float8 on the CPU: an fp8 cache is written as its bytes.)
-            kv_bytes(kc)[:, :, :Tb].index_copy_(0, row, kv_bytes(kv_store(k, kc.dtype)))
-            kv_bytes(vc)[:, :, :Tb].index_copy_(0, row, kv_bytes(kv_store(v, vc.dtype)))
+            kv_bytes(kc)[:, :, :Tb].index_copy_(0, row, kv_source(k, kc))
+            kv_bytes(vc)[:, :, :Tb].index_copy_(0, row, kv_source(v, vc))
         h = rms_norm(x[0].index_select(0, last), m.norm, cfg.rms_eps)
         self.pf_logits.copy_(m.logits(h))
 

@@ -220,6 +220,11 @@ if HAVE_TRITON:
             q = tl.load(qp + d[None, :], mask=qmask, other=0.0)
         if F32DOT:
             q = q.to(tl.float32)
+        elif KV8:
+            # Over an fp8 cache the products run in fp16: e4m3 converts to fp16 in one instruction
+            # for two values (to bf16 it takes a trip through fp32, and the conversion bounded the
+            # kernel), exactly; q and the probabilities lose nothing in fp16 that bf16 keeps.
+            q = q.to(tl.float16)
         m = tl.full([GP], float("-inf"), tl.float32)
         l = tl.zeros([GP], tl.float32)
         acc = tl.zeros([GP, DP], tl.float32)
@@ -230,8 +235,8 @@ if HAVE_TRITON:
             k = tl.load(kc + p_i[:, None] * sc_l + d[None, :], mask=kv_mask, other=0.0)
             v = tl.load(vc + p_i[:, None] * sc_l + d[None, :], mask=kv_mask, other=0.0)
             if KV8:
-                k = k.to(dt)
-                v = v.to(dt)
+                k = k.to(tl.float16)
+                v = v.to(tl.float16)
             if F32DOT:
                 k = k.to(tl.float32)
                 v = v.to(tl.float32)
@@ -530,11 +535,14 @@ if HAVE_TRITON:
 ATTN_MIN_SPLIT = 64  # positions; attention_splits' default (module-level so a benchmark can sweep it)
 GEMV_TILE = 8192  # elements of a batch-1 product's tile (_gemv_blocks)
 GEMV_WARPS = 4
-# The batched decode attention's launch (module-level so a benchmark can sweep them): positions a
-# tile (0: 64, or 32 for heads over 128 wide), warps, and software-pipeline stages (0: Triton's).
-ATTN_BL = 0
-ATTN_WARPS = 4
-ATTN_STAGES = 0
+# The decode attention's launch: positions a tile, warps and software-pipeline stages (0:
+# Triton's), by whether rows are split (flash-decoding, up to ~16 rows) and whether the cache holds
+# fp8. Module-level so that a benchmark can sweep them (bench.py sweep_attn). The batched entries
+# were swept on the H200 at batch 256 over positions 0-383 (docs/performance.md): small tiles on
+# few warps let more programs share a multiprocessor, which at short lengths hides their fixed
+# latency and over an fp8 cache leaves warps enough to convert what they load.
+ATTN_LAUNCH = {(True, False): (64, 4, 0), (True, True): (64, 4, 0),  # split rows
+               (False, False): (32, 2, 0), (False, True): (32, 1, 0)}  # one program a row
 
 
 def attention_splits(B: int, kv_heads: int, L: int, min_split: int = 0) -> int:
@@ -557,14 +565,17 @@ def decode_attention(q, k_new, v_new, k_cache, v_cache, pos, L: int, scale: floa
     (when q_norm is not None) and the rotary embedding at pos (cos/sin: the model's fp32 tables)
     as model.qkv_from_normed does. The cache may hold float8_e4m3fn (engine.Options.kv_cache_dtype
     "fp8") while q and the new key and value are in the compute dtype: the new ones are stored
-    saturated at ±448, the cached ones converted to the compute dtype as they are loaded."""
+    saturated at ±448, the cached ones converted to fp16 (exactly) as they are loaded, and the
+    attention's two products run in fp16."""
     assert k_cache.dtype in (q.dtype, torch.float8_e4m3fn) and v_cache.dtype == k_cache.dtype
     B, H, D = q.shape
     KV = k_new.shape[1]
     group = H // KV
     if nsplit <= 0:
         nsplit = attention_splits(B, KV, L)
-    BL = ATTN_BL or (64 if D <= 128 else 32)
+    kv8 = k_cache.dtype == torch.float8_e4m3fn
+    BL, warps, stages = ATTN_LAUNCH[(nsplit > 1, kv8)]
+    BL = BL if D <= 128 else min(BL, 32)
     split_len = -(-L // nsplit)
     split_len = -(-split_len // BL) * BL
     nsplit = -(-L // split_len)
@@ -594,8 +605,8 @@ def decode_attention(q, k_new, v_new, k_cache, v_cache, pos, L: int, scale: floa
         o.stride(0), o.stride(1), cos.stride(0) if rope is not None else 0, scale, eps,
         split_len, H, GROUP=group, GP=max(16, _pow2(group)), D=D, DP=DP, BL=BL,
         NSPLIT=nsplit, F32DOT=INTERPRET or q.dtype == torch.float32, ROPE=rope is not None,
-        QK_NORM=qk_norm, KV8=k_cache.dtype == torch.float8_e4m3fn, PDL=pdl, launch_pdl=pdl,
-        num_warps=ATTN_WARPS, **({"num_stages": ATTN_STAGES} if ATTN_STAGES else {}))
+        QK_NORM=qk_norm, KV8=kv8, PDL=pdl, launch_pdl=pdl, num_warps=warps,
+        **({"num_stages": stages} if stages else {}))
     if nsplit > 1:
         _decode_attn_combine[(B, H)](part, ml, o, o.stride(0), o.stride(1), H, D=D, DP=DP,
                                      NSPLIT=nsplit, NSP=max(2, _pow2(nsplit)), PDL=pdl,
