@@ -59,11 +59,15 @@ Not in the default list (select with --sections):
                  step's Python under cProfile (out/profile_train_host.txt)
 
   sweep_b1       the batch-1 step's tunables on one engine (the products' tile and warps, the
-                 attention's split length): tok/s and the captured step's GPU time of each
+                 attention's split length and split launch): tok/s and the captured step's GPU
+                 time of each
 
   sweep_attn     the batched decode attention's tile, warps and pipeline stages over a bf16 and
                  an fp8 cache: the kernel alone at batch 256 and positions 0 to the last (GPU µs,
                  share of a copy's bandwidth), and bf16 tok/s of the default and fastest two
+
+  gen_attn_launch batch 256 with the batched attention's launch before 2026-11-26 (64 positions,
+                 4 warps) beside the default, over a bf16 and an fp8 cache (tok/s, step ms)
 
   train_split    before the layer was traced whole: the training layer compiled with the
                  attention between two compiled halves (SDPA's grouping left symbolic)
@@ -117,7 +121,7 @@ SECTIONS = {
     "train_before": 40, "hf": 60, "train_regional": 60, "gen_layer_b1": 60,
     "train_static": 60, "gen_b1": 60, "first_step": 300, "first_step_run": 150,
     "profile": 150, "sweep_b1": 120, "train_split": 100, "sweep_attn": 120, "gen_fp8kv": 150,
-    "train_old_opt": 60,
+    "gen_attn_launch": 150, "train_old_opt": 60,
 }
 DEFAULT_SECTIONS = ["kernels", "gen", "train", "train_eager", "gen_before", "train_before", "hf",
                     "train_regional", "gen_layer_b1", "train_static"]
@@ -656,20 +660,25 @@ def sec_gen_fp8kv(a, res):
 
 def sec_sweep_b1(a, res):
     """The batch-1 step's tunables on this GPU, one engine: the products' tile (kernels.GEMV_TILE
-    elements) and warps (GEMV_WARPS), and the attention's split length (ATTN_MIN_SPLIT); for each,
-    tok/s at batch 1 and the captured step's GPU time at the last position (sweep_b1 in
-    bench.json, the defaults first)."""
+    elements) and warps (GEMV_WARPS), the attention's split length (ATTN_MIN_SPLIT) and its split
+    launch (ATTN_LAUNCH[(True, False)]: positions a tile, warps, stages); for each, tok/s at
+    batch 1 and the captured step's GPU time at the last position (sweep_b1 in bench.json, the
+    defaults first)."""
     eng = Engine(a.model, Options(device=a.device, slots=256, max_seq_len=PROMPT + a.new))
-    default = (K.GEMV_TILE, K.GEMV_WARPS, K.ATTN_MIN_SPLIT)
-    configs = [default] + [(t, w, default[2]) for t in (4096, 8192, 16384) for w in (4, 8)
-                           if (t, w) != default[:2]] + \
-        [(default[0], default[1], s) for s in (32, 128)]
+    launch = K.ATTN_LAUNCH[(True, False)]
+    default = (K.GEMV_TILE, K.GEMV_WARPS, K.ATTN_MIN_SPLIT, launch)
+    configs = [default] + [(t, w, default[2], launch) for t in (4096, 8192, 16384)
+                           for w in (4, 8) if (t, w) != default[:2]] + \
+        [(default[0], default[1], s, launch) for s in (32, 128)] + \
+        [(default[0], default[1], default[2], lc) for lc in
+         ((32, 2, 0), (32, 4, 0), (64, 2, 0), (16, 1, 0), (64, 4, 2)) if lc != launch]
     rows = []
     try:
-        for tile, warps, split in configs:
+        for tile, warps, split, lc in configs:
             K.GEMV_TILE, K.GEMV_WARPS, K.ATTN_MIN_SPLIT = tile, warps, split
+            K.ATTN_LAUNCH[(True, False)] = lc
             eng.gen.graphs.clear()
-            row = {"tile": tile, "warps": warps, "min_split": split}
+            row = {"tile": tile, "warps": warps, "min_split": split, "attn_launch": lc}
             try:
                 row["b1"] = ours_generate(eng, 1, a.new)
                 got: dict = {}
@@ -680,9 +689,31 @@ def sec_sweep_b1(a, res):
             rows.append(row)
             log("sweep_b1", row)
     finally:
-        K.GEMV_TILE, K.GEMV_WARPS, K.ATTN_MIN_SPLIT = default
+        K.GEMV_TILE, K.GEMV_WARPS, K.ATTN_MIN_SPLIT = default[:3]
+        K.ATTN_LAUNCH[(True, False)] = launch
         eng.close()
     res["sweep_b1"] = rows
+
+
+def sec_gen_attn_launch(a, res):
+    """Batch 256 with the batched attention's launch of before 2026-11-26's sixth session (64
+    positions a tile, 4 warps) beside the default, over a bf16 and an fp8 cache, each pair on one
+    engine: tok/s and the captured step's GPU time at positions 0 and the last."""
+    for kv in ("bf16", "fp8"):
+        eng = Engine(a.model, Options(device=a.device, slots=256, max_seq_len=PROMPT + a.new,
+                                      kv_cache_dtype="fp8" if kv == "fp8" else "auto"))
+        key = (False, kv == "fp8")
+        default = K.ATTN_LAUNCH[key]
+        try:
+            for name, lc in (("default", default), ("before", (64, 4, 0))):
+                K.ATTN_LAUNCH[key] = lc
+                eng.gen.graphs.clear()
+                res[f"attn_launch_{kv}_{name}_b256"] = ours_generate(eng, 256, a.new)
+                step_times(eng, res, f"attn_launch_{kv}_{name}")
+        finally:
+            K.ATTN_LAUNCH[key] = default
+            eng.close()
+    log("gen_attn_launch", {k: v for k, v in res.items() if k.startswith("attn_launch")})
 
 
 def sec_sweep_attn(a, res):
