@@ -66,6 +66,12 @@ Not in the default list (select with --sections):
                  an fp8 cache: the kernel alone at batch 256 and positions 0 to the last (GPU µs,
                  share of a copy's bandwidth), and bf16 tok/s of the default and fastest two
 
+  gen_group      GRPO's shape at batch 256 (32 prompts × 8 samples): tok/s with a prompt's
+                 samples reading its keys and values once as a group (the default) and each
+                 reading its own (--no-shared-prompts), one engine; their agreement, and the
+                 shared run's log-probs against Score's (gen_group_fp8: the same over an fp8
+                 cache)
+
   gen_attn_launch batch 256 with the batched attention's launch before 2026-11-26 (64 positions,
                  4 warps) beside the default, over a bf16 and an fp8 cache (tok/s, step ms)
 
@@ -121,7 +127,8 @@ SECTIONS = {
     "train_before": 40, "hf": 60, "train_regional": 60, "gen_layer_b1": 60,
     "train_static": 60, "gen_b1": 60, "first_step": 300, "first_step_run": 150,
     "profile": 150, "sweep_b1": 120, "train_split": 100, "sweep_attn": 120, "gen_fp8kv": 150,
-    "gen_attn_launch": 150, "train_old_opt": 60,
+    "gen_attn_launch": 150, "train_old_opt": 60, "gen_group": 120,
+    "gen_group_fp8": 120,
 }
 DEFAULT_SECTIONS = ["kernels", "gen", "train", "train_eager", "gen_before", "train_before", "hf",
                     "train_regional", "gen_layer_b1", "train_static"]
@@ -338,18 +345,77 @@ def ours_generate(eng: Engine, batch: int, new: int, reps: int = 2, after_warmup
     reqs = [GenerateRequest(id=f"b{batch}-{i}", prompt_tokens=t,
                             sampling=Sampling(max_tokens=new, temperature=1.0, seed=i))
             for i, t in enumerate(toks)]
+    return timed_generate(eng, reqs, new, reps, after_warmup)[0]
+
+
+def timed_generate(eng: Engine, reqs, new: int, reps: int = 2, after_warmup=None):
+    """(best tok/s of reps runs of reqs after a warm-up run, the last run's completions)."""
     eng.generate(reqs)  # warm-up: compiles and captures the shapes this batch goes through
     if after_warmup is not None:
         after_warmup()
-    best = 0.0
+    best, cs = 0.0, []
     for _ in range(reps):
         sync()
         t = time.perf_counter()
         cs = eng.generate(reqs)
         dt = time.perf_counter() - t
         assert all(len(c.tokens) == new for c in cs)
-        best = max(best, batch * new / dt)
-    return best
+        best = max(best, len(cs) * new / dt)
+    return best, cs
+
+
+def sec_gen_group(a, res):
+    group_section(a, res, "gen_group", "auto")
+
+
+def sec_gen_group_fp8(a, res):
+    group_section(a, res, "gen_group_fp8", "fp8")
+
+
+def group_section(a, res, prefix: str, kv_cache_dtype: str) -> None:
+    """GRPO's shape at batch 256: 32 prompts × 8 samples, 128 + new tokens, with the samples of a
+    prompt reading its keys and values once as a group (the default) and each reading its own
+    (--no-shared-prompts), on one engine, three runs (shared, own, shared); how far the two
+    agree on the same seeded requests (bf16: the shared pass sums in another order); and the
+    shared run's log-probs against Score's for its first 16 samples (two groups)."""
+    eng = Engine(a.model, Options(device=a.device, slots=256, max_seq_len=PROMPT + a.new,
+                                  kv_cache_dtype=kv_cache_dtype))
+    toks = prompts(32, eng.cfg.vocab_size, 5).tolist()
+    reqs = [GenerateRequest(id=f"g{i}", prompt_tokens=t, n=8,
+                            sampling=Sampling(max_tokens=a.new, temperature=1.0, seed=i))
+            for i, t in enumerate(toks)]
+    outs = {}
+    try:
+        for run, share in enumerate((True, False, True)):
+            eng.gen.share = share
+            eng.gen.graphs.clear()
+            name = "shared" if share else "own"
+            tps, outs[name] = timed_generate(eng, reqs, a.new)
+            res[f"{prefix}_{name}_b256_run{run}"] = tps
+            log(prefix, name, tps)
+        res[f"{prefix}_shared_b256"] = max(res[f"{prefix}_shared_b256_run0"],
+                                           res[f"{prefix}_shared_b256_run2"])
+        res[f"{prefix}_own_b256"] = res[f"{prefix}_own_b256_run1"]
+        same = total = 0
+        lp = 0.0
+        for x, y in zip(outs["shared"], outs["own"]):
+            n = next((i for i, (p, q) in enumerate(zip(x.tokens, y.tokens)) if p != q),
+                     len(x.tokens))
+            same += n
+            total += len(x.tokens)
+            if n:
+                lp = max(lp, max(abs(p - q) for p, q in zip(x.logprobs[:n], y.logprobs[:n])))
+        res[f"{prefix}_tokens_before_divergence"] = same / total
+        res[f"{prefix}_logprob_maxdiff"] = lp
+        worst = 0.0
+        for c in outs["shared"][:16]:
+            sc = eng.score([ScoreRequest(tokens=c.tokens, prompt_tokens=c.prompt_tokens)])[0]
+            worst = max(worst, (torch.tensor(c.logprobs) - torch.tensor(sc)).abs().max().item())
+        res[f"{prefix}_vs_score"] = worst
+        log(prefix, {k: v for k, v in res.items() if k.startswith(prefix)})
+    finally:
+        eng.gen.share = True
+        eng.close()
 
 
 def step_times(eng: Engine, res: dict, prefix: str) -> None:
@@ -359,7 +425,7 @@ def step_times(eng: Engine, res: dict, prefix: str) -> None:
     if not torch.cuda.is_available():
         return
     gen = eng.gen
-    for (B, L, top), g in sorted(gen.graphs.items()):
+    for (B, L, top, *_), g in sorted(gen.graphs.items()):
         if B not in (1, 256) or L != gen.L or top:
             continue
         # All rows are idle after the benchmark, so replays do not advance them.
@@ -1024,7 +1090,7 @@ def sec_profile(a, res):
             eng.generate(reqs)  # compiles and captures
             profiled(lambda: eng.generate(reqs), out, f"generate_b{batch}", res)
         gen = eng.gen
-        for (B, L, top), g in sorted(gen.graphs.items()):
+        for (B, L, top, *_), g in sorted(gen.graphs.items()):
             if B not in (1, 256) or L != gen.L or top:
                 continue
             gen.pos[:B] = L // 2  # idle rows: replays do not advance them
@@ -1361,6 +1427,14 @@ def table(res: dict) -> str:
                 f"({num(f'{p}_attn_gbps_fp8_pos{pos}')} GB/s)")
         rows.append(f"{p}: attention outputs fp8 against bf16 ‖Δ‖/‖·‖ "
                     f"{res.get(p + '_attn_rel_fp8_vs_bf16', float('nan')):.2e}")
+    for p in ("gen_group", "gen_group_fp8"):
+        if p + "_shared_b256" in res:
+            rows.append(
+                f"{p} (32 prompts × 8 samples, batch 256): {num(p + '_shared_b256')} tok/s with "
+                f"a prompt read once a group, {num(p + '_own_b256')} with each row reading its "
+                f"own; tokens before the first divergence {pct(p + '_tokens_before_divergence')}, "
+                f"log-probs there max abs Δ {num(p + '_logprob_maxdiff', 4)}; the shared run "
+                f"against Score max abs Δ {num(p + '_vs_score', 3)}")
     sweep = [r for r in res.get("sweep_attn", []) if "us_mean" in r]
     for kv in ("bf16", "fp8"):
         rs = [r for r in sweep if r["kv"] == kv]

@@ -66,6 +66,10 @@ class Options:
     # 4.9 → 2.1 ms (batch 1 +1.5%); each worker compiles it on first use, once for a batch and
     # once for a lone prompt (seconds; hits of the compile cache after the first run).
     compile_prefill: bool = True
+    # The samples of one request admitted together read their shared prompt's keys and values
+    # once as a group in the batched Triton decode attention (GRPO's n samples of a prompt;
+    # kernels.decode_attention's shared), instead of once per sample. Off: each row reads its own.
+    shared_prompts: bool = True
     micro_batch_tokens: int = 0  # padded tokens per training micro-batch; 0 → 4096 / 16384
     grad_checkpointing: bool = False  # recompute layer activations in the backward pass
     ref_model: str = ""  # the frozen KL reference; "" → the folder the engine started with
@@ -215,7 +219,7 @@ class Engine:
             triton=use_kernels, fused_b1=use_kernels if o.fused_b1 is None else o.fused_b1,
             prefill_graph_max=(512 if cuda and o.cuda_graphs else 0) if o.prefill_graph_max is None
             else o.prefill_graph_max, prefix_rows=o.prefix_cache, prefix_min=o.prefix_min,
-            kv_dtype=self.kv_dtype)
+            kv_dtype=self.kv_dtype, shared_prompts=o.shared_prompts)
 
     def _new_trainer(self, model: Transformer, **kw) -> Trainer:
         """The trainer of the model (dist.py's engine makes a sharded one)."""

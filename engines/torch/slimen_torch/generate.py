@@ -38,6 +38,7 @@ completion's floating-point values can depend on whether an earlier turn was sti
 from __future__ import annotations
 
 import collections
+import functools
 import logging
 import typing
 
@@ -114,6 +115,9 @@ def compiled_prefill_layer(cfg):
     return torch.compile(whole_block(cfg), dynamic=True)
 
 
+SHARE_GROUP = 8  # rows a shared-prompt group holds at most (its queries: one product's rows)
+
+
 class Generator:
     """Owns the KV cache and the decode graphs; driven by one thread (engine.Worker)."""
 
@@ -122,7 +126,7 @@ class Generator:
                  compile_prefill: bool = False,
                  length_bucket: int = 64, triton: bool = False, fused_b1: bool = False,
                  prefill_graph_max: int = 0, prefix_rows: int = 0, prefix_min: int = 16,
-                 kv_dtype: torch.dtype | None = None):
+                 kv_dtype: torch.dtype | None = None, shared_prompts: bool = False):
         self.model = model
         # The cache's storage dtype: the model's, or float8_e4m3fn (engine.Options.kv_cache_dtype
         # "fp8"): every write casts with saturation (model.kv_store), every read converts back
@@ -214,6 +218,18 @@ class Generator:
         # with keys and values partly of the old weights, so its row is not kept.
         self.weights = 0
         self.offset_scores = 1 << 28  # one offset-prefill chunk's attention scores, at most
+        # Shared prompts (kernels.decode_attention's shared): the samples of a request admitted
+        # together hold the same prompt keys and values, so the batched Triton attention reads
+        # them once, from a lead row, for groups of up to SHARE_GROUP rows. grp[lead] lists a
+        # group's rows (-1 past them), plen[row] its shared length (0: in no group); the host's
+        # copies change when a group forms (_admit) or a row leaves it (_ungroup: a leaving lead
+        # hands the group to a member, whose own copy of the prompt is the same).
+        self.share = shared_prompts and self.triton
+        self.lead = [-1] * slots
+        self.n_grouped = 0  # rows in a group: none, and the steps run without the shared pass
+        self.grp_host = torch.full((slots, SHARE_GROUP), -1, dtype=torch.long)
+        self.plen_host = torch.zeros(slots, dtype=torch.long)
+        self.grp, self.plen = self.grp_host.to(self.device), self.plen_host.to(self.device)
 
     def _lora(self) -> bool:
         return self.bank is not None and bool(self.bank.adapters)
@@ -331,6 +347,7 @@ class Generator:
     def _free(self, slots: list[int]) -> None:
         if not slots:
             return
+        self._ungroup(slots)
         for slot in slots:
             self.slots[slot] = None
         idx = torch.tensor(slots, device=self.device)
@@ -338,6 +355,57 @@ class Generator:
         if self.prefix_rows:
             self._save_pos0(slots)
         self.pos[idx] = 0  # an idle row keeps writing at position 0, inside every length bucket
+
+    def _group(self, seqs: list[Sequence]) -> None:
+        """Groups the samples of each request just admitted (their rows hold the same prompt
+        keys and values) for the shared-prompt attention, SHARE_GROUP rows a group at most."""
+        by_req: dict[int, list[Sequence]] = {}
+        for s in seqs:
+            by_req.setdefault(id(s.req), []).append(s)
+        changed = False
+        for same in by_req.values():
+            for i in range(0, len(same) - 1, SHARE_GROUP):
+                rows = [s.slot for s in same[i:i + SHARE_GROUP]]
+                if len(rows) < 2:
+                    continue
+                for r in rows:
+                    self.lead[r] = rows[0]
+                self.n_grouped += len(rows)
+                self.grp_host[rows[0], :len(rows)] = torch.tensor(rows)
+                self.plen_host[rows] = len(same[0].req.prompt)
+                changed = True
+        if changed:
+            self._sync_groups()
+
+    def _ungroup(self, rows: list[int]) -> None:
+        """Takes rows out of their groups (they finish, stop or go idle, and an idle row
+        overwrites its position 0): a group whose lead leaves passes to its first other member;
+        a group left with one row ends."""
+        changed = False
+        for r in rows:
+            lead = self.lead[r]
+            if lead < 0:
+                continue
+            members = [m for m in self.grp_host[lead].tolist() if m >= 0 and m != r]
+            self.grp_host[lead] = -1
+            self.lead[r], self.plen_host[r] = -1, 0
+            self.n_grouped -= 1
+            if len(members) >= 2:
+                for m in members:
+                    self.lead[m] = members[0]
+                self.grp_host[members[0], :len(members)] = torch.tensor(members)
+            else:
+                for m in members:
+                    self.lead[m], self.plen_host[m] = -1, 0
+                self.n_grouped -= len(members)
+            changed = True
+        if changed:
+            self._sync_groups()
+
+    def _sync_groups(self) -> None:
+        # In stream order: a step already launched keeps the groups it was launched with.
+        self.grp.copy_(self.grp_host)
+        self.plen.copy_(self.plen_host)
 
     def _keep(self, seqs: list[Sequence]) -> None:
         """Keeps the rows of finished samples for prefix reuse (their slots were just freed)."""
@@ -450,6 +518,8 @@ class Generator:
         self.temp.index_copy_(0, dst, temp)
         self.top_p.index_copy_(0, dst, top_p)
         self.active.index_fill_(0, dst, True)
+        if self.share:
+            self._group(picked)
         tok_l, lp_l = tok.tolist(), lp.tolist()
         finished = []
         for s, t, l in zip(picked, tok_l, lp_l):
@@ -819,8 +889,9 @@ class Generator:
 
     # ---- decode ----
 
-    def _decode(self, B: int, L: int, use_top_p: bool) -> None:
-        """One decode step on rows [0, B) over positions [0, L): what a CUDA graph captures."""
+    def _decode(self, B: int, L: int, use_top_p: bool, grouped: bool = False) -> None:
+        """One decode step on rows [0, B) over positions [0, L): what a CUDA graph captures;
+        grouped: with the shared-prompt pass of the batched attention (some rows are grouped)."""
         pos = self.pos[:B]
         if self._lora():
             with self.model.using(self._rows([s.req.adapter if s is not None else None
@@ -831,9 +902,11 @@ class Generator:
             logits = decode_step_b1(self.model, kernels, self.tok[:B], pos, self.k, self.v, L)
         else:
             if self.triton:
-                hidden = decode_step_split(self.model, self.pre_fn, self.post_fn,
-                                           kernels.decode_attention, self.tok[:B], pos, self.k,
-                                           self.v, L)
+                attn = kernels.decode_attention
+                if grouped:
+                    attn = functools.partial(attn, shared=(self.grp[:B], self.plen[:B]))
+                hidden = decode_step_split(self.model, self.pre_fn, self.post_fn, attn,
+                                           self.tok[:B], pos, self.k, self.v, L)
             else:
                 hidden = decode_step(self.model, self.layer_fn, self.tok[:B], pos, self.k,
                                      self.v, L)
@@ -867,17 +940,18 @@ class Generator:
         return torch.where(nucleus, tok_p, tok), torch.where(nucleus, lp_p, lp)
 
     def _run(self, B: int, L: int, use_top_p: bool) -> None:
+        grouped = self.share and self.n_grouped > 0
         if not self.use_graphs or self._lora():
-            self._decode(B, L, use_top_p)
+            self._decode(B, L, use_top_p, grouped)
             return
-        key = (B, L, use_top_p)
+        key = (B, L, use_top_p, grouped)
         g = self.graphs.get(key)
         if g is None:
-            g = self._capture(B, L, use_top_p)
+            g = self._capture(B, L, use_top_p, grouped)
             self.graphs[key] = g
         g.replay()
 
-    def _capture(self, B: int, L: int, use_top_p: bool) -> torch.cuda.CUDAGraph:
+    def _capture(self, B: int, L: int, use_top_p: bool, grouped: bool) -> torch.cuda.CUDAGraph:
         # A warm-up run compiles and initialises the libraries outside the capture. It advances
         # the step state, which is saved and restored; the keys and values it writes are the ones
         # the real step writes again at the same positions.
@@ -887,7 +961,7 @@ class Generator:
         with torch.cuda.stream(stream):
             while True:
                 try:
-                    self._decode(B, L, use_top_p)
+                    self._decode(B, L, use_top_p, grouped)
                     break
                 except Exception as e:
                     # A compiler or kernel failure costs speed, not service.
@@ -902,8 +976,9 @@ class Generator:
         # Every graph writes its results into the buffers above, so graphs may share scratch
         # memory and be replayed in any order.
         with torch.cuda.graph(g, pool=self._graph_pool(), capture_error_mode="thread_local"):
-            self._decode(B, L, use_top_p)
-        log.info("captured decode graph rows=%d length=%d top_p=%s", B, L, use_top_p)
+            self._decode(B, L, use_top_p, grouped)
+        log.info("captured decode graph rows=%d length=%d top_p=%s shared prompts=%s", B, L,
+                 use_top_p, grouped)
         return g
 
     def _degrade(self, e: Exception, B: int) -> bool:
@@ -941,6 +1016,7 @@ class Generator:
             rows.append((slot, s))
         if stop:
             # Idle rows must not advance, and must write inside whatever length bucket runs next.
+            self._ungroup(stop)
             if self.prefix_rows:
                 self._save_pos0(stop)
             idx = torch.tensor(stop, device=self.device)

@@ -158,7 +158,8 @@ if HAVE_TRITON:
                             GROUP: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
                             DP: tl.constexpr, BL: tl.constexpr, NSPLIT: tl.constexpr,
                             F32DOT: tl.constexpr, ROPE: tl.constexpr, QK_NORM: tl.constexpr,
-                            KV8: tl.constexpr = False, PDL: tl.constexpr = False):
+                            KV8: tl.constexpr = False, PDL: tl.constexpr = False,
+                            SHARE: tl.constexpr = False, sh_ptr=None):
         if PDL:
             gdc_launch_dependents()
             gdc_wait()
@@ -167,6 +168,10 @@ if HAVE_TRITON:
         sp = tl.program_id(2)
         pos = tl.load(pos_ptr + b)
         start = sp * split_len
+        shared = 0
+        if SHARE:  # (one split) positions [0, shared) were attended by _shared_prefix_kernel
+            shared = tl.load(sh_ptr + b)
+            start = shared
         end = tl.minimum(start + split_len, pos + 1)
         d = tl.arange(0, DP)
         dmask = d < D
@@ -228,6 +233,13 @@ if HAVE_TRITON:
         m = tl.full([GP], float("-inf"), tl.float32)
         l = tl.zeros([GP], tl.float32)
         acc = tl.zeros([GP, DP], tl.float32)
+        if SHARE:
+            if shared > 0:  # continue from the shared prefix's softmax state
+                row = b * n_heads + heads
+                m = tl.load(ml_ptr + row * 2, mask=gmask, other=float("-inf"))
+                l = tl.load(ml_ptr + row * 2 + 1, mask=gmask, other=0.0)
+                acc = tl.load(part_ptr + row[:, None] * DP + d[None, :], mask=gmask[:, None],
+                              other=0.0)
         for s0 in range(start, end, BL):
             p_i = s0 + tl.arange(0, BL)
             valid = p_i < end
@@ -257,6 +269,70 @@ if HAVE_TRITON:
             tl.store(part_ptr + row[:, None] * DP + d[None, :], acc, mask=gmask[:, None])
             tl.store(ml_ptr + row * 2, m, mask=gmask)
             tl.store(ml_ptr + row * 2 + 1, l, mask=gmask)
+
+    @triton.jit
+    def _shared_prefix_kernel(q_ptr, kc_ptr, vc_ptr, grp_ptr, sh_ptr, part_ptr, ml_ptr, sq_b,
+                              sq_h, sc_b, sc_h, sc_l, scale, n_heads,
+                              GROUP: tl.constexpr, NMAX: tl.constexpr, MQ: tl.constexpr,
+                              D: tl.constexpr, DP: tl.constexpr, BL: tl.constexpr,
+                              F32DOT: tl.constexpr, KV8: tl.constexpr = False,
+                              PDL: tl.constexpr = False):
+        """The prompt a group of rows shares, read once for all of them: program (lead, kv head)
+        attends the queries of the group's rows (grp[lead, :NMAX], -1 past them; only a row whose
+        first entry is itself leads) over positions [0, shared[lead]) of the lead's row, whose
+        keys and values every member holds too, and leaves each (row, head)'s softmax state
+        (max, sum, weighted values) in ml and part for _decode_attn_kernel to continue."""
+        if PDL:
+            gdc_launch_dependents()
+            gdc_wait()
+        b = tl.program_id(0).to(tl.int64)
+        kvh = tl.program_id(1)
+        if tl.load(grp_ptr + b * NMAX) != b:
+            return
+        P = tl.load(sh_ptr + b)
+        i = tl.arange(0, MQ)  # query rows: member i // GROUP, head kvh·GROUP + i % GROUP
+        rows = tl.load(grp_ptr + b * NMAX + i // GROUP, mask=i < NMAX * GROUP, other=-1)
+        qmask_r = rows >= 0
+        heads = kvh * GROUP + i % GROUP
+        d = tl.arange(0, DP)
+        dmask = d < D
+        qmask = qmask_r[:, None] & dmask[None, :]
+        rsafe = tl.where(qmask_r, rows, 0)
+        q = tl.load(q_ptr + rsafe[:, None] * sq_b + heads[:, None] * sq_h + d[None, :],
+                    mask=qmask, other=0.0)
+        if F32DOT:
+            q = q.to(tl.float32)
+        elif KV8:
+            q = q.to(tl.float16)
+        kc = kc_ptr + b * sc_b + kvh * sc_h
+        vc = vc_ptr + b * sc_b + kvh * sc_h
+        m = tl.full([MQ], float("-inf"), tl.float32)
+        l = tl.zeros([MQ], tl.float32)
+        acc = tl.zeros([MQ, DP], tl.float32)
+        for s0 in range(0, P, BL):
+            p_i = s0 + tl.arange(0, BL)
+            valid = p_i < P
+            kv_mask = valid[:, None] & dmask[None, :]
+            k = tl.load(kc + p_i[:, None] * sc_l + d[None, :], mask=kv_mask, other=0.0)
+            v = tl.load(vc + p_i[:, None] * sc_l + d[None, :], mask=kv_mask, other=0.0)
+            if KV8:
+                k = k.to(tl.float16)
+                v = v.to(tl.float16)
+            if F32DOT:
+                k = k.to(tl.float32)
+                v = v.to(tl.float32)
+            s = tl.dot(q, tl.trans(k)) * scale
+            s = tl.where(valid[None, :], s, float("-inf"))
+            m_new = tl.maximum(m, tl.max(s, 1))
+            alpha = tl.exp(m - m_new)
+            pr = tl.exp(s - m_new[:, None])
+            l = l * alpha + tl.sum(pr, 1)
+            acc = acc * alpha[:, None] + tl.dot(pr.to(v.dtype), v)
+            m = m_new
+        row = rsafe * n_heads + heads
+        tl.store(part_ptr + row[:, None] * DP + d[None, :], acc, mask=qmask_r[:, None])
+        tl.store(ml_ptr + row * 2, m, mask=qmask_r)
+        tl.store(ml_ptr + row * 2 + 1, l, mask=qmask_r)
 
     @triton.jit
     def _decode_attn_combine(part_ptr, ml_ptr, o_ptr, so_b, so_h, n_heads,
@@ -556,7 +632,7 @@ def attention_splits(B: int, kv_heads: int, L: int, min_split: int = 0) -> int:
 
 
 def decode_attention(q, k_new, v_new, k_cache, v_cache, pos, L: int, scale: float,
-                     nsplit: int = 0, rope=None):
+                     nsplit: int = 0, rope=None, shared=None):
     """q [B, heads, D]; k_new, v_new [B, kv_heads, D]: the new token of rows [0, B). Writes
     k_new/v_new into k_cache/v_cache [slots, kv_heads, max_len, D] at pos [B] and returns the
     attention output [B, heads, D] over positions [0, pos] of each row. L (≥ pos + 1 for every
@@ -566,7 +642,14 @@ def decode_attention(q, k_new, v_new, k_cache, v_cache, pos, L: int, scale: floa
     as model.qkv_from_normed does. The cache may hold float8_e4m3fn (engine.Options.kv_cache_dtype
     "fp8") while q and the new key and value are in the compute dtype: the new ones are stored
     saturated at ±448, the cached ones converted to fp16 (exactly) as they are loaded, and the
-    attention's two products run in fp16."""
+    attention's two products run in fp16.
+
+    shared = (grp [≥B, NMAX], plen [≥B]), both int64: rows holding the same keys and values in
+    positions [0, plen) (the samples of one prompt) read them once as a group. Row r leads the
+    group grp[r] lists (its first entry r, -1 past the members, at most NMAX) and every member
+    has plen = the shared length; a row in no group has plen 0. The shared positions are read
+    from the lead's row only, so a member's own copy of them may be stale or overwritten, but
+    the lead's must hold them. Used only when rows are not split (nsplit 1)."""
     assert k_cache.dtype in (q.dtype, torch.float8_e4m3fn) and v_cache.dtype == k_cache.dtype
     B, H, D = q.shape
     KV = k_new.shape[1]
@@ -582,7 +665,8 @@ def decode_attention(q, k_new, v_new, k_cache, v_cache, pos, L: int, scale: floa
     DP = max(16, _pow2(D))
     pdl = _pdl(q.device)
     o = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    if nsplit > 1:
+    share = shared is not None and nsplit == 1
+    if nsplit > 1 or share:
         part = torch.empty(B * H * nsplit, DP, dtype=torch.float32, device=q.device)
         ml = torch.empty(B * H * nsplit, 2, dtype=torch.float32, device=q.device)
     else:
@@ -596,6 +680,16 @@ def decode_attention(q, k_new, v_new, k_cache, v_cache, pos, L: int, scale: floa
     else:
         q_norm = k_norm = cos = sin = None
         eps, qk_norm = 0.0, False
+    f32dot = INTERPRET or q.dtype == torch.float32
+    if share:
+        assert rope is None, "a shared prefix needs q after rope"
+        grp, plen = shared
+        nmax = grp.shape[1]
+        _shared_prefix_kernel[(B, KV)](
+            q, k_cache, v_cache, grp, plen, part, ml, q.stride(0), q.stride(1),
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), scale, H, GROUP=group,
+            NMAX=nmax, MQ=max(16, _pow2(nmax * group)), D=D, DP=DP, BL=BL, F32DOT=f32dot,
+            KV8=kv8, PDL=pdl, launch_pdl=pdl, num_warps=4)
     _decode_attn_kernel[(B, KV, nsplit)](
         q, k_new, v_new, k_cache, v_cache, pos, o, part, ml,
         q_norm if qk_norm else o, k_norm if qk_norm else o,
@@ -604,8 +698,8 @@ def decode_attention(q, k_new, v_new, k_cache, v_cache, pos, L: int, scale: floa
         v_new.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         o.stride(0), o.stride(1), cos.stride(0) if rope is not None else 0, scale, eps,
         split_len, H, GROUP=group, GP=max(16, _pow2(group)), D=D, DP=DP, BL=BL,
-        NSPLIT=nsplit, F32DOT=INTERPRET or q.dtype == torch.float32, ROPE=rope is not None,
-        QK_NORM=qk_norm, KV8=kv8, PDL=pdl, launch_pdl=pdl, num_warps=warps,
+        NSPLIT=nsplit, F32DOT=f32dot, ROPE=rope is not None, QK_NORM=qk_norm, KV8=kv8, PDL=pdl,
+        SHARE=share, sh_ptr=shared[1] if share else pos, launch_pdl=pdl, num_warps=warps,
         **({"num_stages": stages} if stages else {}))
     if nsplit > 1:
         _decode_attn_combine[(B, H)](part, ml, o, o.stride(0), o.stride(1), H, D=D, DP=DP,

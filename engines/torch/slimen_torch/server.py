@@ -723,6 +723,7 @@ def _options(args):
                    fused_head=not args.no_fused_head,
                    prefill_graph_max=args.prefill_graph_max,
                    compile_prefill=getattr(args, "compile_prefill", True),
+                   shared_prompts=getattr(args, "shared_prompts", True),
                    prefix_cache=args.prefix_cache, prefix_min=args.prefix_min,
                    kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"),
                    micro_batch_tokens=args.micro_batch_tokens,

@@ -18,7 +18,8 @@ from slimen_torch import kernels as K
 from slimen_torch import server
 from slimen_torch.__main__ import main
 from slimen_torch.engine import Engine, Options
-from slimen_torch.model import FP8_MAX, apply_rope, kv_read, kv_store, kv_write, rms_norm
+from slimen_torch.model import (FP8_MAX, apply_rope, kv_bytes, kv_read, kv_store, kv_write,
+                                rms_norm)
 from slimen_torch.types import GenerateRequest, Sampling, ScoreRequest
 
 F8 = torch.float8_e4m3fn
@@ -145,6 +146,35 @@ def test_decode_attention_fp8_cache_in_fp16_on_the_gpu(B):
     rows = torch.arange(B, device="cuda")
     assert torch.equal(kc[rows, :, pos].view(torch.uint8), kv_store(kn, F8).view(torch.uint8))
     assert torch.equal(vc[rows, :, pos].view(torch.uint8), kv_store(vn, F8).view(torch.uint8))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("fp8", [False, True])
+def test_shared_prefix_attention_on_the_gpu(fp8):
+    """On a GPU (bf16 queries; the interpreter's tests are in fp32, test_kernels.py): 256 rows in
+    32 groups of 8 that hold the same 128-token prompt read it once from each group's lead, and
+    give the attention each row computes over its own copy, within bf16's rounding; the
+    followers' own copies of the prompt are not read (zeroed here)."""
+    g = torch.Generator(device="cuda").manual_seed(int(fp8))
+    B, H, KV, D, L, P = 256, 16, 8, 128, 384, 128
+    dt = F8 if fp8 else torch.bfloat16
+    r = lambda *s: torch.randn(*s, generator=g, device="cuda")  # noqa: E731
+    q, kn, vn = r(B, H, D).bfloat16(), r(B, KV, D).bfloat16(), r(B, KV, D).bfloat16()
+    kc, vc = r(B, KV, L, D).to(dt), r(B, KV, L, D).to(dt)
+    leads = torch.arange(0, B, 8, device="cuda")
+    kb, vb = kv_bytes(kc), kv_bytes(vc)  # (indexed copies of fp8 go through its bytes)
+    for j in range(1, 8):  # every member holds its lead's prompt
+        kb[leads + j, :, :P], vb[leads + j, :, :P] = kb[leads, :, :P], vb[leads, :, :P]
+    pos = torch.randint(P, L, (B,), generator=g, device="cuda")
+    own = K.decode_attention(q, kn, vn, kc.clone(), vc.clone(), pos, L, D ** -0.5)
+    grp = torch.full((B, 8), -1, dtype=torch.long, device="cuda")
+    grp[leads] = leads[:, None] + torch.arange(8, device="cuda")
+    plen = torch.full((B,), P, dtype=torch.long, device="cuda")
+    for j in range(1, 8):
+        kb[leads + j, :, :P] = 0
+        vb[leads + j, :, :P] = 0
+    shared = K.decode_attention(q, kn, vn, kc, vc, pos, L, D ** -0.5, shared=(grp, plen))
+    assert ((shared.float() - own.float()).norm() / own.float().norm()).item() < 1e-2
 
 
 @triton_only

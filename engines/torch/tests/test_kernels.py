@@ -12,8 +12,11 @@ import torch
 import torch.nn.functional as F
 
 from slimen_torch import kernels as K
+from slimen_torch import server
+from slimen_torch.__main__ import main
 from slimen_torch import sampling as S
 from slimen_torch.engine import Engine, Options
+from slimen_torch.generate import Request
 from slimen_torch.model import apply_rope, rms_norm
 from slimen_torch.train import token_logprobs
 from slimen_torch.types import Batch, GenerateRequest, LossConfig, Sample, Sampling, ScoreRequest
@@ -48,6 +51,45 @@ def test_decode_attention(D, H, KV, L, nsplit):
     assert rel(o, want) < 1e-6
     assert torch.equal(kc, kc2) and torch.equal(vc, vc2)  # the new keys and values written
 
+
+
+@pytest.mark.parametrize("D,H,KV,nmax", [(16, 4, 2, 4), (8, 4, 4, 2)])
+@pytest.mark.parametrize("fp8", [False, True])
+def test_decode_attention_reads_a_shared_prefix_once(D, H, KV, nmax, fp8):
+    """Rows that hold the same prompt (the samples of one request) read its positions once, from
+    the lead's row: the same output and cache as each row reading its own. Groups of three (lead
+    1), two (lead 4, members listed in any order) and a row alone; the followers' own copies of
+    the prompt are overwritten with noise, which the shared pass must not read; a group of more
+    than nmax rows is split by the caller, so here the first group's length fits nmax."""
+    g = torch.Generator().manual_seed(D + H + fp8)
+    B, slots, L = 6, 7, 96
+    dt = torch.float8_e4m3fn if fp8 else torch.float32
+    kc = torch.randn(slots, KV, L, D, generator=g).to(dt)
+    vc = torch.randn(slots, KV, L, D, generator=g).to(dt)
+    groups = {1: ([1, 0, 3][:nmax], 40), 4: ([4, 5], 17)}
+    for lead, (rows, plen) in groups.items():
+        for r in rows:  # the members' copies of the prompt
+            kc[r, :, :plen], vc[r, :, :plen] = kc[lead, :, :plen], vc[lead, :, :plen]
+    kc2, vc2 = kc.clone(), vc.clone()
+    q = torch.randn(B, H, D, generator=g)
+    kn, vn = torch.randn(B, KV, D, generator=g), torch.randn(B, KV, D, generator=g)
+    pos = torch.tensor([50, 41, 70, 44, 17, 30])
+    grp = torch.full((slots, nmax), -1, dtype=torch.long)
+    plen = torch.zeros(slots, dtype=torch.long)
+    for lead, (rows, n) in groups.items():
+        grp[lead, :len(rows)] = torch.tensor(rows)
+        plen[rows] = n
+    for lead, (rows, n) in groups.items():
+        for r in rows:
+            if r != lead:  # a follower's own copy is not read
+                kc[r, :, :n] = torch.randn(KV, n, D, generator=g).to(dt)
+    # (One split: this few rows would otherwise be split, which reads every row's own copy.)
+    o = K.decode_attention(q, kn, vn, kc, vc, pos, L, D ** -0.5, nsplit=1, shared=(grp, plen))
+    want = K.decode_attention_reference(q, kn, vn, kc2, vc2, pos, L, D ** -0.5)
+    assert rel(o, want) < 1e-6
+    rows = torch.arange(B)
+    assert torch.equal(kc[rows, :, pos].float(), kc2[rows, :, pos].float())
+    assert torch.equal(vc[rows, :, pos].float(), vc2[rows, :, pos].float())
 
 def test_attention_splits():
     assert K.attention_splits(256, 8, 4096) == 1  # rows × heads fill the GPU
@@ -264,3 +306,69 @@ def test_top_p_neighbour_leaves_other_rows_alone(noeos_dir):
         assert [c.tokens for c in alone] == [c.tokens for c in both[:2]]
     finally:
         fast.close()
+
+
+def test_shared_prompt_groups_generate_the_same(noeos_dir, monkeypatch):
+    """A request's samples admitted together read their prompt once as a group (Options
+    shared_prompts, on by default): 3 requests × 4 samples and one × 10 (groups of 8 and 2) give
+    the tokens and log-probs of a generator whose rows each read their own. After the first step
+    the lead of one group leaves it (as a finished or idle row does) and its row's keys and values
+    are overwritten: the group's other samples, now led by another row, are unaffected; and the
+    followers of another group read the prompt from its lead's row, not from their own copies,
+    which are zeroed. (Rows are
+    never split here: on a GPU this few rows would be, and a split attention reads every row's
+    own copy.)"""
+    monkeypatch.setattr(K, "attention_splits", lambda *a, **k: 1)
+    eng = Engine(str(noeos_dir), Options(device="cpu", kernels=True, slots=24))
+
+    def run(share):
+        eng.opts.shared_prompts = share
+        gen = eng.new_generator(eng.model)
+        gen.bank = eng.bank
+        got = {}
+        for i, n in enumerate((4, 10, 4, 4)):
+            prompt = [(7 * i + 3 * j) % 50 + 1 for j in range(5 + 2 * i)]
+            gen.add(Request(f"r{i}", prompt, n, Sampling(seed=i, max_tokens=5),
+                            lambda c: got.__setitem__((c.request_id, c.index), c)))
+        gen.step()  # admits all 22 samples and launches the first decode step
+        rows = [s.slot for s in gen.slots if s is not None and s.req.id == "r2"]
+        if share:
+            assert gen.share and sum(x >= 0 for x in gen.lead) == 22
+            big = [s.slot for s in gen.slots if s is not None and s.req.id == "r1"]
+            assert gen.grp[big[0]].tolist() == big[:8] and gen.grp[big[8], :2].tolist() == big[8:]
+            assert gen.lead[rows[0]] == rows[0]
+        gen._ungroup([rows[0]])
+        if share:
+            assert gen.lead[rows[0]] == -1 and all(gen.lead[r] == rows[1] for r in rows[1:])
+            assert gen.plen[rows[0]].item() == 0 and gen.grp[rows[1], :3].tolist() == rows[1:]
+        for kc, vc in zip(gen.k, gen.v):
+            kc[rows[0]].normal_()
+            vc[rows[0]].normal_()
+        if share:  # r0's followers' own copies of its 5-token prompt are not read
+            r0 = [s.slot for s in gen.slots if s is not None and s.req.id == "r0"]
+            for kc, vc in zip(gen.k, gen.v):
+                kc[r0[1:], :, :5] = 0.0
+                vc[r0[1:], :, :5] = 0.0
+        while gen.busy():
+            gen.step()
+        return got
+
+    try:
+        a, b = run(True), run(False)
+    finally:
+        eng.close()
+    assert len(a) == len(b) == 22
+    for key in a:
+        if key == ("r2", 0):
+            continue
+        assert a[key].tokens == b[key].tokens
+        assert max(abs(x - y) for x, y in zip(a[key].logprobs, b[key].logprobs)) < 1e-5
+
+
+def test_shared_prompts_flag(noeos_dir, monkeypatch):
+    """--no-shared-prompts turns the grouping off (the default is on)."""
+    seen = []
+    monkeypatch.setattr(server, "serve", seen.append)
+    for flags, want in (([], True), (["--no-shared-prompts"], False)):
+        main(["serve", "--model", str(noeos_dir), "--device", "cpu"] + flags)
+        assert server._options(seen[-1]).shared_prompts is want
