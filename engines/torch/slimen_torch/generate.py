@@ -115,6 +115,12 @@ def compiled_prefill_layer(cfg):
     return torch.compile(whole_block(cfg), dynamic=True)
 
 
+def _padded(rows: list[list[int]], T: int) -> torch.Tensor:
+    """Token lists right-padded with 0 to T, as one [len(rows), T] tensor made by one call (a
+    torch.tensor a prompt took 35 ms of host time for 256 prompts on the H200's machine)."""
+    return torch.tensor([r + [0] * (T - len(r)) for r in rows], dtype=torch.long)
+
+
 SHARE_GROUP = 8  # rows a shared-prompt group holds at most (its queries: one product's rows)
 
 
@@ -730,10 +736,7 @@ class Generator:
         rows = [p.seq.slot for p in leads]
         B = len(prompts)
         T = max(len(p) - s for p, s in zip(prompts, starts))
-        tokens = torch.zeros(B, T, dtype=torch.long)
-        for i, (p, s) in enumerate(zip(prompts, starts)):
-            tokens[i, :len(p) - s] = torch.tensor(p[s:])
-        tokens = tokens.to(self.device)
+        tokens = _padded([p[s:] for p, s in zip(prompts, starts)], T).to(self.device)
         start = torch.tensor(starts, device=self.device)
         pos = (start[:, None] + torch.arange(T, device=self.device)).clamp(max=self.L - 1)
         Lk = min(max(starts) + T, self.L)  # attended positions [0, Lk)
@@ -766,13 +769,10 @@ class Generator:
     def _prefill_eager(self, prompts: list[list[int]], src, dst, adapters=None) -> torch.Tensor:
         """The prompts (right-padded into one batch) through Transformer.forward; every sample
         row dst[i] (dst: an index tensor or a slice) gets the keys and values of prompt src[i]
-        (src None: of prompt i, without gathering them). Returns the logits of each prompt's last token [len(prompts), vocab] in
-        the model's dtype."""
+        (src None: of prompt i, without gathering them). Returns the logits of each prompt's
+        last token [len(prompts), vocab] in the model's dtype."""
         T = max(len(p) for p in prompts)
-        tokens = torch.zeros(len(prompts), T, dtype=torch.long)
-        for i, p in enumerate(prompts):
-            tokens[i, :len(p)] = torch.tensor(p)
-        tokens = tokens.to(self.device)
+        tokens = _padded(prompts, T).to(self.device)
 
         def sink(layer, k, v):
             # Every sample of a prompt gets a copy of the prompt's keys and values.
