@@ -737,7 +737,7 @@ def sec_sweep_b1(a, res):
                            for w in (4, 8) if (t, w) != default[:2]] + \
         [(default[0], default[1], s, launch) for s in (32, 128)] + \
         [(default[0], default[1], default[2], lc) for lc in
-         ((32, 2, 0), (32, 4, 0), (64, 2, 0), (16, 1, 0), (64, 4, 2)) if lc != launch]
+         ((64, 4, 0), (32, 2, 0), (32, 4, 0), (64, 2, 0), (16, 1, 0), (64, 4, 2)) if lc != launch]
     rows = []
     try:
         for tile, warps, split, lc in configs:

@@ -188,10 +188,13 @@ class Generator:
         self.tok, self.pos, self.step_idx, self.key = (torch.zeros(S, **long) for _ in range(4))
         self.temp, self.top_p = torch.zeros(S, **f32), torch.ones(S, **f32)
         self.active = torch.zeros(S, dtype=torch.bool, device=self.device)
-        self.out_tok, self.out_lp = torch.zeros(S, **long), torch.zeros(S, **f32)
+        # A step's sampled tokens (int64) and log-probs (fp32) side by side in one buffer of
+        # 32-bit words, so that one copy a step brings both to the host (two copies cost the
+        # batch-1 step ~1% on the H200).
+        self.out = torch.zeros(3 * S, dtype=torch.int32, device=self.device)
+        self.out_tok, self.out_lp = self._split_out(self.out, S)
         pin = self.cuda
-        self.host = [(torch.zeros(S, dtype=torch.long, pin_memory=pin),
-                      torch.zeros(S, dtype=torch.float32, pin_memory=pin)) for _ in range(2)]
+        self.host = [torch.zeros(3 * S, dtype=torch.int32, pin_memory=pin) for _ in range(2)]
         self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
         self.pool = None
         self.slots: list[Sequence | None] = [None] * S
@@ -236,6 +239,11 @@ class Generator:
         self.grp_host = torch.full((slots, SHARE_GROUP), -1, dtype=torch.long)
         self.plen_host = torch.zeros(slots, dtype=torch.long)
         self.grp, self.plen = self.grp_host.to(self.device), self.plen_host.to(self.device)
+
+    @staticmethod
+    def _split_out(buf: torch.Tensor, S: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(tokens [S] int64, log-probs [S] fp32): views of a step's output words."""
+        return buf[:2 * S].view(torch.int64), buf[2 * S:].view(torch.float32)
 
     def _lora(self) -> bool:
         return self.bank is not None and bool(self.bank.adapters)
@@ -1031,10 +1039,10 @@ class Generator:
         self._run(B, L, use_top_p)
         for _, s in rows:
             s.launched += 1
-        h_tok, h_lp = self.host[self.launches % 2]
+        h = self.host[self.launches % 2]
         self.launches += 1
-        h_tok[:B].copy_(self.out_tok[:B], non_blocking=True)
-        h_lp[:B].copy_(self.out_lp[:B], non_blocking=True)
+        h.copy_(self.out, non_blocking=True)
+        h_tok, h_lp = self._split_out(h, self.S)
         event = None
         if self.cuda:
             event = torch.cuda.Event()
