@@ -78,13 +78,13 @@ Not in the default list (select with --sections):
   train_split    before the layer was traced whole: the training layer compiled with the
                  attention between two compiled halves (SDPA's grouping left symbolic)
 
-  gen_fp8kv      the decode attention alone at batch 256 over a bf16 and an fp8 cache (GPU ms,
-                 GB/s, at the middle and last position); then `gen` with the KV cache in fp8 (--kv-cache-dtype
-                 fp8): tok/s at batch 1 and 256, the captured steps' GPU time, generation
-                 log-probs against Score's (bf16, no cache: the price of fp8 keys and values);
-                 on the same engine a generator with the bf16 cache (8 rows) for the sampled and
-                 greedy tokens of the same seeded requests: how far they agree; then the PyTorch
-                 decode path (compiled decode_layer, --no-kernels) over an fp8 cache against
+  gen_fp8kv      the decode attention alone at batch 256 over a bf16 and an fp8 cache (GPU ms, GB/s,
+                 at the middle and last position); then `gen` with the KV cache in fp8
+                 (--kv-cache-dtype fp8): tok/s at batch 1 and 256, the captured steps' GPU time,
+                 generation log-probs against Score's (bf16, no cache: the price of fp8 keys and
+                 values); on the same engine a generator with the bf16 cache (8 rows) for the
+                 sampled and greedy tokens of the same seeded requests: how far they agree; then the
+                 PyTorch decode path (compiled decode_layer, --no-kernels) over an fp8 cache against
                  Score. Run beside `gen` (--sections gen,gen_fp8kv) for the table's comparison
 
 Results: DIR/bench.json (everything, errors included), DIR/bench.md (the table, also printed last),
@@ -821,8 +821,8 @@ def sec_sweep_attn(a, res):
                             lambda: K.decode_attention(q, kn, vn, kc, vc, p, L,
                                                        cfg.head_dim ** -0.5))
                     row["us_mean"] = sum(row[f"us_{p}"] for p in decoded) / len(decoded)
-                    row["bw_share_last"] = (2 * B * cfg.kv_heads * L * cfg.head_dim
-                                            * kc.element_size()) / (row[f"us_{L - 1}"] / 1e6) / copy_bw
+                    kv_bytes = 2 * B * cfg.kv_heads * L * cfg.head_dim * kc.element_size()
+                    row["bw_share_last"] = kv_bytes / (row[f"us_{L - 1}"] / 1e6) / copy_bw
                 except Exception as e:
                     row["error"] = repr(e)[:300]
                 rows.append(row)

@@ -151,6 +151,37 @@ if HAVE_TRITON:
         return ((x * cos).to(dt).to(tl.float32) + (xr * sin).to(dt).to(tl.float32)).to(dt)
 
     @triton.jit
+    def _attend(q, kc, vc, sc_l, d, dmask, start, end, scale, m, l, acc, BL: tl.constexpr,
+                KV8: tl.constexpr, F32DOT: tl.constexpr):
+        """Online softmax of the queries q [rows, DP] over positions [start, end) of one row's
+        keys kc and values vc (a position every sc_l elements), continuing the state (m, l, acc);
+        returns it. Over an fp8 cache the products run in fp16: e4m3 converts to fp16 in one
+        instruction for two values (to bf16 it takes a trip through fp32, and the conversion
+        bounded the kernel), exactly; q and the probabilities lose nothing in fp16 that bf16
+        keeps."""
+        for s0 in range(start, end, BL):
+            p_i = s0 + tl.arange(0, BL)
+            valid = p_i < end
+            kv_mask = valid[:, None] & dmask[None, :]
+            k = tl.load(kc + p_i[:, None] * sc_l + d[None, :], mask=kv_mask, other=0.0)
+            v = tl.load(vc + p_i[:, None] * sc_l + d[None, :], mask=kv_mask, other=0.0)
+            if KV8:
+                k = k.to(tl.float16)
+                v = v.to(tl.float16)
+            if F32DOT:
+                k = k.to(tl.float32)
+                v = v.to(tl.float32)
+            s = tl.dot(q, tl.trans(k)) * scale
+            s = tl.where(valid[None, :], s, float("-inf"))
+            m_new = tl.maximum(m, tl.max(s, 1))
+            alpha = tl.exp(m - m_new)
+            p = tl.exp(s - m_new[:, None])
+            l = l * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            m = m_new
+        return m, l, acc
+
+    @triton.jit
     def _decode_attn_kernel(q_ptr, kn_ptr, vn_ptr, kc_ptr, vc_ptr, pos_ptr, o_ptr, part_ptr,
                             ml_ptr, qn_ptr, kw_ptr, cos_ptr, sin_ptr, sq_b, sq_h, skn_b, skn_h,
                             svn_b, svn_h, sc_b, sc_h, sc_l, so_b, so_h, s_cos, scale, eps,
@@ -226,10 +257,7 @@ if HAVE_TRITON:
         if F32DOT:
             q = q.to(tl.float32)
         elif KV8:
-            # Over an fp8 cache the products run in fp16: e4m3 converts to fp16 in one instruction
-            # for two values (to bf16 it takes a trip through fp32, and the conversion bounded the
-            # kernel), exactly; q and the probabilities lose nothing in fp16 that bf16 keeps.
-            q = q.to(tl.float16)
+            q = q.to(tl.float16)  # the products over an fp8 cache run in fp16 (_attend)
         m = tl.full([GP], float("-inf"), tl.float32)
         l = tl.zeros([GP], tl.float32)
         acc = tl.zeros([GP, DP], tl.float32)
@@ -240,26 +268,8 @@ if HAVE_TRITON:
                 l = tl.load(ml_ptr + row * 2 + 1, mask=gmask, other=0.0)
                 acc = tl.load(part_ptr + row[:, None] * DP + d[None, :], mask=gmask[:, None],
                               other=0.0)
-        for s0 in range(start, end, BL):
-            p_i = s0 + tl.arange(0, BL)
-            valid = p_i < end
-            kv_mask = valid[:, None] & dmask[None, :]
-            k = tl.load(kc + p_i[:, None] * sc_l + d[None, :], mask=kv_mask, other=0.0)
-            v = tl.load(vc + p_i[:, None] * sc_l + d[None, :], mask=kv_mask, other=0.0)
-            if KV8:
-                k = k.to(tl.float16)
-                v = v.to(tl.float16)
-            if F32DOT:
-                k = k.to(tl.float32)
-                v = v.to(tl.float32)
-            s = tl.dot(q, tl.trans(k)) * scale
-            s = tl.where(valid[None, :], s, float("-inf"))
-            m_new = tl.maximum(m, tl.max(s, 1))
-            alpha = tl.exp(m - m_new)
-            p = tl.exp(s - m_new[:, None])
-            l = l * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-            m = m_new
+        m, l, acc = _attend(q, kc, vc, sc_l, d, dmask, start, end, scale, m, l, acc, BL, KV8,
+                            F32DOT)
         if NSPLIT == 1:
             o = acc / l[:, None]
             tl.store(o_ptr + b * so_b + heads[:, None] * so_h + d[None, :],
@@ -309,26 +319,7 @@ if HAVE_TRITON:
         m = tl.full([MQ], float("-inf"), tl.float32)
         l = tl.zeros([MQ], tl.float32)
         acc = tl.zeros([MQ, DP], tl.float32)
-        for s0 in range(0, P, BL):
-            p_i = s0 + tl.arange(0, BL)
-            valid = p_i < P
-            kv_mask = valid[:, None] & dmask[None, :]
-            k = tl.load(kc + p_i[:, None] * sc_l + d[None, :], mask=kv_mask, other=0.0)
-            v = tl.load(vc + p_i[:, None] * sc_l + d[None, :], mask=kv_mask, other=0.0)
-            if KV8:
-                k = k.to(tl.float16)
-                v = v.to(tl.float16)
-            if F32DOT:
-                k = k.to(tl.float32)
-                v = v.to(tl.float32)
-            s = tl.dot(q, tl.trans(k)) * scale
-            s = tl.where(valid[None, :], s, float("-inf"))
-            m_new = tl.maximum(m, tl.max(s, 1))
-            alpha = tl.exp(m - m_new)
-            pr = tl.exp(s - m_new[:, None])
-            l = l * alpha + tl.sum(pr, 1)
-            acc = acc * alpha[:, None] + tl.dot(pr.to(v.dtype), v)
-            m = m_new
+        m, l, acc = _attend(q, kc, vc, sc_l, d, dmask, 0, P, scale, m, l, acc, BL, KV8, F32DOT)
         row = rsafe * n_heads + heads
         tl.store(part_ptr + row[:, None] * DP + d[None, :], acc, mask=qmask_r[:, None])
         tl.store(ml_ptr + row * 2, m, mask=qmask_r)
