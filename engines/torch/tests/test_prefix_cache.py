@@ -278,3 +278,40 @@ def test_a_kept_row_idle_while_others_decode(pair):
                            sampling=Sampling(seed=3, max_tokens=6))]
     assert_same(together(on, nxt), together(off, nxt))
     assert on.gen.take_prefix_stats()["reused_tokens"] == 20 + 2 - 1
+
+
+def test_shared_prompt_groups_with_reused_prefixes(noeos_dir, monkeypatch):
+    """A request's samples admitted from a kept row (the lead's prefix copied from it, the
+    followers copying the lead's prompt) read that prompt once as a group in the Triton decode
+    attention: the tokens and log-probs of reuse and grouping off. (Rows are never split here, as
+    a GPU batch of 16 rows or more is not, or the attention would read each row's own copy.)"""
+    from slimen_torch import kernels as K
+    monkeypatch.setattr(K, "attention_splits", lambda *a, **k: 1)
+    on = make(noeos_dir, 6, slots=8, kernels=True)
+    off = make(noeos_dir, 0, slots=8, kernels=True, shared_prompts=False)
+    grouped = []  # rows in groups after each admission
+    group = on.gen._group
+
+    def counting(seqs):
+        group(seqs)
+        grouped.append(on.gen.n_grouped)
+
+    on.gen._group = counting
+    try:
+        assert on.gen.share and not off.gen.share
+        shared = prompt(41, 24)
+        convs = [shared + prompt(42 + i, 3) for i in range(2)]
+        for t in range(2):
+            reqs = [GenerateRequest(id=f"g{i}-{t}", prompt_tokens=ids, n=1 + 2 * i,
+                                    sampling=Sampling(seed=i + t, max_tokens=5))
+                    for i, ids in enumerate(convs)]
+            got, want = together(on, reqs), together(off, reqs)
+            assert len(got) == 4
+            assert_same(got, want)
+            convs = [convs[0] + got[0].tokens + [7, 8], convs[1] + got[1].tokens + [7, 8]]
+        assert on.gen.take_prefix_stats()["hits"] == 2
+        assert grouped == [3, 3]  # the 3 samples of each turn's second request, one group
+        assert on.gen.n_grouped == 0 and all(x < 0 for x in on.gen.lead)  # all finished
+    finally:
+        on.close()
+        off.close()
