@@ -193,7 +193,11 @@ if HAVE_TRITON:
                             SHARE: tl.constexpr = False, sh_ptr=None):
         if PDL:
             gdc_launch_dependents()
-            gdc_wait()
+            if not SHARE:
+                gdc_wait()
+            # SHARE: the previous kernel is _shared_prefix_kernel, whose programs release this
+            # one only after their own wait for the layer's q/k/v: this one attends its row's
+            # own positions while that pass still runs, and waits for it before merging.
         b = tl.program_id(0).to(tl.int64)  # row offsets can pass 2³¹ elements
         kvh = tl.program_id(1)
         sp = tl.program_id(2)
@@ -261,15 +265,23 @@ if HAVE_TRITON:
         m = tl.full([GP], float("-inf"), tl.float32)
         l = tl.zeros([GP], tl.float32)
         acc = tl.zeros([GP, DP], tl.float32)
-        if SHARE:
-            if shared > 0:  # continue from the shared prefix's softmax state
-                row = b * n_heads + heads
-                m = tl.load(ml_ptr + row * 2, mask=gmask, other=float("-inf"))
-                l = tl.load(ml_ptr + row * 2 + 1, mask=gmask, other=0.0)
-                acc = tl.load(part_ptr + row[:, None] * DP + d[None, :], mask=gmask[:, None],
-                              other=0.0)
         m, l, acc = _attend(q, kc, vc, sc_l, d, dmask, start, end, scale, m, l, acc, BL, KV8,
                             F32DOT)
+        if SHARE:
+            if PDL:
+                gdc_wait()
+            if shared > 0:  # merge the shared prefix's softmax state (positions [0, shared))
+                row = b * n_heads + heads
+                m1 = tl.load(ml_ptr + row * 2, mask=gmask, other=float("-inf"))
+                l1 = tl.load(ml_ptr + row * 2 + 1, mask=gmask, other=0.0)
+                acc1 = tl.load(part_ptr + row[:, None] * DP + d[None, :], mask=gmask[:, None],
+                               other=0.0)
+                mx = tl.maximum(m, m1)
+                w1 = tl.where(m1 > float("-inf"), tl.exp(m1 - mx), 0.0)
+                w2 = tl.exp(m - mx)
+                l = l1 * w1 + l * w2
+                acc = acc1 * w1[:, None] + acc * w2[:, None]
+                m = mx
         if NSPLIT == 1:
             o = acc / l[:, None]
             tl.store(o_ptr + b * so_b + heads[:, None] * so_h + d[None, :],
@@ -292,13 +304,15 @@ if HAVE_TRITON:
         first entry is itself leads) over positions [0, shared[lead]) of the lead's row, whose
         keys and values every member holds too, and leaves each (row, head)'s softmax state
         (max, sum, weighted values) in ml and part for _decode_attn_kernel to continue."""
-        if PDL:
-            gdc_launch_dependents()
-            gdc_wait()
         b = tl.program_id(0).to(tl.int64)
         kvh = tl.program_id(1)
         if tl.load(grp_ptr + b * NMAX) != b:
-            return
+            return  # (an exit releases the dependent attention kernel as a trigger does)
+        if PDL:
+            # The attention kernel after this one starts once every program here has passed
+            # this wait (q/k/v written) and runs beside the rest of this pass.
+            gdc_wait()
+            gdc_launch_dependents()
         P = tl.load(sh_ptr + b)
         i = tl.arange(0, MQ)  # query rows: member i // GROUP, head kvh·GROUP + i % GROUP
         rows = tl.load(grp_ptr + b * NMAX + i // GROUP, mask=i < NMAX * GROUP, other=-1)
