@@ -70,7 +70,7 @@ Not in the default list (select with --sections):
                  samples reading its keys and values once as a group (the default) and each
                  reading its own (--no-shared-prompts), one engine; their agreement, and the
                  shared run's log-probs against Score's (gen_group_fp8: the same over an fp8
-                 cache)
+                 cache; gen_group_requests: a prompt's 8 samples as 8 requests)
 
   gen_attn_launch batch 256 with the batched attention's launch before 2026-11-26 (64 positions,
                  4 warps) beside the default, over a bf16 and an fp8 cache (tok/s, step ms)
@@ -128,7 +128,7 @@ SECTIONS = {
     "train_static": 60, "gen_b1": 60, "first_step": 300, "first_step_run": 150,
     "profile": 150, "sweep_b1": 120, "train_split": 100, "sweep_attn": 120, "gen_fp8kv": 150,
     "gen_attn_launch": 150, "train_old_opt": 60, "gen_group": 120,
-    "gen_group_fp8": 120,
+    "gen_group_fp8": 120, "gen_group_requests": 120,
 }
 DEFAULT_SECTIONS = ["kernels", "gen", "train", "train_eager", "gen_before", "train_before", "hf",
                     "train_regional", "gen_layer_b1", "train_static"]
@@ -372,18 +372,29 @@ def sec_gen_group_fp8(a, res):
     group_section(a, res, "gen_group_fp8", "fp8")
 
 
-def group_section(a, res, prefix: str, kv_cache_dtype: str) -> None:
+def sec_gen_group_requests(a, res):
+    group_section(a, res, "gen_group_requests", "auto", separate=True)
+
+
+def group_section(a, res, prefix: str, kv_cache_dtype: str, separate: bool = False) -> None:
     """GRPO's shape at batch 256: 32 prompts × 8 samples, 128 + new tokens, with the samples of a
     prompt reading its keys and values once as a group (the default) and each reading its own
     (--no-shared-prompts), on one engine, three runs (shared, own, shared); how far the two
     agree on the same seeded requests (bf16: the shared pass sums in another order); and the
-    shared run's log-probs against Score's for its first 16 samples (two groups)."""
+    shared run's log-probs against Score's for its first 16 samples (two groups). separate: the
+    8 samples of a prompt as 8 requests (slime's n_samples_per_prompt), not one with n = 8."""
     eng = Engine(a.model, Options(device=a.device, slots=256, max_seq_len=PROMPT + a.new,
                                   kv_cache_dtype=kv_cache_dtype))
     toks = prompts(32, eng.cfg.vocab_size, 5).tolist()
-    reqs = [GenerateRequest(id=f"g{i}", prompt_tokens=t, n=8,
-                            sampling=Sampling(max_tokens=a.new, temperature=1.0, seed=i))
-            for i, t in enumerate(toks)]
+    if separate:
+        reqs = [GenerateRequest(id=f"g{i}-{j}", prompt_tokens=t,
+                                sampling=Sampling(max_tokens=a.new, temperature=1.0,
+                                                  seed=8 * i + j))
+                for i, t in enumerate(toks) for j in range(8)]
+    else:
+        reqs = [GenerateRequest(id=f"g{i}", prompt_tokens=t, n=8,
+                                sampling=Sampling(max_tokens=a.new, temperature=1.0, seed=i))
+                for i, t in enumerate(toks)]
     outs = {}
     try:
         for run, share in enumerate((True, False, True)):
@@ -1427,7 +1438,7 @@ def table(res: dict) -> str:
                 f"({num(f'{p}_attn_gbps_fp8_pos{pos}')} GB/s)")
         rows.append(f"{p}: attention outputs fp8 against bf16 ‖Δ‖/‖·‖ "
                     f"{res.get(p + '_attn_rel_fp8_vs_bf16', float('nan')):.2e}")
-    for p in ("gen_group", "gen_group_fp8"):
+    for p in ("gen_group", "gen_group_fp8", "gen_group_requests"):
         if p + "_shared_b256" in res:
             rows.append(
                 f"{p} (32 prompts × 8 samples, batch 256): {num(p + '_shared_b256')} tok/s with "

@@ -115,6 +115,11 @@ def compiled_prefill_layer(cfg):
     return torch.compile(whole_block(cfg), dynamic=True)
 
 
+def _prompt_key(req: Request) -> tuple:
+    """Requests of one key hold the same prompt keys and values: the prompt and the adapter."""
+    return tuple(req.prompt), id(req.adapter)
+
+
 def _padded(rows: list[list[int]], T: int) -> torch.Tensor:
     """Token lists right-padded with 0 to T, as one [len(rows), T] tensor made by one call (a
     torch.tensor a prompt took 35 ms of host time for 256 prompts on the H200's machine)."""
@@ -370,12 +375,12 @@ class Generator:
             self._save_pos0(slots)
         self.pos[idx] = 0  # an idle row keeps writing at position 0, inside every length bucket
 
-    def _group(self, seqs: list[Sequence]) -> None:
-        """Groups the samples of each request just admitted (their rows hold the same prompt
-        keys and values) for the shared-prompt attention, SHARE_GROUP rows a group at most."""
-        by_req: dict[int, list[Sequence]] = {}
-        for s in seqs:
-            by_req.setdefault(id(s.req), []).append(s)
+    def _group(self, keyed: list[tuple[Sequence, tuple]]) -> None:
+        """Groups samples just admitted whose rows hold copies of one prompt's keys and values
+        (the same key) for the shared-prompt attention, SHARE_GROUP rows a group at most."""
+        by_req: dict[tuple, list[Sequence]] = {}
+        for s, key in keyed:
+            by_req.setdefault(key, []).append(s)
         changed = False
         for same in by_req.values():
             for i in range(0, len(same) - 1, SHARE_GROUP):
@@ -533,7 +538,10 @@ class Generator:
         self.top_p.index_copy_(0, dst, top_p)
         self.active.index_fill_(0, dst, True)
         if self.share:
-            self._group(picked)
+            # Rows of one plain prefill of a prompt are copies of it, whatever their request; a
+            # request's samples placed with a prefix start are copies of their lead's row.
+            self._group([(picked[i], ("prompt",) + _prompt_key(picked[i].req)) for i in plain] +
+                        [(picked[i], ("request", id(picked[i].req))) for i in cached])
         tok_l, lp_l = tok.tolist(), lp.tolist()
         finished = []
         for s, t, l in zip(picked, tok_l, lp_l):
@@ -672,9 +680,11 @@ class Generator:
         bucketed path when it can, else eagerly. Logits [len(picked), vocab] or None if none."""
         if not picked:
             return None
-        prompts: dict[int, int] = {}  # id(request) -> prefill row
+        # Requests with the same prompt (and adapter) are prefilled once: GRPO's groups sent as
+        # one request with n samples, or as n requests (n_samples_per_prompt).
+        prompts: dict[tuple, int] = {}  # _prompt_key -> prefill row
         for s in picked:
-            prompts.setdefault(id(s.req), len(prompts))
+            prompts.setdefault(_prompt_key(s.req), len(prompts))
         n = len(picked)
         dst = torch.tensor([s.slot for s in picked], device=self.device)
         if len(prompts) == 1 and not self._lora():
@@ -686,8 +696,10 @@ class Generator:
                     self._copy_rows(dst[:1], dst[1:], len(picked[0].req.prompt))
                     logits = logits.expand(n, -1).contiguous()
                 return logits
-        reqs = {id(s.req): s.req for s in picked}
-        src_list = [prompts[id(s.req)] for s in picked]
+        reqs: dict[tuple, Request] = {}
+        for s in picked:
+            reqs.setdefault(_prompt_key(s.req), s.req)
+        src_list = [prompts[_prompt_key(s.req)] for s in picked]
         slots = [s.slot for s in picked]
         if slots == list(range(slots[0], slots[0] + n)):
             dst = slice(slots[0], slots[0] + n)  # consecutive rows: a strided copy, not an index

@@ -372,3 +372,43 @@ def test_shared_prompts_flag(noeos_dir, monkeypatch):
     for flags, want in (([], True), (["--no-shared-prompts"], False)):
         main(["serve", "--model", str(noeos_dir), "--device", "cpu"] + flags)
         assert server._options(seen[-1]).shared_prompts is want
+
+
+def test_separate_requests_of_one_prompt_share_it(noeos_dir, monkeypatch):
+    """slime's n_samples_per_prompt sends a prompt's samples as separate requests: admitted
+    together they are prefilled once and read the prompt as one group, and give the tokens and
+    log-probs of a generator that prefills and reads each on its own."""
+    monkeypatch.setattr(K, "attention_splits", lambda *a, **k: 1)
+    eng = Engine(str(noeos_dir), Options(device="cpu", kernels=True, slots=16))
+    grouped = []
+
+    def run(share):
+        eng.opts.shared_prompts = share
+        gen = eng.new_generator(eng.model)
+        gen.bank = eng.bank
+        group = gen._group
+
+        def counting(keyed):
+            group(keyed)
+            grouped.append(gen.n_grouped)
+
+        gen._group = counting
+        got = {}
+        prompts = [[5, 9, 13, 2, 7, 30, 4], [8, 1, 44, 6]]
+        for i in range(10):  # 6 requests of the first prompt, 4 of the second, interleaved
+            p = prompts[0] if i % 5 < 3 else prompts[1]
+            gen.add(Request(f"r{i}", p, 1, Sampling(seed=i, max_tokens=5),
+                            lambda c: got.__setitem__(c.request_id, c)))
+        while gen.busy():
+            gen.step()
+        return got
+
+    try:
+        a, b = run(True), run(False)
+    finally:
+        eng.close()
+    assert grouped == [10]  # one admission: groups of 6 and 4
+    assert len(a) == len(b) == 10
+    for key in a:
+        assert a[key].tokens == b[key].tokens
+        assert max(abs(x - y) for x, y in zip(a[key].logprobs, b[key].logprobs)) < 1e-5
