@@ -171,9 +171,9 @@ class Generator:
         # The prefill's layer, compiled with compile_prefill (the engine's GPU default): its
         # norms, rope and residual adds fuse into a few kernels (eagerly a layer is ~60 kernels,
         # which bound a lone prompt's graph-captured prefill), at the price of compiling it on
-        # first use (once for a lone prompt, again for a batch). The same arithmetic in another summation order,
-        # so its keys and values can differ from Score's forward pass in the last bits; scoring
-        # and training keep their own layer functions.
+        # first use (once for a lone prompt, again for a batch). The same arithmetic in another
+        # summation order, so its keys and values can differ from Score's forward pass in the
+        # last bits; scoring and training keep their own layer functions.
         self.prefill_fn = block_forward
         if compile_prefill:
             self.prefill_fn = compiled_prefill_layer(model.cfg)
@@ -682,12 +682,13 @@ class Generator:
             return None
         # Requests with the same prompt (and adapter) are prefilled once: GRPO's groups sent as
         # one request with n samples, or as n requests (n_samples_per_prompt).
-        prompts: dict[tuple, int] = {}  # _prompt_key -> prefill row
-        for s in picked:
-            prompts.setdefault(_prompt_key(s.req), len(prompts))
+        keys = [_prompt_key(s.req) for s in picked]
+        reqs: dict[tuple, Request] = {}  # _prompt_key -> its first request, in prefill order
+        for key, s in zip(keys, picked):
+            reqs.setdefault(key, s.req)
         n = len(picked)
         dst = torch.tensor([s.slot for s in picked], device=self.device)
-        if len(prompts) == 1 and not self._lora():
+        if len(reqs) == 1 and not self._lora():
             # One prompt (the batch-1 case): the bucketed, graph-captured prefill into the first
             # sample's row; the other samples' rows get copies.
             logits = self._prefill_bucketed(picked[0].req.prompt, picked[0].slot)
@@ -696,18 +697,16 @@ class Generator:
                     self._copy_rows(dst[:1], dst[1:], len(picked[0].req.prompt))
                     logits = logits.expand(n, -1).contiguous()
                 return logits
-        reqs: dict[tuple, Request] = {}
-        for s in picked:
-            reqs.setdefault(_prompt_key(s.req), s.req)
-        src_list = [prompts[_prompt_key(s.req)] for s in picked]
+        row = {key: i for i, key in enumerate(reqs)}
+        src_list = [row[key] for key in keys]
+        own = src_list == list(range(n))  # every sample has its own prompt: no gather
         slots = [s.slot for s in picked]
         if slots == list(range(slots[0], slots[0] + n)):
             dst = slice(slots[0], slots[0] + n)  # consecutive rows: a strided copy, not an index
-        logits = self._prefill_eager([reqs[r].prompt for r in prompts],
-                                     None if src_list == list(range(n)) else
-                                     torch.tensor(src_list, device=self.device), dst,
-                                     [reqs[r].adapter for r in prompts])
-        return logits if src_list == list(range(n)) else logits[src_list]
+        logits = self._prefill_eager([r.prompt for r in reqs.values()],
+                                     None if own else torch.tensor(src_list, device=self.device),
+                                     dst, [r.adapter for r in reqs.values()])
+        return logits if own else logits[src_list]
 
     def _prefill_from(self, placed: list[Placed]) -> torch.Tensor:
         """Samples placed with a prefix start: the source rows' prefixes copied into the leads'
