@@ -637,12 +637,11 @@ def sec_gen_before(a, res):
     gen_section(a, res, "gen_before", dict(kernels=False))
 
 
-def fp8_attention_alone(eng: Engine, a, res: dict, prefix: str) -> None:
-    """The Triton decode attention alone at batch 256, every row at position 192 and at the last
-    position, over a bf16 cache and over the same values in fp8: GPU ms (graph_timed), GB/s of
-    keys and values read, and the outputs' relative difference at the last position."""
+def attention_inputs(eng: Engine, B: int, L: int):
+    """Random inputs of the decode attention at the engine's shape (seeded): q [B, heads, D], the
+    new key and value [B, kv_heads, D], and {"bf16": (keys, values), "fp8": the same values in
+    float8_e4m3fn} caches [B, kv_heads, L, D] (the model's dtype for "bf16")."""
     cfg, dev, dt = eng.cfg, eng.gen.device, eng.model.embed.dtype
-    B, L = 256, PROMPT + a.new
     g = torch.Generator(device=dev).manual_seed(0)
 
     def rand(*shape):
@@ -651,12 +650,22 @@ def fp8_attention_alone(eng: Engine, a, res: dict, prefix: str) -> None:
     q, kn, vn = rand(B, cfg.heads, cfg.head_dim), *(rand(B, cfg.kv_heads, cfg.head_dim)
                                                      for _ in range(2))
     k16, v16 = (rand(B, cfg.kv_heads, L, cfg.head_dim) for _ in range(2))
-    k8, v8 = k16.to(torch.float8_e4m3fn), v16.to(torch.float8_e4m3fn)
+    return q, kn, vn, {"bf16": (k16, v16),
+                       "fp8": (k16.to(torch.float8_e4m3fn), v16.to(torch.float8_e4m3fn))}
+
+
+def fp8_attention_alone(eng: Engine, a, res: dict, prefix: str) -> None:
+    """The Triton decode attention alone at batch 256, every row at position 192 and at the last
+    position, over a bf16 cache and over the same values in fp8: GPU ms (graph_timed), GB/s of
+    keys and values read, and the outputs' relative difference at the last position."""
+    cfg, dev = eng.cfg, eng.gen.device
+    B, L = 256, PROMPT + a.new
+    q, kn, vn, caches = attention_inputs(eng, B, L)
     scale = cfg.head_dim ** -0.5
     outs = {}
     for pos in (L // 2, L - 1):
         p = torch.full((B,), pos, dtype=eng.gen.pos.dtype, device=dev)
-        for name, (kc, vc) in (("bf16", (k16, v16)), ("fp8", (k8, v8))):
+        for name, (kc, vc) in caches.items():
             def call(kc=kc, vc=vc):
                 return K.decode_attention(q, kn, vn, kc, vc, p, L, scale)
             outs[name] = call().float()
@@ -803,14 +812,7 @@ def sec_sweep_attn(a, res):
     eng = Engine(a.model, Options(device=a.device, slots=256, max_seq_len=PROMPT + a.new))
     cfg, dev = eng.cfg, eng.gen.device
     B, L = 256, PROMPT + a.new
-    dt = eng.model.embed.dtype
-    g = torch.Generator(device=dev).manual_seed(0)
-    k16, v16 = (torch.randn(B, cfg.kv_heads, L, cfg.head_dim, generator=g, device=dev, dtype=dt)
-                for _ in range(2))
-    caches = {"bf16": (k16, v16), "fp8": (k16.to(torch.float8_e4m3fn), v16.to(torch.float8_e4m3fn))}
-    q = torch.randn(B, cfg.heads, cfg.head_dim, generator=g, device=dev, dtype=dt)
-    kn, vn = (torch.randn(B, cfg.kv_heads, cfg.head_dim, generator=g, device=dev, dtype=dt)
-              for _ in range(2))
+    q, kn, vn, caches = attention_inputs(eng, B, L)
     big = torch.empty(1 << 28, dtype=torch.uint8, device=dev)  # 256 MiB, read and written
     copy_bw = 2 * big.numel() / (graph_timed(lambda: big.clone(), 5) / 1e3)
     del big

@@ -308,6 +308,33 @@ def test_top_p_neighbour_leaves_other_rows_alone(noeos_dir):
         fast.close()
 
 
+def shared_generator(eng, share: bool, grouped: list | None = None):
+    """A new generator of eng with shared prompts on or off; grouped, when given, records the rows
+    in groups after each admission."""
+    eng.opts.shared_prompts = share
+    gen = eng.new_generator(eng.model)
+    gen.bank = eng.bank
+    if grouped is not None:
+        group = gen._group
+
+        def counting(keyed):
+            group(keyed)
+            grouped.append(gen.n_grouped)
+
+        gen._group = counting
+    return gen
+
+
+def assert_same_completions(a: dict, b: dict, skip=()):
+    """The completions of two runs, by key: the same tokens, log-probs within 1e-5."""
+    assert a.keys() == b.keys()
+    for key in a:
+        if key in skip:
+            continue
+        assert a[key].tokens == b[key].tokens
+        assert max(abs(x - y) for x, y in zip(a[key].logprobs, b[key].logprobs)) < 1e-5
+
+
 def test_shared_prompt_groups_generate_the_same(noeos_dir, monkeypatch):
     """A request's samples admitted together read their prompt once as a group (Options
     shared_prompts, on by default): 3 requests × 4 samples and one × 10 (groups of 8 and 2) give
@@ -322,9 +349,7 @@ def test_shared_prompt_groups_generate_the_same(noeos_dir, monkeypatch):
     eng = Engine(str(noeos_dir), Options(device="cpu", kernels=True, slots=24))
 
     def run(share):
-        eng.opts.shared_prompts = share
-        gen = eng.new_generator(eng.model)
-        gen.bank = eng.bank
+        gen = shared_generator(eng, share)
         got = {}
         for i, n in enumerate((4, 10, 4, 4)):
             prompt = [(7 * i + 3 * j) % 50 + 1 for j in range(5 + 2 * i)]
@@ -357,12 +382,8 @@ def test_shared_prompt_groups_generate_the_same(noeos_dir, monkeypatch):
         a, b = run(True), run(False)
     finally:
         eng.close()
-    assert len(a) == len(b) == 22
-    for key in a:
-        if key == ("r2", 0):
-            continue
-        assert a[key].tokens == b[key].tokens
-        assert max(abs(x - y) for x, y in zip(a[key].logprobs, b[key].logprobs)) < 1e-5
+    assert len(a) == 22
+    assert_same_completions(a, b, skip=[("r2", 0)])
 
 
 def test_shared_prompts_flag(noeos_dir, monkeypatch):
@@ -383,16 +404,7 @@ def test_separate_requests_of_one_prompt_share_it(noeos_dir, monkeypatch):
     grouped = []
 
     def run(share):
-        eng.opts.shared_prompts = share
-        gen = eng.new_generator(eng.model)
-        gen.bank = eng.bank
-        group = gen._group
-
-        def counting(keyed):
-            group(keyed)
-            grouped.append(gen.n_grouped)
-
-        gen._group = counting
+        gen = shared_generator(eng, share, grouped)
         got = {}
         prompts = [[5, 9, 13, 2, 7, 30, 4], [8, 1, 44, 6]]
         for i in range(10):  # 6 requests of the first prompt, 4 of the second, interleaved
@@ -408,7 +420,5 @@ def test_separate_requests_of_one_prompt_share_it(noeos_dir, monkeypatch):
     finally:
         eng.close()
     assert grouped == [10]  # one admission: groups of 6 and 4
-    assert len(a) == len(b) == 10
-    for key in a:
-        assert a[key].tokens == b[key].tokens
-        assert max(abs(x - y) for x, y in zip(a[key].logprobs, b[key].logprobs)) < 1e-5
+    assert len(a) == 10
+    assert_same_completions(a, b)
