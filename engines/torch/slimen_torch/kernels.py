@@ -525,6 +525,126 @@ if HAVE_TRITON:
         tl.store(out_ptr + rn, y.to(dt), mask=nmask)
 
     # ---------------------------------------------------------------------------------------
+    # Batched decode layer: the same fusions as matrix products of rows
+    # ---------------------------------------------------------------------------------------
+
+    @triton.jit
+    def _gemm_kernel(x_ptr, w_ptr, bias_ptr, res_ptr, nw_ptr, out_ptr, ws_ptr, cnt_ptr, qn_ptr,
+                     kn_ptr, cos_ptr, sin_ptr, pos_ptr, M, N, K, up_off, eps, sx, sw, so, sr,
+                     s_cos, q_end, k_end,
+                     NORM: tl.constexpr, HAS_BIAS: tl.constexpr, SWIGLU: tl.constexpr,
+                     HAS_RES: tl.constexpr, ROPE: tl.constexpr, QK_NORM: tl.constexpr,
+                     SPLIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                     F32DOT: tl.constexpr, PDL: tl.constexpr):
+        """out [M, N] = (res +) f(n(x) · Wᵀ) for the rows x [M, K]: _gemv_kernel's arithmetic
+        (the RMSNorm n in front, bias, SwiGLU or residual behind, rounded where the eager model
+        rounds) on tiles of BM rows × BN columns. SPLIT > 1 splits K over that many programs a
+        tile: each leaves its fp32 partial in ws, and the tile's last program to arrive (a
+        counter in cnt, reset by it) sums them in a fixed order and finishes the tile, so the
+        result does not depend on which arrives last. ROPE (BN = head size): the columns before
+        k_end are q then k heads (q before q_end), normalised with qn/kn (QK_NORM) and rotated
+        at the row's position pos[m] as model.qkv_from_normed does."""
+        pid_n = tl.program_id(0)
+        pid_m = tl.program_id(1)
+        pid_k = tl.program_id(2)
+        rm = pid_m * BM + tl.arange(0, BM)
+        rn = pid_n * BN + tl.arange(0, BN)
+        mmask = rm < M
+        nmask = rn < N
+        omask = mmask[:, None] & nmask[None, :]
+        dt = out_ptr.dtype.element_ty
+        if PDL:
+            gdc_launch_dependents()
+            gdc_wait()
+        r = tl.full([BM], 1.0, tl.float32)
+        if NORM:
+            ss = tl.zeros([BM], tl.float32)
+            for k0 in range(0, K, BK):
+                rk = k0 + tl.arange(0, BK)
+                xk = tl.load(x_ptr + rm[:, None] * sx + rk[None, :],
+                             mask=mmask[:, None] & (rk < K)[None, :], other=0.0).to(tl.float32)
+                ss += tl.sum(xk * xk, 1)
+            r = 1.0 / tl.sqrt(ss / K + eps)
+        k_per = tl.cdiv(tl.cdiv(K, SPLIT), BK) * BK
+        k_lo = pid_k * k_per
+        k_hi = tl.minimum(K, k_lo + k_per)
+        acc = tl.zeros([BM, BN], tl.float32)
+        acc2 = tl.zeros([BM, BN], tl.float32)
+        for k0 in range(k_lo, k_hi, BK):
+            rk = k0 + tl.arange(0, BK)
+            kmask = rk < k_hi
+            a = tl.load(x_ptr + rm[:, None] * sx + rk[None, :],
+                        mask=mmask[:, None] & kmask[None, :], other=0.0)
+            if NORM:
+                # As model.rms_norm: normalise in fp32, round, then scale by the weight and round.
+                g = tl.load(nw_ptr + rk, mask=kmask, other=0.0).to(tl.float32)
+                a = ((a.to(tl.float32) * r[:, None]).to(dt).to(tl.float32) * g[None, :]).to(dt)
+            wmask = nmask[:, None] & kmask[None, :]
+            w = tl.load(w_ptr + rn[:, None] * sw + rk[None, :], mask=wmask, other=0.0)
+            if F32DOT:
+                a = a.to(tl.float32)
+                w = w.to(tl.float32)
+            acc = tl.dot(a, tl.trans(w), acc)
+            if SWIGLU:
+                w2 = tl.load(w_ptr + (rn[:, None] + up_off) * sw + rk[None, :], mask=wmask,
+                             other=0.0)
+                if F32DOT:
+                    w2 = w2.to(tl.float32)
+                acc2 = tl.dot(a, tl.trans(w2), acc2)
+        last = True
+        if SPLIT > 1:
+            tile = pid_m * tl.num_programs(0) + pid_n
+            tl.store(ws_ptr + (pid_k * M + rm[:, None]) * N + rn[None, :], acc, mask=omask)
+            tl.debug_barrier()  # every thread's partial stored before the counter says so
+            last = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu") == SPLIT - 1
+            if last:
+                acc = tl.zeros([BM, BN], tl.float32)
+                for s in range(SPLIT):
+                    acc += tl.load(ws_ptr + (s * M + rm[:, None]) * N + rn[None, :], mask=omask,
+                                   other=0.0, cache_modifier=".cg")
+                tl.store(cnt_ptr + tile, 0)
+        if last:
+            y = acc
+            if HAS_BIAS:
+                y += tl.load(bias_ptr + rn, mask=nmask, other=0.0).to(tl.float32)[None, :]
+            if SWIGLU:
+                gate = y.to(dt).to(tl.float32)
+                up = acc2.to(dt).to(tl.float32)
+                y = (gate / (1.0 + tl.exp(-gate))).to(dt).to(tl.float32) * up
+            if HAS_RES:
+                y = y.to(dt).to(tl.float32) + tl.load(
+                    res_ptr + rm[:, None] * sr + rn[None, :], mask=omask, other=0.0).to(tl.float32)
+            optr = out_ptr + rm[:, None] * so + rn[None, :]
+            tl.store(optr, y.to(dt), mask=omask)
+            if ROPE:
+                n0 = pid_n * BN
+                if n0 < k_end:  # a q or k head: its norm and rotation read the rounded tile
+                    tl.debug_barrier()
+                    d = tl.arange(0, BN)
+                    rot = tl.where(d < BN // 2, d + BN // 2, d - BN // 2)
+                    xq = tl.load(optr, mask=omask, other=0.0).to(tl.float32)
+                    xr = tl.load(out_ptr + rm[:, None] * so + n0 + rot[None, :],
+                                 mask=mmask[:, None], other=0.0).to(tl.float32)
+                    p = tl.load(pos_ptr + rm, mask=mmask, other=0)
+                    cs = p[:, None] * s_cos + d[None, :]
+                    cos = tl.load(cos_ptr + cs, mask=mmask[:, None], other=0.0)
+                    sin = tl.load(sin_ptr + cs, mask=mmask[:, None], other=0.0)
+                    cos = cos.to(dt).to(tl.float32)
+                    sin = sin.to(dt).to(tl.float32)
+                    wn = tl.full([1, BN], 1.0, tl.float32)
+                    wr = wn
+                    if QK_NORM:
+                        isq = n0 < q_end
+                        wn = tl.where(isq, tl.load(qn_ptr + d), tl.load(kn_ptr + d))
+                        wr = tl.where(isq, tl.load(qn_ptr + rot), tl.load(kn_ptr + rot))
+                        wn = wn.to(tl.float32)[None, :]
+                        wr = wr.to(tl.float32)[None, :]
+                    yr = _norm_rope(xq, xr, wn, wr, cos, sin, d[None, :], eps, BN, QK_NORM, dt,
+                                    1)
+                    tl.debug_barrier()  # every thread has read the tile before it is rewritten
+                    tl.store(optr, yr, mask=omask)
+
+    # ---------------------------------------------------------------------------------------
     # Log-probs and entropy of softmax(hidden·Wᵀ), row statistics and their gradient
     # ---------------------------------------------------------------------------------------
 
@@ -799,6 +919,81 @@ def gemv(x, w, out, *, bias=None, res=None, norm_w=None, eps: float = 0.0,
         norm_w if norm_w is not None else dummy, out, N, K, N if swiglu else 0, eps,
         NORM=norm_w is not None, HAS_BIAS=bias is not None, SWIGLU=swiglu,
         HAS_RES=res is not None, BN=bn, BK=bk, PDL=pdl, launch_pdl=pdl, num_warps=GEMV_WARPS)
+    return out
+
+
+# The batched products' launch: rows, columns and K a tile, K splits (see _gemm_kernel), warps
+# and pipeline stages, by the product's role (gemm's launch argument) and the rows' bucket.
+# Module-level so that a benchmark can sweep them (bench.py sweep_gemm).
+GEMM_LAUNCH: dict = {}
+_COUNTERS: dict = {}
+COUNTER_TILES = 1 << 14
+
+
+def _gemm_launch(role: str, M: int, N: int, K: int) -> tuple:
+    hit = GEMM_LAUNCH.get((role, _pow2(M))) or GEMM_LAUNCH.get((role, 0))
+    if hit is not None:
+        return hit
+    bm = max(16, min(64, _pow2(M)))
+    split = 1
+    if role in ("o", "down"):  # few columns: split K so that the GPU is filled
+        tiles = triton.cdiv(M, bm) * triton.cdiv(N, 64)
+        split = max(1, min(K // 256, 128 // max(1, tiles)))
+    return bm, 64 if role != "qkv" else 128, 64, split, 4, 3
+
+
+def _counters(device: torch.device) -> torch.Tensor:
+    """The split products' tile counters: zero between launches (each tile's last program resets
+    its own), one set a device, made outside any CUDA-graph capture (the first, eager call)."""
+    c = _COUNTERS.get(device)
+    if c is None:
+        assert device.type != "cuda" or not torch.cuda.is_current_stream_capturing(), \
+            "gemm's first call is captured"
+        c = _COUNTERS[device] = torch.zeros(COUNTER_TILES, dtype=torch.int32, device=device)
+    return c
+
+
+def gemm(x, w, out, *, bias=None, res=None, norm_w=None, eps: float = 0.0,
+         swiglu: bool = False, rope=None, role: str = ""):
+    """gemv for rows: out [M, N] = (res +) f(W · n(x)) for x [M, K] (see gemv). rope = (q_norm,
+    k_norm, cos, sin, pos, q_dim, kv_dim): out's first q_dim + kv_dim columns are the q and k
+    heads, normalised (q_norm/k_norm, unless None) and rotated at pos [M] in place, as
+    model.qkv_from_normed does. role ("qkv", "o", "gate_up", "down", "head") picks the launch
+    (GEMM_LAUNCH). Rows may be strided; the last dimension of x, out and res is contiguous."""
+    M, K = x.shape
+    N = out.shape[-1]
+    bm, bn, bk, split, warps, stages = _gemm_launch(role, M, N, K)
+    dev = out.device
+    dummy = out
+    if rope is not None:
+        q_norm, k_norm, cos, sin, pos, q_dim, kv_dim = rope
+        bn = cos.shape[-1]  # a tile is one head
+        assert cos.stride(1) == 1 and cos.stride() == sin.stride()
+    if swiglu or rope is not None:
+        split = 1
+    grid_n, grid_m = triton.cdiv(N, bn), triton.cdiv(M, bm)
+    ws = cnt = dummy
+    if split > 1:
+        ws = torch.empty(split * M * N, dtype=torch.float32, device=dev)
+        cnt = _counters(dev)
+        assert grid_n * grid_m <= cnt.numel()
+    assert x.stride(1) == 1 and w.stride(1) == 1 and out.stride(1) == 1
+    pdl = _pdl(dev)
+    _gemm_kernel[(grid_n, grid_m, split)](
+        x, w, bias if bias is not None else dummy, res if res is not None else dummy,
+        norm_w if norm_w is not None else dummy, out, ws, cnt,
+        q_norm if rope is not None and q_norm is not None else dummy,
+        k_norm if rope is not None and k_norm is not None else dummy,
+        cos if rope is not None else dummy, sin if rope is not None else dummy,
+        pos if rope is not None else dummy, M, N, K, N if swiglu else 0, eps, x.stride(0),
+        w.stride(0), out.stride(0), res.stride(0) if res is not None else 0,
+        cos.stride(0) if rope is not None else 0,
+        q_dim if rope is not None else 0, q_dim + kv_dim if rope is not None else 0,
+        NORM=norm_w is not None, HAS_BIAS=bias is not None, SWIGLU=swiglu,
+        HAS_RES=res is not None, ROPE=rope is not None,
+        QK_NORM=rope is not None and q_norm is not None, SPLIT=split, BM=bm, BN=bn, BK=bk,
+        F32DOT=INTERPRET or x.dtype == torch.float32, PDL=pdl, launch_pdl=pdl, num_warps=warps,
+        num_stages=stages)
     return out
 
 
