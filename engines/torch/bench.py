@@ -75,15 +75,6 @@ Not in the default list (select with --sections):
   gen_attn_launch batch 256 with the batched attention's launch before 2026-11-26 (64 positions,
                  4 warps) beside the default, over a bf16 and an fp8 cache (tok/s, step ms)
 
-  sweep_gemm     the batched step's products (kernels.gemm) at 256 rows: each role's launches
-                 alone (GPU µs) beside cuBLAS's product of the same operands; the fastest of each
-                 role is kept for the sections after it in the same run
-
-  gen_rows       batch 256 (256 distinct prompts, and 32 prompts × 8 samples) with the batched
-                 step all in Triton kernels (the default) and with the compiled layer halves
-                 around the Triton attention (--no-fused-rows, as before), one engine: tok/s, the
-                 captured step's GPU time, log-probs against Score with 4 rows
-
   train_split    before the layer was traced whole: the training layer compiled with the
                  attention between two compiled halves (SDPA's grouping left symbolic)
 
@@ -114,7 +105,6 @@ import time
 import traceback
 
 import torch
-import torch.nn.functional as F
 
 HERE = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -138,7 +128,7 @@ SECTIONS = {
     "train_static": 60, "gen_b1": 60, "first_step": 300, "first_step_run": 150,
     "profile": 150, "sweep_b1": 120, "train_split": 100, "sweep_attn": 120, "gen_fp8kv": 150,
     "gen_attn_launch": 150, "train_old_opt": 60, "gen_group": 120,
-    "gen_group_fp8": 120, "gen_group_requests": 120, "sweep_gemm": 300, "gen_rows": 150,
+    "gen_group_fp8": 120, "gen_group_requests": 120,
 }
 DEFAULT_SECTIONS = ["kernels", "gen", "train", "train_eager", "gen_before", "train_before", "hf",
                     "train_regional", "gen_layer_b1", "train_static"]
@@ -509,7 +499,7 @@ def gen_paths(gen, res: dict, prefix: str) -> None:
     res[f"{prefix}_kernel_error"] = gen.kernel_error[:3000]
     res[f"{prefix}_prefill_error"] = gen.prefill_error[:3000]
     res[f"{prefix}_paths"] = dict(triton=gen.triton, fused_b1=gen.fused_b1,
-                                  fused_rows=gen.fused_rows, graphs=len(gen.graphs))
+                                  graphs=len(gen.graphs))
 
 
 def gen_section(a, res, prefix, opts, b256=True, extra=True):
@@ -862,121 +852,6 @@ def sec_sweep_attn(a, res):
         eng.close()
     res["sweep_attn"] = rows
     res["sweep_attn_copy_gbps"] = copy_bw / 1e9
-
-
-def gemm_cases(eng: Engine, B: int) -> dict:
-    """Layer 0's four products and the output head at B rows, as model.decode_step_fused calls
-    kernels.gemm, each beside the cuBLAS product it replaces (F.linear of the same operands):
-    role → (fused call, cuBLAS call)."""
-    cfg, model, dev, dt = eng.cfg, eng.model, eng.gen.device, eng.model.embed.dtype
-    (attn_norm, wqkv, bqkv, q_norm, k_norm, wo, bo, mlp_norm, w13, w2) = \
-        model.layers[0].weights()
-    g = torch.Generator(device=dev).manual_seed(0)
-
-    def rand(*shape):
-        return torch.randn(*shape, generator=g, device=dev, dtype=dt)
-
-    x, o, a_ = rand(B, cfg.hidden), rand(B, cfg.q_dim), rand(B, cfg.intermediate)
-    pos = torch.randint(0, eng.gen.L, (B,), generator=g, device=dev)
-    qkv = torch.empty(B, cfg.q_dim + 2 * cfg.kv_dim, dtype=dt, device=dev)
-    h, gate_up = torch.empty_like(x), torch.empty(B, cfg.intermediate, dtype=dt, device=dev)
-    logits = torch.empty(B, cfg.vocab_size, dtype=dt, device=dev)
-    rope = (q_norm, k_norm, model.cos, model.sin, pos, cfg.q_dim, cfg.kv_dim)
-    eps = cfg.rms_eps
-    return {
-        "qkv": (lambda: K.gemm(x, wqkv, qkv, bias=bqkv, norm_w=attn_norm, eps=eps, rope=rope,
-                               role="qkv"),
-                lambda: F.linear(x, wqkv, bqkv)),
-        "o": (lambda: K.gemm(o, wo, h, bias=bo, res=x, role="o"), lambda: F.linear(o, wo, bo)),
-        "gate_up": (lambda: K.gemm(x, w13, gate_up, norm_w=mlp_norm, eps=eps, swiglu=True,
-                                   role="gate_up"),
-                    lambda: F.linear(x, w13)),
-        "down": (lambda: K.gemm(a_, w2, h, res=x, role="down"), lambda: F.linear(a_, w2)),
-        "head": (lambda: K.gemm(x, model.head_weight, logits, norm_w=model.norm, eps=eps,
-                                role="head"),
-                 lambda: F.linear(x, model.head_weight)),
-    }
-
-
-def gemm_configs(role: str) -> list[tuple]:
-    """The launches sweep_gemm tries for a role: (rows, columns, K a tile, K splits, warps,
-    stages); the q/k/v product's columns are a head's (its epilogue ropes whole heads)."""
-    ws = ((4, 3), (8, 3), (4, 4))
-    if role == "qkv":
-        return [(bm, 128, bk, 1, w, st) for bm in (32, 64, 128) for bk in (64, 128)
-                for w, st in ws]
-    if role == "gate_up":
-        return [(bm, bn, 64, 1, w, st) for bm, bn in ((32, 64), (64, 64), (64, 128), (128, 64),
-                                                      (128, 128), (32, 128)) for w, st in ws]
-    if role == "head":
-        return [(bm, bn, 64, 1, w, st) for bm, bn in ((64, 128), (128, 128), (128, 256),
-                                                      (64, 256)) for w, st in ((4, 3), (8, 3), (8, 4))]
-    return [(bm, bn, 64, sp, 4, 3) for bm, bn in ((32, 64), (64, 64), (64, 32), (128, 64),
-                                                  (64, 128)) for sp in (1, 2, 4, 8)]
-
-
-def sec_sweep_gemm(a, res):
-    """The batched step's products (kernels.gemm, kernels.GEMM_LAUNCH) at 256 rows: each role's
-    launches alone (GPU µs, graph_timed) beside cuBLAS's plain product of the same operands and
-    the default launch; the fastest launch of each role is left in GEMM_LAUNCH for the sections
-    after this one in the same run (sweep_gemm in bench.json, with each role's best)."""
-    eng = Engine(a.model, Options(device=a.device, slots=256, max_seq_len=PROMPT + a.new))
-    B = 256
-    rows, best = [], {}
-    try:
-        cases = gemm_cases(eng, B)
-        for role, (fused, cublas) in cases.items():
-            base = {"role": role, "cublas_us": 1e3 * graph_timed(cublas)}
-            row = dict(base, config="default", us=1e3 * graph_timed(fused))
-            rows.append(row)
-            log("sweep_gemm", row)
-            top = (row["us"], None)
-            for lc in gemm_configs(role):
-                K.GEMM_LAUNCH[(role, B)] = lc
-                row = dict(base, config=list(lc))
-                try:
-                    row["us"] = 1e3 * graph_timed(fused)
-                    top = min(top, (row["us"], lc), key=lambda t: t[0])
-                except Exception as e:
-                    row["error"] = repr(e)[:300]
-                rows.append(row)
-                log("sweep_gemm", row)
-            K.GEMM_LAUNCH.pop((role, B), None)
-            best[role] = {"us": top[0], "config": top[1], "cublas_us": base["cublas_us"]}
-    finally:
-        eng.close()
-    for role, b in best.items():
-        if b["config"] is not None:
-            K.GEMM_LAUNCH[(role, B)] = tuple(b["config"])
-    res["sweep_gemm"] = rows
-    res["sweep_gemm_best"] = best
-    log("sweep_gemm best", best)
-
-
-def sec_gen_rows(a, res):
-    """Batch 256 with the batched step all in Triton kernels (model.decode_step_fused, the
-    default) and with the compiled layer halves around the Triton attention (--no-fused-rows; as
-    before), one engine: 256 distinct prompts and GRPO's 32 prompts × 8 samples, tok/s and the
-    captured step's GPU time; generation log-probs against Score with 4 rows (the fused step)."""
-    eng = Engine(a.model, Options(device=a.device, slots=256, max_seq_len=PROMPT + a.new))
-    toks = prompts(32, eng.cfg.vocab_size, 5).tolist()
-    group = [GenerateRequest(id=f"g{i}", prompt_tokens=t, n=8,
-                             sampling=Sampling(max_tokens=a.new, temperature=1.0, seed=i))
-             for i, t in enumerate(toks)]
-    try:
-        for run, fused in enumerate((True, False, True)):
-            eng.gen.fused_rows = fused
-            eng.gen.graphs.clear()
-            name = f"rows_{'fused' if fused else 'halves'}"
-            res[f"{name}_b256_run{run}"] = ours_generate(eng, 256, a.new)
-            step_times(eng, res, f"{name}_run{run}")
-            res[f"{name}_group_b256_run{run}"] = timed_generate(eng, group, a.new)[0]
-            log("gen_rows", name, {k: v for k, v in res.items() if k.startswith(name)})
-        gen_paths(eng.gen, res, "rows")
-        decode_vs_score(eng, res, "rows", ns=(4,))
-    finally:
-        eng.gen.fused_rows = True
-        eng.close()
 
 
 def sec_gen_layer_b1(a, res):

@@ -49,9 +49,6 @@ def main(argv=None) -> None:
                    help="no Triton decode attention and sampler (GPU)")
     s.add_argument("--no-fused-b1", action="store_true",
                    help="no all-Triton decode step at batch 1 (GPU)")
-    s.add_argument("--no-fused-rows", action="store_true",
-                   help="no all-Triton decode step for more rows (GPU): the compiled layer "
-                        "halves around the Triton attention")
     s.add_argument("--prefill-graph-max", type=int, default=None,
                    help="longest prompt prefilled alone by a CUDA graph (default 512 on a GPU; "
                         "0: always eagerly)")

@@ -45,10 +45,8 @@ class Options:
     # Triton decode attention and sampler (kernels.py); None: on a GPU when Triton is there.
     # On the CPU only under TRITON_INTERPRET=1 (tests).
     kernels: bool | None = None
-    # Decode steps entirely in Triton kernels (model.decode_step_fused) at batch 1, and with
-    # more rows (fused_rows); None: as kernels.
+    # Batch-1 decode steps entirely in Triton kernels (model.decode_step_b1); None: as kernels.
     fused_b1: bool | None = None
-    fused_rows: bool | None = None
     # Training: log-probs and entropy computed in chunks from the hidden states, never the whole
     # fp32 logits (kernels.linear_logprobs; Triton element-wise passes on a GPU).
     fused_head: bool = True
@@ -219,7 +217,6 @@ class Engine:
             compile_prefill=o.compile_prefill and o.compile and cuda,
             prefill_tokens=o.prefill_tokens or (16384 if cuda else 2048),
             triton=use_kernels, fused_b1=use_kernels if o.fused_b1 is None else o.fused_b1,
-            fused_rows=use_kernels if o.fused_rows is None else o.fused_rows,
             prefill_graph_max=(512 if cuda and o.cuda_graphs else 0) if o.prefill_graph_max is None
             else o.prefill_graph_max, prefix_rows=o.prefix_cache, prefix_min=o.prefix_min,
             kv_dtype=self.kv_dtype, shared_prompts=o.shared_prompts)

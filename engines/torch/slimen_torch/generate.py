@@ -47,7 +47,7 @@ import torch.nn.functional as F
 
 from . import kernels, lora, sampling
 from .model import (Transformer, block_forward, decode_layer, decode_post, decode_pre,
-                    decode_step, decode_step_fused, decode_step_split, kv_bytes, kv_read, kv_source,
+                    decode_step, decode_step_b1, decode_step_split, kv_bytes, kv_read, kv_source,
                     kv_write, mlp, project_qkv, rms_norm, whole_block)
 from .types import Completion
 
@@ -136,7 +136,6 @@ class Generator:
                  cuda_graphs: bool, compile_layers: bool, prefill_tokens: int,
                  compile_prefill: bool = False,
                  length_bucket: int = 64, triton: bool = False, fused_b1: bool = False,
-                 fused_rows: bool = False,
                  prefill_graph_max: int = 0, prefix_rows: int = 0, prefix_min: int = 16,
                  kv_dtype: torch.dtype | None = None, shared_prompts: bool = False):
         self.model = model
@@ -157,11 +156,9 @@ class Generator:
         self.kernel_error = ""
         # With Triton (kernels.py): attention and sampling in Triton kernels, each layer split
         # around the attention into decode_pre and decode_post (compiled); at batch 1 optionally
-        # the whole step in Triton kernels (decode_step_fused), and so with more rows
-        # (fused_rows).
+        # the whole step in Triton kernels (decode_step_b1).
         self.triton = triton and kernels.available(self.device)
         self.fused_b1 = fused_b1 and self.triton
-        self.fused_rows = fused_rows and self.triton
         self.pre_fn, self.post_fn = decode_pre, decode_post
         if compile_layers:
             # One compiled function serves every layer: the layer's weights are arguments. Shapes
@@ -920,10 +917,8 @@ class Generator:
                                               for s in self.slots[:B]])):
                 hidden = decode_step(self.model, decode_layer, self.tok[:B], pos, self.k, self.v, L)
             logits = self.model.logits(hidden)
-        elif self.fused_b1 if B == 1 else self.fused_rows:
-            shared = (self.grp[:B], self.plen[:B]) if grouped and B > 1 else None
-            logits = decode_step_fused(self.model, kernels, self.tok[:B], pos, self.k, self.v, L,
-                                       shared)
+        elif self.fused_b1 and B == 1:
+            logits = decode_step_b1(self.model, kernels, self.tok[:B], pos, self.k, self.v, L)
         else:
             if self.triton:
                 attn = kernels.decode_attention
@@ -1013,11 +1008,6 @@ class Generator:
             self.kernel_error = f"batch 1: {type(e).__name__}: {e}"
             self.fused_b1 = False
             return True
-        if self.fused_rows and B > 1:
-            log.warning("the batched Triton decode step failed, using the layer path: %s", e)
-            self.kernel_error = f"rows: {type(e).__name__}: {e}"
-            self.fused_rows = False
-            return True
         compiled = self.layer_fn is not decode_layer or self.pre_fn is not decode_pre
         if compiled:
             log.warning("torch.compile of the decode layer failed, running it eagerly: %s", e)
@@ -1027,7 +1017,7 @@ class Generator:
         if self.triton:
             log.warning("the Triton decode kernels failed, using PyTorch: %s", e)
             self.kernel_error = f"{type(e).__name__}: {e}"
-            self.triton = self.fused_b1 = self.fused_rows = False
+            self.triton = self.fused_b1 = False
             self.graphs.clear()
             return True
         return False

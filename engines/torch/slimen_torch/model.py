@@ -419,50 +419,31 @@ def decode_step_split(model: Transformer, pre_fn, post_fn, attn_fn, tokens, pos,
     return h
 
 
-def decode_step_fused(model: Transformer, kernels, tokens, pos, k_caches, v_caches, L: int,
-                      shared=None):
-    """One token of each of cache rows [0, B) in Triton kernels (kernels.py): per layer a fused
-    norm + q/k/v product, the attention (writing the cache), o-projection + residual, fused norm
+def decode_step_b1(model: Transformer, kernels, tokens, pos, k_caches, v_caches, L: int):
+    """One token of cache row 0 in Triton kernels (kernels.py): per layer a fused norm + q/k/v
+    product, q/k norm + rope + attention (writing the cache), o-projection + residual, fused norm
     + gate/up + SwiGLU, down projection + residual; then the final norm fused with the output
-    head. At batch 1 the products are matrix-vector kernels (gemv) and the attention applies
-    the q/k RMSNorm and rope; with more rows they are tiled products (gemm) and the q/k/v
-    product applies them in its epilogue, so that the shared-prompt pass of the attention
-    (shared: decode_attention's argument) reads q after rope. Returns the logits [B, vocab] in
-    the model's dtype."""
+    head. Returns the logits [1, vocab] in the model's dtype."""
     cfg = model.cfg
-    B = tokens.shape[0]
     dev, dt = tokens.device, model.embed.dtype
     H, KV, D = cfg.heads, cfg.kv_heads, cfg.head_dim
-    x = F.embedding(tokens, model.embed)
+    x = F.embedding(tokens[:1], model.embed)[0]
     x2 = torch.empty_like(x)
-    qkv = torch.empty(B, cfg.q_dim + 2 * cfg.kv_dim, dtype=dt, device=dev)
-    a = torch.empty(B, cfg.intermediate, dtype=dt, device=dev)
-    q = qkv[:, :cfg.q_dim].view(B, H, D)
-    k = qkv[:, cfg.q_dim:cfg.q_dim + cfg.kv_dim].view(B, KV, D)
-    v = qkv[:, cfg.q_dim + cfg.kv_dim:].view(B, KV, D)
+    qkv = torch.empty(cfg.q_dim + 2 * cfg.kv_dim, dtype=dt, device=dev)
+    a = torch.empty(cfg.intermediate, dtype=dt, device=dev)
+    q = qkv[:cfg.q_dim].view(1, H, D)
+    k = qkv[cfg.q_dim:cfg.q_dim + cfg.kv_dim].view(1, KV, D)
+    v = qkv[cfg.q_dim + cfg.kv_dim:].view(1, KV, D)
     scale = D ** -0.5
     eps = cfg.rms_eps
-    one = B == 1
-
-    def mm(x, w, out, role, **kw):
-        if one:
-            kernels.gemv(x[0], w, out[0], **kw)
-        else:
-            kernels.gemm(x, w, out, role=role, **kw)
-
     for layer, kc, vc in zip(model.layers, k_caches, v_caches):
         (attn_norm, wqkv, bqkv, q_norm, k_norm, wo, bo, mlp_norm, w13, w2) = layer.weights()
-        if one:
-            kernels.gemv(x[0], wqkv, qkv[0], bias=bqkv, norm_w=attn_norm, eps=eps)
-            o = kernels.decode_attention(q, k, v, kc, vc, pos, L, scale,
-                                         rope=(q_norm, k_norm, model.cos, model.sin, eps))
-        else:
-            kernels.gemm(x, wqkv, qkv, bias=bqkv, norm_w=attn_norm, eps=eps, role="qkv",
-                         rope=(q_norm, k_norm, model.cos, model.sin, pos, cfg.q_dim, cfg.kv_dim))
-            o = kernels.decode_attention(q, k, v, kc, vc, pos, L, scale, shared=shared)
-        mm(o.view(B, -1), wo, x2, "o", bias=bo, res=x)
-        mm(x2, w13, a, "gate_up", norm_w=mlp_norm, eps=eps, swiglu=True)
-        mm(a, w2, x, "down", res=x2)
-    logits = torch.empty(B, cfg.vocab_size, dtype=dt, device=dev)
-    mm(x, model.head_weight, logits, "head", norm_w=model.norm, eps=eps)
+        kernels.gemv(x, wqkv, qkv, bias=bqkv, norm_w=attn_norm, eps=eps)
+        o = kernels.decode_attention(q, k, v, kc, vc, pos, L, scale,
+                                     rope=(q_norm, k_norm, model.cos, model.sin, eps))
+        kernels.gemv(o.view(-1), wo, x2, bias=bo, res=x)
+        kernels.gemv(x2, w13, a, norm_w=mlp_norm, eps=eps, swiglu=True)
+        kernels.gemv(a, w2, x, res=x2)
+    logits = torch.empty(1, cfg.vocab_size, dtype=dt, device=dev)
+    kernels.gemv(x, model.head_weight, logits[0], norm_w=model.norm, eps=eps)
     return logits

@@ -720,7 +720,6 @@ def _options(args):
                    compile=not args.no_compile, compile_train=args.compile_train,
                    kernels=False if args.no_kernels else None,
                    fused_b1=False if args.no_fused_b1 else None,
-                   fused_rows=False if getattr(args, "no_fused_rows", False) else None,
                    fused_head=not args.no_fused_head,
                    prefill_graph_max=args.prefill_graph_max,
                    compile_prefill=getattr(args, "compile_prefill", True),

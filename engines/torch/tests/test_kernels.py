@@ -235,17 +235,15 @@ def requests():
                             sampling=Sampling(seed=1, max_tokens=4, temperature=0.0))]
 
 
-@pytest.mark.parametrize("fused_rows", [True, False])
-def test_engine_with_kernels_generates_the_same(noeos_dir, fused_rows):
-    """Whole engines: batch-1 steps (the all-Triton step), several rows (the all-Triton step with
-    tiled products, or the Triton attention between eager layer halves), the Triton sampler (the
-    first token too) and the bucketed prefill give the tokens and log-probs of the PyTorch
-    engine."""
+def test_engine_with_kernels_generates_the_same(noeos_dir):
+    """Whole engines: batch-1 steps (the all-Triton step), several rows (Triton attention between
+    eager layer halves), the Triton sampler (the first token too) and the bucketed prefill give
+    the tokens and log-probs of the PyTorch engine."""
     ref = Engine(str(noeos_dir), Options(device="cpu"))
     fast = Engine(str(noeos_dir), Options(device="cpu", kernels=True, fused_b1=True,
-                                          fused_rows=fused_rows, prefill_graph_max=128))
+                                          prefill_graph_max=128))
     try:
-        assert fast.gen.triton and fast.gen.fused_b1 and fast.gen.fused_rows == fused_rows
+        assert fast.gen.triton and fast.gen.fused_b1
         for alone in (True, False):
             reqs = requests()[:1] if alone else requests()
             a, b = ref.generate(reqs), fast.generate(reqs)
@@ -253,7 +251,6 @@ def test_engine_with_kernels_generates_the_same(noeos_dir, fused_rows):
             for x, y in zip(a, b):
                 assert torch.allclose(torch.tensor(x.logprobs), torch.tensor(y.logprobs),
                                       atol=1e-5)
-        assert fast.gen.fused_rows == fused_rows and not fast.gen.kernel_error  # no fallback
         # Log-probs still equal Score (the full forward pass).
         c = b[1]
         s = fast.score([ScoreRequest(tokens=c.tokens, prompt_tokens=c.prompt_tokens)])[0]
@@ -389,17 +386,13 @@ def test_shared_prompt_groups_generate_the_same(noeos_dir, monkeypatch):
     assert_same_completions(a, b, skip=[("r2", 0)])
 
 
-def test_shared_prompts_and_fused_rows_flags(noeos_dir, monkeypatch):
-    """--no-shared-prompts turns the grouping off (the default is on); --no-fused-rows the
-    batched all-Triton step (the default: as the kernels)."""
+def test_shared_prompts_flag(noeos_dir, monkeypatch):
+    """--no-shared-prompts turns the grouping off (the default is on)."""
     seen = []
     monkeypatch.setattr(server, "serve", seen.append)
     for flags, want in (([], True), (["--no-shared-prompts"], False)):
         main(["serve", "--model", str(noeos_dir), "--device", "cpu"] + flags)
         assert server._options(seen[-1]).shared_prompts is want
-    for flags, want in (([], None), (["--no-fused-rows"], False)):
-        main(["serve", "--model", str(noeos_dir), "--device", "cpu"] + flags)
-        assert server._options(seen[-1]).fused_rows is want
 
 
 def test_separate_requests_of_one_prompt_share_it(noeos_dir, monkeypatch):
