@@ -293,17 +293,21 @@ if HAVE_TRITON:
             tl.store(ml_ptr + row * 2 + 1, l, mask=gmask)
 
     @triton.jit
-    def _shared_prefix_kernel(q_ptr, kc_ptr, vc_ptr, grp_ptr, sh_ptr, part_ptr, ml_ptr, sq_b,
-                              sq_h, sc_b, sc_h, sc_l, scale, n_heads,
+    def _shared_prefix_kernel(q_ptr, kc_ptr, vc_ptr, grp_ptr, sh_ptr, part_ptr, ml_ptr, pos_ptr,
+                              qn_ptr, cos_ptr, sin_ptr, sq_b, sq_h, sc_b, sc_h, sc_l, s_cos,
+                              scale, eps, n_heads,
                               GROUP: tl.constexpr, NMAX: tl.constexpr, MQ: tl.constexpr,
                               D: tl.constexpr, DP: tl.constexpr, BL: tl.constexpr,
                               F32DOT: tl.constexpr, KV8: tl.constexpr = False,
-                              PDL: tl.constexpr = False):
+                              PDL: tl.constexpr = False, ROPE: tl.constexpr = False,
+                              QK_NORM: tl.constexpr = False):
         """The prompt a group of rows shares, read once for all of them: program (lead, kv head)
         attends the queries of the group's rows (grp[lead, :NMAX], -1 past them; only a row whose
         first entry is itself leads) over positions [0, shared[lead]) of the lead's row, whose
         keys and values every member holds too, and leaves each (row, head)'s softmax state
-        (max, sum, weighted values) in ml and part for _decode_attn_kernel to continue."""
+        (max, sum, weighted values) in ml and part for _decode_attn_kernel to continue. ROPE:
+        the queries are the raw projections, normalised (QK_NORM) and rotated at each member's
+        position here as _decode_attn_kernel does."""
         b = tl.program_id(0).to(tl.int64)
         kvh = tl.program_id(1)
         if tl.load(grp_ptr + b * NMAX) != b:
@@ -322,8 +326,24 @@ if HAVE_TRITON:
         dmask = d < D
         qmask = qmask_r[:, None] & dmask[None, :]
         rsafe = tl.where(qmask_r, rows, 0)
-        q = tl.load(q_ptr + rsafe[:, None] * sq_b + heads[:, None] * sq_h + d[None, :],
-                    mask=qmask, other=0.0)
+        qp = q_ptr + rsafe[:, None] * sq_b + heads[:, None] * sq_h
+        if ROPE:
+            dt = q_ptr.dtype.element_ty
+            rot = tl.where(d < D // 2, d + D // 2, d - D // 2)
+            p = tl.load(pos_ptr + rsafe, mask=qmask_r, other=0)
+            cs = p[:, None] * s_cos + d[None, :]
+            cos = tl.load(cos_ptr + cs, mask=qmask, other=0.0).to(dt).to(tl.float32)
+            sin = tl.load(sin_ptr + cs, mask=qmask, other=0.0).to(dt).to(tl.float32)
+            wq = cos
+            wqr = cos
+            if QK_NORM:
+                wq = tl.load(qn_ptr + d, mask=dmask, other=0.0).to(tl.float32)[None, :]
+                wqr = tl.load(qn_ptr + rot, mask=dmask, other=0.0).to(tl.float32)[None, :]
+            q = _norm_rope(tl.load(qp + d[None, :], mask=qmask, other=0.0).to(tl.float32),
+                           tl.load(qp + rot[None, :], mask=qmask, other=0.0).to(tl.float32),
+                           wq, wqr, cos, sin, d[None, :], eps, D, QK_NORM, dt, 1)
+        else:
+            q = tl.load(qp + d[None, :], mask=qmask, other=0.0)
         if F32DOT:
             q = q.to(tl.float32)
         elif KV8:
@@ -655,7 +675,8 @@ def decode_attention(q, k_new, v_new, k_cache, v_cache, pos, L: int, scale: floa
     group grp[r] lists (its first entry r, -1 past the members, at most NMAX) and every member
     has plen = the shared length; a row in no group has plen 0. The shared positions are read
     from the lead's row only, so a member's own copy of them may be stale or overwritten, but
-    the lead's must hold them. Used only when rows are not split (nsplit 1)."""
+    the lead's must hold them. Used only when rows are not split (nsplit 1); with rope the
+    shared pass normalises and rotates the queries too."""
     assert k_cache.dtype in (q.dtype, torch.float8_e4m3fn) and v_cache.dtype == k_cache.dtype
     B, H, D = q.shape
     KV = k_new.shape[1]
@@ -688,14 +709,15 @@ def decode_attention(q, k_new, v_new, k_cache, v_cache, pos, L: int, scale: floa
         eps, qk_norm = 0.0, False
     f32dot = INTERPRET or q.dtype == torch.float32
     if share:
-        assert rope is None, "a shared prefix needs q after rope"
         grp, plen = shared
         nmax = grp.shape[1]
         _shared_prefix_kernel[(B, KV)](
-            q, k_cache, v_cache, grp, plen, part, ml, q.stride(0), q.stride(1),
-            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), scale, H, GROUP=group,
-            NMAX=nmax, MQ=max(16, _pow2(nmax * group)), D=D, DP=DP, BL=BL, F32DOT=f32dot,
-            KV8=kv8, PDL=pdl, launch_pdl=pdl, num_warps=4)
+            q, k_cache, v_cache, grp, plen, part, ml, pos, q_norm if qk_norm else o,
+            cos if rope is not None else o, sin if rope is not None else o, q.stride(0),
+            q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            cos.stride(0) if rope is not None else 0, scale, eps, H, GROUP=group, NMAX=nmax,
+            MQ=max(16, _pow2(nmax * group)), D=D, DP=DP, BL=BL, F32DOT=f32dot, KV8=kv8, PDL=pdl,
+            ROPE=rope is not None, QK_NORM=qk_norm, launch_pdl=pdl, num_warps=4)
     _decode_attn_kernel[(B, KV, nsplit)](
         q, k_new, v_new, k_cache, v_cache, pos, o, part, ml,
         q_norm if qk_norm else o, k_norm if qk_norm else o,

@@ -393,9 +393,14 @@ def decode_step(model: Transformer, layer_fn, tokens, pos, k_caches, v_caches, L
 
 # ---- decode with Triton attention (kernels.py): each layer is split around the attention ----
 
-def decode_pre(cfg: ModelConfig, h, w: tuple, cos, sin):
-    """The layer's normalised input h [B, hidden] → q [B, heads, D], k and v [B, kv_heads, D]."""
-    return qkv_from_normed(cfg, w, h, cos, sin)
+def decode_pre(cfg: ModelConfig, h, w: tuple):
+    """The layer's normalised input h [B, hidden] → the raw projections q [B, heads, D], k and v
+    [B, kv_heads, D] (views of one product): the Triton attention applies the q/k norm and rope
+    itself (kernels.decode_attention's rope), two kernels a layer fewer than here."""
+    q, k, v = linear(h, w[1], w[2]).split([cfg.q_dim, cfg.kv_dim, cfg.kv_dim], dim=-1)
+    return (q.unflatten(-1, (cfg.heads, cfg.head_dim)),
+            k.unflatten(-1, (cfg.kv_heads, cfg.head_dim)),
+            v.unflatten(-1, (cfg.kv_heads, cfg.head_dim)))
 
 
 def decode_post(cfg: ModelConfig, x, o, w: tuple, next_norm):
@@ -409,19 +414,20 @@ def decode_post(cfg: ModelConfig, x, o, w: tuple, next_norm):
 def decode_step_split(model: Transformer, pre_fn, post_fn, attn_fn, tokens, pos, k_caches,
                       v_caches, L: int):
     """decode_step with the attention outside the layer functions: pre_fn (decode_pre) and
-    post_fn (decode_post) may be compiled, attn_fn is kernels.decode_attention (it writes the new
-    key and value into the cache). Returns the final normalised hidden states [B, hidden]."""
+    post_fn (decode_post) may be compiled, attn_fn is kernels.decode_attention (it applies the
+    q/k norm and rope, and writes the new key and value into the cache). Returns the final
+    normalised hidden states [B, hidden]."""
     cfg = model.cfg
     B = tokens.shape[0]
     x = F.embedding(tokens, model.embed)
-    cos, sin = model.cos[pos], model.sin[pos]
     layers = model.layers
     h = rms_norm(x, layers[0].attn_norm, cfg.rms_eps)
     scale = cfg.head_dim ** -0.5
     for i, (layer, kc, vc) in enumerate(zip(layers, k_caches, v_caches)):
         w = layer.weights()
-        q, k, v = pre_fn(cfg, h, w, cos, sin)
-        o = attn_fn(q, k, v, kc, vc, pos, L, scale)
+        q, k, v = pre_fn(cfg, h, w)
+        o = attn_fn(q, k, v, kc, vc, pos, L, scale,
+                    rope=(w[3], w[4], model.cos, model.sin, cfg.rms_eps))
         nxt = layers[i + 1].attn_norm if i + 1 < len(layers) else model.norm
         x, h = post_fn(cfg, x, o.reshape(B, cfg.q_dim), w, nxt)
     return h

@@ -55,13 +55,15 @@ def test_decode_attention(D, H, KV, L, nsplit):
 
 @pytest.mark.parametrize("D,H,KV,nmax", [(16, 4, 2, 4), (8, 4, 4, 2)])
 @pytest.mark.parametrize("fp8", [False, True])
-def test_decode_attention_reads_a_shared_prefix_once(D, H, KV, nmax, fp8):
+@pytest.mark.parametrize("rope", [False, True])
+def test_decode_attention_reads_a_shared_prefix_once(D, H, KV, nmax, fp8, rope):
     """Rows that hold the same prompt (the samples of one request) read its positions once, from
     the lead's row: the same output and cache as each row reading its own. Groups of three (lead
     1), two (lead 4, members listed in any order) and a row alone; the followers' own copies of
     the prompt are overwritten with noise, which the shared pass must not read; a group of more
-    than nmax rows is split by the caller, so here the first group's length fits nmax."""
-    g = torch.Generator().manual_seed(D + H + fp8)
+    than nmax rows is split by the caller, so here the first group's length fits nmax. With
+    rope=… both kernels normalise and rotate the raw q (and k) at each row's position."""
+    g = torch.Generator().manual_seed(D + H + fp8 + 2 * rope)
     B, slots, L = 6, 7, 96
     dt = torch.float8_e4m3fn if fp8 else torch.float32
     kc = torch.randn(slots, KV, L, D, generator=g).to(dt)
@@ -83,12 +85,22 @@ def test_decode_attention_reads_a_shared_prefix_once(D, H, KV, nmax, fp8):
         for r in rows:
             if r != lead:  # a follower's own copy is not read
                 kc[r, :, :n] = torch.randn(KV, n, D, generator=g).to(dt)
+    args = ()
+    if rope:
+        qn, kw = 1 + 0.1 * torch.randn(D, generator=g), 1 + 0.1 * torch.randn(D, generator=g)
+        ang = torch.arange(float(L))[:, None] / 10000 ** (torch.arange(0, D, 2).float() / D)
+        cos, sin = torch.cat((ang, ang), -1).cos(), torch.cat((ang, ang), -1).sin()
+        args = ((qn, kw, cos, sin, 1e-6),)
     # (One split: this few rows would otherwise be split, which reads every row's own copy.)
-    o = K.decode_attention(q, kn, vn, kc, vc, pos, L, D ** -0.5, nsplit=1, shared=(grp, plen))
+    o = K.decode_attention(q, kn, vn, kc, vc, pos, L, D ** -0.5, 1, *args, shared=(grp, plen))
+    if rope:
+        c, s_ = cos[pos], sin[pos]
+        q, kn = apply_rope(rms_norm(q, qn, 1e-6), c, s_), apply_rope(rms_norm(kn, kw, 1e-6), c, s_)
     want = K.decode_attention_reference(q, kn, vn, kc2, vc2, pos, L, D ** -0.5)
     assert rel(o, want) < 1e-6
     rows = torch.arange(B)
-    assert torch.equal(kc[rows, :, pos].float(), kc2[rows, :, pos].float())
+    close = torch.allclose if rope else torch.equal  # (roped keys: rounded as the reference's)
+    assert close(kc[rows, :, pos].float(), kc2[rows, :, pos].float())
     assert torch.equal(vc[rows, :, pos].float(), vc2[rows, :, pos].float())
 
 def test_attention_splits():
