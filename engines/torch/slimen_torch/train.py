@@ -20,6 +20,7 @@ import traceback
 
 import numpy as np
 import torch
+from torch._inductor import config as inductor_config
 
 from . import kernels
 from . import loss as L
@@ -172,7 +173,7 @@ def micro_batches(lengths: list[int], budget: int) -> list[list[int]]:
 # that size (8,192 tokens at hidden 640) recompiled the layer once, seconds in the middle of a
 # run (the end-to-end debate's step 2 or 3). Measured on the H200: no recompile, the same steps.
 COMPILE_OPTIONS = {"triton.coalesce_tiling_analysis": False, "cpp.vec_isa_ok": False}
-if hasattr(torch._inductor.config.triton, "mix_order_reduction_non_strict_mode"):
+if hasattr(inductor_config.triton, "mix_order_reduction_non_strict_mode"):
     COMPILE_OPTIONS["triton.mix_order_reduction_non_strict_mode"] = True
 
 
