@@ -151,6 +151,20 @@ if HAVE_TRITON:
         return ((x * cos).to(dt).to(tl.float32) + (xr * sin).to(dt).to(tl.float32)).to(dt)
 
     @triton.jit
+    def _load_norm_rope(p, d, rot, mask, wn_ptr, cos, sin, eps, D: tl.constexpr,
+                        QK_NORM: tl.constexpr, dt: tl.constexpr, AX: tl.constexpr):
+        """_norm_rope of the raw heads at p + d (mask; rot: the rotate_half indices of d), with
+        the q or k norm weight at wn_ptr (read only with QK_NORM)."""
+        w = cos
+        wr = cos
+        if QK_NORM:
+            w = tl.load(wn_ptr + d, mask=d < D, other=0.0).to(tl.float32)
+            wr = tl.load(wn_ptr + rot, mask=d < D, other=0.0).to(tl.float32)
+        return _norm_rope(tl.load(p + d, mask=mask, other=0.0).to(tl.float32),
+                          tl.load(p + rot, mask=mask, other=0.0).to(tl.float32),
+                          w, wr, cos, sin, d, eps, D, QK_NORM, dt, AX)
+
+    @triton.jit
     def _attend(q, kc, vc, sc_l, d, dmask, start, end, scale, m, l, acc, BL: tl.constexpr,
                 KV8: tl.constexpr, F32DOT: tl.constexpr):
         """Online softmax of the queries q [rows, DP] over positions [start, end) of one row's
@@ -218,22 +232,11 @@ if HAVE_TRITON:
             rot = tl.where(d < D // 2, d + D // 2, d - D // 2)
             cos = tl.load(cos_ptr + pos * s_cos + d, mask=dmask, other=0.0).to(dt).to(tl.float32)
             sin = tl.load(sin_ptr + pos * s_cos + d, mask=dmask, other=0.0).to(dt).to(tl.float32)
-            wq = cos
-            wqr = cos
-            wk = cos
-            wkr = cos
-            if QK_NORM:
-                wq = tl.load(qn_ptr + d, mask=dmask, other=0.0).to(tl.float32)
-                wqr = tl.load(qn_ptr + rot, mask=dmask, other=0.0).to(tl.float32)
-                wk = tl.load(kw_ptr + d, mask=dmask, other=0.0).to(tl.float32)
-                wkr = tl.load(kw_ptr + rot, mask=dmask, other=0.0).to(tl.float32)
         # The program whose split holds the new position writes the new key and value first.
         if (pos >= start) & (pos < start + split_len):
             kp = kn_ptr + b * skn_b + kvh * skn_h
             if ROPE:
-                kn = _norm_rope(tl.load(kp + d, mask=dmask, other=0.0).to(tl.float32),
-                                tl.load(kp + rot, mask=dmask, other=0.0).to(tl.float32),
-                                wk, wkr, cos, sin, d, eps, D, QK_NORM, dt, 0)
+                kn = _load_norm_rope(kp, d, rot, dmask, kw_ptr, cos, sin, eps, D, QK_NORM, dt, 0)
             else:
                 kn = tl.load(kp + d, mask=dmask)
             vn = tl.load(vn_ptr + b * svn_b + kvh * svn_h + d, mask=dmask)
@@ -252,10 +255,8 @@ if HAVE_TRITON:
         qmask = gmask[:, None] & dmask[None, :]
         qp = q_ptr + b * sq_b + heads[:, None] * sq_h
         if ROPE:
-            q = _norm_rope(tl.load(qp + d[None, :], mask=qmask, other=0.0).to(tl.float32),
-                           tl.load(qp + rot[None, :], mask=qmask, other=0.0).to(tl.float32),
-                           wq[None, :], wqr[None, :], cos[None, :], sin[None, :], d[None, :],
-                           eps, D, QK_NORM, dt, 1)
+            q = _load_norm_rope(qp, d[None, :], rot[None, :], qmask, qn_ptr, cos[None, :],
+                                sin[None, :], eps, D, QK_NORM, dt, 1)
         else:
             q = tl.load(qp + d[None, :], mask=qmask, other=0.0)
         if F32DOT:
@@ -334,14 +335,8 @@ if HAVE_TRITON:
             cs = p[:, None] * s_cos + d[None, :]
             cos = tl.load(cos_ptr + cs, mask=qmask, other=0.0).to(dt).to(tl.float32)
             sin = tl.load(sin_ptr + cs, mask=qmask, other=0.0).to(dt).to(tl.float32)
-            wq = cos
-            wqr = cos
-            if QK_NORM:
-                wq = tl.load(qn_ptr + d, mask=dmask, other=0.0).to(tl.float32)[None, :]
-                wqr = tl.load(qn_ptr + rot, mask=dmask, other=0.0).to(tl.float32)[None, :]
-            q = _norm_rope(tl.load(qp + d[None, :], mask=qmask, other=0.0).to(tl.float32),
-                           tl.load(qp + rot[None, :], mask=qmask, other=0.0).to(tl.float32),
-                           wq, wqr, cos, sin, d[None, :], eps, D, QK_NORM, dt, 1)
+            q = _load_norm_rope(qp, d[None, :], rot[None, :], qmask, qn_ptr, cos, sin, eps, D,
+                                QK_NORM, dt, 1)
         else:
             q = tl.load(qp + d[None, :], mask=qmask, other=0.0)
         if F32DOT:
