@@ -222,11 +222,8 @@ def project_qkv(cfg: ModelConfig, w: tuple, x, cos, sin, norm=rms_norm):
 
 def qkv_from_normed(cfg: ModelConfig, w: tuple, h, cos, sin, norm=rms_norm):
     """project_qkv after the layer's input norm (h = norm(x))."""
-    wqkv, bqkv, q_norm, k_norm = w[1:5]
-    q, k, v = linear(h, wqkv, bqkv).split([cfg.q_dim, cfg.kv_dim, cfg.kv_dim], dim=-1)
-    q = q.unflatten(-1, (cfg.heads, cfg.head_dim))
-    k = k.unflatten(-1, (cfg.kv_heads, cfg.head_dim))
-    v = v.unflatten(-1, (cfg.kv_heads, cfg.head_dim))
+    q_norm, k_norm = w[3:5]
+    q, k, v = decode_pre(cfg, h, w)
     if cfg.qk_norm:
         q, k = norm(q, q_norm, cfg.rms_eps), norm(k, k_norm, cfg.rms_eps)
     cos, sin = cos.to(h.dtype), sin.to(h.dtype)
@@ -394,9 +391,10 @@ def decode_step(model: Transformer, layer_fn, tokens, pos, k_caches, v_caches, L
 # ---- decode with Triton attention (kernels.py): each layer is split around the attention ----
 
 def decode_pre(cfg: ModelConfig, h, w: tuple):
-    """The layer's normalised input h [B, hidden] → the raw projections q [B, heads, D], k and v
-    [B, kv_heads, D] (views of one product): the Triton attention applies the q/k norm and rope
-    itself (kernels.decode_attention's rope), two kernels a layer fewer than here."""
+    """The layer's normalised input h [..., hidden] → the raw projections q [..., heads, D], k
+    and v [..., kv_heads, D] (views of one product). The decode step's first half: the Triton
+    attention applies the q/k norm and rope itself (kernels.decode_attention's rope), two kernels
+    a layer fewer than qkv_from_normed, which builds on this."""
     q, k, v = linear(h, w[1], w[2]).split([cfg.q_dim, cfg.kv_dim, cfg.kv_dim], dim=-1)
     return (q.unflatten(-1, (cfg.heads, cfg.head_dim)),
             k.unflatten(-1, (cfg.kv_heads, cfg.head_dim)),
