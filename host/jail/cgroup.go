@@ -1,0 +1,225 @@
+package jail
+
+import (
+	"bufio"
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"sync/atomic"
+	"syscall"
+	"time"
+)
+
+// A jail's cgroup bounds its whole tree: memory (its /tmp included), processes and CPU. Under
+// cgroup v2 it is one group with the memory, pids and cpu controllers; under v1 (hybrid hosts,
+// older containers) one group in each controller's hierarchy. Either way it is a child of the
+// group this process is in, so a jail can never hold more than its parent allows.
+
+// hierarchy is where a controller's groups live and the group this process is in.
+type hierarchy struct {
+	controller string // "" for cgroup v2's unified hierarchy
+	dir        string // this process's group in it
+}
+
+// findCgroups finds the groups jails are made under, or says what the host lacks.
+func findCgroups() ([]hierarchy, error) {
+	own, err := ownGroups()
+	if err != nil {
+		return nil, fmt.Errorf("jail: cannot read this process's cgroups: %v", err)
+	}
+	if _, err := os.Stat("/sys/fs/cgroup/cgroup.controllers"); err == nil {
+		dir := groupDir("/sys/fs/cgroup", own[""])
+		ctl, _ := os.ReadFile(filepath.Join(dir, "cgroup.controllers"))
+		for _, want := range []string{"memory", "pids", "cpu"} {
+			if !hasWord(string(ctl), want) {
+				return nil, fmt.Errorf("jail: the cgroup v2 group %s lacks the %s controller (its cgroup.controllers: %q); run slimen in a group that has memory, pids and cpu delegated to it", dir, want, strings.TrimSpace(string(ctl)))
+			}
+		}
+		return []hierarchy{{dir: dir}}, nil
+	}
+	var hs []hierarchy
+	for _, c := range []string{"memory", "pids", "cpu"} {
+		mount := filepath.Join("/sys/fs/cgroup", c)
+		if _, err := os.Stat(filepath.Join(mount, "cgroup.procs")); err != nil {
+			return nil, fmt.Errorf("jail: neither cgroup v2 (/sys/fs/cgroup/cgroup.controllers) nor the cgroup v1 %s controller (%s) is mounted; the jail bounds a program's memory, processes and CPU with them", c, mount)
+		}
+		hs = append(hs, hierarchy{controller: c, dir: groupDir(mount, own[c])})
+	}
+	return hs, nil
+}
+
+// groupDir is the folder of group path under a hierarchy's mount: in a container the mount may
+// show only the container's own group as its root, so a path that does not exist there is the
+// mount itself.
+func groupDir(mount, path string) string {
+	d := filepath.Join(mount, path)
+	if _, err := os.Stat(d); err != nil {
+		return mount
+	}
+	return d
+}
+
+// ownGroups reads /proc/self/cgroup: controller → group path ("" for v2's unified hierarchy).
+func ownGroups() (map[string]string, error) {
+	f, err := os.Open("/proc/self/cgroup")
+	if err != nil {
+		return nil, err
+	}
+	defer f.Close()
+	out := map[string]string{}
+	sc := bufio.NewScanner(f)
+	for sc.Scan() {
+		parts := strings.SplitN(sc.Text(), ":", 3)
+		if len(parts) != 3 {
+			continue
+		}
+		for _, c := range strings.Split(parts[1], ",") {
+			out[c] = parts[2]
+		}
+	}
+	return out, sc.Err()
+}
+
+func hasWord(s, w string) bool {
+	for _, f := range strings.Fields(s) {
+		if f == w {
+			return true
+		}
+	}
+	return false
+}
+
+// cgroup is one jail's group (one folder a hierarchy).
+type cgroup struct {
+	dirs []string
+	v2   bool
+}
+
+var cgroupSeq atomic.Int64
+
+// newCgroup makes a jail's group with the spec's bounds.
+func newCgroup(s Spec) (*cgroup, error) {
+	hs, err := findCgroups()
+	if err != nil {
+		return nil, err
+	}
+	name := fmt.Sprintf("slimen-jail-%d-%d", os.Getpid(), cgroupSeq.Add(1))
+	cg := &cgroup{}
+	for _, h := range hs {
+		dir := filepath.Join(h.dir, name)
+		if err := os.Mkdir(dir, 0o755); err != nil {
+			cg.remove()
+			return nil, fmt.Errorf("jail: cannot make the jail's cgroup: %v", err)
+		}
+		cg.dirs = append(cg.dirs, dir)
+		cg.v2 = h.controller == ""
+		if err := limits(h.controller, dir, s); err != nil {
+			cg.remove()
+			return nil, err
+		}
+	}
+	return cg, nil
+}
+
+// limits writes the spec's bounds into a group of one hierarchy.
+func limits(controller, dir string, s Spec) error {
+	type kv struct{ file, value string }
+	var w []kv
+	period := 100000
+	quota := int(s.CPUs * float64(period))
+	switch controller {
+	case "": // v2
+		if s.MemoryBytes > 0 {
+			w = append(w, kv{"memory.max", strconv.FormatInt(s.MemoryBytes, 10)}, kv{"memory.swap.max", "0"})
+		}
+		if s.Pids > 0 {
+			w = append(w, kv{"pids.max", strconv.Itoa(s.Pids)})
+		}
+		if quota > 0 {
+			w = append(w, kv{"cpu.max", fmt.Sprintf("%d %d", quota, period)})
+		}
+	case "memory":
+		if s.MemoryBytes > 0 {
+			w = append(w, kv{"memory.limit_in_bytes", strconv.FormatInt(s.MemoryBytes, 10)})
+			if _, err := os.Stat(filepath.Join(dir, "memory.memsw.limit_in_bytes")); err == nil {
+				w = append(w, kv{"memory.memsw.limit_in_bytes", strconv.FormatInt(s.MemoryBytes, 10)})
+			}
+		}
+	case "pids":
+		if s.Pids > 0 {
+			w = append(w, kv{"pids.max", strconv.Itoa(s.Pids)})
+		}
+	case "cpu":
+		if quota > 0 {
+			w = append(w, kv{"cpu.cfs_period_us", strconv.Itoa(period)}, kv{"cpu.cfs_quota_us", strconv.Itoa(quota)})
+		}
+	}
+	for _, x := range w {
+		if err := os.WriteFile(filepath.Join(dir, x.file), []byte(x.value), 0); err != nil {
+			if x.file == "memory.swap.max" && errors.Is(err, os.ErrNotExist) {
+				continue // no swap accounting: nothing to bound
+			}
+			return fmt.Errorf("jail: cannot bound the jail's cgroup (%s): %v", x.file, err)
+		}
+	}
+	return nil
+}
+
+// add moves a process into the group.
+func (cg *cgroup) add(pid int) error {
+	for _, d := range cg.dirs {
+		if err := os.WriteFile(filepath.Join(d, "cgroup.procs"), []byte(strconv.Itoa(pid)), 0); err != nil {
+			return fmt.Errorf("jail: cannot put the jail's init in its cgroup %s: %v", d, err)
+		}
+	}
+	return nil
+}
+
+// pids lists the processes in the group.
+func (cg *cgroup) pids() []int {
+	if len(cg.dirs) == 0 {
+		return nil
+	}
+	b, _ := os.ReadFile(filepath.Join(cg.dirs[0], "cgroup.procs"))
+	var out []int
+	for _, f := range strings.Fields(string(b)) {
+		if n, err := strconv.Atoi(f); err == nil {
+			out = append(out, n)
+		}
+	}
+	return out
+}
+
+// kill ends every process in the group: the namespace's end kills them too, but a process can
+// be in the group and outside the namespace only if something moved it there; this is the
+// backstop, and waits (a little) until the group is empty.
+func (cg *cgroup) kill() {
+	if cg.v2 && len(cg.dirs) > 0 {
+		os.WriteFile(filepath.Join(cg.dirs[0], "cgroup.kill"), []byte("1"), 0)
+	}
+	for i := 0; i < 200; i++ {
+		ps := cg.pids()
+		if len(ps) == 0 {
+			return
+		}
+		for _, p := range ps {
+			syscall.Kill(p, syscall.SIGKILL)
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+}
+
+// remove deletes the group's folders (once its processes are gone).
+func (cg *cgroup) remove() {
+	for _, d := range cg.dirs {
+		for i := 0; i < 100; i++ {
+			if err := os.Remove(d); err == nil || errors.Is(err, os.ErrNotExist) {
+				break
+			}
+			time.Sleep(10 * time.Millisecond)
+		}
+	}
+}

@@ -1,0 +1,199 @@
+package jail
+
+import (
+	"bytes"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+)
+
+// TestMain lets the test binary serve as a jail's init, as the slimen binary does.
+func TestMain(m *testing.M) {
+	if os.Getenv(InitEnv) != "" {
+		os.Exit(Init())
+	}
+	os.Exit(m.Run())
+}
+
+func needJail(t *testing.T) {
+	t.Helper()
+	if err := Available(); err != nil {
+		t.Skipf("no jail on this host: %v", err)
+	}
+}
+
+// run runs a shell command in a jail and returns its exit code and output.
+func run(t *testing.T, spec Spec, script string) (int, string, error) {
+	t.Helper()
+	spec.Argv = []string{"/bin/sh", "-c", script}
+	if spec.Dir == "" {
+		spec.Dir = "/tmp"
+	}
+	if spec.Env == nil {
+		spec.Env = []string{"PATH=/usr/bin:/bin", "HOME=/tmp"}
+	}
+	spec.Read = append(spec.Read, SystemPaths...)
+	if spec.MemoryBytes == 0 {
+		spec.MemoryBytes = 256 << 20
+	}
+	if spec.Pids == 0 {
+		spec.Pids = 64
+	}
+	var out bytes.Buffer
+	c := &Cmd{Spec: spec, Stdout: &out, Stderr: &out}
+	if err := c.Start(); err != nil {
+		t.Fatal(err)
+	}
+	code, err := c.Wait()
+	return code, out.String(), err
+}
+
+// TestJailSeesOnlyItsGrant: the program runs as nobody, sees the listed folders read-only and
+// nothing else of the host's files or processes, and writes only its private /tmp.
+func TestJailSeesOnlyItsGrant(t *testing.T) {
+	needJail(t)
+	grant := t.TempDir()
+	os.WriteFile(filepath.Join(grant, "agent.txt"), []byte("granted\n"), 0o644)
+	secret := filepath.Join(t.TempDir(), "secret")
+	os.WriteFile(secret, []byte("host secret\n"), 0o644)
+	code, out, err := run(t, Spec{Read: []string{grant}, Dir: grant}, fmt.Sprintf(`
+		id -u; id -g
+		cat agent.txt
+		cat %s 2>/dev/null || echo no-secret
+		ls /root 2>/dev/null || echo no-root
+		test -e /work || echo no-work
+		echo x > %s/new 2>/dev/null || echo no-write-grant
+		echo x > /usr/new 2>/dev/null || echo no-write-usr
+		echo scratch > /tmp/s && cat /tmp/s
+		ls /proc | grep -c '^[0-9]'
+		hostname
+		kill -9 %d 2>/dev/null || echo no-kill
+	`, secret, grant, os.Getpid()))
+	if err != nil || code != 0 {
+		t.Fatalf("code %d, %v: %s", code, err, out)
+	}
+	want := []string{"65534", "65534", "granted", "no-secret", "no-root", "no-write-grant", "no-write-usr", "scratch", "slimen-jail", "no-kill"}
+	for _, w := range want {
+		if !strings.Contains(out, w+"\n") {
+			t.Errorf("output lacks %q:\n%s", w, out)
+		}
+	}
+	if _, err := os.Stat(filepath.Join(grant, "new")); err == nil {
+		t.Error("the program wrote into its read-only grant")
+	}
+	// Its own processes only: sh, ls, grep (hidepid hides the init, which is root's).
+	if lines := strings.Split(strings.TrimSpace(out), "\n"); len(lines) < 9 || lines[8] != "3" {
+		t.Errorf("the program sees more processes than its own: %q", lines)
+	}
+}
+
+// TestJailNetwork: the program reaches the host's socket through 127.0.0.1:Port and nothing
+// else: not the host's loopback.
+func TestJailNetwork(t *testing.T) {
+	needJail(t)
+	if _, err := exec.LookPath("python3"); err != nil {
+		t.Skip("python3 is not installed")
+	}
+	dir := t.TempDir()
+	sock := filepath.Join(dir, "endpoint.sock")
+	ln, err := net.Listen("unix", sock)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ln.Close()
+	go http.Serve(ln, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		body, _ := io.ReadAll(r.Body)
+		fmt.Fprintf(w, "endpoint got %s %s", r.URL.Path, body)
+	}))
+	host, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer host.Close()
+	go http.Serve(host, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) { fmt.Fprint(w, "host reached") }))
+	py, need, err := Resolve("python3", "", os.Getenv("PATH"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	var out bytes.Buffer
+	c := &Cmd{Spec: Spec{Argv: []string{py, "-c", fmt.Sprintf(`
+import urllib.request
+print(urllib.request.urlopen(urllib.request.Request("http://127.0.0.1:%d/v1/x", data=b"hi")).read().decode())
+try:
+    urllib.request.urlopen("http://%s/", timeout=2).read()
+    print("host loopback reached")
+except Exception as e:
+    print("no host loopback")
+`, Port, host.Addr())}, Env: []string{"PATH=/usr/bin:/bin", "HOME=/tmp"}, Dir: "/tmp",
+		Read: append(need, SystemPaths...), Socket: sock, MemoryBytes: 256 << 20, Pids: 64}, Stdout: &out, Stderr: &out}
+	if err := c.Start(); err != nil {
+		t.Fatal(err)
+	}
+	code, err := c.Wait()
+	if code != 0 || !strings.Contains(out.String(), "endpoint got /v1/x hi") || !strings.Contains(out.String(), "no host loopback") {
+		t.Fatalf("code %d, %v: %s", code, err, out.String())
+	}
+}
+
+// TestJailTreeEnds: what the program leaves behind (a daemon in a session of its own, a double
+// fork) is gone when it ends, and when it is killed.
+func TestJailTreeEnds(t *testing.T) {
+	needJail(t)
+	mark := fmt.Sprintf("%d.%d", os.Getpid(), time.Now().UnixNano()%1000000)
+	_, out, err := run(t, Spec{}, fmt.Sprintf(`(setsid sleep 300%s &) ; (sleep 301%s &) ; echo left`, mark, mark))
+	if err != nil || !strings.Contains(out, "left") {
+		t.Fatalf("%v: %s", err, out)
+	}
+	time.Sleep(100 * time.Millisecond)
+	if ps, _ := exec.Command("pgrep", "-f", mark).Output(); len(ps) > 0 {
+		t.Errorf("processes outlived the jail: %s", ps)
+	}
+	// Killed while running.
+	var b bytes.Buffer
+	c := &Cmd{Spec: Spec{Argv: []string{"/bin/sh", "-c", "setsid sleep 302" + mark + " & sleep 303" + mark}, Dir: "/tmp",
+		Read: SystemPaths, MemoryBytes: 64 << 20, Pids: 16}, Stdout: &b, Stderr: &b}
+	if err := c.Start(); err != nil {
+		t.Fatal(err)
+	}
+	time.Sleep(200 * time.Millisecond)
+	c.Kill()
+	if code, err := c.Wait(); code != -1 || err == nil {
+		t.Errorf("killed: code %d, %v", code, err)
+	}
+	time.Sleep(100 * time.Millisecond)
+	if ps, _ := exec.Command("pgrep", "-f", mark).Output(); len(ps) > 0 {
+		t.Errorf("processes outlived the killed jail: %s", ps)
+	}
+}
+
+// TestJailBounds: memory and processes are bounded for the whole tree, not per process.
+func TestJailBounds(t *testing.T) {
+	needJail(t)
+	// Four processes of 40 MB each under a 64 MB bound: tail keeps a line without newline whole.
+	code, out, _ := run(t, Spec{MemoryBytes: 64 << 20}, `
+		for i in 1 2 3 4; do (head -c 40000000 /dev/zero | tail -c 40000000 > /dev/null; echo done $?) & done; wait; echo end`)
+	if strings.Count(out, "done 0") == 4 {
+		t.Errorf("four 40 MB processes ran under a 64 MB bound (code %d): %s", code, out)
+	}
+	code, out, _ = run(t, Spec{Pids: 8}, `n=0; for i in $(seq 30); do sleep 2 & n=$((n+1)); done 2>/dev/null; echo started; jobs -p | wc -l`)
+	if strings.Contains(out, "\n30\n") {
+		t.Errorf("30 processes started under pids 8 (code %d): %s", code, out)
+	}
+}
+
+// TestJailEnvironment: the program gets the environment it is given, nothing of the host's.
+func TestJailEnvironment(t *testing.T) {
+	needJail(t)
+	t.Setenv("SLIMEN_TEST_HOST_SECRET", "hunter2")
+	_, out, err := run(t, Spec{Env: []string{"PATH=/usr/bin:/bin", "ONLY=this"}}, `env`)
+	if err != nil || strings.Contains(out, "hunter2") || !strings.Contains(out, "ONLY=this") {
+		t.Fatalf("%v: %s", err, out)
+	}
+}
