@@ -81,8 +81,8 @@ func advantageArg(fn string, advantage starlark.Value) (adv []float64, has, perT
 		return nil, false, false, nil
 	}
 	if x, ok := starlark.AsFloat(advantage); ok {
-		if math.IsNaN(x) || math.IsInf(x, 0) {
-			return nil, false, false, fmt.Errorf("%s: advantage is %v; it must be finite", fn, x)
+		if err := CheckAdvantage(fn, x); err != nil {
+			return nil, false, false, err
 		}
 		return []float64{x}, true, false, nil
 	}
@@ -97,6 +97,9 @@ func advantageArg(fn string, advantage starlark.Value) (adv []float64, has, perT
 		x, ok := starlark.AsFloat(v)
 		if !ok || math.IsNaN(x) || math.IsInf(x, 0) {
 			return nil, false, false, fmt.Errorf("%s: advantage holds %s; per-token advantages must be finite numbers", fn, v)
+		}
+		if err := CheckAdvantage(fn, x); err != nil {
+			return nil, false, false, fmt.Errorf("%s (at token %d)", err, len(adv))
 		}
 		adv = append(adv, x)
 	}
