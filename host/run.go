@@ -120,6 +120,9 @@ type Run struct {
 	activity activity
 	events   *eventLog
 	metrics  *metricsWriter
+	// logNames are the log() names the run has written to its _run lines (at most
+	// script.MaxLogNamesPerRun; runMetrics).
+	logNames map[string]bool
 
 	ctx    context.Context // lives as long as the run; dispatchers stop with it
 	cancel context.CancelFunc
@@ -547,8 +550,8 @@ func (r *Run) policyFor(name string) (*policy, error) {
 		}
 		return nil, fmt.Errorf("unknown policy %q%s; %s defines %s — add it under policies: or fix the name", name, hint, r.cfgName(), config.QuotePolicyNames(r.order))
 	}
-	if name == "" || strings.ContainsAny(name, " \t\n/") {
-		return nil, fmt.Errorf("policy name %q is not a valid name", name)
+	if err := config.CheckPolicyName(name); err != nil {
+		return nil, fmt.Errorf("%v (a zero-config run creates each policy under the name the script passes, which must be a name a config may give it)", err)
 	}
 	if err := r.openErrs[name]; err != nil {
 		return nil, err
@@ -1354,20 +1357,73 @@ func (r *Run) runMetrics(step int, ros []*script.Rollout, res *StepResult, rollo
 	if rolloutS > 0 {
 		m.set("tokens_per_s", float64(tokens)/rolloutS)
 	}
+	for k, v := range r.logSums(step, ros) {
+		m.set(k, v[0]/v[1])
+	}
+	return m
+}
+
+// logSums adds up the log() values of the step's successful rollouts. It applies log()'s rules
+// again, since a sandboxed rollout's values come from its child: a rollout that reports a name
+// the host writes itself (script.RunFields), a name too long or not finite, or more than
+// script.MaxLogNamesPerRollout names, counts with none of its values. Names new to the run past
+// script.MaxLogNamesPerRun are dropped, with an event that names them.
+func (r *Run) logSums(step int, ros []*script.Rollout) map[string][2]float64 {
 	sums := map[string][2]float64{}
 	for _, ro := range ros {
 		if ro.Err != nil {
 			continue
 		}
-		for k, v := range ro.Logs() {
+		logs := ro.Logs()
+		if err := checkLogs(logs); err != nil {
+			r.events.printf("step %d task %s: its log() values are left out of the metrics: %v", step, ro.Task.ID, err)
+			continue
+		}
+		for k, v := range logs {
 			a := sums[k]
 			sums[k] = [2]float64{a[0] + v[0], a[1] + v[1]}
 		}
 	}
-	for k, v := range sums {
-		m.set(k, v[0]/v[1])
+	var dropped []string
+	for k := range sums {
+		if !r.logNames[k] && len(r.logNames) >= script.MaxLogNamesPerRun {
+			dropped = append(dropped, k)
+			continue
+		}
+		if r.logNames == nil {
+			r.logNames = map[string]bool{}
+		}
+		r.logNames[k] = true
 	}
-	return m
+	if len(dropped) > 0 {
+		sort.Strings(dropped)
+		for _, k := range dropped {
+			delete(sums, k)
+		}
+		names := strings.Join(dropped[:min(len(dropped), 5)], ", ")
+		if len(dropped) > 5 {
+			names += ", …"
+		}
+		r.events.printf("step %d: log(): the run has written %d metric names, the most a run writes; %d new names are left out of its metrics: %s",
+			step, len(r.logNames), len(dropped), names)
+	}
+	return sums
+}
+
+// checkLogs applies log()'s rules to a rollout's logged values.
+func checkLogs(logs map[string][2]float64) error {
+	if len(logs) > script.MaxLogNamesPerRollout {
+		return fmt.Errorf("%d metric names, more than the %d a rollout logs", len(logs), script.MaxLogNamesPerRollout)
+	}
+	for k, v := range logs {
+		if err := script.CheckLogName("log", k); err != nil {
+			return err
+		}
+		if math.IsNaN(v[0]) || math.IsInf(v[0], 0) || !(v[1] >= 1) {
+			return fmt.Errorf("log: %s is not a finite number", k)
+		}
+	}
+	return nil
 }
 
 func (r *Run) openOutputs() error {

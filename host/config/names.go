@@ -25,3 +25,27 @@ func (c *Config) PolicyNames() []string {
 	}
 	return out
 }
+
+// MaxPolicyNameLen bounds a policy's name: it names a folder of every checkpoint and of the run
+// directory, and a file name has at most 255 bytes.
+const MaxPolicyNameLen = 128
+
+// CheckPolicyName is the rule a policy's name meets, in a config and where a zero-config run
+// creates a policy from the name a script passes: not empty, at most MaxPolicyNameLen bytes, no
+// spaces, control characters or slashes, not "." or ".." (it names folders, which must stay inside
+// their step's), and not "_run" or "_eval" (the metrics lines of the run and of its evals).
+func CheckPolicyName(name string) error {
+	switch {
+	case name == "":
+		return fmt.Errorf("a policy needs a name")
+	case len(name) > MaxPolicyNameLen:
+		return fmt.Errorf("policy name %.20q… is %d bytes, more than %d (it names folders in the run directory)", name, len(name), MaxPolicyNameLen)
+	case strings.ContainsFunc(name, func(r rune) bool { return r <= ' ' || r == 0x7f || r == '/' || r == '\\' }):
+		return fmt.Errorf("policy name %q must not contain spaces, control characters or slashes (it names folders in the run directory)", name)
+	case name == "." || name == "..":
+		return fmt.Errorf("policy name %q would name the folder that holds the policies' folders, or the one above it", name)
+	case name == "_run" || name == "_eval":
+		return fmt.Errorf("policy name %q is the name of the run's own metrics lines; choose another", name)
+	}
+	return nil
+}

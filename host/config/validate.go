@@ -82,7 +82,9 @@ func (r *resolver) validate() {
 		p := &c.Policies[i]
 		pp := fmt.Sprintf("policies[%d]", i)
 		r.check(p.Name != "", pp, p.Line, "a policy needs a name: add name: <policy> (the name the script passes to generate)")
-		r.check(!strings.ContainsAny(p.Name, " \t\n/\\"), pp+".name", p.Line, "policy name %q must not contain spaces or slashes (it names folders in the run directory)", p.Name)
+		if err := CheckPolicyName(p.Name); p.Name != "" && err != nil {
+			r.check(false, pp+".name", p.Line, "%v", err)
+		}
 		if j, dup := byName[p.Name]; dup && p.Name != "" {
 			q := &c.Policies[j]
 			r.check(false, pp+".name", p.Line, "policy %q is defined twice (lines %d and %d); give each policy a unique name",
