@@ -3,6 +3,9 @@ package script
 import (
 	"encoding/json"
 	"fmt"
+	"net/url"
+	"slices"
+	"strings"
 
 	"go.starlark.net/starlark"
 	"go.starlark.net/starlarkstruct"
@@ -40,6 +43,9 @@ func (v configValue) Attr(name string) (starlark.Value, error) {
 	case "policies":
 		d := starlark.NewDict(len(c.Policies))
 		for _, p := range c.Policies {
+			if c.Sandbox.Enabled && len(c.Sandbox.Policies) > 0 && !slices.Contains(c.Sandbox.Policies, p.Name) {
+				continue // a sandboxed script sees the policies it is granted, no others
+			}
 			s, err := policyValue(p)
 			if err != nil {
 				return nil, err
@@ -74,7 +80,66 @@ func policyValue(p config.PolicyConfig) (starlark.Value, error) {
 			top[k] = x
 		}
 	}
+	redactSecrets(top)
 	return fromFields(top), nil
+}
+
+// Settings of a policy a script never sees, in or out of the sandbox: where its engine's
+// credentials are (token_env, api_key_env: the variables' names; tls: the key files), the
+// worker's own flags (args may carry a key), and, in the pass-through blocks (extra, an engine's
+// server arguments, a server group's overrides), every key whose name says it holds a secret.
+var hiddenPolicyFields = []string{"token_env", "api_key_env", "tls", "args"}
+
+// secretWords are the words (of a key split at _, - and .) that mark a pass-through setting as a
+// secret; "key" does too, after one of keyOwners or alone (input_key and label_key name columns).
+var (
+	secretWords = []string{"secret", "secrets", "password", "passwd", "token", "bearer", "auth",
+		"authorization", "header", "headers", "cookie", "cookies", "credential", "credentials", "apikey", "env", "environment"}
+	keyOwners = []string{"api", "access", "private", "secret", "client", "signing", "ssh", "hf", "openai", "service", "session", "encryption", "wandb"}
+)
+
+// secretName reports whether a setting's name says it holds a secret (api_key, headers, HF_TOKEN,
+// env, …). Fields slimen defines that match are not secrets: token_ids.
+func secretName(k string) bool {
+	if k == "token_ids" {
+		return false
+	}
+	words := strings.FieldsFunc(strings.ToLower(k), func(r rune) bool { return r == '_' || r == '-' || r == '.' })
+	for i, w := range words {
+		if slices.Contains(secretWords, w) {
+			return true
+		}
+		if (w == "key" || w == "keys") && (i == 0 || slices.Contains(keyOwners, words[i-1])) {
+			return true
+		}
+	}
+	return false
+}
+
+// redactSecrets removes hiddenPolicyFields and every secretName setting from a policy's fields,
+// at every depth, and a URL's user and password (base_url: https://user:key@host/v1).
+func redactSecrets(m map[string]any) {
+	for k, x := range m {
+		if slices.Contains(hiddenPolicyFields, k) || secretName(k) {
+			delete(m, k)
+			continue
+		}
+		switch x := x.(type) {
+		case map[string]any:
+			redactSecrets(x)
+		case []any:
+			for _, e := range x {
+				if sub, ok := e.(map[string]any); ok {
+					redactSecrets(sub)
+				}
+			}
+		case string:
+			if u, err := url.Parse(x); err == nil && u.User != nil && u.Host != "" {
+				u.User = nil
+				m[k] = u.String()
+			}
+		}
+	}
 }
 
 func structOf(x any) (starlark.Value, error) {

@@ -1,0 +1,61 @@
+package script
+
+import (
+	"strings"
+	"testing"
+
+	"go.starlark.net/starlark"
+
+	"github.com/slimen/slimen/host/config"
+)
+
+// TestConfigValueHidesSecretsAndUngranted: the `config` a script reads shows a sandboxed script
+// only the policies sandbox.policies grants it, and no script the settings that hold or locate
+// credentials (pass-through api keys, headers, tokens, env; token_env, api_key_env, tls, the
+// worker's args; a URL's password), while the rest (engine.kind, input_key, pass-through server
+// arguments) stays readable.
+func TestConfigValueHidesSecretsAndUngranted(t *testing.T) {
+	c := config.Default([]string{"p", "hidden"})
+	e := &c.Policies[0].Engine
+	e.Kind, e.TokenEnv, e.APIKeyEnv, e.BaseURL = "openai", "TOKEN_VAR_NAME", "KEY_VAR_NAME", "https://user:sk-in-url@api.example/v1"
+	e.TLS = &config.TLSConfig{Key: "/secret/client.key"}
+	e.Args = []string{"--api-key", "sk-in-args"}
+	e.Extra = map[string]any{"api_key": "sk-extra", "headers": map[string]any{"Authorization": "Bearer sk-header"},
+		"env": map[string]any{"HF_TOKEN": "hf-env"}, "chunked_prefill_size": 8192}
+	c.Policies[0].Extra = map[string]any{"input_key": "prompt", "hf_token": "hf-policy", "openai_api_key": "sk-policy"}
+	c.Policies[0].Train.Extra = map[string]any{"wandb_key": "wandb-secret", "tensor_model_parallel_size": 2,
+		"max_tokens_per_gpu": 4096}
+	c.Policies[1].Engine.Extra = map[string]any{"client_secret": "hidden-secret"}
+	show := func() string {
+		v := ConfigValue(func() *config.Config { return c })
+		out, err := starlark.ExecFile(&starlark.Thread{}, "show.star",
+			`out = str(config.policies) + " " + config.policies["p"].engine.kind + " " + str(config.policies["p"].extra["input_key"])`,
+			starlark.StringDict{"config": v})
+		if err != nil {
+			t.Fatal(err)
+		}
+		return string(out["out"].(starlark.String))
+	}
+	check := func(got string, hiddenPolicy bool) {
+		t.Helper()
+		for _, secret := range []string{"TOKEN_VAR_NAME", "KEY_VAR_NAME", "sk-in-url", "/secret/client.key", "sk-in-args",
+			"sk-extra", "sk-header", "hf-env", "hf-policy", "sk-policy", "wandb-secret", "hidden-secret"} {
+			if strings.Contains(got, secret) {
+				t.Errorf("the script sees %q:\n%s", secret, got)
+			}
+		}
+		for _, shown := range []string{"openai", "prompt", "chunked_prefill_size", "tensor_model_parallel_size", "max_tokens_per_gpu", "https://api.example/v1"} {
+			if !strings.Contains(got, shown) {
+				t.Errorf("the script does not see %q:\n%s", shown, got)
+			}
+		}
+		if strings.Contains(got, `"hidden"`) != hiddenPolicy {
+			t.Errorf("policy \"hidden\" shown: %v, want %v:\n%s", !hiddenPolicy, hiddenPolicy, got)
+		}
+	}
+	check(show(), true) // in-process: every policy, no secrets
+	c.Sandbox.Enabled, c.Sandbox.Policies = true, []string{"p"}
+	check(show(), false)
+	c.Sandbox.Policies = nil // sandboxed without a grant list: every policy of the config
+	check(show(), true)
+}
