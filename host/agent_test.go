@@ -237,6 +237,7 @@ func TestAgentSandboxPrograms(t *testing.T) {
 		cfg.Rollout.MaxFailedFraction, cfg.Rollout.MaxResponseLen = 1, 16
 		cfg.Sandbox.Programs = programs
 		cfg.Sandbox.Train = []string{"p"}
+		cfg.Sandbox.AgentRead = []string{filepath.Dir(prog)} // the program's file, for its jail
 		echo := func(_ context.Context, p config.PolicyConfig) (engines.Engine, error) { return scripted.Echo("x"), nil }
 		r, err := Load(context.Background(), writeScript(t, fmt.Sprintf(agentScript, prog)),
 			Options{Config: cfg, Tasks: listTasks{{ID: "a", Prompt: "q", Label: "turns", HasLabel: true}}, OpenEngine: echo, Sandbox: true})
@@ -251,7 +252,7 @@ func TestAgentSandboxPrograms(t *testing.T) {
 		return res
 	}
 	res := step(nil)
-	if len(res.Failed) != 1 || !strings.Contains(res.Failed[0].Msg, "script.star:6:14: agent: a sandboxed script starts only the programs the operator's config grants, and sandbox.programs lists none, not \"python3\"") {
+	if len(res.Failed) != 1 || !strings.Contains(res.Failed[0].Msg, "script.star:6:14: agent: a sandboxed script starts only the programs the operator's config grants, and sandbox.programs lists none, which does not match") {
 		t.Errorf("unlisted program: failures %v", res.Failed)
 	}
 	res = step([]string{"python3"})

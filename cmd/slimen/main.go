@@ -13,6 +13,7 @@ import (
 	"os"
 	"sort"
 
+	"github.com/slimen/slimen/host/jail"
 	"github.com/slimen/slimen/host/script/sandbox"
 	_ "github.com/slimen/slimen/host/torch" // engine kind torch: the PyTorch worker
 )
@@ -27,6 +28,10 @@ type command struct {
 var commands = map[string]command{}
 
 func main() {
+	if os.Getenv(jail.InitEnv) != "" {
+		// This process is the first of a jail that a sandbox child made for an agent() program.
+		os.Exit(jail.Init())
+	}
 	if os.Getenv(sandbox.ChildEnv) != "" {
 		// This process evaluates a sandboxed script's rollouts for a parent slimen (host/script/sandbox).
 		os.Exit(sandbox.ChildMain())

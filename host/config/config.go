@@ -278,9 +278,16 @@ type SandboxConfig struct {
 	// model of this run); each must also be trainable.
 	Policies []string `yaml:"policies,omitempty" json:"policies,omitempty"`
 	Train    []string `yaml:"train,omitempty" json:"train,omitempty"`
-	// Programs are the programs agent() may start (its argv[0], exactly as the script writes it);
-	// absent: none. Only the operator's config grants them.
+	// Programs are the programs agent() may start; absent: none. Only the operator's config
+	// grants them. An entry of one word is a program (argv[0] exactly as the script writes it),
+	// with any arguments; an entry of several words is an argv pattern: as many words as argv
+	// has (a last word "**" matches any further arguments), each matched by path.Match.
 	Programs []string `yaml:"programs,omitempty" json:"programs,omitempty"`
+	// Each agent() program runs in a jail (host/jail): these bound and open it.
+	AgentEnv  []string `yaml:"agent_env,omitempty" json:"agent_env,omitempty"`   // variables a script may set with env= (never loader or interpreter ones)
+	AgentRead []string `yaml:"agent_read,omitempty" json:"agent_read,omitempty"` // host paths visible read-only, besides the system's, the program's installation and the script's folder
+	AgentPids int      `yaml:"agent_pids" json:"agent_pids"`                     // processes of a program's whole tree
+	AgentCPUs float64  `yaml:"agent_cpus" json:"agent_cpus"`                     // CPUs of a program's whole tree (memory_mb bounds its memory)
 }
 
 // RunConfig holds run-wide settings.

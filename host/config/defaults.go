@@ -112,7 +112,7 @@ func defaultRun() RunConfig {
 func DefaultSandbox() SandboxConfig {
 	return SandboxConfig{Steps: 10_000_000, GenerateCalls: 256, Tokens: 65536, PromptBytes: 1 << 20, WallSeconds: 300,
 		PrintBytes: 64 << 10, StateBytes: 64 << 10, StateTotalBytes: 16 << 20, ParallelItems: 1024, Threads: 64, MessageBytes: 4 << 20,
-		MemoryMB: 1024, CPUSeconds: 0, Processes: 2}
+		MemoryMB: 1024, CPUSeconds: 0, Processes: 2, AgentPids: 64, AgentCPUs: 1}
 }
 
 // DefaultRolloutTimeoutS is rollout.timeout_s: ten minutes, far longer than an honest rollout of

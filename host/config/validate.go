@@ -5,6 +5,8 @@ import (
 	"math"
 	"net"
 	"net/url"
+	"path"
+	"path/filepath"
 	"regexp"
 	"slices"
 	"strings"
@@ -169,6 +171,21 @@ func (r *resolver) validateSandbox() {
 	atLeast("memory_mb", int64(sb.MemoryMB), 64)
 	atLeast("cpu_seconds", int64(sb.CPUSeconds), 0)
 	atLeast("processes", int64(sb.Processes), 1)
+	atLeast("agent_pids", int64(sb.AgentPids), 4)
+	r.check(sb.AgentCPUs >= 0.01, "sandbox.agent_cpus", at, "must be at least 0.01 CPUs, got %g", sb.AgentCPUs)
+	for _, name := range sb.AgentEnv {
+		r.check(!ReservedAgentEnv(name), "sandbox.agent_env", at,
+			"names %q, which a script may not set: loader, shell and interpreter variables (LD_*, BASH_ENV, BASH_FUNC_*, PYTHON*, NODE_OPTIONS, …) run code in the program, and PATH, HOME, TMPDIR, LANG and the OPENAI_*/SLIMEN_* variables are the jail's", name)
+	}
+	for _, p := range sb.AgentRead {
+		r.check(filepath.IsAbs(p) && filepath.Clean(p) != "/", "sandbox.agent_read", at, "must list absolute paths other than /, got %q", p)
+	}
+	for _, prog := range sb.Programs {
+		for _, w := range strings.Fields(prog) {
+			_, err := path.Match(w, "")
+			r.check(err == nil, "sandbox.programs", at, "entry %q: the word %q is not a valid pattern (path.Match: %v)", prog, w, err)
+		}
+	}
 
 	// Grants name policies of this config (a config without policies leaves them to the script,
 	// as zero-config does, so there is nothing to check them against).
@@ -190,6 +207,24 @@ func (r *resolver) validateSandbox() {
 		r.check(len(sb.Policies) == 0 || slices.Contains(sb.Policies, name), "sandbox.train", at,
 			"grants training of policy %q, which sandbox.policies does not grant; add it there too", name)
 	}
+}
+
+// ReservedAgentEnv says whether a variable is one no script may set for an agent() program,
+// even where the operator's sandbox.agent_env lists it: variables that make a loader, a shell
+// or an interpreter run code of the setter's choosing, and those the jail sets itself.
+func ReservedAgentEnv(name string) bool {
+	n := strings.ToUpper(name)
+	for _, p := range []string{"LD_", "BASH_FUNC_", "PYTHON", "PERL", "RUBY", "NODE_", "OPENAI_", "SLIMEN_", "MALLOC_", "GLIBC_", "JAVA_", "_JAVA_", "JDK_", "GCONV", "NLSPATH", "LOCPATH", "DYLD_", "LUA_", "R_", "GIT_", "SSL_", "GODEBUG", "GOTRACE"} {
+		if strings.HasPrefix(n, p) {
+			return true
+		}
+	}
+	switch n {
+	case "BASH_ENV", "ENV", "SHELLOPTS", "BASHOPTS", "PS4", "PROMPT_COMMAND", "IFS", "CDPATH", "BROWSER", "EDITOR", "VISUAL", "PAGER",
+		"HOSTALIASES", "RES_OPTIONS", "LOCALDOMAIN", "TZDIR", "PATH", "HOME", "TMPDIR", "LANG", "LC_ALL", "SHELL", "USER", "LOGNAME", "TERMINFO":
+		return true
+	}
+	return name == "" || strings.ContainsAny(name, "=\x00")
 }
 
 // maxMessageBytes bounds sandbox.message_bytes.

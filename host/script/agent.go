@@ -12,12 +12,10 @@ import (
 	"net"
 	"net/http"
 	"os"
-	"os/exec"
 	"path/filepath"
 	"slices"
 	"strings"
 	"sync"
-	"syscall"
 	"time"
 
 	"go.starlark.net/starlark"
@@ -109,7 +107,10 @@ func builtinAgent(thread *starlark.Thread, b *starlark.Builtin, args starlark.Tu
 		return nil, fmt.Errorf("%s: tools_prompt=%q; want \"template\" (the chat template's tools variable) or \"system\" (a Hermes description in the system message)", b.Name(), toolsPrompt)
 	}
 	ro := ts.ro
-	if err := ro.Budget.program(b.Name(), where, argv[0]); err != nil {
+	if err := ro.Budget.mayStart(b.Name(), where, argv); err != nil {
+		return nil, err
+	}
+	if err := ro.Budget.mayEnv(b.Name(), where, extra); err != nil {
 		return nil, err
 	}
 	if err := ro.mayGenerate(b.Name(), policy); err != nil {
@@ -231,47 +232,43 @@ func (s *agentSession) run(argv []string, input string, extra map[string]string,
 	}
 	ctx, cancel := context.WithTimeout(s.ro.Ctx, timeout)
 	defer cancel()
-	cmd := exec.CommandContext(ctx, prog, argv[1:]...)
-	cmd.Dir = dir
-	cmd.Env = append(os.Environ(), "OPENAI_BASE_URL="+base+"/v1", "OPENAI_API_KEY="+apiKey, "OPENAI_MODEL="+s.policy,
-		"SLIMEN_TASK_INPUT="+input)
+	env := []string{"OPENAI_BASE_URL=" + base + "/v1", "OPENAI_API_KEY=" + apiKey, "OPENAI_MODEL=" + s.policy, "SLIMEN_TASK_INPUT=" + input}
 	for k, v := range extra {
-		cmd.Env = append(cmd.Env, k+"="+v)
+		env = append(env, k+"="+v)
 	}
-	cmd.Stdin = strings.NewReader(input)
 	stdout, stderr := &cappedBuffer{max: 1 << 20}, &cappedBuffer{max: 64 << 10, tail: true}
-	cmd.Stdout, cmd.Stderr = stdout, stderr
-	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true}
-	killGroup := func() {
-		if cmd.Process != nil {
-			syscall.Kill(-cmd.Process.Pid, syscall.SIGKILL)
-		}
+	var p agentProc
+	if s.ro.Budget != nil {
+		// A sandboxed script's program runs in a jail, or not at all.
+		env[0] = "OPENAI_BASE_URL=" + jailBaseURL + "/v1"
+		p, err = startJailed(s.ro.Budget.cfg, prog, argv, env, dir, strings.NewReader(input), stdout, stderr)
+	} else {
+		p, err = startBare(prog, argv, env, dir, strings.NewReader(input), stdout, stderr)
 	}
-	cmd.Cancel = func() error { killGroup(); return nil }
-	cmd.WaitDelay = 2 * time.Second // a child of the program holding its stdout open does not hold agent()
+	if err != nil {
+		return agentResult{}, fmt.Errorf("%s: cannot start %s: %v", s.fn, strings.Join(argv, " "), err)
+	}
+	stop := context.AfterFunc(ctx, p.kill)
+	defer stop()
 	s.mu.Lock()
 	s.kill = cancel
 	s.mu.Unlock()
-	if err := cmd.Start(); err != nil {
-		return agentResult{}, fmt.Errorf("%s: cannot start %s: %v", s.fn, strings.Join(argv, " "), err)
-	}
 	// While the program runs, this thread only waits: the dispatchers need not wait for it to
 	// send batches out. Each call the program makes runs (complete) as a thread of the rollout.
 	s.ro.Host.Running(-1)
-	werr := cmd.Wait()
-	killGroup() // what the program left running goes with it
+	exit, werr := p.wait()
 	s.mu.Lock()
 	s.closed = true
 	failed := s.failed
 	s.mu.Unlock()
 	s.wg.Wait()
 	s.ro.Host.Running(1)
-	res := agentResult{stdout: stdout.String(), stderr: stderr.String(), exit: cmd.ProcessState.ExitCode()}
+	res := agentResult{stdout: stdout.String(), stderr: stderr.String(), exit: exit}
 	switch {
 	case failed != nil:
 		return res, failed
 	case errors.Is(ctx.Err(), context.DeadlineExceeded):
-		return res, fmt.Errorf("%s: %s ran past its timeout of %s and was killed (its process group)%s", s.fn, argv[0], timeout, stderrTail(res.stderr))
+		return res, fmt.Errorf("%s: %s ran past its timeout of %s and was killed (with every process it started)%s", s.fn, argv[0], timeout, stderrTail(res.stderr))
 	case s.ro.Ctx.Err() != nil:
 		return res, fmt.Errorf("%s: %v", s.fn, s.ro.Ctx.Err())
 	case werr != nil && res.exit < 0:
@@ -552,9 +549,16 @@ func (w *cappedBuffer) String() string {
 var agentSrv = &agentServer{sessions: map[string]*agentSession{}}
 
 type agentServer struct {
-	once     sync.Once
-	url      string
-	err      error
+	once       sync.Once
+	url        string
+	err        error
+	handler    http.Handler
+	readHeader time.Duration
+
+	sockOnce sync.Once // the Unix socket jails lead to (agentSocket)
+	sock     string
+	sockErr  error
+
 	mu       sync.Mutex
 	sessions map[string]*agentSession
 }
@@ -586,7 +590,7 @@ func agentEndpoint() (string, error) {
 		front := openai.NewChatHandler(openai.HandlerOptions{Model: "slimen-policy"}, func(ctx context.Context, call openai.ChatCall) ([]engines.Completion, error) {
 			return ctx.Value(agentSessionKey{}).(*agentSession).complete(call)
 		})
-		srv := &http.Server{Handler: http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		a.handler, a.readHeader = http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 			key, _ := strings.CutPrefix(r.Header.Get("Authorization"), "Bearer ")
 			a.mu.Lock()
 			s := a.sessions[key]
@@ -598,8 +602,8 @@ func agentEndpoint() (string, error) {
 				return
 			}
 			front.ServeHTTP(w, r.WithContext(context.WithValue(r.Context(), agentSessionKey{}, s)))
-		}), ReadHeaderTimeout: 30 * time.Second}
-		go srv.Serve(ln)
+		}), 30*time.Second
+		go (&http.Server{Handler: a.handler, ReadHeaderTimeout: a.readHeader}).Serve(ln)
 	})
 	return a.url, a.err
 }
