@@ -5,7 +5,9 @@ import (
 	"context"
 	"fmt"
 	"math"
+	"os"
 	"path/filepath"
+	"regexp"
 	"slices"
 	"strings"
 	"sync"
@@ -206,5 +208,96 @@ def rollout(task):
 			t.Errorf("sandbox=%v: the run opened engines for %q, want only solver's", sandboxed, opened)
 		}
 		mu.Unlock()
+	}
+}
+
+// shortContext is a scripted engine whose policy's context is 64 tokens.
+type shortContext struct{ *scripted.Engine }
+
+func (e shortContext) Info(ctx context.Context) (engines.Info, error) {
+	info, err := e.Engine.Info(ctx)
+	info.MaxSeqLen = 64
+	return info, err
+}
+
+// TestChatPastContext: a chat past its policy's context samples nothing, yet each turn renders
+// the conversation and writes a line to the run's events. Under the sandbox each such turn is a
+// generate call of the rollout's budget (and a token a sample), so a loop of them fails at
+// generate_calls; in and out of the sandbox its event lines are the rollout's prints: at most 20
+// and a line that says the rest were dropped.
+func TestChatPastContext(t *testing.T) {
+	src := `
+def rollout(task):
+    c = generate("p", task.prompt)
+    reward(c, 1.0)
+    train(c)
+    if task.id == "t1":
+        ch = chat("p")
+        ch.user("x" * 200)
+        for i in range(2000):
+            t = ch.generate()
+            if t.finish_reason != "length" or len(t.tokens) != 0:
+                fail("turn %d: %s %s" % (i, t.finish_reason, t.tokens))
+`
+	for _, sandboxed := range []bool{false, true} {
+		cfg := testConfig(4, "p")
+		cfg.Sandbox = hostileSandbox()
+		cfg.Sandbox.Policies = nil
+		out := filepath.Join(t.TempDir(), "run")
+		r, err := Load(context.Background(), writeScript(t, src), Options{Config: cfg, Tasks: numberedTasks(4), Out: out,
+			Engines: map[string]engines.Engine{"p": shortContext{scripted.Echo(`\boxed{1}`)}}, Sandbox: sandboxed})
+		if err != nil {
+			t.Fatal(err)
+		}
+		res, err := r.Step(context.Background())
+		if err != nil {
+			t.Fatal(err)
+		}
+		r.Close()
+		if sandboxed {
+			// 32 calls, 4,096 bytes printed: the event lines meet print_bytes first.
+			want := regexp.MustCompile(`Error in chat.generate: sandbox budget (generate_calls \(32\) exceeded: chat.generate call 33|print_bytes \(4096\) exceeded)`)
+			if len(res.Failed) != 1 || res.Failed[0].TaskID != "t1" || !want.MatchString(res.Failed[0].Msg) {
+				t.Errorf("sandboxed: failed %v, want task t1 failed at generate_calls or print_bytes", res.Failed)
+			}
+		} else if len(res.Failed) != 0 {
+			t.Errorf("in-process: failed %v, want none", res.Failed)
+		}
+		events, _ := os.ReadFile(filepath.Join(out, "events.log"))
+		if n := strings.Count(string(events), "the turn ends with finish_reason"); n > 20 {
+			t.Errorf("sandbox=%v: %d event lines about turns past the context, want at most 20", sandboxed, n)
+		}
+		if !strings.Contains(string(events), "task t1: more print output dropped (limit 20 lines a rollout)") {
+			t.Errorf("sandbox=%v: no line saying the rest were dropped:\n%s", sandboxed, events)
+		}
+	}
+}
+
+// TestChatPastContextCalls: with room in print_bytes, turns past the context meet generate_calls.
+func TestChatPastContextCalls(t *testing.T) {
+	cfg := testConfig(2, "p")
+	cfg.Sandbox = hostileSandbox()
+	cfg.Sandbox.Policies, cfg.Sandbox.PrintBytes = nil, 1<<20
+	r, err := Load(context.Background(), writeScript(t, `
+def rollout(task):
+    c = generate("p", task.prompt)
+    reward(c, 1.0)
+    train(c)
+    if task.id == "t1":
+        ch = chat("p")
+        ch.user("x" * 200)
+        for i in range(2000):
+            ch.generate()
+`), Options{Config: cfg, Tasks: numberedTasks(2), Engines: map[string]engines.Engine{"p": shortContext{scripted.Echo("x")}}, Sandbox: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer r.Close()
+	res, err := r.Step(context.Background())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(res.Failed) != 1 || !strings.Contains(res.Failed[0].Msg, "sandbox budget generate_calls (32) exceeded: chat.generate call 33") {
+		t.Errorf("failed %v, want task t1 failed at generate_calls", res.Failed)
 	}
 }

@@ -40,8 +40,18 @@ func (e *BudgetError) Error() string {
 
 func NewBudget(c config.SandboxConfig, zero bool) *Budget { return &Budget{cfg: c, zero: zero} }
 
-// generate reserves a call of n samples of up to maxTokens tokens.
+// generate counts a call (generate, a chat turn, score) and reserves n samples of up to
+// maxTokens tokens.
 func (b *Budget) generate(fn string, n, maxTokens int) error {
+	if err := b.call(fn); err != nil {
+		return err
+	}
+	return b.reserve(fn, n, maxTokens)
+}
+
+// call counts a call against generate_calls: a generate call, a chat turn (counted before its
+// conversation is rendered, and whether or not it samples anything) or a score call.
+func (b *Budget) call(fn string) error {
 	if b == nil {
 		return nil
 	}
@@ -50,11 +60,21 @@ func (b *Budget) generate(fn string, n, maxTokens int) error {
 	if b.calls+1 > b.cfg.GenerateCalls {
 		return &BudgetError{"generate_calls", fmt.Sprint(b.cfg.GenerateCalls), fmt.Sprintf("%s call %d", fn, b.calls+1)}
 	}
+	b.calls++
+	return nil
+}
+
+// reserve reserves n × maxTokens tokens of a call counted by call.
+func (b *Budget) reserve(fn string, n, maxTokens int) error {
+	if b == nil {
+		return nil
+	}
+	b.mu.Lock()
+	defer b.mu.Unlock()
 	want := n * maxTokens
 	if b.tokens+want > b.cfg.Tokens {
 		return &BudgetError{"tokens", fmt.Sprint(b.cfg.Tokens), fmt.Sprintf("%s asks for up to %d tokens (n=%d × max_tokens=%d) with %d used", fn, want, n, maxTokens, b.tokens)}
 	}
-	b.calls++
 	b.tokens += want
 	return nil
 }

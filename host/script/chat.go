@@ -286,6 +286,11 @@ func (c *Chat) generate(thread *starlark.Thread, b *starlark.Builtin, args starl
 // extends it by one of them, forksLocked makes a fork per sample. It checks what the engine
 // answered (the prompt it sampled from, a log-prob per token).
 func (c *Chat) sampleLocked(ro *Rollout, fn string, n int, s engines.Sampling, key []int) ([]*Completion, []int32, []float32, error) {
+	// Every turn is a generate call of the sandbox's budget, counted before the conversation is
+	// rendered: a turn past the context samples nothing, yet costs the host a rendering.
+	if err := ro.Budget.call(fn); err != nil {
+		return nil, nil, nil, err
+	}
 	prompt, mask, maxSeq, err := c.promptLocked(ro, fn)
 	if err != nil {
 		return nil, nil, nil, err
@@ -294,9 +299,16 @@ func (c *Chat) sampleLocked(ro *Rollout, fn string, n int, s engines.Sampling, k
 	var outs []engines.Completion
 	if room := maxSeq - len(prompt); maxSeq > 0 && room < 1 {
 		// The conversation fills the policy's context: the turn ends before its first token,
-		// as a response that reached max_tokens does, and the script sees why.
-		ro.Host.Event(fmt.Sprintf("step %d task %s: %s: the conversation is %d tokens, the policy %q's whole context (%d); the turn ends with finish_reason \"length\" and no tokens",
-			ro.Step, ro.Task.ID, fn, len(prompt), c.policy, maxSeq))
+		// as a response that reached max_tokens does, and the script sees why. Each of its
+		// samples counts a token (the turn's end), and the line it writes to the run's events is
+		// one of the rollout's prints.
+		if err := ro.Budget.reserve(fn, n, 1); err != nil {
+			return nil, nil, nil, err
+		}
+		if err := ro.printEvent(fmt.Sprintf("%s: the conversation is %d tokens, the policy %q's whole context (%d); the turn ends with finish_reason \"length\" and no tokens",
+			fn, len(prompt), c.policy, maxSeq)); err != nil {
+			return nil, nil, nil, err
+		}
 		for i := 0; i < n; i++ {
 			outs = append(outs, engines.Completion{RequestID: req.ID, Index: i, PromptTokens: prompt, FinishReason: "length"})
 		}
@@ -304,7 +316,7 @@ func (c *Chat) sampleLocked(ro *Rollout, fn string, n int, s engines.Sampling, k
 		if maxSeq > 0 && req.MaxTokens > room {
 			req.MaxTokens = room // the engine cuts the turn at the context, with finish_reason "length"
 		}
-		if err := ro.Budget.generate(fn, n, req.MaxTokens); err != nil {
+		if err := ro.Budget.reserve(fn, n, req.MaxTokens); err != nil {
 			return nil, nil, nil, err
 		}
 		var err error
@@ -532,4 +544,23 @@ func jsonEncode(v starlark.Value) (string, error) {
 		return "", err
 	}
 	return string(out.(starlark.String)), nil
+}
+
+// printEvent writes a line the host writes for the rollout to the run's events as print does: it
+// counts against sandbox.print_bytes and the rollout's maxPrintsPerRollout lines.
+func (ro *Rollout) printEvent(msg string) error {
+	ro.mu.Lock()
+	ro.prints++
+	n := ro.prints
+	ro.mu.Unlock()
+	if err := ro.Budget.print(len(msg)); err != nil {
+		return err
+	}
+	switch {
+	case n <= maxPrintsPerRollout:
+		ro.Host.Event(fmt.Sprintf("step %d task %s: %s", ro.Step, ro.Task.ID, msg))
+	case n == maxPrintsPerRollout+1:
+		ro.Host.Event(fmt.Sprintf("step %d task %s: more print output dropped (limit %d lines a rollout)", ro.Step, ro.Task.ID, maxPrintsPerRollout))
+	}
+	return nil
 }
