@@ -7,6 +7,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"sort"
 	"strings"
 	"testing"
@@ -230,6 +231,83 @@ func TestAgentJailGrants(t *testing.T) {
 			t.Errorf("case %d: failed: %v", i, res.Failed)
 		case c.want != "" && (len(res.Failed) != 1 || !strings.Contains(res.Failed[0].Msg, c.want)):
 			t.Errorf("case %d: want a failure with %q, got %v", i, c.want, res.Failed)
+		}
+	}
+}
+
+// BenchmarkAgentJail is the jail's cost: an agent() program's start (python3 -c pass, ten a
+// rollout, one after the other) and one
+// chat-completions call (agent_client.py's bench mode, 200 calls in conversations of 8 turns, on
+// a scripted engine that answers at once), in-process against --sandbox, where the program runs
+// in a jail and its calls cross the jail's loopback proxy and the sandbox child's pipe.
+//
+//	go test ./host -run '^$' -bench AgentJail -benchtime 10x
+func BenchmarkAgentJail(b *testing.B) {
+	if testing.Short() {
+		b.Skip("starts Python")
+	}
+	needPython(b)
+	if err := jail.Available(); err != nil {
+		b.Skipf("no jail on this host: %v", err)
+	}
+	prog, _ := filepath.Abs("testdata/agent_client.py")
+	// The interpreter itself, not a version manager's shim (pyenv's costs a shell and ~0.3 s a
+	// start outside the jail; the jail resolves it to the interpreter).
+	out, err := exec.Command("python3", "-c", "import sys; print(sys.executable)").Output()
+	if err != nil {
+		b.Fatal(err)
+	}
+	py := strings.TrimSpace(string(out))
+	const calls = 200
+	scripts := map[string]string{
+		"start": fmt.Sprintf(`
+def rollout(task):
+    for i in range(10):
+        agent([%q, "-c", "pass"], "", policy = "p")
+`, py),
+		"call": fmt.Sprintf(`
+def rollout(task):
+    agent([%q, %q, "bench", "%d"], task.prompt, policy = "p", max_calls = %d)
+`, py, prog, calls, calls+1),
+	}
+	for _, what := range []string{"start", "call"} {
+		for _, sandboxed := range []bool{false, true} {
+			name := what + "/in-process"
+			if sandboxed {
+				name = what + "/sandboxed"
+			}
+			b.Run(name, func(b *testing.B) {
+				eng := &stampEngine{Engine: scripted.New(func(scripted.Request) string { return "ok" })}
+				cfg := testConfig(1, "p")
+				cfg.Sandbox.Programs, cfg.Sandbox.Train = []string{py}, []string{"p"}
+				cfg.Sandbox.AgentRead = []string{filepath.Dir(prog)}
+				r, err := Load(context.Background(), writeScript(b, scripts[what]), Options{Config: cfg,
+					Engines: map[string]engines.Engine{"p": eng}, Tasks: listTasks{{ID: "a", Prompt: "What is 3 + 4?"}}, Sandbox: sandboxed})
+				if err != nil {
+					b.Fatal(err)
+				}
+				defer r.Close()
+				if _, err := r.Step(context.Background()); err != nil { // the sandbox child's start
+					b.Fatal(err)
+				}
+				eng.gaps()
+				var all []time.Duration
+				b.ResetTimer()
+				for i := 0; i < b.N; i++ {
+					res, err := r.Step(context.Background())
+					if err != nil || len(res.Failed) > 0 {
+						b.Fatal(err, res.Failed)
+					}
+					all = append(all, eng.gaps()...)
+				}
+				if what == "start" {
+					b.ReportMetric(b.Elapsed().Seconds()*1000/float64(10*b.N), "ms/program")
+					return
+				}
+				slices.Sort(all)
+				b.ReportMetric(quantile(all, 0.5), "µs/call-p50")
+				b.ReportMetric(quantile(all, 0.99), "µs/call-p99")
+			})
 		}
 	}
 }

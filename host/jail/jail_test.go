@@ -197,3 +197,31 @@ func TestJailEnvironment(t *testing.T) {
 		t.Fatalf("%v: %s", err, out)
 	}
 }
+
+// BenchmarkJailStart is what a jail adds to a program's start: /bin/true run bare (fork and
+// exec) and in a jail (the init's exec, namespaces, mounts, cgroup, and its teardown).
+//
+//	go test ./host/jail -run '^$' -bench JailStart
+func BenchmarkJailStart(b *testing.B) {
+	b.Run("bare", func(b *testing.B) {
+		for i := 0; i < b.N; i++ {
+			if err := exec.Command("/bin/true").Run(); err != nil {
+				b.Fatal(err)
+			}
+		}
+	})
+	b.Run("jail", func(b *testing.B) {
+		if err := Available(); err != nil {
+			b.Skipf("no jail on this host: %v", err)
+		}
+		for i := 0; i < b.N; i++ {
+			c := &Cmd{Spec: Spec{Argv: []string{"/bin/true"}, Dir: "/tmp", Read: SystemPaths, MemoryBytes: 64 << 20, Pids: 16, CPUs: 1}}
+			if err := c.Start(); err != nil {
+				b.Fatal(err)
+			}
+			if code, err := c.Wait(); code != 0 {
+				b.Fatal(code, err)
+			}
+		}
+	})
+}

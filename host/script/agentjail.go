@@ -12,6 +12,7 @@ import (
 	"slices"
 	"strconv"
 	"strings"
+	"sync"
 	"syscall"
 
 	"github.com/slimen/slimen/host/config"
@@ -136,9 +137,9 @@ func startJailed(cfg config.SandboxConfig, prog string, argv, env []string, dir 
 	if err != nil {
 		return nil, err
 	}
-	resolved, need, err := jail.Resolve(prog, dir, os.Getenv("PATH"))
+	resolved, need, err := resolveProgram(prog, dir)
 	if err != nil {
-		return nil, fmt.Errorf("cannot find the program to run in the jail: %v", err)
+		return nil, err
 	}
 	read := append(slices.Clone(jail.SystemPaths), need...)
 	read = append(read, cfg.AgentRead...)
@@ -161,6 +162,28 @@ func startJailed(cfg config.SandboxConfig, prog string, argv, env []string, dir 
 	}
 	return jailProc{c}, nil
 }
+
+// resolveProgram is jail.Resolve, remembered: finding a version manager's interpreter starts it.
+func resolveProgram(prog, dir string) (string, []string, error) {
+	key := prog + "\x00" + dir + "\x00" + os.Getenv("PATH")
+	if r, ok := resolved.Load(key); ok {
+		r := r.(resolvedProgram)
+		return r.path, r.need, nil
+	}
+	p, need, err := jail.Resolve(prog, dir, os.Getenv("PATH"))
+	if err != nil {
+		return "", nil, fmt.Errorf("cannot find the program to run in the jail: %v", err)
+	}
+	resolved.Store(key, resolvedProgram{p, need})
+	return p, need, nil
+}
+
+type resolvedProgram struct {
+	path string
+	need []string
+}
+
+var resolved sync.Map
 
 // jailBaseURL is the endpoint as a jailed program reaches it.
 var jailBaseURL = "http://127.0.0.1:" + strconv.Itoa(jail.Port)
