@@ -109,6 +109,7 @@ func newCgroup(s Spec) (*cgroup, error) {
 	name := fmt.Sprintf("slimen-jail-%d-%d", os.Getpid(), cgroupSeq.Add(1))
 	cg := &cgroup{}
 	for _, h := range hs {
+		sweep(h.dir)
 		dir := filepath.Join(h.dir, name)
 		if err := os.Mkdir(dir, 0o755); err != nil {
 			cg.remove()
@@ -222,4 +223,32 @@ func (cg *cgroup) remove() {
 			time.Sleep(10 * time.Millisecond)
 		}
 	}
+}
+
+// sweep removes the empty groups of jails whose maker died before removing them (a sandbox
+// child that was killed): their names carry the maker's pid.
+func sweep(parent string) {
+	dirs, _ := filepath.Glob(filepath.Join(parent, "slimen-jail-*"))
+	for _, d := range dirs {
+		if !Orphaned(filepath.Base(d), "slimen-jail-") {
+			continue
+		}
+		b, _ := os.ReadFile(filepath.Join(d, "cgroup.procs"))
+		if len(strings.TrimSpace(string(b))) == 0 {
+			os.Remove(d)
+		}
+	}
+}
+
+// Orphaned says whether a name made as prefix + "<pid>-…" belongs to a process that is gone.
+func Orphaned(name, prefix string) bool {
+	rest, ok := strings.CutPrefix(name, prefix)
+	if !ok {
+		return false
+	}
+	pid, err := strconv.Atoi(strings.SplitN(rest, "-", 2)[0])
+	if err != nil || pid == os.Getpid() {
+		return false
+	}
+	return syscall.Kill(pid, 0) == syscall.ESRCH
 }

@@ -225,3 +225,28 @@ func BenchmarkJailStart(b *testing.B) {
 		}
 	})
 }
+
+// TestJailLeavesNothing: a jail's root folder and cgroup are gone after it, and those of a
+// maker that died are swept by the next jail.
+func TestJailLeavesNothing(t *testing.T) {
+	needJail(t)
+	if !Orphaned("slimen-jail-2147483646-7", "slimen-jail-") || Orphaned(fmt.Sprintf("slimen-jail-%d-1", os.Getppid()), "slimen-jail-") ||
+		Orphaned(fmt.Sprintf("slimen-jail-%d-1", os.Getpid()), "slimen-jail-") {
+		t.Error("Orphaned: a dead maker's name is not told from a live one's")
+	}
+	stale := filepath.Join(os.TempDir(), "slimen-jail-2147483646-x")
+	os.Mkdir(stale, 0o700)
+	run(t, Spec{}, "true")
+	if _, err := os.Stat(stale); err == nil {
+		t.Error("a dead maker's root folder was not swept")
+	}
+	left, _ := filepath.Glob(filepath.Join(os.TempDir(), fmt.Sprintf("slimen-jail-%d-*", os.Getpid())))
+	hs, _ := findCgroups()
+	for _, h := range hs {
+		g, _ := filepath.Glob(filepath.Join(h.dir, fmt.Sprintf("slimen-jail-%d-*", os.Getpid())))
+		left = append(left, g...)
+	}
+	if len(left) > 0 {
+		t.Errorf("jails left %v", left)
+	}
+}

@@ -197,7 +197,13 @@ func agentSocket() (string, error) {
 			a.sockErr = err
 			return
 		}
-		dir, err := os.MkdirTemp("", "slimen-agents-")
+		olds, _ := filepath.Glob(filepath.Join(os.TempDir(), "slimen-agents-*"))
+		for _, d := range olds {
+			if jail.Orphaned(filepath.Base(d), "slimen-agents-") {
+				os.RemoveAll(d) // a killed sandbox child's
+			}
+		}
+		dir, err := os.MkdirTemp("", fmt.Sprintf("slimen-agents-%d-", os.Getpid()))
 		if err != nil {
 			a.sockErr = fmt.Errorf("cannot make the agent endpoint's socket: %v", err)
 			return
