@@ -2,6 +2,7 @@ package jail
 
 import (
 	"bytes"
+	"crypto/sha256"
 	"fmt"
 	"io"
 	"net"
@@ -248,5 +249,37 @@ func TestJailLeavesNothing(t *testing.T) {
 	}
 	if len(left) > 0 {
 		t.Errorf("jails left %v", left)
+	}
+}
+
+// BenchmarkJailNeighbour is what a hostile program costs its neighbours: one core's work (a
+// SHA-256 of 32 MiB) alone, beside a jail whose program spins 16 processes under the default
+// bound (agent_cpus: 1), and beside the same without a CPU bound.
+//
+//	go test ./host/jail -run '^$' -bench JailNeighbour -benchtime 20x
+func BenchmarkJailNeighbour(b *testing.B) {
+	buf := make([]byte, 32<<20)
+	work := func(b *testing.B) {
+		for i := 0; i < b.N; i++ {
+			sha256.Sum256(buf)
+		}
+	}
+	b.Run("alone", work)
+	for _, cpus := range []float64{1, 0} {
+		b.Run(fmt.Sprintf("beside-spinner-cpus=%g", cpus), func(b *testing.B) {
+			if err := Available(); err != nil {
+				b.Skipf("no jail on this host: %v", err)
+			}
+			c := &Cmd{Spec: Spec{Argv: []string{"/bin/sh", "-c", `i=0; while [ $i -lt 16 ]; do (while :; do :; done) & i=$((i+1)); done; wait`},
+				Dir: "/tmp", Read: SystemPaths, MemoryBytes: 64 << 20, Pids: 64, CPUs: cpus}}
+			if err := c.Start(); err != nil {
+				b.Fatal(err)
+			}
+			defer c.Wait()
+			defer c.Kill()
+			time.Sleep(200 * time.Millisecond)
+			b.ResetTimer()
+			work(b)
+		})
 	}
 }
