@@ -20,6 +20,18 @@ func TestMain(m *testing.M) {
 	if os.Getenv(InitEnv) != "" {
 		os.Exit(Init())
 	}
+	if mark := os.Getenv("JAIL_TEST_MAKER"); mark != "" {
+		// TestJailDiesWithItsMaker's maker: starts a jail, says so, and waits to be killed.
+		c := &Cmd{Spec: Spec{Argv: []string{"/bin/sh", "-c", "setsid sleep 304" + mark + " & sleep 305" + mark},
+			Dir: "/tmp", Read: SystemPaths, MemoryBytes: 64 << 20, Pids: 16}}
+		if err := c.Start(); err != nil {
+			fmt.Println(err)
+			os.Exit(1)
+		}
+		fmt.Println("started")
+		c.Wait()
+		os.Exit(0)
+	}
 	os.Exit(m.Run())
 }
 
@@ -281,5 +293,40 @@ func BenchmarkJailNeighbour(b *testing.B) {
 			b.ResetTimer()
 			work(b)
 		})
+	}
+}
+
+// TestJailDiesWithItsMaker: a process that made a jail and is SIGKILLed (a sandbox child killed
+// by the host) takes the jail's whole tree with it.
+func TestJailDiesWithItsMaker(t *testing.T) {
+	needJail(t)
+	mark := fmt.Sprintf("%d%d", os.Getpid(), time.Now().UnixNano()%100000)
+	maker := exec.Command(os.Args[0], "-test.run=^$")
+	maker.Env = append(os.Environ(), "JAIL_TEST_MAKER="+mark)
+	out, _ := maker.StdoutPipe()
+	if err := maker.Start(); err != nil {
+		t.Fatal(err)
+	}
+	line := make([]byte, 8)
+	io.ReadFull(out, line)
+	if string(line) != "started\n" {
+		t.Fatalf("the maker said %q", line)
+	}
+	time.Sleep(100 * time.Millisecond)
+	if ps, _ := exec.Command("pgrep", "-f", mark).Output(); len(ps) == 0 {
+		t.Fatal("the jail's program is not running")
+	}
+	maker.Process.Kill()
+	maker.Wait()
+	deadline := time.Now().Add(5 * time.Second)
+	for {
+		ps, _ := exec.Command("pgrep", "-f", mark).Output()
+		if len(ps) == 0 {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("the jail outlived its maker: %s", ps)
+		}
+		time.Sleep(50 * time.Millisecond)
 	}
 }
