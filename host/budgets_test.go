@@ -301,3 +301,64 @@ def rollout(task):
 		t.Errorf("failed %v, want task t1 failed at generate_calls", res.Failed)
 	}
 }
+
+// scoreCounter is a scripted engine that records the batches of its Score calls.
+type scoreCounter struct {
+	*scripted.Engine
+	mu      sync.Mutex
+	batches []int
+}
+
+func (e *scoreCounter) Score(ctx context.Context, reqs []engines.ScoreRequest) ([]engines.Scores, error) {
+	e.mu.Lock()
+	e.batches = append(e.batches, len(reqs))
+	e.mu.Unlock()
+	return e.Engine.Score(ctx, reqs)
+}
+
+// TestDispatcherBatchesScores: concurrent score calls reach the engine in batches of at most the
+// dispatcher's sample cap, as generate calls do (r.score used to send each alone), and each gets
+// its own log-probs back.
+func TestDispatcherBatchesScores(t *testing.T) {
+	eng := &scoreCounter{Engine: scripted.Echo("x")}
+	eng.Logprob = -0.5
+	act := &activity{}
+	d := newDispatcher(eng, act, 16)
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	go d.loop(ctx)
+	const callers = 64
+	act.add(callers)
+	errs := make(chan error, callers)
+	var wg sync.WaitGroup
+	for i := range callers {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			defer act.leave()
+			cctx, ccancel := context.WithTimeout(ctx, 10*time.Second)
+			defer ccancel()
+			lp, err := d.score(cctx, engines.ScoreRequest{PromptTokens: []int32{1}, Tokens: make([]int32, i+1)}, -1)
+			if err != nil || len(lp) != i+1 || lp[0] != -0.5 {
+				errs <- fmt.Errorf("score %d: %v, %v; want %d log-probs of -0.5", i, lp, err, i+1)
+			}
+		}()
+	}
+	wg.Wait()
+	close(errs)
+	for err := range errs {
+		t.Error(err)
+	}
+	eng.mu.Lock()
+	defer eng.mu.Unlock()
+	reqs := 0
+	for _, n := range eng.batches {
+		reqs += n
+		if n > 16 {
+			t.Errorf("a batch of %d score requests, more than the dispatcher's 16", n)
+		}
+	}
+	if reqs != callers || len(eng.batches) > 8 {
+		t.Errorf("%d score requests reached the engine in %d batches, want %d in at most 8", reqs, len(eng.batches), callers)
+	}
+}

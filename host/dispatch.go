@@ -76,6 +76,7 @@ type dispatcher struct {
 
 	mu      sync.Mutex
 	pending []*pendingGen
+	scores  []*pendingScore // score calls, batched the same way into the engine's Score
 	// sending is set while a batch taken from pending is on its way to the engine (an
 	// adapterBatcher waits for it rather than send its other batches without it).
 	sending bool
@@ -104,6 +105,39 @@ type pendingGen struct {
 type genResult struct {
 	out []engines.Completion
 	err error
+}
+
+type pendingScore struct {
+	ctx     context.Context
+	req     engines.ScoreRequest
+	version int // as pendingGen's
+	done    chan scoreResult
+}
+
+type scoreResult struct {
+	lp  []float32
+	err error
+}
+
+// score queues a score request, as generate does a generate request, and blocks until its
+// log-probs are back: the score calls of all rollouts reach the engine in batches too.
+func (d *dispatcher) score(ctx context.Context, req engines.ScoreRequest, version int) ([]float32, error) {
+	p := &pendingScore{ctx: ctx, req: req, version: version, done: make(chan scoreResult, 1)}
+	d.mu.Lock()
+	d.scores = append(d.scores, p)
+	d.mu.Unlock()
+	select {
+	case d.kick <- struct{}{}:
+	default:
+	}
+	d.act.leave()
+	defer d.act.enter()
+	select {
+	case r := <-p.done:
+		return r.lp, r.err
+	case <-ctx.Done():
+		return nil, context.Cause(ctx)
+	}
 }
 
 func newDispatcher(eng engines.Engine, act *activity, maxSamples int) *dispatcher {
@@ -138,7 +172,7 @@ func (d *dispatcher) loop(ctx context.Context) {
 	defer timer.Stop()
 	for {
 		d.mu.Lock()
-		n, samples := len(d.pending), 0
+		n, samples := len(d.pending)+len(d.scores), len(d.scores)
 		for _, p := range d.pending {
 			samples += max(p.req.N, 1)
 		}
@@ -149,6 +183,7 @@ func (d *dispatcher) loop(ctx context.Context) {
 			}
 			if d.act.quiet() || samples >= d.maxSamples || time.Since(first) >= d.maxWait {
 				d.flush(ctx)
+				d.flushScores(ctx)
 				first = time.Time{}
 				continue
 			}
@@ -236,6 +271,56 @@ func (d *dispatcher) flush(ctx context.Context) {
 	}
 }
 
+// flushScores sends a batch of the pending score requests: up to maxSamples of them, of the
+// oldest one's weights version.
+func (d *dispatcher) flushScores(ctx context.Context) {
+	d.mu.Lock()
+	var batch []*pendingScore
+	rest := d.scores[:0:0]
+	for _, p := range d.scores {
+		if p.ctx.Err() != nil {
+			continue
+		}
+		if len(batch) > 0 && (len(batch) >= d.maxSamples || p.version != batch[0].version) {
+			rest = append(rest, p)
+			continue
+		}
+		batch = append(batch, p)
+	}
+	d.scores = rest
+	d.mu.Unlock()
+	if len(batch) == 0 {
+		return
+	}
+	reqs := make([]engines.ScoreRequest, len(batch))
+	for i, p := range batch {
+		reqs[i] = p.req
+	}
+	if d.busy != nil {
+		d.busy.begin()
+	}
+	var out []engines.Scores
+	var err error
+	if v, vs := batch[0].version, d.versions(); v >= 0 && vs != nil {
+		out, err = vs.ScoreVersion(ctx, v, reqs)
+	} else { // the current weights, as flush says
+		out, err = d.eng.Score(ctx, reqs)
+	}
+	if d.busy != nil {
+		d.busy.end()
+	}
+	if err == nil && len(out) != len(reqs) {
+		err = fmt.Errorf("engine returned %d scores for %d requests", len(out), len(reqs))
+	}
+	for i, p := range batch {
+		if err != nil {
+			p.done <- scoreResult{err: err}
+			continue
+		}
+		p.done <- scoreResult{lp: out[i].Logprobs}
+	}
+}
+
 func (d *dispatcher) failAll(err error) {
 	d.mu.Lock()
 	defer d.mu.Unlock()
@@ -243,6 +328,10 @@ func (d *dispatcher) failAll(err error) {
 		p.done <- genResult{err: err}
 	}
 	d.pending = nil
+	for _, p := range d.scores {
+		p.done <- scoreResult{err: err}
+	}
+	d.scores = nil
 }
 
 // stats returns how many batches and requests reached the engine so far.

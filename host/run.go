@@ -602,23 +602,11 @@ func (r *Run) sampling() engines.Sampling {
 	}
 }
 
+// score scores one request of a rollout: through the policy's dispatcher, which batches the score
+// calls of all rollouts as it does their generate calls, at the weights version the rollout
+// samples from.
 func (r *Run) score(ctx context.Context, p *policy, req engines.ScoreRequest) ([]float32, error) {
-	r.activity.leave()
-	defer r.activity.enter()
-	var out []engines.Scores
-	var err error
-	if v, vs := versionFor(ctx, p).gen, p.disp.versions(); v >= 0 && vs != nil {
-		out, err = vs.ScoreVersion(ctx, v, []engines.ScoreRequest{req})
-	} else { // the current weights: as the dispatcher's flush says
-		out, err = p.eng.Score(ctx, []engines.ScoreRequest{req})
-	}
-	if err != nil {
-		return nil, err
-	}
-	if len(out) != 1 {
-		return nil, fmt.Errorf("engine returned %d scores for 1 request", len(out))
-	}
-	return out[0].Logprobs, nil
+	return p.disp.score(ctx, req, versionFor(ctx, p).gen)
 }
 
 // StepResult is what one step did: one metrics record per policy plus the run-wide record.

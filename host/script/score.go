@@ -29,6 +29,14 @@ func builtinScore(thread *starlark.Thread, b *starlark.Builtin, args starlark.Tu
 	if err := ts.ro.Budget.allowed(b.Name(), policy, false); err != nil {
 		return nil, err
 	}
+	if err := ts.ro.Budget.Prompt(b.Name(), msgs); err != nil {
+		return nil, err
+	}
+	// A score call costs the engine what a generate call of its tokens would: under the sandbox it
+	// is a generate call of the budget, and the tokens it scores count against tokens.
+	if err := ts.ro.Budget.generate(b.Name(), 1, len(c.tokens)); err != nil {
+		return nil, err
+	}
 	lp, err := ts.ro.Host.Score(ts.ro.Ctx, policy, engines.ScoreRequest{Messages: msgs, Tokens: c.tokens})
 	if err != nil {
 		return nil, fmt.Errorf("%s: policy %q: %v", b.Name(), policy, err)
