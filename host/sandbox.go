@@ -7,7 +7,6 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
-	"io"
 	"math"
 	"os"
 	"os/exec"
@@ -54,15 +53,19 @@ type pool struct {
 type sbChild struct {
 	sb     *pool
 	cmd    *exec.Cmd
-	in     io.WriteCloser
+	in     *os.File // the host's ends of the channel (the child's fds 3 and 4)
+	out    *os.File
 	encMu  sync.Mutex
 	enc    *json.Encoder
-	stderr *tailBuffer
+	stderr *tailBuffer // the child's stdout and stderr: diagnostics, never read as messages
+
+	readDone chan struct{} // the reader of out has stopped
 
 	mu       sync.Mutex
-	breach   error                     // why the host stopped the child (a message over message_bytes, wall time)
+	breach   error                     // why the host stopped the child (a message over message_bytes, a forged one, wall time)
 	rollouts map[int64]*script.Rollout // in flight
 	results  map[int64]chan sandbox.Done
+	accts    map[int64]*account                   // what the host has charged each rollout in flight (sandbox_guard.go)
 	locks    map[int64]func()                     // state locks held, by rollout id
 	commits  map[int64]func(starlark.Value) error // the pending state.update of each lock
 	nextID   int64
@@ -70,7 +73,8 @@ type sbChild struct {
 	deathErr error
 	gone     bool // read has released the locks of a dead child: none may be taken for it now
 
-	calls, peakCalls int // calls being answered, and the most at once (the child bounds them)
+	calls, peakCalls int // calls being answered, and the most at once (the child bounds them; so does admit)
+	callBytes        int // the bytes of the calls being answered
 }
 
 // newSandbox starts nothing yet: children start when the first rollouts come.
@@ -102,30 +106,43 @@ func (sb *pool) close() {
 	sb.children = nil
 }
 
-// start launches a child and sends it the script.
+// start launches a child and sends it the script. The child speaks to the host over two pipes
+// of its own, its fds 3 and 4, which it closes on exec at once, so no program it starts holds
+// them; its stdout and stderr are only kept for the host's messages. It gets the environment it
+// needs, not the host's (childEnv). A goroutine waits on the process itself, so that its death
+// is noticed even while something else holds its pipes.
 func (sb *pool) start() (*sbChild, error) {
 	cfg := sb.r.Config()
 	cmd := exec.Command(sb.cmd[0], sb.cmd[1:]...)
-	cmd.Env = append(os.Environ(), sandbox.ChildEnv+"="+strconv.Itoa(cfg.Sandbox.MemoryMB))
-	if cfg.Sandbox.CPUSeconds > 0 {
-		cmd.Env = append(cmd.Env, sandbox.CPUEnv+"="+strconv.Itoa(cfg.Sandbox.CPUSeconds))
-	}
+	cmd.Env = childEnv(cfg.Sandbox)
 	c := &sbChild{sb: sb, cmd: cmd, stderr: &tailBuffer{max: 4096}, rollouts: map[int64]*script.Rollout{},
-		results: map[int64]chan sandbox.Done{}, locks: map[int64]func(){},
-		commits: map[int64]func(starlark.Value) error{}, dead: make(chan struct{})}
-	cmd.Stderr = c.stderr
-	in, err := cmd.StdinPipe()
+		results: map[int64]chan sandbox.Done{}, accts: map[int64]*account{}, locks: map[int64]func(){},
+		commits: map[int64]func(starlark.Value) error{}, dead: make(chan struct{}), readDone: make(chan struct{})}
+	cmd.Stdout, cmd.Stderr = c.stderr, c.stderr
+	// A program the child started that holds its stdout open does not hold the host up once
+	// the child is gone.
+	cmd.WaitDelay = time.Second
+	toChild, in, err := os.Pipe()
 	if err != nil {
 		return nil, err
 	}
-	out, err := cmd.StdoutPipe()
+	out, fromChild, err := os.Pipe()
 	if err != nil {
+		toChild.Close()
+		in.Close()
 		return nil, err
 	}
-	c.in, c.enc = in, json.NewEncoder(in)
-	if err := cmd.Start(); err != nil {
+	cmd.ExtraFiles = []*os.File{toChild, fromChild} // fds 3 and 4: sandbox.HostInFD, HostOutFD
+	err = cmd.Start()
+	toChild.Close() // the child's ends are the child's alone
+	fromChild.Close()
+	if err != nil {
+		in.Close()
+		out.Close()
 		return nil, fmt.Errorf("sandbox: start %s: %w", sb.cmd[0], err)
 	}
+	c.in, c.out, c.enc = in, out, json.NewEncoder(in)
+	go c.wait()
 	init, _ := json.Marshal(sandbox.Init{Script: sb.r.script.Path, Source: string(sb.r.script.Source), Config: cfg, Zero: sb.r.zero})
 	c.send(sandbox.Msg{T: "init", Args: init})
 	sc := bufio.NewScanner(out)
@@ -135,15 +152,37 @@ func (sb *pool) start() (*sbChild, error) {
 	if !sc.Scan() {
 		c.noteTooLong(sc.Err())
 		c.kill()
-		return nil, fmt.Errorf("sandbox: the script's process died while running its top level: %v", c.describeDeath(cmd.Wait()))
+		close(c.readDone)
+		<-c.dead
+		return nil, fmt.Errorf("sandbox: the script's process died while running its top level: %v", c.deathErr)
 	}
 	var first sandbox.Msg
 	if err := json.Unmarshal(sc.Bytes(), &first); err != nil || first.T != "ready" {
 		c.kill()
+		close(c.readDone)
+		<-c.dead
+		if err != nil || first.T != "fatal" {
+			return nil, fmt.Errorf("sandbox: the script's process did not start: it answered %.200q", sc.Bytes())
+		}
 		return nil, fmt.Errorf("%s", first.Error)
 	}
 	go c.read(sc)
 	return c, nil
+}
+
+// childEnv is a child's environment: its limits and what it needs to run (and start an agent()
+// program), none of the host's other variables (tokens, keys, loader settings).
+func childEnv(cfg config.SandboxConfig) []string {
+	env := []string{sandbox.ChildEnv + "=" + strconv.Itoa(cfg.MemoryMB)}
+	if cfg.CPUSeconds > 0 {
+		env = append(env, sandbox.CPUEnv+"="+strconv.Itoa(cfg.CPUSeconds))
+	}
+	for _, k := range []string{"PATH", "HOME", "LANG", "LC_ALL", "TMPDIR", script.PythonEnv, "GOCOVERDIR"} {
+		if v, ok := os.LookupEnv(k); ok {
+			env = append(env, k+"="+v)
+		}
+	}
+	return env
 }
 
 func (c *sbChild) send(m sandbox.Msg) {
@@ -154,7 +193,6 @@ func (c *sbChild) send(m sandbox.Msg) {
 
 func (c *sbChild) kill() {
 	c.cmd.Process.Kill()
-	c.in.Close()
 }
 
 // noteTooLong records a message over message_bytes as the reason the child is stopped.
@@ -177,40 +215,81 @@ func (c *sbChild) stop(why error) {
 	c.kill()
 }
 
-// read handles the child's messages until its stdout closes, then fails what it was running.
+// read handles the child's messages until its channel closes or breaks, or it sends one that
+// its honest self never does; then the child is stopped.
 func (c *sbChild) read(sc *bufio.Scanner) {
+	defer close(c.readDone)
+	cfg := c.sb.r.Config().Sandbox
 	for sc.Scan() {
-		var m sandbox.Msg
-		if err := json.Unmarshal(sc.Bytes(), &m); err != nil {
-			break
-		}
-		switch m.T {
-		case "call":
-			c.mu.Lock()
-			c.calls++
-			c.peakCalls = max(c.peakCalls, c.calls)
-			c.mu.Unlock()
-			go c.answer(m)
-		case "note":
-			c.note(m)
-		case "done":
-			var d sandbox.Done
-			if err := json.Unmarshal(m.Result, &d); err != nil {
-				d = sandbox.Done{Error: "sandbox: bad report from the child: " + err.Error()}
-			}
-			c.mu.Lock()
-			ch := c.results[m.ID]
-			delete(c.results, m.ID)
-			delete(c.rollouts, m.ID)
-			c.mu.Unlock()
-			if ch != nil {
-				ch <- d
-			}
+		if err := c.handle(sc.Bytes(), cfg); err != nil {
+			c.stop(err)
+			return
 		}
 	}
 	c.noteTooLong(sc.Err())
 	c.kill()
+}
+
+// handle acts on one message of the child; an error is a forged one.
+func (c *sbChild) handle(line []byte, cfg config.SandboxConfig) error {
+	var m sandbox.Msg
+	if err := json.Unmarshal(line, &m); err != nil {
+		return forgery("a line that is not a message (%v)", err)
+	}
+	switch m.T {
+	case "call":
+		p, err := c.admit(m, cfg)
+		if err != nil {
+			return err
+		}
+		go c.answer(p)
+	case "note":
+		return c.note(m, cfg)
+	case "done":
+		c.mu.Lock()
+		ch, a := c.results[m.ID], c.accts[m.ID]
+		_, locked := c.locks[m.ID]
+		if ch != nil {
+			delete(c.results, m.ID)
+			delete(c.rollouts, m.ID)
+			delete(c.accts, m.ID)
+		}
+		c.mu.Unlock()
+		switch {
+		case ch == nil && m.ID > 0 && m.ID <= c.issued():
+			return forgery("a second report of rollout %d", m.ID)
+		case ch == nil:
+			return forgery("a report of rollout %d, which it was never given", m.ID)
+		case locked:
+			// The child's state.update ends (state_set or state_unlock) before its rollout does.
+			return forgery("the report of rollout %d while it holds the state lock", m.ID)
+		}
+		c.sb.r.activity.add(-a.running)
+		var d sandbox.Done
+		if err := json.Unmarshal(m.Result, &d); err != nil {
+			return forgery("a report it cannot have encoded (%v)", err)
+		}
+		ch <- d
+	default:
+		return forgery("a message of an unknown kind %.40q", m.T)
+	}
+	return nil
+}
+
+// issued is the last rollout id the host gave the child.
+func (c *sbChild) issued() int64 {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.nextID
+}
+
+// wait notices the child's death from its process: the host stops reading its channel then,
+// even if a program the child started still holds it, and fails what the child was running.
+func (c *sbChild) wait() {
 	err := c.cmd.Wait()
+	c.out.Close() // ends the reader's scan
+	c.in.Close()
+	<-c.readDone
 	death := c.describeDeath(err)
 	c.mu.Lock()
 	c.deathErr = death
@@ -219,7 +298,12 @@ func (c *sbChild) read(sc *bufio.Scanner) {
 		release()
 		delete(c.locks, id)
 	}
+	residual := 0
+	for _, a := range c.accts {
+		residual += a.running
+	}
 	c.mu.Unlock()
+	c.sb.r.activity.add(-residual)
 	close(c.dead)
 }
 
@@ -258,24 +342,23 @@ func (c *sbChild) describeDeath(err error) error {
 }
 
 // answer serves one call of the child's built-ins with the run's own services.
-func (c *sbChild) answer(m sandbox.Msg) {
+func (c *sbChild) answer(p *pending) {
 	answered := false
 	finish := func() { // the call is no longer in flight: before the child can see the reply
-		if !answered {
-			answered = true
+		if !answered && p.counted {
 			c.mu.Lock()
 			c.calls--
+			c.callBytes -= p.size
 			c.mu.Unlock()
 		}
+		answered = true
 	}
 	defer finish()
-	c.mu.Lock()
-	ro := c.rollouts[m.Rollout]
-	c.mu.Unlock()
+	m := p.m
 	var v any
-	err := errors.New("unknown rollout")
-	if ro != nil {
-		v, err = c.serve(ro, m)
+	err := fmt.Errorf("rollout %d has ended", m.Rollout)
+	if p.ro != nil || p.release != nil {
+		v, err = c.serve(p)
 	}
 	if errors.Is(err, errNoReply) {
 		return
@@ -293,9 +376,10 @@ func (c *sbChild) answer(m sandbox.Msg) {
 // errNoReply is a call that gets no reply: its child died while it waited.
 var errNoReply = errors.New("no reply")
 
-// serve runs one call of the child's built-ins for rollout ro and returns the reply's value.
-func (c *sbChild) serve(ro *script.Rollout, m sandbox.Msg) (any, error) {
+// serve runs one call of the child's built-ins, admitted and charged, and returns the reply's value.
+func (c *sbChild) serve(p *pending) (any, error) {
 	h := localHost{c.sb.r}
+	ro, m := p.ro, p.m
 	switch m.Method {
 	case "policy":
 		var name string
@@ -306,21 +390,15 @@ func (c *sbChild) serve(ro *script.Rollout, m sandbox.Msg) (any, error) {
 		trainable, place, err := h.CheckPolicy(name)
 		return map[string]any{"trainable": trainable, "place": place}, err
 	case "generate":
-		return c.generate(h, ro, m.Args)
+		return c.generate(h, p)
 	case "score":
-		var s sandbox.Score
-		if err := json.Unmarshal(m.Args, &s); err != nil {
-			return nil, err
-		}
+		s := p.score
 		if err := c.sb.usable("score", s.Policy, s.Req.Messages); err != nil {
 			return nil, err
 		}
 		return h.Score(ro.Ctx, s.Policy, s.Req)
 	case "render":
-		var rq sandbox.Render
-		if err := json.Unmarshal(m.Args, &rq); err != nil {
-			return nil, err
-		}
+		rq := p.render
 		for _, q := range rq.Reqs {
 			if err := c.sb.usable("chat", rq.Policy, q.Messages); err != nil {
 				return nil, err
@@ -337,8 +415,9 @@ func (c *sbChild) serve(ro *script.Rollout, m sandbox.Msg) (any, error) {
 		json.Unmarshal(m.Args, &k)
 		v, ok, commit, release, _ := h.StateLock(k)
 		c.mu.Lock()
-		if c.gone {
-			// The child died while this call waited for the lock: nobody will release it.
+		if c.gone || c.rollouts[m.Rollout] == nil {
+			// The child died while this call waited for the lock, or reported the rollout:
+			// nobody will release it.
 			c.mu.Unlock()
 			release()
 			return nil, errNoReply
@@ -347,24 +426,26 @@ func (c *sbChild) serve(ro *script.Rollout, m sandbox.Msg) (any, error) {
 		c.mu.Unlock()
 		return stateReply(v, ok)
 	case "state_set", "state_unlock":
-		return true, c.stateSet(m)
+		return true, c.stateSet(p)
 	}
 	return nil, fmt.Errorf("unknown call %q", m.Method)
 }
 
 // generate serves a generate call. The host keeps its own copy of the completions the child will
 // see: the child's report names them by id.
-func (c *sbChild) generate(h localHost, ro *script.Rollout, args json.RawMessage) ([]engines.Completion, error) {
-	var g sandbox.Generate
-	if err := json.Unmarshal(args, &g); err != nil {
-		return nil, err
-	}
+func (c *sbChild) generate(h localHost, p *pending) ([]engines.Completion, error) {
+	g, ro := p.gen, p.ro
+	used := 0
+	defer func() { c.settle(p, used) }()
 	// The child checks these too; the host does not take its word for it.
 	if err := c.sb.usable("generate", g.Policy, g.Req.Messages); err != nil {
 		return nil, err
 	}
 	outs, err := h.Generate(ro.Ctx, g.Policy, g.Req)
 	if err == nil {
+		for _, o := range outs {
+			used += len(o.Tokens)
+		}
 		for _, cmp := range script.CompletionsOf(g.Policy, g.Req, outs) {
 			ro.Note(cmp)
 			h.Generated(len(cmp.Tokens()))
@@ -375,12 +456,8 @@ func (c *sbChild) generate(h localHost, ro *script.Rollout, args json.RawMessage
 
 // stateSet ends a state.update of the rollout: state_set stores the new value (within the
 // sandbox's state budgets), state_unlock leaves the store as it was; both release the lock.
-func (c *sbChild) stateSet(m sandbox.Msg) error {
-	c.mu.Lock()
-	release, commit := c.locks[m.Rollout], c.commits[m.Rollout]
-	delete(c.locks, m.Rollout)
-	delete(c.commits, m.Rollout)
-	c.mu.Unlock()
+func (c *sbChild) stateSet(p *pending) error {
+	m, release, commit := p.m, p.release, p.commit // admit took them out of c.locks
 	if release != nil {
 		defer release()
 	}
@@ -513,19 +590,6 @@ func stateReply(v starlark.Value, ok bool) (any, error) {
 	return map[string]any{"found": true, "value": enc}, err
 }
 
-func (c *sbChild) note(m sandbox.Msg) {
-	switch m.Method {
-	case "event":
-		var msg string
-		json.Unmarshal(m.Args, &msg)
-		c.sb.r.events.printf("%s", msg)
-	case "running":
-		var n int
-		json.Unmarshal(m.Args, &n)
-		c.sb.r.activity.add(n)
-	}
-}
-
 // run evaluates one rollout in a child. alone starts a child of its own (after a crash).
 func (sb *pool) run(ro *script.Rollout, a sandbox.Rollout, alone bool) error {
 	var c *sbChild
@@ -555,6 +619,7 @@ func (sb *pool) run(ro *script.Rollout, a sandbox.Rollout, alone bool) error {
 	id := c.nextID
 	c.rollouts[id] = ro
 	c.results[id] = ch
+	c.accts[id] = &account{}
 	c.mu.Unlock()
 	c.send(sandbox.Msg{T: "rollout", ID: id, Args: b})
 	// The child ends a rollout at its wall time itself; a child that does not (stuck where it
@@ -564,7 +629,16 @@ func (sb *pool) run(ro *script.Rollout, a sandbox.Rollout, alone bool) error {
 	defer timer.Stop()
 	select {
 	case d := <-ch:
-		return sb.r.applyReport(ro, d)
+		err := sb.r.applyReport(ro, d)
+		var forged *forgedError
+		if errors.As(err, &forged) {
+			// The report names what the host never generated for the rollout: the child is
+			// stopped, and its rollouts, this one too, run again alone.
+			c.stop(err)
+			<-c.dead
+			return &childDied{c.deathErr}
+		}
+		return err
 	case <-c.dead:
 		return &childDied{c.deathErr}
 	case <-ro.Ctx.Done():
@@ -627,7 +701,7 @@ func (r *Run) applyReport(ro *script.Rollout, d sandbox.Done) error {
 			turns := make([]*script.Completion, len(q.Turns))
 			for k, id := range q.Turns {
 				if turns[k] = byID[id]; turns[k] == nil {
-					return fmt.Errorf("sandbox: the child trained a conversation with turn %s, which the host never generated", id)
+					return forgery("a report that trains a conversation with turn %.80q, which the host never generated for the rollout", id)
 				}
 			}
 			c, err := script.NewConversation(q.ID, q.Key, turns)
@@ -637,8 +711,7 @@ func (r *Run) applyReport(ro *script.Rollout, d sandbox.Done) error {
 			qs[i].C = c
 		}
 		if qs[i].C == nil {
-			qs = qs[:i]
-			break
+			return forgery("a report that trains completion %.80q, which the host never generated for the rollout", q.ID)
 		}
 	}
 	cfg := r.Config().Sandbox
@@ -654,9 +727,6 @@ func (r *Run) applyReport(ro *script.Rollout, d sandbox.Done) error {
 	})
 	if err != nil {
 		return err
-	}
-	if len(qs) < len(d.Queued) {
-		return fmt.Errorf("sandbox: the child trained completion %s, which the host never generated", d.Queued[len(qs)].ID)
 	}
 	if d.Result != nil {
 		raw, _ := json.Marshal(d.Result)

@@ -213,8 +213,9 @@ func TestSandboxRogueChild(t *testing.T) {
 	cfg := testConfig(1, "p")
 	cfg.Sandbox = hostileSandbox()
 	cfg.Rollout.MaxFailedFraction = 1
-	// Answers the init, then sends a 200 MB line with no newline for the rollout.
-	rogue := []string{"/bin/sh", "-c", `read a; echo '{"t":"ready"}'; read b; exec head -c 200000000 /dev/zero`}
+	// Answers the init, then sends a 200 MB line with no newline for the rollout (on the
+	// channel: fd 3 from the host, fd 4 to it).
+	rogue := []string{"/bin/sh", "-c", `read a <&3; echo '{"t":"ready"}' >&4; read b <&3; exec head -c 200000000 /dev/zero >&4`}
 	peak := resetPeak(t)
 	r, err := Load(context.Background(), writeScript(t, honestScript), Options{Config: cfg, Tasks: numberedTasks(1),
 		Engines: map[string]engines.Engine{"p": scripted.Echo("x")}, Sandbox: true, SandboxCommand: rogue})

@@ -23,9 +23,14 @@ import (
 	"github.com/slimen/slimen/host/config"
 )
 
-// ChildMain runs the sandbox child on stdin/stdout; the CLI calls it when ChildEnv
-// is set. It returns the process exit code.
+// ChildMain runs the sandbox child on the host's channel (fds HostInFD and HostOutFD); the CLI
+// calls it when ChildEnv is set. It returns the process exit code.
 func ChildMain() int {
+	in, out, err := openChannel()
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "slimen sandbox child:", err)
+		return 2
+	}
 	if mb, err := strconv.Atoi(os.Getenv(ChildEnv)); err == nil && mb > 0 {
 		limit := uint64(mb) << 20
 		// The hard limit makes an allocation past it fail (the runtime then dies, taking only
@@ -46,8 +51,25 @@ func ChildMain() int {
 		}()
 		syscall.Setrlimit(syscall.RLIMIT_CPU, &syscall.Rlimit{Cur: s, Max: s + 5})
 	}
-	c := &childConn{out: os.Stdout, waiting: map[int64]chan Msg{}}
-	return c.serve(os.Stdin)
+	c := &childConn{out: out, waiting: map[int64]*waiter{}}
+	return c.serve(in)
+}
+
+// openChannel takes the host's channel and hides it from every program this process starts
+// (agent()): both ends close on exec, at once, before any program can start. The process is
+// also made non-dumpable, so that a program of the same (non-root) user can neither open
+// /proc/<child>/fd/N nor trace it; a root program can, which only a jail that hides this process
+// from it (its own PID namespace) prevents.
+func openChannel() (*os.File, *os.File, error) {
+	for _, fd := range []int{HostInFD, HostOutFD} {
+		var st syscall.Stat_t
+		if err := syscall.Fstat(fd, &st); err != nil {
+			return nil, nil, fmt.Errorf("no channel to the host on fd %d (%v): a sandbox child is started by the host", fd, err)
+		}
+		syscall.CloseOnExec(fd)
+	}
+	syscall.RawSyscall(syscall.SYS_PRCTL, syscall.PR_SET_DUMPABLE, 0, 0)
+	return os.NewFile(HostInFD, "host-in"), os.NewFile(HostOutFD, "host-out"), nil
 }
 
 // childConn is the child's side of the pipe.
@@ -56,7 +78,7 @@ type childConn struct {
 	out     io.Writer
 	mu      sync.Mutex
 	nextID  int64
-	waiting map[int64]chan Msg
+	waiting map[int64]*waiter
 	script  *script.Script
 	cfg     *config.Config
 	zero    bool
@@ -101,7 +123,7 @@ func (c *childConn) serve(in io.Reader) int {
 				return 2
 			}
 			c.cfg, c.zero = in.Config, in.Zero
-			c.calls = newInflight(MaxCallsInFlight, inflightMessages*c.cfg.Sandbox.MessageBytes)
+			c.calls = newInflight(MaxCallsInFlight, InflightMessages*c.cfg.Sandbox.MessageBytes)
 			s, err := script.LoadSource(in.Script, []byte(in.Source), script.Options{Sandbox: true, Config: script.ConfigValue(func() *config.Config { return c.cfg })})
 			if err != nil {
 				msg := err.Error()
@@ -117,11 +139,17 @@ func (c *childConn) serve(in io.Reader) int {
 			go c.runRollout(m.ID, m.Args)
 		case "reply":
 			c.mu.Lock()
-			ch := c.waiting[m.ID]
+			w := c.waiting[m.ID]
 			delete(c.waiting, m.ID)
 			c.mu.Unlock()
-			if ch != nil {
-				ch <- m
+			switch {
+			case w == nil:
+			case w.abandoned:
+				// Its caller gave up (the rollout's wall time); the call was still in flight at
+				// the host until now.
+				c.calls.release(w.size)
+			default:
+				w.ch <- m
 			}
 		}
 	}
@@ -134,17 +162,31 @@ func (c *childConn) serve(in io.Reader) int {
 // wait in the child, where memory_mb bounds them.
 const (
 	MaxCallsInFlight = 256
-	inflightMessages = 4 // bytes in flight: this many message_bytes
+	InflightMessages = 4 // bytes in flight: this many message_bytes
 )
+
+// waiter is a call waiting for the host's reply.
+type waiter struct {
+	ch        chan Msg
+	size      int  // its bytes in flight (c.calls); 0 for state_set and state_unlock
+	abandoned bool // its caller gave up: the reply releases its place in flight
+}
 
 // call sends a request to the host and waits for its reply, or until ctx ends (the rollout's
 // wall time): then the host's late reply is dropped. state_set and state_unlock are never held
 // back or abandoned, since they release the host's state lock.
+//
+// The host charges every call as it comes and counts it in flight until it replies (host/sandbox.go),
+// and stops a child whose calls go past what these checks allow. So a call is not sent once its
+// rollout's ctx has ended (a call abandoned then gave its tokens back to the rollout's budget,
+// which the host still holds), and an abandoned call keeps its place in flight until the host's
+// reply comes.
 func (c *childConn) call(ctx context.Context, rollout int64, method string, args any) (json.RawMessage, error) {
 	b, err := Marshal(args)
 	if err != nil {
 		return nil, err
 	}
+	w := &waiter{ch: make(chan Msg, 1)}
 	releases := method == "state_set" || method == "state_unlock"
 	if releases {
 		ctx = context.Background()
@@ -152,31 +194,43 @@ func (c *childConn) call(ctx context.Context, rollout int64, method string, args
 		if err := c.calls.acquire(ctx, len(b)); err != nil {
 			return nil, err
 		}
-		defer c.calls.release(len(b))
+		w.size = len(b)
+		if err := ctx.Err(); err != nil {
+			c.calls.release(w.size)
+			return nil, context.Cause(ctx)
+		}
 	}
-	ch := make(chan Msg, 1)
 	c.mu.Lock()
 	c.nextID++
 	id := c.nextID
-	c.waiting[id] = ch
+	c.waiting[id] = w
 	c.mu.Unlock()
-	forget := func() {
+	if err := c.send(Msg{T: "call", ID: id, Rollout: rollout, Method: method, Args: b}); err != nil {
 		c.mu.Lock()
 		delete(c.waiting, id)
 		c.mu.Unlock()
-	}
-	if err := c.send(Msg{T: "call", ID: id, Rollout: rollout, Method: method, Args: b}); err != nil {
-		forget()
+		if !releases {
+			c.calls.release(w.size)
+		}
 		return nil, err
 	}
 	select {
-	case r := <-ch:
+	case r := <-w.ch:
+		if !releases {
+			c.calls.release(w.size)
+		}
 		if r.Error != "" {
 			return nil, errors.New(r.Error)
 		}
 		return r.Result, nil
 	case <-ctx.Done():
-		forget()
+		c.mu.Lock()
+		if _, waiting := c.waiting[id]; waiting {
+			w.abandoned = true // the reply, when it comes, releases its place
+		} else {
+			c.calls.release(w.size) // the reply came as ctx ended
+		}
+		c.mu.Unlock()
 		return nil, context.Cause(ctx)
 	}
 }
@@ -318,6 +372,9 @@ type pipeHost struct {
 	defaults engines.Sampling // the host's rollout settings when the rollout started
 	budget   *script.Budget
 	ctx      context.Context // the rollout's: its wall time ends every call it waits on
+
+	mu      sync.Mutex
+	renders int // chat turns rendered (script.MaxRenders)
 }
 
 func (s *pipeHost) CheckPolicy(name string) (bool, string, error) {
@@ -366,6 +423,18 @@ func (s *pipeHost) Render(ctx context.Context, policy string, reqs []engines.Ren
 		if err := s.budget.Prompt("chat", r.Messages); err != nil {
 			return script.Rendered{}, err
 		}
+	}
+	// The host charges these too (a conversation's tool schemas are rendered into its prompt,
+	// and each turn renders it again): see script.CheckRender and script.MaxRenders.
+	if err := script.CheckRender(s.c.cfg.Sandbox, "chat", reqs); err != nil {
+		return script.Rendered{}, err
+	}
+	s.mu.Lock()
+	s.renders++
+	turn := s.renders
+	s.mu.Unlock()
+	if turn > script.MaxRenders(s.c.cfg.Sandbox) {
+		return script.Rendered{}, script.RenderTurnError(s.c.cfg.Sandbox, "chat", turn)
 	}
 	raw, err := s.c.call(ctx, s.id, "render", Render{Policy: policy, Reqs: reqs})
 	if err != nil {

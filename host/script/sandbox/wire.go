@@ -1,7 +1,9 @@
 // Package sandbox is the sandbox child of a sandboxed run and its wire protocol: a copy of the
 // slimen binary, started with ChildEnv set, that evaluates rollouts of an untrusted script under
 // memory and CPU rlimits and reaches the host for everything else (generate, score, state, print)
-// over its stdin/stdout, one JSON message a line. If the script exhausts the child's memory, the
+// over two pipes the host hands it as fds 3 and 4, one JSON message a line. No program the child
+// starts inherits them (they close on exec), and the child's own stdout and stderr are for
+// diagnostics only: the host keeps their tail for its messages and reads nothing from them. If the script exhausts the child's memory, the
 // child dies and the host loses nothing but the rollouts it ran. The host's side of the pipe is
 // the host package's (host/sandbox.go); the child runs the same built-ins as an in-process run,
 // on a script.Host that is the pipe.
@@ -21,6 +23,13 @@ import (
 const (
 	ChildEnv = "SLIMEN_SANDBOX_CHILD"
 	CPUEnv   = "SLIMEN_SANDBOX_CPU"
+)
+
+// The host's channel: the child reads the host's messages from HostInFD and writes its own to
+// HostOutFD (exec.Cmd.ExtraFiles 0 and 1).
+const (
+	HostInFD  = 3
+	HostOutFD = 4
 )
 
 // Msg is one line of the host–child protocol (JSON lines in both directions).
