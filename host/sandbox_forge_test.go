@@ -55,6 +55,10 @@ func TestSandboxForgedChild(t *testing.T) {
 		{"train", `trains completion "t3/77#0", which the host never generated for the rollout.*forged`},
 		// Print notes past print_bytes (4096) that the child never charged.
 		{"events", `sandbox budget print_bytes \(4096\) exceeded: .*forged`},
+		// A chat turn whose tool schema (100 KB) is past prompt_bytes (64 KiB).
+		{"render", `sandbox budget prompt_bytes \(65536\) exceeded: chat was given a conversation of \d+ bytes \(its messages and tool schemas\).*forged`},
+		// 40 chat turns (renderings), past generate_calls (32).
+		{"turns", `sandbox budget generate_calls \(32\) exceeded: the rollout's chat turn 33 came to the host.*forged`},
 		// Calls of a rollout the child was never given.
 		{"unknown", `for rollout 1000, which it was never given`},
 	} {
@@ -207,6 +211,16 @@ func forgeChild(mode, mem, pidDir string) int {
 				args, _ := json.Marshal(g)
 				write(sandbox.Msg{T: "call", ID: 1<<40 + int64(i), Rollout: id, Method: "generate", Args: args})
 			}
+		case "render", "turns":
+			rq := sandbox.Render{Policy: "p", Reqs: []engines.RenderRequest{{Messages: []engines.Message{{Role: "user", Content: "hi"}}, AddGenerationPrompt: true}}}
+			calls := 40
+			if mode == "render" {
+				rq.Reqs[0].Tools, calls = []string{strings.Repeat("x", 100_000)}, 1
+			}
+			args, _ := json.Marshal(rq)
+			for i := range calls {
+				write(sandbox.Msg{T: "call", ID: 1<<40 + int64(i), Rollout: id, Method: "render", Args: args})
+			}
 		case "train":
 			if neighbour != 0 {
 				id = neighbour
@@ -321,4 +335,39 @@ func forgeChild(mode, mem, pidDir string) int {
 	}
 	child.Wait()
 	return 0
+}
+
+// TestSandboxChildEnv: a child gets its limits and what it needs to run (PATH, HOME, …), not the
+// host's environment with its tokens and keys; and its channel is on fds 3 and 4.
+func TestSandboxChildEnv(t *testing.T) {
+	if _, err := os.Stat("/bin/sh"); err != nil {
+		t.Skip("no /bin/sh")
+	}
+	t.Setenv("SLIMEN_TEST_HOST_SECRET", "s3cret")
+	t.Setenv("LD_PRELOAD", "")
+	dir := t.TempDir()
+	// Records what it got, then answers as a child whose script failed to load.
+	probe := []string{"/bin/sh", "-c", `env > "$0/env"; [ -e /proc/$$/fd/3 ] && [ -e /proc/$$/fd/4 ] && echo yes > "$0/fds"; read a <&3; echo '{"t":"fatal","error":"probe"}' >&4`, dir}
+	cfg := testConfig(1, "p")
+	cfg.Sandbox.CPUSeconds = 7
+	_, err := Load(context.Background(), writeScript(t, forgeScript), Options{Config: cfg, Tasks: numberedTasks(1),
+		Engines: map[string]engines.Engine{"p": scripted.Echo("x")}, Sandbox: true, SandboxCommand: probe})
+	if err == nil || !strings.Contains(err.Error(), "probe") {
+		t.Fatalf("Load: %v, want the probe's error", err)
+	}
+	b, _ := os.ReadFile(filepath.Join(dir, "env"))
+	env := string(b)
+	for _, want := range []string{sandbox.ChildEnv + "=", sandbox.CPUEnv + "=7", "PATH="} {
+		if !strings.Contains(env, want) {
+			t.Errorf("the child's environment lacks %s:\n%s", want, env)
+		}
+	}
+	for _, not := range []string{"SLIMEN_TEST_HOST_SECRET", "LD_PRELOAD"} {
+		if strings.Contains(env, not) {
+			t.Errorf("the child's environment has the host's %s:\n%s", not, env)
+		}
+	}
+	if fds, _ := os.ReadFile(filepath.Join(dir, "fds")); strings.TrimSpace(string(fds)) != "yes" {
+		t.Errorf("the child has no channel on fds 3 and 4")
+	}
 }
