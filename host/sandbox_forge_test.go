@@ -45,7 +45,7 @@ func TestSandboxForgedChild(t *testing.T) {
 		mode, want string
 	}{
 		// 40 generate calls of one line each, past generate_calls (32).
-		{"calls", `sandbox budget generate_calls \(32\) exceeded: the rollout's generate call 33 came to the host, .*forged`},
+		{"calls", `sandbox budget generate_calls \(32\) exceeded: the rollout's call 33 \(a generate\) came to the host, .*forged`},
 		// One call that reserves 100,000 tokens, past tokens (4096).
 		{"tokens", `sandbox budget tokens \(4096\) exceeded: a generate call asks for up to 100000 tokens .*forged`},
 		// One line asking for 200,000 samples: the host would hold them all.
@@ -58,7 +58,7 @@ func TestSandboxForgedChild(t *testing.T) {
 		// A chat turn whose tool schema (100 KB) is past prompt_bytes (64 KiB).
 		{"render", `sandbox budget prompt_bytes \(65536\) exceeded: chat was given a conversation of \d+ bytes \(its messages and tool schemas\).*forged`},
 		// 40 chat turns (renderings), past generate_calls (32).
-		{"turns", `sandbox budget generate_calls \(32\) exceeded: the rollout's chat turn 33 came to the host.*forged`},
+		{"turns", `sandbox budget generate_calls \(32\) exceeded: the rollout's call 33 \(a chat turn\) came to the host.*forged`},
 		// Calls of a rollout the child was never given.
 		{"unknown", `for rollout 1000, which it was never given`},
 	} {

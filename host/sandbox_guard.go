@@ -23,18 +23,19 @@ import (
 
 // account is what the host has charged one rollout of a child.
 type account struct {
-	calls      int // generate calls (sandbox.generate_calls)
-	tokens     int // reserved n × max_tokens of each call, settled to what was generated (sandbox.tokens)
-	renders    int // chat turns rendered (script.MaxRenders)
-	events     int // event notes: prints, and chat turns past the policy's context
-	eventBytes int // their bytes (sandbox.print_bytes, with eventAllowance a note)
+	calls      int // generate calls, chat turns (renderings) and score calls (sandbox.generate_calls)
+	renders    int // chat turns: renderings of a conversation
+	chatGens   int // generate calls of chat turns: each follows its turn's rendering
+	tokens     int // reserved n × max_tokens of each call, settled to what was generated, and scored tokens (sandbox.tokens)
+	events     int // event notes: prints and lines counted as prints (script.MaxPrintEvents)
+	eventBytes int // their bytes (sandbox.print_bytes, with eventAllowance a line)
 	running    int // the rollout's "running" notes, summed: undone when the rollout ends
 }
 
-// eventAllowance is what an event note may carry besides its share of print_bytes: the
-// "step N task ID: " before a printed line, or the whole of a note the child sends uncharged
-// (a chat turn past the policy's context), besides the task's id.
-const eventAllowance = 512
+// eventAllowance is what an event line may carry besides its share of print_bytes and the
+// task's id: the "step N task ID: " before a printed line, or the line that says the rest were
+// dropped.
+const eventAllowance = 128
 
 // forgedError is a message that the slimen child never sends: the host stops the child.
 type forgedError struct{ err error }
@@ -130,8 +131,13 @@ func (p *pending) charge(cfg config.SandboxConfig) error {
 		if mt < 0 || mt > math.MaxInt32 {
 			return forgery("a generate call with max_tokens=%d", mt)
 		}
-		if a.calls+1 > cfg.GenerateCalls {
-			return forgedBudget("generate_calls", cfg.GenerateCalls, "the rollout's generate call %d came to the host", a.calls+1)
+		if len(p.gen.Req.PromptTokens) > 0 {
+			// A chat turn's: the turn was counted when it rendered the conversation.
+			if a.chatGens+1 > a.renders {
+				return forgery("a chat turn's generate call (%d) without its rendering (%d)", a.chatGens+1, a.renders)
+			}
+		} else if err := a.call(cfg, "generate"); err != nil {
+			return err
 		}
 		if want := n * mt; a.tokens+want > cfg.Tokens {
 			return forgedBudget("tokens", cfg.Tokens, "a generate call asks for up to %d tokens (n=%d × max_tokens=%d) with %d of the rollout's reserved", want, n, mt, a.tokens)
@@ -140,8 +146,10 @@ func (p *pending) charge(cfg config.SandboxConfig) error {
 			return &forgedError{fmt.Errorf("%v, which the child's own check refuses (a forged message); the host stopped the process", err)}
 		}
 		p.reserved = n * mt
-		a.calls++
 		a.tokens += p.reserved
+		if len(p.gen.Req.PromptTokens) > 0 {
+			a.chatGens++
+		}
 	case "render":
 		if err := json.Unmarshal(m.Args, &p.render); err != nil {
 			return forgery("a chat rendering it cannot have encoded (%v)", err)
@@ -149,11 +157,11 @@ func (p *pending) charge(cfg config.SandboxConfig) error {
 		if k := len(p.render.Reqs); k < 1 || k > 4 {
 			return forgery("a chat rendering of %d conversations (a turn renders 1 to 4)", k)
 		}
-		if a.renders+1 > script.MaxRenders(cfg) {
-			return forgedBudget("generate_calls", cfg.GenerateCalls, "the rollout's chat turn %d came to the host (a rollout renders at most generate_calls turns)", a.renders+1)
-		}
 		if err := script.CheckRender(cfg, "chat", p.render.Reqs); err != nil {
 			return &forgedError{fmt.Errorf("%v, which the child's own check refuses (a forged message); the host stopped the process", err)}
+		}
+		if err := a.call(cfg, "chat turn"); err != nil {
+			return err
 		}
 		a.renders++
 	case "score":
@@ -163,7 +171,25 @@ func (p *pending) charge(cfg config.SandboxConfig) error {
 		if err := script.CheckPrompt(cfg, "score", p.score.Req.Messages); err != nil {
 			return &forgedError{fmt.Errorf("%v, which the child's own check refuses (a forged message); the host stopped the process", err)}
 		}
+		if err := a.call(cfg, "score"); err != nil {
+			return err
+		}
+		// The tokens a score call scores count against tokens, for good.
+		if k := len(p.score.Req.Tokens); a.tokens+k > cfg.Tokens {
+			return forgedBudget("tokens", cfg.Tokens, "a score call scores %d tokens with %d of the rollout's reserved", k, a.tokens)
+		}
+		a.tokens += len(p.score.Req.Tokens)
 	}
+	return nil
+}
+
+// call counts a generate call, a chat turn or a score call against generate_calls, as the
+// child's script.Budget does.
+func (a *account) call(cfg config.SandboxConfig, what string) error {
+	if a.calls+1 > cfg.GenerateCalls {
+		return forgedBudget("generate_calls", cfg.GenerateCalls, "the rollout's call %d (a %s) came to the host", a.calls+1, what)
+	}
+	a.calls++
 	return nil
 }
 
@@ -207,15 +233,15 @@ func (c *sbChild) note(m sandbox.Msg, cfg config.SandboxConfig) error {
 		c.mu.Unlock()
 		return forgery("an event note it cannot have encoded (%v)", err)
 	}
-	// A rollout's events are its first prints (print_bytes bounds their text), the line that
-	// says the rest were dropped, and one line for each chat turn past the policy's context (a
-	// rendered turn).
+	// A rollout's events are its first prints (print_bytes bounds their text; a chat turn
+	// past the policy's context writes one as a print) and the line that says the rest were
+	// dropped.
 	a.events++
 	a.eventBytes += len(msg)
-	events, bytes, renders := a.events, a.eventBytes, a.renders
+	events, bytes := a.events, a.eventBytes
 	c.mu.Unlock()
-	if most := script.MaxPrintEvents + renders; events > most {
-		return forgedBudget("print_bytes", cfg.PrintBytes, "the rollout's event line %d came to the host (its child sends at most %d: %d print lines and one for each of its %d chat turns)", events, most, script.MaxPrintEvents, renders)
+	if events > script.MaxPrintEvents {
+		return forgedBudget("print_bytes", cfg.PrintBytes, "the rollout's event line %d came to the host (its child sends at most %d)", events, script.MaxPrintEvents)
 	}
 	if most := cfg.PrintBytes + events*(eventAllowance+len(ro.Task.ID)); bytes > most {
 		return forgedBudget("print_bytes", cfg.PrintBytes, "the rollout's %d event lines came to the host with %d bytes (its child sends at most %d)", events, bytes, most)

@@ -37,13 +37,3 @@ func CheckRender(cfg config.SandboxConfig, fn string, reqs []engines.RenderReque
 	}
 	return nil
 }
-
-// MaxRenders is the most chat turns (renderings of a conversation, one a turn) a sandboxed
-// rollout may ask for: generate_calls, as each turn that samples is a generate call; a turn past
-// the policy's context, which samples nothing, counts here all the same.
-func MaxRenders(cfg config.SandboxConfig) int { return cfg.GenerateCalls }
-
-// RenderTurnError is the generate_calls budget of a chat turn past MaxRenders.
-func RenderTurnError(cfg config.SandboxConfig, fn string, turn int) error {
-	return &BudgetError{"generate_calls", fmt.Sprint(cfg.GenerateCalls), fmt.Sprintf("%s: chat turn %d of the rollout (each turn renders the conversation; a rollout renders at most generate_calls turns)", fn, turn)}
-}

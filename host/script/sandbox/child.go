@@ -372,9 +372,6 @@ type pipeHost struct {
 	defaults engines.Sampling // the host's rollout settings when the rollout started
 	budget   *script.Budget
 	ctx      context.Context // the rollout's: its wall time ends every call it waits on
-
-	mu      sync.Mutex
-	renders int // chat turns rendered (script.MaxRenders)
 }
 
 func (s *pipeHost) CheckPolicy(name string) (bool, string, error) {
@@ -424,17 +421,10 @@ func (s *pipeHost) Render(ctx context.Context, policy string, reqs []engines.Ren
 			return script.Rendered{}, err
 		}
 	}
-	// The host charges these too (a conversation's tool schemas are rendered into its prompt,
-	// and each turn renders it again): see script.CheckRender and script.MaxRenders.
+	// A conversation's tool schemas are rendered into its prompt: they count as its bytes (the
+	// host checks this too).
 	if err := script.CheckRender(s.c.cfg.Sandbox, "chat", reqs); err != nil {
 		return script.Rendered{}, err
-	}
-	s.mu.Lock()
-	s.renders++
-	turn := s.renders
-	s.mu.Unlock()
-	if turn > script.MaxRenders(s.c.cfg.Sandbox) {
-		return script.Rendered{}, script.RenderTurnError(s.c.cfg.Sandbox, "chat", turn)
 	}
 	raw, err := s.c.call(ctx, s.id, "render", Render{Policy: policy, Reqs: reqs})
 	if err != nil {
