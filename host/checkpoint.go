@@ -1,8 +1,6 @@
 package host
 
 import (
-	"bufio"
-	"bytes"
 	"context"
 	"crypto/sha256"
 	"encoding/hex"
@@ -649,6 +647,12 @@ func (r *Run) restore(ctx context.Context, dir string) error {
 	if err := r.metrics.truncateAfter(info.Step); err != nil {
 		return err
 	}
+	if missing, err := r.metrics.missingSteps(info.Step); err != nil {
+		return err
+	} else if len(missing) > 0 {
+		r.events.printf("warning: metrics: %s has no lines for step %s of the %d steps checkpoint %s holds (lost, or cut by hand); the run goes on from step %d, and those steps stay missing from its metrics",
+			r.metrics.f.Name(), stepRanges(missing), info.Step, dir, info.Step+1)
+	}
 	if r.opts.Out != "" {
 		if root, err := r.checkpointRoot(); err == nil {
 			r.removeLater(root, info.Step)
@@ -802,35 +806,3 @@ func (r *Run) writeSaveFolder(ctx context.Context, p *policy, step int) error {
 }
 
 func short(h string) string { return h[:min(12, len(h))] }
-
-// truncateAfter drops the metrics lines of steps after step.
-func (w *metricsWriter) truncateAfter(step int) error {
-	if w.f == nil {
-		return nil
-	}
-	path := w.f.Name()
-	b, err := os.ReadFile(path)
-	if err != nil {
-		return err
-	}
-	var keep bytes.Buffer
-	sc := bufio.NewScanner(bytes.NewReader(b))
-	sc.Buffer(make([]byte, 1<<20), 1<<26)
-	for sc.Scan() {
-		var head struct {
-			Step int `json:"step"`
-		}
-		if json.Unmarshal(sc.Bytes(), &head) == nil && head.Step > step {
-			continue
-		}
-		keep.Write(sc.Bytes())
-		keep.WriteByte('\n')
-	}
-	if err := w.f.Close(); err != nil {
-		return err
-	}
-	if err := os.WriteFile(path, keep.Bytes(), 0o644); err != nil {
-		return err
-	}
-	return w.open(path)
-}

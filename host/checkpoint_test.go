@@ -271,6 +271,7 @@ func TestCheckpointNotRewritten(t *testing.T) {
 		t.Errorf("events.log says %d times that step 2 was saved, want 1", n)
 	}
 	// A resumed run does not rewrite the checkpoint it resumed from either.
+	r.Close() // one writer per run folder
 	r2 := counterRun(t, script, out, nil)
 	defer r2.Close()
 	if err := r2.restore(context.Background(), final); err != nil {

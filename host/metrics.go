@@ -3,10 +3,13 @@ package host
 import (
 	"bytes"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"io"
+	"io/fs"
 	"math"
 	"os"
+	"path/filepath"
 	"sort"
 	"strconv"
 	"strings"
@@ -106,20 +109,107 @@ func (m Metrics) MarshalJSON() ([]byte, error) {
 	return b.Bytes(), nil
 }
 
+// metricsWriter appends to metrics.jsonl. The file is only ever appended to: a step's lines go
+// out in one write, and a write cut short (a full disk) is cut back to the last whole line, so
+// what earlier steps wrote is never touched. Where a resume must drop lines, or a torn last line
+// left by a crash must go, the new file is written beside it and renamed over it (rewrite), so a
+// crash at any moment leaves the old file or the new one, whole.
 type metricsWriter struct {
-	f *os.File
+	f    *os.File
+	size int64 // the bytes of whole lines in the file
 }
 
-func (w *metricsWriter) open(path string) error {
+// open opens metrics.jsonl for appending. A last line without its newline (a write cut short by
+// a crash or a full disk) is completed when it is a whole JSON object, else dropped; either is
+// said in events.
+func (w *metricsWriter) open(path string, events *eventLog) error {
+	if err := repairTail(path, events); err != nil {
+		return fmt.Errorf("metrics: %w", err)
+	}
 	f, err := os.OpenFile(path, os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o644)
 	if err != nil {
 		return fmt.Errorf("metrics: %w", err)
 	}
-	w.f = f
+	fi, err := f.Stat()
+	if err != nil {
+		f.Close()
+		return fmt.Errorf("metrics: %w", err)
+	}
+	w.f, w.size = f, fi.Size()
 	return nil
 }
 
-// writeLines appends metrics lines (a step's: each policy, then _run, then any _eval).
+// repairTail completes or drops a torn last line of the metrics file at path.
+func repairTail(path string, events *eventLog) error {
+	b, err := os.ReadFile(path)
+	if errors.Is(err, fs.ErrNotExist) {
+		return nil
+	}
+	if err != nil {
+		return err
+	}
+	if len(b) == 0 || b[len(b)-1] == '\n' {
+		return nil
+	}
+	cut := bytes.LastIndexByte(b, '\n') + 1
+	torn := b[cut:]
+	var obj map[string]any
+	if json.Unmarshal(torn, &obj) == nil {
+		f, err := os.OpenFile(path, os.O_WRONLY|os.O_APPEND, 0)
+		if err != nil {
+			return err
+		}
+		_, err = f.Write([]byte{'\n'})
+		if cerr := f.Close(); err == nil {
+			err = cerr
+		}
+		if err != nil {
+			return err
+		}
+		events.printf("metrics: %s ended without a newline after a whole line (a write cut short); the newline was added", path)
+		return nil
+	}
+	if err := rewriteFile(path, b[:cut]); err != nil {
+		return err
+	}
+	show := torn
+	if len(show) > 80 {
+		show = show[:80]
+	}
+	events.printf("metrics: dropped the torn last line of %s (%d bytes, a write cut short by a crash or a full disk): %q", path, len(torn), show)
+	return nil
+}
+
+// rewriteFile replaces the file at path by b: written beside it, synced, renamed over it.
+func rewriteFile(path string, b []byte) error {
+	tmp, err := os.CreateTemp(filepath.Dir(path), "."+filepath.Base(path)+".tmp-")
+	if err != nil {
+		return err
+	}
+	defer os.Remove(tmp.Name()) // after a successful rename there is nothing left to remove
+	if _, err := tmp.Write(b); err != nil {
+		tmp.Close()
+		return err
+	}
+	if err := tmp.Sync(); err != nil {
+		tmp.Close()
+		return err
+	}
+	if err := tmp.Close(); err != nil {
+		return err
+	}
+	if err := os.Chmod(tmp.Name(), 0o644); err != nil {
+		return err
+	}
+	if err := os.Rename(tmp.Name(), path); err != nil {
+		return err
+	}
+	syncDir(filepath.Dir(path))
+	return nil
+}
+
+// writeLines appends metrics lines (a step's: each policy, then _run, then any _eval) in one
+// write. A write that fails part-way is cut back, so the file keeps only whole lines.
 func (w *metricsWriter) writeLines(ms []Metrics) error {
 	if w.f == nil {
 		return nil
@@ -134,9 +224,115 @@ func (w *metricsWriter) writeLines(ms []Metrics) error {
 		b.WriteByte('\n')
 	}
 	if _, err := w.f.Write(b.Bytes()); err != nil {
+		if terr := w.f.Truncate(w.size); terr != nil {
+			return fmt.Errorf("metrics: %s: %w; the partial lines could not be cut back (%v): the next resume drops them", w.f.Name(), err, terr)
+		}
+		return fmt.Errorf("metrics: %s: %w", w.f.Name(), err)
+	}
+	w.size += int64(b.Len())
+	return nil
+}
+
+// metricsStep reads the step of a metrics line; ok is false for a line that is not one.
+func metricsStep(line []byte) (step int, policy string, ok bool) {
+	var head struct {
+		Step   *int   `json:"step"`
+		Policy string `json:"policy"`
+	}
+	if json.Unmarshal(line, &head) != nil || head.Step == nil {
+		return 0, "", false
+	}
+	return *head.Step, head.Policy, true
+}
+
+// scanLines calls fn with each line of b (without its newline).
+func scanLines(b []byte, fn func(line []byte)) {
+	for len(b) > 0 {
+		i := bytes.IndexByte(b, '\n')
+		if i < 0 {
+			fn(b)
+			return
+		}
+		fn(b[:i])
+		b = b[i+1:]
+	}
+}
+
+// truncateAfter drops the metrics lines of steps after step (a resume goes on from step). The
+// file is rewritten (beside it, then renamed) only when it holds such lines.
+func (w *metricsWriter) truncateAfter(step int) error {
+	if w.f == nil {
+		return nil
+	}
+	path := w.f.Name()
+	b, err := os.ReadFile(path)
+	if err != nil {
 		return fmt.Errorf("metrics: %w", err)
 	}
-	return nil
+	var keep bytes.Buffer
+	dropped := false
+	scanLines(b, func(line []byte) {
+		if s, _, ok := metricsStep(line); ok && s > step {
+			dropped = true
+			return
+		}
+		keep.Write(line)
+		keep.WriteByte('\n')
+	})
+	if !dropped {
+		return nil
+	}
+	if err := w.f.Close(); err != nil {
+		return fmt.Errorf("metrics: %w", err)
+	}
+	w.f = nil
+	if err := rewriteFile(path, keep.Bytes()); err != nil {
+		return fmt.Errorf("metrics: dropping the lines of steps after %d from %s: %w (the file is as it was)", step, path, err)
+	}
+	return w.open(path, nil)
+}
+
+// missingSteps lists the steps 1…step that have no _run line in the metrics file: lines lost (a
+// file cut by hand, a crash of an older version) that no resume can bring back.
+func (w *metricsWriter) missingSteps(step int) ([]int, error) {
+	if w.f == nil || step <= 0 {
+		return nil, nil
+	}
+	b, err := os.ReadFile(w.f.Name())
+	if err != nil {
+		return nil, fmt.Errorf("metrics: %w", err)
+	}
+	have := map[int]bool{}
+	scanLines(b, func(line []byte) {
+		if s, p, ok := metricsStep(line); ok && p == "_run" {
+			have[s] = true
+		}
+	})
+	var missing []int
+	for s := 1; s <= step; s++ {
+		if !have[s] {
+			missing = append(missing, s)
+		}
+	}
+	return missing, nil
+}
+
+// stepRanges writes steps (ascending) as ranges: "2, 5-9, 12".
+func stepRanges(steps []int) string {
+	var parts []string
+	for i := 0; i < len(steps); {
+		j := i
+		for j+1 < len(steps) && steps[j+1] == steps[j]+1 {
+			j++
+		}
+		if j == i {
+			parts = append(parts, strconv.Itoa(steps[i]))
+		} else {
+			parts = append(parts, fmt.Sprintf("%d-%d", steps[i], steps[j]))
+		}
+		i = j + 1
+	}
+	return strings.Join(parts, ", ")
 }
 
 func (w *metricsWriter) close() error {
@@ -169,6 +365,9 @@ func (e *eventLog) printf(format string, args ...any) { e.write(true, format, ar
 func (e *eventLog) filef(format string, args ...any) { e.write(false, format, args...) }
 
 func (e *eventLog) write(toLog bool, format string, args ...any) {
+	if e == nil {
+		return
+	}
 	msg := fmt.Sprintf(format, args...)
 	e.mu.Lock()
 	defer e.mu.Unlock()

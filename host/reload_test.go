@@ -362,6 +362,7 @@ func TestReloadedBatchSizeKeepsTheDataPosition(t *testing.T) {
 	if _, err := r.Checkpoint(context.Background()); err != nil {
 		t.Fatal(err)
 	}
+	r.Close() // one writer per run folder
 
 	// A run resumed from that checkpoint goes on at task 5.
 	cfg, err := config.Load(cfgFile)

@@ -120,6 +120,7 @@ type Run struct {
 	activity activity
 	events   *eventLog
 	metrics  *metricsWriter
+	lock     *runLock // the run folder's lock (runlock.go); nil without a folder
 	// logNames are the log() names the run has written to its _run lines (at most
 	// script.MaxLogNamesPerRun; runMetrics).
 	logNames map[string]bool
@@ -234,7 +235,7 @@ func Load(ctx context.Context, scriptPath string, opts Options) (*Run, error) {
 		}
 	}
 	if err := r.openOutputs(); err != nil {
-		r.cancel()
+		r.Close()
 		return nil, err
 	}
 	if r.tasks == nil {
@@ -455,7 +456,7 @@ func (r *Run) Close() error {
 		}
 	}
 	r.polMu.Unlock()
-	errs = append(errs, r.events.close(), r.metrics.close())
+	errs = append(errs, r.events.close(), r.metrics.close(), r.lock.release())
 	return errors.Join(errs...)
 }
 
@@ -696,6 +697,9 @@ func (r *Run) Step(ctx context.Context) (*StepResult, error) {
 // runStep is Step without the rollback of the state store.
 func (r *Run) runStep(ctx context.Context) (*StepResult, error) {
 	step := r.step + 1
+	if err := r.checkFolder(); err != nil { // reliability.go
+		return nil, err
+	}
 	r.restart.stepStarting(r.step, r.ckpt.have && r.ckpt.step == r.step)
 	if err := r.applyReload(ctx, step); err != nil {
 		return nil, err
@@ -720,6 +724,10 @@ func (r *Run) runStep(ctx context.Context) (*StepResult, error) {
 	}
 	ros, n := l.ros, l.n
 	rolloutS := time.Since(t0).Seconds()
+	if err := stepCut(step, ros, cfg.Rollout.StopGraceS); err != nil { // saved only whole
+		r.discardAhead("")
+		return nil, err
+	}
 	res := &StepResult{Step: step}
 	if err := r.rolloutFailures(ctx, cfg, res, ros); err != nil {
 		return nil, err
@@ -735,6 +743,9 @@ func (r *Run) runStep(ctx context.Context) (*StepResult, error) {
 		return nil, r.restart.cause(err)
 	}
 	trainS := time.Since(t1).Seconds()
+	if err := r.checkFolder(); err != nil {
+		return nil, err
+	}
 	res.Policies = pm
 	res.Run = r.runMetrics(step, ros, res, rolloutS, trainS, time.Since(t0).Seconds())
 	r.asyncMetrics(res, l, k)
@@ -1424,10 +1435,19 @@ func (r *Run) openOutputs() error {
 	if err := os.MkdirAll(out, 0o755); err != nil {
 		return fmt.Errorf("run directory: %w", err)
 	}
+	// One writer per run folder, before anything is written there (runlock.go).
+	lock, err := lockRunDir(out)
+	if err != nil {
+		return err
+	}
+	r.lock = lock
 	if err := r.events.open(filepath.Join(out, "events.log")); err != nil {
 		return err
 	}
-	if err := r.metrics.open(filepath.Join(out, "metrics.jsonl")); err != nil {
+	if h := lock.stale; h != nil {
+		r.events.printf("lock: %s was left locked by %s, which ended without releasing it (a crash or a kill); this run (pid %d) holds it now", lock.path, h, os.Getpid())
+	}
+	if err := r.metrics.open(filepath.Join(out, "metrics.jsonl"), r.events); err != nil {
 		return err
 	}
 	if err := r.saveScriptVersion(1); err != nil {

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"path/filepath"
+	"strings"
 	"time"
 
 	"github.com/slimen/slimen/host/config"
@@ -19,6 +20,13 @@ import (
 // that. Train returns nil when it ran every step or was stopped by Stop, ctx's error when ctx ended
 // it without Stop, and any other error of a step or of the final checkpoint.
 func (r *Run) Train(ctx context.Context) error {
+	err := r.train(ctx)
+	r.sayWhyStopped(err)
+	return err
+}
+
+func (r *Run) train(ctx context.Context) error {
+	var cut *StepCut
 	for r.step < r.Config().Run.Steps && !r.stopping.Load() {
 		if f := r.opts.BeforeStep; f != nil {
 			f(r)
@@ -27,6 +35,10 @@ func (r *Run) Train(ctx context.Context) error {
 		if err != nil {
 			if ctx.Err() != nil && errors.Is(err, context.Canceled) {
 				break // the abandoned step left the run as it was after the last one
+			}
+			if errors.As(err, &cut) {
+				r.events.printf("stop: %v", cut)
+				break // the cut step left the run as it was after the last one
 			}
 			return err
 		}
@@ -38,6 +50,9 @@ func (r *Run) Train(ctx context.Context) error {
 		if _, err := r.Checkpoint(context.WithoutCancel(ctx)); err != nil {
 			return fmt.Errorf("final checkpoint: %w", err)
 		}
+		if cut != nil {
+			r.events.printf("stop: the checkpoint holds step %d, the last whole step; step %d runs again on resume", r.step, cut.Step)
+		}
 	}
 	if r.stopping.Load() {
 		return nil
@@ -45,9 +60,34 @@ func (r *Run) Train(ctx context.Context) error {
 	return ctx.Err()
 }
 
+// sayWhyStopped writes into events.log why Train ended, with the way on where there is one.
+func (r *Run) sayWhyStopped(err error) {
+	hint := r.StopHint()
+	switch {
+	case err != nil:
+		msg := err.Error()
+		var fe *RunFolderError
+		if errors.As(err, &fe) || hint == "" || strings.Contains(msg, "--resume") {
+			r.events.filef("stop: the run stops: %s", msg)
+		} else {
+			r.events.filef("stop: the run stops: %s; %s", msg, hint)
+		}
+	case r.stopping.Load():
+		if hint == "" {
+			hint = "no checkpoint (no step completed)"
+		}
+		r.events.filef("stop: stopped (a signal or Run.Stop) after step %d; %s", r.step, hint)
+	case r.step < r.Config().Run.Steps:
+		r.events.filef("stop: abandoned after step %d; %s", r.step, hint)
+	default:
+		r.events.filef("done: %d steps (run.steps)", r.step)
+	}
+}
+
 // Stop asks Train to stop after the step in progress. It may be called from any goroutine (a
 // signal handler's). Rollouts still running rollout.stop_grace_s after the first Stop are
-// cancelled: they fail with StopCancelled, the step trains on the others and the run stops.
+// cancelled: they fail with StopCancelled, and the step, no longer whole, is neither trained nor
+// checkpointed (StepCut): the run stops after the step before it.
 func (r *Run) Stop() {
 	r.stopping.Store(true)
 	r.stopOnce.Do(func() { close(r.stopped) })
@@ -184,6 +224,7 @@ func Resume(ctx context.Context, from, script string, opts Options) (*Run, error
 		r.events.printf("warning: resuming from %s, the newest valid checkpoint; the newer ones above are removed when the run goes on", ckpt)
 	}
 	if err := r.restore(ctx, ckpt); err != nil {
+		r.events.filef("stop: the resume from %s failed: %v", ckpt, err)
 		r.Close()
 		return nil, err
 	}
