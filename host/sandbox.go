@@ -113,6 +113,10 @@ func (sb *pool) close() {
 // is noticed even while something else holds its pipes.
 func (sb *pool) start() (*sbChild, error) {
 	cfg := sb.r.Config()
+	childCfg, err := script.ChildConfig(cfg)
+	if err != nil {
+		return nil, fmt.Errorf("sandbox: the config for the script's process: %v", err)
+	}
 	cmd := exec.Command(sb.cmd[0], sb.cmd[1:]...)
 	cmd.Env = childEnv(cfg.Sandbox)
 	c := &sbChild{sb: sb, cmd: cmd, stderr: &tailBuffer{max: 4096}, rollouts: map[int64]*script.Rollout{},
@@ -143,7 +147,7 @@ func (sb *pool) start() (*sbChild, error) {
 	}
 	c.in, c.out, c.enc = in, out, json.NewEncoder(in)
 	go c.wait()
-	init, _ := json.Marshal(sandbox.Init{Script: sb.r.script.Path, Source: string(sb.r.script.Source), Config: cfg, Zero: sb.r.zero})
+	init, _ := json.Marshal(sandbox.Init{Script: sb.r.script.Path, Source: string(sb.r.script.Source), Config: childCfg, Zero: sb.r.zero})
 	c.send(sandbox.Msg{T: "init", Args: init})
 	sc := bufio.NewScanner(out)
 	// The child sends nothing larger than message_bytes (the newline included); a line longer
@@ -689,6 +693,20 @@ func (sb *pool) pick() (*sbChild, error) {
 
 // applyReport fills the host's copy of a rollout from its child's report.
 func (r *Run) applyReport(ro *script.Rollout, d sandbox.Done) error {
+	// The child checks rewards and advantages as reward() and train() do; the host does not
+	// take its word for it (one out of scale would NaN the step's loss).
+	for _, x := range d.Rewards {
+		if err := script.CheckReward("sandbox: the child's report: reward", x); err != nil {
+			return err
+		}
+	}
+	for _, q := range d.Queued {
+		for _, x := range q.Advantage {
+			if err := script.CheckAdvantage("sandbox: the child's report: train", x); err != nil {
+				return err
+			}
+		}
+	}
 	byID := map[string]*script.Completion{}
 	for _, c := range ro.Generated() {
 		byID[c.ID()] = c

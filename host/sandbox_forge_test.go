@@ -19,6 +19,7 @@ import (
 
 	"github.com/slimen/slimen/engines"
 	"github.com/slimen/slimen/engines/scripted"
+	"github.com/slimen/slimen/host/script"
 	"github.com/slimen/slimen/host/script/sandbox"
 )
 
@@ -369,5 +370,32 @@ func TestSandboxChildEnv(t *testing.T) {
 	}
 	if fds, _ := os.ReadFile(filepath.Join(dir, "fds")); strings.TrimSpace(string(fds)) != "yes" {
 		t.Errorf("the child has no channel on fds 3 and 4")
+	}
+}
+
+// TestSandboxReportBounds: a child's report that rewards or advantages a completion the host did
+// generate with a value out of scale fails its rollout at the host, as reward() and train() fail
+// in the child: one forged report cannot NaN the step's loss.
+func TestSandboxReportBounds(t *testing.T) {
+	r := loadRun(t, "def rollout(task):\n    pass\n", testConfig(1, "p"), map[string]engines.Engine{"p": scripted.Echo("x")}, listTasks{{ID: "t1", Prompt: "q"}})
+	for _, d := range []func(id string) sandbox.Done{
+		func(id string) sandbox.Done {
+			return sandbox.Done{Rewards: map[string]float64{id: 1e300}, Queued: []sandbox.Queued{{ID: id, Group: "g"}}}
+		},
+		func(id string) sandbox.Done {
+			return sandbox.Done{Rewards: map[string]float64{id: 1}, Queued: []sandbox.Queued{{ID: id, Group: "g", Advantage: []float64{1e300}, HasAdv: true}}}
+		},
+	} {
+		ro := &script.Rollout{Task: Task{ID: "t1"}}
+		req := engines.GenerateRequest{ID: "t1/0", Messages: []engines.Message{{Role: "user", Content: "q"}}, N: 1}
+		cs := script.CompletionsOf("p", req, []engines.Completion{{RequestID: "t1/0", Tokens: []int32{1}, Logprobs: []float32{-1}, Text: "x"}})
+		ro.Note(cs[0])
+		err := r.applyReport(ro, d(cs[0].ID()))
+		if err == nil || !strings.Contains(err.Error(), "at most 1e+06 in magnitude") {
+			t.Errorf("report %+v: %v, want it refused", d(cs[0].ID()), err)
+		}
+		if len(ro.Queued()) != 0 {
+			t.Errorf("a refused report queued %d samples", len(ro.Queued()))
+		}
 	}
 }

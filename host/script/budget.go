@@ -2,7 +2,6 @@ package script
 
 import (
 	"fmt"
-	"slices"
 	"sync"
 
 	"go.starlark.net/starlark"
@@ -291,20 +290,6 @@ func (b *Budget) allowed(fn, policy string, train bool) error {
 		return nil
 	}
 	return GrantCheck(b.cfg, b.zero, fn, policy, train)
-}
-
-// program checks that a sandboxed rollout may start a program (agent()): the operator's config
-// must list it under sandbox.programs. where is the script's place of the call.
-func (b *Budget) program(fn, where, prog string) error {
-	if b == nil || slices.Contains(b.cfg.Programs, prog) {
-		return nil
-	}
-	listed := "lists none"
-	if len(b.cfg.Programs) > 0 {
-		listed = fmt.Sprintf("lists %q", b.cfg.Programs)
-	}
-	return fmt.Errorf("%s: %s: a sandboxed script starts only the programs the operator's config grants, and sandbox.programs %s, not %q; add it there (sandbox: {programs: [%s]}) if this script may run it",
-		where, fn, listed, prog, prog)
 }
 
 // grantCheck is allowed without a rollout: the host applies it to what a child reports.

@@ -174,3 +174,30 @@ func fromFields(m map[string]any) starlark.Value {
 	s.Freeze()
 	return s
 }
+
+// ChildConfig is the config a sandbox child is sent: the run's, without what no script may see
+// (redactSecrets: where credentials live, the worker's flags, secret-named pass-through keys, a
+// URL's user and password). The child needs the budgets, the rollout settings and the policies'
+// names and settings; a credential it never holds cannot leak from it.
+func ChildConfig(c *config.Config) (*config.Config, error) {
+	raw, err := json.Marshal(c)
+	if err != nil {
+		return nil, err
+	}
+	var m map[string]any
+	if err := json.Unmarshal(raw, &m); err != nil {
+		return nil, err
+	}
+	if ps, ok := m["policies"].([]any); ok {
+		for _, p := range ps {
+			if pm, ok := p.(map[string]any); ok {
+				redactSecrets(pm)
+			}
+		}
+	}
+	if raw, err = json.Marshal(m); err != nil {
+		return nil, err
+	}
+	out := &config.Config{}
+	return out, json.Unmarshal(raw, out)
+}

@@ -1,6 +1,7 @@
 package script
 
 import (
+	"encoding/json"
 	"strings"
 	"testing"
 
@@ -58,4 +59,32 @@ func TestConfigValueHidesSecretsAndUngranted(t *testing.T) {
 	check(show(), false)
 	c.Sandbox.Policies = nil // sandboxed without a grant list: every policy of the config
 	check(show(), true)
+}
+
+// TestChildConfigHoldsNoSecrets: the config a sandbox child is sent holds none of the secrets the
+// `config` value hides, and keeps what the child works with (budgets, rollout settings, policy
+// names and their training settings).
+func TestChildConfigHoldsNoSecrets(t *testing.T) {
+	c := config.Default([]string{"p", "q"})
+	e := &c.Policies[0].Engine
+	e.Kind, e.TokenEnv, e.BaseURL = "openai", "TOKEN_VAR_NAME", "https://user:sk-in-url@api.example/v1"
+	e.Args = []string{"--api-key", "sk-in-args"}
+	e.Extra = map[string]any{"api_key": "sk-extra", "headers": map[string]any{"Authorization": "Bearer sk-header"}}
+	c.Policies[1].Extra = map[string]any{"hf_token": "hf-policy"}
+	c.Sandbox.Enabled, c.Sandbox.Tokens, c.Rollout.Temperature = true, 1234, 0.7
+	c.Policies[1].Train.LR = 2e-5
+	child, err := ChildConfig(c)
+	if err != nil {
+		t.Fatal(err)
+	}
+	raw, _ := json.Marshal(child)
+	for _, secret := range []string{"TOKEN_VAR_NAME", "sk-in-url", "sk-in-args", "sk-extra", "sk-header", "hf-policy"} {
+		if strings.Contains(string(raw), secret) {
+			t.Errorf("the child's config holds %q", secret)
+		}
+	}
+	if child.Sandbox.Tokens != 1234 || !child.Sandbox.Enabled || child.Rollout.Temperature != 0.7 || len(child.Policies) != 2 ||
+		child.Policies[1].Train.LR != 2e-5 || child.Policies[0].Engine.BaseURL != "https://api.example/v1" {
+		t.Errorf("the child's config lost settings: %s", raw)
+	}
 }

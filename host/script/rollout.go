@@ -181,18 +181,6 @@ func (ro *Rollout) noteCompletion(c *Completion) {
 	ro.mu.Unlock()
 }
 
-func (ro *Rollout) log(vals map[string]float64) {
-	ro.mu.Lock()
-	defer ro.mu.Unlock()
-	if ro.logs == nil {
-		ro.logs = map[string][2]float64{}
-	}
-	for k, v := range vals {
-		a := ro.logs[k]
-		ro.logs[k] = [2]float64{a[0] + v, a[1] + 1}
-	}
-}
-
 // maxPrintsPerRollout rate-limits print: a chatty script cannot flood the run log.
 const maxPrintsPerRollout = 20
 
