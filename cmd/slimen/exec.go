@@ -252,6 +252,9 @@ func train(r *host.Run, prog *progress) int {
 	prog.end()
 	if err != nil {
 		fmt.Fprintln(os.Stderr, "slimen:", err)
+		if hint := r.StopHint(); hint != "" && !strings.Contains(err.Error(), "--resume") {
+			fmt.Fprintln(os.Stderr, "slimen:", hint)
+		}
 		return 1
 	}
 	dir := r.Config().Run.Out
@@ -279,6 +282,9 @@ func runDir(script, fromConfig, flagOut string) (string, error) {
 		explicit = fromConfig
 	}
 	if explicit != "" {
+		if holder, ok := host.RunFolderHolder(explicit); ok {
+			return "", fmt.Errorf("%s is in use by %s: a run folder has one writer at a time; choose another --out", explicit, holder)
+		}
 		if holdsRun(explicit) {
 			return "", fmt.Errorf("%s already holds a run (metrics.jsonl); choose another --out or remove it", explicit)
 		}
@@ -292,10 +298,14 @@ func runDir(script, fromConfig, flagOut string) (string, error) {
 	return dir, nil
 }
 
-// holdsRun reports whether dir holds a run that trained: metrics or checkpoints. A run that
-// stopped before its first step (a typo in a data path, say) leaves an empty metrics.jsonl; the
-// corrected command may use its folder.
+// holdsRun reports whether dir holds a run that trained (metrics or checkpoints) or one that a
+// live process is writing (its lock, even before its first step). A run that stopped before its
+// first step (a typo in a data path, say) leaves an empty metrics.jsonl; the corrected command
+// may use its folder.
 func holdsRun(dir string) bool {
+	if _, ok := host.RunFolderHolder(dir); ok {
+		return true
+	}
 	if fi, err := os.Stat(filepath.Join(dir, "metrics.jsonl")); err == nil && fi.Size() > 0 {
 		return true
 	}
