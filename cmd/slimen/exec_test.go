@@ -443,8 +443,9 @@ run: {steps: 3, seed: 3` + run + `}
 }
 
 // TestSignalEndsEndlessLoop: SIGTERM while a rollout loops forever (no --sandbox, no time limit)
-// ends the step once rollout.stop_grace_s has passed: the looping rollout is cancelled, the step
-// trains the other, is checkpointed, and the run exits 0.
+// ends the step once rollout.stop_grace_s has passed: the looping rollout is cancelled, and the
+// step, no longer whole, is neither trained nor checkpointed (issue 39: it used to train the other
+// rollout and save the cut step as complete); the checkpoint is step 1's and the run exits 0.
 func TestSignalEndsEndlessLoop(t *testing.T) {
 	script, cfg := loopingRun(t, 2, ", timeout_s: 0, stop_grace_s: 1", "")
 	out := filepath.Join(t.TempDir(), "run")
@@ -456,15 +457,16 @@ func TestSignalEndsEndlessLoop(t *testing.T) {
 	if took := time.Since(t0); took > 60*time.Second {
 		t.Errorf("the run took %v to stop with a 1s grace", took)
 	}
-	for _, want := range []string{"rollouts still running in 1s are cancelled", "rollout.stop_grace_s) and was cancelled", "stopped after 2 steps"} {
+	for _, want := range []string{"rollouts still running in 1s are cancelled", "step 2 was cut by the stop: 1 of its 2 rollouts were still running 1s after it (rollout.stop_grace_s)",
+		"the checkpoint holds step 1, the last whole step", "stopped after 1 steps"} {
 		if !strings.Contains(log, want) {
 			t.Fatalf("no %q in the output:\n%s", want, log)
 		}
 	}
-	if ck, _, err := host.FindCheckpoint(out); err != nil || filepath.Base(ck) != "step_2" {
-		t.Fatalf("FindCheckpoint = %q, %v; want step_2", ck, err)
+	if ck, _, err := host.FindCheckpoint(out); err != nil || filepath.Base(ck) != "step_1" {
+		t.Fatalf("FindCheckpoint = %q, %v; want step_1", ck, err)
 	}
-	if !strings.Contains(log, "checkpoint in "+filepath.Join(out, "checkpoints", "step_2")) {
+	if !strings.Contains(log, "checkpoint in "+filepath.Join(out, "checkpoints", "step_1")) {
 		t.Errorf("the last line does not name the checkpoint:\n%s", log)
 	}
 }
