@@ -407,3 +407,65 @@ func writable(dir string) {
 	}
 	os.Chmod(dir, 0o755)
 }
+
+// TestResumeRelocatesEngines: Options.Relocate (--resume with --config) changes where a policy's
+// engine lives and says so; a config that changes anything the run computes is refused, naming
+// the setting.
+func TestResumeRelocatesEngines(t *testing.T) {
+	script := writeScript(t, counterScript)
+	out := filepath.Join(t.TempDir(), "run")
+	r := counterRun(t, script, out, nil)
+	if err := r.Steps(context.Background(), 1); err != nil {
+		t.Fatal(err)
+	}
+	ck, err := r.Checkpoint(context.Background())
+	if err != nil {
+		t.Fatal(err)
+	}
+	r.Close()
+	moved := func(edit func(*config.Config)) *config.Config {
+		c, err := config.Load(filepath.Join(ck, "config.yaml"))
+		if err != nil {
+			t.Fatal(err)
+		}
+		c.File = "new.yaml"
+		edit(c)
+		return c
+	}
+	resume := func(c *config.Config) (*Run, error) {
+		return Resume(context.Background(), out, "", Options{Relocate: c, Tasks: numberedTasks(4), Engines: map[string]engines.Engine{"p": seededEngine()}})
+	}
+	for _, tc := range []struct {
+		edit func(*config.Config)
+		want string
+	}{
+		{func(c *config.Config) { c.Policies[0].Train.LR *= 2 }, `new.yaml: policy "p": train.lr differs from the checkpoint's config`},
+		{func(c *config.Config) { c.Rollout.BatchSize++ }, "new.yaml: rollout.batch_size differs from the checkpoint's config"},
+		{func(c *config.Config) { c.Policies[0].Name = "q" }, `new.yaml has no policy "p"`},
+	} {
+		if _, err := resume(moved(tc.edit)); err == nil || !strings.Contains(err.Error(), tc.want) {
+			t.Errorf("resume with a config that changes what the run computes: %v; want %q", err, tc.want)
+		}
+	}
+	var log strings.Builder
+	r2, err := Resume(context.Background(), out, "", Options{Log: &log, Tasks: numberedTasks(4), Engines: map[string]engines.Engine{"p": seededEngine()},
+		Relocate: moved(func(c *config.Config) {
+			c.Policies[0].Engine.Address, c.Policies[0].Engine.TokenEnv = "10.0.0.7:9000", "NEW_TOKEN"
+			c.Run.Out = "elsewhere"
+		})})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer r2.Close()
+	if e := r2.Config().Policies[0].Engine; e.Address != "10.0.0.7:9000" || e.TokenEnv != "NEW_TOKEN" || r2.Config().Run.Out != out {
+		t.Errorf("engine after the move: address %q, token_env %q, run.out %q", e.Address, e.TokenEnv, r2.Config().Run.Out)
+	}
+	for _, want := range []string{`resume: --config new.yaml: policy "p": engine.address  → 10.0.0.7:9000`, `policy "p": engine.token_env  → NEW_TOKEN`} {
+		if !strings.Contains(log.String(), want) {
+			t.Errorf("the run's log does not say %q:\n%s", want, log.String())
+		}
+	}
+	if err := r2.Steps(context.Background(), 1); err != nil {
+		t.Fatal(err)
+	}
+}

@@ -74,6 +74,12 @@ type Options struct {
 	// run's log; the run goes on.
 	AfterEval func(r *Run) error
 
+	// Relocate, for Resume, is a config whose policies' engines live elsewhere than the
+	// checkpoint's say (engine.address, tls, token_env, insecure, base_url, api_key_env): those
+	// replace the checkpoint's, and the run's log says what changed. Any other difference is
+	// refused (it would change what the run computes). nil: the checkpoint's config as it is.
+	Relocate *config.Config
+
 	// workDir is the working directory the run started in, when Resume knows it ("": this
 	// process's); resuming says that Resume loads the run, which puts the engines' state back
 	// from the checkpoint (so remote engines need no reset to their starting weights).

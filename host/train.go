@@ -172,6 +172,7 @@ func Resume(ctx context.Context, from, script string, opts Options) (*Run, error
 		return nil, &ScriptError{Msg: err.Error()}
 	}
 	var scriptNote string
+	var moved []string // what Options.Relocate changed
 	if script == "" {
 		script, scriptNote = resumeScript(ckpt, info, opts.FS != nil)
 	}
@@ -183,6 +184,11 @@ func Resume(ctx context.Context, from, script string, opts Options) (*Run, error
 		ckptConfig := filepath.Join(ckpt, "config.yaml")
 		if opts.Config, err = config.Load(ckptConfig); err != nil {
 			return nil, &ScriptError{Msg: err.Error()}
+		}
+		if opts.Relocate != nil {
+			if moved, err = relocate(opts.Config, opts.Relocate); err != nil { // reliability.go
+				return nil, &ScriptError{Msg: "resume: " + err.Error()}
+			}
 		}
 		if opts.FS == nil {
 			// Before the command line's changes, which are relative to here; and so for every
@@ -216,6 +222,12 @@ func Resume(ctx context.Context, from, script string, opts Options) (*Run, error
 	}
 	if scriptNote != "" {
 		r.events.printf("resume: %s", scriptNote)
+	}
+	if opts.Relocate != nil && len(moved) == 0 {
+		r.events.printf("resume: --config %s: the engines live where the checkpoint's config says; nothing changed", opts.Relocate.File)
+	}
+	for _, c := range moved {
+		r.events.printf("resume: --config %s: %s", opts.Relocate.File, c)
 	}
 	for _, bad := range skipped {
 		r.events.printf("warning: %v", bad)

@@ -52,7 +52,7 @@ type execFlags struct {
 func newExecFlags() *execFlags {
 	fs := flag.NewFlagSet("exec", flag.ContinueOnError)
 	f := &execFlags{fs: fs,
-		cfgPath:   fs.String("config", "", "YAML config (slime-n's policies: schema); default: every policy the script names on builtin:tiny-arith"),
+		cfgPath:   fs.String("config", "", "YAML config (slime-n's policies: schema); default: every policy the script names on builtin:tiny-arith. With --resume: only where engines live (engine.address, tls, token_env, insecure, base_url, api_key_env) may differ from the checkpoint's"),
 		data:      fs.String("data", "", "task source: a JSONL file or synthetic:arith[?difficulty=N] (overrides data.path)"),
 		steps:     fs.Int("steps", 0, "steps to run (overrides run.steps)"),
 		seed:      fs.Uint64("seed", 0, "run seed (overrides run.seed)"),
@@ -146,6 +146,13 @@ func loadRun(f *execFlags, script string, prog *progress) (*host.Run, int) {
 	var err error
 	if *f.resume != "" {
 		// The checkpoint's resolved config and run directory; the script as given, or as recorded.
+		// --config may move the engines (addresses, TLS, tokens), nothing else.
+		if *f.cfgPath != "" {
+			if opts.Relocate, err = config.Load(*f.cfgPath); err != nil {
+				fmt.Fprintln(os.Stderr, "slimen:", err)
+				return nil, 2
+			}
+		}
 		r, err = host.Resume(ctx, *f.resume, script, opts)
 	} else {
 		r, err = loadNew(ctx, f, script, opts)

@@ -132,3 +132,24 @@ func readText(t *testing.T, path string) string {
 	}
 	return string(b)
 }
+
+// TestResumeConfigMovesEnginesOnly: `--resume --config NEW` is no longer ignored: a config that
+// changes what the run computes (here the learning rate) is refused naming the setting, one
+// that changes nothing is said to change nothing, and the run resumes.
+func TestResumeConfigMovesEnginesOnly(t *testing.T) {
+	cfg := smallRun(t, "1", "")
+	out := filepath.Join(t.TempDir(), "run")
+	if log, err := slimen(t, nil, "exec", debate, "--config", cfg, "--out", out); err != nil {
+		t.Fatalf("%v\n%s", err, log)
+	}
+	changed := filepath.Join(t.TempDir(), "changed.yaml")
+	os.WriteFile(changed, []byte(strings.Replace(readText(t, cfg), "lr: 1.0e-3", "lr: 2.0e-3", 1)), 0o644)
+	log, err := slimen(t, nil, "exec", "--resume", out, "--config", changed, "--steps", "2")
+	if err == nil || !strings.Contains(log, `policy "generator": train.lr differs from the checkpoint's config`) {
+		t.Fatalf("--resume with a config that changes the learning rate: %v\n%s", err, log)
+	}
+	log, err = slimen(t, nil, "exec", "--resume", out, "--config", cfg, "--steps", "2")
+	if err != nil || !strings.Contains(log, "the engines live where the checkpoint's config says; nothing changed") {
+		t.Fatalf("--resume with the run's own config: %v\n%s", err, log)
+	}
+}
