@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"slices"
 	"strconv"
 	"strings"
 	"sync/atomic"
@@ -24,31 +25,62 @@ type hierarchy struct {
 	dir        string // this process's group in it
 }
 
+// layout is where a jail's group is made and which bounds it can hold. Memory is required; a
+// host that does not give sub-groups the pids or cpu controller (a container whose group has
+// only memory delegated) gets the fallbacks of Start instead: a per-process limit on the
+// program's own user, and the idle scheduling class.
+type layout struct {
+	hs        []hierarchy
+	pids, cpu bool
+}
+
+// absentControllers are controllers findCgroups treats as missing (tests of the fallbacks).
+var absentControllers []string
+
 // findCgroups finds the groups jails are made under, or says what the host lacks.
-func findCgroups() ([]hierarchy, error) {
+func findCgroups() (layout, error) {
+	l, err := findLayout()
+	l.pids = l.pids && !slices.Contains(absentControllers, "pids")
+	l.cpu = l.cpu && !slices.Contains(absentControllers, "cpu")
+	return l, err
+}
+
+func findLayout() (layout, error) {
 	own, err := ownGroups()
 	if err != nil {
-		return nil, fmt.Errorf("jail: cannot read this process's cgroups: %v", err)
+		return layout{}, fmt.Errorf("jail: cannot read this process's cgroups: %v", err)
 	}
 	if _, err := os.Stat("/sys/fs/cgroup/cgroup.controllers"); err == nil {
 		dir := groupDir("/sys/fs/cgroup", own[""])
-		ctl, _ := os.ReadFile(filepath.Join(dir, "cgroup.controllers"))
-		for _, want := range []string{"memory", "pids", "cpu"} {
-			if !hasWord(string(ctl), want) {
-				return nil, fmt.Errorf("jail: the cgroup v2 group %s lacks the %s controller (its cgroup.controllers: %q); run slimen in a group that has memory, pids and cpu delegated to it", dir, want, strings.TrimSpace(string(ctl)))
+		ctl := filepath.Join(dir, "cgroup.subtree_control")
+		enabled, _ := os.ReadFile(ctl)
+		avail, _ := os.ReadFile(filepath.Join(dir, "cgroup.controllers"))
+		for _, c := range []string{"memory", "pids", "cpu"} {
+			if hasWord(string(avail), c) && !hasWord(string(enabled), c) {
+				os.WriteFile(ctl, []byte("+"+c), 0) // refused while the group holds processes: then it stays off
 			}
 		}
-		return []hierarchy{{dir: dir}}, nil
+		enabled, _ = os.ReadFile(ctl)
+		if !hasWord(string(enabled), "memory") {
+			return layout{}, fmt.Errorf("jail: the memory controller is not available to sub-groups of this process's cgroup v2 group %s (its cgroup.controllers: %q, cgroup.subtree_control: %q); the jail bounds a program's memory with it: run slimen in a group whose sub-groups get memory (a container or systemd scope with delegation)",
+				dir, strings.TrimSpace(string(avail)), strings.TrimSpace(string(enabled)))
+		}
+		return layout{hs: []hierarchy{{dir: dir}}, pids: hasWord(string(enabled), "pids"), cpu: hasWord(string(enabled), "cpu")}, nil
 	}
-	var hs []hierarchy
+	var l layout
 	for _, c := range []string{"memory", "pids", "cpu"} {
 		mount := filepath.Join("/sys/fs/cgroup", c)
 		if _, err := os.Stat(filepath.Join(mount, "cgroup.procs")); err != nil {
-			return nil, fmt.Errorf("jail: neither cgroup v2 (/sys/fs/cgroup/cgroup.controllers) nor the cgroup v1 %s controller (%s) is mounted; the jail bounds a program's memory, processes and CPU with them", c, mount)
+			if c == "memory" {
+				return layout{}, fmt.Errorf("jail: neither cgroup v2 (/sys/fs/cgroup/cgroup.controllers) nor the cgroup v1 memory controller (%s) is mounted; the jail bounds a program's memory with it", mount)
+			}
+			continue
 		}
-		hs = append(hs, hierarchy{controller: c, dir: groupDir(mount, own[c])})
+		l.hs = append(l.hs, hierarchy{controller: c, dir: groupDir(mount, own[c])})
+		l.pids = l.pids || c == "pids"
+		l.cpu = l.cpu || c == "cpu"
 	}
-	return hs, nil
+	return l, nil
 }
 
 // groupDir is the folder of group path under a hierarchy's mount: in a container the mount may
@@ -94,21 +126,22 @@ func hasWord(s, w string) bool {
 
 // cgroup is one jail's group (one folder a hierarchy).
 type cgroup struct {
-	dirs []string
-	v2   bool
+	dirs                  []string
+	v2                    bool
+	boundsPids, boundsCPU bool // whether it bounds processes and CPU (else Start's fallbacks do)
 }
 
 var cgroupSeq atomic.Int64
 
 // newCgroup makes a jail's group with the spec's bounds.
 func newCgroup(s Spec) (*cgroup, error) {
-	hs, err := findCgroups()
+	l, err := findCgroups()
 	if err != nil {
 		return nil, err
 	}
 	name := fmt.Sprintf("slimen-jail-%d-%d", os.Getpid(), cgroupSeq.Add(1))
-	cg := &cgroup{}
-	for _, h := range hs {
+	cg := &cgroup{boundsPids: l.pids, boundsCPU: l.cpu}
+	for _, h := range l.hs {
 		sweep(h.dir)
 		dir := filepath.Join(h.dir, name)
 		if err := os.Mkdir(dir, 0o755); err != nil {
@@ -132,14 +165,14 @@ func limits(controller, dir string, s Spec) error {
 	period := 100000
 	quota := int(s.CPUs * float64(period))
 	switch controller {
-	case "": // v2
+	case "": // v2: each controller's files exist when the parent gives it
 		if s.MemoryBytes > 0 {
 			w = append(w, kv{"memory.max", strconv.FormatInt(s.MemoryBytes, 10)}, kv{"memory.swap.max", "0"})
 		}
-		if s.Pids > 0 {
+		if _, err := os.Stat(filepath.Join(dir, "pids.max")); err == nil && s.Pids > 0 {
 			w = append(w, kv{"pids.max", strconv.Itoa(s.Pids)})
 		}
-		if quota > 0 {
+		if _, err := os.Stat(filepath.Join(dir, "cpu.max")); err == nil && quota > 0 {
 			w = append(w, kv{"cpu.max", fmt.Sprintf("%d %d", quota, period)})
 		}
 	case "memory":

@@ -52,7 +52,7 @@ func Init() int {
 		}
 		go proxy(ln, sockDir, filepath.Base(s.Socket))
 	}
-	pid, err := startProgram(s.Spec)
+	pid, err := startProgram(s)
 	if err != nil {
 		return fail("starting "+s.Argv[0]+" in the jail", err)
 	}
@@ -81,18 +81,31 @@ func Init() int {
 
 // startProgram starts the program as User, in a session of its own, unable to gain privileges
 // (no_new_privs: set-user-ID files and file capabilities do nothing).
-func startProgram(s Spec) (int, error) {
-	runtime.LockOSThread() // no_new_privs is a thread's; the program is forked from this one
+func startProgram(s initSpec) (int, error) {
+	runtime.LockOSThread() // no_new_privs and the scheduling class are a thread's; the program is forked from this one
 	if err := unix.Prctl(unix.PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0); err != nil {
 		return 0, fmt.Errorf("no_new_privs: %v", err)
 	}
 	syscall.Setrlimit(syscall.RLIMIT_CORE, &syscall.Rlimit{})
+	if s.Nproc > 0 {
+		if err := syscall.Setrlimit(unix.RLIMIT_NPROC, &syscall.Rlimit{Cur: uint64(s.Nproc), Max: uint64(s.Nproc)}); err != nil {
+			return 0, fmt.Errorf("RLIMIT_NPROC: %v", err)
+		}
+	}
+	if s.Idle {
+		// RLIMIT_NICE 0 keeps an unprivileged program from leaving the idle class.
+		syscall.Setrlimit(unix.RLIMIT_NICE, &syscall.Rlimit{})
+		if err := unix.SchedSetAttr(0, &unix.SchedAttr{Size: unix.SizeofSchedAttr, Policy: unix.SCHED_IDLE}, 0); err != nil {
+			return 0, fmt.Errorf("the idle scheduling class: %v", err)
+		}
+	}
+	uid := uint32(s.UID)
 	return syscall.ForkExec(s.Argv[0], s.Argv, &syscall.ProcAttr{
 		Dir:   s.Dir,
 		Env:   s.Env,
 		Files: []uintptr{0, 1, 2},
 		Sys: &syscall.SysProcAttr{
-			Credential: &syscall.Credential{Uid: User, Gid: User, Groups: []uint32{}},
+			Credential: &syscall.Credential{Uid: uid, Gid: uid, Groups: []uint32{}},
 			Setsid:     true,
 		},
 	})
@@ -143,7 +156,7 @@ func buildRoot(s initSpec) (*os.File, error) {
 			mounted = append(mounted, p)
 		}
 	}
-	if err := writeEtc(root + "/etc"); err != nil && !slices.Contains(mounted, "/etc") {
+	if err := writeEtc(root+"/etc", s.UID); err != nil && !slices.Contains(mounted, "/etc") {
 		return nil, fmt.Errorf("/etc: %v", err)
 	}
 	var sockDir *os.File
@@ -245,13 +258,13 @@ func makeDev(dev string) error {
 }
 
 // writeEtc writes the few lines of /etc a program asks for: who it is, and localhost.
-func writeEtc(etc string) error {
+func writeEtc(etc string, uid int) error {
 	if err := os.MkdirAll(etc, 0o755); err != nil {
 		return err
 	}
 	files := map[string]string{
-		"passwd":   fmt.Sprintf("root:x:0:0:root:/root:/bin/sh\nagent:x:%d:%d:agent:/tmp:/bin/sh\n", User, User),
-		"group":    fmt.Sprintf("root:x:0:\nagent:x:%d:\n", User),
+		"passwd":   fmt.Sprintf("root:x:0:0:root:/root:/bin/sh\nagent:x:%d:%d:agent:/tmp:/bin/sh\n", uid, uid),
+		"group":    fmt.Sprintf("root:x:0:\nagent:x:%d:\n", uid),
 		"hosts":    "127.0.0.1 localhost\n::1 localhost\n",
 		"hostname": "slimen-jail\n",
 	}

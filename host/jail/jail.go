@@ -27,6 +27,7 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"syscall"
 )
 
@@ -159,7 +160,14 @@ func (c *Cmd) Start() error {
 		c.cleanup()
 		return err
 	}
-	b, _ := json.Marshal(initSpec{Spec: c.Spec, Root: root})
+	is := initSpec{Spec: c.Spec, Root: root, UID: User}
+	if !c.cg.boundsPids && c.Spec.Pids > 0 {
+		// No pids controller: RLIMIT_NPROC bounds the processes of the program's user, so the
+		// program gets a user of its own jail.
+		is.UID, is.Nproc = jailUID(), c.Spec.Pids
+	}
+	is.Idle = !c.cg.boundsCPU && c.Spec.CPUs > 0 // no cpu controller: it runs only on CPU time nobody else wants
+	b, _ := json.Marshal(is)
 	specW.Write(b)
 	specW.Close()
 	c.status = bufio.NewReader(statusR)
@@ -227,7 +235,30 @@ func (c *Cmd) cleanup() {
 // initSpec is what the init reads from its spec pipe.
 type initSpec struct {
 	Spec
-	Root string `json:"root"`
+	Root  string `json:"root"`
+	UID   int    `json:"uid"`   // the program's user and group
+	Nproc int    `json:"nproc"` // RLIMIT_NPROC of the program (0: none; the cgroup bounds it)
+	Idle  bool   `json:"idle"`  // run it in the idle scheduling class (the cgroup does not bound its CPU)
+}
+
+var uidSeq atomic.Int64
+
+// jailUID is a user of the jail's own, for RLIMIT_NPROC to count its processes alone: one of a
+// range past the usual users, if this process's user namespace maps it, else User (whose count
+// concurrent jails then share: a tighter bound, never a looser one).
+func jailUID() int {
+	uid := 100000 + (os.Getpid()%1000)*100 + int(uidSeq.Add(1)%100)
+	b, err := os.ReadFile("/proc/self/uid_map")
+	if err != nil {
+		return User
+	}
+	for _, line := range strings.Split(string(b), "\n") {
+		var in, out, n int
+		if k, _ := fmt.Sscan(line, &in, &out, &n); k == 3 && uid >= in && uid < in+n {
+			return uid
+		}
+	}
+	return User
 }
 
 // Available says whether this host can make jails, naming what it lacks if not.

@@ -254,8 +254,8 @@ func TestJailLeavesNothing(t *testing.T) {
 		t.Error("a dead maker's root folder was not swept")
 	}
 	left, _ := filepath.Glob(filepath.Join(os.TempDir(), fmt.Sprintf("slimen-jail-%d-*", os.Getpid())))
-	hs, _ := findCgroups()
-	for _, h := range hs {
+	l, _ := findCgroups()
+	for _, h := range l.hs {
 		g, _ := filepath.Glob(filepath.Join(h.dir, fmt.Sprintf("slimen-jail-%d-*", os.Getpid())))
 		left = append(left, g...)
 	}
@@ -266,7 +266,8 @@ func TestJailLeavesNothing(t *testing.T) {
 
 // BenchmarkJailNeighbour is what a hostile program costs its neighbours: one core's work (a
 // SHA-256 of 32 MiB) alone, beside a jail whose program spins 16 processes under the default
-// bound (agent_cpus: 1), and beside the same without a CPU bound.
+// bound (agent_cpus: 1), beside the same without a CPU bound, and in the idle scheduling class
+// (the fallback where the host gives sub-groups no cpu controller).
 //
 //	go test ./host/jail -run '^$' -bench JailNeighbour -benchtime 20x
 func BenchmarkJailNeighbour(b *testing.B) {
@@ -277,11 +278,20 @@ func BenchmarkJailNeighbour(b *testing.B) {
 		}
 	}
 	b.Run("alone", work)
-	for _, cpus := range []float64{1, 0} {
-		b.Run(fmt.Sprintf("beside-spinner-cpus=%g", cpus), func(b *testing.B) {
+	for _, v := range []struct {
+		name string
+		cpus float64
+		idle bool
+	}{{"cpus=1", 1, false}, {"unbounded", 0, false}, {"idle-class", 1, true}} {
+		b.Run("beside-spinner-"+v.name, func(b *testing.B) {
 			if err := Available(); err != nil {
 				b.Skipf("no jail on this host: %v", err)
 			}
+			if v.idle { // the fallback where the host gives no cpu controller
+				absentControllers = []string{"cpu"}
+				defer func() { absentControllers = nil }()
+			}
+			cpus := v.cpus
 			c := &Cmd{Spec: Spec{Argv: []string{"/bin/sh", "-c", `i=0; while [ $i -lt 16 ]; do (while :; do :; done) & i=$((i+1)); done; wait`},
 				Dir: "/tmp", Read: SystemPaths, MemoryBytes: 64 << 20, Pids: 64, CPUs: cpus}}
 			if err := c.Start(); err != nil {
@@ -328,5 +338,26 @@ func TestJailDiesWithItsMaker(t *testing.T) {
 			t.Fatalf("the jail outlived its maker: %s", ps)
 		}
 		time.Sleep(50 * time.Millisecond)
+	}
+}
+
+// TestJailFallbacks: where sub-groups get no pids or cpu controller (a container with only
+// memory delegated), the program runs as a user of its own jail under RLIMIT_NPROC, in the idle
+// scheduling class it cannot leave.
+func TestJailFallbacks(t *testing.T) {
+	needJail(t)
+	if _, err := exec.LookPath("chrt"); err != nil {
+		t.Skip("chrt is not installed")
+	}
+	absentControllers = []string{"pids", "cpu"}
+	defer func() { absentControllers = nil }()
+	code, out, _ := run(t, Spec{Pids: 8, CPUs: 1}, `
+		id -u
+		chrt -p $$
+		chrt -o -p 0 $$ 2>/dev/null && echo ESCAPED the idle class
+		for i in $(seq 30); do sleep 2 & done 2>/dev/null; echo jobs=$(jobs -p | wc -l)`)
+	// The shell itself may fail to fork past the bound (exit 2): what it printed says enough.
+	if strings.Contains(out, "65534\n") || !strings.Contains(out, "SCHED_IDLE") || strings.Contains(out, "ESCAPED") || strings.Contains(out, "jobs=30") {
+		t.Errorf("fallbacks do not hold (exit %d):\n%s", code, out)
 	}
 }
