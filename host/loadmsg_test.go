@@ -39,3 +39,30 @@ func TestLoadedLineNamesPolicies(t *testing.T) {
 		})
 	}
 }
+
+// A data file whose label is under another key is said at start-up, on the run's log and in
+// events.log, naming data.label_key and the keys the lines have: every task.label would be None.
+func TestStartupSaysNoLineHasTheLabelKey(t *testing.T) {
+	dir := t.TempDir()
+	data := filepath.Join(dir, "qa.jsonl")
+	if err := os.WriteFile(data, []byte(`{"prompt": "2+6=", "answer": "8"}`+"\n"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	cfg := testConfig(1, "p")
+	cfg.Data.Path = data
+	out := filepath.Join(dir, "run")
+	var log strings.Builder
+	r, err := Load(context.Background(), writeScript(t, reloadScript), Options{Config: cfg, Out: out, Log: &log,
+		Engines: map[string]engines.Engine{"p": scripted.Echo("x")}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	r.Close()
+	want := `data: ` + data + `: no line has the label key "label", so every task.label is None (set data.label_key if the label is under another key; the lines have the keys answer, prompt)`
+	if !strings.Contains(log.String(), want+"\n") {
+		t.Errorf("the run's log:\n%s\nwant the line %q", log.String(), want)
+	}
+	if b, _ := os.ReadFile(filepath.Join(out, "events.log")); !strings.Contains(string(b), want) {
+		t.Errorf("events.log:\n%s\nwant %q", b, want)
+	}
+}

@@ -107,7 +107,7 @@ func (r *Run) openTasks() error {
 		return err
 	}
 	for _, w := range src.Warnings() {
-		r.events.printf("data: skipped %s", w)
+		r.events.printf("data: %s", w)
 	}
 	r.tasks = src
 	return nil

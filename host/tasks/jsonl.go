@@ -9,6 +9,7 @@ import (
 	"math/rand/v2"
 	"os"
 	"path/filepath"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -48,13 +49,15 @@ func openJSONL(path string, o Options) (Source, error) {
 			s.warnings = append(s.warnings, fmt.Sprintf(format, args...))
 		}
 	}
-	ids := map[string]int{} // id → line, to warn about repeats
+	ids := map[string]int{}   // id → line, to warn about repeats
+	keys := map[string]bool{} // every key of the usable lines
+	labelled := false         // some usable line has the label key
 	for n, line := range bytes.Split(raw, []byte("\n")) {
 		line = bytes.TrimSpace(line)
 		if len(line) == 0 {
 			continue
 		}
-		t, err := parseLine(line, o.InputKey, o.LabelKey)
+		t, obj, err := parseLine(line, o.InputKey, o.LabelKey)
 		if err != nil {
 			skipped++
 			warn("%s:%d: %v; line skipped", path, n+1, err)
@@ -68,6 +71,10 @@ func openJSONL(path string, o Options) (Source, error) {
 		}
 		ids[t.ID] = n + 1
 		s.tasks = append(s.tasks, t)
+		for k := range obj {
+			keys[k] = true
+			labelled = labelled || k == o.LabelKey
+		}
 	}
 	if problems > maxWarnings {
 		s.warnings = append(s.warnings, fmt.Sprintf("%s: … and %d more problems", path, problems-maxWarnings))
@@ -78,37 +85,43 @@ func openJSONL(path string, o Options) (Source, error) {
 		}
 		return nil, fmt.Errorf("data: %s has no usable task: all %d lines were skipped; the first:\n  %s", path, skipped, s.warnings[0])
 	}
+	if !labelled {
+		// A label under another key reads as no label at all: a script comparing answers with
+		// task.label would reward whatever does not parse. Said first, before the lines' problems.
+		s.warnings = append([]string{fmt.Sprintf("%s: no line has the label key %q, so every task.label is None (set data.label_key if the label is under another key; the lines have the keys %s)",
+			path, o.LabelKey, strings.Join(slices.Sorted(maps.Keys(keys)), ", "))}, s.warnings...)
+	}
 	return s, nil
 }
 
 // parseLine reads one JSON object into a task: the prompt under inputKey, the label under
-// labelKey, an optional "id", and the other keys as metadata.
-func parseLine(line []byte, inputKey, labelKey string) (Task, error) {
+// labelKey, an optional "id", and the other keys as metadata. It returns the object too.
+func parseLine(line []byte, inputKey, labelKey string) (Task, map[string]json.RawMessage, error) {
 	var obj map[string]json.RawMessage
 	if line[0] != '{' {
-		return Task{}, errors.New("not a JSON object (each line must be one {…})")
+		return Task{}, nil, errors.New("not a JSON object (each line must be one {…})")
 	}
 	if err := json.Unmarshal(line, &obj); err != nil {
-		return Task{}, fmt.Errorf("not valid JSON: %v", err)
+		return Task{}, nil, fmt.Errorf("not valid JSON: %v", err)
 	}
 	t := Task{Metadata: map[string]any{}}
 	p, ok := obj[inputKey]
 	if !ok {
-		return Task{}, fmt.Errorf("no %q key (the prompt; set data.input_key if it is under another key)", inputKey)
+		return Task{}, nil, fmt.Errorf("no %q key (the prompt; set data.input_key if it is under another key)", inputKey)
 	}
 	prompt, err := parsePrompt(p)
 	if err != nil {
-		return Task{}, fmt.Errorf("%q: %v", inputKey, err)
+		return Task{}, nil, fmt.Errorf("%q: %v", inputKey, err)
 	}
 	t.Prompt = prompt
 	if l, ok := obj[labelKey]; ok {
 		if t.Label, t.HasLabel, err = parseLabel(l); err != nil {
-			return Task{}, fmt.Errorf("%q: %v", labelKey, err)
+			return Task{}, nil, fmt.Errorf("%q: %v", labelKey, err)
 		}
 	}
 	if id, ok := obj["id"]; ok && inputKey != "id" && labelKey != "id" {
 		if t.ID, _, err = parseLabel(id); err != nil {
-			return Task{}, fmt.Errorf(`"id": %v`, err)
+			return Task{}, nil, fmt.Errorf(`"id": %v`, err)
 		}
 	}
 	for k, v := range obj {
@@ -117,7 +130,7 @@ func parseLine(line []byte, inputKey, labelKey string) (Task, error) {
 		}
 		t.Metadata[k] = parseValue(v)
 	}
-	return t, nil
+	return t, obj, nil
 }
 
 // parsePrompt reads a prompt: a string, or a list of {"role", "content"} messages.

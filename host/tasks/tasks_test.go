@@ -107,7 +107,7 @@ func TestUnusableFiles(t *testing.T) {
 
 func TestWarningsAreCapped(t *testing.T) {
 	var b strings.Builder
-	b.WriteString(`{"prompt": "ok"}` + "\n")
+	b.WriteString(`{"prompt": "ok", "label": "1"}` + "\n")
 	for range 150 {
 		b.WriteString("{bad\n")
 	}
@@ -236,4 +236,21 @@ func TestEvalTasks(t *testing.T) {
 	if _, err := EvalTasks(open(t, "synthetic:arith", Options{}), 0); err == nil || !strings.Contains(err.Error(), "give the eval dataset a limit") {
 		t.Errorf("endless source without a limit: %v", err)
 	}
+}
+
+// A label under another key reads as no label: the source says so, naming the key it looked for
+// and the keys the lines have. A file where some line has the key is not warned about.
+func TestNoLineHasTheLabelKey(t *testing.T) {
+	path := filepath.Join(t.TempDir(), "qa.jsonl")
+	if err := os.WriteFile(path, []byte(`{"prompt": "2+6=", "answer": "8"}`+"\n"+`{"prompt": "1+1=", "answer": 2, "id": "b"}`+"\n"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	want := []string{path + `: no line has the label key "label", so every task.label is None (set data.label_key if the label is under another key; the lines have the keys answer, id, prompt)`}
+	if diff := cmp.Diff(want, open(t, path, Options{}).Warnings()); diff != "" {
+		t.Errorf("warnings (-want +got):\n%s", diff)
+	}
+	if w := open(t, path, Options{LabelKey: "answer"}).Warnings(); len(w) != 0 {
+		t.Errorf("label_key answer: warnings %q", w)
+	}
+	// arith.jsonl has lines without a label and lines with one: no warning (TestStringPromptsAndLabels).
 }
