@@ -52,15 +52,29 @@ func findLayout() (layout, error) {
 	}
 	if _, err := os.Stat("/sys/fs/cgroup/cgroup.controllers"); err == nil {
 		dir := groupDir("/sys/fs/cgroup", own[""])
+		if filepath.Base(dir) == leafGroup {
+			dir = filepath.Dir(dir) // this process was moved to the leaf: jails go beside it
+		}
 		ctl := filepath.Join(dir, "cgroup.subtree_control")
-		enabled, _ := os.ReadFile(ctl)
 		avail, _ := os.ReadFile(filepath.Join(dir, "cgroup.controllers"))
-		for _, c := range []string{"memory", "pids", "cpu"} {
-			if hasWord(string(avail), c) && !hasWord(string(enabled), c) {
-				os.WriteFile(ctl, []byte("+"+c), 0) // refused while the group holds processes: then it stays off
+		enable := func() {
+			enabled, _ := os.ReadFile(ctl)
+			for _, c := range []string{"memory", "pids", "cpu"} {
+				if hasWord(string(avail), c) && !hasWord(string(enabled), c) {
+					os.WriteFile(ctl, []byte("+"+c), 0)
+				}
 			}
 		}
-		enabled, _ = os.ReadFile(ctl)
+		enable()
+		if enabled, _ := os.ReadFile(ctl); hasWord(string(avail), "memory") && !hasWord(string(enabled), "memory") {
+			// cgroup v2 gives sub-groups controllers only of a group without processes of its
+			// own (a container's group holds the container's): move them to a leaf beside the
+			// jails, as Docker-in-Docker does with its "init" group. They stay under the same
+			// group, within the same limits.
+			toLeaf(dir)
+			enable()
+		}
+		enabled, _ := os.ReadFile(ctl)
 		if !hasWord(string(enabled), "memory") {
 			return layout{}, fmt.Errorf("jail: the memory controller is not available to sub-groups of this process's cgroup v2 group %s (its cgroup.controllers: %q, cgroup.subtree_control: %q); the jail bounds a program's memory with it: run slimen in a group whose sub-groups get memory (a container or systemd scope with delegation)",
 				dir, strings.TrimSpace(string(avail)), strings.TrimSpace(string(enabled)))
@@ -81,6 +95,27 @@ func findLayout() (layout, error) {
 		l.cpu = l.cpu || c == "cpu"
 	}
 	return l, nil
+}
+
+// leafGroup is the sub-group a cgroup v2 group's own processes move to (toLeaf).
+const leafGroup = "slimen-leaf"
+
+// toLeaf moves every process of group dir into its leafGroup.
+func toLeaf(dir string) {
+	leaf := filepath.Join(dir, leafGroup)
+	if err := os.Mkdir(leaf, 0o755); err != nil && !os.IsExist(err) {
+		return
+	}
+	for range 3 { // processes started meanwhile
+		b, _ := os.ReadFile(filepath.Join(dir, "cgroup.procs"))
+		pids := strings.Fields(string(b))
+		if len(pids) == 0 {
+			return
+		}
+		for _, p := range pids {
+			os.WriteFile(filepath.Join(leaf, "cgroup.procs"), []byte(p), 0)
+		}
+	}
 }
 
 // groupDir is the folder of group path under a hierarchy's mount: in a container the mount may
