@@ -31,6 +31,10 @@ func (c *Client) callError(ctx context.Context, method string, err error, out *o
 			// A TLS server drops a plaintext client before speaking HTTP/2.
 			hint += ", and whether it serves TLS (then set engine.tls)"
 		}
+		if t := c.gaveUpAt(); !t.IsZero() && !time.Now().Before(t) {
+			// GiveUpAt: the caller stops waiting (a stopping host's grace is over).
+			hint = "its client stopped waiting for it (GiveUpAt: the run is stopping and its stop grace is over); " + hint
+		}
 		if out != nil && out.began() {
 			return fmt.Errorf("engine at %s is unreachable: %s gave up after retrying for %s (last error: %s); %s: %w",
 				c.addr, method, time.Since(out.since).Round(time.Second), msg, hint, ErrUnavailable)

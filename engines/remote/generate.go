@@ -236,7 +236,7 @@ func (m *mux) run() {
 			continue
 		}
 		m.mu.Lock()
-		wait, ok := m.out.next(err, m.c.opts)
+		wait, ok := m.out.next(err, m.c.opts, m.c.gaveUpAt())
 		var gaveUp error
 		if !ok {
 			gaveUp = m.c.callError(context.Background(), "generate", err, &m.out)

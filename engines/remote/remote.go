@@ -126,6 +126,9 @@ type Client struct {
 	named atomic.Bool
 	// versions is set once KeepsVersions found "versions" in the server's capabilities.
 	versions atomic.Bool
+	// giveUp, when not 0, is when calls stop waiting for an unreachable engine (GiveUpAt), in
+	// Unix nanoseconds.
+	giveUp atomic.Int64
 
 	mu       sync.Mutex
 	instance string // the server process the client trusts: seen at Dial, or accepted by OnRestart
@@ -212,6 +215,29 @@ func Dial(ctx context.Context, opts Options) (*Client, error) {
 
 // Address is the engine's host:port.
 func (c *Client) Address() string { return c.addr }
+
+// GiveUpAt makes the client stop waiting for an unreachable engine at t, whatever
+// ReconnectTimeout says: a call that finds the engine unreachable fails with ErrUnavailable at t
+// (at once after it) instead of retrying on. An engine that answers is not affected. A host that
+// is stopping sets it to the end of its stop grace, so that a dead server cannot hold up its
+// exit. The earliest t given holds.
+func (c *Client) GiveUpAt(t time.Time) {
+	n := t.UnixNano()
+	for {
+		old := c.giveUp.Load()
+		if old != 0 && old <= n || c.giveUp.CompareAndSwap(old, n) {
+			return
+		}
+	}
+}
+
+// gaveUpAt is the time GiveUpAt set; zero if none.
+func (c *Client) gaveUpAt() time.Time {
+	if n := c.giveUp.Load(); n != 0 {
+		return time.Unix(0, n)
+	}
+	return time.Time{}
+}
 
 // Health is what an engine server says about itself.
 type Health struct {
@@ -561,7 +587,7 @@ func (c *Client) retry(ctx context.Context, method string, err error, out *outag
 	if st := status.Convert(err); st.Code() != codes.Unavailable || permanent(st.Message()) || ctx.Err() != nil {
 		return false, c.callError(ctx, method, err, out)
 	}
-	if d, ok := out.next(err, c.opts); !ok || !sleep(ctx, d) {
+	if d, ok := out.next(err, c.opts, c.gaveUpAt()); !ok || !sleep(ctx, d) {
 		return false, c.callError(ctx, method, err, out)
 	}
 	return true, nil
@@ -604,19 +630,23 @@ type outage struct {
 func (o *outage) began() bool { return !o.since.IsZero() }
 
 // next records a failed attempt and says how long to wait before the next one; ok is false once
-// the outage has lasted ReconnectTimeout.
-func (o *outage) next(err error, opts Options) (wait time.Duration, ok bool) {
+// the outage has lasted ReconnectTimeout, or giveUp (when not zero) has come.
+func (o *outage) next(err error, opts Options, giveUp time.Time) (wait time.Duration, ok bool) {
 	now := time.Now()
 	if o.since.IsZero() {
 		o.since = now
 	}
 	o.last = err
-	if now.Sub(o.since) >= opts.ReconnectTimeout {
+	if now.Sub(o.since) >= opts.ReconnectTimeout || !giveUp.IsZero() && !now.Before(giveUp) {
 		return 0, false
 	}
 	d := min(50*time.Millisecond<<min(o.attempts, 16), opts.MaxBackoff)
 	o.attempts++
-	return time.Duration(float64(d) * (0.8 + 0.4*rand.Float64())), true // jitter keeps many clients apart
+	d = time.Duration(float64(d) * (0.8 + 0.4*rand.Float64())) // jitter keeps many clients apart
+	if !giveUp.IsZero() {
+		d = min(d, giveUp.Sub(now))
+	}
+	return d, true
 }
 
 // sleep waits d; it reports false if ctx ended first.

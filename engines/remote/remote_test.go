@@ -426,6 +426,37 @@ func TestUnreachableEngine(t *testing.T) {
 	}
 }
 
+// GiveUpAt ends the wait for an unreachable engine at the time given, long before
+// ReconnectTimeout: calls under way (a Save) and calls made after it (a Train) fail with
+// ErrUnavailable, saying why. A stopping host sets it so that a dead server cannot hold up its
+// exit for the reconnect timeout.
+func TestGiveUpAtEndsTheWait(t *testing.T) {
+	srv := serveAt(t, "127.0.0.1:0", newFake(), server.Options{})
+	c := dial(t, remote.Options{Address: srv.addr, ReconnectTimeout: 10 * time.Minute})
+	srv.stop()
+	start := time.Now()
+	done := make(chan error, 1)
+	go func() { done <- c.Save(context.Background(), "/ckpt/x") }()
+	time.Sleep(300 * time.Millisecond) // the save is waiting for the engine (or about to)
+	c.GiveUpAt(time.Now().Add(200 * time.Millisecond))
+	c.GiveUpAt(time.Now().Add(time.Hour)) // a later time does not undo an earlier one
+	var err error
+	select {
+	case err = <-done:
+	case <-time.After(time.Minute):
+		t.Fatal("the save still waits for the engine a minute after GiveUpAt")
+	}
+	if !errors.Is(err, remote.ErrUnavailable) || !strings.Contains(err.Error(), "its client stopped waiting for it") {
+		t.Errorf("save: %v; want ErrUnavailable saying the client stopped waiting", err)
+	}
+	if _, err := c.Train(context.Background(), batch("after")); !errors.Is(err, remote.ErrUnavailable) {
+		t.Errorf("train after GiveUpAt: %v; want ErrUnavailable at once", err)
+	}
+	if took := time.Since(start); took > time.Minute {
+		t.Errorf("giving up took %v, for a reconnect timeout of 10m cut by GiveUpAt", took)
+	}
+}
+
 func TestTokenChecks(t *testing.T) {
 	addr := serve(t, newFake(), server.Options{Token: "s3cret"})
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
