@@ -5,8 +5,10 @@ import (
 	"fmt"
 	"path/filepath"
 	"sync"
+	"time"
 
 	"github.com/slimen/slimen/engines"
+	"github.com/slimen/slimen/engines/remote"
 )
 
 // Engines that restart. A remote engine (or a torch worker) can die and come back as a new
@@ -18,21 +20,33 @@ import (
 //   - a frozen policy lost nothing (its state is what its config says); the restart is logged;
 //   - a trainable policy's state is the run's checkpoint of step B plus the optimizer steps
 //     applied since, where B is the last step the run checkpointed (0: the model the engine was
-//     started with). The host keeps those optimizer steps only until the next checkpoint, i.e.
-//     within one step when run.save_interval is 1: it loads the checkpoint into the new process
-//     and replays them. The run then goes on exactly as if nothing had happened.
-//   - otherwise (no checkpoint of the steps done, no run directory) the state cannot be put
-//     back: the run stops with a *RestartError that says how to resume.
+//     started with). The host keeps those optimizer steps until the next checkpoint (up to
+//     replayLimit bytes of them): it loads the checkpoint into the new process and replays them,
+//     step by step. The run then goes on exactly as if nothing had happened: the step in
+//     progress is not run again, and no other policy's engine or the script's state is touched.
+//   - otherwise (the optimizer steps since B outgrew replayLimit, engine.continue before the
+//     first checkpoint, no run directory) the state cannot be put back: the run stops with a
+//     *RestartError that says how to go on.
+
+// replayLimit bounds the optimizer steps the host keeps to replay into a restarted engine, in
+// bytes of their samples: past it, they are dropped until the next checkpoint (run.save_interval,
+// run.save_minutes), and a restart until then stops the run.
+const replayLimit = 1 << 30
 
 // restartGuard is what the run knows of the state of its trainable engines, to put it back into
 // one that restarted. All fields are guarded by mu, which a restore holds throughout.
 type restartGuard struct {
-	mu    sync.Mutex
-	known bool // base is a state the host can restore: engines hold base plus applied
-	base  int  // the step of that state: a checkpoint of the run, or 0 (the models as started)
-	done  int  // the steps completed, as last told by the step loop
-	// applied are the optimizer steps each policy's engine applied since base, in order.
-	applied map[string][]engines.Batch
+	mu      sync.Mutex
+	started bool // stepStarting was called
+	known   bool // base is a state the host can restore: engines hold base plus applied
+	base    int  // the step of that state: a checkpoint of the run, or 0 (the models as started)
+	done    int  // the steps completed, as last told by the step loop
+	// applied are the optimizer steps each policy's engine applied since base, in order, with
+	// the step each belongs to; bytes is their size, bounded by limit (0: replayLimit).
+	applied map[string][]appliedStep
+	bytes   int64
+	limit   int64
+	dropped int           // the step whose optimizer steps outgrew the limit (0: none)
 	err     *RestartError // the first restart the run could not recover from
 	// start is, for policies on servers the run reset at start-up to a folder of their own
 	// (load:), that folder: a process that restarts before the first checkpoint has the model it
@@ -58,12 +72,32 @@ func (g *restartGuard) startedFrom(policy, dir string, continued bool) {
 func (g *restartGuard) stepStarting(done int, haveCheckpoint bool) {
 	g.mu.Lock()
 	defer g.mu.Unlock()
-	if g.known && g.done == done {
-		return // the engines hold base plus applied still (this may be a step tried again)
+	if g.started && g.done == done && (g.known || !haveCheckpoint) {
+		// The engines hold base plus applied still (this may be a step tried again), or the
+		// optimizer steps since base were dropped and no checkpoint was made since.
+		return
 	}
-	// The first step of this process, fresh or resumed.
-	g.done, g.applied = done, nil
+	// The first step of this process, fresh or resumed; or a checkpoint made between steps
+	// (Run.Checkpoint) after the optimizer steps were dropped.
+	g.started = true
+	g.done, g.applied, g.bytes, g.dropped = done, nil, 0, 0
 	g.known, g.base = done == 0 || haveCheckpoint, done
+}
+
+// appliedStep is an optimizer step an engine applied in a step of the run.
+type appliedStep struct {
+	step int
+	b    engines.Batch
+}
+
+// batchBytes is about what a batch holds in memory.
+func batchBytes(b engines.Batch) int64 {
+	n := int64(len(b.ID))
+	for _, s := range b.Samples {
+		n += 4*int64(len(s.Prompt)+len(s.Response)+len(s.LossMask)+len(s.OldLogprobs)+len(s.TrainLogprobs)+
+			len(s.Advantages)+len(s.Returns)+len(s.OldValues)) + int64(len(s.Group)) + 200
+	}
+	return n
 }
 
 // trained records an optimizer step a policy's engine applied.
@@ -73,19 +107,33 @@ func (g *restartGuard) trained(policy string, b engines.Batch) {
 	if !g.known {
 		return
 	}
-	if g.applied == nil {
-		g.applied = map[string][]engines.Batch{}
+	limit := g.limit
+	if limit <= 0 {
+		limit = replayLimit
 	}
-	g.applied[policy] = append(g.applied[policy], b)
+	if g.bytes += batchBytes(b); g.bytes > limit {
+		// Kept any longer, they would hold the host's memory hostage until the next checkpoint.
+		g.known, g.applied, g.bytes, g.dropped = false, nil, 0, g.done+1
+		return
+	}
+	if g.applied == nil {
+		g.applied = map[string][]appliedStep{}
+	}
+	g.applied[policy] = append(g.applied[policy], appliedStep{step: g.done + 1, b: b})
 }
 
 // stepDone is called at the end of a step; checkpointed says whether the run now has a complete
-// checkpoint of it. Without one, what the engines hold is no longer a state the host can restore.
+// checkpoint of it. With one, the engines hold that checkpoint's state and the optimizer steps
+// are forgotten; without, they are kept, and a restarted engine gets the older checkpoint and
+// every optimizer step since.
 func (g *restartGuard) stepDone(step int, checkpointed bool) {
 	g.mu.Lock()
 	defer g.mu.Unlock()
-	g.done, g.applied = step, nil
-	g.known, g.base = checkpointed, step
+	g.done = step
+	if checkpointed {
+		g.applied, g.bytes, g.dropped = nil, 0, 0
+		g.known, g.base = true, step
+	}
 }
 
 // failure is the restart the run could not recover from, if any.
@@ -162,8 +210,10 @@ func (r *Run) engineRestarted(ctx context.Context, ev restartEvent) error {
 	switch {
 	case ev.eng == nil:
 		return fail("its engine was not ready to be given its state back")
+	case !g.known && g.dropped > 0:
+		return fail("the optimizer steps applied since the run's last checkpoint outgrew the %d MiB the host keeps to replay into a restarted engine in step %d, and the run has no checkpoint of step %d to load into it (a checkpoint more often — run.save_interval, run.save_minutes — keeps them fewer)", replayLimitOf(g)>>20, g.dropped, g.done)
 	case !g.known:
-		return fail("the run has no checkpoint of step %d to load into it (with run.save_interval: 1 it always has one)", g.done)
+		return fail("the run has no checkpoint of step %d to load into it", g.done)
 	}
 	what := "it had not been trained yet, so it needs no checkpoint"
 	switch {
@@ -175,6 +225,8 @@ func (r *Run) engineRestarted(ctx context.Context, ev restartEvent) error {
 			return fail("loading its load: folder %s, which the run started from, into it failed: %v", dir, err)
 		}
 		what = fmt.Sprintf("loaded its load: folder %s, which the run started from, into it", dir)
+	case g.base == 0 && len(g.applied[ev.policy]) > 0:
+		what = "it had been trained from the model it was started with"
 	}
 	if g.base > 0 {
 		dir, err := r.policyCheckpoint(g.base, ev.policy)
@@ -186,10 +238,11 @@ func (r *Run) engineRestarted(ctx context.Context, ev restartEvent) error {
 		}
 		what = fmt.Sprintf("loaded %s (step %d) into it", dir, g.base)
 	}
-	if r.versionsInEngine(ev.policy) {
-		// Its rollouts sample weights versions the process kept (async.go): all of them are
-		// the state of g.base or in its checkpoint, since a version is kept at most up to the
-		// step done (with a checkpoint every step; without one the run stopped above).
+	versions := r.versionsInEngine(ev.policy)
+	if versions {
+		// Its rollouts sample weights versions the process kept (async.go): those up to g.base
+		// are the state of g.base or in its checkpoint; those of the steps since are kept again
+		// below, each once its step's optimizer steps are replayed.
 		kept, err := r.keepAgain(ctx, ev.eng, ev.policy, g.base)
 		if err != nil {
 			return fail("putting back the weights versions its rollouts sample from failed: %v", err)
@@ -197,16 +250,69 @@ func (r *Run) engineRestarted(ctx context.Context, ev restartEvent) error {
 		what += fmt.Sprintf(", kept weights versions %v in it again", kept)
 	}
 	replay := g.applied[ev.policy]
-	for i, b := range replay {
-		if _, err := ev.eng.Train(ctx, b); err != nil {
-			return fail("replaying optimizer step %d of %d since step %d (%s) failed: %v", i+1, len(replay), g.base, b.ID, err)
+	var again []int // weights versions of the replayed steps kept again
+	for i, a := range replay {
+		if _, err := ev.eng.Train(ctx, a.b); err != nil {
+			return fail("replaying optimizer step %d of %d since step %d (%s) failed: %v", i+1, len(replay), g.base, a.b.ID, err)
+		}
+		if last := i+1 == len(replay) || replay[i+1].step != a.step; versions && last && a.step <= g.done && a.step >= g.done-r.staleness() {
+			// A version a step to come may still generate from (async.go: genVersion of step
+			// done+1 is done-K); older ones the run dropped already.
+			if err := keepVersion(ctx, ev.eng, a.step); err != nil {
+				return fail("keeping weights version %d again after replaying its optimizer steps failed: %v", a.step, err)
+			}
+			again = append(again, a.step)
 		}
 	}
 	if len(replay) > 0 {
-		what += fmt.Sprintf(" and replayed the %d optimizer steps applied since", len(replay))
+		steps := span(replay[0].step, replay[len(replay)-1].step)
+		what += fmt.Sprintf(" and replayed the %d optimizer steps applied since (step %s)", len(replay), steps)
+	}
+	if len(again) > 0 {
+		what += fmt.Sprintf(", keeping weights versions %v again", again)
 	}
 	r.events.printf("%s: %s; the run goes on", who, what)
 	return nil
+}
+
+// replayLimitOf is the bound on the optimizer steps g keeps to replay.
+func replayLimitOf(g *restartGuard) int64 {
+	if g.limit > 0 {
+		return g.limit
+	}
+	return replayLimit
+}
+
+// keepVersion keeps eng's current weights as weights version v.
+func keepVersion(ctx context.Context, eng engines.Engine, v int) error {
+	vs, ok := eng.(engines.Versions)
+	if !ok {
+		return fmt.Errorf("its engine keeps no weights versions")
+	}
+	return vs.KeepVersion(ctx, v)
+}
+
+// outageBounded is an engine client that can be told when to stop waiting for its engine while
+// it is unreachable (remote.Client, a torch worker's client).
+type outageBounded interface{ GiveUpAt(time.Time) }
+
+// giveUpOnEngines tells every policy's engine client that reaches a server to stop waiting for it
+// at t, should it be unreachable: the run is stopping, and a server that is down must not hold up
+// its exit past the stop grace (the rollouts are cancelled then; the final checkpoint and what
+// else the run still asks of its engines fail at once instead of waiting ReconnectTimeout).
+func (r *Run) giveUpOnEngines(t time.Time) {
+	r.polMu.Lock()
+	defer r.polMu.Unlock()
+	for _, name := range r.order {
+		switch e := r.policies[name].eng.(type) {
+		case outageBounded:
+			e.GiveUpAt(t)
+		case interface{ Client() *remote.Client }: // a LoRA adapter on a server
+			if c := e.Client(); c != nil {
+				c.GiveUpAt(t)
+			}
+		}
+	}
 }
 
 // policyCheckpoint is the folder a policy's engine loads its state from in the run's checkpoint
@@ -242,7 +348,7 @@ func (r *Run) resumeHint() string {
 	}
 	dir, _, err := FindCheckpoint(r.opts.Out)
 	if err != nil {
-		return fmt.Sprintf("start it again once the engine is back: %s has no checkpoint to resume from (run.save_interval writes them)", r.opts.Out)
+		return fmt.Sprintf("%s has no checkpoint to resume from (run.save_interval writes them), and slimen exec does not write a new run into a folder that holds one: start it again once the engine is back, with another --out (or remove %s first)", r.opts.Out, r.opts.Out)
 	}
 	info, err := readRunInfo(dir)
 	step := info.Step

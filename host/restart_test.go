@@ -158,10 +158,53 @@ func TestRestartBeforeAnyTrainingNeedsNoCheckpoint(t *testing.T) {
 	}
 }
 
-// Without a checkpoint of the steps done, the engine's state cannot be put back: OnRestart refuses
-// the new process, and the step stops with the error that says how to resume.
-func TestRestartWithoutCheckpointStopsTheRun(t *testing.T) {
+// An engine that restarts between checkpoints (run.save_interval 2; the run's default is a
+// checkpoint every few minutes) gets the last checkpoint and every optimizer step applied since,
+// step by step, and the step in progress goes on: the engine ends it as if nothing had happened.
+// (Before: the host kept only the step in progress's optimizer steps, and the run stopped.)
+func TestRestartBetweenCheckpointsReplaysSinceTheLast(t *testing.T) {
 	r, eng, out := restartRun(t, 2, "generate after 6") // in step 4: step 2 was saved, not 3
+	stepsWithoutFailures(t, r, 5)
+	step2 := filepath.Join(out, "checkpoints", "step_2", "p")
+	if abs, err := filepath.Abs(step2); err == nil {
+		step2 = abs
+	}
+	want := []string{
+		"train p/step1/0", "train p/step1/1", "train p/step2/0", "train p/step2/1", "train p/step3/0", "train p/step3/1",
+		"restart", "load " + step2, "train p/step3/0", "train p/step3/1",
+		"train p/step4/0", "train p/step4/1", "train p/step5/0", "train p/step5/1",
+	}
+	if got := eng.events(); strings.Join(got, "\n") != strings.Join(want, "\n") {
+		t.Errorf("the engine got:\n  %s\nwant:\n  %s", strings.Join(got, "\n  "), strings.Join(want, "\n  "))
+	}
+	if eng.restartE != nil {
+		t.Errorf("OnRestart refused the new process: %v", eng.restartE)
+	}
+	if ev := readEvents(t, out); !strings.Contains(ev, `policy "p": its engine at test:1 restarted as a new process (instance old → new): loaded `+step2+" (step 2) into it and replayed the 2 optimizer steps applied since (step 3); the run goes on") {
+		t.Errorf("events.log does not tell of the reload and the replay:\n%s", ev)
+	}
+
+	// With no checkpoint at all, the engine gets the model it was started with and every
+	// optimizer step of the run.
+	r, eng, out = restartRun(t, 0, "generate after 4") // in step 3
+	stepsWithoutFailures(t, r, 3)
+	want = []string{"train p/step1/0", "train p/step1/1", "train p/step2/0", "train p/step2/1",
+		"restart", "train p/step1/0", "train p/step1/1", "train p/step2/0", "train p/step2/1",
+		"train p/step3/0", "train p/step3/1"}
+	if got := eng.events(); strings.Join(got, "\n") != strings.Join(want, "\n") {
+		t.Errorf("without a checkpoint the engine got:\n  %s\nwant:\n  %s", strings.Join(got, "\n  "), strings.Join(want, "\n  "))
+	}
+	if ev := readEvents(t, out); !strings.Contains(ev, "it had been trained from the model it was started with and replayed the 4 optimizer steps applied since (step 1–2)") {
+		t.Errorf("events.log:\n%s", ev)
+	}
+}
+
+// Past the bound on what the host keeps to replay, the engine's state cannot be put back before
+// the next checkpoint: OnRestart refuses the new process, and the step stops with the error that
+// says how to resume.
+func TestRestartPastTheReplayLimitStopsTheRun(t *testing.T) {
+	r, eng, out := restartRun(t, 2, "generate after 6") // in step 4: step 2 was saved, not 3
+	r.restart.limit = 1                                 // the first optimizer step outgrows it
 	stepsWithoutFailures(t, r, 3)
 	if _, err := r.Step(context.Background()); err == nil {
 		t.Fatal("step 4 on an engine that lost steps 3's training: no error")
@@ -172,7 +215,7 @@ func TestRestartWithoutCheckpointStopsTheRun(t *testing.T) {
 		}
 		for _, want := range []string{
 			`step 4: policy "p": its engine at test:1 restarted as a new process (instance old → new)`,
-			"the run has no checkpoint of step 3 to load into it",
+			"the optimizer steps applied since the run's last checkpoint outgrew the 0 MiB the host keeps to replay into a restarted engine in step 3, and the run has no checkpoint of step 3 to load into it",
 			"resume from its last checkpoint (step 2) once the engine is back: slimen exec --resume " + out,
 		} {
 			if !strings.Contains(err.Error(), want) {
@@ -232,7 +275,7 @@ func TestTrainFailureStopsTheRunWithResumeHint(t *testing.T) {
 		t.Fatalf("got %v, want an EngineError of policy p in step 1", err)
 	}
 	for _, want := range []string{`step 1: the engine of policy "p" failed: train: engine at 127.0.0.1:1 is unreachable`,
-		"the run stops: start it again once the engine is back: " + out + " has no checkpoint to resume from"} {
+		"the run stops: " + out + " has no checkpoint to resume from (run.save_interval writes them), and slimen exec does not write a new run into a folder that holds one: start it again once the engine is back, with another --out (or remove " + out + " first)"} {
 		if !strings.Contains(err.Error(), want) {
 			t.Errorf("the error lacks %q:\n%s", want, err)
 		}

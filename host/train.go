@@ -87,10 +87,16 @@ func (r *Run) sayWhyStopped(err error) {
 // Stop asks Train to stop after the step in progress. It may be called from any goroutine (a
 // signal handler's). Rollouts still running rollout.stop_grace_s after the first Stop are
 // cancelled: they fail with StopCancelled, and the step, no longer whole, is neither trained nor
-// checkpointed (StepCut): the run stops after the step before it.
+// checkpointed (StepCut): the run stops after the step before it. An engine server that is
+// unreachable is waited for until the grace ends, no longer: what the run still asks of it then
+// (the final checkpoint) fails at once, and the run stops with the resume command of its last
+// checkpoint.
 func (r *Run) Stop() {
 	r.stopping.Store(true)
-	r.stopOnce.Do(func() { close(r.stopped) })
+	r.stopOnce.Do(func() {
+		close(r.stopped)
+		r.giveUpOnEngines(time.Now().Add(r.StopGrace())) // restart.go: a server down ends the wait then
+	})
 }
 
 // StopGrace is how long rollouts may still run after Stop before they are cancelled
