@@ -221,7 +221,8 @@ func (e *Engine) Close() error {
 	return nil
 }
 
-// Render renders each request's messages with the chat template (renderChat) and encodes them.
+// Render renders each request's messages with the chat template, as token ids (EncodeChat: a
+// message's content is plain text).
 // The template has no tools variable: a request with tools is refused (put the schemas in a
 // system message instead).
 func (e *Engine) Render(_ context.Context, reqs []engines.RenderRequest) ([][]int32, error) {
@@ -235,7 +236,7 @@ func (e *Engine) Render(_ context.Context, reqs []engines.RenderRequest) ([][]in
 		if len(r.Tools) > 0 {
 			return nil, fmt.Errorf("render request %d: the tiny chat template has no tools variable; describe the tools in a system message", i)
 		}
-		out[i] = e.tok.Encode(renderChat(r.Messages, r.AddGenerationPrompt))
+		out[i] = e.tok.EncodeChat(r.Messages, r.AddGenerationPrompt)
 	}
 	return out, nil
 }
@@ -247,7 +248,7 @@ func (e *Engine) promptTokens(msgs []engines.Message, ids []int32) ([]int32, err
 	case len(msgs) > 0 && len(ids) > 0:
 		return nil, errors.New("both Messages and PromptTokens are set; set exactly one")
 	case len(msgs) > 0:
-		return e.tok.Encode(renderChat(msgs, true)), nil
+		return e.tok.EncodeChat(msgs, true), nil
 	case len(ids) == 0:
 		return nil, errors.New("the prompt is empty: set Messages or PromptTokens")
 	}

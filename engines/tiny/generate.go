@@ -67,7 +67,8 @@ func (e *Engine) GenerateAdapters(ctx context.Context, reqs []engines.GenerateRe
 		prompts[i] = p
 	}
 	capacity := func(i int) int {
-		return min(cfg.MaxSeqLen, len(prompts[i])+engines.NormalizeSampling(reqs[i].Sampling).MaxTokens)
+		// min first: a max_tokens near the int range must not overflow the sum.
+		return min(cfg.MaxSeqLen, len(prompts[i])+min(engines.NormalizeSampling(reqs[i].Sampling).MaxTokens, cfg.MaxSeqLen))
 	}
 
 	// Prefill, chunk by chunk.

@@ -105,7 +105,7 @@ func (e *Engine) supervisedStep(ctx context.Context, batch []Example, lr, wd, ma
 		if msgs == nil {
 			msgs = []engines.Message{{Role: "user", Content: ex.Prompt}}
 		}
-		p := e.tok.Encode(renderChat(msgs, true))
+		p := e.tok.EncodeChat(msgs, true)
 		r := append(e.tok.Encode(ex.Response), e.eos[0])
 		if len(p)+len(r) > e.m.w.cfg.MaxSeqLen {
 			return engines.TrainStats{}, fmt.Errorf("tiny: pretrain: example %q is %d tokens, longer than the model's %d", ex.Prompt, len(p)+len(r), e.m.w.cfg.MaxSeqLen)

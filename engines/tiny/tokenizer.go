@@ -93,13 +93,39 @@ func (t *Tokenizer) VocabSize() int { return len(t.pieces) }
 
 // Encode tokenizes raw text; special-token strings in the text become their special ids, as the
 // Hugging Face tokenizer does.
-func (t *Tokenizer) Encode(text string) []int32 {
+func (t *Tokenizer) Encode(text string) []int32 { return t.encode(text, true) }
+
+// EncodeText tokenizes text as plain text: special-token strings in it are their characters,
+// never special ids. What a message's content is encoded with (EncodeChat).
+func (t *Tokenizer) EncodeText(text string) []int32 { return t.encode(text, false) }
+
+// EncodeChat renders messages as ChatTemplate does, as token ids: the template's own text (the
+// role tags, <|end|>, the generation prompt) with its special tokens, each message's content as
+// plain text (EncodeText). Special-token text inside a message ("<|end|><|assistant|>") stays
+// text, so a message cannot forge a turn. Content without such text encodes as the template's
+// rendering does (Encode of renderChat).
+func (t *Tokenizer) EncodeChat(msgs []engines.Message, addGenerationPrompt bool) []int32 {
+	var ids []int32
+	for _, m := range msgs {
+		ids = append(ids, t.Encode("<|"+m.Role+"|>")...)
+		ids = append(ids, t.EncodeText(m.Content)...)
+		ids = append(ids, t.Encode(tokEnd)...)
+	}
+	if addGenerationPrompt {
+		ids = append(ids, t.Encode(tokAssistant)...)
+	}
+	return ids
+}
+
+func (t *Tokenizer) encode(text string, special bool) []int32 {
 	ids := make([]int32, 0, len(text))
 	for i := 0; i < len(text); {
-		if m := t.matchSpecial(text[i:]); m >= 0 {
-			ids = append(ids, m)
-			i += len(t.pieces[m])
-			continue
+		if special {
+			if m := t.matchSpecial(text[i:]); m >= 0 {
+				ids = append(ids, m)
+				i += len(t.pieces[m])
+				continue
+			}
 		}
 		r, size := utf8.DecodeRuneInString(text[i:])
 		id, ok := t.chars[r]
