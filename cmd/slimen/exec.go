@@ -123,7 +123,7 @@ func cmdExec(args []string) int {
 		return code
 	}
 	defer r.Close()
-	return train(r, prog)
+	return train(r, prog, args)
 }
 
 // loadRun loads the run the flags ask for, a new one or a resumed one, and its progress display.
@@ -232,7 +232,7 @@ func zeroConfig(eval bool) (*config.Config, error) {
 // cut short) the step in progress, checkpoint and exit 0; rollouts still running
 // rollout.stop_grace_s after the signal are cancelled. A second signal exits at once; checkpoints
 // are renamed into place when complete, so the last good one survives it.
-func train(r *host.Run, prog *progress) int {
+func train(r *host.Run, prog *progress, args []string) int {
 	ctx, abandon := context.WithCancel(context.Background())
 	defer abandon()
 	var stopping atomic.Bool
@@ -261,6 +261,11 @@ func train(r *host.Run, prog *progress) int {
 		fmt.Fprintln(os.Stderr, "slimen:", err)
 		if hint := r.StopHint(); hint != "" && !strings.Contains(err.Error(), "--resume") {
 			fmt.Fprintln(os.Stderr, "slimen:", hint)
+		} else if dir := r.Config().Run.Out; hint == "" && wroteRun(dir) {
+			// No checkpoint to resume from, and a folder --out no longer takes: a new one.
+			if again := againCommand(args, dir); again != "" {
+				fmt.Fprintf(os.Stderr, "slimen: %s has no checkpoint to resume from; start the run again (once what stopped it is fixed) with: %s\n", dir, again)
+			}
 		}
 		return 1
 	}
@@ -313,6 +318,11 @@ func holdsRun(dir string) bool {
 	if _, ok := host.RunFolderHolder(dir); ok {
 		return true
 	}
+	return wroteRun(dir)
+}
+
+// wroteRun reports whether dir holds a run that trained: metrics or checkpoints.
+func wroteRun(dir string) bool {
 	if fi, err := os.Stat(filepath.Join(dir, "metrics.jsonl")); err == nil && fi.Size() > 0 {
 		return true
 	}
