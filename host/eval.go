@@ -10,6 +10,7 @@ import (
 	"go.starlark.net/starlark"
 
 	"github.com/slimen/slimen/engines"
+	"github.com/slimen/slimen/host/config"
 	"github.com/slimen/slimen/host/script"
 	"github.com/slimen/slimen/host/tasks"
 )
@@ -19,19 +20,47 @@ import (
 // or, when the script has none, through script.DefaultEval. The numbers are averaged per dataset
 // and written as a metrics line with "policy": "_eval" and "dataset": NAME.
 
+// openEval opens eval dataset i of cfg and takes its tasks.
+func openEval(cfg *config.Config, i int) (tasks.Source, []Task, error) {
+	ds := cfg.Eval.Datasets[i]
+	src, err := tasks.Open(ds.Path, tasks.Options{InputKey: ds.InputKey, LabelKey: ds.LabelKey,
+		Keys: fmt.Sprintf("eval.datasets[%d]", i), Seed: tasks.EvalSeed(cfg.Run.Seed)})
+	if err != nil {
+		return nil, nil, fmt.Errorf("eval dataset %q: %w", ds.Name, err)
+	}
+	ts, err := tasks.EvalTasks(src, ds.Limit)
+	if err != nil {
+		return nil, nil, &tasks.SourceError{Err: fmt.Errorf("eval dataset %q: %w", ds.Name, err)}
+	}
+	return src, ts, nil
+}
+
+// checkEvalData opens every eval dataset before the run starts, so that a path that does not
+// exist stops the run at start-up (bad input), not after its first step's eval, and says what
+// the files' warnings are (a label under another key: the default eval grades against labels).
+func (r *Run) checkEvalData() error {
+	cfg := r.Config()
+	for i, ds := range cfg.Eval.Datasets {
+		src, _, err := openEval(cfg, i)
+		if err != nil {
+			return err
+		}
+		for _, w := range src.Warnings() {
+			r.events.printf("eval %s: %s", ds.Name, w)
+		}
+	}
+	return nil
+}
+
 // Eval runs every eval dataset of the config and returns one metrics line per dataset. It is part
 // of Step when run.eval_interval is set; embedders may call it between steps.
 func (r *Run) Eval(ctx context.Context) ([]Metrics, error) {
 	cfg := r.Config()
 	var out []Metrics
-	for _, ds := range cfg.Eval.Datasets {
-		src, err := tasks.Open(ds.Path, tasks.Options{InputKey: ds.InputKey, LabelKey: ds.LabelKey, Seed: tasks.EvalSeed(cfg.Run.Seed)})
+	for i, ds := range cfg.Eval.Datasets {
+		_, tasks, err := openEval(cfg, i)
 		if err != nil {
-			return nil, fmt.Errorf("eval dataset %q: %w", ds.Name, err)
-		}
-		tasks, err := tasks.EvalTasks(src, ds.Limit)
-		if err != nil {
-			return nil, fmt.Errorf("eval dataset %q: %w", ds.Name, err)
+			return nil, err
 		}
 		n := max(ds.NSamples, 1)
 		// (A sandboxed run's host parses the script only: its children run eval_rollout.)

@@ -50,6 +50,7 @@ func TestStartupSaysNoLineHasTheLabelKey(t *testing.T) {
 	}
 	cfg := testConfig(1, "p")
 	cfg.Data.Path = data
+	cfg.Eval.Datasets = []config.EvalDataset{{Name: "held", Path: data, InputKey: "prompt", LabelKey: "label", NSamples: 1}}
 	out := filepath.Join(dir, "run")
 	var log strings.Builder
 	r, err := Load(context.Background(), writeScript(t, reloadScript), Options{Config: cfg, Out: out, Log: &log,
@@ -64,5 +65,10 @@ func TestStartupSaysNoLineHasTheLabelKey(t *testing.T) {
 	}
 	if b, _ := os.ReadFile(filepath.Join(out, "events.log")); !strings.Contains(string(b), want) {
 		t.Errorf("events.log:\n%s\nwant %q", b, want)
+	}
+	// An eval dataset's file is read at start-up too, and names its own setting.
+	want = `eval held: ` + data + `: no line has the label key "label", so every task.label is None (set eval.datasets[0].label_key if the label is under another key; the lines have the keys answer, prompt)`
+	if !strings.Contains(log.String(), want+"\n") {
+		t.Errorf("the run's log:\n%s\nwant the line %q", log.String(), want)
 	}
 }

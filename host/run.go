@@ -246,17 +246,17 @@ func Load(ctx context.Context, scriptPath string, opts Options) (*Run, error) {
 	}
 	if r.tasks == nil {
 		if err := r.openTasks(); err != nil {
-			r.Close()
-			return nil, err
+			return nil, r.notStarted(err)
 		}
 	}
+	if err := r.checkEvalData(); err != nil { // eval.go
+		return nil, r.notStarted(err)
+	}
 	if err := r.openPolicies(ctx); err != nil {
-		r.Close()
-		return nil, err
+		return nil, r.notStarted(err)
 	}
 	if err := r.checkSaveFolders(); err != nil { // policies' save: folders (checkpoint.go)
-		r.Close()
-		return nil, err
+		return nil, r.notStarted(err)
 	}
 	r.events.printf("loaded %s (sha256 %s); %s", s.Path, s.Hash[:12], policiesLoaded(r.cfg.Policies))
 	for _, w := range r.cfg.Warnings {
@@ -271,13 +271,11 @@ func Load(ctx context.Context, scriptPath string, opts Options) (*Run, error) {
 		}
 	}
 	if err := r.refuseScoringWithoutScore(); err != nil {
-		r.Close()
-		return nil, err
+		return nil, r.notStarted(err)
 	}
 	if r.zero {
 		if err := r.openScriptPolicies(); err != nil {
-			r.Close()
-			return nil, err
+			return nil, r.notStarted(err)
 		}
 	}
 	if r.opts.Out != "" {
@@ -285,6 +283,14 @@ func Load(ctx context.Context, scriptPath string, opts Options) (*Run, error) {
 	}
 	r.ckpt.since = time.Now()
 	return r, nil
+}
+
+// notStarted says in events.log (where the run folder has one) why the run does not start, and
+// closes the run: a folder read later says why it holds no step.
+func (r *Run) notStarted(err error) error {
+	r.events.filef("stop: the run does not start: %v", err)
+	r.Close()
+	return err
 }
 
 // checkpointPlan says when a run checkpoints and how many it keeps, for its start-up line.
@@ -1314,9 +1320,13 @@ func fillRewardMetrics(m Metrics, gens []*script.Completion, ss []trainSample) {
 			rs = append(rs, s.reward) // a chat's reward is its conversation's, not a turn's
 		}
 	}
-	mean, std := meanStd(rs)
-	m.set("reward_mean", mean)
-	m.set("reward_std", std)
+	if len(rs) > 0 {
+		// No reward is no number: a policy that generated nothing this step, or whose
+		// completions nobody rewarded (a frozen judge), has no reward_mean, not a mean of 0.
+		mean, std := meanStd(rs)
+		m.set("reward_mean", mean)
+		m.set("reward_std", std)
+	}
 	m.set("samples", len(ss))
 	m.set("completions", len(gens))
 	m.set("tokens", tokens)
@@ -1439,7 +1449,8 @@ func (r *Run) openOutputs() error {
 		return nil
 	}
 	if err := os.MkdirAll(out, 0o755); err != nil {
-		return fmt.Errorf("run directory: %w", err)
+		// Bad input (--out or run.out), not a failed run.
+		return &ScriptError{Msg: fmt.Sprintf("run directory %s cannot be made: %v; choose another --out (or run.out)", out, err)}
 	}
 	// One writer per run folder, before anything is written there (runlock.go).
 	lock, err := lockRunDir(out)

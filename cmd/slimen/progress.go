@@ -3,6 +3,7 @@ package main
 import (
 	"fmt"
 	"io"
+	"math"
 	"os"
 	"strings"
 	"sync"
@@ -150,13 +151,13 @@ func (p *progress) halt() {
 	}
 }
 
-// rewards renders the reward of each policy; a policy that generated nothing (a PPO critic) is
-// named without one.
+// rewards renders the reward of each policy; a policy with no reward this step (a PPO critic,
+// one that generated nothing, one whose completions nobody rewarded) is named without one.
 func rewards(res *host.StepResult) string {
 	var parts []string
 	for _, m := range res.Policies { // sorted by name
-		if m.Float("completions") > 0 {
-			parts = append(parts, fmt.Sprintf("%s %.2f", m.Policy(), m.Float("reward_mean")))
+		if rw := m.Float("reward_mean"); !math.IsNaN(rw) {
+			parts = append(parts, fmt.Sprintf("%s %.2f", m.Policy(), rw))
 		} else {
 			parts = append(parts, m.Policy()+" –")
 		}

@@ -23,7 +23,7 @@ func stepResult(step int) *host.StepResult {
 		Step: step,
 		Policies: []host.Metrics{
 			{"step": step, "policy": "a", "reward_mean": 0.5, "completions": 4},
-			{"step": step, "policy": "critic", "reward_mean": 0.0, "completions": 0},
+			{"step": step, "policy": "critic", "completions": 0},
 		},
 		Run: host.Metrics{"step": step, "policy": "_run", "step_s": 4.0, "rollout_s": 3.0, "train_s": 1.0, "tokens_per_s": 25.0},
 	}
@@ -96,5 +96,18 @@ func TestProgressPlain(t *testing.T) {
 		"step 2/10 · reward a 0.50 critic – · 4.0s (rollout 3.0s, train 1.0s) · gen 25 tok/s · 1 rollouts failed\n"
 	if d := cmp.Diff(want, buf.String()); d != "" {
 		t.Errorf("plain output (-want +got):\n%s", d)
+	}
+}
+
+// A policy with no reward this step has none on the line, not 0.00: a frozen judge whose
+// completions nobody rewarded, a policy that generated nothing (issue 35).
+func TestRewardsAbsentIsNotZero(t *testing.T) {
+	res := &host.StepResult{Step: 1, Policies: []host.Metrics{
+		{"step": 1, "policy": "a", "reward_mean": 0.0, "completions": 4},
+		{"step": 1, "policy": "idle", "completions": 0},
+		{"step": 1, "policy": "judge", "completions": 4},
+	}}
+	if got, want := rewards(res), "reward a 0.00 idle – judge –"; got != want {
+		t.Errorf("rewards = %q, want %q", got, want)
 	}
 }

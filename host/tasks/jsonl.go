@@ -57,7 +57,7 @@ func openJSONL(path string, o Options) (Source, error) {
 		if len(line) == 0 {
 			continue
 		}
-		t, obj, err := parseLine(line, o.InputKey, o.LabelKey)
+		t, obj, err := parseLine(line, o)
 		if err != nil {
 			skipped++
 			warn("%s:%d: %v; line skipped", path, n+1, err)
@@ -88,15 +88,16 @@ func openJSONL(path string, o Options) (Source, error) {
 	if !labelled {
 		// A label under another key reads as no label at all: a script comparing answers with
 		// task.label would reward whatever does not parse. Said first, before the lines' problems.
-		s.warnings = append([]string{fmt.Sprintf("%s: no line has the label key %q, so every task.label is None (set data.label_key if the label is under another key; the lines have the keys %s)",
-			path, o.LabelKey, strings.Join(slices.Sorted(maps.Keys(keys)), ", "))}, s.warnings...)
+		s.warnings = append([]string{fmt.Sprintf("%s: no line has the label key %q, so every task.label is None (set %s.label_key if the label is under another key; the lines have the keys %s)",
+			path, o.LabelKey, o.Keys, strings.Join(slices.Sorted(maps.Keys(keys)), ", "))}, s.warnings...)
 	}
 	return s, nil
 }
 
 // parseLine reads one JSON object into a task: the prompt under inputKey, the label under
 // labelKey, an optional "id", and the other keys as metadata. It returns the object too.
-func parseLine(line []byte, inputKey, labelKey string) (Task, map[string]json.RawMessage, error) {
+func parseLine(line []byte, o Options) (Task, map[string]json.RawMessage, error) {
+	inputKey, labelKey := o.InputKey, o.LabelKey
 	var obj map[string]json.RawMessage
 	if line[0] != '{' {
 		return Task{}, nil, errors.New("not a JSON object (each line must be one {…})")
@@ -107,7 +108,7 @@ func parseLine(line []byte, inputKey, labelKey string) (Task, map[string]json.Ra
 	t := Task{Metadata: map[string]any{}}
 	p, ok := obj[inputKey]
 	if !ok {
-		return Task{}, nil, fmt.Errorf("no %q key (the prompt; set data.input_key if it is under another key)", inputKey)
+		return Task{}, nil, fmt.Errorf("no %q key (the prompt; set %s.input_key if it is under another key)", inputKey, o.Keys)
 	}
 	prompt, err := parsePrompt(p)
 	if err != nil {

@@ -44,6 +44,9 @@ type Source interface {
 type Options struct {
 	InputKey string // the JSONL key of the prompt; "" means "prompt"
 	LabelKey string // the JSONL key of the label; "" means "label"
+	// Keys is the config setting that holds InputKey and LabelKey, for messages; "" means "data"
+	// (an eval dataset's is "eval.datasets[I]").
+	Keys string
 	// Seed seeds the synthetic generator (unless the path gives seed=) and the shuffle.
 	Seed uint64
 	// Shuffle visits a file's tasks in a new order every epoch, a pure function of Seed and the
@@ -82,6 +85,9 @@ func openSource(path string, o Options) (Source, error) {
 	}
 	if o.LabelKey == "" {
 		o.LabelKey = "label"
+	}
+	if o.Keys == "" {
+		o.Keys = "data"
 	}
 	if s, ok, err := parseSynthetic(path, o.Seed); ok {
 		if err != nil {
