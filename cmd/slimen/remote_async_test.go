@@ -95,3 +95,26 @@ func TestRemoteAsyncEngineKilledAndRestarted(t *testing.T) {
 		t.Errorf("metrics differ from the fault-free in-process run's:\n%s\n---\n%s", ma, mb)
 	}
 }
+
+// A server that restarts between checkpoints (run.save_interval 2, killed after step 3) at
+// rollout.max_staleness 1: the host loads step 2's checkpoint, keeps its versions again, replays
+// step 3's optimizer steps and keeps version 3 again, which the steps to come sample; the run
+// writes the metrics of the run that never stopped. (Before: the run stopped.)
+func TestRemoteAsyncRestartBetweenCheckpoints(t *testing.T) {
+	rr := staleConfigs(t, 5, 4, 1, "save_interval: 2")
+	gen := rr.serve(t, 0)
+	rr.serve(t, 1)
+	clean := rr.execRun(t, rr.local, "clean")
+	out, log, err := killGeneratorDuring(t, rr, gen, 3, 5)
+	if err != nil {
+		t.Fatalf("the run failed after the engine came back: %v\n%s", err, log)
+	}
+	checkServedVersions(t, out)
+	if events := eventsLog(t, out); !strings.Contains(events, "loaded "+filepath.Join(out, "checkpoints", "step_2", "generator")+" (step 2) into it, kept weights versions") ||
+		!strings.Contains(events, "keeping weights versions [3] again") {
+		t.Errorf("events.log does not tell that the generator's engine got step 2's checkpoint, the optimizer steps since and version 3 back:\n%s", events)
+	}
+	if ma, mb := metricsNoTimings(t, clean), metricsNoTimings(t, out); ma != mb {
+		t.Errorf("metrics differ from the fault-free in-process run's:\n%s\n---\n%s", ma, mb)
+	}
+}
