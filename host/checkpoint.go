@@ -471,6 +471,19 @@ func (r *Run) pruneCheckpoints(root string) {
 // skipped describes each newer checkpoint that failed verification, newest first, for the caller
 // to warn about.
 func FindCheckpoint(path string) (dir string, skipped []error, err error) {
+	if _, err := os.Stat(path); errors.Is(err, fs.ErrNotExist) {
+		msg := fmt.Sprintf("resume %s: it does not exist (give a run folder or one of its checkpoints/step_N)", path)
+		if parent := filepath.Dir(filepath.Clean(path)); filepath.Base(parent) == "checkpoints" {
+			var names []string
+			for _, s := range checkpointSteps(parent) {
+				names = append(names, stepName(s))
+			}
+			if len(names) > 0 {
+				msg += fmt.Sprintf("; %s holds %s", parent, strings.Join(names, ", "))
+			}
+		}
+		return "", nil, errors.New(msg)
+	}
 	if _, err := os.Stat(filepath.Join(path, runFile)); err == nil || strings.HasPrefix(filepath.Base(filepath.Clean(path)), "step_") {
 		if err := VerifyCheckpoint(path); err != nil {
 			return "", nil, withPrevious(err, filepath.Dir(filepath.Clean(path)), path)

@@ -2,8 +2,6 @@ package host
 
 import (
 	"context"
-	"crypto/sha256"
-	"encoding/hex"
 	"errors"
 	"fmt"
 	"os"
@@ -105,16 +103,7 @@ func (r *Run) watchDirs() {
 }
 
 func hashFiles(files []string) (string, error) {
-	h := sha256.New()
-	for _, f := range files {
-		b, err := os.ReadFile(f)
-		if err != nil {
-			return "", err
-		}
-		h.Write([]byte(f))
-		h.Write(b)
-	}
-	return hex.EncodeToString(h.Sum(nil)), nil
+	return script.HashFiles(files, os.ReadFile)
 }
 
 // checkReload loads the script or config again if their files changed since the running (or

@@ -166,6 +166,13 @@ func loadRun(f *execFlags, script string, prog *progress) (*host.Run, int) {
 		}
 		return nil, 1
 	}
+	if done, steps := r.StepsDone(), r.Config().Run.Steps; *f.resume != "" && done >= steps {
+		// Nothing to run: said, not a run of no steps that exits 0.
+		r.Close()
+		fmt.Fprintf(os.Stderr, "slimen: %s is finished: it ran %d of its %d steps (run.steps); to run more, resume with --steps N, N > %d\n",
+			*f.resume, done, steps, done)
+		return nil, 2
+	}
 	if *f.watch {
 		cfgPath := *f.cfgPath
 		if *f.resume != "" {

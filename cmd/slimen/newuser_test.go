@@ -48,3 +48,44 @@ eval: {datasets: [{name: held, path: `+filepath.Join(dir, "nowhere.jsonl")+`}]}
 		})
 	}
 }
+
+// Resume's traps: a finished run is said to be finished, with the way to run more steps (it
+// printed "steps 3 to 2" and exited 0); a checkpoint that does not exist is said not to exist,
+// naming those that do (it was "incomplete: no MANIFEST.json"); the same script from another
+// folder is the same version (it was "the script differs").
+func TestResumeTraps(t *testing.T) {
+	dir := t.TempDir()
+	src, err := os.ReadFile("../../" + debate)
+	if err != nil {
+		t.Fatal(err)
+	}
+	other := filepath.Join(dir, "elsewhere", filepath.Base(debate))
+	if err := os.MkdirAll(filepath.Dir(other), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(other, src, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	run := filepath.Join(dir, "run")
+	if out, err := slimen(t, nil, "exec", debate, "--config", smallRun(t, "1", ""), "--out", run); err != nil {
+		t.Fatalf("%v:\n%s", err, out)
+	}
+	out, err := slimen(t, nil, "exec", "--resume", run)
+	if want := run + " is finished: it ran 1 of its 1 steps (run.steps); to run more, resume with --steps N, N > 1"; exitCode(t, err) != 2 || !strings.Contains(out, want) || strings.Contains(out, "steps 2 to 1") {
+		t.Errorf("resuming a finished run: status %d, output:\n%s\nwant status 2 and %q", exitCode(t, err), out, want)
+	}
+	out, err = slimen(t, nil, "exec", "--resume", filepath.Join(run, "checkpoints", "step_7"))
+	if want := "resume " + filepath.Join(run, "checkpoints", "step_7") + ": it does not exist (give a run folder or one of its checkpoints/step_N); " + filepath.Join(run, "checkpoints") + " holds step_1"; exitCode(t, err) != 2 || !strings.Contains(out, want) {
+		t.Errorf("resuming a checkpoint that does not exist: status %d, output:\n%s\nwant status 2 and %q", exitCode(t, err), out, want)
+	}
+	out, err = slimen(t, nil, "exec", "--resume", run, other, "--steps", "2")
+	if err != nil {
+		t.Fatalf("%v:\n%s", err, out)
+	}
+	if strings.Contains(out, "differs") {
+		t.Errorf("the same script from another folder is called another version:\n%s", out)
+	}
+	if entries, _ := os.ReadDir(filepath.Join(run, "scripts")); len(entries) != 1 {
+		t.Errorf("scripts/ holds %d versions of one script, want 1", len(entries))
+	}
+}

@@ -140,8 +140,8 @@ func LoadSource(path string, src []byte, opts Options) (*Script, error) {
 		if err != nil {
 			return nil, &Error{ErrorText(err)}
 		}
-		sum := sha256.Sum256(append([]byte(path), src...))
-		return &Script{Path: path, Files: []string{path}, Source: src, Sources: map[string][]byte{path: src}, Hash: hex.EncodeToString(sum[:]),
+		hash, _ := HashFiles([]string{path}, func(string) ([]byte, error) { return src, nil })
+		return &Script{Path: path, Files: []string{path}, Source: src, Sources: map[string][]byte{path: src}, Hash: hash,
 			declaresEval: declares(f, "eval_rollout")}, nil
 	}
 	root := filepath.Dir(abs)
@@ -164,13 +164,10 @@ func LoadSource(path string, src []byte, opts Options) (*Script, error) {
 	}
 	globals.Freeze()
 	s := &Script{Path: path, Globals: globals, Files: l.files, Source: src, Sources: map[string][]byte{}}
-	h := sha256.New()
 	for _, f := range l.files {
-		h.Write([]byte(f))
-		h.Write(l.srcs[f])
 		s.Sources[f] = l.srcs[f]
 	}
-	s.Hash = hex.EncodeToString(h.Sum(nil))
+	s.Hash, _ = HashFiles(l.files, func(f string) ([]byte, error) { return l.srcs[f], nil })
 	if opts.Library {
 		return s, nil
 	}
@@ -282,4 +279,29 @@ func predeclared() starlark.StringDict {
 		"config":     configValue{get: func() *config.Config { return nil }},
 		"struct":     starlark.NewBuiltin("struct", starlarkstruct.Make),
 	}
+}
+
+// HashFiles is the version of a script: the sha256 of its files (the script first, then the
+// files it loads), each by its path relative to the script's folder and its contents, so that
+// the same files give the same version from any working directory. read reads a file.
+func HashFiles(files []string, read func(string) ([]byte, error)) (string, error) {
+	h := sha256.New()
+	var root string
+	if len(files) > 0 {
+		root = filepath.Dir(files[0])
+	}
+	for _, f := range files {
+		b, err := read(f)
+		if err != nil {
+			return "", err
+		}
+		name := f
+		if rel, err := filepath.Rel(root, f); err == nil {
+			name = filepath.ToSlash(rel)
+		}
+		h.Write([]byte(name))
+		h.Write([]byte{0})
+		h.Write(b)
+	}
+	return hex.EncodeToString(h.Sum(nil)), nil
 }
