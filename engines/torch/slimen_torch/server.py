@@ -687,13 +687,20 @@ def serve(args) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     opts = _options(args)
-    if size > 1:
-        service.engine = dist.serve_rank(args, opts, service)
-        log.info("serving %s on %s from %d ranks: %s", args.model, addr, size,
-                 ", ".join(service.engine.devices))
-    else:
-        service.engine = Engine(args.model, opts)
-        log.info("serving %s on %s", args.model, addr)
+    try:
+        if size > 1:
+            service.engine = dist.serve_rank(args, opts, service)
+            log.info("serving %s on %s from %d ranks: %s", args.model, addr, size,
+                     ", ".join(service.engine.devices))
+        else:
+            service.engine = Engine(args.model, opts)
+            log.info("serving %s on %s", args.model, addr)
+    except BaseException:
+        # A model that cannot load ends the worker: the server goes first, or a call that
+        # comes in while the interpreter shuts down (the host's health checks) leaves gRPC's
+        # threads waiting, and the process never exits.
+        server.stop(grace=None).wait()
+        raise
     service.loading = False
     stop.wait()
     service.loading = True
