@@ -9,6 +9,7 @@ import (
 	"github.com/slimen/slimen/engines"
 	"github.com/slimen/slimen/host/advantage"
 	"github.com/slimen/slimen/host/config"
+	"github.com/slimen/slimen/host/script"
 )
 
 // The host's side of the advantages: which estimator a policy's config names, and the reward-side
@@ -115,4 +116,28 @@ func (r *Run) warnSingletons(names []string, tc config.TrainConfig, in []advanta
 	}
 	r.events.printf("warning: policy %s: every %s group of step %d holds one sample, so every advantage is 0 and the policy does not learn. Sample several answers a task (generate(..., n=4) trains them as one group), run each task several times (n_samples_per_prompt: 4), or use an estimator that needs no group (advantage_estimator: reinforce_plus_plus)",
 		config.QuotePolicyNames(names), est, r.step+1)
+}
+
+// warnNothingTrained warns once a run when a step's successful rollouts queued no sample for any
+// policy: the script rewards (reward_mean looks fine) but never calls train(), so the weights
+// never move and every checkpoint holds the start model.
+func (r *Run) warnNothingTrained(step int, ros []*script.Rollout, pm []Metrics) {
+	ok := 0
+	for _, ro := range ros {
+		if ro.Err == nil {
+			ok++
+		}
+	}
+	for _, m := range pm {
+		if m.Float("samples") > 0 {
+			return
+		}
+	}
+	if ok == 0 {
+		return
+	}
+	if _, seen := r.warned.LoadOrStore("nothing-trained", true); seen {
+		return
+	}
+	r.events.printf("warning: step %d trained nothing: none of its %d successful rollouts called train(), so no policy learns (rewards alone do not train); queue what you reward with train(c)", step, ok)
 }

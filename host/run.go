@@ -754,6 +754,7 @@ func (r *Run) runStep(ctx context.Context) (*StepResult, error) {
 	if err != nil {
 		return nil, r.restart.cause(err)
 	}
+	r.warnNothingTrained(step, ros, pm) // advantage.go
 	trainS := time.Since(t1).Seconds()
 	if err := r.checkFolder(); err != nil {
 		return nil, err

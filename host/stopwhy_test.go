@@ -138,3 +138,28 @@ def rollout(task):
 		}
 	}
 }
+
+// A script that never calls train runs with good rewards and trains nothing: the run says so
+// once, at the first such step, on its log and in events.log (issue 35).
+func TestNothingTrainedIsWarnedOnce(t *testing.T) {
+	out := filepath.Join(t.TempDir(), "run")
+	var log strings.Builder
+	r, err := Load(context.Background(), writeScript(t, "def rollout(task):\n    reward(generate(\"p\", task.prompt), 1.0)\n"),
+		Options{Config: testConfig(2, "p"), Out: out, Log: &log, Tasks: numberedTasks(4), Engines: map[string]engines.Engine{"p": scripted.Echo("x")}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer r.Close()
+	for range 2 {
+		if _, err := r.Step(context.Background()); err != nil {
+			t.Fatal(err)
+		}
+	}
+	want := "warning: step 1 trained nothing: none of its 2 successful rollouts called train(), so no policy learns (rewards alone do not train); queue what you reward with train(c)"
+	if n := strings.Count(log.String(), "trained nothing"); n != 1 || !strings.Contains(log.String(), want) {
+		t.Errorf("the run's log says %d times that nothing trained:\n%s\nwant once: %q", n, log.String(), want)
+	}
+	if e, _ := os.ReadFile(filepath.Join(out, "events.log")); !strings.Contains(string(e), want) {
+		t.Errorf("events.log:\n%s\nwant %q", e, want)
+	}
+}

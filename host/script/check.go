@@ -6,6 +6,7 @@ import (
 	"os"
 	"slices"
 	"sort"
+	"strings"
 
 	"go.starlark.net/syntax"
 
@@ -56,6 +57,9 @@ func LintScript(s *Script, cfg *config.Config) (problems, warnings []string) {
 		}
 	}
 	warnings = append(NearPolicyNames(uses), singleSamples(files, uses, cfg)...)
+	if w := neverTrains(files); w != "" {
+		warnings = append(warnings, w)
+	}
 	sort.Strings(problems)
 	return problems, warnings
 }
@@ -224,6 +228,38 @@ func singleSamples(files []*syntax.File, uses []PolicyUse, cfg *config.Config) [
 			u.Pos, u.Name, est))
 	}
 	return out
+}
+
+// neverTrains warns about a script none of whose files names train (as a call or a value): its
+// rollouts may reward every completion, but no policy learns. A script that loads a package's
+// module (@graphs//…, whose topologies train) is not judged.
+func neverTrains(files []*syntax.File) string {
+	var rollout syntax.Position
+	for _, f := range files {
+		for _, st := range f.Stmts {
+			if l, ok := st.(*syntax.LoadStmt); ok && strings.HasPrefix(l.ModuleName(), "@") &&
+				!strings.HasPrefix(l.ModuleName(), "@slimen//") && !strings.HasPrefix(l.ModuleName(), "@std//") {
+				return ""
+			}
+			if d, ok := st.(*syntax.DefStmt); ok && d.Name.Name == "rollout" && !rollout.IsValid() {
+				rollout = d.Def
+			}
+		}
+		named := false
+		syntax.Walk(f, func(n syntax.Node) bool {
+			if id, ok := n.(*syntax.Ident); ok && id.Name == "train" {
+				named = true
+			}
+			return !named
+		})
+		if named {
+			return ""
+		}
+	}
+	if !rollout.IsValid() {
+		return ""
+	}
+	return fmt.Sprintf("%s: the script never calls train(): its rewards are logged but no policy learns from them; queue what you reward with train(c)", rollout)
 }
 
 func callee(call *syntax.CallExpr) string {

@@ -97,3 +97,31 @@ def rollout(task):
 		}
 	}
 }
+
+// A script that never names train is warned about (issue 35): it runs, rewards and checkpoints,
+// and nothing learns. One that trains in a helper, or through an @graphs topology, is not.
+func TestLintNeverTrains(t *testing.T) {
+	dir := t.TempDir()
+	write := func(name, src string) string {
+		p := filepath.Join(dir, name)
+		if err := os.WriteFile(p, []byte(src), 0o644); err != nil {
+			t.Fatal(err)
+		}
+		return p
+	}
+	f := write("notrain.star", "def rollout(task):\n    cs = generate(\"p\", task.prompt, n = 4)\n    reward(cs, 1.0)\n")
+	_, w := Lint(f, nil)
+	want := f + ":1:1: the script never calls train(): its rewards are logged but no policy learns from them; queue what you reward with train(c)"
+	if len(w) != 1 || w[0] != want {
+		t.Errorf("warnings %q, want [%q]", w, want)
+	}
+	write("helper.star", "def learn(cs):\n    train(cs)\n")
+	for _, src := range []string{
+		"load(\"helper.star\", \"learn\")\ndef rollout(task):\n    cs = generate(\"p\", task.prompt, n = 4)\n    reward(cs, 1.0)\n    learn(cs)\n",
+		"load(\"@graphs//debate.star\", \"debate\")\ndef rollout(task):\n    debate(task)\n",
+	} {
+		if _, w := Lint(write("ok.star", src), nil); len(w) != 0 {
+			t.Errorf("%s: warnings %q", src, w)
+		}
+	}
+}
