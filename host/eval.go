@@ -116,6 +116,11 @@ func summarize(m Metrics, keys []string) string {
 	for _, k := range keys {
 		parts = append(parts, fmt.Sprintf("%s %.3f", k, m.Float(k)))
 	}
+	if len(parts) == 0 {
+		// The default eval of a run with no policy yet (names the script computes are created
+		// as it runs), or an eval_rollout that returned {} every time.
+		return "nothing to grade (no policy yet, or every result empty)"
+	}
 	return strings.Join(parts, ", ")
 }
 

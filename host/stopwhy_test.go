@@ -163,3 +163,10 @@ func TestNothingTrainedIsWarnedOnce(t *testing.T) {
 		t.Errorf("events.log:\n%s\nwant %q", e, want)
 	}
 }
+
+// An eval that graded nothing says so, not "eval NAME at step 0: " and nothing (issue 35).
+func TestEvalLineOfNothing(t *testing.T) {
+	if got := summarize(newMetrics(0, "_eval"), nil); got != "nothing to grade (no policy yet, or every result empty)" {
+		t.Errorf("summarize of no numbers = %q", got)
+	}
+}

@@ -309,7 +309,7 @@ func sampleCount(call *syntax.CallExpr) bool {
 }
 
 // policyLiterals finds policy names written literally: generate("p", …), score("p", …),
-// train(…, teacher="p"), agent(…, policy="p").
+// chat("p", …), train(…, teacher="p"), agent(…, policy="p").
 func policyLiterals(f *syntax.File) []PolicyUse {
 	var out []PolicyUse
 	syntax.Walk(f, func(n syntax.Node) bool {
@@ -321,6 +321,10 @@ func policyLiterals(f *syntax.File) []PolicyUse {
 		switch fn := callee(call); fn {
 		case "generate", "score":
 			if len(call.Args) > 0 {
+				arg = call.Args[0]
+			}
+		case "chat": // chat(policy, system=None, tools=None)
+			if arg = keyword(call, "policy"); arg == nil && len(call.Args) > 0 {
 				arg = call.Args[0]
 			}
 		case "train":

@@ -125,3 +125,28 @@ func TestLintNeverTrains(t *testing.T) {
 		}
 	}
 }
+
+// chat("p") names a policy as generate("p", …) does: a zero-config run creates the policies of
+// a chat-only script before its step-0 eval (which graded no policy and printed an empty line),
+// and check --config finds a chat's unknown policy (issue 35).
+func TestChatNamesAPolicy(t *testing.T) {
+	p := filepath.Join(t.TempDir(), "chat.star")
+	src := "def rollout(task):\n    c = chat(\"arith\")\n    c.user(task.prompt)\n    c.generate()\n    d = chat(policy = \"critic\", system = \"Check.\")\n    reward([c, d], 1.0)\n    train([c, d])\n"
+	if err := os.WriteFile(p, []byte(src), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	s, err := Load(p, Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var names []string
+	for _, u := range PolicyNames(s) {
+		names = append(names, u.Fn+" "+u.Name)
+	}
+	if want := []string{"chat arith", "chat critic"}; !cmp.Equal(names, want) {
+		t.Errorf("PolicyNames = %q, want %q", names, want)
+	}
+	if problems, _ := Lint(p, config.Default([]string{"arith", "critc"})); len(problems) != 1 || !strings.Contains(problems[0], `chat: unknown policy "critic"`) {
+		t.Errorf("check --config: %q", problems)
+	}
+}
