@@ -10,7 +10,10 @@ import (
 	"errors"
 	"flag"
 	"fmt"
+	"io"
 	"os"
+	"runtime/debug"
+	"slices"
 	"sort"
 
 	"github.com/slimen/slimen/host/jail"
@@ -36,20 +39,54 @@ func main() {
 		// This process evaluates a sandboxed script's rollouts for a parent slimen (host/script/sandbox).
 		os.Exit(sandbox.ChildMain())
 	}
-	if len(os.Args) < 2 || os.Args[1] == "help" || os.Args[1] == "-h" || os.Args[1] == "--help" {
-		usage()
-		if len(os.Args) < 2 {
-			os.Exit(2)
-		}
+	if len(os.Args) < 2 {
+		usage(os.Stderr)
+		os.Exit(2)
+	}
+	switch os.Args[1] {
+	case "help", "-h", "-help", "--help":
+		usage(os.Stdout) // asked for: the answer, on stdout
+		return
+	case "version", "-version", "--version":
+		fmt.Println(version())
 		return
 	}
 	c, ok := commands[os.Args[1]]
 	if !ok {
 		fmt.Fprintf(os.Stderr, "slimen: unknown command %q\n\n", os.Args[1])
-		usage()
+		usage(os.Stderr)
 		os.Exit(2)
 	}
+	if slices.ContainsFunc(os.Args[2:], func(a string) bool { return a == "-h" || a == "-help" || a == "--help" }) {
+		// A command's usage, asked for, goes to stdout (slimen exec --help | less): the flag
+		// package writes it to os.Stderr, which for this one invocation is stdout.
+		os.Stderr = os.Stdout
+	}
 	os.Exit(c.run(os.Args[2:]))
+}
+
+// version is the binary's module version, Go version and VCS revision, as the build recorded them.
+func version() string {
+	v := "slimen (devel)"
+	bi, ok := debug.ReadBuildInfo()
+	if !ok {
+		return v
+	}
+	if bi.Main.Version != "" {
+		v = "slimen " + bi.Main.Version
+	}
+	v += ", " + bi.GoVersion
+	for _, s := range bi.Settings {
+		switch s.Key {
+		case "vcs.revision":
+			v += ", commit " + s.Value
+		case "vcs.modified":
+			if s.Value == "true" {
+				v += " (modified)"
+			}
+		}
+	}
+	return v
 }
 
 // flagExit is a command's exit code for an error from parsing its flags: 0 when the user asked
@@ -61,14 +98,14 @@ func flagExit(err error) int {
 	return 2
 }
 
-func usage() {
-	fmt.Fprintln(os.Stderr, "usage: slimen COMMAND [ARGS]\n\ncommands:")
+func usage(w io.Writer) {
+	fmt.Fprintln(w, "usage: slimen COMMAND [ARGS]   (slimen --version: the build)\n\ncommands:")
 	names := make([]string, 0, len(commands))
 	for n := range commands {
 		names = append(names, n)
 	}
 	sort.Strings(names)
 	for _, n := range names {
-		fmt.Fprintf(os.Stderr, "  %-10s %s\n", n, commands[n].summary)
+		fmt.Fprintf(w, "  %-10s %s\n", n, commands[n].summary)
 	}
 }

@@ -2,6 +2,7 @@ package main
 
 import (
 	"os"
+	"os/exec"
 	"path/filepath"
 	"strings"
 	"testing"
@@ -87,5 +88,29 @@ func TestResumeTraps(t *testing.T) {
 	}
 	if entries, _ := os.ReadDir(filepath.Join(run, "scripts")); len(entries) != 1 {
 		t.Errorf("scripts/ holds %d versions of one script, want 1", len(entries))
+	}
+}
+
+// Help asked for is an answer, on stdout (slimen exec --help | less), and --version exists; a
+// bare slimen is still the usage on stderr and status 2 (issue 35).
+func TestHelpOnStdoutAndVersion(t *testing.T) {
+	run := func(args ...string) (stdout, stderr string, code int) {
+		cmd := exec.Command(slimenBin, args...)
+		var o, e strings.Builder
+		cmd.Stdout, cmd.Stderr = &o, &e
+		err := cmd.Run()
+		return o.String(), e.String(), exitCode(t, err)
+	}
+	for _, args := range [][]string{{"--help"}, {"help"}, {"exec", "--help"}, {"check", "-h"}, {"export", "--help"}} {
+		o, e, code := run(args...)
+		if code != 0 || !strings.Contains(o, "usage: slimen") || e != "" {
+			t.Errorf("slimen %s: status %d, stdout %q, stderr %q; want the usage on stdout", strings.Join(args, " "), code, o, e)
+		}
+	}
+	if o, _, code := run("--version"); code != 0 || !strings.HasPrefix(o, "slimen ") || !strings.Contains(o, "go1.") {
+		t.Errorf("slimen --version: status %d, %q", code, o)
+	}
+	if o, e, code := run(); code != 2 || o != "" || !strings.Contains(e, "usage: slimen COMMAND") {
+		t.Errorf("slimen: status %d, stdout %q, stderr %q", code, o, e)
 	}
 }
