@@ -215,12 +215,25 @@ func (r *resolver) resolvePolicy(i int) {
 	r.warnTypos(pp+".engine", p.Engine.Extra, reflect.TypeFor[EngineConfig]())
 }
 
+// otherNames are the names other trainers (Hugging Face's TrainingArguments, PyTorch's
+// optimizers) give settings slimen reads under slime-n's (Megatron's) names.
+var otherNames = map[string]string{
+	"learning_rate": "lr",
+	"max_grad_norm": "clip_grad",
+	"batch_size":    "global_batch_size",
+	"lr_scheduler":  "lr_decay_style",
+}
+
 // warnTypos flags pass-through keys one or two letters away from a key slimen reads: they go to
 // the engine as written, which is right for Megatron's own flags and wrong for a typo.
 func (r *resolver) warnTypos(prefix string, extra map[string]any, t reflect.Type) {
 	s := r.d.spec(t)
 	for _, k := range sortedKeys(extra) {
-		if best := nearest(k, append([]string(nil), s.order...)); best != "" && best != k {
+		best := nearest(k, append([]string(nil), s.order...))
+		if other, ok := otherNames[k]; ok && has(s, other) {
+			best = other // another framework's name of a key slimen reads, letters apart from it
+		}
+		if best != "" && best != k {
 			r.warnf(r.line(prefix+"."+k, 0), prefix+"."+k, "passed through to the engine as it is not a key slimen reads; did you mean %s?", best)
 		}
 	}
