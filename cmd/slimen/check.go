@@ -34,6 +34,9 @@ func cmdCheck(args []string) int {
 			fmt.Fprintln(os.Stderr, err)
 			return 2
 		}
+		for _, w := range cfg.Warnings { // what a run would say at start-up
+			fmt.Fprintln(os.Stderr, "warning: "+w)
+		}
 	}
 	bad := false
 	for _, path := range pos {

@@ -114,3 +114,16 @@ func TestHelpOnStdoutAndVersion(t *testing.T) {
 		t.Errorf("slimen: status %d, stdout %q, stderr %q", code, o, e)
 	}
 }
+
+// slimen check --config says the config's warnings, as a run says them at start-up: a
+// learning_rate that slimen does not read is found before the run (issue 35).
+func TestCheckSaysConfigWarnings(t *testing.T) {
+	cfg := filepath.Join(t.TempDir(), "lr.yaml")
+	if err := os.WriteFile(cfg, []byte("policies:\n  - {name: generator, hf_checkpoint: builtin:tiny-arith, train: {learning_rate: 1.0e-3}}\n  - {name: critic, hf_checkpoint: builtin:tiny-arith}\n"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	out, err := slimen(t, nil, "check", debate, "--config", cfg)
+	if exitCode(t, err) != 0 || !strings.Contains(out, "warning: "+cfg+":2: policies[0].train.learning_rate: passed through to the engine as it is not a key slimen reads; did you mean lr?") {
+		t.Errorf("slimen check --config: status %d, output:\n%s", exitCode(t, err), out)
+	}
+}
