@@ -2,6 +2,7 @@ package host
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"io"
 	"io/fs"
@@ -38,8 +39,27 @@ import (
 // TestResult is the outcome of one test function.
 type TestResult struct {
 	File, Name string
-	Err        string // "" when the test passed
+	Err        string // "" when the test passed or was skipped
+	Skipped    string // the reason skip() gave; "" when the test ran to its end
 	Duration   time.Duration
+}
+
+// skipError is what skip(reason) raises: it ends the test as skipped.
+type skipError struct{ reason string }
+
+func (e *skipError) Error() string { return "skipped: " + e.reason }
+
+// builtinSkip is skip(reason): the test ends here, counted and printed as skipped (a program or
+// package it needs is missing), not as passed.
+func builtinSkip(_ *starlark.Thread, b *starlark.Builtin, args starlark.Tuple, kwargs []starlark.Tuple) (starlark.Value, error) {
+	var reason string
+	if err := starlark.UnpackArgs(b.Name(), args, kwargs, "reason", &reason); err != nil {
+		return nil, err
+	}
+	if strings.TrimSpace(reason) == "" {
+		return nil, fmt.Errorf("%s: say why the test is skipped", b.Name())
+	}
+	return nil, &skipError{reason}
 }
 
 // FindTestFiles expands files and folders into *_test.star files (folders searched recursively,
@@ -96,7 +116,8 @@ func runTestFile(ctx context.Context, file string, w io.Writer) []TestResult {
 	}
 	sim := &simConfig{}
 	s, err := script.LoadSource(file, src, script.Options{Library: true, Config: script.ConfigValue(sim.get),
-		Builtins: starlark.StringDict{"assert": assertModule, "simulate": starlark.NewBuiltin("simulate", builtinSimulate)}})
+		Builtins: starlark.StringDict{"assert": assertModule, "simulate": starlark.NewBuiltin("simulate", builtinSimulate),
+			"skip": starlark.NewBuiltin("skip", builtinSkip)}})
 	if err != nil {
 		r := TestResult{File: file, Name: "(load)", Err: err.Error()}
 		fmt.Fprintf(w, "FAIL %s:\n%s\n", file, indent(r.Err))
@@ -119,7 +140,11 @@ func runTestFile(ctx context.Context, file string, w io.Writer) []TestResult {
 		th.SetLocal(simConfigLocal, sim)
 		_, err := starlark.Call(th, fn, nil, nil)
 		r := TestResult{File: file, Name: name, Duration: time.Since(start)}
-		if err != nil {
+		var skip *skipError
+		if errors.As(err, &skip) {
+			r.Skipped = skip.reason
+			fmt.Fprintf(w, "skip %s %s: %s\n", file, name, skip.reason)
+		} else if err != nil {
 			r.Err = script.ErrorText(err)
 			fmt.Fprintf(w, "FAIL %s %s\n%s\n", file, name, indent(r.Err))
 		} else {
@@ -156,15 +181,19 @@ const simCritic = "_critic"
 
 // builtinSimulate runs one rollout on scripted policies and returns what the host would train.
 //
-//	simulate(rollout, task, responses, frozen=[], estimator="grpo", seed=1, value=0.0)
+//	simulate(rollout, task, responses, frozen=[], estimator="grpo", seed=1, value=0.0,
+//	         max_response_len=65536)
 //
 // task: a prompt string or a dict with prompt, label, id, metadata. responses: policy → a list of
 // texts (sample i of every call answers with item i, cycling) or a function (prompt, index) →
 // text, prompt being the last message's content. estimator "ppo" adds a scripted critic policy
 // (role: critic) that values every token at value. Returns a struct with samples (policy → list
 // of struct(text, reward, advantage, group, prompt); advantage is the first token's), completions
-// (every generated completion, in call order) and logs (name → mean of the values logged). The
-// rollout sees the scripted policies in `config`. A failing rollout fails simulate.
+// (every generated completion, in call order, with a completion's fields and prompt) and logs
+// (name → mean of the values logged). The rollout sees the scripted policies in `config`. A
+// scripted reply arrives whole unless the script's own max_tokens (or max_response_len, the
+// run's default, roomy here and not the config's 32) cuts it; a cut is printed in the test's
+// output, naming max_tokens. A failing rollout fails simulate.
 func builtinSimulate(thread *starlark.Thread, b *starlark.Builtin, args starlark.Tuple, kwargs []starlark.Tuple) (starlark.Value, error) {
 	var fn starlark.Callable
 	var task starlark.Value
@@ -173,9 +202,14 @@ func builtinSimulate(thread *starlark.Thread, b *starlark.Builtin, args starlark
 	estimator := "grpo"
 	seed := 1
 	var value starlark.Value = starlark.Float(0)
+	maxLen := simMaxResponseLen
 	if err := starlark.UnpackArgs(b.Name(), args, kwargs, "rollout", &fn, "task", &task, "responses", &responses,
-		"frozen?", &frozen, "estimator?", &estimator, "seed?", &seed, "value?", &value); err != nil {
+		"frozen?", &frozen, "estimator?", &estimator, "seed?", &seed, "value?", &value,
+		"max_response_len?", &maxLen); err != nil {
 		return nil, err
+	}
+	if maxLen < 1 {
+		return nil, fmt.Errorf("%s: max_response_len = %d; want at least 1", b.Name(), maxLen)
 	}
 	v, ok := starlark.AsFloat(value)
 	if !ok {
@@ -189,6 +223,7 @@ func builtinSimulate(thread *starlark.Thread, b *starlark.Builtin, args starlark
 	if err != nil {
 		return nil, err
 	}
+	cfg.Rollout.MaxResponseLen = maxLen
 	ctx, _ := thread.Local(testCtxLocal).(context.Context)
 	if ctx == nil {
 		ctx = context.Background()
@@ -215,8 +250,19 @@ func builtinSimulate(thread *starlark.Thread, b *starlark.Builtin, args starlark
 	if err != nil {
 		return nil, err
 	}
-	return simResult(pols, byPolicy, advs, ros[0]), nil
+	res, gen := simResult(pols, byPolicy, advs, ros[0])
+	for _, c := range gen {
+		if c.FinishReason() == "length" && thread.Print != nil {
+			thread.Print(thread, fmt.Sprintf("simulate: %s's reply was cut at max_tokens = %d (finish_reason \"length\"): %q",
+				c.Policy(), len(c.Tokens()), c.Text()))
+		}
+	}
+	return res, nil
 }
+
+// simMaxResponseLen is simulate's default max_response_len: a scripted reply is the text the test
+// wrote, which the config's default (32 tokens, a byte each here) would cut.
+const simMaxResponseLen = 1 << 16
 
 // simPolicies is the config and the scripted engines of a simulate() run: one policy per entry of
 // responses (frozen ones not trainable), and for estimator "ppo" a critic that values every token
@@ -263,8 +309,8 @@ func simPolicies(fn string, responses *starlark.Dict, frozen *starlark.List, est
 }
 
 // simResult is what simulate returns: the samples the host would train, the completions and the
-// logs of the rollout.
-func simResult(pols []*policy, byPolicy map[string][]trainSample, advs map[string][][]float32, ro *script.Rollout) starlark.Value {
+// logs of the rollout; and the completions generated, in call order.
+func simResult(pols []*policy, byPolicy map[string][]trainSample, advs map[string][][]float32, ro *script.Rollout) (starlark.Value, []*script.Completion) {
 	samples := starlark.NewDict(len(pols))
 	for _, p := range pols {
 		if p.name == simCritic {
@@ -287,14 +333,16 @@ func simResult(pols []*policy, byPolicy map[string][]trainSample, advs map[strin
 	gen := append([]*script.Completion(nil), ro.Generated()...)
 	sort.SliceStable(gen, func(i, j int) bool { return gen[i].Before(gen[j]) })
 	for _, c := range gen {
-		var rw starlark.Value = starlark.None
-		if v, ok := c.Reward(); ok {
-			rw = starlark.Float(v)
+		// A completion's own fields (finish_reason, tokens, ...), read now: a frozen copy, plus
+		// the prompt's last message.
+		d := starlark.StringDict{"prompt": starlark.String(lastContent(c.Messages()))}
+		for _, name := range c.AttrNames() {
+			v, err := c.Attr(name)
+			if err == nil && v != nil {
+				d[name] = v
+			}
 		}
-		comps = append(comps, structOfDict(starlark.StringDict{
-			"policy": starlark.String(c.Policy()), "text": starlark.String(c.Text()),
-			"prompt": starlark.String(lastContent(c.Messages())), "reward": rw,
-		}))
+		comps = append(comps, structOfDict(d))
 	}
 	logs := starlark.NewDict(len(ro.Logs()))
 	for k, v := range ro.Logs() {
@@ -302,7 +350,7 @@ func simResult(pols []*policy, byPolicy map[string][]trainSample, advs map[strin
 	}
 	return structOfDict(starlark.StringDict{
 		"samples": samples, "completions": starlark.NewList(comps), "logs": logs,
-	})
+	}), gen
 }
 
 type listSource []Task

@@ -32,13 +32,20 @@ func cmdTest(args []string) int {
 		return 2
 	}
 	results := host.RunScriptTests(context.Background(), files, os.Stdout)
-	failed := 0
+	failed, skipped := 0, 0
 	for _, r := range results {
-		if r.Err != "" {
+		switch {
+		case r.Err != "":
 			failed++
+		case r.Skipped != "":
+			skipped++
 		}
 	}
-	fmt.Printf("%d passed, %d failed\n", len(results)-failed, failed)
+	line := fmt.Sprintf("%d passed, %d failed", len(results)-failed-skipped, failed)
+	if skipped > 0 {
+		line += fmt.Sprintf(", %d skipped", skipped)
+	}
+	fmt.Println(line)
 	if failed > 0 {
 		return 1
 	}
