@@ -314,6 +314,8 @@ func (r GenerateRequest) Check() error {
 		return fmt.Errorf("n = %d; want at least 1", r.N)
 	case r.MaxTokens < 1:
 		return fmt.Errorf("max_tokens = %d; want at least 1", r.MaxTokens)
+	case r.MaxTokens > math.MaxInt32:
+		return fmt.Errorf("max_tokens = %d; want at most %d (what the engines' wire format holds)", r.MaxTokens, math.MaxInt32)
 	case !(r.Temperature >= 0) || math.IsInf(r.Temperature, 0):
 		return fmt.Errorf("temperature %v; want a finite value ≥ 0", r.Temperature)
 	case !(r.TopP >= 0 && r.TopP <= 1):

@@ -16,7 +16,7 @@ import (
 func openOpenAI(ctx context.Context, p config.PolicyConfig, env EngineEnv) (engines.Engine, error) {
 	e := p.Engine
 	o := openai.Options{BaseURL: e.BaseURL, Model: e.Model, Timeout: e.Timeout, MaxRetries: e.MaxRetries,
-		MaxConcurrency: e.MaxConcurrency, TokenIDs: e.TokenIDs, Logf: func(format string, args ...any) {
+		MaxConcurrency: e.MaxConcurrency, TokenIDs: e.TokenIDs, MaxTokensField: e.MaxTokensField, Logf: func(format string, args ...any) {
 			env.Logf("policy %q: "+format, append([]any{p.Name}, args...)...)
 		}}
 	if e.APIKeyEnv != "" {

@@ -53,6 +53,9 @@ func cmdServe(args []string) int {
 	cfgPath := fs.String("config", "", "serve the engine of a policy of this run config instead of --engine/--model: any kind a run opens (tiny, torch, remote, openai); with --policy")
 	policyName := fs.String("policy", "", "with --config: the policy whose engine to serve (default: the config's only policy)")
 	openaiAddr := fs.String("openai", "", "also serve an OpenAI-compatible HTTP API (/v1/chat/completions, …) on host:port, with the same TLS, token and loopback rule")
+	var limits openaiLimits
+	fs.Int64Var(&limits.requestTokens, "openai-max-request-tokens", 0, "--openai: the most tokens one request may ask for, its prompts' and n × max_tokens for each (0: 1Mi, or 128 × the context length if more)")
+	fs.Int64Var(&limits.inFlight, "openai-max-tokens-in-flight", 0, "--openai: the most tokens, counted so, of the requests answered at once; past it a request gets 429 (0: 4 × --openai-max-request-tokens)")
 	fs.Usage = func() {
 		fmt.Fprintln(fs.Output(), "usage: slimen serve [--engine tiny] [--model M | --config C [--policy P]] [--listen ADDR] [--root DIR] [--tls-cert C --tls-key K [--tls-client-ca CA]] [--insecure] [--token-env VAR] [--openai ADDR]")
 		fs.PrintDefaults()
@@ -180,7 +183,7 @@ func cmdServe(args []string) int {
 		if *kind == "policy" {
 			aliases = []string{*model} // --config C --policy P: requests may name the policy
 		}
-		hs, err := serveOpenAI(eng, hl, opts, errc, aliases...)
+		hs, err := serveOpenAI(eng, hl, opts, limits, errc, aliases...)
 		if err != nil {
 			fmt.Fprintf(os.Stderr, "slimen serve: %v\n", err)
 			return 1

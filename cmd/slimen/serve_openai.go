@@ -6,12 +6,12 @@ import (
 	"log"
 	"net"
 	"net/http"
-	"time"
 
 	"github.com/slimen/slimen/engines"
 	"github.com/slimen/slimen/engines/openai"
 	"github.com/slimen/slimen/engines/server"
 	"github.com/slimen/slimen/engines/tiny"
+	"github.com/slimen/slimen/starlib"
 )
 
 // listenOpenAI binds the address of `slimen serve --openai` under the rules of the gRPC address:
@@ -27,11 +27,20 @@ func listenOpenAI(addr string, opts server.Options) (net.Listener, error) {
 	return l, nil
 }
 
+// openaiLimits are the --openai-max-* flags: a request's tokens and the tokens in flight (0: the
+// front's defaults).
+type openaiLimits struct {
+	requestTokens, inFlight int64
+}
+
 // serveOpenAI serves eng's OpenAI-compatible front on l (with the server's token as its API
 // key) until the returned server is shut down; Serve's error goes to errc. Requests may name the
-// engine's model or one of aliases (a served policy's name).
-func serveOpenAI(eng engines.Engine, l net.Listener, opts server.Options, errc chan<- error, aliases ...string) (*http.Server, error) {
-	ho := openai.HandlerOptions{Token: opts.Token, Logf: log.Printf, Aliases: aliases}
+// engine's model or one of aliases (a served policy's name). Tools for a model whose chat
+// template has no tools variable are described in the system message, as agent()'s
+// tools_prompt="system" does.
+func serveOpenAI(eng engines.Engine, l net.Listener, opts server.Options, limits openaiLimits, errc chan<- error, aliases ...string) (*http.Server, error) {
+	ho := openai.HandlerOptions{Token: opts.Token, Logf: log.Printf, Aliases: aliases, ToolsPrompt: starlib.ToolsSystemPrompt,
+		MaxRequestTokens: limits.requestTokens, MaxTokensInFlight: limits.inFlight}
 	if t, ok := eng.(*tiny.Engine); ok {
 		tok := t.Tokenizer()
 		ho.Decode = func(id int32) string { return tok.Decode([]int32{id}) }
@@ -40,7 +49,7 @@ func serveOpenAI(eng engines.Engine, l net.Listener, opts server.Options, errc c
 	if err != nil {
 		return nil, err
 	}
-	s := &http.Server{Handler: h, ReadHeaderTimeout: 30 * time.Second}
+	s := openai.NewServer(h)
 	go func() {
 		if err := s.Serve(l); err != http.ErrServerClosed {
 			errc <- err

@@ -2,8 +2,11 @@ package main
 
 import (
 	"context"
+	"encoding/json"
 	"fmt"
+	"io"
 	"net"
+	"net/http"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -15,7 +18,9 @@ import (
 
 	"github.com/slimen/slimen/engines"
 	"github.com/slimen/slimen/engines/openai"
+	"github.com/slimen/slimen/engines/server"
 	"github.com/slimen/slimen/engines/tiny"
+	"github.com/slimen/slimen/starlib"
 )
 
 // `slimen serve --openai` answers the OpenAI API with exactly what the tiny engine samples
@@ -134,5 +139,43 @@ func TestServeOpenAIRemote(t *testing.T) {
 	defer byPolicy.Close()
 	if got, err := byPolicy.Generate(ctx, reqs); err != nil || !reflect.DeepEqual(got, want) {
 		t.Fatalf("naming the policy: %v, %+v; want %+v", err, got, want)
+	}
+}
+
+// The OpenAI front of `slimen serve` times out slow headers and idle keep-alive connections, and
+// takes tools for the tiny engine (its template has no tools variable) by describing them in the
+// system message, as agent()'s tools_prompt="system" does.
+func TestServeOpenAIServerSettings(t *testing.T) {
+	eng, err := tiny.Open(remoteModel, tiny.Options{Threads: 1})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer eng.Close()
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	errc := make(chan error, 1)
+	hs, err := serveOpenAI(eng, l, server.Options{}, openaiLimits{}, errc)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer hs.Close()
+	if hs.ReadHeaderTimeout <= 0 || hs.IdleTimeout <= 0 {
+		t.Errorf("header timeout %s, idle timeout %s: want both", hs.ReadHeaderTimeout, hs.IdleTimeout)
+	}
+	resp, err := http.Post("http://"+l.Addr().String()+"/v1/chat/completions", "application/json", strings.NewReader(
+		`{"messages":[{"role":"user","content":"12*34?"}],"max_tokens":4,"return_token_ids":true,"tools":[{"type":"function","function":{"name":"calc"}}]}`))
+	if err != nil {
+		t.Fatal(err)
+	}
+	body, _ := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	want := fmt.Sprint(eng.Tokenizer().EncodeChat([]engines.Message{{Role: "system", Content: starlib.ToolsSystemPrompt([]string{`{"type":"function","function":{"name":"calc"}}`})}, {Role: "user", Content: "12*34?"}}, true))
+	var r struct {
+		PromptTokenIDs []int32 `json:"prompt_token_ids"`
+	}
+	if resp.StatusCode != 200 || json.Unmarshal(body, &r) != nil || fmt.Sprint(r.PromptTokenIDs) != want {
+		t.Errorf("tools on the tiny engine: %d %s; want the prompt %s", resp.StatusCode, body, want)
 	}
 }

@@ -42,7 +42,10 @@ type ChatCall struct {
 	MaxTokens int
 	Messages  []ChatMessage
 	Tools     []string // each tool of the request's tools, as JSON
-	Stream    bool
+	// NoToolCalls: the request offered tools with tool_choice "none", so the answer is text and
+	// its turn is not read for tool calls.
+	NoToolCalls bool
+	Stream      bool
 }
 
 // ChatBackend samples the completions of a chat call. The completions' Text is the assistant's
@@ -58,9 +61,7 @@ func NewChatHandler(o HandlerOptions, backend ChatBackend) http.Handler {
 	if o.DefaultMaxTokens <= 0 {
 		o.DefaultMaxTokens = 1024
 	}
-	if o.MaxRequestBytes <= 0 {
-		o.MaxRequestBytes = 64 << 20
-	}
+	o = withDefaults(o)
 	h := &handler{o: o, created: time.Now().Unix(), backend: backend, anyModel: true}
 	mux := http.NewServeMux()
 	mux.HandleFunc("/v1/chat/completions", h.only(http.MethodPost, h.chat))
@@ -71,20 +72,32 @@ func NewChatHandler(o HandlerOptions, backend ChatBackend) http.Handler {
 	return h.auth(mux)
 }
 
-// APIError is an error a backend answers with its HTTP status and the API's error type.
+// APIError is an error a backend answers with its HTTP status, the API's error type and, where
+// they apply, the parameter at fault and the error's code ("context_length_exceeded").
 type APIError struct {
 	Status int
 	Type   string
+	Param  string
+	Code   string
 	Msg    string
 }
 
 func (e *APIError) Error() string { return e.Msg }
 
-// chatMessages converts a request's messages for a backend.
+// chatMessages converts a request's messages: the roles of the API, "developer" read as
+// "system" (what it replaced), any other role refused.
 func chatMessages(ms []chatMessage) ([]ChatMessage, error) {
 	out := make([]ChatMessage, len(ms))
 	for i, m := range ms {
-		out[i] = ChatMessage{Role: m.Role, Content: string(m.Content), ToolCallID: m.ToolCallID, Name: m.Name}
+		role := m.Role
+		switch role {
+		case "system", "user", "assistant", "tool":
+		case "developer":
+			role = "system"
+		default:
+			return nil, badRequest(fmt.Sprintf("messages[%d].role", i), "messages[%d].role %q; want system, developer, user, assistant or tool", i, m.Role)
+		}
+		out[i] = ChatMessage{Role: role, Content: string(m.Content), ToolCallID: m.ToolCallID, Name: m.Name}
 		for k, c := range m.ToolCalls {
 			args, err := argumentsText(c.Function.Arguments)
 			if err != nil {
@@ -174,6 +187,15 @@ func AssistantMessage(text string, withTools bool) ChatMessage {
 		m.Content = strings.TrimSpace(rest + bad.String())
 	}
 	return m
+}
+
+// EngineMessage is a request's message as an engine renders it: an assistant message's tool
+// calls written after its content in the Hermes format, as a sampled turn holds them.
+func EngineMessage(m ChatMessage) engines.Message {
+	if m.Role == "assistant" && len(m.ToolCalls) > 0 {
+		return engines.Message{Role: "assistant", Content: HermesText(m.Content, m.ToolCalls)}
+	}
+	return engines.Message{Role: m.Role, Content: m.Content}
 }
 
 // HermesText writes an assistant message's tool calls after its content in the Hermes format:

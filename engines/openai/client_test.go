@@ -387,3 +387,64 @@ func TestRetryAfterHeader(t *testing.T) {
 		}
 	}
 }
+
+// TestMaxCompletionTokens: a server that refuses max_tokens by name (OpenAI's reasoning models:
+// "Unsupported parameter: 'max_tokens' … Use 'max_completion_tokens' instead.") is asked again
+// with max_completion_tokens, once, and the engine remembers; MaxTokensField
+// "max_completion_tokens" sends it from the start. Another 400 is not retried, and its error
+// carries the server's message.
+func TestMaxCompletionTokens(t *testing.T) {
+	var mu sync.Mutex
+	var sent []string
+	s, _ := fakeServer(t, func(_ int, w http.ResponseWriter, r *http.Request) {
+		var body map[string]any
+		json.NewDecoder(r.Body).Decode(&body)
+		field := "max_tokens"
+		if _, ok := body["max_completion_tokens"]; ok {
+			field = "max_completion_tokens"
+		}
+		mu.Lock()
+		sent = append(sent, field)
+		mu.Unlock()
+		if body["messages"].([]any)[0].(map[string]any)["content"] == "bad" {
+			w.WriteHeader(400)
+			fmt.Fprint(w, `{"error":{"message":"Invalid 'messages[0].content': too bad.","type":"invalid_request_error","param":"messages","code":null}}`)
+			return
+		}
+		if field == "max_tokens" {
+			w.WriteHeader(400)
+			fmt.Fprint(w, `{"error":{"message":"Unsupported parameter: 'max_tokens' is not supported with this model. Use 'max_completion_tokens' instead.","type":"invalid_request_error","param":"max_tokens","code":"unsupported_parameter"}}`)
+			return
+		}
+		if body["max_completion_tokens"].(float64) != 8 {
+			w.WriteHeader(500)
+			return
+		}
+		fmt.Fprint(w, okChat)
+	})
+	ctx := context.Background()
+	e := newEngine(t, Options{BaseURL: s.URL + "/v1", TokenIDs: "none"})
+	for i := range 2 {
+		if _, err := e.Generate(ctx, []engines.GenerateRequest{chatReq("a")}); err != nil {
+			t.Fatalf("call %d: %v", i, err)
+		}
+	}
+	if fmt.Sprint(sent) != "[max_tokens max_completion_tokens max_completion_tokens]" {
+		t.Fatalf("sent %v; want max_tokens once, then max_completion_tokens", sent)
+	}
+	sent = nil
+	bad := chatReq("b")
+	bad.Messages[0].Content = "bad"
+	_, err := e.Generate(ctx, []engines.GenerateRequest{bad})
+	if err == nil || !strings.Contains(err.Error(), "HTTP 400 Bad Request: Invalid 'messages[0].content': too bad.") || len(sent) != 1 {
+		t.Fatalf("a 400: %v after %d attempts; want the server's message after one", err, len(sent))
+	}
+	sent = nil
+	e2 := newEngine(t, Options{BaseURL: s.URL + "/v1", TokenIDs: "none", MaxTokensField: "max_completion_tokens"})
+	if _, err := e2.Generate(ctx, []engines.GenerateRequest{chatReq("c")}); err != nil || fmt.Sprint(sent) != "[max_completion_tokens]" {
+		t.Fatalf("max_tokens_field max_completion_tokens: sent %v, %v", sent, err)
+	}
+	if _, err := New(Options{BaseURL: s.URL + "/v1", Model: "m", MaxTokensField: "max_length"}); err == nil || !strings.Contains(err.Error(), "max_tokens_field \"max_length\"") {
+		t.Fatalf("a wrong max_tokens_field: %v", err)
+	}
+}

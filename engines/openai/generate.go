@@ -86,35 +86,50 @@ func (e *Engine) acquire(ctx context.Context) bool {
 	}
 }
 
-// generateOne asks for one request's samples, without the token-id fields if the server refuses
-// them by name (once; the engine remembers).
+// generateOne asks for one request's samples. A server that refuses by name vLLM's token-id
+// fields (TokenIDs "auto"), or max_tokens in favour of max_completion_tokens (MaxTokensField
+// "auto"; OpenAI's reasoning models do), is asked again without them, and the engine remembers.
 func (e *Engine) generateOne(ctx context.Context, r engines.GenerateRequest) ([]engines.Completion, error) {
-	plain := e.plain.Load()
-	cs, err := e.send(ctx, r, !plain)
-	var he *HTTPError
-	if err != nil && !plain && e.o.TokenIDs != "vllm" && errors.As(err, &he) &&
-		(he.Status == http.StatusBadRequest || he.Status == http.StatusUnprocessableEntity) && strings.Contains(he.Message, "return_to") {
-		if cs, err2 := e.send(ctx, r, false); err2 == nil {
+	for {
+		plain, mct := e.plain.Load(), e.completionTokens.Load()
+		cs, err := e.send(ctx, r, !plain, mct)
+		var he *HTTPError
+		if err == nil || !errors.As(err, &he) || (he.Status != http.StatusBadRequest && he.Status != http.StatusUnprocessableEntity) {
+			return cs, err
+		}
+		switch {
+		case !plain && e.o.TokenIDs != "vllm" && strings.Contains(he.Message, "return_to"):
 			if !e.plain.Swap(true) {
 				e.logf("openai engine at %s refuses vLLM's token-id fields (%s): its completions are text only", e.base, he.Message)
 			}
-			return cs, nil
+		case !mct && e.o.MaxTokensField != "max_tokens" && strings.Contains(he.Message, "max_tokens") && strings.Contains(he.Message, "max_completion_tokens"):
+			if !e.completionTokens.Swap(true) {
+				e.logf("openai engine at %s refuses max_tokens (%s): sending max_completion_tokens instead", e.base, he.Message)
+			}
+		default:
+			return cs, err
 		}
 	}
-	return cs, err
 }
 
-// sampling is the request's sampling settings on the wire.
-func wireSampling(model string, r engines.GenerateRequest, ids bool) sampling {
+// sampling is the request's sampling settings on the wire, the response's length as
+// max_completion_tokens when mct, else as max_tokens.
+func wireSampling(model string, r engines.GenerateRequest, ids, mct bool) sampling {
 	s := engines.NormalizeSampling(r.Sampling)
 	n, maxTokens, temp, topP := max(r.N, 1), s.MaxTokens, s.Temperature, s.TopP
 	// The seed's 64 bits travel as the signed integer the API takes; the front reads them back.
 	seed := int64(s.Seed)
-	return sampling{Model: model, N: &n, MaxTokens: &maxTokens, Temperature: &temp, TopP: &topP,
+	w := sampling{Model: model, N: &n, Temperature: &temp, TopP: &topP,
 		Stop: s.Stop, Seed: &seed, ReturnTokenIDs: ids, ReturnTokensAsTokenIDs: ids}
+	if mct {
+		w.MaxCompletionTokens = &maxTokens
+	} else {
+		w.MaxTokens = &maxTokens
+	}
+	return w
 }
 
-func (e *Engine) send(ctx context.Context, r engines.GenerateRequest, ids bool) ([]engines.Completion, error) {
+func (e *Engine) send(ctx context.Context, r engines.GenerateRequest, ids, mct bool) ([]engines.Completion, error) {
 	n := max(r.N, 1)
 	if len(r.Messages) > 0 {
 		msgs := make([]chatMessage, len(r.Messages))
@@ -123,7 +138,7 @@ func (e *Engine) send(ctx context.Context, r engines.GenerateRequest, ids bool) 
 		}
 		var resp chatResponse
 		if err := e.call(ctx, http.MethodPost, e.base+"/chat/completions",
-			chatRequest{sampling: wireSampling(e.o.Model, r, ids), Messages: msgs, Logprobs: ids}, &resp); err != nil {
+			chatRequest{sampling: wireSampling(e.o.Model, r, ids, mct), Messages: msgs, Logprobs: ids}, &resp); err != nil {
 			return nil, err
 		}
 		out, err := e.chatCompletions(r, n, resp)
@@ -132,7 +147,7 @@ func (e *Engine) send(ctx context.Context, r engines.GenerateRequest, ids bool) 
 		}
 		return out, nil
 	}
-	req := completionRequest{sampling: wireSampling(e.o.Model, r, ids), Prompt: prompts{{ids: r.PromptTokens}}}
+	req := completionRequest{sampling: wireSampling(e.o.Model, r, ids, mct), Prompt: prompts{{ids: r.PromptTokens}}}
 	if ids {
 		zero := 0
 		req.Logprobs = &zero // the sampled token's log-prob, no alternatives

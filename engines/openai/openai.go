@@ -54,6 +54,11 @@ type Options struct {
 	// by name (the OpenAI API does: "Unrecognized request argument"); "vllm" always asks; "none"
 	// never asks, and completions are text only.
 	TokenIDs string
+	// MaxTokensField names the field the response's length travels in: "auto" or "" sends
+	// max_tokens, and max_completion_tokens from the first time the server refuses max_tokens
+	// by name (OpenAI's reasoning models do); "max_tokens" or "max_completion_tokens" always
+	// sends that one.
+	MaxTokensField string
 	// HTTPClient sends the requests; nil: a client of its own.
 	HTTPClient *http.Client
 	// Logf reports what the engine learns about the server (that it refused the token-id
@@ -69,12 +74,13 @@ type Engine struct {
 	client *http.Client
 	sem    chan struct{}
 
-	plain       atomic.Bool  // the server refused the token-id fields
-	sawIDs      atomic.Bool  // a response carried token ids
-	sawLogprobs atomic.Bool  // … and their log-probabilities
-	maxModelLen atomic.Int64 // from /v1/models (vLLM), 0 when unknown
-	closed      atomic.Bool
-	closeOnce   sync.Once
+	plain            atomic.Bool  // the server refused the token-id fields
+	completionTokens atomic.Bool  // max_completion_tokens is sent instead of max_tokens
+	sawIDs           atomic.Bool  // a response carried token ids
+	sawLogprobs      atomic.Bool  // … and their log-probabilities
+	maxModelLen      atomic.Int64 // from /v1/models (vLLM), 0 when unknown
+	closed           atomic.Bool
+	closeOnce        sync.Once
 }
 
 var _ engines.Engine = (*Engine)(nil)
@@ -93,6 +99,11 @@ func New(o Options) (*Engine, error) {
 	case "", "auto", "vllm", "none":
 	default:
 		return nil, fmt.Errorf("openai engine at %s: token_ids %q is not one of auto, vllm, none", o.BaseURL, o.TokenIDs)
+	}
+	switch o.MaxTokensField {
+	case "", "auto", "max_tokens", "max_completion_tokens":
+	default:
+		return nil, fmt.Errorf("openai engine at %s: max_tokens_field %q is not one of auto, max_tokens, max_completion_tokens", o.BaseURL, o.MaxTokensField)
 	}
 	if o.Timeout <= 0 {
 		o.Timeout = 10 * time.Minute
@@ -124,6 +135,7 @@ func New(o Options) (*Engine, error) {
 	base := strings.TrimRight(o.BaseURL, "/")
 	e := &Engine{o: o, base: base, root: strings.TrimSuffix(base, "/v1"), client: client, sem: make(chan struct{}, o.MaxConcurrency)}
 	e.plain.Store(o.TokenIDs == "none")
+	e.completionTokens.Store(o.MaxTokensField == "max_completion_tokens")
 	return e, nil
 }
 

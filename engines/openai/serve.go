@@ -1,6 +1,7 @@
 package openai
 
 import (
+	"bytes"
 	"context"
 	"crypto/rand"
 	"crypto/subtle"
@@ -9,9 +10,13 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"io"
+	"math"
+	"net"
 	"net/http"
 	"slices"
 	"strings"
+	"sync"
 	"time"
 
 	"github.com/slimen/slimen/engines"
@@ -36,16 +41,47 @@ type HandlerOptions struct {
 	Decode func(id int32) string
 	// MaxRequestBytes bounds a request body; 0: 64 MiB.
 	MaxRequestBytes int64
+	// BodyTimeout bounds the time a request's body takes to arrive once its headers have; 0: one
+	// minute. (The headers' own timeout and the idle connections' are the http.Server's: see
+	// NewServer.)
+	BodyTimeout time.Duration
+	// MaxRequestTokens caps the tokens one request may make the engine hold: the sum over its
+	// prompts of the prompt's tokens and n × max_tokens. A request over it is refused with a 400;
+	// 0: DefaultMaxRequestTokens, or 128 × the context length if that is more.
+	MaxRequestTokens int64
+	// MaxTokensInFlight caps the tokens (counted as for MaxRequestTokens) of all the requests
+	// being answered at once; a request that would go past it is answered 429 with Retry-After.
+	// 0: 4 × MaxRequestTokens.
+	MaxTokensInFlight int64
+	// ToolsPrompt, when not nil, describes a request's tools (JSON schemas) as a system message
+	// for a model whose chat template has no tools variable (the tiny engine's); nil: such a
+	// model refuses tools.
+	ToolsPrompt func(tools []string) string
+	// ModelFor, when not nil, names the model a request is served by (what /v1/models lists and
+	// answers carry) instead of Model: agent()'s endpoint answers each program with the name it
+	// was given.
+	ModelFor func(r *http.Request) string
 	// Logf reports failed engine calls; nil: silent.
 	Logf func(format string, args ...any)
 }
+
+// DefaultMaxRequestTokens is HandlerOptions.MaxRequestTokens's default (before the context
+// length raises it).
+const DefaultMaxRequestTokens = 1 << 20
+
+// maxTokensLimit is the most max_tokens a request may ask for when the model does not say its
+// context length: what every engine's wire format holds.
+const maxTokensLimit = math.MaxInt32
 
 // handler is the OpenAI-compatible front of one engine.
 type handler struct {
 	eng       engines.Engine
 	o         HandlerOptions
 	created   int64
-	maxSeqLen int // the engine's context length, reported as vLLM's max_model_len
+	info      engines.Info
+	maxSeqLen int              // the engine's context length, reported as vLLM's max_model_len
+	renderer  engines.Renderer // the engine's, when it renders its chat template
+	budget    *tokenBudget     // tokens in flight; nil: unbounded (a chat backend's front)
 	backend   ChatBackend
 	anyModel  bool // requests may name any model (a chat backend's front)
 }
@@ -70,10 +106,16 @@ func NewHandler(ctx context.Context, eng engines.Engine, o HandlerOptions) (http
 			o.DefaultMaxTokens = 1024
 		}
 	}
-	if o.MaxRequestBytes <= 0 {
-		o.MaxRequestBytes = 64 << 20
+	o = withDefaults(o)
+	if o.MaxRequestTokens <= 0 {
+		o.MaxRequestTokens = max(DefaultMaxRequestTokens, 128*int64(info.MaxSeqLen))
 	}
-	h := &handler{eng: eng, o: o, created: time.Now().Unix(), maxSeqLen: info.MaxSeqLen}
+	if o.MaxTokensInFlight <= 0 {
+		o.MaxTokensInFlight = 4 * o.MaxRequestTokens
+	}
+	h := &handler{eng: eng, o: o, created: time.Now().Unix(), info: info, maxSeqLen: info.MaxSeqLen,
+		budget: &tokenBudget{max: o.MaxTokensInFlight}}
+	h.renderer, _ = eng.(engines.Renderer)
 	mux := http.NewServeMux()
 	mux.HandleFunc("/v1/chat/completions", h.only(http.MethodPost, h.chat))
 	mux.HandleFunc("/v1/completions", h.only(http.MethodPost, h.completions))
@@ -86,39 +128,77 @@ func NewHandler(ctx context.Context, eng engines.Engine, o HandlerOptions) (http
 	return h.auth(mux), nil
 }
 
-// apiErr is an error answered to the client: its status, type and parameter.
+// withDefaults fills in the options every front shares.
+func withDefaults(o HandlerOptions) HandlerOptions {
+	if o.MaxRequestBytes <= 0 {
+		o.MaxRequestBytes = 64 << 20
+	}
+	if o.BodyTimeout <= 0 {
+		o.BodyTimeout = time.Minute
+	}
+	return o
+}
+
+// NewServer is the http.Server a front is served with: the request headers must arrive within
+// 30 s and an idle keep-alive connection is closed after 2 minutes (the body's time is the
+// front's BodyTimeout; a response has no time limit, as a generation takes what it takes).
+func NewServer(h http.Handler) *http.Server {
+	return &http.Server{Handler: h, ReadHeaderTimeout: 30 * time.Second, IdleTimeout: 2 * time.Minute}
+}
+
+// apiErr is an error answered to the client: its status, type, parameter and code.
 type apiErr struct {
 	status int
 	typ    string
 	param  string
 	msg    string
+	code   string
 }
 
 func (e *apiErr) Error() string { return e.msg }
 
 func badRequest(param, format string, args ...any) *apiErr {
-	return &apiErr{http.StatusBadRequest, "invalid_request_error", param, fmt.Sprintf(format, args...)}
+	return &apiErr{status: http.StatusBadRequest, typ: "invalid_request_error", param: param, msg: fmt.Sprintf(format, args...)}
 }
 
 func writeError(w http.ResponseWriter, status int, typ, param, format string, args ...any) {
-	body := errorBody{Error: apiError{Message: fmt.Sprintf(format, args...), Type: typ, Code: nil}}
-	if param != "" {
-		body.Error.Param = &param
+	writeAPIError(w, &apiErr{status: status, typ: typ, param: param, msg: fmt.Sprintf(format, args...)})
+}
+
+func writeAPIError(w http.ResponseWriter, e *apiErr) {
+	body := errorBody{Error: apiError{Message: e.msg, Type: e.typ, Code: nil}}
+	if e.param != "" {
+		body.Error.Param = &e.param
+	}
+	if e.code != "" {
+		body.Error.Code = e.code
 	}
 	w.Header().Set("Content-Type", "application/json")
-	w.WriteHeader(status)
+	w.WriteHeader(e.status)
 	json.NewEncoder(w).Encode(body)
 }
 
+// fail answers err: a client's mistake (apiErr, a backend's APIError, an upstream server's 4xx
+// refusal) with its 4xx, the server's own failures with 500 (501 for what the engine lacks).
 func (h *handler) fail(w http.ResponseWriter, err error) {
 	var ae *apiErr
 	if errors.As(err, &ae) {
-		writeError(w, ae.status, ae.typ, ae.param, "%s", ae.msg)
+		writeAPIError(w, ae)
 		return
 	}
 	var be *APIError
 	if errors.As(err, &be) {
-		writeError(w, be.Status, be.Type, "", "%s", be.Msg)
+		if be.Status == http.StatusTooManyRequests {
+			w.Header().Set("Retry-After", "1")
+		}
+		writeAPIError(w, &apiErr{status: be.Status, typ: be.Type, param: be.Param, msg: be.Msg, code: be.Code})
+		return
+	}
+	var he *HTTPError
+	if errors.As(err, &he) && clientError(he.Status) {
+		// An engine of kind openai whose server refused the request for what it asks: the
+		// client's mistake here too.
+		writeAPIError(w, &apiErr{status: he.Status, typ: "invalid_request_error", msg: err.Error()})
 		return
 	}
 	if h.o.Logf != nil {
@@ -131,15 +211,42 @@ func (h *handler) fail(w http.ResponseWriter, err error) {
 	writeError(w, status, "server_error", "", "%v", err)
 }
 
+// clientError reports whether a status says the request itself was wrong (not the key, not the
+// server's load or failure).
+func clientError(status int) bool {
+	switch status {
+	case http.StatusBadRequest, http.StatusNotFound, http.StatusRequestEntityTooLarge, http.StatusUnprocessableEntity:
+		return true
+	}
+	return false
+}
+
+// BearerToken is the key of a request's "Authorization: Bearer KEY" header; the scheme's name is
+// case-insensitive (RFC 9110), as some clients write it "bearer".
+func BearerToken(r *http.Request) (string, bool) {
+	scheme, key, ok := strings.Cut(strings.TrimSpace(r.Header.Get("Authorization")), " ")
+	if !ok || !strings.EqualFold(scheme, "Bearer") {
+		return "", false
+	}
+	return strings.TrimSpace(key), true
+}
+
+// Unauthorized answers 401 before anything of the body is read, and closes the connection: the
+// server does not wait for (or read) a body it will not use.
+func Unauthorized(w http.ResponseWriter, msg string) {
+	w.Header().Set("Connection", "close")
+	writeError(w, http.StatusUnauthorized, "invalid_request_error", "", "%s", msg)
+}
+
 func (h *handler) auth(next http.Handler) http.Handler {
 	if h.o.Token == "" {
 		return next
 	}
 	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		got, ok := strings.CutPrefix(r.Header.Get("Authorization"), "Bearer ")
+		got, ok := BearerToken(r)
 		// Constant time, so that the time a rejection takes says nothing about the key.
 		if !ok || subtle.ConstantTimeCompare([]byte(got), []byte(h.o.Token)) != 1 {
-			writeError(w, http.StatusUnauthorized, "invalid_request_error", "", "this server needs the API key of its --token-env as \"Authorization: Bearer KEY\" (OPENAI_API_KEY for the openai client); the request carried none or another")
+			Unauthorized(w, "this server needs the API key of its --token-env as \"Authorization: Bearer KEY\" (OPENAI_API_KEY for the openai client); the request carried none or another")
 			return
 		}
 		next.ServeHTTP(w, r)
@@ -150,6 +257,7 @@ func (h *handler) only(method string, f http.HandlerFunc) http.HandlerFunc {
 	return func(w http.ResponseWriter, r *http.Request) {
 		if r.Method != method {
 			w.Header().Set("Allow", method)
+			w.Header().Set("Connection", "close")
 			writeError(w, http.StatusMethodNotAllowed, "invalid_request_error", "", "%s takes %s, not %s", r.URL.Path, method, r.Method)
 			return
 		}
@@ -157,17 +265,39 @@ func (h *handler) only(method string, f http.HandlerFunc) http.HandlerFunc {
 	}
 }
 
-// decode reads a JSON request body into v.
+// decode reads a JSON request body into v, within BodyTimeout and MaxRequestBytes, to its end:
+// once the body is read, the server notices a client that leaves, and cancels the request's
+// context (a non-streamed request too).
 func (h *handler) decode(w http.ResponseWriter, r *http.Request, v any) error {
+	rc := http.NewResponseController(w)
+	rc.SetReadDeadline(time.Now().Add(h.o.BodyTimeout))
+	defer rc.SetReadDeadline(time.Time{})
 	body := http.MaxBytesReader(w, r.Body, h.o.MaxRequestBytes)
-	if err := json.NewDecoder(body).Decode(v); err != nil {
+	err := json.NewDecoder(body).Decode(v)
+	if err == nil {
+		_, err = io.Copy(io.Discard, body)
+	}
+	if err != nil {
+		w.Header().Set("Connection", "close")
 		var mb *http.MaxBytesError
-		if errors.As(err, &mb) {
-			return &apiErr{http.StatusRequestEntityTooLarge, "invalid_request_error", "", fmt.Sprintf("the request is over %d bytes", mb.Limit)}
+		var ne net.Error
+		switch {
+		case errors.As(err, &mb):
+			return &apiErr{status: http.StatusRequestEntityTooLarge, typ: "invalid_request_error", msg: fmt.Sprintf("the request is over %d bytes", mb.Limit)}
+		case errors.As(err, &ne) && ne.Timeout():
+			return &apiErr{status: http.StatusRequestTimeout, typ: "invalid_request_error", msg: fmt.Sprintf("the request body did not arrive within %s", h.o.BodyTimeout)}
 		}
 		return badRequest("", "the request body is not the JSON expected: %v", err)
 	}
 	return nil
+}
+
+// modelName is the name of the model that answers r.
+func (h *handler) modelName(r *http.Request) string {
+	if h.o.ModelFor != nil {
+		return h.o.ModelFor(r)
+	}
+	return h.o.Model
 }
 
 // serves says whether a request's model names this front's: Model or one of its Aliases.
@@ -177,7 +307,7 @@ func (h *handler) serves(name string) bool {
 
 // models lists Model, then its Aliases (as vLLM lists each --served-model-name).
 func (h *handler) models(w http.ResponseWriter, r *http.Request) {
-	list := []modelInfo{h.modelInfo(h.o.Model)}
+	list := []modelInfo{h.modelInfo(h.modelName(r))}
 	for _, a := range h.o.Aliases {
 		list = append(list, h.modelInfo(a))
 	}
@@ -186,8 +316,8 @@ func (h *handler) models(w http.ResponseWriter, r *http.Request) {
 
 func (h *handler) model(w http.ResponseWriter, r *http.Request) {
 	id := r.PathValue("id")
-	if !h.serves(id) {
-		writeError(w, http.StatusNotFound, "invalid_request_error", "model", "the model %q does not exist; this server serves %q", id, h.o.Model)
+	if !h.serves(id) && id != h.modelName(r) {
+		writeError(w, http.StatusNotFound, "invalid_request_error", "model", "the model %q does not exist; this server serves %q", id, h.modelName(r))
 		return
 	}
 	writeJSON(w, h.modelInfo(id))
@@ -216,19 +346,21 @@ func writeJSON(w http.ResponseWriter, v any) {
 	json.NewEncoder(w).Encode(v)
 }
 
-// extras are request fields the front refuses rather than ignores, because the engines cannot
+// extras are request fields the front refuses rather than ignores where the engines cannot
 // honour them.
 type extras struct {
-	Tools            json.RawMessage `json:"tools"`
-	FrequencyPenalty *float64        `json:"frequency_penalty"`
-	PresencePenalty  *float64        `json:"presence_penalty"`
-	LogitBias        map[string]any  `json:"logit_bias"`
+	Tools             json.RawMessage `json:"tools"`
+	ToolChoice        json.RawMessage `json:"tool_choice"`
+	ParallelToolCalls *bool           `json:"parallel_tool_calls"`
+	ResponseFormat    json.RawMessage `json:"response_format"`
+	FrequencyPenalty  *float64        `json:"frequency_penalty"`
+	PresencePenalty   *float64        `json:"presence_penalty"`
+	LogitBias         map[string]any  `json:"logit_bias"`
 }
 
+// check refuses the sampling settings no engine has.
 func (x extras) check() error {
 	switch {
-	case len(x.Tools) > 0 && string(x.Tools) != "null" && string(x.Tools) != "[]":
-		return badRequest("tools", "tools are not supported by this server")
 	case x.FrequencyPenalty != nil && *x.FrequencyPenalty != 0:
 		return badRequest("frequency_penalty", "frequency_penalty is not supported by this server; leave it 0")
 	case x.PresencePenalty != nil && *x.PresencePenalty != 0:
@@ -239,24 +371,82 @@ func (x extras) check() error {
 	return nil
 }
 
+// toolFields reads a chat request's tools, tool_choice, parallel_tool_calls and
+// response_format: the tools, and whether the answer is read for tool calls. tool_choice "auto"
+// (the default) and "none" are honoured ("none": the answer is text, never read for calls);
+// "required" or a named function would need decoding that forces a call, and
+// parallel_tool_calls false decoding that stops after one, which the engines do not have: they
+// are refused, as is any response_format but text (no constrained decoding either).
+func (x extras) toolFields() ([]string, bool, error) {
+	tools, err := toolsOf(x.Tools)
+	if err != nil {
+		return nil, false, err
+	}
+	none := false
+	if raw := bytes.TrimSpace(x.ToolChoice); len(raw) > 0 && string(raw) != "null" {
+		var s string
+		if json.Unmarshal(raw, &s) != nil {
+			return nil, false, badRequest("tool_choice", "tool_choice naming a function is not supported by this server: it cannot make the model call a given tool; send \"auto\" or \"none\"")
+		}
+		switch s {
+		case "auto":
+		case "none":
+			none = true
+		case "required":
+			return nil, false, badRequest("tool_choice", "tool_choice \"required\" is not supported by this server: it cannot make the model call a tool; send \"auto\" or \"none\"")
+		default:
+			return nil, false, badRequest("tool_choice", "tool_choice %q; want \"auto\" or \"none\"", s)
+		}
+	}
+	if x.ParallelToolCalls != nil && !*x.ParallelToolCalls && len(tools) > 0 && !none {
+		return nil, false, badRequest("parallel_tool_calls", "parallel_tool_calls false is not supported by this server: it cannot keep the model to one tool call a turn; leave parallel_tool_calls out (or true)")
+	}
+	if raw := bytes.TrimSpace(x.ResponseFormat); len(raw) > 0 && string(raw) != "null" {
+		var f struct {
+			Type string `json:"type"`
+		}
+		if err := json.Unmarshal(raw, &f); err != nil || f.Type == "" {
+			return nil, false, badRequest("response_format", "response_format: want an object with a type")
+		}
+		if f.Type != "text" {
+			return nil, false, badRequest("response_format", "response_format of type %q is not supported by this server: it has no constrained decoding, so the answer would not be guaranteed to follow it; leave response_format out (or {\"type\": \"text\"})", f.Type)
+		}
+	}
+	return tools, len(tools) > 0 && !none, nil
+}
+
 // request turns the shared settings into an engine request: the API's defaults (temperature 1,
-// top_p 1, n 1, a random seed) where the request says nothing.
-func (h *handler) request(s sampling) (engines.GenerateRequest, error) {
+// top_p 1, n 1, a random seed) where the request says nothing. It also says whether the request
+// gave max_tokens (or max_completion_tokens), which must then be within the model's context and
+// what every engine's wire format holds.
+func (h *handler) request(s sampling) (engines.GenerateRequest, bool, error) {
 	if s.Model != "" && !h.serves(s.Model) && !h.anyModel {
-		return engines.GenerateRequest{}, &apiErr{http.StatusNotFound, "invalid_request_error", "model",
-			fmt.Sprintf("the model %q does not exist; this server serves %q", s.Model, h.o.Model)}
+		return engines.GenerateRequest{}, false, &apiErr{status: http.StatusNotFound, typ: "invalid_request_error", param: "model",
+			msg: fmt.Sprintf("the model %q does not exist; this server serves %q", s.Model, h.o.Model)}
 	}
 	r := engines.GenerateRequest{ID: newID(""), N: 1, Sampling: engines.Sampling{MaxTokens: h.o.DefaultMaxTokens, Temperature: 1, TopP: 1, Stop: s.Stop}}
 	if s.N != nil {
 		if *s.N < 1 || *s.N > 128 {
-			return r, badRequest("n", "n = %d; want 1 to 128", *s.N)
+			return r, false, badRequest("n", "n = %d; want 1 to 128", *s.N)
 		}
 		r.N = *s.N
 	}
+	param, mt := "", 0
 	if s.MaxCompletionTokens != nil {
-		r.MaxTokens = *s.MaxCompletionTokens
+		param, mt = "max_completion_tokens", *s.MaxCompletionTokens
 	} else if s.MaxTokens != nil {
-		r.MaxTokens = *s.MaxTokens
+		param, mt = "max_tokens", *s.MaxTokens
+	}
+	if param != "" {
+		switch {
+		case mt < 1:
+			return r, false, badRequest(param, "%s = %d; want at least 1", param, mt)
+		case h.maxSeqLen > 0 && mt > h.maxSeqLen:
+			return r, false, badRequest(param, "%s = %d is more than the model's context length of %d tokens (prompt and response together)", param, mt, h.maxSeqLen)
+		case mt > maxTokensLimit:
+			return r, false, badRequest(param, "%s = %d is more than %d", param, mt, maxTokensLimit)
+		}
+		r.MaxTokens = mt
 	}
 	if s.Temperature != nil {
 		r.Temperature = *s.Temperature
@@ -272,12 +462,122 @@ func (h *handler) request(s sampling) (engines.GenerateRequest, error) {
 		r.Seed = binary.LittleEndian.Uint64(b[:])
 	}
 	if err := r.Check(); err != nil {
-		return r, badRequest("", "%v", err)
+		return r, false, badRequest("", "%v", err)
 	}
 	if r.TopP == 0 {
-		return r, badRequest("top_p", "top_p 0; want a value in (0, 1]")
+		return r, false, badRequest("top_p", "top_p 0; want a value in (0, 1]")
 	}
-	return r, nil
+	return r, param != "", nil
+}
+
+// fit checks a prompt of promptLen tokens against the model's context: a prompt that fills it,
+// or an explicit max_tokens that does not fit beside it, is the client's mistake (400
+// context_length_exceeded, in OpenAI's words); the default max_tokens is cut to the room left.
+func (h *handler) fit(gr *engines.GenerateRequest, promptLen int, explicit bool, what string) error {
+	if h.maxSeqLen <= 0 {
+		return nil
+	}
+	if promptLen >= h.maxSeqLen {
+		return &apiErr{status: http.StatusBadRequest, typ: "invalid_request_error", param: what, code: "context_length_exceeded",
+			msg: fmt.Sprintf("This model's maximum context length is %d tokens. However, your %s resulted in %d tokens, which leaves no room for a response. Please reduce the length of the %s.", h.maxSeqLen, what, promptLen, what)}
+	}
+	if room := h.maxSeqLen - promptLen; gr.MaxTokens > room {
+		if explicit {
+			return &apiErr{status: http.StatusBadRequest, typ: "invalid_request_error", param: "max_tokens", code: "context_length_exceeded",
+				msg: fmt.Sprintf("This model's maximum context length is %d tokens. However, you requested %d tokens (%d in the %s, %d in the completion). Please reduce the length of the %s or the completion.", h.maxSeqLen, promptLen+gr.MaxTokens, promptLen, what, gr.MaxTokens, what)}
+		}
+		gr.MaxTokens = room
+	}
+	return nil
+}
+
+// reserve takes a request's tokens (its prompts' and n × max_tokens for each) from the budget of
+// tokens in flight, and returns what gives them back: a request over the per-request cap is
+// refused (400), one past the budget answered 429 with Retry-After.
+func (h *handler) reserve(w http.ResponseWriter, tokens int64) (func(), error) {
+	if tokens > h.o.MaxRequestTokens {
+		return nil, badRequest("max_tokens", "the request may make the engine hold %d tokens (its prompts' tokens and n × max_tokens for each), more than this server takes in one request (%d, slimen serve --openai-max-request-tokens): lower n or max_tokens, or send fewer prompts", tokens, h.o.MaxRequestTokens)
+	}
+	if held, ok := h.budget.take(tokens); !ok {
+		w.Header().Set("Retry-After", "1")
+		return nil, &apiErr{status: http.StatusTooManyRequests, typ: "rate_limit_exceeded", code: "rate_limit_exceeded",
+			msg: fmt.Sprintf("the server is busy: the requests under way hold %d of its %d tokens in flight and this one needs %d; retry shortly (slimen serve --openai-max-tokens-in-flight)", held, h.budget.max, tokens)}
+	}
+	return func() { h.budget.give(tokens) }, nil
+}
+
+// tokenBudget counts the tokens of the requests being answered.
+type tokenBudget struct {
+	mu   sync.Mutex
+	held int64
+	max  int64
+}
+
+// take adds n to the tokens held if that stays within max; else it returns what is held.
+func (b *tokenBudget) take(n int64) (int64, bool) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	if b.held+n > b.max {
+		return b.held, false
+	}
+	b.held += n
+	return b.held, true
+}
+
+func (b *tokenBudget) give(n int64) {
+	b.mu.Lock()
+	b.held -= n
+	b.mu.Unlock()
+}
+
+// chatPrompt sets a chat request's prompt: with an engine that renders its chat template, the
+// messages (and tools) as its token ids, checked against the context; otherwise the messages,
+// which the engine renders. Tools go to the template's tools variable, or, for a template
+// without one, to the system message (ToolsPrompt), as agent()'s tools_prompt="system".
+//
+// It returns the prompt's length in tokens, or, for messages the engine renders, their bytes: a
+// bound on their tokens for the budget.
+func (h *handler) chatPrompt(ctx context.Context, gr *engines.GenerateRequest, msgs []ChatMessage, tools []string, explicit bool) (int, error) {
+	em := make([]engines.Message, len(msgs))
+	for i, m := range msgs {
+		em[i] = EngineMessage(m)
+	}
+	if len(tools) > 0 {
+		switch {
+		case h.renderer == nil:
+			return 0, badRequest("tools", "tools are not supported by this server: its engine does not render a chat template here")
+		case !strings.Contains(h.info.ChatTemplate, "tools"):
+			if h.o.ToolsPrompt == nil {
+				return 0, badRequest("tools", "tools are not supported by this server: the model's chat template has no tools variable")
+			}
+			em, tools = ToolsInSystem(em, h.o.ToolsPrompt(tools)), nil
+		}
+	}
+	if h.renderer == nil {
+		gr.Messages = em
+		n := 0
+		for _, m := range em {
+			n += len(m.Role) + len(m.Content)
+		}
+		return n, nil
+	}
+	ids, err := h.renderer.Render(ctx, []engines.RenderRequest{{Messages: em, Tools: tools, AddGenerationPrompt: true}})
+	if err != nil {
+		return 0, err
+	}
+	gr.PromptTokens = ids[0]
+	return len(ids[0]), h.fit(gr, len(ids[0]), explicit, "messages")
+}
+
+// ToolsInSystem adds a description of tools to the system message (a first one, made if there
+// is none).
+func ToolsInSystem(msgs []engines.Message, desc string) []engines.Message {
+	if len(msgs) > 0 && msgs[0].Role == "system" {
+		out := slices.Clone(msgs)
+		out[0].Content += "\n\n" + desc
+		return out
+	}
+	return append([]engines.Message{{Role: "system", Content: desc}}, msgs...)
 }
 
 func newID(prefix string) string {
@@ -313,11 +613,12 @@ func (h *handler) chat(w http.ResponseWriter, r *http.Request) {
 		h.fail(w, err)
 		return
 	}
-	gr, err := h.request(req.sampling)
-	tools := req.extras.Tools
-	if h.backend != nil {
-		req.extras.Tools = nil // a backend takes tools
-	}
+	gr, explicit, err := h.request(req.sampling)
+	var (
+		msgs      []ChatMessage
+		tools     []string
+		withTools bool
+	)
 	if err == nil {
 		err = req.extras.check()
 	}
@@ -327,35 +628,39 @@ func (h *handler) chat(w http.ResponseWriter, r *http.Request) {
 	if err == nil && req.TopLogprobs != nil && *req.TopLogprobs > 0 {
 		err = badRequest("top_logprobs", "top_logprobs = %d: this server returns the sampled token's log-prob only; leave top_logprobs 0", *req.TopLogprobs)
 	}
+	if err == nil {
+		msgs, err = chatMessages(req.Messages)
+	}
+	if err == nil {
+		tools, withTools, err = req.extras.toolFields()
+	}
 	if err != nil {
 		h.fail(w, err)
 		return
 	}
-	for _, m := range req.Messages {
-		gr.Messages = append(gr.Messages, engines.Message{Role: m.Role, Content: string(m.Content)})
-	}
 	id := "chatcmpl-" + gr.ID
 	gr.ID = id
-	generate := func(ctx context.Context) ([]engines.Completion, error) {
-		return h.eng.Generate(ctx, []engines.GenerateRequest{gr})
-	}
-	withTools := false
+	var generate func(ctx context.Context) ([]engines.Completion, error)
 	if h.backend != nil {
-		call := ChatCall{Request: gr, Stream: req.Stream}
-		if req.MaxCompletionTokens != nil {
-			call.MaxTokens = *req.MaxCompletionTokens
-		} else if req.MaxTokens != nil {
-			call.MaxTokens = *req.MaxTokens
+		call := ChatCall{Request: gr, Stream: req.Stream, Messages: msgs, Tools: tools, NoToolCalls: len(tools) > 0 && !withTools}
+		if explicit {
+			call.MaxTokens = gr.MaxTokens
 		}
-		if call.Messages, err = chatMessages(req.Messages); err == nil {
-			call.Tools, err = toolsOf(tools)
+		generate = func(ctx context.Context) ([]engines.Completion, error) { return h.backend(ctx, call) }
+	} else {
+		promptLen, err := h.chatPrompt(r.Context(), &gr, msgs, tools, explicit)
+		var release func()
+		if err == nil {
+			release, err = h.reserve(w, int64(promptLen)+int64(gr.N)*int64(gr.MaxTokens))
 		}
 		if err != nil {
 			h.fail(w, err)
 			return
 		}
-		withTools = len(call.Tools) > 0
-		generate = func(ctx context.Context) ([]engines.Completion, error) { return h.backend(ctx, call) }
+		defer release()
+		generate = func(ctx context.Context) ([]engines.Completion, error) {
+			return h.eng.Generate(ctx, []engines.GenerateRequest{gr})
+		}
 	}
 	// message is a sampled turn as the answer's message: with tools offered, its Hermes tool
 	// calls become tool_calls (finish_reason "tool_calls").
@@ -398,7 +703,7 @@ func (h *handler) chat(w http.ResponseWriter, r *http.Request) {
 		}
 		return ch
 	}
-	head := chatResponse{ID: id, Object: "chat.completion", Created: time.Now().Unix(), Model: h.o.Model}
+	head := chatResponse{ID: id, Object: "chat.completion", Created: time.Now().Unix(), Model: h.modelName(r)}
 	if req.Stream {
 		head.Object = "chat.completion.chunk"
 		sw := startStream(w)
@@ -492,7 +797,7 @@ func (h *handler) completions(w http.ResponseWriter, r *http.Request) {
 		h.fail(w, err)
 		return
 	}
-	gr, err := h.request(req.sampling)
+	gr, explicit, err := h.request(req.sampling)
 	if err == nil {
 		err = req.extras.check()
 	}
@@ -510,25 +815,47 @@ func (h *handler) completions(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	id := "cmpl-" + gr.ID
-	reqs := make([]engines.GenerateRequest, len(req.Prompt))
-	for i, p := range req.Prompt {
-		reqs[i] = gr
-		reqs[i].ID = fmt.Sprintf("%s-%d", id, i)
-		if !p.isText {
-			reqs[i].PromptTokens = p.ids
-			continue
+	// Text prompts are tokenized together, as raw text: special-token text in them is the
+	// special tokens, as a prompt is read by vLLM.
+	var texts []string
+	for _, p := range req.Prompt {
+		if p.isText {
+			texts = append(texts, p.text)
 		}
-		ids, err := h.eng.Tokenize(r.Context(), []string{p.text})
-		if err != nil {
+	}
+	var tokenized [][]int32
+	if len(texts) > 0 {
+		if tokenized, err = h.eng.Tokenize(r.Context(), texts); err != nil {
 			h.fail(w, err)
 			return
 		}
-		if len(ids[0]) == 0 {
-			h.fail(w, badRequest("prompt", "prompt %d is empty", i))
+	}
+	reqs := make([]engines.GenerateRequest, len(req.Prompt))
+	var cost int64
+	for i, p := range req.Prompt {
+		reqs[i] = gr
+		reqs[i].ID = fmt.Sprintf("%s-%d", id, i)
+		ids := p.ids
+		if p.isText {
+			ids, tokenized = tokenized[0], tokenized[1:]
+		}
+		if err := h.checkPrompt(i, len(req.Prompt), ids); err != nil {
+			h.fail(w, err)
 			return
 		}
-		reqs[i].PromptTokens = ids[0]
+		reqs[i].PromptTokens = ids
+		if err := h.fit(&reqs[i], len(ids), explicit, "prompt"); err != nil {
+			h.fail(w, err)
+			return
+		}
+		cost += int64(len(ids)) + int64(gr.N)*int64(reqs[i].MaxTokens)
 	}
+	release, err := h.reserve(w, cost)
+	if err != nil {
+		h.fail(w, err)
+		return
+	}
+	defer release()
 	choice := func(p int, c engines.Completion) completionChoice {
 		ch := completionChoice{Index: p*gr.N + c.Index, Text: c.Text, FinishReason: ptr(c.FinishReason)}
 		if req.Logprobs != nil {
@@ -554,7 +881,7 @@ func (h *handler) completions(w http.ResponseWriter, r *http.Request) {
 	for i, q := range reqs {
 		index[q.ID] = i
 	}
-	head := completionResponse{ID: id, Object: "text_completion", Created: time.Now().Unix(), Model: h.o.Model}
+	head := completionResponse{ID: id, Object: "text_completion", Created: time.Now().Unix(), Model: h.modelName(r)}
 	var sw *stream
 	if req.Stream {
 		sw = startStream(w)
@@ -592,6 +919,26 @@ func (h *handler) completions(w http.ResponseWriter, r *http.Request) {
 		sw.send(c)
 	}
 	sw.done()
+}
+
+// checkPrompt refuses an empty prompt and token ids outside the vocabulary, naming the prompt
+// (i of n).
+func (h *handler) checkPrompt(i, n int, ids []int32) error {
+	which := "the prompt"
+	if n > 1 {
+		which = fmt.Sprintf("prompt %d", i)
+	}
+	if len(ids) == 0 {
+		return badRequest("prompt", "%s is empty", which)
+	}
+	if v := h.info.VocabSize; v > 0 {
+		for k, t := range ids {
+			if t < 0 || int(t) >= v {
+				return badRequest("prompt", "%s: token id %d at index %d is outside the model's vocabulary [0, %d)", which, t, k, v)
+			}
+		}
+	}
+	return nil
 }
 
 // stream writes server-sent events: one "data: JSON" per chunk, then "data: [DONE]".

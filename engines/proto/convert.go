@@ -1,6 +1,7 @@
 package enginepb
 
 import (
+	"math"
 	"net"
 	"strings"
 
@@ -71,7 +72,7 @@ func EncodeGenerateRequest(r engines.GenerateRequest) *GenerateRequest {
 		PromptTokens: r.PromptTokens,
 		N:            int32(r.N),
 		Sampling: &Sampling{
-			MaxTokens:   int32(r.MaxTokens),
+			MaxTokens:   int32(min(r.MaxTokens, math.MaxInt32)), // saturated: a larger value must not wrap to a few tokens
 			Temperature: r.Temperature,
 			TopP:        r.TopP,
 			Stop:        r.Stop,

@@ -149,13 +149,15 @@ type EngineConfig struct {
 	// openai: an OpenAI-compatible server (docs/openai.md). BaseURL is its API root (…/v1),
 	// Model the model name, APIKeyEnv the variable holding its key; MaxRetries retries a failed
 	// attempt (0: 4, -1: none), MaxConcurrency caps the requests in flight (0: 32), TokenIDs is
-	// auto, vllm or none; Timeout bounds one attempt.
+	// auto, vllm or none; MaxTokensField auto, max_tokens or max_completion_tokens (the field
+	// a response's length is sent in); Timeout bounds one attempt.
 	BaseURL        string `yaml:"base_url,omitempty" json:"base_url,omitempty"`
 	Model          string `yaml:"model,omitempty" json:"model,omitempty"`
 	APIKeyEnv      string `yaml:"api_key_env,omitempty" json:"api_key_env,omitempty"`
 	MaxRetries     int    `yaml:"max_retries,omitempty" json:"max_retries,omitempty"`
 	MaxConcurrency int    `yaml:"max_concurrency,omitempty" json:"max_concurrency,omitempty"`
 	TokenIDs       string `yaml:"token_ids,omitempty" json:"token_ids,omitempty"`
+	MaxTokensField string `yaml:"max_tokens_field,omitempty" json:"max_tokens_field,omitempty"`
 
 	// Extra holds the other server arguments (chunked_prefill_size, …); they pass through.
 	Extra map[string]any `yaml:",inline" json:"extra,omitempty"`

@@ -352,6 +352,7 @@ func (r *resolver) validateOpenAI(p *PolicyConfig, pp string) {
 	r.check(e.MaxRetries >= -1, ep+".max_retries", r.line(ep+".max_retries", p.Line), "must be ≥ -1 (0: 4 retries, -1: none), got %d", e.MaxRetries)
 	r.check(e.MaxConcurrency >= 0, ep+".max_concurrency", r.line(ep+".max_concurrency", p.Line), "must be ≥ 0 (0: 32), got %d", e.MaxConcurrency)
 	r.check(oneOf(e.TokenIDs, []string{"", "auto", "vllm", "none"}), ep+".token_ids", r.line(ep+".token_ids", p.Line), "token_ids %q is not one of auto, vllm, none", e.TokenIDs)
+	r.check(oneOf(e.MaxTokensField, []string{"", "auto", "max_tokens", "max_completion_tokens"}), ep+".max_tokens_field", r.line(ep+".max_tokens_field", p.Line), "max_tokens_field %q is not one of auto, max_tokens, max_completion_tokens", e.MaxTokensField)
 	key := pp + ".trainable"
 	if !r.given(key) {
 		key = ep + ".kind"

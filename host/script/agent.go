@@ -332,6 +332,7 @@ func (s *agentSession) complete(call openai.ChatCall) ([]engines.Completion, err
 	}
 	ac.chat.mu.Unlock()
 	tools, ends, msgEnds := ac.tools, slices.Clone(ac.ends), slices.Clone(ac.msgs)
+	readCalls := tools != "" && !call.NoToolCalls
 	s.wg.Add(1)
 	s.mu.Unlock()
 	defer s.wg.Done()
@@ -353,7 +354,7 @@ func (s *agentSession) complete(call openai.ChatCall) ([]engines.Completion, err
 	samp.Stop = append(slices.Clone(samp.Stop), call.Request.Stop...)
 	samp.Seed = KeySeed(ro.Seed, ro.Task.ID, key)
 	for _, m := range call.Messages[len(wire):] {
-		c.msgs = append(c.msgs, engineMessage(m))
+		c.msgs = append(c.msgs, openai.EngineMessage(m))
 		wire = append(wire, agentCanon(m))
 	}
 	if turn < 0 && s.toolsInSystem && tools != "" {
@@ -378,9 +379,16 @@ func (s *agentSession) complete(call openai.ChatCall) ([]engines.Completion, err
 	if err != nil {
 		return nil, err
 	}
+	if full := len(cs) > 0 && used == 0 && cs[0].finish == "length"; full {
+		// The conversation fills the policy's context: the call is the client's mistake, as the
+		// API answers it, and the conversation ends with it (nothing of it is recorded, so the
+		// rollout trains on what came before); the rollout goes on.
+		return nil, &openai.APIError{Status: http.StatusBadRequest, Type: "invalid_request_error", Param: "messages", Code: "context_length_exceeded",
+			Msg: fmt.Sprintf("This model's maximum context length is %d tokens. However, your messages resulted in %[1]d tokens, which leaves no room for a response. Please reduce the length of the messages.", len(cs[0].prompt))}
+	}
 	record := func(rc *agentChat, ch *Chat, cm *Completion) {
 		rc.chat = ch
-		rc.wire = append(slices.Clone(wire), agentCanon(openai.AssistantMessage(cm.text, tools != "")))
+		rc.wire = append(slices.Clone(wire), agentCanon(openai.AssistantMessage(cm.text, readCalls)))
 		rc.ends = append(slices.Clone(ends[:turn+1]), len(rc.wire))
 		rc.msgs = append(slices.Clone(msgEnds[:turn+1]), len(ch.msgs))
 	}
@@ -467,25 +475,10 @@ func (c *Chat) truncatedLocked(t, n int, newChat bool, task string, key []int) *
 	return cp
 }
 
-// engineMessage is a request's message as a chat holds it: an assistant message's tool calls
-// written after its content in the Hermes format, as a sampled turn holds them.
-func engineMessage(m openai.ChatMessage) engines.Message {
-	if m.Role == "assistant" && len(m.ToolCalls) > 0 {
-		return engines.Message{Role: "assistant", Content: openai.HermesText(m.Content, m.ToolCalls)}
-	}
-	return engines.Message{Role: m.Role, Content: m.Content}
-}
-
 // withToolsInSystem describes the tools in the system message (tools_prompt="system"), for a
 // template without a tools variable (the tiny engine's).
 func withToolsInSystem(msgs []engines.Message, tools []string) []engines.Message {
-	desc := starlib.ToolsSystemPrompt(tools)
-	if len(msgs) > 0 && msgs[0].Role == "system" {
-		out := slices.Clone(msgs)
-		out[0].Content += "\n\n" + desc
-		return out
-	}
-	return append([]engines.Message{{Role: "system", Content: desc}}, msgs...)
+	return openai.ToolsInSystem(msgs, starlib.ToolsSystemPrompt(tools))
 }
 
 // agentCanon is a message as the matching of histories compares it: its role, its content
@@ -549,11 +542,10 @@ func (w *cappedBuffer) String() string {
 var agentSrv = &agentServer{sessions: map[string]*agentSession{}}
 
 type agentServer struct {
-	once       sync.Once
-	url        string
-	err        error
-	handler    http.Handler
-	readHeader time.Duration
+	once    sync.Once
+	url     string
+	err     error
+	handler http.Handler
 
 	sockOnce sync.Once // the Unix socket jails lead to (agentSocket)
 	sock     string
@@ -587,23 +579,26 @@ func agentEndpoint() (string, error) {
 			return
 		}
 		a.url = "http://" + ln.Addr().String()
-		front := openai.NewChatHandler(openai.HandlerOptions{Model: "slimen-policy"}, func(ctx context.Context, call openai.ChatCall) ([]engines.Completion, error) {
+		// Each program's /v1/models lists the name it was given ($OPENAI_MODEL): its policy's.
+		modelFor := func(r *http.Request) string { return r.Context().Value(agentSessionKey{}).(*agentSession).policy }
+		front := openai.NewChatHandler(openai.HandlerOptions{Model: "slimen-policy", ModelFor: modelFor}, func(ctx context.Context, call openai.ChatCall) ([]engines.Completion, error) {
 			return ctx.Value(agentSessionKey{}).(*agentSession).complete(call)
 		})
-		a.handler, a.readHeader = http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-			key, _ := strings.CutPrefix(r.Header.Get("Authorization"), "Bearer ")
+		srv := openai.NewServer(nil)
+		a.handler = http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+			// The key is checked before anything of the body is read.
+			key, _ := openai.BearerToken(r)
 			a.mu.Lock()
 			s := a.sessions[key]
 			a.mu.Unlock()
 			if s == nil {
-				w.Header().Set("Content-Type", "application/json")
-				w.WriteHeader(http.StatusUnauthorized)
-				fmt.Fprint(w, `{"error": {"message": "this endpoint answers the programs agent() runs, each with the OPENAI_API_KEY it was given; the request carried none, or the key of an agent() call that has ended", "type": "invalid_request_error", "param": null, "code": null}}`)
+				openai.Unauthorized(w, "this endpoint answers the programs agent() runs, each with the OPENAI_API_KEY it was given; the request carried none, or the key of an agent() call that has ended")
 				return
 			}
 			front.ServeHTTP(w, r.WithContext(context.WithValue(r.Context(), agentSessionKey{}, s)))
-		}), 30*time.Second
-		go (&http.Server{Handler: a.handler, ReadHeaderTimeout: a.readHeader}).Serve(ln)
+		})
+		srv.Handler = a.handler
+		go srv.Serve(ln)
 	})
 	return a.url, a.err
 }

@@ -4,7 +4,6 @@ import (
 	"fmt"
 	"io"
 	"net"
-	"net/http"
 	"os"
 	"os/exec"
 	"path"
@@ -15,6 +14,7 @@ import (
 	"sync"
 	"syscall"
 
+	"github.com/slimen/slimen/engines/openai"
 	"github.com/slimen/slimen/host/config"
 	"github.com/slimen/slimen/host/jail"
 )
@@ -214,7 +214,7 @@ func agentSocket() (string, error) {
 			a.sockErr = fmt.Errorf("cannot listen on the agent endpoint's socket: %v", err)
 			return
 		}
-		go (&http.Server{Handler: a.handler, ReadHeaderTimeout: a.readHeader}).Serve(ln)
+		go openai.NewServer(a.handler).Serve(ln)
 	})
 	return a.sock, a.sockErr
 }
