@@ -267,3 +267,41 @@ func TestAgentSandboxPrograms(t *testing.T) {
 		t.Errorf("%v samples trained, want 1", n)
 	}
 }
+
+// TestAgentClientMistakes: a call past the policy's context is answered 400
+// context_length_exceeded (it was a 200 with empty content, and the run stopped at training),
+// and the rollout goes on: the conversation of that call ends with it, the program's next call
+// is answered and trained. The endpoint lists the name the program was given ($OPENAI_MODEL),
+// takes the scheme "bearer" in lower case, refuses tool_choice "required", parallel_tool_calls
+// false and response_format with a 400 naming the field, refuses an unknown role, and renders
+// "developer" as system.
+func TestAgentClientMistakes(t *testing.T) {
+	eng, err := tiny.Open(config.BuiltinCheckpoint, tiny.Options{Threads: 1})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer eng.Close()
+	r, res := agentRun(t, eng, listTasks{{ID: "o", Prompt: "2+3=", Label: "overflow", HasLabel: true}, {ID: "a", Prompt: "2+3=", Label: "api", HasLabel: true}})
+	for _, f := range res.Failed {
+		t.Fatalf("rollout failed: %v", f)
+	}
+	o := readAgent(t, r, "o")
+	if strings.TrimSpace(o.Output) != `{"long": [400, "messages", "context_length_exceeded"], "short": "length"}` && strings.TrimSpace(o.Output) != `{"long": [400, "messages", "context_length_exceeded"], "short": "stop"}` {
+		t.Errorf("overflow: the program printed %q; stderr %s", o.Output, o.Stderr)
+	}
+	if len(o.Chats) != 1 || len(o.Chats[0].Turns) != 1 || o.Calls != 2 {
+		t.Errorf("overflow: %d calls made %d chats (%+v); want 2 calls and the short one's chat alone", o.Calls, len(o.Chats), o.Chats)
+	}
+	if n := res.Policies[0].Float("samples"); n != 2 {
+		t.Errorf("%v samples trained, want 2 (the short call's and the api task's)", n)
+	}
+	a := readAgent(t, r, "a")
+	want := `{"models": ["p"], "model_env": "p", "required": [400, "tool_choice", null], "parallel": [400, "parallel_tool_calls", null], ` +
+		`"json": [400, "response_format", null], "robot": [400, "messages[0].role", null], "developer": "answered"}`
+	if strings.TrimSpace(a.Output) != want {
+		t.Errorf("api: the program printed\n%s\nwant\n%s\nstderr: %s", a.Output, want, a.Stderr)
+	}
+	if len(a.Chats) != 1 || !slices.Equal(a.Chats[0].Roles, []string{"system", "user", "assistant"}) {
+		t.Errorf("api: chats %+v; want one whose first message is the developer's as system", a.Chats)
+	}
+}

@@ -108,6 +108,31 @@ def main():
             except urllib.error.HTTPError as e:
                 print(e.code, flush=True)
                 time.sleep(600)
+    elif mode == "overflow":  # a call past the policy's context, then a short one: the rollout goes on
+        out = {"long": refused([{"role": "user", "content": "1+" * 400}])}
+        out["short"] = call([{"role": "user", "content": task}], max_tokens=4)["finish_reason"]
+        print(json.dumps(out))
+    elif mode == "api":  # what the endpoint names, refuses and accepts
+        req = urllib.request.Request(BASE + "/models", headers={"Authorization": "bearer " + KEY})
+        with urllib.request.urlopen(req) as r:
+            out = {"models": [m["id"] for m in json.load(r)["data"]], "model_env": os.environ["OPENAI_MODEL"]}
+        user = [{"role": "user", "content": task}]
+        out["required"] = refused(user, tools=TOOLS, tool_choice="required")
+        out["parallel"] = refused(user, tools=TOOLS, parallel_tool_calls=False)
+        out["json"] = refused(user, response_format={"type": "json_object"})
+        out["robot"] = refused([{"role": "robot", "content": task}])
+        out["developer"] = refused([{"role": "developer", "content": "Be brief."}] + user, tools=TOOLS, tool_choice="none", max_tokens=4)
+        print(json.dumps(out))
+
+
+def refused(messages, **extra):
+    """The status, param and code of a refused call, or "answered"."""
+    try:
+        call(messages, **extra)
+        return "answered"
+    except urllib.error.HTTPError as e:
+        err = json.load(e)["error"]
+        return [e.code, err["param"], err["code"]]
 
 
 main()
