@@ -2,6 +2,7 @@ package enginepb
 
 import (
 	"fmt"
+	"math"
 	"reflect"
 	"testing"
 
@@ -105,6 +106,16 @@ func TestIsLoopback(t *testing.T) {
 	} {
 		if got := IsLoopback(addr); got != want {
 			t.Errorf("IsLoopback(%q) = %v, want %v", addr, got, want)
+		}
+	}
+}
+
+// A max_tokens past the wire's int32 saturates rather than wraps: 4294967299 was sent as 3.
+func TestMaxTokensSaturates(t *testing.T) {
+	for _, n := range []int{4294967299, math.MaxInt} {
+		got := EncodeGenerateRequest(engines.GenerateRequest{Sampling: engines.Sampling{MaxTokens: n}}).GetSampling().GetMaxTokens()
+		if got != math.MaxInt32 {
+			t.Errorf("max_tokens %d went on the wire as %d, want %d", n, got, math.MaxInt32)
 		}
 	}
 }
