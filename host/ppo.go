@@ -131,12 +131,13 @@ func (r *Run) trainCritic(ctx context.Context, step int, crit *policy, samples [
 		tokens += st.Tokens
 		steps++
 	}
-	d := float64(max(steps, 1))
 	m.set("samples", len(samples))
-	m.set("value_loss", loss/d)
-	m.set("loss", loss/d)
-	m.set("clip_frac", clip/d) // tokens whose value was clipped
-	m.set("grad_norm", gn/d)
+	if d := float64(steps); steps > 0 { // every step skipped: no loss, not 0
+		m.set("value_loss", loss/d)
+		m.set("loss", loss/d)
+		m.set("clip_frac", clip/d) // tokens whose value was clipped
+		m.set("grad_norm", gn/d)
+	}
 	m.set("optimizer_steps", steps)
 	m.set("skipped_steps", skipped)
 	m.set("trained_tokens", tokens)

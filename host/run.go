@@ -934,8 +934,7 @@ func (r *Run) trainPolicies(ctx context.Context, step int, cfg *config.Config, r
 		if p.cfg.Trainable && len(ss) > 0 {
 			lanes = addToLane(lanes, p)
 		} else {
-			m.set("train_s", 0.0)
-			m.set("loss", 0.0)
+			m.set("train_s", 0.0) // no loss: a policy that did not train has none, not 0
 		}
 		out = append(out, m)
 	}
@@ -1109,16 +1108,18 @@ func (r *Run) trainOne(ctx context.Context, step int, p *policy, ss []trainSampl
 		sums.tisClip += st.TISClipFrac
 		sums.tisW += st.TISWeight
 	}
-	d := float64(max(steps, 1))
-	m.set("loss", sums.loss/d)
-	m.set("pg_loss", sums.pg/d)
-	m.set("kl", sums.kl/d)
-	m.set("clip_frac", sums.clip/d)
-	m.set("entropy", sums.ent/d)
-	m.set("grad_norm", sums.gn/d)
-	if lc.UseTIS {
-		m.set("tis_clip_frac", sums.tisClip/d)
-		m.set("tis_weight", sums.tisW/d)
+	// The means of the optimizer steps taken; none taken (every one skipped): no loss, not 0.
+	if d := float64(steps); steps > 0 {
+		m.set("loss", sums.loss/d)
+		m.set("pg_loss", sums.pg/d)
+		m.set("kl", sums.kl/d)
+		m.set("clip_frac", sums.clip/d)
+		m.set("entropy", sums.ent/d)
+		m.set("grad_norm", sums.gn/d)
+		if lc.UseTIS {
+			m.set("tis_clip_frac", sums.tisClip/d)
+			m.set("tis_weight", sums.tisW/d)
+		}
 	}
 	m.set("optimizer_steps", steps)
 	m.set("skipped_steps", skipped)

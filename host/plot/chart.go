@@ -76,22 +76,34 @@ func (c chart) draw(dc draw.Canvas) {
 			bands = append(bands, band)
 			anyBand = true
 		}
-		line := newLine(cv.pts, cv.colour, lineWidth, cv.dashes)
+		// A curve is drawn in pieces between its gaps (steps where its policy had a line but not
+		// this number): a step without a reward is not a straight line from the one before.
+		line := newLine(nil, cv.colour, lineWidth, cv.dashes)
 		thumb := line
 		if window > 1 && noisy(cv.pts) {
 			anySmooth = true
 			line.Color = fade(cv.colour, 0x55)
 			line.Width = vg.Points(1)
-			thumb = newLine(movingAverage(cv.pts, window), cv.colour, 2.6, cv.dashes)
-			smooths = append(smooths, thumb)
+			thumb = newLine(nil, cv.colour, 2.6, cv.dashes)
+			for _, seg := range segments(movingAverage(cv.pts, window)) {
+				smooths = append(smooths, withPoints(thumb, seg))
+			}
 		}
-		raws = append(raws, line)
+		var alone []Point // points with no neighbour to draw a line to: marked
+		for _, seg := range segments(cv.pts) {
+			raws = append(raws, withPoints(line, seg))
+			if len(seg) == 1 {
+				alone = append(alone, seg[0])
+			}
+		}
 		var thumbs []gplot.Thumbnailer
 		thumbs = append(thumbs, thumb)
 		if cv.markers || len(cv.pts) == 1 {
 			s := newMarkers(cv.pts, cv.colour)
 			marks = append(marks, s)
 			thumbs = append(thumbs, s)
+		} else if len(alone) > 0 {
+			marks = append(marks, newMarkers(alone, cv.colour))
 		}
 		if listed < maxLegend {
 			legend.Add(shorten(cv.name), thumbs...)
@@ -174,6 +186,13 @@ func newLine(pts []Point, c color.Color, width float64, dashes []vg.Length) *plo
 	return l
 }
 
+// withPoints is a copy of the line's style through the points.
+func withPoints(style *plotter.Line, pts []Point) *plotter.Line {
+	l := *style
+	l.XYs = newLine(pts, nil, 0, nil).XYs
+	return &l
+}
+
 func newMarkers(pts []Point, c color.Color) *plotter.Scatter {
 	xys := make(plotter.XYs, len(pts))
 	for i, pt := range pts {
@@ -213,21 +232,28 @@ func bandOf(cv curve, lo, hi float64) *plotter.Polygon {
 	for _, s := range cv.std {
 		std[s.Step] = s.Value
 	}
-	var upper, lower plotter.XYs
-	for _, pt := range cv.pts {
-		if s, ok := std[pt.Step]; ok {
-			upper = append(upper, plotter.XY{X: float64(pt.Step), Y: min(pt.Value+s, hi)})
-			lower = append(lower, plotter.XY{X: float64(pt.Step), Y: max(pt.Value-s, lo)})
+	var rings []plotter.XYer // one a piece of the curve between its gaps
+	for _, seg := range segments(cv.pts) {
+		var upper, lower plotter.XYs
+		for _, pt := range seg {
+			if s, ok := std[pt.Step]; ok {
+				upper = append(upper, plotter.XY{X: float64(pt.Step), Y: min(pt.Value+s, hi)})
+				lower = append(lower, plotter.XY{X: float64(pt.Step), Y: max(pt.Value-s, lo)})
+			}
 		}
+		if len(upper) < 2 {
+			continue
+		}
+		ring := upper
+		for i := len(lower) - 1; i >= 0; i-- {
+			ring = append(ring, lower[i])
+		}
+		rings = append(rings, ring)
 	}
-	if len(upper) < 2 {
+	if len(rings) == 0 {
 		return nil
 	}
-	ring := upper
-	for i := len(lower) - 1; i >= 0; i-- {
-		ring = append(ring, lower[i])
-	}
-	poly, err := plotter.NewPolygon(ring)
+	poly, err := plotter.NewPolygon(rings...)
 	if err != nil {
 		return nil // a NaN cannot reach here: Read keeps only JSON numbers
 	}
@@ -283,7 +309,7 @@ func movingAverage(pts []Point, window int) []Point {
 		for _, pt := range pts[from : from+window] {
 			sum += pt.Value
 		}
-		out[i] = Point{pts[i].Step, sum / float64(window)}
+		out[i] = Point{Step: pts[i].Step, Value: sum / float64(window), Gap: pts[i].Gap}
 	}
 	return out
 }

@@ -19,6 +19,10 @@ type Run struct {
 	Skipped []int
 
 	values map[SeriesID]map[int]float64
+	// lines holds the steps that have a line, per source and dataset: a step with a line but
+	// without a key is a gap in that key's curve (no reward in that step), not a straight line
+	// across it.
+	lines map[[2]string]map[int]bool
 }
 
 // SeriesID names one curve: a numeric key of the lines of one source. Source is the line's
@@ -31,6 +35,9 @@ type SeriesID struct {
 type Point struct {
 	Step  int
 	Value float64
+	// Gap: the curve breaks before this point; its source has a line between the point before
+	// and this one that lacks the key (a policy with no reward, or not trained, in that step).
+	Gap bool
 }
 
 // Load reads a metrics.jsonl file.
@@ -51,7 +58,7 @@ func Load(path string) (*Run, error) {
 // script starts logging later are plotted without a change here. When a step appears twice (a
 // resumed run re-logs the steps after its checkpoint) the later line wins.
 func Read(rd io.Reader) (*Run, error) {
-	r := &Run{values: map[SeriesID]map[int]float64{}}
+	r := &Run{values: map[SeriesID]map[int]float64{}, lines: map[[2]string]map[int]bool{}}
 	sc := bufio.NewScanner(rd)
 	sc.Buffer(make([]byte, 0, 64<<10), 16<<20)
 	for n := 1; sc.Scan(); n++ {
@@ -71,6 +78,11 @@ func Read(rd io.Reader) (*Run, error) {
 			continue
 		}
 		dataset, _ := obj["dataset"].(string)
+		src := [2]string{source, dataset}
+		if r.lines[src] == nil {
+			r.lines[src] = map[int]bool{}
+		}
+		r.lines[src][int(step)] = true
 		for k, v := range obj {
 			x, ok := v.(float64) // null (a NaN when written), strings and bools are not plotted
 			if !ok || k == "step" {
@@ -94,13 +106,38 @@ func (r *Run) Series(id SeriesID) []Point {
 	m := r.values[id]
 	pts := make([]Point, 0, len(m))
 	for s, v := range m {
-		pts = append(pts, Point{s, v})
+		pts = append(pts, Point{Step: s, Value: v})
 	}
 	slices.SortFunc(pts, func(a, b Point) int { return a.Step - b.Step })
 	if len(pts) == 0 {
 		return nil
 	}
+	var lines []int
+	for s := range r.lines[[2]string{id.Source, id.Dataset}] {
+		lines = append(lines, s)
+	}
+	slices.Sort(lines)
+	k := 0
+	for i := 1; i < len(pts); i++ {
+		for k < len(lines) && lines[k] <= pts[i-1].Step {
+			k++
+		}
+		pts[i].Gap = k < len(lines) && lines[k] < pts[i].Step
+	}
 	return pts
+}
+
+// segments cuts a curve at its gaps.
+func segments(pts []Point) [][]Point {
+	var out [][]Point
+	from := 0
+	for i := 1; i <= len(pts); i++ {
+		if i == len(pts) || pts[i].Gap {
+			out = append(out, pts[from:i])
+			from = i
+		}
+	}
+	return out
 }
 
 // IDs returns every curve of the run, sorted.

@@ -138,7 +138,7 @@ func TestReadFixture(t *testing.T) {
 		t.Errorf("generator has %d reward points, want 30 (the cut line must not add one)", n)
 	}
 	eval := r.Series(SeriesID{Source: "_eval", Dataset: "arith", Key: "generator/pass@4"})
-	if diff := cmp.Diff([]Point{{0, 0.25}, {10, 0.5}, {20, 0.7}, {30, 0.9}}, eval); diff != "" {
+	if diff := cmp.Diff([]Point{{Step: 0, Value: 0.25}, {Step: 10, Value: 0.5}, {Step: 20, Value: 0.7}, {Step: 30, Value: 0.9}}, eval); diff != "" {
 		t.Errorf("eval pass@4 (-want +got):\n%s", diff)
 	}
 	if r.Series(SeriesID{Source: "_run", Key: "note"}) != nil {
@@ -166,7 +166,7 @@ func TestReadEdgeCases(t *testing.T) {
 	if diff := cmp.Diff([]int{4, 5, 6, 7, 8}, r.Skipped); diff != "" {
 		t.Errorf("skipped lines (-want +got):\n%s", diff)
 	}
-	if diff := cmp.Diff([]Point{{1, 0.1}, {2, 0.25}}, r.Series(SeriesID{Source: "p", Key: "reward_mean"})); diff != "" {
+	if diff := cmp.Diff([]Point{{Step: 1, Value: 0.1}, {Step: 2, Value: 0.25}}, r.Series(SeriesID{Source: "p", Key: "reward_mean"})); diff != "" {
 		t.Errorf("reward (-want +got):\n%s", diff)
 	}
 	if r.Series(SeriesID{Source: "p", Key: "kl"}) != nil {
@@ -277,13 +277,13 @@ func writeMetrics(t *testing.T, dir, lines string) {
 func TestSmoothingEndsAndBandRange(t *testing.T) {
 	var pts []Point
 	for i := 1; i <= 20; i++ {
-		pts = append(pts, Point{i, float64(i % 2)}) // 0, 1, 0, 1, …: the raw last value is 0
+		pts = append(pts, Point{Step: i, Value: float64(i % 2)}) // 0, 1, 0, 1, …: the raw last value is 0
 	}
 	avg := movingAverage(pts, 4)
 	if first, last := avg[0].Value, avg[len(avg)-1].Value; first != 0.5 || last != 0.5 {
 		t.Errorf("moving average of 0/1 zig-zag starts at %v and ends at %v, want 0.5 and 0.5", first, last)
 	}
-	cv := curve{pts: []Point{{1, 0.1}, {2, 0.5}, {3, 0.9}}, std: []Point{{1, 0.3}, {2, 0.5}, {3, 0.3}}, colour: color.Black}
+	cv := curve{pts: []Point{{Step: 1, Value: 0.1}, {Step: 2, Value: 0.5}, {Step: 3, Value: 0.9}}, std: []Point{{Step: 1, Value: 0.3}, {Step: 2, Value: 0.5}, {Step: 3, Value: 0.3}}, colour: color.Black}
 	lo, hi := bandRange([]curve{cv})
 	band := bandOf(cv, lo, hi)
 	if band == nil || lo != 0 || hi != 1 {
@@ -294,7 +294,7 @@ func TestSmoothingEndsAndBandRange(t *testing.T) {
 			t.Errorf("band point %v lies outside the reward range [0, 1]", xy)
 		}
 	}
-	if lo, hi := bandRange([]curve{{pts: []Point{{1, 3}, {2, -2}}}}); !math.IsInf(lo, -1) || !math.IsInf(hi, 1) {
+	if lo, hi := bandRange([]curve{{pts: []Point{{Step: 1, Value: 3}, {Step: 2, Value: -2}}}}); !math.IsInf(lo, -1) || !math.IsInf(hi, 1) {
 		t.Errorf("rewards in [-2, 3]: band range [%v, %v], want unbounded", lo, hi)
 	}
 }
