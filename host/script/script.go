@@ -15,8 +15,10 @@ import (
 	"errors"
 	"fmt"
 	"io/fs"
+	"maps"
 	"os"
 	"path/filepath"
+	"slices"
 	"sort"
 	"strings"
 
@@ -226,29 +228,75 @@ func ErrorText(err error) string {
 			if i > 0 {
 				b.WriteByte('\n')
 			}
-			b.WriteString(e.Pos.String() + ": " + e.Msg)
-			if name, ok := strings.CutPrefix(e.Msg, "undefined: "); ok {
-				b.WriteString(undefinedHint(name))
+			b.WriteString(e.Pos.String() + ": ")
+			rest, ok := strings.CutPrefix(e.Msg, "undefined: ")
+			if !ok {
+				b.WriteString(e.Msg)
+				continue
 			}
+			// Starlark's resolver suggests a near name itself ("sum (did you mean set?)"), a
+			// name in scope: undefinedHint weighs it with the built-ins and the libraries.
+			name, near, _ := strings.Cut(rest, " (did you mean ")
+			b.WriteString("undefined: " + name + undefinedHint(name, strings.TrimSuffix(near, "?)")))
 		}
 		return b.String()
 	}
 	return err.Error()
 }
 
-// undefinedHint suggests the closest built-in name, or where names come from.
-func undefinedHint(name string) string {
-	var names []string
+// pythonOnly are names a Python programmer reaches for that Starlark lacks, with what to do.
+var pythonOnly = map[string]string{
+	"sum":        `Starlark has no sum(); add in a loop, or load("@slimen//stats.star", "mean") for a mean`,
+	"map":        "Starlark has no map(); use a list comprehension: [f(x) for x in xs]",
+	"filter":     "Starlark has no filter(); use a list comprehension: [x for x in xs if p(x)]",
+	"isinstance": `Starlark has no isinstance(); compare type(x) == "string" (or "int", "float", "list", "dict", ...)`,
+	"round":      `Starlark has no round(); load("@std//math.star", "round")`,
+	"open":       "a script cannot open files; read data through the task (data.path) or state",
+}
+
+// undefinedHint is what follows "undefined: name": where to load it from when a library defines
+// it, a near name in scope, built-in or Starlark's (near, "" when it had none) when one is close
+// enough to be a typo, or else where names come from.
+func undefinedHint(name, near string) string {
+	if h, ok := pythonOnly[name]; ok {
+		return " (" + h + ")"
+	}
+	if load := libraryLoad(name); load != "" {
+		return " (load it: " + load + ")"
+	}
+	names := []string{}
+	if near != "" {
+		names = append(names, near)
+	}
 	for n := range predeclared() {
 		names = append(names, n)
 	}
 	for n := range starlark.Universe {
 		names = append(names, n)
 	}
-	if best := closest(name, names); best != "" {
+	// A typo: one edit away, two for longer names (sum is not set, CALC is not call).
+	limit := 1
+	if len(name) >= 6 {
+		limit = 2
+	}
+	if best := closest(name, names); best != "" && config.EditDistance(name, best) <= limit {
 		return fmt.Sprintf(" (did you mean %s?)", best)
 	}
-	return " (define it in the script, or load it: load(\"@slimen//answers.star\", \"" + name + "\"))"
+	return " (define it in the script, or load it from the file that defines it)"
+}
+
+// libraryLoad is the load statement of the @slimen// or @std// file that defines name, "" when
+// none does (the first by package and file name when several do).
+func libraryLoad(name string) string {
+	pkgs := nativeModules()
+	for _, pkg := range slices.Sorted(maps.Keys(pkgs)) {
+		for _, file := range slices.Sorted(maps.Keys(pkgs[pkg])) {
+			if _, ok := pkgs[pkg][file][name]; ok {
+				return fmt.Sprintf("load(%q, %q)", "@"+pkg+"//"+file, name)
+			}
+		}
+	}
+	return ""
 }
 
 // closest returns the name within edit distance 2 of s, if one is.
