@@ -55,7 +55,8 @@ func cmdServe(args []string) int {
 	openaiAddr := fs.String("openai", "", "also serve an OpenAI-compatible HTTP API (/v1/chat/completions, …) on host:port, with the same TLS, token and loopback rule")
 	var limits openaiLimits
 	fs.Int64Var(&limits.requestTokens, "openai-max-request-tokens", 0, "--openai: the most tokens one request may ask for, its prompts' and n × max_tokens for each (0: 1Mi, or 128 × the context length if more)")
-	fs.Int64Var(&limits.inFlight, "openai-max-tokens-in-flight", 0, "--openai: the most tokens, counted so, of the requests answered at once; past it a request gets 429 (0: 4 × --openai-max-request-tokens)")
+	fs.Int64Var(&limits.requestSamples, "openai-max-request-samples", 0, "--openai: the most samples (prompts × n) one request may ask for (0: 4096)")
+	fs.Int64Var(&limits.inFlight, "openai-max-tokens-in-flight", 0, "--openai: the most tokens, counted so, of the requests answered at once; past it, or past 4 × --openai-max-request-samples samples, a request gets 429 (0: 4 × --openai-max-request-tokens)")
 	fs.Usage = func() {
 		fmt.Fprintln(fs.Output(), "usage: slimen serve [--engine tiny] [--model M | --config C [--policy P]] [--listen ADDR] [--root DIR] [--tls-cert C --tls-key K [--tls-client-ca CA]] [--insecure] [--token-env VAR] [--openai ADDR]")
 		fs.PrintDefaults()

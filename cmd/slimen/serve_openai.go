@@ -27,10 +27,10 @@ func listenOpenAI(addr string, opts server.Options) (net.Listener, error) {
 	return l, nil
 }
 
-// openaiLimits are the --openai-max-* flags: a request's tokens and the tokens in flight (0: the
-// front's defaults).
+// openaiLimits are the --openai-max-* flags: a request's tokens and samples, and the tokens in
+// flight (0: the front's defaults).
 type openaiLimits struct {
-	requestTokens, inFlight int64
+	requestTokens, requestSamples, inFlight int64
 }
 
 // serveOpenAI serves eng's OpenAI-compatible front on l (with the server's token as its API
@@ -40,7 +40,7 @@ type openaiLimits struct {
 // tools_prompt="system" does.
 func serveOpenAI(eng engines.Engine, l net.Listener, opts server.Options, limits openaiLimits, errc chan<- error, aliases ...string) (*http.Server, error) {
 	ho := openai.HandlerOptions{Token: opts.Token, Logf: log.Printf, Aliases: aliases, ToolsPrompt: starlib.ToolsSystemPrompt,
-		MaxRequestTokens: limits.requestTokens, MaxTokensInFlight: limits.inFlight}
+		MaxRequestTokens: limits.requestTokens, MaxRequestSamples: limits.requestSamples, MaxTokensInFlight: limits.inFlight}
 	if t, ok := eng.(*tiny.Engine); ok {
 		tok := t.Tokenizer()
 		ho.Decode = func(id int32) string { return tok.Decode([]int32{id}) }

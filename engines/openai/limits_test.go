@@ -114,14 +114,17 @@ func newBlocking(t *testing.T) *blocking {
 	return &blocking{Engine: openTiny(t), started: make(chan struct{}, 8), release: make(chan struct{}), done: make(chan error, 8)}
 }
 
-// TestFrontTokenBudget: a request over the per-request cap (prompts × n × max_tokens) is refused
+// TestFrontTokenBudget: a request over the per-request caps (prompts × n × max_tokens, prompts ×
+// n) is refused
 // with a 400 before the engine sees it; past the tokens in flight, a request is answered 429 with
 // Retry-After; once the first request is done, the tokens are free again.
 func TestFrontTokenBudget(t *testing.T) {
 	eng := newBlocking(t)
-	base := front(t, eng, HandlerOptions{MaxRequestTokens: 1000, MaxTokensInFlight: 1500})
+	base := front(t, eng, HandlerOptions{MaxRequestTokens: 1000, MaxTokensInFlight: 1500, MaxRequestSamples: 100})
 	status, body := post(t, base+"/completions", `{"prompt":[[5,6],[7,8]],"n":2,"max_tokens":300}`)
 	wantError(t, "over the per-request cap", status, body, 400, "max_tokens", "", "may make the engine hold 1204 tokens")
+	status, body = post(t, base+"/completions", `{"prompt":[[5],[6]],"n":64,"max_tokens":1}`)
+	wantError(t, "over the per-request samples", status, body, 400, "n", "", "asks for 128 samples (its prompts × n), more than this server takes in one request (100")
 
 	first := make(chan int, 1)
 	go func() {
@@ -141,7 +144,7 @@ func TestFrontTokenBudget(t *testing.T) {
 	}
 	b, _ := io.ReadAll(resp.Body)
 	resp.Body.Close()
-	wantError(t, "past the tokens in flight", resp.StatusCode, string(b), 429, "", "rate_limit_exceeded", "802 of its 1500 tokens in flight and this one needs 802")
+	wantError(t, "past the tokens in flight", resp.StatusCode, string(b), 429, "", "rate_limit_exceeded", "802 of its 1500 tokens and 2 of its 400 samples in flight, and this one needs 802 and 2")
 	if resp.Header.Get("Retry-After") == "" {
 		t.Errorf("a 429 without Retry-After: %v", resp.Header)
 	}

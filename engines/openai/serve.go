@@ -49,9 +49,13 @@ type HandlerOptions struct {
 	// prompts of the prompt's tokens and n × max_tokens. A request over it is refused with a 400;
 	// 0: DefaultMaxRequestTokens, or 128 × the context length if that is more.
 	MaxRequestTokens int64
+	// MaxRequestSamples caps the samples of one request: its prompts × n. An engine holds a row
+	// of activations per sample it decodes at once, whatever the tokens (the tiny engine about
+	// 12 KB), so many short samples cost memory too; 0: DefaultMaxRequestSamples.
+	MaxRequestSamples int64
 	// MaxTokensInFlight caps the tokens (counted as for MaxRequestTokens) of all the requests
-	// being answered at once; a request that would go past it is answered 429 with Retry-After.
-	// 0: 4 × MaxRequestTokens.
+	// being answered at once, and 4 × MaxRequestSamples their samples; a request that would go
+	// past either is answered 429 with Retry-After. 0: 4 × MaxRequestTokens.
 	MaxTokensInFlight int64
 	// ToolsPrompt, when not nil, describes a request's tools (JSON schemas) as a system message
 	// for a model whose chat template has no tools variable (the tiny engine's); nil: such a
@@ -68,6 +72,9 @@ type HandlerOptions struct {
 // DefaultMaxRequestTokens is HandlerOptions.MaxRequestTokens's default (before the context
 // length raises it).
 const DefaultMaxRequestTokens = 1 << 20
+
+// DefaultMaxRequestSamples is HandlerOptions.MaxRequestSamples's default.
+const DefaultMaxRequestSamples = 4096
 
 // maxTokensLimit is the most max_tokens a request may ask for when the model does not say its
 // context length: what every engine's wire format holds.
@@ -113,8 +120,11 @@ func NewHandler(ctx context.Context, eng engines.Engine, o HandlerOptions) (http
 	if o.MaxTokensInFlight <= 0 {
 		o.MaxTokensInFlight = 4 * o.MaxRequestTokens
 	}
+	if o.MaxRequestSamples <= 0 {
+		o.MaxRequestSamples = DefaultMaxRequestSamples
+	}
 	h := &handler{eng: eng, o: o, created: time.Now().Unix(), info: info, maxSeqLen: info.MaxSeqLen,
-		budget: &tokenBudget{max: o.MaxTokensInFlight}}
+		budget: &tokenBudget{max: o.MaxTokensInFlight, maxSamples: 4 * o.MaxRequestSamples}}
 	h.renderer, _ = eng.(engines.Renderer)
 	mux := http.NewServeMux()
 	mux.HandleFunc("/v1/chat/completions", h.only(http.MethodPost, h.chat))
@@ -491,42 +501,49 @@ func (h *handler) fit(gr *engines.GenerateRequest, promptLen int, explicit bool,
 	return nil
 }
 
-// reserve takes a request's tokens (its prompts' and n × max_tokens for each) from the budget of
-// tokens in flight, and returns what gives them back: a request over the per-request cap is
-// refused (400), one past the budget answered 429 with Retry-After.
-func (h *handler) reserve(w http.ResponseWriter, tokens int64) (func(), error) {
+// reserve takes a request's tokens (its prompts' and n × max_tokens for each) and samples
+// (prompts × n) from the budget in flight, and returns what gives them back: a request over a
+// per-request cap is refused (400), one past the budget answered 429 with Retry-After.
+func (h *handler) reserve(w http.ResponseWriter, tokens, samples int64) (func(), error) {
+	if samples > h.o.MaxRequestSamples {
+		return nil, badRequest("n", "the request asks for %d samples (its prompts × n), more than this server takes in one request (%d, slimen serve --openai-max-request-samples): lower n or send fewer prompts", samples, h.o.MaxRequestSamples)
+	}
 	if tokens > h.o.MaxRequestTokens {
 		return nil, badRequest("max_tokens", "the request may make the engine hold %d tokens (its prompts' tokens and n × max_tokens for each), more than this server takes in one request (%d, slimen serve --openai-max-request-tokens): lower n or max_tokens, or send fewer prompts", tokens, h.o.MaxRequestTokens)
 	}
-	if held, ok := h.budget.take(tokens); !ok {
+	if held, heldSamples, ok := h.budget.take(tokens, samples); !ok {
 		w.Header().Set("Retry-After", "1")
 		return nil, &apiErr{status: http.StatusTooManyRequests, typ: "rate_limit_exceeded", code: "rate_limit_exceeded",
-			msg: fmt.Sprintf("the server is busy: the requests under way hold %d of its %d tokens in flight and this one needs %d; retry shortly (slimen serve --openai-max-tokens-in-flight)", held, h.budget.max, tokens)}
+			msg: fmt.Sprintf("the server is busy: the requests under way hold %d of its %d tokens and %d of its %d samples in flight, and this one needs %d and %d; retry shortly (slimen serve --openai-max-tokens-in-flight)",
+				held, h.budget.max, heldSamples, h.budget.maxSamples, tokens, samples)}
 	}
-	return func() { h.budget.give(tokens) }, nil
+	return func() { h.budget.give(tokens, samples) }, nil
 }
 
-// tokenBudget counts the tokens of the requests being answered.
+// tokenBudget counts the tokens and samples of the requests being answered.
 type tokenBudget struct {
-	mu   sync.Mutex
-	held int64
-	max  int64
+	mu                sync.Mutex
+	held, heldSamples int64
+	max, maxSamples   int64
 }
 
-// take adds n to the tokens held if that stays within max; else it returns what is held.
-func (b *tokenBudget) take(n int64) (int64, bool) {
+// take adds a request's tokens and samples to what is held if both stay within their maxima;
+// else it returns what is held.
+func (b *tokenBudget) take(tokens, samples int64) (int64, int64, bool) {
 	b.mu.Lock()
 	defer b.mu.Unlock()
-	if b.held+n > b.max {
-		return b.held, false
+	if b.held+tokens > b.max || b.heldSamples+samples > b.maxSamples {
+		return b.held, b.heldSamples, false
 	}
-	b.held += n
-	return b.held, true
+	b.held += tokens
+	b.heldSamples += samples
+	return b.held, b.heldSamples, true
 }
 
-func (b *tokenBudget) give(n int64) {
+func (b *tokenBudget) give(tokens, samples int64) {
 	b.mu.Lock()
-	b.held -= n
+	b.held -= tokens
+	b.heldSamples -= samples
 	b.mu.Unlock()
 }
 
@@ -651,7 +668,7 @@ func (h *handler) chat(w http.ResponseWriter, r *http.Request) {
 		promptLen, err := h.chatPrompt(r.Context(), &gr, msgs, tools, explicit)
 		var release func()
 		if err == nil {
-			release, err = h.reserve(w, int64(promptLen)+int64(gr.N)*int64(gr.MaxTokens))
+			release, err = h.reserve(w, int64(promptLen)+int64(gr.N)*int64(gr.MaxTokens), int64(gr.N))
 		}
 		if err != nil {
 			h.fail(w, err)
@@ -850,7 +867,7 @@ func (h *handler) completions(w http.ResponseWriter, r *http.Request) {
 		}
 		cost += int64(len(ids)) + int64(gr.N)*int64(reqs[i].MaxTokens)
 	}
-	release, err := h.reserve(w, cost)
+	release, err := h.reserve(w, cost, int64(len(reqs)*gr.N))
 	if err != nil {
 		h.fail(w, err)
 		return

@@ -102,6 +102,9 @@ func (e *Engine) GenerateAdapters(ctx context.Context, reqs []engines.GenerateRe
 	// Samples: each gets a copy of its request's prompt cache (the last one takes the original).
 	var seqs []*genSeq
 	for i, r := range reqs {
+		if err := ctx.Err(); err != nil { // a large batch's copies take a while: stop when asked
+			return nil, err
+		}
 		n := max(r.N, 1)
 		for j := range n {
 			c := caches[i]
