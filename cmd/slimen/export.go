@@ -8,6 +8,8 @@ import (
 	"fmt"
 	"io"
 	"os"
+	"slices"
+	"strings"
 
 	"github.com/slimen/slimen/engines/tiny"
 	"github.com/slimen/slimen/host/tasks"
@@ -31,7 +33,7 @@ func init() {
 // names it.
 func cmdExport(args []string) int {
 	fs := flag.NewFlagSet("export", flag.ContinueOnError)
-	task := fs.String("task", "synthetic:arith", "task source: synthetic:arith[?difficulty=N&seed=S]")
+	task := fs.String("task", "synthetic:arith", "task source: synthetic:arith[?difficulty=N&seed=S], or synthetic:calc, facts or multipart with --format tasks")
 	seed := fs.Uint64("seed", 1, "seed of the problems (unless --task gives seed=); a run's problems use its run.seed")
 	n := fs.Int("n", 10000, "number of lines")
 	start := fs.Int("start", 0, "index of the first problem")
@@ -68,18 +70,36 @@ func cmdExport(args []string) int {
 	if *base != "" {
 		return bad("--base goes with --merge")
 	}
-	arith, ok, err := tasks.ParseSpec(*task, *seed)
-	if err != nil {
-		return bad("%v", err)
-	}
-	if !ok {
-		return bad("--task %q: only synthetic sources can be exported (synthetic:arith)", *task)
-	}
 	if *n < 0 || *start < 0 {
 		return bad("--n and --start must not be negative")
 	}
 	if *format != "sft" && *format != "tasks" {
 		return bad("--format %q: use sft or tasks", *format)
+	}
+	// The synthetic families other than arith (calc, facts, multipart) have tasks but no
+	// worked responses: their tasks are exported as a run sees them, metadata as the other keys.
+	var other tasks.Source
+	if name, _, _ := strings.Cut(strings.TrimPrefix(*task, "synthetic:"), "?"); strings.HasPrefix(*task, "synthetic:") &&
+		name != "arith" && slices.Contains(tasks.SyntheticNames, name) {
+		if *format != "tasks" {
+			return bad("--task %s: only synthetic:arith has worked responses to export as --format sft; export its tasks with --format tasks", *task)
+		}
+		src, err := tasks.Open(*task, tasks.Options{Seed: *seed})
+		if err != nil {
+			return bad("%v", err)
+		}
+		other = src
+	}
+	var arith tasks.Arith
+	if other == nil {
+		a, ok, err := tasks.ParseSpec(*task, *seed)
+		if err != nil {
+			return bad("%v", err)
+		}
+		if !ok {
+			return bad("--task %q: only synthetic sources can be exported (synthetic:%s)", *task, strings.Join(tasks.SyntheticNames, ", synthetic:"))
+		}
+		arith = a
 	}
 	var w io.Writer = os.Stdout
 	if *out != "" {
@@ -90,11 +110,35 @@ func cmdExport(args []string) int {
 		defer f.Close()
 		w = f
 	}
-	if err := writeExport(w, arith, *start, *n, *format); err != nil {
+	write := func() error { return writeExport(w, arith, *start, *n, *format) }
+	if other != nil {
+		write = func() error { return writeTasks(w, other, *start, *n) }
+	}
+	if err := write(); err != nil {
 		fmt.Fprintln(os.Stderr, "slimen export:", err)
 		return 1
 	}
 	return 0
+}
+
+// writeTasks writes tasks start to start+n-1 of a source as data-file lines: id, prompt, label
+// and the metadata as the other keys, which a data file's tasks get back as their metadata.
+func writeTasks(w io.Writer, src tasks.Source, start, n int) error {
+	bw := bufio.NewWriter(w)
+	enc := json.NewEncoder(bw)
+	enc.SetEscapeHTML(false)
+	for i := start; i < start+n; i++ {
+		t := src.Task(i)
+		row := map[string]any{}
+		for k, v := range t.Metadata {
+			row[k] = v
+		}
+		row["id"], row["prompt"], row["label"] = t.ID, t.Prompt, t.Label
+		if err := enc.Encode(row); err != nil {
+			return err
+		}
+	}
+	return bw.Flush()
 }
 
 func writeExport(w io.Writer, a tasks.Arith, start, n int, format string) error {

@@ -6,6 +6,8 @@ import (
 	"fmt"
 	"os"
 	"os/signal"
+	"slices"
+	"strings"
 	"time"
 
 	"github.com/slimen/slimen/engines/tiny"
@@ -59,6 +61,9 @@ func cmdPretrain(args []string) int {
 		*task = "synthetic:arith"
 	}
 	arith, ok, err := tasks.ParseSpec(*task, *seed)
+	if name, _, _ := strings.Cut(strings.TrimPrefix(*task, "synthetic:"), "?"); err != nil && strings.HasPrefix(*task, "synthetic:") && slices.Contains(tasks.SyntheticNames, name) {
+		err = fmt.Errorf("--task %s: pretrain takes synthetic:arith[?difficulty=N] or synthetic:calc", *task)
+	}
 	if err == nil && !ok {
 		err = fmt.Errorf("--task %q: only synthetic tasks can be pretrained on (synthetic:arith, synthetic:calc)", *task)
 	}

@@ -7,6 +7,7 @@ package tasks
 import (
 	"fmt"
 	"math/rand/v2"
+	"slices"
 	"strconv"
 	"strings"
 )
@@ -91,6 +92,11 @@ func ParseSpec(path string, def uint64) (a Arith, ok bool, err error) {
 	}
 	name, query, _ := strings.Cut(rest, "?")
 	if name != "arith" {
+		if slices.Contains(SyntheticNames, name) {
+			// A family this does not read (the callers that take arith only: pretrain, export's
+			// sft), not an unknown one.
+			return Arith{}, true, fmt.Errorf("synthetic:%s is not read here: this takes synthetic:arith[?difficulty=N&seed=S]", name)
+		}
 		return Arith{}, true, fmt.Errorf("unknown synthetic task %q (known: %s)", name, strings.Join(SyntheticNames, ", "))
 	}
 	a = Arith{Seed: def, Difficulty: 2}
