@@ -364,6 +364,27 @@ func (e *eventLog) printf(format string, args ...any) { e.write(true, format, ar
 // filef writes to events.log only (the run's Log writer is spared a flood of similar lines).
 func (e *eventLog) filef(format string, args ...any) { e.write(false, format, args...) }
 
+// split writes one thing said two ways: toLog to the run's Log writer, toFile to events.log (a
+// line that points the terminal's reader to events.log makes no sense inside it). Without an
+// events.log the terminal's line is not about it either.
+func (e *eventLog) split(toLog, toFile string) {
+	if e == nil {
+		return
+	}
+	e.mu.Lock()
+	hasFile := e.f != nil
+	e.mu.Unlock()
+	if !hasFile {
+		toLog = strings.Replace(toLog, " (all in events.log)", "", 1)
+	}
+	e.write(false, "%s", toFile)
+	if e.w != nil {
+		e.mu.Lock()
+		fmt.Fprintln(e.w, toLog)
+		e.mu.Unlock()
+	}
+}
+
 func (e *eventLog) write(toLog bool, format string, args ...any) {
 	if e == nil {
 		return

@@ -375,7 +375,7 @@ func TestEveryStopInEvents(t *testing.T) {
 		t.Fatal("Train: no error")
 	}
 	e := readFile(t, filepath.Join(out, "events.log"))
-	if !strings.Contains(e, "stop: the run stops: step 3: 1 of 4 rollouts failed") || !strings.Contains(e, "resume from its last checkpoint (step_2) with: slimen exec --resume "+out) {
+	if !strings.Contains(e, "stop: step 3: 1 of 4 rollouts failed") || !strings.Contains(e, "resume from its last checkpoint (step_2) with: slimen exec --resume "+out) {
 		t.Errorf("events.log does not say why the run stopped, with the resume command:\n%s", e)
 	}
 	r2 := counterRun(t, writeScript(t, counterScript), filepath.Join(t.TempDir(), "done"), func(c *config.Config) { c.Run.Steps = 1 })

@@ -830,7 +830,8 @@ func (r *Run) rolloutFailures(ctx context.Context, cfg *config.Config, res *Step
 		}
 	}
 	if len(res.Failed) > shownFailures {
-		r.events.printf("step %d: %d more rollouts failed (all in events.log)", res.Step, len(res.Failed)-shownFailures)
+		r.events.split(fmt.Sprintf("step %d: %d more rollouts failed (all in events.log)", res.Step, len(res.Failed)-shownFailures),
+			fmt.Sprintf("step %d: %d rollouts failed in all, %d of them shown on the terminal", res.Step, len(res.Failed), shownFailures))
 	}
 	if first != nil && len(ros) > 0 && float64(len(res.Failed)-cancelled)/float64(len(ros)) > cfg.Rollout.MaxFailedFraction {
 		return &tooManyFailed{fmt.Sprintf("step %d: %d of %d rollouts failed, more than rollout.max_failed_fraction (%g); the run stops. First failure:\n%s",

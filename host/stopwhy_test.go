@@ -44,9 +44,9 @@ func TestFatalErrorsReachEventsLog(t *testing.T) {
 		want string
 	}{
 		{"every rollout failed", "def rollout(task):\n    fail(\"boom\")\n", scripted.Echo("x"), nil,
-			"stop: the run stops: step 1: 4 of 4 rollouts failed"},
+			"stop: step 1: 4 of 4 rollouts failed"},
 		{"an engine failed", good, brokenEngine{scripted.Echo("x")}, nil,
-			`stop: the run stops: step 1: the engine of policy "p" failed: engine at 127.0.0.1:1 unavailable`},
+			`stop: step 1: the engine of policy "p" failed: engine at 127.0.0.1:1 unavailable`},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			r, out, err := load(t, tc.src, tc.eng, tc.edit)

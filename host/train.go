@@ -66,11 +66,14 @@ func (r *Run) sayWhyStopped(err error) {
 	switch {
 	case err != nil:
 		msg := err.Error()
+		if !strings.Contains(msg, "the run stops") { // a message that says it already (too many failed rollouts)
+			msg = "the run stops: " + msg
+		}
 		var fe *RunFolderError
 		if errors.As(err, &fe) || hint == "" || strings.Contains(msg, "--resume") {
-			r.events.filef("stop: the run stops: %s", msg)
+			r.events.filef("stop: %s", msg)
 		} else {
-			r.events.filef("stop: the run stops: %s; %s", msg, hint)
+			r.events.filef("stop: %s; %s", msg, hint)
 		}
 	case r.stopping.Load():
 		if hint == "" {
