@@ -637,3 +637,51 @@ func TestChatTokensProperty(t *testing.T) {
 		t.Errorf("%v samples trained, want one per conversation (%d)", n, len(tasks))
 	}
 }
+
+// TestChatPastContextIsNotTrained is issue 33's item 2: a conversation that outgrew the model's
+// context (512 positions on the embedded model) is not fatal. Its last turn samples nothing, the
+// sample is left out of training and counted (samples_past_context, one warning a run), the
+// conversations that fit are trained, and the run goes on: it used to stop at training with
+// "the engine of policy failed".
+func TestChatPastContextIsNotTrained(t *testing.T) {
+	eng, err := tiny.Open(config.BuiltinCheckpoint, tiny.Options{Threads: 1})
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg := testConfig(2, "p")
+	cfg.Rollout.MaxResponseLen = 8
+	src := `
+def rollout(task):
+    c = chat("p")
+    c.user("What is 1 + 1?" if task.id == "short" else "What is 1 + 1? " * 60)
+    c.generate()
+    for i in range(6 if task.id == "long" else 0):
+        c.user("And again, what is 1 + 1? " * 20)
+        c.generate()
+    reward(c, 1.0)
+    train(c)
+`
+	var log strings.Builder
+	r, err := Load(context.Background(), writeScript(t, src), Options{Config: cfg, Engines: map[string]engines.Engine{"p": eng},
+		Tasks: listTasks{{ID: "short", Prompt: "q"}, {ID: "long", Prompt: "q"}}, Out: t.TempDir(), Log: &log})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer r.Close()
+	for step := 1; step <= 2; step++ {
+		res, err := r.Step(context.Background())
+		if err != nil {
+			t.Fatalf("step %d: %v", step, err)
+		}
+		if len(res.Failed) != 0 {
+			t.Fatalf("step %d: failed rollouts %v", step, res.Failed)
+		}
+		m := res.Policies[0]
+		if _, trained := m["loss"]; m.Float("samples_past_context") != 1 || m.Float("samples") != 2 || !trained {
+			t.Errorf("step %d: samples_past_context %v of %v samples, trained %v; want 1 of 2, the other trained", step, m.Float("samples_past_context"), m.Float("samples"), trained)
+		}
+	}
+	if n := strings.Count(log.String(), "longer than its model's context of 512 tokens and are not trained"); n != 1 {
+		t.Errorf("the warning was given %d times, want once:\n%s", n, log.String())
+	}
+}

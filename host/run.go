@@ -950,7 +950,12 @@ func (r *Run) trainPolicies(ctx context.Context, step int, cfg *config.Config, r
 	errs := atOnce(len(lanes), func(i int) error {
 		for _, p := range lanes[i] {
 			m, t := byName[p.name], time.Now()
-			if err := r.trainOne(ctx, step, p, byPolicy[p.name], advs[p.name], m); err != nil {
+			ss, adv := r.withinContext(ctx, step, p, byPolicy[p.name], advs[p.name], m)
+			if len(ss) == 0 {
+				m.set("train_s", 0.0)
+				continue
+			}
+			if err := r.trainOne(ctx, step, p, ss, adv, m); err != nil {
 				return err
 			}
 			m.set("train_s", time.Since(t).Seconds())
@@ -989,6 +994,38 @@ func (r *Run) trainPolicies(ctx context.Context, step int, cfg *config.Config, r
 	}
 	sort.Slice(out, func(i, j int) bool { return out[i].Policy() < out[j].Policy() })
 	return out, nil
+}
+
+// withinContext leaves out of training the samples longer than the policy's model takes (a chat
+// whose history outgrew the context: its last turn sampled nothing): the engine would refuse the
+// whole batch, and the run would stop as if the engine had failed. They keep their rewards and
+// their part in their groups' advantages; samples_past_context counts them, and the run says
+// so once a policy.
+func (r *Run) withinContext(ctx context.Context, step int, p *policy, ss []trainSample, adv [][]float32, m Metrics) ([]trainSample, [][]float32) {
+	info, err := p.chatInfo(ctx)
+	if err != nil || info.MaxSeqLen <= 0 {
+		return ss, adv // the engine checks, as before
+	}
+	var keep []trainSample
+	var keepAdv [][]float32
+	dropped, longest := 0, 0
+	for i, s := range ss {
+		if n := len(s.C.PromptTokens()) + len(s.C.Tokens()); n > info.MaxSeqLen {
+			dropped++
+			longest = max(longest, n)
+			continue
+		}
+		keep, keepAdv = append(keep, s), append(keepAdv, adv[i])
+	}
+	if dropped == 0 {
+		return ss, adv
+	}
+	m.set("samples_past_context", float64(dropped))
+	if _, seen := r.warned.LoadOrStore("past-context/"+p.name, true); !seen {
+		r.events.printf("warning: step %d: policy %q: %d of %d samples (up to %d tokens) are longer than its model's context of %d tokens and are not trained (samples_past_context counts them each step); keep conversations shorter (fewer turns, a smaller max_tokens, shorter tool results) or use a model with more positions",
+			step, p.name, dropped, len(ss), longest, info.MaxSeqLen)
+	}
+	return keep, keepAdv
 }
 
 // addToLane puts p into the lane of the policies whose training shares its engine, or a new one:
