@@ -54,7 +54,8 @@ type ChatCall struct {
 type ChatBackend func(ctx context.Context, call ChatCall) ([]engines.Completion, error)
 
 // NewChatHandler returns an OpenAI-compatible front of a chat backend: POST /v1/chat/completions
-// (tools and streaming) and GET /v1/models, which lists o.Model. Requests may name any model.
+// (tools and streaming), POST /v1/responses (the same calls in the Responses API's form) and GET
+// /v1/models, which lists o.Model. Requests may name any model.
 // Errors the backend returns as *APIError reach the client with their status (429 for a
 // rollout over its budget, say).
 func NewChatHandler(o HandlerOptions, backend ChatBackend) http.Handler {
@@ -65,9 +66,10 @@ func NewChatHandler(o HandlerOptions, backend ChatBackend) http.Handler {
 	h := &handler{o: o, created: time.Now().Unix(), backend: backend, anyModel: true}
 	mux := http.NewServeMux()
 	mux.HandleFunc("/v1/chat/completions", h.only(http.MethodPost, h.chat))
+	mux.HandleFunc("/v1/responses", h.only(http.MethodPost, h.responses))
 	mux.HandleFunc("/v1/models", h.only(http.MethodGet, h.models))
 	mux.HandleFunc("/", func(w http.ResponseWriter, r *http.Request) {
-		writeError(w, http.StatusNotFound, "not_found", "", "no such endpoint: %s %s; this server has POST /v1/chat/completions and GET /v1/models", r.Method, r.URL.Path)
+		writeError(w, http.StatusNotFound, "not_found", "", "no such endpoint: %s %s; this server has POST /v1/chat/completions, POST /v1/responses and GET /v1/models", r.Method, r.URL.Path)
 	})
 	return h.auth(mux)
 }

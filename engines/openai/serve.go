@@ -94,7 +94,8 @@ type handler struct {
 }
 
 // NewHandler returns an OpenAI-compatible HTTP front for eng: POST /v1/chat/completions (with
-// streaming), POST /v1/completions (a string or token-id prompt, or a list of them), GET
+// streaming), POST /v1/completions (a string or token-id prompt, or a list of them), POST
+// /v1/responses (the Responses API, answered by the chat path), GET
 // /v1/models, and vLLM's POST /tokenize. Token ids and log-probabilities travel in vLLM's fields
 // (return_token_ids, logprobs with return_tokens_as_token_ids), so that an Engine of this package
 // pointed at the front gets exactly the tokens eng sampled. Errors are the API's error JSON. It
@@ -129,11 +130,12 @@ func NewHandler(ctx context.Context, eng engines.Engine, o HandlerOptions) (http
 	mux := http.NewServeMux()
 	mux.HandleFunc("/v1/chat/completions", h.only(http.MethodPost, h.chat))
 	mux.HandleFunc("/v1/completions", h.only(http.MethodPost, h.completions))
+	mux.HandleFunc("/v1/responses", h.only(http.MethodPost, h.responses))
 	mux.HandleFunc("/v1/models", h.only(http.MethodGet, h.models))
 	mux.HandleFunc("/v1/models/{id...}", h.only(http.MethodGet, h.model))
 	mux.HandleFunc("/tokenize", h.only(http.MethodPost, h.tokenize))
 	mux.HandleFunc("/", func(w http.ResponseWriter, r *http.Request) {
-		writeError(w, http.StatusNotFound, "not_found", "", "no such endpoint: %s %s; this server has POST /v1/chat/completions, POST /v1/completions, GET /v1/models and POST /tokenize", r.Method, r.URL.Path)
+		writeError(w, http.StatusNotFound, "not_found", "", "no such endpoint: %s %s; this server has POST /v1/chat/completions, POST /v1/completions, POST /v1/responses, GET /v1/models and POST /tokenize", r.Method, r.URL.Path)
 	})
 	return h.auth(mux), nil
 }
@@ -444,6 +446,9 @@ func (h *handler) request(s sampling) (engines.GenerateRequest, bool, error) {
 	param, mt := "", 0
 	if s.MaxCompletionTokens != nil {
 		param, mt = "max_completion_tokens", *s.MaxCompletionTokens
+		if s.maxTokensParam != "" {
+			param = s.maxTokensParam
+		}
 	} else if s.MaxTokens != nil {
 		param, mt = "max_tokens", *s.MaxTokens
 	}
@@ -657,51 +662,13 @@ func (h *handler) chat(w http.ResponseWriter, r *http.Request) {
 	}
 	id := "chatcmpl-" + gr.ID
 	gr.ID = id
-	var generate func(ctx context.Context) ([]engines.Completion, error)
-	if h.backend != nil {
-		call := ChatCall{Request: gr, Stream: req.Stream, Messages: msgs, Tools: tools, NoToolCalls: len(tools) > 0 && !withTools}
-		if explicit {
-			call.MaxTokens = gr.MaxTokens
-		}
-		generate = func(ctx context.Context) ([]engines.Completion, error) { return h.backend(ctx, call) }
-	} else {
-		promptLen, err := h.chatPrompt(r.Context(), &gr, msgs, tools, explicit)
-		var release func()
-		if err == nil {
-			release, err = h.reserve(w, int64(promptLen)+int64(gr.N)*int64(gr.MaxTokens), int64(gr.N))
-		}
-		if err != nil {
-			h.fail(w, err)
-			return
-		}
-		defer release()
-		generate = func(ctx context.Context) ([]engines.Completion, error) {
-			return h.eng.Generate(ctx, []engines.GenerateRequest{gr})
-		}
+	generate, release, err := h.generator(w, r, gr, explicit, req.Stream, msgs, tools, withTools)
+	if err != nil {
+		h.fail(w, err)
+		return
 	}
-	// message is a sampled turn as the answer's message: with tools offered, its Hermes tool
-	// calls become tool_calls (finish_reason "tool_calls").
-	message := func(c engines.Completion) (responseMessage, string) {
-		msg := responseMessage{Role: "assistant", Content: ptr(c.Text)}
-		if !withTools {
-			return msg, c.FinishReason
-		}
-		am := AssistantMessage(c.Text, true)
-		if len(am.ToolCalls) == 0 {
-			return msg, c.FinishReason
-		}
-		msg.Content = nil
-		if am.Content != "" {
-			msg.Content = &am.Content
-		}
-		for _, tc := range am.ToolCalls {
-			wc := wireToolCall{ID: newID("call_"), Type: "function"}
-			wc.Function.Name = tc.Name
-			wc.Function.Arguments, _ = json.Marshal(tc.Arguments)
-			msg.ToolCalls = append(msg.ToolCalls, wc)
-		}
-		return msg, "tool_calls"
-	}
+	defer release()
+	message := func(c engines.Completion) (responseMessage, string) { return answerMessage(c, withTools) }
 	choice := func(c engines.Completion) chatChoice {
 		ch := chatChoice{Index: c.Index, FinishReason: ptr(c.FinishReason)}
 		if req.Logprobs {
@@ -781,6 +748,54 @@ func (h *handler) chat(w http.ResponseWriter, r *http.Request) {
 		resp.PromptTokenIDs = nonNil(comps[0].PromptTokens)
 	}
 	writeJSON(w, resp)
+}
+
+// generator prepares a chat request for sampling, the one path of chat completions and
+// responses: with a backend (agent()'s endpoint) the call as it is handed to it; with an engine,
+// the prompt rendered and checked against the context and the request's tokens taken from the
+// budget in flight (release gives them back). generate samples its completions.
+func (h *handler) generator(w http.ResponseWriter, r *http.Request, gr engines.GenerateRequest, explicit, stream bool, msgs []ChatMessage, tools []string, withTools bool) (generate func(ctx context.Context) ([]engines.Completion, error), release func(), err error) {
+	if h.backend != nil {
+		call := ChatCall{Request: gr, Stream: stream, Messages: msgs, Tools: tools, NoToolCalls: len(tools) > 0 && !withTools}
+		if explicit {
+			call.MaxTokens = gr.MaxTokens
+		}
+		return func(ctx context.Context) ([]engines.Completion, error) { return h.backend(ctx, call) }, func() {}, nil
+	}
+	promptLen, err := h.chatPrompt(r.Context(), &gr, msgs, tools, explicit)
+	if err == nil {
+		release, err = h.reserve(w, int64(promptLen)+int64(gr.N)*int64(gr.MaxTokens), int64(gr.N))
+	}
+	if err != nil {
+		return nil, nil, err
+	}
+	return func(ctx context.Context) ([]engines.Completion, error) {
+		return h.eng.Generate(ctx, []engines.GenerateRequest{gr})
+	}, release, nil
+}
+
+// answerMessage is a sampled turn as the answer's message: with tools offered, its Hermes tool
+// calls become tool_calls (finish_reason "tool_calls").
+func answerMessage(c engines.Completion, withTools bool) (responseMessage, string) {
+	msg := responseMessage{Role: "assistant", Content: ptr(c.Text)}
+	if !withTools {
+		return msg, c.FinishReason
+	}
+	am := AssistantMessage(c.Text, true)
+	if len(am.ToolCalls) == 0 {
+		return msg, c.FinishReason
+	}
+	msg.Content = nil
+	if am.Content != "" {
+		msg.Content = &am.Content
+	}
+	for _, tc := range am.ToolCalls {
+		wc := wireToolCall{ID: newID("call_"), Type: "function"}
+		wc.Function.Name = tc.Name
+		wc.Function.Arguments, _ = json.Marshal(tc.Arguments)
+		msg.ToolCalls = append(msg.ToolCalls, wc)
+	}
+	return msg, "tool_calls"
 }
 
 func nonNil(ids []int32) []int32 {

@@ -104,6 +104,9 @@ type sampling struct {
 	// vLLM's extensions.
 	ReturnTokenIDs         bool `json:"return_token_ids,omitempty"`
 	ReturnTokensAsTokenIDs bool `json:"return_tokens_as_token_ids,omitempty"`
+	// maxTokensParam, when not empty, is what the request called MaxCompletionTokens, for its
+	// errors (a Responses request's max_output_tokens).
+	maxTokensParam string
 }
 
 type chatRequest struct {

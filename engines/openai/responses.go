@@ -1,0 +1,536 @@
+package openai
+
+import (
+	"bytes"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"net/http"
+	"strings"
+	"time"
+
+	"github.com/slimen/slimen/engines"
+)
+
+// The Responses API (POST /v1/responses), read as a chat-completions request and answered from
+// the same path (generator): `input` (a string, or a list of items: messages with text parts,
+// function_call and function_call_output items) becomes the chat's messages, `instructions` a
+// first system message, function tools the chat's tools. Responses are not stored:
+// previous_response_id and the features that need them are refused, as is any field that asks
+// for what the server does not do.
+
+// responsesRequest is a Responses API request as far as the server reads it.
+type responsesRequest struct {
+	Model              string          `json:"model"`
+	Input              json.RawMessage `json:"input"`
+	Instructions       *string         `json:"instructions"`
+	Tools              json.RawMessage `json:"tools"`
+	ToolChoice         json.RawMessage `json:"tool_choice"`
+	ParallelToolCalls  *bool           `json:"parallel_tool_calls"`
+	MaxOutputTokens    *int            `json:"max_output_tokens"`
+	Temperature        *float64        `json:"temperature"`
+	TopP               *float64        `json:"top_p"`
+	Stream             bool            `json:"stream"`
+	Text               *responseText   `json:"text"`
+	Metadata           json.RawMessage `json:"metadata"`
+	Store              *bool           `json:"store"`
+	PreviousResponseID *string         `json:"previous_response_id"`
+	Conversation       json.RawMessage `json:"conversation"`
+	Prompt             json.RawMessage `json:"prompt"`
+	Reasoning          *struct {
+		Effort  *string `json:"effort"`
+		Summary *string `json:"summary"`
+	} `json:"reasoning"`
+	Include      []string `json:"include"`
+	Truncation   *string  `json:"truncation"`
+	TopLogprobs  *int     `json:"top_logprobs"`
+	MaxToolCalls *int     `json:"max_tool_calls"`
+	Background   *bool    `json:"background"`
+}
+
+type responseText struct {
+	Format json.RawMessage `json:"format,omitempty"`
+}
+
+// responseInputItem is one item of a request's input list.
+type responseInputItem struct {
+	Type      string          `json:"type"`
+	Role      string          `json:"role"`
+	Content   json.RawMessage `json:"content"`
+	CallID    string          `json:"call_id"`
+	Name      string          `json:"name"`
+	Arguments json.RawMessage `json:"arguments"`
+	Output    json.RawMessage `json:"output"`
+}
+
+// responseObject is the API's Response object.
+type responseObject struct {
+	ID                 string             `json:"id"`
+	Object             string             `json:"object"`
+	CreatedAt          int64              `json:"created_at"`
+	Status             string             `json:"status"`
+	Error              *responseError     `json:"error"`
+	IncompleteDetails  *incompleteDetails `json:"incomplete_details"`
+	Instructions       *string            `json:"instructions"`
+	MaxOutputTokens    *int               `json:"max_output_tokens"`
+	Model              string             `json:"model"`
+	Output             []any              `json:"output"`
+	ParallelToolCalls  bool               `json:"parallel_tool_calls"`
+	PreviousResponseID *string            `json:"previous_response_id"`
+	Reasoning          *struct{}          `json:"reasoning"`
+	Store              bool               `json:"store"`
+	Temperature        float64            `json:"temperature"`
+	Text               responseText       `json:"text"`
+	ToolChoice         json.RawMessage    `json:"tool_choice"`
+	Tools              []json.RawMessage  `json:"tools"`
+	TopP               float64            `json:"top_p"`
+	Truncation         string             `json:"truncation"`
+	Usage              *responseUsage     `json:"usage"`
+	Metadata           json.RawMessage    `json:"metadata"`
+}
+
+type responseError struct {
+	Code    string `json:"code"`
+	Message string `json:"message"`
+}
+
+type incompleteDetails struct {
+	Reason string `json:"reason"`
+}
+
+type responseUsage struct {
+	InputTokens        int `json:"input_tokens"`
+	InputTokensDetails struct {
+		CachedTokens int `json:"cached_tokens"`
+	} `json:"input_tokens_details"`
+	OutputTokens        int `json:"output_tokens"`
+	OutputTokensDetails struct {
+		ReasoningTokens int `json:"reasoning_tokens"`
+	} `json:"output_tokens_details"`
+	TotalTokens int `json:"total_tokens"`
+}
+
+// outputMessage is an output item of type message: the assistant's text.
+type outputMessage struct {
+	Type    string       `json:"type"`
+	ID      string       `json:"id"`
+	Status  string       `json:"status"`
+	Role    string       `json:"role"`
+	Content []outputText `json:"content"`
+}
+
+type outputText struct {
+	Type        string `json:"type"`
+	Text        string `json:"text"`
+	Annotations []any  `json:"annotations"`
+	Logprobs    []any  `json:"logprobs"`
+}
+
+// outputCall is an output item of type function_call.
+type outputCall struct {
+	Type      string `json:"type"`
+	ID        string `json:"id"`
+	Status    string `json:"status"`
+	CallID    string `json:"call_id"`
+	Name      string `json:"name"`
+	Arguments string `json:"arguments"`
+}
+
+// responsesChat reads a Responses request as a chat request: its messages, its tools (each in
+// the chat API's form, as JSON) and the extras the chat path checks (tool_choice,
+// parallel_tool_calls, the text format as response_format).
+func responsesChat(req *responsesRequest) ([]ChatMessage, extras, error) {
+	var x extras
+	switch {
+	case req.PreviousResponseID != nil && *req.PreviousResponseID != "":
+		return nil, x, badRequest("previous_response_id", "previous_response_id is not supported by this server: it does not store responses; send the whole conversation in input")
+	case isSet(req.Conversation):
+		return nil, x, badRequest("conversation", "conversation is not supported by this server: it does not store conversations; send the whole conversation in input")
+	case isSet(req.Prompt):
+		return nil, x, badRequest("prompt", "prompt (a stored prompt template) is not supported by this server; send instructions and input")
+	case req.Reasoning != nil && (req.Reasoning.Effort != nil || req.Reasoning.Summary != nil):
+		return nil, x, badRequest("reasoning", "reasoning settings are not supported by this server: it cannot set the model's reasoning effort or summarise it; leave reasoning out")
+	case len(req.Include) > 0:
+		return nil, x, badRequest("include", "include %q is not supported by this server: its responses carry no extra data; leave include out", req.Include[0])
+	case req.Truncation != nil && *req.Truncation != "disabled":
+		return nil, x, badRequest("truncation", "truncation %q is not supported by this server: a conversation past the context is an error; leave truncation out (or \"disabled\")", *req.Truncation)
+	case req.TopLogprobs != nil && *req.TopLogprobs > 0:
+		return nil, x, badRequest("top_logprobs", "top_logprobs = %d is not supported on /v1/responses; leave it 0", *req.TopLogprobs)
+	case req.MaxToolCalls != nil:
+		return nil, x, badRequest("max_tool_calls", "max_tool_calls is not supported by this server: it cannot bound the calls the model makes; leave it out")
+	case req.Background != nil && *req.Background:
+		return nil, x, badRequest("background", "background responses are not supported by this server; leave background out")
+	}
+	var msgs []ChatMessage
+	if req.Instructions != nil && *req.Instructions != "" {
+		msgs = append(msgs, ChatMessage{Role: "system", Content: *req.Instructions})
+	}
+	in, err := responsesInput(req.Input)
+	if err != nil {
+		return nil, x, err
+	}
+	msgs = append(msgs, in...)
+	if len(msgs) == 0 {
+		return nil, x, badRequest("input", "input is empty")
+	}
+	if x.Tools, err = responsesTools(req.Tools); err != nil {
+		return nil, x, err
+	}
+	x.ToolChoice = req.ToolChoice
+	var choice struct {
+		Type string `json:"type"`
+		Name string `json:"name"`
+	}
+	if raw := bytes.TrimSpace(req.ToolChoice); len(raw) > 0 && raw[0] == '{' && json.Unmarshal(raw, &choice) == nil && choice.Type == "function" {
+		// A named function, in the chat API's form.
+		x.ToolChoice, _ = json.Marshal(map[string]any{"type": "function", "function": map[string]string{"name": choice.Name}})
+	}
+	x.ParallelToolCalls = req.ParallelToolCalls
+	if req.Text != nil && isSet(req.Text.Format) {
+		var f map[string]json.RawMessage
+		if err := json.Unmarshal(req.Text.Format, &f); err != nil {
+			return nil, x, badRequest("text.format", "text.format: want an object with a type")
+		}
+		// The chat API's form: json_schema's name, schema and strict inside "json_schema".
+		var typ string
+		json.Unmarshal(f["type"], &typ)
+		if typ == "json_schema" {
+			inner := map[string]json.RawMessage{}
+			for k, v := range f {
+				if k != "type" {
+					inner[k] = v
+				}
+			}
+			x.ResponseFormat, _ = json.Marshal(map[string]any{"type": "json_schema", "json_schema": inner})
+		} else {
+			x.ResponseFormat = req.Text.Format
+		}
+	}
+	return msgs, x, nil
+}
+
+func isSet(raw json.RawMessage) bool {
+	raw = bytes.TrimSpace(raw)
+	return len(raw) > 0 && string(raw) != "null"
+}
+
+// responsesInput reads input: a string (one user message) or a list of items. A function_call
+// item joins the assistant message just before it (the turn that made the call), or makes one;
+// a function_call_output item is a tool message.
+func responsesInput(raw json.RawMessage) ([]ChatMessage, error) {
+	if !isSet(raw) {
+		return nil, badRequest("input", "input is missing: send a string or a list of items")
+	}
+	var s string
+	if json.Unmarshal(raw, &s) == nil {
+		return []ChatMessage{{Role: "user", Content: s}}, nil
+	}
+	var items []responseInputItem
+	if err := json.Unmarshal(raw, &items); err != nil {
+		return nil, badRequest("input", "input: want a string or a list of items (%v)", err)
+	}
+	var out []ChatMessage
+	for i, it := range items {
+		param := fmt.Sprintf("input[%d]", i)
+		typ := it.Type
+		if typ == "" && it.Role != "" {
+			typ = "message"
+		}
+		switch typ {
+		case "message":
+			role := it.Role
+			switch role {
+			case "user", "assistant", "system":
+			case "developer":
+				role = "system"
+			default:
+				return nil, badRequest(param+".role", "%s.role %q; want user, assistant, system or developer", param, it.Role)
+			}
+			text, err := partsText(it.Content, param+".content")
+			if err != nil {
+				return nil, err
+			}
+			out = append(out, ChatMessage{Role: role, Content: text})
+		case "function_call":
+			if it.Name == "" {
+				return nil, badRequest(param+".name", "%s: a function_call item needs a name", param)
+			}
+			args, err := argumentsText(it.Arguments)
+			if err != nil {
+				return nil, badRequest(param+".arguments", "%s.arguments: %v", param, err)
+			}
+			call := ToolCall{ID: it.CallID, Name: it.Name, Arguments: args}
+			if n := len(out); n > 0 && out[n-1].Role == "assistant" {
+				out[n-1].ToolCalls = append(out[n-1].ToolCalls, call)
+			} else {
+				out = append(out, ChatMessage{Role: "assistant", ToolCalls: []ToolCall{call}})
+			}
+		case "function_call_output":
+			text, err := partsText(it.Output, param+".output")
+			if err != nil {
+				return nil, err
+			}
+			out = append(out, ChatMessage{Role: "tool", Content: text, ToolCallID: it.CallID})
+		default:
+			return nil, badRequest(param+".type", "%s is an item of type %q, which this server does not take; it takes message, function_call and function_call_output items", param, typ)
+		}
+	}
+	return out, nil
+}
+
+// partsText is a message's content or a call's output: a string, or a list of text parts
+// (input_text, output_text).
+func partsText(raw json.RawMessage, param string) (string, error) {
+	if !isSet(raw) {
+		return "", nil
+	}
+	var s string
+	if json.Unmarshal(raw, &s) == nil {
+		return s, nil
+	}
+	var parts []struct {
+		Type string `json:"type"`
+		Text string `json:"text"`
+	}
+	if err := json.Unmarshal(raw, &parts); err != nil {
+		return "", badRequest(param, "%s: want a string or a list of text parts", param)
+	}
+	var b bytes.Buffer
+	for k, p := range parts {
+		switch p.Type {
+		case "input_text", "output_text", "text":
+			b.WriteString(p.Text)
+		default:
+			return "", badRequest(fmt.Sprintf("%s[%d].type", param, k), "%s[%d] is a part of type %q; this server takes text only (input_text, output_text)", param, k, p.Type)
+		}
+	}
+	return b.String(), nil
+}
+
+// responsesTools turns function tools ({type: function, name, description, parameters}) into
+// the chat API's form ({type: function, function: {...}}), which the chat template renders.
+func responsesTools(raw json.RawMessage) (json.RawMessage, error) {
+	if !isSet(raw) {
+		return nil, nil
+	}
+	var list []struct {
+		Type        string          `json:"type"`
+		Name        string          `json:"name"`
+		Description string          `json:"description,omitempty"`
+		Parameters  json.RawMessage `json:"parameters,omitempty"`
+	}
+	if err := json.Unmarshal(raw, &list); err != nil {
+		return nil, badRequest("tools", "tools must be a list of tool objects")
+	}
+	type function struct {
+		Name        string          `json:"name"`
+		Description string          `json:"description,omitempty"`
+		Parameters  json.RawMessage `json:"parameters,omitempty"`
+	}
+	type chatTool struct {
+		Type     string   `json:"type"`
+		Function function `json:"function"`
+	}
+	out := make([]chatTool, len(list))
+	for i, t := range list {
+		if t.Type != "function" {
+			return nil, badRequest(fmt.Sprintf("tools[%d].type", i), "tools[%d] is a tool of type %q; this server has function tools only", i, t.Type)
+		}
+		if t.Name == "" {
+			return nil, badRequest(fmt.Sprintf("tools[%d].name", i), "tools[%d] has no name", i)
+		}
+		p := t.Parameters
+		if !isSet(p) {
+			p = nil
+		}
+		out[i] = chatTool{Type: "function", Function: function{Name: t.Name, Description: t.Description, Parameters: p}}
+	}
+	return json.Marshal(out)
+}
+
+// responseOutput is a sampled turn as a response's output items: a message with its text
+// (left out when the turn is only tool calls), then a function_call item for each call, and
+// whether the turn was cut by max_output_tokens.
+func responseOutput(c engines.Completion, withTools bool) ([]any, bool) {
+	am := AssistantMessage(c.Text, withTools)
+	incomplete := c.FinishReason == "length"
+	status := "completed"
+	if incomplete {
+		status = "incomplete"
+	}
+	var out []any
+	if am.Content != "" || len(am.ToolCalls) == 0 {
+		out = append(out, outputMessage{Type: "message", ID: newID("msg_"), Status: status, Role: "assistant",
+			Content: []outputText{{Type: "output_text", Text: am.Content, Annotations: []any{}, Logprobs: []any{}}}})
+	}
+	for _, tc := range am.ToolCalls {
+		out = append(out, outputCall{Type: "function_call", ID: newID("fc_"), Status: "completed", CallID: newID("call_"), Name: tc.Name, Arguments: tc.Arguments})
+	}
+	return out, incomplete
+}
+
+// responses answers POST /v1/responses through the chat path.
+func (h *handler) responses(w http.ResponseWriter, r *http.Request) {
+	var req responsesRequest
+	if err := h.decode(w, r, &req); err != nil {
+		h.fail(w, err)
+		return
+	}
+	msgs, x, err := responsesChat(&req)
+	var (
+		gr        engines.GenerateRequest
+		explicit  bool
+		tools     []string
+		withTools bool
+	)
+	if err == nil {
+		s := sampling{Model: req.Model, MaxCompletionTokens: req.MaxOutputTokens, Temperature: req.Temperature, TopP: req.TopP, maxTokensParam: "max_output_tokens"}
+		gr, explicit, err = h.request(s)
+	}
+	if err == nil {
+		tools, withTools, err = x.toolFields()
+		var ae *apiErr
+		if errors.As(err, &ae) && ae.param == "response_format" { // the chat API's name of text.format
+			ae.param, ae.msg = "text.format", strings.ReplaceAll(ae.msg, "response_format", "text.format")
+		}
+	}
+	if err != nil {
+		h.fail(w, err)
+		return
+	}
+	id := "resp_" + gr.ID
+	gr.ID = id
+	generate, release, err := h.generator(w, r, gr, explicit, req.Stream, msgs, tools, withTools)
+	if err != nil {
+		h.fail(w, err)
+		return
+	}
+	defer release()
+
+	obj := responseObject{ID: id, Object: "response", CreatedAt: time.Now().Unix(), Status: "in_progress",
+		Instructions: req.Instructions, MaxOutputTokens: req.MaxOutputTokens, Model: h.modelName(r), Output: []any{},
+		ParallelToolCalls: req.ParallelToolCalls == nil || *req.ParallelToolCalls, Temperature: gr.Temperature, TopP: gr.TopP,
+		Text: responseText{Format: json.RawMessage(`{"type":"text"}`)}, ToolChoice: json.RawMessage(`"auto"`), Tools: []json.RawMessage{},
+		Truncation: "disabled", Metadata: json.RawMessage(`{}`)}
+	if req.Text != nil && isSet(req.Text.Format) {
+		obj.Text.Format = req.Text.Format
+	}
+	if isSet(req.ToolChoice) {
+		obj.ToolChoice = req.ToolChoice
+	}
+	if isSet(req.Metadata) {
+		obj.Metadata = req.Metadata
+	}
+	if isSet(req.Tools) {
+		json.Unmarshal(req.Tools, &obj.Tools)
+	}
+	finish := func(comps []engines.Completion) {
+		obj.Status = "completed"
+		if len(comps) == 0 {
+			return
+		}
+		c := comps[0]
+		var incomplete bool
+		obj.Output, incomplete = responseOutput(c, withTools)
+		if incomplete {
+			obj.Status, obj.IncompleteDetails = "incomplete", &incompleteDetails{Reason: "max_output_tokens"}
+		}
+		u := &responseUsage{InputTokens: len(c.PromptTokens), OutputTokens: len(c.Tokens)}
+		u.TotalTokens = u.InputTokens + u.OutputTokens
+		obj.Usage = u
+	}
+	if !req.Stream {
+		comps, err := generate(r.Context())
+		if err != nil {
+			h.fail(w, err)
+			return
+		}
+		finish(comps)
+		writeJSON(w, obj)
+		return
+	}
+
+	ev := &eventStream{s: startStream(w)}
+	ev.send("response.created", map[string]any{"response": obj})
+	ev.send("response.in_progress", map[string]any{"response": obj})
+	comps, err := generate(r.Context())
+	if err != nil {
+		if r.Context().Err() == nil { // else the client left
+			ev.fail(h, err)
+		}
+		return
+	}
+	finish(comps)
+	for i, item := range obj.Output {
+		switch it := item.(type) {
+		case outputMessage:
+			added := it
+			added.Status, added.Content = "in_progress", []outputText{}
+			ev.send("response.output_item.added", map[string]any{"output_index": i, "item": added})
+			part := it.Content[0]
+			empty := part
+			empty.Text = ""
+			ev.send("response.content_part.added", map[string]any{"item_id": it.ID, "output_index": i, "content_index": 0, "part": empty})
+			ev.send("response.output_text.delta", map[string]any{"item_id": it.ID, "output_index": i, "content_index": 0, "delta": part.Text, "logprobs": []any{}})
+			ev.send("response.output_text.done", map[string]any{"item_id": it.ID, "output_index": i, "content_index": 0, "text": part.Text, "logprobs": []any{}})
+			ev.send("response.content_part.done", map[string]any{"item_id": it.ID, "output_index": i, "content_index": 0, "part": part})
+		case outputCall:
+			added := it
+			added.Status, added.Arguments = "in_progress", ""
+			ev.send("response.output_item.added", map[string]any{"output_index": i, "item": added})
+			ev.send("response.function_call_arguments.delta", map[string]any{"item_id": it.ID, "output_index": i, "delta": it.Arguments})
+			ev.send("response.function_call_arguments.done", map[string]any{"item_id": it.ID, "output_index": i, "name": it.Name, "arguments": it.Arguments})
+		}
+		ev.send("response.output_item.done", map[string]any{"output_index": i, "item": item})
+	}
+	if obj.Status == "incomplete" {
+		ev.send("response.incomplete", map[string]any{"response": obj})
+	} else {
+		ev.send("response.completed", map[string]any{"response": obj})
+	}
+}
+
+// eventStream writes the Responses API's server-sent events: "event: TYPE" and the event's
+// JSON, with its type and sequence number.
+type eventStream struct {
+	s   *stream
+	seq int
+}
+
+func (e *eventStream) send(typ string, fields map[string]any) {
+	fields["type"] = typ
+	fields["sequence_number"] = e.seq
+	e.seq++
+	b, _ := json.Marshal(fields)
+	fmt.Fprintf(e.s.w, "event: %s\ndata: %s\n\n", typ, b)
+	e.s.flush()
+}
+
+// fail ends the stream with an error event: a client's mistake (a conversation past the
+// context, say) with its code, the server's own failure as server_error.
+func (e *eventStream) fail(h *handler, err error) {
+	code, param := "server_error", ""
+	var ae *apiErr
+	var be *APIError
+	switch {
+	case errors.As(err, &ae):
+		code, param = ae.code, ae.param
+		if code == "" {
+			code = ae.typ
+		}
+	case errors.As(err, &be):
+		code, param = be.Code, be.Param
+		if code == "" {
+			code = be.Type
+		}
+	default:
+		if h.o.Logf != nil {
+			h.o.Logf("openai front: %v", err)
+		}
+	}
+	f := map[string]any{"code": code, "message": err.Error(), "param": nil}
+	if param != "" {
+		f["param"] = param
+	}
+	e.send("error", f)
+}
