@@ -179,6 +179,51 @@ func TestAgentToolCalls(t *testing.T) {
 	}
 }
 
+// TestAgentResponses: a program on the Responses API (POST /v1/responses, the openai-agents
+// SDK's default) gets the policy's Hermes tool call as a function_call item, sends the items back
+// with the call's output and gets the streamed answer; its calls continue one conversation,
+// recorded token for token as the same conversation on chat completions records it.
+func TestAgentResponses(t *testing.T) {
+	call := `<tool_call>{"name": "calc", "arguments": {"expr": "12*34"}}</tool_call>`
+	eng := scripted.New(func(req scripted.Request) string {
+		if last := scripted.LastMessage(req.Prompt); strings.Contains(req.Prompt, "\ntool: ") {
+			return `\boxed{` + last + `}`
+		}
+		return call
+	})
+	prompt := "Ann has 12 bags of 34 pens."
+	r, res := agentRun(t, eng, listTasks{{ID: "chat", Prompt: prompt, Label: "tools", HasLabel: true}, {ID: "responses", Prompt: prompt, Label: "responses", HasLabel: true}})
+	for _, f := range res.Failed {
+		t.Fatalf("rollout failed: %v", f)
+	}
+	chat, resp := readAgent(t, r, "chat"), readAgent(t, r, "responses")
+	if strings.TrimSpace(resp.Output) != `\boxed{408}` || resp.Calls != 2 {
+		t.Fatalf("the program printed %q after %d calls; stderr: %s", resp.Output, resp.Calls, resp.Stderr)
+	}
+	if len(resp.Chats) != 1 || len(resp.Chats[0].Turns) != 2 {
+		t.Fatalf("chats %+v, want one of two turns", resp.Chats)
+	}
+	c := resp.Chats[0]
+	if want := []string{"system", "user", "assistant", "tool", "assistant"}; !slices.Equal(c.Roles, want) {
+		t.Errorf("roles %v, want %v", c.Roles, want)
+	}
+	if len(chat.Chats) != 1 || !slices.Equal(c.Tokens, chat.Chats[0].Tokens) || !slices.Equal(c.Mask, chat.Chats[0].Mask) {
+		t.Errorf("the Responses conversation recorded %v (mask %v), the chat one %+v", c.Tokens, c.Mask, chat.Chats)
+	}
+	var sampled, masked []int32
+	for _, turn := range c.Turns {
+		sampled = append(sampled, turn...)
+	}
+	for i, m := range c.Mask {
+		if m == 1 {
+			masked = append(masked, c.Tokens[i])
+		}
+	}
+	if !slices.Equal(sampled, masked) || len(sampled) == 0 {
+		t.Errorf("tokens at loss mask 1 %v, sampled %v", masked, sampled)
+	}
+}
+
 // TestAgentFailures: a program that exits non-zero, runs past its timeout or floods the endpoint
 // fails its rollout alone, with a message that says which; with check=False a non-zero exit is
 // returned with the program's stderr and chats; a history asked twice makes two

@@ -40,6 +40,19 @@ def call(messages, stream=False, **extra):
         return {"message": msg, "token_ids": ids, "finish_reason": finish}
 
 
+def respond(body):
+    """POST /v1/responses; a streamed answer is read from its events to response.completed."""
+    req = urllib.request.Request(BASE + "/responses", data=json.dumps(dict(model="anything", **body)).encode(),
+                                 headers={"Authorization": "Bearer " + KEY, "Content-Type": "application/json"})
+    with urllib.request.urlopen(req) as r:
+        if not body.get("stream"):
+            return json.load(r)
+        events = [json.loads(line[6:]) for line in (raw.decode().strip() for raw in r) if line.startswith("data: ")]
+        assert [e["sequence_number"] for e in events] == list(range(len(events))), events
+        assert events[-1]["type"] == "response.completed", events
+        return events[-1]["response"]
+
+
 def main():
     mode = sys.argv[1]
     task = sys.stdin.read()
@@ -64,6 +77,17 @@ def main():
         msgs.append({"role": "tool", "tool_call_id": tc["id"], "content": str(eval(args["expr"]))})
         ch = call(msgs, tools=TOOLS, stream=True)
         print(ch["message"]["content"])
+    elif mode == "responses":  # the tools mode through the Responses API, as openai-agents calls it
+        tools = [dict(type="function", **TOOLS[0]["function"])]
+        items = [{"role": "user", "content": [{"type": "input_text", "text": task}]}]
+        r = respond(dict(input=items, tools=tools, max_output_tokens=100))
+        calls = [o for o in r["output"] if o["type"] == "function_call"]
+        assert r["status"] == "completed" and len(calls) == 1, r
+        items += r["output"]  # the items as they came, sent back
+        args = json.loads(calls[0]["arguments"])
+        items.append({"type": "function_call_output", "call_id": calls[0]["call_id"], "output": str(eval(args["expr"]))})
+        r = respond(dict(input=items, tools=tools, stream=True))
+        print("".join(c["text"] for o in r["output"] if o["type"] == "message" for c in o["content"]))
     elif mode == "branch":  # the same first turn asked twice: two conversations
         msgs = [{"role": "user", "content": task}]
         a = call(msgs, max_tokens=4)
