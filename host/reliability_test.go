@@ -354,7 +354,7 @@ func TestRunFolderDisappears(t *testing.T) {
 			}
 			if tc.name == "unwritable" {
 				writable(out)
-				if e := readFile(t, filepath.Join(out, "events.log")); !strings.Contains(e, "stop: the run stops: run folder "+out+": it is not writable") {
+				if e := readFile(t, filepath.Join(out, "events.log")); !strings.Contains(e, "stop: run folder "+out+": it is not writable") {
 					t.Errorf("events.log does not say why the run stopped:\n%s", e)
 				}
 			}
