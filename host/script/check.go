@@ -45,7 +45,8 @@ func LintScript(s *Script, cfg *config.Config) (problems, warnings []string) {
 	if cfg != nil {
 		names = cfg.PolicyNames()
 	}
-	uses, files := scriptPolicies(s.Files)
+	direct, files := scriptPolicies(s.Files)
+	uses := append(slices.Clip(direct), reachedPolicies(files)...)
 	for _, u := range uses {
 		if cfg != nil && !slices.Contains(names, u.Name) {
 			hint := ""
@@ -53,10 +54,10 @@ func LintScript(s *Script, cfg *config.Config) (problems, warnings []string) {
 				hint = fmt.Sprintf(" (did you mean %q?)", best)
 			}
 			problems = append(problems, fmt.Sprintf("%s: %s: unknown policy %q%s; %s defines %s — add it under policies: or fix the name",
-				u.Pos, u.Fn, u.Name, hint, cfgFile(cfg), config.QuotePolicyNames(names)))
+				u.Pos, u.where(), u.Name, hint, cfgFile(cfg), config.QuotePolicyNames(names)))
 		}
 	}
-	warnings = append(NearPolicyNames(uses), singleSamples(files, uses, cfg)...)
+	warnings = append(NearPolicyNames(uses), singleSamples(files, direct, cfg)...)
 	if w := neverTrains(files); w != "" {
 		warnings = append(warnings, w)
 	}
@@ -67,8 +68,33 @@ func LintScript(s *Script, cfg *config.Config) (problems, warnings []string) {
 // PolicyUse is a policy name written as a string literal in a script.
 type PolicyUse struct {
 	Pos  syntax.Position
-	Fn   string // generate, score, train or agent
+	Fn   string // generate, score, train, chat or agent
 	Name string
+	Via  string // the script's function the name is passed to (ask in ask("solver", …)); "" when written in Fn's call
+	// Default is the parameter of Via whose default the name is, for a call that leaves it out.
+	Default string
+}
+
+// where is the call a use is written in: generate, or ask → generate for a name passed to ask.
+func (u PolicyUse) where() string {
+	switch {
+	case u.Via == "":
+		return u.Fn
+	case u.Default != "":
+		return fmt.Sprintf("%s (its default %s=%q) → %s", u.Via, u.Default, u.Name, u.Fn)
+	}
+	return u.Via + " → " + u.Fn
+}
+
+// call is a use as its call reads: generate("solver") or ask("solver") → generate.
+func (u PolicyUse) call() string {
+	switch {
+	case u.Via == "":
+		return fmt.Sprintf("%s(%q)", u.Fn, u.Name)
+	case u.Default != "":
+		return fmt.Sprintf("%s(%s=%q by default) → %s", u.Via, u.Default, u.Name, u.Fn)
+	}
+	return fmt.Sprintf("%s(%q) → %s", u.Via, u.Name, u.Fn)
 }
 
 // PolicyNames lists the policy names a loaded script writes as string literals (generate,
@@ -135,8 +161,8 @@ func NearPolicyNames(uses []PolicyUse) []string {
 		for _, b := range names[i+1:] {
 			if nearNames(a, b) {
 				ua, ub := first[a], first[b]
-				out = append(out, fmt.Sprintf("%s: %s(%q) and %s: %s(%q) name two policies that differ by a letter or two; in a zero-config run each is a model of its own — fix the name if one is a typo",
-					ua.Pos, ua.Fn, a, ub.Pos, ub.Fn, b))
+				out = append(out, fmt.Sprintf("%s: %s and %s: %s name two policies that differ by a letter or two; in a zero-config run each is a model of its own — fix the name if one is a typo",
+					ua.Pos, ua.call(), ub.Pos, ub.call()))
 			}
 		}
 	}
@@ -335,7 +361,7 @@ func policyLiterals(f *syntax.File) []PolicyUse {
 			}
 		}
 		if lit := stringLit(arg); lit != nil {
-			out = append(out, PolicyUse{lit.TokenPos, callee(call), lit.Value.(string)})
+			out = append(out, PolicyUse{Pos: lit.TokenPos, Fn: callee(call), Name: lit.Value.(string)})
 		}
 		return true
 	})

@@ -150,3 +150,54 @@ func TestChatNamesAPolicy(t *testing.T) {
 		t.Errorf("check --config: %q", problems)
 	}
 }
+
+// TestCheckPolicyThroughHelpers: a policy name passed to the script's own function, which passes
+// it on (through another function, a lambda, a keyword or a default) to generate/score/chat, is
+// checked against the config like one written in generate's call, at the place it is written;
+// so is one passed through a package module (@graphs//debate.star). A parameter that never
+// reaches a policy argument is not a policy name.
+func TestCheckPolicyThroughHelpers(t *testing.T) {
+	dir := t.TempDir()
+	cfgPath := filepath.Join(dir, "config.yaml")
+	os.WriteFile(cfgPath, []byte("policies:\n  - name: solver\n  - name: judge\n  - name: critic\n"), 0o644)
+	cfg, err := config.Load(cfgPath)
+	if err != nil {
+		t.Fatal(err)
+	}
+	p := filepath.Join(dir, "helpers.star")
+	os.WriteFile(p, []byte(`load("@graphs//debate.star", "debate")
+
+def ask(p, q, n = 1):
+    return generate(p, q, n = n)
+
+def judge(policy = "judgee"):
+    return lambda t: score(policy, t)
+
+def twice(who, q):
+    return parallel(lambda i: ask(who, q), range(2))
+
+def talk(task, system = "solver", policy = "solver"):
+    return chat(policy = policy, system = system)
+
+def rollout(task):
+    a = ask("sovler", task.prompt)
+    twice(q = task.prompt, who = "solvr")
+    judge()(a.text)
+    talk(task, system = "not a policy")
+    ask("solver", "fine")
+    debate(task, generator = "solver", critic = "critc")
+    train(a)
+`), 0o644)
+	problems, _ := Lint(p, cfg)
+	got := strings.ReplaceAll(strings.Join(problems, "\n"), dir+string(filepath.Separator), "")
+	tail := `; config.yaml defines "solver", "judge", "critic" — add it under policies: or fix the name`
+	want := strings.Join([]string{
+		`helpers.star:16:13: ask → generate: unknown policy "sovler" (did you mean "solver"?)` + tail,
+		`helpers.star:17:34: twice → generate: unknown policy "solvr" (did you mean "solver"?)` + tail,
+		`helpers.star:18:5: judge (its default policy="judgee") → score: unknown policy "judgee" (did you mean "judge"?)` + tail,
+		`helpers.star:21:49: debate → generate: unknown policy "critc" (did you mean "critic"?)` + tail,
+	}, "\n")
+	if d := cmp.Diff(want, got); d != "" {
+		t.Errorf("problems (-want +got):\n%s", d)
+	}
+}
