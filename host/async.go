@@ -70,6 +70,7 @@ type launched struct {
 	ros           []*script.Rollout
 	err           error
 	wallS         float64 // from the start to the last rollout's end
+	genS          float64 // of wallS, the time an engine was generating (Run.generating)
 	cancel        context.CancelFunc
 }
 
@@ -94,8 +95,10 @@ func (r *Run) launch(ctx context.Context, step, v int, cfg *config.Config) error
 	samples := samplesPerTask(cfg)
 	go func() {
 		defer close(l.done)
+		g0 := r.generating.busy()
 		l.ros, l.err = r.runRollouts(lctx, step, tasks, samples, rf, nil, v)
 		l.wallS = time.Since(l.start).Seconds()
+		l.genS = (r.generating.busy() - g0).Seconds()
 	}()
 	r.ahead = append(r.ahead, l)
 	return nil

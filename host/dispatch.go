@@ -72,6 +72,7 @@ type dispatcher struct {
 	maxSamples int
 	maxWait    time.Duration
 	busy       *busyMeter       // nil: not measured
+	generating *busyMeter       // the run's generate batches, every policy's (Run.generating); nil: not measured
 	vers       engines.Versions // the policy's weights versions (async.go: its engine's, or replicas; setVersions); nil: none
 
 	mu      sync.Mutex
@@ -232,6 +233,9 @@ func (d *dispatcher) flush(ctx context.Context) {
 	if d.busy != nil {
 		d.busy.begin()
 	}
+	if d.generating != nil {
+		d.generating.begin()
+	}
 	var out []engines.Completion
 	var err error
 	vs := d.versions()
@@ -246,6 +250,9 @@ func (d *dispatcher) flush(ctx context.Context) {
 	d.mu.Lock()
 	d.sending = false
 	d.mu.Unlock()
+	if d.generating != nil {
+		d.generating.end()
+	}
 	if d.busy != nil {
 		d.busy.end()
 	}

@@ -168,12 +168,31 @@ type Run struct {
 	passes  atomic.Int64 // rollout passes so far (steps, eval datasets): part of generate request ids
 	restart restartGuard // what puts a restarted engine's state back (restart.go)
 
-	live struct{ done, total, tokens atomic.Int64 } // the current step, for progress displays
+	// live is the rollout pass in progress (a step's or an eval's), for progress displays; genMark
+	// is generating's total when it began.
+	live struct {
+		done, total, tokens, genMark atomic.Int64
+		eval                         atomic.Bool
+	}
+	// generating measures the time any policy's engine has a generate batch in hand: the time
+	// the run generates, not the time its rollouts run (an agent() program's start-up, tools,
+	// the script's own work), which tokens_per_s is over.
+	generating busyMeter
 }
 
-// Live reports the step in progress: rollouts done, rollouts in the step, tokens generated.
-func (r *Run) Live() (done, total, tokens int) {
-	return int(r.live.done.Load()), int(r.live.total.Load()), int(r.live.tokens.Load())
+// LivePass is the rollout pass in progress, as a progress display shows it.
+type LivePass struct {
+	Done, Total int  // rollouts done, rollouts in the pass
+	Tokens      int  // tokens generated so far
+	Eval        bool // an evaluation's pass (eval_rollout on the eval data), not a step's
+	// Generating is how long an engine had a generate batch in hand since the pass began.
+	Generating time.Duration
+}
+
+// Live reports the rollout pass in progress.
+func (r *Run) Live() LivePass {
+	return LivePass{Done: int(r.live.done.Load()), Total: int(r.live.total.Load()), Tokens: int(r.live.tokens.Load()),
+		Eval: r.live.eval.Load(), Generating: r.generating.busy() - time.Duration(r.live.genMark.Load())}
 }
 
 // policy is one policy's engine and its dispatcher.
@@ -518,7 +537,7 @@ func (r *Run) registerPolicy(ctx context.Context, pc config.PolicyConfig, eng en
 	}
 	p := &policy{name: pc.Name, cfg: pc, eng: eng, busy: &busyMeter{}}
 	p.disp = newDispatcher(eng, &r.activity, maxBatchSamples(r.cfg))
-	p.disp.busy = p.busy
+	p.disp.busy, p.disp.generating = p.busy, &r.generating
 	if v, ok := eng.(engines.AdapterView); ok && crossPolicyBatching {
 		// A LoRA policy on a shared base: its batches go out with the other adapters' batches.
 		base := v.AdapterBase()
@@ -760,7 +779,7 @@ func (r *Run) runStep(ctx context.Context) (*StepResult, error) {
 		return nil, err
 	}
 	res.Policies = pm
-	res.Run = r.runMetrics(step, ros, res, rolloutS, trainS, time.Since(t0).Seconds())
+	res.Run = r.runMetrics(step, ros, res, rolloutS, l.genS, trainS, time.Since(t0).Seconds())
 	r.asyncMetrics(res, l, k)
 	r.step, r.next = step, r.next+n
 	if err := r.metrics.writeLines(append(append([]Metrics(nil), res.Policies...), res.Run)); err != nil {
@@ -867,6 +886,8 @@ func (r *Run) runRollouts(ctx context.Context, step int, tasks []Task, samples i
 	r.live.done.Store(0)
 	r.live.total.Store(int64(n))
 	r.live.tokens.Store(0)
+	r.live.eval.Store(eval != nil)
+	r.live.genMark.Store(int64(r.generating.busy()))
 	r.activity.add(n)
 	if r.sandbox != nil {
 		r.runSandboxed(stepCtx, ros, rf.name, rf.policies, rf.n)
@@ -1397,7 +1418,9 @@ func meanStd(xs []float64) (float64, float64) {
 	return mean, math.Sqrt(v / float64(len(xs)))
 }
 
-func (r *Run) runMetrics(step int, ros []*script.Rollout, res *StepResult, rolloutS, trainS, stepS float64) Metrics {
+// tokens_per_s is the tokens generated over genS, the time an engine was generating them (an
+// agent() run's rollouts also start programs and run tools, which rolloutS counts).
+func (r *Run) runMetrics(step int, ros []*script.Rollout, res *StepResult, rolloutS, genS, trainS, stepS float64) Metrics {
 	m := newMetrics(step, "_run")
 	m.set("rollouts", len(ros))
 	m.set("failed", len(res.Failed))
@@ -1409,8 +1432,8 @@ func (r *Run) runMetrics(step int, ros []*script.Rollout, res *StepResult, rollo
 	m.set("rollout_s", rolloutS)
 	m.set("train_s", trainS)
 	m.set("step_s", stepS)
-	if rolloutS > 0 {
-		m.set("tokens_per_s", float64(tokens)/rolloutS)
+	if genS > 0 {
+		m.set("tokens_per_s", float64(tokens)/genS)
 	}
 	for k, v := range r.logSums(step, ros) {
 		m.set(k, v[0]/v[1])

@@ -12,9 +12,12 @@ import (
 	"github.com/slimen/slimen/host"
 )
 
-// progress shows a run's progress. On a terminal a live line (step, rollouts done, tokens/s,
-// reward per policy of the last step, ETA) is redrawn in place while a step runs, and each
-// finished step leaves a line above it; otherwise there is one plain line per finished step.
+// progress shows a run's progress. On a terminal a live line (step, rollouts done — or eval
+// rollouts done while an evaluation runs —, the engines' generation rate, reward per policy of
+// the last step, ETA) is redrawn in place while a step runs, and each finished step leaves a line
+// above it; otherwise there is one plain line per finished step. The rate is tokens over the time
+// an engine was generating them, not over the rollouts' time: an agent() run's programs start
+// and run tools while no engine generates.
 type progress struct {
 	w     io.Writer
 	tty   bool
@@ -36,7 +39,7 @@ type progress struct {
 
 // liveRun is what the live line reads of a run (a *host.Run).
 type liveRun interface {
-	Live() (done, total, tokens int)
+	Live() host.LivePass
 	StepsDone() int
 }
 
@@ -101,26 +104,23 @@ func (p *progress) begin(r liveRun) {
 
 // drawLive redraws the live line of the step in progress.
 func (p *progress) drawLive(r liveRun) {
-	done, total, tokens := r.Live()
+	live := r.Live()
+	done, total := live.Done, live.Total
 	steps := r.StepsDone()
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	parts := []string{
-		fmt.Sprintf("step %d/%d", steps+1, p.total),
-		fmt.Sprintf("rollouts %d/%d", done, total),
+	pass := fmt.Sprintf("rollouts %d/%d", done, total)
+	if live.Eval {
+		pass = fmt.Sprintf("eval %d/%d", done, total)
 	}
-	// Generation throughput counts the rollout phase only; once every rollout is done the step
-	// trains, and the line says for how long instead of letting tok/s fall.
+	parts := []string{fmt.Sprintf("step %d/%d", steps+1, p.total), pass}
+	// Once every rollout of the step is done the step trains, and the line says for how long.
 	now := p.now()
-	if total > 0 && done == total && p.genEnd.IsZero() {
+	if total > 0 && done == total && !live.Eval && p.genEnd.IsZero() {
 		p.genEnd = now
 	}
-	gen := now
-	if !p.genEnd.IsZero() {
-		gen = p.genEnd
-	}
-	if s := gen.Sub(p.stepStart).Seconds(); s > 0 {
-		parts = append(parts, fmt.Sprintf("gen %.0f tok/s", float64(tokens)/s))
+	if s := live.Generating.Seconds(); s > 0 {
+		parts = append(parts, fmt.Sprintf("gen %.0f tok/s", float64(live.Tokens)/s))
 	}
 	if !p.genEnd.IsZero() {
 		parts = append(parts, fmt.Sprintf("training %.0fs", now.Sub(p.genEnd).Seconds()))

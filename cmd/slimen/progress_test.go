@@ -12,10 +12,16 @@ import (
 )
 
 // fakeRun is the step in progress as the live line reads it.
-type fakeRun struct{ done, total, tokens, steps int }
+type fakeRun struct {
+	done, total, tokens, steps int
+	eval                       bool
+	gen                        time.Duration // the engines' generating time in the pass
+}
 
-func (f *fakeRun) Live() (int, int, int) { return f.done, f.total, f.tokens }
-func (f *fakeRun) StepsDone() int        { return f.steps }
+func (f *fakeRun) Live() host.LivePass {
+	return host.LivePass{Done: f.done, Total: f.total, Tokens: f.tokens, Eval: f.eval, Generating: f.gen}
+}
+func (f *fakeRun) StepsDone() int { return f.steps }
 
 // stepResult is a finished step of policies a (rewarded) and critic (no completions: a PPO critic).
 func stepResult(step int) *host.StepResult {
@@ -42,19 +48,19 @@ func TestProgressTerminal(t *testing.T) {
 	var buf bytes.Buffer
 	clock := &fakeClock{t: time.Unix(1000, 0)}
 	p := newProgressTo(&buf, true, 10)
-	p.now, p.tick = clock.now, time.Hour                      // the test draws the live line itself
-	run := &fakeRun{done: 3, total: 8, tokens: 100, steps: 2} // a run resumed after step 2
+	p.now, p.tick = clock.now, time.Hour                                            // the test draws the live line itself
+	run := &fakeRun{done: 3, total: 8, tokens: 100, steps: 2, gen: 2 * time.Second} // a run resumed after step 2
 
 	p.begin(run)
 	clock.advance(2 * time.Second)
 	p.drawLive(run)
-	run.done, run.tokens = 8, 150
+	run.done, run.tokens, run.gen = 8, 150, 3*time.Second
 	clock.advance(time.Second)
 	p.drawLive(run)
 	clock.advance(time.Second) // training: the generation rate stays, the training time counts
 	p.drawLive(run)
 	p.step(stepResult(3))
-	run.steps, run.done, run.tokens = 3, 1, 40
+	run.steps, run.done, run.tokens, run.gen = 3, 1, 40, 2*time.Second
 	p.begin(run)
 	clock.advance(2 * time.Second)
 	p.drawLive(run)
@@ -70,6 +76,35 @@ func TestProgressTerminal(t *testing.T) {
 		clr + "step 4/10 · rollouts 1/8 · gen 20 tok/s · reward a 0.50 critic – · ETA 42s" +
 		clr + "checkpoint: saved\n" +
 		clr + "step 4/10 · rollouts 1/8 · gen 20 tok/s · reward a 0.50 critic – · ETA 42s" +
+		clr
+	if d := cmp.Diff(strings.Split(want, "\r"), strings.Split(buf.String(), "\r")); d != "" {
+		t.Errorf("terminal output (-want +got), split at carriage returns:\n%s", d)
+	}
+}
+
+// The live line of the evaluation before step 1 says it is the eval's rollouts (it said
+// "rollouts 0/200" of a step that had not begun), and its rate is the tokens over the engines'
+// generating time: an agent() run whose programs take 8 s of 10 to start generates 100 tokens in
+// 2 s, 50 tok/s, not 10. Once the eval's rollouts are all done the step's have not begun: no
+// "training".
+func TestProgressEvalAndGenerationRate(t *testing.T) {
+	var buf bytes.Buffer
+	clock := &fakeClock{t: time.Unix(1000, 0)}
+	p := newProgressTo(&buf, true, 10)
+	p.now, p.tick = clock.now, time.Hour
+	run := &fakeRun{done: 37, total: 200, tokens: 100, eval: true, gen: 2 * time.Second}
+	p.begin(run)
+	clock.advance(10 * time.Second)
+	p.drawLive(run)
+	run.done = 200
+	p.drawLive(run)
+	run.done, run.total, run.tokens, run.eval, run.gen = 0, 8, 0, false, 0 // the step's rollouts begin
+	p.drawLive(run)
+	p.end()
+	const clr = "\r\033[K"
+	want := clr + "step 1/10 · eval 37/200 · gen 50 tok/s · ETA ?" +
+		clr + "step 1/10 · eval 200/200 · gen 50 tok/s · ETA ?" +
+		clr + "step 1/10 · rollouts 0/8 · ETA ?" +
 		clr
 	if d := cmp.Diff(strings.Split(want, "\r"), strings.Split(buf.String(), "\r")); d != "" {
 		t.Errorf("terminal output (-want +got), split at carriage returns:\n%s", d)
