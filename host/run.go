@@ -1432,8 +1432,11 @@ func (r *Run) runMetrics(step int, ros []*script.Rollout, res *StepResult, rollo
 	m.set("rollout_s", rolloutS)
 	m.set("train_s", trainS)
 	m.set("step_s", stepS)
-	if genS > 0 {
+	switch {
+	case genS > 0:
 		m.set("tokens_per_s", float64(tokens)/genS)
+	case rolloutS > 0: // nothing generated
+		m.set("tokens_per_s", 0.0)
 	}
 	for k, v := range r.logSums(step, ros) {
 		m.set(k, v[0]/v[1])
