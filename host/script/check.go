@@ -58,6 +58,7 @@ func LintScript(s *Script, cfg *config.Config) (problems, warnings []string) {
 		}
 	}
 	warnings = append(NearPolicyNames(uses), singleSamples(files, direct, cfg)...)
+	warnings = append(warnings, singleChats(files, cfg)...)
 	if w := neverTrains(files); w != "" {
 		warnings = append(warnings, w)
 	}
@@ -252,6 +253,80 @@ func singleSamples(files []*syntax.File, uses []PolicyUse, cfg *config.Config) [
 		}
 		out = append(out, fmt.Sprintf("%s: generate(%q, …) is the policy's only sample of a task, so each %s group holds one sample and every advantage is 0: sample several (n=4), run each task several times (n_samples_per_prompt: 4), or use advantage_estimator: reinforce_plus_plus",
 			u.Pos, u.Name, est))
+	}
+	return out
+}
+
+// singleChats warns about a chat("p", …) made straight in rollout's body (not in a loop,
+// comprehension, lambda or another function), the script's only chat of that policy, when nothing
+// in the script makes more conversations of it (no .fork(), no .generate(n=…) other than 1), no
+// train() names a group or an advantage and the policy's estimator normalises within groups: one
+// conversation per task is a group of one, every advantage is 0 and the chat trains nothing.
+func singleChats(files []*syntax.File, cfg *config.Config) []string {
+	count := map[string]int{}
+	var once []*syntax.Literal // chat("p", …) straight in rollout's body
+	for _, f := range files {
+		more := false
+		syntax.Walk(f, func(n syntax.Node) bool {
+			call, ok := n.(*syntax.CallExpr)
+			if !ok {
+				return true
+			}
+			if dot, ok := call.Fn.(*syntax.DotExpr); ok {
+				more = more || dot.Name.Name == "fork" || dot.Name.Name == "generate" && sampleCount(call)
+			}
+			switch callee(call) {
+			case "chat":
+				if lit := stringLit(policyArg(call)); lit != nil {
+					count[lit.Value.(string)]++
+				}
+			case "train":
+				more = more || keyword(call, "group") != nil || keyword(call, "advantage") != nil
+			}
+			return true
+		})
+		if more {
+			return nil
+		}
+		for _, st := range f.Stmts {
+			def, ok := st.(*syntax.DefStmt)
+			if !ok || def.Name.Name != "rollout" {
+				continue
+			}
+			for _, body := range def.Body {
+				syntax.Walk(body, func(n syntax.Node) bool {
+					switch n := n.(type) {
+					case *syntax.ForStmt, *syntax.WhileStmt, *syntax.Comprehension, *syntax.LambdaExpr, *syntax.DefStmt:
+						return false
+					case *syntax.CallExpr:
+						if callee(n) == "chat" {
+							if lit := stringLit(policyArg(n)); lit != nil {
+								once = append(once, lit)
+							}
+						}
+					}
+					return true
+				})
+			}
+		}
+	}
+	var out []string
+	for _, lit := range once {
+		name := lit.Value.(string)
+		if count[name] != 1 {
+			continue
+		}
+		est, n := "grpo", 1
+		if cfg != nil {
+			if p, ok := cfg.Policy(name); ok {
+				est, n = p.Train.AdvantageEstimator, p.Train.NSamplesPerPrompt
+			}
+		}
+		if !advantage.Grouped(est) || n > 1 {
+			continue
+		}
+		out = append(out, fmt.Sprintf("%s: chat(%q, …) makes one conversation per task, so each %s group holds one sample and every advantage is 0: nothing is learned from it. Run each task several times (n_samples_per_prompt: 4 under the policy's train:), make several conversations in the rollout (parallel(lambda i: talk(task), range(4)), or c.fork() one after its first turns), sample a turn several times (c.generate(n=4) returns 4 forks), or use advantage_estimator: reinforce_plus_plus",
+			lit.TokenPos, name, est))
 	}
 	return out
 }

@@ -201,3 +201,49 @@ def rollout(task):
 		t.Errorf("problems (-want +got):\n%s", d)
 	}
 }
+
+// TestLintOneChatPerTask: a chat() made once per task under a group estimator is a GRPO group of
+// one conversation (every advantage 0, nothing learned); check says so and what to do. Several
+// conversations (a loop, parallel, fork(), .generate(n=4)), an explicit group, another estimator
+// or n_samples_per_prompt > 1: no warning.
+func TestLintOneChatPerTask(t *testing.T) {
+	dir := t.TempDir()
+	write := func(name, src string) string {
+		p := filepath.Join(dir, name)
+		os.WriteFile(p, []byte(src), 0o644)
+		return p
+	}
+	const one = `
+def rollout(task):
+    c = chat("agent", system = "Be brief.")
+    c.user(task.prompt)
+    t = c.generate()
+    reward(c, 1.0)
+    train(c)
+`
+	_, warnings := Lint(write("one.star", one), nil)
+	want := `one.star:3:14: chat("agent", …) makes one conversation per task, so each grpo group holds one sample and every advantage is 0: nothing is learned from it. Run each task several times (n_samples_per_prompt: 4 under the policy's train:), make several conversations in the rollout (parallel(lambda i: talk(task), range(4)), or c.fork() one after its first turns), sample a turn several times (c.generate(n=4) returns 4 forks), or use advantage_estimator: reinforce_plus_plus`
+	if len(warnings) != 1 || !strings.HasSuffix(warnings[0], want) {
+		t.Fatalf("warnings %q, want one ending %q", warnings, want)
+	}
+	for name, src := range map[string]string{
+		"fork":     strings.Replace(one, "    t = c.generate()\n", "    d = c.fork()\n    t = c.generate()\n    d.generate()\n    reward(d, 0.0)\n    train(d)\n", 1),
+		"n":        strings.Replace(one, "c.generate()", "c.generate(n = 4)", 1),
+		"parallel": "def talk(task):\n    c = chat(\"agent\")\n    c.user(task.prompt)\n    c.generate()\n    reward(c, 1.0)\n    train(c)\n\ndef rollout(task):\n    parallel(lambda i: talk(task), range(4))\n",
+		"group":    strings.Replace(one, "train(c)", "train(c, group = \"all\")", 1),
+	} {
+		if _, w := Lint(write(name+".star", src), nil); len(w) != 0 {
+			t.Errorf("%s: warnings %q", name, w)
+		}
+	}
+	cfg := config.Default([]string{"agent"})
+	cfg.Policies[0].Train.NSamplesPerPrompt = 4
+	if _, w := Lint(write("one.star", one), cfg); len(w) != 0 {
+		t.Errorf("n_samples_per_prompt 4: warnings %q", w)
+	}
+	cfg = config.Default([]string{"agent"})
+	cfg.Policies[0].Train.AdvantageEstimator = "reinforce_plus_plus"
+	if _, w := Lint(write("one.star", one), cfg); len(w) != 0 {
+		t.Errorf("reinforce_plus_plus: warnings %q", w)
+	}
+}
