@@ -317,9 +317,10 @@ func TestAgentSandboxPrograms(t *testing.T) {
 // context_length_exceeded (it was a 200 with empty content, and the run stopped at training),
 // and the rollout goes on: the conversation of that call ends with it, the program's next call
 // is answered and trained. The endpoint lists the name the program was given ($OPENAI_MODEL),
-// takes the scheme "bearer" in lower case, refuses tool_choice "required", parallel_tool_calls
-// false and response_format with a 400 naming the field, refuses an unknown role, and renders
-// "developer" as system.
+// takes the scheme "bearer" in lower case, answers tool_choice "required" of a policy that never
+// calls a tool with a 500 saying so (it samples again, and never answers without the call),
+// refuses parallel_tool_calls false and response_format with a 400 naming the field, refuses an
+// unknown role, and renders "developer" as system.
 func TestAgentClientMistakes(t *testing.T) {
 	eng, err := tiny.Open(config.BuiltinCheckpoint, tiny.Options{Threads: 1})
 	if err != nil {
@@ -341,7 +342,7 @@ func TestAgentClientMistakes(t *testing.T) {
 		t.Errorf("%v samples trained, want 2 (the short call's and the api task's)", n)
 	}
 	a := readAgent(t, r, "a")
-	want := `{"models": ["p"], "model_env": "p", "required": [400, "tool_choice", null], "parallel": [400, "parallel_tool_calls", null], ` +
+	want := `{"models": ["p"], "model_env": "p", "required": [500, null, null], "parallel": [400, "parallel_tool_calls", null], ` +
 		`"json": [400, "response_format", null], "robot": [400, "messages[0].role", null], "developer": "answered"}`
 	if strings.TrimSpace(a.Output) != want {
 		t.Errorf("api: the program printed\n%s\nwant\n%s\nstderr: %s", a.Output, want, a.Stderr)
@@ -349,4 +350,40 @@ func TestAgentClientMistakes(t *testing.T) {
 	if len(a.Chats) != 1 || !slices.Equal(a.Chats[0].Roles, []string{"system", "user", "assistant"}) {
 		t.Errorf("api: chats %+v; want one whose first message is the developer's as system", a.Chats)
 	}
+}
+
+// TestAgentToolChoiceRequired: inside agent(), tool_choice "required" is sampled again until the
+// answer calls a tool (the policy answers text twice, then calls), and only that answer is
+// recorded: one conversation of one turn, the call's, trained.
+func TestAgentToolChoiceRequired(t *testing.T) {
+	n := 0
+	eng := scripted.New(func(scripted.Request) string {
+		n++
+		if n < 3 {
+			return "no tool for now"
+		}
+		return `<tool_call>{"name": "calc", "arguments": {"expr": "2+3"}}</tool_call>`
+	})
+	r, res := agentRun(t, eng, listTasks{{ID: "q", Prompt: "2+3=", Label: "required", HasLabel: true}})
+	if len(res.Failed) != 0 {
+		t.Fatalf("failed: %v", res.Failed)
+	}
+	o := readAgent(t, r, "q")
+	if strings.TrimSpace(o.Output) != `["tool_calls", ["calc"]]` || n != 3 {
+		t.Fatalf("the program printed %q after %d samples (stderr %s); want the call, on the third", o.Output, n, o.Stderr)
+	}
+	if len(o.Chats) != 1 || len(o.Chats[0].Turns) != 1 || !strings.Contains(bytesOf(o.Chats[0].Turns[0]), "<tool_call>") {
+		t.Errorf("recorded %+v; want one conversation whose one turn is the call", o.Chats)
+	}
+}
+
+// bytesOf is a scripted engine's tokens (one a byte) as text.
+func bytesOf(toks []int32) string {
+	b := make([]byte, 0, len(toks))
+	for _, t := range toks {
+		if t < 256 {
+			b = append(b, byte(t))
+		}
+	}
+	return string(b)
 }

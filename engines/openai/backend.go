@@ -45,7 +45,40 @@ type ChatCall struct {
 	// NoToolCalls: the request offered tools with tool_choice "none", so the answer is text and
 	// its turn is not read for tool calls.
 	NoToolCalls bool
+	// RequireCall is tool_choice "required" ("*") or a named function (its name): only an
+	// answer that calls it may be given (RequiredCall).
+	RequireCall string
 	Stream      bool
+}
+
+// RequiredAttempts is how many times a call with tool_choice "required" or a named function is
+// sampled (each with its own seed) for an answer that makes the call; a model that makes none in
+// that many is a 500: the server could not meet the request, and says so rather than answer
+// outside it.
+const RequiredAttempts = 8
+
+// RequiredCall says whether a sampled turn meets tool_choice: require "" always; "*" when it
+// calls any tool; otherwise when it calls the named function.
+func RequiredCall(require, text string) bool {
+	if require == "" {
+		return true
+	}
+	for _, c := range AssistantMessage(text, true).ToolCalls {
+		if require == "*" || c.Name == require {
+			return true
+		}
+	}
+	return false
+}
+
+// NoRequiredCall is the error of a call whose samples never made the required call.
+func NoRequiredCall(require string) error {
+	what := "a tool"
+	if require != "*" {
+		what = fmt.Sprintf("the function %q", require)
+	}
+	return &APIError{Status: http.StatusInternalServerError, Type: "server_error",
+		Msg: fmt.Sprintf("tool_choice asks for a call of %s, and the model made none in %d samples", what, RequiredAttempts)}
 }
 
 // ChatBackend samples the completions of a chat call. The completions' Text is the assistant's

@@ -238,9 +238,9 @@ func TestNewServerTimeouts(t *testing.T) {
 }
 
 // TestFrontRolesKeysAndFields: the scheme "bearer" in any case; "developer" rendered as system;
-// an unknown role refused; tool_choice "required" or a function, parallel_tool_calls false and a
-// response_format other than text refused with a 400 naming the field (the engines cannot honour
-// them); tool_choice "none" and "auto" honoured.
+// an unknown role refused; parallel_tool_calls false and a response_format other than text
+// refused with a 400 naming the field (the engines cannot honour them), as is a tool_choice that
+// asks for a tool the request does not offer; tool_choice "none" and "auto" honoured.
 func TestFrontRolesKeysAndFields(t *testing.T) {
 	tn := openTiny(t)
 	h, err := NewHandler(context.Background(), tn, HandlerOptions{Token: "sk-k"})
@@ -272,8 +272,8 @@ func TestFrontRolesKeysAndFields(t *testing.T) {
 	tool := `"tools":[{"type":"function","function":{"name":"calc","parameters":{"type":"object"}}}]`
 	for _, tc := range []struct{ name, extra, param, text string }{
 		{"unknown role", `"messages":[{"role":"robot","content":"hi"}]`, "messages[0].role", `messages[0].role "robot"; want system, developer, user, assistant or tool`},
-		{"tool_choice required", `"messages":[{"role":"user","content":"hi"}],"tool_choice":"required",` + tool, "tool_choice", `tool_choice "required" is not supported`},
-		{"tool_choice a function", `"messages":[{"role":"user","content":"hi"}],"tool_choice":{"type":"function","function":{"name":"calc"}},` + tool, "tool_choice", "naming a function is not supported"},
+		{"tool_choice required without tools", `"messages":[{"role":"user","content":"hi"}],"tool_choice":"required"`, "tool_choice", "the request offers no tools"},
+		{"tool_choice a function not offered", `"messages":[{"role":"user","content":"hi"}],"tool_choice":{"type":"function","function":{"name":"search"}},` + tool, "tool_choice", `names the function "search", which tools does not offer`},
 		{"parallel_tool_calls false", `"messages":[{"role":"user","content":"hi"}],"parallel_tool_calls":false,` + tool, "parallel_tool_calls", "parallel_tool_calls false is not supported"},
 		{"json_object", `"messages":[{"role":"user","content":"hi"}],"response_format":{"type":"json_object"}`, "response_format", `response_format of type "json_object" is not supported`},
 		{"json_schema", `"messages":[{"role":"user","content":"hi"}],"response_format":{"type":"json_schema","json_schema":{"name":"x","schema":{}}}`, "response_format", `type "json_schema"`},
@@ -328,5 +328,51 @@ func TestFrontTools(t *testing.T) {
 	status, body = post(t, base+"/chat/completions", `{"messages":[{"role":"user","content":"12*34?"}],"tool_choice":"none",`+tool+`}`)
 	if status != 200 || !strings.Contains(body, `"content":"\u003ctool_call\u003e`) || !strings.Contains(body, `"finish_reason":"stop"`) {
 		t.Errorf("tool_choice none: %d %s", status, body)
+	}
+}
+
+// TestFrontToolChoiceRequired: tool_choice "required" and a named function are honoured by
+// sampling again until the answer makes the call (a policy that answers text at first and calls
+// the tool later is answered with the call), and a policy that never makes it gets a 500 that
+// says so: never an answer outside the request.
+func TestFrontToolChoiceRequired(t *testing.T) {
+	calls := 0
+	eng := scripted.New(func(r scripted.Request) string {
+		calls++
+		if strings.Contains(r.Prompt, "never") || calls%3 != 0 {
+			return "I will just answer."
+		}
+		return `<tool_call>{"name": "calc", "arguments": {"expr": "1+1"}}</tool_call>`
+	})
+	h, err := NewHandler(context.Background(), eng, HandlerOptions{ToolsPrompt: func(tools []string) string { return "TOOLS " + strings.Join(tools, ";") }})
+	if err != nil {
+		t.Fatal(err)
+	}
+	s := httptest.NewServer(h)
+	t.Cleanup(s.Close)
+	tool := `"tools":[{"type":"function","function":{"name":"calc","parameters":{"type":"object"}}}]`
+	for _, choice := range []string{`"required"`, `{"type":"function","function":{"name":"calc"}}`} {
+		calls = 0
+		resp, err := http.Post(s.URL+"/v1/chat/completions", "application/json",
+			strings.NewReader(`{"messages":[{"role":"user","content":"add"}],"tool_choice":`+choice+`,`+tool+`}`))
+		if err != nil {
+			t.Fatal(err)
+		}
+		var out chatResponse
+		json.NewDecoder(resp.Body).Decode(&out)
+		resp.Body.Close()
+		if resp.StatusCode != 200 || len(out.Choices) != 1 || out.Choices[0].Message == nil || len(out.Choices[0].Message.ToolCalls) != 1 || calls != 3 {
+			t.Errorf("tool_choice %s: status %d, %+v after %d samples; want the call, on the third sample", choice, resp.StatusCode, out, calls)
+		}
+	}
+	resp, err := http.Post(s.URL+"/v1/chat/completions", "application/json",
+		strings.NewReader(`{"messages":[{"role":"user","content":"never"}],"tool_choice":"required",`+tool+`}`))
+	if err != nil {
+		t.Fatal(err)
+	}
+	b, _ := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	if resp.StatusCode != 500 || !strings.Contains(string(b), "the model made none in 8 samples") {
+		t.Errorf("a policy that never calls: %d %s", resp.StatusCode, b)
 	}
 }

@@ -382,13 +382,14 @@ func (h *handler) responses(w http.ResponseWriter, r *http.Request) {
 		explicit  bool
 		tools     []string
 		withTools bool
+		require   string
 	)
 	if err == nil {
 		s := sampling{Model: req.Model, MaxCompletionTokens: req.MaxOutputTokens, Temperature: req.Temperature, TopP: req.TopP, maxTokensParam: "max_output_tokens"}
 		gr, explicit, err = h.request(s)
 	}
 	if err == nil {
-		tools, withTools, err = x.toolFields()
+		tools, withTools, require, err = x.toolFields()
 		var ae *apiErr
 		if errors.As(err, &ae) && ae.param == "response_format" { // the chat API's name of text.format
 			ae.param, ae.msg = "text.format", strings.ReplaceAll(ae.msg, "response_format", "text.format")
@@ -400,7 +401,7 @@ func (h *handler) responses(w http.ResponseWriter, r *http.Request) {
 	}
 	id := "resp_" + gr.ID
 	gr.ID = id
-	generate, release, err := h.generator(w, r, gr, explicit, req.Stream, msgs, tools, withTools)
+	generate, release, err := h.generator(w, r, gr, explicit, req.Stream, msgs, tools, withTools, require)
 	if err != nil {
 		h.fail(w, err)
 		return

@@ -384,47 +384,80 @@ func (x extras) check() error {
 }
 
 // toolFields reads a chat request's tools, tool_choice, parallel_tool_calls and
-// response_format: the tools, and whether the answer is read for tool calls. tool_choice "auto"
-// (the default) and "none" are honoured ("none": the answer is text, never read for calls);
-// "required" or a named function would need decoding that forces a call, and
-// parallel_tool_calls false decoding that stops after one, which the engines do not have: they
-// are refused, as is any response_format but text (no constrained decoding either).
-func (x extras) toolFields() ([]string, bool, error) {
+// response_format: the tools, whether the answer is read for tool calls, and the call the answer
+// must make (RequiredCall). tool_choice "auto" (the default) and "none" are honoured ("none": the
+// answer is text, never read for calls); "required" and a named function by sampling again until
+// the answer makes the call (RequiredAttempts), never by answering without it. parallel_tool_calls
+// false would need decoding that stops after one call, which the engines do not have: it is
+// refused, as is any response_format but text (no constrained decoding either).
+func (x extras) toolFields() ([]string, bool, string, error) {
 	tools, err := toolsOf(x.Tools)
 	if err != nil {
-		return nil, false, err
+		return nil, false, "", err
 	}
-	none := false
+	none, require := false, ""
 	if raw := bytes.TrimSpace(x.ToolChoice); len(raw) > 0 && string(raw) != "null" {
 		var s string
-		if json.Unmarshal(raw, &s) != nil {
-			return nil, false, badRequest("tool_choice", "tool_choice naming a function is not supported by this server: it cannot make the model call a given tool; send \"auto\" or \"none\"")
+		var named struct {
+			Type     string `json:"type"`
+			Function struct {
+				Name string `json:"name"`
+			} `json:"function"`
+		}
+		switch {
+		case json.Unmarshal(raw, &s) == nil:
+		case json.Unmarshal(raw, &named) == nil && named.Type == "function" && named.Function.Name != "":
+			s, require = "function", named.Function.Name
+		default:
+			return nil, false, "", badRequest("tool_choice", "tool_choice: want \"auto\", \"none\", \"required\" or {\"type\": \"function\", \"function\": {\"name\": …}}")
 		}
 		switch s {
 		case "auto":
 		case "none":
 			none = true
 		case "required":
-			return nil, false, badRequest("tool_choice", "tool_choice \"required\" is not supported by this server: it cannot make the model call a tool; send \"auto\" or \"none\"")
+			require = "*"
+		case "function":
+			if !slices.ContainsFunc(tools, func(t string) bool { return toolName(t) == require }) {
+				return nil, false, "", badRequest("tool_choice", "tool_choice names the function %q, which tools does not offer", require)
+			}
 		default:
-			return nil, false, badRequest("tool_choice", "tool_choice %q; want \"auto\" or \"none\"", s)
+			return nil, false, "", badRequest("tool_choice", "tool_choice %q; want \"auto\", \"none\" or \"required\"", s)
+		}
+		if require != "" && len(tools) == 0 {
+			return nil, false, "", badRequest("tool_choice", "tool_choice asks for a tool call, and the request offers no tools")
 		}
 	}
 	if x.ParallelToolCalls != nil && !*x.ParallelToolCalls && len(tools) > 0 && !none {
-		return nil, false, badRequest("parallel_tool_calls", "parallel_tool_calls false is not supported by this server: it cannot keep the model to one tool call a turn; leave parallel_tool_calls out (or true)")
+		return nil, false, "", badRequest("parallel_tool_calls", "parallel_tool_calls false is not supported by this server: it cannot keep the model to one tool call a turn; leave parallel_tool_calls out (or true)")
 	}
 	if raw := bytes.TrimSpace(x.ResponseFormat); len(raw) > 0 && string(raw) != "null" {
 		var f struct {
 			Type string `json:"type"`
 		}
 		if err := json.Unmarshal(raw, &f); err != nil || f.Type == "" {
-			return nil, false, badRequest("response_format", "response_format: want an object with a type")
+			return nil, false, "", badRequest("response_format", "response_format: want an object with a type")
 		}
 		if f.Type != "text" {
-			return nil, false, badRequest("response_format", "response_format of type %q is not supported by this server: it has no constrained decoding, so the answer would not be guaranteed to follow it; leave response_format out (or {\"type\": \"text\"})", f.Type)
+			return nil, false, "", badRequest("response_format", "response_format of type %q is not supported by this server: it has no constrained decoding, so the answer would not be guaranteed to follow it; leave response_format out (or {\"type\": \"text\"})", f.Type)
 		}
 	}
-	return tools, len(tools) > 0 && !none, nil
+	return tools, len(tools) > 0 && !none, require, nil
+}
+
+// toolName is the function name of a tool of a request's tools (as JSON).
+func toolName(tool string) string {
+	var t struct {
+		Name     string `json:"name"`
+		Function struct {
+			Name string `json:"name"`
+		} `json:"function"`
+	}
+	json.Unmarshal([]byte(tool), &t)
+	if t.Function.Name != "" {
+		return t.Function.Name
+	}
+	return t.Name
 }
 
 // request turns the shared settings into an engine request: the API's defaults (temperature 1,
@@ -640,6 +673,7 @@ func (h *handler) chat(w http.ResponseWriter, r *http.Request) {
 		msgs      []ChatMessage
 		tools     []string
 		withTools bool
+		require   string
 	)
 	if err == nil {
 		err = req.extras.check()
@@ -654,7 +688,7 @@ func (h *handler) chat(w http.ResponseWriter, r *http.Request) {
 		msgs, err = chatMessages(req.Messages)
 	}
 	if err == nil {
-		tools, withTools, err = req.extras.toolFields()
+		tools, withTools, require, err = req.extras.toolFields()
 	}
 	if err != nil {
 		h.fail(w, err)
@@ -662,7 +696,7 @@ func (h *handler) chat(w http.ResponseWriter, r *http.Request) {
 	}
 	id := "chatcmpl-" + gr.ID
 	gr.ID = id
-	generate, release, err := h.generator(w, r, gr, explicit, req.Stream, msgs, tools, withTools)
+	generate, release, err := h.generator(w, r, gr, explicit, req.Stream, msgs, tools, withTools, require)
 	if err != nil {
 		h.fail(w, err)
 		return
@@ -754,9 +788,9 @@ func (h *handler) chat(w http.ResponseWriter, r *http.Request) {
 // responses: with a backend (agent()'s endpoint) the call as it is handed to it; with an engine,
 // the prompt rendered and checked against the context and the request's tokens taken from the
 // budget in flight (release gives them back). generate samples its completions.
-func (h *handler) generator(w http.ResponseWriter, r *http.Request, gr engines.GenerateRequest, explicit, stream bool, msgs []ChatMessage, tools []string, withTools bool) (generate func(ctx context.Context) ([]engines.Completion, error), release func(), err error) {
+func (h *handler) generator(w http.ResponseWriter, r *http.Request, gr engines.GenerateRequest, explicit, stream bool, msgs []ChatMessage, tools []string, withTools bool, require string) (generate func(ctx context.Context) ([]engines.Completion, error), release func(), err error) {
 	if h.backend != nil {
-		call := ChatCall{Request: gr, Stream: stream, Messages: msgs, Tools: tools, NoToolCalls: len(tools) > 0 && !withTools}
+		call := ChatCall{Request: gr, Stream: stream, Messages: msgs, Tools: tools, NoToolCalls: len(tools) > 0 && !withTools, RequireCall: require}
 		if explicit {
 			call.MaxTokens = gr.MaxTokens
 		}
@@ -770,8 +804,35 @@ func (h *handler) generator(w http.ResponseWriter, r *http.Request, gr engines.G
 		return nil, nil, err
 	}
 	return func(ctx context.Context) ([]engines.Completion, error) {
-		return h.eng.Generate(ctx, []engines.GenerateRequest{gr})
+		return SampleRequired(require, gr.N, func(attempt int) ([]engines.Completion, error) {
+			g := gr
+			g.Seed += uint64(attempt) * 0x9E3779B97F4A7C15
+			return h.eng.Generate(ctx, []engines.GenerateRequest{g})
+		})
 	}, release, nil
+}
+
+// SampleRequired samples until n completions meet require (RequiredCall), at most
+// RequiredAttempts times; sample(attempt) samples with attempt's seed. Without a requirement it
+// samples once.
+func SampleRequired(require string, n int, sample func(attempt int) ([]engines.Completion, error)) ([]engines.Completion, error) {
+	var kept []engines.Completion
+	for attempt := range RequiredAttempts {
+		cs, err := sample(attempt)
+		if err != nil || require == "" {
+			return cs, err
+		}
+		for _, c := range cs {
+			if RequiredCall(require, c.Text) && len(kept) < max(n, 1) {
+				c.Index = len(kept)
+				kept = append(kept, c)
+			}
+		}
+		if len(kept) >= max(n, 1) {
+			return kept, nil
+		}
+	}
+	return nil, NoRequiredCall(require)
 }
 
 // answerMessage is a sampled turn as the answer's message: with tools offered, its Hermes tool

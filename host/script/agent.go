@@ -363,6 +363,24 @@ func (s *agentSession) complete(call openai.ChatCall) ([]engines.Completion, err
 	c.mu.Lock()
 	ro.Host.Running(1)
 	cs, prompt, mask, err := c.sampleLocked(ro, s.fn, n, samp, key)
+	// tool_choice "required" or a named function: sampled again, each time at a position of
+	// its own (its seed), until every sample makes the call; only those are recorded.
+	rejected := 0
+	for attempt := 1; err == nil && !meetsRequired(call.RequireCall, cs); attempt++ {
+		if len(cs) > 0 && len(cs[0].tokens) == 0 && cs[0].finish == "length" {
+			break // the conversation fills the context: answered below, as any call is
+		}
+		for _, cm := range cs {
+			rejected += len(cm.tokens)
+		}
+		if attempt == openai.RequiredAttempts {
+			err = openai.NoRequiredCall(call.RequireCall)
+			break
+		}
+		again := append(slices.Clone(key), requiredAttemptKey+attempt)
+		samp.Seed = KeySeed(ro.Seed, ro.Task.ID, again)
+		cs, prompt, mask, err = c.sampleLocked(ro, s.fn, n, samp, again)
+	}
 	ro.Host.Running(-1)
 	c.mu.Unlock()
 
@@ -371,7 +389,7 @@ func (s *agentSession) complete(call openai.ChatCall) ([]engines.Completion, err
 	if !forked {
 		ac.busy = false
 	}
-	used := 0
+	used := rejected
 	for _, cm := range cs {
 		used += len(cm.tokens)
 	}
@@ -413,6 +431,20 @@ func (s *agentSession) complete(call openai.ChatCall) ([]engines.Completion, err
 			Logprobs: cm.logprobs, Text: cm.text, FinishReason: cm.finish}
 	}
 	return out, nil
+}
+
+// requiredAttemptKey marks, in a call's position, the samples drawn again for tool_choice
+// "required" (requiredAttemptKey+1, +2, …): positions no call of the program reaches.
+const requiredAttemptKey = 1 << 20
+
+// meetsRequired says whether every sample of a call makes the call its tool_choice requires.
+func meetsRequired(require string, cs []*Completion) bool {
+	for _, cm := range cs {
+		if !openai.RequiredCall(require, cm.text) {
+			return false
+		}
+	}
+	return true
 }
 
 // matchLocked finds the recorded conversation a call's history continues: the longest one whose

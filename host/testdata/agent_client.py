@@ -136,6 +136,9 @@ def main():
         out = {"long": refused([{"role": "user", "content": "1+" * 400}])}
         out["short"] = call([{"role": "user", "content": task}], max_tokens=4)["finish_reason"]
         print(json.dumps(out))
+    elif mode == "required":  # tool_choice "required": the answer makes the call
+        c = call([{"role": "user", "content": task}], tools=TOOLS, tool_choice="required")
+        print(json.dumps([c["finish_reason"], [t["function"]["name"] for t in c["message"].get("tool_calls") or []]]))
     elif mode == "api":  # what the endpoint names, refuses and accepts
         req = urllib.request.Request(BASE + "/models", headers={"Authorization": "bearer " + KEY})
         with urllib.request.urlopen(req) as r:
