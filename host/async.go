@@ -424,8 +424,11 @@ type busyMeter struct {
 	total   time.Duration
 }
 
-// begin and end bracket one engine call.
+// begin and end bracket one engine call; a nil meter measures nothing.
 func (b *busyMeter) begin() {
+	if b == nil {
+		return
+	}
 	b.mu.Lock()
 	defer b.mu.Unlock()
 	if b.running == 0 {
@@ -435,6 +438,9 @@ func (b *busyMeter) begin() {
 }
 
 func (b *busyMeter) end() {
+	if b == nil {
+		return
+	}
 	b.mu.Lock()
 	defer b.mu.Unlock()
 	b.running--

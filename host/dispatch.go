@@ -124,8 +124,18 @@ type scoreResult struct {
 // log-probs are back: the score calls of all rollouts reach the engine in batches too.
 func (d *dispatcher) score(ctx context.Context, req engines.ScoreRequest, version int) ([]float32, error) {
 	p := &pendingScore{ctx: ctx, req: req, version: version, done: make(chan scoreResult, 1)}
+	r, err := await(d, ctx, func() { d.scores = append(d.scores, p) }, p.done)
+	if err != nil {
+		return nil, err
+	}
+	return r.lp, r.err
+}
+
+// await queues a request (queue runs under d.mu), wakes the loop and blocks until its result is
+// back or ctx ends; the calling thread stops counting as running while it waits.
+func await[R any](d *dispatcher, ctx context.Context, queue func(), done <-chan R) (R, error) {
 	d.mu.Lock()
-	d.scores = append(d.scores, p)
+	queue()
 	d.mu.Unlock()
 	select {
 	case d.kick <- struct{}{}:
@@ -134,10 +144,11 @@ func (d *dispatcher) score(ctx context.Context, req engines.ScoreRequest, versio
 	d.act.leave()
 	defer d.act.enter()
 	select {
-	case r := <-p.done:
-		return r.lp, r.err
+	case r := <-done:
+		return r, nil
 	case <-ctx.Done():
-		return nil, context.Cause(ctx)
+		var zero R
+		return zero, context.Cause(ctx) // a rollout's time limit, say, rather than "context canceled"
 	}
 }
 
@@ -145,25 +156,14 @@ func newDispatcher(eng engines.Engine, act *activity, maxSamples int) *dispatche
 	return &dispatcher{eng: eng, gen: eng.Generate, act: act, kick: act.subscribe(), maxSamples: maxSamples, maxWait: 20 * time.Millisecond}
 }
 
-// generate queues a request and blocks until its completions are back. The calling thread stops
-// counting as running while it waits.
+// generate queues a request and blocks until its completions are back (await).
 func (d *dispatcher) generate(ctx context.Context, req engines.GenerateRequest, version int) ([]engines.Completion, error) {
 	p := &pendingGen{ctx: ctx, req: req, version: version, done: make(chan genResult, 1)}
-	d.mu.Lock()
-	d.pending = append(d.pending, p)
-	d.mu.Unlock()
-	select {
-	case d.kick <- struct{}{}:
-	default:
+	r, err := await(d, ctx, func() { d.pending = append(d.pending, p) }, p.done)
+	if err != nil {
+		return nil, err
 	}
-	d.act.leave()
-	defer d.act.enter()
-	select {
-	case r := <-p.done:
-		return r.out, r.err
-	case <-ctx.Done():
-		return nil, context.Cause(ctx) // a rollout's time limit, say, rather than "context canceled"
-	}
+	return r.out, r.err
 }
 
 // loop runs until ctx ends.
@@ -230,12 +230,8 @@ func (d *dispatcher) flush(ctx context.Context) {
 	for i, p := range batch {
 		reqs[i] = p.req
 	}
-	if d.busy != nil {
-		d.busy.begin()
-	}
-	if d.generating != nil {
-		d.generating.begin()
-	}
+	d.busy.begin()
+	d.generating.begin()
 	var out []engines.Completion
 	var err error
 	vs := d.versions()
@@ -250,12 +246,8 @@ func (d *dispatcher) flush(ctx context.Context) {
 	d.mu.Lock()
 	d.sending = false
 	d.mu.Unlock()
-	if d.generating != nil {
-		d.generating.end()
-	}
-	if d.busy != nil {
-		d.busy.end()
-	}
+	d.generating.end()
+	d.busy.end()
 	if err == nil && len(out) != samples {
 		err = errShortBatch(len(out), samples)
 	}
@@ -303,9 +295,7 @@ func (d *dispatcher) flushScores(ctx context.Context) {
 	for i, p := range batch {
 		reqs[i] = p.req
 	}
-	if d.busy != nil {
-		d.busy.begin()
-	}
+	d.busy.begin()
 	var out []engines.Scores
 	var err error
 	if v, vs := batch[0].version, d.versions(); v >= 0 && vs != nil {
@@ -313,9 +303,7 @@ func (d *dispatcher) flushScores(ctx context.Context) {
 	} else { // the current weights, as flush says
 		out, err = d.eng.Score(ctx, reqs)
 	}
-	if d.busy != nil {
-		d.busy.end()
-	}
+	d.busy.end()
 	if err == nil && len(out) != len(reqs) {
 		err = fmt.Errorf("engine returned %d scores for %d requests", len(out), len(reqs))
 	}
