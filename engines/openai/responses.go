@@ -378,18 +378,16 @@ func (h *handler) responses(w http.ResponseWriter, r *http.Request) {
 	}
 	msgs, x, err := responsesChat(&req)
 	var (
-		gr        engines.GenerateRequest
-		explicit  bool
-		tools     []string
-		withTools bool
-		require   string
+		gr       engines.GenerateRequest
+		explicit bool
+		tu       toolUse
 	)
 	if err == nil {
 		s := sampling{Model: req.Model, MaxCompletionTokens: req.MaxOutputTokens, Temperature: req.Temperature, TopP: req.TopP, maxTokensParam: "max_output_tokens"}
 		gr, explicit, err = h.request(s)
 	}
 	if err == nil {
-		tools, withTools, require, err = x.toolFields()
+		tu, err = x.toolFields()
 		var ae *apiErr
 		if errors.As(err, &ae) && ae.param == "response_format" { // the chat API's name of text.format
 			ae.param, ae.msg = "text.format", strings.ReplaceAll(ae.msg, "response_format", "text.format")
@@ -401,7 +399,7 @@ func (h *handler) responses(w http.ResponseWriter, r *http.Request) {
 	}
 	id := "resp_" + gr.ID
 	gr.ID = id
-	generate, release, err := h.generator(w, r, gr, explicit, req.Stream, msgs, tools, withTools, require)
+	generate, release, err := h.generator(w, r, gr, explicit, req.Stream, msgs, tu)
 	if err != nil {
 		h.fail(w, err)
 		return
@@ -432,7 +430,7 @@ func (h *handler) responses(w http.ResponseWriter, r *http.Request) {
 		}
 		c := comps[0]
 		var incomplete bool
-		obj.Output, incomplete = responseOutput(c, withTools)
+		obj.Output, incomplete = responseOutput(c, tu.read)
 		if incomplete {
 			obj.Status, obj.IncompleteDetails = "incomplete", &incompleteDetails{Reason: "max_output_tokens"}
 		}

@@ -383,17 +383,24 @@ func (x extras) check() error {
 	return nil
 }
 
+// toolUse is what a request's tools fields ask of its answer: the tools (each as JSON), whether
+// the answer is read for tool calls, and the call it must make (RequiredCall; "": none).
+type toolUse struct {
+	tools   []string
+	read    bool
+	require string
+}
+
 // toolFields reads a chat request's tools, tool_choice, parallel_tool_calls and
-// response_format: the tools, whether the answer is read for tool calls, and the call the answer
-// must make (RequiredCall). tool_choice "auto" (the default) and "none" are honoured ("none": the
-// answer is text, never read for calls); "required" and a named function by sampling again until
-// the answer makes the call (RequiredAttempts), never by answering without it. parallel_tool_calls
+// response_format. tool_choice "auto" (the default) and "none" are honoured ("none": the answer
+// is text, never read for calls); "required" and a named function by sampling again until the
+// answer makes the call (RequiredAttempts), never by answering without it. parallel_tool_calls
 // false would need decoding that stops after one call, which the engines do not have: it is
 // refused, as is any response_format but text (no constrained decoding either).
-func (x extras) toolFields() ([]string, bool, string, error) {
+func (x extras) toolFields() (toolUse, error) {
 	tools, err := toolsOf(x.Tools)
 	if err != nil {
-		return nil, false, "", err
+		return toolUse{}, err
 	}
 	none, require := false, ""
 	if raw := bytes.TrimSpace(x.ToolChoice); len(raw) > 0 && string(raw) != "null" {
@@ -409,7 +416,7 @@ func (x extras) toolFields() ([]string, bool, string, error) {
 		case json.Unmarshal(raw, &named) == nil && named.Type == "function" && named.Function.Name != "":
 			s, require = "function", named.Function.Name
 		default:
-			return nil, false, "", badRequest("tool_choice", "tool_choice: want \"auto\", \"none\", \"required\" or {\"type\": \"function\", \"function\": {\"name\": …}}")
+			return toolUse{}, badRequest("tool_choice", "tool_choice: want \"auto\", \"none\", \"required\" or {\"type\": \"function\", \"function\": {\"name\": …}}")
 		}
 		switch s {
 		case "auto":
@@ -419,30 +426,30 @@ func (x extras) toolFields() ([]string, bool, string, error) {
 			require = "*"
 		case "function":
 			if !slices.ContainsFunc(tools, func(t string) bool { return toolName(t) == require }) {
-				return nil, false, "", badRequest("tool_choice", "tool_choice names the function %q, which tools does not offer", require)
+				return toolUse{}, badRequest("tool_choice", "tool_choice names the function %q, which tools does not offer", require)
 			}
 		default:
-			return nil, false, "", badRequest("tool_choice", "tool_choice %q; want \"auto\", \"none\" or \"required\"", s)
+			return toolUse{}, badRequest("tool_choice", "tool_choice %q; want \"auto\", \"none\" or \"required\"", s)
 		}
 		if require != "" && len(tools) == 0 {
-			return nil, false, "", badRequest("tool_choice", "tool_choice asks for a tool call, and the request offers no tools")
+			return toolUse{}, badRequest("tool_choice", "tool_choice asks for a tool call, and the request offers no tools")
 		}
 	}
 	if x.ParallelToolCalls != nil && !*x.ParallelToolCalls && len(tools) > 0 && !none {
-		return nil, false, "", badRequest("parallel_tool_calls", "parallel_tool_calls false is not supported by this server: it cannot keep the model to one tool call a turn; leave parallel_tool_calls out (or true)")
+		return toolUse{}, badRequest("parallel_tool_calls", "parallel_tool_calls false is not supported by this server: it cannot keep the model to one tool call a turn; leave parallel_tool_calls out (or true)")
 	}
 	if raw := bytes.TrimSpace(x.ResponseFormat); len(raw) > 0 && string(raw) != "null" {
 		var f struct {
 			Type string `json:"type"`
 		}
 		if err := json.Unmarshal(raw, &f); err != nil || f.Type == "" {
-			return nil, false, "", badRequest("response_format", "response_format: want an object with a type")
+			return toolUse{}, badRequest("response_format", "response_format: want an object with a type")
 		}
 		if f.Type != "text" {
-			return nil, false, "", badRequest("response_format", "response_format of type %q is not supported by this server: it has no constrained decoding, so the answer would not be guaranteed to follow it; leave response_format out (or {\"type\": \"text\"})", f.Type)
+			return toolUse{}, badRequest("response_format", "response_format of type %q is not supported by this server: it has no constrained decoding, so the answer would not be guaranteed to follow it; leave response_format out (or {\"type\": \"text\"})", f.Type)
 		}
 	}
-	return tools, len(tools) > 0 && !none, require, nil
+	return toolUse{tools: tools, read: len(tools) > 0 && !none, require: require}, nil
 }
 
 // toolName is the function name of a tool of a request's tools (as JSON).
@@ -670,10 +677,8 @@ func (h *handler) chat(w http.ResponseWriter, r *http.Request) {
 	}
 	gr, explicit, err := h.request(req.sampling)
 	var (
-		msgs      []ChatMessage
-		tools     []string
-		withTools bool
-		require   string
+		msgs []ChatMessage
+		tu   toolUse
 	)
 	if err == nil {
 		err = req.extras.check()
@@ -688,7 +693,7 @@ func (h *handler) chat(w http.ResponseWriter, r *http.Request) {
 		msgs, err = chatMessages(req.Messages)
 	}
 	if err == nil {
-		tools, withTools, require, err = req.extras.toolFields()
+		tu, err = req.extras.toolFields()
 	}
 	if err != nil {
 		h.fail(w, err)
@@ -696,13 +701,13 @@ func (h *handler) chat(w http.ResponseWriter, r *http.Request) {
 	}
 	id := "chatcmpl-" + gr.ID
 	gr.ID = id
-	generate, release, err := h.generator(w, r, gr, explicit, req.Stream, msgs, tools, withTools, require)
+	generate, release, err := h.generator(w, r, gr, explicit, req.Stream, msgs, tu)
 	if err != nil {
 		h.fail(w, err)
 		return
 	}
 	defer release()
-	message := func(c engines.Completion) (responseMessage, string) { return answerMessage(c, withTools) }
+	message := func(c engines.Completion) (responseMessage, string) { return answerMessage(c, tu.read) }
 	choice := func(c engines.Completion) chatChoice {
 		ch := chatChoice{Index: c.Index, FinishReason: ptr(c.FinishReason)}
 		if req.Logprobs {
@@ -788,15 +793,15 @@ func (h *handler) chat(w http.ResponseWriter, r *http.Request) {
 // responses: with a backend (agent()'s endpoint) the call as it is handed to it; with an engine,
 // the prompt rendered and checked against the context and the request's tokens taken from the
 // budget in flight (release gives them back). generate samples its completions.
-func (h *handler) generator(w http.ResponseWriter, r *http.Request, gr engines.GenerateRequest, explicit, stream bool, msgs []ChatMessage, tools []string, withTools bool, require string) (generate func(ctx context.Context) ([]engines.Completion, error), release func(), err error) {
+func (h *handler) generator(w http.ResponseWriter, r *http.Request, gr engines.GenerateRequest, explicit, stream bool, msgs []ChatMessage, tu toolUse) (generate func(ctx context.Context) ([]engines.Completion, error), release func(), err error) {
 	if h.backend != nil {
-		call := ChatCall{Request: gr, Stream: stream, Messages: msgs, Tools: tools, NoToolCalls: len(tools) > 0 && !withTools, RequireCall: require}
+		call := ChatCall{Request: gr, Stream: stream, Messages: msgs, Tools: tu.tools, NoToolCalls: len(tu.tools) > 0 && !tu.read, RequireCall: tu.require}
 		if explicit {
 			call.MaxTokens = gr.MaxTokens
 		}
 		return func(ctx context.Context) ([]engines.Completion, error) { return h.backend(ctx, call) }, func() {}, nil
 	}
-	promptLen, err := h.chatPrompt(r.Context(), &gr, msgs, tools, explicit)
+	promptLen, err := h.chatPrompt(r.Context(), &gr, msgs, tu.tools, explicit)
 	if err == nil {
 		release, err = h.reserve(w, int64(promptLen)+int64(gr.N)*int64(gr.MaxTokens), int64(gr.N))
 	}
@@ -804,7 +809,7 @@ func (h *handler) generator(w http.ResponseWriter, r *http.Request, gr engines.G
 		return nil, nil, err
 	}
 	return func(ctx context.Context) ([]engines.Completion, error) {
-		return SampleRequired(require, gr.N, func(attempt int) ([]engines.Completion, error) {
+		return SampleRequired(tu.require, gr.N, func(attempt int) ([]engines.Completion, error) {
 			g := gr
 			g.Seed += uint64(attempt) * 0x9E3779B97F4A7C15
 			return h.eng.Generate(ctx, []engines.GenerateRequest{g})
