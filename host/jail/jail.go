@@ -292,10 +292,10 @@ func available() error {
 // to run in a jail: for a program at PREFIX/bin/NAME, and each link on the way to the file,
 // PREFIX (its libraries and packages, a virtual environment's site-packages). It returns the
 // program's path and those folders.
-func Resolve(prog, dir string, path string) (string, []string, error) {
+func Resolve(prog, dir string) (string, []string, error) {
 	p := prog
 	if !strings.Contains(prog, "/") {
-		found, err := lookPath(prog, path)
+		found, err := exec.LookPath(prog)
 		if err != nil {
 			return "", nil, err
 		}
@@ -343,17 +343,4 @@ func isELF(p string) bool {
 	var b [4]byte
 	n, _ := io.ReadFull(f, b[:])
 	return n == 4 && string(b[:]) == "\x7fELF"
-}
-
-func lookPath(name, path string) (string, error) {
-	for _, d := range filepath.SplitList(path) {
-		if d == "" {
-			continue
-		}
-		p := filepath.Join(d, name)
-		if st, err := os.Stat(p); err == nil && !st.IsDir() && st.Mode()&0o111 != 0 {
-			return p, nil
-		}
-	}
-	return "", fmt.Errorf("%s is not on PATH (%s)", name, path)
 }

@@ -136,7 +136,7 @@ func TestJailNetwork(t *testing.T) {
 	}
 	defer host.Close()
 	go http.Serve(host, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) { fmt.Fprint(w, "host reached") }))
-	py, need, err := Resolve("python3", "", os.Getenv("PATH"))
+	py, need, err := Resolve("python3", "")
 	if err != nil {
 		t.Fatal(err)
 	}

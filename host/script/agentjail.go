@@ -170,7 +170,7 @@ func resolveProgram(prog, dir string) (string, []string, error) {
 		r := r.(resolvedProgram)
 		return r.path, r.need, nil
 	}
-	p, need, err := jail.Resolve(prog, dir, os.Getenv("PATH"))
+	p, need, err := jail.Resolve(prog, dir)
 	if err != nil {
 		return "", nil, fmt.Errorf("cannot find the program to run in the jail: %v", err)
 	}
