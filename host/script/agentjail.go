@@ -13,6 +13,7 @@ import (
 	"strings"
 	"sync"
 	"syscall"
+	"time"
 
 	"github.com/slimen/slimen/engines/openai"
 	"github.com/slimen/slimen/host/config"
@@ -118,7 +119,7 @@ func startBare(prog string, argv, env []string, dir string, stdin io.Reader, std
 	cmd.Dir, cmd.Env = dir, append(os.Environ(), env...)
 	cmd.Stdin, cmd.Stdout, cmd.Stderr = stdin, stdout, stderr
 	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true}
-	cmd.WaitDelay = 2e9 // a child of the program holding its stdout open does not hold agent()
+	cmd.WaitDelay = 2 * time.Second // a child of the program holding its stdout open does not hold agent()
 	if err := cmd.Start(); err != nil {
 		return nil, err
 	}
