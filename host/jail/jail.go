@@ -77,9 +77,8 @@ type Cmd struct {
 	status *bufio.Reader
 	root   string // the folder the jail's root is mounted on (empty on the host)
 
-	killOnce sync.Once
-	exitLine string // the init's last status line: "exit N" or "signal N"
-	waitErr  error
+	statusFile *os.File // the read end of the status pipe, under status
+	cleanOnce  sync.Once
 }
 
 // Start sets the jail up and starts the program in it. It returns once the program runs, or
@@ -170,7 +169,7 @@ func (c *Cmd) Start() error {
 	b, _ := json.Marshal(is)
 	specW.Write(b)
 	specW.Close()
-	c.status = bufio.NewReader(statusR)
+	c.statusFile, c.status = statusR, bufio.NewReader(statusR)
 	line, err := c.status.ReadString('\n')
 	if line = strings.TrimSpace(line); line != "ok" {
 		c.Kill()
@@ -191,14 +190,16 @@ func (c *Cmd) Wait() (int, error) {
 	werr := c.cmd.Wait()
 	// The init writes the program's end last; it is gone, so this reads to its end.
 	rest, _ := io.ReadAll(c.status)
+	c.statusFile.Close()
+	var last string // the init's last line: "exit N" or "signal N"
 	for _, l := range strings.Split(strings.TrimSpace(string(rest)), "\n") {
 		if l != "" {
-			c.exitLine = l
+			last = l
 		}
 	}
 	c.Kill() // whatever the program left in the cgroup
 	c.cleanup()
-	what, n, _ := strings.Cut(c.exitLine, " ")
+	what, n, _ := strings.Cut(last, " ")
 	code, _ := strconv.Atoi(n)
 	switch {
 	case what == "exit":
@@ -222,7 +223,7 @@ func (c *Cmd) Kill() {
 }
 
 func (c *Cmd) cleanup() {
-	c.killOnce.Do(func() {
+	c.cleanOnce.Do(func() {
 		if c.cg != nil {
 			c.cg.remove()
 		}
