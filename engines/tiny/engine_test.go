@@ -5,6 +5,7 @@ import (
 	"math"
 	"math/rand/v2"
 	"slices"
+	"strings"
 	"testing"
 
 	"github.com/google/go-cmp/cmp"
@@ -274,4 +275,17 @@ func TestChatContentStaysText(t *testing.T) {
 	if err != nil || !slices.Equal(out[0].PromptTokens, want) {
 		t.Fatalf("generate's prompt %v (%v), want %v", out[0].PromptTokens, err, want)
 	}
+}
+
+// renderChat renders messages as ChatTemplate does, as text: the reference Tokenizer.EncodeChat
+// and transformers' rendering are compared with.
+func renderChat(msgs []engines.Message, addGenerationPrompt bool) string {
+	var b strings.Builder
+	for _, m := range msgs {
+		b.WriteString("<|" + m.Role + "|>" + m.Content + tokEnd)
+	}
+	if addGenerationPrompt {
+		b.WriteString(tokAssistant)
+	}
+	return b.String()
 }

@@ -23,8 +23,8 @@ const (
 )
 
 // ChatTemplate is the Jinja chat template of tiny models, stored in tokenizer_config.json. The Go
-// renderer (renderChat) produces exactly what transformers' apply_chat_template produces with it;
-// the compatibility test checks that.
+// rendering (Tokenizer.EncodeChat; renderChat in the tests, as text) produces exactly what
+// transformers' apply_chat_template produces with it; the compatibility test checks that.
 const ChatTemplate = "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}" +
 	"{% if add_generation_prompt %}<|assistant|>{% endif %}"
 
@@ -161,18 +161,6 @@ func (t *Tokenizer) piece(id int32) string {
 		return ""
 	}
 	return t.pieces[id]
-}
-
-// renderChat renders messages as ChatTemplate does.
-func renderChat(msgs []engines.Message, addGenerationPrompt bool) string {
-	var b strings.Builder
-	for _, m := range msgs {
-		b.WriteString("<|" + m.Role + "|>" + m.Content + tokEnd)
-	}
-	if addGenerationPrompt {
-		b.WriteString(tokAssistant)
-	}
-	return b.String()
 }
 
 // tokenizer.json, the Hugging Face tokenizers format: a BPE model with no merges and no
