@@ -212,25 +212,11 @@ func singleSamples(files []*syntax.File, uses []PolicyUse, cfg *config.Config) [
 			}
 			return true
 		})
-		for _, st := range f.Stmts {
-			def, ok := st.(*syntax.DefStmt)
-			if !ok || def.Name.Name != "rollout" {
-				continue
+		inRolloutBody(f, func(n *syntax.CallExpr) {
+			if callee(n) == "generate" && !sampleCount(n) {
+				once[literalArg(n)] = true
 			}
-			for _, body := range def.Body {
-				syntax.Walk(body, func(n syntax.Node) bool {
-					switch n := n.(type) {
-					case *syntax.ForStmt, *syntax.WhileStmt, *syntax.Comprehension, *syntax.LambdaExpr, *syntax.DefStmt:
-						return false
-					case *syntax.CallExpr:
-						if callee(n) == "generate" && !sampleCount(n) {
-							once[literalArg(n)] = true
-						}
-					}
-					return true
-				})
-			}
-		}
+		})
 	}
 	if grouped {
 		return nil
@@ -242,19 +228,49 @@ func singleSamples(files []*syntax.File, uses []PolicyUse, cfg *config.Config) [
 			continue
 		}
 		seen[u.Name] = true
-		est, n := "grpo", 1
-		if cfg != nil {
-			if p, ok := cfg.Policy(u.Name); ok {
-				est, n = p.Train.AdvantageEstimator, p.Train.NSamplesPerPrompt
-			}
-		}
-		if !advantage.Grouped(est) || n > 1 {
+		est, one := groupOfOne(cfg, u.Name)
+		if !one {
 			continue
 		}
 		out = append(out, fmt.Sprintf("%s: generate(%q, …) is the policy's only sample of a task, so each %s group holds one sample and every advantage is 0: sample several (n=4), run each task several times (n_samples_per_prompt: 4), or use advantage_estimator: reinforce_plus_plus",
 			u.Pos, u.Name, est))
 	}
 	return out
+}
+
+// inRolloutBody calls visit for each call made straight in the body of f's rollout: not in a
+// loop, comprehension, lambda or another function, so it runs once a task.
+func inRolloutBody(f *syntax.File, visit func(*syntax.CallExpr)) {
+	for _, st := range f.Stmts {
+		def, ok := st.(*syntax.DefStmt)
+		if !ok || def.Name.Name != "rollout" {
+			continue
+		}
+		for _, body := range def.Body {
+			syntax.Walk(body, func(n syntax.Node) bool {
+				switch n := n.(type) {
+				case *syntax.ForStmt, *syntax.WhileStmt, *syntax.Comprehension, *syntax.LambdaExpr, *syntax.DefStmt:
+					return false
+				case *syntax.CallExpr:
+					visit(n)
+				}
+				return true
+			})
+		}
+	}
+}
+
+// groupOfOne says whether one sample of policy name a task makes its advantage groups groups of
+// one: its estimator (returned; grpo without a config) compares within groups and
+// n_samples_per_prompt is 1.
+func groupOfOne(cfg *config.Config, name string) (string, bool) {
+	est, n := "grpo", 1
+	if cfg != nil {
+		if p, ok := cfg.Policy(name); ok {
+			est, n = p.Train.AdvantageEstimator, p.Train.NSamplesPerPrompt
+		}
+	}
+	return est, advantage.Grouped(est) && n <= 1
 }
 
 // singleChats warns about a chat("p", …) made straight in rollout's body (not in a loop,
@@ -288,27 +304,11 @@ func singleChats(files []*syntax.File, cfg *config.Config) []string {
 		if more {
 			return nil
 		}
-		for _, st := range f.Stmts {
-			def, ok := st.(*syntax.DefStmt)
-			if !ok || def.Name.Name != "rollout" {
-				continue
+		inRolloutBody(f, func(n *syntax.CallExpr) {
+			if lit := stringLit(policyArg(n)); callee(n) == "chat" && lit != nil {
+				once = append(once, lit)
 			}
-			for _, body := range def.Body {
-				syntax.Walk(body, func(n syntax.Node) bool {
-					switch n := n.(type) {
-					case *syntax.ForStmt, *syntax.WhileStmt, *syntax.Comprehension, *syntax.LambdaExpr, *syntax.DefStmt:
-						return false
-					case *syntax.CallExpr:
-						if callee(n) == "chat" {
-							if lit := stringLit(policyArg(n)); lit != nil {
-								once = append(once, lit)
-							}
-						}
-					}
-					return true
-				})
-			}
-		}
+		})
 	}
 	var out []string
 	for _, lit := range once {
@@ -316,13 +316,8 @@ func singleChats(files []*syntax.File, cfg *config.Config) []string {
 		if count[name] != 1 {
 			continue
 		}
-		est, n := "grpo", 1
-		if cfg != nil {
-			if p, ok := cfg.Policy(name); ok {
-				est, n = p.Train.AdvantageEstimator, p.Train.NSamplesPerPrompt
-			}
-		}
-		if !advantage.Grouped(est) || n > 1 {
+		est, one := groupOfOne(cfg, name)
+		if !one {
 			continue
 		}
 		out = append(out, fmt.Sprintf("%s: chat(%q, …) makes one conversation per task, so each %s group holds one sample and every advantage is 0: nothing is learned from it. Run each task several times (n_samples_per_prompt: 4 under the policy's train:), make several conversations in the rollout (parallel(lambda i: talk(task), range(4)), or c.fork() one after its first turns), sample a turn several times (c.generate(n=4) returns 4 forks), or use advantage_estimator: reinforce_plus_plus",
