@@ -296,14 +296,20 @@ func (cg *cgroup) remove() {
 // sweep removes the empty groups of jails whose maker died before removing them (a sandbox
 // child that was killed): their names carry the maker's pid.
 func sweep(parent string) {
-	dirs, _ := filepath.Glob(filepath.Join(parent, "slimen-jail-*"))
-	for _, d := range dirs {
-		if !Orphaned(filepath.Base(d), "slimen-jail-") {
-			continue
-		}
-		b, _ := os.ReadFile(filepath.Join(d, "cgroup.procs"))
-		if len(strings.TrimSpace(string(b))) == 0 {
+	SweepOrphans(parent, "slimen-jail-", func(d string) {
+		if b, _ := os.ReadFile(filepath.Join(d, "cgroup.procs")); len(strings.TrimSpace(string(b))) == 0 {
 			os.Remove(d)
+		}
+	})
+}
+
+// SweepOrphans calls remove with each entry of dir named prefix + "<pid>-…" whose maker is gone
+// (Orphaned): what a killed process left behind.
+func SweepOrphans(dir, prefix string, remove func(path string)) {
+	paths, _ := filepath.Glob(filepath.Join(dir, prefix+"*"))
+	for _, p := range paths {
+		if Orphaned(filepath.Base(p), prefix) {
+			remove(p)
 		}
 	}
 }

@@ -95,13 +95,7 @@ func (c *Cmd) Start() error {
 		return fmt.Errorf("jail: cannot find this program's own binary to start the jail's init: %v", err)
 	}
 	tmp := os.TempDir()
-	if olds, _ := filepath.Glob(filepath.Join(tmp, "slimen-jail-*")); len(olds) > 0 {
-		for _, d := range olds {
-			if Orphaned(filepath.Base(d), "slimen-jail-") {
-				os.Remove(d) // empty: the jail's mounts were its own namespace's
-			}
-		}
-	}
+	SweepOrphans(tmp, "slimen-jail-", func(d string) { os.Remove(d) }) // empty: a jail's mounts were its own namespace's
 	root, err := os.MkdirTemp(tmp, fmt.Sprintf("slimen-jail-%d-", os.Getpid()))
 	if err != nil {
 		return fmt.Errorf("jail: %v", err)

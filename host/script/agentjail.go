@@ -198,12 +198,7 @@ func agentSocket() (string, error) {
 			a.sockErr = err
 			return
 		}
-		olds, _ := filepath.Glob(filepath.Join(os.TempDir(), "slimen-agents-*"))
-		for _, d := range olds {
-			if jail.Orphaned(filepath.Base(d), "slimen-agents-") {
-				os.RemoveAll(d) // a killed sandbox child's
-			}
-		}
+		jail.SweepOrphans(os.TempDir(), "slimen-agents-", func(d string) { os.RemoveAll(d) }) // killed sandbox children's
 		dir, err := os.MkdirTemp("", fmt.Sprintf("slimen-agents-%d-", os.Getpid()))
 		if err != nil {
 			a.sockErr = fmt.Errorf("cannot make the agent endpoint's socket: %v", err)
