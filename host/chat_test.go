@@ -640,7 +640,7 @@ func TestChatTokensProperty(t *testing.T) {
 
 // TestChatPastContextIsNotTrained is issue 33's item 2: a conversation that outgrew the model's
 // context (512 positions on the embedded model) is not fatal. Its last turn samples nothing, the
-// sample is left out of training and counted (samples_past_context, one warning a run), the
+// sample is left out of training and counted (overflow, one warning a run), the
 // conversations that fit are trained, and the run goes on: it used to stop at training with
 // "the engine of policy failed".
 func TestChatPastContextIsNotTrained(t *testing.T) {
@@ -677,8 +677,8 @@ def rollout(task):
 			t.Fatalf("step %d: failed rollouts %v", step, res.Failed)
 		}
 		m := res.Policies[0]
-		if _, trained := m["loss"]; m.Float("samples_past_context") != 1 || m.Float("samples") != 2 || !trained {
-			t.Errorf("step %d: samples_past_context %v of %v samples, trained %v; want 1 of 2, the other trained", step, m.Float("samples_past_context"), m.Float("samples"), trained)
+		if _, trained := m["loss"]; m.Float("overflow") != 1 || m.Float("samples") != 2 || !trained {
+			t.Errorf("step %d: overflow %v of %v samples, trained %v; want 1 of 2, the other trained", step, m.Float("overflow"), m.Float("samples"), trained)
 		}
 	}
 	if n := strings.Count(log.String(), "longer than its model's context of 512 tokens and are not trained"); n != 1 {

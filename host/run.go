@@ -1020,7 +1020,7 @@ func (r *Run) trainPolicies(ctx context.Context, step int, cfg *config.Config, r
 // withinContext leaves out of training the samples longer than the policy's model takes (a chat
 // whose history outgrew the context: its last turn sampled nothing): the engine would refuse the
 // whole batch, and the run would stop as if the engine had failed. They keep their rewards and
-// their part in their groups' advantages; samples_past_context counts them, and the run says
+// their part in their groups' advantages; overflow counts them, and the run says
 // so once a policy.
 func (r *Run) withinContext(ctx context.Context, step int, p *policy, ss []trainSample, adv [][]float32, m Metrics) ([]trainSample, [][]float32) {
 	info, err := p.chatInfo(ctx)
@@ -1041,9 +1041,9 @@ func (r *Run) withinContext(ctx context.Context, step int, p *policy, ss []train
 	if dropped == 0 {
 		return ss, adv
 	}
-	m.set("samples_past_context", float64(dropped))
+	m.set("overflow", float64(dropped))
 	if _, seen := r.warned.LoadOrStore("past-context/"+p.name, true); !seen {
-		r.events.printf("warning: step %d: policy %q: %d of %d samples (up to %d tokens) are longer than its model's context of %d tokens and are not trained (samples_past_context counts them each step); keep conversations shorter (fewer turns, a smaller max_tokens, shorter tool results) or use a model with more positions",
+		r.events.printf("warning: step %d: policy %q: %d of %d samples (up to %d tokens) are longer than its model's context of %d tokens and are not trained (overflow counts them each step); keep conversations shorter (fewer turns, a smaller max_tokens, shorter tool results) or use a model with more positions",
 			step, p.name, dropped, len(ss), longest, info.MaxSeqLen)
 	}
 	return keep, keepAdv
