@@ -307,4 +307,10 @@ type RunConfig struct {
 	// "abandon" its rollouts; either way the run then checkpoints and exits 0.
 	OnSignal string `yaml:"on_signal" json:"on_signal"`
 	Colocate bool   `yaml:"colocate" json:"colocate"`
+	// SaveRollouts is how many rollouts of each step the run keeps in rollouts.jsonl (failed ones
+	// among them), for slimen view and the sample tables of TensorBoard and W&B; 0: none.
+	SaveRollouts int `yaml:"save_rollouts" json:"save_rollouts"`
+	// TensorBoard is the folder the run writes TensorBoard event files into ("": none); a
+	// relative one is taken from the working directory, as TRL's logging_dir is.
+	TensorBoard string `yaml:"tensorboard" json:"tensorboard"`
 }

@@ -102,9 +102,16 @@ func defaultData() DataConfig {
 	return DataConfig{Path: "synthetic:arith", InputKey: "prompt", LabelKey: "label"}
 }
 
+// DefaultSaveRollouts is run.save_rollouts's default: rollouts kept a step in rollouts.jsonl.
+const DefaultSaveRollouts = 8
+
+// MaxSaveRollouts bounds run.save_rollouts: the file is for looking at rollouts, not for keeping
+// every one of a long run.
+const MaxSaveRollouts = 1024
+
 // defaultRun leaves Out empty: the host fills runs/<script name>.
 func defaultRun() RunConfig {
-	return RunConfig{Steps: 50, Seed: 1, KeepCheckpoints: 3, OnSignal: "finish", SaveMinutes: 5}
+	return RunConfig{Steps: 50, Seed: 1, KeepCheckpoints: 3, OnSignal: "finish", SaveMinutes: 5, SaveRollouts: DefaultSaveRollouts}
 }
 
 // DefaultSandbox are the budgets of a sandboxed run: room for any topology of the examples, far

@@ -138,6 +138,7 @@ func (r *resolver) validate() {
 	r.check(run.EvalInterval >= 0, "run.eval_interval", 0, "must be ≥ 0 (0: no periodic eval), got %d", run.EvalInterval)
 	r.check(run.KeepCheckpoints >= 0, "run.keep_checkpoints", 0, "must be ≥ 0 (0: keep all), got %d", run.KeepCheckpoints)
 	r.check(run.OnSignal == "finish" || run.OnSignal == "abandon", "run.on_signal", 0, "must be finish or abandon, got %q", run.OnSignal)
+	r.check(run.SaveRollouts >= 0 && run.SaveRollouts <= MaxSaveRollouts, "run.save_rollouts", 0, "must be between 0 (keep none) and %d rollouts a step, got %d", MaxSaveRollouts, run.SaveRollouts)
 	r.validateSandbox()
 }
 
