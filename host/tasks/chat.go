@@ -1,0 +1,278 @@
+package tasks
+
+import (
+	"encoding/json"
+	"fmt"
+	"math/rand/v2"
+	"slices"
+	"strconv"
+	"strings"
+
+	"github.com/slimen/slimen/engines"
+)
+
+// The chat corpus teaches an embedded chat model the conversations of the agent examples in the
+// form a chat model gets them: a system prompt, the tools' JSON schemas (rendered into the system
+// prompt by the model's chat template, as Qwen3's does) and Qwen3's tool-call format. Its prompts
+// are the examples' own (examples/*/*.star; TestChatCorpusMatchesExamples keeps the two equal), so
+// one script speaks one format to the embedded model and to a torch or OpenAI chat model.
+
+// Tool schemas of the agent examples, as the scripts pass them to chat(tools = …).
+var (
+	CalcSchema = toolSchema("calc", "Evaluates integer arithmetic with + - * and returns the result.", "expr")
+	// ExpertSchema is ToolOrchestra's expert: another policy answers the question.
+	ExpertSchema = toolSchema("expert", "Asks an expert model a question and returns its answer.", "question")
+	// AskSchema is AgentFlow's executor: another policy answers a sub-question.
+	AskSchema = toolSchema("ask", "Asks the executor model a sub-question and returns its answer.", "question")
+)
+
+// System prompts of the agent examples' chat form.
+const (
+	CalcSystem = `Solve the problem. Call the calc tool for the arithmetic, then give the final answer as \boxed{N}.`
+	// OrchestraSystem is ToolOrchestra's orchestrator.
+	OrchestraSystem = "You are an orchestrator. Answer every part of the question. For a part, call calc(expr) " +
+		"for arithmetic or expert(question) to ask an expert model, or answer it yourself. " +
+		"Finally reply without a tool call, with the answers of all parts in order, separated " +
+		`by commas, in one \boxed{}: \boxed{12, 7}.`
+	// PlannerSystem is AgentFlow's planner.
+	PlannerSystem = "You are the planner of a planner-executor-verifier loop. Each turn, plan the next " +
+		"action as one tool call: calc(expr) for arithmetic, ask(question) to ask the executor " +
+		"a sub-question. The result comes back with a verifier's note. When you know the " +
+		`answer, reply without a tool call and give it as \boxed{N}.`
+)
+
+// MemAgent's chat form (examples/memagent): chunks of ChatChunk sentences into notes of at most
+// ChatMemoryChars characters.
+const (
+	ChatChunk       = 20
+	ChatMemoryChars = 256
+)
+
+// toolSchema is the OpenAI-style schema of a tool with one required string argument, as the
+// examples write it in Starlark; its JSON is what json.encode gives for that dict.
+func toolSchema(name, description, arg string) string {
+	return `{"type":"function","function":{"name":"` + name + `","description":"` + description +
+		`","parameters":{"type":"object","properties":{"` + arg + `":{"type":"string"}},"required":["` + arg + `"]}}}`
+}
+
+// QwenToolCall is an assistant turn's call of a tool with string arguments in Qwen3's format:
+// `<tool_call>\n{"name": …, "arguments": {…}}\n</tool_call>`, the JSON as Python's json.dumps
+// writes it (the chat template's tojson).
+func QwenToolCall(name string, args ...[2]string) string {
+	var b strings.Builder
+	b.WriteString("<tool_call>\n{\"name\": ")
+	b.WriteString(jsonString(name))
+	b.WriteString(", \"arguments\": {")
+	for k, a := range args {
+		if k > 0 {
+			b.WriteString(", ")
+		}
+		b.WriteString(jsonString(a[0]) + ": " + jsonString(a[1]))
+	}
+	b.WriteString("}}\n</tool_call>")
+	return b.String()
+}
+
+func jsonString(s string) string {
+	b, _ := json.Marshal(s) // a string always encodes
+	return string(b)
+}
+
+// MemoryNotesPrompt is the user message of a MemAgent turn in the chat form: with chunk "" the
+// final answer from the notes, else a notes update from the next chunk.
+func MemoryNotesPrompt(question, notes, chunk string) string {
+	if chunk == "" {
+		return "Answer the question from your notes alone. Give the answer as \\boxed{answer}.\n\n" +
+			"Question: " + question + "\nNotes: " + notes
+	}
+	return "You are reading a long document in chunks to answer a question. Keep notes of what " +
+		"helps answer it. Reply with the new notes only, at most " + strconv.Itoa(ChatMemoryChars) + " characters: the notes so " +
+		"far with whatever in this chunk answers the question.\n\nQuestion: " + question +
+		"\nNotes so far: " + notes + "\nChunk: " + chunk
+}
+
+// ChatExample is one example of the chat corpus: the tools the conversation offers (JSON schemas),
+// the conversation before an assistant turn, and that turn. Kind names the part of the corpus it
+// comes from (calc, orchestra, planner, verifier, memory, arith).
+type ChatExample struct {
+	Kind     string
+	Tools    []string
+	Context  []engines.Message
+	Response string
+}
+
+// ChatCorpus is the pretraining corpus of the embedded chat model. Example i is a pure function of
+// (Seed, i). It teaches each agent example's formats deliberately unevenly, so reinforcement
+// learning has something left to learn: where calling a tool is right, the corpus sometimes
+// answers directly instead (a guess); results are copied into answers faithfully. Out of 100:
+//
+//   - 22 calculator agent (examples/calculator_agent): the first turn calls calc (14) or guesses
+//     (8); 10 more answer from the call's result;
+//   - 20 ToolOrchestra orchestrator (examples/toolorchestra, the whole question at once): calls for
+//     the parts in order — calc for a calculator part, expert for the other or, now and then, an
+//     answer of its own — then one \boxed{} with every part's answer;
+//   - 14 AgentFlow planner (examples/agentflow) and 6 of its verifier;
+//   - 16 MemAgent (examples/memagent): 11 notes updates and 5 answers from notes;
+//   - 12 arithmetic word problems, half with candidate answers (the debate's second round).
+type ChatCorpus struct{ Seed uint64 }
+
+// Example returns example i.
+func (c ChatCorpus) Example(i int) ChatExample {
+	r := rand.New(rand.NewPCG(c.Seed^0x63686174, uint64(i))) // "chat"
+	switch k := r.IntN(100); {
+	case k < 32:
+		return c.calcExample(r, i, k < 22)
+	case k < 52:
+		return c.orchestraExample(r, i)
+	case k < 72:
+		return c.plannerExample(r, i, k < 66)
+	case k < 88:
+		return c.memoryExample(r, i, k < 83)
+	default:
+		prompt, response := Arith{Seed: c.Seed, Difficulty: 2}.Example(i)
+		return ChatExample{Kind: "arith", Context: []engines.Message{{Role: "user", Content: prompt}}, Response: response}
+	}
+}
+
+func sys(s string) engines.Message  { return engines.Message{Role: "system", Content: s} }
+func user(s string) engines.Message { return engines.Message{Role: "user", Content: s} }
+func asst(s string) engines.Message { return engines.Message{Role: "assistant", Content: s} }
+func tool(s string) engines.Message { return engines.Message{Role: "tool", Content: s} }
+
+// guess is a wrong answer near label, or label itself with probability 1/4: what a model that
+// cannot do the arithmetic writes.
+func guess(r *rand.Rand, label string) string {
+	v, _ := strconv.Atoi(label)
+	if r.IntN(4) == 0 {
+		return label
+	}
+	d := 1 + r.IntN(max(2, v/10))
+	if r.IntN(2) == 0 && v-d >= 0 {
+		return strconv.Itoa(v - d)
+	}
+	return strconv.Itoa(v + d)
+}
+
+// calcExample: the calculator agent's first turn (first) or its answer after the call.
+func (c ChatCorpus) calcExample(r *rand.Rand, i int, first bool) ChatExample {
+	p, expr := Calc{Seed: c.Seed}.Problem(i)
+	e := ChatExample{Kind: "calc", Tools: []string{CalcSchema}, Context: []engines.Message{sys(CalcSystem), user(p.Prompt)}}
+	call := QwenToolCall(CalcTool, [2]string{"expr", expr})
+	switch {
+	case first && r.IntN(7) < 4:
+		e.Response = call
+	case first:
+		e.Response = `\boxed{` + guess(r, p.Label) + `}`
+	default:
+		e.Context = append(e.Context, asst(call), tool(p.Label))
+		e.Response = p.Answer()
+	}
+	return e
+}
+
+// orchestraExample is one orchestrator turn of a synthetic:multipart task given whole: a call for
+// the next part, or the final answer once every part has been dealt with.
+func (c ChatCorpus) orchestraExample(r *rand.Rand, i int) ChatExample {
+	p, parts := MultiPart{Seed: c.Seed}.Problem(i)
+	e := ChatExample{Kind: "orchestra", Tools: []string{CalcSchema, ExpertSchema},
+		Context: []engines.Message{sys(OrchestraSystem), user(p.Prompt)}}
+	// The plan of the whole conversation: per part, a call and its result, or an own answer.
+	type step struct{ call, result string }
+	var plan []step
+	answers := make([]string, len(parts))
+	for k, pt := range parts {
+		switch {
+		case pt.Kind == "calc" && r.IntN(5) > 0:
+			plan = append(plan, step{QwenToolCall(CalcTool, [2]string{"expr", pt.Expr}), pt.Label})
+			answers[k] = pt.Label
+		case pt.Kind == "calc": // asked the expert, who cannot do it
+			plan = append(plan, step{QwenToolCall("expert", [2]string{"question", pt.Prompt}), `\boxed{` + guess(r, pt.Label) + `}`})
+			answers[k] = guess(r, pt.Label)
+		case r.IntN(3) == 0: // an easy part answered without a call
+			answers[k] = pt.Label
+		default:
+			plan = append(plan, step{QwenToolCall("expert", [2]string{"question", pt.Prompt}), `\boxed{` + pt.Label + `}`})
+			answers[k] = pt.Label
+		}
+	}
+	at := r.IntN(len(plan) + 1) // the turn this example is
+	for _, s := range plan[:at] {
+		e.Context = append(e.Context, asst(s.call), tool(s.result))
+	}
+	if at < len(plan) {
+		e.Response = plan[at].call
+	} else {
+		e.Response = `\boxed{` + strings.Join(answers, ", ") + `}`
+	}
+	return e
+}
+
+// plannerExample is an AgentFlow planner turn (planner) or a verifier's reply.
+func (c ChatCorpus) plannerExample(r *rand.Rand, i int, planner bool) ChatExample {
+	p, expr := Calc{Seed: c.Seed}.Problem(i)
+	call := QwenToolCall(CalcTool, [2]string{"expr", expr})
+	if !planner {
+		// The verifier reads the question, the planner's action and its result, and answers when
+		// the result is the answer. A result that is not a number gets a note instead.
+		e := ChatExample{Kind: "verifier", Context: []engines.Message{user(p.Prompt), asst(call), tool(p.Label)}, Response: p.Answer()}
+		if r.IntN(4) == 0 {
+			e.Context[2] = tool("error: calc needs a string \"expr\"")
+			e.Response = "The action failed; call calc with the expression."
+		}
+		return e
+	}
+	e := ChatExample{Kind: "planner", Tools: []string{CalcSchema, AskSchema}, Context: []engines.Message{sys(PlannerSystem), user(p.Prompt)}}
+	switch r.IntN(10) {
+	case 0, 1, 2, 3, 4:
+		e.Response = call
+	case 5, 6:
+		e.Response = QwenToolCall("ask", [2]string{"question", p.Prompt})
+	case 7:
+		e.Response = `\boxed{` + guess(r, p.Label) + `}`
+	default:
+		e.Context = append(e.Context, asst(call), tool(p.Label+" Verifier: The action failed; call calc with the expression."))
+		e.Response = p.Answer()
+	}
+	return e
+}
+
+// memoryExample is a MemAgent notes update (update) or the answer from the notes.
+func (c ChatCorpus) memoryExample(r *rand.Rand, i int, update bool) ChatExample {
+	fp, doc := Facts{Seed: c.Seed}.Problem(i)
+	fact := strings.TrimSuffix(strings.TrimPrefix(fp.Prompt, "What is "), "?") + " is " + fp.Label + "."
+	sents := Sentences(doc)
+	at := slices.Index(sents, fact)
+	chunks := (len(sents) + ChatChunk - 1) / ChatChunk
+	k := r.IntN(chunks)
+	notes := "none"
+	if at >= 0 && at < k*ChatChunk {
+		notes = fact
+	}
+	e := ChatExample{Kind: "memory"}
+	if !update {
+		if notes == "none" && r.IntN(2) == 0 {
+			notes = fact
+		}
+		e.Context = []engines.Message{user(MemoryNotesPrompt(fp.Prompt, notes, ""))}
+		e.Response = fp.Answer()
+		if notes == "none" {
+			e.Response = `\boxed{` + guess(r, fp.Label) + `}`
+		}
+		return e
+	}
+	chunk := strings.Join(sents[k*ChatChunk:min(len(sents), (k+1)*ChatChunk)], " ")
+	e.Context = []engines.Message{user(MemoryNotesPrompt(fp.Prompt, notes, chunk))}
+	e.Response = notes
+	if at >= k*ChatChunk && at < (k+1)*ChatChunk {
+		e.Response = fact
+		if r.IntN(4) == 0 { // a sloppier note: the sentence around it too
+			e.Response = strings.Join(sents[max(at-1, k*ChatChunk):at+1], " ")
+		}
+	}
+	return e
+}
+
+// String names the corpus for logs.
+func (c ChatCorpus) String() string {
+	return fmt.Sprintf("the synthetic chat corpus (seed %d)", c.Seed)
+}

@@ -1,0 +1,170 @@
+package tasks
+
+import (
+	jsonstd "encoding/json"
+	"path/filepath"
+	"reflect"
+	"strings"
+	"testing"
+
+	"go.starlark.net/lib/json"
+	"go.starlark.net/starlark"
+	"go.starlark.net/syntax"
+)
+
+// exampleGlobals executes an example script with stand-ins for what it loads and returns its
+// top-level names.
+func exampleGlobals(t *testing.T, path string) starlark.StringDict {
+	t.Helper()
+	f, err := (&syntax.FileOptions{}).Parse(path, nil, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	loaded := map[string]starlark.StringDict{}
+	for _, st := range f.Stmts {
+		if l, ok := st.(*syntax.LoadStmt); ok {
+			m := loaded[l.ModuleName()]
+			if m == nil {
+				m = starlark.StringDict{}
+				loaded[l.ModuleName()] = m
+			}
+			for _, name := range l.From {
+				m[name.Name] = starlark.None
+			}
+		}
+	}
+	thread := &starlark.Thread{Load: func(_ *starlark.Thread, module string) (starlark.StringDict, error) {
+		return loaded[module], nil
+	}}
+	pre := starlark.StringDict{"json": json.Module}
+	for _, name := range []string{"config", "chat", "generate", "reward", "train", "log", "parallel", "fail"} {
+		pre[name] = starlark.None
+	}
+	g, err := starlark.ExecFileOptions(&syntax.FileOptions{}, thread, path, nil, pre)
+	if err != nil {
+		t.Fatalf("%s: %v", path, err)
+	}
+	return g
+}
+
+func starlarkString(t *testing.T, g starlark.StringDict, name string) string {
+	t.Helper()
+	s, ok := g[name].(starlark.String)
+	if !ok {
+		t.Fatalf("%s is %v, not a string", name, g[name])
+	}
+	return string(s)
+}
+
+// sameJSON says whether the Starlark value v encodes to the JSON text want (key order aside).
+func sameJSON(t *testing.T, v starlark.Value, want string) bool {
+	t.Helper()
+	enc, err := starlark.Call(&starlark.Thread{}, json.Module.Members["encode"], starlark.Tuple{v}, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var a, b any
+	if err := jsonUnmarshal(string(enc.(starlark.String)), &a); err != nil {
+		t.Fatal(err)
+	}
+	if err := jsonUnmarshal(want, &b); err != nil {
+		t.Fatal(err)
+	}
+	return reflect.DeepEqual(a, b)
+}
+
+// TestChatCorpusMatchesExamples: the chat corpus holds the agent examples' own prompts and tool
+// schemas, so a model pretrained on it meets in a run exactly what it learned. A changed prompt in
+// a script fails here: change the corpus with it (and pretrain the model again).
+func TestChatCorpusMatchesExamples(t *testing.T) {
+	root := filepath.Join("..", "..", "examples")
+	calc := exampleGlobals(t, filepath.Join(root, "calculator_agent", "calculator_agent.star"))
+	if got := starlarkString(t, calc, "CHAT_SYSTEM"); got != CalcSystem {
+		t.Errorf("calculator_agent's CHAT_SYSTEM is %q; the corpus has %q", got, CalcSystem)
+	}
+	if !sameJSON(t, calc["CALC"], CalcSchema) {
+		t.Errorf("calculator_agent's CALC differs from the corpus's CalcSchema %s", CalcSchema)
+	}
+	orch := exampleGlobals(t, filepath.Join(root, "toolorchestra", "toolorchestra.star"))
+	if got := starlarkString(t, orch, "CHAT_SYSTEM"); got != OrchestraSystem {
+		t.Errorf("toolorchestra's CHAT_SYSTEM is %q; the corpus has %q", got, OrchestraSystem)
+	}
+	if !sameJSON(t, orch["TOOLS"], "["+CalcSchema+","+ExpertSchema+"]") {
+		t.Errorf("toolorchestra's TOOLS differ from the corpus's [calc, expert]")
+	}
+	flow := exampleGlobals(t, filepath.Join(root, "agentflow", "agentflow.star"))
+	if got := starlarkString(t, flow, "CHAT_SYSTEM"); got != PlannerSystem {
+		t.Errorf("agentflow's CHAT_SYSTEM is %q; the corpus has %q", got, PlannerSystem)
+	}
+	if !sameJSON(t, flow["TOOLS"], "["+CalcSchema+","+AskSchema+"]") {
+		t.Errorf("agentflow's TOOLS differ from the corpus's [calc, ask]")
+	}
+	mem := exampleGlobals(t, filepath.Join(root, "memagent", "memagent.star"))
+	for name, want := range map[string]int{"CHAT_CHUNK": ChatChunk, "CHAT_MEMORY_CHARS": ChatMemoryChars} {
+		if got, _ := starlark.AsInt32(mem[name]); got != want {
+			t.Errorf("memagent's %s is %v; the corpus has %d", name, mem[name], want)
+		}
+	}
+	prompt := mem["chat_prompt"].(starlark.Callable)
+	for _, chunk := range []starlark.Value{starlark.None, starlark.String("Ann's desk is 12. A dog barked.")} {
+		got, err := starlark.Call(&starlark.Thread{}, prompt, starlark.Tuple{starlark.String("What is Ann's desk?"), starlark.String("none"), chunk}, nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		c, _ := starlark.AsString(chunk)
+		if want := MemoryNotesPrompt("What is Ann's desk?", "none", c); string(got.(starlark.String)) != want {
+			t.Errorf("memagent's chat_prompt gives\n%q\nthe corpus's MemoryNotesPrompt\n%q", got, want)
+		}
+	}
+}
+
+func TestChatCorpus(t *testing.T) {
+	c := ChatCorpus{Seed: 1}
+	kinds := map[string]int{}
+	calls, guesses := 0, 0
+	for i := range 2000 {
+		e := c.Example(i)
+		kinds[e.Kind]++
+		if e2 := c.Example(i); !reflect.DeepEqual(e, e2) {
+			t.Fatal("examples are not a function of (seed, index)")
+		}
+		if e.Response == "" || len(e.Context) == 0 || e.Context[len(e.Context)-1].Role == "assistant" {
+			t.Fatalf("example %d (%s) is not a conversation before an assistant turn: %+v", i, e.Kind, e)
+		}
+		for _, s := range e.Tools {
+			var v map[string]any
+			if err := jsonUnmarshal(s, &v); err != nil {
+				t.Fatalf("example %d: tool schema %s: %v", i, s, err)
+			}
+		}
+		if strings.HasPrefix(e.Response, "<tool_call>") {
+			var call struct {
+				Name      string            `json:"name"`
+				Arguments map[string]string `json:"arguments"`
+			}
+			body := strings.TrimSuffix(strings.TrimPrefix(e.Response, "<tool_call>\n"), "\n</tool_call>")
+			if err := jsonUnmarshal(body, &call); err != nil || call.Name == "" || len(call.Arguments) != 1 {
+				t.Fatalf("example %d: %q is not one Qwen tool call: %v", i, e.Response, err)
+			}
+			if e.Kind == "calc" && len(e.Context) == 2 {
+				calls++
+			}
+		} else if e.Kind == "calc" && len(e.Context) == 2 {
+			guesses++
+		}
+	}
+	for kind, want := range map[string]int{"calc": 640, "orchestra": 400, "planner": 280, "verifier": 120, "memory": 320, "arith": 240} {
+		if got := kinds[kind]; got < want*7/10 || got > want*13/10 {
+			t.Errorf("%d %s examples of 2000; want about %d", got, kind, want)
+		}
+	}
+	// The calculator agent's first turn calls the tool about 4 times in 7: room to learn.
+	if calls < guesses || calls > 2*guesses {
+		t.Errorf("first calc turns: %d calls, %d guesses; want about 4 to 3", calls, guesses)
+	}
+	if got := QwenToolCall("calc", [2]string{"expr", `4"2`}); got != "<tool_call>\n{\"name\": \"calc\", \"arguments\": {\"expr\": \"4\\\"2\"}}\n</tool_call>" {
+		t.Errorf("QwenToolCall = %q", got)
+	}
+}
+
+func jsonUnmarshal(s string, v any) error { return jsonstd.Unmarshal([]byte(s), v) }
