@@ -74,10 +74,19 @@ type PolicyUse struct {
 	Via  string // the script's function the name is passed to (ask in ask("solver", …)); "" when written in Fn's call
 	// Default is the parameter of Via whose default the name is, for a call that leaves it out.
 	Default string
+	// Held is the variable or function call the name reaches the call through ("SOLVER",
+	// "solver()"); "" when the literal is written in the call.
+	Held string
 }
 
-// where is the call a use is written in: generate, or ask → generate for a name passed to ask.
+// where is the call a use is written in: generate, or ask → generate for a name passed to ask,
+// SOLVER → generate for one held in a variable.
 func (u PolicyUse) where() string {
+	if u.Held != "" {
+		v := u
+		v.Held = ""
+		return u.Held + " → " + v.where()
+	}
 	switch {
 	case u.Via == "":
 		return u.Fn
@@ -87,8 +96,12 @@ func (u PolicyUse) where() string {
 	return u.Via + " → " + u.Fn
 }
 
-// call is a use as its call reads: generate("solver") or ask("solver") → generate.
+// call is a use as its call reads: generate("solver") or ask("solver") → generate, or
+// SOLVER = "solver" → generate.
 func (u PolicyUse) call() string {
+	if u.Held != "" {
+		return fmt.Sprintf("%s = %q → %s", u.Held, u.Name, u.where()[len(u.Held)+len(" → "):])
+	}
 	switch {
 	case u.Via == "":
 		return fmt.Sprintf("%s(%q)", u.Fn, u.Name)

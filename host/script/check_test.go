@@ -247,3 +247,61 @@ def rollout(task):
 		t.Errorf("reinforce_plus_plus: warnings %q", w)
 	}
 }
+
+// TestCheckPolicyThroughVariables: a policy name held in a module-level variable, in one loaded
+// from another file, in a local variable or returned by a helper reaches generate as surely as a
+// literal, and is checked against the config where the literal is written. A loop variable, a
+// parameter or a computed name is not followed.
+func TestCheckPolicyThroughVariables(t *testing.T) {
+	dir := t.TempDir()
+	cfgPath := filepath.Join(dir, "config.yaml")
+	os.WriteFile(cfgPath, []byte("policies:\n  - name: solver\n  - name: judge\n  - name: critic\n"), 0o644)
+	cfg, err := config.Load(cfgPath)
+	if err != nil {
+		t.Fatal(err)
+	}
+	os.WriteFile(filepath.Join(dir, "names.star"), []byte(`JUDGE = "jduge"
+`), 0o644)
+	p := filepath.Join(dir, "vars.star")
+	os.WriteFile(p, []byte(`load("names.star", "JUDGE")
+
+SOLVER = "sovler"
+
+def critic_name():
+    return "critc"
+
+def ask(p, q):
+    return generate(p, q)
+
+def rollout(task):
+    a = generate(SOLVER, task.prompt)
+    score(JUDGE, a.text)
+    who = "solvr" if task.prompt else "solver"
+    ask(who, task.prompt)
+    ask(critic_name(), a.text)
+    for name in ["x"]:
+        generate(name, "fine")
+    n = "solver"
+    n += "2"
+    generate(n, "computed")
+    generate("sol" + "ver", "computed")
+    train(a)
+`), 0o644)
+	problems, _ := Lint(p, cfg)
+	got := strings.ReplaceAll(strings.Join(problems, "\n"), dir+string(filepath.Separator), "")
+	tail := `; config.yaml defines "solver", "judge", "critic" — add it under policies: or fix the name`
+	want := strings.Join([]string{
+		`names.star:1:9: JUDGE → score: unknown policy "jduge" (did you mean "judge"?)` + tail,
+		`vars.star:14:11: who → ask → generate: unknown policy "solvr" (did you mean "solver"?)` + tail,
+		`vars.star:3:10: SOLVER → generate: unknown policy "sovler" (did you mean "solver"?)` + tail,
+		`vars.star:6:12: critic_name() → ask → generate: unknown policy "critc" (did you mean "critic"?)` + tail,
+	}, "\n")
+	if d := cmp.Diff(want, got); d != "" {
+		t.Errorf("problems (-want +got):\n%s", d)
+	}
+	// With no config, the names a typo apart are a warning, each written as it reads.
+	_, warnings := Lint(p, nil)
+	if w := strings.Join(warnings, "\n"); !strings.Contains(w, `vars.star:3:10: SOLVER = "sovler" → generate and `) {
+		t.Errorf("warnings do not name SOLVER's typo:\n%s", w)
+	}
+}

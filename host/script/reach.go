@@ -2,6 +2,9 @@ package script
 
 import (
 	"io/fs"
+	"path"
+	"path/filepath"
+	"slices"
 	"strings"
 
 	"go.starlark.net/syntax"
@@ -13,8 +16,11 @@ import (
 // argument of another function whose parameter reaches one (found to a fixed point, through
 // lambdas and nested functions that use it). A string literal passed for such a parameter at a
 // call in the script's files is a policy name, reported where it is written; a call that leaves
-// such a parameter out reaches its default, reported at the call. This is constant propagation
-// of literals only: a name computed, stored or returned is not followed.
+// such a parameter out reaches its default, reported at the call. A name passed as a variable
+// (module-level, loaded from another file, or local to the calling function) or as the call of a
+// function that returns it (def solver(): return "solver") is followed to the literals assigned
+// or returned. This is constant propagation of literals only: a name computed (concatenated,
+// formatted, read from a dict or a loop) is not followed.
 
 // reachDef is one function of the script or of a package module it loads.
 type reachDef struct {
@@ -24,6 +30,10 @@ type reachDef struct {
 	body     []syntax.Stmt
 	file     *reachFile
 	policy   map[string]string // parameter → the builtin it reaches ("generate", …)
+	// locals are the names the body binds (nested functions aside), each with the values
+	// assigned to it by a plain name = value; a name bound otherwise (a loop, a tuple) has none.
+	locals  map[string][]syntax.Expr
+	returns []syntax.Expr // the values of the body's return statements
 }
 
 type reachFile struct {
@@ -32,7 +42,10 @@ type reachFile struct {
 	defs  map[string]*reachDef // every def of the file, by name (top level first)
 	loads map[string][2]string // local name → module id, name there
 	top   map[string]*reachDef // top-level defs
-	ast   *syntax.File
+	// globals are the values assigned to module-level names (NAME = value).
+	globals map[string][]syntax.Expr
+	stmts   map[*syntax.DefStmt]*reachDef
+	ast     *syntax.File
 }
 
 // reachedPolicies finds the policy names files pass through their functions (see above). files
@@ -46,21 +59,22 @@ func reachedPolicies(files []*syntax.File) []PolicyUse {
 			return
 		}
 		rf := &reachFile{name: name, user: user, defs: map[string]*reachDef{}, loads: map[string][2]string{},
-			top: map[string]*reachDef{}, ast: f}
+			top: map[string]*reachDef{}, globals: map[string][]syntax.Expr{}, stmts: map[*syntax.DefStmt]*reachDef{}, ast: f}
 		byName[name] = rf
 		all = append(all, rf)
 		for _, st := range f.Stmts {
 			switch st := st.(type) {
 			case *syntax.DefStmt:
 				d := newReachDef(st.Name.Name, st.Params, st.Body, rf)
-				rf.top[d.name], rf.defs[d.name] = d, d
+				rf.top[d.name], rf.defs[d.name], rf.stmts[st] = d, d, d
+			case *syntax.AssignStmt:
+				if id, ok := st.LHS.(*syntax.Ident); ok && st.Op == syntax.EQ {
+					rf.globals[id.Name] = append(rf.globals[id.Name], st.RHS)
+				}
 			case *syntax.LoadStmt:
-				mod := st.ModuleName()
-				id := ""
-				if strings.HasPrefix(mod, "@") {
-					pkg, file, ok := strings.Cut(mod[1:], "//")
-					if fsys, known := bundledPackages()[pkg]; ok && known {
-						id = "@" + pkg + "//" + file
+				id := moduleID(name, st.ModuleName())
+				if pkg, file, ok := strings.Cut(strings.TrimPrefix(id, "@"), "//"); ok && strings.HasPrefix(id, "@") {
+					if fsys, known := bundledPackages()[pkg]; known {
 						if src, err := fs.ReadFile(fsys, file); err == nil {
 							if pf, err := fileOptions.Parse(id, src, 0); err == nil {
 								defer add(id, pf, false)
@@ -74,9 +88,11 @@ func reachedPolicies(files []*syntax.File) []PolicyUse {
 			}
 		}
 		syntax.Walk(f, func(n syntax.Node) bool {
-			if st, ok := n.(*syntax.DefStmt); ok {
+			if st, ok := n.(*syntax.DefStmt); ok && rf.stmts[st] == nil {
+				d := newReachDef(st.Name.Name, st.Params, st.Body, rf)
+				rf.stmts[st] = d
 				if _, ok := rf.defs[st.Name.Name]; !ok {
-					rf.defs[st.Name.Name] = newReachDef(st.Name.Name, st.Params, st.Body, rf)
+					rf.defs[st.Name.Name] = d
 				}
 			}
 			return true
@@ -123,20 +139,29 @@ func reachedPolicies(files []*syntax.File) []PolicyUse {
 		}
 	}
 
-	// Literals and defaults passed for such parameters at the script's own calls.
+	// Literals and defaults passed for such parameters at the script's own calls, and names
+	// held in variables or returned by functions passed to the builtins themselves.
 	var out []PolicyUse
+	seen := map[PolicyUse]bool{}
+	emit := func(u PolicyUse) {
+		if !seen[u] {
+			seen[u] = true
+			out = append(out, u)
+		}
+	}
 	for _, rf := range all {
 		if !rf.user {
 			continue
 		}
-		syntax.Walk(rf.ast, func(n syntax.Node) bool {
-			call, ok := n.(*syntax.CallExpr)
-			if !ok {
-				return true
-			}
+		walkScoped(rf, func(call *syntax.CallExpr, scope []*reachDef) {
 			g := resolve(rf, call)
 			if g == nil {
-				return true
+				if e := policyArg(call); e != nil && stringLit(e) == nil { // literals: policyLiterals
+					for _, v := range follow(rf, scope, e, byName, resolve, 0) {
+						emit(PolicyUse{Pos: v.lit.TokenPos, Fn: callee(call), Name: v.lit.Value.(string), Held: v.held})
+					}
+				}
+				return
 			}
 			bound := boundArgs(g, call)
 			for _, q := range g.params {
@@ -145,22 +170,181 @@ func reachedPolicies(files []*syntax.File) []PolicyUse {
 				}
 				via := callee(call)
 				if e, ok := bound[q]; ok {
-					if lit := stringLit(e); lit != nil {
-						out = append(out, PolicyUse{Pos: lit.TokenPos, Fn: g.policy[q], Name: lit.Value.(string), Via: via})
+					for _, v := range follow(rf, scope, e, byName, resolve, 0) {
+						emit(PolicyUse{Pos: v.lit.TokenPos, Fn: g.policy[q], Name: v.lit.Value.(string), Via: via, Held: v.held})
 					}
 				} else if lit := stringLit(g.defaults[q]); lit != nil {
 					pos, _ := call.Span()
-					out = append(out, PolicyUse{Pos: pos, Fn: g.policy[q], Name: lit.Value.(string), Via: via, Default: q})
+					emit(PolicyUse{Pos: pos, Fn: g.policy[q], Name: lit.Value.(string), Via: via, Default: q})
+				} else if e := g.defaults[q]; e != nil {
+					for _, v := range follow(g.file, nil, e, byName, resolve, 0) {
+						emit(PolicyUse{Pos: v.lit.TokenPos, Fn: g.policy[q], Name: v.lit.Value.(string), Via: via, Held: v.held})
+					}
 				}
 			}
-			return true
 		})
 	}
 	return out
 }
 
+// heldName is a string literal an expression evaluates to, with the variable or function that
+// held it on the way ("SOLVER", "solver()"; "" for the literal itself).
+type heldName struct {
+	lit  *syntax.Literal
+	held string
+}
+
+// follow finds the string literals an expression in rf, inside the functions scope (innermost
+// first; nil at module level), can evaluate to: the literal, a variable's assigned values, a
+// called function's returned values, both branches of a conditional. A parameter, a loop variable
+// or anything computed gives none.
+func follow(rf *reachFile, scope []*reachDef, e syntax.Expr, byName map[string]*reachFile,
+	resolve func(*reachFile, *syntax.CallExpr) *reachDef, depth int) []heldName {
+	if depth > 8 { // a cycle (def f(): return f()) or a very long chain
+		return nil
+	}
+	hold := func(name string, vals []heldName) []heldName {
+		for i := range vals {
+			if vals[i].held == "" {
+				vals[i].held = name
+			}
+		}
+		return vals
+	}
+	switch e := e.(type) {
+	case *syntax.Literal:
+		if lit := stringLit(e); lit != nil {
+			return []heldName{{lit: lit}}
+		}
+	case *syntax.ParenExpr:
+		return follow(rf, scope, e.X, byName, resolve, depth)
+	case *syntax.CondExpr:
+		return append(follow(rf, scope, e.True, byName, resolve, depth+1), follow(rf, scope, e.False, byName, resolve, depth+1)...)
+	case *syntax.Ident:
+		for i, d := range scope {
+			if slices.Contains(d.params, e.Name) || slices.Contains(d.params, "*"+e.Name) {
+				return nil
+			}
+			if vals, ok := d.locals[e.Name]; ok {
+				var out []heldName
+				for _, v := range vals {
+					out = append(out, follow(rf, scope[i:], v, byName, resolve, depth+1)...)
+				}
+				return hold(e.Name, out)
+			}
+		}
+		if vals, ok := rf.globals[e.Name]; ok {
+			var out []heldName
+			for _, v := range vals {
+				out = append(out, follow(rf, nil, v, byName, resolve, depth+1)...)
+			}
+			return hold(e.Name, out)
+		}
+		if l, ok := rf.loads[e.Name]; ok {
+			if mf := byName[l[0]]; mf != nil {
+				return hold(e.Name, follow(mf, nil, &syntax.Ident{Name: l[1]}, byName, resolve, depth+1))
+			}
+		}
+	case *syntax.CallExpr:
+		g := resolve(rf, e)
+		if g == nil {
+			return nil
+		}
+		var out []heldName
+		for _, r := range g.returns {
+			out = append(out, follow(g.file, []*reachDef{g}, r, byName, resolve, depth+1)...)
+		}
+		return hold(callee(e)+"()", out)
+	}
+	return nil
+}
+
+// walkScoped calls fn for every call in rf, with the functions it is inside (innermost first; a
+// lambda is a function of parameters only).
+func walkScoped(rf *reachFile, fn func(call *syntax.CallExpr, scope []*reachDef)) {
+	var walk func(n syntax.Node, scope []*reachDef)
+	walk = func(n syntax.Node, scope []*reachDef) {
+		syntax.Walk(n, func(m syntax.Node) bool {
+			var inner *reachDef
+			var body []syntax.Node
+			switch m := m.(type) {
+			case *syntax.CallExpr:
+				fn(m, scope)
+				return true
+			case *syntax.DefStmt:
+				inner = rf.stmts[m]
+				for _, st := range m.Body {
+					body = append(body, st)
+				}
+			case *syntax.LambdaExpr:
+				inner = &reachDef{name: "lambda", params: paramNames(m.Params)}
+				body = []syntax.Node{m.Body}
+			default:
+				return true
+			}
+			if inner == nil {
+				return false
+			}
+			in := append([]*reachDef{inner}, scope...)
+			for _, b := range body {
+				walk(b, in)
+			}
+			return false
+		})
+	}
+	for _, st := range rf.ast.Stmts {
+		walk(st, nil)
+	}
+}
+
+// moduleID is the id a load statement in file from gives module, as the loader does: @pkg//file
+// as written, a sibling within a package module's own package, or a file path beside from.
+func moduleID(from, module string) string {
+	if strings.HasPrefix(module, "@") {
+		pkg, file, ok := strings.Cut(module[1:], "//")
+		if !ok {
+			return ""
+		}
+		return "@" + pkg + "//" + path.Clean(file)
+	}
+	if strings.HasPrefix(from, "@") {
+		pkg, file, _ := strings.Cut(from[1:], "//")
+		return "@" + pkg + "//" + path.Join(path.Dir(file), module)
+	}
+	return filepath.Clean(filepath.Join(filepath.Dir(from), module))
+}
+
 func newReachDef(name string, params []syntax.Expr, body []syntax.Stmt, rf *reachFile) *reachDef {
-	d := &reachDef{name: name, defaults: map[string]syntax.Expr{}, body: body, file: rf, policy: map[string]string{}}
+	d := &reachDef{name: name, defaults: map[string]syntax.Expr{}, body: body, file: rf, policy: map[string]string{},
+		locals: map[string][]syntax.Expr{}}
+	computed := map[string]bool{}
+	for _, st := range body {
+		syntax.Walk(st, func(n syntax.Node) bool {
+			switch n := n.(type) {
+			case *syntax.DefStmt:
+				d.locals[n.Name.Name] = d.locals[n.Name.Name][:0:0]
+				return false
+			case *syntax.LambdaExpr, *syntax.Comprehension: // their names are their own
+				return false
+			case *syntax.ReturnStmt:
+				if n.Result != nil {
+					d.returns = append(d.returns, n.Result)
+				}
+			case *syntax.AssignStmt:
+				if id, ok := n.LHS.(*syntax.Ident); ok && n.Op == syntax.EQ {
+					d.locals[id.Name] = append(d.locals[id.Name], n.RHS)
+				} else {
+					bindNames(n.LHS, d.locals, computed)
+				}
+			case *syntax.ForStmt:
+				bindNames(n.Vars, d.locals, computed)
+			}
+			return true
+		})
+	}
+	for name := range computed {
+		d.locals[name] = nil
+	}
 	for _, p := range params {
 		switch p := p.(type) {
 		case *syntax.Ident:
@@ -179,6 +363,28 @@ func newReachDef(name string, params []syntax.Expr, body []syntax.Stmt, rf *reac
 		}
 	}
 	return d
+}
+
+// bindNames marks the names an assignment target binds as locals with no known value.
+// A name given another value (x += …) is marked too: what it holds is computed.
+func bindNames(target syntax.Expr, locals map[string][]syntax.Expr, computed map[string]bool) {
+	switch t := target.(type) {
+	case *syntax.Ident:
+		if _, known := locals[t.Name]; !known {
+			locals[t.Name] = nil
+		}
+		computed[t.Name] = true
+	case *syntax.ParenExpr:
+		bindNames(t.X, locals, computed)
+	case *syntax.TupleExpr:
+		for _, x := range t.List {
+			bindNames(x, locals, computed)
+		}
+	case *syntax.ListExpr:
+		for _, x := range t.List {
+			bindNames(x, locals, computed)
+		}
+	}
 }
 
 // paramNames are the names a parameter list binds.
