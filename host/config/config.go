@@ -313,4 +313,19 @@ type RunConfig struct {
 	// TensorBoard is the folder the run writes TensorBoard event files into ("": none); a
 	// relative one is taken from the working directory, as TRL's logging_dir is.
 	TensorBoard string `yaml:"tensorboard" json:"tensorboard"`
+	// Wandb logs the run to Weights & Biases through the wandb SDK (host/wandb); nil: it does not.
+	Wandb *WandbConfig `yaml:"wandb,omitempty" json:"wandb,omitempty"`
+}
+
+// WandbConfig is run.wandb: the W&B run a slimen run logs to. Empty fields are the SDK's to fill
+// from its environment (WANDB_PROJECT, WANDB_ENTITY, WANDB_MODE, …), except Name, which defaults
+// to the run folder's name.
+type WandbConfig struct {
+	Project string `yaml:"project,omitempty" json:"project,omitempty"`
+	Entity  string `yaml:"entity,omitempty" json:"entity,omitempty"`
+	Name    string `yaml:"name,omitempty" json:"name,omitempty"`
+	Mode    string `yaml:"mode,omitempty" json:"mode,omitempty"` // online, offline or disabled
+	// Python is the interpreter of an environment with the wandb package ("": $SLIMEN_PYTHON,
+	// else python3 from PATH).
+	Python string `yaml:"python,omitempty" json:"python,omitempty"`
 }

@@ -139,6 +139,10 @@ func (r *resolver) validate() {
 	r.check(run.KeepCheckpoints >= 0, "run.keep_checkpoints", 0, "must be ≥ 0 (0: keep all), got %d", run.KeepCheckpoints)
 	r.check(run.OnSignal == "finish" || run.OnSignal == "abandon", "run.on_signal", 0, "must be finish or abandon, got %q", run.OnSignal)
 	r.check(run.SaveRollouts >= 0 && run.SaveRollouts <= MaxSaveRollouts, "run.save_rollouts", 0, "must be between 0 (keep none) and %d rollouts a step, got %d", MaxSaveRollouts, run.SaveRollouts)
+	if w := run.Wandb; w != nil {
+		r.check(w.Mode == "" || w.Mode == "online" || w.Mode == "offline" || w.Mode == "disabled", "run.wandb.mode", r.line("run.wandb.mode", 0),
+			"must be online, offline or disabled (or left out: the SDK reads WANDB_MODE), got %q", w.Mode)
+	}
 	r.validateSandbox()
 }
 
