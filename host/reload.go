@@ -7,6 +7,7 @@ import (
 	"os"
 	"path/filepath"
 	"reflect"
+	"sort"
 	"strings"
 	"sync"
 	"time"
@@ -125,7 +126,13 @@ func (r *Run) checkReload() {
 			if !r.zero {
 				cfg = r.Config()
 			}
-			if problems, _ := script.LintScript(s, cfg); len(problems) > 0 {
+			problems, _ := script.LintScript(s, cfg)
+			if r.zero {
+				// With no config a new name is a new model: refuse the typo that would leave
+				// the trained one idle, as the config refuses an unknown name.
+				problems = append(problems, script.RenamedPolicies(script.PolicyUses(s), r.policyNames())...)
+			}
+			if len(problems) > 0 {
 				err = errors.New(strings.Join(problems, "\n"))
 			}
 		}
@@ -182,6 +189,18 @@ func (r *Run) checkReload() {
 	}
 	rl.pendingCfg = c
 	r.events.printf("reload: %s is valid; its new settings take over at the next step", rl.cfgPath)
+}
+
+// policyNames are the names of the run's policies, those a zero-config script created included.
+func (r *Run) policyNames() []string {
+	r.polMu.Lock()
+	defer r.polMu.Unlock()
+	names := make([]string, 0, len(r.policies))
+	for name := range r.policies {
+		names = append(names, name)
+	}
+	sort.Strings(names)
+	return names
 }
 
 // needsNewEngine names a change that a running engine cannot take ("" if none): policies added,

@@ -461,3 +461,49 @@ func TestReloadRefusesUseTISOnAnEngineWithoutIt(t *testing.T) {
 		t.Error("the refused use_tis reached the engine")
 	}
 }
+
+// TestWatchRefusesARenamedPolicy: in a zero-config run, an edit whose only policy name is a
+// letter from the trained one it no longer uses is a typo that would train a fresh model from
+// scratch; the version is refused, naming both, and the trained policy keeps going. A version
+// that adds a near name beside the old one, or a name far from any, is taken.
+func TestWatchRefusesARenamedPolicy(t *testing.T) {
+	dir := t.TempDir()
+	path := filepath.Join(dir, "s.star")
+	write := func(src string) {
+		if err := os.WriteFile(path, []byte(src), 0o644); err != nil {
+			t.Fatal(err)
+		}
+	}
+	good := "SOLVER = \"solver\"\n\ndef rollout(task):\n    c = generate(SOLVER, task.prompt, n = 2)\n    reward(c, 1.0)\n    train(c)\n    log(version = 1)\n"
+	write(good)
+	out := filepath.Join(dir, "run")
+	r, err := Load(deadline(t, time.Minute), path, Options{Out: out, Tasks: numberedTasks(2),
+		OpenEngine: func(context.Context, config.PolicyConfig) (engines.Engine, error) { return scripted.Echo("x"), nil }})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer r.Close()
+	if err := r.Watch(""); err != nil {
+		t.Fatal(err)
+	}
+	stepOK(t, r)
+	write(strings.ReplaceAll(strings.ReplaceAll(good, `"solver"`, `"sovler"`), "version = 1", "version = 2"))
+	if res := stepOK(t, r); res.Run.Float("version") != 1 {
+		t.Fatalf("a version that renames the trained policy by a typo was swapped in")
+	}
+	if ps := r.Config().Policies; len(ps) != 1 || ps[0].Name != "solver" {
+		t.Errorf("policies after the refused edit: %+v, want solver alone", ps)
+	}
+	events := readFile(t, filepath.Join(out, "events.log"))
+	if want := `s.star:1:10: SOLVER → generate: policy "sovler" is new to the run, and this version no longer uses the run's policy "solver"`; !strings.Contains(events, want) {
+		t.Errorf("events.log lacks %q:\n%s", want, events)
+	}
+	write(strings.ReplaceAll(good, "log(version = 1)", "log(version = 3)\n    generate(\"solver2\", task.prompt)"))
+	if res := stepOK(t, r); res.Run.Float("version") != 3 {
+		t.Fatalf("a version that adds a policy beside the trained one was refused:\n%s", readFile(t, filepath.Join(out, "events.log")))
+	}
+	write(strings.ReplaceAll(strings.ReplaceAll(good, `"solver"`, `"writer"`), "version = 1", "version = 4"))
+	if res := stepOK(t, r); res.Run.Float("version") != 4 {
+		t.Fatalf("a version with a new name far from the old one was refused:\n%s", readFile(t, filepath.Join(out, "events.log")))
+	}
+}

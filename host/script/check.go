@@ -111,6 +111,40 @@ func (u PolicyUse) call() string {
 	return fmt.Sprintf("%s(%q) → %s", u.Via, u.Name, u.Fn)
 }
 
+// PolicyUses lists every place a loaded script names a policy that check can follow: literals in
+// the builtins' calls, and names passed through the script's functions, variables and returns.
+func PolicyUses(s *Script) []PolicyUse {
+	direct, files := scriptPolicies(s.Files)
+	return append(direct, reachedPolicies(files)...)
+}
+
+// RenamedPolicies finds the uses of a name the run does not have (have: its policies) that is a
+// letter or two from one it has and no use names any more: in a new version of a running
+// script, the typo that would leave a trained model idle and start a fresh one under the typed
+// name. Each is a line "file:line:col: message".
+func RenamedPolicies(uses []PolicyUse, have []string) []string {
+	used := map[string]bool{}
+	for _, u := range uses {
+		used[u.Name] = true
+	}
+	var out []string
+	said := map[string]bool{}
+	for _, u := range uses {
+		if slices.Contains(have, u.Name) || said[u.Name] {
+			continue
+		}
+		for _, h := range have {
+			if nearNames(u.Name, h) && !used[h] {
+				said[u.Name] = true
+				out = append(out, fmt.Sprintf("%s: %s: policy %q is new to the run, and this version no longer uses the run's policy %q, a letter or two away: a new name starts a fresh, untrained model while the trained %q sits idle — fix the name if it is a typo; for a new model, pick a name that is not one letter from an existing one or restart the run",
+					u.Pos, u.where(), u.Name, h, h))
+				break
+			}
+		}
+	}
+	return out
+}
+
 // PolicyNames lists the policy names a loaded script writes as string literals (generate,
 // score, train(teacher=…)), each once, where it first appears.
 func PolicyNames(s *Script) []PolicyUse {
