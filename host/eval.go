@@ -82,6 +82,7 @@ func (r *Run) Eval(ctx context.Context) ([]Metrics, error) {
 		if err != nil {
 			return nil, err
 		}
+		r.rec.noteEval(i, ds.Name, ros)
 		m := newMetrics(r.step, "_eval")
 		m.set("dataset", ds.Name)
 		sums := map[string][2]float64{}

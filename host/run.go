@@ -73,6 +73,10 @@ type Options struct {
 	// included (the CLI redraws its charts with host/plot). An error it returns goes to the
 	// run's log; the run goes on.
 	AfterEval func(r *Run) error
+	// Observers receive the run's config, each step's metrics, rewards, advantages and saved
+	// rollouts, and each eval's, as the run records them (observe.go); their errors are logged,
+	// never fatal.
+	Observers []Observer
 
 	// Relocate, for Resume, is a config whose policies' engines live elsewhere than the
 	// checkpoint's say (engine.address, tls, token_env, insecure, base_url, api_key_env): those
@@ -126,7 +130,9 @@ type Run struct {
 	activity activity
 	events   *eventLog
 	metrics  *metricsWriter
-	lock     *runLock // the run folder's lock (runlock.go); nil without a folder
+	rec      recorder   // rollouts.jsonl and what a step's record needs (rollout_record.go)
+	obs      *observers // Options.Observers and run.tensorboard's, once started (observe.go)
+	lock     *runLock   // the run folder's lock (runlock.go); nil without a folder
 	// logNames are the log() names the run has written to its _run lines (at most
 	// script.MaxLogNamesPerRun; runMetrics).
 	logNames map[string]bool
@@ -487,7 +493,7 @@ func (r *Run) Close() error {
 		}
 	}
 	r.polMu.Unlock()
-	errs = append(errs, r.events.close(), r.metrics.close(), r.lock.release())
+	errs = append(errs, r.closeRecord(), r.events.close(), r.metrics.close(), r.lock.release())
 	return errors.Join(errs...)
 }
 
@@ -785,6 +791,7 @@ func (r *Run) runStep(ctx context.Context) (*StepResult, error) {
 	if err := r.metrics.writeLines(append(append([]Metrics(nil), res.Policies...), res.Run)); err != nil {
 		return nil, err
 	}
+	r.recordStep(step, ros, res) // rollout_record.go
 	if r.evalDue(step) {
 		if res.Eval, err = r.evalAndLog(ctx); err != nil {
 			return nil, err
@@ -810,6 +817,7 @@ func (r *Run) evalAndLog(ctx context.Context) ([]Metrics, error) {
 	if err := r.metrics.writeLines(evs); err != nil {
 		return nil, err
 	}
+	r.recordEval(evs)
 	r.afterEval()
 	return evs, nil
 }
@@ -939,6 +947,7 @@ func (r *Run) trainPolicies(ctx context.Context, step int, cfg *config.Config, r
 	if err != nil {
 		return nil, err
 	}
+	r.rec.keepAdvantages(byPolicy, advs)
 	var out []Metrics
 	crit := r.critic()
 	var lanes [][]*policy // policies whose training shares an engine, in config order
