@@ -2,7 +2,6 @@ package host
 
 import (
 	"bufio"
-	"bytes"
 	"context"
 	"encoding/json"
 	"errors"
@@ -22,6 +21,7 @@ import (
 	"github.com/slimen/slimen/host/config"
 	"github.com/slimen/slimen/host/script"
 	"github.com/slimen/slimen/host/script/sandbox"
+	"github.com/slimen/slimen/internal/capbuf"
 )
 
 // The host side of the sandbox (`slimen exec --sandbox`, docs/sandbox.md). Rollouts of an
@@ -57,7 +57,7 @@ type sbChild struct {
 	out    *os.File
 	encMu  sync.Mutex
 	enc    *json.Encoder
-	stderr *tailBuffer // the child's stdout and stderr: diagnostics, never read as messages
+	stderr *capbuf.Buffer // the child's stdout and stderr: diagnostics, never read as messages
 
 	readDone chan struct{} // the reader of out has stopped
 
@@ -119,7 +119,7 @@ func (sb *pool) start() (*sbChild, error) {
 	}
 	cmd := exec.Command(sb.cmd[0], sb.cmd[1:]...)
 	cmd.Env = childEnv(cfg.Sandbox)
-	c := &sbChild{sb: sb, cmd: cmd, stderr: &tailBuffer{max: 4096}, rollouts: map[int64]*script.Rollout{},
+	c := &sbChild{sb: sb, cmd: cmd, stderr: &capbuf.Buffer{Head: 4096, Tail: 4096}, rollouts: map[int64]*script.Rollout{},
 		results: map[int64]chan sandbox.Done{}, accts: map[int64]*account{}, locks: map[int64]func(){},
 		commits: map[int64]func(starlark.Value) error{}, dead: make(chan struct{}), readDone: make(chan struct{})}
 	cmd.Stdout, cmd.Stderr = c.stderr, c.stderr
@@ -320,7 +320,7 @@ func (c *sbChild) describeDeath(err error) error {
 	if breach != nil {
 		return breach
 	}
-	tail := c.stderr.String()
+	tail := strings.TrimSpace(c.stderr.String())
 	var ee *exec.ExitError
 	switch {
 	case strings.Contains(tail, sandbox.CPULimitMsg):
@@ -799,35 +799,4 @@ func (r *Run) runSandboxed(ctx context.Context, ros []*script.Rollout, fn string
 		}(ro)
 	}
 	wg.Wait()
-}
-
-// tailBuffer keeps the first and the last max bytes written to it (a child's stderr: a Go
-// runtime's fatal error comes first, the goroutine dump after it).
-type tailBuffer struct {
-	mu         sync.Mutex
-	max        int
-	head, tail []byte
-}
-
-func (t *tailBuffer) Write(p []byte) (int, error) {
-	t.mu.Lock()
-	defer t.mu.Unlock()
-	written := len(p)
-	if room := t.max - len(t.head); room > 0 {
-		n := min(room, len(p))
-		t.head = append(t.head, p[:n]...)
-		p = p[n:]
-	}
-	t.tail = append(t.tail, p...)
-	if len(t.tail) > t.max {
-		t.tail = t.tail[len(t.tail)-t.max:]
-	}
-	return written, nil
-}
-
-// String is the start of the output (where a fatal error is), then its end.
-func (t *tailBuffer) String() string {
-	t.mu.Lock()
-	defer t.mu.Unlock()
-	return string(bytes.TrimSpace(append(append([]byte(nil), t.head...), t.tail...)))
 }

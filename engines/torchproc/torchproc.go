@@ -15,7 +15,6 @@
 package torchproc
 
 import (
-	"bytes"
 	"context"
 	"crypto/rand"
 	"errors"
@@ -31,6 +30,7 @@ import (
 
 	"github.com/slimen/slimen/engines"
 	"github.com/slimen/slimen/engines/remote"
+	"github.com/slimen/slimen/internal/capbuf"
 )
 
 // Defaults for the zero fields of Options.
@@ -101,7 +101,7 @@ type Engine struct {
 	closing  bool  // Close began: nothing restarts the worker any more; guarded by mu
 	restarts int   // guarded by mu
 	closed   chan struct{}
-	tail     *tailBuffer
+	tail     *capbuf.Buffer
 	tmp      string
 	once     sync.Once
 	stopErr  error
@@ -187,7 +187,7 @@ func Start(ctx context.Context, opts Options) (*Engine, error) {
 		args = append(args, "--root", abs)
 	}
 	args = append(args, opts.Args...)
-	tail := &tailBuffer{max: 64 << 10}
+	tail := &capbuf.Buffer{Tail: 64 << 10}
 	out := io.MultiWriter(opts.Log, tail)
 	e := &Engine{tail: tail, tmp: tmp, closed: make(chan struct{})}
 	// The first process listens on a free port; one started again listens where it did.
@@ -460,27 +460,4 @@ func pythonPath(pkg string) string {
 		return pkg + string(os.PathListSeparator) + old
 	}
 	return pkg
-}
-
-// tailBuffer keeps the last max bytes written to it.
-type tailBuffer struct {
-	mu  sync.Mutex
-	buf bytes.Buffer
-	max int
-}
-
-func (t *tailBuffer) Write(p []byte) (int, error) {
-	t.mu.Lock()
-	defer t.mu.Unlock()
-	t.buf.Write(p)
-	if extra := t.buf.Len() - t.max; extra > 0 {
-		t.buf.Next(extra)
-	}
-	return len(p), nil
-}
-
-func (t *tailBuffer) String() string {
-	t.mu.Lock()
-	defer t.mu.Unlock()
-	return t.buf.String()
 }

@@ -1,7 +1,6 @@
 package script
 
 import (
-	"bytes"
 	"context"
 	"crypto/rand"
 	"encoding/hex"
@@ -23,6 +22,7 @@ import (
 
 	"github.com/slimen/slimen/engines"
 	"github.com/slimen/slimen/engines/openai"
+	"github.com/slimen/slimen/internal/capbuf"
 	"github.com/slimen/slimen/starlib"
 )
 
@@ -236,7 +236,7 @@ func (s *agentSession) run(argv []string, input string, extra map[string]string,
 	for k, v := range extra {
 		env = append(env, k+"="+v)
 	}
-	stdout, stderr := &cappedBuffer{max: 1 << 20}, &cappedBuffer{max: 64 << 10, tail: true}
+	stdout, stderr := &capbuf.Buffer{Head: 1 << 20}, &capbuf.Buffer{Tail: 64 << 10}
 	var p agentProc
 	if s.ro.Budget != nil {
 		// A sandboxed script's program runs in a jail, or not at all.
@@ -534,39 +534,6 @@ func agentCanon(m openai.ChatMessage) string {
 		}
 	}
 	return b.String()
-}
-
-// cappedBuffer keeps the first max bytes written (or, with tail, the last ones).
-type cappedBuffer struct {
-	mu   sync.Mutex
-	buf  bytes.Buffer
-	max  int
-	tail bool
-	cut  bool
-}
-
-func (w *cappedBuffer) Write(p []byte) (int, error) {
-	w.mu.Lock()
-	defer w.mu.Unlock()
-	w.buf.Write(p)
-	if w.buf.Len() > w.max {
-		w.cut = true
-		b := w.buf.Bytes()
-		if w.tail {
-			b = slices.Clone(b[len(b)-w.max:])
-		} else {
-			b = slices.Clone(b[:w.max])
-		}
-		w.buf.Reset()
-		w.buf.Write(b)
-	}
-	return len(p), nil
-}
-
-func (w *cappedBuffer) String() string {
-	w.mu.Lock()
-	defer w.mu.Unlock()
-	return w.buf.String()
 }
 
 // agentSrv is the process's endpoint for agent programs: one loopback HTTP server, started at
