@@ -60,6 +60,12 @@ type Sampling struct {
 	TopP        float64  // nucleus mass in (0, 1]; 0 is read as 1
 	Stop        []string // the response ends before the first of these strings
 	Seed        uint64   // sampling is a deterministic function of (seed, prompt, sample index)
+	// Constraint, when not "", is what the response must follow: a JSON value of a schema or
+	// Hermes tool calls, as engines/constrain's Spec in JSON. Only tokens that keep the response
+	// within it are sampled; Logprobs stay the model's own (temperature 1, before top-p and
+	// before the constraint's mask). An engine that lists "constrain" in Info.Capabilities
+	// honours it; any other refuses a request with one.
+	Constraint string `json:",omitempty"`
 }
 
 // GenerateRequest asks for N completions of one prompt. Exactly one of Messages and PromptTokens

@@ -140,7 +140,7 @@ func (e *Engine) Info(ctx context.Context) (engines.Info, error) {
 		EOSTokens:    append([]int32(nil), e.eos...),
 		Params:       params,
 		Devices:      []string{"cpu"},
-		Capabilities: []string{"generate", "score", "train", "values", "reference", "tis"},
+		Capabilities: []string{"generate", "score", "train", "values", "reference", "tis", "constrain"},
 	}, nil
 }
 

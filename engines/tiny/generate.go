@@ -5,11 +5,14 @@ import (
 	"encoding/binary"
 	"fmt"
 	"hash/fnv"
+	"math"
 	"math/rand/v2"
 	"slices"
 	"strings"
+	"sync"
 
 	"github.com/slimen/slimen/engines"
+	"github.com/slimen/slimen/engines/constrain"
 )
 
 // genSeq is one sample being generated.
@@ -25,6 +28,10 @@ type genSeq struct {
 	text       strings.Builder
 	result     string // final text
 	finish     string // "" while running
+	// The constraint of the request (nil: none) and where the response is in it.
+	cm  *constrain.Matcher
+	cst constrain.State
+	err error // the constraint left no token to sample
 }
 
 // Generate samples the completions of every request as one batch: prompts are prefilled together,
@@ -53,6 +60,7 @@ func (e *Engine) GenerateAdapters(ctx context.Context, reqs []engines.GenerateRe
 	cfg := e.m.w.cfg
 	m := e.m.packed(e.threads) // the weights do not change while the read lock is held
 	prompts := make([][]int32, len(reqs))
+	matchers := make([]*constrain.Matcher, len(reqs))
 	for i, r := range reqs {
 		p, err := e.promptTokens(r.Messages, r.PromptTokens)
 		if err == nil && len(p) >= cfg.MaxSeqLen {
@@ -60,6 +68,9 @@ func (e *Engine) GenerateAdapters(ctx context.Context, reqs []engines.GenerateRe
 		}
 		if err == nil {
 			err = r.Check()
+		}
+		if err == nil && r.Constraint != "" {
+			matchers[i], err = e.matcher(r.Constraint)
 		}
 		if err != nil {
 			return nil, fmt.Errorf("tiny: generate request %d (%q): %w", i, r.ID, err)
@@ -114,6 +125,9 @@ func (e *Engine) GenerateAdapters(ctx context.Context, reqs []engines.GenerateRe
 			}
 			s := &genSeq{req: i, index: j, prompt: prompts[i], s: engines.NormalizeSampling(r.Sampling), cache: c,
 				length: len(prompts[i]), rng: sampleRNG(r.Seed, prompts[i], j)}
+			if cm := matchers[i]; cm != nil {
+				s.cm, s.cst = cm, cm.Grammar().Start()
+			}
 			e.advance(s, last[i])
 			seqs = append(seqs, s)
 		}
@@ -143,6 +157,9 @@ func (e *Engine) GenerateAdapters(ctx context.Context, reqs []engines.GenerateRe
 
 	out := make([]engines.Completion, len(seqs))
 	for k, s := range seqs {
+		if s.err != nil {
+			return nil, fmt.Errorf("tiny: generate request %d (%q): %w", s.req, reqs[s.req].ID, s.err)
+		}
 		out[k] = engines.Completion{
 			RequestID:    reqs[s.req].ID,
 			Index:        s.index,
@@ -159,7 +176,16 @@ func (e *Engine) GenerateAdapters(ctx context.Context, reqs []engines.GenerateRe
 // advance samples the next token of s from logits and decides whether s is finished: on an EOS
 // token or a stop string ("stop"), or at max tokens or the model's length limit ("length").
 func (e *Engine) advance(s *genSeq, logits []float32) {
-	tok, lp := sampleToken(logits, s.s.Temperature, s.s.TopP, s.rng)
+	var allowed []bool
+	if s.cm != nil {
+		allowed = s.cm.Allowed(s.cst)
+	}
+	tok, lp := sampleAllowed(logits, s.s.Temperature, s.s.TopP, s.rng, allowed)
+	if tok < 0 {
+		s.finish, s.result = "stop", s.text.String()
+		s.err = fmt.Errorf("the constraint leaves no token of the vocabulary after %q", s.result)
+		return
+	}
 	s.tokens = append(s.tokens, tok)
 	s.logprobs = append(s.logprobs, lp)
 	if slices.Contains(e.eos, tok) {
@@ -168,6 +194,9 @@ func (e *Engine) advance(s *genSeq, logits []float32) {
 	}
 	prev := s.text.Len()
 	s.text.WriteString(e.tok.piece(tok))
+	if s.cm != nil {
+		s.cst = s.cst.Feed(e.tok.piece(tok))
+	}
 	text := s.text.String()
 	cut := -1
 	for _, stop := range s.s.Stop {
@@ -208,23 +237,38 @@ func mix64(z uint64) uint64 {
 	return z ^ (z >> 31)
 }
 
-// sampleToken draws a token from logits at the given temperature (0: the most likely token, the
+// sampleToken is sampleAllowed without a constraint.
+func sampleToken(logits []float32, temperature, topP float64, rng *rand.Rand) (int32, float32) {
+	return sampleAllowed(logits, temperature, topP, rng, nil)
+}
+
+// sampleAllowed draws a token from logits at the given temperature (0: the most likely token, the
 // lowest id on ties) within the top-p nucleus, and returns it with its log-probability under the
 // untempered model (temperature 1, no nucleus): the number Train and Score compute for the same
-// token, so that the ratio to the rollout policy is 1 before any update.
-func sampleToken(logits []float32, temperature, topP float64, rng *rand.Rand) (int32, float32) {
+// token, so that the ratio to the rollout policy is 1 before any update. allowed, when not nil,
+// is a constraint's mask: only tokens it allows are drawn, from the distribution renormalised over
+// them (the nucleus too is taken among them), and the log-probability is still the untempered
+// model's over the whole vocabulary. With no token allowed it returns -1.
+func sampleAllowed(logits []float32, temperature, topP float64, rng *rand.Rand, allowed []bool) (int32, float32) {
 	lse := logSumExp(logits)
-	pick := 0
+	pick := -1
+	if allowed != nil {
+		if !slices.Contains(allowed, true) {
+			return -1, 0
+		}
+	}
 	if temperature == 0 {
 		for i, v := range logits {
-			if v > logits[pick] {
+			if (allowed == nil || allowed[i]) && (pick < 0 || v > logits[pick]) {
 				pick = i
 			}
 		}
 	} else {
-		mx := float64(logits[0])
-		for _, v := range logits {
-			mx = max(mx, float64(v))
+		mx := math.Inf(-1) // the largest allowed logit, so that an allowed token's weight is never 0 by underflow
+		for i, v := range logits {
+			if allowed == nil || allowed[i] {
+				mx = max(mx, float64(v))
+			}
 		}
 		q := make([]float64, len(logits))
 		order := make([]int, len(logits))
@@ -234,6 +278,9 @@ func sampleToken(logits []float32, temperature, topP float64, rng *rand.Rand) (i
 		}
 		expSlice(q, q)
 		for i := range q {
+			if allowed != nil && !allowed[i] {
+				q[i] = 0
+			}
 			sum += q[i]
 			order[i] = i
 		}
@@ -264,7 +311,11 @@ func sampleToken(logits []float32, temperature, topP float64, rng *rand.Rand) (i
 			}
 		}
 		u := rng.Float64() * sum
-		pick = kept[len(kept)-1]
+		for k := len(kept) - 1; k >= 0 && pick < 0; k-- {
+			if q[kept[k]] > 0 { // rounding's fallback: the last token of the nucleus with weight
+				pick = kept[k]
+			}
+		}
 		acc := 0.0
 		for _, i := range kept {
 			acc += q[i]
@@ -405,4 +456,58 @@ func (e *Engine) perToken(ctx context.Context, what string, reqs []engines.Score
 		return nil, err
 	}
 	return out, nil
+}
+
+// The constraints' matchers, by tokenizer and constraint: a tokenizer's vocabulary is indexed
+// once, a constraint compiled once and its masks kept across requests (engines/constrain).
+var (
+	matchersMu sync.Mutex
+	vocabs     = map[*Tokenizer]*constrain.Vocab{}
+	matchers   = map[matcherKey]*constrain.Matcher{}
+)
+
+type matcherKey struct {
+	tok        *Tokenizer
+	constraint string
+}
+
+// maxMatchers bounds the matchers kept (the oldest are not told apart: all go when it is reached).
+const maxMatchers = 256
+
+// matcher is the matcher of a request's constraint on the engine's vocabulary: each token's text
+// its piece, the special tokens allowed only as EOS.
+func (e *Engine) matcher(constraint string) (*constrain.Matcher, error) {
+	matchersMu.Lock()
+	defer matchersMu.Unlock()
+	key := matcherKey{e.tok, constraint}
+	if m, ok := matchers[key]; ok {
+		return m, nil
+	}
+	spec, err := constrain.Parse(constraint)
+	if err != nil {
+		return nil, err
+	}
+	g, err := constrain.Compile(spec)
+	if err != nil {
+		return nil, fmt.Errorf("constraint: %w", err)
+	}
+	v, ok := vocabs[e.tok]
+	if !ok {
+		texts := make([]string, e.tok.VocabSize())
+		special := make([]bool, len(texts))
+		for id := range texts {
+			texts[id] = e.tok.piece(int32(id))
+		}
+		for _, id := range e.tok.special {
+			special[id] = true
+		}
+		v = constrain.NewVocab(texts, special)
+		vocabs[e.tok] = v
+	}
+	if len(matchers) >= maxMatchers {
+		clear(matchers)
+	}
+	m := constrain.NewMatcher(g, v, e.eos)
+	matchers[key] = m
+	return m, nil
 }

@@ -184,7 +184,7 @@ func (v *AdapterEngine) Info(ctx context.Context) (engines.Info, error) {
 		return in, err
 	}
 	in.Model = v.e.spec + " + LoRA " + v.a.name
-	in.Capabilities = []string{"generate", "score", "train", "reference", "tis"}
+	in.Capabilities = []string{"generate", "score", "train", "reference", "tis", "constrain"}
 	in.Params = v.a.params()
 	return in, nil
 }
