@@ -7,7 +7,9 @@ import (
 	"math"
 	"os"
 	"path/filepath"
+	"slices"
 	"sort"
+	"strconv"
 	"strings"
 	"sync"
 	"unicode/utf8"
@@ -64,10 +66,32 @@ type CallRecord struct {
 	TokenIDs  []int32   `json:"token_ids"`
 	Pieces    []string  `json:"pieces,omitempty"`
 	Mask      []float32 `json:"mask"`
-	Advantage []float32 `json:"advantage,omitempty"`
-	Logprob   []float32 `json:"logprob"`
+	Advantage Floats    `json:"advantage,omitempty"`
+	Logprob   Floats    `json:"logprob"`
 	// TokensCut counts the response tokens past the record's cap, left out of the arrays.
 	TokensCut int `json:"tokens_cut,omitempty"`
+}
+
+// Floats are per-token numbers, written with 4 significant digits (what a reader of a rollout
+// looks at, in a third less room than float32's shortest form); a value that is not finite is
+// written as null.
+type Floats []float32
+
+// MarshalJSON writes the numbers with 4 significant digits.
+func (fs Floats) MarshalJSON() ([]byte, error) {
+	b := make([]byte, 0, 2+len(fs)*8)
+	b = append(b, '[')
+	for i, f := range fs {
+		if i > 0 {
+			b = append(b, ',')
+		}
+		if x := float64(f); math.IsNaN(x) || math.IsInf(x, 0) {
+			b = append(b, "null"...)
+		} else {
+			b = strconv.AppendFloat(b, x, 'g', 4, 32)
+		}
+	}
+	return append(b, ']'), nil
 }
 
 // TurnRecord is a conversation's sampled turn: the token range of its response.
@@ -80,10 +104,11 @@ type TurnRecord struct {
 
 // Record bounds: a step's lines stay small however long its rollouts are.
 const (
-	maxRecordText   = 4000 // bytes of any one text field
-	maxRecordTokens = 2048 // tokens of one call's arrays
-	maxRecordCalls  = 64   // calls of one rollout
-	evalRecords     = 4    // rollouts kept of each eval dataset (at most run.save_rollouts)
+	maxRecordText   = 4000     // bytes of any one text field
+	maxRecordTokens = 2048     // tokens of one call's arrays
+	maxRecordCalls  = 64       // calls of one rollout
+	maxRecordBytes  = 64 << 10 // one rollout's line: past it, the last calls' token arrays go
+	evalRecords     = 4        // rollouts kept of each eval dataset (at most run.save_rollouts)
 )
 
 // recorder keeps what a step's record needs between the step's phases, and writes
@@ -285,7 +310,7 @@ func (r *Run) callRecord(c *script.Completion, trained bool, adv []float32) Call
 	cr.TokensCut = len(toks) - n
 	cr.TokenIDs = toks[:n:n]
 	cr.Mask = mask[:min(n, len(mask))]
-	cr.Logprob = lps[:min(n, len(lps))]
+	cr.Logprob = Floats(lps[:min(n, len(lps))])
 	if len(adv) > 0 {
 		a := make([]float32, n)
 		for i := range a {
@@ -381,7 +406,7 @@ func (r *Run) writeRecords(recs []RolloutRecord) {
 	}
 	var b bytes.Buffer
 	for _, rec := range recs {
-		line, err := json.Marshal(rec)
+		line, err := recordLine(rec)
 		if err == nil {
 			b.Write(line)
 			b.WriteByte('\n')
@@ -393,6 +418,23 @@ func (r *Run) writeRecords(recs []RolloutRecord) {
 	} else if err == nil {
 		r.rec.failed = false
 	}
+}
+
+// recordLine is a record's JSON line, at most maxRecordBytes long where dropping token arrays can
+// make it so: the calls' arrays go from the last call back (their tokens counted in tokens_cut),
+// their texts stay.
+func recordLine(rec RolloutRecord) ([]byte, error) {
+	line, err := json.Marshal(rec)
+	for i := len(rec.Calls) - 1; err == nil && len(line) > maxRecordBytes && i >= 0; i-- {
+		if i == len(rec.Calls)-1 {
+			rec.Calls = slices.Clone(rec.Calls) // the observers' copy keeps its arrays
+		}
+		c := &rec.Calls[i]
+		c.TokensCut += len(c.TokenIDs)
+		c.TokenIDs, c.Pieces, c.Mask, c.Advantage, c.Logprob = []int32{}, nil, []float32{}, nil, Floats{}
+		line, err = json.Marshal(rec)
+	}
+	return line, err
 }
 
 // writeRaw appends whole lines in one write, cut back to the last whole line on failure.

@@ -299,3 +299,41 @@ func TestPickRollouts(t *testing.T) {
 		}
 	}
 }
+
+// TestRecordLineBounded: a rollout whose calls' token arrays pass maxRecordBytes keeps its first
+// calls' arrays and its texts; the last calls' arrays go, counted in tokens_cut.
+func TestRecordLineBounded(t *testing.T) {
+	call := func(n int) CallRecord {
+		c := CallRecord{Policy: "p", Kind: "generate", Response: strings.Repeat("x", n)}
+		for i := range n {
+			c.TokenIDs = append(c.TokenIDs, int32(i))
+			c.Pieces = append(c.Pieces, "x")
+			c.Mask = append(c.Mask, 1)
+			c.Logprob = append(c.Logprob, -1.2345678)
+			c.Advantage = append(c.Advantage, 0.5)
+		}
+		return c
+	}
+	rec := RolloutRecord{Step: 1, Calls: []CallRecord{call(500), call(maxRecordTokens), call(maxRecordTokens)}}
+	line, err := recordLine(rec)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(line) > maxRecordBytes {
+		t.Fatalf("line of %d bytes, over %d", len(line), maxRecordBytes)
+	}
+	var back RolloutRecord
+	if err := json.Unmarshal(line, &back); err != nil {
+		t.Fatal(err)
+	}
+	if len(back.Calls[0].TokenIDs) != 500 || back.Calls[2].TokensCut != maxRecordTokens || len(back.Calls[2].TokenIDs) != 0 || back.Calls[2].Response == "" {
+		t.Errorf("calls kept %d, %d, %d tokens (cut %d, %d, %d)", len(back.Calls[0].TokenIDs), len(back.Calls[1].TokenIDs), len(back.Calls[2].TokenIDs),
+			back.Calls[0].TokensCut, back.Calls[1].TokensCut, back.Calls[2].TokensCut)
+	}
+	if back.Calls[0].Logprob[0] != -1.235 {
+		t.Errorf("log-prob written as %v, want 4 significant digits", back.Calls[0].Logprob[0])
+	}
+	if len(rec.Calls[2].TokenIDs) != maxRecordTokens {
+		t.Error("cutting the line changed the caller's record")
+	}
+}
