@@ -237,3 +237,191 @@ data: {{path: synthetic:arith}}
 '''
     step = run_exec(slimen, tmp_path, script, config)
     assert step.get("exact") == 1.0 and step.get("turns") == 3, step
+
+
+# openai-agents with its defaults (the Responses API, POST /v1/responses) as agent()'s program: a
+# function tool the scripted policy calls, the tool's result sent back, the final answer; run()
+# and run_streamed(); and an output_type, which needs structured output.
+AGENTS_PROGRAM = r'''
+import asyncio, json, os, sys
+from pydantic import BaseModel
+from agents import Agent, ModelSettings, Runner, function_tool, set_default_openai_api, set_tracing_disabled
+
+set_tracing_disabled(True)  # no traces sent anywhere
+mode = sys.argv[1]
+if len(sys.argv) > 2:
+    set_default_openai_api(sys.argv[2])  # "chat_completions"; the default is the Responses API
+called = []
+
+@function_tool
+def multiply(a: int, b: int) -> int:
+    """Multiplies two integers."""
+    called.append([a, b])
+    return a * b
+
+class Answer(BaseModel):
+    value: int
+
+agent = Agent(name="calc", instructions="Use the tools.", tools=[multiply], model=os.environ["OPENAI_MODEL"],
+              model_settings=ModelSettings(max_tokens=256), output_type=Answer if mode == "output_type" else None)
+
+async def main():
+    q = sys.stdin.read()
+    if mode == "streamed":
+        r = Runner.run_streamed(agent, q)
+        kinds = [e.item.type async for e in r.stream_events() if e.type == "run_item_stream_event"]
+    else:
+        r = await Runner.run(agent, q)
+        kinds = [i.type for i in r.new_items]
+    print(json.dumps({"called": called, "kinds": kinds, "output": str(r.final_output)}))
+
+try:
+    asyncio.run(main())
+except Exception as e:  # what the client raised, for the script to check
+    print(json.dumps({"error": type(e).__name__, "message": str(e)}))
+'''
+
+# The policy: a call of multiply until the conversation holds the tool's result, then the answer.
+TOOL_POLICY = r'''
+CALL = '<tool_call>{"name": "multiply", "arguments": {"a": 12, "b": 34}}</tool_call>'
+
+ANSWER = '<tool_call>{"name": "Answer", "arguments": {"value": 408}}</tool_call>'
+
+def respond(prompt, i):
+    if prompt.isdigit():
+        return "It is %s." % prompt
+    return ANSWER if "Answer" in prompt else CALL
+'''
+
+
+def agents_test(slimen, tmp_path, args, check, program=AGENTS_PROGRAM, question="What is 12 times 34?"):
+    """Runs AGENTS_PROGRAM with args under agent() on the scripted TOOL_POLICY (`slimen test`);
+    check is Starlark run in the rollout, reading `got` (what the program printed) and `r`
+    (agent()'s result)."""
+    (tmp_path / "program.py").write_text(program)
+    check = "\n".join("    " + line for line in check.strip().splitlines())
+    (tmp_path / "agents_test.star").write_text(CHECK + TOOL_POLICY + f'''
+def rollout(task):
+    r = agent(["python3", "program.py"] + {list(args)!r}, task.prompt, policy = "p", tools_prompt = "system",
+              timeout = 120, call_max_tokens = 256)
+    got = decode(r.output)
+    check_exact(r.chats)
+{check}
+    turns = 0
+    for c in r.chats:
+        turns += len(c.turns)
+        reward(c, 1.0 if "408" in got.get("output", "") else 0.0)
+        train(c)
+    log(calls = r.calls, turns = turns)
+
+def test_agents():
+    out = simulate(rollout, task = {{"prompt": {question!r}}}, responses = {{"p": respond}})
+    assert.eq(out.logs["turns"], out.logs["calls"])
+    assert.eq(len(out.samples.get("p", [])), len([s for s in out.samples.get("p", []) if s.reward == 1.0]))
+''')
+    p = subprocess.run([str(slimen), "test", str(tmp_path / "agents_test.star")], env=env(), capture_output=True,
+                       text=True, timeout=300)
+    assert p.returncode == 0 and "1 passed, 0 failed" in p.stdout, p.stdout + p.stderr
+
+
+@pytest.mark.parametrize("args", [["run"], ["streamed"], ["run", "chat_completions"]],
+                         ids=["responses", "responses-streamed", "chat-completions"])
+def test_openai_agents_tool_loop(slimen, tmp_path, args):
+    """openai-agents runs its loop against agent()'s endpoint: the policy's call reaches the
+    function tool with its arguments, the tool's result goes back, the policy's answer ends the
+    run; both calls are recorded with the tokens the policy sampled and trained."""
+    agents_test(slimen, tmp_path, args, '''
+assert.eq(got.get("message"), None)
+assert.eq(got["called"], [[12, 34]])
+assert.eq(got["kinds"], ["tool_call_item", "tool_call_output_item", "message_output_item"])
+assert.eq(got["output"], "It is 408.")
+assert.eq(r.calls, 2)
+''')
+
+
+def test_openai_agents_output_type(slimen, tmp_path):
+    """An output_type asks for structured output (text.format json_schema): the endpoint refuses
+    it with a 400 naming the field, which the client raises; it is never ignored."""
+    agents_test(slimen, tmp_path, ["output_type"], '''
+assert.eq(got["error"], "BadRequestError")
+assert.true("text.format" in got["message"], got["message"])
+assert.eq(r.calls, 0)
+''')
+
+
+# langchain-openai's ChatOpenAI as agent()'s program: bind_tools (invoked and streamed), the tool's
+# result sent back as a ToolMessage, and with_structured_output.
+LANGCHAIN_PROGRAM = r'''
+import json, os, sys
+import openai
+os.environ["LANGSMITH_TRACING"] = os.environ["LANGCHAIN_TRACING_V2"] = "false"  # nothing sent to LangSmith
+from pydantic import BaseModel
+from langchain_core.messages import HumanMessage, ToolMessage
+from langchain_core.tools import tool
+from langchain_openai import ChatOpenAI
+
+mode, api = sys.argv[1], sys.argv[2]
+
+@tool
+def multiply(a: int, b: int) -> int:
+    """Multiplies two integers."""
+    return a * b
+
+class Answer(BaseModel):
+    """The answer."""
+    value: int
+
+llm = ChatOpenAI(model=os.environ["OPENAI_MODEL"], max_tokens=256, max_retries=0, use_responses_api=api == "responses")
+messages = [HumanMessage(sys.stdin.read())]
+try:
+    if mode in ("json_schema", "function_calling"):
+        out = {"output": repr(llm.with_structured_output(Answer, method=mode).invoke(messages))}
+    else:
+        bound = llm.bind_tools([multiply])
+        if mode == "stream":
+            chunks = list(bound.stream(messages))
+            msg = chunks[0]
+            for c in chunks[1:]:
+                msg = msg + c
+            out = {"chunks": len(chunks)}
+        else:
+            msg, out = bound.invoke(messages), {}
+        (call,) = msg.tool_calls
+        messages += [msg, ToolMessage(str(multiply.invoke(call["args"])), tool_call_id=call["id"])]
+        answer = "".join(c.text for c in bound.stream(messages)) if mode == "stream" else bound.invoke(messages).text
+        out.update(call=[call["name"], call["args"]], output=answer)
+except Exception as e:  # what the client raised (langchain's subclass of the 400's), for the script to check
+    out = {"error": "BadRequestError" if isinstance(e, openai.BadRequestError) else type(e).__name__, "message": str(e)}
+print(json.dumps(out))
+'''
+
+
+@pytest.mark.parametrize("mode", ["invoke", "stream"])
+@pytest.mark.parametrize("api", ["chat", "responses"])
+def test_langchain_tools(slimen, tmp_path, mode, api):
+    """ChatOpenAI.bind_tools against agent()'s endpoint, on the chat completions and the
+    Responses API, invoked and streamed: the policy's call arrives as the message's tool_calls
+    (streamed: as chunks that add up to it), the ToolMessage goes back, the answer is the text."""
+    agents_test(slimen, tmp_path, [mode, api], '''
+assert.eq(got.get("message"), None)
+assert.eq(got["call"], ["multiply", {"a": 12, "b": 34}])
+assert.eq(got["output"], "It is 408.")
+assert.eq(r.calls, 2)
+''' + ('assert.true(got["chunks"] > 1)\n' if mode == "stream" else ""), program=LANGCHAIN_PROGRAM)
+
+
+@pytest.mark.parametrize("api", ["chat", "responses"])
+@pytest.mark.parametrize("method", ["json_schema", "function_calling"])
+def test_langchain_structured_output(slimen, tmp_path, api, method):
+    """with_structured_output asks for structured output: by its default method (json_schema) as
+    response_format (text.format on the Responses API); by function_calling as a forced call of
+    the schema's tool with parallel_tool_calls false. Where the engine cannot constrain its
+    decoding (this scripted policy) the endpoint refuses either with a 400 naming the field, which
+    the client raises; it never ignores it."""
+    field = {"json_schema": "response_format" if api == "chat" else "text.format",
+             "function_calling": "parallel_tool_calls"}[method]
+    agents_test(slimen, tmp_path, [method, api], f'''
+assert.eq(got["error"], "BadRequestError")
+assert.true({field!r} in got["message"], got["message"])
+assert.eq(r.calls, 0)
+''', program=LANGCHAIN_PROGRAM, question="Give the Answer to 12 times 34.")
