@@ -234,7 +234,7 @@ func (r *Run) pieces(policy string) pieceFunc {
 
 // recordRollout makes the record of one rollout.
 func (r *Run) recordRollout(ro *script.Rollout, step int, dataset string, adv map[*script.Completion][]float32) RolloutRecord {
-	rec := RolloutRecord{Step: step, Eval: ro.Eval != nil, Dataset: dataset, Index: ro.Index, Group: ro.Group, Task: taskRecord(ro.Task)}
+	rec := RolloutRecord{Step: step, Eval: ro.Eval != nil, Dataset: dataset, Index: ro.Index, Group: ro.Group, Task: taskRecord(ro.Task), Calls: []CallRecord{}}
 	if ro.Err != nil {
 		rec.Error = cutText(script.ErrorText(ro.Err))
 	} else if ro.Result != nil {
