@@ -59,7 +59,7 @@ const (
 // MaxSpace is the most whitespace bytes in a run between two JSON tokens (or around a value or a
 // call). MaxNumber is the most bytes of a number.
 const (
-	MaxSpace  = 16
+	MaxSpace  = 8
 	MaxNumber = 24
 )
 

@@ -48,7 +48,14 @@ type ChatCall struct {
 	// RequireCall is tool_choice "required" ("*") or a named function (its name): only an
 	// answer that calls it may be given (RequiredCall).
 	RequireCall string
-	Stream      bool
+	// Constraint is the decoding constraint of tool_choice, parallel_tool_calls false and
+	// response_format (engines/constrain's Spec as JSON; "": none): the backend sets it on the
+	// request where its engine constrains decoding. Where it does not, RequireCall is met by
+	// sampling again, and a call whose Strict field (the one that needs the constraint) is set
+	// is answered NoConstraint(Strict).
+	Constraint string
+	Strict     string
+	Stream     bool
 }
 
 // RequiredAttempts is how many times a call with tool_choice "required" or a named function is

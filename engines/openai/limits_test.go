@@ -238,9 +238,10 @@ func TestNewServerTimeouts(t *testing.T) {
 }
 
 // TestFrontRolesKeysAndFields: the scheme "bearer" in any case; "developer" rendered as system;
-// an unknown role refused; parallel_tool_calls false and a response_format other than text
-// refused with a 400 naming the field (the engines cannot honour them), as is a tool_choice that
-// asks for a tool the request does not offer; tool_choice "none" and "auto" honoured.
+// an unknown role refused; a schema feature constrained decoding does not have refused with a
+// 400 naming its place, as is a tool_choice that asks for a tool the request does not offer;
+// tool_choice "none" and "auto", parallel_tool_calls false and response_format json_object and
+// json_schema honoured (the tiny engine constrains decoding).
 func TestFrontRolesKeysAndFields(t *testing.T) {
 	tn := openTiny(t)
 	h, err := NewHandler(context.Background(), tn, HandlerOptions{Token: "sk-k"})
@@ -274,14 +275,17 @@ func TestFrontRolesKeysAndFields(t *testing.T) {
 		{"unknown role", `"messages":[{"role":"robot","content":"hi"}]`, "messages[0].role", `messages[0].role "robot"; want system, developer, user, assistant or tool`},
 		{"tool_choice required without tools", `"messages":[{"role":"user","content":"hi"}],"tool_choice":"required"`, "tool_choice", "the request offers no tools"},
 		{"tool_choice a function not offered", `"messages":[{"role":"user","content":"hi"}],"tool_choice":{"type":"function","function":{"name":"search"}},` + tool, "tool_choice", `names the function "search", which tools does not offer`},
-		{"parallel_tool_calls false", `"messages":[{"role":"user","content":"hi"}],"parallel_tool_calls":false,` + tool, "parallel_tool_calls", "parallel_tool_calls false is not supported"},
-		{"json_object", `"messages":[{"role":"user","content":"hi"}],"response_format":{"type":"json_object"}`, "response_format", `response_format of type "json_object" is not supported`},
-		{"json_schema", `"messages":[{"role":"user","content":"hi"}],"response_format":{"type":"json_schema","json_schema":{"name":"x","schema":{}}}`, "response_format", `type "json_schema"`},
+		{"json_schema minimum", `"messages":[{"role":"user","content":"hi"}],"response_format":{"type":"json_schema","json_schema":{"name":"x","schema":{"type":"object","properties":{"age":{"type":"integer","minimum":0}}}}}`,
+			"response_format.json_schema.schema", "response_format.json_schema.schema.properties.age.minimum is not supported"},
+		{"response_format xml", `"messages":[{"role":"user","content":"hi"}],"response_format":{"type":"xml"}`, "response_format.type", `response_format of type "xml"`},
+		{"strict tool with a pattern", `"messages":[{"role":"user","content":"hi"}],"tool_choice":"required","tools":[{"type":"function","function":{"name":"f","strict":true,"parameters":{"type":"object","properties":{"s":{"type":"string","pattern":"a"}}}}}]`,
+			"tools[0].function.parameters", "tools[0].function.parameters.properties.s.pattern is not supported"},
 	} {
 		status, body := send("Bearer sk-k", "{"+tc.extra+"}")
 		wantError(t, tc.name, status, body, 400, tc.param, "", tc.text)
 	}
-	for _, extra := range []string{`"tool_choice":"none","parallel_tool_calls":false`, `"tool_choice":"auto","response_format":{"type":"text"}`} {
+	for _, extra := range []string{`"tool_choice":"none","parallel_tool_calls":false`, `"tool_choice":"auto","response_format":{"type":"text"}`,
+		`"response_format":{"type":"json_object"}`, `"response_format":{"type":"json_schema","json_schema":{"name":"x","schema":{}}}`} {
 		if status, body := send("Bearer sk-k", `{"messages":[{"role":"user","content":"hi"}],"max_tokens":2,`+extra+`}`); status != 200 {
 			t.Errorf("%s: %d %s", extra, status, body)
 		}

@@ -209,6 +209,17 @@ func responsesChat(req *responsesRequest) ([]ChatMessage, extras, error) {
 	return msgs, x, nil
 }
 
+// textFormat names response_format in a client error as the Responses API has it: text.format
+// (whose json_schema's schema is text.format.schema).
+func textFormat(err error) error {
+	var ae *apiErr
+	if errors.As(err, &ae) && strings.HasPrefix(ae.param, "response_format") {
+		r := strings.NewReplacer("response_format.json_schema", "text.format", "response_format", "text.format")
+		ae.param, ae.msg = r.Replace(ae.param), r.Replace(ae.msg)
+	}
+	return err
+}
+
 func isSet(raw json.RawMessage) bool {
 	raw = bytes.TrimSpace(raw)
 	return len(raw) > 0 && string(raw) != "null"
@@ -388,20 +399,16 @@ func (h *handler) responses(w http.ResponseWriter, r *http.Request) {
 	}
 	if err == nil {
 		tu, err = x.toolFields()
-		var ae *apiErr
-		if errors.As(err, &ae) && ae.param == "response_format" { // the chat API's name of text.format
-			ae.param, ae.msg = "text.format", strings.ReplaceAll(ae.msg, "response_format", "text.format")
-		}
 	}
 	if err != nil {
-		h.fail(w, err)
+		h.fail(w, textFormat(err))
 		return
 	}
 	id := "resp_" + gr.ID
 	gr.ID = id
 	generate, release, err := h.generator(w, r, gr, explicit, req.Stream, msgs, tu)
 	if err != nil {
-		h.fail(w, err)
+		h.fail(w, textFormat(err))
 		return
 	}
 	defer release()

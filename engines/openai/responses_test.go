@@ -210,7 +210,8 @@ func TestResponsesRefusals(t *testing.T) {
 		{`{"input":"hi","include":["reasoning.encrypted_content"]}`, "include", "reasoning.encrypted_content"},
 		{`{"input":[]}`, "input", "input is empty"},
 		{`{"instructions":"x"}`, "input", "input is missing"},
-		{`{"input":"hi","text":{"format":{"type":"json_schema","name":"x","schema":{"type":"object"}}}}`, "text.format", "json_schema"},
+		{`{"input":"hi","text":{"format":{"type":"json_schema","name":"x","schema":{"type":"object"}}}}`, "text.format", "text.format is not supported by this server's engine: it does not constrain decoding"},
+		{`{"input":"hi","text":{"format":{"type":"json_schema","name":"x","schema":{"type":"string","format":"email"}}}}`, "text.format.schema", "text.format.schema.format is not supported"},
 	} {
 		status, body := post(t, base+"/responses", tc.body)
 		wantError(t, tc.body, status, body, 400, tc.param, "", tc.msg)

@@ -20,6 +20,7 @@ import (
 	"time"
 
 	"github.com/slimen/slimen/engines"
+	"github.com/slimen/slimen/engines/constrain"
 )
 
 // HandlerOptions configure a Handler.
@@ -384,19 +385,25 @@ func (x extras) check() error {
 }
 
 // toolUse is what a request's tools fields ask of its answer: the tools (each as JSON), whether
-// the answer is read for tool calls, and the call it must make (RequiredCall; "": none).
+// the answer is read for tool calls, the call it must make (RequiredCall; "": none), and the
+// constraint of its decoding (engines/constrain's Spec as JSON; "": none), which only an engine
+// that constrains may honour where strict is set (response_format, parallel_tool_calls false),
+// and where it is not (tool_choice "required" or named alone) sampling again stands in for.
 type toolUse struct {
-	tools   []string
-	read    bool
-	require string
+	tools      []string
+	read       bool
+	require    string
+	constraint string
+	strict     string // the field that needs the constraint: "response_format", "parallel_tool_calls"; "": none
 }
 
 // toolFields reads a chat request's tools, tool_choice, parallel_tool_calls and
 // response_format. tool_choice "auto" (the default) and "none" are honoured ("none": the answer
-// is text, never read for calls); "required" and a named function by sampling again until the
-// answer makes the call (RequiredAttempts), never by answering without it. parallel_tool_calls
-// false would need decoding that stops after one call, which the engines do not have: it is
-// refused, as is any response_format but text (no constrained decoding either).
+// is text, never read for calls). "required", a named function, parallel_tool_calls false and
+// response_format json_object or json_schema are honoured by constrained decoding (Constraint);
+// on an engine without it (chooseSampling) "required" and a named function by sampling again
+// until the answer makes the call (RequiredAttempts), never by answering without it, and the
+// others are refused. A schema feature the constraint does not have is a 400 naming its place.
 func (x extras) toolFields() (toolUse, error) {
 	tools, err := toolsOf(x.Tools)
 	if err != nil {
@@ -435,21 +442,121 @@ func (x extras) toolFields() (toolUse, error) {
 			return toolUse{}, badRequest("tool_choice", "tool_choice asks for a tool call, and the request offers no tools")
 		}
 	}
-	if x.ParallelToolCalls != nil && !*x.ParallelToolCalls && len(tools) > 0 && !none {
-		return toolUse{}, badRequest("parallel_tool_calls", "parallel_tool_calls false is not supported by this server: it cannot keep the model to one tool call a turn; leave parallel_tool_calls out (or true)")
+	tu := toolUse{tools: tools, read: len(tools) > 0 && !none, require: require}
+	single := x.ParallelToolCalls != nil && !*x.ParallelToolCalls && tu.read
+	format, err := responseFormat(x.ResponseFormat)
+	if err != nil {
+		return toolUse{}, err
 	}
-	if raw := bytes.TrimSpace(x.ResponseFormat); len(raw) > 0 && string(raw) != "null" {
-		var f struct {
-			Type string `json:"type"`
-		}
-		if err := json.Unmarshal(raw, &f); err != nil || f.Type == "" {
-			return toolUse{}, badRequest("response_format", "response_format: want an object with a type")
-		}
-		if f.Type != "text" {
-			return toolUse{}, badRequest("response_format", "response_format of type %q is not supported by this server: it has no constrained decoding, so the answer would not be guaranteed to follow it; leave response_format out (or {\"type\": \"text\"})", f.Type)
-		}
+	var spec constrain.Spec
+	switch {
+	case format != nil:
+		spec.Schema, tu.strict = format, "response_format"
+	case single:
+		tu.strict = "parallel_tool_calls"
 	}
-	return toolUse{tools: tools, read: len(tools) > 0 && !none, require: require}, nil
+	if tu.read && (require != "" || single || format != nil) {
+		calls, err := callsOf(tools, require)
+		if err != nil {
+			return toolUse{}, err
+		}
+		switch {
+		case require != "":
+			calls.Min = 1
+			spec.Schema = nil // a call is required: no answer of the format
+		case format == nil:
+			calls.Text = true // text, or text and then one call
+		}
+		if single {
+			calls.Max = 1
+		}
+		spec.Calls = &calls
+	}
+	if spec.Schema != nil || spec.Calls != nil {
+		tu.constraint = spec.String()
+	}
+	return tu, nil
+}
+
+// responseFormat reads response_format: nil for none or text, else the JSON schema the answer
+// must follow ({"type": "object"} for json_object), checked to be one the constraint compiles.
+func responseFormat(raw json.RawMessage) (json.RawMessage, error) {
+	if raw = bytes.TrimSpace(raw); len(raw) == 0 || string(raw) == "null" {
+		return nil, nil
+	}
+	var f struct {
+		Type       string `json:"type"`
+		JSONSchema *struct {
+			Name   string          `json:"name"`
+			Schema json.RawMessage `json:"schema"`
+			Strict *bool           `json:"strict"`
+		} `json:"json_schema"`
+	}
+	if err := json.Unmarshal(raw, &f); err != nil || f.Type == "" {
+		return nil, badRequest("response_format", "response_format: want an object with a type")
+	}
+	switch f.Type {
+	case "text":
+		return nil, nil
+	case "json_object":
+		return json.RawMessage(`{"type": "object"}`), nil
+	case "json_schema":
+		if f.JSONSchema == nil || len(bytes.TrimSpace(f.JSONSchema.Schema)) == 0 {
+			return nil, badRequest("response_format.json_schema.schema", "response_format of type json_schema needs json_schema.schema")
+		}
+		if _, err := constrain.CompileSchema(f.JSONSchema.Schema, "response_format.json_schema.schema"); err != nil {
+			return nil, badRequest("response_format.json_schema.schema", "%v: this server keeps the answer to the schema by constrained decoding, which has type, properties, required, additionalProperties, items, enum, const, anyOf and $ref into the schema", err)
+		}
+		return f.JSONSchema.Schema, nil
+	}
+	return nil, badRequest("response_format.type", "response_format of type %q; want text, json_object or json_schema", f.Type)
+}
+
+// callsOf is the constraint's tools: every tool (require "*" or ""), or the one named, each with
+// its parameters where the constraint compiles them. A strict function's parameters that it does
+// not compile are a 400; another's arguments are kept to a JSON object (the API enforces the
+// parameters of strict functions only).
+func callsOf(tools []string, require string) (constrain.Calls, error) {
+	var calls constrain.Calls
+	for i, t := range tools {
+		var tool struct {
+			Name       string          `json:"name"`
+			Parameters json.RawMessage `json:"parameters"`
+			Strict     bool            `json:"strict"`
+			Function   *struct {
+				Name       string          `json:"name"`
+				Parameters json.RawMessage `json:"parameters"`
+				Strict     bool            `json:"strict"`
+			} `json:"function"`
+		}
+		json.Unmarshal([]byte(t), &tool)
+		where := fmt.Sprintf("tools[%d]", i)
+		if f := tool.Function; f != nil {
+			tool.Name, tool.Parameters, tool.Strict = f.Name, f.Parameters, f.Strict
+			where += ".function"
+		}
+		if tool.Name == "" || (require != "" && require != "*" && tool.Name != require) {
+			continue
+		}
+		params := tool.Parameters
+		if p := bytes.TrimSpace(params); len(p) > 0 && string(p) != "null" {
+			_, err := constrain.CompileSchema(params, where+".parameters")
+			if err == nil {
+				_, err = constrain.CompileCalls(constrain.Calls{Tools: []constrain.Tool{{Name: tool.Name, Parameters: params}}}, "tools")
+			}
+			if err != nil {
+				if tool.Strict {
+					return calls, badRequest(where+".parameters", "%v: the function is strict, and this server keeps its arguments to the schema by constrained decoding, which has type, properties, required, additionalProperties, items, enum, const, anyOf and $ref into the schema", err)
+				}
+				params = nil
+			}
+		}
+		calls.Tools = append(calls.Tools, constrain.Tool{Name: tool.Name, Parameters: params})
+	}
+	if len(calls.Tools) == 0 {
+		return calls, badRequest("tools", "tools offers no function with a name")
+	}
+	return calls, nil
 }
 
 // toolName is the function name of a tool of a request's tools (as JSON).
@@ -795,13 +902,18 @@ func (h *handler) chat(w http.ResponseWriter, r *http.Request) {
 // budget in flight (release gives them back). generate samples its completions.
 func (h *handler) generator(w http.ResponseWriter, r *http.Request, gr engines.GenerateRequest, explicit, stream bool, msgs []ChatMessage, tu toolUse) (generate func(ctx context.Context) ([]engines.Completion, error), release func(), err error) {
 	if h.backend != nil {
-		call := ChatCall{Request: gr, Stream: stream, Messages: msgs, Tools: tu.tools, NoToolCalls: len(tu.tools) > 0 && !tu.read, RequireCall: tu.require}
+		call := ChatCall{Request: gr, Stream: stream, Messages: msgs, Tools: tu.tools, NoToolCalls: len(tu.tools) > 0 && !tu.read, RequireCall: tu.require,
+			Constraint: tu.constraint, Strict: tu.strict}
 		if explicit {
 			call.MaxTokens = gr.MaxTokens
 		}
 		return func(ctx context.Context) ([]engines.Completion, error) { return h.backend(ctx, call) }, func() {}, nil
 	}
-	promptLen, err := h.chatPrompt(r.Context(), &gr, msgs, tu.tools, explicit)
+	require, err := h.constrained(&gr, tu)
+	promptLen := 0
+	if err == nil {
+		promptLen, err = h.chatPrompt(r.Context(), &gr, msgs, tu.tools, explicit)
+	}
 	if err == nil {
 		release, err = h.reserve(w, int64(promptLen)+int64(gr.N)*int64(gr.MaxTokens), int64(gr.N))
 	}
@@ -809,12 +921,40 @@ func (h *handler) generator(w http.ResponseWriter, r *http.Request, gr engines.G
 		return nil, nil, err
 	}
 	return func(ctx context.Context) ([]engines.Completion, error) {
-		return SampleRequired(tu.require, gr.N, func(attempt int) ([]engines.Completion, error) {
+		return SampleRequired(require, gr.N, func(attempt int) ([]engines.Completion, error) {
 			g := gr
 			g.Seed += uint64(attempt) * 0x9E3779B97F4A7C15
 			return h.eng.Generate(ctx, []engines.GenerateRequest{g})
 		})
 	}, release, nil
+}
+
+// constrained sets a request's constraint where the engine constrains decoding (it lists
+// "constrain" in Info.Capabilities) and returns the call sampling must still check (RequiredCall):
+// none then. An engine without it gets none: tool_choice "required" or a named function is met by
+// sampling again, and response_format or parallel_tool_calls false, which nothing else can keep,
+// are refused with a 400 naming them.
+func (h *handler) constrained(gr *engines.GenerateRequest, tu toolUse) (string, error) {
+	switch {
+	case tu.constraint == "":
+		return tu.require, nil
+	case slices.Contains(h.info.Capabilities, "constrain"):
+		gr.Constraint = tu.constraint
+		return "", nil
+	case tu.strict != "":
+		return "", badRequest(tu.strict, "%s", noConstraint(tu.strict))
+	}
+	return tu.require, nil
+}
+
+// NoConstraint is the 400 of a request whose field (response_format, parallel_tool_calls) needs
+// constrained decoding from an engine without it.
+func NoConstraint(field string) error {
+	return &APIError{Status: http.StatusBadRequest, Type: "invalid_request_error", Param: field, Msg: noConstraint(field)}
+}
+
+func noConstraint(field string) string {
+	return fmt.Sprintf("%s is not supported by this server's engine: it does not constrain decoding (an external OpenAI-compatible server, or a worker older than constrained decoding), so the answer would not be guaranteed to follow it; leave %[1]s out", field)
 }
 
 // SampleRequired samples until n completions meet require (RequiredCall), at most
