@@ -16,6 +16,7 @@ import (
 	"github.com/slimen/slimen/host/config"
 	"github.com/slimen/slimen/host/plot"
 	"github.com/slimen/slimen/host/tasks"
+	"github.com/slimen/slimen/host/wandb"
 )
 
 func init() {
@@ -43,6 +44,7 @@ func parseInterleaved(fs *flag.FlagSet, args []string) ([]string, error) {
 type execFlags struct {
 	fs                         *flag.FlagSet
 	cfgPath, data, out, resume *string
+	wandb                      *string
 	steps, batch, staleness    *int
 	seed                       *uint64
 	sandbox, watch             *bool
@@ -62,10 +64,11 @@ func newExecFlags() *execFlags {
 		resume:    fs.String("resume", "", "continue a run: its directory (its newest valid checkpoint; newer invalid ones are reported and skipped) or a checkpoints/step_N folder"),
 		sandbox:   fs.Bool("sandbox", false, "run the script's rollouts in child processes under the config's sandbox budgets (for contributed workflows)"),
 		watch:     fs.Bool("watch", false, "reload the script, the files it loads and the config when they change (at step boundaries)"),
+		wandb:     fs.String("wandb", "", "log the run to this Weights & Biases project (sets run.wandb.project; docs/observability.md)"),
 		set:       map[string]bool{},
 	}
 	fs.Usage = func() {
-		fmt.Fprintln(fs.Output(), "usage: slimen exec SCRIPT [--config Y] [--data D] [--steps N] [--seed S] [--out DIR] [--batch-size B] [--max-staleness K] [--watch] [--sandbox] [--resume RUN_DIR|RUN_DIR/checkpoints/step_N]")
+		fmt.Fprintln(fs.Output(), "usage: slimen exec SCRIPT [--config Y] [--data D] [--steps N] [--seed S] [--out DIR] [--batch-size B] [--max-staleness K] [--wandb PROJECT] [--watch] [--sandbox] [--resume RUN_DIR|RUN_DIR/checkpoints/step_N]")
 		fs.PrintDefaults()
 	}
 	return f
@@ -86,6 +89,15 @@ func (f *execFlags) override(c *config.Config) error {
 	}
 	if err := c.Override(o); err != nil {
 		return err
+	}
+	if f.set["wandb"] {
+		if *f.wandb == "" {
+			return errors.New("--wandb: give the W&B project to log to")
+		}
+		if c.Run.Wandb == nil {
+			c.Run.Wandb = &config.WandbConfig{}
+		}
+		c.Run.Wandb.Project = *f.wandb
 	}
 	if f.set["batch-size"] {
 		if *f.batch < 1 {
@@ -142,6 +154,8 @@ func loadRun(f *execFlags, script string, prog *progress) (*host.Run, int) {
 			}
 			return nil
 		}}
+	wb := wandb.New(wandb.Options{Log: prog.logWriter()}) // opened below, once the config is known
+	opts.Observers = append(opts.Observers, wb)
 	var r *host.Run
 	var err error
 	if *f.resume != "" {
@@ -171,6 +185,11 @@ func loadRun(f *execFlags, script string, prog *progress) (*host.Run, int) {
 		r.Close()
 		fmt.Fprintf(os.Stderr, "slimen: %s is finished: it ran %d of its %d steps (run.steps); to run more, resume with --steps N, N > %d\n",
 			*f.resume, done, steps, done)
+		return nil, 2
+	}
+	if err := wb.Open(ctx, r.Config()); err != nil {
+		r.Close()
+		fmt.Fprintln(os.Stderr, "slimen:", err)
 		return nil, 2
 	}
 	if *f.watch {

@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import signal
 import sys
 
 # A run is one line of stdin at a time; a line this long is a bug of the host, not a table.
@@ -140,6 +141,9 @@ def main() -> int:
     out = os.fdopen(os.dup(1), "w", buffering=1, encoding="utf-8")
     os.dup2(2, 1)
     sys.stdout = sys.stderr
+    # Ctrl-C in a terminal reaches the whole process group: the host stops its run gracefully and
+    # then finishes this one, which must not die first.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         import wandb
     except ImportError as e:
