@@ -21,7 +21,8 @@ import (
 )
 
 // Spec is what a response must follow, as it travels in engines.Sampling.Constraint (as JSON).
-// Exactly one of Schema and Calls is set.
+// Schema or Calls is set, or both: then the response is either the calls or, instead of any call,
+// a JSON value of Schema (tools offered with tool_choice "auto" beside response_format).
 type Spec struct {
 	// Schema: the response is one JSON value following this JSON schema ({"type": "object"} is
 	// response_format json_object), with at most MaxSpace bytes of whitespace before and after.
@@ -71,8 +72,8 @@ func Parse(text string) (Spec, error) {
 	if err := d.Decode(&s); err != nil {
 		return Spec{}, fmt.Errorf("constraint: %v", err)
 	}
-	if (len(s.Schema) > 0) == (s.Calls != nil) {
-		return Spec{}, fmt.Errorf("constraint: set exactly one of json_schema and tool_calls")
+	if len(s.Schema) == 0 && s.Calls == nil {
+		return Spec{}, fmt.Errorf("constraint: set json_schema or tool_calls")
 	}
 	return s, nil
 }
@@ -88,7 +89,19 @@ func (s Spec) String() string {
 // request gives the same place.
 func Compile(s Spec) (*Grammar, error) {
 	if s.Calls != nil {
-		return CompileCalls(*s.Calls, "tool_calls.tools")
+		g, err := CompileCalls(*s.Calls, "tool_calls.tools")
+		if err != nil || len(s.Schema) == 0 {
+			return g, err
+		}
+		if s.Calls.Text {
+			return nil, fmt.Errorf("tool_calls.text: free text and a json_schema answer together are not supported")
+		}
+		a, err := CompileSchema(s.Schema, "json_schema")
+		if err != nil {
+			return nil, err
+		}
+		g.answer = a.body
+		return g, nil
 	}
 	return CompileSchema(s.Schema, "json_schema")
 }
@@ -168,7 +181,9 @@ type Grammar struct {
 	root  frame // the bottom frame: kEnd (a value, then whitespace) or kCalls
 	body  *node // the value (kEnd) or one call's JSON object (kCalls)
 	calls *callsSpec
-	nodes int
+	// answer (kCalls): a value that may stand instead of the calls (nil: none).
+	answer *node
+	nodes  int
 }
 
 type callsSpec struct {

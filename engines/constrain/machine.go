@@ -35,6 +35,7 @@ const (
 	callsClose         // the closing tag being read
 	callsEnd           // after the last call: whitespace, then the end
 	callsText          // free text, until the opening tag
+	callsAnswer        // the JSON value that stands instead of calls being read
 )
 
 type frame struct {
@@ -256,13 +257,16 @@ func (g *Grammar) step(s *stack, b int, out []*stack) []*stack {
 			return g.step(&stack{frame{kind: kValue, n: g.body}, &stack{f, s.up}}, b, out)
 		}
 		switch {
-		case b == eof && (f.st == callsEnd || (f.st == callsBefore && int(f.cur) >= c.min)):
+		case b == eof && (f.st == callsEnd || (f.st == callsBefore && int(f.cur) >= c.min && (f.cur > 0 || g.answer == nil))):
 			return append(out, accepted)
 		case isSpace(b) && (f.st == callsBefore || f.st == callsAfter || f.st == callsEnd):
 			return space(f, s.up, out)
 		case b == '<' && f.st == callsBefore:
 			f.st, f.ws = callsOpen, 0
 			return g.step(&stack{frame{kind: kLit, lit: c.open}, &stack{f, s.up}}, b, out)
+		case f.st == callsBefore && f.cur == 0 && g.answer != nil && b != eof && b != '<' && !isSpace(b):
+			f.st, f.ws = callsAnswer, 0
+			return g.start(g.answer, &stack{f, s.up}, b, out, 0)
 		case b == '<' && f.st == callsAfter:
 			f.st, f.ws = callsClose, 0
 			return g.step(&stack{frame{kind: kLit, lit: c.close}, &stack{f, s.up}}, b, out)
@@ -335,6 +339,8 @@ func (g *Grammar) done(child frame, up *stack, b int, fwd bool, out []*stack) []
 			p.st = callsBody
 		case callsInBody:
 			p.st = callsAfter
+		case callsAnswer:
+			p.st = callsEnd
 		case callsClose:
 			p.cur++
 			p.st = callsBefore
