@@ -30,7 +30,8 @@ func TestAsyncRemoteServerWithoutVersions(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	s := server.New(noVersions{eng}, server.Options{})
+	out := t.TempDir()
+	s := server.New(noVersions{eng}, server.Options{Roots: []string{out}}) // the run saves there
 	go func() { _ = s.Serve(l) }()
 	defer s.Stop()
 	cfg, err := config.Parse([]byte(fmt.Sprintf("policies:\n  - {name: p, engine: {kind: remote, address: %q}}\nrollout: {batch_size: 2, max_response_len: 8, max_staleness: 1}\n", l.Addr())), "remote.yaml")
@@ -38,7 +39,7 @@ func TestAsyncRemoteServerWithoutVersions(t *testing.T) {
 		t.Fatal(err)
 	}
 	cfg.Eval.Datasets = nil
-	r, err := Load(ctx, writeScript(t, tinyScript), Options{Config: cfg, Tasks: numberedTasks(10), Out: t.TempDir()})
+	r, err := Load(ctx, writeScript(t, tinyScript), Options{Config: cfg, Tasks: numberedTasks(10), Out: out})
 	if err != nil {
 		t.Fatal(err)
 	}

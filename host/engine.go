@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"path/filepath"
 	"sort"
 	"strings"
 	"sync"
@@ -220,6 +221,41 @@ func dialRemote(ctx context.Context, p config.PolicyConfig, env EngineEnv) (engi
 	}
 	self.Store(engines.Engine(c))
 	return c, nil
+}
+
+// checkServerFolders asks the engine server of a trainable policy (kind remote) whether it would
+// write the run's checkpoints and the policy's save: folder, so that a server confined to another
+// folder (slimen serve started elsewhere, with its default --root) stops the run at start-up, not
+// at the first checkpoint after the training.
+func (r *Run) checkServerFolders(ctx context.Context, pc config.PolicyConfig, eng engines.Engine) error {
+	sc, ok := eng.(interface {
+		CheckSaveFolder(ctx context.Context, dir string) error
+	})
+	if !ok || !pc.Trainable {
+		return nil
+	}
+	var dirs []string
+	if r.opts.Out != "" {
+		root, err := r.checkpointRoot()
+		if err != nil {
+			return err
+		}
+		dirs = append(dirs, root)
+	}
+	if pc.Save != "" {
+		dirs = append(dirs, pc.Save)
+	}
+	for _, dir := range dirs {
+		if err := sc.CheckSaveFolder(ctx, dir); err != nil {
+			what := "the run's checkpoints"
+			if dir == pc.Save {
+				what = "its save: folder"
+			}
+			return fmt.Errorf("its engine server at %s would refuse to write %s (%s), so the run would train and then fail at its first checkpoint: %w\nstart slimen serve with --root covering %s (or from that folder), or write the run where the server may save (--out inside its root)",
+				pc.Engine.Address, what, dir, err, filepath.Dir(dir))
+		}
+	}
+	return nil
 }
 
 // ClientOptions are the gRPC client settings of a policy's engine, for engine kinds that reach

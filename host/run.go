@@ -534,6 +534,10 @@ func (r *Run) registerPolicy(ctx context.Context, pc config.PolicyConfig, eng en
 			eng.Close()
 			return nil, fmt.Errorf("policy %q%s: %w", pc.Name, r.cfgPlace(&policy{cfg: pc}), err)
 		}
+		if err := r.checkServerFolders(ctx, pc, eng); err != nil { // engine.go
+			eng.Close()
+			return nil, fmt.Errorf("policy %q%s: %w", pc.Name, r.cfgPlace(&policy{cfg: pc}), err)
+		}
 	}
 	if err := r.checkTIS(ctx, pc.Name, pc, eng); err != nil {
 		if !given {

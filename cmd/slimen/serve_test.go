@@ -96,8 +96,9 @@ func TestServeConfinesSaveAndLoad(t *testing.T) {
 	}
 }
 
-// A run whose checkpoints lie outside its engine servers' root stops at its first checkpoint with
-// an error that says so.
+// A run whose checkpoints lie outside its engine servers' root stops at start-up, before its
+// first step, with an error that says so (the servers are asked; it used to be the first
+// checkpoint, after the training).
 func TestRemoteCheckpointOutsideTheServersRoot(t *testing.T) {
 	rr := remoteConfigs(t, 2, 2, "save_interval: 1", "")
 	elsewhere := t.TempDir()
@@ -106,7 +107,7 @@ func TestRemoteCheckpointOutsideTheServersRoot(t *testing.T) {
 	out := filepath.Join(rr.runs, "run")
 	log, err := slimen(t, nil, "exec", "examples/debate/debate.star", "--config", rr.remote, "--out", out)
 	real, _ := filepath.EvalSymlinks(elsewhere)
-	if err == nil || !strings.Contains(log, "could not save into "+filepath.Join(out, "checkpoints", "step_1")) ||
+	if err == nil || !strings.Contains(log, "would refuse to write the run's checkpoints ("+filepath.Join(out, "checkpoints")+")") || strings.Contains(log, "step 1") ||
 		!strings.Contains(log, "outside this server's root "+real) || !strings.Contains(log, "--root") {
 		t.Errorf("a run checkpointing outside the servers' root: %v\n%s", err, log)
 	}
