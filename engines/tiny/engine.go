@@ -80,13 +80,17 @@ func Open(spec string, opts Options) (*Engine, error) {
 // New returns an engine with a randomly initialised model of the given architecture (drawn from
 // seed) and the character vocabulary. VocabSize 0 means the vocabulary's size.
 func New(cfg ModelConfig, seed uint64, opts Options) (*Engine, error) {
-	tok := newCharTokenizer()
+	return NewWithTokenizer(cfg, newCharTokenizer(), seed, opts)
+}
+
+// NewWithTokenizer is New with another vocabulary, such as one from TrainBPE.
+func NewWithTokenizer(cfg ModelConfig, tok *Tokenizer, seed uint64, opts Options) (*Engine, error) {
 	cfg = cfg.withDefaults(tok.VocabSize())
 	if err := cfg.validate(); err != nil {
 		return nil, fmt.Errorf("tiny: %w", err)
 	}
 	if cfg.VocabSize < tok.VocabSize() {
-		return nil, fmt.Errorf("tiny: vocab_size %d is smaller than the %d-token character vocabulary", cfg.VocabSize, tok.VocabSize())
+		return nil, fmt.Errorf("tiny: vocab_size %d is smaller than the %d-token vocabulary", cfg.VocabSize, tok.VocabSize())
 	}
 	w := newWeights[float32](cfg)
 	w.initRandom(seed)
@@ -136,7 +140,7 @@ func (e *Engine) Info(ctx context.Context) (engines.Info, error) {
 		Architecture: "LlamaForCausalLM",
 		VocabSize:    c.VocabSize,
 		MaxSeqLen:    c.MaxSeqLen,
-		ChatTemplate: ChatTemplate,
+		ChatTemplate: e.tok.ChatTemplate(),
 		EOSTokens:    append([]int32(nil), e.eos...),
 		Params:       params,
 		Devices:      []string{"cpu"},
@@ -222,9 +226,9 @@ func (e *Engine) Close() error {
 }
 
 // Render renders each request's messages with the chat template, as token ids (EncodeChat: a
-// message's content is plain text).
-// The template has no tools variable: a request with tools is refused (put the schemas in a
-// system message instead).
+// message's content is plain text). The BPE vocabulary's template renders tools into the system
+// turn (EncodeChatTools); the character vocabulary's has no tools variable, so a request with
+// tools is refused there (put the schemas in a system message instead).
 func (e *Engine) Render(_ context.Context, reqs []engines.RenderRequest) ([][]int32, error) {
 	e.mu.RLock()
 	defer e.mu.RUnlock()
@@ -233,10 +237,11 @@ func (e *Engine) Render(_ context.Context, reqs []engines.RenderRequest) ([][]in
 	}
 	out := make([][]int32, len(reqs))
 	for i, r := range reqs {
-		if len(r.Tools) > 0 {
-			return nil, fmt.Errorf("render request %d: the tiny chat template has no tools variable; describe the tools in a system message", i)
+		ids, err := e.tok.EncodeChatTools(r.Messages, r.Tools, r.AddGenerationPrompt)
+		if err != nil {
+			return nil, fmt.Errorf("render request %d: %w", i, err)
 		}
-		out[i] = e.tok.EncodeChat(r.Messages, r.AddGenerationPrompt)
+		out[i] = ids
 	}
 	return out, nil
 }

@@ -28,18 +28,22 @@ const (
 const ChatTemplate = "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}" +
 	"{% if add_generation_prompt %}<|assistant|>{% endif %}"
 
-// Tokenizer is a character-level tokenizer: special tokens are matched first, leftmost-longest,
-// then every character is one token; characters outside the vocabulary become <|unk|>. It is the
-// behaviour of a Hugging Face BPE model without merges, which is how it is written to
-// tokenizer.json.
+// Tokenizer is one of two vocabularies. The character vocabulary (builtin:tiny-arith and
+// builtin:tiny-agent): special tokens are matched first, leftmost-longest, then every character
+// is one token; characters outside the vocabulary become <|unk|>. It is the behaviour of a
+// Hugging Face BPE model without merges, which is how it is written to tokenizer.json, and its
+// chat template is ChatTemplate. The byte-level BPE vocabulary of TrainBPE (bpe.go): added
+// tokens are matched first the same way, the rest is split into pre-tokens and merged as
+// Qwen2's tokenizers do, and its chat template is QwenChatTemplate (template.go).
 type Tokenizer struct {
-	pieces  []string         // id → text
-	chars   map[rune]int32   // one-character pieces
+	pieces  []string         // id → text (for BPE: the bytes the token stands for)
+	chars   map[rune]int32   // one-character pieces (character vocabulary)
 	special []int32          // added (special) tokens, longest first
-	ids     map[string]int32 // every piece → id
-	unk     int32
+	ids     map[string]int32 // every piece → id (for BPE: the added tokens)
+	unk     int32            // -1 for BPE, which has no unknown token
 	eos     int32
 	pad     int32
+	bpe     *bpeModel // nil for the character vocabulary
 }
 
 // newCharTokenizer builds the vocabulary of new models: the special tokens, newline and the
@@ -105,6 +109,10 @@ func (t *Tokenizer) EncodeText(text string) []int32 { return t.encode(text, fals
 // text, so a message cannot forge a turn. Content without such text encodes as the template's
 // rendering does (Encode of renderChat).
 func (t *Tokenizer) EncodeChat(msgs []engines.Message, addGenerationPrompt bool) []int32 {
+	if t.bpe != nil {
+		ids, _ := t.encodeQwenChat(msgs, nil, addGenerationPrompt) // without tools it cannot fail
+		return ids
+	}
 	var ids []int32
 	for _, m := range msgs {
 		ids = append(ids, t.Encode("<|"+m.Role+"|>")...)
@@ -118,6 +126,9 @@ func (t *Tokenizer) EncodeChat(msgs []engines.Message, addGenerationPrompt bool)
 }
 
 func (t *Tokenizer) encode(text string, special bool) []int32 {
+	if t.bpe != nil {
+		return t.encodeBPE(text, special)
+	}
 	ids := make([]int32, 0, len(text))
 	for i := 0; i < len(text); {
 		if special {
@@ -146,6 +157,29 @@ func (t *Tokenizer) matchSpecial(s string) int32 {
 	}
 	return -1
 }
+
+// ChatTemplate returns the Jinja chat template the tokenizer renders (EncodeChat): ChatTemplate
+// for the character vocabulary, QwenChatTemplate for BPE.
+func (t *Tokenizer) ChatTemplate() string {
+	if t.bpe != nil {
+		return QwenChatTemplate
+	}
+	return ChatTemplate
+}
+
+// TokenBytes returns the bytes token id stands for: its character, for BPE the bytes of its
+// piece (which may be part of a UTF-8 sequence), for an added token its text (IsSpecial tells
+// those apart); nil for an id outside the vocabulary. Decode is the concatenation of these.
+func (t *Tokenizer) TokenBytes(id int32) []byte {
+	if id < 0 || int(id) >= len(t.pieces) {
+		return nil
+	}
+	return []byte(t.pieces[id])
+}
+
+// IsSpecial says whether id is an added token (<|end|>, <|im_start|>, <tool_call>, …): matched
+// in raw text by Encode but never produced from the text of a message.
+func (t *Tokenizer) IsSpecial(id int32) bool { return slices.Contains(t.special, id) }
 
 // Decode concatenates the pieces of ids (special tokens as their text).
 func (t *Tokenizer) Decode(ids []int32) string {
@@ -218,6 +252,9 @@ type tokenizerConfig struct {
 
 // files returns the contents of tokenizer.json and tokenizer_config.json.
 func (t *Tokenizer) files(maxLen int) (tokJSON, cfgJSON []byte, err error) {
+	if t.bpe != nil {
+		return t.bpeFiles(maxLen)
+	}
 	unk := t.pieces[t.unk]
 	f := hfTokenizerFile{
 		Version:       "1.0",
@@ -264,15 +301,18 @@ func parseTokenizer(tokJSON, cfgJSON []byte) (*Tokenizer, error) {
 	if err := json.Unmarshal(cfgJSON, &c); err != nil {
 		return nil, &fileError{"tokenizer_config.json", fmt.Errorf("not valid JSON: %w", err)}
 	}
-	if strings.TrimSpace(c.ChatTemplate) != ChatTemplate {
-		return nil, &fileError{"tokenizer_config.json", fmt.Errorf("chat_template is not the template the tiny engine renders; expected %q", ChatTemplate)}
-	}
 	if c.AddBOSToken || c.AddEOSToken {
 		return nil, &fileError{"tokenizer_config.json", fmt.Errorf("add_bos_token/add_eos_token are not supported")}
 	}
 	var f hfTokenizerFile
 	if err := json.Unmarshal(tokJSON, &f); err != nil {
 		return nil, &fileError{"tokenizer.json", fmt.Errorf("not valid JSON: %w", err)}
+	}
+	if len(f.Model.Merges) > 0 || (len(f.PreTokenizer) > 0 && string(f.PreTokenizer) != "null") {
+		return parseBPE(&f, &c)
+	}
+	if strings.TrimSpace(c.ChatTemplate) != ChatTemplate {
+		return nil, &fileError{"tokenizer_config.json", fmt.Errorf("chat_template is not the template the tiny engine renders with a character vocabulary; expected %q", ChatTemplate)}
 	}
 	bad := func(format string, a ...any) error { return &fileError{"tokenizer.json", fmt.Errorf(format, a...)} }
 	if f.Model.Type != "BPE" || len(f.Model.Merges) != 0 {

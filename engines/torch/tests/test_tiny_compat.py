@@ -106,3 +106,97 @@ def test_builtin_tiny_arith_matches_go(tiny_arith, case):
     assert got.shape == ref.shape
     err = relative_error(got, ref)
     assert err < 1e-4, f"builtin:tiny-arith, {len(ids)} tokens: relative error {err:.2e}"
+
+
+# A tiny model with the byte-level BPE vocabulary and the Qwen3-form chat template
+# (engines/tiny/bpe.go, template.go): bpe.json holds what the Go engine computes for the folder
+# bpe_chat/. Regenerate both with `go test ./engines/tiny -run TestCompatBPE -update`.
+BPE = json.loads((FIXTURE / "bpe.json").read_text())
+BPE_DIR = FIXTURE / BPE["model"]
+
+
+@pytest.fixture(scope="module")
+def bpe_tokenizer():
+    return AutoTokenizer.from_pretrained(BPE_DIR)
+
+
+@pytest.mark.parametrize("case", BPE["texts"], ids=lambda c: repr(c["text"])[:30])
+def test_bpe_token_ids_match_go(bpe_tokenizer, case):
+    """The tokenizers library, reading tokenizer.json, splits and merges every text as the Go
+    encoder does (added tokens in the text included), and decodes the ids back to the text."""
+    from tokenizers import Tokenizer
+
+    raw = Tokenizer.from_file(str(BPE_DIR / "tokenizer.json"))
+    assert raw.encode(case["text"], add_special_tokens=False).ids == case["ids"]
+    ids = bpe_tokenizer(case["text"], add_special_tokens=True)["input_ids"]
+    assert ids == case["ids"]
+    assert bpe_tokenizer.decode(ids) == case["text"]
+
+
+def test_bpe_special_tokens(bpe_tokenizer):
+    config = json.loads((BPE_DIR / "config.json").read_text())
+    assert bpe_tokenizer.eos_token == "<|im_end|>"
+    assert bpe_tokenizer.eos_token_id == config["eos_token_id"]
+    assert bpe_tokenizer.pad_token == "<|endoftext|>"
+    assert len(bpe_tokenizer) == config["vocab_size"]
+    for t in ["<|im_start|>", "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<think>", "</think>"]:
+        assert len(bpe_tokenizer(t, add_special_tokens=False)["input_ids"]) == 1, t
+    # A generated tool call survives decoding without special tokens: the tool tags are not special.
+    ids = bpe_tokenizer('<tool_call>\n{"name": "calc"}\n</tool_call><|im_end|>', add_special_tokens=False)["input_ids"]
+    assert bpe_tokenizer.decode(ids, skip_special_tokens=True) == '<tool_call>\n{"name": "calc"}\n</tool_call>'
+
+
+def openai_form(messages):
+    """The messages as an OpenAI client sends them: an assistant's <tool_call> blocks as
+    tool_calls with parsed arguments, the rest of its text as content."""
+    out = []
+    for m in messages:
+        if m["role"] != "assistant" or "<tool_call>" not in m["content"]:
+            out.append(dict(m))
+            continue
+        head, *blocks = m["content"].split("<tool_call>")
+        calls = []
+        for b in blocks:
+            call = json.loads(b.split("</tool_call>")[0])
+            calls.append({"type": "function", "function": {"name": call["name"], "arguments": call["arguments"]}})
+        out.append({"role": "assistant", "content": head.rstrip("\n"), "tool_calls": calls})
+    return out
+
+
+def chat_ids(tok, messages, tools, add_generation_prompt):
+    got = tok.apply_chat_template(
+        messages, tools=tools, add_generation_prompt=add_generation_prompt, tokenize=True
+    )
+    if hasattr(got, "keys"):
+        got = got["input_ids"]
+    return list(got)
+
+
+@pytest.mark.parametrize("case", BPE["chats"], ids=lambda c: f"{len(c['messages'])}msgs-{len(c['tools'] or [])}tools")
+def test_bpe_chat_template_matches_go(bpe_tokenizer, case):
+    """transformers' apply_chat_template with the folder's template gives the Go renderer's ids,
+    with the tool calls in the content as slimen keeps them and as OpenAI tool_calls."""
+    tools = [json.loads(t) for t in case["tools"]] if case["tools"] else None
+    gen = case["add_generation_prompt"]
+    assert chat_ids(bpe_tokenizer, case["messages"], tools, gen) == case["ids"]
+    assert chat_ids(bpe_tokenizer, openai_form(case["messages"]), tools, gen) == case["ids"]
+
+
+def test_bpe_chat_fixture_is_the_issue_case():
+    """One conversation holds a system prompt, three tool schemas, tool calls, tool responses and
+    eight turns or more, and passes 512 tokens."""
+    big = BPE["chats"][0]
+    roles = [m["role"] for m in big["messages"]]
+    assert roles[0] == "system" and len(big["tools"]) == 3 and "tool" in roles
+    assert sum(1 for m in big["messages"] if m["role"] in ("user", "assistant")) >= 8
+    assert len(big["ids"]) > 512
+
+
+def test_bpe_logits_match_go():
+    model = AutoModelForCausalLM.from_pretrained(BPE_DIR, dtype=torch.float32)
+    model.eval()
+    for seq, positions, logits in zip(BPE["sequences"], BPE["positions"], BPE["logits"]):
+        with torch.no_grad():
+            got = model(torch.tensor([seq])).logits[0][positions]
+        err = relative_error(got, torch.tensor(logits))
+        assert err < 1e-4, f"bpe_chat: sequence of {len(seq)} tokens, relative error {err:.2e}"
