@@ -26,8 +26,12 @@ import (
 const sidecarFile = "slimen_torch/wandb_sidecar.py"
 
 // writeWait bounds how long one message may wait for the sidecar to take it: a sidecar that
-// takes none for this long is stuck, and the run stops logging to it.
-const writeWait = time.Minute
+// takes none for this long is stuck, and the run stops logging to it. exitWait bounds how long a
+// sidecar whose input has ended may take to exit before it is killed. (Variables for the tests.)
+var (
+	writeWait = time.Minute
+	exitWait  = 10 * time.Second
+)
 
 // sidecar is a running wandb_sidecar.py.
 type sidecar struct {

@@ -58,8 +58,6 @@ type Logger struct {
 	mu   sync.Mutex
 	sc   *sidecar
 	mode string // the mode the SDK chose (online, offline)
-	// lastStep is the last step logged, so an eval of the same step lands on its row.
-	lastStep int
 }
 
 var _ host.Observer = (*Logger)(nil)
@@ -210,9 +208,6 @@ func (l *Logger) Step(rec host.StepRecord) error {
 	if len(rec.Rollouts) > 0 {
 		msg["tables"] = map[string]any{"rollouts": rolloutTable(rec.Rollouts)}
 	}
-	l.mu.Lock()
-	l.lastStep = rec.Step
-	l.mu.Unlock()
 	return sc.send(msg)
 }
 
@@ -257,7 +252,7 @@ func (l *Logger) Close() error {
 	if err == nil {
 		_, err = sc.await(wait, "finished")
 	}
-	if cerr := sc.close(10 * time.Second); err == nil {
+	if cerr := sc.close(exitWait); err == nil {
 		err = cerr
 	}
 	if err != nil {
