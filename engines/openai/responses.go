@@ -209,15 +209,37 @@ func responsesChat(req *responsesRequest) ([]ChatMessage, extras, error) {
 	return msgs, x, nil
 }
 
-// textFormat names response_format in a client error as the Responses API has it: text.format
-// (whose json_schema's schema is text.format.schema).
-func textFormat(err error) error {
+// responsesNames names the chat API's fields in a client error as the Responses API has them:
+// response_format is text.format (whose json_schema's schema is text.format.schema), and a
+// conversation past the context (context_length_exceeded, from the front's check or from
+// agent()'s) is the input's, with max_output_tokens for max_tokens.
+func responsesNames(err error) error {
 	var ae *apiErr
-	if errors.As(err, &ae) && strings.HasPrefix(ae.param, "response_format") {
+	var be *APIError
+	switch {
+	case errors.As(err, &ae) && strings.HasPrefix(ae.param, "response_format"):
 		r := strings.NewReplacer("response_format.json_schema", "text.format", "response_format", "text.format")
 		ae.param, ae.msg = r.Replace(ae.param), r.Replace(ae.msg)
+	case errors.As(err, &ae) && ae.code == "context_length_exceeded":
+		ae.param, ae.msg = inputNames(ae.param, ae.msg)
+	case errors.As(err, &be) && be.Code == "context_length_exceeded":
+		be.Param, be.Msg = inputNames(be.Param, be.Msg)
 	}
 	return err
+}
+
+// inputNames are a context-overflow error's parameter and message with the Responses API's
+// names: the chat's messages are the input, its max_tokens max_output_tokens.
+func inputNames(param, msg string) (string, string) {
+	switch param {
+	case "messages":
+		param = "input"
+	case "max_tokens", "max_completion_tokens":
+		param = "max_output_tokens"
+	}
+	r := strings.NewReplacer("your messages", "your input", "in the messages", "in the input", "of the messages", "of the input",
+		"in the completion", "in the output (max_output_tokens)", "or the completion", "or max_output_tokens")
+	return param, r.Replace(msg)
 }
 
 func isSet(raw json.RawMessage) bool {
@@ -401,14 +423,14 @@ func (h *handler) responses(w http.ResponseWriter, r *http.Request) {
 		tu, err = x.toolFields()
 	}
 	if err != nil {
-		h.fail(w, textFormat(err))
+		h.fail(w, responsesNames(err))
 		return
 	}
 	id := "resp_" + gr.ID
 	gr.ID = id
 	generate, release, err := h.generator(w, r, gr, explicit, req.Stream, msgs, tu)
 	if err != nil {
-		h.fail(w, textFormat(err))
+		h.fail(w, responsesNames(err))
 		return
 	}
 	defer release()
@@ -448,7 +470,7 @@ func (h *handler) responses(w http.ResponseWriter, r *http.Request) {
 	if !req.Stream {
 		comps, err := generate(r.Context())
 		if err != nil {
-			h.fail(w, err)
+			h.fail(w, responsesNames(err))
 			return
 		}
 		finish(comps)
@@ -462,7 +484,7 @@ func (h *handler) responses(w http.ResponseWriter, r *http.Request) {
 	comps, err := generate(r.Context())
 	if err != nil {
 		if r.Context().Err() == nil { // else the client left
-			ev.fail(h, err)
+			ev.fail(h, responsesNames(err))
 		}
 		return
 	}

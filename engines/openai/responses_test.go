@@ -2,7 +2,9 @@ package openai
 
 import (
 	"bufio"
+	"context"
 	"encoding/json"
+	"net/http/httptest"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -220,6 +222,35 @@ func TestResponsesRefusals(t *testing.T) {
 	if status != 200 || !strings.Contains(body, `"status":"incomplete"`) || !strings.Contains(body, `"incomplete_details":{"reason":"max_output_tokens"}`) {
 		t.Errorf("a cut answer: %d %s", status, body)
 	}
+}
+
+// TestResponsesContextNames: a conversation past the context is answered on /v1/responses with
+// the Responses API's names (input, max_output_tokens), streamed or not, from the front's own
+// check and from a chat backend's (agent()'s endpoint); the chat path keeps messages and
+// max_tokens.
+func TestResponsesContextNames(t *testing.T) {
+	base := front(t, openTiny(t), HandlerOptions{})
+	long := strings.Repeat("1+", 300) // 600 tokens: past tiny-arith's 512
+	for _, tc := range []struct{ name, path, body, param, msg string }{
+		{"input past the context", "/responses", `{"input":"` + long + `"}`, "input", "your input resulted in"},
+		{"max_output_tokens beside the input", "/responses", `{"input":"` + strings.Repeat("1", 100) + `","max_output_tokens":500}`, "max_output_tokens", "(103 in the input, 500 in the output (max_output_tokens)). Please reduce the length of the input or max_output_tokens."},
+		{"the chat's names", "/chat/completions", `{"messages":[{"role":"user","content":"` + strings.Repeat("1", 100) + `"}],"max_tokens":500}`, "max_tokens", "(103 in the messages, 500 in the completion)"},
+	} {
+		status, body := post(t, base+tc.path, tc.body)
+		wantError(t, tc.name, status, body, 400, tc.param, "context_length_exceeded", tc.msg)
+	}
+	_, body := post(t, base+"/responses", `{"input":"`+long+`","stream":true}`)
+	if !strings.Contains(body, `"param":"input"`) || !strings.Contains(body, "your input resulted in") {
+		t.Errorf("streamed: %s", body)
+	}
+
+	backend := httptest.NewServer(NewChatHandler(HandlerOptions{}, func(context.Context, ChatCall) ([]engines.Completion, error) {
+		return nil, &APIError{Status: 400, Type: "invalid_request_error", Param: "messages", Code: "context_length_exceeded",
+			Msg: "This model's maximum context length is 8 tokens. However, your messages resulted in 9 tokens, which leaves no room for a response. Please reduce the length of the messages."}
+	}))
+	defer backend.Close()
+	status, body := post(t, backend.URL+"/v1/responses", `{"input":"hi"}`)
+	wantError(t, "a backend's overflow", status, body, 400, "input", "context_length_exceeded", "your input resulted in 9 tokens, which leaves no room for a response. Please reduce the length of the input.")
 }
 
 // TestResponsesOpenAIClient: the official openai Python package's client.responses.create (plain,
