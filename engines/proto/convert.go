@@ -77,6 +77,7 @@ func EncodeGenerateRequest(r engines.GenerateRequest) *GenerateRequest {
 			TopP:        r.TopP,
 			Stop:        r.Stop,
 			Seed:        r.Seed,
+			Constraint:  r.Constraint,
 		},
 	}
 }
@@ -95,6 +96,7 @@ func DecodeGenerateRequest(m *GenerateRequest) engines.GenerateRequest {
 			TopP:        s.GetTopP(),
 			Stop:        s.GetStop(),
 			Seed:        s.GetSeed(),
+			Constraint:  s.GetConstraint(),
 		},
 	}
 }

@@ -465,12 +465,16 @@ func (x *Message) GetContent() string {
 
 // engines.Sampling
 type Sampling struct {
-	state         protoimpl.MessageState `protogen:"open.v1"`
-	MaxTokens     int32                  `protobuf:"varint,1,opt,name=max_tokens,json=maxTokens,proto3" json:"max_tokens,omitempty"` // > 0
-	Temperature   float64                `protobuf:"fixed64,2,opt,name=temperature,proto3" json:"temperature,omitempty"`             // 0 means greedy
-	TopP          float64                `protobuf:"fixed64,3,opt,name=top_p,json=topP,proto3" json:"top_p,omitempty"`               // nucleus mass in (0, 1]; 0 is read as 1
-	Stop          []string               `protobuf:"bytes,4,rep,name=stop,proto3" json:"stop,omitempty"`                             // the response ends before the first of these strings
-	Seed          uint64                 `protobuf:"varint,5,opt,name=seed,proto3" json:"seed,omitempty"`                            // sampling is a deterministic function of (seed, prompt, sample index)
+	state       protoimpl.MessageState `protogen:"open.v1"`
+	MaxTokens   int32                  `protobuf:"varint,1,opt,name=max_tokens,json=maxTokens,proto3" json:"max_tokens,omitempty"` // > 0
+	Temperature float64                `protobuf:"fixed64,2,opt,name=temperature,proto3" json:"temperature,omitempty"`             // 0 means greedy
+	TopP        float64                `protobuf:"fixed64,3,opt,name=top_p,json=topP,proto3" json:"top_p,omitempty"`               // nucleus mass in (0, 1]; 0 is read as 1
+	Stop        []string               `protobuf:"bytes,4,rep,name=stop,proto3" json:"stop,omitempty"`                             // the response ends before the first of these strings
+	Seed        uint64                 `protobuf:"varint,5,opt,name=seed,proto3" json:"seed,omitempty"`                            // sampling is a deterministic function of (seed, prompt, sample index)
+	// What the response must follow (engines/constrain's Spec as JSON; "": nothing): only for a
+	// server that lists "constrain" in its capabilities; one that does not would ignore it, so the
+	// client refuses to send it there.
+	Constraint    string `protobuf:"bytes,6,opt,name=constraint,proto3" json:"constraint,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -538,6 +542,13 @@ func (x *Sampling) GetSeed() uint64 {
 		return x.Seed
 	}
 	return 0
+}
+
+func (x *Sampling) GetConstraint() string {
+	if x != nil {
+		return x.Constraint
+	}
+	return ""
 }
 
 // engines.GenerateRequest: n completions of one prompt. Exactly one of messages (rendered with the
@@ -2797,14 +2808,17 @@ const file_engine_proto_rawDesc = "" +
 	"\vNOT_SERVING\x10\x02\"7\n" +
 	"\aMessage\x12\x12\n" +
 	"\x04role\x18\x01 \x01(\tR\x04role\x12\x18\n" +
-	"\acontent\x18\x02 \x01(\tR\acontent\"\x88\x01\n" +
+	"\acontent\x18\x02 \x01(\tR\acontent\"\xa8\x01\n" +
 	"\bSampling\x12\x1d\n" +
 	"\n" +
 	"max_tokens\x18\x01 \x01(\x05R\tmaxTokens\x12 \n" +
 	"\vtemperature\x18\x02 \x01(\x01R\vtemperature\x12\x13\n" +
 	"\x05top_p\x18\x03 \x01(\x01R\x04topP\x12\x12\n" +
 	"\x04stop\x18\x04 \x03(\tR\x04stop\x12\x12\n" +
-	"\x04seed\x18\x05 \x01(\x04R\x04seed\"\x88\x02\n" +
+	"\x04seed\x18\x05 \x01(\x04R\x04seed\x12\x1e\n" +
+	"\n" +
+	"constraint\x18\x06 \x01(\tR\n" +
+	"constraint\"\x88\x02\n" +
 	"\x0fGenerateRequest\x12\x0e\n" +
 	"\x02id\x18\x01 \x01(\tR\x02id\x125\n" +
 	"\bmessages\x18\x02 \x03(\v2\x19.slimen.engine.v1.MessageR\bmessages\x12#\n" +

@@ -41,6 +41,16 @@ func (c *Client) generate(ctx context.Context, reqs []engines.GenerateRequest, a
 	if err := c.brokenErr(); err != nil {
 		return nil, fmt.Errorf("engine at %s: generate: %w", c.addr, err)
 	}
+	if i := slices.IndexFunc(reqs, func(r engines.GenerateRequest) bool { return r.Constraint != "" }); i >= 0 {
+		// A server that predates constraints would drop the field and sample unconstrained.
+		ok, err := c.capable(ctx, "constrain")
+		if err != nil {
+			return nil, fmt.Errorf("engine at %s: generate: %w", c.addr, err)
+		}
+		if !ok {
+			return nil, fmt.Errorf("engine at %s: generate: request %q has a decoding constraint, and the server does not constrain decoding (no \"constrain\" in its capabilities: a worker older than constrained decoding); %w", c.addr, reqs[i].ID, engines.ErrNotSupported)
+		}
+	}
 	calls := make([]*genCall, len(reqs))
 	seen := make(map[string]bool, len(reqs))
 	total := 0

@@ -238,7 +238,7 @@ class EngineServicer:
         model: a trainer (rank 0) and its rollout replicas (host/replica.go). The host calls every
         member at once; each call returns once the group is made. Only a server that lists "push" in
         Info.capabilities has it (the PyTorch worker, one process: torch.distributed, NCCL between
-        GPUs, gloo otherwise).
+        GPUs, CUDA IPC on one GPU, gloo otherwise).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
