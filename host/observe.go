@@ -33,7 +33,7 @@ type RunInfo struct {
 	WorkDir string         // the working directory the run started in (relative paths are from it)
 	Config  *config.Config // the resolved config (read-only)
 	Step    int            // the steps done before this process: > 0 on resume
-	Resumed bool           // the run was resumed from a checkpoint
+	Resumed bool           // the run goes on from a checkpoint (Step > 0)
 }
 
 // StepRecord is what a completed step hands to observers.

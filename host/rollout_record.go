@@ -487,11 +487,16 @@ func (r *Run) recordEval(evs []Metrics) {
 }
 
 // observing says whether the run has observers, making and starting them before their first
-// record. done is the steps done before the record.
+// record: Options.Observers and, with run.tensorboard, the TensorBoard writer. done is the steps
+// done before the record.
 func (r *Run) observing(done int) bool {
 	if r.obs == nil {
-		r.obs = newObservers(r.events, r.opts.Observers)
-		r.obs.start(RunInfo{ID: r.id, Out: r.opts.Out, WorkDir: r.wd, Config: r.Config(), Step: done, Resumed: r.opts.resuming})
+		list := append([]Observer(nil), r.opts.Observers...)
+		if dir := r.Config().Run.TensorBoard; dir != "" {
+			list = append(list, newTensorBoardObserver(dir))
+		}
+		r.obs = newObservers(r.events, list)
+		r.obs.start(RunInfo{ID: r.id, Out: r.opts.Out, WorkDir: r.wd, Config: r.Config(), Step: done, Resumed: done > 0})
 	}
 	return len(r.obs.list) > 0
 }

@@ -44,7 +44,7 @@ func parseInterleaved(fs *flag.FlagSet, args []string) ([]string, error) {
 type execFlags struct {
 	fs                         *flag.FlagSet
 	cfgPath, data, out, resume *string
-	wandb                      *string
+	wandb, tensorboard         *string
 	steps, batch, staleness    *int
 	seed                       *uint64
 	sandbox, watch             *bool
@@ -67,8 +67,9 @@ func newExecFlags() *execFlags {
 		wandb:     fs.String("wandb", "", "log the run to this Weights & Biases project (sets run.wandb.project; docs/observability.md)"),
 		set:       map[string]bool{},
 	}
+	f.tensorboard = fs.String("tensorboard", "", "write TensorBoard event files into this folder, relative to the working directory (sets run.tensorboard; docs/observability.md)")
 	fs.Usage = func() {
-		fmt.Fprintln(fs.Output(), "usage: slimen exec SCRIPT [--config Y] [--data D] [--steps N] [--seed S] [--out DIR] [--batch-size B] [--max-staleness K] [--wandb PROJECT] [--watch] [--sandbox] [--resume RUN_DIR|RUN_DIR/checkpoints/step_N]")
+		fmt.Fprintln(fs.Output(), "usage: slimen exec SCRIPT [--config Y] [--data D] [--steps N] [--seed S] [--out DIR] [--batch-size B] [--max-staleness K] [--wandb PROJECT] [--tensorboard DIR] [--watch] [--sandbox] [--resume RUN_DIR|RUN_DIR/checkpoints/step_N]")
 		fs.PrintDefaults()
 	}
 	return f
@@ -98,6 +99,12 @@ func (f *execFlags) override(c *config.Config) error {
 			c.Run.Wandb = &config.WandbConfig{}
 		}
 		c.Run.Wandb.Project = *f.wandb
+	}
+	if f.set["tensorboard"] {
+		if *f.tensorboard == "" {
+			return errors.New("--tensorboard: give the folder to write TensorBoard's event files into")
+		}
+		c.Run.TensorBoard = *f.tensorboard
 	}
 	if f.set["batch-size"] {
 		if *f.batch < 1 {
