@@ -3,6 +3,7 @@ package view
 import (
 	"encoding/json"
 	"fmt"
+	"iter"
 	"math"
 	"net/http"
 	"slices"
@@ -120,6 +121,34 @@ func (x *rolloutIndex) add(line []byte, off int64) {
 		x.maxStep = e.step
 	}
 	x.items = append(x.items, e)
+}
+
+// order yields the positions of the indexed rollouts in file order, or with the newest step
+// first: the file holds a step's lines together, appended after the step before's, so newest first
+// is its runs of one step from the last, each in its own order (index 0 first).
+func (x *rolloutIndex) order(newestFirst bool) iter.Seq[int] {
+	return func(yield func(int) bool) {
+		if !newestFirst {
+			for k := range x.items {
+				if !yield(k) {
+					return
+				}
+			}
+			return
+		}
+		for end := len(x.items); end > 0; {
+			start := end - 1
+			for start > 0 && x.items[start-1].step == x.items[end-1].step {
+				start--
+			}
+			for k := start; k < end; k++ {
+				if !yield(k) {
+					return
+				}
+			}
+			end = start
+		}
+	}
 }
 
 // rolloutFilter is what a page of rollouts asks for.
@@ -242,19 +271,14 @@ func (s *Server) handleRollouts(w http.ResponseWriter, r *http.Request) {
 	x := s.index
 	x.mu.Lock()
 	rep.Indexed, rep.Bad = len(x.items), len(x.bad)
-	rep.Policies = slices.Clone(x.policies)
+	rep.Policies = append(rep.Policies, x.policies...)
 	slices.Sort(rep.Policies)
 	rep.MinStep, rep.MaxStep = int(x.minStep), int(x.maxStep)
 	id, ok := x.polID[f.policy]
 	f.policyID, f.policyKnown = int32(id), ok
 	var picked []rolloutEntry
 	skip := f.page * f.perPage
-	for i := range x.items {
-		k := i
-		if f.newestFirst {
-			// The newest rollouts are the file's last lines: a step's are appended whole, in order.
-			k = len(x.items) - 1 - i
-		}
+	for k := range x.order(f.newestFirst) {
 		e := &x.items[k]
 		if !f.match(e) {
 			continue

@@ -325,17 +325,17 @@ func TestRolloutsPagesAndFilters(t *testing.T) {
 		total int
 		want  []string
 	}{
-		{"per_page=4", 13, []string{"4/0", "4/2", "4/1", "4/0"}}, // newest first: the eval line last in the file
-		{"per_page=4&page=3", 13, []string{"1/0"}},
+		{"per_page=4", 13, []string{"4/0", "4/1", "4/2", "4/0"}}, // the newest step first, its lines in file order (the eval last)
+		{"per_page=4&page=3", 13, []string{"1/2"}},
 		{"order=asc&per_page=2", 13, []string{"1/0", "1/1"}},
-		{"step=2", 3, []string{"2/2", "2/1", "2/0"}},
+		{"step=2", 3, []string{"2/0", "2/1", "2/2"}},
 		{"min_step=2&max_step=3&order=asc&per_page=2", 6, []string{"2/0", "2/1"}},
 		{"status=failed", 1, []string{"3/1"}},
 		{"kind=eval", 1, []string{"4/0"}},
-		{"kind=train&status=ok&step=4", 3, []string{"4/2", "4/1", "4/0"}},
+		{"kind=train&status=ok&step=4", 3, []string{"4/0", "4/1", "4/2"}},
 		{"policy=generator&min_reward=1&kind=train", 4, []string{"4/1", "3/1", "2/1", "1/1"}},
-		{"policy=critic&min_reward=0.8", 3, []string{"4/2", "4/1", "4/0"}},
-		{"policy=critic&max_reward=0.25", 3, []string{"1/2", "1/1", "1/0"}},
+		{"policy=critic&min_reward=0.8", 3, []string{"4/0", "4/1", "4/2"}},
+		{"policy=critic&max_reward=0.25", 3, []string{"1/0", "1/1", "1/2"}},
 		{"min_reward=5", 0, nil},
 		{"policy=nobody", 0, nil},
 	} {

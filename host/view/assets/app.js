@@ -121,7 +121,16 @@ function niceTicks(lo, hi, n) {
   const raw = (hi - lo) / n, mag = Math.pow(10, Math.floor(Math.log10(raw)));
   const step = [1, 2, 2.5, 5, 10].map((m) => m * mag).find((s) => s >= raw) || raw;
   const ticks = [];
-  for (let t = Math.ceil(lo / step) * step; t <= hi + step * 1e-9; t += step) ticks.push(Math.abs(t) < step * 1e-9 ? 0 : t);
+  for (let i = Math.ceil(lo / step); i * step <= hi + step * 1e-9; i++) ticks.push(Number((i * step).toPrecision(12)));
+  return ticks;
+}
+
+// stepTicks are about 6 whole steps between x0 and x1, 1, 2 or 5 times a power of ten apart.
+function stepTicks(x0, x1) {
+  const raw = Math.max(1, (x1 - x0) / 6), mag = Math.pow(10, Math.floor(Math.log10(raw)));
+  const step = [1, 2, 5, 10].map((m) => m * mag).find((s) => s >= raw);
+  const ticks = [];
+  for (let t = Math.ceil(x0 / step) * step; t <= x1; t += step) ticks.push(t);
   return ticks;
 }
 
@@ -144,7 +153,7 @@ function chart(title, lines) {
     g.append(svg("line", { class: "grid", x1: L, x2: W - R, y1: Y(t), y2: Y(t) }));
     g.append(svg("text", { x: L - 4, y: Y(t) + 3, "text-anchor": "end" }, fmt(t)));
   }
-  for (const t of niceTicks(x0, x1, 6).filter((t) => Number.isInteger(t) && t >= x0 && t <= x1)) {
+  for (const t of stepTicks(x0, x1)) {
     g.append(svg("text", { x: X(t), y: H - B + 14, "text-anchor": "middle" }, String(t)));
   }
   g.append(svg("line", { class: "axis", x1: L, x2: L, y1: T, y2: H - B }));
@@ -342,7 +351,8 @@ function tokenSpans(toks, maxAdv) {
     let cls = "tok m" + (mask ? 1 : 0);
     let style;
     if (mask) {
-      if (t.adv > 0) cls += " pos"; else if (t.adv < 0) cls += " neg"; else cls += " zero";
+      if (t.adv === undefined || t.adv === null) cls += " na"; // sampled, never trained
+      else if (t.adv > 0) cls += " pos"; else if (t.adv < 0) cls += " neg"; else cls += " zero";
       if (t.adv) style = "--a:" + Math.min(1, Math.abs(t.adv) / (maxAdv || 1)).toFixed(3);
     }
     const piece = t.piece !== undefined ? t.piece : `‹${t.id}›`;
@@ -378,10 +388,18 @@ function renderCall(c, maxAdv) {
     c.prompt_tokens ? el("span", { class: "muted" }, `${c.prompt_tokens} prompt tokens`) : null,
     c.tokens_cut ? el("span", { class: "muted" }, `${c.tokens_cut} more tokens not kept`) : null);
   const body = [];
-  if (c.messages && c.messages.length) body.push(...renderMessages(c.messages));
+  const conversation = c.turns && c.turns.length;
+  let msgs = c.messages || [];
+  if (conversation) {
+    // A conversation's messages are all of it; what follows its first assistant turn is in the
+    // token rows below, each turn and each injected stretch a row.
+    const k = msgs.findIndex((m) => m.role === "assistant");
+    if (k >= 0) msgs = msgs.slice(0, k);
+  }
+  if (msgs.length) body.push(...renderMessages(msgs));
   else if (c.prompt) body.push(msgRow("prompt", c.prompt));
   const n = (c.token_ids || []).length;
-  if (c.turns && c.turns.length) {
+  if (conversation) {
     let at = 0;
     c.turns.forEach((t, i) => {
       if (t.start > at) body.push(tokenRow("injected", c, at, t.start, maxAdv, "injected"));
@@ -486,7 +504,26 @@ async function tick() {
   setTimeout(tick, POLL_MS);
 }
 
+// fromAddress applies the page's address: ?only=rollouts,curves shows those sections alone, and
+// the filters' names (?policy=critic&status=failed…) preset the rollout browser, so a view can
+// be linked to.
+function fromAddress() {
+  const q = new URLSearchParams(location.search);
+  const only = (q.get("only") || "").split(",").filter(Boolean);
+  if (only.length) {
+    for (const sec of document.querySelectorAll("main > section")) sec.hidden = !only.includes(sec.id);
+  }
+  const form = $("#filters");
+  for (const [k, v] of q) {
+    const f = form.elements[k];
+    if (!f || k === "follow") continue;
+    if (f.tagName === "SELECT" && ![...f.options].some((o) => o.value === v)) f.append(el("option", { value: v }, v));
+    f.value = v;
+  }
+}
+
 function main() {
+  fromAddress();
   document.addEventListener("mouseover", (ev) => {
     const t = ev.target.closest && ev.target.closest("[data-tip]");
     if (t) showTip(ev, t.getAttribute("data-tip"));

@@ -1,0 +1,200 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"fmt"
+	"image/png"
+	"net/http"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"regexp"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/slimen/slimen/host"
+	"github.com/slimen/slimen/host/config"
+	"github.com/slimen/slimen/host/tasks"
+	"github.com/slimen/slimen/host/view"
+)
+
+// viewScript is a small debate in chats: the generator answers, a critic answers after seeing
+// it, the generator answers again after reading the critic (a two-turn conversation with the
+// critic's words injected between the turns); the rollout of task FAIL fails after its calls.
+const viewScript = `
+load("@slimen//answers.star", "boxed", "equal")
+
+def rollout(task):
+    g = chat("generator", system = "Answer with \\boxed{}.")
+    g.user(task.prompt)
+    first = g.generate(max_tokens = 12)
+    c = chat("critic")
+    c.user("Problem: " + task.prompt + "\nA first answer: " + first.text + "\nYour answer?")
+    crit = c.generate(max_tokens = 12)
+    g.user("A critic says " + crit.text + ". Your final answer?")
+    g.generate(max_tokens = 12)
+    if task.id == FAIL:
+        check_answer(task)
+    for chat_, text in [(g, g.turns[-1].text), (c, crit.text)]:
+        reward(chat_, 1.0 if equal(boxed(text), task.label) else 0.0)
+        train(chat_)
+
+def check_answer(task):
+    fail("the checker of task %s fails on purpose" % task.id)
+`
+
+// viewRun runs viewScript for two steps of four tasks on the embedded engine into a run folder,
+// and returns the folder and the id of the task whose rollout failed.
+func viewRun(t *testing.T) (dir, failed string) {
+	t.Helper()
+	// REINFORCE++ normalises advantages over the batch: a group of one conversation a task still
+	// gets advantages of both signs, which the page colours.
+	cfg := config.Default([]string{"generator", "critic"})
+	for i := range cfg.Policies {
+		cfg.Policies[i].Train.AdvantageEstimator = "reinforce_plus_plus"
+	}
+	cfg.Rollout.BatchSize = 4
+	cfg.Run.Steps = 2
+	cfg.Run.SaveMinutes = 0
+	cfg.Run.EvalInterval = 1
+	cfg.Eval.Datasets = []config.EvalDataset{{Name: "arith", Path: "synthetic:arith", InputKey: "prompt", LabelKey: "label", Limit: 4, NSamples: 1, TopP: 1, MaxResponseLen: 32}}
+	src, err := tasks.Open(cfg.Data.Path, tasks.Options{Seed: cfg.Run.Seed})
+	if err != nil {
+		t.Fatal(err)
+	}
+	failed = src.Task(1).ID
+	dir = filepath.Join(t.TempDir(), "debate")
+	script := filepath.Join(t.TempDir(), "debate.star")
+	if err := os.WriteFile(script, []byte(strings.Replace(viewScript, "FAIL", fmt.Sprintf("%q", failed), 1)), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	ctx := context.Background()
+	r, err := host.Load(ctx, script, host.Options{Config: cfg, Out: dir})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := r.Train(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if err := r.Close(); err != nil {
+		t.Fatal(err)
+	}
+	return dir, failed
+}
+
+// chromium is the headless browser's binary, or "" where there is none (CI may not have one).
+func chromium() string {
+	for _, name := range []string{"chromium", "chromium-browser", "google-chrome"} {
+		if p, err := exec.LookPath(name); err == nil {
+			return p
+		}
+	}
+	return ""
+}
+
+// TestViewInBrowser shows a real run's page in headless Chromium: screenshots of the curves and of
+// the rollout browser (left in /tmp/view-shots for a person to look at), and the DOM after the
+// page's scripts ran, which must hold the conversations' text, token spans with their loss-mask
+// classes and the failed rollout with its backtrace. Skipped without a Chromium binary.
+func TestViewInBrowser(t *testing.T) {
+	bin := chromium()
+	if bin == "" {
+		t.Skip("no chromium binary (apt-get install chromium)")
+	}
+	dir, failed := viewRun(t)
+	srv, err := view.New(dir, view.Options{Graph: func(ctx context.Context) ([]byte, string, error) { return runGraph(ctx, dir) }})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer srv.Close()
+	l, err := view.Listen("127.0.0.1:0", view.Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	hs := &http.Server{Handler: srv}
+	go hs.Serve(l)
+	defer hs.Close()
+	base := "http://" + l.Addr().String() + "/"
+
+	shots := filepath.Join(os.TempDir(), "view-shots")
+	if err := os.MkdirAll(shots, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	browse := func(args ...string) []byte {
+		t.Helper()
+		ctx, cancel := context.WithTimeout(context.Background(), 90*time.Second)
+		defer cancel()
+		all := append([]string{"--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars", "--user-data-dir=" + t.TempDir(),
+			"--virtual-time-budget=8000"}, args...)
+		var out, stderr bytes.Buffer
+		cmd := exec.CommandContext(ctx, bin, all...)
+		cmd.Stdout, cmd.Stderr = &out, &stderr
+		if err := cmd.Run(); err != nil {
+			t.Fatalf("%s %s: %v\n%s", bin, strings.Join(args, " "), err, stderr.String())
+		}
+		return out.Bytes()
+	}
+	for _, shot := range []struct{ name, query, size string }{
+		{"curves", "?only=curves,topology", "1280,1100"},
+		{"rollouts", "?only=rollouts&kind=train", "1280,1800"},
+		{"failed", "?only=rollouts&status=failed", "1280,1000"},
+	} {
+		path := filepath.Join(shots, shot.name+".png")
+		os.Remove(path)
+		browse("--screenshot="+path, "--window-size="+shot.size, base+shot.query)
+		checkScreenshot(t, path)
+	}
+
+	dom := string(browse("--dump-dom", "--window-size=1280,1600", base))
+	for _, want := range []string{
+		"A critic says",                    // a message injected into the generator's conversation
+		"Problem: ",                        // the critic's prompt
+		`class="tok m1`,                    // a trained token
+		`class="tok m0"`,                   // an injected one
+		"advantage",                        // the numbers of a token, for its tooltip
+		"the checker of task " + failed,    // the failed rollout's error
+		"in check_answer",                  // with its backtrace
+		"turn 2",                           // the generator's second turn, a row of its own
+		`<polyline class="curve"`,          // a curve
+		"dataflow of one rollout of debat", // the topology
+	} {
+		if !strings.Contains(dom, want) {
+			t.Errorf("the page's DOM lacks %q", want)
+		}
+	}
+	if n := len(regexp.MustCompile(`class="rollout( failed)?"`).FindAllString(dom, -1)); n < 4 {
+		t.Errorf("the page shows %d rollouts, want at least 4", n)
+	}
+	if t.Failed() {
+		os.WriteFile(filepath.Join(shots, "dom.html"), []byte(dom), 0o644)
+		t.Logf("the DOM is in %s", filepath.Join(shots, "dom.html"))
+	}
+}
+
+// checkScreenshot fails unless path is a PNG with something drawn on it: many colours, not a
+// blank or an error page.
+func checkScreenshot(t *testing.T, path string) {
+	t.Helper()
+	f, err := os.Open(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	img, err := png.Decode(f)
+	if err != nil {
+		t.Fatalf("%s: %v", path, err)
+	}
+	colors := map[[3]uint32]bool{}
+	b := img.Bounds()
+	for y := b.Min.Y; y < b.Max.Y; y += 3 {
+		for x := b.Min.X; x < b.Max.X; x += 3 {
+			r, g, bl, _ := img.At(x, y).RGBA()
+			colors[[3]uint32{r >> 8, g >> 8, bl >> 8}] = true
+		}
+	}
+	if b.Dx() < 1000 || len(colors) < 100 {
+		t.Errorf("%s: %dx%d with %d colours; want a drawn page", path, b.Dx(), b.Dy(), len(colors))
+	}
+}
