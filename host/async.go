@@ -71,6 +71,7 @@ type launched struct {
 	err           error
 	wallS         float64 // from the start to the last rollout's end
 	genS          float64 // of wallS, the time an engine was generating (Run.generating)
+	genTokens     int64   // the tokens generated in genS, by these rollouts and any beside them
 	cancel        context.CancelFunc
 }
 
@@ -95,10 +96,11 @@ func (r *Run) launch(ctx context.Context, step, v int, cfg *config.Config) error
 	samples := samplesPerTask(cfg)
 	go func() {
 		defer close(l.done)
-		g0 := r.generating.busy()
+		g0, n0 := r.generating.read()
 		l.ros, l.err = r.runRollouts(lctx, step, tasks, samples, rf, nil, v)
 		l.wallS = time.Since(l.start).Seconds()
-		l.genS = (r.generating.busy() - g0).Seconds()
+		g1, n1 := r.generating.read()
+		l.genS, l.genTokens = (g1 - g0).Seconds(), n1-n0
 	}()
 	r.ahead = append(r.ahead, l)
 	return nil
@@ -422,6 +424,28 @@ type busyMeter struct {
 	running int
 	since   time.Time
 	total   time.Duration
+	tokens  int64 // what the calls produced (count), for a rate over the same calls' time
+}
+
+// count adds the tokens a call produced; a nil meter counts nothing.
+func (b *busyMeter) count(tokens int) {
+	if b == nil {
+		return
+	}
+	b.mu.Lock()
+	b.tokens += int64(tokens)
+	b.mu.Unlock()
+}
+
+// read returns the busy time and the tokens counted so far, taken together.
+func (b *busyMeter) read() (time.Duration, int64) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	t := b.total
+	if b.running > 0 {
+		t += time.Since(b.since)
+	}
+	return t, b.tokens
 }
 
 // begin and end bracket one engine call; a nil meter measures nothing.
@@ -451,12 +475,7 @@ func (b *busyMeter) end() {
 
 // busy returns the busy time so far, the call running now included.
 func (b *busyMeter) busy() time.Duration {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	t := b.total
-	if b.running > 0 {
-		t += time.Since(b.since)
-	}
+	t, _ := b.read()
 	return t
 }
 
@@ -496,9 +515,12 @@ func (r *Run) asyncMetrics(res *StepResult, l *launched, k int) {
 	r.lastStepEnd = now
 	if k > 0 {
 		res.Run.set("rollout_wall_s", l.wallS)
-		if l.wallS > 0 {
-			// tokens_per_s is the rollouts' rate: over their own wall time, not the step's wait.
-			res.Run.set("tokens_per_s", float64(res.Run.int("tokens"))/l.wallS)
+		if l.genS > 0 {
+			// tokens_per_s is the engines' rate, as in the synchronous loop: the tokens generated
+			// over the time an engine was generating them, both taken over the rollouts' window
+			// (other steps' rollouts may generate in it too). Over wallS it counted the
+			// rollouts' own work and waits (an agent() program's start-up, a tool).
+			res.Run.set("tokens_per_s", float64(l.genTokens)/l.genS)
 		}
 	}
 }

@@ -246,6 +246,13 @@ func (d *dispatcher) flush(ctx context.Context) {
 	d.mu.Lock()
 	d.sending = false
 	d.mu.Unlock()
+	if err == nil {
+		n := 0
+		for _, c := range out {
+			n += len(c.Tokens)
+		}
+		d.generating.count(n)
+	}
 	d.generating.end()
 	d.busy.end()
 	if err == nil && len(out) != samples {
