@@ -1,6 +1,7 @@
 package main
 
 import (
+	"bufio"
 	"bytes"
 	"context"
 	"fmt"
@@ -11,6 +12,7 @@ import (
 	"path/filepath"
 	"regexp"
 	"strings"
+	"syscall"
 	"testing"
 	"time"
 
@@ -197,4 +199,96 @@ func checkScreenshot(t *testing.T, path string) {
 	if b.Dx() < 1000 || len(colors) < 100 {
 		t.Errorf("%s: %dx%d with %d colours; want a drawn page", path, b.Dx(), b.Dy(), len(colors))
 	}
+}
+
+// TestViewCommand: slimen view refuses a missing folder, a folder no run wrote, and an address off
+// loopback without a token, each naming what is wrong; it prints the address it serves on (a
+// free loopback port by default), answers there, asks for the token off loopback, and stops on
+// SIGTERM with status 0.
+func TestViewCommand(t *testing.T) {
+	tmp := t.TempDir()
+	run := filepath.Join(tmp, "run")
+	if err := os.MkdirAll(run, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(filepath.Join(run, "metrics.jsonl"), []byte(`{"step":1,"policy":"solver","reward_mean":0.5}`+"\n"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	for _, tc := range []struct {
+		args []string
+		env  []string
+		want string
+	}{
+		{[]string{"view", filepath.Join(tmp, "gone")}, nil, "slimen view: " + filepath.Join(tmp, "gone") + ": no such run folder"},
+		{[]string{"view", tmp}, nil, "slimen view: " + tmp + " is not a run folder: it has none of events.log, metrics.jsonl, config.yaml"},
+		{[]string{"view", run, "--listen", "0.0.0.0:0"}, nil, "listen address 0.0.0.0:0 is not loopback"},
+		{[]string{"view", run, "--token-env", "SLIMEN_VIEW_NO_TOKEN"}, []string{"SLIMEN_VIEW_NO_TOKEN="}, "--token-env SLIMEN_VIEW_NO_TOKEN: the environment variable is empty or unset"},
+		{[]string{"view"}, nil, "usage: slimen view RUN_DIR"},
+	} {
+		out, err := slimen(t, tc.env, tc.args...)
+		if code := exitCode(t, err); code != 2 || !strings.Contains(out, tc.want) {
+			t.Errorf("slimen %s: status %d, %q; want 2 and %q", strings.Join(tc.args, " "), code, out, tc.want)
+		}
+	}
+
+	serve := func(env []string, args ...string) (url string, stop func() int) {
+		t.Helper()
+		cmd := exec.Command(slimenBin, append([]string{"view", run}, args...)...)
+		cmd.Env = append(os.Environ(), env...)
+		stdout, err := cmd.StdoutPipe()
+		if err != nil {
+			t.Fatal(err)
+		}
+		var stderr bytes.Buffer
+		cmd.Stderr = &stderr
+		if err := cmd.Start(); err != nil {
+			t.Fatal(err)
+		}
+		line, err := bufio.NewReader(stdout).ReadString('\n')
+		if err != nil {
+			cmd.Process.Kill()
+			cmd.Wait()
+			t.Fatalf("slimen view printed no address: %v\n%s", err, stderr.String())
+		}
+		return strings.TrimSpace(line), func() int {
+			cmd.Process.Signal(syscall.SIGTERM)
+			return exitCode(t, cmd.Wait())
+		}
+	}
+	status := func(url string, hdr ...string) int {
+		req, err := http.NewRequest("GET", url, nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if len(hdr) == 2 {
+			req.Header.Set(hdr[0], hdr[1])
+		}
+		resp, err := http.DefaultClient.Do(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		resp.Body.Close()
+		return resp.StatusCode
+	}
+
+	url, stop := serve(nil)
+	if !regexp.MustCompile(`^http://127\.0\.0\.1:[1-9][0-9]*/$`).MatchString(url) {
+		t.Errorf("the address printed: %q, want a free port on 127.0.0.1", url)
+	}
+	if code := status(url + "api/curves"); code != 200 {
+		t.Errorf("GET api/curves: %d", code)
+	}
+	if code := stop(); code != 0 {
+		t.Errorf("after SIGTERM: status %d, want 0", code)
+	}
+
+	url, stop = serve([]string{"SLIMEN_VIEW_TOKEN=tok3n"}, "--listen", "0.0.0.0:0", "--token-env", "SLIMEN_VIEW_TOKEN")
+	url = strings.Replace(url, "0.0.0.0", "127.0.0.1", 1)
+	if code := status(url + "api/run"); code != 401 {
+		t.Errorf("off loopback without the token: %d, want 401", code)
+	}
+	if code := status(url+"api/run", "Authorization", "Bearer tok3n"); code != 200 {
+		t.Errorf("off loopback with the token: %d, want 200", code)
+	}
+	stop()
 }
