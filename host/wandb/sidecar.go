@@ -36,7 +36,8 @@ var (
 // sidecar is a running wandb_sidecar.py.
 type sidecar struct {
 	cmd     *exec.Cmd
-	stdin   *os.File // the write end of its stdin (a pipe, for write deadlines)
+	sendMu  sync.Mutex // one message at a time: a long line is not written atomically
+	stdin   *os.File   // the write end of its stdin (a pipe, for write deadlines)
 	replies chan reply
 	exited  chan struct{} // closed once the process has exited
 	waitErr error         // its exit status, once exited is closed
@@ -135,6 +136,8 @@ func (s *sidecar) send(msg any) error {
 		return err
 	}
 	b = append(b, '\n')
+	s.sendMu.Lock()
+	defer s.sendMu.Unlock()
 	if err := s.stdin.SetWriteDeadline(time.Now().Add(writeWait)); err != nil {
 		return err
 	}
