@@ -690,6 +690,7 @@ class Matcher:
 
     def __init__(self, g: Grammar, v: Vocab, eos):
         self.g, self.v, self.eos = g, v, list(eos)
+        self.texts: list[str] = []  # each token's text (Matchers sets it)
         self.cache: dict[tuple, list[int]] = {}
         self.lock = threading.Lock()
 
@@ -718,3 +719,33 @@ class Matcher:
             ns = s.feed_byte(b)
             if ns.alts:
                 self._walk(to, ns, ids)
+
+
+class Matchers:
+    """The matchers of one tokenizer's vocabulary, by constraint (the last 256 kept): the
+    vocabulary is indexed once, on first use (each token's text is the tokenizer's decoding of
+    it alone; special tokens decode to "" and are allowed only as EOS)."""
+
+    def __init__(self, decode, size: int, eos):
+        self.decode, self.size, self.eos = decode, size, list(eos)
+        self.owner = None  # what the texts come from (the engine's tokenizer)
+        self.vocab: Vocab | None = None
+        self.texts: list[str] = []
+        self.by_spec: dict[str, Matcher] = {}
+        self.lock = threading.Lock()
+
+    def get(self, spec: str) -> Matcher:
+        """The matcher of a constraint; ConstraintError when it does not compile."""
+        with self.lock:
+            m = self.by_spec.get(spec)
+            if m is not None:
+                return m
+            g = Grammar.compile(spec)
+            if self.vocab is None:
+                self.texts = [self.decode(i) for i in range(self.size)]
+                self.vocab = Vocab(self.texts)
+            if len(self.by_spec) >= 256:
+                self.by_spec.clear()
+            m = self.by_spec[spec] = Matcher(g, self.vocab, self.eos)
+            m.texts = self.texts
+            return m

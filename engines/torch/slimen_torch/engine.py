@@ -22,6 +22,7 @@ from . import compile_cache, kernels, lora
 from .config import ModelConfig, eos_ids, read_config
 from .generate import Generator, Request
 from .model import Transformer, bind_thread, fused_rms_norm
+from . import constrain
 from .tokenizer import Tokenizer
 from .train import Trainer, micro_batches, response_hidden, response_logits
 from .types import (Batch, Completion, GenerateRequest, LossConfig, RequestError, Sampling,
@@ -328,7 +329,7 @@ class Engine:
                     chat_template=self.tokenizer.chat_template, eos_tokens=list(self.eos),
                     params=self.cfg.params(), devices=[str(self.device)],
                     capabilities=["generate", "score", "train", "values", "reference", "tis",
-                                  "lora"] + (["versions"] if self._keeps_versions() else [])
+                                  "lora", "constrain"] + (["versions"] if self._keeps_versions() else [])
                     + (["push"] if self.pushes_weights else []))
 
     # ---- LoRA adapters ----
@@ -455,10 +456,24 @@ class Engine:
         sampling = Sampling(max_tokens=s.max_tokens,
                             temperature=s.temperature,
                             top_p=s.top_p or 1.0,
-                            stop=[x for x in s.stop if x], seed=s.seed)
+                            stop=[x for x in s.stop if x], seed=s.seed, constraint=s.constraint)
         r = Request(req.id, prompt, req.n or 1, sampling, on_completion, on_error)
         r.adapter = self._adapter(req.adapter, f"request {req.id!r}")
+        if s.constraint:
+            try:
+                r.matcher = self._matchers().get(s.constraint)
+            except (constrain.ConstraintError, ValueError) as e:
+                raise RequestError("INVALID_ARGUMENT", f"request {req.id!r}: constraint: {e}") from None
         return r
+
+    def _matchers(self) -> "constrain.Matchers":
+        """The constraints' matchers of the current tokenizer (constrain.py)."""
+        m, tok = getattr(self, "_constraint_matchers", None), self.tokenizer
+        if m is None or m.owner is not tok:  # none yet, or a Load brought another tokenizer
+            m = self._constraint_matchers = constrain.Matchers(
+                lambda i: tok.decode([i]), self.cfg.vocab_size, self.eos)
+            m.owner = tok
+        return m
 
     def cancel(self, request_id: str) -> None:
         with self._cv:

@@ -66,13 +66,14 @@ class Request:
         self.on_error = on_error  # called with (code, message) if the request fails
         self.cancelled = False
         self.adapter = None  # the lora.Adapter that generates it; None: the base
+        self.matcher = None  # its constraint's constrain.Matcher; None: none
 
 
 class Sequence:
     """One sample of a request."""
 
     __slots__ = ("req", "index", "max_tokens", "key", "tokens", "logprobs", "slot", "launched",
-                 "done", "finish_reason", "text", "stop_scan", "has_stop", "weights")
+                 "done", "finish_reason", "text", "stop_scan", "has_stop", "weights", "cst")
 
     def __init__(self, req: Request, index: int, max_tokens: int):
         self.req = req
@@ -89,6 +90,8 @@ class Sequence:
         self.stop_scan = 0  # text length already searched for stop strings
         self.has_stop = bool(req.sampling.stop)
         self.weights = 0  # Generator.weights when it was admitted
+        # Where the response is in its constraint (constrain.State); None: unconstrained.
+        self.cst = req.matcher.g.start() if req.matcher is not None else None
 
 
 class Placed(typing.NamedTuple):
@@ -198,6 +201,7 @@ class Generator:
         # batch-1 step ~1% on the H200).
         self.out = torch.zeros(3 * S, dtype=torch.int32, device=self.device)
         self.out_tok, self.out_lp = self._split_out(self.out, S)
+        self.masked = None  # the constrained rows of the step being run (_masks)
         pin = self.cuda
         self.host = [torch.zeros(3 * S, dtype=torch.int32, pin_memory=pin) for _ in range(2)]
         self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
@@ -340,6 +344,10 @@ class Generator:
     def step(self) -> None:
         """Admits waiting samples, launches one decode step, processes the previous one."""
         self._admit()
+        if self.inflight is not None and any(s is not None and s.cst is not None for s in self.slots):
+            # A constrained row's mask needs its last token: no step in flight while one runs.
+            self._process(self.inflight)
+            self.inflight = None
         launched = self._launch()
         if self.inflight is not None:
             self._process(self.inflight)
@@ -530,6 +538,10 @@ class Generator:
         else:
             tok, lp = sampling.sample(logits.float(), temp, top_p, sampling.uniform(key, zeros),
                                       use_top_p)
+        masked = self._masks(list(enumerate(picked)))
+        if masked is not None:
+            tok, lp = self._constrained(logits, temp, top_p, sampling.uniform(key, zeros), tok, lp,
+                                        masked)
         self.tok.index_copy_(0, dst, tok)
         self.pos.index_copy_(0, dst, plen)
         self.step_idx.index_fill_(0, dst, 1)
@@ -930,7 +942,7 @@ class Generator:
                 hidden = decode_step(self.model, self.layer_fn, self.tok[:B], pos, self.k,
                                      self.v, L)
             logits = self.model.logits(hidden)
-        if self.triton and not use_top_p:
+        if self.triton and not use_top_p and self.masked is None:
             # Sampling, log-probs and the step state in two kernels, reading the logits once.
             kernels.sample_and_advance(logits, self.temp, self.key, self.step_idx, self.active,
                                        self.pos, self.tok, self.out_tok, self.out_lp,
@@ -942,12 +954,63 @@ class Generator:
             tok, lp = self._with_top_p(logits, self.temp[:B], self.top_p[:B], u, tok, lp)
         else:
             tok, lp = sampling.sample(logits.float(), self.temp[:B], self.top_p[:B], u, use_top_p)
+        if self.masked is not None:
+            tok, lp = self._constrained(logits, self.temp[:B], self.top_p[:B], u, tok, lp, self.masked)
         self.out_tok[:B].copy_(tok)
         self.out_lp[:B].copy_(lp)
         act = self.active[:B]
         self.tok[:B].copy_(tok)
         self.pos[:B].copy_(torch.where(act, (pos + 1).clamp(max=self.L - 1), pos))
         self.step_idx[:B].add_(act.long())
+
+    # ---- constraints (constrain.py) ----
+
+    def _masks(self, rows: list[tuple[int, Sequence]]):
+        """The masks of the constrained samples among rows ((row, sample) pairs): (rows as a
+        tensor, an additive bias [len, vocab] of 0 for the allowed tokens and -inf for the
+        others), or None when none is constrained. A sample whose constraint allows no token
+        fails its request (it cannot happen with a vocabulary that has the grammar's bytes)."""
+        idx, allowed = [], []
+        for row, s in rows:
+            if s.cst is None or s.done:
+                continue
+            ids = s.req.matcher.allowed(s.cst)
+            if not ids:
+                self._dead_end(s)
+                continue
+            idx.append(row)
+            allowed.append(ids)
+        if not idx:
+            return None
+        V = self.model.cfg.vocab_size
+        bias = torch.full((len(idx), V), float("-inf"))
+        for k, ids in enumerate(allowed):
+            bias[k, torch.tensor(ids, dtype=torch.long)] = 0.0
+        return torch.tensor(idx, device=self.device), bias.to(self.device)
+
+    def _dead_end(self, s: Sequence) -> None:
+        req = s.req
+        if not req.cancelled:
+            req.cancelled = True
+            if req.on_error is not None:
+                req.on_error("FAILED_PRECONDITION", f"request {req.id!r}: the constraint leaves no token "
+                             f"of the vocabulary after {self.tokenizer.decode(s.tokens)!r}")
+
+    @staticmethod
+    def _constrained(logits, temp, top_p, u, tok, lp, masked):
+        """tok, lp with the constrained rows drawn again from their masked logits: the draw from
+        the distribution renormalised over the allowed tokens (the nucleus taken among them), at
+        the row's own u; the log-prob stays the model's, over the whole vocabulary (what Score
+        and training compute). The other rows keep their draws."""
+        rows, bias = masked
+        lf = logits.index_select(0, rows).float()
+        t2, _ = sampling.sample(lf + bias, temp.index_select(0, rows), top_p.index_select(0, rows),
+                                u.index_select(0, rows), bool((top_p.index_select(0, rows) < 1).any()))
+        lp2 = lf.gather(1, t2[:, None]).squeeze(1) - torch.logsumexp(lf, dim=-1)
+        tok, lp = tok.clone(), lp.clone()
+        tok[rows] = t2.to(tok.dtype)
+        lp[rows] = lp2.to(lp.dtype)
+        return tok, lp
 
     @staticmethod
     def _with_top_p(logits, temp, top_p, u, tok, lp):
@@ -960,7 +1023,7 @@ class Generator:
 
     def _run(self, B: int, L: int, use_top_p: bool) -> None:
         grouped = self.share and self.n_grouped > 0
-        if not self.use_graphs or self._lora():
+        if not self.use_graphs or self._lora() or self.masked is not None:
             self._decode(B, L, use_top_p, grouped)
             return
         key = (B, L, use_top_p, grouped)
@@ -1047,7 +1110,10 @@ class Generator:
         longest = max(len(s.req.prompt) + s.launched for _, s in rows)  # = last position + 1
         L = min(-(-longest // self.length_bucket) * self.length_bucket, self.L)
         use_top_p = any(s.req.sampling.top_p < 1 for _, s in rows)
+        # Constrained rows: their masks for this step, and the step runs eagerly (not a graph).
+        self.masked = self._masks(rows)
         self._run(B, L, use_top_p)
+        self.masked = None
         for _, s in rows:
             s.launched += 1
         h = self.host[self.launches % 2]
@@ -1082,6 +1148,8 @@ class Generator:
             return True
         s.tokens.append(tok)
         s.logprobs.append(lp)
+        if s.cst is not None and tok not in self.eos:
+            s.cst = s.cst.feed(s.req.matcher.texts[tok])
         if tok in self.eos:
             s.finish_reason = "stop"
             s.text = self.tokenizer.decode(s.tokens[:-1])

@@ -53,7 +53,8 @@ def generate_request(r: pb.GenerateRequest) -> GenerateRequest:
     return GenerateRequest(
         id=r.id, messages=_messages(r.messages) or None, prompt_tokens=list(r.prompt_tokens) or None,
         n=r.n, sampling=Sampling(max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p,
-                                 stop=list(s.stop), seed=s.seed), adapter=r.adapter)
+                                 stop=list(s.stop), seed=s.seed, constraint=s.constraint),
+        adapter=r.adapter)
 
 
 def completion_pb(c) -> pb.Completion:

@@ -16,6 +16,7 @@ class Sampling:
     top_p: float = 1.0  # (0, 1]; 0 is read as 1
     stop: list[str] = dataclasses.field(default_factory=list)
     seed: int = 0  # a response is a function of (seed, prompt, sample index)
+    constraint: str = ""  # what the response must follow (engines/constrain's Spec as JSON; constrain.py)
 
 
 @dataclasses.dataclass

@@ -70,3 +70,63 @@ def test_matcher_tokens():
     s = s.feed('"')
     assert allowed(s) == ["}"]
     assert allowed(s.feed("}")) == ["<|end|>"]
+
+
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "n": {"type": "integer"},
+                                           "ok": {"type": "boolean"},
+                                           "tags": {"type": "array", "items": {"enum": ["a", "b"]}}},
+          "required": ["name", "n", "ok", "tags"], "additionalProperties": False}
+USER = [{"role": "user", "content": "Describe it."}]
+
+
+def _valid(v):
+    return (isinstance(v, dict) and set(v) == {"name", "n", "ok", "tags"} and isinstance(v["name"], str)
+            and isinstance(v["n"], int) and not isinstance(v["n"], bool) and isinstance(v["ok"], bool)
+            and all(t in ("a", "b") for t in v["tags"]))
+
+
+def test_engine_constrained_json(engine):
+    """The torch worker samples under a constraint: a random model's answers are the schema's
+    JSON (those that end before max_tokens), the log-probs are the model's own over the whole
+    vocabulary (what scoring computes), and a request samples alike alone and in a batch."""
+    from slimen_torch.types import GenerateRequest, Sampling, ScoreRequest
+    spec = json.dumps({"json_schema": SCHEMA})
+    reqs = [GenerateRequest(id=f"r{i}", messages=USER, sampling=Sampling(
+        seed=i, max_tokens=120, temperature=0.0 if i == 5 else 1.0, constraint=spec)) for i in range(6)]
+    cs = engine.generate(reqs)
+    finished = [c for c in cs if c.finish_reason == "stop"]
+    assert len(finished) >= 2, [c.text for c in cs]
+    for c in finished:
+        assert _valid(json.loads(c.text)), c.text
+    g = constrain.Grammar.compile(spec)
+    for c in cs:
+        assert not g.start().feed(c.text).dead(), c.text
+    free = engine.generate([GenerateRequest(id="f", messages=USER, sampling=Sampling(seed=1, max_tokens=40))])
+    with pytest.raises(ValueError):
+        json.loads(free[0].text)  # unconstrained, the random model writes no JSON
+    c = cs[1]
+    scores = engine.score([ScoreRequest(tokens=c.tokens, prompt_tokens=c.prompt_tokens)])[0]
+    assert max(abs(a - b) for a, b in zip(scores, c.logprobs)) < 1e-4
+    alone = engine.generate([reqs[3]])[0]
+    assert alone.tokens == cs[3].tokens
+
+
+def test_engine_tool_call_and_refusal(engine):
+    """tool_choice "required" with parallel_tool_calls false: one call, then the end; a constraint
+    that does not compile is the request's INVALID_ARGUMENT naming its place."""
+    from slimen_torch.types import GenerateRequest, RequestError, Sampling
+    spec = json.dumps({"tool_calls": {"min": 1, "max": 1, "tools": [{"name": "add", "parameters": {
+        "type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"], "additionalProperties": False}}]}})
+    cs = engine.generate([GenerateRequest(id=f"t{i}", messages=USER, sampling=Sampling(
+        seed=i, max_tokens=240, constraint=spec)) for i in range(6)])
+    done = [c for c in cs if c.finish_reason == "stop"]
+    assert done, [c.text for c in cs]
+    for c in done:
+        body = c.text.strip()
+        assert body.startswith("<tool_call>") and body.endswith("</tool_call>") and body.count("<tool_call>") == 1, body
+        call = json.loads(body[len("<tool_call>"):-len("</tool_call>")])
+        assert call["name"] == "add" and isinstance(call["arguments"]["a"], int), body
+    bad = json.dumps({"json_schema": {"type": "string", "pattern": "x"}})
+    with pytest.raises(RequestError, match="json_schema.pattern is not supported"):
+        engine.generate([GenerateRequest(id="b", messages=USER, sampling=Sampling(max_tokens=4, constraint=bad))])
+    assert "constrain" in engine.info()["capabilities"]
