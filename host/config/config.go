@@ -319,7 +319,7 @@ type RunConfig struct {
 
 // WandbConfig is run.wandb: the W&B run a slimen run logs to. Empty fields are the SDK's to fill
 // from its environment (WANDB_PROJECT, WANDB_ENTITY, WANDB_MODE, …), except Name, which defaults
-// to the run folder's name.
+// to $WANDB_NAME, else the run folder's name.
 type WandbConfig struct {
 	Project string `yaml:"project,omitempty" json:"project,omitempty"`
 	Entity  string `yaml:"entity,omitempty" json:"entity,omitempty"`

@@ -158,7 +158,7 @@ func initMessage(c *config.Config) (map[string]any, error) {
 	}
 	msg := map[string]any{"type": "init", "project": w.Project, "entity": w.Entity, "name": w.Name, "mode": w.Mode, "config": cfg}
 	if c.Run.Out != "" {
-		if w.Name == "" {
+		if w.Name == "" && os.Getenv("WANDB_NAME") == "" {
 			msg["name"] = filepath.Base(c.Run.Out)
 		}
 		if os.Getenv("WANDB_DIR") == "" {
