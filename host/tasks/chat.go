@@ -1,6 +1,7 @@
 package tasks
 
 import (
+	"context"
 	"encoding/json"
 	"fmt"
 	"math/rand/v2"
@@ -95,7 +96,10 @@ func MemoryNotesPrompt(question, notes, chunk string) string {
 // the conversation before an assistant turn, and that turn. Kind names the part of the corpus it
 // comes from (calc, orchestra, planner, verifier, memory, arith).
 type ChatExample struct {
-	Kind     string
+	Kind string
+	// Right marks a response that is what the task wants (a guess, a sloppy note or a call
+	// of the wrong tool is not): held-out evaluation compares a model's answers with these.
+	Right    bool
 	Tools    []string
 	Context  []engines.Message
 	Response string
@@ -130,7 +134,7 @@ func (c ChatCorpus) Example(i int) ChatExample {
 		return c.memoryExample(r, i, k < 83)
 	default:
 		prompt, response := Arith{Seed: c.Seed, Difficulty: 2}.Example(i)
-		return ChatExample{Kind: "arith", Context: []engines.Message{{Role: "user", Content: prompt}}, Response: response}
+		return ChatExample{Kind: "arith", Context: []engines.Message{{Role: "user", Content: prompt}}, Response: response, Right: true}
 	}
 }
 
@@ -160,12 +164,12 @@ func (c ChatCorpus) calcExample(r *rand.Rand, i int, first bool) ChatExample {
 	call := QwenToolCall(CalcTool, [2]string{"expr", expr})
 	switch {
 	case first && r.IntN(7) < 4:
-		e.Response = call
+		e.Response, e.Right = call, true
 	case first:
 		e.Response = `\boxed{` + guess(r, p.Label) + `}`
 	default:
 		e.Context = append(e.Context, asst(call), tool(p.Label))
-		e.Response = p.Answer()
+		e.Response, e.Right = p.Answer(), true
 	}
 	return e
 }
@@ -177,21 +181,26 @@ func (c ChatCorpus) orchestraExample(r *rand.Rand, i int) ChatExample {
 	e := ChatExample{Kind: "orchestra", Tools: []string{CalcSchema, ExpertSchema},
 		Context: []engines.Message{sys(OrchestraSystem), user(p.Prompt)}}
 	// The plan of the whole conversation: per part, a call and its result, or an own answer.
-	type step struct{ call, result string }
+	type step struct {
+		call, result string
+		right        bool
+	}
 	var plan []step
 	answers := make([]string, len(parts))
+	right := true // every part answered right
 	for k, pt := range parts {
 		switch {
 		case pt.Kind == "calc" && r.IntN(5) > 0:
-			plan = append(plan, step{QwenToolCall(CalcTool, [2]string{"expr", pt.Expr}), pt.Label})
+			plan = append(plan, step{QwenToolCall(CalcTool, [2]string{"expr", pt.Expr}), pt.Label, true})
 			answers[k] = pt.Label
 		case pt.Kind == "calc": // asked the expert, who cannot do it
-			plan = append(plan, step{QwenToolCall("expert", [2]string{"question", pt.Prompt}), `\boxed{` + guess(r, pt.Label) + `}`})
+			plan = append(plan, step{QwenToolCall("expert", [2]string{"question", pt.Prompt}), `\boxed{` + guess(r, pt.Label) + `}`, false})
 			answers[k] = guess(r, pt.Label)
+			right = right && answers[k] == pt.Label
 		case r.IntN(3) == 0: // an easy part answered without a call
 			answers[k] = pt.Label
 		default:
-			plan = append(plan, step{QwenToolCall("expert", [2]string{"question", pt.Prompt}), `\boxed{` + pt.Label + `}`})
+			plan = append(plan, step{QwenToolCall("expert", [2]string{"question", pt.Prompt}), `\boxed{` + pt.Label + `}`, true})
 			answers[k] = pt.Label
 		}
 	}
@@ -200,9 +209,9 @@ func (c ChatCorpus) orchestraExample(r *rand.Rand, i int) ChatExample {
 		e.Context = append(e.Context, asst(s.call), tool(s.result))
 	}
 	if at < len(plan) {
-		e.Response = plan[at].call
+		e.Response, e.Right = plan[at].call, plan[at].right
 	} else {
-		e.Response = `\boxed{` + strings.Join(answers, ", ") + `}`
+		e.Response, e.Right = `\boxed{`+strings.Join(answers, ", ")+`}`, right
 	}
 	return e
 }
@@ -214,7 +223,7 @@ func (c ChatCorpus) plannerExample(r *rand.Rand, i int, planner bool) ChatExampl
 	if !planner {
 		// The verifier reads the question, the planner's action and its result, and answers when
 		// the result is the answer. A result that is not a number gets a note instead.
-		e := ChatExample{Kind: "verifier", Context: []engines.Message{user(p.Prompt), asst(call), tool(p.Label)}, Response: p.Answer()}
+		e := ChatExample{Kind: "verifier", Context: []engines.Message{user(p.Prompt), asst(call), tool(p.Label)}, Response: p.Answer(), Right: true}
 		if r.IntN(4) == 0 {
 			e.Context[2] = tool("error: calc needs a string \"expr\"")
 			e.Response = "The action failed; call calc with the expression."
@@ -224,14 +233,14 @@ func (c ChatCorpus) plannerExample(r *rand.Rand, i int, planner bool) ChatExampl
 	e := ChatExample{Kind: "planner", Tools: []string{CalcSchema, AskSchema}, Context: []engines.Message{sys(PlannerSystem), user(p.Prompt)}}
 	switch r.IntN(10) {
 	case 0, 1, 2, 3, 4:
-		e.Response = call
+		e.Response, e.Right = call, true
 	case 5, 6:
 		e.Response = QwenToolCall("ask", [2]string{"question", p.Prompt})
 	case 7:
 		e.Response = `\boxed{` + guess(r, p.Label) + `}`
 	default:
 		e.Context = append(e.Context, asst(call), tool(p.Label+" Verifier: The action failed; call calc with the expression."))
-		e.Response = p.Answer()
+		e.Response, e.Right = p.Answer(), true
 	}
 	return e
 }
@@ -254,7 +263,7 @@ func (c ChatCorpus) memoryExample(r *rand.Rand, i int, update bool) ChatExample 
 			notes = fact
 		}
 		e.Context = []engines.Message{user(MemoryNotesPrompt(fp.Prompt, notes, ""))}
-		e.Response = fp.Answer()
+		e.Response, e.Right = fp.Answer(), notes != "none"
 		if notes == "none" {
 			e.Response = `\boxed{` + guess(r, fp.Label) + `}`
 		}
@@ -262,11 +271,11 @@ func (c ChatCorpus) memoryExample(r *rand.Rand, i int, update bool) ChatExample 
 	}
 	chunk := strings.Join(sents[k*ChatChunk:min(len(sents), (k+1)*ChatChunk)], " ")
 	e.Context = []engines.Message{user(MemoryNotesPrompt(fp.Prompt, notes, chunk))}
-	e.Response = notes
+	e.Response, e.Right = notes, true
 	if at >= k*ChatChunk && at < (k+1)*ChatChunk {
 		e.Response = fact
 		if r.IntN(4) == 0 { // a sloppier note: the sentence around it too
-			e.Response = strings.Join(sents[max(at-1, k*ChatChunk):at+1], " ")
+			e.Response, e.Right = strings.Join(sents[max(at-1, k*ChatChunk):at+1], " "), false
 		}
 	}
 	return e
@@ -275,4 +284,52 @@ func (c ChatCorpus) memoryExample(r *rand.Rand, i int, update bool) ChatExample 
 // String names the corpus for logs.
 func (c ChatCorpus) String() string {
 	return fmt.Sprintf("the synthetic chat corpus (seed %d)", c.Seed)
+}
+
+// ChatEval answers examples 0..n−1 of c with e (greedy; tools rendered by the engine's chat
+// template) and returns, per kind and under "all", the share of the examples marked Right whose
+// response the model reproduces exactly, and a few of its responses.
+func ChatEval(ctx context.Context, e engines.Engine, c ChatCorpus, n int, maxTokens int) (map[string]float64, []string, error) {
+	r, ok := e.(engines.Renderer)
+	if !ok {
+		return nil, nil, fmt.Errorf("the engine does not render chat templates")
+	}
+	var exs []ChatExample
+	var renders []engines.RenderRequest
+	for i := 0; len(exs) < n && i < 100*n; i++ {
+		if ex := c.Example(i); ex.Right {
+			exs = append(exs, ex)
+			renders = append(renders, engines.RenderRequest{Messages: ex.Context, Tools: ex.Tools, AddGenerationPrompt: true})
+		}
+	}
+	prompts, err := r.Render(ctx, renders)
+	if err != nil {
+		return nil, nil, err
+	}
+	reqs := make([]engines.GenerateRequest, len(exs))
+	for k := range reqs {
+		reqs[k] = engines.GenerateRequest{ID: fmt.Sprint(k), PromptTokens: prompts[k], Sampling: engines.Sampling{MaxTokens: maxTokens}}
+	}
+	cs, err := e.Generate(ctx, reqs)
+	if err != nil {
+		return nil, nil, err
+	}
+	right, total := map[string]float64{}, map[string]float64{}
+	var sample []string
+	for k, cm := range cs {
+		kind := exs[k].Kind
+		total[kind]++
+		total["all"]++
+		if strings.TrimSpace(cm.Text) == exs[k].Response {
+			right[kind]++
+			right["all"]++
+		}
+		if len(sample) < 6 && (k%7 == 0) {
+			sample = append(sample, kind+": "+cm.Text)
+		}
+	}
+	for kind := range total {
+		right[kind] /= total[kind]
+	}
+	return right, sample, nil
 }
