@@ -1,15 +1,20 @@
 package main
 
 import (
+	"bufio"
+	"bytes"
 	"context"
+	"encoding/json"
 	"flag"
 	"fmt"
 	"os"
 	"os/signal"
 	"slices"
+	"strconv"
 	"strings"
 	"time"
 
+	"github.com/slimen/slimen/engines"
 	"github.com/slimen/slimen/engines/tiny"
 	"github.com/slimen/slimen/host/tasks"
 )
@@ -44,6 +49,12 @@ func cmdPretrain(args []string) int {
 	fs.IntVar(&cfg.Layers, "layers", cfg.Layers, "decoder layers")
 	fs.IntVar(&cfg.Heads, "heads", cfg.Heads, "attention heads")
 	fs.IntVar(&cfg.KVHeads, "kv-heads", cfg.KVHeads, "key/value heads")
+	fs.IntVar(&cfg.HeadDim, "head-dim", 0, "attention head width (0: hidden / heads)")
+	fs.IntVar(&cfg.MaxSeqLen, "positions", cfg.MaxSeqLen, "max_position_embeddings: the longest prompt and response together (up to 4096 and more)")
+	fs.Float64Var(&cfg.RopeTheta, "rope-theta", 0, "rotary base θ (0: 10000)")
+	tokenizer := fs.String("tokenizer", "char", "vocabulary of a new model: char (the 102 characters of builtin:tiny-arith, its <|role|> template) or bpe:N (a byte-level BPE of N tokens trained on the corpus, Qwen3's chat template with tools)")
+	tokTexts := fs.Int("tokenizer-examples", 20000, "with --tokenizer bpe:N: how many corpus examples (rendered with the chat template) the BPE is trained on")
+	corpusFile := fs.String("corpus", "", "JSONL file of examples instead of --task: each line {\"prompt\": …, \"response\": …} or {\"messages\": […], \"tools\": [schemas], \"response\": …}; the last --eval-n lines are held out for the evaluation (mean loss per response token)")
 	fs.Usage = func() {
 		fmt.Fprintln(fs.Output(), "usage: slimen pretrain --out DIR [--task synthetic:arith] [--difficulty N] [--steps N] [--seed S] …")
 		fmt.Fprintln(fs.Output(), "With only --out given it reproduces the embedded builtin:tiny-arith (--steps 900 --seed 1).")
@@ -55,6 +66,9 @@ func cmdPretrain(args []string) int {
 	if *out == "" || fs.NArg() > 0 {
 		fs.Usage()
 		return 2
+	}
+	if *corpusFile != "" {
+		return pretrainCorpus(*corpusFile, *out, *init, *tokenizer, *tokTexts, cfg, *steps, *batch, *lr, *warmup, *wd, *seed, *evalEvery, *evalN, *threads)
 	}
 	agent := *task == "synthetic:calc"
 	if agent {
@@ -88,19 +102,6 @@ func cmdPretrain(args []string) int {
 		return 2
 	}
 
-	var e *tiny.Engine
-	if *init != "" {
-		e, err = tiny.Open(*init, tiny.Options{Threads: *threads})
-	} else {
-		e, err = tiny.New(cfg, *seed, tiny.Options{Threads: *threads})
-	}
-	if err != nil {
-		fmt.Fprintln(os.Stderr, "slimen pretrain:", err)
-		return 2
-	}
-	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt)
-	defer stop()
-	info, _ := e.Info(ctx)
 	calc, calcHeldOut := tasks.Calc{Seed: arith.Seed}, tasks.Calc{Seed: heldOut.Seed}
 	corpus := func(i int) tiny.Example {
 		// The tiny engine pretrains on whatever examples its caller hands it: here a synthetic corpus.
@@ -115,6 +116,14 @@ func cmdPretrain(args []string) int {
 	if agent {
 		source = fmt.Sprintf("the synthetic:calc agent corpus (seed %d)", calc.Seed)
 	}
+	e, err := pretrainEngine(*init, *tokenizer, *tokTexts, cfg, *seed, *threads, corpus)
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "slimen pretrain:", err)
+		return 2
+	}
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt)
+	defer stop()
+	info, _ := e.Info(ctx)
 	fmt.Printf("pretrain %s: %d parameters, %d steps × %d examples; held out: seed %d\n",
 		source, info.Params, *steps, *batch, heldOut.Seed)
 	evaluate := func(step int) error {
@@ -169,5 +178,187 @@ func cmdPretrain(args []string) int {
 		return 1
 	}
 	fmt.Printf("saved %s\n", *out)
+	return 0
+}
+
+// pretrainEngine opens --init's checkpoint or makes a new model of cfg with the vocabulary
+// --tokenizer names: the character vocabulary, or a byte-level BPE trained (tiny.TrainBPE) on
+// the first nTexts examples of the corpus, each rendered with the chat template and followed by
+// its response.
+func pretrainEngine(init, tokenizer string, nTexts int, cfg tiny.ModelConfig, seed uint64, threads int, corpus func(int) tiny.Example) (*tiny.Engine, error) {
+	opts := tiny.Options{Threads: threads}
+	if init != "" {
+		if tokenizer != "char" {
+			return nil, fmt.Errorf("--tokenizer makes a new model's vocabulary; --init %s keeps its own", init)
+		}
+		return tiny.Open(init, opts)
+	}
+	if tokenizer == "char" {
+		return tiny.New(cfg, seed, opts)
+	}
+	n, err := strconv.Atoi(strings.TrimPrefix(tokenizer, "bpe:"))
+	if !strings.HasPrefix(tokenizer, "bpe:") || err != nil || n <= 0 {
+		return nil, fmt.Errorf("--tokenizer %q: want char or bpe:N (N tokens, e.g. bpe:4096)", tokenizer)
+	}
+	if nTexts <= 0 {
+		return nil, fmt.Errorf("--tokenizer-examples must be positive")
+	}
+	start := time.Now()
+	texts := make([]string, nTexts)
+	size := 0
+	for i := range texts {
+		ex := corpus(i)
+		msgs := ex.Context
+		if msgs == nil {
+			msgs = []engines.Message{{Role: "user", Content: ex.Prompt}}
+		}
+		text, err := tiny.QwenChatText(msgs, ex.Tools, true)
+		if err != nil {
+			return nil, fmt.Errorf("corpus example %d: %w", i, err)
+		}
+		texts[i] = text + ex.Response
+		size += len(texts[i])
+	}
+	tok, err := tiny.TrainBPE(texts, n, tiny.ChatSpecials)
+	if err != nil {
+		return nil, err
+	}
+	fmt.Printf("tokenizer: byte-level BPE of %d tokens trained on %d examples (%.1f MB) in %.1fs\n",
+		tok.VocabSize(), nTexts, float64(size)/1e6, time.Since(start).Seconds())
+	return tiny.NewWithTokenizer(cfg, tok, seed, opts)
+}
+
+// corpusLine is one line of a --corpus file.
+type corpusLine struct {
+	Prompt   string            `json:"prompt"`
+	Messages []engines.Message `json:"messages"`
+	Tools    []json.RawMessage `json:"tools"`
+	Response *string           `json:"response"`
+}
+
+// readCorpus reads a --corpus JSONL file; errors name the file and line.
+func readCorpus(path string) ([]tiny.Example, error) {
+	f, err := os.Open(path)
+	if err != nil {
+		return nil, err
+	}
+	defer f.Close()
+	var out []tiny.Example
+	sc := bufio.NewScanner(f)
+	sc.Buffer(make([]byte, 1<<20), 64<<20)
+	for n := 1; sc.Scan(); n++ {
+		line := bytes.TrimSpace(sc.Bytes())
+		if len(line) == 0 {
+			continue
+		}
+		var c corpusLine
+		dec := json.NewDecoder(bytes.NewReader(line))
+		dec.DisallowUnknownFields()
+		if err := dec.Decode(&c); err != nil {
+			return nil, fmt.Errorf("%s:%d: %w", path, n, err)
+		}
+		switch {
+		case c.Response == nil:
+			return nil, fmt.Errorf("%s:%d: no \"response\"", path, n)
+		case (c.Prompt == "") == (len(c.Messages) == 0):
+			return nil, fmt.Errorf("%s:%d: give either \"prompt\" or \"messages\"", path, n)
+		case c.Prompt != "" && len(c.Tools) > 0:
+			return nil, fmt.Errorf("%s:%d: \"tools\" go with \"messages\"", path, n)
+		}
+		ex := tiny.Example{Prompt: c.Prompt, Context: c.Messages, Response: *c.Response}
+		for _, t := range c.Tools {
+			ex.Tools = append(ex.Tools, string(t))
+		}
+		out = append(out, ex)
+	}
+	if err := sc.Err(); err != nil {
+		return nil, fmt.Errorf("%s: %w", path, err)
+	}
+	return out, nil
+}
+
+// pretrainCorpus is `slimen pretrain --corpus FILE`: the examples of a JSONL file, all but the
+// last evalN in order (cycled), and as evaluation the mean loss per response token on those
+// evalN.
+func pretrainCorpus(path, out, init, tokenizer string, nTexts int, cfg tiny.ModelConfig, steps, batch int, lr float64, warmup int, wd float64, seed uint64, evalEvery, evalN, threads int) int {
+	fail := func(code int, err error) int {
+		fmt.Fprintln(os.Stderr, "slimen pretrain:", err)
+		return code
+	}
+	all, err := readCorpus(path)
+	if err != nil {
+		return fail(2, fmt.Errorf("--corpus %w", err))
+	}
+	if evalN < 0 || len(all) <= evalN {
+		return fail(2, fmt.Errorf("--corpus %s has %d examples; --eval-n %d are held out and at least one must be left to train on", path, len(all), evalN))
+	}
+	train, held := all[:len(all)-evalN], all[len(all)-evalN:]
+	corpus := func(i int) tiny.Example { return train[i%len(train)] }
+	e, err := pretrainEngine(init, tokenizer, min(nTexts, len(train)), cfg, seed, threads, corpus)
+	if err != nil {
+		return fail(2, err)
+	}
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt)
+	defer stop()
+	info, _ := e.Info(ctx)
+	tok := e.Tokenizer()
+	fmt.Printf("pretrain on %s: %d examples, %d parameters, %d positions, %d tokens, %d steps × %d examples; held out: the last %d\n",
+		path, len(train), info.Params, info.MaxSeqLen, info.VocabSize, steps, batch, len(held))
+	evaluate := func(step int) error {
+		if len(held) == 0 {
+			return nil
+		}
+		reqs := make([]engines.ScoreRequest, len(held))
+		for i, ex := range held {
+			msgs := ex.Context
+			if msgs == nil {
+				msgs = []engines.Message{{Role: "user", Content: ex.Prompt}}
+			}
+			p, err := tok.EncodeChatTools(msgs, ex.Tools, true)
+			if err != nil {
+				return fmt.Errorf("held-out example %d: %w", i, err)
+			}
+			reqs[i] = engines.ScoreRequest{PromptTokens: p, Tokens: append(tok.Encode(ex.Response), info.EOSTokens[0])}
+		}
+		scores, err := e.Score(ctx, reqs)
+		if err != nil {
+			return err
+		}
+		sum, n := 0.0, 0
+		for _, s := range scores {
+			for _, lp := range s.Logprobs {
+				sum -= float64(lp)
+				n++
+			}
+		}
+		fmt.Printf("step %d: held-out loss %.4f per response token (%d tokens)\n", step, sum/float64(n), n)
+		return nil
+	}
+	start, sum, count := time.Now(), 0.0, 0
+	err = tiny.Pretrain(ctx, e, corpus, tiny.PretrainOptions{
+		Steps: steps, BatchSize: batch, LR: lr, WarmupSteps: warmup, WeightDecay: wd,
+		OnStep: func(step int, loss float64) error {
+			sum += loss
+			count++
+			if step%50 == 0 || step == steps {
+				fmt.Printf("step %d/%d: loss %.4f (%.0fs)\n", step, steps, sum/float64(count), time.Since(start).Seconds())
+				sum, count = 0, 0
+			}
+			if evalEvery > 0 && step%evalEvery == 0 && step != steps {
+				return evaluate(step)
+			}
+			return nil
+		},
+	})
+	if err != nil {
+		return fail(1, err)
+	}
+	if err := evaluate(steps); err != nil {
+		return fail(1, err)
+	}
+	if err := e.Save(ctx, out); err != nil {
+		return fail(1, err)
+	}
+	fmt.Printf("saved %s\n", out)
 	return 0
 }

@@ -1,6 +1,7 @@
 package tiny
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
@@ -17,6 +18,9 @@ type Example struct {
 	// template and a generation prompt) and Prompt is ignored: a later turn of a multi-turn
 	// conversation, e.g. the answer after a tool's result.
 	Context []engines.Message
+	// Tools are JSON tool schemas rendered into the system turn (a BPE vocabulary's chat
+	// template only: EncodeChatTools).
+	Tools []string
 }
 
 // PretrainOptions configure Pretrain. Zero fields take the defaults noted.
@@ -105,10 +109,13 @@ func (e *Engine) supervisedStep(ctx context.Context, batch []Example, lr, wd, ma
 		if msgs == nil {
 			msgs = []engines.Message{{Role: "user", Content: ex.Prompt}}
 		}
-		p := e.tok.EncodeChat(msgs, true)
+		p, err := e.tok.EncodeChatTools(msgs, ex.Tools, true)
+		if err != nil {
+			return engines.TrainStats{}, fmt.Errorf("tiny: pretrain: example %d of the batch: %w", i, err)
+		}
 		r := append(e.tok.Encode(ex.Response), e.eos[0])
 		if len(p)+len(r) > e.m.w.cfg.MaxSeqLen {
-			return engines.TrainStats{}, fmt.Errorf("tiny: pretrain: example %q is %d tokens, longer than the model's %d", ex.Prompt, len(p)+len(r), e.m.w.cfg.MaxSeqLen)
+			return engines.TrainStats{}, fmt.Errorf("tiny: pretrain: example %q is %d tokens, longer than the model's %d", cmp.Or(ex.Prompt, msgs[len(msgs)-1].Content), len(p)+len(r), e.m.w.cfg.MaxSeqLen)
 		}
 		seqs[i] = trainSeq{prompt: p, response: r}
 		total += len(r)

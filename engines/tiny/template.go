@@ -305,3 +305,26 @@ func writePythonString(b *strings.Builder, s string) {
 	}
 	b.WriteByte('"')
 }
+
+// byteTokenizer is a BPE vocabulary without merges: QwenChatText renders with it and decodes.
+var byteTokenizer = func() *Tokenizer {
+	vocab := make([]string, 256)
+	for b := range vocab {
+		vocab[b] = string(byteChars[b])
+	}
+	t, err := newBPETokenizer(vocab, nil, ChatSpecials)
+	if err != nil {
+		panic(err) // the bytes and the chat specials are a well-formed vocabulary
+	}
+	return t
+}()
+
+// QwenChatText renders messages and tools with QwenChatTemplate as text: what apply_chat_template
+// returns with tokenize=False. The text to train a BPE vocabulary on (TrainBPE) for a chat corpus.
+func QwenChatText(msgs []engines.Message, tools []string, addGenerationPrompt bool) (string, error) {
+	ids, err := byteTokenizer.encodeQwenChat(msgs, tools, addGenerationPrompt)
+	if err != nil {
+		return "", err
+	}
+	return byteTokenizer.Decode(ids), nil
+}

@@ -1,0 +1,70 @@
+package main
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+
+	"github.com/slimen/slimen/engines"
+	"github.com/slimen/slimen/engines/tiny"
+)
+
+// slimen pretrain --corpus with --tokenizer bpe:N and --positions makes a new chat model from a
+// JSONL file of prompt/response pairs and of conversations with a system prompt and tools; the
+// folder opens with that vocabulary, template and length.
+func TestPretrainCorpusBPE(t *testing.T) {
+	dir := t.TempDir()
+	schema := `{"type": "function", "function": {"name": "calc", "parameters": {"type": "object", "properties": {"expr": {"type": "string"}}}}}`
+	var lines []string
+	for i := range 40 {
+		var v any
+		if i%2 == 0 {
+			v = map[string]any{"prompt": fmt.Sprintf("What is %d plus %d?", i, 2*i), "response": fmt.Sprintf(`\boxed{%d}`, 3*i)}
+		} else {
+			v = map[string]any{
+				"messages": []engines.Message{{Role: "system", Content: "Use the tools."}, {Role: "user", Content: fmt.Sprintf("What is %d times 7?", i)}},
+				"tools":    []json.RawMessage{json.RawMessage(schema)},
+				"response": fmt.Sprintf("<tool_call>\n{\"name\": \"calc\", \"arguments\": {\"expr\": \"%d*7\"}}\n</tool_call>", i),
+			}
+		}
+		b, _ := json.Marshal(v)
+		lines = append(lines, string(b))
+	}
+	corpus := filepath.Join(dir, "corpus.jsonl")
+	os.WriteFile(corpus, []byte(strings.Join(lines, "\n")+"\n"), 0o644)
+	out := filepath.Join(dir, "model")
+	args := []string{"--corpus", corpus, "--tokenizer", "bpe:300", "--tokenizer-examples", "36", "--positions", "4096",
+		"--hidden", "16", "--intermediate", "24", "--layers", "1", "--heads", "2", "--kv-heads", "1",
+		"--steps", "3", "--batch-size", "4", "--warmup", "1", "--eval-n", "4", "--threads", "1", "--out", out}
+	if code := cmdPretrain(args); code != 0 {
+		t.Fatalf("slimen pretrain %s: status %d", strings.Join(args, " "), code)
+	}
+	e, err := tiny.Open(out, tiny.Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	info, _ := e.Info(context.Background())
+	if info.VocabSize != 300 || info.MaxSeqLen != 4096 || info.ChatTemplate != tiny.QwenChatTemplate {
+		t.Fatalf("the model has %d tokens, %d positions, template %.30q…", info.VocabSize, info.MaxSeqLen, info.ChatTemplate)
+	}
+	if ids := e.Tokenizer().Encode("<tool_call>"); len(ids) != 1 {
+		t.Fatalf("<tool_call> is %d tokens", len(ids))
+	}
+
+	// A bad line is named by file and line.
+	bad := filepath.Join(dir, "bad.jsonl")
+	os.WriteFile(bad, []byte(lines[0]+"\n"+`{"prompt": "x"}`+"\n"), 0o644)
+	if code := cmdPretrain([]string{"--corpus", bad, "--out", out}); code != 2 {
+		t.Fatalf("a corpus line without a response: status %d", code)
+	}
+	if _, err := readCorpus(bad); err == nil || !strings.Contains(err.Error(), "bad.jsonl:2") {
+		t.Fatalf("readCorpus: %v", err)
+	}
+	if code := cmdPretrain([]string{"--corpus", corpus, "--tokenizer", "bpe:x", "--eval-n", "4", "--out", out}); code != 2 {
+		t.Fatalf("--tokenizer bpe:x: status %d", code)
+	}
+}
