@@ -1,8 +1,6 @@
 package host
 
 import (
-	"bytes"
-	"context"
 	"strings"
 	"testing"
 
@@ -55,29 +53,5 @@ func TestRolloutSignature(t *testing.T) {
 	_, err = script.LoadSource("x.star", []byte("rollout = 3\n"), script.Options{})
 	if err == nil || !strings.Contains(err.Error(), "not a function") {
 		t.Errorf("not a function: %v", err)
-	}
-}
-
-func TestScriptTests(t *testing.T) {
-	var out bytes.Buffer
-	files, err := FindTestFiles([]string{"../examples"})
-	if err != nil || len(files) == 0 {
-		t.Fatalf("no example tests: %v", err)
-	}
-	for _, r := range RunScriptTests(context.Background(), files, &out) {
-		if r.Err != "" {
-			t.Errorf("%s %s:\n%s", r.File, r.Name, r.Err)
-		}
-	}
-	// A failing assertion fails its test with the assertion's message and place.
-	bad := writeScript(t, `
-def test_wrong():
-    assert.eq(1 + 1, 3, "arithmetic")
-def test_fails_checks_pattern():
-    assert.fails(lambda: fail("boom"), "bo+m")
-`)
-	res := RunScriptTests(context.Background(), []string{bad}, &out)
-	if len(res) != 2 || res[0].Err != "" || !strings.Contains(res[1].Err, "assert.eq: got 2, want 3: arithmetic") {
-		t.Errorf("results: %+v", res)
 	}
 }

@@ -6,7 +6,7 @@ import (
 	"fmt"
 	"os"
 
-	"github.com/slimen/slimen/host"
+	"github.com/slimen/slimen/host/scripttest"
 )
 
 func init() {
@@ -22,7 +22,7 @@ func cmdTest(args []string) int {
 	if err != nil {
 		return flagExit(err)
 	}
-	files, err := host.FindTestFiles(pos)
+	files, err := scripttest.FindFiles(pos)
 	if err != nil {
 		fmt.Fprintln(os.Stderr, "slimen test:", err)
 		return 2
@@ -31,7 +31,7 @@ func cmdTest(args []string) int {
 		fmt.Fprintln(os.Stderr, "slimen test: no *_test.star files found")
 		return 2
 	}
-	results := host.RunScriptTests(context.Background(), files, os.Stdout)
+	results := scripttest.Run(context.Background(), files, os.Stdout)
 	failed, skipped := 0, 0
 	for _, r := range results {
 		switch {
