@@ -116,6 +116,13 @@ func New(dir string, opts Options) (*Server, error) {
 	s.mux.HandleFunc("GET /api/events", s.handleEvents)
 	s.mux.HandleFunc("GET /api/rollouts", s.handleRollouts)
 	s.mux.HandleFunc("GET /api/graph", s.handleGraph)
+	// Index the rollouts a long run kept before the page asks for them; the first request waits
+	// for what is left of it.
+	go func() {
+		if _, err := s.index.refresh(); err != nil {
+			s.opts.Logf("slimen view: %v", err)
+		}
+	}()
 	return s, nil
 }
 

@@ -75,14 +75,14 @@ func fixtureRun(t *testing.T) string {
 	return dir
 }
 
-func write(t *testing.T, dir, name, s string) {
+func write(t testing.TB, dir, name, s string) {
 	t.Helper()
 	if err := os.WriteFile(filepath.Join(dir, name), []byte(s), 0o644); err != nil {
 		t.Fatal(err)
 	}
 }
 
-func appendTo(t *testing.T, dir, name, s string) {
+func appendTo(t testing.TB, dir, name, s string) {
 	t.Helper()
 	f, err := os.OpenFile(filepath.Join(dir, name), os.O_APPEND|os.O_WRONLY|os.O_CREATE, 0o644)
 	if err != nil {
@@ -105,7 +105,7 @@ func newServer(t *testing.T, dir string, opts Options) *Server {
 }
 
 // get sends a request to h as a browser on this machine would, and returns the status and body.
-func get(t *testing.T, h http.Handler, target string, hdr ...string) (int, string) {
+func get(t testing.TB, h http.Handler, target string, hdr ...string) (int, string) {
 	t.Helper()
 	req := httptest.NewRequest("GET", target, nil)
 	req.Host = "127.0.0.1:7000"
@@ -117,7 +117,7 @@ func get(t *testing.T, h http.Handler, target string, hdr ...string) (int, strin
 	return rec.Code, rec.Body.String()
 }
 
-func getJSON[T any](t *testing.T, h http.Handler, target string) T {
+func getJSON[T any](t testing.TB, h http.Handler, target string) T {
 	t.Helper()
 	code, body := get(t, h, target)
 	if code != http.StatusOK {
