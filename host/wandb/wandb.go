@@ -199,10 +199,10 @@ func (l *Logger) Step(rec host.StepRecord) error {
 	}
 	hists := map[string][]any{}
 	for policy, vs := range rec.Rewards {
-		hists[policy+"/rewards"] = numbers(vs)
+		hists[policy+"/reward"] = numbers(vs)
 	}
 	for policy, vs := range rec.Advantages {
-		hists[policy+"/advantages"] = numbers(vs)
+		hists[policy+"/advantage"] = numbers(vs)
 	}
 	msg := map[string]any{"type": "log", "step": rec.Step, "scalars": scalars, "histograms": hists}
 	if len(rec.Rollouts) > 0 {

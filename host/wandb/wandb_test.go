@@ -139,7 +139,7 @@ func TestOfflineRun(t *testing.T) {
 				t.Errorf("step %v: no %s in the W&B history row %v", step, k, keys(row))
 			}
 		}
-		if row["solver/rewards/_type"] != "histogram" || row["solver/advantages/_type"] != "histogram" {
+		if row["solver/reward/_type"] != "histogram" || row["solver/advantage/_type"] != "histogram" {
 			t.Errorf("step %v: no reward and advantage histograms in %v", step, keys(row))
 		}
 	}

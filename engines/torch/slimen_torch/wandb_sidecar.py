@@ -13,8 +13,9 @@ It reads one JSON object a line on stdin and answers on stdout, one JSON object 
 Empty fields of init are left to the SDK, which then reads WANDB_PROJECT, WANDB_MODE,
 WANDB_API_KEY, WANDB_DIR … from the environment as it always does. A scalar may be the string
 "NaN", "Infinity" or "-Infinity" (JSON has no such numbers). A log message with a step below the
-last one is logged at the last step (W&B drops rows that go back). When stdin ends without a
-finish (the host went away), the run is finished with exit code 1.
+W&B run's current one is dropped, said once on stderr: W&B's steps only go forward, and a resumed
+slimen run runs again the steps after its checkpoint, which the W&B run it resumes already holds.
+When stdin ends without a finish (the host went away), the run is finished with exit code 1.
 
 If wandb cannot be imported, the first line it writes is {"type": "error", "missing": "wandb"}.
 The SDK's own messages, and anything printed, go to stderr: stdout carries only the protocol.
@@ -42,6 +43,7 @@ class Sidecar:
         self.out = out
         self.run = None
         self.last_step = 0
+        self.dropped = 0  # log messages of steps W&B already went past
 
     def reply(self, **msg) -> None:
         self.out.write(json.dumps(msg) + "\n")
@@ -97,7 +99,14 @@ class Sidecar:
             data[k] = self.wandb.Table(columns=list(t["columns"]), data=[list(r) for r in t["rows"]])
         if not data:
             return
-        step = max(int(msg.get("step", self.last_step)), self.last_step)
+        step = int(msg.get("step", self.last_step))
+        if step < self.last_step:
+            self.dropped += 1
+            if self.dropped == 1:
+                print(f"wandb sidecar: step {step} is not logged, nor any other step the W&B "
+                      f"run has gone past (it is at step {self.last_step}): it holds them from "
+                      "before the resume", file=sys.stderr)
+            return
         self.last_step = step
         self.run.log(data, step=step)
 

@@ -71,7 +71,8 @@ def test_protocol():
         "not json",
         {"type": "log", "step": 2, "tables": {"rollouts": {"columns": ["step", "policy"],
                                                           "rows": [[2, "a"]]}}},
-        {"type": "log", "step": 1, "scalars": {"a/x": 2}},  # behind the last step
+        {"type": "log", "step": 1, "scalars": {"a/x": 2}},  # behind the last step: dropped
+        {"type": "log", "step": 2, "scalars": {"a/x": 2}},  # the same step: the same row
         {"type": "log", "step": 3},  # nothing to log
         {"type": "finish", "exit_code": 0},
         {"type": "log", "step": 4, "scalars": {"a/x": 3}},  # after finish: never read
@@ -89,6 +90,29 @@ def test_protocol():
     assert (s2, d2) == (2, {"rollouts": ("table", ["step", "policy"], [[2, "a"]])})
     assert (s3, d3) == (2, {"a/x": 2.0})
     assert run.exit_code == 0
+
+
+def test_resumed_run_drops_the_steps_it_holds(capsys):
+    fake = FakeWandb()
+    init = fake.init
+
+    def resumed(**kw):
+        run = init(**kw)
+        run.step = 5  # the W&B run logged steps up to 4 before the resume
+        return run
+
+    fake.init = resumed
+    lines = [json.dumps(m) for m in (
+        {"type": "init", "project": "p", "id": "r1"},
+        {"type": "log", "step": 3, "scalars": {"a/x": 3}},
+        {"type": "log", "step": 4, "scalars": {"a/x": 4}},
+        {"type": "log", "step": 5, "scalars": {"a/x": 5}},
+        {"type": "log", "step": 6, "scalars": {"a/x": 6}},
+        {"type": "finish"})]
+    assert wandb_sidecar.serve(iter(lines), fake, io.StringIO()) == 0
+    assert [s for s, _ in fake.run.logged] == [5, 6]
+    err = capsys.readouterr().err
+    assert err.count("is not logged") == 1 and "at step 5" in err
 
 
 def test_resume_id_and_end_of_input():
