@@ -124,6 +124,12 @@ func TestTrainBPE(t *testing.T) {
 	if slices.ContainsFunc(tok.EncodeText("<|im_end|><tool_call>"), tok.IsSpecial) {
 		t.Fatal("EncodeText produced an added token")
 	}
+	// A generated call (its tags the added tokens) decodes to text engines.SplitToolCalls parses.
+	gen := append(append([]int32{tok.ids[tokToolCall]}, tok.EncodeText("\n{\"name\": \"calc\", \"arguments\": {\"expr\": \"2*3\"}}\n")...), tok.ids[tokToolCallEnd])
+	if calls, rest := engines.SplitToolCalls(tok.Decode(gen)); len(calls) != 1 || !calls[0].Closed || rest != "" ||
+		strings.TrimSpace(calls[0].Text) != `{"name": "calc", "arguments": {"expr": "2*3"}}` {
+		t.Fatalf("tool calls of %q: %+v, rest %q", tok.Decode(gen), calls, rest)
+	}
 	if tok.pieces[tok.eos] != tokIMEnd || tok.pieces[tok.pad] != tokEndOfText {
 		t.Fatalf("eos %q pad %q", tok.pieces[tok.eos], tok.pieces[tok.pad])
 	}
