@@ -3,6 +3,7 @@ package wandb
 import (
 	"bufio"
 	"bytes"
+	"context"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -11,6 +12,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strings"
 	"sync"
 	"time"
@@ -84,6 +86,8 @@ func startSidecar(python string, output func(line string)) (*sidecar, error) {
 	s.cmd = exec.Command(python, "-u", script)
 	s.cmd.Env = append(os.Environ(), "PYTHONUNBUFFERED=1")
 	s.cmd.Stdin = inR
+	// The SDK's own process (wandb-core) may hold the stderr pipe a moment after the sidecar exits.
+	s.cmd.WaitDelay = 5 * time.Second
 	stdout, err := s.cmd.StdoutPipe()
 	if err != nil {
 		inR.Close()
@@ -102,9 +106,9 @@ func startSidecar(python string, output func(line string)) (*sidecar, error) {
 		return nil, err
 	}
 	inR.Close() // the child's copy is the one that counts
-	go s.readReplies(stdout)
 	go func() {
-		s.waitErr = s.cmd.Wait() // after readReplies has read stdout to its end
+		s.readReplies(stdout) // to its end, before Wait closes it
+		s.waitErr = s.cmd.Wait()
 		os.RemoveAll(dir)
 		close(s.exited)
 	}()
@@ -150,40 +154,42 @@ func (s *sidecar) send(msg any) error {
 	return nil
 }
 
-// await waits up to d for a reply of one of the given types; the sidecar's exit or an error
-// reply ends the wait with an error.
-func (s *sidecar) await(d time.Duration, types ...string) (reply, error) {
+// await waits up to d for a reply of one of the given types; the sidecar's exit, an error reply
+// or the end of ctx ends the wait with an error.
+func (s *sidecar) await(ctx context.Context, d time.Duration, types ...string) (reply, error) {
 	timer := time.NewTimer(d)
 	defer timer.Stop()
 	for {
 		select {
+		case <-ctx.Done():
+			return reply{}, fmt.Errorf("waiting for the W&B sidecar: %w", ctx.Err())
 		case r := <-s.replies:
-			if r.Type == "error" {
-				return r, errors.New(r.Error)
-			}
-			for _, t := range types {
-				if r.Type == t {
-					return r, nil
-				}
+			if done, err := answers(r, types); done {
+				return r, err
 			}
 		case <-s.exited:
-			select {
-			case r := <-s.replies: // a reply written just before it exited
-				if r.Type == "error" {
-					return r, errors.New(r.Error)
-				}
-				for _, t := range types {
-					if r.Type == t {
-						return r, nil
+			for { // the replies it wrote before it exited are all in
+				select {
+				case r := <-s.replies:
+					if done, err := answers(r, types); done {
+						return r, err
 					}
+				default:
+					return reply{}, s.exitError(nil)
 				}
-			default:
 			}
-			return reply{}, s.exitError(nil)
 		case <-timer.C:
 			return reply{}, fmt.Errorf("the W&B sidecar did not answer within %v%s", d, s.lastLines())
 		}
 	}
+}
+
+// answers reports whether r ends a wait for one of types: it is one, or an error.
+func answers(r reply, types []string) (bool, error) {
+	if r.Type == "error" {
+		return true, errors.New(r.Error)
+	}
+	return slices.Contains(types, r.Type), nil
 }
 
 // exited reports whether the process has exited.

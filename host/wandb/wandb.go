@@ -20,6 +20,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strings"
 	"sync"
 	"time"
@@ -119,7 +120,7 @@ func (l *Logger) Open(ctx context.Context, c *config.Config) error {
 	}
 	var r reply
 	if err == nil {
-		r, err = sc.awaitCtx(ctx, initWait, "ready")
+		r, err = sc.await(ctx, initWait, "ready")
 	}
 	if err != nil {
 		sc.close(5 * time.Second)
@@ -134,14 +135,6 @@ func (l *Logger) Open(ctx context.Context, c *config.Config) error {
 	}
 	l.sc, l.mode = sc, r.Mode
 	return nil
-}
-
-// awaitCtx is await, also ended by ctx.
-func (s *sidecar) awaitCtx(ctx context.Context, d time.Duration, types ...string) (reply, error) {
-	if dl, ok := ctx.Deadline(); ok && time.Until(dl) < d {
-		d = time.Until(dl)
-	}
-	return s.await(d, types...)
 }
 
 // initMessage is the sidecar's init: the W&B run's names, where it writes, and the resolved
@@ -250,7 +243,7 @@ func (l *Logger) Close() error {
 	}
 	err := sc.send(map[string]any{"type": "finish", "exit_code": 0})
 	if err == nil {
-		_, err = sc.await(wait, "finished")
+		_, err = sc.await(context.Background(), wait, "finished")
 	}
 	if cerr := sc.close(exitWait); err == nil {
 		err = cerr
@@ -264,22 +257,13 @@ func (l *Logger) Close() error {
 // addScalars adds a metrics line's numbers to scalars under prefix, leaving out the keys skip.
 func addScalars(scalars map[string]any, prefix string, m host.Metrics, skip ...string) {
 	for k, v := range m {
-		if contains(skip, k) {
+		if slices.Contains(skip, k) {
 			continue
 		}
 		if x, ok := number(v); ok {
 			scalars[prefix+k] = x
 		}
 	}
-}
-
-func contains(list []string, s string) bool {
-	for _, x := range list {
-		if x == s {
-			return true
-		}
-	}
-	return false
 }
 
 // number is a metric's value as JSON can carry it: a finite float, or the sidecar's names of
