@@ -22,7 +22,8 @@ type Observer interface {
 	Step(StepRecord) error
 	// Eval is called after each eval, once its lines are in metrics.jsonl.
 	Eval(EvalRecord) error
-	// Close is called once, when the run closes, after every record was handed over.
+	// Close is called once, when the run closes, after every record was handed over (also when
+	// the run recorded nothing and Start was never called).
 	Close() error
 }
 
@@ -90,14 +91,19 @@ func newObservers(events *eventLog, os []Observer) *observers {
 		if o == nil {
 			continue
 		}
-		ob := &observed{o: o, name: fmt.Sprintf("%T", o), queue: make(chan func(Observer) error, observerQueue), done: make(chan struct{}), events: events}
-		if s, ok := o.(fmt.Stringer); ok {
-			ob.name = s.String()
-		}
+		ob := &observed{o: o, name: observerName(o), queue: make(chan func(Observer) error, observerQueue), done: make(chan struct{}), events: events}
 		go ob.loop()
 		obs.list = append(obs.list, ob)
 	}
 	return obs
+}
+
+// observerName names an observer in the run's log: its String, else its type.
+func observerName(o Observer) string {
+	if s, ok := o.(fmt.Stringer); ok {
+		return s.String()
+	}
+	return fmt.Sprintf("%T", o)
 }
 
 // loop calls the observer with each record in turn; after its first error it only drains.

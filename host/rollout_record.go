@@ -501,8 +501,19 @@ func (r *Run) observing(done int) bool {
 	return len(r.obs.list) > 0
 }
 
-// closeRecord closes the observers (after what they were handed) and rollouts.jsonl.
+// closeRecord closes the observers (after what they were handed; Options.Observers also when the
+// run recorded nothing, so what they hold, a sidecar, ends) and rollouts.jsonl.
 func (r *Run) closeRecord() error {
+	if r.obs == nil {
+		for _, o := range r.opts.Observers {
+			if o == nil {
+				continue
+			}
+			if err := o.Close(); err != nil {
+				r.events.printf("observer %s: closing: %v", observerName(o), err)
+			}
+		}
+	}
 	r.obs.close()
 	if r.rec.file != nil {
 		return r.rec.file.close()

@@ -220,6 +220,19 @@ func TestObserverErrorLoggedOnce(t *testing.T) {
 	}
 }
 
+// An observer of a run that records nothing is still closed, and never started.
+func TestObserverClosedWithoutRecords(t *testing.T) {
+	obs := &recordingObserver{}
+	r, err := Load(context.Background(), writeScript(t, tinyScript), Options{Config: tinyConfig(tinyModel(t, 1), nil), Out: t.TempDir(), Tasks: numberedTasks(2), Observers: []Observer{obs}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	r.Close()
+	if len(obs.starts) != 0 || obs.closed != 1 {
+		t.Errorf("%d starts, %d closes; want 0 and 1", len(obs.starts), obs.closed)
+	}
+}
+
 // TestRolloutsRecordResume: a run stopped after a checkpoint and resumed writes each step's
 // records once: the lines of steps past the checkpoint are dropped and written again.
 func TestRolloutsRecordResume(t *testing.T) {
