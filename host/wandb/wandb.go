@@ -127,6 +127,9 @@ func (l *Logger) Open(ctx context.Context, c *config.Config) error {
 		if r.Missing == "wandb" {
 			return fmt.Errorf("run.wandb: %s (from %s) has no wandb package: install it into that environment (%s -m pip install wandb), or set run.wandb.python (or $%s) to the python of one that has it (scripts/pyenv.sh makes one)", py, from, py, PythonEnv)
 		}
+		if strings.Contains(err.Error(), "API key") {
+			return fmt.Errorf("run.wandb: %w; set WANDB_API_KEY (or run `%s -m wandb login`), or log offline: run.wandb.mode: offline (or WANDB_MODE=offline) and `wandb sync` later", err, py)
+		}
 		return fmt.Errorf("run.wandb: %w", err)
 	}
 	if c.Run.Out != "" && r.ID != "" {

@@ -215,6 +215,24 @@ func TestMissingPackage(t *testing.T) {
 	}
 }
 
+// A refused login stops the run before its first step, saying how to log in or log offline.
+func TestNoLogin(t *testing.T) {
+	// The SDK's answer to wandb.init online with no API key.
+	refuses := fakePython(t, `read line
+echo '{"type": "error", "error": "wandb.init: UsageError: No API key configured. Use `+"`wandb login`"+` to log in."}'
+exit 2
+`)
+	_, _, _, _, err := load(t, "{project: t, python: "+refuses+"}")
+	if err == nil {
+		t.Fatal("Open succeeded though wandb.init failed")
+	}
+	for _, want := range []string{"run.wandb: wandb.init: UsageError: No API key configured", "set WANDB_API_KEY", "run.wandb.mode: offline"} {
+		if !strings.Contains(err.Error(), want) {
+			t.Errorf("error %q does not say %q", err, want)
+		}
+	}
+}
+
 // A sidecar that dies mid-run is one warning in the run's log and events.log; the run goes on
 // to its last step.
 func TestSidecarDies(t *testing.T) {
