@@ -78,7 +78,10 @@ func (t *Tokenizer) EncodeChatTools(msgs []engines.Message, tools []string, addG
 }
 
 // chatIDs accumulates a rendering: the template's own text, in which added tokens are tokens,
-// and messages' content, which is plain text. Text between two added tokens is encoded as one
+// and messages' content, in which the special ones (<|endoftext|>, <|im_start|>, <|im_end|>)
+// are plain text, so a message cannot forge a turn, while the plain added tags (<tool_call>,
+// <tool_response>, <think> and their ends) are the tokens the model writes for them, as the
+// PyTorch worker and Qwen's tokenizers treat them. Text between two tokens is encoded as one
 // piece, as the tokenizers library encodes the rendered string.
 type chatIDs struct {
 	t       *Tokenizer
@@ -113,25 +116,24 @@ func (c *chatIDs) template(s string) {
 	c.pending.WriteString(s)
 }
 
-// content appends a message's text: plain text whatever it holds.
-func (c *chatIDs) content(s string) { c.pending.WriteString(s) }
-
-// assistant appends an assistant message's content: its <tool_call> and </tool_call> tags are the
-// tokens the model generates for them, the rest plain text.
-func (c *chatIDs) assistant(s string) {
-	for len(s) > 0 {
-		i, tag := strings.Index(s, tokToolCall), tokToolCall
-		if j := strings.Index(s, tokToolCallEnd); j >= 0 && (i < 0 || j < i) {
-			i, tag = j, tokToolCallEnd
+// content appends a message's text (or a tool schema): the plain added tags in it are tokens,
+// the rest is text.
+func (c *chatIDs) content(s string) {
+	for i := 0; i < len(s); i++ {
+		if s[i] != '<' {
+			continue
 		}
-		if i < 0 {
-			break
+		for _, tag := range ChatSpecials[bpeSpecialCount:] {
+			if strings.HasPrefix(s[i:], tag) {
+				c.pending.WriteString(s[:i])
+				c.flush()
+				c.ids = append(c.ids, c.t.ids[tag])
+				s, i = s[i+len(tag):], -1
+				break
+			}
 		}
-		c.content(s[:i])
-		c.template(tag)
-		s = s[i+len(tag):]
 	}
-	c.content(s)
+	c.pending.WriteString(s)
 }
 
 // encodeQwenChat renders messages and tools as QwenChatTemplate does, as token ids.
@@ -173,7 +175,7 @@ func (t *Tokenizer) encodeQwenChat(msgs []engines.Message, tools []string, gen b
 			}
 		case m.Role == "assistant":
 			c.template("<|im_start|>assistant\n")
-			c.assistant(m.Content)
+			c.content(m.Content)
 			c.template("<|im_end|>\n")
 		case i == 0 && system:
 		default:

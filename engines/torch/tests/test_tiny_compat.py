@@ -172,12 +172,24 @@ def chat_ids(tok, messages, tools, add_generation_prompt):
     return list(got)
 
 
+SPECIAL_TEXT = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+
+
 @pytest.mark.parametrize("case", BPE["chats"], ids=lambda c: f"{len(c['messages'])}msgs-{len(c['tools'] or [])}tools")
 def test_bpe_chat_template_matches_go(bpe_tokenizer, case):
     """transformers' apply_chat_template with the folder's template gives the Go renderer's ids,
-    with the tool calls in the content as slimen keeps them and as OpenAI tool_calls."""
+    with the tool calls in the content as slimen keeps them and as OpenAI tool_calls; and so does
+    the PyTorch worker's renderer (slimen_torch.tokenizer), which keeps special-token text in a
+    message as text, as the Go renderer does, where transformers would make it a turn."""
+    from slimen_torch.tokenizer import Tokenizer as WorkerTokenizer
+
     tools = [json.loads(t) for t in case["tools"]] if case["tools"] else None
     gen = case["add_generation_prompt"]
+    worker = WorkerTokenizer(BPE_DIR)
+    assert worker.encode_chat(case["messages"], gen, tools) == case["ids"]
+    if any(s in m["content"] for m in case["messages"] for s in SPECIAL_TEXT):
+        assert chat_ids(bpe_tokenizer, case["messages"], tools, gen) != case["ids"]
+        return
     assert chat_ids(bpe_tokenizer, case["messages"], tools, gen) == case["ids"]
     assert chat_ids(bpe_tokenizer, openai_form(case["messages"]), tools, gen) == case["ids"]
 
