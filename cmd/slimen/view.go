@@ -108,6 +108,9 @@ func runGraph(ctx context.Context, dir string) ([]byte, string, error) {
 		if cfg, err = config.Load(filepath.Join(dir, "config.yaml")); err != nil {
 			return nil, "", err
 		}
+		// The trace evaluates nothing: eval files, named relative to where the run started,
+		// need not be found from here.
+		cfg.Eval.Datasets = nil
 	}
 	task, err := runTask(dir, cfg)
 	if err != nil {

@@ -292,3 +292,55 @@ func TestViewCommand(t *testing.T) {
 	}
 	stop()
 }
+
+// TestViewGraphOfTheSavedScript: the page's topology comes from the run folder alone — the script
+// version it kept with the module it loads, its config and a task from rollouts.jsonl — when the
+// script's folder and the eval file the run read are gone.
+func TestViewGraphOfTheSavedScript(t *testing.T) {
+	src := t.TempDir()
+	files := map[string]string{
+		"main.star":  "load(\"lib.star\", \"ask\")\n\ndef rollout(task):\n    a = ask(\"solver\", task.prompt)\n    b = ask(\"checker\", \"Check: \" + a.text)\n    reward(a, 1.0)\n    train(a)\n",
+		"lib.star":   "def ask(policy, prompt):\n    return generate(policy, prompt, max_tokens = 32)\n",
+		"eval.jsonl": `{"prompt": "1 + 1 =", "label": "2"}` + "\n",
+	}
+	for name, body := range files {
+		if err := os.WriteFile(filepath.Join(src, name), []byte(body), 0o644); err != nil {
+			t.Fatal(err)
+		}
+	}
+	cfg := config.Default([]string{"solver", "checker"})
+	cfg.Rollout.BatchSize = 2
+	cfg.Run.Steps = 1
+	cfg.Run.SaveMinutes = 0
+	cfg.Eval.Datasets = []config.EvalDataset{{Name: "held", Path: filepath.Join(src, "eval.jsonl"), InputKey: "prompt", LabelKey: "label", NSamples: 1, TopP: 1, MaxResponseLen: 8}}
+	dir := filepath.Join(t.TempDir(), "run")
+	ctx := context.Background()
+	r, err := host.Load(ctx, filepath.Join(src, "main.star"), host.Options{Config: cfg, Out: dir})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := r.Train(ctx); err != nil {
+		t.Fatal(err)
+	}
+	r.Close()
+	if err := os.RemoveAll(src); err != nil {
+		t.Fatal(err)
+	}
+	svg, mmd, err := runGraph(ctx, dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, want := range []string{"solver", "checker", "main.star"} {
+		if !strings.Contains(string(svg), want) {
+			t.Errorf("the SVG lacks %q", want)
+		}
+	}
+	if !strings.Contains(mmd, "solver") || !strings.Contains(mmd, "-->") {
+		t.Errorf("the Mermaid text: %s", mmd)
+	}
+	// A folder that keeps no script says so.
+	empty := t.TempDir()
+	if _, _, err := runGraph(ctx, empty); err == nil || !strings.Contains(err.Error(), filepath.Join(empty, "script.star")+": the run folder keeps no script to trace") {
+		t.Errorf("a folder without a script: %v", err)
+	}
+}
