@@ -260,9 +260,9 @@ func (r *Run) recordRollout(ro *script.Rollout, step int, dataset string, adv ma
 		}
 	}
 	sort.SliceStable(cs, func(i, j int) bool { return cs[i].Before(cs[j]) })
-	trained := map[*script.Completion]bool{}
+	trained := map[*script.Completion]bool{} // a failed rollout's train() requests are dropped
 	for _, q := range ro.Queued() {
-		trained[q.C] = true
+		trained[q.C] = ro.Err == nil && ro.Eval == nil
 	}
 	for i, c := range cs {
 		if i == maxRecordCalls {

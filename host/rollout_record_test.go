@@ -20,8 +20,6 @@ import (
 // between the turns) and two generate samples, all trained.
 const recordScript = `
 def rollout(task):
-    if task.id == "t1":
-        fail_here(task)
     c = chat("p", system = "Be exact.")
     c.user(task.prompt)
     c.generate(max_tokens = 5)
@@ -33,6 +31,8 @@ def rollout(task):
     for i, g in enumerate(gs):
         reward(g, float(i))
     train(gs)
+    if task.id == "t1":
+        fail_here(task)
     return "done " + task.id
 
 def fail_here(task):
@@ -143,6 +143,9 @@ func TestRolloutsRecord(t *testing.T) {
 	}
 	if len(failed) != 1 || failed[0].Task.ID != "t1" || !strings.Contains(failed[0].Error, "fails on purpose") || !strings.Contains(failed[0].Error, "fail_here") {
 		t.Fatalf("step 1's failed rollouts: %+v; want t1's, with its error and backtrace", failed)
+	}
+	if calls := failed[0].Calls; len(calls) != 3 || calls[0].Trained || calls[1].Trained || calls[0].Advantage != nil {
+		t.Errorf("the failed rollout's calls: %+v; want its 3 calls, none trained (its train() requests are dropped)", calls)
 	}
 	rec := ok[0]
 	if rec.Result != `"done `+rec.Task.ID+`"` || rec.Task.Label == nil || rec.Task.Prompt == "" {
