@@ -159,6 +159,7 @@ func TestViewInBrowser(t *testing.T) {
 		"the checker of task " + failed,    // the failed rollout's error
 		"in check_answer",                  // with its backtrace
 		"turn 2",                           // the generator's second turn, a row of its own
+		"step 2 · finished",                // the run's state, from events.log
 		`<polyline class="curve"`,          // a curve
 		"dataflow of one rollout of debat", // the topology
 	} {

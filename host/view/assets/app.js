@@ -242,7 +242,9 @@ function hideTip() { $("#tip").hidden = true; }
 
 // ---- events.log ----
 
-const events = { gen: 0, offset: -1, lines: 0 };
+// ended is the run's last word in events.log: "done: …" or "stop: …", until a resume starts it
+// again ("loaded …"); "" while it runs.
+const events = { gen: 0, offset: -1, lines: 0, ended: "" };
 const MAX_EVENT_LINES = 5000;
 
 async function pollEvents() {
@@ -255,6 +257,9 @@ async function pollEvents() {
     events.gen = r.gen;
     events.offset = r.offset;
     for (const line of r.lines) {
+      const m = /^\S+ (done|stop): (.*)$/.exec(line);
+      if (m) events.ended = m[1] === "done" ? "finished" : "stopped: " + m[2];
+      else if (/^\S+ loaded /.test(line)) events.ended = "";
       const bad = /failed|error|Traceback|panic/i.test(line);
       pre.append(bad ? el("span", { class: "fail" }, line + "\n") : line + "\n");
       events.lines++;
@@ -495,8 +500,10 @@ async function tick() {
     if (seen !== lastSeen) { lastSeen = seen; lastChange = Date.now(); }
     const ago = Math.round((Date.now() - lastChange) / 1000);
     const live = $("#live");
-    live.textContent = (metrics.lastStep !== null ? `step ${metrics.lastStep} · ` : "") + (ago < 10 ? "updating" : `no change for ${ago} s`);
-    live.className = ago < 10 ? "on muted" : "muted";
+    const state = events.ended ? events.ended : ago < 10 ? "updating" : `no change for ${ago} s`;
+    live.textContent = (metrics.lastStep !== null ? `step ${metrics.lastStep} · ` : "") + state;
+    live.title = state;
+    live.className = !events.ended && ago < 10 ? "on muted" : "muted";
   } catch (e) {
     $("#live").textContent = "the server does not answer: " + e.message;
     $("#live").className = "muted";
