@@ -456,6 +456,9 @@ func (w *metricsWriter) writeRaw(b []byte) error {
 // observers.
 func (r *Run) recordStep(step int, ros []*script.Rollout, res *StepResult) {
 	adv := r.rec.takeAdv()
+	if r.opts.Out == "" && len(r.opts.Observers) == 0 && r.Config().Run.TensorBoard == "" {
+		return // nothing to write and no one to tell
+	}
 	n := r.Config().Run.SaveRollouts
 	var recs []RolloutRecord
 	for _, ro := range pickRollouts(ros, n) {
@@ -472,9 +475,13 @@ func (r *Run) recordStep(step int, ros []*script.Rollout, res *StepResult) {
 // recordEval writes an eval's rollouts (a few of each dataset) and hands the eval to the
 // observers.
 func (r *Run) recordEval(evs []Metrics) {
+	evals := r.rec.takeEval()
+	if r.opts.Out == "" && len(r.opts.Observers) == 0 && r.Config().Run.TensorBoard == "" {
+		return
+	}
 	n := min(r.Config().Run.SaveRollouts, evalRecords)
 	var recs []RolloutRecord
-	for _, p := range r.rec.takeEval() {
+	for _, p := range evals {
 		for _, ro := range pickRollouts(p.ros, n) {
 			recs = append(recs, r.recordRollout(ro, r.step, p.dataset, nil))
 		}

@@ -5,6 +5,7 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
+	"fmt"
 	"os"
 	"path/filepath"
 	"slices"
@@ -12,6 +13,8 @@ import (
 	"sync"
 	"testing"
 
+	"github.com/slimen/slimen/engines"
+	"github.com/slimen/slimen/engines/scripted"
 	"github.com/slimen/slimen/host/config"
 	"github.com/slimen/slimen/host/script"
 )
@@ -351,5 +354,40 @@ func TestRecordLineBounded(t *testing.T) {
 	}
 	if len(rec.Calls[2].TokenIDs) != maxRecordTokens {
 		t.Error("cutting the line changed the caller's record")
+	}
+}
+
+// BenchmarkRecordStep measures what keeping rollouts costs a step of the debate example (32
+// tasks, 9 generate calls each) on scripted engines that answer at once, where the host's own
+// work is all a step does: rollouts.jsonl off, at the default 8 a step, and with TensorBoard too.
+//
+//	go test ./host -run '^$' -bench RecordStep -benchtime 20x
+func BenchmarkRecordStep(b *testing.B) {
+	for _, c := range []struct {
+		name string
+		n    int
+		tb   bool
+	}{{"save_rollouts=0", 0, false}, {"save_rollouts=8", 8, false}, {"save_rollouts=8+tensorboard", 8, true}} {
+		b.Run(c.name, func(b *testing.B) {
+			answer := func(r scripted.Request) string { return fmt.Sprintf(`\boxed{%d}`, r.Seed%3) }
+			cfg := testConfig(32, "generator", "critic")
+			cfg.Run.SaveRollouts = c.n
+			if c.tb {
+				cfg.Run.TensorBoard = b.TempDir()
+			}
+			r, err := Load(context.Background(), "../examples/debate/debate.star", Options{Config: cfg, Tasks: numberedTasks(32), Out: b.TempDir(),
+				Engines: map[string]engines.Engine{"generator": scripted.New(answer), "critic": scripted.New(answer)}})
+			if err != nil {
+				b.Fatal(err)
+			}
+			defer r.Close()
+			b.ResetTimer()
+			for i := 0; i < b.N; i++ {
+				if _, err := r.Step(context.Background()); err != nil {
+					b.Fatal(err)
+				}
+			}
+			b.ReportMetric(float64(b.Elapsed().Microseconds())/float64(b.N), "µs/step")
+		})
 	}
 }
