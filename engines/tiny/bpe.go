@@ -185,9 +185,17 @@ type bpeRes struct{ rank, id int32 }
 
 func pairKey(a, b int32) uint64 { return uint64(uint32(a))<<32 | uint64(uint32(b)) }
 
+// longWord is the length from which encodeWord keeps its candidate pairs in a heap: below it a
+// scan of the pairs per merge is faster, above it the scans would cost the square of the length
+// (a long run of letters or punctuation in a document).
+const longWord = 48
+
 // encodeWord appends the tokens of one pre-token: its bytes, then repeatedly the pair of lowest
 // rank joined (the leftmost among equals), as the tokenizers library's BPE model does.
 func (m *bpeModel) encodeWord(dst []int32, word string) []int32 {
+	if len(word) >= longWord {
+		return m.encodeLongWord(dst, word)
+	}
 	start := len(dst)
 	for i := 0; i < len(word); i++ {
 		dst = append(dst, m.byteID[word[i]])
@@ -432,6 +440,78 @@ func (h pairHeap) Less(i, j int) bool {
 func (h pairHeap) Swap(i, j int) { h[i], h[j] = h[j], h[i] }
 func (h *pairHeap) Push(x any)   { *h = append(*h, x.(pairEntry)) }
 func (h *pairHeap) Pop() any {
+	old := *h
+	x := old[len(old)-1]
+	*h = old[:len(old)-1]
+	return x
+}
+
+// encodeLongWord is encodeWord with the symbols in a linked list and the candidate merges in a
+// heap ordered by (rank, position), as the tokenizers library does it: each merge costs a log
+// of the length instead of a scan. An entry is stale when its left symbol was merged away or now
+// forms another pair; popping checks that.
+func (m *bpeModel) encodeLongWord(dst []int32, word string) []int32 {
+	n := len(word)
+	sym := make([]int32, n)
+	next, prev := make([]int, n), make([]int, n)
+	for i := range n {
+		sym[i], next[i], prev[i] = m.byteID[word[i]], i+1, i-1
+	}
+	next[n-1] = -1
+	var h mergeHeap
+	push := func(i int) {
+		if j := next[i]; j >= 0 {
+			if r, ok := m.rank[pairKey(sym[i], sym[j])]; ok {
+				heap.Push(&h, mergeEntry{rank: r.rank, pos: i, pair: pairKey(sym[i], sym[j])})
+			}
+		}
+	}
+	for i := range n - 1 {
+		push(i)
+	}
+	for h.Len() > 0 {
+		top := heap.Pop(&h).(mergeEntry)
+		i := top.pos
+		j := next[i]
+		if sym[i] < 0 || j < 0 || pairKey(sym[i], sym[j]) != top.pair {
+			continue
+		}
+		sym[i] = m.rank[top.pair].id
+		sym[j] = -1
+		next[i] = next[j]
+		if next[j] >= 0 {
+			prev[next[j]] = i
+		}
+		if p := prev[i]; p >= 0 {
+			push(p)
+		}
+		push(i)
+	}
+	for i := 0; i >= 0; i = next[i] {
+		dst = append(dst, sym[i])
+	}
+	return dst
+}
+
+type mergeEntry struct {
+	rank int32
+	pos  int
+	pair uint64
+}
+
+// mergeHeap pops the lowest rank first, then the leftmost position.
+type mergeHeap []mergeEntry
+
+func (h mergeHeap) Len() int { return len(h) }
+func (h mergeHeap) Less(i, j int) bool {
+	if h[i].rank != h[j].rank {
+		return h[i].rank < h[j].rank
+	}
+	return h[i].pos < h[j].pos
+}
+func (h mergeHeap) Swap(i, j int) { h[i], h[j] = h[j], h[i] }
+func (h *mergeHeap) Push(x any)   { *h = append(*h, x.(mergeEntry)) }
+func (h *mergeHeap) Pop() any {
 	old := *h
 	x := old[len(old)-1]
 	*h = old[:len(old)-1]

@@ -9,6 +9,7 @@ import (
 	"slices"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/slimen/slimen/engines"
 )
@@ -287,6 +288,9 @@ func bpeTexts() []string {
 		"日本語のテキスト、句読点。", "emoji 👍🏽 and flags 🇫🇷", "e\u0301 combining", "nbsp\u00a0here\u3000wide\u2028ls\u0085nel",
 		"<|im_start|>user\nhi<|im_end|>", "<tool_call>\n{\"name\": \"calc\"}\n</tool_call>", "<think>\n\n</think>\n\n",
 		"<|im_start partial <|im_end|<|im_end|>>", "'ſ 'ſt", "\x0b\x0c\x1c\x1f end",
+		// Pre-tokens past longWord, which take the heap path.
+		strings.Repeat("apples", 40), " "+strings.Repeat("calcboxed", 30), strings.Repeat("=", 200)+"\n\n",
+		strings.Repeat(" ", 150)+"x", strings.Repeat("aaaa", 60), strings.Repeat("é", 100),
 	)
 	pool := []rune("aAzZéßΩжあ中01259٣½ \t\n\r\u00a0\u3000\u2028\u0085'\"!?.,-_{}[]()<>|/\\:;=+*&^%$#@~`\u0301👍ſ")
 	r := rand.New(rand.NewPCG(21, 22))
@@ -485,5 +489,51 @@ func TestOpenBadBPEFolders(t *testing.T) {
 				t.Errorf("%s: error %q does not mention %q", c.name, err, w)
 			}
 		}
+	}
+}
+
+// The heap path for long pre-tokens merges exactly as the scan does, and a pre-token of 200,000
+// characters encodes in well under a second.
+func TestEncodeLongWord(t *testing.T) {
+	tok := trainedBPE(t, 480)
+	m := tok.bpe
+	short := func(w string) []int32 { // the scan, whatever the length
+		var dst []int32
+		for i := 0; i < len(w); i++ {
+			dst = append(dst, m.byteID[w[i]])
+		}
+		syms := dst
+		for len(syms) > 1 {
+			best, at := bpeRes{}, -1
+			for k := 0; k+1 < len(syms); k++ {
+				if r, ok := m.rank[pairKey(syms[k], syms[k+1])]; ok && (at < 0 || r.rank < best.rank) {
+					best, at = r, k
+				}
+			}
+			if at < 0 {
+				break
+			}
+			syms[at] = best.id
+			syms = append(syms[:at+1], syms[at+2:]...)
+		}
+		return syms
+	}
+	r := rand.New(rand.NewPCG(1, 2))
+	alphabet := []string{"a", "p", "l", "e", "s", "o", "x", "é", "ca", "lc", "aaaa"}
+	for range 300 {
+		var b strings.Builder
+		for b.Len() < longWord+r.IntN(200) {
+			b.WriteString(alphabet[r.IntN(len(alphabet))])
+		}
+		w := b.String()
+		if got, want := m.encodeLongWord(nil, w), short(w); !slices.Equal(got, want) {
+			t.Fatalf("%q: heap %v, scan %v", w, got, want)
+		}
+	}
+	long := strings.Repeat("apples", 200000/6)
+	start := time.Now()
+	ids := tok.Encode(long)
+	if d := time.Since(start); d > 2*time.Second || tok.Decode(ids) != long {
+		t.Fatalf("a %d-byte word: %d tokens in %v", len(long), len(ids), d)
 	}
 }
