@@ -226,6 +226,41 @@ func TestObserverErrorLoggedOnce(t *testing.T) {
 	}
 }
 
+// blockedObserver holds up its first Step until released.
+type blockedObserver struct {
+	recordingObserver
+	release chan struct{}
+}
+
+func (o *blockedObserver) Step(s StepRecord) error {
+	<-o.release
+	return o.recordingObserver.Step(s)
+}
+
+// TestSlowObserverDoesNotHoldUpSteps: steps go on while an observer is stuck; it gets every record,
+// in order, once it moves again.
+func TestSlowObserverDoesNotHoldUpSteps(t *testing.T) {
+	obs := &blockedObserver{release: make(chan struct{})}
+	r, err := Load(context.Background(), writeScript(t, tinyScript), Options{Config: tinyConfig(tinyModel(t, 1), nil), Tasks: numberedTasks(2), Observers: []Observer{obs}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for range 3 {
+		if _, err := r.Step(context.Background()); err != nil {
+			t.Fatal(err)
+		}
+	}
+	close(obs.release)
+	r.Close()
+	var steps []int
+	for _, s := range obs.steps {
+		steps = append(steps, s.Step)
+	}
+	if !slices.Equal(steps, []int{1, 2, 3}) || obs.closed != 1 {
+		t.Errorf("the slow observer got steps %v and %d closes; want 1, 2, 3 and 1", steps, obs.closed)
+	}
+}
+
 // An observer of a run that records nothing is still closed, and never started.
 func TestObserverClosedWithoutRecords(t *testing.T) {
 	obs := &recordingObserver{}
