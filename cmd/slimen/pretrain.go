@@ -24,9 +24,11 @@ func init() {
 }
 
 // cmdPretrain trains a tiny model from random weights (or --init's checkpoint) on the
-// synthetic:arith corpus (tasks.Arith.Example) or the agent corpus (--task synthetic:calc,
-// tasks.Calc.AgentExample) and saves it as a model folder. builtin:tiny-arith and
-// builtin:tiny-agent are its outputs; the exact commands are in docs/tiny.md.
+// synthetic:arith corpus (tasks.Arith.Example), the agent corpus (--task synthetic:calc,
+// tasks.Calc.AgentExample) or the examples of a JSONL file (--corpus), and saves it as a model
+// folder. A new model has the character vocabulary or, with --tokenizer bpe:N, a byte-level BPE
+// trained on the corpus. builtin:tiny-arith and builtin:tiny-agent are its outputs; the exact
+// commands are in docs/tiny.md.
 func cmdPretrain(args []string) int {
 	fs := flag.NewFlagSet("pretrain", flag.ContinueOnError)
 	task := fs.String("task", "synthetic:arith", "task source: synthetic:arith[?difficulty=N], or synthetic:calc for the agent corpus of builtin:tiny-agent (with --init builtin:tiny-arith)")
@@ -56,8 +58,9 @@ func cmdPretrain(args []string) int {
 	tokTexts := fs.Int("tokenizer-examples", 20000, "with --tokenizer bpe:N: how many corpus examples (rendered with the chat template) the BPE is trained on")
 	corpusFile := fs.String("corpus", "", "JSONL file of examples instead of --task: each line {\"prompt\": …, \"response\": …} or {\"messages\": […], \"tools\": [schemas], \"response\": …}; the last --eval-n lines are held out for the evaluation (mean loss per response token)")
 	fs.Usage = func() {
-		fmt.Fprintln(fs.Output(), "usage: slimen pretrain --out DIR [--task synthetic:arith] [--difficulty N] [--steps N] [--seed S] …")
+		fmt.Fprintln(fs.Output(), "usage: slimen pretrain --out DIR [--task synthetic:arith | --corpus FILE.jsonl] [--tokenizer char|bpe:N] [--positions N] [--steps N] [--seed S] …")
 		fmt.Fprintln(fs.Output(), "With only --out given it reproduces the embedded builtin:tiny-arith (--steps 900 --seed 1).")
+		fmt.Fprintln(fs.Output(), "--tokenizer bpe:N with --corpus makes a new chat model (Qwen3's chat format with tools); docs/tiny.md has the recipe.")
 		fs.PrintDefaults()
 	}
 	if err := fs.Parse(args); err != nil {
