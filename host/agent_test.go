@@ -24,7 +24,7 @@ import (
 // library) in the mode the task's label names, rewards and trains what it recorded, and stores
 // what the tests check.
 const agentScript = `
-LIMITS = {"hang": {"timeout": 1}, "flood": {"max_calls": 3}}
+LIMITS = {"hang": {"timeout": 1}, "flood": {"max_calls": 3}, "constrained": {"max_tokens": 600}}
 
 def rollout(task):
     mode = task.label
@@ -318,9 +318,9 @@ func TestAgentSandboxPrograms(t *testing.T) {
 // and the rollout goes on: the conversation of that call ends with it, the program's next call
 // is answered and trained. The endpoint lists the name the program was given ($OPENAI_MODEL),
 // takes the scheme "bearer" in lower case, answers tool_choice "required" of a policy that never
-// calls a tool with a 500 saying so (it samples again, and never answers without the call),
-// refuses parallel_tool_calls false and response_format with a 400 naming the field, refuses an
-// unknown role, and renders "developer" as system.
+// calls a tool (here: one cut by max_tokens) with a 500 saying so (it samples again, and never
+// answers without the call), answers parallel_tool_calls false and response_format (the tiny
+// engine constrains decoding), refuses an unknown role, and renders "developer" as system.
 func TestAgentClientMistakes(t *testing.T) {
 	eng, err := tiny.Open(config.BuiltinCheckpoint, tiny.Options{Threads: 1})
 	if err != nil {
@@ -338,17 +338,51 @@ func TestAgentClientMistakes(t *testing.T) {
 	if len(o.Chats) != 1 || len(o.Chats[0].Turns) != 1 || o.Calls != 2 {
 		t.Errorf("overflow: %d calls made %d chats (%+v); want 2 calls and the short one's chat alone", o.Calls, len(o.Chats), o.Chats)
 	}
-	if n := res.Policies[0].Float("samples"); n != 2 {
-		t.Errorf("%v samples trained, want 2 (the short call's and the api task's)", n)
+	if n := res.Policies[0].Float("samples"); n != 4 {
+		t.Errorf("%v samples trained, want 4 (the short call's and the api task's three answered calls)", n)
 	}
 	a := readAgent(t, r, "a")
-	want := `{"models": ["p"], "model_env": "p", "required": [500, null, null], "parallel": [400, "parallel_tool_calls", null], ` +
-		`"json": [400, "response_format", null], "robot": [400, "messages[0].role", null], "developer": "answered"}`
+	want := `{"models": ["p"], "model_env": "p", "required": [500, null, null], "parallel": "answered", ` +
+		`"json": "answered", "robot": [400, "messages[0].role", null], "developer": "answered"}`
 	if strings.TrimSpace(a.Output) != want {
 		t.Errorf("api: the program printed\n%s\nwant\n%s\nstderr: %s", a.Output, want, a.Stderr)
 	}
-	if len(a.Chats) != 1 || !slices.Equal(a.Chats[0].Roles, []string{"system", "user", "assistant"}) {
+	if len(a.Chats) != 3 || !slices.Equal(a.Chats[2].Roles, []string{"system", "user", "assistant"}) {
 		t.Errorf("api: chats %+v; want one whose first message is the developer's as system", a.Chats)
+	}
+}
+
+// TestAgentConstrained: inside agent(), response_format json_schema and tool_choice "required"
+// with parallel_tool_calls false are kept by constrained decoding on the tiny engine, whose
+// arithmetic policy writes neither JSON nor calls by itself, and the turns recorded (and trained)
+// are the constrained ones: the JSON answer and the one call, each sampled once.
+func TestAgentConstrained(t *testing.T) {
+	eng, err := tiny.Open(config.BuiltinCheckpoint, tiny.Options{Threads: 1})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer eng.Close()
+	r, res := agentRun(t, eng, listTasks{{ID: "c", Prompt: "2+3=", Label: "constrained", HasLabel: true}})
+	if len(res.Failed) != 0 {
+		t.Fatalf("failed: %v", res.Failed)
+	}
+	o := readAgent(t, r, "c")
+	if got := strings.TrimSpace(o.Output); got != `["stop", ["answer"], "tool_calls", [["go", []]]]` {
+		t.Fatalf("the program printed %q (stderr %s)", got, o.Stderr)
+	}
+	if len(o.Chats) != 2 || len(o.Chats[0].Turns) != 1 || len(o.Chats[1].Turns) != 1 {
+		t.Fatalf("recorded %+v; want two conversations of one turn each", o.Chats)
+	}
+	answer := strings.TrimSuffix(eng.Tokenizer().Decode(o.Chats[0].Turns[0]), "<|end|>")
+	var v map[string]int
+	if err := json.Unmarshal([]byte(answer), &v); err != nil || len(v) != 1 {
+		t.Errorf("the recorded answer %q is not the schema's JSON (%v)", answer, err)
+	}
+	if turn := eng.Tokenizer().Decode(o.Chats[1].Turns[0]); strings.Count(turn, "<tool_call>") != 1 || !strings.HasPrefix(strings.TrimSpace(turn), "<tool_call>") {
+		t.Errorf("the recorded turn %q is not one call", turn)
+	}
+	if n := res.Policies[0].Float("samples"); n != 2 {
+		t.Errorf("%v samples trained, want the two constrained turns", n)
 	}
 }
 

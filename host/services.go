@@ -3,6 +3,7 @@ package host
 import (
 	"context"
 	"fmt"
+	"slices"
 	"strings"
 
 	"go.starlark.net/starlark"
@@ -72,7 +73,7 @@ func (h localHost) Render(ctx context.Context, policy string, reqs []engines.Ren
 	if len(toks) != len(reqs) {
 		return script.Rendered{}, fmt.Errorf("policy %q: render returned %d token lists for %d requests", policy, len(toks), len(reqs))
 	}
-	return script.Rendered{Tokens: toks, EOS: info.EOSTokens, MaxSeqLen: info.MaxSeqLen}, nil
+	return script.Rendered{Tokens: toks, EOS: info.EOSTokens, MaxSeqLen: info.MaxSeqLen, Constrain: slices.Contains(info.Capabilities, "constrain")}, nil
 }
 
 // toolsInSystem is the fallback for a chat template without a tools variable: the tool schemas

@@ -362,7 +362,15 @@ func (s *agentSession) complete(call openai.ChatCall) ([]engines.Completion, err
 	}
 	c.mu.Lock()
 	ro.Host.Running(1)
-	cs, prompt, mask, err := c.sampleLocked(ro, s.fn, n, samp, key)
+	var (
+		cs     []*Completion
+		prompt []int32
+		mask   []float32
+	)
+	samp.Constraint, err = constraintOf(ro, c.policy, call)
+	if err == nil {
+		cs, prompt, mask, err = c.sampleLocked(ro, s.fn, n, samp, key)
+	}
 	// tool_choice "required" or a named function: sampled again, each time at a position of
 	// its own (its seed), until every sample makes the call; only those are recorded.
 	rejected := 0
@@ -431,6 +439,26 @@ func (s *agentSession) complete(call openai.ChatCall) ([]engines.Completion, err
 			Logprobs: cm.logprobs, Text: cm.text, FinishReason: cm.finish}
 	}
 	return out, nil
+}
+
+// constraintOf is the decoding constraint of a call's tool_choice, parallel_tool_calls and
+// response_format where the policy's engine constrains decoding; where it does not, none, and a
+// call whose fields need it (response_format, parallel_tool_calls false) is refused with a 400
+// naming them (tool_choice "required" alone is met by sampling again).
+func constraintOf(ro *Rollout, policy string, call openai.ChatCall) (string, error) {
+	if call.Constraint == "" {
+		return "", nil
+	}
+	r, err := ro.Host.Render(ro.Ctx, policy, nil)
+	switch {
+	case err != nil:
+		return "", err
+	case r.Constrain:
+		return call.Constraint, nil
+	case call.Strict != "":
+		return "", openai.NoConstraint(call.Strict)
+	}
+	return "", nil
 }
 
 // requiredAttemptKey marks, in a call's position, the samples drawn again for tool_choice

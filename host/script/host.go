@@ -40,9 +40,11 @@ type Host interface {
 }
 
 // Rendered is the answer to Host.Render: the token ids of each request, the model's end-of-sequence
-// tokens and its context length (prompt and response together).
+// tokens and its context length (prompt and response together), and whether its engine constrains
+// decoding (engines.Sampling.Constraint; "constrain" in its Info.Capabilities).
 type Rendered struct {
 	Tokens    [][]int32 `json:"tokens"`
 	EOS       []int32   `json:"eos"`
 	MaxSeqLen int       `json:"max_seq_len"`
+	Constrain bool      `json:"constrain,omitempty"`
 }

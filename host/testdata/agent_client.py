@@ -139,14 +139,26 @@ def main():
     elif mode == "required":  # tool_choice "required": the answer makes the call
         c = call([{"role": "user", "content": task}], tools=TOOLS, tool_choice="required")
         print(json.dumps([c["finish_reason"], [t["function"]["name"] for t in c["message"].get("tool_calls") or []]]))
+    elif mode == "constrained":  # response_format and tool_choice kept by constrained decoding
+        user = [{"role": "user", "content": task}]
+        schema = {"type": "object", "properties": {"answer": {"type": "integer"}}, "required": ["answer"], "additionalProperties": False}
+        a = call(user, response_format={"type": "json_schema", "json_schema": {"name": "a", "strict": True, "schema": schema}}, max_tokens=120)
+        # The tool's schema is rendered into the system prompt: a short one leaves room in the
+        # model's 512 tokens.
+        pick = [{"type": "function", "function": {"name": "go", "parameters": {"type": "object", "additionalProperties": False}}}]
+        b = call(user, tools=pick, tool_choice="required", parallel_tool_calls=False, max_tokens=160)
+        calls = [[t["function"]["name"], sorted(json.loads(t["function"]["arguments"]))] for t in b["message"].get("tool_calls") or []]
+        print(json.dumps([a["finish_reason"], sorted(json.loads(a["message"]["content"])), b["finish_reason"], calls]))
     elif mode == "api":  # what the endpoint names, refuses and accepts
         req = urllib.request.Request(BASE + "/models", headers={"Authorization": "bearer " + KEY})
         with urllib.request.urlopen(req) as r:
             out = {"models": [m["id"] for m in json.load(r)["data"]], "model_env": os.environ["OPENAI_MODEL"]}
         user = [{"role": "user", "content": task}]
-        out["required"] = refused(user, tools=TOOLS, tool_choice="required")
-        out["parallel"] = refused(user, tools=TOOLS, parallel_tool_calls=False)
-        out["json"] = refused(user, response_format={"type": "json_object"})
+        # The embedded engine constrains decoding: a required call cut by max_tokens is never made
+        # (a 500 after 8 samples); one call a turn and JSON are answered.
+        out["required"] = refused(user, tools=TOOLS, tool_choice="required", max_tokens=4)
+        out["parallel"] = refused(user, tools=TOOLS, parallel_tool_calls=False, max_tokens=4)
+        out["json"] = refused(user, response_format={"type": "json_object"}, max_tokens=4)
         out["robot"] = refused([{"role": "robot", "content": task}])
         out["developer"] = refused([{"role": "developer", "content": "Be brief."}] + user, tools=TOOLS, tool_choice="none", max_tokens=4)
         print(json.dumps(out))
