@@ -212,3 +212,23 @@ def test_bpe_logits_match_go():
             got = model(torch.tensor([seq])).logits[0][positions]
         err = relative_error(got, torch.tensor(logits))
         assert err < 1e-4, f"bpe_chat: sequence of {len(seq)} tokens, relative error {err:.2e}"
+
+
+def test_bpe_folder_in_the_worker():
+    """The PyTorch worker opens the folder: it renders the chats with tools to the Go ids and
+    scores a 936-token conversation with the log-probs of the Go engine's logits."""
+    from slimen_torch.engine import Engine, Options
+    from slimen_torch.types import ScoreRequest
+
+    e = Engine(str(BPE_DIR), Options(device="cpu"))
+    try:
+        reqs = [(c["messages"], c["tools"] or [], c["add_generation_prompt"]) for c in BPE["chats"]]
+        assert e.render(reqs) == [c["ids"] for c in BPE["chats"]]
+        seq, positions, logits = BPE["sequences"][1], BPE["positions"][1], BPE["logits"][1]
+        got = e.score([ScoreRequest(tokens=seq[1:], prompt_tokens=seq[:1])])[0]
+        for p, row in zip(positions, logits):
+            if p + 1 < len(seq):
+                want = torch.log_softmax(torch.tensor(row, dtype=torch.float64), -1)[seq[p + 1]].item()
+                assert abs(got[p] - want) < 1e-3, f"position {p}: worker {got[p]}, Go {want}"
+    finally:
+        e.close()
