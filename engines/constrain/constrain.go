@@ -60,7 +60,7 @@ const (
 // MaxSpace is the most whitespace bytes in a run between two JSON tokens (or around a value or a
 // call). MaxNumber is the most bytes of a number.
 const (
-	MaxSpace  = 8
+	MaxSpace  = 4
 	MaxNumber = 24
 )
 

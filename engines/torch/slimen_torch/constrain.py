@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import threading
 
-MAX_SPACE = 8  # whitespace bytes in a run between two JSON tokens
+MAX_SPACE = 4  # whitespace bytes in a run between two JSON tokens
 MAX_NUMBER = 24  # bytes of a number (its digit loops stop there)
 MAX_PROPS = 64
 MAX_ALTS = 64
