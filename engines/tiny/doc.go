@@ -14,9 +14,10 @@
 //
 // Models are Hugging Face folders (config.json for LlamaForCausalLM, model.safetensors with the
 // standard tensor names, tokenizer.json and tokenizer_config.json with a chat template) that
-// transformers loads as they are; testdata/tiny_compat/ proves it. The vocabulary is
-// character-level: printable ASCII, newline and the special tokens <|system|>, <|user|>,
-// <|assistant|>, <|end|> (end of turn and of sequence), <|pad|> and <|unk|>.
+// transformers loads as they are; testdata/tiny_compat/ proves it. The vocabulary is either
+// character-level (builtin:tiny-arith: printable ASCII, newline and the special tokens
+// <|system|>, <|user|>, <|assistant|>, <|end|> (end of turn and of sequence), <|pad|> and <|unk|>)
+// or a byte-level BPE trained by TrainBPE with Qwen3's chat format and tools (QwenChatTemplate).
 //
 // The API:
 //
