@@ -120,13 +120,18 @@ def bpe_tokenizer():
     return AutoTokenizer.from_pretrained(BPE_DIR)
 
 
-@pytest.mark.parametrize("case", BPE["texts"], ids=lambda c: repr(c["text"])[:30])
-def test_bpe_token_ids_match_go(bpe_tokenizer, case):
-    """The tokenizers library, reading tokenizer.json, splits and merges every text as the Go
-    encoder does (added tokens in the text included), and decodes the ids back to the text."""
+@pytest.fixture(scope="module")
+def bpe_raw():
     from tokenizers import Tokenizer
 
-    raw = Tokenizer.from_file(str(BPE_DIR / "tokenizer.json"))
+    return Tokenizer.from_file(str(BPE_DIR / "tokenizer.json"))
+
+
+@pytest.mark.parametrize("case", BPE["texts"], ids=lambda c: repr(c["text"])[:30])
+def test_bpe_token_ids_match_go(bpe_tokenizer, bpe_raw, case):
+    """The tokenizers library, reading tokenizer.json, splits and merges every text as the Go
+    encoder does (added tokens in the text included), and decodes the ids back to the text."""
+    raw = bpe_raw
     assert raw.encode(case["text"], add_special_tokens=False).ids == case["ids"]
     ids = bpe_tokenizer(case["text"], add_special_tokens=True)["input_ids"]
     assert ids == case["ids"]
