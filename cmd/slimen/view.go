@@ -55,7 +55,7 @@ func cmdView(args []string) int {
 		fmt.Fprintf(os.Stderr, "slimen view: "+format+"\n", a...)
 		return 2
 	}
-	opts := view.Options{Logf: log.Printf, Graph: func(ctx context.Context) ([]byte, string, error) { return runGraph(ctx, dir) }}
+	opts := view.Options{Logf: log.Printf, Graph: func(ctx context.Context) (view.Drawing, error) { return runGraph(ctx, dir) }}
 	if *tokenEnv != "" {
 		if opts.Token = os.Getenv(*tokenEnv); opts.Token == "" {
 			return bad("--token-env %s: the environment variable is empty or unset; export the token in it", *tokenEnv)
@@ -98,15 +98,15 @@ func cmdView(args []string) int {
 // rollout of the newest script version the run kept (scripts/step_N-HASH/, with the files it
 // loads, else script.star) on scripted policies, with the run's config.yaml and a task it saved in
 // rollouts.jsonl (else one of its data source, when that is synthetic).
-func runGraph(ctx context.Context, dir string) ([]byte, string, error) {
+func runGraph(ctx context.Context, dir string) (view.Drawing, error) {
 	script, err := runScript(dir)
 	if err != nil {
-		return nil, "", err
+		return view.Drawing{}, err
 	}
 	var cfg *config.Config
 	if _, err := os.Stat(filepath.Join(dir, "config.yaml")); err == nil {
 		if cfg, err = config.Load(filepath.Join(dir, "config.yaml")); err != nil {
-			return nil, "", err
+			return view.Drawing{}, err
 		}
 		// The trace evaluates nothing: eval files, named relative to where the run started,
 		// need not be found from here.
@@ -114,14 +114,34 @@ func runGraph(ctx context.Context, dir string) ([]byte, string, error) {
 	}
 	task, err := runTask(dir, cfg)
 	if err != nil {
-		return nil, "", err
+		return view.Drawing{}, err
 	}
 	g, err := traceGraph(ctx, script, cfg, task)
 	if err != nil {
-		return nil, "", err
+		return view.Drawing{}, err
 	}
 	g.Title = "dataflow of one rollout of " + filepath.Base(script)
-	return graph.SVG(g), graph.Mermaid(g), nil
+	return view.Drawing{SVG: graph.SVG(g), Mermaid: graph.Mermaid(g), Policies: colourOrder(g)}, nil
+}
+
+// colourOrder lists a graph's policies in the order host/graph gives them its palette's colours:
+// by first appearance, round by round.
+func colourOrder(g graph.Graph) []string {
+	var out []string
+	seen := map[string]bool{}
+	last := 0
+	for _, n := range g.Nodes {
+		last = max(last, n.Round)
+	}
+	for r := 0; r <= last; r++ {
+		for _, n := range g.Nodes {
+			if max(n.Round, 0) == r && !seen[n.Policy] {
+				seen[n.Policy] = true
+				out = append(out, n.Policy)
+			}
+		}
+	}
+	return out
 }
 
 // runScript finds the script a run folder keeps: the main script in the newest version folder

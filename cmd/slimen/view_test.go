@@ -11,6 +11,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"regexp"
+	"slices"
 	"strings"
 	"syscall"
 	"testing"
@@ -106,7 +107,7 @@ func TestViewInBrowser(t *testing.T) {
 		t.Skip("no chromium binary (apt-get install chromium)")
 	}
 	dir, failed := viewRun(t)
-	srv, err := view.New(dir, view.Options{Graph: func(ctx context.Context) ([]byte, string, error) { return runGraph(ctx, dir) }})
+	srv, err := view.New(dir, view.Options{Graph: func(ctx context.Context) (view.Drawing, error) { return runGraph(ctx, dir) }})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -166,6 +167,10 @@ func TestViewInBrowser(t *testing.T) {
 		if !strings.Contains(dom, want) {
 			t.Errorf("the page's DOM lacks %q", want)
 		}
+	}
+	// A policy has the colour the dataflow drawing gives it (the generator, first, the first).
+	if !regexp.MustCompile(`--pc: ?#0072b2;?"><div class="call-head"><span class="policy">generator<`).MatchString(dom) {
+		t.Errorf("the generator's calls are not in the drawing's first colour")
 	}
 	if n := len(regexp.MustCompile(`class="rollout( failed)?"`).FindAllString(dom, -1)); n < 4 {
 		t.Errorf("the page shows %d rollouts, want at least 4", n)
@@ -327,21 +332,25 @@ func TestViewGraphOfTheSavedScript(t *testing.T) {
 	if err := os.RemoveAll(src); err != nil {
 		t.Fatal(err)
 	}
-	svg, mmd, err := runGraph(ctx, dir)
+	d, err := runGraph(ctx, dir)
 	if err != nil {
 		t.Fatal(err)
 	}
 	for _, want := range []string{"solver", "checker", "main.star"} {
-		if !strings.Contains(string(svg), want) {
+		if !strings.Contains(string(d.SVG), want) {
 			t.Errorf("the SVG lacks %q", want)
 		}
 	}
-	if !strings.Contains(mmd, "solver") || !strings.Contains(mmd, "-->") {
-		t.Errorf("the Mermaid text: %s", mmd)
+	if !strings.Contains(d.Mermaid, "solver") || !strings.Contains(d.Mermaid, "-->") {
+		t.Errorf("the Mermaid text: %s", d.Mermaid)
+	}
+	// The page colours policies as the drawing does: the solver, which feeds the checker, first.
+	if !slices.Equal(d.Policies, []string{"solver", "checker"}) {
+		t.Errorf("the policies in colour order: %v, want [solver checker]", d.Policies)
 	}
 	// A folder that keeps no script says so.
 	empty := t.TempDir()
-	if _, _, err := runGraph(ctx, empty); err == nil || !strings.Contains(err.Error(), filepath.Join(empty, "script.star")+": the run folder keeps no script to trace") {
+	if _, err := runGraph(ctx, empty); err == nil || !strings.Contains(err.Error(), filepath.Join(empty, "script.star")+": the run folder keeps no script to trace") {
 		t.Errorf("a folder without a script: %v", err)
 	}
 }

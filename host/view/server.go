@@ -41,11 +41,20 @@ type Options struct {
 	// TOKEN" header, the slimen_view cookie, or ?token=TOKEN (which sets the cookie). Listen
 	// wants one off loopback.
 	Token string
-	// Graph draws the dataflow between the run's policies as SVG and Mermaid, for /api/graph; nil
-	// if the caller cannot (the page says so). It is called once, on the first request.
-	Graph func(ctx context.Context) (svg []byte, mermaid string, err error)
+	// Graph draws the dataflow between the run's policies, for /api/graph; nil if the caller
+	// cannot (the page says so). It is called once, on the first request.
+	Graph func(ctx context.Context) (Drawing, error)
 	// Logf reports requests that failed on the server's side; nil: the log package.
 	Logf func(format string, args ...any)
+}
+
+// Drawing is the dataflow between a run's policies as the page shows it.
+type Drawing struct {
+	SVG     []byte
+	Mermaid string
+	// Policies are the drawing's policies in the order of its colours (host/graph's palette,
+	// which the page's own colours follow), so a policy has one colour on the whole page.
+	Policies []string
 }
 
 // Server is the page of one run folder.
@@ -228,23 +237,25 @@ func (s *Server) handleText(w http.ResponseWriter, r *http.Request) {
 
 // graphReply is the answer of /api/graph.
 type graphReply struct {
-	SVG     string `json:"svg,omitempty"`
-	Mermaid string `json:"mermaid,omitempty"`
-	Error   string `json:"error,omitempty"`
+	SVG      string   `json:"svg,omitempty"`
+	Mermaid  string   `json:"mermaid,omitempty"`
+	Policies []string `json:"policies"`
+	Error    string   `json:"error,omitempty"`
 }
 
 func (s *Server) handleGraph(w http.ResponseWriter, r *http.Request) {
 	s.graphOnce.Do(func() {
+		s.graph.Policies = []string{}
 		if s.opts.Graph == nil {
 			s.graph.Error = "this server draws no dataflow graph"
 			return
 		}
-		svg, mmd, err := s.opts.Graph(context.WithoutCancel(r.Context()))
+		d, err := s.opts.Graph(context.WithoutCancel(r.Context()))
 		if err != nil {
 			s.graph.Error = err.Error()
 			return
 		}
-		s.graph.SVG, s.graph.Mermaid = string(svg), mmd
+		s.graph.SVG, s.graph.Mermaid, s.graph.Policies = string(d.SVG), d.Mermaid, d.Policies
 	})
 	writeJSON(w, s.graph)
 }

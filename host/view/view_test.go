@@ -501,21 +501,21 @@ func TestOnlyTheRunFolderIsRead(t *testing.T) {
 
 func TestGraphIsDrawnOnce(t *testing.T) {
 	calls := 0
-	s := newServer(t, fixtureRun(t), Options{Graph: func(context.Context) ([]byte, string, error) {
+	s := newServer(t, fixtureRun(t), Options{Graph: func(context.Context) (Drawing, error) {
 		calls++
-		return []byte("<svg><text>generator</text></svg>"), "flowchart LR", nil
+		return Drawing{SVG: []byte("<svg><text>generator</text></svg>"), Mermaid: "flowchart LR", Policies: []string{"generator", "critic"}}, nil
 	}})
 	for range 2 {
 		g := getJSON[graphReply](t, s, "/api/graph")
-		if g.SVG != "<svg><text>generator</text></svg>" || g.Mermaid != "flowchart LR" || g.Error != "" {
+		if g.SVG != "<svg><text>generator</text></svg>" || g.Mermaid != "flowchart LR" || !slices.Equal(g.Policies, []string{"generator", "critic"}) || g.Error != "" {
 			t.Errorf("graph: %+v", g)
 		}
 	}
 	if calls != 1 {
 		t.Errorf("the graph was drawn %d times, want once", calls)
 	}
-	s = newServer(t, fixtureRun(t), Options{Graph: func(context.Context) ([]byte, string, error) {
-		return nil, "", errors.New("the traced rollout failed")
+	s = newServer(t, fixtureRun(t), Options{Graph: func(context.Context) (Drawing, error) {
+		return Drawing{}, errors.New("the traced rollout failed")
 	}})
 	if g := getJSON[graphReply](t, s, "/api/graph"); g.Error != "the traced rollout failed" {
 		t.Errorf("a graph that cannot be drawn: %+v", g)

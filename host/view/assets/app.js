@@ -50,6 +50,8 @@ function fmt(x) {
 
 // ---- policy colours: the same policy has the same colour in the charts and the rollouts ----
 
+// The dataflow drawing's policies take its colours, in its order (/api/graph's policies); a
+// policy it lacks takes the next colour when first seen.
 const policyColor = new Map();
 function colorOf(policy) {
   if (!policyColor.has(policy)) policyColor.set(policy, COLORS[policyColor.size % COLORS.length]);
@@ -478,6 +480,7 @@ async function loadGraph() {
     box.textContent = "no dataflow graph: " + g.error;
     return;
   }
+  for (const p of g.policies) colorOf(p);
   // The SVG comes from the server's own drawing code (host/graph), which escapes every text.
   box.classList.remove("muted");
   box.innerHTML = g.svg;
@@ -544,10 +547,11 @@ function main() {
   $("#prev").addEventListener("click", () => { browse.page = Math.max(0, browse.page - 1); pollRollouts(true).catch(showError); });
   $("#next").addEventListener("click", () => { browse.page++; pollRollouts(true).catch(showError); });
   loadRun().catch(showError);
-  loadGraph().catch((e) => { $("#graph").textContent = "no dataflow graph: " + e.message; });
+  const graph = loadGraph().catch((e) => { $("#graph").textContent = "no dataflow graph: " + e.message; });
   loadText("config.yaml", "#config-text");
   loadText("script.star", "#script-text");
-  tick();
+  // The first drawing waits a little for the graph, whose order gives policies their colours.
+  Promise.race([graph, new Promise((ok) => setTimeout(ok, 3000))]).then(tick);
 }
 
 function showError(e) { $("#page-info").textContent = e.message; }
