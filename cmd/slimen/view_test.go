@@ -13,6 +13,7 @@ import (
 	"regexp"
 	"slices"
 	"strings"
+	"sync"
 	"syscall"
 	"testing"
 	"time"
@@ -116,7 +117,23 @@ func TestViewInBrowser(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	hs := &http.Server{Handler: srv}
+	// grow, once set, is called at the page's third poll of the rollouts: a run going on under
+	// an open page.
+	var (
+		mu    sync.Mutex
+		grow  func()
+		polls int
+	)
+	hs := &http.Server{Handler: http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		mu.Lock()
+		if r.URL.Path == "/api/rollouts" && grow != nil {
+			if polls++; polls == 3 {
+				grow()
+			}
+		}
+		mu.Unlock()
+		srv.ServeHTTP(w, r)
+	})}
 	go hs.Serve(l)
 	defer hs.Close()
 	base := "http://" + l.Addr().String() + "/"
@@ -175,8 +192,32 @@ func TestViewInBrowser(t *testing.T) {
 	if n := len(regexp.MustCompile(`class="rollout( failed)?"`).FindAllString(dom, -1)); n < 4 {
 		t.Errorf("the page shows %d rollouts, want at least 4", n)
 	}
+
+	// Live: steps written while the page is open appear without a reload — the curves' last
+	// step, the new rollout first in the browser — with a line being written left for later.
+	mu.Lock()
+	grow = func() {
+		appendFile(t, filepath.Join(dir, "metrics.jsonl"), `{"step":3,"policy":"generator","reward_mean":0.75}`+"\n"+`{"step":3,"policy":"_run","accuracy":0.5}`+"\n"+`{"step":4,"policy":"gen`)
+		appendFile(t, filepath.Join(dir, "rollouts.jsonl"), `{"step":3,"eval":false,"index":0,"task":{"id":"live-1","prompt":"LIVE-STEP-3 question","label":"1"},"group":"live-1","result":"None",`+
+			`"calls":[{"policy":"generator","kind":"generate","id":"live-1/0#0","prompt":"LIVE-STEP-3 question","prompt_tokens":4,"response":"\\boxed{1}","finish_reason":"stop","reward":1,"trained":true,`+
+			`"token_ids":[5,6],"pieces":["LIVE-","ANSWER"],"mask":[1,1],"advantage":[0.5,0.5],"logprob":[-0.1,-0.2]}]}`+"\n")
+	}
+	mu.Unlock()
+	live := string(browse("--dump-dom", "--window-size=1280,1600", base))
+	mu.Lock()
+	if polls < 4 {
+		t.Errorf("the page polled the rollouts %d times in its virtual 8 s, want at least 4", polls)
+	}
+	mu.Unlock()
+	for _, want := range []string{"LIVE-STEP-3 question", ">LIVE-</span>", "step 3 ·"} {
+		if !strings.Contains(live, want) {
+			t.Errorf("after the run grew under the open page, its DOM lacks %q", want)
+		}
+	}
+
 	if t.Failed() {
 		os.WriteFile(filepath.Join(shots, "dom.html"), []byte(dom), 0o644)
+		os.WriteFile(filepath.Join(shots, "dom-live.html"), []byte(live), 0o644)
 		t.Logf("the DOM is in %s", filepath.Join(shots, "dom.html"))
 	}
 }
@@ -352,5 +393,18 @@ func TestViewGraphOfTheSavedScript(t *testing.T) {
 	empty := t.TempDir()
 	if _, err := runGraph(ctx, empty); err == nil || !strings.Contains(err.Error(), filepath.Join(empty, "script.star")+": the run folder keeps no script to trace") {
 		t.Errorf("a folder without a script: %v", err)
+	}
+}
+
+func appendFile(t *testing.T, path, s string) {
+	t.Helper()
+	f, err := os.OpenFile(path, os.O_APPEND|os.O_WRONLY, 0)
+	if err != nil {
+		t.Error(err)
+		return
+	}
+	defer f.Close()
+	if _, err := f.WriteString(s); err != nil {
+		t.Error(err)
 	}
 }
