@@ -468,7 +468,7 @@ func (h *handler) responses(w http.ResponseWriter, r *http.Request) {
 		obj.Usage = u
 	}
 	if !req.Stream {
-		comps, err := generate(r.Context())
+		comps, err := generate(r.Context(), nil)
 		if err != nil {
 			h.fail(w, responsesNames(err))
 			return
@@ -481,7 +481,24 @@ func (h *handler) responses(w http.ResponseWriter, r *http.Request) {
 	ev := &eventStream{s: startStream(w)}
 	ev.send("response.created", map[string]any{"response": obj})
 	ev.send("response.in_progress", map[string]any{"response": obj})
-	comps, err := generate(r.Context())
+	// The answer's text goes out as the engine samples it (where it streams): its message item
+	// is announced with the first text that may be sent.
+	deltas, msgID := newTextDeltas(gr.Stop, tu.read), ""
+	textDelta := func(delta string) {
+		ev.send("response.output_text.delta", map[string]any{"item_id": msgID, "output_index": 0, "content_index": 0, "delta": delta, "logprobs": []any{}})
+	}
+	comps, err := generate(r.Context(), func(index int, text string) {
+		delta := deltas.add(text)
+		if index != 0 || delta == "" {
+			return
+		}
+		if msgID == "" {
+			msgID = newID("msg_")
+			ev.send("response.output_item.added", map[string]any{"output_index": 0, "item": outputMessage{Type: "message", ID: msgID, Status: "in_progress", Role: "assistant", Content: []outputText{}}})
+			ev.send("response.content_part.added", map[string]any{"item_id": msgID, "output_index": 0, "content_index": 0, "part": outputText{Type: "output_text", Annotations: []any{}, Logprobs: []any{}}})
+		}
+		textDelta(delta)
+	})
 	if err != nil {
 		if r.Context().Err() == nil { // else the client left
 			ev.fail(h, responsesNames(err))
@@ -492,14 +509,22 @@ func (h *handler) responses(w http.ResponseWriter, r *http.Request) {
 	for i, item := range obj.Output {
 		switch it := item.(type) {
 		case outputMessage:
-			added := it
-			added.Status, added.Content = "in_progress", []outputText{}
-			ev.send("response.output_item.added", map[string]any{"output_index": i, "item": added})
 			part := it.Content[0]
-			empty := part
-			empty.Text = ""
-			ev.send("response.content_part.added", map[string]any{"item_id": it.ID, "output_index": i, "content_index": 0, "part": empty})
-			ev.send("response.output_text.delta", map[string]any{"item_id": it.ID, "output_index": i, "content_index": 0, "delta": part.Text, "logprobs": []any{}})
+			if i == 0 && msgID != "" { // announced while sampling: the rest of its text
+				it.ID = msgID
+				obj.Output[i], item = it, it
+				if rest := deltas.rest(part.Text); rest != "" {
+					textDelta(rest)
+				}
+			} else {
+				added := it
+				added.Status, added.Content = "in_progress", []outputText{}
+				ev.send("response.output_item.added", map[string]any{"output_index": i, "item": added})
+				empty := part
+				empty.Text = ""
+				ev.send("response.content_part.added", map[string]any{"item_id": it.ID, "output_index": i, "content_index": 0, "part": empty})
+				ev.send("response.output_text.delta", map[string]any{"item_id": it.ID, "output_index": i, "content_index": 0, "delta": part.Text, "logprobs": []any{}})
+			}
 			ev.send("response.output_text.done", map[string]any{"item_id": it.ID, "output_index": i, "content_index": 0, "text": part.Text, "logprobs": []any{}})
 			ev.send("response.content_part.done", map[string]any{"item_id": it.ID, "output_index": i, "content_index": 0, "part": part})
 		case outputCall:

@@ -837,12 +837,22 @@ func (h *handler) chat(w http.ResponseWriter, r *http.Request) {
 	if req.Stream {
 		head.Object = "chat.completion.chunk"
 		sw := startStream(w)
+		deltas := make([]*textDeltas, gr.N)
 		for i := range gr.N {
 			c := head
 			c.Choices = []chatChoice{{Index: i, Delta: &responseMessage{Role: "assistant", Content: ptr("")}}}
 			sw.send(c)
+			deltas[i] = newTextDeltas(gr.Stop, tu.read)
 		}
-		comps, err := generate(r.Context())
+		comps, err := generate(r.Context(), func(index int, text string) {
+			if index < len(deltas) {
+				if d := deltas[index].add(text); d != "" {
+					c := head
+					c.Choices = []chatChoice{{Index: index, Delta: &responseMessage{Content: &d}}}
+					sw.send(c)
+				}
+			}
+		})
 		if err != nil {
 			sw.fail(h, err)
 			return
@@ -852,19 +862,32 @@ func (h *handler) chat(w http.ResponseWriter, r *http.Request) {
 			ch := choice(comp)
 			msg, finish := message(comp)
 			fin := &finish
-			msg.Role = ""
-			for k := range msg.ToolCalls {
-				msg.ToolCalls[k].Index = ptr(k)
+			content := ""
+			if msg.Content != nil {
+				content = *msg.Content
 			}
-			if msg.Content == nil {
-				msg.Content = ptr("")
+			if comp.Index < len(deltas) {
+				content = deltas[comp.Index].rest(content)
 			}
-			ch.FinishReason, ch.Delta = nil, &msg
+			calls := msg.ToolCalls
+			ch.FinishReason, ch.Delta = nil, &responseMessage{Content: &content}
+			for k, tc := range calls { // the API's deltas of a call: its id and name, then its arguments
+				first := tc
+				first.Index, first.Function.Arguments = ptr(k), json.RawMessage(`""`)
+				ch.Delta.ToolCalls = append(ch.Delta.ToolCalls, first)
+			}
 			c.Choices = []chatChoice{ch}
 			if req.ReturnTokenIDs && comp.Index == 0 {
 				c.PromptTokenIDs = nonNil(comp.PromptTokens)
 			}
 			sw.send(c)
+			for k, tc := range calls {
+				c = head
+				args := wireToolCall{Index: ptr(k)}
+				args.Function.Arguments = tc.Function.Arguments
+				c.Choices = []chatChoice{{Index: comp.Index, Delta: &responseMessage{ToolCalls: []wireToolCall{args}}}}
+				sw.send(c)
+			}
 			c = head
 			c.Choices = []chatChoice{{Index: comp.Index, Delta: &responseMessage{}, FinishReason: fin}}
 			sw.send(c)
@@ -877,7 +900,7 @@ func (h *handler) chat(w http.ResponseWriter, r *http.Request) {
 		sw.done()
 		return
 	}
-	comps, err := generate(r.Context())
+	comps, err := generate(r.Context(), nil)
 	if err != nil {
 		h.fail(w, err)
 		return
@@ -899,15 +922,19 @@ func (h *handler) chat(w http.ResponseWriter, r *http.Request) {
 // generator prepares a chat request for sampling, the one path of chat completions and
 // responses: with a backend (agent()'s endpoint) the call as it is handed to it; with an engine,
 // the prompt rendered and checked against the context and the request's tokens taken from the
-// budget in flight (release gives them back). generate samples its completions.
-func (h *handler) generator(w http.ResponseWriter, r *http.Request, gr engines.GenerateRequest, explicit, stream bool, msgs []ChatMessage, tu toolUse) (generate func(ctx context.Context) ([]engines.Completion, error), release func(), err error) {
+// budget in flight (release gives them back). generate samples its completions, handing piece
+// (when not nil) each sample's text as it grows where the engine streams (TokenStreamer) and no
+// sample may be thrown away (a required call is checked on whole samples).
+func (h *handler) generator(w http.ResponseWriter, r *http.Request, gr engines.GenerateRequest, explicit, stream bool, msgs []ChatMessage, tu toolUse) (generate func(ctx context.Context, piece func(index int, text string)) ([]engines.Completion, error), release func(), err error) {
 	if h.backend != nil {
 		call := ChatCall{Request: gr, Stream: stream, Messages: msgs, Tools: tu.tools, NoToolCalls: len(tu.tools) > 0 && !tu.read, RequireCall: tu.require,
 			Constraint: tu.constraint, Strict: tu.strict}
 		if explicit {
 			call.MaxTokens = gr.MaxTokens
 		}
-		return func(ctx context.Context) ([]engines.Completion, error) { return h.backend(ctx, call) }, func() {}, nil
+		return func(ctx context.Context, _ func(int, string)) ([]engines.Completion, error) {
+			return h.backend(ctx, call)
+		}, func() {}, nil
 	}
 	require, err := h.constrained(&gr, tu)
 	promptLen := 0
@@ -920,11 +947,14 @@ func (h *handler) generator(w http.ResponseWriter, r *http.Request, gr engines.G
 	if err != nil {
 		return nil, nil, err
 	}
-	return func(ctx context.Context) ([]engines.Completion, error) {
+	return func(ctx context.Context, piece func(int, string)) ([]engines.Completion, error) {
+		if require != "" {
+			piece = nil
+		}
 		return SampleRequired(require, gr.N, func(attempt int) ([]engines.Completion, error) {
 			g := gr
 			g.Seed += uint64(attempt) * 0x9E3779B97F4A7C15
-			return h.eng.Generate(ctx, []engines.GenerateRequest{g})
+			return h.sampleStreaming(ctx, g, piece)
 		})
 	}, release, nil
 }

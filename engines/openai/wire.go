@@ -27,8 +27,8 @@ type wireToolCall struct {
 	ID       string `json:"id,omitempty"`
 	Type     string `json:"type,omitempty"`
 	Function struct {
-		Name      string          `json:"name"`
-		Arguments json.RawMessage `json:"arguments"` // a JSON string holding the object; some clients send the object
+		Name      string          `json:"name,omitempty"` // left out of a stream's deltas after a call's first
+		Arguments json.RawMessage `json:"arguments"`      // a JSON string holding the object; some clients send the object
 	} `json:"function"`
 }
 

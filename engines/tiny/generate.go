@@ -26,6 +26,7 @@ type genSeq struct {
 	tokens     []int32
 	logprobs   []float32
 	text       strings.Builder
+	streamed   int    // bytes of text handed to GenerateStream's piece
 	result     string // final text
 	finish     string // "" while running
 	// The constraint of the request (nil: none) and where the response is in it.
@@ -48,6 +49,20 @@ func (e *Engine) Generate(ctx context.Context, reqs []engines.GenerateRequest) (
 // the low-rank products are computed per run of rows with the same adapter. A row's numbers do not
 // depend on the other rows, so each request gets what it would get alone.
 func (e *Engine) GenerateAdapters(ctx context.Context, reqs []engines.GenerateRequest, adapters []string) ([]engines.Completion, error) {
+	return e.generate(ctx, reqs, adapters, nil)
+}
+
+// GenerateStream is Generate that also hands piece each sample's text as it grows, before the
+// call returns and on the caller's goroutine: piece(req, index, text) with the text the sample's
+// latest token added (an end-of-sequence token adds none). The pieces of a sample add up to the
+// text it sampled, which runs past a stop string where one ended it (its Completion's Text is
+// cut there). What is sampled is exactly what Generate samples.
+func (e *Engine) GenerateStream(ctx context.Context, reqs []engines.GenerateRequest, piece func(req, index int, text string)) ([]engines.Completion, error) {
+	return e.generate(ctx, reqs, nil, piece)
+}
+
+// generate is GenerateAdapters, handing piece (when not nil) each sample's new text.
+func (e *Engine) generate(ctx context.Context, reqs []engines.GenerateRequest, adapters []string, piece func(req, index int, text string)) ([]engines.Completion, error) {
 	e.mu.RLock()
 	defer e.mu.RUnlock()
 	if e.closed {
@@ -110,6 +125,13 @@ func (e *Engine) GenerateAdapters(ctx context.Context, reqs []engines.GenerateRe
 		lo = hi
 	}
 
+	stream := func(s *genSeq) {
+		if piece != nil && s.text.Len() > s.streamed {
+			piece(s.req, s.index, s.text.String()[s.streamed:])
+			s.streamed = s.text.Len()
+		}
+	}
+
 	// Samples: each gets a copy of its request's prompt cache (the last one takes the original).
 	var seqs []*genSeq
 	for i, r := range reqs {
@@ -129,6 +151,7 @@ func (e *Engine) GenerateAdapters(ctx context.Context, reqs []engines.GenerateRe
 				s.cm, s.cst = cm, cm.Grammar().Start()
 			}
 			e.advance(s, last[i])
+			stream(s)
 			seqs = append(seqs, s)
 		}
 	}
@@ -151,6 +174,7 @@ func (e *Engine) GenerateAdapters(ctx context.Context, reqs []engines.GenerateRe
 		for k, s := range active {
 			s.length++
 			e.advance(s, logits[k*cfg.VocabSize:(k+1)*cfg.VocabSize])
+			stream(s)
 		}
 		active = slices.DeleteFunc(active, func(s *genSeq) bool { return s.finish != "" })
 	}
