@@ -12,6 +12,7 @@ import (
 	"time"
 
 	"github.com/slimen/slimen/engines"
+	"github.com/slimen/slimen/host/tasks"
 )
 
 func TestSplitQwen2(t *testing.T) {
@@ -262,6 +263,7 @@ func TestEncodeQwenChat(t *testing.T) {
 // and what the Go side computes for it. engines/torch/tests/test_tiny_compat.py checks that the
 // tokenizers library and transformers find the same.
 type bpeFixture struct {
+	tok       *Tokenizer
 	Model     string    `json:"model"`
 	Sequences [][]int32 `json:"sequences"`
 	// Positions of each sequence whose logits are kept (all of a short one; some of a long one,
@@ -305,6 +307,28 @@ func bpeTexts() []string {
 	return texts
 }
 
+// corpusTexts are samples of the synthetic corpora of host/tasks (arithmetic word problems, the
+// synthetic:calc agent corpus with its calculator calls, tool results and MemAgent memories over
+// synthetic:facts documents), each rendered with the chat template and followed by its response:
+// the texts a chat model is pretrained on. They are taken when the fixture is made.
+func corpusTexts(t *testing.T) []string {
+	var out []string
+	for i := range 40 {
+		msgs, resp := tasks.Calc{Seed: 1}.AgentExample(i)
+		text, err := QwenChatText(msgs, nil, true)
+		if err != nil {
+			t.Fatal(err)
+		}
+		out = append(out, text+resp+"<|im_end|>\n")
+	}
+	for i := range 5 {
+		p, r := tasks.Arith{Seed: 2, Difficulty: 4}.Example(i)
+		_, doc := tasks.Facts{Seed: 2}.Problem(i)
+		out = append(out, p+"\n"+r, doc)
+	}
+	return out
+}
+
 func bpeChats() []bpeChat {
 	conv := chatConversation()
 	return []bpeChat{
@@ -343,8 +367,8 @@ func buildBPEFixture(t *testing.T, dir string) bpeFixture {
 	if err := e.Save(ctx, filepath.Join(dir, "bpe_chat")); err != nil {
 		t.Fatal(err)
 	}
-	fx := bpeFixture{Model: "bpe_chat"}
-	for _, s := range bpeTexts() {
+	fx := bpeFixture{Model: "bpe_chat", tok: tok}
+	for _, s := range append(bpeTexts(), corpusTexts(t)...) {
 		fx.Texts = append(fx.Texts, compatText{Text: s, IDs: tok.Encode(s)})
 	}
 	for _, c := range bpeChats() {
@@ -414,8 +438,22 @@ func TestCompatBPE(t *testing.T) {
 	tmp := t.TempDir()
 	again := buildBPEFixture(t, tmp)
 	sameFiles(t, filepath.Join(compatDir, fx.Model), filepath.Join(tmp, fx.Model))
-	if !jsonEqual(t, again.Texts, fx.Texts) || !jsonEqual(t, again.Chats, fx.Chats) || !jsonEqual(t, again.Sequences, fx.Sequences) {
-		t.Fatal("tokenization or chat rendering differs from the fixture (rerun with -update if intended)")
+	if !jsonEqual(t, again.Chats, fx.Chats) || !jsonEqual(t, again.Sequences, fx.Sequences) {
+		t.Fatal("chat rendering differs from the fixture (rerun with -update if intended)")
+	}
+	// The fixture's texts are what they were when it was made (the corpus samples may have
+	// changed since); today's tokenizer must still encode each as the fixture says.
+	stored := map[string]bool{}
+	for _, c := range fx.Texts {
+		stored[c.Text] = true
+		if got := again.tok.Encode(c.Text); !slices.Equal(got, c.IDs) {
+			t.Fatalf("%q: today's code encodes it as %v, the fixture says %v (rerun with -update if intended)", c.Text, got, c.IDs)
+		}
+	}
+	for _, s := range bpeTexts() {
+		if !stored[s] {
+			t.Fatalf("%q is missing from the fixture (rerun with -update)", s)
+		}
 	}
 	// The opened folder's tokenizer is the trained one.
 	for _, c := range fx.Texts {
