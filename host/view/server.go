@@ -67,6 +67,7 @@ type Server struct {
 
 	graphOnce sync.Once
 	graph     graphReply
+	indexed   chan struct{} // closed when the index New starts is built
 }
 
 // New checks that dir is a run folder and returns the server of its page. The error names the
@@ -127,7 +128,9 @@ func New(dir string, opts Options) (*Server, error) {
 	s.mux.HandleFunc("GET /api/graph", s.handleGraph)
 	// Index the rollouts a long run kept before the page asks for them; the first request waits
 	// for what is left of it.
+	s.indexed = make(chan struct{})
 	go func() {
+		defer close(s.indexed)
 		if _, err := s.index.refresh(); err != nil {
 			s.opts.Logf("slimen view: %v", err)
 		}
@@ -135,8 +138,11 @@ func New(dir string, opts Options) (*Server, error) {
 	return s, nil
 }
 
-// Close releases the run folder.
-func (s *Server) Close() error { return s.files.root.Close() }
+// Close releases the run folder, once the first index of its rollouts is done.
+func (s *Server) Close() error {
+	<-s.indexed
+	return s.files.root.Close()
+}
 
 const cookieName = "slimen_view"
 

@@ -96,6 +96,9 @@ func appendTo(t testing.TB, dir, name, s string) {
 
 func newServer(t *testing.T, dir string, opts Options) *Server {
 	t.Helper()
+	if opts.Logf == nil {
+		opts.Logf = t.Logf
+	}
 	s, err := New(dir, opts)
 	if err != nil {
 		t.Fatal(err)
