@@ -277,6 +277,9 @@ func Load(ctx context.Context, scriptPath string, opts Options) (*Run, error) {
 	if err := r.checkEvalData(); err != nil { // eval.go
 		return nil, r.notStarted(err)
 	}
+	if err := r.checkScript(); err != nil { // scriptcheck.go
+		return nil, r.notStarted(err)
+	}
 	if err := r.openPolicies(ctx); err != nil {
 		return nil, r.notStarted(err)
 	}

@@ -47,6 +47,7 @@ func LintScript(s *Script, cfg *config.Config) (problems, warnings []string) {
 	}
 	direct, files := scriptPolicies(s.Files)
 	uses := append(slices.Clip(direct), reachedPolicies(files)...)
+	problems = taskFields(files)
 	for _, u := range uses {
 		if cfg != nil && !slices.Contains(names, u.Name) {
 			hint := ""
@@ -64,6 +65,86 @@ func LintScript(s *Script, cfg *config.Config) (problems, warnings []string) {
 	}
 	sort.Strings(problems)
 	return problems, warnings
+}
+
+// taskAttrs are the fields of the task a rollout gets (taskValue), sorted.
+var taskAttrs = []string{"id", "label", "metadata", "prompt", "step"}
+
+// taskFields finds task.X in rollout(task) and eval_rollout(task), X being no field of a task
+// (task.promt): every rollout would fail there.
+func taskFields(files []*syntax.File) []string {
+	var out []string
+	for _, f := range files {
+		for _, st := range f.Stmts {
+			def, ok := st.(*syntax.DefStmt)
+			if !ok || (def.Name.Name != "rollout" && def.Name.Name != "eval_rollout") || len(def.Params) == 0 {
+				continue
+			}
+			param, ok := def.Params[0].(*syntax.Ident)
+			if !ok || assigns(def.Body, param.Name) {
+				continue
+			}
+			var walk func(n syntax.Node)
+			walk = func(n syntax.Node) {
+				syntax.Walk(n, func(m syntax.Node) bool {
+					switch m := m.(type) {
+					case *syntax.DefStmt: // a nested function's own parameter of that name is another value
+						if slices.Contains(paramNames(m.Params), param.Name) {
+							return false
+						}
+					case *syntax.LambdaExpr:
+						if slices.Contains(paramNames(m.Params), param.Name) {
+							return false
+						}
+					case *syntax.Comprehension:
+						return false // its loop variables may rebind the name; rare, and not worth a false alarm
+					case *syntax.DotExpr:
+						if id, ok := m.X.(*syntax.Ident); ok && id.Name == param.Name && !slices.Contains(taskAttrs, m.Name.Name) {
+							hint := ""
+							if best := ClosestName(m.Name.Name, taskAttrs); best != "" {
+								hint = fmt.Sprintf(" (did you mean .%s?)", best)
+							}
+							out = append(out, fmt.Sprintf("%s: %s(%s): a task has no field .%s%s; its fields are .id, .prompt, .label, .metadata and .step",
+								m.Name.NamePos, def.Name.Name, param.Name, m.Name.Name, hint))
+						}
+					}
+					return true
+				})
+			}
+			for _, b := range def.Body {
+				walk(b)
+			}
+		}
+	}
+	return out
+}
+
+// assigns reports whether body binds name other than as a parameter (name = …, a loop).
+func assigns(body []syntax.Stmt, name string) bool {
+	found := false
+	for _, st := range body {
+		syntax.Walk(st, func(n syntax.Node) bool {
+			var target syntax.Expr
+			switch n := n.(type) {
+			case *syntax.AssignStmt:
+				target = n.LHS
+			case *syntax.ForStmt:
+				target = n.Vars
+			case *syntax.DefStmt, *syntax.LambdaExpr:
+				return false
+			}
+			if target != nil {
+				syntax.Walk(target, func(m syntax.Node) bool {
+					if id, ok := m.(*syntax.Ident); ok && id.Name == name {
+						found = true
+					}
+					return true
+				})
+			}
+			return !found
+		})
+	}
+	return found
 }
 
 // PolicyUse is a policy name written as a string literal in a script.

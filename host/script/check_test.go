@@ -305,3 +305,33 @@ def rollout(task):
 		t.Errorf("warnings do not name SOLVER's typo:\n%s", w)
 	}
 }
+
+// TestCheckTaskFields: task.promt in rollout (or eval_rollout) fails every rollout; check says so
+// where it is written, with the field meant. A nested function's own task, a task the rollout
+// rebinds and the real fields are not reported.
+func TestCheckTaskFields(t *testing.T) {
+	p := filepath.Join(t.TempDir(), "task.star")
+	os.WriteFile(p, []byte(`def rollout(task):
+    c = generate("p", task.promt)
+    f = lambda task: task.anything
+    reward(c, 1.0 if c.text == task.label else 0.0)
+    train(c)
+    return task.id + str(task.step) + str(task.metadata) + task.prompt
+
+def eval_rollout(task):
+    return {"x": len(task.lable)}
+`), 0o644)
+	problems, _ := Lint(p, nil)
+	got := strings.ReplaceAll(strings.Join(problems, "\n"), filepath.Dir(p)+string(filepath.Separator), "")
+	want := strings.Join([]string{
+		`task.star:2:28: rollout(task): a task has no field .promt (did you mean .prompt?); its fields are .id, .prompt, .label, .metadata and .step`,
+		`task.star:9:27: eval_rollout(task): a task has no field .lable (did you mean .label?); its fields are .id, .prompt, .label, .metadata and .step`,
+	}, "\n")
+	if d := cmp.Diff(want, got); d != "" {
+		t.Errorf("problems (-want +got):\n%s", d)
+	}
+	os.WriteFile(p, []byte("def rollout(task):\n    task = {\"promt\": 1}\n    return task.promt\n"), 0o644)
+	if problems, _ := Lint(p, nil); len(problems) != 0 {
+		t.Errorf("a rebound task: %v", problems)
+	}
+}
