@@ -29,6 +29,11 @@ func parseInterleaved(fs *flag.FlagSet, args []string) ([]string, error) {
 	var pos []string
 	for {
 		if err := fs.Parse(args); err != nil {
+			if name, ok := strings.CutPrefix(err.Error(), "flag provided but not defined: -"); ok {
+				if near := nearFlag(fs, strings.TrimLeft(name, "-")); near != "" {
+					fmt.Fprintf(fs.Output(), "slimen %s: unknown flag -%s; did you mean --%s?\n", fs.Name(), name, near)
+				}
+			}
 			return nil, err
 		}
 		args = fs.Args()
@@ -38,6 +43,21 @@ func parseInterleaved(fs *flag.FlagSet, args []string) ([]string, error) {
 		pos = append(pos, args[0])
 		args = args[1:]
 	}
+}
+
+// nearFlag is the flag of fs a letter or two from name ("stpes": "steps"), "" if none is.
+func nearFlag(fs *flag.FlagSet, name string) string {
+	limit := 2
+	if len(name) <= 4 {
+		limit = 1
+	}
+	best, dist := "", limit+1
+	fs.VisitAll(func(f *flag.Flag) {
+		if d := config.EditDistance(name, f.Name); d < dist {
+			best, dist = f.Name, d
+		}
+	})
+	return best
 }
 
 // execFlags are the flags of `slimen exec`.
