@@ -153,22 +153,22 @@ func (x *rolloutIndex) order(newestFirst bool) iter.Seq[int] {
 
 // rolloutFilter is what a page of rollouts asks for.
 type rolloutFilter struct {
-	policy            string // "" any
-	minStep, maxStep  int
-	minReward, maxRew float64
-	hasReward         bool   // a reward range was given
-	status            string // "", "failed", "ok"
-	kind              string // "", "train", "eval"
-	page, perPage     int
-	newestFirst       bool
-	policyID          int32
-	policyKnown       bool
+	policy               string // "" any
+	minStep, maxStep     int
+	minReward, maxReward float64
+	hasReward            bool   // a reward range was given
+	status               string // "", "failed", "ok"
+	kind                 string // "", "train", "eval"
+	page, perPage        int
+	newestFirst          bool
+	policyID             int32
+	policyKnown          bool
 }
 
 func parseFilter(r *http.Request) (rolloutFilter, error) {
 	q := r.URL.Query()
 	f := rolloutFilter{policy: q.Get("policy"), status: q.Get("status"), kind: q.Get("kind"), perPage: 20, newestFirst: q.Get("order") != "asc",
-		minStep: math.MinInt32, maxStep: math.MaxInt32, minReward: math.Inf(-1), maxRew: math.Inf(1)}
+		minStep: math.MinInt32, maxStep: math.MaxInt32, minReward: math.Inf(-1), maxReward: math.Inf(1)}
 	ints := []struct {
 		key string
 		dst *int
@@ -191,10 +191,13 @@ func parseFilter(r *http.Request) (rolloutFilter, error) {
 		f.minStep, f.maxStep = n, n
 	}
 	f.perPage = min(f.perPage, 200)
+	if f.page > math.MaxInt32 {
+		return f, fmt.Errorf("page=%d is past any run's rollouts", f.page)
+	}
 	floats := []struct {
 		key string
 		dst *float64
-	}{{"min_reward", &f.minReward}, {"max_reward", &f.maxRew}}
+	}{{"min_reward", &f.minReward}, {"max_reward", &f.maxReward}}
 	for _, p := range floats {
 		if v := q.Get(p.key); v != "" {
 			x, err := strconv.ParseFloat(v, 64)
@@ -204,8 +207,8 @@ func parseFilter(r *http.Request) (rolloutFilter, error) {
 			*p.dst, f.hasReward = x, true
 		}
 	}
-	if f.minReward > f.maxRew {
-		return f, fmt.Errorf("min_reward %v is above max_reward %v", f.minReward, f.maxRew)
+	if f.minReward > f.maxReward {
+		return f, fmt.Errorf("min_reward %v is above max_reward %v", f.minReward, f.maxReward)
 	}
 	if !slices.Contains([]string{"", "failed", "ok"}, f.status) {
 		return f, fmt.Errorf("status=%q: give failed, ok or nothing", f.status)
@@ -235,7 +238,7 @@ func (f rolloutFilter) match(e *rolloutEntry) bool {
 	// A reward range keeps a rollout with a reward in it: one of the policy's calls when a policy
 	// is chosen, else any call's.
 	for _, r := range e.rewards {
-		if (f.policy == "" || r.policy == f.policyID) && float64(r.reward) >= f.minReward && float64(r.reward) <= f.maxRew {
+		if (f.policy == "" || r.policy == f.policyID) && float64(r.reward) >= f.minReward && float64(r.reward) <= f.maxReward {
 			return true
 		}
 	}
