@@ -6,7 +6,8 @@ official openai client is in test_openai_front.py.)
 The served policy is a remote engine: a worker of this package in this process whose model (the
 tiny Qwen3 folder: its tokenizer and chat template) answers from a script instead of sampling,
 so that a framework's loop runs the same way every time: a call of the offered tool until the
-conversation holds the tool's result, then the answer. `slimen serve --config` serves it, so
+conversation holds the tool's result, then the answer; it follows a request's constraint (the
+worker lists "constrain"), so structured output is asked of it as of a sampling worker. `slimen serve --config` serves it, so
 every request goes through the Go front and the engine protocol as a sampled one does."""
 
 import json
@@ -30,20 +31,35 @@ os.environ.setdefault("OPENAI_API_KEY", "sk-unused")  # clients refuse to start 
 os.environ["LANGSMITH_TRACING"] = os.environ["LANGCHAIN_TRACING_V2"] = "false"  # nothing sent to LangSmith
 KEY = "sk-slimen-test"
 
-CALL = '<tool_call>\n{"name": "multiply", "arguments": {"a": 12, "b": 34}}\n</tool_call>'
+ARGS = {"multiply": {"a": 12, "b": 34}, "Answer": {"value": 408}}
 ANSWER = "It is 408."
 
 
+def call(name):
+    return '<tool_call>\n{"name": "%s", "arguments": %s}\n</tool_call>' % (name, json.dumps(ARGS[name]))
+
+
 class ScriptedEngine(Engine):
-    """The engine with a scripted policy: with tools described in the prompt (the system
-    message the front writes for a template without a tools variable) and no tool message yet,
-    a call of multiply; otherwise the answer. Its tokens are the script's text as the model's
-    tokenizer encodes it, ended by the end-of-sequence token."""
+    """The engine with a scripted policy that follows a request's constraint (structured
+    output): a call of the first tool where a call is required; with tools described in the
+    prompt (the system message the front writes for a template without a tools variable) and no
+    tool message yet, a call of multiply; else the answer, as JSON where a schema is asked for.
+    Its tokens are the script's text as the model's tokenizer encodes it, ended by the
+    end-of-sequence token."""
 
     def submit(self, req, on_completion, on_error=None):
         prompt = self.prompt_of(req.messages, req.prompt_tokens, f"request {req.id!r}")
         text = self.tokenizer.tk.decode(prompt, skip_special_tokens=False)
-        reply = CALL if "<tools>" in text and "<|im_start|>tool" not in text else ANSWER
+        spec = json.loads(req.sampling.constraint or "{}")
+        calls = spec.get("tool_calls") or {}
+        if calls.get("min"):
+            reply = call(calls["tools"][0]["name"])
+        elif "<tools>" in text and "<|im_start|>tool" not in text:
+            reply = call("multiply")
+        elif "json_schema" in spec:
+            reply = json.dumps(ARGS["Answer"])
+        else:
+            reply = ANSWER
         tokens = self.tokenizer.encode(reply)[: req.sampling.max_tokens - 1] + [self.eos[0]]
         for i in range(req.n or 1):
             on_completion(Completion(req.id, i, prompt, tokens, [0.0] * len(tokens), reply, "stop"))
@@ -162,15 +178,18 @@ def test_openai_agents_streamed(agents):
 
 
 def test_openai_agents_output_type(agents):
-    """An output_type asks for structured output (text.format json_schema): the server refuses it
-    with a 400 naming the field, which the run raises; it is never ignored."""
+    """An output_type asks for structured output (text.format json_schema), which the worker
+    keeps by constrained decoding: the tool loop runs, and the final answer is the schema's
+    object."""
     from pydantic import BaseModel
 
     class Answer(BaseModel):
         value: int
 
-    with pytest.raises(openai.BadRequestError, match="text.format"):
-        agents.Runner.run_sync(calc_agent(agents, [], output_type=Answer), "What is 12 times 34?")
+    called = []
+    r = agents.Runner.run_sync(calc_agent(agents, called, output_type=Answer), "What is 12 times 34?")
+    assert called == [[12, 34]]
+    assert r.final_output == Answer(value=408)
 
 
 # ---- langchain-openai ----
@@ -233,16 +252,23 @@ def test_langchain_plain_stream(chat):
 def test_langchain_structured_output(chat, api, method):
     """with_structured_output asks for structured output: by its default method (json_schema) as
     response_format (text.format on the Responses API); by function_calling as a forced call of
-    the schema's tool with parallel_tool_calls false. This engine cannot constrain its decoding,
-    so the server refuses either with a 400 naming the field; it never ignores it."""
+    the schema's tool with parallel_tool_calls false. The worker keeps either by constrained
+    decoding, and the client parses the schema's object."""
     from pydantic import BaseModel
 
     class Answer(BaseModel):
         """The answer."""
         value: int
 
-    field = {"json_schema": "response_format" if api == "chat" else "text.format",
-             "function_calling": "parallel_tool_calls"}[method]
     llm = chat(use_responses_api=api == "responses").with_structured_output(Answer, method=method)
-    with pytest.raises(openai.BadRequestError, match=re.escape(field)):
-        llm.invoke("What is 12 times 34?")
+    assert llm.invoke("What is 12 times 34?") == Answer(value=408)
+
+
+def test_structured_output_refused_without_constraint(server):
+    """An engine that cannot constrain its decoding (agent()'s scripted policies in
+    test_agent_frameworks.py) refuses structured output with a 400 naming the field; this one
+    refuses a schema feature the constraint lacks the same way, never ignoring it."""
+    c = openai.OpenAI(base_url=server, api_key=KEY, max_retries=0)
+    fmt = {"type": "json_schema", "json_schema": {"name": "a", "schema": {"type": "string", "format": "email"}}}
+    with pytest.raises(openai.BadRequestError, match="response_format"):
+        c.chat.completions.create(model="scripted", messages=[{"role": "user", "content": "hi"}], response_format=fmt)
