@@ -368,6 +368,7 @@ func TestRolloutsPagesAndFilters(t *testing.T) {
 		"step=three":                `step="three" is not a step number`,
 		"page=-1":                   `page="-1" is not a whole number of at least 0`,
 		"max_step=x":                `max_step="x" is not a whole number`,
+		"page=99999999999":          "page=99999999999 is past any run's rollouts",
 	} {
 		if code, body := get(t, s, "/api/rollouts?"+q); code != 400 || !strings.Contains(body, want) {
 			t.Errorf("%s: %d %q, want 400 with %q", q, code, body, want)
