@@ -9,7 +9,7 @@ import (
 )
 
 // Streaming as the engine samples: with an engine that hands over each sample's text as it grows
-// (TokenStreamer: the tiny engine), a streamed chat completion or response sends its text in
+// (TokenStreamer: the tiny engine), a streamed chat completion, completion or response sends its text in
 // deltas while the engine still samples, not all at the end. What a delta may hold is decided by
 // textDeltas: only text the final answer begins with, so the deltas add up to the answer a
 // non-streamed request gets. Tool calls go out when the sample ends, each as the API's deltas of
@@ -27,11 +27,21 @@ type TokenStreamer interface {
 // sampleStreaming samples the completions of one request, handing piece each sample's new text
 // as the engine samples it where the engine streams and piece is not nil.
 func (h *handler) sampleStreaming(ctx context.Context, g engines.GenerateRequest, piece func(index int, text string)) ([]engines.Completion, error) {
+	var each func(req, index int, text string)
+	if piece != nil {
+		each = func(_, index int, text string) { piece(index, text) }
+	}
+	return h.generateStreaming(ctx, []engines.GenerateRequest{g}, each)
+}
+
+// generateStreaming samples reqs, handing piece each sample's new text as the engine samples it
+// where the engine streams and piece is not nil.
+func (h *handler) generateStreaming(ctx context.Context, reqs []engines.GenerateRequest, piece func(req, index int, text string)) ([]engines.Completion, error) {
 	ts, ok := h.eng.(TokenStreamer)
 	if !ok || piece == nil {
-		return h.eng.Generate(ctx, []engines.GenerateRequest{g})
+		return h.eng.Generate(ctx, reqs)
 	}
-	return ts.GenerateStream(ctx, []engines.GenerateRequest{g}, func(_, index int, text string) { piece(index, text) })
+	return ts.GenerateStream(ctx, reqs, piece)
 }
 
 // textDeltas is what a stream has sent of one sample's text while it is sampled. It sends only

@@ -97,6 +97,25 @@ func TestStreamAsSampled(t *testing.T) {
 	}
 }
 
+// TestCompletionsStreamAsSampled: /v1/completions streams a prompt's text the same way.
+func TestCompletionsStreamAsSampled(t *testing.T) {
+	eng := newPaced("12", "+30")
+	base := front(t, eng, HandlerOptions{})
+	var text string
+	readStream(t, base+"/completions", `{"prompt":[5,6,7],"stream":true}`, func(line string) {
+		var c completionResponse
+		if err := json.Unmarshal([]byte(line), &c); err != nil || len(c.Choices) != 1 {
+			t.Fatalf("chunk %s", line)
+		}
+		if text += c.Choices[0].Text; text == "12" {
+			close(eng.gate)
+		}
+	})
+	if text != "12+30" {
+		t.Fatalf("streamed %q", text)
+	}
+}
+
 // TestResponsesStreamAsSampled: /v1/responses streams its output text the same way: the message
 // item is announced and its first delta sent while the engine samples; the deltas add up to the
 // text of the completed response, whose message item has the announced id.

@@ -1151,10 +1151,23 @@ func (h *handler) completions(w http.ResponseWriter, r *http.Request) {
 	}
 	head := completionResponse{ID: id, Object: "text_completion", Created: time.Now().Unix(), Model: h.modelName(r)}
 	var sw *stream
+	var piece func(req, index int, text string)
+	deltas := map[int]*textDeltas{} // by choice index
 	if req.Stream {
 		sw = startStream(w)
+		piece = func(p, i int, text string) {
+			k := p*gr.N + i
+			if deltas[k] == nil {
+				deltas[k] = newTextDeltas(gr.Stop, false)
+			}
+			if t := deltas[k].add(text); t != "" {
+				c := head
+				c.Choices = []completionChoice{{Index: k, Text: t}}
+				sw.send(c)
+			}
+		}
 	}
-	comps, err := h.eng.Generate(r.Context(), reqs)
+	comps, err := h.generateStreaming(r.Context(), reqs, piece)
 	if err != nil {
 		if sw != nil {
 			sw.fail(h, err)
@@ -1176,6 +1189,9 @@ func (h *handler) completions(w http.ResponseWriter, r *http.Request) {
 		c := head
 		fin := ch.FinishReason
 		ch.FinishReason = nil
+		if d := deltas[ch.Index]; d != nil {
+			ch.Text = d.rest(ch.Text)
+		}
 		c.Choices = []completionChoice{ch}
 		sw.send(c)
 		c.Choices = []completionChoice{{Index: ch.Index, FinishReason: fin}}
