@@ -9,11 +9,11 @@ import (
 )
 
 // Streaming as the engine samples: with an engine that hands over each sample's text as it grows
-// (TokenStreamer: the tiny engine), a streamed chat completion, completion or response sends its text in
-// deltas while the engine still samples, not all at the end. What a delta may hold is decided by
-// textDeltas: only text the final answer begins with, so the deltas add up to the answer a
-// non-streamed request gets. Tool calls go out when the sample ends, each as the API's deltas of
-// tool_calls (its id and name, then its arguments).
+// (TokenStreamer: the tiny engine), a streamed chat completion, text completion or response sends
+// its text in deltas while the engine still samples, not all at the end. What a delta may hold is
+// decided by textDeltas: only text the final answer begins with, so the deltas add up to the
+// answer a non-streamed request gets. Tool calls go out when the sample ends, each as the API's
+// deltas of tool_calls (its id and name, then its arguments).
 
 // TokenStreamer is implemented by engines that report each sample's text as they sample it.
 // piece is called on the goroutine that called GenerateStream, before it returns, with the text
