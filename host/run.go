@@ -533,11 +533,12 @@ func (r *Run) registerPolicy(ctx context.Context, pc config.PolicyConfig, eng en
 	if !given && r.opts.OpenEngine == nil && offHost(pc) { // a server this run reached itself
 		// After the policies before it are registered: it checks that no two trainable
 		// policies share one server process.
-		if err := r.claimServer(ctx, pc, eng); err != nil { // engine.go
+		// The folders first: a run refused for them leaves the server's state as it was.
+		if err := r.checkServerFolders(ctx, pc, eng); err != nil { // engine.go
 			eng.Close()
 			return nil, fmt.Errorf("policy %q%s: %w", pc.Name, r.cfgPlace(&policy{cfg: pc}), err)
 		}
-		if err := r.checkServerFolders(ctx, pc, eng); err != nil { // engine.go
+		if err := r.claimServer(ctx, pc, eng); err != nil { // engine.go
 			eng.Close()
 			return nil, fmt.Errorf("policy %q%s: %w", pc.Name, r.cfgPlace(&policy{cfg: pc}), err)
 		}

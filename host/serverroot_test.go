@@ -5,8 +5,10 @@ import (
 	"fmt"
 	"path/filepath"
 	"strings"
+	"sync/atomic"
 	"testing"
 
+	"github.com/slimen/slimen/engines"
 	"github.com/slimen/slimen/engines/server"
 	"github.com/slimen/slimen/engines/tiny"
 	"github.com/slimen/slimen/host/config"
@@ -64,4 +66,47 @@ func TestRemoteServerRootCheckedAtStart(t *testing.T) {
 	if err := load(serve(elsewhere), ", trainable: false", filepath.Join(runs, "run3")); err != nil {
 		t.Errorf("a frozen policy on a server elsewhere: %v", err)
 	}
+}
+
+// TestRefusedRootLeavesTheServer: a run refused for its server's root does not reset the server
+// first: what an earlier run trained there is still there.
+func TestRefusedRootLeavesTheServer(t *testing.T) {
+	ctx := context.Background()
+	eng := &loadCounter{}
+	var err error
+	if eng.Engine, err = tiny.Open("builtin:tiny-arith", tiny.Options{Threads: 1}); err != nil {
+		t.Fatal(err)
+	}
+	defer eng.Close()
+	l, err := server.Listen("127.0.0.1:0", server.Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	s := server.New(eng, server.Options{Roots: []string{t.TempDir()}})
+	go func() { _ = s.Serve(l) }()
+	defer s.Stop()
+	cfg, err := config.Parse([]byte(fmt.Sprintf("policies:\n  - {name: p, engine: {kind: remote, address: %q}}\nrollout: {batch_size: 2, max_response_len: 8}\n", l.Addr())), "remote.yaml")
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg.Eval.Datasets = nil
+	r, err := Load(ctx, writeScript(t, tinyScript), Options{Config: cfg, Tasks: numberedTasks(4), Out: filepath.Join(t.TempDir(), "run")})
+	if err == nil {
+		r.Close()
+		t.Fatal("a run whose server cannot save into it started")
+	}
+	if n := eng.loads.Load(); n != 0 {
+		t.Errorf("the refused run reset the server's model (%d loads) before refusing", n)
+	}
+}
+
+// loadCounter counts the Load calls an engine gets.
+type loadCounter struct {
+	engines.Engine
+	loads atomic.Int32
+}
+
+func (e *loadCounter) Load(ctx context.Context, dir string) error {
+	e.loads.Add(1)
+	return e.Engine.Load(ctx, dir)
 }

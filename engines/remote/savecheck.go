@@ -2,6 +2,7 @@ package remote
 
 import (
 	"context"
+	"fmt"
 	"strings"
 
 	"google.golang.org/grpc"
@@ -39,6 +40,9 @@ func (c *Client) CheckSaveFolder(ctx context.Context, dir string) error {
 		if !strings.HasPrefix(st.Message(), "save: ") { // the roots' own refusal starts so
 			return nil
 		}
+		return fmt.Errorf("engine at %s: %s", c.addr, st.Message())
+	case codes.PermissionDenied:
+		return fmt.Errorf("engine at %s: %s", c.addr, st.Message())
 	}
 	return err
 }
