@@ -31,7 +31,7 @@ func init() {
 // commands are in docs/tiny.md.
 func cmdPretrain(args []string) int {
 	fs := flag.NewFlagSet("pretrain", flag.ContinueOnError)
-	task := fs.String("task", "synthetic:arith", "task source: synthetic:arith[?difficulty=N], or synthetic:calc for the agent corpus of builtin:tiny-agent (with --init builtin:tiny-arith)")
+	task := fs.String("task", "synthetic:arith", "task source: synthetic:arith[?difficulty=N]; synthetic:calc for the agent corpus of builtin:tiny-agent (with --init builtin:tiny-arith); synthetic:chat for the chat corpus of builtin:tiny-chat (with --tokenizer bpe:N)")
 	difficulty := fs.Int("difficulty", 0, "problem difficulty 1..4 (overrides the task's; default 2)")
 	steps := fs.Int("steps", 900, "optimizer steps (900, with every other flag at its default, reproduces builtin:tiny-arith byte for byte)")
 	batch := fs.Int("batch-size", 64, "examples per step")
@@ -73,16 +73,20 @@ func cmdPretrain(args []string) int {
 	if *corpusFile != "" {
 		return pretrainCorpus(*corpusFile, *out, *init, *tokenizer, *tokTexts, cfg, *steps, *batch, *lr, *warmup, *wd, *seed, *evalEvery, *evalN, *threads)
 	}
-	agent := *task == "synthetic:calc"
-	if agent {
+	agent, chat := *task == "synthetic:calc", *task == "synthetic:chat"
+	if agent || chat {
 		*task = "synthetic:arith"
+	}
+	if chat && *init == "" && *tokenizer == "char" {
+		fmt.Fprintln(os.Stderr, "slimen pretrain: --task synthetic:chat is Qwen3's chat format with tools: give a new model a chat vocabulary with --tokenizer bpe:N (docs/tiny.md has the command of builtin:tiny-chat) or --init a chat model")
+		return 2
 	}
 	arith, ok, err := tasks.ParseSpec(*task, *seed)
 	if name, _, _ := strings.Cut(strings.TrimPrefix(*task, "synthetic:"), "?"); err != nil && strings.HasPrefix(*task, "synthetic:") && slices.Contains(tasks.SyntheticNames, name) {
-		err = fmt.Errorf("--task %s: pretrain takes synthetic:arith[?difficulty=N] or synthetic:calc", *task)
+		err = fmt.Errorf("--task %s: pretrain takes synthetic:arith[?difficulty=N], synthetic:calc or synthetic:chat", *task)
 	}
 	if err == nil && !ok {
-		err = fmt.Errorf("--task %q: only synthetic tasks can be pretrained on (synthetic:arith, synthetic:calc)", *task)
+		err = fmt.Errorf("--task %q: only synthetic tasks can be pretrained on (synthetic:arith, synthetic:calc, synthetic:chat)", *task)
 	}
 	if err != nil {
 		fmt.Fprintln(os.Stderr, "slimen pretrain:", err)
@@ -106,8 +110,13 @@ func cmdPretrain(args []string) int {
 	}
 
 	calc, calcHeldOut := tasks.Calc{Seed: arith.Seed}, tasks.Calc{Seed: heldOut.Seed}
+	chats, chatsHeldOut := tasks.ChatCorpus{Seed: arith.Seed}, tasks.ChatCorpus{Seed: heldOut.Seed}
 	corpus := func(i int) tiny.Example {
 		// The tiny engine pretrains on whatever examples its caller hands it: here a synthetic corpus.
+		if chat {
+			ex := chats.Example(i)
+			return tiny.Example{Context: ex.Context, Tools: ex.Tools, Response: ex.Response}
+		}
 		if agent {
 			context, response := calc.AgentExample(i)
 			return tiny.Example{Context: context, Response: response}
@@ -116,8 +125,11 @@ func cmdPretrain(args []string) int {
 		return tiny.Example{Prompt: prompt, Response: response}
 	}
 	source := arith.String()
-	if agent {
+	switch {
+	case agent:
 		source = fmt.Sprintf("the synthetic:calc agent corpus (seed %d)", calc.Seed)
+	case chat:
+		source = chats.String()
 	}
 	e, err := pretrainEngine(*init, *tokenizer, *tokTexts, cfg, *seed, *threads, corpus)
 	if err != nil {
@@ -130,6 +142,18 @@ func cmdPretrain(args []string) int {
 	fmt.Printf("pretrain %s: %d parameters, %d steps × %d examples; held out: seed %d\n",
 		source, info.Params, *steps, *batch, heldOut.Seed)
 	evaluate := func(step int) error {
+		if chat {
+			right, sample, err := tasks.ChatEval(ctx, e, chatsHeldOut, *evalN, 96)
+			if err != nil {
+				return err
+			}
+			for _, s := range sample {
+				fmt.Printf("  %q\n", s)
+			}
+			fmt.Printf("step %d: held-out chat corpus, greedy answers equal to the right ones: %.1f%% (calc %.1f%%, orchestra %.1f%%, planner %.1f%%, verifier %.1f%%, memory %.1f%%, arith %.1f%%)\n",
+				step, 100*right["all"], 100*right["calc"], 100*right["orchestra"], 100*right["planner"], 100*right["verifier"], 100*right["memory"], 100*right["arith"])
+			return nil
+		}
 		if agent {
 			call, direct, sample, err := tasks.CalcFirstTurns(ctx, e, calcHeldOut, *evalN, 1, 1)
 			if err != nil {

@@ -68,3 +68,25 @@ func TestPretrainCorpusBPE(t *testing.T) {
 		t.Fatalf("--tokenizer bpe:x: status %d", code)
 	}
 }
+
+// slimen pretrain --task synthetic:chat trains a chat model on the chat corpus (tasks.ChatCorpus)
+// and evaluates it with tasks.ChatEval; without a chat vocabulary it is refused.
+func TestPretrainChatCorpus(t *testing.T) {
+	out := filepath.Join(t.TempDir(), "model")
+	args := []string{"--task", "synthetic:chat", "--tokenizer", "bpe:400", "--tokenizer-examples", "200", "--positions", "1024",
+		"--hidden", "16", "--intermediate", "24", "--layers", "1", "--heads", "2", "--kv-heads", "1",
+		"--steps", "2", "--batch-size", "2", "--warmup", "1", "--eval-n", "3", "--eval-every", "0", "--threads", "1", "--out", out}
+	if code := cmdPretrain(args); code != 0 {
+		t.Fatalf("slimen pretrain %s: status %d", strings.Join(args, " "), code)
+	}
+	e, err := tiny.Open(out, tiny.Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if info, _ := e.Info(context.Background()); info.ChatTemplate != tiny.QwenChatTemplate {
+		t.Fatalf("the model's template is %.30q…", info.ChatTemplate)
+	}
+	if code := cmdPretrain([]string{"--task", "synthetic:chat", "--out", out}); code != 2 {
+		t.Fatalf("synthetic:chat on the character vocabulary: status %d", code)
+	}
+}
