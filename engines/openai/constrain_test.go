@@ -136,3 +136,50 @@ func TestFrontNoConstraintEngine(t *testing.T) {
 		wantError(t, tc.body, status, body, 400, tc.param, "", "does not constrain decoding")
 	}
 }
+
+// TestFrontFormatBesideTools: response_format beside tools with tool_choice auto: the answer is
+// either the calls or the format's JSON, never prose; on /v1/responses text.format is kept alike.
+func TestFrontFormatBesideTools(t *testing.T) {
+	base := front(t, openTiny(t), HandlerOptions{ToolsPrompt: func(tools []string) string { return "Tools: go." }})
+	tools := `"tools":[{"type":"function","function":{"name":"go","parameters":{"type":"object","additionalProperties":false}}}]`
+	format := `"response_format":{"type":"json_schema","json_schema":{"name":"a","schema":{"type":"object","properties":{"ok":{"type":"boolean"}},"required":["ok"],"additionalProperties":false}}}`
+	for seed := range 6 {
+		status, body := post(t, base+"/chat/completions", fmt.Sprintf(`{"messages":[{"role":"user","content":"2+3="}],"seed":%d,%s,%s}`, seed, tools, format))
+		var resp chatResponse
+		if status != 200 || json.Unmarshal([]byte(body), &resp) != nil {
+			t.Fatalf("%d %s", status, body)
+		}
+		ch := resp.Choices[0]
+		switch {
+		case *ch.FinishReason == "length":
+		case *ch.FinishReason == "tool_calls":
+			if len(ch.Message.ToolCalls) == 0 || ch.Message.ToolCalls[0].Function.Name != "go" {
+				t.Fatalf("seed %d: %s", seed, body)
+			}
+		default:
+			var v map[string]bool
+			if err := json.Unmarshal([]byte(*ch.Message.Content), &v); err != nil || len(v) != 1 {
+				t.Fatalf("seed %d: %q is neither a call nor the format's JSON", seed, *ch.Message.Content)
+			}
+		}
+	}
+	status, body := post(t, base+"/responses", `{"input":"2+3=","max_output_tokens":100,"seed":1,"text":{"format":{"type":"json_schema","name":"a","schema":{"type":"object","properties":{"ok":{"type":"boolean"}},"required":["ok"],"additionalProperties":false}}}}`)
+	if status != 200 || !strings.Contains(body, `"output_text"`) {
+		t.Fatalf("%d %s", status, body)
+	}
+	var r struct {
+		Status string `json:"status"`
+		Output []struct {
+			Content []struct {
+				Text string `json:"text"`
+			} `json:"content"`
+		} `json:"output"`
+	}
+	json.Unmarshal([]byte(body), &r)
+	if r.Status == "completed" {
+		var v map[string]bool
+		if err := json.Unmarshal([]byte(r.Output[0].Content[0].Text), &v); err != nil {
+			t.Fatalf("responses: %q is not the format's JSON", r.Output[0].Content[0].Text)
+		}
+	}
+}
