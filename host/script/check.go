@@ -3,6 +3,7 @@ package script
 import (
 	"errors"
 	"fmt"
+	"maps"
 	"os"
 	"slices"
 	"sort"
@@ -47,7 +48,7 @@ func LintScript(s *Script, cfg *config.Config) (problems, warnings []string) {
 	}
 	direct, files := scriptPolicies(s.Files)
 	uses := append(slices.Clip(direct), reachedPolicies(files)...)
-	problems = taskFields(files)
+	problems = append(taskFields(files), builtinKeywords(files, s.own)...)
 	for _, u := range uses {
 		if cfg != nil && !slices.Contains(names, u.Name) {
 			hint := ""
@@ -115,6 +116,75 @@ func taskFields(files []*syntax.File) []string {
 				walk(b)
 			}
 		}
+	}
+	return out
+}
+
+// builtinParams are the parameters of the built-ins a call names by keyword (their UnpackArgs;
+// TestBuiltinParamsMatch holds the two together).
+var builtinParams = map[string][]string{
+	"generate":   {"policy", "prompt", "n", "max_tokens", "temperature", "top_p", "stop", "seed"},
+	"chat":       {"policy", "system", "tools"},
+	"train":      {"target", "advantage", "group", "teacher"},
+	"reward":     {"target", "value", "replace"},
+	"score":      {"policy", "prompt", "completion"},
+	"agent":      {"argv", "task_input", "policy", "timeout", "env", "max_calls", "max_tokens", "call_max_tokens", "tools_prompt", "check"},
+	"parallel":   {"fn", "items"},
+	"completion": {"policy", "text", "finish_reason"},
+}
+
+// builtinKeywords finds keyword arguments a built-in does not take (generate(…, max_token=5)):
+// the call fails in every rollout. A name the script defines or loads for itself, or an
+// embedder's Builtins replaced (replaced), is not the built-in.
+func builtinKeywords(files []*syntax.File, replaced map[string]bool) []string {
+	var out []string
+	for _, f := range files {
+		own := maps.Clone(replaced)
+		if own == nil {
+			own = map[string]bool{}
+		}
+		for _, st := range f.Stmts {
+			switch st := st.(type) {
+			case *syntax.DefStmt:
+				own[st.Name.Name] = true
+			case *syntax.LoadStmt:
+				for _, to := range st.To {
+					own[to.Name] = true
+				}
+			case *syntax.AssignStmt:
+				if id, ok := st.LHS.(*syntax.Ident); ok {
+					own[id.Name] = true
+				}
+			}
+		}
+		syntax.Walk(f, func(n syntax.Node) bool {
+			call, ok := n.(*syntax.CallExpr)
+			if !ok {
+				return true
+			}
+			fn := callee(call)
+			params, known := builtinParams[fn]
+			if !known || own[fn] {
+				return true
+			}
+			for _, a := range call.Args {
+				b, ok := a.(*syntax.BinaryExpr)
+				if !ok || b.Op != syntax.EQ {
+					continue
+				}
+				k, ok := b.X.(*syntax.Ident)
+				if !ok || slices.Contains(params, k.Name) {
+					continue
+				}
+				hint := ""
+				if best := ClosestName(k.Name, params); best != "" {
+					hint = fmt.Sprintf(" (did you mean %s?)", best)
+				}
+				out = append(out, fmt.Sprintf("%s: %s: unexpected keyword argument %q%s; %s takes %s",
+					k.NamePos, fn, k.Name, hint, fn, strings.Join(params, ", ")))
+			}
+			return true
+		})
 	}
 	return out
 }

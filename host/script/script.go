@@ -45,6 +45,8 @@ type Script struct {
 	// declaresEval: a script parsed only (the host of a sandboxed run, whose children run it)
 	// binds eval_rollout at its top level.
 	declaresEval bool
+	// own are the names Options.Builtins gave: an embedder's, with their own parameters.
+	own map[string]bool
 }
 
 // Rollout is the script's rollout(task); nil for a Library.
@@ -131,8 +133,9 @@ func LoadSource(path string, src []byte, opts Options) (*Script, error) {
 		}
 	}
 	pre := predeclared()
+	own := map[string]bool{}
 	for name, v := range opts.Builtins {
-		pre[name] = v
+		pre[name], own[name] = v, true
 	}
 	if opts.Config != nil {
 		pre["config"] = opts.Config
@@ -144,7 +147,7 @@ func LoadSource(path string, src []byte, opts Options) (*Script, error) {
 		}
 		hash, _ := HashFiles([]string{path}, func(string) ([]byte, error) { return src, nil })
 		return &Script{Path: path, Files: []string{path}, Source: src, Sources: map[string][]byte{path: src}, Hash: hash,
-			declaresEval: declares(f, "eval_rollout")}, nil
+			declaresEval: declares(f, "eval_rollout"), own: own}, nil
 	}
 	root := filepath.Dir(abs)
 	if opts.FS != nil {
@@ -165,7 +168,7 @@ func LoadSource(path string, src []byte, opts Options) (*Script, error) {
 		return nil, &Error{ErrorText(err)}
 	}
 	globals.Freeze()
-	s := &Script{Path: path, Globals: globals, Files: l.files, Source: src, Sources: map[string][]byte{}}
+	s := &Script{Path: path, Globals: globals, Files: l.files, Source: src, Sources: map[string][]byte{}, own: own}
 	for _, f := range l.files {
 		s.Sources[f] = l.srcs[f]
 	}
