@@ -64,7 +64,9 @@ type Sampling struct {
 	// Hermes tool calls, as engines/constrain's Spec in JSON. Only tokens that keep the response
 	// within it are sampled; Logprobs stay the model's own (temperature 1, before top-p and
 	// before the constraint's mask). An engine that lists "constrain" in Info.Capabilities
-	// honours it; any other refuses a request with one.
+	// honours it; callers send one only to such an engine (the OpenAI front, agent(), the
+	// remote client, which refuses to send it to a server without it), and the openai engine
+	// refuses it.
 	Constraint string `json:",omitempty"`
 }
 

@@ -1,11 +1,14 @@
 package openai
 
 import (
+	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"strings"
 	"testing"
 
+	"github.com/slimen/slimen/engines"
 	"github.com/slimen/slimen/engines/scripted"
 )
 
@@ -181,5 +184,20 @@ func TestFrontFormatBesideTools(t *testing.T) {
 		if err := json.Unmarshal([]byte(r.Output[0].Content[0].Text), &v); err != nil {
 			t.Fatalf("responses: %q is not the format's JSON", r.Output[0].Content[0].Text)
 		}
+	}
+}
+
+// TestEngineRefusesConstraint: the openai engine (an external server) is never silently sent a
+// constraint it would drop: it refuses the request with ErrNotSupported.
+func TestEngineRefusesConstraint(t *testing.T) {
+	e, err := New(Options{BaseURL: "http://127.0.0.1:1/v1", Model: "m"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer e.Close()
+	_, err = e.Generate(context.Background(), []engines.GenerateRequest{{ID: "x", PromptTokens: []int32{1},
+		Sampling: engines.Sampling{MaxTokens: 4, Temperature: 1, Constraint: `{"json_schema": {"type": "object"}}`}}})
+	if !errors.Is(err, engines.ErrNotSupported) {
+		t.Fatalf("error %v; want ErrNotSupported", err)
 	}
 }

@@ -25,6 +25,11 @@ func (e *Engine) Generate(ctx context.Context, reqs []engines.GenerateRequest) (
 		if err == nil && (len(r.Messages) == 0) == (len(r.PromptTokens) == 0) {
 			err = errors.New("set exactly one of messages and prompt tokens")
 		}
+		if err == nil && r.Constraint != "" {
+			// The server's own response_format could not keep tool calls, nor report the
+			// constrained tokens' log-probs as the contract wants: not sent, refused.
+			err = fmt.Errorf("a decoding constraint is not supported by an OpenAI-compatible server engine: %w", engines.ErrNotSupported)
+		}
 		if err != nil {
 			return nil, fmt.Errorf("openai engine at %s: generate request %d (%q): %w", e.base, i, r.ID, err)
 		}
