@@ -209,17 +209,19 @@ func responsesChat(req *responsesRequest) ([]ChatMessage, extras, error) {
 	return msgs, x, nil
 }
 
-// responsesNames names the chat API's fields in a client error as the Responses API has them:
-// response_format is text.format (whose json_schema's schema is text.format.schema), and a
-// conversation past the context (context_length_exceeded, from the front's check or from
-// agent()'s) is the input's, with max_output_tokens for max_tokens.
+// responsesNames names the chat API's fields in a client error (the front's own, or a chat
+// backend's: agent()'s) as the Responses API has them: response_format is text.format (whose
+// json_schema's schema is text.format.schema), and a conversation past the context
+// (context_length_exceeded) is the input's, with max_output_tokens for max_tokens.
 func responsesNames(err error) error {
 	var ae *apiErr
 	var be *APIError
+	format := strings.NewReplacer("response_format.json_schema", "text.format", "response_format", "text.format")
 	switch {
 	case errors.As(err, &ae) && strings.HasPrefix(ae.param, "response_format"):
-		r := strings.NewReplacer("response_format.json_schema", "text.format", "response_format", "text.format")
-		ae.param, ae.msg = r.Replace(ae.param), r.Replace(ae.msg)
+		ae.param, ae.msg = format.Replace(ae.param), format.Replace(ae.msg)
+	case errors.As(err, &be) && strings.HasPrefix(be.Param, "response_format"): // agent()'s refusal
+		be.Param, be.Msg = format.Replace(be.Param), format.Replace(be.Msg)
 	case errors.As(err, &ae) && ae.code == "context_length_exceeded":
 		ae.param, ae.msg = inputNames(ae.param, ae.msg)
 	case errors.As(err, &be) && be.Code == "context_length_exceeded":

@@ -253,6 +253,20 @@ func TestResponsesContextNames(t *testing.T) {
 	wantError(t, "a backend's overflow", status, body, 400, "input", "context_length_exceeded", "your input resulted in 9 tokens, which leaves no room for a response. Please reduce the length of the input.")
 }
 
+// TestResponsesBackendFormatName: a chat backend's refusal of response_format (agent()'s, on an
+// engine that does not constrain) names text.format on /v1/responses.
+func TestResponsesBackendFormatName(t *testing.T) {
+	backend := httptest.NewServer(NewChatHandler(HandlerOptions{}, func(context.Context, ChatCall) ([]engines.Completion, error) {
+		return nil, NoConstraint("response_format")
+	}))
+	defer backend.Close()
+	status, body := post(t, backend.URL+"/v1/responses", `{"input":"hi","text":{"format":{"type":"json_object"}}}`)
+	wantError(t, "a backend's refusal", status, body, 400, "text.format", "", "text.format is not supported by this server's engine")
+	if strings.Contains(body, "response_format") {
+		t.Errorf("the refusal names the chat API's field: %s", body)
+	}
+}
+
 // TestResponsesOpenAIClient: the official openai Python package's client.responses.create (plain,
 // with a tool call, the call's output sent back, streamed) and its responses.stream helper,
 // which checks the events' order, against the front. Skipped without python3 and openai.
