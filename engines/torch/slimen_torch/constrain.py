@@ -715,10 +715,32 @@ class Matcher:
 
     def _walk(self, at: int, s: State, ids: list[int]) -> None:
         ids.extend(self.v.toks[at])
+        inert = _inert(s)
         for b, to in self.v.next[at].items():
+            if inert is not None and b not in inert and b >= 0x20:
+                self._walk(to, s, ids)  # a byte that leaves the state as it is
+                continue
             ns = s.feed_byte(b)
             if ns.alts:
                 self._walk(to, ns, ids)
+
+
+_STRING_LIVE = frozenset(b'"\\')
+_TEXT_LIVE = frozenset(b"<")
+
+
+def _inert(s: State):
+    """For a state whose one way is inside a string's text (or a calls answer's free text before
+    any '<'), the bytes that change it: every other printable byte leaves it as it is, so the
+    vocabulary walk need not step it (most of a response is such text). None otherwise."""
+    if len(s.alts) != 1:
+        return None
+    f = s.alts[0][0]
+    if f.kind == K_STRING and f.st == 0:
+        return _STRING_LIVE
+    if f.kind == K_CALLS and f.st == CALLS_TEXT and f.i == 0:
+        return _TEXT_LIVE
+    return None
 
 
 class Matchers:

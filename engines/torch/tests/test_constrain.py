@@ -92,7 +92,7 @@ def test_engine_constrained_json(engine):
     from slimen_torch.types import GenerateRequest, Sampling, ScoreRequest
     spec = json.dumps({"json_schema": SCHEMA})
     reqs = [GenerateRequest(id=f"r{i}", messages=USER, sampling=Sampling(
-        seed=i, max_tokens=120, temperature=0.0 if i == 5 else 1.0, constraint=spec)) for i in range(6)]
+        seed=i, max_tokens=200, temperature=0.0 if i == 5 else 1.0, constraint=spec)) for i in range(8)]
     cs = engine.generate(reqs)
     finished = [c for c in cs if c.finish_reason == "stop"]
     assert len(finished) >= 2, [c.text for c in cs]
