@@ -480,3 +480,29 @@ def test_batch_of_carries_the_off_policy_fields():
     assert b.samples[0].train_logprobs == [-0.5, -1.5]
     lc = b.loss
     assert (lc.use_tis, lc.tis_mode, lc.tis_clip, lc.tis_clip_low) == (True, "icepop", 1.5, 0.5)
+
+
+def test_save_probe_writes_nothing(noeos_dir, tmp_path):
+    """The host's start-up question (engines/remote CheckSaveFolder: a Save of an adapter no
+    server holds) is refused for a folder outside the root with PERMISSION_DENIED, and inside it
+    with NOT_FOUND for the adapter; neither writes anything."""
+    eng = Engine(str(noeos_dir))
+    root = pathlib.Path(os.path.realpath(tmp_path)) / "root"
+    root.mkdir()
+    server, service, port = make_server("127.0.0.1:0", roots=[str(root)])
+    service.engine, service.loading = eng, False
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+            stub = pb_grpc.EngineStub(ch)
+            probe = "/slimen-save-probe"
+            with pytest.raises(grpc.RpcError) as e:
+                stub.Save(pb.SaveRequest(dir=str(tmp_path / "elsewhere" / "checkpoints"), adapter=probe))
+            assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED
+            assert f"outside this server's root {root}" in e.value.details()
+            with pytest.raises(grpc.RpcError) as e:
+                stub.Save(pb.SaveRequest(dir=str(root / "run" / "checkpoints"), adapter=probe))
+            assert e.value.code() == grpc.StatusCode.NOT_FOUND, e.value.details()
+            assert list(root.iterdir()) == [] and not (tmp_path / "elsewhere").exists()
+    finally:
+        server.stop(0).wait()
+        eng.close()
