@@ -296,8 +296,8 @@ def respond(prompt, i):
 
 def agents_test(slimen, tmp_path, args, check, program=AGENTS_PROGRAM, question="What is 12 times 34?"):
     """Runs AGENTS_PROGRAM with args under agent() on the scripted TOOL_POLICY (`slimen test`);
-    check is Starlark run in the rollout, reading `got` (what the program printed) and `r`
-    (agent()'s result)."""
+    check is Starlark run in the rollout, reading `got` (what the program printed), `r` (agent()'s
+    result) and `turns` (the recorded turns, all trained)."""
     (tmp_path / "program.py").write_text(program)
     check = "\n".join("    " + line for line in check.strip().splitlines())
     (tmp_path / "agents_test.star").write_text(CHECK + TOOL_POLICY + f'''
@@ -306,17 +306,16 @@ def rollout(task):
               timeout = 120, call_max_tokens = 256)
     got = decode(r.output)
     check_exact(r.chats)
-{check}
     turns = 0
     for c in r.chats:
         turns += len(c.turns)
         reward(c, 1.0 if "408" in got.get("output", "") else 0.0)
         train(c)
+{check}
     log(calls = r.calls, turns = turns)
 
 def test_agents():
     out = simulate(rollout, task = {{"prompt": {question!r}}}, responses = {{"p": respond}})
-    assert.eq(out.logs["turns"], out.logs["calls"])
     assert.eq(len(out.samples.get("p", [])), len([s for s in out.samples.get("p", []) if s.reward == 1.0]))
 ''')
     p = subprocess.run([str(slimen), "test", str(tmp_path / "agents_test.star")], env=env(), capture_output=True,
@@ -336,6 +335,7 @@ assert.eq(got["called"], [[12, 34]])
 assert.eq(got["kinds"], ["tool_call_item", "tool_call_output_item", "message_output_item"])
 assert.eq(got["output"], "It is 408.")
 assert.eq(r.calls, 2)
+assert.eq(turns, 2)
 ''')
 
 
@@ -345,7 +345,7 @@ def test_openai_agents_output_type(slimen, tmp_path):
     agents_test(slimen, tmp_path, ["output_type"], '''
 assert.eq(got["error"], "BadRequestError")
 assert.true("text.format" in got["message"], got["message"])
-assert.eq(r.calls, 0)
+assert.eq(len(r.chats), 0)  # nothing recorded, nothing trained
 ''')
 
 
@@ -407,6 +407,7 @@ assert.eq(got.get("message"), None)
 assert.eq(got["call"], ["multiply", {"a": 12, "b": 34}])
 assert.eq(got["output"], "It is 408.")
 assert.eq(r.calls, 2)
+assert.eq(turns, 2)
 ''' + ('assert.true(got["chunks"] > 1)\n' if mode == "stream" else ""), program=LANGCHAIN_PROGRAM)
 
 
@@ -423,5 +424,5 @@ def test_langchain_structured_output(slimen, tmp_path, api, method):
     agents_test(slimen, tmp_path, [method, api], f'''
 assert.eq(got["error"], "BadRequestError")
 assert.true({field!r} in got["message"], got["message"])
-assert.eq(r.calls, 0)
+assert.eq(len(r.chats), 0)  # nothing recorded, nothing trained
 ''', program=LANGCHAIN_PROGRAM, question="Give the Answer to 12 times 34.")
