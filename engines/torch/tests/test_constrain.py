@@ -130,3 +130,33 @@ def test_engine_tool_call_and_refusal(engine):
     with pytest.raises(RequestError, match="json_schema.pattern is not supported"):
         engine.generate([GenerateRequest(id="b", messages=USER, sampling=Sampling(max_tokens=4, constraint=bad))])
     assert "constrain" in engine.info()["capabilities"]
+
+
+def test_walk_shortcut_keeps_the_masks():
+    """The vocabulary walk's shortcut inside strings and free text (bytes that leave the state as
+    it is are not stepped) gives the masks a plain walk gives, along random constrained answers."""
+    from bench_constrain import SPEC, vocab
+
+    class Plain(constrain.Matcher):
+        def _walk(self, at, s, ids):
+            ids.extend(self.v.toks[at])
+            for b, to in self.v.next[at].items():
+                ns = s.feed_byte(b)
+                if ns.alts:
+                    self._walk(to, ns, ids)
+
+    texts = vocab(1024) + ["\\n", "\\q", "\\u00e9", "a\\", '\\"}', "x<", "<tool", "_call>{"]
+    v = constrain.Vocab(texts, [True] + [False] * (len(texts) - 1))
+    rng = random.Random(5)
+    calls = {"tool_calls": {"text": True, "max": 1, "tools": [{"name": "name"}]}}
+    for spec in (SPEC, calls):
+        g = constrain.Grammar.compile(spec)
+        fast, plain = constrain.Matcher(g, v, [0]), Plain(g, v, [0])
+        for _ in range(4):
+            s = g.start()
+            for _ in range(40):
+                got = fast.allowed(s)
+                assert got == plain.allowed(s)
+                if not got or got == [0]:
+                    break
+                s = s.feed(texts[rng.choice([t for t in got if t != 0])])
