@@ -317,10 +317,10 @@ func TestAgentSandboxPrograms(t *testing.T) {
 // context_length_exceeded (it was a 200 with empty content, and the run stopped at training),
 // and the rollout goes on: the conversation of that call ends with it, the program's next call
 // is answered and trained. The endpoint lists the name the program was given ($OPENAI_MODEL),
-// takes the scheme "bearer" in lower case, answers tool_choice "required" of a policy that never
-// calls a tool (here: one cut by max_tokens) with a 500 saying so (it samples again, and never
-// answers without the call), answers parallel_tool_calls false and response_format (the tiny
-// engine constrains decoding), refuses an unknown role, and renders "developer" as system.
+// takes the scheme "bearer" in lower case, answers tool_choice "required" (cut by max_tokens here:
+// answered cut, as the front does), parallel_tool_calls false and response_format (the tiny
+// engine constrains decoding; TestAgentToolChoiceRequired has the resampling of an engine that
+// does not), refuses an unknown role, and renders "developer" as system.
 func TestAgentClientMistakes(t *testing.T) {
 	eng, err := tiny.Open(config.BuiltinCheckpoint, tiny.Options{Threads: 1})
 	if err != nil {
@@ -338,16 +338,16 @@ func TestAgentClientMistakes(t *testing.T) {
 	if len(o.Chats) != 1 || len(o.Chats[0].Turns) != 1 || o.Calls != 2 {
 		t.Errorf("overflow: %d calls made %d chats (%+v); want 2 calls and the short one's chat alone", o.Calls, len(o.Chats), o.Chats)
 	}
-	if n := res.Policies[0].Float("samples"); n != 4 {
-		t.Errorf("%v samples trained, want 4 (the short call's and the api task's three answered calls)", n)
+	if n := res.Policies[0].Float("samples"); n != 5 {
+		t.Errorf("%v samples trained, want 5 (the short call's and the api task's four answered calls)", n)
 	}
 	a := readAgent(t, r, "a")
-	want := `{"models": ["p"], "model_env": "p", "required": [500, null, null], "parallel": "answered", ` +
+	want := `{"models": ["p"], "model_env": "p", "required": "answered", "parallel": "answered", ` +
 		`"json": "answered", "robot": [400, "messages[0].role", null], "developer": "answered"}`
 	if strings.TrimSpace(a.Output) != want {
 		t.Errorf("api: the program printed\n%s\nwant\n%s\nstderr: %s", a.Output, want, a.Stderr)
 	}
-	if len(a.Chats) != 3 || !slices.Equal(a.Chats[2].Roles, []string{"system", "user", "assistant"}) {
+	if len(a.Chats) != 4 || !slices.Equal(a.Chats[3].Roles, []string{"system", "user", "assistant"}) {
 		t.Errorf("api: chats %+v; want one whose first message is the developer's as system", a.Chats)
 	}
 }

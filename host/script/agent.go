@@ -371,10 +371,16 @@ func (s *agentSession) complete(call openai.ChatCall) ([]engines.Completion, err
 	if err == nil {
 		cs, prompt, mask, err = c.sampleLocked(ro, s.fn, n, samp, key)
 	}
-	// tool_choice "required" or a named function: sampled again, each time at a position of
-	// its own (its seed), until every sample makes the call; only those are recorded.
+	// tool_choice "required" or a named function on an engine that does not constrain: sampled
+	// again, each time at a position of its own (its seed), until every sample makes the call;
+	// only those are recorded. Under a constraint every sample is the call, unless max_tokens
+	// cut it (answered as it is, finish_reason "length", as the front answers it).
+	require := call.RequireCall
+	if samp.Constraint != "" {
+		require = ""
+	}
 	rejected := 0
-	for attempt := 1; err == nil && !meetsRequired(call.RequireCall, cs); attempt++ {
+	for attempt := 1; err == nil && !meetsRequired(require, cs); attempt++ {
 		if len(cs) > 0 && len(cs[0].tokens) == 0 && cs[0].finish == "length" {
 			break // the conversation fills the context: answered below, as any call is
 		}

@@ -154,8 +154,8 @@ def main():
         with urllib.request.urlopen(req) as r:
             out = {"models": [m["id"] for m in json.load(r)["data"]], "model_env": os.environ["OPENAI_MODEL"]}
         user = [{"role": "user", "content": task}]
-        # The embedded engine constrains decoding: a required call cut by max_tokens is never made
-        # (a 500 after 8 samples); one call a turn and JSON are answered.
+        # The embedded engine constrains decoding: a required call cut by max_tokens is answered
+        # cut (finish_reason "length"), as one call a turn and JSON are.
         out["required"] = refused(user, tools=TOOLS, tool_choice="required", max_tokens=4)
         out["parallel"] = refused(user, tools=TOOLS, parallel_tool_calls=False, max_tokens=4)
         out["json"] = refused(user, response_format={"type": "json_object"}, max_tokens=4)
