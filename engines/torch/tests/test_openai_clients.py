@@ -65,15 +65,38 @@ class ScriptedEngine(Engine):
             on_completion(Completion(req.id, i, prompt, tokens, [0.0] * len(tokens), reply, "stop"))
 
 
+def start_serve(binary, *args):
+    """Starts `slimen serve ARGS --openai` with the test's key; returns the process and the API's
+    base URL."""
+    proc = subprocess.Popen([str(binary), "serve", *args, "--listen", "127.0.0.1:0", "--openai", "127.0.0.1:0",
+                             "--token-env", "SLIMEN_TEST_KEY"],
+                            env=dict(os.environ, SLIMEN_TEST_KEY=KEY), stderr=subprocess.PIPE, text=True)
+    url, lines = None, []
+    for line in proc.stderr:  # the address is in the log line that says the API is up
+        lines.append(line)
+        m = re.search(r"serving the OpenAI API at (http://\S+)", line)
+        if m:
+            url = m.group(1)
+            break
+    assert url, "slimen serve did not announce the OpenAI API:\n" + "".join(lines)
+    threading.Thread(target=lambda: [None for _ in proc.stderr], daemon=True).start()
+    return proc, url
+
+
 @pytest.fixture(scope="module")
-def server(tmp_path_factory, model_dirs):
-    """The base URL of `slimen serve --openai` serving the scripted engine."""
+def binary(tmp_path_factory):
     go = shutil.which("go")
     if go is None:
         pytest.skip("Go is not installed: `slimen serve --openai` cannot be built for this test")
+    b = tmp_path_factory.mktemp("bin") / "slimen"
+    subprocess.run([go, "build", "-o", str(b), "./cmd/slimen"], cwd=REPO, check=True)
+    return b
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, model_dirs, binary):
+    """The base URL of `slimen serve --openai` serving the scripted engine."""
     tmp = tmp_path_factory.mktemp("serve")
-    binary = tmp / "slimen"
-    subprocess.run([go, "build", "-o", str(binary), "./cmd/slimen"], cwd=REPO, check=True)
     # The frameworks' system prompts and tool schemas are longer than the model's 512 positions.
     model = tmp / "model"
     shutil.copytree(model_dirs["tiny-qwen3"], model)
@@ -87,18 +110,7 @@ def server(tmp_path_factory, model_dirs):
 policies:
   - {{name: scripted, hf_checkpoint: {model}, engine: {{kind: remote, address: "127.0.0.1:{port}"}}}}
 """)
-    proc = subprocess.Popen([str(binary), "serve", "--config", str(tmp / "config.yaml"), "--listen", "127.0.0.1:0",
-                             "--openai", "127.0.0.1:0", "--token-env", "SLIMEN_TEST_KEY"],
-                            env=dict(os.environ, SLIMEN_TEST_KEY=KEY), stderr=subprocess.PIPE, text=True)
-    url, lines = None, []
-    for line in proc.stderr:  # the address is in the log line that says the API is up
-        lines.append(line)
-        m = re.search(r"serving the OpenAI API at (http://\S+)", line)
-        if m:
-            url = m.group(1)
-            break
-    assert url, "slimen serve did not announce the OpenAI API:\n" + "".join(lines)
-    threading.Thread(target=lambda: [None for _ in proc.stderr], daemon=True).start()
+    proc, url = start_serve(binary, "--config", str(tmp / "config.yaml"))
     yield url
     proc.terminate()
     proc.wait(timeout=30)
@@ -272,3 +284,49 @@ def test_structured_output_refused_without_constraint(server):
     fmt = {"type": "json_schema", "json_schema": {"name": "a", "schema": {"type": "string", "format": "email"}}}
     with pytest.raises(openai.BadRequestError, match="response_format"):
         c.chat.completions.create(model="scripted", messages=[{"role": "user", "content": "hi"}], response_format=fmt)
+
+
+# ---- token by token, on the embedded engine ----
+
+@pytest.fixture(scope="module")
+def tiny_server(binary):
+    """`slimen serve --openai` on the embedded engine, which streams as it samples."""
+    proc, url = start_serve(binary, "--model", "builtin:tiny-arith", "--threads", "1")
+    yield url
+    proc.terminate()
+    proc.wait(timeout=30)
+
+
+QUESTION = "Cal has 8 eggs and gets 5 more. How many eggs?"
+
+
+def test_langchain_streams_token_by_token(tiny_server):
+    """On the embedded engine ChatOpenAI.stream gets the answer in many chunks, which add up to
+    what invoke answers (greedy)."""
+    from langchain_openai import ChatOpenAI
+
+    llm = ChatOpenAI(model="builtin:tiny-arith", base_url=tiny_server, api_key=KEY, temperature=0, max_tokens=24, max_retries=0)
+    chunks = [c.text for c in llm.stream(QUESTION)]
+    assert len([c for c in chunks if c]) > 3, chunks
+    assert "".join(chunks) == llm.invoke(QUESTION).text
+
+
+def test_openai_agents_stream_token_by_token(tiny_server):
+    """On the embedded engine openai-agents' run_streamed gets the answer in many output_text
+    deltas (the Responses API), which add up to its final output."""
+    import asyncio
+
+    import agents as sdk
+
+    sdk.set_tracing_disabled(True)
+    model = sdk.OpenAIResponsesModel("builtin:tiny-arith", openai.AsyncOpenAI(base_url=tiny_server, api_key=KEY, max_retries=0))
+    agent = sdk.Agent(name="a", model=model, model_settings=sdk.ModelSettings(temperature=0, max_tokens=24))
+
+    async def run():
+        r = sdk.Runner.run_streamed(agent, QUESTION)
+        deltas = [e.data.delta async for e in r.stream_events()
+                  if e.type == "raw_response_event" and e.data.type == "response.output_text.delta"]
+        return deltas, r.final_output
+
+    deltas, final = asyncio.run(run())
+    assert len(deltas) > 3 and "".join(deltas) == final, (deltas, final)
