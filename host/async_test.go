@@ -683,3 +683,56 @@ def rollout(task):
 		e.Close()
 	}
 }
+
+// TestAsyncLiveLineCountsItsPass: at max_staleness 2 the rollouts of two steps run at once; the
+// live line counts the newest pass's rollouts against its own total. It counted the older pass's
+// too and showed "rollouts 8/4".
+func TestAsyncLiveLineCountsItsPass(t *testing.T) {
+	model := tinyModel(t, 1)
+	script := writeScript(t, `
+def rollout(task):
+    cs = generate("p", task.prompt, n = 4)
+    x = 0
+    for i in range(100000):
+        x += i
+    for c in cs:
+        reward(c, float(len(c.text) % 3))
+    train(cs)
+`)
+	e, err := tiny.Open(model, tiny.Options{Threads: 1})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer e.Close()
+	cfg := tinyConfig(model, nil)
+	cfg.Rollout.BatchSize, cfg.Rollout.MaxStaleness = 4, 2
+	r, err := Load(context.Background(), script, Options{Config: cfg, Tasks: numberedTasks(100), Engines: map[string]engines.Engine{"p": &slowGenerate{Engine: e}}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer r.Close()
+	stop, polled := make(chan struct{}), make(chan []LivePass)
+	go func() {
+		var over []LivePass
+		for {
+			select {
+			case <-stop:
+				polled <- over
+				return
+			case <-time.After(time.Millisecond):
+				if l := r.Live(); l.Done > l.Total {
+					over = append(over, l)
+				}
+			}
+		}
+	}()
+	for range 8 {
+		if _, err := r.Step(context.Background()); err != nil {
+			t.Fatal(err)
+		}
+	}
+	close(stop)
+	if over := <-polled; len(over) > 0 {
+		t.Errorf("the live line showed more rollouts done than the pass has: %+v", over)
+	}
+}

@@ -179,6 +179,9 @@ type Run struct {
 	live struct {
 		done, total, tokens, genMark atomic.Int64
 		eval                         atomic.Bool
+		// pass is the number of the pass shown, the newest: rollout.max_staleness > 1 runs
+		// several at once, and only the shown one's rollouts count in done.
+		pass atomic.Int64
 	}
 	// generating measures the time any policy's engine has a generate batch in hand: the time
 	// the run generates, not the time its rollouts run (an agent() program's start-up, tools,
@@ -899,6 +902,7 @@ func (r *Run) runRollouts(ctx context.Context, step int, tasks []Task, samples i
 		Seed: r.Config().Run.Seed, Eval: eval, Samples: samples}
 	ros := pass.Rollouts(tasks)
 	n := len(ros)
+	r.live.pass.Store(int64(pass.Number))
 	r.live.done.Store(0)
 	r.live.total.Store(int64(n))
 	r.live.tokens.Store(0)
@@ -906,7 +910,7 @@ func (r *Run) runRollouts(ctx context.Context, step int, tasks []Task, samples i
 	r.live.genMark.Store(int64(r.generating.busy()))
 	r.activity.add(n)
 	if r.sandbox != nil {
-		r.runSandboxed(stepCtx, ros, rf.name, rf.policies, rf.n)
+		r.runSandboxed(stepCtx, int64(pass.Number), ros, rf.name, rf.policies, rf.n)
 		if err := ctx.Err(); err != nil {
 			return nil, err
 		}
@@ -918,7 +922,7 @@ func (r *Run) runRollouts(ctx context.Context, step int, tasks []Task, samples i
 		wg.Add(1)
 		go func(ro *script.Rollout) {
 			defer wg.Done()
-			defer r.live.done.Add(1)
+			defer r.rolloutDone(int64(pass.Number))
 			defer r.activity.leave()
 			if limit := r.Config().Rollout.TimeoutS; limit > 0 {
 				var stop context.CancelFunc
@@ -937,6 +941,13 @@ func (r *Run) runRollouts(ctx context.Context, step int, tasks []Task, samples i
 		return nil, err
 	}
 	return ros, nil
+}
+
+// rolloutDone counts a finished rollout of pass on the live line, if that pass is the one shown.
+func (r *Run) rolloutDone(pass int64) {
+	if r.live.pass.Load() == pass {
+		r.live.done.Add(1)
+	}
 }
 
 // trainSample is a queued sample of a successful rollout, in deterministic order.

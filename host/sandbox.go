@@ -762,7 +762,7 @@ func (r *Run) applyReport(ro *script.Rollout, d sandbox.Done) error {
 
 // runSandboxed runs the rollouts in child processes; the counterpart of the in-process loop in
 // runRollouts.
-func (r *Run) runSandboxed(ctx context.Context, ros []*script.Rollout, fn string, policies []string, n int) {
+func (r *Run) runSandboxed(ctx context.Context, pass int64, ros []*script.Rollout, fn string, policies []string, n int) {
 	cfg := r.Config()
 	r.sandbox.warnOnce.Do(func() {
 		if !r.zero && len(cfg.Sandbox.Train) == 0 {
@@ -777,7 +777,7 @@ func (r *Run) runSandboxed(ctx context.Context, ros []*script.Rollout, fn string
 		wg.Add(1)
 		go func(ro *script.Rollout) {
 			defer wg.Done()
-			defer r.live.done.Add(1)
+			defer r.rolloutDone(pass)
 			a := sandbox.Rollout{Fn: fn, Task: ro.Task, Index: ro.Index, Step: ro.Step, Seed: ro.Seed,
 				Sampling: r.sampling(), Eval: ro.Eval, Policies: policies, NSamples: n, WallLimit: cfg.Sandbox.WallSeconds}
 			err := r.sandbox.run(ro, a, false)
