@@ -320,8 +320,8 @@ def test_agents():
     assert p.returncode == 0 and "1 passed, 0 failed" in p.stdout, p.stdout + p.stderr
 
 
-@pytest.mark.parametrize("args", [["run"], ["streamed"], ["run", "chat_completions"]],
-                         ids=["responses", "responses-streamed", "chat-completions"])
+@pytest.mark.parametrize("args", [["run"], ["streamed"], ["run", "chat_completions"], ["streamed", "chat_completions"]],
+                         ids=["responses", "responses-streamed", "chat-completions", "chat-completions-streamed"])
 def test_openai_agents_tool_loop(slimen, tmp_path, args):
     """openai-agents runs its loop against agent()'s endpoint: the policy's call reaches the
     function tool with its arguments, the tool's result goes back, the policy's answer ends the

@@ -166,11 +166,13 @@ def test_openai_agents_tool_loop(agents, api):
     assert r.final_output == ANSWER
 
 
-def test_openai_agents_streamed(agents):
-    """Runner.run_streamed on the Responses API: the run's items arrive as events, and the
-    answer's text as output_text deltas that add up to it."""
+@pytest.mark.parametrize("api", ["responses", "chat_completions"])
+def test_openai_agents_streamed(agents, api):
+    """Runner.run_streamed on the Responses API and on chat completions: the run's items arrive
+    as events, and the answer's text as output_text deltas that add up to it."""
     import asyncio
 
+    agents.set_default_openai_api(api)
     called = []
 
     async def run():
