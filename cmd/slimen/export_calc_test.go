@@ -35,7 +35,7 @@ func TestExportOtherSyntheticFamilies(t *testing.T) {
 		want string
 	}{
 		{[]string{"export", "--task", "synthetic:calc"}, "only synthetic:arith has worked responses to export as --format sft; export its tasks with --format tasks"},
-		{[]string{"pretrain", "--out", filepath.Join(t.TempDir(), "m"), "--task", "synthetic:facts"}, "--task synthetic:facts: pretrain takes synthetic:arith[?difficulty=N] or synthetic:calc"},
+		{[]string{"pretrain", "--out", filepath.Join(t.TempDir(), "m"), "--task", "synthetic:facts"}, "--task synthetic:facts: pretrain takes synthetic:arith[?difficulty=N], synthetic:calc or synthetic:chat"},
 		{[]string{"export", "--task", "synthetic:sudoku"}, `unknown synthetic task "sudoku" (known: arith, calc, facts, multipart)`},
 	} {
 		out, err := slimen(t, nil, tc.args...)
