@@ -8,6 +8,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"strings"
+	"sync"
 	"testing"
 
 	"github.com/slimen/slimen/host"
@@ -42,7 +43,26 @@ def rollout(task):
 
 // load loads a short run on the embedded engine with run.wandb as given (a YAML flow mapping)
 // and opens a Logger for it; it returns the run, the Logger's output and the run folder.
-func load(t *testing.T, wb string) (*host.Run, *wandb.Logger, *bytes.Buffer, string, error) {
+// syncBuffer is the run's log in these tests: the run and the sidecar's output copier write to it
+// from different goroutines, as they do to the CLI's (locked) log writer.
+type syncBuffer struct {
+	mu sync.Mutex
+	b  bytes.Buffer
+}
+
+func (s *syncBuffer) Write(p []byte) (int, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.Write(p)
+}
+
+func (s *syncBuffer) String() string {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.String()
+}
+
+func load(t *testing.T, wb string) (*host.Run, *wandb.Logger, *syncBuffer, string, error) {
 	t.Helper()
 	dir := t.TempDir()
 	if err := os.WriteFile(filepath.Join(dir, "solve.star"), []byte(script), 0o644); err != nil {
@@ -62,7 +82,7 @@ run: {steps: 3, eval_interval: 2, save_rollouts: 2, wandb: ` + wb + `}
 	}
 	out := filepath.Join(dir, "run")
 	cfg.Run.Out = out
-	var log bytes.Buffer
+	var log syncBuffer
 	lg := wandb.New(wandb.Options{Log: &log})
 	r, err := host.Load(context.Background(), filepath.Join(dir, "solve.star"), host.Options{Config: cfg, Out: out, Log: &log, Observers: []host.Observer{lg}})
 	if err != nil {
