@@ -198,8 +198,8 @@ func TestPPOExampleOnTinyEngine(t *testing.T) {
 }
 
 // TestAgentExamplesOnTinyEngine runs each agent example with its own config, zero set-up, on the
-// embedded engine (builtin:tiny-agent) for one step of one task: its conversations train the
-// policy its config trains, and no rollout fails.
+// embedded engine (builtin:tiny-chat or builtin:tiny-agent) for one step of one task, its eval
+// left out: its conversations train the policy its config trains, and no rollout fails.
 func TestAgentExamplesOnTinyEngine(t *testing.T) {
 	trained := map[string]string{"calculator_agent": "agent", "agentflow": "planner", "memagent": "agent", "toolorchestra": "orchestrator"}
 	for _, name := range []string{"calculator_agent", "agentflow", "memagent", "toolorchestra"} {
@@ -209,6 +209,7 @@ func TestAgentExamplesOnTinyEngine(t *testing.T) {
 				t.Fatal(err)
 			}
 			cfg.Rollout.BatchSize = 1
+			cfg.Eval.Datasets = nil
 			r, err := Load(context.Background(), "../examples/"+name+"/"+name+".star", Options{Config: cfg})
 			if err != nil {
 				t.Fatal(err)

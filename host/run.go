@@ -370,8 +370,16 @@ func (r *Run) openScriptPolicies() error {
 	for _, w := range script.NearPolicyNames(uses) {
 		r.events.printf("warning: %s", w)
 	}
+	chat := map[string]bool{} // names a chat() with tool schemas uses: on the embedded chat model
 	for _, u := range uses {
-		if _, err := r.policyFor(u.Name); err != nil {
+		chat[u.Name] = chat[u.Name] || u.Tools
+	}
+	for _, u := range uses {
+		checkpoint := config.BuiltinCheckpoint
+		if chat[u.Name] {
+			checkpoint = config.BuiltinChatCheckpoint
+		}
+		if _, err := r.policyOn(u.Name, checkpoint); err != nil {
 			return fmt.Errorf("%s: %w", u.Pos, err)
 		}
 	}
@@ -585,8 +593,14 @@ func maxBatchSamples(c *config.Config) int {
 	return 1024
 }
 
-// policyFor returns a policy by name. Zero-config runs create it on first use.
+// policyFor returns a policy by name. Zero-config runs create it on first use, on
+// config.BuiltinCheckpoint.
 func (r *Run) policyFor(name string) (*policy, error) {
+	return r.policyOn(name, config.BuiltinCheckpoint)
+}
+
+// policyOn is policyFor with the checkpoint a zero-config run creates the policy on.
+func (r *Run) policyOn(name, checkpoint string) (*policy, error) {
 	r.polMu.Lock()
 	defer r.polMu.Unlock()
 	if p, ok := r.policies[name]; ok {
@@ -606,6 +620,7 @@ func (r *Run) policyFor(name string) (*policy, error) {
 		return nil, err
 	}
 	pc := config.DefaultPolicy(name)
+	pc.HFCheckpoint, pc.Engine.ModelPath = checkpoint, checkpoint
 	p, err := r.addPolicy(r.ctx, pc)
 	if err != nil {
 		if r.openErrs == nil {

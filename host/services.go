@@ -9,6 +9,7 @@ import (
 	"go.starlark.net/starlark"
 
 	"github.com/slimen/slimen/engines"
+	"github.com/slimen/slimen/host/config"
 	"github.com/slimen/slimen/host/script"
 	"github.com/slimen/slimen/starlib"
 )
@@ -51,7 +52,13 @@ func (h localHost) Score(ctx context.Context, policy string, req engines.ScoreRe
 }
 
 func (h localHost) Render(ctx context.Context, policy string, reqs []engines.RenderRequest) (script.Rendered, error) {
-	p, err := h.r.policyFor(policy)
+	// A zero-config policy first used by a conversation with tool schemas is created on the
+	// embedded chat model, whose template takes them (builtin:tiny-arith would not hold them).
+	checkpoint := config.BuiltinCheckpoint
+	if slices.ContainsFunc(reqs, func(r engines.RenderRequest) bool { return len(r.Tools) > 0 }) {
+		checkpoint = config.BuiltinChatCheckpoint
+	}
+	p, err := h.r.policyOn(policy, checkpoint)
 	if err != nil {
 		return script.Rendered{}, err
 	}

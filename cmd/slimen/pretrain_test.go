@@ -2,6 +2,7 @@ package main
 
 import (
 	"context"
+	"crypto/sha256"
 	"encoding/json"
 	"fmt"
 	"os"
@@ -88,5 +89,40 @@ func TestPretrainChatCorpus(t *testing.T) {
 	}
 	if code := cmdPretrain([]string{"--task", "synthetic:chat", "--out", out}); code != 2 {
 		t.Fatalf("synthetic:chat on the character vocabulary: status %d", code)
+	}
+}
+
+// pinnedChat is the sha256 of model.safetensors after 3 steps of builtin:tiny-chat's first
+// command (docs/tiny.md). Like tiny's TestPretrainPinned, it guards `slimen pretrain`'s
+// reproduction of an embedded checkpoint: the chat corpus, the BPE trainer, the chat template's
+// ids and the training numerics all feed it. If a change is intended, rebuild builtin:tiny-chat
+// with the two commands of engines/tiny/builtin/README.md and refresh this from the test's message.
+const pinnedChat = "bfd59bea8f5b5e4bf5db746d3f2c20eb79920fbb516791020467d9d953974a40"
+
+// TestPretrainChatPinned: the recipe of builtin:tiny-chat trains the embedded vocabulary byte for
+// byte, and its first steps give pinned weights.
+func TestPretrainChatPinned(t *testing.T) {
+	out := filepath.Join(t.TempDir(), "model")
+	args := []string{"--task", "synthetic:chat", "--tokenizer", "bpe:1024", "--positions", "4096", "--steps", "3",
+		"--batch-size", "32", "--lr", "3e-3", "--warmup", "100", "--eval-every", "0", "--eval-n", "1", "--out", out}
+	if code := cmdPretrain(args); code != 0 {
+		t.Fatalf("slimen pretrain %s: status %d", strings.Join(args, " "), code)
+	}
+	for _, f := range []string{"tokenizer.json", "tokenizer_config.json"} {
+		got, _ := os.ReadFile(filepath.Join(out, f))
+		want, err := os.ReadFile(filepath.Join("..", "..", "engines", "tiny", "builtin", "tiny-chat", f))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if string(got) != string(want) {
+			t.Errorf("the recipe's %s differs from builtin:tiny-chat's: the chat corpus, the BPE trainer or the template changed", f)
+		}
+	}
+	w, err := os.ReadFile(filepath.Join(out, "model.safetensors"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := fmt.Sprintf("%x", sha256.Sum256(w)); got != pinnedChat {
+		t.Fatalf("3 steps of builtin:tiny-chat's recipe give model.safetensors with sha256 %s, pinned %s: the training numerics or the chat corpus changed", got, pinnedChat)
 	}
 }

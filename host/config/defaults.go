@@ -5,6 +5,10 @@ import "strings"
 // BuiltinCheckpoint is the base model embedded in the binary, the zero-setup default.
 const BuiltinCheckpoint = "builtin:tiny-arith"
 
+// BuiltinChatCheckpoint is the embedded chat model (Qwen3's chat format with tool schemas): the
+// zero-setup model of a policy whose first use is a conversation with tools.
+const BuiltinChatCheckpoint = "builtin:tiny-chat"
+
 // TinyTrainDefaults are the training settings of a policy on a builtin:* checkpoint (the
 // embedded tiny engine): the zero-config run and any YAML policy on a builtin model start from
 // them. They are the tiny engine's to tune; keep them here, in one place.
@@ -57,6 +61,7 @@ func DefaultLoRA() LoRAConfig {
 	return LoRAConfig{Rank: 8, Alpha: 8, Targets: []string{"q_proj", "v_proj"}}
 }
 
+// DefaultPolicy is the policy a zero-config run creates for a name, on BuiltinCheckpoint.
 func DefaultPolicy(name string) PolicyConfig {
 	return PolicyConfig{
 		Name:             name,

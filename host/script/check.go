@@ -230,6 +230,9 @@ type PolicyUse struct {
 	// Held is the variable or function call the name reaches the call through ("SOLVER",
 	// "solver()"); "" when the literal is written in the call.
 	Held string
+	// Tools marks a chat() call given tool schemas (a tools argument other than None): a
+	// zero-config run puts such a policy on the embedded chat model.
+	Tools bool
 }
 
 // where is the call a use is written in: generate, or ask → generate for a name passed to ask,
@@ -631,11 +634,27 @@ func policyLiterals(f *syntax.File) []PolicyUse {
 			}
 		}
 		if lit := stringLit(arg); lit != nil {
-			out = append(out, PolicyUse{Pos: lit.TokenPos, Fn: callee(call), Name: lit.Value.(string)})
+			out = append(out, PolicyUse{Pos: lit.TokenPos, Fn: callee(call), Name: lit.Value.(string), Tools: chatWithTools(call)})
 		}
 		return true
 	})
 	return out
+}
+
+// chatWithTools says whether call is chat(…) with a tools argument (keyword or third positional)
+// other than the literal None.
+func chatWithTools(call *syntax.CallExpr) bool {
+	if callee(call) != "chat" {
+		return false
+	}
+	arg := keyword(call, "tools")
+	if arg == nil && len(call.Args) > 2 {
+		arg = call.Args[2]
+	}
+	if id, ok := arg.(*syntax.Ident); arg == nil || ok && id.Name == "None" {
+		return false
+	}
+	return true
 }
 
 func cfgFile(c *config.Config) string {
