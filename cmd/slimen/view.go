@@ -121,27 +121,7 @@ func runGraph(ctx context.Context, dir string) (view.Drawing, error) {
 		return view.Drawing{}, err
 	}
 	g.Title = "dataflow of one rollout of " + filepath.Base(script)
-	return view.Drawing{SVG: graph.SVG(g), Mermaid: graph.Mermaid(g), Policies: colourOrder(g)}, nil
-}
-
-// colourOrder lists a graph's policies in the order host/graph gives them its palette's colours:
-// by first appearance, round by round.
-func colourOrder(g graph.Graph) []string {
-	var out []string
-	seen := map[string]bool{}
-	last := 0
-	for _, n := range g.Nodes {
-		last = max(last, n.Round)
-	}
-	for r := 0; r <= last; r++ {
-		for _, n := range g.Nodes {
-			if max(n.Round, 0) == r && !seen[n.Policy] {
-				seen[n.Policy] = true
-				out = append(out, n.Policy)
-			}
-		}
-	}
-	return out
+	return view.Drawing{SVG: graph.SVG(g), Mermaid: graph.Mermaid(g), Policies: g.Policies()}, nil
 }
 
 // runScript finds the script a run folder keeps: the main script in the newest version folder

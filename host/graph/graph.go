@@ -75,9 +75,10 @@ var palette = []struct{ stroke, fill string }{
 	{"#9467bd", "#e9e1f2"},
 }
 
-// policies lists the graph's policies in order of first appearance by round, so the first
-// policies of the dataflow get the first colours on every drawing of the same topology.
-func (g Graph) policies() []string {
+// Policies lists the graph's policies in order of first appearance by round, so the first
+// policies of the dataflow get the first colours on every drawing of the same topology (the
+// palette's order: slimen view colours its charts by it too).
+func (g Graph) Policies() []string {
 	var out []string
 	seen := map[string]bool{}
 	maxRound := 0

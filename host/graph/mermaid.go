@@ -17,7 +17,7 @@ func Mermaid(g Graph) string {
 	}
 	b.WriteString("flowchart LR\n")
 	class := map[string]string{}
-	for i, p := range g.policies() {
+	for i, p := range g.Policies() {
 		c := palette[i%len(palette)]
 		class[p] = fmt.Sprintf("p%d", i)
 		fmt.Fprintf(&b, "  classDef p%d fill:%s,stroke:%s,stroke-width:2px,color:#000\n", i, c.fill, c.stroke)

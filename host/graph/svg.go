@@ -24,7 +24,7 @@ const fontFamily = `system-ui, -apple-system, 'Segoe UI', 'Helvetica Neue', Aria
 // one completion passed), and a legend of the policies. Every node is a <g class="node"> and
 // every edge a <path class="edge">, so the drawing can also be styled or inspected.
 func SVG(g Graph) []byte {
-	policies := g.policies()
+	policies := g.Policies()
 	colour := map[string]int{}
 	for i, p := range policies {
 		colour[p] = i % len(palette)
