@@ -3,8 +3,11 @@
 import json
 import os
 import pathlib
+import re
 import shutil
+import subprocess
 import sys
+import threading
 
 import pytest
 import torch
@@ -52,3 +55,33 @@ def engine(model_dirs):
     e = Engine(str(model_dirs["tiny-qwen3"]), Options(device="cpu"))
     yield e
     e.close()
+
+
+@pytest.fixture(scope="session")
+def slimen(tmp_path_factory):
+    """The slimen binary, built once for the tests that run it."""
+    go = shutil.which("go")
+    if go is None:
+        pytest.skip("Go is not installed: the slimen binary cannot be built for this test")
+    binary = tmp_path_factory.mktemp("bin") / "slimen"
+    subprocess.run([go, "build", "-o", str(binary), "./cmd/slimen"], cwd=REPO, check=True)
+    return binary
+
+
+def start_serve(binary, key, *args):
+    """Starts `slimen serve ARGS --openai` with bearer token key; returns the process and the
+    API's base URL. The server's log is drained in the background, so it never blocks on a full
+    pipe."""
+    proc = subprocess.Popen([str(binary), "serve", *args, "--listen", "127.0.0.1:0", "--openai", "127.0.0.1:0",
+                             "--token-env", "SLIMEN_TEST_KEY"],
+                            env=dict(os.environ, SLIMEN_TEST_KEY=key), stderr=subprocess.PIPE, text=True)
+    url, lines = None, []
+    for line in proc.stderr:  # the address is in the log line that says the API is up
+        lines.append(line)
+        m = re.search(r"serving the OpenAI API at (http://\S+)", line)
+        if m:
+            url = m.group(1)
+            break
+    assert url, "slimen serve did not announce the OpenAI API:\n" + "".join(lines)
+    threading.Thread(target=lambda: [None for _ in proc.stderr], daemon=True).start()
+    return proc, url

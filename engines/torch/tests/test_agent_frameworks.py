@@ -11,25 +11,13 @@ scripts logged."""
 import json
 import os
 import pathlib
-import shutil
 import subprocess
 import sys
 
 import pytest
 
-from conftest import REPO
 
 BIN = pathlib.Path(sys.executable).parent
-
-
-@pytest.fixture(scope="module")
-def slimen(tmp_path_factory):
-    go = shutil.which("go")
-    if go is None:
-        pytest.skip("Go is not installed: the slimen binary cannot be built for this test")
-    binary = tmp_path_factory.mktemp("bin") / "slimen"
-    subprocess.run([go, "build", "-o", str(binary), "./cmd/slimen"], cwd=REPO, check=True)
-    return binary
 
 
 def env():

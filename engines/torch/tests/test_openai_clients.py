@@ -12,11 +12,8 @@ every request goes through the Go front and the engine protocol as a sampled one
 
 import json
 import os
-import re
 import shutil
-import subprocess
 import sys
-import threading
 
 import openai
 import pytest
@@ -25,7 +22,7 @@ from slimen_torch.engine import Engine, Options
 from slimen_torch.server import make_server
 from slimen_torch.types import Completion
 
-from conftest import REPO
+from conftest import start_serve
 
 os.environ.setdefault("OPENAI_API_KEY", "sk-unused")  # clients refuse to start without one
 os.environ["LANGSMITH_TRACING"] = os.environ["LANGCHAIN_TRACING_V2"] = "false"  # nothing sent to LangSmith
@@ -65,36 +62,8 @@ class ScriptedEngine(Engine):
             on_completion(Completion(req.id, i, prompt, tokens, [0.0] * len(tokens), reply, "stop"))
 
 
-def start_serve(binary, *args):
-    """Starts `slimen serve ARGS --openai` with the test's key; returns the process and the API's
-    base URL."""
-    proc = subprocess.Popen([str(binary), "serve", *args, "--listen", "127.0.0.1:0", "--openai", "127.0.0.1:0",
-                             "--token-env", "SLIMEN_TEST_KEY"],
-                            env=dict(os.environ, SLIMEN_TEST_KEY=KEY), stderr=subprocess.PIPE, text=True)
-    url, lines = None, []
-    for line in proc.stderr:  # the address is in the log line that says the API is up
-        lines.append(line)
-        m = re.search(r"serving the OpenAI API at (http://\S+)", line)
-        if m:
-            url = m.group(1)
-            break
-    assert url, "slimen serve did not announce the OpenAI API:\n" + "".join(lines)
-    threading.Thread(target=lambda: [None for _ in proc.stderr], daemon=True).start()
-    return proc, url
-
-
 @pytest.fixture(scope="module")
-def binary(tmp_path_factory):
-    go = shutil.which("go")
-    if go is None:
-        pytest.skip("Go is not installed: `slimen serve --openai` cannot be built for this test")
-    b = tmp_path_factory.mktemp("bin") / "slimen"
-    subprocess.run([go, "build", "-o", str(b), "./cmd/slimen"], cwd=REPO, check=True)
-    return b
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory, model_dirs, binary):
+def server(tmp_path_factory, model_dirs, slimen):
     """The base URL of `slimen serve --openai` serving the scripted engine."""
     tmp = tmp_path_factory.mktemp("serve")
     # The frameworks' system prompts and tool schemas are longer than the model's 512 positions.
@@ -110,7 +79,7 @@ def server(tmp_path_factory, model_dirs, binary):
 policies:
   - {{name: scripted, hf_checkpoint: {model}, engine: {{kind: remote, address: "127.0.0.1:{port}"}}}}
 """)
-    proc, url = start_serve(binary, "--config", str(tmp / "config.yaml"))
+    proc, url = start_serve(slimen, KEY, "--config", str(tmp / "config.yaml"))
     yield url
     proc.terminate()
     proc.wait(timeout=30)
@@ -291,9 +260,9 @@ def test_structured_output_refused_without_constraint(server):
 # ---- token by token, on the embedded engine ----
 
 @pytest.fixture(scope="module")
-def tiny_server(binary):
+def tiny_server(slimen):
     """`slimen serve --openai` on the embedded engine, which streams as it samples."""
-    proc, url = start_serve(binary, "--model", "builtin:tiny-arith", "--threads", "1")
+    proc, url = start_serve(slimen, KEY, "--model", "builtin:tiny-arith", "--threads", "1")
     yield url
     proc.terminate()
     proc.wait(timeout=30)

@@ -5,12 +5,7 @@ engine (PyTorch) loads the same folder and scores the tokens the server says it 
 token ids and log-probs that come back through the OpenAI API are checked against an independent
 implementation of the model, not against themselves."""
 
-import os
 import pathlib
-import re
-import shutil
-import subprocess
-import threading
 
 import openai
 import pytest
@@ -18,34 +13,15 @@ import pytest
 from slimen_torch.engine import Engine
 from slimen_torch.types import ScoreRequest
 
-from conftest import REPO
+from conftest import REPO, start_serve
 
 MODEL = REPO / "testdata" / "tiny_compat" / "gqa_untied"
 KEY = "sk-slimen-test"
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    go = shutil.which("go")
-    if go is None:
-        pytest.skip("Go is not installed: `slimen serve --openai` cannot be built for this test")
-    binary = tmp_path_factory.mktemp("bin") / "slimen"
-    subprocess.run([go, "build", "-o", str(binary), "./cmd/slimen"], cwd=REPO, check=True)
-    env = dict(os.environ, SLIMEN_TEST_KEY=KEY)
-    proc = subprocess.Popen([str(binary), "serve", "--model", str(MODEL), "--threads", "1",
-                             "--listen", "127.0.0.1:0", "--openai", "127.0.0.1:0",
-                             "--token-env", "SLIMEN_TEST_KEY"],
-                            env=env, stderr=subprocess.PIPE, text=True)
-    url, lines = None, []
-    for line in proc.stderr:  # the address is in the log line that says the API is up
-        lines.append(line)
-        m = re.search(r"serving the OpenAI API at (http://\S+)", line)
-        if m:
-            url = m.group(1)
-            break
-    assert url, "slimen serve did not announce the OpenAI API:\n" + "".join(lines)
-    # Keep draining the log, so the server never blocks on a full pipe.
-    threading.Thread(target=lambda: [None for _ in proc.stderr], daemon=True).start()
+def server(slimen):
+    proc, url = start_serve(slimen, KEY, "--model", str(MODEL), "--threads", "1")
     yield url
     proc.terminate()
     assert proc.wait(timeout=30) == 0

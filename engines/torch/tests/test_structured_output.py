@@ -5,18 +5,15 @@ the constrained decoding's doing (engines/constrain)."""
 
 import json
 import os
-import re
-import shutil
 import subprocess
 import sys
-import threading
 import typing
 
 import openai
 import pydantic
 import pytest
 
-from conftest import REPO
+from conftest import start_serve
 
 KEY = "sk-slimen-structured"
 
@@ -28,30 +25,8 @@ class Verdict(pydantic.BaseModel):
 
 
 @pytest.fixture(scope="module")
-def slimen(tmp_path_factory):
-    go = shutil.which("go")
-    if go is None:
-        pytest.skip("Go is not installed: the slimen binary cannot be built for this test")
-    binary = tmp_path_factory.mktemp("bin") / "slimen"
-    subprocess.run([go, "build", "-o", str(binary), "./cmd/slimen"], cwd=REPO, check=True)
-    return binary
-
-
-@pytest.fixture(scope="module")
 def client(slimen):
-    env = dict(os.environ, SLIMEN_TEST_KEY=KEY)
-    proc = subprocess.Popen([str(slimen), "serve", "--model", "builtin:tiny-arith", "--threads", "1",
-                             "--listen", "127.0.0.1:0", "--openai", "127.0.0.1:0", "--token-env", "SLIMEN_TEST_KEY"],
-                            env=env, stderr=subprocess.PIPE, text=True)
-    url, lines = None, []
-    for line in proc.stderr:
-        lines.append(line)
-        m = re.search(r"serving the OpenAI API at (http://\S+)", line)
-        if m:
-            url = m.group(1)
-            break
-    assert url, "slimen serve did not announce the OpenAI API:\n" + "".join(lines)
-    threading.Thread(target=lambda: [None for _ in proc.stderr], daemon=True).start()
+    proc, url = start_serve(slimen, KEY, "--model", "builtin:tiny-arith", "--threads", "1")
     yield openai.OpenAI(base_url=url, api_key=KEY, max_retries=0)
     proc.terminate()
     assert proc.wait(timeout=30) == 0
