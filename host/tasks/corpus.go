@@ -113,18 +113,17 @@ func (a Arith) String() string {
 func (c Calc) AgentExample(i int) (context []engines.Message, response string) {
 	r := rand.New(rand.NewPCG(c.Seed^0x6167656e74, uint64(i))) // "agent"
 	p, expr := c.Problem(i)
-	user := func(s string) []engines.Message { return []engines.Message{{Role: "user", Content: s}} }
+	turn := func(s string) []engines.Message { return []engines.Message{user(s)} } // a conversation of one user message
 	switch k := r.IntN(20); {
 	case k < 5:
-		return user(p.Prompt), ToolCall(expr)
+		return turn(p.Prompt), ToolCall(expr)
 	case k < 10:
-		return append(user(p.Prompt), engines.Message{Role: "assistant", Content: ToolCall(expr)},
-			engines.Message{Role: "tool", Content: p.Label}), p.Answer()
+		return append(turn(p.Prompt), asst(ToolCall(expr)), tool(p.Label)), p.Answer()
 	case k < 14:
-		return user(p.Prompt), p.Answer()
+		return turn(p.Prompt), p.Answer()
 	case k < 16:
 		prompt, resp := Arith{Seed: c.Seed, Difficulty: 2}.Example(i)
-		return user(prompt), resp
+		return turn(prompt), resp
 	default:
 		fp, doc := Facts{Seed: c.Seed}.Problem(i)
 		fact := fp.Prompt[len("What is "):len(fp.Prompt)-1] + " is " + fp.Label + "."
@@ -139,13 +138,13 @@ func (c Calc) AgentExample(i int) (context []engines.Message, response string) {
 			if memory == "none" && r.IntN(2) == 0 {
 				memory = fact
 			}
-			return user(MemoryPrompt(fp.Prompt, memory, "")), fp.Answer()
+			return turn(MemoryPrompt(fp.Prompt, memory, "")), fp.Answer()
 		}
 		text := strings.Join(sents[chunk*MemoryChunk:min(len(sents), (chunk+1)*MemoryChunk)], " ")
 		if at >= chunk*MemoryChunk && at < (chunk+1)*MemoryChunk {
-			return user(MemoryPrompt(fp.Prompt, memory, text)), fact
+			return turn(MemoryPrompt(fp.Prompt, memory, text)), fact
 		}
-		return user(MemoryPrompt(fp.Prompt, memory, text)), memory
+		return turn(MemoryPrompt(fp.Prompt, memory, text)), memory
 	}
 }
 
