@@ -296,8 +296,17 @@ type TrainStats struct {
 	// ClipFrac is), and the mean weight over trained tokens.
 	TISClipFrac float64
 	TISWeight   float64
-	Skipped     bool   // the step was not applied (non-finite loss or gradient)
-	Reason      string // why it was skipped
+	// The rollout/trainer log-prob mismatch of a policy step: |trainer − rollout| per trained
+	// token, the trainer's log-prob from the step's forward before its update (with UseTIS the
+	// trainer's old log-prob: Sample.TrainLogprobs or that forward's), the rollout's
+	// Sample.OldLogprobs. LogprobDiffMean is its mean over trained tokens, LogprobDiffMax its
+	// largest, LogprobAbsDiff slime's train_rollout_logprob_abs_diff (reduced with the loss's
+	// weights, as Loss is). 0 on an engine whose training reads exactly what it sampled.
+	LogprobDiffMean float64
+	LogprobDiffMax  float64
+	LogprobAbsDiff  float64
+	Skipped         bool   // the step was not applied (non-finite loss or gradient)
+	Reason          string // why it was skipped
 }
 
 // ErrNotSupported is returned by engines for a method they do not implement (for instance Train on

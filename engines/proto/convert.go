@@ -234,36 +234,42 @@ func DecodeBatch(m *Batch) engines.Batch {
 // EncodeTrainStats converts engines.TrainStats to its message.
 func EncodeTrainStats(s engines.TrainStats) *TrainStats {
 	return &TrainStats{
-		Loss:        s.Loss,
-		PgLoss:      s.PGLoss,
-		Kl:          s.KL,
-		ClipFrac:    s.ClipFrac,
-		Entropy:     s.Entropy,
-		GradNorm:    s.GradNorm,
-		Tokens:      int64(s.Tokens),
-		Skipped:     s.Skipped,
-		Reason:      s.Reason,
-		ValueLoss:   s.ValueLoss,
-		TisClipFrac: s.TISClipFrac,
-		TisWeight:   s.TISWeight,
+		Loss:            s.Loss,
+		PgLoss:          s.PGLoss,
+		Kl:              s.KL,
+		ClipFrac:        s.ClipFrac,
+		Entropy:         s.Entropy,
+		GradNorm:        s.GradNorm,
+		Tokens:          int64(s.Tokens),
+		Skipped:         s.Skipped,
+		Reason:          s.Reason,
+		ValueLoss:       s.ValueLoss,
+		TisClipFrac:     s.TISClipFrac,
+		TisWeight:       s.TISWeight,
+		LogprobDiffMean: s.LogprobDiffMean,
+		LogprobDiffMax:  s.LogprobDiffMax,
+		LogprobAbsDiff:  s.LogprobAbsDiff,
 	}
 }
 
 // DecodeTrainStats converts a TrainStats message to engines.TrainStats.
 func DecodeTrainStats(m *TrainStats) engines.TrainStats {
 	return engines.TrainStats{
-		Loss:        m.GetLoss(),
-		PGLoss:      m.GetPgLoss(),
-		KL:          m.GetKl(),
-		ClipFrac:    m.GetClipFrac(),
-		Entropy:     m.GetEntropy(),
-		GradNorm:    m.GetGradNorm(),
-		Tokens:      int(m.GetTokens()),
-		Skipped:     m.GetSkipped(),
-		Reason:      m.GetReason(),
-		ValueLoss:   m.GetValueLoss(),
-		TISClipFrac: m.GetTisClipFrac(),
-		TISWeight:   m.GetTisWeight(),
+		Loss:            m.GetLoss(),
+		PGLoss:          m.GetPgLoss(),
+		KL:              m.GetKl(),
+		ClipFrac:        m.GetClipFrac(),
+		Entropy:         m.GetEntropy(),
+		GradNorm:        m.GetGradNorm(),
+		Tokens:          int(m.GetTokens()),
+		Skipped:         m.GetSkipped(),
+		Reason:          m.GetReason(),
+		ValueLoss:       m.GetValueLoss(),
+		TISClipFrac:     m.GetTisClipFrac(),
+		TISWeight:       m.GetTisWeight(),
+		LogprobDiffMean: m.GetLogprobDiffMean(),
+		LogprobDiffMax:  m.GetLogprobDiffMax(),
+		LogprobAbsDiff:  m.GetLogprobAbsDiff(),
 	}
 }
 

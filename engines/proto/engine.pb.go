@@ -1538,21 +1538,25 @@ func (x *Batch) GetLoss() *LossConfig {
 
 // engines.TrainStats: the report of one optimizer step.
 type TrainStats struct {
-	state         protoimpl.MessageState `protogen:"open.v1"`
-	Loss          float64                `protobuf:"fixed64,1,opt,name=loss,proto3" json:"loss,omitempty"`
-	PgLoss        float64                `protobuf:"fixed64,2,opt,name=pg_loss,json=pgLoss,proto3" json:"pg_loss,omitempty"`
-	Kl            float64                `protobuf:"fixed64,3,opt,name=kl,proto3" json:"kl,omitempty"`
-	ClipFrac      float64                `protobuf:"fixed64,4,opt,name=clip_frac,json=clipFrac,proto3" json:"clip_frac,omitempty"`
-	Entropy       float64                `protobuf:"fixed64,5,opt,name=entropy,proto3" json:"entropy,omitempty"`
-	GradNorm      float64                `protobuf:"fixed64,6,opt,name=grad_norm,json=gradNorm,proto3" json:"grad_norm,omitempty"`
-	Tokens        int64                  `protobuf:"varint,7,opt,name=tokens,proto3" json:"tokens,omitempty"`                                  // trained tokens (loss mask 1)
-	Skipped       bool                   `protobuf:"varint,8,opt,name=skipped,proto3" json:"skipped,omitempty"`                                // the step was not applied (non-finite loss or gradient)
-	Reason        string                 `protobuf:"bytes,9,opt,name=reason,proto3" json:"reason,omitempty"`                                   // why it was skipped
-	ValueLoss     float64                `protobuf:"fixed64,10,opt,name=value_loss,json=valueLoss,proto3" json:"value_loss,omitempty"`         // a critic's value loss
-	TisClipFrac   float64                `protobuf:"fixed64,11,opt,name=tis_clip_frac,json=tisClipFrac,proto3" json:"tis_clip_frac,omitempty"` // with use_tis: share of trained tokens whose weight was clipped or masked
-	TisWeight     float64                `protobuf:"fixed64,12,opt,name=tis_weight,json=tisWeight,proto3" json:"tis_weight,omitempty"`         // with use_tis: mean weight over trained tokens
-	unknownFields protoimpl.UnknownFields
-	sizeCache     protoimpl.SizeCache
+	state       protoimpl.MessageState `protogen:"open.v1"`
+	Loss        float64                `protobuf:"fixed64,1,opt,name=loss,proto3" json:"loss,omitempty"`
+	PgLoss      float64                `protobuf:"fixed64,2,opt,name=pg_loss,json=pgLoss,proto3" json:"pg_loss,omitempty"`
+	Kl          float64                `protobuf:"fixed64,3,opt,name=kl,proto3" json:"kl,omitempty"`
+	ClipFrac    float64                `protobuf:"fixed64,4,opt,name=clip_frac,json=clipFrac,proto3" json:"clip_frac,omitempty"`
+	Entropy     float64                `protobuf:"fixed64,5,opt,name=entropy,proto3" json:"entropy,omitempty"`
+	GradNorm    float64                `protobuf:"fixed64,6,opt,name=grad_norm,json=gradNorm,proto3" json:"grad_norm,omitempty"`
+	Tokens      int64                  `protobuf:"varint,7,opt,name=tokens,proto3" json:"tokens,omitempty"`                                  // trained tokens (loss mask 1)
+	Skipped     bool                   `protobuf:"varint,8,opt,name=skipped,proto3" json:"skipped,omitempty"`                                // the step was not applied (non-finite loss or gradient)
+	Reason      string                 `protobuf:"bytes,9,opt,name=reason,proto3" json:"reason,omitempty"`                                   // why it was skipped
+	ValueLoss   float64                `protobuf:"fixed64,10,opt,name=value_loss,json=valueLoss,proto3" json:"value_loss,omitempty"`         // a critic's value loss
+	TisClipFrac float64                `protobuf:"fixed64,11,opt,name=tis_clip_frac,json=tisClipFrac,proto3" json:"tis_clip_frac,omitempty"` // with use_tis: share of trained tokens whose weight was clipped or masked
+	TisWeight   float64                `protobuf:"fixed64,12,opt,name=tis_weight,json=tisWeight,proto3" json:"tis_weight,omitempty"`         // with use_tis: mean weight over trained tokens
+	// The rollout/trainer log-prob mismatch |trainer − rollout| over trained tokens (engines.TrainStats).
+	LogprobDiffMean float64 `protobuf:"fixed64,13,opt,name=logprob_diff_mean,json=logprobDiffMean,proto3" json:"logprob_diff_mean,omitempty"` // its mean over trained tokens
+	LogprobDiffMax  float64 `protobuf:"fixed64,14,opt,name=logprob_diff_max,json=logprobDiffMax,proto3" json:"logprob_diff_max,omitempty"`    // its largest
+	LogprobAbsDiff  float64 `protobuf:"fixed64,15,opt,name=logprob_abs_diff,json=logprobAbsDiff,proto3" json:"logprob_abs_diff,omitempty"`    // slime's train_rollout_logprob_abs_diff: reduced like the loss
+	unknownFields   protoimpl.UnknownFields
+	sizeCache       protoimpl.SizeCache
 }
 
 func (x *TrainStats) Reset() {
@@ -1665,6 +1669,27 @@ func (x *TrainStats) GetTisClipFrac() float64 {
 func (x *TrainStats) GetTisWeight() float64 {
 	if x != nil {
 		return x.TisWeight
+	}
+	return 0
+}
+
+func (x *TrainStats) GetLogprobDiffMean() float64 {
+	if x != nil {
+		return x.LogprobDiffMean
+	}
+	return 0
+}
+
+func (x *TrainStats) GetLogprobDiffMax() float64 {
+	if x != nil {
+		return x.LogprobDiffMax
+	}
+	return 0
+}
+
+func (x *TrainStats) GetLogprobAbsDiff() float64 {
+	if x != nil {
+		return x.LogprobAbsDiff
 	}
 	return 0
 }
@@ -2909,7 +2934,7 @@ const file_engine_proto_rawDesc = "" +
 	"\x05Batch\x12\x0e\n" +
 	"\x02id\x18\x01 \x01(\tR\x02id\x122\n" +
 	"\asamples\x18\x02 \x03(\v2\x18.slimen.engine.v1.SampleR\asamples\x120\n" +
-	"\x04loss\x18\x03 \x01(\v2\x1c.slimen.engine.v1.LossConfigR\x04loss\"\xc9\x02\n" +
+	"\x04loss\x18\x03 \x01(\v2\x1c.slimen.engine.v1.LossConfigR\x04loss\"\xc9\x03\n" +
 	"\n" +
 	"TrainStats\x12\x12\n" +
 	"\x04loss\x18\x01 \x01(\x01R\x04loss\x12\x17\n" +
@@ -2926,7 +2951,10 @@ const file_engine_proto_rawDesc = "" +
 	" \x01(\x01R\tvalueLoss\x12\"\n" +
 	"\rtis_clip_frac\x18\v \x01(\x01R\vtisClipFrac\x12\x1d\n" +
 	"\n" +
-	"tis_weight\x18\f \x01(\x01R\ttisWeight\"W\n" +
+	"tis_weight\x18\f \x01(\x01R\ttisWeight\x12*\n" +
+	"\x11logprob_diff_mean\x18\r \x01(\x01R\x0flogprobDiffMean\x12(\n" +
+	"\x10logprob_diff_max\x18\x0e \x01(\x01R\x0elogprobDiffMax\x12(\n" +
+	"\x10logprob_abs_diff\x18\x0f \x01(\x01R\x0elogprobAbsDiff\"W\n" +
 	"\fTrainRequest\x12-\n" +
 	"\x05batch\x18\x01 \x01(\v2\x17.slimen.engine.v1.BatchR\x05batch\x12\x18\n" +
 	"\aadapter\x18\x02 \x01(\tR\aadapter\"a\n" +

@@ -2,6 +2,7 @@ package tiny
 
 import (
 	"fmt"
+	"math"
 	"slices"
 
 	"github.com/slimen/slimen/engines"
@@ -38,6 +39,9 @@ type lossStats struct {
 	// of the weights over trained tokens.
 	TISClipped int
 	TISWeight  float64
+	// The rollout/trainer log-prob mismatch |trainer − rollout| over trained tokens: its sum, its
+	// sum weighted as the loss is, and its largest (engines.TrainStats.LogprobDiffMean).
+	DiffSum, DiffWeighted, DiffMax float64
 }
 
 func (s *lossStats) add(o lossStats) {
@@ -49,6 +53,20 @@ func (s *lossStats) add(o lossStats) {
 	s.Tokens += o.Tokens
 	s.TISClipped += o.TISClipped
 	s.TISWeight += o.TISWeight
+	s.DiffSum += o.DiffSum
+	s.DiffWeighted += o.DiffWeighted
+	if o.DiffMax > s.DiffMax || math.IsNaN(o.DiffMax) {
+		s.DiffMax = o.DiffMax
+	}
+}
+
+// diffStats returns the rollout/trainer log-prob mismatch: its mean over trained tokens, its
+// largest, and its sum weighted as the loss is (slime's train_rollout_logprob_abs_diff).
+func (s lossStats) diffStats() (mean, maxDiff, weighted float64) {
+	if s.Tokens == 0 {
+		return 0, 0, 0
+	}
+	return s.DiffSum / float64(s.Tokens), s.DiffMax, s.DiffWeighted
 }
 
 // tisStats returns the share of trained tokens whose TIS weight was clipped or masked and the
@@ -210,6 +228,18 @@ func policyLoss(samples []lossSample, w [][]float64, c lossConfig) (st lossStats
 				continue
 			}
 			st.Tokens++
+			// The mismatch: this forward's log-prob (with TIS, the trainer's old one) against the
+			// rollout's.
+			trainer, rollout := s.Logp[t], s.OldLogp[t]
+			if c.useTIS {
+				trainer, rollout = s.OldLogp[t], s.RolloutLogp[t]
+			}
+			d := math.Abs(trainer - rollout)
+			st.DiffSum += d
+			st.DiffWeighted += wt * d
+			if d > st.DiffMax || math.IsNaN(d) {
+				st.DiffMax = d
+			}
 			logRatio := s.Logp[t] - s.OldLogp[t]
 			if c.policy == "gspo" {
 				logRatio = seqLogRatio

@@ -281,6 +281,7 @@ func (e *Engine) train(ctx context.Context, b engines.Batch, ad *adapterState) (
 func policyStats(st lossStats) engines.TrainStats {
 	out := engines.TrainStats{Loss: st.Loss, PGLoss: st.PG, KL: st.KL, Entropy: st.Entropy, Tokens: st.Tokens, ClipFrac: st.clipFrac()}
 	out.TISClipFrac, out.TISWeight = st.tisStats()
+	out.LogprobDiffMean, out.LogprobDiffMax, out.LogprobAbsDiff = st.diffStats()
 	return out
 }
 

@@ -266,7 +266,7 @@ class Batch(_message.Message):
     def __init__(self, id: _Optional[str] = ..., samples: _Optional[_Iterable[_Union[Sample, _Mapping]]] = ..., loss: _Optional[_Union[LossConfig, _Mapping]] = ...) -> None: ...
 
 class TrainStats(_message.Message):
-    __slots__ = ("loss", "pg_loss", "kl", "clip_frac", "entropy", "grad_norm", "tokens", "skipped", "reason", "value_loss", "tis_clip_frac", "tis_weight")
+    __slots__ = ("loss", "pg_loss", "kl", "clip_frac", "entropy", "grad_norm", "tokens", "skipped", "reason", "value_loss", "tis_clip_frac", "tis_weight", "logprob_diff_mean", "logprob_diff_max", "logprob_abs_diff")
     LOSS_FIELD_NUMBER: _ClassVar[int]
     PG_LOSS_FIELD_NUMBER: _ClassVar[int]
     KL_FIELD_NUMBER: _ClassVar[int]
@@ -279,6 +279,9 @@ class TrainStats(_message.Message):
     VALUE_LOSS_FIELD_NUMBER: _ClassVar[int]
     TIS_CLIP_FRAC_FIELD_NUMBER: _ClassVar[int]
     TIS_WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    LOGPROB_DIFF_MEAN_FIELD_NUMBER: _ClassVar[int]
+    LOGPROB_DIFF_MAX_FIELD_NUMBER: _ClassVar[int]
+    LOGPROB_ABS_DIFF_FIELD_NUMBER: _ClassVar[int]
     loss: float
     pg_loss: float
     kl: float
@@ -291,7 +294,10 @@ class TrainStats(_message.Message):
     value_loss: float
     tis_clip_frac: float
     tis_weight: float
-    def __init__(self, loss: _Optional[float] = ..., pg_loss: _Optional[float] = ..., kl: _Optional[float] = ..., clip_frac: _Optional[float] = ..., entropy: _Optional[float] = ..., grad_norm: _Optional[float] = ..., tokens: _Optional[int] = ..., skipped: _Optional[bool] = ..., reason: _Optional[str] = ..., value_loss: _Optional[float] = ..., tis_clip_frac: _Optional[float] = ..., tis_weight: _Optional[float] = ...) -> None: ...
+    logprob_diff_mean: float
+    logprob_diff_max: float
+    logprob_abs_diff: float
+    def __init__(self, loss: _Optional[float] = ..., pg_loss: _Optional[float] = ..., kl: _Optional[float] = ..., clip_frac: _Optional[float] = ..., entropy: _Optional[float] = ..., grad_norm: _Optional[float] = ..., tokens: _Optional[int] = ..., skipped: _Optional[bool] = ..., reason: _Optional[str] = ..., value_loss: _Optional[float] = ..., tis_clip_frac: _Optional[float] = ..., tis_weight: _Optional[float] = ..., logprob_diff_mean: _Optional[float] = ..., logprob_diff_max: _Optional[float] = ..., logprob_abs_diff: _Optional[float] = ...) -> None: ...
 
 class TrainRequest(_message.Message):
     __slots__ = ("batch", "adapter")
