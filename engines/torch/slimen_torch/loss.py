@@ -180,3 +180,17 @@ def policy_loss(cfg: Loss, logp, old_logp, adv, mask, weight, entropy=None, ref_
         out["entropy"] = ent_sum
     out["loss"] = loss
     return out
+
+
+def logprob_mismatch(trainer_logp, rollout_logp, mask, weight) -> dict[str, torch.Tensor]:
+    """The rollout/trainer log-prob mismatch d = |trainer − rollout| of the given tokens (1-D
+    tensors of one length; the trainer's detached): over trained tokens (mask ≠ 0) the sum of d
+    (lp_diff), its sum with the loss's token weights (lp_diff_w: slime's
+    train_rollout_logprob_abs_diff, reduced as the loss is) and its largest (lp_diff_max; 0
+    without trained tokens). A non-finite d propagates into all three."""
+    trained = mask != 0
+    d = (trainer_logp.float() - rollout_logp.float()).abs()
+    zero = torch.zeros_like(d)
+    kept = torch.where(trained, d, zero)
+    return {"lp_diff": kept.sum(), "lp_diff_w": torch.where(trained, weight * d, zero).sum(),
+            "lp_diff_max": kept.max() if kept.numel() else zero.sum()}

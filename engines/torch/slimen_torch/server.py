@@ -451,7 +451,10 @@ class Service(pb_grpc.EngineServicer):
             return pb.TrainStats(loss=s.loss, pg_loss=s.pg_loss, kl=s.kl, clip_frac=s.clip_frac,
                                  entropy=s.entropy, grad_norm=s.grad_norm, tokens=s.tokens,
                                  value_loss=s.value_loss, skipped=s.skipped, reason=s.reason,
-                                 tis_clip_frac=s.tis_clip_frac, tis_weight=s.tis_weight)
+                                 tis_clip_frac=s.tis_clip_frac, tis_weight=s.tis_weight,
+                                 logprob_diff_mean=s.logprob_diff_mean,
+                                 logprob_diff_max=s.logprob_diff_max,
+                                 logprob_abs_diff=s.logprob_abs_diff)
         try:
             # Adapters step apart: the same batch id of two adapters is two steps.
             bid = request.batch.id if not request.adapter else f"{request.adapter}\x00{request.batch.id}"

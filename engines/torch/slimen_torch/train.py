@@ -322,8 +322,10 @@ class Trainer:
         ref_model = self.reference() if cfg.kl_coef > 0 else None
         self.model.train()
         sums = {k: torch.zeros((), dtype=torch.float64, device=dev)
-                for k in ("loss", "pg", "kl", "entropy", "clipped", "tokens")
+                for k in ("loss", "pg", "kl", "entropy", "clipped", "tokens", "lp_diff",
+                          "lp_diff_w")
                 + (("tis_clipped", "tis_weight") if cfg.use_tis else ())}
+        diff_max = torch.zeros((), dtype=torch.float64, device=dev)
         lengths = [len(s.prompt) + len(s.response) for s in samples]
         for mb in self._plan(lengths):
             idle = not mb  # a pass of no samples of this rank's (dist.py): weight 0, not counted
@@ -355,11 +357,15 @@ class Trainer:
                                 pk.weight * (0.0 if idle else 1.0),
                                 entropy=ent, ref_logp=ref, seq=pk.seq, n_seqs=len(group),
                                 rollout_logp=rollout)
+            if not idle:
+                out.update(L.logprob_mismatch(old if cfg.use_tis else logp.detach(),
+                                              pk.old, pk.mask, pk.weight))
+                diff_max = torch.maximum(diff_max, out.pop("lp_diff_max").double())
             self._backward(out["loss"])
             for k in sums:
                 if k in out and not idle:
                     sums[k] += out[k].detach().double()
-        return self._apply(batch.loss, sums)
+        return self._apply(batch.loss, sums, diff_max)
 
     def _critic_step(self, lc, cfg: L.Loss, samples: list[Sample],
                      weights: list[list[float]]) -> TrainStats:
@@ -458,6 +464,12 @@ class Trainer:
     def _reduce(self, sums: dict) -> dict:
         """The step's sums over every rank."""
         return sums
+
+    def _reduce_max(self, t: torch.Tensor) -> torch.Tensor:
+        """The largest of t over every rank (a sharded trainer's ranks: dist.py's size)."""
+        if getattr(self, "size", 1) > 1:
+            torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+        return t
 
     def _grad_norm(self, grads) -> torch.Tensor:
         return torch.nn.utils.get_total_norm(grads)
@@ -564,8 +576,13 @@ class Trainer:
             m.grad = None
         return norm
 
-    def _apply(self, lc, sums) -> TrainStats:
+    def _apply(self, lc, sums, diff_max=None) -> TrainStats:
+        """The optimizer step after the backward passes: sums are the step's statistics (summed
+        over ranks here), diff_max the largest rollout/trainer log-prob mismatch of a policy
+        step (None for other steps)."""
         sums = self._reduce(sums)
+        if diff_max is not None:
+            sums["lp_diff_max"] = self._reduce_max(diff_max)
         opt = self.opt
         for g in opt.param_groups:
             g["lr"] = lc.lr
@@ -612,6 +629,10 @@ class Trainer:
         if tokens and "tis_clipped" in vals:
             stats.tis_clip_frac = vals["tis_clipped"] / tokens
             stats.tis_weight = vals["tis_weight"] / tokens
+        if "lp_diff_max" in vals:
+            stats.logprob_diff_mean = vals["lp_diff"] / tokens if tokens else 0.0
+            stats.logprob_diff_max = vals["lp_diff_max"]
+            stats.logprob_abs_diff = vals["lp_diff_w"]
         if not math.isfinite(stats.loss):
             return self._skip(stats, f"non-finite loss {stats.loss}")
         stats.grad_norm = got[-1]

@@ -111,6 +111,13 @@ class TrainStats:
     value_loss: float = 0.0  # a critic's value loss
     tis_clip_frac: float = 0.0  # use_tis: share of trained tokens whose weight was clipped/masked
     tis_weight: float = 0.0  # use_tis: mean weight over trained tokens
+    # The rollout/trainer log-prob mismatch |trainer − rollout| over trained tokens (a policy
+    # step): its mean, its largest, and slime's train_rollout_logprob_abs_diff (reduced like the
+    # loss). The trainer's side is the step's forward before its update (with use_tis, the
+    # trainer's old log-probs), the rollout's the sample's old_logprobs.
+    logprob_diff_mean: float = 0.0
+    logprob_diff_max: float = 0.0
+    logprob_abs_diff: float = 0.0
     skipped: bool = False
     reason: str = ""
 
