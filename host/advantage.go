@@ -1,20 +1,22 @@
 package host
 
+// This file defines the host's side of the advantages: which estimator a policy's config names,
+// the reward-side KL some of them take, scored by the policy's engine, and a step's advantages
+// per policy or shared buffer, with the teacher terms of on-policy distillation. The estimators
+// themselves are host/advantage's.
+
 import (
 	"context"
 	"fmt"
 	"math"
 	"slices"
+	"sort"
 
 	"github.com/slimen/slimen/engines"
 	"github.com/slimen/slimen/host/advantage"
 	"github.com/slimen/slimen/host/config"
 	"github.com/slimen/slimen/host/script"
 )
-
-// The host's side of the advantages: which estimator a policy's config names, and the reward-side
-// KL some of them take, scored by the policy's engine. The estimators themselves are
-// host/advantage's.
 
 // estimatorOf is the advantage estimator a policy's train: settings name.
 func estimatorOf(tc config.TrainConfig) advantage.Estimator {
@@ -140,4 +142,137 @@ func (r *Run) warnNothingTrained(step int, ros []*script.Rollout, pm []Metrics) 
 		return
 	}
 	r.events.printf("warning: step %d trained nothing: none of its %d successful rollouts called train(), so no policy learns (rewards alone do not train); queue what you reward with train(c)", step, ok)
+}
+
+// advantages computes the per-token advantages of every policy's samples. Shared-buffer policies
+// are normalised together; split ones alone. Teacher terms (on-policy distillation) come last.
+func (r *Run) advantages(ctx context.Context, pols []*policy, byPolicy map[string][]trainSample) (map[string][][]float32, map[string][]ppoTargets, error) {
+	out := map[string][][]float32{}
+	targets := map[string][]ppoTargets{}
+	type pool struct {
+		names []string
+		tc    config.TrainConfig
+	}
+	var pools []pool
+	var shared *pool
+	kls := map[string][][]float64{} // the reward-side KL of each policy's samples (kl_coef)
+	for _, p := range pols {
+		if !p.cfg.Trainable || p.cfg.IsCritic() {
+			continue
+		}
+		kl, err := r.rewardKL(ctx, p, byPolicy[p.name])
+		if err != nil {
+			return nil, nil, err
+		}
+		kls[p.name] = kl
+		if p.cfg.Train.AdvantageEstimator == "ppo" {
+			adv, t, err := r.ppoAdvantages(ctx, p, byPolicy[p.name], kl)
+			if err != nil {
+				return nil, nil, err
+			}
+			out[p.name], targets[p.name] = adv, t
+			continue
+		}
+		if p.cfg.BufferMode == "shared" {
+			if shared == nil {
+				pools = append(pools, pool{tc: p.cfg.Train})
+				shared = &pools[len(pools)-1]
+			}
+			shared.names = append(shared.names, p.name)
+			continue
+		}
+		pools = append(pools, pool{names: []string{p.name}, tc: p.cfg.Train})
+	}
+	for _, pl := range pools {
+		var in []advantage.Input
+		for _, n := range pl.names {
+			for i, s := range byPolicy[n] {
+				a := advantage.Input{Reward: s.reward, Group: s.Group, Tokens: len(s.C.Tokens()), Mask: maskOf(s.C)}
+				if kls[n] != nil {
+					a.KL = kls[n][i]
+				}
+				if s.HasAdv {
+					a.Override = s.Advantage
+				}
+				in = append(in, a)
+			}
+		}
+		r.warnSingletons(pl.names, pl.tc, in)
+		adv, err := advantage.Compute(estimatorOf(pl.tc), in)
+		if err != nil {
+			return nil, nil, err
+		}
+		k := 0
+		for _, n := range pl.names {
+			m := len(byPolicy[n])
+			out[n] = adv[k : k+m]
+			k += m
+		}
+	}
+	for _, p := range pols {
+		if err := r.applyTeacher(ctx, p, byPolicy[p.name], out[p.name]); err != nil {
+			return nil, nil, err
+		}
+	}
+	return out, targets, nil
+}
+
+// applyTeacher subtracts opd_kl_coef·(logp_student − logp_teacher) per token for samples trained
+// with teacher=.
+func (r *Run) applyTeacher(ctx context.Context, p *policy, ss []trainSample, adv [][]float32) error {
+	byTeacher := map[string][]int{}
+	for i, s := range ss {
+		if s.Teacher != "" {
+			byTeacher[s.Teacher] = append(byTeacher[s.Teacher], i)
+		}
+	}
+	teachers := make([]string, 0, len(byTeacher))
+	for t := range byTeacher {
+		teachers = append(teachers, t)
+	}
+	sort.Strings(teachers)
+	coef := p.cfg.Train.OPDKLCoef
+	for _, t := range teachers {
+		tp, err := r.policyFor(t)
+		if err != nil {
+			return err
+		}
+		idx := byTeacher[t]
+		reqs := make([]engines.ScoreRequest, len(idx))
+		for k, i := range idx {
+			c := ss[i].C
+			reqs[k] = engines.ScoreRequest{Messages: c.Messages(), Tokens: c.Tokens()}
+		}
+		scores, err := tp.eng.Score(ctx, reqs)
+		if err != nil {
+			return &EngineError{Step: r.step + 1, Policy: t, Err: fmt.Errorf("scoring %d samples of policy %q as their teacher: %w", len(idx), p.name, err), Hint: r.engineErrorHint()}
+		}
+		for k, i := range idx {
+			c := ss[i].C
+			lp := scores[k].Logprobs
+			if len(lp) != len(c.Tokens()) {
+				return fmt.Errorf("teacher %q returned %d log-probs for %d tokens", t, len(lp), len(c.Tokens()))
+			}
+			for j := range adv[i] {
+				adv[i][j] -= float32(coef * float64(c.Logprobs()[j]-lp[j]))
+			}
+		}
+	}
+	return nil
+}
+
+// maskOf is a sample's loss mask for the advantage estimators: nil when every token is trained
+// (a generate call's completion), else the conversation's mask (chat).
+func maskOf(c *script.Completion) []float64 {
+	m := c.LossMask()
+	out := make([]float64, len(m))
+	all := true
+	for i, x := range m {
+		out[i] = float64(x)
+		all = all && x == 1
+	}
+	if all {
+		return nil
+	}
+	return out
 }

@@ -179,7 +179,7 @@ func (r *Run) discardAhead(why string) {
 }
 
 // versioned returns the engines.Versions of every trainable policy: its engine's own, or rollout
-// replicas (replica.go) for an engine the run started that keeps none; an error names the first
+// replicas for an engine the run started that keeps none; an error names the first
 // policy that can have neither.
 func (r *Run) versioned(ctx context.Context, k int) (map[string]engines.Versions, error) {
 	out := map[string]engines.Versions{}
@@ -416,67 +416,6 @@ func (r *Run) restoreVersions(ctx context.Context, dir string, p *policy) error 
 		r.gate.open(v)
 	}
 	return nil
-}
-
-// busyMeter measures the time an engine has at least one call running.
-type busyMeter struct {
-	mu      sync.Mutex
-	running int
-	since   time.Time
-	total   time.Duration
-	tokens  int64 // what the calls produced (count), for a rate over the same calls' time
-}
-
-// count adds the tokens a call produced; a nil meter counts nothing.
-func (b *busyMeter) count(tokens int) {
-	if b == nil {
-		return
-	}
-	b.mu.Lock()
-	b.tokens += int64(tokens)
-	b.mu.Unlock()
-}
-
-// read returns the busy time and the tokens counted so far, taken together.
-func (b *busyMeter) read() (time.Duration, int64) {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	t := b.total
-	if b.running > 0 {
-		t += time.Since(b.since)
-	}
-	return t, b.tokens
-}
-
-// begin and end bracket one engine call; a nil meter measures nothing.
-func (b *busyMeter) begin() {
-	if b == nil {
-		return
-	}
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	if b.running == 0 {
-		b.since = time.Now()
-	}
-	b.running++
-}
-
-func (b *busyMeter) end() {
-	if b == nil {
-		return
-	}
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	b.running--
-	if b.running == 0 {
-		b.total += time.Since(b.since)
-	}
-}
-
-// busy returns the busy time so far, the call running now included.
-func (b *busyMeter) busy() time.Duration {
-	t, _ := b.read()
-	return t
 }
 
 // save has the policy's engine save its state into dir, metered as engine work (a checkpoint's

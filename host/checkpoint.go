@@ -189,7 +189,7 @@ func (r *Run) writeCheckpoint(ctx context.Context, step int, final, tmp string) 
 	if err != nil {
 		return err
 	}
-	if err := r.saveVersions(ctx, step, tmp); err != nil { // async.go
+	if err := r.saveVersions(ctx, step, tmp); err != nil {
 		return err
 	}
 	st, err := script.EncodeState(r.state)
@@ -624,7 +624,7 @@ func (r *Run) restore(ctx context.Context, dir string) error {
 		if !p.cfg.Trainable {
 			continue
 		}
-		if err := r.restoreVersions(ctx, dir, p); err != nil { // async.go
+		if err := r.restoreVersions(ctx, dir, p); err != nil {
 			return err
 		}
 		if ext, ok := m.External[p.name]; ok {
@@ -822,3 +822,135 @@ func (r *Run) writeSaveFolder(ctx context.Context, p *policy, step int) error {
 }
 
 func short(h string) string { return h[:min(12, len(h))] }
+
+// Resume loads a stopped run again and restores it: from is its run directory (its newest valid
+// checkpoint is taken; newer ones that fail verification are reported in the run's log and
+// removed as the run goes on) or one of its checkpoints/step_N folders. script "" is the script
+// the checkpoint recorded, found from any working directory (resumeScript). opts.Config nil is the
+// checkpoint's own config, its relative paths taken from the directory the run started in (which
+// run.json records), then opts.ConfigOverride applied to it; opts.Out "" is the run directory the
+// checkpoint belongs to. The run then goes on at the step after the checkpoint's. A checkpoint
+// that cannot be found or read, and a config or script that does not load, are ScriptErrors.
+func Resume(ctx context.Context, from, script string, opts Options) (*Run, error) {
+	ckpt, skipped, err := FindCheckpoint(from)
+	if err != nil {
+		return nil, &ScriptError{Msg: err.Error()}
+	}
+	info, err := readRunInfo(ckpt)
+	if err != nil {
+		return nil, &ScriptError{Msg: err.Error()}
+	}
+	var scriptNote string
+	var moved []string // what Options.Relocate changed
+	if script == "" {
+		script, scriptNote = resumeScript(ckpt, info, opts.FS != nil)
+	}
+	if opts.Out == "" {
+		opts.Out = runDirOf(ckpt)
+	}
+	opts.workDir, opts.resuming = info.Dir, true
+	if opts.Config == nil {
+		ckptConfig := filepath.Join(ckpt, "config.yaml")
+		if opts.Config, err = config.Load(ckptConfig); err != nil {
+			return nil, &ScriptError{Msg: err.Error()}
+		}
+		if opts.Relocate != nil {
+			if moved, err = relocate(opts.Config, opts.Relocate); err != nil {
+				return nil, &ScriptError{Msg: "resume: " + err.Error()}
+			}
+		}
+		if opts.FS == nil {
+			// Before the command line's changes, which are relative to here; and so for every
+			// version of the checkpoint's config a reload reads (--watch on a resumed run).
+			rebasePaths(opts.Config, info.Dir)
+			override := opts.ConfigOverride
+			opts.ConfigOverride = func(c *config.Config) error {
+				if c.File == ckptConfig {
+					rebasePaths(c, info.Dir)
+				}
+				if override != nil {
+					return override(c)
+				}
+				return nil
+			}
+		}
+		if opts.ConfigOverride != nil {
+			if err := opts.ConfigOverride(opts.Config); err != nil {
+				return nil, &ScriptError{Msg: err.Error()}
+			}
+		}
+		opts.Config.Run.Out = opts.Out
+	}
+	r, err := Load(ctx, script, opts)
+	if err != nil {
+		var se *ScriptError
+		if !errors.As(err, &se) {
+			err = &ScriptError{Msg: err.Error()}
+		}
+		return nil, err
+	}
+	if scriptNote != "" {
+		r.events.printf("resume: %s", scriptNote)
+	}
+	if opts.Relocate != nil && len(moved) == 0 {
+		r.events.printf("resume: --config %s: the engines live where the checkpoint's config says; nothing changed", opts.Relocate.File)
+	}
+	for _, c := range moved {
+		r.events.printf("resume: --config %s: %s", opts.Relocate.File, c)
+	}
+	for _, bad := range skipped {
+		r.events.printf("warning: %v", bad)
+	}
+	if len(skipped) > 0 {
+		r.events.printf("warning: resuming from %s, the newest valid checkpoint; the newer ones above are removed when the run goes on", ckpt)
+	}
+	if err := r.restore(ctx, ckpt); err != nil {
+		r.events.filef("stop: the resume from %s failed: %v", ckpt, err)
+		r.Close()
+		return nil, err
+	}
+	r.opts.resuming = false // the engines hold the checkpoint's state now
+	return r, nil
+}
+
+// checkpointPlan says when a run checkpoints and how many it keeps, for its start-up line.
+func checkpointPlan(c config.RunConfig) string {
+	var when []string
+	if c.SaveInterval > 0 {
+		when = append(when, fmt.Sprintf("every %d steps (run.save_interval)", c.SaveInterval))
+	}
+	if c.SaveMinutes > 0 {
+		when = append(when, fmt.Sprintf("after the first step past %g minutes since the last (run.save_minutes)", c.SaveMinutes))
+	}
+	when = append(when, "at the end or on a signal")
+	keep := "all kept"
+	if c.KeepCheckpoints > 0 {
+		keep = fmt.Sprintf("the newest %d kept (run.keep_checkpoints)", c.KeepCheckpoints)
+	}
+	return strings.Join(when, ", ") + "; " + keep
+}
+
+// policyCheckpoint is the folder a policy's engine loads its state from in the run's checkpoint
+// of a step: a folder inside the checkpoint, or one on the engine's server that the manifest
+// names.
+func (r *Run) policyCheckpoint(step int, policy string) (string, error) {
+	if r.opts.Out == "" {
+		return "", fmt.Errorf("the run has no directory")
+	}
+	root, err := r.checkpointRoot()
+	if err != nil {
+		return "", err
+	}
+	dir := filepath.Join(root, stepName(step))
+	m, err := readManifest(dir)
+	if err != nil {
+		return "", err
+	}
+	if ext, ok := m.External[policy]; ok {
+		return ext.Dir, nil
+	}
+	if !m.holds(policy) {
+		return "", fmt.Errorf("checkpoint %s holds no state for it", dir)
+	}
+	return filepath.Join(dir, policy), nil
+}

@@ -60,7 +60,7 @@ func (a *activity) kickAll() {
 // dispatcher coalesces the generate calls of all rollouts for one policy into engine batches.
 // A batch goes out when every rollout thread is waiting (nothing more can come), when it holds
 // maxSamples samples, or when its first request has waited maxWait. Requests arriving while the
-// engine works form the next batch. A batch holds requests of one weights version (async.go):
+// engine works form the next batch. A batch holds requests of one weights version:
 // the oldest request's.
 type dispatcher struct {
 	eng engines.Engine
@@ -73,7 +73,7 @@ type dispatcher struct {
 	maxWait    time.Duration
 	busy       *busyMeter       // nil: not measured
 	generating *busyMeter       // the run's generate batches, every policy's (Run.generating); nil: not measured
-	vers       engines.Versions // the policy's weights versions (async.go: its engine's, or replicas; setVersions); nil: none
+	vers       engines.Versions // the policy's weights versions (its engine's, or replicas; setVersions); nil: none
 
 	mu      sync.Mutex
 	pending []*pendingGen
@@ -354,7 +354,7 @@ func (d *dispatcher) versions() engines.Versions {
 	return d.vers
 }
 
-// setVersions gives the dispatcher the policy's weights versions (async.go).
+// setVersions gives the dispatcher the policy's weights versions.
 func (d *dispatcher) setVersions(vs engines.Versions) {
 	d.mu.Lock()
 	defer d.mu.Unlock()

@@ -51,12 +51,12 @@ type EngineEnv struct {
 	// that places its workers among the run's other policies reads (host/torch, on the GPUs).
 	// It is the run's; an engine must not change it.
 	Config *config.Config
-	// Replica is 0 for a policy's own engine, n ≥ 1 for its n-th rollout replica (replica.go): a
+	// Replica is 0 for a policy's own engine, n ≥ 1 for its n-th rollout replica: a
 	// kind that places its workers may put a replica apart from the policy's worker (host/torch:
 	// on the GPUs of the policy's rollout slice).
 	Replica int
 
-	bases *loraBases // the run's shared LoRA bases (host/lora.go); nil: none shared
+	bases *loraBases // the run's shared LoRA bases; nil: none shared
 }
 
 var engineKinds = struct {

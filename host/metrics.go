@@ -1,11 +1,13 @@
 package host
 
+// This file defines metrics.jsonl: its lines, their writer, and the numbers a step records
+// (rewards, the run-wide line, the busy meter of engines).
+
 import (
 	"bytes"
 	"encoding/json"
 	"errors"
 	"fmt"
-	"io"
 	"io/fs"
 	"math"
 	"os"
@@ -15,6 +17,8 @@ import (
 	"strings"
 	"sync"
 	"time"
+
+	"github.com/slimen/slimen/host/script"
 )
 
 // Metrics is one line of metrics.jsonl: step, policy and named numbers (docs/architecture.md, "The run directory"). Keys are
@@ -342,67 +346,206 @@ func (w *metricsWriter) close() error {
 	return w.f.Close()
 }
 
-// eventLog is events.log: start-up facts, rollout failures with backtraces, script prints,
-// skipped optimizer steps, reloads. Lines also go to the run's Log writer.
-type eventLog struct {
-	mu sync.Mutex
-	f  *os.File
-	w  io.Writer
+func fillRewardMetrics(m Metrics, gens []*script.Completion, ss []trainSample) {
+	var rs []float64
+	tokens, truncated := 0, 0
+	for _, c := range gens {
+		if rw, ok := c.Reward(); ok {
+			rs = append(rs, rw)
+		}
+		tokens += len(c.Tokens())
+		if c.FinishReason() == "length" {
+			truncated++
+		}
+	}
+	for _, s := range ss {
+		if s.C.Conversation() {
+			rs = append(rs, s.reward) // a chat's reward is its conversation's, not a turn's
+		}
+	}
+	if len(rs) > 0 {
+		// No reward is no number: a policy that generated nothing this step, or whose
+		// completions nobody rewarded (a frozen judge), has no reward_mean, not a mean of 0.
+		mean, std := meanStd(rs)
+		m.set("reward_mean", mean)
+		m.set("reward_std", std)
+	}
+	m.set("samples", len(ss))
+	m.set("completions", len(gens))
+	m.set("tokens", tokens)
+	rl := 0.0
+	if len(gens) > 0 {
+		rl = float64(tokens) / float64(len(gens))
+		m.set("truncated", float64(truncated)/float64(len(gens)))
+	} else {
+		m.set("truncated", 0.0)
+	}
+	m.set("response_len", rl)
 }
 
-func (e *eventLog) open(path string) error {
-	f, err := os.OpenFile(path, os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o644)
-	if err != nil {
-		return fmt.Errorf("events log: %w", err)
+// meanStd returns the mean and the population standard deviation (0, 0 for no values).
+func meanStd(xs []float64) (float64, float64) {
+	if len(xs) == 0 {
+		return 0, 0
 	}
-	e.f = f
+	var s float64
+	for _, x := range xs {
+		s += x
+	}
+	mean := s / float64(len(xs))
+	var v float64
+	for _, x := range xs {
+		v += (x - mean) * (x - mean)
+	}
+	return mean, math.Sqrt(v / float64(len(xs)))
+}
+
+// tokens_per_s is the tokens generated over genS, the time an engine was generating them (an
+// agent() run's rollouts also start programs and run tools, which rolloutS counts).
+func (r *Run) runMetrics(step int, ros []*script.Rollout, res *StepResult, rolloutS, genS, trainS, stepS float64) Metrics {
+	m := newMetrics(step, "_run")
+	m.set("rollouts", len(ros))
+	m.set("failed", len(res.Failed))
+	tokens := 0
+	for _, p := range res.Policies {
+		tokens += p.int("tokens")
+	}
+	m.set("tokens", tokens)
+	m.set("rollout_s", rolloutS)
+	m.set("train_s", trainS)
+	m.set("step_s", stepS)
+	switch {
+	case genS > 0:
+		m.set("tokens_per_s", float64(tokens)/genS)
+	case rolloutS > 0: // nothing generated
+		m.set("tokens_per_s", 0.0)
+	}
+	for k, v := range r.logSums(step, ros) {
+		m.set(k, v[0]/v[1])
+	}
+	return m
+}
+
+// logSums adds up the log() values of the step's successful rollouts. It applies log()'s rules
+// again, since a sandboxed rollout's values come from its child: a rollout that reports a name
+// the host writes itself (script.RunFields), a name too long or not finite, or more than
+// script.MaxLogNamesPerRollout names, counts with none of its values. Names new to the run past
+// script.MaxLogNamesPerRun are dropped, with an event that names them.
+func (r *Run) logSums(step int, ros []*script.Rollout) map[string][2]float64 {
+	sums := map[string][2]float64{}
+	for _, ro := range ros {
+		if ro.Err != nil {
+			continue
+		}
+		logs := ro.Logs()
+		if err := checkLogs(logs); err != nil {
+			r.events.printf("step %d task %s: its log() values are left out of the metrics: %v", step, ro.Task.ID, err)
+			continue
+		}
+		for k, v := range logs {
+			a := sums[k]
+			sums[k] = [2]float64{a[0] + v[0], a[1] + v[1]}
+		}
+	}
+	var dropped []string
+	for k := range sums {
+		if !r.logNames[k] && len(r.logNames) >= script.MaxLogNamesPerRun {
+			dropped = append(dropped, k)
+			continue
+		}
+		if r.logNames == nil {
+			r.logNames = map[string]bool{}
+		}
+		r.logNames[k] = true
+	}
+	if len(dropped) > 0 {
+		sort.Strings(dropped)
+		for _, k := range dropped {
+			delete(sums, k)
+		}
+		names := strings.Join(dropped[:min(len(dropped), 5)], ", ")
+		if len(dropped) > 5 {
+			names += ", …"
+		}
+		r.events.printf("step %d: log(): the run has written %d metric names, the most a run writes; %d new names are left out of its metrics: %s",
+			step, len(r.logNames), len(dropped), names)
+	}
+	return sums
+}
+
+// checkLogs applies log()'s rules to a rollout's logged values.
+func checkLogs(logs map[string][2]float64) error {
+	if len(logs) > script.MaxLogNamesPerRollout {
+		return fmt.Errorf("%d metric names, more than the %d a rollout logs", len(logs), script.MaxLogNamesPerRollout)
+	}
+	for k, v := range logs {
+		if err := script.CheckLogName("log", k); err != nil {
+			return err
+		}
+		if math.IsNaN(v[0]) || math.IsInf(v[0], 0) || !(v[1] >= 1) {
+			return fmt.Errorf("log: %s is not a finite number", k)
+		}
+	}
 	return nil
 }
 
-func (e *eventLog) printf(format string, args ...any) { e.write(true, format, args...) }
+// busyMeter measures the time an engine has at least one call running.
+type busyMeter struct {
+	mu      sync.Mutex
+	running int
+	since   time.Time
+	total   time.Duration
+	tokens  int64 // what the calls produced (count), for a rate over the same calls' time
+}
 
-// filef writes to events.log only (the run's Log writer is spared a flood of similar lines).
-func (e *eventLog) filef(format string, args ...any) { e.write(false, format, args...) }
-
-// split writes one thing said two ways: toLog to the run's Log writer, toFile to events.log (a
-// line that points the terminal's reader to events.log makes no sense inside it). Without an
-// events.log the terminal's line is not about it either.
-func (e *eventLog) split(toLog, toFile string) {
-	if e == nil {
+// count adds the tokens a call produced; a nil meter counts nothing.
+func (b *busyMeter) count(tokens int) {
+	if b == nil {
 		return
 	}
-	e.mu.Lock()
-	hasFile := e.f != nil
-	e.mu.Unlock()
-	if !hasFile {
-		toLog = strings.Replace(toLog, " (all in events.log)", "", 1)
+	b.mu.Lock()
+	b.tokens += int64(tokens)
+	b.mu.Unlock()
+}
+
+// read returns the busy time and the tokens counted so far, taken together.
+func (b *busyMeter) read() (time.Duration, int64) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	t := b.total
+	if b.running > 0 {
+		t += time.Since(b.since)
 	}
-	e.write(false, "%s", toFile)
-	if e.w != nil {
-		e.mu.Lock()
-		fmt.Fprintln(e.w, toLog)
-		e.mu.Unlock()
+	return t, b.tokens
+}
+
+// begin and end bracket one engine call; a nil meter measures nothing.
+func (b *busyMeter) begin() {
+	if b == nil {
+		return
+	}
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	if b.running == 0 {
+		b.since = time.Now()
+	}
+	b.running++
+}
+
+func (b *busyMeter) end() {
+	if b == nil {
+		return
+	}
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	b.running--
+	if b.running == 0 {
+		b.total += time.Since(b.since)
 	}
 }
 
-func (e *eventLog) write(toLog bool, format string, args ...any) {
-	if e == nil {
-		return
-	}
-	msg := fmt.Sprintf(format, args...)
-	e.mu.Lock()
-	defer e.mu.Unlock()
-	if e.f != nil {
-		fmt.Fprintf(e.f, "%s %s\n", time.Now().UTC().Format(time.RFC3339), msg)
-	}
-	if e.w != nil && toLog {
-		fmt.Fprintln(e.w, msg)
-	}
-}
-
-func (e *eventLog) close() error {
-	if e.f == nil {
-		return nil
-	}
-	return e.f.Close()
+// busy returns the busy time so far, the call running now included.
+func (b *busyMeter) busy() time.Duration {
+	t, _ := b.read()
+	return t
 }

@@ -15,23 +15,6 @@ import (
 	"github.com/slimen/slimen/host/script"
 )
 
-// StepCut is a step that a stop cut short: some of its rollouts were still running
-// rollout.stop_grace_s after the stop and were cancelled. Such a step is neither trained nor
-// checkpointed (a step is saved only whole): the run stops after the step before it, whose
-// checkpoint a resume continues from, running the cut step again in full — as the uninterrupted
-// run would have.
-type StepCut struct {
-	Step      int
-	Cancelled int // rollouts cancelled by the stop
-	Total     int // rollouts of the step
-	Grace     float64
-}
-
-func (e *StepCut) Error() string {
-	return fmt.Sprintf("step %d was cut by the stop: %d of its %d rollouts were still running %gs after it (rollout.stop_grace_s) and were cancelled; the step is neither trained nor saved, so a resume runs it again whole",
-		e.Step, e.Cancelled, e.Total, e.Grace)
-}
-
 // stepCut returns a *StepCut when a stop cancelled any of the step's rollouts, else nil.
 func stepCut(step int, ros []*script.Rollout, grace float64) error {
 	cancelled := 0
@@ -45,19 +28,6 @@ func stepCut(step int, ros []*script.Rollout, grace float64) error {
 		return nil
 	}
 	return &StepCut{Step: step, Cancelled: cancelled, Total: len(ros), Grace: grace}
-}
-
-// RunFolderError stops a run whose folder was deleted, moved, replaced or made unwritable: what
-// it would write next (metrics, events, checkpoints) would be lost.
-type RunFolderError struct {
-	Dir  string
-	Why  string // "it was deleted", "it is not writable: …"
-	Step int    // the steps completed
-	Hint string // what to do: the resume command, where there is one
-}
-
-func (e *RunFolderError) Error() string {
-	return fmt.Sprintf("run folder %s: %s; the run stops after step %d rather than write where nothing is kept: %s", e.Dir, e.Why, e.Step, e.Hint)
 }
 
 // checkFolder makes sure the run folder is still this run's and writable: its lock file is the

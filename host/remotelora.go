@@ -46,7 +46,7 @@ var adapterServers = struct {
 // OpenAdapter opens a LoRA policy as an adapter named after it on the run's server s (one
 // server, one copy of the base weights, for every LoRA policy of s.Key), new (B = 0: the base's
 // outputs) or, with load:, the PEFT folder there (a folder on the server's machine). The host's
-// engine of the policy is the server as the adapter sees it (remote.Adapter), as host/lora.go
+// engine of the policy is the server as the adapter sees it (remote.Adapter), as openTinyLoRA
 // does for the tiny engine. A server started again after a crash gets every adapter back, each
 // restored by its own policy's restart rule (its last checkpoint and the steps since).
 func OpenAdapter(ctx context.Context, p config.PolicyConfig, env EngineEnv, s AdapterServer) (engines.Engine, error) {

@@ -17,7 +17,7 @@ import (
 )
 
 // replicas give an engine that keeps no weights versions itself (a torch worker: one copy of
-// the weights, trained in place) the engines.Versions of the asynchronous loop (async.go): each
+// the weights, trained in place) the engines.Versions of the asynchronous loop: each
 // kept version lives in a rollout replica, another engine of the policy opened with its config
 // (another worker process on the same device), which takes the trainer's weights through a
 // folder: the trainer saves them (Engine.Save) and the replica loads them (Engine.Load). A
@@ -56,7 +56,7 @@ type pushGroup struct {
 const pushTimeout = 120 * time.Second
 
 // PushHostEnv, when set, is the address of the trainer's machine at which its rollout replicas
-// meet it to take its weights (a push group, replica.go); by default 127.0.0.1: the workers run
+// meet it to take its weights (a push group); by default 127.0.0.1: the workers run
 // on the host's machine.
 const PushHostEnv = "SLIMEN_PUSH_HOST"
 

@@ -3,7 +3,6 @@ package host
 import (
 	"context"
 	"fmt"
-	"path/filepath"
 	"sync"
 	"time"
 
@@ -164,23 +163,6 @@ type restartEvent struct {
 	eng       engines.Engine // the engine's client: calls with the hook's ctx reach the new process
 }
 
-// RestartError stops a run: a trainable policy's engine restarted as a new process, lost its
-// weights and optimizer state, and the host had no checkpoint to give them back from.
-type RestartError struct {
-	Step   int    // the step in progress
-	Policy string // the policy whose engine restarted
-	Engine string // "its engine at ADDR"
-	Prev   string // instance ids of the server processes
-	Cur    string
-	Why    string // why the state could not be put back
-	Hint   string // how to go on
-}
-
-func (e *RestartError) Error() string {
-	return fmt.Sprintf("step %d: policy %q: %s restarted as a new process (instance %s → %s) and lost the weights and optimizer state it had trained; %s, so the run stops: %s",
-		e.Step, e.Policy, e.Engine, e.Prev, e.Cur, e.Why, e.Hint)
-}
-
 // engineRestarted is every engine's OnRestart: it puts the policy's state back into the new
 // process, or refuses it (and the run stops).
 func (r *Run) engineRestarted(ctx context.Context, ev restartEvent) error {
@@ -240,7 +222,7 @@ func (r *Run) engineRestarted(ctx context.Context, ev restartEvent) error {
 	}
 	versions := r.versionsInEngine(ev.policy)
 	if versions {
-		// Its rollouts sample weights versions the process kept (async.go): those up to g.base
+		// Its rollouts sample weights versions the process kept: those up to g.base
 		// are the state of g.base or in its checkpoint; those of the steps since are kept again
 		// below, each once its step's optimizer steps are replayed.
 		kept, err := r.keepAgain(ctx, ev.eng, ev.policy, g.base)
@@ -256,7 +238,7 @@ func (r *Run) engineRestarted(ctx context.Context, ev restartEvent) error {
 			return fail("replaying optimizer step %d of %d since step %d (%s) failed: %v", i+1, len(replay), g.base, a.b.ID, err)
 		}
 		if last := i+1 == len(replay) || replay[i+1].step != a.step; versions && last && a.step <= g.done && a.step >= g.done-r.staleness() {
-			// A version a step to come may still generate from (async.go: genVersion of step
+			// A version a step to come may still generate from (genVersion of step
 			// done+1 is done-K); older ones the run dropped already.
 			if err := keepVersion(ctx, ev.eng, a.step); err != nil {
 				return fail("keeping weights version %d again after replaying its optimizer steps failed: %v", a.step, err)
@@ -313,31 +295,6 @@ func (r *Run) giveUpOnEngines(t time.Time) {
 			}
 		}
 	}
-}
-
-// policyCheckpoint is the folder a policy's engine loads its state from in the run's checkpoint
-// of a step: a folder inside the checkpoint, or one on the engine's server that the manifest
-// names (checkpoint.go).
-func (r *Run) policyCheckpoint(step int, policy string) (string, error) {
-	if r.opts.Out == "" {
-		return "", fmt.Errorf("the run has no directory")
-	}
-	root, err := r.checkpointRoot()
-	if err != nil {
-		return "", err
-	}
-	dir := filepath.Join(root, stepName(step))
-	m, err := readManifest(dir)
-	if err != nil {
-		return "", err
-	}
-	if ext, ok := m.External[policy]; ok {
-		return ext.Dir, nil
-	}
-	if !m.holds(policy) {
-		return "", fmt.Errorf("checkpoint %s holds no state for it", dir)
-	}
-	return filepath.Join(dir, policy), nil
 }
 
 // resumeHint says how to go on after a run stopped for an engine: resume from its newest

@@ -8,12 +8,8 @@ import (
 	"fmt"
 	"io"
 	"io/fs"
-	"math"
 	"os"
 	"path/filepath"
-	"reflect"
-	"slices"
-	"sort"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -22,7 +18,6 @@ import (
 	"go.starlark.net/starlark"
 
 	"github.com/slimen/slimen/engines"
-	"github.com/slimen/slimen/host/advantage"
 	"github.com/slimen/slimen/host/config"
 	"github.com/slimen/slimen/host/script"
 	"github.com/slimen/slimen/host/tasks"
@@ -74,7 +69,7 @@ type Options struct {
 	// run's log; the run goes on.
 	AfterEval func(r *Run) error
 	// Observers receive the run's config, each step's metrics, rewards, advantages and saved
-	// rollouts, and each eval's, as the run records them (observe.go); their errors are logged,
+	// rollouts, and each eval's, as the run records them; their errors are logged,
 	// never fatal.
 	Observers []Observer
 
@@ -93,9 +88,6 @@ type Options struct {
 
 // Task is one unit of work handed to rollout(task).
 type Task = tasks.Task
-
-// ScriptError is a problem with the user's script or config: the CLI exits 2 on it.
-type ScriptError = script.Error
 
 // TaskSource yields the tasks of a run by index (tasks.Source is one).
 type TaskSource interface {
@@ -130,9 +122,9 @@ type Run struct {
 	activity activity
 	events   *eventLog
 	metrics  *metricsWriter
-	rec      recorder   // rollouts.jsonl and what a step's record needs (rollout_record.go)
-	obs      *observers // Options.Observers and run.tensorboard's, once started (observe.go)
-	lock     *runLock   // the run folder's lock (runlock.go); nil without a folder
+	rec      recorder   // rollouts.jsonl and what a step's record needs
+	obs      *observers // Options.Observers and run.tensorboard's, once started
+	lock     *runLock   // the run folder's lock; nil without a folder
 	// logNames are the log() names the run has written to its _run lines (at most
 	// script.MaxLogNamesPerRun; runMetrics).
 	logNames map[string]bool
@@ -155,11 +147,11 @@ type Run struct {
 	reload  *reloader // nil unless Watch was called
 	sandbox *pool     // nil unless the run is sandboxed
 
-	ckpt checkpoints // what the run remembers of its checkpoints (checkpoint.go)
+	ckpt checkpoints // what the run remembers of its checkpoints
 
-	// ahead are the rollouts launched for steps not yet trained, in step order (async.go).
+	// ahead are the rollouts launched for steps not yet trained, in step order.
 	ahead     []*launched
-	launchPos int          // the data position after the steps launched (async.go)
+	launchPos int          // the data position after the steps launched
 	kept      map[int]bool // the weights versions the trainable policies keep
 	gate      versionGate  // opens when a version is kept, for partial rollouts
 	// lastStepEnd is when the last step ended, for engine_busy.
@@ -172,7 +164,7 @@ type Run struct {
 	stopOnce sync.Once
 
 	passes  atomic.Int64 // rollout passes so far (steps, eval datasets): part of generate request ids
-	restart restartGuard // what puts a restarted engine's state back (restart.go)
+	restart restartGuard // what puts a restarted engine's state back
 
 	// live is the rollout pass in progress (a step's or an eval's), for progress displays; genMark
 	// is generating's total when it began.
@@ -202,46 +194,6 @@ type LivePass struct {
 func (r *Run) Live() LivePass {
 	return LivePass{Done: int(r.live.done.Load()), Total: int(r.live.total.Load()), Tokens: int(r.live.tokens.Load()),
 		Eval: r.live.eval.Load(), Generating: r.generating.busy() - time.Duration(r.live.genMark.Load())}
-}
-
-// policy is one policy's engine and its dispatcher.
-type policy struct {
-	name     string
-	cfg      config.PolicyConfig
-	eng      engines.Engine
-	disp     *dispatcher
-	busy     *busyMeter // the engine's generate, train and save calls
-	replicas *replicas  // the rollout replicas the run opened for it (replica.go); nil: none
-	// busyMark is busy's total at the end of the last step.
-	busyMark time.Duration
-
-	infoMu sync.Mutex
-	info   *engines.Info // the engine's Info as chat turns render with it; nil: ask again
-}
-
-// chatInfo is the engine's Info for rendering chat turns (template, EOS, context), asked once and
-// kept until forgetInfo: a chat renders at every turn, and a remote or torch engine's Info is a
-// round trip.
-func (p *policy) chatInfo(ctx context.Context) (engines.Info, error) {
-	p.infoMu.Lock()
-	defer p.infoMu.Unlock()
-	if p.info != nil {
-		return *p.info, nil
-	}
-	info, err := p.eng.Info(ctx)
-	if err != nil {
-		return engines.Info{}, err
-	}
-	p.info = &info
-	return info, nil
-}
-
-// forgetInfo drops the kept Info: the engine restarted as a new process, or the run's
-// configuration was reloaded, and the next render asks the engine again.
-func (p *policy) forgetInfo() {
-	p.infoMu.Lock()
-	p.info = nil
-	p.infoMu.Unlock()
 }
 
 // Load reads the script, resolves the configuration and opens the engines.
@@ -277,16 +229,16 @@ func Load(ctx context.Context, scriptPath string, opts Options) (*Run, error) {
 			return nil, r.notStarted(err)
 		}
 	}
-	if err := r.checkEvalData(); err != nil { // eval.go
+	if err := r.checkEvalData(); err != nil {
 		return nil, r.notStarted(err)
 	}
-	if err := r.checkScript(); err != nil { // scriptcheck.go
+	if err := r.checkScript(); err != nil {
 		return nil, r.notStarted(err)
 	}
 	if err := r.openPolicies(ctx); err != nil {
 		return nil, r.notStarted(err)
 	}
-	if err := r.checkSaveFolders(); err != nil { // policies' save: folders (checkpoint.go)
+	if err := r.checkSaveFolders(); err != nil { // policies' save: folders
 		return nil, r.notStarted(err)
 	}
 	r.events.printf("loaded %s (sha256 %s); %s", s.Path, s.Hash[:12], policiesLoaded(r.cfg.Policies))
@@ -324,68 +276,6 @@ func (r *Run) notStarted(err error) error {
 	return err
 }
 
-// checkpointPlan says when a run checkpoints and how many it keeps, for its start-up line.
-func checkpointPlan(c config.RunConfig) string {
-	var when []string
-	if c.SaveInterval > 0 {
-		when = append(when, fmt.Sprintf("every %d steps (run.save_interval)", c.SaveInterval))
-	}
-	if c.SaveMinutes > 0 {
-		when = append(when, fmt.Sprintf("after the first step past %g minutes since the last (run.save_minutes)", c.SaveMinutes))
-	}
-	when = append(when, "at the end or on a signal")
-	keep := "all kept"
-	if c.KeepCheckpoints > 0 {
-		keep = fmt.Sprintf("the newest %d kept (run.keep_checkpoints)", c.KeepCheckpoints)
-	}
-	return strings.Join(when, ", ") + "; " + keep
-}
-
-// refuseScoringWithoutScore stops a run at start-up, not at its first score call, when its
-// script scores with a policy whose engine only generates (kind openai: the OpenAI API returns
-// no log-probabilities of given tokens): score("judge", …) or train(…, teacher="judge") with the
-// name written literally. (Training such a policy is refused by the config check.)
-func (r *Run) refuseScoringWithoutScore() error {
-	for _, u := range script.ScoringUses(r.script) {
-		for _, p := range r.cfg.Policies {
-			if p.Name != u.Name || p.Engine.Kind != "openai" {
-				continue
-			}
-			call := fmt.Sprintf("score(%q, …)", u.Name)
-			if u.Fn == "train" {
-				call = fmt.Sprintf("train(…, teacher=%q)", u.Name)
-			}
-			return fmt.Errorf("%s: %s scores with policy %q, whose engine (kind openai, %s:%d) only generates: the OpenAI API returns no log-probabilities of given tokens; score with a tiny, torch or remote policy",
-				u.Pos, call, u.Name, r.cfgName(), p.Line)
-		}
-	}
-	return nil
-}
-
-// openScriptPolicies starts, in a zero-config run, the policies the script names literally, so
-// that they are listed at start-up and in config.yaml before the first step (names a script
-// computes are still created when first used), and warns about names a typo apart.
-func (r *Run) openScriptPolicies() error {
-	uses := script.PolicyNames(r.script)
-	for _, w := range script.NearPolicyNames(uses) {
-		r.events.printf("warning: %s", w)
-	}
-	chat := map[string]bool{} // names a chat() with tool schemas uses: on the embedded chat model
-	for _, u := range uses {
-		chat[u.Name] = chat[u.Name] || u.Tools
-	}
-	for _, u := range uses {
-		checkpoint := config.BuiltinCheckpoint
-		if chat[u.Name] {
-			checkpoint = config.BuiltinChatCheckpoint
-		}
-		if _, err := r.policyOn(u.Name, checkpoint); err != nil {
-			return fmt.Errorf("%s: %w", u.Pos, err)
-		}
-	}
-	return r.writeConfig()
-}
-
 // policiesLoaded says which policies a run starts with, for its first events.log line.
 func policiesLoaded(ps []config.PolicyConfig) string {
 	if len(ps) == 0 {
@@ -420,57 +310,6 @@ func newRun(opts Options) *Run {
 		r.zero = true // a config that lists no policies leaves them to the script, as zero-config does
 	}
 	return r
-}
-
-// atOnce runs fn(0), …, fn(n−1) at the same time and returns their errors, by index.
-func atOnce(n int, fn func(i int) error) []error {
-	errs := make([]error, n)
-	var wg sync.WaitGroup
-	for i := range n {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			errs[i] = fn(i)
-		}()
-	}
-	wg.Wait()
-	return errs
-}
-
-// openPolicies opens the config's policies. Their engines start at the same time (eight torch
-// workers, each with its start-up of several seconds, started one after another before), except
-// those that share an engine (addToLane: LoRA policies join their shared bases one at a time, in
-// config order); then the policies are registered in config order.
-func (r *Run) openPolicies(ctx context.Context) error {
-	pcs := r.cfg.Policies
-	at := map[string]int{} // a policy's index in pcs
-	var lanes [][]*policy
-	for i, pc := range pcs {
-		at[pc.Name] = i
-		lanes = addToLane(lanes, &policy{name: pc.Name, cfg: pc, eng: r.opts.Engines[pc.Name]})
-	}
-	engs, errs := make([]engines.Engine, len(pcs)), make([]error, len(pcs))
-	atOnce(len(lanes), func(l int) error {
-		for _, p := range lanes[l] {
-			i := at[p.name]
-			engs[i], errs[i] = r.openPolicyEngine(ctx, pcs[i])
-		}
-		return nil
-	})
-	for i, pc := range pcs {
-		if errs[i] == nil {
-			_, errs[i] = r.registerPolicy(ctx, pc, engs[i])
-		}
-		if errs[i] != nil {
-			for j := i + 1; j < len(pcs); j++ { // opened, never registered
-				if _, given := r.opts.Engines[pcs[j].Name]; !given && engs[j] != nil {
-					engs[j].Close()
-				}
-			}
-			return errs[i]
-		}
-	}
-	return nil
 }
 
 // Config returns the resolved configuration.
@@ -511,152 +350,6 @@ func (r *Run) Close() error {
 	return errors.Join(errs...)
 }
 
-func (r *Run) addPolicy(ctx context.Context, pc config.PolicyConfig) (*policy, error) {
-	eng, err := r.openPolicyEngine(ctx, pc)
-	if err != nil {
-		return nil, err
-	}
-	return r.registerPolicy(ctx, pc, eng)
-}
-
-// openPolicyEngine returns the engine of policy pc: the one Options.Engines gives, or a new one.
-func (r *Run) openPolicyEngine(ctx context.Context, pc config.PolicyConfig) (engines.Engine, error) {
-	eng := r.opts.Engines[pc.Name]
-	if eng == nil {
-		open := r.opts.OpenEngine
-		if open == nil {
-			open = func(ctx context.Context, p config.PolicyConfig) (engines.Engine, error) {
-				return openEngine(ctx, p, r.opts.Out, engineLogs{printf: r.events.printf, worker: r.events.filef, restarted: r.engineRestarted, bases: &r.bases, cfg: r.cfg})
-			}
-		}
-		var err error
-		if eng, err = open(ctx, pc); err != nil {
-			return nil, fmt.Errorf("policy %q%s: %w", pc.Name, r.cfgPlace(&policy{cfg: pc}), err)
-		}
-	}
-	return eng, nil
-}
-
-// registerPolicy makes policy pc of its engine eng (closed on an error unless Options.Engines
-// gave it) and starts its dispatcher.
-func (r *Run) registerPolicy(ctx context.Context, pc config.PolicyConfig, eng engines.Engine) (*policy, error) {
-	_, given := r.opts.Engines[pc.Name]
-	if !given && r.opts.OpenEngine == nil && offHost(pc) { // a server this run reached itself
-		// After the policies before it are registered: it checks that no two trainable
-		// policies share one server process.
-		// The folders first: a run refused for them leaves the server's state as it was.
-		if err := r.checkServerFolders(ctx, pc, eng); err != nil { // engine.go
-			eng.Close()
-			return nil, fmt.Errorf("policy %q%s: %w", pc.Name, r.cfgPlace(&policy{cfg: pc}), err)
-		}
-		if err := r.claimServer(ctx, pc, eng); err != nil { // engine.go
-			eng.Close()
-			return nil, fmt.Errorf("policy %q%s: %w", pc.Name, r.cfgPlace(&policy{cfg: pc}), err)
-		}
-	}
-	if err := r.checkTIS(ctx, pc.Name, pc, eng); err != nil {
-		if !given {
-			eng.Close()
-		}
-		return nil, err
-	}
-	p := &policy{name: pc.Name, cfg: pc, eng: eng, busy: &busyMeter{}}
-	p.disp = newDispatcher(eng, &r.activity, maxBatchSamples(r.cfg))
-	p.disp.busy, p.disp.generating = p.busy, &r.generating
-	if v, ok := eng.(engines.AdapterView); ok && crossPolicyBatching {
-		// A LoRA policy on a shared base: its batches go out with the other adapters' batches.
-		base := v.AdapterBase()
-		bt := r.adapterBatchers[base]
-		if bt == nil {
-			bt = newAdapterBatcher(base.GenerateAdapters, &r.activity)
-			if r.adapterBatchers == nil {
-				r.adapterBatchers = map[engines.AdapterGenerator]*adapterBatcher{}
-			}
-			r.adapterBatchers[base] = bt
-		}
-		name := v.AdapterName()
-		bt.join(name, p.disp)
-		p.disp.gen = func(ctx context.Context, reqs []engines.GenerateRequest) ([]engines.Completion, error) {
-			return bt.generate(ctx, name, reqs)
-		}
-	}
-	go p.disp.loop(r.ctx)
-	r.policies[pc.Name] = p
-	r.order = append(r.order, pc.Name)
-	return p, nil
-}
-
-func maxBatchSamples(c *config.Config) int {
-	if c.Rollout.MaxBatchTokens > 0 {
-		return max(1, c.Rollout.MaxBatchTokens/max(1, c.Rollout.MaxResponseLen))
-	}
-	return 1024
-}
-
-// policyFor returns a policy by name. Zero-config runs create it on first use, on
-// config.BuiltinCheckpoint.
-func (r *Run) policyFor(name string) (*policy, error) {
-	return r.policyOn(name, config.BuiltinCheckpoint)
-}
-
-// policyOn is policyFor with the checkpoint a zero-config run creates the policy on.
-func (r *Run) policyOn(name, checkpoint string) (*policy, error) {
-	r.polMu.Lock()
-	defer r.polMu.Unlock()
-	if p, ok := r.policies[name]; ok {
-		return p, nil
-	}
-	if !r.zero {
-		hint := ""
-		if best := script.ClosestName(name, r.order); best != "" {
-			hint = fmt.Sprintf(" (did you mean %q?)", best)
-		}
-		return nil, fmt.Errorf("unknown policy %q%s; %s defines %s — add it under policies: or fix the name", name, hint, r.cfgName(), config.QuotePolicyNames(r.order))
-	}
-	if err := config.CheckPolicyName(name); err != nil {
-		return nil, fmt.Errorf("%v (a zero-config run creates each policy under the name the script passes, which must be a name a config may give it)", err)
-	}
-	if err := r.openErrs[name]; err != nil {
-		return nil, err
-	}
-	pc := config.DefaultPolicy(name)
-	pc.HFCheckpoint, pc.Engine.ModelPath = checkpoint, checkpoint
-	p, err := r.addPolicy(r.ctx, pc)
-	if err != nil {
-		if r.openErrs == nil {
-			r.openErrs = map[string]error{}
-		}
-		r.openErrs[name] = err
-		return nil, err
-	}
-	r.cfgMu.Lock()
-	r.cfg.Policies = append(r.cfg.Policies, pc)
-	r.cfgMu.Unlock()
-	r.events.printf("zero-config: policy %q on %s (%s engine)", name, pc.HFCheckpoint, pc.Engine.Kind)
-	if r.step > 0 || r.live.total.Load() > 0 {
-		// A name the script computed, created mid-run: config.yaml lists it too.
-		if err := r.writeConfig(); err != nil {
-			r.events.printf("config.yaml: %v", err)
-		}
-	}
-	return p, nil
-}
-
-func (r *Run) cfgName() string {
-	if r.cfg.File != "" {
-		return r.cfg.File
-	}
-	return "the config"
-}
-
-// cfgPlace names where a policy was configured, for messages: " in policies.yaml:7".
-func (r *Run) cfgPlace(p *policy) string {
-	if r.cfg.File != "" && p.cfg.Line > 0 {
-		return fmt.Sprintf(" in %s:%d", r.cfg.File, p.cfg.Line)
-	}
-	return ""
-}
-
 // sampling returns the rollout defaults of the current config.
 func (r *Run) sampling() engines.Sampling {
 	c := r.Config()
@@ -666,13 +359,6 @@ func (r *Run) sampling() engines.Sampling {
 	}
 }
 
-// score scores one request of a rollout: through the policy's dispatcher, which batches the score
-// calls of all rollouts as it does their generate calls, at the weights version the rollout
-// samples from.
-func (r *Run) score(ctx context.Context, p *policy, req engines.ScoreRequest) ([]float32, error) {
-	return p.disp.score(ctx, req, versionFor(ctx, p).gen)
-}
-
 // StepResult is what one step did: one metrics record per policy plus the run-wide record.
 type StepResult struct {
 	Step     int
@@ -680,38 +366,6 @@ type StepResult struct {
 	Run      Metrics   // policy "_run"
 	Eval     []Metrics // policy "_eval", one per dataset, on eval steps
 	Failed   []*RolloutError
-}
-
-// EngineError stops a run: a policy's engine failed (after the retries of its client).
-type EngineError struct {
-	Step   int
-	Policy string
-	Err    error
-	Hint   string // how to go on (the run's resume command); "" gives a general hint
-}
-
-func (e *EngineError) Error() string {
-	if e.Hint != "" {
-		return fmt.Sprintf("step %d: the engine of policy %q failed: %v; the run stops: %s", e.Step, e.Policy, e.Err, e.Hint)
-	}
-	return fmt.Sprintf("step %d: the engine of policy %q failed: %v; the run stops (resume from its last checkpoint with --resume once the engine is back)", e.Step, e.Policy, e.Err)
-}
-
-func (e *EngineError) Unwrap() error { return e.Err }
-
-// RolloutError is a failed rollout: its task and the Starlark backtrace.
-type RolloutError struct {
-	Step   int
-	TaskID string
-	Msg    string
-}
-
-func (e *RolloutError) Error() string {
-	return fmt.Sprintf("step %d task %s: rollout failed:\n%s", e.Step, e.TaskID, indent(e.Msg))
-}
-
-func indent(s string) string {
-	return "  " + strings.ReplaceAll(strings.TrimRight(s, "\n"), "\n", "\n  ")
 }
 
 // shownFailures is how many failed rollouts a step shows in full on the run's log.
@@ -760,7 +414,7 @@ func (r *Run) Step(ctx context.Context) (*StepResult, error) {
 // runStep is Step without the rollback of the state store.
 func (r *Run) runStep(ctx context.Context) (*StepResult, error) {
 	step := r.step + 1
-	if err := r.checkFolder(); err != nil { // reliability.go
+	if err := r.checkFolder(); err != nil {
 		return nil, err
 	}
 	r.restart.stepStarting(r.step, r.ckpt.have && r.ckpt.step == r.step)
@@ -805,7 +459,7 @@ func (r *Run) runStep(ctx context.Context) (*StepResult, error) {
 	if err != nil {
 		return nil, r.restart.cause(err)
 	}
-	r.warnNothingTrained(step, ros, pm) // advantage.go
+	r.warnNothingTrained(step, ros, pm)
 	trainS := time.Since(t1).Seconds()
 	if err := r.checkFolder(); err != nil {
 		return nil, err
@@ -817,7 +471,7 @@ func (r *Run) runStep(ctx context.Context) (*StepResult, error) {
 	if err := r.metrics.writeLines(append(append([]Metrics(nil), res.Policies...), res.Run)); err != nil {
 		return nil, err
 	}
-	r.recordStep(step, ros, res) // rollout_record.go
+	r.recordStep(step, ros, res)
 	if r.evalDue(step) {
 		if res.Eval, err = r.evalAndLog(ctx); err != nil {
 			return nil, err
@@ -904,7 +558,7 @@ type rolloutFn struct {
 
 // runRollouts calls fn(task) for every task, each on its own goroutine (or, sandboxed, in child
 // processes). eval, when not nil, marks eval rollouts: they sample with its settings and may not
-// train. version ≥ 0 is the weights version the trainable policies generate from (async.go); -1:
+// train. version ≥ 0 is the weights version the trainable policies generate from; -1:
 // their current weights.
 func (r *Run) runRollouts(ctx context.Context, step int, tasks []Task, samples int, rf rolloutFn, eval *engines.Sampling, version int) ([]*script.Rollout, error) {
 	if version >= 0 {
@@ -965,591 +619,6 @@ func (r *Run) rolloutDone(pass int64) {
 	}
 }
 
-// trainSample is a queued sample of a successful rollout, in deterministic order.
-type trainSample struct {
-	script.Queued
-	task    int
-	reward  float64
-	version int // the weights version it was generated from; -1: the current one (K = 0)
-}
-
-// trainPolicies computes advantages and trains every trainable policy on its samples.
-func (r *Run) trainPolicies(ctx context.Context, step int, cfg *config.Config, ros []*script.Rollout, rolloutS float64, version int) ([]Metrics, error) {
-	byPolicy, gens := gather(ros, version)
-	pols := r.policyList()
-	advs, targets, err := r.advantages(ctx, pols, byPolicy)
-	if err != nil {
-		return nil, err
-	}
-	r.rec.keepAdvantages(byPolicy, advs)
-	var out []Metrics
-	crit := r.critic()
-	var lanes [][]*policy // policies whose training shares an engine, in config order
-	for _, p := range pols {
-		if p == crit {
-			continue // trained below, on the targets of the ppo actors' samples
-		}
-		m := newMetrics(step, p.name)
-		ss := byPolicy[p.name]
-		fillRewardMetrics(m, gens[p.name], ss)
-		m.set("rollout_s", rolloutS)
-		if cfg.Rollout.MaxStaleness > 0 && p.cfg.Trainable {
-			stalenessMetrics(m, step, ss, cfg.Rollout.Partial)
-		}
-		if p.cfg.Trainable && len(ss) > 0 {
-			lanes = addToLane(lanes, p)
-		} else {
-			m.set("train_s", 0.0) // no loss: a policy that did not train has none, not 0
-		}
-		out = append(out, m)
-	}
-	// Policies on different engines (workers, GPUs) train at the same time; those that share an
-	// engine (LoRA adapters on one base, or one engine given for several policies) one after
-	// another. Each policy's optimizer steps depend only on its own samples, so the metrics do
-	// not depend on the order.
-	byName := map[string]Metrics{}
-	for _, m := range out {
-		byName[m.Policy()] = m
-	}
-	errs := atOnce(len(lanes), func(i int) error {
-		for _, p := range lanes[i] {
-			m, t := byName[p.name], time.Now()
-			ss, adv := r.withinContext(ctx, step, p, byPolicy[p.name], advs[p.name], m)
-			if len(ss) == 0 {
-				m.set("train_s", 0.0)
-				continue
-			}
-			if err := r.trainOne(ctx, step, p, ss, adv, m); err != nil {
-				return err
-			}
-			m.set("train_s", time.Since(t).Seconds())
-		}
-		return nil
-	})
-	for _, err := range errs {
-		if err != nil {
-			return nil, err
-		}
-	}
-	for _, p := range pols {
-		if m := byName[p.name]; m != nil { // the critic's come below
-			addDeviceMetrics(m, p.eng)
-		}
-	}
-	if crit != nil {
-		m := newMetrics(step, crit.name)
-		fillRewardMetrics(m, nil, nil)
-		m.set("rollout_s", rolloutS)
-		var samples []engines.Sample
-		for _, p := range pols {
-			for i, t := range targets[p.name] {
-				c := byPolicy[p.name][i].C
-				samples = append(samples, engines.Sample{Prompt: c.PromptTokens(), Response: c.Tokens(), LossMask: c.LossMask(),
-					Returns: t.returns, OldValues: t.values, Group: byPolicy[p.name][i].Group})
-			}
-		}
-		if len(samples) > 0 && crit.cfg.Trainable {
-			if err := r.trainCritic(ctx, step, crit, samples, m); err != nil {
-				return nil, err
-			}
-		}
-		addDeviceMetrics(m, crit.eng)
-		out = append(out, m)
-	}
-	sort.Slice(out, func(i, j int) bool { return out[i].Policy() < out[j].Policy() })
-	return out, nil
-}
-
-// withinContext leaves out of training the samples longer than the policy's model takes (a chat
-// whose history outgrew the context: its last turn sampled nothing): the engine would refuse the
-// whole batch, and the run would stop as if the engine had failed. They keep their rewards and
-// their part in their groups' advantages; overflow counts them, and the run says
-// so once a policy.
-func (r *Run) withinContext(ctx context.Context, step int, p *policy, ss []trainSample, adv [][]float32, m Metrics) ([]trainSample, [][]float32) {
-	info, err := p.chatInfo(ctx)
-	if err != nil || info.MaxSeqLen <= 0 {
-		return ss, adv // the engine checks, as before
-	}
-	var keep []trainSample
-	var keepAdv [][]float32
-	dropped, longest := 0, 0
-	for i, s := range ss {
-		if n := len(s.C.PromptTokens()) + len(s.C.Tokens()); n > info.MaxSeqLen {
-			dropped++
-			longest = max(longest, n)
-			continue
-		}
-		keep, keepAdv = append(keep, s), append(keepAdv, adv[i])
-	}
-	if dropped == 0 {
-		return ss, adv
-	}
-	m.set("overflow", float64(dropped))
-	if _, seen := r.warned.LoadOrStore("past-context/"+p.name, true); !seen {
-		r.events.printf("warning: step %d: policy %q: %d of %d samples (up to %d tokens) are longer than its model's context of %d tokens and are not trained (overflow counts them each step); keep conversations shorter (fewer turns, a smaller max_tokens, shorter tool results) or use a model with more positions",
-			step, p.name, dropped, len(ss), longest, info.MaxSeqLen)
-	}
-	return keep, keepAdv
-}
-
-// addToLane puts p into the lane of the policies whose training shares its engine, or a new one:
-// LoRA policies share one lane (their adapters usually sit on one base, which trains one adapter
-// at a time), and so do policies given the same engine.
-func addToLane(lanes [][]*policy, p *policy) [][]*policy {
-	for i, lane := range lanes {
-		q := lane[0]
-		if (p.cfg.LoRA != nil && q.cfg.LoRA != nil) || sameEngine(p.eng, q.eng) {
-			lanes[i] = append(lane, p)
-			return lanes
-		}
-	}
-	return append(lanes, []*policy{p})
-}
-
-// sameEngine says whether a and b are one engine (false where the engines' type cannot be
-// compared).
-func sameEngine(a, b engines.Engine) bool {
-	ta, tb := reflect.TypeOf(a), reflect.TypeOf(b)
-	return ta == tb && ta != nil && ta.Comparable() && a == b
-}
-
-// policyList returns the policies in config order (then order of first use).
-func (r *Run) policyList() []*policy {
-	r.polMu.Lock()
-	defer r.polMu.Unlock()
-	pols := make([]*policy, len(r.order))
-	for i, n := range r.order {
-		pols[i] = r.policies[n]
-	}
-	return pols
-}
-
-// gather collects the samples and completions of the successful rollouts, per policy, in an order
-// that does not depend on scheduling: task, then position in the rollout's call tree.
-func gather(ros []*script.Rollout, version int) (map[string][]trainSample, map[string][]*script.Completion) {
-	byPolicy := map[string][]trainSample{}
-	gens := map[string][]*script.Completion{}
-	for _, ro := range ros {
-		if ro.Err != nil {
-			continue
-		}
-		for _, q := range ro.Queued() {
-			if q.Group == "" {
-				q.Group = ro.Group
-			}
-			rw, _ := q.C.Reward()
-			byPolicy[q.C.Policy()] = append(byPolicy[q.C.Policy()], trainSample{Queued: q, task: ro.Index, reward: rw, version: version})
-		}
-		for _, c := range ro.Generated() {
-			gens[c.Policy()] = append(gens[c.Policy()], c)
-		}
-	}
-	for _, ss := range byPolicy {
-		sort.SliceStable(ss, func(i, j int) bool {
-			if ss[i].task != ss[j].task {
-				return ss[i].task < ss[j].task
-			}
-			return ss[i].C.Before(ss[j].C)
-		})
-	}
-	for _, cs := range gens {
-		sort.SliceStable(cs, func(i, j int) bool { return cs[i].Before(cs[j]) })
-	}
-	return byPolicy, gens
-}
-
-// trainOne splits a policy's samples into optimizer steps of global_batch_size and trains.
-func (r *Run) trainOne(ctx context.Context, step int, p *policy, ss []trainSample, adv [][]float32, m Metrics) error {
-	tc := p.cfg.Train
-	lc := lossConfig(tc)
-	size := tc.GlobalBatchSize
-	if size <= 0 || size > len(ss) {
-		size = len(ss)
-	}
-	var sums struct{ loss, pg, kl, clip, ent, gn, tisClip, tisW float64 }
-	steps, skipped, tokens := 0, 0, 0
-	trainLogp, err := r.trainLogprobs(ctx, step, p, ss, size)
-	if err != nil {
-		return err
-	}
-	for k := 0; k < len(ss); k += size {
-		end := min(k+size, len(ss))
-		// The run id keeps a server that outlived a crashed host from taking a resumed run's
-		// steps for ones it has already applied.
-		b := engines.Batch{ID: fmt.Sprintf("%s/%s/step%d/%d", r.id, p.name, step, k/size), Loss: lc}
-		for i := k; i < end; i++ {
-			c := ss[i].C
-			b.Samples = append(b.Samples, engines.Sample{
-				Prompt: c.PromptTokens(), Response: c.Tokens(), LossMask: c.LossMask(), OldLogprobs: c.Logprobs(),
-				Advantages: adv[i], Group: ss[i].Group,
-			})
-			if trainLogp != nil {
-				b.Samples[len(b.Samples)-1].TrainLogprobs = trainLogp[i]
-			}
-		}
-		p.busy.begin()
-		st, err := p.eng.Train(ctx, b)
-		p.busy.end()
-		if err != nil {
-			return &EngineError{Step: step, Policy: p.name, Err: fmt.Errorf("train: %w", err), Hint: r.engineErrorHint()}
-		}
-		r.restart.trained(p.name, b)
-		if st.Skipped {
-			skipped++
-			r.events.printf("step %d: policy %q: optimizer step %s skipped: %s", step, p.name, b.ID, st.Reason)
-			continue
-		}
-		steps++
-		tokens += st.Tokens
-		sums.loss += st.Loss
-		sums.pg += st.PGLoss
-		sums.kl += st.KL
-		sums.clip += st.ClipFrac
-		sums.ent += st.Entropy
-		sums.gn += st.GradNorm
-		sums.tisClip += st.TISClipFrac
-		sums.tisW += st.TISWeight
-	}
-	// The means of the optimizer steps taken; none taken (every one skipped): no loss, not 0.
-	if d := float64(steps); steps > 0 {
-		m.set("loss", sums.loss/d)
-		m.set("pg_loss", sums.pg/d)
-		m.set("kl", sums.kl/d)
-		m.set("clip_frac", sums.clip/d)
-		m.set("entropy", sums.ent/d)
-		m.set("grad_norm", sums.gn/d)
-		if lc.UseTIS {
-			m.set("tis_clip_frac", sums.tisClip/d)
-			m.set("tis_weight", sums.tisW/d)
-		}
-	}
-	m.set("optimizer_steps", steps)
-	m.set("skipped_steps", skipped)
-	m.set("trained_tokens", tokens)
-	return nil
-}
-
-func lossConfig(tc config.TrainConfig) engines.LossConfig {
-	kl := tc.KLLossCoef
-	if !tc.UseKLLoss {
-		kl = 0
-	}
-	pl := "ppo"
-	if tc.AdvantageEstimator == "gspo" {
-		pl = "gspo"
-	}
-	return engines.LossConfig{
-		LR: tc.LR, Beta1: tc.AdamBeta1, Beta2: tc.AdamBeta2, WeightDecay: tc.WeightDecay,
-		MaxGradNorm: tc.ClipGrad, EpsClip: tc.EpsClip, EpsClipHigh: tc.EpsClipHigh,
-		KLLossCoef: kl, KLLossType: tc.KLLossType, EntropyCoef: tc.EntropyCoef,
-		Aggregation: tc.LossAggregation, PolicyLoss: pl,
-		UseTIS: tc.UseTIS, TISMode: tc.TISMode, TISClip: tc.TISClip, TISClipLow: tc.TISClipLow,
-	}
-}
-
-// trainLogprobs returns, when use_tis is on and a policy's step is cut into several optimizer
-// steps of size samples, the trainer's log-probs of every sample before the first of them, as
-// slime recomputes its old log_probs once per rollout: the later optimizer steps then measure
-// their PPO ratio from the same weights as the first. nil otherwise: with one optimizer step the
-// engine's own log-probs before the step are those.
-func (r *Run) trainLogprobs(ctx context.Context, step int, p *policy, ss []trainSample, size int) ([][]float32, error) {
-	if !p.cfg.Train.UseTIS || size >= len(ss) {
-		return nil, nil
-	}
-	reqs := make([]engines.ScoreRequest, len(ss))
-	for i, s := range ss {
-		reqs[i] = engines.ScoreRequest{PromptTokens: s.C.PromptTokens(), Tokens: s.C.Tokens()}
-	}
-	scores, err := p.eng.Score(ctx, reqs)
-	if err != nil {
-		return nil, &EngineError{Step: step, Policy: p.name, Err: fmt.Errorf("scoring %d samples for use_tis's old log-probs: %w", len(ss), err), Hint: r.engineErrorHint()}
-	}
-	out := make([][]float32, len(ss))
-	for i, s := range ss {
-		if len(scores[i].Logprobs) != len(s.C.Tokens()) {
-			return nil, fmt.Errorf("policy %q: scoring for use_tis returned %d log-probs for %d tokens", p.name, len(scores[i].Logprobs), len(s.C.Tokens()))
-		}
-		out[i] = scores[i].Logprobs
-	}
-	return out, nil
-}
-
-// checkTIS refuses a policy with use_tis whose engine does not apply the correction (no "tis"
-// capability): without it the engine would train as if the samples were on-policy.
-func (r *Run) checkTIS(ctx context.Context, name string, pc config.PolicyConfig, eng engines.Engine) error {
-	if !pc.Trainable || !pc.Train.UseTIS || pc.IsCritic() {
-		return nil
-	}
-	info, err := eng.Info(ctx)
-	if err != nil {
-		return fmt.Errorf("policy %q: info: %w", name, err)
-	}
-	if !slices.Contains(info.Capabilities, "tis") {
-		return fmt.Errorf("policy %q%s: train.use_tis needs an engine that applies the off-policy correction, and its engine (%s) does not (no \"tis\" capability; the tiny and torch engines have it): set use_tis: false or use another engine", name, r.cfgPlace(&policy{cfg: pc}), info.Model)
-	}
-	return nil
-}
-
-// advantages computes the per-token advantages of every policy's samples. Shared-buffer policies
-// are normalised together; split ones alone. Teacher terms (on-policy distillation) come last.
-func (r *Run) advantages(ctx context.Context, pols []*policy, byPolicy map[string][]trainSample) (map[string][][]float32, map[string][]ppoTargets, error) {
-	out := map[string][][]float32{}
-	targets := map[string][]ppoTargets{}
-	type pool struct {
-		names []string
-		tc    config.TrainConfig
-	}
-	var pools []pool
-	var shared *pool
-	kls := map[string][][]float64{} // the reward-side KL of each policy's samples (kl_coef)
-	for _, p := range pols {
-		if !p.cfg.Trainable || p.cfg.IsCritic() {
-			continue
-		}
-		kl, err := r.rewardKL(ctx, p, byPolicy[p.name])
-		if err != nil {
-			return nil, nil, err
-		}
-		kls[p.name] = kl
-		if p.cfg.Train.AdvantageEstimator == "ppo" {
-			adv, t, err := r.ppoAdvantages(ctx, p, byPolicy[p.name], kl)
-			if err != nil {
-				return nil, nil, err
-			}
-			out[p.name], targets[p.name] = adv, t
-			continue
-		}
-		if p.cfg.BufferMode == "shared" {
-			if shared == nil {
-				pools = append(pools, pool{tc: p.cfg.Train})
-				shared = &pools[len(pools)-1]
-			}
-			shared.names = append(shared.names, p.name)
-			continue
-		}
-		pools = append(pools, pool{names: []string{p.name}, tc: p.cfg.Train})
-	}
-	for _, pl := range pools {
-		var in []advantage.Input
-		for _, n := range pl.names {
-			for i, s := range byPolicy[n] {
-				a := advantage.Input{Reward: s.reward, Group: s.Group, Tokens: len(s.C.Tokens()), Mask: maskOf(s.C)}
-				if kls[n] != nil {
-					a.KL = kls[n][i]
-				}
-				if s.HasAdv {
-					a.Override = s.Advantage
-				}
-				in = append(in, a)
-			}
-		}
-		r.warnSingletons(pl.names, pl.tc, in)
-		adv, err := advantage.Compute(estimatorOf(pl.tc), in)
-		if err != nil {
-			return nil, nil, err
-		}
-		k := 0
-		for _, n := range pl.names {
-			m := len(byPolicy[n])
-			out[n] = adv[k : k+m]
-			k += m
-		}
-	}
-	for _, p := range pols {
-		if err := r.applyTeacher(ctx, p, byPolicy[p.name], out[p.name]); err != nil {
-			return nil, nil, err
-		}
-	}
-	return out, targets, nil
-}
-
-// applyTeacher subtracts opd_kl_coef·(logp_student − logp_teacher) per token for samples trained
-// with teacher=.
-func (r *Run) applyTeacher(ctx context.Context, p *policy, ss []trainSample, adv [][]float32) error {
-	byTeacher := map[string][]int{}
-	for i, s := range ss {
-		if s.Teacher != "" {
-			byTeacher[s.Teacher] = append(byTeacher[s.Teacher], i)
-		}
-	}
-	teachers := make([]string, 0, len(byTeacher))
-	for t := range byTeacher {
-		teachers = append(teachers, t)
-	}
-	sort.Strings(teachers)
-	coef := p.cfg.Train.OPDKLCoef
-	for _, t := range teachers {
-		tp, err := r.policyFor(t)
-		if err != nil {
-			return err
-		}
-		idx := byTeacher[t]
-		reqs := make([]engines.ScoreRequest, len(idx))
-		for k, i := range idx {
-			c := ss[i].C
-			reqs[k] = engines.ScoreRequest{Messages: c.Messages(), Tokens: c.Tokens()}
-		}
-		scores, err := tp.eng.Score(ctx, reqs)
-		if err != nil {
-			return &EngineError{Step: r.step + 1, Policy: t, Err: fmt.Errorf("scoring %d samples of policy %q as their teacher: %w", len(idx), p.name, err), Hint: r.engineErrorHint()}
-		}
-		for k, i := range idx {
-			c := ss[i].C
-			lp := scores[k].Logprobs
-			if len(lp) != len(c.Tokens()) {
-				return fmt.Errorf("teacher %q returned %d log-probs for %d tokens", t, len(lp), len(c.Tokens()))
-			}
-			for j := range adv[i] {
-				adv[i][j] -= float32(coef * float64(c.Logprobs()[j]-lp[j]))
-			}
-		}
-	}
-	return nil
-}
-
-func fillRewardMetrics(m Metrics, gens []*script.Completion, ss []trainSample) {
-	var rs []float64
-	tokens, truncated := 0, 0
-	for _, c := range gens {
-		if rw, ok := c.Reward(); ok {
-			rs = append(rs, rw)
-		}
-		tokens += len(c.Tokens())
-		if c.FinishReason() == "length" {
-			truncated++
-		}
-	}
-	for _, s := range ss {
-		if s.C.Conversation() {
-			rs = append(rs, s.reward) // a chat's reward is its conversation's, not a turn's
-		}
-	}
-	if len(rs) > 0 {
-		// No reward is no number: a policy that generated nothing this step, or whose
-		// completions nobody rewarded (a frozen judge), has no reward_mean, not a mean of 0.
-		mean, std := meanStd(rs)
-		m.set("reward_mean", mean)
-		m.set("reward_std", std)
-	}
-	m.set("samples", len(ss))
-	m.set("completions", len(gens))
-	m.set("tokens", tokens)
-	rl := 0.0
-	if len(gens) > 0 {
-		rl = float64(tokens) / float64(len(gens))
-		m.set("truncated", float64(truncated)/float64(len(gens)))
-	} else {
-		m.set("truncated", 0.0)
-	}
-	m.set("response_len", rl)
-}
-
-// meanStd returns the mean and the population standard deviation (0, 0 for no values).
-func meanStd(xs []float64) (float64, float64) {
-	if len(xs) == 0 {
-		return 0, 0
-	}
-	var s float64
-	for _, x := range xs {
-		s += x
-	}
-	mean := s / float64(len(xs))
-	var v float64
-	for _, x := range xs {
-		v += (x - mean) * (x - mean)
-	}
-	return mean, math.Sqrt(v / float64(len(xs)))
-}
-
-// tokens_per_s is the tokens generated over genS, the time an engine was generating them (an
-// agent() run's rollouts also start programs and run tools, which rolloutS counts).
-func (r *Run) runMetrics(step int, ros []*script.Rollout, res *StepResult, rolloutS, genS, trainS, stepS float64) Metrics {
-	m := newMetrics(step, "_run")
-	m.set("rollouts", len(ros))
-	m.set("failed", len(res.Failed))
-	tokens := 0
-	for _, p := range res.Policies {
-		tokens += p.int("tokens")
-	}
-	m.set("tokens", tokens)
-	m.set("rollout_s", rolloutS)
-	m.set("train_s", trainS)
-	m.set("step_s", stepS)
-	switch {
-	case genS > 0:
-		m.set("tokens_per_s", float64(tokens)/genS)
-	case rolloutS > 0: // nothing generated
-		m.set("tokens_per_s", 0.0)
-	}
-	for k, v := range r.logSums(step, ros) {
-		m.set(k, v[0]/v[1])
-	}
-	return m
-}
-
-// logSums adds up the log() values of the step's successful rollouts. It applies log()'s rules
-// again, since a sandboxed rollout's values come from its child: a rollout that reports a name
-// the host writes itself (script.RunFields), a name too long or not finite, or more than
-// script.MaxLogNamesPerRollout names, counts with none of its values. Names new to the run past
-// script.MaxLogNamesPerRun are dropped, with an event that names them.
-func (r *Run) logSums(step int, ros []*script.Rollout) map[string][2]float64 {
-	sums := map[string][2]float64{}
-	for _, ro := range ros {
-		if ro.Err != nil {
-			continue
-		}
-		logs := ro.Logs()
-		if err := checkLogs(logs); err != nil {
-			r.events.printf("step %d task %s: its log() values are left out of the metrics: %v", step, ro.Task.ID, err)
-			continue
-		}
-		for k, v := range logs {
-			a := sums[k]
-			sums[k] = [2]float64{a[0] + v[0], a[1] + v[1]}
-		}
-	}
-	var dropped []string
-	for k := range sums {
-		if !r.logNames[k] && len(r.logNames) >= script.MaxLogNamesPerRun {
-			dropped = append(dropped, k)
-			continue
-		}
-		if r.logNames == nil {
-			r.logNames = map[string]bool{}
-		}
-		r.logNames[k] = true
-	}
-	if len(dropped) > 0 {
-		sort.Strings(dropped)
-		for _, k := range dropped {
-			delete(sums, k)
-		}
-		names := strings.Join(dropped[:min(len(dropped), 5)], ", ")
-		if len(dropped) > 5 {
-			names += ", …"
-		}
-		r.events.printf("step %d: log(): the run has written %d metric names, the most a run writes; %d new names are left out of its metrics: %s",
-			step, len(r.logNames), len(dropped), names)
-	}
-	return sums
-}
-
-// checkLogs applies log()'s rules to a rollout's logged values.
-func checkLogs(logs map[string][2]float64) error {
-	if len(logs) > script.MaxLogNamesPerRollout {
-		return fmt.Errorf("%d metric names, more than the %d a rollout logs", len(logs), script.MaxLogNamesPerRollout)
-	}
-	for k, v := range logs {
-		if err := script.CheckLogName("log", k); err != nil {
-			return err
-		}
-		if math.IsNaN(v[0]) || math.IsInf(v[0], 0) || !(v[1] >= 1) {
-			return fmt.Errorf("log: %s is not a finite number", k)
-		}
-	}
-	return nil
-}
-
 func (r *Run) openOutputs() error {
 	out := r.opts.Out
 	r.events = &eventLog{w: r.opts.Log}
@@ -1561,7 +630,7 @@ func (r *Run) openOutputs() error {
 		// Bad input (--out or run.out), not a failed run.
 		return &ScriptError{Msg: fmt.Sprintf("run directory %s cannot be made: %v; choose another --out (or run.out)", out, err)}
 	}
-	// One writer per run folder, before anything is written there (runlock.go).
+	// One writer per run folder, before anything is written there.
 	lock, err := lockRunDir(out)
 	if err != nil {
 		return err
@@ -1611,25 +680,4 @@ func samplesPerTask(cfg *config.Config) int {
 		}
 	}
 	return n
-}
-
-// tooManyFailed stops a step: more of its rollouts failed than rollout.max_failed_fraction allows.
-type tooManyFailed struct{ msg string }
-
-func (e *tooManyFailed) Error() string { return e.msg }
-
-// maskOf is a sample's loss mask for the advantage estimators: nil when every token is trained
-// (a generate call's completion), else the conversation's mask (chat).
-func maskOf(c *script.Completion) []float64 {
-	m := c.LossMask()
-	out := make([]float64, len(m))
-	all := true
-	for i, x := range m {
-		out[i] = float64(x)
-		all = all && x == 1
-	}
-	if all {
-		return nil
-	}
-	return out
 }

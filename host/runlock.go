@@ -35,21 +35,6 @@ func (h lockHolder) String() string {
 	return s
 }
 
-// RunLockedError refuses a second writer of a run folder: another process holds its lock.
-type RunLockedError struct {
-	Dir    string
-	Holder lockHolder // zero when the file could not be read
-}
-
-func (e *RunLockedError) Error() string {
-	who := "another process"
-	if e.Holder.PID != 0 {
-		who = e.Holder.String()
-	}
-	return fmt.Sprintf("run folder %s is in use by %s: a run folder has one writer at a time (%s is locked); wait for that run to end or stop it, or choose another --out",
-		e.Dir, who, filepath.Join(e.Dir, LockFile))
-}
-
 // runLock is a held lock of a run folder.
 type runLock struct {
 	f    *os.File

@@ -65,7 +65,7 @@ type sbChild struct {
 	breach   error                     // why the host stopped the child (a message over message_bytes, a forged one, wall time)
 	rollouts map[int64]*script.Rollout // in flight
 	results  map[int64]chan sandbox.Done
-	accts    map[int64]*account                   // what the host has charged each rollout in flight (sandbox_guard.go)
+	accts    map[int64]*account                   // what the host has charged each rollout in flight
 	locks    map[int64]func()                     // state locks held, by rollout id
 	commits  map[int64]func(starlark.Value) error // the pending state.update of each lock
 	nextID   int64

@@ -15,7 +15,7 @@ import (
 )
 
 // localHost is the script.Host of an in-process rollout: the run itself. A sandboxed rollout's
-// calls reach it too, through the host's side of the pipe (sandbox.go).
+// calls reach it too, through the host's side of the pipe.
 type localHost struct{ r *Run }
 
 var _ script.Host = localHost{}

@@ -1,14 +1,22 @@
 package host
 
+// This file defines training: the loop of steps (Train, Stop) and a step's training of its
+// policies in optimizer steps.
+
 import (
 	"context"
 	"errors"
 	"fmt"
 	"path/filepath"
+	"reflect"
+	"slices"
+	"sort"
 	"strings"
 	"time"
 
+	"github.com/slimen/slimen/engines"
 	"github.com/slimen/slimen/host/config"
+	"github.com/slimen/slimen/host/script"
 )
 
 // Train runs the run's remaining steps, up to run.steps (read again at every step boundary, so a
@@ -98,7 +106,7 @@ func (r *Run) Stop() {
 	r.stopping.Store(true)
 	r.stopOnce.Do(func() {
 		close(r.stopped)
-		r.giveUpOnEngines(time.Now().Add(r.StopGrace())) // restart.go: a server down ends the wait then
+		r.giveUpOnEngines(time.Now().Add(r.StopGrace())) // a server down ends the wait then
 	})
 }
 
@@ -133,22 +141,6 @@ func (r *Run) cancelOnStop(pass context.Context, cancel context.CancelCauseFunc)
 	}
 }
 
-// RolloutTimeout is a rollout that ran past rollout.timeout_s: it fails alone, its samples dropped.
-type RolloutTimeout struct{ Limit float64 }
-
-func (e *RolloutTimeout) Error() string {
-	return fmt.Sprintf("the rollout ran past its wall-time limit of %gs and was cancelled (rollout.timeout_s; an endless loop? Raise the limit, or 0 turns it off)", e.Limit)
-}
-
-// StopCancelled is a rollout cancelled because the run was stopping: it was still running
-// rollout.stop_grace_s after the signal. Such rollouts fail without counting against
-// rollout.max_failed_fraction.
-type StopCancelled struct{ Grace float64 }
-
-func (e *StopCancelled) Error() string {
-	return fmt.Sprintf("the run is stopping: the rollout was still running %gs after the stop signal (rollout.stop_grace_s) and was cancelled", e.Grace)
-}
-
 // seconds converts a config's seconds to a duration.
 func seconds(s float64) time.Duration { return time.Duration(s * float64(time.Second)) }
 
@@ -163,92 +155,316 @@ func (r *Run) afterEval() {
 	}
 }
 
-// Resume loads a stopped run again and restores it: from is its run directory (its newest valid
-// checkpoint is taken; newer ones that fail verification are reported in the run's log and
-// removed as the run goes on) or one of its checkpoints/step_N folders. script "" is the script
-// the checkpoint recorded, found from any working directory (resumeScript). opts.Config nil is the
-// checkpoint's own config, its relative paths taken from the directory the run started in (which
-// run.json records), then opts.ConfigOverride applied to it; opts.Out "" is the run directory the
-// checkpoint belongs to. The run then goes on at the step after the checkpoint's. A checkpoint
-// that cannot be found or read, and a config or script that does not load, are ScriptErrors.
-func Resume(ctx context.Context, from, script string, opts Options) (*Run, error) {
-	ckpt, skipped, err := FindCheckpoint(from)
+// trainSample is a queued sample of a successful rollout, in deterministic order.
+type trainSample struct {
+	script.Queued
+	task    int
+	reward  float64
+	version int // the weights version it was generated from; -1: the current one (K = 0)
+}
+
+// trainPolicies computes advantages and trains every trainable policy on its samples.
+func (r *Run) trainPolicies(ctx context.Context, step int, cfg *config.Config, ros []*script.Rollout, rolloutS float64, version int) ([]Metrics, error) {
+	byPolicy, gens := gather(ros, version)
+	pols := r.policyList()
+	advs, targets, err := r.advantages(ctx, pols, byPolicy)
 	if err != nil {
-		return nil, &ScriptError{Msg: err.Error()}
-	}
-	info, err := readRunInfo(ckpt)
-	if err != nil {
-		return nil, &ScriptError{Msg: err.Error()}
-	}
-	var scriptNote string
-	var moved []string // what Options.Relocate changed
-	if script == "" {
-		script, scriptNote = resumeScript(ckpt, info, opts.FS != nil)
-	}
-	if opts.Out == "" {
-		opts.Out = runDirOf(ckpt)
-	}
-	opts.workDir, opts.resuming = info.Dir, true
-	if opts.Config == nil {
-		ckptConfig := filepath.Join(ckpt, "config.yaml")
-		if opts.Config, err = config.Load(ckptConfig); err != nil {
-			return nil, &ScriptError{Msg: err.Error()}
-		}
-		if opts.Relocate != nil {
-			if moved, err = relocate(opts.Config, opts.Relocate); err != nil { // reliability.go
-				return nil, &ScriptError{Msg: "resume: " + err.Error()}
-			}
-		}
-		if opts.FS == nil {
-			// Before the command line's changes, which are relative to here; and so for every
-			// version of the checkpoint's config a reload reads (--watch on a resumed run).
-			rebasePaths(opts.Config, info.Dir)
-			override := opts.ConfigOverride
-			opts.ConfigOverride = func(c *config.Config) error {
-				if c.File == ckptConfig {
-					rebasePaths(c, info.Dir)
-				}
-				if override != nil {
-					return override(c)
-				}
-				return nil
-			}
-		}
-		if opts.ConfigOverride != nil {
-			if err := opts.ConfigOverride(opts.Config); err != nil {
-				return nil, &ScriptError{Msg: err.Error()}
-			}
-		}
-		opts.Config.Run.Out = opts.Out
-	}
-	r, err := Load(ctx, script, opts)
-	if err != nil {
-		var se *ScriptError
-		if !errors.As(err, &se) {
-			err = &ScriptError{Msg: err.Error()}
-		}
 		return nil, err
 	}
-	if scriptNote != "" {
-		r.events.printf("resume: %s", scriptNote)
+	r.rec.keepAdvantages(byPolicy, advs)
+	var out []Metrics
+	crit := r.critic()
+	var lanes [][]*policy // policies whose training shares an engine, in config order
+	for _, p := range pols {
+		if p == crit {
+			continue // trained below, on the targets of the ppo actors' samples
+		}
+		m := newMetrics(step, p.name)
+		ss := byPolicy[p.name]
+		fillRewardMetrics(m, gens[p.name], ss)
+		m.set("rollout_s", rolloutS)
+		if cfg.Rollout.MaxStaleness > 0 && p.cfg.Trainable {
+			stalenessMetrics(m, step, ss, cfg.Rollout.Partial)
+		}
+		if p.cfg.Trainable && len(ss) > 0 {
+			lanes = addToLane(lanes, p)
+		} else {
+			m.set("train_s", 0.0) // no loss: a policy that did not train has none, not 0
+		}
+		out = append(out, m)
 	}
-	if opts.Relocate != nil && len(moved) == 0 {
-		r.events.printf("resume: --config %s: the engines live where the checkpoint's config says; nothing changed", opts.Relocate.File)
+	// Policies on different engines (workers, GPUs) train at the same time; those that share an
+	// engine (LoRA adapters on one base, or one engine given for several policies) one after
+	// another. Each policy's optimizer steps depend only on its own samples, so the metrics do
+	// not depend on the order.
+	byName := map[string]Metrics{}
+	for _, m := range out {
+		byName[m.Policy()] = m
 	}
-	for _, c := range moved {
-		r.events.printf("resume: --config %s: %s", opts.Relocate.File, c)
+	errs := atOnce(len(lanes), func(i int) error {
+		for _, p := range lanes[i] {
+			m, t := byName[p.name], time.Now()
+			ss, adv := r.withinContext(ctx, step, p, byPolicy[p.name], advs[p.name], m)
+			if len(ss) == 0 {
+				m.set("train_s", 0.0)
+				continue
+			}
+			if err := r.trainOne(ctx, step, p, ss, adv, m); err != nil {
+				return err
+			}
+			m.set("train_s", time.Since(t).Seconds())
+		}
+		return nil
+	})
+	for _, err := range errs {
+		if err != nil {
+			return nil, err
+		}
 	}
-	for _, bad := range skipped {
-		r.events.printf("warning: %v", bad)
+	for _, p := range pols {
+		if m := byName[p.name]; m != nil { // the critic's come below
+			addDeviceMetrics(m, p.eng)
+		}
 	}
-	if len(skipped) > 0 {
-		r.events.printf("warning: resuming from %s, the newest valid checkpoint; the newer ones above are removed when the run goes on", ckpt)
+	if crit != nil {
+		m := newMetrics(step, crit.name)
+		fillRewardMetrics(m, nil, nil)
+		m.set("rollout_s", rolloutS)
+		var samples []engines.Sample
+		for _, p := range pols {
+			for i, t := range targets[p.name] {
+				c := byPolicy[p.name][i].C
+				samples = append(samples, engines.Sample{Prompt: c.PromptTokens(), Response: c.Tokens(), LossMask: c.LossMask(),
+					Returns: t.returns, OldValues: t.values, Group: byPolicy[p.name][i].Group})
+			}
+		}
+		if len(samples) > 0 && crit.cfg.Trainable {
+			if err := r.trainCritic(ctx, step, crit, samples, m); err != nil {
+				return nil, err
+			}
+		}
+		addDeviceMetrics(m, crit.eng)
+		out = append(out, m)
 	}
-	if err := r.restore(ctx, ckpt); err != nil {
-		r.events.filef("stop: the resume from %s failed: %v", ckpt, err)
-		r.Close()
-		return nil, err
+	sort.Slice(out, func(i, j int) bool { return out[i].Policy() < out[j].Policy() })
+	return out, nil
+}
+
+// withinContext leaves out of training the samples longer than the policy's model takes (a chat
+// whose history outgrew the context: its last turn sampled nothing): the engine would refuse the
+// whole batch, and the run would stop as if the engine had failed. They keep their rewards and
+// their part in their groups' advantages; overflow counts them, and the run says
+// so once a policy.
+func (r *Run) withinContext(ctx context.Context, step int, p *policy, ss []trainSample, adv [][]float32, m Metrics) ([]trainSample, [][]float32) {
+	info, err := p.chatInfo(ctx)
+	if err != nil || info.MaxSeqLen <= 0 {
+		return ss, adv // the engine checks, as before
 	}
-	r.opts.resuming = false // the engines hold the checkpoint's state now
-	return r, nil
+	var keep []trainSample
+	var keepAdv [][]float32
+	dropped, longest := 0, 0
+	for i, s := range ss {
+		if n := len(s.C.PromptTokens()) + len(s.C.Tokens()); n > info.MaxSeqLen {
+			dropped++
+			longest = max(longest, n)
+			continue
+		}
+		keep, keepAdv = append(keep, s), append(keepAdv, adv[i])
+	}
+	if dropped == 0 {
+		return ss, adv
+	}
+	m.set("overflow", float64(dropped))
+	if _, seen := r.warned.LoadOrStore("past-context/"+p.name, true); !seen {
+		r.events.printf("warning: step %d: policy %q: %d of %d samples (up to %d tokens) are longer than its model's context of %d tokens and are not trained (overflow counts them each step); keep conversations shorter (fewer turns, a smaller max_tokens, shorter tool results) or use a model with more positions",
+			step, p.name, dropped, len(ss), longest, info.MaxSeqLen)
+	}
+	return keep, keepAdv
+}
+
+// addToLane puts p into the lane of the policies whose training shares its engine, or a new one:
+// LoRA policies share one lane (their adapters usually sit on one base, which trains one adapter
+// at a time), and so do policies given the same engine.
+func addToLane(lanes [][]*policy, p *policy) [][]*policy {
+	for i, lane := range lanes {
+		q := lane[0]
+		if (p.cfg.LoRA != nil && q.cfg.LoRA != nil) || sameEngine(p.eng, q.eng) {
+			lanes[i] = append(lane, p)
+			return lanes
+		}
+	}
+	return append(lanes, []*policy{p})
+}
+
+// sameEngine says whether a and b are one engine (false where the engines' type cannot be
+// compared).
+func sameEngine(a, b engines.Engine) bool {
+	ta, tb := reflect.TypeOf(a), reflect.TypeOf(b)
+	return ta == tb && ta != nil && ta.Comparable() && a == b
+}
+
+// gather collects the samples and completions of the successful rollouts, per policy, in an order
+// that does not depend on scheduling: task, then position in the rollout's call tree.
+func gather(ros []*script.Rollout, version int) (map[string][]trainSample, map[string][]*script.Completion) {
+	byPolicy := map[string][]trainSample{}
+	gens := map[string][]*script.Completion{}
+	for _, ro := range ros {
+		if ro.Err != nil {
+			continue
+		}
+		for _, q := range ro.Queued() {
+			if q.Group == "" {
+				q.Group = ro.Group
+			}
+			rw, _ := q.C.Reward()
+			byPolicy[q.C.Policy()] = append(byPolicy[q.C.Policy()], trainSample{Queued: q, task: ro.Index, reward: rw, version: version})
+		}
+		for _, c := range ro.Generated() {
+			gens[c.Policy()] = append(gens[c.Policy()], c)
+		}
+	}
+	for _, ss := range byPolicy {
+		sort.SliceStable(ss, func(i, j int) bool {
+			if ss[i].task != ss[j].task {
+				return ss[i].task < ss[j].task
+			}
+			return ss[i].C.Before(ss[j].C)
+		})
+	}
+	for _, cs := range gens {
+		sort.SliceStable(cs, func(i, j int) bool { return cs[i].Before(cs[j]) })
+	}
+	return byPolicy, gens
+}
+
+// trainOne splits a policy's samples into optimizer steps of global_batch_size and trains.
+func (r *Run) trainOne(ctx context.Context, step int, p *policy, ss []trainSample, adv [][]float32, m Metrics) error {
+	tc := p.cfg.Train
+	lc := lossConfig(tc)
+	size := tc.GlobalBatchSize
+	if size <= 0 || size > len(ss) {
+		size = len(ss)
+	}
+	var sums struct{ loss, pg, kl, clip, ent, gn, tisClip, tisW float64 }
+	steps, skipped, tokens := 0, 0, 0
+	trainLogp, err := r.trainLogprobs(ctx, step, p, ss, size)
+	if err != nil {
+		return err
+	}
+	for k := 0; k < len(ss); k += size {
+		end := min(k+size, len(ss))
+		// The run id keeps a server that outlived a crashed host from taking a resumed run's
+		// steps for ones it has already applied.
+		b := engines.Batch{ID: fmt.Sprintf("%s/%s/step%d/%d", r.id, p.name, step, k/size), Loss: lc}
+		for i := k; i < end; i++ {
+			c := ss[i].C
+			b.Samples = append(b.Samples, engines.Sample{
+				Prompt: c.PromptTokens(), Response: c.Tokens(), LossMask: c.LossMask(), OldLogprobs: c.Logprobs(),
+				Advantages: adv[i], Group: ss[i].Group,
+			})
+			if trainLogp != nil {
+				b.Samples[len(b.Samples)-1].TrainLogprobs = trainLogp[i]
+			}
+		}
+		p.busy.begin()
+		st, err := p.eng.Train(ctx, b)
+		p.busy.end()
+		if err != nil {
+			return &EngineError{Step: step, Policy: p.name, Err: fmt.Errorf("train: %w", err), Hint: r.engineErrorHint()}
+		}
+		r.restart.trained(p.name, b)
+		if st.Skipped {
+			skipped++
+			r.events.printf("step %d: policy %q: optimizer step %s skipped: %s", step, p.name, b.ID, st.Reason)
+			continue
+		}
+		steps++
+		tokens += st.Tokens
+		sums.loss += st.Loss
+		sums.pg += st.PGLoss
+		sums.kl += st.KL
+		sums.clip += st.ClipFrac
+		sums.ent += st.Entropy
+		sums.gn += st.GradNorm
+		sums.tisClip += st.TISClipFrac
+		sums.tisW += st.TISWeight
+	}
+	// The means of the optimizer steps taken; none taken (every one skipped): no loss, not 0.
+	if d := float64(steps); steps > 0 {
+		m.set("loss", sums.loss/d)
+		m.set("pg_loss", sums.pg/d)
+		m.set("kl", sums.kl/d)
+		m.set("clip_frac", sums.clip/d)
+		m.set("entropy", sums.ent/d)
+		m.set("grad_norm", sums.gn/d)
+		if lc.UseTIS {
+			m.set("tis_clip_frac", sums.tisClip/d)
+			m.set("tis_weight", sums.tisW/d)
+		}
+	}
+	m.set("optimizer_steps", steps)
+	m.set("skipped_steps", skipped)
+	m.set("trained_tokens", tokens)
+	return nil
+}
+
+func lossConfig(tc config.TrainConfig) engines.LossConfig {
+	kl := tc.KLLossCoef
+	if !tc.UseKLLoss {
+		kl = 0
+	}
+	pl := "ppo"
+	if tc.AdvantageEstimator == "gspo" {
+		pl = "gspo"
+	}
+	return engines.LossConfig{
+		LR: tc.LR, Beta1: tc.AdamBeta1, Beta2: tc.AdamBeta2, WeightDecay: tc.WeightDecay,
+		MaxGradNorm: tc.ClipGrad, EpsClip: tc.EpsClip, EpsClipHigh: tc.EpsClipHigh,
+		KLLossCoef: kl, KLLossType: tc.KLLossType, EntropyCoef: tc.EntropyCoef,
+		Aggregation: tc.LossAggregation, PolicyLoss: pl,
+		UseTIS: tc.UseTIS, TISMode: tc.TISMode, TISClip: tc.TISClip, TISClipLow: tc.TISClipLow,
+	}
+}
+
+// trainLogprobs returns, when use_tis is on and a policy's step is cut into several optimizer
+// steps of size samples, the trainer's log-probs of every sample before the first of them, as
+// slime recomputes its old log_probs once per rollout: the later optimizer steps then measure
+// their PPO ratio from the same weights as the first. nil otherwise: with one optimizer step the
+// engine's own log-probs before the step are those.
+func (r *Run) trainLogprobs(ctx context.Context, step int, p *policy, ss []trainSample, size int) ([][]float32, error) {
+	if !p.cfg.Train.UseTIS || size >= len(ss) {
+		return nil, nil
+	}
+	reqs := make([]engines.ScoreRequest, len(ss))
+	for i, s := range ss {
+		reqs[i] = engines.ScoreRequest{PromptTokens: s.C.PromptTokens(), Tokens: s.C.Tokens()}
+	}
+	scores, err := p.eng.Score(ctx, reqs)
+	if err != nil {
+		return nil, &EngineError{Step: step, Policy: p.name, Err: fmt.Errorf("scoring %d samples for use_tis's old log-probs: %w", len(ss), err), Hint: r.engineErrorHint()}
+	}
+	out := make([][]float32, len(ss))
+	for i, s := range ss {
+		if len(scores[i].Logprobs) != len(s.C.Tokens()) {
+			return nil, fmt.Errorf("policy %q: scoring for use_tis returned %d log-probs for %d tokens", p.name, len(scores[i].Logprobs), len(s.C.Tokens()))
+		}
+		out[i] = scores[i].Logprobs
+	}
+	return out, nil
+}
+
+// checkTIS refuses a policy with use_tis whose engine does not apply the correction (no "tis"
+// capability): without it the engine would train as if the samples were on-policy.
+func (r *Run) checkTIS(ctx context.Context, name string, pc config.PolicyConfig, eng engines.Engine) error {
+	if !pc.Trainable || !pc.Train.UseTIS || pc.IsCritic() {
+		return nil
+	}
+	info, err := eng.Info(ctx)
+	if err != nil {
+		return fmt.Errorf("policy %q: info: %w", name, err)
+	}
+	if !slices.Contains(info.Capabilities, "tis") {
+		return fmt.Errorf("policy %q%s: train.use_tis needs an engine that applies the off-policy correction, and its engine (%s) does not (no \"tis\" capability; the tiny and torch engines have it): set use_tis: false or use another engine", name, r.cfgPlace(&policy{cfg: pc}), info.Model)
+	}
+	return nil
 }

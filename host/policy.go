@@ -1,0 +1,315 @@
+package host
+
+// This file defines a run's policies: opening their engines, registering them with their
+// dispatchers, and finding one by name (zero-config runs create it then).
+
+import (
+	"context"
+	"fmt"
+	"sync"
+	"time"
+
+	"github.com/slimen/slimen/engines"
+	"github.com/slimen/slimen/host/config"
+	"github.com/slimen/slimen/host/script"
+)
+
+// policy is one policy's engine and its dispatcher.
+type policy struct {
+	name     string
+	cfg      config.PolicyConfig
+	eng      engines.Engine
+	disp     *dispatcher
+	busy     *busyMeter // the engine's generate, train and save calls
+	replicas *replicas  // the rollout replicas the run opened for it; nil: none
+	// busyMark is busy's total at the end of the last step.
+	busyMark time.Duration
+
+	infoMu sync.Mutex
+	info   *engines.Info // the engine's Info as chat turns render with it; nil: ask again
+}
+
+// chatInfo is the engine's Info for rendering chat turns (template, EOS, context), asked once and
+// kept until forgetInfo: a chat renders at every turn, and a remote or torch engine's Info is a
+// round trip.
+func (p *policy) chatInfo(ctx context.Context) (engines.Info, error) {
+	p.infoMu.Lock()
+	defer p.infoMu.Unlock()
+	if p.info != nil {
+		return *p.info, nil
+	}
+	info, err := p.eng.Info(ctx)
+	if err != nil {
+		return engines.Info{}, err
+	}
+	p.info = &info
+	return info, nil
+}
+
+// forgetInfo drops the kept Info: the engine restarted as a new process, or the run's
+// configuration was reloaded, and the next render asks the engine again.
+func (p *policy) forgetInfo() {
+	p.infoMu.Lock()
+	p.info = nil
+	p.infoMu.Unlock()
+}
+
+// refuseScoringWithoutScore stops a run at start-up, not at its first score call, when its
+// script scores with a policy whose engine only generates (kind openai: the OpenAI API returns
+// no log-probabilities of given tokens): score("judge", …) or train(…, teacher="judge") with the
+// name written literally. (Training such a policy is refused by the config check.)
+func (r *Run) refuseScoringWithoutScore() error {
+	for _, u := range script.ScoringUses(r.script) {
+		for _, p := range r.cfg.Policies {
+			if p.Name != u.Name || p.Engine.Kind != "openai" {
+				continue
+			}
+			call := fmt.Sprintf("score(%q, …)", u.Name)
+			if u.Fn == "train" {
+				call = fmt.Sprintf("train(…, teacher=%q)", u.Name)
+			}
+			return fmt.Errorf("%s: %s scores with policy %q, whose engine (kind openai, %s:%d) only generates: the OpenAI API returns no log-probabilities of given tokens; score with a tiny, torch or remote policy",
+				u.Pos, call, u.Name, r.cfgName(), p.Line)
+		}
+	}
+	return nil
+}
+
+// openScriptPolicies starts, in a zero-config run, the policies the script names literally, so
+// that they are listed at start-up and in config.yaml before the first step (names a script
+// computes are still created when first used), and warns about names a typo apart.
+func (r *Run) openScriptPolicies() error {
+	uses := script.PolicyNames(r.script)
+	for _, w := range script.NearPolicyNames(uses) {
+		r.events.printf("warning: %s", w)
+	}
+	chat := map[string]bool{} // names a chat() with tool schemas uses: on the embedded chat model
+	for _, u := range uses {
+		chat[u.Name] = chat[u.Name] || u.Tools
+	}
+	for _, u := range uses {
+		checkpoint := config.BuiltinCheckpoint
+		if chat[u.Name] {
+			checkpoint = config.BuiltinChatCheckpoint
+		}
+		if _, err := r.policyOn(u.Name, checkpoint); err != nil {
+			return fmt.Errorf("%s: %w", u.Pos, err)
+		}
+	}
+	return r.writeConfig()
+}
+
+// atOnce runs fn(0), …, fn(n−1) at the same time and returns their errors, by index.
+func atOnce(n int, fn func(i int) error) []error {
+	errs := make([]error, n)
+	var wg sync.WaitGroup
+	for i := range n {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			errs[i] = fn(i)
+		}()
+	}
+	wg.Wait()
+	return errs
+}
+
+// openPolicies opens the config's policies. Their engines start at the same time (eight torch
+// workers, each with its start-up of several seconds, started one after another before), except
+// those that share an engine (addToLane: LoRA policies join their shared bases one at a time, in
+// config order); then the policies are registered in config order.
+func (r *Run) openPolicies(ctx context.Context) error {
+	pcs := r.cfg.Policies
+	at := map[string]int{} // a policy's index in pcs
+	var lanes [][]*policy
+	for i, pc := range pcs {
+		at[pc.Name] = i
+		lanes = addToLane(lanes, &policy{name: pc.Name, cfg: pc, eng: r.opts.Engines[pc.Name]})
+	}
+	engs, errs := make([]engines.Engine, len(pcs)), make([]error, len(pcs))
+	atOnce(len(lanes), func(l int) error {
+		for _, p := range lanes[l] {
+			i := at[p.name]
+			engs[i], errs[i] = r.openPolicyEngine(ctx, pcs[i])
+		}
+		return nil
+	})
+	for i, pc := range pcs {
+		if errs[i] == nil {
+			_, errs[i] = r.registerPolicy(ctx, pc, engs[i])
+		}
+		if errs[i] != nil {
+			for j := i + 1; j < len(pcs); j++ { // opened, never registered
+				if _, given := r.opts.Engines[pcs[j].Name]; !given && engs[j] != nil {
+					engs[j].Close()
+				}
+			}
+			return errs[i]
+		}
+	}
+	return nil
+}
+
+func (r *Run) addPolicy(ctx context.Context, pc config.PolicyConfig) (*policy, error) {
+	eng, err := r.openPolicyEngine(ctx, pc)
+	if err != nil {
+		return nil, err
+	}
+	return r.registerPolicy(ctx, pc, eng)
+}
+
+// openPolicyEngine returns the engine of policy pc: the one Options.Engines gives, or a new one.
+func (r *Run) openPolicyEngine(ctx context.Context, pc config.PolicyConfig) (engines.Engine, error) {
+	eng := r.opts.Engines[pc.Name]
+	if eng == nil {
+		open := r.opts.OpenEngine
+		if open == nil {
+			open = func(ctx context.Context, p config.PolicyConfig) (engines.Engine, error) {
+				return openEngine(ctx, p, r.opts.Out, engineLogs{printf: r.events.printf, worker: r.events.filef, restarted: r.engineRestarted, bases: &r.bases, cfg: r.cfg})
+			}
+		}
+		var err error
+		if eng, err = open(ctx, pc); err != nil {
+			return nil, fmt.Errorf("policy %q%s: %w", pc.Name, r.cfgPlace(&policy{cfg: pc}), err)
+		}
+	}
+	return eng, nil
+}
+
+// registerPolicy makes policy pc of its engine eng (closed on an error unless Options.Engines
+// gave it) and starts its dispatcher.
+func (r *Run) registerPolicy(ctx context.Context, pc config.PolicyConfig, eng engines.Engine) (*policy, error) {
+	_, given := r.opts.Engines[pc.Name]
+	if !given && r.opts.OpenEngine == nil && offHost(pc) { // a server this run reached itself
+		// After the policies before it are registered: it checks that no two trainable
+		// policies share one server process.
+		// The folders first: a run refused for them leaves the server's state as it was.
+		if err := r.checkServerFolders(ctx, pc, eng); err != nil {
+			eng.Close()
+			return nil, fmt.Errorf("policy %q%s: %w", pc.Name, r.cfgPlace(&policy{cfg: pc}), err)
+		}
+		if err := r.claimServer(ctx, pc, eng); err != nil {
+			eng.Close()
+			return nil, fmt.Errorf("policy %q%s: %w", pc.Name, r.cfgPlace(&policy{cfg: pc}), err)
+		}
+	}
+	if err := r.checkTIS(ctx, pc.Name, pc, eng); err != nil {
+		if !given {
+			eng.Close()
+		}
+		return nil, err
+	}
+	p := &policy{name: pc.Name, cfg: pc, eng: eng, busy: &busyMeter{}}
+	p.disp = newDispatcher(eng, &r.activity, maxBatchSamples(r.cfg))
+	p.disp.busy, p.disp.generating = p.busy, &r.generating
+	if v, ok := eng.(engines.AdapterView); ok && crossPolicyBatching {
+		// A LoRA policy on a shared base: its batches go out with the other adapters' batches.
+		base := v.AdapterBase()
+		bt := r.adapterBatchers[base]
+		if bt == nil {
+			bt = newAdapterBatcher(base.GenerateAdapters, &r.activity)
+			if r.adapterBatchers == nil {
+				r.adapterBatchers = map[engines.AdapterGenerator]*adapterBatcher{}
+			}
+			r.adapterBatchers[base] = bt
+		}
+		name := v.AdapterName()
+		bt.join(name, p.disp)
+		p.disp.gen = func(ctx context.Context, reqs []engines.GenerateRequest) ([]engines.Completion, error) {
+			return bt.generate(ctx, name, reqs)
+		}
+	}
+	go p.disp.loop(r.ctx)
+	r.policies[pc.Name] = p
+	r.order = append(r.order, pc.Name)
+	return p, nil
+}
+
+func maxBatchSamples(c *config.Config) int {
+	if c.Rollout.MaxBatchTokens > 0 {
+		return max(1, c.Rollout.MaxBatchTokens/max(1, c.Rollout.MaxResponseLen))
+	}
+	return 1024
+}
+
+// policyFor returns a policy by name. Zero-config runs create it on first use, on
+// config.BuiltinCheckpoint.
+func (r *Run) policyFor(name string) (*policy, error) {
+	return r.policyOn(name, config.BuiltinCheckpoint)
+}
+
+// policyOn is policyFor with the checkpoint a zero-config run creates the policy on.
+func (r *Run) policyOn(name, checkpoint string) (*policy, error) {
+	r.polMu.Lock()
+	defer r.polMu.Unlock()
+	if p, ok := r.policies[name]; ok {
+		return p, nil
+	}
+	if !r.zero {
+		hint := ""
+		if best := script.ClosestName(name, r.order); best != "" {
+			hint = fmt.Sprintf(" (did you mean %q?)", best)
+		}
+		return nil, fmt.Errorf("unknown policy %q%s; %s defines %s — add it under policies: or fix the name", name, hint, r.cfgName(), config.QuotePolicyNames(r.order))
+	}
+	if err := config.CheckPolicyName(name); err != nil {
+		return nil, fmt.Errorf("%v (a zero-config run creates each policy under the name the script passes, which must be a name a config may give it)", err)
+	}
+	if err := r.openErrs[name]; err != nil {
+		return nil, err
+	}
+	pc := config.DefaultPolicy(name)
+	pc.HFCheckpoint, pc.Engine.ModelPath = checkpoint, checkpoint
+	p, err := r.addPolicy(r.ctx, pc)
+	if err != nil {
+		if r.openErrs == nil {
+			r.openErrs = map[string]error{}
+		}
+		r.openErrs[name] = err
+		return nil, err
+	}
+	r.cfgMu.Lock()
+	r.cfg.Policies = append(r.cfg.Policies, pc)
+	r.cfgMu.Unlock()
+	r.events.printf("zero-config: policy %q on %s (%s engine)", name, pc.HFCheckpoint, pc.Engine.Kind)
+	if r.step > 0 || r.live.total.Load() > 0 {
+		// A name the script computed, created mid-run: config.yaml lists it too.
+		if err := r.writeConfig(); err != nil {
+			r.events.printf("config.yaml: %v", err)
+		}
+	}
+	return p, nil
+}
+
+func (r *Run) cfgName() string {
+	if r.cfg.File != "" {
+		return r.cfg.File
+	}
+	return "the config"
+}
+
+// cfgPlace names where a policy was configured, for messages: " in policies.yaml:7".
+func (r *Run) cfgPlace(p *policy) string {
+	if r.cfg.File != "" && p.cfg.Line > 0 {
+		return fmt.Sprintf(" in %s:%d", r.cfg.File, p.cfg.Line)
+	}
+	return ""
+}
+
+// score scores one request of a rollout: through the policy's dispatcher, which batches the score
+// calls of all rollouts as it does their generate calls, at the weights version the rollout
+// samples from.
+func (r *Run) score(ctx context.Context, p *policy, req engines.ScoreRequest) ([]float32, error) {
+	return p.disp.score(ctx, req, versionFor(ctx, p).gen)
+}
+
+// policyList returns the policies in config order (then order of first use).
+func (r *Run) policyList() []*policy {
+	r.polMu.Lock()
+	defer r.polMu.Unlock()
+	pols := make([]*policy, len(r.order))
+	for i, n := range r.order {
+		pols[i] = r.policies[n]
+	}
+	return pols
+}
