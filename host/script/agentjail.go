@@ -3,7 +3,6 @@ package script
 import (
 	"fmt"
 	"io"
-	"net"
 	"os"
 	"os/exec"
 	"path"
@@ -15,7 +14,6 @@ import (
 	"syscall"
 	"time"
 
-	"github.com/slimen/slimen/engines/openai"
 	"github.com/slimen/slimen/host/config"
 	"github.com/slimen/slimen/host/jail"
 )
@@ -131,10 +129,11 @@ type jailProc struct{ c *jail.Cmd }
 func (p jailProc) wait() (int, error) { return p.c.Wait() }
 func (p jailProc) kill()              { p.c.Kill() }
 
-// startJailed runs the program in a jail: the environment is the jail's (PATH, HOME and TMPDIR
-// in its /tmp, LANG) and the session's variables, nothing of the host's.
-func startJailed(cfg config.SandboxConfig, prog string, argv, env []string, dir string, stdin io.Reader, stdout, stderr io.Writer) (agentProc, error) {
-	sock, err := agentSocket()
+// startJailed runs the program in a jail whose port leads to agents' socket: the environment is
+// the jail's (PATH, HOME and TMPDIR in its /tmp, LANG) and the session's variables, nothing of the
+// host's.
+func startJailed(agents *AgentEndpoint, cfg config.SandboxConfig, prog string, argv, env []string, dir string, stdin io.Reader, stdout, stderr io.Writer) (agentProc, error) {
+	sock, err := agents.Socket()
 	if err != nil {
 		return nil, err
 	}
@@ -188,29 +187,3 @@ var resolved sync.Map
 
 // jailBaseURL is the endpoint as a jailed program reaches it.
 var jailBaseURL = "http://127.0.0.1:" + strconv.Itoa(jail.Port)
-
-// agentSocket returns the Unix socket of the agent endpoint, which jails lead their port to,
-// serving it at the first call: in a folder of its own that only this process's user can open.
-func agentSocket() (string, error) {
-	a := agentSrv
-	a.sockOnce.Do(func() {
-		if _, err := agentEndpoint(); err != nil {
-			a.sockErr = err
-			return
-		}
-		jail.SweepOrphans(os.TempDir(), "slimen-agents-", func(d string) { os.RemoveAll(d) }) // killed sandbox children's
-		dir, err := os.MkdirTemp("", fmt.Sprintf("slimen-agents-%d-", os.Getpid()))
-		if err != nil {
-			a.sockErr = fmt.Errorf("cannot make the agent endpoint's socket: %v", err)
-			return
-		}
-		a.sock = filepath.Join(dir, "endpoint.sock")
-		ln, err := net.Listen("unix", a.sock)
-		if err != nil {
-			a.sockErr = fmt.Errorf("cannot listen on the agent endpoint's socket: %v", err)
-			return
-		}
-		go openai.NewServer(a.handler).Serve(ln)
-	})
-	return a.sock, a.sockErr
-}

@@ -30,6 +30,7 @@ type Rollout struct {
 	Seed   uint64
 	Group  string            // the group of its train() calls that name none (defaultGroup)
 	Eval   *engines.Sampling // eval rollouts sample with these settings and do not train
+	Agents *AgentEndpoint    // the run's endpoint of agent() programs; nil: one per agent() call
 
 	Result starlark.Value // what the rollout function returned
 	Err    error          // why it failed; nil: it succeeded
@@ -57,6 +58,8 @@ type Pass struct {
 	// task share its default group, so GRPO normalises each policy's samples of the task
 	// against each other, as slime does with the n samples of a prompt.
 	Samples int
+	// Agents is the run's endpoint of agent() programs, which the pass's rollouts share.
+	Agents *AgentEndpoint
 }
 
 // Rollouts makes the rollouts of the pass, one per task in order. Each rollout's seeds derive
@@ -79,7 +82,7 @@ func (p Pass) Rollouts(tasks []Task) []*Rollout {
 			}
 			i := len(ros)
 			ros = append(ros, &Rollout{Host: p.Host, Ctx: withRequestIDs(p.Ctx, p.RunID, p.Number, i), Task: t, Index: i, Step: p.Step,
-				Eval: p.Eval, Seed: KeySeed(p.Seed, t.ID, key), Group: defaultGroup(t.ID, k)})
+				Eval: p.Eval, Seed: KeySeed(p.Seed, t.ID, key), Group: defaultGroup(t.ID, k), Agents: p.Agents})
 		}
 	}
 	return ros
