@@ -71,6 +71,9 @@ def main(argv=None) -> None:
                    help="shortest cached prefix reused (default 16)")
     s.add_argument("--no-fused-head", action="store_true",
                    help="training log-probs from the whole fp32 logits, not in chunks")
+    s.add_argument("--deterministic", action="store_true",
+                   help="batch-invariant kernels: a sample does not depend on its batch and the "
+                   "trainer's log-probs equal the rollout's bit for bit (see docs/torch.md)")
 
     m = sub.add_parser("make-model", help="write a randomly initialised model folder")
     m.add_argument("--shape", required=True, help="tiny, tiny-qwen3, tiny-qwen2, qwen3-50m, "

@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from . import compile_cache, kernels, lora
+from . import batch_invariant, compile_cache, kernels, lora
 from .config import ModelConfig, eos_ids, read_config
 from .generate import Generator, Request
 from .model import Transformer, bind_thread, fused_rms_norm
@@ -93,6 +93,12 @@ class Options:
     # Join push groups (push.py, "push" in the capabilities): a trainer and its rollout replicas
     # take the weights through a process group. False: the host pushes them through a folder.
     push: bool = True
+    # Batch-invariant arithmetic (batch_invariant.py, docs/torch.md): a row's numbers do not
+    # depend on its batch or its cache row's layout, and the trainer's log-probs equal the
+    # rollout's bit for bit. It runs the paths that have invariant forms: no Triton decode
+    # kernels, no torch.compile, PyTorch's RMSNorm, the log-prob head on whole logits; CUDA
+    # graphs stay. The KV cache must be in the model's dtype.
+    deterministic: bool = False
 
 
 def _dtype(name: str, device: torch.device) -> torch.dtype:
@@ -139,6 +145,14 @@ class Engine:
 
     def __init__(self, model_dir: str, options: Options | None = None):
         self.opts = options or Options()
+        if self.opts.deterministic:
+            if self.opts.kv_cache_dtype not in ("", "auto"):
+                raise ValueError(f"deterministic: kv_cache_dtype {self.opts.kv_cache_dtype!r} "
+                                 "rounds the keys and values generation reads and training does "
+                                 "not; use kv_cache_dtype auto")
+            self.opts = dataclasses.replace(
+                self.opts, kernels=False, fused_b1=False, compile=False, compile_prefill=False,
+                compile_train="off", fused_norm=False, fused_head=False, shared_prompts=False)
         self.device = torch.device(self.opts.device)
         if self.device.type == "cuda" and self.device.index is None:
             # "cuda" is the current device of the thread that builds the engine; its own threads
@@ -283,6 +297,8 @@ class Engine:
 
     def _loop(self) -> None:
         bind_thread(self.device)
+        # All of the engine's model work runs on this thread: its arithmetic mode is the thread's.
+        batch_invariant.set_enabled(self.opts.deterministic)
         while True:
             with self._cv:
                 while not (self._closed or self._tasks or self._new or self._cancels
@@ -632,6 +648,8 @@ class Engine:
                                              use_triton=False)[0]
             return lp.tolist()
         logits, targets = response_logits(model, pairs)
+        if batch_invariant.enabled():
+            return batch_invariant.token_logprobs(logits, targets).tolist()
         logits = logits.float()
         return (logits.gather(1, targets[:, None]).squeeze(1)
                 - torch.logsumexp(logits, dim=-1)).tolist()

@@ -24,8 +24,17 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from . import batch_invariant as bi
+from . import lora
 from .config import ModelConfig
-from .lora import linear
+
+
+def linear(x: torch.Tensor, w, b=None) -> torch.Tensor:
+    """lora.linear (F.linear with a LoRAWeight's update); batch_invariant.linear in the
+    deterministic mode."""
+    if bi.enabled():
+        return bi.linear(x, w, b)
+    return lora.linear(x, w, b)
 
 
 def bind_thread(device: torch.device) -> None:
@@ -112,6 +121,8 @@ def kv_read(cache: torch.Tensor, index, dtype: torch.dtype) -> torch.Tensor:
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     # As transformers: normalise in fp32, cast back, then scale (the order matters in bf16).
+    if bi.enabled():
+        return bi.rms_norm(x, weight, eps)
     dtype = x.dtype
     x32 = x.float()
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
@@ -198,6 +209,13 @@ def block_forward(cfg: ModelConfig, x, w: tuple, cos, sin, qkv_fn=None, mlp_fn=N
     counts are symbolic and SDPA takes only a bool, so Dynamo breaks the graph around the
     attention; a bool given here (whole_block) is a constant and keeps the layer whole."""
     q, k, v = (qkv_fn or project_qkv)(cfg, w, x, cos, sin, norm)  # [B, T, heads, D]
+    if bi.enabled():
+        k, v = k.transpose(1, 2), v.transpose(1, 2)
+        T = x.shape[1]
+        pos = torch.arange(T, device=x.device).expand(x.shape[0], T)
+        o = bi.attention(q, k, v, pos, cfg.head_dim ** -0.5).flatten(2)
+        x = residual_add(x, linear(o, w[5], w[6]))
+        return residual_add(x, (mlp_fn or mlp)(cfg, w, x, norm)), k, v
     q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
     o = F.scaled_dot_product_attention(
         q, k, v, is_causal=True, scale=cfg.head_dim ** -0.5,
@@ -251,6 +269,10 @@ def decode_layer(cfg: ModelConfig, x, w: tuple, k_cache, v_cache, pos, mask, cos
     kv_write(v_cache, (rows, slice(None), pos), v)
     keys = kv_read(k_cache, (slice(None, B), slice(None), slice(None, L)), x.dtype)
     values = kv_read(v_cache, (slice(None, B), slice(None), slice(None, L)), x.dtype)
+    if bi.enabled():
+        o = bi.attention(q[:, None], keys, values, pos[:, None], cfg.head_dim ** -0.5)
+        x = residual_add(x, linear(o.reshape(B, cfg.q_dim), w[5], w[6]))
+        return residual_add(x, mlp(cfg, w, x))
     # Grouped-query attention as two batched products: the query heads of one key/value head form
     # the rows of one small matrix, so the cache is read once per key/value head, never copied.
     group = cfg.heads // cfg.kv_heads
@@ -308,7 +330,11 @@ class Transformer(nn.Module):
     def layer_weights(self, i: int) -> tuple:
         """Layer i's weights (Block.weights), with the selected adapters' updates."""
         w = self.layers[i].weights()
-        return w if self.lora is None else self.lora.weights(self, i, w)
+        if self.lora is None:
+            return w
+        if bi.enabled():  # the updates in the arithmetic of One and Rows alike
+            return bi.lora_weights(self.lora, self, i, w)
+        return self.lora.weights(self, i, w)
 
     def init_weights(self, generator: torch.Generator, std: float = 0.02) -> None:
         """Random initialisation (make-model): normal(0, std) matrices, unit norms, zero biases."""
@@ -370,6 +396,8 @@ class Transformer(nn.Module):
         return (self.train_norm if train else rms_norm)(x, self.norm, self.cfg.rms_eps)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if bi.enabled():
+            return bi.linear(hidden, self.head_weight)
         return F.linear(hidden, self.head_weight)
 
 

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import torch
 
+from . import batch_invariant
+
 _M32 = 0xFFFFFFFF
 
 
@@ -79,7 +81,10 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor,
     logits: [B, V] fp32; temperature, top_p, u: [B]. temperature 0 is greedy. use_top_p is a
     Python bool so that the sort nucleus sampling needs is not paid (or captured) when no row
     asks for it. Returns (tokens [B] int64, logprobs [B] fp32 under the temperature-1 logits).
+    In the deterministic mode the same draws with sums in a fixed order (batch_invariant.sample).
     """
+    if batch_invariant.enabled():
+        return batch_invariant.sample(logits, temperature, top_p, u, use_top_p)
     greedy = temperature <= 0
     t = torch.where(greedy, torch.ones_like(temperature), temperature)
     # Unnormalised probabilities (the largest is 1): sampling needs no division by the total.

@@ -740,4 +740,5 @@ def _options(args):
                    micro_batch_tokens=args.micro_batch_tokens,
                    grad_checkpointing=args.grad_checkpointing, ref_model=args.ref_model,
                    versions=not getattr(args, "no_versions", False),
-                   push=not getattr(args, "no_push", False))
+                   push=not getattr(args, "no_push", False),
+                   deterministic=getattr(args, "deterministic", False))

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from torch._inductor import config as inductor_config
 
-from . import kernels
+from . import batch_invariant, kernels
 from . import loss as L
 from .model import Transformer, block_forward, copy_tensors, mlp, project_qkv, whole_block
 from .types import Batch, RequestError, Sample, TrainStats
@@ -36,7 +36,10 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, entropy_grad: bo
     The entropy is always computed (it is reported); it carries a gradient only when asked, so
     that an unused entropy bonus costs no backward pass over the vocabulary. Compiled (on a GPU)
     this reads the bf16 logits a few times instead of materialising several fp32 copies of them.
+    In the deterministic mode: batch_invariant's, the log-probs the sampler reports.
     """
+    if batch_invariant.enabled():
+        return batch_invariant.token_logprobs_entropy(logits, targets, entropy_grad)
     lsm = torch.log_softmax(logits.float(), dim=-1)
     logp = lsm.gather(1, targets[:, None]).squeeze(1)
     with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
@@ -106,7 +109,8 @@ def response_hidden(model: Transformer, pairs: list[tuple[list[int], list[int]]]
 
 
 def _autocast(dev: torch.device):
-    if dev.type == "cuda":
+    # The deterministic mode runs the model in its own dtype, as generation does.
+    if dev.type == "cuda" and not batch_invariant.enabled():
         return torch.autocast("cuda", dtype=torch.bfloat16)
     return contextlib.nullcontext()
 

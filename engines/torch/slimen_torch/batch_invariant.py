@@ -1,0 +1,463 @@
+"""Batch-invariant arithmetic: the worker's deterministic mode (Options.deterministic).
+
+In the default mode a row's numbers depend on what else is computed with it: a matrix product
+picks its tiling and its split of the reduction by the number of rows (a cuBLAS heuristic; on the
+CPU a matrix-vector kernel for one row, a blocked one for many), a reduction over a row is split
+across threads when there are few rows, the decode attention splits the cache by its length, and
+training runs other kernels (compiled, fused) than generation. So the log-prob of a token differs
+between the rollout that sampled it and the trainer that trains on it, and a sample's tokens can
+depend on its batch (Thinking Machines, "Defeating Nondeterminism in LLM Inference", 2025).
+
+Here every reduction has an order fixed by the row alone:
+
+* products (`matmul`, `linear`): on a GPU a Triton kernel with one tile shape for every size
+  (the reduction runs along K in fixed steps, never split); elsewhere the products of each
+  output element summed by `tree_sum`;
+* sums over a row (`tree_sum`): a pairwise tree over the row padded with zeros to a power of two,
+  elementwise adds only. Trailing zeros leave the sum unchanged, so a row's sum is the same
+  whatever its padding: RMSNorm (`rms_norm`), the log-softmax (`logsumexp`, `token_logprobs`)
+  and the sampler's sums (`sample`) use it;
+* attention (`attention`): one query row at a time over its keys in chunks of `KV_SPLIT`
+  positions counted from position 0, combined in order by the online softmax. A chunk past the
+  query's position is an exact no-op, so the result is the same for any cache length, any
+  batch, and for a token whether it is decoded, prefilled (with or without a cached prefix) or
+  re-read by the trainer.
+
+The model's functions (model.py) call these when the mode is on for the calling thread
+(`enabled`): the engine turns it on for its own thread, where all of its model work runs. The
+trainer then computes log-probs with the same functions and dtypes as generation, so they are
+equal bit for bit. Gradients go through plain PyTorch products (`linear`'s backward) and
+autograd of the other functions; they need not be batch-invariant, only repeatable.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+
+import torch
+import torch.nn.functional as F
+
+from . import lora
+
+try:
+    import triton
+    import triton.language as tl
+    HAVE_TRITON = True
+except ImportError:  # pragma: no cover - the CPU path needs no Triton
+    HAVE_TRITON = False
+
+# The attention's split along the keys: positions [0, KV_SPLIT), [KV_SPLIT, 2·KV_SPLIT), …
+KV_SPLIT = 64
+
+_state = threading.local()
+
+
+def enabled() -> bool:
+    """Whether the calling thread computes in the batch-invariant mode."""
+    return getattr(_state, "on", False)
+
+
+def set_enabled(on: bool) -> None:
+    """Turns the mode on or off for the calling thread (the engine's thread, for its life)."""
+    _state.on = bool(on)
+
+
+@contextlib.contextmanager
+def mode(on: bool = True):
+    """The mode on (or off) for the calling thread inside the block."""
+    saved = enabled()
+    set_enabled(on)
+    try:
+        yield
+    finally:
+        set_enabled(saved)
+
+
+def use_triton(t: torch.Tensor) -> bool:
+    """Whether t's products and attention run in the Triton kernels (CUDA tensors; or any under
+    TRITON_INTERPRET=1 when tests ask for it through FORCE_TRITON)."""
+    return HAVE_TRITON and (t.is_cuda or FORCE_TRITON)
+
+
+FORCE_TRITON = False  # tests: the Triton kernels on the CPU under TRITON_INTERPRET=1
+
+
+# ---- sums in a fixed order ----
+
+def tree_sum(x: torch.Tensor) -> torch.Tensor:
+    """The sum over the last dimension as a pairwise tree: zero-padded to a power of two, then
+    halved by elementwise adds (x[:h] + x[h:]) until one entry is left. Every row is summed in the
+    same order whatever the other rows, and zeros past a row's entries change nothing (the first
+    levels add them to entries exactly), so a shorter row padded with zeros sums alike."""
+    n = x.shape[-1]
+    p = 1 if n <= 1 else 1 << (n - 1).bit_length()
+    if p != n:
+        x = F.pad(x, (0, p - n))
+    while x.shape[-1] > 1:
+        h = x.shape[-1] // 2
+        x = x[..., :h] + x[..., h:]
+    return x[..., 0]
+
+
+def prefix_sum(x: torch.Tensor) -> torch.Tensor:
+    """The running sum along the last dimension in a fixed order (Hillis-Steele: log2(n) rounds of
+    elementwise adds), the same for a row whatever its batch."""
+    n, k = x.shape[-1], 1
+    while k < n:
+        x = torch.cat((x[..., :k], x[..., k:] + x[..., :-k]), dim=-1)
+        k *= 2
+    return x
+
+
+# ---- products ----
+
+# Elements of the products a CPU chunk materialises (rows × N × K): bounds the memory.
+_CHUNK = 1 << 22
+
+
+def matmul_tree(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x [M, K] @ w [N, K]ᵀ → [M, N] in fp32: each element the tree_sum of its K products (fp32
+    products of fp32 or bf16 inputs, exact for bf16). Rows are computed in chunks, each element
+    alike in any chunk."""
+    M, K = x.shape
+    N = w.shape[0]
+    wf = w.float()
+    rows = max(1, _CHUNK // max(1, N * K))
+    out = [tree_sum(x[i:i + rows, None, :].float() * wf[None]) for i in range(0, M, rows)]
+    return torch.cat(out) if out else x.new_zeros(0, N, dtype=torch.float32)
+
+
+if HAVE_TRITON:
+    @triton.jit
+    def _matmul_kernel(X, W, Y, M, N, K, sxm, sxk, swn, swk, sym, syn,
+                       BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                       IEEE: tl.constexpr):
+        # One BM × BN tile of Y = X·Wᵀ; the reduction along K in steps of BK, always whole (no
+        # split-K) and in the same order, with the same tile shape for every M: a row's result
+        # does not depend on the others.
+        pm, pn = tl.program_id(0), tl.program_id(1)
+        rm = pm * BM + tl.arange(0, BM)
+        rn = pn * BN + tl.arange(0, BN)
+        rk = tl.arange(0, BK)
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        for k0 in range(0, K, BK):
+            kk = k0 + rk
+            a = tl.load(X + rm[:, None] * sxm + kk[None, :] * sxk,
+                        mask=(rm[:, None] < M) & (kk[None, :] < K), other=0.0)
+            b = tl.load(W + rn[None, :] * swn + kk[:, None] * swk,
+                        mask=(rn[None, :] < N) & (kk[:, None] < K), other=0.0)
+            if IEEE:
+                acc += tl.dot(a, b, input_precision="ieee")
+            else:
+                acc += tl.dot(a, b)
+        tl.store(Y + rm[:, None] * sym + rn[None, :] * syn, acc.to(Y.dtype.element_ty),
+                 mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+# The one tile shape of every product (BM, BN, BK, warps, stages).
+TILE = (64, 64, 64, 4, 3)
+
+
+def matmul_triton(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """x [M, K] @ w [N, K]ᵀ → [M, N] in out_dtype through _matmul_kernel (fp32 accumulation)."""
+    M, K = x.shape
+    N = w.shape[0]
+    y = torch.empty(M, N, dtype=out_dtype, device=x.device)
+    if M == 0 or N == 0:
+        return y
+    BM, BN, BK, warps, stages = TILE
+    grid = (triton.cdiv(M, BM), triton.cdiv(N, BN))
+    _matmul_kernel[grid](x, w, y, M, N, K, x.stride(0), x.stride(1), w.stride(0), w.stride(1),
+                         y.stride(0), y.stride(1), BM=BM, BN=BN, BK=BK,
+                         IEEE=x.dtype == torch.float32, num_warps=warps, num_stages=stages)
+    return y
+
+
+def matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x [..., K] @ w [N, K]ᵀ → [..., N] in x's dtype, batch-invariant: the Triton kernel on a
+    GPU, matmul_tree elsewhere."""
+    x2 = x.reshape(-1, x.shape[-1])
+    if use_triton(x2):
+        y = matmul_triton(x2, w.to(x2.dtype), x2.dtype)
+    else:
+        y = matmul_tree(x2, w).to(x.dtype)
+    return y.view(*x.shape[:-1], w.shape[0])
+
+
+class _Linear(torch.autograd.Function):
+    """y = x·wᵀ (+ b) by the invariant `matmul`; the backward pass in plain PyTorch products."""
+
+    @staticmethod
+    def forward(ctx, x, w, b):
+        ctx.save_for_backward(x, w)
+        ctx.has_bias = b is not None
+        y = _MATMUL(x, w)
+        return y if b is None else y + b
+
+    @staticmethod
+    def backward(ctx, gy):
+        x, w = ctx.saved_tensors
+        gx = gw = gb = None
+        if ctx.needs_input_grad[0]:
+            gx = (gy @ w.to(gy.dtype)).to(x.dtype)
+        g2 = gy.reshape(-1, gy.shape[-1])
+        if ctx.needs_input_grad[1]:
+            gw = (g2.t() @ x.reshape(-1, x.shape[-1]).to(g2.dtype)).to(w.dtype)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            gb = g2.float().sum(0).to(gy.dtype)
+        return gx, gw, gb
+
+
+def _matmul_entry(x, w):
+    return matmul(x, w)
+
+
+# The product `linear` uses; tests swap it for a plain one to show the invariance checks catch it.
+_MATMUL = _matmul_entry
+
+
+def linear(x: torch.Tensor, w, b=None) -> torch.Tensor:
+    """F.linear, batch-invariant; w may be a lora.LoRAWeight (its update made invariant by
+    lora_weights)."""
+    if isinstance(w, lora.LoRAWeight):
+        return _Linear.apply(x, w.w, b) + w.delta(x)
+    return _Linear.apply(x, w, b)
+
+
+def lora_weights(sel, model, i: int, w: tuple) -> tuple:
+    """Layer i's weights w with the adapters of sel (lora.One or lora.Rows) applied as
+    batch-invariant updates, the same arithmetic for both: a row's update is
+    linear(linear(x, A)·scale, B) of its own adapter. lora.Rows computes the updates of all its
+    adapters at once with a block mask, whose sums run over the other adapters' (zero) columns
+    too; here each adapter's update is computed for every row and each row keeps its own (a
+    select, exact), so generation (Rows) and training (One) agree bit for bit."""
+    if isinstance(sel, lora.One):
+        ads, idx = [sel.ad], None
+    else:
+        ads, idx = list(sel.ads), sel.idx
+
+    def update(t):
+        parts = [(j, ad.a[i][t], ad.b[i][t], ad.cfg.scale) for j, ad in enumerate(ads)
+                 if t in ad.a[i]]
+        if not parts:
+            return None
+
+        def delta(x):
+            out = None
+            for j, A, B, s in parts:
+                d = linear(linear(x, A) * s, B)
+                if idx is not None:
+                    keep = (idx == j + 1).view(-1, *([1] * (d.dim() - 1)))
+                    d = torch.where(keep, d, torch.zeros_like(d))
+                out = d if out is None else out + d
+            return out
+        return delta
+    return lora._with_updates(model, w, update)
+
+
+# ---- RMSNorm and the log-prob head ----
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """model.rms_norm (fp32, cast back, then the weight) with the mean square summed by
+    tree_sum."""
+    dtype = x.dtype
+    x32 = x.float()
+    ms = tree_sum(x32 * x32) / x.shape[-1]
+    x32 = x32 * torch.rsqrt(ms + eps)[..., None]
+    return weight * x32.to(dtype)
+
+
+def logsumexp(x: torch.Tensor) -> torch.Tensor:
+    """log Σ exp over the last dimension of fp32 x, summed by tree_sum."""
+    m = x.amax(-1, keepdim=True)
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    return m[..., 0] + torch.log(tree_sum(torch.exp(x - m)))
+
+
+def token_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """The temperature-1 log-prob of each row's target: logits [N, V] (any dtype, read in fp32),
+    targets [N] → [N] fp32. What the sampler reports and the trainer computes."""
+    x = logits.float()
+    return x.gather(-1, targets[:, None]).squeeze(-1) - logsumexp(x)
+
+
+def token_logprobs_entropy(logits: torch.Tensor, targets: torch.Tensor, entropy_grad: bool):
+    """(token_logprobs, entropy) for the trainer, the entropy from the same log-softmax; rows in
+    chunks so that the fp32 copies stay bounded."""
+    lps, ents = [], []
+    rows = max(1, _CHUNK // max(1, logits.shape[-1]))
+    for i in range(0, logits.shape[0], rows):
+        x = logits[i:i + rows].float()
+        lse = logsumexp(x)
+        lps.append(x.gather(-1, targets[i:i + rows, None]).squeeze(-1) - lse)
+        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+            lsm = x - lse[:, None]
+            ents.append(-tree_sum(lsm.exp() * lsm))
+    if not lps:
+        z = logits.new_zeros(0, dtype=torch.float32)
+        return z, z
+    return torch.cat(lps), torch.cat(ents)
+
+
+# ---- the sampler ----
+
+def _inverse_cdf(w: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """sampling._inverse_cdf with its sums in a fixed order: the first index whose running sum
+    reaches u·(row sum), never an index of weight 0."""
+    B, V = w.shape
+    C = 1024
+    while C >= 64 and V % C:
+        C //= 2
+    if C < 64 or V // C < 2:
+        c = prefix_sum(w)
+        target = torch.minimum(u * c[:, -1], c[:, -1])[:, None].contiguous()
+        return torch.searchsorted(c, target).squeeze(1).clamp(max=V - 1)
+    blocks = w.view(B, V // C, C)
+    cmass = prefix_sum(tree_sum(blocks))
+    target = (u * cmass[:, -1])[:, None].contiguous()
+    j = torch.searchsorted(cmass, target).clamp(max=V // C - 1)
+    before = torch.where(j > 0, cmass.gather(1, (j - 1).clamp(min=0)), torch.zeros_like(target))
+    inner = prefix_sum(blocks.gather(1, j[:, :, None].expand(B, 1, C)).squeeze(1))
+    rest = torch.minimum(target - before, inner[:, -1:]).contiguous()
+    k = torch.searchsorted(inner, rest).clamp(max=C - 1)
+    return (j * C + k).squeeze(1)
+
+
+def sample(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor,
+           u: torch.Tensor, use_top_p: bool):
+    """sampling.sample (the same draws by the inverse CDF at u) with its sums in a fixed order
+    and the log-probs of token_logprobs. Returns (tokens [B] int64, logprobs [B] fp32)."""
+    x = logits.float()
+    greedy = temperature <= 0
+    t = torch.where(greedy, torch.ones_like(temperature), temperature)
+    w = torch.exp((x - x.amax(-1, keepdim=True)) / t[:, None])
+    tokens = _inverse_cdf(w, u)
+    if use_top_p:
+        ws, order = w.sort(dim=-1, descending=True, stable=True)
+        before = prefix_sum(ws) - ws
+        ws = ws * (before < top_p[:, None] * tree_sum(ws)[:, None])
+        nucleus = order.gather(1, _inverse_cdf(ws, u)[:, None]).squeeze(1)
+        tokens = torch.where(top_p < 1, nucleus, tokens)
+    tokens = torch.where(greedy, x.argmax(dim=-1), tokens)
+    return tokens, token_logprobs(x, tokens)
+
+
+# ---- attention ----
+
+def attention_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,
+                    scale: float) -> torch.Tensor:
+    """`attention` in PyTorch operations (any device; the CPU's path)."""
+    B, Tq, H, D = q.shape
+    KV, Lk = k.shape[1], k.shape[2]
+    G = H // KV
+    qg = q.float().reshape(B, Tq, KV, G, 1, D)
+    m = torch.full((B, Tq, KV, G), float("-inf"), device=q.device)
+    l = torch.zeros((B, Tq, KV, G), device=q.device)
+    acc = torch.zeros((B, Tq, KV, G, D), device=q.device)
+    for c0 in range(0, Lk, KV_SPLIT):
+        kc = k[:, :, c0:c0 + KV_SPLIT].float()[:, None, :, None]  # [B, 1, KV, 1, s, D]
+        vc = v[:, :, c0:c0 + KV_SPLIT].float()[:, None, :, None]
+        s = kc.shape[-2]
+        seen = (c0 + torch.arange(s, device=q.device))[None, None, :] <= q_pos[:, :, None]
+        seen = seen[:, :, None, None, :]  # [B, Tq, 1, 1, s]
+        scores = tree_sum(qg * kc) * scale  # [B, Tq, KV, G, s]
+        scores = torch.where(seen, scores, torch.full_like(scores, float("-inf")))
+        m_new = torch.maximum(m, scores.amax(-1))
+        alpha = torch.exp(m - m_new)
+        p = torch.where(seen, torch.exp(scores - m_new[..., None]), torch.zeros_like(scores))
+        pv = torch.where(seen[..., None], p[..., None] * vc, torch.zeros((), device=q.device))
+        l = l * alpha + tree_sum(p)
+        acc = acc * alpha[..., None] + tree_sum(pv.transpose(-1, -2))
+        m = m_new
+    return (acc / l[..., None]).reshape(B, Tq, H, D).to(q.dtype)
+
+
+if HAVE_TRITON:
+    @triton.jit
+    def _attention_kernel(Q, K, V, O, P, Tq, H, G, Lk, D, scale,
+                          sqb, sqt, sqh, skb, skh, skl, svb, svh, svl, sob, sot, soh,
+                          S: tl.constexpr, BD: tl.constexpr):
+        # One query row and head: its keys [0, pos] in chunks of S positions from 0, combined in
+        # order by the online softmax (fp32); the same arithmetic for any batch and cache.
+        row, h = tl.program_id(0), tl.program_id(1)
+        b, t = row // Tq, row % Tq
+        kvh = h // G
+        d = tl.arange(0, BD)
+        dm = d < D
+        pos = tl.load(P + row)
+        q = tl.load(Q + b * sqb + t * sqt + h * sqh + d, mask=dm, other=0.0).to(tl.float32)
+        m = tl.full((), float("-inf"), tl.float32)
+        l = tl.zeros((), tl.float32)
+        acc = tl.zeros((BD,), tl.float32)
+        end = tl.minimum(pos + 1, Lk)
+        for c0 in range(0, end, S):
+            j = c0 + tl.arange(0, S)
+            seen = j <= pos
+            km = seen[:, None] & (j[:, None] < Lk) & dm[None, :]
+            k = tl.load(K + b * skb + kvh * skh + j[:, None] * skl + d[None, :], mask=km,
+                        other=0.0).to(tl.float32)
+            s = tl.sum(q[None, :] * k, axis=1) * scale
+            s = tl.where(seen, s, float("-inf"))
+            m_new = tl.maximum(m, tl.max(s, axis=0))
+            alpha = tl.exp(m - m_new)
+            p = tl.where(seen, tl.exp(s - m_new), 0.0)
+            v = tl.load(V + b * svb + kvh * svh + j[:, None] * svl + d[None, :], mask=km,
+                        other=0.0).to(tl.float32)
+            l = l * alpha + tl.sum(p, axis=0)
+            acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
+            m = m_new
+        tl.store(O + b * sob + t * sot + h * soh + d, (acc / l).to(O.dtype.element_ty), mask=dm)
+
+
+def attention_triton(q, k, v, q_pos, scale):
+    """`attention` in _attention_kernel (one program per query row and head)."""
+    B, Tq, H, D = q.shape
+    KV, Lk = k.shape[1], k.shape[2]
+    if k.stride(-1) != 1 or v.stride(-1) != 1:
+        k, v = k.contiguous(), v.contiguous()
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    o = torch.empty(B, Tq, H, D, dtype=q.dtype, device=q.device)
+    pos = q_pos.to(torch.int64).contiguous().view(-1)
+    _attention_kernel[(B * Tq, H)](
+        q, k, v, o, pos, Tq, H, H // KV, Lk, D, scale,
+        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2), o.stride(0), o.stride(1), o.stride(2),
+        S=KV_SPLIT, BD=triton.next_power_of_2(D), num_warps=4)
+    return o
+
+
+class _Attention(torch.autograd.Function):
+    """The Triton attention forward; the backward pass through PyTorch's attention recomputed
+    (the gradient of the same function, not batch-invariant)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, q_pos, scale):
+        ctx.save_for_backward(q, k, v, q_pos)
+        ctx.scale = scale
+        return attention_triton(q, k, v, q_pos, scale)
+
+    @staticmethod
+    def backward(ctx, go):
+        q, k, v, q_pos = ctx.saved_tensors
+        with torch.enable_grad():
+            q_, k_, v_ = (t.detach().requires_grad_() for t in (q, k, v))
+            Lk = k.shape[2]
+            mask = (torch.arange(Lk, device=q.device)[None, None, :] <= q_pos[:, :, None])
+            o = F.scaled_dot_product_attention(
+                q_.transpose(1, 2), k_, v_, attn_mask=mask[:, None], scale=ctx.scale,
+                enable_gqa=q.shape[2] != k.shape[1]).transpose(1, 2)
+            gq, gk, gv = torch.autograd.grad(o, (q_, k_, v_), go)
+        return gq, gk, gv, None, None
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,
+              scale: float) -> torch.Tensor:
+    """Causal grouped-query attention, batch-invariant: q [B, Tq, H, D] (query rows), k and v
+    [B, KV, Lk, D] (keys and values at positions 0..Lk-1: a sequence's own, or cache rows),
+    q_pos [B, Tq] each query's position; a query sees the keys at positions ≤ its own. Returns
+    [B, Tq, H, D] in q's dtype. Keys past Lk or past a query's position never count, so the
+    cache's length and whatever it holds beyond change nothing."""
+    if use_triton(q):
+        return _Attention.apply(q, k, v, q_pos, scale)
+    return attention_torch(q, k, v, q_pos, scale)
