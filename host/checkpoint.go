@@ -825,25 +825,25 @@ func short(h string) string { return h[:min(12, len(h))] }
 
 // Resume loads a stopped run again and restores it: from is its run directory (its newest valid
 // checkpoint is taken; newer ones that fail verification are reported in the run's log and
-// removed as the run goes on) or one of its checkpoints/step_N folders. script "" is the script
+// removed as the run goes on) or one of its checkpoints/step_N folders. scriptPath "" is the script
 // the checkpoint recorded, found from any working directory (resumeScript). opts.Config nil is the
 // checkpoint's own config, its relative paths taken from the directory the run started in (which
 // run.json records), then opts.ConfigOverride applied to it; opts.Out "" is the run directory the
 // checkpoint belongs to. The run then goes on at the step after the checkpoint's. A checkpoint
 // that cannot be found or read, and a config or script that does not load, are ScriptErrors.
-func Resume(ctx context.Context, from, script string, opts Options) (*Run, error) {
+func Resume(ctx context.Context, from, scriptPath string, opts Options) (*Run, error) {
 	ckpt, skipped, err := FindCheckpoint(from)
 	if err != nil {
-		return nil, &ScriptError{Msg: err.Error()}
+		return nil, script.Errorf("%w", err)
 	}
 	info, err := readRunInfo(ckpt)
 	if err != nil {
-		return nil, &ScriptError{Msg: err.Error()}
+		return nil, script.Errorf("%w", err)
 	}
 	var scriptNote string
 	var moved []string // what Options.Relocate changed
-	if script == "" {
-		script, scriptNote = resumeScript(ckpt, info, opts.FS != nil)
+	if scriptPath == "" {
+		scriptPath, scriptNote = resumeScript(ckpt, info, opts.FS != nil)
 	}
 	if opts.Out == "" {
 		opts.Out = runDirOf(ckpt)
@@ -852,11 +852,11 @@ func Resume(ctx context.Context, from, script string, opts Options) (*Run, error
 	if opts.Config == nil {
 		ckptConfig := filepath.Join(ckpt, "config.yaml")
 		if opts.Config, err = config.Load(ckptConfig); err != nil {
-			return nil, &ScriptError{Msg: err.Error()}
+			return nil, script.Errorf("%w", err)
 		}
 		if opts.Relocate != nil {
 			if moved, err = relocate(opts.Config, opts.Relocate); err != nil {
-				return nil, &ScriptError{Msg: "resume: " + err.Error()}
+				return nil, script.Errorf("resume: %w", err)
 			}
 		}
 		if opts.FS == nil {
@@ -876,16 +876,16 @@ func Resume(ctx context.Context, from, script string, opts Options) (*Run, error
 		}
 		if opts.ConfigOverride != nil {
 			if err := opts.ConfigOverride(opts.Config); err != nil {
-				return nil, &ScriptError{Msg: err.Error()}
+				return nil, script.Errorf("%w", err)
 			}
 		}
 		opts.Config.Run.Out = opts.Out
 	}
-	r, err := Load(ctx, script, opts)
+	r, err := Load(ctx, scriptPath, opts)
 	if err != nil {
 		var se *ScriptError
 		if !errors.As(err, &se) {
-			err = &ScriptError{Msg: err.Error()}
+			err = script.Errorf("%w", err)
 		}
 		return nil, err
 	}

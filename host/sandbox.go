@@ -387,7 +387,9 @@ func (c *sbChild) serve(p *pending) (any, error) {
 	switch m.Method {
 	case "policy":
 		var name string
-		json.Unmarshal(m.Args, &name)
+		if err := callArgs(m, &name); err != nil {
+			return nil, err
+		}
 		if err := c.sb.mayCreate(name); err != nil {
 			return nil, err
 		}
@@ -411,12 +413,16 @@ func (c *sbChild) serve(p *pending) (any, error) {
 		return h.Render(ro.Ctx, rq.Policy, rq.Reqs)
 	case "state_get":
 		var k string
-		json.Unmarshal(m.Args, &k)
+		if err := callArgs(m, &k); err != nil {
+			return nil, err
+		}
 		v, ok, _ := h.StateGet(k)
 		return stateReply(v, ok)
 	case "state_lock":
 		var k string
-		json.Unmarshal(m.Args, &k)
+		if err := callArgs(m, &k); err != nil {
+			return nil, err
+		}
 		v, ok, commit, release, _ := h.StateLock(k)
 		c.mu.Lock()
 		if c.gone || c.rollouts[m.Rollout] == nil {
@@ -433,6 +439,16 @@ func (c *sbChild) serve(p *pending) (any, error) {
 		return true, c.stateSet(p)
 	}
 	return nil, fmt.Errorf("unknown call %q", m.Method)
+}
+
+// callArgs decodes the arguments of a call of the child into v. The slimen child encodes them
+// itself, so arguments that do not decode come from a process that is not it: the call is
+// refused with an error that says so.
+func callArgs(m sandbox.Msg, v any) error {
+	if err := json.Unmarshal(m.Args, v); err != nil {
+		return fmt.Errorf("sandbox: the script's process sent a %.40q call whose arguments do not decode (%v), which the slimen sandbox child never sends", m.Method, err)
+	}
+	return nil
 }
 
 // generate serves a generate call. The host keeps its own copy of the completions the child will
@@ -472,7 +488,9 @@ func (c *sbChild) stateSet(p *pending) error {
 		Key   string          `json:"key"`
 		Value json.RawMessage `json:"value"`
 	}
-	json.Unmarshal(m.Args, &a)
+	if err := callArgs(m, &a); err != nil {
+		return err
+	}
 	v, err := script.DecodeValue(a.Value)
 	if err != nil {
 		return err

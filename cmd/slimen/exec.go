@@ -15,6 +15,7 @@ import (
 	"github.com/slimen/slimen/host"
 	"github.com/slimen/slimen/host/config"
 	"github.com/slimen/slimen/host/plot"
+	"github.com/slimen/slimen/host/script"
 	"github.com/slimen/slimen/host/tasks"
 	"github.com/slimen/slimen/host/wandb"
 )
@@ -238,7 +239,7 @@ func loadRun(f *execFlags, script string, prog *progress) (*host.Run, int) {
 
 // loadNew loads a new run: its config (or zero-config), the command line's overrides, and a run
 // directory of its own.
-func loadNew(ctx context.Context, f *execFlags, script string, opts host.Options) (*host.Run, error) {
+func loadNew(ctx context.Context, f *execFlags, scriptPath string, opts host.Options) (*host.Run, error) {
 	var cfg *config.Config
 	var err error
 	if *f.cfgPath != "" {
@@ -250,15 +251,15 @@ func loadNew(ctx context.Context, f *execFlags, script string, opts host.Options
 		return nil, err
 	}
 	if err := f.override(cfg); err != nil {
-		return nil, &host.ScriptError{Msg: err.Error()}
+		return nil, script.Errorf("%w", err)
 	}
-	dir, err := runDir(script, cfg.Run.Out, *f.out)
+	dir, err := runDir(scriptPath, cfg.Run.Out, *f.out)
 	if err != nil {
-		return nil, &host.ScriptError{Msg: err.Error()}
+		return nil, script.Errorf("%w", err)
 	}
 	cfg.Run.Out = dir
 	opts.Config, opts.Zero, opts.Out = cfg, *f.cfgPath == "", dir
-	return host.Load(ctx, script, opts)
+	return host.Load(ctx, scriptPath, opts)
 }
 
 // zeroConfigEval is what a zero-config run on the synthetic source adds to config.Default: 200

@@ -82,11 +82,6 @@ func declares(f *syntax.File, name string) bool {
 	return false
 }
 
-// Error is a problem with the user's script or config: the CLI exits 2 on it.
-type Error struct{ Msg string }
-
-func (e *Error) Error() string { return e.Msg }
-
 // Options configure how a script is loaded.
 type Options struct {
 	Sandbox bool           // only @packages may be loaded
@@ -117,7 +112,7 @@ func Load(path string, opts Options) (*Script, error) {
 		src, err = os.ReadFile(path)
 	}
 	if err != nil {
-		return nil, &Error{fmt.Sprintf("cannot read script: %v", err)}
+		return nil, Errorf("cannot read script: %w", err)
 	}
 	return LoadSource(path, src, opts)
 }
@@ -143,7 +138,7 @@ func LoadSource(path string, src []byte, opts Options) (*Script, error) {
 	if opts.ParseOnly {
 		f, _, err := starlark.SourceProgramOptions(fileOptions, path, src, pre.Has)
 		if err != nil {
-			return nil, &Error{ErrorText(err)}
+			return nil, &Error{Msg: ErrorText(err), cause: err}
 		}
 		hash, _ := HashFiles([]string{path}, func(string) ([]byte, error) { return src, nil })
 		return &Script{Path: path, Files: []string{path}, Source: src, Sources: map[string][]byte{path: src}, Hash: hash,
@@ -157,7 +152,7 @@ func LoadSource(path string, src []byte, opts Options) (*Script, error) {
 	l.fsys = opts.FS
 	for name, fsys := range opts.Modules {
 		if _, taken := l.natives[name]; taken || l.starFS[name] != nil {
-			return nil, &Error{fmt.Sprintf("module package @%s: the name is taken by a bundled package; choose another", name)}
+			return nil, &Error{Msg: fmt.Sprintf("module package @%s: the name is taken by a bundled package; choose another", name)}
 		}
 		l.starFS[name] = fsys
 	}
@@ -165,7 +160,7 @@ func LoadSource(path string, src []byte, opts Options) (*Script, error) {
 	l.stack = []string{filepath.Clean(path)}
 	globals, err := l.execFile(path, src)
 	if err != nil {
-		return nil, &Error{ErrorText(err)}
+		return nil, &Error{Msg: ErrorText(err), cause: err}
 	}
 	globals.Freeze()
 	s := &Script{Path: path, Globals: globals, Files: l.files, Source: src, Sources: map[string][]byte{}, own: own}
@@ -192,16 +187,16 @@ func entryPoint(g starlark.StringDict, name, path string, required bool) (*starl
 	v, ok := g[name]
 	if !ok {
 		if required {
-			return nil, &Error{fmt.Sprintf("%s: the script defines no %s(task) function; define one: the host calls it once per task", path, name)}
+			return nil, &Error{Msg: fmt.Sprintf("%s: the script defines no %s(task) function; define one: the host calls it once per task", path, name)}
 		}
 		return nil, nil
 	}
 	fn, ok := v.(*starlark.Function)
 	if !ok {
-		return nil, &Error{fmt.Sprintf("%s: %s is a %s, not a function; define def %s(task): …", path, name, v.Type(), name)}
+		return nil, &Error{Msg: fmt.Sprintf("%s: %s is a %s, not a function; define def %s(task): …", path, name, v.Type(), name)}
 	}
 	if fn.NumParams() != 1 || fn.NumKwonlyParams() != 0 {
-		return nil, &Error{fmt.Sprintf("%s: %s: %s must take exactly one parameter (the task), it takes %d", path, fn.Position(), name, fn.NumParams())}
+		return nil, &Error{Msg: fmt.Sprintf("%s: %s: %s must take exactly one parameter (the task), it takes %d", path, fn.Position(), name, fn.NumParams())}
 	}
 	return fn, nil
 }
@@ -209,6 +204,9 @@ func entryPoint(g starlark.StringDict, name, path string, required bool) (*starl
 // ErrorText renders a Starlark error with its backtrace (file:line:col of every frame) and,
 // for syntax and resolve errors, a hint of what to do.
 func ErrorText(err error) string {
+	if e, ok := err.(*Error); ok {
+		return e.Msg // already the text the user reads
+	}
 	var ee *starlark.EvalError
 	if errors.As(err, &ee) {
 		// Built-ins name themselves in their messages, as Starlark's own do; the backtrace's
