@@ -52,6 +52,7 @@ func ChildMain() int {
 		syscall.Setrlimit(syscall.RLIMIT_CPU, &syscall.Rlimit{Cur: s, Max: s + 5})
 	}
 	c := &childConn{out: out, waiting: map[int64]*waiter{}}
+	defer c.agents.Close()
 	return c.serve(in)
 }
 
@@ -83,6 +84,8 @@ type childConn struct {
 	cfg     *config.Config
 	zero    bool
 	calls   *inflight
+	// agents is the endpoint of the agent() programs of the child's rollouts.
+	agents script.AgentEndpoint
 }
 
 // send writes one message to the host. A message over sandbox.message_bytes is not sent: the host
@@ -313,7 +316,7 @@ func (c *childConn) runRollout(id int64, raw json.RawMessage) {
 	defer cancel()
 	b := script.NewBudget(c.cfg.Sandbox, c.zero)
 	ro := &script.Rollout{Host: &pipeHost{c: c, id: id, defaults: a.Sampling, budget: b, ctx: ctx}, Budget: b,
-		Ctx: ctx, Task: a.Task, Index: a.Index, Step: a.Step, Seed: a.Seed, Eval: a.Eval}
+		Ctx: ctx, Task: a.Task, Index: a.Index, Step: a.Step, Seed: a.Seed, Eval: a.Eval, Agents: &c.agents}
 	th := ro.NewThread(nil)
 	res, err := ro.Call(th, fn, starlark.Tuple{script.TaskValue(a.Task, a.Step)})
 	if err == nil {
