@@ -42,9 +42,8 @@ log = logging.getLogger("slimen_torch")
 
 IDLE_PING_S = 60  # rank 0 sends an empty call this often when idle, so followers see it alive
 # A round of generation starts once no request has come for ROUND_QUIET_S (at most ROUND_WAIT_S
-# after the first): the host's requests of a step come as a burst, and a round that started on
-# the burst's first requests kept the rest waiting for the whole round (on 2 H100s a step's
-# generation took 1.5–4.5× one GPU's).
+# after the first): the host's requests of a step come as a burst, and a round that starts on the
+# burst's first requests keeps the rest waiting for the whole round (docs/performance.md).
 ROUND_QUIET_S = 0.003
 ROUND_WAIT_S = 0.05
 

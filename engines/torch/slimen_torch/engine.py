@@ -63,9 +63,9 @@ class Options:
     # else 0 (on the CPU a positive value runs the same bucketed code without graphs: tests).
     prefill_graph_max: int | None = None
     # The prefill's layer compiled as well (GPU, with compile; traced whole, model.whole_block):
-    # on the H200 batch 256 +10% (59.6k → 65.8k tok/s), a lone 128-token prompt's admission
-    # 4.9 → 2.1 ms (batch 1 +1.5%); each worker compiles it on first use, once for a batch and
-    # once for a lone prompt (seconds; hits of the compile cache after the first run).
+    # faster admissions, of a batch and of a lone prompt (docs/performance.md); each worker
+    # compiles it on first use, once for a batch and once for a lone prompt (hits of the compile
+    # cache after the first run).
     compile_prefill: bool = True
     # The samples of one request admitted together read their shared prompt's keys and values
     # once as a group in the batched Triton decode attention (GRPO's n samples of a prompt;

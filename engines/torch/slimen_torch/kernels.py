@@ -634,10 +634,10 @@ GEMV_WARPS = 4
 # The decode attention's launch: positions a tile, warps and software-pipeline stages (0:
 # Triton's), by whether rows are split (flash-decoding, up to ~16 rows) and whether the cache holds
 # fp8. Module-level so that a benchmark can sweep them (bench.py sweep_attn). The batched entries
-# were swept on the H200 at batch 256 over positions 0-383 (docs/performance.md): small tiles on
-# few warps let more programs share a multiprocessor, which at short lengths hides their fixed
-# latency and over an fp8 cache leaves warps enough to convert what they load. The split bf16
-# entry (batch 1) pipelines two tiles: 0.656 against 0.660 ms a step (sweep_b1).
+# were swept at batch 256 over positions 0-383 (docs/performance.md): small tiles on few warps let
+# more programs share a multiprocessor, which at short lengths hides their fixed latency and over
+# an fp8 cache leaves warps enough to convert what they load. The split bf16 entry (batch 1)
+# pipelines two tiles, the fastest of sweep_b1's launches.
 ATTN_LAUNCH = {(True, False): (64, 4, 2), (True, True): (64, 4, 0),  # split rows
                (False, False): (32, 2, 0), (False, True): (32, 1, 0)}  # one program a row
 

@@ -169,13 +169,12 @@ def micro_batches(lengths: list[int], budget: int) -> list[list[int]]:
 # cpp.vec_isa_ok False: the layer's graph holds one CPU kernel (the attention's scale, a float64
 # scalar saved for the backward pass), and choosing its CPU vector instructions makes inductor
 # build and load a test program in a new Python process for each candidate (AVX-512, AVX2, …):
-# ~30 s of every worker's first step on the H200 machine, warm compile cache or not. Plain C++
+# most of every worker's first step, warm compile cache or not (docs/performance.md). Plain C++
 # is all one scalar store needs.
 # triton.mix_order_reduction_non_strict_mode: the backward pass's norm-weight reductions are fused
 # across row and column order whatever the micro-batch's size; strict, inductor fuses them only
 # from 5 Mi elements on and guards the compiled layer on it, so a run whose micro-batches cross
-# that size (8,192 tokens at hidden 640) recompiled the layer once, seconds in the middle of a
-# run (the end-to-end debate's step 2 or 3). Measured on the H200: no recompile, the same steps.
+# that size (8,192 tokens at hidden 640) would recompile the layer in the middle of a run.
 COMPILE_OPTIONS = {"triton.coalesce_tiling_analysis": False, "cpp.vec_isa_ok": False}
 if hasattr(inductor_config.triton, "mix_order_reduction_non_strict_mode"):
     COMPILE_OPTIONS["triton.mix_order_reduction_non_strict_mode"] = True
