@@ -199,49 +199,55 @@ func (r *Run) Live() LivePass {
 }
 
 // Load reads the script, resolves the configuration and opens the engines.
-func Load(ctx context.Context, scriptPath string, opts Options) (*Run, error) {
+func Load(ctx context.Context, scriptPath string, opts Options) (_ *Run, err error) {
 	r := newRun(opts)
+	// undo is what a failure undoes, more as the run opens more: its context; then everything
+	// Close closes; then, once its outputs are open, also a line in events.log saying why.
+	undo := func() { r.cancel() }
+	defer func() {
+		if err != nil {
+			undo()
+		}
+	}()
 	sandboxed := opts.Sandbox || r.cfg.Sandbox.Enabled
 	if sandboxed && (len(opts.Builtins) > 0 || len(opts.Modules) > 0) {
-		r.cancel()
 		return nil, &ScriptError{Msg: "a sandboxed run cannot have Options.Builtins or Options.Modules: they are Go values of this process, and the script runs in child processes"}
 	}
 	s, err := script.Load(scriptPath, r.scriptOptions(sandboxed))
 	if err != nil {
-		r.cancel()
 		return nil, err
 	}
 	r.script = s
+	undo = func() { r.Close() }
 	if sandboxed {
 		r.cfg.Sandbox.Enabled = true
 		r.sandbox = newSandbox(r, opts.SandboxCommand)
 		// The first child runs the script's top level under the sandbox's limits: a script that
 		// does not load fails here, with the child's message.
 		if _, err := r.sandbox.pick(); err != nil {
-			r.Close()
-			return nil, &ScriptError{Msg: err.Error()}
+			return nil, script.Errorf("%w", err)
 		}
 	}
 	if err := r.openOutputs(); err != nil {
-		r.Close()
 		return nil, err
 	}
+	undo = func() { r.notStarted(err) }
 	if r.tasks == nil {
 		if err := r.openTasks(); err != nil {
-			return nil, r.notStarted(err)
+			return nil, err
 		}
 	}
 	if err := r.checkEvalData(); err != nil {
-		return nil, r.notStarted(err)
+		return nil, err
 	}
 	if err := r.checkScript(); err != nil {
-		return nil, r.notStarted(err)
+		return nil, err
 	}
 	if err := r.openPolicies(ctx); err != nil {
-		return nil, r.notStarted(err)
+		return nil, err
 	}
 	if err := r.checkSaveFolders(); err != nil { // policies' save: folders
-		return nil, r.notStarted(err)
+		return nil, err
 	}
 	r.events.printf("loaded %s (sha256 %s); %s", s.Path, s.Hash[:12], policiesLoaded(r.cfg.Policies))
 	for _, w := range r.cfg.Warnings {
@@ -256,11 +262,11 @@ func Load(ctx context.Context, scriptPath string, opts Options) (*Run, error) {
 		}
 	}
 	if err := r.refuseScoringWithoutScore(); err != nil {
-		return nil, r.notStarted(err)
+		return nil, err
 	}
 	if r.zero {
 		if err := r.openScriptPolicies(); err != nil {
-			return nil, r.notStarted(err)
+			return nil, err
 		}
 	}
 	if r.opts.Out != "" {
@@ -272,10 +278,9 @@ func Load(ctx context.Context, scriptPath string, opts Options) (*Run, error) {
 
 // notStarted says in events.log (where the run folder has one) why the run does not start, and
 // closes the run: a folder read later says why it holds no step.
-func (r *Run) notStarted(err error) error {
+func (r *Run) notStarted(err error) {
 	r.events.filef("stop: the run does not start: %v", err)
 	r.Close()
-	return err
 }
 
 // policiesLoaded says which policies a run starts with, for its first events.log line.
