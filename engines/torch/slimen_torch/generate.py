@@ -12,9 +12,9 @@ token, its position, its step index), so the host never has to feed it: while th
 k, the host reads the tokens of step k-1, finishes samples and prepares admissions. A row that
 finished in step k-1 is computed once more in step k and the result is dropped.
 
-The generator's parts, each in its own file: the prefill (prefill.py), the prefix cache of kept
-rows (prefix_cache.py) and the shared-prompt groups of the decode attention (groups.py); the
-requests and samples it serves are in sequence.py.
+The generator's parts, each in its own file: the decode step and its graphs (decode.py), the
+prefill (prefill.py), the prefix cache of kept rows (prefix_cache.py) and the shared-prompt groups
+of the decode attention (groups.py); the requests and samples it serves are in sequence.py.
 
 Prefix reuse (opt-in: `prefix_rows` > 0, the worker's --prefix-cache). A finished sample's row is
 kept instead of freed (prefix_cache.py). `_place` is the one place that decides reuse: a new
@@ -34,23 +34,19 @@ completion's floating-point values can depend on whether an earlier turn was sti
 from __future__ import annotations
 
 import collections
-import functools
-import logging
 
 import torch
 
 from . import kernels, lora, sampling
+from .decode import Decode
 from .groups import SharedPrompts
-from .model import (Transformer, decode_layer, decode_post, decode_pre, decode_step,
-                    decode_step_b1, decode_step_split)
+from .model import Transformer
 from .prefill import Prefill
 from .prefix_cache import PrefixCache
 from .sequence import Placed, Request, Sequence, prompt_key
 from .types import Completion
 
 __all__ = ["Generator", "Placed", "Request", "Sequence"]
-
-log = logging.getLogger("slimen_torch")
 
 
 def _bucket(n: int, cap: int, sizes) -> int:
@@ -60,10 +56,10 @@ def _bucket(n: int, cap: int, sizes) -> int:
     return cap
 
 
-class Generator(Prefill):
-    """Owns the KV cache and the decode graphs, and schedules samples into the cache's rows;
-    driven by one thread (engine.Worker). Its parts: the prefill (the Prefill methods), the
-    prefix cache (`prefix`) and the shared-prompt groups (`groups`)."""
+class Generator(Decode, Prefill):
+    """Owns the KV cache and schedules samples into its rows; driven by one thread
+    (engine.Worker). Its parts: the decode step (the Decode methods), the prefill (the Prefill
+    methods), the prefix cache (`prefix`) and the shared-prompt groups (`groups`)."""
 
     def __init__(self, model: Transformer, tokenizer, eos: list[int], *, slots: int, max_len: int,
                  cuda_graphs: bool, compile_layers: bool, prefill_tokens: int,
@@ -95,34 +91,6 @@ class Generator(Prefill):
                                   device=self.device)
         self.groups = SharedPrompts(shared_prompts and self.triton, slots=slots,
                                     device=self.device)
-
-    def _init_decode(self, cuda_graphs: bool, compile_layers: bool, triton: bool,
-                     fused_b1: bool) -> None:
-        """The decode step's functions (compiled, Triton) and its CUDA graphs."""
-        self.use_graphs = cuda_graphs and self.cuda
-        self.layer_fn = decode_layer
-        self.compile_error = ""
-        self.kernel_error = ""
-        # With Triton (kernels.py): attention and sampling in Triton kernels, each layer split
-        # around the attention into decode_pre and decode_post (compiled); at batch 1 optionally
-        # the whole step in Triton kernels (decode_step_b1).
-        self.triton = triton and kernels.available(self.device)
-        self.fused_b1 = fused_b1 and self.triton
-        self.pre_fn, self.post_fn = decode_pre, decode_post
-        if compile_layers:
-            # One compiled function serves every layer: the layer's weights are arguments. Shapes
-            # are dynamic so that new (rows, length) buckets do not recompile.
-            if self.triton:
-                self.pre_fn = torch.compile(decode_pre, fullgraph=True, dynamic=True)
-                self.post_fn = torch.compile(decode_post, fullgraph=True, dynamic=True)
-            else:
-                self.layer_fn = torch.compile(decode_layer, fullgraph=True, dynamic=True)
-        # The first token of a prompt is drawn by the Triton sampler when the decode steps' is.
-        self.first_token_triton = True
-        self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
-        self.pool = None
-        self.launches = 0
-        self.batch_sizes = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024]
 
     def _init_rows(self) -> None:
         """The rows' samples, the waiting queue and the device-side step state, one entry per
@@ -206,15 +174,6 @@ class Generator(Prefill):
             if not r.cancelled and r.on_error is not None:
                 r.cancelled = True
                 r.on_error("INTERNAL", message)
-
-    def _graph_pool(self):
-        """The memory pool the graphs share: a new one when no captured graph holds the last
-        (after the graphs were dropped, e.g. the Triton kernels' fallback). Reopening a pool all
-        of whose graphs were destroyed trips an internal assert of PyTorch's allocator
-        ("use_count > 0"), failing the capture."""
-        if self.pool is None or not (self.graphs or self.pf_graphs):
-            self.pool = torch.cuda.graph_pool_handle()
-        return self.pool
 
     # ---- the prefix cache (prefix_cache.py) and the shared-prompt groups (groups.py) ----
 
@@ -456,52 +415,6 @@ class Generator(Prefill):
             cache.unindex(r)
         return placed
 
-    # ---- decode ----
-
-    def _decode(self, B: int, L: int, use_top_p: bool, grouped: bool = False) -> None:
-        """One decode step on rows [0, B) over positions [0, L): what a CUDA graph captures;
-        grouped: with the shared-prompt pass of the batched attention (some rows are grouped)."""
-        pos = self.pos[:B]
-        if self._lora():
-            with self.model.using(self._rows([s.req.adapter if s is not None else None
-                                              for s in self.slots[:B]])):
-                hidden = decode_step(self.model, decode_layer, self.tok[:B], pos, self.k, self.v, L)
-            logits = self.model.logits(hidden)
-        elif self.fused_b1 and B == 1:
-            logits = decode_step_b1(self.model, kernels, self.tok[:B], pos, self.k, self.v, L)
-        else:
-            if self.triton:
-                attn = kernels.decode_attention
-                if grouped:
-                    attn = functools.partial(attn, shared=(self.groups.grp[:B],
-                                                                self.groups.plen[:B]))
-                hidden = decode_step_split(self.model, self.pre_fn, self.post_fn, attn,
-                                           self.tok[:B], pos, self.k, self.v, L)
-            else:
-                hidden = decode_step(self.model, self.layer_fn, self.tok[:B], pos, self.k,
-                                     self.v, L)
-            logits = self.model.logits(hidden)
-        if self.triton and not use_top_p and self.masked is None:
-            # Sampling, log-probs and the step state in two kernels, reading the logits once.
-            kernels.sample_and_advance(logits, self.temp, self.key, self.step_idx, self.active,
-                                       self.pos, self.tok, self.out_tok, self.out_lp,
-                                       max_pos=self.L - 1)
-            return
-        u = sampling.uniform(self.key[:B], self.step_idx[:B])
-        if self.triton:
-            tok, lp = kernels.sample_and_advance(logits, self.temp, self.key, self.step_idx)
-            tok, lp = self._with_top_p(logits, self.temp[:B], self.top_p[:B], u, tok, lp)
-        else:
-            tok, lp = sampling.sample(logits.float(), self.temp[:B], self.top_p[:B], u, use_top_p)
-        if self.masked is not None:
-            tok, lp = self._constrained(logits, self.temp[:B], self.top_p[:B], u, tok, lp, self.masked)
-        self.out_tok[:B].copy_(tok)
-        self.out_lp[:B].copy_(lp)
-        act = self.active[:B]
-        self.tok[:B].copy_(tok)
-        self.pos[:B].copy_(torch.where(act, (pos + 1).clamp(max=self.L - 1), pos))
-        self.step_idx[:B].add_(act.long())
-
     # ---- constraints (constrain.py) ----
 
     def _masks(self, rows: list[tuple[int, Sequence]]):
@@ -535,94 +448,7 @@ class Generator(Prefill):
                 req.on_error("FAILED_PRECONDITION", f"request {req.id!r}: the constraint leaves no token "
                              f"of the vocabulary after {self.tokenizer.decode(s.tokens)!r}")
 
-    @staticmethod
-    def _constrained(logits, temp, top_p, u, tok, lp, masked):
-        """tok, lp with the constrained rows drawn again from their masked logits: the draw from
-        the distribution renormalised over the allowed tokens (the nucleus taken among them), at
-        the row's own u; the log-prob stays the model's, over the whole vocabulary (what Score
-        and training compute). The other rows keep their draws."""
-        rows, bias = masked
-        lf = logits.index_select(0, rows).float()
-        t2, _ = sampling.sample(lf + bias, temp.index_select(0, rows), top_p.index_select(0, rows),
-                                u.index_select(0, rows), bool((top_p.index_select(0, rows) < 1).any()))
-        lp2 = lf.gather(1, t2[:, None]).squeeze(1) - torch.logsumexp(lf, dim=-1)
-        tok, lp = tok.clone(), lp.clone()
-        tok[rows] = t2.to(tok.dtype)
-        lp[rows] = lp2.to(lp.dtype)
-        return tok, lp
-
-    @staticmethod
-    def _with_top_p(logits, temp, top_p, u, tok, lp):
-        """The Triton sampler's draws (tok, lp) with the rows that ask for top-p drawn again by
-        the PyTorch nucleus sampler: the other rows keep exactly the draws they get in a batch
-        without top-p."""
-        tok_p, lp_p = sampling.sample(logits.float(), temp, top_p, u, True)
-        nucleus = top_p < 1
-        return torch.where(nucleus, tok_p, tok), torch.where(nucleus, lp_p, lp)
-
-    def _run(self, B: int, L: int, use_top_p: bool) -> None:
-        grouped = self.groups.active()
-        if not self.use_graphs or self._lora() or self.masked is not None:
-            self._decode(B, L, use_top_p, grouped)
-            return
-        key = (B, L, use_top_p, grouped)
-        g = self.graphs.get(key)
-        if g is None:
-            g = self._capture(B, L, use_top_p, grouped)
-            self.graphs[key] = g
-        g.replay()
-
-    def _capture(self, B: int, L: int, use_top_p: bool, grouped: bool) -> torch.cuda.CUDAGraph:
-        # A warm-up run compiles and initialises the libraries outside the capture. It advances
-        # the step state, which is saved and restored; the keys and values it writes are the ones
-        # the real step writes again at the same positions.
-        saved = [t.clone() for t in (self.tok, self.pos, self.step_idx)]
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            while True:
-                try:
-                    self._decode(B, L, use_top_p, grouped)
-                    break
-                except Exception as e:
-                    # A compiler or kernel failure costs speed, not service.
-                    for t, s in zip((self.tok, self.pos, self.step_idx), saved):
-                        t.copy_(s)
-                    if not self._degrade(e, B):
-                        raise
-        torch.cuda.current_stream().wait_stream(stream)
-        for t, s in zip((self.tok, self.pos, self.step_idx), saved):
-            t.copy_(s)
-        g = torch.cuda.CUDAGraph()
-        # Every graph writes its results into the buffers above, so graphs may share scratch
-        # memory and be replayed in any order.
-        with torch.cuda.graph(g, pool=self._graph_pool(), capture_error_mode="thread_local"):
-            self._decode(B, L, use_top_p, grouped)
-        log.info("captured decode graph rows=%d length=%d top_p=%s shared prompts=%s", B, L,
-                 use_top_p, grouped)
-        return g
-
-    def _degrade(self, e: Exception, B: int) -> bool:
-        """After a failed decode step: drops the batch-1 Triton step, compilation, then the
-        Triton kernels; False when there is nothing left to drop."""
-        if self.fused_b1 and B == 1:
-            log.warning("the batch-1 Triton decode step failed, using the layer path: %s", e)
-            self.kernel_error = f"batch 1: {type(e).__name__}: {e}"
-            self.fused_b1 = False
-            return True
-        compiled = self.layer_fn is not decode_layer or self.pre_fn is not decode_pre
-        if compiled:
-            log.warning("torch.compile of the decode layer failed, running it eagerly: %s", e)
-            self.compile_error = f"{type(e).__name__}: {e}"
-            self.layer_fn, self.pre_fn, self.post_fn = decode_layer, decode_pre, decode_post
-            return True
-        if self.triton:
-            log.warning("the Triton decode kernels failed, using PyTorch: %s", e)
-            self.kernel_error = f"{type(e).__name__}: {e}"
-            self.triton = self.fused_b1 = False
-            self.graphs.clear()
-            return True
-        return False
+    # ---- a step: launched, then read back while the next one runs ----
 
     @torch.no_grad()
     def _launch(self):
