@@ -5,9 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"path/filepath"
-	"sort"
 	"strings"
-	"sync"
 	"sync/atomic"
 
 	"github.com/slimen/slimen/engines"
@@ -59,41 +57,30 @@ type EngineEnv struct {
 	bases *loraBases // the run's shared LoRA bases; nil: none shared
 }
 
-var engineKinds = struct {
-	sync.RWMutex
-	m map[string]EngineKind
-}{m: map[string]EngineKind{}}
-
 // RegisterEngineKind makes an engine kind available to every run under name (and to config
-// validation). It panics on a second registration of a name or a kind without Open: both are
-// programming errors, found at start-up.
+// validation: the kinds are config's one registry). It panics on a second registration of a name
+// or a kind without Open: both are programming errors, found at start-up.
 func RegisterEngineKind(name string, k EngineKind) {
-	engineKinds.Lock()
-	defer engineKinds.Unlock()
-	if _, dup := engineKinds.m[name]; dup || k.Open == nil || name == "" {
+	if k.Open == nil {
 		panic(fmt.Sprintf("host.RegisterEngineKind(%q): registered twice, or without Open", name))
 	}
-	engineKinds.m[name] = k
-	config.RegisterEngineKind(name)
+	config.RegisterEngineKind(name, config.EngineKind{Open: k.Open, OffHost: k.OffHost, PassThrough: k.PassThrough})
 }
 
 // engineKind finds a registered kind.
 func engineKind(name string) (EngineKind, error) {
-	engineKinds.RLock()
-	defer engineKinds.RUnlock()
-	if k, ok := engineKinds.m[name]; ok {
-		return k, nil
+	if ck, ok := config.LookupEngineKind(name); ok {
+		open, ok := ck.Open.(func(context.Context, config.PolicyConfig, EngineEnv) (engines.Engine, error))
+		if !ok {
+			return EngineKind{}, fmt.Errorf("engine kind %q was registered with an opener of type %T; register it with host.RegisterEngineKind", name, ck.Open)
+		}
+		return EngineKind{Open: open, OffHost: ck.OffHost, PassThrough: ck.PassThrough}, nil
 	}
-	known := make([]string, 0, len(engineKinds.m))
-	for n := range engineKinds.m {
-		known = append(known, n)
-	}
-	sort.Strings(known)
 	hint := ""
 	if name == "torch" {
 		hint = "; a program links the torch worker by importing github.com/slimen/slimen/host/torch (the slimen CLI does)"
 	}
-	return EngineKind{}, fmt.Errorf("engine kind %q is not available in this build (known: %s)%s", name, strings.Join(known, ", "), hint)
+	return EngineKind{}, fmt.Errorf("engine kind %q is not available in this build (known: %s)%s", name, strings.Join(config.LinkedEngineKinds(), ", "), hint)
 }
 
 func init() {

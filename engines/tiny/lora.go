@@ -5,6 +5,8 @@ import (
 	"math"
 	"math/rand/v2"
 	"slices"
+
+	"github.com/slimen/slimen/engines"
 )
 
 // LoRA (Hu et al.): a target projection y = x·Wᵀ becomes y = x·Wᵀ + s·(x·Aᵀ)·Bᵀ with A rank×in,
@@ -19,8 +21,9 @@ type LoRAConfig struct {
 	Targets []string // projections: q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj
 }
 
-// LoRATargets are the projections an adapter can target, in the order of the layer.
-var LoRATargets = []string{"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
+// LoRATargets are the projections an adapter can target, in the order of the layer that tQ …
+// tDown index: engines.LoRATargets.
+var LoRATargets = engines.LoRATargets
 
 const (
 	tQ = iota

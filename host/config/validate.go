@@ -10,35 +10,11 @@ import (
 	"regexp"
 	"slices"
 	"strings"
-	"sync"
 
+	"github.com/slimen/slimen/engines"
 	"github.com/slimen/slimen/host/advantage"
 	"github.com/slimen/slimen/host/tasks"
 )
-
-// engineKinds are the engine kinds a config may name: those whose settings this package knows
-// (tiny, torch, remote, openai) and those a program registered (host.RegisterEngineKind).
-var engineKinds = struct {
-	sync.Mutex
-	names []string
-}{names: []string{"tiny", "torch", "remote", "openai"}}
-
-// RegisterEngineKind adds an engine kind to those a config may name (host.RegisterEngineKind
-// calls it; a name known already is left as it is).
-func RegisterEngineKind(name string) {
-	engineKinds.Lock()
-	defer engineKinds.Unlock()
-	if !slices.Contains(engineKinds.names, name) {
-		engineKinds.names = append(engineKinds.names, name)
-	}
-}
-
-// engineKindNames lists the engine kinds a config may name.
-func engineKindNames() []string {
-	engineKinds.Lock()
-	defer engineKinds.Unlock()
-	return slices.Clone(engineKinds.names)
-}
 
 // The values slimen accepts for the enumerated keys.
 var (
@@ -320,9 +296,6 @@ func (r *resolver) validatePolicy(p *PolicyConfig, pp string) {
 	}
 }
 
-// LoRATargets are the projections a lora: block may adapt.
-var LoRATargets = []string{"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
-
 // validateLoRA checks a policy's lora: block. Adapters run on the tiny and torch engines and on
 // engine servers (kind remote), which train them without dropout; a critic (a value head) trains
 // full weights; an openai engine only samples.
@@ -332,10 +305,10 @@ func (r *resolver) validateLoRA(p *PolicyConfig, pp string) {
 	r.check(l.Rank >= 1, lp+".rank", at, "must be at least 1, got %d", l.Rank)
 	r.check(l.Alpha > 0, lp+".alpha", at, "must be > 0 (the update is scaled by alpha/rank), got %g", l.Alpha)
 	r.check(l.Dropout >= 0 && l.Dropout < 1, lp+".dropout", at, "must be in [0, 1), got %g", l.Dropout)
-	r.check(len(l.Targets) > 0, lp+".targets", at, "is empty: name the projections to adapt, some of %s", list(LoRATargets))
+	r.check(len(l.Targets) > 0, lp+".targets", at, "is empty: name the projections to adapt, some of %s", list(engines.LoRATargets))
 	seen := map[string]bool{}
 	for _, t := range l.Targets {
-		r.check(oneOf(t, LoRATargets), lp+".targets", at, "%q is not a projection of the model; want some of %s", t, list(LoRATargets))
+		r.check(oneOf(t, engines.LoRATargets), lp+".targets", at, "%q is not a projection of the model; want some of %s", t, list(engines.LoRATargets))
 		r.check(!seen[t], lp+".targets", at, "%q is listed twice", t)
 		seen[t] = true
 	}
