@@ -1,0 +1,283 @@
+"""Deterministic mode on the CPU (issue 38): a row's logits and sampled tokens are the same
+whatever else is in its batch and however its cache row is laid out, the trainer's log-probs
+equal the rollout's bit for bit (with LoRA and the prefix cache too), and the checks fail when an
+invariant kernel is swapped for a plain one."""
+
+import pytest
+import torch
+
+from slimen_torch import batch_invariant as bi
+from slimen_torch import lora
+from slimen_torch.engine import Engine, Options
+from slimen_torch.model import decode_layer, decode_step
+from slimen_torch.types import Batch, GenerateRequest, LossConfig, Sample, Sampling, ScoreRequest
+
+
+def plain_matmul(x, w):
+    """What the default mode computes: torch's product, whose kernel depends on the row count
+    (a matrix-vector kernel for one row on the CPU)."""
+    return x @ w.t()
+
+
+@pytest.fixture
+def swap_matmul(monkeypatch):
+    """Swaps the invariant product of deterministic mode for the plain one."""
+    monkeypatch.setattr(bi, "_MATMUL", plain_matmul)
+
+
+# ---- the functions ----
+
+def test_tree_sum_is_the_same_for_any_padding_and_batch():
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(5, 37, generator=g)
+    alone = torch.stack([bi.tree_sum(x[i:i + 1])[0] for i in range(5)])
+    assert torch.equal(bi.tree_sum(x), alone)
+    # Zeros past a row's entries (a longer cache, padding) change nothing, bit for bit.
+    padded = torch.cat([x, torch.zeros(5, 90)], dim=1)
+    assert torch.equal(bi.tree_sum(padded), bi.tree_sum(x))
+    assert torch.allclose(bi.tree_sum(x), x.double().sum(-1).float(), atol=1e-5)
+    assert torch.allclose(bi.prefix_sum(x), x.cumsum(-1), atol=1e-5)
+    assert torch.equal(bi.prefix_sum(x[3:4]), bi.prefix_sum(x)[3:4])
+
+
+def test_the_invariant_product_does_not_depend_on_the_row_count():
+    g = torch.Generator().manual_seed(2)
+    w = torch.randn(96, 64, generator=g)
+    x = torch.randn(33, 64, generator=g)
+    full = bi.matmul(x, w)
+    assert torch.allclose(full, x @ w.t(), atol=1e-5)
+    for rows in ([0], [5, 6], list(range(1, 33, 3))):
+        assert torch.equal(bi.matmul(x[rows], w), full[rows])
+    # The plain product on the CPU does depend on it (what the swap tests rely on).
+    assert not torch.equal(torch.stack([(x[i:i + 1] @ w.t())[0] for i in range(33)]), x @ w.t())
+
+
+def test_rms_norm_and_log_probs_are_row_invariant():
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(9, 48, generator=g)
+    w = torch.randn(48, generator=g)
+    n = bi.rms_norm(x, w, 1e-6)
+    assert torch.equal(bi.rms_norm(x[4:5], w, 1e-6), n[4:5])
+    logits = torch.randn(9, 700, generator=g)
+    t = torch.randint(0, 700, (9,), generator=g)
+    lp = bi.token_logprobs(logits, t)
+    assert torch.equal(bi.token_logprobs(logits[2:3], t[2:3]), lp[2:3])
+    ref = torch.log_softmax(logits, -1).gather(1, t[:, None])[:, 0]
+    assert torch.allclose(lp, ref, atol=1e-5)
+
+
+def test_the_sampler_draws_a_row_alike_in_any_batch():
+    g = torch.Generator().manual_seed(4)
+    logits = torch.randn(6, 2048, generator=g) * 3
+    temp = torch.tensor([1.0, 0.7, 0.0, 1.0, 1.3, 1.0])
+    top_p = torch.tensor([1.0, 0.9, 1.0, 0.5, 1.0, 1.0])
+    u = torch.rand(6, generator=g)
+    tok, lp = bi.sample(logits, temp, top_p, u, True)
+    for i in range(6):
+        t1, l1 = bi.sample(logits[i:i + 1], temp[i:i + 1], top_p[i:i + 1], u[i:i + 1],
+                           bool(top_p[i] < 1))
+        assert t1.item() == tok[i].item() and torch.equal(l1, lp[i:i + 1])
+    assert torch.equal(tok[2], logits[2].argmax())
+
+
+def test_attention_is_the_same_for_any_cache_length_and_batch():
+    g = torch.Generator().manual_seed(5)
+    B, T, H, KV, D = 3, 150, 4, 2, 16
+    q = torch.randn(B, T, H, D, generator=g)
+    k = torch.randn(B, KV, T, D, generator=g)
+    v = torch.randn(B, KV, T, D, generator=g)
+    pos = torch.arange(T).expand(B, T)
+    o = bi.attention(q, k, v, pos, 0.25)
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(1, 2), k, v, is_causal=True, scale=0.25, enable_gqa=True).transpose(1, 2)
+    assert torch.allclose(o, ref, atol=1e-5)
+    # One query of row 1 at position 100 (a decode step) over a longer cache holding garbage past
+    # its position, alone: bit for bit what the whole sequence gave it.
+    kc = torch.cat([k[1:2], torch.full((1, KV, 60, D), float("nan"))], dim=2)
+    vc = torch.cat([v[1:2], torch.full((1, KV, 60, D), float("nan"))], dim=2)
+    kc[:, :, 101:] = float("nan")
+    vc[:, :, 101:] = float("nan")
+    one = bi.attention(q[1:2, 100:101], kc, vc, torch.tensor([[100]]), 0.25)
+    assert torch.equal(one, o[1:2, 100:101])
+
+
+# ---- the model: generation and training paths ----
+
+@pytest.fixture(scope="module")
+def det_engine(model_dirs):
+    e = Engine(str(model_dirs["tiny-qwen3"]), Options(device="cpu", deterministic=True))
+    yield e
+    e.close()
+
+
+def decode_logits(model, prompts, row_of, steps_at):
+    """Each prompt prefilled into cache row row_of[i] of a cache of 8 rows × 256 positions
+    (Transformer.forward with a sink), then one decode step of all rows at once, whose logits are
+    returned in the prompts' order. steps_at: the cache length the step attends over."""
+    cfg = model.cfg
+    shape = (8, cfg.kv_heads, 256, cfg.head_dim)
+    ks = [torch.full(shape, float("nan")) for _ in range(cfg.layers)]
+    vs = [torch.full(shape, float("nan")) for _ in range(cfg.layers)]
+    B = max(row_of) + 1
+    tok = torch.zeros(B, dtype=torch.long)
+    pos = torch.zeros(B, dtype=torch.long)
+    for p, r in zip(prompts, row_of):
+        def sink(i, k, v, r=r, n=len(p) - 1):
+            ks[i][r, :, :n] = k[0, :, :n]
+            vs[i][r, :, :n] = v[0, :, :n]
+        model(torch.tensor([p[:-1]]), kv_sink=sink)
+        tok[r], pos[r] = p[-1], len(p) - 1
+    for r in range(B):
+        if r not in row_of:  # an idle row: some other prompt's state
+            tok[r], pos[r] = 7, 3
+            for i in range(cfg.layers):
+                ks[i][r, :, :4] = 0.5
+                vs[i][r, :, :4] = -0.5
+    hidden = decode_step(model, decode_layer, tok, pos, ks, vs, steps_at)
+    logits = model.logits(hidden)
+    return [logits[r] for r in row_of]
+
+
+def invariance_gap(model, prompts) -> float:
+    """The largest difference between a prompt's next-token logits computed (a) by the training
+    forward over the whole prompt, (b) decoded alone in row 0 over a short cache, (c) decoded in
+    a batch with the others in another row over a longer cache. 0 in the deterministic mode."""
+    with torch.no_grad(), bi.mode():
+        full = [model.logits(model(torch.tensor([p]))[0, -1]) for p in prompts]
+        alone = [decode_logits(model, [p], [0], len(p))[0] for p in prompts]
+        rows = [5, 1, 3][:len(prompts)]
+        batch = decode_logits(model, prompts, rows, 200)
+    gap = 0.0
+    for f, a, b in zip(full, alone, batch):
+        gap = max(gap, (f - a).abs().max().item(), (f - b).abs().max().item())
+    return gap
+
+
+PROMPTS = [list(range(3, 90)), [5, 9, 11, 4, 30, 31], list(range(100, 170, 2))]
+
+
+def test_logits_are_the_same_across_paths_batches_and_cache_rows(det_engine):
+    assert invariance_gap(det_engine.model, PROMPTS) == 0.0
+
+
+def test_a_plain_product_breaks_the_invariance(det_engine, swap_matmul):
+    assert invariance_gap(det_engine.model, PROMPTS) > 0.0
+
+
+def test_a_plain_attention_breaks_the_invariance(det_engine, monkeypatch):
+    # The default mode's attention: SDPA over the sequence, a softmax over the whole cache row
+    # in decode. Computed here by PyTorch's SDPA with a mask over [0, L).
+    def plain(q, k, v, q_pos, scale):
+        mask = torch.arange(k.shape[2])[None, None, :] <= q_pos[:, :, None]
+        return torch.nn.functional.scaled_dot_product_attention(
+            q.transpose(1, 2), torch.nan_to_num(k), torch.nan_to_num(v), attn_mask=mask[:, None],
+            scale=scale, enable_gqa=True).transpose(1, 2)
+    monkeypatch.setattr(bi, "attention", plain)
+    assert invariance_gap(det_engine.model, PROMPTS) > 0.0
+
+
+# ---- the engine: sampled tokens, and the trainer's log-probs ----
+
+def req(rid, prompt, seed, n=1, adapter=""):
+    return GenerateRequest(id=rid, prompt_tokens=prompt, n=n, adapter=adapter,
+                           sampling=Sampling(max_tokens=12, temperature=1.0, seed=seed))
+
+
+def sampled(e: Engine, reqs):
+    return {(c.request_id, c.index): (c.tokens, c.logprobs) for c in e.generate(reqs)}
+
+
+def engine_gap(e: Engine, adapter="") -> tuple[bool, float]:
+    """(whether request a's samples are the same alone and in a batch of others, the largest
+    |score − rollout log-prob| of a batch's samples)."""
+    a = req("a", PROMPTS[0], 7, n=2, adapter=adapter)
+    alone = sampled(e, [a])
+    mixed = sampled(e, [req("x", PROMPTS[1], 1), a, req("y", PROMPTS[2], 2, n=3, adapter=adapter)])
+    same = all(mixed[k] == v for k, v in alone.items())
+    gap = 0.0
+    for (rid, _), (toks, lps) in mixed.items():
+        prompt = {"a": PROMPTS[0], "x": PROMPTS[1], "y": PROMPTS[2]}[rid]
+        adp = "" if rid == "x" else adapter
+        got = e.score([ScoreRequest(tokens=toks, prompt_tokens=prompt, adapter=adp)])[0]
+        gap = max(gap, max(abs(x - y) for x, y in zip(got, lps)))
+    return same, gap
+
+
+def test_samples_do_not_depend_on_their_batch_and_scores_equal_them(det_engine):
+    same, gap = engine_gap(det_engine)
+    assert same and gap == 0.0
+
+
+def test_with_lora(det_engine):
+    e = det_engine
+    if "p" not in e.adapter_names():
+        e.add_adapter("p", lora.LoRAConfig(rank=4, alpha=8, targets=("q_proj", "v_proj",
+                                                                     "down_proj")), 3)
+        # One step so that B is no longer zero (a fresh adapter changes nothing).
+        c = e.generate([req("t", PROMPTS[1], 5, n=2, adapter="p")])
+        b = Batch(samples=[Sample(x.prompt_tokens, x.tokens, [1.0] * len(x.tokens),
+                                  list(x.logprobs), [1.0 if x.index else -1.0] * len(x.tokens))
+                           for x in c], loss=LossConfig(lr=5e-2), adapter="p")
+        e.train(b)
+    same, gap = engine_gap(e, adapter="p")
+    assert same and gap == 0.0
+    # Training: the step's mismatch, from its own forward, is 0.
+    c = e.generate([req("t2", PROMPTS[2], 6, n=3, adapter="p")])
+    b = Batch(samples=[Sample(x.prompt_tokens, x.tokens, [1.0] * len(x.tokens), list(x.logprobs),
+                              [0.5] * len(x.tokens)) for x in c],
+              loss=LossConfig(lr=1e-3), adapter="p")
+    st = e.train(b)
+    assert st.tokens > 0 and st.logprob_diff_max == 0.0
+
+
+def test_a_plain_product_breaks_the_engine_checks(det_engine, swap_matmul):
+    same, gap = engine_gap(det_engine)
+    assert not same or gap > 0.0
+
+
+def test_deterministic_mode_refuses_an_fp8_cache(model_dirs):
+    with pytest.raises(ValueError, match="kv_cache_dtype"):
+        Engine(str(model_dirs["tiny-qwen3"]), Options(device="cpu", deterministic=True,
+                                                       kv_cache_dtype="fp8"))
+
+
+# ---- the Triton kernels (a GPU's path), on the CPU under Triton's interpreter ----
+
+@pytest.fixture
+def interpreted():
+    if not (bi.HAVE_TRITON and __import__("os").environ.get("TRITON_INTERPRET") == "1"):
+        pytest.skip("needs Triton's interpreter (TRITON_INTERPRET=1, set by conftest without a GPU)")
+
+
+def test_the_triton_product_keeps_a_row_whatever_the_row_count(interpreted):
+    # The tile shape is the same for every M: a row's K-reduction is the same, so the leading
+    # rows of a product and a single row give what the whole product gave them. (Whether a row
+    # in another position of a tile gives the same is the GPU's matrix instruction's property,
+    # which determinism.py checks on the device; the interpreter's NumPy product is not that.)
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(70, 40, generator=g)
+    w = torch.randn(24, 40, generator=g)
+    y = bi.matmul_triton(x, w, torch.float32)
+    assert torch.allclose(y, x @ w.t(), atol=1e-5)
+    for k in (1, 5, 64):
+        assert torch.equal(bi.matmul_triton(x[:k], w, torch.float32), y[:k])
+    assert torch.equal(bi.matmul_triton(x[69:70], w, torch.float32), y[69:70])
+
+
+def test_the_triton_attention_is_the_same_for_any_cache(interpreted):
+    g = torch.Generator().manual_seed(7)
+    B, T, H, KV, D = 1, 70, 2, 1, 8
+    q = torch.randn(B, T, H, D, generator=g)
+    k = torch.randn(B, KV, T, D, generator=g)
+    v = torch.randn(B, KV, T, D, generator=g)
+    o = bi.attention_triton(q, k, v, torch.arange(T)[None], 0.3)
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(1, 2), k, v, is_causal=True, scale=0.3, enable_gqa=True).transpose(1, 2)
+    assert torch.allclose(o, ref, atol=1e-5)
+    # The query at position 66 (past the first 64-position chunk) decoded over a longer cache
+    # row holding NaN past it: what the whole sequence gave it.
+    kc = torch.cat([k, torch.full((1, KV, 20, D), float("nan"))], dim=2)
+    vc = torch.cat([v, torch.full((1, KV, 20, D), float("nan"))], dim=2)
+    kc[:, :, 67:] = vc[:, :, 67:] = float("nan")
+    one = bi.attention_triton(q[:, 66:67].contiguous(), kc, vc, torch.tensor([[66]]), 0.3)
+    assert torch.equal(one, o[:, 66:67])
