@@ -8,9 +8,6 @@ import (
 	"github.com/slimen/slimen/engines"
 )
 
-// crossPolicyBatching turns the adapterBatcher on (a switch for the benchmark that measures it).
-var crossPolicyBatching = true
-
 // adapterBatcher gathers the generate calls that the LoRA policies on one shared base make at
 // about the same time into one engine batch whose rows name their adapters (one forward pass per
 // step for all the policies, GenerateAdapters), instead of one batch per policy. Each policy's

@@ -58,14 +58,11 @@ func BenchmarkExamSwarmEight(b *testing.B) {
 		cross     bool
 	}{{"lora8-cross", "config_lora8.yaml", true}, {"lora8-per-policy", "config_lora8.yaml", false}, {"full8", "config_full8.yaml", false}} {
 		b.Run(c.name, func(b *testing.B) {
-			old := crossPolicyBatching
-			crossPolicyBatching = c.cross
-			defer func() { crossPolicyBatching = old }()
 			cfg, err := config.Load("../examples/exam_swarm/" + c.cfg)
 			if err != nil {
 				b.Fatal(err)
 			}
-			r, err := Load(context.Background(), "../examples/exam_swarm/exam_swarm8.star", Options{Config: cfg, Out: b.TempDir()})
+			r, err := Load(context.Background(), "../examples/exam_swarm/exam_swarm8.star", Options{Config: cfg, Out: b.TempDir(), perPolicyBatches: !c.cross})
 			if err != nil {
 				b.Fatal(err)
 			}

@@ -105,8 +105,9 @@ func (s *sharedAdapter) Close() error {
 // sharedEngine is an engine that several LoRA policies of a run use as their base (an engine
 // kind's, through EngineEnv.SharedBase), with how many hold it.
 type sharedEngine struct {
-	e    engines.Engine
-	refs int
+	e      engines.Engine
+	refs   int
+	server *adapterServer // the adapters on it, when it is an engine server (OpenAdapter)
 }
 
 // SharedBase returns the engine the run's LoRA policies share under key, opening it with open
@@ -114,19 +115,29 @@ type sharedEngine struct {
 // it. Outside a run (no shared bases) every call opens its own. Engine kinds that put policies'
 // adapters on one base (host/torch) use it.
 func (env EngineEnv) SharedBase(key string, open func() (engines.Engine, error)) (e engines.Engine, fresh bool, release func() error, err error) {
+	s, fresh, release, err := env.sharedBase(key, open, nil)
+	if err != nil {
+		return nil, false, nil, err
+	}
+	return s.e, fresh, release, nil
+}
+
+// sharedBase is SharedBase's shared engine; server, when it opens the engine, is the adapter
+// server kept with it for the policies that join it (OpenAdapter).
+func (env EngineEnv) sharedBase(key string, open func() (engines.Engine, error), server *adapterServer) (s *sharedEngine, fresh bool, release func() error, err error) {
 	b := env.bases
 	if b == nil {
 		b = &loraBases{}
 	}
 	b.mu.Lock()
 	defer b.mu.Unlock()
-	s := b.shared[key]
+	s = b.shared[key]
 	if s == nil {
 		eng, err := open()
 		if err != nil {
 			return nil, false, nil, err
 		}
-		s, fresh = &sharedEngine{e: eng}, true
+		s, fresh = &sharedEngine{e: eng, server: server}, true
 		if b.shared == nil {
 			b.shared = map[string]*sharedEngine{}
 		}
@@ -143,5 +154,5 @@ func (env EngineEnv) SharedBase(key string, open func() (engines.Engine, error))
 		delete(b.shared, key)
 		return s.e.Close()
 	})
-	return s.e, fresh, release, nil
+	return s, fresh, release, nil
 }

@@ -25,7 +25,7 @@ func loraRun(t *testing.T, out string) *Run {
 	return loraRunScript(t, loraScript, out)
 }
 
-func loraRunScript(t *testing.T, script, out string) *Run {
+func loraRunScript(t *testing.T, script, out string, edit ...func(*Options)) *Run {
 	t.Helper()
 	cfg := testConfig(2, "a", "b", "full")
 	for i := range cfg.Policies[:2] {
@@ -34,7 +34,11 @@ func loraRunScript(t *testing.T, script, out string) *Run {
 	}
 	cfg.Run.KeepCheckpoints = 0
 	cfg.Rollout.MaxResponseLen = 6
-	r, err := Load(context.Background(), writeScript(t, script), Options{Config: cfg, Out: out, Tasks: numberedTasks(4)})
+	opts := Options{Config: cfg, Out: out, Tasks: numberedTasks(4)}
+	for _, e := range edit {
+		e(&opts)
+	}
+	r, err := Load(context.Background(), writeScript(t, script), opts)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -107,11 +111,8 @@ def rollout(task):
             train(c)
 `
 	run := func(on bool) (string, *adapterBatcher) {
-		old := crossPolicyBatching
-		crossPolicyBatching = on
-		defer func() { crossPolicyBatching = old }()
 		out := filepath.Join(t.TempDir(), "run")
-		r := loraRunScript(t, script, out)
+		r := loraRunScript(t, script, out, func(o *Options) { o.perPolicyBatches = !on })
 		defer r.Close()
 		if err := r.Steps(ctx, 2); err != nil {
 			t.Fatal(err)

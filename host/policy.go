@@ -202,7 +202,7 @@ func (r *Run) registerPolicy(ctx context.Context, pc config.PolicyConfig, eng en
 	p := &policy{name: pc.Name, cfg: pc, eng: eng, busy: &busyMeter{}}
 	p.disp = newDispatcher(eng, &r.activity, maxBatchSamples(r.cfg))
 	p.disp.busy, p.disp.generating = p.busy, &r.generating
-	if v, ok := eng.(engines.AdapterView); ok && crossPolicyBatching {
+	if v, ok := eng.(engines.AdapterView); ok && !r.opts.perPolicyBatches {
 		// A LoRA policy on a shared base: its batches go out with the other adapters' batches.
 		base := v.AdapterBase()
 		bt := r.adapterBatchers[base]

@@ -31,17 +31,12 @@ type AdapterServer struct {
 }
 
 // adapterServer is a server that LoRA policies share: its adapters, in the order they opened,
-// so that a server started again after a crash gets them all back.
+// so that a server started again after a crash gets them all back. The run keeps it with the
+// server's shared engine (sharedEngine.server): two runs in one process share none.
 type adapterServer struct {
 	mu      sync.Mutex
 	members []*serverAdapter
 }
-
-// adapterServers finds the adapterServer of a shared engine.
-var adapterServers = struct {
-	sync.Mutex
-	m map[engines.Engine]*adapterServer
-}{m: map[engines.Engine]*adapterServer{}}
 
 // OpenAdapter opens a LoRA policy as an adapter named after it on the run's server s (one
 // server, one copy of the base weights, for every LoRA policy of s.Key), new (B = 0: the base's
@@ -58,33 +53,21 @@ func OpenAdapter(ctx context.Context, p config.PolicyConfig, env EngineEnv, s Ad
 	benv.OnRestart = func(engine string, self func() engines.Engine) func(ctx context.Context, prev, cur string) error {
 		return func(ctx context.Context, prev, cur string) error { return as.restarted(ctx, prev, cur) }
 	}
-	eng, fresh, release, err := env.SharedBase(s.Key, func() (engines.Engine, error) { return s.Open(benv) })
+	shared, fresh, release, err := env.sharedBase(s.Key, func() (engines.Engine, error) { return s.Open(benv) }, as)
 	if err != nil {
 		return nil, err
 	}
-	adapterServers.Lock()
-	if fresh {
-		adapterServers.m[eng] = as
-	} else {
-		as = adapterServers.m[eng]
+	if !fresh {
+		as = shared.server
 		env.Logf("policy %q: %s", p.Name, s.Joined)
 	}
-	adapterServers.Unlock()
-	c := s.Client(eng)
+	c := s.Client(shared.e)
 	l := p.LoRA
 	h := fnv.New64a()
 	h.Write([]byte(p.Name))
 	a := &serverAdapter{Adapter: c.Adapter(p.Name), lora: remote.LoRA{Rank: l.Rank, Alpha: l.Alpha, Dropout: l.Dropout, Targets: l.Targets},
 		seed: h.Sum64(), load: p.Load, as: as}
-	a.release = func() error {
-		err := release()
-		adapterServers.Lock()
-		if adapterServers.m[eng] == as && len(as.members) == 0 {
-			delete(adapterServers.m, eng)
-		}
-		adapterServers.Unlock()
-		return err
-	}
+	a.release = release
 	if env.OnRestart != nil {
 		a.restore = env.OnRestart(s.Engine, func() engines.Engine { return a })
 	}

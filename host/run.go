@@ -84,6 +84,10 @@ type Options struct {
 	// from the checkpoint (so remote engines need no reset to their starting weights).
 	workDir  string
 	resuming bool
+	// perPolicyBatches sends the generate batches of the LoRA policies on one base policy by
+	// policy instead of together (adapterBatcher): the baseline of the benchmark that measures
+	// the merge.
+	perPolicyBatches bool
 }
 
 // Task is one unit of work handed to rollout(task).
