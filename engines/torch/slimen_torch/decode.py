@@ -25,7 +25,6 @@ class Decode:
     """The decode methods of Generator (a mixin: they use its model, KV cache (k, v), step state
     (tok, pos, step_idx, key, temp, top_p, active, out_tok, out_lp), masked rows, LoRA bank and
     shared-prompt groups)."""
-
     def _init_decode(self, cuda_graphs: bool, compile_layers: bool, triton: bool,
                      fused_b1: bool) -> None:
         """The decode step's functions (compiled, Triton) and its CUDA graphs."""
@@ -51,8 +50,6 @@ class Decode:
         self.first_token_triton = True
         self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
         self.pool = None
-        self.launches = 0
-        self.batch_sizes = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024]
 
     def _graph_pool(self):
         """The memory pool the graphs share: a new one when no captured graph holds the last
@@ -62,6 +59,20 @@ class Decode:
         if self.pool is None or not (self.graphs or self.pf_graphs):
             self.pool = torch.cuda.graph_pool_handle()
         return self.pool
+
+    def _run(self, B: int, L: int, use_top_p: bool) -> None:
+        """One decode step on rows [0, B) over positions [0, L): its shape's CUDA graph replayed
+        (captured on first use), or run eagerly without graphs, with adapters or masks."""
+        grouped = self.groups.active()
+        if not self.use_graphs or self._lora() or self.masked is not None:
+            self._decode(B, L, use_top_p, grouped)
+            return
+        key = (B, L, use_top_p, grouped)
+        g = self.graphs.get(key)
+        if g is None:
+            g = self._capture(B, L, use_top_p, grouped)
+            self.graphs[key] = g
+        g.replay()
 
     def _decode(self, B: int, L: int, use_top_p: bool, grouped: bool = False) -> None:
         """One decode step on rows [0, B) over positions [0, L): what a CUDA graph captures;
@@ -78,8 +89,8 @@ class Decode:
             if self.triton:
                 attn = kernels.decode_attention
                 if grouped:
-                    attn = functools.partial(attn, shared=(self.groups.grp[:B],
-                                                                self.groups.plen[:B]))
+                    attn = functools.partial(
+                        attn, shared=(self.groups.grp[:B], self.groups.plen[:B]))
                 hidden = decode_step_split(self.model, self.pre_fn, self.post_fn, attn,
                                            self.tok[:B], pos, self.k, self.v, L)
             else:
@@ -106,45 +117,6 @@ class Decode:
         self.tok[:B].copy_(tok)
         self.pos[:B].copy_(torch.where(act, (pos + 1).clamp(max=self.L - 1), pos))
         self.step_idx[:B].add_(act.long())
-
-    # ---- draws again for some rows (also of a prefill's first tokens) ----
-
-    @staticmethod
-    def _constrained(logits, temp, top_p, u, tok, lp, masked):
-        """tok, lp with the constrained rows drawn again from their masked logits: the draw from
-        the distribution renormalised over the allowed tokens (the nucleus taken among them), at
-        the row's own u; the log-prob stays the model's, over the whole vocabulary (what Score
-        and training compute). The other rows keep their draws."""
-        rows, bias = masked
-        lf = logits.index_select(0, rows).float()
-        t2, _ = sampling.sample(lf + bias, temp.index_select(0, rows), top_p.index_select(0, rows),
-                                u.index_select(0, rows), bool((top_p.index_select(0, rows) < 1).any()))
-        lp2 = lf.gather(1, t2[:, None]).squeeze(1) - torch.logsumexp(lf, dim=-1)
-        tok, lp = tok.clone(), lp.clone()
-        tok[rows] = t2.to(tok.dtype)
-        lp[rows] = lp2.to(lp.dtype)
-        return tok, lp
-
-    @staticmethod
-    def _with_top_p(logits, temp, top_p, u, tok, lp):
-        """The Triton sampler's draws (tok, lp) with the rows that ask for top-p drawn again by
-        the PyTorch nucleus sampler: the other rows keep exactly the draws they get in a batch
-        without top-p."""
-        tok_p, lp_p = sampling.sample(logits.float(), temp, top_p, u, True)
-        nucleus = top_p < 1
-        return torch.where(nucleus, tok_p, tok), torch.where(nucleus, lp_p, lp)
-
-    def _run(self, B: int, L: int, use_top_p: bool) -> None:
-        grouped = self.groups.active()
-        if not self.use_graphs or self._lora() or self.masked is not None:
-            self._decode(B, L, use_top_p, grouped)
-            return
-        key = (B, L, use_top_p, grouped)
-        g = self.graphs.get(key)
-        if g is None:
-            g = self._capture(B, L, use_top_p, grouped)
-            self.graphs[key] = g
-        g.replay()
 
     def _capture(self, B: int, L: int, use_top_p: bool, grouped: bool) -> torch.cuda.CUDAGraph:
         # A warm-up run compiles and initialises the libraries outside the capture. It advances
@@ -197,3 +169,30 @@ class Decode:
             self.graphs.clear()
             return True
         return False
+
+    # ---- draws again for some rows (also of a prefill's first tokens) ----
+
+    @staticmethod
+    def _constrained(logits, temp, top_p, u, tok, lp, masked):
+        """tok, lp with the constrained rows drawn again from their masked logits: the draw from
+        the distribution renormalised over the allowed tokens (the nucleus taken among them), at
+        the row's own u; the log-prob stays the model's, over the whole vocabulary (what Score
+        and training compute). The other rows keep their draws."""
+        rows, bias = masked
+        lf = logits.index_select(0, rows).float()
+        t2, _ = sampling.sample(lf + bias, temp.index_select(0, rows), top_p.index_select(0, rows),
+                                u.index_select(0, rows), bool((top_p.index_select(0, rows) < 1).any()))
+        lp2 = lf.gather(1, t2[:, None]).squeeze(1) - torch.logsumexp(lf, dim=-1)
+        tok, lp = tok.clone(), lp.clone()
+        tok[rows] = t2.to(tok.dtype)
+        lp[rows] = lp2.to(lp.dtype)
+        return tok, lp
+
+    @staticmethod
+    def _with_top_p(logits, temp, top_p, u, tok, lp):
+        """The Triton sampler's draws (tok, lp) with the rows that ask for top-p drawn again by
+        the PyTorch nucleus sampler: the other rows keep exactly the draws they get in a batch
+        without top-p."""
+        tok_p, lp_p = sampling.sample(logits.float(), temp, top_p, u, True)
+        nucleus = top_p < 1
+        return torch.where(nucleus, tok_p, tok), torch.where(nucleus, lp_p, lp)

@@ -111,7 +111,8 @@ class Generator(Decode, Prefill):
         self.slots: list[Sequence | None] = [None] * S
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.inflight = None
-
+        self.launches = 0  # steps launched: the host buffer a step's output goes to alternates
+        self.batch_sizes = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024]  # a step's row buckets
 
     @staticmethod
     def _split_out(buf: torch.Tensor, S: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -175,7 +176,8 @@ class Generator(Decode, Prefill):
                 r.cancelled = True
                 r.on_error("INTERNAL", message)
 
-    # ---- the prefix cache (prefix_cache.py) and the shared-prompt groups (groups.py) ----
+    # ---- the prefix cache (prefix_cache.py) and the shared-prompt groups (groups.py), under
+    # the names the engine, the tests and bench.py use ----
 
     def forget_prefixes(self) -> int:
         """Drops every kept row (the weights changed: their keys and values are stale); returns
