@@ -41,6 +41,7 @@ func (e *RolloutError) Error() string {
 	return fmt.Sprintf("step %d task %s: rollout failed:\n%s", e.Step, e.TaskID, indent(e.Msg))
 }
 
+// indent indents every line of s by two spaces, for a message quoted inside another.
 func indent(s string) string {
 	return "  " + strings.ReplaceAll(strings.TrimRight(s, "\n"), "\n", "\n  ")
 }

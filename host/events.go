@@ -19,6 +19,7 @@ type eventLog struct {
 	w  io.Writer
 }
 
+// open opens events.log for appending.
 func (e *eventLog) open(path string) error {
 	f, err := os.OpenFile(path, os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o644)
 	if err != nil {
@@ -28,6 +29,7 @@ func (e *eventLog) open(path string) error {
 	return nil
 }
 
+// printf writes a line to events.log and to the run's Log writer.
 func (e *eventLog) printf(format string, args ...any) { e.write(true, format, args...) }
 
 // filef writes to events.log only (the run's Log writer is spared a flood of similar lines).
@@ -54,6 +56,7 @@ func (e *eventLog) split(toLog, toFile string) {
 	}
 }
 
+// write writes a timestamped line to the file and, with toLog, the line to the Log writer.
 func (e *eventLog) write(toLog bool, format string, args ...any) {
 	if e == nil {
 		return
@@ -69,6 +72,7 @@ func (e *eventLog) write(toLog bool, format string, args ...any) {
 	}
 }
 
+// close closes the file; a log never opened has nothing to close.
 func (e *eventLog) close() error {
 	if e.f == nil {
 		return nil

@@ -25,8 +25,10 @@ import (
 // written sorted, step and policy first, so equal runs give byte-equal files apart from timings.
 type Metrics map[string]any
 
+// newMetrics starts the metrics line of a policy (or "_run", "_eval") at a step.
 func newMetrics(step int, policy string) Metrics { return Metrics{"step": step, "policy": policy} }
 
+// set sets a field of the line.
 func (m Metrics) set(k string, v any) { m[k] = v }
 
 // Policy is the line's policy ("_run" for run-wide numbers).
@@ -43,6 +45,7 @@ func (m Metrics) Float(k string) float64 {
 	return math.NaN()
 }
 
+// int returns an integer field; 0 when it is absent.
 func (m Metrics) int(k string) int { v, _ := m[k].(int); return v }
 
 // TimingFields are the metrics that measure wall time or the machine (a policy's GPU memory and
@@ -339,6 +342,7 @@ func stepRanges(steps []int) string {
 	return strings.Join(parts, ", ")
 }
 
+// close closes the file; a writer never opened has nothing to close.
 func (w *metricsWriter) close() error {
 	if w.f == nil {
 		return nil
@@ -346,6 +350,8 @@ func (w *metricsWriter) close() error {
 	return w.f.Close()
 }
 
+// fillRewardMetrics sets a policy's reward and generation numbers of a step (reward_mean,
+// samples, tokens, truncated, response_len, …) from its completions and its trained samples.
 func fillRewardMetrics(m Metrics, gens []*script.Completion, ss []trainSample) {
 	var rs []float64
 	tokens, truncated := 0, 0
@@ -400,8 +406,10 @@ func meanStd(xs []float64) (float64, float64) {
 	return mean, math.Sqrt(v / float64(len(xs)))
 }
 
-// tokens_per_s is the tokens generated over genS, the time an engine was generating them (an
-// agent() run's rollouts also start programs and run tools, which rolloutS counts).
+// runMetrics is a step's run-wide line ("_run"): rollouts, failures, tokens, timings and the
+// means of the script's log() values. Its tokens_per_s is the tokens generated over genS, the
+// time an engine was generating them (an agent() run's rollouts also start programs and run
+// tools, which rolloutS counts).
 func (r *Run) runMetrics(step int, ros []*script.Rollout, res *StepResult, rolloutS, genS, trainS, stepS float64) Metrics {
 	m := newMetrics(step, "_run")
 	m.set("rollouts", len(ros))
@@ -532,6 +540,7 @@ func (b *busyMeter) begin() {
 	b.running++
 }
 
+// end ends the call begin began.
 func (b *busyMeter) end() {
 	if b == nil {
 		return

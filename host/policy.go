@@ -150,6 +150,7 @@ func (r *Run) openPolicies(ctx context.Context) error {
 	return nil
 }
 
+// addPolicy opens and registers a policy the run creates after its start (zero-config).
 func (r *Run) addPolicy(ctx context.Context, pc config.PolicyConfig) (*policy, error) {
 	eng, err := r.openPolicyEngine(ctx, pc)
 	if err != nil {
@@ -225,6 +226,8 @@ func (r *Run) registerPolicy(ctx context.Context, pc config.PolicyConfig, eng en
 	return p, nil
 }
 
+// maxBatchSamples is how many samples a dispatcher puts in one engine batch:
+// rollout.max_batch_tokens over max_response_len, else 1024.
 func maxBatchSamples(c *config.Config) int {
 	if c.Rollout.MaxBatchTokens > 0 {
 		return max(1, c.Rollout.MaxBatchTokens/max(1, c.Rollout.MaxResponseLen))
@@ -281,6 +284,7 @@ func (r *Run) policyOn(name, checkpoint string) (*policy, error) {
 	return p, nil
 }
 
+// cfgName names the run's config file in messages ("the config" for a zero-config run).
 func (r *Run) cfgName() string {
 	if r.cfg.File != "" {
 		return r.cfg.File

@@ -630,6 +630,8 @@ func (r *Run) rolloutDone(pass int64) {
 	}
 }
 
+// openOutputs opens the run directory: its lock, events.log, metrics.jsonl, the script's copy
+// and config.yaml. A run without a directory writes only to its Log writer.
 func (r *Run) openOutputs() error {
 	out := r.opts.Out
 	r.events = &eventLog{w: r.opts.Log}
@@ -674,6 +676,7 @@ func (r *Run) writeConfig() error {
 	return os.WriteFile(filepath.Join(r.opts.Out, "config.yaml"), y, 0o644)
 }
 
+// newRunID is a random id of this process's run, part of its optimizer step ids.
 func newRunID() string {
 	var b [6]byte
 	rand.Read(b[:])
