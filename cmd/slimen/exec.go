@@ -69,6 +69,7 @@ type execFlags struct {
 	steps, batch, staleness    *int
 	seed                       *uint64
 	sandbox, watch             *bool
+	deterministic              *bool
 	set                        map[string]bool // the flags given on the command line
 }
 
@@ -88,9 +89,10 @@ func newExecFlags() *execFlags {
 		wandb:     fs.String("wandb", "", "log the run to this Weights & Biases project (sets run.wandb.project; docs/observability.md)"),
 		set:       map[string]bool{},
 	}
+	f.deterministic = fs.Bool("deterministic", false, "batch-invariant kernels on every torch worker: a sample does not depend on its batch and the trainer's log-probs equal the rollout's bit for bit (sets engine.deterministic; docs/torch.md)")
 	f.tensorboard = fs.String("tensorboard", "", "write TensorBoard event files into this folder, relative to the working directory (sets run.tensorboard; docs/observability.md)")
 	fs.Usage = func() {
-		fmt.Fprintln(fs.Output(), "usage: slimen exec SCRIPT [--config Y] [--data D] [--steps N] [--seed S] [--out DIR] [--batch-size B] [--max-staleness K] [--wandb PROJECT] [--tensorboard DIR] [--watch] [--sandbox] [--resume RUN_DIR|RUN_DIR/checkpoints/step_N]")
+		fmt.Fprintln(fs.Output(), "usage: slimen exec SCRIPT [--config Y] [--data D] [--steps N] [--seed S] [--out DIR] [--batch-size B] [--max-staleness K] [--wandb PROJECT] [--tensorboard DIR] [--deterministic] [--watch] [--sandbox] [--resume RUN_DIR|RUN_DIR/checkpoints/step_N]")
 		fs.PrintDefaults()
 	}
 	return f
@@ -138,6 +140,23 @@ func (f *execFlags) override(c *config.Config) error {
 			return errors.New("--max-staleness must be ≥ 0")
 		}
 		c.Rollout.MaxStaleness = *f.staleness
+	}
+	if f.set["deterministic"] && *f.deterministic {
+		torch := 0
+		for i := range c.Policies {
+			p := &c.Policies[i]
+			if p.Engine.Kind != "torch" {
+				continue
+			}
+			if p.NumGPUsPerNode > 1 {
+				return fmt.Errorf("--deterministic: policy %q runs on %d GPUs a worker (num_gpus_per_node), and the batch-invariant kernels on one", p.Name, p.NumGPUsPerNode)
+			}
+			p.Engine.Deterministic = true
+			torch++
+		}
+		if torch == 0 {
+			return errors.New("--deterministic: no policy runs on a torch worker (the embedded engine computes exactly already; docs/torch.md)")
+		}
 	}
 	return nil
 }

@@ -132,6 +132,10 @@ type EngineConfig struct {
 	// hung (0: 2 minutes).
 	MaxRestarts *int          `yaml:"max_restarts,omitempty" json:"max_restarts,omitempty"`
 	HangTimeout time.Duration `yaml:"hang_timeout,omitempty" json:"hang_timeout,omitempty"`
+	// torch: Deterministic runs the worker with batch-invariant kernels (its --deterministic;
+	// docs/torch.md): a sample does not depend on its batch, and the trainer's log-probs equal
+	// the rollout's bit for bit. One GPU a worker, the KV cache in the model's dtype.
+	Deterministic bool `yaml:"deterministic,omitempty" json:"deterministic,omitempty"`
 	// remote: security and limits of the connection (docs/remote.md); torch: TokenEnv makes the
 	// worker demand the token, the others are the client's settings.
 	TokenEnv     string     `yaml:"token_env,omitempty" json:"token_env,omitempty"` // env var holding the bearer token

@@ -184,7 +184,7 @@ func (r *resolver) resolvePolicy(i int) {
 		p.Engine.Kind = "torch"
 	}
 	if p.Engine.Kind != "torch" {
-		for _, k := range []string{"python", "device", "gpus", "args", "start_timeout", "max_restarts", "hang_timeout"} {
+		for _, k := range []string{"python", "device", "gpus", "args", "start_timeout", "max_restarts", "hang_timeout", "deterministic"} {
 			if path := pp + ".engine." + k; r.given(path) {
 				r.warnf(r.line(path, p.Line), path, "has no effect on a %s engine: it is a setting of the worker that kind: torch starts", p.Engine.Kind)
 			}

@@ -364,6 +364,15 @@ func (r *resolver) validateTorch(p *PolicyConfig, pp string) {
 	}
 	r.check(e.MaxRestarts == nil || *e.MaxRestarts >= 0, ep+".max_restarts", r.line(ep+".max_restarts", p.Line), "must be ≥ 0 (0: a worker that dies is not started again), got %d", deref(e.MaxRestarts))
 	r.check(e.HangTimeout >= 0, ep+".hang_timeout", r.line(ep+".hang_timeout", p.Line), "must be ≥ 0 (0: the default, 2 minutes), got %v", e.HangTimeout)
+	if e.Deterministic {
+		r.check(p.NumGPUsPerNode <= 1, ep+".deterministic", r.line(ep+".deterministic", p.Line),
+			"policy %q: the batch-invariant kernels run on one GPU a worker, and num_gpus_per_node is %d: set num_gpus_per_node: 1 or deterministic: false", p.Name, p.NumGPUsPerNode)
+		for j, a := range e.Args {
+			r.check(!strings.HasPrefix(a, "--kv-cache-dtype") || (j+1 < len(e.Args) && e.Args[j+1] == "auto") || a == "--kv-cache-dtype=auto",
+				fmt.Sprintf("%s.args[%d]", ep, j), r.line(ep+".args", p.Line),
+				"policy %q: deterministic needs the KV cache in the model's dtype (an fp8 cache rounds the keys generation reads and training does not): remove %s", p.Name, a)
+		}
+	}
 	for j, a := range e.Args {
 		for _, f := range hostSetFlags {
 			r.check(a != f.flag && !strings.HasPrefix(a, f.flag+"="), fmt.Sprintf("%s.args[%d]", ep, j), r.line(ep+".args", p.Line),
@@ -379,6 +388,7 @@ var hostSetFlags = []struct{ flag, from string }{
 	{"--address-file", "a file of its own"},
 	{"--device", "engine.device"},
 	{"--token-env", "engine.token_env"},
+	{"--deterministic", "engine.deterministic"},
 }
 
 // validateShared checks what slime-n checks of shared buffers: the policies pool their samples

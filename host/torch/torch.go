@@ -62,6 +62,9 @@ func open(ctx context.Context, p config.PolicyConfig, env host.EngineEnv) (engin
 	python, from := torchPython(p)
 	model, key := p.HFCheckpoint, "hf_checkpoint"
 	args := slices.Clone(p.Engine.Args)
+	if p.Engine.Deterministic {
+		args = append(args, "--deterministic")
+	}
 	if p.Load != "" {
 		model, key = p.Load, "load"
 	}
