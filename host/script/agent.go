@@ -11,18 +11,18 @@ import (
 	"go.starlark.net/starlark"
 )
 
-// agent(argv, task_input, policy, timeout=300, env=None, max_calls=64, max_tokens=65536,
-// call_max_tokens=None, tools_prompt="template", check=True) runs an external program for one rollout: an agent
-// written against the OpenAI chat-completions API, in any language or framework. The program
-// gets OPENAI_BASE_URL (a loopback endpoint this process serves while it runs) and an
-// OPENAI_API_KEY of its own that routes its calls to this rollout; task_input goes to its stdin
-// and to $SLIMEN_TASK_INPUT. Each chat-completions call it makes is a turn of a chat (chat.go)
-// with the policy: sampled through the run's batching like generate, with seeds from the call's
-// position, and recorded token-exactly: a call whose history continues a recorded conversation
-// continues its token ids, rendering only the messages appended since (Chat.sampleLocked); any
-// other history starts a new chat. agent() returns a struct: output (the program's stdout),
-// exit_code, stderr (its tail), calls and chats (the recorded conversations, for reward and
-// train).
+// builtinAgent is agent(argv, task_input, policy, timeout=300, env=None, max_calls=64,
+// max_tokens=65536, call_max_tokens=None, tools_prompt="template", check=True): it runs an
+// external program for one rollout, an agent written against the OpenAI chat-completions API, in
+// any language or framework. The program gets OPENAI_BASE_URL (the run's loopback endpoint,
+// AgentEndpoint) and an OPENAI_API_KEY of its own that routes its calls to this rollout;
+// task_input goes to its stdin and to $SLIMEN_TASK_INPUT. Each chat-completions call it makes is
+// a turn of a chat (chat.go) with the policy: sampled through the run's batching like generate,
+// with seeds from the call's position, and recorded token-exactly: a call whose history continues
+// a recorded conversation continues its token ids, rendering only the messages appended since
+// (Chat.sampleLocked); any other history starts a new chat. agent() returns a struct: output (the
+// program's stdout), exit_code, stderr (its tail), calls and chats (the recorded conversations,
+// for reward and train).
 //
 // A program that runs past timeout is killed (its process group) and fails the rollout; so does
 // one that makes more than max_calls calls or samples more than max_tokens tokens (its calls
