@@ -7,6 +7,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"math"
 	"path/filepath"
 	"reflect"
 	"slices"
@@ -348,6 +349,7 @@ func (r *Run) trainOne(ctx context.Context, step int, p *policy, ss []trainSampl
 	}
 	var sums struct{ loss, pg, kl, clip, ent, gn, tisClip, tisW float64 }
 	steps, skipped, tokens := 0, 0, 0
+	var mis mismatch
 	trainLogp, err := r.trainLogprobs(ctx, step, p, ss, size)
 	if err != nil {
 		return err
@@ -389,7 +391,11 @@ func (r *Run) trainOne(ctx context.Context, step int, p *policy, ss []trainSampl
 		sums.gn += st.GradNorm
 		sums.tisClip += st.TISClipFrac
 		sums.tisW += st.TISWeight
+		if k == 0 || trainLogp != nil {
+			mis.add(st)
+		}
 	}
+	mis.report(m)
 	// The means of the optimizer steps taken; none taken (every one skipped): no loss, not 0.
 	if d := float64(steps); steps > 0 {
 		m.set("loss", sums.loss/d)
@@ -407,6 +413,38 @@ func (r *Run) trainOne(ctx context.Context, step int, p *policy, ss []trainSampl
 	m.set("skipped_steps", skipped)
 	m.set("trained_tokens", tokens)
 	return nil
+}
+
+// mismatch sums the rollout/trainer log-prob mismatch of a policy's optimizer steps whose
+// trainer side is the weights the rollouts were sampled from (the first optimizer step of the
+// step, or every one with use_tis's trainer log-probs, scored before the first): a later step's
+// own forward comes after an update and would measure that too.
+type mismatch struct {
+	sum, weighted, max float64
+	tokens, steps      int
+}
+
+func (d *mismatch) add(st engines.TrainStats) {
+	d.sum += st.LogprobDiffMean * float64(st.Tokens)
+	d.weighted += st.LogprobAbsDiff
+	if st.LogprobDiffMax > d.max || math.IsNaN(st.LogprobDiffMax) {
+		d.max = st.LogprobDiffMax
+	}
+	d.tokens += st.Tokens
+	d.steps++
+}
+
+// report sets logprob_diff_mean (over trained tokens), logprob_diff_max and slime's
+// train_rollout_logprob_abs_diff (reduced like the loss, the mean over optimizer steps).
+func (d *mismatch) report(m Metrics) {
+	if d.steps == 0 {
+		return
+	}
+	if d.tokens > 0 {
+		m.set("logprob_diff_mean", d.sum/float64(d.tokens))
+	}
+	m.set("logprob_diff_max", d.max)
+	m.set("train_rollout_logprob_abs_diff", d.weighted/float64(d.steps))
 }
 
 // lossConfig is the engine's loss of a policy's train: settings (kl_loss_coef counts only with
