@@ -21,11 +21,15 @@ import (
 
 var slimenBin string
 
+// testRoot is the package's temporary folder: the binary, and what tests share (torchModels).
+var testRoot string
+
 func TestMain(m *testing.M) {
 	dir, err := os.MkdirTemp("", "slimen-bin")
 	if err != nil {
 		panic(err)
 	}
+	testRoot = dir
 	slimenBin = filepath.Join(dir, "slimen")
 	if out, err := exec.Command("go", "build", "-o", slimenBin, ".").CombinedOutput(); err != nil {
 		panic(string(out))

@@ -3,7 +3,6 @@ package main
 import (
 	"fmt"
 	"os"
-	"os/exec"
 	"path/filepath"
 	"strings"
 	"testing"
@@ -116,53 +115,5 @@ func TestRemoteLoRAServerKilledAndRestarted(t *testing.T) {
 	}
 	if got := metricsNoTimings(t, out); got != want {
 		t.Errorf("after resuming from step_1:\n%s\nwant\n%s", got, want)
-	}
-}
-
-// LoRA policies with engine: {kind: remote} on a torch worker started by hand (python -m
-// slimen_torch serve) are adapters on it as on a worker the run starts itself (kind torch):
-// the same metrics, and each adapter's checkpoint is a PEFT folder the worker wrote.
-func TestRemoteLoRAOnTorchWorker(t *testing.T) {
-	py := torchPython(t)
-	dir := t.TempDir()
-	model := tinyTorchModel(t, py, dir)
-	env := []string{"SLIMEN_PYTHON=" + py, "XDG_CACHE_HOME=" + filepath.Join(dir, "cache")}
-	torchCfg := loraTorchConfig(t, dir, model)
-	own := filepath.Join(dir, "own")
-	if log, err := slimen(t, env, "exec", debate, "--config", torchCfg, "--out", own); err != nil {
-		t.Fatalf("kind torch: %v\n%s", err, log)
-	}
-
-	addr := freeAddr(t)
-	srv := exec.Command(py, "-m", "slimen_torch", "serve", "--model", model, "--listen", addr, "--device", "cpu", "--max-seq-len", "512", "--root", dir)
-	srv.Dir = "../../engines/torch"
-	srv.Env = append(os.Environ(), "XDG_CACHE_HOME="+filepath.Join(dir, "cache"))
-	srv.Stderr = os.Stderr
-	if err := srv.Start(); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { srv.Process.Kill(); srv.Wait() })
-	b, err := os.ReadFile(torchCfg)
-	if err != nil {
-		t.Fatal(err)
-	}
-	y := strings.ReplaceAll(string(b), `engine: {kind: torch, device: cpu, args: [--max-seq-len, "512"]}`, fmt.Sprintf("engine: {kind: remote, address: %q}", addr))
-	if strings.Count(y, "kind: remote") != 2 {
-		t.Fatalf("want both policies on the worker:\n%s", y)
-	}
-	remoteCfg := filepath.Join(dir, "remote.yaml")
-	os.WriteFile(remoteCfg, []byte(y), 0o644)
-	served := filepath.Join(dir, "served")
-	if log, err := slimen(t, env, "exec", debate, "--config", remoteCfg, "--out", served); err != nil {
-		t.Fatalf("kind remote: %v\n%s", err, log)
-	}
-	checkPolicySteps(t, served, []string{"generator@1", "generator@2", "critic@1", "critic@2"})
-	for _, p := range []string{"generator", "critic"} {
-		if _, err := os.Stat(filepath.Join(served, "checkpoints", "step_2", p, "adapter_model.safetensors")); err != nil {
-			t.Errorf("%s's checkpoint: %v", p, err)
-		}
-	}
-	if a, b := metricsNoTimings(t, own), metricsNoTimings(t, served); a != b {
-		t.Errorf("the adapters on the hand-started worker differ from those on the run's own:\n%s\n---\n%s", b, a)
 	}
 }

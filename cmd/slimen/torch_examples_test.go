@@ -44,7 +44,11 @@ var torchExamples = []torchExample{
 func TestExampleTorchConfigs(t *testing.T) {
 	py := torchPython(t)
 	dir := t.TempDir()
-	model := torchModelOfShape(t, py, dir, "tiny-qwen3")
+	// A copy of the package's tiny-qwen3 folder, which other tests read as make-model wrote it.
+	model := filepath.Join(dir, "model")
+	if err := os.CopyFS(model, os.DirFS(torchModelOfShape(t, py, "tiny-qwen3"))); err != nil {
+		t.Fatal(err)
+	}
 	widenContext(t, model, 2048)
 	env := []string{"SLIMEN_PYTHON=" + py, "XDG_CACHE_HOME=" + filepath.Join(dir, "cache")}
 	for _, ex := range torchExamples {

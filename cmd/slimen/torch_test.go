@@ -10,6 +10,7 @@ import (
 	"path/filepath"
 	"slices"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -36,21 +37,41 @@ func torchPython(t *testing.T) string {
 	return filepath.Join(strings.TrimSpace(string(out)), "bin", "python")
 }
 
-// tinyTorchModel writes a random tiny Llama folder (the worker's make-model) into dir/model.
-func tinyTorchModel(t *testing.T, py, dir string) string {
+// tinyTorchModel returns the folder of a random tiny Llama (the worker's make-model).
+func tinyTorchModel(t *testing.T, py string) string {
 	t.Helper()
-	return torchModelOfShape(t, py, dir, "tiny")
+	return torchModelOfShape(t, py, "tiny")
 }
 
-// torchModelOfShape writes a random model folder of a make-model shape into dir/model.
-func torchModelOfShape(t *testing.T, py, dir, shape string) string {
+// torchModels holds the folders make-model wrote, one a shape, for all the tests of the package:
+// make-model's weights are a function of its seed (0), so a folder written once is the one every
+// test would write, and each test saves and loads only under its own folders. Writing one costs a
+// Python start with torch.
+var torchModels struct {
+	sync.Mutex
+	byShape map[string]string
+}
+
+// torchModelOfShape returns the folder of a random model of a make-model shape, written on first
+// use under the package's temporary folder.
+func torchModelOfShape(t *testing.T, py, shape string) string {
 	t.Helper()
-	model := filepath.Join(dir, "model")
+	torchModels.Lock()
+	defer torchModels.Unlock()
+	if model, ok := torchModels.byShape[shape]; ok {
+		return model
+	}
+	model := filepath.Join(testRoot, "models", shape)
 	mk := exec.Command(py, "-m", "slimen_torch", "make-model", "--shape", shape, "--out", model)
 	mk.Env = append(os.Environ(), "PYTHONPATH="+filepath.Join("..", "..", "engines", "torch"))
 	if out, err := mk.CombinedOutput(); err != nil {
+		os.RemoveAll(model)
 		t.Fatalf("make-model: %v\n%s", err, out)
 	}
+	if torchModels.byShape == nil {
+		torchModels.byShape = map[string]string{}
+	}
+	torchModels.byShape[shape] = model
 	return model
 }
 
@@ -80,7 +101,7 @@ run: {steps: 2, seed: 3%s}
 func TestTorchEngineDebate(t *testing.T) {
 	py := torchPython(t)
 	dir := t.TempDir()
-	model := tinyTorchModel(t, py, dir)
+	model := tinyTorchModel(t, py)
 	out := filepath.Join(dir, "run")
 	// The binary unpacks its embedded worker package under the user cache folder: keep it here.
 	env := []string{"SLIMEN_PYTHON=" + py, "XDG_CACHE_HOME=" + filepath.Join(dir, "cache")}
@@ -176,7 +197,7 @@ func TestTorchEngineStartErrors(t *testing.T) {
 func TestServeOpenAITorch(t *testing.T) {
 	py := torchPython(t)
 	dir := t.TempDir()
-	model := torchModelOfShape(t, py, dir, "tiny-qwen3")
+	model := torchModelOfShape(t, py, "tiny-qwen3")
 	cfg := filepath.Join(dir, "serve.yaml")
 	y := fmt.Sprintf("policies:\n  - name: chatbot\n    hf_checkpoint: %s\n    engine: {kind: torch, python: %q, device: cpu, args: [--max-seq-len, \"512\"]}\n", model, py)
 	if err := os.WriteFile(cfg, []byte(y), 0o644); err != nil {
@@ -223,11 +244,14 @@ func TestServeOpenAITorch(t *testing.T) {
 }
 
 // Issue 19: LoRA policies on the torch engine share one worker (one copy of the base), each an
-// adapter that trains, checkpoints as a PEFT folder and resumes.
+// adapter that trains, checkpoints as a PEFT folder and resumes. And the same policies with
+// engine: {kind: remote} on a torch worker started by hand (python -m slimen_torch serve) are
+// adapters on it as on the worker the run starts itself: the same metrics, and each adapter's
+// checkpoint is a PEFT folder the worker wrote (the kind-torch run is the reference of both).
 func TestTorchLoRAPoliciesShareOneWorker(t *testing.T) {
 	py := torchPython(t)
 	dir := t.TempDir()
-	model := tinyTorchModel(t, py, dir)
+	model := tinyTorchModel(t, py)
 	out := filepath.Join(dir, "run")
 	env := []string{"SLIMEN_PYTHON=" + py, "XDG_CACHE_HOME=" + filepath.Join(dir, "cache")}
 	cfg := loraTorchConfig(t, dir, model)
@@ -241,6 +265,7 @@ func TestTorchLoRAPoliciesShareOneWorker(t *testing.T) {
 			}
 		}
 	}
+	t.Run("remote", func(t *testing.T) { loraOnHandStartedWorker(t, py, model, cfg, metricsNoTimings(t, out)) })
 	if log, err := slimen(t, env, "exec", "--resume", out, "--steps", "3"); err != nil {
 		t.Fatalf("resume: %v\n%s", err, log)
 	}
@@ -256,6 +281,47 @@ func TestTorchLoRAPoliciesShareOneWorker(t *testing.T) {
 		t.Errorf("events.log does not say the critic shares the generator's worker:\n%s", ev)
 	}
 	checkPolicySteps(t, out, []string{"generator@1", "generator@2", "generator@3", "critic@1", "critic@2", "critic@3"})
+}
+
+// loraOnHandStartedWorker runs torchCfg (loraTorchConfig's two LoRA policies) with both on a
+// torch worker started by hand, through engine: {kind: remote}: it must write want, the metrics
+// of the run whose worker the host started.
+func loraOnHandStartedWorker(t *testing.T, py, model, torchCfg, want string) {
+	t.Helper()
+	dir := t.TempDir()
+	env := []string{"SLIMEN_PYTHON=" + py, "XDG_CACHE_HOME=" + filepath.Join(dir, "cache")}
+	addr := freeAddr(t)
+	srv := exec.Command(py, "-m", "slimen_torch", "serve", "--model", model, "--listen", addr, "--device", "cpu", "--max-seq-len", "512", "--root", dir)
+	srv.Dir = "../../engines/torch"
+	srv.Env = append(os.Environ(), "XDG_CACHE_HOME="+filepath.Join(dir, "cache"))
+	srv.Stderr = os.Stderr
+	if err := srv.Start(); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { srv.Process.Kill(); srv.Wait() })
+	b, err := os.ReadFile(torchCfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	y := strings.ReplaceAll(string(b), `engine: {kind: torch, device: cpu, args: [--max-seq-len, "512"]}`, fmt.Sprintf("engine: {kind: remote, address: %q}", addr))
+	if strings.Count(y, "kind: remote") != 2 {
+		t.Fatalf("want both policies on the worker:\n%s", y)
+	}
+	remoteCfg := filepath.Join(dir, "remote.yaml")
+	os.WriteFile(remoteCfg, []byte(y), 0o644)
+	served := filepath.Join(dir, "served")
+	if log, err := slimen(t, env, "exec", debate, "--config", remoteCfg, "--out", served); err != nil {
+		t.Fatalf("kind remote: %v\n%s", err, log)
+	}
+	checkPolicySteps(t, served, []string{"generator@1", "generator@2", "critic@1", "critic@2"})
+	for _, p := range []string{"generator", "critic"} {
+		if _, err := os.Stat(filepath.Join(served, "checkpoints", "step_2", p, "adapter_model.safetensors")); err != nil {
+			t.Errorf("%s's checkpoint: %v", p, err)
+		}
+	}
+	if got := metricsNoTimings(t, served); got != want {
+		t.Errorf("the adapters on the hand-started worker differ from those on the run's own:\n%s\n---\n%s", got, want)
+	}
 }
 
 // checkPolicySteps checks that a run's metrics.jsonl has a line for each "policy@step" of want,
