@@ -20,7 +20,7 @@ import (
 func TestTorchAsyncVersionsInWorker(t *testing.T) {
 	py := torchPython(t)
 	dir := t.TempDir()
-	model := tinyTorchModel(t, py, dir)
+	model := tinyTorchModel(t, py)
 	env := []string{"SLIMEN_PYTHON=" + py, "XDG_CACHE_HOME=" + filepath.Join(dir, "cache")}
 	script := parityScript(t, dir) // a reward that moves the weights at every step
 	run := func(name, args string, kill bool) ([]map[string]any, string) {

@@ -17,7 +17,7 @@ import (
 func TestTorchWorkerOverTwoRanks(t *testing.T) {
 	py := torchPython(t)
 	dir := t.TempDir()
-	model := tinyTorchModel(t, py, dir)
+	model := tinyTorchModel(t, py)
 	env := []string{"SLIMEN_PYTHON=" + py, "XDG_CACHE_HOME=" + filepath.Join(dir, "cache")}
 	script := parityScript(t, dir)
 	one := filepath.Join(dir, "one")

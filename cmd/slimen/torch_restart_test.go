@@ -46,7 +46,7 @@ func torchWorkers(t *testing.T, pid int) []int {
 func TestTorchWorkerKilledMidStep(t *testing.T) {
 	py := torchPython(t)
 	dir := t.TempDir()
-	model := tinyTorchModel(t, py, dir)
+	model := tinyTorchModel(t, py)
 	env := []string{"SLIMEN_PYTHON=" + py, "XDG_CACHE_HOME=" + filepath.Join(dir, "cache")}
 	cfg := torchConfig(t, dir, model, py, "", ", save_interval: 1")
 	script := parityScript(t, dir)
@@ -85,7 +85,7 @@ func TestTorchWorkerKilledMidStep(t *testing.T) {
 func TestTorchLoRAWorkerKilledMidStep(t *testing.T) {
 	py := torchPython(t)
 	dir := t.TempDir()
-	model := tinyTorchModel(t, py, dir)
+	model := tinyTorchModel(t, py)
 	env := []string{"SLIMEN_PYTHON=" + py, "XDG_CACHE_HOME=" + filepath.Join(dir, "cache")}
 	cfg := loraTorchConfig(t, dir, model)
 	script := parityScript(t, dir)
