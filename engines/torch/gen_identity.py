@@ -8,8 +8,11 @@ prompt (prefilled once; a shared-prompt group when the Triton kernels run), a co
 the prefix cache, a constrained (JSON schema) request, an fp8 KV cache and a LoRA adapter.
 
     python engines/torch/gen_identity.py [--device cuda] [--kernels] [--dump out.json]
+                                         [--package DIR]
 
 --kernels runs the Triton kernels on the CPU too (set TRITON_INTERPRET=1 first; slow).
+--package DIR imports the slimen_torch package in DIR instead of this script's (another commit's
+copy, so that one device call can run both).
 """
 
 from __future__ import annotations
@@ -24,12 +27,8 @@ import tempfile
 
 import torch
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-
-from slimen_torch import lora  # noqa: E402
-from slimen_torch.engine import Engine, Options  # noqa: E402
-from slimen_torch.make_model import make_model  # noqa: E402
-from slimen_torch.types import GenerateRequest, Sampling  # noqa: E402
+# Set by main() once it knows which slimen_torch to import.
+lora = Engine = Options = make_model = GenerateRequest = Sampling = None
 
 USER = [{"role": "user", "content": "Ann has 12 pens and gets 7 more. How many pens?"}]
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "n": {"type": "integer"}},
@@ -106,12 +105,32 @@ def digest(cs: list) -> str:
     return h.hexdigest()
 
 
+def load(package_dir: pathlib.Path) -> None:
+    """Imports the slimen_torch package found in package_dir."""
+    global lora, Engine, Options, make_model, GenerateRequest, Sampling
+    sys.path.insert(0, str(package_dir))
+    import slimen_torch
+    from slimen_torch import lora
+    from slimen_torch.engine import Engine, Options
+    from slimen_torch.make_model import make_model
+    from slimen_torch.types import GenerateRequest, Sampling
+    got = pathlib.Path(slimen_torch.__file__).resolve().parent.parent
+    if got != package_dir:
+        raise SystemExit(f"gen_identity: --package {package_dir}: imported slimen_torch from {got}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--kernels", action="store_true", help="the Triton kernels on the CPU too")
     ap.add_argument("--dump", help="write every completion's tokens and log-probs to this file")
+    ap.add_argument("--package", default=str(pathlib.Path(__file__).resolve().parent),
+                    help="the folder holding the slimen_torch package to run")
     a = ap.parse_args()
+    package = pathlib.Path(a.package).resolve()
+    if not (package / "slimen_torch" / "__init__.py").is_file():
+        raise SystemExit(f"gen_identity: --package {a.package}: no slimen_torch package there")
+    load(package)
     # A lone prompt of up to 128 tokens takes the bucketed prefill (CUDA graphs on a GPU).
     opts = dict(device=a.device, slots=16, max_seq_len=256, prefill_graph_max=128)
     if a.kernels:
@@ -125,6 +144,7 @@ def main() -> None:
         total.update(d.encode())
         print(f"{name:14s} {d}  ({len(cs)} completions, {sum(len(c.tokens) for c in cs)} tokens)")
     print(f"{'total':14s} {total.hexdigest()}  ({a.device}{', kernels' if a.kernels else ''})")
+    print(f"(slimen_torch of {package})")
     if a.dump:
         pathlib.Path(a.dump).write_text(json.dumps(
             {k: [[c.request_id, c.index, c.tokens, c.logprobs, c.finish_reason] for c in cs]
