@@ -53,15 +53,14 @@ func SlimeTrainDefaults() TrainConfig {
 	}
 }
 
-// DefaultPolicy is the policy a zero-config run gives every name the script uses: trainable, on
-// the builtin checkpoint, on the embedded tiny engine.
 // DefaultLoRA is what a policy's lora: block leaves out: PEFT's defaults (rank 8, alpha 8, no
 // dropout, the query and value projections).
 func DefaultLoRA() LoRAConfig {
 	return LoRAConfig{Rank: 8, Alpha: 8, Targets: []string{"q_proj", "v_proj"}}
 }
 
-// DefaultPolicy is the policy a zero-config run creates for a name, on BuiltinCheckpoint.
+// DefaultPolicy is the policy a zero-config run gives every name the script uses: trainable, on
+// BuiltinCheckpoint, on the embedded tiny engine.
 func DefaultPolicy(name string) PolicyConfig {
 	return PolicyConfig{
 		Name:             name,
