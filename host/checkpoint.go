@@ -660,7 +660,7 @@ func (r *Run) restore(ctx context.Context, dir string) error {
 	if err := r.metrics.truncateAfter(info.Step); err != nil {
 		return err
 	}
-	if err := r.truncateRecord(info.Step); err != nil {
+	if err := r.rec.truncateAfter(info.Step); err != nil {
 		return err
 	}
 	if missing, err := r.metrics.missingSteps(info.Step); err != nil {

@@ -117,7 +117,10 @@ type recorder struct {
 	mu   sync.Mutex
 	adv  map[*script.Completion][]float32 // the step's trained samples' advantages
 	eval []evalPass                       // the passes of the eval in progress
-	file *metricsWriter                   // rollouts.jsonl; nil without a run folder
+
+	out    string         // the run folder; "" writes no file
+	events *eventLog      // where a failed write is said
+	file   *metricsWriter // rollouts.jsonl once opened
 	// failed says a write of rollouts.jsonl failed: said once, the run goes on.
 	failed bool
 }
@@ -359,48 +362,48 @@ func cutMessages(ms []engines.Message) []engines.Message {
 	return out
 }
 
-// recordFile is rollouts.jsonl in the run folder, opened when first written (or truncated by a
+// openFile is rollouts.jsonl in the run folder, opened when first written (or truncated by a
 // resume); nil without a run folder.
-func (r *Run) recordFile() (*metricsWriter, error) {
-	if r.rec.file == nil && r.opts.Out != "" {
+func (rc *recorder) openFile() (*metricsWriter, error) {
+	if rc.file == nil && rc.out != "" {
 		w := &metricsWriter{}
-		if err := w.open(filepath.Join(r.opts.Out, rolloutsFile), r.events); err != nil {
+		if err := w.open(filepath.Join(rc.out, rolloutsFile), rc.events); err != nil {
 			return nil, err
 		}
-		r.rec.file = w
+		rc.file = w
 	}
-	return r.rec.file, nil
+	return rc.file, nil
 }
 
 // rolloutsFile is the run's record of rollouts, in its folder.
 const rolloutsFile = "rollouts.jsonl"
 
-// truncateRecord drops, on resume, the records of steps after step, as metrics.jsonl's lines are.
-func (r *Run) truncateRecord(step int) error {
-	if r.opts.Out == "" {
+// truncateAfter drops, on resume, the records of steps after step, as metrics.jsonl's lines are.
+func (rc *recorder) truncateAfter(step int) error {
+	if rc.out == "" {
 		return nil
 	}
-	if _, err := os.Stat(filepath.Join(r.opts.Out, rolloutsFile)); err != nil {
+	if _, err := os.Stat(filepath.Join(rc.out, rolloutsFile)); err != nil {
 		return nil // none written yet
 	}
-	w, err := r.recordFile()
+	w, err := rc.openFile()
 	if err != nil {
 		return err
 	}
 	return w.truncateAfter(step)
 }
 
-// writeRecords appends a step's (or an eval's) records in one write. A failed write is said
-// once in events.log; the run goes on without the records.
-func (r *Run) writeRecords(recs []RolloutRecord) {
+// write appends a step's (or an eval's) records in one write. A failed write is said once in
+// events.log; the run goes on without the records.
+func (rc *recorder) write(recs []RolloutRecord) {
 	if len(recs) == 0 {
 		return
 	}
-	w, err := r.recordFile()
+	w, err := rc.openFile()
 	if err != nil || w == nil {
-		if err != nil && !r.rec.failed {
-			r.rec.failed = true
-			r.events.printf("rollouts: %v; the run goes on without saving its rollouts", err)
+		if err != nil && !rc.failed {
+			rc.failed = true
+			rc.events.printf("rollouts: %v; the run goes on without saving its rollouts", err)
 		}
 		return
 	}
@@ -412,11 +415,11 @@ func (r *Run) writeRecords(recs []RolloutRecord) {
 			b.WriteByte('\n')
 		}
 	}
-	if err := w.writeRaw(b.Bytes()); err != nil && !r.rec.failed {
-		r.rec.failed = true
-		r.events.printf("rollouts: %v; the run goes on, and its rollouts are not saved until a write succeeds", err)
+	if err := w.writeRaw(b.Bytes()); err != nil && !rc.failed {
+		rc.failed = true
+		rc.events.printf("rollouts: %v; the run goes on, and its rollouts are not saved until a write succeeds", err)
 	} else if err == nil {
-		r.rec.failed = false
+		rc.failed = false
 	}
 }
 
@@ -464,7 +467,7 @@ func (r *Run) recordStep(step int, ros []*script.Rollout, res *StepResult) {
 	for _, ro := range pickRollouts(ros, n) {
 		recs = append(recs, r.recordRollout(ro, step, "", adv))
 	}
-	r.writeRecords(recs)
+	r.rec.write(recs)
 	if !r.observing(step - 1) {
 		return
 	}
@@ -486,7 +489,7 @@ func (r *Run) recordEval(evs []Metrics) {
 			recs = append(recs, r.recordRollout(ro, r.step, p.dataset, nil))
 		}
 	}
-	r.writeRecords(recs)
+	r.rec.write(recs)
 	if !r.observing(r.step) {
 		return
 	}

@@ -636,6 +636,7 @@ func (r *Run) openOutputs() error {
 	out := r.opts.Out
 	r.events = &eventLog{w: r.opts.Log}
 	r.metrics = &metricsWriter{}
+	r.rec.out, r.rec.events = out, r.events
 	if out == "" {
 		return nil
 	}
