@@ -17,9 +17,9 @@ import logging
 import torch
 import torch.nn.functional as F
 
-from . import lora
-from .model import (block_forward, kv_bytes, kv_read, kv_source, kv_write, mlp, project_qkv,
-                    rms_norm, whole_block)
+from . import batch_invariant, lora
+from .model import (block_forward, kv_bytes, kv_read, kv_source, kv_write, linear, mlp,
+                    project_qkv, rms_norm, whole_block)
 from .sequence import Placed, Request, Sequence, prompt_key
 
 log = logging.getLogger("slimen_torch")
@@ -177,6 +177,11 @@ class Prefill:
                 # (rounded to fp8 with an fp8 cache), as the decode steps will.
                 keys = kv_read(kc, (row, slice(None), slice(None, Lk)), x.dtype)
                 values = kv_read(vc, (row, slice(None), slice(None, Lk)), x.dtype)
+                if batch_invariant.enabled():  # as the decode steps and the trainer attend
+                    o = batch_invariant.attention(q, keys, values, pos, cfg.head_dim ** -0.5)
+                    x = x + linear(o.flatten(2), w[5], w[6])
+                    x = x + mlp(cfg, w, x)
+                    continue
                 o = F.scaled_dot_product_attention(
                     q.transpose(1, 2), keys, values, attn_mask=mask,
                     scale=cfg.head_dim ** -0.5, enable_gqa=cfg.heads != cfg.kv_heads)

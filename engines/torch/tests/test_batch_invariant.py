@@ -281,3 +281,30 @@ def test_the_triton_attention_is_the_same_for_any_cache(interpreted):
     kc[:, :, 67:] = vc[:, :, 67:] = float("nan")
     one = bi.attention_triton(q[:, 66:67].contiguous(), kc, vc, torch.tensor([[66]]), 0.3)
     assert torch.equal(one, o[:, 66:67])
+
+
+def test_a_cached_prefix_changes_nothing(model_dirs):
+    # A second turn whose prompt extends the first's is prefilled from the kept row (only its new
+    # tokens run, attending to the cached keys): the same tokens and log-probs, bit for bit, as
+    # the whole prompt prefilled cold, with a LoRA adapter too.
+    e = Engine(str(model_dirs["tiny-qwen3"]), Options(device="cpu", deterministic=True,
+                                                       prefix_cache=8, prefix_min=4))
+    try:
+        e.add_adapter("p", lora.LoRAConfig(rank=4, alpha=8, targets=("q_proj", "o_proj")), 3)
+        c = e.generate([req("t", PROMPTS[1], 5, n=2, adapter="p")])
+        e.train(Batch(samples=[Sample(x.prompt_tokens, x.tokens, [1.0] * len(x.tokens),
+                                      list(x.logprobs), [1.0 if x.index else -1.0] * len(x.tokens))
+                               for x in c], loss=LossConfig(lr=5e-2), adapter="p"))
+        for adapter in ("", "p"):
+            first = e.generate([req("c1", PROMPTS[0], 9, adapter=adapter)])[0]
+            turn2 = PROMPTS[0] + first.tokens + [40, 41, 42]
+            hit = sampled(e, [req("c2", turn2, 10, adapter=adapter)])
+            assert e.gen.take_prefix_stats()["hits"] >= 1
+            e._call(e.gen.forget_prefixes)
+            cold = sampled(e, [req("c2", turn2, 10, adapter=adapter)])
+            assert hit == cold
+            (toks, lps), = hit.values()
+            got = e.score([ScoreRequest(tokens=toks, prompt_tokens=turn2, adapter=adapter)])[0]
+            assert got == lps
+    finally:
+        e.close()
