@@ -150,9 +150,12 @@ class Engine:
                 raise ValueError(f"deterministic: kv_cache_dtype {self.opts.kv_cache_dtype!r} "
                                  "rounds the keys and values generation reads and training does "
                                  "not; use kv_cache_dtype auto")
+            # Micro-batches of 4,096 tokens by default: the log-prob head reads whole logits
+            # (a row's numbers do not depend on how rows are cut into micro-batches).
             self.opts = dataclasses.replace(
                 self.opts, kernels=False, fused_b1=False, compile=False, compile_prefill=False,
-                compile_train="off", fused_norm=False, fused_head=False, shared_prompts=False)
+                compile_train="off", fused_norm=False, fused_head=False, shared_prompts=False,
+                micro_batch_tokens=self.opts.micro_batch_tokens or 4096)
         self.device = torch.device(self.opts.device)
         if self.device.type == "cuda" and self.device.index is None:
             # "cuda" is the current device of the thread that builds the engine; its own threads

@@ -3,6 +3,8 @@ whatever else is in its batch and however its cache row is laid out, the trainer
 equal the rollout's bit for bit (with LoRA and the prefix cache too), and the checks fail when an
 invariant kernel is swapped for a plain one."""
 
+import os
+
 import pytest
 import torch
 
@@ -245,8 +247,8 @@ def test_deterministic_mode_refuses_an_fp8_cache(model_dirs):
 
 @pytest.fixture
 def interpreted():
-    if not (bi.HAVE_TRITON and __import__("os").environ.get("TRITON_INTERPRET") == "1"):
-        pytest.skip("needs Triton's interpreter (TRITON_INTERPRET=1, set by conftest without a GPU)")
+    if not (bi.HAVE_TRITON and os.environ.get("TRITON_INTERPRET") == "1"):
+        pytest.skip("needs Triton's interpreter (TRITON_INTERPRET=1, conftest's without a GPU)")
 
 
 def test_the_triton_product_keeps_a_row_whatever_the_row_count(interpreted):

@@ -1,0 +1,278 @@
+"""Issue 38 on one device, in one call: the default and the deterministic mode side by side.
+
+    python engines/torch/determinism.py [--device cuda|cpu] [--small] [--out DIR] [--check]
+
+On a random model (make-model: Qwen3-0.6B's shape, bf16 on a GPU; --small: the tiny Qwen3, for
+the CPU and the test that runs this), with no end-of-sequence token so every response has its
+asked length, for each mode (an Engine with Options.deterministic off, then on):
+
+  (a) the rollout/trainer log-prob mismatch: max |trainer − rollout| over every sampled token of
+      a mixed batch (prompts of several lengths, n > 1, top-p on some), from Score and from a
+      training step's own forward (TrainStats.logprob_diff_max); the same with a LoRA adapter
+      (trained a step first, so that its update is not zero) and on a conversation's second turn
+      prefilled from the prefix cache; and whether a request's samples are the same alone and
+      in a batch of others;
+  (b) decode tokens/s at --batch rows (--prompt-len prompt + --new sampled tokens, wall time from
+      submission to the last completion, best of two after a warm-up) and training tokens/s
+      (one AdamW step on --train-samples × --train-len tokens, best of two after a warm-up);
+  (c) a table of both, and the deterministic mode's cost as ratios.
+
+--check exits 1 unless the deterministic mode's mismatches are all 0 and its samples do not
+depend on their batch. --out DIR keeps the model folder and writes determinism.json there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import sys
+import tempfile
+import time
+
+import torch
+
+HERE = pathlib.Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from slimen_torch import lora  # noqa: E402
+from slimen_torch.engine import Engine, Options  # noqa: E402
+from slimen_torch.make_model import make_model  # noqa: E402
+from slimen_torch.types import (Batch, GenerateRequest, LossConfig, Sample, Sampling,  # noqa: E402
+                                ScoreRequest)
+
+
+def log(*a):
+    print(*a, file=sys.stderr, flush=True)
+
+
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def no_eos(d: pathlib.Path) -> None:
+    """Removes the end-of-sequence token so that every response runs to max_tokens."""
+    for name, key in (("config.json", "eos_token_id"), ("generation_config.json", "eos_token_id"),
+                      ("tokenizer_config.json", "eos_token")):
+        raw = json.loads((d / name).read_text())
+        raw[key] = None
+        (d / name).write_text(json.dumps(raw))
+
+
+def rand_prompt(vocab: int, n: int, seed: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, vocab, (n,), generator=g).tolist()
+
+
+def request(rid: str, prompt: list[int], seed: int, new: int, n: int = 1, top_p: float = 1.0,
+            adapter: str = "") -> GenerateRequest:
+    return GenerateRequest(id=rid, prompt_tokens=prompt, n=n, adapter=adapter,
+                           sampling=Sampling(max_tokens=new, temperature=1.0, top_p=top_p,
+                                             seed=seed))
+
+
+def mixed_requests(vocab: int, new: int, adapter: str = "") -> list[GenerateRequest]:
+    """Prompts of 5 to 150 tokens (past the attention's first 64-position split), n of 1 to 4,
+    top-p on one."""
+    return [request(f"m{i}", rand_prompt(vocab, length, 10 + i), 20 + i, new, n=n, top_p=p,
+                    adapter=adapter)
+            for i, (length, n, p) in enumerate([(5, 1, 1.0), (70, 4, 1.0), (150, 2, 0.9),
+                                                (33, 3, 1.0)])]
+
+
+def samples_of(completions, lr_adv=1.0) -> list[Sample]:
+    return [Sample(c.prompt_tokens, c.tokens, [1.0] * len(c.tokens), list(c.logprobs),
+                   [lr_adv if c.index % 2 else -lr_adv] * len(c.tokens), group=c.request_id)
+            for c in completions]
+
+
+def mismatch(e: Engine, completions, adapter: str = "") -> dict:
+    """max |Score − rollout| and the training step's logprob_diff_max (lr 0: nothing changes)
+    over the completions' tokens."""
+    score = 0.0
+    got = e.score([ScoreRequest(tokens=c.tokens, prompt_tokens=c.prompt_tokens, adapter=adapter)
+                   for c in completions])
+    for c, lp in zip(completions, got):
+        score = max([score] + [abs(a - b) for a, b in zip(lp, c.logprobs)])
+    st = e.train(Batch(samples=samples_of(completions), loss=LossConfig(lr=0.0),
+                       adapter=adapter))
+    return {"score": score, "train": st.logprob_diff_max, "train_mean": st.logprob_diff_mean}
+
+
+def lora_identity(e: Engine, vocab: int, new: int) -> dict:
+    """(a) with a LoRA adapter, on an engine of its own (a worker whose base has trained takes
+    no adapters, and one that holds adapters trains no base): the adapter trained one step (its
+    B starts at zero), sampled among base rows."""
+    out = {}
+    e.add_adapter("det", lora.LoRAConfig(rank=8, alpha=16,
+                                         targets=("q_proj", "v_proj", "o_proj", "down_proj")), 1)
+    warm = e.generate([request("w", rand_prompt(vocab, 20, 3), 4, new, n=4, adapter="det")])
+    e.train(Batch(samples=samples_of(warm), loss=LossConfig(lr=1e-2), adapter="det"))
+    lreqs = mixed_requests(vocab, new, adapter="det")
+    lcs = [c for c in e.generate(lreqs + [request("b", rand_prompt(vocab, 40, 5), 6, new)])
+           if c.request_id != "b"]
+    out["lora"] = mismatch(e, lcs, adapter="det")
+    return out
+
+
+def identities(e: Engine, vocab: int, new: int) -> dict:
+    """(a) of the module comment, without LoRA (lora_identity)."""
+    out = {}
+    reqs = mixed_requests(vocab, new)
+    cs = e.generate(reqs)
+    out["base"] = mismatch(e, cs)
+    alone = {(c.request_id, c.index): (c.tokens, c.logprobs) for c in e.generate([reqs[1]])}
+    mixed = {(c.request_id, c.index): (c.tokens, c.logprobs) for c in cs}
+    out["batch_invariant"] = all(mixed[k] == v for k, v in alone.items())
+    # The prefix cache: a second turn extends the first; its prompt's start comes from the kept
+    # row, only the new tokens are prefilled.
+    first = e.generate([request("t1", rand_prompt(vocab, 90, 7), 8, new)])[0]
+    turn2 = first.prompt_tokens + first.tokens + rand_prompt(vocab, 6, 9)
+    e.gen.take_prefix_stats()
+    second = e.generate([request("t2", turn2, 11, new, n=2)])
+    out["prefix_hits"] = e.gen.take_prefix_stats().get("hits", 0)
+    out["prefix"] = mismatch(e, second)
+    return out
+
+
+def decode_speed(e: Engine, vocab: int, batch: int, prompt_len: int, new: int) -> float:
+    """Sampled tokens / s at batch rows: best of two after a warm-up."""
+    reqs = [request(f"s{i}", rand_prompt(vocab, prompt_len, 100 + i), i, new)
+            for i in range(batch)]
+    best = 0.0
+    for rep in range(3):
+        sync(str(e.device))
+        t0 = time.perf_counter()
+        cs = e.generate(reqs)
+        sync(str(e.device))
+        dt = time.perf_counter() - t0
+        if rep:
+            best = max(best, sum(len(c.tokens) for c in cs) / dt)
+    return best
+
+
+def train_speed(e: Engine, vocab: int, samples: int, length: int) -> float:
+    """Trained tokens / s of one AdamW step on samples × length tokens: best of two after a
+    warm-up."""
+    g = torch.Generator().manual_seed(4)
+    p = min(64, length // 4)
+    ss = []
+    for i in range(samples):
+        seq = torch.randint(3, vocab, (length,), generator=g).tolist()
+        r = length - p
+        ss.append(Sample(seq[:p], seq[p:], [1.0] * r, [-5.0] * r, [1.0 if i % 2 else -1.0] * r,
+                         group=f"g{i // 4}"))
+    b = Batch(samples=ss, loss=LossConfig(lr=1e-6, max_grad_norm=1.0))
+    best = 0.0
+    for rep in range(3):
+        sync(str(e.device))
+        t0 = time.perf_counter()
+        st = e.train(b)
+        sync(str(e.device))
+        dt = time.perf_counter() - t0
+        if rep:
+            best = max(best, st.tokens / dt)
+    return best
+
+
+def run_mode(model_dir: pathlib.Path, a, deterministic: bool) -> dict:
+    name = "deterministic" if deterministic else "default"
+    log(f"== {name}")
+    # A cache of --batch rows × 1,024 positions (enough for every request here; 256 rows of
+    # Qwen3-0.6B's keys and values are 15 GB in bf16).
+    opts = Options(device=a.device, deterministic=deterministic, prefix_cache=8, prefix_min=16,
+                   slots=max(a.batch, 16), max_seq_len=1024)
+    t0 = time.perf_counter()
+    res = {"mode": name}
+    e = Engine(str(model_dir), opts)
+    try:
+        res.update(lora_identity(e, e.cfg.vocab_size, a.check_new))
+    finally:
+        e.close()
+    e = Engine(str(model_dir), opts)
+    try:
+        vocab = e.cfg.vocab_size
+        res.update(identities(e, vocab, a.check_new))
+        log(f"   identities: {json.dumps(res)}")
+        res["decode_tok_s"] = decode_speed(e, vocab, a.batch, a.prompt_len, a.new)
+        log(f"   decode: {res['decode_tok_s']:.0f} tok/s")
+        res["train_tok_s"] = train_speed(e, vocab, a.train_samples, a.train_len)
+        log(f"   train: {res['train_tok_s']:.0f} tok/s")
+        res["seconds"] = time.perf_counter() - t0
+        return res
+    finally:
+        e.close()
+
+
+def table(rows: list[dict], a, device_name: str) -> str:
+    def g(x):
+        return f"{x:.3g}" if isinstance(x, float) else str(x)
+    head = ["mode", "max abs Δ Score", "max abs Δ train", "LoRA", "prefix cache",
+            "batch-invariant", f"decode tok/s (batch {a.batch})",
+            f"train tok/s ({a.train_samples}×{a.train_len})"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        lines.append("| " + " | ".join([
+            r["mode"], g(r["base"]["score"]), g(r["base"]["train"]),
+            g(max(r["lora"]["score"], r["lora"]["train"])),
+            g(max(r["prefix"]["score"], r["prefix"]["train"])) + f" ({r['prefix_hits']} hits)",
+            "yes" if r["batch_invariant"] else "no",
+            f"{r['decode_tok_s']:.0f}", f"{r['train_tok_s']:.0f}"]) + " |")
+    d, t = rows[0], rows[1]
+    cost = (f"deterministic / default: decode {t['decode_tok_s'] / d['decode_tok_s']:.3f} "
+            f"({(1 - t['decode_tok_s'] / d['decode_tok_s']) * 100:.1f}% slower), training "
+            f"{t['train_tok_s'] / d['train_tok_s']:.3f} "
+            f"({(1 - t['train_tok_s'] / d['train_tok_s']) * 100:.1f}% slower)")
+    return "\n".join([f"device: {device_name}; torch {torch.__version__}", *lines, "", cost])
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--small", action="store_true",
+                   help="the tiny Qwen3 model and small batches (the CPU, tests)")
+    p.add_argument("--out", default="", help="keep the model here and write determinism.json")
+    p.add_argument("--check", action="store_true",
+                   help="exit 1 unless the deterministic mode's identities hold")
+    p.add_argument("--batch", type=int, default=0, help="decode rows (default 256; --small 8)")
+    p.add_argument("--prompt-len", type=int, default=0, help="default 128; --small 16")
+    p.add_argument("--new", type=int, default=0, help="sampled tokens a row (default 128; 8)")
+    p.add_argument("--check-new", type=int, default=0,
+                   help="sampled tokens a response in (a) (default 32; --small 8)")
+    p.add_argument("--train-samples", type=int, default=0, help="default 8; --small 2")
+    p.add_argument("--train-len", type=int, default=0, help="default 2048; --small 64")
+    a = p.parse_args(argv)
+    small = dict(batch=8, prompt_len=16, new=8, check_new=8, train_samples=2, train_len=64)
+    full = dict(batch=256, prompt_len=128, new=128, check_new=32, train_samples=8,
+                train_len=2048)
+    for k, v in (small if a.small else full).items():
+        if not getattr(a, k):
+            setattr(a, k, v)
+    root = pathlib.Path(a.out) if a.out else pathlib.Path(tempfile.mkdtemp(prefix="determinism-"))
+    root.mkdir(parents=True, exist_ok=True)
+    model_dir = root / "model"
+    if not (model_dir / "config.json").exists():
+        make_model("tiny-qwen3" if a.small else "qwen3-0.6b", model_dir, seed=7,
+                   dtype="" if a.small else "bfloat16")
+        no_eos(model_dir)
+    if a.device.startswith("cuda"):
+        device_name = torch.cuda.get_device_name(torch.device(a.device))
+    else:
+        device_name = "cpu"
+    rows = [run_mode(model_dir, a, False), run_mode(model_dir, a, True)]
+    text = table(rows, a, device_name)
+    print(text)
+    (root / "determinism.json").write_text(json.dumps(
+        {"device": device_name, "args": vars(a), "modes": rows}, indent=2))
+    det = rows[1]
+    ok = (det["batch_invariant"] and det["prefix_hits"] > 0
+          and all(det[k][m] == 0.0 for k in ("base", "lora", "prefix") for m in ("score", "train")))
+    if a.check and not ok:
+        print("deterministic mode: the identities do not hold", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
