@@ -172,15 +172,7 @@ type Run struct {
 	passes  atomic.Int64 // rollout passes so far (steps, eval datasets): part of generate request ids
 	restart restartGuard // what puts a restarted engine's state back
 
-	// live is the rollout pass in progress (a step's or an eval's), for progress displays; genMark
-	// is generating's total when it began.
-	live struct {
-		done, total, tokens, genMark atomic.Int64
-		eval                         atomic.Bool
-		// pass is the number of the pass shown, the newest: rollout.max_staleness > 1 runs
-		// several at once, and only the shown one's rollouts count in done.
-		pass atomic.Int64
-	}
+	live liveLine // the rollout pass in progress, for progress displays
 	// generating measures the time any policy's engine has a generate batch in hand: the time
 	// the run generates, not the time its rollouts run (an agent() program's start-up, tools,
 	// the script's own work), which tokens_per_s is over.
@@ -197,9 +189,40 @@ type LivePass struct {
 }
 
 // Live reports the rollout pass in progress.
-func (r *Run) Live() LivePass {
-	return LivePass{Done: int(r.live.done.Load()), Total: int(r.live.total.Load()), Tokens: int(r.live.tokens.Load()),
-		Eval: r.live.eval.Load(), Generating: r.generating.busy() - time.Duration(r.live.genMark.Load())}
+func (r *Run) Live() LivePass { return r.live.show(r.generating.busy()) }
+
+// liveLine is the rollout pass in progress (a step's or an eval's), as Live reports it.
+type liveLine struct {
+	done, total, tokens atomic.Int64
+	genMark             atomic.Int64 // the run's generating time when the pass began
+	eval                atomic.Bool
+	// pass is the number of the pass shown, the newest: rollout.max_staleness > 1 runs several
+	// at once, and only the shown one's rollouts count in done.
+	pass atomic.Int64
+}
+
+// begin shows pass number pass, of n rollouts, from now on; generating is the run's generating
+// time so far.
+func (l *liveLine) begin(pass int64, n int, eval bool, generating time.Duration) {
+	l.pass.Store(pass)
+	l.done.Store(0)
+	l.total.Store(int64(n))
+	l.tokens.Store(0)
+	l.eval.Store(eval)
+	l.genMark.Store(int64(generating))
+}
+
+// rolloutDone counts a finished rollout of pass, if that pass is the one shown.
+func (l *liveLine) rolloutDone(pass int64) {
+	if l.pass.Load() == pass {
+		l.done.Add(1)
+	}
+}
+
+// show is the pass as a display shows it; generating is the run's generating time so far.
+func (l *liveLine) show(generating time.Duration) LivePass {
+	return LivePass{Done: int(l.done.Load()), Total: int(l.total.Load()), Tokens: int(l.tokens.Load()),
+		Eval: l.eval.Load(), Generating: generating - time.Duration(l.genMark.Load())}
 }
 
 // Load reads the script, resolves the configuration and opens the engines.
@@ -582,12 +605,7 @@ func (r *Run) runRollouts(ctx context.Context, step int, tasks []Task, samples i
 		Seed: r.Config().Run.Seed, Eval: eval, Samples: samples, Agents: &r.agents}
 	ros := pass.Rollouts(tasks)
 	n := len(ros)
-	r.live.pass.Store(int64(pass.Number))
-	r.live.done.Store(0)
-	r.live.total.Store(int64(n))
-	r.live.tokens.Store(0)
-	r.live.eval.Store(eval != nil)
-	r.live.genMark.Store(int64(r.generating.busy()))
+	r.live.begin(int64(pass.Number), n, eval != nil, r.generating.busy())
 	r.activity.add(n)
 	if r.sandbox != nil {
 		r.runSandboxed(stepCtx, int64(pass.Number), ros, rf.name, rf.policies, rf.n)
@@ -602,7 +620,7 @@ func (r *Run) runRollouts(ctx context.Context, step int, tasks []Task, samples i
 		wg.Add(1)
 		go func(ro *script.Rollout) {
 			defer wg.Done()
-			defer r.rolloutDone(int64(pass.Number))
+			defer r.live.rolloutDone(int64(pass.Number))
 			defer r.activity.leave()
 			if limit := r.Config().Rollout.TimeoutS; limit > 0 {
 				var stop context.CancelFunc
@@ -621,13 +639,6 @@ func (r *Run) runRollouts(ctx context.Context, step int, tasks []Task, samples i
 		return nil, err
 	}
 	return ros, nil
-}
-
-// rolloutDone counts a finished rollout of pass on the live line, if that pass is the one shown.
-func (r *Run) rolloutDone(pass int64) {
-	if r.live.pass.Load() == pass {
-		r.live.done.Add(1)
-	}
 }
 
 // openOutputs opens the run directory: its lock, events.log, metrics.jsonl, the script's copy

@@ -795,7 +795,7 @@ func (r *Run) runSandboxed(ctx context.Context, pass int64, ros []*script.Rollou
 		wg.Add(1)
 		go func(ro *script.Rollout) {
 			defer wg.Done()
-			defer r.rolloutDone(pass)
+			defer r.live.rolloutDone(pass)
 			a := sandbox.Rollout{Fn: fn, Task: ro.Task, Index: ro.Index, Step: ro.Step, Seed: ro.Seed,
 				Sampling: r.sampling(), Eval: ro.Eval, Policies: policies, NSamples: n, WallLimit: cfg.Sandbox.WallSeconds}
 			err := r.sandbox.run(ro, a, false)
