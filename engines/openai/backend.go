@@ -109,7 +109,8 @@ func NewChatHandler(o HandlerOptions, backend ChatBackend) http.Handler {
 	mux.HandleFunc("/v1/responses", h.only(http.MethodPost, h.responses))
 	mux.HandleFunc("/v1/models", h.only(http.MethodGet, h.models))
 	mux.HandleFunc("/", func(w http.ResponseWriter, r *http.Request) {
-		writeError(w, http.StatusNotFound, "not_found", "", "no such endpoint: %s %s; this server has POST /v1/chat/completions, POST /v1/responses and GET /v1/models", r.Method, r.URL.Path)
+		writeError(w, http.StatusNotFound, "not_found", "", "no such endpoint: %s %s; "+
+			"this server has POST /v1/chat/completions, POST /v1/responses and GET /v1/models", r.Method, r.URL.Path)
 	})
 	return h.auth(mux)
 }
@@ -124,6 +125,7 @@ type APIError struct {
 	Msg    string
 }
 
+// Error returns the message the backend gave.
 func (e *APIError) Error() string { return e.Msg }
 
 // chatMessages converts a request's messages: the roles of the API, "developer" read as

@@ -26,6 +26,7 @@ type HTTPError struct {
 	Retried int    // attempts before this one
 }
 
+// Error says the request, the status and the server's message, and the retries before it.
 func (e *HTTPError) Error() string {
 	s := fmt.Sprintf("%s %s: HTTP %d %s: %s", e.Method, e.URL, e.Status, http.StatusText(e.Status), e.Message)
 	if e.Retried > 0 {

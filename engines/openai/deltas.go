@@ -36,7 +36,8 @@ func (h *handler) sampleStreaming(ctx context.Context, g engines.GenerateRequest
 
 // generateStreaming samples reqs, handing piece each sample's new text as the engine samples it
 // where the engine streams and piece is not nil.
-func (h *handler) generateStreaming(ctx context.Context, reqs []engines.GenerateRequest, piece func(req, index int, text string)) ([]engines.Completion, error) {
+func (h *handler) generateStreaming(ctx context.Context, reqs []engines.GenerateRequest,
+	piece func(req, index int, text string)) ([]engines.Completion, error) {
 	ts, ok := h.eng.(TokenStreamer)
 	if !ok || piece == nil {
 		return h.eng.Generate(ctx, reqs)

@@ -117,7 +117,7 @@ func (e *Engine) generateOne(ctx context.Context, r engines.GenerateRequest) ([]
 	}
 }
 
-// sampling is the request's sampling settings on the wire, the response's length as
+// wireSampling is the request's sampling settings on the wire, the response's length as
 // max_completion_tokens when mct, else as max_tokens.
 func wireSampling(model string, r engines.GenerateRequest, ids, mct bool) sampling {
 	s := engines.NormalizeSampling(r.Sampling)

@@ -191,7 +191,8 @@ func (e *Engine) Info(ctx context.Context) (engines.Info, error) {
 }
 
 func (e *Engine) unsupported(op string) error {
-	return fmt.Errorf("openai engine at %s: %s: %w: an OpenAI-compatible server only generates, so a policy on it is frozen (trainable: false)", e.base, op, engines.ErrNotSupported)
+	return fmt.Errorf("openai engine at %s: %s: %w: "+
+		"an OpenAI-compatible server only generates, so a policy on it is frozen (trainable: false)", e.base, op, engines.ErrNotSupported)
 }
 
 // Score is not part of the OpenAI API.

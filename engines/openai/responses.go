@@ -143,17 +143,21 @@ func responsesChat(req *responsesRequest) ([]ChatMessage, extras, error) {
 	var x extras
 	switch {
 	case req.PreviousResponseID != nil && *req.PreviousResponseID != "":
-		return nil, x, badRequest("previous_response_id", "previous_response_id is not supported by this server: it does not store responses; send the whole conversation in input")
+		return nil, x, badRequest("previous_response_id", "previous_response_id is not supported by this server: "+
+			"it does not store responses; send the whole conversation in input")
 	case isSet(req.Conversation):
-		return nil, x, badRequest("conversation", "conversation is not supported by this server: it does not store conversations; send the whole conversation in input")
+		return nil, x, badRequest("conversation", "conversation is not supported by this server: "+
+			"it does not store conversations; send the whole conversation in input")
 	case isSet(req.Prompt):
 		return nil, x, badRequest("prompt", "prompt (a stored prompt template) is not supported by this server; send instructions and input")
 	case req.Reasoning != nil && (req.Reasoning.Effort != nil || req.Reasoning.Summary != nil):
-		return nil, x, badRequest("reasoning", "reasoning settings are not supported by this server: it cannot set the model's reasoning effort or summarise it; leave reasoning out")
+		return nil, x, badRequest("reasoning", "reasoning settings are not supported by this server: "+
+			"it cannot set the model's reasoning effort or summarise it; leave reasoning out")
 	case len(req.Include) > 0:
 		return nil, x, badRequest("include", "include %q is not supported by this server: its responses carry no extra data; leave include out", req.Include[0])
 	case req.Truncation != nil && *req.Truncation != "disabled":
-		return nil, x, badRequest("truncation", "truncation %q is not supported by this server: a conversation past the context is an error; leave truncation out (or \"disabled\")", *req.Truncation)
+		return nil, x, badRequest("truncation", "truncation %q is not supported by this server: a conversation past the "+
+			"context is an error; leave truncation out (or \"disabled\")", *req.Truncation)
 	case req.TopLogprobs != nil && *req.TopLogprobs > 0:
 		return nil, x, badRequest("top_logprobs", "top_logprobs = %d is not supported on /v1/responses; leave it 0", *req.TopLogprobs)
 	case req.MaxToolCalls != nil:
@@ -307,7 +311,8 @@ func responsesInput(raw json.RawMessage) ([]ChatMessage, error) {
 			}
 			out = append(out, ChatMessage{Role: "tool", Content: text, ToolCallID: it.CallID})
 		default:
-			return nil, badRequest(param+".type", "%s is an item of type %q, which this server does not take; it takes message, function_call and function_call_output items", param, typ)
+			return nil, badRequest(param+".type", "%s is an item of type %q, which this server does not take; it takes message, "+
+				"function_call and function_call_output items", param, typ)
 		}
 	}
 	return out, nil
@@ -336,7 +341,8 @@ func partsText(raw json.RawMessage, param string) (string, error) {
 		case "input_text", "output_text", "text":
 			b.WriteString(p.Text)
 		default:
-			return "", badRequest(fmt.Sprintf("%s[%d].type", param, k), "%s[%d] is a part of type %q; this server takes text only (input_text, output_text)", param, k, p.Type)
+			return "", badRequest(fmt.Sprintf("%s[%d].type", param, k), "%s[%d] is a part of type %q; this server takes text only "+
+				"(input_text, output_text)", param, k, p.Type)
 		}
 	}
 	return b.String(), nil
@@ -496,8 +502,10 @@ func (h *handler) responses(w http.ResponseWriter, r *http.Request) {
 		}
 		if msgID == "" {
 			msgID = newID("msg_")
-			ev.send("response.output_item.added", map[string]any{"output_index": 0, "item": outputMessage{Type: "message", ID: msgID, Status: "in_progress", Role: "assistant", Content: []outputText{}}})
-			ev.send("response.content_part.added", map[string]any{"item_id": msgID, "output_index": 0, "content_index": 0, "part": outputText{Type: "output_text", Annotations: []any{}, Logprobs: []any{}}})
+			ev.send("response.output_item.added", map[string]any{"output_index": 0,
+				"item": outputMessage{Type: "message", ID: msgID, Status: "in_progress", Role: "assistant", Content: []outputText{}}})
+			ev.send("response.content_part.added", map[string]any{"item_id": msgID, "output_index": 0, "content_index": 0,
+				"part": outputText{Type: "output_text", Annotations: []any{}, Logprobs: []any{}}})
 		}
 		textDelta(delta)
 	})

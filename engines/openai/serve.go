@@ -136,7 +136,8 @@ func NewHandler(ctx context.Context, eng engines.Engine, o HandlerOptions) (http
 	mux.HandleFunc("/v1/models/{id...}", h.only(http.MethodGet, h.model))
 	mux.HandleFunc("/tokenize", h.only(http.MethodPost, h.tokenize))
 	mux.HandleFunc("/", func(w http.ResponseWriter, r *http.Request) {
-		writeError(w, http.StatusNotFound, "not_found", "", "no such endpoint: %s %s; this server has POST /v1/chat/completions, POST /v1/completions, POST /v1/responses, GET /v1/models and POST /tokenize", r.Method, r.URL.Path)
+		writeError(w, http.StatusNotFound, "not_found", "", "no such endpoint: %s %s; "+
+			"this server has POST /v1/chat/completions, POST /v1/completions, POST /v1/responses, GET /v1/models and POST /tokenize", r.Method, r.URL.Path)
 	})
 	return h.auth(mux), nil
 }
@@ -259,7 +260,8 @@ func (h *handler) auth(next http.Handler) http.Handler {
 		got, ok := BearerToken(r)
 		// Constant time, so that the time a rejection takes says nothing about the key.
 		if !ok || subtle.ConstantTimeCompare([]byte(got), []byte(h.o.Token)) != 1 {
-			Unauthorized(w, "this server needs the API key of its --token-env as \"Authorization: Bearer KEY\" (OPENAI_API_KEY for the openai client); the request carried none or another")
+			Unauthorized(w, "this server needs the API key of its --token-env as \"Authorization: Bearer KEY\" "+
+				"(OPENAI_API_KEY for the openai client); the request carried none or another")
 			return
 		}
 		next.ServeHTTP(w, r)
@@ -298,7 +300,8 @@ func (h *handler) decode(w http.ResponseWriter, r *http.Request, v any) error {
 		case errors.As(err, &mb):
 			return &apiErr{status: http.StatusRequestEntityTooLarge, typ: "invalid_request_error", msg: fmt.Sprintf("the request is over %d bytes", mb.Limit)}
 		case errors.As(err, &ne) && ne.Timeout():
-			return &apiErr{status: http.StatusRequestTimeout, typ: "invalid_request_error", msg: fmt.Sprintf("the request body did not arrive within %s", h.o.BodyTimeout)}
+			return &apiErr{status: http.StatusRequestTimeout, typ: "invalid_request_error",
+				msg: fmt.Sprintf("the request body did not arrive within %s", h.o.BodyTimeout)}
 		}
 		return badRequest("", "the request body is not the JSON expected: %v", err)
 	}
@@ -505,7 +508,9 @@ func responseFormat(raw json.RawMessage) (json.RawMessage, error) {
 			return nil, badRequest("response_format.json_schema.schema", "response_format of type json_schema needs json_schema.schema")
 		}
 		if _, err := constrain.CompileSchema(f.JSONSchema.Schema, "response_format.json_schema.schema"); err != nil {
-			return nil, badRequest("response_format.json_schema.schema", "%v: this server keeps the answer to the schema by constrained decoding, which has type, properties, required, additionalProperties, items, enum, const, anyOf and $ref into the schema", err)
+			return nil, badRequest("response_format.json_schema.schema", "%v: this server keeps the answer to the schema by "+
+				"constrained decoding, which has type, properties, required, additionalProperties, "+
+				"items, enum, const, anyOf and $ref into the schema", err)
 		}
 		return f.JSONSchema.Schema, nil
 	}
@@ -546,7 +551,9 @@ func callsOf(tools []string, require string) (constrain.Calls, error) {
 			}
 			if err != nil {
 				if tool.Strict {
-					return calls, badRequest(where+".parameters", "%v: the function is strict, and this server keeps its arguments to the schema by constrained decoding, which has type, properties, required, additionalProperties, items, enum, const, anyOf and $ref into the schema", err)
+					return calls, badRequest(where+".parameters", "%v: the function is strict, and this server keeps its arguments to "+
+						"the schema by constrained decoding, which has type, properties, required, "+
+						"additionalProperties, items, enum, const, anyOf and $ref into the schema", err)
 				}
 				params = nil
 			}
@@ -641,12 +648,14 @@ func (h *handler) fit(gr *engines.GenerateRequest, promptLen int, explicit bool,
 	}
 	if promptLen >= h.maxSeqLen {
 		return &apiErr{status: http.StatusBadRequest, typ: "invalid_request_error", param: what, code: "context_length_exceeded",
-			msg: fmt.Sprintf("This model's maximum context length is %d tokens. However, your %s resulted in %d tokens, which leaves no room for a response. Please reduce the length of the %s.", h.maxSeqLen, what, promptLen, what)}
+			msg: fmt.Sprintf("This model's maximum context length is %d tokens. However, your %s resulted in %d tokens, "+
+				"which leaves no room for a response. Please reduce the length of the %s.", h.maxSeqLen, what, promptLen, what)}
 	}
 	if room := h.maxSeqLen - promptLen; gr.MaxTokens > room {
 		if explicit {
 			return &apiErr{status: http.StatusBadRequest, typ: "invalid_request_error", param: "max_tokens", code: "context_length_exceeded",
-				msg: fmt.Sprintf("This model's maximum context length is %d tokens. However, you requested %d tokens (%d in the %s, %d in the completion). Please reduce the length of the %s or the completion.", h.maxSeqLen, promptLen+gr.MaxTokens, promptLen, what, gr.MaxTokens, what)}
+				msg: fmt.Sprintf("This model's maximum context length is %d tokens. However, you requested %d tokens (%d in the %s, "+
+					"%d in the completion). Please reduce the length of the %s or the completion.", h.maxSeqLen, promptLen+gr.MaxTokens, promptLen, what, gr.MaxTokens, what)}
 		}
 		gr.MaxTokens = room
 	}
@@ -658,15 +667,19 @@ func (h *handler) fit(gr *engines.GenerateRequest, promptLen int, explicit bool,
 // per-request cap is refused (400), one past the budget answered 429 with Retry-After.
 func (h *handler) reserve(w http.ResponseWriter, tokens, samples int64) (func(), error) {
 	if samples > h.o.MaxRequestSamples {
-		return nil, badRequest("n", "the request asks for %d samples (its prompts × n), more than this server takes in one request (%d, slimen serve --openai-max-request-samples): lower n or send fewer prompts", samples, h.o.MaxRequestSamples)
+		return nil, badRequest("n", "the request asks for %d samples (its prompts × n), more than this server takes in one "+
+			"request (%d, slimen serve --openai-max-request-samples): lower n or send fewer prompts", samples, h.o.MaxRequestSamples)
 	}
 	if tokens > h.o.MaxRequestTokens {
-		return nil, badRequest("max_tokens", "the request may make the engine hold %d tokens (its prompts' tokens and n × max_tokens for each), more than this server takes in one request (%d, slimen serve --openai-max-request-tokens): lower n or max_tokens, or send fewer prompts", tokens, h.o.MaxRequestTokens)
+		return nil, badRequest("max_tokens", "the request may make the engine hold %d tokens (its prompts' tokens and n × "+
+			"max_tokens for each), more than this server takes in one request (%d, "+
+			"slimen serve --openai-max-request-tokens): lower n or max_tokens, or send fewer prompts", tokens, h.o.MaxRequestTokens)
 	}
 	if held, heldSamples, ok := h.budget.take(tokens, samples); !ok {
 		w.Header().Set("Retry-After", "1")
 		return nil, &apiErr{status: http.StatusTooManyRequests, typ: "rate_limit_exceeded", code: "rate_limit_exceeded",
-			msg: fmt.Sprintf("the server is busy: the requests under way hold %d of its %d tokens and %d of its %d samples in flight, and this one needs %d and %d; retry shortly (slimen serve --openai-max-tokens-in-flight)",
+			msg: fmt.Sprintf("the server is busy: the requests under way hold %d of its %d tokens and %d of its %d samples in "+
+				"flight, and this one needs %d and %d; retry shortly (slimen serve --openai-max-tokens-in-flight)",
 				held, h.budget.max, heldSamples, h.budget.maxSamples, tokens, samples)}
 	}
 	return func() { h.budget.give(tokens, samples) }, nil
@@ -779,7 +792,8 @@ func ptr[T any](v T) *T { return &v }
 // budget in flight (release gives them back). generate samples its completions, handing piece
 // (when not nil) each sample's text as it grows where the engine streams (TokenStreamer) and no
 // sample may be thrown away (a required call is checked on whole samples).
-func (h *handler) generator(w http.ResponseWriter, r *http.Request, gr engines.GenerateRequest, explicit, stream bool, msgs []ChatMessage, tu toolUse) (generate func(ctx context.Context, piece func(index int, text string)) ([]engines.Completion, error), release func(), err error) {
+func (h *handler) generator(w http.ResponseWriter, r *http.Request, gr engines.GenerateRequest, explicit, stream bool, msgs []ChatMessage,
+	tu toolUse) (generate func(ctx context.Context, piece func(index int, text string)) ([]engines.Completion, error), release func(), err error) {
 	if h.backend != nil {
 		call := ChatCall{Request: gr, Stream: stream, Messages: msgs, Tools: tu.tools, NoToolCalls: len(tu.tools) > 0 && !tu.read, RequireCall: tu.require,
 			Constraint: tu.constraint, Strict: tu.strict}
@@ -838,7 +852,9 @@ func NoConstraint(field string) error {
 }
 
 func noConstraint(field string) string {
-	return fmt.Sprintf("%s is not supported by this server's engine: it does not constrain decoding (an external OpenAI-compatible server, or a worker older than constrained decoding), so the answer would not be guaranteed to follow it; leave %[1]s out", field)
+	return fmt.Sprintf("%s is not supported by this server's engine: it does not constrain decoding (an external "+
+		"OpenAI-compatible server, or a worker older than constrained decoding), "+
+		"so the answer would not be guaranteed to follow it; leave %[1]s out", field)
 }
 
 // SampleRequired samples until n completions meet require (RequiredCall), at most

@@ -72,7 +72,8 @@ func (h *handler) parseCompletions(w http.ResponseWriter, r *http.Request) (comp
 	case len(req.Prompt) == 0:
 		err = badRequest("prompt", "prompt is missing")
 	case req.Logprobs != nil && *req.Logprobs > 0:
-		err = badRequest("logprobs", "logprobs = %d asks for %d alternatives per token; this server returns the sampled token's log-prob only: send logprobs 0", *req.Logprobs, *req.Logprobs)
+		err = badRequest("logprobs", "logprobs = %d asks for %d alternatives per token; this server returns the sampled "+
+			"token's log-prob only: send logprobs 0", *req.Logprobs, *req.Logprobs)
 	case req.Echo:
 		err = badRequest("echo", "echo is not supported by this server")
 	}
