@@ -21,6 +21,7 @@ import time
 
 import torch
 
+from . import batch_invariant
 from .generate import Generator, Request
 from .model import Transformer, bind_thread, copy_tensors
 from .types import RequestError
@@ -140,6 +141,7 @@ class _Rollout:
     def __init__(self, eng, versions: Versions):
         self.vs = versions
         self.device = eng.device
+        self.deterministic = eng.opts.deterministic
         model = Transformer(eng.cfg, device=eng.device, dtype=eng.dtype)
         self.model = model.eval().requires_grad_(False)
         self.names = [n for n, _ in self.model.named_parameters()]
@@ -184,6 +186,7 @@ class _Rollout:
     def _loop(self) -> None:
         try:
             bind_thread(self.device)
+            batch_invariant.set_enabled(self.deterministic)  # the engine's arithmetic mode
             if self.stream is not None:
                 with torch.cuda.stream(self.stream):
                     self._run()

@@ -310,3 +310,19 @@ def test_a_cached_prefix_changes_nothing(model_dirs):
             assert got == lps
     finally:
         e.close()
+
+
+def test_a_kept_version_samples_in_the_same_arithmetic(det_engine):
+    # The rollout thread of a kept weights version (rollout.max_staleness > 0) computes in the
+    # engine's mode: its samples, in another batch, equal the engine's own bit for bit.
+    from test_versions import collect
+    e = det_engine
+    reqs = [req("v0", PROMPTS[0], 3, n=2), req("v1", PROMPTS[2], 4)]
+    own = [(c.tokens, c.logprobs) for c in e.generate(reqs)]
+    e.keep_version(0)
+    try:
+        kept = collect(lambda r, *cb: e.submit_version(0, r, *cb),
+                       [req("x", PROMPTS[1], 1, n=3)] + reqs)[3:]
+        assert kept == own
+    finally:
+        e.drop_versions(1)
