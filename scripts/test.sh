@@ -38,7 +38,7 @@ start() { # start NAME COMMAND...: runs the command in the background, its outpu
 }
 declare -A pids
 start "go test" go test -count=1 -timeout 15m $plain
-start "go test -race" go test -race -count=1 -timeout 10m $race
+start "go test -race" go test -race -count=1 -timeout 15m $race
 if [ -d engines/torch/tests ]; then
   start "python worker tests" bash -c "cd engines/torch && exec '$venv/bin/python' -m pytest -q tests"
 fi
