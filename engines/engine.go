@@ -146,7 +146,9 @@ type LossConfig struct {
 	WeightDecay float64
 	MaxGradNorm float64 // clip the global gradient norm; 0 disables clipping
 	EpsClip     float64 // lower ratio clip: 1 − EpsClip
-	EpsClipHigh float64 // upper ratio clip: 1 + EpsClipHigh, taken as given: 0 clips at exactly 1 (as slime; the host's config fills eps_clip in when eps_clip_high is not set)
+	// EpsClipHigh is the upper ratio clip, 1 + EpsClipHigh, taken as given: 0 clips at exactly 1
+	// (as slime; the host's config fills eps_clip in when eps_clip_high is not set).
+	EpsClipHigh float64
 	KLLossCoef  float64 // > 0 adds KL against the frozen reference copy
 	KLLossType  string  // "k1", "k2", "k3" or "low_var_kl" (k3 clamped to ±10, as slime); "" is read as "low_var_kl"
 	EntropyCoef float64 // subtracts EntropyCoef·H

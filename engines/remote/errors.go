@@ -24,7 +24,8 @@ func (c *Client) callError(ctx context.Context, method string, err error, out *o
 	switch st.Code() {
 	case codes.Unavailable:
 		if permanent(msg) {
-			return fmt.Errorf("engine at %s: %s: the TLS handshake failed (%s): check engine.tls (ca, server_name) against the server's certificate", c.addr, method, msg)
+			return fmt.Errorf("engine at %s: %s: the TLS handshake failed (%s): "+
+				"check engine.tls (ca, server_name) against the server's certificate", c.addr, method, msg)
 		}
 		hint := "check that the engine server is running and reachable from here"
 		if strings.Contains(msg, "server preface") && c.opts.TLS == nil {
@@ -47,7 +48,8 @@ func (c *Client) callError(ctx context.Context, method string, err error, out *o
 		}
 		return fmt.Errorf("engine at %s rejected the token%s: %s", c.addr, from, msg)
 	case codes.ResourceExhausted:
-		return fmt.Errorf("engine at %s: %s: a message was over a size limit (%s): send less per call or raise the limit on both sides (engine.max_message_mb here, --max-message-mb on the server)", c.addr, method, msg)
+		return fmt.Errorf("engine at %s: %s: a message was over a size limit (%s): send less per call or raise the limit on "+
+			"both sides (engine.max_message_mb here, --max-message-mb on the server)", c.addr, method, msg)
 	case codes.Unimplemented:
 		return fmt.Errorf("engine at %s: %s: %w (%s)", c.addr, method, engines.ErrNotSupported, msg)
 	case codes.DeadlineExceeded:

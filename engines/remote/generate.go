@@ -48,7 +48,9 @@ func (c *Client) generate(ctx context.Context, reqs []engines.GenerateRequest, a
 			return nil, fmt.Errorf("engine at %s: generate: %w", c.addr, err)
 		}
 		if !ok {
-			return nil, fmt.Errorf("engine at %s: generate: request %q has a decoding constraint, and the server does not constrain decoding (no \"constrain\" in its capabilities: a worker older than constrained decoding); %w", c.addr, reqs[i].ID, engines.ErrNotSupported)
+			return nil, fmt.Errorf("engine at %s: generate: request %q has a decoding constraint, "+
+				"and the server does not constrain decoding (no \"constrain\" in its capabilities: "+
+				"a worker older than constrained decoding); %w", c.addr, reqs[i].ID, engines.ErrNotSupported)
 		}
 	}
 	calls := make([]*genCall, len(reqs))

@@ -13,6 +13,7 @@ import (
 // Pushing weights between engines (engines.WeightsPusher): a server that lists "push" in
 // Info.Capabilities (the PyTorch worker) joins a process group with other servers of the same
 // model and sends or receives its weights through it (JoinPushGroup, PushWeights).
+
 var _ engines.WeightsPusher = (*Client)(nil)
 
 // CanPush says whether the server joins push groups ("push" in its capabilities).

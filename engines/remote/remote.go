@@ -187,7 +187,8 @@ func Dial(ctx context.Context, opts Options) (*Client, error) {
 			return nil, fmt.Errorf("engine at %s: both a token and a token environment variable (%s) given; set one", addr, opts.TokenEnv)
 		}
 		if tok = os.Getenv(opts.TokenEnv); tok == "" {
-			return nil, fmt.Errorf("engine at %s: the token environment variable %s (engine.token_env) is empty or unset: export the server's token in it", addr, opts.TokenEnv)
+			return nil, fmt.Errorf("engine at %s: the token environment variable %s (engine.token_env) is empty or unset: "+
+				"export the server's token in it", addr, opts.TokenEnv)
 		}
 	}
 	if tok != "" {
@@ -263,7 +264,8 @@ func (c *Client) Health(ctx context.Context) (Health, error) {
 		Instance:        resp.GetInstance(),
 	}
 	if h.ProtocolVersion != enginepb.ProtocolVersion {
-		return h, fmt.Errorf("engine at %s speaks engine protocol version %d and this slimen version %d: run the same slimen release (or a worker built for it) on both sides",
+		return h, fmt.Errorf("engine at %s speaks engine protocol version %d and this slimen version %d: "+
+			"run the same slimen release (or a worker built for it) on both sides",
 			c.addr, h.ProtocolVersion, enginepb.ProtocolVersion)
 	}
 	return h, nil
@@ -612,7 +614,9 @@ func (c *Client) deadline(ctx context.Context) (context.Context, context.CancelF
 // which limit to raise; gRPC's own error would not.
 func (c *Client) checkSize(method string, req proto.Message) error {
 	if size := proto.Size(req); size > c.opts.MaxMessageBytes {
-		return fmt.Errorf("engine at %s: %s: the request is %s, over the message limit of %s: send less per call (e.g. a smaller batch) or raise the limit on both sides (engine.max_message_mb here, --max-message-mb on the server)",
+		return fmt.Errorf("engine at %s: %s: the request is %s, over the message limit of %s: "+
+			"send less per call (e.g. a smaller batch) or raise the limit on both sides "+
+			"(engine.max_message_mb here, --max-message-mb on the server)",
 			c.addr, method, mib(size), mib(c.opts.MaxMessageBytes))
 	}
 	return nil

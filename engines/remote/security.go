@@ -18,7 +18,9 @@ func transportCredentials(opts Options) (credentials.TransportCredentials, error
 	addr := opts.Address
 	if opts.TLS == nil {
 		if !opts.Insecure && !enginepb.IsLoopback(addr) {
-			return nil, fmt.Errorf("engine at %s: refusing plaintext to a non-loopback address, which would expose prompts, weights and the token on the network: give TLS settings (engine.tls: {ca: …}) or set engine.insecure: true if the network is private", addr)
+			return nil, fmt.Errorf("engine at %s: refusing plaintext to a non-loopback address, which would expose prompts, "+
+				"weights and the token on the network: "+
+				"give TLS settings (engine.tls: {ca: …}) or set engine.insecure: true if the network is private", addr)
 		}
 		return insecure.NewCredentials(), nil
 	}

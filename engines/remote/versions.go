@@ -18,6 +18,7 @@ import (
 // release, a worker with --no-versions, `slimen serve` of an engine that keeps none) has none of
 // this; the host asks KeepsVersions before it uses them, and keeps rollout replicas for such an
 // engine instead, or refuses rollout.max_staleness > 0 for a server it does not own.
+
 var _ engines.Versions = (*Client)(nil)
 
 // KeepsVersions says whether the server keeps weights versions ("versions" in its capabilities).
@@ -40,7 +41,8 @@ func (c *Client) capable(ctx context.Context, capability string) (bool, error) {
 
 func (c *Client) version(method string, v int) (*int32, error) {
 	if !c.versions.Load() {
-		return nil, fmt.Errorf("engine at %s: %s: the server does not keep weights versions (no \"versions\" in its capabilities), or KeepsVersions was not asked", c.addr, method)
+		return nil, fmt.Errorf("engine at %s: %s: the server does not keep weights versions (no \"versions\" in its "+
+			"capabilities), or KeepsVersions was not asked", c.addr, method)
 	}
 	if v < 0 || v > math.MaxInt32 {
 		return nil, fmt.Errorf("engine at %s: %s: weights version %d out of range", c.addr, method, v)

@@ -131,6 +131,7 @@ func (e *Engine) Batches() []engines.Batch {
 	return append([]engines.Batch(nil), e.batches...)
 }
 
+// Info describes the scripted model: bytes for tokens, one EOS, a context no test reaches.
 func (e *Engine) Info(context.Context) (engines.Info, error) {
 	return engines.Info{
 		Model: "scripted", Architecture: "scripted", VocabSize: 257, MaxSeqLen: 1 << 20,
@@ -139,6 +140,8 @@ func (e *Engine) Info(context.Context) (engines.Info, error) {
 	}, nil
 }
 
+// Generate records the requests and answers each sample with the engine's function, cut at the
+// first stop string and at max_tokens, every token with log-prob e.Logprob.
 func (e *Engine) Generate(ctx context.Context, reqs []engines.GenerateRequest) ([]engines.Completion, error) {
 	e.mu.Lock()
 	e.calls = append(e.calls, append([]engines.GenerateRequest(nil), reqs...))
@@ -186,6 +189,7 @@ func (e *Engine) Generate(ctx context.Context, reqs []engines.GenerateRequest) (
 	return out, nil
 }
 
+// Score gives every token the log-prob e.Logprob.
 func (e *Engine) Score(_ context.Context, reqs []engines.ScoreRequest) ([]engines.Scores, error) {
 	out := make([]engines.Scores, len(reqs))
 	for i, r := range reqs {
@@ -233,6 +237,7 @@ func (e *Engine) Train(_ context.Context, b engines.Batch) (engines.TrainStats, 
 	return st, nil
 }
 
+// Tokenize encodes each text as Encode does.
 func (e *Engine) Tokenize(_ context.Context, texts []string) ([][]int32, error) {
 	out := make([][]int32, len(texts))
 	for i, t := range texts {
@@ -253,6 +258,7 @@ func (e *Engine) Save(_ context.Context, dir string) error {
 	return os.WriteFile(filepath.Join(dir, "scripted.txt"), []byte(fmt.Sprintf("trained batches: %d\n", n)), 0o644)
 }
 
+// Load checks that dir holds the marker file Save writes; it loads nothing else.
 func (e *Engine) Load(_ context.Context, dir string) error {
 	if _, err := os.Stat(filepath.Join(dir, "scripted.txt")); err != nil {
 		return fmt.Errorf("load scripted engine: %w", err)
@@ -260,6 +266,7 @@ func (e *Engine) Load(_ context.Context, dir string) error {
 	return nil
 }
 
+// Close has nothing to release.
 func (e *Engine) Close() error { return nil }
 
 var (

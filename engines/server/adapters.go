@@ -17,7 +17,8 @@ const loraCapability = "lora"
 
 // noAdapters answers a call that needs adapters on an engine that holds none.
 func noAdapters() error {
-	return status.Errorf(codes.Unimplemented, "this engine holds no LoRA adapters (its server lists no %q capability); serve an engine that does (the tiny engine, the torch worker) or remove lora: from the policy", loraCapability)
+	return status.Errorf(codes.Unimplemented, "this engine holds no LoRA adapters (its server lists no %q capability); "+
+		"serve an engine that does (the tiny engine, the torch worker) or remove lora: from the policy", loraCapability)
 }
 
 // holder is the served engine's adapters, or a status saying it has none.

@@ -225,16 +225,19 @@ func (g *generator) submit(ctx context.Context, sess *session, reqs []*enginepb.
 		id := r.GetId()
 		switch {
 		case id == "":
-			sess.push(nil, requestError(id, codes.InvalidArgument, "generate request without an id: the protocol needs one per request so that a resent request is answered once"))
+			sess.push(nil, requestError(id, codes.InvalidArgument, "generate request without an id: the protocol needs one per "+
+				"request so that a resent request is answered once"))
 			continue
 		case r.GetN() < 0:
 			sess.push(nil, requestError(id, codes.InvalidArgument, "generate request %q asks for n = %d samples; n must be ≥ 0 (0 is read as 1)", id, r.GetN()))
 			continue
 		case r.GetAdapter() != "" && g.adapters == nil:
-			sess.push(nil, requestError(id, codes.Unimplemented, "generate request %q names LoRA adapter %q, and this engine holds no adapters (its server lists no %q capability)", id, r.GetAdapter(), loraCapability))
+			sess.push(nil, requestError(id, codes.Unimplemented, "generate request %q names LoRA adapter %q, "+
+				"and this engine holds no adapters (its server lists no %q capability)", id, r.GetAdapter(), loraCapability))
 			continue
 		case r.GetAdapter() != "" && r.Version != nil:
-			sess.push(nil, requestError(id, codes.InvalidArgument, "generate request %q names LoRA adapter %q and weights version %d: versions are of the full weights; name one or the other", id, r.GetAdapter(), r.GetVersion()))
+			sess.push(nil, requestError(id, codes.InvalidArgument, "generate request %q names LoRA adapter %q and weights version "+
+				"%d: versions are of the full weights; name one or the other", id, r.GetAdapter(), r.GetVersion()))
 			continue
 		case verErrs[i] != nil:
 			st := status.Convert(verErrs[i])
@@ -501,7 +504,8 @@ func (g *generator) deliver(e *genEntry, index int, c engines.Completion) {
 	pc.RequestId, pc.Index = e.id, int32(index)
 	if size := proto.Size(pc); size > g.opts.MaxMessageBytes-1024 {
 		g.fail(e, status.Errorf(codes.ResourceExhausted,
-			"completion %d of request %q is %d bytes, over the engine server's message limit of %d bytes: raise --max-message-mb on the server and the client's engine.max_message_mb",
+			"completion %d of request %q is %d bytes, over the engine server's message limit of %d bytes: "+
+				"raise --max-message-mb on the server and the client's engine.max_message_mb",
 			index, e.id, size, g.opts.MaxMessageBytes))
 		return
 	}

@@ -22,10 +22,14 @@ func Listen(address string, opts Options) (net.Listener, error) {
 	}
 	if !enginepb.IsLoopback(address) {
 		if opts.TLS == nil && !opts.Insecure {
-			return nil, fmt.Errorf("listen address %s is not loopback: serving an engine to the network needs TLS (--tls-cert and --tls-key) or --insecure to accept plaintext; to serve this machine only, listen on 127.0.0.1", address)
+			return nil, fmt.Errorf("listen address %s is not loopback: serving an engine to the network needs TLS (--tls-cert and "+
+				"--tls-key) or --insecure to accept plaintext; to serve this machine only, listen on 127.0.0.1", address)
 		}
 		if opts.Token == "" && !mutualTLS(opts.TLS) {
-			return nil, fmt.Errorf("listen address %s is not loopback: an engine served to the network must authenticate its clients, or anyone who reaches the port could train it and make it save and load model folders: set a bearer token (--token-env VAR) or require client certificates (--tls-client-ca); to serve this machine only, listen on 127.0.0.1", address)
+			return nil, fmt.Errorf("listen address %s is not loopback: an engine served to the network must authenticate its "+
+				"clients, or anyone who reaches the port could train it and make it save and load "+
+				"model folders: set a bearer token (--token-env VAR) or require client certificates "+
+				"(--tls-client-ca); to serve this machine only, listen on 127.0.0.1", address)
 		}
 	}
 	l, err := net.Listen("tcp", address)

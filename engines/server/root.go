@@ -30,7 +30,8 @@ func ResolveRoots(dirs []string) ([]string, error) {
 			return nil, fmt.Errorf("root: the working directory: %w; give the root folder explicitly (--root)", err)
 		}
 		if filepath.Dir(wd) == wd {
-			return nil, fmt.Errorf("root: the working directory is %s, so by default clients could save and load model folders anywhere this process can; give the folder to confine them to (--root DIR; --root %s to allow it)", wd, wd)
+			return nil, fmt.Errorf("root: the working directory is %s, so by default clients could save and load model folders "+
+				"anywhere this process can; give the folder to confine them to (--root DIR; --root %s to allow it)", wd, wd)
 		}
 		dirs = []string{wd}
 	}
@@ -94,7 +95,9 @@ func (r roots) resolve(what, dir string) (string, error) {
 			where = " (" + real + ")"
 		}
 		return "", status.Errorf(codes.PermissionDenied,
-			"%s: folder %q%s is outside %s: a client may only save and load model folders under the root the server was started with; give a path inside it (relative paths are taken from %s), or start the server with --root covering the folder",
+			"%s: folder %q%s is outside %s: a client may only save and load model folders under the root the server was started "+
+				"with; give a path inside it (relative paths are taken from %s), "+
+				"or start the server with --root covering the folder",
 			what, dir, where, r.describe(), r.dirs[0])
 	}
 	return real, nil

@@ -224,7 +224,8 @@ func (s *service) Score(ctx context.Context, req *enginepb.ScoreBatchRequest) (*
 	var scores []engines.Scores
 	if adapters != nil {
 		if v != nil {
-			return nil, status.Error(codes.InvalidArgument, "score: weights versions are of the full weights, not of a LoRA adapter: name a version or an adapter, not both")
+			return nil, status.Error(codes.InvalidArgument, "score: weights versions are of the full weights, "+
+				"not of a LoRA adapter: name a version or an adapter, not both")
 		}
 		if scores, err = s.scoreAdapters(ctx, reqs, adapters); err != nil {
 			return nil, err
@@ -359,7 +360,8 @@ func (s *service) Save(ctx context.Context, req *enginepb.SaveRequest) (*enginep
 	}
 	if a := req.GetAdapter(); a != "" {
 		if v != nil {
-			return nil, status.Error(codes.InvalidArgument, "save: weights versions are of the full weights, not of a LoRA adapter: name a version or an adapter, not both")
+			return nil, status.Error(codes.InvalidArgument, "save: weights versions are of the full weights, "+
+				"not of a LoRA adapter: name a version or an adapter, not both")
 		}
 		eng, err := s.adapterEngine(a)
 		if err != nil {

@@ -35,7 +35,8 @@ func newTrainLog(max int) *trainLog {
 // repeat. A step that has started runs to the end even if ctx ends: a resend then finds it and
 // waits, instead of an optimizer step being cut off halfway or applied a second time. A failed
 // step is forgotten, so that a resend tries again.
-func (l *trainLog) apply(ctx context.Context, id string, fp [32]byte, train func(context.Context) (engines.TrainStats, error)) (stats engines.TrainStats, dup bool, err error) {
+func (l *trainLog) apply(ctx context.Context, id string, fp [32]byte,
+	train func(context.Context) (engines.TrainStats, error)) (stats engines.TrainStats, dup bool, err error) {
 	l.mu.Lock()
 	st, seen := l.steps[id]
 	if seen && st.fp != fp {
@@ -64,7 +65,8 @@ func (l *trainLog) apply(ctx context.Context, id string, fp [32]byte, train func
 	case <-st.done:
 		return st.stats, seen, st.err
 	case <-ctx.Done():
-		return engines.TrainStats{}, false, fmt.Errorf("step %q is still running on the engine and will be applied; resend it with the same id to get its stats: %w", id, ctx.Err())
+		return engines.TrainStats{}, false, fmt.Errorf("step %q is still running on the engine and will be applied; "+
+			"resend it with the same id to get its stats: %w", id, ctx.Err())
 	}
 }
 

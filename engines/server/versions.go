@@ -28,7 +28,8 @@ const versionsCapability = "versions"
 func (s *service) keeper(ctx context.Context) (engines.Versions, error) {
 	vs, ok := s.eng.(engines.Versions)
 	if !ok {
-		return nil, status.Error(codes.Unimplemented, "this engine keeps no weights versions (its server lists no \"versions\" capability): sample the current weights, or give the host rollout replicas (docs/async.md)")
+		return nil, status.Error(codes.Unimplemented, "this engine keeps no weights versions (its server lists no \"versions\" "+
+			"capability): sample the current weights, or give the host rollout replicas (docs/async.md)")
 	}
 	if p, asks := s.eng.(engines.VersionsProber); asks && !s.keeps.Load() {
 		keeps, err := p.KeepsVersions(ctx)

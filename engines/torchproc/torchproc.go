@@ -266,7 +266,8 @@ func (e *Engine) supervise(opts Options) {
 		}
 		if e.restarts >= opts.MaxRestarts {
 			e.mu.Unlock()
-			logf("the torch worker is not started again: it was restarted %d times already (the limit); calls fail once the client's reconnect timeout has passed", e.restarts)
+			logf("the torch worker is not started again: it was restarted %d times already (the limit); "+
+				"calls fail once the client's reconnect timeout has passed", e.restarts)
 			return
 		}
 		e.restarts++
