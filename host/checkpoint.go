@@ -954,3 +954,12 @@ func (r *Run) policyCheckpoint(step int, policy string) (string, error) {
 	}
 	return filepath.Join(dir, policy), nil
 }
+
+// LastCheckpoint is the folder of the newest complete checkpoint this run wrote or resumed from;
+// "" when there is none.
+func (r *Run) LastCheckpoint() string {
+	if !r.ckpt.have || r.opts.Out == "" {
+		return ""
+	}
+	return filepath.Join(r.opts.Out, "checkpoints", stepName(r.ckpt.step))
+}

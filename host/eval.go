@@ -148,3 +148,34 @@ func addEvalResult(sums map[string][2]float64, v starlark.Value) error {
 	}
 	return nil
 }
+
+// afterEval runs Options.AfterEval once eval metrics are written; its error is reported, not
+// fatal.
+func (r *Run) afterEval() {
+	if r.opts.AfterEval == nil {
+		return
+	}
+	if err := r.opts.AfterEval(r); err != nil {
+		r.events.printf("%v", err)
+	}
+}
+
+// evalDue says whether the eval datasets run after the given step (step 0: before training).
+func (r *Run) evalDue(step int) bool {
+	c := r.Config()
+	return len(c.Eval.Datasets) > 0 && c.Run.EvalInterval > 0 && step%c.Run.EvalInterval == 0
+}
+
+// evalAndLog runs the eval datasets, writes their metrics and calls Options.AfterEval.
+func (r *Run) evalAndLog(ctx context.Context) ([]Metrics, error) {
+	evs, err := r.Eval(ctx)
+	if err != nil {
+		return nil, err
+	}
+	if err := r.metrics.writeLines(evs); err != nil {
+		return nil, err
+	}
+	r.recordEval(evs)
+	r.afterEval()
+	return evs, nil
+}

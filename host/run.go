@@ -405,12 +405,6 @@ type StepResult struct {
 // shownFailures is how many failed rollouts a step shows in full on the run's log.
 const shownFailures = 3
 
-// evalDue says whether the eval datasets run after the given step (step 0: before training).
-func (r *Run) evalDue(step int) bool {
-	c := r.Config()
-	return len(c.Eval.Datasets) > 0 && c.Run.EvalInterval > 0 && step%c.Run.EvalInterval == 0
-}
-
 // Steps runs n steps (or, for n ≤ 0, the config's run.steps minus those done).
 func (r *Run) Steps(ctx context.Context, n int) error {
 	if n <= 0 {
@@ -520,20 +514,6 @@ func (r *Run) runStep(ctx context.Context) (*StepResult, error) {
 	}
 	r.restart.stepDone(step, checkpointed)
 	return res, nil
-}
-
-// evalAndLog runs the eval datasets, writes their metrics and calls Options.AfterEval.
-func (r *Run) evalAndLog(ctx context.Context) ([]Metrics, error) {
-	evs, err := r.Eval(ctx)
-	if err != nil {
-		return nil, err
-	}
-	if err := r.metrics.writeLines(evs); err != nil {
-		return nil, err
-	}
-	r.recordEval(evs)
-	r.afterEval()
-	return evs, nil
 }
 
 // rolloutFailures sorts out what failed in a step's rollouts. An engine that failed after its own

@@ -8,7 +8,6 @@ import (
 	"errors"
 	"fmt"
 	"math"
-	"path/filepath"
 	"reflect"
 	"slices"
 	"sort"
@@ -116,15 +115,6 @@ func (r *Run) Stop() {
 // (rollout.stop_grace_s).
 func (r *Run) StopGrace() time.Duration { return seconds(r.Config().Rollout.StopGraceS) }
 
-// LastCheckpoint is the folder of the newest complete checkpoint this run wrote or resumed from;
-// "" when there is none.
-func (r *Run) LastCheckpoint() string {
-	if !r.ckpt.have || r.opts.Out == "" {
-		return ""
-	}
-	return filepath.Join(r.opts.Out, "checkpoints", stepName(r.ckpt.step))
-}
-
 // cancelOnStop cancels a pass's rollouts once Stop was called and rollout.stop_grace_s has
 // passed; it returns when the pass ends.
 func (r *Run) cancelOnStop(pass context.Context, cancel context.CancelCauseFunc) {
@@ -145,17 +135,6 @@ func (r *Run) cancelOnStop(pass context.Context, cancel context.CancelCauseFunc)
 
 // seconds converts a config's seconds to a duration.
 func seconds(s float64) time.Duration { return time.Duration(s * float64(time.Second)) }
-
-// afterEval runs Options.AfterEval once eval metrics are written; its error is reported, not
-// fatal.
-func (r *Run) afterEval() {
-	if r.opts.AfterEval == nil {
-		return
-	}
-	if err := r.opts.AfterEval(r); err != nil {
-		r.events.printf("%v", err)
-	}
-}
 
 // trainSample is a queued sample of a successful rollout, in deterministic order.
 type trainSample struct {
