@@ -93,7 +93,8 @@ func parseAgentArgs(thread *starlark.Thread, fn string, args starlark.Tuple, kwa
 	case a.maxTokens < 1:
 		return a, fmt.Errorf("%s: max_tokens=%d; allow at least 1 token", fn, a.maxTokens)
 	case toolsPrompt != "template" && toolsPrompt != "system":
-		return a, fmt.Errorf("%s: tools_prompt=%q; want \"template\" (the chat template's tools variable) or \"system\" (a Hermes description in the system message)", fn, toolsPrompt)
+		return a, fmt.Errorf("%s: tools_prompt=%q; want \"template\" (the chat template's tools variable) "+
+			"or \"system\" (a Hermes description in the system message)", fn, toolsPrompt)
 	}
 	return a, nil
 }

@@ -97,14 +97,16 @@ func (a *AgentEndpoint) startLocked() (string, error) {
 func (a *AgentEndpoint) newHandler() http.Handler {
 	// Each program's /v1/models lists the name it was given ($OPENAI_MODEL): its policy's.
 	modelFor := func(r *http.Request) string { return r.Context().Value(agentSessionKey{}).(*agentSession).policy }
-	front := openai.NewChatHandler(openai.HandlerOptions{Model: "slimen-policy", ModelFor: modelFor}, func(ctx context.Context, call openai.ChatCall) ([]engines.Completion, error) {
-		return ctx.Value(agentSessionKey{}).(*agentSession).complete(call)
-	})
+	front := openai.NewChatHandler(openai.HandlerOptions{Model: "slimen-policy", ModelFor: modelFor},
+		func(ctx context.Context, call openai.ChatCall) ([]engines.Completion, error) {
+			return ctx.Value(agentSessionKey{}).(*agentSession).complete(call)
+		})
 	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		key, _ := openai.BearerToken(r)
 		s := a.session(key)
 		if s == nil {
-			openai.Unauthorized(w, "this endpoint answers the programs agent() runs, each with the OPENAI_API_KEY it was given; the request carried none, or the key of an agent() call that has ended")
+			openai.Unauthorized(w, "this endpoint answers the programs agent() runs, each with the OPENAI_API_KEY it was given; "+
+				"the request carried none, or the key of an agent() call that has ended")
 			return
 		}
 		front.ServeHTTP(w, r.WithContext(context.WithValue(r.Context(), agentSessionKey{}, s)))

@@ -39,7 +39,9 @@ func (b *Budget) mayStart(fn, where string, argv []string) error {
 	if len(b.cfg.Programs) > 0 {
 		listed = fmt.Sprintf("lists %q", b.cfg.Programs)
 	}
-	return fmt.Errorf("%s: %s: a sandboxed script starts only the programs the operator's config grants, and sandbox.programs %s, which does not match %q; add the program there (sandbox: {programs: [%q]}) if this script may run it",
+	return fmt.Errorf("%s: %s: a sandboxed script starts only the programs the operator's config grants, "+
+		"and sandbox.programs %s, which does not match %q; "+
+		"add the program there (sandbox: {programs: [%q]}) if this script may run it",
 		where, fn, listed, argv, argv[0])
 }
 
@@ -81,10 +83,13 @@ func (b *Budget) mayEnv(fn, where string, env map[string]string) error {
 	slices.Sort(names)
 	for _, k := range names {
 		if config.ReservedAgentEnv(k) {
-			return fmt.Errorf("%s: %s: env sets %q, which no sandboxed script may set: loader, shell and interpreter variables run code in the program, and PATH, HOME, TMPDIR, LANG and OPENAI_*/SLIMEN_* are the jail's", where, fn, k)
+			return fmt.Errorf("%s: %s: env sets %q, which no sandboxed script may set: loader, "+
+				"shell and interpreter variables run code in the program, and PATH, HOME, TMPDIR, "+
+				"LANG and OPENAI_*/SLIMEN_* are the jail's", where, fn, k)
 		}
 		if !slices.Contains(b.cfg.AgentEnv, k) {
-			return fmt.Errorf("%s: %s: env sets %q, which sandbox.agent_env does not list; a sandboxed script sets only the variables the operator's config names (sandbox: {agent_env: [%s]})", where, fn, k, k)
+			return fmt.Errorf("%s: %s: env sets %q, which sandbox.agent_env does not list; "+
+				"a sandboxed script sets only the variables the operator's config names (sandbox: {agent_env: [%s]})", where, fn, k, k)
 		}
 	}
 	return nil
@@ -132,7 +137,8 @@ func (p jailProc) kill()              { p.c.Kill() }
 // startJailed runs the program in a jail whose port leads to agents' socket: the environment is
 // the jail's (PATH, HOME and TMPDIR in its /tmp, LANG) and the session's variables, nothing of the
 // host's.
-func startJailed(agents *AgentEndpoint, cfg config.SandboxConfig, prog string, argv, env []string, dir string, stdin io.Reader, stdout, stderr io.Writer) (agentProc, error) {
+func startJailed(agents *AgentEndpoint, cfg config.SandboxConfig, prog string, argv, env []string, dir string,
+	stdin io.Reader, stdout, stderr io.Writer) (agentProc, error) {
 	sock, err := agents.Socket()
 	if err != nil {
 		return nil, err

@@ -331,7 +331,8 @@ func (s *agentSession) record(t agentTurn, call openai.ChatCall, r agentSample) 
 		// API answers it, and the conversation ends with it (nothing of it is recorded, so the
 		// rollout trains on what came before); the rollout goes on.
 		return nil, &openai.APIError{Status: http.StatusBadRequest, Type: "invalid_request_error", Param: "messages", Code: "context_length_exceeded",
-			Msg: fmt.Sprintf("This model's maximum context length is %d tokens. However, your messages resulted in %[1]d tokens, which leaves no room for a response. Please reduce the length of the messages.", len(cs[0].prompt))}
+			Msg: fmt.Sprintf("This model's maximum context length is %d tokens. However, your messages resulted in %[1]d tokens, "+
+				"which leaves no room for a response. Please reduce the length of the messages.", len(cs[0].prompt))}
 	}
 	wire := t.wire
 	for _, m := range call.Messages[len(t.wire):] {

@@ -33,10 +33,13 @@ type BudgetError struct {
 	What   string
 }
 
+// Error names the budget, its limit and what went over it.
 func (e *BudgetError) Error() string {
 	return fmt.Sprintf("sandbox budget %s (%s) exceeded: %s", e.Budget, e.Limit, e.What)
 }
 
+// NewBudget is a rollout's budget under the sandbox settings c; zero says the run is
+// zero-config, so that train may use any policy.
 func NewBudget(c config.SandboxConfig, zero bool) *Budget { return &Budget{cfg: c, zero: zero} }
 
 // generate counts a call (generate, a chat turn, score) and reserves n samples of up to
@@ -72,7 +75,8 @@ func (b *Budget) reserve(fn string, n, maxTokens int) error {
 	defer b.mu.Unlock()
 	want := n * maxTokens
 	if b.tokens+want > b.cfg.Tokens {
-		return &BudgetError{"tokens", fmt.Sprint(b.cfg.Tokens), fmt.Sprintf("%s asks for up to %d tokens (n=%d × max_tokens=%d) with %d used", fn, want, n, maxTokens, b.tokens)}
+		return &BudgetError{"tokens", fmt.Sprint(b.cfg.Tokens),
+			fmt.Sprintf("%s asks for up to %d tokens (n=%d × max_tokens=%d) with %d used", fn, want, n, maxTokens, b.tokens)}
 	}
 	b.tokens += want
 	return nil
@@ -88,7 +92,7 @@ func (b *Budget) settle(reserved, used int) {
 	b.mu.Unlock()
 }
 
-// prompt checks the size of one prompt passed to generate or score.
+// Prompt checks the size of one prompt passed to generate or score.
 func (b *Budget) Prompt(fn string, msgs []engines.Message) error {
 	if b == nil {
 		return nil
@@ -96,7 +100,7 @@ func (b *Budget) Prompt(fn string, msgs []engines.Message) error {
 	return CheckPrompt(b.cfg, fn, msgs)
 }
 
-// checkPrompt is the prompt_bytes budget, which the host also applies to what a child sends.
+// CheckPrompt is the prompt_bytes budget, which the host also applies to what a child sends.
 func CheckPrompt(cfg config.SandboxConfig, fn string, msgs []engines.Message) error {
 	if n := promptBytes(msgs); n > cfg.PromptBytes {
 		return &BudgetError{"prompt_bytes", fmt.Sprint(cfg.PromptBytes), fmt.Sprintf("%s was given a prompt of %d bytes", fn, n)}
@@ -230,7 +234,8 @@ func (b *Budget) limitThread(th *starlark.Thread) {
 	b.mu.Unlock()
 	if over {
 		th.Cancel((&BudgetError{"steps", fmt.Sprint(b.cfg.Steps),
-			fmt.Sprintf("the rollout's threads ran %d Starlark steps in all, counting %d for each thread it started, without finishing", steps, threadStepCost)}).Error())
+			fmt.Sprintf("the rollout's threads ran %d Starlark steps in all, counting %d for each thread it started, without finishing",
+				steps, threadStepCost)}).Error())
 	}
 	th.OnMaxSteps = func(th *starlark.Thread) {
 		if err := b.countSteps(th, acct); err != nil {
@@ -292,7 +297,7 @@ func (b *Budget) allowed(fn, policy string, train bool) error {
 	return GrantCheck(b.cfg, b.zero, fn, policy, train)
 }
 
-// grantCheck is allowed without a rollout: the host applies it to what a child reports.
+// GrantCheck is allowed without a rollout: the host applies it to what a child reports.
 func GrantCheck(cfg config.SandboxConfig, zero bool, fn, policy string, train bool) error {
 	list, key := cfg.Policies, "policies"
 	if train {
@@ -309,5 +314,6 @@ func GrantCheck(cfg config.SandboxConfig, zero bool, fn, policy string, train bo
 	case !train || zero:
 		return nil
 	}
-	return fmt.Errorf("%s: policy %q is not granted to this script for training (sandbox.train is not set: a sandboxed script trains only the policies it lists, e.g. sandbox: {train: [%s]})", fn, policy, policy)
+	return fmt.Errorf("%s: policy %q is not granted to this script for training (sandbox.train is not set: "+
+		"a sandboxed script trains only the policies it lists, e.g. sandbox: {train: [%s]})", fn, policy, policy)
 }

@@ -41,7 +41,8 @@ func stateOf(thread *starlark.Thread, fn string) (*threadState, error) {
 // on the same lock) or stall every rollout's state behind a model call: it is refused instead.
 func blockingOf(thread *starlark.Thread, fn string) (*threadState, error) {
 	if thread.Local(inUpdateLocal) != nil {
-		return nil, fmt.Errorf("%s: called inside a state.update function, which runs holding the state store's lock; call it before state.update and pass the result in", fn)
+		return nil, fmt.Errorf("%s: called inside a state.update function, which runs holding the state store's lock; "+
+			"call it before state.update and pass the result in", fn)
 	}
 	return stateOf(thread, fn)
 }
@@ -53,6 +54,8 @@ func (ts *threadState) next() []int {
 	return k
 }
 
+// KeySeed is the seed of the call at position key of task taskID's rollout, derived from the
+// base seed: the same in every run, and different for every call.
 func KeySeed(base uint64, taskID string, key []int) uint64 {
 	h := fnv.New64a()
 	fmt.Fprintf(h, "%d|%s", base, taskID)
@@ -87,7 +90,7 @@ func withRequestIDs(ctx context.Context, run string, pass, index int) context.Co
 	return context.WithValue(ctx, requestIDs{}, fmt.Sprintf("%s/%d/%d/", run, pass, index))
 }
 
-// wireID turns a request's id within its rollout into the id its engine sees. Outside a run's
+// WireID turns a request's id within its rollout into the id its engine sees. Outside a run's
 // rollouts (scripted tests, traces) the id stays as it is.
 func WireID(ctx context.Context, id string) string {
 	if prefix, ok := ctx.Value(requestIDs{}).(string); ok {

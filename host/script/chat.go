@@ -104,16 +104,25 @@ func toolSchemas(fn string, v starlark.Value) ([]string, error) {
 	return out, nil
 }
 
+// String shows the chat's policy and its numbers of messages and tokens.
 func (c *Chat) String() string {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	return fmt.Sprintf("chat(policy=%q, messages=%d, tokens=%d)", c.policy, len(c.msgs), len(c.tokens))
 }
-func (c *Chat) Type() string         { return "chat" }
+
+// Type is "chat".
+func (c *Chat) Type() string { return "chat" }
+
+// Truth is true: a chat is a value even with no messages.
 func (c *Chat) Truth() starlark.Bool { return true }
+
+// Hash fails: a chat changes as it grows, so it is no dict key.
 func (c *Chat) Hash() (uint32, error) {
 	return 0, fmt.Errorf("unhashable: chat")
 }
+
+// Freeze makes the chat read-only: its methods that add to it fail from then on.
 func (c *Chat) Freeze() {
 	c.mu.Lock()
 	c.frozen = true
@@ -122,8 +131,10 @@ func (c *Chat) Freeze() {
 
 var chatAttrs = []string{"assistant", "fork", "generate", "loss_mask", "messages", "policy", "tokens", "tool", "turns", "user"}
 
+// AttrNames lists the chat's fields and methods.
 func (c *Chat) AttrNames() []string { return chatAttrs }
 
+// Attr returns the field or the bound method called name.
 func (c *Chat) Attr(name string) (starlark.Value, error) {
 	method := func(f func(*starlark.Thread, *starlark.Builtin, starlark.Tuple, []starlark.Tuple) (starlark.Value, error)) starlark.Value {
 		return starlark.NewBuiltin("chat."+name, f).BindReceiver(c)
@@ -201,7 +212,8 @@ func (c *Chat) message(role string) func(*starlark.Thread, *starlark.Builtin, st
 			return nil, fmt.Errorf("%s: the chat is frozen (shared with parallel); fork() it in the thread that adds to it", b.Name())
 		}
 		if role == "tool" && !slices.ContainsFunc(c.msgs, func(m engines.Message) bool { return m.Role == "assistant" }) {
-			return nil, fmt.Errorf("%s: a tool result answers an assistant turn's tool call, and this chat has no assistant turn yet; add the user's request and .generate() first", b.Name())
+			return nil, fmt.Errorf("%s: a tool result answers an assistant turn's tool call, "+
+				"and this chat has no assistant turn yet; add the user's request and .generate() first", b.Name())
 		}
 		c.msgs = append(c.msgs, engines.Message{Role: role, Content: string(s)})
 		return starlark.None, nil
@@ -305,7 +317,8 @@ func (c *Chat) sampleLocked(ro *Rollout, fn string, n int, s engines.Sampling, k
 		if err := ro.Budget.reserve(fn, n, 1); err != nil {
 			return nil, nil, nil, err
 		}
-		if err := ro.printEvent(fmt.Sprintf("%s: the conversation is %d tokens, the policy %q's whole context (%d); the turn ends with finish_reason \"length\" and no tokens",
+		if err := ro.printEvent(fmt.Sprintf("%s: the conversation is %d tokens, the policy %q's whole context (%d); "+
+			"the turn ends with finish_reason \"length\" and no tokens",
 			fn, len(prompt), c.policy, maxSeq)); err != nil {
 			return nil, nil, nil, err
 		}
@@ -335,7 +348,8 @@ func (c *Chat) sampleLocked(ro *Rollout, fn string, n int, s engines.Sampling, k
 	for i, cm := range cs {
 		cm.messages = msgs
 		if !slices.Equal(outs[i].PromptTokens, prompt) {
-			return nil, nil, nil, fmt.Errorf("%s: policy %q's engine answered for a prompt of %d tokens, not the conversation's %d", fn, c.policy, len(outs[i].PromptTokens), len(prompt))
+			return nil, nil, nil, fmt.Errorf("%s: policy %q's engine answered for a prompt of %d tokens, not the conversation's %d",
+				fn, c.policy, len(outs[i].PromptTokens), len(prompt))
 		}
 		if len(cm.logprobs) != len(cm.tokens) {
 			return nil, nil, nil, fmt.Errorf("%s: policy %q's engine returned %d log-probs for %d tokens", fn, c.policy, len(cm.logprobs), len(cm.tokens))
@@ -443,7 +457,8 @@ func renderedAfter(without, with []int32) ([]int32, error) {
 			}
 		}
 	}
-	return nil, fmt.Errorf("the rendering of the conversation with the new messages (%d tokens) does not contain the end of its last assistant turn as rendered without them (%d tokens)", len(with), len(without))
+	return nil, fmt.Errorf("the rendering of the conversation with the new messages (%d tokens) does not contain the end of "+
+		"its last assistant turn as rendered without them (%d tokens)", len(with), len(without))
 }
 
 // commonSuffix is the longest common tail of a and b.
@@ -470,7 +485,8 @@ func (c *Chat) conversation(fn string) (*Completion, error) {
 	}
 	if c.sample != nil {
 		if _, ok := c.sample.Reward(); ok {
-			return nil, fmt.Errorf("%s: the chat has %d more tokens than when reward() was given it; reward a conversation after its last turn (or reward and train .fork()s)",
+			return nil, fmt.Errorf("%s: the chat has %d more tokens than when reward() was given it; "+
+				"reward a conversation after its last turn (or reward and train .fork()s)",
 				fn, len(c.tokens)-len(c.sample.prompt)-len(c.sample.tokens))
 		}
 	}
@@ -504,7 +520,8 @@ func NewConversation(id string, key []int, turns []*Completion) (*Completion, er
 		if t.policy != first.policy || t.injected || len(t.logprobs) != len(t.tokens) {
 			return nil, fmt.Errorf("conversation %s: turn %d (%s) is not a sampled turn of policy %q", id, k, t.id, first.policy)
 		}
-		if len(t.prompt)+len(t.tokens) > len(full) || !slices.Equal(full[:len(t.prompt)], t.prompt) || !slices.Equal(full[len(t.prompt):len(t.prompt)+len(t.tokens)], t.tokens) {
+		if len(t.prompt)+len(t.tokens) > len(full) || !slices.Equal(full[:len(t.prompt)], t.prompt) ||
+			!slices.Equal(full[len(t.prompt):len(t.prompt)+len(t.tokens)], t.tokens) {
 			return nil, fmt.Errorf("conversation %s: turn %d (%s) is not part of the conversation its last turn continues", id, k, t.id)
 		}
 		for i := range t.tokens {

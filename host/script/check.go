@@ -292,7 +292,10 @@ func RenamedPolicies(uses []PolicyUse, have []string) []string {
 		for _, h := range have {
 			if nearNames(u.Name, h) && !used[h] {
 				said[u.Name] = true
-				out = append(out, fmt.Sprintf("%s: %s: policy %q is new to the run, and this version no longer uses the run's policy %q, a letter or two away: a new name starts a fresh, untrained model while the trained %q sits idle — fix the name if it is a typo; for a new model, pick a name that is not one letter from an existing one or restart the run",
+				out = append(out, fmt.Sprintf("%s: %s: policy %q is new to the run, "+
+					"and this version no longer uses the run's policy %q, a letter or two away: "+
+					"a new name starts a fresh, untrained model while the trained %q sits idle — fix the name if it is a typo; "+
+					"for a new model, pick a name that is not one letter from an existing one or restart the run",
 					u.Pos, u.where(), u.Name, h, h))
 				break
 			}
@@ -365,7 +368,8 @@ func NearPolicyNames(uses []PolicyUse) []string {
 		for _, b := range names[i+1:] {
 			if nearNames(a, b) {
 				ua, ub := first[a], first[b]
-				out = append(out, fmt.Sprintf("%s: %s and %s: %s name two policies that differ by a letter or two; in a zero-config run each is a model of its own — fix the name if one is a typo",
+				out = append(out, fmt.Sprintf("%s: %s and %s: %s name two policies that differ by a letter or two; "+
+					"in a zero-config run each is a model of its own — fix the name if one is a typo",
 					ua.Pos, ua.call(), ub.Pos, ub.call()))
 			}
 		}
@@ -381,7 +385,7 @@ func nearNames(a, b string) bool {
 	return a != b && config.EditDistance(a, b) <= limit
 }
 
-// closestName is the name of names nearest to s, if one is near.
+// ClosestName is the name of names nearest to s, if one is near.
 func ClosestName(s string, names []string) string {
 	for _, n := range names {
 		if nearNames(s, n) {
@@ -435,7 +439,9 @@ func singleSamples(files []*syntax.File, uses []PolicyUse, cfg *config.Config) [
 		if !one {
 			continue
 		}
-		out = append(out, fmt.Sprintf("%s: generate(%q, …) is the policy's only sample of a task, so each %s group holds one sample and every advantage is 0: sample several (n=4), run each task several times (n_samples_per_prompt: 4), or use advantage_estimator: reinforce_plus_plus",
+		out = append(out, fmt.Sprintf("%s: generate(%q, …) is the policy's only sample of a task, "+
+			"so each %s group holds one sample and every advantage is 0: sample several (n=4), "+
+			"run each task several times (n_samples_per_prompt: 4), or use advantage_estimator: reinforce_plus_plus",
 			u.Pos, u.Name, est))
 	}
 	return out
@@ -523,7 +529,12 @@ func singleChats(files []*syntax.File, cfg *config.Config) []string {
 		if !one {
 			continue
 		}
-		out = append(out, fmt.Sprintf("%s: chat(%q, …) makes one conversation per task, so each %s group holds one sample and every advantage is 0: nothing is learned from it. Run each task several times (n_samples_per_prompt: 4 under the policy's train:), make several conversations in the rollout (parallel(lambda i: talk(task), range(4)), or c.fork() one after its first turns), sample a turn several times (c.generate(n=4) returns 4 forks), or use advantage_estimator: reinforce_plus_plus",
+		out = append(out, fmt.Sprintf("%s: chat(%q, …) makes one conversation per task, so each %s group holds one sample and "+
+			"every advantage is 0: nothing is learned from it. Run each task several times "+
+			"(n_samples_per_prompt: 4 under the policy's train:), make several conversations in the "+
+			"rollout (parallel(lambda i: talk(task), range(4)), or c.fork() one after its first "+
+			"turns), sample a turn several times (c.generate(n=4) returns 4 forks), "+
+			"or use advantage_estimator: reinforce_plus_plus",
 			lit.TokenPos, name, est))
 	}
 	return out

@@ -44,12 +44,21 @@ var (
 	_ starlark.Value    = (*Completion)(nil)
 )
 
+// String shows the completion's policy and text.
 func (c *Completion) String() string {
 	return fmt.Sprintf("completion(policy=%q, text=%q)", c.policy, c.text)
 }
-func (c *Completion) Type() string          { return "completion" }
-func (c *Completion) Freeze()               {}
-func (c *Completion) Truth() starlark.Bool  { return true }
+
+// Type is "completion".
+func (c *Completion) Type() string { return "completion" }
+
+// Freeze does nothing: a completion's fields are immutable, and its reward is host-side state.
+func (c *Completion) Freeze() {}
+
+// Truth is true, even for an empty text.
+func (c *Completion) Truth() starlark.Bool { return true }
+
+// Hash is the hash of the completion's id, so that completions can key a dict.
 func (c *Completion) Hash() (uint32, error) { return starlark.String(c.id).Hash() }
 
 // Reward returns the reward set by reward(), if any.
@@ -119,8 +128,10 @@ func (c *Completion) Before(d *Completion) bool { return lessKey(c.key, d.key) }
 
 var completionAttrs = []string{"finish_reason", "id", "logprobs", "policy", "prompt_tokens", "reward", "text", "tokens"}
 
+// AttrNames lists the completion's fields.
 func (c *Completion) AttrNames() []string { return completionAttrs }
 
+// Attr returns the field called name.
 func (c *Completion) Attr(name string) (starlark.Value, error) {
 	switch name {
 	case "text":

@@ -84,10 +84,11 @@ func policyValue(p config.PolicyConfig) (starlark.Value, error) {
 	return fromFields(top), nil
 }
 
-// Settings of a policy a script never sees, in or out of the sandbox: where its engine's
-// credentials are (token_env, api_key_env: the variables' names; tls: the key files), the
-// worker's own flags (args may carry a key), and, in the pass-through blocks (extra, an engine's
-// server arguments, a server group's overrides), every key whose name says it holds a secret.
+// hiddenPolicyFields are settings of a policy a script never sees, in or out of the sandbox:
+// where its engine's credentials are (token_env, api_key_env: the variables' names; tls: the key
+// files) and the worker's own flags (args may carry a key). In the pass-through blocks (extra, an
+// engine's server arguments, a server group's overrides) every key whose name says it holds a
+// secret is hidden too.
 var hiddenPolicyFields = []string{"token_env", "api_key_env", "tls", "args"}
 
 // secretWords are the words (of a key split at _, - and .) that mark a pass-through setting as a

@@ -10,6 +10,7 @@ type Error struct {
 	cause error
 }
 
+// Error returns the message the user reads.
 func (e *Error) Error() string { return e.Msg }
 
 // Unwrap returns the error the problem came from; nil when it has none.

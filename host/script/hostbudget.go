@@ -32,7 +32,8 @@ func RenderBytes(req engines.RenderRequest) int {
 func CheckRender(cfg config.SandboxConfig, fn string, reqs []engines.RenderRequest) error {
 	for _, r := range reqs {
 		if n := RenderBytes(r); n > cfg.PromptBytes {
-			return &BudgetError{"prompt_bytes", fmt.Sprint(cfg.PromptBytes), fmt.Sprintf("%s was given a conversation of %d bytes (its messages and tool schemas)", fn, n)}
+			return &BudgetError{"prompt_bytes", fmt.Sprint(cfg.PromptBytes),
+				fmt.Sprintf("%s was given a conversation of %d bytes (its messages and tool schemas)", fn, n)}
 		}
 	}
 	return nil

@@ -88,7 +88,8 @@ func (ro *Rollout) logNames(fn string, vals map[string]float64) error {
 	}
 	if len(ro.logs)+len(added) > MaxLogNamesPerRollout {
 		sort.Strings(added)
-		return fmt.Errorf("%s: a rollout logs at most %d metric names, and this call would add %d (%q, …) to the %d it has; log a few aggregates (a mean, a count), not a name per item",
+		return fmt.Errorf("%s: a rollout logs at most %d metric names, and this call would add %d (%q, …) to the %d it has; "+
+			"log a few aggregates (a mean, a count), not a name per item",
 			fn, MaxLogNamesPerRollout, len(added), added[0], len(ro.logs))
 	}
 	if ro.logs == nil {

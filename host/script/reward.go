@@ -50,7 +50,8 @@ func CheckReward(fn string, r float64) error {
 		return fmt.Errorf("%s: value is %v; rewards must be finite numbers (check the reward computation for a division by zero)", fn, r)
 	}
 	if math.Abs(r) > MaxTrainMagnitude {
-		return fmt.Errorf("%s: value is %v; rewards are at most %g in magnitude (one out of scale would make the step's loss NaN and skip every sample trained with it): scale the reward", fn, r, MaxTrainMagnitude)
+		return fmt.Errorf("%s: value is %v; rewards are at most %g in magnitude (one out of scale would make the step's loss "+
+			"NaN and skip every sample trained with it): scale the reward", fn, r, MaxTrainMagnitude)
 	}
 	return nil
 }
@@ -62,7 +63,8 @@ func CheckAdvantage(fn string, x float64) error {
 		return fmt.Errorf("%s: advantage is %v; it must be finite", fn, x)
 	}
 	if math.Abs(x) > MaxTrainMagnitude {
-		return fmt.Errorf("%s: advantage is %v; advantages are at most %g in magnitude (one out of scale would make the step's loss NaN and skip every sample trained with it)", fn, x, MaxTrainMagnitude)
+		return fmt.Errorf("%s: advantage is %v; advantages are at most %g in magnitude (one out of scale would make the step's "+
+			"loss NaN and skip every sample trained with it)", fn, x, MaxTrainMagnitude)
 	}
 	return nil
 }

@@ -211,7 +211,7 @@ func (ro *Rollout) threadSlots() chan struct{} {
 	return ro.slots
 }
 
-// newThread makes a Starlark thread of this rollout at the given call-tree position.
+// NewThread makes a Starlark thread of this rollout at the given call-tree position.
 func (ro *Rollout) NewThread(path []int) *starlark.Thread {
 	th := &starlark.Thread{Name: ro.Task.ID, Print: ro.print, Load: noLoad}
 	th.SetLocal(threadLocal, &threadState{ro: ro, path: path})
@@ -224,7 +224,7 @@ func noLoad(_ *starlark.Thread, module string) (starlark.StringDict, error) {
 	return nil, fmt.Errorf("load %q: load statements run when the script is loaded, not inside rollout", module)
 }
 
-// call runs fn on th, turning a cancelled context into a cancelled thread and a Go panic inside a
+// Call runs fn on th, turning a cancelled context into a cancelled thread and a Go panic inside a
 // built-in into an error of this rollout alone.
 func (ro *Rollout) Call(th *starlark.Thread, fn starlark.Callable, args starlark.Tuple) (v starlark.Value, err error) {
 	stop := context.AfterFunc(ro.Ctx, func() {
@@ -249,7 +249,7 @@ func (ro *Rollout) Call(th *starlark.Thread, fn starlark.Callable, args starlark
 	return v, err
 }
 
-// taskValue is the frozen `task` struct a rollout receives.
+// TaskValue is the frozen `task` struct a rollout receives.
 func TaskValue(t Task, step int) starlark.Value {
 	var prompt starlark.Value
 	switch p := t.Prompt.(type) {

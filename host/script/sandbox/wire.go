@@ -110,7 +110,7 @@ type Render struct {
 	Reqs   []engines.RenderRequest `json:"reqs"`
 }
 
-// marshal encodes a value as JSON without HTML escaping (which would turn every < of a prompt
+// Marshal encodes a value as JSON without HTML escaping (which would turn every < of a prompt
 // into six bytes).
 func Marshal(v any) ([]byte, error) {
 	var b bytes.Buffer
