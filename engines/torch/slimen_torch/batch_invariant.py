@@ -377,41 +377,67 @@ if HAVE_TRITON:
     @triton.jit
     def _attention_kernel(Q, K, V, O, P, Tq, H, G, Lk, D, scale,
                           sqb, sqt, sqh, skb, skh, skl, svb, svh, svl, sob, sot, soh,
-                          S: tl.constexpr, BD: tl.constexpr):
-        # One query row and head: its keys [0, pos] in chunks of S positions from 0, combined in
-        # order by the online softmax (fp32); the same arithmetic for any batch and cache.
-        row, h = tl.program_id(0), tl.program_id(1)
-        b, t = row // Tq, row % Tq
+                          BM: tl.constexpr, S: tl.constexpr, BD: tl.constexpr,
+                          IEEE: tl.constexpr):
+        # BM consecutive queries of one sequence and head (a decode step: one query, the rest of
+        # the block masked) over their keys in chunks of S positions from position 0, combined
+        # in order by the online softmax in fp32. A row's numbers come from its own query alone
+        # (the products are tile products of one shape), and a chunk past a row's position is
+        # an exact no-op for it: any batch, cache length or block gives a row the same result.
+        pid, h = tl.program_id(0), tl.program_id(1)
+        nblk = tl.cdiv(Tq, BM)
+        b, t0 = pid // nblk, (pid % nblk) * BM
         kvh = h // G
+        t = t0 + tl.arange(0, BM)
+        tm = t < Tq
         d = tl.arange(0, BD)
         dm = d < D
-        pos = tl.load(P + row)
-        q = tl.load(Q + b * sqb + t * sqt + h * sqh + d, mask=dm, other=0.0).to(tl.float32)
-        m = tl.full((), float("-inf"), tl.float32)
-        l = tl.zeros((), tl.float32)
-        acc = tl.zeros((BD,), tl.float32)
-        end = tl.minimum(pos + 1, Lk)
+        pos = tl.load(P + b * Tq + t, mask=tm, other=-1)
+        q = tl.load(Q + b * sqb + t[:, None] * sqt + h * sqh + d[None, :],
+                    mask=tm[:, None] & dm[None, :], other=0.0)
+        m = tl.full((BM,), float("-inf"), tl.float32)
+        l = tl.zeros((BM,), tl.float32)
+        acc = tl.zeros((BM, BD), tl.float32)
+        pmax = tl.max(pos, axis=0)
+        end = tl.minimum(pmax + 1, Lk)
         for c0 in range(0, end, S):
             j = c0 + tl.arange(0, S)
-            seen = j <= pos
-            km = seen[:, None] & (j[:, None] < Lk) & dm[None, :]
-            k = tl.load(K + b * skb + kvh * skh + j[:, None] * skl + d[None, :], mask=km,
-                        other=0.0).to(tl.float32)
-            s = tl.sum(q[None, :] * k, axis=1) * scale
-            s = tl.where(seen, s, float("-inf"))
-            m_new = tl.maximum(m, tl.max(s, axis=0))
-            alpha = tl.exp(m - m_new)
-            p = tl.where(seen, tl.exp(s - m_new), 0.0)
-            v = tl.load(V + b * svb + kvh * svh + j[:, None] * svl + d[None, :], mask=km,
-                        other=0.0).to(tl.float32)
-            l = l * alpha + tl.sum(p, axis=0)
-            acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
+            # Keys past the block's last position may be anything (a cache row's stale or unset
+            # entries): read as 0, so that 0·value stays 0 in the products.
+            jm = (j < Lk) & (j <= pmax)
+            k = tl.load(K + b * skb + kvh * skh + j[None, :] * skl + d[:, None],
+                        mask=jm[None, :] & dm[:, None], other=0.0)  # [BD, S]
+            if IEEE:
+                s = tl.dot(q, k, input_precision="ieee")
+            else:
+                s = tl.dot(q, k)
+            seen = (j[None, :] <= pos[:, None]) & jm[None, :]
+            s = tl.where(seen, s * scale, float("-inf"))
+            m_new = tl.maximum(m, tl.max(s, axis=1))
+            # (A row that has seen no key yet, a block's padding: m_new is -inf; nothing changes.)
+            m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp(tl.where(m_new == float("-inf"), 0.0, m - m_ref))
+            p = tl.where(seen, tl.exp(s - m_ref[:, None]), 0.0)
+            v = tl.load(V + b * svb + kvh * svh + j[:, None] * svl + d[None, :],
+                        mask=jm[:, None] & dm[None, :], other=0.0)  # [S, BD]
+            l = l * alpha + tl.sum(p, axis=1)
+            if IEEE:
+                pv = tl.dot(p, v, input_precision="ieee")
+            else:
+                pv = tl.dot(p.to(v.dtype), v)
+            acc = acc * alpha[:, None] + pv
             m = m_new
-        tl.store(O + b * sob + t * sot + h * soh + d, (acc / l).to(O.dtype.element_ty), mask=dm)
+        out = acc / tl.where(l == 0.0, 1.0, l)[:, None]
+        tl.store(O + b * sob + t[:, None] * sot + h * soh + d[None, :],
+                 out.to(O.dtype.element_ty), mask=tm[:, None] & dm[None, :])
+
+# Queries a program of the Triton attention takes: the same block shape for a decode step (one
+# query) and a training pass (every position), so a row's products are alike in both.
+ATTN_BM = 16
 
 
 def attention_triton(q, k, v, q_pos, scale):
-    """`attention` in _attention_kernel (one program per query row and head)."""
+    """`attention` in _attention_kernel (one program per ATTN_BM queries and head)."""
     B, Tq, H, D = q.shape
     KV, Lk = k.shape[1], k.shape[2]
     if k.stride(-1) != 1 or v.stride(-1) != 1:
@@ -420,11 +446,12 @@ def attention_triton(q, k, v, q_pos, scale):
         q = q.contiguous()
     o = torch.empty(B, Tq, H, D, dtype=q.dtype, device=q.device)
     pos = q_pos.to(torch.int64).contiguous().view(-1)
-    _attention_kernel[(B * Tq, H)](
+    _attention_kernel[(B * triton.cdiv(Tq, ATTN_BM), H)](
         q, k, v, o, pos, Tq, H, H // KV, Lk, D, scale,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), o.stride(0), o.stride(1), o.stride(2),
-        S=KV_SPLIT, BD=triton.next_power_of_2(D), num_warps=4)
+        BM=ATTN_BM, S=KV_SPLIT, BD=max(16, triton.next_power_of_2(D)),
+        IEEE=q.dtype == torch.float32, num_warps=4)
     return o
 
 
