@@ -55,7 +55,8 @@ func resolveOptim(lr, beta1, beta2, eps, wd, maxNorm float64) (optimConfig, erro
 		c.eps = 1e-8
 	}
 	if !(c.lr >= 0) || !(c.beta1 > 0 && c.beta1 < 1) || !(c.beta2 > 0 && c.beta2 < 1) || !(c.eps > 0) || !(c.weightDecay >= 0) || !(c.maxGradNorm >= 0) {
-		return c, fmt.Errorf("optimizer settings out of range: lr %g, beta1 %g, beta2 %g, adam_eps %g, weight_decay %g, max_grad_norm %g (want lr ≥ 0, betas in (0,1), eps > 0, decay and norm ≥ 0)",
+		return c, fmt.Errorf("optimizer settings out of range: lr %g, beta1 %g, beta2 %g, adam_eps %g, weight_decay %g, "+
+			"max_grad_norm %g (want lr ≥ 0, betas in (0,1), eps > 0, decay and norm ≥ 0)",
 			lr, beta1, beta2, eps, wd, maxNorm)
 	}
 	return c, nil

@@ -203,7 +203,8 @@ func (t *Tokenizer) bpeFiles(maxLen int) (tokJSON, cfgJSON []byte, err error) {
 	}
 	for id := range t.pieces {
 		if m.vocab[id] == "" {
-			f.AddedTokens = append(f.AddedTokens, hfAddedToken{ID: int32(id), Content: t.pieces[id], Special: slices.Index(ChatSpecials, t.pieces[id]) < bpeSpecialCount})
+			f.AddedTokens = append(f.AddedTokens, hfAddedToken{ID: int32(id), Content: t.pieces[id],
+				Special: slices.Index(ChatSpecials, t.pieces[id]) < bpeSpecialCount})
 		}
 	}
 	var out bytes.Buffer
@@ -255,7 +256,8 @@ func parseBPE(f *hfTokenizerFile, c *tokenizerConfig) (*Tokenizer, error) {
 	if f.Model.UnkToken != nil || f.Model.ByteFallback || f.Model.FuseUnk || f.Model.IgnoreMerges ||
 		(f.Model.ContinuingSubwordPrefix != nil && *f.Model.ContinuingSubwordPrefix != "") ||
 		(f.Model.EndOfWordSuffix != nil && *f.Model.EndOfWordSuffix != "") || f.Model.Dropout != nil {
-		return nil, bad("model: unk_token, dropout, byte_fallback, fuse_unk, ignore_merges, continuing_subword_prefix and end_of_word_suffix are not supported by a byte-level vocabulary")
+		return nil, bad("model: unk_token, dropout, byte_fallback, fuse_unk, ignore_merges, " +
+			"continuing_subword_prefix and end_of_word_suffix are not supported by a byte-level vocabulary")
 	}
 	n := len(f.Model.Vocab)
 	vocab := make([]string, n)

@@ -206,7 +206,8 @@ func (e *Engine) Load(ctx context.Context, dir string) error {
 		return ErrClosed
 	}
 	if ck.w.cfg != e.m.w.cfg {
-		return fmt.Errorf("tiny: load %s: %w: its architecture %+v differs from the open model's %+v; open it with tiny.Open instead", dir, ErrArchitecture, ck.w.cfg, e.m.w.cfg)
+		return fmt.Errorf("tiny: load %s: %w: its architecture %+v differs from the open model's %+v; "+
+			"open it with tiny.Open instead", dir, ErrArchitecture, ck.w.cfg, e.m.w.cfg)
 	}
 	e.m, e.tok, e.eos = newModel(ck.w), ck.tok, ck.eos
 	e.opt = ck.opt

@@ -62,7 +62,8 @@ func (e *Engine) GenerateStream(ctx context.Context, reqs []engines.GenerateRequ
 }
 
 // generate is GenerateAdapters, handing piece (when not nil) each sample's new text.
-func (e *Engine) generate(ctx context.Context, reqs []engines.GenerateRequest, adapters []string, piece func(req, index int, text string)) ([]engines.Completion, error) {
+func (e *Engine) generate(ctx context.Context, reqs []engines.GenerateRequest, adapters []string,
+	piece func(req, index int, text string)) ([]engines.Completion, error) {
 	e.mu.RLock()
 	defer e.mu.RUnlock()
 	if e.closed {

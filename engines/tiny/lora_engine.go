@@ -302,7 +302,8 @@ func (v *AdapterEngine) Load(ctx context.Context, dir string) error {
 		return fail(fmt.Errorf("%s: %w", fileAdapterConfig, err))
 	}
 	if pc.PeftType != "LORA" || pc.UseRSLoRA || pc.UseDoRA || (pc.Bias != "" && pc.Bias != "none") || pc.FanInFanOut {
-		return fail(fmt.Errorf("%s: peft_type %q, use_rslora %v, use_dora %v, bias %q, fan_in_fan_out %v: only a plain LoRA without bias loads", fileAdapterConfig, pc.PeftType, pc.UseRSLoRA, pc.UseDoRA, pc.Bias, pc.FanInFanOut))
+		return fail(fmt.Errorf("%s: peft_type %q, use_rslora %v, use_dora %v, bias %q, fan_in_fan_out %v: "+
+			"only a plain LoRA without bias loads", fileAdapterConfig, pc.PeftType, pc.UseRSLoRA, pc.UseDoRA, pc.Bias, pc.FanInFanOut))
 	}
 	c := LoRAConfig{Rank: pc.R, Alpha: pc.LoraAlpha, Targets: pc.TargetModules}
 	if err := c.validate(); err != nil {

@@ -4,7 +4,7 @@ package tiny
 
 import "unsafe"
 
-// Without assembly the engine uses the portable kernel of matmul.go (haveSIMD false). The panel
+// haveSIMD is false without assembly: the engine uses the portable kernel of matmul.go. The panel
 // kernels below are the same computation in Go, so the panel code path builds and can be tested
 // on every platform.
 var haveSIMD = false

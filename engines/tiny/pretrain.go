@@ -115,7 +115,8 @@ func (e *Engine) supervisedStep(ctx context.Context, batch []Example, lr, wd, ma
 		}
 		r := append(e.tok.Encode(ex.Response), e.eos[0])
 		if len(p)+len(r) > e.m.w.cfg.MaxSeqLen {
-			return engines.TrainStats{}, fmt.Errorf("tiny: pretrain: example %q is %d tokens, longer than the model's %d", cmp.Or(ex.Prompt, msgs[len(msgs)-1].Content), len(p)+len(r), e.m.w.cfg.MaxSeqLen)
+			return engines.TrainStats{}, fmt.Errorf("tiny: pretrain: example %q is %d tokens, longer than the model's %d",
+				cmp.Or(ex.Prompt, msgs[len(msgs)-1].Content), len(p)+len(r), e.m.w.cfg.MaxSeqLen)
 		}
 		seqs[i] = trainSeq{prompt: p, response: r}
 		total += len(r)

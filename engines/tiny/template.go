@@ -31,9 +31,12 @@ import (
 const QwenChatTemplate = `{%- if tools -%}` +
 	`{{- '<|im_start|>system\n' -}}` +
 	`{%- if messages and messages[0]['role'] == 'system' -%}{{- messages[0]['content'] + '\n\n' -}}{%- endif -%}` +
-	`{{- '# Tools\n\nYou may call one or more functions to assist with the user query.\n\nYou are provided with function signatures within <tools></tools> XML tags:\n<tools>' -}}` +
+	`{{- '# Tools\n\nYou may call one or more functions to assist with the user query.\n\nYou are provided with function ` +
+	`signatures within <tools></tools> XML tags:\n<tools>' -}}` +
 	`{%- for tool in tools -%}{{- '\n' + (tool | tojson) -}}{%- endfor -%}` +
-	`{{- '\n</tools>\n\nFor each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call><|im_end|>\n' -}}` +
+	`{{- '\n</tools>\n\nFor each function call, return a json object with function name and arguments within ` +
+	`<tool_call></tool_call> XML tags:\n<tool_call>\n{"name": <function-name>, "arguments": ` +
+	`<args-json-object>}\n</tool_call><|im_end|>\n' -}}` +
 	`{%- elif messages and messages[0]['role'] == 'system' -%}` +
 	`{{- '<|im_start|>system\n' + messages[0]['content'] + '<|im_end|>\n' -}}` +
 	`{%- endif -%}` +
@@ -47,7 +50,8 @@ const QwenChatTemplate = `{%- if tools -%}` +
 	`{%- for call in (m['tool_calls'] or []) -%}` +
 	`{%- if not loop.first or m['content'] -%}{{- '\n' -}}{%- endif -%}` +
 	`{%- set f = call['function'] if call['function'] is defined else call -%}` +
-	`{{- '<tool_call>\n{"name": "' + f['name'] + '", "arguments": ' + (f['arguments'] if f['arguments'] is string else (f['arguments'] | tojson)) + '}\n</tool_call>' -}}` +
+	`{{- '<tool_call>\n{"name": "' + f['name'] + '", "arguments": ' + (f['arguments'] if f['arguments'] is string else ` +
+	`(f['arguments'] | tojson)) + '}\n</tool_call>' -}}` +
 	`{%- endfor -%}` +
 	`{{- '<|im_end|>\n' -}}` +
 	`{%- elif not (loop.first and m['role'] == 'system') -%}` +

@@ -197,7 +197,7 @@ func (t *Tokenizer) piece(id int32) string {
 	return t.pieces[id]
 }
 
-// tokenizer.json, the Hugging Face tokenizers format: a BPE model with no merges and no
+// hfTokenizerFile is tokenizer.json, the Hugging Face tokenizers format: a BPE model with no merges and no
 // normalizer, pre-tokenizer or post-processor is exactly a character tokenizer; the Fuse decoder
 // joins tokens without spaces.
 type hfTokenizerFile struct {
@@ -312,7 +312,8 @@ func parseTokenizer(tokJSON, cfgJSON []byte) (*Tokenizer, error) {
 		return parseBPE(&f, &c)
 	}
 	if strings.TrimSpace(c.ChatTemplate) != ChatTemplate {
-		return nil, &fileError{"tokenizer_config.json", fmt.Errorf("chat_template is not the template the tiny engine renders with a character vocabulary; expected %q", ChatTemplate)}
+		return nil, &fileError{"tokenizer_config.json", fmt.Errorf("chat_template is not the template the tiny engine renders "+
+			"with a character vocabulary; expected %q", ChatTemplate)}
 	}
 	bad := func(format string, a ...any) error { return &fileError{"tokenizer.json", fmt.Errorf(format, a...)} }
 	if f.Model.Type != "BPE" || len(f.Model.Merges) != 0 {

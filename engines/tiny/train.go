@@ -58,7 +58,8 @@ func eachChunk[T Float](ctx context.Context, seqs []trainSeq, chunk int, fn func
 // accumulate runs forward and backward over seqs chunk by chunk: step evaluates the loss on the
 // chunk holding seqs[lo:hi] and adds its gradient to g. It returns the gradient (of the weights,
 // or of the adapter m.ad when the model has one) and the summed statistics.
-func (m *model[T]) accumulate(ctx context.Context, threads, chunk int, seqs []trainSeq, step func(lo, hi int, p packed[T], g grads[T], wt *transposedWeights[T]) lossStats) (lossStats, grads[T], error) {
+func (m *model[T]) accumulate(ctx context.Context, threads, chunk int, seqs []trainSeq,
+	step func(lo, hi int, p packed[T], g grads[T], wt *transposedWeights[T]) lossStats) (lossStats, grads[T], error) {
 	var total lossStats
 	var g grads[T]
 	if m.ad != nil {
@@ -330,13 +331,15 @@ func (e *Engine) checkSample(s engines.Sample, critic bool, lc lossConfig) error
 	n := len(s.Response)
 	switch {
 	case critic && (len(s.LossMask) != n || len(s.Returns) != n):
-		return fmt.Errorf("response has %d tokens but loss_mask %d, returns %d entries (a critic batch needs returns for every sample)", n, len(s.LossMask), len(s.Returns))
+		return fmt.Errorf("response has %d tokens but loss_mask %d, returns %d entries "+
+			"(a critic batch needs returns for every sample)", n, len(s.LossMask), len(s.Returns))
 	case critic && lc.valueClip > 0 && len(s.OldValues) != n:
 		return fmt.Errorf("response has %d tokens but old_values %d entries (value_clip needs old_values for every sample)", n, len(s.OldValues))
 	case critic && len(s.OldValues) != 0 && len(s.OldValues) != n:
 		return fmt.Errorf("response has %d tokens but old_values %d entries", n, len(s.OldValues))
 	case !critic && (len(s.LossMask) != n || len(s.OldLogprobs) != n || len(s.Advantages) != n):
-		return fmt.Errorf("response has %d tokens but loss_mask %d, old_logprobs %d, advantages %d entries", n, len(s.LossMask), len(s.OldLogprobs), len(s.Advantages))
+		return fmt.Errorf("response has %d tokens but loss_mask %d, old_logprobs %d, advantages %d entries",
+			n, len(s.LossMask), len(s.OldLogprobs), len(s.Advantages))
 	case !critic && len(s.TrainLogprobs) != 0 && len(s.TrainLogprobs) != n:
 		return fmt.Errorf("response has %d tokens but train_logprobs %d entries (give one per token, or none)", n, len(s.TrainLogprobs))
 	case len(s.Prompt) == 0 && n > 0:
