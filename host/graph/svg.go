@@ -69,7 +69,8 @@ func SVG(g Graph) []byte {
 	b.WriteString("<defs>\n")
 	for _, p := range policies {
 		// One arrowhead per colour: SVG 1.1 markers cannot take the colour of the path using them.
-		fmt.Fprintf(&b, `<marker id="arrow%d" viewBox="0 0 10 10" refX="9" refY="5" markerWidth="9" markerHeight="9" markerUnits="userSpaceOnUse" orient="auto"><path d="M0,0 L10,5 L0,10 z" fill="%s"/></marker><!-- %s -->`+"\n",
+		fmt.Fprintf(&b, `<marker id="arrow%d" viewBox="0 0 10 10" refX="9" refY="5" markerWidth="9" markerHeight="9" `+
+			`markerUnits="userSpaceOnUse" orient="auto"><path d="M0,0 L10,5 L0,10 z" fill="%s"/></marker><!-- %s -->`+"\n",
 			colour[p], palette[colour[p]].stroke, esc(p))
 	}
 	b.WriteString("</defs>\n")
@@ -107,12 +108,15 @@ func SVG(g Graph) []byte {
 			d = fmt.Sprintf("M%s,%s C%s,%s %s,%s %s,%s", num(x1), num(y1), num(x1), num(y1-lift), num(x2), num(y2-lift), num(x2), num(y2))
 			mx, my = (x1+x2)/2, (y1+y2)/2-0.75*lift
 		}
-		fmt.Fprintf(&b, `<path class="edge" data-from="%s" data-to="%s" data-count="%d" d="%s" stroke="%s" stroke-opacity="0.8" stroke-width="%s" marker-end="url(#arrow%d)"/>`+"\n",
+		fmt.Fprintf(&b, `<path class="edge" data-from="%s" data-to="%s" data-count="%d" d="%s" stroke="%s" `+
+			`stroke-opacity="0.8" stroke-width="%s" marker-end="url(#arrow%d)"/>`+"\n",
 			esc(e.From), esc(e.To), e.Count, d, palette[c].stroke, num(width), c)
 		if e.Count > 1 {
 			s := strconv.Itoa(e.Count)
 			w := textWidth(s, textSize, true) + 8
-			fmt.Fprintf(&labels, `<g class="count"><rect x="%s" y="%s" width="%s" height="16" rx="8" fill="#fff" stroke="%s" stroke-width="1"/><text x="%s" y="%s" font-size="%s" font-weight="bold" text-anchor="middle" fill="#333">%s</text></g>`+"\n",
+			fmt.Fprintf(&labels, `<g class="count"><rect x="%s" y="%s" width="%s" height="16" rx="8" fill="#fff" stroke="%s" `+
+				`stroke-width="1"/><text x="%s" y="%s" font-size="%s" font-weight="bold" `+
+				`text-anchor="middle" fill="#333">%s</text></g>`+"\n",
 				num(mx-w/2), num(my-8), num(w), palette[c].stroke, num(mx), num(my+4), num(textSize), s)
 		}
 	}
@@ -139,7 +143,8 @@ func SVG(g Graph) []byte {
 
 	for _, it := range legend {
 		c := palette[colour[it.p]]
-		fmt.Fprintf(&b, `<g class="legend"><rect x="%s" y="%s" width="14" height="14" rx="3" fill="%s" stroke="%s" stroke-width="2"/><text x="%s" y="%s" font-size="%s" fill="#222">%s</text></g>`+"\n",
+		fmt.Fprintf(&b, `<g class="legend"><rect x="%s" y="%s" width="14" height="14" rx="3" fill="%s" stroke="%s" `+
+			`stroke-width="2"/><text x="%s" y="%s" font-size="%s" fill="#222">%s</text></g>`+"\n",
 			num(it.x), num(it.y-11), c.fill, c.stroke, num(it.x+20), num(it.y), num(textSize), esc(it.p))
 	}
 	for i, s := range note {

@@ -76,7 +76,10 @@ func findLayout() (layout, error) {
 		}
 		enabled, _ := os.ReadFile(ctl)
 		if !hasWord(string(enabled), "memory") {
-			return layout{}, fmt.Errorf("jail: the memory controller is not available to sub-groups of this process's cgroup v2 group %s (its cgroup.controllers: %q, cgroup.subtree_control: %q); the jail bounds a program's memory with it: run slimen in a group whose sub-groups get memory (a container or systemd scope with delegation)",
+			return layout{}, fmt.Errorf("jail: the memory controller is not available to sub-groups of this process's "+
+				"cgroup v2 group %s (its cgroup.controllers: %q, cgroup.subtree_control: %q); "+
+				"the jail bounds a program's memory with it: run slimen in a group whose sub-groups "+
+				"get memory (a container or systemd scope with delegation)",
 				dir, strings.TrimSpace(string(avail)), strings.TrimSpace(string(enabled)))
 		}
 		return layout{hs: []hierarchy{{dir: dir}}, pids: hasWord(string(enabled), "pids"), cpu: hasWord(string(enabled), "cpu")}, nil
@@ -86,7 +89,8 @@ func findLayout() (layout, error) {
 		mount := filepath.Join("/sys/fs/cgroup", c)
 		if _, err := os.Stat(filepath.Join(mount, "cgroup.procs")); err != nil {
 			if c == "memory" {
-				return layout{}, fmt.Errorf("jail: neither cgroup v2 (/sys/fs/cgroup/cgroup.controllers) nor the cgroup v1 memory controller (%s) is mounted; the jail bounds a program's memory with it", mount)
+				return layout{}, fmt.Errorf("jail: neither cgroup v2 (/sys/fs/cgroup/cgroup.controllers) "+
+					"nor the cgroup v1 memory controller (%s) is mounted; the jail bounds a program's memory with it", mount)
 			}
 			continue
 		}

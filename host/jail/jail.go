@@ -272,7 +272,8 @@ func available() error {
 		return fmt.Errorf("jail: the jail needs Linux (namespaces and cgroups); this is %s", runtime.GOOS)
 	}
 	if os.Geteuid() != 0 {
-		return errors.New("jail: the jail needs root: slimen sets up its namespaces, mounts and cgroup itself and runs the program as an unprivileged user; run the sandboxed job as root (in a container, say)")
+		return errors.New("jail: the jail needs root: slimen sets up its namespaces, mounts and cgroup itself and runs the " +
+			"program as an unprivileged user; run the sandboxed job as root (in a container, say)")
 	}
 	for _, ns := range []string{"pid", "mnt", "ipc", "uts", "net"} {
 		if _, err := os.Stat("/proc/self/ns/" + ns); err != nil {

@@ -161,7 +161,7 @@ func dashesFor(i int) []vg.Length {
 	return nil
 }
 
-// palette: Okabe–Ito's colours, distinct also for the colour-blind, then a few Tableau ones.
+// palette is Okabe–Ito's colours, distinct also for the colour-blind, then a few Tableau ones.
 var palette = []color.Color{
 	rgb(0x0072b2), rgb(0xd55e00), rgb(0x009e73), rgb(0xcc79a7), rgb(0xe69f00),
 	rgb(0x56b4e9), rgb(0x7f7f7f), rgb(0x8c564b), rgb(0xbcbd22), rgb(0x9467bd),

@@ -248,7 +248,8 @@ const simMaxResponseLen = 1 << 16
 // simPolicies is the config and the scripted engines of a simulate() run: one policy per entry of
 // responses (frozen ones not trainable), and for estimator "ppo" a critic that values every token
 // at value.
-func simPolicies(fn string, responses *starlark.Dict, frozen *starlark.List, estimator string, seed int, value float64) (*config.Config, map[string]engines.Engine, error) {
+func simPolicies(fn string, responses *starlark.Dict, frozen *starlark.List, estimator string, seed int,
+	value float64) (*config.Config, map[string]engines.Engine, error) {
 	frozenSet := map[string]bool{}
 	if frozen != nil {
 		for i := 0; i < frozen.Len(); i++ {

@@ -157,7 +157,8 @@ func (s *Server) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		}
 	} else if !s.authorized(r) {
 		w.Header().Set("WWW-Authenticate", `Bearer realm="slimen view"`)
-		http.Error(w, "slimen view: this page needs its token: open it as http://HOST:PORT/?token=TOKEN (the token is in the environment variable given to --token-env)", http.StatusUnauthorized)
+		http.Error(w, "slimen view: this page needs its token: open it as http://HOST:PORT/?token=TOKEN "+
+			"(the token is in the environment variable given to --token-env)", http.StatusUnauthorized)
 		return
 	}
 	w.Header().Set("X-Content-Type-Options", "nosniff")
@@ -196,7 +197,9 @@ func loopbackHost(host string) bool {
 // shows the run's prompts, outputs and config to whoever reaches the port.
 func Listen(address string, opts Options) (net.Listener, error) {
 	if !enginepb.IsLoopback(address) && opts.Token == "" {
-		return nil, fmt.Errorf("listen address %s is not loopback: a run's page served to the network must ask for a token, or anyone who reaches the port reads its prompts, outputs and config: set one with --token-env VAR; to serve this machine only, listen on 127.0.0.1", address)
+		return nil, fmt.Errorf("listen address %s is not loopback: a run's page served to the network must ask for a token, "+
+			"or anyone who reaches the port reads its prompts, outputs and config: "+
+			"set one with --token-env VAR; to serve this machine only, listen on 127.0.0.1", address)
 	}
 	return net.Listen("tcp", address)
 }

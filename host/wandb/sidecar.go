@@ -192,7 +192,7 @@ func answers(r reply, types []string) (bool, error) {
 	return slices.Contains(types, r.Type), nil
 }
 
-// exited reports whether the process has exited.
+// hasExited reports whether the process has exited.
 func (s *sidecar) hasExited() bool {
 	select {
 	case <-s.exited:

@@ -110,7 +110,8 @@ func (l *Logger) Open(ctx context.Context, c *config.Config) error {
 	sc, err := startSidecar(py, func(line string) { fmt.Fprintln(l.opts.Log, line) })
 	if err != nil {
 		if errors.Is(err, exec.ErrNotFound) || errors.Is(err, fs.ErrNotExist) {
-			return fmt.Errorf("run.wandb: cannot start the W&B sidecar with %s (from %s): %w; set run.wandb.python (or $%s) to the python of an environment with the wandb package", py, from, err, PythonEnv)
+			return fmt.Errorf("run.wandb: cannot start the W&B sidecar with %s (from %s): %w; "+
+				"set run.wandb.python (or $%s) to the python of an environment with the wandb package", py, from, err, PythonEnv)
 		}
 		return fmt.Errorf("run.wandb: start the W&B sidecar: %w", err)
 	}
@@ -125,10 +126,12 @@ func (l *Logger) Open(ctx context.Context, c *config.Config) error {
 	if err != nil {
 		sc.close(5 * time.Second)
 		if r.Missing == "wandb" {
-			return fmt.Errorf("run.wandb: %s (from %s) has no wandb package: install it into that environment (%s -m pip install wandb), or set run.wandb.python (or $%s) to the python of one that has it (scripts/pyenv.sh makes one)", py, from, py, PythonEnv)
+			return fmt.Errorf("run.wandb: %s (from %s) has no wandb package: install it into that environment (%s -m pip install wandb), "+
+				"or set run.wandb.python (or $%s) to the python of one that has it (scripts/pyenv.sh makes one)", py, from, py, PythonEnv)
 		}
 		if strings.Contains(err.Error(), "API key") {
-			return fmt.Errorf("run.wandb: %w; set WANDB_API_KEY (or run `%s -m wandb login`), or log offline: run.wandb.mode: offline (or WANDB_MODE=offline) and `wandb sync` later", err, py)
+			return fmt.Errorf("run.wandb: %w; set WANDB_API_KEY (or run `%s -m wandb login`), "+
+				"or log offline: run.wandb.mode: offline (or WANDB_MODE=offline) and `wandb sync` later", err, py)
 		}
 		return fmt.Errorf("run.wandb: %w", err)
 	}
