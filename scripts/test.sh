@@ -3,10 +3,11 @@
 # packages where rollouts, dispatchers and engine streams run concurrently, and the Python worker's
 # pytest suite in a virtual environment cached outside the clone (scripts/pyenv.sh).
 #
-# The three test runs go at the same time: one after another they kept a 2-core machine only
-# two-thirds busy (18m20s of wall time for 24m of CPU: cmd/slimen's tests wait on the processes
-# they start, pytest and the race run are one process each). Each run's output is printed whole
-# when it ends, in this order.
+# The Go tests (go test, then the race run) and pytest go at the same time: one after another
+# they kept a 2-core machine only two-thirds busy (18m20s of wall time for 24m of CPU: cmd/slimen's
+# tests wait on the processes they start, pytest is one process). Two streams, not three: the
+# torch worker tests wait 10-15 s for a worker's start, which a machine more loaded stretches.
+# Each stream's output is printed whole when it ends, Go's first.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -36,15 +37,23 @@ start() { # start NAME COMMAND...: runs the command in the background, its outpu
   ( "$@" >"$logs/$name" 2>&1 ) &
   pids[$name]=$!
 }
+go_tests() { # both Go runs, the second even when the first fails; fails if either did
+  set +e
+  echo "== go test"
+  go test -count=1 -timeout 15m $plain
+  local rc=$?
+  echo "== go test -race (the packages where rollouts, dispatchers and engine streams run concurrently)"
+  go test -race -count=1 -timeout 15m $race || rc=1
+  return $rc
+}
 declare -A pids
-start "go test" go test -count=1 -timeout 15m $plain
-start "go test -race" go test -race -count=1 -timeout 15m $race
+start "go tests" go_tests
 if [ -d engines/torch/tests ]; then
   start "python worker tests" bash -c "cd engines/torch && exec '$venv/bin/python' -m pytest -q tests"
 fi
 
 failed=()
-for name in "go test" "go test -race" "python worker tests"; do
+for name in "go tests" "python worker tests"; do
   [ -n "${pids[$name]:-}" ] || continue
   set +e
   wait "${pids[$name]}"
