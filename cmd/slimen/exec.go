@@ -76,23 +76,33 @@ type execFlags struct {
 func newExecFlags() *execFlags {
 	fs := flag.NewFlagSet("exec", flag.ContinueOnError)
 	f := &execFlags{fs: fs,
-		cfgPath:   fs.String("config", "", "YAML config (slime-n's policies: schema); default: every policy the script names on builtin:tiny-arith. With --resume: only where engines live (engine.address, tls, token_env, insecure, base_url, api_key_env) may differ from the checkpoint's"),
-		data:      fs.String("data", "", "task source: a JSONL file or synthetic:arith[?difficulty=N] (overrides data.path)"),
-		steps:     fs.Int("steps", 0, "steps to run (overrides run.steps)"),
-		seed:      fs.Uint64("seed", 0, "run seed (overrides run.seed)"),
-		out:       fs.String("out", "", "run directory (overrides run.out; default runs/SCRIPT_NAME)"),
-		batch:     fs.Int("batch-size", 0, "tasks per step (overrides rollout.batch_size)"),
-		staleness: fs.Int("max-staleness", 0, "K of the asynchronous loop: the rollouts of the next K steps run while a step trains, from weights at most K steps old (overrides rollout.max_staleness; 0: synchronous)"),
-		resume:    fs.String("resume", "", "continue a run: its directory (its newest valid checkpoint; newer invalid ones are reported and skipped) or a checkpoints/step_N folder"),
-		sandbox:   fs.Bool("sandbox", false, "run the script's rollouts in child processes under the config's sandbox budgets (for contributed workflows)"),
-		watch:     fs.Bool("watch", false, "reload the script, the files it loads and the config when they change (at step boundaries)"),
-		wandb:     fs.String("wandb", "", "log the run to this Weights & Biases project (sets run.wandb.project; docs/observability.md)"),
-		set:       map[string]bool{},
+		cfgPath: fs.String("config", "", "YAML config (slime-n's policies: schema); default: "+
+			"every policy the script names on builtin:tiny-arith. With --resume: "+
+			"only where engines live (engine.address, tls, token_env, insecure, base_url, "+
+			"api_key_env) may differ from the checkpoint's"),
+		data:  fs.String("data", "", "task source: a JSONL file or synthetic:arith[?difficulty=N] (overrides data.path)"),
+		steps: fs.Int("steps", 0, "steps to run (overrides run.steps)"),
+		seed:  fs.Uint64("seed", 0, "run seed (overrides run.seed)"),
+		out:   fs.String("out", "", "run directory (overrides run.out; default runs/SCRIPT_NAME)"),
+		batch: fs.Int("batch-size", 0, "tasks per step (overrides rollout.batch_size)"),
+		staleness: fs.Int("max-staleness", 0, "K of the asynchronous loop: the rollouts of the next K steps run while a step "+
+			"trains, from weights at most K steps old (overrides rollout.max_staleness; 0: synchronous)"),
+		resume: fs.String("resume", "", "continue a run: its directory (its newest valid checkpoint; "+
+			"newer invalid ones are reported and skipped) or a checkpoints/step_N folder"),
+		sandbox: fs.Bool("sandbox", false, "run the script's rollouts in child processes under the config's sandbox budgets (for contributed workflows)"),
+		watch:   fs.Bool("watch", false, "reload the script, the files it loads and the config when they change (at step boundaries)"),
+		wandb:   fs.String("wandb", "", "log the run to this Weights & Biases project (sets run.wandb.project; docs/observability.md)"),
+		set:     map[string]bool{},
 	}
-	f.deterministic = fs.Bool("deterministic", false, "batch-invariant kernels on every torch worker: a sample does not depend on its batch and the trainer's log-probs equal the rollout's bit for bit (sets engine.deterministic; docs/torch.md)")
-	f.tensorboard = fs.String("tensorboard", "", "write TensorBoard event files into this folder, relative to the working directory (sets run.tensorboard; docs/observability.md)")
+	f.deterministic = fs.Bool("deterministic", false, "batch-invariant kernels on every torch worker: "+
+		"a sample does not depend on its batch and the trainer's log-probs equal the rollout's "+
+		"bit for bit (sets engine.deterministic; docs/torch.md)")
+	f.tensorboard = fs.String("tensorboard", "", "write TensorBoard event files into this folder, "+
+		"relative to the working directory (sets run.tensorboard; docs/observability.md)")
 	fs.Usage = func() {
-		fmt.Fprintln(fs.Output(), "usage: slimen exec SCRIPT [--config Y] [--data D] [--steps N] [--seed S] [--out DIR] [--batch-size B] [--max-staleness K] [--wandb PROJECT] [--tensorboard DIR] [--deterministic] [--watch] [--sandbox] [--resume RUN_DIR|RUN_DIR/checkpoints/step_N]")
+		fmt.Fprintln(fs.Output(), "usage: slimen exec SCRIPT [--config Y] [--data D] [--steps N] [--seed S] [--out DIR] "+
+			"[--batch-size B] [--max-staleness K] [--wandb PROJECT] [--tensorboard DIR] "+
+			"[--deterministic] [--watch] [--sandbox] [--resume RUN_DIR|RUN_DIR/checkpoints/step_N]")
 		fs.PrintDefaults()
 	}
 	return f
@@ -149,7 +159,8 @@ func (f *execFlags) override(c *config.Config) error {
 				continue
 			}
 			if p.NumGPUsPerNode > 1 {
-				return fmt.Errorf("--deterministic: policy %q runs on %d GPUs a worker (num_gpus_per_node), and the batch-invariant kernels on one", p.Name, p.NumGPUsPerNode)
+				return fmt.Errorf("--deterministic: policy %q runs on %d GPUs a worker (num_gpus_per_node), "+
+					"and the batch-invariant kernels on one", p.Name, p.NumGPUsPerNode)
 			}
 			p.Engine.Deterministic = true
 			torch++
@@ -252,7 +263,8 @@ func loadRun(f *execFlags, script string, prog *progress) (*host.Run, int) {
 	}
 	cfg := r.Config()
 	prog.total = cfg.Run.Steps
-	fmt.Fprintf(os.Stderr, "slimen: %s → %s (steps %d to %d, %d tasks each)\n", r.Script().Path, cfg.Run.Out, r.StepsDone()+1, cfg.Run.Steps, cfg.Rollout.BatchSize)
+	fmt.Fprintf(os.Stderr, "slimen: %s → %s (steps %d to %d, %d tasks each)\n",
+		r.Script().Path, cfg.Run.Out, r.StepsDone()+1, cfg.Run.Steps, cfg.Rollout.BatchSize)
 	return r, 0
 }
 
@@ -318,10 +330,12 @@ func train(r *host.Run, prog *progress, args []string) int {
 		r.Stop()
 		if r.Config().Run.OnSignal == "abandon" {
 			// The run's step count belongs to Train's goroutine: the last line says what was saved.
-			fmt.Fprintln(prog.logWriter(), "slimen: stopping: abandoning the step in progress, then checkpointing the last completed step, if any (a second signal exits at once)")
+			fmt.Fprintln(prog.logWriter(), "slimen: stopping: abandoning the step in progress, then checkpointing the last "+
+				"completed step, if any (a second signal exits at once)")
 			abandon()
 		} else {
-			fmt.Fprintf(prog.logWriter(), "slimen: stopping: finishing the step in progress (rollouts still running in %v are cancelled: rollout.stop_grace_s), then checkpointing (a second signal exits at once)\n",
+			fmt.Fprintf(prog.logWriter(), "slimen: stopping: finishing the step in progress (rollouts still running in %v are "+
+				"cancelled: rollout.stop_grace_s), then checkpointing (a second signal exits at once)\n",
 				r.StopGrace())
 		}
 		<-sigs

@@ -16,7 +16,8 @@ import (
 )
 
 func init() {
-	commands["export"] = command{"write a synthetic task source as JSONL (SFT data for the torch engine, or tasks), or a LoRA adapter merged into its base (--merge)", cmdExport}
+	commands["export"] = command{"write a synthetic task source as JSONL (SFT data for the torch engine, or tasks), " +
+		"or a LoRA adapter merged into its base (--merge)", cmdExport}
 }
 
 // cmdExport writes problems of a synthetic source as JSONL, one object a line:

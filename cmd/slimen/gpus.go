@@ -151,14 +151,16 @@ func printPlan(w io.Writer, plan *gpus.Plan, list []gpus.GPU) {
 			for i, g := range wk.Replicas {
 				ids[i] = fmt.Sprint(g)
 			}
-			fmt.Fprintf(w, "    rollout replicas (rollout.max_staleness > 0: its worker keeps no versions): GPU %s, weights pushed by NCCL broadcast\n", strings.Join(ids, ","))
+			fmt.Fprintf(w, "    rollout replicas (rollout.max_staleness > 0: its worker keeps no versions): GPU %s, "+
+				"weights pushed by NCCL broadcast\n", strings.Join(ids, ","))
 		}
 	}
 	for _, n := range plan.NotPlaced {
 		fmt.Fprintf(w, "  not placed: %s\n", n)
 	}
 	if len(plan.Workers) > 0 {
-		fmt.Fprintln(w, "  (estimates leave out activations; a worker runs on the first GPU of its slice, or as N ranks on its first N GPUs with num_gpus_per_node N)")
+		fmt.Fprintln(w, "  (estimates leave out activations; a worker runs on the first GPU of its slice, "+
+			"or as N ranks on its first N GPUs with num_gpus_per_node N)")
 	}
 }
 

@@ -17,7 +17,8 @@ func init() {
 func cmdPlot(args []string) int {
 	fs := flag.NewFlagSet("plot", flag.ContinueOnError)
 	fs.Usage = func() {
-		fmt.Fprintln(fs.Output(), "usage: slimen plot RUN_DIR...\n\nReads RUN_DIR/metrics.jsonl and writes reward, accuracy and loss charts (SVG and PNG) into RUN_DIR/plots, then prints the files written.")
+		fmt.Fprintln(fs.Output(), "usage: slimen plot RUN_DIR...\n\nReads RUN_DIR/metrics.jsonl and writes reward, "+
+			"accuracy and loss charts (SVG and PNG) into RUN_DIR/plots, then prints the files written.")
 		fs.PrintDefaults()
 	}
 	dirs, err := parseInterleaved(fs, args)

@@ -31,7 +31,9 @@ func init() {
 // commands are in docs/tiny.md.
 func cmdPretrain(args []string) int {
 	fs := flag.NewFlagSet("pretrain", flag.ContinueOnError)
-	task := fs.String("task", "synthetic:arith", "task source: synthetic:arith[?difficulty=N]; synthetic:calc for the agent corpus of builtin:tiny-agent (with --init builtin:tiny-arith); synthetic:chat for the chat corpus of builtin:tiny-chat (with --tokenizer bpe:N)")
+	task := fs.String("task", "synthetic:arith", "task source: synthetic:arith[?difficulty=N]; "+
+		"synthetic:calc for the agent corpus of builtin:tiny-agent (with --init builtin:tiny-arith); "+
+		"synthetic:chat for the chat corpus of builtin:tiny-chat (with --tokenizer bpe:N)")
 	difficulty := fs.Int("difficulty", 0, "problem difficulty 1..4 (overrides the task's; default 2)")
 	steps := fs.Int("steps", 900, "optimizer steps (900, with every other flag at its default, reproduces builtin:tiny-arith byte for byte)")
 	batch := fs.Int("batch-size", 64, "examples per step")
@@ -54,11 +56,16 @@ func cmdPretrain(args []string) int {
 	fs.IntVar(&cfg.HeadDim, "head-dim", 0, "attention head width (0: hidden / heads)")
 	fs.IntVar(&cfg.MaxSeqLen, "positions", cfg.MaxSeqLen, "max_position_embeddings: the longest prompt and response together (up to 4096 and more)")
 	fs.Float64Var(&cfg.RopeTheta, "rope-theta", 0, "rotary base θ (0: 10000)")
-	tokenizer := fs.String("tokenizer", "char", "vocabulary of a new model: char (the 102 characters of builtin:tiny-arith, its <|role|> template) or bpe:N (a byte-level BPE of N tokens trained on the corpus, Qwen3's chat template with tools)")
+	tokenizer := fs.String("tokenizer", "char", "vocabulary of a new model: char (the 102 characters of builtin:tiny-arith, "+
+		"its <|role|> template) or bpe:N (a byte-level BPE of N tokens trained on the corpus, "+
+		"Qwen3's chat template with tools)")
 	tokTexts := fs.Int("tokenizer-examples", 20000, "with --tokenizer bpe:N: how many corpus examples (rendered with the chat template) the BPE is trained on")
-	corpusFile := fs.String("corpus", "", "JSONL file of examples instead of --task: each line {\"prompt\": …, \"response\": …} or {\"messages\": […], \"tools\": [schemas], \"response\": …}; the last --eval-n lines are held out for the evaluation (mean loss per response token)")
+	corpusFile := fs.String("corpus", "", "JSONL file of examples instead of --task: each line {\"prompt\": …, "+
+		"\"response\": …} or {\"messages\": […], \"tools\": [schemas], \"response\": …}; "+
+		"the last --eval-n lines are held out for the evaluation (mean loss per response token)")
 	fs.Usage = func() {
-		fmt.Fprintln(fs.Output(), "usage: slimen pretrain --out DIR [--task synthetic:arith | --corpus FILE.jsonl] [--tokenizer char|bpe:N] [--positions N] [--steps N] [--seed S] …")
+		fmt.Fprintln(fs.Output(), "usage: slimen pretrain --out DIR [--task synthetic:arith | --corpus FILE.jsonl] "+
+			"[--tokenizer char|bpe:N] [--positions N] [--steps N] [--seed S] …")
 		fmt.Fprintln(fs.Output(), "With only --out given it reproduces the embedded builtin:tiny-arith (--steps 900 --seed 1).")
 		fmt.Fprintln(fs.Output(), "--tokenizer bpe:N with --corpus makes a new chat model (Qwen3's chat format with tools); docs/tiny.md has the recipe.")
 		fs.PrintDefaults()
@@ -78,11 +85,14 @@ func cmdPretrain(args []string) int {
 		*task = "synthetic:arith"
 	}
 	if chat && *init == "" && *tokenizer == "char" {
-		fmt.Fprintln(os.Stderr, "slimen pretrain: --task synthetic:chat is Qwen3's chat format with tools: give a new model a chat vocabulary with --tokenizer bpe:N (docs/tiny.md has the command of builtin:tiny-chat) or --init a chat model")
+		fmt.Fprintln(os.Stderr, "slimen pretrain: --task synthetic:chat is Qwen3's chat format with tools: "+
+			"give a new model a chat vocabulary with --tokenizer bpe:N "+
+			"(docs/tiny.md has the command of builtin:tiny-chat) or --init a chat model")
 		return 2
 	}
 	arith, ok, err := tasks.ParseSpec(*task, *seed)
-	if name, _, _ := strings.Cut(strings.TrimPrefix(*task, "synthetic:"), "?"); err != nil && strings.HasPrefix(*task, "synthetic:") && slices.Contains(tasks.SyntheticNames, name) {
+	if name, _, _ := strings.Cut(strings.TrimPrefix(*task, "synthetic:"), "?"); err != nil && strings.HasPrefix(*task, "synthetic:") &&
+		slices.Contains(tasks.SyntheticNames, name) {
 		err = fmt.Errorf("--task %s: pretrain takes synthetic:arith[?difficulty=N], synthetic:calc or synthetic:chat", *task)
 	}
 	if err == nil && !ok {
@@ -150,7 +160,8 @@ func cmdPretrain(args []string) int {
 			for _, s := range sample {
 				fmt.Printf("  %q\n", s)
 			}
-			fmt.Printf("step %d: held-out chat corpus, greedy answers equal to the right ones: %.1f%% (calc %.1f%%, orchestra %.1f%%, planner %.1f%%, verifier %.1f%%, memory %.1f%%, arith %.1f%%)\n",
+			fmt.Printf("step %d: held-out chat corpus, greedy answers equal to the right ones: %.1f%% (calc %.1f%%, "+
+				"orchestra %.1f%%, planner %.1f%%, verifier %.1f%%, memory %.1f%%, arith %.1f%%)\n",
 				step, 100*right["all"], 100*right["calc"], 100*right["orchestra"], 100*right["planner"], 100*right["verifier"], 100*right["memory"], 100*right["arith"])
 			return nil
 		}
@@ -307,7 +318,8 @@ func readCorpus(path string) ([]tiny.Example, error) {
 // pretrainCorpus is `slimen pretrain --corpus FILE`: the examples of a JSONL file, all but the
 // last evalN in order (cycled), and as evaluation the mean loss per response token on those
 // evalN.
-func pretrainCorpus(path, out, init, tokenizer string, nTexts int, cfg tiny.ModelConfig, steps, batch int, lr float64, warmup int, wd float64, seed uint64, evalEvery, evalN, threads int) int {
+func pretrainCorpus(path, out, init, tokenizer string, nTexts int, cfg tiny.ModelConfig, steps, batch int, lr float64, warmup int,
+	wd float64, seed uint64, evalEvery, evalN, threads int) int {
 	fail := func(code int, err error) int {
 		fmt.Fprintln(os.Stderr, "slimen pretrain:", err)
 		return code

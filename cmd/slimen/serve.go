@@ -82,14 +82,20 @@ func newServeFlags() *serveFlags {
 	f.maxMB = fs.Int("max-message-mb", server.DefaultMaxMessageBytes>>20, "largest message accepted or sent, in MiB")
 	f.threads = fs.Int("threads", 0, "tiny: goroutines for the math (0: all cores)")
 	f.window = fs.Duration("batch-window", 0, "how long a generate request waits for others to batch with (0: start at once)")
-	f.cfgPath = fs.String("config", "", "serve the engine of a policy of this run config instead of --engine/--model: any kind a run opens (tiny, torch, remote, openai); with --policy")
+	f.cfgPath = fs.String("config", "", "serve the engine of a policy of this run config instead of --engine/--model: "+
+		"any kind a run opens (tiny, torch, remote, openai); with --policy")
 	f.policy = fs.String("policy", "", "with --config: the policy whose engine to serve (default: the config's only policy)")
-	f.openai = fs.String("openai", "", "also serve an OpenAI-compatible HTTP API (/v1/chat/completions, …) on host:port, with the same TLS, token and loopback rule")
-	fs.Int64Var(&f.limits.requestTokens, "openai-max-request-tokens", 0, "--openai: the most tokens one request may ask for, its prompts' and n × max_tokens for each (0: 1Mi, or 128 × the context length if more)")
+	f.openai = fs.String("openai", "", "also serve an OpenAI-compatible HTTP API (/v1/chat/completions, …) on host:port, "+
+		"with the same TLS, token and loopback rule")
+	fs.Int64Var(&f.limits.requestTokens, "openai-max-request-tokens", 0, "--openai: the most tokens one request may ask for, "+
+		"its prompts' and n × max_tokens for each (0: 1Mi, or 128 × the context length if more)")
 	fs.Int64Var(&f.limits.requestSamples, "openai-max-request-samples", 0, "--openai: the most samples (prompts × n) one request may ask for (0: 4096)")
-	fs.Int64Var(&f.limits.inFlight, "openai-max-tokens-in-flight", 0, "--openai: the most tokens, counted so, of the requests answered at once; past it, or past 4 × --openai-max-request-samples samples, a request gets 429 (0: 4 × --openai-max-request-tokens)")
+	fs.Int64Var(&f.limits.inFlight, "openai-max-tokens-in-flight", 0, "--openai: the most tokens, counted so, "+
+		"of the requests answered at once; past it, or past 4 × --openai-max-request-samples samples, "+
+		"a request gets 429 (0: 4 × --openai-max-request-tokens)")
 	fs.Usage = func() {
-		fmt.Fprintln(fs.Output(), "usage: slimen serve [--engine tiny] [--model M | --config C [--policy P]] [--listen ADDR] [--root DIR] [--tls-cert C --tls-key K [--tls-client-ca CA]] [--insecure] [--token-env VAR] [--openai ADDR]")
+		fmt.Fprintln(fs.Output(), "usage: slimen serve [--engine tiny] [--model M | --config C [--policy P]] [--listen ADDR] "+
+			"[--root DIR] [--tls-cert C --tls-key K [--tls-client-ca CA]] [--insecure] [--token-env VAR] [--openai ADDR]")
 		fs.PrintDefaults()
 	}
 	return f
@@ -177,7 +183,8 @@ func (f *serveFlags) planPolicy(p *servePlan) error {
 	name := *f.policy
 	if name == "" {
 		if len(cfg.Policies) != 1 {
-			return fmt.Errorf("--config %s defines %d policies; name the one to serve with --policy (%s)", *f.cfgPath, len(cfg.Policies), config.QuotePolicyNames(cfg.PolicyNames()))
+			return fmt.Errorf("--config %s defines %d policies; name the one to serve with --policy (%s)",
+				*f.cfgPath, len(cfg.Policies), config.QuotePolicyNames(cfg.PolicyNames()))
 		}
 		name = cfg.Policies[0].Name
 	}
@@ -214,7 +221,8 @@ func (p *servePlan) serve() int {
 	}
 	defer eng.Close()
 	srv := server.New(eng, p.opts)
-	log.Printf("serving %s engine %s on %s (%s, protocol version %d); clients save and load model folders only under %s", p.kind, p.model, l.Addr(), p.security(), enginepb.ProtocolVersion, strings.Join(p.opts.Roots, ", "))
+	log.Printf("serving %s engine %s on %s (%s, protocol version %d); clients save and load model folders only under %s",
+		p.kind, p.model, l.Addr(), p.security(), enginepb.ProtocolVersion, strings.Join(p.opts.Roots, ", "))
 
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()
