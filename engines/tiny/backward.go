@@ -226,8 +226,8 @@ func (m *model[T]) backwardTrunk(threads int, tokens []int32, seqs []seqView[T],
 	}
 }
 
-// rmsNormBackward, for y = w ⊙ x·inv with inv = 1/rms(x): sets (or with acc adds to) dx the
-// gradient through the norm, and adds Σ_rows dy ⊙ x·inv to gw unless gw is nil.
+// rmsNormBackward sets (or with acc adds to) dx the gradient through the norm y = w ⊙ x·inv,
+// inv = 1/rms(x), and adds Σ_rows dy ⊙ x·inv to gw unless gw is nil.
 func rmsNormBackward[T Float](threads int, dx, gw, dy, x []T, inv []float64, w []T, rows, d int, acc bool) {
 	parallelFor(threads, rows, 64, func(lo, hi int) {
 		for r := lo; r < hi; r++ {
@@ -262,7 +262,8 @@ func rmsNormBackward[T Float](threads int, dx, gw, dy, x []T, inv []float64, w [
 	})
 }
 
-// swigluBackward: act = silu(g)·u, silu(g) = g·σ(g), silu'(g) = σ(g)(1 + g(1 − σ(g))).
+// swigluBackward sets dgate and dup from dact, the gradient of act = silu(gate)·up, with sig
+// holding σ(gate): silu(g) = g·σ(g), silu'(g) = σ(g)(1 + g(1 − σ(g))).
 func swigluBackward[T Float](threads int, dgate, dup, dact, gate, sig, up []T) {
 	parallelFor(threads, len(dact), 1<<13, func(lo, hi int) {
 		for i := lo; i < hi; i++ {
