@@ -83,3 +83,32 @@ def test_a_critic_step_reports_no_mismatch(model_dir):
         assert st.logprob_diff_mean == st.logprob_diff_max == st.logprob_abs_diff == 0.0
     finally:
         e.close()
+
+
+def test_the_mismatch_crosses_the_protocol(model_dir, tmp_path):
+    # The worker's Train answer carries the three numbers the host writes into metrics.jsonl.
+    import grpc
+
+    from slimen_torch.proto import engine_pb2 as pb
+    from slimen_torch.proto import engine_pb2_grpc as pb_grpc
+    from slimen_torch.server import make_server
+
+    engine = Engine(model_dir, Options(device="cpu"))
+    server, service, port = make_server("127.0.0.1:0", roots=[str(tmp_path)])
+    service.engine, service.loading = engine, False
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+    try:
+        b = rollout_batch(engine, LossConfig(lr=1e-3))
+        samples = [pb.Sample(prompt=s.prompt, response=s.response, loss_mask=s.loss_mask,
+                             old_logprobs=[x - 0.25 for x in s.old_logprobs],
+                             advantages=s.advantages, group=s.group) for s in b.samples]
+        got = pb_grpc.EngineStub(channel).Train(pb.TrainRequest(batch=pb.Batch(
+            id="m1", samples=samples, loss=pb.LossConfig(lr=1e-3)))).stats
+        assert got.tokens > 0
+        assert got.logprob_diff_max == pytest.approx(0.25, abs=1e-4)
+        assert got.logprob_diff_mean == pytest.approx(0.25, abs=1e-4)
+        assert got.logprob_abs_diff == pytest.approx(0.25, abs=1e-4)
+    finally:
+        channel.close()
+        server.stop(0).wait()
+        engine.close()
