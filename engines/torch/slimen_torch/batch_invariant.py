@@ -128,8 +128,10 @@ def matmul_tree(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return torch.cat(out) if out else x.new_zeros(0, N, dtype=torch.float32)
 
 
+# The kernels are compiled alike for every row count and length (Triton would otherwise compile
+# a variant for a count of 1 or a multiple of 16): one code path for every batch.
 if HAVE_TRITON:
-    @triton.jit
+    @triton.jit(do_not_specialize=["M"])
     def _matmul_kernel(X, W, Y, M, N, K, sxm, sxk, swn, swk, sym, syn,
                        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                        IEEE: tl.constexpr):
@@ -374,7 +376,7 @@ def attention_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: to
 
 
 if HAVE_TRITON:
-    @triton.jit
+    @triton.jit(do_not_specialize=["Tq", "Lk"])
     def _attention_kernel(Q, K, V, O, P, Tq, H, G, Lk, D, scale,
                           sqb, sqt, sqh, skb, skh, skl, svb, svh, svl, sob, sot, soh,
                           BM: tl.constexpr, S: tl.constexpr, BD: tl.constexpr,
