@@ -46,7 +46,8 @@ func (r *Run) rewardKL(ctx context.Context, p *policy, ss []trainSample) ([][]fl
 		return nil, &EngineError{Step: r.step + 1, Policy: p.name, Err: fmt.Errorf("info: %w", err), Hint: r.engineErrorHint()}
 	}
 	if !slices.Contains(info.Capabilities, "reference") {
-		return nil, fmt.Errorf("policy %q: kl_coef %g needs the log-probs of the KL reference, which its engine (%s) cannot score (no \"reference\" capability)", p.name, tc.KLCoef, info.Model)
+		return nil, fmt.Errorf("policy %q: kl_coef %g needs the log-probs of the KL reference, "+
+			"which its engine (%s) cannot score (no \"reference\" capability)", p.name, tc.KLCoef, info.Model)
 	}
 	reqs := make([]engines.ScoreRequest, len(ss))
 	for i, s := range ss {
@@ -54,12 +55,14 @@ func (r *Run) rewardKL(ctx context.Context, p *policy, ss []trainSample) ([][]fl
 	}
 	scores, err := p.eng.Score(ctx, reqs)
 	if err != nil {
-		return nil, &EngineError{Step: r.step + 1, Policy: p.name, Err: fmt.Errorf("scoring %d samples with the KL reference: %w", len(ss), err), Hint: r.engineErrorHint()}
+		return nil, &EngineError{Step: r.step + 1, Policy: p.name, Err: fmt.Errorf("scoring %d samples with the KL reference: %w", len(ss), err),
+			Hint: r.engineErrorHint()}
 	}
 	out := make([][]float64, len(ss))
 	for i, s := range ss {
 		if len(scores[i].Logprobs) != len(s.C.Tokens()) || len(s.C.Logprobs()) != len(s.C.Tokens()) {
-			return nil, fmt.Errorf("policy %q: the KL reference returned %d log-probs for %d tokens (%d rollout log-probs)", p.name, len(scores[i].Logprobs), len(s.C.Tokens()), len(s.C.Logprobs()))
+			return nil, fmt.Errorf("policy %q: the KL reference returned %d log-probs for %d tokens (%d rollout log-probs)", p.name, len(scores[i].Logprobs),
+				len(s.C.Tokens()), len(s.C.Logprobs()))
 		}
 		out[i] = tokenKL(s.C.Logprobs(), scores[i].Logprobs, tc.KLLossType)
 	}
@@ -116,7 +119,10 @@ func (r *Run) warnSingletons(names []string, tc config.TrainConfig, in []advanta
 	if _, seen := r.warned.LoadOrStore("singletons/"+names[0], true); seen {
 		return
 	}
-	r.events.printf("warning: policy %s: every %s group of step %d holds one sample, so every advantage is 0 and the policy does not learn. Sample several answers a task (generate(..., n=4) trains them as one group), run each task several times (n_samples_per_prompt: 4), or use an estimator that needs no group (advantage_estimator: reinforce_plus_plus)",
+	r.events.printf("warning: policy %s: every %s group of step %d holds one sample, "+
+		"so every advantage is 0 and the policy does not learn. Sample several answers a task "+
+		"(generate(..., n=4) trains them as one group), run each task several times "+
+		"(n_samples_per_prompt: 4), or use an estimator that needs no group (advantage_estimator: reinforce_plus_plus)",
 		config.QuotePolicyNames(names), est, r.step+1)
 }
 
@@ -141,7 +147,8 @@ func (r *Run) warnNothingTrained(step int, ros []*script.Rollout, pm []Metrics) 
 	if _, seen := r.warned.LoadOrStore("nothing-trained", true); seen {
 		return
 	}
-	r.events.printf("warning: step %d trained nothing: none of its %d successful rollouts called train(), so no policy learns (rewards alone do not train); queue what you reward with train(c)", step, ok)
+	r.events.printf("warning: step %d trained nothing: none of its %d successful rollouts called train(), "+
+		"so no policy learns (rewards alone do not train); queue what you reward with train(c)", step, ok)
 }
 
 // advantages computes the per-token advantages of every policy's samples. Shared-buffer policies
@@ -245,7 +252,8 @@ func (r *Run) applyTeacher(ctx context.Context, p *policy, ss []trainSample, adv
 		}
 		scores, err := tp.eng.Score(ctx, reqs)
 		if err != nil {
-			return &EngineError{Step: r.step + 1, Policy: t, Err: fmt.Errorf("scoring %d samples of policy %q as their teacher: %w", len(idx), p.name, err), Hint: r.engineErrorHint()}
+			return &EngineError{Step: r.step + 1, Policy: t, Err: fmt.Errorf("scoring %d samples of policy %q as their teacher: %w", len(idx), p.name, err),
+				Hint: r.engineErrorHint()}
 		}
 		for k, i := range idx {
 			c := ss[i].C

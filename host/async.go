@@ -202,7 +202,8 @@ func (r *Run) versioned(ctx context.Context, k int) (map[string]engines.Versions
 				// the kept versions when they are prepared.)
 				for _, v := range r.keptList() {
 					if err := vs.KeepVersion(ctx, v); err != nil {
-						return nil, &EngineError{Step: r.step + 1, Policy: p.name, Err: fmt.Errorf("keeping weights version %d for rollouts: %w", v, err), Hint: r.engineErrorHint()}
+						return nil, &EngineError{Step: r.step + 1, Policy: p.name, Err: fmt.Errorf("keeping weights version %d for rollouts: %w", v, err),
+							Hint: r.engineErrorHint()}
 					}
 				}
 			}
@@ -240,7 +241,9 @@ func (r *Run) versionsOf(ctx context.Context, p *policy, k int) (engines.Version
 			return nil, fmt.Errorf("policy %q: asking its engine whether it keeps weights versions (rollout.max_staleness %d): %w", p.name, k, err)
 		}
 		if keeps {
-			r.events.printf("policy %q: its %s engine keeps rollout copies of its weights itself, so rollouts at rollout.max_staleness %d sample from them while it trains (a device copy of the weights per kept version, up to %d)", p.name, kind, k, k)
+			r.events.printf("policy %q: its %s engine keeps rollout copies of its weights itself, "+
+				"so rollouts at rollout.max_staleness %d sample from them while it trains (a device "+
+				"copy of the weights per kept version, up to %d)", p.name, kind, k, k)
 			return vs, nil
 		}
 	}
@@ -259,7 +262,9 @@ func (r *Run) versionsOf(ctx context.Context, p *policy, k int) (engines.Version
 			// A server reached over the protocol keeps them when it lists "versions".
 			server = " (its server lists no \"versions\" capability; `slimen serve` of an engine that keeps versions and the torch worker without --no-versions list it)"
 		}
-		return nil, fmt.Errorf("policy %q%s: rollout.max_staleness is %d, which needs an engine that keeps rollout copies of its weights while it trains (the tiny engine does) or %s; its %s engine has neither%s — set rollout.max_staleness: 0 (docs/async.md)",
+		return nil, fmt.Errorf("policy %q%s: rollout.max_staleness is %d, which needs an engine that keeps rollout copies of "+
+			"its weights while it trains (the tiny engine does) or %s; "+
+			"its %s engine has neither%s — set rollout.max_staleness: 0 (docs/async.md)",
 			p.name, r.cfgPlace(p), k, why, kind, server)
 	}
 	pc := p.cfg
@@ -272,13 +277,17 @@ func (r *Run) versionsOf(ctx context.Context, p *policy, k int) (engines.Version
 					lost := func(ctx context.Context, ev restartEvent) error {
 						return fmt.Errorf("policy %q: a rollout replica restarted and lost the weights version it held; resume the run from its last checkpoint", pc.Name)
 					}
-					return openEngine(ctx, pc, r.opts.Out, engineLogs{printf: r.events.printf, worker: r.events.filef, restarted: lost, cfg: r.cfg, replica: int(opened.Add(1))})
+					return openEngine(ctx, pc, r.opts.Out, engineLogs{printf: r.events.printf, worker: r.events.filef, restarted: lost, cfg: r.cfg,
+						replica: int(opened.Add(1))})
 				}
 			}
 			return open(ctx, pc)
 		}}
 	p.replicas = rep
-	r.events.printf("policy %q: its %s engine trains its only copy of the weights in place, so rollouts at rollout.max_staleness %d sample from rollout replicas (another engine of the policy each, up to %d), which take the trainer's weights after each step (by broadcast through a push group when their engines join one, else through a folder)", p.name, kind, k, k)
+	r.events.printf("policy %q: its %s engine trains its only copy of the weights in place, "+
+		"so rollouts at rollout.max_staleness %d sample from rollout replicas (another engine of the "+
+		"policy each, up to %d), which take the trainer's weights after each step (by broadcast "+
+		"through a push group when their engines join one, else through a folder)", p.name, kind, k, k)
 	return rep, nil
 }
 
@@ -294,7 +303,8 @@ func (r *Run) needVersion(ctx context.Context, v, k int) error {
 		return nil
 	}
 	if v != r.step {
-		return fmt.Errorf("step %d: weights version %d is needed, but only the current weights (version %d) and versions %v are at hand", r.step+1, v, r.step, r.keptList())
+		return fmt.Errorf("step %d: weights version %d is needed, but only the current weights (version %d) and versions %v are at hand", r.step+1, v,
+			r.step, r.keptList())
 	}
 	for _, name := range sortedKeys(vs) {
 		if err := vs[name].KeepVersion(ctx, v); err != nil {
@@ -374,9 +384,11 @@ func (r *Run) saveVersions(ctx context.Context, step int, tmp string) error {
 		}
 	}
 	if lo < step {
-		msg := fmt.Sprintf("checkpoint: step %d holds weights versions %s, which steps %s generate from (rollout.max_staleness %d)", step, span(lo, step-1), span(step+1, step+k), k)
+		msg := fmt.Sprintf("checkpoint: step %d holds weights versions %s, which steps %s generate from (rollout.max_staleness %d)", step, span(lo, step-1),
+			span(step+1, step+k), k)
 		if n := len(r.ahead); n > 0 {
-			msg += fmt.Sprintf("; the rollouts of steps %s in flight are not in it: a resume runs them again from those versions", span(r.ahead[0].step, r.ahead[n-1].step))
+			msg += fmt.Sprintf("; the rollouts of steps %s in flight are not in it: a resume runs them again from those versions",
+				span(r.ahead[0].step, r.ahead[n-1].step))
 		}
 		r.events.filef("%s", msg)
 	}

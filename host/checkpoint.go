@@ -22,7 +22,7 @@ import (
 	"github.com/slimen/slimen/host/script"
 )
 
-// Checkpoints (issue 9). <out>/checkpoints/step_N/ holds what a run needs to go on as if it had
+// Checkpoints. <out>/checkpoints/step_N/ holds what a run needs to go on as if it had
 // never stopped:
 //
 //	<policy>/          each trainable policy's engine state (Engine.Save: HF folder + optimizer)
@@ -196,7 +196,8 @@ func (r *Run) writeCheckpoint(ctx context.Context, step int, final, tmp string) 
 	if err != nil {
 		return fmt.Errorf("checkpoint: %w", err)
 	}
-	info, _ := json.MarshalIndent(runInfo{Step: step, NextTask: &r.next, Script: r.script.Path, ScriptHash: r.script.Hash, Seed: r.Config().Run.Seed, Dir: r.wd, MaxStaleness: r.staleness()}, "", "  ")
+	info, _ := json.MarshalIndent(runInfo{Step: step, NextTask: &r.next, Script: r.script.Path, ScriptHash: r.script.Hash, Seed: r.Config().Run.Seed,
+		Dir: r.wd, MaxStaleness: r.staleness()}, "", "  ")
 	y, err := r.Config().Marshal()
 	if err != nil {
 		return err
@@ -242,7 +243,9 @@ func (r *Run) savePolicies(ctx context.Context, step int, final, tmp string) (ma
 				return nil, fmt.Errorf("checkpoint: policy %q: its engine could not save: %w", p.name, err)
 			}
 			if !hasFiles(dir) {
-				return nil, fmt.Errorf("checkpoint: policy %q: its %s engine reported the save done, but %s holds no files; the engine does not write on this machine's disk — give it engine: {kind: remote} so that its state is recorded as living on its server",
+				return nil, fmt.Errorf("checkpoint: policy %q: its %s engine reported the save done, but %s holds no files; "+
+					"the engine does not write on this machine's disk — "+
+					"give it engine: {kind: remote} so that its state is recorded as living on its server",
 					p.name, p.cfg.Engine.Kind, dir)
 			}
 		}
@@ -276,7 +279,10 @@ func (r *Run) saveRemote(ctx context.Context, p *policy, final, tmp string) (*ex
 	}
 	if !r.ckpt.told[p.name] {
 		r.ckpt.told[p.name] = true
-		r.events.printf("checkpoint: policy %q: its engine at %s saves on its own disk, which this host cannot see: its state stays on the server in %s (step_N for each checkpoint); the manifest names that folder and resume asks the engine to load it. Pruning (run.keep_checkpoints) does not reach the server's copies",
+		r.events.printf("checkpoint: policy %q: its engine at %s saves on its own disk, which this host cannot see: "+
+			"its state stays on the server in %s (step_N for each checkpoint); "+
+			"the manifest names that folder and resume asks the engine to load it. Pruning "+
+			"(run.keep_checkpoints) does not reach the server's copies",
 			p.name, p.cfg.Engine.Address, dir)
 	}
 	return &externalState{Dir: dir, Address: p.cfg.Engine.Address}, nil
@@ -496,7 +502,8 @@ func FindCheckpoint(path string) (dir string, skipped []error, err error) {
 	}
 	steps := checkpointSteps(root)
 	if len(steps) == 0 {
-		return "", nil, fmt.Errorf("resume %s: there are no checkpoints in %s (a run writes one when it ends or stops on a signal, and every run.save_interval steps)", path, root)
+		return "", nil, fmt.Errorf("resume %s: there are no checkpoints in %s (a run writes one when it ends or stops on a "+
+			"signal, and every run.save_interval steps)", path, root)
 	}
 	for _, s := range steps {
 		d := filepath.Join(root, stepName(s))
@@ -618,7 +625,9 @@ func (r *Run) restore(ctx context.Context, dir string) error {
 		return err
 	}
 	if k := r.staleness(); k > info.MaxStaleness && info.Step > 0 {
-		return fmt.Errorf("resume: checkpoint %s was written with rollout.max_staleness %d and the run now has %d: the checkpoint holds the weights versions its next steps generate from under %d only; resume with rollout.max_staleness at most %d", dir, info.MaxStaleness, k, info.MaxStaleness, info.MaxStaleness)
+		return fmt.Errorf("resume: checkpoint %s was written with rollout.max_staleness %d and the run now has %d: "+
+			"the checkpoint holds the weights versions its next steps generate from under %d only; "+
+			"resume with rollout.max_staleness at most %d", dir, info.MaxStaleness, k, info.MaxStaleness, info.MaxStaleness)
 	}
 	for _, p := range r.policyList() {
 		if !p.cfg.Trainable {
@@ -634,7 +643,8 @@ func (r *Run) restore(ctx context.Context, dir string) error {
 			continue
 		}
 		if !m.holds(p.name) {
-			return fmt.Errorf("resume: checkpoint %s holds no state for policy %q (it was frozen or not yet used when the checkpoint was written); resume with the config the checkpoint was written with (its config.yaml)", dir, p.name)
+			return fmt.Errorf("resume: checkpoint %s holds no state for policy %q (it was frozen or not yet used when the "+
+				"checkpoint was written); resume with the config the checkpoint was written with (its config.yaml)", dir, p.name)
 		}
 		if err := p.eng.Load(ctx, filepath.Join(dir, p.name)); err != nil {
 			return fmt.Errorf("resume: policy %q: its engine could not load %s: %w", p.name, filepath.Join(dir, p.name), err)
@@ -666,7 +676,8 @@ func (r *Run) restore(ctx context.Context, dir string) error {
 	if missing, err := r.metrics.missingSteps(info.Step); err != nil {
 		return err
 	} else if len(missing) > 0 {
-		r.events.printf("warning: metrics: %s has no lines for step %s of the %d steps checkpoint %s holds (lost, or cut by hand); the run goes on from step %d, and those steps stay missing from its metrics",
+		r.events.printf("warning: metrics: %s has no lines for step %s of the %d steps checkpoint %s holds (lost, "+
+			"or cut by hand); the run goes on from step %d, and those steps stay missing from its metrics",
 			r.metrics.f.Name(), stepRanges(missing), info.Step, dir, info.Step+1)
 	}
 	if r.opts.Out != "" {
@@ -686,13 +697,17 @@ func (r *Run) loadExternal(ctx context.Context, dir string, p *policy, ext exter
 	if _, err := os.Stat(ext.Dir); err == nil {
 		// This host sees the folder: check it before the engine is asked to load it.
 		if !hasFiles(ext.Dir) {
-			return fmt.Errorf("resume: checkpoint %s: policy %q's state should be in %s (saved by its engine at %s), but that folder is empty; resume from an earlier checkpoint", dir, p.name, ext.Dir, ext.Address)
+			return fmt.Errorf("resume: checkpoint %s: policy %q's state should be in %s (saved by its engine at %s), "+
+				"but that folder is empty; resume from an earlier checkpoint", dir, p.name, ext.Dir, ext.Address)
 		}
 	} else {
-		r.events.printf("resume: policy %q: its state is in %s on the engine server %s, which this host cannot see; the engine loads it", p.name, ext.Dir, ext.Address)
+		r.events.printf("resume: policy %q: its state is in %s on the engine server %s, which this host cannot see; the engine loads it", p.name, ext.Dir,
+			ext.Address)
 	}
 	if err := p.eng.Load(ctx, ext.Dir); err != nil {
-		return fmt.Errorf("resume: policy %q: its engine at %s could not load %s, the folder on the server's disk where %s says its state was saved: %w\nrestore that folder on the server (or point the policy at the server that saved it), or resume from an earlier checkpoint",
+		return fmt.Errorf("resume: policy %q: its engine at %s could not load %s, the folder on the server's disk where %s "+
+			"says its state was saved: %w\nrestore that folder on the server (or point the policy at "+
+			"the server that saved it), or resume from an earlier checkpoint",
 			p.name, p.cfg.Engine.Address, ext.Dir, filepath.Join(dir, manifestFile), err)
 	}
 	return nil
@@ -726,7 +741,8 @@ func (r *Run) checkSaveFolders() error {
 		case !p.cfg.Trainable:
 			r.events.printf("config: policy %q is frozen (trainable: false): its save: folder %s is not written; only trainable policies are saved", p.name, p.cfg.Save)
 		case offHost(p.cfg):
-			r.events.printf("config: policy %q: save: %s is a folder on the engine server at %s, which writes it at every checkpoint", p.name, p.cfg.Save, p.cfg.Engine.Address)
+			r.events.printf("config: policy %q: save: %s is a folder on the engine server at %s, which writes it at every checkpoint", p.name, p.cfg.Save,
+				p.cfg.Engine.Address)
 		default:
 			if err := saveFolderUsable(p); err != nil {
 				return err
@@ -762,7 +778,8 @@ func saveFolderUsable(p *policy) error {
 			return nil
 		}
 	}
-	return fmt.Errorf("policy %q: save: %s holds files but is not a model folder (no config.json); slimen replaces the whole save: folder at every checkpoint, so point save: at a folder of its own", p.name, dst)
+	return fmt.Errorf("policy %q: save: %s holds files but is not a model folder (no config.json); "+
+		"slimen replaces the whole save: folder at every checkpoint, so point save: at a folder of its own", p.name, dst)
 }
 
 // writeSaveFolder writes a policy's save: folder (slime-n's per-policy save path): the engine's

@@ -16,8 +16,9 @@ import (
 
 // An EngineKind opens the engines of one engine kind: the engine.kind of a policy's config. The
 // host has three, tiny (the embedded pure-Go engine), remote (an engine server over gRPC) and
-// openai (an OpenAI-compatible HTTP server, for frozen policies); a package registers another with RegisterEngineKind in its init, and a program links the kind by
-// importing that package (host/torch registers torch, the CLI imports it).
+// openai (an OpenAI-compatible HTTP server, for frozen policies); a package registers another
+// with RegisterEngineKind in its init, and a program links the kind by importing that package
+// (host/torch registers torch, the CLI imports it).
 type EngineKind struct {
 	// Open opens the engine of a policy; env is where it reports and how it hears of restarts.
 	Open func(ctx context.Context, p config.PolicyConfig, env EngineEnv) (engines.Engine, error)
@@ -122,7 +123,8 @@ func (l engineLogs) env(p config.PolicyConfig, runDir string) EngineEnv {
 		e.OnRestart = func(engine string, self func() engines.Engine) func(ctx context.Context, prev, cur string) error {
 			return func(ctx context.Context, prev, cur string) error {
 				if l.restarted == nil {
-					l.logf("policy %q: %s restarted as a new process (instance %s → %s) and lost what it learned since it started; resume from a checkpoint to restore it", p.Name, engine, prev, cur)
+					l.logf("policy %q: %s restarted as a new process (instance %s → %s) and lost what it learned since it started; "+
+						"resume from a checkpoint to restore it", p.Name, engine, prev, cur)
 					return nil
 				}
 				return l.restarted(ctx, restartEvent{policy: p.Name, trainable: p.Trainable, engine: engine, prev: prev, cur: cur, eng: self()})
@@ -163,7 +165,8 @@ func openTiny(ctx context.Context, p config.PolicyConfig, env EngineEnv) (engine
 		}
 		// A load: folder of another shape cannot be measured against the reference (an
 		// hf_checkpoint left at its builtin default, say): it is its own reference.
-		env.Logf("policy %q: load: %s has another architecture than %s, so the KL reference is the load: folder itself; set hf_checkpoint (or ref_load) to its base model to measure against that", p.Name, p.Load, ref)
+		env.Logf("policy %q: load: %s has another architecture than %s, so the KL reference is the load: folder itself; "+
+			"set hf_checkpoint (or ref_load) to its base model to measure against that", p.Name, p.Load, ref)
 		return tiny.Open(p.Load, o)
 	}
 	return e, nil
@@ -238,7 +241,9 @@ func (r *Run) checkServerFolders(ctx context.Context, pc config.PolicyConfig, en
 			if dir == pc.Save {
 				what = "its save: folder"
 			}
-			return fmt.Errorf("its engine server at %s would refuse to write %s (%s), so the run would train and then fail at its first checkpoint: %w\nstart slimen serve with --root covering %s (or from that folder), or write the run where the server may save (--out inside its root)",
+			return fmt.Errorf("its engine server at %s would refuse to write %s (%s), so the run would train and then fail at its "+
+				"first checkpoint: %w\nstart slimen serve with --root covering %s (or from that "+
+				"folder), or write the run where the server may save (--out inside its root)",
 				pc.Engine.Address, what, dir, err, filepath.Dir(dir))
 		}
 	}
@@ -282,14 +287,18 @@ func (r *Run) claimServer(ctx context.Context, pc config.PolicyConfig, eng engin
 			}
 			switch {
 			case q.cfg.Trainable && pc.Trainable:
-				return fmt.Errorf("policies %q and %q are both trainable, and their engines %s are one server process (instance %s): it would train one model on both policies' samples. Give each trainable policy an engine server of its own (another slimen serve on its own --listen address), or make one of them trainable: false",
+				return fmt.Errorf("policies %q and %q are both trainable, and their engines %s are one server process (instance %s): "+
+					"it would train one model on both policies' samples. Give each trainable policy "+
+					"an engine server of its own (another slimen serve on its own --listen address), "+
+					"or make one of them trainable: false",
 					q.name, pc.Name, at, in.Instance())
 			case q.cfg.Trainable || pc.Trainable:
 				frozen, trained := q.name, pc.Name
 				if q.cfg.Trainable {
 					frozen, trained = pc.Name, q.name
 				}
-				r.events.printf("warning: policy %q is frozen, but its engine is policy %q's (%s, instance %s): it samples from the weights %q trains; give it an engine server of its own to keep it as it started", frozen, trained, at, in.Instance(), trained)
+				r.events.printf("warning: policy %q is frozen, but its engine is policy %q's (%s, instance %s): "+
+					"it samples from the weights %q trains; give it an engine server of its own to keep it as it started", frozen, trained, at, in.Instance(), trained)
 			}
 		}
 	}
@@ -300,7 +309,8 @@ func (r *Run) claimServer(ctx context.Context, pc config.PolicyConfig, eng engin
 	}
 	if pc.Engine.Continue {
 		r.restart.startedFrom(pc.Name, "", true)
-		r.events.printf("policy %q: engine.continue: training on from the state its engine at %s holds (not reset to its starting weights)", pc.Name, pc.Engine.Address)
+		r.events.printf("policy %q: engine.continue: training on from the state its engine at %s holds (not reset to its starting weights)", pc.Name,
+			pc.Engine.Address)
 		return nil
 	}
 	target, what := pc.Load, "its load: folder"
@@ -312,13 +322,17 @@ func (r *Run) claimServer(ctx context.Context, pc config.PolicyConfig, eng engin
 		target, what = info.Model, "the model the server was started with"
 	}
 	if err := eng.Load(ctx, target); err != nil {
-		return fmt.Errorf("its engine at %s could not be reset to %s (%s), and without that the run would start from whatever the server learned before (an earlier run's training): %w\nrestart the server before the run, start it with a --root that covers that folder, or set engine: {continue: true} to train on from the state it holds",
+		return fmt.Errorf("its engine at %s could not be reset to %s (%s), and without that the run would start from whatever "+
+			"the server learned before (an earlier run's training): "+
+			"%w\nrestart the server before the run, start it with a --root that covers that folder, "+
+			"or set engine: {continue: true} to train on from the state it holds",
 			pc.Engine.Address, what, target, err)
 	}
 	if pc.Load != "" {
 		r.restart.startedFrom(pc.Name, pc.Load, false)
 	}
-	r.events.printf("policy %q: reset its engine at %s to %s (%s) with a fresh optimizer, so the run does not start from what the server learned before; engine: {continue: true} keeps that state instead", pc.Name, pc.Engine.Address, target, what)
+	r.events.printf("policy %q: reset its engine at %s to %s (%s) with a fresh optimizer, "+
+		"so the run does not start from what the server learned before; engine: {continue: true} keeps that state instead", pc.Name, pc.Engine.Address, target, what)
 	return nil
 }
 

@@ -30,7 +30,8 @@ type loraBase struct {
 // outputs) or, with load:, the PEFT folder there.
 func openTinyLoRA(ctx context.Context, p config.PolicyConfig, env EngineEnv) (engines.Engine, error) {
 	if p.RefLoad != "" && p.RefLoad != p.HFCheckpoint {
-		return nil, fmt.Errorf("policy %q: ref_load %s: the KL reference of a LoRA policy is its base, hf_checkpoint %s; remove ref_load", p.Name, p.RefLoad, p.HFCheckpoint)
+		return nil, fmt.Errorf("policy %q: ref_load %s: the KL reference of a LoRA policy is its base, hf_checkpoint %s; remove ref_load", p.Name,
+			p.RefLoad, p.HFCheckpoint)
 	}
 	b := env.bases
 	if b == nil {
@@ -124,7 +125,8 @@ func (env EngineEnv) SharedBase(key string, open func() (engines.Engine, error))
 
 // sharedBase is SharedBase's shared engine; server, when it opens the engine, is the adapter
 // server kept with it for the policies that join it (OpenAdapter).
-func (env EngineEnv) sharedBase(key string, open func() (engines.Engine, error), server *adapterServer) (s *sharedEngine, fresh bool, release func() error, err error) {
+func (env EngineEnv) sharedBase(key string, open func() (engines.Engine, error), server *adapterServer) (s *sharedEngine, fresh bool,
+	release func() error, err error) {
 	b := env.bases
 	if b == nil {
 		b = &loraBases{}

@@ -21,7 +21,8 @@ func openOpenAI(ctx context.Context, p config.PolicyConfig, env EngineEnv) (engi
 		}}
 	if e.APIKeyEnv != "" {
 		if o.APIKey = os.Getenv(e.APIKeyEnv); o.APIKey == "" {
-			return nil, fmt.Errorf("policy %q: engine.api_key_env %s: the environment variable is empty or unset; export the server's API key in it", p.Name, e.APIKeyEnv)
+			return nil, fmt.Errorf("policy %q: engine.api_key_env %s: the environment variable is empty or unset; export the server's API key in it", p.Name,
+				e.APIKeyEnv)
 		}
 	}
 	c, err := openai.Open(ctx, o)

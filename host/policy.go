@@ -68,7 +68,8 @@ func (r *Run) refuseScoringWithoutScore() error {
 			if u.Fn == "train" {
 				call = fmt.Sprintf("train(…, teacher=%q)", u.Name)
 			}
-			return fmt.Errorf("%s: %s scores with policy %q, whose engine (kind openai, %s:%d) only generates: the OpenAI API returns no log-probabilities of given tokens; score with a tiny, torch or remote policy",
+			return fmt.Errorf("%s: %s scores with policy %q, whose engine (kind openai, %s:%d) only generates: "+
+				"the OpenAI API returns no log-probabilities of given tokens; score with a tiny, torch or remote policy",
 				u.Pos, call, u.Name, r.cfgName(), p.Line)
 		}
 	}
@@ -166,7 +167,8 @@ func (r *Run) openPolicyEngine(ctx context.Context, pc config.PolicyConfig) (eng
 		open := r.opts.OpenEngine
 		if open == nil {
 			open = func(ctx context.Context, p config.PolicyConfig) (engines.Engine, error) {
-				return openEngine(ctx, p, r.opts.Out, engineLogs{printf: r.events.printf, worker: r.events.filef, restarted: r.engineRestarted, bases: &r.bases, cfg: r.cfg})
+				return openEngine(ctx, p, r.opts.Out, engineLogs{printf: r.events.printf, worker: r.events.filef, restarted: r.engineRestarted, bases: &r.bases,
+					cfg: r.cfg})
 			}
 		}
 		var err error
@@ -253,7 +255,8 @@ func (r *Run) policyOn(name, checkpoint string) (*policy, error) {
 		if best := script.ClosestName(name, r.order); best != "" {
 			hint = fmt.Sprintf(" (did you mean %q?)", best)
 		}
-		return nil, fmt.Errorf("unknown policy %q%s; %s defines %s — add it under policies: or fix the name", name, hint, r.cfgName(), config.QuotePolicyNames(r.order))
+		return nil, fmt.Errorf("unknown policy %q%s; %s defines %s — add it under policies: or fix the name", name, hint, r.cfgName(),
+			config.QuotePolicyNames(r.order))
 	}
 	if err := config.CheckPolicyName(name); err != nil {
 		return nil, fmt.Errorf("%v (a zero-config run creates each policy under the name the script passes, which must be a name a config may give it)", err)

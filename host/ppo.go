@@ -8,7 +8,7 @@ import (
 	"github.com/slimen/slimen/engines"
 )
 
-// Asymmetric PPO (issue 4): an actor trained with advantage_estimator: ppo and a critic policy
+// Asymmetric PPO: an actor trained with advantage_estimator: ppo and a critic policy
 // (role: critic) — its own model with a value head and its own optimizer. The critic values every
 // response token of the actor's samples; GAE turns rewards and values into advantages for the
 // actor and returns for the critic, which then trains with the clipped value loss.

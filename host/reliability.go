@@ -91,14 +91,16 @@ func relocate(ckpt, moved *config.Config) ([]string, error) {
 		byName[moved.Policies[i].Name] = &moved.Policies[i]
 	}
 	if len(moved.Policies) != len(ckpt.Policies) {
-		return nil, fmt.Errorf("%s has %d policies and the checkpoint's config %d: --config with --resume may change only where engines live", moved.File, len(moved.Policies), len(ckpt.Policies))
+		return nil, fmt.Errorf("%s has %d policies and the checkpoint's config %d: --config with --resume may change only where engines live", moved.File,
+			len(moved.Policies), len(ckpt.Policies))
 	}
 	var changes []string
 	next := make([]config.PolicyConfig, len(ckpt.Policies))
 	for i, p := range ckpt.Policies {
 		m := byName[p.Name]
 		if m == nil {
-			return nil, fmt.Errorf("%s has no policy %q, which the checkpoint's config has: --config with --resume may change only where engines live", moved.File, p.Name)
+			return nil, fmt.Errorf("%s has no policy %q, which the checkpoint's config has: --config with --resume may change only where engines live",
+				moved.File, p.Name)
 		}
 		q := p
 		e, n := &q.Engine, m.Engine
@@ -134,14 +136,18 @@ func relocate(ckpt, moved *config.Config) ([]string, error) {
 		}
 		e.Address, e.TLS, e.TokenEnv, e.Insecure, e.BaseURL, e.APIKeyEnv = n.Address, n.TLS, n.TokenEnv, n.Insecure, n.BaseURL, n.APIKeyEnv
 		if key := firstDifference(q, *m, "line"); key != "" {
-			return nil, fmt.Errorf("%s: policy %q: %s differs from the checkpoint's config: --config with --resume may change only where engines live (engine.address, tls, token_env, insecure, base_url, api_key_env), never what the run computes; resume without --config, or start a new run", moved.File, p.Name, key)
+			return nil, fmt.Errorf("%s: policy %q: %s differs from the checkpoint's config: --config with --resume may change "+
+				"only where engines live (engine.address, tls, token_env, insecure, base_url, "+
+				"api_key_env), never what the run computes; resume without --config, or start a new run", moved.File, p.Name, key)
 		}
 		next[i] = q
 	}
 	a, b := *ckpt, *moved
 	a.Policies, b.Policies = nil, nil
 	if key := firstDifference(a, b, "run.out"); key != "" {
-		return nil, fmt.Errorf("%s: %s differs from the checkpoint's config: --config with --resume may change only where engines live, never what the run computes; resume without --config (--steps, --data… still apply), or start a new run", moved.File, key)
+		return nil, fmt.Errorf("%s: %s differs from the checkpoint's config: --config with --resume may change only where "+
+			"engines live, never what the run computes; resume without --config (--steps, "+
+			"--data… still apply), or start a new run", moved.File, key)
 	}
 	ckpt.Policies = next
 	return changes, nil

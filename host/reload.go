@@ -343,7 +343,8 @@ func (r *Run) rollBack(step int, why error) bool {
 		r.sandbox.close() // children of the failed version
 	}
 	r.watchDirs()
-	r.events.printf("reload: version %s failed its first step (step %d), so the run goes back to version %s and runs the step again; edit the script to try another version:\n%s",
+	r.events.printf("reload: version %s failed its first step (step %d), so the run goes back to version %s and runs the "+
+		"step again; edit the script to try another version:\n%s",
 		bad.Hash[:12], step, prev.Hash[:12], indent(why.Error()))
 	return true
 }

@@ -46,7 +46,8 @@ type adapterServer struct {
 // restored by its own policy's restart rule (its last checkpoint and the steps since).
 func OpenAdapter(ctx context.Context, p config.PolicyConfig, env EngineEnv, s AdapterServer) (engines.Engine, error) {
 	if p.RefLoad != "" && p.RefLoad != p.HFCheckpoint {
-		return nil, fmt.Errorf("policy %q: ref_load %s: the KL reference of a LoRA policy is its base, hf_checkpoint %s; remove ref_load", p.Name, p.RefLoad, p.HFCheckpoint)
+		return nil, fmt.Errorf("policy %q: ref_load %s: the KL reference of a LoRA policy is its base, hf_checkpoint %s; remove ref_load", p.Name,
+			p.RefLoad, p.HFCheckpoint)
 	}
 	as := &adapterServer{}
 	benv := env

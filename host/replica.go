@@ -55,9 +55,9 @@ type pushGroup struct {
 // push; PushHostEnv names the address the members meet at.
 const pushTimeout = 120 * time.Second
 
-// PushHostEnv, when set, is the address of the trainer's machine at which its rollout replicas
-// meet it to take its weights (a push group); by default 127.0.0.1: the workers run
-// on the host's machine.
+// PushHostEnv names the environment variable that holds the address of the trainer's machine
+// at which its rollout replicas meet it to take its weights (a push group); unset, it is
+// 127.0.0.1: the workers run on the host's machine.
 const PushHostEnv = "SLIMEN_PUSH_HOST"
 
 var _ engines.Versions = (*replicas)(nil)
@@ -105,7 +105,8 @@ func (r *replicas) join(ctx context.Context, reps []engines.Engine) {
 			return
 		}
 		if !can {
-			folder("its engine does not join push groups (no \"push\" in its capabilities: a worker group of several ranks, a worker started with --no-push, or an older release)")
+			folder("its engine does not join push groups (no \"push\" in its capabilities: a worker group of several ranks, " +
+				"a worker started with --no-push, or an older release)")
 			return
 		}
 		pushers[i] = p
@@ -148,7 +149,8 @@ func (r *replicas) join(ctx context.Context, reps []engines.Engine) {
 	r.mu.Lock()
 	r.group = pg
 	r.mu.Unlock()
-	r.logf("policy %q: its trainer and %d rollout replicas joined push group %s at %s in %.3fs (links from the trainer: %s); weights are pushed by broadcast", r.policy, len(reps), g.Name, g.InitMethod, time.Since(t).Seconds(), describeLinks(links[0]))
+	r.logf("policy %q: its trainer and %d rollout replicas joined push group %s at %s in %.3fs (links from the trainer: "+
+		"%s); weights are pushed by broadcast", r.policy, len(reps), g.Name, g.InitMethod, time.Since(t).Seconds(), describeLinks(links[0]))
 }
 
 // describeLinks names the trainer's link to each replica: "rank 1 nccl, rank 2 cuda-ipc".
@@ -261,7 +263,8 @@ func (r *replicas) KeepVersion(ctx context.Context, v int) error {
 			gb := float64(st.Bytes) / 1e9
 			r.keep(v, rep, d, gb)
 			r.mu.Unlock()
-			r.logf("policy %q: weights version %d pushed to its rollout replica by broadcast in %.6fs (%.6g GB: %.6f s/GB; %s, %.6fs in the workers)", r.policy, v, d.Seconds(), gb, d.Seconds()/max(gb, 1e-12), st.Link, st.Seconds)
+			r.logf("policy %q: weights version %d pushed to its rollout replica by broadcast in %.6fs (%.6g GB: %.6f s/GB; %s, %.6fs in the workers)",
+				r.policy, v, d.Seconds(), gb, d.Seconds()/max(gb, 1e-12), st.Link, st.Seconds)
 			return nil
 		}
 		// A group that failed once is not trusted again (a member may still wait in it).
@@ -289,7 +292,8 @@ func (r *replicas) KeepVersion(ctx context.Context, v int) error {
 	}
 	gb := float64(treeSize(dir)) / 1e9
 	r.keep(v, rep, d, gb)
-	r.logf("policy %q: weights version %d pushed to its rollout replica in %.3fs (%.3f GB of model loaded, %.3f GB saved with the optimizer state: %.3f s/GB saved and loaded)", r.policy, v, d.Seconds(), gb, float64(saved)/1e9, d.Seconds()/max(gb, 1e-9))
+	r.logf("policy %q: weights version %d pushed to its rollout replica in %.3fs (%.3f GB of model loaded, "+
+		"%.3f GB saved with the optimizer state: %.3f s/GB saved and loaded)", r.policy, v, d.Seconds(), gb, float64(saved)/1e9, d.Seconds()/max(gb, 1e-9))
 	return nil
 }
 

@@ -193,7 +193,9 @@ func (r *Run) engineRestarted(ctx context.Context, ev restartEvent) error {
 	case ev.eng == nil:
 		return fail("its engine was not ready to be given its state back")
 	case !g.known && g.dropped > 0:
-		return fail("the optimizer steps applied since the run's last checkpoint outgrew the %d MiB the host keeps to replay into a restarted engine in step %d, and the run has no checkpoint of step %d to load into it (a checkpoint more often — run.save_interval, run.save_minutes — keeps them fewer)", replayLimitOf(g)>>20, g.dropped, g.done)
+		return fail("the optimizer steps applied since the run's last checkpoint outgrew the %d MiB the host keeps to replay "+
+			"into a restarted engine in step %d, and the run has no checkpoint of step %d to load "+
+			"into it (a checkpoint more often — run.save_interval, run.save_minutes — keeps them fewer)", replayLimitOf(g)>>20, g.dropped, g.done)
 	case !g.known:
 		return fail("the run has no checkpoint of step %d to load into it", g.done)
 	}
@@ -305,7 +307,9 @@ func (r *Run) resumeHint() string {
 	}
 	dir, _, err := FindCheckpoint(r.opts.Out)
 	if err != nil {
-		return fmt.Sprintf("%s has no checkpoint to resume from (run.save_interval writes them), and slimen exec does not write a new run into a folder that holds one: start it again once the engine is back, with another --out (or remove %s first)", r.opts.Out, r.opts.Out)
+		return fmt.Sprintf("%s has no checkpoint to resume from (run.save_interval writes them), "+
+			"and slimen exec does not write a new run into a folder that holds one: "+
+			"start it again once the engine is back, with another --out (or remove %s first)", r.opts.Out, r.opts.Out)
 	}
 	info, err := readRunInfo(dir)
 	step := info.Step

@@ -238,7 +238,8 @@ func Load(ctx context.Context, scriptPath string, opts Options) (_ *Run, err err
 	}()
 	sandboxed := opts.Sandbox || r.cfg.Sandbox.Enabled
 	if sandboxed && (len(opts.Builtins) > 0 || len(opts.Modules) > 0) {
-		return nil, &ScriptError{Msg: "a sandboxed run cannot have Options.Builtins or Options.Modules: they are Go values of this process, and the script runs in child processes"}
+		return nil, &ScriptError{Msg: "a sandboxed run cannot have Options.Builtins or Options.Modules: " +
+			"they are Go values of this process, and the script runs in child processes"}
 	}
 	s, err := script.Load(scriptPath, r.scriptOptions(sandboxed))
 	if err != nil {
@@ -574,7 +575,8 @@ type rolloutFn struct {
 // processes). eval, when not nil, marks eval rollouts: they sample with its settings and may not
 // train. version ≥ 0 is the weights version the trainable policies generate from; -1:
 // their current weights.
-func (r *Run) runRollouts(ctx context.Context, step int, tasks []Task, samples int, rf rolloutFn, eval *engines.Sampling, version int) ([]*script.Rollout, error) {
+func (r *Run) runRollouts(ctx context.Context, step int, tasks []Task, samples int, rf rolloutFn, eval *engines.Sampling,
+	version int) ([]*script.Rollout, error) {
 	if version >= 0 {
 		ctx = withVersion(ctx, version, contVersion(step, r.Config().Rollout.MaxStaleness))
 	}
@@ -645,7 +647,8 @@ func (r *Run) openOutputs() error {
 		return err
 	}
 	if h := lock.stale; h != nil {
-		r.events.printf("lock: %s was left locked by %s, which ended without releasing it (a crash or a kill); this run (pid %d) holds it now", lock.path, h, os.Getpid())
+		r.events.printf("lock: %s was left locked by %s, which ended without releasing it (a crash or a kill); this run (pid %d) holds it now", lock.path,
+			h, os.Getpid())
 	}
 	if err := r.metrics.open(filepath.Join(out, "metrics.jsonl"), r.events); err != nil {
 		return err

@@ -330,14 +330,17 @@ func (c *sbChild) describeDeath(err error) error {
 	case strings.Contains(tail, "pthread_create failed") || strings.Contains(tail, "failed to create new OS thread"):
 		// A thread's stack is a private mapping, so RLIMIT_DATA refuses it too: a runtime that
 		// cannot start a thread under that limit has run out of memory.
-		return &script.BudgetError{Budget: "memory_mb", Limit: strconv.Itoa(cfg.MemoryMB), What: "the script's process ran out of memory (the runtime could not start a thread)"}
+		return &script.BudgetError{Budget: "memory_mb", Limit: strconv.Itoa(cfg.MemoryMB), What: "the script's process ran out of memory (the " +
+			"runtime could not start a thread)"}
 	case strings.Contains(tail, "SIGSEGV"):
 		// Starlark cannot fault by itself; under RLIMIT_DATA the Go runtime sometimes dies this
 		// way instead of reporting a failed allocation.
-		return &script.BudgetError{Budget: "memory_mb", Limit: strconv.Itoa(cfg.MemoryMB), What: "the script's process ran out of memory (the runtime crashed: SIGSEGV)"}
+		return &script.BudgetError{Budget: "memory_mb", Limit: strconv.Itoa(cfg.MemoryMB),
+			What: "the script's process ran out of memory (the runtime crashed: SIGSEGV)"}
 	case errors.As(err, &ee) && ee.Sys().(syscall.WaitStatus).Signal() == syscall.SIGXCPU,
 		errors.As(err, &ee) && ee.Sys().(syscall.WaitStatus).Signal() == syscall.SIGKILL && cfg.CPUSeconds > 0:
-		return &script.BudgetError{Budget: "cpu_seconds", Limit: strconv.Itoa(cfg.CPUSeconds), What: "the script's process used up its CPU time (killed at the hard limit)"}
+		return &script.BudgetError{Budget: "cpu_seconds", Limit: strconv.Itoa(cfg.CPUSeconds),
+			What: "the script's process used up its CPU time (killed at the hard limit)"}
 	case strings.Contains(tail, "stack exceeds"):
 		return &script.BudgetError{Budget: "memory_mb", Limit: strconv.Itoa(cfg.MemoryMB), What: "the script's process overflowed its stack"}
 	}
@@ -446,7 +449,8 @@ func (c *sbChild) serve(p *pending) (any, error) {
 // refused with an error that says so.
 func callArgs(m sandbox.Msg, v any) error {
 	if err := json.Unmarshal(m.Args, v); err != nil {
-		return fmt.Errorf("sandbox: the script's process sent a %.40q call whose arguments do not decode (%v), which the slimen sandbox child never sends", m.Method, err)
+		return fmt.Errorf("sandbox: the script's process sent a %.40q call whose arguments do not decode (%v), "+
+			"which the slimen sandbox child never sends", m.Method, err)
 	}
 	return nil
 }
@@ -529,7 +533,8 @@ func (sb *pool) mayCreate(name string) error {
 		_, err := sb.r.policyFor(name)
 		return err
 	}
-	return fmt.Errorf("policy %q: a sandboxed run without a config creates at most %d policies (it has %s); name the policies in a config", name, maxZeroPolicies, config.QuotePolicyNames(names))
+	return fmt.Errorf("policy %q: a sandboxed run without a config creates at most %d policies (it has %s); name the policies in a config", name,
+		maxZeroPolicies, config.QuotePolicyNames(names))
 }
 
 // policies says whether the run has a policy, and names them all. A zero-config run adds
@@ -560,7 +565,9 @@ func (sb *pool) usable(fn, policy string, msgs []engines.Message) error {
 func (sb *pool) stateFits(cfg config.SandboxConfig, key string, v starlark.Value) (int, error) {
 	size := script.EntrySize(key, v, cfg.StateTotalBytes)
 	if size > cfg.StateBytes {
-		return 0, &script.BudgetError{Budget: "state_bytes", Limit: strconv.Itoa(cfg.StateBytes), What: fmt.Sprintf("state.update(%s) stores an entry of about %d bytes or more (key and value)", quoteKey(key), size)}
+		return 0, &script.BudgetError{Budget: "state_bytes", Limit: strconv.Itoa(cfg.StateBytes),
+			What: fmt.Sprintf("state.update(%s) stores an entry of about %d bytes "+
+				"or more (key and value)", quoteKey(key), size)}
 	}
 	sb.stMu.Lock()
 	defer sb.stMu.Unlock()
@@ -569,7 +576,8 @@ func (sb *pool) stateFits(cfg config.SandboxConfig, key string, v starlark.Value
 	}
 	if total := sb.stTotal - sb.stSizes[key] + size; total > cfg.StateTotalBytes {
 		return 0, &script.BudgetError{Budget: "state_total_bytes", Limit: strconv.Itoa(cfg.StateTotalBytes),
-			What: fmt.Sprintf("state.update(%s) would make the run's state hold about %d bytes (%d keys); the store is run-wide: keep fewer or smaller entries", quoteKey(key), total, len(sb.stSizes)+1)}
+			What: fmt.Sprintf("state.update(%s) would make the run's state hold about %d bytes (%d keys); the store is run-wide: "+
+				"keep fewer or smaller entries", quoteKey(key), total, len(sb.stSizes)+1)}
 	}
 	return size, nil
 }
@@ -671,7 +679,8 @@ func (sb *pool) run(ro *script.Rollout, a sandbox.Rollout, alone bool) error {
 		<-c.dead
 		return cause
 	case <-timer.C:
-		c.stop(&script.BudgetError{Budget: "wall_seconds", Limit: fmt.Sprint(limit), What: fmt.Sprintf("the rollout did not finish in time, nor stop %v after; the host stopped its process", wallGrace)})
+		c.stop(&script.BudgetError{Budget: "wall_seconds", Limit: fmt.Sprint(limit), What: fmt.Sprintf("the rollout did not finish in time, "+
+			"nor stop %v after; the host stopped its process", wallGrace)})
 		<-c.dead
 		return &childDied{c.deathErr}
 	}
@@ -784,7 +793,8 @@ func (r *Run) runSandboxed(ctx context.Context, pass int64, ros []*script.Rollou
 	cfg := r.Config()
 	r.sandbox.warnOnce.Do(func() {
 		if !r.zero && len(cfg.Sandbox.Train) == 0 {
-			r.events.printf("sandbox: sandbox.train lists no policy, so this script may train none; grant what it may train with sandbox: {train: [%s]}", strings.Join(cfg.PolicyNames(), ", "))
+			r.events.printf("sandbox: sandbox.train lists no policy, so this script may train none; "+
+				"grant what it may train with sandbox: {train: [%s]}", strings.Join(cfg.PolicyNames(), ", "))
 		}
 	})
 	r.sandbox.stMu.Lock()

@@ -45,7 +45,8 @@ func (e *forgedError) Unwrap() error { return e.err }
 
 // forgery says what a child sent that its honest self never does.
 func forgery(format string, args ...any) error {
-	return &forgedError{fmt.Errorf("sandbox: the script's process sent the host %s, which the slimen sandbox child never sends (a forged message); the host stopped the process", fmt.Sprintf(format, args...))}
+	return &forgedError{fmt.Errorf("sandbox: the script's process sent the host %s, which the slimen sandbox child never "+
+		"sends (a forged message); the host stopped the process", fmt.Sprintf(format, args...))}
 }
 
 // forgedBudget is a call past a budget that the child's own check refuses.
@@ -140,7 +141,8 @@ func (p *pending) charge(cfg config.SandboxConfig) error {
 			return err
 		}
 		if want := n * mt; a.tokens+want > cfg.Tokens {
-			return forgedBudget("tokens", cfg.Tokens, "a generate call asks for up to %d tokens (n=%d × max_tokens=%d) with %d of the rollout's reserved", want, n, mt, a.tokens)
+			return forgedBudget("tokens", cfg.Tokens, "a generate call asks for up to %d tokens (n=%d × max_tokens=%d) with %d of "+
+				"the rollout's reserved", want, n, mt, a.tokens)
 		}
 		if err := script.CheckPrompt(cfg, "generate", p.gen.Req.Messages); err != nil {
 			return &forgedError{fmt.Errorf("%v, which the child's own check refuses (a forged message); the host stopped the process", err)}
@@ -244,7 +246,8 @@ func (c *sbChild) note(m sandbox.Msg, cfg config.SandboxConfig) error {
 		return forgedBudget("print_bytes", cfg.PrintBytes, "the rollout's event line %d came to the host (its child sends at most %d)", events, script.MaxPrintEvents)
 	}
 	if most := cfg.PrintBytes + events*(eventAllowance+len(ro.Task.ID)); bytes > most {
-		return forgedBudget("print_bytes", cfg.PrintBytes, "the rollout's %d event lines came to the host with %d bytes (its child sends at most %d)", events, bytes, most)
+		return forgedBudget("print_bytes", cfg.PrintBytes, "the rollout's %d event lines came to the host with %d bytes (its "+
+			"child sends at most %d)", events, bytes, most)
 	}
 	c.sb.r.events.printf("%s", msg)
 	return nil

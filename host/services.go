@@ -64,7 +64,8 @@ func (h localHost) Render(ctx context.Context, policy string, reqs []engines.Ren
 	}
 	rd, ok := p.eng.(engines.Renderer)
 	if !ok {
-		return script.Rendered{}, fmt.Errorf("policy %q: its engine cannot render its chat template to tokens (no Render), which a chat needs; the tiny, remote and torch engines can", policy)
+		return script.Rendered{}, fmt.Errorf("policy %q: its engine cannot render its chat template to tokens (no Render), "+
+			"which a chat needs; the tiny, remote and torch engines can", policy)
 	}
 	info, err := p.chatInfo(ctx)
 	if err != nil {
