@@ -257,7 +257,10 @@ func (r *Run) withinContext(ctx context.Context, step int, p *policy, ss []train
 	}
 	m.set("overflow", float64(dropped))
 	if _, seen := r.warned.LoadOrStore("past-context/"+p.name, true); !seen {
-		r.events.printf("warning: step %d: policy %q: %d of %d samples (up to %d tokens) are longer than its model's context of %d tokens and are not trained (overflow counts them each step); keep conversations shorter (fewer turns, a smaller max_tokens, shorter tool results) or use a model with more positions",
+		r.events.printf("warning: step %d: policy %q: %d of %d samples (up to %d tokens) are longer than its model's context "+
+			"of %d tokens and are not trained (overflow counts them each step); "+
+			"keep conversations shorter (fewer turns, a smaller max_tokens, "+
+			"shorter tool results) or use a model with more positions",
 			step, p.name, dropped, len(ss), longest, info.MaxSeqLen)
 	}
 	return keep, keepAdv
@@ -461,7 +464,8 @@ func (r *Run) trainLogprobs(ctx context.Context, step int, p *policy, ss []train
 	}
 	scores, err := p.eng.Score(ctx, reqs)
 	if err != nil {
-		return nil, &EngineError{Step: step, Policy: p.name, Err: fmt.Errorf("scoring %d samples for use_tis's old log-probs: %w", len(ss), err), Hint: r.engineErrorHint()}
+		return nil, &EngineError{Step: step, Policy: p.name, Err: fmt.Errorf("scoring %d samples for use_tis's old log-probs: %w", len(ss), err),
+			Hint: r.engineErrorHint()}
 	}
 	out := make([][]float32, len(ss))
 	for i, s := range ss {
@@ -484,7 +488,9 @@ func (r *Run) checkTIS(ctx context.Context, name string, pc config.PolicyConfig,
 		return fmt.Errorf("policy %q: info: %w", name, err)
 	}
 	if !slices.Contains(info.Capabilities, "tis") {
-		return fmt.Errorf("policy %q%s: train.use_tis needs an engine that applies the off-policy correction, and its engine (%s) does not (no \"tis\" capability; the tiny and torch engines have it): set use_tis: false or use another engine", name, r.cfgPlace(&policy{cfg: pc}), info.Model)
+		return fmt.Errorf("policy %q%s: train.use_tis needs an engine that applies the off-policy correction, "+
+			"and its engine (%s) does not (no \"tis\" capability; the tiny and torch engines have it): "+
+			"set use_tis: false or use another engine", name, r.cfgPlace(&policy{cfg: pc}), info.Model)
 	}
 	return nil
 }
