@@ -274,11 +274,13 @@ type SandboxConfig struct {
 	StateBytes      int     `yaml:"state_bytes" json:"state_bytes"`             // size of one entry (key and value) stored in state
 	StateTotalBytes int     `yaml:"state_total_bytes" json:"state_total_bytes"` // size of everything the run's state holds (run-wide)
 	ParallelItems   int     `yaml:"parallel_items" json:"parallel_items"`       // items of one parallel() call
-	Threads         int     `yaml:"threads" json:"threads"`                     // threads of one rollout running at once; parallel items past it run on the calling thread
-	MessageBytes    int     `yaml:"message_bytes" json:"message_bytes"`         // one message from a child process to the host
-	MemoryMB        int     `yaml:"memory_mb" json:"memory_mb"`                 // memory (RLIMIT_DATA) of a child process
-	CPUSeconds      int     `yaml:"cpu_seconds" json:"cpu_seconds"`             // CPU time of a child process (0: unlimited)
-	Processes       int     `yaml:"processes" json:"processes"`                 // child processes evaluating rollouts
+	// Threads bounds the threads of one rollout running at once; parallel items past it run on
+	// the calling thread.
+	Threads      int `yaml:"threads" json:"threads"`
+	MessageBytes int `yaml:"message_bytes" json:"message_bytes"` // one message from a child process to the host
+	MemoryMB     int `yaml:"memory_mb" json:"memory_mb"`         // memory (RLIMIT_DATA) of a child process
+	CPUSeconds   int `yaml:"cpu_seconds" json:"cpu_seconds"`     // CPU time of a child process (0: unlimited)
+	Processes    int `yaml:"processes" json:"processes"`         // child processes evaluating rollouts
 	// Policies may be used by generate and score (absent: every policy the config names). Train
 	// may be trained (absent: none, unless the run is zero-config, where every policy is a fresh
 	// model of this run); each must also be trainable.
@@ -290,10 +292,12 @@ type SandboxConfig struct {
 	// has (a last word "**" matches any further arguments), each matched by path.Match.
 	Programs []string `yaml:"programs,omitempty" json:"programs,omitempty"`
 	// Each agent() program runs in a jail (host/jail): these bound and open it.
-	AgentEnv  []string `yaml:"agent_env,omitempty" json:"agent_env,omitempty"`   // variables a script may set with env= (never loader or interpreter ones)
-	AgentRead []string `yaml:"agent_read,omitempty" json:"agent_read,omitempty"` // host paths visible read-only, besides the system's, the program's installation and the script's folder
-	AgentPids int      `yaml:"agent_pids" json:"agent_pids"`                     // processes of a program's whole tree
-	AgentCPUs float64  `yaml:"agent_cpus" json:"agent_cpus"`                     // CPUs of a program's whole tree (memory_mb bounds its memory)
+	AgentEnv []string `yaml:"agent_env,omitempty" json:"agent_env,omitempty"` // variables a script may set with env= (never loader or interpreter ones)
+	// AgentRead lists the host paths visible read-only, besides the system's, the program's
+	// installation and the script's folder.
+	AgentRead []string `yaml:"agent_read,omitempty" json:"agent_read,omitempty"`
+	AgentPids int      `yaml:"agent_pids" json:"agent_pids"` // processes of a program's whole tree
+	AgentCPUs float64  `yaml:"agent_cpus" json:"agent_cpus"` // CPUs of a program's whole tree (memory_mb bounds its memory)
 }
 
 // RunConfig holds run-wide settings.

@@ -15,9 +15,9 @@ const BuiltinChatCheckpoint = "builtin:tiny-chat"
 //
 // They depart from slime-n's (SlimeTrainDefaults) where a model of a hundred thousand parameters
 // needs it: lr 3e-4 (1e-6 barely moves it) and global_batch_size 32, so a step of 32 tasks with
-// 8 samples each makes 8 optimizer steps. Measured by BenchmarkGRPOArith (docs/tiny.md): at these
-// settings plain GRPO lifts held-out accuracy by 20+ points in five minutes on two cores; at
-// 2e-3 or with one optimizer step per rollout step it learns less or collapses.
+// 8 samples each makes 8 optimizer steps. BenchmarkGRPOArith measures them (docs/tiny.md has its
+// learning curve and a table of learning rates): at 2e-3, or with one optimizer step per rollout
+// step, plain GRPO learns less or collapses.
 func TinyTrainDefaults() TrainConfig {
 	t := SlimeTrainDefaults()
 	t.LR = 3e-4

@@ -14,6 +14,7 @@ type Error struct {
 	Msg  string
 }
 
+// Error reads FILE:LINE: PATH: MSG, leaving out the line and the path where there is none.
 func (e *Error) Error() string {
 	var b strings.Builder
 	b.WriteString(e.File)
@@ -35,6 +36,7 @@ type errorList []*Error
 // order. errors.As(err, &list) gets at them.
 type ErrorList []*Error
 
+// Error puts each problem on a line of its own.
 func (l ErrorList) Error() string {
 	lines := make([]string, len(l))
 	for i, e := range l {

@@ -134,7 +134,8 @@ func parseModelArgs(data []byte) (flags []modelFlag, skipped []skippedFlag) {
 			if v, ok := expandDefault(w); ok {
 				cur.values = append(cur.values, v)
 			} else {
-				skipped = append(skipped, skippedFlag{n, fmt.Sprintf("--%s uses %s, which only the shell can expand; give the value inline under train: instead", strings.ReplaceAll(cur.key, "_", "-"), w)})
+				skipped = append(skipped, skippedFlag{n, fmt.Sprintf("--%s uses %s, which only the shell can expand; "+
+					"give the value inline under train: instead", strings.ReplaceAll(cur.key, "_", "-"), w)})
 				cur = nil
 			}
 		}

@@ -81,7 +81,8 @@ func (r *resolver) validate() {
 	r.check(ro.MaxFailedFraction >= 0 && ro.MaxFailedFraction <= 1, "rollout.max_failed_fraction", 0, "must be in [0, 1], got %g", ro.MaxFailedFraction)
 	r.check(ro.TimeoutS >= 0, "rollout.timeout_s", 0, "must be ≥ 0 seconds (0: no limit), got %g", ro.TimeoutS)
 	r.check(ro.StopGraceS >= 0, "rollout.stop_grace_s", 0, "must be ≥ 0 seconds, got %g", ro.StopGraceS)
-	r.check(!ro.Partial || ro.MaxStaleness >= 1, "rollout.partial", 0, "needs rollout.max_staleness ≥ 1: a generation is continued under the weights trained while it ran (docs/async.md)")
+	r.check(!ro.Partial || ro.MaxStaleness >= 1, "rollout.partial", 0, "needs rollout.max_staleness ≥ 1: "+
+		"a generation is continued under the weights trained while it ran (docs/async.md)")
 	r.check(ro.MaxStaleness >= 0, "rollout.max_staleness", 0, "must be ≥ 0 (0: the synchronous loop), got %d", ro.MaxStaleness)
 	r.check(ro.MaxBatchTokens >= 0, "rollout.max_batch_tokens", 0, "must be ≥ 0 (0: no limit), got %d", ro.MaxBatchTokens)
 
@@ -114,7 +115,8 @@ func (r *resolver) validate() {
 	r.check(run.EvalInterval >= 0, "run.eval_interval", 0, "must be ≥ 0 (0: no periodic eval), got %d", run.EvalInterval)
 	r.check(run.KeepCheckpoints >= 0, "run.keep_checkpoints", 0, "must be ≥ 0 (0: keep all), got %d", run.KeepCheckpoints)
 	r.check(run.OnSignal == "finish" || run.OnSignal == "abandon", "run.on_signal", 0, "must be finish or abandon, got %q", run.OnSignal)
-	r.check(run.SaveRollouts >= 0 && run.SaveRollouts <= MaxSaveRollouts, "run.save_rollouts", 0, "must be between 0 (keep none) and %d rollouts a step, got %d", MaxSaveRollouts, run.SaveRollouts)
+	r.check(run.SaveRollouts >= 0 && run.SaveRollouts <= MaxSaveRollouts, "run.save_rollouts", 0,
+		"must be between 0 (keep none) and %d rollouts a step, got %d", MaxSaveRollouts, run.SaveRollouts)
 	if w := run.Wandb; w != nil {
 		r.check(w.Mode == "" || w.Mode == "online" || w.Mode == "offline" || w.Mode == "disabled", "run.wandb.mode", r.line("run.wandb.mode", 0),
 			"must be online, offline or disabled (or left out: the SDK reads WANDB_MODE), got %q", w.Mode)
@@ -145,7 +147,8 @@ func (r *resolver) validateSandbox() {
 	// grow it; the host reads each message whole, so the cap stays far below its memory.
 	need := 2 * max(sb.PromptBytes, sb.StateBytes, 32<<10)
 	r.check(sb.MessageBytes >= need, "sandbox.message_bytes", at,
-		"is %d, less than %d: a prompt of prompt_bytes (%d) or a state entry of state_bytes (%d) must fit in one message, escaped, so give at least twice the larger (and at least 64 KiB)",
+		"is %d, less than %d: a prompt of prompt_bytes (%d) or a state entry of state_bytes (%d) must fit in one message, "+
+			"escaped, so give at least twice the larger (and at least 64 KiB)",
 		sb.MessageBytes, need, sb.PromptBytes, sb.StateBytes)
 	r.check(sb.MessageBytes <= maxMessageBytes, "sandbox.message_bytes", at,
 		"is %d, more than %d (256 MiB): the host reads each message of a child whole, so this is host memory", sb.MessageBytes, maxMessageBytes)
@@ -156,7 +159,9 @@ func (r *resolver) validateSandbox() {
 	r.check(sb.AgentCPUs >= 0.01, "sandbox.agent_cpus", at, "must be at least 0.01 CPUs, got %g", sb.AgentCPUs)
 	for _, name := range sb.AgentEnv {
 		r.check(!ReservedAgentEnv(name), "sandbox.agent_env", at,
-			"names %q, which a script may not set: loader, shell and interpreter variables (LD_*, BASH_ENV, BASH_FUNC_*, PYTHON*, NODE_OPTIONS, …) run code in the program, and PATH, HOME, TMPDIR, LANG and the OPENAI_*/SLIMEN_* variables are the jail's", name)
+			"names %q, which a script may not set: loader, shell and interpreter variables (LD_*, BASH_ENV, BASH_FUNC_*, PYTHON*, "+
+				"NODE_OPTIONS, …) run code in the program, and PATH, HOME, TMPDIR, "+
+				"LANG and the OPENAI_*/SLIMEN_* variables are the jail's", name)
 	}
 	for _, p := range sb.AgentRead {
 		r.check(filepath.IsAbs(p) && filepath.Clean(p) != "/", "sandbox.agent_read", at, "must list absolute paths other than /, got %q", p)
@@ -195,7 +200,8 @@ func (r *resolver) validateSandbox() {
 // or an interpreter run code of the setter's choosing, and those the jail sets itself.
 func ReservedAgentEnv(name string) bool {
 	n := strings.ToUpper(name)
-	for _, p := range []string{"LD_", "BASH_FUNC_", "PYTHON", "PERL", "RUBY", "NODE_", "OPENAI_", "SLIMEN_", "MALLOC_", "GLIBC_", "JAVA_", "_JAVA_", "JDK_", "GCONV", "NLSPATH", "LOCPATH", "DYLD_", "LUA_", "R_", "GIT_", "SSL_", "GODEBUG", "GOTRACE"} {
+	for _, p := range []string{"LD_", "BASH_FUNC_", "PYTHON", "PERL", "RUBY", "NODE_", "OPENAI_", "SLIMEN_", "MALLOC_", "GLIBC_", "JAVA_", "_JAVA_",
+		"JDK_", "GCONV", "NLSPATH", "LOCPATH", "DYLD_", "LUA_", "R_", "GIT_", "SSL_", "GODEBUG", "GOTRACE"} {
 		if strings.HasPrefix(n, p) {
 			return true
 		}
@@ -237,8 +243,10 @@ func (r *resolver) validatePolicy(p *PolicyConfig, pp string) {
 	r.check(t.ClipGrad >= 0, tp+".clip_grad", at, "must be ≥ 0 (0: no clipping), got %g", t.ClipGrad)
 	r.check(oneOf(t.Optimizer, optimizers), tp+".optimizer", at, "optimizer %q is not one of %s", t.Optimizer, list(optimizers))
 	r.check(t.MicroBatchSize > 0, tp+".micro_batch_size", at, "must be at least 1, got %d", t.MicroBatchSize)
-	r.check(t.GlobalBatchSize >= 0, tp+".global_batch_size", at, "must be ≥ 0 (samples per optimizer step; 0: all of a step's samples in one), got %d", t.GlobalBatchSize)
-	r.check(oneOf(t.AdvantageEstimator, estimators), tp+".advantage_estimator", at, "advantage_estimator %q is not one of %s", t.AdvantageEstimator, list(estimators))
+	r.check(t.GlobalBatchSize >= 0, tp+".global_batch_size", at, "must be ≥ 0 (samples per optimizer step; "+
+		"0: all of a step's samples in one), got %d", t.GlobalBatchSize)
+	r.check(oneOf(t.AdvantageEstimator, estimators), tp+".advantage_estimator", at, "advantage_estimator %q is not one of %s", t.AdvantageEstimator,
+		list(estimators))
 	r.check(t.NSamplesPerPrompt > 0, tp+".n_samples_per_prompt", at, "must be at least 1, got %d", t.NSamplesPerPrompt)
 	r.check(t.EpsClip >= 0, tp+".eps_clip", at, "must be ≥ 0, got %g", t.EpsClip)
 	r.check(t.EpsClipHigh >= 0, tp+".eps_clip_high", at, "must be ≥ 0, got %g", t.EpsClipHigh)
@@ -251,7 +259,8 @@ func (r *resolver) validatePolicy(p *PolicyConfig, pp string) {
 	r.check(oneOf(t.LossAggregation, aggregations), tp+".loss_aggregation", at, "loss_aggregation %q is not one of %s", t.LossAggregation, list(aggregations))
 	r.check(!t.CalculatePerTokenLoss || t.LossAggregation == "token_mean", tp+".calculate_per_token_loss", at,
 		"true asks for loss_aggregation token_mean, but loss_aggregation is %q; set one of the two", t.LossAggregation)
-	r.check(oneOf(t.TISMode, tisModes), tp+".tis_mode", at, "tis_mode %q is not one of %s (tis: truncated importance sampling, icepop: IcePop's masking)", t.TISMode, list(tisModes))
+	r.check(oneOf(t.TISMode, tisModes), tp+".tis_mode", at, "tis_mode %q is not one of %s "+
+		"(tis: truncated importance sampling, icepop: IcePop's masking)", t.TISMode, list(tisModes))
 	r.check(t.TISClip > 0, tp+".tis_clip", at, "must be > 0 (the upper bound of the importance weight; slime's default is 2), got %g", t.TISClip)
 	r.check(t.TISClipLow >= 0 && t.TISClipLow <= t.TISClip, tp+".tis_clip_low", at, "must be in [0, tis_clip %g], got %g", t.TISClip, t.TISClipLow)
 	r.check(t.KLCoef == 0 || t.KLLossCoef == 0, tp+".kl_coef", at,
@@ -270,7 +279,8 @@ func (r *resolver) validatePolicy(p *PolicyConfig, pp string) {
 		r.check(e.Address == "" || err == nil, ep+".address", at, "%q is not host:port", e.Address)
 	}
 	r.check(!e.Continue || e.Kind == "remote", ep+".continue", at,
-		"applies to remote engines only (a server the run does not start, which may hold what an earlier run taught it); a %s engine starts from hf_checkpoint or load:", e.Kind)
+		"applies to remote engines only (a server the run does not start, which may hold what an earlier run taught it); "+
+			"a %s engine starts from hf_checkpoint or load:", e.Kind)
 	if e.Kind == "torch" {
 		r.validateTorch(p, pp)
 	}
@@ -313,9 +323,14 @@ func (r *resolver) validateLoRA(p *PolicyConfig, pp string) {
 		seen[t] = true
 	}
 	r.check(p.Role != "critic", lp, at, "policy %q is a critic: its value head trains with full weights; remove lora:", p.Name)
-	r.check(p.Engine.Kind != "openai", lp, at, "policy %q: LoRA adapters run on the tiny and torch engines and on an engine server (kind remote: slimen serve, the torch worker), and its engine kind is openai, which only samples; use engine: {kind: tiny}, {kind: torch} or {kind: remote}, or remove lora:", p.Name)
-	r.check(!p.Engine.Continue, pp+".engine.continue", r.line(pp+".engine.continue", at), "policy %q: engine.continue trains on the full weights a server holds, and a LoRA policy's adapter starts new (or from load:) on every run, over the server's frozen base; remove continue or lora:", p.Name)
-	r.check(l.Dropout == 0, lp+".dropout", at, "%g: the engines train adapters without dropout (a step's loss must be the one its log-probs were scored with); set dropout: 0", l.Dropout)
+	r.check(p.Engine.Kind != "openai", lp, at, "policy %q: LoRA adapters run on the tiny and torch engines and on an engine "+
+		"server (kind remote: slimen serve, the torch worker), and its engine kind is openai, "+
+		"which only samples; use engine: {kind: tiny}, {kind: torch} or {kind: remote}, or remove lora:", p.Name)
+	r.check(!p.Engine.Continue, pp+".engine.continue", r.line(pp+".engine.continue", at), "policy %q: engine.continue "+
+		"trains on the full weights a server holds, and a LoRA policy's adapter starts new (or from load:) on every run, "+
+		"over the server's frozen base; remove continue or lora:", p.Name)
+	r.check(l.Dropout == 0, lp+".dropout", at, "%g: the engines train adapters without dropout (a step's loss must be the "+
+		"one its log-probs were scored with); set dropout: 0", l.Dropout)
 }
 
 // validateOpenAI checks a policy on an OpenAI-compatible server (engine.kind openai), which only
@@ -329,14 +344,18 @@ func (r *resolver) validateOpenAI(p *PolicyConfig, pp string) {
 	r.check(e.Model != "", ep+".model", p.Line, "policy %q: an openai engine needs model: a name the server's /v1/models lists", p.Name)
 	r.check(e.MaxRetries >= -1, ep+".max_retries", r.line(ep+".max_retries", p.Line), "must be ≥ -1 (0: 4 retries, -1: none), got %d", e.MaxRetries)
 	r.check(e.MaxConcurrency >= 0, ep+".max_concurrency", r.line(ep+".max_concurrency", p.Line), "must be ≥ 0 (0: 32), got %d", e.MaxConcurrency)
-	r.check(oneOf(e.TokenIDs, []string{"", "auto", "vllm", "none"}), ep+".token_ids", r.line(ep+".token_ids", p.Line), "token_ids %q is not one of auto, vllm, none", e.TokenIDs)
-	r.check(oneOf(e.MaxTokensField, []string{"", "auto", "max_tokens", "max_completion_tokens"}), ep+".max_tokens_field", r.line(ep+".max_tokens_field", p.Line), "max_tokens_field %q is not one of auto, max_tokens, max_completion_tokens", e.MaxTokensField)
+	r.check(oneOf(e.TokenIDs, []string{"", "auto", "vllm", "none"}), ep+".token_ids", r.line(ep+".token_ids", p.Line),
+		"token_ids %q is not one of auto, vllm, none", e.TokenIDs)
+	r.check(oneOf(e.MaxTokensField, []string{"", "auto", "max_tokens", "max_completion_tokens"}), ep+".max_tokens_field",
+		r.line(ep+".max_tokens_field", p.Line), "max_tokens_field %q is not one of auto, max_tokens, max_completion_tokens", e.MaxTokensField)
 	key := pp + ".trainable"
 	if !r.given(key) {
 		key = ep + ".kind"
 	}
 	r.check(!p.Trainable, key, r.line(key, p.Line),
-		"policy %q is trainable, but an openai engine only generates (the OpenAI API has no score, train or save): set trainable: false for a frozen judge, expert or teacher, or serve the model on a torch or tiny engine to train it",
+		"policy %q is trainable, but an openai engine only generates (the OpenAI API has no score, train or save): "+
+			"set trainable: false for a frozen judge, expert or teacher, "+
+			"or serve the model on a torch or tiny engine to train it",
 		p.Name)
 }
 
@@ -352,25 +371,31 @@ func (r *resolver) validateTorch(p *PolicyConfig, pp string) {
 		ckpt = ep + ".kind"
 	}
 	r.check(!isBuiltin(p.HFCheckpoint), ckpt, p.Line,
-		"policy %q: a torch engine loads a Hugging Face model folder, and %s is built into the Go binary for the tiny engine; give hf_checkpoint: a model folder (python -m slimen_torch make-model writes a small random one) or use engine: {kind: tiny}",
+		"policy %q: a torch engine loads a Hugging Face model folder, and %s is built into the Go binary for the tiny engine; "+
+			"give hf_checkpoint: a model folder (python -m slimen_torch make-model writes a small "+
+			"random one) or use engine: {kind: tiny}",
 		p.Name, p.HFCheckpoint)
 	r.check(e.Address == "", ep+".address", p.Line,
-		"policy %q: the host starts a torch worker itself, on a port of its choosing; to reach a worker started elsewhere use engine: {kind: remote, address: %s}", p.Name, e.Address)
+		"policy %q: the host starts a torch worker itself, on a port of its choosing; "+
+			"to reach a worker started elsewhere use engine: {kind: remote, address: %s}", p.Name, e.Address)
 	r.check(e.Device == "" || torchDevice.MatchString(e.Device), ep+".device", p.Line,
 		"%q is not a torch device: give cpu, cuda, cuda:N, or leave it out (the first GPU if there is one)", e.Device)
 	for j, g := range e.GPUs {
 		r.check(g != "" && !strings.ContainsAny(g, ", \t"), fmt.Sprintf("%s.gpus[%d]", ep, j), r.line(ep+".gpus", p.Line),
 			"%q is not a GPU: give one index (0) or UUID (GPU-…) per list item", g)
 	}
-	r.check(e.MaxRestarts == nil || *e.MaxRestarts >= 0, ep+".max_restarts", r.line(ep+".max_restarts", p.Line), "must be ≥ 0 (0: a worker that dies is not started again), got %d", deref(e.MaxRestarts))
+	r.check(e.MaxRestarts == nil || *e.MaxRestarts >= 0, ep+".max_restarts", r.line(ep+".max_restarts", p.Line),
+		"must be ≥ 0 (0: a worker that dies is not started again), got %d", deref(e.MaxRestarts))
 	r.check(e.HangTimeout >= 0, ep+".hang_timeout", r.line(ep+".hang_timeout", p.Line), "must be ≥ 0 (0: the default, 2 minutes), got %v", e.HangTimeout)
 	if e.Deterministic {
 		r.check(p.NumGPUsPerNode <= 1, ep+".deterministic", r.line(ep+".deterministic", p.Line),
-			"policy %q: the batch-invariant kernels run on one GPU a worker, and num_gpus_per_node is %d: set num_gpus_per_node: 1 or deterministic: false", p.Name, p.NumGPUsPerNode)
+			"policy %q: the batch-invariant kernels run on one GPU a worker, and num_gpus_per_node is %d: "+
+				"set num_gpus_per_node: 1 or deterministic: false", p.Name, p.NumGPUsPerNode)
 		for j, a := range e.Args {
 			r.check(!strings.HasPrefix(a, "--kv-cache-dtype") || (j+1 < len(e.Args) && e.Args[j+1] == "auto") || a == "--kv-cache-dtype=auto",
 				fmt.Sprintf("%s.args[%d]", ep, j), r.line(ep+".args", p.Line),
-				"policy %q: deterministic needs the KV cache in the model's dtype (an fp8 cache rounds the keys generation reads and training does not): remove %s", p.Name, a)
+				"policy %q: deterministic needs the KV cache in the model's dtype (an fp8 cache rounds the keys generation reads and "+
+					"training does not): remove %s", p.Name, a)
 		}
 	}
 	for j, a := range e.Args {
@@ -430,7 +455,8 @@ func (r *resolver) validatePPO() {
 		p := &r.c.Policies[i]
 		if p.Trainable && !p.IsCritic() && p.Train.AdvantageEstimator == "ppo" {
 			r.check(hasCritic, fmt.Sprintf("policies[%d].train.advantage_estimator", i), p.Line,
-				"policy %q trains with ppo, which needs a critic policy: add one with role: critic (or slime-n's shape: trainable, sglang_num_nodes: 0, advantage_estimator: ppo)", p.Name)
+				"policy %q trains with ppo, which needs a critic policy: add one with role: critic (or slime-n's shape: trainable, "+
+					"sglang_num_nodes: 0, advantage_estimator: ppo)", p.Name)
 		}
 	}
 }
