@@ -116,7 +116,7 @@ func atOnce(n int, fn func(i int) error) []error {
 }
 
 // openPolicies opens the config's policies. Their engines start at the same time (eight torch
-// workers, each with its start-up of several seconds, started one after another before), except
+// workers one after another would add up their start-ups of several seconds each), except
 // those that share an engine (addToLane: LoRA policies join their shared bases one at a time, in
 // config order); then the policies are registered in config order.
 func (r *Run) openPolicies(ctx context.Context) error {
