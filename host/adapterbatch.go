@@ -8,15 +8,15 @@ import (
 	"github.com/slimen/slimen/engines"
 )
 
-// adapterBatcher gathers the generate calls that the LoRA policies on one shared base make at
-// about the same time into one engine batch whose rows name their adapters (one forward pass per
-// step for all the policies, GenerateAdapters), instead of one batch per policy. Each policy's
+// adapterBatcher gathers the generate calls that the LoRA policies on one shared base make at about
+// the same time into one engine batch whose rows name their adapters. That is one forward pass per
+// step for all the policies (GenerateAdapters) instead of one batch per policy. Each policy's
 // dispatcher still forms its own batches (and counts them in its metrics); the batcher sends the
-// batches that are waiting together once every adapter of the base has one waiting, or nothing
-// more can come (every rollout thread waits and no member's dispatcher holds requests: the
-// dispatchers' own rule), or when the first has waited window. Engines compute each row as they
-// would alone (batch invariance), so the merge changes no result. A merged batch that fails is
-// sent again call by call, so that one policy's bad request fails only that policy's call.
+// batches that are waiting together once every adapter of the base has one waiting, or nothing more
+// can come (every rollout thread waits and no member's dispatcher holds requests: the dispatchers'
+// own rule), or when the first has waited window. Engines compute each row as they would alone
+// (batch invariance), so the merge changes no result. A merged batch that fails is sent again call
+// by call, so that one policy's bad request fails only that policy's call.
 type adapterBatcher struct {
 	gen    func(ctx context.Context, reqs []engines.GenerateRequest, adapters []string) ([]engines.Completion, error)
 	window time.Duration
@@ -51,9 +51,10 @@ func (b *adapterBatcher) join(name string, d *dispatcher) {
 	b.mu.Unlock()
 }
 
-// ready says whether the waiting batches should go: every member has one, or nothing more can
-// come (every rollout thread waits, and each member without a batch here has nothing pending and
-// none on its way, or has one in an engine batch of this batcher already). The caller holds b.mu.
+// ready says whether the waiting batches should go. They go when every member has one, or when
+// nothing more can come (every rollout thread waits, and each member without a batch here has
+// nothing pending and none on its way, or has one in an engine batch of this batcher already). The
+// caller holds b.mu.
 func (b *adapterBatcher) ready() bool {
 	if len(b.pending) == 0 {
 		return false

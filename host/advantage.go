@@ -105,8 +105,8 @@ func ppoRewards(reward, klCoef float64, kl []float64, n int) []float64 {
 	return r
 }
 
-// warnSingletons warns once per policy when a group estimator sees only groups of one sample:
-// every advantage is then 0, loss and grad_norm are 0, and nothing trains — the simplest script
+// warnSingletons warns once per policy when a group estimator sees only groups of one sample.
+// Every advantage is then 0, loss and grad_norm are 0, and nothing trains — the simplest script
 // (one generate, reward and train a task) does this under the default grpo.
 func (r *Run) warnSingletons(names []string, tc config.TrainConfig, in []advantage.Input) {
 	est := tc.AdvantageEstimator

@@ -438,9 +438,10 @@ func (p *policy) save(ctx context.Context, dir string) error {
 	return p.eng.Save(ctx, dir)
 }
 
-// asyncMetrics adds what the overlap did to a step's records: per policy the share of the step's
-// wall time its engine was busy (engine_busy, generate, train and save calls; since the end of the last
-// step) and, with K > 0, the run's rollout_wall_s (the step's rollouts from launch to end).
+// asyncMetrics adds what the overlap did to a step's records. Per policy that is the share of the
+// step's wall time its engine was busy (engine_busy, generate, train and save calls; since the end
+// of the last step) and, with K > 0, the run's rollout_wall_s (the step's rollouts from launch to
+// end).
 func (r *Run) asyncMetrics(res *StepResult, l *launched, k int) {
 	now := time.Now()
 	since := r.lastStepEnd
@@ -485,8 +486,8 @@ func span(lo, hi int) string {
 }
 
 // stalenessMetrics records, with K > 0, the versions a policy's samples of step were generated
-// from: trained_version (the weights the step trains, version step−1), rollout_version (the
-// oldest its samples came from), staleness_mean (trained_version minus the mean version of a
+// from. They are trained_version (the weights the step trains, version step−1), rollout_version
+// (the oldest its samples came from), staleness_mean (trained_version minus the mean version of a
 // sample's tokens, averaged over samples) and staleness_max (trained_version minus the oldest
 // version of a token); with rollout.partial, partial_samples: the samples whose tokens come from
 // two versions.
@@ -635,10 +636,11 @@ func (r *Run) versionsInEngine(name string) bool {
 	return probed && p.disp.versions() != nil && p.replicas == nil
 }
 
-// keepAgain puts back into eng, a restarted process of policy name that keeps its weights
-// versions itself, the versions the steps from base on generate from, when the engine holds the
-// state of step base (before any optimizer step replayed): those the run's checkpoint of base
-// holds (rollout_versions, docs/async.md) and base itself. It returns the versions kept.
+// keepAgain puts the weights versions the steps from base on generate from back into eng, a
+// restarted process of policy name that keeps its weights versions itself. It is for an engine
+// that holds the state of step base (before any optimizer step replayed); the versions are those
+// the run's checkpoint of base holds (rollout_versions, docs/async.md) and base itself. It returns
+// the versions kept.
 func (r *Run) keepAgain(ctx context.Context, eng engines.Engine, name string, base int) ([]int, error) {
 	vs, ok := eng.(engines.Versions)
 	if !ok {

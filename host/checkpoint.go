@@ -541,10 +541,10 @@ func readRunInfo(dir string) (runInfo, error) {
 	return info, nil
 }
 
-// resumeScript is the script a resumed run executes when none is given: the file the checkpoint
-// recorded, its path taken from the directory the run started in, so that a run resumes from any
-// working directory; if that file is gone (or the checkpoint predates run.json's dir and the
-// path does not resolve from here), the copy the run directory keeps of the version the
+// resumeScript picks the script a resumed run executes when none is given. That is the file the
+// checkpoint recorded, its path taken from the directory the run started in, so that a run resumes
+// from any working directory; if that file is gone (or the checkpoint predates run.json's dir and
+// the path does not resolve from here), the copy the run directory keeps of the version the
 // checkpoint ran (scripts/step_N-HASH/, with every file it loaded), else the checkpoint's
 // script.star. note says which copy was taken, "" for the file itself. inFS: the script is a path
 // in Options.FS, taken as recorded.
@@ -569,11 +569,11 @@ func resumeScript(ckpt string, info runInfo, inFS bool) (path, note string) {
 	return saved, fmt.Sprintf("the script %s cannot be read from here; running the copy the run kept of the version the checkpoint ran, %s", path, saved)
 }
 
-// rebasePaths makes the config's relative local paths (data, eval datasets, the models, load and
-// save folders and TLS files of engines on this machine) relative to dir, the working directory
-// the run started in, so that a resumed run reads the same files from anywhere. Names with a
-// scheme (builtin:, synthetic:) stay; so do a remote engine's folders, which are paths on its
-// server. dir "" changes nothing.
+// rebasePaths makes the config's relative local paths relative to dir, the working directory the
+// run started in, so that a resumed run reads the same files from anywhere. Those paths are the
+// data, eval datasets, the models, load and save folders and TLS files of engines on this machine.
+// Names with a scheme (builtin:, synthetic:) stay; so do a remote engine's folders, which are paths
+// on its server. dir "" changes nothing.
 func rebasePaths(c *config.Config, dir string) {
 	if dir == "" {
 		return
@@ -729,7 +729,7 @@ func (r *Run) removeLater(root string, step int) {
 	}
 }
 
-// checkSaveFolders looks at the policies' save: folders at start-up: a frozen policy's is never
+// checkSaveFolders looks at the policies' save: folders at start-up. A frozen policy's is never
 // written (said once), and a folder on this machine that holds something other than a model
 // folder is refused before the run starts rather than at its first checkpoint.
 func (r *Run) checkSaveFolders() error {
@@ -840,7 +840,7 @@ func (r *Run) writeSaveFolder(ctx context.Context, p *policy, step int) error {
 
 func short(h string) string { return h[:min(12, len(h))] }
 
-// Resume loads a stopped run again and restores it: from is its run directory (its newest valid
+// Resume loads a stopped run again and restores it. from is its run directory (its newest valid
 // checkpoint is taken; newer ones that fail verification are reported in the run's log and
 // removed as the run goes on) or one of its checkpoints/step_N folders. scriptPath "" is the script
 // the checkpoint recorded, found from any working directory (resumeScript). opts.Config nil is the

@@ -214,9 +214,9 @@ func dialRemote(ctx context.Context, p config.PolicyConfig, env EngineEnv) (engi
 }
 
 // checkServerFolders asks the engine server of a trainable policy (kind remote) whether it would
-// write the run's checkpoints and the policy's save: folder, so that a server confined to another
-// folder (slimen serve started elsewhere, with its default --root) stops the run at start-up, not
-// at the first checkpoint after the training.
+// write the run's checkpoints and the policy's save: folder. A server confined to another folder
+// (slimen serve started elsewhere, with its default --root) then stops the run at start-up, not at
+// the first checkpoint after the training.
 func (r *Run) checkServerFolders(ctx context.Context, pc config.PolicyConfig, eng engines.Engine) error {
 	sc, ok := eng.(interface {
 		CheckSaveFolder(ctx context.Context, dir string) error

@@ -35,9 +35,9 @@ func openEval(cfg *config.Config, i int) (tasks.Source, []Task, error) {
 	return src, ts, nil
 }
 
-// checkEvalData opens every eval dataset before the run starts, so that a path that does not
-// exist stops the run at start-up (bad input), not after its first step's eval, and says what
-// the files' warnings are (a label under another key: the default eval grades against labels).
+// checkEvalData opens every eval dataset before the run starts: a path that does not exist stops
+// the run at start-up (bad input), not after its first step's eval. It also says what the files'
+// warnings are (a label under another key: the default eval grades against labels).
 func (r *Run) checkEvalData() error {
 	cfg := r.Config()
 	for i, ds := range cfg.Eval.Datasets {

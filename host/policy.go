@@ -55,9 +55,10 @@ func (p *policy) forgetInfo() {
 }
 
 // refuseScoringWithoutScore stops a run at start-up, not at its first score call, when its
-// script scores with a policy whose engine only generates (kind openai: the OpenAI API returns
-// no log-probabilities of given tokens): score("judge", …) or train(…, teacher="judge") with the
-// name written literally. (Training such a policy is refused by the config check.)
+// script scores with a policy whose engine only generates. Such an engine is of kind openai (the
+// OpenAI API returns no log-probabilities of given tokens); the scoring is score("judge", …) or
+// train(…, teacher="judge") with the name written literally. (Training such a policy is refused
+// by the config check.)
 func (r *Run) refuseScoringWithoutScore() error {
 	for _, u := range script.ScoringUses(r.script) {
 		for _, p := range r.cfg.Policies {
@@ -76,9 +77,9 @@ func (r *Run) refuseScoringWithoutScore() error {
 	return nil
 }
 
-// openScriptPolicies starts, in a zero-config run, the policies the script names literally, so
-// that they are listed at start-up and in config.yaml before the first step (names a script
-// computes are still created when first used), and warns about names a typo apart.
+// openScriptPolicies starts, in a zero-config run, the policies the script names literally, and
+// warns about names a typo apart. They are then listed at start-up and in config.yaml before the
+// first step (names a script computes are still created when first used).
 func (r *Run) openScriptPolicies() error {
 	uses := script.PolicyNames(r.script)
 	for _, w := range script.NearPolicyNames(uses) {

@@ -285,7 +285,7 @@ func (r *Run) applyReload(ctx context.Context, step int) error {
 	return nil
 }
 
-// saveScriptVersion keeps each accepted version in the run directory: script.star is the running
+// saveScriptVersion keeps each accepted version in the run directory. script.star is the running
 // main script, and scripts/step_N-HASH/ holds the version that started at step N — the main script
 // and every file it loaded, at their paths relative to the main script's folder. HASH (the first
 // 12 hex digits of Script.Hash) covers all of them.

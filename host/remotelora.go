@@ -13,9 +13,9 @@ import (
 	"github.com/slimen/slimen/host/config"
 )
 
-// AdapterServer is an engine server that a run's LoRA policies share, each an adapter named
-// after it (remote.Adapter): a torch worker the run starts (host/torch), or a server it reaches
-// at engine.address (kind remote: `slimen serve`, the torch worker served by hand).
+// AdapterServer is an engine server that a run's LoRA policies share, each an adapter named after
+// it (remote.Adapter). It is a torch worker the run starts (host/torch), or a server it reaches at
+// engine.address (kind remote: `slimen serve`, the torch worker served by hand).
 type AdapterServer struct {
 	// Key tells the servers apart: the policies with one key share one (EngineEnv.SharedBase).
 	Key string
@@ -39,8 +39,9 @@ type adapterServer struct {
 }
 
 // OpenAdapter opens a LoRA policy as an adapter named after it on the run's server s (one
-// server, one copy of the base weights, for every LoRA policy of s.Key), new (B = 0: the base's
-// outputs) or, with load:, the PEFT folder there (a folder on the server's machine). The host's
+// server, one copy of the base weights, for every LoRA policy of s.Key). The adapter starts new
+// (B = 0: the base's outputs) or, with load:, from the PEFT folder there (a folder on the server's
+// machine). The host's
 // engine of the policy is the server as the adapter sees it (remote.Adapter), as openTinyLoRA
 // does for the tiny engine. A server started again after a crash gets every adapter back, each
 // restored by its own policy's restart rule (its last checkpoint and the steps since).

@@ -17,7 +17,7 @@ import (
 )
 
 // replicas give an engine that keeps no weights versions itself (a torch worker: one copy of
-// the weights, trained in place) the engines.Versions of the asynchronous loop: each
+// the weights, trained in place) the engines.Versions of the asynchronous loop. Each
 // kept version lives in a rollout replica, another engine of the policy opened with its config
 // (another worker process on the same device), which takes the trainer's weights through a
 // folder: the trainer saves them (Engine.Save) and the replica loads them (Engine.Load). A

@@ -8,9 +8,10 @@ import (
 )
 
 // checkScript refuses at start-up what `slimen check --config` finds without running and every
-// rollout would fail on: a policy name the config does not define (written in a call, passed
-// through the script's functions or held in a variable) and a field a task does not have. At
-// run time the first step (after the eval before it) found them, one failed rollout each.
+// rollout would fail on. That is a policy name the config does not define (written in a call,
+// passed through the script's functions or held in a variable) and a field a task does not have;
+// without the check the first step (after the eval before it) would find them, one failed
+// rollout each.
 func (r *Run) checkScript() error {
 	var cfg *config.Config
 	if !r.zero {
