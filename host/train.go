@@ -398,9 +398,9 @@ func (r *Run) trainOne(ctx context.Context, step int, p *policy, ss []trainSampl
 }
 
 // mismatch sums the rollout/trainer log-prob mismatch of a policy's optimizer steps whose
-// trainer side is the weights the rollouts were sampled from (the first optimizer step of the
-// step, or every one with use_tis's trainer log-probs, scored before the first): a later step's
-// own forward comes after an update and would measure that too.
+// trainer side is the weights the rollouts were sampled from. Those are the first optimizer step
+// of the step, or every one with use_tis's trainer log-probs, scored before the first: a later
+// step's own forward comes after an update and would measure that too.
 type mismatch struct {
 	sum, weighted, max float64
 	tokens, steps      int
@@ -449,11 +449,11 @@ func lossConfig(tc config.TrainConfig) engines.LossConfig {
 	}
 }
 
-// trainLogprobs returns, when use_tis is on and a policy's step is cut into several optimizer
-// steps of size samples, the trainer's log-probs of every sample before the first of them, as
+// trainLogprobs returns the trainer's log-probs of every sample before the first optimizer step,
+// when use_tis is on and a policy's step is cut into several optimizer steps of size samples. So
 // slime recomputes its old log_probs once per rollout: the later optimizer steps then measure
-// their PPO ratio from the same weights as the first. nil otherwise: with one optimizer step the
-// engine's own log-probs before the step are those.
+// their PPO ratio from the same weights as the first. It returns nil otherwise: with one optimizer
+// step the engine's own log-probs before the step are those.
 func (r *Run) trainLogprobs(ctx context.Context, step int, p *policy, ss []trainSample, size int) ([][]float32, error) {
 	if !p.cfg.Train.UseTIS || size >= len(ss) {
 		return nil, nil
