@@ -450,7 +450,7 @@ func lossConfig(tc config.TrainConfig) engines.LossConfig {
 }
 
 // trainLogprobs returns the trainer's log-probs of every sample before the first optimizer step,
-// when use_tis is on and a policy's step is cut into several optimizer steps of size samples. So
+// when use_tis is on and a policy's step is cut into several optimizer steps of size samples, as
 // slime recomputes its old log_probs once per rollout: the later optimizer steps then measure
 // their PPO ratio from the same weights as the first. It returns nil otherwise: with one optimizer
 // step the engine's own log-probs before the step are those.
