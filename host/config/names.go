@@ -30,10 +30,11 @@ func (c *Config) PolicyNames() []string {
 // directory, and a file name has at most 255 bytes.
 const MaxPolicyNameLen = 128
 
-// CheckPolicyName is the rule a policy's name meets, in a config and where a zero-config run
-// creates a policy from the name a script passes: not empty, at most MaxPolicyNameLen bytes, no
-// spaces, control characters or slashes, not "." or ".." (it names folders, which must stay inside
-// their step's), and not "_run" or "_eval" (the metrics lines of the run and of its evals).
+// CheckPolicyName checks the rule a policy's name meets, in a config and where a zero-config run
+// creates a policy from the name a script passes. A name is not empty, has at most
+// MaxPolicyNameLen bytes, no spaces, control characters or slashes, is not "." or ".." (it names
+// folders, which must stay inside their step's), and not "_run" or "_eval" (the metrics lines of
+// the run and of its evals).
 func CheckPolicyName(name string) error {
 	switch {
 	case name == "":

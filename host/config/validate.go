@@ -196,8 +196,9 @@ func (r *resolver) validateSandbox() {
 }
 
 // ReservedAgentEnv says whether a variable is one no script may set for an agent() program,
-// even where the operator's sandbox.agent_env lists it: variables that make a loader, a shell
-// or an interpreter run code of the setter's choosing, and those the jail sets itself.
+// even where the operator's sandbox.agent_env lists it. Those are the variables that make a
+// loader, a shell or an interpreter run code of the setter's choosing, and those the jail sets
+// itself.
 func ReservedAgentEnv(name string) bool {
 	n := strings.ToUpper(name)
 	for _, p := range []string{"LD_", "BASH_FUNC_", "PYTHON", "PERL", "RUBY", "NODE_", "OPENAI_", "SLIMEN_", "MALLOC_", "GLIBC_", "JAVA_", "_JAVA_",
