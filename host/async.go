@@ -648,7 +648,7 @@ func (r *Run) keepAgain(ctx context.Context, eng engines.Engine, name string, ba
 	}
 	var kept []int
 	if base > 0 {
-		root, err := r.checkpointRoot()
+		root, err := r.ckpt.root()
 		if err != nil {
 			return nil, err
 		}
@@ -669,7 +669,7 @@ func (r *Run) keepAgain(ctx context.Context, eng engines.Engine, name string, ba
 			}
 		}
 		if len(kept) > 0 { // the state of step base again
-			cur, err := r.policyCheckpoint(base, name)
+			cur, err := r.ckpt.policyDir(base, name)
 			if err != nil {
 				return nil, err
 			}

@@ -97,8 +97,14 @@ type externalState struct {
 	Address string `json:"address"` // the engine server
 }
 
-// checkpoints is what a run remembers of its checkpoints.
+// checkpoints is the run's checkpoints folder, <out>/checkpoints: it puts a checkpoint in place
+// whole or not at all, keeps the newest run.keep_checkpoints, removes what interrupted writes left
+// there, and remembers what the run wrote. What goes into a checkpoint is the run's
+// (writeCheckpoint).
 type checkpoints struct {
+	out    string    // the run folder; "" for a run without one, which has no checkpoints
+	events *eventLog // where the folder's changes are said
+
 	have    bool // a complete checkpoint of step `step` is in place: this run wrote it or resumed from it
 	step    int
 	cleaned bool            // stray temporary folders were looked for
@@ -113,9 +119,9 @@ func (c *checkpoints) due(minutes float64) bool {
 
 func stepName(step int) string { return fmt.Sprintf("step_%d", step) }
 
-// checkpointRoot is the absolute path of the run's checkpoints folder (the run has a directory).
-func (r *Run) checkpointRoot() (string, error) {
-	return filepath.Abs(filepath.Join(r.opts.Out, "checkpoints"))
+// root is the absolute path of the checkpoints folder (the run has a directory).
+func (c *checkpoints) root() (string, error) {
+	return filepath.Abs(filepath.Join(c.out, "checkpoints"))
 }
 
 // Checkpoint writes <out>/checkpoints/step_N for the steps done so far, writes the save: folder
@@ -123,55 +129,13 @@ func (r *Run) checkpointRoot() (string, error) {
 // A step whose checkpoint this run already wrote (or resumed from) is not written again: the
 // complete checkpoint in place is never replaced.
 func (r *Run) Checkpoint(ctx context.Context) (string, error) {
-	if r.opts.Out == "" {
-		return "", errors.New("checkpoint: the run has no directory")
-	}
-	root, err := r.checkpointRoot()
-	if err != nil {
-		return "", err
-	}
 	step := r.step
-	final := filepath.Join(root, stepName(step))
-	if r.ckpt.have && r.ckpt.step == step {
-		if VerifyCheckpoint(final) == nil {
-			r.events.filef("checkpoint: step %d is already saved in %s", step, final)
-			return final, nil
-		}
+	final, wrote, err := r.ckpt.put(step, r.Config().Run.KeepCheckpoints, func(final, tmp string) error {
+		return r.writeCheckpoint(ctx, step, final, tmp)
+	})
+	if err != nil || !wrote {
+		return final, err
 	}
-	if err := os.MkdirAll(root, 0o755); err != nil {
-		return "", fmt.Errorf("checkpoint: %w", err)
-	}
-	if !r.ckpt.cleaned {
-		r.removeStrays(root)
-		r.ckpt.cleaned = true
-	}
-	// A step_N already there is not one of this run's (an interrupted write, or a run this one
-	// did not resume): it is set aside, and removed once the new one is in place.
-	var aside string
-	if _, err := os.Lstat(final); err == nil {
-		if aside, err = setAside(root, fmt.Sprintf(".step_%d.old-", step), final); err != nil {
-			return "", fmt.Errorf("checkpoint: %s is in the way and could not be moved: %w", final, err)
-		}
-		r.events.printf("checkpoint: replacing %s, written by an earlier run or an interrupted save", final)
-	}
-	tmp, err := os.MkdirTemp(root, fmt.Sprintf(".step_%d.tmp-", step))
-	if err != nil {
-		return "", fmt.Errorf("checkpoint: %w", err)
-	}
-	defer os.RemoveAll(tmp) // after a successful rename there is nothing left to remove
-	if err := r.writeCheckpoint(ctx, step, final, tmp); err != nil {
-		return "", err
-	}
-	if err := os.Rename(tmp, final); err != nil {
-		return "", fmt.Errorf("checkpoint: %w", err)
-	}
-	syncDir(root)
-	r.ckpt.have, r.ckpt.step, r.ckpt.since = true, step, time.Now()
-	if aside != "" {
-		os.RemoveAll(aside)
-	}
-	r.events.printf("checkpoint: step %d saved in %s", step, final)
-	r.pruneCheckpoints(root)
 	for _, p := range r.policyList() {
 		if p.cfg.Trainable && p.cfg.Save != "" {
 			if err := r.writeSaveFolder(ctx, p, step); err != nil {
@@ -180,6 +144,62 @@ func (r *Run) Checkpoint(ctx context.Context) (string, error) {
 		}
 	}
 	return final, nil
+}
+
+// put puts the checkpoint of step in place: fill writes everything of it into tmp, the folder
+// that is renamed to final once complete; then the newest keep checkpoints are kept (keep <= 0:
+// all). wrote is false when the complete checkpoint of step that the run wrote (or resumed from)
+// is in place already: it is never replaced.
+func (c *checkpoints) put(step, keep int, fill func(final, tmp string) error) (final string, wrote bool, err error) {
+	if c.out == "" {
+		return "", false, errors.New("checkpoint: the run has no directory")
+	}
+	root, err := c.root()
+	if err != nil {
+		return "", false, err
+	}
+	final = filepath.Join(root, stepName(step))
+	if c.have && c.step == step {
+		if VerifyCheckpoint(final) == nil {
+			c.events.filef("checkpoint: step %d is already saved in %s", step, final)
+			return final, false, nil
+		}
+	}
+	if err := os.MkdirAll(root, 0o755); err != nil {
+		return "", false, fmt.Errorf("checkpoint: %w", err)
+	}
+	if !c.cleaned {
+		c.removeStrays(root)
+		c.cleaned = true
+	}
+	// A step_N already there is not one of this run's (an interrupted write, or a run this one
+	// did not resume): it is set aside, and removed once the new one is in place.
+	var aside string
+	if _, err := os.Lstat(final); err == nil {
+		if aside, err = setAside(root, fmt.Sprintf(".step_%d.old-", step), final); err != nil {
+			return "", false, fmt.Errorf("checkpoint: %s is in the way and could not be moved: %w", final, err)
+		}
+		c.events.printf("checkpoint: replacing %s, written by an earlier run or an interrupted save", final)
+	}
+	tmp, err := os.MkdirTemp(root, fmt.Sprintf(".step_%d.tmp-", step))
+	if err != nil {
+		return "", false, fmt.Errorf("checkpoint: %w", err)
+	}
+	defer os.RemoveAll(tmp) // after a successful rename there is nothing left to remove
+	if err := fill(final, tmp); err != nil {
+		return "", false, err
+	}
+	if err := os.Rename(tmp, final); err != nil {
+		return "", false, fmt.Errorf("checkpoint: %w", err)
+	}
+	syncDir(root)
+	c.have, c.step, c.since = true, step, time.Now()
+	if aside != "" {
+		os.RemoveAll(aside)
+	}
+	c.events.printf("checkpoint: step %d saved in %s", step, final)
+	c.prune(root, step, keep)
+	return final, true, nil
 }
 
 // writeCheckpoint writes everything of a checkpoint into tmp, the folder that becomes final once
@@ -274,18 +294,24 @@ func (r *Run) saveRemote(ctx context.Context, p *policy, final, tmp string) (*ex
 		}
 		return nil, nil
 	}
-	if r.ckpt.told == nil {
-		r.ckpt.told = map[string]bool{}
+	r.ckpt.tellOffHost(p.name, p.cfg.Engine.Address, dir)
+	return &externalState{Dir: dir, Address: p.cfg.Engine.Address}, nil
+}
+
+// tellOffHost says, once per policy, that policy name's engine at address keeps its checkpoints
+// on its own disk (dir, this step's folder there).
+func (c *checkpoints) tellOffHost(name, address, dir string) {
+	if c.told == nil {
+		c.told = map[string]bool{}
 	}
-	if !r.ckpt.told[p.name] {
-		r.ckpt.told[p.name] = true
-		r.events.printf("checkpoint: policy %q: its engine at %s saves on its own disk, which this host cannot see: "+
+	if !c.told[name] {
+		c.told[name] = true
+		c.events.printf("checkpoint: policy %q: its engine at %s saves on its own disk, which this host cannot see: "+
 			"its state stays on the server in %s (step_N for each checkpoint); "+
 			"the manifest names that folder and resume asks the engine to load it. Pruning "+
 			"(run.keep_checkpoints) does not reach the server's copies",
-			p.name, p.cfg.Engine.Address, dir)
+			name, address, dir)
 	}
-	return &externalState{Dir: dir, Address: p.cfg.Engine.Address}, nil
 }
 
 // setAside renames a folder in the way to a fresh temporary name in dir (pattern as for
@@ -303,12 +329,12 @@ func setAside(dir, pattern, path string) (string, error) {
 
 // removeStrays removes the temporary folders a crashed or killed run left in root: only names of
 // the host's own pattern (.step_N.tmp-DIGITS, .step_N.old-DIGITS), only folders.
-func (r *Run) removeStrays(root string) {
+func (c *checkpoints) removeStrays(root string) {
 	entries, _ := os.ReadDir(root)
 	for _, e := range entries {
 		if e.IsDir() && tempName.MatchString(e.Name()) {
 			if err := os.RemoveAll(filepath.Join(root, e.Name())); err == nil {
-				r.events.printf("checkpoint: removed %s, left by an interrupted checkpoint write", filepath.Join(root, e.Name()))
+				c.events.printf("checkpoint: removed %s, left by an interrupted checkpoint write", filepath.Join(root, e.Name()))
 			}
 		}
 	}
@@ -453,16 +479,15 @@ func checkpointSteps(root string) []int {
 	return steps
 }
 
-// pruneCheckpoints keeps the newest run.keep_checkpoints checkpoints up to the current step.
+// prune keeps the newest keep (run.keep_checkpoints) checkpoints up to step, the current one.
 // Folders of later steps (left by a run this one did not resume) are not this run's to prune.
-func (r *Run) pruneCheckpoints(root string) {
-	keep := r.Config().Run.KeepCheckpoints
+func (c *checkpoints) prune(root string, step, keep int) {
 	if keep <= 0 {
 		return
 	}
 	kept := 0
 	for _, s := range checkpointSteps(root) {
-		if s > r.step {
+		if s > step {
 			continue
 		}
 		if kept++; kept > keep {
@@ -680,14 +705,7 @@ func (r *Run) restore(ctx context.Context, dir string) error {
 			"or cut by hand); the run goes on from step %d, and those steps stay missing from its metrics",
 			r.metrics.f.Name(), stepRanges(missing), info.Step, dir, info.Step+1)
 	}
-	if r.opts.Out != "" {
-		if root, err := r.checkpointRoot(); err == nil {
-			r.removeLater(root, info.Step)
-			r.removeStrays(root)
-			r.ckpt.cleaned = true
-			r.ckpt.have, r.ckpt.step = filepath.Join(root, stepName(info.Step)) == dir, info.Step
-		}
-	}
+	r.ckpt.resumed(dir, info.Step)
 	r.events.printf("resume: from %s at step %d", dir, info.Step)
 	return nil
 }
@@ -713,19 +731,36 @@ func (r *Run) loadExternal(ctx context.Context, dir string, p *policy, ext exter
 	return nil
 }
 
+// resumed notes that the run resumed at step from dir, a checkpoint folder (the folder's own or
+// another run's), and clears the folder: the checkpoints of later steps and stray temporary
+// folders of interrupted writes.
+func (c *checkpoints) resumed(dir string, step int) {
+	if c.out == "" {
+		return
+	}
+	root, err := c.root()
+	if err != nil {
+		return
+	}
+	c.removeLater(root, step)
+	c.removeStrays(root)
+	c.cleaned = true
+	c.have, c.step = filepath.Join(root, stepName(step)) == dir, step
+}
+
 // removeLater removes the checkpoints of steps after step: the run goes on from step and will
 // write its own.
-func (r *Run) removeLater(root string, step int) {
+func (c *checkpoints) removeLater(root string, step int) {
 	for _, s := range checkpointSteps(root) {
 		if s <= step {
 			continue
 		}
 		d := filepath.Join(root, stepName(s))
 		if err := os.RemoveAll(d); err != nil {
-			r.events.printf("resume: could not remove %s, a checkpoint of a later step than the one resumed from: %v; remove it by hand", d, err)
+			c.events.printf("resume: could not remove %s, a checkpoint of a later step than the one resumed from: %v; remove it by hand", d, err)
 			continue
 		}
-		r.events.printf("resume: removed %s, a checkpoint of a later step than the one resumed from (its metrics lines were dropped too; the run writes its own)", d)
+		c.events.printf("resume: removed %s, a checkpoint of a later step than the one resumed from (its metrics lines were dropped too; the run writes its own)", d)
 	}
 }
 
@@ -947,14 +982,13 @@ func checkpointPlan(c config.RunConfig) string {
 	return strings.Join(when, ", ") + "; " + keep
 }
 
-// policyCheckpoint is the folder a policy's engine loads its state from in the run's checkpoint
-// of a step: a folder inside the checkpoint, or one on the engine's server that the manifest
-// names.
-func (r *Run) policyCheckpoint(step int, policy string) (string, error) {
-	if r.opts.Out == "" {
+// policyDir is the folder a policy's engine loads its state from in the run's checkpoint of a
+// step: a folder inside the checkpoint, or one on the engine's server that the manifest names.
+func (c *checkpoints) policyDir(step int, policy string) (string, error) {
+	if c.out == "" {
 		return "", fmt.Errorf("the run has no directory")
 	}
-	root, err := r.checkpointRoot()
+	root, err := c.root()
 	if err != nil {
 		return "", err
 	}
@@ -974,9 +1008,13 @@ func (r *Run) policyCheckpoint(step int, policy string) (string, error) {
 
 // LastCheckpoint is the folder of the newest complete checkpoint this run wrote or resumed from;
 // "" when there is none.
-func (r *Run) LastCheckpoint() string {
-	if !r.ckpt.have || r.opts.Out == "" {
+func (r *Run) LastCheckpoint() string { return r.ckpt.last() }
+
+// last is the folder of the newest complete checkpoint the run wrote or resumed from; "" when
+// there is none.
+func (c *checkpoints) last() string {
+	if !c.have || c.out == "" {
 		return ""
 	}
-	return filepath.Join(r.opts.Out, "checkpoints", stepName(r.ckpt.step))
+	return filepath.Join(c.out, "checkpoints", stepName(c.step))
 }

@@ -226,7 +226,7 @@ func (r *Run) checkServerFolders(ctx context.Context, pc config.PolicyConfig, en
 	}
 	var dirs []string
 	if r.opts.Out != "" {
-		root, err := r.checkpointRoot()
+		root, err := r.ckpt.root()
 		if err != nil {
 			return err
 		}

@@ -213,7 +213,7 @@ func (r *Run) engineRestarted(ctx context.Context, ev restartEvent) error {
 		what = "it had been trained from the model it was started with"
 	}
 	if g.base > 0 {
-		dir, err := r.policyCheckpoint(g.base, ev.policy)
+		dir, err := r.ckpt.policyDir(g.base, ev.policy)
 		if err != nil {
 			return fail("its checkpoint of step %d cannot be loaded: %v", g.base, err)
 		}

@@ -630,6 +630,7 @@ func (r *Run) openOutputs() error {
 	r.events = &eventLog{w: r.opts.Log}
 	r.metrics = &metricsWriter{}
 	r.rec.out, r.rec.events = out, r.events
+	r.ckpt.out, r.ckpt.events = out, r.events
 	if out == "" {
 		return nil
 	}
