@@ -1,6 +1,8 @@
 """Issue 38 on one device, in one call: the default and the deterministic mode side by side.
 
     python engines/torch/determinism.py [--device cuda|cpu] [--small] [--out DIR] [--check]
+        [--mode both|default|deterministic] [--tile BM,BN,BK,warps,stages]
+        [--row-kernels on|off] [--attn-bm N]
 
 On a random model (make-model: Qwen3-0.6B's shape, bf16 on a GPU; --small: the tiny Qwen3, for
 the CPU and the test that runs this), with no end-of-sequence token so every response has its
@@ -250,12 +252,24 @@ def main(argv=None) -> int:
     p.add_argument("--tile", default="",
                    help="the deterministic products' tile BM,BN,BK,warps,stages (default "
                    "64,64,64,4,3)")
+    p.add_argument("--row-kernels", default="on", choices=["on", "off"],
+                   help="the deterministic sums over a row (RMSNorm, log-softmax, sampler) in "
+                   "Triton row kernels on a GPU (on, the default) or as tree sums of PyTorch "
+                   "operations (off)")
+    p.add_argument("--attn-bm", type=int, default=0,
+                   help="queries a program of the deterministic attention takes, decode and "
+                   "training alike (default 16; a power of two ≥ 16)")
     a = p.parse_args(argv)
+    from slimen_torch import batch_invariant
     if a.tile:
-        from slimen_torch import batch_invariant
         batch_invariant.TILE = tuple(int(x) for x in a.tile.split(","))
         if len(batch_invariant.TILE) != 5:
             p.error(f"--tile {a.tile}: give BM,BN,BK,warps,stages")
+    batch_invariant.ROW_KERNELS = a.row_kernels == "on"
+    if a.attn_bm:
+        if a.attn_bm < 16 or a.attn_bm & (a.attn_bm - 1):
+            p.error(f"--attn-bm {a.attn_bm}: give a power of two ≥ 16")
+        batch_invariant.ATTN_BM = a.attn_bm
     small = dict(batch=8, prompt_len=16, new=8, check_new=8, train_samples=2, train_len=64)
     full = dict(batch=256, prompt_len=128, new=128, check_new=32, train_samples=8,
                 train_len=2048)

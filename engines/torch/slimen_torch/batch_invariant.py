@@ -33,6 +33,7 @@ autograd of the other functions; they need not be batch-invariant, only repeatab
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 
 import torch
@@ -108,6 +109,107 @@ def prefix_sum(x: torch.Tensor) -> torch.Tensor:
         x = torch.cat((x[..., :k], x[..., k:] + x[..., :-k]), dim=-1)
         k *= 2
     return x
+
+
+# On a GPU the sums over a row run in Triton kernels (row_sum, the fused logsumexp): one program
+# a row, its entries added into ROW_BLOCK fp32 lanes chunk by chunk, then the lanes summed by the
+# one reduction tree of that block size. The order is fixed by the row's length alone, and zeros
+# past a row's entries change nothing either (lanes + 0 are exact). tree_sum's many small
+# kernels (a pad and log2(n) adds, each a launch and a pass over memory) cost more than the
+# products at decode sizes. False: tree_sum everywhere (determinism.py --row-kernels off).
+ROW_KERNELS = True
+ROW_BLOCK = 1024
+
+if HAVE_TRITON:
+    @triton.jit
+    def _row_sum_kernel(X, Y, N, sx, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        acc = tl.zeros((BLOCK,), dtype=tl.float32)
+        for c0 in range(0, N, BLOCK):
+            i = c0 + tl.arange(0, BLOCK)
+            acc += tl.load(X + row * sx + i, mask=i < N, other=0.0).to(tl.float32)
+        tl.store(Y + row, tl.sum(acc, axis=0))
+
+    @triton.jit
+    def _lse_kernel(X, Y, N, sx, BLOCK: tl.constexpr):
+        # log Σ exp(x) of a row: its maximum (order-free), then Σ exp(x − max) as _row_sum_kernel
+        # sums. A row with no finite maximum is shifted by 0, as logsumexp does.
+        row = tl.program_id(0).to(tl.int64)
+        mv = tl.full((BLOCK,), float("-inf"), tl.float32)
+        for c0 in range(0, N, BLOCK):
+            i = c0 + tl.arange(0, BLOCK)
+            x = tl.load(X + row * sx + i, mask=i < N, other=float("-inf")).to(tl.float32)
+            mv = tl.maximum(mv, x)
+        m = tl.max(mv, axis=0)
+        m = tl.where((m == m) & (tl.abs(m) < float("inf")), m, 0.0)
+        acc = tl.zeros((BLOCK,), dtype=tl.float32)
+        for c0 in range(0, N, BLOCK):
+            i = c0 + tl.arange(0, BLOCK)
+            x = tl.load(X + row * sx + i, mask=i < N, other=float("-inf")).to(tl.float32)
+            acc += tl.where(i < N, tl.exp(x - m), 0.0)
+        tl.store(Y + row, m + tl.log(tl.sum(acc, axis=0)))
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    x2 = x.reshape(-1, x.shape[-1])
+    return x2 if x2.stride(-1) == 1 else x2.contiguous()
+
+
+def row_sum_triton(x: torch.Tensor) -> torch.Tensor:
+    """The sum over the last dimension in _row_sum_kernel (fp32, no gradient)."""
+    x2 = _rows(x)
+    y = torch.empty(x2.shape[0], dtype=torch.float32, device=x.device)
+    if x2.shape[0]:
+        _row_sum_kernel[(x2.shape[0],)](x2, y, x2.shape[1], x2.stride(0), BLOCK=ROW_BLOCK,
+                                        num_warps=4)
+    return y.view(x.shape[:-1])
+
+
+def logsumexp_triton(x: torch.Tensor) -> torch.Tensor:
+    """log Σ exp over the last dimension in _lse_kernel (fp32, no gradient)."""
+    x2 = _rows(x)
+    y = torch.empty(x2.shape[0], dtype=torch.float32, device=x.device)
+    if x2.shape[0]:
+        _lse_kernel[(x2.shape[0],)](x2, y, x2.shape[1], x2.stride(0), BLOCK=ROW_BLOCK,
+                                    num_warps=4)
+    return y.view(x.shape[:-1])
+
+
+class _RowSum(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        ctx.shape = x.shape
+        return row_sum_triton(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g[..., None].expand(ctx.shape)
+
+
+class _LogSumExp(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        y = logsumexp_triton(x)
+        ctx.save_for_backward(x, y)
+        return y
+
+    @staticmethod
+    def backward(ctx, g):
+        x, y = ctx.saved_tensors
+        return g[..., None] * torch.exp(x.float() - y[..., None])
+
+
+def row_kernels(x: torch.Tensor) -> bool:
+    """Whether x's sums over a row run in the Triton row kernels (use_triton and ROW_KERNELS)."""
+    return ROW_KERNELS and use_triton(x)
+
+
+def row_sum(x: torch.Tensor) -> torch.Tensor:
+    """The sum over the last dimension (fp32 x) in a fixed order: the Triton row kernel where
+    row_kernels says so, tree_sum elsewhere."""
+    if row_kernels(x):
+        return _RowSum.apply(x)
+    return tree_sum(x)
 
 
 # ---- products ----
@@ -264,13 +366,16 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     tree_sum."""
     dtype = x.dtype
     x32 = x.float()
-    ms = tree_sum(x32 * x32) / x.shape[-1]
+    ms = row_sum(x32 * x32) / x.shape[-1]
     x32 = x32 * torch.rsqrt(ms + eps)[..., None]
     return weight * x32.to(dtype)
 
 
 def logsumexp(x: torch.Tensor) -> torch.Tensor:
-    """log Σ exp over the last dimension of fp32 x, summed by tree_sum."""
+    """log Σ exp over the last dimension of fp32 x, summed by tree_sum (in one Triton kernel
+    where row_kernels says so)."""
+    if row_kernels(x):
+        return _LogSumExp.apply(x)
     m = x.amax(-1, keepdim=True)
     m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
     return m[..., 0] + torch.log(tree_sum(torch.exp(x - m)))
@@ -295,7 +400,7 @@ def token_logprobs_entropy(logits: torch.Tensor, targets: torch.Tensor, entropy_
         lps.append(x.gather(-1, targets[i:i + rows, None]).squeeze(-1) - lse)
         with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
             lsm = x - lse[:, None]
-            ents.append(-tree_sum(lsm.exp() * lsm))
+            ents.append(-row_sum(lsm.exp() * lsm))
     if not lps:
         z = logits.new_zeros(0, dtype=torch.float32)
         return z, z
@@ -316,7 +421,7 @@ def _inverse_cdf(w: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
         target = torch.minimum(u * c[:, -1], c[:, -1])[:, None].contiguous()
         return torch.searchsorted(c, target).squeeze(1).clamp(max=V - 1)
     blocks = w.view(B, V // C, C)
-    cmass = prefix_sum(tree_sum(blocks))
+    cmass = prefix_sum(row_sum(blocks))
     target = (u * cmass[:, -1])[:, None].contiguous()
     j = torch.searchsorted(cmass, target).clamp(max=V // C - 1)
     before = torch.where(j > 0, cmass.gather(1, (j - 1).clamp(min=0)), torch.zeros_like(target))
@@ -338,7 +443,7 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor,
     if use_top_p:
         ws, order = w.sort(dim=-1, descending=True, stable=True)
         before = prefix_sum(ws) - ws
-        ws = ws * (before < top_p[:, None] * tree_sum(ws)[:, None])
+        ws = ws * (before < top_p[:, None] * row_sum(ws)[:, None])
         nucleus = order.gather(1, _inverse_cdf(ws, u)[:, None]).squeeze(1)
         tokens = torch.where(top_p < 1, nucleus, tokens)
     tokens = torch.where(greedy, x.argmax(dim=-1), tokens)
@@ -457,37 +562,61 @@ def attention_triton(q, k, v, q_pos, scale):
     return o
 
 
+@contextlib.contextmanager
+def _strict_determinism():
+    """torch.use_deterministic_algorithms(True) inside the block, as it was after. PyTorch's
+    flash and memory-efficient attention backward passes accumulate dQ with atomics unless the
+    strict mode is on (warn_only keeps the atomics): two equal runs would drift apart in the
+    last bits of a gradient. cuBLAS's check in that mode wants CUBLAS_WORKSPACE_CONFIG set (one
+    stream: its products are repeatable anyway)."""
+    was, warn = (torch.are_deterministic_algorithms_enabled(),
+                 torch.is_deterministic_algorithms_warn_only_enabled())
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(was, warn_only=warn)
+
+
 class _Attention(torch.autograd.Function):
     """The Triton attention forward; the backward pass through PyTorch's attention recomputed
-    (the gradient of the same function, not batch-invariant)."""
+    (the gradient of the same function, not batch-invariant, but repeatable: its kernels in
+    PyTorch's deterministic mode). causal: the queries are positions 0..Lk-1 of their sequence,
+    so the backward pass takes SDPA's causal (flash) kernel instead of a mask."""
 
     @staticmethod
-    def forward(ctx, q, k, v, q_pos, scale):
+    def forward(ctx, q, k, v, q_pos, scale, causal):
         ctx.save_for_backward(q, k, v, q_pos)
-        ctx.scale = scale
+        ctx.scale, ctx.causal = scale, causal
         return attention_triton(q, k, v, q_pos, scale)
 
     @staticmethod
     def backward(ctx, go):
         q, k, v, q_pos = ctx.saved_tensors
-        with torch.enable_grad():
+        with torch.enable_grad(), _strict_determinism():
             q_, k_, v_ = (t.detach().requires_grad_() for t in (q, k, v))
             Lk = k.shape[2]
-            mask = (torch.arange(Lk, device=q.device)[None, None, :] <= q_pos[:, :, None])
+            if ctx.causal and q.shape[1] == Lk:
+                mask = None
+            else:
+                mask = (torch.arange(Lk, device=q.device)[None, None, :]
+                        <= q_pos[:, :, None])[:, None]
             o = F.scaled_dot_product_attention(
-                q_.transpose(1, 2), k_, v_, attn_mask=mask[:, None], scale=ctx.scale,
-                enable_gqa=q.shape[2] != k.shape[1]).transpose(1, 2)
+                q_.transpose(1, 2), k_, v_, attn_mask=mask, is_causal=mask is None,
+                scale=ctx.scale, enable_gqa=q.shape[2] != k.shape[1]).transpose(1, 2)
             gq, gk, gv = torch.autograd.grad(o, (q_, k_, v_), go)
-        return gq, gk, gv, None, None
+        return gq, gk, gv, None, None, None
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,
-              scale: float) -> torch.Tensor:
+              scale: float, causal: bool = False) -> torch.Tensor:
     """Causal grouped-query attention, batch-invariant: q [B, Tq, H, D] (query rows), k and v
     [B, KV, Lk, D] (keys and values at positions 0..Lk-1: a sequence's own, or cache rows),
     q_pos [B, Tq] each query's position; a query sees the keys at positions ≤ its own. Returns
     [B, Tq, H, D] in q's dtype. Keys past Lk or past a query's position never count, so the
-    cache's length and whatever it holds beyond change nothing."""
+    cache's length and whatever it holds beyond change nothing. causal: the caller says q_pos
+    is 0..Lk-1 in every row (a training pass; the gradient then takes the causal kernel)."""
     if use_triton(q):
-        return _Attention.apply(q, k, v, q_pos, scale)
+        return _Attention.apply(q, k, v, q_pos, scale, causal)
     return attention_torch(q, k, v, q_pos, scale)

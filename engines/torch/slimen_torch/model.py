@@ -213,7 +213,7 @@ def block_forward(cfg: ModelConfig, x, w: tuple, cos, sin, qkv_fn=None, mlp_fn=N
         k, v = k.transpose(1, 2), v.transpose(1, 2)
         T = x.shape[1]
         pos = torch.arange(T, device=x.device).expand(x.shape[0], T)
-        o = bi.attention(q, k, v, pos, cfg.head_dim ** -0.5).flatten(2)
+        o = bi.attention(q, k, v, pos, cfg.head_dim ** -0.5, causal=True).flatten(2)
         x = residual_add(x, linear(o, w[5], w[6]))
         return residual_add(x, (mlp_fn or mlp)(cfg, w, x, norm)), k, v
     q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)

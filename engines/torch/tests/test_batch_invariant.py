@@ -169,7 +169,7 @@ def test_a_plain_product_breaks_the_invariance(det_engine, swap_matmul):
 def test_a_plain_attention_breaks_the_invariance(det_engine, monkeypatch):
     # The default mode's attention: SDPA over the sequence, a softmax over the whole cache row
     # in decode. Computed here by PyTorch's SDPA with a mask over [0, L).
-    def plain(q, k, v, q_pos, scale):
+    def plain(q, k, v, q_pos, scale, causal=False):
         mask = torch.arange(k.shape[2])[None, None, :] <= q_pos[:, :, None]
         return torch.nn.functional.scaled_dot_product_attention(
             q.transpose(1, 2), torch.nan_to_num(k), torch.nan_to_num(v), attn_mask=mask[:, None],
@@ -312,17 +312,73 @@ def test_a_cached_prefix_changes_nothing(model_dirs):
         e.close()
 
 
-def test_a_kept_version_samples_in_the_same_arithmetic(det_engine):
+def test_a_kept_version_samples_in_the_same_arithmetic(model_dirs):
     # The rollout thread of a kept weights version (rollout.max_staleness > 0) computes in the
-    # engine's mode: its samples, in another batch, equal the engine's own bit for bit.
+    # engine's mode: its samples, in another batch, equal the engine's own bit for bit. An engine
+    # of its own: the shared one holds test_with_lora's adapter, and a worker serving adapters
+    # keeps no versions.
     from test_versions import collect
-    e = det_engine
-    reqs = [req("v0", PROMPTS[0], 3, n=2), req("v1", PROMPTS[2], 4)]
-    own = [(c.tokens, c.logprobs) for c in e.generate(reqs)]
-    e.keep_version(0)
+    e = Engine(str(model_dirs["tiny-qwen3"]), Options(device="cpu", deterministic=True))
     try:
+        reqs = [req("v0", PROMPTS[0], 3, n=2), req("v1", PROMPTS[2], 4)]
+        own = [(c.tokens, c.logprobs) for c in e.generate(reqs)]
+        e.keep_version(0)
         kept = collect(lambda r, *cb: e.submit_version(0, r, *cb),
                        [req("x", PROMPTS[1], 1, n=3)] + reqs)[3:]
         assert kept == own
-    finally:
         e.drop_versions(1)
+    finally:
+        e.close()
+
+
+def test_the_triton_row_sums_keep_a_row_whatever_its_batch_and_padding(interpreted, monkeypatch):
+    # A GPU's sums over a row (RMSNorm's mean square, the log-softmax, the sampler's masses):
+    # one program a row, so a row alone, in a batch, or padded with zeros past its entries sums
+    # alike; close to torch's sums. 2,500 entries: three chunks of ROW_BLOCK, the last partial.
+    g = torch.Generator().manual_seed(8)
+    x = torch.randn(5, 2500, generator=g) * 4
+    x[3, 100:] = float("-inf")  # a row of few finite entries
+    s = bi.row_sum_triton(x.clamp(min=-50))
+    assert torch.allclose(s, x.clamp(min=-50).sum(-1), rtol=1e-5, atol=1e-3)
+    padded = torch.cat([x.clamp(min=-50), torch.zeros(5, 700)], dim=-1)
+    assert torch.equal(bi.row_sum_triton(padded), s)
+    lse = bi.logsumexp_triton(x)
+    assert torch.allclose(lse, torch.logsumexp(x, -1), atol=1e-5)
+    for i in range(5):
+        assert torch.equal(bi.row_sum_triton(x[i:i + 1].clamp(min=-50)), s[i:i + 1])
+        assert torch.equal(bi.logsumexp_triton(x[i:i + 1]), lse[i:i + 1])
+    assert bi.logsumexp_triton(torch.full((1, 10), float("-inf"))).item() == float("-inf")
+    # Through the mode's functions (row_kernels on): the gradients are the plain ones.
+    monkeypatch.setattr(bi, "FORCE_TRITON", True)
+    xg = x[:, :300].clone().requires_grad_()
+    bi.logsumexp(xg).sum().backward()
+    assert torch.allclose(xg.grad, torch.softmax(x[:, :300], -1), atol=1e-6)
+    h = torch.randn(7, 64, generator=g)
+    w = torch.randn(64, generator=g)
+    y = bi.rms_norm(h, w, 1e-6)
+    ref = w * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6))
+    assert torch.allclose(y, ref, atol=1e-5)
+    for i in range(7):
+        assert torch.equal(bi.rms_norm(h[i:i + 1], w, 1e-6), y[i:i + 1])
+
+
+def test_the_triton_attention_gradient_is_sdpa_s_in_both_forms(interpreted):
+    # The training pass's attention (causal: the causal SDPA kernel in the backward pass) and a
+    # masked one give SDPA's gradients; the backward pass leaves PyTorch's deterministic setting
+    # as it found it.
+    g = torch.Generator().manual_seed(9)
+    B, T, H, KV, D = 2, 20, 4, 2, 8
+    q, k, v = (torch.randn(*s, generator=g) for s in ((B, T, H, D), (B, KV, T, D), (B, KV, T, D)))
+    go = torch.randn(B, T, H, D, generator=g)
+    ref = [t.clone().requires_grad_() for t in (q, k, v)]
+    o = torch.nn.functional.scaled_dot_product_attention(
+        ref[0].transpose(1, 2), ref[1], ref[2], is_causal=True, scale=0.3,
+        enable_gqa=True).transpose(1, 2)
+    want = torch.autograd.grad(o, ref, go)
+    pos = torch.arange(T).expand(B, T)
+    for causal in (True, False):
+        ins = [t.clone().requires_grad_() for t in (q, k, v)]
+        got = torch.autograd.grad(bi._Attention.apply(*ins, pos, 0.3, causal), ins, go)
+        for a, b in zip(got, want):
+            assert torch.allclose(a, b, atol=1e-5)
+    assert not torch.are_deterministic_algorithms_enabled()
