@@ -60,6 +60,95 @@ func versionFor(ctx context.Context, p *policy) stepVersions {
 	return stepVersions{-1, -1}
 }
 
+// asyncLoop is the asynchronous loop's state between steps: the rollouts launched for steps not
+// yet trained, the data position after them, and the weights versions the trainable policies keep
+// for them, with the gate partial rollouts wait at. Starting rollouts and keeping versions in the
+// engines is the run's (launch, needVersion); this value holds what they did.
+type asyncLoop struct {
+	events *eventLog   // where discarded rollouts are said
+	ahead  []*launched // in step order
+	pos    int         // the data position after the steps launched
+	kept   map[int]bool
+	gate   versionGate // opens when a version is kept, for partial rollouts
+}
+
+// take returns the data position of the next n tasks, which a step about to launch runs.
+func (a *asyncLoop) take(n int) int {
+	pos := a.pos
+	a.pos += n
+	return pos
+}
+
+// next is the launched rollouts of step when they are the first in line, else nil.
+func (a *asyncLoop) next(step int) *launched {
+	if len(a.ahead) == 0 || a.ahead[0].step != step {
+		return nil
+	}
+	return a.ahead[0]
+}
+
+// lastStep is the last step launched, or step when none is.
+func (a *asyncLoop) lastStep(step int) int {
+	if n := len(a.ahead); n > 0 {
+		return a.ahead[n-1].step
+	}
+	return step
+}
+
+// inFlight says which steps' rollouts are launched: lo…hi, ok false when none are.
+func (a *asyncLoop) inFlight() (lo, hi int, ok bool) {
+	if n := len(a.ahead); n > 0 {
+		return a.ahead[0].step, a.ahead[n-1].step, true
+	}
+	return 0, 0, false
+}
+
+// discard cancels the rollouts launched for steps not yet trained and waits for them; why, when
+// not "", goes to the events log.
+func (a *asyncLoop) discard(why string) {
+	if len(a.ahead) == 0 {
+		return
+	}
+	if why != "" {
+		a.events.printf("%s: the rollouts of steps %s, launched already, are discarded; they run again", why, span(a.ahead[0].step, a.ahead[len(a.ahead)-1].step))
+	}
+	for _, l := range a.ahead {
+		l.cancel()
+	}
+	for _, l := range a.ahead {
+		<-l.done
+	}
+	a.ahead = nil
+}
+
+// keep notes that the trainable policies keep weights version v, and opens its gate.
+func (a *asyncLoop) keep(v int) {
+	if a.kept == nil {
+		a.kept = map[int]bool{}
+	}
+	a.kept[v] = true
+	a.gate.open(v)
+}
+
+// dropBelow forgets the weights versions below v.
+func (a *asyncLoop) dropBelow(v int) {
+	for k := range a.kept {
+		if k < v {
+			delete(a.kept, k)
+		}
+	}
+}
+
+// versions lists the weights versions kept, in order.
+func (a *asyncLoop) versions() []int {
+	var vs []int
+	for v := range a.kept {
+		vs = append(vs, v)
+	}
+	sort.Ints(vs)
+	return vs
+}
+
 // launched is the rollouts of one step, started on their own goroutine: in the synchronous loop
 // when the step starts, with K > 0 while the step K before it trains.
 type launched struct {
@@ -84,8 +173,8 @@ func (r *Run) launch(ctx context.Context, step, v int, cfg *config.Config) error
 			return err
 		}
 	}
-	pos, n := r.launchPos, cfg.Rollout.BatchSize
-	r.launchPos += n
+	n := cfg.Rollout.BatchSize
+	pos := r.async.take(n)
 	tasks := make([]Task, n)
 	for i := range tasks {
 		tasks[i] = r.tasks.Task(pos + i)
@@ -102,7 +191,7 @@ func (r *Run) launch(ctx context.Context, step, v int, cfg *config.Config) error
 		g1, n1 := r.generating.read()
 		l.genS, l.genTokens = (g1 - g0).Seconds(), n1-n0
 	}()
-	r.ahead = append(r.ahead, l)
+	r.async.ahead = append(r.async.ahead, l)
 	return nil
 }
 
@@ -110,9 +199,10 @@ func (r *Run) launch(ctx context.Context, step, v int, cfg *config.Config) error
 // ctx abandons them and every step launched after them.
 func (r *Run) awaitStep(ctx context.Context, step int, cfg *config.Config) (*launched, error) {
 	k := cfg.Rollout.MaxStaleness
-	if len(r.ahead) == 0 || r.ahead[0].step != step {
-		r.discardAhead("") // launched for other steps: none should be
-		r.launchPos = r.next
+	l := r.async.next(step)
+	if l == nil {
+		r.async.discard("") // launched for other steps: none should be
+		r.async.pos = r.next
 		v := -1
 		if k > 0 {
 			v = genVersion(step, k)
@@ -120,15 +210,15 @@ func (r *Run) awaitStep(ctx context.Context, step int, cfg *config.Config) (*lau
 		if err := r.launch(ctx, step, v, cfg); err != nil {
 			return nil, err
 		}
+		l = r.async.next(step)
 	}
-	l := r.ahead[0]
 	select {
 	case <-l.done:
 	case <-ctx.Done():
-		r.discardAhead("")
+		r.async.discard("")
 		return nil, ctx.Err()
 	}
-	r.ahead = r.ahead[1:]
+	r.async.ahead = r.async.ahead[1:]
 	if l.err == nil && ctx.Err() != nil {
 		l.err = ctx.Err()
 	}
@@ -148,34 +238,12 @@ func (r *Run) launchAhead(ctx context.Context, step int, cfg *config.Config) err
 	if err := r.dropVersions(ctx, genVersion(step+1, k), k); err != nil {
 		return err
 	}
-	last := step
-	if n := len(r.ahead); n > 0 {
-		last = r.ahead[n-1].step
-	}
-	for t := last + 1; t <= step+k; t++ {
+	for t := r.async.lastStep(step) + 1; t <= step+k; t++ {
 		if err := r.launch(ctx, t, genVersion(t, k), cfg); err != nil {
 			return err
 		}
 	}
 	return nil
-}
-
-// discardAhead cancels the rollouts launched for steps not yet trained and waits for them; why,
-// when not "", goes to the events log.
-func (r *Run) discardAhead(why string) {
-	if len(r.ahead) == 0 {
-		return
-	}
-	if why != "" {
-		r.events.printf("%s: the rollouts of steps %s, launched already, are discarded; they run again", why, span(r.ahead[0].step, r.ahead[len(r.ahead)-1].step))
-	}
-	for _, l := range r.ahead {
-		l.cancel()
-	}
-	for _, l := range r.ahead {
-		<-l.done
-	}
-	r.ahead = nil
 }
 
 // versioned returns the engines.Versions of every trainable policy: its engine's own, or rollout
@@ -200,7 +268,7 @@ func (r *Run) versioned(ctx context.Context, k int) (map[string]engines.Versions
 				// name first met by a step's rollouts, which sampled its current weights): it has
 				// not trained yet, so each kept version is its current weights. (Replicas load
 				// the kept versions when they are prepared.)
-				for _, v := range r.keptList() {
+				for _, v := range r.async.versions() {
 					if err := vs.KeepVersion(ctx, v); err != nil {
 						return nil, &EngineError{Step: r.step + 1, Policy: p.name, Err: fmt.Errorf("keeping weights version %d for rollouts: %w", v, err),
 							Hint: r.engineErrorHint()}
@@ -298,24 +366,20 @@ func (r *Run) needVersion(ctx context.Context, v, k int) error {
 	if err != nil {
 		return err
 	}
-	if r.kept[v] {
-		r.gate.open(v)
+	if r.async.kept[v] {
+		r.async.gate.open(v)
 		return nil
 	}
 	if v != r.step {
 		return fmt.Errorf("step %d: weights version %d is needed, but only the current weights (version %d) and versions %v are at hand", r.step+1, v,
-			r.step, r.keptList())
+			r.step, r.async.versions())
 	}
 	for _, name := range sortedKeys(vs) {
 		if err := vs[name].KeepVersion(ctx, v); err != nil {
 			return &EngineError{Step: r.step + 1, Policy: name, Err: fmt.Errorf("keeping weights version %d for rollouts: %w", v, err), Hint: r.engineErrorHint()}
 		}
 	}
-	if r.kept == nil {
-		r.kept = map[int]bool{}
-	}
-	r.kept[v] = true
-	r.gate.open(v)
+	r.async.keep(v)
 	return nil
 }
 
@@ -333,21 +397,8 @@ func (r *Run) dropVersions(ctx context.Context, below, k int) error {
 			return &EngineError{Step: r.step + 1, Policy: name, Err: fmt.Errorf("dropping weights versions: %w", err), Hint: r.engineErrorHint()}
 		}
 	}
-	for v := range r.kept {
-		if v < below {
-			delete(r.kept, v)
-		}
-	}
+	r.async.dropBelow(below)
 	return nil
-}
-
-func (r *Run) keptList() []int {
-	var vs []int
-	for v := range r.kept {
-		vs = append(vs, v)
-	}
-	sort.Ints(vs)
-	return vs
 }
 
 func sortedKeys[V any](m map[string]V) []string {
@@ -386,9 +437,9 @@ func (r *Run) saveVersions(ctx context.Context, step int, tmp string) error {
 	if lo < step {
 		msg := fmt.Sprintf("checkpoint: step %d holds weights versions %s, which steps %s generate from (rollout.max_staleness %d)", step, span(lo, step-1),
 			span(step+1, step+k), k)
-		if n := len(r.ahead); n > 0 {
+		if lo, hi, ok := r.async.inFlight(); ok {
 			msg += fmt.Sprintf("; the rollouts of steps %s in flight are not in it: a resume runs them again from those versions",
-				span(r.ahead[0].step, r.ahead[n-1].step))
+				span(lo, hi))
 		}
 		r.events.filef("%s", msg)
 	}
@@ -421,11 +472,7 @@ func (r *Run) restoreVersions(ctx context.Context, dir string, p *policy) error 
 		if err := vs.KeepVersion(ctx, v); err != nil {
 			return fmt.Errorf("resume: policy %q: weights version %d: %w", p.name, v, err)
 		}
-		if r.kept == nil {
-			r.kept = map[int]bool{}
-		}
-		r.kept[v] = true
-		r.gate.open(v)
+		r.async.keep(v)
 	}
 	return nil
 }
@@ -554,7 +601,7 @@ func (r *Run) generatePartial(ctx context.Context, p *policy, req engines.Genera
 			continue // ended, or at the model's length limit
 		}
 		r.activity.leave()
-		err := r.gate.wait(ctx, next)
+		err := r.async.gate.wait(ctx, next)
 		r.activity.enter()
 		if err != nil {
 			return nil, err

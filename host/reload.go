@@ -247,7 +247,7 @@ func (r *Run) applyReload(ctx context.Context, step int) error {
 	if s != nil || c != nil {
 		// Rollouts launched under the old version (rollout.max_staleness > 0) run again under
 		// the new one: a reload takes effect from this step, as in the synchronous loop.
-		r.discardAhead("reload")
+		r.async.discard("reload")
 	}
 	if s != nil {
 		rl.mu.Lock() // checkReload reads the running version from the watcher's goroutine

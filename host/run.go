@@ -153,13 +153,9 @@ type Run struct {
 	reload  *reloader // nil unless Watch was called
 	sandbox *pool     // nil unless the run is sandboxed
 
-	ckpt checkpoints // what the run remembers of its checkpoints
+	ckpt  checkpoints // the run's checkpoints folder and what the run wrote there
+	async asyncLoop   // the rollouts launched for steps not yet trained, and their weights versions
 
-	// ahead are the rollouts launched for steps not yet trained, in step order.
-	ahead     []*launched
-	launchPos int          // the data position after the steps launched
-	kept      map[int]bool // the weights versions the trainable policies keep
-	gate      versionGate  // opens when a version is kept, for partial rollouts
 	// lastStepEnd is when the last step ended, for engine_busy.
 	lastStepEnd time.Time
 
@@ -431,7 +427,7 @@ func (r *Run) Step(ctx context.Context) (*StepResult, error) {
 	var tf *tooManyFailed
 	if errors.As(err, &tf) && r.rollBack(before+1, err) {
 		// A new version's first step failed: the last good version runs the step again.
-		r.discardAhead("reload: rollback")
+		r.async.discard("reload: rollback")
 		res, err = r.runStep(ctx)
 		if r.step == before {
 			r.state.Restore(snap)
@@ -471,7 +467,7 @@ func (r *Run) runStep(ctx context.Context) (*StepResult, error) {
 	ros, n := l.ros, l.n
 	rolloutS := time.Since(t0).Seconds()
 	if err := stepCut(step, ros, cfg.Rollout.StopGraceS); err != nil { // saved only whole
-		r.discardAhead("")
+		r.async.discard("")
 		return nil, err
 	}
 	res := &StepResult{Step: step}
@@ -631,6 +627,7 @@ func (r *Run) openOutputs() error {
 	r.metrics = &metricsWriter{}
 	r.rec.out, r.rec.events = out, r.events
 	r.ckpt.out, r.ckpt.events = out, r.events
+	r.async.events = r.events
 	if out == "" {
 		return nil
 	}
