@@ -1,8 +1,8 @@
 """Issue 38 on one device, in one call: the default and the deterministic mode side by side.
 
     python engines/torch/determinism.py [--device cuda|cpu] [--small] [--out DIR] [--check]
-        [--mode both|default|deterministic] [--tile BM,BN,BK,warps,stages]
-        [--row-kernels on|off] [--attn-bm N]
+        [--mode both|default|deterministic] [--tile BM,BN,BK,warps,stages] [--tile-large T]
+        [--row-kernels on|off] [--attn-bm N] [--profile]
 
 On a random model (make-model: Qwen3-0.6B's shape, bf16 on a GPU; --small: the tiny Qwen3, for
 the CPU and the test that runs this), with no end-of-sequence token so every response has its
@@ -178,6 +178,43 @@ def train_speed(e: Engine, vocab: int, samples: int, length: int) -> float:
     return best
 
 
+def profile(e: Engine, vocab: int, a, out: pathlib.Path) -> None:
+    """--profile: the kernels of one decode run at --batch rows and one training step, by their
+    own device time (CPU time on the CPU), the top 25 of each written to out."""
+    from torch.profiler import ProfilerActivity
+    cuda = str(e.device).startswith("cuda")
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    key = "self_device_time_total" if cuda else "self_cpu_time_total"
+    reqs = [request(f"p{i}", rand_prompt(vocab, a.prompt_len, 300 + i), i, a.new)
+            for i in range(a.batch)]
+    parts = []
+    for name, fn in (("decode", lambda: e.generate(reqs)),
+                     ("train", lambda: train_speed_step(e, vocab, a.train_samples, a.train_len))):
+        sync(str(e.device))
+        # Started and stopped on the engine's thread, where its model work runs (the profiler
+        # records the operators of the thread that starts it).
+        prof = torch.profiler.profile(activities=acts)
+        e._call(prof.start)
+        fn()
+        e._call(lambda: (sync(str(e.device)), prof.stop()))
+        parts.append(f"== {name}\n" + prof.key_averages().table(sort_by=key, row_limit=25))
+    out.write_text("\n".join(parts))
+    log(f"   profile: {out}")
+
+
+def train_speed_step(e: Engine, vocab: int, samples: int, length: int) -> None:
+    """One step of train_speed's batch (for the profile)."""
+    g = torch.Generator().manual_seed(4)
+    p = min(64, length // 4)
+    ss = []
+    for i in range(samples):
+        seq = torch.randint(3, vocab, (length,), generator=g).tolist()
+        r = length - p
+        ss.append(Sample(seq[:p], seq[p:], [1.0] * r, [-5.0] * r, [1.0 if i % 2 else -1.0] * r,
+                         group=f"g{i // 4}"))
+    e.train(Batch(samples=ss, loss=LossConfig(lr=1e-6, max_grad_norm=1.0)))
+
+
 def run_mode(model_dir: pathlib.Path, a, deterministic: bool) -> dict:
     name = "deterministic" if deterministic else "default"
     log(f"== {name}")
@@ -201,6 +238,8 @@ def run_mode(model_dir: pathlib.Path, a, deterministic: bool) -> dict:
         log(f"   decode: {res['decode_tok_s']:.0f} tok/s")
         res["train_tok_s"] = train_speed(e, vocab, a.train_samples, a.train_len)
         log(f"   train: {res['train_tok_s']:.0f} tok/s")
+        if a.profile:
+            profile(e, vocab, a, pathlib.Path(a.out or model_dir.parent) / f"profile-{name}.txt")
         res["seconds"] = time.perf_counter() - t0
         return res
     finally:
@@ -252,6 +291,12 @@ def main(argv=None) -> int:
     p.add_argument("--tile", default="",
                    help="the deterministic products' tile BM,BN,BK,warps,stages (default "
                    "64,64,64,4,3)")
+    p.add_argument("--profile", action="store_true",
+                   help="after each mode's speeds, the top kernels of one decode run and one "
+                   "training step by device time, in profile-MODE.txt next to determinism.json")
+    p.add_argument("--tile-large", default="",
+                   help="an experiment: another tile BM,BN,BK,warps,stages for products of at "
+                   "least 1,024 rows (training); the check says whether the identities hold")
     p.add_argument("--row-kernels", default="on", choices=["on", "off"],
                    help="the deterministic sums over a row (RMSNorm, log-softmax, sampler) in "
                    "Triton row kernels on a GPU (on, the default) or as tree sums of PyTorch "
@@ -265,6 +310,10 @@ def main(argv=None) -> int:
         batch_invariant.TILE = tuple(int(x) for x in a.tile.split(","))
         if len(batch_invariant.TILE) != 5:
             p.error(f"--tile {a.tile}: give BM,BN,BK,warps,stages")
+    if a.tile_large:
+        batch_invariant.TILE_LARGE = tuple(int(x) for x in a.tile_large.split(","))
+        if len(batch_invariant.TILE_LARGE) != 5:
+            p.error(f"--tile-large {a.tile_large}: give BM,BN,BK,warps,stages")
     batch_invariant.ROW_KERNELS = a.row_kernels == "on"
     if a.attn_bm:
         if a.attn_bm < 16 or a.attn_bm & (a.attn_bm - 1):

@@ -150,6 +150,26 @@ if HAVE_TRITON:
         tl.store(Y + row, m + tl.log(tl.sum(acc, axis=0)))
 
 
+    @triton.jit
+    def _rms_kernel(X, W, Y, N, sx, sy, eps, BLOCK: tl.constexpr):
+        # model.rms_norm of a row: its mean square summed as _row_sum_kernel sums, the row
+        # normalised in fp32 and cast to X's dtype, then times the weight (in fp32, rounded to
+        # Y's dtype as a product of tensors of those dtypes is).
+        row = tl.program_id(0).to(tl.int64)
+        acc = tl.zeros((BLOCK,), dtype=tl.float32)
+        for c0 in range(0, N, BLOCK):
+            i = c0 + tl.arange(0, BLOCK)
+            x = tl.load(X + row * sx + i, mask=i < N, other=0.0).to(tl.float32)
+            acc += x * x
+        r = 1.0 / tl.sqrt_rn(tl.sum(acc, axis=0) / N + eps)
+        for c0 in range(0, N, BLOCK):
+            i = c0 + tl.arange(0, BLOCK)
+            xr = tl.load(X + row * sx + i, mask=i < N, other=0.0)
+            w = tl.load(W + i, mask=i < N, other=0.0).to(tl.float32)
+            y = (xr.to(tl.float32) * r).to(xr.dtype).to(tl.float32)
+            tl.store(Y + row * sy + i, (w * y).to(Y.dtype.element_ty), mask=i < N)
+
+
 def _rows(x: torch.Tensor) -> torch.Tensor:
     x2 = x.reshape(-1, x.shape[-1])
     return x2 if x2.stride(-1) == 1 else x2.contiguous()
@@ -173,6 +193,37 @@ def logsumexp_triton(x: torch.Tensor) -> torch.Tensor:
         _lse_kernel[(x2.shape[0],)](x2, y, x2.shape[1], x2.stride(0), BLOCK=ROW_BLOCK,
                                     num_warps=4)
     return y.view(x.shape[:-1])
+
+
+def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """rms_norm in _rms_kernel, one program a row (no gradient)."""
+    x2 = _rows(x)
+    y = torch.empty(x2.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
+    if x2.shape[0]:
+        _rms_kernel[(x2.shape[0],)](x2, weight.contiguous(), y, x2.shape[1], x2.stride(0),
+                                    y.stride(0), float(eps), BLOCK=ROW_BLOCK, num_warps=4)
+    return y.view(x.shape)
+
+
+class _RMSNorm(torch.autograd.Function):
+    """rms_norm_triton; the backward pass the gradient of model.rms_norm's PyTorch form,
+    recomputed."""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps):
+        ctx.save_for_backward(x, weight)
+        ctx.eps = eps
+        return rms_norm_triton(x, weight, eps)
+
+    @staticmethod
+    def backward(ctx, g):
+        x, weight = ctx.saved_tensors
+        with torch.enable_grad():
+            x_, w_ = x.detach().requires_grad_(), weight.detach().requires_grad_()
+            x32 = x_.float()
+            y = w_ * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + ctx.eps)).to(x.dtype)
+            gx, gw = torch.autograd.grad(y, (x_, w_), g)
+        return gx, gw, None
 
 
 class _RowSum(torch.autograd.Function):
@@ -260,6 +311,11 @@ if HAVE_TRITON:
 
 # The one tile shape of every product (BM, BN, BK, warps, stages).
 TILE = (64, 64, 64, 4, 3)
+# An experiment (determinism.py --tile-large): another tile for products of at least LARGE_M
+# rows (training, long prefills), the K steps alike. Whether a row's result is then the same as
+# under TILE is the matrix instruction's property, not guaranteed: the device's check says.
+TILE_LARGE: tuple | None = None
+LARGE_M = 1024
 
 
 def matmul_triton(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
@@ -269,7 +325,7 @@ def matmul_triton(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype) -> t
     y = torch.empty(M, N, dtype=out_dtype, device=x.device)
     if M == 0 or N == 0:
         return y
-    BM, BN, BK, warps, stages = TILE
+    BM, BN, BK, warps, stages = TILE if TILE_LARGE is None or M < LARGE_M else TILE_LARGE
     grid = (triton.cdiv(M, BM), triton.cdiv(N, BN))
     _matmul_kernel[grid](x, w, y, M, N, K, x.stride(0), x.stride(1), w.stride(0), w.stride(1),
                          y.stride(0), y.stride(1), BM=BM, BN=BN, BK=BK,
@@ -363,7 +419,9 @@ def lora_weights(sel, model, i: int, w: tuple) -> tuple:
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """model.rms_norm (fp32, cast back, then the weight) with the mean square summed by
-    tree_sum."""
+    tree_sum; where row_kernels says so, all of it in one Triton kernel a row."""
+    if row_kernels(x) and weight.shape == x.shape[-1:]:
+        return _RMSNorm.apply(x, weight, eps)
     dtype = x.dtype
     x32 = x.float()
     ms = row_sum(x32 * x32) / x.shape[-1]

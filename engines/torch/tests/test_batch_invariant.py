@@ -382,3 +382,31 @@ def test_the_triton_attention_gradient_is_sdpa_s_in_both_forms(interpreted):
         for a, b in zip(got, want):
             assert torch.allclose(a, b, atol=1e-5)
     assert not torch.are_deterministic_algorithms_enabled()
+
+
+def test_the_triton_rms_norm_keeps_a_row_and_has_the_plain_gradient(interpreted, monkeypatch):
+    # The GPU's RMSNorm (one kernel a row; 1,500 entries: two chunks): each row alike alone and
+    # in a batch, close to the tree-sum form; in bf16 as model.rms_norm rounds (cast, then the
+    # weight); its gradients the PyTorch form's.
+    g = torch.Generator().manual_seed(10)
+    x = torch.randn(6, 1500, generator=g) * 3
+    w = torch.randn(1500, generator=g)
+    y = bi.rms_norm_triton(x, w, 1e-6)
+    assert torch.allclose(y, bi.rms_norm(x, w, 1e-6), rtol=1e-5, atol=1e-5)
+    for i in range(6):
+        assert torch.equal(bi.rms_norm_triton(x[i:i + 1], w, 1e-6), y[i:i + 1])
+    xb, wb = x.bfloat16(), w.bfloat16()
+    yb = bi.rms_norm_triton(xb, wb, 1e-6)
+    x32 = xb.float()
+    ref = wb * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + 1e-6)).bfloat16()
+    assert yb.dtype == torch.bfloat16
+    assert (yb.float() - ref.float()).abs().max() <= 0.02 * ref.float().abs().max()
+    monkeypatch.setattr(bi, "FORCE_TRITON", True)
+    xs, ws = x[:, :64].clone().requires_grad_(), w[:64].clone().requires_grad_()
+    go = torch.randn(6, 64, generator=g)
+    got = torch.autograd.grad(bi.rms_norm(xs, ws, 1e-6), (xs, ws), go)
+    xr, wr = x[:, :64].clone().requires_grad_(), w[:64].clone().requires_grad_()
+    want = torch.autograd.grad(wr * xr * torch.rsqrt(xr.pow(2).mean(-1, keepdim=True) + 1e-6),
+                               (xr, wr), go)
+    for a, b in zip(got, want):
+        assert torch.allclose(a, b, atol=1e-5)
