@@ -686,16 +686,16 @@ func (r *Run) versionsInEngine(name string) bool {
 // keepAgain puts the weights versions the steps from base on generate from back into eng, a
 // restarted process of policy name that keeps its weights versions itself. It is for an engine
 // that holds the state of step base (before any optimizer step replayed); the versions are those
-// the run's checkpoint of base holds (rollout_versions, docs/async.md) and base itself. It returns
+// the checkpoint of base holds (rollout_versions, docs/async.md) and base itself. It returns
 // the versions kept.
-func (r *Run) keepAgain(ctx context.Context, eng engines.Engine, name string, base int) ([]int, error) {
+func (c *checkpoints) keepAgain(ctx context.Context, eng engines.Engine, name string, base int) ([]int, error) {
 	vs, ok := eng.(engines.Versions)
 	if !ok {
 		return nil, fmt.Errorf("its engine keeps no weights versions")
 	}
 	var kept []int
 	if base > 0 {
-		root, err := r.ckpt.root()
+		root, err := c.root()
 		if err != nil {
 			return nil, err
 		}
@@ -716,7 +716,7 @@ func (r *Run) keepAgain(ctx context.Context, eng engines.Engine, name string, ba
 			}
 		}
 		if len(kept) > 0 { // the state of step base again
-			cur, err := r.ckpt.policyDir(base, name)
+			cur, err := c.policyDir(base, name)
 			if err != nil {
 				return nil, err
 			}

@@ -227,7 +227,7 @@ func (r *Run) engineRestarted(ctx context.Context, ev restartEvent) error {
 		// Its rollouts sample weights versions the process kept: those up to g.base
 		// are the state of g.base or in its checkpoint; those of the steps since are kept again
 		// below, each once its step's optimizer steps are replayed.
-		kept, err := r.keepAgain(ctx, ev.eng, ev.policy, g.base)
+		kept, err := r.ckpt.keepAgain(ctx, ev.eng, ev.policy, g.base)
 		if err != nil {
 			return fail("putting back the weights versions its rollouts sample from failed: %v", err)
 		}
