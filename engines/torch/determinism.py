@@ -2,7 +2,7 @@
 
     python engines/torch/determinism.py [--device cuda|cpu] [--small] [--out DIR] [--check]
         [--mode both|default|deterministic] [--tile BM,BN,BK,warps,stages] [--tile-large T]
-        [--row-kernels on|off] [--attn-bm N] [--profile]
+        [--row-kernels on|off] [--attn-grouped on|off] [--attn-bm N] [--profile]
 
 On a random model (make-model: Qwen3-0.6B's shape, bf16 on a GPU; --small: the tiny Qwen3, for
 the CPU and the test that runs this), with no end-of-sequence token so every response has its
@@ -301,6 +301,10 @@ def main(argv=None) -> int:
                    help="the deterministic sums over a row (RMSNorm, log-softmax, sampler) in "
                    "Triton row kernels on a GPU (on, the default) or as tree sums of PyTorch "
                    "operations (off)")
+    p.add_argument("--attn-grouped", default="on", choices=["on", "off"],
+                   help="a program of the deterministic attention takes the query heads sharing "
+                   "a key head (on, the default: keys and values read once for them) or one "
+                   "head's queries (off)")
     p.add_argument("--attn-bm", type=int, default=0,
                    help="queries a program of the deterministic attention takes, decode and "
                    "training alike (default 16; a power of two ≥ 16)")
@@ -315,6 +319,7 @@ def main(argv=None) -> int:
         if len(batch_invariant.TILE_LARGE) != 5:
             p.error(f"--tile-large {a.tile_large}: give BM,BN,BK,warps,stages")
     batch_invariant.ROW_KERNELS = a.row_kernels == "on"
+    batch_invariant.ATTN_GROUPED = a.attn_grouped == "on"
     if a.attn_bm:
         if a.attn_bm < 16 or a.attn_bm & (a.attn_bm - 1):
             p.error(f"--attn-bm {a.attn_bm}: give a power of two ≥ 16")

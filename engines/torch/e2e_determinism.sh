@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Issue 38's run-level identities: the e2e debate (e2e_debate.sh's model and config) with
 # `deterministic: true`, three times with the same seed: two uninterrupted runs, and a third whose
-# generator worker is SIGKILLed once step KILL_AFTER's checkpoint is written (the host starts it
+# worker is SIGKILLed once step KILL_AFTER's checkpoint is written (the host starts it
 # again and restores the checkpoint). Their metrics.jsonl, timings aside, must be byte-identical.
+# (The victim is the run's lowest-pid torch worker: the generator's or the critic's.)
 #
 #   SLIMEN=.devbuild/slimen PY=python3 DEVICE=cuda:0 OUT=/tmp/e2e-det engines/torch/e2e_determinism.sh
 #   DEVICE=cpu STEPS=3 engines/torch/e2e_determinism.sh       # the CPU's dry run (tiny-qwen3, parity)
@@ -13,7 +14,8 @@
 # they run at the same time on the one device (batch invariance makes that irrelevant to the
 # numbers; PARALLEL=0 runs them one after the other). SCRIPT is the rollout script: the debate
 # (default on a GPU) or `parity` (the CPU's default: a tiny random model never answers right, so
-# the reward is its first token's parity and the weights move anyway). Writes OUT/{a,b,killed}/
+# the reward is its first token's parity and the weights move anyway). DETERMINISTIC=false runs
+# the default mode instead, for contrast. Writes OUT/{a,b,killed}/
 # {metrics.jsonl,events.log,exec.log}, OUT/config.yaml, OUT/verdict.md; exits 1 unless the three
 # agree. Run from the repository root.
 set -euo pipefail
@@ -38,6 +40,7 @@ MAXLEN=${MAXLEN:-$([ $gpu = 1 ] && echo 32 || echo 8)}
 SLOTS=${SLOTS:-$([ $gpu = 1 ] && echo 128 || echo 16)}
 SCRIPT=${SCRIPT:-$([ $gpu = 1 ] && echo examples/debate/debate.star || echo parity)}
 PARALLEL=${PARALLEL:-$gpu}
+DETERMINISTIC=${DETERMINISTIC:-true}  # false: the default mode, for contrast
 if [ "$KILL_AFTER" -lt 1 ] || [ "$KILL_AFTER" -ge "$STEPS" ]; then
   echo "e2e_determinism.sh: KILL_AFTER=$KILL_AFTER must be in [1, STEPS-1] (STEPS=$STEPS)" >&2
   exit 2
@@ -72,15 +75,15 @@ def rollout(task):
 EOF
 fi
 cat >"$OUT/config.yaml" <<EOF
-# Two deterministic policies on torch workers sharing $DEVICE ($SHAPE).
+# Two policies (deterministic: $DETERMINISTIC) on torch workers sharing $DEVICE ($SHAPE).
 policies:
   - name: generator
     hf_checkpoint: $model
-    engine: {kind: torch, python: $PY, device: "$DEVICE", deterministic: true, args: [--slots, "$SLOTS", --max-seq-len, "512"]}
+    engine: {kind: torch, python: $PY, device: "$DEVICE", deterministic: $DETERMINISTIC, args: [--slots, "$SLOTS", --max-seq-len, "512"]}
     train: {lr: $LR, advantage_estimator: grpo, global_batch_size: 0}
   - name: critic
     hf_checkpoint: $model
-    engine: {kind: torch, python: $PY, device: "$DEVICE", deterministic: true, args: [--slots, "$SLOTS", --max-seq-len, "512"]}
+    engine: {kind: torch, python: $PY, device: "$DEVICE", deterministic: $DETERMINISTIC, args: [--slots, "$SLOTS", --max-seq-len, "512"]}
     train: {lr: $LR, advantage_estimator: grpo, global_batch_size: 0}
 rollout: {batch_size: $BATCH, max_response_len: $MAXLEN, temperature: 1.0}
 data: {path: "synthetic:arith"}
@@ -88,9 +91,9 @@ run: {steps: $STEPS, seed: 1, save_interval: 1}
 EOF
 t1=$(date +%s)
 
-# run NAME [kill]: one `slimen exec` into WORK/NAME; with kill, SIGKILLs the generator's worker
-# (the first slimen_torch child of slimen: the workers start in the config's order) once step
-# KILL_AFTER's checkpoint is complete, and writes WORK/NAME/killed.
+# run NAME [kill]: one `slimen exec` into WORK/NAME; with kill, SIGKILLs one torch worker (the
+# lowest-pid slimen_torch child of slimen) once step KILL_AFTER's checkpoint is complete, and
+# writes WORK/NAME.killed.
 run() {
   local name=$1 dir="$WORK/$1" pid w
   XDG_CACHE_HOME="$WORK/cache-$name" "$SLIMEN" exec "$SCRIPT" --config "$OUT/config.yaml" \
@@ -101,7 +104,7 @@ run() {
       if [ -f "$dir/checkpoints/step_$KILL_AFTER/MANIFEST.json" ]; then
         w=$(pgrep -P "$pid" -f slimen_torch | head -1 || true)
         if [ -n "$w" ]; then
-          kill -9 "$w"
+          kill -9 "$w" || true
           echo "step $KILL_AFTER: SIGKILLed worker pid $w" | tee "$WORK/$name.killed" >&2
           break
         fi

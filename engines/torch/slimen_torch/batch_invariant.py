@@ -543,22 +543,27 @@ if HAVE_TRITON:
     def _attention_kernel(Q, K, V, O, P, Tq, H, G, Lk, D, scale,
                           sqb, sqt, sqh, skb, skh, skl, svb, svh, svl, sob, sot, soh,
                           BM: tl.constexpr, S: tl.constexpr, BD: tl.constexpr,
-                          IEEE: tl.constexpr):
-        # BM consecutive queries of one sequence and head (a decode step: one query, the rest of
-        # the block masked) over their keys in chunks of S positions from position 0, combined
-        # in order by the online softmax in fp32. A row's numbers come from its own query alone
-        # (the products are tile products of one shape), and a chunk past a row's position is
-        # an exact no-op for it: any batch, cache length or block gives a row the same result.
-        pid, h = tl.program_id(0), tl.program_id(1)
-        nblk = tl.cdiv(Tq, BM)
-        b, t0 = pid // nblk, (pid % nblk) * BM
-        kvh = h // G
-        t = t0 + tl.arange(0, BM)
-        tm = t < Tq
+                          IEEE: tl.constexpr, HG: tl.constexpr):
+        # BM rows of one sequence over their keys in chunks of S positions from position 0,
+        # combined in order by the online softmax in fp32. A row is a (query, head) pair: the HG
+        # heads of program_id(1)'s group (HG = G: the query heads sharing one key head, whose
+        # keys and values are then read once for all of them; HG = 1: one head) for consecutive
+        # queries (a decode step: one query, the rest of the block masked). A row's numbers come
+        # from its own query alone (the products are tile products of one shape), and a chunk
+        # past a row's position is an exact no-op for it: any batch, cache length or block gives
+        # a row the same result.
+        pid, hg = tl.program_id(0), tl.program_id(1)
+        nblk = tl.cdiv(Tq * HG, BM)
+        b, r0 = pid // nblk, (pid % nblk) * BM
+        r = r0 + tl.arange(0, BM)
+        tm = r < Tq * HG
+        t = r // HG
+        h = hg * HG + r % HG
+        kvh = (hg * HG) // G
         d = tl.arange(0, BD)
         dm = d < D
         pos = tl.load(P + b * Tq + t, mask=tm, other=-1)
-        q = tl.load(Q + b * sqb + t[:, None] * sqt + h * sqh + d[None, :],
+        q = tl.load(Q + b * sqb + t[:, None] * sqt + h[:, None] * sqh + d[None, :],
                     mask=tm[:, None] & dm[None, :], other=0.0)
         m = tl.full((BM,), float("-inf"), tl.float32)
         l = tl.zeros((BM,), tl.float32)
@@ -593,12 +598,16 @@ if HAVE_TRITON:
             acc = acc * alpha[:, None] + pv
             m = m_new
         out = acc / tl.where(l == 0.0, 1.0, l)[:, None]
-        tl.store(O + b * sob + t[:, None] * sot + h * soh + d[None, :],
+        tl.store(O + b * sob + t[:, None] * sot + h[:, None] * soh + d[None, :],
                  out.to(O.dtype.element_ty), mask=tm[:, None] & dm[None, :])
 
-# Queries a program of the Triton attention takes: the same block shape for a decode step (one
+# Rows a program of the Triton attention takes: the same block shape for a decode step (one
 # query) and a training pass (every position), so a row's products are alike in both.
 ATTN_BM = 16
+# Whether a program's rows are the query heads sharing a key head (each key and value read once
+# for the group: half the reads of Qwen3-0.6B's decode) or one head's queries
+# (determinism.py --attn-grouped off).
+ATTN_GROUPED = True
 
 
 def attention_triton(q, k, v, q_pos, scale):
@@ -611,12 +620,14 @@ def attention_triton(q, k, v, q_pos, scale):
         q = q.contiguous()
     o = torch.empty(B, Tq, H, D, dtype=q.dtype, device=q.device)
     pos = q_pos.to(torch.int64).contiguous().view(-1)
-    _attention_kernel[(B * triton.cdiv(Tq, ATTN_BM), H)](
-        q, k, v, o, pos, Tq, H, H // KV, Lk, D, scale,
+    G = H // KV
+    HG = G if ATTN_GROUPED and G <= ATTN_BM else 1
+    _attention_kernel[(B * triton.cdiv(Tq * HG, ATTN_BM), H // HG)](
+        q, k, v, o, pos, Tq, H, G, Lk, D, scale,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), o.stride(0), o.stride(1), o.stride(2),
         BM=ATTN_BM, S=KV_SPLIT, BD=max(16, triton.next_power_of_2(D)),
-        IEEE=q.dtype == torch.float32, num_warps=4)
+        IEEE=q.dtype == torch.float32, HG=HG, num_warps=4)
     return o
 
 

@@ -410,3 +410,27 @@ def test_the_triton_rms_norm_keeps_a_row_and_has_the_plain_gradient(interpreted,
                                (xr, wr), go)
     for a, b in zip(got, want):
         assert torch.allclose(a, b, atol=1e-5)
+
+
+def test_the_triton_attention_groups_heads_alike(interpreted, monkeypatch):
+    # A program's rows as the query heads of one key head (the default) or as one head's
+    # queries: both SDPA's attention, and a query decoded alone gets what the whole sequence
+    # gave it, with 4 heads on 2 key heads and with 8 on 1. (Queries whose rows start a block in
+    # both: the interpreter's NumPy product rounds a row by its place in the block, which the
+    # GPU's matrix instruction does not, as determinism.py checks on the device.)
+    g = torch.Generator().manual_seed(11)
+    for H, KV in ((4, 2), (8, 1)):
+        B, T, D = 2, 40, 16
+        q = torch.randn(B, T, H, D, generator=g)
+        k = torch.randn(B, KV, T, D, generator=g)
+        v = torch.randn(B, KV, T, D, generator=g)
+        ref = torch.nn.functional.scaled_dot_product_attention(
+            q.transpose(1, 2), k, v, is_causal=True, scale=0.25, enable_gqa=True).transpose(1, 2)
+        pos = torch.arange(T).expand(B, T)
+        for grouped in (True, False):
+            monkeypatch.setattr(bi, "ATTN_GROUPED", grouped)
+            o = bi.attention_triton(q, k, v, pos, 0.25)
+            assert torch.allclose(o, ref, atol=1e-5)
+            for t in (0, 16, 32):
+                one = bi.attention_triton(q[:, t:t + 1].contiguous(), k, v, pos[:, t:t + 1], 0.25)
+                assert torch.equal(one, o[:, t:t + 1])
