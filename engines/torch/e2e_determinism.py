@@ -57,12 +57,12 @@ def verdict(out: pathlib.Path, steps: int) -> tuple[str, bool]:
            for n in runs}
     lines = ["| runs | metric lines | lines that differ | first difference | identical |",
              "|---|---|---|---|---|"]
-    ok = True
+    same_all = True
     for x, y in (("a", "b"), ("a", "killed")):
         a, b = runs[x], runs[y]
         nd = sum(la != lb for la, lb in zip(a, b)) + abs(len(a) - len(b))
         same = bool(a) and a == b
-        ok = ok and same
+        same_all = same_all and same
         lines.append(f"| {x} vs {y} | {len(a)} / {len(b)} | {nd} | {first_diff(a, b) or '-'} | "
                      f"{'yes' if same else 'NO'} |")
     done = {n: max([json.loads(l).get("step", 0) for l in r] or [0]) for n, r in runs.items()}
@@ -70,21 +70,30 @@ def verdict(out: pathlib.Path, steps: int) -> tuple[str, bool]:
     lines.append("exit codes: " + ", ".join(f"{n} {rcs[n]}" for n in runs) +
                  "; last step: " + ", ".join(f"{n} {done[n]}" for n in runs) +
                  f" (of {steps})")
-    ok = ok and all(rcs[n] == "0" and done[n] == steps for n in runs)
+    finished = all(rcs[n] == "0" and done[n] == steps for n in runs)
     killed = (out / "killed" / "killed")
     events = (out / "killed" / "events.log")
     ev = events.read_text() if events.exists() else ""
     restarted = "restarted as a new process" in ev
     lines.append(f"kill: {killed.read_text().strip() if killed.exists() else 'none'}; "
                  f"the host restarted the worker: {'yes' if restarted else 'no'}")
-    ok = ok and killed.exists() and restarted
+    kill_ok = killed.exists() and restarted
     moved = sum(1 for l in runs["a"]
                 if (m := json.loads(l)).get("step", 0) > 1 and (m.get("grad_norm") or 0) > 0)
     lines.append(f"policy-steps after step 1 with a gradient: {moved}"
                  + ("" if moved >= 3 else " (too few: equal metrics say little about the weights)"))
-    ok = ok and moved >= 3
+    ok = same_all and finished and kill_ok and moved >= 3
+    if ok:
+        v = "IDENTICAL (timings aside)"
+    elif not same_all:
+        v = "NOT identical"
+    else:
+        v = "INCONCLUSIVE: equal, but " + "; ".join(
+            w for c, w in ((finished, "a run did not finish"),
+                           (kill_ok, "no kill or no restart"),
+                           (moved >= 3, "the weights hardly moved")) if not c)
     lines.append("")
-    lines.append("verdict: " + ("IDENTICAL (timings aside)" if ok else "NOT identical"))
+    lines.append("verdict: " + v)
     return "\n".join(lines), ok
 
 
