@@ -41,6 +41,7 @@ SLOTS=${SLOTS:-$([ $gpu = 1 ] && echo 128 || echo 16)}
 SCRIPT=${SCRIPT:-$([ $gpu = 1 ] && echo examples/debate/debate.star || echo parity)}
 PARALLEL=${PARALLEL:-$gpu}
 DETERMINISTIC=${DETERMINISTIC:-true}  # false: the default mode, for contrast
+EXEC_TIMEOUT=${EXEC_TIMEOUT:-0}  # SIGTERM each run after this long (it ends its step; 0: never)
 if [ "$KILL_AFTER" -lt 1 ] || [ "$KILL_AFTER" -ge "$STEPS" ]; then
   echo "e2e_determinism.sh: KILL_AFTER=$KILL_AFTER must be in [1, STEPS-1] (STEPS=$STEPS)" >&2
   exit 2
@@ -95,14 +96,17 @@ t1=$(date +%s)
 # lowest-pid slimen_torch child of slimen) once step KILL_AFTER's checkpoint is complete, and
 # writes WORK/NAME.killed.
 run() {
-  local name=$1 dir="$WORK/$1" pid w
-  XDG_CACHE_HOME="$WORK/cache-$name" "$SLIMEN" exec "$SCRIPT" --config "$OUT/config.yaml" \
+  local name=$1 dir="$WORK/$1" pid w slimen to=()
+  [ "$EXEC_TIMEOUT" != 0 ] && to=(timeout -s TERM "$EXEC_TIMEOUT")
+  XDG_CACHE_HOME="$WORK/cache-$name" "${to[@]}" "$SLIMEN" exec "$SCRIPT" --config "$OUT/config.yaml" \
     --out "$dir" >"$WORK/$name.log" 2>&1 &
   pid=$!
   if [ "${2:-}" = kill ]; then
     while kill -0 "$pid" 2>/dev/null; do
       if [ -f "$dir/checkpoints/step_$KILL_AFTER/MANIFEST.json" ]; then
-        w=$(pgrep -P "$pid" -f slimen_torch | head -1 || true)
+        # (Under EXEC_TIMEOUT slimen is timeout's child.)
+        [ ${#to[@]} = 0 ] && slimen=$pid || slimen=$(pgrep -P "$pid" | head -1 || true)
+        w=$(pgrep -P "${slimen:-0}" -f slimen_torch | head -1 || true)
         if [ -n "$w" ]; then
           kill -9 "$w" || true
           echo "step $KILL_AFTER: SIGKILLed worker pid $w" | tee "$WORK/$name.killed" >&2
