@@ -319,9 +319,33 @@ func loraOnHandStartedWorker(t *testing.T, py, model, torchCfg, want string) {
 			t.Errorf("%s's checkpoint: %v", p, err)
 		}
 	}
-	if got := metricsNoTimings(t, served); got != want {
+	if got, want := withoutMismatch(t, metricsNoTimings(t, served)), withoutMismatch(t, want); got != want {
 		t.Errorf("the adapters on the hand-started worker differ from those on the run's own:\n%s\n---\n%s", got, want)
 	}
+}
+
+// withoutMismatch drops the rollout/trainer log-prob mismatch from metrics lines. In the torch
+// worker's default mode a rollout's log-probs depend in their last bits on what else was in its
+// batch, which the two workers of loraOnHandStartedWorker fill in their own order: the mismatch
+// (~1e-8 on the CPU) differs between them while every trained number is equal.
+func withoutMismatch(t *testing.T, jsonl string) string {
+	t.Helper()
+	var out []string
+	for _, line := range strings.Split(strings.TrimSpace(jsonl), "\n") {
+		var m map[string]any
+		if err := json.Unmarshal([]byte(line), &m); err != nil {
+			t.Fatalf("metrics line %q: %v", line, err)
+		}
+		for _, k := range []string{"logprob_diff_mean", "logprob_diff_max", "train_rollout_logprob_abs_diff"} {
+			delete(m, k)
+		}
+		b, err := json.Marshal(m)
+		if err != nil {
+			t.Fatal(err)
+		}
+		out = append(out, string(b))
+	}
+	return strings.Join(out, "\n")
 }
 
 // checkPolicySteps checks that a run's metrics.jsonl has a line for each "policy@step" of want,
