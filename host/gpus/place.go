@@ -78,7 +78,8 @@ type Worker struct {
 // LoRABaseKey is what the LoRA policies that share one torch worker have in common: the
 // hf_checkpoint and the engine settings that shape the worker. host/torch opens one worker per key.
 func LoRABaseKey(p config.PolicyConfig) string {
-	return strings.Join([]string{"torch", p.HFCheckpoint, p.Engine.Device, strings.Join(p.Engine.GPUs, ","), strings.Join(p.Engine.Args, "\x00")}, "\x00")
+	return strings.Join([]string{"torch", p.HFCheckpoint, p.Engine.Device, strings.Join(p.Engine.GPUs, ","),
+		strings.Join(p.Engine.Args, "\x00"), strconv.FormatBool(p.Engine.Deterministic)}, "\x00")
 }
 
 // loraRiders maps each LoRA policy that rides on an earlier LoRA policy's worker to that policy.

@@ -277,3 +277,28 @@ func TestPlaceLoRAPoliciesShareAWorker(t *testing.T) {
 		t.Error("eight full copies of 1 Gi parameters placed on one 80 GiB GPU")
 	}
 }
+
+// A worker runs in one mode: LoRA policies on one hf_checkpoint that disagree on
+// engine.deterministic are two workers, each placed, not one whose mode the first policy picks.
+func TestPlaceLoRAPoliciesOfTwoModes(t *testing.T) {
+	c := &config.Config{Run: config.RunConfig{Colocate: true}}
+	for i := range 4 {
+		p := torchPolicy(string(rune('a'+i)), 1, 1, 1)
+		p.HFCheckpoint = "/models/base"
+		p.LoRA = &config.LoRAConfig{Rank: 8, Alpha: 16, Targets: []string{"q_proj"}}
+		p.Engine.Deterministic = i >= 2
+		c.Policies = append(c.Policies, p)
+	}
+	models := map[string]Model{}
+	for _, p := range c.Policies {
+		models[p.Name] = small
+	}
+	plan, err := Place(c, models, machine(2, 80*gib))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(plan.Workers) != 2 || plan.Workers[0].Policy != "a" || plan.Workers[1].Policy != "c" ||
+		len(plan.Workers[0].Adapters) != 1 || len(plan.Workers[1].Adapters) != 1 {
+		t.Fatalf("plan: %+v; want worker a (adapter b) and worker c (adapter d)", plan)
+	}
+}
