@@ -79,11 +79,11 @@ func Normalize(s string) string {
 }
 
 var (
-	// A units suffix: a value, then \text{…} of words (optionally squared or cubed) at the end.
+	// unitsSuffix is a units suffix: a value, then \text{…} of words (optionally squared or cubed) at the end.
 	unitsSuffix = regexp.MustCompile(`^(.*\S)\s*\\(?:text|mbox|mathrm)\{\s*[A-Za-z][A-Za-z\s.]*\}(?:\^\{?[23]\}?)?$`)
 	textWrapper = regexp.MustCompile(`\\(?:text|mbox|textbf|mathrm)\{([^{}]*)\}`)
 	assignment  = regexp.MustCompile(`^[A-Za-z]=.`)
-	// \frac12: one-character arguments written without braces.
+	// fracShorthand is \frac12: one-character arguments written without braces.
 	fracShorthand = regexp.MustCompile(`\\frac([0-9A-Za-z])([0-9A-Za-z])`)
 	sqrtShorthand = regexp.MustCompile(`\\sqrt([0-9A-Za-z])`)
 	intRatio      = regexp.MustCompile(`^(-?)([0-9]+)/([0-9]+)$`)

@@ -85,16 +85,18 @@ func threadRandom(thread *starlark.Thread, fn string) (*threadRand, error) {
 	if r, ok := randomOf(thread); ok {
 		return r, nil
 	}
-	return nil, fmt.Errorf("%s: this thread has no random generator; random numbers are seeded per rollout, so call it from rollout(task), not at the top level of a file", fn)
+	return nil, fmt.Errorf("%s: this thread has no random generator; random numbers are seeded per rollout, "+
+		"so call it from rollout(task), not at the top level of a file", fn)
 }
 
-// Each draw locks the generator only for its own use.
+// float64 draws a number in [0, 1), locking the generator only for its own use.
 func (t *threadRand) float64() float64 {
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	return t.r.Float64()
 }
 
+// norm draws from the standard normal distribution, locking the generator as float64 does.
 func (t *threadRand) norm() float64 {
 	t.mu.Lock()
 	defer t.mu.Unlock()

@@ -647,7 +647,7 @@ func F1(prediction, reference string) float64 {
 // --- gpqa ---
 
 var (
-	// Python's case-insensitive "i" also matches İ and ı (Go's matches neither).
+	// pyI makes a pattern's "i" match as Python's case-insensitive "i" does: also İ and ı (Go's matches neither).
 	pyI          = strings.NewReplacer("i", "[iİı]", "[A-Z]", "[A-Zİı]")
 	gpqaPatterns = []*regexp.Regexp{
 		regexp.MustCompile(`(?i)` + pyI.Replace(`(?:answer|option|choice)`+pyS+`*(?:is|:)?`+pyS+`*([A-Z])`)),

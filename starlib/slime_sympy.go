@@ -715,10 +715,10 @@ func valueIsZero(d exprValue, scale float64, symbolic bool) bool {
 	return cmplx.Abs(d.complex()) <= tol*scale
 }
 
-// A polynomial in symbols, π and square roots, with sympy's number coefficients. Where an answer
-// has decimals, sympy combines like terms with Float arithmetic: 0.5x - x/2 is 0, but
-// 167.0(0.00598802395209581y - 1.0) - (y - 167) is not, because the coefficient of y is off by a
-// rounding. Evaluating at points cannot tell these apart; expanding into terms can.
+// A polyTerm is a term of a polynomial in symbols, π and square roots, with sympy's number
+// coefficients. Where an answer has decimals, sympy combines like terms with Float arithmetic:
+// 0.5x - x/2 is 0, but 167.0(0.00598802395209581y - 1.0) - (y - 167) is not, because the
+// coefficient of y is off by a rounding. Evaluating at points cannot tell these apart; expanding into terms can.
 type polyTerm struct {
 	exps map[string]int // atom → exponent: a symbol, "π", or "√n" for a square-free n > 1
 	coef exprValue      // exact or a sympy Float

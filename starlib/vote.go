@@ -100,7 +100,8 @@ func voteMajority(thread *starlark.Thread, b *starlark.Builtin, args starlark.Tu
 	i, err := winner(ballots, func(n int) (int, error) {
 		r, ok := randomOf(thread)
 		if !ok {
-			return 0, fmt.Errorf("%s: %d answers tie and this thread has no random generator to break the tie; call it from rollout(task), where the host seeds one", b.Name(), n)
+			return 0, fmt.Errorf("%s: %d answers tie and this thread has no random generator to break the tie; "+
+				"call it from rollout(task), where the host seeds one", b.Name(), n)
 		}
 		return int(r.intN(uint64(n))), nil
 	})

@@ -221,7 +221,9 @@ func Place(c *config.Config, models map[string]Model, list []GPU) (*Plan, error)
 				continue
 			}
 			if last := slice[len(slice)-1]; last >= len(list) {
-				return nil, fmt.Errorf("policy %q needs GPUs %s (%s) but this machine has %d GPU%s: the config needs %d in all (%s); lower num_gpus_per_node, megatron_num_nodes or sglang_num_nodes, set run.colocate, or pin the worker with engine.gpus",
+				return nil, fmt.Errorf("policy %q needs GPUs %s (%s) but this machine has %d GPU%s: the config needs %d in all (%s); "+
+					"lower num_gpus_per_node, megatron_num_nodes or sglang_num_nodes, "+
+					"set run.colocate, or pin the worker with engine.gpus",
 					p.Name, span(slice), sizing(p), len(list), plural(len(list)), plan.Total, totals(plan))
 			}
 			for _, k := range slice {

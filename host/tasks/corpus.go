@@ -12,8 +12,9 @@ import (
 )
 
 // Example is example i of the pretraining corpus of builtin:tiny-arith, drawn from problem i of
-// a: the CLI's `slimen pretrain` hands these to the tiny engine's Pretrain. Half the prompts are the bare problem; the other half append candidate answers, as the
-// multi-agent topologies do when they show one agent the others' answers:
+// a: the CLI's `slimen pretrain` hands these to the tiny engine's Pretrain. Half the prompts are
+// the bare problem; the other half append candidate answers, as the multi-agent topologies do
+// when they show one agent the others' answers:
 //
 //	Ann has 12 pens and gets 7 more. How many pens? Answers: 19, 17.
 //

@@ -88,7 +88,8 @@ func openJSONL(path string, o Options) (Source, error) {
 	if !labelled {
 		// A label under another key reads as no label at all: a script comparing answers with
 		// task.label would reward whatever does not parse. Said first, before the lines' problems.
-		s.warnings = append([]string{fmt.Sprintf("%s: no line has the label key %q, so every task.label is None (set %s.label_key if the label is under another key; the lines have the keys %s)",
+		s.warnings = append([]string{fmt.Sprintf("%s: no line has the label key %q, so every task.label is None (set "+
+			"%s.label_key if the label is under another key; the lines have the keys %s)",
 			path, o.LabelKey, o.Keys, strings.Join(slices.Sorted(maps.Keys(keys)), ", "))}, s.warnings...)
 	}
 	return s, nil

@@ -90,7 +90,9 @@ func open(ctx context.Context, p config.PolicyConfig, env host.EngineEnv) (engin
 	if env.Replica == 0 && replicasOnRolloutSlice(p, w, env.Config) {
 		// The rollout slice would stay idle while the worker kept the versions on its actor GPU.
 		placeArgs = append(placeArgs, "--no-versions")
-		env.Logf("policy %q: rollout.max_staleness %d with a rollout slice of its own (GPU %s): its rollout replicas run there and take the weights after each step, so its worker keeps no versions (--no-versions); colocate it to keep them in the worker", p.Name, env.Config.Rollout.MaxStaleness, joinInts(w.Replicas))
+		env.Logf("policy %q: rollout.max_staleness %d with a rollout slice of its own (GPU %s): "+
+			"its rollout replicas run there and take the weights after each step, "+
+			"so its worker keeps no versions (--no-versions); colocate it to keep them in the worker", p.Name, env.Config.Rollout.MaxStaleness, joinInts(w.Replicas))
 	}
 	replicaOn := ""
 	if env.Replica > 0 && w != nil {
@@ -103,7 +105,8 @@ func open(ctx context.Context, p config.PolicyConfig, env host.EngineEnv) (engin
 	}
 	args = append(args, placeArgs...)
 	// The KL reference stays the base model, not the checkpoint the policy resumes from.
-	if ref := p.KLReference(); ref != model && !slices.ContainsFunc(args, func(a string) bool { return a == "--ref-model" || strings.HasPrefix(a, "--ref-model=") }) {
+	refSet := slices.ContainsFunc(args, func(a string) bool { return a == "--ref-model" || strings.HasPrefix(a, "--ref-model=") })
+	if ref := p.KLReference(); ref != model && !refSet {
 		ref, err := filepath.Abs(ref)
 		if err != nil {
 			return nil, err
@@ -195,7 +198,8 @@ func checkModelFolder(key, dir string) error {
 		return fmt.Errorf("%s %s is a file; give the Hugging Face model folder that holds config.json and the *.safetensors weights", key, dir)
 	}
 	if _, err := os.Stat(filepath.Join(dir, "config.json")); err != nil {
-		return fmt.Errorf("%s %s has no config.json, so it is not a Hugging Face model folder (make one with `python -m slimen_torch make-model`, or save one with transformers' save_pretrained)", key, dir)
+		return fmt.Errorf("%s %s has no config.json, so it is not a Hugging Face model folder "+
+			"(make one with `python -m slimen_torch make-model`, or save one with transformers' save_pretrained)", key, dir)
 	}
 	return nil
 }
@@ -226,7 +230,9 @@ print(" ".join(missing))`
 		return torchStartError(fmt.Errorf("torch engine: start %s: %w", python, err), python, from)
 	}
 	if missing := strings.TrimSpace(string(out)); missing != "" {
-		return &startError{msg: fmt.Sprintf("the torch worker cannot start: %s (from %s) lacks %s; install engines/torch/requirements.txt into its environment, or set engine.python (or $%s) to one that has them (scripts/pyenv.sh makes one)",
+		return &startError{msg: fmt.Sprintf("the torch worker cannot start: %s (from %s) lacks %s; "+
+			"install engines/torch/requirements.txt into its environment, "+
+			"or set engine.python (or $%s) to one that has them (scripts/pyenv.sh makes one)",
 			python, from, missing, PythonEnv)}
 	}
 	return nil
@@ -249,10 +255,12 @@ func torchStartError(err error, python, from string) error {
 	msg := "the torch worker did not start: " + lastLines(err.Error(), workerTailLines)
 	switch {
 	case errors.Is(err, exec.ErrNotFound) || errors.Is(err, fs.ErrNotExist) || errors.Is(err, fs.ErrPermission):
-		msg += fmt.Sprintf("\nthe interpreter %s comes from %s; set engine.python (or $%s) to the python of an environment with engines/torch/requirements.txt (scripts/pyenv.sh makes one)",
+		msg += fmt.Sprintf("\nthe interpreter %s comes from %s; set engine.python (or $%s) to the python of an environment "+
+			"with engines/torch/requirements.txt (scripts/pyenv.sh makes one)",
 			python, from, PythonEnv)
 	case strings.Contains(err.Error(), "No module named"):
-		msg += fmt.Sprintf("\n%s (from %s) lacks the worker's requirements: install engines/torch/requirements.txt into its environment, or set engine.python (or $%s) to one that has them (scripts/pyenv.sh makes one)",
+		msg += fmt.Sprintf("\n%s (from %s) lacks the worker's requirements: install engines/torch/requirements.txt into its "+
+			"environment, or set engine.python (or $%s) to one that has them (scripts/pyenv.sh makes one)",
 			python, from, PythonEnv)
 	}
 	return &startError{msg: msg, err: err}
@@ -314,7 +322,8 @@ func checkRanks(p config.PolicyConfig, w *gpus.Worker) error {
 		return nil
 	}
 	if strings.HasPrefix(p.Engine.Device, "cuda:") {
-		return fmt.Errorf("policy %q: engine.device %s names one GPU, but num_gpus_per_node %d runs %d ranks on cuda:0…%d of the GPUs the worker sees: leave engine.device out (or say cuda) and give the GPUs with engine.gpus", p.Name, p.Engine.Device, n, n, n-1)
+		return fmt.Errorf("policy %q: engine.device %s names one GPU, but num_gpus_per_node %d runs %d ranks on cuda:0…%d of "+
+			"the GPUs the worker sees: leave engine.device out (or say cuda) and give the GPUs with engine.gpus", p.Name, p.Engine.Device, n, n, n-1)
 	}
 	seen, from := 0, ""
 	switch {
