@@ -1,16 +1,11 @@
 package host
 
 import (
-	"context"
 	"math"
 	"os"
 	"path/filepath"
 	"strings"
 	"testing"
-
-	"github.com/slimen/slimen/engines"
-	"github.com/slimen/slimen/engines/tiny"
-	"github.com/slimen/slimen/host/config"
 )
 
 // Every policy step reports the rollout/trainer log-prob mismatch in metrics.jsonl: ~0 on the
@@ -19,39 +14,12 @@ import (
 // the first counts, since the second's forward comes after an update (counting it, "on" would
 // show the update's change).
 func TestLogprobMismatchMetrics(t *testing.T) {
-	open := func() engines.Engine {
-		e, err := tiny.Open(config.BuiltinCheckpoint, tiny.Options{Threads: 1})
-		if err != nil {
-			t.Fatal(err)
-		}
-		t.Cleanup(func() { e.Close() })
-		return e
-	}
-	var sent []bool
 	cfg := testConfig(2, "off", "on")
 	for i := range cfg.Policies {
 		cfg.Policies[i].Train.GlobalBatchSize = 2
 		cfg.Policies[i].Train.LR = 0.05
 	}
-	cfg.Rollout.MaxResponseLen = 8
-	out := t.TempDir()
-	r, err := Load(context.Background(), writeScript(t, `
-def rollout(task):
-    for p in ["off", "on"]:
-        cs = generate(p, task.prompt, n = 2)
-        for i, c in enumerate(cs):
-            reward(c, float(i))
-        train(cs)
-`), Options{Config: cfg, Out: out, Tasks: numberedTasks(2),
-		Engines: map[string]engines.Engine{"off": offRollout{open(), &sent}, "on": open()}})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer r.Close()
-	res, err := r.Step(context.Background())
-	if err != nil {
-		t.Fatal(err)
-	}
+	res, out, _ := stepOffOn(t, cfg)
 	for _, m := range res.Policies {
 		mean, mx, slime := m.Float("logprob_diff_mean"), m.Float("logprob_diff_max"), m.Float("train_rollout_logprob_abs_diff")
 		if m.Float("optimizer_steps") != 2 {

@@ -15,6 +15,43 @@ import (
 	"github.com/slimen/slimen/host/config"
 )
 
+// stepOffOn runs one step of cfg's policies "off" and "on" (testConfig's, on the embedded engine,
+// responses of at most 8 tokens) on two numbered tasks, each rollout rewarding two samples of both
+// 0 and 1: "off" samples through offRollout, its log-probs a nat off. It returns the step, the run
+// folder and, by pointer, what offRollout saw sent.
+func stepOffOn(t *testing.T, cfg *config.Config) (res *StepResult, out string, sent *[]bool) {
+	t.Helper()
+	open := func() engines.Engine {
+		e, err := tiny.Open(config.BuiltinCheckpoint, tiny.Options{Threads: 1})
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { e.Close() })
+		return e
+	}
+	sent = new([]bool)
+	cfg.Rollout.MaxResponseLen = 8
+	out = t.TempDir()
+	r, err := Load(context.Background(), writeScript(t, `
+def rollout(task):
+    for p in ["off", "on"]:
+        cs = generate(p, task.prompt, n = 2)
+        for i, c in enumerate(cs):
+            reward(c, float(i))
+        train(cs)
+`), Options{Config: cfg, Out: out, Tasks: numberedTasks(2),
+		Engines: map[string]engines.Engine{"off": offRollout{open(), sent}, "on": open()}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer r.Close()
+	res, err = r.Step(context.Background())
+	if err != nil {
+		t.Fatal(err)
+	}
+	return res, out, sent
+}
+
 // offRollout is the embedded engine seen through a rollout engine whose log-probs are one nat
 // above the trainer's on every token (what another engine's numerics or older weights give):
 // every TIS ratio is e^−1.
@@ -48,39 +85,12 @@ func (e offRollout) Generate(ctx context.Context, reqs []engines.GenerateRequest
 // step is cut into two optimizer steps, so the trainer's old log-probs come from scoring before
 // the first.
 func TestUseTISOnTheEmbeddedEngine(t *testing.T) {
-	open := func() engines.Engine {
-		e, err := tiny.Open(config.BuiltinCheckpoint, tiny.Options{Threads: 1})
-		if err != nil {
-			t.Fatal(err)
-		}
-		t.Cleanup(func() { e.Close() })
-		return e
-	}
-	var sent []bool
 	cfg := testConfig(2, "off", "on")
 	for i, mode := range []string{"tis", "icepop"} {
 		tc := &cfg.Policies[i].Train
 		tc.UseTIS, tc.TISMode, tc.TISClip, tc.TISClipLow, tc.GlobalBatchSize = true, mode, 2, 0.5, 2
 	}
-	cfg.Rollout.MaxResponseLen = 8
-	out := t.TempDir()
-	r, err := Load(context.Background(), writeScript(t, `
-def rollout(task):
-    for p in ["off", "on"]:
-        cs = generate(p, task.prompt, n = 2)
-        for i, c in enumerate(cs):
-            reward(c, float(i))
-        train(cs)
-`), Options{Config: cfg, Out: out, Tasks: numberedTasks(2),
-		Engines: map[string]engines.Engine{"off": offRollout{open(), &sent}, "on": open()}})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer r.Close()
-	res, err := r.Step(context.Background())
-	if err != nil {
-		t.Fatal(err)
-	}
+	res, out, sent := stepOffOn(t, cfg)
 	for _, m := range res.Policies {
 		frac, w := m.Float("tis_clip_frac"), m.Float("tis_weight")
 		if m.Float("optimizer_steps") != 2 || m.Float("trained_tokens") == 0 || math.IsNaN(m.Float("loss")) {
@@ -97,8 +107,8 @@ def rollout(task):
 			}
 		}
 	}
-	if !slices.Equal(sent, []bool{true, true}) {
-		t.Errorf("optimizer steps with the trainer's old log-probs: %v, want both", sent)
+	if !slices.Equal(*sent, []bool{true, true}) {
+		t.Errorf("optimizer steps with the trainer's old log-probs: %v, want both", *sent)
 	}
 	b, err := os.ReadFile(filepath.Join(out, "metrics.jsonl"))
 	if err != nil || strings.Count(string(b), `"tis_clip_frac":`) != 2 {
