@@ -37,6 +37,7 @@ import torch
 HERE = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
+from bench import no_eos  # noqa: E402
 from slimen_torch import lora  # noqa: E402
 from slimen_torch.engine import Engine, Options  # noqa: E402
 from slimen_torch.make_model import make_model  # noqa: E402
@@ -51,15 +52,6 @@ def log(*a):
 def sync(device: str) -> None:
     if device.startswith("cuda"):
         torch.cuda.synchronize()
-
-
-def no_eos(d: pathlib.Path) -> None:
-    """Removes the end-of-sequence token so that every response runs to max_tokens."""
-    for name, key in (("config.json", "eos_token_id"), ("generation_config.json", "eos_token_id"),
-                      ("tokenizer_config.json", "eos_token")):
-        raw = json.loads((d / name).read_text())
-        raw[key] = None
-        (d / name).write_text(json.dumps(raw))
 
 
 def rand_prompt(vocab: int, n: int, seed: int) -> list[int]:
@@ -138,20 +130,24 @@ def identities(e: Engine, vocab: int, new: int) -> dict:
     return out
 
 
-def decode_speed(e: Engine, vocab: int, batch: int, prompt_len: int, new: int) -> float:
-    """Sampled tokens / s at batch rows: best of two after a warm-up."""
-    reqs = [request(f"s{i}", rand_prompt(vocab, prompt_len, 100 + i), i, new)
-            for i in range(batch)]
+def best_rate(e: Engine, run) -> float:
+    """Tokens / s of run() (which returns its tokens): the best of two calls after a warm-up."""
     best = 0.0
     for rep in range(3):
         sync(str(e.device))
         t0 = time.perf_counter()
-        cs = e.generate(reqs)
+        tokens = run()
         sync(str(e.device))
-        dt = time.perf_counter() - t0
         if rep:
-            best = max(best, sum(len(c.tokens) for c in cs) / dt)
+            best = max(best, tokens / (time.perf_counter() - t0))
     return best
+
+
+def decode_speed(e: Engine, vocab: int, batch: int, prompt_len: int, new: int) -> float:
+    """Sampled tokens / s at batch rows: best of two after a warm-up."""
+    reqs = [request(f"s{i}", rand_prompt(vocab, prompt_len, 100 + i), i, new)
+            for i in range(batch)]
+    return best_rate(e, lambda: sum(len(c.tokens) for c in e.generate(reqs)))
 
 
 def train_speed(e: Engine, vocab: int, samples: int, length: int) -> float:
@@ -166,16 +162,7 @@ def train_speed(e: Engine, vocab: int, samples: int, length: int) -> float:
         ss.append(Sample(seq[:p], seq[p:], [1.0] * r, [-5.0] * r, [1.0 if i % 2 else -1.0] * r,
                          group=f"g{i // 4}"))
     b = Batch(samples=ss, loss=LossConfig(lr=1e-6, max_grad_norm=1.0))
-    best = 0.0
-    for rep in range(3):
-        sync(str(e.device))
-        t0 = time.perf_counter()
-        st = e.train(b)
-        sync(str(e.device))
-        dt = time.perf_counter() - t0
-        if rep:
-            best = max(best, st.tokens / dt)
-    return best
+    return best_rate(e, lambda: e.train(b).tokens)
 
 
 def profile(e: Engine, vocab: int, a, out: pathlib.Path) -> None:
