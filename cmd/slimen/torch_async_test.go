@@ -22,7 +22,7 @@ func TestTorchAsyncVersionsInWorker(t *testing.T) {
 	dir := t.TempDir()
 	model := tinyTorchModel(t, py)
 	env := []string{"SLIMEN_PYTHON=" + py, "XDG_CACHE_HOME=" + filepath.Join(dir, "cache")}
-	script := parityScript(t, dir) // a reward that moves the weights at every step
+	script := parityScript(t) // a reward that moves the weights at every step
 	run := func(name, args string, kill bool) ([]map[string]any, string) {
 		cfg := filepath.Join(dir, name+".yaml")
 		y := fmt.Sprintf(`policies:

@@ -19,7 +19,7 @@ func TestTorchWorkerOverTwoRanks(t *testing.T) {
 	dir := t.TempDir()
 	model := tinyTorchModel(t, py)
 	env := []string{"SLIMEN_PYTHON=" + py, "XDG_CACHE_HOME=" + filepath.Join(dir, "cache")}
-	script := parityScript(t, dir)
+	script := parityScript(t)
 	one := filepath.Join(dir, "one")
 	cfg1 := torchConfig(t, dir, model, py, "", ", save_interval: 1")
 	if log, err := slimen(t, env, "exec", script, "--config", cfg1, "--steps", "3", "--out", one); err != nil {

@@ -49,7 +49,7 @@ func TestTorchWorkerKilledMidStep(t *testing.T) {
 	model := tinyTorchModel(t, py)
 	env := []string{"SLIMEN_PYTHON=" + py, "XDG_CACHE_HOME=" + filepath.Join(dir, "cache")}
 	cfg := torchConfig(t, dir, model, py, "", ", save_interval: 1")
-	script := parityScript(t, dir)
+	script := parityScript(t)
 	clean := filepath.Join(dir, "clean")
 	if log, err := slimen(t, env, "exec", script, "--config", cfg, "--steps", "3", "--out", clean); err != nil {
 		t.Fatalf("%v\n%s", err, log)
@@ -88,7 +88,7 @@ func TestTorchLoRAWorkerKilledMidStep(t *testing.T) {
 	model := tinyTorchModel(t, py)
 	env := []string{"SLIMEN_PYTHON=" + py, "XDG_CACHE_HOME=" + filepath.Join(dir, "cache")}
 	cfg := loraTorchConfig(t, dir, model)
-	script := parityScript(t, dir)
+	script := parityScript(t)
 	clean := filepath.Join(dir, "clean")
 	if log, err := slimen(t, env, "exec", script, "--config", cfg, "--steps", "3", "--out", clean); err != nil {
 		t.Fatalf("%v\n%s", err, log)
@@ -114,19 +114,14 @@ func TestTorchLoRAWorkerKilledMidStep(t *testing.T) {
 	sameMetrics(t, untimed(t, clean), untimed(t, faulty))
 }
 
-// parityScript writes a rollout script for the generator and critic: a random model's answers are
-// never right, so the reward is the parity of its first token: it varies within groups and the
-// weights move every step (a restore that lost them would show in the metrics).
-func parityScript(t *testing.T, dir string) string {
+// parityScript is the path of engines/torch/parity.star, the rollout script for the generator
+// and critic whose reward is the parity of a sample's first token (a random model's answers are
+// never right): it varies within groups and the weights move every step (a restore that lost them
+// would show in the metrics).
+func parityScript(t *testing.T) string {
 	t.Helper()
-	script := filepath.Join(dir, "parity.star")
-	if err := os.WriteFile(script, []byte(`def rollout(task):
-    for p in ["generator", "critic"]:
-        for i in range(3):
-            c = generate(p, task.prompt)
-            reward(c, float(c.tokens[0] % 2))
-            train(c)
-`), 0o644); err != nil {
+	script, err := filepath.Abs("../../engines/torch/parity.star")
+	if err != nil {
 		t.Fatal(err)
 	}
 	return script

@@ -64,17 +64,7 @@ if [ "$SFT_SECONDS" != 0 ]; then
   model="$WORK/sft"
   rm -f "$model/optimizer.pt" # RL starts with a fresh optimizer
 fi
-if [ "$SCRIPT" = parity ]; then
-  SCRIPT="$WORK/parity.star"
-  cat >"$SCRIPT" <<'EOF'
-def rollout(task):
-    for p in ["generator", "critic"]:
-        for i in range(3):
-            c = generate(p, task.prompt)
-            reward(c, float(c.tokens[0] % 2))
-            train(c)
-EOF
-fi
+[ "$SCRIPT" != parity ] || SCRIPT=engines/torch/parity.star
 cat >"$OUT/config.yaml" <<EOF
 # Two policies (deterministic: $DETERMINISTIC) on torch workers sharing $DEVICE ($SHAPE).
 policies:

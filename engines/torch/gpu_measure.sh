@@ -63,20 +63,12 @@ t0=$(date +%s.%N)
 t1=$(date +%s.%N)
 echo "$t0 $t1" >"$WORK/debate.time"
 
-cat >"$WORK/parity.star" <<'EOF'
-def rollout(task):
-    for p in ["generator", "critic"]:
-        for i in range(3):
-            c = generate(p, task.prompt)
-            reward(c, float(c.tokens[0] % 2))
-            train(c)
-EOF
 echo "== the uninterrupted run" >&2
-"$SLIMEN" exec "$WORK/parity.star" --config "$WORK/config.yaml" --out "$WORK/clean" \
+"$SLIMEN" exec engines/torch/parity.star --config "$WORK/config.yaml" --out "$WORK/clean" \
   >"$WORK/clean.log" 2>&1
 
 echo "== the run with a worker SIGKILLed after step 1's checkpoint" >&2
-"$SLIMEN" exec "$WORK/parity.star" --config "$WORK/config.yaml" --out "$WORK/faulty" \
+"$SLIMEN" exec engines/torch/parity.star --config "$WORK/config.yaml" --out "$WORK/faulty" \
   > >(stamp >"$WORK/faulty.log") 2>&1 &
 pid=$!
 t0=$(date +%s.%N)
