@@ -150,9 +150,9 @@ def decode_speed(e: Engine, vocab: int, batch: int, prompt_len: int, new: int) -
     return best_rate(e, lambda: sum(len(c.tokens) for c in e.generate(reqs)))
 
 
-def train_speed(e: Engine, vocab: int, samples: int, length: int) -> float:
-    """Trained tokens / s of one AdamW step on samples × length tokens: best of two after a
-    warm-up."""
+def train_batch(vocab: int, samples: int, length: int) -> Batch:
+    """samples random sequences of length tokens (64 or a quarter of them prompt), advantages ±1
+    in groups of 4: the batch train_speed and the profile train on."""
     g = torch.Generator().manual_seed(4)
     p = min(64, length // 4)
     ss = []
@@ -161,7 +161,13 @@ def train_speed(e: Engine, vocab: int, samples: int, length: int) -> float:
         r = length - p
         ss.append(Sample(seq[:p], seq[p:], [1.0] * r, [-5.0] * r, [1.0 if i % 2 else -1.0] * r,
                          group=f"g{i // 4}"))
-    b = Batch(samples=ss, loss=LossConfig(lr=1e-6, max_grad_norm=1.0))
+    return Batch(samples=ss, loss=LossConfig(lr=1e-6, max_grad_norm=1.0))
+
+
+def train_speed(e: Engine, vocab: int, samples: int, length: int) -> float:
+    """Trained tokens / s of one AdamW step on samples × length tokens: best of two after a
+    warm-up."""
+    b = train_batch(vocab, samples, length)
     return best_rate(e, lambda: e.train(b).tokens)
 
 
@@ -176,7 +182,7 @@ def profile(e: Engine, vocab: int, a, out: pathlib.Path) -> None:
             for i in range(a.batch)]
     parts = []
     for name, fn in (("decode", lambda: e.generate(reqs)),
-                     ("train", lambda: train_speed_step(e, vocab, a.train_samples, a.train_len))):
+                     ("train", lambda: e.train(train_batch(vocab, a.train_samples, a.train_len)))):
         sync(str(e.device))
         # Started and stopped on the engine's thread, where its model work runs (the profiler
         # records the operators of the thread that starts it).
@@ -187,19 +193,6 @@ def profile(e: Engine, vocab: int, a, out: pathlib.Path) -> None:
         parts.append(f"== {name}\n" + prof.key_averages().table(sort_by=key, row_limit=25))
     out.write_text("\n".join(parts))
     log(f"   profile: {out}")
-
-
-def train_speed_step(e: Engine, vocab: int, samples: int, length: int) -> None:
-    """One step of train_speed's batch (for the profile)."""
-    g = torch.Generator().manual_seed(4)
-    p = min(64, length // 4)
-    ss = []
-    for i in range(samples):
-        seq = torch.randint(3, vocab, (length,), generator=g).tolist()
-        r = length - p
-        ss.append(Sample(seq[:p], seq[p:], [1.0] * r, [-5.0] * r, [1.0 if i % 2 else -1.0] * r,
-                         group=f"g{i // 4}"))
-    e.train(Batch(samples=ss, loss=LossConfig(lr=1e-6, max_grad_norm=1.0)))
 
 
 def run_mode(model_dir: pathlib.Path, a, deterministic: bool) -> dict:
