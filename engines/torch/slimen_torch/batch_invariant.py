@@ -175,24 +175,23 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return x2 if x2.stride(-1) == 1 else x2.contiguous()
 
 
-def row_sum_triton(x: torch.Tensor) -> torch.Tensor:
-    """The sum over the last dimension in _row_sum_kernel (fp32, no gradient)."""
+def _reduce_rows(kernel, x: torch.Tensor) -> torch.Tensor:
+    """kernel's fp32 reduction of each row over the last dimension, one program a row."""
     x2 = _rows(x)
     y = torch.empty(x2.shape[0], dtype=torch.float32, device=x.device)
     if x2.shape[0]:
-        _row_sum_kernel[(x2.shape[0],)](x2, y, x2.shape[1], x2.stride(0), BLOCK=ROW_BLOCK,
-                                        num_warps=4)
+        kernel[(x2.shape[0],)](x2, y, x2.shape[1], x2.stride(0), BLOCK=ROW_BLOCK, num_warps=4)
     return y.view(x.shape[:-1])
+
+
+def row_sum_triton(x: torch.Tensor) -> torch.Tensor:
+    """The sum over the last dimension in _row_sum_kernel (fp32, no gradient)."""
+    return _reduce_rows(_row_sum_kernel, x)
 
 
 def logsumexp_triton(x: torch.Tensor) -> torch.Tensor:
     """log Σ exp over the last dimension in _lse_kernel (fp32, no gradient)."""
-    x2 = _rows(x)
-    y = torch.empty(x2.shape[0], dtype=torch.float32, device=x.device)
-    if x2.shape[0]:
-        _lse_kernel[(x2.shape[0],)](x2, y, x2.shape[1], x2.stride(0), BLOCK=ROW_BLOCK,
-                                    num_warps=4)
-    return y.view(x.shape[:-1])
+    return _reduce_rows(_lse_kernel, x)
 
 
 def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
