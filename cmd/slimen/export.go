@@ -11,6 +11,7 @@ import (
 	"slices"
 	"strings"
 
+	"github.com/slimen/slimen/engines"
 	"github.com/slimen/slimen/engines/tiny"
 	"github.com/slimen/slimen/host/tasks"
 )
@@ -28,13 +29,22 @@ func init() {
 //	--format tasks  {"id": …, "prompt": …, "label": …}: the tasks a run on the source sees, as a
 //	                data file (data: {path: FILE})
 //
+// --task synthetic:chat (--format sft only) writes the chat corpus builtin:tiny-chat is pretrained
+// on (tasks.ChatCorpus): {"prompt": [messages], "tools": [JSON schemas], "response": …, "kind": …,
+// "right": …}, the conversation before an assistant turn as a message list, the tools (omitted
+// when none) as schema objects for the chat template, that turn, the corpus part it comes from and
+// whether it is the answer the task wants (held-out evaluation scores only those, as
+// tasks.ChatEval does). With --token-ids MODEL every sft line also gets "prompt_ids" and
+// "response_ids": the token ids the tiny engine trains on for it with MODEL's tokenizer (the
+// prompt rendered by the chat template with a generation prompt; the response followed by EOS).
+//
 // With --merge ADAPTER it writes instead the LoRA adapter folder ADAPTER (a LoRA policy's
 // checkpoint or save: folder, PEFT format) folded into its base model (W + s·B·A) as a plain
 // Hugging Face folder in --out; the base is the adapter's base_model_name_or_path unless --base
 // names it.
 func cmdExport(args []string) int {
 	fs := flag.NewFlagSet("export", flag.ContinueOnError)
-	task := fs.String("task", "synthetic:arith", "task source: synthetic:arith[?difficulty=N&seed=S], or synthetic:calc, facts or multipart with --format tasks")
+	task := fs.String("task", "synthetic:arith", "task source: synthetic:arith[?difficulty=N&seed=S] or synthetic:chat (the chat corpus), or synthetic:calc, facts or multipart with --format tasks")
 	seed := fs.Uint64("seed", 1, "seed of the problems (unless --task gives seed=); a run's problems use its run.seed")
 	n := fs.Int("n", 10000, "number of lines")
 	start := fs.Int("start", 0, "index of the first problem")
@@ -42,8 +52,9 @@ func cmdExport(args []string) int {
 	out := fs.String("out", "", "output file (default: standard output); with --merge the output folder")
 	merge := fs.String("merge", "", "a LoRA adapter folder (PEFT) to fold into its base and write as a Hugging Face folder to --out")
 	base := fs.String("base", "", "with --merge: the base model (a folder or builtin:NAME); default the adapter's base_model_name_or_path")
+	tokenIDs := fs.String("token-ids", "", "with --format sft: add the token ids the tiny engine trains on with this model's tokenizer (a folder or builtin:NAME) as prompt_ids and response_ids")
 	fs.Usage = func() {
-		fmt.Fprintln(fs.Output(), "usage: slimen export [--task synthetic:arith] [--seed S] [--n N] [--start I] [--format sft|tasks] [--out FILE]")
+		fmt.Fprintln(fs.Output(), "usage: slimen export [--task synthetic:arith|synthetic:chat] [--seed S] [--n N] [--start I] [--format sft|tasks] [--token-ids MODEL] [--out FILE]")
 		fmt.Fprintln(fs.Output(), "       slimen export --merge ADAPTER_DIR [--base MODEL] --out DIR")
 		fs.PrintDefaults()
 	}
@@ -77,6 +88,27 @@ func cmdExport(args []string) int {
 	if *format != "sft" && *format != "tasks" {
 		return bad("--format %q: use sft or tasks", *format)
 	}
+	if *tokenIDs != "" && *format != "sft" {
+		return bad("--token-ids goes with --format sft")
+	}
+	var tok *exportTokenizer
+	if *tokenIDs != "" {
+		t, err := openExportTokenizer(*tokenIDs)
+		if err != nil {
+			return bad("--token-ids %s: %v", *tokenIDs, err)
+		}
+		tok = t
+	}
+	// The chat corpus is conversations with worked responses, not tasks.
+	if name, _, _ := strings.Cut(strings.TrimPrefix(*task, "synthetic:"), "?"); strings.HasPrefix(*task, "synthetic:") && name == "chat" {
+		if *task != "synthetic:chat" {
+			return bad("--task %s: synthetic:chat takes no options; give its seed with --seed", *task)
+		}
+		if *format != "sft" {
+			return bad("--task synthetic:chat is a corpus of conversations with their responses, not tasks: export it with --format sft")
+		}
+		return writeOut(*out, func(w io.Writer) error { return writeChat(w, tasks.ChatCorpus{Seed: *seed}, *start, *n, tok) })
+	}
 	// The synthetic families other than arith (calc, facts, multipart) have tasks but no
 	// worked responses: their tasks are exported as a run sees them, metadata as the other keys.
 	var other tasks.Source
@@ -102,24 +134,100 @@ func cmdExport(args []string) int {
 		}
 		arith = a
 	}
+	write := func(w io.Writer) error { return writeExport(w, arith, *start, *n, *format, tok) }
+	if other != nil {
+		write = func(w io.Writer) error { return writeTasks(w, other, *start, *n) }
+	}
+	return writeOut(*out, write)
+}
+
+// writeOut runs write on the file out (standard output when ""), and returns export's exit code.
+func writeOut(out string, write func(io.Writer) error) int {
 	var w io.Writer = os.Stdout
-	if *out != "" {
-		f, err := os.Create(*out)
+	if out != "" {
+		f, err := os.Create(out)
 		if err != nil {
-			return bad("%v", err)
+			fmt.Fprintln(os.Stderr, "slimen export:", err)
+			return 2
 		}
 		defer f.Close()
 		w = f
 	}
-	write := func() error { return writeExport(w, arith, *start, *n, *format) }
-	if other != nil {
-		write = func() error { return writeTasks(w, other, *start, *n) }
-	}
-	if err := write(); err != nil {
+	if err := write(w); err != nil {
 		fmt.Fprintln(os.Stderr, "slimen export:", err)
 		return 1
 	}
 	return 0
+}
+
+// exportTokenizer is a model's tokenizer as the tiny engine trains with it (--token-ids).
+type exportTokenizer struct {
+	tok *tiny.Tokenizer
+	eos int32
+}
+
+func openExportTokenizer(model string) (*exportTokenizer, error) {
+	e, err := tiny.Open(model, tiny.Options{Threads: 1})
+	if err != nil {
+		return nil, err
+	}
+	defer e.Close()
+	info, err := e.Info(context.Background())
+	if err != nil {
+		return nil, err
+	}
+	if len(info.EOSTokens) == 0 {
+		return nil, fmt.Errorf("the model has no end-of-sequence token to end a response with")
+	}
+	return &exportTokenizer{e.Tokenizer(), info.EOSTokens[0]}, nil
+}
+
+// ids are the prompt and response token ids of an example as tiny.Pretrain makes them.
+func (t *exportTokenizer) ids(msgs []engines.Message, tools []string, response string) (prompt, resp []int32, err error) {
+	prompt, err = t.tok.EncodeChatTools(msgs, tools, true)
+	if err != nil {
+		return nil, nil, err
+	}
+	return prompt, append(t.tok.Encode(response), t.eos), nil
+}
+
+// chatLine is one line of the exported chat corpus.
+type chatLine struct {
+	Prompt      []engines.Message `json:"prompt"`
+	Tools       []json.RawMessage `json:"tools,omitempty"`
+	Response    string            `json:"response"`
+	Kind        string            `json:"kind"`
+	Right       bool              `json:"right"`
+	PromptIDs   []int32           `json:"prompt_ids,omitempty"`
+	ResponseIDs []int32           `json:"response_ids,omitempty"`
+}
+
+// writeChat writes examples start to start+n-1 of the chat corpus, with their token ids when tok
+// is not nil.
+func writeChat(w io.Writer, c tasks.ChatCorpus, start, n int, tok *exportTokenizer) error {
+	bw := bufio.NewWriter(w)
+	enc := json.NewEncoder(bw)
+	enc.SetEscapeHTML(false)
+	for i := start; i < start+n; i++ {
+		ex := c.Example(i)
+		row := chatLine{Prompt: ex.Context, Response: ex.Response, Kind: ex.Kind, Right: ex.Right}
+		for k, t := range ex.Tools {
+			if !json.Valid([]byte(t)) {
+				return fmt.Errorf("%s, example %d: tool schema %d is not JSON: %s", c, i, k, t)
+			}
+			row.Tools = append(row.Tools, json.RawMessage(t))
+		}
+		if tok != nil {
+			var err error
+			if row.PromptIDs, row.ResponseIDs, err = tok.ids(ex.Context, ex.Tools, ex.Response); err != nil {
+				return fmt.Errorf("%s, example %d: %w", c, i, err)
+			}
+		}
+		if err := enc.Encode(row); err != nil {
+			return err
+		}
+	}
+	return bw.Flush()
 }
 
 // writeTasks writes tasks start to start+n-1 of a source as data-file lines: id, prompt, label
@@ -142,7 +250,7 @@ func writeTasks(w io.Writer, src tasks.Source, start, n int) error {
 	return bw.Flush()
 }
 
-func writeExport(w io.Writer, a tasks.Arith, start, n int, format string) error {
+func writeExport(w io.Writer, a tasks.Arith, start, n int, format string, tok *exportTokenizer) error {
 	bw := bufio.NewWriter(w)
 	enc := json.NewEncoder(bw)
 	enc.SetEscapeHTML(false)
@@ -150,10 +258,20 @@ func writeExport(w io.Writer, a tasks.Arith, start, n int, format string) error 
 		var row any
 		if format == "sft" {
 			prompt, response := a.Example(i)
-			row = struct {
-				Prompt   string `json:"prompt"`
-				Response string `json:"response"`
-			}{prompt, response}
+			line := struct {
+				Prompt      string  `json:"prompt"`
+				Response    string  `json:"response"`
+				PromptIDs   []int32 `json:"prompt_ids,omitempty"`
+				ResponseIDs []int32 `json:"response_ids,omitempty"`
+			}{Prompt: prompt, Response: response}
+			if tok != nil {
+				var err error
+				line.PromptIDs, line.ResponseIDs, err = tok.ids([]engines.Message{{Role: "user", Content: prompt}}, nil, response)
+				if err != nil {
+					return fmt.Errorf("%s, problem %d: %w", a, i, err)
+				}
+			}
+			row = line
 		} else {
 			p := a.Problem(i)
 			row = struct {

@@ -6,9 +6,11 @@ import (
 	"encoding/json"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"testing"
 
+	"github.com/slimen/slimen/engines"
 	"github.com/slimen/slimen/host/tasks"
 )
 
@@ -107,6 +109,85 @@ func TestExportMerge(t *testing.T) {
 	} {
 		if log, err := slimen(t, nil, args...); err == nil || !strings.Contains(log, "slimen export") {
 			t.Errorf("%v: err %v, output %q; want a failure with a message", args, err, log)
+		}
+	}
+}
+
+// slimen export --task synthetic:chat writes the chat corpus line for line as tasks.ChatCorpus
+// makes it: the conversation as a message list, the tool schemas as JSON objects, the response,
+// its kind and whether it is right; --token-ids adds the ids the tiny engine trains on.
+func TestExportChat(t *testing.T) {
+	dir := t.TempDir()
+	file := filepath.Join(dir, "chat.jsonl")
+	if out, err := slimen(t, nil, "export", "--task", "synthetic:chat", "--seed", "3", "--start", "10", "--n", "60",
+		"--token-ids", "builtin:tiny-chat", "--out", file); err != nil {
+		t.Fatalf("%v\n%s", err, out)
+	}
+	data, err := os.ReadFile(file)
+	if err != nil {
+		t.Fatal(err)
+	}
+	lines := strings.Split(strings.TrimSuffix(string(data), "\n"), "\n")
+	if len(lines) != 60 {
+		t.Fatalf("%d lines, want 60", len(lines))
+	}
+	c := tasks.ChatCorpus{Seed: 3}
+	kinds, tools := map[string]int{}, 0
+	for i, line := range lines {
+		var row struct {
+			Prompt      []engines.Message `json:"prompt"`
+			Tools       []map[string]any  `json:"tools"`
+			Response    string            `json:"response"`
+			Kind        string            `json:"kind"`
+			Right       bool              `json:"right"`
+			PromptIDs   []int32           `json:"prompt_ids"`
+			ResponseIDs []int32           `json:"response_ids"`
+		}
+		dec := json.NewDecoder(strings.NewReader(line))
+		dec.DisallowUnknownFields()
+		if err := dec.Decode(&row); err != nil {
+			t.Fatalf("line %d: %v: %s", i, err, line)
+		}
+		ex := c.Example(10 + i)
+		if !slices.Equal(row.Prompt, ex.Context) || row.Response != ex.Response || row.Kind != ex.Kind || row.Right != ex.Right {
+			t.Fatalf("line %d: %s\nwant %+v", i, line, ex)
+		}
+		if len(row.Tools) != len(ex.Tools) {
+			t.Fatalf("line %d: %d tools, want %d", i, len(row.Tools), len(ex.Tools))
+		}
+		for k, schema := range row.Tools { // an object, the same JSON as the corpus's string
+			b, _ := json.Marshal(schema)
+			var want map[string]any
+			if err := json.Unmarshal([]byte(ex.Tools[k]), &want); err != nil {
+				t.Fatal(err)
+			}
+			w, _ := json.Marshal(want)
+			if !bytes.Equal(b, w) {
+				t.Fatalf("line %d: tool %d is %s, want %s", i, k, b, ex.Tools[k])
+			}
+		}
+		if len(row.PromptIDs) < 10 || len(row.ResponseIDs) < 2 || row.ResponseIDs[len(row.ResponseIDs)-1] != 794 {
+			t.Fatalf("line %d: prompt ids %v, response ids %v (want the response ended by <|im_end|>, 794)", i, row.PromptIDs, row.ResponseIDs)
+		}
+		kinds[row.Kind]++
+		tools += len(row.Tools)
+	}
+	if len(kinds) < 4 || tools == 0 {
+		t.Fatalf("kinds %v, %d tools in 60 lines: want most of the corpus's parts", kinds, tools)
+	}
+	// Without --token-ids the lines have no ids.
+	out, err := slimen(t, nil, "export", "--task", "synthetic:chat", "--n", "2")
+	if err != nil || strings.Contains(out, "_ids") || strings.Count(out, "\n") != 2 {
+		t.Fatalf("%v: %q", err, out)
+	}
+	for _, args := range [][]string{
+		{"export", "--task", "synthetic:chat", "--format", "tasks"},
+		{"export", "--task", "synthetic:chat?seed=2"},
+		{"export", "--format", "tasks", "--token-ids", "builtin:tiny-chat"},
+		{"export", "--task", "synthetic:chat", "--token-ids", filepath.Join(dir, "missing")},
+	} {
+		if out, err := slimen(t, nil, args...); err == nil || !strings.Contains(out, "slimen export") {
+			t.Errorf("%v: err %v, output %q; want exit 2 with a message", args, err, out)
 		}
 	}
 }
