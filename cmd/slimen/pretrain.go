@@ -63,6 +63,8 @@ func cmdPretrain(args []string) int {
 	corpusFile := fs.String("corpus", "", "JSONL file of examples instead of --task: each line {\"prompt\": …, "+
 		"\"response\": …} or {\"messages\": […], \"tools\": [schemas], \"response\": …}; "+
 		"the last --eval-n lines are held out for the evaluation (mean loss per response token)")
+	evalOnly := fs.Bool("eval-only", false, "evaluate --init's model as a run's evaluation does (the held-out set of --task, "+
+		"or --corpus's last --eval-n lines with each one's log-prob) and exit: no training, nothing saved, no --out")
 	fs.Usage = func() {
 		fmt.Fprintln(fs.Output(), "usage: slimen pretrain --out DIR [--task synthetic:arith | --corpus FILE.jsonl] "+
 			"[--tokenizer char|bpe:N] [--positions N] [--steps N] [--seed S] …")
@@ -73,12 +75,16 @@ func cmdPretrain(args []string) int {
 	if err := fs.Parse(args); err != nil {
 		return flagExit(err)
 	}
-	if *out == "" || fs.NArg() > 0 {
+	if (*out == "" && !*evalOnly) || fs.NArg() > 0 {
 		fs.Usage()
 		return 2
 	}
+	if *evalOnly && *init == "" {
+		fmt.Fprintln(os.Stderr, "slimen pretrain: --eval-only evaluates a model: give it with --init DIR")
+		return 2
+	}
 	if *corpusFile != "" {
-		return pretrainCorpus(*corpusFile, *out, *init, *tokenizer, *tokTexts, cfg, *steps, *batch, *lr, *warmup, *wd, *seed, *evalEvery, *evalN, *threads)
+		return pretrainCorpus(*corpusFile, *out, *init, *tokenizer, *tokTexts, cfg, *steps, *batch, *lr, *warmup, *wd, *seed, *evalEvery, *evalN, *threads, *evalOnly)
 	}
 	agent, chat := *task == "synthetic:calc", *task == "synthetic:chat"
 	if agent || chat {
@@ -149,8 +155,10 @@ func cmdPretrain(args []string) int {
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt)
 	defer stop()
 	info, _ := e.Info(ctx)
-	fmt.Printf("pretrain %s: %d parameters, %d steps × %d examples; held out: seed %d\n",
-		source, info.Params, *steps, *batch, heldOut.Seed)
+	if !*evalOnly {
+		fmt.Printf("pretrain %s: %d parameters, %d steps × %d examples; held out: seed %d\n",
+			source, info.Params, *steps, *batch, heldOut.Seed)
+	}
 	evaluate := func(step int) error {
 		if chat {
 			right, sample, err := tasks.ChatEval(ctx, e, chatsHeldOut, *evalN, 96)
@@ -186,6 +194,14 @@ func cmdPretrain(args []string) int {
 		}
 		fmt.Printf("step %d: held-out exact match %.1f%% at temperature 1, %.1f%% greedy\n", step, 100*t1, 100*t0)
 		return nil
+	}
+	if *evalOnly {
+		fmt.Printf("evaluate %s (%d parameters) on %s; held out: seed %d\n", *init, info.Params, source, heldOut.Seed)
+		if err := evaluate(0); err != nil {
+			fmt.Fprintln(os.Stderr, "slimen pretrain:", err)
+			return 1
+		}
+		return 0
 	}
 	start, sum, count := time.Now(), 0.0, 0
 	err = tiny.Pretrain(ctx, e, corpus, tiny.PretrainOptions{
@@ -317,9 +333,10 @@ func readCorpus(path string) ([]tiny.Example, error) {
 
 // pretrainCorpus is `slimen pretrain --corpus FILE`: the examples of a JSONL file, all but the
 // last evalN in order (cycled), and as evaluation the mean loss per response token on those
-// evalN.
+// evalN. With evalOnly it only evaluates init's model, on the last evalN lines (all of them when
+// evalN is 0 or more than the file has), and prints each line's log-prob too.
 func pretrainCorpus(path, out, init, tokenizer string, nTexts int, cfg tiny.ModelConfig, steps, batch int, lr float64, warmup int,
-	wd float64, seed uint64, evalEvery, evalN, threads int) int {
+	wd float64, seed uint64, evalEvery, evalN, threads int, evalOnly bool) int {
 	fail := func(code int, err error) int {
 		fmt.Fprintln(os.Stderr, "slimen pretrain:", err)
 		return code
@@ -328,11 +345,17 @@ func pretrainCorpus(path, out, init, tokenizer string, nTexts int, cfg tiny.Mode
 	if err != nil {
 		return fail(2, fmt.Errorf("--corpus %w", err))
 	}
-	if evalN < 0 || len(all) <= evalN {
+	if evalOnly && (evalN == 0 || evalN > len(all)) {
+		evalN = len(all)
+	}
+	if evalN < 0 || (len(all) <= evalN && !evalOnly) {
 		return fail(2, fmt.Errorf("--corpus %s has %d examples; --eval-n %d are held out and at least one must be left to train on", path, len(all), evalN))
 	}
 	train, held := all[:len(all)-evalN], all[len(all)-evalN:]
 	corpus := func(i int) tiny.Example { return train[i%len(train)] }
+	if evalOnly {
+		corpus = func(i int) tiny.Example { return held[i%len(held)] }
+	}
 	e, err := pretrainEngine(init, tokenizer, min(nTexts, len(train)), cfg, seed, threads, corpus)
 	if err != nil {
 		return fail(2, err)
@@ -341,8 +364,12 @@ func pretrainCorpus(path, out, init, tokenizer string, nTexts int, cfg tiny.Mode
 	defer stop()
 	info, _ := e.Info(ctx)
 	tok := e.Tokenizer()
-	fmt.Printf("pretrain on %s: %d examples, %d parameters, %d positions, %d tokens, %d steps × %d examples; held out: the last %d\n",
-		path, len(train), info.Params, info.MaxSeqLen, info.VocabSize, steps, batch, len(held))
+	if evalOnly {
+		fmt.Printf("evaluate %s (%d parameters) on the last %d lines of %s\n", init, info.Params, len(held), path)
+	} else {
+		fmt.Printf("pretrain on %s: %d examples, %d parameters, %d positions, %d tokens, %d steps × %d examples; held out: the last %d\n",
+			path, len(train), info.Params, info.MaxSeqLen, info.VocabSize, steps, batch, len(held))
+	}
 	evaluate := func(step int) error {
 		if len(held) == 0 {
 			return nil
@@ -364,14 +391,25 @@ func pretrainCorpus(path, out, init, tokenizer string, nTexts int, cfg tiny.Mode
 			return err
 		}
 		sum, n := 0.0, 0
-		for _, s := range scores {
+		for i, s := range scores {
+			one := 0.0
 			for _, lp := range s.Logprobs {
 				sum -= float64(lp)
+				one += float64(lp)
 				n++
+			}
+			if evalOnly {
+				fmt.Printf("line %d: %d response tokens, log-prob %.6f\n", len(all)-len(held)+i+1, len(s.Logprobs), one)
 			}
 		}
 		fmt.Printf("step %d: held-out loss %.4f per response token (%d tokens)\n", step, sum/float64(n), n)
 		return nil
+	}
+	if evalOnly {
+		if err := evaluate(0); err != nil {
+			return fail(1, err)
+		}
+		return 0
 	}
 	start, sum, count := time.Now(), 0.0, 0
 	err = tiny.Pretrain(ctx, e, corpus, tiny.PretrainOptions{
