@@ -76,21 +76,42 @@ def main(argv=None) -> None:
                    "trainer's log-probs equal the rollout's bit for bit (see docs/torch.md)")
 
     m = sub.add_parser("make-model", help="write a randomly initialised model folder")
-    m.add_argument("--shape", required=True, help="tiny, tiny-qwen3, tiny-qwen2, qwen3-50m, "
-                   "qwen3-0.6b")
+    m.add_argument("--shape", default="", help="tiny, tiny-qwen3, tiny-qwen2, qwen3-50m, "
+                   "qwen3-0.6b (required unless --like)")
     m.add_argument("--out", required=True)
     m.add_argument("--seed", type=int, default=0)
     m.add_argument("--dtype", default="", help="float32 or bfloat16 (default by size)")
+    m.add_argument("--like", default="", help="a model folder whose tokenizer files (and, without "
+                   "--shape, config.json) the new model takes, e.g. engines/tiny/builtin/tiny-chat")
+    for flag in ("hidden", "intermediate", "layers", "heads", "kv-heads", "head-dim", "positions"):
+        m.add_argument("--" + flag, type=int, default=None, help="with --like: the new " + flag)
 
     t = sub.add_parser("sft", help="supervised warm-up on a prompt/response JSONL file")
     t.add_argument("--model", required=True)
     t.add_argument("--data", required=True, help='JSONL: {"prompt", "response"} or '
-                   '{"prompt", "label"} per line (see docs/torch.md)')
+                   '{"prompt", "label"} per line, a prompt a string or messages, optional "tools" '
+                   '(see docs/torch.md)')
     t.add_argument("--out", default="", help="output folder (default: overwrite --model)")
     t.add_argument("--steps", type=int, default=0, help="optimizer steps (default: from --epochs)")
-    t.add_argument("--epochs", type=int, default=1)
-    t.add_argument("--batch-size", type=int, default=32)
+    t.add_argument("--epochs", type=float, default=1)
+    t.add_argument("--batch-size", type=int, default=32, help="examples per step")
+    t.add_argument("--batch-tokens", type=int, default=0,
+                   help="instead of --batch-size: examples up to this many tokens per step")
     t.add_argument("--lr", type=float, default=1e-3)
+    t.add_argument("--warmup", type=int, default=-1,
+                   help="linear warm-up steps (default: 5%% of the steps)")
+    t.add_argument("--decay", default="constant", choices=["constant", "linear", "cosine"],
+                   help="after the warm-up: keep --lr, or fall to --min-lr by the last step "
+                   "(or by --max-seconds, whichever is first)")
+    t.add_argument("--min-lr", type=float, default=0.0)
+    t.add_argument("--weight-decay", type=float, default=0.0)
+    t.add_argument("--eval-data", default="",
+                   help="held-out JSONL of the same form: greedy exact match of its right lines, "
+                   "per kind, every --eval-every steps and at the end")
+    t.add_argument("--eval-every", type=int, default=0, help="0: only at the end")
+    t.add_argument("--eval-n", type=int, default=0,
+                   help="score the first N right lines of --eval-data (0: all)")
+    t.add_argument("--eval-max-tokens", type=int, default=96)
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--device", default="")
     t.add_argument("--dtype", default="")
@@ -112,8 +133,18 @@ def main(argv=None) -> None:
         from .server import serve
         serve(args)
     elif args.command == "make-model":
-        from .make_model import make_model
-        out = make_model(args.shape, args.out, seed=args.seed, dtype=args.dtype)
+        from .make_model import SIZE_FIELDS, make_like, make_model
+        sizes = {k: getattr(args, k) for k in SIZE_FIELDS if getattr(args, k) is not None}
+        if args.like:
+            try:
+                out = make_like(args.like, args.out, args.shape, seed=args.seed, dtype=args.dtype,
+                                **sizes)
+            except ValueError as e:
+                p.error(f"make-model: {e}")
+        elif not args.shape or sizes:
+            p.error("make-model: give --shape, or --like DIR (the size options go with --like)")
+        else:
+            out = make_model(args.shape, args.out, seed=args.seed, dtype=args.dtype)
         print(out)
     elif args.command == "sft":
         from .sft import run

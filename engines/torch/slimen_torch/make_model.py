@@ -5,6 +5,15 @@ tokenizer.json, tokenizer_config.json (with a ChatML chat template) and generati
 The tokenizer is a byte-level BPE trained with the `tokenizers` library on synthetic arithmetic
 text like the host's synthetic:arith tasks, so any text can be encoded and the common words of
 those tasks are single tokens. Everything is a function of --seed.
+
+`make-model --like DIR` takes instead DIR's tokenizer files as they are (tokenizer.json, its config
+with the chat template) and, unless --shape is given too, DIR's config.json: a new random model that
+reads and writes the same tokens, e.g. a larger model of builtin:tiny-chat's form
+(`--like engines/tiny/builtin/tiny-chat --hidden 256 --layers 4`) or a Qwen3-shaped one with its
+tokenizer and chat template (`--like engines/tiny/builtin/tiny-chat --shape qwen3-50m`). --hidden,
+--intermediate, --layers, --heads, --kv-heads, --head-dim and --positions change the shape; a new
+hidden size or head count without --head-dim gives head_dim = hidden / heads, and a new hidden size
+without --intermediate keeps the MLP's ratio. The vocabulary and the special token ids stay DIR's.
 """
 
 from __future__ import annotations
@@ -12,6 +21,7 @@ from __future__ import annotations
 import json
 import pathlib
 import random
+import shutil
 
 import torch
 from tokenizers import Tokenizer as HFTokenizer
@@ -143,4 +153,83 @@ def make_model(shape: str, out: str | pathlib.Path, seed: int = 0, dtype: str = 
     (out / "generation_config.json").write_text(json.dumps({
         "bos_token_id": None, "eos_token_id": [eos, pad], "pad_token_id": pad,
     }, indent=2) + "\n")
+    return out
+
+
+# --like's size options → config.json fields.
+SIZE_FIELDS = {"hidden": "hidden_size", "intermediate": "intermediate_size",
+               "layers": "num_hidden_layers", "heads": "num_attention_heads",
+               "kv_heads": "num_key_value_heads", "head_dim": "head_dim",
+               "positions": "max_position_embeddings"}
+
+# The tokenizer files --like copies (what tokenizer.Tokenizer reads).
+LIKE_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+              "chat_template.jinja", "generation_config.json")
+
+
+def like_config(like: str | pathlib.Path, shape: str = "", **sizes: int) -> dict:
+    """The config.json of a new model with the vocabulary of the model folder like: like's config
+    (or, with shape, that shape's) with the sizes given (hidden=…, layers=…; see SIZE_FIELDS)."""
+    like = pathlib.Path(like)
+    try:
+        base = json.loads((like / "config.json").read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"--like {like}: no readable config.json ({e})") from None
+    unknown = set(sizes) - set(SIZE_FIELDS)
+    if unknown:
+        raise ValueError(f"unknown sizes {sorted(unknown)}; known: {', '.join(SIZE_FIELDS)}")
+    for k, v in sizes.items():
+        if v is not None and v <= 0:
+            raise ValueError(f"--{k.replace('_', '-')} {v}: must be positive")
+    vocab = base.get("vocab_size")
+    if not isinstance(vocab, int) or vocab <= 0:
+        raise ValueError(f"--like {like}: config.json has no vocab_size")
+    if shape:
+        if shape not in SHAPES:
+            raise ValueError(f"unknown shape {shape!r}; known: {', '.join(SHAPES)}")
+        raw = config_dict(shape, vocab, base.get("eos_token_id"), base.get("pad_token_id"),
+                          "float32")
+        raw["vocab_size"] = vocab  # the like folder's vocabulary, not the shape's own
+    else:
+        raw = dict(base)
+    old_hidden, old_mlp = raw["hidden_size"], raw["intermediate_size"]
+    for k, v in sizes.items():
+        if v is not None:
+            raw[SIZE_FIELDS[k]] = v
+    if sizes.get("head_dim") is None and (sizes.get("hidden") or sizes.get("heads")):
+        raw["head_dim"] = raw["hidden_size"] // raw["num_attention_heads"]
+    if sizes.get("intermediate") is None and sizes.get("hidden"):
+        raw["intermediate_size"] = round(raw["hidden_size"] * old_mlp / old_hidden)
+    if sizes.get("heads") and not sizes.get("kv_heads") and \
+            raw["num_attention_heads"] % raw["num_key_value_heads"]:
+        raw["num_key_value_heads"] = raw["num_attention_heads"]
+    raw["dtype"] = "float32"
+    raw.pop("torch_dtype", None)
+    return raw
+
+
+def make_like(like: str | pathlib.Path, out: str | pathlib.Path, shape: str = "", seed: int = 0,
+              dtype: str = "", **sizes: int) -> pathlib.Path:
+    """A random model folder with like's tokenizer files and like_config's config."""
+    like, out = pathlib.Path(like), pathlib.Path(out)
+    raw = like_config(like, shape, **sizes)
+    cfg = parse_config(raw, f"the config made --like {like}")
+    if not (like / "tokenizer.json").is_file():
+        raise ValueError(f"--like {like}: no tokenizer.json")
+    dtype = dtype or ("float32" if cfg.params() < 100_000_000 else "bfloat16")
+    raw["dtype"] = dtype
+    out.mkdir(parents=True, exist_ok=True)
+    model = Transformer(cfg, dtype=torch.float32)
+    model.init_weights(torch.Generator().manual_seed(seed))
+    save_weights(model, out, dtype={"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype])
+    (out / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
+    for name in LIKE_FILES:
+        if (like / name).is_file():
+            shutil.copyfile(like / name, out / name)
+    if sizes.get("positions"):
+        tc = out / "tokenizer_config.json"
+        if tc.is_file():
+            t = json.loads(tc.read_text())
+            t["model_max_length"] = sizes["positions"]
+            tc.write_text(json.dumps(t, indent=2) + "\n")
     return out

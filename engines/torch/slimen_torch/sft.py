@@ -1,89 +1,253 @@
-"""Supervised warm-up of a model on prompt/response pairs (before RL, so rewards are not all 0).
+"""Supervised training of a model on prompt/response pairs: a warm-up before RL (so rewards are not
+all 0), or the pretraining of a small chat model on the host's synthetic chat corpus.
 
 `python -m slimen_torch sft --model DIR --data FILE.jsonl [--out DIR]` reads one JSON object per
 line:
 
     {"prompt": "Ann has 3 pens and gets 2 more. How many pens?", "response": "\\boxed{5}"}
     {"prompt": [{"role": "user", "content": "..."}], "label": "5"}
+    {"prompt": [{"role": "system", ...}, {"role": "user", ...}], "tools": [{"type": "function", ...}],
+     "response": "<tool_call>...</tool_call>", "kind": "calc", "right": true}
 
-`prompt` is one user turn (a string) or a message list, rendered with the model's chat template
-and its generation prompt; the target is `response`, or `\\boxed{label}` when only a label is given
-(the format of the host's synthetic:arith export), followed by the end-of-sequence token. The loss
-is the token-mean negative log-likelihood of the targets; the result is saved as a model folder.
---max-seconds ends the run early (after the step that crosses it), keeping the learning-rate
-schedule of --steps.
+`prompt` is one user turn (a string) or a message list ("messages" is read as well), rendered with
+the model's chat template and its generation prompt; `tools`, JSON tool schemas (objects, or
+strings holding one), go to the template as its `tools`, which Qwen3's form renders into the
+system turn. The target is `response`, or `\\boxed{label}` when only a label is given (the format of
+the host's synthetic:arith export), followed by the end-of-sequence token. The chat corpus lines
+(`slimen export --task synthetic:chat`) tokenize exactly as the Go tiny engine trains on them.
+
+A step takes --batch-size examples, or with --batch-tokens examples up to that many prompt and
+response tokens. The loss is the token-mean negative log-likelihood of the targets. The learning
+rate warms up linearly over --warmup steps, then stays (--decay constant) or falls to --min-lr
+(linear or cosine) by the last step, or by --max-seconds when that comes first. --max-seconds ends
+the run after the step that crosses it. --eval-data FILE scores held-out lines of the same form:
+the greedy answer (--eval-max-tokens) of each line marked right (or with no "right"), compared with
+its response after stripping whitespace, per "kind", as the host's ChatEval does. The result is
+saved as a model folder.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
+import math
 import random
 import time
 
 from .engine import Engine, Options
-from .types import LossConfig
+from .types import GenerateRequest, LossConfig, Sampling
 
 log = logging.getLogger("slimen_torch")
 
+# The parts of the host's chat corpus, in the order its ChatEval prints them.
+KINDS = ("calc", "orchestra", "planner", "verifier", "memory", "arith")
 
-def read_pairs(path: str, engine: Engine) -> list[tuple[list[int], list[int]]]:
-    tok = engine.tokenizer
-    eos = engine.eos[0] if engine.eos else None
-    pairs = []
+
+@dataclasses.dataclass
+class Example:
+    prompt: list[int]
+    response: list[int]  # the target, ended by EOS
+    text: str  # the response as text
+    kind: str = ""
+    right: bool = True
+
+
+def read_examples(path: str, tokenizer, eos: int | None) -> list[Example]:
+    """The lines of a JSONL file, tokenized as a training pair; errors name the file and line."""
+    out = []
     with open(path) as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
                 continue
+            where = f"{path}:{lineno}"
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as e:
-                raise SystemExit(f"{path}:{lineno}: not JSON: {e}") from None
-            prompt = row.get("prompt")
+                raise SystemExit(f"{where}: not JSON: {e}") from None
+            if not isinstance(row, dict):
+                raise SystemExit(f"{where}: want a JSON object")
+            if "prompt" in row and "messages" in row:
+                raise SystemExit(f"{where}: give \"prompt\" or \"messages\", not both")
+            prompt = row.get("prompt", row.get("messages"))
             if isinstance(prompt, str):
                 prompt = [{"role": "user", "content": prompt}]
-            if not isinstance(prompt, list) or not prompt:
-                raise SystemExit(f"{path}:{lineno}: \"prompt\" must be a string or a message list")
+            if (not isinstance(prompt, list) or not prompt
+                    or not all(isinstance(m, dict) and "role" in m for m in prompt)):
+                raise SystemExit(f"{where}: \"prompt\" must be a string or a list of messages "
+                                 "({\"role\": …, \"content\": …})")
+            tools = row.get("tools") or None
+            if tools is not None:
+                if not isinstance(tools, list):
+                    raise SystemExit(f"{where}: \"tools\" must be a list of JSON tool schemas")
+                tools = [_schema(t, f"{where}: tool {k}") for k, t in enumerate(tools)]
             if "response" in row:
                 response = str(row["response"])
             elif "label" in row:
                 response = "\\boxed{" + str(row["label"]) + "}"
             else:
-                raise SystemExit(f"{path}:{lineno}: needs \"response\" or \"label\"")
-            ids = tok.encode(response) + ([eos] if eos is not None else [])
-            pairs.append((tok.encode_chat(prompt), ids))
-    if not pairs:
+                raise SystemExit(f"{where}: needs \"response\" or \"label\"")
+            right = row.get("right", True)
+            if not isinstance(right, bool):
+                raise SystemExit(f"{where}: \"right\" must be true or false")
+            try:
+                ids = tokenizer.encode_chat(prompt, tools=tools)
+            except Exception as e:  # a template error: the line, not a traceback
+                raise SystemExit(f"{where}: the chat template failed: {e}") from None
+            target = tokenizer.encode(response) + ([eos] if eos is not None else [])
+            out.append(Example(ids, target, response, str(row.get("kind", "")), right))
+    if not out:
         raise SystemExit(f"{path}: no examples")
-    return pairs
+    return out
+
+
+def _schema(t, where: str) -> dict:
+    if isinstance(t, str):
+        try:
+            t = json.loads(t)
+        except json.JSONDecodeError as e:
+            raise SystemExit(f"{where} is a string but not JSON: {e}") from None
+    if not isinstance(t, dict):
+        raise SystemExit(f"{where} must be a JSON object (a tool schema)")
+    return t
+
+
+def read_pairs(path: str, engine: Engine) -> list[tuple[list[int], list[int]]]:
+    """(prompt ids, response ids) of every line of path."""
+    return [(e.prompt, e.response) for e in read_examples(path, engine.tokenizer, _eos(engine))]
+
+
+def _eos(engine: Engine) -> int | None:
+    return engine.eos[0] if engine.eos else None
+
+
+def lr_at(step: int, steps: int, lr: float, warmup: int, decay: str, min_lr: float,
+          progress: float = 0.0) -> float:
+    """The learning rate of step (1-based) of steps: a linear warm-up over warmup steps, then lr
+    (decay "constant") or a fall to min_lr by the last step ("linear", "cosine"). progress, the
+    share of a time budget spent, moves the fall on when it is ahead of the steps."""
+    if warmup > 0 and step <= warmup:
+        return lr * step / warmup
+    if decay == "constant":
+        return lr
+    frac = (step - warmup) / max(1, steps - warmup)
+    frac = min(1.0, max(frac, progress))
+    if decay == "linear":
+        return min_lr + (lr - min_lr) * (1 - frac)
+    if decay == "cosine":
+        return min_lr + (lr - min_lr) * 0.5 * (1 + math.cos(math.pi * frac))
+    raise ValueError(f"decay {decay!r}: constant, linear or cosine")
+
+
+def batches(examples: list[Example], rng: random.Random, size: int, tokens: int):
+    """Endless batches of example indices, epoch after epoch in a fresh random order: size
+    examples each, or with tokens > 0 as many as fit in tokens prompt and response tokens (at
+    least one)."""
+    order: list[int] = []
+    while True:
+        batch, used = [], 0
+        while True:
+            if not order:
+                order = list(range(len(examples)))
+                rng.shuffle(order)
+            n = len(examples[order[-1]].prompt) + len(examples[order[-1]].response)
+            if batch and (used + n > tokens if tokens > 0 else len(batch) == size):
+                break
+            batch.append(order.pop())
+            used += n
+        yield batch
+
+
+def evaluate(engine: Engine, examples: list[Example], max_tokens: int) -> tuple[dict, list[str]]:
+    """Greedy answers to the examples marked right: per kind and under "all", the share equal to
+    the right response (whitespace stripped), and a few of the answers."""
+    scored = [e for e in examples if e.right]
+    reqs = [GenerateRequest(id=str(k), prompt_tokens=e.prompt,
+                            sampling=Sampling(max_tokens=max_tokens, temperature=0.0))
+            for k, e in enumerate(scored)]
+    done = engine.generate(reqs)
+    eos = set(engine.eos)
+    right: dict[str, float] = {}
+    total: dict[str, float] = {}
+    sample = []
+    for k, (e, c) in enumerate(zip(scored, done)):
+        text = engine.tokenizer.decode([t for t in c.tokens if t not in eos])
+        for kind in {e.kind or "all", "all"}:
+            total[kind] = total.get(kind, 0) + 1
+            right[kind] = right.get(kind, 0) + (text.strip() == e.text)
+        if len(sample) < 6 and k % 7 == 0:
+            sample.append(f"{e.kind}: {text}")
+    return {k: right[k] / total[k] for k in total}, sample
+
+
+def eval_line(step: int, path: str, acc: dict, n: int) -> str:
+    kinds = [k for k in KINDS if k in acc] + sorted(k for k in acc if k not in KINDS and k != "all")
+    parts = ", ".join(f"{k} {100 * acc[k]:.1f}%" for k in kinds)
+    return (f"step {step}: held-out {path}, greedy answers equal to the right ones: "
+            f"{100 * acc.get('all', 0):.1f}% of {n}" + (f" ({parts})" if parts else ""))
 
 
 def run(args) -> None:
+    if args.batch_size <= 0 or args.batch_tokens < 0 or args.warmup < -1 or args.lr <= 0:
+        raise SystemExit("sft: --batch-size and --lr must be positive, --batch-tokens and "
+                         "--warmup not negative")
+    if args.decay not in ("constant", "linear", "cosine"):
+        raise SystemExit(f"sft: --decay {args.decay!r}: constant, linear or cosine")
     engine = Engine(args.model, Options(device=args.device, dtype=args.dtype,
                                         compile_train=getattr(args, "compile_train", "block")))
     try:
-        pairs = read_pairs(args.data, engine)
+        examples = read_examples(args.data, engine.tokenizer, _eos(engine))
+        held = []
+        if args.eval_data:
+            held = read_examples(args.eval_data, engine.tokenizer, _eos(engine))
+            if args.eval_n:
+                held = [e for e in held if e.right][:args.eval_n]
+            if not any(e.right for e in held):
+                raise SystemExit(f"{args.eval_data}: no line is marked right: nothing to score")
+        n_scored = sum(e.right for e in held)
         rng = random.Random(args.seed)
-        steps = args.steps or max(1, args.epochs * len(pairs) // args.batch_size)
-        loss = LossConfig(lr=args.lr, weight_decay=0.0, max_grad_norm=1.0)
-        order: list[int] = []
+        tokens = sum(len(e.prompt) + len(e.response) for e in examples)
+        per_step = args.batch_tokens or args.batch_size * tokens / len(examples)
+        steps = args.steps or max(1, int(args.epochs * tokens // per_step))
+        warmup = steps // 20 if args.warmup < 0 else args.warmup
+        loss = LossConfig(lr=args.lr, weight_decay=args.weight_decay, max_grad_norm=1.0)
+        info = engine.info()
+        log.info("sft on %s: %d examples (%d tokens), %d parameters, %d steps of %s, lr %g "
+                 "(warm-up %d, %s decay)", args.data, len(examples), tokens, info["params"], steps,
+                 f"{args.batch_tokens} tokens" if args.batch_tokens else f"{args.batch_size} examples",
+                 args.lr, warmup, args.decay)
+
+        def held_out(step: int) -> None:
+            acc, sample = evaluate(engine, held, args.eval_max_tokens)
+            for s in sample:
+                log.info("  %r", s)
+            line = eval_line(step, args.eval_data, acc, n_scored)
+            log.info("%s", line)
+            print(line, flush=True)
+
+        it = batches(examples, rng, args.batch_size, args.batch_tokens)
         start = time.time()
+        seen = step = 0
         for step in range(1, steps + 1):
-            if args.max_seconds and time.time() - start > args.max_seconds:
+            elapsed = time.time() - start
+            if args.max_seconds and elapsed > args.max_seconds:
                 log.info("sft stopped after %d steps: --max-seconds %g reached", step - 1,
                          args.max_seconds)
+                step -= 1
                 break
-            if len(order) < args.batch_size:
-                more = list(range(len(pairs)))
-                rng.shuffle(more)
-                order += more
-            batch, order = order[:args.batch_size], order[args.batch_size:]
-            # A linear warm-up over the first 5% of the steps, then constant: large early steps
-            # on a random model overshoot.
-            loss.lr = args.lr * min(1.0, step / max(1, steps // 20))
-            st = engine.sft_step([pairs[i] for i in batch], loss)
+            batch = next(it)
+            loss.lr = lr_at(step, steps, args.lr, warmup, args.decay, args.min_lr,
+                            elapsed / args.max_seconds if args.max_seconds else 0.0)
+            st = engine.sft_step([(examples[i].prompt, examples[i].response) for i in batch], loss)
+            seen += sum(len(examples[i].prompt) + len(examples[i].response) for i in batch)
             if step % args.log_every == 0 or step == steps:
-                log.info("sft step %d/%d loss %.4f grad_norm %.3f (%.0fs)", step, steps, st.loss,
-                         st.grad_norm, time.time() - start)
+                t = time.time() - start
+                log.info("sft step %d/%d loss %.4f grad_norm %.3f lr %.3g (%.0fs, %.0f tokens/s)",
+                         step, steps, st.loss, st.grad_norm, loss.lr, t, seen / max(t, 1e-9))
+            if held and args.eval_every and step % args.eval_every == 0 and step != steps:
+                held_out(step)
+        if held:
+            held_out(step)
         engine.save(args.out or args.model)
         log.info("saved %s", args.out or args.model)
     finally:
