@@ -5,6 +5,13 @@ the decode layer's functions the options chose: PyTorch's, compiled, or split ar
 attention (kernels.py), at batch 1 optionally all in Triton kernels. Each (B, L, top-p, shared
 prompts) is captured once as a CUDA graph and replayed. A compiler or kernel failure costs speed,
 not service: the step drops to the next simpler path (`_degrade`).
+
+LoRA adapters (lora.py) ride along in the same graphs: while the worker holds adapters, the rows'
+adapters are resident in the bank's table (lora.Table, static tensors updated in place) and the
+step reads each row's slot from `lora_idx`, part of the step state like the tokens and positions
+(`_lora_step` writes it before the step). The graphs are captured again only when the table grows
+(a new version). A step the table cannot serve (more adapters than its slots, the deterministic
+mode) runs eagerly with lora.Rows, as constrained steps do.
 """
 
 from __future__ import annotations
@@ -14,7 +21,8 @@ import logging
 
 import torch
 
-from . import kernels, sampling
+from . import batch_invariant as bi
+from . import kernels, lora, sampling
 from .model import (decode_layer, decode_post, decode_pre, decode_step, decode_step_b1,
                     decode_step_split)
 
@@ -49,7 +57,14 @@ class Decode:
         # The first token of a prompt is drawn by the Triton sampler when the decode steps' is.
         self.first_token_triton = True
         self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
+        self.graphs_lora = 0  # the lora.Table version the graphs read (0: no adapters)
         self.pool = None
+        # The decode step's adapters: through the table (lora.Slots, captured) unless off, when
+        # every step with adapters runs lora.Rows eagerly (the path before the table; bench_lora.py
+        # measures both). lora_mode: how the next step applies them (_lora_step).
+        self.lora_table = True
+        self.lora_mode = None
+        self.lora_warned = False
 
     def _graph_pool(self):
         """The memory pool the graphs share: a new one when no captured graph holds the last
@@ -60,13 +75,48 @@ class Decode:
             self.pool = torch.cuda.graph_pool_handle()
         return self.pool
 
+    def _lora_step(self, rows) -> None:
+        """Before a decode step of rows ((cache row, sample) pairs): how it applies their
+        adapters (lora_mode). None: the worker holds none. "table": the rows' adapters are made
+        resident in the bank's table and each row's slot is written into lora_idx where it
+        changed (lora.Slots). "rows": lora.Rows, eagerly, when the table cannot serve the step:
+        more adapters than its max_slots, lora_table off, or the deterministic mode (whose
+        products batch_invariant.lora_weights makes invariant)."""
+        self.lora_mode = None
+        if not self._lora():
+            return
+        self.lora_mode = "rows"
+        if not self.lora_table or bi.enabled():
+            return
+        t = self.bank.table
+        if not t.place(s.req.adapter for _, s in rows if s.req.adapter is not None):
+            if not self.lora_warned:
+                self.lora_warned = True
+                log.warning("a decode step uses more than %d LoRA adapters (the table's slots): "
+                            "such steps run eagerly", t.max_slots)
+            return
+        self.lora_mode = "table"
+        ch = [(r, k) for r, k in ((r, t.slot_of(s.req.adapter)) for r, s in rows)
+              if self.lora_host[r] != k]
+        if ch:
+            for r, k in ch:
+                self.lora_host[r] = k
+            rk = torch.tensor(ch, dtype=torch.long).to(self.device)
+            self.lora_idx.index_copy_(0, rk[:, 0], rk[:, 1])
+
     def _run(self, B: int, L: int, use_top_p: bool) -> None:
         """One decode step on rows [0, B) over positions [0, L): its shape's CUDA graph replayed
-        (captured on first use), or run eagerly without graphs, with adapters or masks."""
+        (captured on first use; adapters through the table included), or run eagerly without
+        graphs, with masks or with adapters the table cannot serve."""
         grouped = self.groups.active()
-        if not self.use_graphs or self._lora() or self.masked is not None:
+        if not self.use_graphs or self.lora_mode == "rows" or self.masked is not None:
             self._decode(B, L, use_top_p, grouped)
             return
+        version = self.bank.table.version if self.lora_mode == "table" else 0
+        if version != self.graphs_lora:
+            # The graphs read the table's tensors, or were captured without adapters.
+            self.graphs.clear()
+            self.graphs_lora = version
         key = (B, L, use_top_p, grouped)
         g = self.graphs.get(key)
         if g is None:
@@ -78,24 +128,27 @@ class Decode:
         """One decode step on rows [0, B) over positions [0, L): what a CUDA graph captures;
         grouped: with the shared-prompt pass of the batched attention (some rows are grouped)."""
         pos = self.pos[:B]
-        if self._lora():
+        if self.lora_mode == "rows":
             with self.model.using(self._rows([s.req.adapter if s is not None else None
                                               for s in self.slots[:B]])):
                 hidden = decode_step(self.model, decode_layer, self.tok[:B], pos, self.k, self.v, L)
             logits = self.model.logits(hidden)
-        elif self.fused_b1 and B == 1:
+        elif self.fused_b1 and B == 1 and self.lora_mode is None:
             logits = decode_step_b1(self.model, kernels, self.tok[:B], pos, self.k, self.v, L)
         else:
-            if self.triton:
-                attn = kernels.decode_attention
-                if grouped:
-                    attn = functools.partial(
-                        attn, shared=(self.groups.grp[:B], self.groups.plen[:B]))
-                hidden = decode_step_split(self.model, self.pre_fn, self.post_fn, attn,
-                                           self.tok[:B], pos, self.k, self.v, L)
-            else:
-                hidden = decode_step(self.model, self.layer_fn, self.tok[:B], pos, self.k,
-                                     self.v, L)
+            sel = (lora.Slots(self.bank.table, self.lora_idx[:B])
+                   if self.lora_mode == "table" else None)
+            with self.model.using(sel):
+                if self.triton:
+                    attn = kernels.decode_attention
+                    if grouped:
+                        attn = functools.partial(
+                            attn, shared=(self.groups.grp[:B], self.groups.plen[:B]))
+                    hidden = decode_step_split(self.model, self.pre_fn, self.post_fn, attn,
+                                               self.tok[:B], pos, self.k, self.v, L)
+                else:
+                    hidden = decode_step(self.model, self.layer_fn, self.tok[:B], pos, self.k,
+                                         self.v, L)
             logits = self.model.logits(hidden)
         if self.triton and not use_top_p and self.masked is None:
             # Sampling, log-probs and the step state in two kernels, reading the logits once.

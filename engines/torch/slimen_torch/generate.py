@@ -75,9 +75,10 @@ class Generator(Decode, Prefill):
         self.cuda = self.device.type == "cuda"
         self.prefill_tokens = prefill_tokens  # prompt tokens an admission prefills, at most
         self.length_bucket = length_bucket
-        # The worker's LoRA adapters (lora.Bank), set by the engine. While it holds any, every
-        # pass runs eagerly with each row's adapter (lora.Rows): no CUDA graphs, compiled
-        # layers or Triton layer kernels, which were traced without adapters.
+        # The worker's LoRA adapters (lora.Bank), set by the engine. While it holds any, the
+        # decode step applies each row's adapter through the bank's table (lora.Slots: inside
+        # the CUDA graphs, compiled layers and Triton-split layers; decode.py), and the prefill
+        # runs eagerly with each row's adapter (lora.Rows).
         self.bank = None
         # The cache's storage dtype: the model's, or float8_e4m3fn (engine.Options.kv_cache_dtype
         # "fp8"): every write casts with saturation (model.kv_store), every read converts back
@@ -101,6 +102,9 @@ class Generator(Decode, Prefill):
         self.tok, self.pos, self.step_idx, self.key = (torch.zeros(S, **long) for _ in range(4))
         self.temp, self.top_p = torch.zeros(S, **f32), torch.ones(S, **f32)
         self.active = torch.zeros(S, dtype=torch.bool, device=self.device)
+        # Each row's slot in the LoRA table (0: the base), and its copy on the host (_lora_step).
+        self.lora_idx = torch.zeros(S, **long)
+        self.lora_host = [0] * S
         # A step's sampled tokens (int64) and log-probs (fp32) side by side in one buffer of
         # 32-bit words, so that one copy a step brings both to the host.
         self.out = torch.zeros(3 * S, dtype=torch.int32, device=self.device)
@@ -479,6 +483,7 @@ class Generator(Decode, Prefill):
         use_top_p = any(s.req.sampling.top_p < 1 for _, s in rows)
         # Constrained rows: their masks for this step, and the step runs eagerly (not a graph).
         self.masked = self._masks(rows)
+        self._lora_step(rows)
         self._run(B, L, use_top_p)
         self.masked = None
         for _, s in rows:

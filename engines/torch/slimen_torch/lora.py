@@ -7,7 +7,7 @@ shared and frozen; each adapter's A and B are its own parameters with their own 
 The model's fused matrices (q/k/v in one, gate/up in another) get the update of each targeted
 part in its slice of the output; parts the adapter does not target get nothing.
 
-Two ways to apply adapters (model.Transformer.lora, set with `model.using(sel)`):
+Three ways to apply adapters (model.Transformer.lora, set with `model.using(sel)`):
 
 * `One(adapter)`: every row uses one adapter, with its parameters (training: gradients reach A
   and B only; scoring with one policy).
@@ -16,7 +16,14 @@ Two ways to apply adapters (model.Transformer.lora, set with `model.using(sel)`)
   is two dense products with the batch's adapters side by side (one wide A and B, zero-padded to
   their largest rank) and a per-row mask that keeps the row's own block, scaled (so a row's
   result does not depend on the other rows: batch invariance). The stacks hold only the adapters
-  of the batch, so a worker with a thousand adapters pays for the eight a batch uses.
+  of the batch, so a worker with a thousand adapters pays for the eight a batch uses. Scoring,
+  the prefill, and decode steps the table cannot serve run this.
+* `Slots` (over Bank.table, a `Table`): the decode step's. The same arithmetic as Rows over
+  tensors whose shapes do not depend on which adapters a batch holds: the adapters the running
+  rows use sit in the slots of a preallocated table, updated in place when one changes, and each
+  row reads its slot from an index tensor of the step state. So the step can be captured as a
+  CUDA graph once and replayed whatever the batch mixes, and the compiled and Triton-split decode
+  layers take the updates as plain tensors (`Packed`).
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ import dataclasses
 import json
 import math
 import pathlib
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -205,13 +213,18 @@ class Bank:
     """The adapters of a worker, by name, with the stacked copies the mixed-batch path gathers
     from (rebuilt lazily after an adapter changes)."""
 
-    def __init__(self, model):
+    def __init__(self, model, max_slots: int = 64):
         self.model = model
         self.adapters: dict[str, Adapter] = {}
         self._stack = None  # (key, stacks, scale) of the last batch's adapters
+        # The decode step's adapters in static tensors (Slots), at most max_slots at once.
+        self.table = Table(self, max_slots)
 
     def changed(self) -> None:
+        """After an adapter was added, removed, replaced or trained: the stacks are rebuilt and
+        the table's slots copied again (in place) before their next use."""
         self._stack = None
+        self.table.changed()
 
     def rows(self, adapters, device) -> "Rows":
         """The selection for a batch whose row i uses adapters[i] (None: the base)."""
@@ -250,6 +263,165 @@ class Bank:
         return self._stack[1:]
 
 
+def _pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+class Table:
+    """The adapters a decode step may use, in device tensors whose shapes do not depend on which
+    adapters a batch holds (Slots applies them; a CUDA graph captured over them stays valid).
+
+    For each layer and fused projection f (FUSED) whose parts P are targeted by some adapter the
+    table held (P in f's order): A_f [|P|·cap·r, in] and B_f [out_f, |P|·cap·r], where part p of
+    the adapter in slot k (1 … cap) takes rows (p·cap + k - 1)·r … + its rank of A_f and the same
+    columns of B_f, in part p's rows of the output; every other entry is zero (past the adapter's
+    rank, where it does not target p, and B_f off the part's own block), so one product gives f's
+    whole update, each part in its slice of the output. scale[k - 1] is slot k's alpha/rank.
+    Slot 0 is the base: it has no columns. r is the largest rank the table held, cap its slots.
+
+    `place` makes the adapters of a step resident, copying an adapter into a free slot or into
+    the least recently used one that the step does not need (in place). Only when the step needs
+    more slots than the table has, a larger rank or a new target does the table grow (new
+    tensors, up to max_slots slots): then `version` counts up, and graphs captured over the old
+    tensors must be dropped. After `changed` (an adapter added, removed, replaced or trained) the
+    next `place` drops the slots of adapters the bank no longer holds and copies the others again,
+    in place."""
+
+    def __init__(self, bank: Bank, max_slots: int):
+        self.bank = bank
+        self.max_slots = max_slots
+        self.cap = self.r = 0
+        self.parts: dict[str, tuple] = {f: () for f in FUSED}
+        self.version = 0
+        self.held: list[Adapter | None] = []  # the adapter of slot k at k - 1
+        self.slot: dict[int, int] = {}  # id(adapter) → its slot (held keeps the adapter alive)
+        self.used: dict[int, int] = {}  # id(adapter) → the place() call that last needed it
+        self.calls = 0
+        self.stale = False
+        self.a: dict[tuple[int, str], torch.Tensor] = {}
+        self.b: dict[tuple[int, str], torch.Tensor] = {}
+        self.scale = self.ids = None
+        self.dtype = bank.model.embed.dtype
+
+    def changed(self) -> None:
+        self.stale = True
+
+    def slot_of(self, adapter: Adapter | None) -> int:
+        """The slot of a resident adapter; 0 for None (the base)."""
+        return 0 if adapter is None else self.slot[id(adapter)]
+
+    def place(self, ads) -> bool:
+        """Makes the distinct adapters ads resident; False (nothing changed) when they are more
+        than max_slots (the step then runs Rows)."""
+        ads = list({id(a): a for a in ads}.values())
+        if len(ads) > self.max_slots:
+            return False
+        self.calls += 1
+        if self.stale:
+            self._refresh()
+        want = {id(a) for a in ads}
+        r = max([self.r] + [a.cfg.rank for a in ads])
+        parts = {f: tuple(t for t in ts if t in self.parts[f] or any(t in a.cfg.targets for a in ads))
+                 for f, ts in FUSED.items()}
+        missing = [a for a in ads if id(a) not in self.slot]
+        if r != self.r or parts != self.parts or len(ads) > self.cap:
+            # Grow: the step's adapters first, then the others held, most recently used first.
+            others = sorted((a for a in self.held if a is not None and id(a) not in want),
+                            key=lambda a: -self.used[id(a)])
+            used = self.used
+            cap = min(self.max_slots, max(self.cap, _pow2(len(ads))))
+            self._alloc(cap, r, parts)
+            for a in (ads + others)[:cap]:
+                self._put(a, len(self.slot) + 1)
+                self.used[id(a)] = used.get(id(a), 0)
+        else:
+            free = [k for k in range(1, self.cap + 1) if self.held[k - 1] is None]
+            spare = sorted((self.used[id(a)], self.slot[id(a)]) for a in self.held
+                           if a is not None and id(a) not in want)
+            free += [k for _, k in spare]  # the free slots, then the least recently used
+            for a, k in zip(missing, free):
+                old = self.held[k - 1]
+                if old is not None:
+                    del self.slot[id(old)], self.used[id(old)]
+                self._put(a, k)
+        for a in ads:
+            self.used[id(a)] = self.calls
+        return True
+
+    def _refresh(self) -> None:
+        """After changed(): the adapters the bank dropped leave; the others are copied again."""
+        self.stale = False
+        live = {id(a) for a in self.bank.adapters.values()}
+        for k, a in enumerate(self.held, 1):
+            if a is None:
+                continue
+            if id(a) in live:
+                self._put(a, k)
+            else:
+                self.held[k - 1] = None
+                del self.slot[id(a)], self.used[id(a)]
+
+    def _alloc(self, cap: int, r: int, parts: dict) -> None:
+        m = self.bank.model
+        dev, dt = m.embed.device, m.embed.dtype
+        self.cap, self.r, self.parts = cap, r, parts
+        self.version += 1
+        self.held, self.slot = [None] * cap, {}
+        self.used = {}
+        self.a, self.b = {}, {}
+        for i in range(m.cfg.layers):
+            for f, ps in parts.items():
+                if not ps:
+                    continue
+                n = len(ps) * cap * r
+                out = sum(proj_shape(m.cfg, t)[0] for t in FUSED[f])
+                self.a[(i, f)] = torch.zeros(n, proj_shape(m.cfg, FUSED[f][0])[1], device=dev, dtype=dt)
+                self.b[(i, f)] = torch.zeros(out, n, device=dev, dtype=dt)
+        self.scale = torch.zeros(cap, device=dev, dtype=torch.float32)
+        self.ids = torch.arange(1, cap + 1, device=dev)
+
+    @torch.no_grad()
+    def _put(self, ad: Adapter, k: int) -> None:
+        """Copies ad into slot k (in place)."""
+        cfg = self.bank.model.cfg
+        zero, dst, src = [], [], []
+        for i in range(cfg.layers):
+            for f, ps in self.parts.items():
+                if not ps:
+                    continue
+                A, B = self.a[(i, f)], self.b[(i, f)]
+                offs, o = {}, 0
+                for t in FUSED[f]:
+                    offs[t] = o
+                    o += proj_shape(cfg, t)[0]
+                for p, t in enumerate(ps):
+                    c = (p * self.cap + k - 1) * self.r
+                    out = proj_shape(cfg, t)[0]
+                    a_blk, b_blk = A[c:c + self.r], B[offs[t]:offs[t] + out, c:c + self.r]
+                    zero += [a_blk, b_blk]
+                    if t in ad.a[i]:
+                        dst += [a_blk[:ad.cfg.rank], b_blk[:, :ad.cfg.rank]]
+                        src += [ad.a[i][t], ad.b[i][t]]
+        if zero:
+            torch._foreach_zero_(zero)
+        if dst:
+            torch._foreach_copy_(dst, src)
+        self.scale[k - 1] = ad.cfg.scale
+        self.held[k - 1] = ad
+        self.slot[id(ad)] = k
+
+
+class Packed(NamedTuple):
+    """A fused projection weight w with the table's updates of the batch's rows: `linear`
+    computes x·wᵀ + ((x·aᵀ) ∘ m)·bᵀ, a and b a layer's A_f and B_f (Table), m the rows' mask
+    (Slots.mask). A tuple of tensors, which torch.compile takes as an argument as it is."""
+
+    w: torch.Tensor
+    a: torch.Tensor
+    b: torch.Tensor
+    m: torch.Tensor
+
+
 class LoRAWeight:
     """A fused projection weight with low-rank updates: `linear` applies it."""
 
@@ -263,6 +435,9 @@ def linear(x: torch.Tensor, w, b=None) -> torch.Tensor:
     """F.linear that also applies a LoRAWeight's update."""
     if isinstance(w, LoRAWeight):
         return F.linear(x, w.w, b) + w.delta(x)
+    if isinstance(w, Packed):
+        m = w.m if x.dim() == 2 else w.m[:, None, :]
+        return F.linear(x, w.w, b) + F.linear(F.linear(x, w.a) * m, w.b)
     return F.linear(x, w, b)
 
 
@@ -335,6 +510,38 @@ class Rows:
             M = self.mask(r, A.dtype)
             return lambda x: F.linear(F.linear(x, A) * (M if x.dim() == 2 else M[:, None, :]), B)
         return _with_updates(model, w, update)
+
+
+class Slots:
+    """Row i of the batch uses the adapter in slot idx[i] of table (0: none); what the decode
+    step runs under, its shapes fixed by the table's, so it can be captured as a CUDA graph
+    (idx is a slice of the step state, written before the step).
+
+    Rows' arithmetic over the whole table: ((x·A_fᵀ) ∘ M)·B_fᵀ, where the mask M keeps the
+    columns of row i's slot, scaled by its alpha/rank, and zeroes the others (a row's result is
+    its own adapter's whatever the other rows hold: batch invariance)."""
+
+    def __init__(self, table: Table, idx: torch.Tensor):
+        self.table, self.idx = table, idx
+        on = (idx[:, None] == table.ids[None, :]).to(torch.float32) * table.scale
+        self.m1 = on[:, :, None].expand(-1, -1, table.r).reshape(
+            idx.shape[0], table.cap * table.r).to(table.dtype)
+        self._masks = {1: self.m1}
+
+    def mask(self, parts: int) -> torch.Tensor:
+        """[rows, parts·cap·r]: the mask of a fused projection of that many parts."""
+        if parts not in self._masks:
+            self._masks[parts] = self.m1.repeat(1, parts)
+        return self._masks[parts]
+
+    def weights(self, model, i: int, w: tuple) -> tuple:
+        t = self.table
+        w = list(w)
+        for f, ps in t.parts.items():
+            if ps:
+                k = WEIGHT_INDEX[f]
+                w[k] = Packed(w[k], t.a[(i, f)], t.b[(i, f)], self.mask(len(ps)))
+        return tuple(w)
 
 
 class View:

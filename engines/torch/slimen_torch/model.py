@@ -441,8 +441,9 @@ def decode_step_split(model: Transformer, pre_fn, post_fn, attn_fn, tokens, pos,
                       v_caches, L: int):
     """decode_step with the attention outside the layer functions: pre_fn (decode_pre) and
     post_fn (decode_post) may be compiled, attn_fn is kernels.decode_attention (it applies the
-    q/k norm and rope, and writes the new key and value into the cache). Returns the final
-    normalised hidden states [B, hidden]."""
+    q/k norm and rope, and writes the new key and value into the cache). The layers' weights
+    carry the adapters of model.lora as decode_step's do. Returns the final normalised hidden
+    states [B, hidden]."""
     cfg = model.cfg
     B = tokens.shape[0]
     x = F.embedding(tokens, model.embed)
@@ -450,7 +451,7 @@ def decode_step_split(model: Transformer, pre_fn, post_fn, attn_fn, tokens, pos,
     h = rms_norm(x, layers[0].attn_norm, cfg.rms_eps)
     scale = cfg.head_dim ** -0.5
     for i, (layer, kc, vc) in enumerate(zip(layers, k_caches, v_caches)):
-        w = layer.weights()
+        w = model.layer_weights(i)  # with the adapters of model.lora (lora.Slots: tensors only)
         q, k, v = pre_fn(cfg, h, w)
         o = attn_fn(q, k, v, kc, vc, pos, L, scale,
                     rope=(w[3], w[4], model.cos, model.sin, cfg.rms_eps))

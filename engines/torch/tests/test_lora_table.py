@@ -1,0 +1,314 @@
+"""The decode step's LoRA table (lora.Table, lora.Slots), the path a CUDA graph captures: its
+updates equal lora.Rows' for every row; a batch mixing adapters of different ranks and targets
+generates (greedy, sampled, top-p) what each request generates alone and what the eager Rows
+path generates; the step reads each row's slot (rows swapped change the result); an adapter
+trained in place decodes with its new weights, as the adapter re-created from its saved folder;
+the step runs through the graphs (a stand-in capture on the CPU), captured again only when the
+table grows; a step with more adapters than the table's slots runs Rows; the compiled and
+Triton-split layer functions take the updates."""
+
+import dataclasses
+import json
+
+import pytest
+import torch
+
+from conftest import REPO
+from slimen_torch import kernels, lora
+from slimen_torch.engine import Engine, Options
+from slimen_torch.generate import Generator
+from slimen_torch.model import (apply_rope, decode_layer, decode_post, decode_pre, decode_step,
+                                decode_step_split, rms_norm)
+from slimen_torch.types import Batch, GenerateRequest, LossConfig, Sample, Sampling
+
+BUILTIN = REPO / "engines" / "tiny" / "builtin" / "tiny-arith"
+IDS = json.loads((REPO / "testdata" / "lora_peft" / "expected.json").read_text())["ids"]
+
+# Three adapters of different ranks and targets (b shares no target with a).
+ADAPTERS = {"a": (("q_proj", "v_proj", "up_proj", "down_proj"), 2),
+            "b": (("k_proj", "o_proj", "gate_proj"), 4),
+            "c": (lora.TARGETS, 3)}
+# (adapter, prompt) of a mixed batch: every adapter twice, the base once.
+ROWS = [("a", IDS[:20]), ("", IDS[:15]), ("c", IDS[3:12]), ("b", IDS[:30]), ("a", IDS[5:17]),
+        ("c", IDS[:25]), ("b", IDS[8:14])]
+
+
+def add(e, name, seed, targets, rank):
+    """An adapter with B drawn too (a new one computes what the base does)."""
+    e.add_adapter(name, lora.LoRAConfig(rank=rank, alpha=2.0 * rank, targets=targets), seed)
+    ad = e.bank.adapters[name]
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in ad.params():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    e.bank.changed()
+    return ad
+
+
+def engine():
+    e = Engine(str(BUILTIN), Options(device="cpu"))
+    for i, (name, (targets, rank)) in enumerate(ADAPTERS.items()):
+        add(e, name, i + 1, targets, rank)
+    return e
+
+
+@pytest.fixture(scope="module")
+def eng():
+    e = engine()
+    yield e
+    e.close()
+
+
+def generate(e, rows, sampling, tag):
+    reqs = [GenerateRequest(id=f"{tag}{i}", prompt_tokens=p, adapter=a,
+                            sampling=dataclasses.replace(sampling, seed=100 + i))
+            for i, (a, p) in enumerate(rows)]
+    return [(c.tokens, c.logprobs) for c in e.generate(reqs)]
+
+
+def same(x, y, tol=5e-5):
+    """Equal tokens, log-probs within tol (fp32: the prefill of a batch and of one prompt, in
+    other summation orders, differ by ~1e-5)."""
+    return x[0] == y[0] and max((abs(a - b) for a, b in zip(x[1], y[1])), default=0.0) <= tol
+
+
+class Counting(lora.Slots):
+    made = 0
+
+    def __init__(self, *a, **kw):
+        Counting.made += 1
+        super().__init__(*a, **kw)
+
+
+def test_slots_give_each_row_the_update_rows_gives(eng):
+    m, bank = eng.model, eng.bank
+    a, b, c = (bank.adapters[n] for n in "abc")
+    row_ads = [a, None, c, b, a, c]
+    t = lora.Table(bank, 8)
+    assert t.place([x for x in row_ads if x is not None])
+    idx = torch.tensor([t.slot_of(x) for x in row_ads])
+    assert sorted(set(idx.tolist())) == [0, 1, 2, 3]
+    cfg = m.cfg
+    g = torch.Generator().manual_seed(0)
+    inputs = {1: torch.randn(6, cfg.hidden, generator=g), 5: torch.randn(6, cfg.q_dim, generator=g),
+              8: torch.randn(6, cfg.hidden, generator=g), 9: torch.randn(6, cfg.intermediate, generator=g)}
+    slots, rows = lora.Slots(t, idx), bank.rows(row_ads, "cpu")
+    for i in range(cfg.layers):
+        ws, wr = slots.weights(m, i, m.layers[i].weights()), rows.weights(m, i, m.layers[i].weights())
+        for k, x in inputs.items():
+            got, want = lora.linear(x, ws[k]), lora.linear(x, wr[k])
+            assert torch.allclose(got, want, rtol=0, atol=1e-6), (i, k)
+            # A row alone (its own slot, the others absent) gets the same.
+            one = lora.Slots(t, idx[3:4]).weights(m, i, m.layers[i].weights())[k]
+            assert torch.allclose(lora.linear(x[3:4], one), want[3:4], rtol=0, atol=1e-5), (lora.linear(x[3:4], one) - want[3:4]).abs().max()
+        # A base row gets the base product.
+        assert torch.equal(lora.linear(inputs[1][1:2], lora.Slots(t, idx[1:2]).weights(
+            m, i, m.layers[i].weights())[1]), torch.nn.functional.linear(inputs[1][1:2], m.layers[i].wqkv))
+    # The slot index is read: the rows' slots reversed give the reversed rows' updates.
+    w0 = m.layers[0].weights()
+    x = inputs[8]
+    flipped = lora.linear(x, lora.Slots(t, idx.flip(0)).weights(m, 0, w0)[8])
+    want = lora.linear(x, bank.rows(row_ads[::-1], "cpu").weights(m, 0, w0)[8])
+    assert torch.allclose(flipped, want, rtol=0, atol=1e-6)
+    assert not torch.allclose(flipped, lora.linear(x, slots.weights(m, 0, w0)[8]), atol=1e-3)
+
+
+@pytest.mark.parametrize("sampling", [Sampling(max_tokens=6, temperature=0.0),
+                                      Sampling(max_tokens=6, temperature=1.0),
+                                      Sampling(max_tokens=6, temperature=0.8, top_p=0.7)],
+                         ids=["greedy", "sampled", "top_p"])
+def test_a_mixed_batch_decodes_as_each_request_alone_and_as_rows(eng, sampling, monkeypatch):
+    monkeypatch.setattr(lora, "Slots", Counting)
+    Counting.made = 0
+    mixed = generate(eng, ROWS, sampling, "m")
+    assert Counting.made > 0, "the decode steps did not run through the table"
+    for i, row in enumerate(ROWS):
+        # generate() seeds request i with 100 + i: alone, the same seed.
+        alone = [(c.tokens, c.logprobs) for c in eng.generate([GenerateRequest(
+            id=f"y{i}", prompt_tokens=row[1], adapter=row[0],
+            sampling=dataclasses.replace(sampling, seed=100 + i))])]
+        assert same(mixed[i], alone[0]), f"row {i} ({row[0] or 'base'}) differs alone"
+    # The eager Rows path (the one before the table) gives the same.
+    made = Counting.made
+    eng.gen.lora_table = False
+    try:
+        rows = generate(eng, ROWS, sampling, "r")
+    finally:
+        eng.gen.lora_table = True
+    assert Counting.made == made
+    for i, (x, y) in enumerate(zip(mixed, rows)):
+        assert same(x, y), f"row {i}: the table and Rows differ"
+    # The adapters matter: each row differs from the base's.
+    base = generate(eng, [("", p) for _, p in ROWS], sampling, "b")
+    assert all(not same(x, y, 1e-3) for x, y, (a, _) in zip(mixed, base, ROWS) if a)
+
+
+def test_the_step_reads_each_rows_slot(eng):
+    """_decode, what a CUDA graph captures, on a generator of its own: the rows' slots reversed
+    give other log-probs; written back, the same as before."""
+    from slimen_torch.sequence import Request
+    g = Generator(eng.model, eng.tokenizer, eng.eos, slots=4, max_len=64, cuda_graphs=False,
+                  compile_layers=False, prefill_tokens=512)
+    g.bank = eng.bank
+    for i, name in enumerate("abc"):
+        r = Request(f"s{i}", IDS[:10], 1, Sampling(max_tokens=4, temperature=0.0), lambda c: None)
+        r.adapter = eng.bank.adapters[name]
+        g.add(r)
+    g._admit()
+    rows = [(r, s) for r, s in enumerate(g.slots) if s is not None]
+    assert len(rows) == 3
+    g._lora_step(rows)
+    assert g.lora_mode == "table"
+    t = g.bank.table
+    assert g.lora_idx[:3].tolist() == [t.slot_of(eng.bank.adapters[n]) for n in "abc"]
+    state = [g.tok, g.pos, g.step_idx] + g.k + g.v
+    saved = [x.clone() for x in state]
+
+    def step():
+        for x, s in zip(state, saved):
+            x.copy_(s)
+        g._decode(4, 64, False)
+        return g.out_lp[:3].clone(), g.out_tok[:3].clone()
+
+    lp, tok = step()
+    good = g.lora_idx.clone()
+    g.lora_idx[:3] = good[:3].flip(0)
+    lp2, _ = step()
+    assert not torch.allclose(lp[[0, 2]], lp2[[0, 2]], atol=1e-4)
+    assert torch.allclose(lp[1], lp2[1])  # row 1 kept its slot
+    g.lora_idx.copy_(good)
+    lp3, tok3 = step()
+    assert torch.equal(lp, lp3) and torch.equal(tok, tok3)
+
+
+def test_a_trained_adapter_decodes_with_its_new_weights(tmp_path):
+    e = engine()
+    try:
+        greedy = Sampling(max_tokens=6, temperature=0.0)
+        rows = [("a", IDS[:20]), ("b", IDS[:12]), ("a", IDS[4:15])]
+        before = generate(e, rows, greedy, "p")
+        version = e.bank.table.version
+        r = IDS[20:30]
+        e.train(Batch(samples=[Sample(prompt=IDS[:20], response=r, loss_mask=[1.0] * len(r),
+                                      old_logprobs=[-3.0] * len(r), advantages=[1.0] * len(r))],
+                      loss=LossConfig(lr=2e-2), adapter="a"))
+        after = generate(e, rows, greedy, "q")
+        assert e.bank.table.version == version, "the table was rebuilt, not updated in place"
+        assert not same(after[0], before[0], 1e-4) and not same(after[2], before[2], 1e-4)
+        assert same(after[1], before[1])
+        e.gen.lora_table = False
+        rows_path = generate(e, rows, greedy, "r")
+        e.gen.lora_table = True
+        assert all(same(x, y) for x, y in zip(after, rows_path))
+        # As the adapter re-created from its saved folder decodes.
+        e.save(str(tmp_path / "a"), adapter="a")
+        e.load_adapter(str(tmp_path / "a"), "a2")
+        again = generate(e, [("a2", p) if n == "a" else (n, p) for n, p in rows], greedy, "s")
+        assert all(same(x, y) for x, y in zip(after, again))
+    finally:
+        e.close()
+
+
+class FakeGraph:
+    """A stand-in for a captured CUDA graph on the CPU: replaying runs _decode with the
+    arguments of its capture, as a graph replays the captured step."""
+
+    def __init__(self, gen, *args):
+        self.gen, self.args, self.version = gen, args, gen.bank.table.version
+        self.replays = 0
+
+    def replay(self):
+        assert self.version == self.gen.bank.table.version, "a graph of an old table replayed"
+        self.replays += 1
+        self.gen._decode(*self.args)
+
+
+def test_adapters_decode_through_the_graphs(monkeypatch):
+    e = engine()
+    try:
+        g = e.gen
+        captured = []
+
+        def capture(B, L, use_top_p, grouped):
+            captured.append(FakeGraph(g, B, L, use_top_p, grouped))
+            return captured[-1]
+
+        greedy = Sampling(max_tokens=6, temperature=0.0)
+        want = generate(e, ROWS, greedy, "w")
+        monkeypatch.setattr(g, "use_graphs", True)
+        monkeypatch.setattr(g, "_capture", capture)
+        got = generate(e, ROWS, greedy, "g")
+        assert captured and sum(c.replays for c in captured) >= 5
+        assert all(same(x, y) for x, y in zip(got, want))
+        n = len(captured)
+        again = generate(e, ROWS, greedy, "h")  # the same shapes: replayed, not captured again
+        assert len(captured) == n and again == got
+        # A larger rank grows the table: the graphs are captured again, over its new tensors.
+        version = e.bank.table.version
+        add(e, "d", 9, ("v_proj", "down_proj"), 8)
+        rows = ROWS + [("d", IDS[:11])]
+        got = generate(e, rows, greedy, "i")
+        assert e.bank.table.version > version and e.bank.table.r == 8
+        assert len(captured) > n and all(c.version == e.bank.table.version for c in g.graphs.values())
+        g.lora_table = False
+        assert all(same(x, y) for x, y in zip(got, generate(e, rows, greedy, "j")))
+    finally:
+        e.close()
+
+
+def test_more_adapters_than_slots_run_rows(eng, monkeypatch):
+    monkeypatch.setattr(lora, "Slots", Counting)
+    greedy = Sampling(max_tokens=4, temperature=0.0)
+    want = generate(eng, ROWS, greedy, "k")
+    Counting.made = 0
+    monkeypatch.setattr(eng.bank.table, "max_slots", 2)
+    got = generate(eng, ROWS, greedy, "l")
+    assert Counting.made == 0 and eng.gen.lora_warned
+    assert all(same(x, y) for x, y in zip(got, want))
+    # Two adapters fit: the table again.
+    got = generate(eng, [r for r in ROWS if r[0] != "c"], greedy, "n")
+    assert Counting.made > 0
+
+
+def _attention(q, k, v, kc, vc, pos, L, scale, rope):
+    """kernels.decode_attention's contract in PyTorch (q/k norm and rope applied here)."""
+    q_norm, k_norm, cos, sin, eps = rope
+    if q_norm is not None:
+        q, k = rms_norm(q, q_norm, eps), rms_norm(k, k_norm, eps)
+    c, s = cos[pos].to(q.dtype), sin[pos].to(q.dtype)
+    return kernels.decode_attention_reference(apply_rope(q, c, s), apply_rope(k, c, s), v, kc, vc,
+                                              pos, L, scale)
+
+
+def test_the_compiled_and_split_layers_take_the_updates(eng):
+    """decode_step_split (the Triton path's layer split, here around a PyTorch attention) with
+    pre and post compiled whole (fullgraph: the table's tensors are plain arguments) gives the
+    eager decode_step's hidden states under the same slots."""
+    m, bank = eng.model, eng.bank
+    cfg = m.cfg
+    row_ads = [bank.adapters["a"], None, bank.adapters["c"], bank.adapters["b"]]
+    t = bank.table
+    assert t.place([x for x in row_ads if x is not None])
+    idx = torch.tensor([t.slot_of(x) for x in row_ads])
+    B, L = 4, 16
+    tokens = torch.tensor(IDS[:B])
+    pos = torch.tensor([3, 7, 0, 5])
+
+    def caches():
+        g = torch.Generator().manual_seed(1)
+        shape = (B, cfg.kv_heads, L, cfg.head_dim)
+        return ([torch.randn(shape, generator=g) for _ in range(cfg.layers)],
+                [torch.randn(shape, generator=g) for _ in range(cfg.layers)])
+
+    pre = torch.compile(decode_pre, fullgraph=True, dynamic=True, backend="eager")
+    post = torch.compile(decode_post, fullgraph=True, dynamic=True, backend="eager")
+    with torch.no_grad(), m.using(lora.Slots(t, idx)):
+        want = decode_step(m, decode_layer, tokens, pos, *caches(), L)
+        got = decode_step_split(m, pre, post, _attention, tokens, pos, *caches(), L)
+        base_rows = decode_step_split(m, decode_pre, decode_post, _attention, tokens, pos, *caches(), L)
+    assert torch.allclose(got, want, rtol=0, atol=1e-5)
+    assert torch.allclose(base_rows, want, rtol=0, atol=1e-5)
+    with torch.no_grad():
+        base = decode_step(m, decode_layer, tokens, pos, *caches(), L)
+    assert torch.allclose(base[1], want[1], rtol=0, atol=1e-5)  # the base row
+    assert not torch.allclose(base[0], want[0], atol=1e-3)
