@@ -32,10 +32,13 @@ import dataclasses
 import json
 import logging
 import math
+import multiprocessing
+import os
 import random
 import time
 
 from .engine import Engine, Options
+from .tokenizer import Tokenizer
 from .types import GenerateRequest, LossConfig, Sampling
 
 log = logging.getLogger("slimen_torch")
@@ -53,9 +56,11 @@ class Example:
     right: bool = True
 
 
-def read_examples(path: str, tokenizer, eos: int | None) -> list[Example]:
-    """The lines of a JSONL file, tokenized as a training pair; errors name the file and line."""
-    out = []
+def read_examples(path: str, tokenizer, eos: int | None, workers: int = 1) -> list[Example]:
+    """The lines of a JSONL file, tokenized as a training pair; errors name the file and line.
+    With workers > 1 a long file is tokenized by that many forked processes (the chat template
+    and the tokenizer take a millisecond or two a line)."""
+    rows = []  # (where, prompt, tools, Example without its ids)
     with open(path) as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
@@ -90,14 +95,43 @@ def read_examples(path: str, tokenizer, eos: int | None) -> list[Example]:
             right = row.get("right", True)
             if not isinstance(right, bool):
                 raise SystemExit(f"{where}: \"right\" must be true or false")
-            try:
-                ids = tokenizer.encode_chat(prompt, tools=tools)
-            except Exception as e:  # a template error: the line, not a traceback
-                raise SystemExit(f"{where}: the chat template failed: {e}") from None
-            target = tokenizer.encode(response) + ([eos] if eos is not None else [])
-            out.append(Example(ids, target, response, str(row.get("kind", "")), right))
-    if not out:
+            rows.append((where, prompt, tools, Example([], [], response, str(row.get("kind", "")), right)))
+    if not rows:
         raise SystemExit(f"{path}: no examples")
+    work = [(p, t, e.text) for _, p, t, e in rows]
+    chunks = [work[i:i + 1000] for i in range(0, len(work), 1000)]
+    if workers > 1 and len(chunks) > 1:
+        global _pool_tokenizer
+        _pool_tokenizer = tokenizer
+        try:
+            with multiprocessing.get_context("fork").Pool(min(workers, len(chunks))) as pool:
+                done = [r for chunk in pool.map(_encode_chunk, chunks) for r in chunk]
+        finally:
+            _pool_tokenizer = None
+    else:
+        done = _encode(work, tokenizer)
+    for (where, _, _, ex), ids in zip(rows, done):
+        if isinstance(ids, str):  # a template error: the line, not a traceback
+            raise SystemExit(f"{where}: the chat template failed: {ids}")
+        ex.prompt, ex.response = ids[0], ids[1] + ([eos] if eos is not None else [])
+    return [ex for _, _, _, ex in rows]
+
+
+_pool_tokenizer = None  # the tokenizer the forked processes of read_examples use
+
+
+def _encode_chunk(work):
+    return _encode(work, _pool_tokenizer)
+
+
+def _encode(work, tokenizer) -> list:
+    """(prompt ids, response ids) of each (messages, tools, response), or the error's message."""
+    out = []
+    for prompt, tools, response in work:
+        try:
+            out.append((tokenizer.encode_chat(prompt, tools=tools), tokenizer.encode(response)))
+        except Exception as e:
+            out.append(str(e) or type(e).__name__)
     return out
 
 
@@ -193,13 +227,20 @@ def run(args) -> None:
                          "--warmup not negative")
     if args.decay not in ("constant", "linear", "cosine"):
         raise SystemExit(f"sft: --decay {args.decay!r}: constant, linear or cosine")
+    # Tokenized before the engine starts (its threads and device are not to be forked); the
+    # end-of-sequence token is added once the engine says which it is.
+    tok, workers = Tokenizer(args.model), min(16, os.cpu_count() or 1)
+    t0 = time.time()
+    examples = read_examples(args.data, tok, None, workers)
+    held = read_examples(args.eval_data, tok, None, workers) if args.eval_data else []
+    log.info("tokenized %d + %d lines in %.1fs", len(examples), len(held), time.time() - t0)
     engine = Engine(args.model, Options(device=args.device, dtype=args.dtype,
                                         compile_train=getattr(args, "compile_train", "block")))
     try:
-        examples = read_examples(args.data, engine.tokenizer, _eos(engine))
-        held = []
+        if _eos(engine) is not None:
+            for e in examples + held:
+                e.response.append(_eos(engine))
         if args.eval_data:
-            held = read_examples(args.eval_data, engine.tokenizer, _eos(engine))
             if args.eval_n:
                 held = [e for e in held if e.right][:args.eval_n]
             if not any(e.right for e in held):

@@ -34,9 +34,10 @@ def test_chat_export_tokenizes_as_the_go_engine_trains(slimen, tmp_path):
     """For exported chat lines (tools, tool calls and results, memory chunks), the ids sft.py
     trains on are the ids `slimen export --token-ids` says the tiny engine trains on."""
     data = tmp_path / "chat.jsonl"
-    rows = export(slimen, data, "--n", "60", "--seed", "5", "--token-ids", str(TINY_CHAT))
-    examples = sft.read_examples(str(data), Tokenizer(TINY_CHAT), EOS)
-    assert len(examples) == len(rows) == 60
+    rows = export(slimen, data, "--n", "1100", "--seed", "5", "--token-ids", str(TINY_CHAT))
+    # Two forked processes tokenize the two chunks of 1000 lines and fewer.
+    examples = sft.read_examples(str(data), Tokenizer(TINY_CHAT), EOS, workers=2)
+    assert len(examples) == len(rows) == 1100
     assert {r["kind"] for r in rows} >= {"calc", "orchestra", "planner", "memory"}
     assert any("tools" in r for r in rows) and any(m["role"] == "tool" for r in rows for m in r["prompt"])
     for r, e in zip(rows, examples):
