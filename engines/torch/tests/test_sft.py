@@ -196,3 +196,26 @@ def test_sft_on_chat_then_go_engine_gives_the_same_logprobs(slimen, tmp_path, ca
                          "--eval-only", "--eval-n", "3"], cwd=REPO, check=True,
                         capture_output=True, text=True).stdout
     assert "step 0: held-out chat corpus, greedy answers equal to the right ones:" in go
+
+
+def test_held_out_exact_match_equals_go_chat_eval(slimen, tmp_path):
+    """sft's held-out score of builtin:tiny-chat on exported held-out lines is the Go engine's
+    ChatEval on the same examples (its first right examples of the seed), kind by kind."""
+    held = tmp_path / "held.jsonl"
+    rows = export(slimen, held, "--n", "24", "--seed", "1001")
+    n = sum(r["right"] for r in rows)
+    e = Engine(str(TINY_CHAT))
+    try:
+        acc, _ = sft.evaluate(e, sft.read_examples(str(held), e.tokenizer, e.eos[0]), 96)
+    finally:
+        e.close()
+    go = subprocess.run([str(slimen), "pretrain", "--init", str(TINY_CHAT), "--task", "synthetic:chat",
+                         "--seed", "1", "--eval-only", "--eval-n", str(n)], cwd=REPO, check=True,
+                        capture_output=True, text=True).stdout
+    m = re.search(r"equal to the right ones: ([0-9.]+)% \((.*)\)", go)
+    assert m, go
+    assert float(m.group(1)) == pytest.approx(100 * acc["all"], abs=0.05), (go, acc)
+    assert 0 < acc["all"] < 1  # some right, some not: a comparison that can fail
+    for kind, pct in re.findall(r"(\w+) ([0-9.]+)%", m.group(2)):
+        if kind in acc:
+            assert float(pct) == pytest.approx(100 * acc[kind], abs=0.05), (kind, go, acc)
