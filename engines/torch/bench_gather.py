@@ -5,9 +5,10 @@ seconds per GB, under torchrun.
         --model M [--device cuda|cpu] [--backend nccl|gloo] [--same-gpu] [--repeat 5]
 
 Each rank builds the worker's engine (full weights for generation, FSDP2 shards for training),
-then times ShardedTrainer.gather (every parameter's full_tensor copied into the generating model)
---repeat times and rank 0 prints one JSON line: ranks, backend, device, GB gathered (fp32),
-seconds (median), s/GB. --same-gpu puts every rank on cuda:0 (a one-GPU machine: NCCL refuses two
+then times ShardedTrainer.gather (the shards cast to the generating dtype in flat buffers,
+all-gathered and copied into the generating model) --repeat times and rank 0 prints one JSON line:
+ranks, backend, device, GB gathered and their dtype (the generating model's), seconds (median),
+s/GB. --same-gpu puts every rank on cuda:0 (a one-GPU machine: NCCL refuses two
 ranks on one GPU, gloo may take them).
 """
 
@@ -36,21 +37,23 @@ def main() -> None:
     a = p.parse_args()
     rank, local, size = dist.world()
     device = "cuda:0" if a.same_gpu else dist.rank_device(a.device, local)
-    rank, local, size, ctrl = dist.init(device, a.backend)
+    rank, local, size, links = dist.init(device, a.backend)
     backend = torch.distributed.get_backend()
     eng = dist.RankEngine(a.model, Options(device=device, compile=False, cuda_graphs=False,
                                            compile_train="off"), rank)
     tr = eng.trainer
     times = []
     for _ in range(a.repeat + 1):  # the first warms up the collectives
-        torch.distributed.barrier(group=ctrl)
+        torch.distributed.barrier(group=links.calls)
         t = time.perf_counter()
         tr.gather()
         times.append(time.perf_counter() - t)
-    gb = sum(p.numel() * 4 for p in tr.model.parameters()) / 1e9
+    gen = list(tr.gen_model.parameters())
+    gb = sum(p.numel() * p.element_size() for p in gen) / 1e9
     med = statistics.median(times[1:])
     if rank == 0:
-        print(json.dumps({"ranks": size, "backend": backend, "device": device, "gb_fp32": round(gb, 4),
+        print(json.dumps({"ranks": size, "backend": backend, "device": device, "gb": round(gb, 4),
+                          "dtype": str(gen[0].dtype).removeprefix("torch."),
                           "gather_s": round(med, 5), "s_per_gb": round(med / gb, 4)}), flush=True)
     eng.close()
     torch.distributed.destroy_process_group()

@@ -150,7 +150,7 @@ mode = (work / "gather.mode").read_text().strip()
 if g:
     g = json.loads(g)
     rows.append(("gather of full weights", f"{g['s_per_gb']} s/GB ({g['gather_s']} s for "
-                 f"{g['gb_fp32']} GB fp32; {mode})"))
+                 f"{g['gb']} GB {g['dtype']}; {mode})"))
 else:
     rows.append(("gather of full weights", f"failed ({mode})"))
 f0, f1, rc = (work / "faulty.time").read_text().split()

@@ -214,7 +214,7 @@ if quick:
 # ---- 2. throughput
 def gathers(run):
     return [(float(gb), float(s)) for gb, s in
-            re.findall(r"gathered the full weights \(([0-9.]+) GB fp32\) from \d+ ranks in ([0-9.]+) s", w.events(run))]
+            re.findall(r"gathered the full weights \(([0-9.]+) GB \w+\) from \d+ ranks in ([0-9.]+) s", w.events(run))]
 
 res = {}
 for n in NS:

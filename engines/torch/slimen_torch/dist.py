@@ -9,13 +9,27 @@
   Ranks with fewer micro-batches than another run passes of weight 0, so that every rank makes the
   same collective calls.
 * Generation needs no collectives: every rank keeps the full weights in the model it generates
-  with, gathered from the shards after each optimizer step (the time per GB is logged), and
-  generates its share of the requests (each request goes whole to the rank with the fewest samples
-  so far). Completions depend on (seed, prompt, sample index) only, so they are the ones one rank
-  gives.
+  with, gathered from the shards after each optimizer step in the generating dtype (bf16 on GPUs)
+  through flat buffers, one all-gather a bucket of at most GATHER_BUCKET_BYTES (the time per GB
+  is logged). Generation is continuous on every rank, as on one: rank 0 deals each generate
+  request out as soon as it comes, whole, to the rank with the fewest samples in flight; there it
+  joins the engine's running batch at the next decode step, and each completion goes back to rank
+  0 as it finishes. Completions depend on (seed, prompt, sample index) only, so they are the ones
+  one rank gives.
 * Rank 0 speaks the gRPC protocol (server.py). Every call that needs the other ranks (train,
-  values, save, load, a round of generation) is broadcast to them on a gloo group of its own and
-  run by all in the same order; score, tokenize, render and info are rank 0's alone.
+  values, save, load) and every generate request and cancel for a follower is broadcast on a gloo
+  group of its own (Links.calls), so all ranks see them in one order; each follower sends its
+  completions to rank 0 on a gloo group of the two (Links.back: the rendezvous the ranks already
+  made, on one machine or several, and a rank gone fails it at once). score, tokenize, render and
+  info are rank 0's alone.
+* A call of every rank interleaves with generation as on one rank: each rank's engine runs it on
+  its own thread between two decode steps, its requests in flight paused (kept in their cache
+  rows) across it and going on after it with the new weights, as the engine of one rank does
+  (engine.py). Generation makes no collective, so the calls' collectives (FSDP's, the gather's)
+  are the only ones, made by every rank in rank 0's order: rank 0 broadcasts the next call only
+  once its own engine has run the last. A request in flight across a train step gets tokens of
+  both weights, as on one rank; completions equal one rank's for requests that do not overlap a
+  call that changes the weights.
 * Save writes, from rank 0, the full weights and the full optimizer state (with fp32 master
   weights) in the format of one rank, so any rank count loads it.
 """
@@ -24,6 +38,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import datetime
+import itertools
 import logging
 import os
 import threading
@@ -34,18 +49,20 @@ import torch.distributed as dist
 from torch import nn
 
 from .engine import Engine
-from .model import Transformer, bind_thread
+from .model import Transformer, bind_thread, copy_tensors
 from .train import Trainer, micro_batches
 from .types import RequestError
 
 log = logging.getLogger("slimen_torch")
 
 IDLE_PING_S = 60  # rank 0 sends an empty call this often when idle, so followers see it alive
-# A round of generation starts once no request has come for ROUND_QUIET_S (at most ROUND_WAIT_S
-# after the first): the host's requests of a step come as a burst, and a round that starts on the
-# burst's first requests keeps the rest waiting for the whole round (docs/performance.md).
-ROUND_QUIET_S = 0.003
-ROUND_WAIT_S = 0.05
+# A follower's link to rank 0 that breaks while rank 0 is not closing the group ends the group
+# after this many seconds (Group._receive).
+LOST_GRACE_S = 3.0
+# The gather of the full weights after an optimizer step joins the ranks' shards this many bytes
+# of full weights (in the generating dtype) at a time: one all-gather for a small model, a few
+# for a large one, whose flat buffers would otherwise double the weights' memory.
+GATHER_BUCKET_BYTES = 1 << 30
 
 
 def world() -> tuple[int, int, int]:
@@ -80,11 +97,20 @@ def rank_device(device: str, local_rank: int) -> str:
     return device
 
 
-def init(device: str, backend: str = "") -> tuple[int, int, int, object]:
+class Links:
+    """The worker group's own channels, on gloo with no practical timeout (a follower waits for
+    rank 0's next call as long as the worker lives): calls, rank 0's broadcasts to every rank, so
+    that all see them in one order; and back[r], the group of rank 0 and follower r, on which r
+    sends rank 0 its completions as they finish."""
+
+    def __init__(self, calls, back: dict):
+        self.calls, self.back = calls, back
+
+
+def init(device: str, backend: str = "") -> tuple[int, int, int, Links]:
     """Joins the process group (NCCL on GPUs, gloo on the CPU; backend names another, e.g. gloo
-    for ranks sharing one GPU, which NCCL refuses) and makes the control group (gloo, no practical
-    timeout: a follower waits for rank 0's next call as long as the worker lives).
-    Returns (rank, local rank, world size, control group)."""
+    for ranks sharing one GPU, which NCCL refuses) and makes the group's links (Links).
+    Returns (rank, local rank, world size, links)."""
     rank, local, size = world()
     dev = torch.device(device)
     if dev.type == "cuda":
@@ -94,8 +120,11 @@ def init(device: str, backend: str = "") -> tuple[int, int, int, object]:
         dist.init_process_group("nccl", device_id=dev)
     else:
         dist.init_process_group(backend)
-    ctrl = dist.new_group(backend="gloo", timeout=datetime.timedelta(days=365))
-    return rank, local, size, ctrl
+    forever = datetime.timedelta(days=365)
+    calls = dist.new_group(backend="gloo", timeout=forever)
+    # Every rank makes every pair's group (new_group is a collective of all ranks).
+    back = {r: dist.new_group([0, r], backend="gloo", timeout=forever) for r in range(1, size)}
+    return rank, local, size, Links(calls, back)
 
 
 class _Whole(nn.Module):
@@ -108,6 +137,45 @@ class _Whole(nn.Module):
 
     def forward(self, fn):
         return fn(self.m)
+
+
+class _Bucket:
+    """One all-gather of ShardedTrainer.gather: some parameters' pieces in flat buffers of numel
+    elements a rank, rank after rank in the gathered buffer. Holds offsets, not views, so that a
+    parameter replaced in place stays right."""
+
+    def __init__(self, pairs: list, rank: int, size: int):
+        g0 = pairs[0][1]
+        self.dtype, self.device = g0.dtype, g0.device
+        self.shards = [p for p, _ in pairs]
+        self.gens = [g for _, g in pairs]
+        self.full_bytes = sum(g.numel() for g in self.gens) * g0.element_size()
+        offsets = [0] * size
+        self.mine = []  # (offset, count) of this rank's shard of each parameter in its buffer
+        self.pieces = []  # (offset in the gathered buffer, count, parameter index, first element)
+        for i, (p, g) in enumerate(pairs):
+            if g.dim() == 0:
+                raise ValueError(f"parameter {i} is a scalar: FSDP2 shards dim 0")
+            rows = g.shape[0]
+            inner, chunk = g.numel() // rows, -(-rows // size)
+            for r in range(size):
+                a, b = min(r * chunk, rows), min((r + 1) * chunk, rows)
+                k = (b - a) * inner
+                if r == rank:
+                    if p.to_local().numel() != k:
+                        raise ValueError(f"parameter {i} {tuple(g.shape)}: rank {rank} holds "
+                                         f"{p.to_local().numel()} elements of it, the gather's "
+                                         f"plan {k} (rows {a}:{b} of {size} ranks' chunks)")
+                    self.mine.append((offsets[r], k))
+                if k:
+                    self.pieces.append((r, offsets[r], k, i, a * inner))
+                offsets[r] += k
+        self.numel = max(offsets)
+        self.src = [(r * self.numel + o, k) for r, o, k, _, _ in self.pieces]
+
+    def dst(self) -> list[torch.Tensor]:
+        """The pieces' places in the generating model's parameters."""
+        return [self.gens[i].view(-1)[s:s + k] for _, _, k, i, s in self.pieces]
 
 
 class ShardedTrainer(Trainer):
@@ -127,6 +195,7 @@ class ShardedTrainer(Trainer):
     def _shard(self, gen: Transformer) -> None:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+        self._plan_cache = None  # the gather's buckets: of these shards
         dev = gen.embed.device
         m = Transformer(gen.cfg, device=dev, dtype=torch.float32)
         if gen.score is not None:
@@ -211,22 +280,54 @@ class ShardedTrainer(Trainer):
 
     @torch.no_grad()
     def gather(self) -> None:
-        """The full weights into the generating model (every rank), timed."""
+        """The full weights into the generating model (every rank), in its dtype, timed: each
+        rank casts its shards into one flat buffer (a bucket of at most GATHER_BUCKET_BYTES of
+        full weights at a time), one all-gather joins the ranks' buffers, and the pieces are
+        copied into the generating model's parameters (two multi-tensor copies a bucket)."""
         sync = torch.cuda.synchronize if self.params[0].device.type == "cuda" else (lambda: None)
         sync()
         t = time.perf_counter()
         n = 0
-        for p, g in zip(self.model.parameters(), self.gen_model.parameters(), strict=True):
-            full = p.full_tensor()
-            g.copy_(full)
-            n += full.numel() * full.element_size()
+        for b in self._gather_plan():
+            inp = torch.empty(b.numel, dtype=b.dtype, device=b.device)
+            copy_tensors([inp[o:o + k] for o, k in b.mine], [p.to_local().reshape(-1)
+                                                             for p in b.shards])
+            out = torch.empty(self.size * b.numel, dtype=b.dtype, device=b.device)
+            dist.all_gather_into_tensor(out, inp)
+            copy_tensors(b.dst(), [out[o:o + k] for o, k in b.src])
+            n += b.full_bytes
         sync()
         dt = time.perf_counter() - t
         self.gathered_bytes += n
         self.gather_seconds += dt
         if self.rank == 0:
-            log.info("gathered the full weights (%.3f GB fp32) from %d ranks in %.3f s: "
-                     "%.3f s per GB", n / 1e9, self.size, dt, dt / max(n / 1e9, 1e-12))
+            log.info("gathered the full weights (%.3f GB %s) from %d ranks in %.3f s: "
+                     "%.3f s per GB", n / 1e9, str(self._gather_plan()[0].dtype).removeprefix(
+                         "torch."), self.size, dt, dt / max(n / 1e9, 1e-12))
+
+    def _gather_plan(self) -> list["_Bucket"]:
+        """The buckets of the gather, made once per sharding: which rows of which parameter each
+        rank holds (FSDP2 shards dim 0 as torch.chunk does: ceil(rows / ranks) a rank, the last
+        ranks fewer or none), and where they lie in the flat buffers."""
+        if self._plan_cache is not None:
+            return self._plan_cache
+        pairs = list(zip(self.model.parameters(), self.gen_model.parameters(), strict=True))
+        dtypes = {g.dtype for _, g in pairs}
+        if len(dtypes) != 1:
+            raise ValueError(f"the generating model's parameters have several dtypes {dtypes}: "
+                             "the gather casts to one")
+        buckets, cur, size = [], [], 0
+        for p, g in pairs:
+            nb = g.numel() * g.element_size()
+            if cur and size + nb > GATHER_BUCKET_BYTES:
+                buckets.append(cur)
+                cur, size = [], 0
+            cur.append((p, g))
+            size += nb
+        if cur:
+            buckets.append(cur)
+        self._plan_cache = [_Bucket(b, self.rank, self.size) for b in buckets]
+        return self._plan_cache
 
     # ---- optimizer state: full tensors, the format of one rank ----
 
@@ -295,37 +396,20 @@ class RankEngine(Engine):
             self._write(out, state)
 
 
-def generate_share(engine: Engine, reqs) -> list:
-    """Runs reqs (GenerateRequests) on this rank's engine; [(completions, error)] per request,
-    error None or (code, message)."""
-    cv = threading.Condition()
-    out = [([], None) for _ in reqs]
-    left = [r.n or 1 for r in reqs]
-    for i, r in enumerate(reqs):
-        def done(c, i=i):
-            with cv:
-                out[i][0].append(c)
-                left[i] -= 1
-                cv.notify()
-
-        def fail(code, msg, i=i):
-            with cv:
-                out[i] = (out[i][0], (code, msg))
-                left[i] = 0
-                cv.notify()
-        try:
-            engine.submit(r, done, fail)
-        except RequestError as e:
-            fail(e.code, str(e))
-        except Exception as e:
-            fail("UNKNOWN", str(e))
-    with cv:
-        cv.wait_for(lambda: all(n <= 0 for n in left))
-    return [(sorted(c, key=lambda x: x.index), err) for c, err in out]
+def run_request(engine: Engine, key: int, req, put) -> None:
+    """Submits req to this rank's engine; what comes of it goes to put, on the engine's thread:
+    ("done", key, completion) for each sample, ("failed", key, code, message) once if it fails."""
+    try:
+        engine.submit(req, lambda c: put(("done", key, c)),
+                      lambda code, msg: put(("failed", key, code, msg)))
+    except RequestError as e:
+        put(("failed", key, e.code, str(e)))
+    except Exception as e:
+        put(("failed", key, "UNKNOWN", str(e)))
 
 
-def run_call(engine: RankEngine, call: tuple, ctrl, rank: int):
-    """Runs one broadcast call on this rank; rank 0 gets its result."""
+def run_call(engine: RankEngine, call: tuple):
+    """Runs one call of every rank on this rank's engine; rank 0 gets its result."""
     name, arg = call
     if name == "train":
         return engine.train(arg)
@@ -335,12 +419,7 @@ def run_call(engine: RankEngine, call: tuple, ctrl, rank: int):
         return engine.save(arg)
     if name == "load":
         return engine.load(arg)
-    if name == "generate":
-        mine = generate_share(engine, arg[rank])
-        got = [None] * dist.get_world_size(ctrl) if rank == 0 else None
-        dist.gather_object(mine, got, dst=0, group=ctrl)
-        return got
-    if name in ("ping", "close"):
+    if name == "ping":
         return None
     raise ValueError(f"unknown call {name!r}")
 
@@ -357,37 +436,110 @@ def broken(rank: int, what: str, err: BaseException) -> None:
     os._exit(1)
 
 
-def follow(engine: RankEngine, ctrl, rank: int) -> None:
-    """A follower's life: run rank 0's calls until it says close."""
+class _Outbox:
+    """A follower's completions on their way to rank 0: its engine thread's callbacks queue them
+    and a thread of their own sends what has queued (one message for all that came together) on
+    the follower's group with rank 0, so that the engine thread never waits on the network."""
+
+    def __init__(self, group, rank: int):
+        self.group, self.rank = group, rank
+        self.cv = threading.Condition()
+        self.msgs: list = []
+        self.closing = False
+        self.thread = threading.Thread(target=self._run, name="slimen-torch-outbox", daemon=True)
+        self.thread.start()
+
+    def put(self, msg) -> None:
+        with self.cv:
+            self.msgs.append(msg)
+            self.cv.notify()
+
+    def close(self) -> None:
+        """Sends what has queued and then the last message ("bye",); waits for the thread."""
+        with self.cv:
+            self.closing = True
+            self.cv.notify()
+        self.thread.join()
+
+    def _run(self) -> None:
+        while True:
+            with self.cv:
+                self.cv.wait_for(lambda: self.msgs or self.closing)
+                msgs, self.msgs = self.msgs, []
+                last = self.closing
+            if last:
+                msgs.append(("bye",))
+            try:
+                dist.send_object_list([msgs], dst=0, group=self.group)
+            except Exception as e:
+                broken(self.rank, "sending completions to rank 0", e)
+            if last:
+                return
+
+
+def follow(engine: RankEngine, links: Links, rank: int) -> None:
+    """A follower's life: runs rank 0's broadcasts until it says close. Its generate requests go
+    to this rank's engine as they come (joining its running batch) and their completions to rank
+    0 as they finish; the calls of every rank run on the engine as on one rank, between two
+    decode steps (module docstring)."""
+    out = _Outbox(links.back[rank], rank)
     while True:
         box = [None]
-        dist.broadcast_object_list(box, src=0, group=ctrl)
+        dist.broadcast_object_list(box, src=0, group=links.calls)
         call = box[0]
         if call[0] == "close":
+            out.close()
             return
+        if call[0] == "generate":
+            shares, cancels = call[1]
+            for key, req in shares.get(rank, ()):
+                run_request(engine, key, req, out.put)
+            for r, rid in cancels:
+                if r == rank:
+                    engine.cancel(rid)
+            continue
         try:
-            run_call(engine, call, ctrl, rank)
+            run_call(engine, call)
         except (RequestError, ValueError):
             pass  # rank 0 meets the same error (every rank checks the same input) and reports it
         except Exception as e:
             broken(rank, f"call {call[0]}", e)
 
 
-class Group:
-    """Rank 0's engine over the group: the methods server.Service calls. Calls that need the other
-    ranks go through one thread, in order; generate requests wait for the next round of
-    generation, which deals them out to the ranks."""
+class _Sent:
+    """A generate request dealt out to a rank, with the samples it has still to give."""
 
-    def __init__(self, engine: RankEngine, ctrl, devices: list[str]):
-        self.local, self.ctrl, self.devices = engine, ctrl, devices
-        self.size = dist.get_world_size(ctrl)
+    __slots__ = ("id", "rank", "left", "ok", "fail")
+
+    def __init__(self, rid: str, rank: int, left: int, ok, fail):
+        self.id, self.rank, self.left, self.ok, self.fail = rid, rank, left, ok, fail
+
+
+class Group:
+    """Rank 0's engine over the group: the methods server.Service calls. One thread takes, in the
+    order they came, the calls of every rank (broadcast, then run here, one at a time) and the
+    generate requests, each dealt out as soon as it comes to the rank with the fewest samples in
+    flight: rank 0's to its own engine, the others' in one broadcast for all that came together.
+    A thread per follower receives its completions and hands them to their callbacks."""
+
+    def __init__(self, engine: RankEngine, links: Links, devices: list[str]):
+        self.local, self.links, self.devices = engine, links, devices
+        self.size = dist.get_world_size(links.calls)
         self.cv = threading.Condition()
-        self.calls: list = []  # (call, future)
-        self.pending: list = []  # (GenerateRequest, on_completion, on_error)
+        # ("call", (name, arg), future) and ("gen", key, request, on_completion, on_error), in
+        # the order they came.
+        self.queue: list = []
+        self.cancels: list = []  # (rank, request id), for the next broadcast
+        self.sent: dict[int, _Sent] = {}  # by key: the requests dealt out and not done
+        self.load = [0] * self.size  # samples in flight on each rank
+        self.keys = itertools.count()
         self.closed = False
-        self.rounds = 0
         self.thread = threading.Thread(target=self._loop, name="slimen-torch-group", daemon=True)
-        self.thread.start()
+        self.receivers = [threading.Thread(target=self._receive, args=(r,), daemon=True,
+                                           name=f"slimen-torch-from-rank-{r}")
+                          for r in range(1, self.size)]
+        for t in [self.thread] + self.receivers:
+            t.start()
 
     # -- rank 0 alone --
 
@@ -412,8 +564,8 @@ class Group:
         with self.cv:
             if self.closed:
                 raise RuntimeError("engine closed")
-            self.calls.append(((name, arg), fut))
-            self.cv.notify()
+            self.queue.append(("call", (name, arg), fut))
+            self.cv.notify_all()
         return fut.result()
 
     def train(self, batch):
@@ -433,56 +585,87 @@ class Group:
         with self.cv:
             if self.closed:
                 raise RuntimeError("engine closed")
-            self.pending.append((req, on_completion, on_error))
-            self.cv.notify()
+            self.queue.append(("gen", next(self.keys), req, on_completion, on_error))
+            self.cv.notify_all()
 
     def cancel(self, request_id: str) -> None:
+        here = False
         with self.cv:
-            self.pending = [p for p in self.pending if p[0].id != request_id]
+            self.queue = [q for q in self.queue if q[0] != "gen" or q[2].id != request_id]
+            for key, s in list(self.sent.items()):
+                if s.id != request_id:
+                    continue
+                del self.sent[key]
+                self.load[s.rank] -= s.left
+                if s.rank == 0:
+                    here = True
+                else:
+                    self.cancels.append((s.rank, request_id))
+            self.cv.notify_all()
+        if here:
+            self.local.cancel(request_id)
 
     def close(self, timeout: float = 60) -> bool:
         """Tells the followers to stop and closes rank 0's engine; False when the group thread
-        did not finish within timeout (a follower gone: its collectives never return)."""
+        or a follower's receiver did not finish within timeout (a follower gone: its collectives
+        never return)."""
+        end = time.monotonic() + timeout
         with self.cv:
             self.closed = True
-            self.cv.notify()
-        self.thread.join(timeout=timeout)
-        if self.thread.is_alive():
-            return False
+            self.cv.notify_all()
+        for t in [self.thread] + self.receivers:
+            t.join(timeout=max(0.0, end - time.monotonic()))
+            if t.is_alive():
+                return False
         self.local.close()
         return True
 
-    # -- the thread --
+    # -- the threads --
 
     def _broadcast(self, call) -> None:
-        dist.broadcast_object_list([call], src=0, group=self.ctrl)
+        dist.broadcast_object_list([call], src=0, group=self.links.calls)
+
+    def _deal(self) -> tuple[dict, list]:
+        """Takes the generate requests at the head of the queue (holding the lock): each to the
+        rank with the fewest samples in flight (the lowest such rank). Returns ({rank: [(key,
+        request)]}, cancels to send)."""
+        shares: dict[int, list] = {}
+        while self.queue and self.queue[0][0] == "gen":
+            _, key, req, ok, fail = self.queue.pop(0)
+            r = min(range(self.size), key=lambda i: self.load[i])
+            n = req.n or 1
+            self.load[r] += n
+            self.sent[key] = _Sent(req.id, r, n, ok, fail)
+            shares.setdefault(r, []).append((key, req))
+        cancels, self.cancels = self.cancels, []
+        return shares, cancels
 
     def _loop(self) -> None:
         bind_thread(self.local.device)
         while True:
             with self.cv:
-                self.cv.wait_for(lambda: self.closed or self.calls or self.pending,
+                self.cv.wait_for(lambda: self.closed or self.queue or self.cancels,
                                  timeout=IDLE_PING_S)
                 if self.closed:
-                    calls, self.calls = self.calls, []
-                    for _, fut in calls:
-                        fut.set_exception(RuntimeError("engine closed"))
+                    left, self.queue = self.queue, []
+                    for q in left:
+                        if q[0] == "call":
+                            q[2].set_exception(RuntimeError("engine closed"))
                     break
-                if self.calls:
-                    call, fut = self.calls.pop(0)
+                if self.queue and self.queue[0][0] == "call":
+                    _, call, fut = self.queue.pop(0)
                     gen = None
-                elif self.pending:
-                    self._gather_burst()
-                    gen, self.pending = self.pending, []
+                elif self.queue or self.cancels:
+                    gen = self._deal()
                     call = fut = None
                 else:
                     call, fut, gen = ("ping", None), None, None
             if gen is not None:
-                self._generate(gen)
+                self._send(*gen)
                 continue
             try:
                 self._broadcast(call)
-                res = run_call(self.local, call, self.ctrl, 0)
+                res = run_call(self.local, call)
             except (RequestError, ValueError) as e:  # a bad request: every rank refused it alike
                 if fut is not None:
                     fut.set_exception(e)
@@ -498,56 +681,67 @@ class Group:
             # stops them too (and they die with it), so the close finds no one to tell.
             log.info("closing the group: the other ranks are gone already (%s)", e)
 
-    def _gather_burst(self) -> None:
-        """Waits (holding the condition's lock between waits) while requests keep coming, so that
-        a round takes the host's whole burst; a call waiting ends the wait."""
-        end = time.monotonic() + ROUND_WAIT_S
-        n = len(self.pending)
-        while not (self.closed or self.calls):
-            left = end - time.monotonic()
-            if left <= 0:
-                return
-            self.cv.wait(timeout=min(ROUND_QUIET_S, left))
-            if len(self.pending) == n:
-                return
-            n = len(self.pending)
+    def _send(self, shares: dict, cancels: list) -> None:
+        """Hands dealt requests to their ranks: the followers' (and cancels) in one broadcast,
+        rank 0's to its engine."""
+        others = {r: s for r, s in shares.items() if r != 0}
+        if others or cancels:
+            try:
+                self._broadcast(("generate", (others, cancels)))
+            except Exception as e:
+                broken(0, "sending generate requests", e)
+        for key, req in shares.get(0, ()):
+            run_request(self.local, key, req, self._deliver)
 
-    def _generate(self, gen: list) -> None:
-        """One round: the requests dealt out to the ranks (each to the one with the fewest
-        samples so far), generated, and the completions handed to their callbacks."""
-        shares = [[] for _ in range(self.size)]
-        owners = [[] for _ in range(self.size)]
-        load = [0] * self.size
-        for req, ok, fail in gen:
-            r = min(range(self.size), key=lambda i: load[i])
-            load[r] += req.n or 1
-            shares[r].append(req)
-            owners[r].append((ok, fail))
-        self.rounds += 1
+    def _deliver(self, msg) -> None:
+        """A completion or a failure of a dealt request (run_request's messages), to its
+        callbacks; one of a cancelled request is dropped."""
+        kind, key = msg[0], msg[1]
+        with self.cv:
+            s = self.sent.get(key)
+            if s is None:
+                return
+            n = 1 if kind == "done" else s.left
+            s.left -= n
+            self.load[s.rank] -= n
+            if s.left <= 0:
+                del self.sent[key]
+        if kind == "done":
+            s.ok(msg[2])
+        elif s.fail is not None:
+            s.fail(msg[2], msg[3])
+
+    def _receive(self, rank: int) -> None:
+        """Follower rank's completions, until its last message. A link that breaks while the
+        group is not closing ends the group, after LOST_GRACE_S: at the end of a run torchrun
+        stops every rank at once, and a follower may go before rank 0's close begins."""
         try:
-            self._broadcast(("generate", shares))
-            got = run_call(self.local, ("generate", shares), self.ctrl, 0)
-        except Exception as e:  # requests' own errors come back in got, not here
-            broken(0, "a round of generation", e)
-        for r in range(self.size):
-            for (ok, fail), (comps, err) in zip(owners[r], got[r]):
-                for c in comps:
-                    ok(c)
-                if err is not None and fail is not None:
-                    fail(*err)
+            while True:
+                box = [None]
+                dist.recv_object_list(box, src=rank, group=self.links.back[rank])
+                for m in box[0]:
+                    if m[0] == "bye":
+                        return
+                    self._deliver(m)
+        except Exception as e:
+            with self.cv:
+                closing = self.cv.wait_for(lambda: self.closed, timeout=LOST_GRACE_S)
+            if not closing:
+                broken(0, f"receiving rank {rank}'s completions", e)
+            log.info("rank %d's completions: its link closed with the group (%s)", rank, e)
 
 
 def serve_rank(args, opts, service) -> None:
     """The worker of one rank under torchrun: rank 0 serves (service is its server's), the
     others follow. Returns when rank 0 closes the group."""
-    rank, local, size, ctrl = init(opts.device)
+    rank, local, size, links = init(opts.device)
     log.info("rank %d of %d (local rank %d) on %s", rank, size, local, opts.device)
     engine = RankEngine(args.model, opts, rank)
     devices = [None] * size
-    dist.all_gather_object(devices, f"{os.uname().nodename}/{opts.device}", group=ctrl)
+    dist.all_gather_object(devices, f"{os.uname().nodename}/{opts.device}", group=links.calls)
     if rank != 0:
-        follow(engine, ctrl, rank)
+        follow(engine, links, rank)
         engine.close()
         dist.destroy_process_group()
         return
-    return Group(engine, ctrl, devices)
+    return Group(engine, links, devices)

@@ -1,5 +1,6 @@
 """One policy over two ranks on the CPU (gloo): FSDP2 training data-parallel over the ranks gives
-the step one rank gives on the same global batch, generation dealt out to the ranks gives the
+the step one rank gives on the same global batch, the gather leaves every rank the generating
+weights of one rank, generation dealt out to the ranks as requests come (no rounds) gives the
 completions one rank gives, and the save is the folder (and optimizer state) one rank writes and
 loads. The ranks run as two processes (torch.multiprocessing) through dist.Group, rank 0's side of
 the gRPC service, and dist.follow, the other ranks'."""
@@ -45,50 +46,117 @@ REQUESTS = [GenerateRequest(id=f"r{i}", prompt_tokens=[5 + i, 9, 11 + 2 * i], n=
             for i in range(5)]
 
 
-def collect(submit, reqs):
+def start(submit, reqs):
+    """Submits reqs; returns got, {(request id, index): tokens}, and when, {request id: the time
+    its last sample finished}, both filled as completions come."""
     import threading
+    import time
     cv = threading.Condition()
-    got = {}
+    got, when, left = {}, {}, {r.id: r.n or 1 for r in reqs}
 
     def on(c):
         with cv:
             got[(c.request_id, c.index)] = c.tokens
-            cv.notify()
+            left[c.request_id] -= 1
+            if left[c.request_id] == 0:
+                when[c.request_id] = time.monotonic()
+            cv.notify_all()
 
     def fail(code, msg):
         raise AssertionError(f"{code}: {msg}")
 
     for r in reqs:
         submit(r, on, fail)
-    want = sum(r.n for r in reqs)
+    return got, when, cv
+
+
+def wait(got, cv, reqs, timeout=60):
+    want = sum(r.n or 1 for r in reqs)
     with cv:
-        assert cv.wait_for(lambda: len(got) == want, timeout=60)
+        assert cv.wait_for(lambda: len(got) == want, timeout=timeout), sorted(got)
     return got
 
 
-def _rank(rank, size, port, model, bs, out, result):
+def collect(submit, reqs):
+    got, _, cv = start(submit, reqs)
+    return wait(got, cv, reqs)
+
+
+def long_req(rid: str, seed: int) -> GenerateRequest:
+    return GenerateRequest(id=rid, prompt_tokens=[3 + seed, 4, 5],
+                           sampling=Sampling(max_tokens=LONG, temperature=1.0, seed=seed))
+
+
+def short_req(rid: str, seed: int) -> GenerateRequest:
+    return GenerateRequest(id=rid, prompt_tokens=[7, 8 + seed], n=2,
+                           sampling=Sampling(max_tokens=4, temperature=1.0, seed=seed))
+
+
+LONG = 480  # new tokens of a long request (the test model has 512 positions and no EOS)
+LONGS = [long_req("long0", 1), long_req("long1", 2)]  # one a rank
+LATE = [short_req("late0", 3), short_req("late1", 4)]  # after LONGS started: one a rank
+
+
+def steps_and_generation(engine, bs, out):
+    """The calls both tests make, on one rank's engine or on rank 0's Group: a step; generation;
+    a second step while long requests generate on every rank (on two ranks) and, once they run,
+    short ones that join their batches; the save; generation again. Returns what the test
+    compares."""
+    import time
+
+    stats = [engine.train(bs[0])]
+    gen_a = collect(engine.submit, REQUESTS)
+    longs, when, cv = start(engine.submit, LONGS)
+    stats.append(engine.train(bs[1]))  # the long requests paused across it, as on one rank
+    with cv:
+        longs_during_train = len(longs)
+    time.sleep(0.3)  # the long requests run
+    late, late_when, late_cv = start(engine.submit, LATE)
+    wait(late, late_cv, LATE)
+    wait(longs, cv, LONGS)
+    engine.save(out)
+    gen_b = collect(engine.submit, REQUESTS)
+    return {"stats": stats, "gen_a": gen_a, "gen_b": gen_b, "late": late,
+            "longs_during_train": longs_during_train,
+            "late_first": max(late_when.values()) < min(when.values())}
+
+
+def _rank(rank, size, port, model, opts, bs, out, result):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       LOCAL_RANK=str(rank), WORLD_SIZE=str(size))
     torch.set_num_threads(1)
     from slimen_torch import dist
-    rank, _, _, ctrl = dist.init("cpu")
-    engine = dist.RankEngine(model, Options(**OPTS), rank)
+    rank, _, _, links = dist.init("cpu")
+    engine = dist.RankEngine(model, Options(**opts), rank)
     if rank != 0:
-        dist.follow(engine, ctrl, rank)
+        dist.follow(engine, links, rank)
+        weights = {n: p.detach().clone() for n, p in engine.model.named_parameters()}
         engine.close()
         torch.distributed.destroy_process_group()
+        torch.save(weights, f"{result}.w{rank}")
         return
-    group = dist.Group(engine, ctrl, ["cpu"] * size)
-    stats = [group.train(b) for b in bs]
-    group.save(out)
-    gen = collect(group.submit, REQUESTS)
-    devices = group.info()["devices"]
+    group = dist.Group(engine, links, ["cpu"] * size)
+    if len(bs) > 1:
+        got = steps_and_generation(group, bs, out)
+    else:
+        got = {"stats": [group.train(b) for b in bs]}
+        group.save(out)
+    got["devices"] = group.info()["devices"]
+    weights = {n: p.detach().clone() for n, p in engine.model.named_parameters()}
     group.close()
     torch.distributed.destroy_process_group()
+    torch.save(weights, f"{result}.w0")
+    got.update(gather_s=engine.trainer.gather_seconds, gather_bytes=engine.trainer.gathered_bytes)
     with open(result, "wb") as f:
-        pickle.dump({"stats": stats, "gen": gen, "devices": devices,
-                     "gather_s": engine.trainer.gather_seconds,
-                     "gather_bytes": engine.trainer.gathered_bytes}, f)
+        pickle.dump(got, f)
+
+
+def run_two(model, opts, bs, out, result):
+    mp.start_processes(_rank, args=(2, free_port(), model, opts, bs, out, result), nprocs=2,
+                       start_method="spawn", join=True)
+    with open(result, "rb") as f:
+        got = pickle.load(f)
+    return got, [torch.load(f"{result}.w{r}") for r in (0, 1)]
 
 
 def free_port() -> int:
@@ -97,29 +165,31 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_two_ranks_equal_one(model_dirs, tmp_path):
-    model = str(model_dirs["tiny-qwen3"])
+def test_two_ranks_equal_one(noeos_dir, tmp_path):
+    model = str(noeos_dir)
     one = Engine(model, Options(**OPTS))
     try:
         bs = batches(one)
-        one_stats = [one.train(b) for b in bs]
-        one.save(str(tmp_path / "one"))
-        gen1 = collect(one.submit, REQUESTS)  # after the steps, as the group generates
+        want = steps_and_generation(one, bs, str(tmp_path / "one"))
+        one_weights = {n: p.detach().clone() for n, p in one.model.named_parameters()}
     finally:
         one.close()
     out, result = str(tmp_path / "two"), str(tmp_path / "result.pkl")
-    mp.start_processes(_rank, args=(2, free_port(), model, bs, out, result), nprocs=2,
-                       start_method="spawn", join=True)
-    with open(result, "rb") as f:
-        got = pickle.load(f)
+    got, (w0, w1) = run_two(model, OPTS, bs, out, str(result))
 
-    for a, b in zip(got["stats"], one_stats):
+    for a, b in zip(got["stats"], want["stats"]):
         assert not a.skipped and not b.skipped
         assert a.tokens == b.tokens and a.clip_frac == b.clip_frac
         for k in ("loss", "pg_loss", "kl", "entropy", "grad_norm"):
             assert getattr(a, k) == pytest.approx(getattr(b, k), rel=1e-4, abs=1e-6), k
     assert got["stats"][1].grad_norm > STEPS[1].max_grad_norm  # the clip was applied
-    assert got["devices"] == ["cpu", "cpu"] and got["gather_bytes"] > 0
+    assert got["devices"] == ["cpu", "cpu"]
+    # The gather after each step: the generating model's bytes (fp32 on the CPU), and every
+    # rank's generating weights the same, and one rank's.
+    assert got["gather_bytes"] == 2 * sum(p.numel() * 4 for p in w0.values())
+    for n, p in w0.items():
+        assert torch.equal(w1[n], p), n
+        torch.testing.assert_close(p, one_weights[n], rtol=1e-4, atol=1e-5, msg=n)
 
     # The save is one rank's folder: the same files, weights and optimizer state; one rank loads it.
     two, ref = pathlib.Path(out), tmp_path / "one"
@@ -140,8 +210,42 @@ def test_two_ranks_equal_one(model_dirs, tmp_path):
     finally:
         e1.close()
         e2.close()
-    # Generation after the steps, from the gathered weights, on both ranks.
-    assert gen1 == got["gen"]
+    # Generation from the gathered weights, on both ranks, after each step: one rank's.
+    assert got["gen_a"] == want["gen_a"] and got["gen_b"] == want["gen_b"]
+    assert got["late"] == want["late"]
+    # No rounds: the long requests were still generating when the second step returned (they
+    # were paused across it), and the short ones that came while they ran finished first.
+    assert got["longs_during_train"] == 0 and got["late_first"]
+
+
+def test_gather_in_the_generating_dtype(model_dirs, tmp_path):
+    """A bf16 generating model gets the full weights in bf16 (half of fp32's bytes through the
+    flat buffers), the same on every rank, and one rank's after the same step."""
+    opts = dict(OPTS, dtype="bfloat16")
+    model = str(model_dirs["tiny-qwen3"])
+    one = Engine(model, Options(**opts))
+    try:
+        bs = batches(one)[:1]
+        before = {n: p.detach().float().clone() for n, p in one.model.named_parameters()}
+        want = one.train(bs[0])
+        one_weights = {n: p.detach().clone() for n, p in one.model.named_parameters()}
+    finally:
+        one.close()
+    out = tmp_path / "two"
+    got, (w0, w1) = run_two(model, opts, bs, str(out), str(tmp_path / "result.pkl"))
+    assert got["stats"][0].loss == pytest.approx(want.loss, rel=1e-2)
+    assert got["gather_bytes"] == sum(p.numel() * 2 for p in w0.values())
+    # Every rank's generating weights are the fp32 masters (the save's) cast to bf16, bit for bit.
+    masters = torch.load(out / "optimizer.pt")["masters"]
+    assert len(masters) == len(w0)
+    for (n, p), m in zip(w0.items(), masters):
+        assert p.dtype == torch.bfloat16 and torch.equal(w1[n], p), n
+        assert torch.equal(p, m.to(torch.bfloat16)), n
+        # One rank's step, to bf16 training's rounding (its passes and gradients are bf16, the
+        # group's gradients are reduced in fp32, and Adam's first step moves a weight by about lr
+        # whatever its gradient's size, so weights of tiny gradients move differently).
+        step1, step2 = one_weights[n].float() - before[n], p.float() - before[n]
+        assert (step2 - step1).norm() <= 0.1 * step1.norm(), n
 
 
 def _pb_batch(b: Batch):
@@ -220,82 +324,154 @@ def test_two_nodes_over_rendezvous(model_dirs, tmp_path):
                 p.kill()
 
 
+class FakeLocal:
+    """Rank 0's engine in the Group tests: requests it is given run until the test ends them."""
+    device = torch.device("cpu")
+
+    def __init__(self):
+        self.running, self.cancelled, self.closed = [], [], False
+
+    def request(self, req):
+        pass
+
+    def submit(self, req, ok, fail):
+        self.running.append((req, ok))
+
+    def cancel(self, rid):
+        self.cancelled.append(rid)
+
+    def close(self):
+        self.closed = True
+
+
+def fake_links(monkeypatch, recv):
+    """Two ranks whose broadcasts land in the returned queue and whose follower's messages come
+    from recv (objs, src, group)."""
+    import queue
+
+    from slimen_torch import dist
+
+    sent = queue.Queue()
+    monkeypatch.setattr(dist.dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(dist.dist, "broadcast_object_list",
+                        lambda objs, src, group: sent.put(objs[0]))
+    monkeypatch.setattr(dist.dist, "recv_object_list", recv)
+    return dist.Links(object(), {1: object()}), sent
+
+
 def test_close_with_the_followers_gone(monkeypatch):
     """At the end of a run the host stops torchrun, which stops every rank: rank 0's close finds
-    the followers gone. The close still ends the group thread and rank 0's engine, without the
-    thread's traceback in the worker's log."""
+    the followers gone (its broadcast and the follower's link both fail). The close still ends
+    the group's threads and rank 0's engine, without a thread's traceback in the worker's log
+    and without taking the links' failure for a rank lost mid-run."""
     import threading
 
     from slimen_torch import dist
 
-    class Local:
-        closed = False
-        device = torch.device("cpu")
+    def gone(*a, **k):
+        raise RuntimeError("Connection reset by peer")
 
-        def close(self):
-            self.closed = True
+    raised, broke = [], []
+    monkeypatch.setattr(threading, "excepthook", lambda a: raised.append(a.exc_value))
+    monkeypatch.setattr(dist, "broken", lambda *a: broke.append(a))
+    links, _ = fake_links(monkeypatch, gone)
+    monkeypatch.setattr(dist.dist, "broadcast_object_list", gone)
+    local = FakeLocal()
+    group = dist.Group(local, links, ["cpu", "cpu"])
+    assert group.close(timeout=10)
+    assert local.closed and not raised and not broke
+
+
+def test_a_follower_lost_mid_run_ends_the_group(monkeypatch):
+    """A follower's link that breaks while rank 0 is not closing (the rank SIGKILLed) ends the
+    group (dist.broken: torchrun then restarts it) instead of leaving its requests waiting."""
+    import threading
+
+    from slimen_torch import dist
 
     def gone(objs, src, group):
         raise RuntimeError("Connection reset by peer")
 
-    raised = []
-    monkeypatch.setattr(threading, "excepthook", lambda a: raised.append(a.exc_value))
-    monkeypatch.setattr(dist.dist, "get_world_size", lambda group=None: 2)
-    monkeypatch.setattr(dist.dist, "broadcast_object_list", gone)
-    local = Local()
-    group = dist.Group(local, object(), ["cpu", "cpu"])
-    assert group.close(timeout=10)
-    assert local.closed and not raised
+    broke = threading.Event()
+    monkeypatch.setattr(dist, "LOST_GRACE_S", 0.05)
+    monkeypatch.setattr(dist, "broken", lambda rank, what, err: broke.set())
+    links, _ = fake_links(monkeypatch, gone)
+    group = dist.Group(FakeLocal(), links, ["cpu", "cpu"])
+    try:
+        assert broke.wait(10)
+    finally:
+        group.close(timeout=10)
 
 
-def test_a_round_takes_the_whole_burst(monkeypatch):
-    """Requests that come close together (the host's burst at a step's start) are generated in
-    one round: a round started on the first of them kept the others waiting for all of it."""
-    import threading
+def test_requests_go_out_as_they_come(monkeypatch):
+    """No rounds: each generate request is dealt out when it comes, while the earlier ones still
+    run, to the rank with the fewest samples in flight (rank 0's to its engine, rank 1's in a
+    broadcast); rank 1's completions reach their callbacks as it sends them; a cancel goes to the
+    rank that has the request, and what it sends for it afterwards is dropped."""
+    import queue
     import time
 
     from slimen_torch import dist
 
-    class Local:
-        device = torch.device("cpu")
+    inbox = queue.Queue()
 
-        def request(self, req):
-            pass
+    def recv(objs, src, group):
+        objs[0] = inbox.get()
 
-        def close(self):
-            pass
+    links, sent = fake_links(monkeypatch, recv)
+    local = FakeLocal()
+    group = dist.Group(local, links, ["cpu", "cpu"])
+    got = queue.Queue()
 
-    rounds = []
+    def req(i, n=1):
+        return GenerateRequest(id=f"q{i}", prompt_tokens=[1], n=n)
 
-    def run_call(engine, call, ctrl, rank):
-        if call[0] != "generate":
-            return None
-        rounds.append(sum(len(s) for s in call[1]))
-        time.sleep(0.05)  # a round's generation
-        return [[([f"done {q.id}"], None) for q in share] for share in call[1]]
+    def generate_call():
+        call = sent.get(timeout=10)
+        assert call[0] == "generate", call
+        return call[1]
 
-    monkeypatch.setattr(dist.dist, "get_world_size", lambda group=None: 2)
-    monkeypatch.setattr(dist.dist, "broadcast_object_list", lambda objs, src, group: None)
-    monkeypatch.setattr(dist, "run_call", run_call)
-    monkeypatch.setattr(dist, "ROUND_QUIET_S", 0.2)  # far above the gaps below, on a busy machine
-    monkeypatch.setattr(dist, "ROUND_WAIT_S", 5.0)
-    group = dist.Group(Local(), object(), ["cpu", "cpu"])
-    got, done = [], threading.Event()
-
-    def ok(c):
-        got.append(c)
-        if len(got) == 20:
-            done.set()
+    def wait_running(k):
+        for _ in range(1000):
+            if len(local.running) == k:
+                return
+            time.sleep(0.01)
+        raise AssertionError(f"rank 0 runs {len(local.running)} requests, want {k}")
 
     try:
-        for i in range(20):
-            group.submit(GenerateRequest(id=str(i)), ok)
-            time.sleep(0.002)
-        assert done.wait(30)
+        group.submit(req(0, n=2), got.put)  # loads 0, 0: rank 0
+        wait_running(1)
+        group.submit(req(1), got.put)  # loads 2, 0: rank 1, while q0 runs
+        shares, cancels = generate_call()
+        assert [r.id for _, r in shares[1]] == ["q1"] and not cancels and 0 not in shares
+        key1 = shares[1][0][0]
+        group.submit(req(2), got.put)  # loads 2, 1: rank 1
+        shares, _ = generate_call()
+        key2 = shares[1][0][0]
+        assert [r.id for _, r in shares[1]] == ["q2"]
+        group.submit(req(3), got.put)  # loads 2, 2: rank 0
+        wait_running(2)
+        assert [r.id for r, _ in local.running] == ["q0", "q3"] and got.empty()
+        # rank 1 finishes q1 before anything on rank 0 is done
+        inbox.put([("done", key1, "q1 done")])
+        assert got.get(timeout=10) == "q1 done"
+        local.running[0][1]("q0 #0")
+        assert got.get(timeout=10) == "q0 #0"
+        # loads 1, 1 and q2 cancelled on rank 1: rank 1 is the least loaded after it
+        group.cancel("q2")
+        inbox.put([("done", key2, "q2 done")])  # sent before the cancel arrived: dropped
+        shares, cancels = generate_call()
+        assert cancels == [(1, "q2")] and not shares
+        group.submit(req(4), got.put)
+        shares, _ = generate_call()
+        assert [r.id for _, r in shares[1]] == ["q4"]
+        local.running[0][1]("q0 #1")
+        local.running[1][1]("q3 done")
+        assert [got.get(timeout=10) for _ in range(2)] == ["q0 #1", "q3 done"]
+        assert got.empty() and group.load == [0, 1]
     finally:
-        group.close(timeout=10)
-    assert sorted(got) == sorted(f"done {i}" for i in range(20))
-    assert rounds == [20]
+        inbox.put([("bye",)])
+        assert group.close(timeout=10)
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
