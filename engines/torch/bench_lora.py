@@ -21,8 +21,16 @@ On a random model of --shape (make-model; bf16 on a GPU), three sections:
              shows the worker still serves them all
   gen        generation throughput: --rows rows (128-token prompts, --new sampled tokens,
              temperature 1) of one model with the engine's defaults (CUDA graphs, Triton), the
-             same rows spread over 8 adapters (one batch, the per-row LoRA path: eager), and the
-             rows of one model on the eager path (what the LoRA path costs beside the graphs)
+             same rows spread over 8 adapters in one batch through the adapter table (the decode
+             step captured in the same graphs), the same on the eager per-row path (lora.Rows,
+             the generator's lora_table off), one adapter, and the rows of one model on the
+             eager path; the ratio of 8 captured adapters to the one captured model (issue 37
+             wants >= 0.7); and a token check (greedy, min(--new, 32) tokens; the adapters' B
+             drawn, so that they change the base's outputs): each row of the
+             mixed batch against the same batch all of its row's adapter (the same shapes: equal
+             unless a row's result depended on the other rows' adapters), against the eager Rows
+             path, and the first 8 rows each alone (batch 1: other kernels, so bf16 may round
+             differently: reported, not required)
 
 Prints a table and writes DIR/bench_lora.json and DIR/bench_lora.md. Each section runs in its own
 process, so an out-of-memory error or a crash costs that section only.
@@ -48,8 +56,7 @@ from slimen_torch import lora  # noqa: E402
 from slimen_torch.config import read_config  # noqa: E402
 from slimen_torch.engine import Engine, Options  # noqa: E402
 from slimen_torch.make_model import make_model  # noqa: E402
-from slimen_torch.types import (Batch, GenerateRequest, LossConfig, Sample, Sampling,  # noqa: E402
-                                ScoreRequest)
+from slimen_torch.types import Batch, GenerateRequest, LossConfig, Sample, Sampling  # noqa: E402
 
 SECTIONS = ("memory", "full", "lora", "gen")
 
@@ -212,16 +219,77 @@ def gen_run(e, a, adapters) -> float:
     return best
 
 
+def greedy(e, a, adapters, rows=None) -> list[tuple[list[int], list[float]]]:
+    """The greedy (tokens, log-probs) of gen_run's prompts of rows (default all), row i by
+    adapters[i % len], in one batch."""
+    rows = range(a.rows) if rows is None else rows
+    reqs = [GenerateRequest(id=f"c{i}", prompt_tokens=[10 + (i + j) % 190 for j in range(128)],
+                            adapter=adapters[i % len(adapters)],
+                            sampling=Sampling(max_tokens=min(a.new, 32), temperature=0.0))
+            for i in rows]
+    return [(c.tokens, c.logprobs) for c in e.generate(reqs)]
+
+
+def lp_diff(x, y) -> float:
+    """The largest |log-prob difference| of two generations' common tokens."""
+    return max((abs(p - q) for p, q in zip(x[1], y[1])), default=0.0)
+
+
+def token_check(e, a, names) -> dict:
+    """The mixed batch's greedy tokens against the same rows generated otherwise (see gen)."""
+    k = len(names)
+    mixed = greedy(e, a, names)
+    same_shape, shape_lp = 0, 0.0
+    for j, name in enumerate(names):
+        one = greedy(e, a, [name])
+        for i in range(j, a.rows, k):
+            same_shape += mixed[i][0] == one[i][0]
+            shape_lp = max(shape_lp, lp_diff(mixed[i], one[i]))
+    base = greedy(e, a, [""])
+    e.gen.lora_table = False
+    try:
+        rows = greedy(e, a, names)
+    finally:
+        e.gen.lora_table = True
+    alone = sum(greedy(e, a, names, [i])[0][0] == mixed[i][0] for i in range(min(k, a.rows)))
+    return dict(rows=a.rows, same_shape_equal=same_shape, same_shape_max_lp_diff=shape_lp,
+                rows_path_equal=sum(x[0] == y[0] for x, y in zip(mixed, rows)),
+                rows_path_max_lp_diff=max(lp_diff(x, y) for x, y in zip(mixed, rows)),
+                alone_equal=alone, alone_checked=min(k, a.rows),
+                differ_from_base=sum(x[0] != y[0] or lp_diff(x, y) > 1e-3
+                                     for x, y in zip(mixed, base)))
+
+
 def sec_gen(a, model_dir):
     res = {}
     slots = max(a.rows, a.slots)
     e = Engine(str(model_dir), opts(a, slots=slots))
     try:
         res["one_model_defaults_tok_s"] = gen_run(e, a, [""])
-        for i in range(8):
-            e.add_adapter(f"g{i}", lora.LoRAConfig(rank=a.rank, alpha=2 * a.rank, targets=lora.TARGETS), i)
-        res["eight_adapters_tok_s"] = gen_run(e, a, [f"g{i}" for i in range(8)])
+        names = [f"g{i}" for i in range(8)]
+        g = torch.Generator().manual_seed(3)
+        for i, name in enumerate(names):
+            e.add_adapter(name, lora.LoRAConfig(rank=a.rank, alpha=2 * a.rank, targets=lora.TARGETS), i)
+            # B drawn too (a new adapter's B is 0: it would compute the base's tokens).
+            with torch.no_grad():
+                for n, p in e.bank.adapters[name].named():
+                    if "lora_B" in n:
+                        p.copy_(torch.randn(p.shape, generator=g) * 0.02)
+        e.bank.changed()
+        res["eight_adapters_tok_s"] = gen_run(e, a, names)
+        gen = e.gen
+        res["decode_graphs"] = len(gen.graphs) if gen.use_graphs else 0
+        res["table"] = dict(version=e.bank.table.version, slots=e.bank.table.cap, rank=e.bank.table.r)
         res["one_adapter_tok_s"] = gen_run(e, a, ["g0"])
+        gen.lora_table = False
+        try:
+            res["eight_adapters_eager_tok_s"] = gen_run(e, a, names)
+        finally:
+            gen.lora_table = True
+        base = res["one_model_defaults_tok_s"]
+        res["ratio_eight_captured_to_one_model"] = res["eight_adapters_tok_s"] / base
+        res["ratio_eight_eager_to_one_model"] = res["eight_adapters_eager_tok_s"] / base
+        res["tokens"] = token_check(e, a, names)
     finally:
         e.close()
     e = Engine(str(model_dir), opts(a, slots=slots, cuda_graphs=False, compile=False, kernels=False))
@@ -251,10 +319,23 @@ def table(results: dict, a) -> str:
     if g and "error" not in g:
         L += ["", f"| generation, {a.rows} rows × {a.new} tokens | tok/s |", "|---|---:|"]
         for k, what in (("one_model_defaults_tok_s", "one model, engine defaults (graphs, Triton)"),
-                        ("eight_adapters_tok_s", "spread over 8 adapters, one batch"),
+                        ("eight_adapters_tok_s", "spread over 8 adapters, one batch (the table, captured)"),
+                        ("eight_adapters_eager_tok_s", "spread over 8 adapters, one batch (Rows, eager)"),
                         ("one_adapter_tok_s", "one adapter"),
                         ("one_model_eager_tok_s", "one model, eager path")):
             L.append(f"| {what} | {g.get(k, 0):,.0f} |")
+        if "ratio_eight_captured_to_one_model" in g:
+            t = g["tokens"]
+            L += ["", f"- 8 adapters captured / one captured model: "
+                  f"{g['ratio_eight_captured_to_one_model']:.3f}x (eager Rows: "
+                  f"{g['ratio_eight_eager_to_one_model']:.3f}x); {g['decode_graphs']} decode graphs, "
+                  f"table {g['table']}",
+                  f"- greedy tokens of the mixed batch: {t['same_shape_equal']}/{t['rows']} rows equal to "
+                  f"the batch all of their adapter (log-probs within {t['same_shape_max_lp_diff']:.2g}), "
+                  f"{t['rows_path_equal']}/{t['rows']} to the eager Rows path (within "
+                  f"{t['rows_path_max_lp_diff']:.2g}), {t['alone_equal']}/{t['alone_checked']} to the row "
+                  f"alone; {t['differ_from_base']}/{t['rows']} differ from the base's (tokens or "
+                  f"log-probs by > 1e-3)"]
     elif g:
         L.append(f"\ngen: {g['error']}")
     return "\n".join(L) + "\n"
@@ -297,7 +378,12 @@ def main():
     if not (model / "config.json").exists():
         make_model(a.shape, model, seed=7)
     results = {}
-    passthrough = [x for x in sys.argv[1:] if not x.startswith("--sections")]
+    # The arguments for the children, less --sections (as "--sections=X" or "--sections X").
+    passthrough, skip = [], False
+    for x in sys.argv[1:]:
+        if not skip and not x.startswith("--sections"):
+            passthrough.append(x)
+        skip = x == "--sections"
     for s in a.sections.split(","):
         t = time.perf_counter()
         p = subprocess.run([sys.executable, __file__, *passthrough, "--section", s, "--model", str(model)],

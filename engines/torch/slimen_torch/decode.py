@@ -95,6 +95,9 @@ class Decode:
                 log.warning("a decode step uses more than %d LoRA adapters (the table's slots): "
                             "such steps run eagerly", t.max_slots)
             return
+        if not t.cap:  # base rows only, and no adapter placed yet: the base's step
+            self.lora_mode = None
+            return
         self.lora_mode = "table"
         ch = [(r, k) for r, k in ((r, t.slot_of(s.req.adapter)) for r, s in rows)
               if self.lora_host[r] != k]

@@ -334,7 +334,7 @@ class Table:
             for a in (ads + others)[:cap]:
                 self._put(a, len(self.slot) + 1)
                 self.used[id(a)] = used.get(id(a), 0)
-        else:
+        elif missing:
             free = [k for k in range(1, self.cap + 1) if self.held[k - 1] is None]
             spare = sorted((self.used[id(a)], self.slot[id(a)]) for a in self.held
                            if a is not None and id(a) not in want)

@@ -214,11 +214,11 @@ class FakeGraph:
     arguments of its capture, as a graph replays the captured step."""
 
     def __init__(self, gen, *args):
-        self.gen, self.args, self.version = gen, args, gen.bank.table.version
+        self.gen, self.args, self.version = gen, args, gen.graphs_lora
         self.replays = 0
 
     def replay(self):
-        assert self.version == self.gen.bank.table.version, "a graph of an old table replayed"
+        assert self.version == self.gen.graphs_lora, "a graph of another table replayed"
         self.replays += 1
         self.gen._decode(*self.args)
 
@@ -234,9 +234,16 @@ def test_adapters_decode_through_the_graphs(monkeypatch):
             return captured[-1]
 
         greedy = Sampling(max_tokens=6, temperature=0.0)
-        want = generate(e, ROWS, greedy, "w")
         monkeypatch.setattr(g, "use_graphs", True)
         monkeypatch.setattr(g, "_capture", capture)
+        # Base rows before any adapter was placed: the base's graphs.
+        base = generate(e, [("", p) for _, p in ROWS[:3]], greedy, "z")
+        assert captured and e.bank.table.cap == 0 and g.graphs_lora == 0
+        g.lora_table = False
+        assert base == generate(e, [("", p) for _, p in ROWS[:3]], greedy, "y")
+        want = generate(e, ROWS, greedy, "w")  # (eager: Rows)
+        g.lora_table = True
+        captured.clear()
         got = generate(e, ROWS, greedy, "g")
         assert captured and sum(c.replays for c in captured) >= 5
         assert all(same(x, y) for x, y in zip(got, want))
@@ -249,7 +256,8 @@ def test_adapters_decode_through_the_graphs(monkeypatch):
         rows = ROWS + [("d", IDS[:11])]
         got = generate(e, rows, greedy, "i")
         assert e.bank.table.version > version and e.bank.table.r == 8
-        assert len(captured) > n and all(c.version == e.bank.table.version for c in g.graphs.values())
+        assert len(captured) > n and g.graphs_lora == e.bank.table.version
+        assert all(c.version == g.graphs_lora for c in g.graphs.values())
         g.lora_table = False
         assert all(same(x, y) for x, y in zip(got, generate(e, rows, greedy, "j")))
     finally:
