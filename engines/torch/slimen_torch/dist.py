@@ -56,8 +56,8 @@ from .types import RequestError
 log = logging.getLogger("slimen_torch")
 
 IDLE_PING_S = 60  # rank 0 sends an empty call this often when idle, so followers see it alive
-# A follower's link to rank 0 that breaks while rank 0 is not closing the group ends the group
-# after this many seconds (Group._receive).
+# A follower's link to rank 0 that breaks while the worker is not stopping ends the group after
+# this many seconds (Group._receive).
 LOST_GRACE_S = 3.0
 # The gather of the full weights after an optimizer step joins the ranks' shards this many bytes
 # of full weights (in the generating dtype) at a time: one all-gather for a small model, a few
@@ -534,6 +534,7 @@ class Group:
         self.load = [0] * self.size  # samples in flight on each rank
         self.keys = itertools.count()
         self.closed = False
+        self.stop = False  # stopping() was called
         self.thread = threading.Thread(target=self._loop, name="slimen-torch-group", daemon=True)
         self.receivers = [threading.Thread(target=self._receive, args=(r,), daemon=True,
                                            name=f"slimen-torch-from-rank-{r}")
@@ -604,6 +605,13 @@ class Group:
             self.cv.notify_all()
         if here:
             self.local.cancel(request_id)
+
+    def stopping(self) -> None:
+        """Says that the worker is stopping (torchrun stops every rank at once): a follower's
+        link that breaks from now on is no rank lost mid-run."""
+        with self.cv:
+            self.stop = True
+            self.cv.notify_all()
 
     def close(self, timeout: float = 60) -> bool:
         """Tells the followers to stop and closes rank 0's engine; False when the group thread
@@ -713,8 +721,8 @@ class Group:
 
     def _receive(self, rank: int) -> None:
         """Follower rank's completions, until its last message. A link that breaks while the
-        group is not closing ends the group, after LOST_GRACE_S: at the end of a run torchrun
-        stops every rank at once, and a follower may go before rank 0's close begins."""
+        worker is not stopping ends the group, after LOST_GRACE_S: at the end of a run torchrun
+        stops every rank at once, and a follower may go before rank 0 has taken its signal."""
         try:
             while True:
                 box = [None]
@@ -725,10 +733,10 @@ class Group:
                     self._deliver(m)
         except Exception as e:
             with self.cv:
-                closing = self.cv.wait_for(lambda: self.closed, timeout=LOST_GRACE_S)
+                closing = self.cv.wait_for(lambda: self.closed or self.stop, timeout=LOST_GRACE_S)
             if not closing:
                 broken(0, f"receiving rank {rank}'s completions", e)
-            log.info("rank %d's completions: its link closed with the group (%s)", rank, e)
+            log.info("rank %d's completions: its link closed as the worker stops (%s)", rank, e)
 
 
 def serve_rank(args, opts, service) -> None:

@@ -708,6 +708,8 @@ def serve(args) -> None:
     service.loading = False
     stop.wait()
     service.loading = True
+    if size > 1:
+        service.engine.stopping()  # the followers are stopping too: their links may break now
     server.stop(grace=5).wait()
     if size == 1:
         service.engine.close()

@@ -121,11 +121,12 @@ def steps_and_generation(engine, bs, out):
             "late_first": max(late_when.values()) < min(when.values())}
 
 
-def _rank(rank, size, port, model, opts, bs, out, result):
+def _rank(rank, size, port, model, opts, bs, out, result, bucket):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       LOCAL_RANK=str(rank), WORLD_SIZE=str(size))
     torch.set_num_threads(1)
     from slimen_torch import dist
+    dist.GATHER_BUCKET_BYTES = bucket or dist.GATHER_BUCKET_BYTES
     rank, _, _, links = dist.init("cpu")
     engine = dist.RankEngine(model, Options(**opts), rank)
     if rank != 0:
@@ -151,9 +152,11 @@ def _rank(rank, size, port, model, opts, bs, out, result):
         pickle.dump(got, f)
 
 
-def run_two(model, opts, bs, out, result):
-    mp.start_processes(_rank, args=(2, free_port(), model, opts, bs, out, result), nprocs=2,
-                       start_method="spawn", join=True)
+def run_two(model, opts, bs, out, result, bucket=0):
+    """Runs the calls on two ranks (bucket: the gather's bytes a bucket, 0 the default); returns
+    what rank 0 got and each rank's generating weights at the end."""
+    mp.start_processes(_rank, args=(2, free_port(), model, opts, bs, out, result, bucket),
+                       nprocs=2, start_method="spawn", join=True)
     with open(result, "rb") as f:
         got = pickle.load(f)
     return got, [torch.load(f"{result}.w{r}") for r in (0, 1)]
@@ -220,7 +223,8 @@ def test_two_ranks_equal_one(noeos_dir, tmp_path):
 
 def test_gather_in_the_generating_dtype(model_dirs, tmp_path):
     """A bf16 generating model gets the full weights in bf16 (half of fp32's bytes through the
-    flat buffers), the same on every rank, and one rank's after the same step."""
+    flat buffers; buckets smaller than some parameters here, so several all-gathers and one
+    parameter alone in some), the same on every rank, and one rank's after the same step."""
     opts = dict(OPTS, dtype="bfloat16")
     model = str(model_dirs["tiny-qwen3"])
     one = Engine(model, Options(**opts))
@@ -232,7 +236,7 @@ def test_gather_in_the_generating_dtype(model_dirs, tmp_path):
     finally:
         one.close()
     out = tmp_path / "two"
-    got, (w0, w1) = run_two(model, opts, bs, str(out), str(tmp_path / "result.pkl"))
+    got, (w0, w1) = run_two(model, opts, bs, str(out), str(tmp_path / "result.pkl"), bucket=4096)
     assert got["stats"][0].loss == pytest.approx(want.loss, rel=1e-2)
     assert got["gather_bytes"] == sum(p.numel() * 2 for p in w0.values())
     # Every rank's generating weights are the fp32 masters (the save's) cast to bf16, bit for bit.
@@ -360,24 +364,36 @@ def fake_links(monkeypatch, recv):
 
 
 def test_close_with_the_followers_gone(monkeypatch):
-    """At the end of a run the host stops torchrun, which stops every rank: rank 0's close finds
-    the followers gone (its broadcast and the follower's link both fail). The close still ends
-    the group's threads and rank 0's engine, without a thread's traceback in the worker's log
-    and without taking the links' failure for a rank lost mid-run."""
+    """At the end of a run the host stops torchrun, which stops every rank: a follower's link
+    breaks once rank 0 has taken its signal (Group.stopping), and rank 0's close finds the
+    followers gone (its broadcast fails). The close still ends the group's threads and rank 0's
+    engine, without a thread's traceback in the worker's log and without taking the broken link
+    for a rank lost mid-run."""
     import threading
+    import time
 
     from slimen_torch import dist
 
     def gone(*a, **k):
         raise RuntimeError("Connection reset by peer")
 
+    cut = threading.Event()
+
+    def recv(objs, src, group):
+        cut.wait()
+        gone()
+
     raised, broke = [], []
     monkeypatch.setattr(threading, "excepthook", lambda a: raised.append(a.exc_value))
     monkeypatch.setattr(dist, "broken", lambda *a: broke.append(a))
-    links, _ = fake_links(monkeypatch, gone)
+    monkeypatch.setattr(dist, "LOST_GRACE_S", 0.1)
+    links, _ = fake_links(monkeypatch, recv)
     monkeypatch.setattr(dist.dist, "broadcast_object_list", gone)
     local = FakeLocal()
     group = dist.Group(local, links, ["cpu", "cpu"])
+    group.stopping()
+    cut.set()
+    time.sleep(0.5)  # past the grace: the server's stop may take seconds before the close
     assert group.close(timeout=10)
     assert local.closed and not raised and not broke
 
