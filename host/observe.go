@@ -27,6 +27,23 @@ type Observer interface {
 	Close() error
 }
 
+// An Ender is an Observer that learns how the run ended: End is called once, before Close, with
+// the error Train returned (nil when the run ran its steps, was stopped, or never trained), so a
+// tracker can mark a failed run as failed (W&B's exit code).
+type Ender interface {
+	End(err error)
+}
+
+// closeObserver ends (an Ender) and closes o, saying in the run's log when closing fails.
+func closeObserver(events *eventLog, o Observer, name string, ended error) {
+	if e, ok := o.(Ender); ok {
+		e.End(ended)
+	}
+	if err := o.Close(); err != nil {
+		events.printf("observer %s: closing: %v", name, err)
+	}
+}
+
 // RunInfo is what an Observer learns of the run when it starts.
 type RunInfo struct {
 	ID      string         // the process's run id (a resumed run has a new one)
@@ -169,9 +186,9 @@ func (obs *observers) eval(rec EvalRecord) {
 	}
 }
 
-// close hands over what is queued, then closes every observer (waiting at most
-// observerCloseWait for each).
-func (obs *observers) close() {
+// close hands over what is queued, then ends and closes every observer (waiting at most
+// observerCloseWait for each); ended is the error Train returned.
+func (obs *observers) close(ended error) {
 	if obs == nil {
 		return
 	}
@@ -185,9 +202,7 @@ func (obs *observers) close() {
 			ob.events.printf("observer %s did not finish its records within %s; the run closes without it", ob.name, observerCloseWait)
 			continue
 		}
-		if err := ob.o.Close(); err != nil {
-			ob.events.printf("observer %s: closing: %v", ob.name, err)
-		}
+		closeObserver(ob.events, ob.o, ob.name, ended)
 	}
 	obs.list = nil
 }

@@ -514,17 +514,18 @@ func (r *Run) observing(done int) bool {
 // closeRecord closes the observers (after what they were handed; Options.Observers also when the
 // run recorded nothing, so what they hold, a sidecar, ends) and rollouts.jsonl.
 func (r *Run) closeRecord() error {
+	var ended error
+	if p := r.trainErr.Load(); p != nil {
+		ended = *p
+	}
 	if r.obs == nil {
 		for _, o := range r.opts.Observers {
-			if o == nil {
-				continue
-			}
-			if err := o.Close(); err != nil {
-				r.events.printf("observer %s: closing: %v", observerName(o), err)
+			if o != nil {
+				closeObserver(r.events, o, observerName(o), ended)
 			}
 		}
 	}
-	r.obs.close()
+	r.obs.close(ended)
 	if r.rec.file != nil {
 		return r.rec.file.close()
 	}

@@ -437,3 +437,57 @@ func BenchmarkRecordStep(b *testing.B) {
 		})
 	}
 }
+
+// endingObserver records what End told it, and whether Close came after.
+type endingObserver struct {
+	recordingObserver
+	ends      []error
+	endsAtEnd int // len(ends) when Close was called
+}
+
+func (o *endingObserver) End(err error) { o.ends = append(o.ends, err) }
+
+func (o *endingObserver) Close() error {
+	o.endsAtEnd = len(o.ends)
+	return o.recordingObserver.Close()
+}
+
+// An Ender learns, once and before Close, the error Train ended with: nil for a run that ran its
+// steps, the error for one that failed (a tracker marks it failed), and nil for a run closed
+// without training.
+func TestEnderLearnsHowTheRunEnded(t *testing.T) {
+	const failing = "def rollout(task):\n    fail(\"no way\")\n"
+	for _, tc := range []struct {
+		name, script string
+		train        bool
+		failed       bool
+	}{
+		{"ran its steps", tinyScript, true, false},
+		{"failed", failing, true, true},
+		{"never trained", tinyScript, false, false},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			obs := &endingObserver{}
+			cfg := tinyConfig(tinyModel(t, 1), nil)
+			cfg.Run.Steps = 2
+			r, err := Load(context.Background(), writeScript(t, tc.script), Options{Config: cfg, Out: t.TempDir(), Tasks: numberedTasks(2), Observers: []Observer{obs}})
+			if err != nil {
+				t.Fatal(err)
+			}
+			var trainErr error
+			if tc.train {
+				trainErr = r.Train(context.Background())
+			}
+			if (trainErr != nil) != tc.failed {
+				t.Fatalf("Train: %v; want failed = %v", trainErr, tc.failed)
+			}
+			r.Close()
+			if len(obs.ends) != 1 || obs.endsAtEnd != 1 || obs.closed != 1 {
+				t.Fatalf("End called %d times (%d before Close), Close %d times; want End once, then Close once", len(obs.ends), obs.endsAtEnd, obs.closed)
+			}
+			if got := obs.ends[0]; (got != nil) != tc.failed || tc.failed && got.Error() != trainErr.Error() {
+				t.Errorf("End got %v; want Train's error (%v)", got, trainErr)
+			}
+		})
+	}
+}

@@ -161,8 +161,9 @@ type Run struct {
 
 	warned sync.Map // warnings given once per run, by key
 
-	stopping atomic.Bool   // Stop was called: Train ends after the step in progress
-	stopped  chan struct{} // closed by the first Stop: rollouts get rollout.stop_grace_s more
+	stopping atomic.Bool           // Stop was called: Train ends after the step in progress
+	trainErr atomic.Pointer[error] // the error Train last returned: what Enders learn at Close
+	stopped  chan struct{}         // closed by the first Stop: rollouts get rollout.stop_grace_s more
 	stopOnce sync.Once
 
 	passes  atomic.Int64 // rollout passes so far (steps, eval datasets): part of generate request ids

@@ -30,6 +30,7 @@ import (
 func (r *Run) Train(ctx context.Context) error {
 	err := r.train(ctx)
 	r.sayWhyStopped(err)
+	r.trainErr.Store(&err)
 	return err
 }
 

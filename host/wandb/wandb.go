@@ -59,9 +59,13 @@ type Logger struct {
 	mu   sync.Mutex
 	sc   *sidecar
 	mode string // the mode the SDK chose (online, offline)
+	exit int    // the exit code Close finishes the W&B run with: 1 once End got an error
 }
 
-var _ host.Observer = (*Logger)(nil)
+var (
+	_ host.Observer = (*Logger)(nil)
+	_ host.Ender    = (*Logger)(nil)
+)
 
 // New returns a Logger to hand to host.Options.Observers; Open starts it once the run's config
 // is known (a resumed run's is its checkpoint's).
@@ -229,12 +233,24 @@ func (l *Logger) Eval(rec host.EvalRecord) error {
 	return sc.send(msg)
 }
 
-// Close finishes the W&B run and waits, a bounded time, for the sidecar to exit.
+// End tells the Logger how the run ended: a run that ended with an error is finished in W&B with
+// exit code 1 (the run shows as failed, as a Python script that raised does), otherwise 0.
+func (l *Logger) End(err error) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	l.exit = 0
+	if err != nil {
+		l.exit = 1
+	}
+}
+
+// Close finishes the W&B run, with End's exit code, and waits, a bounded time, for the sidecar to
+// exit.
 func (l *Logger) Close() error {
 	l.mu.Lock()
 	sc := l.sc
 	l.sc = nil
-	mode := l.mode
+	mode, exit := l.mode, l.exit
 	l.mu.Unlock()
 	if sc == nil {
 		return nil
@@ -247,7 +263,7 @@ func (l *Logger) Close() error {
 		sc.close(0)
 		return nil // its death was said when a record found it
 	}
-	err := sc.send(map[string]any{"type": "finish", "exit_code": 0})
+	err := sc.send(map[string]any{"type": "finish", "exit_code": exit})
 	if err == nil {
 		_, err = sc.await(context.Background(), wait, "finished")
 	}

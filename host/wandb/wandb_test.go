@@ -64,11 +64,17 @@ func (s *syncBuffer) String() string {
 
 func load(t *testing.T, wb string) (*host.Run, *wandb.Logger, *syncBuffer, string, error) {
 	t.Helper()
+	return loadScript(t, wb, script)
+}
+
+// loadScript is load with another rollout script.
+func loadScript(t *testing.T, wb, src string) (*host.Run, *wandb.Logger, *syncBuffer, string, error) {
+	t.Helper()
 	dir := t.TempDir()
-	if err := os.WriteFile(filepath.Join(dir, "solve.star"), []byte(script), 0o644); err != nil {
+	if err := os.WriteFile(filepath.Join(dir, "solve.star"), []byte(src), 0o644); err != nil {
 		t.Fatal(err)
 	}
-	src := `policies:
+	yaml := `policies:
   - name: solver
     hf_checkpoint: builtin:tiny-arith
     train: {global_batch_size: 4}
@@ -76,7 +82,7 @@ rollout: {batch_size: 2, max_response_len: 6}
 eval: {datasets: [{name: held, path: synthetic:arith, limit: 2}]}
 run: {steps: 3, eval_interval: 2, save_rollouts: 2, wandb: ` + wb + `}
 `
-	cfg, err := config.Parse([]byte(src), "wandb.yaml")
+	cfg, err := config.Parse([]byte(yaml), "wandb.yaml")
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -194,6 +200,39 @@ func TestOfflineRun(t *testing.T) {
 	}
 	if got.ExitCode == nil || *got.ExitCode != 0 {
 		t.Errorf("the W&B run's exit code is %v, want 0 (finished)", got.ExitCode)
+	}
+}
+
+// A run that fails is finished in W&B with exit code 1, so the W&B page shows it failed.
+func TestOfflineRunFailed(t *testing.T) {
+	py := testPython(t)
+	t.Setenv("SLIMEN_PYTHON", py)
+	wdir := t.TempDir()
+	t.Setenv("WANDB_DIR", wdir)
+	t.Setenv("WANDB_MODE", "")
+	os.Unsetenv("WANDB_MODE")
+	r, _, log, _, err := loadScript(t, "{project: t, mode: offline}", "def rollout(task):\n    fail(\"no way\")\n")
+	if err != nil {
+		t.Fatalf("Open: %v\n%s", err, log)
+	}
+	if err := r.Train(context.Background()); err == nil {
+		t.Fatal("Train of a script whose rollouts all fail returned nil")
+	}
+	if err := r.Close(); err != nil {
+		t.Fatalf("Close: %v\n%s", err, log)
+	}
+	b, err := exec.Command(py, filepath.Join("testdata", "read_wandb.py"), wdir).Output()
+	if err != nil {
+		t.Fatalf("read_wandb.py: %v\n%s", err, log)
+	}
+	var got offlineRun
+	if err := json.Unmarshal(b, &got); err != nil {
+		t.Fatal(err)
+	}
+	if got.ExitCode == nil {
+		t.Error("the failed run has no W&B exit code, want 1")
+	} else if *got.ExitCode != 1 {
+		t.Errorf("the failed run's W&B exit code is %d, want 1", *got.ExitCode)
 	}
 }
 
