@@ -319,11 +319,20 @@ class Table:
         self.calls += 1
         if self.stale:
             self._refresh()
+        missing = [a for a in ads if id(a) not in self.slot]
+        if missing:  # (the table's shapes fit the resident ones already)
+            self._admit(ads, missing)
+        for a in ads:
+            self.used[id(a)] = self.calls
+        return True
+
+    def _admit(self, ads: list, missing: list) -> None:
+        """Gives the adapters missing (of ads, the step's) slots: free ones or the least recently
+        used of adapters the step does not need, in place; or a grown table for all of ads."""
         want = {id(a) for a in ads}
         r = max([self.r] + [a.cfg.rank for a in ads])
         parts = {f: tuple(t for t in ts if t in self.parts[f] or any(t in a.cfg.targets for a in ads))
                  for f, ts in FUSED.items()}
-        missing = [a for a in ads if id(a) not in self.slot]
         if r != self.r or parts != self.parts or len(ads) > self.cap:
             # Grow: the step's adapters first, then the others held, most recently used first.
             others = sorted((a for a in self.held if a is not None and id(a) not in want),
@@ -334,7 +343,7 @@ class Table:
             for a in (ads + others)[:cap]:
                 self._put(a, len(self.slot) + 1)
                 self.used[id(a)] = used.get(id(a), 0)
-        elif missing:
+        else:
             free = [k for k in range(1, self.cap + 1) if self.held[k - 1] is None]
             spare = sorted((self.used[id(a)], self.slot[id(a)]) for a in self.held
                            if a is not None and id(a) not in want)
@@ -344,9 +353,6 @@ class Table:
                 if old is not None:
                     del self.slot[id(old)], self.used[id(old)]
                 self._put(a, k)
-        for a in ads:
-            self.used[id(a)] = self.calls
-        return True
 
     def _refresh(self) -> None:
         """After changed(): the adapters the bank dropped leave; the others are copied again."""

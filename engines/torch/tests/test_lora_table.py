@@ -113,6 +113,32 @@ def test_slots_give_each_row_the_update_rows_gives(eng):
     assert not torch.allclose(flipped, lora.linear(x, slots.weights(m, 0, w0)[8]), atol=1e-3)
 
 
+def test_a_slot_is_reused_in_place(eng):
+    """An adapter that needs a slot takes the least recently used one, copied over in place (the
+    table's shapes unchanged): what the evicted adapter left there (a larger rank, targets the new
+    one lacks) is gone."""
+    m, bank = eng.model, eng.bank
+    a, b, c = (bank.adapters[n] for n in "abc")
+    t = lora.Table(bank, 8)
+    assert t.place([c, b]) and t.cap == 2
+    version, c_slot = t.version, t.slot_of(c)
+    assert t.place([b])
+    assert t.place([a])
+    assert t.version == version and t.slot_of(a) == c_slot and id(c) not in t.slot
+    assert t.slot_of(b) != c_slot
+    x = torch.randn(3, m.cfg.hidden, generator=torch.Generator().manual_seed(2))
+    idx = torch.tensor([t.slot_of(a), t.slot_of(b), 0])
+    for i in range(m.cfg.layers):
+        w = m.layers[i].weights()
+        for k in (1, 8):
+            got = lora.linear(x, lora.Slots(t, idx).weights(m, i, w)[k])
+            want = lora.linear(x, bank.rows([a, b, None], "cpu").weights(m, i, w)[k])
+            assert torch.allclose(got, want, rtol=0, atol=1e-6), (i, k)
+    # Three adapters in two slots: the table grows (a new version) and holds all three.
+    assert t.place([a, b, c]) and t.version > version and t.cap == 4
+    assert sorted(t.slot_of(x) for x in (a, b, c)) == [1, 2, 3]
+
+
 @pytest.mark.parametrize("sampling", [Sampling(max_tokens=6, temperature=0.0),
                                       Sampling(max_tokens=6, temperature=1.0),
                                       Sampling(max_tokens=6, temperature=0.8, top_p=0.7)],
