@@ -35,6 +35,10 @@ def test_chat_export_tokenizes_as_the_go_engine_trains(slimen, tmp_path):
     trains on are the ids `slimen export --token-ids` says the tiny engine trains on."""
     data = tmp_path / "chat.jsonl"
     rows = export(slimen, data, "--n", "1100", "--seed", "5", "--token-ids", str(TINY_CHAT))
+    # The pairs `sft --data` trains on: the tools are in the prompt, rendered as Go renders them.
+    pairs = sft.read_pairs(str(data), types.SimpleNamespace(tokenizer=Tokenizer(TINY_CHAT), eos=[EOS]))
+    for r, (prompt, response) in zip(rows[:60], pairs):
+        assert (prompt, response) == (r["prompt_ids"], r["response_ids"]), r["prompt"]
     # Two forked processes tokenize the two chunks of 1000 lines and fewer.
     examples = sft.read_examples(str(data), Tokenizer(TINY_CHAT), EOS, workers=2)
     assert len(examples) == len(rows) == 1100
