@@ -207,7 +207,7 @@ class Decode:
     def _degrade(self, e: Exception, B: int) -> bool:
         """After a failed decode step: drops the batch-1 Triton step, compilation, then the
         Triton kernels; False when there is nothing left to drop."""
-        if self.fused_b1 and B == 1:
+        if self.fused_b1 and B == 1 and self.lora_mode is None:  # (adapters: the split path ran)
             log.warning("the batch-1 Triton decode step failed, using the layer path: %s", e)
             self.kernel_error = f"batch 1: {type(e).__name__}: {e}"
             self.fused_b1 = False
