@@ -40,6 +40,7 @@ LR=${LR:-3e-3}
 DECAY=${DECAY:-cosine}     # with MAX_SECONDS the fall follows the time spent
 WARMUP=${WARMUP:-100}
 EVAL_EVERY=${EVAL_EVERY:-0}
+LOG_EVERY=${LOG_EVERY:-100}
 DTYPE=${DTYPE:-}           # default: float32 for tiny-chat's shape (the Go engine's), else by size
 COMPILE=${COMPILE:-block}  # sft --compile-train (a GPU's; off on the CPU)
 GO_EVAL_SECONDS=${GO_EVAL_SECONDS:-120}
@@ -84,7 +85,7 @@ part sft "$left" "$PY" -m slimen_torch sft --model "$WORK/init" --data "$WORK/tr
   --out "$WORK/model" --device "$DEVICE" "${dtype[@]}" --compile-train "$compile" \
   --steps "$STEPS" --max-seconds "$MAX_SECONDS" --batch-tokens "$BATCH_TOKENS" --lr "$LR" \
   --warmup "$WARMUP" --decay "$DECAY" --eval-data "$WORK/held.jsonl" --eval-every "$EVAL_EVERY" \
-  --log-every 100 --seed "$SEED" || rc=$?
+  --log-every "$LOG_EVERY" --seed "$SEED" || rc=$?
 cp "$WORK/sft.log" "$OUT/"
 grep -E "slimen_torch INFO (sft on|tokenized|sft step .*0/|sft stopped|saved)" "$WORK/sft.log" | tail -8 || true
 [ "$rc" = 0 ] || exit "$rc"
