@@ -5,8 +5,9 @@
 # torchrun, NCCL), with
 #   1. `slimen gpus` and `slimen gpus --config` of each run, and where its worker's processes were
 #      while it ran (nvidia-smi's process list, sampled every second): "placement matches: yes/no";
-#   2. per N: optimizer-step time, trained tokens/s and MFU per GPU, generation tokens/s per GPU,
-#      the gather of full weights after each optimizer step (events.log), scaling against N=1;
+#   2. per N: optimizer-step time, trained tokens/s and MFU per GPU, generation tokens/s per GPU
+#      (continuous on every rank: each request goes to a rank as it comes, no rounds), the gather
+#      of full weights in bf16 after each optimizer step (events.log), scaling against N=1;
 #   3. one non-zero rank SIGKILLed after step 1's checkpoint (the largest N): the group restarts,
 #      the run completes, and its metrics against the uninterrupted run's (same seed).
 # Weak scaling by default: the run over N GPUs has PROMPTS×N prompts a step, so each GPU has the
@@ -27,8 +28,8 @@
 #
 # Knobs (env): NS ("1 G"), STEPS (5), WARMUP (2), FAULTY_STEPS (3: the killed run's steps), PROMPTS
 # (64: per GPU with weak scaling), SCALING (weak | strong), SAMPLES (4), MAXLEN (128 new tokens), SHAPE
-# (qwen3-0.6b), COMPILE_TRAIN (off: the training layer eager, so that no run spends its budget
-# compiling; block for the compiled layer), BUDGET (540 s), G (the GPU count, default from
+# (qwen3-0.6b), COMPILE_TRAIN (block: the training layer compiled, under FSDP2 too; ~16 s of a
+# one-GPU worker's first step cold, ~5 s warm; off for the eager layer), BUDGET (540 s), G (the GPU count, default from
 # nvidia-smi), WORK (/tmp/multi-gpu: the runs, their logs and table.md). SLIMEN is built with cgo
 # when missing (`slimen gpus` needs NVML). engines/torch/lib.sh and gpu_runs.py hold what this
 # shares with swarm_gpu.sh.
@@ -39,7 +40,7 @@ SLIMEN=${SLIMEN:-.devbuild/slimen}
 PY=${PY:-python3}
 WORK=${WORK:-/tmp/multi-gpu}
 BUDGET=${BUDGET:-540}
-COMPILE_TRAIN=${COMPILE_TRAIN:-off}
+COMPILE_TRAIN=${COMPILE_TRAIN:-block}
 SCALING=${SCALING:-weak}
 . engines/torch/lib.sh
 gpu_lib_init || exit 1
