@@ -44,7 +44,8 @@ func init() {
 // names it.
 func cmdExport(args []string) int {
 	fs := flag.NewFlagSet("export", flag.ContinueOnError)
-	task := fs.String("task", "synthetic:arith", "task source: synthetic:arith[?difficulty=N&seed=S] or synthetic:chat (the chat corpus), or synthetic:calc, facts or multipart with --format tasks")
+	task := fs.String("task", "synthetic:arith", "task source: synthetic:arith[?difficulty=N&seed=S] or synthetic:chat (the chat corpus), "+
+		"or synthetic:calc, facts or multipart with --format tasks")
 	seed := fs.Uint64("seed", 1, "seed of the problems (unless --task gives seed=); a run's problems use its run.seed")
 	n := fs.Int("n", 10000, "number of lines")
 	start := fs.Int("start", 0, "index of the first problem")
@@ -52,9 +53,11 @@ func cmdExport(args []string) int {
 	out := fs.String("out", "", "output file (default: standard output); with --merge the output folder")
 	merge := fs.String("merge", "", "a LoRA adapter folder (PEFT) to fold into its base and write as a Hugging Face folder to --out")
 	base := fs.String("base", "", "with --merge: the base model (a folder or builtin:NAME); default the adapter's base_model_name_or_path")
-	tokenIDs := fs.String("token-ids", "", "with --format sft: add the token ids the tiny engine trains on with this model's tokenizer (a folder or builtin:NAME) as prompt_ids and response_ids")
+	tokenIDs := fs.String("token-ids", "", "with --format sft: add the token ids the tiny engine trains on with this model's tokenizer "+
+		"(a folder or builtin:NAME) as prompt_ids and response_ids")
 	fs.Usage = func() {
-		fmt.Fprintln(fs.Output(), "usage: slimen export [--task synthetic:arith|synthetic:chat] [--seed S] [--n N] [--start I] [--format sft|tasks] [--token-ids MODEL] [--out FILE]")
+		fmt.Fprintln(fs.Output(), "usage: slimen export [--task synthetic:arith|synthetic:chat] [--seed S] [--n N] [--start I] "+
+			"[--format sft|tasks] [--token-ids MODEL] [--out FILE]")
 		fmt.Fprintln(fs.Output(), "       slimen export --merge ADAPTER_DIR [--base MODEL] --out DIR")
 		fs.PrintDefaults()
 	}
