@@ -169,7 +169,7 @@ LIKE_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.jso
 
 def like_config(like: str | pathlib.Path, shape: str = "", **sizes: int) -> dict:
     """The config.json of a new model with the vocabulary of the model folder like: like's config
-    (or, with shape, that shape's) with the sizes given (hidden=…, layers=…; see SIZE_FIELDS)."""
+    (or, with shape, that shape's) with the sizes given (hidden=…, layers=…: SIZE_FIELDS)."""
     like = pathlib.Path(like)
     try:
         base = json.loads((like / "config.json").read_text())

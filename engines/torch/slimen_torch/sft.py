@@ -6,8 +6,9 @@ line:
 
     {"prompt": "Ann has 3 pens and gets 2 more. How many pens?", "response": "\\boxed{5}"}
     {"prompt": [{"role": "user", "content": "..."}], "label": "5"}
-    {"prompt": [{"role": "system", ...}, {"role": "user", ...}], "tools": [{"type": "function", ...}],
-     "response": "<tool_call>...</tool_call>", "kind": "calc", "right": true}
+    {"prompt": [{"role": "system", ...}, {"role": "user", ...}],
+     "tools": [{"type": "function", ...}], "response": "<tool_call>...</tool_call>",
+     "kind": "calc", "right": true}
 
 `prompt` is one user turn (a string) or a message list ("messages" is read as well), rendered with
 the model's chat template and its generation prompt; `tools`, JSON tool schemas (objects, or
@@ -95,7 +96,8 @@ def read_examples(path: str, tokenizer, eos: int | None, workers: int = 1) -> li
             right = row.get("right", True)
             if not isinstance(right, bool):
                 raise SystemExit(f"{where}: \"right\" must be true or false")
-            rows.append((where, prompt, tools, Example([], [], response, str(row.get("kind", "")), right)))
+            kind = str(row.get("kind", ""))
+            rows.append((where, prompt, tools, Example([], [], response, kind, right)))
     if not rows:
         raise SystemExit(f"{path}: no examples")
     work = [(p, t, e.text) for _, p, t, e in rows]
@@ -253,10 +255,11 @@ def run(args) -> None:
         warmup = steps // 20 if args.warmup < 0 else args.warmup
         loss = LossConfig(lr=args.lr, weight_decay=args.weight_decay, max_grad_norm=1.0)
         info = engine.info()
+        per = (f"{args.batch_tokens} tokens" if args.batch_tokens
+               else f"{args.batch_size} examples")
         log.info("sft on %s: %d examples (%d tokens), %d parameters, %d steps of %s, lr %g "
                  "(warm-up %d, %s decay)", args.data, len(examples), tokens, info["params"], steps,
-                 f"{args.batch_tokens} tokens" if args.batch_tokens else f"{args.batch_size} examples",
-                 args.lr, warmup, args.decay)
+                 per, args.lr, warmup, args.decay)
 
         def held_out(step: int) -> None:
             acc, sample = evaluate(engine, held, args.eval_max_tokens)
