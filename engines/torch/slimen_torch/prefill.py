@@ -167,7 +167,7 @@ class Prefill:
         x = F.embedding(tokens, m.embed)
         cos, sin = m.cos[pos], m.sin[pos]  # [B, T, D]
         adapters = [p.seq.req.adapter for p in leads]
-        with m.using(self._rows(adapters) if self._lora() else None):
+        with m.using(self._prefill_lora(adapters) if self._lora() else None):
             for i, (kc, vc) in enumerate(zip(self.k, self.v)):
                 w = m.layer_weights(i)
                 q, k, v = project_qkv(cfg, w, x, cos, sin)  # [B, T, heads, D]
@@ -207,7 +207,7 @@ class Prefill:
             kv_write(self.v[layer], (dst, slice(None), slice(None, T)),
                      v if src is None else v[src])
 
-        with self.model.using(self._rows(adapters) if adapters and self._lora() else None):
+        with self.model.using(self._prefill_lora(adapters) if adapters and self._lora() else None):
             hidden = self._uncompiling(lambda: self.model(tokens, kv_sink=sink,
                                                           block_fn=self.prefill_fn))
         last = torch.tensor([len(p) - 1 for p in prompts], device=self.device)

@@ -169,6 +169,19 @@ def test_a_mixed_batch_decodes_as_each_request_alone_and_as_rows(eng, sampling, 
     assert all(not same(x, y, 1e-3) for x, y, (a, _) in zip(mixed, base, ROWS) if a)
 
 
+def test_a_rows_result_does_not_depend_on_the_other_rows_adapters(eng):
+    """The mixed batch against the same prompts all under one row's adapter (the same shapes, the
+    same table, prefill and decode alike): each row's tokens and log-probs are equal, bit for
+    bit."""
+    greedy = Sampling(max_tokens=6, temperature=0.0)
+    mixed = generate(eng, ROWS, greedy, "u")
+    for name in ("", "a", "b", "c"):
+        one = generate(eng, [(name, p) for _, p in ROWS], greedy, f"v{name}")
+        for i, (a, _) in enumerate(ROWS):
+            if a == name:
+                assert mixed[i] == one[i], f"row {i} ({a or 'base'})"
+
+
 def test_the_step_reads_each_rows_slot(eng):
     """_decode, what a CUDA graph captures, on a generator of its own: the rows' slots reversed
     give other log-probs; written back, the same as before."""
