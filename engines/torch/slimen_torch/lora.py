@@ -16,14 +16,14 @@ Three ways to apply adapters (model.Transformer.lora, set with `model.using(sel)
   is two dense products with the batch's adapters side by side (one wide A and B, zero-padded to
   their largest rank) and a per-row mask that keeps the row's own block, scaled (so a row's
   result does not depend on the other rows: batch invariance). The stacks hold only the adapters
-  of the batch, so a worker with a thousand adapters pays for the eight a batch uses. Scoring,
-  the prefill, and decode steps the table cannot serve run this.
-* `Slots` (over Bank.table, a `Table`): the decode step's. The same arithmetic as Rows over
-  tensors whose shapes do not depend on which adapters a batch holds: the adapters the running
-  rows use sit in the slots of a preallocated table, updated in place when one changes, and each
-  row reads its slot from an index tensor of the step state. So the step can be captured as a
-  CUDA graph once and replayed whatever the batch mixes, and the compiled and Triton-split decode
-  layers take the updates as plain tensors (`Packed`).
+  of the batch, so a worker with a thousand adapters pays for the eight a batch uses. Scoring
+  runs this, and so do the generator's passes that the table cannot serve.
+* `Slots` (over Bank.table, a `Table`): the decode step's and the prefill's. The same arithmetic
+  as Rows over tensors whose shapes do not depend on which adapters a batch holds: the adapters
+  the running rows use sit in the slots of a preallocated table, updated in place when one
+  changes, and each row reads its slot from an index tensor of the step state. So the step can
+  be captured as a CUDA graph once and replayed whatever the batch mixes, and the compiled and
+  Triton-split decode layers take the updates as plain tensors (`Packed`).
 """
 
 from __future__ import annotations
@@ -521,7 +521,8 @@ class Rows:
 class Slots:
     """Row i of the batch uses the adapter in slot idx[i] of table (0: none); what the decode
     step runs under, its shapes fixed by the table's, so it can be captured as a CUDA graph
-    (idx is a slice of the step state, written before the step).
+    (idx is a slice of the step state, written before the step), and the prefill (x of
+    [rows, T, in]: each row's mask over its positions).
 
     Rows' arithmetic over the whole table: ((x·A_fᵀ) ∘ M)·B_fᵀ, where the mask M keeps the
     columns of row i's slot, scaled by its alpha/rank, and zeroes the others (a row's result is
