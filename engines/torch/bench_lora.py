@@ -220,10 +220,12 @@ def gen_run(e, a, adapters) -> float:
 
 
 def greedy(e, a, adapters, rows=None) -> list[tuple[list[int], list[float]]]:
-    """The greedy (tokens, log-probs) of gen_run's prompts of rows (default all), row i by
-    adapters[i % len], in one batch."""
+    """The greedy (tokens, log-probs) of rows (default all) of 128-token prompts, each its own
+    (gen_run's repeat every 190 rows: a repeated prompt of one adapter would be prefilled once and
+    grouped, another computation), row i by adapters[i % len], in one batch."""
     rows = range(a.rows) if rows is None else rows
-    reqs = [GenerateRequest(id=f"c{i}", prompt_tokens=[10 + (i + j) % 190 for j in range(128)],
+    reqs = [GenerateRequest(id=f"c{i}", prompt_tokens=[10 + i % 190, 10 + i // 190 % 190] + [
+                                10 + (i + j) % 190 for j in range(126)],
                             adapter=adapters[i % len(adapters)],
                             sampling=Sampling(max_tokens=min(a.new, 32), temperature=0.0))
             for i in rows]
