@@ -214,8 +214,8 @@ if quick:
 
 # ---- 2. throughput
 def gathers(run):
-    return [(float(gb), float(s)) for gb, s in
-            re.findall(r"gathered the full weights \(([0-9.]+) GB \w+\) from \d+ ranks in ([0-9.]+) s", w.events(run))]
+    return [(float(gb), float(s), dt) for gb, dt, s in
+            re.findall(r"gathered the full weights \(([0-9.]+) GB (\w+)\) from \d+ ranks in ([0-9.]+) s", w.events(run))]
 
 res = {}
 for n in NS:
@@ -244,7 +244,7 @@ for n in NS:
                  f"{gps:,.0f} tok/s ({gen_tok:.0f} tokens in {ro_s:.2f} s)"))
     g = gathers(run)
     rows.append((f"N={n}: gather of full weights after each step",
-                 ", ".join(f"{s:.3f} s" for _, s in g) + (f" ({g[0][0]:.3f} GB fp32, {mean(s / gb for gb, s in g):.3f} s/GB)" if g[0][0] > 0 else f" ({g[0][0]:.3f} GB fp32)")
+                 ", ".join(f"{s:.3f} s" for _, s, _ in g) + (f" ({g[0][0]:.3f} GB {g[0][2]}, {mean(s / gb for gb, s, _ in g):.3f} s/GB)" if g[0][0] > 0 else f" ({g[0][0]:.3f} GB {g[0][2]})")
                  if g else ("none: one rank generates from the weights it trains" if n == 1 else "no gather line in events.log")))
 for n in NS:
     if n > 1 and 1 in res and n in res:

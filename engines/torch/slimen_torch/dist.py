@@ -531,7 +531,7 @@ class Group:
         self.queue: list = []
         self.cancels: list = []  # (rank, request id), for the next broadcast
         self.sent: dict[int, _Sent] = {}  # by key: the requests dealt out and not done
-        self.load = [0] * self.size  # samples in flight on each rank
+        self.in_flight = [0] * self.size  # samples in flight on each rank (not "load": a method)
         self.keys = itertools.count()
         self.closed = False
         self.stop = False  # stopping() was called
@@ -597,7 +597,7 @@ class Group:
                 if s.id != request_id:
                     continue
                 del self.sent[key]
-                self.load[s.rank] -= s.left
+                self.in_flight[s.rank] -= s.left
                 if s.rank == 0:
                     here = True
                 else:
@@ -640,9 +640,9 @@ class Group:
         shares: dict[int, list] = {}
         while self.queue and self.queue[0][0] == "gen":
             _, key, req, ok, fail = self.queue.pop(0)
-            r = min(range(self.size), key=lambda i: self.load[i])
+            r = min(range(self.size), key=lambda i: self.in_flight[i])
             n = req.n or 1
-            self.load[r] += n
+            self.in_flight[r] += n
             self.sent[key] = _Sent(req.id, r, n, ok, fail)
             shares.setdefault(r, []).append((key, req))
         cancels, self.cancels = self.cancels, []
@@ -711,7 +711,7 @@ class Group:
                 return
             n = 1 if kind == "done" else s.left
             s.left -= n
-            self.load[s.rank] -= n
+            self.in_flight[s.rank] -= n
             if s.left <= 0:
                 del self.sent[key]
         if kind == "done":
