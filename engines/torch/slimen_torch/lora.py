@@ -268,8 +268,9 @@ def _pow2(n: int) -> int:
 
 
 class Table:
-    """The adapters a decode step may use, in device tensors whose shapes do not depend on which
-    adapters a batch holds (Slots applies them; a CUDA graph captured over them stays valid).
+    """The adapters the generator's passes use, in device tensors whose shapes do not depend on
+    which adapters a batch holds (Slots applies them; a CUDA graph captured over them stays
+    valid). Each resident adapter is a copy of its A and B (and memory: at most max_slots).
 
     For each layer and fused projection f (FUSED) whose parts P are targeted by some adapter the
     table held (P in f's order): A_f [|P|·cap·r, in] and B_f [out_f, |P|·cap·r], where part p of
