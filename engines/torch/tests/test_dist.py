@@ -515,13 +515,19 @@ def test_requests_go_out_as_they_come(monkeypatch):
         inbox.put([("done", key2, "q2 done")])  # sent before the cancel arrived: dropped
         shares, cancels = generate_call()
         assert cancels == [(1, "q2")] and not shares
-        group.submit(req(4), got.put)
+        group.submit(req(4), got.put, lambda code, msg: got.put(f"q4 {code}: {msg}"))
         shares, _ = generate_call()
         assert [r.id for _, r in shares[1]] == ["q4"]
+        key4 = shares[1][0][0]
         local.running[0][1]("q0 #1")
         local.running[1][1]("q3 done")
         assert [got.get(timeout=10) for _ in range(2)] == ["q0 #1", "q3 done"]
-        assert got.empty() and group.in_flight == [0, 1]
+        assert group.in_flight == [0, 1]
+        # a request that fails on rank 1 reaches its error callback (after q2's dropped sample:
+        # the follower's messages come in order)
+        inbox.put([("failed", key4, "INTERNAL", "rank 1 failed it")])
+        assert got.get(timeout=10) == "q4 INTERNAL: rank 1 failed it"
+        assert got.empty() and group.in_flight == [0, 0] and not group.sent
     finally:
         inbox.put([("bye",)])
         assert group.close(timeout=10)
