@@ -154,8 +154,9 @@ class _Bucket:
         self.mine = []  # (offset, count) of this rank's shard of each parameter in its buffer
         self.pieces = []  # (offset in the gathered buffer, count, parameter index, first element)
         for i, (p, g) in enumerate(pairs):
-            if g.dim() == 0:
-                raise ValueError(f"parameter {i} is a scalar: FSDP2 shards dim 0")
+            if g.dim() == 0 or not g.is_contiguous():
+                raise ValueError(f"parameter {i} {tuple(g.shape)} of the generating model: the "
+                                 "gather copies dim-0 row ranges of a contiguous tensor")
             rows = g.shape[0]
             inner, chunk = g.numel() // rows, -(-rows // size)
             for r in range(size):
