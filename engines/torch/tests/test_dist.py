@@ -110,6 +110,8 @@ def steps_and_generation(engine, bs, out):
     stats.append(engine.train(bs[1]))  # the long requests paused across it, as on one rank
     with cv:
         longs_during_train = len(longs)
+    trainer = getattr(engine, "local", engine).trainer  # (a Group's is its rank 0 engine's)
+    mode, compile_error = trainer.mode, trainer.compile_error
     time.sleep(0.3)  # the long requests run
     late, late_when, late_cv = start(engine.submit, LATE)
     wait(late, late_cv, LATE)
@@ -118,7 +120,8 @@ def steps_and_generation(engine, bs, out):
     engine.load(out)  # what a restarted group does with the last checkpoint
     gen_b = collect(engine.submit, REQUESTS)
     return {"stats": stats, "gen_a": gen_a, "gen_b": gen_b, "late": late,
-            "longs_during_train": longs_during_train,
+            "longs_during_train": longs_during_train, "mode": mode,
+            "compile_error": compile_error,
             "late_first": max(late_when.values()) < min(when.values())}
 
 
@@ -144,8 +147,7 @@ def _rank(rank, size, port, model, opts, bs, out, result, bucket):
     else:
         got = {"stats": [group.train(b) for b in bs]}
         group.save(out)
-    got.update(devices=group.info()["devices"], mode=engine.trainer.mode,
-               compile_error=engine.trainer.compile_error)
+    got["devices"] = group.info()["devices"]
     weights = {n: p.detach().cpu() for n, p in engine.model.named_parameters()}
     group.close()
     torch.distributed.destroy_process_group()
