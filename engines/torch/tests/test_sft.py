@@ -48,6 +48,13 @@ def test_chat_export_tokenizes_as_the_go_engine_trains(slimen, tmp_path):
         assert e.prompt == r["prompt_ids"], r["prompt"]
         assert e.response == r["response_ids"], r["response"]
         assert (e.kind, e.right, e.text) == (r["kind"], r["right"], r["response"])
+    # The same lines with only their ids (no text to render: what a pretraining run on a GPU
+    # sends instead of tokenizing there) give the same examples.
+    ids_only = tmp_path / "ids.jsonl"
+    ids_only.write_text("".join(json.dumps({k: r[k] for k in ("prompt_ids", "response_ids", "kind", "right")}) + "\n"
+                                for r in rows[:50]))
+    for r, e in zip(rows, sft.read_examples(str(ids_only), None, EOS)):
+        assert (e.prompt, e.response, e.kind, e.right) == (r["prompt_ids"], r["response_ids"], r["kind"], r["right"])
 
 
 def test_read_examples_forms_and_errors(tmp_path):
@@ -72,7 +79,10 @@ def test_read_examples_forms_and_errors(tmp_path):
                       ({"prompt": [{"content": "x"}], "response": "y"}, "list of messages"),
                       ({"prompt": "x", "messages": [], "response": "y"}, "not both"),
                       ({"prompt": "x", "response": "y", "right": "yes"}, "true or false"),
-                      ({"prompt": "x"}, "needs \"response\"")]:
+                      ({"prompt": "x"}, "needs \"response\""),
+                      ({"prompt_ids": [1, 2]}, "response_ids\" must be a non-empty list"),
+                      ({"prompt_ids": [1, "a"], "response_ids": [3]}, "prompt_ids\" must be a non-empty list"),
+                      ({"prompt_ids": [1], "response_ids": [3], "right": 1}, "true or false")]:
         bad = tmp_path / "bad.jsonl"
         bad.write_text('{"prompt": "ok", "response": "ok"}\n' + json.dumps(row) + "\n")
         with pytest.raises(SystemExit, match=f"bad.jsonl:2: .*{re.escape(want)}"):
