@@ -1,0 +1,184 @@
+#!/usr/bin/env bash
+# The agent examples end to end on one GPU, in one call: a Qwen3-shaped chat model (≥ 50M
+# parameters) is fitted to the synthetic chat corpus with the torch worker's sft, then AgentFlow,
+# MemAgent, ToolOrchestra and the debate train from it with GRPO, each with a held-out eval before
+# training and as it goes; one table (steps, wall time, held-out accuracy first → last, tokens
+# trained, masked share) ends it.
+#
+#   SLIMEN=.devbuild/slimen PY=python3 OUT=/tmp/agents engines/torch/e2e_agents.sh
+#   # on a CPU, tiny sizes (the numbers mean nothing; it checks that every part runs):
+#   SLIMEN=.devbuild/slimen DEVICE=cpu SHAPE=tiny-qwen3 LAYERS= POSITIONS=4096 N=3000 EVAL_N=20 \
+#     SFT_SECONDS=15 STEPS=2 EVAL_INTERVAL=2 EVAL_LIMIT=4 BATCH=2 MAXLEN=16 SLOTS=16 BUDGET=900 \
+#     engines/torch/e2e_agents.sh
+#
+# 1. `slimen export --task synthetic:chat`: N training lines (seed SEED) and EVAL_N held-out lines
+#    (seed SEED + 1000), and with ARITH_N > 0 that many `synthetic:arith` pairs (seed 7) mixed in;
+#    `make-model --like engines/tiny/builtin/tiny-chat --shape SHAPE --layers LAYERS` (qwen3-50m
+#    with 11 layers: 54.6M parameters, tiny-chat's tokenizer and chat template, so the examples'
+#    prompts render as the corpus's did); `python -m slimen_torch sft` for SFT_SECONDS on DEVICE,
+#    printing the held-out greedy exact match per kind. This is engines/torch/pretrain_chat.sh's
+#    recipe (docs/tiny.md), cut to fit.
+# 2. For each of EXAMPLES a config like the example's config_torch.yaml with every policy on the
+#    sft'd folder, torch workers sharing DEVICE (SLOTS rows of SEQ positions each), the trained
+#    policy at LR (LR_<example> overrides it: e.g. LR_debate=1e-5), and an eval: block (EVAL_LIMIT
+#    held-out tasks of the run's task source, before training and every EVAL_INTERVAL steps);
+#    `slimen exec` for at most STEPS steps. PARALLEL runs at a time (default: all four; the model
+#    is small, so the GPU has room, and each run is bound by its own round trips, not by the GPU);
+#    what the budget leaves is split between the waves, and a run still going at its limit gets
+#    SIGTERM (it ends its step; its last eval is then the last multiple of EVAL_INTERVAL).
+# 3. e2e_agents_summary.py: the table, printed and written to OUT/table.md with the sft lines.
+#
+# Every part runs under a timeout cut from BUDGET (seconds, the whole script: one device call of
+# 600 s at most), so a failure never eats the call. Everything stays on the machine but the logs
+# and the runs' metrics (OUT/<example>/): the model folder is too big to bring back. Run from the
+# repository root.
+set -euo pipefail
+SLIMEN=${SLIMEN:-.devbuild/slimen}
+PY=${PY:-python3}
+DEVICE=${DEVICE:-cuda:0}
+OUT=${OUT:-/tmp/agents}
+WORK=${WORK:-/tmp/agents-work}
+BUDGET=${BUDGET:-560}
+SEED=${SEED:-1}
+N=${N:-200000}             # chat corpus lines for sft (about one pass in SFT_SECONDS on an H200)
+EVAL_N=${EVAL_N:-300}      # held-out chat lines (the right ones are scored)
+ARITH_N=${ARITH_N:-0}      # synthetic:arith pairs mixed into sft's data (the corpus has 12% already)
+SHAPE=${SHAPE:-qwen3-50m}
+LAYERS=${LAYERS-11}        # qwen3-50m with 11 layers: 54.6M parameters with tiny-chat's vocabulary
+HIDDEN=${HIDDEN:-} POSITIONS=${POSITIONS:-}
+LIKE=${LIKE:-engines/tiny/builtin/tiny-chat}
+SFT_SECONDS=${SFT_SECONDS:-150}
+SFT_OVERHEAD=${SFT_OVERHEAD:-90}  # the longest sft may take beyond SFT_SECONDS: tokenizing, compiling, the evals, saving
+SFT_LR=${SFT_LR:-3e-3}
+BATCH_TOKENS=${BATCH_TOKENS:-16384}
+WARMUP=${WARMUP:-100}
+COMPILE=${COMPILE:-block}  # sft --compile-train (a GPU's; off on the CPU)
+EXAMPLES=${EXAMPLES:-agentflow memagent toolorchestra debate}
+PARALLEL=${PARALLEL:-4}
+LR=${LR:-3e-5}             # the trained policies' GRPO lr (1e-6 is for 1.5B instruct models)
+STEPS=${STEPS:-1000}       # at most; the time limit usually ends a run first
+EVAL_INTERVAL=${EVAL_INTERVAL:-10}
+EVAL_LIMIT=${EVAL_LIMIT:-100}
+BATCH=${BATCH:-}           # tasks a step for every example (default: each example's own, below)
+MAXLEN=${MAXLEN:-}         # max_response_len for every example (default: each example's own)
+DEBATE_DATA=${DEBATE_DATA:-synthetic:arith}
+SLOTS=${SLOTS:-128}
+SEQ=${SEQ:-2048}
+EXTRA_ARGS=${EXTRA_ARGS:-} # more `serve` flags for every worker
+# shellcheck source=engines/torch/lib.sh
+source "$(dirname "$0")/lib.sh"
+gpu_lib_init
+rm -rf "$OUT"
+mkdir -p "$OUT"
+on_gpu=0
+case $DEVICE in cuda*) on_gpu=1 ;; esac
+
+# ---- 1. the chat model ----
+data="$WORK/train.jsonl"
+part export 120 bash -c "'$SLIMEN' export --task synthetic:chat --seed $SEED --n $N --out '$data' &&
+  '$SLIMEN' export --task synthetic:chat --seed $((SEED + 1000)) --n $EVAL_N --out '$WORK/held.jsonl' &&
+  if [ $ARITH_N -gt 0 ]; then '$SLIMEN' export --task synthetic:arith --seed 7 --n $ARITH_N >>'$data'; fi"
+sizes=()
+for kv in hidden:HIDDEN layers:LAYERS positions:POSITIONS; do
+  v=${kv#*:}
+  [ -z "${!v}" ] || sizes+=("--${kv%%:*}" "${!v}")
+done
+part make-model 120 "$PY" -m slimen_torch make-model --like "$LIKE" --shape "$SHAPE" "${sizes[@]}" \
+  --seed "$SEED" --out "$WORK/init"
+compile=$COMPILE
+[ "$on_gpu" = 1 ] || compile=off
+model="$WORK/model"
+rc=0
+part sft $((SFT_SECONDS + SFT_OVERHEAD)) "$PY" -m slimen_torch sft --model "$WORK/init" --data "$data" \
+  --out "$model" --device "$DEVICE" --compile-train "$compile" --steps 1000000 \
+  --max-seconds "$SFT_SECONDS" --batch-tokens "$BATCH_TOKENS" --lr "$SFT_LR" --warmup "$WARMUP" \
+  --decay cosine --eval-data "$WORK/held.jsonl" --log-every 200 --seed "$SEED" || rc=$?
+cp "$WORK/sft.log" "$OUT/"
+[ "$rc" = 0 ] || { echo "e2e_agents: sft failed (exit $rc): no model to train" >&2; exit "$rc"; }
+rm -f "$model/optimizer.pt"  # RL starts with a fresh optimizer
+{
+  echo "sft: $(grep -oE "sft on .*" "$WORK/sft.log" | head -1)"
+  grep -oE "sft stopped after .*" "$WORK/sft.log" || true
+  grep -E "^step [0-9]+: held-out" "$WORK/sft.log" || true
+} | tee "$OUT/sft.md"
+
+# ---- 2. the examples ----
+# policy NAME TRAINABLE [LR]: one torch policy on the sft'd model, on DEVICE.
+args="[--slots, \"$SLOTS\", --max-seq-len, \"$SEQ\""
+for a in $EXTRA_ARGS; do args="$args, \"$a\""; done
+args="$args]"
+policy() {
+  printf '  - name: %s\n    hf_checkpoint: %s\n    engine: {kind: torch, python: %s, device: "%s", args: %s}\n' \
+    "$1" "$model" "$PY" "$DEVICE" "$args"
+  if [ "$2" = 1 ]; then
+    printf '    train: {lr: %s, advantage_estimator: grpo, eps_clip: 0.2, eps_clip_high: 0.28, clip_grad: 1.0}\n' "$3"
+  else
+    printf '    trainable: false\n'
+  fi
+}
+# config EXAMPLE: the run's config on stdout (the example's config_torch.yaml, sized for the budget).
+config() {
+  local ex=$1 lr_var="LR_$1" batch maxlen data
+  local lr=${!lr_var:-$LR}
+  echo "# $ex on torch workers sharing $DEVICE, from the sft'd $SHAPE (e2e_agents.sh)."
+  echo "policies:"
+  case $ex in
+    agentflow)
+      policy planner 1 "$lr"; policy executor 0; policy verifier 0
+      batch=32 maxlen=64 data=synthetic:calc ;;
+    memagent)
+      policy agent 1 "$lr"
+      batch=16 maxlen=64 data=synthetic:facts ;;
+    toolorchestra)
+      policy orchestrator 1 "$lr"; policy expert 0
+      batch=16 maxlen=96 data=synthetic:multipart ;;
+    debate)
+      policy generator 1 "$lr"; policy critic 1 "$lr"
+      batch=32 maxlen=32 data=$DEBATE_DATA ;;
+    *) echo "e2e_agents: EXAMPLES: unknown example $ex (agentflow, memagent, toolorchestra, debate)" >&2
+       return 2 ;;
+  esac
+  echo "rollout: {batch_size: ${BATCH:-$batch}, max_response_len: ${MAXLEN:-$maxlen}, temperature: 1.0}"
+  echo "data: {path: \"$data\"}"
+  echo "eval: {datasets: [{path: \"$data\", limit: $EVAL_LIMIT}]}"
+  echo "run: {steps: $STEPS, seed: 1, eval_interval: $EVAL_INTERVAL, save_minutes: 0, keep_checkpoints: 1}"
+}
+# run EXAMPLE SECONDS: the example's run under its own timeout; its files go to OUT/EXAMPLE.
+run() {
+  local ex=$1 dir="$OUT/$1" rc=0
+  mkdir -p "$dir"
+  config "$ex" >"$dir/config.yaml" || return 2
+  part "$ex" "$2" "$SLIMEN" exec "examples/$ex/$ex.star" --config "$dir/config.yaml" \
+    --out "$WORK/run-$ex" || rc=$?
+  cp "$WORK/$ex.log" "$dir/exec.log" 2>/dev/null || true
+  cp "$WORK/run-$ex/metrics.jsonl" "$WORK/run-$ex/events.log" "$WORK/run-$ex/rollouts.jsonl" "$dir/" 2>/dev/null || true
+  return "$rc"
+}
+read -r -a exs <<<"$EXAMPLES"
+for ex in "${exs[@]}"; do config "$ex" >/dev/null || exit 2; done
+[ "$PARALLEL" -ge 1 ] || { echo "e2e_agents: PARALLEL=$PARALLEL: want 1 or more" >&2; exit 2; }
+status=0
+i=0
+while [ "$i" -lt "${#exs[@]}" ]; do
+  waves=$(((${#exs[@]} - i + PARALLEL - 1) / PARALLEL))
+  # This wave's share of what is left, 15 s kept for the stops and the table.
+  t=$(((BUDGET - 35 - ($(date +%s) - START)) / waves))
+  pids=()
+  for ex in "${exs[@]:i:PARALLEL}"; do
+    run "$ex" "$t" &
+    pids+=($!)
+  done
+  for p in "${pids[@]}"; do wait "$p" || status=1; done
+  i=$((i + PARALLEL))
+done
+
+# ---- 3. the table ----
+pairs=()
+for ex in "${exs[@]}"; do pairs+=("$ex=$OUT/$ex"); done
+{
+  echo "e2e_agents: $SHAPE ${sizes[*]} on $DEVICE, sft ${SFT_SECONDS} s; GRPO lr $LR, $PARALLEL run(s) at a time"
+  echo
+  "$PY" "$(dirname "$0")/e2e_agents_summary.py" --status "$WORK/status" "${pairs[@]}"
+} | tee "$OUT/table.md"
+echo "e2e_agents: $(($(date +%s) - START)) s in all"
+exit "$status"
