@@ -6,7 +6,6 @@ import (
 	"fmt"
 	"math"
 	"regexp"
-	"sort"
 	"strings"
 	"testing"
 
@@ -36,7 +35,8 @@ var ownAnswer = regexp.MustCompile(`Answers: ([^,]+),`)
 // TestDebateExampleRewards runs examples/debate/debate.star on scripted policies: generators
 // answer 5, 5, 7; each critic repeats its own previous answer. Every answer is rewarded by the
 // label: on task a (5) agents 0 and 1 get reward 1 and agent 2 gets 0 in every round, on task b
-// (7) the other way round.
+// (7) the other way round. The example plays six debates a rollout (DEBATES = 6): 18 drafts and
+// 36 critic answers a task.
 func TestDebateExampleRewards(t *testing.T) {
 	gen := scripted.New(func(r scripted.Request) string {
 		return []string{`\boxed{5}`, `\boxed{5}`, `\boxed{7}`}[r.Index]
@@ -65,10 +65,10 @@ func TestDebateExampleRewards(t *testing.T) {
 		for _, m := range res.Policies {
 			byPolicy[m.Policy()] = m
 		}
-		if g := byPolicy["generator"]; g.Float("samples") != 6 || math.Abs(g.Float("reward_mean")-0.5) > 1e-9 {
+		if g := byPolicy["generator"]; g.Float("samples") != 36 || math.Abs(g.Float("reward_mean")-0.5) > 1e-9 {
 			t.Errorf("step %d generator: %v", step, g)
 		}
-		if c := byPolicy["critic"]; c.Float("samples") != 12 || math.Abs(c.Float("reward_mean")-0.5) > 1e-9 {
+		if c := byPolicy["critic"]; c.Float("samples") != 72 || math.Abs(c.Float("reward_mean")-0.5) > 1e-9 {
 			t.Errorf("step %d critic: %v", step, c)
 		}
 		// Task a's majority (5) matches its label, task b's does not (label 7).
@@ -76,22 +76,24 @@ func TestDebateExampleRewards(t *testing.T) {
 			t.Errorf("step %d accuracy: %v", step, res.Run)
 		}
 	}
-	// The critic of agent i sees its own answer first, then the others'.
+	// The critic of agent i sees its own answer first, then the others': in each of the six
+	// debates and both rounds, two critics see "5, 5, 7" and one "7, 5, 5".
 	// (Step 1's calls of task a may reach the engine in one batch or several, under load.)
-	var prompts []string
+	prompts := map[string]int{}
+	n := 0
 	for _, batch := range critic.Calls() {
 		for _, req := range batch {
-			if strings.HasPrefix(rolloutID(req.ID), "a/") && len(prompts) < 3 { // task a's three critics of step 1
-				prompts = append(prompts, req.Messages[0].Content)
+			if strings.HasPrefix(rolloutID(req.ID), "a/") && n < 36 { // task a's 36 critics of step 1
+				prompts[req.Messages[0].Content]++
+				n++
 			}
 		}
 	}
-	sort.Strings(prompts)
-	want := []string{"2+3? Answers: 5, 5, 7.", "2+3? Answers: 5, 5, 7.", "2+3? Answers: 7, 5, 5."}
+	want := map[string]int{"2+3? Answers: 5, 5, 7.": 24, "2+3? Answers: 7, 5, 5.": 12}
 	if d := cmp.Diff(want, prompts); d != "" {
-		t.Errorf("first critic prompts (-want +got):\n%s", d)
+		t.Errorf("step 1's critic prompts of task a (-want +got):\n%s", d)
 	}
-	// Per task: 3 generator samples, rewards 1, 1, 0 on a → GRPO advantages +, +, −; b the reverse.
+	// Per task: 18 generator samples, rewards 1, 1, 0 per debate on a → GRPO advantages +, +, −; b the reverse.
 	b := gen.Batches()[0]
 	for i, s := range b.Samples {
 		if (i%3 == 2) != (s.Advantages[0] < 0) != (s.Group == "b") {

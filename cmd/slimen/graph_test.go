@@ -61,16 +61,17 @@ func TestTraceDebate(t *testing.T) {
 		t.Fatal(err)
 	}
 	want := []graph.Node{
-		{ID: "generator_r0", Policy: "generator", Round: 0, Samples: 3, Label: "1 generate call"},
-		{ID: "critic_r1", Policy: "critic", Round: 1, Samples: 3, Label: "3 generate calls"},
-		{ID: "critic_r2", Policy: "critic", Round: 2, Samples: 3, Label: "3 generate calls"},
+		{ID: "generator_r0", Policy: "generator", Round: 0, Samples: 18, Label: "6 generate calls"},
+		{ID: "critic_r1", Policy: "critic", Round: 1, Samples: 18, Label: "18 generate calls"},
+		{ID: "critic_r2", Policy: "critic", Round: 2, Samples: 18, Label: "18 generate calls"},
 	}
 	if d := cmp.Diff(want, g.Nodes); d != "" {
 		t.Errorf("nodes (-want +got):\n%s", d)
 	}
-	// Every critic sees all three answers of the round before: three completions feed each round,
-	// however many prompts each of them reached.
-	wantEdges := []graph.Edge{{From: "critic_r1", To: "critic_r2", Count: 3}, {From: "generator_r0", To: "critic_r1", Count: 3}}
+	// The example's rollout plays six debates (DEBATES = 6). Every critic sees all three answers
+	// of its debate's round before: eighteen completions feed each round, however many prompts each
+	// of them reached.
+	wantEdges := []graph.Edge{{From: "critic_r1", To: "critic_r2", Count: 18}, {From: "generator_r0", To: "critic_r1", Count: 18}}
 	if d := cmp.Diff(wantEdges, g.Edges); d != "" {
 		t.Errorf("edges (-want +got):\n%s", d)
 	}
