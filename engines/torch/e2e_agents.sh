@@ -26,7 +26,9 @@
 #    is small, so the GPU has room, and each run is bound by its own round trips, not by the GPU);
 #    what the budget leaves is split between the waves, and a run still going at its limit gets
 #    SIGTERM (it ends its step; its last eval is then the last multiple of EVAL_INTERVAL).
-# 3. e2e_agents_summary.py: the table, printed and written to OUT/table.md with the sft lines.
+# 3. e2e_agents_summary.py: the table, printed and written to OUT/table.md; OUT/sft.md has sft's
+#    held-out lines, OUT/sft.log its log, OUT/<example>/ each run's config, output, metrics.jsonl,
+#    events.log and rollouts.jsonl (PACK=1: all of them in OUT/runs.tar.gz instead).
 #
 # Every part runs under a timeout cut from BUDGET (seconds, the whole script: one device call of
 # 600 s at most), so a failure never eats the call. Everything stays on the machine but the logs
@@ -48,7 +50,8 @@ LAYERS=${LAYERS-11}        # qwen3-50m with 11 layers: 54.6M parameters with tin
 HIDDEN=${HIDDEN:-} POSITIONS=${POSITIONS:-}
 LIKE=${LIKE:-engines/tiny/builtin/tiny-chat}
 SFT_SECONDS=${SFT_SECONDS:-150}
-SFT_OVERHEAD=${SFT_OVERHEAD:-90}  # the longest sft may take beyond SFT_SECONDS: tokenizing, compiling, the evals, saving
+SFT_OVERHEAD=${SFT_OVERHEAD:-150} # the most sft may take beyond SFT_SECONDS (tokenizing, compiling,
+                                  # its eval, saving): every later part needs its model
 SFT_LR=${SFT_LR:-3e-3}
 BATCH_TOKENS=${BATCH_TOKENS:-16384}
 WARMUP=${WARMUP:-100}
@@ -56,8 +59,9 @@ COMPILE=${COMPILE:-block}  # sft --compile-train (a GPU's; off on the CPU)
 EXAMPLES=${EXAMPLES:-agentflow memagent toolorchestra debate}
 PARALLEL=${PARALLEL:-4}
 LR=${LR:-3e-5}             # the trained policies' GRPO lr (1e-6 is for 1.5B instruct models)
+GBS=${GBS:-0}              # global_batch_size: samples an optimizer step (0: one optimizer step a step)
 STEPS=${STEPS:-1000}       # at most; the time limit usually ends a run first
-EVAL_INTERVAL=${EVAL_INTERVAL:-10}
+EVAL_INTERVAL=${EVAL_INTERVAL:-5}
 EVAL_LIMIT=${EVAL_LIMIT:-100}
 BATCH=${BATCH:-}           # tasks a step for every example (default: each example's own, below)
 MAXLEN=${MAXLEN:-}         # max_response_len for every example (default: each example's own)
@@ -65,11 +69,14 @@ DEBATE_DATA=${DEBATE_DATA:-synthetic:arith}
 SLOTS=${SLOTS:-128}
 SEQ=${SEQ:-2048}
 EXTRA_ARGS=${EXTRA_ARGS:-} # more `serve` flags for every worker
+PACK=${PACK:-0}            # 1: the runs' folders packed into OUT/runs.tar.gz (a device call's few files)
 # shellcheck source=engines/torch/lib.sh
 source "$(dirname "$0")/lib.sh"
 gpu_lib_init
-rm -rf "$OUT"
+read -r -a exs <<<"$EXAMPLES"
 mkdir -p "$OUT"
+for ex in "${exs[@]}"; do rm -rf "${OUT:?}/$ex"; done
+rm -f "$OUT/runs.tar.gz" "$OUT/table.md" "$OUT/sft.md" "$OUT/sft.log"
 on_gpu=0
 case $DEVICE in cuda*) on_gpu=1 ;; esac
 
@@ -97,9 +104,9 @@ cp "$WORK/sft.log" "$OUT/"
 [ "$rc" = 0 ] || { echo "e2e_agents: sft failed (exit $rc): no model to train" >&2; exit "$rc"; }
 rm -f "$model/optimizer.pt"  # RL starts with a fresh optimizer
 {
-  echo "sft: $(grep -oE "sft on .*" "$WORK/sft.log" | head -1)"
-  grep -oE "sft stopped after .*" "$WORK/sft.log" || true
+  grep -oE "(sft on|sft stopped after) .*" "$WORK/sft.log" || true
   grep -E "^step [0-9]+: held-out" "$WORK/sft.log" || true
+  echo "sft took $(awk '{printf "%.0f", $3}' "$WORK/status/sft") s in all (tokenizing, compiling, evaluating and saving included)"
 } | tee "$OUT/sft.md"
 
 # ---- 2. the examples ----
@@ -111,7 +118,8 @@ policy() {
   printf '  - name: %s\n    hf_checkpoint: %s\n    engine: {kind: torch, python: %s, device: "%s", args: %s}\n' \
     "$1" "$model" "$PY" "$DEVICE" "$args"
   if [ "$2" = 1 ]; then
-    printf '    train: {lr: %s, advantage_estimator: grpo, eps_clip: 0.2, eps_clip_high: 0.28, clip_grad: 1.0}\n' "$3"
+    printf '    train: {lr: %s, global_batch_size: %s, advantage_estimator: grpo, eps_clip: 0.2, eps_clip_high: 0.28, clip_grad: 1.0}\n' \
+      "$3" "$GBS"
   else
     printf '    trainable: false\n'
   fi
@@ -154,7 +162,6 @@ run() {
   cp "$WORK/run-$ex/metrics.jsonl" "$WORK/run-$ex/events.log" "$WORK/run-$ex/rollouts.jsonl" "$dir/" 2>/dev/null || true
   return "$rc"
 }
-read -r -a exs <<<"$EXAMPLES"
 for ex in "${exs[@]}"; do config "$ex" >/dev/null || exit 2; done
 [ "$PARALLEL" -ge 1 ] || { echo "e2e_agents: PARALLEL=$PARALLEL: want 1 or more" >&2; exit 2; }
 status=0
@@ -176,9 +183,20 @@ done
 pairs=()
 for ex in "${exs[@]}"; do pairs+=("$ex=$OUT/$ex"); done
 {
-  echo "e2e_agents: $SHAPE ${sizes[*]} on $DEVICE, sft ${SFT_SECONDS} s; GRPO lr $LR, $PARALLEL run(s) at a time"
+  echo "e2e_agents: $SHAPE ${sizes[*]} on $DEVICE; GRPO lr $LR, global_batch_size $GBS, $PARALLEL run(s) at a time"
+  echo
+  sed 's/^/    /' "$OUT/sft.md"
   echo
   "$PY" "$(dirname "$0")/e2e_agents_summary.py" --status "$WORK/status" "${pairs[@]}"
 } | tee "$OUT/table.md"
+if [ "$PACK" = 1 ]; then
+  # A device call brings back a few files: the runs' folders go into one archive (their saved
+  # rollouts too while it stays under 15 MB).
+  tar czf "$OUT/runs.tar.gz" -C "$OUT" "${exs[@]}"
+  if [ "$(stat -c %s "$OUT/runs.tar.gz")" -gt 15000000 ]; then
+    tar czf "$OUT/runs.tar.gz" -C "$OUT" --exclude rollouts.jsonl "${exs[@]}"
+  fi
+  for ex in "${exs[@]}"; do rm -rf "${OUT:?}/$ex"; done
+fi
 echo "e2e_agents: $(($(date +%s) - START)) s in all"
 exit "$status"

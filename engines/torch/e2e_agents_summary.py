@@ -1,6 +1,6 @@
 """The table of engines/torch/e2e_agents.sh: per example run, its steps, wall time, held-out
-accuracy before training and at its last eval, the tokens its policies trained on and the share of
-their responses masked out.
+accuracy before training and at its last eval (and its best eval between, when higher), the
+tokens its policies trained on and the share of their responses masked out.
 
     python engines/torch/e2e_agents_summary.py --status WORK/status NAME=RUN_DIR ...
 
@@ -76,7 +76,9 @@ def row(name: str, run_dir: str, status: tuple[str, float, float] | None) -> lis
         acc = f"{evals[0][1]:.2f} (step {evals[0][0]} only)"
     else:
         (s0, a0), (s1, a1) = evals[0], evals[-1]
-        acc = f"{a0:.2f} → {a1:.2f} ({a1 - a0:+.2f}; step {s0} → {s1})"
+        acc = f"{a0:.2f} → {a1:.2f} ({a1 - a0:+.2f}; step {s0} → {s1}"
+        sb, ab = max(evals[1:-1], key=lambda e: e[1], default=(s1, a1))
+        acc += f"; best {ab:.2f} at step {sb})" if ab > a1 else ")"
     if status is None:
         wall, note = "–", "not run"
     else:
