@@ -8,8 +8,10 @@
 #   SLIMEN=.devbuild/slimen PY=python3 OUT=/tmp/agents engines/torch/e2e_agents.sh
 #   # on a CPU, tiny sizes (the numbers mean nothing; it checks that every part runs):
 #   SLIMEN=.devbuild/slimen DEVICE=cpu SHAPE=tiny-qwen3 LAYERS= POSITIONS=4096 N=3000 EVAL_N=20 \
-#     SFT_SECONDS=15 STEPS=2 EVAL_INTERVAL=2 EVAL_LIMIT=4 BATCH=2 MAXLEN=16 SLOTS=16 BUDGET=900 \
+#     SFT_SECONDS=15 STEPS=4 EVAL_INTERVAL=2 EVAL_LIMIT=4 BATCH=2 MAXLEN=24 SLOTS=16 BUDGET=900 \
 #     engines/torch/e2e_agents.sh
+#   # one device call (it brings back a few files: PACK=1 puts the runs in one archive):
+#   OUT=$OUT/agents PACK=1 SLIMEN=.devbuild/slimen PY=python3 engines/torch/e2e_agents.sh
 #
 # 1. `slimen export --task synthetic:chat`: N training lines (seed SEED) and EVAL_N held-out lines
 #    (seed SEED + 1000), and with ARITH_N > 0 that many `synthetic:arith` pairs (seed 7) mixed in;
@@ -22,10 +24,14 @@
 #    sft'd folder, torch workers sharing DEVICE (SLOTS rows of SEQ positions each), the trained
 #    policy at LR (LR_<example> overrides it: e.g. LR_debate=1e-5), and an eval: block (EVAL_LIMIT
 #    held-out tasks of the run's task source, before training and every EVAL_INTERVAL steps);
-#    `slimen exec` for at most STEPS steps. PARALLEL runs at a time (default: all four; the model
-#    is small, so the GPU has room, and each run is bound by its own round trips, not by the GPU);
-#    what the budget leaves is split between the waves, and a run still going at its limit gets
-#    SIGTERM (it ends its step; its last eval is then the last multiple of EVAL_INTERVAL).
+#    `slimen exec` for at most STEPS steps (GBS: global_batch_size, 0 = one optimizer step a
+#    step). The debate learns from the chat corpus's own arithmetic (12 examples in 100: the
+#    word problems as user turns, half with other agents' answers as its critics see them), so
+#    ARITH_N is 0 unless the held-out arith share comes out low. PARALLEL runs at a time
+#    (default: all four; the model is small, so the GPU has room, and each run is bound by its
+#    own round trips, not by the GPU); what the budget leaves is split between the waves, and a
+#    run still going at its limit gets SIGTERM (it ends its step; its last eval is then the last
+#    multiple of EVAL_INTERVAL).
 # 3. e2e_agents_summary.py: the table, printed and written to OUT/table.md; OUT/sft.md has sft's
 #    held-out lines, OUT/sft.log its log, OUT/<example>/ each run's config, output, metrics.jsonl,
 #    events.log and rollouts.jsonl (PACK=1: all of them in OUT/runs.tar.gz instead).
@@ -52,7 +58,7 @@ LIKE=${LIKE:-engines/tiny/builtin/tiny-chat}
 SFT_SECONDS=${SFT_SECONDS:-150}
 SFT_OVERHEAD=${SFT_OVERHEAD:-150} # the most sft may take beyond SFT_SECONDS (tokenizing, compiling,
                                   # its eval, saving): every later part needs its model
-SFT_LR=${SFT_LR:-3e-3}
+SFT_LR=${SFT_LR:-1e-3}    # e2e_debate.sh's for this shape (pretrain_chat.sh's 3e-3 is tiny-chat's, 150k parameters)
 BATCH_TOKENS=${BATCH_TOKENS:-16384}
 WARMUP=${WARMUP:-100}
 COMPILE=${COMPILE:-block}  # sft --compile-train (a GPU's; off on the CPU)
@@ -142,7 +148,7 @@ config() {
       batch=16 maxlen=96 data=synthetic:multipart ;;
     debate)
       policy generator 1 "$lr"; policy critic 1 "$lr"
-      batch=32 maxlen=32 data=$DEBATE_DATA ;;
+      batch=16 maxlen=32 data=$DEBATE_DATA ;;  # × 6 debates × 9 answers: 864 samples a step
     *) echo "e2e_agents: EXAMPLES: unknown example $ex (agentflow, memagent, toolorchestra, debate)" >&2
        return 2 ;;
   esac
