@@ -80,42 +80,11 @@ PACK=${PACK:-0}            # 1: the runs' folders packed into OUT/runs.tar.gz (a
 source "$(dirname "$0")/lib.sh"
 gpu_lib_init
 read -r -a exs <<<"$EXAMPLES"
-mkdir -p "$OUT"
-for ex in "${exs[@]}"; do rm -rf "${OUT:?}/$ex"; done
-rm -f "$OUT/runs.tar.gz" "$OUT/table.md" "$OUT/sft.md" "$OUT/sft.log"
 on_gpu=0
 case $DEVICE in cuda*) on_gpu=1 ;; esac
 
-# ---- 1. the chat model ----
-data="$WORK/train.jsonl"
-part export 120 bash -c "'$SLIMEN' export --task synthetic:chat --seed $SEED --n $N --out '$data' &&
-  '$SLIMEN' export --task synthetic:chat --seed $((SEED + 1000)) --n $EVAL_N --out '$WORK/held.jsonl' &&
-  if [ $ARITH_N -gt 0 ]; then '$SLIMEN' export --task synthetic:arith --seed 7 --n $ARITH_N >>'$data'; fi"
-sizes=()
-for kv in hidden:HIDDEN layers:LAYERS positions:POSITIONS; do
-  v=${kv#*:}
-  [ -z "${!v}" ] || sizes+=("--${kv%%:*}" "${!v}")
-done
-part make-model 120 "$PY" -m slimen_torch make-model --like "$LIKE" --shape "$SHAPE" "${sizes[@]}" \
-  --seed "$SEED" --out "$WORK/init"
-compile=$COMPILE
-[ "$on_gpu" = 1 ] || compile=off
+# The examples' configs and runs (below), checked before anything runs.
 model="$WORK/model"
-rc=0
-part sft $((SFT_SECONDS + SFT_OVERHEAD)) "$PY" -m slimen_torch sft --model "$WORK/init" --data "$data" \
-  --out "$model" --device "$DEVICE" --compile-train "$compile" --steps 1000000 \
-  --max-seconds "$SFT_SECONDS" --batch-tokens "$BATCH_TOKENS" --lr "$SFT_LR" --warmup "$WARMUP" \
-  --decay cosine --eval-data "$WORK/held.jsonl" --log-every 200 --seed "$SEED" || rc=$?
-cp "$WORK/sft.log" "$OUT/"
-[ "$rc" = 0 ] || { echo "e2e_agents: sft failed (exit $rc): no model to train" >&2; exit "$rc"; }
-rm -f "$model/optimizer.pt"  # RL starts with a fresh optimizer
-{
-  grep -oE "(sft on|sft stopped after) .*" "$WORK/sft.log" || true
-  grep -E "^step [0-9]+: held-out" "$WORK/sft.log" || true
-  echo "sft took $(awk '{printf "%.0f", $3}' "$WORK/status/sft") s in all (tokenizing, compiling, evaluating and saving included)"
-} | tee "$OUT/sft.md"
-
-# ---- 2. the examples ----
 # policy NAME TRAINABLE [LR]: one torch policy on the sft'd model, on DEVICE.
 args="[--slots, \"$SLOTS\", --max-seq-len, \"$SEQ\""
 for a in $EXTRA_ARGS; do args="$args, \"$a\""; done
@@ -166,10 +135,44 @@ run() {
     --out "$WORK/run-$ex" || rc=$?
   cp "$WORK/$ex.log" "$dir/exec.log" 2>/dev/null || true
   cp "$WORK/run-$ex/metrics.jsonl" "$WORK/run-$ex/events.log" "$WORK/run-$ex/rollouts.jsonl" "$dir/" 2>/dev/null || true
+  [ "$rc" != 124 ] || rc=0  # stopped at its limit, as planned: its step ended, its evals stand
   return "$rc"
 }
 for ex in "${exs[@]}"; do config "$ex" >/dev/null || exit 2; done
 [ "$PARALLEL" -ge 1 ] || { echo "e2e_agents: PARALLEL=$PARALLEL: want 1 or more" >&2; exit 2; }
+mkdir -p "$OUT"
+for ex in "${exs[@]}"; do rm -rf "${OUT:?}/$ex"; done
+rm -f "$OUT/runs.tar.gz" "$OUT/table.md" "$OUT/sft.md" "$OUT/sft.log"
+
+# ---- 1. the chat model ----
+data="$WORK/train.jsonl"
+part export 120 bash -c "'$SLIMEN' export --task synthetic:chat --seed $SEED --n $N --out '$data' &&
+  '$SLIMEN' export --task synthetic:chat --seed $((SEED + 1000)) --n $EVAL_N --out '$WORK/held.jsonl' &&
+  if [ $ARITH_N -gt 0 ]; then '$SLIMEN' export --task synthetic:arith --seed 7 --n $ARITH_N >>'$data'; fi"
+sizes=()
+for kv in hidden:HIDDEN layers:LAYERS positions:POSITIONS; do
+  v=${kv#*:}
+  [ -z "${!v}" ] || sizes+=("--${kv%%:*}" "${!v}")
+done
+part make-model 120 "$PY" -m slimen_torch make-model --like "$LIKE" --shape "$SHAPE" "${sizes[@]}" \
+  --seed "$SEED" --out "$WORK/init"
+compile=$COMPILE
+[ "$on_gpu" = 1 ] || compile=off
+rc=0
+part sft $((SFT_SECONDS + SFT_OVERHEAD)) "$PY" -m slimen_torch sft --model "$WORK/init" --data "$data" \
+  --out "$model" --device "$DEVICE" --compile-train "$compile" --steps 1000000 \
+  --max-seconds "$SFT_SECONDS" --batch-tokens "$BATCH_TOKENS" --lr "$SFT_LR" --warmup "$WARMUP" \
+  --decay cosine --eval-data "$WORK/held.jsonl" --log-every 200 --seed "$SEED" || rc=$?
+cp "$WORK/sft.log" "$OUT/"
+[ "$rc" = 0 ] || { echo "e2e_agents: sft failed (exit $rc): no model to train" >&2; exit "$rc"; }
+rm -f "$model/optimizer.pt"  # RL starts with a fresh optimizer
+{
+  grep -oE "(sft on|sft stopped after) .*" "$WORK/sft.log" || true
+  grep -E "^step [0-9]+: held-out" "$WORK/sft.log" || true
+  echo "sft took $(awk '{printf "%.0f", $3}' "$WORK/status/sft") s in all (tokenizing, compiling, evaluating and saving included)"
+} | tee "$OUT/sft.md"
+
+# ---- 2. the examples ----
 status=0
 i=0
 while [ "$i" -lt "${#exs[@]}" ]; do
