@@ -10,6 +10,8 @@
 #   SLIMEN=.devbuild/slimen DEVICE=cpu SHAPE=tiny-qwen3 LAYERS= POSITIONS=4096 N=3000 EVAL_N=20 \
 #     SFT_SECONDS=15 STEPS=4 EVAL_INTERVAL=2 EVAL_LIMIT=4 BATCH=2 MAXLEN=24 SLOTS=16 BUDGET=900 \
 #     engines/torch/e2e_agents.sh
+#   # the same from builtin:tiny-chat's weights, which already speak the examples' formats:
+#   … INIT=engines/tiny/builtin/tiny-chat SFT_SECONDS=5 SFT_LR=1e-5 … engines/torch/e2e_agents.sh
 #   # one device call (it brings back a few files: PACK=1 puts the runs in one archive):
 #   OUT=$OUT/agents PACK=1 SLIMEN=.devbuild/slimen PY=python3 engines/torch/e2e_agents.sh
 #
@@ -55,6 +57,7 @@ SHAPE=${SHAPE:-qwen3-50m}
 LAYERS=${LAYERS-11}        # qwen3-50m with 11 layers: 54.6M parameters with tiny-chat's vocabulary
 HIDDEN=${HIDDEN:-} POSITIONS=${POSITIONS:-}
 LIKE=${LIKE:-engines/tiny/builtin/tiny-chat}
+INIT=${INIT:-}             # a model folder to fit instead of a new one (e.g. tiny-chat itself, on a CPU)
 SFT_SECONDS=${SFT_SECONDS:-150}
 SFT_OVERHEAD=${SFT_OVERHEAD:-150} # the most sft may take beyond SFT_SECONDS (tokenizing, compiling,
                                   # its eval, saving): every later part needs its model
@@ -154,8 +157,12 @@ for kv in hidden:HIDDEN layers:LAYERS positions:POSITIONS; do
   v=${kv#*:}
   [ -z "${!v}" ] || sizes+=("--${kv%%:*}" "${!v}")
 done
-part make-model 120 "$PY" -m slimen_torch make-model --like "$LIKE" --shape "$SHAPE" "${sizes[@]}" \
-  --seed "$SEED" --out "$WORK/init"
+if [ -n "$INIT" ]; then
+  cp -r "$INIT" "$WORK/init"
+else
+  part make-model 120 "$PY" -m slimen_torch make-model --like "$LIKE" --shape "$SHAPE" "${sizes[@]}" \
+    --seed "$SEED" --out "$WORK/init"
+fi
 compile=$COMPILE
 [ "$on_gpu" = 1 ] || compile=off
 rc=0
@@ -192,7 +199,7 @@ done
 pairs=()
 for ex in "${exs[@]}"; do pairs+=("$ex=$OUT/$ex"); done
 {
-  echo "e2e_agents: $SHAPE ${sizes[*]} on $DEVICE; GRPO lr $LR, global_batch_size $GBS, $PARALLEL run(s) at a time"
+  echo "e2e_agents: ${INIT:-$SHAPE ${sizes[*]}} on $DEVICE; GRPO lr $LR, global_batch_size $GBS, $PARALLEL run(s) at a time"
   echo
   sed 's/^/    /' "$OUT/sft.md"
   echo
