@@ -61,7 +61,7 @@ INIT=${INIT:-}             # a model folder to fit instead of a new one (e.g. ti
 SFT_SECONDS=${SFT_SECONDS:-150}
 SFT_OVERHEAD=${SFT_OVERHEAD:-150} # the most sft may take beyond SFT_SECONDS (tokenizing, compiling,
                                   # its eval, saving): every later part needs its model
-SFT_LR=${SFT_LR:-1e-3}    # e2e_debate.sh's for this shape (pretrain_chat.sh's 3e-3 is tiny-chat's, 150k parameters)
+SFT_LR=${SFT_LR:-1e-3}     # e2e_debate.sh's for qwen3-50m (3e-3 pretrained tiny-chat's 150k parameters)
 BATCH_TOKENS=${BATCH_TOKENS:-16384}
 WARMUP=${WARMUP:-100}
 COMPILE=${COMPILE:-block}  # sft --compile-train (a GPU's; off on the CPU)
