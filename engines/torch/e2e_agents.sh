@@ -201,9 +201,9 @@ for ex in "${exs[@]}"; do pairs+=("$ex=$OUT/$ex"); done
 {
   echo "e2e_agents: ${INIT:-$SHAPE ${sizes[*]}} on $DEVICE; GRPO lr $LR, global_batch_size $GBS, $PARALLEL run(s) at a time"
   echo
-  sed 's/^/    /' "$OUT/sft.md"
+  grep -v '^step ' "$OUT/sft.md" | sed 's/^/    /'
   echo
-  "$PY" "$(dirname "$0")/e2e_agents_summary.py" --status "$WORK/status" "${pairs[@]}"
+  "$PY" "$(dirname "$0")/e2e_agents_summary.py" --sft "$WORK/sft.log" --status "$WORK/status" "${pairs[@]}"
 } | tee "$OUT/table.md"
 if [ "$PACK" = 1 ]; then
   # A device call brings back a few files: the runs' folders go into one archive (their saved

@@ -2,7 +2,7 @@
 accuracy before training and at its last eval (and its best eval between, when higher), the
 tokens its policies trained on and the share of their responses masked out.
 
-    python engines/torch/e2e_agents_summary.py --status WORK/status NAME=RUN_DIR ...
+    python engines/torch/e2e_agents_summary.py [--sft SFT_LOG] --status WORK/status NAME=RUN_DIR ...
 
 RUN_DIR holds the run's metrics.jsonl (and rollouts.jsonl); WORK/status/NAME is lib.sh's part
 status ("rc timeout seconds"), whose seconds are the wall time (the worker start-up and the evals
@@ -10,7 +10,8 @@ included). The masked share is the mean of the script's chat_masked_share where 
 (ToolOrchestra), else it is read from the loss masks of the trained calls in rollouts.jsonl (the
 few rollouts a step the run keeps; marked "(saved rollouts)"): a trained call's tokens after its
 first sampled one that are masked out (tool results, injected messages, template tokens), over
-all of them. Single-turn generate calls mask nothing.
+all of them. Single-turn generate calls mask nothing. With --sft, sft's held-out greedy exact
+match per kind comes first, as a table.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 
 
 def read_jsonl(path: str) -> list[dict]:
@@ -100,11 +102,38 @@ def table(rows: list[list[str]]) -> str:
     return "\n".join(lines)
 
 
+SFT_EVAL = re.compile(r"^step (\d+): held-out .*: ([\d.]+)% of (\d+)(?: \((.*)\))?$")
+
+
+def sft_table(log: str) -> str:
+    """sft's held-out lines (`step N: held-out FILE, greedy answers equal to the right ones: X% of
+    M (calc a%, …)`) as a table: the exact match over all the right lines and per kind."""
+    rows, kinds = [], []
+    with open(log) as f:
+        for line in f:
+            m = SFT_EVAL.match(line.strip())
+            if not m:
+                continue
+            per = dict(p.rsplit(" ", 1) for p in m.group(4).split(", ")) if m.group(4) else {}
+            kinds += [k for k in per if k not in kinds]
+            rows.append((m.group(1), f"{m.group(2)}% of {m.group(3)}", per))
+    if not rows:
+        return f"no held-out lines in {log}"
+    lines = ["| sft step | held-out exact match | " + " | ".join(kinds) + " |",
+             "|---:|---:|" + "---:|" * len(kinds)]
+    lines += [f"| {step} | {all_} | " + " | ".join(per.get(k, "–") for k in kinds) + " |"
+              for step, all_, per in rows]
+    return "\n".join(lines)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--status", default="", help="lib.sh's status folder (WORK/status)")
+    ap.add_argument("--sft", default="", help="sft's log: its held-out lines as a table first")
     ap.add_argument("runs", nargs="+", help="NAME=RUN_DIR")
     args = ap.parse_args()
+    if args.sft:
+        print(sft_table(args.sft) + "\n")
     rows = []
     for pair in args.runs:
         name, sep, run_dir = pair.partition("=")

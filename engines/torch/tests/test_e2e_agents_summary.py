@@ -74,3 +74,23 @@ def test_row_of_a_run_that_never_started(tmp_path):
     assert summary.row("memagent", str(d), None)[2:] == ["–", "no eval", "0", "–", "not run"]
     table = summary.table([summary.row("memagent", str(d), None)])
     assert table.splitlines()[0].startswith("| example | steps | wall s |")
+
+
+def test_sft_table(tmp_path):
+    log = tmp_path / "sft.log"
+    log.write_text(
+        "2026-11-28 11:17:09,001 slimen_torch INFO step 5: held-out h.jsonl, greedy answers equal "
+        "to the right ones: 37.5% of 48 (calc 66.7%, orchestra 0.0%)\n"
+        "step 5: held-out h.jsonl, greedy answers equal to the right ones: 37.5% of 48 "
+        "(calc 66.7%, orchestra 0.0%)\n"
+        "step 9: held-out h.jsonl, greedy answers equal to the right ones: 40.0% of 48 "
+        "(calc 70.0%, orchestra 1.0%, arith 20.0%)\n")
+    assert summary.sft_table(str(log)).splitlines() == [
+        "| sft step | held-out exact match | calc | orchestra | arith |",
+        "|---:|---:|---:|---:|---:|",
+        "| 5 | 37.5% of 48 | 66.7% | 0.0% | – |",
+        "| 9 | 40.0% of 48 | 70.0% | 1.0% | 20.0% |",
+    ]
+    empty = tmp_path / "empty.log"
+    empty.write_text("sft stopped\n")
+    assert summary.sft_table(str(empty)).startswith("no held-out lines")
