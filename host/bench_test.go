@@ -12,18 +12,24 @@ import (
 	"github.com/slimen/slimen/host/config"
 )
 
-// BenchmarkDebateStep measures the host's own cost of one step of the debate example (32 tasks,
-// 9 generate calls each) on scripted engines that answer at once: script execution, dispatch,
-// advantages and bookkeeping, in-process and sandboxed (rollouts in child processes).
+// BenchmarkDebateStep measures the host's own cost of one step of one debate a task (3 agents, 2
+// critic rounds: 32 tasks, 9 generate calls each; the example plays six a task) on scripted
+// engines that answer at once: script execution, dispatch, advantages and bookkeeping, in-process
+// and sandboxed (rollouts in child processes).
 //
 //	go test ./host -run '^$' -bench DebateStep -benchtime 20x
 func BenchmarkDebateStep(b *testing.B) {
+	const oneDebate = `load("@graphs//debate.star", "debate")
+
+def rollout(task):
+    debate(task, generator = "generator", critic = "critic", agents = 3, rounds = 2)
+`
 	for _, sandbox := range []bool{false, true} {
 		b.Run(fmt.Sprintf("sandbox=%v", sandbox), func(b *testing.B) {
 			answer := func(r scripted.Request) string { return fmt.Sprintf(`\boxed{%d}`, r.Seed%3) }
 			cfg := testConfig(32, "generator", "critic")
 			cfg.Sandbox.Train = []string{"generator", "critic"}
-			r, err := Load(context.Background(), "../examples/debate/debate.star", Options{Config: cfg, Tasks: numberedTasks(32),
+			r, err := Load(context.Background(), writeScript(b, oneDebate), Options{Config: cfg, Tasks: numberedTasks(32),
 				Engines: map[string]engines.Engine{"generator": scripted.New(answer), "critic": scripted.New(answer)}, Sandbox: sandbox})
 			if err != nil {
 				b.Fatal(err)
