@@ -132,6 +132,13 @@ func TestExportChat(t *testing.T) {
 		t.Fatalf("%d lines, want 60", len(lines))
 	}
 	c := tasks.ChatCorpus{Seed: 3}
+	var model struct {
+		EOS int32 `json:"eos_token_id"` // <|im_end|>: what every response's ids end with
+	}
+	if b, err := os.ReadFile("../../engines/tiny/builtin/tiny-chat/config.json"); err != nil || json.Unmarshal(b, &model) != nil {
+		t.Fatalf("reading builtin:tiny-chat's config.json: %v", err)
+	}
+	eos := model.EOS
 	kinds, tools := map[string]int{}, 0
 	for i, line := range lines {
 		var row struct {
@@ -166,8 +173,8 @@ func TestExportChat(t *testing.T) {
 				t.Fatalf("line %d: tool %d is %s, want %s", i, k, b, ex.Tools[k])
 			}
 		}
-		if len(row.PromptIDs) < 10 || len(row.ResponseIDs) < 2 || row.ResponseIDs[len(row.ResponseIDs)-1] != 794 {
-			t.Fatalf("line %d: prompt ids %v, response ids %v (want the response ended by <|im_end|>, 794)", i, row.PromptIDs, row.ResponseIDs)
+		if len(row.PromptIDs) < 10 || len(row.ResponseIDs) < 2 || row.ResponseIDs[len(row.ResponseIDs)-1] != eos {
+			t.Fatalf("line %d: prompt ids %v, response ids %v (want the response ended by <|im_end|>, %d)", i, row.PromptIDs, row.ResponseIDs, eos)
 		}
 		kinds[row.Kind]++
 		tools += len(row.Tools)

@@ -21,7 +21,7 @@ from slimen_torch.types import ScoreRequest
 from conftest import REPO
 
 TINY_CHAT = REPO / "engines" / "tiny" / "builtin" / "tiny-chat"
-EOS = 794  # tiny-chat's <|im_end|>
+EOS = json.loads((TINY_CHAT / "config.json").read_text())["eos_token_id"]  # its <|im_end|>
 
 
 def export(slimen, out, *args):
