@@ -96,11 +96,7 @@ def read_examples(path: str, tokenizer, eos: int | None, workers: int = 1) -> li
                 response = "\\boxed{" + str(row["label"]) + "}"
             else:
                 raise SystemExit(f"{where}: needs \"response\" or \"label\"")
-            right = row.get("right", True)
-            if not isinstance(right, bool):
-                raise SystemExit(f"{where}: \"right\" must be true or false")
-            kind = str(row.get("kind", ""))
-            rows.append((where, prompt, tools, Example([], [], response, kind, right)))
+            rows.append((where, prompt, tools, Example([], [], response, *_kind_right(row, where))))
     if not rows:
         raise SystemExit(f"{path}: no examples")
     todo = [r for r in rows if r[1] is not None]  # the rest came with their ids
@@ -137,10 +133,15 @@ def _given_ids(row: dict, where: str) -> Example:
             raise SystemExit(f"{where}: \"{key}\" must be a non-empty list of token ids "
                              "(give both prompt_ids and response_ids, or neither)")
         ids.append(v)
+    return Example(ids[0], ids[1], str(row.get("response", "")), *_kind_right(row, where))
+
+
+def _kind_right(row: dict, where: str) -> tuple[str, bool]:
+    """A line's kind ("" when absent) and whether its response is a right one (default true)."""
     right = row.get("right", True)
     if not isinstance(right, bool):
         raise SystemExit(f"{where}: \"right\" must be true or false")
-    return Example(ids[0], ids[1], str(row.get("response", "")), str(row.get("kind", "")), right)
+    return str(row.get("kind", "")), right
 
 
 def _encode_chunk(work):
