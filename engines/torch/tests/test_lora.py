@@ -61,14 +61,16 @@ def test_generation_with_an_adapter_matches_its_scores(eng, want):
         assert max(abs(a - b) for a, b in zip(lp, x.logprobs)) < 1e-4
 
 
-def _random_adapter(e, name, seed, targets=("q_proj", "v_proj", "up_proj", "down_proj"), rank=2):
-    """An adapter with B drawn too (a new one computes what the base does)."""
-    e.add_adapter(name, lora.LoRAConfig(rank=rank, alpha=4.0, targets=targets), seed)
+def _random_adapter(e, name, seed, targets=("q_proj", "v_proj", "up_proj", "down_proj"), rank=2,
+                    alpha=4.0, std=0.2):
+    """An adapter with B drawn too (a new one computes what the base does): every parameter
+    normal with standard deviation std."""
+    e.add_adapter(name, lora.LoRAConfig(rank=rank, alpha=alpha, targets=targets), seed)
     ad = e.bank.adapters[name]
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in ad.params():
-            p.copy_(torch.randn(p.shape, generator=g) * 0.2)
+            p.copy_(torch.randn(p.shape, generator=g) * std)
     e.bank.changed()
     return ad
 

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from conftest import REPO
+from test_lora import _random_adapter
 from slimen_torch import kernels, lora
 from slimen_torch.engine import Engine, Options
 from slimen_torch.generate import Generator
@@ -34,15 +35,8 @@ ROWS = [("a", IDS[:20]), ("", IDS[:15]), ("c", IDS[3:12]), ("b", IDS[:30]), ("a"
 
 
 def add(e, name, seed, targets, rank):
-    """An adapter with B drawn too (a new one computes what the base does)."""
-    e.add_adapter(name, lora.LoRAConfig(rank=rank, alpha=2.0 * rank, targets=targets), seed)
-    ad = e.bank.adapters[name]
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in ad.params():
-            p.copy_(torch.randn(p.shape, generator=g) * 0.3)
-    e.bank.changed()
-    return ad
+    """An adapter with B drawn too, alpha 2·rank, parameters of standard deviation 0.3."""
+    return _random_adapter(e, name, seed, targets, rank, alpha=2.0 * rank, std=0.3)
 
 
 def engine():
