@@ -32,7 +32,7 @@ type torchExample struct {
 var torchExamples = []torchExample{
 	{"calculator_agent", "", 1, map[string]float64{"tool_schemas": 1}, 400, 1},
 	{"agentflow", "", 3, map[string]float64{"tool_schemas": 2}, 650, 0},
-	{"memagent", "", 1, map[string]float64{"chunk_sentences": 20, "memory_chars": 256}, 0, 1},
+	{"memagent", "", 1, map[string]float64{"chunk_sentences": 10, "memory_chars": 64}, 0, 1},
 	{"toolorchestra", "", 2, map[string]float64{"tool_schemas": 2}, 650, 0},
 	{"exam_swarm", "exam_swarm8.star", 8, map[string]float64{"boxed_instruction": 1}, 0, 1},
 }

@@ -21,8 +21,10 @@ import (
 // Tool schemas of the agent examples, as the scripts pass them to chat(tools = …).
 var (
 	CalcSchema = toolSchema("calc", "Evaluates integer arithmetic with + - * and returns the result.", "expr")
-	// ExpertSchema is ToolOrchestra's expert: another policy answers the question.
-	ExpertSchema = toolSchema("expert", "Asks an expert model a question and returns its answer.", "question")
+	// ExpertSchema is ToolOrchestra's expert: another policy answers a part of the question, named
+	// by its letter (a short argument the orchestrator can learn to write, where a copied
+	// sub-question is a long one it writes badly).
+	ExpertSchema = toolSchema("expert", "Has an expert model answer one part of the question (its letter) and returns its answer.", "part")
 	// AskSchema is AgentFlow's executor: another policy answers a sub-question.
 	AskSchema = toolSchema("ask", "Asks the executor model a sub-question and returns its answer.", "question")
 )
@@ -32,7 +34,7 @@ const (
 	CalcSystem = `Solve the problem. Call the calc tool for the arithmetic, then give the final answer as \boxed{N}.`
 	// OrchestraSystem is ToolOrchestra's orchestrator.
 	OrchestraSystem = "You are an orchestrator. Answer every part of the question. For a part, call calc(expr) " +
-		"for arithmetic or expert(question) to ask an expert model, or answer it yourself. " +
+		"for arithmetic or expert(part) to have an expert model answer that part, or answer it yourself. " +
 		"Finally reply without a tool call, with the answers of all parts in order, separated " +
 		`by commas, in one \boxed{}: \boxed{12, 7}.`
 	// PlannerSystem is AgentFlow's planner.
@@ -42,11 +44,13 @@ const (
 		`answer, reply without a tool call and give it as \boxed{N}.`
 )
 
-// MemAgent's chat form (examples/memagent): chunks of ChatChunk sentences into notes of at most
-// ChatMemoryChars characters.
+// MemAgent's chat form (examples/memagent): synthetic:facts documents of ChatFacts facts (about
+// 500 characters, eight times the notes), read in chunks of ChatChunk sentences into notes of at
+// most ChatMemoryChars characters.
 const (
-	ChatChunk       = 20
-	ChatMemoryChars = 256
+	ChatFacts       = 20
+	ChatChunk       = 10
+	ChatMemoryChars = 64
 )
 
 // toolSchema is the OpenAI-style schema of a tool with one required string argument, as the
@@ -110,14 +114,15 @@ type ChatExample struct {
 // learning has something left to learn: where calling a tool is right, the corpus sometimes
 // answers directly instead (a guess); results are copied into answers faithfully. Out of 100:
 //
-//   - 22 calculator agent (examples/calculator_agent): the first turn calls calc (14) or guesses
-//     (8); 10 more answer from the call's result;
-//   - 20 ToolOrchestra orchestrator (examples/toolorchestra, the whole question at once): calls for
-//     the parts in order — calc for a calculator part, expert for the other or, now and then, an
-//     answer of its own — then one \boxed{} with every part's answer;
+//   - 32 calculator agent (examples/calculator_agent): the first turn calls calc (22, 4 times in 7)
+//     or guesses; 10 more answer from the call's result;
+//   - 22 ToolOrchestra orchestrator (examples/toolorchestra, the whole question at once): calls for
+//     the parts in order — calc for a calculator part, expert (by the part's letter) for the other
+//     or, now and then, an answer of its own — then one \boxed{} with every part's answer;
 //   - 14 AgentFlow planner (examples/agentflow) and 6 of its verifier;
-//   - 16 MemAgent (examples/memagent): 11 notes updates and 5 answers from notes;
-//   - 12 arithmetic word problems, half with candidate answers (the debate's second round).
+//   - 20 MemAgent (examples/memagent): 14 notes updates (half of them from the chunk that holds the
+//     fact) and 6 answers from notes;
+//   - 6 arithmetic word problems, half with candidate answers (the debate's second round).
 type ChatCorpus struct{ Seed uint64 }
 
 // Example returns example i.
@@ -126,12 +131,12 @@ func (c ChatCorpus) Example(i int) ChatExample {
 	switch k := r.IntN(100); {
 	case k < 32:
 		return c.calcExample(r, i, k < 22)
-	case k < 52:
+	case k < 54:
 		return c.orchestraExample(r, i)
-	case k < 72:
-		return c.plannerExample(r, i, k < 66)
-	case k < 88:
-		return c.memoryExample(r, i, k < 83)
+	case k < 74:
+		return c.plannerExample(r, i, k < 68)
+	case k < 94:
+		return c.memoryExample(r, i, k < 88)
 	default:
 		prompt, response := Arith{Seed: c.Seed, Difficulty: 2}.Example(i)
 		return ChatExample{Kind: "arith", Context: []engines.Message{{Role: "user", Content: prompt}}, Response: response, Right: true}
@@ -194,13 +199,13 @@ func (c ChatCorpus) orchestraExample(r *rand.Rand, i int) ChatExample {
 			plan = append(plan, step{QwenToolCall(CalcTool, [2]string{"expr", pt.Expr}), pt.Label, true})
 			answers[k] = pt.Label
 		case pt.Kind == "calc": // asked the expert, who cannot do it
-			plan = append(plan, step{QwenToolCall("expert", [2]string{"question", pt.Prompt}), `\boxed{` + guess(r, pt.Label) + `}`, false})
 			answers[k] = guess(r, pt.Label)
+			plan = append(plan, step{QwenToolCall("expert", [2]string{"part", partLetter(k)}), `\boxed{` + answers[k] + `}`, false})
 			right = right && answers[k] == pt.Label
 		case r.IntN(3) == 0: // an easy part answered without a call
 			answers[k] = pt.Label
 		default:
-			plan = append(plan, step{QwenToolCall("expert", [2]string{"question", pt.Prompt}), `\boxed{` + pt.Label + `}`, true})
+			plan = append(plan, step{QwenToolCall("expert", [2]string{"part", partLetter(k)}), `\boxed{` + pt.Label + `}`, true})
 			answers[k] = pt.Label
 		}
 	}
@@ -215,6 +220,9 @@ func (c ChatCorpus) orchestraExample(r *rand.Rand, i int) ChatExample {
 	}
 	return e
 }
+
+// partLetter is the letter of part k in a synthetic:multipart prompt: "a" for "(a) …".
+func partLetter(k int) string { return string(rune('a' + k)) }
 
 // plannerExample is an AgentFlow planner turn (planner) or a verifier's reply.
 func (c ChatCorpus) plannerExample(r *rand.Rand, i int, planner bool) ChatExample {
@@ -245,14 +253,18 @@ func (c ChatCorpus) plannerExample(r *rand.Rand, i int, planner bool) ChatExampl
 	return e
 }
 
-// memoryExample is a MemAgent notes update (update) or the answer from the notes.
+// memoryExample is a MemAgent notes update (update) or the answer from the notes. Half the updates
+// read the chunk that holds the fact: finding it is the skill MemAgent needs most.
 func (c ChatCorpus) memoryExample(r *rand.Rand, i int, update bool) ChatExample {
-	fp, doc := Facts{Seed: c.Seed}.Problem(i)
+	fp, doc := Facts{Seed: c.Seed, N: ChatFacts}.Problem(i)
 	fact := strings.TrimSuffix(strings.TrimPrefix(fp.Prompt, "What is "), "?") + " is " + fp.Label + "."
 	sents := Sentences(doc)
 	at := slices.Index(sents, fact)
 	chunks := (len(sents) + ChatChunk - 1) / ChatChunk
 	k := r.IntN(chunks)
+	if update && at >= 0 && r.IntN(2) == 0 {
+		k = at / ChatChunk
+	}
 	notes := "none"
 	if at >= 0 && at < k*ChatChunk {
 		notes = fact
