@@ -63,6 +63,10 @@ LOST_GRACE_S = 3.0
 # of full weights (in the generating dtype) at a time: one all-gather for a small model, a few
 # for a large one, whose flat buffers would otherwise double the weights' memory.
 GATHER_BUCKET_BYTES = 1 << 30
+# A rank not in its group this many seconds after it started (the model loaded, every rank met)
+# writes its threads' stacks to its log, once (stacks_later): a start that hangs in a collective
+# some rank never joins then says where each rank waits.
+START_STACKS_S = 120.0
 
 
 def world() -> tuple[int, int, int]:
@@ -116,10 +120,13 @@ def init(device: str, backend: str = "") -> tuple[int, int, int, Links]:
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
     backend = backend or ("nccl" if dev.type == "cuda" else "gloo")
-    if backend == "nccl":
-        dist.init_process_group("nccl", device_id=dev)
-    else:
-        dist.init_process_group(backend)
+    # No device_id: NCCL then starts its communicator at the first collective (on the device of
+    # its tensors: this rank's) instead of at once. A default group bound to a device makes every
+    # new_group of a rank outside the new group an ncclCommSplit of the default group, a
+    # collective of all ranks that the new group's own ranks, making a gloo group, never join: from
+    # 3 ranks on, the ranks outside a pair below waited there for ever and the worker never
+    # started (issue 37).
+    dist.init_process_group(backend)
     forever = datetime.timedelta(days=365)
     calls = dist.new_group(backend="gloo", timeout=forever)
     # Every rank makes every pair's group (new_group is a collective of all ranks).
@@ -761,14 +768,36 @@ class Group:
             log.info("rank %d's completions: its link closed as the worker stops (%s)", rank, e)
 
 
+def stacks_later(rank: int, seconds: float) -> threading.Timer:
+    """Writes this rank's threads' stacks to stderr (the worker's log) seconds from now, under a
+    line that says why, unless the returned timer is cancelled first."""
+    import faulthandler
+    import sys
+
+    def dump():
+        log.warning("rank %d: not in its group %.0f s after it started: its threads' stacks "
+                    "follow", rank, seconds)
+        for h in logging.getLogger().handlers + log.handlers:
+            h.flush()
+        sys.stderr.flush()
+        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+
+    t = threading.Timer(seconds, dump)
+    t.name, t.daemon = "slimen-torch-start-stacks", True
+    t.start()
+    return t
+
+
 def serve_rank(args, opts, service) -> None:
     """The worker of one rank under torchrun: rank 0 serves (service is its server's), the
     others follow. Returns when rank 0 closes the group."""
+    starting = stacks_later(world()[0], START_STACKS_S)
     rank, local, size, links = init(opts.device)
     log.info("rank %d of %d (local rank %d) on %s", rank, size, local, opts.device)
     engine = RankEngine(args.model, opts, rank)
     devices = [None] * size
     dist.all_gather_object(devices, f"{os.uname().nodename}/{opts.device}", group=links.calls)
+    starting.cancel()
     if rank != 0:
         follow(engine, links, rank)
         engine.close()

@@ -125,14 +125,59 @@ def steps_and_generation(engine, bs, out):
             "late_first": max(late_when.values()) < min(when.values())}
 
 
-def _rank(rank, size, port, model, opts, bs, out, result, bucket):
+class _SplitOfAllRanks:
+    """The ncclCommSplit a rank outside a new group makes when the default group is NCCL bound to
+    a device (torch's new_group then splits the default communicator, NCCL_SPLIT_NOCOLOR): a
+    collective of all the default group's ranks, here on its store. The k-th split returns once
+    every rank has made k; after SPLIT_WAIT_S it fails, where NCCL waits for ever."""
+
+    supports_splitting = True
+    SPLIT_WAIT_S = 20
+
+    def __init__(self, store, rank: int, size: int):
+        self.store, self.rank, self.size, self.k = store, rank, size, 0
+
+    def perform_nocolor_split(self, device):
+        import time
+        self.k += 1
+        key = f"test-split-{self.k}"
+        self.store.add(key, 1)
+        end = time.monotonic() + self.SPLIT_WAIT_S
+        while self.store.add(key, 0) < self.size:
+            if time.monotonic() > end:
+                raise RuntimeError(f"rank {self.rank}: split {self.k} of the default group: the "
+                                   "other ranks never joined it (NCCL waits there for ever)")
+            time.sleep(0.02)
+
+
+def _nccl_on_gloo(rank: int) -> None:
+    """Makes init_process_group("nccl", …) a gloo group on the CPU that, given a device_id,
+    behaves as NCCL's eagerly started one does where groups are made: bound to the device, its
+    new_group of a rank outside the group is a split of every rank (_SplitOfAllRanks)."""
+    c10d = torch.distributed.distributed_c10d
+    real = torch.distributed.init_process_group
+
+    def init_process_group(backend=None, *args, device_id=None, **kw):
+        real("gloo" if backend == "nccl" else backend, *args, **kw)
+        if device_id is not None:
+            pg = c10d._get_default_group()
+            pg.bound_device_id = torch.device("cuda", rank)
+            split = _SplitOfAllRanks(c10d._world.pg_map[pg][1], rank, pg.size())
+            c10d._get_split_source = lambda group: split
+
+    torch.distributed.init_process_group = init_process_group
+
+
+def _rank(rank, size, port, model, opts, bs, out, result, bucket, nccl=False):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       LOCAL_RANK=str(rank), WORLD_SIZE=str(size))
     torch.set_num_threads(1)
     from slimen_torch import dist
     dist.GATHER_BUCKET_BYTES = bucket or dist.GATHER_BUCKET_BYTES
     opts = dict(opts, device=dist.rank_device(opts["device"], rank))
-    rank, _, _, links = dist.init(opts["device"])
+    if nccl:
+        _nccl_on_gloo(rank)
+    rank, _, _, links = dist.init(opts["device"], backend="nccl" if nccl else "")
     engine = dist.RankEngine(model, Options(**opts), rank)
     if rank != 0:
         dist.follow(engine, links, rank)
@@ -144,9 +189,11 @@ def _rank(rank, size, port, model, opts, bs, out, result, bucket):
     group = dist.Group(engine, links, [opts["device"].split(":")[0]] * size)
     if len(bs) > 1:
         got = steps_and_generation(group, bs, out)
-    else:
+    elif out:
         got = {"stats": [group.train(b) for b in bs]}
         group.save(out)
+    else:  # a step, then generation dealt out to every rank
+        got = {"stats": [group.train(b) for b in bs], "gen_a": collect(group.submit, REQUESTS)}
     got["devices"] = group.info()["devices"]
     weights = {n: p.detach().cpu() for n, p in engine.model.named_parameters()}
     group.close()
@@ -157,14 +204,15 @@ def _rank(rank, size, port, model, opts, bs, out, result, bucket):
         pickle.dump(got, f)
 
 
-def run_two(model, opts, bs, out, result, bucket=0):
-    """Runs the calls on two ranks (bucket: the gather's bytes a bucket, 0 the default); returns
-    what rank 0 got and each rank's generating weights at the end."""
-    mp.start_processes(_rank, args=(2, free_port(), model, opts, bs, out, result, bucket),
-                       nprocs=2, start_method="spawn", join=True)
+def run_two(model, opts, bs, out, result, bucket=0, size=2, nccl=False):
+    """Runs the calls on two ranks (size: as many; bucket: the gather's bytes a bucket, 0 the
+    default; nccl: init's NCCL path, _nccl_on_gloo); returns what rank 0 got and each rank's
+    generating weights at the end."""
+    mp.start_processes(_rank, args=(size, free_port(), model, opts, bs, out, result, bucket, nccl),
+                       nprocs=size, start_method="spawn", join=True)
     with open(result, "rb") as f:
         got = pickle.load(f)
-    return got, [torch.load(f"{result}.w{r}") for r in (0, 1)]
+    return got, [torch.load(f"{result}.w{r}") for r in range(size)]
 
 
 def free_port() -> int:
@@ -225,6 +273,31 @@ def test_two_ranks_equal_one(noeos_dir, tmp_path):
     # No rounds: the long requests were still generating when the second step returned (they
     # were paused across it), and the short ones that came while they ran finished first.
     assert got["longs_during_train"] == 0 and got["late_first"]
+
+
+def test_four_ranks_start_on_nccl(noeos_dir, tmp_path):
+    """Four ranks start through init's NCCL path (issue 37: with NCCL bound to a device, each
+    rank outside a pair's group made an ncclCommSplit that the pair never joined, and a worker
+    of 3 ranks or more never started; here NCCL's groups are gloo's, _nccl_on_gloo), then train a
+    step equal to one rank's and generate, dealt out to all four, what one rank generates."""
+    model = str(noeos_dir)
+    one = Engine(model, Options(**OPTS))
+    try:
+        bs = batches(one)[:1]
+        want = one.train(bs[0])
+        want_gen = collect(one.submit, REQUESTS)
+    finally:
+        one.close()
+    got, ws = run_two(model, OPTS, bs, "", str(tmp_path / "result.pkl"), size=4, nccl=True)
+    a = got["stats"][0]
+    assert a.tokens == want.tokens
+    for k in ("loss", "pg_loss", "kl", "entropy", "grad_norm"):
+        assert getattr(a, k) == pytest.approx(getattr(want, k), rel=1e-4, abs=1e-6), k
+    assert got["devices"] == ["cpu"] * 4
+    for w in ws[1:]:
+        for n, p in ws[0].items():
+            assert torch.equal(w[n], p), n
+    assert got["gen_a"] == want_gen
 
 
 def test_gather_in_the_generating_dtype(model_dirs, tmp_path):
@@ -562,3 +635,33 @@ def test_engine_on_cuda_without_an_index(model_dirs):
         assert len(out[0].tokens) > 0
     finally:
         e.close()
+
+
+def test_a_rank_that_never_starts_logs_its_stacks(capfd, caplog):
+    """A rank still starting START_STACKS_S after it began (a collective some rank never joins:
+    issue 37's hang) writes its threads' stacks to its log, once; one that started in time
+    (the timer cancelled) writes nothing."""
+    import threading
+
+    from slimen_torch import dist
+
+    waiting = threading.Event()
+
+    def waits_in_a_collective():
+        waiting.wait(10)
+
+    t = threading.Thread(target=waits_in_a_collective, name="stuck")
+    t.start()
+    try:
+        dist.stacks_later(3, 0.05).join(5)
+    finally:
+        waiting.set()
+        t.join()
+    err = capfd.readouterr().err
+    assert "rank 3: not in its group 0 s after it started" in caplog.text
+    assert "in waits_in_a_collective" in err and "in test_a_rank_that_never_starts" in err, err
+    caplog.clear()
+    timer = dist.stacks_later(1, 0.2)
+    timer.cancel()
+    timer.join(5)
+    assert "not in its group" not in caplog.text and "Thread" not in capfd.readouterr().err
