@@ -8,6 +8,8 @@ import pathlib
 import re
 import struct
 
+WORKER_TAIL_CHARS = 1200  # of the workers' last lines in a failed run's table cell
+
 
 def mean(xs):
     xs = list(xs)
@@ -52,7 +54,8 @@ class Work:
         return p.read_text(errors="replace") if p.exists() else ""
 
     def status(self, name: str) -> str:
-        """"" when part NAME succeeded, else what happened to it, with its log's last lines."""
+        """"" when part NAME succeeded, else what happened to it, with its log's last lines and,
+        for a run, its torch workers' (worker_tail)."""
         p = self.path / "status" / name
         if not p.exists():
             return "not run"
@@ -63,9 +66,22 @@ class Work:
             return "skipped: the budget was spent"
         tail = " / ".join(l.strip() for l in self.log(name).splitlines()[-3:])
         tail = tail.replace("|", "\\|")[:400]
+        worker = " / ".join(self.worker_tail(name)).replace("|", "\\|")[-WORKER_TAIL_CHARS:]
+        worker = f"; the torch workers' last lines (events.log): {worker}" if worker else ""
         if rc in ("124", "137"):
-            return f"**timed out** after {t} s; last lines: {tail}"
-        return f"**failed** (exit {rc}); last lines: {tail}"
+            return f"**timed out** after {t} s; last lines: {tail}{worker}"
+        return f"**failed** (exit {rc}); last lines: {tail}{worker}"
+
+    def worker_tail(self, run: str, n: int = 8) -> list:
+        """The last n lines of run's torch workers' own output (their stderr and stdout, which
+        slimen writes to events.log as 'policy "P": worker: …'), each as 'P: line' (the line
+        without the time slimen stamps it with)."""
+        out = []
+        for l in self.events(run).splitlines():
+            m = re.match(r'^\S+ policy "([^"]+)": worker: (.*)$', l)
+            if m and m.group(2).strip():
+                out.append(f"{m.group(1)}: {m.group(2).strip()}")
+        return out[-n:]
 
     def took(self, name: str) -> float:
         p = self.path / "status" / name

@@ -4,7 +4,9 @@
 #   gpu_lib_init          builds SLIMEN (with cgo: `slimen gpus` needs NVML) when missing, puts
 #                         engines/torch on PYTHONPATH, keeps NVLink multicast off, makes WORK afresh
 #                         (WORK/status holds each part's outcome) and starts the budget's clock
-#   part NAME S CMD…      CMD under a timeout cut from the budget, its output in WORK/NAME.log
+#   part NAME S CMD…      CMD under a timeout cut from the budget, its output in WORK/NAME.log;
+#                         when it fails, its last lines and its torch workers' (worker_tail)
+#   worker_tail NAME [N]  the torch workers' last lines in the run folder WORK/NAME's events.log
 #   sample NAME           nvidia-smi's compute processes and memory per GPU every second, until killed
 #   stamp                 each line of its input with the time it came
 #   torch_policy …        one torch policy of a config (YAML)
@@ -43,8 +45,20 @@ part() {
   t0=$(date +%s.%N)
   timeout -k 10 "$t" "$@" >"$WORK/$name.log" 2>&1 || rc=$?
   echo "$rc $t $(awk "BEGIN{print $(date +%s.%N) - $t0}")" >"$WORK/status/$name"
-  [ "$rc" = 0 ] || { echo "== $name: exit $rc" >&2; tail -5 "$WORK/$name.log" >&2; }
+  [ "$rc" = 0 ] || { echo "== $name: exit $rc" >&2; tail -5 "$WORK/$name.log" >&2; worker_tail "$name" >&2; }
   return "$rc"
+}
+
+# worker_tail NAME [N]: the last N (40) lines of the torch workers' own output (stderr and stdout,
+# which slimen writes to the run's events.log as 'policy "P": worker: …' lines) of part NAME's run
+# folder WORK/NAME, under a heading; nothing when it has none.
+worker_tail() {
+  local ev="$WORK/$1/events.log" lines
+  [ -f "$ev" ] || return 0
+  lines=$(grep -F '": worker: ' "$ev" | tail -n "${2:-40}")
+  [ -n "$lines" ] || return 0
+  echo "-- $1: the torch workers' last lines ($ev):"
+  printf '%s\n' "$lines"
 }
 
 # sample NAME: every second, nvidia-smi's compute processes (NAME.apps: time, gpu uuid, pid, MiB),

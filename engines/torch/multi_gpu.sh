@@ -19,7 +19,8 @@
 # The script: one rollout per task, reward = parity of the first sampled token (random weights
 # give random rewards; this one moves the weights every step), n_samples_per_prompt 4.
 # Each part runs under a timeout cut from one budget (BUDGET s, default 540), so that a failure
-# never eats the call: the table says which part failed, with the last lines of its log.
+# never eats the call: the table says which part failed, with the last lines of its log and of
+# its torch workers' own output (events.log), which the script's stderr shows too (more of them).
 # Run from the repository root:
 #
 #   SLIMEN=.devbuild/slimen PY=python3 engines/torch/multi_gpu.sh           # the GPUs (~6 min on 2)

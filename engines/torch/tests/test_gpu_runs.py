@@ -94,3 +94,41 @@ def test_placement_without_worker_pids(tmp_path):
                   .replace(", pid 201)", ")"))
     line = w.placement("gpus-x", "x")
     assert "GPUs with processes: 0,1" in line and line.endswith("placement matches: yes"), line
+
+
+HUNG = """2026-11-28T13:20:01Z policy "solver": starting a torch worker: python3 -m torch.distributed.run --nproc-per-node 4 -m slimen_torch serve (FSDP2 over 4 ranks) --model /m, on device
+2026-11-28T13:20:02Z policy "solver": worker: 
+""" + "".join(f'2026-11-28T13:20:0{i}Z policy "solver": worker: line {i} | of the worker\n' for i in range(3, 10)) + \
+    """2026-11-28T13:20:10Z policy "solver": worker:   File "dist.py", line 130 in init
+2026-11-28T13:20:11Z policy "solver": the torch worker (pid 7) exited: signal: killed
+"""
+
+
+def test_a_failed_run_shows_its_workers_last_lines(tmp_path):
+    """A run that timed out or failed shows, beside slimen's last lines, the last lines of its
+    torch workers' own output (events.log's worker lines), in the table (gpu_runs) and on the
+    script's stderr (lib.sh's worker_tail, which part calls)."""
+    import pathlib
+    import subprocess
+
+    (tmp_path / "status").mkdir()
+    (tmp_path / "status" / "n4").write_text("124 200 200.1\n")
+    (tmp_path / "n4.log").write_text('policy "solver": starting a torch worker\n')
+    (tmp_path / "n4").mkdir()
+    (tmp_path / "n4" / "events.log").write_text(HUNG)
+    st = gpu_runs.Work(tmp_path).status("n4")
+    assert st.startswith("**timed out** after 200 s; last lines: policy \"solver\": starting a torch worker; "
+                         "the torch workers' last lines (events.log): solver: line 3 \\| of the worker / "), st
+    assert st.endswith("solver: line 9 \\| of the worker / solver: File \"dist.py\", line 130 in init"), st
+    assert "exited" not in st and "line 2" not in st  # slimen's own lines and the 8 before the last
+    (tmp_path / "status" / "n2").write_text("124 200 200.1\n")  # no run folder: slimen's lines only
+    assert "workers" not in gpu_runs.Work(tmp_path).status("n2")
+
+    root = pathlib.Path(__file__).resolve().parents[3]
+    out = subprocess.run(["bash", "-c", '. engines/torch/lib.sh && worker_tail n4 3 && worker_tail n2'],
+                         cwd=root, env={"WORK": str(tmp_path), "PATH": "/usr/bin:/bin"},
+                         capture_output=True, text=True, check=True).stdout
+    assert out == (f"-- n4: the torch workers' last lines ({tmp_path}/n4/events.log):\n"
+                   + "".join(f'2026-11-28T13:20:0{i}Z policy "solver": worker: line {i} | of the worker\n'
+                             for i in (8, 9))
+                   + '2026-11-28T13:20:10Z policy "solver": worker:   File "dist.py", line 130 in init\n'), out
