@@ -197,9 +197,11 @@ class Work:
         want = sorted({g for gs in plan.values() for g in gs})
         if on:
             seen = sorted({g for gs in on.values() for g in gs})
+            ev = self.events(run)
+            why = ("no torch worker became ready" if "starting a torch worker" in ev and "torch worker ready in" not in ev
+                   else "a slimen built before the ready line gave it")
             return (f"planned {compact(plan)}; GPUs with processes: {','.join(map(str, seen))} (events.log names no "
-                    f"worker pid: a slimen built before the ready line gave it); placement matches: "
-                    f"{'yes' if seen == want else 'no'}")
+                    f"worker pid: {why}); placement matches: {'yes' if seen == want else 'no'}")
         return (f"planned {compact(plan)}; GPUs whose memory in use rose ≥ 1 GiB: {','.join(map(str, rose)) or 'none'} "
                 f"(nvidia-smi listed no process of the run); placement matches: {'yes' if rose == want else 'no'}")
 

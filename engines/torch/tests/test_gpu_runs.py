@@ -132,3 +132,11 @@ def test_a_failed_run_shows_its_workers_last_lines(tmp_path):
                    + "".join(f'2026-11-28T13:20:0{i}Z policy "solver": worker: line {i} | of the worker\n'
                              for i in (8, 9))
                    + '2026-11-28T13:20:10Z policy "solver": worker:   File "dist.py", line 130 in init\n'), out
+
+
+def test_placement_of_a_worker_that_never_became_ready(tmp_path):
+    # Issue 37's N=4 run: the ranks held their GPUs, but no ready line ever named the worker's pid.
+    w = work(tmp_path, "1, GPU-a, 301, 900\n1, GPU-b, 302, 900\n")
+    (tmp_path / "x" / "events.log").write_text(HUNG)
+    line = w.placement("gpus-x", "x")
+    assert "GPUs with processes: 0,1 (events.log names no worker pid: no torch worker became ready)" in line, line
