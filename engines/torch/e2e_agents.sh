@@ -7,7 +7,7 @@
 #
 #   SLIMEN=.devbuild/slimen PY=python3 OUT=/tmp/agents engines/torch/e2e_agents.sh
 #   # on a CPU, tiny sizes (the numbers mean nothing; it checks that every part runs):
-#   SLIMEN=.devbuild/slimen DEVICE=cpu SHAPE=tiny-qwen3 LAYERS= POSITIONS=4096 N=3000 EVAL_N=20 \
+#   SLIMEN=.devbuild/slimen DEVICE=cpu SHAPE=tiny-qwen3 LAYERS= POSITIONS=4096 N=3000 ARITH_N=0 EVAL_N=20 \
 #     SFT_SECONDS=15 STEPS=4 EVAL_INTERVAL=2 EVAL_LIMIT=4 BATCH=2 MAXLEN=24 SLOTS=16 BUDGET=900 \
 #     engines/torch/e2e_agents.sh
 #   # the same from builtin:tiny-chat's weights, which already speak the examples' formats:
@@ -27,9 +27,9 @@
 #    policy at LR (LR_<example> overrides it: e.g. LR_debate=1e-5), and an eval: block (EVAL_LIMIT
 #    held-out tasks of the run's task source, before training and every EVAL_INTERVAL steps);
 #    `slimen exec` for at most STEPS steps (GBS: global_batch_size, 0 = one optimizer step a
-#    step). The debate learns from the chat corpus's own arithmetic (12 examples in 100: the
-#    word problems as user turns, half with other agents' answers as its critics see them), so
-#    ARITH_N is 0 unless the held-out arith share comes out low. PARALLEL runs at a time
+#    step). The debate learns from the chat corpus's own arithmetic (6 examples in 100: the
+#    word problems as user turns, half with other agents' answers as its critics see them) and
+#    from ARITH_N (12,000) `synthetic:arith` pairs mixed into sft's data. PARALLEL runs at a time
 #    (default: all four; the model is small, so the GPU has room, and each run is bound by its
 #    own round trips, not by the GPU); what the budget leaves is split between the waves, and a
 #    run still going at its limit gets SIGTERM (it ends its step; its last eval is then the last
@@ -52,7 +52,7 @@ BUDGET=${BUDGET:-560}
 SEED=${SEED:-1}
 N=${N:-200000}             # chat corpus lines for sft (about one pass in SFT_SECONDS on an H200)
 EVAL_N=${EVAL_N:-300}      # held-out chat lines (the right ones are scored)
-ARITH_N=${ARITH_N:-0}      # synthetic:arith pairs mixed into sft's data (the corpus has 12% already)
+ARITH_N=${ARITH_N:-12000}  # synthetic:arith pairs mixed into sft's data (the corpus has 6% already)
 SHAPE=${SHAPE:-qwen3-50m}
 LAYERS=${LAYERS-11}        # qwen3-50m with 11 layers: 54.6M parameters with tiny-chat's vocabulary
 HIDDEN=${HIDDEN:-} POSITIONS=${POSITIONS:-}
