@@ -58,8 +58,8 @@ func TestBuiltinTinyAgent(t *testing.T) {
 
 // builtin:tiny-chat speaks Qwen3's chat format with tools in 4,096 positions, and is the imperfect
 // start the agent examples need (docs/tiny.md): on held-out examples of the chat corpus its
-// greedy answers are right about a third of the time (34.3% on 300 when it was made), the
-// calculator agent's turns more often, the orchestrator's never.
+// greedy answers are right a little more than half the time (58.3% on 300 when it was made; 57% on
+// these 100), the calculator agent's turns always, the MemAgent and orchestrator turns seldom.
 func TestBuiltinTinyChat(t *testing.T) {
 	e, err := Open("builtin:tiny-chat", Options{})
 	if err != nil {
@@ -73,7 +73,7 @@ func TestBuiltinTinyChat(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if right["all"] < 0.15 || right["all"] > 0.6 || right["calc"] < 0.25 {
+	if right["all"] < 0.4 || right["all"] > 0.75 || right["calc"] < 0.9 || right["memory"] > 0.6 {
 		t.Fatalf("held-out greedy answers right: %v; want an imperfect chat agent", right)
 	}
 	t.Logf("held-out greedy answers right on 100 examples: %v", right)
