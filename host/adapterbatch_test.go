@@ -6,6 +6,7 @@ import (
 	"strings"
 	"sync"
 	"testing"
+	"time"
 
 	"github.com/slimen/slimen/engines"
 )
@@ -33,6 +34,10 @@ func TestAdapterBatcherMergesAndIsolatesFailures(t *testing.T) {
 	}
 	act := &activity{}
 	b := newAdapterBatcher(gen, act)
+	// A window no run waits out: the batches go because both adapters have one waiting, not because
+	// a 20 ms timer ran out before the second goroutine got its call in (as it did under -race on a
+	// loaded machine).
+	b.window = time.Minute
 	// Both policies' dispatchers are handing a batch over (as after a flush).
 	da, db := &dispatcher{sending: true}, &dispatcher{sending: true}
 	b.join("a", da)
