@@ -201,6 +201,57 @@ func main() {
 		}
 	}
 	fmt.Println(count)
+
+	fmt.Println("\n# doc comments that do not start with their name (non-test files)")
+	var odd []string
+	for _, f := range files {
+		if strings.HasSuffix(f.path, ".pb.go") {
+			continue // generated
+		}
+		for _, d := range f.ast.Decls {
+			switch d := d.(type) {
+			case *ast.FuncDecl:
+				if !docStartsWith(d.Doc, d.Name.Name) {
+					odd = append(odd, f.path+": "+d.Name.Name)
+				}
+			case *ast.GenDecl:
+				for _, s := range d.Specs {
+					ts, ok := s.(*ast.TypeSpec)
+					if !ok {
+						continue
+					}
+					doc := ts.Doc
+					if doc == nil && len(d.Specs) == 1 {
+						doc = d.Doc
+					}
+					if !docStartsWith(doc, ts.Name.Name) {
+						odd = append(odd, f.path+": "+ts.Name.Name)
+					}
+				}
+			}
+		}
+	}
+	fmt.Println(len(odd))
+	for _, o := range odd[:min(10, len(odd))] {
+		fmt.Println("  " + o)
+	}
+}
+
+// docStartsWith says whether a doc comment, if there is one, starts with name (or with "A", "An"
+// or "The" and then name, as Go's own doc comments may).
+func docStartsWith(doc *ast.CommentGroup, name string) bool {
+	if doc == nil {
+		return true
+	}
+	words := strings.Fields(doc.Text())
+	if len(words) > 1 && (words[0] == "A" || words[0] == "An" || words[0] == "The") {
+		words = words[1:]
+	}
+	if len(words) == 0 {
+		return false
+	}
+	w := strings.TrimRight(words[0], ".,:;")
+	return w == name || strings.HasPrefix(w, name+"'")
 }
 
 // recvName is the type name of a method receiver.

@@ -2,9 +2,15 @@
 
 package tiny
 
+// expBlocks computes exp64 of 4 values at a time (exp_amd64.s) and returns how many it did: it
+// stops at the first block of 4 with a value outside its range, which the caller does with exp64.
+//
 //go:noescape
 func expBlocks(dst, src *float64, n int, c *[12]float64, tbl *[32]uint64) int
 
+// swigluBlocks computes SwiGLU 4 values at a time as swiglu does (exp_amd64.s) and returns how
+// many it did: it stops at the first block with a gate outside expBlocks' range.
+//
 //go:noescape
 func swigluBlocks(act, sig, gate, up *float32, n int, c *[12]float64, tbl *[32]uint64) int
 

@@ -1,4 +1,4 @@
-"""GPU numbers of issue 6 in one run: kernel checks, generation and training throughput, one table.
+"""The GPU engine's numbers in one run: kernel checks, generation and training throughput, one table.
 
     python engines/torch/bench.py [--out DIR] [--budget SECONDS] [--sections a,b,…]
 

@@ -24,9 +24,9 @@ On a random model of --shape (make-model; bf16 on a GPU), three sections:
              same rows spread over 8 adapters in one batch through the adapter table (the decode
              step captured in the same graphs), the same on the eager per-row path (lora.Rows,
              the generator's lora_table off), one adapter, and the rows of one model on the
-             eager path; the ratio of 8 captured adapters to the one captured model (issue 37
-             wants >= 0.7); and a token check (greedy, min(--new, 32) tokens; the adapters' B
-             drawn, so that they change the base's outputs): each row of the
+             eager path; the ratio of 8 captured adapters to the one captured model (the
+             target is >= 0.7, docs/performance.md); and a token check (greedy, min(--new, 32)
+             tokens; the adapters' B drawn, so that they change the base's outputs): each row of the
              mixed batch against the same batch all of its row's adapter (the same shapes: equal
              unless a row's result depended on the other rows' adapters), against the eager Rows
              path, and the first 8 rows each alone (batch 1: other kernels, so bf16 may round

@@ -23,8 +23,8 @@
 # QUICK=1 is the CPU check: the tiny-qwen3 shape, 20 SFT steps, 3 steps of 2 tasks. Prints one
 # table (async_summary.py): step time, wall time, each engine's busy fraction, the reward over the
 # first and last quarter of the steps and against wall time, the in-worker copy of a weights
-# version in s/GB, and the replicas' push in s/GB per link (issue 21's target between GPUs of one
-# host: ≤ 0.01 s/GB).
+# version in s/GB, and the replicas' push in s/GB per link (the target between GPUs of one host:
+# ≤ 0.01 s/GB).
 set -euo pipefail
 SLIMEN=${SLIMEN:-.devbuild/slimen}
 PY=${PY:-python3}

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The end-to-end experiment of issue 6: the debate example on a ~55M-parameter Qwen3-shaped model
+# The end-to-end GPU experiment: the debate example on a ~55M-parameter Qwen3-shaped model
 # warmed up on synthetic:arith, both policies on torch workers sharing one device.
 #
 #   SLIMEN=.devbuild/slimen PY=python3 DEVICE=cuda:0 OUT=/tmp/e2e engines/torch/e2e_debate.sh

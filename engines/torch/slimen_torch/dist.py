@@ -125,7 +125,7 @@ def init(device: str, backend: str = "") -> tuple[int, int, int, Links]:
     # new_group of a rank outside the new group an ncclCommSplit of the default group, a
     # collective of all ranks that the new group's own ranks, making a gloo group, never join: from
     # 3 ranks on, the ranks outside a pair below waited there for ever and the worker never
-    # started (issue 37).
+    # started.
     dist.init_process_group(backend)
     forever = datetime.timedelta(days=365)
     calls = dist.new_group(backend="gloo", timeout=forever)
