@@ -175,7 +175,7 @@ func (r *Run) evalAndLog(ctx context.Context) ([]Metrics, error) {
 	if err := r.metrics.writeLines(evs); err != nil {
 		return nil, err
 	}
-	r.recordEval(evs)
+	r.rec.eval(r.step, evs)
 	r.afterEval()
 	return evs, nil
 }

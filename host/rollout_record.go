@@ -16,6 +16,7 @@ import (
 
 	"github.com/slimen/slimen/engines"
 	"github.com/slimen/slimen/engines/tiny"
+	"github.com/slimen/slimen/host/config"
 	"github.com/slimen/slimen/host/script"
 )
 
@@ -111,18 +112,26 @@ const (
 	evalRecords     = 4        // rollouts kept of each eval dataset (at most run.save_rollouts)
 )
 
-// recorder keeps what a step's record needs between the step's phases, and writes
-// rollouts.jsonl.
+// recorder makes the run's record of its steps and evals: it keeps what a step's record needs
+// between the step's phases, writes rollouts.jsonl and hands the records to the observers. The
+// run owns it (Run.rec) and gives it, when the run is made, the few things it reads of the run:
+// the config, a policy's engine (for the text of tokens), the observers and the run's identity.
 type recorder struct {
-	mu   sync.Mutex
-	adv  map[*script.Completion][]float32 // the step's trained samples' advantages
-	eval []evalPass                       // the passes of the eval in progress
+	mu    sync.Mutex
+	adv   map[*script.Completion][]float32 // the step's trained samples' advantages
+	evals []evalPass                       // the passes of the eval in progress
 
 	out    string         // the run folder; "" writes no file
 	events *eventLog      // where a failed write is said
 	file   *metricsWriter // rollouts.jsonl once opened
 	// failed says a write of rollouts.jsonl failed: said once, the run goes on.
 	failed bool
+
+	config    func() *config.Config              // the run's config (a reload may change it)
+	engineOf  func(policy string) engines.Engine // a policy's engine; nil for a policy not open
+	observers []Observer                         // Options.Observers
+	id, wd    string                             // the run's id and working directory, for RunInfo
+	obs       *observers                         // Options.Observers and run.tensorboard's, once started
 }
 
 // evalPass is one eval dataset's rollouts.
@@ -150,17 +159,17 @@ func (rc *recorder) noteEval(i int, dataset string, ros []*script.Rollout) {
 	rc.mu.Lock()
 	defer rc.mu.Unlock()
 	if i == 0 {
-		rc.eval = nil
+		rc.evals = nil
 	}
-	rc.eval = append(rc.eval, evalPass{dataset, ros})
+	rc.evals = append(rc.evals, evalPass{dataset, ros})
 }
 
 // takeEval returns and forgets the eval's rollouts; takeAdv the step's advantages.
 func (rc *recorder) takeEval() []evalPass {
 	rc.mu.Lock()
 	defer rc.mu.Unlock()
-	e := rc.eval
-	rc.eval = nil
+	e := rc.evals
+	rc.evals = nil
 	return e
 }
 
@@ -214,14 +223,8 @@ type pieceFunc func(ids []int32) []string
 type tokenizerOf interface{ Tokenizer() *tiny.Tokenizer }
 
 // pieces returns the token-text function of a policy's engine; nil where it has none.
-func (r *Run) pieces(policy string) pieceFunc {
-	r.polMu.Lock()
-	p := r.policies[policy]
-	r.polMu.Unlock()
-	if p == nil {
-		return nil
-	}
-	t, ok := p.eng.(tokenizerOf)
+func (rc *recorder) pieces(policy string) pieceFunc {
+	t, ok := rc.engineOf(policy).(tokenizerOf)
 	if !ok || t.Tokenizer() == nil {
 		return nil
 	}
@@ -235,8 +238,8 @@ func (r *Run) pieces(policy string) pieceFunc {
 	}
 }
 
-// recordRollout makes the record of one rollout.
-func (r *Run) recordRollout(ro *script.Rollout, step int, dataset string, adv map[*script.Completion][]float32) RolloutRecord {
+// rollout makes the record of one rollout.
+func (rc *recorder) rollout(ro *script.Rollout, step int, dataset string, adv map[*script.Completion][]float32) RolloutRecord {
 	rec := RolloutRecord{Step: step, Eval: ro.Eval != nil, Dataset: dataset, Index: ro.Index, Group: ro.Group, Task: taskRecord(ro.Task), Calls: []CallRecord{}}
 	if ro.Err != nil {
 		rec.Error = cutText(script.ErrorText(ro.Err))
@@ -271,7 +274,7 @@ func (r *Run) recordRollout(ro *script.Rollout, step int, dataset string, adv ma
 		if i == maxRecordCalls {
 			break
 		}
-		rec.Calls = append(rec.Calls, r.callRecord(c, trained[c], adv[c]))
+		rec.Calls = append(rec.Calls, rc.call(c, trained[c], adv[c]))
 	}
 	return rec
 }
@@ -295,8 +298,8 @@ func taskRecord(t Task) TaskRecord {
 	return tr
 }
 
-// callRecord makes the record of one completion; adv is its advantages when it was trained.
-func (r *Run) callRecord(c *script.Completion, trained bool, adv []float32) CallRecord {
+// call makes the record of one completion; adv is its advantages when it was trained.
+func (rc *recorder) call(c *script.Completion, trained bool, adv []float32) CallRecord {
 	cr := CallRecord{Policy: c.Policy(), Kind: "generate", ID: c.ID(), PromptTokens: len(c.PromptTokens()),
 		Response: cutText(c.Text()), FinishReason: c.FinishReason(), Trained: trained}
 	if c.Conversation() {
@@ -325,7 +328,7 @@ func (r *Run) callRecord(c *script.Completion, trained bool, adv []float32) Call
 		}
 		cr.Advantage = a
 	}
-	pieces := r.pieces(c.Policy())
+	pieces := rc.pieces(c.Policy())
 	if pieces != nil {
 		cr.Pieces = pieces(cr.TokenIDs)
 		if cr.Messages == nil {
@@ -455,79 +458,80 @@ func (w *metricsWriter) writeRaw(b []byte) error {
 	return nil
 }
 
-// recordStep writes a completed step's rollouts to rollouts.jsonl and hands the step to the
+// step writes a completed step's rollouts to rollouts.jsonl and hands the step to the
 // observers.
-func (r *Run) recordStep(step int, ros []*script.Rollout, res *StepResult) {
-	adv := r.rec.takeAdv()
-	if r.opts.Out == "" && len(r.opts.Observers) == 0 && r.Config().Run.TensorBoard == "" {
+func (rc *recorder) step(step int, ros []*script.Rollout, res *StepResult) {
+	adv := rc.takeAdv()
+	if rc.out == "" && len(rc.observers) == 0 && rc.config().Run.TensorBoard == "" {
 		return // nothing to write and no one to tell
 	}
-	n := r.Config().Run.SaveRollouts
+	n := rc.config().Run.SaveRollouts
 	var recs []RolloutRecord
 	for _, ro := range pickRollouts(ros, n) {
-		recs = append(recs, r.recordRollout(ro, step, "", adv))
+		recs = append(recs, rc.rollout(ro, step, "", adv))
 	}
-	r.rec.write(recs)
-	if !r.observing(step - 1) {
+	rc.write(recs)
+	if !rc.observing(step - 1) {
 		return
 	}
-	r.obs.step(StepRecord{Step: step, Metrics: copyLines(append(append([]Metrics(nil), res.Policies...), res.Run)),
+	rc.obs.step(StepRecord{Step: step, Metrics: copyLines(append(append([]Metrics(nil), res.Policies...), res.Run)),
 		Rewards: stepRewards(ros), Advantages: sampleAdvantages(ros, adv), Rollouts: recs})
 }
 
-// recordEval writes an eval's rollouts (a few of each dataset) and hands the eval to the
-// observers.
-func (r *Run) recordEval(evs []Metrics) {
-	evals := r.rec.takeEval()
-	if r.opts.Out == "" && len(r.opts.Observers) == 0 && r.Config().Run.TensorBoard == "" {
+// eval writes an eval's rollouts (a few of each dataset) and hands the eval to the observers;
+// step is the steps done before it.
+func (rc *recorder) eval(step int, evs []Metrics) {
+	evals := rc.takeEval()
+	if rc.out == "" && len(rc.observers) == 0 && rc.config().Run.TensorBoard == "" {
 		return
 	}
-	n := min(r.Config().Run.SaveRollouts, evalRecords)
+	n := min(rc.config().Run.SaveRollouts, evalRecords)
 	var recs []RolloutRecord
 	for _, p := range evals {
 		for _, ro := range pickRollouts(p.ros, n) {
-			recs = append(recs, r.recordRollout(ro, r.step, p.dataset, nil))
+			recs = append(recs, rc.rollout(ro, step, p.dataset, nil))
 		}
 	}
-	r.rec.write(recs)
-	if !r.observing(r.step) {
+	rc.write(recs)
+	if !rc.observing(step) {
 		return
 	}
-	r.obs.eval(EvalRecord{Step: r.step, Metrics: copyLines(evs), Rollouts: recs})
+	rc.obs.eval(EvalRecord{Step: step, Metrics: copyLines(evs), Rollouts: recs})
 }
 
 // observing says whether the run has observers, making and starting them before their first
 // record: Options.Observers and, with run.tensorboard, the TensorBoard writer. done is the steps
 // done before the record.
-func (r *Run) observing(done int) bool {
-	if r.obs == nil {
-		list := append([]Observer(nil), r.opts.Observers...)
-		if dir := r.Config().Run.TensorBoard; dir != "" {
+func (rc *recorder) observing(done int) bool {
+	if rc.obs == nil {
+		list := append([]Observer(nil), rc.observers...)
+		if dir := rc.config().Run.TensorBoard; dir != "" {
 			list = append(list, newTensorBoardObserver(dir))
 		}
-		r.obs = newObservers(r.events, list)
-		r.obs.start(RunInfo{ID: r.id, Out: r.opts.Out, WorkDir: r.wd, Config: r.Config(), Step: done, Resumed: done > 0})
+		rc.obs = newObservers(rc.events, list)
+		rc.obs.start(RunInfo{ID: rc.id, Out: rc.out, WorkDir: rc.wd, Config: rc.config(), Step: done, Resumed: done > 0})
 	}
-	return len(r.obs.list) > 0
+	return len(rc.obs.list) > 0
 }
 
-// closeRecord closes the observers (after what they were handed; Options.Observers also when the
-// run recorded nothing, so what they hold, a sidecar, ends) and rollouts.jsonl.
-func (r *Run) closeRecord() error {
+// close closes the observers (after what they were handed; Options.Observers also when the run
+// recorded nothing, so what they hold, a sidecar, ends) and rollouts.jsonl. trainErr is the
+// error Train last returned (nil: none), which the observers learn.
+func (rc *recorder) close(trainErr *error) error {
 	var ended error
-	if p := r.trainErr.Load(); p != nil {
-		ended = *p
+	if trainErr != nil {
+		ended = *trainErr
 	}
-	if r.obs == nil {
-		for _, o := range r.opts.Observers {
+	if rc.obs == nil {
+		for _, o := range rc.observers {
 			if o != nil {
-				closeObserver(r.events, o, observerName(o), ended)
+				closeObserver(rc.events, o, observerName(o), ended)
 			}
 		}
 	}
-	r.obs.close(ended)
-	if r.rec.file != nil {
-		return r.rec.file.close()
+	rc.obs.close(ended)
+	if rc.file != nil {
+		return rc.file.close()
 	}
 	return nil
 }

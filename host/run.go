@@ -126,9 +126,8 @@ type Run struct {
 	activity activity
 	events   *eventLog
 	metrics  *metricsWriter
-	rec      recorder   // rollouts.jsonl and what a step's record needs
-	obs      *observers // Options.Observers and run.tensorboard's, once started
-	lock     *runLock   // the run folder's lock; nil without a folder
+	rec      recorder // rollouts.jsonl, the observers and what a step's record needs
+	lock     *runLock // the run folder's lock; nil without a folder
 	// logNames are the log() names the run has written to its _run lines (at most
 	// script.MaxLogNamesPerRun; runMetrics).
 	logNames map[string]bool
@@ -341,6 +340,16 @@ func newRun(opts Options) *Run {
 	if len(r.cfg.Policies) == 0 {
 		r.zero = true // a config that lists no policies leaves them to the script, as zero-config does
 	}
+	r.rec = recorder{events: r.events, config: r.Config, observers: opts.Observers, id: r.id, wd: r.wd}
+	r.rec.engineOf = func(name string) engines.Engine {
+		r.polMu.Lock()
+		p := r.policies[name]
+		r.polMu.Unlock()
+		if p == nil {
+			return nil
+		}
+		return p.eng
+	}
 	return r
 }
 
@@ -378,7 +387,7 @@ func (r *Run) Close() error {
 		}
 	}
 	r.polMu.Unlock()
-	errs = append(errs, r.closeRecord(), r.events.close(), r.metrics.close(), r.lock.release())
+	errs = append(errs, r.rec.close(r.trainErr.Load()), r.events.close(), r.metrics.close(), r.lock.release())
 	return errors.Join(errs...)
 }
 
@@ -497,7 +506,7 @@ func (r *Run) runStep(ctx context.Context) (*StepResult, error) {
 	if err := r.metrics.writeLines(append(append([]Metrics(nil), res.Policies...), res.Run)); err != nil {
 		return nil, err
 	}
-	r.recordStep(step, ros, res)
+	r.rec.step(step, ros, res)
 	if r.evalDue(step) {
 		if res.Eval, err = r.evalAndLog(ctx); err != nil {
 			return nil, err
