@@ -135,7 +135,7 @@ func TestForgedLogsLeftOut(t *testing.T) {
 	}
 	var log lockedBuffer
 	r := &Run{events: &eventLog{w: &log}}
-	sums := r.logSums(1, ros)
+	sums := r.logNames.sums(1, ros, r.events)
 	if len(sums) != 1 || sums["acc"] != [2]float64{3, 2} {
 		t.Errorf("sums = %v, want only the honest rollout's acc", sums)
 	}

@@ -407,10 +407,10 @@ func meanStd(xs []float64) (float64, float64) {
 }
 
 // runMetrics is a step's run-wide line ("_run"): rollouts, failures, tokens, timings and the
-// means of the script's log() values. Its tokens_per_s is the tokens generated over genS, the
-// time an engine was generating them (an agent() run's rollouts also start programs and run
-// tools, which rolloutS counts).
-func (r *Run) runMetrics(step int, ros []*script.Rollout, res *StepResult, rolloutS, genS, trainS, stepS float64) Metrics {
+// means of the script's log() values, whose sums (logNameSet.sums) are logs. Its tokens_per_s is
+// the tokens generated over genS, the time an engine was generating them (an agent() run's
+// rollouts also start programs and run tools, which rolloutS counts).
+func runMetrics(step int, ros []*script.Rollout, res *StepResult, rolloutS, genS, trainS, stepS float64, logs map[string][2]float64) Metrics {
 	m := newMetrics(step, "_run")
 	m.set("rollouts", len(ros))
 	m.set("failed", len(res.Failed))
@@ -428,18 +428,22 @@ func (r *Run) runMetrics(step int, ros []*script.Rollout, res *StepResult, rollo
 	case rolloutS > 0: // nothing generated
 		m.set("tokens_per_s", 0.0)
 	}
-	for k, v := range r.logSums(step, ros) {
+	for k, v := range logs {
 		m.set(k, v[0]/v[1])
 	}
 	return m
 }
 
-// logSums adds up the log() values of the step's successful rollouts. It applies log()'s rules
+// logNameSet is the log() names a run has written to its _run lines, at most
+// script.MaxLogNamesPerRun; the run owns it (Run.logNames).
+type logNameSet map[string]bool
+
+// sums adds up the log() values of the step's successful rollouts. It applies log()'s rules
 // again, since a sandboxed rollout's values come from its child: a rollout that reports a name
 // the host writes itself (script.RunFields), a name too long or not finite, or more than
 // script.MaxLogNamesPerRollout names, counts with none of its values. Names new to the run past
-// script.MaxLogNamesPerRun are dropped, with an event that names them.
-func (r *Run) logSums(step int, ros []*script.Rollout) map[string][2]float64 {
+// script.MaxLogNamesPerRun are dropped; events says both.
+func (names *logNameSet) sums(step int, ros []*script.Rollout, events *eventLog) map[string][2]float64 {
 	sums := map[string][2]float64{}
 	for _, ro := range ros {
 		if ro.Err != nil {
@@ -447,7 +451,7 @@ func (r *Run) logSums(step int, ros []*script.Rollout) map[string][2]float64 {
 		}
 		logs := ro.Logs()
 		if err := checkLogs(logs); err != nil {
-			r.events.printf("step %d task %s: its log() values are left out of the metrics: %v", step, ro.Task.ID, err)
+			events.printf("step %d task %s: its log() values are left out of the metrics: %v", step, ro.Task.ID, err)
 			continue
 		}
 		for k, v := range logs {
@@ -457,26 +461,26 @@ func (r *Run) logSums(step int, ros []*script.Rollout) map[string][2]float64 {
 	}
 	var dropped []string
 	for k := range sums {
-		if !r.logNames[k] && len(r.logNames) >= script.MaxLogNamesPerRun {
+		if !(*names)[k] && len(*names) >= script.MaxLogNamesPerRun {
 			dropped = append(dropped, k)
 			continue
 		}
-		if r.logNames == nil {
-			r.logNames = map[string]bool{}
+		if *names == nil {
+			*names = logNameSet{}
 		}
-		r.logNames[k] = true
+		(*names)[k] = true
 	}
 	if len(dropped) > 0 {
 		sort.Strings(dropped)
 		for _, k := range dropped {
 			delete(sums, k)
 		}
-		names := strings.Join(dropped[:min(len(dropped), 5)], ", ")
+		list := strings.Join(dropped[:min(len(dropped), 5)], ", ")
 		if len(dropped) > 5 {
-			names += ", …"
+			list += ", …"
 		}
-		r.events.printf("step %d: log(): the run has written %d metric names, the most a run writes; %d new names are left out of its metrics: %s",
-			step, len(r.logNames), len(dropped), names)
+		events.printf("step %d: log(): the run has written %d metric names, the most a run writes; %d new names are left out of its metrics: %s",
+			step, len(*names), len(dropped), list)
 	}
 	return sums
 }

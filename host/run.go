@@ -130,7 +130,7 @@ type Run struct {
 	lock     *runLock // the run folder's lock; nil without a folder
 	// logNames are the log() names the run has written to its _run lines (at most
 	// script.MaxLogNamesPerRun; runMetrics).
-	logNames map[string]bool
+	logNames logNameSet
 	// agents is the endpoint of its rollouts' agent() programs: the run's own.
 	agents script.AgentEndpoint
 
@@ -500,7 +500,7 @@ func (r *Run) runStep(ctx context.Context) (*StepResult, error) {
 		return nil, err
 	}
 	res.Policies = pm
-	res.Run = r.runMetrics(step, ros, res, rolloutS, l.genS, trainS, time.Since(t0).Seconds())
+	res.Run = runMetrics(step, ros, res, rolloutS, l.genS, trainS, time.Since(t0).Seconds(), r.logNames.sums(step, ros, r.events))
 	r.asyncMetrics(res, l, k)
 	r.step, r.next = step, r.next+n
 	if err := r.metrics.writeLines(append(append([]Metrics(nil), res.Policies...), res.Run)); err != nil {
