@@ -30,16 +30,17 @@ func stepCut(step int, ros []*script.Rollout, grace float64) error {
 	return &StepCut{Step: step, Cancelled: cancelled, Total: len(ros), Grace: grace}
 }
 
-// checkFolder makes sure the run folder is still this run's and writable: its lock file is the
-// one this run holds (not deleted, moved or replaced), and a file can be created in it. Called at
-// each step's start and before its results are written.
-func (r *Run) checkFolder() error {
-	if r.lock == nil {
+// checkFolder makes sure run folder dir, whose lock this is, is still the run's and writable: its
+// lock file is the one the run holds (not deleted, moved or replaced), and a file can be created
+// in it. step is the steps done; lastCheckpoint the run's newest checkpoint, for the hint. The
+// run calls it at each step's start and before the step's results are written; a nil lock (no
+// folder) checks nothing.
+func (l *runLock) checkFolder(dir string, step int, lastCheckpoint func() string) error {
+	if l == nil {
 		return nil
 	}
-	dir := r.opts.Out
-	if why := r.lock.gone(); why != "" {
-		return &RunFolderError{Dir: dir, Why: why, Step: r.step,
+	if why := l.gone(); why != "" {
+		return &RunFolderError{Dir: dir, Why: why, Step: step,
 			Hint: fmt.Sprintf("its metrics and checkpoints went with it; if it was moved, move it back to %s and resume with: slimen exec --resume %s", dir, dir)}
 	}
 	f, err := os.CreateTemp(dir, ".write-check-")
@@ -51,20 +52,21 @@ func (r *Run) checkFolder() error {
 		os.Remove(f.Name())
 	}
 	if err != nil {
-		return &RunFolderError{Dir: dir, Why: fmt.Sprintf("it is not writable: %v", err), Step: r.step, Hint: r.folderHint()}
+		return &RunFolderError{Dir: dir, Why: fmt.Sprintf("it is not writable: %v", err), Step: step, Hint: folderHint(dir, lastCheckpoint())}
 	}
 	return nil
 }
 
-// folderHint is the way on once the folder is writable again.
-func (r *Run) folderHint() string {
-	if ck := r.LastCheckpoint(); ck != "" {
-		return fmt.Sprintf("once it is writable again, resume from its last checkpoint (%s) with: slimen exec --resume %s", filepath.Base(ck), r.opts.Out)
+// folderHint is the way on once run folder out is writable again; last is the newest checkpoint
+// the run wrote or resumed from ("": none).
+func folderHint(out, last string) string {
+	if last != "" {
+		return fmt.Sprintf("once it is writable again, resume from its last checkpoint (%s) with: slimen exec --resume %s", filepath.Base(last), out)
 	}
-	if dir, _, err := FindCheckpoint(r.opts.Out); err == nil {
-		return fmt.Sprintf("once it is writable again, resume from its last checkpoint (%s) with: slimen exec --resume %s", filepath.Base(dir), r.opts.Out)
+	if dir, _, err := FindCheckpoint(out); err == nil {
+		return fmt.Sprintf("once it is writable again, resume from its last checkpoint (%s) with: slimen exec --resume %s", filepath.Base(dir), out)
 	}
-	return fmt.Sprintf("it holds no checkpoint yet: once it is writable again, start the run again with another --out (or remove %s)", r.opts.Out)
+	return fmt.Sprintf("it holds no checkpoint yet: once it is writable again, start the run again with another --out (or remove %s)", out)
 }
 
 // StopHint is how a run that stopped goes on: the resume command of its newest valid checkpoint,

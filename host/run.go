@@ -449,7 +449,7 @@ func (r *Run) Step(ctx context.Context) (*StepResult, error) {
 // runStep is Step without the rollback of the state store.
 func (r *Run) runStep(ctx context.Context) (*StepResult, error) {
 	step := r.step + 1
-	if err := r.checkFolder(); err != nil {
+	if err := r.lock.checkFolder(r.opts.Out, r.step, r.LastCheckpoint); err != nil {
 		return nil, err
 	}
 	r.restart.stepStarting(r.step, r.ckpt.have && r.ckpt.step == r.step)
@@ -496,7 +496,7 @@ func (r *Run) runStep(ctx context.Context) (*StepResult, error) {
 	}
 	r.warnNothingTrained(step, ros, pm)
 	trainS := time.Since(t1).Seconds()
-	if err := r.checkFolder(); err != nil {
+	if err := r.lock.checkFolder(r.opts.Out, r.step, r.LastCheckpoint); err != nil {
 		return nil, err
 	}
 	res.Policies = pm
