@@ -4,15 +4,9 @@ import (
 	"context"
 	"fmt"
 	"math"
-	"path/filepath"
-	"slices"
-	"sort"
 	"strconv"
-	"sync"
-	"sync/atomic"
 	"time"
 
-	"github.com/slimen/slimen/engines"
 	"github.com/slimen/slimen/host/config"
 	"github.com/slimen/slimen/host/script"
 )
@@ -34,9 +28,6 @@ func genVersion(step, k int) int { return max(0, step-1-k) }
 // (rollout.partial): the one after genVersion, once the step before has made it; when it has
 // not (the first steps), genVersion itself, and nothing is split.
 func contVersion(step, k int) int { return min(genVersion(step, k)+1, step-1) }
-
-// staleness is the run's rollout.max_staleness.
-func (r *Run) staleness() int { return r.Config().Rollout.MaxStaleness }
 
 type versionKey struct{}
 
@@ -61,15 +52,12 @@ func versionFor(ctx context.Context, p *policy) stepVersions {
 }
 
 // asyncLoop is the asynchronous loop's state between steps: the rollouts launched for steps not
-// yet trained, the data position after them, and the weights versions the trainable policies keep
-// for them, with the gate partial rollouts wait at. Starting rollouts and keeping versions in the
-// engines is the run's (launch, needVersion); this value holds what they did.
+// yet trained and the data position after them. Starting rollouts is the run's (launch); this
+// value holds what it did. The weights versions kept for them are the run's versionKeeper's.
 type asyncLoop struct {
 	events *eventLog   // where discarded rollouts are said
 	ahead  []*launched // in step order
 	pos    int         // the data position after the steps launched
-	kept   map[int]bool
-	gate   versionGate // opens when a version is kept, for partial rollouts
 }
 
 // take returns the data position of the next n tasks, which a step about to launch runs.
@@ -121,34 +109,6 @@ func (a *asyncLoop) discard(why string) {
 	a.ahead = nil
 }
 
-// keep notes that the trainable policies keep weights version v, and opens its gate.
-func (a *asyncLoop) keep(v int) {
-	if a.kept == nil {
-		a.kept = map[int]bool{}
-	}
-	a.kept[v] = true
-	a.gate.open(v)
-}
-
-// dropBelow forgets the weights versions below v.
-func (a *asyncLoop) dropBelow(v int) {
-	for k := range a.kept {
-		if k < v {
-			delete(a.kept, k)
-		}
-	}
-}
-
-// versions lists the weights versions kept, in order.
-func (a *asyncLoop) versions() []int {
-	var vs []int
-	for v := range a.kept {
-		vs = append(vs, v)
-	}
-	sort.Ints(vs)
-	return vs
-}
-
 // launched is the rollouts of one step, started on their own goroutine: in the synchronous loop
 // when the step starts, with K > 0 while the step K before it trains.
 type launched struct {
@@ -169,7 +129,7 @@ type launched struct {
 // data position, so a batch size changed by a reload neither skips tasks nor repeats them.
 func (r *Run) launch(ctx context.Context, step, v int, cfg *config.Config) error {
 	if v >= 0 {
-		if err := r.needVersion(ctx, v, cfg.Rollout.MaxStaleness); err != nil {
+		if err := r.vers.need(ctx, r.policyList(), r.step, v, cfg.Rollout.MaxStaleness); err != nil {
 			return err
 		}
 	}
@@ -235,244 +195,13 @@ func (r *Run) launchAhead(ctx context.Context, step int, cfg *config.Config) err
 	if k == 0 {
 		return nil
 	}
-	if err := r.dropVersions(ctx, genVersion(step+1, k), k); err != nil {
+	if err := r.vers.drop(ctx, r.policyList(), r.step, genVersion(step+1, k), k); err != nil {
 		return err
 	}
 	for t := r.async.lastStep(step) + 1; t <= step+k; t++ {
 		if err := r.launch(ctx, t, genVersion(t, k), cfg); err != nil {
 			return err
 		}
-	}
-	return nil
-}
-
-// versioned returns the engines.Versions of every trainable policy: its engine's own, or rollout
-// replicas for an engine the run started that keeps none; an error names the first
-// policy that can have neither.
-func (r *Run) versioned(ctx context.Context, k int) (map[string]engines.Versions, error) {
-	out := map[string]engines.Versions{}
-	var fresh []*replicas
-	for _, p := range r.policyList() {
-		if !p.cfg.Trainable {
-			continue
-		}
-		vs := p.disp.versions() // nil until the first step with rollout.max_staleness > 0
-		if vs == nil {
-			var err error
-			vs, err = r.versionsOf(ctx, p, k)
-			if err != nil {
-				return nil, err
-			}
-			if p.replicas == nil {
-				// A policy the script created after the run kept its versions (a zero-config
-				// name first met by a step's rollouts, which sampled its current weights): it has
-				// not trained yet, so each kept version is its current weights. (Replicas load
-				// the kept versions when they are prepared.)
-				for _, v := range r.async.versions() {
-					if err := vs.KeepVersion(ctx, v); err != nil {
-						return nil, &EngineError{Step: r.step + 1, Policy: p.name, Err: fmt.Errorf("keeping weights version %d for rollouts: %w", v, err),
-							Hint: r.engineErrorHint()}
-					}
-				}
-			}
-			p.disp.setVersions(vs)
-			if p.replicas != nil {
-				fresh = append(fresh, p.replicas)
-			}
-		}
-		out[p.name] = vs
-	}
-	// The replicas of all policies start at once: worker processes, each seconds to start.
-	n := k
-	if r.Config().Rollout.Partial {
-		n++ // a step's rollouts continue under the version after theirs
-	}
-	errs := atOnce(len(fresh), func(i int) error { return fresh[i].prepare(ctx, n) })
-	for i, err := range errs {
-		if err != nil {
-			return nil, &EngineError{Step: r.step + 1, Policy: fresh[i].policy, Err: err, Hint: r.engineErrorHint()}
-		}
-	}
-	return out, nil
-}
-
-// versionsOf finds how policy p keeps weights versions.
-func (r *Run) versionsOf(ctx context.Context, p *policy, k int) (engines.Versions, error) {
-	kind := p.cfg.Engine.Kind
-	if vs, ok := p.eng.(engines.Versions); ok {
-		probe, asks := p.eng.(engines.VersionsProber)
-		if !asks {
-			return vs, nil
-		}
-		keeps, err := probe.KeepsVersions(ctx)
-		if err != nil {
-			return nil, fmt.Errorf("policy %q: asking its engine whether it keeps weights versions (rollout.max_staleness %d): %w", p.name, k, err)
-		}
-		if keeps {
-			r.events.printf("policy %q: its %s engine keeps rollout copies of its weights itself, "+
-				"so rollouts at rollout.max_staleness %d sample from them while it trains (a device "+
-				"copy of the weights per kept version, up to %d)", p.name, kind, k, k)
-			return vs, nil
-		}
-	}
-	_, given := r.opts.Engines[p.name]
-	if given || offHost(p.cfg) || kind == "openai" || r.opts.Out == "" {
-		why := "an engine the run opens itself and a run directory, through which its rollout replicas take the weights"
-		if offHost(p.cfg) {
-			why = "an engine the run starts itself: a replica of a server the run does not own would be the same server"
-		}
-		server := ""
-		if p.cfg.LoRA != nil && offHost(p.cfg) {
-			// An adapter on a server keeps no versions of its own (the tiny engine's adapters
-			// in the run's process do; a torch policy's adapters get rollout replicas).
-			server = " (a LoRA adapter on a server keeps no weights versions: run the policy on kind: tiny or kind: torch to train it asynchronously)"
-		} else if _, asks := p.eng.(engines.VersionsProber); asks {
-			// A server reached over the protocol keeps them when it lists "versions".
-			server = " (its server lists no \"versions\" capability; `slimen serve` of an engine that keeps versions and the torch worker without --no-versions list it)"
-		}
-		return nil, fmt.Errorf("policy %q%s: rollout.max_staleness is %d, which needs an engine that keeps rollout copies of "+
-			"its weights while it trains (the tiny engine does) or %s; "+
-			"its %s engine has neither%s — set rollout.max_staleness: 0 (docs/async.md)",
-			p.name, r.cfgPlace(p), k, why, kind, server)
-	}
-	pc := p.cfg
-	var opened atomic.Int64 // replicas opened: the next one's number (EngineEnv.Replica)
-	rep := &replicas{policy: p.name, trainer: p.eng, dir: filepath.Join(r.opts.Out, ".rollout_push", p.name), logf: r.events.filef,
-		open: func(ctx context.Context) (engines.Engine, error) {
-			open := r.opts.OpenEngine
-			if open == nil {
-				open = func(ctx context.Context, pc config.PolicyConfig) (engines.Engine, error) {
-					lost := func(ctx context.Context, ev restartEvent) error {
-						return fmt.Errorf("policy %q: a rollout replica restarted and lost the weights version it held; resume the run from its last checkpoint", pc.Name)
-					}
-					return openEngine(ctx, pc, r.opts.Out, engineLogs{printf: r.events.printf, worker: r.events.filef, restarted: lost, cfg: r.cfg,
-						replica: int(opened.Add(1))})
-				}
-			}
-			return open(ctx, pc)
-		}}
-	p.replicas = rep
-	r.events.printf("policy %q: its %s engine trains its only copy of the weights in place, "+
-		"so rollouts at rollout.max_staleness %d sample from rollout replicas (another engine of the "+
-		"policy each, up to %d), which take the trainer's weights after each step (by broadcast "+
-		"through a push group when their engines join one, else through a folder)", p.name, kind, k, k)
-	return rep, nil
-}
-
-// needVersion makes every trainable policy keep weights version v, which a step about to
-// launch generates from: kept already, or the current weights (v = r.step), kept now.
-func (r *Run) needVersion(ctx context.Context, v, k int) error {
-	vs, err := r.versioned(ctx, k)
-	if err != nil {
-		return err
-	}
-	if r.async.kept[v] {
-		r.async.gate.open(v)
-		return nil
-	}
-	if v != r.step {
-		return fmt.Errorf("step %d: weights version %d is needed, but only the current weights (version %d) and versions %v are at hand", r.step+1, v,
-			r.step, r.async.versions())
-	}
-	for _, name := range sortedKeys(vs) {
-		if err := vs[name].KeepVersion(ctx, v); err != nil {
-			return &EngineError{Step: r.step + 1, Policy: name, Err: fmt.Errorf("keeping weights version %d for rollouts: %w", v, err), Hint: r.engineErrorHint()}
-		}
-	}
-	r.async.keep(v)
-	return nil
-}
-
-// dropVersions forgets the weights versions below v: no step to come generates from them.
-func (r *Run) dropVersions(ctx context.Context, below, k int) error {
-	if k == 0 {
-		return nil
-	}
-	vs, err := r.versioned(ctx, k)
-	if err != nil {
-		return err
-	}
-	for _, name := range sortedKeys(vs) {
-		if err := vs[name].DropVersions(ctx, below); err != nil {
-			return &EngineError{Step: r.step + 1, Policy: name, Err: fmt.Errorf("dropping weights versions: %w", err), Hint: r.engineErrorHint()}
-		}
-	}
-	r.async.dropBelow(below)
-	return nil
-}
-
-func sortedKeys[V any](m map[string]V) []string {
-	keys := make([]string, 0, len(m))
-	for k := range m {
-		keys = append(keys, k)
-	}
-	sort.Strings(keys)
-	return keys
-}
-
-// versionsDir is where a checkpoint holds the weights versions its next steps generate from:
-// rollout_versions/<policy>/<version>.
-const versionsDir = "rollout_versions"
-
-// saveVersions writes into a checkpoint of step the versions that the steps after it generate
-// from, besides the current weights (version step): genVersion(step+1)…step−1.
-func (r *Run) saveVersions(ctx context.Context, step int, tmp string) error {
-	k := r.staleness()
-	if k == 0 || step == 0 {
-		return nil
-	}
-	vs, err := r.versioned(ctx, k)
-	if err != nil {
-		return err
-	}
-	lo := genVersion(step+1, k)
-	for name, v := range vs {
-		for ver := lo; ver < step; ver++ {
-			dir := filepath.Join(tmp, versionsDir, name, strconv.Itoa(ver))
-			if err := v.SaveVersion(ctx, ver, dir); err != nil {
-				return fmt.Errorf("checkpoint: policy %q: its engine could not save weights version %d: %w", name, ver, err)
-			}
-		}
-	}
-	if lo < step {
-		msg := fmt.Sprintf("checkpoint: step %d holds weights versions %s, which steps %s generate from (rollout.max_staleness %d)", step, span(lo, step-1),
-			span(step+1, step+k), k)
-		if lo, hi, ok := r.async.inFlight(); ok {
-			msg += fmt.Sprintf("; the rollouts of steps %s in flight are not in it: a resume runs them again from those versions",
-				span(lo, hi))
-		}
-		r.events.filef("%s", msg)
-	}
-	return nil
-}
-
-// restoreVersions puts back the weights versions a checkpoint holds for policy p: each is loaded
-// and kept, before the checkpoint's current weights are loaded over them.
-func (r *Run) restoreVersions(ctx context.Context, dir string, p *policy) error {
-	root := filepath.Join(dir, versionsDir, p.name)
-	entries, _ := filepath.Glob(filepath.Join(root, "*"))
-	var vers []int
-	for _, e := range entries {
-		if v, err := strconv.Atoi(filepath.Base(e)); err == nil {
-			vers = append(vers, v)
-		}
-	}
-	if len(vers) == 0 {
-		return nil
-	}
-	if _, err := r.versioned(ctx, max(1, r.staleness())); err != nil {
-		return fmt.Errorf("resume: %w", err)
-	}
-	vs := p.disp.versions()
-	sort.Ints(vers)
-	for _, v := range vers {
-		if err := p.eng.Load(ctx, filepath.Join(root, strconv.Itoa(v))); err != nil {
-			return fmt.Errorf("resume: policy %q: weights version %d: %w", p.name, v, err)
-		}
-		if err := vs.KeepVersion(ctx, v); err != nil {
-			return fmt.Errorf("resume: policy %q: weights version %d: %w", p.name, v, err)
-		}
-		r.async.keep(v)
 	}
 	return nil
 }
@@ -571,162 +300,4 @@ func stalenessMetrics(m Metrics, step int, ss []trainSample, partial bool) {
 	if partial {
 		m.set("partial_samples", two)
 	}
-}
-
-// Partial rollouts (rollout.partial). A generation of a step that generates from version v and
-// has not ended after partialSplit(max_tokens) tokens is continued from version v+1, the weights
-// the policies finish training while it runs: its first tokens are v's, the rest v+1's, and the
-// completion says so per token (engines.Completion.Versions). The split is a rule on the token
-// count, not on timing, so a run stays deterministic; the continuation waits for version v+1.
-
-// partialSplit is how many tokens of a generation with max_tokens come from its step's version.
-func partialSplit(maxTokens int) int { return (maxTokens + 1) / 2 }
-
-// generatePartial is a generate call of a rollout that samples from version v under
-// rollout.partial.
-func (r *Run) generatePartial(ctx context.Context, p *policy, req engines.GenerateRequest, sv stepVersions) ([]engines.Completion, error) {
-	v, next := sv.gen, sv.cont
-	if next == v {
-		return p.disp.generate(ctx, req, v)
-	}
-	first := req
-	first.MaxTokens = partialSplit(req.MaxTokens)
-	outs, err := p.disp.generate(ctx, first, v)
-	if err != nil || first.MaxTokens >= req.MaxTokens {
-		return outs, err
-	}
-	for i := range outs {
-		o := &outs[i]
-		if o.FinishReason != "length" || len(o.Tokens) < first.MaxTokens {
-			continue // ended, or at the model's length limit
-		}
-		r.activity.leave()
-		err := r.async.gate.wait(ctx, next)
-		r.activity.enter()
-		if err != nil {
-			return nil, err
-		}
-		cont := engines.GenerateRequest{ID: fmt.Sprintf("%s+%d", req.ID, o.Index), PromptTokens: append(slices.Clone(o.PromptTokens), o.Tokens...),
-			N: 1, Sampling: req.Sampling}
-		cont.MaxTokens = req.MaxTokens - len(o.Tokens)
-		cs, err := p.disp.generate(ctx, cont, next)
-		if err != nil {
-			return nil, err
-		}
-		c := cs[0]
-		vs := make([]int32, len(o.Tokens)+len(c.Tokens))
-		for j := range vs {
-			vs[j] = int32(v)
-			if j >= len(o.Tokens) {
-				vs[j] = int32(next)
-			}
-		}
-		o.Tokens = append(o.Tokens, c.Tokens...)
-		o.Logprobs = append(o.Logprobs, c.Logprobs...)
-		o.Text += c.Text
-		o.FinishReason = c.FinishReason
-		o.Versions = vs
-	}
-	return outs, nil
-}
-
-// versionGate tells partial rollouts when a weights version is kept.
-type versionGate struct {
-	mu sync.Mutex
-	ch map[int]chan struct{}
-}
-
-func (g *versionGate) chanOf(v int) chan struct{} {
-	g.mu.Lock()
-	defer g.mu.Unlock()
-	if g.ch == nil {
-		g.ch = map[int]chan struct{}{}
-	}
-	c := g.ch[v]
-	if c == nil {
-		c = make(chan struct{})
-		g.ch[v] = c
-	}
-	return c
-}
-
-// open says that version v is kept.
-func (g *versionGate) open(v int) {
-	c := g.chanOf(v)
-	select {
-	case <-c:
-	default:
-		close(c)
-	}
-}
-
-// wait returns once version v is kept, or with ctx's cause.
-func (g *versionGate) wait(ctx context.Context, v int) error {
-	select {
-	case <-g.chanOf(v):
-		return nil
-	case <-ctx.Done():
-		return context.Cause(ctx)
-	}
-}
-
-// versionsInEngine says whether policy name's weights versions live in its engine's process (a
-// torch worker that keeps them, engines.VersionsProber), which loses them when it restarts.
-func (r *Run) versionsInEngine(name string) bool {
-	r.polMu.Lock()
-	p := r.policies[name]
-	r.polMu.Unlock()
-	if p == nil || r.staleness() == 0 {
-		return false
-	}
-	_, probed := p.eng.(engines.VersionsProber)
-	return probed && p.disp.versions() != nil && p.replicas == nil
-}
-
-// keepAgain puts the weights versions the steps from base on generate from back into eng, a
-// restarted process of policy name that keeps its weights versions itself. It is for an engine
-// that holds the state of step base (before any optimizer step replayed); the versions are those
-// the checkpoint of base holds (rollout_versions, docs/async.md) and base itself. It returns
-// the versions kept.
-func (c *checkpoints) keepAgain(ctx context.Context, eng engines.Engine, name string, base int) ([]int, error) {
-	vs, ok := eng.(engines.Versions)
-	if !ok {
-		return nil, fmt.Errorf("its engine keeps no weights versions")
-	}
-	var kept []int
-	if base > 0 {
-		root, err := c.root()
-		if err != nil {
-			return nil, err
-		}
-		dir := filepath.Join(root, stepName(base), versionsDir, name)
-		entries, _ := filepath.Glob(filepath.Join(dir, "*"))
-		for _, e := range entries {
-			if v, err := strconv.Atoi(filepath.Base(e)); err == nil && v < base {
-				kept = append(kept, v)
-			}
-		}
-		sort.Ints(kept)
-		for _, v := range kept {
-			if err := eng.Load(ctx, filepath.Join(dir, strconv.Itoa(v))); err != nil {
-				return nil, fmt.Errorf("weights version %d: %w", v, err)
-			}
-			if err := vs.KeepVersion(ctx, v); err != nil {
-				return nil, fmt.Errorf("weights version %d: %w", v, err)
-			}
-		}
-		if len(kept) > 0 { // the state of step base again
-			cur, err := c.policyDir(base, name)
-			if err != nil {
-				return nil, err
-			}
-			if err := eng.Load(ctx, cur); err != nil {
-				return nil, fmt.Errorf("loading the checkpoint of step %d again: %w", base, err)
-			}
-		}
-	}
-	if err := vs.KeepVersion(ctx, base); err != nil {
-		return nil, fmt.Errorf("weights version %d: %w", base, err)
-	}
-	return append(kept, base), nil
 }

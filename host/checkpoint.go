@@ -209,7 +209,7 @@ func (r *Run) writeCheckpoint(ctx context.Context, step int, final, tmp string) 
 	if err != nil {
 		return err
 	}
-	if err := r.saveVersions(ctx, step, tmp); err != nil {
+	if err := r.vers.save(ctx, r.policyList(), step, tmp, r.async.inFlight); err != nil {
 		return err
 	}
 	st, err := script.EncodeState(r.state)
@@ -217,7 +217,7 @@ func (r *Run) writeCheckpoint(ctx context.Context, step int, final, tmp string) 
 		return fmt.Errorf("checkpoint: %w", err)
 	}
 	info, _ := json.MarshalIndent(runInfo{Step: step, NextTask: &r.next, Script: r.script.Path, ScriptHash: r.script.Hash, Seed: r.Config().Run.Seed,
-		Dir: r.wd, MaxStaleness: r.staleness()}, "", "  ")
+		Dir: r.wd, MaxStaleness: r.vers.staleness()}, "", "  ")
 	y, err := r.Config().Marshal()
 	if err != nil {
 		return err
@@ -649,7 +649,7 @@ func (r *Run) restore(ctx context.Context, dir string) error {
 	if err != nil {
 		return err
 	}
-	if k := r.staleness(); k > info.MaxStaleness && info.Step > 0 {
+	if k := r.vers.staleness(); k > info.MaxStaleness && info.Step > 0 {
 		return fmt.Errorf("resume: checkpoint %s was written with rollout.max_staleness %d and the run now has %d: "+
 			"the checkpoint holds the weights versions its next steps generate from under %d only; "+
 			"resume with rollout.max_staleness at most %d", dir, info.MaxStaleness, k, info.MaxStaleness, info.MaxStaleness)
@@ -658,7 +658,7 @@ func (r *Run) restore(ctx context.Context, dir string) error {
 		if !p.cfg.Trainable {
 			continue
 		}
-		if err := r.restoreVersions(ctx, dir, p); err != nil {
+		if err := r.vers.restore(ctx, r.policyList(), r.step, dir, p); err != nil {
 			return err
 		}
 		if ext, ok := m.External[p.name]; ok {

@@ -222,7 +222,7 @@ func (r *Run) engineRestarted(ctx context.Context, ev restartEvent) error {
 		}
 		what = fmt.Sprintf("loaded %s (step %d) into it", dir, g.base)
 	}
-	versions := r.versionsInEngine(ev.policy)
+	versions := r.vers.inEngine(r.policyList(), ev.policy)
 	if versions {
 		// Its rollouts sample weights versions the process kept: those up to g.base
 		// are the state of g.base or in its checkpoint; those of the steps since are kept again
@@ -239,7 +239,7 @@ func (r *Run) engineRestarted(ctx context.Context, ev restartEvent) error {
 		if _, err := ev.eng.Train(ctx, a.b); err != nil {
 			return fail("replaying optimizer step %d of %d since step %d (%s) failed: %v", i+1, len(replay), g.base, a.b.ID, err)
 		}
-		if last := i+1 == len(replay) || replay[i+1].step != a.step; versions && last && a.step <= g.done && a.step >= g.done-r.staleness() {
+		if last := i+1 == len(replay) || replay[i+1].step != a.step; versions && last && a.step <= g.done && a.step >= g.done-r.vers.staleness() {
 			// A version a step to come may still generate from (genVersion of step
 			// done+1 is done-K); older ones the run dropped already.
 			if err := keepVersion(ctx, ev.eng, a.step); err != nil {

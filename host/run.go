@@ -153,7 +153,9 @@ type Run struct {
 	sandbox *pool     // nil unless the run is sandboxed
 
 	ckpt  checkpoints // the run's checkpoints folder and what the run wrote there
-	async asyncLoop   // the rollouts launched for steps not yet trained, and their weights versions
+	async asyncLoop   // the rollouts launched for steps not yet trained
+
+	vers versionKeeper // the weights versions kept for the rollouts of steps not yet trained
 
 	// lastStepEnd is when the last step ended, for engine_busy.
 	lastStepEnd time.Time
@@ -466,7 +468,7 @@ func (r *Run) runStep(ctx context.Context) (*StepResult, error) {
 	k := cfg.Rollout.MaxStaleness
 	if cfg.Rollout.Partial && k > 0 {
 		// The rollouts running continue their long generations from the weights just trained.
-		if err := r.needVersion(ctx, r.step, k); err != nil {
+		if err := r.vers.need(ctx, r.policyList(), r.step, r.step, k); err != nil {
 			return nil, err
 		}
 	}
@@ -638,6 +640,8 @@ func (r *Run) openOutputs() error {
 	r.rec.out, r.rec.events = out, r.events
 	r.ckpt.out, r.ckpt.events = out, r.events
 	r.async.events = r.events
+	r.vers = versionKeeper{cfg: r.Config, events: r.events, hint: r.engineErrorHint, place: r.cfgPlace, out: out, given: r.opts.Engines,
+		open: r.opts.OpenEngine, act: &r.activity}
 	if out == "" {
 		return nil
 	}

@@ -38,7 +38,7 @@ func (h localHost) Generate(ctx context.Context, policy string, req engines.Gene
 	req.ID = script.WireID(ctx, req.ID) // a sandboxed rollout's requests come this way too
 	v := versionFor(ctx, p)
 	if v.gen >= 0 && h.r.Config().Rollout.Partial {
-		return h.r.generatePartial(ctx, p, req, v)
+		return h.r.vers.generatePartial(ctx, p, req, v)
 	}
 	return p.disp.generate(ctx, req, v.gen)
 }
