@@ -52,12 +52,15 @@ func versionFor(ctx context.Context, p *policy) stepVersions {
 }
 
 // asyncLoop is the asynchronous loop's state between steps: the rollouts launched for steps not
-// yet trained and the data position after them. Starting rollouts is the run's (launch); this
-// value holds what it did. The weights versions kept for them are the run's versionKeeper's.
+// yet trained, the data position after them and when the last step ended. Starting rollouts is
+// the run's (launch); this value holds what it did. The weights versions kept for them are the
+// run's versionKeeper's.
 type asyncLoop struct {
 	events *eventLog   // where discarded rollouts are said
 	ahead  []*launched // in step order
 	pos    int         // the data position after the steps launched
+	// lastStepEnd is when the last step ended, for engine_busy.
+	lastStepEnd time.Time
 }
 
 // take returns the data position of the next n tasks, which a step about to launch runs.
@@ -214,19 +217,19 @@ func (p *policy) save(ctx context.Context, dir string) error {
 	return p.eng.Save(ctx, dir)
 }
 
-// asyncMetrics adds what the overlap did to a step's records. Per policy that is the share of the
-// step's wall time its engine was busy (engine_busy, generate, train and save calls; since the end
-// of the last step) and, with K > 0, the run's rollout_wall_s (the step's rollouts from launch to
-// end).
-func (r *Run) asyncMetrics(res *StepResult, l *launched, k int) {
+// metrics adds what the overlap did to a step's records, l its launched rollouts and pols the
+// run's policies. Per policy that is the share of the step's wall time its engine was busy
+// (engine_busy, generate, train and save calls; since the end of the last step) and, with K > 0,
+// the run's rollout_wall_s (the step's rollouts from launch to end).
+func (a *asyncLoop) metrics(res *StepResult, l *launched, k int, pols []*policy) {
 	now := time.Now()
-	since := r.lastStepEnd
+	since := a.lastStepEnd
 	if since.IsZero() {
 		since = l.start
 	}
 	wall := now.Sub(since).Seconds()
 	byName := map[string]*policy{}
-	for _, p := range r.policyList() {
+	for _, p := range pols {
 		byName[p.name] = p
 	}
 	for _, m := range res.Policies {
@@ -240,7 +243,7 @@ func (r *Run) asyncMetrics(res *StepResult, l *launched, k int) {
 		}
 		p.busyMark = b
 	}
-	r.lastStepEnd = now
+	a.lastStepEnd = now
 	if k > 0 {
 		res.Run.set("rollout_wall_s", l.wallS)
 		if l.genS > 0 {

@@ -157,9 +157,6 @@ type Run struct {
 
 	vers versionKeeper // the weights versions kept for the rollouts of steps not yet trained
 
-	// lastStepEnd is when the last step ended, for engine_busy.
-	lastStepEnd time.Time
-
 	warned sync.Map // warnings given once per run, by key
 
 	stopping atomic.Bool           // Stop was called: Train ends after the step in progress
@@ -503,7 +500,7 @@ func (r *Run) runStep(ctx context.Context) (*StepResult, error) {
 	}
 	res.Policies = pm
 	res.Run = runMetrics(step, ros, res, rolloutS, l.genS, trainS, time.Since(t0).Seconds(), r.logNames.sums(step, ros, r.events))
-	r.asyncMetrics(res, l, k)
+	r.async.metrics(res, l, k, r.policyList())
 	r.step, r.next = step, r.next+n
 	if err := r.metrics.writeLines(append(append([]Metrics(nil), res.Policies...), res.Run)); err != nil {
 		return nil, err
