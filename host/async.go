@@ -333,7 +333,7 @@ func (r *Run) versionsOf(ctx context.Context, p *policy, k int) (engines.Version
 		return nil, fmt.Errorf("policy %q%s: rollout.max_staleness is %d, which needs an engine that keeps rollout copies of "+
 			"its weights while it trains (the tiny engine does) or %s; "+
 			"its %s engine has neither%s — set rollout.max_staleness: 0 (docs/async.md)",
-			p.name, r.cfgPlace(p), k, why, kind, server)
+			p.name, cfgPlace(r.cfg, p.cfg), k, why, kind, server)
 	}
 	pc := p.cfg
 	var opened atomic.Int64 // replicas opened: the next one's number (EngineEnv.Replica)

@@ -71,7 +71,7 @@ func (r *Run) refuseScoringWithoutScore() error {
 			}
 			return fmt.Errorf("%s: %s scores with policy %q, whose engine (kind openai, %s:%d) only generates: "+
 				"the OpenAI API returns no log-probabilities of given tokens; score with a tiny, torch or remote policy",
-				u.Pos, call, u.Name, r.cfgName(), p.Line)
+				u.Pos, call, u.Name, cfgName(r.cfg), p.Line)
 		}
 	}
 	return nil
@@ -174,7 +174,7 @@ func (r *Run) openPolicyEngine(ctx context.Context, pc config.PolicyConfig) (eng
 		}
 		var err error
 		if eng, err = open(ctx, pc); err != nil {
-			return nil, fmt.Errorf("policy %q%s: %w", pc.Name, r.cfgPlace(&policy{cfg: pc}), err)
+			return nil, fmt.Errorf("policy %q%s: %w", pc.Name, cfgPlace(r.cfg, pc), err)
 		}
 	}
 	return eng, nil
@@ -190,11 +190,11 @@ func (r *Run) registerPolicy(ctx context.Context, pc config.PolicyConfig, eng en
 		// The folders first: a run refused for them leaves the server's state as it was.
 		if err := r.checkServerFolders(ctx, pc, eng); err != nil {
 			eng.Close()
-			return nil, fmt.Errorf("policy %q%s: %w", pc.Name, r.cfgPlace(&policy{cfg: pc}), err)
+			return nil, fmt.Errorf("policy %q%s: %w", pc.Name, cfgPlace(r.cfg, pc), err)
 		}
 		if err := r.claimServer(ctx, pc, eng); err != nil {
 			eng.Close()
-			return nil, fmt.Errorf("policy %q%s: %w", pc.Name, r.cfgPlace(&policy{cfg: pc}), err)
+			return nil, fmt.Errorf("policy %q%s: %w", pc.Name, cfgPlace(r.cfg, pc), err)
 		}
 	}
 	if err := r.checkTIS(ctx, pc.Name, pc, eng); err != nil {
@@ -256,7 +256,7 @@ func (r *Run) policyOn(name, checkpoint string) (*policy, error) {
 		if best := script.ClosestName(name, r.order); best != "" {
 			hint = fmt.Sprintf(" (did you mean %q?)", best)
 		}
-		return nil, fmt.Errorf("unknown policy %q%s; %s defines %s — add it under policies: or fix the name", name, hint, r.cfgName(),
+		return nil, fmt.Errorf("unknown policy %q%s; %s defines %s — add it under policies: or fix the name", name, hint, cfgName(r.cfg),
 			config.QuotePolicyNames(r.order))
 	}
 	if err := config.CheckPolicyName(name); err != nil {
@@ -288,18 +288,18 @@ func (r *Run) policyOn(name, checkpoint string) (*policy, error) {
 	return p, nil
 }
 
-// cfgName names the run's config file in messages ("the config" for a zero-config run).
-func (r *Run) cfgName() string {
-	if r.cfg.File != "" {
-		return r.cfg.File
+// cfgName names a run's config file c.File in messages ("the config" for a zero-config run).
+func cfgName(c *config.Config) string {
+	if c.File != "" {
+		return c.File
 	}
 	return "the config"
 }
 
-// cfgPlace names where a policy was configured, for messages: " in policies.yaml:7".
-func (r *Run) cfgPlace(p *policy) string {
-	if r.cfg.File != "" && p.cfg.Line > 0 {
-		return fmt.Sprintf(" in %s:%d", r.cfg.File, p.cfg.Line)
+// cfgPlace names where policy pc was configured in config c, for messages: " in policies.yaml:7".
+func cfgPlace(c *config.Config, pc config.PolicyConfig) string {
+	if c.File != "" && pc.Line > 0 {
+		return fmt.Sprintf(" in %s:%d", c.File, pc.Line)
 	}
 	return ""
 }
@@ -307,7 +307,7 @@ func (r *Run) cfgPlace(p *policy) string {
 // score scores one request of a rollout: through the policy's dispatcher, which batches the score
 // calls of all rollouts as it does their generate calls, at the weights version the rollout
 // samples from.
-func (r *Run) score(ctx context.Context, p *policy, req engines.ScoreRequest) ([]float32, error) {
+func (p *policy) score(ctx context.Context, req engines.ScoreRequest) ([]float32, error) {
 	return p.disp.score(ctx, req, versionFor(ctx, p).gen)
 }
 

@@ -25,7 +25,7 @@ func (h localHost) CheckPolicy(name string) (bool, string, error) {
 	if err != nil {
 		return false, "", err
 	}
-	return p.cfg.Trainable, h.r.cfgPlace(p), nil
+	return p.cfg.Trainable, cfgPlace(h.r.cfg, p.cfg), nil
 }
 
 func (h localHost) Sampling() engines.Sampling { return h.r.sampling() }
@@ -48,7 +48,7 @@ func (h localHost) Score(ctx context.Context, policy string, req engines.ScoreRe
 	if err != nil {
 		return nil, err
 	}
-	return h.r.score(ctx, p, req)
+	return p.score(ctx, req)
 }
 
 func (h localHost) Render(ctx context.Context, policy string, reqs []engines.RenderRequest) (script.Rendered, error) {

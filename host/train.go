@@ -491,7 +491,7 @@ func (r *Run) checkTIS(ctx context.Context, name string, pc config.PolicyConfig,
 	if !slices.Contains(info.Capabilities, "tis") {
 		return fmt.Errorf("policy %q%s: train.use_tis needs an engine that applies the off-policy correction, "+
 			"and its engine (%s) does not (no \"tis\" capability; the tiny and torch engines have it): "+
-			"set use_tis: false or use another engine", name, r.cfgPlace(&policy{cfg: pc}), info.Model)
+			"set use_tis: false or use another engine", name, cfgPlace(r.cfg, pc), info.Model)
 	}
 	return nil
 }
