@@ -252,7 +252,7 @@ func (r *Run) launchAhead(ctx context.Context, step int, cfg *config.Config) err
 func (r *Run) versioned(ctx context.Context, k int) (map[string]engines.Versions, error) {
 	out := map[string]engines.Versions{}
 	var fresh []*replicas
-	for _, p := range r.policyList() {
+	for _, p := range r.pols.list() {
 		if !p.cfg.Trainable {
 			continue
 		}
@@ -497,7 +497,7 @@ func (r *Run) asyncMetrics(res *StepResult, l *launched, k int) {
 	}
 	wall := now.Sub(since).Seconds()
 	byName := map[string]*policy{}
-	for _, p := range r.policyList() {
+	for _, p := range r.pols.list() {
 		byName[p.name] = p
 	}
 	for _, m := range res.Policies {
@@ -673,9 +673,7 @@ func (g *versionGate) wait(ctx context.Context, v int) error {
 // versionsInEngine says whether policy name's weights versions live in its engine's process (a
 // torch worker that keeps them, engines.VersionsProber), which loses them when it restarts.
 func (r *Run) versionsInEngine(name string) bool {
-	r.polMu.Lock()
-	p := r.policies[name]
-	r.polMu.Unlock()
+	p := r.pols.get(name)
 	if p == nil || r.staleness() == 0 {
 		return false
 	}

@@ -148,7 +148,7 @@ type trainSample struct {
 // trainPolicies computes advantages and trains every trainable policy on its samples.
 func (r *Run) trainPolicies(ctx context.Context, step int, cfg *config.Config, ros []*script.Rollout, rolloutS float64, version int) ([]Metrics, error) {
 	byPolicy, gens := gather(ros, version)
-	pols := r.policyList()
+	pols := r.pols.list()
 	advs, targets, err := r.advantages(ctx, pols, byPolicy)
 	if err != nil {
 		return nil, err
