@@ -55,6 +55,13 @@ func (p *policy) forgetInfo() {
 	p.infoMu.Unlock()
 }
 
+// score scores one request of a rollout: through the policy's dispatcher, which batches the score
+// calls of all rollouts as it does their generate calls, at the weights version the rollout
+// samples from.
+func (p *policy) score(ctx context.Context, req engines.ScoreRequest) ([]float32, error) {
+	return p.disp.score(ctx, req, versionFor(ctx, p).gen)
+}
+
 // policyTable is a run's policies by name, in config order (then order of first use), and what
 // they share: the LoRA bases and the batchers of their adapters. The run owns it (Run.pols): it
 // opens the engines and registers each policy here (add), and a zero-config run gives the table,
@@ -78,6 +85,132 @@ type policyTable struct {
 // newPolicyTable makes an empty table; create is nil unless the run is zero-config.
 func newPolicyTable(cfg func() *config.Config, create func(name, checkpoint string) (*policy, error)) policyTable {
 	return policyTable{byName: map[string]*policy{}, cfg: cfg, create: create}
+}
+
+// policyFor returns a policy by name. Zero-config runs create it on first use, on
+// config.BuiltinCheckpoint.
+func (t *policyTable) policyFor(name string) (*policy, error) {
+	return t.policyOn(name, config.BuiltinCheckpoint)
+}
+
+// policyOn is policyFor with the checkpoint a zero-config run creates the policy on.
+func (t *policyTable) policyOn(name, checkpoint string) (*policy, error) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	if p, ok := t.byName[name]; ok {
+		return p, nil
+	}
+	if t.create == nil {
+		hint := ""
+		if best := script.ClosestName(name, t.order); best != "" {
+			hint = fmt.Sprintf(" (did you mean %q?)", best)
+		}
+		return nil, fmt.Errorf("unknown policy %q%s; %s defines %s — add it under policies: or fix the name", name, hint, cfgName(t.cfg()),
+			config.QuotePolicyNames(t.order))
+	}
+	if err := config.CheckPolicyName(name); err != nil {
+		return nil, fmt.Errorf("%v (a zero-config run creates each policy under the name the script passes, which must be a name a config may give it)", err)
+	}
+	if err := t.openErrs[name]; err != nil {
+		return nil, err
+	}
+	p, err := t.create(name, checkpoint)
+	if err != nil {
+		if t.openErrs == nil {
+			t.openErrs = map[string]error{}
+		}
+		t.openErrs[name] = err
+		return nil, err
+	}
+	return p, nil
+}
+
+// get returns policy name; nil if the table has none.
+func (t *policyTable) get(name string) *policy {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	return t.byName[name]
+}
+
+// list returns the policies in config order (then order of first use).
+func (t *policyTable) list() []*policy {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	pols := make([]*policy, len(t.order))
+	for i, n := range t.order {
+		pols[i] = t.byName[n]
+	}
+	return pols
+}
+
+// names are the names of the policies, sorted, those a zero-config script created included.
+func (t *policyTable) names() []string {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	names := make([]string, 0, len(t.byName))
+	for name := range t.byName {
+		names = append(names, name)
+	}
+	sort.Strings(names)
+	return names
+}
+
+// add puts p in the table, last in order; the caller holds mu, or the run is starting.
+func (t *policyTable) add(p *policy) {
+	t.byName[p.name] = p
+	t.order = append(t.order, p.name)
+}
+
+// adapterBatcher returns the batcher of the LoRA adapters on base, made on first use (activity
+// is the run's); the caller holds mu, or the run is starting.
+func (t *policyTable) adapterBatcher(base engines.AdapterGenerator, activity *activity) *adapterBatcher {
+	bt := t.adapterBatchers[base]
+	if bt == nil {
+		bt = newAdapterBatcher(base.GenerateAdapters, activity)
+		if t.adapterBatchers == nil {
+			t.adapterBatchers = map[engines.AdapterGenerator]*adapterBatcher{}
+		}
+		t.adapterBatchers[base] = bt
+	}
+	return bt
+}
+
+// reconfigure gives the policies of a reloaded config their settings pcs (by name; a name the
+// table lacks is skipped), and has them ask their engines' Info again.
+func (t *policyTable) reconfigure(pcs []config.PolicyConfig) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	for i := range pcs {
+		if p := t.byName[pcs[i].Name]; p != nil {
+			p.cfg = pcs[i]
+			p.forgetInfo()
+		}
+	}
+}
+
+// each calls fn on each policy in order, under mu (fn must not use the table).
+func (t *policyTable) each(fn func(p *policy)) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	for _, name := range t.order {
+		fn(t.byName[name])
+	}
+}
+
+// cfgName names a run's config file c.File in messages ("the config" for a zero-config run).
+func cfgName(c *config.Config) string {
+	if c.File != "" {
+		return c.File
+	}
+	return "the config"
+}
+
+// cfgPlace names where policy pc was configured in config c, for messages: " in policies.yaml:7".
+func cfgPlace(c *config.Config, pc config.PolicyConfig) string {
+	if c.File != "" && pc.Line > 0 {
+		return fmt.Sprintf(" in %s:%d", c.File, pc.Line)
+	}
+	return ""
 }
 
 // refuseScoringWithoutScore stops a run at start-up, not at its first score call, when its
@@ -178,6 +311,32 @@ func (r *Run) openPolicies(ctx context.Context) error {
 	return nil
 }
 
+// createPolicy is a zero-config run's policyTable.create: it opens and registers policy name on
+// checkpoint, a policy the run creates after its start, and adds it to the run's config.
+func (r *Run) createPolicy(name, checkpoint string) (*policy, error) {
+	pc := config.DefaultPolicy(name)
+	pc.HFCheckpoint, pc.Engine.ModelPath = checkpoint, checkpoint
+	eng, err := r.openPolicyEngine(r.ctx, pc)
+	if err != nil {
+		return nil, err
+	}
+	p, err := r.registerPolicy(r.ctx, pc, eng)
+	if err != nil {
+		return nil, err
+	}
+	r.cfgMu.Lock()
+	r.cfg.Policies = append(r.cfg.Policies, pc)
+	r.cfgMu.Unlock()
+	r.events.printf("zero-config: policy %q on %s (%s engine)", name, pc.HFCheckpoint, pc.Engine.Kind)
+	if r.step > 0 || r.live.total.Load() > 0 {
+		// A name the script computed, created mid-run: config.yaml lists it too.
+		if err := r.writeConfig(); err != nil {
+			r.events.printf("config.yaml: %v", err)
+		}
+	}
+	return p, nil
+}
+
 // openPolicyEngine returns the engine of policy pc: the one Options.Engines gives, or a new one.
 func (r *Run) openPolicyEngine(ctx context.Context, pc config.PolicyConfig) (engines.Engine, error) {
 	eng := r.opts.Engines[pc.Name]
@@ -238,26 +397,6 @@ func (r *Run) registerPolicy(ctx context.Context, pc config.PolicyConfig, eng en
 	return p, nil
 }
 
-// adapterBatcher returns the batcher of the LoRA adapters on base, made on first use (activity
-// is the run's); the caller holds mu, or the run is starting.
-func (t *policyTable) adapterBatcher(base engines.AdapterGenerator, activity *activity) *adapterBatcher {
-	bt := t.adapterBatchers[base]
-	if bt == nil {
-		bt = newAdapterBatcher(base.GenerateAdapters, activity)
-		if t.adapterBatchers == nil {
-			t.adapterBatchers = map[engines.AdapterGenerator]*adapterBatcher{}
-		}
-		t.adapterBatchers[base] = bt
-	}
-	return bt
-}
-
-// add puts p in the table, last in order; the caller holds mu, or the run is starting.
-func (t *policyTable) add(p *policy) {
-	t.byName[p.name] = p
-	t.order = append(t.order, p.name)
-}
-
 // maxBatchSamples is how many samples a dispatcher puts in one engine batch:
 // rollout.max_batch_tokens over max_response_len, else 1024.
 func maxBatchSamples(c *config.Config) int {
@@ -265,143 +404,4 @@ func maxBatchSamples(c *config.Config) int {
 		return max(1, c.Rollout.MaxBatchTokens/max(1, c.Rollout.MaxResponseLen))
 	}
 	return 1024
-}
-
-// policyFor returns a policy by name. Zero-config runs create it on first use, on
-// config.BuiltinCheckpoint.
-func (t *policyTable) policyFor(name string) (*policy, error) {
-	return t.policyOn(name, config.BuiltinCheckpoint)
-}
-
-// policyOn is policyFor with the checkpoint a zero-config run creates the policy on.
-func (t *policyTable) policyOn(name, checkpoint string) (*policy, error) {
-	t.mu.Lock()
-	defer t.mu.Unlock()
-	if p, ok := t.byName[name]; ok {
-		return p, nil
-	}
-	if t.create == nil {
-		hint := ""
-		if best := script.ClosestName(name, t.order); best != "" {
-			hint = fmt.Sprintf(" (did you mean %q?)", best)
-		}
-		return nil, fmt.Errorf("unknown policy %q%s; %s defines %s — add it under policies: or fix the name", name, hint, cfgName(t.cfg()),
-			config.QuotePolicyNames(t.order))
-	}
-	if err := config.CheckPolicyName(name); err != nil {
-		return nil, fmt.Errorf("%v (a zero-config run creates each policy under the name the script passes, which must be a name a config may give it)", err)
-	}
-	if err := t.openErrs[name]; err != nil {
-		return nil, err
-	}
-	p, err := t.create(name, checkpoint)
-	if err != nil {
-		if t.openErrs == nil {
-			t.openErrs = map[string]error{}
-		}
-		t.openErrs[name] = err
-		return nil, err
-	}
-	return p, nil
-}
-
-// createPolicy is a zero-config run's policyTable.create: it opens and registers policy name on
-// checkpoint, a policy the run creates after its start, and adds it to the run's config.
-func (r *Run) createPolicy(name, checkpoint string) (*policy, error) {
-	pc := config.DefaultPolicy(name)
-	pc.HFCheckpoint, pc.Engine.ModelPath = checkpoint, checkpoint
-	eng, err := r.openPolicyEngine(r.ctx, pc)
-	if err != nil {
-		return nil, err
-	}
-	p, err := r.registerPolicy(r.ctx, pc, eng)
-	if err != nil {
-		return nil, err
-	}
-	r.cfgMu.Lock()
-	r.cfg.Policies = append(r.cfg.Policies, pc)
-	r.cfgMu.Unlock()
-	r.events.printf("zero-config: policy %q on %s (%s engine)", name, pc.HFCheckpoint, pc.Engine.Kind)
-	if r.step > 0 || r.live.total.Load() > 0 {
-		// A name the script computed, created mid-run: config.yaml lists it too.
-		if err := r.writeConfig(); err != nil {
-			r.events.printf("config.yaml: %v", err)
-		}
-	}
-	return p, nil
-}
-
-// cfgName names a run's config file c.File in messages ("the config" for a zero-config run).
-func cfgName(c *config.Config) string {
-	if c.File != "" {
-		return c.File
-	}
-	return "the config"
-}
-
-// cfgPlace names where policy pc was configured in config c, for messages: " in policies.yaml:7".
-func cfgPlace(c *config.Config, pc config.PolicyConfig) string {
-	if c.File != "" && pc.Line > 0 {
-		return fmt.Sprintf(" in %s:%d", c.File, pc.Line)
-	}
-	return ""
-}
-
-// score scores one request of a rollout: through the policy's dispatcher, which batches the score
-// calls of all rollouts as it does their generate calls, at the weights version the rollout
-// samples from.
-func (p *policy) score(ctx context.Context, req engines.ScoreRequest) ([]float32, error) {
-	return p.disp.score(ctx, req, versionFor(ctx, p).gen)
-}
-
-// get returns policy name; nil if the table has none.
-func (t *policyTable) get(name string) *policy {
-	t.mu.Lock()
-	defer t.mu.Unlock()
-	return t.byName[name]
-}
-
-// list returns the policies in config order (then order of first use).
-func (t *policyTable) list() []*policy {
-	t.mu.Lock()
-	defer t.mu.Unlock()
-	pols := make([]*policy, len(t.order))
-	for i, n := range t.order {
-		pols[i] = t.byName[n]
-	}
-	return pols
-}
-
-// names are the names of the policies, sorted, those a zero-config script created included.
-func (t *policyTable) names() []string {
-	t.mu.Lock()
-	defer t.mu.Unlock()
-	names := make([]string, 0, len(t.byName))
-	for name := range t.byName {
-		names = append(names, name)
-	}
-	sort.Strings(names)
-	return names
-}
-
-// reconfigure gives the policies of a reloaded config their settings pcs (by name; a name the
-// table lacks is skipped), and has them ask their engines' Info again.
-func (t *policyTable) reconfigure(pcs []config.PolicyConfig) {
-	t.mu.Lock()
-	defer t.mu.Unlock()
-	for i := range pcs {
-		if p := t.byName[pcs[i].Name]; p != nil {
-			p.cfg = pcs[i]
-			p.forgetInfo()
-		}
-	}
-}
-
-// each calls fn on each policy in order, under mu (fn must not use the table).
-func (t *policyTable) each(fn func(p *policy)) {
-	t.mu.Lock()
-	defer t.mu.Unlock()
-	for _, name := range t.order {
-		fn(t.byName[name])
-	}
 }
