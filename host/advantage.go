@@ -240,7 +240,7 @@ func (r *Run) applyTeacher(ctx context.Context, p *policy, ss []trainSample, adv
 	sort.Strings(teachers)
 	coef := p.cfg.Train.OPDKLCoef
 	for _, t := range teachers {
-		tp, err := r.policyFor(t)
+		tp, err := r.pols.policyFor(t)
 		if err != nil {
 			return err
 		}

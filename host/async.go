@@ -132,7 +132,7 @@ type launched struct {
 // data position, so a batch size changed by a reload neither skips tasks nor repeats them.
 func (r *Run) launch(ctx context.Context, step, v int, cfg *config.Config) error {
 	if v >= 0 {
-		if err := r.vers.need(ctx, r.policyList(), r.step, v, cfg.Rollout.MaxStaleness); err != nil {
+		if err := r.vers.need(ctx, r.pols.list(), r.step, v, cfg.Rollout.MaxStaleness); err != nil {
 			return err
 		}
 	}
@@ -198,7 +198,7 @@ func (r *Run) launchAhead(ctx context.Context, step int, cfg *config.Config) err
 	if k == 0 {
 		return nil
 	}
-	if err := r.vers.drop(ctx, r.policyList(), r.step, genVersion(step+1, k), k); err != nil {
+	if err := r.vers.drop(ctx, r.pols.list(), r.step, genVersion(step+1, k), k); err != nil {
 		return err
 	}
 	for t := r.async.lastStep(step) + 1; t <= step+k; t++ {

@@ -86,7 +86,7 @@ func BenchmarkExamSwarmEight(b *testing.B) {
 			batches := func() int {
 				if c.cross {
 					n := 0
-					for _, bt := range r.adapterBatchers {
+					for _, bt := range r.pols.adapterBatchers {
 						bt.mu.Lock()
 						n += bt.batches
 						bt.mu.Unlock()
@@ -94,7 +94,7 @@ func BenchmarkExamSwarmEight(b *testing.B) {
 					return n
 				}
 				n := 0
-				for _, p := range r.policies {
+				for _, p := range r.pols.byName {
 					k, _ := p.disp.stats()
 					n += k
 				}

@@ -136,7 +136,7 @@ func (r *Run) Checkpoint(ctx context.Context) (string, error) {
 	if err != nil || !wrote {
 		return final, err
 	}
-	for _, p := range r.policyList() {
+	for _, p := range r.pols.list() {
 		if p.cfg.Trainable && p.cfg.Save != "" {
 			if err := r.writeSaveFolder(ctx, p, step); err != nil {
 				return final, err
@@ -209,7 +209,7 @@ func (r *Run) writeCheckpoint(ctx context.Context, step int, final, tmp string) 
 	if err != nil {
 		return err
 	}
-	if err := r.vers.save(ctx, r.policyList(), step, tmp, r.async.inFlight); err != nil {
+	if err := r.vers.save(ctx, r.pols.list(), step, tmp, r.async.inFlight); err != nil {
 		return err
 	}
 	st, err := script.EncodeState(r.state)
@@ -245,7 +245,7 @@ func (r *Run) writeCheckpoint(ctx context.Context, step int, final, tmp string) 
 // whose state lives on its server saves there, and is recorded as external).
 func (r *Run) savePolicies(ctx context.Context, step int, final, tmp string) (map[string]externalState, error) {
 	external := map[string]externalState{}
-	for _, p := range r.policyList() {
+	for _, p := range r.pols.list() {
 		if !p.cfg.Trainable {
 			continue // a frozen policy is what its config says it is: nothing to save
 		}
@@ -654,11 +654,11 @@ func (r *Run) restore(ctx context.Context, dir string) error {
 			"the checkpoint holds the weights versions its next steps generate from under %d only; "+
 			"resume with rollout.max_staleness at most %d", dir, info.MaxStaleness, k, info.MaxStaleness, info.MaxStaleness)
 	}
-	for _, p := range r.policyList() {
+	for _, p := range r.pols.list() {
 		if !p.cfg.Trainable {
 			continue
 		}
-		if err := r.vers.restore(ctx, r.policyList(), r.step, dir, p); err != nil {
+		if err := r.vers.restore(ctx, r.pols.list(), r.step, dir, p); err != nil {
 			return err
 		}
 		if ext, ok := m.External[p.name]; ok {
@@ -768,7 +768,7 @@ func (c *checkpoints) removeLater(root string, step int) {
 // written (said once), and a folder on this machine that holds something other than a model
 // folder is refused before the run starts rather than at its first checkpoint.
 func (r *Run) checkSaveFolders() error {
-	for _, p := range r.policyList() {
+	for _, p := range r.pols.list() {
 		if p.cfg.Save == "" {
 			continue
 		}

@@ -275,8 +275,9 @@ type instanced interface{ Instance() string }
 //     load that model is refused with the ways to go on.
 func (r *Run) claimServer(ctx context.Context, pc config.PolicyConfig, eng engines.Engine) error {
 	if in, ok := eng.(instanced); ok && in.Instance() != "" {
-		for _, name := range r.order {
-			q := r.policies[name]
+		// Unlocked: registerPolicy's caller holds the table's lock, or the run is starting.
+		for _, name := range r.pols.order {
+			q := r.pols.byName[name]
 			qi, ok := q.eng.(instanced)
 			if !ok || qi.Instance() != in.Instance() {
 				continue

@@ -67,7 +67,7 @@ func (r *Run) Eval(ctx context.Context) ([]Metrics, error) {
 		rf := rolloutFn{fn: r.script.EvalRollout(), name: "eval_rollout"}
 		if !r.script.HasEvalRollout() {
 			rf = rolloutFn{name: "default_eval", n: n}
-			for _, p := range r.policyList() {
+			for _, p := range r.pols.list() {
 				rf.policies = append(rf.policies, p.name)
 			}
 			if rf.fn, err = script.DefaultEval(rf.policies, n); err != nil {

@@ -159,9 +159,9 @@ func TestPPOExampleOnTinyEngine(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer r.Close()
-	critic, ok := r.policies["critic"].eng.(*tiny.Engine)
+	critic, ok := r.pols.byName["critic"].eng.(*tiny.Engine)
 	if !ok {
-		t.Fatalf("the critic's engine is a %T, want the tiny engine", r.policies["critic"].eng)
+		t.Fatalf("the critic's engine is a %T, want the tiny engine", r.pols.byName["critic"].eng)
 	}
 	probe := []engines.ScoreRequest{{Messages: []engines.Message{{Role: "user", Content: "Ann has 2 pens and gets 3 more. How many pens?"}}, Tokens: []int32{10, 11, 12}}}
 	for step := 1; step <= 2; step++ {

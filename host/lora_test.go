@@ -51,15 +51,15 @@ func TestLoRAPoliciesShareABase(t *testing.T) {
 	ctx := context.Background()
 	whole := filepath.Join(t.TempDir(), "whole")
 	r := loraRun(t, whole)
-	a, okA := r.policies["a"].eng.(*sharedAdapter)
-	b, okB := r.policies["b"].eng.(*sharedAdapter)
+	a, okA := r.pols.byName["a"].eng.(*sharedAdapter)
+	b, okB := r.pols.byName["b"].eng.(*sharedAdapter)
 	if !okA || !okB || a.Base() != b.Base() {
-		t.Fatalf("policies a and b have engines %T and %T; want adapters on one base", r.policies["a"].eng, r.policies["b"].eng)
+		t.Fatalf("policies a and b have engines %T and %T; want adapters on one base", r.pols.byName["a"].eng, r.pols.byName["b"].eng)
 	}
-	if _, ok := r.policies["a"].eng.(engines.Renderer); !ok {
+	if _, ok := r.pols.byName["a"].eng.(engines.Renderer); !ok {
 		t.Fatal("a LoRA policy's engine does not render chats: chat() would refuse it")
 	}
-	if _, ok := r.policies["full"].eng.(*sharedAdapter); ok {
+	if _, ok := r.pols.byName["full"].eng.(*sharedAdapter); ok {
 		t.Fatal("the full-weight policy got an adapter")
 	}
 	if err := r.Steps(ctx, 4); err != nil {
@@ -118,7 +118,7 @@ def rollout(task):
 			t.Fatal(err)
 		}
 		var bt *adapterBatcher
-		for _, b := range r.adapterBatchers {
+		for _, b := range r.pols.adapterBatchers {
 			bt = b
 		}
 		return metricsWithoutTimings(t, out), bt

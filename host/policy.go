@@ -1,11 +1,12 @@
 package host
 
-// This file defines a run's policies: opening their engines, registering them with their
-// dispatchers, and finding one by name (zero-config runs create it then).
+// This file defines a run's policies (policyTable): finding one by name (zero-config runs create
+// it then), and, on Run, opening their engines and registering them with their dispatchers.
 
 import (
 	"context"
 	"fmt"
+	"sort"
 	"sync"
 	"time"
 
@@ -54,6 +55,164 @@ func (p *policy) forgetInfo() {
 	p.infoMu.Unlock()
 }
 
+// score scores one request of a rollout: through the policy's dispatcher, which batches the score
+// calls of all rollouts as it does their generate calls, at the weights version the rollout
+// samples from.
+func (p *policy) score(ctx context.Context, req engines.ScoreRequest) ([]float32, error) {
+	return p.disp.score(ctx, req, versionFor(ctx, p).gen)
+}
+
+// policyTable is a run's policies by name, in config order (then order of first use), and what
+// they share: the LoRA bases and the batchers of their adapters. The run owns it (Run.pols): it
+// opens the engines and registers each policy here (add), and a zero-config run gives the table,
+// at construction, create, which makes a policy the script names on first use.
+type policyTable struct {
+	mu    sync.Mutex
+	bases loraBases // the base models the LoRA policies share
+	// adapterBatchers send the generate batches of the LoRA policies on one base together.
+	adapterBatchers map[engines.AdapterGenerator]*adapterBatcher
+	byName          map[string]*policy
+	openErrs        map[string]error // zero-config policies whose engine failed to open: not retried
+	order           []string         // policy names in config order, then first use
+
+	// cfg is the run's config, for naming its file in messages.
+	cfg func() *config.Config
+	// create opens and registers policy name on checkpoint (add), called with mu held; nil:
+	// the run has a config, and an unknown name is an error.
+	create func(name, checkpoint string) (*policy, error)
+}
+
+// newPolicyTable makes an empty table; create is nil unless the run is zero-config.
+func newPolicyTable(cfg func() *config.Config, create func(name, checkpoint string) (*policy, error)) policyTable {
+	return policyTable{byName: map[string]*policy{}, cfg: cfg, create: create}
+}
+
+// policyFor returns a policy by name. Zero-config runs create it on first use, on
+// config.BuiltinCheckpoint.
+func (t *policyTable) policyFor(name string) (*policy, error) {
+	return t.policyOn(name, config.BuiltinCheckpoint)
+}
+
+// policyOn is policyFor with the checkpoint a zero-config run creates the policy on.
+func (t *policyTable) policyOn(name, checkpoint string) (*policy, error) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	if p, ok := t.byName[name]; ok {
+		return p, nil
+	}
+	if t.create == nil {
+		hint := ""
+		if best := script.ClosestName(name, t.order); best != "" {
+			hint = fmt.Sprintf(" (did you mean %q?)", best)
+		}
+		return nil, fmt.Errorf("unknown policy %q%s; %s defines %s — add it under policies: or fix the name", name, hint, cfgName(t.cfg()),
+			config.QuotePolicyNames(t.order))
+	}
+	if err := config.CheckPolicyName(name); err != nil {
+		return nil, fmt.Errorf("%v (a zero-config run creates each policy under the name the script passes, which must be a name a config may give it)", err)
+	}
+	if err := t.openErrs[name]; err != nil {
+		return nil, err
+	}
+	p, err := t.create(name, checkpoint)
+	if err != nil {
+		if t.openErrs == nil {
+			t.openErrs = map[string]error{}
+		}
+		t.openErrs[name] = err
+		return nil, err
+	}
+	return p, nil
+}
+
+// get returns policy name; nil if the table has none.
+func (t *policyTable) get(name string) *policy {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	return t.byName[name]
+}
+
+// list returns the policies in config order (then order of first use).
+func (t *policyTable) list() []*policy {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	pols := make([]*policy, len(t.order))
+	for i, n := range t.order {
+		pols[i] = t.byName[n]
+	}
+	return pols
+}
+
+// names are the names of the policies, sorted, those a zero-config script created included.
+func (t *policyTable) names() []string {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	names := make([]string, 0, len(t.byName))
+	for name := range t.byName {
+		names = append(names, name)
+	}
+	sort.Strings(names)
+	return names
+}
+
+// add puts p in the table, last in order; the caller holds mu, or the run is starting.
+func (t *policyTable) add(p *policy) {
+	t.byName[p.name] = p
+	t.order = append(t.order, p.name)
+}
+
+// adapterBatcher returns the batcher of the LoRA adapters on base, made on first use (activity
+// is the run's); the caller holds mu, or the run is starting.
+func (t *policyTable) adapterBatcher(base engines.AdapterGenerator, activity *activity) *adapterBatcher {
+	bt := t.adapterBatchers[base]
+	if bt == nil {
+		bt = newAdapterBatcher(base.GenerateAdapters, activity)
+		if t.adapterBatchers == nil {
+			t.adapterBatchers = map[engines.AdapterGenerator]*adapterBatcher{}
+		}
+		t.adapterBatchers[base] = bt
+	}
+	return bt
+}
+
+// reconfigure gives the policies of a reloaded config their settings pcs (by name; a name the
+// table lacks is skipped), and has them ask their engines' Info again.
+func (t *policyTable) reconfigure(pcs []config.PolicyConfig) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	for i := range pcs {
+		if p := t.byName[pcs[i].Name]; p != nil {
+			p.cfg = pcs[i]
+			p.forgetInfo()
+		}
+	}
+}
+
+// each calls fn on each policy in order, under mu (fn must not use the table).
+func (t *policyTable) each(fn func(p *policy)) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	for _, name := range t.order {
+		fn(t.byName[name])
+	}
+}
+
+// cfgName names a run's config file c.File in messages ("the config" for a zero-config run).
+func cfgName(c *config.Config) string {
+	if c.File != "" {
+		return c.File
+	}
+	return "the config"
+}
+
+// cfgPlace names where policy pc was configured in config c, for messages: " in policies.yaml:7".
+func cfgPlace(c *config.Config, pc config.PolicyConfig) string {
+	if c.File != "" && pc.Line > 0 {
+		return fmt.Sprintf(" in %s:%d", c.File, pc.Line)
+	}
+	return ""
+}
+
 // refuseScoringWithoutScore stops a run at start-up, not at its first score call, when its
 // script scores with a policy whose engine only generates. Such an engine is of kind openai (the
 // OpenAI API returns no log-probabilities of given tokens); the scoring is score("judge", …) or
@@ -71,7 +230,7 @@ func (r *Run) refuseScoringWithoutScore() error {
 			}
 			return fmt.Errorf("%s: %s scores with policy %q, whose engine (kind openai, %s:%d) only generates: "+
 				"the OpenAI API returns no log-probabilities of given tokens; score with a tiny, torch or remote policy",
-				u.Pos, call, u.Name, r.cfgName(), p.Line)
+				u.Pos, call, u.Name, cfgName(r.cfg), p.Line)
 		}
 	}
 	return nil
@@ -94,7 +253,7 @@ func (r *Run) openScriptPolicies() error {
 		if chat[u.Name] {
 			checkpoint = config.BuiltinChatCheckpoint
 		}
-		if _, err := r.policyOn(u.Name, checkpoint); err != nil {
+		if _, err := r.pols.policyOn(u.Name, checkpoint); err != nil {
 			return fmt.Errorf("%s: %w", u.Pos, err)
 		}
 	}
@@ -152,127 +311,17 @@ func (r *Run) openPolicies(ctx context.Context) error {
 	return nil
 }
 
-// addPolicy opens and registers a policy the run creates after its start (zero-config).
-func (r *Run) addPolicy(ctx context.Context, pc config.PolicyConfig) (*policy, error) {
-	eng, err := r.openPolicyEngine(ctx, pc)
-	if err != nil {
-		return nil, err
-	}
-	return r.registerPolicy(ctx, pc, eng)
-}
-
-// openPolicyEngine returns the engine of policy pc: the one Options.Engines gives, or a new one.
-func (r *Run) openPolicyEngine(ctx context.Context, pc config.PolicyConfig) (engines.Engine, error) {
-	eng := r.opts.Engines[pc.Name]
-	if eng == nil {
-		open := r.opts.OpenEngine
-		if open == nil {
-			open = func(ctx context.Context, p config.PolicyConfig) (engines.Engine, error) {
-				return openEngine(ctx, p, r.opts.Out, engineLogs{printf: r.events.printf, worker: r.events.filef, restarted: r.engineRestarted, bases: &r.bases,
-					cfg: r.cfg})
-			}
-		}
-		var err error
-		if eng, err = open(ctx, pc); err != nil {
-			return nil, fmt.Errorf("policy %q%s: %w", pc.Name, r.cfgPlace(&policy{cfg: pc}), err)
-		}
-	}
-	return eng, nil
-}
-
-// registerPolicy makes policy pc of its engine eng (closed on an error unless Options.Engines
-// gave it) and starts its dispatcher.
-func (r *Run) registerPolicy(ctx context.Context, pc config.PolicyConfig, eng engines.Engine) (*policy, error) {
-	_, given := r.opts.Engines[pc.Name]
-	if !given && r.opts.OpenEngine == nil && offHost(pc) { // a server this run reached itself
-		// After the policies before it are registered: it checks that no two trainable
-		// policies share one server process.
-		// The folders first: a run refused for them leaves the server's state as it was.
-		if err := r.checkServerFolders(ctx, pc, eng); err != nil {
-			eng.Close()
-			return nil, fmt.Errorf("policy %q%s: %w", pc.Name, r.cfgPlace(&policy{cfg: pc}), err)
-		}
-		if err := r.claimServer(ctx, pc, eng); err != nil {
-			eng.Close()
-			return nil, fmt.Errorf("policy %q%s: %w", pc.Name, r.cfgPlace(&policy{cfg: pc}), err)
-		}
-	}
-	if err := r.checkTIS(ctx, pc.Name, pc, eng); err != nil {
-		if !given {
-			eng.Close()
-		}
-		return nil, err
-	}
-	p := &policy{name: pc.Name, cfg: pc, eng: eng, busy: &busyMeter{}}
-	p.disp = newDispatcher(eng, &r.activity, maxBatchSamples(r.cfg))
-	p.disp.busy, p.disp.generating = p.busy, &r.generating
-	if v, ok := eng.(engines.AdapterView); ok && !r.opts.perPolicyBatches {
-		// A LoRA policy on a shared base: its batches go out with the other adapters' batches.
-		base := v.AdapterBase()
-		bt := r.adapterBatchers[base]
-		if bt == nil {
-			bt = newAdapterBatcher(base.GenerateAdapters, &r.activity)
-			if r.adapterBatchers == nil {
-				r.adapterBatchers = map[engines.AdapterGenerator]*adapterBatcher{}
-			}
-			r.adapterBatchers[base] = bt
-		}
-		name := v.AdapterName()
-		bt.join(name, p.disp)
-		p.disp.gen = func(ctx context.Context, reqs []engines.GenerateRequest) ([]engines.Completion, error) {
-			return bt.generate(ctx, name, reqs)
-		}
-	}
-	go p.disp.loop(r.ctx)
-	r.policies[pc.Name] = p
-	r.order = append(r.order, pc.Name)
-	return p, nil
-}
-
-// maxBatchSamples is how many samples a dispatcher puts in one engine batch:
-// rollout.max_batch_tokens over max_response_len, else 1024.
-func maxBatchSamples(c *config.Config) int {
-	if c.Rollout.MaxBatchTokens > 0 {
-		return max(1, c.Rollout.MaxBatchTokens/max(1, c.Rollout.MaxResponseLen))
-	}
-	return 1024
-}
-
-// policyFor returns a policy by name. Zero-config runs create it on first use, on
-// config.BuiltinCheckpoint.
-func (r *Run) policyFor(name string) (*policy, error) {
-	return r.policyOn(name, config.BuiltinCheckpoint)
-}
-
-// policyOn is policyFor with the checkpoint a zero-config run creates the policy on.
-func (r *Run) policyOn(name, checkpoint string) (*policy, error) {
-	r.polMu.Lock()
-	defer r.polMu.Unlock()
-	if p, ok := r.policies[name]; ok {
-		return p, nil
-	}
-	if !r.zero {
-		hint := ""
-		if best := script.ClosestName(name, r.order); best != "" {
-			hint = fmt.Sprintf(" (did you mean %q?)", best)
-		}
-		return nil, fmt.Errorf("unknown policy %q%s; %s defines %s — add it under policies: or fix the name", name, hint, r.cfgName(),
-			config.QuotePolicyNames(r.order))
-	}
-	if err := config.CheckPolicyName(name); err != nil {
-		return nil, fmt.Errorf("%v (a zero-config run creates each policy under the name the script passes, which must be a name a config may give it)", err)
-	}
-	if err := r.openErrs[name]; err != nil {
-		return nil, err
-	}
+// createPolicy is a zero-config run's policyTable.create: it opens and registers policy name on
+// checkpoint, a policy the run creates after its start, and adds it to the run's config.
+func (r *Run) createPolicy(name, checkpoint string) (*policy, error) {
 	pc := config.DefaultPolicy(name)
 	pc.HFCheckpoint, pc.Engine.ModelPath = checkpoint, checkpoint
-	p, err := r.addPolicy(r.ctx, pc)
+	eng, err := r.openPolicyEngine(r.ctx, pc)
 	if err != nil {
-		if r.openErrs == nil {
-			r.openErrs = map[string]error{}
-		}
-		r.openErrs[name] = err
+		return nil, err
+	}
+	p, err := r.registerPolicy(r.ctx, pc, eng)
+	if err != nil {
 		return nil, err
 	}
 	r.cfgMu.Lock()
@@ -288,36 +337,71 @@ func (r *Run) policyOn(name, checkpoint string) (*policy, error) {
 	return p, nil
 }
 
-// cfgName names the run's config file in messages ("the config" for a zero-config run).
-func (r *Run) cfgName() string {
-	if r.cfg.File != "" {
-		return r.cfg.File
+// openPolicyEngine returns the engine of policy pc: the one Options.Engines gives, or a new one.
+func (r *Run) openPolicyEngine(ctx context.Context, pc config.PolicyConfig) (engines.Engine, error) {
+	eng := r.opts.Engines[pc.Name]
+	if eng == nil {
+		open := r.opts.OpenEngine
+		if open == nil {
+			open = func(ctx context.Context, p config.PolicyConfig) (engines.Engine, error) {
+				return openEngine(ctx, p, r.opts.Out, engineLogs{printf: r.events.printf, worker: r.events.filef, restarted: r.engineRestarted, bases: &r.pols.bases,
+					cfg: r.cfg})
+			}
+		}
+		var err error
+		if eng, err = open(ctx, pc); err != nil {
+			return nil, fmt.Errorf("policy %q%s: %w", pc.Name, cfgPlace(r.cfg, pc), err)
+		}
 	}
-	return "the config"
+	return eng, nil
 }
 
-// cfgPlace names where a policy was configured, for messages: " in policies.yaml:7".
-func (r *Run) cfgPlace(p *policy) string {
-	if r.cfg.File != "" && p.cfg.Line > 0 {
-		return fmt.Sprintf(" in %s:%d", r.cfg.File, p.cfg.Line)
+// registerPolicy makes policy pc of its engine eng (closed on an error unless Options.Engines
+// gave it), starts its dispatcher and adds it to the table (under the table's lock, or alone at
+// the run's start).
+func (r *Run) registerPolicy(ctx context.Context, pc config.PolicyConfig, eng engines.Engine) (*policy, error) {
+	_, given := r.opts.Engines[pc.Name]
+	if !given && r.opts.OpenEngine == nil && offHost(pc) { // a server this run reached itself
+		// After the policies before it are registered: it checks that no two trainable
+		// policies share one server process.
+		// The folders first: a run refused for them leaves the server's state as it was.
+		if err := r.checkServerFolders(ctx, pc, eng); err != nil {
+			eng.Close()
+			return nil, fmt.Errorf("policy %q%s: %w", pc.Name, cfgPlace(r.cfg, pc), err)
+		}
+		if err := r.claimServer(ctx, pc, eng); err != nil {
+			eng.Close()
+			return nil, fmt.Errorf("policy %q%s: %w", pc.Name, cfgPlace(r.cfg, pc), err)
+		}
 	}
-	return ""
+	if err := r.checkTIS(ctx, pc.Name, pc, eng); err != nil {
+		if !given {
+			eng.Close()
+		}
+		return nil, err
+	}
+	p := &policy{name: pc.Name, cfg: pc, eng: eng, busy: &busyMeter{}}
+	p.disp = newDispatcher(eng, &r.activity, maxBatchSamples(r.cfg))
+	p.disp.busy, p.disp.generating = p.busy, &r.generating
+	if v, ok := eng.(engines.AdapterView); ok && !r.opts.perPolicyBatches {
+		// A LoRA policy on a shared base: its batches go out with the other adapters' batches.
+		bt := r.pols.adapterBatcher(v.AdapterBase(), &r.activity)
+		name := v.AdapterName()
+		bt.join(name, p.disp)
+		p.disp.gen = func(ctx context.Context, reqs []engines.GenerateRequest) ([]engines.Completion, error) {
+			return bt.generate(ctx, name, reqs)
+		}
+	}
+	go p.disp.loop(r.ctx)
+	r.pols.add(p)
+	return p, nil
 }
 
-// score scores one request of a rollout: through the policy's dispatcher, which batches the score
-// calls of all rollouts as it does their generate calls, at the weights version the rollout
-// samples from.
-func (r *Run) score(ctx context.Context, p *policy, req engines.ScoreRequest) ([]float32, error) {
-	return p.disp.score(ctx, req, versionFor(ctx, p).gen)
-}
-
-// policyList returns the policies in config order (then order of first use).
-func (r *Run) policyList() []*policy {
-	r.polMu.Lock()
-	defer r.polMu.Unlock()
-	pols := make([]*policy, len(r.order))
-	for i, n := range r.order {
-		pols[i] = r.policies[n]
+// maxBatchSamples is how many samples a dispatcher puts in one engine batch:
+// rollout.max_batch_tokens over max_response_len, else 1024.
+func maxBatchSamples(c *config.Config) int {
+	if c.Rollout.MaxBatchTokens > 0 {
+		return max(1, c.Rollout.MaxBatchTokens/max(1, c.Rollout.MaxResponseLen))
 	}
-	return pols
+	return 1024
 }

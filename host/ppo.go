@@ -18,7 +18,7 @@ const valueClip = 0.2
 
 // critic returns the run's critic policy, if any.
 func (r *Run) critic() *policy {
-	for _, p := range r.policyList() {
+	for _, p := range r.pols.list() {
 		if p.cfg.IsCritic() {
 			return p
 		}

@@ -7,7 +7,6 @@ import (
 	"os"
 	"path/filepath"
 	"reflect"
-	"sort"
 	"strings"
 	"sync"
 	"time"
@@ -130,7 +129,7 @@ func (r *Run) checkReload() {
 			if r.zero {
 				// With no config a new name is a new model: refuse the typo that would leave
 				// the trained one idle, as the config refuses an unknown name.
-				problems = append(problems, script.RenamedPolicies(script.PolicyUses(s), r.policyNames())...)
+				problems = append(problems, script.RenamedPolicies(script.PolicyUses(s), r.pols.names())...)
 			}
 			if len(problems) > 0 {
 				err = errors.New(strings.Join(problems, "\n"))
@@ -176,9 +175,7 @@ func (r *Run) checkReload() {
 		return
 	}
 	for _, pc := range c.Policies {
-		r.polMu.Lock()
-		p := r.policies[pc.Name]
-		r.polMu.Unlock()
+		p := r.pols.get(pc.Name)
 		if p == nil {
 			continue
 		}
@@ -189,18 +186,6 @@ func (r *Run) checkReload() {
 	}
 	rl.pendingCfg = c
 	r.events.printf("reload: %s is valid; its new settings take over at the next step", rl.cfgPath)
-}
-
-// policyNames are the names of the run's policies, those a zero-config script created included.
-func (r *Run) policyNames() []string {
-	r.polMu.Lock()
-	defer r.polMu.Unlock()
-	names := make([]string, 0, len(r.policies))
-	for name := range r.policies {
-		names = append(names, name)
-	}
-	sort.Strings(names)
-	return names
 }
 
 // needsNewEngine names a change that a running engine cannot take ("" if none): policies added,
@@ -269,14 +254,7 @@ func (r *Run) applyReload(ctx context.Context, step int) error {
 		c.Run.Out, c.File = old.Run.Out, old.File
 		r.cfg = c
 		r.cfgMu.Unlock()
-		r.polMu.Lock()
-		for i := range c.Policies {
-			if p := r.policies[c.Policies[i].Name]; p != nil {
-				p.cfg = c.Policies[i]
-				p.forgetInfo()
-			}
-		}
-		r.polMu.Unlock()
+		r.pols.reconfigure(c.Policies)
 		if err := r.writeConfig(); err != nil {
 			return err
 		}

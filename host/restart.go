@@ -166,11 +166,9 @@ type restartEvent struct {
 // engineRestarted is every engine's OnRestart: it puts the policy's state back into the new
 // process, or refuses it (and the run stops).
 func (r *Run) engineRestarted(ctx context.Context, ev restartEvent) error {
-	r.polMu.Lock()
-	if p := r.policies[ev.policy]; p != nil {
+	if p := r.pols.get(ev.policy); p != nil {
 		p.forgetInfo() // the new process renders with what it reports now
 	}
-	r.polMu.Unlock()
 	g := &r.restart
 	g.mu.Lock()
 	defer g.mu.Unlock()
@@ -222,7 +220,7 @@ func (r *Run) engineRestarted(ctx context.Context, ev restartEvent) error {
 		}
 		what = fmt.Sprintf("loaded %s (step %d) into it", dir, g.base)
 	}
-	versions := r.vers.inEngine(r.policyList(), ev.policy)
+	versions := r.vers.inEngine(r.pols.list(), ev.policy)
 	if versions {
 		// Its rollouts sample weights versions the process kept: those up to g.base
 		// are the state of g.base or in its checkpoint; those of the steps since are kept again
@@ -285,10 +283,8 @@ type outageBounded interface{ GiveUpAt(time.Time) }
 // its exit past the stop grace (the rollouts are cancelled then; the final checkpoint and what
 // else the run still asks of its engines fail at once instead of waiting ReconnectTimeout).
 func (r *Run) giveUpOnEngines(t time.Time) {
-	r.polMu.Lock()
-	defer r.polMu.Unlock()
-	for _, name := range r.order {
-		switch e := r.policies[name].eng.(type) {
+	r.pols.each(func(p *policy) {
+		switch e := p.eng.(type) {
 		case outageBounded:
 			e.GiveUpAt(t)
 		case interface{ Client() *remote.Client }: // a LoRA adapter on a server
@@ -296,7 +292,7 @@ func (r *Run) giveUpOnEngines(t time.Time) {
 				c.GiveUpAt(t)
 			}
 		}
-	}
+	})
 }
 
 // resumeHint says how to go on after a run stopped for an engine: resume from its newest

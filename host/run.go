@@ -137,13 +137,7 @@ type Run struct {
 	ctx    context.Context // lives as long as the run; dispatchers stop with it
 	cancel context.CancelFunc
 
-	polMu sync.Mutex
-	bases loraBases // the base models the LoRA policies share
-	// adapterBatchers send the generate batches of the LoRA policies on one base together.
-	adapterBatchers map[engines.AdapterGenerator]*adapterBatcher
-	policies        map[string]*policy
-	openErrs        map[string]error // zero-config policies whose engine failed to open: not retried
-	order           []string         // policy names in config order, then first use
+	pols policyTable // the policies by name, in order, and the LoRA bases they share
 
 	id      string    // random per process: part of optimizer step ids
 	wd      string    // the absolute working directory the run started in (run.json's dir)
@@ -326,7 +320,7 @@ func (r *Run) scriptOptions(sandboxed bool) script.Options {
 
 // newRun makes a run with no script, outputs or engines yet.
 func newRun(opts Options) *Run {
-	r := &Run{opts: opts, state: script.NewState(), policies: map[string]*policy{}, tasks: opts.Tasks, id: newRunID(),
+	r := &Run{opts: opts, state: script.NewState(), tasks: opts.Tasks, id: newRunID(),
 		events: &eventLog{w: opts.Log}, metrics: &metricsWriter{}, stopped: make(chan struct{})}
 	r.ctx, r.cancel = context.WithCancel(context.Background())
 	r.cfg, r.zero = opts.Config, opts.Zero
@@ -339,11 +333,14 @@ func newRun(opts Options) *Run {
 	if len(r.cfg.Policies) == 0 {
 		r.zero = true // a config that lists no policies leaves them to the script, as zero-config does
 	}
+	var create func(name, checkpoint string) (*policy, error)
+	if r.zero {
+		create = r.createPolicy
+	}
+	r.pols = newPolicyTable(r.Config, create)
 	r.rec = recorder{events: r.events, config: r.Config, observers: opts.Observers, id: r.id, wd: r.wd}
 	r.rec.engineOf = func(name string) engines.Engine {
-		r.polMu.Lock()
-		p := r.policies[name]
-		r.polMu.Unlock()
+		p := r.pols.get(name)
 		if p == nil {
 			return nil
 		}
@@ -375,17 +372,14 @@ func (r *Run) Close() error {
 		r.sandbox.close()
 	}
 	errs := []error{r.agents.Close()}
-	r.polMu.Lock()
-	for _, name := range r.order {
-		p := r.policies[name]
-		if _, given := r.opts.Engines[name]; !given && p.eng != nil {
+	r.pols.each(func(p *policy) {
+		if _, given := r.opts.Engines[p.name]; !given && p.eng != nil {
 			errs = append(errs, p.eng.Close())
 		}
 		if p.replicas != nil {
 			errs = append(errs, p.replicas.Close())
 		}
-	}
-	r.polMu.Unlock()
+	})
 	errs = append(errs, r.rec.close(r.trainErr.Load()), r.events.close(), r.metrics.close(), r.lock.release())
 	return errors.Join(errs...)
 }
@@ -465,7 +459,7 @@ func (r *Run) runStep(ctx context.Context) (*StepResult, error) {
 	k := cfg.Rollout.MaxStaleness
 	if cfg.Rollout.Partial && k > 0 {
 		// The rollouts running continue their long generations from the weights just trained.
-		if err := r.vers.need(ctx, r.policyList(), r.step, r.step, k); err != nil {
+		if err := r.vers.need(ctx, r.pols.list(), r.step, r.step, k); err != nil {
 			return nil, err
 		}
 	}
@@ -500,7 +494,7 @@ func (r *Run) runStep(ctx context.Context) (*StepResult, error) {
 	}
 	res.Policies = pm
 	res.Run = runMetrics(step, ros, res, rolloutS, l.genS, trainS, time.Since(t0).Seconds(), r.logNames.sums(step, ros, r.events))
-	r.async.metrics(res, l, k, r.policyList())
+	r.async.metrics(res, l, k, r.pols.list())
 	r.step, r.next = step, r.next+n
 	if err := r.metrics.writeLines(append(append([]Metrics(nil), res.Policies...), res.Run)); err != nil {
 		return nil, err
@@ -531,7 +525,7 @@ func (r *Run) rolloutFailures(ctx context.Context, cfg *config.Config, res *Step
 	if err := r.restart.failure(); err != nil {
 		return err
 	}
-	for _, p := range r.policyList() {
+	for _, p := range r.pols.list() {
 		if err := p.disp.takeErr(); err != nil && ctx.Err() == nil {
 			return &EngineError{Step: res.Step, Policy: p.name, Err: err, Hint: r.engineErrorHint()}
 		}
@@ -637,7 +631,7 @@ func (r *Run) openOutputs() error {
 	r.rec.out, r.rec.events = out, r.events
 	r.ckpt.out, r.ckpt.events = out, r.events
 	r.async.events = r.events
-	r.vers = versionKeeper{cfg: r.Config, events: r.events, hint: r.engineErrorHint, place: r.cfgPlace, out: out, given: r.opts.Engines,
+	r.vers = versionKeeper{cfg: r.Config, events: r.events, hint: r.engineErrorHint, out: out, given: r.opts.Engines,
 		open: r.opts.OpenEngine, act: &r.activity}
 	if out == "" {
 		return nil

@@ -554,7 +554,7 @@ func TestPoliciesOpenTogether(t *testing.T) {
 	if g.max != 2 || lora.max != 1 {
 		t.Errorf("engines opened at once: %d of the two full-weight policies (want 2), %d of the two LoRA ones (want 1)", g.max, lora.max)
 	}
-	if d := cmp.Diff([]string{"a", "b", "la", "lb"}, r.order); d != "" {
+	if d := cmp.Diff([]string{"a", "b", "la", "lb"}, r.pols.order); d != "" {
 		t.Errorf("policies registered out of config order (-want +got):\n%s", d)
 	}
 }

@@ -530,7 +530,7 @@ func (sb *pool) mayCreate(name string) error {
 	defer sb.createMu.Unlock()
 	known, names := sb.policies(name)
 	if known || len(names) < maxZeroPolicies {
-		_, err := sb.r.policyFor(name)
+		_, err := sb.r.pols.policyFor(name)
 		return err
 	}
 	return fmt.Errorf("policy %q: a sandboxed run without a config creates at most %d policies (it has %s); name the policies in a config", name,

@@ -21,17 +21,17 @@ type localHost struct{ r *Run }
 var _ script.Host = localHost{}
 
 func (h localHost) CheckPolicy(name string) (bool, string, error) {
-	p, err := h.r.policyFor(name)
+	p, err := h.r.pols.policyFor(name)
 	if err != nil {
 		return false, "", err
 	}
-	return p.cfg.Trainable, h.r.cfgPlace(p), nil
+	return p.cfg.Trainable, cfgPlace(h.r.cfg, p.cfg), nil
 }
 
 func (h localHost) Sampling() engines.Sampling { return h.r.sampling() }
 
 func (h localHost) Generate(ctx context.Context, policy string, req engines.GenerateRequest) ([]engines.Completion, error) {
-	p, err := h.r.policyFor(policy)
+	p, err := h.r.pols.policyFor(policy)
 	if err != nil {
 		return nil, err
 	}
@@ -44,11 +44,11 @@ func (h localHost) Generate(ctx context.Context, policy string, req engines.Gene
 }
 
 func (h localHost) Score(ctx context.Context, policy string, req engines.ScoreRequest) ([]float32, error) {
-	p, err := h.r.policyFor(policy)
+	p, err := h.r.pols.policyFor(policy)
 	if err != nil {
 		return nil, err
 	}
-	return h.r.score(ctx, p, req)
+	return p.score(ctx, req)
 }
 
 func (h localHost) Render(ctx context.Context, policy string, reqs []engines.RenderRequest) (script.Rendered, error) {
@@ -58,7 +58,7 @@ func (h localHost) Render(ctx context.Context, policy string, reqs []engines.Ren
 	if slices.ContainsFunc(reqs, func(r engines.RenderRequest) bool { return len(r.Tools) > 0 }) {
 		checkpoint = config.BuiltinChatCheckpoint
 	}
-	p, err := h.r.policyOn(policy, checkpoint)
+	p, err := h.r.pols.policyOn(policy, checkpoint)
 	if err != nil {
 		return script.Rendered{}, err
 	}

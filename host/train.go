@@ -148,7 +148,7 @@ type trainSample struct {
 // trainPolicies computes advantages and trains every trainable policy on its samples.
 func (r *Run) trainPolicies(ctx context.Context, step int, cfg *config.Config, ros []*script.Rollout, rolloutS float64, version int) ([]Metrics, error) {
 	byPolicy, gens := gather(ros, version)
-	pols := r.policyList()
+	pols := r.pols.list()
 	advs, targets, err := r.advantages(ctx, pols, byPolicy)
 	if err != nil {
 		return nil, err
@@ -491,7 +491,7 @@ func (r *Run) checkTIS(ctx context.Context, name string, pc config.PolicyConfig,
 	if !slices.Contains(info.Capabilities, "tis") {
 		return fmt.Errorf("policy %q%s: train.use_tis needs an engine that applies the off-policy correction, "+
 			"and its engine (%s) does not (no \"tis\" capability; the tiny and torch engines have it): "+
-			"set use_tis: false or use another engine", name, r.cfgPlace(&policy{cfg: pc}), info.Model)
+			"set use_tis: false or use another engine", name, cfgPlace(r.cfg, pc), info.Model)
 	}
 	return nil
 }

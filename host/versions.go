@@ -28,7 +28,6 @@ type versionKeeper struct {
 	cfg    func() *config.Config // the run's config, as a reload leaves it
 	events *eventLog             // the run's events.log
 	hint   func() string         // the hint of an EngineError (the command that resumes the run)
-	place  func(*policy) string  // where a policy was configured, for messages
 	// out is the run directory, through which rollout replicas take the weights; "" without one.
 	out string
 	// given and open are Options.Engines and Options.OpenEngine: a given engine has no replicas,
@@ -158,7 +157,7 @@ func (vk *versionKeeper) versionsOf(ctx context.Context, p *policy, k int) (engi
 		return nil, fmt.Errorf("policy %q%s: rollout.max_staleness is %d, which needs an engine that keeps rollout copies of "+
 			"its weights while it trains (the tiny engine does) or %s; "+
 			"its %s engine has neither%s — set rollout.max_staleness: 0 (docs/async.md)",
-			p.name, vk.place(p), k, why, kind, server)
+			p.name, cfgPlace(vk.cfg(), p.cfg), k, why, kind, server)
 	}
 	pc := p.cfg
 	var opened atomic.Int64 // replicas opened: the next one's number (EngineEnv.Replica)
