@@ -2,6 +2,7 @@ package openai
 
 import (
 	"bytes"
+	"context"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -410,42 +411,86 @@ func responseOutput(c engines.Completion, withTools bool) ([]any, bool) {
 	return out, incomplete
 }
 
-// responses answers POST /v1/responses through the chat path.
+// responses answers POST /v1/responses through the chat path: parsed, checked and read as a chat
+// call (parseResponses), sampled (generator), and written as one Response object or, streamed,
+// as the API's events (responseOut).
 func (h *handler) responses(w http.ResponseWriter, r *http.Request) {
-	var req responsesRequest
-	if err := h.decode(w, r, &req); err != nil {
+	c, err := h.parseResponses(w, r)
+	if err != nil {
 		h.fail(w, err)
 		return
 	}
-	msgs, x, err := responsesChat(&req)
-	var (
-		gr       engines.GenerateRequest
-		explicit bool
-		tu       toolUse
-	)
-	if err == nil {
-		s := sampling{Model: req.Model, MaxCompletionTokens: req.MaxOutputTokens, Temperature: req.Temperature, TopP: req.TopP, maxTokensParam: "max_output_tokens"}
-		gr, explicit, err = h.request(s)
-	}
-	if err == nil {
-		tu, err = x.toolFields()
-	}
-	if err != nil {
-		h.fail(w, responsesNames(err))
-		return
-	}
-	id := "resp_" + gr.ID
-	gr.ID = id
-	generate, release, err := h.generator(w, r, gr, explicit, req.Stream, msgs, tu)
+	generate, release, err := h.generator(w, r, c.gr, c.explicit, c.req.Stream, c.msgs, c.tu)
 	if err != nil {
 		h.fail(w, responsesNames(err))
 		return
 	}
 	defer release()
+	out := h.startResponse(w, r, c)
+	comps, err := generate(r.Context(), out.piece())
+	if err != nil {
+		out.fail(r.Context(), err)
+		return
+	}
+	out.write(comps)
+}
 
-	obj := responseObject{ID: id, Object: "response", CreatedAt: time.Now().Unix(), Status: "in_progress",
+// responsesCall is a Responses request, parsed and checked: the request, its engine request (the
+// sampling settings, ID "resp_…"), whether it gave max_output_tokens, and the chat messages and
+// tool use it reads as.
+type responsesCall struct {
+	req      responsesRequest
+	gr       engines.GenerateRequest
+	explicit bool
+	msgs     []ChatMessage
+	tu       toolUse
+}
+
+// parseResponses reads a Responses request and checks it as a chat call (responsesChat); its
+// errors are the client's, past the body's decoding in the Responses API's names.
+func (h *handler) parseResponses(w http.ResponseWriter, r *http.Request) (responsesCall, error) {
+	var c responsesCall
+	if err := h.decode(w, r, &c.req); err != nil {
+		return c, err
+	}
+	req := &c.req
+	msgs, x, err := responsesChat(req)
+	if err == nil {
+		s := sampling{Model: req.Model, MaxCompletionTokens: req.MaxOutputTokens, Temperature: req.Temperature, TopP: req.TopP, maxTokensParam: "max_output_tokens"}
+		c.gr, c.explicit, err = h.request(s)
+	}
+	if err == nil {
+		c.tu, err = x.toolFields()
+	}
+	if err != nil {
+		return c, responsesNames(err)
+	}
+	c.msgs = msgs
+	c.gr.ID = "resp_" + c.gr.ID
+	return c, nil
+}
+
+// responseOut writes the answer to a Responses call: the Response object once the sample is done
+// or, streamed, the API's events: created and in_progress at once, the message's text as the
+// engine samples it (where it streams), then each output item and the completed (or incomplete)
+// response.
+type responseOut struct {
+	h      *handler
+	w      http.ResponseWriter
+	read   bool // tool calls are read from the answer (toolUse.read)
+	obj    responseObject
+	ev     *eventStream // nil: not streamed
+	deltas *textDeltas
+	msgID  string // the message item announced while sampling; "": none yet
+}
+
+// startResponse begins the answer: the Response object before sampling (in_progress, with the
+// request's settings) and, streamed, its created and in_progress events.
+func (h *handler) startResponse(w http.ResponseWriter, r *http.Request, c responsesCall) *responseOut {
+	req := &c.req
+	obj := responseObject{ID: c.gr.ID, Object: "response", CreatedAt: time.Now().Unix(), Status: "in_progress",
 		Instructions: req.Instructions, MaxOutputTokens: req.MaxOutputTokens, Model: h.modelName(r), Output: []any{},
-		ParallelToolCalls: req.ParallelToolCalls == nil || *req.ParallelToolCalls, Temperature: gr.Temperature, TopP: gr.TopP,
+		ParallelToolCalls: req.ParallelToolCalls == nil || *req.ParallelToolCalls, Temperature: c.gr.Temperature, TopP: c.gr.TopP,
 		Text: responseText{Format: json.RawMessage(`{"type":"text"}`)}, ToolChoice: json.RawMessage(`"auto"`), Tools: []json.RawMessage{},
 		Truncation: "disabled", Metadata: json.RawMessage(`{}`)}
 	if req.Text != nil && isSet(req.Text.Format) {
@@ -460,97 +505,131 @@ func (h *handler) responses(w http.ResponseWriter, r *http.Request) {
 	if isSet(req.Tools) {
 		json.Unmarshal(req.Tools, &obj.Tools)
 	}
-	finish := func(comps []engines.Completion) {
-		obj.Status = "completed"
-		if len(comps) == 0 {
-			return
-		}
-		c := comps[0]
-		var incomplete bool
-		obj.Output, incomplete = responseOutput(c, tu.read)
-		if incomplete {
-			obj.Status, obj.IncompleteDetails = "incomplete", &incompleteDetails{Reason: "max_output_tokens"}
-		}
-		u := &responseUsage{InputTokens: len(c.PromptTokens), OutputTokens: len(c.Tokens)}
-		u.TotalTokens = u.InputTokens + u.OutputTokens
-		obj.Usage = u
-	}
+	o := &responseOut{h: h, w: w, read: c.tu.read, obj: obj}
 	if !req.Stream {
-		comps, err := generate(r.Context(), nil)
-		if err != nil {
-			h.fail(w, responsesNames(err))
-			return
-		}
-		finish(comps)
-		writeJSON(w, obj)
-		return
+		return o
 	}
+	o.ev = &eventStream{s: startStream(w)}
+	o.ev.send("response.created", map[string]any{"response": o.obj})
+	o.ev.send("response.in_progress", map[string]any{"response": o.obj})
+	o.deltas = newTextDeltas(c.gr.Stop, c.tu.read)
+	return o
+}
 
-	ev := &eventStream{s: startStream(w)}
-	ev.send("response.created", map[string]any{"response": obj})
-	ev.send("response.in_progress", map[string]any{"response": obj})
-	// The answer's text goes out as the engine samples it (where it streams): its message item
-	// is announced with the first text that may be sent.
-	deltas, msgID := newTextDeltas(gr.Stop, tu.read), ""
-	textDelta := func(delta string) {
-		ev.send("response.output_text.delta", map[string]any{"item_id": msgID, "output_index": 0, "content_index": 0, "delta": delta, "logprobs": []any{}})
+// piece is what sampling hands the sample's text as it grows: streamed, it sends what is new
+// (held back where it may turn out to be a stop sequence or a tool call), announcing the message
+// item with the first text that may be sent; nil when not streamed.
+func (o *responseOut) piece() func(index int, text string) {
+	if o.ev == nil {
+		return nil
 	}
-	comps, err := generate(r.Context(), func(index int, text string) {
-		delta := deltas.add(text)
+	return func(index int, text string) {
+		delta := o.deltas.add(text)
 		if index != 0 || delta == "" {
 			return
 		}
-		if msgID == "" {
-			msgID = newID("msg_")
-			ev.send("response.output_item.added", map[string]any{"output_index": 0,
-				"item": outputMessage{Type: "message", ID: msgID, Status: "in_progress", Role: "assistant", Content: []outputText{}}})
-			ev.send("response.content_part.added", map[string]any{"item_id": msgID, "output_index": 0, "content_index": 0,
+		if o.msgID == "" {
+			o.msgID = newID("msg_")
+			o.ev.send("response.output_item.added", map[string]any{"output_index": 0,
+				"item": outputMessage{Type: "message", ID: o.msgID, Status: "in_progress", Role: "assistant", Content: []outputText{}}})
+			o.ev.send("response.content_part.added", map[string]any{"item_id": o.msgID, "output_index": 0, "content_index": 0,
 				"part": outputText{Type: "output_text", Annotations: []any{}, Logprobs: []any{}}})
 		}
-		textDelta(delta)
-	})
-	if err != nil {
-		if r.Context().Err() == nil { // else the client left
-			ev.fail(h, responsesNames(err))
-		}
+		o.textDelta(delta)
+	}
+}
+
+// textDelta sends more text of the message item announced while sampling.
+func (o *responseOut) textDelta(delta string) {
+	o.ev.send("response.output_text.delta", map[string]any{"item_id": o.msgID, "output_index": 0, "content_index": 0, "delta": delta, "logprobs": []any{}})
+}
+
+// fail answers a failed sampling: an error event once the stream has begun (nothing to a client
+// that left: ctx is done), else the API's error.
+func (o *responseOut) fail(ctx context.Context, err error) {
+	if o.ev == nil {
+		o.h.fail(o.w, responsesNames(err))
 		return
 	}
-	finish(comps)
-	for i, item := range obj.Output {
+	if ctx.Err() == nil {
+		o.ev.fail(o.h, responsesNames(err))
+	}
+}
+
+// write answers the sample: the completed Response object or, streamed, the events of its
+// output items and its end.
+func (o *responseOut) write(comps []engines.Completion) {
+	o.complete(comps)
+	if o.ev == nil {
+		writeJSON(o.w, o.obj)
+		return
+	}
+	for i, item := range o.obj.Output {
 		switch it := item.(type) {
 		case outputMessage:
-			part := it.Content[0]
-			if i == 0 && msgID != "" { // announced while sampling: the rest of its text
-				it.ID = msgID
-				obj.Output[i], item = it, it
-				if rest := deltas.rest(part.Text); rest != "" {
-					textDelta(rest)
-				}
-			} else {
-				added := it
-				added.Status, added.Content = "in_progress", []outputText{}
-				ev.send("response.output_item.added", map[string]any{"output_index": i, "item": added})
-				empty := part
-				empty.Text = ""
-				ev.send("response.content_part.added", map[string]any{"item_id": it.ID, "output_index": i, "content_index": 0, "part": empty})
-				ev.send("response.output_text.delta", map[string]any{"item_id": it.ID, "output_index": i, "content_index": 0, "delta": part.Text, "logprobs": []any{}})
-			}
-			ev.send("response.output_text.done", map[string]any{"item_id": it.ID, "output_index": i, "content_index": 0, "text": part.Text, "logprobs": []any{}})
-			ev.send("response.content_part.done", map[string]any{"item_id": it.ID, "output_index": i, "content_index": 0, "part": part})
+			item = o.sendMessage(i, it)
 		case outputCall:
-			added := it
-			added.Status, added.Arguments = "in_progress", ""
-			ev.send("response.output_item.added", map[string]any{"output_index": i, "item": added})
-			ev.send("response.function_call_arguments.delta", map[string]any{"item_id": it.ID, "output_index": i, "delta": it.Arguments})
-			ev.send("response.function_call_arguments.done", map[string]any{"item_id": it.ID, "output_index": i, "name": it.Name, "arguments": it.Arguments})
+			o.sendCall(i, it)
 		}
-		ev.send("response.output_item.done", map[string]any{"output_index": i, "item": item})
+		o.ev.send("response.output_item.done", map[string]any{"output_index": i, "item": item})
 	}
-	if obj.Status == "incomplete" {
-		ev.send("response.incomplete", map[string]any{"response": obj})
+	if o.obj.Status == "incomplete" {
+		o.ev.send("response.incomplete", map[string]any{"response": o.obj})
 	} else {
-		ev.send("response.completed", map[string]any{"response": obj})
+		o.ev.send("response.completed", map[string]any{"response": o.obj})
 	}
+}
+
+// complete fills the Response object in from the sample: its output items, its status (incomplete
+// when cut by max_output_tokens) and its usage.
+func (o *responseOut) complete(comps []engines.Completion) {
+	o.obj.Status = "completed"
+	if len(comps) == 0 {
+		return
+	}
+	c := comps[0]
+	var incomplete bool
+	o.obj.Output, incomplete = responseOutput(c, o.read)
+	if incomplete {
+		o.obj.Status, o.obj.IncompleteDetails = "incomplete", &incompleteDetails{Reason: "max_output_tokens"}
+	}
+	u := &responseUsage{InputTokens: len(c.PromptTokens), OutputTokens: len(c.Tokens)}
+	u.TotalTokens = u.InputTokens + u.OutputTokens
+	o.obj.Usage = u
+}
+
+// sendMessage streams output item i, a message: the rest of its text when it was announced while
+// sampling, else the whole item; then its text's and part's ends. It returns the item as sent
+// (with the announced item's id).
+func (o *responseOut) sendMessage(i int, it outputMessage) outputMessage {
+	part := it.Content[0]
+	if i == 0 && o.msgID != "" { // announced while sampling: the rest of its text
+		it.ID = o.msgID
+		o.obj.Output[i] = it
+		if rest := o.deltas.rest(part.Text); rest != "" {
+			o.textDelta(rest)
+		}
+	} else {
+		added := it
+		added.Status, added.Content = "in_progress", []outputText{}
+		o.ev.send("response.output_item.added", map[string]any{"output_index": i, "item": added})
+		empty := part
+		empty.Text = ""
+		o.ev.send("response.content_part.added", map[string]any{"item_id": it.ID, "output_index": i, "content_index": 0, "part": empty})
+		o.ev.send("response.output_text.delta", map[string]any{"item_id": it.ID, "output_index": i, "content_index": 0, "delta": part.Text, "logprobs": []any{}})
+	}
+	o.ev.send("response.output_text.done", map[string]any{"item_id": it.ID, "output_index": i, "content_index": 0, "text": part.Text, "logprobs": []any{}})
+	o.ev.send("response.content_part.done", map[string]any{"item_id": it.ID, "output_index": i, "content_index": 0, "part": part})
+	return it
+}
+
+// sendCall streams output item i, a function call: the item, then its arguments in one delta.
+func (o *responseOut) sendCall(i int, it outputCall) {
+	added := it
+	added.Status, added.Arguments = "in_progress", ""
+	o.ev.send("response.output_item.added", map[string]any{"output_index": i, "item": added})
+	o.ev.send("response.function_call_arguments.delta", map[string]any{"item_id": it.ID, "output_index": i, "delta": it.Arguments})
+	o.ev.send("response.function_call_arguments.done", map[string]any{"item_id": it.ID, "output_index": i, "name": it.Name, "arguments": it.Arguments})
 }
 
 // eventStream writes the Responses API's server-sent events: "event: TYPE" and the event's
