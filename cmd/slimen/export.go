@@ -4,6 +4,7 @@ import (
 	"bufio"
 	"context"
 	"encoding/json"
+	"errors"
 	"flag"
 	"fmt"
 	"io"
@@ -43,17 +44,40 @@ func init() {
 // Hugging Face folder in --out; the base is the adapter's base_model_name_or_path unless --base
 // names it.
 func cmdExport(args []string) int {
+	f := newExportFlags()
+	if err := f.fs.Parse(args); err != nil {
+		return flagExit(err)
+	}
+	p, err := f.plan()
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "slimen export:", err)
+		return 2
+	}
+	return p.run()
+}
+
+// exportFlags are the flags of `slimen export`.
+type exportFlags struct {
+	fs                                     *flag.FlagSet
+	task, format, out, merge, base, tokIDs *string
+	seed                                   *uint64
+	n, start                               *int
+}
+
+// newExportFlags defines the flags of both forms, a synthetic source's lines and --merge.
+func newExportFlags() *exportFlags {
 	fs := flag.NewFlagSet("export", flag.ContinueOnError)
-	task := fs.String("task", "synthetic:arith", "task source: synthetic:arith[?difficulty=N&seed=S] or synthetic:chat (the chat corpus), "+
+	f := &exportFlags{fs: fs}
+	f.task = fs.String("task", "synthetic:arith", "task source: synthetic:arith[?difficulty=N&seed=S] or synthetic:chat (the chat corpus), "+
 		"or synthetic:calc, facts or multipart with --format tasks")
-	seed := fs.Uint64("seed", 1, "seed of the problems (unless --task gives seed=); a run's problems use its run.seed")
-	n := fs.Int("n", 10000, "number of lines")
-	start := fs.Int("start", 0, "index of the first problem")
-	format := fs.String("format", "sft", "sft (prompt/response pairs) or tasks (id/prompt/label)")
-	out := fs.String("out", "", "output file (default: standard output); with --merge the output folder")
-	merge := fs.String("merge", "", "a LoRA adapter folder (PEFT) to fold into its base and write as a Hugging Face folder to --out")
-	base := fs.String("base", "", "with --merge: the base model (a folder or builtin:NAME); default the adapter's base_model_name_or_path")
-	tokenIDs := fs.String("token-ids", "", "with --format sft: add the token ids the tiny engine trains on with this model's tokenizer "+
+	f.seed = fs.Uint64("seed", 1, "seed of the problems (unless --task gives seed=); a run's problems use its run.seed")
+	f.n = fs.Int("n", 10000, "number of lines")
+	f.start = fs.Int("start", 0, "index of the first problem")
+	f.format = fs.String("format", "sft", "sft (prompt/response pairs) or tasks (id/prompt/label)")
+	f.out = fs.String("out", "", "output file (default: standard output); with --merge the output folder")
+	f.merge = fs.String("merge", "", "a LoRA adapter folder (PEFT) to fold into its base and write as a Hugging Face folder to --out")
+	f.base = fs.String("base", "", "with --merge: the base model (a folder or builtin:NAME); default the adapter's base_model_name_or_path")
+	f.tokIDs = fs.String("token-ids", "", "with --format sft: add the token ids the tiny engine trains on with this model's tokenizer "+
 		"(a folder or builtin:NAME) as prompt_ids and response_ids")
 	fs.Usage = func() {
 		fmt.Fprintln(fs.Output(), "usage: slimen export [--task synthetic:arith|synthetic:chat] [--seed S] [--n N] [--start I] "+
@@ -61,87 +85,107 @@ func cmdExport(args []string) int {
 		fmt.Fprintln(fs.Output(), "       slimen export --merge ADAPTER_DIR [--base MODEL] --out DIR")
 		fs.PrintDefaults()
 	}
-	if err := fs.Parse(args); err != nil {
-		return flagExit(err)
+	return f
+}
+
+// exportPlan is what `slimen export` is to do, its flags checked: fold the LoRA adapter merge
+// into its base and write the model to the folder out or, without --merge, write the JSONL lines
+// of a synthetic source (lines) to the file out (standard output when "").
+type exportPlan struct {
+	out         string
+	merge, base string // base "": the adapter's own
+	lines       func(w io.Writer) error
+}
+
+// plan checks the parsed flags and opens --token-ids's tokenizer.
+func (f *exportFlags) plan() (*exportPlan, error) {
+	if f.fs.NArg() > 0 {
+		return nil, fmt.Errorf("unexpected argument %q", f.fs.Arg(0))
 	}
-	bad := func(f string, a ...any) int {
-		fmt.Fprintf(os.Stderr, "slimen export: "+f+"\n", a...)
-		return 2
-	}
-	if fs.NArg() > 0 {
-		return bad("unexpected argument %q", fs.Arg(0))
-	}
-	if *merge != "" {
-		if *out == "" {
-			return bad("--merge needs --out: the folder to write the merged model into")
+	p := &exportPlan{out: *f.out, merge: *f.merge, base: *f.base}
+	if p.merge != "" {
+		if p.out == "" {
+			return nil, errors.New("--merge needs --out: the folder to write the merged model into")
 		}
-		if err := tiny.MergeAdapter(context.Background(), *merge, *base, *out, tiny.Options{}); err != nil {
-			fmt.Fprintln(os.Stderr, "slimen export --merge:", err)
-			return 1
-		}
-		fmt.Fprintf(os.Stderr, "slimen export: %s merged into its base, written to %s\n", *merge, *out)
-		return 0
+		return p, nil
 	}
-	if *base != "" {
-		return bad("--base goes with --merge")
+	lines, err := f.planLines()
+	if err != nil {
+		return nil, err
 	}
-	if *n < 0 || *start < 0 {
-		return bad("--n and --start must not be negative")
+	p.lines = lines
+	return p, nil
+}
+
+// planLines checks the flags of a synthetic source's export into the writer of its lines: the
+// chat corpus (sft only), the tasks of a family without worked responses (tasks only), or
+// synthetic:arith's problems in either format.
+func (f *exportFlags) planLines() (func(w io.Writer) error, error) {
+	task, format, seed, start, n := *f.task, *f.format, *f.seed, *f.start, *f.n
+	if *f.base != "" {
+		return nil, errors.New("--base goes with --merge")
 	}
-	if *format != "sft" && *format != "tasks" {
-		return bad("--format %q: use sft or tasks", *format)
+	if n < 0 || start < 0 {
+		return nil, errors.New("--n and --start must not be negative")
 	}
-	if *tokenIDs != "" && *format != "sft" {
-		return bad("--token-ids goes with --format sft")
+	if format != "sft" && format != "tasks" {
+		return nil, fmt.Errorf("--format %q: use sft or tasks", format)
+	}
+	if *f.tokIDs != "" && format != "sft" {
+		return nil, errors.New("--token-ids goes with --format sft")
 	}
 	var tok *exportTokenizer
-	if *tokenIDs != "" {
-		t, err := openExportTokenizer(*tokenIDs)
+	if *f.tokIDs != "" {
+		t, err := openExportTokenizer(*f.tokIDs)
 		if err != nil {
-			return bad("--token-ids %s: %v", *tokenIDs, err)
+			return nil, fmt.Errorf("--token-ids %s: %v", *f.tokIDs, err)
 		}
 		tok = t
 	}
 	// The chat corpus is conversations with worked responses, not tasks.
-	if name, _, _ := strings.Cut(strings.TrimPrefix(*task, "synthetic:"), "?"); strings.HasPrefix(*task, "synthetic:") && name == "chat" {
-		if *task != "synthetic:chat" {
-			return bad("--task %s: synthetic:chat takes no options; give its seed with --seed", *task)
+	if name, _, _ := strings.Cut(strings.TrimPrefix(task, "synthetic:"), "?"); strings.HasPrefix(task, "synthetic:") && name == "chat" {
+		if task != "synthetic:chat" {
+			return nil, fmt.Errorf("--task %s: synthetic:chat takes no options; give its seed with --seed", task)
 		}
-		if *format != "sft" {
-			return bad("--task synthetic:chat is a corpus of conversations with their responses, not tasks: export it with --format sft")
+		if format != "sft" {
+			return nil, errors.New("--task synthetic:chat is a corpus of conversations with their responses, not tasks: export it with --format sft")
 		}
-		return writeOut(*out, func(w io.Writer) error { return writeChat(w, tasks.ChatCorpus{Seed: *seed}, *start, *n, tok) })
+		return func(w io.Writer) error { return writeChat(w, tasks.ChatCorpus{Seed: seed}, start, n, tok) }, nil
 	}
 	// The synthetic families other than arith (calc, facts, multipart) have tasks but no
 	// worked responses: their tasks are exported as a run sees them, metadata as the other keys.
-	var other tasks.Source
-	if name, _, _ := strings.Cut(strings.TrimPrefix(*task, "synthetic:"), "?"); strings.HasPrefix(*task, "synthetic:") &&
+	if name, _, _ := strings.Cut(strings.TrimPrefix(task, "synthetic:"), "?"); strings.HasPrefix(task, "synthetic:") &&
 		name != "arith" && slices.Contains(tasks.SyntheticNames, name) {
-		if *format != "tasks" {
-			return bad("--task %s: only synthetic:arith has worked responses to export as --format sft; export its tasks with --format tasks", *task)
+		if format != "tasks" {
+			return nil, fmt.Errorf("--task %s: only synthetic:arith has worked responses to export as --format sft; export its tasks with --format tasks", task)
 		}
-		src, err := tasks.Open(*task, tasks.Options{Seed: *seed})
+		src, err := tasks.Open(task, tasks.Options{Seed: seed})
 		if err != nil {
-			return bad("%v", err)
+			return nil, err
 		}
-		other = src
+		return func(w io.Writer) error { return writeTasks(w, src, start, n) }, nil
 	}
-	var arith tasks.Arith
-	if other == nil {
-		a, ok, err := tasks.ParseSpec(*task, *seed)
-		if err != nil {
-			return bad("%v", err)
-		}
-		if !ok {
-			return bad("--task %q: only synthetic sources can be exported (synthetic:%s)", *task, strings.Join(tasks.SyntheticNames, ", synthetic:"))
-		}
-		arith = a
+	arith, ok, err := tasks.ParseSpec(task, seed)
+	if err != nil {
+		return nil, err
 	}
-	write := func(w io.Writer) error { return writeExport(w, arith, *start, *n, *format, tok) }
-	if other != nil {
-		write = func(w io.Writer) error { return writeTasks(w, other, *start, *n) }
+	if !ok {
+		return nil, fmt.Errorf("--task %q: only synthetic sources can be exported (synthetic:%s)", task, strings.Join(tasks.SyntheticNames, ", synthetic:"))
 	}
-	return writeOut(*out, write)
+	return func(w io.Writer) error { return writeExport(w, arith, start, n, format, tok) }, nil
+}
+
+// run merges the adapter into its base or writes the lines; it returns the exit code.
+func (p *exportPlan) run() int {
+	if p.merge == "" {
+		return writeOut(p.out, p.lines)
+	}
+	if err := tiny.MergeAdapter(context.Background(), p.merge, p.base, p.out, tiny.Options{}); err != nil {
+		fmt.Fprintln(os.Stderr, "slimen export --merge:", err)
+		return 1
+	}
+	fmt.Fprintf(os.Stderr, "slimen export: %s merged into its base, written to %s\n", p.merge, p.out)
+	return 0
 }
 
 // writeOut runs write on the file out (standard output when ""), and returns export's exit code.
