@@ -150,7 +150,7 @@ func (f *pretrainFlags) plan() (*pretrainPlan, error) {
 		p.data, p.nTexts = d, min(p.nTexts, len(d.train))
 		return p, nil
 	}
-	d, err := f.synthData()
+	d, err := f.planSynth()
 	if err != nil {
 		return nil, err
 	}
@@ -225,8 +225,8 @@ type synthData struct {
 	evalN               int
 }
 
-// synthData checks --task, --difficulty and --eval-seed into the synthetic corpus they name.
-func (f *pretrainFlags) synthData() (*synthData, error) {
+// planSynth checks --task, --difficulty and --eval-seed into the synthetic corpus they name.
+func (f *pretrainFlags) planSynth() (*synthData, error) {
 	task := *f.task
 	d := &synthData{agent: task == "synthetic:calc", chat: task == "synthetic:chat", evalN: *f.evalN}
 	if d.agent || d.chat {
