@@ -133,6 +133,9 @@ type pretrainData interface {
 	heading(p *pretrainPlan, info engines.Info) string
 	// evaluate prints how e does on the held-out examples after step (0 with --eval-only).
 	evaluate(ctx context.Context, e *tiny.Engine, info engines.Info, step int) error
+	// check refuses, before any step, an example the model cannot take (its template or its
+	// length), naming where it is.
+	check(e *tiny.Engine, info engines.Info) error
 }
 
 // plan checks the parsed flags and reads --corpus's file.
@@ -169,6 +172,10 @@ func (p *pretrainPlan) run() int {
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt)
 	defer stop()
 	info, _ := e.Info(ctx)
+	if err := p.data.check(e, info); err != nil {
+		fmt.Fprintln(os.Stderr, "slimen pretrain:", err)
+		return 2
+	}
 	fmt.Print(p.data.heading(p, info))
 	if p.evalOnly {
 		err = p.data.evaluate(ctx, e, info, 0)
@@ -304,6 +311,10 @@ func (d *synthData) heading(p *pretrainPlan, info engines.Info) string {
 // evaluate prints the held-out accuracy: of the chat corpus's answers (greedy), of synthetic:calc's
 // first turns (the tool call or a direct answer), or of the arithmetic problems at temperatures 1
 // and 0.
+// check has nothing to do: a synthetic task's examples fit the models it is refused for or not
+// in plan.
+func (d *synthData) check(*tiny.Engine, engines.Info) error { return nil }
+
 func (d *synthData) evaluate(ctx context.Context, e *tiny.Engine, _ engines.Info, step int) error {
 	if d.chat {
 		right, sample, err := tasks.ChatEval(ctx, e, d.chatsHeldOut, d.evalN, 96)
@@ -397,13 +408,14 @@ type corpusLine struct {
 }
 
 // readCorpus reads a --corpus JSONL file; errors name the file and line.
-func readCorpus(path string) ([]tiny.Example, error) {
+func readCorpus(path string) ([]tiny.Example, []int, error) {
 	f, err := os.Open(path)
 	if err != nil {
-		return nil, err
+		return nil, nil, err
 	}
 	defer f.Close()
 	var out []tiny.Example
+	var lines []int // each example's line in the file (blank lines are skipped)
 	sc := bufio.NewScanner(f)
 	sc.Buffer(make([]byte, 1<<20), 64<<20)
 	for n := 1; sc.Scan(); n++ {
@@ -415,26 +427,27 @@ func readCorpus(path string) ([]tiny.Example, error) {
 		dec := json.NewDecoder(bytes.NewReader(line))
 		dec.DisallowUnknownFields()
 		if err := dec.Decode(&c); err != nil {
-			return nil, fmt.Errorf("%s:%d: %w", path, n, err)
+			return nil, nil, fmt.Errorf("%s:%d: %w", path, n, err)
 		}
 		switch {
 		case c.Response == nil:
-			return nil, fmt.Errorf("%s:%d: no \"response\"", path, n)
+			return nil, nil, fmt.Errorf("%s:%d: no \"response\"", path, n)
 		case (c.Prompt == "") == (len(c.Messages) == 0):
-			return nil, fmt.Errorf("%s:%d: give either \"prompt\" or \"messages\"", path, n)
+			return nil, nil, fmt.Errorf("%s:%d: give either \"prompt\" or \"messages\"", path, n)
 		case c.Prompt != "" && len(c.Tools) > 0:
-			return nil, fmt.Errorf("%s:%d: \"tools\" go with \"messages\"", path, n)
+			return nil, nil, fmt.Errorf("%s:%d: \"tools\" go with \"messages\"", path, n)
 		}
 		ex := tiny.Example{Prompt: c.Prompt, Context: c.Messages, Response: *c.Response}
 		for _, t := range c.Tools {
 			ex.Tools = append(ex.Tools, string(t))
 		}
 		out = append(out, ex)
+		lines = append(lines, n)
 	}
 	if err := sc.Err(); err != nil {
-		return nil, fmt.Errorf("%s: %w", path, err)
+		return nil, nil, fmt.Errorf("%s: %w", path, err)
 	}
-	return out, nil
+	return out, lines, nil
 }
 
 // fileData is `slimen pretrain --corpus FILE`: the examples of a JSONL file, all but the last
@@ -444,12 +457,13 @@ func readCorpus(path string) ([]tiny.Example, error) {
 type fileData struct {
 	path        string
 	train, held []tiny.Example
+	lines       []int // the file's line of each example, train's then held's
 	evalOnly    bool
 }
 
 // readFileData reads --corpus path and holds out its last evalN lines.
 func readFileData(path string, evalN int, evalOnly bool) (*fileData, error) {
-	all, err := readCorpus(path)
+	all, lines, err := readCorpus(path)
 	if err != nil {
 		return nil, fmt.Errorf("--corpus %w", err)
 	}
@@ -459,7 +473,28 @@ func readFileData(path string, evalN int, evalOnly bool) (*fileData, error) {
 	if evalN < 0 || (len(all) <= evalN && !evalOnly) {
 		return nil, fmt.Errorf("--corpus %s has %d examples; --eval-n %d are held out and at least one must be left to train on", path, len(all), evalN)
 	}
-	return &fileData{path: path, train: all[:len(all)-evalN], held: all[len(all)-evalN:], evalOnly: evalOnly}, nil
+	return &fileData{path: path, train: all[:len(all)-evalN], held: all[len(all)-evalN:], lines: lines, evalOnly: evalOnly}, nil
+}
+
+// check encodes every example as training and evaluation will and names the file's line of the
+// first the model cannot take: tools under a template without them, or more tokens than its
+// positions.
+func (d *fileData) check(e *tiny.Engine, info engines.Info) error {
+	tok := e.Tokenizer()
+	for i, ex := range append(d.train[:len(d.train):len(d.train)], d.held...) {
+		msgs := ex.Context
+		if msgs == nil {
+			msgs = []engines.Message{{Role: "user", Content: ex.Prompt}}
+		}
+		p, err := tok.EncodeChatTools(msgs, ex.Tools, true)
+		if err != nil {
+			return fmt.Errorf("%s:%d: %w", d.path, d.lines[i], err)
+		}
+		if n := len(p) + len(tok.Encode(ex.Response)) + 1; n > info.MaxSeqLen {
+			return fmt.Errorf("%s:%d: the example is %d tokens with its end of turn, more than the model's %d positions", d.path, d.lines[i], n, info.MaxSeqLen)
+		}
+	}
+	return nil
 }
 
 // example cycles through the lines trained on (with evalOnly, the held-out ones).
@@ -493,7 +528,7 @@ func (d *fileData) evaluate(ctx context.Context, e *tiny.Engine, info engines.In
 		}
 		p, err := tok.EncodeChatTools(msgs, ex.Tools, true)
 		if err != nil {
-			return fmt.Errorf("held-out example %d: %w", i, err)
+			return fmt.Errorf("%s:%d: %w", d.path, d.lines[len(d.train)+i], err)
 		}
 		reqs[i] = engines.ScoreRequest{PromptTokens: p, Tokens: append(tok.Encode(ex.Response), info.EOSTokens[0])}
 	}
@@ -510,7 +545,7 @@ func (d *fileData) evaluate(ctx context.Context, e *tiny.Engine, info engines.In
 			n++
 		}
 		if d.evalOnly {
-			fmt.Printf("line %d: %d response tokens, log-prob %.6f\n", len(d.train)+i+1, len(s.Logprobs), one)
+			fmt.Printf("line %d: %d response tokens, log-prob %.6f\n", d.lines[len(d.train)+i], len(s.Logprobs), one)
 		}
 	}
 	fmt.Printf("step %d: held-out loss %.4f per response token (%d tokens)\n", step, sum/float64(n), n)

@@ -62,7 +62,7 @@ func TestPretrainCorpusBPE(t *testing.T) {
 	if code := cmdPretrain([]string{"--corpus", bad, "--out", out}); code != 2 {
 		t.Fatalf("a corpus line without a response: status %d", code)
 	}
-	if _, err := readCorpus(bad); err == nil || !strings.Contains(err.Error(), "bad.jsonl:2") {
+	if _, _, err := readCorpus(bad); err == nil || !strings.Contains(err.Error(), "bad.jsonl:2") {
 		t.Fatalf("readCorpus: %v", err)
 	}
 	if code := cmdPretrain([]string{"--corpus", corpus, "--tokenizer", "bpe:x", "--eval-n", "4", "--out", out}); code != 2 {
@@ -124,5 +124,34 @@ func TestPretrainChatPinned(t *testing.T) {
 	}
 	if got := fmt.Sprintf("%x", sha256.Sum256(w)); got != pinnedChat {
 		t.Fatalf("3 steps of builtin:tiny-chat's recipe give model.safetensors with sha256 %s, pinned %s: the training numerics or the chat corpus changed", got, pinnedChat)
+	}
+}
+
+// A corpus line the model cannot take is refused before any step, named by file and line (blank
+// lines counted), whether it would be trained on or held out; --eval-only numbers its lines so too.
+func TestPretrainCorpusLineTheModelCannotTake(t *testing.T) {
+	dir := t.TempDir()
+	arith := `{"prompt": "1+1=", "response": "2"}`
+	tools := `{"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function", "function": {"name": "f"}}], "response": "hello"}`
+	long := `{"prompt": "` + strings.Repeat("1+", 300) + `1=", "response": "301"}`
+	for _, c := range []struct {
+		name, text, want string
+	}{
+		{"trained", arith + "\n\n" + tools + "\n" + arith + "\n" + arith + "\n", "c.jsonl:3: the character vocabulary's chat template has no tools variable"},
+		{"held out", arith + "\n" + arith + "\n\n" + tools + "\n", "c.jsonl:4: the character vocabulary's chat template has no tools variable"},
+		{"too long", arith + "\n" + long + "\n" + arith + "\n", "c.jsonl:2: the example is 609 tokens with its end of turn, more than the model's 512 positions"},
+	} {
+		path := filepath.Join(dir, "c.jsonl")
+		os.WriteFile(path, []byte(c.text), 0o644)
+		out, err := slimen(t, nil, "pretrain", "--init", "builtin:tiny-arith", "--corpus", path, "--eval-n", "1", "--steps", "1",
+			"--out", filepath.Join(dir, "m"))
+		if code := exitCode(t, err); code != 2 || !strings.Contains(out, c.want) || strings.Contains(out, "step 1/") {
+			t.Errorf("%s: status %d, output:\n%s\nwant status 2 and %q before any step", c.name, code, out, c.want)
+		}
+	}
+	os.WriteFile(filepath.Join(dir, "c.jsonl"), []byte(arith+"\n\n"+arith+"\n"), 0o644)
+	out, err := slimen(t, nil, "pretrain", "--eval-only", "--init", "builtin:tiny-arith", "--corpus", filepath.Join(dir, "c.jsonl"))
+	if err != nil || !strings.Contains(out, "line 1: ") || !strings.Contains(out, "line 3: ") {
+		t.Errorf("--eval-only: %v\n%s", err, out)
 	}
 }
