@@ -36,14 +36,14 @@ func usesRewardKL(estimator string) bool {
 // a policy's samples, for the reward-side KL; nil when kl_coef is 0 or the estimator ignores it.
 // The reference log-probs are scored by the policy's own engine (ScoreRequest.Reference), the
 // KL estimate is kl_loss_type's, as in slime.
-func (r *Run) rewardKL(ctx context.Context, p *policy, ss []trainSample) ([][]float64, error) {
+func (tr *trainer) rewardKL(ctx context.Context, step int, p *policy, ss []trainSample) ([][]float64, error) {
 	tc := p.cfg.Train
 	if tc.KLCoef == 0 || !usesRewardKL(tc.AdvantageEstimator) || len(ss) == 0 {
 		return nil, nil
 	}
 	info, err := p.eng.Info(ctx)
 	if err != nil {
-		return nil, &EngineError{Step: r.step + 1, Policy: p.name, Err: fmt.Errorf("info: %w", err), Hint: r.engineErrorHint()}
+		return nil, &EngineError{Step: step, Policy: p.name, Err: fmt.Errorf("info: %w", err), Hint: tr.hint()}
 	}
 	if !slices.Contains(info.Capabilities, "reference") {
 		return nil, fmt.Errorf("policy %q: kl_coef %g needs the log-probs of the KL reference, "+
@@ -55,8 +55,8 @@ func (r *Run) rewardKL(ctx context.Context, p *policy, ss []trainSample) ([][]fl
 	}
 	scores, err := p.eng.Score(ctx, reqs)
 	if err != nil {
-		return nil, &EngineError{Step: r.step + 1, Policy: p.name, Err: fmt.Errorf("scoring %d samples with the KL reference: %w", len(ss), err),
-			Hint: r.engineErrorHint()}
+		return nil, &EngineError{Step: step, Policy: p.name, Err: fmt.Errorf("scoring %d samples with the KL reference: %w", len(ss), err),
+			Hint: tr.hint()}
 	}
 	out := make([][]float64, len(ss))
 	for i, s := range ss {
@@ -108,7 +108,7 @@ func ppoRewards(reward, klCoef float64, kl []float64, n int) []float64 {
 // warnSingletons warns once per policy when a group estimator sees only groups of one sample.
 // Every advantage is then 0, loss and grad_norm are 0, and nothing trains — the simplest script
 // (one generate, reward and train a task) does this under the default grpo.
-func (r *Run) warnSingletons(names []string, tc config.TrainConfig, in []advantage.Input) {
+func (tr *trainer) warnSingletons(step int, names []string, tc config.TrainConfig, in []advantage.Input) {
 	est := tc.AdvantageEstimator
 	if est == "" {
 		est = "grpo"
@@ -116,20 +116,20 @@ func (r *Run) warnSingletons(names []string, tc config.TrainConfig, in []advanta
 	if !advantage.Grouped(est) || !advantage.Singletons(in) {
 		return
 	}
-	if _, seen := r.warned.LoadOrStore("singletons/"+names[0], true); seen {
+	if _, seen := tr.warned.LoadOrStore("singletons/"+names[0], true); seen {
 		return
 	}
-	r.events.printf("warning: policy %s: every %s group of step %d holds one sample, "+
+	tr.events.printf("warning: policy %s: every %s group of step %d holds one sample, "+
 		"so every advantage is 0 and the policy does not learn. Sample several answers a task "+
 		"(generate(..., n=4) trains them as one group), run each task several times "+
 		"(n_samples_per_prompt: 4), or use an estimator that needs no group (advantage_estimator: reinforce_plus_plus)",
-		config.QuotePolicyNames(names), est, r.step+1)
+		config.QuotePolicyNames(names), est, step)
 }
 
 // warnNothingTrained warns once a run when a step's successful rollouts queued no sample for any
 // policy: the script rewards (reward_mean looks fine) but never calls train(), so the weights
 // never move and every checkpoint holds the start model.
-func (r *Run) warnNothingTrained(step int, ros []*script.Rollout, pm []Metrics) {
+func (tr *trainer) warnNothingTrained(step int, ros []*script.Rollout, pm []Metrics) {
 	ok := 0
 	for _, ro := range ros {
 		if ro.Err == nil {
@@ -144,16 +144,16 @@ func (r *Run) warnNothingTrained(step int, ros []*script.Rollout, pm []Metrics) 
 	if ok == 0 {
 		return
 	}
-	if _, seen := r.warned.LoadOrStore("nothing-trained", true); seen {
+	if _, seen := tr.warned.LoadOrStore("nothing-trained", true); seen {
 		return
 	}
-	r.events.printf("warning: step %d trained nothing: none of its %d successful rollouts called train(), "+
+	tr.events.printf("warning: step %d trained nothing: none of its %d successful rollouts called train(), "+
 		"so no policy learns (rewards alone do not train); queue what you reward with train(c)", step, ok)
 }
 
 // advantages computes the per-token advantages of every policy's samples. Shared-buffer policies
 // are normalised together; split ones alone. Teacher terms (on-policy distillation) come last.
-func (r *Run) advantages(ctx context.Context, pols []*policy, byPolicy map[string][]trainSample) (map[string][][]float32, map[string][]ppoTargets, error) {
+func (tr *trainer) advantages(ctx context.Context, step int, pols []*policy, byPolicy map[string][]trainSample) (map[string][][]float32, map[string][]ppoTargets, error) {
 	out := map[string][][]float32{}
 	targets := map[string][]ppoTargets{}
 	type pool struct {
@@ -167,13 +167,13 @@ func (r *Run) advantages(ctx context.Context, pols []*policy, byPolicy map[strin
 		if !p.cfg.Trainable || p.cfg.IsCritic() {
 			continue
 		}
-		kl, err := r.rewardKL(ctx, p, byPolicy[p.name])
+		kl, err := tr.rewardKL(ctx, step, p, byPolicy[p.name])
 		if err != nil {
 			return nil, nil, err
 		}
 		kls[p.name] = kl
 		if p.cfg.Train.AdvantageEstimator == "ppo" {
-			adv, t, err := r.ppoAdvantages(ctx, p, byPolicy[p.name], kl)
+			adv, t, err := tr.ppoAdvantages(ctx, step, p, byPolicy[p.name], kl)
 			if err != nil {
 				return nil, nil, err
 			}
@@ -204,7 +204,7 @@ func (r *Run) advantages(ctx context.Context, pols []*policy, byPolicy map[strin
 				in = append(in, a)
 			}
 		}
-		r.warnSingletons(pl.names, pl.tc, in)
+		tr.warnSingletons(step, pl.names, pl.tc, in)
 		adv, err := advantage.Compute(estimatorOf(pl.tc), in)
 		if err != nil {
 			return nil, nil, err
@@ -217,7 +217,7 @@ func (r *Run) advantages(ctx context.Context, pols []*policy, byPolicy map[strin
 		}
 	}
 	for _, p := range pols {
-		if err := r.applyTeacher(ctx, p, byPolicy[p.name], out[p.name]); err != nil {
+		if err := tr.applyTeacher(ctx, step, p, byPolicy[p.name], out[p.name]); err != nil {
 			return nil, nil, err
 		}
 	}
@@ -226,7 +226,7 @@ func (r *Run) advantages(ctx context.Context, pols []*policy, byPolicy map[strin
 
 // applyTeacher subtracts opd_kl_coef·(logp_student − logp_teacher) per token for samples trained
 // with teacher=.
-func (r *Run) applyTeacher(ctx context.Context, p *policy, ss []trainSample, adv [][]float32) error {
+func (tr *trainer) applyTeacher(ctx context.Context, step int, p *policy, ss []trainSample, adv [][]float32) error {
 	byTeacher := map[string][]int{}
 	for i, s := range ss {
 		if s.Teacher != "" {
@@ -240,7 +240,7 @@ func (r *Run) applyTeacher(ctx context.Context, p *policy, ss []trainSample, adv
 	sort.Strings(teachers)
 	coef := p.cfg.Train.OPDKLCoef
 	for _, t := range teachers {
-		tp, err := r.pols.policyFor(t)
+		tp, err := tr.pols.policyFor(t)
 		if err != nil {
 			return err
 		}
@@ -252,8 +252,8 @@ func (r *Run) applyTeacher(ctx context.Context, p *policy, ss []trainSample, adv
 		}
 		scores, err := tp.eng.Score(ctx, reqs)
 		if err != nil {
-			return &EngineError{Step: r.step + 1, Policy: t, Err: fmt.Errorf("scoring %d samples of policy %q as their teacher: %w", len(idx), p.name, err),
-				Hint: r.engineErrorHint()}
+			return &EngineError{Step: step, Policy: t, Err: fmt.Errorf("scoring %d samples of policy %q as their teacher: %w", len(idx), p.name, err),
+				Hint: tr.hint()}
 		}
 		for k, i := range idx {
 			c := ss[i].C

@@ -17,8 +17,8 @@ import (
 const valueClip = 0.2
 
 // critic returns the run's critic policy, if any.
-func (r *Run) critic() *policy {
-	for _, p := range r.pols.list() {
+func (tr *trainer) critic() *policy {
+	for _, p := range tr.pols.list() {
 		if p.cfg.IsCritic() {
 			return p
 		}
@@ -51,8 +51,8 @@ func gae(rewards []float64, values []float32, gamma, lambda float64) (adv, ret [
 // ppoAdvantages values an actor's samples with the critic and returns their advantages, keeping
 // the targets for the critic's own training step. kl holds each sample's per-token KL for
 // kl_coef (nil: none).
-func (r *Run) ppoAdvantages(ctx context.Context, actor *policy, ss []trainSample, kl [][]float64) ([][]float32, []ppoTargets, error) {
-	crit := r.critic()
+func (tr *trainer) ppoAdvantages(ctx context.Context, step int, actor *policy, ss []trainSample, kl [][]float64) ([][]float32, []ppoTargets, error) {
+	crit := tr.critic()
 	if crit == nil {
 		return nil, nil, fmt.Errorf("policy %q trains with ppo but the run has no critic policy (role: critic)", actor.name)
 	}
@@ -66,7 +66,7 @@ func (r *Run) ppoAdvantages(ctx context.Context, actor *policy, ss []trainSample
 	}
 	vals, err := valuer.Values(ctx, reqs)
 	if err != nil {
-		return nil, nil, &EngineError{Step: r.step + 1, Policy: crit.name, Err: fmt.Errorf("values: %w", err), Hint: r.engineErrorHint()}
+		return nil, nil, &EngineError{Step: step, Policy: crit.name, Err: fmt.Errorf("values: %w", err), Hint: tr.hint()}
 	}
 	tc := actor.cfg.Train
 	adv := make([][]float32, len(ss))
@@ -102,7 +102,7 @@ func broadcast(a []float64, n int) []float32 {
 }
 
 // trainCritic runs the critic's optimizer steps on the targets of every ppo actor's samples.
-func (r *Run) trainCritic(ctx context.Context, step int, crit *policy, samples []engines.Sample, m Metrics) error {
+func (tr *trainer) trainCritic(ctx context.Context, step int, crit *policy, samples []engines.Sample, m Metrics) error {
 	t0 := time.Now()
 	lc := lossConfig(crit.cfg.Train)
 	lc.ValueClip = valueClip
@@ -113,16 +113,16 @@ func (r *Run) trainCritic(ctx context.Context, step int, crit *policy, samples [
 	var loss, clip, gn float64
 	steps, skipped, tokens := 0, 0, 0
 	for k := 0; k < len(samples); k += size {
-		b := engines.Batch{ID: fmt.Sprintf("%s/%s/step%d/%d", r.id, crit.name, step, k/size), Loss: lc,
+		b := engines.Batch{ID: fmt.Sprintf("%s/%s/step%d/%d", tr.id, crit.name, step, k/size), Loss: lc,
 			Samples: samples[k:min(k+size, len(samples))]}
 		st, err := crit.eng.Train(ctx, b)
 		if err != nil {
-			return &EngineError{Step: step, Policy: crit.name, Err: fmt.Errorf("train: %w", err), Hint: r.engineErrorHint()}
+			return &EngineError{Step: step, Policy: crit.name, Err: fmt.Errorf("train: %w", err), Hint: tr.hint()}
 		}
-		r.restart.trained(crit.name, b)
+		tr.restart.trained(crit.name, b)
 		if st.Skipped {
 			skipped++
-			r.events.printf("step %d: critic %q: optimizer step %s skipped: %s", step, crit.name, b.ID, st.Reason)
+			tr.events.printf("step %d: critic %q: optimizer step %s skipped: %s", step, crit.name, b.ID, st.Reason)
 			continue
 		}
 		loss += st.ValueLoss

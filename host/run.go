@@ -151,7 +151,7 @@ type Run struct {
 
 	vers versionKeeper // the weights versions kept for the rollouts of steps not yet trained
 
-	warned sync.Map // warnings given once per run, by key
+	trainer trainer // a step's training: advantages, optimizer steps, their metrics
 
 	stopping atomic.Bool           // Stop was called: Train ends after the step in progress
 	trainErr atomic.Pointer[error] // the error Train last returned: what Enders learn at Close
@@ -346,6 +346,7 @@ func newRun(opts Options) *Run {
 		}
 		return p.eng
 	}
+	r.trainer = trainer{id: r.id, pols: &r.pols, events: r.events, rec: &r.rec, restart: &r.restart, hint: r.engineErrorHint}
 	return r
 }
 
@@ -483,11 +484,11 @@ func (r *Run) runStep(ctx context.Context) (*StepResult, error) {
 	t1 := time.Now()
 	// Training is not cut short by a cancelled context: an abandoned step stops in its rollouts,
 	// never between two optimizer steps of a policy.
-	pm, err := r.trainPolicies(context.WithoutCancel(ctx), step, cfg, ros, rolloutS, l.version)
+	pm, err := r.trainer.trainPolicies(context.WithoutCancel(ctx), step, cfg, ros, rolloutS, l.version)
 	if err != nil {
 		return nil, r.restart.cause(err)
 	}
-	r.warnNothingTrained(step, ros, pm)
+	r.trainer.warnNothingTrained(step, ros, pm)
 	trainS := time.Since(t1).Seconds()
 	if err := r.lock.checkFolder(r.opts.Out, r.step, r.LastCheckpoint); err != nil {
 		return nil, err
@@ -631,6 +632,7 @@ func (r *Run) openOutputs() error {
 	r.rec.out, r.rec.events = out, r.events
 	r.ckpt.out, r.ckpt.events = out, r.events
 	r.async.events = r.events
+	r.trainer.events = r.events
 	r.vers = versionKeeper{cfg: r.Config, events: r.events, hint: r.engineErrorHint, out: out, given: r.opts.Engines,
 		open: r.opts.OpenEngine, act: &r.activity}
 	if out == "" {

@@ -45,7 +45,7 @@ func Simulate(ctx context.Context, cfg *config.Config, engs map[string]engines.E
 		return nil, fmt.Errorf("the rollout failed:\n%s", indent(script.ErrorText(ros[0].Err)))
 	}
 	byPolicy, _ := gather(ros, -1)
-	advs, _, err := r.advantages(ctx, r.pols.list(), byPolicy)
+	advs, _, err := r.trainer.advantages(ctx, r.step+1, r.pols.list(), byPolicy)
 	if err != nil {
 		return nil, err
 	}

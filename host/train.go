@@ -146,16 +146,16 @@ type trainSample struct {
 }
 
 // trainPolicies computes advantages and trains every trainable policy on its samples.
-func (r *Run) trainPolicies(ctx context.Context, step int, cfg *config.Config, ros []*script.Rollout, rolloutS float64, version int) ([]Metrics, error) {
+func (tr *trainer) trainPolicies(ctx context.Context, step int, cfg *config.Config, ros []*script.Rollout, rolloutS float64, version int) ([]Metrics, error) {
 	byPolicy, gens := gather(ros, version)
-	pols := r.pols.list()
-	advs, targets, err := r.advantages(ctx, pols, byPolicy)
+	pols := tr.pols.list()
+	advs, targets, err := tr.advantages(ctx, step, pols, byPolicy)
 	if err != nil {
 		return nil, err
 	}
-	r.rec.keepAdvantages(byPolicy, advs)
+	tr.rec.keepAdvantages(byPolicy, advs)
 	var out []Metrics
-	crit := r.critic()
+	crit := tr.critic()
 	var lanes [][]*policy // policies whose training shares an engine, in config order
 	for _, p := range pols {
 		if p == crit {
@@ -186,12 +186,12 @@ func (r *Run) trainPolicies(ctx context.Context, step int, cfg *config.Config, r
 	errs := atOnce(len(lanes), func(i int) error {
 		for _, p := range lanes[i] {
 			m, t := byName[p.name], time.Now()
-			ss, adv := r.withinContext(ctx, step, p, byPolicy[p.name], advs[p.name], m)
+			ss, adv := tr.withinContext(ctx, step, p, byPolicy[p.name], advs[p.name], m)
 			if len(ss) == 0 {
 				m.set("train_s", 0.0)
 				continue
 			}
-			if err := r.trainOne(ctx, step, p, ss, adv, m); err != nil {
+			if err := tr.trainOne(ctx, step, p, ss, adv, m); err != nil {
 				return err
 			}
 			m.set("train_s", time.Since(t).Seconds())
@@ -221,7 +221,7 @@ func (r *Run) trainPolicies(ctx context.Context, step int, cfg *config.Config, r
 			}
 		}
 		if len(samples) > 0 && crit.cfg.Trainable {
-			if err := r.trainCritic(ctx, step, crit, samples, m); err != nil {
+			if err := tr.trainCritic(ctx, step, crit, samples, m); err != nil {
 				return nil, err
 			}
 		}
@@ -237,7 +237,7 @@ func (r *Run) trainPolicies(ctx context.Context, step int, cfg *config.Config, r
 // whole batch, and the run would stop as if the engine had failed. They keep their rewards and
 // their part in their groups' advantages; overflow counts them, and the run says
 // so once a policy.
-func (r *Run) withinContext(ctx context.Context, step int, p *policy, ss []trainSample, adv [][]float32, m Metrics) ([]trainSample, [][]float32) {
+func (tr *trainer) withinContext(ctx context.Context, step int, p *policy, ss []trainSample, adv [][]float32, m Metrics) ([]trainSample, [][]float32) {
 	info, err := p.chatInfo(ctx)
 	if err != nil || info.MaxSeqLen <= 0 {
 		return ss, adv // the engine checks, as before
@@ -257,8 +257,8 @@ func (r *Run) withinContext(ctx context.Context, step int, p *policy, ss []train
 		return ss, adv
 	}
 	m.set("overflow", float64(dropped))
-	if _, seen := r.warned.LoadOrStore("past-context/"+p.name, true); !seen {
-		r.events.printf("warning: step %d: policy %q: %d of %d samples (up to %d tokens) are longer than its model's context "+
+	if _, seen := tr.warned.LoadOrStore("past-context/"+p.name, true); !seen {
+		tr.events.printf("warning: step %d: policy %q: %d of %d samples (up to %d tokens) are longer than its model's context "+
 			"of %d tokens and are not trained (overflow counts them each step); "+
 			"keep conversations shorter (fewer turns, a smaller max_tokens, "+
 			"shorter tool results) or use a model with more positions",
@@ -323,7 +323,7 @@ func gather(ros []*script.Rollout, version int) (map[string][]trainSample, map[s
 }
 
 // trainOne splits a policy's samples into optimizer steps of global_batch_size and trains.
-func (r *Run) trainOne(ctx context.Context, step int, p *policy, ss []trainSample, adv [][]float32, m Metrics) error {
+func (tr *trainer) trainOne(ctx context.Context, step int, p *policy, ss []trainSample, adv [][]float32, m Metrics) error {
 	tc := p.cfg.Train
 	lc := lossConfig(tc)
 	size := tc.GlobalBatchSize
@@ -333,7 +333,7 @@ func (r *Run) trainOne(ctx context.Context, step int, p *policy, ss []trainSampl
 	var sums struct{ loss, pg, kl, clip, ent, gn, tisClip, tisW float64 }
 	steps, skipped, tokens := 0, 0, 0
 	var mis mismatch
-	trainLogp, err := r.trainLogprobs(ctx, step, p, ss, size)
+	trainLogp, err := tr.trainLogprobs(ctx, step, p, ss, size)
 	if err != nil {
 		return err
 	}
@@ -341,7 +341,7 @@ func (r *Run) trainOne(ctx context.Context, step int, p *policy, ss []trainSampl
 		end := min(k+size, len(ss))
 		// The run id keeps a server that outlived a crashed host from taking a resumed run's
 		// steps for ones it has already applied.
-		b := engines.Batch{ID: fmt.Sprintf("%s/%s/step%d/%d", r.id, p.name, step, k/size), Loss: lc}
+		b := engines.Batch{ID: fmt.Sprintf("%s/%s/step%d/%d", tr.id, p.name, step, k/size), Loss: lc}
 		for i := k; i < end; i++ {
 			c := ss[i].C
 			b.Samples = append(b.Samples, engines.Sample{
@@ -356,12 +356,12 @@ func (r *Run) trainOne(ctx context.Context, step int, p *policy, ss []trainSampl
 		st, err := p.eng.Train(ctx, b)
 		p.busy.end()
 		if err != nil {
-			return &EngineError{Step: step, Policy: p.name, Err: fmt.Errorf("train: %w", err), Hint: r.engineErrorHint()}
+			return &EngineError{Step: step, Policy: p.name, Err: fmt.Errorf("train: %w", err), Hint: tr.hint()}
 		}
-		r.restart.trained(p.name, b)
+		tr.restart.trained(p.name, b)
 		if st.Skipped {
 			skipped++
-			r.events.printf("step %d: policy %q: optimizer step %s skipped: %s", step, p.name, b.ID, st.Reason)
+			tr.events.printf("step %d: policy %q: optimizer step %s skipped: %s", step, p.name, b.ID, st.Reason)
 			continue
 		}
 		steps++
@@ -455,7 +455,7 @@ func lossConfig(tc config.TrainConfig) engines.LossConfig {
 // slime recomputes its old log_probs once per rollout: the later optimizer steps then measure
 // their PPO ratio from the same weights as the first. It returns nil otherwise: with one optimizer
 // step the engine's own log-probs before the step are those.
-func (r *Run) trainLogprobs(ctx context.Context, step int, p *policy, ss []trainSample, size int) ([][]float32, error) {
+func (tr *trainer) trainLogprobs(ctx context.Context, step int, p *policy, ss []trainSample, size int) ([][]float32, error) {
 	if !p.cfg.Train.UseTIS || size >= len(ss) {
 		return nil, nil
 	}
@@ -466,7 +466,7 @@ func (r *Run) trainLogprobs(ctx context.Context, step int, p *policy, ss []train
 	scores, err := p.eng.Score(ctx, reqs)
 	if err != nil {
 		return nil, &EngineError{Step: step, Policy: p.name, Err: fmt.Errorf("scoring %d samples for use_tis's old log-probs: %w", len(ss), err),
-			Hint: r.engineErrorHint()}
+			Hint: tr.hint()}
 	}
 	out := make([][]float32, len(ss))
 	for i, s := range ss {
