@@ -1,10 +1,21 @@
 package host
 
 // This file defines the trainer: the part of a run that trains its policies on a step's
-// samples.
+// samples, in optimizer steps of global_batch_size, with the loss settings of their config. Its
+// advantages and PPO's critic have files of their own.
 
 import (
+	"context"
+	"fmt"
+	"math"
+	"reflect"
+	"sort"
 	"sync"
+	"time"
+
+	"github.com/slimen/slimen/engines"
+	"github.com/slimen/slimen/host/config"
+	"github.com/slimen/slimen/host/script"
 )
 
 // trainer trains a run's policies on the samples of a step: their advantages (the estimators,
@@ -20,4 +31,345 @@ type trainer struct {
 	restart *restartGuard // notes each optimizer step applied, for an engine that restarts
 	hint    func() string // the hint of an EngineError (the resume command)
 	warned  sync.Map      // warnings given once per run, by key
+}
+
+// trainSample is a queued sample of a successful rollout, in deterministic order.
+type trainSample struct {
+	script.Queued
+	task    int
+	reward  float64
+	version int // the weights version it was generated from; -1: the current one (K = 0)
+}
+
+// trainPolicies computes advantages and trains every trainable policy on its samples.
+func (tr *trainer) trainPolicies(ctx context.Context, step int, cfg *config.Config, ros []*script.Rollout, rolloutS float64, version int) ([]Metrics, error) {
+	byPolicy, gens := gather(ros, version)
+	pols := tr.pols.list()
+	advs, targets, err := tr.advantages(ctx, step, pols, byPolicy)
+	if err != nil {
+		return nil, err
+	}
+	tr.rec.keepAdvantages(byPolicy, advs)
+	var out []Metrics
+	crit := tr.critic()
+	var lanes [][]*policy // policies whose training shares an engine, in config order
+	for _, p := range pols {
+		if p == crit {
+			continue // trained below, on the targets of the ppo actors' samples
+		}
+		m := newMetrics(step, p.name)
+		ss := byPolicy[p.name]
+		fillRewardMetrics(m, gens[p.name], ss)
+		m.set("rollout_s", rolloutS)
+		if cfg.Rollout.MaxStaleness > 0 && p.cfg.Trainable {
+			stalenessMetrics(m, step, ss, cfg.Rollout.Partial)
+		}
+		if p.cfg.Trainable && len(ss) > 0 {
+			lanes = addToLane(lanes, p)
+		} else {
+			m.set("train_s", 0.0) // no loss: a policy that did not train has none, not 0
+		}
+		out = append(out, m)
+	}
+	// Policies on different engines (workers, GPUs) train at the same time; those that share an
+	// engine (LoRA adapters on one base, or one engine given for several policies) one after
+	// another. Each policy's optimizer steps depend only on its own samples, so the metrics do
+	// not depend on the order.
+	byName := map[string]Metrics{}
+	for _, m := range out {
+		byName[m.Policy()] = m
+	}
+	errs := atOnce(len(lanes), func(i int) error {
+		for _, p := range lanes[i] {
+			m, t := byName[p.name], time.Now()
+			ss, adv := tr.withinContext(ctx, step, p, byPolicy[p.name], advs[p.name], m)
+			if len(ss) == 0 {
+				m.set("train_s", 0.0)
+				continue
+			}
+			if err := tr.trainOne(ctx, step, p, ss, adv, m); err != nil {
+				return err
+			}
+			m.set("train_s", time.Since(t).Seconds())
+		}
+		return nil
+	})
+	for _, err := range errs {
+		if err != nil {
+			return nil, err
+		}
+	}
+	for _, p := range pols {
+		if m := byName[p.name]; m != nil { // the critic's come below
+			addDeviceMetrics(m, p.eng)
+		}
+	}
+	if crit != nil {
+		m := newMetrics(step, crit.name)
+		fillRewardMetrics(m, nil, nil)
+		m.set("rollout_s", rolloutS)
+		var samples []engines.Sample
+		for _, p := range pols {
+			for i, t := range targets[p.name] {
+				c := byPolicy[p.name][i].C
+				samples = append(samples, engines.Sample{Prompt: c.PromptTokens(), Response: c.Tokens(), LossMask: c.LossMask(),
+					Returns: t.returns, OldValues: t.values, Group: byPolicy[p.name][i].Group})
+			}
+		}
+		if len(samples) > 0 && crit.cfg.Trainable {
+			if err := tr.trainCritic(ctx, step, crit, samples, m); err != nil {
+				return nil, err
+			}
+		}
+		addDeviceMetrics(m, crit.eng)
+		out = append(out, m)
+	}
+	sort.Slice(out, func(i, j int) bool { return out[i].Policy() < out[j].Policy() })
+	return out, nil
+}
+
+// withinContext leaves out of training the samples longer than the policy's model takes (a chat
+// whose history outgrew the context: its last turn sampled nothing): the engine would refuse the
+// whole batch, and the run would stop as if the engine had failed. They keep their rewards and
+// their part in their groups' advantages; overflow counts them, and the run says
+// so once a policy.
+func (tr *trainer) withinContext(ctx context.Context, step int, p *policy, ss []trainSample, adv [][]float32, m Metrics) ([]trainSample, [][]float32) {
+	info, err := p.chatInfo(ctx)
+	if err != nil || info.MaxSeqLen <= 0 {
+		return ss, adv // the engine checks, as before
+	}
+	var keep []trainSample
+	var keepAdv [][]float32
+	dropped, longest := 0, 0
+	for i, s := range ss {
+		if n := len(s.C.PromptTokens()) + len(s.C.Tokens()); n > info.MaxSeqLen {
+			dropped++
+			longest = max(longest, n)
+			continue
+		}
+		keep, keepAdv = append(keep, s), append(keepAdv, adv[i])
+	}
+	if dropped == 0 {
+		return ss, adv
+	}
+	m.set("overflow", float64(dropped))
+	if _, seen := tr.warned.LoadOrStore("past-context/"+p.name, true); !seen {
+		tr.events.printf("warning: step %d: policy %q: %d of %d samples (up to %d tokens) are longer than its model's context "+
+			"of %d tokens and are not trained (overflow counts them each step); "+
+			"keep conversations shorter (fewer turns, a smaller max_tokens, "+
+			"shorter tool results) or use a model with more positions",
+			step, p.name, dropped, len(ss), longest, info.MaxSeqLen)
+	}
+	return keep, keepAdv
+}
+
+// addToLane puts p into the lane of the policies whose training shares its engine, or a new one:
+// LoRA policies share one lane (their adapters usually sit on one base, which trains one adapter
+// at a time), and so do policies given the same engine.
+func addToLane(lanes [][]*policy, p *policy) [][]*policy {
+	for i, lane := range lanes {
+		q := lane[0]
+		if (p.cfg.LoRA != nil && q.cfg.LoRA != nil) || sameEngine(p.eng, q.eng) {
+			lanes[i] = append(lane, p)
+			return lanes
+		}
+	}
+	return append(lanes, []*policy{p})
+}
+
+// sameEngine says whether a and b are one engine (false where the engines' type cannot be
+// compared).
+func sameEngine(a, b engines.Engine) bool {
+	ta, tb := reflect.TypeOf(a), reflect.TypeOf(b)
+	return ta == tb && ta != nil && ta.Comparable() && a == b
+}
+
+// gather collects the samples and completions of the successful rollouts, per policy, in an order
+// that does not depend on scheduling: task, then position in the rollout's call tree.
+func gather(ros []*script.Rollout, version int) (map[string][]trainSample, map[string][]*script.Completion) {
+	byPolicy := map[string][]trainSample{}
+	gens := map[string][]*script.Completion{}
+	for _, ro := range ros {
+		if ro.Err != nil {
+			continue
+		}
+		for _, q := range ro.Queued() {
+			if q.Group == "" {
+				q.Group = ro.Group
+			}
+			rw, _ := q.C.Reward()
+			byPolicy[q.C.Policy()] = append(byPolicy[q.C.Policy()], trainSample{Queued: q, task: ro.Index, reward: rw, version: version})
+		}
+		for _, c := range ro.Generated() {
+			gens[c.Policy()] = append(gens[c.Policy()], c)
+		}
+	}
+	for _, ss := range byPolicy {
+		sort.SliceStable(ss, func(i, j int) bool {
+			if ss[i].task != ss[j].task {
+				return ss[i].task < ss[j].task
+			}
+			return ss[i].C.Before(ss[j].C)
+		})
+	}
+	for _, cs := range gens {
+		sort.SliceStable(cs, func(i, j int) bool { return cs[i].Before(cs[j]) })
+	}
+	return byPolicy, gens
+}
+
+// trainOne splits a policy's samples into optimizer steps of global_batch_size and trains.
+func (tr *trainer) trainOne(ctx context.Context, step int, p *policy, ss []trainSample, adv [][]float32, m Metrics) error {
+	tc := p.cfg.Train
+	lc := lossConfig(tc)
+	size := tc.GlobalBatchSize
+	if size <= 0 || size > len(ss) {
+		size = len(ss)
+	}
+	var sums struct{ loss, pg, kl, clip, ent, gn, tisClip, tisW float64 }
+	steps, skipped, tokens := 0, 0, 0
+	var mis mismatch
+	trainLogp, err := tr.trainLogprobs(ctx, step, p, ss, size)
+	if err != nil {
+		return err
+	}
+	for k := 0; k < len(ss); k += size {
+		end := min(k+size, len(ss))
+		// The run id keeps a server that outlived a crashed host from taking a resumed run's
+		// steps for ones it has already applied.
+		b := engines.Batch{ID: fmt.Sprintf("%s/%s/step%d/%d", tr.id, p.name, step, k/size), Loss: lc}
+		for i := k; i < end; i++ {
+			c := ss[i].C
+			b.Samples = append(b.Samples, engines.Sample{
+				Prompt: c.PromptTokens(), Response: c.Tokens(), LossMask: c.LossMask(), OldLogprobs: c.Logprobs(),
+				Advantages: adv[i], Group: ss[i].Group,
+			})
+			if trainLogp != nil {
+				b.Samples[len(b.Samples)-1].TrainLogprobs = trainLogp[i]
+			}
+		}
+		p.busy.begin()
+		st, err := p.eng.Train(ctx, b)
+		p.busy.end()
+		if err != nil {
+			return &EngineError{Step: step, Policy: p.name, Err: fmt.Errorf("train: %w", err), Hint: tr.hint()}
+		}
+		tr.restart.trained(p.name, b)
+		if st.Skipped {
+			skipped++
+			tr.events.printf("step %d: policy %q: optimizer step %s skipped: %s", step, p.name, b.ID, st.Reason)
+			continue
+		}
+		steps++
+		tokens += st.Tokens
+		sums.loss += st.Loss
+		sums.pg += st.PGLoss
+		sums.kl += st.KL
+		sums.clip += st.ClipFrac
+		sums.ent += st.Entropy
+		sums.gn += st.GradNorm
+		sums.tisClip += st.TISClipFrac
+		sums.tisW += st.TISWeight
+		if k == 0 || trainLogp != nil {
+			mis.add(st)
+		}
+	}
+	mis.report(m)
+	// The means of the optimizer steps taken; none taken (every one skipped): no loss, not 0.
+	if d := float64(steps); steps > 0 {
+		m.set("loss", sums.loss/d)
+		m.set("pg_loss", sums.pg/d)
+		m.set("kl", sums.kl/d)
+		m.set("clip_frac", sums.clip/d)
+		m.set("entropy", sums.ent/d)
+		m.set("grad_norm", sums.gn/d)
+		if lc.UseTIS {
+			m.set("tis_clip_frac", sums.tisClip/d)
+			m.set("tis_weight", sums.tisW/d)
+		}
+	}
+	m.set("optimizer_steps", steps)
+	m.set("skipped_steps", skipped)
+	m.set("trained_tokens", tokens)
+	return nil
+}
+
+// mismatch sums the rollout/trainer log-prob mismatch of a policy's optimizer steps whose
+// trainer side is the weights the rollouts were sampled from. Those are the first optimizer step
+// of the step, or every one with use_tis's trainer log-probs, scored before the first: a later
+// step's own forward comes after an update and would measure that too.
+type mismatch struct {
+	sum, weighted, max float64
+	tokens, steps      int
+}
+
+func (d *mismatch) add(st engines.TrainStats) {
+	d.sum += st.LogprobDiffMean * float64(st.Tokens)
+	d.weighted += st.LogprobAbsDiff
+	if st.LogprobDiffMax > d.max || math.IsNaN(st.LogprobDiffMax) {
+		d.max = st.LogprobDiffMax
+	}
+	d.tokens += st.Tokens
+	d.steps++
+}
+
+// report sets logprob_diff_mean (over trained tokens), logprob_diff_max and slime's
+// train_rollout_logprob_abs_diff (reduced like the loss, the mean over optimizer steps).
+func (d *mismatch) report(m Metrics) {
+	if d.steps == 0 {
+		return
+	}
+	if d.tokens > 0 {
+		m.set("logprob_diff_mean", d.sum/float64(d.tokens))
+	}
+	m.set("logprob_diff_max", d.max)
+	m.set("train_rollout_logprob_abs_diff", d.weighted/float64(d.steps))
+}
+
+// lossConfig is the engine's loss of a policy's train: settings (kl_loss_coef counts only with
+// use_kl_loss; gspo's sequence ratio for advantage_estimator gspo).
+func lossConfig(tc config.TrainConfig) engines.LossConfig {
+	kl := tc.KLLossCoef
+	if !tc.UseKLLoss {
+		kl = 0
+	}
+	pl := "ppo"
+	if tc.AdvantageEstimator == "gspo" {
+		pl = "gspo"
+	}
+	return engines.LossConfig{
+		LR: tc.LR, Beta1: tc.AdamBeta1, Beta2: tc.AdamBeta2, WeightDecay: tc.WeightDecay,
+		MaxGradNorm: tc.ClipGrad, EpsClip: tc.EpsClip, EpsClipHigh: tc.EpsClipHigh,
+		KLLossCoef: kl, KLLossType: tc.KLLossType, EntropyCoef: tc.EntropyCoef,
+		Aggregation: tc.LossAggregation, PolicyLoss: pl,
+		UseTIS: tc.UseTIS, TISMode: tc.TISMode, TISClip: tc.TISClip, TISClipLow: tc.TISClipLow,
+	}
+}
+
+// trainLogprobs returns the trainer's log-probs of every sample before the first optimizer step,
+// when use_tis is on and a policy's step is cut into several optimizer steps of size samples, as
+// slime recomputes its old log_probs once per rollout: the later optimizer steps then measure
+// their PPO ratio from the same weights as the first. It returns nil otherwise: with one optimizer
+// step the engine's own log-probs before the step are those.
+func (tr *trainer) trainLogprobs(ctx context.Context, step int, p *policy, ss []trainSample, size int) ([][]float32, error) {
+	if !p.cfg.Train.UseTIS || size >= len(ss) {
+		return nil, nil
+	}
+	reqs := make([]engines.ScoreRequest, len(ss))
+	for i, s := range ss {
+		reqs[i] = engines.ScoreRequest{PromptTokens: s.C.PromptTokens(), Tokens: s.C.Tokens()}
+	}
+	scores, err := p.eng.Score(ctx, reqs)
+	if err != nil {
+		return nil, &EngineError{Step: step, Policy: p.name, Err: fmt.Errorf("scoring %d samples for use_tis's old log-probs: %w", len(ss), err),
+			Hint: tr.hint()}
+	}
+	out := make([][]float32, len(ss))
+	for i, s := range ss {
+		if len(scores[i].Logprobs) != len(s.C.Tokens()) {
+			return nil, fmt.Errorf("policy %q: scoring for use_tis returned %d log-probs for %d tokens", p.name, len(scores[i].Logprobs), len(s.C.Tokens()))
+		}
+		out[i] = scores[i].Logprobs
+	}
+	return out, nil
 }
