@@ -161,7 +161,7 @@ func (tr *trainer) advantages(ctx context.Context, step int, pols []*policy, byP
 		tc    config.TrainConfig
 	}
 	var pools []pool
-	var shared *pool
+	shared := -1                    // the index in pools of the shared buffer's (an index: appending may move pools)
 	kls := map[string][][]float64{} // the reward-side KL of each policy's samples (kl_coef)
 	for _, p := range pols {
 		if !p.cfg.Trainable || p.cfg.IsCritic() {
@@ -181,11 +181,11 @@ func (tr *trainer) advantages(ctx context.Context, step int, pols []*policy, byP
 			continue
 		}
 		if p.cfg.BufferMode == "shared" {
-			if shared == nil {
+			if shared < 0 {
 				pools = append(pools, pool{tc: p.cfg.Train})
-				shared = &pools[len(pools)-1]
+				shared = len(pools) - 1
 			}
-			shared.names = append(shared.names, p.name)
+			pools[shared].names = append(pools[shared].names, p.name)
 			continue
 		}
 		pools = append(pools, pool{names: []string{p.name}, tc: p.cfg.Train})

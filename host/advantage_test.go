@@ -142,6 +142,50 @@ def rollout(task):
 	}
 }
 
+// TestSharedBuffersAroundASplitPolicy: shared-buffer policies listed before and after a split
+// one are still one pool, normalised together (a task's group is {a:1, a:0, c:1}), and the split
+// policy alone; the later shared policy once got no advantages and the step panicked.
+func TestSharedBuffersAroundASplitPolicy(t *testing.T) {
+	src := `
+def rollout(task):
+    xs = generate("a", task.prompt, n = 2)
+    y = generate("b", task.prompt)
+    z = generate("c", task.prompt)
+    reward(xs[0], 1.0)
+    reward(xs[1], 0.0)
+    reward(y, 0.0)
+    reward(z, 1.0)
+    train(xs + [y, z])
+`
+	cfg := testConfig(2, "a", "b", "c")
+	cfg.Policies[0].BufferMode, cfg.Policies[2].BufferMode = "shared", "shared"
+	engs := map[string]*scripted.Engine{}
+	given := map[string]engines.Engine{}
+	for _, p := range []string{"a", "b", "c"} {
+		engs[p] = scripted.Echo("answer of " + p)
+		given[p] = engs[p]
+	}
+	r := loadRun(t, src, cfg, given, numberedTasks(2))
+	if _, err := r.Step(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	s := math.Sqrt(1.0 / 3) // unbiased std of {1, 0, 1} (mean 2/3)
+	up, down := f((1.0/3)/(s+1e-6)), f((-2.0/3)/(s+1e-6))
+	for p, want := range map[string][]float32{"a": {up, down, up, down}, "b": {0, 0}, "c": {up, up}} {
+		b := engs[p].Batches()
+		if len(b) != 1 {
+			t.Fatalf("policy %s: %d training batches, want 1", p, len(b))
+		}
+		var got []float32
+		for _, smp := range b[0].Samples {
+			got = append(got, smp.Advantages[0])
+		}
+		if d := cmp.Diff(want, got, cmpopts.EquateApprox(0, 1e-5)); d != "" {
+			t.Errorf("policy %s advantages (-want +got):\n%s", p, d)
+		}
+	}
+}
+
 // TestGammaFromConfigReachesReinforcePlusPlus: the policy's train.gamma discounts the returns the
 // engine trains on.
 func TestGammaFromConfigReachesReinforcePlusPlus(t *testing.T) {
