@@ -101,6 +101,36 @@ func broadcast(a []float64, n int) []float32 {
 	return out
 }
 
+// stepCritic trains the critic (when it is trainable) on the targets of every ppo actor's
+// samples and returns its metrics of the step.
+func (tr *trainer) stepCritic(ctx context.Context, step int, crit *policy, pols []*policy, byPolicy map[string][]trainSample, targets map[string][]ppoTargets,
+	rolloutS float64) (Metrics, error) {
+	m := newMetrics(step, crit.name)
+	fillRewardMetrics(m, nil, nil)
+	m.set("rollout_s", rolloutS)
+	if samples := criticSamples(pols, byPolicy, targets); len(samples) > 0 && crit.cfg.Trainable {
+		if err := tr.trainCritic(ctx, step, crit, samples, m); err != nil {
+			return nil, err
+		}
+	}
+	addDeviceMetrics(m, crit.eng)
+	return m, nil
+}
+
+// criticSamples are the critic's samples of a step: every ppo actor's samples, in config order,
+// with the returns and old values the critic computed for them.
+func criticSamples(pols []*policy, byPolicy map[string][]trainSample, targets map[string][]ppoTargets) []engines.Sample {
+	var samples []engines.Sample
+	for _, p := range pols {
+		for i, t := range targets[p.name] {
+			c := byPolicy[p.name][i].C
+			samples = append(samples, engines.Sample{Prompt: c.PromptTokens(), Response: c.Tokens(), LossMask: c.LossMask(),
+				Returns: t.returns, OldValues: t.values, Group: byPolicy[p.name][i].Group})
+		}
+	}
+	return samples
+}
+
 // trainCritic runs the critic's optimizer steps on the targets of every ppo actor's samples.
 func (tr *trainer) trainCritic(ctx context.Context, step int, crit *policy, samples []engines.Sample, m Metrics) error {
 	t0 := time.Now()

@@ -41,7 +41,9 @@ type trainSample struct {
 	version int // the weights version it was generated from; -1: the current one (K = 0)
 }
 
-// trainPolicies computes advantages and trains every trainable policy on its samples.
+// trainPolicies computes advantages and trains every trainable policy on its samples: the
+// policies first, at once where their engines differ, then PPO's critic on the targets of the ppo
+// actors' samples. It returns a step's metrics of each policy, sorted by name.
 func (tr *trainer) trainPolicies(ctx context.Context, step int, cfg *config.Config, ros []*script.Rollout, rolloutS float64, version int) ([]Metrics, error) {
 	byPolicy, gens := gather(ros, version)
 	pols := tr.pols.list()
@@ -50,12 +52,40 @@ func (tr *trainer) trainPolicies(ctx context.Context, step int, cfg *config.Conf
 		return nil, err
 	}
 	tr.rec.keepAdvantages(byPolicy, advs)
+	crit := tr.critic() // trained last, on the targets of the ppo actors' samples
+	out := rolloutMetrics(step, cfg, pols, crit, byPolicy, gens, rolloutS)
+	byName := metricsByPolicy(out)
+	if err := tr.trainLanes(ctx, step, trainingLanes(pols, crit, byPolicy), byPolicy, advs, byName); err != nil {
+		return nil, err
+	}
+	for _, p := range pols {
+		if m := byName[p.name]; m != nil { // the critic's come with its training
+			addDeviceMetrics(m, p.eng)
+		}
+	}
+	if crit != nil {
+		m, err := tr.stepCritic(ctx, step, crit, pols, byPolicy, targets, rolloutS)
+		if err != nil {
+			return nil, err
+		}
+		out = append(out, m)
+	}
+	sort.Slice(out, func(i, j int) bool { return out[i].Policy() < out[j].Policy() })
+	return out, nil
+}
+
+// trains says whether a policy trains this step: it is trainable and has samples.
+func trains(p *policy, ss []trainSample) bool { return p.cfg.Trainable && len(ss) > 0 }
+
+// rolloutMetrics starts a step's metrics of each policy but the critic with what its rollouts
+// did (rewards, rollout_s, with rollout.max_staleness the staleness of its samples); a policy
+// that does not train gets train_s 0 and no loss: it has none, not 0.
+func rolloutMetrics(step int, cfg *config.Config, pols []*policy, crit *policy, byPolicy map[string][]trainSample, gens map[string][]*script.Completion,
+	rolloutS float64) []Metrics {
 	var out []Metrics
-	crit := tr.critic()
-	var lanes [][]*policy // policies whose training shares an engine, in config order
 	for _, p := range pols {
 		if p == crit {
-			continue // trained below, on the targets of the ppo actors' samples
+			continue
 		}
 		m := newMetrics(step, p.name)
 		ss := byPolicy[p.name]
@@ -64,21 +94,42 @@ func (tr *trainer) trainPolicies(ctx context.Context, step int, cfg *config.Conf
 		if cfg.Rollout.MaxStaleness > 0 && p.cfg.Trainable {
 			stalenessMetrics(m, step, ss, cfg.Rollout.Partial)
 		}
-		if p.cfg.Trainable && len(ss) > 0 {
-			lanes = addToLane(lanes, p)
-		} else {
-			m.set("train_s", 0.0) // no loss: a policy that did not train has none, not 0
+		if !trains(p, ss) {
+			m.set("train_s", 0.0)
 		}
 		out = append(out, m)
 	}
-	// Policies on different engines (workers, GPUs) train at the same time; those that share an
-	// engine (LoRA adapters on one base, or one engine given for several policies) one after
-	// another. Each policy's optimizer steps depend only on its own samples, so the metrics do
-	// not depend on the order.
+	return out
+}
+
+// metricsByPolicy indexes a step's metrics by their policy.
+func metricsByPolicy(ms []Metrics) map[string]Metrics {
 	byName := map[string]Metrics{}
-	for _, m := range out {
+	for _, m := range ms {
 		byName[m.Policy()] = m
 	}
+	return byName
+}
+
+// trainingLanes puts the policies that train this step, the critic aside, into lanes of the
+// policies whose training shares an engine, in config order.
+func trainingLanes(pols []*policy, crit *policy, byPolicy map[string][]trainSample) [][]*policy {
+	var lanes [][]*policy
+	for _, p := range pols {
+		if p != crit && trains(p, byPolicy[p.name]) {
+			lanes = addToLane(lanes, p)
+		}
+	}
+	return lanes
+}
+
+// trainLanes trains the policies of each lane one after another, the lanes at the same time:
+// policies on different engines (workers, GPUs) train together; those that share an engine (LoRA
+// adapters on one base, or one engine given for several policies) in turn. Each policy's
+// optimizer steps depend only on its own samples, so the metrics do not depend on the order. It
+// returns the first lane's error.
+func (tr *trainer) trainLanes(ctx context.Context, step int, lanes [][]*policy, byPolicy map[string][]trainSample, advs map[string][][]float32,
+	byName map[string]Metrics) error {
 	errs := atOnce(len(lanes), func(i int) error {
 		for _, p := range lanes[i] {
 			m, t := byName[p.name], time.Now()
@@ -96,36 +147,10 @@ func (tr *trainer) trainPolicies(ctx context.Context, step int, cfg *config.Conf
 	})
 	for _, err := range errs {
 		if err != nil {
-			return nil, err
+			return err
 		}
 	}
-	for _, p := range pols {
-		if m := byName[p.name]; m != nil { // the critic's come below
-			addDeviceMetrics(m, p.eng)
-		}
-	}
-	if crit != nil {
-		m := newMetrics(step, crit.name)
-		fillRewardMetrics(m, nil, nil)
-		m.set("rollout_s", rolloutS)
-		var samples []engines.Sample
-		for _, p := range pols {
-			for i, t := range targets[p.name] {
-				c := byPolicy[p.name][i].C
-				samples = append(samples, engines.Sample{Prompt: c.PromptTokens(), Response: c.Tokens(), LossMask: c.LossMask(),
-					Returns: t.returns, OldValues: t.values, Group: byPolicy[p.name][i].Group})
-			}
-		}
-		if len(samples) > 0 && crit.cfg.Trainable {
-			if err := tr.trainCritic(ctx, step, crit, samples, m); err != nil {
-				return nil, err
-			}
-		}
-		addDeviceMetrics(m, crit.eng)
-		out = append(out, m)
-	}
-	sort.Slice(out, func(i, j int) bool { return out[i].Policy() < out[j].Policy() })
-	return out, nil
+	return nil
 }
 
 // withinContext leaves out of training the samples longer than the policy's model takes (a chat
