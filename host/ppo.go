@@ -136,14 +136,11 @@ func (tr *trainer) trainCritic(ctx context.Context, step int, crit *policy, samp
 	t0 := time.Now()
 	lc := lossConfig(crit.cfg.Train)
 	lc.ValueClip = valueClip
-	size := crit.cfg.Train.GlobalBatchSize
-	if size <= 0 || size > len(samples) {
-		size = len(samples)
-	}
+	size := batchSize(crit.cfg.Train.GlobalBatchSize, len(samples))
 	var loss, clip, gn float64
 	steps, skipped, tokens := 0, 0, 0
 	for k := 0; k < len(samples); k += size {
-		b := engines.Batch{ID: fmt.Sprintf("%s/%s/step%d/%d", tr.id, crit.name, step, k/size), Loss: lc,
+		b := engines.Batch{ID: tr.batchID(crit.name, step, k/size), Loss: lc,
 			Samples: samples[k:min(k+size, len(samples))]}
 		st, err := crit.eng.Train(ctx, b)
 		if err != nil {

@@ -243,80 +243,122 @@ func gather(ros []*script.Rollout, version int) (map[string][]trainSample, map[s
 	return byPolicy, gens
 }
 
-// trainOne splits a policy's samples into optimizer steps of global_batch_size and trains.
+// trainOne splits a policy's samples into optimizer steps of global_batch_size and trains, setting
+// the policy's training metrics of the step.
 func (tr *trainer) trainOne(ctx context.Context, step int, p *policy, ss []trainSample, adv [][]float32, m Metrics) error {
-	tc := p.cfg.Train
-	lc := lossConfig(tc)
-	size := tc.GlobalBatchSize
-	if size <= 0 || size > len(ss) {
-		size = len(ss)
-	}
-	var sums struct{ loss, pg, kl, clip, ent, gn, tisClip, tisW float64 }
-	steps, skipped, tokens := 0, 0, 0
-	var mis mismatch
+	lc := lossConfig(p.cfg.Train)
+	size := batchSize(p.cfg.Train.GlobalBatchSize, len(ss))
 	trainLogp, err := tr.trainLogprobs(ctx, step, p, ss, size)
 	if err != nil {
 		return err
 	}
+	var sums trainSums
+	var mis mismatch
 	for k := 0; k < len(ss); k += size {
-		end := min(k+size, len(ss))
-		// The run id keeps a server that outlived a crashed host from taking a resumed run's
-		// steps for ones it has already applied.
-		b := engines.Batch{ID: fmt.Sprintf("%s/%s/step%d/%d", tr.id, p.name, step, k/size), Loss: lc}
-		for i := k; i < end; i++ {
-			c := ss[i].C
-			b.Samples = append(b.Samples, engines.Sample{
-				Prompt: c.PromptTokens(), Response: c.Tokens(), LossMask: c.LossMask(), OldLogprobs: c.Logprobs(),
-				Advantages: adv[i], Group: ss[i].Group,
-			})
-			if trainLogp != nil {
-				b.Samples[len(b.Samples)-1].TrainLogprobs = trainLogp[i]
-			}
-		}
-		p.busy.begin()
-		st, err := p.eng.Train(ctx, b)
-		p.busy.end()
+		b := engines.Batch{ID: tr.batchID(p.name, step, k/size), Loss: lc, Samples: samplesOf(ss, adv, trainLogp, k, min(k+size, len(ss)))}
+		st, err := tr.optimizerStep(ctx, step, p, b)
 		if err != nil {
-			return &EngineError{Step: step, Policy: p.name, Err: fmt.Errorf("train: %w", err), Hint: tr.hint()}
+			return err
 		}
-		tr.restart.trained(p.name, b)
 		if st.Skipped {
-			skipped++
+			sums.skipped++
 			tr.events.printf("step %d: policy %q: optimizer step %s skipped: %s", step, p.name, b.ID, st.Reason)
 			continue
 		}
-		steps++
-		tokens += st.Tokens
-		sums.loss += st.Loss
-		sums.pg += st.PGLoss
-		sums.kl += st.KL
-		sums.clip += st.ClipFrac
-		sums.ent += st.Entropy
-		sums.gn += st.GradNorm
-		sums.tisClip += st.TISClipFrac
-		sums.tisW += st.TISWeight
+		sums.add(st)
 		if k == 0 || trainLogp != nil {
 			mis.add(st)
 		}
 	}
 	mis.report(m)
-	// The means of the optimizer steps taken; none taken (every one skipped): no loss, not 0.
-	if d := float64(steps); steps > 0 {
-		m.set("loss", sums.loss/d)
-		m.set("pg_loss", sums.pg/d)
-		m.set("kl", sums.kl/d)
-		m.set("clip_frac", sums.clip/d)
-		m.set("entropy", sums.ent/d)
-		m.set("grad_norm", sums.gn/d)
-		if lc.UseTIS {
-			m.set("tis_clip_frac", sums.tisClip/d)
-			m.set("tis_weight", sums.tisW/d)
+	sums.report(m, lc.UseTIS)
+	return nil
+}
+
+// batchSize is the number of samples of an optimizer step: global_batch_size, or all n samples
+// when it is 0 or more than n.
+func batchSize(global, n int) int {
+	if global <= 0 || global > n {
+		return n
+	}
+	return global
+}
+
+// batchID is the id of a policy's i-th optimizer step of a step. The run id keeps a server that
+// outlived a crashed host from taking a resumed run's steps for ones it has already applied.
+func (tr *trainer) batchID(policy string, step, i int) string {
+	return fmt.Sprintf("%s/%s/step%d/%d", tr.id, policy, step, i)
+}
+
+// samplesOf are the engine's samples of ss[from:to], with their advantages and, when trainLogp
+// is not nil (use_tis over several optimizer steps), the trainer's log-probs from before the
+// first.
+func samplesOf(ss []trainSample, adv, trainLogp [][]float32, from, to int) []engines.Sample {
+	var out []engines.Sample
+	for i := from; i < to; i++ {
+		c := ss[i].C
+		out = append(out, engines.Sample{
+			Prompt: c.PromptTokens(), Response: c.Tokens(), LossMask: c.LossMask(), OldLogprobs: c.Logprobs(),
+			Advantages: adv[i], Group: ss[i].Group,
+		})
+		if trainLogp != nil {
+			out[len(out)-1].TrainLogprobs = trainLogp[i]
 		}
 	}
-	m.set("optimizer_steps", steps)
-	m.set("skipped_steps", skipped)
-	m.set("trained_tokens", tokens)
-	return nil
+	return out
+}
+
+// optimizerStep has p's engine run one optimizer step on b (its engine counted busy meanwhile)
+// and notes it for an engine that restarts; a failure is the step's EngineError.
+func (tr *trainer) optimizerStep(ctx context.Context, step int, p *policy, b engines.Batch) (engines.TrainStats, error) {
+	p.busy.begin()
+	st, err := p.eng.Train(ctx, b)
+	p.busy.end()
+	if err != nil {
+		return st, &EngineError{Step: step, Policy: p.name, Err: fmt.Errorf("train: %w", err), Hint: tr.hint()}
+	}
+	tr.restart.trained(p.name, b)
+	return st, nil
+}
+
+// trainSums adds up the stats of a policy's optimizer steps of a step.
+type trainSums struct {
+	loss, pg, kl, clip, ent, gn, tisClip, tisW float64
+	steps, skipped, tokens                     int
+}
+
+// add counts an optimizer step taken (not skipped).
+func (s *trainSums) add(st engines.TrainStats) {
+	s.steps++
+	s.tokens += st.Tokens
+	s.loss += st.Loss
+	s.pg += st.PGLoss
+	s.kl += st.KL
+	s.clip += st.ClipFrac
+	s.ent += st.Entropy
+	s.gn += st.GradNorm
+	s.tisClip += st.TISClipFrac
+	s.tisW += st.TISWeight
+}
+
+// report sets the means of the optimizer steps taken (none taken, every one skipped: no loss, not
+// 0), tis_clip_frac and tis_weight with use_tis, and the counts of steps and trained tokens.
+func (s *trainSums) report(m Metrics, useTIS bool) {
+	if d := float64(s.steps); s.steps > 0 {
+		m.set("loss", s.loss/d)
+		m.set("pg_loss", s.pg/d)
+		m.set("kl", s.kl/d)
+		m.set("clip_frac", s.clip/d)
+		m.set("entropy", s.ent/d)
+		m.set("grad_norm", s.gn/d)
+		if useTIS {
+			m.set("tis_clip_frac", s.tisClip/d)
+			m.set("tis_weight", s.tisW/d)
+		}
+	}
+	m.set("optimizer_steps", s.steps)
+	m.set("skipped_steps", s.skipped)
+	m.set("trained_tokens", s.tokens)
 }
 
 // mismatch sums the rollout/trainer log-prob mismatch of a policy's optimizer steps whose
@@ -328,6 +370,7 @@ type mismatch struct {
 	tokens, steps      int
 }
 
+// add counts an optimizer step whose trainer side is the rollouts' weights.
 func (d *mismatch) add(st engines.TrainStats) {
 	d.sum += st.LogprobDiffMean * float64(st.Tokens)
 	d.weighted += st.LogprobAbsDiff
