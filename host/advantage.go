@@ -151,17 +151,14 @@ func (tr *trainer) warnNothingTrained(step int, ros []*script.Rollout, pm []Metr
 		"so no policy learns (rewards alone do not train); queue what you reward with train(c)", step, ok)
 }
 
-// advantages computes the per-token advantages of every policy's samples. Shared-buffer policies
-// are normalised together; split ones alone. Teacher terms (on-policy distillation) come last.
+// advantages computes the per-token advantages of every policy's samples: ppo actors' from the
+// critic's values (their targets for the critic's training are returned too), the others' by the
+// estimator of their pool (shared-buffer policies normalised together, split ones alone), then
+// the teacher terms of on-policy distillation.
 func (tr *trainer) advantages(ctx context.Context, step int, pols []*policy, byPolicy map[string][]trainSample) (map[string][][]float32, map[string][]ppoTargets, error) {
 	out := map[string][][]float32{}
 	targets := map[string][]ppoTargets{}
-	type pool struct {
-		names []string
-		tc    config.TrainConfig
-	}
-	var pools []pool
-	shared := -1                    // the index in pools of the shared buffer's (an index: appending may move pools)
+	var pools []advPool
 	kls := map[string][][]float64{} // the reward-side KL of each policy's samples (kl_coef)
 	for _, p := range pols {
 		if !p.cfg.Trainable || p.cfg.IsCritic() {
@@ -172,48 +169,19 @@ func (tr *trainer) advantages(ctx context.Context, step int, pols []*policy, byP
 			return nil, nil, err
 		}
 		kls[p.name] = kl
-		if p.cfg.Train.AdvantageEstimator == "ppo" {
-			adv, t, err := tr.ppoAdvantages(ctx, step, p, byPolicy[p.name], kl)
-			if err != nil {
-				return nil, nil, err
-			}
-			out[p.name], targets[p.name] = adv, t
+		if p.cfg.Train.AdvantageEstimator != "ppo" {
+			pools = addToPool(pools, p)
 			continue
 		}
-		if p.cfg.BufferMode == "shared" {
-			if shared < 0 {
-				pools = append(pools, pool{tc: p.cfg.Train})
-				shared = len(pools) - 1
-			}
-			pools[shared].names = append(pools[shared].names, p.name)
-			continue
-		}
-		pools = append(pools, pool{names: []string{p.name}, tc: p.cfg.Train})
-	}
-	for _, pl := range pools {
-		var in []advantage.Input
-		for _, n := range pl.names {
-			for i, s := range byPolicy[n] {
-				a := advantage.Input{Reward: s.reward, Group: s.Group, Tokens: len(s.C.Tokens()), Mask: maskOf(s.C)}
-				if kls[n] != nil {
-					a.KL = kls[n][i]
-				}
-				if s.HasAdv {
-					a.Override = s.Advantage
-				}
-				in = append(in, a)
-			}
-		}
-		tr.warnSingletons(step, pl.names, pl.tc, in)
-		adv, err := advantage.Compute(estimatorOf(pl.tc), in)
+		adv, t, err := tr.ppoAdvantages(ctx, step, p, byPolicy[p.name], kl)
 		if err != nil {
 			return nil, nil, err
 		}
-		k := 0
-		for _, n := range pl.names {
-			m := len(byPolicy[n])
-			out[n] = adv[k : k+m]
-			k += m
+		out[p.name], targets[p.name] = adv, t
+	}
+	for _, pl := range pools {
+		if err := tr.poolAdvantages(step, pl, byPolicy, kls, out); err != nil {
+			return nil, nil, err
 		}
 	}
 	for _, p := range pols {
@@ -222,6 +190,67 @@ func (tr *trainer) advantages(ctx context.Context, step int, pols []*policy, byP
 		}
 	}
 	return out, targets, nil
+}
+
+// advPool is the policies whose samples' advantages are computed together: the shared-buffer
+// policies (which config validation makes agree on the estimator), or one split policy. tc is
+// the train: settings of its first policy.
+type advPool struct {
+	names  []string
+	tc     config.TrainConfig
+	shared bool
+}
+
+// addToPool puts p into its pool: the shared-buffer policies', where the first of them comes, or
+// a pool of its own.
+func addToPool(pools []advPool, p *policy) []advPool {
+	if p.cfg.BufferMode == "shared" {
+		for i := range pools {
+			if pools[i].shared {
+				pools[i].names = append(pools[i].names, p.name)
+				return pools
+			}
+		}
+	}
+	return append(pools, advPool{names: []string{p.name}, tc: p.cfg.Train, shared: p.cfg.BufferMode == "shared"})
+}
+
+// poolAdvantages computes the advantages of a pool's samples by its estimator, over all of them
+// at once, into out by policy; kls holds the reward-side KL of each policy's samples.
+func (tr *trainer) poolAdvantages(step int, pl advPool, byPolicy map[string][]trainSample, kls map[string][][]float64, out map[string][][]float32) error {
+	in := advantageInputs(pl.names, byPolicy, kls)
+	tr.warnSingletons(step, pl.names, pl.tc, in)
+	adv, err := advantage.Compute(estimatorOf(pl.tc), in)
+	if err != nil {
+		return err
+	}
+	k := 0
+	for _, n := range pl.names {
+		m := len(byPolicy[n])
+		out[n] = adv[k : k+m]
+		k += m
+	}
+	return nil
+}
+
+// advantageInputs are the estimators' inputs of the named policies' samples, in order: reward,
+// group, tokens and loss mask, the reward-side KL where kls has it, and a script's own advantage,
+// which wins.
+func advantageInputs(names []string, byPolicy map[string][]trainSample, kls map[string][][]float64) []advantage.Input {
+	var in []advantage.Input
+	for _, n := range names {
+		for i, s := range byPolicy[n] {
+			a := advantage.Input{Reward: s.reward, Group: s.Group, Tokens: len(s.C.Tokens()), Mask: maskOf(s.C)}
+			if kls[n] != nil {
+				a.KL = kls[n][i]
+			}
+			if s.HasAdv {
+				a.Override = s.Advantage
+			}
+			in = append(in, a)
+		}
+	}
+	return in
 }
 
 // applyTeacher subtracts opd_kl_coef·(logp_student − logp_teacher) per token for samples trained
