@@ -97,10 +97,11 @@ type externalState struct {
 	Address string `json:"address"` // the engine server
 }
 
-// checkpoints is the run's checkpoints folder, <out>/checkpoints: it puts a checkpoint in place
-// whole or not at all, keeps the newest run.keep_checkpoints, removes what interrupted writes left
-// there, and remembers what the run wrote. What goes into a checkpoint is the run's
-// (writeCheckpoint).
+// checkpoints is the run's checkpoints folder, <out>/checkpoints, and the policies' save: folders;
+// the run owns it. It puts a checkpoint in place whole or not at all, keeps the newest
+// run.keep_checkpoints, removes what interrupted writes left there, and remembers what the run
+// wrote. Given the policies, it has their engines save into a checkpoint and load from one, and
+// writes their save: folders. What else goes into a checkpoint is the run's (writeCheckpoint).
 type checkpoints struct {
 	out    string    // the run folder; "" for a run without one, which has no checkpoints
 	events *eventLog // where the folder's changes are said
@@ -136,14 +137,7 @@ func (r *Run) Checkpoint(ctx context.Context) (string, error) {
 	if err != nil || !wrote {
 		return final, err
 	}
-	for _, p := range r.pols.list() {
-		if p.cfg.Trainable && p.cfg.Save != "" {
-			if err := r.writeSaveFolder(ctx, p, step); err != nil {
-				return final, err
-			}
-		}
-	}
-	return final, nil
+	return final, r.ckpt.writeSaveFolders(ctx, r.pols.list(), step)
 }
 
 // put puts the checkpoint of step in place: fill writes everything of it into tmp, the folder
@@ -205,7 +199,7 @@ func (c *checkpoints) put(step, keep int, fill func(final, tmp string) error) (f
 // writeCheckpoint writes everything of a checkpoint into tmp, the folder that becomes final once
 // complete: the policies' engine states, the run's files and the manifest that checksums them.
 func (r *Run) writeCheckpoint(ctx context.Context, step int, final, tmp string) error {
-	external, err := r.savePolicies(ctx, step, final, tmp)
+	external, err := r.ckpt.savePolicies(ctx, r.pols.list(), step, final, tmp)
 	if err != nil {
 		return err
 	}
@@ -241,16 +235,16 @@ func (r *Run) writeCheckpoint(ctx context.Context, step int, final, tmp string) 
 	return nil
 }
 
-// savePolicies has every trainable policy's engine save its state into tmp/<policy> (an engine
-// whose state lives on its server saves there, and is recorded as external).
-func (r *Run) savePolicies(ctx context.Context, step int, final, tmp string) (map[string]externalState, error) {
+// savePolicies has the engine of every trainable policy of pols save its state into tmp/<policy>
+// (an engine whose state lives on its server saves there, and is recorded as external).
+func (c *checkpoints) savePolicies(ctx context.Context, pols []*policy, step int, final, tmp string) (map[string]externalState, error) {
 	external := map[string]externalState{}
-	for _, p := range r.pols.list() {
+	for _, p := range pols {
 		if !p.cfg.Trainable {
 			continue // a frozen policy is what its config says it is: nothing to save
 		}
 		if offHost(p.cfg) {
-			ext, err := r.saveRemote(ctx, p, final, tmp)
+			ext, err := c.saveRemote(ctx, p, final, tmp)
 			if err != nil {
 				return nil, err
 			}
@@ -280,7 +274,7 @@ func (r *Run) savePolicies(ctx context.Context, step int, final, tmp string) (ma
 // saveRemote saves a remote engine's state into the final path final/<policy> on its server. If
 // the folder shows up on this machine, it is moved into tmp and checksummed with the rest;
 // otherwise it is recorded as external.
-func (r *Run) saveRemote(ctx context.Context, p *policy, final, tmp string) (*externalState, error) {
+func (c *checkpoints) saveRemote(ctx context.Context, p *policy, final, tmp string) (*externalState, error) {
 	dir := filepath.Join(final, p.name)
 	if err := p.save(ctx, dir); err != nil {
 		return nil, fmt.Errorf("checkpoint: policy %q: its engine at %s could not save into %s: %w", p.name, p.cfg.Engine.Address, dir, err)
@@ -294,7 +288,7 @@ func (r *Run) saveRemote(ctx context.Context, p *policy, final, tmp string) (*ex
 		}
 		return nil, nil
 	}
-	r.ckpt.tellOffHost(p.name, p.cfg.Engine.Address, dir)
+	c.tellOffHost(p.name, p.cfg.Engine.Address, dir)
 	return &externalState{Dir: dir, Address: p.cfg.Engine.Address}, nil
 }
 
@@ -662,7 +656,7 @@ func (r *Run) restore(ctx context.Context, dir string) error {
 			return err
 		}
 		if ext, ok := m.External[p.name]; ok {
-			if err := r.loadExternal(ctx, dir, p, ext); err != nil {
+			if err := r.ckpt.loadExternal(ctx, dir, p, ext); err != nil {
 				return err
 			}
 			continue
@@ -711,7 +705,7 @@ func (r *Run) restore(ctx context.Context, dir string) error {
 }
 
 // loadExternal loads a policy's state that its remote engine saved on its own disk.
-func (r *Run) loadExternal(ctx context.Context, dir string, p *policy, ext externalState) error {
+func (c *checkpoints) loadExternal(ctx context.Context, dir string, p *policy, ext externalState) error {
 	if _, err := os.Stat(ext.Dir); err == nil {
 		// This host sees the folder: check it before the engine is asked to load it.
 		if !hasFiles(ext.Dir) {
@@ -719,7 +713,7 @@ func (r *Run) loadExternal(ctx context.Context, dir string, p *policy, ext exter
 				"but that folder is empty; resume from an earlier checkpoint", dir, p.name, ext.Dir, ext.Address)
 		}
 	} else {
-		r.events.printf("resume: policy %q: its state is in %s on the engine server %s, which this host cannot see; the engine loads it", p.name, ext.Dir,
+		c.events.printf("resume: policy %q: its state is in %s on the engine server %s, which this host cannot see; the engine loads it", p.name, ext.Dir,
 			ext.Address)
 	}
 	if err := p.eng.Load(ctx, ext.Dir); err != nil {
@@ -764,19 +758,19 @@ func (c *checkpoints) removeLater(root string, step int) {
 	}
 }
 
-// checkSaveFolders looks at the policies' save: folders at start-up. A frozen policy's is never
+// checkSaveFolders looks at the save: folders of pols at start-up. A frozen policy's is never
 // written (said once), and a folder on this machine that holds something other than a model
 // folder is refused before the run starts rather than at its first checkpoint.
-func (r *Run) checkSaveFolders() error {
-	for _, p := range r.pols.list() {
+func (c *checkpoints) checkSaveFolders(pols []*policy) error {
+	for _, p := range pols {
 		if p.cfg.Save == "" {
 			continue
 		}
 		switch {
 		case !p.cfg.Trainable:
-			r.events.printf("config: policy %q is frozen (trainable: false): its save: folder %s is not written; only trainable policies are saved", p.name, p.cfg.Save)
+			c.events.printf("config: policy %q is frozen (trainable: false): its save: folder %s is not written; only trainable policies are saved", p.name, p.cfg.Save)
 		case offHost(p.cfg):
-			r.events.printf("config: policy %q: save: %s is a folder on the engine server at %s, which writes it at every checkpoint", p.name, p.cfg.Save,
+			c.events.printf("config: policy %q: save: %s is a folder on the engine server at %s, which writes it at every checkpoint", p.name, p.cfg.Save,
 				p.cfg.Engine.Address)
 		default:
 			if err := saveFolderUsable(p); err != nil {
@@ -817,11 +811,24 @@ func saveFolderUsable(p *policy) error {
 		"slimen replaces the whole save: folder at every checkpoint, so point save: at a folder of its own", p.name, dst)
 }
 
+// writeSaveFolders writes the save: folder of every trainable policy of pols that has one, with
+// the state of step.
+func (c *checkpoints) writeSaveFolders(ctx context.Context, pols []*policy, step int) error {
+	for _, p := range pols {
+		if p.cfg.Trainable && p.cfg.Save != "" {
+			if err := c.writeSaveFolder(ctx, p, step); err != nil {
+				return err
+			}
+		}
+	}
+	return nil
+}
+
 // writeSaveFolder writes a policy's save: folder (slime-n's per-policy save path): the engine's
 // state (a Hugging Face model folder plus the engine's optimizer files, what Engine.Save writes)
 // and latest_checkpointed_iteration.txt with the step. On this machine the folder is written
 // beside the old one and swapped in; a remote engine writes it on its server, in place.
-func (r *Run) writeSaveFolder(ctx context.Context, p *policy, step int) error {
+func (c *checkpoints) writeSaveFolder(ctx context.Context, p *policy, step int) error {
 	fail := func(err error) error {
 		return fmt.Errorf("checkpoint: step %d is saved, but policy %q's save: folder %s was not written: %w", step, p.name, p.cfg.Save, err)
 	}
@@ -829,7 +836,7 @@ func (r *Run) writeSaveFolder(ctx context.Context, p *policy, step int) error {
 		if err := p.save(ctx, p.cfg.Save); err != nil {
 			return fail(err)
 		}
-		r.events.filef("checkpoint: policy %q: step %d saved by its engine into %s on its server", p.name, step, p.cfg.Save)
+		c.events.filef("checkpoint: policy %q: step %d saved by its engine into %s on its server", p.name, step, p.cfg.Save)
 		return nil
 	}
 	if err := saveFolderUsable(p); err != nil {
@@ -869,7 +876,7 @@ func (r *Run) writeSaveFolder(ctx context.Context, p *policy, step int) error {
 	if old != "" {
 		os.RemoveAll(old)
 	}
-	r.events.filef("checkpoint: policy %q: step %d written to its save: folder %s", p.name, step, dst)
+	c.events.filef("checkpoint: policy %q: step %d written to its save: folder %s", p.name, step, dst)
 	return nil
 }
 

@@ -263,7 +263,7 @@ func Load(ctx context.Context, scriptPath string, opts Options) (_ *Run, err err
 	if err := r.openPolicies(ctx); err != nil {
 		return nil, err
 	}
-	if err := r.checkSaveFolders(); err != nil { // policies' save: folders
+	if err := r.ckpt.checkSaveFolders(r.pols.list()); err != nil { // policies' save: folders
 		return nil, err
 	}
 	r.events.printf("loaded %s (sha256 %s); %s", s.Path, s.Hash[:12], policiesLoaded(r.cfg.Policies))
