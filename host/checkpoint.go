@@ -635,28 +635,72 @@ func (r *Run) restore(ctx context.Context, dir string) error {
 	if err != nil {
 		return err
 	}
-	m, err := readManifest(dir)
+	m, info, err := openCheckpoint(dir, r.vers.staleness())
 	if err != nil {
 		return err
+	}
+	if err := r.ckpt.loadPolicies(ctx, dir, m, r.pols.list(), &r.vers, r.step); err != nil {
+		return err
+	}
+	st, err := readState(dir)
+	if err != nil {
+		return err
+	}
+	r.state.Restore(st.Snapshot())
+	r.step, r.next = info.Step, info.nextTask(r.Config().Rollout.BatchSize)
+	if info.ScriptHash != r.script.Hash {
+		r.events.printf("resume: the script differs from the checkpoint's version %s; the run goes on with version %s", short(info.ScriptHash), short(r.script.Hash))
+	}
+	if err := r.forgetAfter(dir, info.Step); err != nil {
+		return err
+	}
+	r.ckpt.resumed(dir, info.Step)
+	r.events.printf("resume: from %s at step %d", dir, info.Step)
+	return nil
+}
+
+// openCheckpoint verifies the checkpoint folder dir (absolute) and reads its manifest and
+// run.json, for a run whose rollout.max_staleness is staleness: the checkpoint must hold the
+// weights versions the steps after it generate from.
+func openCheckpoint(dir string, staleness int) (manifest, runInfo, error) {
+	m, err := readManifest(dir)
+	if err != nil {
+		return m, runInfo{}, err
 	}
 	info, err := readRunInfo(dir)
 	if err != nil {
-		return err
+		return m, info, err
 	}
-	if k := r.vers.staleness(); k > info.MaxStaleness && info.Step > 0 {
-		return fmt.Errorf("resume: checkpoint %s was written with rollout.max_staleness %d and the run now has %d: "+
+	if staleness > info.MaxStaleness && info.Step > 0 {
+		return m, info, fmt.Errorf("resume: checkpoint %s was written with rollout.max_staleness %d and the run now has %d: "+
 			"the checkpoint holds the weights versions its next steps generate from under %d only; "+
-			"resume with rollout.max_staleness at most %d", dir, info.MaxStaleness, k, info.MaxStaleness, info.MaxStaleness)
+			"resume with rollout.max_staleness at most %d", dir, info.MaxStaleness, staleness, info.MaxStaleness, info.MaxStaleness)
 	}
-	for _, p := range r.pols.list() {
+	return m, info, nil
+}
+
+// nextTask is the data position after the checkpoint: the index of the first task of the next
+// step, at batchSize tasks a step for checkpoints that predate its record.
+func (info runInfo) nextTask(batchSize int) int {
+	if info.NextTask != nil {
+		return *info.NextTask
+	}
+	return info.Step * batchSize
+}
+
+// loadPolicies has the engine of every trainable policy of pols load its state from the
+// checkpoint dir with manifest m, after its weights versions are put back (vers, for a run that
+// has done steps).
+func (c *checkpoints) loadPolicies(ctx context.Context, dir string, m manifest, pols []*policy, vers *versionKeeper, done int) error {
+	for _, p := range pols {
 		if !p.cfg.Trainable {
 			continue
 		}
-		if err := r.vers.restore(ctx, r.pols.list(), r.step, dir, p); err != nil {
+		if err := vers.restore(ctx, pols, done, dir, p); err != nil {
 			return err
 		}
 		if ext, ok := m.External[p.name]; ok {
-			if err := r.ckpt.loadExternal(ctx, dir, p, ext); err != nil {
+			if err := c.loadExternal(ctx, dir, p, ext); err != nil {
 				return err
 			}
 			continue
@@ -669,38 +713,39 @@ func (r *Run) restore(ctx context.Context, dir string) error {
 			return fmt.Errorf("resume: policy %q: its engine could not load %s: %w", p.name, filepath.Join(dir, p.name), err)
 		}
 	}
+	return nil
+}
+
+// readState reads the `state` store of the checkpoint dir.
+func readState(dir string) (*script.State, error) {
 	sb, err := os.ReadFile(filepath.Join(dir, stateFile))
 	if err != nil {
-		return fmt.Errorf("checkpoint %s: %w", dir, err)
+		return nil, fmt.Errorf("checkpoint %s: %w", dir, err)
 	}
 	st := script.NewState()
 	if err := script.DecodeState(sb, st); err != nil {
-		return fmt.Errorf("checkpoint %s: %s: %w", dir, stateFile, err)
+		return nil, fmt.Errorf("checkpoint %s: %s: %w", dir, stateFile, err)
 	}
-	r.state.Restore(st.Snapshot())
-	r.step = info.Step
-	r.next = info.Step * r.Config().Rollout.BatchSize
-	if info.NextTask != nil {
-		r.next = *info.NextTask
-	}
-	if info.ScriptHash != r.script.Hash {
-		r.events.printf("resume: the script differs from the checkpoint's version %s; the run goes on with version %s", short(info.ScriptHash), short(r.script.Hash))
-	}
-	if err := r.metrics.truncateAfter(info.Step); err != nil {
+	return st, nil
+}
+
+// forgetAfter drops what the stopped run wrote of the steps after step, those of the checkpoint
+// dir it resumes from: their metrics and rollouts lines. Steps up to it that metrics.jsonl lacks
+// are said once.
+func (r *Run) forgetAfter(dir string, step int) error {
+	if err := r.metrics.truncateAfter(step); err != nil {
 		return err
 	}
-	if err := r.rec.truncateAfter(info.Step); err != nil {
+	if err := r.rec.truncateAfter(step); err != nil {
 		return err
 	}
-	if missing, err := r.metrics.missingSteps(info.Step); err != nil {
+	if missing, err := r.metrics.missingSteps(step); err != nil {
 		return err
 	} else if len(missing) > 0 {
 		r.events.printf("warning: metrics: %s has no lines for step %s of the %d steps checkpoint %s holds (lost, "+
 			"or cut by hand); the run goes on from step %d, and those steps stay missing from its metrics",
-			r.metrics.f.Name(), stepRanges(missing), info.Step, dir, info.Step+1)
+			r.metrics.f.Name(), stepRanges(missing), step, dir, step+1)
 	}
-	r.ckpt.resumed(dir, info.Step)
-	r.events.printf("resume: from %s at step %d", dir, info.Step)
 	return nil
 }
 
