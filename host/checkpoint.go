@@ -936,56 +936,11 @@ func short(h string) string { return h[:min(12, len(h))] }
 // checkpoint belongs to. The run then goes on at the step after the checkpoint's. A checkpoint
 // that cannot be found or read, and a config or script that does not load, are ScriptErrors.
 func Resume(ctx context.Context, from, scriptPath string, opts Options) (*Run, error) {
-	ckpt, skipped, err := FindCheckpoint(from)
+	plan, err := planResume(from, scriptPath, &opts)
 	if err != nil {
-		return nil, script.Errorf("%w", err)
+		return nil, err
 	}
-	info, err := readRunInfo(ckpt)
-	if err != nil {
-		return nil, script.Errorf("%w", err)
-	}
-	var scriptNote string
-	var moved []string // what Options.Relocate changed
-	if scriptPath == "" {
-		scriptPath, scriptNote = resumeScript(ckpt, info, opts.FS != nil)
-	}
-	if opts.Out == "" {
-		opts.Out = runDirOf(ckpt)
-	}
-	opts.workDir, opts.resuming = info.Dir, true
-	if opts.Config == nil {
-		ckptConfig := filepath.Join(ckpt, "config.yaml")
-		if opts.Config, err = config.Load(ckptConfig); err != nil {
-			return nil, script.Errorf("%w", err)
-		}
-		if opts.Relocate != nil {
-			if moved, err = relocate(opts.Config, opts.Relocate); err != nil {
-				return nil, script.Errorf("resume: %w", err)
-			}
-		}
-		if opts.FS == nil {
-			// Before the command line's changes, which are relative to here; and so for every
-			// version of the checkpoint's config a reload reads (--watch on a resumed run).
-			rebasePaths(opts.Config, info.Dir)
-			override := opts.ConfigOverride
-			opts.ConfigOverride = func(c *config.Config) error {
-				if c.File == ckptConfig {
-					rebasePaths(c, info.Dir)
-				}
-				if override != nil {
-					return override(c)
-				}
-				return nil
-			}
-		}
-		if opts.ConfigOverride != nil {
-			if err := opts.ConfigOverride(opts.Config); err != nil {
-				return nil, script.Errorf("%w", err)
-			}
-		}
-		opts.Config.Run.Out = opts.Out
-	}
-	r, err := Load(ctx, scriptPath, opts)
+	r, err := Load(ctx, plan.script, opts)
 	if err != nil {
 		var se *ScriptError
 		if !errors.As(err, &se) {
@@ -993,28 +948,109 @@ func Resume(ctx context.Context, from, scriptPath string, opts Options) (*Run, e
 		}
 		return nil, err
 	}
-	if scriptNote != "" {
-		r.events.printf("resume: %s", scriptNote)
-	}
-	if opts.Relocate != nil && len(moved) == 0 {
-		r.events.printf("resume: --config %s: the engines live where the checkpoint's config says; nothing changed", opts.Relocate.File)
-	}
-	for _, c := range moved {
-		r.events.printf("resume: --config %s: %s", opts.Relocate.File, c)
-	}
-	for _, bad := range skipped {
-		r.events.printf("warning: %v", bad)
-	}
-	if len(skipped) > 0 {
-		r.events.printf("warning: resuming from %s, the newest valid checkpoint; the newer ones above are removed when the run goes on", ckpt)
-	}
-	if err := r.restore(ctx, ckpt); err != nil {
-		r.events.filef("stop: the resume from %s failed: %v", ckpt, err)
+	plan.tell(r.events, opts.Relocate)
+	if err := r.restore(ctx, plan.ckpt); err != nil {
+		r.events.filef("stop: the resume from %s failed: %v", plan.ckpt, err)
 		r.Close()
 		return nil, err
 	}
 	r.opts.resuming = false // the engines hold the checkpoint's state now
 	return r, nil
+}
+
+// resumePlan is what Resume settles before it loads the run: the checkpoint and the script, and
+// what it says once the run's events.log is open.
+type resumePlan struct {
+	ckpt       string   // the checkpoint folder
+	script     string   // the script to run
+	scriptNote string   // which copy of the script runs; "" for the file the checkpoint recorded
+	skipped    []error  // newer checkpoints that failed verification, newest first
+	moved      []string // what Options.Relocate changed in the checkpoint's config
+}
+
+// planResume finds the checkpoint from names and the script to run (scriptPath, or the one the
+// checkpoint recorded), and fills in opts for loading the run from it: the run directory, the
+// directory the run started in and, unless given, the checkpoint's config.
+func planResume(from, scriptPath string, opts *Options) (resumePlan, error) {
+	ckpt, skipped, err := FindCheckpoint(from)
+	if err != nil {
+		return resumePlan{}, script.Errorf("%w", err)
+	}
+	info, err := readRunInfo(ckpt)
+	if err != nil {
+		return resumePlan{}, script.Errorf("%w", err)
+	}
+	plan := resumePlan{ckpt: ckpt, script: scriptPath, skipped: skipped}
+	if scriptPath == "" {
+		plan.script, plan.scriptNote = resumeScript(ckpt, info, opts.FS != nil)
+	}
+	if opts.Out == "" {
+		opts.Out = runDirOf(ckpt)
+	}
+	opts.workDir, opts.resuming = info.Dir, true
+	if opts.Config == nil {
+		if plan.moved, err = resumeConfig(opts, ckpt, info.Dir); err != nil {
+			return resumePlan{}, err
+		}
+	}
+	return plan, nil
+}
+
+// resumeConfig sets opts.Config to the config of the checkpoint ckpt, moved to opts.Relocate's
+// engines, its relative paths taken from dir (the directory the run started in), then
+// opts.ConfigOverride applied; it returns what opts.Relocate changed.
+func resumeConfig(opts *Options, ckpt, dir string) (moved []string, err error) {
+	ckptConfig := filepath.Join(ckpt, "config.yaml")
+	if opts.Config, err = config.Load(ckptConfig); err != nil {
+		return nil, script.Errorf("%w", err)
+	}
+	if opts.Relocate != nil {
+		if moved, err = relocate(opts.Config, opts.Relocate); err != nil {
+			return nil, script.Errorf("resume: %w", err)
+		}
+	}
+	if opts.FS == nil {
+		// Before the command line's changes, which are relative to here; and so for every
+		// version of the checkpoint's config a reload reads (--watch on a resumed run).
+		rebasePaths(opts.Config, dir)
+		override := opts.ConfigOverride
+		opts.ConfigOverride = func(c *config.Config) error {
+			if c.File == ckptConfig {
+				rebasePaths(c, dir)
+			}
+			if override != nil {
+				return override(c)
+			}
+			return nil
+		}
+	}
+	if opts.ConfigOverride != nil {
+		if err := opts.ConfigOverride(opts.Config); err != nil {
+			return nil, script.Errorf("%w", err)
+		}
+	}
+	opts.Config.Run.Out = opts.Out
+	return moved, nil
+}
+
+// tell says in events what the resume chose on the way: the copy of the script it runs, what
+// relocation (Options.Relocate) changed, and the newer checkpoints it skipped.
+func (p resumePlan) tell(events *eventLog, relocation *config.Config) {
+	if p.scriptNote != "" {
+		events.printf("resume: %s", p.scriptNote)
+	}
+	if relocation != nil && len(p.moved) == 0 {
+		events.printf("resume: --config %s: the engines live where the checkpoint's config says; nothing changed", relocation.File)
+	}
+	for _, c := range p.moved {
+		events.printf("resume: --config %s: %s", relocation.File, c)
+	}
+	for _, bad := range p.skipped {
+		events.printf("warning: %v", bad)
+	}
+	if len(p.skipped) > 0 {
+		events.printf("warning: resuming from %s, the newest valid checkpoint; the newer ones above are removed when the run goes on", p.ckpt)
+	}
 }
 
 // checkpointPlan says when a run checkpoints and how many it keeps, for its start-up line.
