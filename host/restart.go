@@ -2,6 +2,7 @@ package host
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"sync"
 	"time"
@@ -33,7 +34,8 @@ import (
 const replayLimit = 1 << 30
 
 // restartGuard is what the run knows of the state of its trainable engines, to put it back into
-// one that restarted. All fields are guarded by mu, which a restore holds throughout.
+// one that restarted; the run owns it, and gives putBack the checkpoints, weights versions and
+// events.log it needs. All fields are guarded by mu, which a restore holds throughout.
 type restartGuard struct {
 	mu      sync.Mutex
 	started bool // stepStarting was called
@@ -169,83 +171,134 @@ func (r *Run) engineRestarted(ctx context.Context, ev restartEvent) error {
 	if p := r.pols.get(ev.policy); p != nil {
 		p.forgetInfo() // the new process renders with what it reports now
 	}
-	g := &r.restart
+	return r.restart.putBack(ctx, ev, restartSources{ckpt: &r.ckpt, vers: &r.vers, pols: r.pols.list(), events: r.events, out: r.opts.Out})
+}
+
+// restartSources is what putting a restarted engine's state back takes from the run.
+type restartSources struct {
+	ckpt   *checkpoints   // the checkpoints to load
+	vers   *versionKeeper // the weights versions the rollouts of steps to come sample from
+	pols   []*policy      // the run's policies
+	events *eventLog      // where the restart is said
+	out    string         // the run folder: how to go on after a restart the run cannot recover from
+}
+
+// putBack puts the state of ev's policy back into its engine's new process, or refuses it: then
+// it returns the *RestartError that stops the run, as it does for every restart after.
+func (g *restartGuard) putBack(ctx context.Context, ev restartEvent, from restartSources) error {
 	g.mu.Lock()
 	defer g.mu.Unlock()
 	who := fmt.Sprintf("policy %q: %s restarted as a new process (instance %s → %s)", ev.policy, ev.engine, ev.prev, ev.cur)
 	if !ev.trainable {
-		r.events.printf("%s; the policy is frozen, so it lost nothing", who)
+		from.events.printf("%s; the policy is frozen, so it lost nothing", who)
 		return nil
 	}
 	if g.err != nil {
 		return g.err
 	}
-	step := g.done + 1
-	fail := func(format string, args ...any) error {
-		g.err = &RestartError{Step: step, Policy: ev.policy, Engine: ev.engine, Prev: ev.prev, Cur: ev.cur,
-			Why: fmt.Sprintf(format, args...), Hint: r.resumeHint()}
-		r.events.filef("%s", g.err.Error()) // the run's error shows it on the terminal
+	what, err := g.restore(ctx, ev, from)
+	if err != nil {
+		g.err = &RestartError{Step: g.done + 1, Policy: ev.policy, Engine: ev.engine, Prev: ev.prev, Cur: ev.cur,
+			Why: err.Error(), Hint: resumeHint(from.out)}
+		from.events.filef("%s", g.err.Error()) // the run's error shows it on the terminal
 		return g.err
 	}
-	switch {
-	case ev.eng == nil:
-		return fail("its engine was not ready to be given its state back")
-	case !g.known && g.dropped > 0:
-		return fail("the optimizer steps applied since the run's last checkpoint outgrew the %d MiB the host keeps to replay "+
-			"into a restarted engine in step %d, and the run has no checkpoint of step %d to load "+
-			"into it (a checkpoint more often — run.save_interval, run.save_minutes — keeps them fewer)", replayLimitOf(g)>>20, g.dropped, g.done)
-	case !g.known:
-		return fail("the run has no checkpoint of step %d to load into it", g.done)
+	from.events.printf("%s: %s; the run goes on", who, what)
+	return nil
+}
+
+// restore gives ev's engine its policy's state: the state of step base, the weights versions its
+// rollouts sample from, and the optimizer steps applied since base. what says what it did; err,
+// why it could not. The caller holds mu.
+func (g *restartGuard) restore(ctx context.Context, ev restartEvent, from restartSources) (what string, err error) {
+	if err := g.recoverable(ev); err != nil {
+		return "", err
 	}
-	what := "it had not been trained yet, so it needs no checkpoint"
-	switch {
-	case g.base == 0 && g.continued[ev.policy]:
-		return fail("the run trained on from the state the server held when it started (engine.continue), which no checkpoint of the run holds")
-	case g.base == 0 && g.start[ev.policy] != "":
-		dir := g.start[ev.policy]
-		if err := ev.eng.Load(ctx, dir); err != nil {
-			return fail("loading its load: folder %s, which the run started from, into it failed: %v", dir, err)
-		}
-		what = fmt.Sprintf("loaded its load: folder %s, which the run started from, into it", dir)
-	case g.base == 0 && len(g.applied[ev.policy]) > 0:
-		what = "it had been trained from the model it was started with"
+	if what, err = g.loadBase(ctx, ev, from.ckpt); err != nil {
+		return "", err
 	}
-	if g.base > 0 {
-		dir, err := r.ckpt.policyDir(g.base, ev.policy)
-		if err != nil {
-			return fail("its checkpoint of step %d cannot be loaded: %v", g.base, err)
-		}
-		if err := ev.eng.Load(ctx, dir); err != nil {
-			return fail("loading its checkpoint of step %d (%s) into it failed: %v", g.base, dir, err)
-		}
-		what = fmt.Sprintf("loaded %s (step %d) into it", dir, g.base)
-	}
-	versions := r.vers.inEngine(r.pols.list(), ev.policy)
+	versions := from.vers.inEngine(from.pols, ev.policy)
 	if versions {
 		// Its rollouts sample weights versions the process kept: those up to g.base
 		// are the state of g.base or in its checkpoint; those of the steps since are kept again
-		// below, each once its step's optimizer steps are replayed.
-		kept, err := r.ckpt.keepAgain(ctx, ev.eng, ev.policy, g.base)
+		// by replay, each once its step's optimizer steps are replayed.
+		kept, err := from.ckpt.keepAgain(ctx, ev.eng, ev.policy, g.base)
 		if err != nil {
-			return fail("putting back the weights versions its rollouts sample from failed: %v", err)
+			return "", fmt.Errorf("putting back the weights versions its rollouts sample from failed: %v", err)
 		}
 		what += fmt.Sprintf(", kept weights versions %v in it again", kept)
 	}
+	replayed, err := g.replay(ctx, ev, versions, from.vers.staleness())
+	if err != nil {
+		return "", err
+	}
+	return what + replayed, nil
+}
+
+// recoverable says why ev's policy cannot get its state back; nil if it can. The caller holds mu.
+func (g *restartGuard) recoverable(ev restartEvent) error {
+	switch {
+	case ev.eng == nil:
+		return errors.New("its engine was not ready to be given its state back")
+	case !g.known && g.dropped > 0:
+		return fmt.Errorf("the optimizer steps applied since the run's last checkpoint outgrew the %d MiB the host keeps to replay "+
+			"into a restarted engine in step %d, and the run has no checkpoint of step %d to load "+
+			"into it (a checkpoint more often — run.save_interval, run.save_minutes — keeps them fewer)", replayLimitOf(g)>>20, g.dropped, g.done)
+	case !g.known:
+		return fmt.Errorf("the run has no checkpoint of step %d to load into it", g.done)
+	}
+	return nil
+}
+
+// loadBase gives ev's engine the state of step base: the run's checkpoint of it, or before the
+// first checkpoint the model the policy started from. It says what it did. The caller holds mu.
+func (g *restartGuard) loadBase(ctx context.Context, ev restartEvent, ckpt *checkpoints) (string, error) {
+	if g.base > 0 {
+		dir, err := ckpt.policyDir(g.base, ev.policy)
+		if err != nil {
+			return "", fmt.Errorf("its checkpoint of step %d cannot be loaded: %v", g.base, err)
+		}
+		if err := ev.eng.Load(ctx, dir); err != nil {
+			return "", fmt.Errorf("loading its checkpoint of step %d (%s) into it failed: %v", g.base, dir, err)
+		}
+		return fmt.Sprintf("loaded %s (step %d) into it", dir, g.base), nil
+	}
+	switch {
+	case g.continued[ev.policy]:
+		return "", errors.New("the run trained on from the state the server held when it started (engine.continue), which no checkpoint of the run holds")
+	case g.start[ev.policy] != "":
+		dir := g.start[ev.policy]
+		if err := ev.eng.Load(ctx, dir); err != nil {
+			return "", fmt.Errorf("loading its load: folder %s, which the run started from, into it failed: %v", dir, err)
+		}
+		return fmt.Sprintf("loaded its load: folder %s, which the run started from, into it", dir), nil
+	case len(g.applied[ev.policy]) > 0:
+		return "it had been trained from the model it was started with", nil
+	}
+	return "it had not been trained yet, so it needs no checkpoint", nil
+}
+
+// replay applies again in ev's engine the optimizer steps its policy applied since base. With
+// versions (the policy's weights versions live in the engine's process) it keeps the weights
+// version of each replayed step again that a step to come may still generate from (staleness:
+// rollout.max_staleness). It says what it did ("" for nothing). The caller holds mu.
+func (g *restartGuard) replay(ctx context.Context, ev restartEvent, versions bool, staleness int) (string, error) {
 	replay := g.applied[ev.policy]
 	var again []int // weights versions of the replayed steps kept again
 	for i, a := range replay {
 		if _, err := ev.eng.Train(ctx, a.b); err != nil {
-			return fail("replaying optimizer step %d of %d since step %d (%s) failed: %v", i+1, len(replay), g.base, a.b.ID, err)
+			return "", fmt.Errorf("replaying optimizer step %d of %d since step %d (%s) failed: %v", i+1, len(replay), g.base, a.b.ID, err)
 		}
-		if last := i+1 == len(replay) || replay[i+1].step != a.step; versions && last && a.step <= g.done && a.step >= g.done-r.vers.staleness() {
+		if last := i+1 == len(replay) || replay[i+1].step != a.step; versions && last && a.step <= g.done && a.step >= g.done-staleness {
 			// A version a step to come may still generate from (genVersion of step
 			// done+1 is done-K); older ones the run dropped already.
 			if err := keepVersion(ctx, ev.eng, a.step); err != nil {
-				return fail("keeping weights version %d again after replaying its optimizer steps failed: %v", a.step, err)
+				return "", fmt.Errorf("keeping weights version %d again after replaying its optimizer steps failed: %v", a.step, err)
 			}
 			again = append(again, a.step)
 		}
 	}
+	var what string
 	if len(replay) > 0 {
 		steps := span(replay[0].step, replay[len(replay)-1].step)
 		what += fmt.Sprintf(" and replayed the %d optimizer steps applied since (step %s)", len(replay), steps)
@@ -253,8 +306,7 @@ func (r *Run) engineRestarted(ctx context.Context, ev restartEvent) error {
 	if len(again) > 0 {
 		what += fmt.Sprintf(", keeping weights versions %v again", again)
 	}
-	r.events.printf("%s: %s; the run goes on", who, what)
-	return nil
+	return what, nil
 }
 
 // replayLimitOf is the bound on the optimizer steps g keeps to replay.
@@ -295,24 +347,25 @@ func (r *Run) giveUpOnEngines(t time.Time) {
 	})
 }
 
-// resumeHint says how to go on after a run stopped for an engine: resume from its newest
-// checkpoint once the engine is back, or start again when it has none.
-func (r *Run) resumeHint() string {
-	if r.opts.Out == "" {
+// resumeHint says how to go on after a run with run folder out ("" for none) stopped for an
+// engine: resume from its newest checkpoint once the engine is back, or start again when it has
+// none.
+func resumeHint(out string) string {
+	if out == "" {
 		return "start it again once the engine is back (a run without a directory keeps no checkpoints)"
 	}
-	dir, _, err := FindCheckpoint(r.opts.Out)
+	dir, _, err := FindCheckpoint(out)
 	if err != nil {
 		return fmt.Sprintf("%s has no checkpoint to resume from (run.save_interval writes them), "+
 			"and slimen exec does not write a new run into a folder that holds one: "+
-			"start it again once the engine is back, with another --out (or remove %s first)", r.opts.Out, r.opts.Out)
+			"start it again once the engine is back, with another --out (or remove %s first)", out, out)
 	}
 	info, err := readRunInfo(dir)
 	step := info.Step
 	if err != nil {
-		return fmt.Sprintf("resume from its last checkpoint once the engine is back: slimen exec --resume %s", r.opts.Out)
+		return fmt.Sprintf("resume from its last checkpoint once the engine is back: slimen exec --resume %s", out)
 	}
-	return fmt.Sprintf("resume from its last checkpoint (step %d) once the engine is back: slimen exec --resume %s", step, r.opts.Out)
+	return fmt.Sprintf("resume from its last checkpoint (step %d) once the engine is back: slimen exec --resume %s", step, out)
 }
 
 // engineErrorHint is the EngineError hint of a run with a directory (the resume command); a run
@@ -321,5 +374,5 @@ func (r *Run) engineErrorHint() string {
 	if r.opts.Out == "" {
 		return ""
 	}
-	return r.resumeHint()
+	return resumeHint(r.opts.Out)
 }
