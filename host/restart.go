@@ -330,12 +330,13 @@ func keepVersion(ctx context.Context, eng engines.Engine, v int) error {
 // it is unreachable (remote.Client, a torch worker's client).
 type outageBounded interface{ GiveUpAt(time.Time) }
 
-// giveUpOnEngines tells every policy's engine client that reaches a server to stop waiting for it
-// at t, should it be unreachable. The run is stopping, and a server that is down must not hold up
-// its exit past the stop grace (the rollouts are cancelled then; the final checkpoint and what
-// else the run still asks of its engines fail at once instead of waiting ReconnectTimeout).
-func (r *Run) giveUpOnEngines(t time.Time) {
-	r.pols.each(func(p *policy) {
+// giveUpOnEngines tells the engine client of every policy of pols that reaches a server to stop
+// waiting for it at t, should it be unreachable. The run is stopping, and a server that is down
+// must not hold up its exit past the stop grace (the rollouts are cancelled then; the final
+// checkpoint and what else the run still asks of its engines fail at once instead of waiting
+// ReconnectTimeout).
+func giveUpOnEngines(pols *policyTable, t time.Time) {
+	pols.each(func(p *policy) {
 		switch e := p.eng.(type) {
 		case outageBounded:
 			e.GiveUpAt(t)

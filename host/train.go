@@ -104,7 +104,7 @@ func (r *Run) Stop() {
 	r.stopping.Store(true)
 	r.stopOnce.Do(func() {
 		close(r.stopped)
-		r.giveUpOnEngines(time.Now().Add(r.StopGrace())) // a server down ends the wait then
+		giveUpOnEngines(&r.pols, time.Now().Add(r.StopGrace())) // a server down ends the wait then
 	})
 }
 
