@@ -13,6 +13,7 @@ import (
 
 	"github.com/fsnotify/fsnotify"
 
+	"github.com/slimen/slimen/engines"
 	"github.com/slimen/slimen/host/config"
 	"github.com/slimen/slimen/host/script"
 )
@@ -27,6 +28,10 @@ import (
 // watched files' contents with the running version, so a change saved just before a step starts
 // is never missed; events only make errors show up early.
 
+// reloader is a watched run's hot reload: the watcher, the version waiting for the step boundary,
+// the one a swap replaced and the versions found broken. The run owns it (nil unless Watch was
+// called) and swaps the versions in; the reloader loads and checks them, with the run's config
+// getter, policies and events log, given at Watch.
 type reloader struct {
 	mu         sync.Mutex
 	scriptPath string
@@ -42,6 +47,17 @@ type reloader struct {
 	cfgHash    string
 	override   func(*config.Config) error // the command line's overrides, applied to every reloaded config
 	watcher    *fsnotify.Watcher
+
+	// What a new version is loaded and checked with: the run's.
+	ctx        context.Context       // the run's: the watcher stops with it
+	events     *eventLog             // where reloads and broken versions are said
+	cfg        func() *config.Config // the running config
+	pols       *policyTable          // the run's policies
+	zero       bool                  // the run is zero-config: a new policy name is a new model
+	scriptOpts script.Options        // how the run loads its script
+	sandboxed  bool                  // rollouts run in sandbox children: a version is only parsed here
+	// checkTIS refuses a policy with train.use_tis on an engine that does not apply it.
+	checkTIS func(ctx context.Context, name string, pc config.PolicyConfig, eng engines.Engine) error
 }
 
 // Watch starts watching the script, the files it loaded and the config (cfgPath, "" for none)
@@ -54,50 +70,57 @@ func (r *Run) Watch(cfgPath string) error {
 	if err != nil {
 		return fmt.Errorf("watch: %w", err)
 	}
-	r.reload = &reloader{scriptPath: r.script.Path, cfgPath: cfgPath, override: r.opts.ConfigOverride, watcher: w}
+	r.reload = &reloader{scriptPath: r.script.Path, cfgPath: cfgPath, override: r.opts.ConfigOverride, watcher: w,
+		ctx: r.ctx, events: r.events, cfg: r.Config, pols: &r.pols, zero: r.zero,
+		scriptOpts: r.scriptOptions(r.sandbox != nil), sandboxed: r.sandbox != nil, checkTIS: r.checkTIS}
 	if cfgPath != "" {
 		r.reload.cfgHash, _ = hashFiles([]string{cfgPath})
 	}
-	r.watchDirs()
-	go func() {
-		defer w.Close()
-		var burst <-chan time.Time
-		for {
-			select {
-			case <-r.ctx.Done():
-				return
-			case _, ok := <-w.Events:
-				if !ok {
-					return
-				}
-				// Editors save by writing a temporary file and renaming it: wait for the burst to end.
-				burst = time.After(150 * time.Millisecond)
-			case err, ok := <-w.Errors:
-				if !ok {
-					return
-				}
-				r.events.printf("watch: %v", err)
-			case <-burst:
-				burst = nil
-				r.checkReload()
-			}
-		}
-	}()
+	r.reload.watch(r.script.Files)
+	go r.reload.listen(r.checkReload)
 	r.events.printf("watching %s and %d loaded files for changes", r.script.Path, len(r.script.Files)-1)
 	return nil
 }
 
-// watchDirs watches the parent folders of every file of the running version and the config.
-func (r *Run) watchDirs() {
+// listen calls check once a burst of file events has ended, until the run's context ends; it
+// closes the watcher then.
+func (rl *reloader) listen(check func()) {
+	w := rl.watcher
+	defer w.Close()
+	var burst <-chan time.Time
+	for {
+		select {
+		case <-rl.ctx.Done():
+			return
+		case _, ok := <-w.Events:
+			if !ok {
+				return
+			}
+			// Editors save by writing a temporary file and renaming it: wait for the burst to end.
+			burst = time.After(150 * time.Millisecond)
+		case err, ok := <-w.Errors:
+			if !ok {
+				return
+			}
+			rl.events.printf("watch: %v", err)
+		case <-burst:
+			burst = nil
+			check()
+		}
+	}
+}
+
+// watch watches the parent folders of files (those of the running version) and of the config.
+func (rl *reloader) watch(files []string) {
 	dirs := map[string]bool{}
-	for _, f := range append(append([]string(nil), r.script.Files...), r.reload.cfgPath) {
+	for _, f := range append(append([]string(nil), files...), rl.cfgPath) {
 		if f != "" {
 			dirs[filepath.Dir(f)] = true
 		}
 	}
 	for d := range dirs {
-		if err := r.reload.watcher.Add(d); err != nil {
-			r.events.printf("watch %s: %v", d, err)
+		if err := rl.watcher.Add(d); err != nil {
+			rl.events.printf("watch %s: %v", d, err)
 		}
 	}
 }
@@ -112,43 +135,65 @@ func (r *Run) checkReload() {
 	rl := r.reload
 	rl.mu.Lock()
 	defer rl.mu.Unlock()
-	current := r.script
+	rl.checkScript(r.script)
+	rl.checkConfig()
+}
+
+// checkScript loads the script again if its files changed since running, the version the run
+// runs (or since the pending one): a good new version becomes pending, a broken one is reported
+// once. The caller holds mu.
+func (rl *reloader) checkScript(running *script.Script) {
+	current := running
 	if rl.pending != nil {
 		current = rl.pending
 	}
-	if h, err := hashFiles(current.Files); err != nil || h != current.Hash {
-		s, err := script.Load(rl.scriptPath, r.scriptOptions(r.sandbox != nil))
-		if err == nil && r.sandbox == nil {
-			// The checks of `slimen check --config`: a version that names a policy the run
-			// does not have would fail every rollout.
-			var cfg *config.Config
-			if !r.zero {
-				cfg = r.Config()
-			}
-			problems, _ := script.LintScript(s, cfg)
-			if r.zero {
-				// With no config a new name is a new model: refuse the typo that would leave
-				// the trained one idle, as the config refuses an unknown name.
-				problems = append(problems, script.RenamedPolicies(script.PolicyUses(s), r.pols.names())...)
-			}
-			if len(problems) > 0 {
-				err = errors.New(strings.Join(problems, "\n"))
-			}
-		}
-		switch {
-		case err == nil && s.Hash == rl.failed:
-			// The version rolled back after its first step: wait for another edit.
-		case err != nil:
-			// A broken version: report it once, keep running the last good one.
-			if h != rl.rejected {
-				rl.rejected = h
-				r.events.printf("reload: %s is broken; the run keeps version %s:\n%s", rl.scriptPath, r.script.Hash[:12], indent(err.Error()))
-			}
-		case s.Hash != current.Hash:
-			rl.pending = s
-			r.events.printf("reload: %s version %s is valid; it takes over at the next step", rl.scriptPath, s.Hash[:12])
-		}
+	h, err := hashFiles(current.Files)
+	if err == nil && h == current.Hash {
+		return
 	}
+	s, err := rl.load()
+	switch {
+	case err == nil && s.Hash == rl.failed:
+		// The version rolled back after its first step: wait for another edit.
+	case err != nil:
+		// A broken version: report it once, keep running the last good one.
+		if h != rl.rejected {
+			rl.rejected = h
+			rl.events.printf("reload: %s is broken; the run keeps version %s:\n%s", rl.scriptPath, running.Hash[:12], indent(err.Error()))
+		}
+	case s.Hash != current.Hash:
+		rl.pending = s
+		rl.events.printf("reload: %s version %s is valid; it takes over at the next step", rl.scriptPath, s.Hash[:12])
+	}
+}
+
+// load loads the script's file again. In the run's own process it also gets the checks of
+// `slimen check --config`: a version that names a policy the run does not have would fail every
+// rollout.
+func (rl *reloader) load() (*script.Script, error) {
+	s, err := script.Load(rl.scriptPath, rl.scriptOpts)
+	if err != nil || rl.sandboxed {
+		return s, err
+	}
+	var cfg *config.Config
+	if !rl.zero {
+		cfg = rl.cfg()
+	}
+	problems, _ := script.LintScript(s, cfg)
+	if rl.zero {
+		// With no config a new name is a new model: refuse the typo that would leave
+		// the trained one idle, as the config refuses an unknown name.
+		problems = append(problems, script.RenamedPolicies(script.PolicyUses(s), rl.pols.names())...)
+	}
+	if len(problems) > 0 {
+		return s, errors.New(strings.Join(problems, "\n"))
+	}
+	return s, nil
+}
+
+// checkConfig loads the config again if its file changed: one the running engines can take
+// becomes pending, and why another cannot is reported. The caller holds mu.
+func (rl *reloader) checkConfig() {
 	if rl.cfgPath == "" {
 		return
 	}
@@ -163,29 +208,37 @@ func (r *Run) checkReload() {
 		err = rl.override(c)
 	}
 	if err != nil {
-		r.events.printf("reload: %s is invalid; the run keeps its config:\n%s", rl.cfgPath, indent(err.Error()))
+		rl.events.printf("reload: %s is invalid; the run keeps its config:\n%s", rl.cfgPath, indent(err.Error()))
 		return
 	}
-	if r.zero && len(c.Policies) == 0 {
+	if rl.zero && len(c.Policies) == 0 {
 		// A config that lists no policies leaves them to the script: keep those it created.
-		c.Policies = append([]config.PolicyConfig(nil), r.Config().Policies...)
+		c.Policies = append([]config.PolicyConfig(nil), rl.cfg().Policies...)
 	}
-	if why := needsNewEngine(r.Config(), c); why != "" {
-		r.events.printf("reload: %s changes %s, which needs a new engine; restart the run to apply it (the run keeps its config)", rl.cfgPath, why)
+	if why := needsNewEngine(rl.cfg(), c); why != "" {
+		rl.events.printf("reload: %s changes %s, which needs a new engine; restart the run to apply it (the run keeps its config)", rl.cfgPath, why)
 		return
 	}
+	if err := rl.checkEngines(c); err != nil {
+		rl.events.printf("reload: %s: %v (the run keeps its config)", rl.cfgPath, err)
+		return
+	}
+	rl.pendingCfg = c
+	rl.events.printf("reload: %s is valid; its new settings take over at the next step", rl.cfgPath)
+}
+
+// checkEngines refuses config c if a policy's engine cannot train under it (checkTIS).
+func (rl *reloader) checkEngines(c *config.Config) error {
 	for _, pc := range c.Policies {
-		p := r.pols.get(pc.Name)
+		p := rl.pols.get(pc.Name)
 		if p == nil {
 			continue
 		}
-		if err := r.checkTIS(r.ctx, pc.Name, pc, p.eng); err != nil {
-			r.events.printf("reload: %s: %v (the run keeps its config)", rl.cfgPath, err)
-			return
+		if err := rl.checkTIS(rl.ctx, pc.Name, pc, p.eng); err != nil {
+			return err
 		}
 	}
-	rl.pendingCfg = c
-	r.events.printf("reload: %s is valid; its new settings take over at the next step", rl.cfgPath)
+	return nil
 }
 
 // needsNewEngine names a change that a running engine cannot take ("" if none): policies added,
@@ -242,8 +295,8 @@ func (r *Run) applyReload(ctx context.Context, step int) error {
 		if r.sandbox != nil {
 			r.sandbox.close() // children of the old version; new ones load the new one
 		}
-		r.watchDirs() // the new version may load new files
-		if err := r.saveScriptVersion(step); err != nil {
+		rl.watch(r.script.Files) // the new version may load new files
+		if err := saveScriptVersion(r.opts.Out, r.script, step); err != nil {
 			return err
 		}
 		r.events.printf("reload: script version %s runs from step %d", s.Hash[:12], step)
@@ -263,16 +316,15 @@ func (r *Run) applyReload(ctx context.Context, step int) error {
 	return nil
 }
 
-// saveScriptVersion keeps each accepted version in the run directory. script.star is the running
-// main script, and scripts/step_N-HASH/ holds the version that started at step N — the main script
-// and every file it loaded, at their paths relative to the main script's folder. HASH (the first
-// 12 hex digits of Script.Hash) covers all of them.
-func (r *Run) saveScriptVersion(step int) error {
-	if r.opts.Out == "" {
+// saveScriptVersion keeps s, a version the run accepted at step, in the run directory out ("" for
+// none). script.star is the running main script, and scripts/step_N-HASH/ holds the version that
+// started at step N — the main script and every file it loaded, at their paths relative to the
+// main script's folder. HASH (the first 12 hex digits of Script.Hash) covers all of them.
+func saveScriptVersion(out string, s *script.Script, step int) error {
+	if out == "" {
 		return nil
 	}
-	s := r.script
-	dir := filepath.Join(r.opts.Out, "scripts", fmt.Sprintf("step_%d-%s", step, s.Hash[:12]))
+	dir := filepath.Join(out, "scripts", fmt.Sprintf("step_%d-%s", step, s.Hash[:12]))
 	root, err := filepath.Abs(filepath.Dir(s.Path))
 	if err != nil {
 		return err
@@ -298,7 +350,7 @@ func (r *Run) saveScriptVersion(step int) error {
 			return err
 		}
 	}
-	return os.WriteFile(filepath.Join(r.opts.Out, "script.star"), s.Source, 0o644)
+	return os.WriteFile(filepath.Join(out, "script.star"), s.Source, 0o644)
 }
 
 // rollBack puts back the version a swap replaced when the new one's first step (step) failed
@@ -320,7 +372,7 @@ func (r *Run) rollBack(step int, why error) bool {
 	if r.sandbox != nil {
 		r.sandbox.close() // children of the failed version
 	}
-	r.watchDirs()
+	rl.watch(r.script.Files)
 	r.events.printf("reload: version %s failed its first step (step %d), so the run goes back to version %s and runs the "+
 		"step again; edit the script to try another version:\n%s",
 		bad.Hash[:12], step, prev.Hash[:12], indent(why.Error()))

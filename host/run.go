@@ -658,7 +658,7 @@ func (r *Run) openOutputs() error {
 	if err := r.metrics.open(filepath.Join(out, "metrics.jsonl"), r.events); err != nil {
 		return err
 	}
-	if err := r.saveScriptVersion(1); err != nil {
+	if err := saveScriptVersion(out, r.script, 1); err != nil {
 		return err
 	}
 	return r.writeConfig()
