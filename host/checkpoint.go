@@ -689,8 +689,8 @@ func (info runInfo) nextTask(batchSize int) int {
 }
 
 // loadPolicies has the engine of every trainable policy of pols load its state from the
-// checkpoint dir with manifest m, after its weights versions are put back (vers, for a run that
-// has done steps).
+// checkpoint dir with manifest m, over the weights versions vers puts back first (done: the steps
+// the run has completed).
 func (c *checkpoints) loadPolicies(ctx context.Context, dir string, m manifest, pols []*policy, vers *versionKeeper, done int) error {
 	for _, p := range pols {
 		if !p.cfg.Trainable {
