@@ -278,10 +278,7 @@ func (r *Run) applyReload(ctx context.Context, step int) error {
 	}
 	r.checkReload()
 	rl := r.reload
-	rl.mu.Lock()
-	s, c := rl.pending, rl.pendingCfg
-	rl.pending, rl.pendingCfg = nil, nil
-	rl.mu.Unlock()
+	s, c := rl.take()
 	if s != nil || c != nil {
 		// Rollouts launched under the old version (rollout.max_staleness > 0) run again under
 		// the new one: a reload takes effect from this step, as in the synchronous loop.
@@ -314,6 +311,15 @@ func (r *Run) applyReload(ctx context.Context, step int) error {
 		r.events.printf("reload: config takes effect from step %d", step)
 	}
 	return nil
+}
+
+// take returns the pending script and config (nil for none) and clears them.
+func (rl *reloader) take() (*script.Script, *config.Config) {
+	rl.mu.Lock()
+	defer rl.mu.Unlock()
+	s, c := rl.pending, rl.pendingCfg
+	rl.pending, rl.pendingCfg = nil, nil
+	return s, c
 }
 
 // saveScriptVersion keeps s, a version the run accepted at step, in the run directory out ("" for
