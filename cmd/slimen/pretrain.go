@@ -308,13 +308,13 @@ func (d *synthData) heading(p *pretrainPlan, info engines.Info) string {
 		d.source(), info.Params, p.steps, p.batch, d.heldOut.Seed)
 }
 
-// evaluate prints the held-out accuracy: of the chat corpus's answers (greedy), of synthetic:calc's
-// first turns (the tool call or a direct answer), or of the arithmetic problems at temperatures 1
-// and 0.
 // check has nothing to do: a synthetic task's examples fit the models it is refused for or not
 // in plan.
 func (d *synthData) check(*tiny.Engine, engines.Info) error { return nil }
 
+// evaluate prints the held-out accuracy: of the chat corpus's answers (greedy), of synthetic:calc's
+// first turns (the tool call or a direct answer), or of the arithmetic problems at temperatures 1
+// and 0.
 func (d *synthData) evaluate(ctx context.Context, e *tiny.Engine, _ engines.Info, step int) error {
 	if d.chat {
 		right, sample, err := tasks.ChatEval(ctx, e, d.chatsHeldOut, d.evalN, 96)
