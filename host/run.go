@@ -214,7 +214,9 @@ func (l *liveLine) show(generating time.Duration) LivePass {
 		Eval: l.eval.Load(), Generating: generating - time.Duration(l.genMark.Load())}
 }
 
-// Load reads the script, resolves the configuration and opens the engines.
+// Load reads the script, resolves the configuration and opens the engines. Its phases: the
+// script is loaded (in a sandbox child too, for a sandboxed run), the run folder opened, the
+// run's inputs checked, and the run started: its engines opened and what it loaded said.
 func Load(ctx context.Context, scriptPath string, opts Options) (_ *Run, err error) {
 	r := newRun(opts)
 	// undo is what a failure undoes, more as the run opens more: its context; then everything
@@ -226,71 +228,106 @@ func Load(ctx context.Context, scriptPath string, opts Options) (_ *Run, err err
 		}
 	}()
 	sandboxed := opts.Sandbox || r.cfg.Sandbox.Enabled
-	if sandboxed && (len(opts.Builtins) > 0 || len(opts.Modules) > 0) {
-		return nil, &ScriptError{Msg: "a sandboxed run cannot have Options.Builtins or Options.Modules: " +
-			"they are Go values of this process, and the script runs in child processes"}
-	}
-	s, err := script.Load(scriptPath, r.scriptOptions(sandboxed))
-	if err != nil {
+	if r.script, err = loadScript(scriptPath, r.scriptOptions(sandboxed)); err != nil {
 		return nil, err
 	}
-	r.script = s
 	undo = func() { r.Close() }
 	if sandboxed {
-		r.cfg.Sandbox.Enabled = true
-		r.sandbox = newSandbox(r, opts.SandboxCommand)
-		// The first child runs the script's top level under the sandbox's limits: a script that
-		// does not load fails here, with the child's message.
-		if _, err := r.sandbox.pick(); err != nil {
-			return nil, script.Errorf("%w", err)
+		if err := r.openSandbox(); err != nil {
+			return nil, err
 		}
 	}
 	if err := r.openOutputs(); err != nil {
 		return nil, err
 	}
 	undo = func() { r.notStarted(err) }
+	if err := r.checkInputs(); err != nil {
+		return nil, err
+	}
+	if err := r.start(ctx); err != nil {
+		return nil, err
+	}
+	return r, nil
+}
+
+// loadScript loads the script at path with so, the run's script options. A sandboxed run takes
+// no Go values of this process (Options.Builtins, Options.Modules): its script runs in child
+// processes.
+func loadScript(path string, so script.Options) (*script.Script, error) {
+	if so.Sandbox && (len(so.Builtins) > 0 || len(so.Modules) > 0) {
+		return nil, &ScriptError{Msg: "a sandboxed run cannot have Options.Builtins or Options.Modules: " +
+			"they are Go values of this process, and the script runs in child processes"}
+	}
+	return script.Load(path, so)
+}
+
+// openSandbox starts the sandbox of a sandboxed run. The first child runs the script's top level
+// under the sandbox's limits: a script that does not load fails here, with the child's message.
+func (r *Run) openSandbox() error {
+	r.cfg.Sandbox.Enabled = true
+	r.sandbox = newSandbox(r, r.opts.SandboxCommand)
+	if _, err := r.sandbox.pick(); err != nil {
+		return script.Errorf("%w", err)
+	}
+	return nil
+}
+
+// checkInputs checks what the run reads before any engine opens: its data (opened unless
+// Options.Tasks gives it), its eval datasets and its script.
+func (r *Run) checkInputs() error {
 	if r.tasks == nil {
 		if err := r.openTasks(); err != nil {
-			return nil, err
+			return err
 		}
 	}
 	if err := r.checkEvalData(); err != nil {
-		return nil, err
+		return err
 	}
-	if err := r.checkScript(); err != nil {
-		return nil, err
-	}
+	return r.checkScript()
+}
+
+// start opens the engines of the run's policies and readies the run for its first step: the
+// policies' save: folders checked, what loaded said in events.log, scoring that a policy's
+// engine cannot do refused, a zero-config script's policies created, and when the run
+// checkpoints said.
+func (r *Run) start(ctx context.Context) error {
 	if err := r.openPolicies(ctx); err != nil {
-		return nil, err
+		return err
 	}
 	if err := r.ckpt.checkSaveFolders(r.pols.list()); err != nil { // policies' save: folders
-		return nil, err
+		return err
 	}
-	r.events.printf("loaded %s (sha256 %s); %s", s.Path, s.Hash[:12], policiesLoaded(r.cfg.Policies))
-	for _, w := range r.cfg.Warnings {
-		r.events.printf("config: %s", w)
-	}
-	for _, p := range r.cfg.Policies {
-		// The engines the host runs read none of slime-n's parallelism and server settings: say
-		// so once (a torch worker takes its own flags from engine.args).
-		k, err := engineKind(p.Engine.Kind)
-		if keys := p.PassThrough(); err == nil && !k.PassThrough && len(keys) > 0 {
-			r.events.printf("config: policy %q: the %s engine ignores %s", p.Name, p.Engine.Kind, strings.Join(keys, ", "))
-		}
-	}
+	tellLoaded(r.events, r.script, r.cfg)
 	if err := r.refuseScoringWithoutScore(); err != nil {
-		return nil, err
+		return err
 	}
 	if r.zero {
 		if err := r.openScriptPolicies(); err != nil {
-			return nil, err
+			return err
 		}
 	}
 	if r.opts.Out != "" {
 		r.events.printf("checkpoints: %s", checkpointPlan(r.cfg.Run))
 	}
 	r.ckpt.since = time.Now()
-	return r, nil
+	return nil
+}
+
+// tellLoaded says in events what a run loaded: the script s, its policies, the warnings of its
+// config c, and the settings of slime-n that the engines the host runs ignore.
+func tellLoaded(events *eventLog, s *script.Script, c *config.Config) {
+	events.printf("loaded %s (sha256 %s); %s", s.Path, s.Hash[:12], policiesLoaded(c.Policies))
+	for _, w := range c.Warnings {
+		events.printf("config: %s", w)
+	}
+	for _, p := range c.Policies {
+		// The engines the host runs read none of slime-n's parallelism and server settings: say
+		// so once (a torch worker takes its own flags from engine.args).
+		k, err := engineKind(p.Engine.Kind)
+		if keys := p.PassThrough(); err == nil && !k.PassThrough && len(keys) > 0 {
+			events.printf("config: policy %q: the %s engine ignores %s", p.Name, p.Engine.Kind, strings.Join(keys, ", "))
+		}
+	}
 }
 
 // notStarted says in events.log (where the run folder has one) why the run does not start, and
