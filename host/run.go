@@ -477,9 +477,45 @@ func (r *Run) Step(ctx context.Context) (*StepResult, error) {
 	return res, err
 }
 
-// runStep is Step without the rollback of the state store.
+// runStep is Step without the rollback of the state store. Its phases: the step begins (the run
+// folder checked, a reload swapped in, the eval before training when due), its rollouts come in,
+// the policies train on them, the step's metrics and record are written, and the step ends with
+// eval and a checkpoint when due.
 func (r *Run) runStep(ctx context.Context) (*StepResult, error) {
 	step := r.step + 1
+	cfg, err := r.beginStep(ctx, step)
+	if err != nil {
+		return nil, err
+	}
+	t0 := time.Now()
+	l, res, rolloutS, err := r.stepRollouts(ctx, step, cfg)
+	if err != nil {
+		return nil, err
+	}
+	t1 := time.Now()
+	pm, err := r.trainer.train(ctx, step, cfg, l.ros, rolloutS, l.version)
+	if err != nil {
+		return nil, err
+	}
+	trainS := time.Since(t1).Seconds()
+	if err := r.lock.checkFolder(r.opts.Out, r.step, r.LastCheckpoint); err != nil {
+		return nil, err
+	}
+	res.Policies = pm
+	res.Run = runMetrics(step, l.ros, res, rolloutS, l.genS, trainS, time.Since(t0).Seconds(), r.logNames.sums(step, l.ros, r.events))
+	if err := r.recordStep(res, l, cfg.Rollout.MaxStaleness); err != nil {
+		return nil, err
+	}
+	if err := r.endStep(ctx, step, cfg, res); err != nil {
+		return nil, err
+	}
+	return res, nil
+}
+
+// beginStep begins step: it checks the run folder, readies the restart guard, swaps in a
+// reloaded script or config, and runs the eval before training (before step 1, when due). It
+// returns the config the step runs under.
+func (r *Run) beginStep(ctx context.Context, step int) (*config.Config, error) {
 	if err := r.lock.checkFolder(r.opts.Out, r.step, r.LastCheckpoint); err != nil {
 		return nil, err
 	}
@@ -493,65 +529,71 @@ func (r *Run) runStep(ctx context.Context) (*StepResult, error) {
 			return nil, err
 		}
 	}
+	return cfg, nil
+}
+
+// stepRollouts waits for the rollouts of step (launched now, or earlier by the asynchronous
+// loop) and sorts out what failed in them into res; then, with rollout.max_staleness K > 0, it
+// launches the next steps' rollouts, which run while this one trains. rolloutS is the seconds it
+// waited for the rollouts. A step whose rollouts a stop cut short ends here (StepCut): a step is
+// saved only whole.
+func (r *Run) stepRollouts(ctx context.Context, step int, cfg *config.Config) (l *launched, res *StepResult, rolloutS float64, err error) {
 	t0 := time.Now()
 	k := cfg.Rollout.MaxStaleness
 	if cfg.Rollout.Partial && k > 0 {
 		// The rollouts running continue their long generations from the weights just trained.
 		if err := r.vers.need(ctx, r.pols.list(), r.step, r.step, k); err != nil {
-			return nil, err
+			return nil, nil, 0, err
 		}
 	}
-	l, err := r.awaitStep(ctx, step, cfg)
-	if err != nil {
-		return nil, err
+	if l, err = r.awaitStep(ctx, step, cfg); err != nil {
+		return nil, nil, 0, err
 	}
-	ros, n := l.ros, l.n
-	rolloutS := time.Since(t0).Seconds()
-	if err := stepCut(step, ros, cfg.Rollout.StopGraceS); err != nil { // saved only whole
+	rolloutS = time.Since(t0).Seconds()
+	if err := stepCut(step, l.ros, cfg.Rollout.StopGraceS); err != nil { // saved only whole
 		r.async.discard("")
-		return nil, err
+		return nil, nil, 0, err
 	}
-	res := &StepResult{Step: step}
-	if err := r.rolloutFailures(ctx, cfg, res, ros); err != nil {
-		return nil, err
+	res = &StepResult{Step: step}
+	if err := r.rolloutFailures(ctx, cfg, res, l.ros); err != nil {
+		return nil, nil, 0, err
 	}
 	if err := r.launchAhead(ctx, step, cfg); err != nil { // with K > 0, the next steps' rollouts run while this one trains
-		return nil, err
+		return nil, nil, 0, err
 	}
-	t1 := time.Now()
-	// Training is not cut short by a cancelled context: an abandoned step stops in its rollouts,
-	// never between two optimizer steps of a policy.
-	pm, err := r.trainer.trainPolicies(context.WithoutCancel(ctx), step, cfg, ros, rolloutS, l.version)
-	if err != nil {
-		return nil, r.restart.cause(err)
-	}
-	r.trainer.warnNothingTrained(step, ros, pm)
-	trainS := time.Since(t1).Seconds()
-	if err := r.lock.checkFolder(r.opts.Out, r.step, r.LastCheckpoint); err != nil {
-		return nil, err
-	}
-	res.Policies = pm
-	res.Run = runMetrics(step, ros, res, rolloutS, l.genS, trainS, time.Since(t0).Seconds(), r.logNames.sums(step, ros, r.events))
+	return l, res, rolloutS, nil
+}
+
+// recordStep records the step of res, whose rollouts l ran under rollout.max_staleness k: the
+// asynchronous loop's metrics, the step counter and the data position, the metrics lines of
+// metrics.jsonl, and rollouts.jsonl and the observers.
+func (r *Run) recordStep(res *StepResult, l *launched, k int) error {
 	r.async.metrics(res, l, k, r.pols.list())
-	r.step, r.next = step, r.next+n
+	r.step, r.next = res.Step, r.next+l.n
 	if err := r.metrics.writeLines(append(append([]Metrics(nil), res.Policies...), res.Run)); err != nil {
-		return nil, err
+		return err
 	}
-	r.rec.step(step, ros, res)
+	r.rec.step(res.Step, l.ros, res)
+	return nil
+}
+
+// endStep ends step, recorded in res: the eval when due, into res.Eval, then a checkpoint when
+// run.save_interval or run.save_minutes say so; the restart guard learns whether it checkpointed.
+func (r *Run) endStep(ctx context.Context, step int, cfg *config.Config, res *StepResult) (err error) {
 	if r.evalDue(step) {
 		if res.Eval, err = r.evalAndLog(ctx); err != nil {
-			return nil, err
+			return err
 		}
 	}
 	checkpointed := false
 	if r.opts.Out != "" && (cfg.Run.SaveInterval > 0 && step%cfg.Run.SaveInterval == 0 || r.ckpt.due(cfg.Run.SaveMinutes)) {
 		if _, err := r.Checkpoint(ctx); err != nil {
-			return nil, r.restart.cause(err)
+			return r.restart.cause(err)
 		}
 		checkpointed = true
 	}
 	r.restart.stepDone(step, checkpointed)
-	return res, nil
+	return nil
 }
 
 // rolloutFailures sorts out what failed in a step's rollouts. An engine that failed after its own

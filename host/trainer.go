@@ -41,6 +41,19 @@ type trainSample struct {
 	version int // the weights version it was generated from; -1: the current one (K = 0)
 }
 
+// train trains the policies on the rollouts ros of step (trainPolicies) and warns when they
+// queued no sample to train. A cancelled ctx does not cut it short: an abandoned step stops in
+// its rollouts, never between two optimizer steps of a policy. An error is the restart the run
+// could not recover from, if one caused it.
+func (tr *trainer) train(ctx context.Context, step int, cfg *config.Config, ros []*script.Rollout, rolloutS float64, version int) ([]Metrics, error) {
+	pm, err := tr.trainPolicies(context.WithoutCancel(ctx), step, cfg, ros, rolloutS, version)
+	if err != nil {
+		return nil, tr.restart.cause(err)
+	}
+	tr.warnNothingTrained(step, ros, pm)
+	return pm, nil
+}
+
 // trainPolicies computes advantages and trains every trainable policy on its samples: the
 // policies first, at once where their engines differ, then PPO's critic on the targets of the ppo
 // actors' samples. It returns a step's metrics of each policy, sorted by name.
