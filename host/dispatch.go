@@ -200,10 +200,24 @@ func (d *dispatcher) loop(ctx context.Context) {
 	}
 }
 
+// flush forms a batch of the pending generate requests (takeBatch), sends it to the engine (send)
+// and hands each request its completions, or the batch's error, back (handBack).
 func (d *dispatcher) flush(ctx context.Context) {
+	batch, samples := d.takeBatch()
+	if len(batch) == 0 {
+		return
+	}
+	out, err := d.send(ctx, batch, samples)
+	handBack(batch, out, err)
+}
+
+// takeBatch takes a batch off the pending generate requests: the oldest one whose rollout is not
+// gone, and each later one of its weights version that fits within maxSamples samples; requests
+// whose rollout is gone are dropped. A batch taken is counted and marked as on its way to the
+// engine (sending) at once. samples is the samples the batch asks for.
+func (d *dispatcher) takeBatch() (batch []*pendingGen, samples int) {
 	d.mu.Lock()
-	var batch []*pendingGen
-	samples := 0
+	defer d.mu.Unlock()
 	rest := d.pending[:0:0]
 	for _, p := range d.pending {
 		if p.ctx.Err() != nil {
@@ -222,27 +236,20 @@ func (d *dispatcher) flush(ctx context.Context) {
 		d.requests += len(batch)
 		d.sending = true
 	}
-	d.mu.Unlock()
-	if len(batch) == 0 {
-		return
-	}
+	return batch, samples
+}
+
+// send sends batch, of samples samples in all, to the engine, timing the engine's work on it
+// (busy, generating) and counting the tokens it generated. A batch that comes back short is an
+// error; an error while ctx lives is kept for takeErr.
+func (d *dispatcher) send(ctx context.Context, batch []*pendingGen, samples int) ([]engines.Completion, error) {
 	reqs := make([]engines.GenerateRequest, len(batch))
 	for i, p := range batch {
 		reqs[i] = p.req
 	}
 	d.busy.begin()
 	d.generating.begin()
-	var out []engines.Completion
-	var err error
-	vs := d.versions()
-	if v := batch[0].version; v >= 0 && vs != nil {
-		out, err = vs.GenerateVersion(ctx, v, reqs)
-	} else {
-		// The current weights: the synchronous loop, or (vs nil) a policy created by the script
-		// after the run set up its versions (a zero-config name first met by these rollouts),
-		// which has not trained yet, so every version of it is these weights (Run.versioned).
-		out, err = d.gen(ctx, reqs)
-	}
+	out, err := d.generateVersion(ctx, batch[0].version, reqs)
 	d.mu.Lock()
 	d.sending = false
 	d.mu.Unlock()
@@ -265,6 +272,23 @@ func (d *dispatcher) flush(ctx context.Context) {
 		}
 		d.mu.Unlock()
 	}
+	return out, err
+}
+
+// generateVersion has the engine generate reqs from weights version v of the policy (-1: its
+// current weights).
+func (d *dispatcher) generateVersion(ctx context.Context, v int, reqs []engines.GenerateRequest) ([]engines.Completion, error) {
+	if vs := d.versions(); v >= 0 && vs != nil {
+		return vs.GenerateVersion(ctx, v, reqs)
+	}
+	// The current weights: the synchronous loop, or (vs nil) a policy created by the script
+	// after the run set up its versions (a zero-config name first met by these rollouts),
+	// which has not trained yet, so every version of it is these weights (Run.versioned).
+	return d.gen(ctx, reqs)
+}
+
+// handBack hands each request of batch its completions, in order from out, or the batch's err.
+func handBack(batch []*pendingGen, out []engines.Completion, err error) {
 	k := 0
 	for _, p := range batch {
 		if err != nil {
@@ -307,7 +331,7 @@ func (d *dispatcher) flushScores(ctx context.Context) {
 	var err error
 	if v, vs := batch[0].version, d.versions(); v >= 0 && vs != nil {
 		out, err = vs.ScoreVersion(ctx, v, reqs)
-	} else { // the current weights, as flush says
+	} else { // the current weights, as generateVersion says
 		out, err = d.eng.Score(ctx, reqs)
 	}
 	d.busy.end()
