@@ -374,7 +374,7 @@ func (r *Run) registerPolicy(ctx context.Context, pc config.PolicyConfig, eng en
 			return nil, fmt.Errorf("policy %q%s: %w", pc.Name, cfgPlace(r.cfg, pc), err)
 		}
 	}
-	if err := r.checkTIS(ctx, pc.Name, pc, eng); err != nil {
+	if err := checkTIS(ctx, r.cfg, pc, eng); err != nil {
 		if !given {
 			eng.Close()
 		}

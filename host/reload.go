@@ -13,7 +13,6 @@ import (
 
 	"github.com/fsnotify/fsnotify"
 
-	"github.com/slimen/slimen/engines"
 	"github.com/slimen/slimen/host/config"
 	"github.com/slimen/slimen/host/script"
 )
@@ -56,8 +55,6 @@ type reloader struct {
 	zero       bool                  // the run is zero-config: a new policy name is a new model
 	scriptOpts script.Options        // how the run loads its script
 	sandboxed  bool                  // rollouts run in sandbox children: a version is only parsed here
-	// checkTIS refuses a policy with train.use_tis on an engine that does not apply it.
-	checkTIS func(ctx context.Context, name string, pc config.PolicyConfig, eng engines.Engine) error
 }
 
 // Watch starts watching the script, the files it loaded and the config (cfgPath, "" for none)
@@ -72,7 +69,7 @@ func (r *Run) Watch(cfgPath string) error {
 	}
 	r.reload = &reloader{scriptPath: r.script.Path, cfgPath: cfgPath, override: r.opts.ConfigOverride, watcher: w,
 		ctx: r.ctx, events: r.events, cfg: r.Config, pols: &r.pols, zero: r.zero,
-		scriptOpts: r.scriptOptions(r.sandbox != nil), sandboxed: r.sandbox != nil, checkTIS: r.checkTIS}
+		scriptOpts: r.scriptOptions(r.sandbox != nil), sandboxed: r.sandbox != nil}
 	if cfgPath != "" {
 		r.reload.cfgHash, _ = hashFiles([]string{cfgPath})
 	}
@@ -234,7 +231,7 @@ func (rl *reloader) checkEngines(c *config.Config) error {
 		if p == nil {
 			continue
 		}
-		if err := rl.checkTIS(rl.ctx, pc.Name, pc, p.eng); err != nil {
+		if err := checkTIS(rl.ctx, rl.cfg(), pc, p.eng); err != nil {
 			return err
 		}
 	}

@@ -133,20 +133,21 @@ func (r *Run) cancelOnStop(pass context.Context, cancel context.CancelCauseFunc)
 // seconds converts a config's seconds to a duration.
 func seconds(s float64) time.Duration { return time.Duration(s * float64(time.Second)) }
 
-// checkTIS refuses a policy with use_tis whose engine does not apply the correction (no "tis"
-// capability): without it the engine would train as if the samples were on-policy.
-func (r *Run) checkTIS(ctx context.Context, name string, pc config.PolicyConfig, eng engines.Engine) error {
+// checkTIS refuses policy pc with use_tis when its engine eng does not apply the correction (no
+// "tis" capability): without it the engine would train as if the samples were on-policy. c is the
+// running config, whose file the error names. It runs at start-up and on a reloaded config.
+func checkTIS(ctx context.Context, c *config.Config, pc config.PolicyConfig, eng engines.Engine) error {
 	if !pc.Trainable || !pc.Train.UseTIS || pc.IsCritic() {
 		return nil
 	}
 	info, err := eng.Info(ctx)
 	if err != nil {
-		return fmt.Errorf("policy %q: info: %w", name, err)
+		return fmt.Errorf("policy %q: info: %w", pc.Name, err)
 	}
 	if !slices.Contains(info.Capabilities, "tis") {
 		return fmt.Errorf("policy %q%s: train.use_tis needs an engine that applies the off-policy correction, "+
 			"and its engine (%s) does not (no \"tis\" capability; the tiny and torch engines have it): "+
-			"set use_tis: false or use another engine", name, cfgPlace(r.cfg, pc), info.Model)
+			"set use_tis: false or use another engine", pc.Name, cfgPlace(c, pc), info.Model)
 	}
 	return nil
 }
