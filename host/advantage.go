@@ -43,7 +43,7 @@ func (tr *trainer) rewardKL(ctx context.Context, step int, p *policy, ss []train
 	}
 	info, err := p.eng.Info(ctx)
 	if err != nil {
-		return nil, &EngineError{Step: step, Policy: p.name, Err: fmt.Errorf("info: %w", err), Hint: tr.hint()}
+		return nil, &EngineError{Step: step, Policy: p.name, Err: fmt.Errorf("info: %w", err), Hint: engineErrorHint(tr.out)}
 	}
 	if !slices.Contains(info.Capabilities, "reference") {
 		return nil, fmt.Errorf("policy %q: kl_coef %g needs the log-probs of the KL reference, "+
@@ -56,7 +56,7 @@ func (tr *trainer) rewardKL(ctx context.Context, step int, p *policy, ss []train
 	scores, err := p.eng.Score(ctx, reqs)
 	if err != nil {
 		return nil, &EngineError{Step: step, Policy: p.name, Err: fmt.Errorf("scoring %d samples with the KL reference: %w", len(ss), err),
-			Hint: tr.hint()}
+			Hint: engineErrorHint(tr.out)}
 	}
 	out := make([][]float64, len(ss))
 	for i, s := range ss {
@@ -282,7 +282,7 @@ func (tr *trainer) applyTeacher(ctx context.Context, step int, p *policy, ss []t
 		scores, err := tp.eng.Score(ctx, reqs)
 		if err != nil {
 			return &EngineError{Step: step, Policy: t, Err: fmt.Errorf("scoring %d samples of policy %q as their teacher: %w", len(idx), p.name, err),
-				Hint: tr.hint()}
+				Hint: engineErrorHint(tr.out)}
 		}
 		for k, i := range idx {
 			c := ss[i].C

@@ -66,7 +66,7 @@ func (tr *trainer) ppoAdvantages(ctx context.Context, step int, actor *policy, s
 	}
 	vals, err := valuer.Values(ctx, reqs)
 	if err != nil {
-		return nil, nil, &EngineError{Step: step, Policy: crit.name, Err: fmt.Errorf("values: %w", err), Hint: tr.hint()}
+		return nil, nil, &EngineError{Step: step, Policy: crit.name, Err: fmt.Errorf("values: %w", err), Hint: engineErrorHint(tr.out)}
 	}
 	tc := actor.cfg.Train
 	adv := make([][]float32, len(ss))
@@ -144,7 +144,7 @@ func (tr *trainer) trainCritic(ctx context.Context, step int, crit *policy, samp
 			Samples: samples[k:min(k+size, len(samples))]}
 		st, err := crit.eng.Train(ctx, b)
 		if err != nil {
-			return &EngineError{Step: step, Policy: crit.name, Err: fmt.Errorf("train: %w", err), Hint: tr.hint()}
+			return &EngineError{Step: step, Policy: crit.name, Err: fmt.Errorf("train: %w", err), Hint: engineErrorHint(tr.out)}
 		}
 		tr.restart.trained(crit.name, b)
 		if st.Skipped {

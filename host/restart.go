@@ -369,11 +369,12 @@ func resumeHint(out string) string {
 	return fmt.Sprintf("resume from its last checkpoint (step %d) once the engine is back: slimen exec --resume %s", step, out)
 }
 
-// engineErrorHint is the EngineError hint of a run with a directory (the resume command); a run
-// without one keeps the general hint.
-func (r *Run) engineErrorHint() string {
-	if r.opts.Out == "" {
+// engineErrorHint is the EngineError hint of a run with run folder out: the resume command
+// (resumeHint), worked out when the error happens; a run without a folder ("") keeps the
+// general hint.
+func engineErrorHint(out string) string {
+	if out == "" {
 		return ""
 	}
-	return resumeHint(r.opts.Out)
+	return resumeHint(out)
 }

@@ -383,7 +383,7 @@ func newRun(opts Options) *Run {
 		}
 		return p.eng
 	}
-	r.trainer = trainer{id: r.id, pols: &r.pols, events: r.events, rec: &r.rec, restart: &r.restart, hint: r.engineErrorHint}
+	r.trainer = trainer{id: r.id, pols: &r.pols, events: r.events, rec: &r.rec, restart: &r.restart, out: opts.Out}
 	return r
 }
 
@@ -607,7 +607,7 @@ func (r *Run) rolloutFailures(ctx context.Context, cfg *config.Config, res *Step
 	}
 	for _, p := range r.pols.list() {
 		if err := p.disp.takeErr(); err != nil && ctx.Err() == nil {
-			return &EngineError{Step: res.Step, Policy: p.name, Err: err, Hint: r.engineErrorHint()}
+			return &EngineError{Step: res.Step, Policy: p.name, Err: err, Hint: engineErrorHint(r.opts.Out)}
 		}
 	}
 	var first *RolloutError
@@ -712,7 +712,7 @@ func (r *Run) openOutputs() error {
 	r.ckpt.out, r.ckpt.events = out, r.events
 	r.async.events = r.events
 	r.trainer.events = r.events
-	r.vers = versionKeeper{cfg: r.Config, events: r.events, hint: r.engineErrorHint, out: out, given: r.opts.Engines,
+	r.vers = versionKeeper{cfg: r.Config, events: r.events, out: out, given: r.opts.Engines,
 		open: r.opts.OpenEngine, act: &r.activity}
 	if out == "" {
 		return nil

@@ -29,7 +29,7 @@ type trainer struct {
 	events  *eventLog     // the run's events.log
 	rec     *recorder     // keeps a step's advantages for rollouts.jsonl
 	restart *restartGuard // notes each optimizer step applied, for an engine that restarts
-	hint    func() string // the hint of an EngineError (the resume command)
+	out     string        // the run folder, which an EngineError's hint resumes from; "" without one
 	warned  sync.Map      // warnings given once per run, by key
 }
 
@@ -328,7 +328,7 @@ func (tr *trainer) optimizerStep(ctx context.Context, step int, p *policy, b eng
 	st, err := p.eng.Train(ctx, b)
 	p.busy.end()
 	if err != nil {
-		return st, &EngineError{Step: step, Policy: p.name, Err: fmt.Errorf("train: %w", err), Hint: tr.hint()}
+		return st, &EngineError{Step: step, Policy: p.name, Err: fmt.Errorf("train: %w", err), Hint: engineErrorHint(tr.out)}
 	}
 	tr.restart.trained(p.name, b)
 	return st, nil
@@ -443,7 +443,7 @@ func (tr *trainer) trainLogprobs(ctx context.Context, step int, p *policy, ss []
 	scores, err := p.eng.Score(ctx, reqs)
 	if err != nil {
 		return nil, &EngineError{Step: step, Policy: p.name, Err: fmt.Errorf("scoring %d samples for use_tis's old log-probs: %w", len(ss), err),
-			Hint: tr.hint()}
+			Hint: engineErrorHint(tr.out)}
 	}
 	out := make([][]float32, len(ss))
 	for i, s := range ss {

@@ -27,8 +27,8 @@ import (
 type versionKeeper struct {
 	cfg    func() *config.Config // the run's config, as a reload leaves it
 	events *eventLog             // the run's events.log
-	hint   func() string         // the hint of an EngineError (the command that resumes the run)
-	// out is the run directory, through which rollout replicas take the weights; "" without one.
+	// out is the run directory, through which rollout replicas take the weights and which an
+	// EngineError's hint resumes from; "" without one.
 	out string
 	// given and open are Options.Engines and Options.OpenEngine: a given engine has no replicas,
 	// and open (nil: openEngine) opens a replica.
@@ -95,7 +95,7 @@ func (vk *versionKeeper) versioned(ctx context.Context, pols []*policy, done, k 
 				for _, v := range vk.list() {
 					if err := vs.KeepVersion(ctx, v); err != nil {
 						return nil, &EngineError{Step: done + 1, Policy: p.name, Err: fmt.Errorf("keeping weights version %d for rollouts: %w", v, err),
-							Hint: vk.hint()}
+							Hint: engineErrorHint(vk.out)}
 					}
 				}
 			}
@@ -114,7 +114,7 @@ func (vk *versionKeeper) versioned(ctx context.Context, pols []*policy, done, k 
 	errs := atOnce(len(fresh), func(i int) error { return fresh[i].prepare(ctx, n) })
 	for i, err := range errs {
 		if err != nil {
-			return nil, &EngineError{Step: done + 1, Policy: fresh[i].policy, Err: err, Hint: vk.hint()}
+			return nil, &EngineError{Step: done + 1, Policy: fresh[i].policy, Err: err, Hint: engineErrorHint(vk.out)}
 		}
 	}
 	return out, nil
@@ -201,7 +201,7 @@ func (vk *versionKeeper) need(ctx context.Context, pols []*policy, done, v, k in
 	}
 	for _, name := range sortedKeys(vs) {
 		if err := vs[name].KeepVersion(ctx, v); err != nil {
-			return &EngineError{Step: done + 1, Policy: name, Err: fmt.Errorf("keeping weights version %d for rollouts: %w", v, err), Hint: vk.hint()}
+			return &EngineError{Step: done + 1, Policy: name, Err: fmt.Errorf("keeping weights version %d for rollouts: %w", v, err), Hint: engineErrorHint(vk.out)}
 		}
 	}
 	vk.keep(v)
@@ -219,7 +219,7 @@ func (vk *versionKeeper) drop(ctx context.Context, pols []*policy, done, below, 
 	}
 	for _, name := range sortedKeys(vs) {
 		if err := vs[name].DropVersions(ctx, below); err != nil {
-			return &EngineError{Step: done + 1, Policy: name, Err: fmt.Errorf("dropping weights versions: %w", err), Hint: vk.hint()}
+			return &EngineError{Step: done + 1, Policy: name, Err: fmt.Errorf("dropping weights versions: %w", err), Hint: engineErrorHint(vk.out)}
 		}
 	}
 	vk.dropBelow(below)
