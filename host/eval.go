@@ -160,9 +160,9 @@ func (r *Run) afterEval() {
 	}
 }
 
-// evalDue says whether the eval datasets run after the given step (step 0: before training).
-func (r *Run) evalDue(step int) bool {
-	c := r.Config()
+// evalDue says whether, under config c, the eval datasets run after the given step (step 0: before
+// training).
+func evalDue(c *config.Config, step int) bool {
 	return len(c.Eval.Datasets) > 0 && c.Run.EvalInterval > 0 && step%c.Run.EvalInterval == 0
 }
 

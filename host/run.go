@@ -524,7 +524,7 @@ func (r *Run) beginStep(ctx context.Context, step int) (*config.Config, error) {
 		return nil, err
 	}
 	cfg := r.Config()
-	if step == 1 && r.evalDue(0) {
+	if step == 1 && evalDue(r.Config(), 0) {
 		if _, err := r.evalAndLog(ctx); err != nil {
 			return nil, err
 		}
@@ -580,7 +580,7 @@ func (r *Run) recordStep(res *StepResult, l *launched, k int) error {
 // endStep ends step, recorded in res: the eval when due, into res.Eval, then a checkpoint when
 // run.save_interval or run.save_minutes say so; the restart guard learns whether it checkpointed.
 func (r *Run) endStep(ctx context.Context, step int, cfg *config.Config, res *StepResult) (err error) {
-	if r.evalDue(step) {
+	if evalDue(r.Config(), step) {
 		if res.Eval, err = r.evalAndLog(ctx); err != nil {
 			return err
 		}
