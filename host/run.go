@@ -719,7 +719,7 @@ func (r *Run) openOutputs() error {
 	}
 	if err := os.MkdirAll(out, 0o755); err != nil {
 		// Bad input (--out or run.out), not a failed run.
-		return &ScriptError{Msg: fmt.Sprintf("run directory %s cannot be made: %v; choose another --out (or run.out)", out, err)}
+		return script.Errorf("run directory %s cannot be made: %w; choose another --out (or run.out)", out, err)
 	}
 	// One writer per run folder, before anything is written there.
 	lock, err := lockRunDir(out)

@@ -9,6 +9,7 @@ import (
 	"path/filepath"
 	"strings"
 	"sync"
+	"syscall"
 	"testing"
 	"time"
 
@@ -556,5 +557,19 @@ func TestPoliciesOpenTogether(t *testing.T) {
 	}
 	if d := cmp.Diff([]string{"a", "b", "la", "lb"}, r.pols.order); d != "" {
 		t.Errorf("policies registered out of config order (-want +got):\n%s", d)
+	}
+}
+
+// A run folder that cannot be made is the caller's bad input (a ScriptError, exit status 2 in the
+// CLI) that still carries the file system's error for errors.Is.
+func TestRunFolderThatCannotBeMadeKeepsItsCause(t *testing.T) {
+	file := filepath.Join(t.TempDir(), "file")
+	os.WriteFile(file, nil, 0o644)
+	_, err := Load(context.Background(), writeScript(t, "def rollout(task):\n    pass\n"),
+		Options{Config: testConfig(1, "p"), Engines: map[string]engines.Engine{"p": scripted.New(answerLastChar)},
+			Tasks: numberedTasks(1), Out: filepath.Join(file, "run")})
+	var se *ScriptError
+	if !errors.As(err, &se) || !errors.Is(err, syscall.ENOTDIR) || !strings.Contains(err.Error(), "cannot be made") {
+		t.Fatalf("Load into a folder under a file: %v (%T); want a ScriptError wrapping ENOTDIR", err, err)
 	}
 }
