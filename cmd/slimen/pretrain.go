@@ -35,11 +35,18 @@ func cmdPretrain(args []string) int {
 	if err := f.fs.Parse(args); err != nil {
 		return flagExit(err)
 	}
-	if (*f.out == "" && !*f.evalOnly) || f.fs.NArg() > 0 {
+	if f.fs.NArg() > 0 {
+		fmt.Fprintf(os.Stderr, "slimen pretrain: unexpected argument %q: it takes only flags, and they go before anything else\n", f.fs.Arg(0))
+		return 2
+	}
+	if *f.out == "" && !*f.evalOnly {
 		f.fs.Usage()
 		return 2
 	}
 	p, err := f.plan()
+	if err == nil && !p.evalOnly {
+		err = checkOut(p.out) // last: a folder is made only for a plan that holds
+	}
 	if err != nil {
 		fmt.Fprintln(os.Stderr, "slimen pretrain:", err)
 		return 2
@@ -161,6 +168,20 @@ func (f *pretrainFlags) plan() (*pretrainPlan, error) {
 	return p, nil
 }
 
+// checkOut makes the folder the model will be saved into and writes a file there, so that an
+// --out that cannot take the model is said before the training, not after it.
+func checkOut(out string) error {
+	if err := os.MkdirAll(out, 0o755); err != nil {
+		return fmt.Errorf("--out %s cannot be made: %w", out, err)
+	}
+	f, err := os.CreateTemp(out, ".slimen-write-check-*")
+	if err != nil {
+		return fmt.Errorf("--out %s cannot be written to: %w", out, err)
+	}
+	f.Close()
+	return os.Remove(f.Name())
+}
+
 // run opens the model, then trains and saves it or, with --eval-only, only evaluates it. It
 // returns the exit code.
 func (p *pretrainPlan) run() int {
@@ -245,8 +266,11 @@ func (f *pretrainFlags) planSynth() (*synthData, error) {
 			"(docs/tiny.md has the command of builtin:tiny-chat) or --init a chat model")
 	}
 	arith, ok, err := tasks.ParseSpec(task, *f.seed)
-	if name, _, _ := strings.Cut(strings.TrimPrefix(task, "synthetic:"), "?"); err != nil && strings.HasPrefix(task, "synthetic:") &&
-		slices.Contains(tasks.SyntheticNames, name) {
+	name, _, _ := strings.Cut(strings.TrimPrefix(task, "synthetic:"), "?")
+	switch {
+	case err != nil && name == "arith":
+		err = fmt.Errorf("--task %w", err) // a bad option of synthetic:arith, named by ParseSpec
+	case err != nil && strings.HasPrefix(task, "synthetic:") && slices.Contains(tasks.SyntheticNames, name):
 		err = fmt.Errorf("--task %s: pretrain takes synthetic:arith[?difficulty=N], synthetic:calc or synthetic:chat", task)
 	}
 	if err == nil && !ok {

@@ -155,3 +155,24 @@ func TestPretrainCorpusLineTheModelCannotTake(t *testing.T) {
 		t.Errorf("--eval-only: %v\n%s", err, out)
 	}
 }
+
+// Bad flags of slimen pretrain are said at once with status 2, naming the flag: an --out that
+// cannot take the model before any step (not after the training, whose work the failed save
+// lost), an argument after which the flags were not read, a bad option of synthetic:arith.
+func TestPretrainBadFlagsBeforeTraining(t *testing.T) {
+	file := filepath.Join(t.TempDir(), "file")
+	os.WriteFile(file, nil, 0o644)
+	for _, c := range []struct {
+		args []string
+		want string
+	}{
+		{[]string{"--steps", "1", "--out", filepath.Join(file, "model")}, "--out " + filepath.Join(file, "model") + " cannot be made"},
+		{[]string{"extra", "--out", "x"}, `unexpected argument "extra"`},
+		{[]string{"--task", "synthetic:arith?difficulty=9", "--out", "x"}, "--task synthetic:arith?difficulty=9: difficulty must be 1..4"},
+	} {
+		out, err := slimen(t, nil, append([]string{"pretrain"}, c.args...)...)
+		if code := exitCode(t, err); code != 2 || !strings.Contains(out, c.want) || strings.Contains(out, "step 1/") {
+			t.Errorf("pretrain %v: status %d, output:\n%s\nwant status 2 and %q before any step", c.args, code, out, c.want)
+		}
+	}
+}
