@@ -198,3 +198,36 @@ func TestExportChat(t *testing.T) {
 		}
 	}
 }
+
+// Bad flags of slimen export are said at once with status 2, naming the flag or the task, and
+// write nothing.
+func TestExportBadFlags(t *testing.T) {
+	dir := t.TempDir()
+	for _, c := range []struct {
+		args []string
+		want string
+	}{
+		{[]string{"extra"}, `unexpected argument "extra"`},
+		{[]string{"--base", "b"}, "--base goes with --merge"},
+		{[]string{"--merge", "x"}, "--merge needs --out"},
+		{[]string{"--format", "csv"}, `--format "csv": use sft or tasks`},
+		{[]string{"--format", "tasks", "--token-ids", "builtin:tiny-arith"}, "--token-ids goes with --format sft"},
+		{[]string{"--n", "-1"}, "--n and --start must not be negative"},
+		{[]string{"--task", "nothing.jsonl"}, `--task "nothing.jsonl": only synthetic sources can be exported`},
+		{[]string{"--task", "synthetic:arith?difficulty=9"}, "difficulty must be 1..4"},
+		{[]string{"--task", "synthetic:calc"}, "only synthetic:arith has worked responses"},
+		{[]string{"--task", "synthetic:calc?x=1", "--format", "tasks"}, `unknown parameter "x"`},
+		{[]string{"--task", "synthetic:chat", "--format", "tasks"}, "export it with --format sft"},
+		{[]string{"--task", "synthetic:sudoku"}, `unknown synthetic task "sudoku"`},
+		{[]string{"--token-ids", filepath.Join(dir, "nowhere")}, "--token-ids " + filepath.Join(dir, "nowhere")},
+		{[]string{"--n", "2", "--out", filepath.Join(dir, "no", "x.jsonl")}, filepath.Join(dir, "no", "x.jsonl")},
+	} {
+		out, err := slimen(t, nil, append([]string{"export"}, c.args...)...)
+		if code := exitCode(t, err); code != 2 || !strings.Contains(out, c.want) {
+			t.Errorf("export %v: status %d, output:\n%s\nwant status 2 and %q", c.args, code, out, c.want)
+		}
+	}
+	if entries, _ := os.ReadDir(dir); len(entries) != 0 {
+		t.Errorf("bad flags wrote %v", entries)
+	}
+}
