@@ -6,7 +6,6 @@ package host
 import (
 	"context"
 	"fmt"
-	"sort"
 	"sync"
 	"time"
 
@@ -147,12 +146,7 @@ func (t *policyTable) list() []*policy {
 func (t *policyTable) names() []string {
 	t.mu.Lock()
 	defer t.mu.Unlock()
-	names := make([]string, 0, len(t.byName))
-	for name := range t.byName {
-		names = append(names, name)
-	}
-	sort.Strings(names)
-	return names
+	return sortedKeys(t.byName)
 }
 
 // add puts p in the table, last in order; the caller holds mu, or the run is starting.

@@ -403,11 +403,7 @@ func pretrainEngine(init, tokenizer string, nTexts int, cfg tiny.ModelConfig, se
 	size := 0
 	for i := range texts {
 		ex := corpus(i)
-		msgs := ex.Context
-		if msgs == nil {
-			msgs = []engines.Message{{Role: "user", Content: ex.Prompt}}
-		}
-		text, err := tiny.QwenChatText(msgs, ex.Tools, true)
+		text, err := tiny.QwenChatText(ex.Messages(), ex.Tools, true)
 		if err != nil {
 			return nil, fmt.Errorf("corpus example %d: %w", i, err)
 		}
@@ -504,17 +500,12 @@ func readFileData(path string, evalN int, evalOnly bool) (*fileData, error) {
 // first the model cannot take: tools under a template without them, or more tokens than its
 // positions.
 func (d *fileData) check(e *tiny.Engine, info engines.Info) error {
-	tok := e.Tokenizer()
 	for i, ex := range append(d.train[:len(d.train):len(d.train)], d.held...) {
-		msgs := ex.Context
-		if msgs == nil {
-			msgs = []engines.Message{{Role: "user", Content: ex.Prompt}}
-		}
-		p, err := tok.EncodeChatTools(msgs, ex.Tools, true)
+		p, r, err := e.EncodeExample(ex)
 		if err != nil {
 			return fmt.Errorf("%s:%d: %w", d.path, d.lines[i], err)
 		}
-		if n := len(p) + len(tok.Encode(ex.Response)) + 1; n > info.MaxSeqLen {
+		if n := len(p) + len(r); n > info.MaxSeqLen {
 			return fmt.Errorf("%s:%d: the example is %d tokens with its end of turn, more than the model's %d positions", d.path, d.lines[i], n, info.MaxSeqLen)
 		}
 	}
@@ -543,18 +534,13 @@ func (d *fileData) evaluate(ctx context.Context, e *tiny.Engine, info engines.In
 	if len(d.held) == 0 {
 		return nil
 	}
-	tok := e.Tokenizer()
 	reqs := make([]engines.ScoreRequest, len(d.held))
 	for i, ex := range d.held {
-		msgs := ex.Context
-		if msgs == nil {
-			msgs = []engines.Message{{Role: "user", Content: ex.Prompt}}
-		}
-		p, err := tok.EncodeChatTools(msgs, ex.Tools, true)
+		p, r, err := e.EncodeExample(ex)
 		if err != nil {
 			return fmt.Errorf("%s:%d: %w", d.path, d.lines[len(d.train)+i], err)
 		}
-		reqs[i] = engines.ScoreRequest{PromptTokens: p, Tokens: append(tok.Encode(ex.Response), info.EOSTokens[0])}
+		reqs[i] = engines.ScoreRequest{PromptTokens: p, Tokens: r}
 	}
 	scores, err := e.Score(ctx, reqs)
 	if err != nil {

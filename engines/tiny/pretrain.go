@@ -23,6 +23,25 @@ type Example struct {
 	Tools []string
 }
 
+// Messages is the conversation ex answers: its Context, or else its Prompt as one user turn.
+func (ex Example) Messages() []engines.Message {
+	if ex.Context != nil {
+		return ex.Context
+	}
+	return []engines.Message{{Role: "user", Content: ex.Prompt}}
+}
+
+// EncodeExample is ex as Pretrain trains on it: the prompt as the chat template renders its
+// messages and tools (with the generation prompt), and the response's tokens with the end of
+// turn. An error is the template's (tools under a template without them).
+func (e *Engine) EncodeExample(ex Example) (prompt, response []int32, err error) {
+	prompt, err = e.tok.EncodeChatTools(ex.Messages(), ex.Tools, true)
+	if err != nil {
+		return nil, nil, err
+	}
+	return prompt, append(e.tok.Encode(ex.Response), e.eos[0]), nil
+}
+
 // PretrainOptions configure Pretrain. Zero fields take the defaults noted.
 type PretrainOptions struct {
 	Steps       int     // optimizer steps; required
@@ -105,16 +124,12 @@ func (e *Engine) supervisedStep(ctx context.Context, batch []Example, lr, wd, ma
 	seqs := make([]trainSeq, len(batch))
 	total := 0
 	for i, ex := range batch {
-		msgs := ex.Context
-		if msgs == nil {
-			msgs = []engines.Message{{Role: "user", Content: ex.Prompt}}
-		}
-		p, err := e.tok.EncodeChatTools(msgs, ex.Tools, true)
+		p, r, err := e.EncodeExample(ex)
 		if err != nil {
 			return engines.TrainStats{}, fmt.Errorf("tiny: pretrain: example %d of the batch: %w", i, err)
 		}
-		r := append(e.tok.Encode(ex.Response), e.eos[0])
 		if len(p)+len(r) > e.m.w.cfg.MaxSeqLen {
+			msgs := ex.Messages()
 			return engines.TrainStats{}, fmt.Errorf("tiny: pretrain: example %q is %d tokens, longer than the model's %d",
 				cmp.Or(ex.Prompt, msgs[len(msgs)-1].Content), len(p)+len(r), e.m.w.cfg.MaxSeqLen)
 		}
