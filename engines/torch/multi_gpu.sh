@@ -27,7 +27,9 @@
 #   SLIMEN=.devbuild/slimen PY=python3 NS="1 2 4" engines/torch/multi_gpu.sh   # 4 GPUs (~8 min)
 #   SLIMEN=.devbuild/slimen PY=python3 engines/torch/multi_gpu.sh --quick   # CPU: tiny, 2 gloo ranks
 #
-# Knobs (env): NS ("1 G"), STEPS (5), WARMUP (2), FAULTY_STEPS (3: the killed run's steps), PROMPTS
+# Knobs (env): NS ("1 G"), STEPS (5), WARMUP (2), FAULTY (1; 0 skips part 3), FAULTY_STEPS (3: the
+# killed run's steps), PROFILE (a step K: each uninterrupted run's ranks profile step K, its
+# rollouts and its training call, into WORK/profile-nN, slimen_torch/profiling.py), PROMPTS
 # (64: per GPU with weak scaling), SCALING (weak | strong), SAMPLES (4), MAXLEN (128 new tokens), SHAPE
 # (qwen3-0.6b), COMPILE_TRAIN (block: the training layer compiled, under FSDP2 too; ~16 s of a
 # one-GPU worker's first step cold, ~5 s warm; off for the eager layer), BUDGET (540 s), G (the GPU count, default from
@@ -53,7 +55,7 @@ else
   SHAPE=${SHAPE:-qwen3-0.6b} PROMPTS=${PROMPTS:-64} SAMPLES=${SAMPLES:-4} MAXLEN=${MAXLEN:-128}
   DEV='' PEAK=989e12  # H100 SXM dense bf16
 fi
-STEPS=${STEPS:-5} WARMUP=${WARMUP:-2} FAULTY_STEPS=${FAULTY_STEPS:-3}
+STEPS=${STEPS:-5} WARMUP=${WARMUP:-2} FAULTY_STEPS=${FAULTY_STEPS:-3} FAULTY=${FAULTY:-1}
 NS=${NS:-$(printf '%s\n' 1 "$G" | sort -nu | tr '\n' ' ')}
 NMAX=0
 for n in $NS; do
@@ -130,7 +132,8 @@ run() {
     sample "$name" &
     sp=$!
   fi
-  part "$name" "$want" "$SLIMEN" exec "$WORK/parity.star" --config "$WORK/$name.yaml" --out "$WORK/$name"
+  SLIMEN_TORCH_PROFILE=${PROFILE:+$WORK/profile-$name:$PROFILE} \
+    part "$name" "$want" "$SLIMEN" exec "$WORK/parity.star" --config "$WORK/$name.yaml" --out "$WORK/$name"
   local rc=$?
   [ -n "$sp" ] && kill "$sp" 2>/dev/null
   return "$rc"
@@ -176,12 +179,14 @@ faulty() {
 }
 export -f faulty stamp
 export SLIMEN WORK NMAX
-if [ "$QUICK" = 0 ]; then
-  sample faulty &
-  sp=$!
+if [ "$FAULTY" = 1 ]; then
+  if [ "$QUICK" = 0 ]; then
+    sample faulty &
+    sp=$!
+  fi
+  part faulty 200 bash -c faulty
+  [ "$QUICK" = 0 ] && kill "$sp" 2>/dev/null
 fi
-part faulty 200 bash -c faulty
-[ "$QUICK" = 0 ] && kill "$sp" 2>/dev/null
 
 # ---- the table
 "$PY" - "$WORK" "$G" "$STEPS" "$WARMUP" "$PEAK" "$QUICK" "$NS" <<'EOF' | tee "$WORK/table.md"
@@ -256,7 +261,9 @@ for n in NS:
 # ---- 3. the SIGKILLed rank
 st = w.status("faulty")
 kp = w.path / "killed"
-if kp.exists():
+if not (w.path / "faulty.log").exists():
+    rows.append((f"N={NMAX}: rank SIGKILLed", "not run (FAULTY=0)"))
+elif kp.exists():
     tk, pid, rank, last = (kp.read_text().split() + ["?"] * 3)[:4]
     back = None
     for l in w.log("faulty").splitlines():

@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from . import batch_invariant, compile_cache, kernels, lora
+from . import batch_invariant, compile_cache, kernels, lora, profiling
 from .config import ModelConfig, eos_ids, read_config
 from .generate import Generator, Request
 from .model import Transformer, bind_thread, fused_rms_norm
@@ -170,6 +170,7 @@ class Engine:
         self._started = str(pathlib.Path(model_dir).absolute())
         self.compile_cache: compile_cache.Status | None = None
         self._first_train = True
+        self.profiler = profiling.StepProfiler()  # SLIMEN_TORCH_PROFILE
         self.keeps_versions = self.keeps_versions and self.opts.versions
         self.versions = Versions(self)
         self.pushes_weights = self.pushes_weights and self.opts.push
@@ -686,7 +687,8 @@ class Engine:
             self.trainer.add_params(self.model.add_value_head())
 
     def train(self, batch: Batch) -> TrainStats:
-        return self._call(self._train, batch)
+        with self.profiler.train():
+            return self._call(self._train, batch)
 
     def _train(self, batch: Batch) -> TrainStats:
         if batch.adapter:
