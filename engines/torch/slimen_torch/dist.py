@@ -211,6 +211,7 @@ class ShardedTrainer(Trainer):
         self.rank, self.size = dist.get_rank(), dist.get_world_size()
         self.gathered_bytes = 0
         self.gather_seconds = 0.0
+        self.passes_left = 0  # the step's passes whose backward is still to run (_plan)
         self._shard(gen_model)
         super().__init__(self.whole.m, **kw)
         # The shards are fp32 and the optimizer steps them: no separate master copies.
@@ -272,9 +273,18 @@ class ShardedTrainer(Trainer):
                           micro_batches([lengths[i] for i in mine], self.micro_batch_tokens)]
                          if mine else [])
         n = max(len(p) for p in plans)
+        self.passes_left = n
         return plans[self.rank] + [[] for _ in range(n - len(plans[self.rank]))]
 
     def _backward(self, loss: torch.Tensor) -> None:
+        # The gradients add up unreduced over a step's passes (in fp32, FSDP's reduce dtype) and
+        # are reduce-scattered once, after the last: one reduce-scatter a layer a step instead
+        # of one a micro-batch, and the weights stay gathered from one pass's backward to the
+        # next's forward. Meanwhile every rank holds the whole fp32 gradient.
+        self.passes_left -= 1
+        last = self.passes_left <= 0
+        self.whole.set_requires_gradient_sync(last)
+        self.whole.set_reshard_after_backward(last)
         # The loss is a weighted sum whose weights count the whole batch: the ranks' gradients
         # add up to the batch's gradient. FSDP averages them (gloo has no pre-scaled sum, so
         # set_gradient_divide_factor(1) is not open to it): the loss is scaled by the rank count.

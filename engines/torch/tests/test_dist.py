@@ -168,6 +168,18 @@ def _nccl_on_gloo(rank: int) -> None:
     torch.distributed.init_process_group = init_process_group
 
 
+def _count_reduce_scatters() -> list:
+    """Counts FSDP's reduce-scatters of gradients: returns a list that gets one entry a call."""
+    calls, real = [], torch.distributed.reduce_scatter_tensor
+
+    def counted(*args, **kw):
+        calls.append(1)
+        return real(*args, **kw)
+
+    torch.distributed.reduce_scatter_tensor = counted
+    return calls
+
+
 def _rank(rank, size, port, model, opts, bs, out, result, bucket, nccl=False):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       LOCAL_RANK=str(rank), WORLD_SIZE=str(size))
@@ -178,6 +190,7 @@ def _rank(rank, size, port, model, opts, bs, out, result, bucket, nccl=False):
     if nccl:
         _nccl_on_gloo(rank)
     rank, _, _, links = dist.init(opts["device"], backend="nccl" if nccl else "")
+    reduce_scatters = _count_reduce_scatters()
     engine = dist.RankEngine(model, Options(**opts), rank)
     if rank != 0:
         dist.follow(engine, links, rank)
@@ -199,7 +212,8 @@ def _rank(rank, size, port, model, opts, bs, out, result, bucket, nccl=False):
     group.close()
     torch.distributed.destroy_process_group()
     torch.save(weights, f"{result}.w0")
-    got.update(gather_s=engine.trainer.gather_seconds, gather_bytes=engine.trainer.gathered_bytes)
+    got.update(gather_s=engine.trainer.gather_seconds, gather_bytes=engine.trainer.gathered_bytes,
+               reduce_scatters=reduce_scatters)
     with open(result, "wb") as f:
         pickle.dump(got, f)
 
@@ -213,6 +227,11 @@ def run_two(model, opts, bs, out, result, bucket=0, size=2, nccl=False):
     with open(result, "rb") as f:
         got = pickle.load(f)
     return got, [torch.load(f"{result}.w{r}") for r in range(size)]
+
+
+def w0_layers(weights: dict) -> set:
+    """The layer indices of a model's parameter names (layers.I.…)."""
+    return {n.split(".")[1] for n in weights if n.startswith("layers.")}
 
 
 def free_port() -> int:
@@ -239,6 +258,9 @@ def test_two_ranks_equal_one(noeos_dir, tmp_path):
         for k in ("loss", "pg_loss", "kl", "entropy", "grad_norm"):
             assert getattr(a, k) == pytest.approx(getattr(b, k), rel=1e-4, abs=1e-6), k
     assert got["stats"][1].grad_norm > STEPS[1].max_grad_norm  # the clip was applied
+    # The gradients are reduced once a step, not once a micro-batch (rank 0 runs 3 a step): a
+    # reduce-scatter for each FSDP group (the layers and the root) a step, for 2 steps.
+    assert len(got["reduce_scatters"]) == 2 * (len(w0_layers(w0)) + 1)
     assert got["devices"] == ["cpu", "cpu"]
     # The gather (the last trainer's, which the load made: once, from the loaded masters) is of
     # the generating model's bytes (fp32 on the CPU); every rank's generating weights are the
