@@ -202,6 +202,27 @@ class _Bucket:
         self.dst_views = [self.gens[i].view(-1)[s:s + k] for _, _, k, i, s in self.pieces]
 
 
+# The share of a GPU's memory that a step may hold beyond the shards (holds_step).
+HOLD_SHARE = 0.25
+
+
+def holds_step(m: Transformer, dtype: torch.dtype, dev: torch.device) -> bool:
+    """Whether a sharded step holds the whole model between its micro-batches: its fp32
+    gradients, reduced once after the last, and its weights in the generating dtype, kept
+    gathered from one micro-batch's backward to the next's forward (ShardedTrainer._backward).
+    Yes when they take at most HOLD_SHARE of the device's memory (0.6B: 3.6 GB; 8B: 48 GB, a
+    third of an H200); else each micro-batch reduces its gradients, as FSDP does by default.
+    Measured on 4 H200s (0.6B, 3 micro-batches a rank): holding halves the training call,
+    1.3 s to 0.65 s, where the per-micro-batch collectives had waited on the slowest rank."""
+    if dev.type == "cuda":
+        total = torch.cuda.get_device_properties(dev).total_memory
+    else:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    n = sum(p.numel() for p in m.parameters())
+    need = n * (torch.tensor([], dtype=dtype).element_size() + 4)
+    return need <= HOLD_SHARE * total
+
+
 class ShardedTrainer(Trainer):
     """A Trainer whose parameters are FSDP2 shards (fp32, the optimizer's masters) of a copy of
     the generating model, data-parallel over the process group."""
@@ -235,11 +256,18 @@ class ShardedTrainer(Trainer):
         # bf16 weights for the passes where the generating model is bf16 (as one rank's bf16
         # parameters with fp32 masters), gradients reduced in fp32.
         mp = MixedPrecisionPolicy(param_dtype=gen.embed.dtype, reduce_dtype=torch.float32)
+        self.hold = holds_step(m, gen.embed.dtype, dev)
         for layer in m.layers:
             fully_shard(layer, mp_policy=mp)
         whole = _Whole(m)
         fully_shard(whole, mp_policy=mp)
         self.whole = whole
+        if self.rank == 0:
+            log.info("FSDP over %d ranks: %s", self.size,
+                     "a step's gradients are held and reduced once, after its last micro-batch"
+                     if self.hold else "each micro-batch reduces its gradients (the whole "
+                     "model's would take more than %.0f%% of the device's memory)"
+                     % (100 * HOLD_SHARE))
 
     def add_params(self, params: list) -> None:
         # A critic's value head created on the generating model: shard the model again with it,
@@ -274,15 +302,15 @@ class ShardedTrainer(Trainer):
                          if mine else [])
         n = max(len(p) for p in plans)
         self.passes_left = n
+        self.whole.reshard()  # nothing held from a step that failed midway
         return plans[self.rank] + [[] for _ in range(n - len(plans[self.rank]))]
 
     def _backward(self, loss: torch.Tensor) -> None:
-        # The gradients add up unreduced over a step's passes (in fp32, FSDP's reduce dtype) and
-        # are reduce-scattered once, after the last: one reduce-scatter a layer a step instead
-        # of one a micro-batch, and the weights stay gathered from one pass's backward to the
-        # next's forward. Meanwhile every rank holds the whole fp32 gradient.
+        # Holding (holds_step): the gradients add up unreduced over a step's passes (in fp32,
+        # FSDP's reduce dtype) and are reduce-scattered once, after the last; the weights stay
+        # gathered from a pass's backward to the next pass's forward.
         self.passes_left -= 1
-        last = self.passes_left <= 0
+        last = self.passes_left <= 0 or not self.hold
         self.whole.set_requires_gradient_sync(last)
         self.whole.set_reshard_after_backward(last)
         # The loss is a weighted sum whose weights count the whole batch: the ranks' gradients

@@ -180,12 +180,14 @@ def _count_reduce_scatters() -> list:
     return calls
 
 
-def _rank(rank, size, port, model, opts, bs, out, result, bucket, nccl=False):
+def _rank(rank, size, port, model, opts, bs, out, result, bucket, nccl=False, hold_share=None):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       LOCAL_RANK=str(rank), WORLD_SIZE=str(size))
     torch.set_num_threads(1)
     from slimen_torch import dist
     dist.GATHER_BUCKET_BYTES = bucket or dist.GATHER_BUCKET_BYTES
+    if hold_share is not None:
+        dist.HOLD_SHARE = hold_share
     opts = dict(opts, device=dist.rank_device(opts["device"], rank))
     if nccl:
         _nccl_on_gloo(rank)
@@ -218,11 +220,12 @@ def _rank(rank, size, port, model, opts, bs, out, result, bucket, nccl=False):
         pickle.dump(got, f)
 
 
-def run_two(model, opts, bs, out, result, bucket=0, size=2, nccl=False):
+def run_two(model, opts, bs, out, result, bucket=0, size=2, nccl=False, hold_share=None):
     """Runs the calls on two ranks (size: as many; bucket: the gather's bytes a bucket, 0 the
-    default; nccl: init's NCCL path, _nccl_on_gloo); returns what rank 0 got and each rank's
+    default; nccl: init's NCCL path, _nccl_on_gloo; hold_share: dist.HOLD_SHARE); returns what rank 0 got and each rank's
     generating weights at the end."""
-    mp.start_processes(_rank, args=(size, free_port(), model, opts, bs, out, result, bucket, nccl),
+    mp.start_processes(_rank, args=(size, free_port(), model, opts, bs, out, result, bucket, nccl,
+                                    hold_share),
                        nprocs=size, start_method="spawn", join=True)
     with open(result, "rb") as f:
         got = pickle.load(f)
@@ -320,6 +323,23 @@ def test_four_ranks_start_on_nccl(noeos_dir, tmp_path):
         for n, p in ws[0].items():
             assert torch.equal(w[n], p), n
     assert got["gen_a"] == want_gen
+
+
+def test_a_model_too_large_to_hold_reduces_each_micro_batch(noeos_dir, tmp_path):
+    """When the whole model's weights and gradients would pass dist.HOLD_SHARE of the device's
+    memory, each micro-batch gathers and reduces as FSDP does by default: the same step, one
+    reduce-scatter a group a micro-batch (rank 0 runs 3)."""
+    model = str(noeos_dir)
+    one = Engine(model, Options(**OPTS))
+    try:
+        bs = batches(one)[:1]
+        want = one.train(bs[0])
+    finally:
+        one.close()
+    got, (w0, _) = run_two(model, OPTS, bs, "", str(tmp_path / "result.pkl"), hold_share=0.0)
+    for k in ("loss", "pg_loss", "grad_norm"):
+        assert getattr(got["stats"][0], k) == pytest.approx(getattr(want, k), rel=1e-4), k
+    assert len(got["reduce_scatters"]) == 3 * (len(w0_layers(w0)) + 1)
 
 
 def test_gather_in_the_generating_dtype(model_dirs, tmp_path):
