@@ -31,7 +31,8 @@
 # killed run's steps), PROFILE (a step K: each uninterrupted run's ranks profile step K, its
 # rollouts and its training call, into WORK/profile-nN, slimen_torch/profiling.py), PROMPTS
 # (64: per GPU with weak scaling), SCALING (weak | strong), SAMPLES (4), MAXLEN (128 new tokens), SHAPE
-# (qwen3-0.6b), COMPILE_TRAIN (block: the training layer compiled, under FSDP2 too; ~16 s of a
+# (qwen3-0.6b), MBT (the worker's --micro-batch-tokens; default its own, 16,384 on a GPU),
+# COMPILE_TRAIN (block: the training layer compiled, under FSDP2 too; ~16 s of a
 # one-GPU worker's first step cold, ~5 s warm; off for the eager layer), BUDGET (540 s), G (the GPU count, default from
 # nvidia-smi), WORK (/tmp/multi-gpu: the runs, their logs and table.md). SLIMEN is built with cgo
 # when missing (`slimen gpus` needs NVML). engines/torch/lib.sh and gpu_runs.py hold what this
@@ -87,7 +88,7 @@ cat "$WORK/setup.txt" >&2
 # generates on them).
 config() {
   echo "policies:"
-  torch_policy solver "$WORK/model" "${DEV}args: [--max-seq-len, \"512\", --compile-train, $COMPILE_TRAIN]" \
+  torch_policy solver "$WORK/model" "${DEV}args: [--max-seq-len, \"512\", --compile-train, $COMPILE_TRAIN${MBT:+, --micro-batch-tokens, \"$MBT\"}]" \
     "lr: 1.0e-5, advantage_estimator: grpo, global_batch_size: 0, n_samples_per_prompt: $SAMPLES" \
     "num_gpus_per_node: $1
 megatron_num_nodes: 1
