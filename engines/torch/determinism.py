@@ -2,7 +2,8 @@
 
     python engines/torch/determinism.py [--device cuda|cpu] [--small] [--out DIR] [--check]
         [--mode both|default|deterministic] [--tile BM,BN,BK,warps,stages] [--tile-large T]
-        [--row-kernels on|off] [--attn-grouped on|off] [--attn-bm N] [--profile]
+        [--row-kernels on|off] [--attn-grouped on|off] [--attn-bm N]
+        [--attn-bwd triton|sdpa] [--attn-bwd-tile BM,BN,warps,stages] [--profile]
 
 On a random model (make-model: Qwen3-0.6B's shape, bf16 on a GPU; --small: the tiny Qwen3, for
 the CPU and the test that runs this), with no end-of-sequence token so every response has its
@@ -288,6 +289,13 @@ def main(argv=None) -> int:
     p.add_argument("--attn-bm", type=int, default=0,
                    help="queries a program of the deterministic attention takes, decode and "
                    "training alike (default 16; a power of two ≥ 16)")
+    p.add_argument("--attn-bwd", default="triton", choices=["triton", "sdpa"],
+                   help="the deterministic attention's backward pass (training): two Triton "
+                   "kernels without atomics (triton, the default) or PyTorch's attention "
+                   "recomputed in its strict deterministic mode (sdpa, the first version)")
+    p.add_argument("--attn-bwd-tile", default="",
+                   help="the Triton backward's blocks BM,BN,warps,stages (queries, keys; "
+                   "default 64,64,8,2)")
     a = p.parse_args(argv)
     from slimen_torch import batch_invariant
     if a.tile:
@@ -304,6 +312,11 @@ def main(argv=None) -> int:
         if a.attn_bm < 16 or a.attn_bm & (a.attn_bm - 1):
             p.error(f"--attn-bm {a.attn_bm}: give a power of two ≥ 16")
         batch_invariant.ATTN_BM = a.attn_bm
+    batch_invariant.ATTN_BWD = a.attn_bwd
+    if a.attn_bwd_tile:
+        batch_invariant.ATTN_BWD_TILE = tuple(int(x) for x in a.attn_bwd_tile.split(","))
+        if len(batch_invariant.ATTN_BWD_TILE) != 4:
+            p.error(f"--attn-bwd-tile {a.attn_bwd_tile}: give BM,BN,warps,stages")
     small = dict(batch=8, prompt_len=16, new=8, check_new=8, train_samples=2, train_len=64)
     full = dict(batch=256, prompt_len=128, new=128, check_new=32, train_samples=8,
                 train_len=2048)

@@ -82,6 +82,7 @@ def use_triton(t: torch.Tensor) -> bool:
 
 
 FORCE_TRITON = False  # tests: the Triton kernels on the CPU under TRITON_INTERPRET=1
+INTERPRET = os.environ.get("TRITON_INTERPRET", "") == "1"
 
 
 # ---- sums in a fixed order ----
@@ -630,6 +631,175 @@ def attention_triton(q, k, v, q_pos, scale):
     return o
 
 
+# ---- the attention's backward pass (training) ----
+#
+# The gradient of the forward's function (softmax(q·kᵀ·scale) over the keys a query sees, times
+# v), flash-attention-2 style: one kernel for dQ (a program a block of queries and a head, over
+# its keys), then one for dK and dV (a program a block of keys and a key head, over the queries
+# of its query heads). Each gradient element is summed by one program in a fixed order, with no
+# atomics: two equal calls give equal gradients, whatever the device's scheduling. Not
+# batch-invariant (the trainer's log-probs come from the forward, which is).
+
+if HAVE_TRITON:
+    @triton.jit
+    def _bwd_dot(a, b, F32DOT: tl.constexpr):
+        # F32DOT: the product in fp32 (IEEE) of the operands read as fp32: fp32 tensors, and
+        # bf16 ones under Triton's interpreter (whose product of bf16 reads their bits).
+        if F32DOT:
+            return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+        return tl.dot(a, b)
+
+    @triton.jit(do_not_specialize=["Tq", "Lk"])
+    def _attention_bwd_dq_kernel(Q, K, V, O, DO, P, DQ, LSE, DELTA, Tq, H, G, Lk, D, scale,
+                                 sqb, sqt, sqh, skb, skh, skl, svb, svh, svl,
+                                 sob, sot, soh, sdb, sdt, sdh,
+                                 BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr,
+                                 F32DOT: tl.constexpr):
+        # BM queries of one head: first their log-sum-exp over the keys they see (online, in
+        # fp32) and delta = Σ dO·O, both kept for the dK/dV kernel; then
+        # dQ = scale · Σ_j P·(dP − delta)·k_j over the same keys, with dP = dO·vᵀ.
+        pid, h = tl.program_id(0), tl.program_id(1)
+        nblk = tl.cdiv(Tq, BM)
+        b, t0 = pid // nblk, (pid % nblk) * BM
+        t = t0 + tl.arange(0, BM)
+        tm = t < Tq
+        kvh = h // G
+        d = tl.arange(0, BD)
+        dm = d < D
+        qm = tm[:, None] & dm[None, :]
+        pos = tl.load(P + b * Tq + t, mask=tm, other=-1)
+        q = tl.load(Q + b * sqb + t[:, None] * sqt + h * sqh + d[None, :], mask=qm, other=0.0)
+        do = tl.load(DO + b * sdb + t[:, None] * sdt + h * sdh + d[None, :], mask=qm, other=0.0)
+        o = tl.load(O + b * sob + t[:, None] * sot + h * soh + d[None, :], mask=qm, other=0.0)
+        delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), axis=1)
+        pmax = tl.max(pos, axis=0)
+        end = tl.minimum(pmax + 1, Lk)
+        m = tl.full((BM,), float("-inf"), tl.float32)
+        l = tl.zeros((BM,), tl.float32)
+        for c0 in range(0, end, BN):
+            j = c0 + tl.arange(0, BN)
+            jm = (j < Lk) & (j <= pmax)
+            k = tl.load(K + b * skb + kvh * skh + j[None, :] * skl + d[:, None],
+                        mask=jm[None, :] & dm[:, None], other=0.0)  # [BD, BN]
+            s = _bwd_dot(q, k, F32DOT)
+            seen = (j[None, :] <= pos[:, None]) & jm[None, :]
+            s = tl.where(seen, s * scale, float("-inf"))
+            m_new = tl.maximum(m, tl.max(s, axis=1))
+            m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+            l = l * tl.exp(m - m_ref) + tl.sum(tl.where(seen, tl.exp(s - m_ref[:, None]), 0.0),
+                                               axis=1)
+            m = m_new
+        # A query that sees no key (a padding row) has output 0 and no gradient: its P is 0.
+        lse = tl.where(l > 0.0, m + tl.log(tl.where(l > 0.0, l, 1.0)), 0.0)
+        dq = tl.zeros((BM, BD), tl.float32)
+        for c0 in range(0, end, BN):
+            j = c0 + tl.arange(0, BN)
+            jm = (j < Lk) & (j <= pmax)
+            k = tl.load(K + b * skb + kvh * skh + j[None, :] * skl + d[:, None],
+                        mask=jm[None, :] & dm[:, None], other=0.0)  # [BD, BN]
+            vt = tl.load(V + b * svb + kvh * svh + j[None, :] * svl + d[:, None],
+                         mask=jm[None, :] & dm[:, None], other=0.0)  # [BD, BN]
+            seen = (j[None, :] <= pos[:, None]) & jm[None, :]
+            s = _bwd_dot(q, k, F32DOT)
+            dp = _bwd_dot(do, vt, F32DOT)
+            p = tl.where(seen, tl.exp(s * scale - lse[:, None]), 0.0)
+            ds = tl.where(seen, p * (dp - delta[:, None]), 0.0)
+            dq += _bwd_dot(ds.to(k.dtype), tl.trans(k), F32DOT)
+        tl.store(DQ + b * sqb + t[:, None] * sqt + h * sqh + d[None, :],
+                 (dq * scale).to(DQ.dtype.element_ty), mask=qm)
+        r = (b * Tq + t) * H + h
+        tl.store(LSE + r, lse, mask=tm)
+        tl.store(DELTA + r, delta, mask=tm)
+
+    @triton.jit(do_not_specialize=["Tq", "Lk"])
+    def _attention_bwd_dkdv_kernel(Q, K, V, DO, P, LSE, DELTA, DK, DV, Tq, H, G, Lk, D, scale,
+                                   sqb, sqt, sqh, skb, skh, skl, svb, svh, svl, sdb, sdt, sdh,
+                                   sgb, sgh, sgl,
+                                   BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr,
+                                   F32DOT: tl.constexpr):
+        # BN keys of one key head: dV = Σ Pᵀ·dO and dK = scale · Σ (P·(dP − delta))ᵀ·q over the
+        # queries of the G heads sharing it, block by block in order (blocks whose queries all
+        # come before the keys skipped: they see none of them).
+        pid, kvh = tl.program_id(0), tl.program_id(1)
+        nblk = tl.cdiv(Lk, BN)
+        b, j0 = pid // nblk, (pid % nblk) * BN
+        j = j0 + tl.arange(0, BN)
+        jm = j < Lk
+        d = tl.arange(0, BD)
+        dm = d < D
+        km = jm[:, None] & dm[None, :]
+        k = tl.load(K + b * skb + kvh * skh + j[:, None] * skl + d[None, :], mask=km, other=0.0)
+        v = tl.load(V + b * svb + kvh * svh + j[:, None] * svl + d[None, :], mask=km, other=0.0)
+        dk = tl.zeros((BN, BD), tl.float32)
+        dv = tl.zeros((BN, BD), tl.float32)
+        for t0 in range(0, Tq, BM):
+            t = t0 + tl.arange(0, BM)
+            tm = t < Tq
+            pos = tl.load(P + b * Tq + t, mask=tm, other=-1)
+            if tl.max(pos, axis=0) >= j0:
+                seen = (j[:, None] <= pos[None, :]) & jm[:, None]  # [BN, BM]
+                qm = tm[:, None] & dm[None, :]
+                for hi in range(0, G):
+                    h = kvh * G + hi
+                    q = tl.load(Q + b * sqb + t[:, None] * sqt + h * sqh + d[None, :], mask=qm,
+                                other=0.0)
+                    do = tl.load(DO + b * sdb + t[:, None] * sdt + h * sdh + d[None, :],
+                                 mask=qm, other=0.0)
+                    r = (b * Tq + t) * H + h
+                    lse = tl.load(LSE + r, mask=tm, other=0.0)
+                    delta = tl.load(DELTA + r, mask=tm, other=0.0)
+                    st = _bwd_dot(k, tl.trans(q), F32DOT)
+                    dpt = _bwd_dot(v, tl.trans(do), F32DOT)
+                    pt = tl.where(seen, tl.exp(st * scale - lse[None, :]), 0.0)
+                    dst = tl.where(seen, pt * (dpt - delta[None, :]), 0.0)
+                    dv += _bwd_dot(pt.to(do.dtype), do, F32DOT)
+                    dk += _bwd_dot(dst.to(q.dtype), q, F32DOT)
+        gm = jm[:, None] & dm[None, :]
+        g = b * sgb + kvh * sgh + j[:, None] * sgl + d[None, :]
+        tl.store(DK + g, (dk * scale).to(DK.dtype.element_ty), mask=gm)
+        tl.store(DV + g, dv.to(DV.dtype.element_ty), mask=gm)
+
+# The attention's backward pass: "triton" (the kernels above) or "sdpa" (PyTorch's attention
+# recomputed under its strict deterministic mode; determinism.py --attn-bwd sdpa). Its blocks
+# (queries, keys, warps, stages), one for both kernels: any gives repeatable gradients.
+ATTN_BWD = "triton"
+ATTN_BWD_TILE = (64, 64, 8, 2)
+
+
+def attention_backward_triton(q, k, v, o, q_pos, go, scale):
+    """The gradients (dq, dk, dv) of attention_triton's output o for its output's gradient go,
+    in the two kernels above (q [B, Tq, H, D], k and v [B, KV, Lk, D]). Repeatable bit for bit:
+    no atomics, each sum in one program's fixed order."""
+    B, Tq, H, D = q.shape
+    KV, Lk = k.shape[1], k.shape[2]
+    # dq takes q's strides; k and v are read through theirs (the training pass's are views).
+    q, o, go = q.contiguous(), o.contiguous(), go.contiguous()
+    if k.stride(-1) != 1 or v.stride(-1) != 1:
+        k, v = k.contiguous(), v.contiguous()
+    pos = q_pos.to(torch.int64).contiguous().view(-1)
+    BM, BN, warps, stages = ATTN_BWD_TILE
+    BD = max(16, triton.next_power_of_2(D))
+    f32 = q.dtype == torch.float32 or INTERPRET
+    dq = torch.empty_like(q)
+    lse = torch.empty(B, Tq, H, dtype=torch.float32, device=q.device)
+    delta = torch.empty_like(lse)
+    _attention_bwd_dq_kernel[(B * triton.cdiv(Tq, BM), H)](
+        q, k, v, o, go, pos, dq, lse, delta, Tq, H, H // KV, Lk, D, scale,
+        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2), o.stride(0), o.stride(1), o.stride(2),
+        go.stride(0), go.stride(1), go.stride(2),
+        BM=BM, BN=BN, BD=BD, F32DOT=f32, num_warps=warps, num_stages=stages)
+    dk = torch.empty(B, KV, Lk, D, dtype=k.dtype, device=k.device)
+    dv = torch.empty(B, KV, Lk, D, dtype=v.dtype, device=v.device)
+    _attention_bwd_dkdv_kernel[(B * triton.cdiv(Lk, BN), KV)](
+        q, k, v, go, pos, lse, delta, dk, dv, Tq, H, H // KV, Lk, D, scale,
+        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2), go.stride(0), go.stride(1), go.stride(2),
+        dk.stride(0), dk.stride(1), dk.stride(2),
+        BM=BM, BN=BN, BD=BD, F32DOT=f32, num_warps=warps, num_stages=stages)
+    return dq, dk, dv
+
+
 @contextlib.contextmanager
 def _strict_determinism():
     """torch.use_deterministic_algorithms(True) inside the block, as it was after. PyTorch's
@@ -648,20 +818,25 @@ def _strict_determinism():
 
 
 class _Attention(torch.autograd.Function):
-    """The Triton attention forward; the backward pass through PyTorch's attention recomputed
-    (the gradient of the same function, not batch-invariant, but repeatable: its kernels in
-    PyTorch's deterministic mode). causal: the queries are positions 0..Lk-1 of their sequence,
-    so the backward pass takes SDPA's causal (flash) kernel instead of a mask."""
+    """The Triton attention forward; the backward pass the gradient of the same function, not
+    batch-invariant but repeatable: attention_backward_triton (ATTN_BWD "triton"), or PyTorch's
+    attention recomputed with its kernels in PyTorch's deterministic mode. causal: the queries
+    are positions 0..Lk-1 of their sequence, so SDPA takes its causal (flash) kernel instead of
+    a mask."""
 
     @staticmethod
     def forward(ctx, q, k, v, q_pos, scale, causal):
-        ctx.save_for_backward(q, k, v, q_pos)
+        o = attention_triton(q, k, v, q_pos, scale)
+        ctx.save_for_backward(q, k, v, q_pos, o)
         ctx.scale, ctx.causal = scale, causal
-        return attention_triton(q, k, v, q_pos, scale)
+        return o
 
     @staticmethod
     def backward(ctx, go):
-        q, k, v, q_pos = ctx.saved_tensors
+        q, k, v, q_pos, o = ctx.saved_tensors
+        if ATTN_BWD == "triton":
+            gq, gk, gv = attention_backward_triton(q, k, v, o, q_pos, go, ctx.scale)
+            return gq, gk, gv, None, None, None
         with torch.enable_grad(), _strict_determinism():
             q_, k_, v_ = (t.detach().requires_grad_() for t in (q, k, v))
             Lk = k.shape[2]

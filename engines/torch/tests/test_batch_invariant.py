@@ -369,12 +369,15 @@ def test_the_triton_row_sums_keep_a_row_whatever_its_batch_and_padding(interpret
         assert torch.equal(bi.rms_norm(h[i:i + 1], w, 1e-6), y[i:i + 1])
 
 
-def test_the_triton_attention_gradient_is_sdpa_s_in_both_forms(interpreted):
-    # The training pass's attention (causal: the causal SDPA kernel in the backward pass) and a
-    # masked one give SDPA's gradients; the backward pass leaves PyTorch's deterministic setting
-    # as it found it.
+@pytest.mark.parametrize("bwd", ["triton", "sdpa"])
+def test_the_triton_attention_gradient_is_sdpa_s_in_both_forms(interpreted, monkeypatch, bwd):
+    # The training pass's attention (causal: the causal SDPA kernel in the "sdpa" backward pass)
+    # and a masked one give SDPA's gradients, in either backward pass; the "sdpa" one leaves
+    # PyTorch's deterministic setting as it found it.
+    monkeypatch.setattr(bi, "ATTN_BWD", bwd)
+    monkeypatch.setattr(bi, "ATTN_BWD_TILE", (16, 16, 4, 1))
     g = torch.Generator().manual_seed(9)
-    B, T, H, KV, D = 2, 20, 4, 2, 8
+    B, T, H, KV, D = 2, 20, 4, 2, 16
     q, k, v = (torch.randn(*s, generator=g) for s in ((B, T, H, D), (B, KV, T, D), (B, KV, T, D)))
     go = torch.randn(B, T, H, D, generator=g)
     ref = [t.clone().requires_grad_() for t in (q, k, v)]
@@ -389,6 +392,49 @@ def test_the_triton_attention_gradient_is_sdpa_s_in_both_forms(interpreted):
         for a, b in zip(got, want):
             assert torch.allclose(a, b, atol=1e-5)
     assert not torch.are_deterministic_algorithms_enabled()
+
+
+def test_the_triton_attention_backward_is_the_gradient_and_repeats(interpreted, monkeypatch):
+    # The training pass's backward in the two Triton kernels (dQ by query blocks, dK and dV by
+    # key blocks over the query heads sharing them), never SDPA: the gradient of attention_torch
+    # in fp32, and within bf16's rounding in bf16, with grouped heads (4 on 2, 2 on 2), queries
+    # past the first 16-row block, a row whose queries start at position 6 of a longer key row,
+    # and a row whose last queries are padding (position -1: they see no key, have output 0 and
+    # no gradient). Two calls give the same gradients bit for bit. (In bf16 the output comes
+    # from attention_torch: the interpreter's forward kernel reads bf16 operands of its products
+    # as their bits; the backward kernels read them as fp32 there.)
+    monkeypatch.setattr(bi, "ATTN_BWD_TILE", (16, 16, 4, 1))
+
+    def no_sdpa(*a, **kw):
+        raise AssertionError("the Triton attention's backward pass called SDPA")
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", no_sdpa)
+    g = torch.Generator().manual_seed(12)
+    for H, KV in ((4, 2), (2, 2)):
+        B, T, D, Lk = 2, 40, 16, 46
+        q = torch.randn(B, T, H, D, generator=g)
+        k = torch.randn(B, KV, Lk, D, generator=g)
+        v = torch.randn(B, KV, Lk, D, generator=g)
+        go = torch.randn(B, T, H, D, generator=g)
+        pos = torch.stack([torch.arange(T) + 6, torch.arange(T)])
+        pos[1, 29:] = -1
+        for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 3e-2)):
+            ins = [t.to(dtype) for t in (q, k, v)]
+            ref = [t.float().requires_grad_() for t in ins]
+            out = bi.attention_torch(*ref, pos, 0.3)
+            want = torch.autograd.grad(out, ref, go)
+            runs = []
+            for _ in range(2):
+                if dtype == torch.float32:
+                    xs = [t.clone().requires_grad_() for t in ins]
+                    o = bi._Attention.apply(*xs, pos, 0.3, False)
+                    runs.append(torch.autograd.grad(o, xs, go))
+                else:
+                    o = out.detach().nan_to_num(0.0).to(dtype)
+                    runs.append(bi.attention_backward_triton(*ins, o, pos, go.to(dtype), 0.3))
+            for a, b, w in zip(*runs, want):
+                assert a.dtype == dtype and torch.equal(a, b)
+                assert (a.float() - w).abs().max() <= tol * max(1.0, w.abs().max().item())
+            assert not runs[0][0][1, 29:].any()
 
 
 def test_the_triton_rms_norm_keeps_a_row_and_has_the_plain_gradient(interpreted, monkeypatch):
