@@ -3,7 +3,8 @@
     python engines/torch/determinism.py [--device cuda|cpu] [--small] [--out DIR] [--check]
         [--mode both|default|deterministic] [--tile BM,BN,BK,warps,stages] [--tile-large T]
         [--row-kernels on|off] [--attn-grouped on|off] [--attn-bm N]
-        [--attn-bwd triton|sdpa] [--attn-bwd-tile BM,BN,warps,stages] [--profile]
+        [--attn-bwd triton|sdpa] [--attn-bwd-tile BM,BN,warps,stages]
+        [--norm-bwd triton|torch] [--head-bwd triton|torch] [--profile]
 
 On a random model (make-model: Qwen3-0.6B's shape, bf16 on a GPU; --small: the tiny Qwen3, for
 the CPU and the test that runs this), with no end-of-sequence token so every response has its
@@ -21,7 +22,9 @@ asked length, for each mode (an Engine with Options.deterministic off, then on):
   (c) a table of both, and the deterministic mode's cost as ratios.
 
 --check exits 1 unless the deterministic mode's mismatches are all 0 and its samples do not
-depend on their batch. --out DIR keeps the model folder and writes determinism.json there.
+depend on their batch. --out DIR keeps the model folder and writes determinism.json there; a
+later call into the same DIR (--mode deterministic with other knobs) adds a row named by its
+knobs, so that settings compare side by side in one table, each with its cost.
 """
 
 from __future__ import annotations
@@ -204,7 +207,7 @@ def run_mode(model_dir: pathlib.Path, a, deterministic: bool) -> dict:
     opts = Options(device=a.device, deterministic=deterministic, prefix_cache=8, prefix_min=16,
                    slots=max(a.batch, 16), max_seq_len=1024)
     t0 = time.perf_counter()
-    res = {"mode": name}
+    res = {"mode": name, "config": a.config if deterministic else ""}
     e = Engine(str(model_dir), opts)
     try:
         res.update(lora_identity(e, e.cfg.vocab_size, a.check_new))
@@ -236,19 +239,35 @@ def table(rows: list[dict], a, device_name: str) -> str:
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         lines.append("| " + " | ".join([
-            r["mode"], g(r["base"]["score"]), g(r["base"]["train"]),
+            label(r), g(r["base"]["score"]), g(r["base"]["train"]),
             g(max(r["lora"]["score"], r["lora"]["train"])),
             g(max(r["prefix"]["score"], r["prefix"]["train"])) + f" ({r['prefix_hits']} hits)",
             "yes" if r["batch_invariant"] else "no",
             f"{r['decode_tok_s']:.0f}", f"{r['train_tok_s']:.0f}"]) + " |")
-    if len(rows) < 2:
+    if len(rows) < 2 or rows[0]["mode"] != "default":
         return "\n".join([f"device: {device_name}; torch {torch.__version__}", *lines])
-    d, t = rows[0], rows[1]
-    cost = (f"deterministic / default: decode {t['decode_tok_s'] / d['decode_tok_s']:.3f} "
+    d, cost = rows[0], []
+    for t in rows[1:]:
+        cost.append(
+            f"{label(t)} / default: decode {t['decode_tok_s'] / d['decode_tok_s']:.3f} "
             f"({(1 - t['decode_tok_s'] / d['decode_tok_s']) * 100:.1f}% slower), training "
             f"{t['train_tok_s'] / d['train_tok_s']:.3f} "
             f"({(1 - t['train_tok_s'] / d['train_tok_s']) * 100:.1f}% slower)")
-    return "\n".join([f"device: {device_name}; torch {torch.__version__}", *lines, "", cost])
+    return "\n".join([f"device: {device_name}; torch {torch.__version__}", *lines, "", *cost])
+
+
+def label(r: dict) -> str:
+    """A row's name in the table: its mode, and the deterministic mode's non-default knobs."""
+    return r["mode"] + (f" ({r['config']})" if r.get("config") else "")
+
+
+# The deterministic mode's knobs (flag, attribute, default): a row records those set otherwise,
+# so that runs of other settings into one --out keep a row each.
+KNOBS = [("--tile", "tile", ""), ("--tile-large", "tile_large", ""),
+         ("--row-kernels", "row_kernels", "on"), ("--attn-grouped", "attn_grouped", "on"),
+         ("--attn-bm", "attn_bm", 0), ("--attn-bwd", "attn_bwd", "triton"),
+         ("--attn-bwd-tile", "attn_bwd_tile", ""), ("--norm-bwd", "norm_bwd", "triton"),
+         ("--head-bwd", "head_bwd", "triton")]
 
 
 def main(argv=None) -> int:
@@ -296,6 +315,13 @@ def main(argv=None) -> int:
     p.add_argument("--attn-bwd-tile", default="",
                    help="the Triton backward's blocks BM,BN,warps,stages (queries, keys; "
                    "default 64,64,8,2)")
+    p.add_argument("--norm-bwd", default="triton", choices=["triton", "torch"],
+                   help="the deterministic RMSNorm's backward pass: one Triton kernel (triton, "
+                   "the default) or autograd of its PyTorch form (torch, the first version)")
+    p.add_argument("--head-bwd", default="triton", choices=["triton", "torch"],
+                   help="the deterministic log-prob head's backward pass: one Triton pass over "
+                   "the logits (triton, the default) or autograd of the chunked fp32 form "
+                   "(torch, the first version)")
     a = p.parse_args(argv)
     from slimen_torch import batch_invariant
     if a.tile:
@@ -317,6 +343,10 @@ def main(argv=None) -> int:
         batch_invariant.ATTN_BWD_TILE = tuple(int(x) for x in a.attn_bwd_tile.split(","))
         if len(batch_invariant.ATTN_BWD_TILE) != 4:
             p.error(f"--attn-bwd-tile {a.attn_bwd_tile}: give BM,BN,warps,stages")
+    a.config = " ".join(f"{flag} {getattr(a, k)}" for flag, k, d in KNOBS
+                        if getattr(a, k) != d)
+    batch_invariant.RMS_BWD_TRITON = a.norm_bwd == "triton"
+    batch_invariant.HEAD_BWD_TRITON = a.head_bwd == "triton"
     small = dict(batch=8, prompt_len=16, new=8, check_new=8, train_samples=2, train_len=64)
     full = dict(batch=256, prompt_len=128, new=128, check_new=32, train_samples=8,
                 train_len=2048)
@@ -337,16 +367,19 @@ def main(argv=None) -> int:
     saved = root / "determinism.json"
     before = {}
     if saved.exists():
-        before = {r["mode"]: r for r in json.loads(saved.read_text())["modes"]}
+        before = {label(r): r for r in json.loads(saved.read_text())["modes"]}
+    det = None
     for mode in ("default", "deterministic"):
         if a.mode in ("both", mode):
-            before[mode] = run_mode(model_dir, a, mode == "deterministic")
-    rows = [before[m] for m in ("default", "deterministic") if m in before]
+            r = run_mode(model_dir, a, mode == "deterministic")
+            before[label(r)] = r
+            det = r if mode == "deterministic" else det
+    # The default mode first, then the deterministic rows in the order they were first run.
+    rows = sorted(before.values(), key=lambda r: r["mode"] != "default")
     text = table(rows, a, device_name)
     print(text)
     saved.write_text(json.dumps({"device": device_name, "args": vars(a), "modes": rows},
                                 indent=2))
-    det = before.get("deterministic")
     if det is None:
         return 0
     ok = (det["batch_invariant"] and det["prefix_hits"] > 0

@@ -171,6 +171,62 @@ if HAVE_TRITON:
             tl.store(Y + row * sy + i, (w * y).to(Y.dtype.element_ty), mask=i < N)
 
 
+if HAVE_TRITON:
+    @triton.jit
+    def _rms_bwd_kernel(X, W, G, GX, GW, M, N, sx, sg, sgx, eps, ROWS, BLOCK: tl.constexpr):
+        # The gradient of model.rms_norm (y = w·z, z = (x·r) rounded to x's dtype,
+        # r = 1/√(mean x² + eps)) for ROWS rows: gx = r·(gz − x̂·mean(gz·x̂)) with gz = g·w and
+        # x̂ = x·r in fp32 (the cast passes the gradient through), and the rows' part of gw =
+        # Σ g·z in fp32, summed in row order into this program's row of GW (the caller adds
+        # the programs' rows: no atomics, the same order every call).
+        pid = tl.program_id(0)
+        i = tl.arange(0, BLOCK)
+        im = i < N
+        w = tl.load(W + i, mask=im, other=0.0).to(tl.float32)
+        gw = tl.zeros((BLOCK,), tl.float32)
+        for k in range(0, ROWS):
+            row = pid.to(tl.int64) * ROWS + k
+            if row < M:
+                xr = tl.load(X + row * sx + i, mask=im, other=0.0)
+                x = xr.to(tl.float32)
+                g = tl.load(G + row * sg + i, mask=im, other=0.0).to(tl.float32)
+                r = 1.0 / tl.sqrt_rn(tl.sum(x * x, axis=0) / N + eps)
+                xh = x * r
+                gw += g * xh.to(xr.dtype).to(tl.float32)
+                gz = g * w
+                c = tl.sum(gz * xh, axis=0) / N
+                tl.store(GX + row * sgx + i, (r * (gz - xh * c)).to(GX.dtype.element_ty),
+                         mask=im)
+        tl.store(GW + pid.to(tl.int64) * N + i, gw, mask=im)
+
+
+# The RMSNorm's backward pass on a GPU: _rms_bwd_kernel instead of autograd of its PyTorch
+# form, about fifteen elementwise kernels a norm (determinism.py --norm-bwd torch). A program
+# takes up to RMS_BWD_ROWS rows, fewer where that leaves under ~1,024 programs (a row's chain of
+# loads and sums is latency-bound); rows of up to RMS_BWD_MAX entries (one block a row).
+RMS_BWD_TRITON = True
+RMS_BWD_ROWS = 32
+RMS_BWD_PROGRAMS = 1024
+RMS_BWD_MAX = 16384
+
+
+def rms_norm_backward_triton(x: torch.Tensor, weight: torch.Tensor, g: torch.Tensor,
+                             eps: float):
+    """(gx, gw): the gradients of rms_norm(x, weight, eps) for its output's gradient g, in
+    _rms_bwd_kernel; repeatable bit for bit (gw: the programs' partial sums added by one sum)."""
+    x2, g2 = _rows(x), _rows(g)
+    M, N = x2.shape
+    gx = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    rows = min(RMS_BWD_ROWS, max(1, M // RMS_BWD_PROGRAMS))
+    P = max(1, triton.cdiv(M, rows))
+    part = torch.zeros(P, N, dtype=torch.float32, device=x.device)
+    if M:
+        _rms_bwd_kernel[(P,)](x2, weight.contiguous(), g2, gx, part, M, N, x2.stride(0),
+                              g2.stride(0), gx.stride(0), float(eps), rows,
+                              BLOCK=max(16, triton.next_power_of_2(N)), num_warps=4)
+    return gx.view(x.shape), part.sum(0).to(weight.dtype)
+
+
 def _rows(x: torch.Tensor) -> torch.Tensor:
     x2 = x.reshape(-1, x.shape[-1])
     return x2 if x2.stride(-1) == 1 else x2.contiguous()
@@ -206,8 +262,8 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.
 
 
 class _RMSNorm(torch.autograd.Function):
-    """rms_norm_triton; the backward pass the gradient of model.rms_norm's PyTorch form,
-    recomputed."""
+    """rms_norm_triton; the backward pass the gradient of model.rms_norm: in
+    rms_norm_backward_triton, or by autograd of its PyTorch form recomputed."""
 
     @staticmethod
     def forward(ctx, x, weight, eps):
@@ -218,6 +274,9 @@ class _RMSNorm(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         x, weight = ctx.saved_tensors
+        if RMS_BWD_TRITON and x.shape[-1] <= RMS_BWD_MAX:
+            gx, gw = rms_norm_backward_triton(x, weight, g, ctx.eps)
+            return gx, gw, None
         with torch.enable_grad():
             x_, w_ = x.detach().requires_grad_(), weight.detach().requires_grad_()
             x32 = x_.float()
@@ -446,12 +505,86 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return x.gather(-1, targets[:, None]).squeeze(-1) - logsumexp(x)
 
 
+def _head_rows(logits: torch.Tensor) -> int:
+    # Row chunks of ~16 M fp32 entries on the CPU, ~1 G on a GPU (few launches a pass).
+    return max(1, (_CHUNK << (6 if logits.is_cuda else 2)) // max(1, logits.shape[-1]))
+
+
+if HAVE_TRITON:
+    @triton.jit
+    def _head_bwd_kernel(X, T, LSE, ENT, GLP, GENT, GX, N, sx, sgx, ENTROPY: tl.constexpr,
+                         BLOCK: tl.constexpr):
+        # A row's gradient of (log-prob of its target, entropy) in one pass over its logits:
+        # glp·(1[target] − p) − gent·p·(log p + entropy), p = exp(x − lse), in fp32, written in
+        # the logits' dtype.
+        row = tl.program_id(0).to(tl.int64)
+        t = tl.load(T + row)
+        lse = tl.load(LSE + row)
+        glp = tl.load(GLP + row)
+        ent = tl.load(ENT + row)
+        gent = tl.load(GENT + row)
+        for c0 in range(0, N, BLOCK):
+            i = c0 + tl.arange(0, BLOCK)
+            im = i < N
+            lsm = tl.load(X + row * sx + i, mask=im, other=0.0).to(tl.float32) - lse
+            p = tl.exp(lsm)
+            gx = tl.where(i == t, glp, 0.0) - glp * p
+            if ENTROPY:
+                gx -= gent * p * (lsm + ent)
+            tl.store(GX + row * sgx + i, gx.to(GX.dtype.element_ty), mask=im)
+
+
+# The log-prob head's backward pass on a GPU: _head_bwd_kernel, one pass over the logits,
+# instead of autograd of the chunked fp32 form (a dozen passes over the logits, the row chunks'
+# gradients put into full-size zero tensors and added; determinism.py --head-bwd torch).
+HEAD_BWD_TRITON = True
+
+
+class _HeadLogprobs(torch.autograd.Function):
+    """token_logprobs_entropy's forward (the same operations, so the same log-probs), with
+    _head_bwd_kernel's backward pass. Saves the logits and each row's log-sum-exp, not the
+    fp32 copies."""
+
+    @staticmethod
+    def forward(ctx, logits, targets, entropy_grad):
+        lps, ents, lses = [], [], []
+        rows = _head_rows(logits)
+        for i in range(0, logits.shape[0], rows):
+            x = logits[i:i + rows].float()
+            lse = logsumexp_triton(x)
+            lps.append(x.gather(-1, targets[i:i + rows, None]).squeeze(-1) - lse)
+            lsm = x - lse[:, None]
+            ents.append(-row_sum_triton(lsm.exp() * lsm))
+            lses.append(lse)
+        lp, ent = torch.cat(lps), torch.cat(ents)
+        ctx.save_for_backward(logits, targets, torch.cat(lses), ent)
+        ctx.entropy_grad = entropy_grad
+        if not entropy_grad:
+            ctx.mark_non_differentiable(ent)
+        return lp, ent
+
+    @staticmethod
+    def backward(ctx, glp, gent):
+        logits, targets, lse, ent = ctx.saved_tensors
+        x = _rows(logits)
+        N, V = x.shape
+        glp = torch.zeros_like(lse) if glp is None else glp.float().contiguous()
+        use_ent = ctx.entropy_grad and gent is not None
+        gent = gent.float().contiguous() if use_ent else glp
+        gx = torch.empty(N, V, dtype=logits.dtype, device=logits.device)
+        _head_bwd_kernel[(N,)](x, targets.contiguous(), lse, ent, glp, gent, gx, V, x.stride(0),
+                               gx.stride(0), ENTROPY=use_ent, BLOCK=ROW_BLOCK, num_warps=4)
+        return gx, None, None
+
+
 def token_logprobs_entropy(logits: torch.Tensor, targets: torch.Tensor, entropy_grad: bool):
     """(token_logprobs, entropy) for the trainer, the entropy from the same log-softmax; rows in
-    chunks so that the fp32 copies stay bounded."""
+    chunks so that the fp32 copies stay bounded (_HeadLogprobs where row_kernels says so and
+    HEAD_BWD_TRITON)."""
+    if logits.shape[0] and HEAD_BWD_TRITON and row_kernels(logits):
+        return _HeadLogprobs.apply(logits, targets, entropy_grad and torch.is_grad_enabled())
     lps, ents = [], []
-    # Row chunks of ~16 M fp32 entries on the CPU, ~1 G on a GPU (few launches a pass).
-    rows = max(1, (_CHUNK << (6 if logits.is_cuda else 2)) // max(1, logits.shape[-1]))
+    rows = _head_rows(logits)
     for i in range(0, logits.shape[0], rows):
         x = logits[i:i + rows].float()
         lse = logsumexp(x)

@@ -465,6 +465,68 @@ def test_the_triton_rms_norm_keeps_a_row_and_has_the_plain_gradient(interpreted,
         assert torch.allclose(a, b, atol=1e-5)
 
 
+def test_the_triton_rms_norm_backward_is_the_gradient_and_repeats(interpreted, monkeypatch):
+    # The GPU's RMSNorm backward pass in one kernel (gx a row at a time, gw as the programs'
+    # partial sums over their rows, added after): the gradient of the PyTorch form in fp32, and
+    # within bf16's rounding in bf16, with programs of 4 rows (the last of 2) and of 1; the same
+    # bit for bit twice; what _RMSNorm's backward pass returns.
+    g = torch.Generator().manual_seed(13)
+    x = torch.randn(6, 3, 40, generator=g) * 2
+    w = torch.randn(40, generator=g)
+    go = torch.randn(6, 3, 40, generator=g)
+    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
+        xs, ws = x.to(dtype), w.to(dtype)
+        xr, wr = xs.float().requires_grad_(), ws.float().requires_grad_()
+        x32 = xr.float()
+        y = wr * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + 1e-6)).to(dtype).float()
+        want = torch.autograd.grad(y, (xr, wr), go)
+        for programs in (4, 1024):
+            monkeypatch.setattr(bi, "RMS_BWD_PROGRAMS", programs)
+            one = bi.rms_norm_backward_triton(xs, ws, go.to(dtype), 1e-6)
+            two = bi.rms_norm_backward_triton(xs, ws, go.to(dtype), 1e-6)
+            for a, b, c in zip(one, two, want):
+                assert a.dtype == dtype and a.shape == c.shape and torch.equal(a, b)
+                assert (a.float() - c).abs().max() <= tol * max(1.0, c.abs().max().item())
+    monkeypatch.setattr(bi, "FORCE_TRITON", True)
+    xg, wg = x.clone().requires_grad_(), w.clone().requires_grad_()
+    got = torch.autograd.grad(bi.rms_norm(xg, wg, 1e-6), (xg, wg), go)
+    for a, b in zip(got, bi.rms_norm_backward_triton(x, w, go, 1e-6)):
+        assert torch.equal(a, b)
+
+
+def test_the_triton_log_prob_head_backward_is_the_gradient(interpreted, monkeypatch):
+    # The trainer's log-prob head on a GPU: the same log-probs and entropies, bit for bit, as the
+    # chunked form it replaces (the sampler's arithmetic), and in its backward pass one kernel a
+    # row: the chunked form's gradient (fp32; bf16 logits within their rounding), with and
+    # without the entropy's gradient, over several row chunks; the same bit for bit twice.
+    monkeypatch.setattr(bi, "FORCE_TRITON", True)
+    monkeypatch.setattr(bi, "_CHUNK", 1 << 11)  # chunks of 3 rows (on the CPU)
+    g = torch.Generator().manual_seed(14)
+    N, V = 7, 2500
+    logits = torch.randn(N, V, generator=g) * 3
+    targets = torch.randint(0, V, (N,), generator=g)
+    wl, we = torch.randn(N, generator=g), torch.randn(N, generator=g)
+
+    def run(x, new, entropy_grad):
+        monkeypatch.setattr(bi, "HEAD_BWD_TRITON", new)
+        x = x.clone().requires_grad_()
+        lp, ent = bi.token_logprobs_entropy(x, targets, entropy_grad)
+        assert ("HeadLogprobs" in type(lp.grad_fn).__name__) == new
+        loss = (lp * wl).sum() + ((ent * we).sum() if entropy_grad else 0.0)
+        return lp.detach(), ent.detach(), torch.autograd.grad(loss, x)[0]
+
+    for dtype, tol in ((torch.float32, 1e-6), (torch.bfloat16, 1e-2)):
+        x = logits.to(dtype)
+        for entropy_grad in (False, True):
+            lp, ent, gx = run(x, True, entropy_grad)
+            lp0, ent0, gx0 = run(x, False, entropy_grad)
+            assert torch.equal(lp, lp0) and torch.equal(ent, ent0)
+            assert gx.dtype == dtype
+            assert (gx.float() - gx0.float()).abs().max() <= tol * gx0.float().abs().max()
+            assert torch.equal(run(x, True, entropy_grad)[2], gx)
+    assert torch.equal(bi.token_logprobs(logits, targets), run(logits, True, False)[0])
+
+
 def test_the_triton_attention_groups_heads_alike(interpreted, monkeypatch):
     # A program's rows as the query heads of one key head (the default) or as one head's
     # queries: both SDPA's attention, and a query decoded alone gets what the whole sequence
