@@ -4,7 +4,8 @@
         [--mode both|default|deterministic] [--tile BM,BN,BK,warps,stages] [--tile-large T]
         [--row-kernels on|off] [--attn-grouped on|off] [--attn-bm N]
         [--attn-bwd triton|sdpa] [--attn-bwd-tile BM,BN,warps,stages]
-        [--norm-bwd triton|torch] [--head-bwd triton|torch] [--profile]
+        [--norm-bwd triton|torch] [--head-bwd triton|torch] [--fused-elementwise on|off]
+        [--profile]
 
 On a random model (make-model: Qwen3-0.6B's shape, bf16 on a GPU; --small: the tiny Qwen3, for
 the CPU and the test that runs this), with no end-of-sequence token so every response has its
@@ -267,7 +268,7 @@ KNOBS = [("--tile", "tile", ""), ("--tile-large", "tile_large", ""),
          ("--row-kernels", "row_kernels", "on"), ("--attn-grouped", "attn_grouped", "on"),
          ("--attn-bm", "attn_bm", 0), ("--attn-bwd", "attn_bwd", "triton"),
          ("--attn-bwd-tile", "attn_bwd_tile", ""), ("--norm-bwd", "norm_bwd", "triton"),
-         ("--head-bwd", "head_bwd", "triton")]
+         ("--head-bwd", "head_bwd", "triton"), ("--fused-elementwise", "fused_elementwise", "on")]
 
 
 def main(argv=None) -> int:
@@ -322,6 +323,10 @@ def main(argv=None) -> int:
                    help="the deterministic log-prob head's backward pass: one Triton pass over "
                    "the logits (triton, the default) or autograd of the chunked fp32 form "
                    "(torch, the first version)")
+    p.add_argument("--fused-elementwise", default="on", choices=["on", "off"],
+                   help="the deterministic rotary embedding and residual add in one Triton "
+                   "kernel each, rounding as eager mode does (on, the default), or as eager "
+                   "PyTorch operations (off, the first version)")
     a = p.parse_args(argv)
     from slimen_torch import batch_invariant
     if a.tile:
@@ -347,6 +352,7 @@ def main(argv=None) -> int:
                         if getattr(a, k) != d)
     batch_invariant.RMS_BWD_TRITON = a.norm_bwd == "triton"
     batch_invariant.HEAD_BWD_TRITON = a.head_bwd == "triton"
+    batch_invariant.FUSED_ELEMENTWISE = a.fused_elementwise == "on"
     small = dict(batch=8, prompt_len=16, new=8, check_new=8, train_samples=2, train_len=64)
     full = dict(batch=256, prompt_len=128, new=128, check_new=32, train_samples=8,
                 train_len=2048)

@@ -474,6 +474,125 @@ def lora_weights(sel, model, i: int, w: tuple) -> tuple:
     return lora._with_updates(model, w, update)
 
 
+# ---- elementwise work in one kernel (a GPU's decode steps and training passes alike) ----
+#
+# The rotary embedding and the residual add in Triton kernels that round as the eager PyTorch
+# operations round (each product and sum in fp32, rounded to the activation dtype where PyTorch
+# rounds it): the same numbers, in one kernel where eager mode launches up to six (and a cast of
+# the rotary tables a layer). Products of bf16 values are exact in fp32 and every step is
+# rounded before the next, so no fused multiply-add can form. False: eager operations
+# (determinism.py --fused-elementwise off).
+FUSED_ELEMENTWISE = True
+
+if HAVE_TRITON:
+    @triton.jit
+    def _rope_kernel(X, C, S, Y, Rc, H, D, sxr, sxh, scr, ssr, syr, syh, SIGN: tl.constexpr,
+                     BH: tl.constexpr, BD: tl.constexpr):
+        # Row r's H heads: y = x·cos + rotate_half(x)·sin (SIGN 1, model.apply_rope with the
+        # tables cast to x's dtype), each product and the sum rounded to x's dtype; SIGN −1:
+        # x·cos − rotate_half(x)·sin, the gradient of the former for tables whose two halves
+        # are equal (inv_frequencies' tables are).
+        r = tl.program_id(0).to(tl.int64)
+        h = tl.arange(0, BH)
+        d = tl.arange(0, BD)
+        half = D // 2
+        m = (h[:, None] < H) & (d[None, :] < D)
+        rd = tl.where(d < half, d + half, d - half)
+        x = tl.load(X + r * sxr + h[:, None] * sxh + d[None, :], mask=m, other=0.0)
+        xr = tl.load(X + r * sxr + h[:, None] * sxh + rd[None, :], mask=m, other=0.0)
+        dt = x.dtype
+        cr = r % Rc
+        c = tl.load(C + cr * scr + d, mask=d < D, other=0.0).to(dt).to(tl.float32)
+        s = tl.load(S + cr * ssr + d, mask=d < D, other=0.0).to(dt).to(tl.float32)
+        xr = xr.to(tl.float32)
+        rot = tl.where(d[None, :] < half, -xr, xr)
+        a = (x.to(tl.float32) * c[None, :]).to(dt).to(tl.float32)
+        b = (rot * s[None, :]).to(dt).to(tl.float32)
+        if SIGN > 0:
+            y = a + b
+        else:
+            y = a - b
+        tl.store(Y + r * syr + h[:, None] * syh + d[None, :], y.to(Y.dtype.element_ty), mask=m)
+
+    @triton.jit
+    def _add_kernel(X, Yv, O, n, BLOCK: tl.constexpr):
+        # model.residual_add: x + y in fp32, rounded to x's dtype.
+        i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        m = i < n
+        x = tl.load(X + i, mask=m, other=0.0).to(tl.float32)
+        y = tl.load(Yv + i, mask=m, other=0.0).to(tl.float32)
+        tl.store(O + i, (x + y).to(O.dtype.element_ty), mask=m)
+
+
+def _rope_launch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sign: int):
+    H, D = x.shape[-2], x.shape[-1]
+    x3 = x.reshape(-1, H, D)
+    if x3.stride(-1) != 1:
+        x3 = x3.contiguous()
+    c2, s2 = cos.reshape(-1, D), sin.reshape(-1, D)
+    y = torch.empty(x3.shape, dtype=x.dtype, device=x.device)
+    if x3.shape[0]:
+        _rope_kernel[(x3.shape[0],)](
+            x3, c2, s2, y, c2.shape[0], H, D, x3.stride(0), x3.stride(1), c2.stride(0),
+            s2.stride(0), y.stride(0), y.stride(1), SIGN=sign,
+            BH=triton.next_power_of_2(H), BD=max(16, triton.next_power_of_2(D)), num_warps=4)
+    return y.view(x.shape)
+
+
+class _Rope(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, cos, sin):
+        ctx.save_for_backward(cos, sin)
+        return _rope_launch(x, cos, sin, 1)
+
+    @staticmethod
+    def backward(ctx, g):
+        cos, sin = ctx.saved_tensors
+        return _rope_launch(g, cos, sin, -1), None, None
+
+
+def _rope_fits(x: torch.Tensor, cos: torch.Tensor) -> bool:
+    # The tables' rows are a suffix of x's row dimensions (broadcast over the rest), contiguous
+    # along the head dimension; x in a 16-bit dtype (see FUSED_ELEMENTWISE).
+    n = cos.dim() - 1
+    return (x.dtype in (torch.bfloat16, torch.float16) and cos.stride(-1) == 1
+            and x.dim() >= 2 + n and tuple(x.shape[x.dim() - 2 - n:-2]) == tuple(cos.shape[:-1])
+            and x.shape[-1] % 2 == 0)
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, apply_rope) -> torch.Tensor:
+    """apply_rope(x, cos, sin) (model.apply_rope: x [..., heads, D], tables [..., D] in fp32,
+    cast to x's dtype first) in _rope_kernel where use_triton and FUSED_ELEMENTWISE say so and
+    the shapes fit; the same numbers."""
+    if (FUSED_ELEMENTWISE and use_triton(x) and cos.shape == sin.shape
+            and cos.stride() == sin.stride() and _rope_fits(x, cos)):
+        return _Rope.apply(x, cos, sin)
+    return apply_rope(x, cos.to(x.dtype), sin.to(x.dtype))
+
+
+class _Add(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, y):
+        x1, y1 = x.contiguous().view(-1), y.contiguous().view(-1)
+        o = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        n = x1.numel()
+        if n:
+            _add_kernel[(triton.cdiv(n, 1024),)](x1, y1, o, n, BLOCK=1024, num_warps=4)
+        return o
+
+    @staticmethod
+    def backward(ctx, g):
+        return g, g
+
+
+def residual_add(x: torch.Tensor, y: torch.Tensor):
+    """model.residual_add in _add_kernel where use_triton and FUSED_ELEMENTWISE say so (x and y
+    of one dtype and shape); None elsewhere (the caller's operations)."""
+    if (FUSED_ELEMENTWISE and use_triton(x) and x.dtype == y.dtype and x.shape == y.shape):
+        return _Add.apply(x, y)
+    return None
+
+
 # ---- RMSNorm and the log-prob head ----
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

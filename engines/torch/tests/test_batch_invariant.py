@@ -527,6 +527,41 @@ def test_the_triton_log_prob_head_backward_is_the_gradient(interpreted, monkeypa
     assert torch.equal(bi.token_logprobs(logits, targets), run(logits, True, False)[0])
 
 
+def test_the_fused_rope_and_residual_add_round_as_eager_mode(interpreted, monkeypatch):
+    # The GPU's rotary embedding and residual add in one kernel each give eager mode's numbers
+    # bit for bit in bf16 (each product and the sum rounded as PyTorch rounds them), for the
+    # tables of a decode step ([B, D]), a training pass ([T, D], broadcast over the batch) and a
+    # prefill after a cached prefix ([B, T, D]); their gradients are eager autograd's, to bf16's
+    # rounding; without the kernels (FUSED_ELEMENTWISE off) the eager operations run.
+    from slimen_torch.model import apply_rope
+    monkeypatch.setattr(bi, "FORCE_TRITON", True)
+    g = torch.Generator().manual_seed(15)
+    angles = torch.randn(30, 8, generator=g) * 3
+    cos_t, sin_t = torch.cat((angles, angles), -1).cos(), torch.cat((angles, angles), -1).sin()
+    B, T, H, D = 2, 5, 3, 16
+    pos = torch.randint(0, 30, (B, T), generator=g)
+    for shape, cos, sin in (((B, H, D), cos_t[pos[:, 0]], sin_t[pos[:, 0]]),
+                            ((B, T, H, D), cos_t[:T], sin_t[:T]),
+                            ((B, T, H, D), cos_t[pos], sin_t[pos])):
+        x = (torch.randn(*shape, generator=g) * 4).bfloat16()
+        go = torch.randn(*shape, generator=g).bfloat16()
+        xe = x.clone().requires_grad_()
+        want = apply_rope(xe, cos.bfloat16(), sin.bfloat16())
+        xf = x.clone().requires_grad_()
+        got = bi.rope(xf, cos, sin, apply_rope)
+        assert "Rope" in type(got.grad_fn).__name__ and torch.equal(got, want)
+        ge, = torch.autograd.grad(want, xe, go)
+        gf, = torch.autograd.grad(got, xf, go)
+        assert (gf.float() - ge.float()).abs().max() <= 1e-2 * ge.float().abs().max()
+        y = (torch.randn(*shape, generator=g) * 4).bfloat16()
+        s = bi.residual_add(x, y)
+        assert torch.equal(s, (y.float() + x).to(x.dtype))
+    monkeypatch.setattr(bi, "FUSED_ELEMENTWISE", False)
+    assert bi.residual_add(x, y) is None
+    assert bi.rope(xf, cos, sin, apply_rope).grad_fn is not None
+    assert "Rope" not in type(bi.rope(xf, cos, sin, apply_rope).grad_fn).__name__
+
+
 def test_the_triton_attention_groups_heads_alike(interpreted, monkeypatch):
     # A program's rows as the query heads of one key head (the default) or as one head's
     # queries: both SDPA's attention, and a query decoded alone gets what the whole sequence
@@ -549,3 +584,26 @@ def test_the_triton_attention_groups_heads_alike(interpreted, monkeypatch):
             for t in (0, 16, 32):
                 one = bi.attention_triton(q[:, t:t + 1].contiguous(), k, v, pos[:, t:t + 1], 0.25)
                 assert torch.equal(one, o[:, t:t + 1])
+
+
+def test_a_training_step_through_the_gpu_kernels_is_the_cpu_step(interpreted, model_dirs,
+                                                                 monkeypatch):
+    # The deterministic mode's training step with every Triton kernel a GPU runs (products,
+    # attention and its backward pass, RMSNorm and its backward, the log-prob head's backward
+    # with the entropy's gradient, the residual add), on the tiny Qwen3 under the interpreter:
+    # the loss and gradient norm of the CPU's operations, to fp32 rounding.
+    monkeypatch.setattr(bi, "ATTN_BWD_TILE", (16, 16, 4, 1))
+    ss = [Sample(list(range(3, 23 + 7 * i)), list(range(40, 46)), [1.0] * 6, [-5.0] * 6,
+                 [1.0 if i else -1.0] * 6, group="g") for i in range(2)]
+    got = []
+    for force in (False, True):
+        monkeypatch.setattr(bi, "FORCE_TRITON", force)
+        e = Engine(str(model_dirs["tiny-qwen3"]), Options(device="cpu", deterministic=True))
+        try:
+            got.append(e.train(Batch(samples=ss, loss=LossConfig(lr=1e-3, max_grad_norm=0.0,
+                                                                 entropy_coef=0.01))))
+        finally:
+            e.close()
+    assert got[1].grad_norm > 0
+    assert abs(got[1].loss - got[0].loss) <= 1e-6 * max(1.0, abs(got[0].loss))
+    assert abs(got[1].grad_norm - got[0].grad_norm) <= 1e-5 * got[0].grad_norm
