@@ -5,7 +5,7 @@
         [--row-kernels on|off] [--attn-grouped on|off] [--attn-bm N]
         [--attn-bwd triton|sdpa] [--attn-bwd-tile BM,BN,warps,stages]
         [--norm-bwd triton|torch] [--head-bwd triton|torch] [--fused-elementwise on|off]
-        [--profile]
+        [--attn-large BM,warps] [--micro-batch-tokens N] [--profile]
 
 On a random model (make-model: Qwen3-0.6B's shape, bf16 on a GPU; --small: the tiny Qwen3, for
 the CPU and the test that runs this), with no end-of-sequence token so every response has its
@@ -206,7 +206,8 @@ def run_mode(model_dir: pathlib.Path, a, deterministic: bool) -> dict:
     # A cache of --batch rows × 1,024 positions (enough for every request here; 256 rows of
     # Qwen3-0.6B's keys and values are 15 GB in bf16).
     opts = Options(device=a.device, deterministic=deterministic, prefix_cache=8, prefix_min=16,
-                   slots=max(a.batch, 16), max_seq_len=1024)
+                   slots=max(a.batch, 16), max_seq_len=1024,
+                   micro_batch_tokens=a.micro_batch_tokens if deterministic else 0)
     t0 = time.perf_counter()
     res = {"mode": name, "config": a.config if deterministic else ""}
     e = Engine(str(model_dir), opts)
@@ -268,7 +269,8 @@ KNOBS = [("--tile", "tile", ""), ("--tile-large", "tile_large", ""),
          ("--row-kernels", "row_kernels", "on"), ("--attn-grouped", "attn_grouped", "on"),
          ("--attn-bm", "attn_bm", 0), ("--attn-bwd", "attn_bwd", "triton"),
          ("--attn-bwd-tile", "attn_bwd_tile", ""), ("--norm-bwd", "norm_bwd", "triton"),
-         ("--head-bwd", "head_bwd", "triton"), ("--fused-elementwise", "fused_elementwise", "on")]
+         ("--head-bwd", "head_bwd", "triton"), ("--fused-elementwise", "fused_elementwise", "on"),
+         ("--attn-large", "attn_large", ""), ("--micro-batch-tokens", "micro_batch_tokens", 0)]
 
 
 def main(argv=None) -> int:
@@ -327,6 +329,13 @@ def main(argv=None) -> int:
                    help="the deterministic rotary embedding and residual add in one Triton "
                    "kernel each, rounding as eager mode does (on, the default), or as eager "
                    "PyTorch operations (off, the first version)")
+    p.add_argument("--attn-large", default="",
+                   help="an experiment: another block BM,warps of the deterministic attention "
+                   "for passes of at least 64 queries (training, prefills); the check says "
+                   "whether the identities hold")
+    p.add_argument("--micro-batch-tokens", type=int, default=0,
+                   help="the deterministic mode's training micro-batches in padded tokens "
+                   "(default 4,096)")
     a = p.parse_args(argv)
     from slimen_torch import batch_invariant
     if a.tile:
@@ -353,6 +362,11 @@ def main(argv=None) -> int:
     batch_invariant.RMS_BWD_TRITON = a.norm_bwd == "triton"
     batch_invariant.HEAD_BWD_TRITON = a.head_bwd == "triton"
     batch_invariant.FUSED_ELEMENTWISE = a.fused_elementwise == "on"
+    if a.attn_large:
+        batch_invariant.ATTN_LARGE = tuple(int(x) for x in a.attn_large.split(","))
+        bm = batch_invariant.ATTN_LARGE[0]
+        if len(batch_invariant.ATTN_LARGE) != 2 or bm < 16 or bm & (bm - 1):
+            p.error(f"--attn-large {a.attn_large}: give BM,warps, BM a power of two ≥ 16")
     small = dict(batch=8, prompt_len=16, new=8, check_new=8, train_samples=2, train_len=64)
     full = dict(batch=256, prompt_len=128, new=128, check_new=32, train_samples=8,
                 train_len=2048)

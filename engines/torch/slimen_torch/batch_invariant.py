@@ -860,6 +860,12 @@ ATTN_BM = 16
 # for the group: half the reads of Qwen3-0.6B's decode) or one head's queries
 # (determinism.py --attn-grouped off).
 ATTN_GROUPED = True
+# An experiment (determinism.py --attn-large BM,warps): another block (rows, warps) for passes of
+# at least ATTN_LARGE_Q queries a sequence (training, prefills), the 64-key chunks and their
+# order alike. Whether a row's numbers are then those of a decode step's 16-row block is the
+# matrix instruction's property, not guaranteed: the device's check says.
+ATTN_LARGE: tuple | None = None
+ATTN_LARGE_Q = 64
 
 
 def attention_triton(q, k, v, q_pos, scale):
@@ -873,13 +879,14 @@ def attention_triton(q, k, v, q_pos, scale):
     o = torch.empty(B, Tq, H, D, dtype=q.dtype, device=q.device)
     pos = q_pos.to(torch.int64).contiguous().view(-1)
     G = H // KV
-    HG = G if ATTN_GROUPED and G <= ATTN_BM else 1
-    _attention_kernel[(B * triton.cdiv(Tq * HG, ATTN_BM), H // HG)](
+    BM, warps = (ATTN_BM, 4) if ATTN_LARGE is None or Tq < ATTN_LARGE_Q else ATTN_LARGE
+    HG = G if ATTN_GROUPED and G <= BM else 1
+    _attention_kernel[(B * triton.cdiv(Tq * HG, BM), H // HG)](
         q, k, v, o, pos, Tq, H, G, Lk, D, scale,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), o.stride(0), o.stride(1), o.stride(2),
-        BM=ATTN_BM, S=KV_SPLIT, BD=max(16, triton.next_power_of_2(D)),
-        IEEE=q.dtype == torch.float32, HG=HG, num_warps=4)
+        BM=BM, S=KV_SPLIT, BD=max(16, triton.next_power_of_2(D)),
+        IEEE=q.dtype == torch.float32, HG=HG, num_warps=warps)
     return o
 
 

@@ -584,6 +584,11 @@ def test_the_triton_attention_groups_heads_alike(interpreted, monkeypatch):
             for t in (0, 16, 32):
                 one = bi.attention_triton(q[:, t:t + 1].contiguous(), k, v, pos[:, t:t + 1], 0.25)
                 assert torch.equal(one, o[:, t:t + 1])
+        # The experiment's larger block for long passes (--attn-large): still the attention.
+        monkeypatch.setattr(bi, "ATTN_LARGE", (32, 4))
+        monkeypatch.setattr(bi, "ATTN_LARGE_Q", 32)
+        assert torch.allclose(bi.attention_triton(q, k, v, pos, 0.25), ref, atol=1e-5)
+        monkeypatch.setattr(bi, "ATTN_LARGE", None)
 
 
 def test_a_training_step_through_the_gpu_kernels_is_the_cpu_step(interpreted, model_dirs,
