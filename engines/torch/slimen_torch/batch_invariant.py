@@ -26,8 +26,10 @@ Here every reduction has an order fixed by the row alone:
 The model's functions (model.py) call these when the mode is on for the calling thread
 (`enabled`): the engine turns it on for its own thread, where all of its model work runs. The
 trainer then computes log-probs with the same functions and dtypes as generation, so they are
-equal bit for bit. Gradients go through plain PyTorch products (`linear`'s backward) and
-autograd of the other functions; they need not be batch-invariant, only repeatable.
+equal bit for bit. Gradients need not be batch-invariant, only repeatable: the products'
+backward passes are plain PyTorch products (cuBLAS), and on a GPU the attention's, RMSNorm's
+and the log-prob head's backward passes are Triton kernels without atomics (each sum in one
+program's fixed order); elsewhere autograd of the functions above.
 """
 
 from __future__ import annotations
