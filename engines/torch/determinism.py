@@ -327,8 +327,8 @@ def main(argv=None) -> int:
                    "(torch, the first version)")
     p.add_argument("--fused-elementwise", default="on", choices=["on", "off"],
                    help="the deterministic rotary embedding and residual add in one Triton "
-                   "kernel each, rounding as eager mode does (on, the default), or as eager "
-                   "PyTorch operations (off, the first version)")
+                   "kernel each, rounding as eager mode does, and SwiGLU's backward pass in one "
+                   "(on, the default), or eager PyTorch operations (off, the first version)")
     p.add_argument("--attn-large", default="",
                    help="an experiment: another block BM,warps of the deterministic attention "
                    "for passes of at least 64 queries (training, prefills); the check says "

@@ -482,8 +482,9 @@ def lora_weights(sel, model, i: int, w: tuple) -> tuple:
 # operations round (each product and sum in fp32, rounded to the activation dtype where PyTorch
 # rounds it): the same numbers, in one kernel where eager mode launches up to six (and a cast of
 # the rotary tables a layer). Products of bf16 values are exact in fp32 and every step is
-# rounded before the next, so no fused multiply-add can form. False: eager operations
-# (determinism.py --fused-elementwise off).
+# rounded before the next, so no fused multiply-add can form. SwiGLU keeps its eager forward
+# (silu's exp is the library's) with its backward pass in one kernel (_SwiGLU). False: eager
+# operations and autograd (determinism.py --fused-elementwise off).
 FUSED_ELEMENTWISE = True
 
 if HAVE_TRITON:
@@ -592,6 +593,56 @@ def residual_add(x: torch.Tensor, y: torch.Tensor):
     of one dtype and shape); None elsewhere (the caller's operations)."""
     if (FUSED_ELEMENTWISE and use_triton(x) and x.dtype == y.dtype and x.shape == y.shape):
         return _Add.apply(x, y)
+    return None
+
+
+if HAVE_TRITON:
+    @triton.jit
+    def _swiglu_bwd_kernel(GU, GA, GG, I, sgu, sga, sgg, BLOCK: tl.constexpr):
+        # The gradient of silu(gate)·up (gate, up: the two halves of a row of GU) for the
+        # output's gradient ga, in fp32: d gate = ga·up·σ·(1 + gate·(1 − σ)), d up = ga·silu,
+        # written into the row of GG as GU's halves lie.
+        row = tl.program_id(0).to(tl.int64)
+        i = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        m = i < I
+        g = tl.load(GU + row * sgu + i, mask=m, other=0.0).to(tl.float32)
+        u = tl.load(GU + row * sgu + I + i, mask=m, other=0.0).to(tl.float32)
+        ga = tl.load(GA + row * sga + i, mask=m, other=0.0).to(tl.float32)
+        sig = 1.0 / (1.0 + tl.exp(-g))
+        tl.store(GG + row * sgg + i, (ga * u * sig * (1.0 + g * (1.0 - sig))).to(
+            GG.dtype.element_ty), mask=m)
+        tl.store(GG + row * sgg + I + i, (ga * g * sig).to(GG.dtype.element_ty), mask=m)
+
+
+class _SwiGLU(torch.autograd.Function):
+    """silu(gate)·up of gu's two halves in the eager operations (the same numbers), with
+    _swiglu_bwd_kernel's backward pass: one kernel writing gu's gradient, where autograd of the
+    eager form takes four (silu's, two products', the halves' concatenation)."""
+
+    @staticmethod
+    def forward(ctx, gu):
+        ctx.save_for_backward(gu)
+        gate, up = gu.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+    @staticmethod
+    def backward(ctx, ga):
+        gu, = ctx.saved_tensors
+        gu2, ga2 = _rows(gu), _rows(ga)
+        I = ga2.shape[1]
+        gg = torch.empty(gu2.shape, dtype=gu.dtype, device=gu.device)
+        if gu2.shape[0]:
+            _swiglu_bwd_kernel[(gu2.shape[0], triton.cdiv(I, 1024))](
+                gu2, ga2, gg, I, gu2.stride(0), ga2.stride(0), gg.stride(0), BLOCK=1024,
+                num_warps=4)
+        return gg.view(gu.shape)
+
+
+def swiglu(gu: torch.Tensor):
+    """silu(gate)·up of gu's halves with _SwiGLU's backward pass where use_triton and
+    FUSED_ELEMENTWISE say so; None elsewhere (the caller's operations)."""
+    if FUSED_ELEMENTWISE and use_triton(gu) and gu.shape[-1] % 2 == 0:
+        return _SwiGLU.apply(gu)
     return None
 
 

@@ -257,7 +257,12 @@ def qkv_from_normed(cfg: ModelConfig, w: tuple, h, cos, sin, norm=rms_norm):
 
 def mlp(cfg: ModelConfig, w: tuple, x, norm=rms_norm):
     mlp_norm, w13, w2 = w[7:]
-    gate, up = linear(norm(x, mlp_norm, cfg.rms_eps), w13).chunk(2, dim=-1)
+    gu = linear(norm(x, mlp_norm, cfg.rms_eps), w13)
+    if bi.enabled():  # the same operations; on a GPU the backward pass in one kernel
+        a = bi.swiglu(gu)
+        if a is not None:
+            return linear(a, w2)
+    gate, up = gu.chunk(2, dim=-1)
     return linear(F.silu(gate) * up, w2)
 
 

@@ -531,8 +531,9 @@ def test_the_fused_rope_and_residual_add_round_as_eager_mode(interpreted, monkey
     # The GPU's rotary embedding and residual add in one kernel each give eager mode's numbers
     # bit for bit in bf16 (each product and the sum rounded as PyTorch rounds them), for the
     # tables of a decode step ([B, D]), a training pass ([T, D], broadcast over the batch) and a
-    # prefill after a cached prefix ([B, T, D]); their gradients are eager autograd's, to bf16's
-    # rounding; without the kernels (FUSED_ELEMENTWISE off) the eager operations run.
+    # prefill after a cached prefix ([B, T, D]); their gradients, and SwiGLU's from its one
+    # backward kernel, are eager autograd's to bf16's rounding; without the kernels
+    # (FUSED_ELEMENTWISE off) the eager operations run.
     from slimen_torch.model import apply_rope
     monkeypatch.setattr(bi, "FORCE_TRITON", True)
     g = torch.Generator().manual_seed(15)
@@ -556,8 +557,21 @@ def test_the_fused_rope_and_residual_add_round_as_eager_mode(interpreted, monkey
         y = (torch.randn(*shape, generator=g) * 4).bfloat16()
         s = bi.residual_add(x, y)
         assert torch.equal(s, (y.float() + x).to(x.dtype))
+    # SwiGLU: the eager operations forward (the same numbers), one kernel backward.
+    gu = (torch.randn(4, 3, 2 * 40, generator=g) * 3).bfloat16()
+    ga = torch.randn(4, 3, 40, generator=g).bfloat16()
+    ge = gu.clone().requires_grad_()
+    gate, up = ge.chunk(2, dim=-1)
+    want = torch.nn.functional.silu(gate) * up
+    gf = gu.clone().requires_grad_()
+    got = bi.swiglu(gf)
+    assert "SwiGLU" in type(got.grad_fn).__name__ and torch.equal(got, want)
+    we, = torch.autograd.grad(want, ge, ga)
+    wf, = torch.autograd.grad(got, gf, ga)
+    assert wf.dtype == torch.bfloat16
+    assert (wf.float() - we.float()).abs().max() <= 2e-2 * we.float().abs().max()
     monkeypatch.setattr(bi, "FUSED_ELEMENTWISE", False)
-    assert bi.residual_add(x, y) is None
+    assert bi.residual_add(x, y) is None and bi.swiglu(gu) is None
     assert bi.rope(xf, cos, sin, apply_rope).grad_fn is not None
     assert "Rope" not in type(bi.rope(xf, cos, sin, apply_rope).grad_fn).__name__
 
