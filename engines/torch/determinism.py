@@ -5,7 +5,7 @@
         [--row-kernels on|off] [--attn-grouped on|off] [--attn-bm N]
         [--attn-bwd triton|sdpa] [--attn-bwd-tile BM,BN,warps,stages]
         [--norm-bwd triton|torch] [--head-bwd triton|torch] [--fused-elementwise on|off]
-        [--attn-large BM,warps] [--micro-batch-tokens N] [--profile]
+        [--attn-large BM,warps] [--micro-batch-tokens N] [--split-k S] [--profile]
 
 On a random model (make-model: Qwen3-0.6B's shape, bf16 on a GPU; --small: the tiny Qwen3, for
 the CPU and the test that runs this), with no end-of-sequence token so every response has its
@@ -270,7 +270,8 @@ KNOBS = [("--tile", "tile", ""), ("--tile-large", "tile_large", ""),
          ("--attn-bm", "attn_bm", 0), ("--attn-bwd", "attn_bwd", "triton"),
          ("--attn-bwd-tile", "attn_bwd_tile", ""), ("--norm-bwd", "norm_bwd", "triton"),
          ("--head-bwd", "head_bwd", "triton"), ("--fused-elementwise", "fused_elementwise", "on"),
-         ("--attn-large", "attn_large", ""), ("--micro-batch-tokens", "micro_batch_tokens", 0)]
+         ("--attn-large", "attn_large", ""), ("--micro-batch-tokens", "micro_batch_tokens", 0),
+         ("--split-k", "split_k", 1)]
 
 
 def main(argv=None) -> int:
@@ -336,6 +337,9 @@ def main(argv=None) -> int:
     p.add_argument("--micro-batch-tokens", type=int, default=0,
                    help="the deterministic mode's training micro-batches in padded tokens "
                    "(default 4,096)")
+    p.add_argument("--split-k", type=int, default=1,
+                   help="an experiment: the deterministic products of K >= 2,048 split along K "
+                   "into S parts added in order (every pass alike; default 1, unsplit)")
     a = p.parse_args(argv)
     from slimen_torch import batch_invariant
     if a.tile:
@@ -362,6 +366,9 @@ def main(argv=None) -> int:
     batch_invariant.RMS_BWD_TRITON = a.norm_bwd == "triton"
     batch_invariant.HEAD_BWD_TRITON = a.head_bwd == "triton"
     batch_invariant.FUSED_ELEMENTWISE = a.fused_elementwise == "on"
+    if a.split_k < 1:
+        p.error(f"--split-k {a.split_k}: give a count ≥ 1")
+    batch_invariant.SPLIT_K = a.split_k
     if a.attn_large:
         batch_invariant.ATTN_LARGE = tuple(int(x) for x in a.attn_large.split(","))
         bm = batch_invariant.ATTN_LARGE[0]

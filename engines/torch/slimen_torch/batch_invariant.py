@@ -379,6 +379,65 @@ TILE_LARGE: tuple | None = None
 LARGE_M = 1024
 
 
+# An experiment (determinism.py --split-k S): products of K ≥ SPLIT_K_MIN split along K into S
+# parts, each a program's (S times the programs: a decode step's products of few output tiles
+# fill more of the GPU), their fp32 sums added in order. The parts are fixed by K and BK alone,
+# so a row's arithmetic is still the same for every row count; it is not the unsplit one, and
+# every pass (decode, prefill, training) takes it alike.
+SPLIT_K = 1
+SPLIT_K_MIN = 2048
+
+if HAVE_TRITON:
+    @triton.jit(do_not_specialize=["M"])
+    def _matmul_split_kernel(X, W, P, M, N, K, KS, sxm, sxk, swn, swk,
+                             BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                             IEEE: tl.constexpr):
+        # _matmul_kernel over the K range [ps·KS, (ps + 1)·KS) of part ps, its fp32 sum stored
+        # in P[ps] ([parts, M, N]).
+        pm, pn, ps = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        rm = pm * BM + tl.arange(0, BM)
+        rn = pn * BN + tl.arange(0, BN)
+        rk = tl.arange(0, BK)
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        k1 = tl.minimum(ps * KS + KS, K)
+        for k0 in range(ps * KS, k1, BK):
+            kk = k0 + rk
+            a = tl.load(X + rm[:, None] * sxm + kk[None, :] * sxk,
+                        mask=(rm[:, None] < M) & (kk[None, :] < k1), other=0.0)
+            b = tl.load(W + rn[None, :] * swn + kk[:, None] * swk,
+                        mask=(rn[None, :] < N) & (kk[:, None] < k1), other=0.0)
+            if IEEE:
+                acc += tl.dot(a, b, input_precision="ieee")
+            else:
+                acc += tl.dot(a, b)
+        out = P + ps.to(tl.int64) * M * N
+        tl.store(out + rm[:, None] * N + rn[None, :], acc,
+                 mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+    @triton.jit
+    def _split_sum_kernel(P, Y, n, S, BLOCK: tl.constexpr):
+        # Y = P[0] + P[1] + … + P[S−1] in that order, in fp32, rounded once to Y's dtype.
+        i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        m = i < n
+        acc = tl.load(P + i, mask=m, other=0.0)
+        for s in range(1, S):
+            acc += tl.load(P + s * n + i, mask=m, other=0.0)
+        tl.store(Y + i, acc.to(Y.dtype.element_ty), mask=m)
+
+
+def _matmul_split(x, w, y, tile) -> None:
+    M, K = x.shape
+    N = w.shape[0]
+    BM, BN, BK, warps, stages = tile
+    KS = triton.cdiv(triton.cdiv(K, BK), SPLIT_K) * BK
+    parts = triton.cdiv(K, KS)
+    p = torch.empty(parts, M, N, dtype=torch.float32, device=x.device)
+    _matmul_split_kernel[(triton.cdiv(M, BM), triton.cdiv(N, BN), parts)](
+        x, w, p, M, N, K, KS, x.stride(0), x.stride(1), w.stride(0), w.stride(1), BM=BM, BN=BN,
+        BK=BK, IEEE=x.dtype == torch.float32, num_warps=warps, num_stages=stages)
+    _split_sum_kernel[(triton.cdiv(M * N, 1024),)](p, y, M * N, parts, BLOCK=1024, num_warps=4)
+
+
 def matmul_triton(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     """x [M, K] @ w [N, K]ᵀ → [M, N] in out_dtype through _matmul_kernel (fp32 accumulation)."""
     M, K = x.shape
@@ -386,7 +445,11 @@ def matmul_triton(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype) -> t
     y = torch.empty(M, N, dtype=out_dtype, device=x.device)
     if M == 0 or N == 0:
         return y
-    BM, BN, BK, warps, stages = TILE if TILE_LARGE is None or M < LARGE_M else TILE_LARGE
+    tile = TILE if TILE_LARGE is None or M < LARGE_M else TILE_LARGE
+    if SPLIT_K > 1 and K >= SPLIT_K_MIN:
+        _matmul_split(x, w, y, tile)
+        return y
+    BM, BN, BK, warps, stages = tile
     grid = (triton.cdiv(M, BM), triton.cdiv(N, BN))
     _matmul_kernel[grid](x, w, y, M, N, K, x.stride(0), x.stride(1), w.stride(0), w.stride(1),
                          y.stride(0), y.stride(1), BM=BM, BN=BN, BK=BK,

@@ -258,19 +258,30 @@ def interpreted():
         pytest.skip("needs Triton's interpreter (TRITON_INTERPRET=1, conftest's without a GPU)")
 
 
-def test_the_triton_product_keeps_a_row_whatever_the_row_count(interpreted):
+@pytest.mark.parametrize("split", [1, 2])
+def test_the_triton_product_keeps_a_row_whatever_the_row_count(interpreted, monkeypatch, split):
     # The tile shape is the same for every M: a row's K-reduction is the same, so the leading
     # rows of a product and a single row give what the whole product gave them. (Whether a row
     # in another position of a tile gives the same is the GPU's matrix instruction's property,
     # which determinism.py checks on the device; the interpreter's NumPy product is not that.)
+    # The same with K split in 2 parts (--split-k: 3 and 2 steps of 64, each part's sum from 0,
+    # then the two added), which is not the unsplit sum.
+    monkeypatch.setattr(bi, "SPLIT_K", split)
+    monkeypatch.setattr(bi, "SPLIT_K_MIN", 100)
     g = torch.Generator().manual_seed(6)
-    x = torch.randn(70, 40, generator=g)
-    w = torch.randn(24, 40, generator=g)
-    y = bi.matmul_triton(x, w, torch.float32)
-    assert torch.allclose(y, x @ w.t(), atol=1e-5)
-    for k in (1, 5, 64):
-        assert torch.equal(bi.matmul_triton(x[:k], w, torch.float32), y[:k])
-    assert torch.equal(bi.matmul_triton(x[69:70], w, torch.float32), y[69:70])
+    for K in (40, 300):
+        x = torch.randn(70, K, generator=g)
+        w = torch.randn(24, K, generator=g)
+        y = bi.matmul_triton(x, w, torch.float32)
+        assert torch.allclose(y, x @ w.t(), atol=1e-4)
+        for k in (1, 5, 64):
+            assert torch.equal(bi.matmul_triton(x[:k], w, torch.float32), y[:k])
+        assert torch.equal(bi.matmul_triton(x[69:70], w, torch.float32), y[69:70])
+        if split > 1 and K > 100:
+            monkeypatch.setattr(bi, "SPLIT_K", 1)
+            whole = bi.matmul_triton(x, w, torch.float32)
+            monkeypatch.setattr(bi, "SPLIT_K", split)
+            assert torch.allclose(whole, y, atol=1e-4) and not torch.equal(whole, y)
 
 
 def test_the_triton_attention_is_the_same_for_any_cache(interpreted):
