@@ -419,9 +419,11 @@ if HAVE_TRITON:
         # Y = P[0] + P[1] + … + P[S−1] in that order, in fp32, rounded once to Y's dtype.
         i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         m = i < n
-        acc = tl.load(P + i, mask=m, other=0.0)
-        for s in range(1, S):
-            acc += tl.load(P + s * n + i, mask=m, other=0.0)
+        pp = P + i
+        acc = tl.load(pp, mask=m, other=0.0)
+        for _ in range(1, S):
+            pp += n
+            acc += tl.load(pp, mask=m, other=0.0)
         tl.store(Y + i, acc.to(Y.dtype.element_ty), mask=m)
 
 
@@ -1021,8 +1023,10 @@ if HAVE_TRITON:
         # F32DOT: the product in fp32 (IEEE) of the operands read as fp32: fp32 tensors, and
         # bf16 ones under Triton's interpreter (whose product of bf16 reads their bits).
         if F32DOT:
-            return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
-        return tl.dot(a, b)
+            out = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+        else:
+            out = tl.dot(a, b)
+        return out
 
     @triton.jit(do_not_specialize=["Tq", "Lk"])
     def _attention_bwd_dq_kernel(Q, K, V, O, DO, P, DQ, LSE, DELTA, Tq, H, G, Lk, D, scale,
