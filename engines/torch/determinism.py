@@ -3,7 +3,7 @@
     python engines/torch/determinism.py [--device cuda|cpu] [--small] [--out DIR] [--check]
         [--mode both|default|deterministic] [--tile BM,BN,BK,warps,stages] [--tile-large T]
         [--row-kernels on|off] [--attn-grouped on|off] [--attn-bm N]
-        [--attn-bwd triton|sdpa] [--attn-bwd-tile BM,BN,warps,stages]
+        [--attn-bwd triton|sdpa] [--attn-bwd-dq Q,K,W,S] [--attn-bwd-dkdv Q,K,W,S]
         [--norm-bwd triton|torch] [--head-bwd triton|torch] [--fused-elementwise on|off]
         [--attn-large BM,warps] [--micro-batch-tokens N] [--split-k S] [--profile]
 
@@ -268,7 +268,8 @@ def label(r: dict) -> str:
 KNOBS = [("--tile", "tile", ""), ("--tile-large", "tile_large", ""),
          ("--row-kernels", "row_kernels", "on"), ("--attn-grouped", "attn_grouped", "on"),
          ("--attn-bm", "attn_bm", 0), ("--attn-bwd", "attn_bwd", "triton"),
-         ("--attn-bwd-tile", "attn_bwd_tile", ""), ("--norm-bwd", "norm_bwd", "triton"),
+         ("--attn-bwd-dq", "attn_bwd_dq", ""), ("--attn-bwd-dkdv", "attn_bwd_dkdv", ""),
+         ("--norm-bwd", "norm_bwd", "triton"),
          ("--head-bwd", "head_bwd", "triton"), ("--fused-elementwise", "fused_elementwise", "on"),
          ("--attn-large", "attn_large", ""), ("--micro-batch-tokens", "micro_batch_tokens", 0),
          ("--split-k", "split_k", 1)]
@@ -316,9 +317,12 @@ def main(argv=None) -> int:
                    help="the deterministic attention's backward pass (training): two Triton "
                    "kernels without atomics (triton, the default) or PyTorch's attention "
                    "recomputed in its strict deterministic mode (sdpa, the first version)")
-    p.add_argument("--attn-bwd-tile", default="",
-                   help="the Triton backward's blocks BM,BN,warps,stages (queries, keys; "
-                   "default 64,64,8,2)")
+    p.add_argument("--attn-bwd-dq", default="",
+                   help="the Triton backward's dQ kernel's block: queries,keys,warps,stages "
+                   "(default 128,32,8,3)")
+    p.add_argument("--attn-bwd-dkdv", default="",
+                   help="the Triton backward's dK/dV kernel's block: queries,keys,warps,stages "
+                   "(default 32,128,8,2)")
     p.add_argument("--norm-bwd", default="triton", choices=["triton", "torch"],
                    help="the deterministic RMSNorm's backward pass: one Triton kernel (triton, "
                    "the default) or autograd of its PyTorch form (torch, the first version)")
@@ -357,10 +361,12 @@ def main(argv=None) -> int:
             p.error(f"--attn-bm {a.attn_bm}: give a power of two ≥ 16")
         batch_invariant.ATTN_BM = a.attn_bm
     batch_invariant.ATTN_BWD = a.attn_bwd
-    if a.attn_bwd_tile:
-        batch_invariant.ATTN_BWD_TILE = tuple(int(x) for x in a.attn_bwd_tile.split(","))
-        if len(batch_invariant.ATTN_BWD_TILE) != 4:
-            p.error(f"--attn-bwd-tile {a.attn_bwd_tile}: give BM,BN,warps,stages")
+    for flag, name in (("dq", "ATTN_BWD_DQ"), ("dkdv", "ATTN_BWD_DKDV")):
+        got = getattr(a, f"attn_bwd_{flag}")
+        if got:
+            setattr(batch_invariant, name, tuple(int(x) for x in got.split(",")))
+            if len(getattr(batch_invariant, name)) != 4:
+                p.error(f"--attn-bwd-{flag} {got}: give queries,keys,warps,stages")
     a.config = " ".join(f"{flag} {getattr(a, k)}" for flag, k, d in KNOBS
                         if getattr(a, k) != d)
     batch_invariant.RMS_BWD_TRITON = a.norm_bwd == "triton"

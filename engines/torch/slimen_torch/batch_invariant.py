@@ -1139,10 +1139,18 @@ if HAVE_TRITON:
         tl.store(DV + g, dv.to(DV.dtype.element_ty), mask=gm)
 
 # The attention's backward pass: "triton" (the kernels above) or "sdpa" (PyTorch's attention
-# recomputed under its strict deterministic mode; determinism.py --attn-bwd sdpa). Its blocks
-# (queries, keys, warps, stages), one for both kernels: any gives repeatable gradients.
+# recomputed under its strict deterministic mode; determinism.py --attn-bwd sdpa). The kernels'
+# blocks (queries, keys, warps, stages): many rows of what a program accumulates (dQ: queries,
+# dK/dV: keys), few of what it streams, as the flash-attention-2 Triton tutorial has them; at
+# head dim 128 in bf16 these compile for sm_90 without spilling registers (ptxas -v). Any block
+# gives repeatable gradients (determinism.py --attn-bwd-dq, --attn-bwd-dkdv).
+# fp32 operands (an fp32 model: products of fp32 FMAs, no tensor cores) take smaller blocks, which
+# compile without spilling likewise.
 ATTN_BWD = "triton"
-ATTN_BWD_TILE = (64, 64, 8, 2)
+ATTN_BWD_DQ = (128, 32, 8, 3)
+ATTN_BWD_DKDV = (32, 128, 8, 2)
+ATTN_BWD_DQ_F32 = (32, 32, 4, 2)
+ATTN_BWD_DKDV_F32 = (32, 16, 4, 1)
 
 
 def attention_backward_triton(q, k, v, o, q_pos, go, scale):
@@ -1156,12 +1164,12 @@ def attention_backward_triton(q, k, v, o, q_pos, go, scale):
     if k.stride(-1) != 1 or v.stride(-1) != 1:
         k, v = k.contiguous(), v.contiguous()
     pos = q_pos.to(torch.int64).contiguous().view(-1)
-    BM, BN, warps, stages = ATTN_BWD_TILE
     BD = max(16, triton.next_power_of_2(D))
     f32 = q.dtype == torch.float32 or INTERPRET
     dq = torch.empty_like(q)
     lse = torch.empty(B, Tq, H, dtype=torch.float32, device=q.device)
     delta = torch.empty_like(lse)
+    BM, BN, warps, stages = ATTN_BWD_DQ_F32 if q.dtype == torch.float32 else ATTN_BWD_DQ
     _attention_bwd_dq_kernel[(B * triton.cdiv(Tq, BM), H)](
         q, k, v, o, go, pos, dq, lse, delta, Tq, H, H // KV, Lk, D, scale,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
@@ -1170,6 +1178,7 @@ def attention_backward_triton(q, k, v, o, q_pos, go, scale):
         BM=BM, BN=BN, BD=BD, F32DOT=f32, num_warps=warps, num_stages=stages)
     dk = torch.empty(B, KV, Lk, D, dtype=k.dtype, device=k.device)
     dv = torch.empty(B, KV, Lk, D, dtype=v.dtype, device=v.device)
+    BM, BN, warps, stages = ATTN_BWD_DKDV_F32 if q.dtype == torch.float32 else ATTN_BWD_DKDV
     _attention_bwd_dkdv_kernel[(B * triton.cdiv(Lk, BN), KV)](
         q, k, v, go, pos, lse, delta, dk, dv, Tq, H, H // KV, Lk, D, scale,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),

@@ -386,7 +386,10 @@ def test_the_triton_attention_gradient_is_sdpa_s_in_both_forms(interpreted, monk
     # and a masked one give SDPA's gradients, in either backward pass; the "sdpa" one leaves
     # PyTorch's deterministic setting as it found it.
     monkeypatch.setattr(bi, "ATTN_BWD", bwd)
-    monkeypatch.setattr(bi, "ATTN_BWD_TILE", (16, 16, 4, 1))
+    for name in ("ATTN_BWD_DQ", "ATTN_BWD_DQ_F32"):
+        monkeypatch.setattr(bi, name, (16, 16, 4, 1))
+    for name in ("ATTN_BWD_DKDV", "ATTN_BWD_DKDV_F32"):
+        monkeypatch.setattr(bi, name, (16, 32, 4, 1))
     g = torch.Generator().manual_seed(9)
     B, T, H, KV, D = 2, 20, 4, 2, 16
     q, k, v = (torch.randn(*s, generator=g) for s in ((B, T, H, D), (B, KV, T, D), (B, KV, T, D)))
@@ -414,7 +417,10 @@ def test_the_triton_attention_backward_is_the_gradient_and_repeats(interpreted, 
     # no gradient). Two calls give the same gradients bit for bit. (In bf16 the output comes
     # from attention_torch: the interpreter's forward kernel reads bf16 operands of its products
     # as their bits; the backward kernels read them as fp32 there.)
-    monkeypatch.setattr(bi, "ATTN_BWD_TILE", (16, 16, 4, 1))
+    for name in ("ATTN_BWD_DQ", "ATTN_BWD_DQ_F32"):
+        monkeypatch.setattr(bi, name, (16, 16, 4, 1))
+    for name in ("ATTN_BWD_DKDV", "ATTN_BWD_DKDV_F32"):
+        monkeypatch.setattr(bi, name, (16, 32, 4, 1))
 
     def no_sdpa(*a, **kw):
         raise AssertionError("the Triton attention's backward pass called SDPA")
@@ -622,7 +628,10 @@ def test_a_training_step_through_the_gpu_kernels_is_the_cpu_step(interpreted, mo
     # attention and its backward pass, RMSNorm and its backward, the log-prob head's backward
     # with the entropy's gradient, the residual add), on the tiny Qwen3 under the interpreter:
     # the loss and gradient norm of the CPU's operations, to fp32 rounding.
-    monkeypatch.setattr(bi, "ATTN_BWD_TILE", (16, 16, 4, 1))
+    for name in ("ATTN_BWD_DQ", "ATTN_BWD_DQ_F32"):
+        monkeypatch.setattr(bi, name, (16, 16, 4, 1))
+    for name in ("ATTN_BWD_DKDV", "ATTN_BWD_DKDV_F32"):
+        monkeypatch.setattr(bi, name, (16, 32, 4, 1))
     ss = [Sample(list(range(3, 23 + 7 * i)), list(range(40, 46)), [1.0] * 6, [-5.0] * 6,
                  [1.0 if i else -1.0] * 6, group="g") for i in range(2)]
     got = []
