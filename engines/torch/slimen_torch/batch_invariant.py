@@ -771,14 +771,42 @@ if HAVE_TRITON:
             tl.store(GX + row * sgx + i, gx.to(GX.dtype.element_ty), mask=im)
 
 
+if HAVE_TRITON:
+    @triton.jit
+    def _entropy_kernel(X, LSE, Y, N, sx, BLOCK: tl.constexpr):
+        # A row's entropy −Σ p·log p, log p = x − lse, in one pass (lanes summed as
+        # _row_sum_kernel sums).
+        row = tl.program_id(0).to(tl.int64)
+        lse = tl.load(LSE + row)
+        acc = tl.zeros((BLOCK,), dtype=tl.float32)
+        for c0 in range(0, N, BLOCK):
+            i = c0 + tl.arange(0, BLOCK)
+            lsm = tl.load(X + row * sx + i, mask=i < N, other=0.0).to(tl.float32) - lse
+            acc += tl.where(i < N, tl.exp(lsm) * lsm, 0.0)
+        tl.store(Y + row, -tl.sum(acc, axis=0))
+
+
+def entropy_triton(x: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+    """The entropy of each row of logits x [N, V] with log-sum-exp lse [N] (fp32, no
+    gradient), in _entropy_kernel."""
+    x2 = _rows(x)
+    y = torch.empty(x2.shape[0], dtype=torch.float32, device=x.device)
+    if x2.shape[0]:
+        _entropy_kernel[(x2.shape[0],)](x2, lse.contiguous(), y, x2.shape[1], x2.stride(0),
+                                        BLOCK=ROW_BLOCK, num_warps=4)
+    return y
+
+
 # The log-prob head's backward pass on a GPU: _head_bwd_kernel, one pass over the logits,
 # instead of autograd of the chunked fp32 form (a dozen passes over the logits, the row chunks'
-# gradients put into full-size zero tensors and added; determinism.py --head-bwd torch).
+# gradients put into full-size zero tensors and added), and its entropy in one pass instead of
+# four (determinism.py --head-bwd torch).
 HEAD_BWD_TRITON = True
 
 
 class _HeadLogprobs(torch.autograd.Function):
-    """token_logprobs_entropy's forward (the same operations, so the same log-probs), with
+    """token_logprobs_entropy's forward (the same operations, so the same log-probs; the
+    entropy, which no identity involves, in one pass of _entropy_kernel), with
     _head_bwd_kernel's backward pass. Saves the logits and each row's log-sum-exp, not the
     fp32 copies."""
 
@@ -790,8 +818,7 @@ class _HeadLogprobs(torch.autograd.Function):
             x = logits[i:i + rows].float()
             lse = logsumexp_triton(x)
             lps.append(x.gather(-1, targets[i:i + rows, None]).squeeze(-1) - lse)
-            lsm = x - lse[:, None]
-            ents.append(-row_sum_triton(lsm.exp() * lsm))
+            ents.append(entropy_triton(x, lse))
             lses.append(lse)
         lp, ent = torch.cat(lps), torch.cat(ents)
         ctx.save_for_backward(logits, targets, torch.cat(lses), ent)
