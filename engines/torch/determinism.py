@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
+import re
 import sys
 import tempfile
 import time
@@ -225,7 +226,10 @@ def run_mode(model_dir: pathlib.Path, a, deterministic: bool) -> dict:
         res["train_tok_s"] = train_speed(e, vocab, a.train_samples, a.train_len)
         log(f"   train: {res['train_tok_s']:.0f} tok/s")
         if a.profile:
-            profile(e, vocab, a, pathlib.Path(a.out or model_dir.parent) / f"profile-{name}.txt")
+            # A deterministic row's knobs in the name: calls of other settings keep their own.
+            tag = re.sub(r"[^A-Za-z0-9.,]+", "-", res["config"]).strip("-")
+            profile(e, vocab, a, pathlib.Path(a.out or model_dir.parent)
+                    / f"profile-{name}{'-' + tag if tag else ''}.txt")
         res["seconds"] = time.perf_counter() - t0
         return res
     finally:
