@@ -15,15 +15,16 @@ asked length, for each mode (an Engine with Options.deterministic off, then on):
       a mixed batch (prompts of several lengths, n > 1, top-p on some), from Score and from a
       training step's own forward (TrainStats.logprob_diff_max); the same with a LoRA adapter
       (trained a step first, so that its update is not zero) and on a conversation's second turn
-      prefilled from the prefix cache; and whether a request's samples are the same alone and
-      in a batch of others;
+      prefilled from the prefix cache; whether a request's samples are the same alone and in a
+      batch of others; and whether two training steps on one batch of the size of (b)'s give
+      the same loss and gradient norm bit for bit (the backward passes repeatable);
   (b) decode tokens/s at --batch rows (--prompt-len prompt + --new sampled tokens, wall time from
       submission to the last completion, best of two after a warm-up) and training tokens/s
       (one AdamW step on --train-samples × --train-len tokens, best of two after a warm-up);
   (c) a table of both, and the deterministic mode's cost as ratios.
 
---check exits 1 unless the deterministic mode's mismatches are all 0 and its samples do not
-depend on their batch. --out DIR keeps the model folder and writes determinism.json there; a
+--check exits 1 unless the deterministic mode's mismatches are all 0, its samples do not depend
+on their batch and its gradients repeat. --out DIR keeps the model folder and writes determinism.json there; a
 later call into the same DIR (--mode deterministic with other knobs) adds a row named by its
 knobs, so that settings compare side by side in one table, each with its cost.
 """
@@ -170,6 +171,15 @@ def train_batch(vocab: int, samples: int, length: int) -> Batch:
     return Batch(samples=ss, loss=LossConfig(lr=1e-6, max_grad_norm=1.0))
 
 
+def repeatable(e: Engine, vocab: int, samples: int, length: int) -> bool:
+    """Whether two training steps on the same batch (train_batch's, at lr 0: the weights stay)
+    give the same loss and gradient norm, bit for bit: the backward passes are repeatable."""
+    b = train_batch(vocab, samples, length)
+    b.loss.lr = 0.0
+    one, two = e.train(b), e.train(b)
+    return (one.loss, one.grad_norm) == (two.loss, two.grad_norm)
+
+
 def train_speed(e: Engine, vocab: int, samples: int, length: int) -> float:
     """Trained tokens / s of one AdamW step on samples × length tokens: best of two after a
     warm-up."""
@@ -220,6 +230,7 @@ def run_mode(model_dir: pathlib.Path, a, deterministic: bool) -> dict:
     try:
         vocab = e.cfg.vocab_size
         res.update(identities(e, vocab, a.check_new))
+        res["repeatable"] = repeatable(e, vocab, a.train_samples, a.train_len)
         log(f"   identities: {json.dumps(res)}")
         res["decode_tok_s"] = decode_speed(e, vocab, a.batch, a.prompt_len, a.new)
         log(f"   decode: {res['decode_tok_s']:.0f} tok/s")
@@ -240,7 +251,7 @@ def table(rows: list[dict], a, device_name: str) -> str:
     def g(x):
         return f"{x:.3g}" if isinstance(x, float) else str(x)
     head = ["mode", "max abs Δ Score", "max abs Δ train", "LoRA", "prefix cache",
-            "batch-invariant", f"decode tok/s (batch {a.batch})",
+            "batch-invariant", "repeatable grads", f"decode tok/s (batch {a.batch})",
             f"train tok/s ({a.train_samples}×{a.train_len})"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
@@ -249,6 +260,7 @@ def table(rows: list[dict], a, device_name: str) -> str:
             g(max(r["lora"]["score"], r["lora"]["train"])),
             g(max(r["prefix"]["score"], r["prefix"]["train"])) + f" ({r['prefix_hits']} hits)",
             "yes" if r["batch_invariant"] else "no",
+            {True: "yes", False: "no"}.get(r.get("repeatable"), "?"),
             f"{r['decode_tok_s']:.0f}", f"{r['train_tok_s']:.0f}"]) + " |")
     if len(rows) < 2 or rows[0]["mode"] != "default":
         return "\n".join([f"device: {device_name}; torch {torch.__version__}", *lines])
@@ -419,7 +431,7 @@ def main(argv=None) -> int:
                                 indent=2))
     if det is None:
         return 0
-    ok = (det["batch_invariant"] and det["prefix_hits"] > 0
+    ok = (det["batch_invariant"] and det["prefix_hits"] > 0 and det["repeatable"]
           and all(det[k][m] == 0.0 for k in ("base", "lora", "prefix") for m in ("score", "train")))
     if a.check and not ok:
         print("deterministic mode: the identities do not hold", file=sys.stderr)
