@@ -2,7 +2,10 @@
 
     python engines/torch/determinism.py [--device cuda|cpu] [--small] [--out DIR] [--check]
         [--mode both|default|deterministic] [--tile BM,BN,BK,warps,stages] [--tile-large T]
-        [--row-kernels on|off] [--attn-grouped on|off] [--attn-bm N] [--profile]
+        [--row-kernels on|off] [--attn-grouped on|off] [--attn-bm N]
+        [--attn-bwd triton|sdpa] [--attn-bwd-dq Q,K,W,S] [--attn-bwd-dkdv Q,K,W,S]
+        [--norm-bwd triton|torch] [--head-bwd triton|torch] [--fused-elementwise on|off]
+        [--attn-large BM,warps] [--micro-batch-tokens N] [--split-k S] [--profile]
 
 On a random model (make-model: Qwen3-0.6B's shape, bf16 on a GPU; --small: the tiny Qwen3, for
 the CPU and the test that runs this), with no end-of-sequence token so every response has its
@@ -12,15 +15,18 @@ asked length, for each mode (an Engine with Options.deterministic off, then on):
       a mixed batch (prompts of several lengths, n > 1, top-p on some), from Score and from a
       training step's own forward (TrainStats.logprob_diff_max); the same with a LoRA adapter
       (trained a step first, so that its update is not zero) and on a conversation's second turn
-      prefilled from the prefix cache; and whether a request's samples are the same alone and
-      in a batch of others;
+      prefilled from the prefix cache; whether a request's samples are the same alone and in a
+      batch of others; and whether two training steps on one batch of the size of (b)'s give
+      the same loss and gradient norm bit for bit (the backward passes repeatable);
   (b) decode tokens/s at --batch rows (--prompt-len prompt + --new sampled tokens, wall time from
       submission to the last completion, best of two after a warm-up) and training tokens/s
       (one AdamW step on --train-samples × --train-len tokens, best of two after a warm-up);
   (c) a table of both, and the deterministic mode's cost as ratios.
 
---check exits 1 unless the deterministic mode's mismatches are all 0 and its samples do not
-depend on their batch. --out DIR keeps the model folder and writes determinism.json there.
+--check exits 1 unless the deterministic mode's mismatches are all 0, its samples do not depend
+on their batch and its gradients repeat. --out DIR keeps the model folder and writes determinism.json there; a
+later call into the same DIR (--mode deterministic with other knobs) adds a row named by its
+knobs, so that settings compare side by side in one table, each with its cost.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
+import re
 import sys
 import tempfile
 import time
@@ -164,6 +171,15 @@ def train_batch(vocab: int, samples: int, length: int) -> Batch:
     return Batch(samples=ss, loss=LossConfig(lr=1e-6, max_grad_norm=1.0))
 
 
+def repeatable(e: Engine, vocab: int, samples: int, length: int) -> bool:
+    """Whether two training steps on the same batch (train_batch's, at lr 0: the weights stay)
+    give the same loss and gradient norm, bit for bit: the backward passes are repeatable."""
+    b = train_batch(vocab, samples, length)
+    b.loss.lr = 0.0
+    one, two = e.train(b), e.train(b)
+    return (one.loss, one.grad_norm) == (two.loss, two.grad_norm)
+
+
 def train_speed(e: Engine, vocab: int, samples: int, length: int) -> float:
     """Trained tokens / s of one AdamW step on samples × length tokens: best of two after a
     warm-up."""
@@ -201,9 +217,10 @@ def run_mode(model_dir: pathlib.Path, a, deterministic: bool) -> dict:
     # A cache of --batch rows × 1,024 positions (enough for every request here; 256 rows of
     # Qwen3-0.6B's keys and values are 15 GB in bf16).
     opts = Options(device=a.device, deterministic=deterministic, prefix_cache=8, prefix_min=16,
-                   slots=max(a.batch, 16), max_seq_len=1024)
+                   slots=max(a.batch, 16), max_seq_len=1024,
+                   micro_batch_tokens=a.micro_batch_tokens if deterministic else 0)
     t0 = time.perf_counter()
-    res = {"mode": name}
+    res = {"mode": name, "config": a.config if deterministic else ""}
     e = Engine(str(model_dir), opts)
     try:
         res.update(lora_identity(e, e.cfg.vocab_size, a.check_new))
@@ -213,13 +230,17 @@ def run_mode(model_dir: pathlib.Path, a, deterministic: bool) -> dict:
     try:
         vocab = e.cfg.vocab_size
         res.update(identities(e, vocab, a.check_new))
+        res["repeatable"] = repeatable(e, vocab, a.train_samples, a.train_len)
         log(f"   identities: {json.dumps(res)}")
         res["decode_tok_s"] = decode_speed(e, vocab, a.batch, a.prompt_len, a.new)
         log(f"   decode: {res['decode_tok_s']:.0f} tok/s")
         res["train_tok_s"] = train_speed(e, vocab, a.train_samples, a.train_len)
         log(f"   train: {res['train_tok_s']:.0f} tok/s")
         if a.profile:
-            profile(e, vocab, a, pathlib.Path(a.out or model_dir.parent) / f"profile-{name}.txt")
+            # A deterministic row's knobs in the name: calls of other settings keep their own.
+            tag = re.sub(r"[^A-Za-z0-9.,]+", "-", res["config"]).strip("-")
+            profile(e, vocab, a, pathlib.Path(a.out or model_dir.parent)
+                    / f"profile-{name}{'-' + tag if tag else ''}.txt")
         res["seconds"] = time.perf_counter() - t0
         return res
     finally:
@@ -230,24 +251,44 @@ def table(rows: list[dict], a, device_name: str) -> str:
     def g(x):
         return f"{x:.3g}" if isinstance(x, float) else str(x)
     head = ["mode", "max abs Δ Score", "max abs Δ train", "LoRA", "prefix cache",
-            "batch-invariant", f"decode tok/s (batch {a.batch})",
+            "batch-invariant", "repeatable grads", f"decode tok/s (batch {a.batch})",
             f"train tok/s ({a.train_samples}×{a.train_len})"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         lines.append("| " + " | ".join([
-            r["mode"], g(r["base"]["score"]), g(r["base"]["train"]),
+            label(r), g(r["base"]["score"]), g(r["base"]["train"]),
             g(max(r["lora"]["score"], r["lora"]["train"])),
             g(max(r["prefix"]["score"], r["prefix"]["train"])) + f" ({r['prefix_hits']} hits)",
             "yes" if r["batch_invariant"] else "no",
+            {True: "yes", False: "no"}.get(r.get("repeatable"), "?"),
             f"{r['decode_tok_s']:.0f}", f"{r['train_tok_s']:.0f}"]) + " |")
-    if len(rows) < 2:
+    if len(rows) < 2 or rows[0]["mode"] != "default":
         return "\n".join([f"device: {device_name}; torch {torch.__version__}", *lines])
-    d, t = rows[0], rows[1]
-    cost = (f"deterministic / default: decode {t['decode_tok_s'] / d['decode_tok_s']:.3f} "
+    d, cost = rows[0], []
+    for t in rows[1:]:
+        cost.append(
+            f"{label(t)} / default: decode {t['decode_tok_s'] / d['decode_tok_s']:.3f} "
             f"({(1 - t['decode_tok_s'] / d['decode_tok_s']) * 100:.1f}% slower), training "
             f"{t['train_tok_s'] / d['train_tok_s']:.3f} "
             f"({(1 - t['train_tok_s'] / d['train_tok_s']) * 100:.1f}% slower)")
-    return "\n".join([f"device: {device_name}; torch {torch.__version__}", *lines, "", cost])
+    return "\n".join([f"device: {device_name}; torch {torch.__version__}", *lines, "", *cost])
+
+
+def label(r: dict) -> str:
+    """A row's name in the table: its mode, and the deterministic mode's non-default knobs."""
+    return r["mode"] + (f" ({r['config']})" if r.get("config") else "")
+
+
+# The deterministic mode's knobs (flag, attribute, default): a row records those set otherwise,
+# so that runs of other settings into one --out keep a row each.
+KNOBS = [("--tile", "tile", ""), ("--tile-large", "tile_large", ""),
+         ("--row-kernels", "row_kernels", "on"), ("--attn-grouped", "attn_grouped", "on"),
+         ("--attn-bm", "attn_bm", 0), ("--attn-bwd", "attn_bwd", "triton"),
+         ("--attn-bwd-dq", "attn_bwd_dq", ""), ("--attn-bwd-dkdv", "attn_bwd_dkdv", ""),
+         ("--norm-bwd", "norm_bwd", "triton"),
+         ("--head-bwd", "head_bwd", "triton"), ("--fused-elementwise", "fused_elementwise", "on"),
+         ("--attn-large", "attn_large", ""), ("--micro-batch-tokens", "micro_batch_tokens", 0),
+         ("--split-k", "split_k", 1)]
 
 
 def main(argv=None) -> int:
@@ -288,6 +329,37 @@ def main(argv=None) -> int:
     p.add_argument("--attn-bm", type=int, default=0,
                    help="queries a program of the deterministic attention takes, decode and "
                    "training alike (default 16; a power of two ≥ 16)")
+    p.add_argument("--attn-bwd", default="triton", choices=["triton", "sdpa"],
+                   help="the deterministic attention's backward pass (training): two Triton "
+                   "kernels without atomics (triton, the default) or PyTorch's attention "
+                   "recomputed in its strict deterministic mode (sdpa, the first version)")
+    p.add_argument("--attn-bwd-dq", default="",
+                   help="the Triton backward's dQ kernel's block: queries,keys,warps,stages "
+                   "(default 128,32,8,3)")
+    p.add_argument("--attn-bwd-dkdv", default="",
+                   help="the Triton backward's dK/dV kernel's block: queries,keys,warps,stages "
+                   "(default 32,128,8,2)")
+    p.add_argument("--norm-bwd", default="triton", choices=["triton", "torch"],
+                   help="the deterministic RMSNorm's backward pass: one Triton kernel (triton, "
+                   "the default) or autograd of its PyTorch form (torch, the first version)")
+    p.add_argument("--head-bwd", default="triton", choices=["triton", "torch"],
+                   help="the deterministic log-prob head's backward pass: one Triton pass over "
+                   "the logits (triton, the default) or autograd of the chunked fp32 form "
+                   "(torch, the first version)")
+    p.add_argument("--fused-elementwise", default="on", choices=["on", "off"],
+                   help="the deterministic rotary embedding and residual add in one Triton "
+                   "kernel each, rounding as eager mode does, and SwiGLU's backward pass in one "
+                   "(on, the default), or eager PyTorch operations (off, the first version)")
+    p.add_argument("--attn-large", default="",
+                   help="an experiment: another block BM,warps of the deterministic attention "
+                   "for passes of at least 64 queries (training, prefills); the check says "
+                   "whether the identities hold")
+    p.add_argument("--micro-batch-tokens", type=int, default=0,
+                   help="the deterministic mode's training micro-batches in padded tokens "
+                   "(default 4,096)")
+    p.add_argument("--split-k", type=int, default=1,
+                   help="an experiment: the deterministic products of K >= 2,048 split along K "
+                   "into S parts added in order (every pass alike; default 1, unsplit)")
     a = p.parse_args(argv)
     from slimen_torch import batch_invariant
     if a.tile:
@@ -304,6 +376,26 @@ def main(argv=None) -> int:
         if a.attn_bm < 16 or a.attn_bm & (a.attn_bm - 1):
             p.error(f"--attn-bm {a.attn_bm}: give a power of two ≥ 16")
         batch_invariant.ATTN_BM = a.attn_bm
+    batch_invariant.ATTN_BWD = a.attn_bwd
+    for flag, name in (("dq", "ATTN_BWD_DQ"), ("dkdv", "ATTN_BWD_DKDV")):
+        got = getattr(a, f"attn_bwd_{flag}")
+        if got:
+            setattr(batch_invariant, name, tuple(int(x) for x in got.split(",")))
+            if len(getattr(batch_invariant, name)) != 4:
+                p.error(f"--attn-bwd-{flag} {got}: give queries,keys,warps,stages")
+    a.config = " ".join(f"{flag} {getattr(a, k)}" for flag, k, d in KNOBS
+                        if getattr(a, k) != d)
+    batch_invariant.RMS_BWD_TRITON = a.norm_bwd == "triton"
+    batch_invariant.HEAD_BWD_TRITON = a.head_bwd == "triton"
+    batch_invariant.FUSED_ELEMENTWISE = a.fused_elementwise == "on"
+    if a.split_k < 1:
+        p.error(f"--split-k {a.split_k}: give a count ≥ 1")
+    batch_invariant.SPLIT_K = a.split_k
+    if a.attn_large:
+        batch_invariant.ATTN_LARGE = tuple(int(x) for x in a.attn_large.split(","))
+        bm = batch_invariant.ATTN_LARGE[0]
+        if len(batch_invariant.ATTN_LARGE) != 2 or bm < 16 or bm & (bm - 1):
+            p.error(f"--attn-large {a.attn_large}: give BM,warps, BM a power of two ≥ 16")
     small = dict(batch=8, prompt_len=16, new=8, check_new=8, train_samples=2, train_len=64)
     full = dict(batch=256, prompt_len=128, new=128, check_new=32, train_samples=8,
                 train_len=2048)
@@ -324,19 +416,22 @@ def main(argv=None) -> int:
     saved = root / "determinism.json"
     before = {}
     if saved.exists():
-        before = {r["mode"]: r for r in json.loads(saved.read_text())["modes"]}
+        before = {label(r): r for r in json.loads(saved.read_text())["modes"]}
+    det = None
     for mode in ("default", "deterministic"):
         if a.mode in ("both", mode):
-            before[mode] = run_mode(model_dir, a, mode == "deterministic")
-    rows = [before[m] for m in ("default", "deterministic") if m in before]
+            r = run_mode(model_dir, a, mode == "deterministic")
+            before[label(r)] = r
+            det = r if mode == "deterministic" else det
+    # The default mode first, then the deterministic rows in the order they were first run.
+    rows = sorted(before.values(), key=lambda r: r["mode"] != "default")
     text = table(rows, a, device_name)
     print(text)
     saved.write_text(json.dumps({"device": device_name, "args": vars(a), "modes": rows},
                                 indent=2))
-    det = before.get("deterministic")
     if det is None:
         return 0
-    ok = (det["batch_invariant"] and det["prefix_hits"] > 0
+    ok = (det["batch_invariant"] and det["prefix_hits"] > 0 and det["repeatable"]
           and all(det[k][m] == 0.0 for k in ("base", "lora", "prefix") for m in ("score", "train")))
     if a.check and not ok:
         print("deterministic mode: the identities do not hold", file=sys.stderr)

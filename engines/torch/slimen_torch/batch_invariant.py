@@ -26,8 +26,10 @@ Here every reduction has an order fixed by the row alone:
 The model's functions (model.py) call these when the mode is on for the calling thread
 (`enabled`): the engine turns it on for its own thread, where all of its model work runs. The
 trainer then computes log-probs with the same functions and dtypes as generation, so they are
-equal bit for bit. Gradients go through plain PyTorch products (`linear`'s backward) and
-autograd of the other functions; they need not be batch-invariant, only repeatable.
+equal bit for bit. Gradients need not be batch-invariant, only repeatable: the products'
+backward passes are plain PyTorch products (cuBLAS), and on a GPU the attention's, RMSNorm's
+and the log-prob head's backward passes are Triton kernels without atomics (each sum in one
+program's fixed order); elsewhere autograd of the functions above.
 """
 
 from __future__ import annotations
@@ -82,6 +84,7 @@ def use_triton(t: torch.Tensor) -> bool:
 
 
 FORCE_TRITON = False  # tests: the Triton kernels on the CPU under TRITON_INTERPRET=1
+INTERPRET = os.environ.get("TRITON_INTERPRET", "") == "1"
 
 
 # ---- sums in a fixed order ----
@@ -170,6 +173,62 @@ if HAVE_TRITON:
             tl.store(Y + row * sy + i, (w * y).to(Y.dtype.element_ty), mask=i < N)
 
 
+if HAVE_TRITON:
+    @triton.jit
+    def _rms_bwd_kernel(X, W, G, GX, GW, M, N, sx, sg, sgx, eps, ROWS, BLOCK: tl.constexpr):
+        # The gradient of model.rms_norm (y = w·z, z = (x·r) rounded to x's dtype,
+        # r = 1/√(mean x² + eps)) for ROWS rows: gx = r·(gz − x̂·mean(gz·x̂)) with gz = g·w and
+        # x̂ = x·r in fp32 (the cast passes the gradient through), and the rows' part of gw =
+        # Σ g·z in fp32, summed in row order into this program's row of GW (the caller adds
+        # the programs' rows: no atomics, the same order every call).
+        pid = tl.program_id(0)
+        i = tl.arange(0, BLOCK)
+        im = i < N
+        w = tl.load(W + i, mask=im, other=0.0).to(tl.float32)
+        gw = tl.zeros((BLOCK,), tl.float32)
+        for k in range(0, ROWS):
+            row = pid.to(tl.int64) * ROWS + k
+            if row < M:
+                xr = tl.load(X + row * sx + i, mask=im, other=0.0)
+                x = xr.to(tl.float32)
+                g = tl.load(G + row * sg + i, mask=im, other=0.0).to(tl.float32)
+                r = 1.0 / tl.sqrt_rn(tl.sum(x * x, axis=0) / N + eps)
+                xh = x * r
+                gw += g * xh.to(xr.dtype).to(tl.float32)
+                gz = g * w
+                c = tl.sum(gz * xh, axis=0) / N
+                tl.store(GX + row * sgx + i, (r * (gz - xh * c)).to(GX.dtype.element_ty),
+                         mask=im)
+        tl.store(GW + pid.to(tl.int64) * N + i, gw, mask=im)
+
+
+# The RMSNorm's backward pass on a GPU: _rms_bwd_kernel instead of autograd of its PyTorch
+# form, about fifteen elementwise kernels a norm (determinism.py --norm-bwd torch). A program
+# takes up to RMS_BWD_ROWS rows, fewer where that leaves under ~1,024 programs (a row's chain of
+# loads and sums is latency-bound); rows of up to RMS_BWD_MAX entries (one block a row).
+RMS_BWD_TRITON = True
+RMS_BWD_ROWS = 32
+RMS_BWD_PROGRAMS = 1024
+RMS_BWD_MAX = 16384
+
+
+def rms_norm_backward_triton(x: torch.Tensor, weight: torch.Tensor, g: torch.Tensor,
+                             eps: float):
+    """(gx, gw): the gradients of rms_norm(x, weight, eps) for its output's gradient g, in
+    _rms_bwd_kernel; repeatable bit for bit (gw: the programs' partial sums added by one sum)."""
+    x2, g2 = _rows(x), _rows(g)
+    M, N = x2.shape
+    gx = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    rows = min(RMS_BWD_ROWS, max(1, M // RMS_BWD_PROGRAMS))
+    P = max(1, triton.cdiv(M, rows))
+    part = torch.zeros(P, N, dtype=torch.float32, device=x.device)
+    if M:
+        _rms_bwd_kernel[(P,)](x2, weight.contiguous(), g2, gx, part, M, N, x2.stride(0),
+                              g2.stride(0), gx.stride(0), float(eps), rows,
+                              BLOCK=max(16, triton.next_power_of_2(N)), num_warps=4)
+    return gx.view(x.shape), part.sum(0).to(weight.dtype)
+
+
 def _rows(x: torch.Tensor) -> torch.Tensor:
     x2 = x.reshape(-1, x.shape[-1])
     return x2 if x2.stride(-1) == 1 else x2.contiguous()
@@ -205,8 +264,8 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.
 
 
 class _RMSNorm(torch.autograd.Function):
-    """rms_norm_triton; the backward pass the gradient of model.rms_norm's PyTorch form,
-    recomputed."""
+    """rms_norm_triton; the backward pass the gradient of model.rms_norm: in
+    rms_norm_backward_triton, or by autograd of its PyTorch form recomputed."""
 
     @staticmethod
     def forward(ctx, x, weight, eps):
@@ -217,6 +276,9 @@ class _RMSNorm(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         x, weight = ctx.saved_tensors
+        if RMS_BWD_TRITON and x.shape[-1] <= RMS_BWD_MAX:
+            gx, gw = rms_norm_backward_triton(x, weight, g, ctx.eps)
+            return gx, gw, None
         with torch.enable_grad():
             x_, w_ = x.detach().requires_grad_(), weight.detach().requires_grad_()
             x32 = x_.float()
@@ -317,6 +379,67 @@ TILE_LARGE: tuple | None = None
 LARGE_M = 1024
 
 
+# An experiment (determinism.py --split-k S): products of K ≥ SPLIT_K_MIN split along K into S
+# parts, each a program's (S times the programs: a decode step's products of few output tiles
+# fill more of the GPU), their fp32 sums added in order. The parts are fixed by K and BK alone,
+# so a row's arithmetic is still the same for every row count; it is not the unsplit one, and
+# every pass (decode, prefill, training) takes it alike.
+SPLIT_K = 1
+SPLIT_K_MIN = 2048
+
+if HAVE_TRITON:
+    @triton.jit(do_not_specialize=["M"])
+    def _matmul_split_kernel(X, W, P, M, N, K, KS, sxm, sxk, swn, swk,
+                             BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                             IEEE: tl.constexpr):
+        # _matmul_kernel over the K range [ps·KS, (ps + 1)·KS) of part ps, its fp32 sum stored
+        # in P[ps] ([parts, M, N]).
+        pm, pn, ps = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        rm = pm * BM + tl.arange(0, BM)
+        rn = pn * BN + tl.arange(0, BN)
+        rk = tl.arange(0, BK)
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        k1 = tl.minimum(ps * KS + KS, K)
+        for k0 in range(ps * KS, k1, BK):
+            kk = k0 + rk
+            a = tl.load(X + rm[:, None] * sxm + kk[None, :] * sxk,
+                        mask=(rm[:, None] < M) & (kk[None, :] < k1), other=0.0)
+            b = tl.load(W + rn[None, :] * swn + kk[:, None] * swk,
+                        mask=(rn[None, :] < N) & (kk[:, None] < k1), other=0.0)
+            if IEEE:
+                acc += tl.dot(a, b, input_precision="ieee")
+            else:
+                acc += tl.dot(a, b)
+        out = P + ps.to(tl.int64) * M * N
+        tl.store(out + rm[:, None] * N + rn[None, :], acc,
+                 mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+    @triton.jit
+    def _split_sum_kernel(P, Y, n, S, BLOCK: tl.constexpr):
+        # Y = P[0] + P[1] + … + P[S−1] in that order, in fp32, rounded once to Y's dtype.
+        i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        m = i < n
+        pp = P + i
+        acc = tl.load(pp, mask=m, other=0.0)
+        for _ in range(1, S):
+            pp += n
+            acc += tl.load(pp, mask=m, other=0.0)
+        tl.store(Y + i, acc.to(Y.dtype.element_ty), mask=m)
+
+
+def _matmul_split(x, w, y, tile) -> None:
+    M, K = x.shape
+    N = w.shape[0]
+    BM, BN, BK, warps, stages = tile
+    KS = triton.cdiv(triton.cdiv(K, BK), SPLIT_K) * BK
+    parts = triton.cdiv(K, KS)
+    p = torch.empty(parts, M, N, dtype=torch.float32, device=x.device)
+    _matmul_split_kernel[(triton.cdiv(M, BM), triton.cdiv(N, BN), parts)](
+        x, w, p, M, N, K, KS, x.stride(0), x.stride(1), w.stride(0), w.stride(1), BM=BM, BN=BN,
+        BK=BK, IEEE=x.dtype == torch.float32, num_warps=warps, num_stages=stages)
+    _split_sum_kernel[(triton.cdiv(M * N, 1024),)](p, y, M * N, parts, BLOCK=1024, num_warps=4)
+
+
 def matmul_triton(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     """x [M, K] @ w [N, K]ᵀ → [M, N] in out_dtype through _matmul_kernel (fp32 accumulation)."""
     M, K = x.shape
@@ -324,7 +447,11 @@ def matmul_triton(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype) -> t
     y = torch.empty(M, N, dtype=out_dtype, device=x.device)
     if M == 0 or N == 0:
         return y
-    BM, BN, BK, warps, stages = TILE if TILE_LARGE is None or M < LARGE_M else TILE_LARGE
+    tile = TILE if TILE_LARGE is None or M < LARGE_M else TILE_LARGE
+    if SPLIT_K > 1 and K >= SPLIT_K_MIN:
+        _matmul_split(x, w, y, tile)
+        return y
+    BM, BN, BK, warps, stages = tile
     grid = (triton.cdiv(M, BM), triton.cdiv(N, BN))
     _matmul_kernel[grid](x, w, y, M, N, K, x.stride(0), x.stride(1), w.stride(0), w.stride(1),
                          y.stride(0), y.stride(1), BM=BM, BN=BN, BK=BK,
@@ -414,6 +541,176 @@ def lora_weights(sel, model, i: int, w: tuple) -> tuple:
     return lora._with_updates(model, w, update)
 
 
+# ---- elementwise work in one kernel (a GPU's decode steps and training passes alike) ----
+#
+# The rotary embedding and the residual add in Triton kernels that round as the eager PyTorch
+# operations round (each product and sum in fp32, rounded to the activation dtype where PyTorch
+# rounds it): the same numbers, in one kernel where eager mode launches up to six (and a cast of
+# the rotary tables a layer). Products of bf16 values are exact in fp32 and every step is
+# rounded before the next, so no fused multiply-add can form. SwiGLU keeps its eager forward
+# (silu's exp is the library's) with its backward pass in one kernel (_SwiGLU). False: eager
+# operations and autograd (determinism.py --fused-elementwise off).
+FUSED_ELEMENTWISE = True
+
+if HAVE_TRITON:
+    @triton.jit
+    def _rope_kernel(X, C, S, Y, Rc, H, D, sxr, sxh, scr, ssr, syr, syh, SIGN: tl.constexpr,
+                     BH: tl.constexpr, BD: tl.constexpr):
+        # Row r's H heads: y = x·cos + rotate_half(x)·sin (SIGN 1, model.apply_rope with the
+        # tables cast to x's dtype), each product and the sum rounded to x's dtype; SIGN −1:
+        # x·cos − rotate_half(x)·sin, the gradient of the former for tables whose two halves
+        # are equal (inv_frequencies' tables are).
+        r = tl.program_id(0).to(tl.int64)
+        h = tl.arange(0, BH)
+        d = tl.arange(0, BD)
+        half = D // 2
+        m = (h[:, None] < H) & (d[None, :] < D)
+        rd = tl.where(d < half, d + half, d - half)
+        x = tl.load(X + r * sxr + h[:, None] * sxh + d[None, :], mask=m, other=0.0)
+        xr = tl.load(X + r * sxr + h[:, None] * sxh + rd[None, :], mask=m, other=0.0)
+        dt = x.dtype
+        cr = r % Rc
+        c = tl.load(C + cr * scr + d, mask=d < D, other=0.0).to(dt).to(tl.float32)
+        s = tl.load(S + cr * ssr + d, mask=d < D, other=0.0).to(dt).to(tl.float32)
+        xr = xr.to(tl.float32)
+        rot = tl.where(d[None, :] < half, -xr, xr)
+        a = (x.to(tl.float32) * c[None, :]).to(dt).to(tl.float32)
+        b = (rot * s[None, :]).to(dt).to(tl.float32)
+        if SIGN > 0:
+            y = a + b
+        else:
+            y = a - b
+        tl.store(Y + r * syr + h[:, None] * syh + d[None, :], y.to(Y.dtype.element_ty), mask=m)
+
+    @triton.jit
+    def _add_kernel(X, Yv, O, n, BLOCK: tl.constexpr):
+        # model.residual_add: x + y in fp32, rounded to x's dtype.
+        i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        m = i < n
+        x = tl.load(X + i, mask=m, other=0.0).to(tl.float32)
+        y = tl.load(Yv + i, mask=m, other=0.0).to(tl.float32)
+        tl.store(O + i, (x + y).to(O.dtype.element_ty), mask=m)
+
+
+def _rope_launch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sign: int):
+    H, D = x.shape[-2], x.shape[-1]
+    x3 = x.reshape(-1, H, D)
+    if x3.stride(-1) != 1:
+        x3 = x3.contiguous()
+    c2, s2 = cos.reshape(-1, D), sin.reshape(-1, D)
+    y = torch.empty(x3.shape, dtype=x.dtype, device=x.device)
+    if x3.shape[0]:
+        _rope_kernel[(x3.shape[0],)](
+            x3, c2, s2, y, c2.shape[0], H, D, x3.stride(0), x3.stride(1), c2.stride(0),
+            s2.stride(0), y.stride(0), y.stride(1), SIGN=sign,
+            BH=triton.next_power_of_2(H), BD=max(16, triton.next_power_of_2(D)), num_warps=4)
+    return y.view(x.shape)
+
+
+class _Rope(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, cos, sin):
+        ctx.save_for_backward(cos, sin)
+        return _rope_launch(x, cos, sin, 1)
+
+    @staticmethod
+    def backward(ctx, g):
+        cos, sin = ctx.saved_tensors
+        return _rope_launch(g, cos, sin, -1), None, None
+
+
+def _rope_fits(x: torch.Tensor, cos: torch.Tensor) -> bool:
+    # The tables' rows are a suffix of x's row dimensions (broadcast over the rest), contiguous
+    # along the head dimension; x in a 16-bit dtype (see FUSED_ELEMENTWISE).
+    n = cos.dim() - 1
+    return (x.dtype in (torch.bfloat16, torch.float16) and cos.stride(-1) == 1
+            and x.dim() >= 2 + n and tuple(x.shape[x.dim() - 2 - n:-2]) == tuple(cos.shape[:-1])
+            and x.shape[-1] % 2 == 0)
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, apply_rope) -> torch.Tensor:
+    """apply_rope(x, cos, sin) (model.apply_rope: x [..., heads, D], tables [..., D] in fp32,
+    cast to x's dtype first) in _rope_kernel where use_triton and FUSED_ELEMENTWISE say so and
+    the shapes fit; the same numbers."""
+    if (FUSED_ELEMENTWISE and use_triton(x) and cos.shape == sin.shape
+            and cos.stride() == sin.stride() and _rope_fits(x, cos)):
+        return _Rope.apply(x, cos, sin)
+    return apply_rope(x, cos.to(x.dtype), sin.to(x.dtype))
+
+
+class _Add(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, y):
+        x1, y1 = x.contiguous().view(-1), y.contiguous().view(-1)
+        o = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        n = x1.numel()
+        if n:
+            _add_kernel[(triton.cdiv(n, 1024),)](x1, y1, o, n, BLOCK=1024, num_warps=4)
+        return o
+
+    @staticmethod
+    def backward(ctx, g):
+        return g, g
+
+
+def residual_add(x: torch.Tensor, y: torch.Tensor):
+    """model.residual_add in _add_kernel where use_triton and FUSED_ELEMENTWISE say so (x and y
+    of one dtype and shape); None elsewhere (the caller's operations)."""
+    if (FUSED_ELEMENTWISE and use_triton(x) and x.dtype == y.dtype and x.shape == y.shape):
+        return _Add.apply(x, y)
+    return None
+
+
+if HAVE_TRITON:
+    @triton.jit
+    def _swiglu_bwd_kernel(GU, GA, GG, I, sgu, sga, sgg, BLOCK: tl.constexpr):
+        # The gradient of silu(gate)·up (gate, up: the two halves of a row of GU) for the
+        # output's gradient ga, in fp32: d gate = ga·up·σ·(1 + gate·(1 − σ)), d up = ga·silu,
+        # written into the row of GG as GU's halves lie.
+        row = tl.program_id(0).to(tl.int64)
+        i = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        m = i < I
+        g = tl.load(GU + row * sgu + i, mask=m, other=0.0).to(tl.float32)
+        u = tl.load(GU + row * sgu + I + i, mask=m, other=0.0).to(tl.float32)
+        ga = tl.load(GA + row * sga + i, mask=m, other=0.0).to(tl.float32)
+        sig = 1.0 / (1.0 + tl.exp(-g))
+        tl.store(GG + row * sgg + i, (ga * u * sig * (1.0 + g * (1.0 - sig))).to(
+            GG.dtype.element_ty), mask=m)
+        tl.store(GG + row * sgg + I + i, (ga * g * sig).to(GG.dtype.element_ty), mask=m)
+
+
+class _SwiGLU(torch.autograd.Function):
+    """silu(gate)·up of gu's two halves in the eager operations (the same numbers), with
+    _swiglu_bwd_kernel's backward pass: one kernel writing gu's gradient, where autograd of the
+    eager form takes four (silu's, two products', the halves' concatenation)."""
+
+    @staticmethod
+    def forward(ctx, gu):
+        ctx.save_for_backward(gu)
+        gate, up = gu.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+    @staticmethod
+    def backward(ctx, ga):
+        gu, = ctx.saved_tensors
+        gu2, ga2 = _rows(gu), _rows(ga)
+        I = ga2.shape[1]
+        gg = torch.empty(gu2.shape, dtype=gu.dtype, device=gu.device)
+        if gu2.shape[0]:
+            _swiglu_bwd_kernel[(gu2.shape[0], triton.cdiv(I, 1024))](
+                gu2, ga2, gg, I, gu2.stride(0), ga2.stride(0), gg.stride(0), BLOCK=1024,
+                num_warps=4)
+        return gg.view(gu.shape)
+
+
+def swiglu(gu: torch.Tensor):
+    """silu(gate)·up of gu's halves with _SwiGLU's backward pass where use_triton and
+    FUSED_ELEMENTWISE say so; None elsewhere (the caller's operations)."""
+    if FUSED_ELEMENTWISE and use_triton(gu) and gu.shape[-1] % 2 == 0:
+        return _SwiGLU.apply(gu)
+    return None
+
+
 # ---- RMSNorm and the log-prob head ----
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -445,12 +742,113 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return x.gather(-1, targets[:, None]).squeeze(-1) - logsumexp(x)
 
 
+def _head_rows(logits: torch.Tensor) -> int:
+    # Row chunks of ~16 M fp32 entries on the CPU, ~1 G on a GPU (few launches a pass).
+    return max(1, (_CHUNK << (6 if logits.is_cuda else 2)) // max(1, logits.shape[-1]))
+
+
+if HAVE_TRITON:
+    @triton.jit
+    def _head_bwd_kernel(X, T, LSE, ENT, GLP, GENT, GX, N, sx, sgx, ENTROPY: tl.constexpr,
+                         BLOCK: tl.constexpr):
+        # A row's gradient of (log-prob of its target, entropy) in one pass over its logits:
+        # glp·(1[target] − p) − gent·p·(log p + entropy), p = exp(x − lse), in fp32, written in
+        # the logits' dtype.
+        row = tl.program_id(0).to(tl.int64)
+        t = tl.load(T + row)
+        lse = tl.load(LSE + row)
+        glp = tl.load(GLP + row)
+        ent = tl.load(ENT + row)
+        gent = tl.load(GENT + row)
+        for c0 in range(0, N, BLOCK):
+            i = c0 + tl.arange(0, BLOCK)
+            im = i < N
+            lsm = tl.load(X + row * sx + i, mask=im, other=0.0).to(tl.float32) - lse
+            p = tl.exp(lsm)
+            gx = tl.where(i == t, glp, 0.0) - glp * p
+            if ENTROPY:
+                gx -= gent * p * (lsm + ent)
+            tl.store(GX + row * sgx + i, gx.to(GX.dtype.element_ty), mask=im)
+
+
+if HAVE_TRITON:
+    @triton.jit
+    def _entropy_kernel(X, LSE, Y, N, sx, BLOCK: tl.constexpr):
+        # A row's entropy −Σ p·log p, log p = x − lse, in one pass (lanes summed as
+        # _row_sum_kernel sums).
+        row = tl.program_id(0).to(tl.int64)
+        lse = tl.load(LSE + row)
+        acc = tl.zeros((BLOCK,), dtype=tl.float32)
+        for c0 in range(0, N, BLOCK):
+            i = c0 + tl.arange(0, BLOCK)
+            lsm = tl.load(X + row * sx + i, mask=i < N, other=0.0).to(tl.float32) - lse
+            acc += tl.where(i < N, tl.exp(lsm) * lsm, 0.0)
+        tl.store(Y + row, -tl.sum(acc, axis=0))
+
+
+def entropy_triton(x: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+    """The entropy of each row of logits x [N, V] with log-sum-exp lse [N] (fp32, no
+    gradient), in _entropy_kernel."""
+    x2 = _rows(x)
+    y = torch.empty(x2.shape[0], dtype=torch.float32, device=x.device)
+    if x2.shape[0]:
+        _entropy_kernel[(x2.shape[0],)](x2, lse.contiguous(), y, x2.shape[1], x2.stride(0),
+                                        BLOCK=ROW_BLOCK, num_warps=4)
+    return y
+
+
+# The log-prob head's backward pass on a GPU: _head_bwd_kernel, one pass over the logits,
+# instead of autograd of the chunked fp32 form (a dozen passes over the logits, the row chunks'
+# gradients put into full-size zero tensors and added), and its entropy in one pass instead of
+# four (determinism.py --head-bwd torch).
+HEAD_BWD_TRITON = True
+
+
+class _HeadLogprobs(torch.autograd.Function):
+    """token_logprobs_entropy's forward (the same operations, so the same log-probs; the
+    entropy, which no identity involves, in one pass of _entropy_kernel), with
+    _head_bwd_kernel's backward pass. Saves the logits and each row's log-sum-exp, not the
+    fp32 copies."""
+
+    @staticmethod
+    def forward(ctx, logits, targets, entropy_grad):
+        lps, ents, lses = [], [], []
+        rows = _head_rows(logits)
+        for i in range(0, logits.shape[0], rows):
+            x = logits[i:i + rows].float()
+            lse = logsumexp_triton(x)
+            lps.append(x.gather(-1, targets[i:i + rows, None]).squeeze(-1) - lse)
+            ents.append(entropy_triton(x, lse))
+            lses.append(lse)
+        lp, ent = torch.cat(lps), torch.cat(ents)
+        ctx.save_for_backward(logits, targets, torch.cat(lses), ent)
+        ctx.entropy_grad = entropy_grad
+        if not entropy_grad:
+            ctx.mark_non_differentiable(ent)
+        return lp, ent
+
+    @staticmethod
+    def backward(ctx, glp, gent):
+        logits, targets, lse, ent = ctx.saved_tensors
+        x = _rows(logits)
+        N, V = x.shape
+        glp = torch.zeros_like(lse) if glp is None else glp.float().contiguous()
+        use_ent = ctx.entropy_grad and gent is not None
+        gent = gent.float().contiguous() if use_ent else glp
+        gx = torch.empty(N, V, dtype=logits.dtype, device=logits.device)
+        _head_bwd_kernel[(N,)](x, targets.contiguous(), lse, ent, glp, gent, gx, V, x.stride(0),
+                               gx.stride(0), ENTROPY=use_ent, BLOCK=ROW_BLOCK, num_warps=4)
+        return gx, None, None
+
+
 def token_logprobs_entropy(logits: torch.Tensor, targets: torch.Tensor, entropy_grad: bool):
     """(token_logprobs, entropy) for the trainer, the entropy from the same log-softmax; rows in
-    chunks so that the fp32 copies stay bounded."""
+    chunks so that the fp32 copies stay bounded (_HeadLogprobs where row_kernels says so and
+    HEAD_BWD_TRITON)."""
+    if logits.shape[0] and HEAD_BWD_TRITON and row_kernels(logits):
+        return _HeadLogprobs.apply(logits, targets, entropy_grad and torch.is_grad_enabled())
     lps, ents = [], []
-    # Row chunks of ~16 M fp32 entries on the CPU, ~1 G on a GPU (few launches a pass).
-    rows = max(1, (_CHUNK << (6 if logits.is_cuda else 2)) // max(1, logits.shape[-1]))
+    rows = _head_rows(logits)
     for i in range(0, logits.shape[0], rows):
         x = logits[i:i + rows].float()
         lse = logsumexp(x)
@@ -607,6 +1005,12 @@ ATTN_BM = 16
 # for the group: half the reads of Qwen3-0.6B's decode) or one head's queries
 # (determinism.py --attn-grouped off).
 ATTN_GROUPED = True
+# An experiment (determinism.py --attn-large BM,warps): another block (rows, warps) for passes of
+# at least ATTN_LARGE_Q queries a sequence (training, prefills), the 64-key chunks and their
+# order alike. Whether a row's numbers are then those of a decode step's 16-row block is the
+# matrix instruction's property, not guaranteed: the device's check says.
+ATTN_LARGE: tuple | None = None
+ATTN_LARGE_Q = 64
 
 
 def attention_triton(q, k, v, q_pos, scale):
@@ -620,14 +1024,195 @@ def attention_triton(q, k, v, q_pos, scale):
     o = torch.empty(B, Tq, H, D, dtype=q.dtype, device=q.device)
     pos = q_pos.to(torch.int64).contiguous().view(-1)
     G = H // KV
-    HG = G if ATTN_GROUPED and G <= ATTN_BM else 1
-    _attention_kernel[(B * triton.cdiv(Tq * HG, ATTN_BM), H // HG)](
+    BM, warps = (ATTN_BM, 4) if ATTN_LARGE is None or Tq < ATTN_LARGE_Q else ATTN_LARGE
+    HG = G if ATTN_GROUPED and G <= BM else 1
+    _attention_kernel[(B * triton.cdiv(Tq * HG, BM), H // HG)](
         q, k, v, o, pos, Tq, H, G, Lk, D, scale,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), o.stride(0), o.stride(1), o.stride(2),
-        BM=ATTN_BM, S=KV_SPLIT, BD=max(16, triton.next_power_of_2(D)),
-        IEEE=q.dtype == torch.float32, HG=HG, num_warps=4)
+        BM=BM, S=KV_SPLIT, BD=max(16, triton.next_power_of_2(D)),
+        IEEE=q.dtype == torch.float32, HG=HG, num_warps=warps)
     return o
+
+
+# ---- the attention's backward pass (training) ----
+#
+# The gradient of the forward's function (softmax(q·kᵀ·scale) over the keys a query sees, times
+# v), flash-attention-2 style: one kernel for dQ (a program a block of queries and a head, over
+# its keys), then one for dK and dV (a program a block of keys and a key head, over the queries
+# of its query heads). Each gradient element is summed by one program in a fixed order, with no
+# atomics: two equal calls give equal gradients, whatever the device's scheduling. Not
+# batch-invariant (the trainer's log-probs come from the forward, which is).
+
+if HAVE_TRITON:
+    @triton.jit
+    def _bwd_dot(a, b, F32DOT: tl.constexpr):
+        # F32DOT: the product in fp32 (IEEE) of the operands read as fp32: fp32 tensors, and
+        # bf16 ones under Triton's interpreter (whose product of bf16 reads their bits).
+        if F32DOT:
+            out = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+        else:
+            out = tl.dot(a, b)
+        return out
+
+    @triton.jit(do_not_specialize=["Tq", "Lk"])
+    def _attention_bwd_dq_kernel(Q, K, V, O, DO, P, DQ, LSE, DELTA, Tq, H, G, Lk, D, scale,
+                                 sqb, sqt, sqh, skb, skh, skl, svb, svh, svl,
+                                 sob, sot, soh, sdb, sdt, sdh,
+                                 BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr,
+                                 F32DOT: tl.constexpr):
+        # BM queries of one head: first their log-sum-exp over the keys they see (online, in
+        # fp32) and delta = Σ dO·O, both kept for the dK/dV kernel; then
+        # dQ = scale · Σ_j P·(dP − delta)·k_j over the same keys, with dP = dO·vᵀ.
+        pid, h = tl.program_id(0), tl.program_id(1)
+        nblk = tl.cdiv(Tq, BM)
+        b, t0 = pid // nblk, (pid % nblk) * BM
+        t = t0 + tl.arange(0, BM)
+        tm = t < Tq
+        kvh = h // G
+        d = tl.arange(0, BD)
+        dm = d < D
+        qm = tm[:, None] & dm[None, :]
+        pos = tl.load(P + b * Tq + t, mask=tm, other=-1)
+        q = tl.load(Q + b * sqb + t[:, None] * sqt + h * sqh + d[None, :], mask=qm, other=0.0)
+        do = tl.load(DO + b * sdb + t[:, None] * sdt + h * sdh + d[None, :], mask=qm, other=0.0)
+        o = tl.load(O + b * sob + t[:, None] * sot + h * soh + d[None, :], mask=qm, other=0.0)
+        delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), axis=1)
+        pmax = tl.max(pos, axis=0)
+        end = tl.minimum(pmax + 1, Lk)
+        m = tl.full((BM,), float("-inf"), tl.float32)
+        l = tl.zeros((BM,), tl.float32)
+        for c0 in range(0, end, BN):
+            j = c0 + tl.arange(0, BN)
+            jm = (j < Lk) & (j <= pmax)
+            k = tl.load(K + b * skb + kvh * skh + j[None, :] * skl + d[:, None],
+                        mask=jm[None, :] & dm[:, None], other=0.0)  # [BD, BN]
+            s = _bwd_dot(q, k, F32DOT)
+            seen = (j[None, :] <= pos[:, None]) & jm[None, :]
+            s = tl.where(seen, s * scale, float("-inf"))
+            m_new = tl.maximum(m, tl.max(s, axis=1))
+            m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+            l = l * tl.exp(m - m_ref) + tl.sum(tl.where(seen, tl.exp(s - m_ref[:, None]), 0.0),
+                                               axis=1)
+            m = m_new
+        # A query that sees no key (a padding row) has output 0 and no gradient: its P is 0.
+        lse = tl.where(l > 0.0, m + tl.log(tl.where(l > 0.0, l, 1.0)), 0.0)
+        dq = tl.zeros((BM, BD), tl.float32)
+        for c0 in range(0, end, BN):
+            j = c0 + tl.arange(0, BN)
+            jm = (j < Lk) & (j <= pmax)
+            k = tl.load(K + b * skb + kvh * skh + j[None, :] * skl + d[:, None],
+                        mask=jm[None, :] & dm[:, None], other=0.0)  # [BD, BN]
+            vt = tl.load(V + b * svb + kvh * svh + j[None, :] * svl + d[:, None],
+                         mask=jm[None, :] & dm[:, None], other=0.0)  # [BD, BN]
+            seen = (j[None, :] <= pos[:, None]) & jm[None, :]
+            s = _bwd_dot(q, k, F32DOT)
+            dp = _bwd_dot(do, vt, F32DOT)
+            p = tl.where(seen, tl.exp(s * scale - lse[:, None]), 0.0)
+            ds = tl.where(seen, p * (dp - delta[:, None]), 0.0)
+            dq += _bwd_dot(ds.to(k.dtype), tl.trans(k), F32DOT)
+        tl.store(DQ + b * sqb + t[:, None] * sqt + h * sqh + d[None, :],
+                 (dq * scale).to(DQ.dtype.element_ty), mask=qm)
+        r = (b * Tq + t) * H + h
+        tl.store(LSE + r, lse, mask=tm)
+        tl.store(DELTA + r, delta, mask=tm)
+
+    @triton.jit(do_not_specialize=["Tq", "Lk"])
+    def _attention_bwd_dkdv_kernel(Q, K, V, DO, P, LSE, DELTA, DK, DV, Tq, H, G, Lk, D, scale,
+                                   sqb, sqt, sqh, skb, skh, skl, svb, svh, svl, sdb, sdt, sdh,
+                                   sgb, sgh, sgl,
+                                   BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr,
+                                   F32DOT: tl.constexpr):
+        # BN keys of one key head: dV = Σ Pᵀ·dO and dK = scale · Σ (P·(dP − delta))ᵀ·q over the
+        # queries of the G heads sharing it, block by block in order (blocks whose queries all
+        # come before the keys skipped: they see none of them).
+        pid, kvh = tl.program_id(0), tl.program_id(1)
+        nblk = tl.cdiv(Lk, BN)
+        b, j0 = pid // nblk, (pid % nblk) * BN
+        j = j0 + tl.arange(0, BN)
+        jm = j < Lk
+        d = tl.arange(0, BD)
+        dm = d < D
+        km = jm[:, None] & dm[None, :]
+        k = tl.load(K + b * skb + kvh * skh + j[:, None] * skl + d[None, :], mask=km, other=0.0)
+        v = tl.load(V + b * svb + kvh * svh + j[:, None] * svl + d[None, :], mask=km, other=0.0)
+        dk = tl.zeros((BN, BD), tl.float32)
+        dv = tl.zeros((BN, BD), tl.float32)
+        for t0 in range(0, Tq, BM):
+            t = t0 + tl.arange(0, BM)
+            tm = t < Tq
+            pos = tl.load(P + b * Tq + t, mask=tm, other=-1)
+            if tl.max(pos, axis=0) >= j0:
+                seen = (j[:, None] <= pos[None, :]) & jm[:, None]  # [BN, BM]
+                qm = tm[:, None] & dm[None, :]
+                for hi in range(0, G):
+                    h = kvh * G + hi
+                    q = tl.load(Q + b * sqb + t[:, None] * sqt + h * sqh + d[None, :], mask=qm,
+                                other=0.0)
+                    do = tl.load(DO + b * sdb + t[:, None] * sdt + h * sdh + d[None, :],
+                                 mask=qm, other=0.0)
+                    r = (b * Tq + t) * H + h
+                    lse = tl.load(LSE + r, mask=tm, other=0.0)
+                    delta = tl.load(DELTA + r, mask=tm, other=0.0)
+                    st = _bwd_dot(k, tl.trans(q), F32DOT)
+                    dpt = _bwd_dot(v, tl.trans(do), F32DOT)
+                    pt = tl.where(seen, tl.exp(st * scale - lse[None, :]), 0.0)
+                    dst = tl.where(seen, pt * (dpt - delta[None, :]), 0.0)
+                    dv += _bwd_dot(pt.to(do.dtype), do, F32DOT)
+                    dk += _bwd_dot(dst.to(q.dtype), q, F32DOT)
+        gm = jm[:, None] & dm[None, :]
+        g = b * sgb + kvh * sgh + j[:, None] * sgl + d[None, :]
+        tl.store(DK + g, (dk * scale).to(DK.dtype.element_ty), mask=gm)
+        tl.store(DV + g, dv.to(DV.dtype.element_ty), mask=gm)
+
+# The attention's backward pass: "triton" (the kernels above) or "sdpa" (PyTorch's attention
+# recomputed under its strict deterministic mode; determinism.py --attn-bwd sdpa). The kernels'
+# blocks (queries, keys, warps, stages): many rows of what a program accumulates (dQ: queries,
+# dK/dV: keys), few of what it streams, as the flash-attention-2 Triton tutorial has them; at
+# head dim 128 in bf16 these compile for sm_90 without spilling registers (ptxas -v). Any block
+# gives repeatable gradients (determinism.py --attn-bwd-dq, --attn-bwd-dkdv).
+# fp32 operands (an fp32 model: products of fp32 FMAs, no tensor cores) take smaller blocks, which
+# compile without spilling likewise.
+ATTN_BWD = "triton"
+ATTN_BWD_DQ = (128, 32, 8, 3)
+ATTN_BWD_DKDV = (32, 128, 8, 2)
+ATTN_BWD_DQ_F32 = (32, 32, 4, 2)
+ATTN_BWD_DKDV_F32 = (32, 16, 4, 1)
+
+
+def attention_backward_triton(q, k, v, o, q_pos, go, scale):
+    """The gradients (dq, dk, dv) of attention_triton's output o for its output's gradient go,
+    in the two kernels above (q [B, Tq, H, D], k and v [B, KV, Lk, D]). Repeatable bit for bit:
+    no atomics, each sum in one program's fixed order."""
+    B, Tq, H, D = q.shape
+    KV, Lk = k.shape[1], k.shape[2]
+    # dq takes q's strides; k and v are read through theirs (the training pass's are views).
+    q, o, go = q.contiguous(), o.contiguous(), go.contiguous()
+    if k.stride(-1) != 1 or v.stride(-1) != 1:
+        k, v = k.contiguous(), v.contiguous()
+    pos = q_pos.to(torch.int64).contiguous().view(-1)
+    BD = max(16, triton.next_power_of_2(D))
+    f32 = q.dtype == torch.float32 or INTERPRET
+    dq = torch.empty_like(q)
+    lse = torch.empty(B, Tq, H, dtype=torch.float32, device=q.device)
+    delta = torch.empty_like(lse)
+    BM, BN, warps, stages = ATTN_BWD_DQ_F32 if q.dtype == torch.float32 else ATTN_BWD_DQ
+    _attention_bwd_dq_kernel[(B * triton.cdiv(Tq, BM), H)](
+        q, k, v, o, go, pos, dq, lse, delta, Tq, H, H // KV, Lk, D, scale,
+        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2), o.stride(0), o.stride(1), o.stride(2),
+        go.stride(0), go.stride(1), go.stride(2),
+        BM=BM, BN=BN, BD=BD, F32DOT=f32, num_warps=warps, num_stages=stages)
+    dk = torch.empty(B, KV, Lk, D, dtype=k.dtype, device=k.device)
+    dv = torch.empty(B, KV, Lk, D, dtype=v.dtype, device=v.device)
+    BM, BN, warps, stages = ATTN_BWD_DKDV_F32 if q.dtype == torch.float32 else ATTN_BWD_DKDV
+    _attention_bwd_dkdv_kernel[(B * triton.cdiv(Lk, BN), KV)](
+        q, k, v, go, pos, lse, delta, dk, dv, Tq, H, H // KV, Lk, D, scale,
+        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2), go.stride(0), go.stride(1), go.stride(2),
+        dk.stride(0), dk.stride(1), dk.stride(2),
+        BM=BM, BN=BN, BD=BD, F32DOT=f32, num_warps=warps, num_stages=stages)
+    return dq, dk, dv
 
 
 @contextlib.contextmanager
@@ -648,20 +1233,25 @@ def _strict_determinism():
 
 
 class _Attention(torch.autograd.Function):
-    """The Triton attention forward; the backward pass through PyTorch's attention recomputed
-    (the gradient of the same function, not batch-invariant, but repeatable: its kernels in
-    PyTorch's deterministic mode). causal: the queries are positions 0..Lk-1 of their sequence,
-    so the backward pass takes SDPA's causal (flash) kernel instead of a mask."""
+    """The Triton attention forward; the backward pass the gradient of the same function, not
+    batch-invariant but repeatable: attention_backward_triton (ATTN_BWD "triton"), or PyTorch's
+    attention recomputed with its kernels in PyTorch's deterministic mode. causal: the queries
+    are positions 0..Lk-1 of their sequence, so SDPA takes its causal (flash) kernel instead of
+    a mask."""
 
     @staticmethod
     def forward(ctx, q, k, v, q_pos, scale, causal):
-        ctx.save_for_backward(q, k, v, q_pos)
+        o = attention_triton(q, k, v, q_pos, scale)
+        ctx.save_for_backward(q, k, v, q_pos, o)
         ctx.scale, ctx.causal = scale, causal
-        return attention_triton(q, k, v, q_pos, scale)
+        return o
 
     @staticmethod
     def backward(ctx, go):
-        q, k, v, q_pos = ctx.saved_tensors
+        q, k, v, q_pos, o = ctx.saved_tensors
+        if ATTN_BWD == "triton":
+            gq, gk, gv = attention_backward_triton(q, k, v, o, q_pos, go, ctx.scale)
+            return gq, gk, gv, None, None, None
         with torch.enable_grad(), _strict_determinism():
             q_, k_, v_ = (t.detach().requires_grad_() for t in (q, k, v))
             Lk = k.shape[2]

@@ -12,6 +12,7 @@ import concurrent.futures
 import dataclasses
 import json
 import logging
+import os
 import pathlib
 import threading
 import time
@@ -150,6 +151,11 @@ class Engine:
                 raise ValueError(f"deterministic: kv_cache_dtype {self.opts.kv_cache_dtype!r} "
                                  "rounds the keys and values generation reads and training does "
                                  "not; use kv_cache_dtype auto")
+            # The gradients' products run in cuBLAS, repeatable on one stream; with other
+            # streams active it may pick other kernels unless its workspace is fixed, as
+            # PyTorch's deterministic mode asks (the attention's backward pass no longer enters
+            # that mode, which set it on the first step): fixed before the first product.
+            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
             # Micro-batches of 4,096 tokens by default: the log-prob head reads whole logits
             # (a row's numbers do not depend on how rows are cut into micro-batches).
             self.opts = dataclasses.replace(

@@ -133,7 +133,12 @@ def residual_add(x, y):
     """The residual add x + y, rounded as the eager add in x's dtype, in a form that inductor
     does not turn into cuBLAS's addmm when y is a product: addmm first copies x into its output
     (a copy kernel a residual add: 56 of a batch-256 decode step's 351 kernels on Qwen3-0.6B)
-    and rounds the sum once, where transformers rounds the product and then the sum."""
+    and rounds the sum once, where transformers rounds the product and then the sum. In the
+    deterministic mode on a GPU: one kernel of the same arithmetic (batch_invariant)."""
+    if bi.enabled():
+        out = bi.residual_add(x, y)
+        if out is not None:
+            return out
     return (y.float() + x).to(x.dtype)
 
 
@@ -244,13 +249,20 @@ def qkv_from_normed(cfg: ModelConfig, w: tuple, h, cos, sin, norm=rms_norm):
     q, k, v = decode_pre(cfg, h, w)
     if cfg.qk_norm:
         q, k = norm(q, q_norm, cfg.rms_eps), norm(k, k_norm, cfg.rms_eps)
+    if bi.enabled():  # one kernel a tensor on a GPU, the same numbers
+        return bi.rope(q, cos, sin, apply_rope), bi.rope(k, cos, sin, apply_rope), v
     cos, sin = cos.to(h.dtype), sin.to(h.dtype)
     return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
 
 def mlp(cfg: ModelConfig, w: tuple, x, norm=rms_norm):
     mlp_norm, w13, w2 = w[7:]
-    gate, up = linear(norm(x, mlp_norm, cfg.rms_eps), w13).chunk(2, dim=-1)
+    gu = linear(norm(x, mlp_norm, cfg.rms_eps), w13)
+    if bi.enabled():  # the same operations; on a GPU the backward pass in one kernel
+        a = bi.swiglu(gu)
+        if a is not None:
+            return linear(a, w2)
+    gate, up = gu.chunk(2, dim=-1)
     return linear(F.silu(gate) * up, w2)
 
 

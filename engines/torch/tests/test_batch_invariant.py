@@ -258,19 +258,30 @@ def interpreted():
         pytest.skip("needs Triton's interpreter (TRITON_INTERPRET=1, conftest's without a GPU)")
 
 
-def test_the_triton_product_keeps_a_row_whatever_the_row_count(interpreted):
+@pytest.mark.parametrize("split", [1, 2])
+def test_the_triton_product_keeps_a_row_whatever_the_row_count(interpreted, monkeypatch, split):
     # The tile shape is the same for every M: a row's K-reduction is the same, so the leading
     # rows of a product and a single row give what the whole product gave them. (Whether a row
     # in another position of a tile gives the same is the GPU's matrix instruction's property,
     # which determinism.py checks on the device; the interpreter's NumPy product is not that.)
+    # The same with K split in 2 parts (--split-k: 3 and 2 steps of 64, each part's sum from 0,
+    # then the two added), which is not the unsplit sum.
+    monkeypatch.setattr(bi, "SPLIT_K", split)
+    monkeypatch.setattr(bi, "SPLIT_K_MIN", 100)
     g = torch.Generator().manual_seed(6)
-    x = torch.randn(70, 40, generator=g)
-    w = torch.randn(24, 40, generator=g)
-    y = bi.matmul_triton(x, w, torch.float32)
-    assert torch.allclose(y, x @ w.t(), atol=1e-5)
-    for k in (1, 5, 64):
-        assert torch.equal(bi.matmul_triton(x[:k], w, torch.float32), y[:k])
-    assert torch.equal(bi.matmul_triton(x[69:70], w, torch.float32), y[69:70])
+    for K in (40, 300):
+        x = torch.randn(70, K, generator=g)
+        w = torch.randn(24, K, generator=g)
+        y = bi.matmul_triton(x, w, torch.float32)
+        assert torch.allclose(y, x @ w.t(), atol=1e-4)
+        for k in (1, 5, 64):
+            assert torch.equal(bi.matmul_triton(x[:k], w, torch.float32), y[:k])
+        assert torch.equal(bi.matmul_triton(x[69:70], w, torch.float32), y[69:70])
+        if split > 1 and K > 100:
+            monkeypatch.setattr(bi, "SPLIT_K", 1)
+            whole = bi.matmul_triton(x, w, torch.float32)
+            monkeypatch.setattr(bi, "SPLIT_K", split)
+            assert torch.allclose(whole, y, atol=1e-4) and not torch.equal(whole, y)
 
 
 def test_the_triton_attention_is_the_same_for_any_cache(interpreted):
@@ -369,12 +380,18 @@ def test_the_triton_row_sums_keep_a_row_whatever_its_batch_and_padding(interpret
         assert torch.equal(bi.rms_norm(h[i:i + 1], w, 1e-6), y[i:i + 1])
 
 
-def test_the_triton_attention_gradient_is_sdpa_s_in_both_forms(interpreted):
-    # The training pass's attention (causal: the causal SDPA kernel in the backward pass) and a
-    # masked one give SDPA's gradients; the backward pass leaves PyTorch's deterministic setting
-    # as it found it.
+@pytest.mark.parametrize("bwd", ["triton", "sdpa"])
+def test_the_triton_attention_gradient_is_sdpa_s_in_both_forms(interpreted, monkeypatch, bwd):
+    # The training pass's attention (causal: the causal SDPA kernel in the "sdpa" backward pass)
+    # and a masked one give SDPA's gradients, in either backward pass; the "sdpa" one leaves
+    # PyTorch's deterministic setting as it found it.
+    monkeypatch.setattr(bi, "ATTN_BWD", bwd)
+    for name in ("ATTN_BWD_DQ", "ATTN_BWD_DQ_F32"):
+        monkeypatch.setattr(bi, name, (16, 16, 4, 1))
+    for name in ("ATTN_BWD_DKDV", "ATTN_BWD_DKDV_F32"):
+        monkeypatch.setattr(bi, name, (16, 32, 4, 1))
     g = torch.Generator().manual_seed(9)
-    B, T, H, KV, D = 2, 20, 4, 2, 8
+    B, T, H, KV, D = 2, 20, 4, 2, 16
     q, k, v = (torch.randn(*s, generator=g) for s in ((B, T, H, D), (B, KV, T, D), (B, KV, T, D)))
     go = torch.randn(B, T, H, D, generator=g)
     ref = [t.clone().requires_grad_() for t in (q, k, v)]
@@ -389,6 +406,52 @@ def test_the_triton_attention_gradient_is_sdpa_s_in_both_forms(interpreted):
         for a, b in zip(got, want):
             assert torch.allclose(a, b, atol=1e-5)
     assert not torch.are_deterministic_algorithms_enabled()
+
+
+def test_the_triton_attention_backward_is_the_gradient_and_repeats(interpreted, monkeypatch):
+    # The training pass's backward in the two Triton kernels (dQ by query blocks, dK and dV by
+    # key blocks over the query heads sharing them), never SDPA: the gradient of attention_torch
+    # in fp32, and within bf16's rounding in bf16, with grouped heads (4 on 2, 2 on 2), queries
+    # past the first 16-row block, a row whose queries start at position 6 of a longer key row,
+    # and a row whose last queries are padding (position -1: they see no key, have output 0 and
+    # no gradient). Two calls give the same gradients bit for bit. (In bf16 the output comes
+    # from attention_torch: the interpreter's forward kernel reads bf16 operands of its products
+    # as their bits; the backward kernels read them as fp32 there.)
+    for name in ("ATTN_BWD_DQ", "ATTN_BWD_DQ_F32"):
+        monkeypatch.setattr(bi, name, (16, 16, 4, 1))
+    for name in ("ATTN_BWD_DKDV", "ATTN_BWD_DKDV_F32"):
+        monkeypatch.setattr(bi, name, (16, 32, 4, 1))
+
+    def no_sdpa(*a, **kw):
+        raise AssertionError("the Triton attention's backward pass called SDPA")
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", no_sdpa)
+    g = torch.Generator().manual_seed(12)
+    for H, KV in ((4, 2), (2, 2)):
+        B, T, D, Lk = 2, 40, 16, 46
+        q = torch.randn(B, T, H, D, generator=g)
+        k = torch.randn(B, KV, Lk, D, generator=g)
+        v = torch.randn(B, KV, Lk, D, generator=g)
+        go = torch.randn(B, T, H, D, generator=g)
+        pos = torch.stack([torch.arange(T) + 6, torch.arange(T)])
+        pos[1, 29:] = -1
+        for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 3e-2)):
+            ins = [t.to(dtype) for t in (q, k, v)]
+            ref = [t.float().requires_grad_() for t in ins]
+            out = bi.attention_torch(*ref, pos, 0.3)
+            want = torch.autograd.grad(out, ref, go)
+            runs = []
+            for _ in range(2):
+                if dtype == torch.float32:
+                    xs = [t.clone().requires_grad_() for t in ins]
+                    o = bi._Attention.apply(*xs, pos, 0.3, False)
+                    runs.append(torch.autograd.grad(o, xs, go))
+                else:
+                    o = out.detach().nan_to_num(0.0).to(dtype)
+                    runs.append(bi.attention_backward_triton(*ins, o, pos, go.to(dtype), 0.3))
+            for a, b, w in zip(*runs, want):
+                assert a.dtype == dtype and torch.equal(a, b)
+                assert (a.float() - w).abs().max() <= tol * max(1.0, w.abs().max().item())
+            assert not runs[0][0][1, 29:].any()
 
 
 def test_the_triton_rms_norm_keeps_a_row_and_has_the_plain_gradient(interpreted, monkeypatch):
@@ -419,6 +482,119 @@ def test_the_triton_rms_norm_keeps_a_row_and_has_the_plain_gradient(interpreted,
         assert torch.allclose(a, b, atol=1e-5)
 
 
+def test_the_triton_rms_norm_backward_is_the_gradient_and_repeats(interpreted, monkeypatch):
+    # The GPU's RMSNorm backward pass in one kernel (gx a row at a time, gw as the programs'
+    # partial sums over their rows, added after): the gradient of the PyTorch form in fp32, and
+    # within bf16's rounding in bf16, with programs of 4 rows (the last of 2) and of 1; the same
+    # bit for bit twice; what _RMSNorm's backward pass returns.
+    g = torch.Generator().manual_seed(13)
+    x = torch.randn(6, 3, 40, generator=g) * 2
+    w = torch.randn(40, generator=g)
+    go = torch.randn(6, 3, 40, generator=g)
+    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
+        xs, ws = x.to(dtype), w.to(dtype)
+        xr, wr = xs.float().requires_grad_(), ws.float().requires_grad_()
+        x32 = xr.float()
+        y = wr * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + 1e-6)).to(dtype).float()
+        want = torch.autograd.grad(y, (xr, wr), go)
+        for programs in (4, 1024):
+            monkeypatch.setattr(bi, "RMS_BWD_PROGRAMS", programs)
+            one = bi.rms_norm_backward_triton(xs, ws, go.to(dtype), 1e-6)
+            two = bi.rms_norm_backward_triton(xs, ws, go.to(dtype), 1e-6)
+            for a, b, c in zip(one, two, want):
+                assert a.dtype == dtype and a.shape == c.shape and torch.equal(a, b)
+                assert (a.float() - c).abs().max() <= tol * max(1.0, c.abs().max().item())
+    monkeypatch.setattr(bi, "FORCE_TRITON", True)
+    xg, wg = x.clone().requires_grad_(), w.clone().requires_grad_()
+    got = torch.autograd.grad(bi.rms_norm(xg, wg, 1e-6), (xg, wg), go)
+    for a, b in zip(got, bi.rms_norm_backward_triton(x, w, go, 1e-6)):
+        assert torch.equal(a, b)
+
+
+def test_the_triton_log_prob_head_backward_is_the_gradient(interpreted, monkeypatch):
+    # The trainer's log-prob head on a GPU: the same log-probs, bit for bit, as the chunked form
+    # it replaces (the sampler's arithmetic), its entropies to rounding (one kernel a row), and
+    # in its backward pass one kernel a row: the chunked form's gradient (fp32; bf16 logits
+    # within their rounding), with and without the entropy's gradient, over several row
+    # chunks; the same bit for bit twice.
+    monkeypatch.setattr(bi, "FORCE_TRITON", True)
+    monkeypatch.setattr(bi, "_CHUNK", 1 << 11)  # chunks of 3 rows (on the CPU)
+    g = torch.Generator().manual_seed(14)
+    N, V = 7, 2500
+    logits = torch.randn(N, V, generator=g) * 3
+    targets = torch.randint(0, V, (N,), generator=g)
+    wl, we = torch.randn(N, generator=g), torch.randn(N, generator=g)
+
+    def run(x, new, entropy_grad):
+        monkeypatch.setattr(bi, "HEAD_BWD_TRITON", new)
+        x = x.clone().requires_grad_()
+        lp, ent = bi.token_logprobs_entropy(x, targets, entropy_grad)
+        assert ("HeadLogprobs" in type(lp.grad_fn).__name__) == new
+        loss = (lp * wl).sum() + ((ent * we).sum() if entropy_grad else 0.0)
+        return lp.detach(), ent.detach(), torch.autograd.grad(loss, x)[0]
+
+    for dtype, tol in ((torch.float32, 1e-6), (torch.bfloat16, 1e-2)):
+        x = logits.to(dtype)
+        for entropy_grad in (False, True):
+            lp, ent, gx = run(x, True, entropy_grad)
+            lp0, ent0, gx0 = run(x, False, entropy_grad)
+            assert torch.equal(lp, lp0)
+            assert torch.allclose(ent, ent0, rtol=1e-5, atol=1e-5)
+            assert gx.dtype == dtype
+            assert (gx.float() - gx0.float()).abs().max() <= tol * gx0.float().abs().max()
+            assert torch.equal(run(x, True, entropy_grad)[2], gx)
+    assert torch.equal(bi.token_logprobs(logits, targets), run(logits, True, False)[0])
+
+
+def test_the_fused_rope_and_residual_add_round_as_eager_mode(interpreted, monkeypatch):
+    # The GPU's rotary embedding and residual add in one kernel each give eager mode's numbers
+    # bit for bit in bf16 (each product and the sum rounded as PyTorch rounds them), for the
+    # tables of a decode step ([B, D]), a training pass ([T, D], broadcast over the batch) and a
+    # prefill after a cached prefix ([B, T, D]); their gradients, and SwiGLU's from its one
+    # backward kernel, are eager autograd's to bf16's rounding; without the kernels
+    # (FUSED_ELEMENTWISE off) the eager operations run.
+    from slimen_torch.model import apply_rope
+    monkeypatch.setattr(bi, "FORCE_TRITON", True)
+    g = torch.Generator().manual_seed(15)
+    angles = torch.randn(30, 8, generator=g) * 3
+    cos_t, sin_t = torch.cat((angles, angles), -1).cos(), torch.cat((angles, angles), -1).sin()
+    B, T, H, D = 2, 5, 3, 16
+    pos = torch.randint(0, 30, (B, T), generator=g)
+    for shape, cos, sin in (((B, H, D), cos_t[pos[:, 0]], sin_t[pos[:, 0]]),
+                            ((B, T, H, D), cos_t[:T], sin_t[:T]),
+                            ((B, T, H, D), cos_t[pos], sin_t[pos])):
+        x = (torch.randn(*shape, generator=g) * 4).bfloat16()
+        go = torch.randn(*shape, generator=g).bfloat16()
+        xe = x.clone().requires_grad_()
+        want = apply_rope(xe, cos.bfloat16(), sin.bfloat16())
+        xf = x.clone().requires_grad_()
+        got = bi.rope(xf, cos, sin, apply_rope)
+        assert "Rope" in type(got.grad_fn).__name__ and torch.equal(got, want)
+        ge, = torch.autograd.grad(want, xe, go)
+        gf, = torch.autograd.grad(got, xf, go)
+        assert (gf.float() - ge.float()).abs().max() <= 1e-2 * ge.float().abs().max()
+        y = (torch.randn(*shape, generator=g) * 4).bfloat16()
+        s = bi.residual_add(x, y)
+        assert torch.equal(s, (y.float() + x).to(x.dtype))
+    # SwiGLU: the eager operations forward (the same numbers), one kernel backward.
+    gu = (torch.randn(4, 3, 2 * 40, generator=g) * 3).bfloat16()
+    ga = torch.randn(4, 3, 40, generator=g).bfloat16()
+    ge = gu.clone().requires_grad_()
+    gate, up = ge.chunk(2, dim=-1)
+    want = torch.nn.functional.silu(gate) * up
+    gf = gu.clone().requires_grad_()
+    got = bi.swiglu(gf)
+    assert "SwiGLU" in type(got.grad_fn).__name__ and torch.equal(got, want)
+    we, = torch.autograd.grad(want, ge, ga)
+    wf, = torch.autograd.grad(got, gf, ga)
+    assert wf.dtype == torch.bfloat16
+    assert (wf.float() - we.float()).abs().max() <= 2e-2 * we.float().abs().max()
+    monkeypatch.setattr(bi, "FUSED_ELEMENTWISE", False)
+    assert bi.residual_add(x, y) is None and bi.swiglu(gu) is None
+    assert bi.rope(xf, cos, sin, apply_rope).grad_fn is not None
+    assert "Rope" not in type(bi.rope(xf, cos, sin, apply_rope).grad_fn).__name__
+
+
 def test_the_triton_attention_groups_heads_alike(interpreted, monkeypatch):
     # A program's rows as the query heads of one key head (the default) or as one head's
     # queries: both SDPA's attention, and a query decoded alone gets what the whole sequence
@@ -441,3 +617,34 @@ def test_the_triton_attention_groups_heads_alike(interpreted, monkeypatch):
             for t in (0, 16, 32):
                 one = bi.attention_triton(q[:, t:t + 1].contiguous(), k, v, pos[:, t:t + 1], 0.25)
                 assert torch.equal(one, o[:, t:t + 1])
+        # The experiment's larger block for long passes (--attn-large): still the attention.
+        monkeypatch.setattr(bi, "ATTN_LARGE", (32, 4))
+        monkeypatch.setattr(bi, "ATTN_LARGE_Q", 32)
+        assert torch.allclose(bi.attention_triton(q, k, v, pos, 0.25), ref, atol=1e-5)
+        monkeypatch.setattr(bi, "ATTN_LARGE", None)
+
+
+def test_a_training_step_through_the_gpu_kernels_is_the_cpu_step(interpreted, model_dirs,
+                                                                 monkeypatch):
+    # The deterministic mode's training step with every Triton kernel a GPU runs (products,
+    # attention and its backward pass, RMSNorm and its backward, the log-prob head's backward
+    # with the entropy's gradient, the residual add), on the tiny Qwen3 under the interpreter:
+    # the loss and gradient norm of the CPU's operations, to fp32 rounding.
+    for name in ("ATTN_BWD_DQ", "ATTN_BWD_DQ_F32"):
+        monkeypatch.setattr(bi, name, (16, 16, 4, 1))
+    for name in ("ATTN_BWD_DKDV", "ATTN_BWD_DKDV_F32"):
+        monkeypatch.setattr(bi, name, (16, 32, 4, 1))
+    ss = [Sample(list(range(3, 23 + 7 * i)), list(range(40, 46)), [1.0] * 6, [-5.0] * 6,
+                 [1.0 if i else -1.0] * 6, group="g") for i in range(2)]
+    got = []
+    for force in (False, True):
+        monkeypatch.setattr(bi, "FORCE_TRITON", force)
+        e = Engine(str(model_dirs["tiny-qwen3"]), Options(device="cpu", deterministic=True))
+        try:
+            got.append(e.train(Batch(samples=ss, loss=LossConfig(lr=1e-3, max_grad_norm=0.0,
+                                                                 entropy_coef=0.01))))
+        finally:
+            e.close()
+    assert got[1].grad_norm > 0
+    assert abs(got[1].loss - got[0].loss) <= 1e-6 * max(1.0, abs(got[0].loss))
+    assert abs(got[1].grad_norm - got[0].grad_norm) <= 1e-5 * got[0].grad_norm

@@ -17,11 +17,13 @@ def test_determinism_script_small(tmp_path, capsys):
     assert rc == 0, out
     got = json.loads((tmp_path / "determinism.json").read_text())
     default, det = got["modes"]
-    assert det["mode"] == "deterministic" and det["batch_invariant"]
+    assert det["mode"] == "deterministic" and det["batch_invariant"] and det["repeatable"]
     for k in ("base", "lora", "prefix"):
         assert det[k]["score"] == det[k]["train"] == 0.0
     assert det["prefix_hits"] >= 1
     # The default mode computes the same numbers to rounding only (fp32 on the CPU).
     assert default["base"]["score"] < 1e-4
     assert det["decode_tok_s"] > 0 and det["train_tok_s"] > 0
-    assert "| deterministic | 0 | 0 | 0 | 0 (" in out and "deterministic / default: decode" in out
+    row = next(line for line in out.splitlines() if line.startswith("| deterministic |"))
+    assert row.startswith("| deterministic | 0 | 0 | 0 | 0 (") and "| yes | yes |" in row
+    assert "deterministic / default: decode" in out
