@@ -24,6 +24,7 @@ functions, testdata/slime/make_vectors.py), which tests/test_loss_vectors.py rep
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 import numpy as np
 import torch
@@ -76,9 +77,11 @@ def resolve(c: LossConfig) -> Loss:
     return r
 
 
-def token_weights(groups: list[str], masks: list[list[float]], aggregation: str) -> list[np.ndarray]:
+def token_weights(groups: list[str], masks: list[list[float]], aggregation: str,
+                  only: list[int] | None = None) -> list[np.ndarray]:
     """Each token's weight w in the reduced loss Σ w·ℓ over the N samples of one optimizer step,
-    one float64 array per sample.
+    one float64 array per sample; only: the indices of the samples whose weights are wanted (the
+    reductions still count every sample), in that order; None: all.
 
     With m a sample's mask sum: sample_mean (slime's default): mean over samples of each sample's
     token-mean, w = mask/(N·max(m, 1)); token_mean (slime's calculate_per_token_loss):
@@ -88,28 +91,29 @@ def token_weights(groups: list[str], masks: list[list[float]], aggregation: str)
     token). An empty group name is a group of its own. The sums run in order, as Python's; each
     weight is one division of its mask value (0 where the mask is 0).
     """
+    idx = range(len(masks)) if only is None else only
+    lens = [len(masks[i]) for i in idx]
+    # The wanted masks in one array, divided at once: the weights of a rank's share of a large
+    # batch (dist.py) cost a few numpy calls, not a few per sample.
+    x = np.fromiter(itertools.chain.from_iterable(masks[i] for i in idx), np.float64, sum(lens))
+    if aggregation == "token_sum":
+        return np.split(x, np.cumsum(lens)[:-1]) if lens else []
     keys = [g if g else ("", i) for i, g in enumerate(groups)]
     sample_mass = [float(sum(m)) for m in masks]
-    mass: dict = {}
-    for k, m in zip(keys, sample_mass):
-        mass[k] = mass.get(k, 0.0) + m
-    tokens = sum(max(m, 1.0) for m in sample_mass)
-    n_groups = sum(1 for v in mass.values() if v > 0)
-    out = []
-    for k, m, sm in zip(keys, masks, sample_mass):
-        x = np.asarray(m, dtype=np.float64)
-        if aggregation == "token_sum":
-            out.append(x)
-            continue
-        if aggregation == "token_mean":
-            d = tokens
-        elif aggregation == "group_token_mean":
-            d = n_groups * mass[k]
-        else:
-            d = len(masks) * max(sm, 1.0)
-        with np.errstate(divide="ignore", invalid="ignore"):  # a group of mass 0: all masks 0
-            out.append(np.where(x != 0, x / d, 0.0))
-    return out
+    if aggregation == "token_mean":
+        tokens = sum(max(m, 1.0) for m in sample_mass)
+        d = [tokens] * len(lens)
+    elif aggregation == "group_token_mean":
+        mass: dict = {}
+        for k, m in zip(keys, sample_mass):
+            mass[k] = mass.get(k, 0.0) + m
+        n_groups = sum(1 for v in mass.values() if v > 0)
+        d = [n_groups * mass[keys[i]] for i in idx]
+    else:
+        d = [len(masks) * max(sample_mass[i], 1.0) for i in idx]
+    with np.errstate(divide="ignore", invalid="ignore"):  # a group of mass 0: all masks 0
+        w = np.where(x != 0, x / np.repeat(np.asarray(d, np.float64), lens), 0.0)
+    return np.split(w, np.cumsum(lens)[:-1]) if lens else []
 
 
 def kl_term(delta: torch.Tensor, kind: str) -> torch.Tensor:

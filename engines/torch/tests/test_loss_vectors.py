@@ -120,3 +120,31 @@ def test_bad_names_are_refused():
         L.resolve(LossConfig(kl_loss_type="k4"))
     with pytest.raises(ValueError, match="aggregation"):
         L.resolve(LossConfig(aggregation="seq_mean"))
+
+
+@pytest.mark.parametrize("aggregation", L.AGGREGATIONS)
+def test_weights_of_some_samples_are_theirs_among_all(aggregation):
+    """A sharded trainer's rank asks for its own samples' weights (only=): the arrays of those
+    samples among all, bit for bit, their reductions still counting every sample (an empty group
+    name, a sample without trained tokens, a group of mass 0)."""
+    import numpy as np
+
+    groups = ["a", "", "b", "a", "", "b", "c"]
+    masks = [[1.0, 0.0, 1.0], [1.0] * 5, [0.0, 0.0], [0.5, 1.0], [], [1.0], [0.0]]
+    every = L.token_weights(groups, masks, aggregation)
+    assert len(every) == len(masks)
+    # The definition in the docstring, sample by sample.
+    mass = {g: sum(sum(m) for h, m in zip(groups, masks) if h == g) for g in groups if g}
+    n_groups = sum(1 for v in mass.values() if v > 0) + sum(
+        1 for g, m in zip(groups, masks) if not g and sum(m) > 0)
+    tokens = sum(max(sum(m), 1.0) for m in masks)
+    for g, m, w in zip(groups, masks, every):
+        d = {"token_sum": 1.0, "token_mean": tokens, "sample_mean": len(masks) * max(sum(m), 1.0),
+             "group_token_mean": n_groups * (mass[g] if g else sum(m))}[aggregation]
+        assert w.dtype == np.float64
+        assert w.tolist() == [x / d if x else 0.0 for x in m]
+    for only in ([], [6, 0, 3], [4], list(range(len(masks)))):
+        some = L.token_weights(groups, masks, aggregation, only=only)
+        assert len(some) == len(only)
+        for i, w in zip(only, some):
+            assert np.array_equal(w, every[i]) and w.dtype == np.float64, (only, i)
