@@ -143,8 +143,10 @@ def check_samples(samples: list[Sample], vocab: int, max_len: int) -> None:
         if len(s.prompt) + n > max_len:
             raise RequestError("INVALID_ARGUMENT", f"sample {i}: {len(s.prompt) + n} tokens, "
                                f"longer than the model's {max_len}")
-        bad = [t for t in s.prompt + s.response if not 0 <= t < vocab]
-        if bad:
+        # min and max in C first: every rank of a sharded trainer checks the whole batch.
+        toks = s.prompt + s.response
+        if toks and (min(toks) < 0 or max(toks) >= vocab):
+            bad = [t for t in toks if not 0 <= t < vocab]
             raise RequestError("INVALID_ARGUMENT", f"sample {i}: token {bad[0]} outside the "
                                f"vocabulary [0, {vocab})")
 
@@ -310,16 +312,24 @@ class Trainer:
 
     def _step(self, batch: Batch) -> TrainStats:
         cfg = L.resolve(batch.loss)
-        # The weights count every sample of the step, those with an empty response too (slime's
-        # reductions count a sample without trained tokens); only the others are run.
-        all_weights = L.token_weights([s.group for s in batch.samples],
-                                      [s.loss_mask for s in batch.samples], cfg.aggregation)
         kept = [i for i, s in enumerate(batch.samples) if s.response]
         samples = [batch.samples[i] for i in kept]
-        weights = [all_weights[i] for i in kept]
         check_samples(samples, self.model.cfg.vocab_size, self.model.cfg.max_seq_len)
+        lengths = [len(s.prompt) + len(s.response) for s in samples]
         if any(s.returns for s in samples):
-            return self._critic_step(batch.loss, cfg, samples, weights)
+            self._check_critic(batch.loss, samples)
+        plan = self._plan(lengths)
+        # The weights count every sample of the step, those with an empty response too (slime's
+        # reductions count a sample without trained tokens); only the others are run, and only
+        # those of this trainer's passes need theirs (_own).
+        own = self._own(plan, len(samples))
+        weights: list = [None] * len(samples)
+        for i, w in zip(own, L.token_weights([s.group for s in batch.samples],
+                                             [s.loss_mask for s in batch.samples],
+                                             cfg.aggregation, only=[kept[i] for i in own])):
+            weights[i] = w
+        if any(s.returns for s in samples):
+            return self._critic_step(batch.loss, cfg, samples, weights, plan)
         opt = self._optimizer()
         dev = self.params[0].device
         ref_model = self.reference() if cfg.kl_coef > 0 else None
@@ -329,8 +339,7 @@ class Trainer:
                           "lp_diff_w")
                 + (("tis_clipped", "tis_weight") if cfg.use_tis else ())}
         diff_max = torch.zeros((), dtype=torch.float64, device=dev)
-        lengths = [len(s.prompt) + len(s.response) for s in samples]
-        for mb in self._plan(lengths):
+        for mb in plan:
             idle = not mb  # a pass of no samples of this rank's (dist.py): weight 0, not counted
             mb = mb or [0]
             group = [samples[i] for i in mb]
@@ -370,22 +379,25 @@ class Trainer:
                     sums[k] += out[k].detach().double()
         return self._apply(batch.loss, sums, diff_max)
 
-    def _critic_step(self, lc, cfg: L.Loss, samples: list[Sample],
-                     weights: list[list[float]]) -> TrainStats:
-        """The value loss of a PPO critic: Σ w·max((V − R)², (clip(V, V_old ± c) − R)²), with
-        the token weights of the policy loss's aggregation and no clipping when c is 0."""
+    @staticmethod
+    def _check_critic(lc, samples: list[Sample]) -> None:
         if any(not s.returns for s in samples):
             raise RequestError("INVALID_ARGUMENT", "a critic batch needs returns for every sample")
-        clip = lc.value_clip
-        if clip > 0 and any(not s.old_values for s in samples):
+        if lc.value_clip > 0 and any(not s.old_values for s in samples):
             raise RequestError("INVALID_ARGUMENT", "value_clip needs old_values for every sample")
+
+    def _critic_step(self, lc, cfg: L.Loss, samples: list[Sample], weights: list,
+                     plan: list[list[int]]) -> TrainStats:
+        """The value loss of a PPO critic: Σ w·max((V − R)², (clip(V, V_old ± c) − R)²), with
+        the token weights of the policy loss's aggregation (weights[i]: sample i's, for those
+        of the plan's passes) and no clipping when c is 0."""
+        clip = lc.value_clip
         self._optimizer()
         self.model.train()
         dev = self.params[0].device
         sums = {k: torch.zeros((), dtype=torch.float64, device=dev)
                 for k in ("loss", "pg", "kl", "entropy", "clipped", "tokens")}
-        lengths = [len(s.prompt) + len(s.response) for s in samples]
-        for mb in self._plan(lengths):
+        for mb in plan:
             idle = not mb  # as in _step
             mb = mb or [0]
             group = [samples[i] for i in mb]
@@ -460,6 +472,11 @@ class Trainer:
         """The micro-batches this trainer runs, as sample indices; an empty one is a pass that
         trains nothing (a rank with fewer micro-batches than another, dist.py)."""
         return micro_batches(lengths, self.micro_batch_tokens)
+
+    def _own(self, plan: list[list[int]], n: int) -> list[int]:
+        """The samples (of n) whose loss weights this trainer computes: all of them; a sharded
+        trainer's rank only those of its passes (dist.py)."""
+        return list(range(n))
 
     def _backward(self, loss: torch.Tensor) -> None:
         loss.backward()
