@@ -1,11 +1,14 @@
 """One policy over several ranks: the worker started under torchrun (`torchrun --nproc-per-node N
 -m slimen_torch serve …`), on one machine or across several (torchrun's rendezvous).
 
-* Training shards the model with FSDP2 (`fully_shard`, each layer a group of its own, the
-  embeddings, final norm and heads the root's) and is data-parallel: every rank gets the whole
-  batch (rank 0 broadcasts it), computes the loss weights over all of it (loss.token_weights: the
-  reduction of docs/architecture.md "The policy loss"), runs its share of the samples and the
-  gradients are summed over the ranks (not averaged), so a step equals one rank's on the same batch.
+* Training shards the model with FSDP2 (`fully_shard`, each layer a group of its own or runs of
+  consecutive layers one, GROUP_MB_ENV; the embeddings, final norm and heads the root's) and is
+  data-parallel: every rank gets the whole batch (rank 0 broadcasts it), computes the loss weights
+  over all of it (loss.token_weights: the reduction of docs/architecture.md "The policy loss"; with
+  OWN_WEIGHTS_ENV those of its own samples only, the reductions still over all), runs its share of
+  the samples and the gradients are summed over the ranks (not averaged), so a step equals one
+  rank's on the same batch. The optimizer steps the fp32 shards: the DTensors, or with
+  LOCAL_OPT_ENV their local tensors, with torch's fused AdamW.
   Ranks with fewer micro-batches than another run passes of weight 0, so that every rank makes the
   same collective calls.
 * Generation needs no collectives: every rank keeps the full weights in the model it generates
@@ -205,6 +208,41 @@ class _Bucket:
 # The share of a GPU's memory that a step may hold beyond the shards (holds_step).
 HOLD_SHARE = 0.25
 
+# Switches of the sharded step, read from the environment when a ShardedTrainer is made, so that
+# engines/torch/multi_gpu.sh runs one setting beside another in one call (its ALT knob); unset,
+# each keeps the way the step was made before it.
+# GROUP_MB_ENV: consecutive layers share an FSDP group of at most this many MB of full weights in
+# the passes' dtype (layer_groups; 0: each layer a group of its own): fewer hooks, copy-ins and
+# collectives a step, each a larger one.
+GROUP_MB_ENV = "SLIMEN_TORCH_FSDP_GROUP_MB"
+# OWN_WEIGHTS_ENV=1: a rank computes the loss weights of its own samples only (their reductions
+# still count the whole batch), not of every sample of the batch (ShardedTrainer._own).
+OWN_WEIGHTS_ENV = "SLIMEN_TORCH_FSDP_OWN_WEIGHTS"
+# LOCAL_OPT_ENV=1: the optimizer steps the shards' local tensors (torch's fused AdamW, launched
+# before the step's read-back) and the gradient norm is one foreach_norm over the local
+# gradients and one all-reduce, instead of a foreach AdamW over DTensors and a norm per parameter.
+LOCAL_OPT_ENV = "SLIMEN_TORCH_FSDP_LOCAL_OPT"
+
+
+def _env_flag(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def layer_groups(sizes: list[int], budget: int) -> list[list[int]]:
+    """The layers' FSDP groups: runs of consecutive layers (sizes: each one's bytes of full
+    weights) of at most budget bytes, a layer larger than budget alone; budget 0: a layer a
+    group."""
+    out, cur, n = [], [], 0
+    for i, b in enumerate(sizes):
+        if cur and (budget <= 0 or n + b > budget):
+            out.append(cur)
+            cur, n = [], 0
+        cur.append(i)
+        n += b
+    if cur:
+        out.append(cur)
+    return out
+
 
 def holds_step(m: Transformer, dtype: torch.dtype, dev: torch.device) -> bool:
     """Whether a sharded step holds the whole model between its micro-batches: its fp32
@@ -233,6 +271,9 @@ class ShardedTrainer(Trainer):
         self.gathered_bytes = 0
         self.gather_seconds = 0.0
         self.passes_left = 0  # the step's passes whose backward is still to run (_plan)
+        self.group_bytes = int(float(os.environ.get(GROUP_MB_ENV) or 0) * 1e6)
+        self.own_weights = _env_flag(OWN_WEIGHTS_ENV)
+        self.local_opt = _env_flag(LOCAL_OPT_ENV)
         self._shard(gen_model)
         super().__init__(self.whole.m, **kw)
         # The shards are fp32 and the optimizer steps them: no separate master copies.
@@ -257,12 +298,22 @@ class ShardedTrainer(Trainer):
         # parameters with fp32 masters), gradients reduced in fp32.
         mp = MixedPrecisionPolicy(param_dtype=gen.embed.dtype, reduce_dtype=torch.float32)
         self.hold = holds_step(m, gen.embed.dtype, dev)
-        for layer in m.layers:
-            fully_shard(layer, mp_policy=mp)
+        item = torch.tensor([], dtype=gen.embed.dtype).element_size()
+        groups = layer_groups([sum(p.numel() for p in layer.parameters()) * item
+                               for layer in m.layers], self.group_bytes)
+        for g in groups:
+            # A list: the layers share one group (one all-gather, one reduce-scatter).
+            fully_shard([m.layers[i] for i in g] if len(g) > 1 else m.layers[g[0]], mp_policy=mp)
         whole = _Whole(m)
         fully_shard(whole, mp_policy=mp)
         self.whole = whole
+        self.fsdp_groups = len(groups) + 1
         if self.rank == 0:
+            log.info("FSDP groups: %d of the %d layers (%s) and the root; own loss weights %s; "
+                     "optimizer on %s", len(groups), len(m.layers),
+                     f"up to {self.group_bytes / 1e6:g} MB" if self.group_bytes else "a layer each",
+                     "on" if self.own_weights else "off",
+                     "the local shards" if self.local_opt else "the DTensors")
             log.info("FSDP over %d ranks: %s", self.size,
                      "a step's gradients are held and reduced once, after its last micro-batch"
                      if self.hold else "each micro-batch reduces its gradients (the whole "
@@ -305,6 +356,14 @@ class ShardedTrainer(Trainer):
         self.whole.reshard()  # nothing held from a step that failed midway
         return plans[self.rank] + [[] for _ in range(n - len(plans[self.rank]))]
 
+    def _own(self, plan: list[list[int]], n: int) -> list[int]:
+        if not self.own_weights:
+            return super()._own(plan, n)
+        own = {i for mb in plan for i in mb}
+        if any(not mb for mb in plan):
+            own.add(0)  # a pass of weight 0 runs sample 0 (Trainer._step)
+        return sorted(own)
+
     def _backward(self, loss: torch.Tensor) -> None:
         # Holding (holds_step): the gradients add up unreduced over a step's passes (in fp32,
         # FSDP's reduce dtype) and are reduce-scattered once, after the last; the weights stay
@@ -325,6 +384,12 @@ class ShardedTrainer(Trainer):
         return {k: t[i] for i, k in enumerate(keys)}
 
     def _grad_norm(self, grads) -> torch.Tensor:
+        if self.local_opt:
+            # grads are the local shards' (_local_grads): one multi-tensor norm, in fp32 as the
+            # one-rank step's, their squares summed in fp64 and over the ranks.
+            sq = torch.stack(torch._foreach_norm(grads, 2.0)).double().pow(2).sum()
+            dist.all_reduce(sq)
+            return sq.sqrt().float()
         sq = torch.zeros((), dtype=torch.float64, device=self.params[0].device)
         for g in grads:
             sq += g.to_local().double().pow(2).sum()
@@ -333,9 +398,41 @@ class ShardedTrainer(Trainer):
 
     def _optimizer(self) -> torch.optim.Optimizer:
         if self.opt is None:
-            self.masters = self.params
-            self.opt = torch.optim.AdamW(self.params, lr=0.0, foreach=True)
+            if self.local_opt:
+                self.masters = [_local(p) for p in self.params]
+                self.opt = self._local_adamw(self.masters)
+            else:
+                self.masters = self.params
+                self.opt = torch.optim.AdamW(self.params, lr=0.0, foreach=True)
         return self.opt
+
+    def _local_adamw(self, params) -> torch.optim.Optimizer:
+        """AdamW over the shards' local tensors (LOCAL_OPT_ENV): plain tensors, so torch's fused
+        kernel takes them, stepped before the read-back (found_inf, Trainer._apply); fused on the
+        CPU too, so that the gloo ranks of the tests take the GPU's path."""
+        self.step_ahead = True
+        return torch.optim.AdamW(params, lr=0.0, fused=True)
+
+    def _apply(self, lc, sums, diff_max=None):
+        if self.local_opt:
+            self._local_grads()
+        return super()._apply(lc, sums, diff_max)
+
+    def _local_grads(self) -> None:
+        """The gradients FSDP reduced into the shards (DTensors) onto the local tensors the
+        optimizer steps, the DTensors' dropped: the next step's backward then makes new ones
+        instead of adding to these. A local tensor FSDP has replaced (it re-pads a parameter
+        whose shard changed) takes the old one's place and state in the optimizer."""
+        for k, p in enumerate(self.params):
+            t, m = _local(p), self.masters[k]
+            if t is not m:
+                for g in self.opt.param_groups:
+                    g["params"] = [t if q is m else q for q in g["params"]]
+                if m in self.opt.state:
+                    self.opt.state[t] = self.opt.state.pop(m)
+                self.masters[k] = t
+            t.grad = None if p.grad is None else _local(p.grad)
+            p.grad = None
 
     def _stepped(self) -> None:
         self.gather()
@@ -401,13 +498,19 @@ class ShardedTrainer(Trainer):
     def state_dict(self) -> dict | None:
         if self.opt is None:
             return None
+        from torch.distributed.tensor import DTensor
+
         sd = self.opt.state_dict()
 
-        def full(v):
+        def full(v, p):
+            if torch.is_tensor(v) and not isinstance(v, DTensor) and v.ndim > 0:  # a local shard
+                v = DTensor.from_local(v, p.device_mesh, p.placements, run_check=False,
+                                       shape=p.shape, stride=p.stride())
             return v.full_tensor().cpu() if hasattr(v, "full_tensor") else v
 
-        sd["state"] = {k: {n: full(v) for n, v in s.items()} for k, s in sd["state"].items()}
-        masters = [full(p.detach()) for p in self.params]
+        sd["state"] = {k: {n: full(v, self.params[k]) for n, v in s.items()}
+                       for k, s in sd["state"].items()}
+        masters = [full(p.detach(), p) for p in self.params]
         return {"optimizer": sd, "steps": self.steps, "masters": masters}
 
     def load_state_dict(self, state: dict) -> None:
@@ -421,13 +524,18 @@ class ShardedTrainer(Trainer):
                              f"{len(self.params)}: it belongs to another model")
         if len(sd["param_groups"]) != len(opt.param_groups):
             groups, k = [], 0
+            mine = self.masters if self.local_opt else self.params
             for g in sd["param_groups"]:
-                groups.append({"params": self.params[k:k + len(g["params"])]})
+                groups.append({"params": mine[k:k + len(g["params"])]})
                 k += len(g["params"])
-            self.opt = opt = torch.optim.AdamW(groups, lr=0.0, foreach=True)
+            self.opt = opt = self._local_adamw(groups) if self.local_opt else \
+                torch.optim.AdamW(groups, lr=0.0, foreach=True)
 
         def shard(t, p):
             return distribute_tensor(t.to(p.device, p.dtype), p.device_mesh, p.placements)
+
+        def state_shard(t, p):  # the local shard for an optimizer of the local tensors
+            return shard(t, p).to_local() if self.local_opt else shard(t, p)
 
         with torch.no_grad():
             for p, m in zip(self.params, state.get("masters") or [], strict=False):
@@ -435,8 +543,14 @@ class ShardedTrainer(Trainer):
         flat = [p for g in sd["param_groups"] for p in g["params"]]
         params = dict(zip(flat, self.params))
         sd = dict(sd)
-        sd["state"] = {k: {n: shard(v, params[k]) if torch.is_tensor(v) and v.ndim > 0 else v
-                           for n, v in s.items()} for k, s in sd["state"].items()}
+        sd["state"] = {k: {n: state_shard(v, params[k]) if torch.is_tensor(v) and v.ndim > 0
+                           else v for n, v in s.items()} for k, s in sd["state"].items()}
+        if self.local_opt:
+            # The saved groups' options replace the optimizer's: keep its own kind of step (one
+            # saved by a foreach AdamW would otherwise ignore found_inf, _apply's skip).
+            sd["param_groups"] = [dict(g, fused=opt.param_groups[0]["fused"],
+                                       foreach=opt.param_groups[0]["foreach"])
+                                  for g in sd["param_groups"]]
         opt.load_state_dict(sd)
         self.steps = state.get("steps", 0)
         if state.get("masters"):

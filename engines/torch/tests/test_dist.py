@@ -14,6 +14,8 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+from torch.distributed.tensor import DTensor
+
 from slimen_torch.engine import Engine, Options
 from slimen_torch.types import Batch, GenerateRequest, LossConfig, Sample, Sampling, ScoreRequest
 
@@ -180,6 +182,21 @@ def _count_reduce_scatters() -> list:
     return calls
 
 
+def _count_weights() -> list:
+    """Counts the samples whose loss weights a rank computes: a list that gets one entry a call
+    of loss.token_weights, the number of its arrays."""
+    from slimen_torch import loss
+    calls, real = [], loss.token_weights
+
+    def counted(*args, **kw):
+        out = real(*args, **kw)
+        calls.append(len(out))
+        return out
+
+    loss.token_weights = counted
+    return calls
+
+
 def _rank(rank, size, port, model, opts, bs, out, result, bucket, nccl=False, hold_share=None):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       LOCAL_RANK=str(rank), WORLD_SIZE=str(size))
@@ -193,6 +210,7 @@ def _rank(rank, size, port, model, opts, bs, out, result, bucket, nccl=False, ho
         _nccl_on_gloo(rank)
     rank, _, _, links = dist.init(opts["device"], backend="nccl" if nccl else "")
     reduce_scatters = _count_reduce_scatters()
+    weighed = _count_weights()
     engine = dist.RankEngine(model, Options(**opts), rank)
     if rank != 0:
         dist.follow(engine, links, rank)
@@ -214,8 +232,12 @@ def _rank(rank, size, port, model, opts, bs, out, result, bucket, nccl=False, ho
     group.close()
     torch.distributed.destroy_process_group()
     torch.save(weights, f"{result}.w0")
-    got.update(gather_s=engine.trainer.gather_seconds, gather_bytes=engine.trainer.gathered_bytes,
-               reduce_scatters=reduce_scatters)
+    t = engine.trainer
+    got.update(gather_s=t.gather_seconds, gather_bytes=t.gathered_bytes,
+               reduce_scatters=reduce_scatters, weighed=weighed, fsdp_groups=t.fsdp_groups,
+               opt_dtensors=sum(isinstance(q, DTensor) for g in t.opt.param_groups
+                                for q in g["params"]),
+               opt_fused=t.opt.param_groups[0]["fused"])
     with open(result, "wb") as f:
         pickle.dump(got, f)
 
@@ -243,7 +265,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_two_ranks_equal_one(noeos_dir, tmp_path):
+# The sharded step's switches (dist.py): unset, and all on (both layers of the tiny model in one
+# FSDP group, each rank's own loss weights, the optimizer on the local shards).
+SWITCHES = {"": {}, "switched": {"SLIMEN_TORCH_FSDP_GROUP_MB": "1",
+                                 "SLIMEN_TORCH_FSDP_OWN_WEIGHTS": "1",
+                                 "SLIMEN_TORCH_FSDP_LOCAL_OPT": "1"}}
+
+
+@pytest.mark.parametrize("switches", list(SWITCHES))
+def test_two_ranks_equal_one(noeos_dir, tmp_path, monkeypatch, switches):
+    for k, v in SWITCHES[switches].items():
+        monkeypatch.setenv(k, v)  # the spawned ranks inherit the environment
     model = str(noeos_dir)
     one = Engine(model, Options(**OPTS))
     try:
@@ -262,8 +294,16 @@ def test_two_ranks_equal_one(noeos_dir, tmp_path):
             assert getattr(a, k) == pytest.approx(getattr(b, k), rel=1e-4, abs=1e-6), k
     assert got["stats"][1].grad_norm > STEPS[1].max_grad_norm  # the clip was applied
     # The gradients are reduced once a step, not once a micro-batch (rank 0 runs 3 a step): a
-    # reduce-scatter for each FSDP group (the layers and the root) a step, for 2 steps.
-    assert len(got["reduce_scatters"]) == 2 * (len(w0_layers(w0)) + 1)
+    # reduce-scatter for each FSDP group (the layers, or both in one, and the root) a step, for 2
+    # steps.
+    assert got["fsdp_groups"] == (2 if switches else len(w0_layers(w0)) + 1)
+    assert len(got["reduce_scatters"]) == 2 * got["fsdp_groups"]
+    # Rank 0 computes the loss weights of its 3 samples of the 5, or of all 5, in each step.
+    assert got["weighed"] == [3 if switches else 5] * 2
+    # The optimizer steps the DTensors, or their local shards with torch's fused AdamW (on the
+    # CPU too: the GPU's path, launched before the read-back).
+    assert got["opt_dtensors"] == (0 if switches else len(w0))
+    assert bool(got["opt_fused"]) == bool(switches)
     assert got["devices"] == ["cpu", "cpu"]
     # The gather (the last trainer's, which the load made: once, from the loaded masters) is of
     # the generating model's bytes (fp32 on the CPU); every rank's generating weights are the
@@ -298,6 +338,18 @@ def test_two_ranks_equal_one(noeos_dir, tmp_path):
     # No rounds: the long requests were still generating when the second step returned (they
     # were paused across it), and the short ones that came while they ran finished first.
     assert got["longs_during_train"] == 0 and got["late_first"]
+
+
+def test_layer_groups():
+    """Consecutive layers share an FSDP group up to the budget; one larger alone; 0: a layer a
+    group. The 0.6B shape's 28 layers (31.5 MB of bf16 weights each) at 96 MB: 3 a group."""
+    from slimen_torch.dist import layer_groups
+    assert layer_groups([10] * 5, 0) == [[0], [1], [2], [3], [4]]
+    assert layer_groups([10] * 5, 25) == [[0, 1], [2, 3], [4]]
+    assert layer_groups([10, 30, 10, 10], 25) == [[0], [1], [2, 3]]
+    assert layer_groups([], 25) == []
+    g = layer_groups([31_457_280] * 28, 96_000_000)
+    assert [len(x) for x in g] == [3] * 9 + [1] and sum(g, []) == list(range(28))
 
 
 def test_four_ranks_start_on_nccl(noeos_dir, tmp_path):
