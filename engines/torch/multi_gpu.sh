@@ -33,7 +33,11 @@
 # (64: per GPU with weak scaling), SCALING (weak | strong), SAMPLES (4), MAXLEN (128 new tokens), SHAPE
 # (qwen3-0.6b), MBT (the worker's --micro-batch-tokens; default its own, 16,384 on a GPU),
 # COMPILE_TRAIN (block: the training layer compiled, under FSDP2 too; ~16 s of a
-# one-GPU worker's first step cold, ~5 s warm; off for the eager layer), BUDGET (540 s), G (the GPU count, default from
+# one-GPU worker's first step cold, ~5 s warm; off for the eager layer), ALT (settings of the
+# worker's environment to compare, ";" between settings, e.g. "SLIMEN_TORCH_FSDP_GROUP_MB=96;
+# SLIMEN_TORCH_FSDP_GROUP_MB=96 SLIMEN_TORCH_FSDP_LOCAL_OPT=1": for each N > 1 of NS, one more
+# uninterrupted run with each setting, nNaK for the K-th, its rows after N's; the sharded step's
+# switches are dist.py's SLIMEN_TORCH_FSDP_*), BUDGET (540 s), G (the GPU count, default from
 # nvidia-smi), WORK (/tmp/multi-gpu: the runs, their logs and table.md). SLIMEN is built with cgo
 # when missing (`slimen gpus` needs NVML). engines/torch/lib.sh and gpu_runs.py hold what this
 # shares with swarm_gpu.sh.
@@ -140,9 +144,25 @@ run() {
   return "$rc"
 }
 
-# ---- 2. each N, uninterrupted
+# ---- 2. each N, uninterrupted; then each N > 1 again with each setting of ALT
 for n in $NS; do
   run "n$n" 200
+done
+IFS=';' read -ra ALTS <<<"${ALT:-}"
+for n in $NS; do
+  [ "$n" -gt 1 ] || continue
+  k=0
+  for alt in "${ALTS[@]}"; do
+    [ -n "${alt// /}" ] || continue
+    k=$((k + 1))
+    cp "$WORK/n$n.yaml" "$WORK/n${n}a$k.yaml"
+    echo "$alt" >"$WORK/n${n}a$k.alt"
+    (
+      # shellcheck disable=SC2086  # the setting's words are assignments
+      export $alt
+      run "n${n}a$k" 200
+    )
+  done
 done
 
 # ---- 3. the largest N with rank 1 SIGKILLed once step 1's checkpoint is written
@@ -224,13 +244,21 @@ def gathers(run):
     return [(float(gb), float(s), dt) for gb, dt, s in
             re.findall(r"gathered the full weights \(([0-9.]+) GB (\w+)\) from \d+ ranks in ([0-9.]+) s", w.events(run))]
 
-res = {}
+# Each N's run, then each N > 1 again with each setting of ALT (nNaK, its setting in nNaK.alt).
+runs = [(n, f"n{n}", f"N={n}") for n in NS]
 for n in NS:
-    run = f"n{n}"
+    k = 1
+    while n > 1 and (w.path / f"n{n}a{k}.alt").exists():
+        alt = (w.path / f"n{n}a{k}.alt").read_text().strip()
+        rows.append((f"N={n} a{k}", f"N={n} again with {alt}"))
+        runs.append((n, f"n{n}a{k}", f"N={n} a{k}"))
+        k += 1
+res = {}
+for n, run, label in runs:
     st = w.status(run)
     ms = w.metrics(run, "solver")
     if st:
-        rows.append((f"N={n}: run", st))
+        rows.append((f"{label}: run", st))
     if not ms:
         continue
     ss = steady(ms, warmup)
@@ -241,23 +269,23 @@ for n in NS:
     tps = tok / tr_s / n
     gps = gen_tok / ro_s / n
     mfu = 6 * P * tok / tr_s / n / peak if peak else float("nan")
-    res[n] = (tr_s, tps, gps)
-    rows.append((f"N={n}: optimizer step (train_s, {steps_label(ss)}; step 1)",
+    res[run] = (tr_s, tps, gps)
+    rows.append((f"{label}: optimizer step (train_s, {steps_label(ss)}; step 1)",
                  f"{tr_s:.3f} s for {tok:.0f} tokens; step 1 {ms[0]['train_s']:.1f} s"
                  + "".join(f", step {m['step']} {m['train_s']:.2f} s" for m in ms[1:] if m not in ss)))
-    rows.append((f"N={n}: trained tokens/s per GPU, MFU per GPU",
+    rows.append((f"{label}: trained tokens/s per GPU, MFU per GPU",
                  f"{tps:,.0f} tok/s, " + (f"{100 * mfu:.1f}%" if peak else "n/a on the CPU")))
-    rows.append((f"N={n}: generation tokens/s per GPU (rollout_s)",
+    rows.append((f"{label}: generation tokens/s per GPU (rollout_s)",
                  f"{gps:,.0f} tok/s ({gen_tok:.0f} tokens in {ro_s:.2f} s)"))
     g = gathers(run)
-    rows.append((f"N={n}: gather of full weights after each step",
+    rows.append((f"{label}: gather of full weights after each step",
                  ", ".join(f"{s:.3f} s" for _, s, _ in g) + (f" ({g[0][0]:.3f} GB {g[0][2]}, {mean(s / gb for gb, s, _ in g):.3f} s/GB)" if g[0][0] > 0 else f" ({g[0][0]:.3f} GB {g[0][2]})")
                  if g else ("none: one rank generates from the weights it trains" if n == 1 else "no gather line in events.log")))
-for n in NS:
-    if n > 1 and 1 in res and n in res:
-        (t1, a1, g1), (tg, ag, gg) = res[1], res[n]
-        rows.append((f"scaling N={n} vs N=1 (per-GPU rate / N=1's)",
-                     f"training {100 * ag / a1:.0f}%, generation {100 * gg / g1:.0f}%; optimizer step N={n} / N=1: {tg / t1:.2f}×"))
+for n, run, label in runs:
+    if n > 1 and "n1" in res and run in res:
+        (t1, a1, g1), (tg, ag, gg) = res["n1"], res[run]
+        rows.append((f"scaling {label} vs N=1 (per-GPU rate / N=1's)",
+                     f"training {100 * ag / a1:.0f}%, generation {100 * gg / g1:.0f}%; optimizer step {label} / N=1: {tg / t1:.2f}×"))
 
 # ---- 3. the SIGKILLed rank
 st = w.status("faulty")
