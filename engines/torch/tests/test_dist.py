@@ -377,10 +377,15 @@ def test_four_ranks_start_on_nccl(noeos_dir, tmp_path):
     assert got["gen_a"] == want_gen
 
 
-def test_a_model_too_large_to_hold_reduces_each_micro_batch(noeos_dir, tmp_path):
+@pytest.mark.parametrize("switches", list(SWITCHES))
+def test_a_model_too_large_to_hold_reduces_each_micro_batch(noeos_dir, tmp_path, monkeypatch,
+                                                             switches):
     """When the whole model's weights and gradients would pass dist.HOLD_SHARE of the device's
     memory, each micro-batch gathers and reduces as FSDP does by default: the same step, one
-    reduce-scatter a group a micro-batch (rank 0 runs 3)."""
+    reduce-scatter a group a micro-batch (rank 0 runs 3); with the switches, the gradients that
+    FSDP adds up over the micro-batches are the local optimizer's."""
+    for k, v in SWITCHES[switches].items():
+        monkeypatch.setenv(k, v)
     model = str(noeos_dir)
     one = Engine(model, Options(**OPTS))
     try:
@@ -391,7 +396,8 @@ def test_a_model_too_large_to_hold_reduces_each_micro_batch(noeos_dir, tmp_path)
     got, (w0, _) = run_two(model, OPTS, bs, "", str(tmp_path / "result.pkl"), hold_share=0.0)
     for k in ("loss", "pg_loss", "grad_norm"):
         assert getattr(got["stats"][0], k) == pytest.approx(getattr(want, k), rel=1e-4), k
-    assert len(got["reduce_scatters"]) == 3 * (len(w0_layers(w0)) + 1)
+    assert got["fsdp_groups"] == (2 if switches else len(w0_layers(w0)) + 1)
+    assert len(got["reduce_scatters"]) == 3 * got["fsdp_groups"]
 
 
 def test_gather_in_the_generating_dtype(model_dirs, tmp_path):
