@@ -58,6 +58,9 @@ def generate_request(r: pb.GenerateRequest) -> GenerateRequest:
 
 
 def completion_pb(c) -> pb.Completion:
+    m = getattr(c, "message", None)
+    if m is not None:  # made by the rank that generated it (dist.Received)
+        return m
     return pb.Completion(request_id=c.request_id, index=c.index, prompt_tokens=c.prompt_tokens,
                          tokens=c.tokens, logprobs=c.logprobs, text=c.text,
                          finish_reason=c.finish_reason)
