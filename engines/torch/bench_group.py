@@ -15,7 +15,8 @@ text). The table gives, for the last round of each N (the first warms up):
 * wall: the client's first send to its last completion, and how much of it is the funnel's
   (wall less the fake decode, --steps × --step-ms);
 * when (ms from the first send): the last request reaches a rank's engine, the last completion
-  leaves a rank's engine, the last completion reaches rank 0's server;
+  leaves a rank's engine, the last completion reaches rank 0's server; and deals, the times rank
+  0's group thread dealt requests out (each a broadcast to the followers);
 * rank 0's CPU µs a request, split by thread: the stream reader (parse, check, queue), the group
   thread (deal, broadcast), the receivers of the followers' completions (receive, unpickle) and
   their callbacks (the response messages), rank 0's engine thread (its own share and its
@@ -140,6 +141,7 @@ class Meter:
     def __init__(self):
         self.cpu: dict[tuple[str, str], float] = {}
         self.last: dict[str, float] = {}
+        self.calls: dict[str, int] = {}
         self.lock = threading.Lock()
         self.local = threading.local()
 
@@ -159,6 +161,7 @@ class Meter:
                 with self.lock:
                     self.cpu[key] = self.cpu.get(key, 0.0) + dt
                     self.last[label] = time.monotonic()
+                    self.calls[label] = self.calls.get(label, 0) + 1
         return timed
 
 
@@ -184,6 +187,7 @@ def _rank(rank, size, port, model_dir, steps, step_s, ctl, res):
     server._Generate.submit = meter.wrap("server submit", server._Generate.submit)
     server._Generate._deliver = meter.wrap("server deliver", server._Generate._deliver)
     FakeEngine.submit = meter.wrap("engine submit", FakeEngine.submit)
+    dist.Group._send = meter.wrap("deal", dist.Group._send)
     # The stream's reader thread ends with its stream: its CPU is metered as it runs.
     shim = type(sys)("threading")
     shim.__dict__.update(vars(threading))
@@ -201,7 +205,7 @@ def _rank(rank, size, port, model_dir, steps, step_s, ctl, res):
     def control():
         while ctl.get() == "snap":
             res.put((rank, {"cpu": thread_cpu(), "meter": dict(meter.cpu),
-                            "last": dict(meter.last), "in": list(eng.marks["in"]),
+                            "last": dict(meter.last), "calls": dict(meter.calls), "in": list(eng.marks["in"]),
                             "out": list(eng.marks["out"])}))
 
     if rank != 0:
@@ -276,6 +280,7 @@ def summarize(size: int, n: int, t0: float, t1: float, before: list, after: list
     row["last dealt ms"] = (max(ins) - t0) * 1e3
     row["last decoded ms"] = (max(outs) - t0) * 1e3
     row["last at rank 0 ms"] = (after[0]["last"]["server deliver"] - t0) * 1e3
+    row["deals"] = after[0]["calls"].get("deal", 0) - before[0]["calls"].get("deal", 0)
     cpu, met = cpu_of(before[0], after[0])
     us = 1e6 / n
 
@@ -290,8 +295,6 @@ def summarize(size: int, n: int, t0: float, t1: float, before: list, after: list
     recv_cb = m("server deliver", "slimen-torch-from-rank-")
     worker_cb = m("server deliver", "slimen-torch-worker")
     named = reader + group + recv + worker + handler
-    if os.environ.get("BENCH_DEBUG"):
-        print(size, sorted(((v, k) for k, v in cpu.items()), reverse=True)[:8], file=sys.stderr)
     row.update({
         "r0 read+parse": (reader - m("server submit")) * us,
         "r0 submit+check": m("server submit") * us,
