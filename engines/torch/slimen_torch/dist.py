@@ -21,7 +21,8 @@
   prompt tokens (Engine.check), and the rank a request is dealt to renders its chat template and
   makes the rest (a failure there reaches the request's error callback); each follower's share
   of a broadcast is pickled on its own, as tuples, and each completion comes back as its protocol
-  message, made on the follower, which rank 0 passes on to the stream as it is (Received).
+  message's bytes, made on the follower, which rank 0 passes on to the stream unparsed
+  (Received).
 * Rank 0 speaks the gRPC protocol (server.py). Every call that needs the other ranks (train,
   values, save, load) and every generate request and cancel for a follower is broadcast on a gloo
   group of its own (Links.calls), so all ranks see them in one order; each follower sends its
@@ -58,7 +59,7 @@ from torch import nn
 from .engine import Engine
 from .model import Transformer, bind_thread, copy_tensors
 from .proto import engine_pb2 as pb
-from .server import completion_pb
+from .server import Serialized, completion_pb
 from .train import Trainer, micro_batches
 from .types import GenerateRequest, RequestError, Sampling
 
@@ -512,18 +513,25 @@ def broken(rank: int, what: str, err: BaseException) -> None:
     os._exit(1)
 
 
-class Received:
-    """A follower's completion as it reached rank 0: its protocol message, made by the follower
-    (_Outbox) so that rank 0, which streams every rank's completions from one interpreter, only
-    parses it (server.completion_pb passes it on as it is); it reads as a types.Completion."""
+class Received(Serialized):
+    """A follower's completion as it reached rank 0: its protocol message's bytes, made by the
+    follower (_Outbox), which rank 0, streaming every rank's completions from one interpreter,
+    passes on to the Generate stream unparsed (server.stream_response); in the process it reads
+    as a types.Completion, parsed at the first read."""
 
-    __slots__ = ("message",)
+    __slots__ = ("_message",)
 
-    def __init__(self, message: pb.Completion):
-        self.message = message
+    def __init__(self, index: int, data: bytes):
+        super().__init__(index, data)
+        self._message = None
+
+    @property
+    def message(self) -> pb.Completion:
+        if self._message is None:
+            self._message = pb.Completion.FromString(self.data)
+        return self._message
 
     request_id = property(lambda self: self.message.request_id)
-    index = property(lambda self: self.message.index)
     prompt_tokens = property(lambda self: list(self.message.prompt_tokens))
     tokens = property(lambda self: list(self.message.tokens))
     logprobs = property(lambda self: list(self.message.logprobs))
@@ -532,16 +540,17 @@ class Received:
 
 
 def _wire(msg: tuple) -> tuple:
-    """A follower's message for rank 0 as it is sent: a completion as its serialized protocol
-    message (Received)."""
+    """A follower's message for rank 0 as it is sent: a completion as its index and its
+    serialized protocol message (Received)."""
     if msg[0] == "done":
-        return ("done", msg[1], completion_pb(msg[2]).SerializeToString())
+        c = msg[2]
+        return ("done", msg[1], c.index, completion_pb(c).SerializeToString())
     return msg
 
 
 def _unwire(msg: tuple) -> tuple:
     if msg[0] == "done":
-        return ("done", msg[1], Received(pb.Completion.FromString(msg[2])))
+        return ("done", msg[1], Received(msg[2], msg[3]))
     return msg
 
 

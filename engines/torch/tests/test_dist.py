@@ -592,7 +592,7 @@ def test_requests_go_out_as_they_come(monkeypatch):
 
     def done(key, rid):
         """Rank 1's message of a completion of request rid: its protocol message (dist._wire)."""
-        return ("done", key, pb.Completion(request_id=rid, text="done").SerializeToString())
+        return ("done", key, 0, pb.Completion(request_id=rid, text="done").SerializeToString())
 
     def text(c):
         return c if isinstance(c, str) else f"{c.request_id} {c.text}"
@@ -711,22 +711,30 @@ def test_rank_0_renders_only_its_own_requests(monkeypatch, model_dirs):
 
 
 def test_a_followers_completion_crosses_as_its_message():
-    """A follower sends each completion as its protocol message (made there, not on rank 0):
-    rank 0 passes it on to the stream as it came (server.completion_pb), and in the process it
-    reads as the completion the follower's engine gave."""
+    """A follower sends each completion as its serialized protocol message (made there, not on
+    rank 0): rank 0 puts the bytes into the Generate stream's answer as they are, which reads as
+    the answer of the completion's own message, and in the process it reads as the completion the
+    follower's engine gave."""
     import pickle
 
     from slimen_torch import dist, server
+    from slimen_torch.proto import engine_pb2 as pb
     from slimen_torch.types import Completion
 
     c = Completion(request_id="r7", index=2, prompt_tokens=[5, 6, 7], tokens=[9, 10, 3],
                    logprobs=[-0.5, -1.25, -0.0625], text="a b", finish_reason="stop")
+    own = Completion(request_id="r8", index=0, prompt_tokens=[1], tokens=[300] * 200,
+                     logprobs=[-1.0] * 200, text="x" * 300, finish_reason="length")
     wire = pickle.loads(pickle.dumps([dist._wire(("done", 4, c)), ("failed", 5, "X", "y")]))
-    assert isinstance(wire[0][2], bytes) and wire[1] == ("failed", 5, "X", "y")
+    assert isinstance(wire[0][3], bytes) and wire[1] == ("failed", 5, "X", "y")
     kind, key, got = dist._unwire(wire[0])
-    assert (kind, key) == ("done", 4)
-    assert server.completion_pb(got) is got.message
-    assert got.message == server.completion_pb(c)
+    assert (kind, key, got.index) == ("done", 4, 2)
+    assert server.completion_pb(got) is got
+    err = pb.RequestError(request_id="r9", code=3, message="no")
+    want = pb.GenerateStreamResponse(
+        completions=[server.completion_pb(c), server.completion_pb(own)], errors=[err])
+    data = server.stream_response([got, server.completion_pb(own)], [err])
+    assert pb.GenerateStreamResponse.FromString(data) == want
     for f in ("request_id", "index", "prompt_tokens", "tokens", "logprobs", "text",
               "finish_reason"):
         assert getattr(got, f) == getattr(c, f), f
