@@ -7,10 +7,11 @@ For each rank count N it starts N processes (gloo; N = 1 is the one-rank worker:
 the engine, no Group), and a client in this process opens a Generate stream and sends N ×
 --per-rank requests at once (chat messages, one sample of 128 tokens each, as multi_gpu.sh's
 rollouts), --rounds times. The fake engine (FakeEngine) checks a request as the real one does
-(Engine.request: the chat template and the tokenizer), lets it join its batch at the next step and
-finishes it --steps steps of --step-ms later (sleeping, as a GPU's decode step leaves the CPU
-free), with a completion of the real one's form (the tokens, their log-probs and the decoded
-text). The table gives, for the last round of each N (the first warms up):
+(Engine.check and Engine.request: the chat template, the tokenizer), lets it join its batch at the
+next step and finishes it --steps steps of --step-ms later (sleeping, as a GPU's decode step
+leaves the CPU free), with a completion of the real one's form (the tokens, their log-probs and
+the decoded text). The table gives, for each N, the round of median wall time (the first, a warm-up, left
+out):
 
 * wall: the client's first send to its last completion, and how much of it is the funnel's
   (wall less the fake decode, --steps × --step-ms);
@@ -32,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import queue
 import random
 import socket
 import sys
@@ -205,8 +205,8 @@ def _rank(rank, size, port, model_dir, steps, step_s, ctl, res):
     def control():
         while ctl.get() == "snap":
             res.put((rank, {"cpu": thread_cpu(), "meter": dict(meter.cpu),
-                            "last": dict(meter.last), "calls": dict(meter.calls), "in": list(eng.marks["in"]),
-                            "out": list(eng.marks["out"])}))
+                            "last": dict(meter.last), "calls": dict(meter.calls),
+                            "in": list(eng.marks["in"]), "out": list(eng.marks["out"])}))
 
     if rank != 0:
         threading.Thread(target=control, daemon=True).start()
