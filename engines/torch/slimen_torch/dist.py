@@ -19,6 +19,13 @@
   joins the engine's running batch at the next decode step, and each completion goes back to rank
   0 as it finishes. Completions depend on (seed, prompt, sample index) only, so they are the ones
   one rank gives.
+* Rank 0 streams every rank's requests and completions through one interpreter, so it does per
+  request of a follower as little as it can: it makes at once only the checks that need no
+  prompt tokens (Engine.check), and the rank a request is dealt to renders its chat template and
+  makes the rest (a failure there reaches the request's error callback); each follower's share
+  of a broadcast is pickled on its own, as tuples, and each completion comes back as its protocol
+  message's bytes, made on the follower, which rank 0 passes on to the stream unparsed
+  (Received).
 * Rank 0 speaks the gRPC protocol (server.py). Every call that needs the other ranks (train,
   values, save, load) and every generate request and cancel for a follower is broadcast on a gloo
   group of its own (Links.calls), so all ranks see them in one order; each follower sends its
@@ -44,6 +51,7 @@ import datetime
 import itertools
 import logging
 import os
+import pickle
 import threading
 import time
 
@@ -53,8 +61,10 @@ from torch import nn
 
 from .engine import Engine
 from .model import Transformer, bind_thread, copy_tensors
+from .proto import engine_pb2 as pb
+from .server import Serialized, completion_pb
 from .train import Trainer, micro_batches
-from .types import RequestError
+from .types import GenerateRequest, RequestError, Sampling
 
 log = logging.getLogger("slimen_torch")
 
@@ -617,10 +627,71 @@ def broken(rank: int, what: str, err: BaseException) -> None:
     os._exit(1)
 
 
+class Received(Serialized):
+    """A follower's completion as it reached rank 0: its protocol message's bytes, made by the
+    follower (_Outbox), which rank 0, streaming every rank's completions from one interpreter,
+    passes on to the Generate stream unparsed (server.stream_response); in the process it reads
+    as a types.Completion, parsed at the first read."""
+
+    __slots__ = ("_message",)
+
+    def __init__(self, index: int, data: bytes):
+        super().__init__(index, data)
+        self._message = None
+
+    @property
+    def message(self) -> pb.Completion:
+        if self._message is None:
+            self._message = pb.Completion.FromString(self.data)
+        return self._message
+
+    request_id = property(lambda self: self.message.request_id)
+    prompt_tokens = property(lambda self: list(self.message.prompt_tokens))
+    tokens = property(lambda self: list(self.message.tokens))
+    logprobs = property(lambda self: list(self.message.logprobs))
+    text = property(lambda self: self.message.text)
+    finish_reason = property(lambda self: self.message.finish_reason)
+
+
+def _wire(msg: tuple) -> tuple:
+    """A follower's message for rank 0 as it is sent: a completion as its index and its
+    serialized protocol message (Received)."""
+    if msg[0] == "done":
+        c = msg[2]
+        return ("done", msg[1], c.index, completion_pb(c).SerializeToString())
+    return msg
+
+
+def _unwire(msg: tuple) -> tuple:
+    if msg[0] == "done":
+        return ("done", msg[1], Received(msg[2], msg[3]))
+    return msg
+
+
+def _pack(reqs: list) -> bytes:
+    """A follower's share of a broadcast of generate requests, [(key, request)], pickled on its
+    own as plain tuples: every follower receives the broadcast, and unpickles its share only."""
+    out = []
+    for key, r in reqs:
+        s = r.sampling
+        out.append((key, r.id, r.messages, r.prompt_tokens, r.n, s.max_tokens, s.temperature,
+                    s.top_p, s.stop, s.seed, s.constraint, r.adapter))
+    return pickle.dumps(out, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def unpack(share: bytes) -> list:
+    """The [(key, request)] of a share _pack made."""
+    return [(key, GenerateRequest(id=rid, messages=ms, prompt_tokens=toks, n=n, adapter=ad,
+                                  sampling=Sampling(max_tokens=mt, temperature=t, top_p=p,
+                                                    stop=stop, seed=seed, constraint=c)))
+            for key, rid, ms, toks, n, mt, t, p, stop, seed, c, ad in pickle.loads(share)]
+
+
 class _Outbox:
     """A follower's completions on their way to rank 0: its engine thread's callbacks queue them
-    and a thread of their own sends what has queued (one message for all that came together) on
-    the follower's group with rank 0, so that the engine thread never waits on the network."""
+    and a thread of their own makes their messages (_wire) and sends what has queued (one message
+    for all that came together) on the follower's group with rank 0, so that the engine thread
+    never waits on the network."""
 
     def __init__(self, group, rank: int):
         self.group, self.rank = group, rank
@@ -651,7 +722,7 @@ class _Outbox:
             if last:
                 msgs.append(("bye",))
             try:
-                dist.send_object_list([msgs], dst=0, group=self.group)
+                dist.send_object_list([[_wire(m) for m in msgs]], dst=0, group=self.group)
             except Exception as e:
                 broken(self.rank, "sending completions to rank 0", e)
             if last:
@@ -673,8 +744,9 @@ def follow(engine: RankEngine, links: Links, rank: int) -> None:
             return
         if call[0] == "generate":
             shares, cancels = call[1]
-            for key, req in shares.get(rank, ()):
-                run_request(engine, key, req, out.put)
+            if rank in shares:
+                for key, req in unpack(shares[rank]):
+                    run_request(engine, key, req, out.put)
             for r, rid in cancels:
                 if r == rank:
                     engine.cancel(rid)
@@ -763,7 +835,11 @@ class Group:
         return self._call("load", folder)
 
     def submit(self, req, on_completion, on_error=None) -> None:
-        self.local.request(req)  # checked here: a bad request fails at once, as on one rank
+        # What can be checked without the prompt's tokens is, here: such a bad request fails at
+        # once, as on one rank. The chat template and the rest of the checks are the engine's of
+        # the rank it is dealt to (a failure there reaches on_error): rank 0 would otherwise
+        # render every rank's prompts on its one interpreter, before any could be dealt out.
+        self.local.check(req)
         with self.cv:
             if self.closed:
                 raise RuntimeError("engine closed")
@@ -873,7 +949,7 @@ class Group:
     def _send(self, shares: dict, cancels: list) -> None:
         """Hands dealt requests to their ranks: the followers' (and cancels) in one broadcast,
         rank 0's to its engine."""
-        others = {r: s for r, s in shares.items() if r != 0}
+        others = {r: _pack(s) for r, s in shares.items() if r != 0}
         if others or cancels:
             try:
                 self._broadcast(("generate", (others, cancels)))
@@ -885,20 +961,28 @@ class Group:
     def _deliver(self, msg) -> None:
         """A completion or a failure of a dealt request (run_request's messages), to its
         callbacks; one of a cancelled request is dropped."""
-        kind, key = msg[0], msg[1]
+        self._deliver_all([msg])
+
+    def _deliver_all(self, msgs: list) -> None:
+        """_deliver of each of msgs, in order, taking the lock once."""
+        calls = []
         with self.cv:
-            s = self.sent.get(key)
-            if s is None:
-                return
-            n = 1 if kind == "done" else s.left
-            s.left -= n
-            self.in_flight[s.rank] -= n
-            if s.left <= 0:
-                del self.sent[key]
-        if kind == "done":
-            s.ok(msg[2])
-        elif s.fail is not None:
-            s.fail(msg[2], msg[3])
+            for msg in msgs:
+                kind, key = msg[0], msg[1]
+                s = self.sent.get(key)
+                if s is None:
+                    continue
+                n = 1 if kind == "done" else s.left
+                s.left -= n
+                self.in_flight[s.rank] -= n
+                if s.left <= 0:
+                    del self.sent[key]
+                calls.append((s, msg))
+        for s, msg in calls:
+            if msg[0] == "done":
+                s.ok(msg[2])
+            elif s.fail is not None:
+                s.fail(msg[2], msg[3])
 
     def _receive(self, rank: int) -> None:
         """Follower rank's completions, until its last message. A link that breaks while the
@@ -908,10 +992,11 @@ class Group:
             while True:
                 box = [None]
                 dist.recv_object_list(box, src=rank, group=self.links.back[rank])
-                for m in box[0]:
-                    if m[0] == "bye":
-                        return
-                    self._deliver(m)
+                msgs = box[0]
+                bye = bool(msgs) and msgs[-1][0] == "bye"  # the last message, and last in it
+                self._deliver_all([_unwire(m) for m in (msgs[:-1] if bye else msgs)])
+                if bye:
+                    return
         except Exception as e:
             with self.cv:
                 closing = self.cv.wait_for(lambda: self.closed or self.stop, timeout=LOST_GRACE_S)

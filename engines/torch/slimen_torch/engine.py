@@ -468,29 +468,39 @@ class Engine:
         if len(prompt) >= self.gen.L:
             raise RequestError("INVALID_ARGUMENT", f"request {req.id!r}: prompt of {len(prompt)} "
                                f"tokens leaves no room in the engine's {self.gen.L} positions")
-        s = req.sampling
-        if not 0 <= s.temperature < float("inf"):
-            raise RequestError("INVALID_ARGUMENT", f"request {req.id!r}: temperature {s.temperature}; "
-                               "want a finite value ≥ 0")
-        if req.n < 0:
-            raise RequestError("INVALID_ARGUMENT", f"request {req.id!r}: negative n")
-        if s.max_tokens < 1:  # the host sets it from the run's config: no second default here
-            raise RequestError("INVALID_ARGUMENT", f"request {req.id!r}: max_tokens = {s.max_tokens}; "
-                               "want at least 1")
-        if not 0 <= s.top_p <= 1:
-            raise RequestError("INVALID_ARGUMENT", f"request {req.id!r}: top_p {s.top_p}; want a value in (0, 1]")
-        sampling = Sampling(max_tokens=s.max_tokens,
-                            temperature=s.temperature,
-                            top_p=s.top_p or 1.0,
-                            stop=[x for x in s.stop if x], seed=s.seed, constraint=s.constraint)
-        r = Request(req.id, prompt, req.n or 1, sampling, on_completion, on_error)
+        r = Request(req.id, prompt, req.n or 1, self.check(req), on_completion, on_error)
         r.adapter = self._adapter(req.adapter, f"request {req.id!r}")
+        s = req.sampling
         if s.constraint:
             try:
                 r.matcher = self._matchers().get(s.constraint)
             except (constrain.ConstraintError, ValueError) as e:
                 raise RequestError("INVALID_ARGUMENT", f"request {req.id!r}: constraint: {e}") from None
         return r
+
+    def check(self, req: GenerateRequest) -> Sampling:
+        """The checks of req that need neither its prompt's tokens nor the chat template (request
+        makes them too, after the prompt's); returns its sampling settings as the generator takes
+        them. A worker over several ranks (dist.Group) makes these at once and the rest on the
+        rank the request is dealt to."""
+        what = f"request {req.id!r}"
+        if bool(req.messages) == bool(req.prompt_tokens):
+            raise RequestError("INVALID_ARGUMENT", f"{what}: set exactly one of messages and "
+                               "prompt_tokens")
+        s = req.sampling
+        if not 0 <= s.temperature < float("inf"):
+            raise RequestError("INVALID_ARGUMENT", f"{what}: temperature {s.temperature}; "
+                               "want a finite value ≥ 0")
+        if req.n < 0:
+            raise RequestError("INVALID_ARGUMENT", f"{what}: negative n")
+        if s.max_tokens < 1:  # the host sets it from the run's config: no second default here
+            raise RequestError("INVALID_ARGUMENT", f"{what}: max_tokens = {s.max_tokens}; "
+                               "want at least 1")
+        if not 0 <= s.top_p <= 1:
+            raise RequestError("INVALID_ARGUMENT", f"{what}: top_p {s.top_p}; want a value in (0, 1]")
+        self._adapter(req.adapter, what)
+        return Sampling(max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p or 1.0,
+                        stop=[x for x in s.stop if x], seed=s.seed, constraint=s.constraint)
 
     def _matchers(self) -> "constrain.Matchers":
         """The constraints' matchers of the current tokenizer (constrain.py)."""

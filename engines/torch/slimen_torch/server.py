@@ -57,10 +57,53 @@ def generate_request(r: pb.GenerateRequest) -> GenerateRequest:
         adapter=r.adapter)
 
 
-def completion_pb(c) -> pb.Completion:
+class Serialized:
+    """A completion already in its protocol message's bytes (data), made by the rank of a worker
+    group that generated it (dist.Received): the Generate stream sends the bytes as they are."""
+
+    __slots__ = ("index", "data")
+
+    def __init__(self, index: int, data: bytes):
+        self.index, self.data = index, data
+
+
+def completion_pb(c):
+    """The protocol message of an engine's completion; one already serialized (Serialized) as it
+    is."""
+    if isinstance(c, Serialized):
+        return c
     return pb.Completion(request_id=c.request_id, index=c.index, prompt_tokens=c.prompt_tokens,
                          tokens=c.tokens, logprobs=c.logprobs, text=c.text,
                          finish_reason=c.finish_reason)
+
+
+def _record(field: str) -> bytes:
+    """The key of a length-delimited record of GenerateStreamResponse's field."""
+    return bytes([pb.GenerateStreamResponse.DESCRIPTOR.fields_by_name[field].number << 3 | 2])
+
+
+_COMPLETIONS, _ERRORS = _record("completions"), _record("errors")
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while n > 0x7F:
+        out.append(n & 0x7F | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
+def stream_response(comps: list, errs: list) -> bytes:
+    """The serialized GenerateStreamResponse of comps (completion_pb's) and errs: a repeated
+    message field is encoded as its elements' records one after another, so the bytes of a
+    Serialized completion go in as they are, neither parsed nor copied into a message."""
+    out = []
+    for key, items in ((_COMPLETIONS, comps), (_ERRORS, errs)):
+        for m in items:
+            b = m.data if isinstance(m, Serialized) else m.SerializeToString()
+            out += (key, _varint(len(b)), b)
+    return b"".join(out)
 
 
 def batch_of(b: pb.Batch) -> Batch:
@@ -408,7 +451,7 @@ class Service(pb_grpc.EngineServicer):
                 comps = [c for it in items if it for c in it[0]]
                 errs = [e for it in items if it for e in it[1]]
                 if comps or errs:
-                    yield pb.GenerateStreamResponse(completions=comps, errors=errs)
+                    yield stream_response(comps, errs)
                 # The client closed its side and every request it sent is answered.
                 if sess.recv_done and not sess.waiting and sess.q.empty():
                     return
@@ -611,6 +654,27 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+def _add_service(server, service: Service) -> None:
+    """Registers the service's methods on server as the generated code does, but for Generate's
+    answers, which the handler yields serialized (stream_response)."""
+
+    class Capture:
+        def add_generic_rpc_handlers(self, handlers):
+            pass
+
+        def add_registered_method_handlers(self, name, handlers):
+            self.name, self.handlers = name, dict(handlers)
+
+    cap = Capture()
+    pb_grpc.add_EngineServicer_to_server(service, cap)
+    cap.handlers["Generate"] = grpc.stream_stream_rpc_method_handler(
+        service.Generate, request_deserializer=pb.GenerateStreamRequest.FromString,
+        response_serializer=lambda b: b)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(cap.name,
+                                                                          cap.handlers),))
+    server.add_registered_method_handlers(cap.name, cap.handlers)
+
+
 def make_server(listen: str, token: str = "", workers: int = 32, roots=None):
     """A started server on listen (host:port; port 0 picks one) whose Save and Load stay inside
     roots (folders; None: the working directory). Returns (server, service, port).
@@ -641,7 +705,7 @@ def make_server(listen: str, token: str = "", workers: int = 32, roots=None):
     interceptors = [_TokenAuth(token)] if token else []
     server = grpc.server(concurrent.futures.ThreadPoolExecutor(max_workers=workers),
                          interceptors=interceptors, options=options)
-    pb_grpc.add_EngineServicer_to_server(service, server)
+    _add_service(server, service)
     bound = server.add_insecure_port(listen)
     if bound == 0:
         raise OSError(f"cannot listen on {listen}")

@@ -547,7 +547,7 @@ class FakeLocal:
     def __init__(self):
         self.running, self.cancelled, self.closed = [], [], False
 
-    def request(self, req):
+    def check(self, req):
         pass
 
     def submit(self, req, ok, fail):
@@ -641,10 +641,19 @@ def test_requests_go_out_as_they_come(monkeypatch):
 
     from slimen_torch import dist
 
+    from slimen_torch.proto import engine_pb2 as pb
+
     inbox = queue.Queue()
 
     def recv(objs, src, group):
         objs[0] = inbox.get()
+
+    def done(key, rid):
+        """Rank 1's message of a completion of request rid: its protocol message (dist._wire)."""
+        return ("done", key, 0, pb.Completion(request_id=rid, text="done").SerializeToString())
+
+    def text(c):
+        return c if isinstance(c, str) else f"{c.request_id} {c.text}"
 
     links, sent = fake_links(monkeypatch, recv)
     local = FakeLocal()
@@ -657,7 +666,8 @@ def test_requests_go_out_as_they_come(monkeypatch):
     def generate_call():
         call = sent.get(timeout=10)
         assert call[0] == "generate", call
-        return call[1]
+        shares, cancels = call[1]
+        return {r: dist.unpack(b) for r, b in shares.items()}, cancels
 
     def wait_running(k):
         for _ in range(1000):
@@ -681,13 +691,13 @@ def test_requests_go_out_as_they_come(monkeypatch):
         wait_running(2)
         assert [r.id for r, _ in local.running] == ["q0", "q3"] and got.empty()
         # rank 1 finishes q1 before anything on rank 0 is done
-        inbox.put([("done", key1, "q1 done")])
-        assert got.get(timeout=10) == "q1 done"
+        inbox.put([done(key1, "q1")])
+        assert text(got.get(timeout=10)) == "q1 done"
         local.running[0][1]("q0 #0")
-        assert got.get(timeout=10) == "q0 #0"
+        assert text(got.get(timeout=10)) == "q0 #0"
         # loads 1, 1 and q2 cancelled on rank 1: rank 1 is the least loaded after it
         group.cancel("q2")
-        inbox.put([("done", key2, "q2 done")])  # sent before the cancel arrived: dropped
+        inbox.put([done(key2, "q2")])  # sent before the cancel arrived: dropped
         shares, cancels = generate_call()
         assert cancels == [(1, "q2")] and not shares
         group.submit(req(4), got.put, lambda code, msg: got.put(f"q4 {code}: {msg}"))
@@ -696,16 +706,96 @@ def test_requests_go_out_as_they_come(monkeypatch):
         key4 = shares[1][0][0]
         local.running[0][1]("q0 #1")
         local.running[1][1]("q3 done")
-        assert [got.get(timeout=10) for _ in range(2)] == ["q0 #1", "q3 done"]
+        assert [text(got.get(timeout=10)) for _ in range(2)] == ["q0 #1", "q3 done"]
         assert group.in_flight == [0, 1]
         # a request that fails on rank 1 reaches its error callback (after q2's dropped sample:
         # the follower's messages come in order)
         inbox.put([("failed", key4, "INTERNAL", "rank 1 failed it")])
-        assert got.get(timeout=10) == "q4 INTERNAL: rank 1 failed it"
+        assert text(got.get(timeout=10)) == "q4 INTERNAL: rank 1 failed it"
         assert got.empty() and group.in_flight == [0, 0] and not group.sent
     finally:
         inbox.put([("bye",)])
         assert group.close(timeout=10)
+
+
+def test_rank_0_renders_only_its_own_requests(monkeypatch, model_dirs):
+    """Rank 0 streams every rank's requests through one interpreter: it makes at once the checks
+    that need no prompt tokens (a request they refuse fails in submit, as on one rank) and
+    renders the chat template of the requests it runs itself only; a follower's go out with
+    their messages, and a failure of the rest of the checks there reaches the request's
+    on_error. Rank 0 rendered every request before it could deal any out, and its own twice."""
+    import queue
+
+    from slimen_torch import dist
+    from slimen_torch.types import RequestError
+
+    sent_back = queue.Queue()
+
+    def recv(objs, src, group):
+        objs[0] = sent_back.get()
+
+    links, sent = fake_links(monkeypatch, recv)
+    e = Engine(str(model_dirs["tiny-qwen3"]), Options(device="cpu"))
+    renders = []
+    real = e.tokenizer.encode_chat
+    monkeypatch.setattr(e.tokenizer, "encode_chat", lambda ms, *a: renders.append(ms) or
+                        real(ms, *a))
+    group = dist.Group(e, links, ["cpu", "cpu"])
+    got = queue.Queue()
+
+    def req(i, **kw):
+        return GenerateRequest(id=f"m{i}", messages=[{"role": "user", "content": f"hi {i}"}],
+                               sampling=Sampling(max_tokens=2, seed=i, **kw))
+
+    try:
+        with pytest.raises(RequestError, match="temperature"):
+            group.submit(req(9, temperature=-1.0), got.put)
+        group.submit(req(0), got.put, lambda code, msg: got.put((code, msg)))  # rank 0
+        group.submit(req(1), got.put, lambda code, msg: got.put((code, msg)))  # rank 1
+        c = got.get(timeout=60)
+        assert c.request_id == "m0" and len(c.tokens) == 2
+        call = sent.get(timeout=10)
+        assert call[0] == "generate"
+        (key, r1), = dist.unpack(call[1][0][1])
+        assert r1 == req(1)  # the request as it came, messages and all
+        assert [ms[0]["content"] for ms in renders] == ["hi 0"]
+        # rank 1's engine refuses what rank 0 did not check: the error reaches on_error
+        sent_back.put([("failed", key, "INVALID_ARGUMENT", "request 'm1': chat template: no")])
+        assert got.get(timeout=10) == ("INVALID_ARGUMENT", "request 'm1': chat template: no")
+        assert group.in_flight == [0, 0]
+    finally:
+        sent_back.put([("bye",)])
+        assert group.close(timeout=30)
+
+
+def test_a_followers_completion_crosses_as_its_message():
+    """A follower sends each completion as its serialized protocol message (made there, not on
+    rank 0): rank 0 puts the bytes into the Generate stream's answer as they are, which reads as
+    the answer of the completion's own message, and in the process it reads as the completion the
+    follower's engine gave."""
+    import pickle
+
+    from slimen_torch import dist, server
+    from slimen_torch.proto import engine_pb2 as pb
+    from slimen_torch.types import Completion
+
+    c = Completion(request_id="r7", index=2, prompt_tokens=[5, 6, 7], tokens=[9, 10, 3],
+                   logprobs=[-0.5, -1.25, -0.0625], text="a b", finish_reason="stop")
+    own = Completion(request_id="r8", index=0, prompt_tokens=[1], tokens=[300] * 200,
+                     logprobs=[-1.0] * 200, text="x" * 300, finish_reason="length")
+    wire = pickle.loads(pickle.dumps([dist._wire(("done", 4, c)), ("failed", 5, "X", "y")]))
+    assert isinstance(wire[0][3], bytes) and wire[1] == ("failed", 5, "X", "y")
+    kind, key, got = dist._unwire(wire[0])
+    assert (kind, key, got.index) == ("done", 4, 2)
+    assert server.completion_pb(got) is got
+    err = pb.RequestError(request_id="r9", code=3, message="no")
+    want = pb.GenerateStreamResponse(
+        completions=[server.completion_pb(c), server.completion_pb(own)], errors=[err])
+    data = server.stream_response([got, server.completion_pb(own)], [err])
+    assert pb.GenerateStreamResponse.FromString(data) == want
+    for f in ("request_id", "index", "prompt_tokens", "tokens", "logprobs", "text",
+              "finish_reason"):
+        assert getattr(got, f) == getattr(c, f), f
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
