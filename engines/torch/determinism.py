@@ -356,7 +356,8 @@ def main(argv=None) -> int:
                    "whether the identities hold")
     p.add_argument("--micro-batch-tokens", type=int, default=0,
                    help="the deterministic mode's training micro-batches in padded tokens "
-                   "(default 4,096)")
+                   "(default: the largest of 16,384..4,096 whose whole logits and activations "
+                   "fit half the free memory; 4096 the first version's)")
     p.add_argument("--split-k", type=int, default=1,
                    help="an experiment: the deterministic products of K >= 2,048 split along K "
                    "into S parts added in order (every pass alike; default 1, unsplit)")

@@ -250,6 +250,46 @@ def test_deterministic_mode_refuses_an_fp8_cache(model_dirs):
                                                        kv_cache_dtype="fp8"))
 
 
+
+def test_the_training_micro_batch_is_as_large_as_free_memory_allows(model_dirs, monkeypatch):
+    # The deterministic mode's micro-batches: the largest of 16,384 / 12,288 / 8,192 / 4,096
+    # tokens whose pass (saved activations, the whole logits and their gradient) fits half of
+    # the free memory; 4,096 without a GPU's free memory or with the switch off, and the
+    # option's own value when given. Qwen3-0.6B's shape in bf16: ~2.2 MB a token.
+    from types import SimpleNamespace
+
+    from slimen_torch import engine as engine_mod
+    from slimen_torch import train
+    cfg = SimpleNamespace(hidden=1024, q_dim=2048, kv_dim=1024, intermediate=3072, layers=28,
+                          vocab_size=151936)
+    gb = 1 << 30
+    assert train.pass_bytes_per_token(cfg, 2) == 2 * (28 * 27648 + 2 * 151936)
+    for free, want in ((80 * gb, 16384), (60 * gb, 12288), (40 * gb, 8192), (10 * gb, 4096),
+                       (None, 4096)):
+        assert train.deterministic_micro_batch_tokens(cfg, 2, free) == want
+    monkeypatch.setattr(train, "MICRO_BATCH_BY_MEMORY", False)
+    assert train.deterministic_micro_batch_tokens(cfg, 2, 80 * gb) == 4096
+    monkeypatch.setattr(train, "MICRO_BATCH_BY_MEMORY", True)
+    # The engine asks once its cache is made (here a CPU engine told of a large free memory).
+    monkeypatch.setattr(engine_mod, "free_memory", lambda device: 1 << 40)
+    d = str(model_dirs["tiny-qwen3"])
+    got = {}
+    for det, mbt in ((True, 0), (True, 2048), (False, 0)):
+        e = Engine(d, Options(device="cpu", deterministic=det, micro_batch_tokens=mbt))
+        try:
+            got[det, mbt] = e.trainer.micro_batch_tokens
+            if det and not mbt:
+                # A row's log-probs are the same in a micro-batch of 16,384 tokens and alone.
+                pairs = [ScoreRequest(tokens=list(range(40, 40 + 9 + i)),
+                                      prompt_tokens=list(range(3, 30 + 11 * i)))
+                         for i in range(3)]
+                big = e.score(pairs)
+                e.trainer.micro_batch_tokens = 1
+                assert e.score(pairs) == big
+        finally:
+            e.close()
+    assert got == {(True, 0): 16384, (True, 2048): 2048, (False, 0): 4096}
+
 # ---- the Triton kernels (a GPU's path), on the CPU under Triton's interpreter ----
 
 @pytest.fixture
