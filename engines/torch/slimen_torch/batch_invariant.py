@@ -367,8 +367,10 @@ if HAVE_TRITON:
                 acc += tl.dot(a, b, input_precision="ieee")
             else:
                 acc += tl.dot(a, b)
-        tl.store(Y + rm[:, None] * sym + rn[None, :] * syn, acc.to(Y.dtype.element_ty),
-                 mask=(rm[:, None] < M) & (rn[None, :] < N))
+        # The output's offsets in 64 bits: the logits of a 16,384-token micro-batch are past
+        # 2³¹ entries (the operands' are far from it).
+        tl.store(Y + rm[:, None].to(tl.int64) * sym + rn[None, :] * syn,
+                 acc.to(Y.dtype.element_ty), mask=(rm[:, None] < M) & (rn[None, :] < N))
 
 # The one tile shape of every product (BM, BN, BK, warps, stages).
 TILE = (64, 64, 64, 4, 3)
@@ -411,7 +413,7 @@ if HAVE_TRITON:
             else:
                 acc += tl.dot(a, b)
         out = P + ps.to(tl.int64) * M * N
-        tl.store(out + rm[:, None] * N + rn[None, :], acc,
+        tl.store(out + rm[:, None].to(tl.int64) * N + rn[None, :], acc,
                  mask=(rm[:, None] < M) & (rn[None, :] < N))
 
     @triton.jit
