@@ -5,7 +5,8 @@
         [--row-kernels on|off] [--attn-grouped on|off] [--attn-bm N]
         [--attn-bwd triton|sdpa] [--attn-bwd-dq Q,K,W,S] [--attn-bwd-dkdv Q,K,W,S]
         [--norm-bwd triton|torch] [--head-bwd triton|torch] [--fused-elementwise on|off]
-        [--attn-large BM,warps] [--micro-batch-tokens N] [--split-k S] [--profile]
+        [--attn-large BM,warps] [--micro-batch-tokens N] [--split-k S] [--layer-fn on|off]
+        [--profile]
 
 On a random model (make-model: Qwen3-0.6B's shape, bf16 on a GPU; --small: the tiny Qwen3, for
 the CPU and the test that runs this), with no end-of-sequence token so every response has its
@@ -288,7 +289,7 @@ KNOBS = [("--tile", "tile", ""), ("--tile-large", "tile_large", ""),
          ("--norm-bwd", "norm_bwd", "triton"),
          ("--head-bwd", "head_bwd", "triton"), ("--fused-elementwise", "fused_elementwise", "on"),
          ("--attn-large", "attn_large", ""), ("--micro-batch-tokens", "micro_batch_tokens", 0),
-         ("--split-k", "split_k", 1)]
+         ("--split-k", "split_k", 1), ("--layer-fn", "layer_fn", "on")]
 
 
 def main(argv=None) -> int:
@@ -361,6 +362,10 @@ def main(argv=None) -> int:
     p.add_argument("--split-k", type=int, default=1,
                    help="an experiment: the deterministic products of K >= 2,048 split along K "
                    "into S parts added in order (every pass alike; default 1, unsplit)")
+    p.add_argument("--layer-fn", default="on", choices=["on", "off"],
+                   help="the deterministic training layer as one autograd node with its backward "
+                   "pass written out (on, the default; the same forward numbers) or a node an "
+                   "operation (off, the first version)")
     a = p.parse_args(argv)
     from slimen_torch import batch_invariant
     if a.tile:
@@ -389,6 +394,7 @@ def main(argv=None) -> int:
     batch_invariant.RMS_BWD_TRITON = a.norm_bwd == "triton"
     batch_invariant.HEAD_BWD_TRITON = a.head_bwd == "triton"
     batch_invariant.FUSED_ELEMENTWISE = a.fused_elementwise == "on"
+    batch_invariant.LAYER_FN = a.layer_fn == "on"
     if a.split_k < 1:
         p.error(f"--split-k {a.split_k}: give a count ≥ 1")
     batch_invariant.SPLIT_K = a.split_k

@@ -688,3 +688,114 @@ def test_a_training_step_through_the_gpu_kernels_is_the_cpu_step(interpreted, mo
     assert got[1].grad_norm > 0
     assert abs(got[1].loss - got[0].loss) <= 1e-6 * max(1.0, abs(got[0].loss))
     assert abs(got[1].grad_norm - got[0].grad_norm) <= 1e-5 * got[0].grad_norm
+
+
+def _graph_nodes(t: torch.Tensor) -> list[str]:
+    """The names of the autograd nodes t's gradient runs through (AccumulateGrad aside)."""
+    seen, todo, names = set(), [t.grad_fn], []
+    while todo:
+        f = todo.pop()
+        if f is None or f in seen:
+            continue
+        seen.add(f)
+        if type(f).__name__ != "AccumulateGrad":
+            names.append(type(f).__name__)
+        todo.extend(g for g, _ in f.next_functions)
+    return names
+
+
+@pytest.mark.parametrize("shape", ["tiny-qwen3", "tiny-qwen2"])
+def test_the_layer_in_one_node_is_the_layer(interpreted, model_dirs, monkeypatch, shape):
+    # The deterministic training layer as one autograd node (LAYER_FN): the forward of the
+    # operations one node each, bit for bit (the same kernels on the same inputs), for Qwen3's
+    # q/k norms and Qwen2's biases, in fp16 (the rope kernel's 16-bit; the interpreter's bf16
+    # products are not the GPU's); its gradients (input, every weight, and the keys' and
+    # values' where they are used too) autograd's of those operations to fp16's rounding, and
+    # the same bit for bit twice; one node a layer instead of about twenty.
+    from slimen_torch.config import read_config
+    from slimen_torch.model import Transformer, block_forward
+    from slimen_torch.weights import load_weights
+    monkeypatch.setattr(bi, "FORCE_TRITON", True)
+    for name in ("ATTN_BWD_DQ", "ATTN_BWD_DQ_F32"):
+        monkeypatch.setattr(bi, name, (16, 16, 4, 1))
+    for name in ("ATTN_BWD_DKDV", "ATTN_BWD_DKDV_F32"):
+        monkeypatch.setattr(bi, name, (16, 32, 4, 1))
+    cfg, _ = read_config(model_dirs[shape])
+    model = Transformer(cfg, dtype=torch.float16)
+    load_weights(model, model_dirs[shape])
+    g = torch.Generator().manual_seed(21)
+    with torch.no_grad():  # biases and norms away from their zeros and ones
+        for n, p in model.named_parameters():
+            if p.ndim == 1:
+                p.add_(torch.randn(p.shape, generator=g).half() * 0.3)
+    monkeypatch.setattr(bi, "RMS_BWD_PROGRAMS", 1)  # few programs (the interpreter's cost)
+    B, T = 2, 17
+    x0 = (torch.randn(B, T, cfg.hidden, generator=g) * 2).half()
+    gy = torch.randn(B, T, cfg.hidden, generator=g).half()
+    gk = torch.randn(B, cfg.kv_heads, T, cfg.head_dim, generator=g).half()
+    cos, sin = model.cos[:T], model.sin[:T]
+
+    def run(one_node, kv_uses=(False, True)):
+        monkeypatch.setattr(bi, "LAYER_FN", one_node)
+        ws = [t.detach().clone().requires_grad_() if t is not None else None
+              for t in model.layers[0].weights()]
+        x = x0.clone().requires_grad_()
+        with bi.mode():
+            y, k, v = block_forward(cfg, x, tuple(ws), cos, sin)
+            y2 = block_forward(cfg, y, tuple(ws), cos, sin)[0]  # a second layer on the first
+        ins = [x] + [t for t in ws if t is not None]
+        grads = []
+        for use_kv in kv_uses:  # the keys and values unused (training), and used too
+            loss = (y2.float() * gy.float()).sum()
+            if use_kv:
+                loss = loss + (k.float() * gk.float()).sum() + (v.float() * gk.float()).sum()
+            grads.append(torch.autograd.grad(loss, ins, retain_graph=True))
+        return y2.detach(), grads, _graph_nodes(y2)
+
+    y_new, g_new, nodes_new = run(True)
+    y_old, g_old, nodes_old = run(False)
+    assert torch.equal(y_new, y_old)
+    assert nodes_new.count("_LayerBackward") == 2 and len(nodes_new) <= 4
+    assert len(nodes_old) >= 30
+    for gn, go in zip(g_new, g_old):
+        for a, b in zip(gn, go):
+            assert a.dtype == b.dtype and a.shape == b.shape
+            scale = b.float().abs().max().item()
+            assert scale > 0 and (a.float() - b.float()).abs().max().item() <= 2e-2 * scale
+    again = run(True, (True,))[1][0]
+    assert all(torch.equal(a, b) for a, b in zip(again, g_new[1]))
+
+
+def test_a_training_step_with_the_layer_in_one_node(interpreted, model_dirs, monkeypatch):
+    # The engine's deterministic training step through the GPU's kernels (fp16, under the
+    # interpreter), its layers one node each (LAYER_FN) or an operation a node: the same loss
+    # and log-probs bit for bit (the same forward), the gradient norm to fp16's rounding.
+    monkeypatch.setattr(bi, "FORCE_TRITON", True)
+    monkeypatch.setattr(bi, "RMS_BWD_PROGRAMS", 1)
+    for name in ("ATTN_BWD_DQ", "ATTN_BWD_DQ_F32"):
+        monkeypatch.setattr(bi, name, (16, 16, 4, 1))
+    for name in ("ATTN_BWD_DKDV", "ATTN_BWD_DKDV_F32"):
+        monkeypatch.setattr(bi, name, (16, 32, 4, 1))
+    ss = [Sample(list(range(3, 13 + 7 * i)), list(range(40, 46)), [1.0] * 6, [-5.0] * 6,
+                 [1.0 if i else -1.0] * 6, group="g") for i in range(2)]
+    e = Engine(str(model_dirs["tiny-qwen3"]), Options(device="cpu", deterministic=True,
+                                                      dtype="float16"))
+    used, layer = [], bi.layer
+
+    def counted(*a):
+        out = layer(*a)
+        used.append(out is not None)
+        return out
+    monkeypatch.setattr(bi, "layer", counted)
+    try:
+        got = []
+        for one_node in (True, False):
+            monkeypatch.setattr(bi, "LAYER_FN", one_node)
+            got.append(e.train(Batch(samples=ss, loss=LossConfig(lr=0.0, max_grad_norm=0.0,
+                                                                 entropy_coef=0.01))))
+    finally:
+        e.close()
+    assert used == [True, True, False, False]  # the two layers of a micro-batch, each way
+    assert got[0].grad_norm > 0
+    assert (got[0].loss, got[0].logprob_diff_max) == (got[1].loss, got[1].logprob_diff_max)
+    assert abs(got[0].grad_norm - got[1].grad_norm) <= 1e-2 * got[1].grad_norm
