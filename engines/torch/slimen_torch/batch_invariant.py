@@ -983,10 +983,10 @@ def attention_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: to
 
 if HAVE_TRITON:
     @triton.jit(do_not_specialize=["Tq", "Lk"])
-    def _attention_kernel(Q, K, V, O, P, Tq, H, G, Lk, D, scale,
+    def _attention_kernel(Q, K, V, O, P, LSE, Tq, H, G, Lk, D, scale,
                           sqb, sqt, sqh, skb, skh, skl, svb, svh, svl, sob, sot, soh,
                           BM: tl.constexpr, S: tl.constexpr, BD: tl.constexpr,
-                          IEEE: tl.constexpr, HG: tl.constexpr):
+                          IEEE: tl.constexpr, HG: tl.constexpr, STORE_LSE: tl.constexpr):
         # BM rows of one sequence over their keys in chunks of S positions from position 0,
         # combined in order by the online softmax in fp32. A row is a (query, head) pair: the HG
         # heads of program_id(1)'s group (HG = G: the query heads sharing one key head, whose
@@ -1043,6 +1043,11 @@ if HAVE_TRITON:
         out = acc / tl.where(l == 0.0, 1.0, l)[:, None]
         tl.store(O + b * sob + t[:, None] * sot + h[:, None] * soh + d[None, :],
                  out.to(O.dtype.element_ty), mask=tm[:, None] & dm[None, :])
+        if STORE_LSE:
+            # A training pass: each row's log-sum-exp of its scaled scores for the backward
+            # pass ([B, Tq, H]; 0 for a row that saw no key), the output unchanged.
+            lse = tl.where(l > 0.0, m + tl.log(tl.where(l > 0.0, l, 1.0)), 0.0)
+            tl.store(LSE + (b * Tq + t) * H + h, lse, mask=tm)
 
 # Rows a program of the Triton attention takes: the same block shape for a decode step (one
 # query) and a training pass (every position), so a row's products are alike in both.
@@ -1059,8 +1064,10 @@ ATTN_LARGE: tuple | None = None
 ATTN_LARGE_Q = 64
 
 
-def attention_triton(q, k, v, q_pos, scale):
-    """`attention` in _attention_kernel (one program per ATTN_BM queries and head)."""
+def attention_triton(q, k, v, q_pos, scale, lse=None):
+    """`attention` in _attention_kernel (one program per ATTN_BM queries and head). lse: an
+    fp32 [B, Tq, H] tensor that takes each row's log-sum-exp (a training pass's, for
+    attention_backward_triton); the output is the same with it or without."""
     B, Tq, H, D = q.shape
     KV, Lk = k.shape[1], k.shape[2]
     if k.stride(-1) != 1 or v.stride(-1) != 1:
@@ -1073,11 +1080,11 @@ def attention_triton(q, k, v, q_pos, scale):
     BM, warps = (ATTN_BM, 4) if ATTN_LARGE is None or Tq < ATTN_LARGE_Q else ATTN_LARGE
     HG = G if ATTN_GROUPED and G <= BM else 1
     _attention_kernel[(B * triton.cdiv(Tq * HG, BM), H // HG)](
-        q, k, v, o, pos, Tq, H, G, Lk, D, scale,
+        q, k, v, o, pos, o if lse is None else lse, Tq, H, G, Lk, D, scale,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), o.stride(0), o.stride(1), o.stride(2),
         BM=BM, S=KV_SPLIT, BD=max(16, triton.next_power_of_2(D)),
-        IEEE=q.dtype == torch.float32, HG=HG, num_warps=warps)
+        IEEE=q.dtype == torch.float32, HG=HG, STORE_LSE=lse is not None, num_warps=warps)
     return o
 
 
@@ -1106,10 +1113,11 @@ if HAVE_TRITON:
                                  sqb, sqt, sqh, skb, skh, skl, svb, svh, svl,
                                  sob, sot, soh, sdb, sdt, sdh,
                                  BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr,
-                                 F32DOT: tl.constexpr):
+                                 F32DOT: tl.constexpr, HAVE_LSE: tl.constexpr):
         # BM queries of one head: first their log-sum-exp over the keys they see (online, in
-        # fp32) and delta = Σ dO·O, both kept for the dK/dV kernel; then
-        # dQ = scale · Σ_j P·(dP − delta)·k_j over the same keys, with dP = dO·vᵀ.
+        # fp32; HAVE_LSE: the forward's, read from LSE) and delta = Σ dO·O, both kept for the
+        # dK/dV kernel; then dQ = scale · Σ_j P·(dP − delta)·k_j over the same keys, with
+        # dP = dO·vᵀ.
         pid, h = tl.program_id(0), tl.program_id(1)
         nblk = tl.cdiv(Tq, BM)
         b, t0 = pid // nblk, (pid % nblk) * BM
@@ -1126,23 +1134,27 @@ if HAVE_TRITON:
         delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), axis=1)
         pmax = tl.max(pos, axis=0)
         end = tl.minimum(pmax + 1, Lk)
-        m = tl.full((BM,), float("-inf"), tl.float32)
-        l = tl.zeros((BM,), tl.float32)
-        for c0 in range(0, end, BN):
-            j = c0 + tl.arange(0, BN)
-            jm = (j < Lk) & (j <= pmax)
-            k = tl.load(K + b * skb + kvh * skh + j[None, :] * skl + d[:, None],
-                        mask=jm[None, :] & dm[:, None], other=0.0)  # [BD, BN]
-            s = _bwd_dot(q, k, F32DOT)
-            seen = (j[None, :] <= pos[:, None]) & jm[None, :]
-            s = tl.where(seen, s * scale, float("-inf"))
-            m_new = tl.maximum(m, tl.max(s, axis=1))
-            m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-            l = l * tl.exp(m - m_ref) + tl.sum(tl.where(seen, tl.exp(s - m_ref[:, None]), 0.0),
-                                               axis=1)
-            m = m_new
-        # A query that sees no key (a padding row) has output 0 and no gradient: its P is 0.
-        lse = tl.where(l > 0.0, m + tl.log(tl.where(l > 0.0, l, 1.0)), 0.0)
+        r = (b * Tq + t) * H + h
+        if HAVE_LSE:
+            lse = tl.load(LSE + r, mask=tm, other=0.0)
+        else:
+            m = tl.full((BM,), float("-inf"), tl.float32)
+            l = tl.zeros((BM,), tl.float32)
+            for c0 in range(0, end, BN):
+                j = c0 + tl.arange(0, BN)
+                jm = (j < Lk) & (j <= pmax)
+                k = tl.load(K + b * skb + kvh * skh + j[None, :] * skl + d[:, None],
+                            mask=jm[None, :] & dm[:, None], other=0.0)  # [BD, BN]
+                s = _bwd_dot(q, k, F32DOT)
+                seen = (j[None, :] <= pos[:, None]) & jm[None, :]
+                s = tl.where(seen, s * scale, float("-inf"))
+                m_new = tl.maximum(m, tl.max(s, axis=1))
+                m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+                l = l * tl.exp(m - m_ref) + tl.sum(
+                    tl.where(seen, tl.exp(s - m_ref[:, None]), 0.0), axis=1)
+                m = m_new
+            # A query that sees no key (a padding row) has output 0 and no gradient: P is 0.
+            lse = tl.where(l > 0.0, m + tl.log(tl.where(l > 0.0, l, 1.0)), 0.0)
         dq = tl.zeros((BM, BD), tl.float32)
         for c0 in range(0, end, BN):
             j = c0 + tl.arange(0, BN)
@@ -1159,8 +1171,8 @@ if HAVE_TRITON:
             dq += _bwd_dot(ds.to(k.dtype), tl.trans(k), F32DOT)
         tl.store(DQ + b * sqb + t[:, None] * sqt + h * sqh + d[None, :],
                  (dq * scale).to(DQ.dtype.element_ty), mask=qm)
-        r = (b * Tq + t) * H + h
-        tl.store(LSE + r, lse, mask=tm)
+        if not HAVE_LSE:
+            tl.store(LSE + r, lse, mask=tm)
         tl.store(DELTA + r, delta, mask=tm)
 
     @triton.jit(do_not_specialize=["Tq", "Lk"])
@@ -1225,13 +1237,27 @@ ATTN_BWD_DQ = (128, 32, 8, 3)
 ATTN_BWD_DKDV = (32, 128, 8, 2)
 ATTN_BWD_DQ_F32 = (32, 32, 4, 2)
 ATTN_BWD_DKDV_F32 = (32, 16, 4, 1)
+# A training pass's forward keeps each row's log-sum-exp (one fp32 store a row) for the dQ kernel,
+# which otherwise computes it again in a pass over the keys (a quarter of its products). False:
+# recomputed (determinism.py --attn-lse off).
+ATTN_LSE = True
 
 
-def attention_backward_triton(q, k, v, o, q_pos, go, scale, dk=None, dv=None):
+def _attention_lse(q) -> torch.Tensor | None:
+    """The log-sum-exp buffer of a training pass's forward (ATTN_LSE with the Triton backward),
+    or None."""
+    if not (ATTN_LSE and ATTN_BWD == "triton"):
+        return None
+    B, Tq, H, _ = q.shape
+    return torch.empty(B, Tq, H, dtype=torch.float32, device=q.device)
+
+
+def attention_backward_triton(q, k, v, o, q_pos, go, scale, dk=None, dv=None, lse=None):
     """The gradients (dq, dk, dv) of attention_triton's output o for its output's gradient go,
     in the two kernels above (q [B, Tq, H, D], k and v [B, KV, Lk, D]). Repeatable bit for bit:
     no atomics, each sum in one program's fixed order. dk, dv: where to write those (views of
-    k's shape, contiguous along D; else new tensors)."""
+    k's shape, contiguous along D; else new tensors). lse: the forward's log-sum-exp of each
+    row (attention_triton's; else the dQ kernel computes it in a pass over the keys)."""
     B, Tq, H, D = q.shape
     KV, Lk = k.shape[1], k.shape[2]
     # dq takes q's strides; k and v are read through theirs (the training pass's are views).
@@ -1242,7 +1268,9 @@ def attention_backward_triton(q, k, v, o, q_pos, go, scale, dk=None, dv=None):
     BD = max(16, triton.next_power_of_2(D))
     f32 = q.dtype == torch.float32 or INTERPRET
     dq = torch.empty_like(q)
-    lse = torch.empty(B, Tq, H, dtype=torch.float32, device=q.device)
+    have_lse = lse is not None
+    if not have_lse:
+        lse = torch.empty(B, Tq, H, dtype=torch.float32, device=q.device)
     delta = torch.empty_like(lse)
     BM, BN, warps, stages = ATTN_BWD_DQ_F32 if q.dtype == torch.float32 else ATTN_BWD_DQ
     _attention_bwd_dq_kernel[(B * triton.cdiv(Tq, BM), H)](
@@ -1250,7 +1278,7 @@ def attention_backward_triton(q, k, v, o, q_pos, go, scale, dk=None, dv=None):
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), o.stride(0), o.stride(1), o.stride(2),
         go.stride(0), go.stride(1), go.stride(2),
-        BM=BM, BN=BN, BD=BD, F32DOT=f32, num_warps=warps, num_stages=stages)
+        BM=BM, BN=BN, BD=BD, F32DOT=f32, HAVE_LSE=have_lse, num_warps=warps, num_stages=stages)
     if dk is None:
         dk = torch.empty(B, KV, Lk, D, dtype=k.dtype, device=k.device)
     if dv is None:
@@ -1290,18 +1318,19 @@ class _Attention(torch.autograd.Function):
     a mask."""
 
     @staticmethod
-    def forward(ctx, q, k, v, q_pos, scale, causal):
-        o = attention_triton(q, k, v, q_pos, scale)
-        ctx.save_for_backward(q, k, v, q_pos, o)
+    def forward(ctx, q, k, v, q_pos, scale, causal, grad):
+        lse = _attention_lse(q) if grad else None
+        o = attention_triton(q, k, v, q_pos, scale, lse=lse)
+        ctx.save_for_backward(q, k, v, q_pos, o, lse)
         ctx.scale, ctx.causal = scale, causal
         return o
 
     @staticmethod
     def backward(ctx, go):
-        q, k, v, q_pos, o = ctx.saved_tensors
+        q, k, v, q_pos, o, lse = ctx.saved_tensors
         if ATTN_BWD == "triton":
-            gq, gk, gv = attention_backward_triton(q, k, v, o, q_pos, go, ctx.scale)
-            return gq, gk, gv, None, None, None
+            gq, gk, gv = attention_backward_triton(q, k, v, o, q_pos, go, ctx.scale, lse=lse)
+            return gq, gk, gv, None, None, None, None
         with torch.enable_grad(), _strict_determinism():
             q_, k_, v_ = (t.detach().requires_grad_() for t in (q, k, v))
             Lk = k.shape[2]
@@ -1314,7 +1343,7 @@ class _Attention(torch.autograd.Function):
                 q_.transpose(1, 2), k_, v_, attn_mask=mask, is_causal=mask is None,
                 scale=ctx.scale, enable_gqa=q.shape[2] != k.shape[1]).transpose(1, 2)
             gq, gk, gv = torch.autograd.grad(o, (q_, k_, v_), go)
-        return gq, gk, gv, None, None, None
+        return gq, gk, gv, None, None, None, None
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,
@@ -1326,7 +1355,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Te
     cache's length and whatever it holds beyond change nothing. causal: the caller says q_pos
     is 0..Lk-1 in every row (a training pass; the gradient then takes the causal kernel)."""
     if use_triton(q):
-        return _Attention.apply(q, k, v, q_pos, scale, causal)
+        grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad
+                                            or v.requires_grad)
+        return _Attention.apply(q, k, v, q_pos, scale, causal, grad)
     return attention_torch(q, k, v, q_pos, scale)
 
 
@@ -1382,20 +1413,21 @@ class _Layer(torch.autograd.Function):
         qr, kr = _rope_launch(q, cos, sin, 1), _rope_launch(k, cos, sin, 1)
         kt, vt = kr.transpose(1, 2), v.transpose(1, 2)
         pos = torch.arange(T, device=x.device).expand(B, T)
-        o = attention_triton(qr, kt, vt, pos, D ** -0.5).flatten(2)
+        lse = _attention_lse(qr)
+        o = attention_triton(qr, kt, vt, pos, D ** -0.5, lse=lse).flatten(2)
         x1 = _add_launch(x, _linear_forward(o, wo, bo))
         h2 = rms_norm_triton(x1, mlp_norm, eps)
         gu = _linear_forward(h2, w13, None)
         a = _swiglu_forward(gu)
         x2 = _add_launch(x1, _linear_forward(a, w2, None))
-        ctx.save_for_backward(x, h, qkv, qr, kr, o, x1, h2, gu, a, cos, sin, pos, *w)
+        ctx.save_for_backward(x, h, qkv, qr, kr, o, x1, h2, gu, a, cos, sin, pos, lse, *w)
         ctx.cfg = cfg
         ctx.set_materialize_grads(False)
         return x2, kt, vt
 
     @staticmethod
     def backward(ctx, gx2, gkt, gvt):
-        x, h, qkv, qr, kr, o, x1, h2, gu, a, cos, sin, pos, *w = ctx.saved_tensors
+        x, h, qkv, qr, kr, o, x1, h2, gu, a, cos, sin, pos, lse, *w = ctx.saved_tensors
         attn_norm, wqkv, bqkv, q_norm, k_norm, wo, bo, mlp_norm, w13, w2 = w
         cfg = ctx.cfg
         need = ctx.needs_input_grad[4:]
@@ -1417,7 +1449,8 @@ class _Layer(torch.autograd.Function):
         dq, _, _ = attention_backward_triton(qr, kr.transpose(1, 2), _split_qkv(cfg, qkv)[2]
                                              .transpose(1, 2), o.view(B, T, H, D), pos,
                                              go.view(B, T, H, D), D ** -0.5,
-                                             dk=dk.transpose(1, 2), dv=gv.transpose(1, 2))
+                                             dk=dk.transpose(1, 2), dv=gv.transpose(1, 2),
+                                             lse=lse)
         if gkt is not None:  # the keys and values used outside the layer too
             dk += gkt.transpose(1, 2)
         if gvt is not None:

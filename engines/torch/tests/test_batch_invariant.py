@@ -442,7 +442,7 @@ def test_the_triton_attention_gradient_is_sdpa_s_in_both_forms(interpreted, monk
     pos = torch.arange(T).expand(B, T)
     for causal in (True, False):
         ins = [t.clone().requires_grad_() for t in (q, k, v)]
-        got = torch.autograd.grad(bi._Attention.apply(*ins, pos, 0.3, causal), ins, go)
+        got = torch.autograd.grad(bi._Attention.apply(*ins, pos, 0.3, causal, True), ins, go)
         for a, b in zip(got, want):
             assert torch.allclose(a, b, atol=1e-5)
     assert not torch.are_deterministic_algorithms_enabled()
@@ -456,7 +456,9 @@ def test_the_triton_attention_backward_is_the_gradient_and_repeats(interpreted, 
     # and a row whose last queries are padding (position -1: they see no key, have output 0 and
     # no gradient). Two calls give the same gradients bit for bit. (In bf16 the output comes
     # from attention_torch: the interpreter's forward kernel reads bf16 operands of its products
-    # as their bits; the backward kernels read them as fp32 there.)
+    # as their bits; the backward kernels read them as fp32 there.) In fp32 with the forward's
+    # log-sum-exp of each row (ATTN_LSE, kept by the forward kernel without changing its output)
+    # and with the dQ kernel's own alike.
     for name in ("ATTN_BWD_DQ", "ATTN_BWD_DQ_F32"):
         monkeypatch.setattr(bi, name, (16, 16, 4, 1))
     for name in ("ATTN_BWD_DKDV", "ATTN_BWD_DKDV_F32"):
@@ -479,19 +481,32 @@ def test_the_triton_attention_backward_is_the_gradient_and_repeats(interpreted, 
             ref = [t.float().requires_grad_() for t in ins]
             out = bi.attention_torch(*ref, pos, 0.3)
             want = torch.autograd.grad(out, ref, go)
-            runs = []
-            for _ in range(2):
-                if dtype == torch.float32:
-                    xs = [t.clone().requires_grad_() for t in ins]
-                    o = bi._Attention.apply(*xs, pos, 0.3, False)
-                    runs.append(torch.autograd.grad(o, xs, go))
-                else:
-                    o = out.detach().nan_to_num(0.0).to(dtype)
-                    runs.append(bi.attention_backward_triton(*ins, o, pos, go.to(dtype), 0.3))
-            for a, b, w in zip(*runs, want):
-                assert a.dtype == dtype and torch.equal(a, b)
-                assert (a.float() - w).abs().max() <= tol * max(1.0, w.abs().max().item())
-            assert not runs[0][0][1, 29:].any()
+            for lse in ((True, False) if dtype == torch.float32 else (False,)):
+                monkeypatch.setattr(bi, "ATTN_LSE", lse)
+                runs = []
+                for _ in range(2):
+                    if dtype == torch.float32:
+                        xs = [t.clone().requires_grad_() for t in ins]
+                        o = bi._Attention.apply(*xs, pos, 0.3, False, True)
+                        runs.append(torch.autograd.grad(o, xs, go))
+                    else:
+                        o = out.detach().nan_to_num(0.0).to(dtype)
+                        runs.append(bi.attention_backward_triton(*ins, o, pos, go.to(dtype),
+                                                                 0.3))
+                for a, b, w in zip(*runs, want):
+                    assert a.dtype == dtype and torch.equal(a, b)
+                    assert (a.float() - w).abs().max() <= tol * max(1.0, w.abs().max().item())
+                assert not runs[0][0][1, 29:].any()
+        # The forward's log-sum-exp: the output unchanged, each row's log Σ exp(q·k·0.3) over
+        # the keys it sees, 0 for a row that sees none.
+        buf = torch.full((B, T, H), 7.0)
+        o = bi.attention_triton(q, k, v, pos, 0.3, lse=buf)
+        assert torch.equal(o, bi.attention_triton(q, k, v, pos, 0.3))
+        s = torch.einsum("bthd,bhld->bthl", q, k.repeat_interleave(H // KV, 1)) * 0.3
+        seen = torch.arange(Lk)[None, None, None, :] <= pos[:, :, None, None]
+        want_lse = torch.logsumexp(s.masked_fill(~seen, float("-inf")), -1).nan_to_num(
+            0.0, neginf=0.0)
+        assert torch.allclose(buf, want_lse, atol=1e-5) and not buf[1, 29:].any()
 
 
 def test_the_triton_rms_norm_keeps_a_row_and_has_the_plain_gradient(interpreted, monkeypatch):
