@@ -1108,12 +1108,28 @@ if HAVE_TRITON:
             out = tl.dot(a, b)
         return out
 
+    @triton.jit
+    def _bwd_p_ds(s, dp, lse, delta, jj, pp, jmm, scale, MASKED: tl.constexpr):
+        # P = exp(s·scale − lse) and dS = P·(dP − delta) of a block of scores s (lse and delta
+        # broadcast to s's shape), zero where the query does not see the key (jj > pp, or jmm
+        # false); MASKED False: a block whose queries see all its keys, the same numbers
+        # without the masks' work.
+        if MASKED:
+            seen = (jj <= pp) & jmm
+            p = tl.where(seen, tl.exp(s * scale - lse), 0.0)
+            ds = tl.where(seen, p * (dp - delta), 0.0)
+        else:
+            p = tl.exp(s * scale - lse)
+            ds = p * (dp - delta)
+        return p, ds
+
     @triton.jit(do_not_specialize=["Tq", "Lk"])
     def _attention_bwd_dq_kernel(Q, K, V, O, DO, P, DQ, LSE, DELTA, Tq, H, G, Lk, D, scale,
                                  sqb, sqt, sqh, skb, skh, skl, svb, svh, svl,
                                  sob, sot, soh, sdb, sdt, sdh,
                                  BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr,
-                                 F32DOT: tl.constexpr, HAVE_LSE: tl.constexpr):
+                                 F32DOT: tl.constexpr, HAVE_LSE: tl.constexpr,
+                                 FULL_BLOCKS: tl.constexpr):
         # BM queries of one head: first their log-sum-exp over the keys they see (online, in
         # fp32; HAVE_LSE: the forward's, read from LSE) and delta = Σ dO·O, both kept for the
         # dK/dV kernel; then dQ = scale · Σ_j P·(dP − delta)·k_j over the same keys, with
@@ -1156,6 +1172,7 @@ if HAVE_TRITON:
             # A query that sees no key (a padding row) has output 0 and no gradient: P is 0.
             lse = tl.where(l > 0.0, m + tl.log(tl.where(l > 0.0, l, 1.0)), 0.0)
         dq = tl.zeros((BM, BD), tl.float32)
+        pmin = tl.min(pos, axis=0)
         for c0 in range(0, end, BN):
             j = c0 + tl.arange(0, BN)
             jm = (j < Lk) & (j <= pmax)
@@ -1163,11 +1180,18 @@ if HAVE_TRITON:
                         mask=jm[None, :] & dm[:, None], other=0.0)  # [BD, BN]
             vt = tl.load(V + b * svb + kvh * svh + j[None, :] * svl + d[:, None],
                          mask=jm[None, :] & dm[:, None], other=0.0)  # [BD, BN]
-            seen = (j[None, :] <= pos[:, None]) & jm[None, :]
             s = _bwd_dot(q, k, F32DOT)
             dp = _bwd_dot(do, vt, F32DOT)
-            p = tl.where(seen, tl.exp(s * scale - lse[:, None]), 0.0)
-            ds = tl.where(seen, p * (dp - delta[:, None]), 0.0)
+            if FULL_BLOCKS:
+                if (c0 + BN - 1 <= pmin) & (c0 + BN <= Lk):  # every query sees every key
+                    p, ds = _bwd_p_ds(s, dp, lse[:, None], delta[:, None], j[None, :],
+                                      pos[:, None], jm[None, :], scale, MASKED=False)
+                else:
+                    p, ds = _bwd_p_ds(s, dp, lse[:, None], delta[:, None], j[None, :],
+                                      pos[:, None], jm[None, :], scale, MASKED=True)
+            else:
+                p, ds = _bwd_p_ds(s, dp, lse[:, None], delta[:, None], j[None, :],
+                                  pos[:, None], jm[None, :], scale, MASKED=True)
             dq += _bwd_dot(ds.to(k.dtype), tl.trans(k), F32DOT)
         tl.store(DQ + b * sqb + t[:, None] * sqt + h * sqh + d[None, :],
                  (dq * scale).to(DQ.dtype.element_ty), mask=qm)
@@ -1180,7 +1204,7 @@ if HAVE_TRITON:
                                    sqb, sqt, sqh, skb, skh, skl, svb, svh, svl, sdb, sdt, sdh,
                                    sgb, sgh, sgl, sub, suh, sul,
                                    BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr,
-                                   F32DOT: tl.constexpr):
+                                   F32DOT: tl.constexpr, FULL_BLOCKS: tl.constexpr):
         # BN keys of one key head: dV = Σ Pᵀ·dO and dK = scale · Σ (P·(dP − delta))ᵀ·q over the
         # queries of the G heads sharing it, block by block in order (blocks whose queries all
         # come before the keys skipped: they see none of them).
@@ -1201,7 +1225,8 @@ if HAVE_TRITON:
             tm = t < Tq
             pos = tl.load(P + b * Tq + t, mask=tm, other=-1)
             if tl.max(pos, axis=0) >= j0:
-                seen = (j[:, None] <= pos[None, :]) & jm[:, None]  # [BN, BM]
+                # Every query of the block sees every key of this program's: no masks.
+                full = (tl.min(pos, axis=0) >= j0 + BN - 1) & (j0 + BN <= Lk)
                 qm = tm[:, None] & dm[None, :]
                 for hi in range(0, G):
                     h = kvh * G + hi
@@ -1214,8 +1239,18 @@ if HAVE_TRITON:
                     delta = tl.load(DELTA + r, mask=tm, other=0.0)
                     st = _bwd_dot(k, tl.trans(q), F32DOT)
                     dpt = _bwd_dot(v, tl.trans(do), F32DOT)
-                    pt = tl.where(seen, tl.exp(st * scale - lse[None, :]), 0.0)
-                    dst = tl.where(seen, pt * (dpt - delta[None, :]), 0.0)
+                    if FULL_BLOCKS:
+                        if full:
+                            pt, dst = _bwd_p_ds(st, dpt, lse[None, :], delta[None, :],
+                                                j[:, None], pos[None, :], jm[:, None], scale,
+                                                MASKED=False)
+                        else:
+                            pt, dst = _bwd_p_ds(st, dpt, lse[None, :], delta[None, :],
+                                                j[:, None], pos[None, :], jm[:, None], scale,
+                                                MASKED=True)
+                    else:
+                        pt, dst = _bwd_p_ds(st, dpt, lse[None, :], delta[None, :], j[:, None],
+                                            pos[None, :], jm[:, None], scale, MASKED=True)
                     dv += _bwd_dot(pt.to(do.dtype), do, F32DOT)
                     dk += _bwd_dot(dst.to(q.dtype), q, F32DOT)
         gm = jm[:, None] & dm[None, :]
@@ -1237,6 +1272,10 @@ ATTN_BWD_DQ = (128, 32, 8, 3)
 ATTN_BWD_DKDV = (32, 128, 8, 2)
 ATTN_BWD_DQ_F32 = (32, 32, 4, 2)
 ATTN_BWD_DKDV_F32 = (32, 16, 4, 1)
+# The backward kernels' blocks whose queries all see all the keys (a causal pass's blocks below
+# the diagonal: most of them) skip the masks' compares and selects, the same numbers. False:
+# every block masked (determinism.py --attn-full-blocks off).
+ATTN_BWD_FULL_BLOCKS = True
 # A training pass's forward keeps each row's log-sum-exp (one fp32 store a row) for the dQ kernel,
 # which otherwise computes it again in a pass over the keys (a quarter of its products). False:
 # recomputed (determinism.py --attn-lse off).
@@ -1278,7 +1317,8 @@ def attention_backward_triton(q, k, v, o, q_pos, go, scale, dk=None, dv=None, ls
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), o.stride(0), o.stride(1), o.stride(2),
         go.stride(0), go.stride(1), go.stride(2),
-        BM=BM, BN=BN, BD=BD, F32DOT=f32, HAVE_LSE=have_lse, num_warps=warps, num_stages=stages)
+        BM=BM, BN=BN, BD=BD, F32DOT=f32, HAVE_LSE=have_lse, FULL_BLOCKS=ATTN_BWD_FULL_BLOCKS,
+        num_warps=warps, num_stages=stages)
     if dk is None:
         dk = torch.empty(B, KV, Lk, D, dtype=k.dtype, device=k.device)
     if dv is None:
@@ -1289,7 +1329,8 @@ def attention_backward_triton(q, k, v, o, q_pos, go, scale, dk=None, dv=None, ls
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), go.stride(0), go.stride(1), go.stride(2),
         dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
-        BM=BM, BN=BN, BD=BD, F32DOT=f32, num_warps=warps, num_stages=stages)
+        BM=BM, BN=BN, BD=BD, F32DOT=f32, FULL_BLOCKS=ATTN_BWD_FULL_BLOCKS, num_warps=warps,
+        num_stages=stages)
     return dq, dk, dv
 
 

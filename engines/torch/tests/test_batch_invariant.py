@@ -458,11 +458,12 @@ def test_the_triton_attention_backward_is_the_gradient_and_repeats(interpreted, 
     # from attention_torch: the interpreter's forward kernel reads bf16 operands of its products
     # as their bits; the backward kernels read them as fp32 there.) In fp32 with the forward's
     # log-sum-exp of each row (ATTN_LSE, kept by the forward kernel without changing its output)
-    # and with the dQ kernel's own alike.
+    # and with the dQ kernel's own alike. The blocks whose queries see all their keys without
+    # the masks' work (ATTN_BWD_FULL_BLOCKS), the same numbers as masked.
     for name in ("ATTN_BWD_DQ", "ATTN_BWD_DQ_F32"):
         monkeypatch.setattr(bi, name, (16, 16, 4, 1))
     for name in ("ATTN_BWD_DKDV", "ATTN_BWD_DKDV_F32"):
-        monkeypatch.setattr(bi, name, (16, 32, 4, 1))
+        monkeypatch.setattr(bi, name, (16, 16, 4, 1))  # whole blocks under the diagonal
 
     def no_sdpa(*a, **kw):
         raise AssertionError("the Triton attention's backward pass called SDPA")
@@ -484,7 +485,8 @@ def test_the_triton_attention_backward_is_the_gradient_and_repeats(interpreted, 
             for lse in ((True, False) if dtype == torch.float32 else (False,)):
                 monkeypatch.setattr(bi, "ATTN_LSE", lse)
                 runs = []
-                for _ in range(2):
+                for full in (True, True, False):
+                    monkeypatch.setattr(bi, "ATTN_BWD_FULL_BLOCKS", full)
                     if dtype == torch.float32:
                         xs = [t.clone().requires_grad_() for t in ins]
                         o = bi._Attention.apply(*xs, pos, 0.3, False, True)
@@ -493,8 +495,8 @@ def test_the_triton_attention_backward_is_the_gradient_and_repeats(interpreted, 
                         o = out.detach().nan_to_num(0.0).to(dtype)
                         runs.append(bi.attention_backward_triton(*ins, o, pos, go.to(dtype),
                                                                  0.3))
-                for a, b, w in zip(*runs, want):
-                    assert a.dtype == dtype and torch.equal(a, b)
+                for a, b, c, w in zip(*runs, want):
+                    assert a.dtype == dtype and torch.equal(a, b) and torch.equal(a, c)
                     assert (a.float() - w).abs().max() <= tol * max(1.0, w.abs().max().item())
                 assert not runs[0][0][1, 29:].any()
         # The forward's log-sum-exp: the output unchanged, each row's log Σ exp(q·k·0.3) over
