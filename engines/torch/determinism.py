@@ -5,7 +5,8 @@
         [--row-kernels on|off] [--attn-grouped on|off] [--attn-bm N]
         [--attn-bwd triton|sdpa] [--attn-bwd-dq Q,K,W,S] [--attn-bwd-dkdv Q,K,W,S]
         [--norm-bwd triton|torch] [--head-bwd triton|torch] [--fused-elementwise on|off]
-        [--attn-large BM,warps] [--micro-batch-tokens N] [--split-k S] [--profile]
+        [--attn-large BM,warps] [--micro-batch-tokens N] [--split-k S] [--layer-fn on|off]
+        [--attn-lse on|off] [--attn-full-blocks on|off] [--profile]
 
 On a random model (make-model: Qwen3-0.6B's shape, bf16 on a GPU; --small: the tiny Qwen3, for
 the CPU and the test that runs this), with no end-of-sequence token so every response has its
@@ -288,7 +289,8 @@ KNOBS = [("--tile", "tile", ""), ("--tile-large", "tile_large", ""),
          ("--norm-bwd", "norm_bwd", "triton"),
          ("--head-bwd", "head_bwd", "triton"), ("--fused-elementwise", "fused_elementwise", "on"),
          ("--attn-large", "attn_large", ""), ("--micro-batch-tokens", "micro_batch_tokens", 0),
-         ("--split-k", "split_k", 1)]
+         ("--split-k", "split_k", 1), ("--layer-fn", "layer_fn", "on"),
+         ("--attn-lse", "attn_lse", "on"), ("--attn-full-blocks", "attn_full_blocks", "on")]
 
 
 def main(argv=None) -> int:
@@ -356,10 +358,23 @@ def main(argv=None) -> int:
                    "whether the identities hold")
     p.add_argument("--micro-batch-tokens", type=int, default=0,
                    help="the deterministic mode's training micro-batches in padded tokens "
-                   "(default 4,096)")
+                   "(default: the largest of 16,384..4,096 whose whole logits and activations "
+                   "fit half the free memory; 4096 the first version's)")
     p.add_argument("--split-k", type=int, default=1,
                    help="an experiment: the deterministic products of K >= 2,048 split along K "
                    "into S parts added in order (every pass alike; default 1, unsplit)")
+    p.add_argument("--layer-fn", default="on", choices=["on", "off"],
+                   help="the deterministic training layer as one autograd node with its backward "
+                   "pass written out (on, the default; the same forward numbers) or a node an "
+                   "operation (off, the first version)")
+    p.add_argument("--attn-lse", default="on", choices=["on", "off"],
+                   help="a training pass's attention forward keeps each row's log-sum-exp for the "
+                   "backward pass's dQ kernel (on, the default; the same output) or the dQ "
+                   "kernel computes it again in a pass over the keys (off, the first version)")
+    p.add_argument("--attn-full-blocks", default="on", choices=["on", "off"],
+                   help="the attention backward kernels' blocks whose queries see all their keys "
+                   "without the masks' work (on, the default; the same numbers) or every block "
+                   "masked (off, the first version)")
     a = p.parse_args(argv)
     from slimen_torch import batch_invariant
     if a.tile:
@@ -388,6 +403,9 @@ def main(argv=None) -> int:
     batch_invariant.RMS_BWD_TRITON = a.norm_bwd == "triton"
     batch_invariant.HEAD_BWD_TRITON = a.head_bwd == "triton"
     batch_invariant.FUSED_ELEMENTWISE = a.fused_elementwise == "on"
+    batch_invariant.LAYER_FN = a.layer_fn == "on"
+    batch_invariant.ATTN_LSE = a.attn_lse == "on"
+    batch_invariant.ATTN_BWD_FULL_BLOCKS = a.attn_full_blocks == "on"
     if a.split_k < 1:
         p.error(f"--split-k {a.split_k}: give a count ≥ 1")
     batch_invariant.SPLIT_K = a.split_k

@@ -175,12 +175,16 @@ if HAVE_TRITON:
 
 if HAVE_TRITON:
     @triton.jit
-    def _rms_bwd_kernel(X, W, G, GX, GW, M, N, sx, sg, sgx, eps, ROWS, BLOCK: tl.constexpr):
+    def _rms_bwd_kernel(X, W, G, GX, GW, RES, M, N, sx, sg, sgx, sgh, HR, sres, eps, ROWS,
+                        BLOCK: tl.constexpr, HAS_RES: tl.constexpr):
         # The gradient of model.rms_norm (y = w·z, z = (x·r) rounded to x's dtype,
         # r = 1/√(mean x² + eps)) for ROWS rows: gx = r·(gz − x̂·mean(gz·x̂)) with gz = g·w and
         # x̂ = x·r in fp32 (the cast passes the gradient through), and the rows' part of gw =
         # Σ g·z in fp32, summed in row order into this program's row of GW (the caller adds
-        # the programs' rows: no atomics, the same order every call).
+        # the programs' rows: no atomics, the same order every call). HAS_RES: gx plus the
+        # row of RES (a residual's gradient), the two rounded and added as autograd adds them.
+        # Row r's gx goes to GX + (r // HR)·sgx + (r % HR)·sgh: HR heads a row of GX (a layer's
+        # q or k heads, written into their place in the q/k/v gradient).
         pid = tl.program_id(0)
         i = tl.arange(0, BLOCK)
         im = i < N
@@ -197,8 +201,11 @@ if HAVE_TRITON:
                 gw += g * xh.to(xr.dtype).to(tl.float32)
                 gz = g * w
                 c = tl.sum(gz * xh, axis=0) / N
-                tl.store(GX + row * sgx + i, (r * (gz - xh * c)).to(GX.dtype.element_ty),
-                         mask=im)
+                gx = (r * (gz - xh * c)).to(GX.dtype.element_ty)
+                if HAS_RES:
+                    res = tl.load(RES + row * sres + i, mask=im, other=0.0).to(tl.float32)
+                    gx = (gx.to(tl.float32) + res).to(GX.dtype.element_ty)
+                tl.store(GX + (row // HR) * sgx + (row % HR) * sgh + i, gx, mask=im)
         tl.store(GW + pid.to(tl.int64) * N + i, gw, mask=im)
 
 
@@ -213,20 +220,34 @@ RMS_BWD_MAX = 16384
 
 
 def rms_norm_backward_triton(x: torch.Tensor, weight: torch.Tensor, g: torch.Tensor,
-                             eps: float):
+                             eps: float, res: torch.Tensor | None = None,
+                             out: torch.Tensor | None = None):
     """(gx, gw): the gradients of rms_norm(x, weight, eps) for its output's gradient g, in
-    _rms_bwd_kernel; repeatable bit for bit (gw: the programs' partial sums added by one sum)."""
+    _rms_bwd_kernel; repeatable bit for bit (gw: the programs' partial sums added by one sum).
+    res: a gradient of x's shape added to gx (another use of x: a residual), rounded as
+    autograd's sum; out: gx written there ([..., heads, N] of x's shape, rows of heads
+    contiguous along N, the leading dimensions one stride: a view into a wider gradient) and
+    returned."""
     x2, g2 = _rows(x), _rows(g)
     M, N = x2.shape
-    gx = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    if out is None:
+        gx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        o3 = gx.view(M, 1, N)
+    else:
+        gx = out
+        o3 = out.view(-1, out.shape[-2], N)
+    r2 = _rows(res) if res is not None else x2
     rows = min(RMS_BWD_ROWS, max(1, M // RMS_BWD_PROGRAMS))
     P = max(1, triton.cdiv(M, rows))
-    part = torch.zeros(P, N, dtype=torch.float32, device=x.device)
+    # Every program writes its row of part whatever its rows: zeros only with no launch.
+    part = (torch.empty if M else torch.zeros)(P, N, dtype=torch.float32, device=x.device)
     if M:
-        _rms_bwd_kernel[(P,)](x2, weight.contiguous(), g2, gx, part, M, N, x2.stride(0),
-                              g2.stride(0), gx.stride(0), float(eps), rows,
-                              BLOCK=max(16, triton.next_power_of_2(N)), num_warps=4)
-    return gx.view(x.shape), part.sum(0).to(weight.dtype)
+        _rms_bwd_kernel[(P,)](x2, weight.contiguous(), g2, o3, part, r2, M, N, x2.stride(0),
+                              g2.stride(0), o3.stride(0), o3.stride(1), o3.shape[1],
+                              r2.stride(0), float(eps), rows,
+                              BLOCK=max(16, triton.next_power_of_2(N)), HAS_RES=res is not None,
+                              num_warps=4)
+    return gx, part.sum(0).to(weight.dtype)
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -367,8 +388,10 @@ if HAVE_TRITON:
                 acc += tl.dot(a, b, input_precision="ieee")
             else:
                 acc += tl.dot(a, b)
-        tl.store(Y + rm[:, None] * sym + rn[None, :] * syn, acc.to(Y.dtype.element_ty),
-                 mask=(rm[:, None] < M) & (rn[None, :] < N))
+        # The output's offsets in 64 bits: the logits of a 16,384-token micro-batch are past
+        # 2³¹ entries (the operands' are far from it).
+        tl.store(Y + rm[:, None].to(tl.int64) * sym + rn[None, :] * syn,
+                 acc.to(Y.dtype.element_ty), mask=(rm[:, None] < M) & (rn[None, :] < N))
 
 # The one tile shape of every product (BM, BN, BK, warps, stages).
 TILE = (64, 64, 64, 4, 3)
@@ -411,7 +434,7 @@ if HAVE_TRITON:
             else:
                 acc += tl.dot(a, b)
         out = P + ps.to(tl.int64) * M * N
-        tl.store(out + rm[:, None] * N + rn[None, :], acc,
+        tl.store(out + rm[:, None].to(tl.int64) * N + rn[None, :], acc,
                  mask=(rm[:, None] < M) & (rn[None, :] < N))
 
     @triton.jit
@@ -470,6 +493,25 @@ def matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return y.view(*x.shape[:-1], w.shape[0])
 
 
+def _linear_forward(x, w, b):
+    y = _MATMUL(x, w)
+    return y if b is None else y + b
+
+
+def _linear_backward(x, w, gy, need_x: bool, need_w: bool, need_b: bool):
+    """(gx, gw, gb) of _linear_forward for its output's gradient gy, in PyTorch products (None
+    where not needed)."""
+    gx = gw = gb = None
+    if need_x:
+        gx = (gy @ w.to(gy.dtype)).to(x.dtype)
+    g2 = gy.reshape(-1, gy.shape[-1])
+    if need_w:
+        gw = (g2.t() @ x.reshape(-1, x.shape[-1]).to(g2.dtype)).to(w.dtype)
+    if need_b:
+        gb = g2.float().sum(0).to(gy.dtype)
+    return gx, gw, gb
+
+
 class _Linear(torch.autograd.Function):
     """y = x·wᵀ (+ b) by the invariant `matmul`; the backward pass in plain PyTorch products."""
 
@@ -477,21 +519,13 @@ class _Linear(torch.autograd.Function):
     def forward(ctx, x, w, b):
         ctx.save_for_backward(x, w)
         ctx.has_bias = b is not None
-        y = _MATMUL(x, w)
-        return y if b is None else y + b
+        return _linear_forward(x, w, b)
 
     @staticmethod
     def backward(ctx, gy):
         x, w = ctx.saved_tensors
-        gx = gw = gb = None
-        if ctx.needs_input_grad[0]:
-            gx = (gy @ w.to(gy.dtype)).to(x.dtype)
-        g2 = gy.reshape(-1, gy.shape[-1])
-        if ctx.needs_input_grad[1]:
-            gw = (g2.t() @ x.reshape(-1, x.shape[-1]).to(g2.dtype)).to(w.dtype)
-        if ctx.has_bias and ctx.needs_input_grad[2]:
-            gb = g2.float().sum(0).to(gy.dtype)
-        return gx, gw, gb
+        n = ctx.needs_input_grad
+        return _linear_backward(x, w, gy, n[0], n[1], ctx.has_bias and n[2])
 
 
 def _matmul_entry(x, w):
@@ -638,15 +672,19 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, apply_rope) -> t
     return apply_rope(x, cos.to(x.dtype), sin.to(x.dtype))
 
 
+def _add_launch(x, y):
+    x1, y1 = x.contiguous().view(-1), y.contiguous().view(-1)
+    o = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    n = x1.numel()
+    if n:
+        _add_kernel[(triton.cdiv(n, 1024),)](x1, y1, o, n, BLOCK=1024, num_warps=4)
+    return o
+
+
 class _Add(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, y):
-        x1, y1 = x.contiguous().view(-1), y.contiguous().view(-1)
-        o = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-        n = x1.numel()
-        if n:
-            _add_kernel[(triton.cdiv(n, 1024),)](x1, y1, o, n, BLOCK=1024, num_warps=4)
-        return o
+        return _add_launch(x, y)
 
     @staticmethod
     def backward(ctx, g):
@@ -687,20 +725,28 @@ class _SwiGLU(torch.autograd.Function):
     @staticmethod
     def forward(ctx, gu):
         ctx.save_for_backward(gu)
-        gate, up = gu.chunk(2, dim=-1)
-        return F.silu(gate) * up
+        return _swiglu_forward(gu)
 
     @staticmethod
     def backward(ctx, ga):
         gu, = ctx.saved_tensors
-        gu2, ga2 = _rows(gu), _rows(ga)
-        I = ga2.shape[1]
-        gg = torch.empty(gu2.shape, dtype=gu.dtype, device=gu.device)
-        if gu2.shape[0]:
-            _swiglu_bwd_kernel[(gu2.shape[0], triton.cdiv(I, 1024))](
-                gu2, ga2, gg, I, gu2.stride(0), ga2.stride(0), gg.stride(0), BLOCK=1024,
-                num_warps=4)
-        return gg.view(gu.shape)
+        return _swiglu_backward(gu, ga)
+
+
+def _swiglu_forward(gu):
+    gate, up = gu.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def _swiglu_backward(gu, ga):
+    gu2, ga2 = _rows(gu), _rows(ga)
+    I = ga2.shape[1]
+    gg = torch.empty(gu2.shape, dtype=gu.dtype, device=gu.device)
+    if gu2.shape[0]:
+        _swiglu_bwd_kernel[(gu2.shape[0], triton.cdiv(I, 1024))](
+            gu2, ga2, gg, I, gu2.stride(0), ga2.stride(0), gg.stride(0), BLOCK=1024,
+            num_warps=4)
+    return gg.view(gu.shape)
 
 
 def swiglu(gu: torch.Tensor):
@@ -937,10 +983,10 @@ def attention_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: to
 
 if HAVE_TRITON:
     @triton.jit(do_not_specialize=["Tq", "Lk"])
-    def _attention_kernel(Q, K, V, O, P, Tq, H, G, Lk, D, scale,
+    def _attention_kernel(Q, K, V, O, P, LSE, Tq, H, G, Lk, D, scale,
                           sqb, sqt, sqh, skb, skh, skl, svb, svh, svl, sob, sot, soh,
                           BM: tl.constexpr, S: tl.constexpr, BD: tl.constexpr,
-                          IEEE: tl.constexpr, HG: tl.constexpr):
+                          IEEE: tl.constexpr, HG: tl.constexpr, STORE_LSE: tl.constexpr):
         # BM rows of one sequence over their keys in chunks of S positions from position 0,
         # combined in order by the online softmax in fp32. A row is a (query, head) pair: the HG
         # heads of program_id(1)'s group (HG = G: the query heads sharing one key head, whose
@@ -997,6 +1043,11 @@ if HAVE_TRITON:
         out = acc / tl.where(l == 0.0, 1.0, l)[:, None]
         tl.store(O + b * sob + t[:, None] * sot + h[:, None] * soh + d[None, :],
                  out.to(O.dtype.element_ty), mask=tm[:, None] & dm[None, :])
+        if STORE_LSE:
+            # A training pass: each row's log-sum-exp of its scaled scores for the backward
+            # pass ([B, Tq, H]; 0 for a row that saw no key), the output unchanged.
+            lse = tl.where(l > 0.0, m + tl.log(tl.where(l > 0.0, l, 1.0)), 0.0)
+            tl.store(LSE + (b * Tq + t) * H + h, lse, mask=tm)
 
 # Rows a program of the Triton attention takes: the same block shape for a decode step (one
 # query) and a training pass (every position), so a row's products are alike in both.
@@ -1013,8 +1064,10 @@ ATTN_LARGE: tuple | None = None
 ATTN_LARGE_Q = 64
 
 
-def attention_triton(q, k, v, q_pos, scale):
-    """`attention` in _attention_kernel (one program per ATTN_BM queries and head)."""
+def attention_triton(q, k, v, q_pos, scale, lse=None):
+    """`attention` in _attention_kernel (one program per ATTN_BM queries and head). lse: an
+    fp32 [B, Tq, H] tensor that takes each row's log-sum-exp (a training pass's, for
+    attention_backward_triton); the output is the same with it or without."""
     B, Tq, H, D = q.shape
     KV, Lk = k.shape[1], k.shape[2]
     if k.stride(-1) != 1 or v.stride(-1) != 1:
@@ -1027,11 +1080,11 @@ def attention_triton(q, k, v, q_pos, scale):
     BM, warps = (ATTN_BM, 4) if ATTN_LARGE is None or Tq < ATTN_LARGE_Q else ATTN_LARGE
     HG = G if ATTN_GROUPED and G <= BM else 1
     _attention_kernel[(B * triton.cdiv(Tq * HG, BM), H // HG)](
-        q, k, v, o, pos, Tq, H, G, Lk, D, scale,
+        q, k, v, o, pos, o if lse is None else lse, Tq, H, G, Lk, D, scale,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), o.stride(0), o.stride(1), o.stride(2),
         BM=BM, S=KV_SPLIT, BD=max(16, triton.next_power_of_2(D)),
-        IEEE=q.dtype == torch.float32, HG=HG, num_warps=warps)
+        IEEE=q.dtype == torch.float32, HG=HG, STORE_LSE=lse is not None, num_warps=warps)
     return o
 
 
@@ -1055,15 +1108,32 @@ if HAVE_TRITON:
             out = tl.dot(a, b)
         return out
 
+    @triton.jit
+    def _bwd_p_ds(s, dp, lse, delta, jj, pp, jmm, scale, MASKED: tl.constexpr):
+        # P = exp(s·scale − lse) and dS = P·(dP − delta) of a block of scores s (lse and delta
+        # broadcast to s's shape), zero where the query does not see the key (jj > pp, or jmm
+        # false); MASKED False: a block whose queries see all its keys, the same numbers
+        # without the masks' work.
+        if MASKED:
+            seen = (jj <= pp) & jmm
+            p = tl.where(seen, tl.exp(s * scale - lse), 0.0)
+            ds = tl.where(seen, p * (dp - delta), 0.0)
+        else:
+            p = tl.exp(s * scale - lse)
+            ds = p * (dp - delta)
+        return p, ds
+
     @triton.jit(do_not_specialize=["Tq", "Lk"])
     def _attention_bwd_dq_kernel(Q, K, V, O, DO, P, DQ, LSE, DELTA, Tq, H, G, Lk, D, scale,
                                  sqb, sqt, sqh, skb, skh, skl, svb, svh, svl,
                                  sob, sot, soh, sdb, sdt, sdh,
                                  BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr,
-                                 F32DOT: tl.constexpr):
+                                 F32DOT: tl.constexpr, HAVE_LSE: tl.constexpr,
+                                 FULL_BLOCKS: tl.constexpr):
         # BM queries of one head: first their log-sum-exp over the keys they see (online, in
-        # fp32) and delta = Σ dO·O, both kept for the dK/dV kernel; then
-        # dQ = scale · Σ_j P·(dP − delta)·k_j over the same keys, with dP = dO·vᵀ.
+        # fp32; HAVE_LSE: the forward's, read from LSE) and delta = Σ dO·O, both kept for the
+        # dK/dV kernel; then dQ = scale · Σ_j P·(dP − delta)·k_j over the same keys, with
+        # dP = dO·vᵀ.
         pid, h = tl.program_id(0), tl.program_id(1)
         nblk = tl.cdiv(Tq, BM)
         b, t0 = pid // nblk, (pid % nblk) * BM
@@ -1080,24 +1150,29 @@ if HAVE_TRITON:
         delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), axis=1)
         pmax = tl.max(pos, axis=0)
         end = tl.minimum(pmax + 1, Lk)
-        m = tl.full((BM,), float("-inf"), tl.float32)
-        l = tl.zeros((BM,), tl.float32)
-        for c0 in range(0, end, BN):
-            j = c0 + tl.arange(0, BN)
-            jm = (j < Lk) & (j <= pmax)
-            k = tl.load(K + b * skb + kvh * skh + j[None, :] * skl + d[:, None],
-                        mask=jm[None, :] & dm[:, None], other=0.0)  # [BD, BN]
-            s = _bwd_dot(q, k, F32DOT)
-            seen = (j[None, :] <= pos[:, None]) & jm[None, :]
-            s = tl.where(seen, s * scale, float("-inf"))
-            m_new = tl.maximum(m, tl.max(s, axis=1))
-            m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-            l = l * tl.exp(m - m_ref) + tl.sum(tl.where(seen, tl.exp(s - m_ref[:, None]), 0.0),
-                                               axis=1)
-            m = m_new
-        # A query that sees no key (a padding row) has output 0 and no gradient: its P is 0.
-        lse = tl.where(l > 0.0, m + tl.log(tl.where(l > 0.0, l, 1.0)), 0.0)
+        r = (b * Tq + t) * H + h
+        if HAVE_LSE:
+            lse = tl.load(LSE + r, mask=tm, other=0.0)
+        else:
+            m = tl.full((BM,), float("-inf"), tl.float32)
+            l = tl.zeros((BM,), tl.float32)
+            for c0 in range(0, end, BN):
+                j = c0 + tl.arange(0, BN)
+                jm = (j < Lk) & (j <= pmax)
+                k = tl.load(K + b * skb + kvh * skh + j[None, :] * skl + d[:, None],
+                            mask=jm[None, :] & dm[:, None], other=0.0)  # [BD, BN]
+                s = _bwd_dot(q, k, F32DOT)
+                seen = (j[None, :] <= pos[:, None]) & jm[None, :]
+                s = tl.where(seen, s * scale, float("-inf"))
+                m_new = tl.maximum(m, tl.max(s, axis=1))
+                m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+                l = l * tl.exp(m - m_ref) + tl.sum(
+                    tl.where(seen, tl.exp(s - m_ref[:, None]), 0.0), axis=1)
+                m = m_new
+            # A query that sees no key (a padding row) has output 0 and no gradient: P is 0.
+            lse = tl.where(l > 0.0, m + tl.log(tl.where(l > 0.0, l, 1.0)), 0.0)
         dq = tl.zeros((BM, BD), tl.float32)
+        pmin = tl.min(pos, axis=0)
         for c0 in range(0, end, BN):
             j = c0 + tl.arange(0, BN)
             jm = (j < Lk) & (j <= pmax)
@@ -1105,24 +1180,31 @@ if HAVE_TRITON:
                         mask=jm[None, :] & dm[:, None], other=0.0)  # [BD, BN]
             vt = tl.load(V + b * svb + kvh * svh + j[None, :] * svl + d[:, None],
                          mask=jm[None, :] & dm[:, None], other=0.0)  # [BD, BN]
-            seen = (j[None, :] <= pos[:, None]) & jm[None, :]
             s = _bwd_dot(q, k, F32DOT)
             dp = _bwd_dot(do, vt, F32DOT)
-            p = tl.where(seen, tl.exp(s * scale - lse[:, None]), 0.0)
-            ds = tl.where(seen, p * (dp - delta[:, None]), 0.0)
+            if FULL_BLOCKS:
+                if (c0 + BN - 1 <= pmin) & (c0 + BN <= Lk):  # every query sees every key
+                    p, ds = _bwd_p_ds(s, dp, lse[:, None], delta[:, None], j[None, :],
+                                      pos[:, None], jm[None, :], scale, MASKED=False)
+                else:
+                    p, ds = _bwd_p_ds(s, dp, lse[:, None], delta[:, None], j[None, :],
+                                      pos[:, None], jm[None, :], scale, MASKED=True)
+            else:
+                p, ds = _bwd_p_ds(s, dp, lse[:, None], delta[:, None], j[None, :],
+                                  pos[:, None], jm[None, :], scale, MASKED=True)
             dq += _bwd_dot(ds.to(k.dtype), tl.trans(k), F32DOT)
         tl.store(DQ + b * sqb + t[:, None] * sqt + h * sqh + d[None, :],
                  (dq * scale).to(DQ.dtype.element_ty), mask=qm)
-        r = (b * Tq + t) * H + h
-        tl.store(LSE + r, lse, mask=tm)
+        if not HAVE_LSE:
+            tl.store(LSE + r, lse, mask=tm)
         tl.store(DELTA + r, delta, mask=tm)
 
     @triton.jit(do_not_specialize=["Tq", "Lk"])
     def _attention_bwd_dkdv_kernel(Q, K, V, DO, P, LSE, DELTA, DK, DV, Tq, H, G, Lk, D, scale,
                                    sqb, sqt, sqh, skb, skh, skl, svb, svh, svl, sdb, sdt, sdh,
-                                   sgb, sgh, sgl,
+                                   sgb, sgh, sgl, sub, suh, sul,
                                    BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr,
-                                   F32DOT: tl.constexpr):
+                                   F32DOT: tl.constexpr, FULL_BLOCKS: tl.constexpr):
         # BN keys of one key head: dV = Σ Pᵀ·dO and dK = scale · Σ (P·(dP − delta))ᵀ·q over the
         # queries of the G heads sharing it, block by block in order (blocks whose queries all
         # come before the keys skipped: they see none of them).
@@ -1143,7 +1225,8 @@ if HAVE_TRITON:
             tm = t < Tq
             pos = tl.load(P + b * Tq + t, mask=tm, other=-1)
             if tl.max(pos, axis=0) >= j0:
-                seen = (j[:, None] <= pos[None, :]) & jm[:, None]  # [BN, BM]
+                # Every query of the block sees every key of this program's: no masks.
+                full = (tl.min(pos, axis=0) >= j0 + BN - 1) & (j0 + BN <= Lk)
                 qm = tm[:, None] & dm[None, :]
                 for hi in range(0, G):
                     h = kvh * G + hi
@@ -1156,14 +1239,25 @@ if HAVE_TRITON:
                     delta = tl.load(DELTA + r, mask=tm, other=0.0)
                     st = _bwd_dot(k, tl.trans(q), F32DOT)
                     dpt = _bwd_dot(v, tl.trans(do), F32DOT)
-                    pt = tl.where(seen, tl.exp(st * scale - lse[None, :]), 0.0)
-                    dst = tl.where(seen, pt * (dpt - delta[None, :]), 0.0)
+                    if FULL_BLOCKS:
+                        if full:
+                            pt, dst = _bwd_p_ds(st, dpt, lse[None, :], delta[None, :],
+                                                j[:, None], pos[None, :], jm[:, None], scale,
+                                                MASKED=False)
+                        else:
+                            pt, dst = _bwd_p_ds(st, dpt, lse[None, :], delta[None, :],
+                                                j[:, None], pos[None, :], jm[:, None], scale,
+                                                MASKED=True)
+                    else:
+                        pt, dst = _bwd_p_ds(st, dpt, lse[None, :], delta[None, :], j[:, None],
+                                            pos[None, :], jm[:, None], scale, MASKED=True)
                     dv += _bwd_dot(pt.to(do.dtype), do, F32DOT)
                     dk += _bwd_dot(dst.to(q.dtype), q, F32DOT)
         gm = jm[:, None] & dm[None, :]
         g = b * sgb + kvh * sgh + j[:, None] * sgl + d[None, :]
         tl.store(DK + g, (dk * scale).to(DK.dtype.element_ty), mask=gm)
-        tl.store(DV + g, dv.to(DV.dtype.element_ty), mask=gm)
+        u = b * sub + kvh * suh + j[:, None] * sul + d[None, :]
+        tl.store(DV + u, dv.to(DV.dtype.element_ty), mask=gm)
 
 # The attention's backward pass: "triton" (the kernels above) or "sdpa" (PyTorch's attention
 # recomputed under its strict deterministic mode; determinism.py --attn-bwd sdpa). The kernels'
@@ -1178,12 +1272,31 @@ ATTN_BWD_DQ = (128, 32, 8, 3)
 ATTN_BWD_DKDV = (32, 128, 8, 2)
 ATTN_BWD_DQ_F32 = (32, 32, 4, 2)
 ATTN_BWD_DKDV_F32 = (32, 16, 4, 1)
+# The backward kernels' blocks whose queries all see all the keys (a causal pass's blocks below
+# the diagonal: most of them) skip the masks' compares and selects, the same numbers. False:
+# every block masked (determinism.py --attn-full-blocks off).
+ATTN_BWD_FULL_BLOCKS = True
+# A training pass's forward keeps each row's log-sum-exp (one fp32 store a row) for the dQ kernel,
+# which otherwise computes it again in a pass over the keys (a quarter of its products). False:
+# recomputed (determinism.py --attn-lse off).
+ATTN_LSE = True
 
 
-def attention_backward_triton(q, k, v, o, q_pos, go, scale):
+def _attention_lse(q) -> torch.Tensor | None:
+    """The log-sum-exp buffer of a training pass's forward (ATTN_LSE with the Triton backward),
+    or None."""
+    if not (ATTN_LSE and ATTN_BWD == "triton"):
+        return None
+    B, Tq, H, _ = q.shape
+    return torch.empty(B, Tq, H, dtype=torch.float32, device=q.device)
+
+
+def attention_backward_triton(q, k, v, o, q_pos, go, scale, dk=None, dv=None, lse=None):
     """The gradients (dq, dk, dv) of attention_triton's output o for its output's gradient go,
     in the two kernels above (q [B, Tq, H, D], k and v [B, KV, Lk, D]). Repeatable bit for bit:
-    no atomics, each sum in one program's fixed order."""
+    no atomics, each sum in one program's fixed order. dk, dv: where to write those (views of
+    k's shape, contiguous along D; else new tensors). lse: the forward's log-sum-exp of each
+    row (attention_triton's; else the dQ kernel computes it in a pass over the keys)."""
     B, Tq, H, D = q.shape
     KV, Lk = k.shape[1], k.shape[2]
     # dq takes q's strides; k and v are read through theirs (the training pass's are views).
@@ -1194,7 +1307,9 @@ def attention_backward_triton(q, k, v, o, q_pos, go, scale):
     BD = max(16, triton.next_power_of_2(D))
     f32 = q.dtype == torch.float32 or INTERPRET
     dq = torch.empty_like(q)
-    lse = torch.empty(B, Tq, H, dtype=torch.float32, device=q.device)
+    have_lse = lse is not None
+    if not have_lse:
+        lse = torch.empty(B, Tq, H, dtype=torch.float32, device=q.device)
     delta = torch.empty_like(lse)
     BM, BN, warps, stages = ATTN_BWD_DQ_F32 if q.dtype == torch.float32 else ATTN_BWD_DQ
     _attention_bwd_dq_kernel[(B * triton.cdiv(Tq, BM), H)](
@@ -1202,16 +1317,20 @@ def attention_backward_triton(q, k, v, o, q_pos, go, scale):
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), o.stride(0), o.stride(1), o.stride(2),
         go.stride(0), go.stride(1), go.stride(2),
-        BM=BM, BN=BN, BD=BD, F32DOT=f32, num_warps=warps, num_stages=stages)
-    dk = torch.empty(B, KV, Lk, D, dtype=k.dtype, device=k.device)
-    dv = torch.empty(B, KV, Lk, D, dtype=v.dtype, device=v.device)
+        BM=BM, BN=BN, BD=BD, F32DOT=f32, HAVE_LSE=have_lse, FULL_BLOCKS=ATTN_BWD_FULL_BLOCKS,
+        num_warps=warps, num_stages=stages)
+    if dk is None:
+        dk = torch.empty(B, KV, Lk, D, dtype=k.dtype, device=k.device)
+    if dv is None:
+        dv = torch.empty(B, KV, Lk, D, dtype=v.dtype, device=v.device)
     BM, BN, warps, stages = ATTN_BWD_DKDV_F32 if q.dtype == torch.float32 else ATTN_BWD_DKDV
     _attention_bwd_dkdv_kernel[(B * triton.cdiv(Lk, BN), KV)](
         q, k, v, go, pos, lse, delta, dk, dv, Tq, H, H // KV, Lk, D, scale,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), go.stride(0), go.stride(1), go.stride(2),
-        dk.stride(0), dk.stride(1), dk.stride(2),
-        BM=BM, BN=BN, BD=BD, F32DOT=f32, num_warps=warps, num_stages=stages)
+        dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
+        BM=BM, BN=BN, BD=BD, F32DOT=f32, FULL_BLOCKS=ATTN_BWD_FULL_BLOCKS, num_warps=warps,
+        num_stages=stages)
     return dq, dk, dv
 
 
@@ -1240,18 +1359,19 @@ class _Attention(torch.autograd.Function):
     a mask."""
 
     @staticmethod
-    def forward(ctx, q, k, v, q_pos, scale, causal):
-        o = attention_triton(q, k, v, q_pos, scale)
-        ctx.save_for_backward(q, k, v, q_pos, o)
+    def forward(ctx, q, k, v, q_pos, scale, causal, grad):
+        lse = _attention_lse(q) if grad else None
+        o = attention_triton(q, k, v, q_pos, scale, lse=lse)
+        ctx.save_for_backward(q, k, v, q_pos, o, lse)
         ctx.scale, ctx.causal = scale, causal
         return o
 
     @staticmethod
     def backward(ctx, go):
-        q, k, v, q_pos, o = ctx.saved_tensors
+        q, k, v, q_pos, o, lse = ctx.saved_tensors
         if ATTN_BWD == "triton":
-            gq, gk, gv = attention_backward_triton(q, k, v, o, q_pos, go, ctx.scale)
-            return gq, gk, gv, None, None, None
+            gq, gk, gv = attention_backward_triton(q, k, v, o, q_pos, go, ctx.scale, lse=lse)
+            return gq, gk, gv, None, None, None, None
         with torch.enable_grad(), _strict_determinism():
             q_, k_, v_ = (t.detach().requires_grad_() for t in (q, k, v))
             Lk = k.shape[2]
@@ -1264,7 +1384,7 @@ class _Attention(torch.autograd.Function):
                 q_.transpose(1, 2), k_, v_, attn_mask=mask, is_causal=mask is None,
                 scale=ctx.scale, enable_gqa=q.shape[2] != k.shape[1]).transpose(1, 2)
             gq, gk, gv = torch.autograd.grad(o, (q_, k_, v_), go)
-        return gq, gk, gv, None, None, None
+        return gq, gk, gv, None, None, None, None
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,
@@ -1276,5 +1396,125 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Te
     cache's length and whatever it holds beyond change nothing. causal: the caller says q_pos
     is 0..Lk-1 in every row (a training pass; the gradient then takes the causal kernel)."""
     if use_triton(q):
-        return _Attention.apply(q, k, v, q_pos, scale, causal)
+        grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad
+                                            or v.requires_grad)
+        return _Attention.apply(q, k, v, q_pos, scale, causal, grad)
     return attention_torch(q, k, v, q_pos, scale)
+
+
+# ---- a training layer in one autograd node ----
+#
+# model.block_forward's deterministic layer builds about twenty autograd nodes (the norms,
+# products, rope, attention, residual adds and the views between them): each a Python Function's
+# bookkeeping in the forward and a call of the autograd engine in the backward, and the backward
+# launches kernels of its own for the residual gradients' sums and the q/k/v gradient's
+# concatenation. _Layer runs the same forward (the same kernels on the same inputs, so the same
+# numbers) as one node, with its backward pass written out: the residual gradients added inside
+# the RMSNorm backward kernels, and the q and k norms' and the attention's dV gradients written
+# in place into the q/k/v product's gradient. False: a node an operation (determinism.py
+# --layer-fn off).
+LAYER_FN = True
+
+
+def layer(cfg, x: torch.Tensor, w: tuple, cos: torch.Tensor, sin: torch.Tensor):
+    """model.block_forward's deterministic layer (x [B, T, hidden] → (x, k, v), k and v
+    [B, kv_heads, T, D]) as one _Layer node where it applies: a pass with gradients through the
+    GPU's kernels and their backward passes (use_triton, ROW_KERNELS, RMS_BWD_TRITON,
+    FUSED_ELEMENTWISE, ATTN_BWD "triton"), 16-bit activations (the rope kernel's), rope tables
+    [T, D] and plain weight tensors (no adapters); None elsewhere (the caller's operations)."""
+    if not (LAYER_FN and torch.is_grad_enabled() and use_triton(x) and ROW_KERNELS
+            and RMS_BWD_TRITON and FUSED_ELEMENTWISE and ATTN_BWD == "triton"):
+        return None
+    if (x.dim() != 3 or x.dtype not in (torch.bfloat16, torch.float16)
+            or max(cfg.hidden, cfg.head_dim) > RMS_BWD_MAX or cfg.head_dim % 2
+            or cos.shape != sin.shape or cos.stride() != sin.stride()
+            or tuple(cos.shape) != (x.shape[1], cfg.head_dim) or cos.stride(-1) != 1):
+        return None
+    if any(t is not None and not isinstance(t, torch.Tensor) for t in w):
+        return None  # a lora.LoRAWeight
+    if not (x.requires_grad or any(t is not None and t.requires_grad for t in w)):
+        return None
+    return _Layer.apply(x, cos, sin, cfg, *w)
+
+
+class _Layer(torch.autograd.Function):
+    """The deterministic training layer (layer) in one autograd node."""
+
+    @staticmethod
+    def forward(ctx, x, cos, sin, cfg, *w):
+        # model.block_forward's operations, in its order, through the kernels its Functions run.
+        attn_norm, wqkv, bqkv, q_norm, k_norm, wo, bo, mlp_norm, w13, w2 = w
+        B, T, _ = x.shape
+        D, eps = cfg.head_dim, cfg.rms_eps
+        h = rms_norm_triton(x, attn_norm, eps)
+        qkv = _linear_forward(h, wqkv, bqkv)
+        q, k, v = _split_qkv(cfg, qkv)
+        if cfg.qk_norm:
+            q, k = rms_norm_triton(q, q_norm, eps), rms_norm_triton(k, k_norm, eps)
+        qr, kr = _rope_launch(q, cos, sin, 1), _rope_launch(k, cos, sin, 1)
+        kt, vt = kr.transpose(1, 2), v.transpose(1, 2)
+        pos = torch.arange(T, device=x.device).expand(B, T)
+        lse = _attention_lse(qr)
+        o = attention_triton(qr, kt, vt, pos, D ** -0.5, lse=lse).flatten(2)
+        x1 = _add_launch(x, _linear_forward(o, wo, bo))
+        h2 = rms_norm_triton(x1, mlp_norm, eps)
+        gu = _linear_forward(h2, w13, None)
+        a = _swiglu_forward(gu)
+        x2 = _add_launch(x1, _linear_forward(a, w2, None))
+        ctx.save_for_backward(x, h, qkv, qr, kr, o, x1, h2, gu, a, cos, sin, pos, lse, *w)
+        ctx.cfg = cfg
+        ctx.set_materialize_grads(False)
+        return x2, kt, vt
+
+    @staticmethod
+    def backward(ctx, gx2, gkt, gvt):
+        x, h, qkv, qr, kr, o, x1, h2, gu, a, cos, sin, pos, lse, *w = ctx.saved_tensors
+        attn_norm, wqkv, bqkv, q_norm, k_norm, wo, bo, mlp_norm, w13, w2 = w
+        cfg = ctx.cfg
+        need = ctx.needs_input_grad[4:]
+        B, T, _ = x.shape
+        H, KV, D, eps = cfg.heads, cfg.kv_heads, cfg.head_dim, cfg.rms_eps
+        if gx2 is None:
+            gx2 = torch.zeros_like(x)
+        # The MLP, then its norm's gradient plus the residual's (gx2) in one kernel.
+        ga, gw2, _ = _linear_backward(a, w2, gx2, True, need[9], False)
+        ggu = _swiglu_backward(gu, ga)
+        gh2, gw13, _ = _linear_backward(h2, w13, ggu, True, need[8], False)
+        gx1, gmlp = rms_norm_backward_triton(x1, mlp_norm, gh2, eps, res=gx2)
+        go, gwo, gbo = _linear_backward(o, wo, gx1, True, need[5], bo is not None and need[6])
+        # The attention: dQ, dK (rope's output's) and dV, dV into its place in the q/k/v
+        # gradient; then rope's and the q/k norms' gradients, written into theirs.
+        gqkv = torch.empty(qkv.shape, dtype=qkv.dtype, device=qkv.device)
+        gq, gk, gv = _split_qkv(cfg, gqkv)
+        dk = torch.empty(B, T, KV, D, dtype=kr.dtype, device=kr.device)
+        dq, _, _ = attention_backward_triton(qr, kr.transpose(1, 2), _split_qkv(cfg, qkv)[2]
+                                             .transpose(1, 2), o.view(B, T, H, D), pos,
+                                             go.view(B, T, H, D), D ** -0.5,
+                                             dk=dk.transpose(1, 2), dv=gv.transpose(1, 2),
+                                             lse=lse)
+        if gkt is not None:  # the keys and values used outside the layer too
+            dk += gkt.transpose(1, 2)
+        if gvt is not None:
+            gv += gvt.transpose(1, 2)
+        dq, dk = _rope_launch(dq, cos, sin, -1), _rope_launch(dk, cos, sin, -1)
+        gqn = gkn = None
+        if cfg.qk_norm:
+            q, k, _ = _split_qkv(cfg, qkv)
+            gqn = rms_norm_backward_triton(q, q_norm, dq, eps, out=gq)[1]
+            gkn = rms_norm_backward_triton(k, k_norm, dk, eps, out=gk)[1]
+        else:
+            gq.copy_(dq)
+            gk.copy_(dk)
+        gh, gwqkv, gbqkv = _linear_backward(h, wqkv, gqkv, True, need[1],
+                                            bqkv is not None and need[2])
+        gx, gattn = rms_norm_backward_triton(x, attn_norm, gh, eps, res=gx1)
+        return (gx, None, None, None, gattn, gwqkv, gbqkv, gqn, gkn, gwo, gbo, gmlp, gw13, gw2)
+
+
+def _split_qkv(cfg, qkv: torch.Tensor):
+    """model.decode_pre's views of the q/k/v product: q [..., heads, D], k and v
+    [..., kv_heads, D]."""
+    q, k, v = qkv.split([cfg.q_dim, cfg.kv_dim, cfg.kv_dim], dim=-1)
+    return (q.unflatten(-1, (cfg.heads, cfg.head_dim)),
+            k.unflatten(-1, (cfg.kv_heads, cfg.head_dim)),
+            v.unflatten(-1, (cfg.kv_heads, cfg.head_dim)))

@@ -25,7 +25,8 @@ from .generate import Generator, Request
 from .model import Transformer, bind_thread, fused_rms_norm
 from . import constrain
 from .tokenizer import Tokenizer
-from .train import Trainer, micro_batches, response_hidden, response_logits
+from .train import (Trainer, deterministic_micro_batch_tokens, free_memory, micro_batches,
+                    response_hidden, response_logits)
 from .types import (Batch, Completion, GenerateRequest, LossConfig, RequestError, Sampling,
                     ScoreRequest, TrainStats)
 from .versions import Versions
@@ -72,7 +73,9 @@ class Options:
     # once as a group in the batched Triton decode attention (GRPO's n samples of a prompt;
     # kernels.decode_attention's shared), instead of once per sample. Off: each row reads its own.
     shared_prompts: bool = True
-    micro_batch_tokens: int = 0  # padded tokens per training micro-batch; 0 → 4096 / 16384
+    # Padded tokens per training micro-batch; 0 → 4096 (CPU) / 16384 (GPU), in the deterministic
+    # mode on a GPU what free memory allows (train.deterministic_micro_batch_tokens).
+    micro_batch_tokens: int = 0
     grad_checkpointing: bool = False  # recompute layer activations in the backward pass
     ref_model: str = ""  # the frozen KL reference; "" → the folder the engine started with
     kv_memory_fraction: float = 0.4  # share of free GPU memory the default cache may take
@@ -156,12 +159,12 @@ class Engine:
             # PyTorch's deterministic mode asks (the attention's backward pass no longer enters
             # that mode, which set it on the first step): fixed before the first product.
             os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-            # Micro-batches of 4,096 tokens by default: the log-prob head reads whole logits
-            # (a row's numbers do not depend on how rows are cut into micro-batches).
+            # Micro-batches by default as large as the free memory allows the whole logits
+            # (train.deterministic_micro_batch_tokens, in _build once the cache is made; a
+            # row's numbers do not depend on how rows are cut into micro-batches).
             self.opts = dataclasses.replace(
                 self.opts, kernels=False, fused_b1=False, compile=False, compile_prefill=False,
-                compile_train="off", fused_norm=False, fused_head=False, shared_prompts=False,
-                micro_batch_tokens=self.opts.micro_batch_tokens or 4096)
+                compile_train="off", fused_norm=False, fused_head=False, shared_prompts=False)
         self.device = torch.device(self.opts.device)
         if self.device.type == "cuda" and self.device.index is None:
             # "cuda" is the current device of the thread that builds the engine; its own threads
@@ -224,9 +227,14 @@ class Engine:
         mode = o.compile_train
         mode = "block" if mode is True else ("" if mode in (False, None, "off") else mode)
         mode = mode if cuda else ""
-        self.trainer = self._new_trainer(model, micro_batch_tokens=o.micro_batch_tokens or (
-            16384 if cuda else 4096), reference=self._reference_model, compile=mode,
-            fused_head=o.fused_head)
+        mbt = o.micro_batch_tokens or (16384 if cuda else 4096)
+        if o.deterministic and not o.micro_batch_tokens:
+            mbt = deterministic_micro_batch_tokens(cfg, self.dtype.itemsize,
+                                                   free_memory(self.device))
+            log.info("deterministic mode: training micro-batches of %d tokens", mbt)
+        self.trainer = self._new_trainer(model, micro_batch_tokens=mbt,
+                                         reference=self._reference_model, compile=mode,
+                                         fused_head=o.fused_head)
         self._load_optimizer(model_dir)
         # LoRA adapters over this model as a frozen base (one per policy of the host).
         self.bank = self.gen.bank = lora.Bank(model)

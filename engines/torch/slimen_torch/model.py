@@ -213,6 +213,10 @@ def block_forward(cfg: ModelConfig, x, w: tuple, cos, sin, qkv_fn=None, mlp_fn=N
     whether the heads are grouped (default: from cfg). Compiled with dynamic shapes, cfg's head
     counts are symbolic and SDPA takes only a bool, so Dynamo breaks the graph around the
     attention; a bool given here (whole_block) is a constant and keeps the layer whole."""
+    if bi.enabled() and qkv_fn is None and mlp_fn is None and norm is rms_norm:
+        out = bi.layer(cfg, x, w, cos, sin)  # the same numbers, one autograd node
+        if out is not None:
+            return out
     q, k, v = (qkv_fn or project_qkv)(cfg, w, x, cos, sin, norm)  # [B, T, heads, D]
     if bi.enabled():
         k, v = k.transpose(1, 2), v.transpose(1, 2)

@@ -163,6 +163,50 @@ def micro_batches(lengths: list[int], budget: int) -> list[list[int]]:
     return out
 
 
+# The deterministic mode's training micro-batches (Engine: deterministic with micro_batch_tokens
+# 0): the largest of these token counts whose pass fits MICRO_BATCH_SHARE of the device's free
+# memory, after the KV cache is made. The mode's log-prob head computes the whole logits of a
+# micro-batch (the sampler's arithmetic) and its backward pass their gradient, at 16,384 tokens
+# of a 152k vocabulary 10 GB in bf16; 4,096-token micro-batches kept a step's layers launching
+# four times the kernels from Python, and training bound by the host. A row's log-probs do not
+# depend on its micro-batch; the gradients' sums do, repeatably. False: 4,096 always (the first
+# version; determinism.py --micro-batch-tokens 4096 for one run).
+MICRO_BATCH_BY_MEMORY = True
+MICRO_BATCH_SIZES = (16384, 12288, 8192, 4096)
+MICRO_BATCH_SHARE = 0.5
+
+
+def free_memory(device: torch.device) -> int | None:
+    """Bytes a pass may still take on device: the driver's free memory plus what PyTorch's
+    allocator holds unused; None off a GPU."""
+    if device.type != "cuda":
+        return None
+    free, _ = torch.cuda.mem_get_info(device)
+    return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+
+
+def pass_bytes_per_token(cfg, itemsize: int) -> int:
+    """An upper bound on what a deterministic training pass holds a token: every layer's saved
+    activations (the norms' inputs and outputs, q/k/v before and after their norms and rope, the
+    attention's output, the MLP's gate/up and its product), and the whole logits with their
+    gradient."""
+    per_layer = 6 * cfg.hidden + 3 * (cfg.q_dim + 2 * cfg.kv_dim) + 3 * cfg.intermediate
+    return itemsize * (cfg.layers * per_layer + 2 * cfg.vocab_size)
+
+
+def deterministic_micro_batch_tokens(cfg, itemsize: int, free: int | None) -> int:
+    """The deterministic mode's micro-batch (MICRO_BATCH_BY_MEMORY): the largest of
+    MICRO_BATCH_SIZES whose pass_bytes_per_token fit MICRO_BATCH_SHARE of free bytes (None,
+    off a GPU: the smallest)."""
+    if not MICRO_BATCH_BY_MEMORY or free is None:
+        return MICRO_BATCH_SIZES[-1]
+    per = pass_bytes_per_token(cfg, itemsize)
+    for n in MICRO_BATCH_SIZES:
+        if n * per <= MICRO_BATCH_SHARE * free:
+            return n
+    return MICRO_BATCH_SIZES[-1]
+
+
 # Inductor's coalescing analysis asserts on some of the training layer's kernels when shapes are
 # dynamic (torch 2.11: AssertionError in tiling_utils.get_pw_red_splits, "coalesce_tiling_analysis
 # does not yet apply to dynamic shapes" says its config); without it the layer compiles.

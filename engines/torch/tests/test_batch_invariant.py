@@ -250,6 +250,46 @@ def test_deterministic_mode_refuses_an_fp8_cache(model_dirs):
                                                        kv_cache_dtype="fp8"))
 
 
+
+def test_the_training_micro_batch_is_as_large_as_free_memory_allows(model_dirs, monkeypatch):
+    # The deterministic mode's micro-batches: the largest of 16,384 / 12,288 / 8,192 / 4,096
+    # tokens whose pass (saved activations, the whole logits and their gradient) fits half of
+    # the free memory; 4,096 without a GPU's free memory or with the switch off, and the
+    # option's own value when given. Qwen3-0.6B's shape in bf16: ~2.2 MB a token.
+    from types import SimpleNamespace
+
+    from slimen_torch import engine as engine_mod
+    from slimen_torch import train
+    cfg = SimpleNamespace(hidden=1024, q_dim=2048, kv_dim=1024, intermediate=3072, layers=28,
+                          vocab_size=151936)
+    gb = 1 << 30
+    assert train.pass_bytes_per_token(cfg, 2) == 2 * (28 * 27648 + 2 * 151936)
+    for free, want in ((80 * gb, 16384), (60 * gb, 12288), (40 * gb, 8192), (10 * gb, 4096),
+                       (None, 4096)):
+        assert train.deterministic_micro_batch_tokens(cfg, 2, free) == want
+    monkeypatch.setattr(train, "MICRO_BATCH_BY_MEMORY", False)
+    assert train.deterministic_micro_batch_tokens(cfg, 2, 80 * gb) == 4096
+    monkeypatch.setattr(train, "MICRO_BATCH_BY_MEMORY", True)
+    # The engine asks once its cache is made (here a CPU engine told of a large free memory).
+    monkeypatch.setattr(engine_mod, "free_memory", lambda device: 1 << 40)
+    d = str(model_dirs["tiny-qwen3"])
+    got = {}
+    for det, mbt in ((True, 0), (True, 2048), (False, 0)):
+        e = Engine(d, Options(device="cpu", deterministic=det, micro_batch_tokens=mbt))
+        try:
+            got[det, mbt] = e.trainer.micro_batch_tokens
+            if det and not mbt:
+                # A row's log-probs are the same in a micro-batch of 16,384 tokens and alone.
+                pairs = [ScoreRequest(tokens=list(range(40, 40 + 9 + i)),
+                                      prompt_tokens=list(range(3, 30 + 11 * i)))
+                         for i in range(3)]
+                big = e.score(pairs)
+                e.trainer.micro_batch_tokens = 1
+                assert e.score(pairs) == big
+        finally:
+            e.close()
+    assert got == {(True, 0): 16384, (True, 2048): 2048, (False, 0): 4096}
+
 # ---- the Triton kernels (a GPU's path), on the CPU under Triton's interpreter ----
 
 @pytest.fixture
@@ -402,7 +442,7 @@ def test_the_triton_attention_gradient_is_sdpa_s_in_both_forms(interpreted, monk
     pos = torch.arange(T).expand(B, T)
     for causal in (True, False):
         ins = [t.clone().requires_grad_() for t in (q, k, v)]
-        got = torch.autograd.grad(bi._Attention.apply(*ins, pos, 0.3, causal), ins, go)
+        got = torch.autograd.grad(bi._Attention.apply(*ins, pos, 0.3, causal, True), ins, go)
         for a, b in zip(got, want):
             assert torch.allclose(a, b, atol=1e-5)
     assert not torch.are_deterministic_algorithms_enabled()
@@ -416,11 +456,14 @@ def test_the_triton_attention_backward_is_the_gradient_and_repeats(interpreted, 
     # and a row whose last queries are padding (position -1: they see no key, have output 0 and
     # no gradient). Two calls give the same gradients bit for bit. (In bf16 the output comes
     # from attention_torch: the interpreter's forward kernel reads bf16 operands of its products
-    # as their bits; the backward kernels read them as fp32 there.)
+    # as their bits; the backward kernels read them as fp32 there.) In fp32 with the forward's
+    # log-sum-exp of each row (ATTN_LSE, kept by the forward kernel without changing its output)
+    # and with the dQ kernel's own alike. The blocks whose queries see all their keys without
+    # the masks' work (ATTN_BWD_FULL_BLOCKS), the same numbers as masked.
     for name in ("ATTN_BWD_DQ", "ATTN_BWD_DQ_F32"):
         monkeypatch.setattr(bi, name, (16, 16, 4, 1))
     for name in ("ATTN_BWD_DKDV", "ATTN_BWD_DKDV_F32"):
-        monkeypatch.setattr(bi, name, (16, 32, 4, 1))
+        monkeypatch.setattr(bi, name, (16, 16, 4, 1))  # whole blocks under the diagonal
 
     def no_sdpa(*a, **kw):
         raise AssertionError("the Triton attention's backward pass called SDPA")
@@ -439,19 +482,33 @@ def test_the_triton_attention_backward_is_the_gradient_and_repeats(interpreted, 
             ref = [t.float().requires_grad_() for t in ins]
             out = bi.attention_torch(*ref, pos, 0.3)
             want = torch.autograd.grad(out, ref, go)
-            runs = []
-            for _ in range(2):
-                if dtype == torch.float32:
-                    xs = [t.clone().requires_grad_() for t in ins]
-                    o = bi._Attention.apply(*xs, pos, 0.3, False)
-                    runs.append(torch.autograd.grad(o, xs, go))
-                else:
-                    o = out.detach().nan_to_num(0.0).to(dtype)
-                    runs.append(bi.attention_backward_triton(*ins, o, pos, go.to(dtype), 0.3))
-            for a, b, w in zip(*runs, want):
-                assert a.dtype == dtype and torch.equal(a, b)
-                assert (a.float() - w).abs().max() <= tol * max(1.0, w.abs().max().item())
-            assert not runs[0][0][1, 29:].any()
+            for lse in ((True, False) if dtype == torch.float32 else (False,)):
+                monkeypatch.setattr(bi, "ATTN_LSE", lse)
+                runs = []
+                for full in (True, True, False):
+                    monkeypatch.setattr(bi, "ATTN_BWD_FULL_BLOCKS", full)
+                    if dtype == torch.float32:
+                        xs = [t.clone().requires_grad_() for t in ins]
+                        o = bi._Attention.apply(*xs, pos, 0.3, False, True)
+                        runs.append(torch.autograd.grad(o, xs, go))
+                    else:
+                        o = out.detach().nan_to_num(0.0).to(dtype)
+                        runs.append(bi.attention_backward_triton(*ins, o, pos, go.to(dtype),
+                                                                 0.3))
+                for a, b, c, w in zip(*runs, want):
+                    assert a.dtype == dtype and torch.equal(a, b) and torch.equal(a, c)
+                    assert (a.float() - w).abs().max() <= tol * max(1.0, w.abs().max().item())
+                assert not runs[0][0][1, 29:].any()
+        # The forward's log-sum-exp: the output unchanged, each row's log Σ exp(q·k·0.3) over
+        # the keys it sees, 0 for a row that sees none.
+        buf = torch.full((B, T, H), 7.0)
+        o = bi.attention_triton(q, k, v, pos, 0.3, lse=buf)
+        assert torch.equal(o, bi.attention_triton(q, k, v, pos, 0.3))
+        s = torch.einsum("bthd,bhld->bthl", q, k.repeat_interleave(H // KV, 1)) * 0.3
+        seen = torch.arange(Lk)[None, None, None, :] <= pos[:, :, None, None]
+        want_lse = torch.logsumexp(s.masked_fill(~seen, float("-inf")), -1).nan_to_num(
+            0.0, neginf=0.0)
+        assert torch.allclose(buf, want_lse, atol=1e-5) and not buf[1, 29:].any()
 
 
 def test_the_triton_rms_norm_keeps_a_row_and_has_the_plain_gradient(interpreted, monkeypatch):
@@ -648,3 +705,114 @@ def test_a_training_step_through_the_gpu_kernels_is_the_cpu_step(interpreted, mo
     assert got[1].grad_norm > 0
     assert abs(got[1].loss - got[0].loss) <= 1e-6 * max(1.0, abs(got[0].loss))
     assert abs(got[1].grad_norm - got[0].grad_norm) <= 1e-5 * got[0].grad_norm
+
+
+def _graph_nodes(t: torch.Tensor) -> list[str]:
+    """The names of the autograd nodes t's gradient runs through (AccumulateGrad aside)."""
+    seen, todo, names = set(), [t.grad_fn], []
+    while todo:
+        f = todo.pop()
+        if f is None or f in seen:
+            continue
+        seen.add(f)
+        if type(f).__name__ != "AccumulateGrad":
+            names.append(type(f).__name__)
+        todo.extend(g for g, _ in f.next_functions)
+    return names
+
+
+@pytest.mark.parametrize("shape", ["tiny-qwen3", "tiny-qwen2"])
+def test_the_layer_in_one_node_is_the_layer(interpreted, model_dirs, monkeypatch, shape):
+    # The deterministic training layer as one autograd node (LAYER_FN): the forward of the
+    # operations one node each, bit for bit (the same kernels on the same inputs), for Qwen3's
+    # q/k norms and Qwen2's biases, in fp16 (the rope kernel's 16-bit; the interpreter's bf16
+    # products are not the GPU's); its gradients (input, every weight, and the keys' and
+    # values' where they are used too) autograd's of those operations to fp16's rounding, and
+    # the same bit for bit twice; one node a layer instead of about twenty.
+    from slimen_torch.config import read_config
+    from slimen_torch.model import Transformer, block_forward
+    from slimen_torch.weights import load_weights
+    monkeypatch.setattr(bi, "FORCE_TRITON", True)
+    for name in ("ATTN_BWD_DQ", "ATTN_BWD_DQ_F32"):
+        monkeypatch.setattr(bi, name, (16, 16, 4, 1))
+    for name in ("ATTN_BWD_DKDV", "ATTN_BWD_DKDV_F32"):
+        monkeypatch.setattr(bi, name, (16, 32, 4, 1))
+    cfg, _ = read_config(model_dirs[shape])
+    model = Transformer(cfg, dtype=torch.float16)
+    load_weights(model, model_dirs[shape])
+    g = torch.Generator().manual_seed(21)
+    with torch.no_grad():  # biases and norms away from their zeros and ones
+        for n, p in model.named_parameters():
+            if p.ndim == 1:
+                p.add_(torch.randn(p.shape, generator=g).half() * 0.3)
+    monkeypatch.setattr(bi, "RMS_BWD_PROGRAMS", 1)  # few programs (the interpreter's cost)
+    B, T = 2, 17
+    x0 = (torch.randn(B, T, cfg.hidden, generator=g) * 2).half()
+    gy = torch.randn(B, T, cfg.hidden, generator=g).half()
+    gk = torch.randn(B, cfg.kv_heads, T, cfg.head_dim, generator=g).half()
+    cos, sin = model.cos[:T], model.sin[:T]
+
+    def run(one_node, kv_uses=(False, True)):
+        monkeypatch.setattr(bi, "LAYER_FN", one_node)
+        ws = [t.detach().clone().requires_grad_() if t is not None else None
+              for t in model.layers[0].weights()]
+        x = x0.clone().requires_grad_()
+        with bi.mode():
+            y, k, v = block_forward(cfg, x, tuple(ws), cos, sin)
+            y2 = block_forward(cfg, y, tuple(ws), cos, sin)[0]  # a second layer on the first
+        ins = [x] + [t for t in ws if t is not None]
+        grads = []
+        for use_kv in kv_uses:  # the keys and values unused (training), and used too
+            loss = (y2.float() * gy.float()).sum()
+            if use_kv:
+                loss = loss + (k.float() * gk.float()).sum() + (v.float() * gk.float()).sum()
+            grads.append(torch.autograd.grad(loss, ins, retain_graph=True))
+        return y2.detach(), grads, _graph_nodes(y2)
+
+    y_new, g_new, nodes_new = run(True)
+    y_old, g_old, nodes_old = run(False)
+    assert torch.equal(y_new, y_old)
+    assert nodes_new.count("_LayerBackward") == 2 and len(nodes_new) <= 4
+    assert len(nodes_old) >= 30
+    for gn, go in zip(g_new, g_old):
+        for a, b in zip(gn, go):
+            assert a.dtype == b.dtype and a.shape == b.shape
+            scale = b.float().abs().max().item()
+            assert scale > 0 and (a.float() - b.float()).abs().max().item() <= 2e-2 * scale
+    again = run(True, (True,))[1][0]
+    assert all(torch.equal(a, b) for a, b in zip(again, g_new[1]))
+
+
+def test_a_training_step_with_the_layer_in_one_node(interpreted, model_dirs, monkeypatch):
+    # The engine's deterministic training step through the GPU's kernels (fp16, under the
+    # interpreter), its layers one node each (LAYER_FN) or an operation a node: the same loss
+    # and log-probs bit for bit (the same forward), the gradient norm to fp16's rounding.
+    monkeypatch.setattr(bi, "FORCE_TRITON", True)
+    monkeypatch.setattr(bi, "RMS_BWD_PROGRAMS", 1)
+    for name in ("ATTN_BWD_DQ", "ATTN_BWD_DQ_F32"):
+        monkeypatch.setattr(bi, name, (16, 16, 4, 1))
+    for name in ("ATTN_BWD_DKDV", "ATTN_BWD_DKDV_F32"):
+        monkeypatch.setattr(bi, name, (16, 32, 4, 1))
+    ss = [Sample(list(range(3, 13 + 7 * i)), list(range(40, 46)), [1.0] * 6, [-5.0] * 6,
+                 [1.0 if i else -1.0] * 6, group="g") for i in range(2)]
+    e = Engine(str(model_dirs["tiny-qwen3"]), Options(device="cpu", deterministic=True,
+                                                      dtype="float16"))
+    used, layer = [], bi.layer
+
+    def counted(*a):
+        out = layer(*a)
+        used.append(out is not None)
+        return out
+    monkeypatch.setattr(bi, "layer", counted)
+    try:
+        got = []
+        for one_node in (True, False):
+            monkeypatch.setattr(bi, "LAYER_FN", one_node)
+            got.append(e.train(Batch(samples=ss, loss=LossConfig(lr=0.0, max_grad_norm=0.0,
+                                                                 entropy_coef=0.01))))
+    finally:
+        e.close()
+    assert used == [True, True, False, False]  # the two layers of a micro-batch, each way
+    assert got[0].grad_norm > 0
+    assert (got[0].loss, got[0].logprob_diff_max) == (got[1].loss, got[1].logprob_diff_max)
+    assert abs(got[0].grad_norm - got[1].grad_norm) <= 1e-2 * got[1].grad_norm

@@ -7,6 +7,7 @@ import sys
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
+import bench_det_train  # noqa: E402
 import determinism  # noqa: E402
 
 
@@ -27,3 +28,18 @@ def test_determinism_script_small(tmp_path, capsys):
     row = next(line for line in out.splitlines() if line.startswith("| deterministic |"))
     assert row.startswith("| deterministic | 0 | 0 | 0 | 0 (") and "| yes | yes |" in row
     assert "deterministic / default: decode" in out
+
+
+def test_the_training_pieces_bench_small(capsys):
+    # bench_det_train.py's dry run (tiny shapes under Triton's interpreter): both tables, a row
+    # for each setting of the attention's switches and each layer form and micro-batch.
+    assert bench_det_train.main(["--small", "--device", "cpu", "--dq", "16,16,4,1"]) == 0
+    out = capsys.readouterr().out
+    att = [line for line in out.splitlines() if line.startswith("| lse ")]
+    assert len(att) == 5 and any("recomputed, full blocks off" in line for line in att)
+    lay = [line for line in out.splitlines() if line.startswith("| one node") or
+           line.startswith("| a node")]
+    assert len(lay) == 4
+    from slimen_torch import batch_invariant as bi
+    assert bi.LAYER_FN and bi.ATTN_LSE and bi.ATTN_BWD_FULL_BLOCKS  # the switches as they were
+    assert not bi.FORCE_TRITON and bi.ATTN_BWD_DQ == (128, 32, 8, 3)
