@@ -281,6 +281,7 @@ class ShardedTrainer(Trainer):
         self.gathered_bytes = 0
         self.gather_seconds = 0.0
         self.passes_left = 0  # the step's passes whose backward is still to run (_plan)
+        self.unreduced = False  # a pass's gradients are held, not yet reduced (_backward)
         self.group_bytes = int(float(os.environ.get(GROUP_MB_ENV) or 0) * 1e6)
         self.own_weights = _env_flag(OWN_WEIGHTS_ENV)
         self.local_opt = _env_flag(LOCAL_OPT_ENV)
@@ -363,6 +364,8 @@ class ShardedTrainer(Trainer):
                          if mine else [])
         n = max(len(p) for p in plans)
         self.passes_left = n
+        if self.unreduced:  # an attempt that failed after a pass's backward (a retry, _retrying)
+            self._drop_unreduced()
         self.whole.reshard()  # nothing held from a step that failed midway
         return plans[self.rank] + [[] for _ in range(n - len(plans[self.rank]))]
 
@@ -386,6 +389,20 @@ class ShardedTrainer(Trainer):
         # add up to the batch's gradient. FSDP averages them (gloo has no pre-scaled sum, so
         # set_gradient_divide_factor(1) is not open to it): the loss is scaled by the rank count.
         (loss * self.size).backward()
+        self.unreduced = not last
+
+    def _drop_unreduced(self) -> None:
+        """Drops the gradients a failed attempt left unreduced in FSDP's unsharded buffers, so
+        that its retry trains on its own gradients alone. FSDP2 has no public call for it: its
+        parameters' accumulated gradients are set to None, as its reduction does."""
+        for m in self.whole.modules():
+            state = m._get_fsdp_state() if hasattr(m, "_get_fsdp_state") else None
+            group = getattr(state, "_fsdp_param_group", None)
+            for fp in getattr(group, "fsdp_params", ()):
+                fp.unsharded_accumulated_grad = None
+                if getattr(fp, "_unsharded_param", None) is not None:
+                    fp._unsharded_param.grad = None
+        self.unreduced = False
 
     def _reduce(self, sums: dict) -> dict:
         keys = sorted(sums)

@@ -377,6 +377,52 @@ def test_four_ranks_start_on_nccl(noeos_dir, tmp_path):
     assert got["gen_a"] == want_gen
 
 
+def test_a_retried_step_drops_what_its_failed_attempt_held(noeos_dir, monkeypatch):
+    """A sharded step that fails after a pass's backward (its gradients held unreduced) and is
+    tried again (a compile mode dropped, Trainer._retrying) trains on the retry's gradients
+    alone: the same step as one that never failed (one gloo rank, in this process)."""
+    from slimen_torch import dist
+
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    torch.distributed.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        model = str(noeos_dir)
+        bs = batches(Engine(model, Options(**OPTS)))[:1]
+        ok = dist.RankEngine(model, Options(**OPTS), 0)
+        want = ok.train(bs[0])
+        retried = dist.RankEngine(model, Options(**OPTS), 0)
+        t = retried.trainer
+        assert t.hold
+        calls, backwards, real, real_backward = [], [], t._logprobs, t._backward
+
+        def failing_once(*a, **kw):
+            if backwards and not calls:  # a pass after the first pass's backward, once
+                calls.append(1)
+                raise RuntimeError("a compiled pass failed")
+            return real(*a, **kw)
+
+        def counted_backward(loss):
+            backwards.append(1)
+            real_backward(loss)
+
+        monkeypatch.setattr(t, "_logprobs", failing_once)
+        monkeypatch.setattr(t, "_backward", counted_backward)
+        monkeypatch.setattr(t, "_uncompile", lambda err: True)  # as a dropped compile mode does
+        got = retried.train(bs[0])
+        assert calls and len(backwards) > 2  # it failed once, then ran every pass again
+        # (Adam's first step moves a weight by about lr whatever its gradient's size: the
+        # gradient's norm is what shows gradients counted twice.)
+        assert got.grad_norm == pytest.approx(want.grad_norm, rel=1e-5)
+        assert got.loss == pytest.approx(want.loss, rel=1e-5)
+        for (n, p), q in zip(ok.model.named_parameters(), retried.model.parameters()):
+            torch.testing.assert_close(q, p, rtol=1e-5, atol=1e-6, msg=n)
+        ok.close()
+        retried.close()
+    finally:
+        torch.distributed.destroy_process_group()
+
+
 @pytest.mark.parametrize("switches", list(SWITCHES))
 def test_a_model_too_large_to_hold_reduces_each_micro_batch(noeos_dir, tmp_path, monkeypatch,
                                                              switches):
