@@ -267,7 +267,7 @@ def holds_step(m: Transformer, dtype: torch.dtype, dev: torch.device) -> bool:
     else:
         total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     n = sum(p.numel() for p in m.parameters())
-    need = n * (torch.tensor([], dtype=dtype).element_size() + 4)
+    need = n * (dtype.itemsize + 4)
     return need <= HOLD_SHARE * total
 
 
@@ -309,7 +309,7 @@ class ShardedTrainer(Trainer):
         # parameters with fp32 masters), gradients reduced in fp32.
         mp = MixedPrecisionPolicy(param_dtype=gen.embed.dtype, reduce_dtype=torch.float32)
         self.hold = holds_step(m, gen.embed.dtype, dev)
-        item = torch.tensor([], dtype=gen.embed.dtype).element_size()
+        item = gen.embed.dtype.itemsize
         groups = layer_groups([sum(p.numel() for p in layer.parameters()) * item
                                for layer in m.layers], self.group_bytes)
         for g in groups:

@@ -139,6 +139,13 @@ def _eos(raw: dict, tok: Tokenizer) -> list[int]:
     return list(dict.fromkeys(ids))
 
 
+def _one_prompt(messages, prompt_tokens, what: str) -> None:
+    """A request's prompt is exactly one of messages and prompt_tokens."""
+    if bool(messages) == bool(prompt_tokens):
+        raise RequestError("INVALID_ARGUMENT", f"{what}: set exactly one of messages and "
+                           "prompt_tokens")
+
+
 class Engine:
     # Whether the engine keeps weights versions (versions.py; "versions" in its capabilities).
     # A sharded trainer's engine (dist.py) does not.
@@ -440,9 +447,7 @@ class Engine:
 
     def prompt_of(self, messages, prompt_tokens, what: str) -> list[int]:
         """The prompt ids of a request with exactly one of messages and prompt_tokens."""
-        if bool(messages) == bool(prompt_tokens):
-            raise RequestError("INVALID_ARGUMENT", f"{what}: set exactly one of messages and "
-                               "prompt_tokens")
+        _one_prompt(messages, prompt_tokens, what)
         if messages:
             try:
                 ids = self.tokenizer.encode_chat([dict(m) for m in messages])
@@ -492,9 +497,7 @@ class Engine:
         them. A worker over several ranks (dist.Group) makes these at once and the rest on the
         rank the request is dealt to."""
         what = f"request {req.id!r}"
-        if bool(req.messages) == bool(req.prompt_tokens):
-            raise RequestError("INVALID_ARGUMENT", f"{what}: set exactly one of messages and "
-                               "prompt_tokens")
+        _one_prompt(req.messages, req.prompt_tokens, what)
         s = req.sampling
         if not 0 <= s.temperature < float("inf"):
             raise RequestError("INVALID_ARGUMENT", f"{what}: temperature {s.temperature}; "

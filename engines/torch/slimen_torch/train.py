@@ -358,7 +358,8 @@ class Trainer:
         samples = [batch.samples[i] for i in kept]
         check_samples(samples, self.model.cfg.vocab_size, self.model.cfg.max_seq_len)
         lengths = [len(s.prompt) + len(s.response) for s in samples]
-        if any(s.returns for s in samples):
+        critic = any(s.returns for s in samples)
+        if critic:
             self._check_critic(batch.loss, samples)
         plan = self._plan(lengths)
         # The weights count every sample of the step, those with an empty response too (slime's
@@ -370,7 +371,7 @@ class Trainer:
                                              [s.loss_mask for s in batch.samples],
                                              cfg.aggregation, only=[kept[i] for i in own])):
             weights[i] = w
-        if any(s.returns for s in samples):
+        if critic:
             return self._critic_step(batch.loss, cfg, samples, weights, plan)
         opt = self._optimizer()
         dev = self.params[0].device
