@@ -1172,8 +1172,27 @@ if HAVE_TRITON:
             # A query that sees no key (a padding row) has output 0 and no gradient: P is 0.
             lse = tl.where(l > 0.0, m + tl.log(tl.where(l > 0.0, l, 1.0)), 0.0)
         dq = tl.zeros((BM, BD), tl.float32)
-        pmin = tl.min(pos, axis=0)
-        for c0 in range(0, end, BN):
+        # FULL_BLOCKS: the key blocks whose keys every query sees (c0 + BN − 1 ≤ the block's
+        # smallest position, inside Lk) come first, in a loop of their own without the masks'
+        # work; the rest in the masked loop. Two loops rather than a branch in one: Triton's
+        # software pipeliner fails on a branch around the blocks' arithmetic (sm_90, aligned
+        # operands; test_deterministic_kernels_compile_for_sm90).
+        full_end = 0
+        if FULL_BLOCKS:
+            full_end = tl.maximum(tl.minimum((tl.min(pos, axis=0) + 1) // BN, Lk // BN), 0) * BN
+            full_end = tl.minimum(full_end, end)
+            for c0 in range(0, full_end, BN):
+                j = c0 + tl.arange(0, BN)
+                k = tl.load(K + b * skb + kvh * skh + j[None, :] * skl + d[:, None],
+                            mask=dm[:, None], other=0.0)  # [BD, BN]
+                vt = tl.load(V + b * svb + kvh * svh + j[None, :] * svl + d[:, None],
+                             mask=dm[:, None], other=0.0)  # [BD, BN]
+                s = _bwd_dot(q, k, F32DOT)
+                dp = _bwd_dot(do, vt, F32DOT)
+                p, ds = _bwd_p_ds(s, dp, lse[:, None], delta[:, None], j[None, :], pos[:, None],
+                                  j[None, :] < Lk, scale, MASKED=False)
+                dq += _bwd_dot(ds.to(k.dtype), tl.trans(k), F32DOT)
+        for c0 in range(full_end, end, BN):
             j = c0 + tl.arange(0, BN)
             jm = (j < Lk) & (j <= pmax)
             k = tl.load(K + b * skb + kvh * skh + j[None, :] * skl + d[:, None],
@@ -1182,16 +1201,8 @@ if HAVE_TRITON:
                          mask=jm[None, :] & dm[:, None], other=0.0)  # [BD, BN]
             s = _bwd_dot(q, k, F32DOT)
             dp = _bwd_dot(do, vt, F32DOT)
-            if FULL_BLOCKS:
-                if (c0 + BN - 1 <= pmin) & (c0 + BN <= Lk):  # every query sees every key
-                    p, ds = _bwd_p_ds(s, dp, lse[:, None], delta[:, None], j[None, :],
-                                      pos[:, None], jm[None, :], scale, MASKED=False)
-                else:
-                    p, ds = _bwd_p_ds(s, dp, lse[:, None], delta[:, None], j[None, :],
-                                      pos[:, None], jm[None, :], scale, MASKED=True)
-            else:
-                p, ds = _bwd_p_ds(s, dp, lse[:, None], delta[:, None], j[None, :],
-                                  pos[:, None], jm[None, :], scale, MASKED=True)
+            p, ds = _bwd_p_ds(s, dp, lse[:, None], delta[:, None], j[None, :], pos[:, None],
+                              jm[None, :], scale, MASKED=True)
             dq += _bwd_dot(ds.to(k.dtype), tl.trans(k), F32DOT)
         tl.store(DQ + b * sqb + t[:, None] * sqt + h * sqh + d[None, :],
                  (dq * scale).to(DQ.dtype.element_ty), mask=qm)
@@ -1228,31 +1239,40 @@ if HAVE_TRITON:
                 # Every query of the block sees every key of this program's: no masks.
                 full = (tl.min(pos, axis=0) >= j0 + BN - 1) & (j0 + BN <= Lk)
                 qm = tm[:, None] & dm[None, :]
-                for hi in range(0, G):
-                    h = kvh * G + hi
-                    q = tl.load(Q + b * sqb + t[:, None] * sqt + h * sqh + d[None, :], mask=qm,
-                                other=0.0)
-                    do = tl.load(DO + b * sdb + t[:, None] * sdt + h * sdh + d[None, :],
-                                 mask=qm, other=0.0)
-                    r = (b * Tq + t) * H + h
-                    lse = tl.load(LSE + r, mask=tm, other=0.0)
-                    delta = tl.load(DELTA + r, mask=tm, other=0.0)
-                    st = _bwd_dot(k, tl.trans(q), F32DOT)
-                    dpt = _bwd_dot(v, tl.trans(do), F32DOT)
-                    if FULL_BLOCKS:
-                        if full:
-                            pt, dst = _bwd_p_ds(st, dpt, lse[None, :], delta[None, :],
-                                                j[:, None], pos[None, :], jm[:, None], scale,
-                                                MASKED=False)
-                        else:
-                            pt, dst = _bwd_p_ds(st, dpt, lse[None, :], delta[None, :],
-                                                j[:, None], pos[None, :], jm[:, None], scale,
-                                                MASKED=True)
-                    else:
+                # The branch outside the heads' loop, each side a loop without one: Triton's
+                # software pipeliner fails on a branch around the blocks' arithmetic.
+                if FULL_BLOCKS and full:
+                    for hi in range(0, G):
+                        h = kvh * G + hi
+                        q = tl.load(Q + b * sqb + t[:, None] * sqt + h * sqh + d[None, :],
+                                    mask=qm, other=0.0)
+                        do = tl.load(DO + b * sdb + t[:, None] * sdt + h * sdh + d[None, :],
+                                     mask=qm, other=0.0)
+                        r = (b * Tq + t) * H + h
+                        lse = tl.load(LSE + r, mask=tm, other=0.0)
+                        delta = tl.load(DELTA + r, mask=tm, other=0.0)
+                        st = _bwd_dot(k, tl.trans(q), F32DOT)
+                        dpt = _bwd_dot(v, tl.trans(do), F32DOT)
+                        pt, dst = _bwd_p_ds(st, dpt, lse[None, :], delta[None, :], j[:, None],
+                                            pos[None, :], jm[:, None], scale, MASKED=False)
+                        dv += _bwd_dot(pt.to(do.dtype), do, F32DOT)
+                        dk += _bwd_dot(dst.to(q.dtype), q, F32DOT)
+                else:
+                    for hi in range(0, G):
+                        h = kvh * G + hi
+                        q = tl.load(Q + b * sqb + t[:, None] * sqt + h * sqh + d[None, :],
+                                    mask=qm, other=0.0)
+                        do = tl.load(DO + b * sdb + t[:, None] * sdt + h * sdh + d[None, :],
+                                     mask=qm, other=0.0)
+                        r = (b * Tq + t) * H + h
+                        lse = tl.load(LSE + r, mask=tm, other=0.0)
+                        delta = tl.load(DELTA + r, mask=tm, other=0.0)
+                        st = _bwd_dot(k, tl.trans(q), F32DOT)
+                        dpt = _bwd_dot(v, tl.trans(do), F32DOT)
                         pt, dst = _bwd_p_ds(st, dpt, lse[None, :], delta[None, :], j[:, None],
                                             pos[None, :], jm[:, None], scale, MASKED=True)
-                    dv += _bwd_dot(pt.to(do.dtype), do, F32DOT)
-                    dk += _bwd_dot(dst.to(q.dtype), q, F32DOT)
+                        dv += _bwd_dot(pt.to(do.dtype), do, F32DOT)
+                        dk += _bwd_dot(dst.to(q.dtype), q, F32DOT)
         gm = jm[:, None] & dm[None, :]
         g = b * sgb + kvh * sgh + j[:, None] * sgl + d[None, :]
         tl.store(DK + g, (dk * scale).to(DK.dtype.element_ty), mask=gm)

@@ -1,0 +1,122 @@
+"""The deterministic mode's Triton kernels with loops of matrix products compile for an H100/H200
+(sm_90) in the configurations the GPU runs, checked here on the CPU: Triton compiles ahead of
+time for a target it is told (its wheel ships ptxas), so a kernel that the interpreter runs but
+the GPU's compiler rejects fails CI instead of a device run. The arguments are typed as a GPU
+launch specializes them: pointers and the integers that are multiples of 16 marked divisible by
+16 (what makes the software pipeliner act, and where it once failed on a branch inside a
+kernel's loop). The compiles run in a child process without TRITON_INTERPRET, which the other
+tests set and under which Triton's code generator does not work."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+
+# Qwen3-0.6B's attention (16 query heads, 8 key heads, head dim 128) in bf16: the strides and
+# sizes a launch passes are multiples of 16 except the group size G and the position counts.
+ALIGNED_INTS = {"H", "D", "N", "K", "KS", "sqb", "sqt", "sqh", "skb", "skh", "skl", "svb", "svh",
+                "svl", "sob", "sot", "soh", "sdb", "sdt", "sdh", "sgb", "sgh", "sgl", "sub", "suh",
+                "sul", "sxm", "swn", "sym"}
+ATTN = dict(Q="bf16", K="bf16", V="bf16", O="bf16", DO="bf16", P="i64", DQ="bf16", LSE="fp32",
+            DELTA="fp32", DK="bf16", DV="bf16")
+TILE_LARGE = (128, 128, 64, 8, 3)  # determinism.py --tile-large's, the device check's
+
+
+def configs(bi):
+    """(name, kernel, pointers, constexprs, warps, stages) of each launch form to compile."""
+    out = []
+    BM, BN, warps, stages = bi.ATTN_BWD_DQ
+    for lse in (False, True):
+        for full in (False, True):
+            out.append((f"dq-lse{int(lse)}-full{int(full)}", bi._attention_bwd_dq_kernel, ATTN,
+                        dict(BM=BM, BN=BN, BD=128, F32DOT=False, HAVE_LSE=lse, FULL_BLOCKS=full),
+                        warps, stages))
+    BM, BN, warps, stages = bi.ATTN_BWD_DKDV
+    for full in (False, True):
+        out.append((f"dkdv-full{int(full)}", bi._attention_bwd_dkdv_kernel, ATTN,
+                    dict(BM=BM, BN=BN, BD=128, F32DOT=False, FULL_BLOCKS=full), warps, stages))
+    for lse in (False, True):
+        out.append((f"attention-lse{int(lse)}", bi._attention_kernel,
+                    dict(ATTN, LSE="fp32" if lse else "bf16"),
+                    dict(BM=bi.ATTN_BM, S=bi.KV_SPLIT, BD=128, IEEE=False, HG=2, STORE_LSE=lse),
+                    4, 3))
+    for tname, tile in (("tile", bi.TILE), ("tile-large", TILE_LARGE)):
+        BM, BN, BK, warps, stages = tile
+        consts = dict(BM=BM, BN=BN, BK=BK, IEEE=False)
+        out.append((f"matmul-{tname}", bi._matmul_kernel, dict(X="bf16", W="bf16", Y="bf16"),
+                    consts, warps, stages))
+        out.append((f"matmul-split-{tname}", bi._matmul_split_kernel,
+                    dict(X="bf16", W="bf16", P="fp32"), consts, warps, stages))
+    return out
+
+
+NAMES = ["dq-lse0-full0", "dq-lse0-full1", "dq-lse1-full0", "dq-lse1-full1", "dkdv-full0",
+         "dkdv-full1", "attention-lse0", "attention-lse1", "matmul-tile", "matmul-split-tile",
+         "matmul-tile-large", "matmul-split-tile-large"]
+
+
+def compile_sm90(triton, kernel, pointers: dict, consts: dict, warps: int, stages: int):
+    """Compiles the @triton.jit kernel for sm_90: pointers name → element type, consts its
+    constexpr arguments; every other argument an i32 (scale an fp32)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    sig, attrs, constexprs = {}, {}, {}
+    for i, a in enumerate(kernel.arg_names):
+        if a in consts:
+            sig[a], constexprs[(i,)] = "constexpr", consts[a]
+        elif a in pointers:
+            sig[a], attrs[(i,)] = "*" + pointers[a], [["tt.divisibility", 16]]
+        elif a == "scale":
+            sig[a] = "fp32"
+        else:
+            sig[a] = "i32"
+            if a in ALIGNED_INTS:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    missing = set(consts) - set(kernel.arg_names)
+    assert not missing, f"{kernel.fn.__name__} has no argument {missing}"
+    src = ASTSource(fn=kernel, signature=sig, constexprs=constexprs, attrs=attrs)
+    triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                   options={"num_warps": warps, "num_stages": stages})
+
+
+def main():
+    """Compiles every configuration; one JSON object on stdout: name → "ok" or the error."""
+    import triton
+    sys.path.insert(0, str(HERE.parent))
+    from slimen_torch import batch_invariant as bi
+    res = {}
+    for name, kernel, pointers, consts, warps, stages in configs(bi):
+        try:
+            compile_sm90(triton, kernel, pointers, consts, warps, stages)
+            res[name] = "ok"
+        except Exception as e:  # noqa: BLE001 - the report names it
+            res[name] = f"{type(e).__name__}: {str(e).strip().splitlines()[-1][:300]}"
+    print(json.dumps(res))
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    triton = pytest.importorskip("triton")
+    ptxas = os.environ.get("TRITON_PTXAS_PATH") or \
+        Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+    if not Path(ptxas).exists():
+        pytest.skip("Triton's wheel has no ptxas here")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    p = subprocess.run([sys.executable, str(Path(__file__).resolve())], env=env,
+                       capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_the_deterministic_kernels_compile_for_sm90(compiled, name):
+    assert compiled[name] == "ok", compiled[name]
+
+
+if __name__ == "__main__":
+    main()
