@@ -1,7 +1,8 @@
 """Issue 38 on one device, in one call: the default and the deterministic mode side by side.
 
     python engines/torch/determinism.py [--device cuda|cpu] [--small] [--out DIR] [--check]
-        [--mode both|default|deterministic] [--tile BM,BN,BK,warps,stages] [--tile-large T]
+        [--mode both|default|deterministic] [--tile BM,BN,BK,warps,stages] [--tile-large T|none]
+        [--tile-by-shape on|off]
         [--row-kernels on|off] [--attn-grouped on|off] [--attn-bm N]
         [--attn-bwd triton|sdpa] [--attn-bwd-dq Q,K,W,S] [--attn-bwd-dkdv Q,K,W,S]
         [--norm-bwd triton|torch] [--head-bwd triton|torch] [--fused-elementwise on|off]
@@ -289,7 +290,7 @@ KNOBS = [("--tile", "tile", ""), ("--tile-large", "tile_large", ""),
          ("--norm-bwd", "norm_bwd", "triton"),
          ("--head-bwd", "head_bwd", "triton"), ("--fused-elementwise", "fused_elementwise", "on"),
          ("--attn-large", "attn_large", ""), ("--micro-batch-tokens", "micro_batch_tokens", 0),
-         ("--split-k", "split_k", 1), ("--layer-fn", "layer_fn", "on"),
+         ("--split-k", "split_k", 1), ("--tile-by-shape", "tile_by_shape", "on"), ("--layer-fn", "layer_fn", "on"),
          ("--attn-lse", "attn_lse", "on"), ("--attn-full-blocks", "attn_full_blocks", "on")]
 
 
@@ -318,8 +319,11 @@ def main(argv=None) -> int:
                    help="after each mode's speeds, the top kernels of one decode run and one "
                    "training step by device time, in profile-MODE.txt next to determinism.json")
     p.add_argument("--tile-large", default="",
-                   help="an experiment: another tile BM,BN,BK,warps,stages for products of at "
-                   "least 1,024 rows (training); the check says whether the identities hold")
+                   help="the tile BM,BN,BK,warps,stages of products of at least 1,024 rows "
+                   "(training; default 128,128,64,8,3), none for --tile's")
+    p.add_argument("--tile-by-shape", default="on", choices=["on", "off"],
+                   help="decode steps' products of few outputs over a long K and the vocabulary "
+                   "head in their own tiles (on, the default) or all in --tile's (off)")
     p.add_argument("--row-kernels", default="on", choices=["on", "off"],
                    help="the deterministic sums over a row (RMSNorm, log-softmax, sampler) in "
                    "Triton row kernels on a GPU (on, the default) or as tree sums of PyTorch "
@@ -381,7 +385,10 @@ def main(argv=None) -> int:
         batch_invariant.TILE = tuple(int(x) for x in a.tile.split(","))
         if len(batch_invariant.TILE) != 5:
             p.error(f"--tile {a.tile}: give BM,BN,BK,warps,stages")
-    if a.tile_large:
+    batch_invariant.TILE_BY_SHAPE = a.tile_by_shape == "on"
+    if a.tile_large == "none":
+        batch_invariant.TILE_LARGE = None
+    elif a.tile_large:
         batch_invariant.TILE_LARGE = tuple(int(x) for x in a.tile_large.split(","))
         if len(batch_invariant.TILE_LARGE) != 5:
             p.error(f"--tile-large {a.tile_large}: give BM,BN,BK,warps,stages")

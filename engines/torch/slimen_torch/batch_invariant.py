@@ -393,12 +393,21 @@ if HAVE_TRITON:
         tl.store(Y + rm[:, None].to(tl.int64) * sym + rn[None, :] * syn,
                  acc.to(Y.dtype.element_ty), mask=(rm[:, None] < M) & (rn[None, :] < N))
 
-# The one tile shape of every product (BM, BN, BK, warps, stages).
+# The tile of the products (BM, BN, BK, warps, stages).
 TILE = (64, 64, 64, 4, 3)
-# An experiment (determinism.py --tile-large): another tile for products of at least LARGE_M
-# rows (training, long prefills), the K steps alike. Whether a row's result is then the same as
-# under TILE is the matrix instruction's property, not guaranteed: the device's check says.
-TILE_LARGE: tuple | None = None
+# Products of at least LARGE_M rows (training, long prefills) take TILE_LARGE (None: TILE), and
+# with TILE_BY_SHAPE those of fewer rows (decode steps) a tile by their N and K: TILE_NARROW for
+# few outputs over a long K (o and down projections: 64 × 32 tiles fill more of the GPU, 1.4-1.5×
+# faster on an H200 at 256 rows), TILE_WIDE for a vocabulary head (1.4×); bench_tiles.py times
+# them. A row's numbers do not depend on the tile: on sm_90 every tile that bench_tiles.py tried
+# (84 of them: BM, BN, BK of 64 or 128, warps, stages) gave every output bit for bit equal to
+# TILE's, since the matrix instruction sums a row's K steps in the same order whatever the block
+# around it; determinism.py --check confirms it on the device (--tile-large none and
+# --tile-by-shape off go back to TILE alone).
+TILE_LARGE: tuple | None = (128, 128, 64, 8, 3)
+TILE_BY_SHAPE = True
+TILE_NARROW = (64, 32, 128, 4, 4)
+TILE_WIDE = (128, 128, 64, 8, 3)
 LARGE_M = 1024
 
 
@@ -463,6 +472,21 @@ def _matmul_split(x, w, y, tile) -> None:
     _split_sum_kernel[(triton.cdiv(M * N, 1024),)](p, y, M * N, parts, BLOCK=1024, num_warps=4)
 
 
+def _tile(M: int, N: int, K: int) -> tuple:
+    """The tile of an M × K by K × N product (see TILE_BY_SHAPE). Under Triton's interpreter
+    always TILE: its products are NumPy's, whose sums do depend on the block."""
+    if INTERPRET:
+        return TILE
+    if TILE_LARGE is not None and M >= LARGE_M:
+        return TILE_LARGE
+    if TILE_BY_SHAPE:
+        if N <= 1024 and K >= 2048:
+            return TILE_NARROW
+        if N >= 32768:
+            return TILE_WIDE
+    return TILE
+
+
 def matmul_triton(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     """x [M, K] @ w [N, K]ᵀ → [M, N] in out_dtype through _matmul_kernel (fp32 accumulation)."""
     M, K = x.shape
@@ -470,7 +494,7 @@ def matmul_triton(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype) -> t
     y = torch.empty(M, N, dtype=out_dtype, device=x.device)
     if M == 0 or N == 0:
         return y
-    tile = TILE if TILE_LARGE is None or M < LARGE_M else TILE_LARGE
+    tile = _tile(M, N, K)
     if SPLIT_K > 1 and K >= SPLIT_K_MIN:
         _matmul_split(x, w, y, tile)
         return y

@@ -816,3 +816,21 @@ def test_a_training_step_with_the_layer_in_one_node(interpreted, model_dirs, mon
     assert got[0].grad_norm > 0
     assert (got[0].loss, got[0].logprob_diff_max) == (got[1].loss, got[1].logprob_diff_max)
     assert abs(got[0].grad_norm - got[1].grad_norm) <= 1e-2 * got[1].grad_norm
+
+
+def test_the_products_tile_is_chosen_by_the_shape_alone(monkeypatch):
+    # On a GPU: decode steps' narrow long-K products and the head take their own tiles, passes of
+    # LARGE_M rows or more TILE_LARGE, whatever the rows hold; the interpreter always TILE.
+    monkeypatch.setattr(bi, "INTERPRET", False)
+    assert bi._tile(256, 1024, 3072) == bi.TILE_NARROW
+    assert bi._tile(1, 1024, 2048) == bi.TILE_NARROW
+    assert bi._tile(256, 151936, 1024) == bi.TILE_WIDE
+    assert bi._tile(256, 4096, 1024) == bi.TILE
+    assert bi._tile(bi.LARGE_M, 1024, 3072) == bi.TILE_LARGE
+    monkeypatch.setattr(bi, "TILE_BY_SHAPE", False)
+    assert bi._tile(256, 1024, 3072) == bi.TILE
+    monkeypatch.setattr(bi, "TILE_LARGE", None)
+    assert bi._tile(4096, 1024, 3072) == bi.TILE
+    monkeypatch.setattr(bi, "INTERPRET", True)
+    monkeypatch.setattr(bi, "TILE_BY_SHAPE", True)
+    assert bi._tile(256, 1024, 3072) == bi.TILE

@@ -24,7 +24,6 @@ ALIGNED_INTS = {"H", "D", "N", "K", "KS", "sqb", "sqt", "sqh", "skb", "skh", "sk
                 "sul", "sxm", "swn", "sym"}
 ATTN = dict(Q="bf16", K="bf16", V="bf16", O="bf16", DO="bf16", P="i64", DQ="bf16", LSE="fp32",
             DELTA="fp32", DK="bf16", DV="bf16")
-TILE_LARGE = (128, 128, 64, 8, 3)  # determinism.py --tile-large's, the device check's
 
 
 def configs(bi):
@@ -45,7 +44,8 @@ def configs(bi):
                     dict(ATTN, LSE="fp32" if lse else "bf16"),
                     dict(BM=bi.ATTN_BM, S=bi.KV_SPLIT, BD=128, IEEE=False, HG=2, STORE_LSE=lse),
                     4, 3))
-    for tname, tile in (("tile", bi.TILE), ("tile-large", TILE_LARGE)):
+    for tname, tile in (("tile", bi.TILE), ("tile-large", bi.TILE_LARGE),
+                        ("tile-narrow", bi.TILE_NARROW), ("tile-wide", bi.TILE_WIDE)):
         BM, BN, BK, warps, stages = tile
         consts = dict(BM=BM, BN=BN, BK=BK, IEEE=False)
         out.append((f"matmul-{tname}", bi._matmul_kernel, dict(X="bf16", W="bf16", Y="bf16"),
@@ -57,7 +57,8 @@ def configs(bi):
 
 NAMES = ["dq-lse0-full0", "dq-lse0-full1", "dq-lse1-full0", "dq-lse1-full1", "dkdv-full0",
          "dkdv-full1", "attention-lse0", "attention-lse1", "matmul-tile", "matmul-split-tile",
-         "matmul-tile-large", "matmul-split-tile-large"]
+         "matmul-tile-large", "matmul-split-tile-large", "matmul-tile-narrow",
+         "matmul-split-tile-narrow", "matmul-tile-wide", "matmul-split-tile-wide"]
 
 
 def compile_sm90(triton, kernel, pointers: dict, consts: dict, warps: int, stages: int):

@@ -1,0 +1,128 @@
+"""The deterministic mode's fixed-tile product (batch_invariant._matmul_kernel) against cuBLAS on
+a decode step's products, for each tile of a grid: which tile to run, and whether it keeps the
+numbers. A decode step's products take most of the mode's decode time (about 19 µs each against
+cuBLAS's 7 on an H200 at 256 rows), so the tile is the lever.
+
+    python engines/torch/bench_tiles.py [--rows 256] [--shape qwen3-0.6b] [--top 5]
+
+For each product of the shape's layer (q/k/v, o, gate/up, down) and the vocabulary head, at
+--rows rows: cuBLAS's time, the current TILE's, and the fastest tiles of the grid (BM, BN, BK,
+warps, stages) with their time and two checks of their numbers: "same" (every output equal bit
+for bit to the current TILE's: a tile that keeps them can replace it without changing a single
+log-prob) and "invariant" (rows 0..7 of the --rows-row product equal the product of those 8 rows
+alone, and of row 0 alone: the row's numbers do not depend on the batch). Times are device µs per
+product, the median of 5 replays of a CUDA graph of 20 products (a decode step replays its graph
+likewise, so launch overhead is left out). Ends with the decode step's product time at the
+current tile and at the best keeping tile per product, summed over the layers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import statistics
+import sys
+
+import torch
+
+sys.path.insert(0, __file__.rsplit("/", 1)[0])
+from slimen_torch import batch_invariant as bi  # noqa: E402
+
+SHAPES = {"qwen3-0.6b": dict(hidden=1024, heads=16, kv=8, head_dim=128, inter=3072,
+                             layers=28, vocab=151936)}
+
+
+def products(s):
+    """(name, N, K, count a step) of a decode step's products."""
+    q = s["heads"] * s["head_dim"] + 2 * s["kv"] * s["head_dim"]
+    return [("qkv", q, s["hidden"], s["layers"]),
+            ("o", s["hidden"], s["heads"] * s["head_dim"], s["layers"]),
+            ("gate_up", 2 * s["inter"], s["hidden"], s["layers"]),
+            ("down", s["hidden"], s["inter"], s["layers"]),
+            ("head", s["vocab"], s["hidden"], 1)]
+
+
+def run(x, w, tile):
+    M, K = x.shape
+    N = w.shape[0]
+    y = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    BM, BN, BK, warps, stages = tile
+    grid = (bi.triton.cdiv(M, BM), bi.triton.cdiv(N, BN))
+    bi._matmul_kernel[grid](x, w, y, M, N, K, x.stride(0), x.stride(1), w.stride(0), w.stride(1),
+                            y.stride(0), y.stride(1), BM=BM, BN=BN, BK=BK, IEEE=False,
+                            num_warps=warps, num_stages=stages)
+    return y
+
+
+def timed(fn, reps=20) -> float:
+    """Device µs per call: the median of 5 replays of a graph of reps calls."""
+    fn()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        with torch.cuda.graph(g):
+            for _ in range(reps):
+                fn()
+    torch.cuda.current_stream().wait_stream(s)
+    out = []
+    for _ in range(5):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        torch.cuda.synchronize()
+        out.append(a.elapsed_time(b) * 1000 / reps)
+    return statistics.median(out)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rows", type=int, default=256)
+    ap.add_argument("--shape", default="qwen3-0.6b", choices=sorted(SHAPES))
+    ap.add_argument("--top", type=int, default=5)
+    a = ap.parse_args()
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(0)
+    grid = [t for t in itertools.product((64, 128), (32, 64, 128, 256), (64, 128), (4, 8),
+                                         (3, 4, 5)) if t[0] * t[1] <= 128 * 128 or t[0] == 64]
+    print(f"device: {torch.cuda.get_device_name()}; rows {a.rows}; current TILE {bi.TILE}; "
+          f"{len(grid)} tiles tried")
+    print("\n| product | N × K | cuBLAS µs | TILE µs | best tiles (µs, same, invariant) |")
+    print("|---|---|---:|---:|---|")
+    total_cur = total_best = total_cublas = 0.0
+    for name, N, K, count in products(SHAPES[a.shape]):
+        x = torch.randn(a.rows, K, device=dev, dtype=torch.bfloat16, generator=g)
+        w = torch.randn(N, K, device=dev, dtype=torch.bfloat16, generator=g) / K ** 0.5
+        ref = run(x, w, bi.TILE)
+        t_cublas = timed(lambda: x @ w.t())
+        t_cur = timed(lambda: run(x, w, bi.TILE))
+        rows = []
+        for tile in grid:
+            try:
+                y = run(x, w, tile)
+                torch.cuda.synchronize()
+            except Exception:  # noqa: BLE001 - a tile that does not compile or fit is skipped
+                continue
+            same = torch.equal(y, ref)
+            inv = torch.equal(y[:8], run(x[:8].clone(), w, tile)) and \
+                torch.equal(y[:1], run(x[:1].clone(), w, tile))
+            rows.append((timed(lambda: run(x, w, tile)), tile, same, inv))
+        rows.sort(key=lambda r: r[0])
+        keep = [r for r in rows if r[2] and r[3]]
+        best = keep[0][0] if keep else t_cur
+        total_cur += t_cur * count
+        total_best += min(best, t_cur) * count
+        total_cublas += t_cublas * count
+        shown = rows[:a.top] + [r for r in keep[:2] if r not in rows[:a.top]]
+        cells = "; ".join(f"{','.join(map(str, t))}: {us:.1f} ({'same' if s else 'differs'}, "
+                          f"{'inv' if i else 'NOT inv'})" for us, t, s, i in shown)
+        print(f"| {name} | {N} × {K} | {t_cublas:.1f} | {t_cur:.1f} | {cells} |")
+    print(f"\na decode step's products: cuBLAS {total_cublas / 1000:.2f} ms, current TILE "
+          f"{total_cur / 1000:.2f} ms, best keeping tile per product {total_best / 1000:.2f} ms")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
