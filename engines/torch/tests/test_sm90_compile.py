@@ -81,7 +81,7 @@ def compile_sm90(triton, kernel, pointers: dict, consts: dict, warps: int, stage
     missing = set(consts) - set(kernel.arg_names)
     assert not missing, f"{kernel.fn.__name__} has no argument {missing}"
     src = ASTSource(fn=kernel, signature=sig, constexprs=constexprs, attrs=attrs)
-    triton.compile(src, target=GPUTarget("cuda", 90, 32),
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
                    options={"num_warps": warps, "num_stages": stages})
 
 
