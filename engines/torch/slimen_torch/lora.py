@@ -23,7 +23,9 @@ Three ways to apply adapters (model.Transformer.lora, set with `model.using(sel)
   the running rows use sit in the slots of a preallocated table, updated in place when one
   changes, and each row reads its slot from an index tensor of the step state. So the step can
   be captured as a CUDA graph once and replayed whatever the batch mixes, and the compiled and
-  Triton-split decode layers take the updates as plain tensors (`Packed`).
+  Triton-split decode layers take the updates as plain tensors (`Packed`). With the Triton
+  kernels the decode step applies them as `Fused`: the shrink of every slot in one product, then
+  lora_kernels.expand adds each row's own slot's expand to the base product in one kernel.
 """
 
 from __future__ import annotations
@@ -38,6 +40,8 @@ import torch
 import torch.nn.functional as F
 from safetensors import safe_open
 from safetensors.torch import save_file
+
+from . import lora_kernels
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -386,6 +390,21 @@ class Table:
                 self.b[(i, f)] = torch.zeros(out, n, device=dev, dtype=dt)
         self.scale = torch.zeros(cap, device=dev, dtype=torch.float32)
         self.ids = torch.arange(1, cap + 1, device=dev)
+        # For lora_kernels.expand: each chunk of bn output columns of a fused projection lies in
+        # one part (bn divides every projection's size); its part's index in parts, or -1.
+        self.part = {}
+        g = math.gcd(*(proj_shape(m.cfg, t)[0] for t in TARGETS))
+        self.bn = min(lora_kernels.BN_MAX, g & -g)
+        if self.bn < 16:  # (tl.dot's smallest tile) the decode step runs Packed
+            self.bn = 0
+            return
+        for f, ps in parts.items():
+            if ps:
+                chunks = []
+                for t in FUSED[f]:
+                    n = proj_shape(m.cfg, t)[0] // self.bn
+                    chunks += [ps.index(t) if t in ps else -1] * n
+                self.part[f] = torch.tensor(chunks, device=dev, dtype=torch.int32)
 
     @torch.no_grad()
     def _put(self, ad: Adapter, k: int) -> None:
@@ -429,6 +448,22 @@ class Packed(NamedTuple):
     m: torch.Tensor
 
 
+class Fused(NamedTuple):
+    """A fused projection weight w with the table's updates of the batch's rows, applied by
+    `linear` in two kernels after the base product: the shrink x·aᵀ of every slot and
+    lora_kernels.expand (each row's own slot's columns, scaled, times b, added). a, b: a layer's
+    A_f and B_f; idx: the rows' slots; scale, part, r: the table's (Table.part). The decode
+    step's (x of [rows, in]), on the devices the kernel runs on."""
+
+    w: torch.Tensor
+    a: torch.Tensor
+    b: torch.Tensor
+    idx: torch.Tensor
+    scale: torch.Tensor
+    part: torch.Tensor
+    r: int
+
+
 class LoRAWeight:
     """A fused projection weight with low-rank updates: `linear` applies it."""
 
@@ -442,6 +477,9 @@ def linear(x: torch.Tensor, w, b=None) -> torch.Tensor:
     """F.linear that also applies a LoRAWeight's update."""
     if isinstance(w, LoRAWeight):
         return F.linear(x, w.w, b) + w.delta(x)
+    if isinstance(w, Fused):
+        return lora_kernels.expand(F.linear(x, w.w, b), F.linear(x, w.a), w.b, w.idx, w.scale,
+                                   w.part, w.r)
     if isinstance(w, Packed):
         m = w.m if x.dim() == 2 else w.m[:, None, :]
         return F.linear(x, w.w, b) + F.linear(F.linear(x, w.a) * m, w.b)
@@ -527,10 +565,17 @@ class Slots:
 
     Rows' arithmetic over the whole table: ((x·A_fᵀ) ∘ M)·B_fᵀ, where the mask M keeps the
     columns of row i's slot, scaled by its alpha/rank, and zeroes the others (a row's result is
-    its own adapter's whatever the other rows hold: batch invariance)."""
+    its own adapter's whatever the other rows hold: batch invariance).
 
-    def __init__(self, table: Table, idx: torch.Tensor):
+    fused (the decode step's, where lora_kernels runs): the same through Fused, which reads only
+    each row's own slot's columns and needs no mask; not where the table has no chunk size
+    (Table.bn 0)."""
+
+    def __init__(self, table: Table, idx: torch.Tensor, fused: bool = False):
         self.table, self.idx = table, idx
+        self.fused = fused and table.bn > 0 and lora_kernels.available(idx.device)
+        if self.fused:
+            return
         on = (idx[:, None] == table.ids[None, :]).to(torch.float32) * table.scale
         self.m1 = on[:, :, None].expand(-1, -1, table.r).reshape(
             idx.shape[0], table.cap * table.r).to(table.dtype)
@@ -548,6 +593,9 @@ class Slots:
         for f, ps in t.parts.items():
             if ps:
                 k = WEIGHT_INDEX[f]
+                if self.fused:
+                    w[k] = Fused(w[k], t.a[(i, f)], t.b[(i, f)], self.idx, t.scale, t.part[f], t.r)
+                    continue
                 w[k] = Packed(w[k], t.a[(i, f)], t.b[(i, f)], self.mask(len(ps)))
         return tuple(w)
 

@@ -1,11 +1,12 @@
-"""The deterministic mode's Triton kernels with loops of matrix products compile for an H100/H200
-(sm_90) in the configurations the GPU runs, checked here on the CPU: Triton compiles ahead of
-time for a target it is told (its wheel ships ptxas), so a kernel that the interpreter runs but
-the GPU's compiler rejects fails CI instead of a device run. The arguments are typed as a GPU
-launch specializes them: pointers and the integers that are multiples of 16 marked divisible by
-16 (what makes the software pipeliner act, and where it once failed on a branch inside a
-kernel's loop). The compiles run in a child process without TRITON_INTERPRET, which the other
-tests set and under which Triton's code generator does not work."""
+"""The deterministic mode's Triton kernels with loops of matrix products (and the decode step's
+LoRA expand) compile for an H100/H200 (sm_90) in the configurations the GPU runs, checked here
+on the CPU: Triton compiles ahead of time for a target it is told (its wheel ships ptxas), so a
+kernel that the interpreter runs but the GPU's compiler rejects fails CI instead of a device run.
+The arguments are typed as a GPU launch specializes them: pointers and the integers that are
+multiples of 16 marked divisible by 16 (what makes the software pipeliner act, and where it once
+failed on a branch inside a kernel's loop). The compiles run in a child process without
+TRITON_INTERPRET, which the other tests set and under which Triton's code generator does not
+work."""
 
 import json
 import os
@@ -21,7 +22,7 @@ HERE = Path(__file__).resolve().parent
 # sizes a launch passes are multiples of 16 except the group size G and the position counts.
 ALIGNED_INTS = {"H", "D", "N", "K", "KS", "sqb", "sqt", "sqh", "skb", "skh", "skl", "svb", "svh",
                 "svl", "sob", "sot", "soh", "sdb", "sdt", "sdh", "sgb", "sgh", "sgl", "sub", "suh",
-                "sul", "sxm", "swn", "sym"}
+                "sul", "sxm", "swn", "sym", "ssm", "sbn", "som", "CR"}
 ATTN = dict(Q="bf16", K="bf16", V="bf16", O="bf16", DO="bf16", P="i64", DQ="bf16", LSE="fp32",
             DELTA="fp32", DK="bf16", DV="bf16")
 
@@ -52,13 +53,21 @@ def configs(bi):
                     consts, warps, stages))
         out.append((f"matmul-split-{tname}", bi._matmul_split_kernel,
                     dict(X="bf16", W="bf16", P="fp32"), consts, warps, stages))
+    # The decode step's LoRA expand (lora_kernels.py) in bf16: 8 slots of rank 8 (the bench's),
+    # rank 16 and 64 slots of rank 4 (the columns of a part: 64, 128, 256).
+    from slimen_torch import lora_kernels as lk
+    for bc in (64, 128, 256):
+        out.append((f"lora-expand-bc{bc}", lk._expand_kernel,
+                    dict(Y="bf16", S="bf16", B="bf16", IDX="i64", SCALE="fp32", PART="i32",
+                         O="bf16"), dict(BM=lk.BM, BN=lk.BN_MAX, BC=bc, F32DOT=False), 4, 1))
     return out
 
 
 NAMES = ["dq-lse0-full0", "dq-lse0-full1", "dq-lse1-full0", "dq-lse1-full1", "dkdv-full0",
          "dkdv-full1", "attention-lse0", "attention-lse1", "matmul-tile", "matmul-split-tile",
          "matmul-tile-large", "matmul-split-tile-large", "matmul-tile-narrow",
-         "matmul-split-tile-narrow", "matmul-tile-wide", "matmul-split-tile-wide"]
+         "matmul-split-tile-narrow", "matmul-tile-wide", "matmul-split-tile-wide",
+         "lora-expand-bc64", "lora-expand-bc128", "lora-expand-bc256"]
 
 
 def compile_sm90(triton, kernel, pointers: dict, consts: dict, warps: int, stages: int):
