@@ -22,15 +22,17 @@ On a random model of --shape (make-model; bf16 on a GPU), three sections:
   gen        generation throughput: --rows rows (128-token prompts, --new sampled tokens,
              temperature 1) of one model with the engine's defaults (CUDA graphs, Triton), the
              same rows spread over 8 adapters in one batch through the adapter table (the decode
-             step captured in the same graphs), the same on the eager per-row path (lora.Rows,
+             step captured in the same graphs; the updates through lora_kernels' fused expand),
+             the same captured without the fused expand (lora.Packed: the generator's
+             lora_fused off), the same on the eager per-row path (lora.Rows,
              the generator's lora_table off), one adapter, and the rows of one model on the
              eager path; the ratio of 8 captured adapters to the one captured model (the
              target is >= 0.7, docs/performance.md); and a token check (greedy, min(--new, 32)
              tokens; the adapters' B drawn, so that they change the base's outputs): each row of the
              mixed batch against the same batch all of its row's adapter (the same shapes: equal
              unless a row's result depended on the other rows' adapters), against the eager Rows
-             path, and the first 8 rows each alone (batch 1: other kernels, so bf16 may round
-             differently: reported, not required)
+             path and the captured table not fused, and the first 8 rows each alone (batch 1:
+             other kernels, so bf16 may round differently: reported, not required)
 
 Prints a table and writes DIR/bench_lora.json and DIR/bench_lora.md. Each section runs in its own
 process, so an out-of-memory error or a crash costs that section only.
@@ -253,10 +255,19 @@ def token_check(e, a, names) -> dict:
         rows = greedy(e, a, names)
     finally:
         e.gen.lora_table = True
+    e.gen.lora_fused = False
+    e.gen.graphs.clear()
+    try:
+        packed = greedy(e, a, names)
+    finally:
+        e.gen.lora_fused = True
+        e.gen.graphs.clear()
     alone = sum(greedy(e, a, names, [i])[0][0] == mixed[i][0] for i in range(min(k, a.rows)))
     return dict(rows=a.rows, same_shape_equal=same_shape, same_shape_max_lp_diff=shape_lp,
                 rows_path_equal=sum(x[0] == y[0] for x, y in zip(mixed, rows)),
                 rows_path_max_lp_diff=max(lp_diff(x, y) for x, y in zip(mixed, rows)),
+                packed_equal=sum(x[0] == y[0] for x, y in zip(mixed, packed)),
+                packed_max_lp_diff=max(lp_diff(x, y) for x, y in zip(mixed, packed)),
                 alone_equal=alone, alone_checked=min(k, a.rows),
                 differ_from_base=sum(x[0] != y[0] or lp_diff(x, y) > 1e-3
                                      for x, y in zip(mixed, base)))
@@ -283,6 +294,15 @@ def sec_gen(a, model_dir):
         res["decode_graphs"] = len(gen.graphs) if gen.use_graphs else 0
         res["table"] = dict(version=e.bank.table.version, slots=e.bank.table.cap, rank=e.bank.table.r)
         res["one_adapter_tok_s"] = gen_run(e, a, ["g0"])
+        # The table captured with lora.Packed's arithmetic (before the fused expand); the graphs
+        # are captured again each way, as they hold the step's kernels.
+        gen.lora_fused = False
+        gen.graphs.clear()
+        try:
+            res["eight_adapters_packed_tok_s"] = gen_run(e, a, names)
+        finally:
+            gen.lora_fused = True
+            gen.graphs.clear()
         gen.lora_table = False
         try:
             res["eight_adapters_eager_tok_s"] = gen_run(e, a, names)
@@ -291,6 +311,7 @@ def sec_gen(a, model_dir):
         base = res["one_model_defaults_tok_s"]
         res["ratio_eight_captured_to_one_model"] = res["eight_adapters_tok_s"] / base
         res["ratio_eight_eager_to_one_model"] = res["eight_adapters_eager_tok_s"] / base
+        res["ratio_eight_packed_to_one_model"] = res["eight_adapters_packed_tok_s"] / base
         res["tokens"] = token_check(e, a, names)
     finally:
         e.close()
@@ -322,6 +343,8 @@ def table(results: dict, a) -> str:
         L += ["", f"| generation, {a.rows} rows × {a.new} tokens | tok/s |", "|---|---:|"]
         for k, what in (("one_model_defaults_tok_s", "one model, engine defaults (graphs, Triton)"),
                         ("eight_adapters_tok_s", "spread over 8 adapters, one batch (the table, captured)"),
+                        ("eight_adapters_packed_tok_s",
+                         "spread over 8 adapters, one batch (captured, the expand not fused)"),
                         ("eight_adapters_eager_tok_s", "spread over 8 adapters, one batch (Rows, eager)"),
                         ("one_adapter_tok_s", "one adapter"),
                         ("one_model_eager_tok_s", "one model, eager path")):
@@ -329,13 +352,16 @@ def table(results: dict, a) -> str:
         if "ratio_eight_captured_to_one_model" in g:
             t = g["tokens"]
             L += ["", f"- 8 adapters captured / one captured model: "
-                  f"{g['ratio_eight_captured_to_one_model']:.3f}x (eager Rows: "
+                  f"{g['ratio_eight_captured_to_one_model']:.3f}x (not fused: "
+                  f"{g['ratio_eight_packed_to_one_model']:.3f}x; eager Rows: "
                   f"{g['ratio_eight_eager_to_one_model']:.3f}x); {g['decode_graphs']} decode graphs, "
                   f"table {g['table']}",
                   f"- greedy tokens of the mixed batch: {t['same_shape_equal']}/{t['rows']} rows equal to "
                   f"the batch all of their adapter (log-probs within {t['same_shape_max_lp_diff']:.2g}), "
                   f"{t['rows_path_equal']}/{t['rows']} to the eager Rows path (within "
-                  f"{t['rows_path_max_lp_diff']:.2g}), {t['alone_equal']}/{t['alone_checked']} to the row "
+                  f"{t['rows_path_max_lp_diff']:.2g}), {t['packed_equal']}/{t['rows']} to the "
+                  f"captured table not fused (within {t['packed_max_lp_diff']:.2g}), "
+                  f"{t['alone_equal']}/{t['alone_checked']} to the row "
                   f"alone; {t['differ_from_base']}/{t['rows']} differ from the base's (tokens or "
                   f"log-probs by > 1e-3)"]
     elif g:

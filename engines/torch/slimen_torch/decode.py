@@ -63,6 +63,9 @@ class Decode:
         # every step with adapters runs lora.Rows eagerly (the path before the table; bench_lora.py
         # measures both). lora_mode: how the next step applies them (_lora_step).
         self.lora_table = True
+        # With the Triton kernels the table's updates run fused (lora.Fused: two kernels a
+        # projection instead of four); off: lora.Packed's arithmetic (bench_lora.py compares).
+        self.lora_fused = True
         self.lora_mode = None
         self.lora_warned = False
 
@@ -139,7 +142,8 @@ class Decode:
         elif self.fused_b1 and B == 1 and self.lora_mode is None:
             logits = decode_step_b1(self.model, kernels, self.tok[:B], pos, self.k, self.v, L)
         else:
-            sel = (lora.Slots(self.bank.table, self.lora_idx[:B])
+            sel = (lora.Slots(self.bank.table, self.lora_idx[:B],
+                              fused=self.triton and self.lora_fused)
                    if self.lora_mode == "table" else None)
             with self.model.using(sel):
                 if self.triton:

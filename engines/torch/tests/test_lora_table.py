@@ -355,6 +355,167 @@ def test_the_compiled_and_split_layers_take_the_updates(eng):
     assert not torch.allclose(base[0], want[0], atol=1e-3)
 
 
+def _fused_and_packed(t, idx, m, i):
+    """Layer i's weights under Slots over table t, fused (lora.Fused) and not (lora.Packed)."""
+    w = m.layers[i].weights()
+    fused = lora.Slots(t, idx, fused=True)
+    assert fused.fused
+    return fused.weights(m, i, w), lora.Slots(t, idx).weights(m, i, w)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_the_fused_expand_gives_packeds_updates(eng, dtype):
+    """lora.Fused (lora_kernels.expand, under the interpreter) against lora.Packed (the mask and
+    three products) for every fused projection of every layer: fp32 within summation order,
+    bf16 within one rounding of the result; a row's result does not depend on the other rows'
+    slots, and other slots' columns never reach it (NaN written into them changes nothing)."""
+    m, bank = eng.model, eng.bank
+    a, b, c = (bank.adapters[n] for n in "abc")
+    row_ads = [a, None, c, b, a, c] * 3  # 18 rows: two row tiles of the kernel's
+    t = lora.Table(bank, 8)
+    assert t.place([x for x in row_ads if x is not None]) and t.bn == 32
+    idx = torch.tensor([t.slot_of(x) for x in row_ads])
+    cfg = m.cfg
+    g = torch.Generator().manual_seed(4)
+    dims = {1: cfg.hidden, 5: cfg.q_dim, 8: cfg.hidden, 9: cfg.intermediate}
+    inputs = {k: torch.randn(len(row_ads), d, generator=g) for k, d in dims.items()}
+    saved = {k: (v.clone(), t.b[k].clone()) for k, v in t.a.items()}
+    try:
+        if dtype != torch.float32:
+            for k in t.a:
+                t.a[k].data, t.b[k].data = t.a[k].data.to(dtype), t.b[k].data.to(dtype)
+        for i in range(cfg.layers):
+            wf, wp = _fused_and_packed(t, idx, m, i)
+            for k, x in inputs.items():
+                x = x.to(dtype)
+                wk = [z.to(dtype) if isinstance(z, torch.Tensor) and z.is_floating_point()
+                      and z is not wf[k].scale else z for z in wf[k]]
+                pk = [z.to(dtype) for z in wp[k]]
+                got = lora.linear(x, lora.Fused(*wk))
+                want = lora.linear(x, lora.Packed(*pk))
+                tol = 2e-6 if dtype == torch.float32 else 2 ** -7 * want.abs().max().item()
+                assert (got.float() - want.float()).abs().max() <= tol, (i, k)
+                assert not torch.equal(got, torch.nn.functional.linear(x, wk[0]))
+                # Row 3 with every other row on the base, or on row 3's adapter: the same.
+                for other in (0, idx[3].item()):
+                    idx2 = torch.full_like(idx, other)
+                    idx2[3] = idx[3]
+                    one = lora.linear(x, lora.Fused(*wk[:3], idx2, *wk[4:]))
+                    assert torch.equal(one[3], got[3]), (i, k)
+        # Slot of c poisoned: the rows of a and b and the base rows keep their results.
+        x = inputs[1].to(dtype)
+        w0 = lora.Slots(t, idx, fused=True).weights(m, 0, m.layers[0].weights())[1]
+        w0 = lora.Fused(w0.w.to(dtype), *w0[1:])
+        before = lora.linear(x, w0)
+        k = t.slot_of(c)
+        A = t.a[(0, "wqkv")]
+        for p in range(len(t.parts["wqkv"])):
+            A[(p * t.cap + k - 1) * t.r:(p * t.cap + k) * t.r] = float("nan")
+        after = lora.linear(x, w0)
+        rows_c = torch.tensor([x is c for x in row_ads])
+        assert torch.equal(after[~rows_c], before[~rows_c])
+        assert after[rows_c].isnan().any()
+    finally:
+        for k, (A, B) in saved.items():
+            t.a[k].data, t.b[k].data = A, B
+
+
+def _ops(fn) -> dict:
+    """The operations fn dispatches (aten and custom; views and metadata not counted)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.n = {}
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if not (torch.Tag.view_copy in func.tags or func.is_view
+                    or func.__name__.split(".")[0] in ("detach", "_to_copy", "lift_fresh")):
+                name = func.__name__.split(".")[0]
+                self.n[name] = self.n.get(name, 0) + 1
+            return func(*args, **(kwargs or {}))
+
+    with Count() as c:
+        fn()
+    return c.n
+
+
+def test_the_fused_step_runs_fewer_operations(eng):
+    """A decode step's operations (what a CUDA graph launches, less the Triton attention):
+    fused, each adapted projection adds two to the base's (the shrink and the expand); Packed
+    adds the mask's product, the expand's product and the add besides, and the mask's making."""
+    m, bank = eng.model, eng.bank
+    cfg = m.cfg
+    row_ads = [bank.adapters["a"], None, bank.adapters["c"], bank.adapters["b"]]
+    t = bank.table
+    assert t.place([x for x in row_ads if x is not None])
+    idx = torch.tensor([t.slot_of(x) for x in row_ads])
+    B, L = 4, 16
+    tokens, pos = torch.tensor(IDS[:B]), torch.tensor([3, 7, 0, 5])
+    g = torch.Generator().manual_seed(1)
+    shape = (B, cfg.kv_heads, L, cfg.head_dim)
+    kc = [torch.randn(shape, generator=g) for _ in range(cfg.layers)]
+    vc = [torch.randn(shape, generator=g) for _ in range(cfg.layers)]
+
+    def step(sel):
+        def run():
+            with torch.no_grad(), m.using(sel):
+                decode_step_split(m, decode_pre, decode_post, _attention, tokens, pos, kc, vc, L)
+        return run
+
+    base = _ops(step(None))
+    fused = _ops(step(lora.Slots(t, idx, fused=True)))
+    packed = _ops(step(lora.Slots(t, idx)))
+    adapted = cfg.layers * sum(1 for ps in t.parts.values() if ps)
+    assert adapted == 2 * 4
+    total = lambda n: sum(n.values())  # noqa: E731
+    assert total(fused) == total(base) + 2 * adapted, (fused, base)
+    assert fused.get("lora_expand") == adapted
+    assert total(packed) >= total(base) + 4 * adapted, (packed, base)
+    assert total(fused) < total(packed)
+
+
+def test_a_mixed_batch_decodes_fused_as_each_request_alone(monkeypatch):
+    """An engine with the Triton kernels (under the interpreter: the split decode layers, the
+    table's updates fused): the mixed batch's greedy tokens are each request's alone, Packed's
+    and the eager Rows path's; each row's result does not depend on the other rows' adapters."""
+    e = Engine(str(BUILTIN), Options(device="cpu", kernels=True))
+    try:
+        for i, (name, (targets, rank)) in enumerate(ADAPTERS.items()):
+            add(e, name, i + 1, targets, rank)
+        made = []
+
+        class Seen(lora.Slots):
+            def __init__(self, *a, **kw):
+                super().__init__(*a, **kw)
+                made.append(self.fused)
+
+        monkeypatch.setattr(lora, "Slots", Seen)
+        assert e.gen.triton and e.gen.lora_fused
+        greedy = Sampling(max_tokens=5, temperature=0.0)
+        mixed = generate(e, ROWS, greedy, "m")
+        assert any(made), "no decode step ran fused"
+        for i, row in enumerate(ROWS):
+            alone = generate(e, [row], greedy, f"y{i}")
+            assert same(mixed[i], alone[0]), f"row {i} ({row[0] or 'base'}) differs alone"
+        for name in ("a", "c"):
+            one = generate(e, [(name, p) for _, p in ROWS], greedy, f"v{name}")
+            for i, (a, _) in enumerate(ROWS):
+                if a == name:
+                    assert mixed[i] == one[i], f"row {i} ({a})"
+        e.gen.lora_fused = False
+        made.clear()
+        packed = generate(e, ROWS, greedy, "p")
+        assert made and not any(made)
+        e.gen.lora_fused, e.gen.lora_table = True, False
+        rows = generate(e, ROWS, greedy, "r")
+        for i, (x, y, z) in enumerate(zip(mixed, packed, rows)):
+            assert same(x, y) and same(x, z), f"row {i}"
+    finally:
+        e.close()
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_on_the_gpu_adapters_decode_in_captured_graphs():
     """The engine's GPU defaults (CUDA graphs, compiled layers, Triton kernels, bf16): a mixed
