@@ -22,8 +22,9 @@ On a random model of --shape (make-model; bf16 on a GPU), three sections:
   gen        generation throughput: --rows rows (128-token prompts, --new sampled tokens,
              temperature 1) of one model with the engine's defaults (CUDA graphs, Triton), the
              same rows spread over 8 adapters in one batch through the adapter table (the decode
-             step captured in the same graphs; the updates through lora_kernels' fused expand),
-             the same captured without the fused expand (lora.Packed: the generator's
+             step captured in the same graphs; the shrink folded into the base's product and
+             lora_kernels' fused expand), the same captured with the shrink a product of its
+             own (the generator's lora_fold off) and without the fused expand (lora.Packed:
              lora_fused off), the same on the eager per-row path (lora.Rows,
              the generator's lora_table off), one adapter, and the rows of one model on the
              eager path; the ratio of 8 captured adapters to the one captured model (the
@@ -294,15 +295,19 @@ def sec_gen(a, model_dir):
         res["decode_graphs"] = len(gen.graphs) if gen.use_graphs else 0
         res["table"] = dict(version=e.bank.table.version, slots=e.bank.table.cap, rank=e.bank.table.r)
         res["one_adapter_tok_s"] = gen_run(e, a, ["g0"])
-        # The table captured with lora.Packed's arithmetic (before the fused expand); the graphs
-        # are captured again each way, as they hold the step's kernels.
-        gen.lora_fused = False
-        gen.graphs.clear()
-        try:
-            res["eight_adapters_packed_tok_s"] = gen_run(e, a, names)
-        finally:
-            gen.lora_fused = True
+        # The table captured with the shrink a product of its own (not folded into the base's),
+        # and with lora.Packed's arithmetic (before the fused expand); the graphs are captured
+        # again each way, as they hold the step's kernels.
+        for k, attr in (("eight_adapters_unfolded_tok_s", "lora_fold"),
+                        ("eight_adapters_packed_tok_s", "lora_fused")):
+            setattr(gen, attr, False)
             gen.graphs.clear()
+            try:
+                res[k] = gen_run(e, a, names)
+            finally:
+                setattr(gen, attr, True)
+                gen.graphs.clear()
+        res["table"]["folded"] = e.bank.table.folded
         gen.lora_table = False
         try:
             res["eight_adapters_eager_tok_s"] = gen_run(e, a, names)
@@ -312,6 +317,7 @@ def sec_gen(a, model_dir):
         res["ratio_eight_captured_to_one_model"] = res["eight_adapters_tok_s"] / base
         res["ratio_eight_eager_to_one_model"] = res["eight_adapters_eager_tok_s"] / base
         res["ratio_eight_packed_to_one_model"] = res["eight_adapters_packed_tok_s"] / base
+        res["ratio_eight_unfolded_to_one_model"] = res["eight_adapters_unfolded_tok_s"] / base
         res["tokens"] = token_check(e, a, names)
     finally:
         e.close()
@@ -343,6 +349,8 @@ def table(results: dict, a) -> str:
         L += ["", f"| generation, {a.rows} rows × {a.new} tokens | tok/s |", "|---|---:|"]
         for k, what in (("one_model_defaults_tok_s", "one model, engine defaults (graphs, Triton)"),
                         ("eight_adapters_tok_s", "spread over 8 adapters, one batch (the table, captured)"),
+                        ("eight_adapters_unfolded_tok_s",
+                         "spread over 8 adapters, one batch (captured, the shrink not folded)"),
                         ("eight_adapters_packed_tok_s",
                          "spread over 8 adapters, one batch (captured, the expand not fused)"),
                         ("eight_adapters_eager_tok_s", "spread over 8 adapters, one batch (Rows, eager)"),
@@ -352,7 +360,8 @@ def table(results: dict, a) -> str:
         if "ratio_eight_captured_to_one_model" in g:
             t = g["tokens"]
             L += ["", f"- 8 adapters captured / one captured model: "
-                  f"{g['ratio_eight_captured_to_one_model']:.3f}x (not fused: "
+                  f"{g['ratio_eight_captured_to_one_model']:.3f}x (not folded: "
+                  f"{g['ratio_eight_unfolded_to_one_model']:.3f}x; not fused: "
                   f"{g['ratio_eight_packed_to_one_model']:.3f}x; eager Rows: "
                   f"{g['ratio_eight_eager_to_one_model']:.3f}x); {g['decode_graphs']} decode graphs, "
                   f"table {g['table']}",

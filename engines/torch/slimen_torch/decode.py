@@ -66,6 +66,9 @@ class Decode:
         # With the Triton kernels the table's updates run fused (lora.Fused: two kernels a
         # projection instead of four); off: lora.Packed's arithmetic (bench_lora.py compares).
         self.lora_fused = True
+        # Fused with the shrink folded into the base product (lora.Table.fold: the table holds a
+        # copy of the projections' weights); off: the shrink a product of its own.
+        self.lora_fold = True
         self.lora_mode = None
         self.lora_warned = False
 
@@ -91,7 +94,7 @@ class Decode:
         self.lora_mode = "rows"
         if not self.lora_table or bi.enabled():
             return
-        t = self.bank.table
+        t = self._table()
         if not t.place(s.req.adapter for _, s in rows if s.req.adapter is not None):
             if not self.lora_warned:
                 self.lora_warned = True
@@ -109,6 +112,12 @@ class Decode:
                 self.lora_host[r] = k
             rk = torch.tensor(ch, dtype=torch.long).to(self.device)
             self.lora_idx.index_copy_(0, rk[:, 0], rk[:, 1])
+
+    def _table(self) -> "lora.Table":
+        """The bank's table, folded when the decode step's updates run fused (lora_fold)."""
+        t = self.bank.table
+        t.fold = self.triton and self.lora_fused and self.lora_fold
+        return t
 
     def _run(self, B: int, L: int, use_top_p: bool) -> None:
         """One decode step on rows [0, B) over positions [0, L): its shape's CUDA graph replayed

@@ -136,7 +136,7 @@ class Generator(Decode, Prefill):
         running rows' adapters (none of those is evicted); else lora.Rows (decode.py's
         _lora_step says when)."""
         if self.lora_table and not bi.enabled():
-            t = self.bank.table
+            t = self._table()
             running = [s.req.adapter for s in self.slots if s is not None and not s.done]
             if t.place(a for a in adapters + running if a is not None) and t.cap:
                 idx = torch.tensor([t.slot_of(a) for a in adapters], dtype=torch.long)

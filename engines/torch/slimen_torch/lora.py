@@ -271,6 +271,19 @@ def _pow2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
 
+# The bias of a fused projection, where the model has one (Qwen2's): a folded product has none.
+BIAS = {"wqkv": "bqkv", "wo": "bo"}
+
+
+def _versioned(w: torch.Tensor) -> bool:
+    """Whether w counts its in-place writes (an inference-mode tensor does not)."""
+    try:
+        w._version
+    except RuntimeError:
+        return False
+    return True
+
+
 class Table:
     """The adapters the generator's passes use, in device tensors whose shapes do not depend on
     which adapters a batch holds (Slots applies them; a CUDA graph captured over them stays
@@ -307,6 +320,15 @@ class Table:
         self.b: dict[tuple[int, str], torch.Tensor] = {}
         self.scale = self.ids = None
         self.dtype = bank.model.embed.dtype
+        # fold: each fused weight's A_f in a tensor below a copy of the base weight (wa), so that
+        # the decode step's base product gives the shrink too (Fused); the copies cost the
+        # projections' memory again and follow the model's weights (_sync). The generator sets
+        # it; a change takes effect at the next place(), as a grown table (a new version).
+        self.fold = self.folded = False
+        self.wa: dict[tuple[int, str], torch.Tensor] = {}
+        self.base: list = []  # [layer, fused name, (data_ptr, version) of the weight copied]
+        self.bn = 0
+        self.part: dict[str, torch.Tensor] = {}
 
     def changed(self) -> None:
         self.stale = True
@@ -325,10 +347,12 @@ class Table:
         if self.stale:
             self._refresh()
         missing = [a for a in ads if id(a) not in self.slot]
-        if missing:  # (the table's shapes fit the resident ones already)
-            self._admit(ads, missing)
+        if missing or (self.cap and self.fold != self.folded):
+            self._admit(ads, missing)  # (else the table's shapes fit the resident ones already)
         for a in ads:
             self.used[id(a)] = self.calls
+        if self.base:
+            self._sync()
         return True
 
     def _admit(self, ads: list, missing: list) -> None:
@@ -338,7 +362,7 @@ class Table:
         r = max([self.r] + [a.cfg.rank for a in ads])
         parts = {f: tuple(t for t in ts if t in self.parts[f] or any(t in a.cfg.targets for a in ads))
                  for f, ts in FUSED.items()}
-        if r != self.r or parts != self.parts or len(ads) > self.cap:
+        if r != self.r or parts != self.parts or len(ads) > self.cap or self.fold != self.folded:
             # Grow: the step's adapters first, then the others held, most recently used first.
             others = sorted((a for a in self.held if a is not None and id(a) not in want),
                             key=lambda a: -self.used[id(a)])
@@ -358,6 +382,19 @@ class Table:
                 if old is not None:
                     del self.slot[id(old)], self.used[id(old)]
                 self._put(a, k)
+
+    @torch.no_grad()
+    def _sync(self) -> None:
+        """fold: the base rows of each folded weight copied again where the model's weight
+        changed since (written in place: its version counter moved; or replaced)."""
+        layers = self.bank.model.layers
+        for e in self.base:
+            i, f, stamp = e
+            W = getattr(layers[i], f)
+            now = (W.data_ptr(), W._version)
+            if now != stamp:
+                self.wa[(i, f)][:W.shape[0]].copy_(W)
+                e[2] = now
 
     def _refresh(self) -> None:
         """After changed(): the adapters the bank dropped leave; the others are copied again."""
@@ -380,14 +417,25 @@ class Table:
         self.held, self.slot = [None] * cap, {}
         self.used = {}
         self.a, self.b = {}, {}
+        self.wa, self.base, self.folded = {}, [], self.fold
         for i in range(m.cfg.layers):
+            layer = m.layers[i]
             for f, ps in parts.items():
                 if not ps:
                     continue
                 n = len(ps) * cap * r
                 out = sum(proj_shape(m.cfg, t)[0] for t in FUSED[f])
-                self.a[(i, f)] = torch.zeros(n, proj_shape(m.cfg, FUSED[f][0])[1], device=dev, dtype=dt)
+                inp = proj_shape(m.cfg, FUSED[f][0])[1]
                 self.b[(i, f)] = torch.zeros(out, n, device=dev, dtype=dt)
+                W = getattr(layer, f)
+                if self.fold and getattr(layer, BIAS.get(f, ""), None) is None and _versioned(W):
+                    # A_f below a copy of the base weight: one product gives both (Fused).
+                    wa = torch.zeros(out + n, inp, device=dev, dtype=dt)
+                    wa[:out].copy_(W)
+                    self.wa[(i, f)], self.a[(i, f)] = wa, wa[out:]
+                    self.base.append([i, f, (W.data_ptr(), W._version)])
+                else:
+                    self.a[(i, f)] = torch.zeros(n, inp, device=dev, dtype=dt)
         self.scale = torch.zeros(cap, device=dev, dtype=torch.float32)
         self.ids = torch.arange(1, cap + 1, device=dev)
         # For lora_kernels.expand: each chunk of bn output columns of a fused projection lies in
@@ -453,7 +501,8 @@ class Fused(NamedTuple):
     `linear` in two kernels after the base product: the shrink x·aᵀ of every slot and
     lora_kernels.expand (each row's own slot's columns, scaled, times b, added). a, b: a layer's
     A_f and B_f; idx: the rows' slots; scale, part, r: the table's (Table.part). The decode
-    step's (x of [rows, in]), on the devices the kernel runs on."""
+    step's (x of [rows, in]), on the devices the kernel runs on. Folded (Table.fold): a is None
+    and w is the table's [w; A_f], whose one product gives the base's output and the shrink."""
 
     w: torch.Tensor
     a: torch.Tensor
@@ -478,6 +527,10 @@ def linear(x: torch.Tensor, w, b=None) -> torch.Tensor:
     if isinstance(w, LoRAWeight):
         return F.linear(x, w.w, b) + w.delta(x)
     if isinstance(w, Fused):
+        if w.a is None:  # folded (Table.fold): w is [base; A_f], one product gives both
+            n = w.b.shape[0]
+            y = F.linear(x, w.w)
+            return lora_kernels.expand(y[:, :n], y[:, n:], w.b, w.idx, w.scale, w.part, w.r)
         return lora_kernels.expand(F.linear(x, w.w, b), F.linear(x, w.a), w.b, w.idx, w.scale,
                                    w.part, w.r)
     if isinstance(w, Packed):
@@ -594,7 +647,13 @@ class Slots:
             if ps:
                 k = WEIGHT_INDEX[f]
                 if self.fused:
-                    w[k] = Fused(w[k], t.a[(i, f)], t.b[(i, f)], self.idx, t.scale, t.part[f], t.r)
+                    wa = t.wa.get((i, f))
+                    # (folded where the weight is the model's, which the table's copy follows)
+                    if wa is not None and w[k] is getattr(model.layers[i], f):
+                        w[k] = Fused(wa, None, t.b[(i, f)], self.idx, t.scale, t.part[f], t.r)
+                    else:
+                        w[k] = Fused(w[k], t.a[(i, f)], t.b[(i, f)], self.idx, t.scale,
+                                     t.part[f], t.r)
                     continue
                 w[k] = Packed(w[k], t.a[(i, f)], t.b[(i, f)], self.mask(len(ps)))
         return tuple(w)

@@ -420,6 +420,51 @@ def test_the_fused_expand_gives_packeds_updates(eng, dtype):
             t.a[k].data, t.b[k].data = A, B
 
 
+def test_a_folded_table_gives_packeds_updates_and_follows_the_base():
+    """Table.fold: the shrink in the base's product (each fused weight below a copy of the
+    model's) gives Packed's updates; a base weight written in place, or replaced, reaches the
+    folded product at the next place()."""
+    e = engine()
+    try:
+        m, bank = e.model, e.bank
+        a, b, c = (bank.adapters[n] for n in "abc")
+        row_ads = [a, None, c, b, a, c]
+        t = lora.Table(bank, 8)
+        t.fold = True
+        assert t.place([a, b, c]) and t.folded and len(t.wa) == 4 * m.cfg.layers
+        idx = torch.tensor([t.slot_of(x) for x in row_ads])
+        g = torch.Generator().manual_seed(5)
+        dims = {1: m.cfg.hidden, 5: m.cfg.q_dim, 8: m.cfg.hidden, 9: m.cfg.intermediate}
+        inputs = {k: torch.randn(len(row_ads), d, generator=g) for k, d in dims.items()}
+
+        def check():
+            for i in range(m.cfg.layers):
+                wf, wp = _fused_and_packed(t, idx, m, i)
+                for k, x in inputs.items():
+                    assert wf[k].a is None  # folded
+                    got, want = lora.linear(x, wf[k]), lora.linear(x, wp[k])
+                    assert torch.allclose(got, want, rtol=0, atol=2e-6), (i, k)
+
+        check()
+        with torch.no_grad():
+            m.layers[0].w13.mul_(1.5)
+            m.layers[1].wqkv.add_(0.25)
+            old = m.layers[1].w2
+            m.layers[1].w2 = torch.nn.Parameter(old.detach() * -1)
+        assert t.place([a])
+        check()
+        # The table's own A_f rows (a view of the folded tensor) still take adapters in place.
+        assert t.place([a, b, c]) and t.wa[(0, "wqkv")].data_ptr() == t.a[(0, "wqkv")].data_ptr() - \
+            t.b[(0, "wqkv")].shape[0] * m.cfg.hidden * t.a[(0, "wqkv")].element_size()
+        # Fold off: the next place() reallocates without the copies.
+        version = t.version
+        t.fold = False
+        assert t.place([a]) and not t.folded and not t.wa and t.version > version
+        assert sorted(t.slot_of(x) for x in (a, b, c)) == [1, 2, 3]
+    finally:
+        e.close()
+
+
 def _ops(fn) -> dict:
     """The operations fn dispatches (aten and custom; views and metadata not counted)."""
     from torch.utils._python_dispatch import TorchDispatchMode
@@ -444,7 +489,8 @@ def _ops(fn) -> dict:
 def test_the_fused_step_runs_fewer_operations(eng):
     """A decode step's operations (what a CUDA graph launches, less the Triton attention):
     fused, each adapted projection adds two to the base's (the shrink and the expand); Packed
-    adds the mask's product, the expand's product and the add besides, and the mask's making."""
+    adds the mask's product, the expand's product and the add besides, and the mask's making;
+    folded (Table.fold), one (the expand)."""
     m, bank = eng.model, eng.bank
     cfg = m.cfg
     row_ads = [bank.adapters["a"], None, bank.adapters["c"], bank.adapters["b"]]
@@ -474,12 +520,23 @@ def test_the_fused_step_runs_fewer_operations(eng):
     assert fused.get("lora_expand") == adapted
     assert total(packed) >= total(base) + 4 * adapted, (packed, base)
     assert total(fused) < total(packed)
+    # Folded: the expand alone (the shrink is in the base's product).
+    t.fold = True
+    try:
+        assert t.place([x for x in row_ads if x is not None]) and t.folded
+        folded = _ops(step(lora.Slots(t, idx, fused=True)))
+    finally:
+        t.fold = False
+        t.place([x for x in row_ads if x is not None])
+    assert total(folded) == total(base) + adapted, (folded, base)
+    assert folded.get("lora_expand") == adapted
 
 
 def test_a_mixed_batch_decodes_fused_as_each_request_alone(monkeypatch):
     """An engine with the Triton kernels (under the interpreter: the split decode layers, the
-    table's updates fused): the mixed batch's greedy tokens are each request's alone, Packed's
-    and the eager Rows path's; each row's result does not depend on the other rows' adapters."""
+    table's updates fused, folded): the mixed batch's greedy tokens are each request's alone,
+    those unfolded, Packed's and the eager Rows path's; each row's result does not depend on the
+    other rows' adapters."""
     e = Engine(str(BUILTIN), Options(device="cpu", kernels=True))
     try:
         for i, (name, (targets, rank)) in enumerate(ADAPTERS.items()):
@@ -492,10 +549,11 @@ def test_a_mixed_batch_decodes_fused_as_each_request_alone(monkeypatch):
                 made.append(self.fused)
 
         monkeypatch.setattr(lora, "Slots", Seen)
-        assert e.gen.triton and e.gen.lora_fused
+        assert e.gen.triton and e.gen.lora_fused and e.gen.lora_fold
         greedy = Sampling(max_tokens=5, temperature=0.0)
         mixed = generate(e, ROWS, greedy, "m")
         assert any(made), "no decode step ran fused"
+        assert e.bank.table.folded
         for i, row in enumerate(ROWS):
             alone = generate(e, [row], greedy, f"y{i}")
             assert same(mixed[i], alone[0]), f"row {i} ({row[0] or 'base'}) differs alone"
@@ -504,14 +562,17 @@ def test_a_mixed_batch_decodes_fused_as_each_request_alone(monkeypatch):
             for i, (a, _) in enumerate(ROWS):
                 if a == name:
                     assert mixed[i] == one[i], f"row {i} ({a})"
+        e.gen.lora_fold = False
+        unfolded = generate(e, ROWS, greedy, "f")
+        assert not e.bank.table.folded
         e.gen.lora_fused = False
         made.clear()
         packed = generate(e, ROWS, greedy, "p")
         assert made and not any(made)
         e.gen.lora_fused, e.gen.lora_table = True, False
         rows = generate(e, ROWS, greedy, "r")
-        for i, (x, y, z) in enumerate(zip(mixed, packed, rows)):
-            assert same(x, y) and same(x, z), f"row {i}"
+        for i, (x, y, z, u) in enumerate(zip(mixed, packed, rows, unfolded)):
+            assert same(x, y) and same(x, z) and same(x, u), f"row {i}"
     finally:
         e.close()
 
