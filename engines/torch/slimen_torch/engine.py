@@ -752,7 +752,10 @@ class Engine:
 
     def _weights_change(self, why: str) -> None:
         """Before the weights change: the kept prefix rows are dropped (their keys and values
-        would be stale), after a log line of the prefix-reuse counters since the last change."""
+        would be stale), after a log line of the prefix-reuse counters since the last change;
+        the adapter table's copies of the base weights (lora.Table.fold) are copied again before
+        their next use."""
+        self.bank.table.base_changed()
         if not self.gen.prefix_rows:
             return
         st = self.gen.take_prefix_stats()

@@ -383,10 +383,17 @@ class Table:
                     del self.slot[id(old)], self.used[id(old)]
                 self._put(a, k)
 
+    def base_changed(self) -> None:
+        """The model's weights were written by a path that may not count (a collective's
+        broadcast into them moves no version counter): the next place() copies every folded
+        weight's base again."""
+        for e in self.base:
+            e[2] = None
+
     @torch.no_grad()
     def _sync(self) -> None:
         """fold: the base rows of each folded weight copied again where the model's weight
-        changed since (written in place: its version counter moved; or replaced)."""
+        changed since (written in place: its version counter moved; replaced; or base_changed)."""
         layers = self.bank.model.layers
         for e in self.base:
             i, f, stamp = e

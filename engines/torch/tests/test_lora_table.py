@@ -422,8 +422,9 @@ def test_the_fused_expand_gives_packeds_updates(eng, dtype):
 
 def test_a_folded_table_gives_packeds_updates_and_follows_the_base():
     """Table.fold: the shrink in the base's product (each fused weight below a copy of the
-    model's) gives Packed's updates; a base weight written in place, or replaced, reaches the
-    folded product at the next place()."""
+    model's) gives Packed's updates; a base weight written in place, replaced, or written
+    uncounted before the engine's _weights_change, reaches the folded product at the next
+    place()."""
     e = engine()
     try:
         m, bank = e.model, e.bank
@@ -451,6 +452,14 @@ def test_a_folded_table_gives_packeds_updates_and_follows_the_base():
             m.layers[1].wqkv.add_(0.25)
             old = m.layers[1].w2
             m.layers[1].w2 = torch.nn.Parameter(old.detach() * -1)
+        assert t.place([a])
+        check()
+        # Written where no version counter moves (as NCCL's broadcast of a push writes): the
+        # engine's _weights_change has the table copy every base again.
+        with torch.no_grad():
+            m.layers[0].wqkv.data.mul_(-2)
+        bank.table = t
+        e._weights_change("test")
         assert t.place([a])
         check()
         # The table's own A_f rows (a view of the folded tensor) still take adapters in place.
@@ -577,6 +586,39 @@ def test_a_mixed_batch_decodes_fused_as_each_request_alone(monkeypatch):
         e.close()
 
 
+@pytest.mark.parametrize("fold", [False, True], ids=["unfolded", "folded"])
+def test_the_compiled_layers_take_the_fused_updates(fold):
+    """decode_pre and decode_post compiled whole (dynamic shapes; aot_eager: the custom op's fake
+    implementation traced, as inductor traces it) under fused Slots give the eager step's hidden
+    states, at two batch sizes."""
+    e = engine()
+    try:
+        m, bank = e.model, e.bank
+        cfg = m.cfg
+        ads = [bank.adapters["a"], None, bank.adapters["c"], bank.adapters["b"]] * 5
+        t = bank.table
+        t.fold = fold
+        assert t.place([x for x in ads if x is not None]) and t.folded == fold
+        pre = torch.compile(decode_pre, fullgraph=True, dynamic=True, backend="aot_eager")
+        post = torch.compile(decode_post, fullgraph=True, dynamic=True, backend="aot_eager")
+        for B in (4, 20):
+            idx = torch.tensor([t.slot_of(x) for x in ads[:B]])
+            L = 16
+            tokens = torch.tensor(IDS[:B])
+            pos = torch.arange(B) % L
+            g = torch.Generator().manual_seed(1)
+            shape = (B, cfg.kv_heads, L, cfg.head_dim)
+            kv = [[torch.randn(shape, generator=g) for _ in range(cfg.layers)] for _ in range(2)]
+            with torch.no_grad(), m.using(lora.Slots(t, idx, fused=True)):
+                got = decode_step_split(m, pre, post, _attention, tokens, pos,
+                                        *[[x.clone() for x in c] for c in kv], L)
+            with torch.no_grad(), m.using(lora.Slots(t, idx)):
+                want = decode_step(m, decode_layer, tokens, pos, *kv, L)
+            assert torch.allclose(got, want, rtol=0, atol=1e-5), B
+    finally:
+        e.close()
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_on_the_gpu_adapters_decode_in_captured_graphs():
     """The engine's GPU defaults (CUDA graphs, compiled layers, Triton kernels, bf16): a mixed
@@ -592,6 +634,7 @@ def test_on_the_gpu_adapters_decode_in_captured_graphs():
         mixed = generate(e, rows, greedy, "m")
         assert g.use_graphs and g.graphs and g.graphs_lora == e.bank.table.version > 0
         assert not g.compile_error and not g.kernel_error
+        assert e.bank.table.folded and e.bank.table.bn > 0  # the step ran Fused, folded
         for name in ("", "a", "b", "c"):
             one = generate(e, [(name, p) for _, p in rows], greedy, f"o{name}")
             for i, (a, _) in enumerate(rows):
@@ -601,3 +644,27 @@ def test_on_the_gpu_adapters_decode_in_captured_graphs():
         assert sum(x != y for x, y, (a, _) in zip(mixed, base, rows) if a) > 0
     finally:
         e.close()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_on_the_gpu_the_expand_kernel_gives_the_reference():
+    """lora_kernels.expand compiled for the GPU (bf16 products on the tensor cores) against its
+    PyTorch reference at Qwen3-0.6B's q/k/v shape: 8 slots of rank 8, rows 1 to 256."""
+    from slimen_torch import lora_kernels
+    g = torch.Generator(device="cuda").manual_seed(0)
+    N, cap, r = 4096, 8, 8
+    part = torch.tensor([0] * 16 + [1] * 8 + [2] * 8, dtype=torch.int32, device="cuda")
+    b = torch.zeros(N, 3 * cap * r, dtype=torch.bfloat16, device="cuda")
+    for p, (lo, hi) in enumerate(((0, 2048), (2048, 3072), (3072, 4096))):
+        b[lo:hi, p * cap * r:(p + 1) * cap * r] = torch.randn(
+            hi - lo, cap * r, generator=g, device="cuda").bfloat16() * 0.05
+    scale = torch.rand(cap, generator=g, device="cuda") * 2
+    for M in (1, 7, 64, 256):
+        y = torch.randn(M, N, generator=g, device="cuda").bfloat16()
+        s = torch.randn(M, 3 * cap * r, generator=g, device="cuda").bfloat16()
+        idx = torch.randint(0, cap + 1, (M,), generator=g, device="cuda")
+        got = lora_kernels.expand(y, s, b, idx, scale, part, r)
+        want = lora_kernels.expand_reference(y, s, b, idx, scale, part, r)
+        tol = 2 ** -7 * want.abs().max().item()
+        assert (got.float() - want.float()).abs().max().item() <= tol, M
+        assert torch.equal(got[idx == 0], y[idx == 0])
