@@ -535,9 +535,8 @@ def linear(x: torch.Tensor, w, b=None) -> torch.Tensor:
         return F.linear(x, w.w, b) + w.delta(x)
     if isinstance(w, Fused):
         if w.a is None:  # folded (Table.fold): w is [base; A_f], one product gives both
-            n = w.b.shape[0]
             y = F.linear(x, w.w)
-            return lora_kernels.expand(y[:, :n], y[:, n:], w.b, w.idx, w.scale, w.part, w.r)
+            return lora_kernels.expand(y, y, w.b, w.idx, w.scale, w.part, w.r, w.b.shape[0])
         return lora_kernels.expand(F.linear(x, w.w, b), F.linear(x, w.a), w.b, w.idx, w.scale,
                                    w.part, w.r)
     if isinstance(w, Packed):

@@ -47,7 +47,7 @@ def _pow2(n: int) -> int:
 
 if HAVE_TRITON:
     @triton.jit
-    def _expand_kernel(Y, S, B, IDX, SCALE, PART, O, M, R, CR, sym, ssm, sbn, som,
+    def _expand_kernel(Y, S, B, IDX, SCALE, PART, O, M, R, CR, soff, sym, ssm, sbn, som,
                        BM: tl.constexpr, BN: tl.constexpr, BC: tl.constexpr,
                        F32DOT: tl.constexpr):
         pm = tl.program_id(0)
@@ -66,7 +66,8 @@ if HAVE_TRITON:
             # Only the row's own slot's columns of part p are read: the other slots' (whatever
             # they hold) never reach the row's result.
             keep = rin[:, None] & (k[None, :] < CR) & (k[None, :] // R + 1 == slot[:, None])
-            s = tl.load(S + rows[:, None] * ssm + p * CR + k[None, :], mask=keep, other=0.0)
+            s = tl.load(S + soff + rows[:, None] * ssm + p * CR + k[None, :], mask=keep,
+                        other=0.0)
             s = (s.to(tl.float32) * sc[:, None]).to(Y.dtype.element_ty)
             b = tl.load(B + cols[:, None] * sbn + p * CR + k[None, :], mask=k[None, :] < CR,
                         other=0.0)
@@ -79,43 +80,46 @@ if HAVE_TRITON:
         tl.store(O + rows[:, None] * som + cols[None, :], out, mask=rin[:, None])
 
 
-def expand_reference(y, s, b, idx, scale, part, r: int):
+def expand_reference(y, s, b, idx, scale, part, r: int, soff: int = 0):
     """expand in PyTorch: Packed's arithmetic, the mask made from idx and scale."""
     cap = scale.shape[0]
+    y, s = y[:, :b.shape[0]], s[:, soff:soff + b.shape[1]]
     ids = torch.arange(1, cap + 1, device=idx.device)
     on = (idx[:, None] == ids[None, :]).to(torch.float32) * scale
     m = on[:, :, None].expand(-1, -1, r).reshape(idx.shape[0], cap * r).to(y.dtype)
-    parts = s.shape[1] // (cap * r)
+    parts = b.shape[1] // (cap * r)
     return y + torch.nn.functional.linear(s * m.repeat(1, parts), b)
 
 
-def _launch(y, s, b, idx, scale, part, r: int) -> torch.Tensor:
-    M, N = y.shape
+def _launch(y, s, b, idx, scale, part, r: int, soff: int) -> torch.Tensor:
+    M, N = y.shape[0], b.shape[0]
     cr = scale.shape[0] * r
     bn = N // part.shape[0]
-    out = torch.empty_like(y)
+    out = y.new_empty(M, N)
     grid = (triton.cdiv(M, BM), part.shape[0])
-    _expand_kernel[grid](y, s, b, idx, scale, part, out, M, r, cr, y.stride(0), s.stride(0),
-                         b.stride(0), out.stride(0), BM=BM, BN=bn, BC=max(16, _pow2(cr)),
+    _expand_kernel[grid](y, s, b, idx, scale, part, out, M, r, cr, soff, y.stride(0),
+                         s.stride(0), b.stride(0), out.stride(0), BM=BM, BN=bn, BC=max(16, _pow2(cr)),
                          F32DOT=y.dtype == torch.float32 or INTERPRET, num_warps=4)
     return out
 
 
 @torch.library.custom_op("slimen::lora_expand", mutates_args=())
 def lora_expand(y: torch.Tensor, s: torch.Tensor, b: torch.Tensor, idx: torch.Tensor,
-                scale: torch.Tensor, part: torch.Tensor, r: int) -> torch.Tensor:
+                scale: torch.Tensor, part: torch.Tensor, r: int, soff: int) -> torch.Tensor:
     if available(y.device):
-        return _launch(y, s, b, idx, scale, part, r)
-    return expand_reference(y, s, b, idx, scale, part, r)
+        return _launch(y, s, b, idx, scale, part, r, soff)
+    return expand_reference(y, s, b, idx, scale, part, r, soff)
 
 
 @lora_expand.register_fake
-def _(y, s, b, idx, scale, part, r):
-    return torch.empty_like(y)
+def _(y, s, b, idx, scale, part, r, soff):
+    return y.new_empty(y.shape[0], b.shape[0])
 
 
-def expand(y, s, b, idx, scale, part, r: int) -> torch.Tensor:
-    """y + ((s ∘ M)·bᵀ) (the module comment): y [rows, N] the base product, s [rows, parts·cap·r]
-    the shrink, b [N, parts·cap·r], idx [rows] the rows' slots, scale [cap] the slots'
-    alpha/rank, part [N / BN] the table part of each chunk of BN output columns (-1: none)."""
-    return lora_expand(y, s, b, idx, scale, part, r)
+def expand(y, s, b, idx, scale, part, r: int, soff: int = 0) -> torch.Tensor:
+    """y + ((s ∘ M)·bᵀ) (the module comment): y the base product (its first N columns), s the
+    shrink (its columns soff … soff + parts·cap·r), b [N, parts·cap·r], idx [rows] the rows'
+    slots, scale [cap] the slots' alpha/rank, part [N / BN] the table part of each chunk of BN
+    output columns (-1: none). Contiguous rows; y and s may be one tensor (Table.fold's product,
+    read in place: no slices copied)."""
+    return lora_expand(y, s, b, idx, scale, part, r, soff)

@@ -22,7 +22,7 @@ HERE = Path(__file__).resolve().parent
 # sizes a launch passes are multiples of 16 except the group size G and the position counts.
 ALIGNED_INTS = {"H", "D", "N", "K", "KS", "sqb", "sqt", "sqh", "skb", "skh", "skl", "svb", "svh",
                 "svl", "sob", "sot", "soh", "sdb", "sdt", "sdh", "sgb", "sgh", "sgl", "sub", "suh",
-                "sul", "sxm", "swn", "sym", "ssm", "sbn", "som", "CR"}
+                "sul", "sxm", "swn", "sym", "ssm", "sbn", "som", "CR", "soff"}
 ATTN = dict(Q="bf16", K="bf16", V="bf16", O="bf16", DO="bf16", P="i64", DQ="bf16", LSE="fp32",
             DELTA="fp32", DK="bf16", DV="bf16")
 
