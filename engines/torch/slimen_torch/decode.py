@@ -10,8 +10,10 @@ LoRA adapters (lora.py) ride along in the same graphs: while the worker holds ad
 adapters are resident in the bank's table (lora.Table, static tensors updated in place) and the
 step reads each row's slot from `lora_idx`, part of the step state like the tokens and positions
 (`_lora_step` writes it before the step). The graphs are captured again only when the table grows
-(a new version). A step the table cannot serve (more adapters than its slots, the deterministic
-mode) runs eagerly with lora.Rows, as constrained steps do.
+(a new version). With the Triton kernels the step applies the table fused (lora.Fused: the
+shrink folded into the base's product, then one expand kernel a projection). A step the table
+cannot serve (more adapters than its slots, the deterministic mode) runs eagerly with lora.Rows,
+as constrained steps do.
 """
 
 from __future__ import annotations

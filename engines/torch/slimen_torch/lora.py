@@ -275,8 +275,11 @@ def _pow2(n: int) -> int:
 BIAS = {"wqkv": "bqkv", "wo": "bo"}
 
 
-def _versioned(w: torch.Tensor) -> bool:
-    """Whether w counts its in-place writes (an inference-mode tensor does not)."""
+def _versioned(w) -> bool:
+    """Whether w is a plain tensor (not a sharded one's wrapper) that counts its in-place writes
+    (an inference-mode tensor does not)."""
+    if type(w) not in (torch.Tensor, torch.nn.Parameter):
+        return False
     try:
         w._version
     except RuntimeError:
