@@ -4,7 +4,7 @@ copies fit, and generation of a batch spread over adapters against one model.
     python engines/torch/bench_lora.py [--out DIR] [--shape qwen3-0.6b] [--budget SECONDS]
     python engines/torch/bench_lora.py --device cpu --shape tiny --quick     # a dry run on the CPU
 
-On a random model of --shape (make-model; bf16 on a GPU), three sections:
+On a random model of --shape (make-model; bf16 on a GPU), these sections:
 
   memory     the memory model: bytes per full-weight agent (bf16 weights, fp32 master copy, AdamW
              moments, gradient; a frozen KL reference copy besides) and per LoRA agent (the same
@@ -34,6 +34,10 @@ On a random model of --shape (make-model; bf16 on a GPU), three sections:
              unless a row's result depended on the other rows' adapters), against the eager Rows
              path and the captured table not fused, and the first 8 rows each alone (batch 1:
              other kernels, so bf16 may round differently: reported, not required)
+  proj       the decode step's fused products alone (every layer's four, --rows rows, random
+             weights of --shape) in one CUDA graph: without adapters, and with a table of 8
+             slots of rank --rank as Packed, Fused unfolded and Fused folded; device µs a step
+             and the µs each adds a projection
 
 Prints a table and writes DIR/bench_lora.json and DIR/bench_lora.md. Each section runs in its own
 process, so an out-of-memory error or a crash costs that section only.
@@ -43,6 +47,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import pathlib
 import subprocess
@@ -61,7 +66,7 @@ from slimen_torch.engine import Engine, Options  # noqa: E402
 from slimen_torch.make_model import make_model  # noqa: E402
 from slimen_torch.types import Batch, GenerateRequest, LossConfig, Sample, Sampling  # noqa: E402
 
-SECTIONS = ("memory", "full", "lora", "gen")
+SECTIONS = ("memory", "full", "lora", "gen", "proj")
 
 
 def opts(a, **kw) -> Options:
@@ -329,6 +334,102 @@ def sec_gen(a, model_dir):
     return res
 
 
+def sec_proj(a, model_dir):
+    """The decode step's projections alone: for every layer its four fused products over --rows
+    rows (bf16 on a GPU; the q/k/v, o, gate/up and down matrices of --shape, random) without
+    adapters and with a table of 8 slots of rank --rank on all seven targets (rows spread over
+    slots 0-8), three ways: Packed, Fused with the shrink its own product, Fused folded. Each way
+    one CUDA graph of all the layers' products, replayed; device µs a step and a projection."""
+    from slimen_torch import lora_kernels
+    cfg, _ = read_config(model_dir)
+    dev = torch.device(a.device)
+    dt = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    g = torch.Generator(device=dev).manual_seed(0)
+    cap, r, M = 8, a.rank, a.rows
+    outs = {f: sum(lora.proj_shape(cfg, t)[0] for t in ts) for f, ts in lora.FUSED.items()}
+    ins = {f: lora.proj_shape(cfg, ts[0])[1] for f, ts in lora.FUSED.items()}
+    gcd = math.gcd(*(lora.proj_shape(cfg, t)[0] for t in lora.TARGETS))
+    bn = min(lora_kernels.BN_MAX, gcd & -gcd)  # Table.bn
+    idx = torch.randint(0, cap + 1, (M,), generator=g, device=dev)
+    scale = torch.full((cap,), 2.0, device=dev)
+    xs = {f: torch.randn(M, ins[f], generator=g, device=dev).to(dt) for f in lora.FUSED}
+    layers = []
+    for _ in range(cfg.layers):
+        lay = {}
+        for f, ts in lora.FUSED.items():
+            n, k, cr = outs[f], ins[f], cap * r
+            wa = (torch.randn(n + len(ts) * cr, k, generator=g, device=dev) * 0.02).to(dt)
+            bm = torch.zeros(n, len(ts) * cr, device=dev, dtype=dt)
+            part, o = [], 0
+            for p, t in enumerate(ts):
+                m = lora.proj_shape(cfg, t)[0]
+                bm[o:o + m, p * cr:(p + 1) * cr] = torch.randn(m, cr, generator=g, device=dev) * 0.02
+                part += [p] * (m // bn)
+                o += m
+            part = torch.tensor(part, dtype=torch.int32, device=dev)
+            on = (idx[:, None] == torch.arange(1, cap + 1, device=dev)).float() * scale
+            mask = on[:, :, None].expand(-1, -1, r).reshape(M, cr).to(dt).repeat(1, len(ts))
+            lay[f] = dict(w=wa[:n], wa=wa, a=wa[n:], b=bm, part=part, m=mask)
+        layers.append(lay)
+
+    def ways():
+        def base():
+            for lay in layers:
+                for f, d in lay.items():
+                    torch.nn.functional.linear(xs[f], d["w"])
+
+        def packed():
+            for lay in layers:
+                for f, d in lay.items():
+                    lora.linear(xs[f], lora.Packed(d["w"], d["a"], d["b"], d["m"]))
+
+        def fused():
+            for lay in layers:
+                for f, d in lay.items():
+                    lora.linear(xs[f], lora.Fused(d["w"], d["a"], d["b"], idx, scale, d["part"], r))
+
+        def folded():
+            for lay in layers:
+                for f, d in lay.items():
+                    lora.linear(xs[f], lora.Fused(d["wa"], None, d["b"], idx, scale, d["part"], r))
+        return dict(base=base, packed=packed, fused=fused, folded=folded)
+
+    res = dict(rows=M, rank=r, slots=cap, layers=cfg.layers)
+    n_proj = cfg.layers * 4
+    for name, fn in ways().items():
+        fn()  # compiles the kernels
+        if dev.type != "cuda":
+            t = time.perf_counter()
+            fn()
+            res[name + "_us"] = (time.perf_counter() - t) * 1e6
+            continue
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+        graph.replay()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(20):
+            graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        res[name + "_us"] = start.elapsed_time(end) * 1e3 / 20
+    for name in ("packed", "fused", "folded"):
+        res[name + "_extra_us_per_projection"] = (res[name + "_us"] - res["base_us"]) / n_proj
+    # Layer 0's results each way against Packed's, relative to its largest value.
+    for name in ("fused", "folded"):
+        worst = 0.0
+        for f, d in layers[0].items():
+            want = lora.linear(xs[f], lora.Packed(d["w"], d["a"], d["b"], d["m"])).float()
+            w = lora.Fused(d["wa"] if name == "folded" else d["w"], None if name == "folded"
+                           else d["a"], d["b"], idx, scale, d["part"], r)
+            got = lora.linear(xs[f], w).float()
+            worst = max(worst, ((got - want).abs().max() / want.abs().max()).item())
+        res[name + "_rel_diff_to_packed"] = worst
+    return res
+
+
 # ---- driver ----
 
 def table(results: dict, a) -> str:
@@ -375,6 +476,22 @@ def table(results: dict, a) -> str:
                   f"log-probs by > 1e-3)"]
     elif g:
         L.append(f"\ngen: {g['error']}")
+    p = results.get("proj", {})
+    if p and "error" not in p:
+        L += ["", f"| the step's projections alone, {p['rows']} rows, {p['layers']} layers × 4 "
+              f"(8 slots of rank {p['rank']}; one graph) | µs a step | µs more a projection |",
+              "|---|---:|---:|"]
+        for k, what in (("base", "no adapters"), ("packed", "Packed (before)"),
+                        ("fused", "Fused, the shrink its own product"),
+                        ("folded", "Fused, folded (the default)")):
+            extra = p.get(k + "_extra_us_per_projection")
+            L.append(f"| {what} | {p.get(k + '_us', 0):,.0f} | "
+                     f"{'—' if extra is None else f'{extra:.1f}'} |")
+        L.append(f"- layer 0's results against Packed's (largest difference ÷ largest value): "
+                 f"fused {p['fused_rel_diff_to_packed']:.2g}, folded "
+                 f"{p['folded_rel_diff_to_packed']:.2g}")
+    elif p:
+        L.append(f"\nproj: {p['error']}")
     return "\n".join(L) + "\n"
 
 
