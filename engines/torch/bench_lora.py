@@ -363,7 +363,8 @@ def sec_proj(a, model_dir):
             part, o = [], 0
             for p, t in enumerate(ts):
                 m = lora.proj_shape(cfg, t)[0]
-                bm[o:o + m, p * cr:(p + 1) * cr] = torch.randn(m, cr, generator=g, device=dev) * 0.02
+                bm[o:o + m, p * cr:(p + 1) * cr] = torch.randn(m, cr, generator=g,
+                                                               device=dev) * 0.02
                 part += [p] * (m // bn)
                 o += m
             part = torch.tensor(part, dtype=torch.int32, device=dev)
