@@ -427,7 +427,13 @@ class Table:
         self.held, self.slot = [None] * cap, {}
         self.used = {}
         self.a, self.b = {}, {}
-        self.wa, self.base, self.folded = {}, [], self.fold
+        # For lora_kernels.expand: each chunk of bn output columns of a fused projection lies in
+        # one part (bn divides every projection's size); 0: no chunk fits tl.dot's smallest tile,
+        # and the decode step runs Packed (nothing folded).
+        g = math.gcd(*(proj_shape(m.cfg, t)[0] for t in TARGETS))
+        self.bn = min(lora_kernels.BN_MAX, g & -g)
+        self.bn = self.bn if self.bn >= 16 else 0
+        self.wa, self.base, self.folded = {}, [], self.fold  # (made under this fold setting)
         for i in range(m.cfg.layers):
             layer = m.layers[i]
             for f, ps in parts.items():
@@ -438,26 +444,22 @@ class Table:
                 inp = proj_shape(m.cfg, FUSED[f][0])[1]
                 self.b[(i, f)] = torch.zeros(out, n, device=dev, dtype=dt)
                 W = getattr(layer, f)
-                if self.fold and getattr(layer, BIAS.get(f, ""), None) is None and _versioned(W):
+                if (self.fold and self.bn and getattr(layer, BIAS.get(f, ""), None) is None
+                        and _versioned(W)):
                     # A_f below a copy of the base weight: one product gives both (Fused).
-                    wa = torch.zeros(out + n, inp, device=dev, dtype=dt)
+                    wa = torch.empty(out + n, inp, device=dev, dtype=dt)
                     wa[:out].copy_(W)
+                    wa[out:].zero_()
                     self.wa[(i, f)], self.a[(i, f)] = wa, wa[out:]
                     self.base.append([i, f, (W.data_ptr(), W._version)])
                 else:
                     self.a[(i, f)] = torch.zeros(n, inp, device=dev, dtype=dt)
         self.scale = torch.zeros(cap, device=dev, dtype=torch.float32)
         self.ids = torch.arange(1, cap + 1, device=dev)
-        # For lora_kernels.expand: each chunk of bn output columns of a fused projection lies in
-        # one part (bn divides every projection's size); its part's index in parts, or -1.
+        # Each chunk's part: its index in parts, or -1.
         self.part = {}
-        g = math.gcd(*(proj_shape(m.cfg, t)[0] for t in TARGETS))
-        self.bn = min(lora_kernels.BN_MAX, g & -g)
-        if self.bn < 16:  # (tl.dot's smallest tile) the decode step runs Packed
-            self.bn = 0
-            return
         for f, ps in parts.items():
-            if ps:
+            if ps and self.bn:
                 chunks = []
                 for t in FUSED[f]:
                     n = proj_shape(m.cfg, t)[0] // self.bn
