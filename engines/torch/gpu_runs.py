@@ -18,7 +18,8 @@ WORKER_TAIL_CHARS = 1200  # of the workers' last lines in a failed run's table c
 RESTART_MILESTONES = [
     ("host", r"the torch worker \(pid \d+\) exited", "torchrun exited (group down)"),
     ("host", r"the torch worker is started again", "the host starts torchrun again"),
-    ("worker", r"slimen_torch INFO serve: process \d+ began", "a rank's process began (torchrun up)"),
+    ("worker", r"slimen_torch INFO serve: process \d+ began",
+     "a rank's process began (torchrun up)"),
     ("worker", r"slimen_torch INFO listening on ", "rank 0 listens (its imports done)"),
     ("worker", r"slimen_torch INFO rank \d+ of \d+ ", "the ranks met (process group)"),
     ("worker", r"slimen_torch INFO serving ", "worker ready (model, trainer built)"),

@@ -850,6 +850,7 @@ class Group:
         self.keys = itertools.count()
         self.closed = False
         self.stop = False  # stopping() was called
+        self.lost: list[int] = []  # the followers whose link to rank 0 broke (_receive)
         self.thread = threading.Thread(target=self._loop, name="slimen-torch-group", daemon=True)
         self.receivers = [threading.Thread(target=self._receive, args=(r,), daemon=True,
                                            name=f"slimen-torch-from-rank-{r}")
@@ -1061,6 +1062,7 @@ class Group:
                     return
         except Exception as e:
             with self.cv:
+                self.lost.append(rank)
                 closing = self.cv.wait_for(lambda: self.closed or self.stop, timeout=LOST_GRACE_S)
             if not closing:
                 broken(0, f"receiving rank {rank}'s completions", e)

@@ -673,6 +673,53 @@ def test_close_with_the_followers_gone(monkeypatch):
     time.sleep(0.5)  # past the grace: the server's stop may take seconds before the close
     assert group.close(timeout=10)
     assert local.closed and not raised and not broke
+    assert group.lost == [1]
+
+
+class _FakeServer:
+    """A gRPC server's stop, recorded."""
+
+    def __init__(self):
+        self.graces = []
+
+    def stop(self, grace):
+        self.graces.append(grace)
+        return self
+
+    def wait(self):
+        pass
+
+
+class _FakeGroup:
+    def __init__(self, lost):
+        self.lost, self.stopped, self.closes = lost, False, []
+
+    def stopping(self):
+        self.stopped = True
+
+    def close(self, timeout):
+        self.closes.append(timeout)
+        return False
+
+
+@pytest.mark.parametrize("lost", [[], [1]])
+def test_rank_0_stops_at_once_with_a_follower_gone(monkeypatch, lost):
+    """torchrun stops rank 0 because a follower died: rank 0 saw the follower's link break, so
+    it exits at once, waiting neither for the server's calls in flight (a generate stream of
+    requests the dead rank held kept it the grace's 5 s) nor for the group's close (5 s more);
+    torchrun starts the group again only once every rank has exited. With every follower's link
+    whole, the stop is the graceful one."""
+    from slimen_torch import server
+
+    def exit_(code):
+        raise SystemExit(code)
+
+    monkeypatch.setattr(server.os, "_exit", exit_)
+    srv, group = _FakeServer(), _FakeGroup(lost)
+    with pytest.raises(SystemExit):
+        server.shut_down(srv, group, 2)
+    assert group.stopped
+    assert (srv.graces, group.closes) == (([None], []) if lost else ([5], [5]))
 
 
 def test_a_follower_lost_mid_run_ends_the_group(monkeypatch):
