@@ -6,8 +6,9 @@
 //
 //	PYTHON -m slimen_torch serve --model MODEL --listen 127.0.0.1:0 --address-file F --token-env VAR [--device D] [--root DIR]…
 //
-// (under torchrun, `PYTHON -m torch.distributed.run --standalone --nproc-per-node N -m slimen_torch
-// serve …`, when Options.Ranks is above 1: one policy over N GPUs, docs/gpus.md)
+// (under torchrun, `PYTHON -m slimen_torch.launch torch.distributed.run --standalone
+// --nproc-per-node N -m slimen_torch serve …`, when Options.Ranks is above 1: one policy over N
+// GPUs, docs/gpus.md)
 // with PYTHONPATH pointing at it, waits until the worker listens and its Health says SERVING (the
 // model is loaded), and connects an engines/remote client to it. Close stops the client and the
 // worker (SIGTERM, then SIGKILL after a grace period). The Python environment must have the
@@ -447,13 +448,15 @@ func (e *Engine) stop() error {
 func (e *Engine) Log() string { return e.tail.String() }
 
 // launcher is what runs before `-m slimen_torch` on the interpreter's command line: torchrun
-// (as python -m torch.distributed.run, the interpreter's own) for a worker of several ranks, with a
-// rendezvous on a free port of this machine (--standalone).
+// (torch.distributed.run, the interpreter's own) for a worker of several ranks, with a rendezvous
+// on a free port of this machine (--standalone), run by slimen_torch.launch, which exits as soon
+// as torchrun returns (torch's teardown in torchrun's exit took seconds of a group's restart).
 func launcher(ranks int) []string {
 	if ranks <= 1 {
 		return nil
 	}
-	return []string{"-m", "torch.distributed.run", "--standalone", "--nproc-per-node", strconv.Itoa(ranks)}
+	return []string{"-m", "slimen_torch.launch", "torch.distributed.run", "--standalone",
+		"--nproc-per-node", strconv.Itoa(ranks)}
 }
 
 func pythonPath(pkg string) string {
