@@ -7,8 +7,25 @@ import math
 import pathlib
 import re
 import struct
+import time
 
 WORKER_TAIL_CHARS = 1200  # of the workers' last lines in a failed run's table cell
+
+# The milestones of a killed rank's group on its way back into the run (Work.restart), in order:
+# where the line is (the host's output, NAME.log, each line stamped with its epoch time by
+# lib.sh's stamp; or a worker's own log line in the run's events.log, in its local time to the
+# ms), what it says, and the milestone's name in the table.
+RESTART_MILESTONES = [
+    ("host", r"the torch worker \(pid \d+\) exited", "torchrun exited (group down)"),
+    ("host", r"the torch worker is started again", "the host starts torchrun again"),
+    ("worker", r"slimen_torch INFO serve: process \d+ began",
+     "a rank's process began (torchrun up)"),
+    ("worker", r"slimen_torch INFO listening on ", "rank 0 listens (its imports done)"),
+    ("worker", r"slimen_torch INFO rank \d+ of \d+ ", "the ranks met (process group)"),
+    ("worker", r"slimen_torch INFO serving ", "worker ready (model, trainer built)"),
+    ("host", r"restarted as a new process", "back in the run (checkpoint loaded)"),
+]
+_WORKER_TIME = re.compile(r"worker: (\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(\d{3}) ")
 
 
 def mean(xs):
@@ -97,6 +114,30 @@ class Work:
     def events(self, run: str) -> str:
         p = self.path / run / "events.log"
         return p.read_text(errors="replace") if p.exists() else ""
+
+    def restart(self, run: str, killed: float) -> list:
+        """The milestones (RESTART_MILESTONES) of run's return after a rank was killed at epoch
+        time killed: (name, seconds after the kill) for the first line of each after it, in
+        order; a milestone with no such line is left out."""
+        host, worker = [], []
+        for l in self.log(run).splitlines():
+            t, _, msg = l.partition(" ")
+            try:
+                host.append((float(t), msg))
+            except ValueError:
+                continue
+        for l in self.events(run).splitlines():
+            m = _WORKER_TIME.search(l)
+            if m:
+                t = time.mktime(time.strptime(m.group(1), "%Y-%m-%d %H:%M:%S"))
+                worker.append((t + int(m.group(2)) / 1000, l[m.end():]))
+        out = []
+        for where, pat, name in RESTART_MILESTONES:
+            at = next((t for t, msg in (host if where == "host" else worker)
+                       if t >= killed and re.search(pat, msg)), None)
+            if at is not None:
+                out.append((name, at - killed))
+        return out
 
     def worker_pids(self, run: str) -> dict:
         """policy → the pids its torch worker had (the first start, then each restart), from

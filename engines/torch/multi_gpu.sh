@@ -9,7 +9,10 @@
 #      (continuous on every rank: each request goes to a rank as it comes, no rounds), the gather
 #      of full weights in bf16 after each optimizer step (events.log), scaling against N=1;
 #   3. one non-zero rank SIGKILLed after step 1's checkpoint (the largest N): the group restarts,
-#      the run completes, and its metrics against the uninterrupted run's (same seed).
+#      the run completes, and its metrics against the uninterrupted run's (same seed); the time
+#      from the kill to the run going on, and its parts (gpu_runs.RESTART_MILESTONES: torchrun
+#      exited, started again, rank 0 listening, the ranks met, the worker ready, the checkpoint
+#      loaded).
 # Weak scaling by default: the run over N GPUs has PROMPTS×N prompts a step, so each GPU has the
 # work of the N=1 run and the per-GPU rates compare like for like (SCALING=strong: PROMPTS for
 # all; each GPU then has 1/N of the work and the fixed costs weigh N times more). The rates are means over
@@ -306,6 +309,12 @@ elif kp.exists():
             break
     rows.append((f"N={NMAX}: rank SIGKILLed after step 1", f"pid {pid} ({rank}, newest checkpoint {last}); back in the run after "
                  + (f"{back:.1f} s" if back is not None else "? (no restart line)") + (f"; {st}" if st else "")))
+    parts, prev = [], 0.0
+    for name, at in w.restart("faulty", float(tk)):
+        parts.append(f"{name} +{at - prev:.2f} s ({at:.2f})")
+        prev = at
+    rows.append((f"N={NMAX}: the return, part by part (+ s since the last; s since the kill)",
+                 "; ".join(parts) or "no milestone found after the kill"))
 else:
     rows.append((f"N={NMAX}: rank SIGKILLed", st or "no kill: the run ended before step 1's checkpoint?"))
 a, b = w.metrics(f"n{NMAX}", "solver"), w.metrics("faulty", "solver")

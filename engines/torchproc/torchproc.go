@@ -6,8 +6,9 @@
 //
 //	PYTHON -m slimen_torch serve --model MODEL --listen 127.0.0.1:0 --address-file F --token-env VAR [--device D] [--root DIR]…
 //
-// (under torchrun, `PYTHON -m torch.distributed.run --standalone --nproc-per-node N -m slimen_torch
-// serve …`, when Options.Ranks is above 1: one policy over N GPUs, docs/gpus.md)
+// (under torchrun, `PYTHON -m slimen_torch.launch torch.distributed.run --standalone
+// --nproc-per-node N -m slimen_torch serve …`, when Options.Ranks is above 1: one policy over N
+// GPUs, docs/gpus.md)
 // with PYTHONPATH pointing at it, waits until the worker listens and its Health says SERVING (the
 // model is loaded), and connects an engines/remote client to it. Close stops the client and the
 // worker (SIGTERM, then SIGKILL after a grace period). The Python environment must have the
@@ -351,9 +352,7 @@ func (e *Engine) connect(ctx context.Context, addrFile string, opts Options, tok
 			return err
 		}
 	}
-	copts := opts.Client
-	copts.Address = addr
-	copts.TokenEnv, copts.Token = opts.TokenEnv, token
+	copts := clientOptions(opts, addr, token)
 	dialCtx, cancel := context.WithCancel(ctx)
 	defer cancel()
 	go func() { // a worker that dies while we dial must not leave Dial retrying
@@ -446,14 +445,35 @@ func (e *Engine) stop() error {
 // Log returns the end of the worker's output (for error reports).
 func (e *Engine) Log() string { return e.tail.String() }
 
+// LocalMaxBackoff is the client's longest wait between attempts to reach its worker when
+// Options.Client leaves MaxBackoff zero. The worker is on this machine, where an attempt that
+// finds no server costs microseconds, so a restarted worker is met within this of its readiness;
+// remote's default (2 s, give or take a fifth) kept the run waiting for a restarted worker group
+// that was ready already, up to 2.4 s (2.75 s seen on the CPU run).
+const LocalMaxBackoff = 100 * time.Millisecond
+
+// clientOptions are the worker's client's: opts.Client with the worker's address and token, and
+// LocalMaxBackoff unless it sets a MaxBackoff.
+func clientOptions(opts Options, addr, token string) remote.Options {
+	copts := opts.Client
+	copts.Address = addr
+	copts.TokenEnv, copts.Token = opts.TokenEnv, token
+	if copts.MaxBackoff <= 0 {
+		copts.MaxBackoff = LocalMaxBackoff
+	}
+	return copts
+}
+
 // launcher is what runs before `-m slimen_torch` on the interpreter's command line: torchrun
-// (as python -m torch.distributed.run, the interpreter's own) for a worker of several ranks, with a
-// rendezvous on a free port of this machine (--standalone).
+// (torch.distributed.run, the interpreter's own) for a worker of several ranks, with a rendezvous
+// on a free port of this machine (--standalone), run by slimen_torch.launch, which exits as soon
+// as torchrun returns (torch's teardown in torchrun's exit took seconds of a group's restart).
 func launcher(ranks int) []string {
 	if ranks <= 1 {
 		return nil
 	}
-	return []string{"-m", "torch.distributed.run", "--standalone", "--nproc-per-node", strconv.Itoa(ranks)}
+	return []string{"-m", "slimen_torch.launch", "torch.distributed.run", "--standalone",
+		"--nproc-per-node", strconv.Itoa(ranks)}
 }
 
 func pythonPath(pkg string) string {

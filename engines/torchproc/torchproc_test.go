@@ -151,3 +151,22 @@ func TestStartReportsWorkerErrors(t *testing.T) {
 		t.Fatalf("Start on an empty folder: %v", err)
 	}
 }
+
+// The worker's client retries a worker it cannot reach every LocalMaxBackoff at most (a restarted
+// one is met as soon as it serves), unless the options say otherwise; and a worker of several
+// ranks runs torchrun through slimen_torch.launch (it exits as soon as torchrun returns).
+func TestClientOptionsAndLauncher(t *testing.T) {
+	c := clientOptions(Options{TokenEnv: "T"}, "127.0.0.1:9", "tok")
+	if c.MaxBackoff != LocalMaxBackoff || c.Address != "127.0.0.1:9" || c.TokenEnv != "T" || c.Token != "tok" {
+		t.Errorf("client options %+v", c)
+	}
+	if c := clientOptions(Options{Client: remote.Options{MaxBackoff: time.Second}}, "a:1", ""); c.MaxBackoff != time.Second {
+		t.Errorf("MaxBackoff %v, want the options' 1s", c.MaxBackoff)
+	}
+	if got := strings.Join(launcher(4), " "); got != "-m slimen_torch.launch torch.distributed.run --standalone --nproc-per-node 4" {
+		t.Errorf("launcher(4) = %q", got)
+	}
+	if launcher(1) != nil {
+		t.Errorf("launcher(1) = %q, want none", launcher(1))
+	}
+}

@@ -126,6 +126,13 @@ def main(argv=None) -> None:
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s slimen_torch %(levelname)s %(message)s")
+    if args.command == "serve":
+        # Before the imports (torch's take seconds): the worker's log says when its process
+        # began, so a group's start splits into torchrun's part and the ranks' own.
+        import os
+        logging.getLogger("slimen_torch").info(
+            "serve: process %d began (rank %s of %s)", os.getpid(), os.environ.get("RANK", "0"),
+            os.environ.get("WORLD_SIZE", "1"))
     if getattr(args, "device", None) == "":
         import torch
         args.device = "cuda:0" if torch.cuda.is_available() else "cpu"

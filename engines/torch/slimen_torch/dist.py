@@ -59,7 +59,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .engine import Engine
+from .engine import OPTIMIZER_FILE, Engine
 from .model import Transformer, bind_thread, copy_tensors
 from .proto import engine_pb2 as pb
 from .server import Serialized, completion_pb
@@ -165,6 +165,20 @@ def _local(p) -> torch.Tensor:
     parameters, against 3 µs); to_local where a torch names it otherwise."""
     t = getattr(p, "_local_tensor", None)
     return t if isinstance(t, torch.Tensor) else p.to_local()
+
+
+def _rows(t: torch.Tensor, p) -> torch.Tensor:
+    """The rows of full tensor t that this rank holds of parameter p (a DTensor sharded on dim 0
+    by FSDP2, which cuts it as torch.chunk does: ceil(rows / ranks) a rank, the last ranks fewer
+    or none): a view of t, so that a rank reads and moves only its own shard's bytes."""
+    size, rank = p.device_mesh.size(), p.device_mesh.get_local_rank()
+    rows = t.shape[0]
+    chunk = -(-rows // size)
+    mine = t[min(rank * chunk, rows):min((rank + 1) * chunk, rows)]
+    if mine.shape != _local(p).shape:
+        raise ValueError(f"a tensor of shape {tuple(t.shape)}: rank {rank} holds "
+                         f"{tuple(_local(p).shape)} of it, not rows of {size} ranks' chunks")
+    return mine
 
 
 class _Bucket:
@@ -330,6 +344,26 @@ class ShardedTrainer(Trainer):
                      if self.hold else "each micro-batch reduces its gradients (the whole "
                      "model's would take more than %.0f%% of the device's memory)"
                      % (100 * HOLD_SHARE))
+
+    def reset(self) -> None:
+        """Starts over from the generating model's weights (Trainer.reset) without sharding
+        again: each rank copies its rows of them into its fp32 shards (a load then puts the
+        saved masters there). A value head the generating model gained since (a critic's
+        checkpoint) shards the model again, with it."""
+        if self.unreduced:
+            self._drop_unreduced()
+        self.whole.reshard()
+        for p in self.params:
+            p.grad = None
+        self.opt = self.masters = None
+        self.step_ahead = False
+        self.steps = 0
+        if self.gen_model.score is not None and self.model.score is None:
+            self.add_params([])
+            return
+        with torch.no_grad():
+            for p, g in zip(self.model.parameters(), self.gen_model.parameters(), strict=True):
+                _local(p).copy_(_rows(g, p))
 
     def add_params(self, params: list) -> None:
         # A critic's value head created on the generating model: shard the model again with it,
@@ -541,7 +575,10 @@ class ShardedTrainer(Trainer):
         return {"optimizer": sd, "steps": self.steps, "masters": masters}
 
     def load_state_dict(self, state: dict) -> None:
-        from torch.distributed.tensor import distribute_tensor
+        """Loads a state of the format of one rank (full tensors; on the CPU, mapped: RankEngine's
+        _load_optimizer): each rank copies only its rows of each tensor to its device, with no
+        collective (every rank reads the same file)."""
+        from torch.distributed.tensor import DTensor
 
         opt = self._optimizer()
         sd = state["optimizer"]
@@ -558,15 +595,16 @@ class ShardedTrainer(Trainer):
             self.opt = opt = self._local_adamw(groups) if self.local_opt else \
                 torch.optim.AdamW(groups, lr=0.0, foreach=True)
 
-        def shard(t, p):
-            return distribute_tensor(t.to(p.device, p.dtype), p.device_mesh, p.placements)
-
-        def state_shard(t, p):  # the local shard for an optimizer of the local tensors
-            return shard(t, p).to_local() if self.local_opt else shard(t, p)
+        def state_shard(t, p):  # a DTensor as p, or its local tensor for the local optimizer
+            local = _rows(t, p).to(p.device, p.dtype, copy=True)
+            if self.local_opt:
+                return local
+            return DTensor.from_local(local, p.device_mesh, p.placements, run_check=False,
+                                      shape=p.shape, stride=p.stride())
 
         with torch.no_grad():
             for p, m in zip(self.params, state.get("masters") or [], strict=False):
-                p.to_local().copy_(shard(m, p).to_local())
+                _local(p).copy_(_rows(m, p))
         flat = [p for g in sd["param_groups"] for p in g["params"]]
         params = dict(zip(flat, self.params))
         sd = dict(sd)
@@ -597,6 +635,13 @@ class RankEngine(Engine):
 
     def _new_trainer(self, model: Transformer, **kw) -> Trainer:
         return ShardedTrainer(model, **kw)
+
+    def _load_optimizer(self, model_dir) -> None:
+        # Mapped on the CPU, not read whole onto the device: each rank copies its shard's rows
+        # only (ShardedTrainer.load_state_dict), a 1/N of the state's bytes.
+        path = model_dir / OPTIMIZER_FILE
+        if path.exists():
+            self.trainer.load_state_dict(torch.load(path, map_location="cpu", mmap=True))
 
     def _save(self, out) -> None:
         state = self.trainer.state_dict()  # collective: every rank
@@ -805,6 +850,7 @@ class Group:
         self.keys = itertools.count()
         self.closed = False
         self.stop = False  # stopping() was called
+        self.lost: list[int] = []  # the followers whose link to rank 0 broke (_receive)
         self.thread = threading.Thread(target=self._loop, name="slimen-torch-group", daemon=True)
         self.receivers = [threading.Thread(target=self._receive, args=(r,), daemon=True,
                                            name=f"slimen-torch-from-rank-{r}")
@@ -1016,6 +1062,7 @@ class Group:
                     return
         except Exception as e:
             with self.cv:
+                self.lost.append(rank)
                 closing = self.cv.wait_for(lambda: self.closed or self.stop, timeout=LOST_GRACE_S)
             if not closing:
                 broken(0, f"receiving rank {rank}'s completions", e)

@@ -867,10 +867,9 @@ class Engine:
         if self.versions.rollout is not None:
             self.versions.rollout.gen.tokenizer = self.tokenizer
             self.versions.rollout.gen.eos = set(self.eos)
-        self.trainer = self._new_trainer(
-            self.model, micro_batch_tokens=self.trainer.micro_batch_tokens,
-            reference=self._reference_model, compile=self.trainer.mode,
-            fused_head=self.trainer.fused_head)
+        # The same trainer, started over from the loaded weights (a sharded one's build, FSDP's
+        # wrapping of a second fp32 copy, took seconds of a restarted worker group's return).
+        self.trainer.reset()
         self._load_optimizer(model_dir)
 
     # ---- pushing weights through a process group (push.py) ----

@@ -772,15 +772,29 @@ def serve(args) -> None:
     service.loading = False
     stop.wait()
     service.loading = True
+    shut_down(server, service.engine, size)
+
+
+def shut_down(server, engine, size: int) -> None:
+    """The end of serve: the server stops (its calls in flight get a few seconds), then the
+    engine. A group's rank 0 whose follower is gone already (its link broke: torchrun stops the
+    group because that rank died, or every rank at the end of a run) waits for neither: the
+    follower's requests never finish and the group cannot close, and torchrun starts the group
+    again only once every rank has exited."""
     if size > 1:
-        service.engine.stopping()  # the followers are stopping too: their links may break now
+        engine.stopping()  # the followers are stopping too: their links may break now
+        if engine.lost:
+            log.info("rank %s gone: exiting at once", ", ".join(map(str, engine.lost)))
+            server.stop(grace=None)
+            logging.shutdown()
+            os._exit(0)
     server.stop(grace=5).wait()
     if size == 1:
-        service.engine.close()
+        engine.close()
         return
     # torchrun stops every rank of the group at once: the followers may be gone already, and a
     # collective with a rank that left never returns, so the group gets a few seconds.
-    if service.engine.close(timeout=5):
+    if engine.close(timeout=5):
         import torch.distributed
         torch.distributed.destroy_process_group()
     else:

@@ -291,6 +291,22 @@ class Trainer:
             self.opt.add_param_group({**{k: v for k, v in self.opt.param_groups[0].items()
                                          if k != "params"}, "params": new})
 
+    def reset(self) -> None:
+        """Trainer.reset: the trainer starts over from its model's weights as a new one would (no
+        optimizer state, no masters, step 0, no gradients), keeping its compiled training layer;
+        a load then puts a saved state back (Engine._load). A value head the model gained since
+        (a critic's checkpoint loaded into it) trains too, last, as a new trainer orders it."""
+        for p in self.params:
+            p.grad = None
+        self.opt = self.masters = None
+        self.step_ahead = False
+        self.steps = 0
+        mine = {id(p) for p in self.params}
+        head = [p for n, p in self.model.named_parameters()
+                if n.startswith("score") and id(p) not in mine]
+        if head:
+            self.add_params(head)
+
     def _uncompile(self, err: Exception) -> bool:
         """After a failure of a compiled step: the next mode down (block → regional → eager);
         False if already eager. The whole traceback is kept in compile_error."""
@@ -310,7 +326,8 @@ class Trainer:
             if self.mixed:
                 self.masters = [p.detach().float().clone().requires_grad_() for p in self.params]
             else:
-                self.masters = self.params
+                # A list of its own: add_params appends a new head to both.
+                self.masters = list(self.params)
             self.opt = torch.optim.AdamW(self.masters, lr=0.0, fused=self.cuda)
             self.step_ahead = self.cuda
         return self.opt

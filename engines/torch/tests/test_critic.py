@@ -145,3 +145,32 @@ def test_head_created_after_the_optimizer_survives_save_and_load(model_dirs, tmp
                     engine.close()
     finally:
         e.close()
+
+
+def test_a_critics_checkpoint_loaded_into_an_actor_trains_its_head(model_dirs, tmp_path):
+    """A load starts the engine's own trainer over (Trainer.reset), not a new one: a critic's
+    checkpoint loaded into an engine that has no value head gives it the head, whose weights and
+    optimizer state train on as in an engine started from the checkpoint."""
+    model = str(model_dirs["tiny-qwen3"])
+    critic, actor = Engine(model), Engine(model)
+    try:
+        batch = critic_batch(critic, 2.0)
+        critic.train(batch)
+        critic.save(str(tmp_path / "c"))
+        trainer = actor.trainer
+        assert actor.model.score is None
+        actor.load(str(tmp_path / "c"))
+        assert actor.trainer is trainer and trainer.steps == 1
+        assert any(p is actor.model.score for p in trainer.params)
+        back = Engine(str(tmp_path / "c"))
+        try:
+            want, head = back.train(batch), back.model.score.detach().clone()
+        finally:
+            back.close()
+        got = actor.train(batch)
+        assert got.value_loss == pytest.approx(want.value_loss, rel=1e-6)
+        assert not torch.equal(actor.model.score, critic.model.score)  # the head trained
+        torch.testing.assert_close(actor.model.score.detach(), head, rtol=1e-6, atol=1e-7)
+    finally:
+        critic.close()
+        actor.close()

@@ -102,8 +102,8 @@ LATE = [short_req("late0", 3), short_req("late1", 4)]  # after LONGS started: on
 def steps_and_generation(engine, bs, out):
     """The calls both tests make, on one rank's engine or on rank 0's Group: a step; generation;
     a second step while long requests generate on every rank (on two ranks) and, once they run,
-    short ones that join their batches; the save and a load of it; generation again. Returns what the test
-    compares."""
+    short ones that join their batches; the save and a load of it; generation again; a third
+    step, from the loaded weights and optimizer state. Returns what the test compares."""
     import time
 
     stats = [engine.train(bs[0])]
@@ -121,6 +121,7 @@ def steps_and_generation(engine, bs, out):
     engine.save(out)
     engine.load(out)  # what a restarted group does with the last checkpoint
     gen_b = collect(engine.submit, REQUESTS)
+    stats.append(engine.train(bs[0]))  # the step a restarted group takes first
     return {"stats": stats, "gen_a": gen_a, "gen_b": gen_b, "late": late,
             "longs_during_train": longs_during_train, "mode": mode,
             "compile_error": compile_error,
@@ -182,6 +183,19 @@ def _count_reduce_scatters() -> list:
     return calls
 
 
+def _count_builds(dist) -> list:
+    """Counts the ShardedTrainers a rank builds (FSDP's wrapping of an fp32 copy of the model):
+    a list that gets one entry a build."""
+    calls, real = [], dist.ShardedTrainer.__init__
+
+    def counted(self, *args, **kw):
+        calls.append(1)
+        return real(self, *args, **kw)
+
+    dist.ShardedTrainer.__init__ = counted
+    return calls
+
+
 def _count_weights() -> list:
     """Counts the samples whose loss weights a rank computes: a list that gets one entry a call
     of loss.token_weights, the number of its arrays."""
@@ -211,6 +225,7 @@ def _rank(rank, size, port, model, opts, bs, out, result, bucket, nccl=False, ho
     rank, _, _, links = dist.init(opts["device"], backend="nccl" if nccl else "")
     reduce_scatters = _count_reduce_scatters()
     weighed = _count_weights()
+    built = _count_builds(dist)
     engine = dist.RankEngine(model, Options(**opts), rank)
     if rank != 0:
         dist.follow(engine, links, rank)
@@ -233,7 +248,7 @@ def _rank(rank, size, port, model, opts, bs, out, result, bucket, nccl=False, ho
     torch.distributed.destroy_process_group()
     torch.save(weights, f"{result}.w0")
     t = engine.trainer
-    got.update(gather_s=t.gather_seconds, gather_bytes=t.gathered_bytes,
+    got.update(gather_s=t.gather_seconds, gather_bytes=t.gathered_bytes, built=built,
                reduce_scatters=reduce_scatters, weighed=weighed, fsdp_groups=t.fsdp_groups,
                opt_dtensors=sum(isinstance(q, DTensor) for g in t.opt.param_groups
                                 for q in g["params"]),
@@ -292,23 +307,27 @@ def test_two_ranks_equal_one(noeos_dir, tmp_path, monkeypatch, switches):
         assert a.tokens == b.tokens and a.clip_frac == b.clip_frac
         for k in ("loss", "pg_loss", "kl", "entropy", "grad_norm"):
             assert getattr(a, k) == pytest.approx(getattr(b, k), rel=1e-4, abs=1e-6), k
+    assert len(got["stats"]) == len(want["stats"]) == 3
     assert got["stats"][1].grad_norm > STEPS[1].max_grad_norm  # the clip was applied
     # The gradients are reduced once a step, not once a micro-batch (rank 0 runs 3 a step): a
-    # reduce-scatter for each FSDP group (the layers, or both in one, and the root) a step, for 2
+    # reduce-scatter for each FSDP group (the layers, or both in one, and the root) a step, for 3
     # steps.
     assert got["fsdp_groups"] == (2 if switches else len(w0_layers(w0)) + 1)
-    assert len(got["reduce_scatters"]) == 2 * got["fsdp_groups"]
+    assert len(got["reduce_scatters"]) == 3 * got["fsdp_groups"]
     # Rank 0 computes the loss weights of its 3 samples of the 5, or of all 5, in each step.
-    assert got["weighed"] == [3 if switches else 5] * 2
+    assert got["weighed"] == [3 if switches else 5] * 3
+    # One sharded trainer for the rank's life: the load starts it over in place (a second build
+    # took seconds of a restarted group's return on the GPUs).
+    assert got["built"] == [1]
     # The optimizer steps the DTensors, or their local shards with torch's fused AdamW (on the
     # CPU too: the GPU's path, launched before the read-back).
     assert got["opt_dtensors"] == (0 if switches else len(w0))
     assert bool(got["opt_fused"]) == bool(switches)
     assert got["devices"] == ["cpu", "cpu"]
-    # The gather (the last trainer's, which the load made: once, from the loaded masters) is of
-    # the generating model's bytes (fp32 on the CPU); every rank's generating weights are the
+    # A gather after each of the 3 steps and one after the load (from the loaded masters), each
+    # of the generating model's bytes (fp32 on the CPU); every rank's generating weights are the
     # same, and one rank's.
-    assert got["gather_bytes"] == sum(p.numel() * 4 for p in w0.values())
+    assert got["gather_bytes"] == 4 * sum(p.numel() * 4 for p in w0.values())
     for n, p in w0.items():
         assert torch.equal(w1[n], p), n
         torch.testing.assert_close(p, one_weights[n], rtol=1e-4, atol=1e-5, msg=n)
@@ -654,6 +673,53 @@ def test_close_with_the_followers_gone(monkeypatch):
     time.sleep(0.5)  # past the grace: the server's stop may take seconds before the close
     assert group.close(timeout=10)
     assert local.closed and not raised and not broke
+    assert group.lost == [1]
+
+
+class _FakeServer:
+    """A gRPC server's stop, recorded."""
+
+    def __init__(self):
+        self.graces = []
+
+    def stop(self, grace):
+        self.graces.append(grace)
+        return self
+
+    def wait(self):
+        pass
+
+
+class _FakeGroup:
+    def __init__(self, lost):
+        self.lost, self.stopped, self.closes = lost, False, []
+
+    def stopping(self):
+        self.stopped = True
+
+    def close(self, timeout):
+        self.closes.append(timeout)
+        return False
+
+
+@pytest.mark.parametrize("lost", [[], [1]])
+def test_rank_0_stops_at_once_with_a_follower_gone(monkeypatch, lost):
+    """torchrun stops rank 0 because a follower died: rank 0 saw the follower's link break, so
+    it exits at once, waiting neither for the server's calls in flight (a generate stream of
+    requests the dead rank held kept it the grace's 5 s) nor for the group's close (5 s more);
+    torchrun starts the group again only once every rank has exited. With every follower's link
+    whole, the stop is the graceful one."""
+    from slimen_torch import server
+
+    def exit_(code):
+        raise SystemExit(code)
+
+    monkeypatch.setattr(server.os, "_exit", exit_)
+    srv, group = _FakeServer(), _FakeGroup(lost)
+    with pytest.raises(SystemExit):
+        server.shut_down(srv, group, 2)
+    assert group.stopped
+    assert (srv.graces, group.closes) == (([None], []) if lost else ([5], [5]))
 
 
 def test_a_follower_lost_mid_run_ends_the_group(monkeypatch):

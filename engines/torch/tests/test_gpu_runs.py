@@ -2,6 +2,8 @@
 printed against where nvidia-smi saw each policy's worker (by the pids events.log gives, through
 the process tree for ranks), and the fallback on memory where nvidia-smi lists no process."""
 
+import pytest
+
 import gpu_runs
 
 PLAN = """GPU 0  NVIDIA H100 80GB HBM3  GPU-a  memory 0.0 MiB used of 79.6 GiB (79.6 GiB free)  utilisation 0%
@@ -140,3 +142,33 @@ def test_placement_of_a_worker_that_never_became_ready(tmp_path):
     (tmp_path / "x" / "events.log").write_text(HUNG)
     line = w.placement("gpus-x", "x")
     assert "GPUs with processes: 0,1 (events.log names no worker pid: no torch worker became ready)" in line, line
+
+
+def test_restart_milestones(tmp_path):
+    """A killed rank's return, milestone by milestone: the host's stamped lines and the workers'
+    own log lines (local time, to the ms) after the kill; the first start's lines do not count."""
+    import time
+    killed = time.mktime(time.strptime("2026-11-28 21:24:28", "%Y-%m-%d %H:%M:%S")) + 0.126
+    (tmp_path / "f").mkdir()
+    (tmp_path / "f.log").write_text(
+        f"{killed - 1:.3f} step 1/3 · reward\n"
+        f"{killed + 2.29:.3f} policy \"s\": the torch worker (pid 5190) exited: exit status 1\n"
+        f"{killed + 2.30:.3f} policy \"s\": the torch worker is started again on 127.0.0.1:1\n"
+        f"{killed + 19.1:.3f} policy \"s\": its torch worker restarted as a new process (i)\n")
+    w = 'T policy "s": worker: 2026-11-28 '
+    (tmp_path / "f" / "events.log").write_text("".join(w + l + "\n" for l in [
+        "21:24:24,791 slimen_torch INFO listening on 127.0.0.1:1 (loading m)",
+        "21:24:26,986 slimen_torch INFO rank 0 of 2 (local rank 0) on cpu",
+        "21:24:27,200 slimen_torch INFO serving m on 127.0.0.1:1 from 2 ranks: a, b",
+        "21:24:34,503 slimen_torch INFO serve: process 6060 began (rank 1 of 2)",
+        "21:24:34,611 slimen_torch INFO serve: process 6061 began (rank 0 of 2)",
+        "21:24:46,078 slimen_torch INFO listening on 127.0.0.1:1 (loading m)",
+        "21:24:46,094 slimen_torch INFO rank 1 of 2 (local rank 1) on cpu",
+        "21:24:46,114 slimen_torch INFO rank 0 of 2 (local rank 0) on cpu",
+        "21:24:46,325 slimen_torch INFO serving m on 127.0.0.1:1 from 2 ranks: a, b"]))
+    got = gpu_runs.Work(tmp_path).restart("f", killed)
+    names = [n for n, _ in got]
+    assert names == [n for _, _, n in gpu_runs.RESTART_MILESTONES]
+    want = [2.29, 2.30, 6.377, 17.952, 17.968, 18.199, 19.1]
+    assert [round(s, 3) for _, s in got] == pytest.approx(want, abs=2e-3)
+    assert gpu_runs.Work(tmp_path).restart("f", killed + 30) == []

@@ -113,8 +113,10 @@ def test_optimizer_state_survives_save_and_load(model_dirs, tmp_path):
             assert sa.loss == pytest.approx(sb.loss, rel=1e-6)
             for p, q in zip(weights(a), weights(b)):
                 assert torch.allclose(p, q, atol=1e-7)
-            # Load in place replaces weights and optimizer state.
+            # Load in place replaces weights and optimizer state, in the engine's own trainer.
+            trainer = a.trainer
             a.load(str(tmp_path / "ck"))
+            assert a.trainer is trainer
             b.load(str(tmp_path / "ck"))
             assert a.train(batch).loss == pytest.approx(b.train(batch).loss, rel=1e-6)
         finally:
