@@ -694,7 +694,8 @@ def test_a_training_step_through_the_gpu_kernels_is_the_cpu_step(interpreted, mo
         monkeypatch.setattr(bi, name, (16, 16, 4, 1))
     for name in ("ATTN_BWD_DKDV", "ATTN_BWD_DKDV_F32"):
         monkeypatch.setattr(bi, name, (16, 32, 4, 1))
-    ss = [Sample(list(range(3, 23 + 7 * i)), list(range(40, 46)), [1.0] * 6, [-5.0] * 6,
+    # 16 and 23 tokens: the second sample's queries past the first 16-row block
+    ss = [Sample(list(range(3, 13 + 7 * i)), list(range(40, 46)), [1.0] * 6, [-5.0] * 6,
                  [1.0 if i else -1.0] * 6, group="g") for i in range(2)]
     got = []
     for force in (False, True):
@@ -796,7 +797,8 @@ def test_a_training_step_with_the_layer_in_one_node(interpreted, model_dirs, mon
         monkeypatch.setattr(bi, name, (16, 16, 4, 1))
     for name in ("ATTN_BWD_DKDV", "ATTN_BWD_DKDV_F32"):
         monkeypatch.setattr(bi, name, (16, 32, 4, 1))
-    ss = [Sample(list(range(3, 13 + 7 * i)), list(range(40, 46)), [1.0] * 6, [-5.0] * 6,
+    # 11 and 18 tokens: the second sample's queries past the first 16-row block
+    ss = [Sample(list(range(3, 8 + 7 * i)), list(range(40, 46)), [1.0] * 6, [-5.0] * 6,
                  [1.0 if i else -1.0] * 6, group="g") for i in range(2)]
     e = Engine(str(model_dirs["tiny-qwen3"]), Options(device="cpu", deterministic=True,
                                                       dtype="float16"))
