@@ -365,7 +365,8 @@ def test_shared_prompt_groups_generate_the_same(noeos_dir, monkeypatch):
         got = {}
         for i, n in enumerate((4, 10, 4, 4)):
             prompt = [(7 * i + 3 * j) % 50 + 1 for j in range(5 + 2 * i)]
-            gen.add(Request(f"r{i}", prompt, n, Sampling(seed=i, max_tokens=5),
+            # 3 tokens: the decode step after the rows' caches are changed below reads them.
+            gen.add(Request(f"r{i}", prompt, n, Sampling(seed=i, max_tokens=3),
                             lambda c: got.__setitem__((c.request_id, c.index), c)))
         gen.step()  # admits all 22 samples and launches the first decode step
         rows = [s.slot for s in gen.slots if s is not None and s.req.id == "r2"]
@@ -421,7 +422,7 @@ def test_separate_requests_of_one_prompt_share_it(noeos_dir, monkeypatch):
         prompts = [[5, 9, 13, 2, 7, 30, 4], [8, 1, 44, 6]]
         for i in range(10):  # 6 requests of the first prompt, 4 of the second, interleaved
             p = prompts[0] if i % 5 < 3 else prompts[1]
-            gen.add(Request(f"r{i}", p, 1, Sampling(seed=i, max_tokens=5),
+            gen.add(Request(f"r{i}", p, 1, Sampling(seed=i, max_tokens=3),
                             lambda c: got.__setitem__(c.request_id, c)))
         while gen.busy():
             gen.step()
