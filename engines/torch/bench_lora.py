@@ -209,12 +209,13 @@ def sec_lora(a, model_dir):
         e.close()
 
 
-def gen_run(e, a, adapters) -> float:
-    """tok/s of a.rows rows, row i by adapters[i % len] ("" base), after a warm-up run."""
+def gen_run(e, a, adapters, new=None) -> float:
+    """tok/s of a.rows rows of new (default a.new) tokens, row i by adapters[i % len] ("" base),
+    after a warm-up run."""
     def reqs(tag):
         return [GenerateRequest(id=f"{tag}{i}", prompt_tokens=[10 + (i + j) % 190 for j in range(128)],
                                 adapter=adapters[i % len(adapters)],
-                                sampling=Sampling(max_tokens=a.new, temperature=1.0, seed=i))
+                                sampling=Sampling(max_tokens=new or a.new, temperature=1.0, seed=i))
                 for i in range(a.rows)]
     e.generate(reqs("w"))
     best = 0.0
@@ -296,6 +297,14 @@ def sec_gen(a, model_dir):
                         p.copy_(torch.randn(p.shape, generator=g) * 0.02)
         e.bank.changed()
         res["eight_adapters_tok_s"] = gen_run(e, a, names)
+        # Where the difference lies: the prefill (a run of one new token a row: its 128-token
+        # prompt prefilled, one token sampled) and the decode steps after it, for the one model
+        # and the eight adapters.
+        for k, ads in (("one_model", [""]), ("eight_adapters", names)):
+            pre = a.rows / gen_run(e, a, ads, new=1)
+            full = a.rows * a.new / res[k + ("_defaults" if k == "one_model" else "") + "_tok_s"]
+            res[k + "_prefill_s"] = pre
+            res[k + "_decode_step_ms"] = (full - pre) / max(1, a.new - 1) * 1e3
         gen = e.gen
         res["decode_graphs"] = len(gen.graphs) if gen.use_graphs else 0
         res["table"] = dict(version=e.bank.table.version, slots=e.bank.table.cap, rank=e.bank.table.r)
@@ -459,6 +468,11 @@ def table(results: dict, a) -> str:
                         ("one_adapter_tok_s", "one adapter"),
                         ("one_model_eager_tok_s", "one model, eager path")):
             L.append(f"| {what} | {g.get(k, 0):,.0f} |")
+        if "eight_adapters_prefill_s" in g:
+            L += ["", "- the run split (one model → 8 adapters): prefill with one sampled token "
+                  f"{g['one_model_prefill_s']:.3f} → {g['eight_adapters_prefill_s']:.3f} s, "
+                  f"a decode step after it {g['one_model_decode_step_ms']:.2f} → "
+                  f"{g['eight_adapters_decode_step_ms']:.2f} ms"]
         if "ratio_eight_captured_to_one_model" in g:
             t = g["tokens"]
             L += ["", f"- 8 adapters captured / one captured model: "
