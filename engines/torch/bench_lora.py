@@ -209,15 +209,16 @@ def sec_lora(a, model_dir):
         e.close()
 
 
-def gen_run(e, a, adapters, new=None) -> float:
+def gen_run(e, a, adapters, new=None, warm=True) -> float:
     """tok/s of a.rows rows of new (default a.new) tokens, row i by adapters[i % len] ("" base),
-    after a warm-up run."""
+    after a warm-up run (warm)."""
     def reqs(tag):
         return [GenerateRequest(id=f"{tag}{i}", prompt_tokens=[10 + (i + j) % 190 for j in range(128)],
                                 adapter=adapters[i % len(adapters)],
                                 sampling=Sampling(max_tokens=new or a.new, temperature=1.0, seed=i))
                 for i in range(a.rows)]
-    e.generate(reqs("w"))
+    if warm:
+        e.generate(reqs("w"))
     best = 0.0
     for k in range(1):
         t = time.perf_counter()
@@ -280,12 +281,28 @@ def token_check(e, a, names) -> dict:
                                      for x, y in zip(mixed, base)))
 
 
+def profiled(e, a, adapters) -> str:
+    """The kernels of one gen_run of adapters (warm), top 30 by device time (CPU on the CPU);
+    the profiler runs on the engine's thread, where the model's work runs."""
+    from torch.profiler import ProfilerActivity
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda() else [])
+    key = "self_device_time_total" if cuda() else "self_cpu_time_total"
+    prof = torch.profiler.profile(activities=acts)
+    e._call(prof.start)
+    gen_run(e, a, adapters, warm=False)
+    e._call(lambda: (torch.cuda.synchronize() if cuda() else None, prof.stop()))
+    return prof.key_averages().table(sort_by=key, row_limit=30)
+
+
 def sec_gen(a, model_dir):
     res = {}
     slots = max(a.rows, a.slots)
     e = Engine(str(model_dir), opts(a, slots=slots))
+    prof = []
     try:
         res["one_model_defaults_tok_s"] = gen_run(e, a, [""])
+        if a.profile:
+            prof.append("== one model\n" + profiled(e, a, [""]))
         names = [f"g{i}" for i in range(8)]
         g = torch.Generator().manual_seed(3)
         for i, name in enumerate(names):
@@ -297,6 +314,9 @@ def sec_gen(a, model_dir):
                         p.copy_(torch.randn(p.shape, generator=g) * 0.02)
         e.bank.changed()
         res["eight_adapters_tok_s"] = gen_run(e, a, names)
+        if a.profile:
+            prof.append("== 8 adapters\n" + profiled(e, a, names))
+            (pathlib.Path(a.out) / "profile-gen.txt").write_text("\n".join(prof))
         # Where the difference lies: the prefill (a run of one new token a row: its 128-token
         # prompt prefilled, one token sampled) and the decode steps after it, for the one model
         # and the eight adapters.
@@ -526,6 +546,9 @@ def main():
     ap.add_argument("--max-adapters", type=int, default=4096)
     ap.add_argument("--budget", type=float, default=60.0, help="seconds per allocation test")
     ap.add_argument("--sections", default=",".join(SECTIONS))
+    ap.add_argument("--profile", action="store_true",
+                    help="gen: the kernels of one run of the one model and one of the 8 adapters "
+                    "(top 30 by device time) in OUT/profile-gen.txt")
     ap.add_argument("--quick", action="store_true", help="tiny sizes (a CPU dry run)")
     ap.add_argument("--section", help=argparse.SUPPRESS)
     ap.add_argument("--model", help=argparse.SUPPRESS)
