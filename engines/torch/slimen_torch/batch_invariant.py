@@ -1234,6 +1234,28 @@ if HAVE_TRITON:
             tl.store(LSE + r, lse, mask=tm)
         tl.store(DELTA + r, delta, mask=tm)
 
+    @triton.jit
+    def _dkdv_heads(dk, dv, Q, DO, LSE, DELTA, k, v, t, tm, qm, pos, j, jm, d, b, kvh, Tq, H, G,
+                    sqb, sqt, sqh, sdb, sdt, sdh, scale, F32DOT: tl.constexpr,
+                    MASKED: tl.constexpr):
+        # dK and dV of a block of keys (k, v) added over one block of queries t of the G query
+        # heads sharing their key head (_attention_bwd_dkdv_kernel's inner loop).
+        for hi in range(0, G):
+            h = kvh * G + hi
+            q = tl.load(Q + b * sqb + t[:, None] * sqt + h * sqh + d[None, :], mask=qm, other=0.0)
+            do = tl.load(DO + b * sdb + t[:, None] * sdt + h * sdh + d[None, :], mask=qm,
+                         other=0.0)
+            r = (b * Tq + t) * H + h
+            lse = tl.load(LSE + r, mask=tm, other=0.0)
+            delta = tl.load(DELTA + r, mask=tm, other=0.0)
+            st = _bwd_dot(k, tl.trans(q), F32DOT)
+            dpt = _bwd_dot(v, tl.trans(do), F32DOT)
+            pt, dst = _bwd_p_ds(st, dpt, lse[None, :], delta[None, :], j[:, None], pos[None, :],
+                                jm[:, None], scale, MASKED=MASKED)
+            dv += _bwd_dot(pt.to(do.dtype), do, F32DOT)
+            dk += _bwd_dot(dst.to(q.dtype), q, F32DOT)
+        return dk, dv
+
     @triton.jit(do_not_specialize=["Tq", "Lk"])
     def _attention_bwd_dkdv_kernel(Q, K, V, DO, P, LSE, DELTA, DK, DV, Tq, H, G, Lk, D, scale,
                                    sqb, sqt, sqh, skb, skh, skl, svb, svh, svl, sdb, sdt, sdh,
@@ -1266,37 +1288,13 @@ if HAVE_TRITON:
                 # The branch outside the heads' loop, each side a loop without one: Triton's
                 # software pipeliner fails on a branch around the blocks' arithmetic.
                 if FULL_BLOCKS and full:
-                    for hi in range(0, G):
-                        h = kvh * G + hi
-                        q = tl.load(Q + b * sqb + t[:, None] * sqt + h * sqh + d[None, :],
-                                    mask=qm, other=0.0)
-                        do = tl.load(DO + b * sdb + t[:, None] * sdt + h * sdh + d[None, :],
-                                     mask=qm, other=0.0)
-                        r = (b * Tq + t) * H + h
-                        lse = tl.load(LSE + r, mask=tm, other=0.0)
-                        delta = tl.load(DELTA + r, mask=tm, other=0.0)
-                        st = _bwd_dot(k, tl.trans(q), F32DOT)
-                        dpt = _bwd_dot(v, tl.trans(do), F32DOT)
-                        pt, dst = _bwd_p_ds(st, dpt, lse[None, :], delta[None, :], j[:, None],
-                                            pos[None, :], jm[:, None], scale, MASKED=False)
-                        dv += _bwd_dot(pt.to(do.dtype), do, F32DOT)
-                        dk += _bwd_dot(dst.to(q.dtype), q, F32DOT)
+                    dk, dv = _dkdv_heads(dk, dv, Q, DO, LSE, DELTA, k, v, t, tm, qm, pos, j, jm,
+                                         d, b, kvh, Tq, H, G, sqb, sqt, sqh, sdb, sdt, sdh,
+                                         scale, F32DOT, MASKED=False)
                 else:
-                    for hi in range(0, G):
-                        h = kvh * G + hi
-                        q = tl.load(Q + b * sqb + t[:, None] * sqt + h * sqh + d[None, :],
-                                    mask=qm, other=0.0)
-                        do = tl.load(DO + b * sdb + t[:, None] * sdt + h * sdh + d[None, :],
-                                     mask=qm, other=0.0)
-                        r = (b * Tq + t) * H + h
-                        lse = tl.load(LSE + r, mask=tm, other=0.0)
-                        delta = tl.load(DELTA + r, mask=tm, other=0.0)
-                        st = _bwd_dot(k, tl.trans(q), F32DOT)
-                        dpt = _bwd_dot(v, tl.trans(do), F32DOT)
-                        pt, dst = _bwd_p_ds(st, dpt, lse[None, :], delta[None, :], j[:, None],
-                                            pos[None, :], jm[:, None], scale, MASKED=True)
-                        dv += _bwd_dot(pt.to(do.dtype), do, F32DOT)
-                        dk += _bwd_dot(dst.to(q.dtype), q, F32DOT)
+                    dk, dv = _dkdv_heads(dk, dv, Q, DO, LSE, DELTA, k, v, t, tm, qm, pos, j, jm,
+                                         d, b, kvh, Tq, H, G, sqb, sqt, sqh, sdb, sdt, sdh,
+                                         scale, F32DOT, MASKED=True)
         gm = jm[:, None] & dm[None, :]
         g = b * sgb + kvh * sgh + j[:, None] * sgl + d[None, :]
         tl.store(DK + g, (dk * scale).to(DK.dtype.element_ty), mask=gm)
