@@ -321,16 +321,23 @@ def _attention(q, k, v, kc, vc, pos, L, scale, rope):
                                               pos, L, scale)
 
 
+def _four_rows_placed(eng):
+    """The table with four rows' adapters (a, the base, c, b) placed, the rows' slots and the
+    adapters placed."""
+    bank = eng.bank
+    row_ads = [bank.adapters["a"], None, bank.adapters["c"], bank.adapters["b"]]
+    ads = [x for x in row_ads if x is not None]
+    t = bank.table
+    assert t.place(ads)
+    return t, torch.tensor([t.slot_of(x) for x in row_ads]), ads
+
+
 def test_the_compiled_and_split_layers_take_the_updates(eng):
     """decode_step_split (the Triton path's layer split, here around a PyTorch attention) with
     pre and post compiled whole (fullgraph: the table's tensors are plain arguments) gives the
     eager decode_step's hidden states under the same slots."""
-    m, bank = eng.model, eng.bank
-    cfg = m.cfg
-    row_ads = [bank.adapters["a"], None, bank.adapters["c"], bank.adapters["b"]]
-    t = bank.table
-    assert t.place([x for x in row_ads if x is not None])
-    idx = torch.tensor([t.slot_of(x) for x in row_ads])
+    m, cfg = eng.model, eng.model.cfg
+    t, idx, ads = _four_rows_placed(eng)
     B, L = 4, 16
     tokens = torch.tensor(IDS[:B])
     pos = torch.tensor([3, 7, 0, 5])
@@ -500,12 +507,8 @@ def test_the_fused_step_runs_fewer_operations(eng):
     fused, each adapted projection adds two to the base's (the shrink and the expand); Packed
     adds the mask's product, the expand's product and the add besides, and the mask's making;
     folded (Table.fold), one (the expand)."""
-    m, bank = eng.model, eng.bank
-    cfg = m.cfg
-    row_ads = [bank.adapters["a"], None, bank.adapters["c"], bank.adapters["b"]]
-    t = bank.table
-    assert t.place([x for x in row_ads if x is not None])
-    idx = torch.tensor([t.slot_of(x) for x in row_ads])
+    m, cfg = eng.model, eng.model.cfg
+    t, idx, ads = _four_rows_placed(eng)
     B, L = 4, 16
     tokens, pos = torch.tensor(IDS[:B]), torch.tensor([3, 7, 0, 5])
     g = torch.Generator().manual_seed(1)
@@ -532,11 +535,11 @@ def test_the_fused_step_runs_fewer_operations(eng):
     # Folded: the expand alone (the shrink is in the base's product).
     t.fold = True
     try:
-        assert t.place([x for x in row_ads if x is not None]) and t.folded
+        assert t.place(ads) and t.folded
         folded = _ops(step(lora.Slots(t, idx, fused=True)))
     finally:
         t.fold = False
-        t.place([x for x in row_ads if x is not None])
+        t.place(ads)
     assert total(folded) == total(base) + adapted, (folded, base)
     assert folded.get("lora_expand") == adapted
 
