@@ -43,12 +43,7 @@ import torch.nn.functional as F
 
 from . import lora
 
-try:
-    import triton
-    import triton.language as tl
-    HAVE_TRITON = True
-except ImportError:  # pragma: no cover - the CPU path needs no Triton
-    HAVE_TRITON = False
+from .triton_env import HAVE_TRITON, INTERPRET, tl, triton  # noqa: F401
 
 # The attention's split along the keys: positions [0, KV_SPLIT), [KV_SPLIT, 2·KV_SPLIT), …
 KV_SPLIT = 64
@@ -84,7 +79,6 @@ def use_triton(t: torch.Tensor) -> bool:
 
 
 FORCE_TRITON = False  # tests: the Triton kernels on the CPU under TRITON_INTERPRET=1
-INTERPRET = os.environ.get("TRITON_INTERPRET", "") == "1"
 
 
 # ---- sums in a fixed order ----

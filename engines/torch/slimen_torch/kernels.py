@@ -33,23 +33,14 @@ import os
 import torch
 
 from .model import kv_read, kv_write
-
-try:  # Triton comes with PyTorch's CUDA wheels on Linux; elsewhere the fallbacks run.
-    import triton
-    import triton.language as tl
-    HAVE_TRITON = True
-except Exception:  # pragma: no cover - depends on the platform
-    triton = None
-    tl = None
-    HAVE_TRITON = False
+from .triton_env import HAVE_TRITON, INTERPRET, available, tl, triton  # noqa: F401
+from .triton_env import pow2 as _pow2
 
 try:  # Grid dependency control (Hopper and later), for programmatic dependent launch.
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
     HAVE_GDC = True
 except Exception:  # pragma: no cover - another Triton version
     HAVE_GDC = False
-
-INTERPRET = os.environ.get("TRITON_INTERPRET", "") == "1"
 
 if HAVE_TRITON and INTERPRET:
     # Triton 3.6's interpreter turns a scalar into an index with int() of a one-element array,
@@ -104,11 +95,6 @@ if HAVE_TRITON and INTERPRET:
         pass
 
 
-def available(device: torch.device | str) -> bool:
-    device = torch.device(device)
-    return HAVE_TRITON and (device.type == "cuda" or INTERPRET)
-
-
 _PDL: dict = {}
 
 
@@ -126,10 +112,6 @@ def _pdl(device: torch.device) -> bool:
               and torch.cuda.get_device_capability(device)[0] >= 9)
         _PDL[device.index] = on
     return on
-
-
-def _pow2(n: int) -> int:
-    return 1 << max(0, (int(n) - 1).bit_length())
 
 
 if HAVE_TRITON:

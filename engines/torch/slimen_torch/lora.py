@@ -42,6 +42,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from . import lora_kernels
+from .triton_env import pow2 as _pow2
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -265,10 +266,6 @@ class Bank:
                         st[(i, t)] = (A, B)
             self._stack = (key, st, r)
         return self._stack[1:]
-
-
-def _pow2(n: int) -> int:
-    return 1 << max(0, n - 1).bit_length()
 
 
 # The bias of a fused projection, where the model has one (Qwen2's): a folded product has none.

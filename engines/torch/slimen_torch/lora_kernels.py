@@ -17,32 +17,13 @@ elsewhere the op runs `expand_reference`.
 
 from __future__ import annotations
 
-import os
-
 import torch
 
-try:  # Triton comes with PyTorch's CUDA wheels on Linux; elsewhere the reference runs.
-    import triton
-    import triton.language as tl
-    HAVE_TRITON = True
-except Exception:  # pragma: no cover - depends on the platform
-    triton = None
-    tl = None
-    HAVE_TRITON = False
-
-INTERPRET = os.environ.get("TRITON_INTERPRET", "") == "1"
+from .triton_env import HAVE_TRITON, INTERPRET, available, tl, triton  # noqa: F401
+from .triton_env import pow2 as _pow2
 # Rows and output columns of a program's tile (BN: at most; lora.Table picks one that divides
 # every part of the fused outputs, so that no tile straddles two parts).
 BM, BN_MAX = 64, 128
-
-
-def available(device: torch.device | str) -> bool:
-    device = torch.device(device)
-    return HAVE_TRITON and (device.type == "cuda" or INTERPRET)
-
-
-def _pow2(n: int) -> int:
-    return 1 << max(0, (int(n) - 1).bit_length())
 
 
 if HAVE_TRITON:
