@@ -1141,6 +1141,32 @@ if HAVE_TRITON:
             ds = p * (dp - delta)
         return p, ds
 
+    @triton.jit
+    def _dq_keys(dq, q, do, lse, delta, pos, K, V, b, kvh, skb, skh, skl, svb, svh, svl, d, dm,
+                 start, stop, pmax, Lk, scale, BN: tl.constexpr, F32DOT: tl.constexpr,
+                 MASKED: tl.constexpr):
+        # dQ of a block of queries added over the key blocks [start, stop) in order
+        # (_attention_bwd_dq_kernel's loop); MASKED False: blocks whose keys every query sees,
+        # loaded and scored without the masks.
+        for c0 in range(start, stop, BN):
+            j = c0 + tl.arange(0, BN)
+            if MASKED:
+                jm = (j < Lk) & (j <= pmax)
+                km = jm[None, :] & dm[:, None]
+            else:
+                jm = j < Lk
+                km = dm[:, None]
+            k = tl.load(K + b * skb + kvh * skh + j[None, :] * skl + d[:, None], mask=km,
+                        other=0.0)  # [BD, BN]
+            vt = tl.load(V + b * svb + kvh * svh + j[None, :] * svl + d[:, None], mask=km,
+                         other=0.0)  # [BD, BN]
+            s = _bwd_dot(q, k, F32DOT)
+            dp = _bwd_dot(do, vt, F32DOT)
+            p, ds = _bwd_p_ds(s, dp, lse[:, None], delta[:, None], j[None, :], pos[:, None],
+                              jm[None, :], scale, MASKED=MASKED)
+            dq += _bwd_dot(ds.to(k.dtype), tl.trans(k), F32DOT)
+        return dq
+
     @triton.jit(do_not_specialize=["Tq", "Lk"])
     def _attention_bwd_dq_kernel(Q, K, V, O, DO, P, DQ, LSE, DELTA, Tq, H, G, Lk, D, scale,
                                  sqb, sqt, sqh, skb, skh, skl, svb, svh, svl,
@@ -1199,29 +1225,10 @@ if HAVE_TRITON:
         if FULL_BLOCKS:
             full_end = tl.maximum(tl.minimum((tl.min(pos, axis=0) + 1) // BN, Lk // BN), 0) * BN
             full_end = tl.minimum(full_end, end)
-            for c0 in range(0, full_end, BN):
-                j = c0 + tl.arange(0, BN)
-                k = tl.load(K + b * skb + kvh * skh + j[None, :] * skl + d[:, None],
-                            mask=dm[:, None], other=0.0)  # [BD, BN]
-                vt = tl.load(V + b * svb + kvh * svh + j[None, :] * svl + d[:, None],
-                             mask=dm[:, None], other=0.0)  # [BD, BN]
-                s = _bwd_dot(q, k, F32DOT)
-                dp = _bwd_dot(do, vt, F32DOT)
-                p, ds = _bwd_p_ds(s, dp, lse[:, None], delta[:, None], j[None, :], pos[:, None],
-                                  j[None, :] < Lk, scale, MASKED=False)
-                dq += _bwd_dot(ds.to(k.dtype), tl.trans(k), F32DOT)
-        for c0 in range(full_end, end, BN):
-            j = c0 + tl.arange(0, BN)
-            jm = (j < Lk) & (j <= pmax)
-            k = tl.load(K + b * skb + kvh * skh + j[None, :] * skl + d[:, None],
-                        mask=jm[None, :] & dm[:, None], other=0.0)  # [BD, BN]
-            vt = tl.load(V + b * svb + kvh * svh + j[None, :] * svl + d[:, None],
-                         mask=jm[None, :] & dm[:, None], other=0.0)  # [BD, BN]
-            s = _bwd_dot(q, k, F32DOT)
-            dp = _bwd_dot(do, vt, F32DOT)
-            p, ds = _bwd_p_ds(s, dp, lse[:, None], delta[:, None], j[None, :], pos[:, None],
-                              jm[None, :], scale, MASKED=True)
-            dq += _bwd_dot(ds.to(k.dtype), tl.trans(k), F32DOT)
+            dq = _dq_keys(dq, q, do, lse, delta, pos, K, V, b, kvh, skb, skh, skl, svb, svh, svl,
+                          d, dm, 0, full_end, pmax, Lk, scale, BN, F32DOT, MASKED=False)
+        dq = _dq_keys(dq, q, do, lse, delta, pos, K, V, b, kvh, skb, skh, skl, svb, svh, svl, d,
+                      dm, full_end, end, pmax, Lk, scale, BN, F32DOT, MASKED=True)
         tl.store(DQ + b * sqb + t[:, None] * sqt + h * sqh + d[None, :],
                  (dq * scale).to(DQ.dtype.element_ty), mask=qm)
         if not HAVE_LSE:
