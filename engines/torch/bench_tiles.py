@@ -43,14 +43,8 @@ def products(s):
 
 
 def run(x, w, tile):
-    M, K = x.shape
-    N = w.shape[0]
-    y = torch.empty(M, N, dtype=x.dtype, device=x.device)
-    BM, BN, BK, warps, stages = tile
-    grid = (bi.triton.cdiv(M, BM), bi.triton.cdiv(N, BN))
-    bi._matmul_kernel[grid](x, w, y, M, N, K, x.stride(0), x.stride(1), w.stride(0), w.stride(1),
-                            y.stride(0), y.stride(1), BM=BM, BN=BN, BK=BK, IEEE=False,
-                            num_warps=warps, num_stages=stages)
+    y = torch.empty(x.shape[0], w.shape[0], dtype=x.dtype, device=x.device)
+    bi.matmul_tiled(x, w, y, tile)
     return y
 
 

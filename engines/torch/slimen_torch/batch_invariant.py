@@ -492,12 +492,20 @@ def matmul_triton(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype) -> t
     if SPLIT_K > 1 and K >= SPLIT_K_MIN:
         _matmul_split(x, w, y, tile)
         return y
+    matmul_tiled(x, w, y, tile)
+    return y
+
+
+def matmul_tiled(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, tile: tuple) -> None:
+    """y [M, N] = x [M, K] @ w [N, K]ᵀ through _matmul_kernel in tile (BM, BN, BK, warps,
+    stages), unsplit (bench_tiles.py times the tiles)."""
+    M, K = x.shape
+    N = w.shape[0]
     BM, BN, BK, warps, stages = tile
     grid = (triton.cdiv(M, BM), triton.cdiv(N, BN))
     _matmul_kernel[grid](x, w, y, M, N, K, x.stride(0), x.stride(1), w.stride(0), w.stride(1),
                          y.stride(0), y.stride(1), BM=BM, BN=BN, BK=BK,
                          IEEE=x.dtype == torch.float32, num_warps=warps, num_stages=stages)
-    return y
 
 
 def matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

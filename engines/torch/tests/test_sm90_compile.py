@@ -63,11 +63,14 @@ def configs(bi):
     return out
 
 
-NAMES = ["dq-lse0-full0", "dq-lse0-full1", "dq-lse1-full0", "dq-lse1-full1", "dkdv-full0",
-         "dkdv-full1", "attention-lse0", "attention-lse1", "matmul-tile", "matmul-split-tile",
-         "matmul-tile-large", "matmul-split-tile-large", "matmul-tile-narrow",
-         "matmul-split-tile-narrow", "matmul-tile-wide", "matmul-split-tile-wide",
-         "lora-expand-bc64", "lora-expand-bc128", "lora-expand-bc256"]
+def names() -> list[str]:
+    """configs()' names, read in this process (under the interpreter: the names alone)."""
+    sys.path.insert(0, str(HERE.parent))
+    from slimen_torch import batch_invariant as bi
+    return [c[0] for c in configs(bi)] if bi.HAVE_TRITON else []
+
+
+NAMES = names()
 
 
 def compile_sm90(triton, kernel, pointers: dict, consts: dict, warps: int, stages: int):
