@@ -60,6 +60,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .engine import OPTIMIZER_FILE, Engine
+from .launch import exit_now
 from .model import Transformer, bind_thread, copy_tensors
 from .proto import engine_pb2 as pb
 from .server import Serialized, completion_pb
@@ -685,8 +686,7 @@ def broken(rank: int, what: str, err: BaseException) -> None:
     puts the policy's state back into the new group."""
     log.error("rank %d: %s failed (%s: %s); the worker group cannot go on: exiting", rank, what,
               type(err).__name__, err)
-    logging.shutdown()
-    os._exit(1)
+    exit_now(1)
 
 
 class Received(Serialized):

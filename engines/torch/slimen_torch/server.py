@@ -16,13 +16,13 @@ import logging
 import os
 import queue
 import secrets
-import sys
 import threading
 import time
 
 import grpc
 
 from . import lora
+from .launch import exit_now
 from .proto import engine_pb2 as pb
 from .proto import engine_pb2_grpc as pb_grpc
 from .types import Batch, GenerateRequest, LossConfig, RequestError, Sample, Sampling, ScoreRequest
@@ -787,18 +787,14 @@ def shut_down(server, engine, size: int) -> None:
         if engine.lost:
             log.info("rank %s gone: exiting at once", ", ".join(map(str, engine.lost)))
             server.stop(grace=None)
-            logging.shutdown()
-            os._exit(0)
+            exit_now(0)
     server.stop(grace=5).wait()
     if size == 1:
         engine.close()
         # Every call has ended and the engine is closed: what is left is the interpreter's
         # finalization of torch, Triton and gRPC, which takes seconds (5 s on a busy 2-core
         # machine) while the host waits for the process, at the end of every run.
-        logging.shutdown()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
+        exit_now(0)
     # torchrun stops every rank of the group at once: the followers may be gone already, and a
     # collective with a rank that left never returns, so the group gets a few seconds.
     if engine.close(timeout=5):
@@ -806,8 +802,7 @@ def shut_down(server, engine, size: int) -> None:
         torch.distributed.destroy_process_group()
     else:
         log.info("the other ranks have stopped; exiting")
-        logging.shutdown()
-        os._exit(0)
+        exit_now(0)
 
 
 def _options(args):
