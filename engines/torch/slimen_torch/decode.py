@@ -179,7 +179,9 @@ class Decode:
             tok, lp = kernels.sample_and_advance(logits, self.temp, self.key, self.step_idx)
             tok, lp = self._with_top_p(logits, self.temp[:B], self.top_p[:B], u, tok, lp)
         else:
-            tok, lp = sampling.sample(logits.float(), self.temp[:B], self.top_p[:B], u, use_top_p)
+            # (The deterministic sampler reads the logits in their dtype, as the trainer does.)
+            tok, lp = sampling.sample(logits if bi.enabled() else logits.float(), self.temp[:B],
+                                      self.top_p[:B], u, use_top_p)
         if self.masked is not None:
             tok, lp = self._constrained(logits, self.temp[:B], self.top_p[:B], u, tok, lp, self.masked)
         self.out_tok[:B].copy_(tok)

@@ -352,8 +352,8 @@ class Generator(Decode, Prefill):
                 tok, lp = self._with_top_p(logits, temp, top_p, sampling.uniform(key, zeros),
                                            tok, lp)
         else:
-            tok, lp = sampling.sample(logits.float(), temp, top_p, sampling.uniform(key, zeros),
-                                      use_top_p)
+            tok, lp = sampling.sample(logits if bi.enabled() else logits.float(), temp, top_p,
+                                      sampling.uniform(key, zeros), use_top_p)
         masked = self._masks(list(enumerate(picked)))
         if masked is not None:
             tok, lp = self._constrained(logits, temp, top_p, sampling.uniform(key, zeros), tok, lp,

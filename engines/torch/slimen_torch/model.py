@@ -280,9 +280,11 @@ def decode_layer(cfg: ModelConfig, x, w: tuple, k_cache, v_cache, pos, mask, cos
     """
     B, L = x.shape[0], mask.shape[1]
     q, k, v = project_qkv(cfg, w, x, cos, sin)  # [B, heads, D]
-    rows = torch.arange(B, device=x.device)
-    kv_write(k_cache, (rows, slice(None), pos), k)
-    kv_write(v_cache, (rows, slice(None), pos), v)
+    # (The deterministic mode on a GPU: both writes in one kernel, the same bytes.)
+    if not (bi.enabled() and bi.kv_write_rows(k_cache, v_cache, pos, k, v)):
+        rows = torch.arange(B, device=x.device)
+        kv_write(k_cache, (rows, slice(None), pos), k)
+        kv_write(v_cache, (rows, slice(None), pos), v)
     keys = kv_read(k_cache, (slice(None, B), slice(None), slice(None, L)), x.dtype)
     values = kv_read(v_cache, (slice(None, B), slice(None), slice(None, L)), x.dtype)
     if bi.enabled():
