@@ -45,6 +45,14 @@ def configs(bi):
                     dict(ATTN, LSE="fp32" if lse else "bf16"),
                     dict(BM=bi.ATTN_BM, S=bi.KV_SPLIT, BD=128, IEEE=False, HG=2, STORE_LSE=lse),
                     4, 3))
+    # The forward of passes of several blocks a sequence: 2 to 4 blocks a program (a training
+    # pass takes ATTN_FWD_BLOCKS; a prefill of fewer blocks, fewer).
+    stages = bi.ATTN_FWD_STAGES or 3
+    for nb, lse in ((2, True), (3, True), (4, True), (4, False)):
+        out.append((f"attention-blocks{nb}-lse{int(lse)}", bi._attention_blocks_kernel,
+                    dict(ATTN, LSE="fp32" if lse else "bf16"),
+                    dict(BM=bi.ATTN_BM, S=bi.KV_SPLIT, BD=128, IEEE=False, HG=2, STORE_LSE=lse,
+                         NB=nb), 4, stages))
     for tname, tile in (("tile", bi.TILE), ("tile-large", bi.TILE_LARGE),
                         ("tile-narrow", bi.TILE_NARROW), ("tile-wide", bi.TILE_WIDE)):
         BM, BN, BK, warps, stages = tile
@@ -94,7 +102,26 @@ def compile_sm90(triton, kernel, pointers: dict, consts: dict, warps: int, stage
     assert not missing, f"{kernel.fn.__name__} has no argument {missing}"
     src = ASTSource(fn=kernel, signature=sig, constexprs=constexprs, attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                   options={"num_warps": warps, "num_stages": stages})
+                          options={"num_warps": warps, "num_stages": stages})
+
+
+# The shared memory a block may have on sm_90 (227 KiB): a kernel compiled for more fails at
+# its launch, not here.
+SHARED_MAX = 232448
+
+
+def fault(name: str, compiled) -> str:
+    """What is wrong with a compiled kernel that compiled: more shared memory than a launch
+    gets; for the attention's forward forms, products other than mma.sync's m16n8k16 (the
+    instruction a decode step's 16-row block compiles to, whose rounding of a row the training
+    pass must share: 64-row blocks compile to wgmma, which rounds otherwise). "" if nothing."""
+    if compiled.metadata.shared > SHARED_MAX:
+        return f"{compiled.metadata.shared} bytes of shared memory (at most {SHARED_MAX})"
+    if name.startswith("attention"):
+        ptx = compiled.asm["ptx"]
+        if "wgmma" in ptx or "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" not in ptx:
+            return "the products are not mma.sync m16n8k16 (bf16 into fp32)"
+    return ""
 
 
 def main():
@@ -105,8 +132,8 @@ def main():
     res = {}
     for name, kernel, pointers, consts, warps, stages in configs(bi):
         try:
-            compile_sm90(triton, kernel, pointers, consts, warps, stages)
-            res[name] = "ok"
+            res[name] = fault(name, compile_sm90(triton, kernel, pointers, consts, warps,
+                                                 stages)) or "ok"
         except Exception as e:  # noqa: BLE001 - the report names it
             res[name] = f"{type(e).__name__}: {str(e).strip().splitlines()[-1][:300]}"
     print(json.dumps(res))
