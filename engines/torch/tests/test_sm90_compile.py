@@ -10,8 +10,10 @@ work."""
 
 import json
 import os
+import re
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -110,17 +112,36 @@ def compile_sm90(triton, kernel, pointers: dict, consts: dict, warps: int, stage
 SHARED_MAX = 232448
 
 
-def fault(name: str, compiled) -> str:
-    """What is wrong with a compiled kernel that compiled: more shared memory than a launch
-    gets; for the attention's forward forms, products other than mma.sync's m16n8k16 (the
-    instruction a decode step's 16-row block compiles to, whose rounding of a row the training
-    pass must share: 64-row blocks compile to wgmma, which rounds otherwise). "" if nothing."""
+FLOAT_OP = re.compile(r"^\s*(?:@!?%p\d+\s+)?((?:fma|mul|add|sub|max|min|ex2|lg2|div|rcp|sqrt|"
+                      r"neg|abs|selp|setp|cvt|mma)\.[\w.]*(?:f32|bf16|f16)[\w.]*)", re.M)
+
+
+def float_ops(ptx: str) -> Counter:
+    """The kernel's floating-point instructions (PTX opcodes with their types and rounding) and
+    how many of each."""
+    return Counter(FLOAT_OP.findall(ptx))
+
+
+def fault(name: str, compiled, ptxs: dict) -> str:
+    """What is wrong with a kernel that compiled: more shared memory than a launch gets; for
+    the attention's forward forms, products other than mma.sync's m16n8k16 (the instruction a
+    decode step's 16-row block compiles to, whose rounding of a row the training pass must
+    share: 64-row blocks compile to wgmma, which rounds otherwise); for the blocks kernel's
+    forms (attention-blocksN), floating-point instructions other than N times the one-block
+    kernel's (ptxs: the earlier forms' PTX), the arithmetic a block should have alike. "" if
+    nothing."""
     if compiled.metadata.shared > SHARED_MAX:
         return f"{compiled.metadata.shared} bytes of shared memory (at most {SHARED_MAX})"
+    ptx = compiled.asm["ptx"]
     if name.startswith("attention"):
-        ptx = compiled.asm["ptx"]
         if "wgmma" in ptx or "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" not in ptx:
             return "the products are not mma.sync m16n8k16 (bf16 into fp32)"
+    m = re.fullmatch(r"attention-blocks(\d)-(lse\d)", name)
+    if m:
+        one, nb = float_ops(ptxs[f"attention-{m[2]}"]), int(m[1])
+        got = float_ops(ptx)
+        if got != Counter({k: nb * v for k, v in one.items()}):
+            return f"floating-point instructions {dict(got)}, not {nb} × {dict(one)}"
     return ""
 
 
@@ -129,11 +150,12 @@ def main():
     import triton
     sys.path.insert(0, str(HERE.parent))
     from slimen_torch import batch_invariant as bi
-    res = {}
+    res, ptxs = {}, {}
     for name, kernel, pointers, consts, warps, stages in configs(bi):
         try:
-            res[name] = fault(name, compile_sm90(triton, kernel, pointers, consts, warps,
-                                                 stages)) or "ok"
+            compiled = compile_sm90(triton, kernel, pointers, consts, warps, stages)
+            ptxs[name] = compiled.asm["ptx"]
+            res[name] = fault(name, compiled, ptxs) or "ok"
         except Exception as e:  # noqa: BLE001 - the report names it
             res[name] = f"{type(e).__name__}: {str(e).strip().splitlines()[-1][:300]}"
     print(json.dumps(res))
