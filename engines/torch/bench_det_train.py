@@ -1,17 +1,11 @@
 """The deterministic mode's training pieces timed alone on one device, in one table.
 
     python engines/torch/bench_det_train.py [--device cuda|cpu] [--small] [--sections a,b]
-        [--layers N] [--reps N] [--fwd B[,S];…] [--dq Q,K,W,S;…] [--dkdv Q,K,W,S;…]
+        [--layers N] [--reps N] [--dq Q,K,W,S;…] [--dkdv Q,K,W,S;…]
 
 Qwen3-0.6B's layer shape in bf16 (--small: a tiny one in fp16, for the CPU under Triton's
 interpreter and the test that runs this; its times mean nothing):
 
-  forward    the Triton attention's forward of a training pass (8 × 2,048 tokens, causal, the
-             log-sum-exp kept) in each --fwd form: blocks of 16 rows a program (1: one,
-             _attention_kernel; 2-4: _attention_blocks_kernel) and its pipelining stages
-             (default Triton's), device ms (median of --reps after a warm-up), and whether each
-             form gives every output and log-sum-exp bit for bit what one block a program gives
-             and gives the queries of --queries what a decode step (the query alone) gives them
   attention  the Triton attention of a training pass (8 × 2,048 tokens, causal): its forward and
              its backward pass's two kernels, device ms (median of --reps after a warm-up), for
              batch_invariant's switches: the forward's log-sum-exp kept for the dQ kernel or
@@ -86,11 +80,9 @@ def blocks(text: str) -> list[tuple]:
     return [tuple(int(x) for x in b.split(",")) for b in text.split(";") if b]
 
 
-def training_pass(a, dev, dtype, small: tuple):
-    """q, k, v, positions, the output's gradient and the scale of a training pass's attention
-    (--small: small = (sequences, tokens) of a tiny model's heads)."""
+def attention_rows(a, dev, dtype) -> list[str]:
     cfg = config(a.small, 1)
-    B, T = small if a.small else (8, 2048)
+    B, T = (1, 24) if a.small else (8, 2048)
     H, KV, D = cfg.heads, cfg.kv_heads, cfg.head_dim
     g = torch.Generator(device=dev).manual_seed(1)
     q = torch.randn(B, T, H, D, generator=g, device=dev).to(dtype)
@@ -99,43 +91,7 @@ def training_pass(a, dev, dtype, small: tuple):
     v = torch.randn(B, T, KV, D, generator=g, device=dev).to(dtype).transpose(1, 2)
     go = torch.randn(B, T, H, D, generator=g, device=dev).to(dtype)
     pos = torch.arange(T, device=dev).expand(B, T)
-    return q, k, v, pos, go, D ** -0.5
-
-
-def forward_rows(a, dev, dtype) -> list[str]:
-    q, k, v, pos, _, scale = training_pass(a, dev, dtype, (2, 40))
-    B, T, H, _ = q.shape
-    # Under the interpreter (--small) a row's products round by its place in the block: there
-    # only queries that start a block (8 queries a block of 16 rows of 2 heads) compare alike.
-    ts = [0, 8, 16, 32] if a.small else [int(t) for t in a.queries.split(",")]
-
-    def run(form):
-        bi.ATTN_FWD_BLOCKS = form[0]
-        bi.ATTN_FWD_STAGES = form[1] if len(form) > 1 else None
-        lse = torch.empty(B, T, H, dtype=torch.float32, device=dev)
-        return bi.attention_triton(q, k, v, pos, scale, lse=lse), lse
-
-    o1, lse1 = run((1,))
-    # Decode steps: each query alone over the whole sequence's keys (one block, _attention_kernel).
-    one = {t: bi.attention_triton(q[:, t:t + 1].contiguous(), k, v, pos[:, t:t + 1], scale)
-           for t in ts}
-    rows = [f"| attention forward ({B}×{T}, causal) | ms | = 1 block a program | "
-            f"= decode steps ({len(ts)} queries) |", "|---|---:|---|---|"]
-    for form in blocks(a.fwd):
-        o, lse = run(form)
-        same = torch.equal(o, o1) and torch.equal(lse, lse1)
-        dec = sum(torch.equal(o[:, t:t + 1], one[t]) for t in ts)
-        ms = timed(lambda: run(form), dev, a.reps)
-        name = f"{form[0]} block{'s' if form[0] > 1 else ''} a program" + (
-            f", {form[1]} stages" if len(form) > 1 else "")
-        rows.append(f"| {name} | {ms:.3f} | {'yes' if same else 'NO'} | "
-                    f"{'yes' if dec == len(ts) else f'NO ({dec} of {len(ts)})'} |")
-    return rows
-
-
-def attention_rows(a, dev, dtype) -> list[str]:
-    q, k, v, pos, go, scale = training_pass(a, dev, dtype, (1, 24))
-    B, T = q.shape[:2]
+    scale = D ** -0.5
     dq0, dkdv0 = bi.ATTN_BWD_DQ, bi.ATTN_BWD_DKDV
     if a.small:
         dq0, dkdv0 = (16, 16, 4, 1), (16, 16, 4, 1)
@@ -212,13 +168,9 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--small", action="store_true", help="tiny shapes (the CPU, tests)")
-    p.add_argument("--sections", default="forward,attention,layers")
+    p.add_argument("--sections", default="attention,layers")
     p.add_argument("--layers", type=int, default=0, help="decoder layers (default 28; --small 1)")
     p.add_argument("--reps", type=int, default=0, help="timed calls (default 5; --small 1)")
-    p.add_argument("--fwd", default="1;2;3;4;2,2;4,2;4,4",
-                   help="the forward forms to time: blocks a program[,stages] separated by ;")
-    p.add_argument("--queries", default="0,1,7,8,9,100,1000,2047",
-                   help="the queries each forward form's rows are compared with decode steps at")
     p.add_argument("--dq", default="", help="more dQ blocks to try, e.g. 64,64,4,3;128,64,8,3")
     p.add_argument("--dkdv", default="", help="more dK/dV blocks to try, e.g. 64,128,8,2")
     a = p.parse_args(argv)
@@ -233,18 +185,16 @@ def main(argv=None) -> int:
         bi.FORCE_TRITON = dev.type != "cuda"
         for sec in a.sections.split(","):
             print()
-            rows = {"forward": forward_rows, "attention": attention_rows,
-                    "layers": layer_rows}[sec](a, dev, dtype)
-            print("\n".join(rows))
+            print("\n".join({"attention": attention_rows, "layers": layer_rows}[sec](a, dev,
+                                                                                     dtype)))
     finally:  # as they were (a test's process goes on)
         for k, v in saved.items():
             setattr(bi, k, v)
     return 0
 
 
-SWITCHES = ("FORCE_TRITON", "LAYER_FN", "ATTN_FWD_BLOCKS", "ATTN_FWD_STAGES", "ATTN_LSE",
-            "ATTN_BWD_FULL_BLOCKS", "ATTN_BWD_DQ", "ATTN_BWD_DQ_F32", "ATTN_BWD_DKDV",
-            "ATTN_BWD_DKDV_F32")
+SWITCHES = ("FORCE_TRITON", "LAYER_FN", "ATTN_LSE", "ATTN_BWD_FULL_BLOCKS", "ATTN_BWD_DQ",
+            "ATTN_BWD_DQ_F32", "ATTN_BWD_DKDV", "ATTN_BWD_DKDV_F32")
 
 
 if __name__ == "__main__":

@@ -7,8 +7,7 @@
         [--attn-bwd triton|sdpa] [--attn-bwd-dq Q,K,W,S] [--attn-bwd-dkdv Q,K,W,S]
         [--norm-bwd triton|torch] [--head-bwd triton|torch] [--fused-elementwise on|off]
         [--attn-large BM,warps] [--micro-batch-tokens N] [--split-k S] [--layer-fn on|off]
-        [--attn-lse on|off] [--attn-full-blocks on|off] [--attn-fwd-blocks N]
-        [--attn-fwd-stages N] [--profile]
+        [--attn-lse on|off] [--attn-full-blocks on|off] [--profile]
 
 On a random model (make-model: Qwen3-0.6B's shape, bf16 on a GPU; --small: the tiny Qwen3, for
 the CPU and the test that runs this), with no end-of-sequence token so every response has its
@@ -292,8 +291,7 @@ KNOBS = [("--tile", "tile", ""), ("--tile-large", "tile_large", ""),
          ("--head-bwd", "head_bwd", "triton"), ("--fused-elementwise", "fused_elementwise", "on"),
          ("--attn-large", "attn_large", ""), ("--micro-batch-tokens", "micro_batch_tokens", 0),
          ("--split-k", "split_k", 1), ("--tile-by-shape", "tile_by_shape", "on"), ("--layer-fn", "layer_fn", "on"),
-         ("--attn-lse", "attn_lse", "on"), ("--attn-full-blocks", "attn_full_blocks", "on"),
-         ("--attn-fwd-blocks", "attn_fwd_blocks", 4), ("--attn-fwd-stages", "attn_fwd_stages", 0)]
+         ("--attn-lse", "attn_lse", "on"), ("--attn-full-blocks", "attn_full_blocks", "on")]
 
 
 def main(argv=None) -> int:
@@ -381,14 +379,6 @@ def main(argv=None) -> int:
                    help="the attention backward kernels' blocks whose queries see all their keys "
                    "without the masks' work (on, the default; the same numbers) or every block "
                    "masked (off, the first version)")
-    p.add_argument("--attn-fwd-blocks", type=int, default=4, choices=[1, 2, 3, 4],
-                   help="the deterministic attention forward's blocks of 16 rows a program in "
-                   "passes of more than one block a sequence (training, prefills), each chunk of "
-                   "keys read once for them (default 4; the same numbers) or 1 (a block a "
-                   "program, the first version)")
-    p.add_argument("--attn-fwd-stages", type=int, default=0,
-                   help="the software pipelining stages of the forward's several-block kernel "
-                   "(default Triton's)")
     a = p.parse_args(argv)
     from slimen_torch import batch_invariant
     if a.tile:
@@ -423,8 +413,6 @@ def main(argv=None) -> int:
     batch_invariant.LAYER_FN = a.layer_fn == "on"
     batch_invariant.ATTN_LSE = a.attn_lse == "on"
     batch_invariant.ATTN_BWD_FULL_BLOCKS = a.attn_full_blocks == "on"
-    batch_invariant.ATTN_FWD_BLOCKS = a.attn_fwd_blocks
-    batch_invariant.ATTN_FWD_STAGES = a.attn_fwd_stages or None
     if a.split_k < 1:
         p.error(f"--split-k {a.split_k}: give a count ≥ 1")
     batch_invariant.SPLIT_K = a.split_k

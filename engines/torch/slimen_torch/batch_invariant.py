@@ -1282,126 +1282,6 @@ if HAVE_TRITON:
             lse = tl.where(l > 0.0, m + tl.log(tl.where(l > 0.0, l, 1.0)), 0.0)
             tl.store(LSE + (b * Tq + t) * H + h, lse, mask=tm)
 
-    @triton.jit
-    def _attn_chunk(q, k, v, m, l, acc, seen, scale, IEEE: tl.constexpr):
-        # One chunk of keys (k [BD, S], v [S, BD]) for a block of rows: _attention_kernel's loop
-        # body after its loads, the same operations in the same order (seen: which of the
-        # chunk's keys each row sees).
-        if IEEE:
-            s = tl.dot(q, k, input_precision="ieee")
-        else:
-            s = tl.dot(q, k)
-        s = tl.where(seen, s * scale, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, axis=1))
-        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp(tl.where(m_new == float("-inf"), 0.0, m - m_ref))
-        p = tl.where(seen, tl.exp(s - m_ref[:, None]), 0.0)
-        l = l * alpha + tl.sum(p, axis=1)
-        if IEEE:
-            pv = tl.dot(p, v, input_precision="ieee")
-        else:
-            pv = tl.dot(p.to(v.dtype), v)
-        acc = acc * alpha[:, None] + pv
-        return m_new, l, acc
-
-    @triton.jit
-    def _attn_block(Q, P, b, r0, Tq, HG, hg, d, dm, sqb, sqt, sqh, BM: tl.constexpr,
-                    BD: tl.constexpr):
-        # The rows r0.. r0 + BM − 1 of a sequence as _attention_kernel takes a block: their
-        # queries and heads, positions, queries' vectors and the online softmax's start.
-        r = r0 + tl.arange(0, BM)
-        tm = r < Tq * HG
-        t = r // HG
-        h = hg * HG + r % HG
-        pos = tl.load(P + b * Tq + t, mask=tm, other=-1)
-        q = tl.load(Q + b * sqb + t[:, None] * sqt + h[:, None] * sqh + d[None, :],
-                    mask=tm[:, None] & dm[None, :], other=0.0)
-        m = tl.full((BM,), float("-inf"), tl.float32)
-        l = tl.zeros((BM,), tl.float32)
-        acc = tl.zeros((BM, BD), tl.float32)
-        return t, h, tm, pos, q, m, l, acc
-
-    @triton.jit
-    def _attn_block_store(O, LSE, acc, l, m, b, t, h, tm, d, dm, Tq, H, sob, sot, soh,
-                          STORE_LSE: tl.constexpr):
-        # A block's output (and log-sum-exp), as _attention_kernel stores them.
-        out = acc / tl.where(l == 0.0, 1.0, l)[:, None]
-        tl.store(O + b * sob + t[:, None] * sot + h[:, None] * soh + d[None, :],
-                 out.to(O.dtype.element_ty), mask=tm[:, None] & dm[None, :])
-        if STORE_LSE:
-            lse = tl.where(l > 0.0, m + tl.log(tl.where(l > 0.0, l, 1.0)), 0.0)
-            tl.store(LSE + (b * Tq + t) * H + h, lse, mask=tm)
-
-    @triton.jit(do_not_specialize=["Tq", "Lk"])
-    def _attention_blocks_kernel(Q, K, V, O, P, LSE, Tq, H, G, Lk, D, scale,
-                                 sqb, sqt, sqh, skb, skh, skl, svb, svh, svl, sob, sot, soh,
-                                 BM: tl.constexpr, S: tl.constexpr, BD: tl.constexpr,
-                                 IEEE: tl.constexpr, HG: tl.constexpr, STORE_LSE: tl.constexpr,
-                                 NB: tl.constexpr):
-        # _attention_kernel's work for NB (2 to 4) consecutive blocks of BM rows in one program,
-        # each chunk of keys and values read once for all of them: each block keeps its own
-        # online softmax (m, l, acc) and its own products of BM rows, as a decode step's block
-        # has them, over the chunks of S keys in order from position 0. So a row gets the
-        # numbers _attention_kernel gives it: its scores are its own query's products with each
-        # key (a key it does not see is masked to −inf whatever its value), and a key it does
-        # not see adds 0·value to its output, as the keys between a row's position and its
-        # block's last one do in _attention_kernel. The keys read here reach the last position
-        # of the program's blocks instead (past it they read as 0, as there): finite values,
-        # keys of this pass's own queries or of the cache's prefix before them. A chunk past a
-        # block's last position (a block whose positions end before the others') is an exact
-        # no-op for it: every score masked, nothing added.
-        pid, hg = tl.program_id(0), tl.program_id(1)
-        ngrp = tl.cdiv(tl.cdiv(Tq * HG, BM), NB)
-        # The last blocks of a sequence (the most keys under a causal mask) start first, so the
-        # shortest programs fill the grid's tail.
-        b, r0 = pid // ngrp, (ngrp - 1 - pid % ngrp) * (NB * BM)
-        kvh = (hg * HG) // G
-        d = tl.arange(0, BD)
-        dm = d < D
-        t0, h0, tm0, pos0, q0, m0, l0, acc0 = _attn_block(Q, P, b, r0, Tq, HG, hg, d, dm,
-                                                          sqb, sqt, sqh, BM, BD)
-        t1, h1, tm1, pos1, q1, m1, l1, acc1 = _attn_block(Q, P, b, r0 + BM, Tq, HG, hg, d, dm,
-                                                          sqb, sqt, sqh, BM, BD)
-        pmax = tl.maximum(tl.max(pos0, axis=0), tl.max(pos1, axis=0))
-        if NB >= 3:
-            t2, h2, tm2, pos2, q2, m2, l2, acc2 = _attn_block(
-                Q, P, b, r0 + 2 * BM, Tq, HG, hg, d, dm, sqb, sqt, sqh, BM, BD)
-            pmax = tl.maximum(pmax, tl.max(pos2, axis=0))
-        if NB >= 4:
-            t3, h3, tm3, pos3, q3, m3, l3, acc3 = _attn_block(
-                Q, P, b, r0 + 3 * BM, Tq, HG, hg, d, dm, sqb, sqt, sqh, BM, BD)
-            pmax = tl.maximum(pmax, tl.max(pos3, axis=0))
-        end = tl.minimum(pmax + 1, Lk)
-        for c0 in range(0, end, S):
-            j = c0 + tl.arange(0, S)
-            jm = (j < Lk) & (j <= pmax)
-            k = tl.load(K + b * skb + kvh * skh + j[None, :] * skl + d[:, None],
-                        mask=jm[None, :] & dm[:, None], other=0.0)  # [BD, S]
-            v = tl.load(V + b * svb + kvh * svh + j[:, None] * svl + d[None, :],
-                        mask=jm[:, None] & dm[None, :], other=0.0)  # [S, BD]
-            m0, l0, acc0 = _attn_chunk(q0, k, v, m0, l0, acc0,
-                                       (j[None, :] <= pos0[:, None]) & jm[None, :], scale, IEEE)
-            m1, l1, acc1 = _attn_chunk(q1, k, v, m1, l1, acc1,
-                                       (j[None, :] <= pos1[:, None]) & jm[None, :], scale, IEEE)
-            if NB >= 3:
-                m2, l2, acc2 = _attn_chunk(q2, k, v, m2, l2, acc2,
-                                           (j[None, :] <= pos2[:, None]) & jm[None, :], scale,
-                                           IEEE)
-            if NB >= 4:
-                m3, l3, acc3 = _attn_chunk(q3, k, v, m3, l3, acc3,
-                                           (j[None, :] <= pos3[:, None]) & jm[None, :], scale,
-                                           IEEE)
-        _attn_block_store(O, LSE, acc0, l0, m0, b, t0, h0, tm0, d, dm, Tq, H, sob, sot, soh,
-                          STORE_LSE)
-        _attn_block_store(O, LSE, acc1, l1, m1, b, t1, h1, tm1, d, dm, Tq, H, sob, sot, soh,
-                          STORE_LSE)
-        if NB >= 3:
-            _attn_block_store(O, LSE, acc2, l2, m2, b, t2, h2, tm2, d, dm, Tq, H, sob, sot, soh,
-                              STORE_LSE)
-        if NB >= 4:
-            _attn_block_store(O, LSE, acc3, l3, m3, b, t3, h3, tm3, d, dm, Tq, H, sob, sot, soh,
-                              STORE_LSE)
-
 # Rows a program of the Triton attention takes: the same block shape for a decode step (one
 # query) and a training pass (every position), so a row's products are alike in both.
 ATTN_BM = 16
@@ -1415,19 +1295,10 @@ ATTN_GROUPED = True
 # matrix instruction's property, not guaranteed: the device's check says.
 ATTN_LARGE: tuple | None = None
 ATTN_LARGE_Q = 64
-# A pass of more than one block of rows a sequence (training, prefills) runs ATTN_FWD_BLOCKS
-# consecutive blocks in a program of _attention_blocks_kernel, which reads the keys and values
-# once for all of them where _attention_kernel reads them once a block: the same 16-row products
-# and warps, so the same numbers a row. 1: _attention_kernel for every pass
-# (determinism.py --attn-fwd-blocks 1). ATTN_FWD_STAGES: that kernel's software pipelining
-# stages (None: Triton's default, as _attention_kernel's launch has it).
-ATTN_FWD_BLOCKS = 4
-ATTN_FWD_STAGES: int | None = None
 
 
 def attention_triton(q, k, v, q_pos, scale, lse=None):
-    """`attention` in _attention_kernel (one program per ATTN_BM rows: queries and heads), or
-    _attention_blocks_kernel for ATTN_FWD_BLOCKS such blocks a program. lse: an
+    """`attention` in _attention_kernel (one program per ATTN_BM queries and head). lse: an
     fp32 [B, Tq, H] tensor that takes each row's log-sum-exp (a training pass's, for
     attention_backward_triton); the output is the same with it or without."""
     B, Tq, H, D = q.shape
@@ -1441,21 +1312,12 @@ def attention_triton(q, k, v, q_pos, scale, lse=None):
     G = H // KV
     BM, warps = (ATTN_BM, 4) if ATTN_LARGE is None or Tq < ATTN_LARGE_Q else ATTN_LARGE
     HG = G if ATTN_GROUPED and G <= BM else 1
-    args = (q, k, v, o, pos, o if lse is None else lse, Tq, H, G, Lk, D, scale,
-            q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-            v.stride(0), v.stride(1), v.stride(2), o.stride(0), o.stride(1), o.stride(2))
-    consts = dict(BM=BM, S=KV_SPLIT, BD=max(16, triton.next_power_of_2(D)),
-                  IEEE=q.dtype == torch.float32, HG=HG, STORE_LSE=lse is not None)
-    nblk = triton.cdiv(Tq * HG, BM)
-    NB = min(ATTN_FWD_BLOCKS, nblk)
-    if NB > 1:
-        if not 2 <= NB <= 4:
-            raise ValueError(f"ATTN_FWD_BLOCKS {ATTN_FWD_BLOCKS}: 1 to 4 blocks a program")
-        stages = {} if ATTN_FWD_STAGES is None else dict(num_stages=ATTN_FWD_STAGES)
-        _attention_blocks_kernel[(B * triton.cdiv(nblk, NB), H // HG)](
-            *args, **consts, NB=NB, num_warps=warps, **stages)
-        return o
-    _attention_kernel[(B * nblk, H // HG)](*args, **consts, num_warps=warps)
+    _attention_kernel[(B * triton.cdiv(Tq * HG, BM), H // HG)](
+        q, k, v, o, pos, o if lse is None else lse, Tq, H, G, Lk, D, scale,
+        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2), o.stride(0), o.stride(1), o.stride(2),
+        BM=BM, S=KV_SPLIT, BD=max(16, triton.next_power_of_2(D)),
+        IEEE=q.dtype == torch.float32, HG=HG, STORE_LSE=lse is not None, num_warps=warps)
     return o
 
 

@@ -797,66 +797,6 @@ def test_the_triton_attention_groups_heads_alike(interpreted, monkeypatch):
         monkeypatch.setattr(bi, "ATTN_LARGE", None)
 
 
-def test_the_attention_blocks_kernel_gives_each_row_the_one_block_kernel_s_numbers(
-        interpreted, monkeypatch):
-    # A pass of several blocks a sequence runs ATTN_FWD_BLOCKS blocks a program, the keys and
-    # values read once for them: every output and log-sum-exp equal bit for bit to
-    # _attention_kernel's (a block a program), for 2, 3 and 4 blocks a program, grouped heads
-    # or not, fp32 and fp16, over a causal pass, a prefill after cached prefixes of two lengths
-    # (the cache row NaN past each sequence's last position) and positions in any order with
-    # padding rows (-1) among them. (Block starts are the same in both kernels: the
-    # interpreter's NumPy product rounds a row by its place in the block.)
-    g = torch.Generator().manual_seed(12)
-    ran = []
-
-    class Counted:
-        def __init__(self, kernel):
-            self.kernel = kernel
-
-        def __getitem__(self, grid):
-            ran.append(grid)
-            return self.kernel[grid]
-
-    monkeypatch.setattr(bi, "_attention_blocks_kernel", Counted(bi._attention_blocks_kernel))
-    cases = [(4, 2, torch.float32, "causal"), (8, 1, torch.float16, "causal"),
-             (4, 2, torch.float16, "prefill"), (2, 2, torch.float32, "prefill"),
-             (4, 2, torch.float32, "any")]
-    for H, KV, dtype, layout in cases:
-        B, T, D = 2, 45, 16
-        q = torch.randn(B, T, H, D, generator=g).to(dtype)
-        if layout == "causal":
-            pos, Lk = torch.arange(T).expand(B, T), T
-        elif layout == "prefill":
-            starts = torch.tensor([[70], [3]])
-            pos, Lk = starts + torch.arange(T), 70 + T
-        else:
-            pos, Lk = torch.randint(-1, 90, (B, T), generator=g), 100
-            pos[:, ::7] = -1
-        k = torch.randn(B, KV, Lk, D, generator=g).to(dtype)
-        v = torch.randn(B, KV, Lk, D, generator=g).to(dtype)
-        for b in range(B):
-            k[b, :, pos[b].max() + 1:] = v[b, :, pos[b].max() + 1:] = float("nan")
-        for grouped in (True, False) if layout == "causal" else (True,):
-            monkeypatch.setattr(bi, "ATTN_GROUPED", grouped)
-            monkeypatch.setattr(bi, "ATTN_FWD_BLOCKS", 1)
-            lse1 = torch.empty(B, T, H)
-            o1 = bi.attention_triton(q, k, v, pos, 0.3, lse=lse1)
-            assert not ran and not o1.isnan().any()
-            for nb in (2, 3, 4) if layout == "causal" else (4,):
-                monkeypatch.setattr(bi, "ATTN_FWD_BLOCKS", nb)
-                lse = torch.empty(B, T, H)
-                o = bi.attention_triton(q, k, v, pos, 0.3, lse=lse)
-                assert len(ran) == 1, "the blocks kernel did not run"
-                ran.clear()
-                assert torch.equal(o, o1) and torch.equal(lse, lse1), (H, KV, layout, nb)
-    # A decode step (one query a sequence: one block) takes _attention_kernel as before, and
-    # gets what the pass gave its query (the first of a block there).
-    monkeypatch.setattr(bi, "ATTN_FWD_BLOCKS", 4)
-    assert (pos[:, 8] >= 0).all()
-    one = bi.attention_triton(q[:, 8:9].contiguous(), k, v, pos[:, 8:9], 0.3)
-    assert not ran and torch.equal(one, o1[:, 8:9])
-
-
 def test_a_training_step_through_the_gpu_kernels_is_the_cpu_step(interpreted, model_dirs,
                                                                  monkeypatch):
     # The deterministic mode's training step with every Triton kernel a GPU runs (products,
