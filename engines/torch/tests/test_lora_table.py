@@ -214,6 +214,70 @@ def test_the_step_reads_each_rows_slot(eng):
     assert torch.equal(lp, lp3) and torch.equal(tok, tok3)
 
 
+def _uncounted(model, f):
+    """Writes f(weight) into every fused projection weight of model as a collective's broadcast
+    does (through .data: no version counter moves)."""
+    with torch.no_grad():
+        for layer in model.layers:
+            for name in lora.FUSED:
+                w = getattr(layer, name)
+                w.data.copy_(f(w.data))
+
+
+def test_a_push_and_a_load_reach_the_folded_base(tmp_path, monkeypatch):
+    """With the Triton kernels (the table folded: it decodes from its own copy of the base's
+    projections), weights received by a push (Engine._push_receive) and a base loaded (with the
+    adapters removed, then added again) decode as the eager Rows path, which reads the model's
+    own weights, and differ from what the old base decoded."""
+    from safetensors.torch import load_file, save_file
+    e = Engine(str(BUILTIN), Options(device="cpu", kernels=True))
+    try:
+        for i, (name, (targets, rank)) in enumerate(ADAPTERS.items()):
+            add(e, name, i + 1, targets, rank)
+        greedy = Sampling(max_tokens=4, temperature=0.0)
+
+        def check(tag):
+            e.gen.lora_table = True
+            got = generate(e, ROWS, greedy, tag + "t")
+            assert e.bank.table.folded
+            e.gen.lora_table = False
+            rows = generate(e, ROWS, greedy, tag + "r")
+            e.gen.lora_table = True
+            for i, (x, y) in enumerate(zip(got, rows)):
+                assert same(x, y), f"{tag}: row {i}"
+            return got
+
+        before = check("a")
+
+        class Pushed:
+            """A push group's receiving end: the weights written as NCCL's broadcast does."""
+
+            def receive(self, model):
+                _uncounted(model, lambda w: w * -1.5)
+                return dict(bytes=0, seconds=0.0, link="test")
+
+        e._call(e._push_receive, Pushed())
+        pushed = check("b")
+        assert sum(x[0] != y[0] for x, y in zip(before, pushed)) >= 3
+        # A base loaded from a folder: its weights, in place.
+        folder = tmp_path / "base"
+        folder.mkdir()
+        for f in BUILTIN.iterdir():
+            (folder / f.name).write_bytes(f.read_bytes())
+        w = load_file(str(BUILTIN / "model.safetensors"))
+        save_file({k: (v * 0.5 if "proj" in k else v).contiguous() for k, v in w.items()},
+                  str(folder / "model.safetensors"))
+        for name in ADAPTERS:
+            e.remove_adapter(name)
+        e.load(str(folder))
+        for i, (name, (targets, rank)) in enumerate(ADAPTERS.items()):
+            add(e, name, i + 1, targets, rank)
+        loaded = check("c")
+        assert sum(x[0] != y[0] for x, y in zip(pushed, loaded)) >= 3
+    finally:
+        e.close()
+
+
 def test_a_trained_adapter_decodes_with_its_new_weights(tmp_path):
     e = engine()
     try:
@@ -430,8 +494,8 @@ def test_the_fused_expand_gives_packeds_updates(eng, dtype):
 def test_a_folded_table_gives_packeds_updates_and_follows_the_base():
     """Table.fold: the shrink in the base's product (each fused weight below a copy of the
     model's) gives Packed's updates; a base weight written in place, replaced, or written
-    uncounted before the engine's _weights_change, reaches the folded product at the next
-    place()."""
+    uncounted, then announced by base_changed (the engine's _weights_change), reaches the folded
+    product at the next place()."""
     e = engine()
     try:
         m, bank = e.model, e.bank
@@ -459,6 +523,7 @@ def test_a_folded_table_gives_packeds_updates_and_follows_the_base():
             m.layers[1].wqkv.add_(0.25)
             old = m.layers[1].w2
             m.layers[1].w2 = torch.nn.Parameter(old.detach() * -1)
+        t.base_changed()
         assert t.place([a])
         check()
         # Written where no version counter moves (as NCCL's broadcast of a push writes): the
