@@ -214,6 +214,70 @@ def test_the_step_reads_each_rows_slot(eng):
     assert torch.equal(lp, lp3) and torch.equal(tok, tok3)
 
 
+def test_a_steady_decode_step_reads_no_row_and_no_weight(eng, monkeypatch):
+    """_lora_step with the same rows and adapters as the step before (the table folded, as with
+    the Triton kernels) dispatches no tensor operation, looks up no row's slot and copies no
+    base weight; after base_changed the next step copies the bases once (the folded copy then
+    the model's weight), after a row changed it reads the rows again, and after an adapter was
+    replaced under running rows (Engine._load_adapter) it places the new one."""
+    from slimen_torch.sequence import Request
+    bank = lora.Bank(eng.model)  # (a table of its own: eng's stays as the other tests left it)
+    bank.adapters = dict(eng.bank.adapters)
+    g = Generator(eng.model, eng.tokenizer, eng.eos, slots=4, max_len=64, cuda_graphs=False,
+                  compile_layers=False, prefill_tokens=512, triton=True)
+    assert g.triton  # (under the interpreter: _lora_step folds the table, no kernel runs here)
+    g.bank = bank
+    for i, name in enumerate("abc"):
+        r = Request(f"s{i}", IDS[:10], 1, Sampling(max_tokens=4, temperature=0.0), lambda c: None)
+        r.adapter = bank.adapters[name]
+        g.add(r)
+    g._admit()
+    rows = [(r, s) for r, s in enumerate(g.slots) if s is not None]
+    g._lora_step(rows)
+    t = bank.table
+    assert g.lora_mode == "table" and t.folded and t.base
+    assert g.lora_idx[:3].tolist() == [t.slot_of(bank.adapters[n]) for n in "abc"]
+    n = {"_sync": 0, "slot_of": 0}
+
+    def counted(name):
+        fn = getattr(lora.Table, name)
+
+        def f(self, *a):
+            n[name] += 1
+            return fn(self, *a)
+        return f
+    for name in n:
+        monkeypatch.setattr(lora.Table, name, counted(name))
+    assert _ops(lambda: [g._lora_step(rows) for _ in range(3)]) == {}
+    assert n == {"_sync": 0, "slot_of": 0} and g.lora_mode == "table"
+    W = eng.model.layers[0].wqkv
+    try:
+        with torch.no_grad():
+            W.data.add_(0.5)  # (uncounted, as a push's broadcast writes)
+        t.base_changed()
+        g._lora_step(rows)
+        assert n == {"_sync": 1, "slot_of": 0}
+        assert torch.equal(t.wa[(0, "wqkv")][:W.shape[0]], W)
+        g._lora_step(rows)
+        assert n["_sync"] == 1
+    finally:
+        with torch.no_grad():
+            W.data.sub_(0.5)
+    # Row 1 (adapter b) freed: the rows read again, b no longer among the step's adapters.
+    g._free([1])
+    rows = [(r, s) for r, s in enumerate(g.slots) if s is not None]
+    g._lora_step(rows)
+    assert n["slot_of"] == 2 and g.lora_ads == [bank.adapters["a"], bank.adapters["c"]]
+    # Adapter a replaced under row 0, as a load of a folder under its name does.
+    old = bank.adapters["a"]
+    new = lora.Adapter("a", old.cfg, eng.model.cfg, "cpu", torch.float32)
+    g.slots[0].req.adapter = bank.adapters["a"] = new
+    bank.changed()
+    g._lora_step(rows)
+    assert id(old) not in t.slot and g.lora_idx[0].item() == t.slot_of(new)
+    assert g.lora_idx[2].item() == t.slot_of(bank.adapters["c"])
+
+
 def _uncounted(model, f):
     """Writes f(weight) into every fused projection weight of model as a collective's broadcast
     does (through .data: no version counter moves)."""
