@@ -474,6 +474,12 @@ def sec_proj(a, model_dir):
     return res
 
 
+def _syncs(caught) -> int:
+    """The warnings of torch.cuda's sync debug mode among caught ("called a synchronizing CUDA
+    operation")."""
+    return sum("synchroniz" in str(w.message) for w in caught)
+
+
 class _Ops(TorchDispatchMode):
     """Counts the tensor operations dispatched under it."""
 
@@ -523,7 +529,7 @@ def _lora_step_cost(e, a, names, steps=200) -> dict:
                             gen._lora_step(rows)
                     finally:
                         torch.cuda.set_sync_debug_mode(0)
-                syncs = len(w) / 10
+                syncs = _syncs(w) / 10
             # Every row's adapter changed (row i by adapter i + 1): each row's slot written.
             moved = [(r, types.SimpleNamespace(req=types.SimpleNamespace(
                 adapter=ads[(r + 1) % len(ads)]))) for r in range(len(rows))]
@@ -541,7 +547,7 @@ def _lora_step_cost(e, a, names, steps=200) -> dict:
                     if cuda():
                         torch.cuda.set_sync_debug_mode(0)
             if cuda():
-                moved_syncs = len(w)
+                moved_syncs = _syncs(w)
             assert gen.lora_idx[:len(rows)].tolist() == [
                 e.bank.table.slot_of(s.req.adapter) for _, s in moved]
             return dict(us=us, ops=ops.n, syncs=syncs, moved_us=moved_us,
@@ -556,8 +562,11 @@ def _host_per_step(e, a, adapters) -> dict:
     work on the CPU, the replay's launch on a GPU: it runs in ms only where the step is eager),
     the wait for the step before (_process's event) and _admit (the prefills); and of
     _lora_step alone. Means over the steps, and medians (the steady state: admissions and
-    finished rows make the others' work)."""
+    finished rows make the others' work). On a GPU also the stream synchronisations of the whole
+    run (torch.cuda's sync debug mode; graph captures, admissions and finished rows included,
+    _process's event wait not: one model and 8 adapters run the same shapes)."""
     import statistics
+    import warnings
     gen = e.gen
     cur = dict(run=0.0, wait=0.0, admit=0.0, lora=0.0, launched=0)
     host, lora_t = [], []
@@ -598,15 +607,28 @@ def _host_per_step(e, a, adapters) -> dict:
         gen._admit = timed("admit", orig["_admit"])
         gen._lora_step = timed("lora", orig["_lora_step"])
 
+    caught = warnings.catch_warnings(record=True)
+    syncs = []
+
     def remove():
         for k in orig:
             delattr(gen, k)
-    e._call(install)
+        if cuda():
+            torch.cuda.set_sync_debug_mode(0)
+            caught.__exit__(None, None, None)
+
+    def install_all():
+        install()
+        if cuda():
+            syncs.append(caught.__enter__())
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+    e._call(install_all)
     try:
         gen_run(e, a, adapters, warm=False)
     finally:
         e._call(remove)
-    ms = dict(steps=len(host))
+    ms = dict(steps=len(host), syncs=_syncs(syncs[0]) if syncs else None)
     for k, xs in (("host", host), ("lora", lora_t)):
         ms[k + "_ms"] = statistics.fmean(xs) * 1e3 if xs else 0.0
         ms[k + "_median_ms"] = statistics.median(xs) * 1e3 if xs else 0.0
@@ -709,6 +731,9 @@ def table(results: dict, a) -> str:
             L.append(f"| {what} ({x['steps']} steps) | {x['host_ms']:.3f} "
                      f"({x['host_median_ms']:.3f}) | {x['lora_ms']:.3f} "
                      f"({x['lora_median_ms']:.3f}) |")
+        if h["one_model"]["syncs"] is not None:
+            L.append(f"- stream synchronisations in the run: one model "
+                     f"{h['one_model']['syncs']}, 8 adapters {h['eight_adapters']['syncs']}")
         L.append(f"- _lora_step in the steady state: {ls['us']:.1f} µs a call, {ls['ops']} tensor "
                  f"operations, " + ("no GPU" if ls["syncs"] is None
                                     else f"{ls['syncs']:g} stream synchronisations")
