@@ -251,6 +251,11 @@ def qkv_from_normed(cfg: ModelConfig, w: tuple, h, cos, sin, norm=rms_norm):
     """project_qkv after the layer's input norm (h = norm(x))."""
     q_norm, k_norm = w[3:5]
     q, k, v = decode_pre(cfg, h, w)
+    if bi.enabled() and norm is rms_norm:  # on a GPU the norms and rope in one kernel
+        qk = bi.qk_rope(q, k, q_norm, k_norm, cos, sin, cfg.rms_eps) if cfg.qk_norm else \
+            bi.qk_rope(q, k, None, None, cos, sin, cfg.rms_eps)
+        if qk is not None:
+            return qk[0], qk[1], v
     if cfg.qk_norm:
         q, k = norm(q, q_norm, cfg.rms_eps), norm(k, k_norm, cfg.rms_eps)
     if bi.enabled():  # one kernel a tensor on a GPU, the same numbers
