@@ -767,6 +767,87 @@ def residual_add(x: torch.Tensor, y: torch.Tensor):
     return None
 
 
+# The residual add after the attention and the MLP's norm in one kernel (two outputs: the sum,
+# rounded as _add_kernel rounds it, and its norm, summed as _rms_kernel sums a row: the same
+# chunks of ROW_BLOCK lanes, the same warps), in every pass alike. False: the two kernels
+# (determinism.py --fused-add-norm off).
+FUSED_ADD_NORM = True
+
+if HAVE_TRITON:
+    @triton.jit
+    def _add_rms_kernel(X, Yv, S, W, Hn, N, eps, BLOCK: tl.constexpr):
+        # Row r: s = x + y in fp32 rounded to S's dtype (model.residual_add), into S; then
+        # _rms_kernel's arithmetic on s into Hn. The second pass adds x and y again (the same
+        # bits) rather than reading S back, which other threads of the program wrote.
+        row = tl.program_id(0).to(tl.int64)
+        acc = tl.zeros((BLOCK,), dtype=tl.float32)
+        for c0 in range(0, N, BLOCK):
+            i = c0 + tl.arange(0, BLOCK)
+            x = tl.load(X + row * N + i, mask=i < N, other=0.0).to(tl.float32)
+            y = tl.load(Yv + row * N + i, mask=i < N, other=0.0).to(tl.float32)
+            sv = (x + y).to(S.dtype.element_ty)
+            tl.store(S + row * N + i, sv, mask=i < N)
+            sf = sv.to(tl.float32)
+            acc += sf * sf
+        r = 1.0 / tl.sqrt_rn(tl.sum(acc, axis=0) / N + eps)
+        for c0 in range(0, N, BLOCK):
+            i = c0 + tl.arange(0, BLOCK)
+            x = tl.load(X + row * N + i, mask=i < N, other=0.0).to(tl.float32)
+            y = tl.load(Yv + row * N + i, mask=i < N, other=0.0).to(tl.float32)
+            sv = (x + y).to(S.dtype.element_ty)
+            w = tl.load(W + i, mask=i < N, other=0.0).to(tl.float32)
+            z = (sv.to(tl.float32) * r).to(sv.dtype).to(tl.float32)
+            tl.store(Hn + row * N + i, (w * z).to(Hn.dtype.element_ty), mask=i < N)
+
+
+def add_rms_fits(x: torch.Tensor, y: torch.Tensor, weight) -> bool:
+    """Whether add_rms_norm's kernel takes x + y and weight: FUSED_ADD_NORM, FUSED_ELEMENTWISE,
+    row_kernels and RMS_BWD_TRITON; x and y of one dtype and shape, weight a plain tensor of
+    that dtype and the rows' length."""
+    return (FUSED_ADD_NORM and FUSED_ELEMENTWISE and row_kernels(x) and RMS_BWD_TRITON
+            and x.shape[-1] <= RMS_BWD_MAX and x.dtype == y.dtype and x.shape == y.shape
+            and isinstance(weight, torch.Tensor) and weight.dtype == x.dtype
+            and weight.shape == x.shape[-1:])
+
+
+def _add_rms_launch(x, y, weight, eps):
+    x1, y1 = x.contiguous(), y.contiguous()
+    s = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    h = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    N = x.shape[-1]
+    R = x1.numel() // max(1, N)
+    if R:
+        _add_rms_kernel[(R,)](x1, y1, s, weight.contiguous(), h, N, float(eps), BLOCK=ROW_BLOCK,
+                              num_warps=4)
+    return s, h
+
+
+class _AddRMS(torch.autograd.Function):
+    """add_rms_norm's kernel; the backward pass the norm's (rms_norm_backward_triton) with the
+    sum's own gradient added in it, for x and y alike."""
+
+    @staticmethod
+    def forward(ctx, x, y, weight, eps):
+        s, h = _add_rms_launch(x, y, weight, eps)
+        ctx.save_for_backward(s, weight)
+        ctx.eps = eps
+        return s, h
+
+    @staticmethod
+    def backward(ctx, gs, gh):
+        s, weight = ctx.saved_tensors
+        gx, gw = rms_norm_backward_triton(s, weight, gh, ctx.eps, res=gs)
+        return gx, gx, gw, None
+
+
+def add_rms_norm(x: torch.Tensor, y: torch.Tensor, weight, eps: float):
+    """(s, rms_norm(s, weight, eps)) for s = model.residual_add(x, y), in _add_rms_kernel where
+    add_rms_fits; None elsewhere (the caller's operations)."""
+    if not add_rms_fits(x, y, weight):
+        return None
+    return _AddRMS.apply(x, y, weight, eps)
+
+
 # The q and k heads' norms (Qwen3's) and rope in one kernel a layer, reading the q/k/v product
 # where it lies: per layer two _rms_kernel launches, two copies (q and k are strided views of the
 # product, which _rows copies), and two _rope_kernel launches were six launches of a decode
@@ -1856,8 +1937,12 @@ class _Layer(torch.autograd.Function):
         pos = torch.arange(T, device=x.device).expand(B, T)
         lse = _attention_lse(qr)
         o = attention_triton(qr, kt, vt, pos, D ** -0.5, lse=lse).flatten(2)
-        x1 = _add_launch(x, _linear_forward(o, wo, bo))
-        h2 = rms_norm_triton(x1, mlp_norm, eps)
+        y1 = _linear_forward(o, wo, bo)
+        if add_rms_fits(x, y1, mlp_norm):  # the kernel of every other pass
+            x1, h2 = _add_rms_launch(x, y1, mlp_norm, eps)
+        else:
+            x1 = _add_launch(x, y1)
+            h2 = rms_norm_triton(x1, mlp_norm, eps)
         gu = _linear_forward(h2, w13, None)
         a = _swiglu_forward(gu)
         x2 = _add_launch(x1, _linear_forward(a, w2, None))

@@ -801,7 +801,8 @@ def test_the_q_k_norms_and_rope_are_one_kernel_a_layer_in_every_pass(interpreted
         for n, p in model.named_parameters():
             if p.ndim == 1:
                 p.add_(torch.randn(p.shape, generator=g).half() * 0.3)
-    calls = _count_kernels(monkeypatch, ["_qk_rope_kernel", "_rope_kernel", "_rms_kernel"])
+    calls = _count_kernels(monkeypatch, ["_qk_rope_kernel", "_rope_kernel", "_rms_kernel",
+                                         "_add_rms_kernel", "_add_kernel"])
     L, B = cfg.layers, 3
     shape_c = (B, cfg.kv_heads, 16, cfg.head_dim)
     ks = [torch.zeros(shape_c).half() for _ in range(L)]
@@ -809,7 +810,9 @@ def test_the_q_k_norms_and_rope_are_one_kernel_a_layer_in_every_pass(interpreted
     tok, pos = torch.tensor([5, 9, 11]), torch.tensor([0, 0, 0])
     with torch.no_grad(), bi.mode():
         step = model.logits(decode_step(model, decode_layer, tok, pos, ks, vs, 1))
-    assert calls == {"_qk_rope_kernel": L, "_rope_kernel": 0, "_rms_kernel": 2 * L + 1}
+    # (and the residual add after the attention with the MLP's norm: one kernel)
+    assert calls == {"_qk_rope_kernel": L, "_rope_kernel": 0, "_rms_kernel": L + 1,
+                     "_add_rms_kernel": L, "_add_kernel": L}
     with torch.no_grad(), bi.mode():  # a prefill of one token each: the decode step's logits
         full = model.logits(model(tok[:, None])[:, 0])
     assert torch.equal(full, step)
@@ -821,6 +824,7 @@ def test_the_q_k_norms_and_rope_are_one_kernel_a_layer_in_every_pass(interpreted
     with bi.mode():
         y = block_forward(cfg, x, w, model.cos[:5], model.sin[:5])[0]
     assert calls["_qk_rope_kernel"] == 2 * L + 1 and calls["_rope_kernel"] == 0
+    assert calls["_add_rms_kernel"] == 2 * L + 1
     assert type(y.grad_fn).__name__ == "_LayerBackward"
     # The kernel alone: the norm and rope kernels' numbers; a row alike alone; the gradient.
     HQ, HK, D = cfg.heads, cfg.kv_heads, cfg.head_dim
@@ -859,6 +863,40 @@ def test_the_q_k_norms_and_rope_are_one_kernel_a_layer_in_every_pass(interpreted
         assert scale > 0 and (a.float() - b.float()).abs().max().item() <= 2e-2 * scale
     monkeypatch.setattr(bi, "FUSED_QK", False)
     assert bi.qk_rope(q, k, wq, wk, cos, sin, cfg.rms_eps) is None
+
+
+def test_the_residual_add_and_the_mlp_norm_in_one_kernel(interpreted, monkeypatch):
+    # The sum x + y as the add kernel rounds it and its norm as the norm kernel computes it
+    # (bit for bit), a row alike alone; the gradients (x's, y's, the weight's) autograd's of
+    # the eager operations to fp16's rounding; FUSED_ADD_NORM off: the caller's operations.
+    from slimen_torch.model import rms_norm
+    monkeypatch.setattr(bi, "FORCE_TRITON", True)
+    g = torch.Generator().manual_seed(24)
+    x = (torch.randn(2, 3, 40, generator=g) * 3).half()
+    y = (torch.randn(2, 3, 40, generator=g) * 3).half()
+    w = (torch.randn(40, generator=g) + 1).half()
+    s, h = bi.add_rms_norm(x, y, w, 1e-6)
+    assert torch.equal(s, bi._add_launch(x, y)) and torch.equal(s, (y.float() + x).half())
+    assert torch.equal(h, bi.rms_norm_triton(s, w, 1e-6))
+    s1, h1 = bi.add_rms_norm(x[1, 2:], y[1, 2:], w, 1e-6)
+    assert torch.equal(s1, s[1, 2:]) and torch.equal(h1, h[1, 2:])
+    gs, gh = torch.randn(s.shape, generator=g).half(), torch.randn(s.shape, generator=g).half()
+    grads = []
+    for fused in (True, False):
+        ins = [t.clone().requires_grad_() for t in (x, y, w)]
+        if fused:
+            a, b = bi.add_rms_norm(*ins, 1e-6)
+            assert "AddRMS" in type(a.grad_fn).__name__
+        else:
+            a = (ins[1].float() + ins[0]).half()
+            b = rms_norm(a, ins[2], 1e-6)
+        loss = (a.float() * gs.float()).sum() + (b.float() * gh.float()).sum()
+        grads.append(torch.autograd.grad(loss, ins))
+    for a, b in zip(*grads):
+        scale = b.float().abs().max().item()
+        assert scale > 0 and (a.float() - b.float()).abs().max().item() <= 2e-2 * scale
+    monkeypatch.setattr(bi, "FUSED_ADD_NORM", False)
+    assert bi.add_rms_norm(x, y, w, 1e-6) is None
 
 
 def _half_full(full):

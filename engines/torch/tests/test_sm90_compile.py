@@ -70,6 +70,8 @@ def configs(bi):
     out.append(("kv-write", bi._kv_write_kernel, dict(K="bf16", V="bf16", KC="bf16", VC="bf16",
                                                       P="i64"), dict(BH=8, BD=128), 4, 3))
     out.append(("swiglu", bi._swiglu_kernel, dict(GU="bf16", A="bf16"), dict(BLOCK=1024), 4, 3))
+    out.append(("add-rms", bi._add_rms_kernel, dict(X="bf16", Yv="bf16", S="bf16", W="bf16",
+                                                    Hn="bf16"), dict(BLOCK=bi.ROW_BLOCK), 4, 3))
     # The q and k heads' norms and rope (Qwen3's 16 + 8 heads of 128; Llama's without norms).
     for norm in (True, False):
         out.append((f"qk-rope-norm{int(norm)}", bi._qk_rope_kernel,
