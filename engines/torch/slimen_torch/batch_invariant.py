@@ -767,6 +767,224 @@ def residual_add(x: torch.Tensor, y: torch.Tensor):
     return None
 
 
+# The residual add after the attention and the MLP's norm in one kernel (two outputs: the sum,
+# rounded as _add_kernel rounds it, and its norm, summed as _rms_kernel sums a row: the same
+# chunks of ROW_BLOCK lanes, the same warps), in every pass alike. False: the two kernels
+# (determinism.py --fused-add-norm off).
+FUSED_ADD_NORM = True
+
+if HAVE_TRITON:
+    @triton.jit
+    def _add_rms_kernel(X, Yv, S, W, Hn, N, eps, BLOCK: tl.constexpr):
+        # Row r: s = x + y in fp32 rounded to S's dtype (model.residual_add), into S; then
+        # _rms_kernel's arithmetic on s into Hn. The second pass adds x and y again (the same
+        # bits) rather than reading S back, which other threads of the program wrote.
+        row = tl.program_id(0).to(tl.int64)
+        acc = tl.zeros((BLOCK,), dtype=tl.float32)
+        for c0 in range(0, N, BLOCK):
+            i = c0 + tl.arange(0, BLOCK)
+            x = tl.load(X + row * N + i, mask=i < N, other=0.0).to(tl.float32)
+            y = tl.load(Yv + row * N + i, mask=i < N, other=0.0).to(tl.float32)
+            sv = (x + y).to(S.dtype.element_ty)
+            tl.store(S + row * N + i, sv, mask=i < N)
+            sf = sv.to(tl.float32)
+            acc += sf * sf
+        r = 1.0 / tl.sqrt_rn(tl.sum(acc, axis=0) / N + eps)
+        for c0 in range(0, N, BLOCK):
+            i = c0 + tl.arange(0, BLOCK)
+            x = tl.load(X + row * N + i, mask=i < N, other=0.0).to(tl.float32)
+            y = tl.load(Yv + row * N + i, mask=i < N, other=0.0).to(tl.float32)
+            sv = (x + y).to(S.dtype.element_ty)
+            w = tl.load(W + i, mask=i < N, other=0.0).to(tl.float32)
+            z = (sv.to(tl.float32) * r).to(sv.dtype).to(tl.float32)
+            tl.store(Hn + row * N + i, (w * z).to(Hn.dtype.element_ty), mask=i < N)
+
+
+def add_rms_fits(x: torch.Tensor, y: torch.Tensor, weight) -> bool:
+    """Whether add_rms_norm's kernel takes x + y and weight: FUSED_ADD_NORM, FUSED_ELEMENTWISE,
+    row_kernels and RMS_BWD_TRITON; x and y of one dtype and shape, weight a plain tensor of
+    that dtype and the rows' length."""
+    return (FUSED_ADD_NORM and FUSED_ELEMENTWISE and row_kernels(x) and RMS_BWD_TRITON
+            and x.shape[-1] <= RMS_BWD_MAX and x.dtype == y.dtype and x.shape == y.shape
+            and isinstance(weight, torch.Tensor) and weight.dtype == x.dtype
+            and weight.shape == x.shape[-1:])
+
+
+def _add_rms_launch(x, y, weight, eps):
+    x1, y1 = x.contiguous(), y.contiguous()
+    s = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    h = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    N = x.shape[-1]
+    R = x1.numel() // max(1, N)
+    if R:
+        _add_rms_kernel[(R,)](x1, y1, s, weight.contiguous(), h, N, float(eps), BLOCK=ROW_BLOCK,
+                              num_warps=4)
+    return s, h
+
+
+class _AddRMS(torch.autograd.Function):
+    """add_rms_norm's kernel; the backward pass the norm's (rms_norm_backward_triton) with the
+    sum's own gradient added in it, for x and y alike."""
+
+    @staticmethod
+    def forward(ctx, x, y, weight, eps):
+        s, h = _add_rms_launch(x, y, weight, eps)
+        ctx.save_for_backward(s, weight)
+        ctx.eps = eps
+        return s, h
+
+    @staticmethod
+    def backward(ctx, gs, gh):
+        s, weight = ctx.saved_tensors
+        gx, gw = rms_norm_backward_triton(s, weight, gh, ctx.eps, res=gs)
+        return gx, gx, gw, None
+
+
+def add_rms_norm(x: torch.Tensor, y: torch.Tensor, weight, eps: float):
+    """(s, rms_norm(s, weight, eps)) for s = model.residual_add(x, y), in _add_rms_kernel where
+    add_rms_fits; None elsewhere (the caller's operations)."""
+    if not add_rms_fits(x, y, weight):
+        return None
+    return _AddRMS.apply(x, y, weight, eps)
+
+
+# The q and k heads' norms (Qwen3's) and rope in one kernel a layer, reading the q/k/v product
+# where it lies: per layer two _rms_kernel launches, two copies (q and k are strided views of the
+# product, which _rows copies), and two _rope_kernel launches were six launches of a decode
+# step's ~4 µs each. Every pass (decode steps, prefills, Score, the training layer and the
+# operation-a-node layer) takes this kernel for its q and k, so a token's numbers are one
+# function's whatever the pass. False: the two norms and two ropes (determinism.py
+# --fused-qk off).
+FUSED_QK = True
+
+if HAVE_TRITON:
+    @triton.jit
+    def _qk_rope_kernel(X, WQ, WK, C, S, YQ, YK, Rc, HQ, HK, D, sxr, scr, ssr, sqr, skr, eps,
+                        NORM: tl.constexpr, BH: tl.constexpr, BD: tl.constexpr):
+        # Row r's HQ q heads and the HK k heads after them (head h at X + r·sxr + h·D): NORM,
+        # each head's RMSNorm (model.rms_norm: the mean square in fp32, the head normalised and
+        # rounded to X's dtype, then times its weight, WQ's or WK's, rounded again), then
+        # rope as _rope_kernel rounds it (the rotated half's entries normalised alike from
+        # their own loads); q heads into YQ's row, k heads into YK's.
+        r = tl.program_id(0).to(tl.int64)
+        h = tl.arange(0, BH)
+        d = tl.arange(0, BD)
+        half = D // 2
+        dm = d < D
+        m = (h[:, None] < HQ + HK) & dm[None, :]
+        rd = tl.where(d < half, d + half, d - half)
+        xp = X + r * sxr + h[:, None] * D
+        xv = tl.load(xp + d[None, :], mask=m, other=0.0)
+        dt = xv.dtype
+        x = xv.to(tl.float32)
+        xr = tl.load(xp + rd[None, :], mask=m, other=0.0).to(tl.float32)
+        if NORM:
+            inv = 1.0 / tl.sqrt_rn(tl.sum(x * x, axis=1) / D + eps)
+            isq = h[:, None] < HQ
+            w = tl.where(isq, tl.load(WQ + d, mask=dm, other=0.0).to(tl.float32)[None, :],
+                         tl.load(WK + d, mask=dm, other=0.0).to(tl.float32)[None, :])
+            wr = tl.where(isq, tl.load(WQ + rd, mask=dm, other=0.0).to(tl.float32)[None, :],
+                          tl.load(WK + rd, mask=dm, other=0.0).to(tl.float32)[None, :])
+            x = (w * (x * inv[:, None]).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+            xr = (wr * (xr * inv[:, None]).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+        cr = r % Rc
+        c = tl.load(C + cr * scr + d, mask=dm, other=0.0).to(dt).to(tl.float32)
+        s = tl.load(S + cr * ssr + d, mask=dm, other=0.0).to(dt).to(tl.float32)
+        rot = tl.where(d[None, :] < half, -xr, xr)
+        a = (x * c[None, :]).to(dt).to(tl.float32)
+        b = (rot * s[None, :]).to(dt).to(tl.float32)
+        y = (a + b).to(YQ.dtype.element_ty)
+        hd = h[:, None] * D + d[None, :]
+        tl.store(YQ + r * sqr + hd, y, mask=m & (h[:, None] < HQ))
+        tl.store(YK + r * skr + hd - HQ * D, y, mask=m & (h[:, None] >= HQ))
+
+
+def _qk_rows(q: torch.Tensor, k: torch.Tensor):
+    """q [..., HQ, D] and k [..., HK, D] as the kernel reads them, (q's rows [R, HQ, D], k's)
+    where k's heads follow q's in each row (views of one q/k/v product) and the leading
+    dimensions are one stride; else None."""
+    HQ, D = q.shape[-2:]
+    try:
+        q3, k3 = q.view(-1, HQ, D), k.view(-1, k.shape[-2], D)
+    except RuntimeError:
+        return None
+    e = q.element_size()
+    if not (q3.shape[0] == k3.shape[0] and (q3.shape[0] < 2 or q3.stride(0) == k3.stride(0))
+            and q3.stride()[1:] == (D, 1) and k3.stride()[1:] == (D, 1)
+            and k.data_ptr() == q.data_ptr() + HQ * D * e):
+        return None
+    return q3, k3
+
+
+def _qk_rope_launch(q3, k3, wq, wk, cos, sin, eps):
+    R, HQ, D = q3.shape
+    HK = k3.shape[1]
+    c2, s2 = cos.reshape(-1, D), sin.reshape(-1, D)
+    yq = torch.empty(R, HQ, D, dtype=q3.dtype, device=q3.device)
+    yk = torch.empty(R, HK, D, dtype=q3.dtype, device=q3.device)
+    norm = wq is not None
+    if R:
+        _qk_rope_kernel[(R,)](
+            q3, wq if norm else q3, wk if norm else q3, c2, s2, yq, yk, c2.shape[0], HQ, HK, D,
+            q3.stride(0), c2.stride(0), s2.stride(0), yq.stride(0), yk.stride(0), float(eps),
+            NORM=norm, BH=triton.next_power_of_2(HQ + HK), BD=max(16, triton.next_power_of_2(D)),
+            num_warps=4)
+    return yq, yk
+
+
+class _QKRope(torch.autograd.Function):
+    """qk_rope's kernel; the backward pass rope's (_rope_kernel with SIGN −1) then the norms'
+    (rms_norm_backward_triton), as for the operations one at a time."""
+
+    @staticmethod
+    def forward(ctx, q, k, wq, wk, cos, sin, eps):
+        q3, k3 = _qk_rows(q, k)
+        yq, yk = _qk_rope_launch(q3, k3, wq, wk, cos, sin, eps)
+        ctx.save_for_backward(q, k, wq, wk, cos, sin)
+        ctx.eps = eps
+        return yq.view(q.shape), yk.view(k.shape)
+
+    @staticmethod
+    def backward(ctx, gq, gk):
+        q, k, wq, wk, cos, sin = ctx.saved_tensors
+        dq, dk = _rope_launch(gq, cos, sin, -1), _rope_launch(gk, cos, sin, -1)
+        if wq is None:
+            return dq, dk, None, None, None, None, None
+        dq, gwq = rms_norm_backward_triton(q, wq, dq, ctx.eps)
+        dk, gwk = rms_norm_backward_triton(k, wk, dk, ctx.eps)
+        return dq, dk, gwq, gwk, None, None, None
+
+
+def qk_rope_fits(q: torch.Tensor, k: torch.Tensor, wq, wk, cos: torch.Tensor,
+                 sin: torch.Tensor) -> bool:
+    """Whether qk_rope's kernel takes q and k: use_triton, FUSED_QK and FUSED_ELEMENTWISE (and
+    ROW_KERNELS, RMS_BWD_TRITON with norms: the norms' kernels), the shapes rope's kernel takes,
+    norm weights (both or neither) plain tensors of q's dtype, k's heads after q's."""
+    if not (FUSED_QK and FUSED_ELEMENTWISE and use_triton(q) and cos.shape == sin.shape
+            and cos.stride() == sin.stride() and _rope_fits(q, cos) and _rope_fits(k, cos)
+            and q.dtype == k.dtype and q.shape[:-2] == k.shape[:-2]
+            and q.shape[-1] == k.shape[-1]):
+        return False
+    if (wq is None) != (wk is None):
+        return False
+    if wq is not None and not (
+            ROW_KERNELS and RMS_BWD_TRITON and q.shape[-1] <= RMS_BWD_MAX
+            and all(isinstance(t, torch.Tensor) and t.dtype == q.dtype
+                    and t.shape == q.shape[-1:] and t.stride(-1) == 1 for t in (wq, wk))):
+        return False
+    return _qk_rows(q, k) is not None
+
+
+def qk_rope(q: torch.Tensor, k: torch.Tensor, wq, wk, cos: torch.Tensor, sin: torch.Tensor,
+            eps: float):
+    """(rope(rms_norm(q, wq, eps)), rope(rms_norm(k, wk, eps))) (no norms where wq and wk are
+    None) in _qk_rope_kernel where qk_rope_fits; None elsewhere (the caller's operations). q
+    [..., HQ, D] and k [..., HK, D]: views of one q/k/v product (model.decode_pre's)."""
+    if not qk_rope_fits(q, k, wq, wk, cos, sin):
+        return None
+    return _QKRope.apply(q, k, wq, wk, cos, sin, eps)
+
+
 if HAVE_TRITON:
     @triton.jit
     def _swiglu_bwd_kernel(GU, GA, GG, I, sgu, sga, sgg, BLOCK: tl.constexpr):
@@ -1707,15 +1925,24 @@ class _Layer(torch.autograd.Function):
         h = rms_norm_triton(x, attn_norm, eps)
         qkv = _linear_forward(h, wqkv, bqkv)
         q, k, v = _split_qkv(cfg, qkv)
-        if cfg.qk_norm:
-            q, k = rms_norm_triton(q, q_norm, eps), rms_norm_triton(k, k_norm, eps)
-        qr, kr = _rope_launch(q, cos, sin, 1), _rope_launch(k, cos, sin, 1)
+        wq, wk = (q_norm, k_norm) if cfg.qk_norm else (None, None)
+        if qk_rope_fits(q, k, wq, wk, cos, sin):  # the kernel of every other pass
+            qr, kr = _qk_rope_launch(*_qk_rows(q, k), wq, wk, cos, sin, eps)
+            qr, kr = qr.view(q.shape), kr.view(k.shape)
+        else:
+            if cfg.qk_norm:
+                q, k = rms_norm_triton(q, q_norm, eps), rms_norm_triton(k, k_norm, eps)
+            qr, kr = _rope_launch(q, cos, sin, 1), _rope_launch(k, cos, sin, 1)
         kt, vt = kr.transpose(1, 2), v.transpose(1, 2)
         pos = torch.arange(T, device=x.device).expand(B, T)
         lse = _attention_lse(qr)
         o = attention_triton(qr, kt, vt, pos, D ** -0.5, lse=lse).flatten(2)
-        x1 = _add_launch(x, _linear_forward(o, wo, bo))
-        h2 = rms_norm_triton(x1, mlp_norm, eps)
+        y1 = _linear_forward(o, wo, bo)
+        if add_rms_fits(x, y1, mlp_norm):  # the kernel of every other pass
+            x1, h2 = _add_rms_launch(x, y1, mlp_norm, eps)
+        else:
+            x1 = _add_launch(x, y1)
+            h2 = rms_norm_triton(x1, mlp_norm, eps)
         gu = _linear_forward(h2, w13, None)
         a = _swiglu_forward(gu)
         x2 = _add_launch(x1, _linear_forward(a, w2, None))

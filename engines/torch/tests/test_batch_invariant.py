@@ -760,6 +760,145 @@ def test_the_decode_steps_fused_kernels_keep_the_training_forwards_logits(interp
     assert not bi.kv_write_rows(got[0], got[1], pos, k, v)
 
 
+class _Counted:
+    """A Triton kernel whose launches are counted into calls[key]."""
+
+    def __init__(self, kern, calls, key):
+        self.kern, self.calls, self.key = kern, calls, key
+
+    def __getitem__(self, grid):
+        self.calls[self.key] += 1
+        return self.kern[grid]
+
+
+def _count_kernels(monkeypatch, names) -> dict:
+    calls = {n: 0 for n in names}
+    for n in names:
+        monkeypatch.setattr(bi, n, _Counted(getattr(bi, n), calls, n))
+    return calls
+
+
+@pytest.mark.parametrize("shape", ["tiny-qwen3", "tiny-qwen2"])
+def test_the_q_k_norms_and_rope_are_one_kernel_a_layer_in_every_pass(interpreted, model_dirs,
+                                                                      monkeypatch, shape):
+    # A GPU's q and k heads (Qwen3's norms, then rope; Qwen2's rope alone) in one kernel a
+    # layer, reading the q/k/v product where it lies: a decode step launches it once a layer
+    # and neither the norm kernel for them nor the rope kernel (six launches a layer before:
+    # two norms, two copies of the strided heads, two ropes); a prefill and the training
+    # layer launch the same kernel, and the decode step's logits are the training forward's
+    # bit for bit. The kernel's numbers are those of the norm and rope kernels one after the
+    # other (the interpreter's), rows alike alone or in a batch, and its gradient autograd's
+    # of the eager operations to fp16's rounding.
+    from slimen_torch.config import read_config
+    from slimen_torch.model import Transformer, apply_rope, block_forward, rms_norm
+    from slimen_torch.weights import load_weights
+    monkeypatch.setattr(bi, "FORCE_TRITON", True)
+    cfg, _ = read_config(model_dirs[shape])
+    model = Transformer(cfg, dtype=torch.float16)
+    load_weights(model, model_dirs[shape])
+    g = torch.Generator().manual_seed(23)
+    with torch.no_grad():  # norms away from their ones
+        for n, p in model.named_parameters():
+            if p.ndim == 1:
+                p.add_(torch.randn(p.shape, generator=g).half() * 0.3)
+    calls = _count_kernels(monkeypatch, ["_qk_rope_kernel", "_rope_kernel", "_rms_kernel",
+                                         "_add_rms_kernel", "_add_kernel"])
+    L, B = cfg.layers, 3
+    shape_c = (B, cfg.kv_heads, 16, cfg.head_dim)
+    ks = [torch.zeros(shape_c).half() for _ in range(L)]
+    vs = [torch.zeros(shape_c).half() for _ in range(L)]
+    tok, pos = torch.tensor([5, 9, 11]), torch.tensor([0, 0, 0])
+    with torch.no_grad(), bi.mode():
+        step = model.logits(decode_step(model, decode_layer, tok, pos, ks, vs, 1))
+    # (and the residual add after the attention with the MLP's norm: one kernel)
+    assert calls == {"_qk_rope_kernel": L, "_rope_kernel": 0, "_rms_kernel": L + 1,
+                     "_add_rms_kernel": L, "_add_kernel": L}
+    with torch.no_grad(), bi.mode():  # a prefill of one token each: the decode step's logits
+        full = model.logits(model(tok[:, None])[:, 0])
+    assert torch.equal(full, step)
+    assert calls["_qk_rope_kernel"] == 2 * L and calls["_rope_kernel"] == 0
+    # The training layer (one autograd node) launches it forward, rope's kernel backward.
+    w = tuple(t.detach().clone().requires_grad_() if t is not None else None
+              for t in model.layers[0].weights())
+    x = (torch.randn(2, 5, cfg.hidden, generator=g) * 2).half().requires_grad_()
+    with bi.mode():
+        y = block_forward(cfg, x, w, model.cos[:5], model.sin[:5])[0]
+    assert calls["_qk_rope_kernel"] == 2 * L + 1 and calls["_rope_kernel"] == 0
+    assert calls["_add_rms_kernel"] == 2 * L + 1
+    assert type(y.grad_fn).__name__ == "_LayerBackward"
+    # The kernel alone: the norm and rope kernels' numbers; a row alike alone; the gradient.
+    HQ, HK, D = cfg.heads, cfg.kv_heads, cfg.head_dim
+    qkv = (torch.randn(2, 5, (HQ + 2 * HK) * D, generator=g) * 3).half()
+    q = qkv[..., :HQ * D].unflatten(-1, (HQ, D))
+    k = qkv[..., HQ * D:(HQ + HK) * D].unflatten(-1, (HK, D))
+    wq, wk = (model.layers[1].q_norm, model.layers[1].k_norm) if cfg.qk_norm else (None, None)
+    cos, sin = model.cos[3:8], model.sin[3:8]
+    yq, yk = bi.qk_rope(q, k, wq, wk, cos, sin, cfg.rms_eps)
+    nq, nk = (bi.rms_norm_triton(q, wq, cfg.rms_eps), bi.rms_norm_triton(k, wk, cfg.rms_eps)) \
+        if cfg.qk_norm else (q, k)
+    assert torch.equal(yq, bi._rope_launch(nq, cos, sin, 1))
+    assert torch.equal(yk, bi._rope_launch(nk, cos, sin, 1))
+    one = bi.qk_rope(q[1:, 2:3], k[1:, 2:3], wq, wk, cos[2:3], sin[2:3], cfg.rms_eps)
+    assert torch.equal(one[0], yq[1:, 2:3]) and torch.equal(one[1], yk[1:, 2:3])
+    ws = [t.detach().clone().requires_grad_() for t in (wq, wk) if t is not None]
+    gq = torch.randn(yq.shape, generator=g).half()
+    gk = torch.randn(yk.shape, generator=g).half()
+    grads = []
+    for fused in (True, False):
+        xq = qkv.clone().requires_grad_()
+        q = xq[..., :HQ * D].unflatten(-1, (HQ, D))
+        k = xq[..., HQ * D:(HQ + HK) * D].unflatten(-1, (HK, D))
+        a, b = (ws + [None, None])[:2]
+        if fused:
+            oq, ok = bi.qk_rope(q, k, a, b, cos, sin, cfg.rms_eps)
+            assert "QKRope" in type(oq.grad_fn).__name__
+        else:
+            if a is not None:
+                q, k = rms_norm(q, a, cfg.rms_eps), rms_norm(k, b, cfg.rms_eps)
+            oq, ok = (apply_rope(t, cos.half(), sin.half()) for t in (q, k))
+        loss = (oq.float() * gq.float()).sum() + (ok.float() * gk.float()).sum()
+        grads.append(torch.autograd.grad(loss, [xq] + ws))
+    for a, b in zip(*grads):
+        scale = b.float().abs().max().item()
+        assert scale > 0 and (a.float() - b.float()).abs().max().item() <= 2e-2 * scale
+    monkeypatch.setattr(bi, "FUSED_QK", False)
+    assert bi.qk_rope(q, k, wq, wk, cos, sin, cfg.rms_eps) is None
+
+
+def test_the_residual_add_and_the_mlp_norm_in_one_kernel(interpreted, monkeypatch):
+    # The sum x + y as the add kernel rounds it and its norm as the norm kernel computes it
+    # (bit for bit), a row alike alone; the gradients (x's, y's, the weight's) autograd's of
+    # the eager operations to fp16's rounding; FUSED_ADD_NORM off: the caller's operations.
+    from slimen_torch.model import rms_norm
+    monkeypatch.setattr(bi, "FORCE_TRITON", True)
+    g = torch.Generator().manual_seed(24)
+    x = (torch.randn(2, 3, 40, generator=g) * 3).half()
+    y = (torch.randn(2, 3, 40, generator=g) * 3).half()
+    w = (torch.randn(40, generator=g) + 1).half()
+    s, h = bi.add_rms_norm(x, y, w, 1e-6)
+    assert torch.equal(s, bi._add_launch(x, y)) and torch.equal(s, (y.float() + x).half())
+    assert torch.equal(h, bi.rms_norm_triton(s, w, 1e-6))
+    s1, h1 = bi.add_rms_norm(x[1, 2:], y[1, 2:], w, 1e-6)
+    assert torch.equal(s1, s[1, 2:]) and torch.equal(h1, h[1, 2:])
+    gs, gh = torch.randn(s.shape, generator=g).half(), torch.randn(s.shape, generator=g).half()
+    grads = []
+    for fused in (True, False):
+        ins = [t.clone().requires_grad_() for t in (x, y, w)]
+        if fused:
+            a, b = bi.add_rms_norm(*ins, 1e-6)
+            assert "AddRMS" in type(a.grad_fn).__name__
+        else:
+            a = (ins[1].float() + ins[0]).half()
+            b = rms_norm(a, ins[2], 1e-6)
+        loss = (a.float() * gs.float()).sum() + (b.float() * gh.float()).sum()
+        grads.append(torch.autograd.grad(loss, ins))
+    for a, b in zip(*grads):
+        scale = b.float().abs().max().item()
+        assert scale > 0 and (a.float() - b.float()).abs().max().item() <= 2e-2 * scale
+    monkeypatch.setattr(bi, "FUSED_ADD_NORM", False)
+    assert bi.add_rms_norm(x, y, w, 1e-6) is None
+
+
 def _half_full(full):
     """torch.full making fp16 tensors where it would make fp32 ones (decode_logits' caches)."""
     def f(*a, **kw):
