@@ -64,7 +64,7 @@ from .launch import exit_now
 from .model import Transformer, bind_thread, copy_tensors
 from .proto import engine_pb2 as pb
 from .server import Serialized, completion_pb
-from .train import Trainer, micro_batches
+from .train import Trainer, import_compiler_later, micro_batches
 from .types import GenerateRequest, RequestError, Sampling
 
 log = logging.getLogger("slimen_torch")
@@ -1093,6 +1093,8 @@ def serve_rank(args, opts, service) -> None:
     """The worker of one rank under torchrun: rank 0 serves (service is its server's), the
     others follow. Returns when rank 0 closes the group."""
     starting = stacks_later(world()[0], START_STACKS_S)
+    if torch.device(opts.device).type == "cuda" and (opts.compile or opts.compile_train != "off"):
+        import_compiler_later()  # while the ranks meet and the model loads
     rank, local, size, links = init(opts.device)
     log.info("rank %d of %d (local rank %d) on %s", rank, size, local, opts.device)
     engine = RankEngine(args.model, opts, rank)

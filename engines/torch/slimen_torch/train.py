@@ -20,7 +20,6 @@ import traceback
 
 import numpy as np
 import torch
-from torch._inductor import config as inductor_config
 
 from . import batch_invariant, kernels
 from . import loss as L
@@ -219,9 +218,28 @@ def deterministic_micro_batch_tokens(cfg, itemsize: int, free: int | None) -> in
 # across row and column order whatever the micro-batch's size; strict, inductor fuses them only
 # from 5 Mi elements on and guards the compiled layer on it, so a run whose micro-batches cross
 # that size (8,192 tokens at hidden 640) would recompile the layer in the middle of a run.
-COMPILE_OPTIONS = {"triton.coalesce_tiling_analysis": False, "cpp.vec_isa_ok": False}
-if hasattr(inductor_config.triton, "mix_order_reduction_non_strict_mode"):
-    COMPILE_OPTIONS["triton.mix_order_reduction_non_strict_mode"] = True
+# Read from inductor's config at the first compile, not at import: torch._inductor (with Dynamo)
+# takes seconds to import, every rank of a restarted worker group paid them before it listened,
+# and a CPU worker never compiles its training layer.
+@functools.cache
+def compile_options() -> dict:
+    """compile_options: the inductor options of the compiled training layer (above)."""
+    from torch._inductor import config as inductor_config
+
+    opts = {"triton.coalesce_tiling_analysis": False, "cpp.vec_isa_ok": False}
+    if hasattr(inductor_config.triton, "mix_order_reduction_non_strict_mode"):
+        opts["triton.mix_order_reduction_non_strict_mode"] = True
+    return opts
+
+
+def import_compiler_later() -> None:
+    """Imports the compiler (compile_options: torch._inductor, Dynamo) on a thread of its own,
+    for a GPU worker that will compile and is about to wait anyway (for the other ranks of its
+    group, for its weights to load): the seconds of the import then pass meanwhile, not after."""
+    import threading
+
+    threading.Thread(target=compile_options, name="slimen-torch-import-compiler",
+                     daemon=True).start()
 
 
 class Trainer:
@@ -270,7 +288,7 @@ class Trainer:
         self.mode = mode
         self.model.train_block_fn = block_forward
         self.logprob_fn = token_logprobs
-        opts = COMPILE_OPTIONS if self.cuda else None
+        opts = compile_options() if self.cuda else None
         if mode in ("block", "block-static"):
             self.model.train_block_fn = torch.compile(whole_block(self.model.cfg),
                                                       dynamic=mode == "block", options=opts)
