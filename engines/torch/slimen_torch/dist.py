@@ -89,6 +89,28 @@ def world() -> tuple[int, int, int]:
     return int(e.get("RANK", 0)), int(e.get("LOCAL_RANK", 0)), int(e.get("WORLD_SIZE", 1))
 
 
+def restart_count() -> int:
+    """How many times torchrun has started this worker group again (0 for its first)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+
+
+def relisten(listen: str, address_file: str) -> str:
+    """The address rank 0 listens on: listen, or, in a group that torchrun started again after a
+    rank of it failed (its --max-restarts: the launcher lives on and the host does not see the
+    group go), the port of the address file its predecessor wrote where listen asks for a free
+    one, so that the host's client, which reconnects to the address it knows, finds the new
+    group there."""
+    if restart_count() == 0 or not address_file:
+        return listen
+    host, _, port = listen.rpartition(":")
+    try:
+        with open(address_file) as f:
+            old = f.read().strip().rpartition(":")[2]
+    except OSError:
+        return listen
+    return f"{host}:{old}" if port == "0" and old.isdigit() else listen
+
+
 def die_with_parent() -> None:
     """A rank ends when its torchrun does (Linux): torchrun starts each rank in a session of its
     own, so a supervisor that kills torchrun (a hung worker) would otherwise leave the ranks
@@ -140,7 +162,16 @@ def init(device: str, backend: str = "") -> tuple[int, int, int, Links]:
     # collective of all ranks that the new group's own ranks, making a gloo group, never join: from
     # 3 ranks on, the ranks outside a pair below waited there for ever and the worker never
     # started.
-    dist.init_process_group(backend)
+    restart = restart_count()
+    if restart:
+        # torchrun's store outlives the groups it restarts (its --max-restarts), holding the keys
+        # every earlier group wrote, the addresses of its ranks' gloo pairs among them: a group
+        # of the same key names read those and failed to connect. Each group its own prefix.
+        store, _, _ = next(dist.rendezvous("env://"))
+        dist.init_process_group(backend, store=dist.PrefixStore(f"slimen-group-{restart}/", store),
+                                rank=rank, world_size=size)
+    else:
+        dist.init_process_group(backend)
     forever = datetime.timedelta(days=365)
     calls = dist.new_group(backend="gloo", timeout=forever)
     # Every rank makes every pair's group (new_group is a collective of all ranks).
