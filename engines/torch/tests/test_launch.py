@@ -54,7 +54,8 @@ def test_torchrun_restarts_a_group_that_meets_again(tmp_path):
         "t = torch.ones(1)\n"
         "d.all_reduce(t, group=links.calls)\n"
         f"open(os.path.join({str(tmp_path)!r}, f'round{{n}}-rank{{rank}}'), 'w')"
-        ".write(str(int(t.item())))\n")
+        ".write(str(int(t.item())))\n"
+        "d.destroy_process_group()\n")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
         [os.path.dirname(os.path.dirname(launch.__file__)), os.environ.get("PYTHONPATH", "")]))
     p = subprocess.run([sys.executable, "-m", "slimen_torch.launch", "torch.distributed.run",
