@@ -106,7 +106,9 @@ func TestRankKilledIsRestartedByTorchrun(t *testing.T) {
 	}
 	mu.Unlock()
 	// torchrun's one restart is used: a second kill ends it, and the supervisor leaves it dead.
-	rank1 = rankPid(t, torchrun, 1)
+	if rank1 = rankPid(t, torchrun, 1); rank1 == 0 { // (kill(0) would be this test's own group)
+		t.Fatalf("no rank 1 under torchrun (pid %d) after the restart; supervisor: %q", torchrun, lines)
+	}
 	syscall.Kill(rank1, syscall.SIGKILL)
 	deadline := time.Now().Add(time.Minute)
 	for {
