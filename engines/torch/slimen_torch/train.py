@@ -232,14 +232,19 @@ def compile_options() -> dict:
     return opts
 
 
-def import_compiler_later() -> None:
-    """Imports the compiler (compile_options: torch._inductor, Dynamo) on a thread of its own,
-    for a GPU worker that will compile and is about to wait anyway (for the other ranks of its
-    group, for its weights to load): the seconds of the import then pass meanwhile, not after."""
+def import_compiler_later():
+    """Starts importing the compiler (compile_options: torch._inductor, Dynamo) on a thread of
+    its own, for a GPU worker that will compile and is about to wait anyway (for the other ranks
+    of its group): the seconds of the import then pass meanwhile, not after. Returns the thread:
+    join it before importing anything the compiler imports too (FSDP, torch.distributed.tensor),
+    since two threads importing the same modules in different orders may each see the other's
+    half-initialised."""
     import threading
 
-    threading.Thread(target=compile_options, name="slimen-torch-import-compiler",
-                     daemon=True).start()
+    t = threading.Thread(target=compile_options, name="slimen-torch-import-compiler",
+                         daemon=True)
+    t.start()
+    return t
 
 
 class Trainer:
