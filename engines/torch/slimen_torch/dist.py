@@ -1124,14 +1124,12 @@ def serve_rank(args, opts, service) -> None:
     """The worker of one rank under torchrun: rank 0 serves (service is its server's), the
     others follow. Returns when rank 0 closes the group."""
     starting = stacks_later(world()[0], START_STACKS_S)
-    importing = None
-    compiles = opts.compile or opts.compile_train not in ("off", "", False, None)
-    if torch.device(opts.device).type == "cuda" and compiles:
-        importing = import_compiler_later()  # while the ranks meet
+    # Dynamo, which FSDP's sharded parameters (DTensor) import on every rank, GPU or CPU, and
+    # the compiler of a GPU's compiled layers: while the ranks meet.
+    importing = import_compiler_later()
     rank, local, size, links = init(opts.device)
     log.info("rank %d of %d (local rank %d) on %s", rank, size, local, opts.device)
-    if importing is not None:
-        importing.join()  # before the engine's FSDP and compiles import the same modules
+    importing.join()  # before the engine's FSDP and compiles import the same modules
     engine = RankEngine(args.model, opts, rank)
     devices = [None] * size
     dist.all_gather_object(devices, f"{os.uname().nodename}/{opts.device}", group=links.calls)

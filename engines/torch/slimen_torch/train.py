@@ -219,8 +219,9 @@ def deterministic_micro_batch_tokens(cfg, itemsize: int, free: int | None) -> in
 # from 5 Mi elements on and guards the compiled layer on it, so a run whose micro-batches cross
 # that size (8,192 tokens at hidden 640) would recompile the layer in the middle of a run.
 # Read from inductor's config at the first compile, not at import: torch._inductor (with Dynamo)
-# takes seconds to import, every rank of a restarted worker group paid them before it listened,
-# and a CPU worker never compiles its training layer.
+# takes seconds to import, which every rank of a restarted worker group paid before it listened
+# (a group's rank imports it while the ranks meet, import_compiler_later), and a worker on one
+# CPU never compiles.
 @functools.cache
 def compile_options() -> dict:
     """compile_options: the inductor options of the compiled training layer (above)."""
@@ -234,8 +235,8 @@ def compile_options() -> dict:
 
 def import_compiler_later():
     """Starts importing the compiler (compile_options: torch._inductor, Dynamo) on a thread of
-    its own, for a GPU worker that will compile and is about to wait anyway (for the other ranks
-    of its group): the seconds of the import then pass meanwhile, not after. Returns the thread:
+    its own, for a worker that will need it and is about to wait anyway (a rank of a group, for
+    the others): the seconds of the import then pass meanwhile, not after. Returns the thread:
     join it before importing anything the compiler imports too (FSDP, torch.distributed.tensor),
     since two threads importing the same modules in different orders may each see the other's
     half-initialised."""

@@ -1,6 +1,6 @@
 """What a worker's rank imports before it can listen and meet its group: not the compiler
-(torch._inductor, Dynamo: seconds of every restarted rank's start), which a GPU worker imports on
-a thread of its own while its group forms (train.import_compiler_later)."""
+(torch._inductor, Dynamo: seconds of every restarted rank's start), which a rank of a group
+imports on a thread of its own while the ranks meet (train.import_compiler_later)."""
 
 import os
 import subprocess
