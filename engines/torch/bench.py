@@ -1163,10 +1163,10 @@ def sec_train_split(a, res):
 def split_layer(eng) -> None:
     """Compiles eng's training layer with SDPA's grouping left to the config's (symbolic) head
     counts: Dynamo breaks the graph around the attention (the default before whole_block)."""
-    from slimen_torch.train import COMPILE_OPTIONS
+    from slimen_torch.train import compile_options
     eng.trainer.model.train_block_fn = torch.compile(
         block_forward, dynamic=True,
-        options=COMPILE_OPTIONS if torch.cuda.is_available() else None)
+        options=compile_options() if torch.cuda.is_available() else None)
 
 
 def sec_train_eager(a, res):

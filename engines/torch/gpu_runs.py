@@ -16,7 +16,12 @@ WORKER_TAIL_CHARS = 1200  # of the workers' last lines in a failed run's table c
 # lib.sh's stamp; or a worker's own log line in the run's events.log, in its local time to the
 # ms), what it says, and the milestone's name in the table.
 RESTART_MILESTONES = [
-    ("host", r"the torch worker \(pid \d+\) exited", "torchrun exited (group down)"),
+    ("worker", r"slimen_torch (INFO rank [\d, ]+ gone: exiting at once|INFO the other ranks have "
+               r"stopped; exiting|ERROR rank \d+: )",
+     "rank 0 exits (group down)"),
+    # torchrun restarts its group itself (its --max-restarts): these two only when it gave up, or
+    # for a launcher without restarts of its own.
+    ("host", r"the torch worker \(pid \d+\) exited", "torchrun exited"),
     ("host", r"the torch worker is started again", "the host starts torchrun again"),
     ("worker", r"slimen_torch INFO serve: process \d+ began",
      "a rank's process began (torchrun up)"),

@@ -10,9 +10,9 @@
 #      of full weights in bf16 after each optimizer step (events.log), scaling against N=1;
 #   3. one non-zero rank SIGKILLed after step 1's checkpoint (the largest N): the group restarts,
 #      the run completes, and its metrics against the uninterrupted run's (same seed); the time
-#      from the kill to the run going on, and its parts (gpu_runs.RESTART_MILESTONES: torchrun
-#      exited, started again, rank 0 listening, the ranks met, the worker ready, the checkpoint
-#      loaded).
+#      from the kill to the run going on, and its parts (gpu_runs.RESTART_MILESTONES: rank 0
+#      exited, torchrun's new group up, rank 0 listening, the ranks met, the worker ready, the
+#      checkpoint loaded).
 # Weak scaling by default: the run over N GPUs has PROMPTS×N prompts a step, so each GPU has the
 # work of the N=1 run and the per-GPU rates compare like for like (SCALING=strong: PROMPTS for
 # all; each GPU then has 1/N of the work and the fixed costs weigh N times more). The rates are means over

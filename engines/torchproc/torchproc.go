@@ -7,8 +7,8 @@
 //	PYTHON -m slimen_torch serve --model MODEL --listen 127.0.0.1:0 --address-file F --token-env VAR [--device D] [--root DIR]…
 //
 // (under torchrun, `PYTHON -m slimen_torch.launch torch.distributed.run --standalone
-// --nproc-per-node N -m slimen_torch serve …`, when Options.Ranks is above 1: one policy over N
-// GPUs, docs/gpus.md)
+// --nproc-per-node N --max-restarts R -m slimen_torch serve …`, when Options.Ranks is above 1:
+// one policy over N GPUs, docs/gpus.md; torchrun itself restarts a group whose rank failed)
 // with PYTHONPATH pointing at it, waits until the worker listens and its Health says SERVING (the
 // model is loaded), and connects an engines/remote client to it. Close stops the client and the
 // worker (SIGTERM, then SIGKILL after a grace period). The Python environment must have the
@@ -79,7 +79,10 @@ type Options struct {
 	// MaxRestarts is how many times a worker that exits after its start, or hangs, is started
 	// again, on the same address with the same arguments, so that its client reconnects and
 	// finds a new server process (remote.Options.OnRestart puts the state back); 0: never, a
-	// dead worker stays dead. Client.ReconnectTimeout must cover the new worker's start.
+	// dead worker stays dead. Client.ReconnectTimeout must cover the new worker's start. A
+	// worker of several ranks (Ranks) is restarted by its torchrun, as often (launcher): the
+	// supervisor starts it again only after killing it for a hang, and leaves it dead when
+	// torchrun exits.
 	MaxRestarts int
 	// HangTimeout: a worker whose Health has not answered for this long (it is probed every
 	// HangTimeout/5) is killed with SIGKILL, and restarted when MaxRestarts allows; a worker
@@ -193,7 +196,7 @@ func Start(ctx context.Context, opts Options) (*Engine, error) {
 	e := &Engine{tail: tail, tmp: tmp, closed: make(chan struct{})}
 	// The first process listens on a free port; one started again listens where it did.
 	e.spawn = func(listen string) (*proc, error) {
-		argv := append(launcher(opts.Ranks), "-m", "slimen_torch", "serve", "--model", model, "--listen", listen)
+		argv := append(launcher(opts.Ranks, opts.MaxRestarts), "-m", "slimen_torch", "serve", "--model", model, "--listen", listen)
 		argv = append(argv, args...)
 		cmd := exec.Command(opts.Python, argv...)
 		cmd.Env = append(os.Environ(), "PYTHONPATH="+pythonPath(pkg), "PYTHONUNBUFFERED=1")
@@ -252,6 +255,14 @@ func (e *Engine) supervise(opts Options) {
 			return
 		case <-p.exited:
 			logf("the torch worker (pid %d) exited: %v", p.cmd.Process.Pid, p.waitErr)
+			if opts.Ranks > 1 {
+				// torchrun started its group again itself as often as MaxRestarts allows
+				// (launcher) and gave up: a rank that fails on every start (a dead GPU) ends the
+				// worker here, not after MaxRestarts more groups.
+				logf("the torch worker is not started again: torchrun restarted its group as often as it may (%d times) and gave up; "+
+					"calls fail once the client's reconnect timeout has passed", opts.MaxRestarts)
+				return
+			}
 		case h := <-hung:
 			if h != p {
 				continue
@@ -468,12 +479,20 @@ func clientOptions(opts Options, addr, token string) remote.Options {
 // (torch.distributed.run, the interpreter's own) for a worker of several ranks, with a rendezvous
 // on a free port of this machine (--standalone), run by slimen_torch.launch, which exits as soon
 // as torchrun returns (torch's teardown in torchrun's exit took seconds of a group's restart).
-func launcher(ranks int) []string {
+// torchrun restarts a group whose rank failed itself, restarts times (--max-restarts): its new
+// rank 0 listens where the old one did (slimen_torch.dist.relisten) and the client meets it as
+// it would a worker the supervisor started again, without the seconds of torchrun's own exit
+// and start (a Python process importing torch) that a restart through the supervisor costs.
+func launcher(ranks, restarts int) []string {
 	if ranks <= 1 {
 		return nil
 	}
-	return []string{"-m", "slimen_torch.launch", "torch.distributed.run", "--standalone",
+	argv := []string{"-m", "slimen_torch.launch", "torch.distributed.run", "--standalone",
 		"--nproc-per-node", strconv.Itoa(ranks)}
+	if restarts > 0 {
+		argv = append(argv, "--max-restarts", strconv.Itoa(restarts))
+	}
+	return argv
 }
 
 func pythonPath(pkg string) string {

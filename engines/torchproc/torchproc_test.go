@@ -163,10 +163,13 @@ func TestClientOptionsAndLauncher(t *testing.T) {
 	if c := clientOptions(Options{Client: remote.Options{MaxBackoff: time.Second}}, "a:1", ""); c.MaxBackoff != time.Second {
 		t.Errorf("MaxBackoff %v, want the options' 1s", c.MaxBackoff)
 	}
-	if got := strings.Join(launcher(4), " "); got != "-m slimen_torch.launch torch.distributed.run --standalone --nproc-per-node 4" {
-		t.Errorf("launcher(4) = %q", got)
+	if got := strings.Join(launcher(4, 0), " "); got != "-m slimen_torch.launch torch.distributed.run --standalone --nproc-per-node 4" {
+		t.Errorf("launcher(4, 0) = %q", got)
 	}
-	if launcher(1) != nil {
-		t.Errorf("launcher(1) = %q, want none", launcher(1))
+	if got := strings.Join(launcher(2, 3), " "); got != "-m slimen_torch.launch torch.distributed.run --standalone --nproc-per-node 2 --max-restarts 3" {
+		t.Errorf("launcher(2, 3) = %q", got)
+	}
+	if launcher(1, 3) != nil {
+		t.Errorf("launcher(1, 3) = %q, want none", launcher(1, 3))
 	}
 }

@@ -64,7 +64,7 @@ from .launch import exit_now
 from .model import Transformer, bind_thread, copy_tensors
 from .proto import engine_pb2 as pb
 from .server import Serialized, completion_pb
-from .train import Trainer, micro_batches
+from .train import Trainer, import_compiler_later, micro_batches
 from .types import GenerateRequest, RequestError, Sampling
 
 log = logging.getLogger("slimen_torch")
@@ -87,6 +87,28 @@ def world() -> tuple[int, int, int]:
     """(rank, local rank, world size) from torchrun's environment; (0, 0, 1) outside it."""
     e = os.environ
     return int(e.get("RANK", 0)), int(e.get("LOCAL_RANK", 0)), int(e.get("WORLD_SIZE", 1))
+
+
+def restart_count() -> int:
+    """How many times torchrun has started this worker group again (0 for its first)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+
+
+def relisten(listen: str, address_file: str) -> str:
+    """The address rank 0 listens on: listen, or, in a group that torchrun started again after a
+    rank of it failed (its --max-restarts: the launcher lives on and the host does not see the
+    group go), the port of the address file its predecessor wrote where listen asks for a free
+    one, so that the host's client, which reconnects to the address it knows, finds the new
+    group there."""
+    if restart_count() == 0 or not address_file:
+        return listen
+    host, _, port = listen.rpartition(":")
+    try:
+        with open(address_file) as f:
+            old = f.read().strip().rpartition(":")[2]
+    except OSError:
+        return listen
+    return f"{host}:{old}" if port == "0" and old.isdigit() else listen
 
 
 def die_with_parent() -> None:
@@ -140,7 +162,16 @@ def init(device: str, backend: str = "") -> tuple[int, int, int, Links]:
     # collective of all ranks that the new group's own ranks, making a gloo group, never join: from
     # 3 ranks on, the ranks outside a pair below waited there for ever and the worker never
     # started.
-    dist.init_process_group(backend)
+    restart = restart_count()
+    if restart:
+        # torchrun's store outlives the groups it restarts (its --max-restarts), holding the keys
+        # every earlier group wrote, the addresses of its ranks' gloo pairs among them: a group
+        # of the same key names read those and failed to connect. Each group its own prefix.
+        store, _, _ = next(dist.rendezvous("env://"))
+        dist.init_process_group(backend, store=dist.PrefixStore(f"slimen-group-{restart}/", store),
+                                rank=rank, world_size=size)
+    else:
+        dist.init_process_group(backend)
     forever = datetime.timedelta(days=365)
     calls = dist.new_group(backend="gloo", timeout=forever)
     # Every rank makes every pair's group (new_group is a collective of all ranks).
@@ -1093,8 +1124,12 @@ def serve_rank(args, opts, service) -> None:
     """The worker of one rank under torchrun: rank 0 serves (service is its server's), the
     others follow. Returns when rank 0 closes the group."""
     starting = stacks_later(world()[0], START_STACKS_S)
+    # Dynamo, which FSDP's sharded parameters (DTensor) import on every rank, GPU or CPU, and
+    # the compiler of a GPU's compiled layers: while the ranks meet.
+    importing = import_compiler_later()
     rank, local, size, links = init(opts.device)
     log.info("rank %d of %d (local rank %d) on %s", rank, size, local, opts.device)
+    importing.join()  # before the engine's FSDP and compiles import the same modules
     engine = RankEngine(args.model, opts, rank)
     devices = [None] * size
     dist.all_gather_object(devices, f"{os.uname().nodename}/{opts.device}", group=links.calls)

@@ -734,8 +734,11 @@ def serve(args) -> None:
         token = os.environ.get(args.token_env, "")
         if not token:
             raise SystemExit(f"--token-env {args.token_env}: the variable is empty or unset")
+    listen = args.listen
+    if size > 1:
+        listen = dist.relisten(listen, args.address_file)
     try:
-        server, service, port = make_server(args.listen, token, roots=args.root)
+        server, service, port = make_server(listen, token, roots=args.root)
     except ValueError as e:
         raise SystemExit(f"slimen_torch serve: {e}") from None
     host = args.listen.rpartition(":")[0]

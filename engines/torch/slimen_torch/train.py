@@ -20,7 +20,6 @@ import traceback
 
 import numpy as np
 import torch
-from torch._inductor import config as inductor_config
 
 from . import batch_invariant, kernels
 from . import loss as L
@@ -219,9 +218,34 @@ def deterministic_micro_batch_tokens(cfg, itemsize: int, free: int | None) -> in
 # across row and column order whatever the micro-batch's size; strict, inductor fuses them only
 # from 5 Mi elements on and guards the compiled layer on it, so a run whose micro-batches cross
 # that size (8,192 tokens at hidden 640) would recompile the layer in the middle of a run.
-COMPILE_OPTIONS = {"triton.coalesce_tiling_analysis": False, "cpp.vec_isa_ok": False}
-if hasattr(inductor_config.triton, "mix_order_reduction_non_strict_mode"):
-    COMPILE_OPTIONS["triton.mix_order_reduction_non_strict_mode"] = True
+# Read from inductor's config at the first compile, not at import: torch._inductor (with Dynamo)
+# takes seconds to import, which every rank of a restarted worker group paid before it listened
+# (a group's rank imports it while the ranks meet, import_compiler_later), and a worker on one
+# CPU never compiles.
+@functools.cache
+def compile_options() -> dict:
+    """compile_options: the inductor options of the compiled training layer (above)."""
+    from torch._inductor import config as inductor_config
+
+    opts = {"triton.coalesce_tiling_analysis": False, "cpp.vec_isa_ok": False}
+    if hasattr(inductor_config.triton, "mix_order_reduction_non_strict_mode"):
+        opts["triton.mix_order_reduction_non_strict_mode"] = True
+    return opts
+
+
+def import_compiler_later():
+    """Starts importing the compiler (compile_options: torch._inductor, Dynamo) on a thread of
+    its own, for a worker that will need it and is about to wait anyway (a rank of a group, for
+    the others): the seconds of the import then pass meanwhile, not after. Returns the thread:
+    join it before importing anything the compiler imports too (FSDP, torch.distributed.tensor),
+    since two threads importing the same modules in different orders may each see the other's
+    half-initialised."""
+    import threading
+
+    t = threading.Thread(target=compile_options, name="slimen-torch-import-compiler",
+                         daemon=True)
+    t.start()
+    return t
 
 
 class Trainer:
@@ -270,7 +294,7 @@ class Trainer:
         self.mode = mode
         self.model.train_block_fn = block_forward
         self.logprob_fn = token_logprobs
-        opts = COMPILE_OPTIONS if self.cuda else None
+        opts = compile_options() if self.cuda else None
         if mode in ("block", "block-static"):
             self.model.train_block_fn = torch.compile(whole_block(self.model.cfg),
                                                       dynamic=mode == "block", options=opts)
