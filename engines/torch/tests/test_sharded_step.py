@@ -1,7 +1,8 @@
 """The host's work of a sharded step (dist.ShardedTrainer) in the parts that grow with the
 parameter count: the gradient norm and the clip are a few multi-tensor operations on the local
-shards, not a loop over every parameter's DTensor. One gloo rank in a process of its own (the
-test's process keeps no process group), against the one-rank Trainer's step on the same batch."""
+shards, not a loop over every parameter's DTensor; FSDP does not cast the layers' inputs. One
+gloo rank in a process of its own (the test's process keeps no process group), against the
+one-rank Trainer's step on the same batch."""
 
 import os
 import pickle
@@ -29,7 +30,7 @@ class Count(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def model():
+def model(dtype=torch.float32):
     from slimen_torch.config import parse_config
     from slimen_torch.make_model import config_dict
     from slimen_torch.model import Transformer
@@ -38,7 +39,7 @@ def model():
     raw["num_hidden_layers"] = LAYERS
     m = Transformer(parse_config(raw), dtype=torch.float32)
     m.init_weights(torch.Generator().manual_seed(1))
-    return m.eval()
+    return m.to(dtype).eval()
 
 
 def batch(max_grad_norm: float) -> Batch:
@@ -113,3 +114,40 @@ def test_norm_and_clip_are_multi_tensor_on_the_shards(tmp_path, local_opt):
         assert r["ops"] == {"_grad_norm": pytest.approx(8, abs=4)}
     else:
         assert r["ops"]["_grad_norm"] <= 12 and r["ops"]["_clip"] <= 4, r["ops"]
+
+
+def _rank_bf16(rank, port, out):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", LOCAL_RANK="0",
+                      WORLD_SIZE="1")
+    torch.set_num_threads(1)
+    torch.distributed.init_process_group("gloo")
+    from slimen_torch import dist, model as M
+    from slimen_torch.train import Trainer
+
+    seen = []
+    real = M.Block.forward
+
+    def forward(self, x, cos, sin, **kw):
+        seen.append((x.dtype, cos.dtype, sin.dtype))
+        return real(self, x, cos, sin, **kw)
+    M.Block.forward = forward
+    got = dist.ShardedTrainer(model(torch.bfloat16), micro_batch_tokens=64).step(batch(0.0))
+    torch.distributed.destroy_process_group()
+    want = Trainer(model(torch.bfloat16), micro_batch_tokens=64).step(batch(0.0))
+    with open(out, "wb") as f:
+        pickle.dump({"seen": seen, "got": got, "want": want}, f)
+
+
+def test_layers_take_their_inputs_uncast(tmp_path):
+    """bf16 passes: each layer gets the bf16 hidden states and the fp32 rope tables, as on one
+    rank (which casts the tables where it applies them): FSDP's cast of the inputs, a walk of
+    each layer call's arguments and two casts, is off; the step's numbers are one rank's."""
+    out = str(tmp_path / "r.pkl")
+    mp.start_processes(_rank_bf16, args=(free_port(), out), nprocs=1, start_method="spawn",
+                       join=True)
+    with open(out, "rb") as f:
+        r = pickle.load(f)
+    assert len(r["seen"]) >= LAYERS
+    assert set(r["seen"]) == {(torch.bfloat16, torch.float32, torch.float32)}
+    assert r["got"].loss == pytest.approx(r["want"].loss, rel=1e-6)
+    assert r["got"].grad_norm == pytest.approx(r["want"].grad_norm, rel=1e-3)
