@@ -38,6 +38,14 @@ On a random model of --shape (make-model; bf16 on a GPU), these sections:
              weights of --shape) in one CUDA graph: without adapters, and with a table of 8
              slots of rank --rank as Packed, Fused unfolded and Fused folded; device µs a step
              and the µs each adds a projection
+  host       the host's work a decode step, with --rows rows spread over 8 adapters (the table
+             folded, as with the Triton kernels) against one model: the µs of Decode._lora_step
+             (the table's place and the rows' slots) in the steady state (the same rows, the same
+             adapters), the tensor operations it dispatches and, on a GPU, the stream
+             synchronisations it causes (torch.cuda's sync debug mode), and the µs of the whole
+             host side of a generation's decode steps (a step less the model's work: the graph
+             replay's launch on a GPU, the eager step on the CPU; less the wait for the step
+             before and the admissions)
 
 Prints a table and writes DIR/bench_lora.json and DIR/bench_lora.md. Each section runs in its own
 process, so an out-of-memory error or a crash costs that section only.
@@ -56,6 +64,7 @@ import time
 import traceback
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 HERE = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -66,7 +75,7 @@ from slimen_torch.engine import Engine, Options  # noqa: E402
 from slimen_torch.make_model import make_model  # noqa: E402
 from slimen_torch.types import Batch, GenerateRequest, LossConfig, Sample, Sampling  # noqa: E402
 
-SECTIONS = ("memory", "full", "lora", "gen", "proj")
+SECTIONS = ("memory", "full", "lora", "gen", "proj", "host")
 
 
 def opts(a, **kw) -> Options:
@@ -294,6 +303,19 @@ def profiled(e, a, adapters) -> str:
     return prof.key_averages().table(sort_by=key, row_limit=30)
 
 
+def _adapters(e, a, names):
+    """Adds the 8 adapters of gen and host (rank --rank on every projection, B drawn too: a new
+    adapter's B is 0, which would compute the base's tokens)."""
+    g = torch.Generator().manual_seed(3)
+    for i, name in enumerate(names):
+        e.add_adapter(name, lora.LoRAConfig(rank=a.rank, alpha=2 * a.rank, targets=lora.TARGETS), i)
+        with torch.no_grad():
+            for n, p in e.bank.adapters[name].named():
+                if "lora_B" in n:
+                    p.copy_(torch.randn(p.shape, generator=g) * 0.02)
+    e.bank.changed()
+
+
 def sec_gen(a, model_dir):
     res = {}
     slots = max(a.rows, a.slots)
@@ -304,15 +326,7 @@ def sec_gen(a, model_dir):
         if a.profile:
             prof.append("== one model\n" + profiled(e, a, [""]))
         names = [f"g{i}" for i in range(8)]
-        g = torch.Generator().manual_seed(3)
-        for i, name in enumerate(names):
-            e.add_adapter(name, lora.LoRAConfig(rank=a.rank, alpha=2 * a.rank, targets=lora.TARGETS), i)
-            # B drawn too (a new adapter's B is 0: it would compute the base's tokens).
-            with torch.no_grad():
-                for n, p in e.bank.adapters[name].named():
-                    if "lora_B" in n:
-                        p.copy_(torch.randn(p.shape, generator=g) * 0.02)
-        e.bank.changed()
+        _adapters(e, a, names)
         res["eight_adapters_tok_s"] = gen_run(e, a, names)
         if a.profile:
             prof.append("== 8 adapters\n" + profiled(e, a, names))
@@ -460,6 +474,185 @@ def sec_proj(a, model_dir):
     return res
 
 
+def _syncs(caught) -> int:
+    """The warnings of torch.cuda's sync debug mode among caught ("called a synchronizing CUDA
+    operation")."""
+    return sum("synchroniz" in str(w.message) for w in caught)
+
+
+class _Ops(TorchDispatchMode):
+    """Counts the tensor operations dispatched under it."""
+
+    def __init__(self):
+        super().__init__()
+        self.n = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.n += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _lora_step_cost(e, a, names, steps=200) -> dict:
+    """Decode._lora_step of a.rows rows (row i by adapter i % 8) in the steady state, on the
+    engine's thread: µs a call, the operations a call dispatches and (on a GPU) the stream
+    synchronisations; the table folded as with the Triton kernels (the generator's triton set
+    for the calls: only the placement runs, no kernel)."""
+    import types
+    import warnings
+    gen = e.gen
+    ads = [e.bank.adapters[n] for n in names]
+    rows = [(r, types.SimpleNamespace(req=types.SimpleNamespace(adapter=ads[r % len(ads)])))
+            for r in range(min(a.rows, gen.S))]
+
+    def run():
+        triton = gen.triton
+        gen.triton = True
+        try:
+            gen._lora_step(rows)  # places the adapters and writes the rows' slots
+            gen._lora_step(rows)
+            assert gen.lora_mode == "table" and e.bank.table.folded, (gen.lora_mode,)
+            if cuda():
+                torch.cuda.synchronize()
+            t = time.perf_counter()
+            for _ in range(steps):
+                gen._lora_step(rows)
+            us = (time.perf_counter() - t) / steps * 1e6
+            with _Ops() as ops:
+                gen._lora_step(rows)
+            syncs = None
+            if cuda():
+                with warnings.catch_warnings(record=True) as w:
+                    warnings.simplefilter("always")
+                    torch.cuda.set_sync_debug_mode("warn")
+                    try:
+                        for _ in range(10):
+                            gen._lora_step(rows)
+                    finally:
+                        torch.cuda.set_sync_debug_mode(0)
+                syncs = _syncs(w) / 10
+            # Every row's adapter changed (row i by adapter i + 1): each row's slot written.
+            moved = [(r, types.SimpleNamespace(req=types.SimpleNamespace(
+                adapter=ads[(r + 1) % len(ads)]))) for r in range(len(rows))]
+            gen.row_changes = getattr(gen, "row_changes", 0) + 1
+            moved_syncs = None
+            with warnings.catch_warnings(record=True) as w:
+                warnings.simplefilter("always")
+                if cuda():
+                    torch.cuda.set_sync_debug_mode("warn")
+                try:
+                    t = time.perf_counter()
+                    gen._lora_step(moved)
+                    moved_us = (time.perf_counter() - t) * 1e6
+                finally:
+                    if cuda():
+                        torch.cuda.set_sync_debug_mode(0)
+            if cuda():
+                moved_syncs = _syncs(w)
+            assert gen.lora_idx[:len(rows)].tolist() == [
+                e.bank.table.slot_of(s.req.adapter) for _, s in moved]
+            return dict(us=us, ops=ops.n, syncs=syncs, moved_us=moved_us,
+                        moved_syncs=moved_syncs)
+        finally:
+            gen.triton = triton
+    return e._call(run)
+
+
+def _host_per_step(e, a, adapters) -> dict:
+    """The host side of gen_run's decode steps (warm): the ms of a step() less _run (the model's
+    work on the CPU, the replay's launch on a GPU: it runs in ms only where the step is eager),
+    the wait for the step before (_process's event) and _admit (the prefills); and of
+    _lora_step alone. Means over the steps, and medians (the steady state: admissions and
+    finished rows make the others' work). On a GPU also the stream synchronisations of the whole
+    run (torch.cuda's sync debug mode; graph captures, admissions and finished rows included,
+    _process's event wait not: one model and 8 adapters run the same shapes)."""
+    import statistics
+    import warnings
+    gen = e.gen
+    cur = dict(run=0.0, wait=0.0, admit=0.0, lora=0.0, launched=0)
+    host, lora_t = [], []
+    orig = dict(step=gen.step, _run=gen._run, _process=gen._process, _admit=gen._admit,
+                _lora_step=gen._lora_step)
+
+    def timed(key, fn):
+        def f(*args):
+            t = time.perf_counter()
+            try:
+                return fn(*args)
+            finally:
+                cur[key] += time.perf_counter() - t
+        return f
+
+    def step():
+        for k in cur:
+            cur[k] = 0
+        t = time.perf_counter()
+        orig["step"]()
+        if cur["launched"]:
+            host.append(time.perf_counter() - t - cur["run"] - cur["wait"] - cur["admit"])
+            lora_t.append(cur["lora"])
+
+    def process(rec):
+        if rec[0] is not None:
+            t = time.perf_counter()
+            rec[0].synchronize()
+            cur["wait"] += time.perf_counter() - t
+        return orig["_process"](rec)
+
+    def run(*args):
+        cur["launched"] = 1
+        return timed("run", orig["_run"])(*args)
+
+    def install():
+        gen.step, gen._run, gen._process = step, run, process
+        gen._admit = timed("admit", orig["_admit"])
+        gen._lora_step = timed("lora", orig["_lora_step"])
+
+    caught = warnings.catch_warnings(record=True)
+    syncs = []
+
+    def remove():
+        for k in orig:
+            delattr(gen, k)
+        if cuda():
+            torch.cuda.set_sync_debug_mode(0)
+            caught.__exit__(None, None, None)
+
+    def install_all():
+        install()
+        if cuda():
+            syncs.append(caught.__enter__())
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+    e._call(install_all)
+    try:
+        gen_run(e, a, adapters, warm=False)
+    finally:
+        e._call(remove)
+    ms = dict(steps=len(host), syncs=_syncs(syncs[0]) if syncs else None)
+    for k, xs in (("host", host), ("lora", lora_t)):
+        ms[k + "_ms"] = statistics.fmean(xs) * 1e3 if xs else 0.0
+        ms[k + "_median_ms"] = statistics.median(xs) * 1e3 if xs else 0.0
+    return ms
+
+
+def sec_host(a, model_dir):
+    res = {}
+    e = Engine(str(model_dir), opts(a, slots=max(a.rows, a.slots)))
+    try:
+        gen_run(e, a, [""], new=min(a.new, 8))  # warm: graphs captured, kernels compiled
+        res["one_model"] = _host_per_step(e, a, [""])
+        names = [f"g{i}" for i in range(8)]
+        _adapters(e, a, names)
+        res["lora_step"] = _lora_step_cost(e, a, names)
+        gen_run(e, a, names, new=min(a.new, 8))
+        res["eight_adapters"] = _host_per_step(e, a, names)
+        res["table"] = dict(version=e.bank.table.version, slots=e.bank.table.cap,
+                            folded=e.bank.table.folded, layers=e.cfg.layers)
+    finally:
+        e.close()
+    return res
+
+
 # ---- driver ----
 
 def table(results: dict, a) -> str:
@@ -527,6 +720,28 @@ def table(results: dict, a) -> str:
                  f"{p['folded_rel_diff_to_packed']:.2g}")
     elif p:
         L.append(f"\nproj: {p['error']}")
+    h = results.get("host", {})
+    if h and "error" not in h:
+        ls, t = h["lora_step"], h["table"]
+        L += ["", f"| the host's work a decode step, {a.rows} rows ({t['layers']} layers; table "
+              f"{t['slots']} slots, folded {t['folded']}) | ms a step (median) | of it "
+              "_lora_step (median) |", "|---|---:|---:|"]
+        for k, what in (("one_model", "one model"), ("eight_adapters", "spread over 8 adapters")):
+            x = h[k]
+            L.append(f"| {what} ({x['steps']} steps) | {x['host_ms']:.3f} "
+                     f"({x['host_median_ms']:.3f}) | {x['lora_ms']:.3f} "
+                     f"({x['lora_median_ms']:.3f}) |")
+        if h["one_model"]["syncs"] is not None:
+            L.append(f"- stream synchronisations in the run: one model "
+                     f"{h['one_model']['syncs']}, 8 adapters {h['eight_adapters']['syncs']}")
+        L.append(f"- _lora_step in the steady state: {ls['us']:.1f} µs a call, {ls['ops']} tensor "
+                 f"operations, " + ("no GPU" if ls["syncs"] is None
+                                    else f"{ls['syncs']:g} stream synchronisations")
+                 + f"; with every row's adapter changed {ls['moved_us']:.0f} µs"
+                 + ("" if ls["moved_syncs"] is None
+                    else f", {ls['moved_syncs']} stream synchronisations"))
+    elif h:
+        L.append(f"\nhost: {h['error']}")
     return "\n".join(L) + "\n"
 
 

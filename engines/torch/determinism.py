@@ -7,7 +7,8 @@
         [--attn-bwd triton|sdpa] [--attn-bwd-dq Q,K,W,S] [--attn-bwd-dkdv Q,K,W,S]
         [--norm-bwd triton|torch] [--head-bwd triton|torch] [--fused-elementwise on|off]
         [--attn-large BM,warps] [--micro-batch-tokens N] [--split-k S] [--layer-fn on|off]
-        [--attn-lse on|off] [--attn-full-blocks on|off] [--profile]
+        [--attn-lse on|off] [--attn-full-blocks on|off] [--fused-qk on|off]
+        [--fused-add-norm on|off] [--profile]
 
 On a random model (make-model: Qwen3-0.6B's shape, bf16 on a GPU; --small: the tiny Qwen3, for
 the CPU and the test that runs this), with no end-of-sequence token so every response has its
@@ -291,7 +292,8 @@ KNOBS = [("--tile", "tile", ""), ("--tile-large", "tile_large", ""),
          ("--head-bwd", "head_bwd", "triton"), ("--fused-elementwise", "fused_elementwise", "on"),
          ("--attn-large", "attn_large", ""), ("--micro-batch-tokens", "micro_batch_tokens", 0),
          ("--split-k", "split_k", 1), ("--tile-by-shape", "tile_by_shape", "on"), ("--layer-fn", "layer_fn", "on"),
-         ("--attn-lse", "attn_lse", "on"), ("--attn-full-blocks", "attn_full_blocks", "on")]
+         ("--attn-lse", "attn_lse", "on"), ("--attn-full-blocks", "attn_full_blocks", "on"),
+         ("--fused-qk", "fused_qk", "on"), ("--fused-add-norm", "fused_add_norm", "on")]
 
 
 def main(argv=None) -> int:
@@ -379,6 +381,14 @@ def main(argv=None) -> int:
                    help="the attention backward kernels' blocks whose queries see all their keys "
                    "without the masks' work (on, the default; the same numbers) or every block "
                    "masked (off, the first version)")
+    p.add_argument("--fused-qk", default="on", choices=["on", "off"],
+                   help="the deterministic q and k heads' norms and rope in one kernel a layer, "
+                   "every pass alike (on, the default) or two norms and two ropes (off, the "
+                   "first version)")
+    p.add_argument("--fused-add-norm", default="on", choices=["on", "off"],
+                   help="the deterministic residual add after the attention and the MLP's norm "
+                   "in one kernel, every pass alike (on, the default) or two kernels (off, the "
+                   "first version)")
     a = p.parse_args(argv)
     from slimen_torch import batch_invariant
     if a.tile:
@@ -411,6 +421,8 @@ def main(argv=None) -> int:
     batch_invariant.HEAD_BWD_TRITON = a.head_bwd == "triton"
     batch_invariant.FUSED_ELEMENTWISE = a.fused_elementwise == "on"
     batch_invariant.LAYER_FN = a.layer_fn == "on"
+    batch_invariant.FUSED_QK = a.fused_qk == "on"
+    batch_invariant.FUSED_ADD_NORM = a.fused_add_norm == "on"
     batch_invariant.ATTN_LSE = a.attn_lse == "on"
     batch_invariant.ATTN_BWD_FULL_BLOCKS = a.attn_full_blocks == "on"
     if a.split_k < 1:

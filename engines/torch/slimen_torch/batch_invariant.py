@@ -128,24 +128,32 @@ if HAVE_TRITON:
         tl.store(Y + row, tl.sum(acc, axis=0))
 
     @triton.jit
-    def _lse_kernel(X, Y, N, sx, BLOCK: tl.constexpr):
-        # log Σ exp(x) of a row: its maximum (order-free), then Σ exp(x − max) as _row_sum_kernel
-        # sums. A row with no finite maximum is shifted by 0, as logsumexp does.
+    def _lse_part_kernel(X, PM, PS, N, sx, P, BLOCK: tl.constexpr):
+        # Part p (entries [p·BLOCK, (p + 1)·BLOCK)) of a row's log Σ exp(x): its maximum
+        # (order-free) and Σ exp(x − max) over the part, into PM and PS [rows, P]. A part with
+        # no finite maximum is shifted by 0, as logsumexp does.
         row = tl.program_id(0).to(tl.int64)
-        mv = tl.full((BLOCK,), float("-inf"), tl.float32)
-        for c0 in range(0, N, BLOCK):
-            i = c0 + tl.arange(0, BLOCK)
-            x = tl.load(X + row * sx + i, mask=i < N, other=float("-inf")).to(tl.float32)
-            mv = tl.maximum(mv, x)
-        m = tl.max(mv, axis=0)
-        m = tl.where((m == m) & (tl.abs(m) < float("inf")), m, 0.0)
-        acc = tl.zeros((BLOCK,), dtype=tl.float32)
-        for c0 in range(0, N, BLOCK):
-            i = c0 + tl.arange(0, BLOCK)
-            x = tl.load(X + row * sx + i, mask=i < N, other=float("-inf")).to(tl.float32)
-            acc += tl.where(i < N, tl.exp(x - m), 0.0)
-        tl.store(Y + row, m + tl.log(tl.sum(acc, axis=0)))
+        p = tl.program_id(1)
+        i = p * BLOCK + tl.arange(0, BLOCK)
+        x = tl.load(X + row * sx + i, mask=i < N, other=float("-inf")).to(tl.float32)
+        m = tl.max(x, axis=0)
+        mr = tl.where((m == m) & (tl.abs(m) < float("inf")), m, 0.0)
+        s = tl.sum(tl.where(i < N, tl.exp(x - mr), 0.0), axis=0)
+        tl.store(PM + row * P + p, m)
+        tl.store(PS + row * P + p, s)
 
+    @triton.jit
+    def _lse_combine_kernel(PM, PS, Y, P, BP: tl.constexpr):
+        # A row's log Σ exp from its parts (_lse_part_kernel's): the parts' maximum M, then
+        # M + log Σ_p s_p·exp(m_p − M) over the parts in one fixed order.
+        row = tl.program_id(0).to(tl.int64)
+        j = tl.arange(0, BP)
+        pm = tl.load(PM + row * P + j, mask=j < P, other=float("-inf"))
+        ps = tl.load(PS + row * P + j, mask=j < P, other=0.0)
+        m = tl.max(pm, axis=0)
+        mr = tl.where((m == m) & (tl.abs(m) < float("inf")), m, 0.0)
+        s = tl.sum(tl.where(j < P, ps * tl.exp(pm - mr), 0.0), axis=0)
+        tl.store(Y + row, mr + tl.log(s))
 
     @triton.jit
     def _rms_kernel(X, W, Y, N, sx, sy, eps, BLOCK: tl.constexpr):
@@ -263,9 +271,41 @@ def row_sum_triton(x: torch.Tensor) -> torch.Tensor:
     return _reduce_rows(_row_sum_kernel, x)
 
 
+# The log-softmax's normaliser and the sampler over a vocabulary take a row in parts of
+# VOCAB_PART entries, a program a part (then a program a row over the parts' numbers): a decode
+# step's 256 rows of 151,936 logits are ~19,000 programs instead of 256 that each walk a whole
+# row. The parts are fixed by the row's length alone, so a row's numbers are those of the row
+# alone in any batch, and the trainer, Score and the sampler run the same two kernels on the
+# logits as they are (their dtype, unconverted) for the same log-sum-exp.
+VOCAB_PART = 2048
+
+
+def _vocab_parts(n: int) -> int:
+    return max(1, triton.cdiv(n, VOCAB_PART))
+
+
+def _lse_parts(x2: torch.Tensor):
+    """(PM, PS) [rows, parts] of _lse_part_kernel for the rows of x2 (stride 1 along a row)."""
+    R, N = x2.shape
+    P = _vocab_parts(N)
+    pm = torch.empty(R, P, dtype=torch.float32, device=x2.device)
+    ps = torch.empty(R, P, dtype=torch.float32, device=x2.device)
+    if R:
+        _lse_part_kernel[(R, P)](x2, pm, ps, N, x2.stride(0), P, BLOCK=VOCAB_PART, num_warps=4)
+    return pm, ps
+
+
 def logsumexp_triton(x: torch.Tensor) -> torch.Tensor:
-    """log Σ exp over the last dimension in _lse_kernel (fp32, no gradient)."""
-    return _reduce_rows(_lse_kernel, x)
+    """log Σ exp over the last dimension (x of any float dtype, read in fp32) in
+    _lse_part_kernel and _lse_combine_kernel (fp32, no gradient)."""
+    x2 = _rows(x)
+    pm, ps = _lse_parts(x2)
+    y = torch.empty(x2.shape[0], dtype=torch.float32, device=x.device)
+    if x2.shape[0]:
+        P = pm.shape[1]
+        _lse_combine_kernel[(x2.shape[0],)](pm, ps, y, P, BP=max(16, triton.next_power_of_2(P)),
+                                            num_warps=4)
+    return y.view(x.shape[:-1])
 
 
 def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -323,7 +363,7 @@ class _LogSumExp(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         x, y = ctx.saved_tensors
-        return g[..., None] * torch.exp(x.float() - y[..., None])
+        return (g[..., None] * torch.exp(x.float() - y[..., None])).to(x.dtype)
 
 
 def row_kernels(x: torch.Tensor) -> bool:
@@ -607,9 +647,11 @@ def lora_weights(sel, model, i: int, w: tuple) -> tuple:
 # operations round (each product and sum in fp32, rounded to the activation dtype where PyTorch
 # rounds it): the same numbers, in one kernel where eager mode launches up to six (and a cast of
 # the rotary tables a layer). Products of bf16 values are exact in fp32 and every step is
-# rounded before the next, so no fused multiply-add can form. SwiGLU keeps its eager forward
-# (silu's exp is the library's) with its backward pass in one kernel (_SwiGLU). False: eager
-# operations and autograd (determinism.py --fused-elementwise off).
+# rounded before the next, so no fused multiply-add can form. SwiGLU's forward is one kernel
+# too, in every pass (its exp is Triton's, not the library's: the same function for the decode
+# step and the trainer, not necessarily eager mode's last bit on a GPU), with its backward pass
+# in one kernel (_SwiGLU). False: eager operations and autograd (determinism.py
+# --fused-elementwise off).
 FUSED_ELEMENTWISE = True
 
 if HAVE_TRITON:
@@ -725,6 +767,224 @@ def residual_add(x: torch.Tensor, y: torch.Tensor):
     return None
 
 
+# The residual add after the attention and the MLP's norm in one kernel (two outputs: the sum,
+# rounded as _add_kernel rounds it, and its norm, summed as _rms_kernel sums a row: the same
+# chunks of ROW_BLOCK lanes, the same warps), in every pass alike. False: the two kernels
+# (determinism.py --fused-add-norm off).
+FUSED_ADD_NORM = True
+
+if HAVE_TRITON:
+    @triton.jit
+    def _add_rms_kernel(X, Yv, S, W, Hn, N, eps, BLOCK: tl.constexpr):
+        # Row r: s = x + y in fp32 rounded to S's dtype (model.residual_add), into S; then
+        # _rms_kernel's arithmetic on s into Hn. The second pass adds x and y again (the same
+        # bits) rather than reading S back, which other threads of the program wrote.
+        row = tl.program_id(0).to(tl.int64)
+        acc = tl.zeros((BLOCK,), dtype=tl.float32)
+        for c0 in range(0, N, BLOCK):
+            i = c0 + tl.arange(0, BLOCK)
+            x = tl.load(X + row * N + i, mask=i < N, other=0.0).to(tl.float32)
+            y = tl.load(Yv + row * N + i, mask=i < N, other=0.0).to(tl.float32)
+            sv = (x + y).to(S.dtype.element_ty)
+            tl.store(S + row * N + i, sv, mask=i < N)
+            sf = sv.to(tl.float32)
+            acc += sf * sf
+        r = 1.0 / tl.sqrt_rn(tl.sum(acc, axis=0) / N + eps)
+        for c0 in range(0, N, BLOCK):
+            i = c0 + tl.arange(0, BLOCK)
+            x = tl.load(X + row * N + i, mask=i < N, other=0.0).to(tl.float32)
+            y = tl.load(Yv + row * N + i, mask=i < N, other=0.0).to(tl.float32)
+            sv = (x + y).to(S.dtype.element_ty)
+            w = tl.load(W + i, mask=i < N, other=0.0).to(tl.float32)
+            z = (sv.to(tl.float32) * r).to(sv.dtype).to(tl.float32)
+            tl.store(Hn + row * N + i, (w * z).to(Hn.dtype.element_ty), mask=i < N)
+
+
+def add_rms_fits(x: torch.Tensor, y: torch.Tensor, weight) -> bool:
+    """Whether add_rms_norm's kernel takes x + y and weight: FUSED_ADD_NORM, FUSED_ELEMENTWISE,
+    row_kernels and RMS_BWD_TRITON; x and y of one dtype and shape, weight a plain tensor of
+    that dtype and the rows' length."""
+    return (FUSED_ADD_NORM and FUSED_ELEMENTWISE and row_kernels(x) and RMS_BWD_TRITON
+            and x.shape[-1] <= RMS_BWD_MAX and x.dtype == y.dtype and x.shape == y.shape
+            and isinstance(weight, torch.Tensor) and weight.dtype == x.dtype
+            and weight.shape == x.shape[-1:])
+
+
+def _add_rms_launch(x, y, weight, eps):
+    x1, y1 = x.contiguous(), y.contiguous()
+    s = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    h = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    N = x.shape[-1]
+    R = x1.numel() // max(1, N)
+    if R:
+        _add_rms_kernel[(R,)](x1, y1, s, weight.contiguous(), h, N, float(eps), BLOCK=ROW_BLOCK,
+                              num_warps=4)
+    return s, h
+
+
+class _AddRMS(torch.autograd.Function):
+    """add_rms_norm's kernel; the backward pass the norm's (rms_norm_backward_triton) with the
+    sum's own gradient added in it, for x and y alike."""
+
+    @staticmethod
+    def forward(ctx, x, y, weight, eps):
+        s, h = _add_rms_launch(x, y, weight, eps)
+        ctx.save_for_backward(s, weight)
+        ctx.eps = eps
+        return s, h
+
+    @staticmethod
+    def backward(ctx, gs, gh):
+        s, weight = ctx.saved_tensors
+        gx, gw = rms_norm_backward_triton(s, weight, gh, ctx.eps, res=gs)
+        return gx, gx, gw, None
+
+
+def add_rms_norm(x: torch.Tensor, y: torch.Tensor, weight, eps: float):
+    """(s, rms_norm(s, weight, eps)) for s = model.residual_add(x, y), in _add_rms_kernel where
+    add_rms_fits; None elsewhere (the caller's operations)."""
+    if not add_rms_fits(x, y, weight):
+        return None
+    return _AddRMS.apply(x, y, weight, eps)
+
+
+# The q and k heads' norms (Qwen3's) and rope in one kernel a layer, reading the q/k/v product
+# where it lies: per layer two _rms_kernel launches, two copies (q and k are strided views of the
+# product, which _rows copies), and two _rope_kernel launches were six launches of a decode
+# step's ~4 µs each. Every pass (decode steps, prefills, Score, the training layer and the
+# operation-a-node layer) takes this kernel for its q and k, so a token's numbers are one
+# function's whatever the pass. False: the two norms and two ropes (determinism.py
+# --fused-qk off).
+FUSED_QK = True
+
+if HAVE_TRITON:
+    @triton.jit
+    def _qk_rope_kernel(X, WQ, WK, C, S, YQ, YK, Rc, HQ, HK, D, sxr, scr, ssr, sqr, skr, eps,
+                        NORM: tl.constexpr, BH: tl.constexpr, BD: tl.constexpr):
+        # Row r's HQ q heads and the HK k heads after them (head h at X + r·sxr + h·D): NORM,
+        # each head's RMSNorm (model.rms_norm: the mean square in fp32, the head normalised and
+        # rounded to X's dtype, then times its weight, WQ's or WK's, rounded again), then
+        # rope as _rope_kernel rounds it (the rotated half's entries normalised alike from
+        # their own loads); q heads into YQ's row, k heads into YK's.
+        r = tl.program_id(0).to(tl.int64)
+        h = tl.arange(0, BH)
+        d = tl.arange(0, BD)
+        half = D // 2
+        dm = d < D
+        m = (h[:, None] < HQ + HK) & dm[None, :]
+        rd = tl.where(d < half, d + half, d - half)
+        xp = X + r * sxr + h[:, None] * D
+        xv = tl.load(xp + d[None, :], mask=m, other=0.0)
+        dt = xv.dtype
+        x = xv.to(tl.float32)
+        xr = tl.load(xp + rd[None, :], mask=m, other=0.0).to(tl.float32)
+        if NORM:
+            inv = 1.0 / tl.sqrt_rn(tl.sum(x * x, axis=1) / D + eps)
+            isq = h[:, None] < HQ
+            w = tl.where(isq, tl.load(WQ + d, mask=dm, other=0.0).to(tl.float32)[None, :],
+                         tl.load(WK + d, mask=dm, other=0.0).to(tl.float32)[None, :])
+            wr = tl.where(isq, tl.load(WQ + rd, mask=dm, other=0.0).to(tl.float32)[None, :],
+                          tl.load(WK + rd, mask=dm, other=0.0).to(tl.float32)[None, :])
+            x = (w * (x * inv[:, None]).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+            xr = (wr * (xr * inv[:, None]).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+        cr = r % Rc
+        c = tl.load(C + cr * scr + d, mask=dm, other=0.0).to(dt).to(tl.float32)
+        s = tl.load(S + cr * ssr + d, mask=dm, other=0.0).to(dt).to(tl.float32)
+        rot = tl.where(d[None, :] < half, -xr, xr)
+        a = (x * c[None, :]).to(dt).to(tl.float32)
+        b = (rot * s[None, :]).to(dt).to(tl.float32)
+        y = (a + b).to(YQ.dtype.element_ty)
+        hd = h[:, None] * D + d[None, :]
+        tl.store(YQ + r * sqr + hd, y, mask=m & (h[:, None] < HQ))
+        tl.store(YK + r * skr + hd - HQ * D, y, mask=m & (h[:, None] >= HQ))
+
+
+def _qk_rows(q: torch.Tensor, k: torch.Tensor):
+    """q [..., HQ, D] and k [..., HK, D] as the kernel reads them, (q's rows [R, HQ, D], k's)
+    where k's heads follow q's in each row (views of one q/k/v product) and the leading
+    dimensions are one stride; else None."""
+    HQ, D = q.shape[-2:]
+    try:
+        q3, k3 = q.view(-1, HQ, D), k.view(-1, k.shape[-2], D)
+    except RuntimeError:
+        return None
+    e = q.element_size()
+    if not (q3.shape[0] == k3.shape[0] and (q3.shape[0] < 2 or q3.stride(0) == k3.stride(0))
+            and q3.stride()[1:] == (D, 1) and k3.stride()[1:] == (D, 1)
+            and k.data_ptr() == q.data_ptr() + HQ * D * e):
+        return None
+    return q3, k3
+
+
+def _qk_rope_launch(q3, k3, wq, wk, cos, sin, eps):
+    R, HQ, D = q3.shape
+    HK = k3.shape[1]
+    c2, s2 = cos.reshape(-1, D), sin.reshape(-1, D)
+    yq = torch.empty(R, HQ, D, dtype=q3.dtype, device=q3.device)
+    yk = torch.empty(R, HK, D, dtype=q3.dtype, device=q3.device)
+    norm = wq is not None
+    if R:
+        _qk_rope_kernel[(R,)](
+            q3, wq if norm else q3, wk if norm else q3, c2, s2, yq, yk, c2.shape[0], HQ, HK, D,
+            q3.stride(0), c2.stride(0), s2.stride(0), yq.stride(0), yk.stride(0), float(eps),
+            NORM=norm, BH=triton.next_power_of_2(HQ + HK), BD=max(16, triton.next_power_of_2(D)),
+            num_warps=4)
+    return yq, yk
+
+
+class _QKRope(torch.autograd.Function):
+    """qk_rope's kernel; the backward pass rope's (_rope_kernel with SIGN −1) then the norms'
+    (rms_norm_backward_triton), as for the operations one at a time."""
+
+    @staticmethod
+    def forward(ctx, q, k, wq, wk, cos, sin, eps):
+        q3, k3 = _qk_rows(q, k)
+        yq, yk = _qk_rope_launch(q3, k3, wq, wk, cos, sin, eps)
+        ctx.save_for_backward(q, k, wq, wk, cos, sin)
+        ctx.eps = eps
+        return yq.view(q.shape), yk.view(k.shape)
+
+    @staticmethod
+    def backward(ctx, gq, gk):
+        q, k, wq, wk, cos, sin = ctx.saved_tensors
+        dq, dk = _rope_launch(gq, cos, sin, -1), _rope_launch(gk, cos, sin, -1)
+        if wq is None:
+            return dq, dk, None, None, None, None, None
+        dq, gwq = rms_norm_backward_triton(q, wq, dq, ctx.eps)
+        dk, gwk = rms_norm_backward_triton(k, wk, dk, ctx.eps)
+        return dq, dk, gwq, gwk, None, None, None
+
+
+def qk_rope_fits(q: torch.Tensor, k: torch.Tensor, wq, wk, cos: torch.Tensor,
+                 sin: torch.Tensor) -> bool:
+    """Whether qk_rope's kernel takes q and k: use_triton, FUSED_QK and FUSED_ELEMENTWISE (and
+    ROW_KERNELS, RMS_BWD_TRITON with norms: the norms' kernels), the shapes rope's kernel takes,
+    norm weights (both or neither) plain tensors of q's dtype, k's heads after q's."""
+    if not (FUSED_QK and FUSED_ELEMENTWISE and use_triton(q) and cos.shape == sin.shape
+            and cos.stride() == sin.stride() and _rope_fits(q, cos) and _rope_fits(k, cos)
+            and q.dtype == k.dtype and q.shape[:-2] == k.shape[:-2]
+            and q.shape[-1] == k.shape[-1]):
+        return False
+    if (wq is None) != (wk is None):
+        return False
+    if wq is not None and not (
+            ROW_KERNELS and RMS_BWD_TRITON and q.shape[-1] <= RMS_BWD_MAX
+            and all(isinstance(t, torch.Tensor) and t.dtype == q.dtype
+                    and t.shape == q.shape[-1:] and t.stride(-1) == 1 for t in (wq, wk))):
+        return False
+    return _qk_rows(q, k) is not None
+
+
+def qk_rope(q: torch.Tensor, k: torch.Tensor, wq, wk, cos: torch.Tensor, sin: torch.Tensor,
+            eps: float):
+    """(rope(rms_norm(q, wq, eps)), rope(rms_norm(k, wk, eps))) (no norms where wq and wk are
+    None) in _qk_rope_kernel where qk_rope_fits; None elsewhere (the caller's operations). q
+    [..., HQ, D] and k [..., HK, D]: views of one q/k/v product (model.decode_pre's)."""
+    if not qk_rope_fits(q, k, wq, wk, cos, sin):
+        return None
+    return _QKRope.apply(q, k, wq, wk, cos, sin, eps)
+
+
 if HAVE_TRITON:
     @triton.jit
     def _swiglu_bwd_kernel(GU, GA, GG, I, sgu, sga, sgg, BLOCK: tl.constexpr):
@@ -741,6 +1001,21 @@ if HAVE_TRITON:
         tl.store(GG + row * sgg + i, (ga * u * sig * (1.0 + g * (1.0 - sig))).to(
             GG.dtype.element_ty), mask=m)
         tl.store(GG + row * sgg + I + i, (ga * g * sig).to(GG.dtype.element_ty), mask=m)
+
+
+    @triton.jit
+    def _swiglu_kernel(GU, A, I, sgu, sa, BLOCK: tl.constexpr):
+        # silu(gate)·up of a row of GU's two halves as the eager operations round it: silu in
+        # fp32 (x / (1 + exp(−x))) rounded to the activations' dtype, then the product of the
+        # two in fp32 rounded again.
+        row = tl.program_id(0).to(tl.int64)
+        i = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        m = i < I
+        gr = tl.load(GU + row * sgu + i, mask=m, other=0.0)
+        g = gr.to(tl.float32)
+        u = tl.load(GU + row * sgu + I + i, mask=m, other=0.0).to(tl.float32)
+        s = (g / (1.0 + tl.exp(-g))).to(gr.dtype).to(tl.float32)
+        tl.store(A + row * sa + i, (s * u).to(A.dtype.element_ty), mask=m)
 
 
 class _SwiGLU(torch.autograd.Function):
@@ -760,6 +1035,17 @@ class _SwiGLU(torch.autograd.Function):
 
 
 def _swiglu_forward(gu):
+    """silu(gate)·up of gu's halves: in _swiglu_kernel (one kernel where eager mode takes two)
+    where use_triton says so, for every pass alike (decode steps, prefills, Score and the
+    training layer), so that a token's activations are one function's whatever the pass."""
+    if use_triton(gu) and gu.dtype in (torch.bfloat16, torch.float16):
+        gu2 = _rows(gu)
+        I = gu2.shape[1] // 2
+        a = torch.empty(gu2.shape[0], I, dtype=gu.dtype, device=gu.device)
+        if gu2.shape[0]:
+            _swiglu_kernel[(gu2.shape[0], triton.cdiv(I, 1024))](
+                gu2, a, I, gu2.stride(0), a.stride(0), BLOCK=1024, num_warps=4)
+        return a.view(*gu.shape[:-1], I)
     gate, up = gu.chunk(2, dim=-1)
     return F.silu(gate) * up
 
@@ -783,6 +1069,43 @@ def swiglu(gu: torch.Tensor):
     return None
 
 
+if HAVE_TRITON:
+    @triton.jit
+    def _kv_write_kernel(K, V, KC, VC, P, H, D, skb, skh, svb, svh, scb, sch, scl,
+                         BH: tl.constexpr, BD: tl.constexpr):
+        # Row b's new key and value ([H, D] each) into its cache row at position P[b]: copies.
+        b = tl.program_id(0).to(tl.int64)
+        h = tl.arange(0, BH)
+        d = tl.arange(0, BD)
+        m = (h[:, None] < H) & (d[None, :] < D)
+        at = b * scb + h[:, None] * sch + tl.load(P + b) * scl + d[None, :]
+        k = tl.load(K + b * skb + h[:, None] * skh + d[None, :], mask=m)
+        tl.store(KC + at, k, mask=m)
+        v = tl.load(V + b * svb + h[:, None] * svh + d[None, :], mask=m)
+        tl.store(VC + at, v, mask=m)
+
+
+def kv_write_rows(k_cache: torch.Tensor, v_cache: torch.Tensor, pos: torch.Tensor,
+                  k: torch.Tensor, v: torch.Tensor) -> bool:
+    """A decode step's cache writes (model.decode_layer's two indexed copies and their row
+    index) in _kv_write_kernel: k and v [B, kv_heads, D] into rows [0, B) of the caches
+    [slots, kv_heads, length, D] at positions pos [B]; the same bytes. False (nothing written)
+    where use_triton and FUSED_ELEMENTWISE say no or the dtypes or layouts differ."""
+    if not (FUSED_ELEMENTWISE and use_triton(k) and k.dim() == 3
+            and k_cache.dtype == v_cache.dtype == k.dtype == v.dtype
+            and k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1
+            and k.stride(-1) == 1 and v.stride(-1) == 1 and pos.dtype == torch.int64):
+        return False
+    B, H, D = k.shape
+    if B:
+        _kv_write_kernel[(B,)](k, v, k_cache, v_cache, pos.contiguous(), H, D, k.stride(0),
+                               k.stride(1), v.stride(0), v.stride(1), k_cache.stride(0),
+                               k_cache.stride(1), k_cache.stride(2),
+                               BH=triton.next_power_of_2(H), BD=max(16, triton.next_power_of_2(D)),
+                               num_warps=4)
+    return True
+
+
 # ---- RMSNorm and the log-prob head ----
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -798,10 +1121,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def logsumexp(x: torch.Tensor) -> torch.Tensor:
-    """log Σ exp over the last dimension of fp32 x, summed by tree_sum (in one Triton kernel
-    where row_kernels says so)."""
+    """log Σ exp over the last dimension of x (fp32 result), summed by tree_sum in fp32 (by the
+    Triton part kernels, on x as it is, where row_kernels says so)."""
     if row_kernels(x):
         return _LogSumExp.apply(x)
+    x = x.float()
     m = x.amax(-1, keepdim=True)
     m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
     return m[..., 0] + torch.log(tree_sum(torch.exp(x - m)))
@@ -809,9 +1133,10 @@ def logsumexp(x: torch.Tensor) -> torch.Tensor:
 
 def token_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """The temperature-1 log-prob of each row's target: logits [N, V] (any dtype, read in fp32),
-    targets [N] → [N] fp32. What the sampler reports and the trainer computes."""
-    x = logits.float()
-    return x.gather(-1, targets[:, None]).squeeze(-1) - logsumexp(x)
+    targets [N] → [N] fp32. What the sampler reports and the trainer computes (the log-sum-exp
+    of the logits as they are: the sampler's, the trainer's and Score's in one dtype)."""
+    lp = logits.gather(-1, targets[:, None]).squeeze(-1).float()
+    return lp - logsumexp(logits)
 
 
 def _head_rows(logits: torch.Tensor) -> int:
@@ -887,9 +1212,9 @@ class _HeadLogprobs(torch.autograd.Function):
         lps, ents, lses = [], [], []
         rows = _head_rows(logits)
         for i in range(0, logits.shape[0], rows):
-            x = logits[i:i + rows].float()
+            x = logits[i:i + rows]  # read in fp32 by the kernels: no fp32 copy
             lse = logsumexp_triton(x)
-            lps.append(x.gather(-1, targets[i:i + rows, None]).squeeze(-1) - lse)
+            lps.append(x.gather(-1, targets[i:i + rows, None]).squeeze(-1).float() - lse)
             ents.append(entropy_triton(x, lse))
             lses.append(lse)
         lp, ent = torch.cat(lps), torch.cat(ents)
@@ -922,8 +1247,8 @@ def token_logprobs_entropy(logits: torch.Tensor, targets: torch.Tensor, entropy_
     lps, ents = [], []
     rows = _head_rows(logits)
     for i in range(0, logits.shape[0], rows):
+        lse = logsumexp(logits[i:i + rows])
         x = logits[i:i + rows].float()
-        lse = logsumexp(x)
         lps.append(x.gather(-1, targets[i:i + rows, None]).squeeze(-1) - lse)
         with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
             lsm = x - lse[:, None]
@@ -958,23 +1283,123 @@ def _inverse_cdf(w: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return (j * C + k).squeeze(1)
 
 
+if HAVE_TRITON:
+    @triton.jit
+    def _sample_part_kernel(X, PM, T, PW, PA, N, sx, P, BLOCK: tl.constexpr, BP: tl.constexpr):
+        # Part p of a row for the sampler: the part's mass Σ exp((x − M)/t) (M the row's maximum
+        # from _lse_part_kernel's part maxima, t the row's temperature, 1 for a greedy row) and
+        # the first index of the part's maximum, into PW and PA [rows, P].
+        row = tl.program_id(0).to(tl.int64)
+        p = tl.program_id(1)
+        j = tl.arange(0, BP)
+        m = tl.max(tl.load(PM + row * P + j, mask=j < P, other=float("-inf")), axis=0)
+        m = tl.where((m == m) & (tl.abs(m) < float("inf")), m, 0.0)
+        t = tl.load(T + row)
+        t = tl.where(t <= 0.0, 1.0, t)
+        i = p * BLOCK + tl.arange(0, BLOCK)
+        x = tl.load(X + row * sx + i, mask=i < N, other=float("-inf")).to(tl.float32)
+        w = tl.where(i < N, tl.exp((x - m) / t), 0.0)
+        tl.store(PW + row * P + p, tl.sum(w, axis=0))
+        tl.store(PA + row * P + p, p * BLOCK + tl.argmax(x, axis=0, tie_break_left=True))
+
+    @triton.jit
+    def _sample_pick_kernel(X, PM, PW, PA, LSE, T, U, TOK, LP, N, sx, P, BLOCK: tl.constexpr,
+                            BP: tl.constexpr):
+        # A row's draw by the inverse CDF at u over its parts' masses (_sample_part_kernel's):
+        # the first part whose running mass reaches u·(total), then in that part the first
+        # entry whose running sum reaches the rest (never an entry of weight 0); a greedy row
+        # (t ≤ 0) the first index of its maximum. Its log-prob x[token] − LSE[row].
+        row = tl.program_id(0).to(tl.int64)
+        j = tl.arange(0, BP)
+        pm = tl.load(PM + row * P + j, mask=j < P, other=float("-inf"))
+        m = tl.max(pm, axis=0)
+        mr = tl.where((m == m) & (tl.abs(m) < float("inf")), m, 0.0)
+        t0 = tl.load(T + row)
+        t = tl.where(t0 <= 0.0, 1.0, t0)
+        cm = tl.cumsum(tl.load(PW + row * P + j, mask=j < P, other=0.0), axis=0)
+        total = tl.sum(tl.where(j == P - 1, cm, 0.0), axis=0)
+        target = tl.load(U + row) * total
+        sel = tl.minimum(tl.sum(((cm < target) & (j < P)).to(tl.int32), axis=0), P - 1)
+        before = tl.sum(tl.where(j == sel - 1, cm, 0.0), axis=0)
+        k = tl.arange(0, BLOCK)
+        i = sel * BLOCK + k
+        x = tl.load(X + row * sx + i, mask=i < N, other=float("-inf")).to(tl.float32)
+        inner = tl.cumsum(tl.where(i < N, tl.exp((x - mr) / t), 0.0), axis=0)
+        last = tl.sum(tl.where(k == BLOCK - 1, inner, 0.0), axis=0)
+        # Rounding can leave the rest just above the part's own total: the last entry with
+        # weight then takes it.
+        rest = tl.minimum(target - before, last)
+        tok = sel * BLOCK + tl.minimum(tl.sum((inner < rest).to(tl.int32), axis=0), BLOCK - 1)
+        # A greedy row: the first part holding the row's maximum, its first index of it.
+        first = tl.min(tl.where(pm == m, j, BP), axis=0)
+        amax = tl.load(PA + row * P + tl.minimum(first, P - 1))
+        tok = tl.where(t0 <= 0.0, amax, tl.minimum(tok, N - 1))
+        lp = tl.load(X + row * sx + tok).to(tl.float32) - tl.load(LSE + row)
+        tl.store(TOK + row, tok.to(tl.int64))
+        tl.store(LP + row, lp)
+
+
+def sample_triton(logits: torch.Tensor, temperature: torch.Tensor, u: torch.Tensor):
+    """The draws of `sample` without top-p in the Triton kernels: the logits (any float dtype,
+    read in fp32) in VOCAB_PART parts, a program a part, for the log-sum-exp (logsumexp_triton's
+    two kernels) and the parts' masses, then a program a row for the draw. Returns (tokens [B]
+    int64, logprobs [B] fp32)."""
+    x2 = _rows(logits)
+    B, N = x2.shape
+    tok = torch.empty(B, dtype=torch.int64, device=logits.device)
+    lp = torch.empty(B, dtype=torch.float32, device=logits.device)
+    if B == 0:
+        return tok, lp
+    pm, ps = _lse_parts(x2)
+    P = pm.shape[1]
+    BP = max(16, triton.next_power_of_2(P))
+    lse = torch.empty(B, dtype=torch.float32, device=logits.device)
+    _lse_combine_kernel[(B,)](pm, ps, lse, P, BP=BP, num_warps=4)
+    t = temperature.float().contiguous()
+    pw = torch.empty(B, P, dtype=torch.float32, device=logits.device)
+    pa = torch.empty(B, P, dtype=torch.int32, device=logits.device)
+    _sample_part_kernel[(B, P)](x2, pm, t, pw, pa, N, x2.stride(0), P, BLOCK=VOCAB_PART, BP=BP,
+                                num_warps=4)
+    _sample_pick_kernel[(B,)](x2, pm, pw, pa, lse, t, u.float().contiguous(), tok, lp, N,
+                              x2.stride(0), P, BLOCK=VOCAB_PART, BP=BP, num_warps=4)
+    return tok, lp
+
+
 def sample(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor,
            u: torch.Tensor, use_top_p: bool):
     """sampling.sample (the same draws by the inverse CDF at u) with its sums in a fixed order
-    and the log-probs of token_logprobs. Returns (tokens [B] int64, logprobs [B] fp32)."""
+    and the log-probs of token_logprobs. Returns (tokens [B] int64, logprobs [B] fp32). Where
+    row_kernels says so, the rows without top-p in sample_triton's kernels (which read the
+    logits in their own dtype: pass them unconverted)."""
+    if row_kernels(logits) and logits.dim() == 2:
+        tokens, lps = sample_triton(logits, temperature, u)
+        if not use_top_p:
+            return tokens, lps
+        x = logits.float()
+        greedy = temperature <= 0
+        t = torch.where(greedy, torch.ones_like(temperature), temperature)
+        w = torch.exp((x - x.amax(-1, keepdim=True)) / t[:, None])
+        nucleus = _nucleus(w, top_p, u)
+        tokens = torch.where((top_p < 1) & ~greedy, nucleus, tokens)
+        return tokens, token_logprobs(logits, tokens)
     x = logits.float()
     greedy = temperature <= 0
     t = torch.where(greedy, torch.ones_like(temperature), temperature)
     w = torch.exp((x - x.amax(-1, keepdim=True)) / t[:, None])
     tokens = _inverse_cdf(w, u)
     if use_top_p:
-        ws, order = w.sort(dim=-1, descending=True, stable=True)
-        before = prefix_sum(ws) - ws
-        ws = ws * (before < top_p[:, None] * row_sum(ws)[:, None])
-        nucleus = order.gather(1, _inverse_cdf(ws, u)[:, None]).squeeze(1)
-        tokens = torch.where(top_p < 1, nucleus, tokens)
+        tokens = torch.where(top_p < 1, _nucleus(w, top_p, u), tokens)
     tokens = torch.where(greedy, x.argmax(dim=-1), tokens)
-    return tokens, token_logprobs(x, tokens)
+    return tokens, token_logprobs(logits, tokens)
+
+
+def _nucleus(w: torch.Tensor, top_p: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """The draw at u from the smallest prefix of w sorted (descending, stable) whose mass
+    reaches top_p, sums in a fixed order."""
+    ws, order = w.sort(dim=-1, descending=True, stable=True)
+    before = prefix_sum(ws) - ws
+    ws = ws * (before < top_p[:, None] * row_sum(ws)[:, None])
+    return order.gather(1, _inverse_cdf(ws, u)[:, None]).squeeze(1)
 
 
 # ---- attention ----
@@ -1500,15 +1925,24 @@ class _Layer(torch.autograd.Function):
         h = rms_norm_triton(x, attn_norm, eps)
         qkv = _linear_forward(h, wqkv, bqkv)
         q, k, v = _split_qkv(cfg, qkv)
-        if cfg.qk_norm:
-            q, k = rms_norm_triton(q, q_norm, eps), rms_norm_triton(k, k_norm, eps)
-        qr, kr = _rope_launch(q, cos, sin, 1), _rope_launch(k, cos, sin, 1)
+        wq, wk = (q_norm, k_norm) if cfg.qk_norm else (None, None)
+        if qk_rope_fits(q, k, wq, wk, cos, sin):  # the kernel of every other pass
+            qr, kr = _qk_rope_launch(*_qk_rows(q, k), wq, wk, cos, sin, eps)
+            qr, kr = qr.view(q.shape), kr.view(k.shape)
+        else:
+            if cfg.qk_norm:
+                q, k = rms_norm_triton(q, q_norm, eps), rms_norm_triton(k, k_norm, eps)
+            qr, kr = _rope_launch(q, cos, sin, 1), _rope_launch(k, cos, sin, 1)
         kt, vt = kr.transpose(1, 2), v.transpose(1, 2)
         pos = torch.arange(T, device=x.device).expand(B, T)
         lse = _attention_lse(qr)
         o = attention_triton(qr, kt, vt, pos, D ** -0.5, lse=lse).flatten(2)
-        x1 = _add_launch(x, _linear_forward(o, wo, bo))
-        h2 = rms_norm_triton(x1, mlp_norm, eps)
+        y1 = _linear_forward(o, wo, bo)
+        if add_rms_fits(x, y1, mlp_norm):  # the kernel of every other pass
+            x1, h2 = _add_rms_launch(x, y1, mlp_norm, eps)
+        else:
+            x1 = _add_launch(x, y1)
+            h2 = rms_norm_triton(x1, mlp_norm, eps)
         gu = _linear_forward(h2, w13, None)
         a = _swiglu_forward(gu)
         x2 = _add_launch(x1, _linear_forward(a, w2, None))

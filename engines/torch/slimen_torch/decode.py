@@ -95,6 +95,11 @@ class Decode:
         self.lora_fold = True
         self.lora_mode = None
         self.lora_warned = False
+        # _lora_step's cache: the (row_changes, bank, Bank.changes) its adapters were read at,
+        # the rows' distinct adapters then, and the (table, Table.moves) its rows' slots were
+        # written at.
+        self.lora_key = self.lora_moves = None
+        self.lora_ads: list = []
 
     def _graph_pool(self):
         """The memory pool the graphs share: a new one when no captured graph holds the last
@@ -111,7 +116,13 @@ class Decode:
         resident in the bank's table and each row's slot is written into lora_idx where it
         changed (lora.Slots). "rows": lora.Rows, eagerly, when the table cannot serve the step:
         more adapters than its max_slots, lora_table off, or the deterministic mode (whose
-        products batch_invariant.lora_weights makes invariant)."""
+        products batch_invariant.lora_weights makes invariant).
+
+        In the steady state (the same rows, the same adapters, no slot moved) it reads no row:
+        the rows' distinct adapters are kept from the last step until a row changes
+        (row_changes) or the bank does (Bank.changes), and their slots are written only after
+        that or after the table moved an adapter (Table.moves). The write is one copy of every
+        row's slot from pinned memory, which does not make the host wait for the GPU."""
         self.lora_mode = None
         if not self._lora():
             return
@@ -119,7 +130,13 @@ class Decode:
         if not self.lora_table or bi.enabled():
             return
         t = self._table()
-        if not t.place(s.req.adapter for _, s in rows if s.req.adapter is not None):
+        key = (self.row_changes, self.bank, self.bank.changes)
+        if key != self.lora_key:
+            self.lora_key = key
+            self.lora_ads = list({id(a): a for a in (s.req.adapter for _, s in rows)
+                                  if a is not None}.values())
+            self.lora_moves = None  # the rows' slots to be looked at again
+        if not t.place(self.lora_ads):
             if not self.lora_warned:
                 self.lora_warned = True
                 log.warning("a decode step uses more than %d LoRA adapters (the table's slots): "
@@ -129,13 +146,19 @@ class Decode:
             self.lora_mode = None
             return
         self.lora_mode = "table"
-        ch = [(r, k) for r, k in ((r, t.slot_of(s.req.adapter)) for r, s in rows)
-              if self.lora_host[r] != k]
-        if ch:
-            for r, k in ch:
-                self.lora_host[r] = k
-            rk = torch.tensor(ch, dtype=torch.long).to(self.device)
-            self.lora_idx.index_copy_(0, rk[:, 0], rk[:, 1])
+        if self.lora_moves == (t, t.moves):
+            return
+        self.lora_moves = (t, t.moves)
+        host, changed = self.lora_host, False
+        for r, s in rows:
+            k = t.slot_of(s.req.adapter)
+            if host[r] != k:
+                host[r], changed = k, True
+        if changed:
+            # Enqueued before the step that reads it; the caching host allocator keeps the
+            # pinned block until the copy has run.
+            src = torch.tensor(host, dtype=torch.long, pin_memory=self.cuda)
+            self.lora_idx.copy_(src, non_blocking=True)
 
     def _table(self) -> "lora.Table":
         """The bank's table, folded when the decode step's updates run fused (lora_fold)."""
@@ -201,7 +224,9 @@ class Decode:
             tok, lp = kernels.sample_and_advance(logits, self.temp, self.key, self.step_idx)
             tok, lp = self._with_top_p(logits, self.temp[:B], self.top_p[:B], u, tok, lp)
         else:
-            tok, lp = sampling.sample(logits.float(), self.temp[:B], self.top_p[:B], u, use_top_p)
+            # (The deterministic sampler reads the logits in their dtype, as the trainer does.)
+            tok, lp = sampling.sample(logits if bi.enabled() else logits.float(), self.temp[:B],
+                                      self.top_p[:B], u, use_top_p)
         if self.masked is not None:
             tok, lp = self._constrained(logits, self.temp[:B], self.top_p[:B], u, tok, lp, self.masked)
         self.out_tok[:B].copy_(tok)

@@ -106,6 +106,9 @@ class Generator(Decode, Prefill):
         # Each row's slot in the LoRA table (0: the base), and its copy on the host (_lora_step).
         self.lora_idx = torch.zeros(S, **long)
         self.lora_host = [0] * S
+        # Counts the changes of which samples the rows run (admitted, stopped, freed): what
+        # _lora_step's cache of the rows' adapters follows.
+        self.row_changes = 0
         # A step's sampled tokens (int64) and log-probs (fp32) side by side in one buffer of
         # 32-bit words, so that one copy a step brings both to the host.
         self.out = torch.zeros(3 * S, dtype=torch.int32, device=self.device)
@@ -139,8 +142,10 @@ class Generator(Decode, Prefill):
             t = self._table()
             running = [s.req.adapter for s in self.slots if s is not None and not s.done]
             if t.place(a for a in adapters + running if a is not None) and t.cap:
-                idx = torch.tensor([t.slot_of(a) for a in adapters], dtype=torch.long)
-                return lora.Slots(t, idx.to(self.device))
+                # (from pinned memory: the copy does not make the host wait for the GPU)
+                idx = torch.tensor([t.slot_of(a) for a in adapters], dtype=torch.long,
+                                   pin_memory=self.cuda)
+                return lora.Slots(t, idx.to(self.device, non_blocking=True))
         return self._rows(adapters)
 
     def fail_adapter(self, adapter, message: str) -> None:
@@ -284,6 +289,7 @@ class Generator(Decode, Prefill):
     def _free(self, slots: list[int]) -> None:
         if not slots:
             return
+        self.row_changes += 1
         self._ungroup(slots)
         for slot in slots:
             self.slots[slot] = None
@@ -306,6 +312,7 @@ class Generator(Decode, Prefill):
             return
         picked = [p.seq for p in placed]
         self._ensure_cache()
+        self.row_changes += 1
         for s in picked:
             self.slots[s.slot] = s
         # The samples' rows, prompt lengths and keys, and their sampling settings: one copy each.
@@ -352,8 +359,8 @@ class Generator(Decode, Prefill):
                 tok, lp = self._with_top_p(logits, temp, top_p, sampling.uniform(key, zeros),
                                            tok, lp)
         else:
-            tok, lp = sampling.sample(logits.float(), temp, top_p, sampling.uniform(key, zeros),
-                                      use_top_p)
+            tok, lp = sampling.sample(logits if bi.enabled() else logits.float(), temp, top_p,
+                                      sampling.uniform(key, zeros), use_top_p)
         masked = self._masks(list(enumerate(picked)))
         if masked is not None:
             tok, lp = self._constrained(logits, temp, top_p, sampling.uniform(key, zeros), tok, lp,
@@ -483,6 +490,7 @@ class Generator(Decode, Prefill):
             rows.append((slot, s))
         if stop:
             # Idle rows must not advance, and must write inside whatever length bucket runs next.
+            self.row_changes += 1
             self._ungroup(stop)
             if self.prefix.rows:
                 self.prefix.save_pos0(self.k, self.v, stop)

@@ -222,6 +222,7 @@ class Bank:
         self.model = model
         self.adapters: dict[str, Adapter] = {}
         self._stack = None  # (key, stacks, scale) of the last batch's adapters
+        self.changes = 0  # counts changed() (the generator's cache of its rows' adapters follows)
         # The decode step's adapters in static tensors (Slots), at most max_slots at once.
         self.table = Table(self, max_slots)
 
@@ -229,6 +230,7 @@ class Bank:
         """After an adapter was added, removed, replaced or trained: the stacks are rebuilt and
         the table's slots copied again (in place) before their next use."""
         self._stack = None
+        self.changes += 1
         self.table.changed()
 
     def rows(self, adapters, device) -> "Rows":
@@ -272,16 +274,9 @@ class Bank:
 BIAS = {"wqkv": "bqkv", "wo": "bo"}
 
 
-def _versioned(w) -> bool:
-    """Whether w is a plain tensor (not a sharded one's wrapper) that counts its in-place writes
-    (an inference-mode tensor does not)."""
-    if type(w) not in (torch.Tensor, torch.nn.Parameter):
-        return False
-    try:
-        w._version
-    except RuntimeError:
-        return False
-    return True
+def _plain(w) -> bool:
+    """Whether w is a plain tensor (not a sharded one's wrapper), which the table can copy."""
+    return type(w) in (torch.Tensor, torch.nn.Parameter)
 
 
 class Table:
@@ -303,7 +298,11 @@ class Table:
     tensors, up to max_slots slots): then `version` counts up, and graphs captured over the old
     tensors must be dropped. After `changed` (an adapter added, removed, replaced or trained) the
     next `place` drops the slots of adapters the bank no longer holds and copies the others again,
-    in place."""
+    in place. `moves` counts the changes of which adapter holds which slot: the generator writes
+    its rows' slots again only when it moved.
+
+    A place() of adapters all resident, with nothing changed, does no tensor work and looks at no
+    weight: it runs before every decode step, whose graph replay on a GPU must not wait for it."""
 
     def __init__(self, bank: Bank, max_slots: int):
         self.bank = bank
@@ -315,6 +314,7 @@ class Table:
         self.slot: dict[int, int] = {}  # id(adapter) → its slot (held keeps the adapter alive)
         self.used: dict[int, int] = {}  # id(adapter) → the place() call that last needed it
         self.calls = 0
+        self.moves = 0
         self.stale = False
         self.a: dict[tuple[int, str], torch.Tensor] = {}
         self.b: dict[tuple[int, str], torch.Tensor] = {}
@@ -326,7 +326,10 @@ class Table:
         # it; a change takes effect at the next place(), as a grown table (a new version).
         self.fold = self.folded = False
         self.wa: dict[tuple[int, str], torch.Tensor] = {}
-        self.base: list = []  # [layer, fused name, (data_ptr, version) of the weight copied]
+        self.base: list[tuple[int, str]] = []  # (layer, fused name) of each weight copied
+        # The copies are taken again at the next place() after base_changed (every path that
+        # writes the model's weights calls it), not by comparing each weight every step.
+        self.base_stale = False
         self.bn = 0
         self.part: dict[str, torch.Tensor] = {}
 
@@ -351,7 +354,7 @@ class Table:
             self._admit(ads, missing)  # (else the table's shapes fit the resident ones already)
         for a in ads:
             self.used[id(a)] = self.calls
-        if self.base:
+        if self.base_stale:
             self._sync()
         return True
 
@@ -384,24 +387,22 @@ class Table:
                 self._put(a, k)
 
     def base_changed(self) -> None:
-        """The model's weights were written by a path that may not count (a collective's
-        broadcast into them moves no version counter): the next place() copies every folded
-        weight's base again."""
-        for e in self.base:
-            e[2] = None
+        """The model's weights were or are about to be written (a load, a push, a training step:
+        Engine._weights_change; written in place, replaced, or by a collective's broadcast that
+        moves no version counter): the next place() copies every folded weight's base again."""
+        self.base_stale = True
 
     @torch.no_grad()
     def _sync(self) -> None:
-        """fold: the base rows of each folded weight copied again where the model's weight
-        changed since (written in place: its version counter moved; replaced; or base_changed)."""
+        """fold: the base rows of each folded weight copied again from the model's (after
+        base_changed), in one operation."""
+        self.base_stale = False
+        if not self.base:
+            return
         layers = self.bank.model.layers
-        for e in self.base:
-            i, f, stamp = e
-            W = getattr(layers[i], f)
-            now = (W.data_ptr(), W._version)
-            if now != stamp:
-                self.wa[(i, f)][:W.shape[0]].copy_(W)
-                e[2] = now
+        ws = [getattr(layers[i], f) for i, f in self.base]
+        torch._foreach_copy_([self.wa[k][:W.shape[0]] for k, W in zip(self.base, ws)],
+                             [W.detach() for W in ws])
 
     def _refresh(self) -> None:
         """After changed(): the adapters the bank dropped leave; the others are copied again."""
@@ -415,12 +416,14 @@ class Table:
             else:
                 self.held[k - 1] = None
                 del self.slot[id(a)], self.used[id(a)]
+                self.moves += 1
 
     def _alloc(self, cap: int, r: int, parts: dict) -> None:
         m = self.bank.model
         dev, dt = m.embed.device, m.embed.dtype
         self.cap, self.r, self.parts = cap, r, parts
         self.version += 1
+        self.moves += 1
         self.held, self.slot = [None] * cap, {}
         self.used = {}
         self.a, self.b = {}, {}
@@ -431,6 +434,7 @@ class Table:
         self.bn = min(lora_kernels.BN_MAX, g & -g)
         self.bn = self.bn if self.bn >= 16 else 0
         self.wa, self.base, self.folded = {}, [], self.fold  # (made under this fold setting)
+        self.base_stale = False  # (the copies below are taken now)
         for i in range(m.cfg.layers):
             layer = m.layers[i]
             for f, ps in parts.items():
@@ -442,13 +446,13 @@ class Table:
                 self.b[(i, f)] = torch.zeros(out, n, device=dev, dtype=dt)
                 W = getattr(layer, f)
                 if (self.fold and self.bn and getattr(layer, BIAS.get(f, ""), None) is None
-                        and _versioned(W)):
+                        and _plain(W)):
                     # A_f below a copy of the base weight: one product gives both (Fused).
                     wa = torch.empty(out + n, inp, device=dev, dtype=dt)
                     wa[:out].copy_(W)
                     wa[out:].zero_()
                     self.wa[(i, f)], self.a[(i, f)] = wa, wa[out:]
-                    self.base.append([i, f, (W.data_ptr(), W._version)])
+                    self.base.append((i, f))
                 else:
                     self.a[(i, f)] = torch.zeros(n, inp, device=dev, dtype=dt)
         self.scale = torch.zeros(cap, device=dev, dtype=torch.float32)
@@ -490,6 +494,8 @@ class Table:
         if dst:
             torch._foreach_copy_(dst, src)
         self.scale[k - 1] = ad.cfg.scale
+        if self.held[k - 1] is not ad:
+            self.moves += 1
         self.held[k - 1] = ad
         self.slot[id(ad)] = k
 

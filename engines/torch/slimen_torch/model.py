@@ -223,6 +223,8 @@ def block_forward(cfg: ModelConfig, x, w: tuple, cos, sin, qkv_fn=None, mlp_fn=N
         T = x.shape[1]
         pos = torch.arange(T, device=x.device).expand(x.shape[0], T)
         o = bi.attention(q, k, v, pos, cfg.head_dim ** -0.5, causal=True).flatten(2)
+        if mlp_fn is None and norm is rms_norm:
+            return after_attention(cfg, w, x, o), k, v
         x = residual_add(x, linear(o, w[5], w[6]))
         return residual_add(x, (mlp_fn or mlp)(cfg, w, x, norm)), k, v
     q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
@@ -251,6 +253,11 @@ def qkv_from_normed(cfg: ModelConfig, w: tuple, h, cos, sin, norm=rms_norm):
     """project_qkv after the layer's input norm (h = norm(x))."""
     q_norm, k_norm = w[3:5]
     q, k, v = decode_pre(cfg, h, w)
+    if bi.enabled() and norm is rms_norm:  # on a GPU the norms and rope in one kernel
+        qk = bi.qk_rope(q, k, q_norm, k_norm, cos, sin, cfg.rms_eps) if cfg.qk_norm else \
+            bi.qk_rope(q, k, None, None, cos, sin, cfg.rms_eps)
+        if qk is not None:
+            return qk[0], qk[1], v
     if cfg.qk_norm:
         q, k = norm(q, q_norm, cfg.rms_eps), norm(k, k_norm, cfg.rms_eps)
     if bi.enabled():  # one kernel a tensor on a GPU, the same numbers
@@ -260,14 +267,32 @@ def qkv_from_normed(cfg: ModelConfig, w: tuple, h, cos, sin, norm=rms_norm):
 
 
 def mlp(cfg: ModelConfig, w: tuple, x, norm=rms_norm):
-    mlp_norm, w13, w2 = w[7:]
-    gu = linear(norm(x, mlp_norm, cfg.rms_eps), w13)
+    return mlp_from_normed(cfg, w, norm(x, w[7], cfg.rms_eps))
+
+
+def mlp_from_normed(cfg: ModelConfig, w: tuple, h):
+    """mlp after its norm (h = norm(x))."""
+    w13, w2 = w[8:]
+    gu = linear(h, w13)
     if bi.enabled():  # the same operations; on a GPU the backward pass in one kernel
         a = bi.swiglu(gu)
         if a is not None:
             return linear(a, w2)
     gate, up = gu.chunk(2, dim=-1)
     return linear(F.silu(gate) * up, w2)
+
+
+def after_attention(cfg: ModelConfig, w: tuple, x, o):
+    """The deterministic layer after its attention output o: x + o's projection, then that plus
+    the MLP of its norm; on a GPU the add and the norm in one kernel (bi.add_rms_norm), in every
+    pass alike (decode steps, prefills, Score, training)."""
+    y = linear(o, w[5], w[6])
+    both = bi.add_rms_norm(x, y, w[7], cfg.rms_eps)
+    if both is None:
+        x = residual_add(x, y)
+        return residual_add(x, mlp(cfg, w, x))
+    x, h = both
+    return residual_add(x, mlp_from_normed(cfg, w, h))
 
 
 def decode_layer(cfg: ModelConfig, x, w: tuple, k_cache, v_cache, pos, mask, cos, sin):
@@ -280,15 +305,16 @@ def decode_layer(cfg: ModelConfig, x, w: tuple, k_cache, v_cache, pos, mask, cos
     """
     B, L = x.shape[0], mask.shape[1]
     q, k, v = project_qkv(cfg, w, x, cos, sin)  # [B, heads, D]
-    rows = torch.arange(B, device=x.device)
-    kv_write(k_cache, (rows, slice(None), pos), k)
-    kv_write(v_cache, (rows, slice(None), pos), v)
+    # (The deterministic mode on a GPU: both writes in one kernel, the same bytes.)
+    if not (bi.enabled() and bi.kv_write_rows(k_cache, v_cache, pos, k, v)):
+        rows = torch.arange(B, device=x.device)
+        kv_write(k_cache, (rows, slice(None), pos), k)
+        kv_write(v_cache, (rows, slice(None), pos), v)
     keys = kv_read(k_cache, (slice(None, B), slice(None), slice(None, L)), x.dtype)
     values = kv_read(v_cache, (slice(None, B), slice(None), slice(None, L)), x.dtype)
     if bi.enabled():
         o = bi.attention(q[:, None], keys, values, pos[:, None], cfg.head_dim ** -0.5)
-        x = residual_add(x, linear(o.reshape(B, cfg.q_dim), w[5], w[6]))
-        return residual_add(x, mlp(cfg, w, x))
+        return after_attention(cfg, w, x, o.reshape(B, cfg.q_dim))
     # Grouped-query attention as two batched products: the query heads of one key/value head form
     # the rows of one small matrix, so the cache is read once per key/value head, never copied.
     group = cfg.heads // cfg.kv_heads

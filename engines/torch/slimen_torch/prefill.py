@@ -19,8 +19,8 @@ import torch.nn.functional as F
 
 from . import batch_invariant, lora
 from .decode import capture
-from .model import (block_forward, kv_bytes, kv_read, kv_source, kv_write, linear, mlp,
-                    project_qkv, residual_add, rms_norm, whole_block)
+from .model import (after_attention, block_forward, kv_bytes, kv_read, kv_source, kv_write,
+                    mlp, project_qkv, rms_norm, whole_block)
 from .sequence import Placed, Request, Sequence, prompt_key
 
 log = logging.getLogger("slimen_torch")
@@ -180,8 +180,7 @@ class Prefill:
                 values = kv_read(vc, (row, slice(None), slice(None, Lk)), x.dtype)
                 if batch_invariant.enabled():  # as the decode steps and the trainer attend
                     o = batch_invariant.attention(q, keys, values, pos, cfg.head_dim ** -0.5)
-                    x = residual_add(x, linear(o.flatten(2), w[5], w[6]))
-                    x = residual_add(x, mlp(cfg, w, x))
+                    x = after_attention(cfg, w, x, o.flatten(2))
                     continue
                 o = F.scaled_dot_product_attention(
                     q.transpose(1, 2), keys, values, attn_mask=mask,

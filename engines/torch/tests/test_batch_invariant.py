@@ -420,6 +420,58 @@ def test_the_triton_row_sums_keep_a_row_whatever_its_batch_and_padding(interpret
         assert torch.equal(bi.rms_norm(h[i:i + 1], w, 1e-6), y[i:i + 1])
 
 
+def test_the_triton_sampler_draws_a_row_alike_in_any_batch(interpreted, monkeypatch):
+    # The GPU's sampler: the logits (bf16, as a decode step has them) in parts of VOCAB_PART
+    # entries, a program a part, then a program a row. A row's token and log-prob are the same
+    # alone and in a batch of other rows; the log-prob is bit for bit the one the trainer's head
+    # and Score compute for that token (the same log-sum-exp kernels on the same logits); the
+    # draws are the tree sums' (the CPU's) at the same uniforms, greedy rows their arg-max, and
+    # top-p rows the nucleus draw.
+    monkeypatch.setattr(bi, "FORCE_TRITON", True)
+    monkeypatch.setattr(bi, "VOCAB_PART", 512)  # 5 parts of 2,100 entries, the last partial
+    g = torch.Generator().manual_seed(21)
+    B, V = 7, 2100
+    logits = (torch.randn(B, V, generator=g) * 3).bfloat16()
+    logits[4, 1000:] = float("-inf")  # a row whose last parts have no weight
+    temp = torch.tensor([1.0, 0.7, 0.0, 1.0, 1.3, 1.0, 0.0])
+    u = torch.rand(B, generator=g)
+    u[5] = 1 - 2 ** -24  # the last entry with weight
+    tok, lp = bi.sample(logits, temp, torch.ones(B), u, False)
+    assert tok.dtype == torch.int64 and lp.dtype == torch.float32
+    for i in range(B):
+        t1, l1 = bi.sample(logits[i:i + 1], temp[i:i + 1], torch.ones(1), u[i:i + 1], False)
+        assert t1.item() == tok[i].item() and torch.equal(l1, lp[i:i + 1]), i
+    assert torch.equal(lp, bi.token_logprobs(logits, tok))
+    head = bi.token_logprobs_entropy(logits.clone().requires_grad_(), tok, True)[0]
+    assert torch.equal(head.detach(), lp)
+    ref = torch.log_softmax(logits.float(), -1).gather(1, tok[:, None])[:, 0]
+    assert torch.allclose(lp, ref, atol=1e-5)
+    assert tok[2] == logits[2].float().argmax() and tok[6] == logits[6].float().argmax()
+    assert tok[4] < 1000 and tok[5] == V - 1
+    monkeypatch.setattr(bi, "FORCE_TRITON", False)
+    cpu = bi.sample(logits.float(), temp, torch.ones(B), u, False)[0]
+    assert torch.equal(cpu, tok)
+    # Top-p rows: the nucleus draw, a row alike alone; the others keep the kernels' draw.
+    monkeypatch.setattr(bi, "FORCE_TRITON", True)
+    top_p = torch.tensor([1.0, 0.5, 1.0, 0.9, 1.0, 1.0, 0.3])
+    tp, lpp = bi.sample(logits, temp, top_p, u, True)
+    keep = top_p == 1
+    assert torch.equal(tp[keep], tok[keep]) and torch.equal(lpp[keep], lp[keep])
+    assert tp[6] == tok[6]  # greedy wins over top-p
+    for i in range(B):
+        t1, l1 = bi.sample(logits[i:i + 1], temp[i:i + 1], top_p[i:i + 1], u[i:i + 1],
+                           bool(top_p[i] < 1))
+        assert t1.item() == tp[i].item() and torch.equal(l1, lpp[i:i + 1]), i
+    # The frequencies follow the distribution: one row drawn at 400 uniforms.
+    row = (torch.randn(1, 600, generator=g) * 0.5).bfloat16()
+    row[0, :3] = 3.0
+    uu = (torch.arange(400, dtype=torch.float32) + 0.5) / 400
+    tt, _ = bi.sample(row.expand(400, -1), torch.ones(400), torch.ones(400), uu, False)
+    p = torch.softmax(row.float(), -1)[0]
+    for k in range(3):
+        assert abs((tt == k).float().mean().item() - p[k].item()) < 0.01
+
+
 @pytest.mark.parametrize("bwd", ["triton", "sdpa"])
 def test_the_triton_attention_gradient_is_sdpa_s_in_both_forms(interpreted, monkeypatch, bwd):
     # The training pass's attention (causal: the causal SDPA kernel in the "sdpa" backward pass)
@@ -653,6 +705,206 @@ def test_the_fused_rope_and_residual_add_round_as_eager_mode(interpreted, monkey
     assert bi.residual_add(x, y) is None and bi.swiglu(gu) is None
     assert bi.rope(xf, cos, sin, apply_rope).grad_fn is not None
     assert "Rope" not in type(bi.rope(xf, cos, sin, apply_rope).grad_fn).__name__
+
+
+def test_the_decode_steps_fused_kernels_keep_the_training_forwards_logits(interpreted,
+                                                                         model_dirs,
+                                                                         monkeypatch):
+    # A GPU's decode step (the kernels, under the interpreter, in fp16: the rope kernel's
+    # 16-bit) writes the cache in one kernel and runs SwiGLU's forward in one: a prompt's
+    # next-token logits are bit for bit the training forward's (which takes the same SwiGLU
+    # kernel), decoded alone and in a batch over a longer cache; the cache holds the bytes the
+    # indexed copies write; SwiGLU's kernel rounds as eager mode does.
+    from slimen_torch.config import read_config
+    from slimen_torch.model import Transformer, kv_write
+    from slimen_torch.weights import load_weights
+    monkeypatch.setattr(bi, "FORCE_TRITON", True)
+    cfg, _ = read_config(model_dirs["tiny-qwen3"])
+    model = Transformer(cfg, dtype=torch.float16)
+    load_weights(model, model_dirs["tiny-qwen3"])
+    calls = {"kv": 0, "swiglu": 0}
+    for name, key in (("_kv_write_kernel", "kv"), ("_swiglu_kernel", "swiglu")):
+        kern = getattr(bi, name)
+
+        class Counted:
+            def __init__(self, kern, key):
+                self.kern, self.key = kern, key
+
+            def __getitem__(self, grid):
+                calls[self.key] += 1
+                return self.kern[grid]
+        monkeypatch.setattr(bi, name, Counted(kern, key))
+
+    with torch.no_grad():
+        # decode_logits' caches are fp32: the fp16 model's are fp16
+        monkeypatch.setattr(torch, "full", _half_full(torch.full))
+        gap = invariance_gap(model, PROMPTS[1:])
+    assert gap == 0.0
+    assert calls["kv"] > 0 and calls["swiglu"] > 0
+    g = torch.Generator().manual_seed(22)
+    B, H, D = 3, cfg.kv_heads, cfg.head_dim
+    k = torch.randn(B, H, D, generator=g).half()
+    v = torch.randn(B, 2 * H, D, generator=g).half()[:, ::2]  # strided, as a view of q/k/v
+    pos = torch.tensor([5, 0, 9])
+    want = [torch.randn(4, H, 12, D, generator=g).half() for _ in range(2)]
+    got = [t.clone() for t in want]
+    assert bi.kv_write_rows(got[0], got[1], pos, k, v)
+    rows = torch.arange(B)
+    kv_write(want[0], (rows, slice(None), pos), k)
+    kv_write(want[1], (rows, slice(None), pos), v)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    gu = (torch.randn(5, 2 * 72, generator=g) * 4).half()
+    gate, up = gu.chunk(2, dim=-1)
+    assert torch.equal(bi._swiglu_forward(gu), torch.nn.functional.silu(gate) * up)
+    monkeypatch.setattr(bi, "FUSED_ELEMENTWISE", False)
+    assert not bi.kv_write_rows(got[0], got[1], pos, k, v)
+
+
+class _Counted:
+    """A Triton kernel whose launches are counted into calls[key]."""
+
+    def __init__(self, kern, calls, key):
+        self.kern, self.calls, self.key = kern, calls, key
+
+    def __getitem__(self, grid):
+        self.calls[self.key] += 1
+        return self.kern[grid]
+
+
+def _count_kernels(monkeypatch, names) -> dict:
+    calls = {n: 0 for n in names}
+    for n in names:
+        monkeypatch.setattr(bi, n, _Counted(getattr(bi, n), calls, n))
+    return calls
+
+
+@pytest.mark.parametrize("shape", ["tiny-qwen3", "tiny-qwen2"])
+def test_the_q_k_norms_and_rope_are_one_kernel_a_layer_in_every_pass(interpreted, model_dirs,
+                                                                      monkeypatch, shape):
+    # A GPU's q and k heads (Qwen3's norms, then rope; Qwen2's rope alone) in one kernel a
+    # layer, reading the q/k/v product where it lies: a decode step launches it once a layer
+    # and neither the norm kernel for them nor the rope kernel (six launches a layer before:
+    # two norms, two copies of the strided heads, two ropes); a prefill and the training
+    # layer launch the same kernel, and the decode step's logits are the training forward's
+    # bit for bit. The kernel's numbers are those of the norm and rope kernels one after the
+    # other (the interpreter's), rows alike alone or in a batch, and its gradient autograd's
+    # of the eager operations to fp16's rounding.
+    from slimen_torch.config import read_config
+    from slimen_torch.model import Transformer, apply_rope, block_forward, rms_norm
+    from slimen_torch.weights import load_weights
+    monkeypatch.setattr(bi, "FORCE_TRITON", True)
+    cfg, _ = read_config(model_dirs[shape])
+    model = Transformer(cfg, dtype=torch.float16)
+    load_weights(model, model_dirs[shape])
+    g = torch.Generator().manual_seed(23)
+    with torch.no_grad():  # norms away from their ones
+        for n, p in model.named_parameters():
+            if p.ndim == 1:
+                p.add_(torch.randn(p.shape, generator=g).half() * 0.3)
+    calls = _count_kernels(monkeypatch, ["_qk_rope_kernel", "_rope_kernel", "_rms_kernel",
+                                         "_add_rms_kernel", "_add_kernel"])
+    L, B = cfg.layers, 3
+    shape_c = (B, cfg.kv_heads, 16, cfg.head_dim)
+    ks = [torch.zeros(shape_c).half() for _ in range(L)]
+    vs = [torch.zeros(shape_c).half() for _ in range(L)]
+    tok, pos = torch.tensor([5, 9, 11]), torch.tensor([0, 0, 0])
+    with torch.no_grad(), bi.mode():
+        step = model.logits(decode_step(model, decode_layer, tok, pos, ks, vs, 1))
+    # (and the residual add after the attention with the MLP's norm: one kernel)
+    assert calls == {"_qk_rope_kernel": L, "_rope_kernel": 0, "_rms_kernel": L + 1,
+                     "_add_rms_kernel": L, "_add_kernel": L}
+    with torch.no_grad(), bi.mode():  # a prefill of one token each: the decode step's logits
+        full = model.logits(model(tok[:, None])[:, 0])
+    assert torch.equal(full, step)
+    assert calls["_qk_rope_kernel"] == 2 * L and calls["_rope_kernel"] == 0
+    # The training layer (one autograd node) launches it forward, rope's kernel backward.
+    w = tuple(t.detach().clone().requires_grad_() if t is not None else None
+              for t in model.layers[0].weights())
+    x = (torch.randn(2, 5, cfg.hidden, generator=g) * 2).half().requires_grad_()
+    with bi.mode():
+        y = block_forward(cfg, x, w, model.cos[:5], model.sin[:5])[0]
+    assert calls["_qk_rope_kernel"] == 2 * L + 1 and calls["_rope_kernel"] == 0
+    assert calls["_add_rms_kernel"] == 2 * L + 1
+    assert type(y.grad_fn).__name__ == "_LayerBackward"
+    # The kernel alone: the norm and rope kernels' numbers; a row alike alone; the gradient.
+    HQ, HK, D = cfg.heads, cfg.kv_heads, cfg.head_dim
+    qkv = (torch.randn(2, 5, (HQ + 2 * HK) * D, generator=g) * 3).half()
+    q = qkv[..., :HQ * D].unflatten(-1, (HQ, D))
+    k = qkv[..., HQ * D:(HQ + HK) * D].unflatten(-1, (HK, D))
+    wq, wk = (model.layers[1].q_norm, model.layers[1].k_norm) if cfg.qk_norm else (None, None)
+    cos, sin = model.cos[3:8], model.sin[3:8]
+    yq, yk = bi.qk_rope(q, k, wq, wk, cos, sin, cfg.rms_eps)
+    nq, nk = (bi.rms_norm_triton(q, wq, cfg.rms_eps), bi.rms_norm_triton(k, wk, cfg.rms_eps)) \
+        if cfg.qk_norm else (q, k)
+    assert torch.equal(yq, bi._rope_launch(nq, cos, sin, 1))
+    assert torch.equal(yk, bi._rope_launch(nk, cos, sin, 1))
+    one = bi.qk_rope(q[1:, 2:3], k[1:, 2:3], wq, wk, cos[2:3], sin[2:3], cfg.rms_eps)
+    assert torch.equal(one[0], yq[1:, 2:3]) and torch.equal(one[1], yk[1:, 2:3])
+    ws = [t.detach().clone().requires_grad_() for t in (wq, wk) if t is not None]
+    gq = torch.randn(yq.shape, generator=g).half()
+    gk = torch.randn(yk.shape, generator=g).half()
+    grads = []
+    for fused in (True, False):
+        xq = qkv.clone().requires_grad_()
+        q = xq[..., :HQ * D].unflatten(-1, (HQ, D))
+        k = xq[..., HQ * D:(HQ + HK) * D].unflatten(-1, (HK, D))
+        a, b = (ws + [None, None])[:2]
+        if fused:
+            oq, ok = bi.qk_rope(q, k, a, b, cos, sin, cfg.rms_eps)
+            assert "QKRope" in type(oq.grad_fn).__name__
+        else:
+            if a is not None:
+                q, k = rms_norm(q, a, cfg.rms_eps), rms_norm(k, b, cfg.rms_eps)
+            oq, ok = (apply_rope(t, cos.half(), sin.half()) for t in (q, k))
+        loss = (oq.float() * gq.float()).sum() + (ok.float() * gk.float()).sum()
+        grads.append(torch.autograd.grad(loss, [xq] + ws))
+    for a, b in zip(*grads):
+        scale = b.float().abs().max().item()
+        assert scale > 0 and (a.float() - b.float()).abs().max().item() <= 2e-2 * scale
+    monkeypatch.setattr(bi, "FUSED_QK", False)
+    assert bi.qk_rope(q, k, wq, wk, cos, sin, cfg.rms_eps) is None
+
+
+def test_the_residual_add_and_the_mlp_norm_in_one_kernel(interpreted, monkeypatch):
+    # The sum x + y as the add kernel rounds it and its norm as the norm kernel computes it
+    # (bit for bit), a row alike alone; the gradients (x's, y's, the weight's) autograd's of
+    # the eager operations to fp16's rounding; FUSED_ADD_NORM off: the caller's operations.
+    from slimen_torch.model import rms_norm
+    monkeypatch.setattr(bi, "FORCE_TRITON", True)
+    g = torch.Generator().manual_seed(24)
+    x = (torch.randn(2, 3, 40, generator=g) * 3).half()
+    y = (torch.randn(2, 3, 40, generator=g) * 3).half()
+    w = (torch.randn(40, generator=g) + 1).half()
+    s, h = bi.add_rms_norm(x, y, w, 1e-6)
+    assert torch.equal(s, bi._add_launch(x, y)) and torch.equal(s, (y.float() + x).half())
+    assert torch.equal(h, bi.rms_norm_triton(s, w, 1e-6))
+    s1, h1 = bi.add_rms_norm(x[1, 2:], y[1, 2:], w, 1e-6)
+    assert torch.equal(s1, s[1, 2:]) and torch.equal(h1, h[1, 2:])
+    gs, gh = torch.randn(s.shape, generator=g).half(), torch.randn(s.shape, generator=g).half()
+    grads = []
+    for fused in (True, False):
+        ins = [t.clone().requires_grad_() for t in (x, y, w)]
+        if fused:
+            a, b = bi.add_rms_norm(*ins, 1e-6)
+            assert "AddRMS" in type(a.grad_fn).__name__
+        else:
+            a = (ins[1].float() + ins[0]).half()
+            b = rms_norm(a, ins[2], 1e-6)
+        loss = (a.float() * gs.float()).sum() + (b.float() * gh.float()).sum()
+        grads.append(torch.autograd.grad(loss, ins))
+    for a, b in zip(*grads):
+        scale = b.float().abs().max().item()
+        assert scale > 0 and (a.float() - b.float()).abs().max().item() <= 2e-2 * scale
+    monkeypatch.setattr(bi, "FUSED_ADD_NORM", False)
+    assert bi.add_rms_norm(x, y, w, 1e-6) is None
+
+
+def _half_full(full):
+    """torch.full making fp16 tensors where it would make fp32 ones (decode_logits' caches)."""
+    def f(*a, **kw):
+        t = full(*a, **kw)
+        return t.half() if t.dtype == torch.float32 else t
+    return f
 
 
 def test_the_triton_attention_groups_heads_alike(interpreted, monkeypatch):

@@ -214,6 +214,134 @@ def test_the_step_reads_each_rows_slot(eng):
     assert torch.equal(lp, lp3) and torch.equal(tok, tok3)
 
 
+def test_a_steady_decode_step_reads_no_row_and_no_weight(eng, monkeypatch):
+    """_lora_step with the same rows and adapters as the step before (the table folded, as with
+    the Triton kernels) dispatches no tensor operation, looks up no row's slot and copies no
+    base weight; after base_changed the next step copies the bases once (the folded copy then
+    the model's weight), after a row changed it reads the rows again, and after an adapter was
+    replaced under running rows (Engine._load_adapter) it places the new one."""
+    from slimen_torch.sequence import Request
+    bank = lora.Bank(eng.model)  # (a table of its own: eng's stays as the other tests left it)
+    bank.adapters = dict(eng.bank.adapters)
+    g = Generator(eng.model, eng.tokenizer, eng.eos, slots=4, max_len=64, cuda_graphs=False,
+                  compile_layers=False, prefill_tokens=512, triton=True)
+    assert g.triton  # (under the interpreter: _lora_step folds the table, no kernel runs here)
+    g.bank = bank
+    for i, name in enumerate("abc"):
+        r = Request(f"s{i}", IDS[:10], 1, Sampling(max_tokens=4, temperature=0.0), lambda c: None)
+        r.adapter = bank.adapters[name]
+        g.add(r)
+    g._admit()
+    rows = [(r, s) for r, s in enumerate(g.slots) if s is not None]
+    g._lora_step(rows)
+    t = bank.table
+    assert g.lora_mode == "table" and t.folded and t.base
+    assert g.lora_idx[:3].tolist() == [t.slot_of(bank.adapters[n]) for n in "abc"]
+    n = {"_sync": 0, "slot_of": 0}
+
+    def counted(name):
+        fn = getattr(lora.Table, name)
+
+        def f(self, *a):
+            n[name] += 1
+            return fn(self, *a)
+        return f
+    for name in n:
+        monkeypatch.setattr(lora.Table, name, counted(name))
+    assert _ops(lambda: [g._lora_step(rows) for _ in range(3)]) == {}
+    assert n == {"_sync": 0, "slot_of": 0} and g.lora_mode == "table"
+    W = eng.model.layers[0].wqkv
+    try:
+        with torch.no_grad():
+            W.data.add_(0.5)  # (uncounted, as a push's broadcast writes)
+        t.base_changed()
+        g._lora_step(rows)
+        assert n == {"_sync": 1, "slot_of": 0}
+        assert torch.equal(t.wa[(0, "wqkv")][:W.shape[0]], W)
+        g._lora_step(rows)
+        assert n["_sync"] == 1
+    finally:
+        with torch.no_grad():
+            W.data.sub_(0.5)
+    # Row 1 (adapter b) freed: the rows read again, b no longer among the step's adapters.
+    g._free([1])
+    rows = [(r, s) for r, s in enumerate(g.slots) if s is not None]
+    g._lora_step(rows)
+    assert n["slot_of"] == 2 and g.lora_ads == [bank.adapters["a"], bank.adapters["c"]]
+    # Adapter a replaced under row 0, as a load of a folder under its name does.
+    old = bank.adapters["a"]
+    new = lora.Adapter("a", old.cfg, eng.model.cfg, "cpu", torch.float32)
+    g.slots[0].req.adapter = bank.adapters["a"] = new
+    bank.changed()
+    g._lora_step(rows)
+    assert id(old) not in t.slot and g.lora_idx[0].item() == t.slot_of(new)
+    assert g.lora_idx[2].item() == t.slot_of(bank.adapters["c"])
+
+
+def _uncounted(model, f):
+    """Writes f(weight) into every fused projection weight of model as a collective's broadcast
+    does (through .data: no version counter moves)."""
+    with torch.no_grad():
+        for layer in model.layers:
+            for name in lora.FUSED:
+                w = getattr(layer, name)
+                w.data.copy_(f(w.data))
+
+
+def test_a_push_and_a_load_reach_the_folded_base(tmp_path, monkeypatch):
+    """With the Triton kernels (the table folded: it decodes from its own copy of the base's
+    projections), weights received by a push (Engine._push_receive) and a base loaded (with the
+    adapters removed, then added again) decode as the eager Rows path, which reads the model's
+    own weights, and differ from what the old base decoded."""
+    from safetensors.torch import load_file, save_file
+    e = Engine(str(BUILTIN), Options(device="cpu", kernels=True))
+    try:
+        for i, (name, (targets, rank)) in enumerate(ADAPTERS.items()):
+            add(e, name, i + 1, targets, rank)
+        greedy = Sampling(max_tokens=4, temperature=0.0)
+
+        def check(tag):
+            e.gen.lora_table = True
+            got = generate(e, ROWS, greedy, tag + "t")
+            assert e.bank.table.folded
+            e.gen.lora_table = False
+            rows = generate(e, ROWS, greedy, tag + "r")
+            e.gen.lora_table = True
+            for i, (x, y) in enumerate(zip(got, rows)):
+                assert same(x, y), f"{tag}: row {i}"
+            return got
+
+        before = check("a")
+
+        class Pushed:
+            """A push group's receiving end: the weights written as NCCL's broadcast does."""
+
+            def receive(self, model):
+                _uncounted(model, lambda w: w * -1.5)
+                return dict(bytes=0, seconds=0.0, link="test")
+
+        e._call(e._push_receive, Pushed())
+        pushed = check("b")
+        assert sum(x[0] != y[0] for x, y in zip(before, pushed)) >= 3
+        # A base loaded from a folder: its weights, in place.
+        folder = tmp_path / "base"
+        folder.mkdir()
+        for f in BUILTIN.iterdir():
+            (folder / f.name).write_bytes(f.read_bytes())
+        w = load_file(str(BUILTIN / "model.safetensors"))
+        save_file({k: (v * 0.5 if "proj" in k else v).contiguous() for k, v in w.items()},
+                  str(folder / "model.safetensors"))
+        for name in ADAPTERS:
+            e.remove_adapter(name)
+        e.load(str(folder))
+        for i, (name, (targets, rank)) in enumerate(ADAPTERS.items()):
+            add(e, name, i + 1, targets, rank)
+        loaded = check("c")
+        assert sum(x[0] != y[0] for x, y in zip(pushed, loaded)) >= 3
+    finally:
+        e.close()
+
+
 def test_a_trained_adapter_decodes_with_its_new_weights(tmp_path):
     e = engine()
     try:
@@ -430,8 +558,8 @@ def test_the_fused_expand_gives_packeds_updates(eng, dtype):
 def test_a_folded_table_gives_packeds_updates_and_follows_the_base():
     """Table.fold: the shrink in the base's product (each fused weight below a copy of the
     model's) gives Packed's updates; a base weight written in place, replaced, or written
-    uncounted before the engine's _weights_change, reaches the folded product at the next
-    place()."""
+    uncounted, then announced by base_changed (the engine's _weights_change), reaches the folded
+    product at the next place()."""
     e = engine()
     try:
         m, bank = e.model, e.bank
@@ -459,6 +587,7 @@ def test_a_folded_table_gives_packeds_updates_and_follows_the_base():
             m.layers[1].wqkv.add_(0.25)
             old = m.layers[1].w2
             m.layers[1].w2 = torch.nn.Parameter(old.detach() * -1)
+        t.base_changed()
         assert t.place([a])
         check()
         # Written where no version counter moves (as NCCL's broadcast of a push writes): the

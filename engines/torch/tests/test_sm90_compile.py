@@ -22,7 +22,8 @@ HERE = Path(__file__).resolve().parent
 # sizes a launch passes are multiples of 16 except the group size G and the position counts.
 ALIGNED_INTS = {"H", "D", "N", "K", "KS", "sqb", "sqt", "sqh", "skb", "skh", "skl", "svb", "svh",
                 "svl", "sob", "sot", "soh", "sdb", "sdt", "sdh", "sgb", "sgh", "sgl", "sub", "suh",
-                "sul", "sxm", "swn", "sym", "ssm", "sbn", "som", "CR", "soff"}
+                "sul", "sx", "sxm", "swn", "sym", "ssm", "sbn", "som", "CR", "soff", "sxr",
+                "scr", "ssr", "sqr", "skr"}
 ATTN = dict(Q="bf16", K="bf16", V="bf16", O="bf16", DO="bf16", P="i64", DQ="bf16", LSE="fp32",
             DELTA="fp32", DK="bf16", DV="bf16")
 
@@ -53,6 +54,29 @@ def configs(bi):
                     consts, warps, stages))
         out.append((f"matmul-split-{tname}", bi._matmul_split_kernel,
                     dict(X="bf16", W="bf16", P="fp32"), consts, warps, stages))
+    # The log-sum-exp and the sampler over a vocabulary (bf16 logits; Qwen3's 75 parts in 128).
+    part = bi.VOCAB_PART
+    out.append(("lse-part", bi._lse_part_kernel, dict(X="bf16", PM="fp32", PS="fp32"),
+                dict(BLOCK=part), 4, 3))
+    out.append(("lse-combine", bi._lse_combine_kernel, dict(PM="fp32", PS="fp32", Y="fp32"),
+                dict(BP=128), 4, 3))
+    out.append(("sample-part", bi._sample_part_kernel,
+                dict(X="bf16", PM="fp32", T="fp32", PW="fp32", PA="i32"),
+                dict(BLOCK=part, BP=128), 4, 3))
+    out.append(("sample-pick", bi._sample_pick_kernel,
+                dict(X="bf16", PM="fp32", PW="fp32", PA="i32", LSE="fp32", T="fp32", U="fp32",
+                     TOK="i64", LP="fp32"), dict(BLOCK=part, BP=128), 4, 3))
+    # The decode step's cache writes (Qwen3's 8 key heads of 128) and SwiGLU's forward.
+    out.append(("kv-write", bi._kv_write_kernel, dict(K="bf16", V="bf16", KC="bf16", VC="bf16",
+                                                      P="i64"), dict(BH=8, BD=128), 4, 3))
+    out.append(("swiglu", bi._swiglu_kernel, dict(GU="bf16", A="bf16"), dict(BLOCK=1024), 4, 3))
+    out.append(("add-rms", bi._add_rms_kernel, dict(X="bf16", Yv="bf16", S="bf16", W="bf16",
+                                                    Hn="bf16"), dict(BLOCK=bi.ROW_BLOCK), 4, 3))
+    # The q and k heads' norms and rope (Qwen3's 16 + 8 heads of 128; Llama's without norms).
+    for norm in (True, False):
+        out.append((f"qk-rope-norm{int(norm)}", bi._qk_rope_kernel,
+                    dict(X="bf16", WQ="bf16", WK="bf16", C="fp32", S="fp32", YQ="bf16",
+                         YK="bf16"), dict(NORM=norm, BH=32, BD=128), 4, 3))
     # The decode step's LoRA expand (lora_kernels.py) in bf16: 8 slots of rank 8 (the bench's),
     # rank 16 and 64 slots of rank 4 (the columns of a part: 64, 128, 256).
     from slimen_torch import lora_kernels as lk
@@ -75,7 +99,7 @@ NAMES = names()
 
 def compile_sm90(triton, kernel, pointers: dict, consts: dict, warps: int, stages: int):
     """Compiles the @triton.jit kernel for sm_90: pointers name → element type, consts its
-    constexpr arguments; every other argument an i32 (scale an fp32)."""
+    constexpr arguments; every other argument an i32 (scale and eps fp32)."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
     sig, attrs, constexprs = {}, {}, {}
@@ -84,7 +108,7 @@ def compile_sm90(triton, kernel, pointers: dict, consts: dict, warps: int, stage
             sig[a], constexprs[(i,)] = "constexpr", consts[a]
         elif a in pointers:
             sig[a], attrs[(i,)] = "*" + pointers[a], [["tt.divisibility", 16]]
-        elif a == "scale":
+        elif a in ("scale", "eps"):
             sig[a] = "fp32"
         else:
             sig[a] = "i32"
