@@ -2,7 +2,8 @@
 by phase, on the CPU over gloo: a model of tiny widths with the 0.6B shape's 28 layers, so that
 Python and the FSDP2 hooks weigh as they do beside an H200's kernels.
 
-    python engines/torch/bench_fsdp.py [--ranks 1,2] [--samples 24] [--steps 6] [--layers 28]
+    python engines/torch/bench_fsdp.py [--ranks 1,2] [--samples 24] [--steps 6] [--layers 28] \
+        [--settings "SETTING;SETTING…"] [--stat median|min]
 
 Weak scaling, as multi_gpu.sh: each rank has --samples samples a step (N ranks: N × --samples in
 the batch), dealt into micro-batches of --mbt tokens (3 a rank by default, as the GPU run's).
@@ -16,9 +17,11 @@ loss weights and the plan), fwd (forward passes, with FSDP's pre-forward hooks a
 bwd (backward passes, with the post-backward hooks and the reduce-scatter), sums (the all-reduce
 of the step's statistics and their maximum), norm (the gradient norm), opt (clip and AdamW),
 gather (the full weights into the generating model), rest (the rest of the call: the read-back,
-the stats). Environment settings (the SLIMEN_TORCH_FSDP_* switches) pass to the ranks: run the
-script once per setting. On 2 shared cores the wall times of N = 2 are those of two processes
-taking turns; the CPU figures are per rank.
+the stats). --settings compares settings of the sharded step's switches (dist.py's
+SLIMEN_TORCH_FSDP_*, e.g. ";SLIMEN_TORCH_FSDP_GATHER_ONCE=1": none, then that one): each rank
+makes a trainer for each and runs their steps interleaved, so that a shared machine's changing
+load (separate runs moved by a third on 2 shared cores) falls on all alike. On 2 shared cores
+the wall times of N = 2 are those of two processes taking turns; the CPU figures are per rank.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
+SWITCH = "SLIMEN_TORCH_FSDP_"
 PHASES = ("weights", "fwd", "bwd", "sums", "norm", "opt", "gather", "rest")
 
 
@@ -85,14 +89,9 @@ class Timer:
         setattr(obj, name, timed)
 
 
-def _rank(rank: int, size: int, port: int, a, out: str) -> None:
-    torch.set_num_threads(1)
-    sharded = size > 1 or a.sharded
-    if sharded:
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                          LOCAL_RANK=str(rank), WORLD_SIZE=str(size))
-        import torch.distributed as tdist
-        tdist.init_process_group("gloo")
+def _timed(a, sharded: bool):
+    """(trainer, its Timer): a ShardedTrainer (or one rank's Trainer) of a new model, each phase's
+    method wrapped."""
     from slimen_torch import dist
     from slimen_torch.train import Trainer
 
@@ -113,20 +112,46 @@ def _rank(rank: int, size: int, port: int, a, out: str) -> None:
             opt._timed = True
         return opt
     tr._optimizer = optimizer
-    rows = []
+    return tr, tm
+
+
+def _rank(rank: int, size: int, port: int, a, out: str) -> None:
+    torch.set_num_threads(1)
+    sharded = size > 1 or a.sharded
+    if sharded:
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                          LOCAL_RANK=str(rank), WORLD_SIZE=str(size))
+        import torch.distributed as tdist
+        tdist.init_process_group("gloo")
+
+    # A trainer for each setting, its switches in the environment while it is made (where
+    # ShardedTrainer reads them); their steps interleaved, so that a shared machine's load falls
+    # on every setting alike.
+    trainers = []
+    for setting in a.settings:
+        saved = {k: os.environ.pop(k) for k in list(os.environ) if k.startswith(SWITCH)}
+        os.environ.update(setting)
+        trainers.append(_timed(a, sharded))
+        for k in setting:
+            del os.environ[k]
+        os.environ.update(saved)
+    rows = [[] for _ in trainers]
     for s in range(a.steps):
-        b = batch(a.samples * size, s, gen.cfg.vocab_size)
-        tm.now = {}
-        w, c = time.perf_counter(), time.thread_time()
-        stats = tr.step(b)
-        total = (time.perf_counter() - w, time.thread_time() - c)
-        assert not stats.skipped, stats.reason
-        known = [sum(v[i] for v in tm.now.values()) for i in (0, 1)]
-        tm.now["rest"] = [total[i] - known[i] for i in (0, 1)]
-        tm.now["total"] = list(total)
-        rows.append(tm.now)
+        b = batch(a.samples * size, s, trainers[0][0].model.cfg.vocab_size)
+        for j in [(s + k) % len(trainers) for k in range(len(trainers))]:
+            tr, tm = trainers[j]
+            tm.now = {}
+            w, c = time.perf_counter(), time.thread_time()
+            stats = tr.step(b)
+            total = (time.perf_counter() - w, time.thread_time() - c)
+            assert not stats.skipped, stats.reason
+            known = [sum(v[i] for v in tm.now.values()) for i in (0, 1)]
+            tm.now["rest"] = [total[i] - known[i] for i in (0, 1)]
+            tm.now["total"] = list(total)
+            tm.now["loss"] = [stats.loss, stats.grad_norm]
+            rows[j].append(tm.now)
     with open(f"{out}.{rank}", "w") as f:
-        json.dump({"rows": rows, "grad_norm": stats.grad_norm, "loss": stats.loss}, f)
+        json.dump(rows, f)
     if sharded:
         torch.distributed.destroy_process_group()
 
@@ -156,12 +181,17 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--layers", type=int, default=28)
     p.add_argument("--stat", choices=("median", "min"), default="median")
+    p.add_argument("--settings", default="",
+                   help="settings of the sharded step's switches, ';' between settings, each "
+                        "'VAR=VALUE …' ('' none): a trainer each, their steps interleaved")
     a = p.parse_args()
     stat = statistics.median if a.stat == "median" else min
-    switches = {k: v for k, v in os.environ.items() if k.startswith("SLIMEN_TORCH_FSDP_")}
-    print(f"settings: {switches or 'none'}; {a.layers} layers, {a.samples} samples a rank, "
-          f"micro-batches of {a.mbt} tokens; ms, {a.stat} of steps 3-{a.steps}")
-    cols = ["N"] + [f"{p} wall/cpu" for p in PHASES + ("total",)]
+    texts = [t.strip() for t in a.settings.split(";")] if a.settings else [""]
+    a.settings = [dict(w.split("=", 1) for w in t.split()) for t in texts]
+    base = {k: v for k, v in os.environ.items() if k.startswith(SWITCH)}
+    print(f"environment: {base or 'no switches'}; {a.layers} layers, {a.samples} samples a "
+          f"rank, micro-batches of {a.mbt} tokens; ms, {a.stat} of steps 3-{a.steps}")
+    cols = ["N", "setting"] + [f"{p} wall/cpu" for p in PHASES + ("total",)]
     print("| " + " | ".join(cols) + " |")
     print("|" + "---|" * len(cols))
     with tempfile.TemporaryDirectory() as tmp:
@@ -169,18 +199,20 @@ def main() -> None:
             a.sharded = spec.endswith("s")
             n = int(spec.rstrip("s"))
             res = run(n, a, tmp)
-            for r, label in ((0, "rank 0"), (None, "slowest")):
-                if r is None and n == 1:
-                    continue
-                cells = []
-                for ph in PHASES + ("total",):
-                    per_rank = [[stat(row.get(ph, [0, 0])[i] for row in x["rows"][2:]) * 1e3
-                                 for i in (0, 1)] for x in res]
-                    w, c = per_rank[0] if r == 0 else max(per_rank, key=lambda v: v[1])
-                    cells.append(f"{w:.1f}/{c:.1f}")
-                print(f"| {spec} {label} | " + " | ".join(cells) + " |")
-            print(f"  (N={spec}: last step's loss {res[0]['loss']:.6f}, "
-                  f"grad norm {res[0]['grad_norm']:.6f})", flush=True)
+            for j, text in enumerate(texts):
+                for r, label in ((0, "rank 0"), (None, "slowest")):
+                    if r is None and n == 1:
+                        continue
+                    cells = []
+                    for ph in PHASES + ("total",):
+                        per_rank = [[stat(row.get(ph, [0, 0])[i] for row in x[j][2:]) * 1e3
+                                     for i in (0, 1)] for x in res]
+                        w, c = per_rank[0] if r == 0 else max(per_rank, key=lambda v: v[1])
+                        cells.append(f"{w:.1f}/{c:.1f}")
+                    print(f"| {spec} {label} | {text or '-'} | " + " | ".join(cells) + " |")
+                loss, norm = res[0][j][-1]["loss"]
+                print(f"  (N={spec} {text or '-'}: last step's loss {loss:.6f}, "
+                      f"grad norm {norm:.6f})", flush=True)
 
 
 if __name__ == "__main__":
