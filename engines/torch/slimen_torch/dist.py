@@ -194,9 +194,11 @@ class _Whole(nn.Module):
 def _local(p) -> torch.Tensor:
     """A DTensor's local shard: its _local_tensor, which to_local returns through an autograd
     function (about 40 µs a parameter on the CPU, milliseconds a gather over a few hundred
-    parameters, against 3 µs); to_local where a torch names it otherwise."""
+    parameters, against 3 µs); to_local where a torch names it otherwise; a plain tensor itself."""
     t = getattr(p, "_local_tensor", None)
-    return t if isinstance(t, torch.Tensor) else p.to_local()
+    if isinstance(t, torch.Tensor):
+        return t
+    return p.to_local() if hasattr(p, "to_local") else p
 
 
 def _rows(t: torch.Tensor, p) -> torch.Tensor:
@@ -275,9 +277,15 @@ GROUP_MB_ENV = "SLIMEN_TORCH_FSDP_GROUP_MB"
 # still count the whole batch), not of every sample of the batch (ShardedTrainer._own).
 OWN_WEIGHTS_ENV = "SLIMEN_TORCH_FSDP_OWN_WEIGHTS"
 # LOCAL_OPT_ENV=1: the optimizer steps the shards' local tensors (torch's fused AdamW, launched
-# before the step's read-back) and the gradient norm is one foreach_norm over the local
-# gradients and one all-reduce, instead of a foreach AdamW over DTensors and a norm per parameter.
+# before the step's read-back) instead of a foreach AdamW over the DTensors. (The gradient norm
+# and the clip are on the local shards either way: one foreach_norm and one all-reduce.)
 LOCAL_OPT_ENV = "SLIMEN_TORCH_FSDP_LOCAL_OPT"
+# GATHER_ONCE_ENV=1, where a step holds the model (holds_step): the layers' weights, gathered by
+# the step's first forward, stay gathered until its last backward (one all-gather a group a
+# step), instead of being resharded after each forward and gathered again by its backward (on 2
+# H200s, 3 micro-batches a rank: 84 of a step's 113 all-gathers, each some copies and a
+# collective launched from the backward's thread, which bounds the backward there).
+GATHER_ONCE_ENV = "SLIMEN_TORCH_FSDP_GATHER_ONCE"
 
 
 def _env_flag(name: str) -> bool:
@@ -331,6 +339,7 @@ class ShardedTrainer(Trainer):
         self.group_bytes = int(float(os.environ.get(GROUP_MB_ENV) or 0) * 1e6)
         self.own_weights = _env_flag(OWN_WEIGHTS_ENV)
         self.local_opt = _env_flag(LOCAL_OPT_ENV)
+        self.gather_once = _env_flag(GATHER_ONCE_ENV)
         self._shard(gen_model)
         super().__init__(self.whole.m, **kw)
         # The shards are fp32 and the optimizer steps them: no separate master copies.
@@ -352,15 +361,24 @@ class ShardedTrainer(Trainer):
         m.train_norm = gen.train_norm
         m.train_block_fn = gen.train_block_fn
         # bf16 weights for the passes where the generating model is bf16 (as one rank's bf16
-        # parameters with fp32 masters), gradients reduced in fp32.
-        mp = MixedPrecisionPolicy(param_dtype=gen.embed.dtype, reduce_dtype=torch.float32)
+        # parameters with fp32 masters), gradients reduced in fp32. The layers' inputs are not
+        # cast: the hidden states are already in the weights' dtype, and the fp32 rope tables
+        # reach the layer as on one rank (which casts them where it applies them); FSDP's cast
+        # walked each layer call's arguments and cast both tables again, 84 times a step at 3
+        # micro-batches (12 ms of the host's time on an H200 at 0.6B).
+        mp = MixedPrecisionPolicy(param_dtype=gen.embed.dtype, reduce_dtype=torch.float32,
+                                  cast_forward_inputs=False)
         self.hold = holds_step(m, gen.embed.dtype, dev)
         item = gen.embed.dtype.itemsize
         groups = layer_groups([sum(p.numel() for p in layer.parameters()) * item
                                for layer in m.layers], self.group_bytes)
+        # Gathered once a step (GATHER_ONCE_ENV): the backward passes find the weights the
+        # forwards left (the last backward reshards them, _backward).
+        keep = self.hold and self.gather_once
         for g in groups:
             # A list: the layers share one group (one all-gather, one reduce-scatter).
-            fully_shard([m.layers[i] for i in g] if len(g) > 1 else m.layers[g[0]], mp_policy=mp)
+            fully_shard([m.layers[i] for i in g] if len(g) > 1 else m.layers[g[0]], mp_policy=mp,
+                        reshard_after_forward=not keep)
         whole = _Whole(m)
         fully_shard(whole, mp_policy=mp)
         self.whole = whole
@@ -373,6 +391,7 @@ class ShardedTrainer(Trainer):
                      "the local shards" if self.local_opt else "the DTensors")
             log.info("FSDP over %d ranks: %s", self.size,
                      "a step's gradients are held and reduced once, after its last micro-batch"
+                     + ("; its weights gathered once, by its first forward" if keep else "")
                      if self.hold else "each micro-batch reduces its gradients (the whole "
                      "model's would take more than %.0f%% of the device's memory)"
                      % (100 * HOLD_SHARE))
@@ -477,17 +496,20 @@ class ShardedTrainer(Trainer):
         return {k: t[i] for i, k in enumerate(keys)}
 
     def _grad_norm(self, grads) -> torch.Tensor:
-        if self.local_opt:
-            # grads are the local shards' (_local_grads): one multi-tensor norm, in fp32 as the
-            # one-rank step's, their squares summed in fp64 and over the ranks.
-            sq = torch.stack(torch._foreach_norm(grads, 2.0)).double().pow(2).sum()
-            dist.all_reduce(sq)
-            return sq.sqrt().float()
-        sq = torch.zeros((), dtype=torch.float64, device=self.params[0].device)
-        for g in grads:
-            sq += g.to_local().double().pow(2).sum()
+        # One multi-tensor norm over the local shards, in fp32 as the one-rank step's, their
+        # squares summed in fp64 and over the ranks: a Python loop of four DTensor operations a
+        # gradient (226 of them for 0.6B) took milliseconds of the step's host time. grads are
+        # DTensors, or the local shards' own (LOCAL_OPT_ENV, _local_grads).
+        local = [_local(g) for g in grads]
+        sq = torch.stack(torch._foreach_norm(local, 2.0)).double().pow(2).sum()
         dist.all_reduce(sq)
         return sq.sqrt().float()
+
+    def _clip(self, grads, max_norm: float, norm: float) -> None:
+        # On the local shards, as the norm: one multi-tensor product, no DTensor dispatch.
+        coef = max_norm / (norm + 1e-6)
+        if coef < 1.0:
+            torch._foreach_mul_([_local(g) for g in grads], coef)
 
     def _optimizer(self) -> torch.optim.Optimizer:
         if self.opt is None:

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from . import batch_invariant, lora
+from .decode import capture
 from .model import (after_attention, block_forward, kv_bytes, kv_read, kv_source, kv_write,
                     mlp, project_qkv, rms_norm, whole_block)
 from .sequence import Placed, Request, Sequence, prompt_key
@@ -307,7 +308,7 @@ class Prefill:
             self._prefill_static(Tb)
         torch.cuda.current_stream().wait_stream(stream)
         g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g, pool=self._graph_pool(), capture_error_mode="thread_local"):
+        with capture(g, self._graph_pool()):
             self._prefill_static(Tb)
         log.info("captured prefill graph length=%d", Tb)
         return g

@@ -183,6 +183,19 @@ def _count_reduce_scatters() -> list:
     return calls
 
 
+def _count_all_gathers() -> list:
+    """Counts all-gathers into a tensor (FSDP's of weights, and the gather for generation):
+    returns a list that gets one entry a call."""
+    calls, real = [], torch.distributed.all_gather_into_tensor
+
+    def counted(*args, **kw):
+        calls.append(1)
+        return real(*args, **kw)
+
+    torch.distributed.all_gather_into_tensor = counted
+    return calls
+
+
 def _count_builds(dist) -> list:
     """Counts the ShardedTrainers a rank builds (FSDP's wrapping of an fp32 copy of the model):
     a list that gets one entry a build."""
@@ -224,6 +237,7 @@ def _rank(rank, size, port, model, opts, bs, out, result, bucket, nccl=False, ho
         _nccl_on_gloo(rank)
     rank, _, _, links = dist.init(opts["device"], backend="nccl" if nccl else "")
     reduce_scatters = _count_reduce_scatters()
+    all_gathers = _count_all_gathers()
     weighed = _count_weights()
     built = _count_builds(dist)
     engine = dist.RankEngine(model, Options(**opts), rank)
@@ -249,7 +263,8 @@ def _rank(rank, size, port, model, opts, bs, out, result, bucket, nccl=False, ho
     torch.save(weights, f"{result}.w0")
     t = engine.trainer
     got.update(gather_s=t.gather_seconds, gather_bytes=t.gathered_bytes, built=built,
-               reduce_scatters=reduce_scatters, weighed=weighed, fsdp_groups=t.fsdp_groups,
+               reduce_scatters=reduce_scatters, all_gathers=all_gathers, weighed=weighed,
+               fsdp_groups=t.fsdp_groups,
                opt_dtensors=sum(isinstance(q, DTensor) for g in t.opt.param_groups
                                 for q in g["params"]),
                opt_fused=t.opt.param_groups[0]["fused"])
@@ -281,10 +296,12 @@ def free_port() -> int:
 
 
 # The sharded step's switches (dist.py): unset, and all on (both layers of the tiny model in one
-# FSDP group, each rank's own loss weights, the optimizer on the local shards).
+# FSDP group, each rank's own loss weights, the optimizer on the local shards, the weights
+# gathered once a step).
 SWITCHES = {"": {}, "switched": {"SLIMEN_TORCH_FSDP_GROUP_MB": "1",
                                  "SLIMEN_TORCH_FSDP_OWN_WEIGHTS": "1",
-                                 "SLIMEN_TORCH_FSDP_LOCAL_OPT": "1"}}
+                                 "SLIMEN_TORCH_FSDP_LOCAL_OPT": "1",
+                                 "SLIMEN_TORCH_FSDP_GATHER_ONCE": "1"}}
 
 
 @pytest.mark.parametrize("switches", list(SWITCHES))
@@ -314,6 +331,12 @@ def test_two_ranks_equal_one(noeos_dir, tmp_path, monkeypatch, switches):
     # steps.
     assert got["fsdp_groups"] == (2 if switches else len(w0_layers(w0)) + 1)
     assert len(got["reduce_scatters"]) == 3 * got["fsdp_groups"]
+    # The weights' all-gathers: each group's at the step's first forward and, unless gathered
+    # once a step, each layer group's again at each pass's backward (resharded after its
+    # forward); and the 4 gathers for generation below.
+    layer_groups = got["fsdp_groups"] - 1
+    per_step = got["fsdp_groups"] + (0 if switches else 3 * layer_groups)
+    assert len(got["all_gathers"]) == 3 * per_step + 4
     # Rank 0 computes the loss weights of its 3 samples of the 5, or of all 5, in each step.
     assert got["weighed"] == [3 if switches else 5] * 3
     # One sharded trainer for the rank's life: the load starts it over in place (a second build
