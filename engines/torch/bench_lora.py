@@ -64,7 +64,6 @@ import time
 import traceback
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 HERE = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -73,6 +72,7 @@ from slimen_torch import lora  # noqa: E402
 from slimen_torch.config import read_config  # noqa: E402
 from slimen_torch.engine import Engine, Options  # noqa: E402
 from slimen_torch.make_model import make_model  # noqa: E402
+from slimen_torch.profiling import OpCount  # noqa: E402
 from slimen_torch.types import Batch, GenerateRequest, LossConfig, Sample, Sampling  # noqa: E402
 
 SECTIONS = ("memory", "full", "lora", "gen", "proj", "host")
@@ -480,18 +480,6 @@ def _syncs(caught) -> int:
     return sum("synchroniz" in str(w.message) for w in caught)
 
 
-class _Ops(TorchDispatchMode):
-    """Counts the tensor operations dispatched under it."""
-
-    def __init__(self):
-        super().__init__()
-        self.n = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.n += 1
-        return func(*args, **(kwargs or {}))
-
-
 def _lora_step_cost(e, a, names, steps=200) -> dict:
     """Decode._lora_step of a.rows rows (row i by adapter i % 8) in the steady state, on the
     engine's thread: µs a call, the operations a call dispatches and (on a GPU) the stream
@@ -517,7 +505,7 @@ def _lora_step_cost(e, a, names, steps=200) -> dict:
             for _ in range(steps):
                 gen._lora_step(rows)
             us = (time.perf_counter() - t) / steps * 1e6
-            with _Ops() as ops:
+            with OpCount() as ops:
                 gen._lora_step(rows)
             syncs = None
             if cuda():

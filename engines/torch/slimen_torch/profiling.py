@@ -22,6 +22,7 @@ import shutil
 import time
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 log = logging.getLogger("slimen_torch")
 
@@ -104,3 +105,17 @@ class StepProfiler:
             shutil.copyfileobj(src, dst)
         raw.unlink()
         log.info("profiled step %d: %s.txt", self.k, stem)
+
+
+class OpCount(TorchDispatchMode):
+    """Counts the tensor operations dispatched inside it (n), for tests and benches that check
+    how much work a step launches: `with OpCount() as c: step()`, then c.n."""
+
+    def __init__(self):
+        super().__init__()
+        self.n = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.n += 1
+        return func(*args, **(kwargs or {}))
+

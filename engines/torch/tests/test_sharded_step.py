@@ -11,23 +11,11 @@ import socket
 import pytest
 import torch
 import torch.multiprocessing as mp
-from torch.utils._python_dispatch import TorchDispatchMode
 
+from slimen_torch.profiling import OpCount
 from slimen_torch.types import Batch, LossConfig, Sample
 
 LAYERS = 4
-
-
-class Count(TorchDispatchMode):
-    """Counts the tensor operations dispatched inside it."""
-
-    def __init__(self):
-        super().__init__()
-        self.n = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.n += 1
-        return func(*args, **(kwargs or {}))
 
 
 def model(dtype=torch.float32):
@@ -70,7 +58,7 @@ def _rank(rank, port, local_opt, out):
         fn = getattr(tr, name)
 
         def run(*a):
-            with Count() as c:
+            with OpCount() as c:
                 r = fn(*a)
             ops[name] = c.n
             return r
