@@ -4,11 +4,12 @@ numbers. A decode step's products take most of the mode's decode time (about 19 
 cuBLAS's 7 on an H200 at 256 rows), so the tile is the lever.
 
     python engines/torch/bench_tiles.py [--rows 256] [--shape qwen3-0.6b] [--top 5]
+    python engines/torch/bench_tiles.py --rows 16384   # a training pass's forward products
 
 For each product of the shape's layer (q/k/v, o, gate/up, down) and the vocabulary head, at
---rows rows: cuBLAS's time, the current TILE's, and the fastest tiles of the grid (BM, BN, BK,
-warps, stages) with their time and two checks of their numbers: "same" (every output equal bit
-for bit to the current TILE's: a tile that keeps them can replace it without changing a single
+--rows rows: cuBLAS's time, the current tile's (batch_invariant._tile, by the product's shape),
+and the fastest tiles of the grid (BM, BN, BK, warps, stages) with their time and two checks of their numbers: "same" (every output equal bit
+for bit to the current tile's: a tile that keeps them can replace it without changing a single
 log-prob) and "invariant" (rows 0..7 of the --rows-row product equal the product of those 8 rows
 alone, and of row 0 alone: the row's numbers do not depend on the batch). Times are device µs per
 product, the median of 5 replays of a CUDA graph of 20 products (a decode step replays its graph
@@ -79,19 +80,24 @@ def main() -> int:
     a = ap.parse_args()
     dev = torch.device("cuda")
     g = torch.Generator(device=dev).manual_seed(0)
+    # 128×256 tiles only on 8 warps and for training passes' row counts (--rows 1024 or more):
+    # at a decode step's 256 rows they leave most of the GPU idle.
     grid = [t for t in itertools.product((64, 128), (32, 64, 128, 256), (64, 128), (4, 8),
-                                         (3, 4, 5)) if t[0] * t[1] <= 128 * 128 or t[0] == 64]
-    print(f"device: {torch.cuda.get_device_name()}; rows {a.rows}; current TILE {bi.TILE}; "
+                                         (3, 4, 5))
+            if t[0] * t[1] <= 128 * 128 or t[0] == 64 or (a.rows >= 1024 and t[3] == 8)]
+    print(f"device: {torch.cuda.get_device_name()}; rows {a.rows}; the current tiles by shape "
+          "(batch_invariant._tile) against the grid; "
           f"{len(grid)} tiles tried")
-    print("\n| product | N × K | cuBLAS µs | TILE µs | best tiles (µs, same, invariant) |")
+    print("\n| product | N × K | cuBLAS µs | current tile µs | best tiles (µs, same, invariant) |")
     print("|---|---|---:|---:|---|")
     total_cur = total_best = total_cublas = 0.0
     for name, N, K, count in products(SHAPES[a.shape]):
         x = torch.randn(a.rows, K, device=dev, dtype=torch.bfloat16, generator=g)
         w = torch.randn(N, K, device=dev, dtype=torch.bfloat16, generator=g) / K ** 0.5
-        ref = run(x, w, bi.TILE)
+        cur = bi._tile(a.rows, N, K)  # the tile the mode runs now (by the product's shape)
+        ref = run(x, w, cur)
         t_cublas = timed(lambda: x @ w.t())
-        t_cur = timed(lambda: run(x, w, bi.TILE))
+        t_cur = timed(lambda: run(x, w, cur))
         rows = []
         for tile in grid:
             try:
@@ -113,7 +119,8 @@ def main() -> int:
         cells = "; ".join(f"{','.join(map(str, t))}: {us:.1f} ({'same' if s else 'differs'}, "
                           f"{'inv' if i else 'NOT inv'})" for us, t, s, i in shown)
         print(f"| {name} | {N} × {K} | {t_cublas:.1f} | {t_cur:.1f} | {cells} |")
-    print(f"\na decode step's products: cuBLAS {total_cublas / 1000:.2f} ms, current TILE "
+    what = "a decode step's" if a.rows < 1024 else f"a forward pass's ({a.rows} tokens)"
+    print(f"\n{what} products: cuBLAS {total_cublas / 1000:.2f} ms, current TILE "
           f"{total_cur / 1000:.2f} ms, best keeping tile per product {total_best / 1000:.2f} ms")
     return 0
 
