@@ -6,15 +6,16 @@ cuBLAS's 7 on an H200 at 256 rows), so the tile is the lever.
     python engines/torch/bench_tiles.py [--rows 256] [--shape qwen3-0.6b] [--top 5]
     python engines/torch/bench_tiles.py --rows 16384   # a training pass's forward products
 
-For each product of the shape's layer (q/k/v, o, gate/up, down) and the vocabulary head, at
---rows rows: cuBLAS's time, the current tile's (batch_invariant._tile, by the product's shape),
-and the fastest tiles of the grid (BM, BN, BK, warps, stages) with their time and two checks of
-their numbers: "same" (every output equal bit for bit to the current tile's: a tile that keeps
-them can replace it without changing a single log-prob) and "invariant" (rows 0..7 of the --rows-row product equal the product of those 8 rows
-alone, and of row 0 alone: the row's numbers do not depend on the batch). Times are device µs per
-product, the median of 5 replays of a CUDA graph of 20 products (a decode step replays its graph
-likewise, so launch overhead is left out). Ends with the decode step's product time at the
-current tile and at the best keeping tile per product, summed over the layers.
+For each product of the shape's layer (q/k/v, o, gate/up, down) and the vocabulary head, at --rows
+rows: cuBLAS's time, the current tile's (batch_invariant._tile, by the product's shape), and the
+fastest tiles of the grid (BM, BN, BK, warps, stages) with their time and two checks of their
+numbers: "same" (every output equal bit for bit to the current tile's: a tile that keeps them can
+replace it without changing a single log-prob) and "invariant" (rows 0..7 of the --rows-row product
+equal the product of those 8 rows alone, and of row 0 alone: the row's numbers do not depend on the
+batch). Times are device µs per product, the median of 5 replays of a CUDA graph of 20 products (a
+decode step replays its graph likewise, so launch overhead is left out). Ends with the decode
+step's product time at the current tile and at the best keeping tile per product, summed over the
+layers.
 """
 
 from __future__ import annotations
