@@ -40,9 +40,15 @@ def capture(graph: torch.cuda.CUDAGraph, pool):
     driver, so the first step after a graph captured mid-run (a new batch shape, often on a
     rank of several, whose batches follow the dealing) got its memory again from cudaMalloc:
     on 2 H200s a capture's 304 cudaFree and the next training call's 325 cudaMalloc took
-    0.11 s of the host's time. The graphs' own pool already keeps their memory apart."""
+    0.11 s of the host's time. The graphs' own pool already keeps their memory apart. Every
+    capture runs on torch.cuda.graph's one capture stream, as its own do: the caching allocator
+    reuses a pool's blocks only on the stream they were taken on, so graphs captured on streams
+    of their own would each keep their scratch memory instead of sharing it."""
     torch.cuda.synchronize()  # as torch.cuda.graph: nothing of the caller's still running
-    stream = torch.cuda.Stream()
+    cls = torch.cuda.graph
+    if cls.default_capture_stream is None:
+        cls.default_capture_stream = torch.cuda.Stream()
+    stream = cls.default_capture_stream
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
         graph.capture_begin(pool, capture_error_mode="thread_local")

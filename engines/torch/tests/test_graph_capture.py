@@ -32,6 +32,7 @@ def fake_cuda(monkeypatch) -> list:
     seen = []
     monkeypatch.setattr(torch.cuda, "CUDAGraph", FakeGraph)
     monkeypatch.setattr(torch.cuda, "Stream", FakeStream)
+    monkeypatch.setattr(torch.cuda.graph, "default_capture_stream", None)
     monkeypatch.setattr(torch.cuda, "current_stream", FakeStream)
     monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: seen.append("synchronize"))
@@ -83,3 +84,19 @@ def test_a_failed_capture_ends_it(monkeypatch):
     except RuntimeError:
         pass
     assert g.calls[-1] == ("end",)
+
+
+def test_every_capture_runs_on_one_stream(monkeypatch):
+    """The captures share torch.cuda.graph's capture stream: the allocator reuses a graph pool's
+    blocks only on the stream they were taken on."""
+    fake_cuda(monkeypatch)
+    from slimen_torch.decode import capture
+    streams = []
+    monkeypatch.setattr(torch.cuda, "stream",
+                        lambda s: streams.append(s) or contextlib.nullcontext())
+    for _ in range(3):
+        with capture(FakeGraph(), object()):
+            pass
+    assert len(streams) == 3 and all(s is streams[0] for s in streams)
+    assert torch.cuda.graph.default_capture_stream is streams[0]
+
