@@ -11,7 +11,6 @@ import (
 	"slices"
 	"strconv"
 	"strings"
-	"sync"
 	"syscall"
 	"testing"
 	"time"
@@ -55,18 +54,10 @@ func TestRankKilledIsRestartedByTorchrun(t *testing.T) {
 	t.Setenv("XDG_CACHE_HOME", t.TempDir())
 	ctx, cancel := context.WithTimeout(context.Background(), 4*time.Minute)
 	defer cancel()
-	var mu sync.Mutex
-	var lines, restored []string
-	logf := func(f string, a ...any) { mu.Lock(); lines = append(lines, fmt.Sprintf(f, a...)); mu.Unlock() }
-	onRestart := func(_ context.Context, prev, cur string) error {
-		mu.Lock()
-		restored = append(restored, cur)
-		mu.Unlock()
-		return nil
-	}
+	sv := &supervised{}
 	e, err := Start(ctx, Options{Python: py, Model: model, Device: "cpu", Log: &strings.Builder{},
-		Ranks: 2, Args: []string{"--slots", "4"}, MaxRestarts: 1, HangTimeout: time.Minute, Logf: logf,
-		Client: remote.Options{ReconnectTimeout: 2 * time.Minute, OnRestart: onRestart}})
+		Ranks: 2, Args: []string{"--slots", "4"}, MaxRestarts: 1, HangTimeout: time.Minute, Logf: sv.logf,
+		Client: remote.Options{ReconnectTimeout: 2 * time.Minute, OnRestart: sv.onRestart}})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -76,7 +67,7 @@ func TestRankKilledIsRestartedByTorchrun(t *testing.T) {
 		cs, err := e.Generate(ctx, []engines.GenerateRequest{{ID: id, PromptTokens: []int32{5, 6, 7},
 			Sampling: engines.Sampling{MaxTokens: 6, Temperature: 1, Seed: 9}}})
 		if err != nil || len(cs) != 1 {
-			t.Fatalf("generate %s: %v, %v\nsupervisor: %q", id, cs, err, lines)
+			t.Fatalf("generate %s: %v, %v\nsupervisor: %q", id, cs, err, sv.lines)
 		}
 		return cs[0].Tokens
 	}
@@ -93,33 +84,30 @@ func TestRankKilledIsRestartedByTorchrun(t *testing.T) {
 			break
 		}
 		if time.Now().After(deadline) {
-			t.Fatalf("no new group answered within 2 minutes of the kill; supervisor: %q", lines)
+			t.Fatalf("no new group answered within 2 minutes of the kill; supervisor: %q", sv.lines)
 		}
 	}
 	if got := gen("after"); !slices.Equal(got, want) {
 		t.Errorf("the restarted group sampled %v, the first %v", got, want)
 	}
-	mu.Lock()
-	if e.Restarts() != 0 || e.Pid() != torchrun || len(restored) != 1 {
+	sv.mu.Lock()
+	if e.Restarts() != 0 || e.Pid() != torchrun || len(sv.restored) != 1 {
 		t.Errorf("after the kill: %d restarts by the supervisor (want 0), pid %d (torchrun's %d), "+
-			"OnRestart saw %q (want one new process); supervisor: %q", e.Restarts(), e.Pid(), torchrun, restored, lines)
+			"OnRestart saw %q (want one new process); supervisor: %q", e.Restarts(), e.Pid(), torchrun, sv.restored, sv.lines)
 	}
-	mu.Unlock()
+	sv.mu.Unlock()
 	// torchrun's one restart is used: a second kill ends it, and the supervisor leaves it dead.
 	if rank1 = rankPid(t, torchrun, 1); rank1 == 0 { // (kill(0) would be this test's own group)
-		t.Fatalf("no rank 1 under torchrun (pid %d) after the restart; supervisor: %q", torchrun, lines)
+		t.Fatalf("no rank 1 under torchrun (pid %d) after the restart; supervisor: %q", torchrun, sv.lines)
 	}
 	syscall.Kill(rank1, syscall.SIGKILL)
 	deadline := time.Now().Add(time.Minute)
 	for {
-		mu.Lock()
-		done := len(lines) > 0 && strings.Contains(lines[len(lines)-1], "is not started again: torchrun restarted its group as often as it may (1 times)")
-		mu.Unlock()
-		if done {
+		if sv.lastHas("is not started again: torchrun restarted its group as often as it may (1 times)") {
 			break
 		}
 		if time.Now().After(deadline) {
-			t.Fatalf("the supervisor did not give up after torchrun did: %q", lines)
+			t.Fatalf("the supervisor did not give up after torchrun did: %q", sv.lines)
 		}
 		time.Sleep(100 * time.Millisecond)
 	}

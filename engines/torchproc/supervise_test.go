@@ -16,6 +16,33 @@ import (
 	"github.com/slimen/slimen/engines/remote"
 )
 
+// supervised records what a supervisor says (Options.Logf) and the new processes its client
+// meets (remote.Options.OnRestart), for the tests that kill workers.
+type supervised struct {
+	mu              sync.Mutex
+	lines, restored []string
+}
+
+func (s *supervised) logf(f string, a ...any) {
+	s.mu.Lock()
+	s.lines = append(s.lines, fmt.Sprintf(f, a...))
+	s.mu.Unlock()
+}
+
+func (s *supervised) onRestart(_ context.Context, prev, cur string) error {
+	s.mu.Lock()
+	s.restored = append(s.restored, cur)
+	s.mu.Unlock()
+	return nil
+}
+
+// lastHas reports whether the supervisor's last line so far contains text.
+func (s *supervised) lastHas(text string) bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return len(s.lines) > 0 && strings.Contains(s.lines[len(s.lines)-1], text)
+}
+
 // A worker killed with SIGKILL, or stopped (SIGSTOP: it hangs, its Health does not answer), is
 // started again on its address, up to MaxRestarts times; its client reconnects, reports the new
 // process to OnRestart and gets the same completions from it as from the first.
@@ -25,18 +52,10 @@ func TestWorkerKilledOrHungIsRestarted(t *testing.T) {
 	t.Setenv("XDG_CACHE_HOME", t.TempDir())
 	ctx, cancel := context.WithTimeout(context.Background(), 4*time.Minute)
 	defer cancel()
-	var mu sync.Mutex
-	var lines, restored []string
-	logf := func(f string, a ...any) { mu.Lock(); lines = append(lines, fmt.Sprintf(f, a...)); mu.Unlock() }
-	onRestart := func(_ context.Context, prev, cur string) error {
-		mu.Lock()
-		restored = append(restored, cur)
-		mu.Unlock()
-		return nil
-	}
+	sv := &supervised{}
 	e, err := Start(ctx, Options{Python: py, Model: model, Device: "cpu", Log: &strings.Builder{},
-		Args: []string{"--slots", "4"}, MaxRestarts: 2, HangTimeout: 10 * time.Second, Logf: logf,
-		Client: remote.Options{ReconnectTimeout: 2 * time.Minute, OnRestart: onRestart}})
+		Args: []string{"--slots", "4"}, MaxRestarts: 2, HangTimeout: 10 * time.Second, Logf: sv.logf,
+		Client: remote.Options{ReconnectTimeout: 2 * time.Minute, OnRestart: sv.onRestart}})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -46,7 +65,7 @@ func TestWorkerKilledOrHungIsRestarted(t *testing.T) {
 		cs, err := e.Generate(ctx, []engines.GenerateRequest{{ID: id, PromptTokens: []int32{5, 6, 7},
 			Sampling: engines.Sampling{MaxTokens: 6, Temperature: 1, Seed: 9}}})
 		if err != nil || len(cs) != 1 {
-			t.Fatalf("generate %s: %v, %v\nsupervisor: %q", id, cs, err, lines)
+			t.Fatalf("generate %s: %v, %v\nsupervisor: %q", id, cs, err, sv.lines)
 		}
 		return cs[0].Tokens
 	}
@@ -68,23 +87,20 @@ func TestWorkerKilledOrHungIsRestarted(t *testing.T) {
 	syscall.Kill(pid, syscall.SIGKILL)
 	deadline := time.Now().Add(30 * time.Second)
 	for {
-		mu.Lock()
-		done := len(lines) > 0 && strings.Contains(lines[len(lines)-1], "is not started again: it was restarted 2 times already")
-		mu.Unlock()
-		if done {
+		if sv.lastHas("is not started again: it was restarted 2 times already") {
 			break
 		}
 		if time.Now().After(deadline) {
-			t.Fatalf("the supervisor did not give up after the third death: %q", lines)
+			t.Fatalf("the supervisor did not give up after the third death: %q", sv.lines)
 		}
 		time.Sleep(100 * time.Millisecond)
 	}
-	mu.Lock()
-	defer mu.Unlock()
-	if len(restored) != 2 {
-		t.Errorf("OnRestart saw %d new processes, want 2: %q", len(restored), restored)
+	sv.mu.Lock()
+	defer sv.mu.Unlock()
+	if len(sv.restored) != 2 {
+		t.Errorf("OnRestart saw %d new processes, want 2: %q", len(sv.restored), sv.restored)
 	}
-	if !strings.Contains(strings.Join(lines, "\n"), "has not answered Health for 10s: killing it") {
-		t.Errorf("the hang is not in the supervisor's lines: %q", lines)
+	if !strings.Contains(strings.Join(sv.lines, "\n"), "has not answered Health for 10s: killing it") {
+		t.Errorf("the hang is not in the supervisor's lines: %q", sv.lines)
 	}
 }
