@@ -132,13 +132,10 @@ def main() -> int:
     print(f"device: {torch.cuda.get_device_name()}; rows {a.rows}; the current tiles by shape "
           "(batch_invariant._tile, the plain kernel) against "
           + "; ".join(f"{f}'s grid of {len(grids[f])} tiles" for f in forms))
-    print("\n| product | form | N × K | cuBLAS µs | current tile µs | best tiles (µs, same, "
-          "invariant) |")
-    print("|---|---|---|---:|---:|---|")
-    total_cur = total_cublas = 0.0
-    total_best = {f: 0.0 for f in forms}
-    # form → tile → [summed µs × count, whether every product kept the numbers]
-    single = {f: {} for f in forms}
+    # Each product's operands, the current plain tile's outputs and times, first; then the
+    # forms one after the other, each ending with its sums (a form that hangs or fails keeps
+    # the ones before).
+    cases, total_cur, total_cublas = [], 0.0, 0.0
     for name, N, K, count in products(SHAPES[a.shape]):
         x = torch.randn(a.rows, K, device=dev, dtype=torch.bfloat16, generator=g)
         w = torch.randn(N, K, device=dev, dtype=torch.bfloat16, generator=g) / K ** 0.5
@@ -148,7 +145,18 @@ def main() -> int:
         t_cur = timed(lambda: run(x, w, cur))
         total_cur += t_cur * count
         total_cublas += t_cublas * count
-        for form in forms:
+        cases.append((name, N, K, count, x, w, ref, t_cublas, t_cur))
+    what = "a decode step's" if a.rows < 1024 else f"a forward pass's ({a.rows} tokens)"
+    print(f"\n{what} products: cuBLAS {total_cublas / 1000:.2f} ms, current plain tiles "
+          f"{total_cur / 1000:.2f} ms")
+    print("\n| product | form | N × K | cuBLAS µs | current tile µs | best tiles (µs, same, "
+          "invariant) |")
+    print("|---|---|---|---:|---:|---|")
+    sums = []
+    for form in forms:
+        total_best = 0.0
+        single = {}  # (tile, sub) → [µs × count summed, every output kept, products timed]
+        for name, N, K, count, x, w, ref, t_cublas, t_cur in cases:
             rows = []
             for tile, sub in grids[form]:
                 try:
@@ -162,32 +170,32 @@ def main() -> int:
                 del y
                 us = timed(lambda: run(x, w, tile, form, sub))
                 rows.append((us, (tile, sub), same, inv))
-                acc = single[form].setdefault((tile, sub), [0.0, True, 0])
+                acc = single.setdefault((tile, sub), [0.0, True, 0])
                 acc[0] += us * count
                 acc[1] = acc[1] and same and inv
                 acc[2] += 1
             rows.sort(key=lambda r: r[0])
             keep = [r for r in rows if r[2] and r[3]]
             best = keep[0][0] if keep else t_cur
-            total_best[form] += min(best, t_cur) * count
+            total_best += min(best, t_cur) * count
             shown = rows[:a.top] + [r for r in keep[:2] if r not in rows[:a.top]]
             cells = "; ".join(f"{tile_name(*t)}: {us:.1f} ({'same' if s else 'differs'}, "
                               f"{'inv' if i else 'NOT inv'})" for us, t, s, i in shown)
             print(f"| {name} | {form} | {N} × {K} | {t_cublas:.1f} | {t_cur:.1f} | {cells} |",
                   flush=True)
+        ones = sorted((v[0], k) for k, v in single.items() if v[1] and v[2] == len(cases))
+        broke = sorted(tile_name(*k) for k, v in single.items() if not v[1])
+        one = "; ".join(f"{tile_name(*k)} {us / 1000:.2f} ms" for us, k in ones[:3]) or "none"
+        sums.append(f"- {form}: best keeping tile per product {total_best / 1000:.2f} ms; best "
+                    f"single tiles keeping every product: {one}"
+                    + (f"; tiles that changed a number: {', '.join(broke)}" if broke else ""))
+        print(sums[-1], flush=True)
     bi.EPILOGUE_SUBTILE = saved_sub
-    what = "a decode step's" if a.rows < 1024 else f"a forward pass's ({a.rows} tokens)"
     print(f"\n{what} products: cuBLAS {total_cublas / 1000:.2f} ms, current plain tiles "
           f"{total_cur / 1000:.2f} ms")
-    n = len(products(SHAPES[a.shape]))
-    for form in forms:
-        ones = sorted((v[0], k) for k, v in single[form].items() if v[1] and v[2] == n)
-        broke = sorted(tile_name(*k) for k, v in single[form].items() if not v[1])
-        one = "; ".join(f"{tile_name(*k)} {us / 1000:.2f} ms" for us, k in ones[:3]) or "none"
-        print(f"- {form}: best keeping tile per product {total_best[form] / 1000:.2f} ms; "
-              f"best single tiles keeping every product: {one}"
-              + (f"; tiles that changed a number: {', '.join(broke)}" if broke else ""))
+    print("\n".join(sums))
     return 0
+
 
 if __name__ == "__main__":
     sys.exit(main())
