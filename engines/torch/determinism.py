@@ -8,7 +8,7 @@
         [--norm-bwd triton|torch] [--head-bwd triton|torch] [--fused-elementwise on|off]
         [--attn-large BM,warps] [--micro-batch-tokens N] [--split-k S] [--layer-fn on|off]
         [--attn-lse on|off] [--attn-full-blocks on|off] [--fused-qk on|off]
-        [--fused-add-norm on|off] [--profile]
+        [--fused-add-norm on|off] [--matmul-form plain|tma|persistent|persistent-ws] [--profile]
 
 On a random model (make-model: Qwen3-0.6B's shape, bf16 on a GPU; --small: the tiny Qwen3, for
 the CPU and the test that runs this), with no end-of-sequence token so every response has its
@@ -293,7 +293,8 @@ KNOBS = [("--tile", "tile", ""), ("--tile-large", "tile_large", ""),
          ("--attn-large", "attn_large", ""), ("--micro-batch-tokens", "micro_batch_tokens", 0),
          ("--split-k", "split_k", 1), ("--tile-by-shape", "tile_by_shape", "on"), ("--layer-fn", "layer_fn", "on"),
          ("--attn-lse", "attn_lse", "on"), ("--attn-full-blocks", "attn_full_blocks", "on"),
-         ("--fused-qk", "fused_qk", "on"), ("--fused-add-norm", "fused_add_norm", "on")]
+         ("--fused-qk", "fused_qk", "on"), ("--fused-add-norm", "fused_add_norm", "on"),
+         ("--matmul-form", "matmul_form", "plain")]
 
 
 def main(argv=None) -> int:
@@ -389,8 +390,16 @@ def main(argv=None) -> int:
                    help="the deterministic residual add after the attention and the MLP's norm "
                    "in one kernel, every pass alike (on, the default) or two kernels (off, the "
                    "first version)")
+    p.add_argument("--matmul-form", default="plain",
+                   choices=["plain", "tma", "persistent", "persistent-ws"],
+                   help="an experiment: the deterministic products of at least 1,024 rows "
+                   "(training, long prefills) in the plain Triton kernel (plain, the default) or "
+                   "on Hopper's TMA descriptors: a program a tile (tma), one program an SM "
+                   "(persistent), that warp-specialized (persistent-ws); the same arithmetic, "
+                   "the check says whether the bits are")
     a = p.parse_args(argv)
     from slimen_torch import batch_invariant
+    batch_invariant.MATMUL_FORM = a.matmul_form
     if a.tile:
         batch_invariant.TILE = tuple(int(x) for x in a.tile.split(","))
         if len(batch_invariant.TILE) != 5:

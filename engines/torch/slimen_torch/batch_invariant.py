@@ -532,13 +532,18 @@ def matmul_triton(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype) -> t
     if SPLIT_K > 1 and K >= SPLIT_K_MIN:
         _matmul_split(x, w, y, tile)
         return y
-    matmul_tiled(x, w, y, tile)
+    matmul_tiled(x, w, y, tile, _form(x, w, y))
     return y
 
 
-def matmul_tiled(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, tile: tuple) -> None:
+def matmul_tiled(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, tile: tuple,
+                 form: str = "plain") -> None:
     """y [M, N] = x [M, K] @ w [N, K]ᵀ through _matmul_kernel in tile (BM, BN, BK, warps,
-    stages), unsplit (bench_tiles.py times the tiles)."""
+    stages), unsplit, or through the kernel of another form (MATMUL_FORMS; the caller has
+    checked with _form that TMA can take the operands). bench_tiles.py times the tiles."""
+    if form != "plain":
+        _matmul_tma(x, w, y, tile, form)
+        return
     M, K = x.shape
     N = w.shape[0]
     BM, BN, BK, warps, stages = tile
@@ -546,6 +551,183 @@ def matmul_tiled(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, tile: tuple)
     _matmul_kernel[grid](x, w, y, M, N, K, x.stride(0), x.stride(1), w.stride(0), w.stride(1),
                          y.stride(0), y.stride(1), BM=BM, BN=BN, BK=BK,
                          IEEE=x.dtype == torch.float32, num_warps=warps, num_stages=stages)
+
+
+# ---- the products in Hopper's form (an experiment: MATMUL_FORM) ----
+
+# The form of the kernel that runs the products of at least FORM_MIN_M rows (a training pass's
+# forward products, long prefills):
+# * "plain": _matmul_kernel (pointer loads, a program a tile; the default);
+# * "tma": _matmul_tma_kernel, the operands' blocks brought into shared memory by the TMA unit
+#   through tensor descriptors, the tiles in grouped order, the output stored by TMA in
+#   EPILOGUE_SUBTILE parts;
+# * "persistent": _matmul_persistent_kernel, the same in one program an SM that walks the tiles
+#   in grouped order, its tile loop and K loop flattened into one pipelined loop;
+# * "persistent-ws": _matmul_ws_kernel, the persistent walk warp-specialized by Triton (a
+#   producer warp group issues the TMA loads, two consumer warp groups the products; it acts on
+#   4-warp kernels only, so the tile's warps are not used), the output stored from registers.
+# Every form sums an output's K steps of BK in increasing order into one fp32 accumulator with
+# the same matrix instruction, rounding once at the end, with no split along K: the plain
+# kernel's arithmetic, so the outputs are meant to be equal bit for bit (bench_tiles.py --forms
+# says whether they are; determinism.py --matmul-form X checks the trainer's log-probs against
+# the decode's, whose 256-row products stay plain). Products of fewer rows, and those whose
+# operands a TMA descriptor cannot describe (not bf16/fp16, a row stride or base not 16-byte
+# aligned, columns not contiguous), take the plain kernel: _form says which.
+MATMUL_FORMS = ("plain", "tma", "persistent", "persistent-ws")
+MATMUL_FORM = "plain"
+FORM_MIN_M = 1024
+# Row blocks a group of the grouped tile order: the tiles of GROUP_M row blocks are walked
+# column block by column block, so the programs that run together share W's column blocks and
+# X's GROUP_M row blocks in L2.
+GROUP_M = 8
+# Parts (1 or 2) of a tile's columns stored one after the other by "tma" and "persistent" (the
+# rounded tile staged for the TMA store in half the shared memory, left to the pipeline).
+EPILOGUE_SUBTILE = 2
+_TMA_DTYPES = (torch.bfloat16, torch.float16)
+
+if HAVE_TRITON:
+    @triton.jit
+    def _grouped_tile(t, tiles_m, tiles_n, GROUP: tl.constexpr):
+        # Tile t of the grouped order → its row block and column block.
+        per_group = GROUP * tiles_n
+        first = (t // per_group) * GROUP
+        rows = tl.minimum(tiles_m - first, GROUP)
+        return first + (t % per_group) % rows, (t % per_group) // rows
+
+    @triton.jit
+    def _tma_dot(XD, WD, om, on, k0, acc, IEEE: tl.constexpr):
+        # One K step of a tile: acc + X[om:, k0:]·W[on:, k0:]ᵀ, as _matmul_kernel's step (the
+        # blocks past M, N and K zero-filled by the TMA unit as the plain kernel's masks fill
+        # them).
+        a = XD.load([om, k0])
+        b = WD.load([on, k0])
+        if IEEE:
+            acc += tl.dot(a, b.T, input_precision="ieee")
+        else:
+            acc += tl.dot(a, b.T)
+        return acc
+
+    @triton.jit
+    def _tma_store(YD, acc, om, on, BM: tl.constexpr, BN: tl.constexpr, SUB: tl.constexpr):
+        # The tile rounded to Y's dtype once and stored by TMA (rows and columns past Y
+        # clipped), in SUB parts of BN / SUB columns.
+        if SUB == 2:
+            halves = tl.permute(tl.reshape(acc, (BM, 2, BN // 2)), (0, 2, 1))
+            a0, a1 = tl.split(halves)
+            YD.store([om, on], a0.to(YD.dtype))
+            YD.store([om, on + BN // 2], a1.to(YD.dtype))
+        else:
+            YD.store([om, on], acc.to(YD.dtype))
+
+    @triton.jit(do_not_specialize=["M"])
+    def _matmul_tma_kernel(XD, WD, YD, M, N, K, BM: tl.constexpr, BN: tl.constexpr,
+                           BK: tl.constexpr, GROUP: tl.constexpr, SUB: tl.constexpr,
+                           IEEE: tl.constexpr):
+        # One BM × BN tile of Y = X·Wᵀ a program, in grouped order; XD, WD, YD TMA descriptors
+        # of X [M, K] (blocks BM × BK), W [N, K] (BN × BK) and Y [M, N] (BM × BN / SUB). The
+        # sum along K as _matmul_kernel's: steps of BK from 0 up, whole.
+        pm, pn = _grouped_tile(tl.program_id(0), tl.cdiv(M, BM), tl.cdiv(N, BN), GROUP)
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        for k0 in range(0, K, BK):
+            acc = _tma_dot(XD, WD, pm * BM, pn * BN, k0, acc, IEEE)
+        _tma_store(YD, acc, pm * BM, pn * BN, BM, BN, SUB)
+
+    @triton.jit(do_not_specialize=["M"])
+    def _matmul_persistent_kernel(XD, WD, YD, M, N, K, PROGRAMS, BM: tl.constexpr,
+                                  BN: tl.constexpr, BK: tl.constexpr, GROUP: tl.constexpr,
+                                  SUB: tl.constexpr, IEEE: tl.constexpr):
+        # _matmul_tma_kernel's tiles, program p taking tiles p, p + PROGRAMS, … of the grouped
+        # order (PROGRAMS: the SMs). The tile loop is flattened with its K loop into one
+        # software-pipelined loop (the next tile's loads start during this tile's last steps);
+        # each tile's sum is still its own K loop's, from zero.
+        tiles_m, tiles_n = tl.cdiv(M, BM), tl.cdiv(N, BN)
+        for t in tl.range(tl.program_id(0), tiles_m * tiles_n, PROGRAMS, flatten=True):
+            pm, pn = _grouped_tile(t, tiles_m, tiles_n, GROUP)
+            acc = tl.zeros((BM, BN), dtype=tl.float32)
+            for k0 in range(0, K, BK):
+                acc = _tma_dot(XD, WD, pm * BM, pn * BN, k0, acc, IEEE)
+            _tma_store(YD, acc, pm * BM, pn * BN, BM, BN, SUB)
+
+    @triton.jit(do_not_specialize=["M"])
+    def _matmul_ws_kernel(XD, WD, Y, M, N, K, sym, PROGRAMS, BM: tl.constexpr,
+                          BN: tl.constexpr, BK: tl.constexpr, GROUP: tl.constexpr,
+                          IEEE: tl.constexpr):
+        # _matmul_persistent_kernel's walk with the tile loop warp-specialized. The output is
+        # stored from registers with _matmul_kernel's masks: Triton 3.6's Hopper warp
+        # specialization fails on a TMA store in the loop ("descriptor block and tensor types
+        # must match").
+        tiles_m, tiles_n = tl.cdiv(M, BM), tl.cdiv(N, BN)
+        for t in tl.range(tl.program_id(0), tiles_m * tiles_n, PROGRAMS, warp_specialize=True):
+            pm, pn = _grouped_tile(t, tiles_m, tiles_n, GROUP)
+            acc = tl.zeros((BM, BN), dtype=tl.float32)
+            for k0 in range(0, K, BK):
+                acc = _tma_dot(XD, WD, pm * BM, pn * BN, k0, acc, IEEE)
+            rm = pm * BM + tl.arange(0, BM)
+            rn = pn * BN + tl.arange(0, BN)
+            tl.store(Y + rm[:, None].to(tl.int64) * sym + rn[None, :],
+                     acc.to(Y.dtype.element_ty), mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+
+def _tma_ok(t: torch.Tensor) -> bool:
+    """Whether a TMA descriptor can describe the 2-D t: contiguous columns, its base and row
+    stride 16-byte aligned."""
+    return (t.stride(1) == 1 and (t.stride(0) * t.element_size()) % 16 == 0
+            and t.data_ptr() % 16 == 0)
+
+
+def _form(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor) -> str:
+    """The kernel form of y = x·wᵀ: MATMUL_FORM for products of at least FORM_MIN_M rows whose
+    operands TMA descriptors can describe (x and w bf16 or fp16 alike), else plain."""
+    if MATMUL_FORM == "plain" or x.shape[0] < FORM_MIN_M:
+        return "plain"
+    if x.dtype not in _TMA_DTYPES or w.dtype != x.dtype or \
+            y.dtype not in _TMA_DTYPES + (torch.float32,):
+        return "plain"
+    if not (_tma_ok(x) and _tma_ok(w) and _tma_ok(y)):
+        return "plain"
+    return MATMUL_FORM
+
+
+_SMS: dict = {}
+
+
+def _programs(device: torch.device) -> int:
+    """The persistent kernels' programs: the device's SMs (4 under the interpreter)."""
+    if device.type != "cuda":
+        return 4
+    if device not in _SMS:
+        _SMS[device] = torch.cuda.get_device_properties(device).multi_processor_count
+    return _SMS[device]
+
+
+def _matmul_tma(x, w, y, tile, form: str) -> None:
+    """y = x·wᵀ through the kernel of form ("tma", "persistent", "persistent-ws") in tile
+    (BM, BN, BK, warps, stages)."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+    M, K = x.shape
+    N = w.shape[0]
+    BM, BN, BK, warps, stages = tile
+    xd = TensorDescriptor(x, [M, K], [x.stride(0), 1], [BM, BK])
+    wd = TensorDescriptor(w, [N, K], [w.stride(0), 1], [BN, BK])
+    tiles = triton.cdiv(M, BM) * triton.cdiv(N, BN)
+    programs = min(_programs(x.device), tiles)
+    ieee = x.dtype == torch.float32  # fp32 operands (the tests, under the interpreter)
+    if form == "persistent-ws":
+        _matmul_ws_kernel[(programs,)](xd, wd, y, M, N, K, y.stride(0), programs, BM=BM, BN=BN,
+                                       BK=BK, GROUP=GROUP_M, IEEE=ieee, num_warps=4,
+                                       num_stages=stages)
+        return
+    sub = EPILOGUE_SUBTILE if BN % 2 == 0 else 1
+    yd = TensorDescriptor(y, [M, N], [y.stride(0), 1], [BM, BN // sub])
+    if form == "tma":
+        _matmul_tma_kernel[(tiles,)](xd, wd, yd, M, N, K, BM=BM, BN=BN, BK=BK, GROUP=GROUP_M,
+                                     SUB=sub, IEEE=ieee, num_warps=warps, num_stages=stages)
+    elif form == "persistent":
+        _matmul_persistent_kernel[(programs,)](
+            xd, wd, yd, M, N, K, programs, BM=BM, BN=BN, BK=BK, GROUP=GROUP_M, SUB=sub,
+            IEEE=ieee, num_warps=warps, num_stages=stages)
+    else:
+        raise ValueError(f"matmul form {form!r}: one of {MATMUL_FORMS}")
 
 
 def matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

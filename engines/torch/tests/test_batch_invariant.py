@@ -324,6 +324,81 @@ def test_the_triton_product_keeps_a_row_whatever_the_row_count(interpreted, monk
             assert torch.allclose(whole, y, atol=1e-4) and not torch.equal(whole, y)
 
 
+@pytest.mark.parametrize("form", [f for f in bi.MATMUL_FORMS if f != "plain"])
+def test_the_tma_forms_give_the_plain_products(interpreted, monkeypatch, form):
+    # The Hopper forms (MATMUL_FORM) index, group, walk and store the tiles as the plain kernel
+    # does: the same outputs (under the interpreter its NumPy products, on sm_90 bench_tiles.py
+    # --forms compares the bits), with ragged edges in M, N and K (the TMA unit's zero fill for
+    # the masks' zeros), groups of 2 row blocks (the last one short), a tile's columns stored
+    # whole or in two halves, several tiles a persistent program (4 under the interpreter), and
+    # a row's numbers whatever the row count. fp32 operands here (the interpreter's bf16
+    # products read the bits); strides of 16 bytes.
+    monkeypatch.setattr(bi, "GROUP_M", 2)
+    g = torch.Generator().manual_seed(16)
+    tile = (32, 32, 16, 4, 3)
+    for M, N, K in ((70, 96, 200), (130, 40, 16), (5, 132, 36)):
+        x = torch.randn(M, K, generator=g)
+        w = torch.randn(N, K, generator=g)
+        ref = torch.empty(M, N)
+        bi.matmul_tiled(x, w, ref, tile)
+        for sub in (1, 2):
+            monkeypatch.setattr(bi, "EPILOGUE_SUBTILE", sub)
+            y = torch.full((M, N), 7.0)
+            bi.matmul_tiled(x, w, y, tile, form)
+            assert torch.equal(y, ref), (M, N, K, sub)
+        one = torch.full((1, N), 7.0)
+        bi.matmul_tiled(x[M - 1:].clone(), w, one, tile, form)
+        assert torch.equal(one, ref[M - 1:])
+    with pytest.raises(ValueError):
+        bi.matmul_tiled(x, w, y, tile, "swizzled")
+
+
+def test_the_products_form_is_chosen_by_rows_and_layout(monkeypatch):
+    # MATMUL_FORM takes products of FORM_MIN_M rows or more whose operands TMA descriptors can
+    # describe (bf16/fp16, contiguous columns, 16-byte aligned base and row strides); every
+    # other product, and every product with the form plain, the plain kernel.
+    def form(x, w=None, y=None):
+        w = torch.zeros(64, 64, dtype=x.dtype) if w is None else w
+        y = torch.empty(x.shape[0], w.shape[0], dtype=x.dtype) if y is None else y
+        return bi._form(x, w, y)
+
+    m = bi.FORM_MIN_M
+    x = torch.zeros(m, 64, dtype=torch.bfloat16)
+    assert form(x) == "plain"
+    monkeypatch.setattr(bi, "MATMUL_FORM", "persistent")
+    assert form(x) == "persistent"
+    assert form(torch.zeros(m, 64, dtype=torch.float16)) == "persistent"
+    assert form(x, y=torch.empty(m, 64)) == "persistent"  # an fp32 output
+    assert form(x[:m - 1]) == "plain"  # fewer rows: a decode step's
+    assert form(x.float()) == "plain"  # fp32 operands: the plain kernel's IEEE products
+    assert form(x, w=torch.zeros(64, 64, dtype=torch.float16)) == "plain"
+    wide = torch.zeros(m, 65, dtype=torch.bfloat16)
+    assert form(wide[:, 1:]) == "plain"  # a row stride of 130 bytes
+    flat = torch.zeros(m * 64 + 1, dtype=torch.bfloat16)
+    assert form(flat[1:].view(m, 64)) == "plain"  # a base 2 bytes past an aligned one
+    assert form(torch.zeros(64, m, dtype=torch.bfloat16).t()) == "plain"  # strided columns
+    assert form(x, y=torch.empty(m, 128, dtype=torch.bfloat16)[:, :64]) == "persistent"
+    assert form(x, y=torch.empty(m, 72, dtype=torch.bfloat16)[:, 1:65]) == "plain"
+
+
+def test_the_products_take_the_form_where_chosen(interpreted, monkeypatch):
+    # matmul_triton sends a product that _form gives a Hopper form to that form's kernel, in
+    # the product's tile; the others to the plain kernel (here the TMA kernels are recorded, not
+    # run: the interpreter's bf16 products are not the GPU's).
+    calls = []
+    monkeypatch.setattr(bi, "_matmul_tma", lambda x, w, y, tile, form: calls.append(
+        (x.shape[0], tile, form)) or y.zero_())
+    monkeypatch.setattr(bi, "MATMUL_FORM", "tma")
+    monkeypatch.setattr(bi, "FORM_MIN_M", 32)
+    g = torch.Generator().manual_seed(17)
+    w = torch.randn(48, 64, generator=g).bfloat16()
+    x = torch.randn(40, 64, generator=g).bfloat16()
+    assert torch.equal(bi.matmul_triton(x, w, torch.bfloat16), torch.zeros(40, 48))
+    assert calls == [(40, bi._tile(40, 48, 64), "tma")]
+    bi.matmul_triton(x[:31], w, torch.bfloat16)  # fewer rows: the plain kernel
+    bi.matmul_triton(x.float(), w.float(), torch.float32)
+    assert len(calls) == 1
+
 def test_the_triton_attention_is_the_same_for_any_cache(interpreted):
     g = torch.Generator().manual_seed(7)
     B, T, H, KV, D = 1, 70, 2, 1, 8

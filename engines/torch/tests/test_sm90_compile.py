@@ -54,6 +54,21 @@ def configs(bi):
                     consts, warps, stages))
         out.append((f"matmul-split-{tname}", bi._matmul_split_kernel,
                     dict(X="bf16", W="bf16", P="fp32"), consts, warps, stages))
+    # The products' Hopper forms (batch_invariant.MATMUL_FORM) in the large tile and a 128 × 256
+    # one, on TMA descriptors of bf16 blocks (the tile's); the warp-specialized one on 4 warps.
+    for tname, tile in (("tile-large", bi.TILE_LARGE or bi.TILE),
+                        ("128x256", (128, 256, 64, 8, 3))):
+        BM, BN, BK, warps, stages = tile
+        descs = dict(XD=f"tensordesc<bf16[{BM}, {BK}]>", WD=f"tensordesc<bf16[{BN}, {BK}]>")
+        for sub in (1, 2):
+            consts = dict(BM=BM, BN=BN, BK=BK, GROUP=bi.GROUP_M, SUB=sub, IEEE=False)
+            typed = dict(descs, YD=f"tensordesc<bf16[{BM}, {BN // sub}]>")
+            out.append((f"matmul-tma-sub{sub}-{tname}", bi._matmul_tma_kernel, typed, consts,
+                        warps, stages))
+            out.append((f"matmul-persistent-sub{sub}-{tname}", bi._matmul_persistent_kernel,
+                        typed, consts, warps, stages))
+        out.append((f"matmul-ws-{tname}", bi._matmul_ws_kernel, dict(descs, Y="bf16"),
+                    dict(BM=BM, BN=BN, BK=BK, GROUP=bi.GROUP_M, IEEE=False), 4, stages))
     # The log-sum-exp and the sampler over a vocabulary (bf16 logits; Qwen3's 75 parts in 128).
     part = bi.VOCAB_PART
     out.append(("lse-part", bi._lse_part_kernel, dict(X="bf16", PM="fp32", PS="fp32"),
@@ -98,14 +113,17 @@ NAMES = names()
 
 
 def compile_sm90(triton, kernel, pointers: dict, consts: dict, warps: int, stages: int):
-    """Compiles the @triton.jit kernel for sm_90: pointers name → element type, consts its
-    constexpr arguments; every other argument an i32 (scale and eps fp32)."""
+    """Compiles the @triton.jit kernel for sm_90: pointers name → element type (or a host TMA
+    descriptor's type, "tensordesc<bf16[BM, BK]>"), consts its constexpr arguments; every other
+    argument an i32 (scale and eps fp32)."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
     sig, attrs, constexprs = {}, {}, {}
     for i, a in enumerate(kernel.arg_names):
         if a in consts:
             sig[a], constexprs[(i,)] = "constexpr", consts[a]
+        elif a in pointers and pointers[a].startswith("tensordesc"):
+            sig[a] = pointers[a]  # a TMA descriptor made on the host: its type as given
         elif a in pointers:
             sig[a], attrs[(i,)] = "*" + pointers[a], [["tt.divisibility", 16]]
         elif a in ("scale", "eps"):
