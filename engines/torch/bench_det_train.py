@@ -2,6 +2,7 @@
 
     python engines/torch/bench_det_train.py [--device cuda|cpu] [--small] [--sections a,b]
         [--layers N] [--reps N] [--dq Q,K,W,S;…] [--dkdv Q,K,W,S;…]
+        [--dq2 R,K,W,S;…] [--dkdv2 R,K,W,S;…]
 
 Qwen3-0.6B's layer shape in bf16 (--small: a tiny one in fp16, for the CPU under Triton's
 interpreter and the test that runs this; its times mean nothing):
@@ -11,7 +12,13 @@ interpreter and the test that runs this; its times mean nothing):
              batch_invariant's switches: the forward's log-sum-exp kept for the dQ kernel or
              recomputed (ATTN_LSE), the blocks whose queries see all their keys unmasked or not
              (ATTN_BWD_FULL_BLOCKS), and the backward kernels' blocks (--dq, --dkdv: lists of
-             queries,keys,warps,stages separated by ";", each tried with the defaults' other)
+             queries,keys,warps,stages separated by ";", each tried with the defaults' other);
+             then the second form's backward (ATTN_BWD "triton2": rows of the query heads of a
+             key head together, the causal bounds by arithmetic) with the log-sum-exp kept and
+             recomputed, and its blocks (--dq2, --dkdv2: rows,keys,warps,stages, rows being
+             queries × the 2 heads of a key head). Each row says whether two calls gave the
+             same gradients bit for bit, and the largest difference from the first form's
+             default (relative to the gradient's largest entry; bf16 rounding, ~1e-2, is fine)
   layers     --layers decoder layers (random weights) forward and backward over 16,384 tokens in
              micro-batches of 4,096 and of 16,384, each layer one autograd node (LAYER_FN) or an
              operation a node: wall ms for the 16,384 tokens and the process's CPU ms meanwhile
@@ -93,25 +100,54 @@ def attention_rows(a, dev, dtype) -> list[str]:
     pos = torch.arange(T, device=dev).expand(B, T)
     scale = D ** -0.5
     dq0, dkdv0 = bi.ATTN_BWD_DQ, bi.ATTN_BWD_DKDV
+    dq20, dkdv20 = bi.ATTN_BWD2_DQ, bi.ATTN_BWD2_DKDV
     if a.small:
         dq0, dkdv0 = (16, 16, 4, 1), (16, 16, 4, 1)
-    runs = [(lse, full, dq0, dkdv0) for lse in (True, False) for full in (True, False)]
-    runs += [(True, True, b, dkdv0) for b in blocks(a.dq)]
-    runs += [(True, True, dq0, b) for b in blocks(a.dkdv)]
-    rows = [f"| attention ({B}×{T}, causal) | forward ms | backward ms | total ms |",
-            "|---|---:|---:|---:|"]
-    for lse, full, dq, dkdv in runs:
-        bi.ATTN_LSE, bi.ATTN_BWD_FULL_BLOCKS = lse, full
-        bi.ATTN_BWD_DQ = bi.ATTN_BWD_DQ_F32 = dq
-        bi.ATTN_BWD_DKDV = bi.ATTN_BWD_DKDV_F32 = dkdv
-        buf = bi._attention_lse(q)
-        o = bi.attention_triton(q, k, v, pos, scale, lse=buf)
-        fwd = timed(lambda: bi.attention_triton(q, k, v, pos, scale, lse=buf), dev, a.reps)
-        bwd = timed(lambda: bi.attention_backward_triton(q, k, v, o, pos, go, scale, lse=buf),
-                    dev, a.reps)
-        name = (f"lse {'kept' if lse else 'recomputed'}, full blocks {'on' if full else 'off'}, "
-                f"dQ {','.join(map(str, dq))}, dK/dV {','.join(map(str, dkdv))}")
-        rows.append(f"| {name} | {fwd:.2f} | {bwd:.2f} | {fwd + bwd:.2f} |")
+        dq20, dkdv20 = (16, 16, 4, 1), (16, 16, 4, 1)
+    runs = [("triton", lse, full, dq0, dkdv0) for lse in (True, False) for full in (True, False)]
+    runs += [("triton", True, True, b, dkdv0) for b in blocks(a.dq)]
+    runs += [("triton", True, True, dq0, b) for b in blocks(a.dkdv)]
+    runs += [("triton2", lse, True, dq20, dkdv20) for lse in (True, False)]
+    runs += [("triton2", True, True, b, dkdv20) for b in blocks(a.dq2)]
+    runs += [("triton2", True, True, dq20, b) for b in blocks(a.dkdv2)]
+    rows = [f"| attention ({B}×{T}, causal) | forward ms | backward ms | total ms | repeats "
+            "| max diff |", "|---|---:|---:|---:|---|---:|"]
+    first, saved = None, {name: getattr(bi, name) for name in SWITCHES}
+    try:
+        for form, lse, full, dq, dkdv in runs:
+            bi.ATTN_BWD, bi.ATTN_LSE, bi.ATTN_BWD_FULL_BLOCKS = form, lse, full
+            if form == "triton":
+                bi.ATTN_BWD_DQ = bi.ATTN_BWD_DQ_F32 = dq
+                bi.ATTN_BWD_DKDV = bi.ATTN_BWD_DKDV_F32 = dkdv
+            else:
+                bi.ATTN_BWD2_DQ = bi.ATTN_BWD2_DQ_F32 = dq
+                bi.ATTN_BWD2_DKDV = bi.ATTN_BWD2_DKDV_F32 = dkdv
+            buf = bi._attention_lse(q)
+            o = bi.attention_triton(q, k, v, pos, scale, lse=buf)
+
+            def bwd_call():
+                return bi.attention_backward_triton(q, k, v, o, pos, go, scale, lse=buf,
+                                                    causal=True)
+            fwd = timed(lambda: bi.attention_triton(q, k, v, pos, scale, lse=buf), dev, a.reps)
+            bwd = timed(bwd_call, dev, a.reps)
+            # Two more calls: the same bits? And how far from the first row's gradients (the
+            # first form's defaults), relative to each gradient's largest entry.
+            one, two = bwd_call(), bwd_call()
+            same = all(torch.equal(x, y) for x, y in zip(one, two))
+            first = first or one
+            diff = max(((x.float() - w.float()).abs().max() / w.float().abs().max()).item()
+                       for x, w in zip(one, first))
+            name = (f"lse {'kept' if lse else 'recomputed'}, full blocks "
+                    f"{'on' if full else 'off'}, dQ {','.join(map(str, dq))}, "
+                    f"dK/dV {','.join(map(str, dkdv))}")
+            if form == "triton2":
+                name = (f"triton2: lse {'kept' if lse else 'recomputed'}, "
+                        f"dQ2 {','.join(map(str, dq))}, dK/dV2 {','.join(map(str, dkdv))}")
+            rows.append(f"| {name} | {fwd:.2f} | {bwd:.2f} | {fwd + bwd:.2f} | "
+                        f"{'yes' if same else 'NO'} | {diff:.1e} |")
+    finally:  # the next section with the defaults
+        for name, val in saved.items():
+            setattr(bi, name, val)
     return rows
 
 
@@ -173,6 +209,10 @@ def main(argv=None) -> int:
     p.add_argument("--reps", type=int, default=0, help="timed calls (default 5; --small 1)")
     p.add_argument("--dq", default="", help="more dQ blocks to try, e.g. 64,64,4,3;128,64,8,3")
     p.add_argument("--dkdv", default="", help="more dK/dV blocks to try, e.g. 64,128,8,2")
+    p.add_argument("--dq2", default="",
+                   help="more dQ blocks of the second form, e.g. 128,32,8,3;64,64,4,3")
+    p.add_argument("--dkdv2", default="",
+                   help="more dK/dV blocks of the second form, e.g. 64,64,8,2;32,128,8,3")
     a = p.parse_args(argv)
     a.layers = a.layers or (1 if a.small else 28)
     a.reps = a.reps or (1 if a.small else 5)
@@ -194,7 +234,8 @@ def main(argv=None) -> int:
 
 
 SWITCHES = ("FORCE_TRITON", "LAYER_FN", "ATTN_LSE", "ATTN_BWD_FULL_BLOCKS", "ATTN_BWD_DQ",
-            "ATTN_BWD_DQ_F32", "ATTN_BWD_DKDV", "ATTN_BWD_DKDV_F32")
+            "ATTN_BWD_DQ_F32", "ATTN_BWD_DKDV", "ATTN_BWD_DKDV_F32", "ATTN_BWD",
+            "ATTN_BWD2_DQ", "ATTN_BWD2_DQ_F32", "ATTN_BWD2_DKDV", "ATTN_BWD2_DKDV_F32")
 
 
 if __name__ == "__main__":

@@ -4,7 +4,8 @@
         [--mode both|default|deterministic] [--tile BM,BN,BK,warps,stages] [--tile-large T|none]
         [--tile-by-shape on|off]
         [--row-kernels on|off] [--attn-grouped on|off] [--attn-bm N]
-        [--attn-bwd triton|sdpa] [--attn-bwd-dq Q,K,W,S] [--attn-bwd-dkdv Q,K,W,S]
+        [--attn-bwd triton|triton2|sdpa] [--attn-bwd-dq Q,K,W,S] [--attn-bwd-dkdv Q,K,W,S]
+        [--attn-bwd2-dq R,K,W,S] [--attn-bwd2-dkdv R,K,W,S]
         [--norm-bwd triton|torch] [--head-bwd triton|torch] [--fused-elementwise on|off]
         [--attn-large BM,warps] [--micro-batch-tokens N] [--split-k S] [--layer-fn on|off]
         [--attn-lse on|off] [--attn-full-blocks on|off] [--fused-qk on|off]
@@ -288,6 +289,7 @@ KNOBS = [("--tile", "tile", ""), ("--tile-large", "tile_large", ""),
          ("--row-kernels", "row_kernels", "on"), ("--attn-grouped", "attn_grouped", "on"),
          ("--attn-bm", "attn_bm", 0), ("--attn-bwd", "attn_bwd", "triton"),
          ("--attn-bwd-dq", "attn_bwd_dq", ""), ("--attn-bwd-dkdv", "attn_bwd_dkdv", ""),
+         ("--attn-bwd2-dq", "attn_bwd2_dq", ""), ("--attn-bwd2-dkdv", "attn_bwd2_dkdv", ""),
          ("--norm-bwd", "norm_bwd", "triton"),
          ("--head-bwd", "head_bwd", "triton"), ("--fused-elementwise", "fused_elementwise", "on"),
          ("--attn-large", "attn_large", ""), ("--micro-batch-tokens", "micro_batch_tokens", 0),
@@ -338,15 +340,23 @@ def main(argv=None) -> int:
     p.add_argument("--attn-bm", type=int, default=0,
                    help="queries a program of the deterministic attention takes, decode and "
                    "training alike (default 16; a power of two ≥ 16)")
-    p.add_argument("--attn-bwd", default="triton", choices=["triton", "sdpa"],
+    p.add_argument("--attn-bwd", default="triton", choices=["triton", "triton2", "sdpa"],
                    help="the deterministic attention's backward pass (training): two Triton "
-                   "kernels without atomics (triton, the default) or PyTorch's attention "
-                   "recomputed in its strict deterministic mode (sdpa, the first version)")
+                   "kernels without atomics (triton, the default), their second form (triton2: "
+                   "a program's rows the query heads of a key head together, a causal pass's "
+                   "bounds by arithmetic) or PyTorch's attention recomputed in its strict "
+                   "deterministic mode (sdpa, the first version)")
     p.add_argument("--attn-bwd-dq", default="",
                    help="the Triton backward's dQ kernel's block: queries,keys,warps,stages "
                    "(default 128,32,8,3)")
     p.add_argument("--attn-bwd-dkdv", default="",
                    help="the Triton backward's dK/dV kernel's block: queries,keys,warps,stages "
+                   "(default 32,128,8,2)")
+    p.add_argument("--attn-bwd2-dq", default="",
+                   help="--attn-bwd triton2's dQ kernel's block: rows (queries × the query heads "
+                   "of a key head),keys,warps,stages (default 128,64,8,2)")
+    p.add_argument("--attn-bwd2-dkdv", default="",
+                   help="--attn-bwd triton2's dK/dV kernel's block: rows,keys,warps,stages "
                    "(default 32,128,8,2)")
     p.add_argument("--norm-bwd", default="triton", choices=["triton", "torch"],
                    help="the deterministic RMSNorm's backward pass: one Triton kernel (triton, "
@@ -418,12 +428,13 @@ def main(argv=None) -> int:
             p.error(f"--attn-bm {a.attn_bm}: give a power of two ≥ 16")
         batch_invariant.ATTN_BM = a.attn_bm
     batch_invariant.ATTN_BWD = a.attn_bwd
-    for flag, name in (("dq", "ATTN_BWD_DQ"), ("dkdv", "ATTN_BWD_DKDV")):
-        got = getattr(a, f"attn_bwd_{flag}")
+    for flag, name in (("bwd-dq", "ATTN_BWD_DQ"), ("bwd-dkdv", "ATTN_BWD_DKDV"),
+                       ("bwd2-dq", "ATTN_BWD2_DQ"), ("bwd2-dkdv", "ATTN_BWD2_DKDV")):
+        got = getattr(a, f"attn_{flag.replace('-', '_')}")
         if got:
             setattr(batch_invariant, name, tuple(int(x) for x in got.split(",")))
             if len(getattr(batch_invariant, name)) != 4:
-                p.error(f"--attn-bwd-{flag} {got}: give queries,keys,warps,stages")
+                p.error(f"--attn-{flag} {got}: give queries,keys,warps,stages")
     a.config = " ".join(f"{flag} {getattr(a, k)}" for flag, k, d in KNOBS
                         if getattr(a, k) != d)
     batch_invariant.RMS_BWD_TRITON = a.norm_bwd == "triton"

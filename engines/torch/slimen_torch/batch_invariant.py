@@ -1917,8 +1917,207 @@ if HAVE_TRITON:
         u = b * sub + kvh * suh + j[:, None] * sul + d[None, :]
         tl.store(DV + u, dv.to(DV.dtype.element_ty), mask=gm)
 
-# The attention's backward pass: "triton" (the kernels above) or "sdpa" (PyTorch's attention
-# recomputed under its strict deterministic mode; determinism.py --attn-bwd sdpa). The kernels'
+# ---- the attention's backward pass, second form (ATTN_BWD "triton2") ----
+#
+# The same gradients in two kernels again, laid out as the forward's grouped programs are: a
+# program's rows are (query, head) pairs of the G query heads sharing a key head (G consecutive
+# rows a query, the heads' rows adjacent in memory), so that the dQ kernel reads each key and
+# value block once for the group, and the dK/dV kernel's one loop over row blocks covers both
+# heads (the first form loops over the heads inside each query block, a loop of G steps that is
+# all Triton's software pipeliner sees, inside branches). A causal pass (the caller says the
+# queries are positions 0..Lk-1) gives the dK/dV kernel its query blocks' bounds by arithmetic:
+# the blocks before a key block skipped, the diagonal ones masked, the rest a loop without masks
+# or positions. Powers of two by exp2 on a log-sum-exp in log2 units (one multiply fewer an
+# element); programs ordered so that those with the most blocks start first (a causal pass's
+# last queries, first keys), the light ones filling the last wave. Repeatable bit for bit like
+# the first: no atomics, each sum in one program's fixed order (not the first form's order).
+
+if HAVE_TRITON:
+    @triton.jit
+    def _dq2_keys(dq, q, do, lse2, delta, pos, K, V, kb, vb, skl, svl, d, dm, start, stop, pmax,
+                  Lk, qk2, BN: tl.constexpr, F32DOT: tl.constexpr, MASKED: tl.constexpr):
+        # dQ of a block of rows added over the key blocks [start, stop) in order; MASKED False:
+        # blocks whose keys every row sees, loaded and scored without the masks.
+        for c0 in range(start, stop, BN):
+            j = c0 + tl.arange(0, BN)
+            if MASKED:
+                jm = (j < Lk) & (j <= pmax)
+                km = jm[None, :] & dm[:, None]
+            else:
+                km = dm[:, None]
+            k = tl.load(K + kb + j[None, :] * skl + d[:, None], mask=km, other=0.0)  # [BD, BN]
+            vt = tl.load(V + vb + j[None, :] * svl + d[:, None], mask=km, other=0.0)
+            s = _bwd_dot(q, k, F32DOT)
+            dp = _bwd_dot(do, vt, F32DOT)
+            p = tl.math.exp2(s * qk2 - lse2[:, None])
+            ds = p * (dp - delta[:, None])
+            if MASKED:  # (ds too: 0, whatever delta of a row that sees no key)
+                seen = (j[None, :] <= pos[:, None]) & jm[None, :]
+                ds = tl.where(seen, ds, 0.0)
+            dq += _bwd_dot(ds.to(k.dtype), tl.trans(k), F32DOT)
+        return dq
+
+    @triton.jit(do_not_specialize=["B", "Tq", "Lk"])
+    def _attention_bwd2_dq_kernel(Q, K, V, O, DO, P, DQ, LSE, DELTA, B, Tq, H, Lk, D, scale,
+                                  sqb, sqt, sqh, skb, skh, skl, svb, svh, svl,
+                                  sob, sot, soh, sdb, sdt, sdh,
+                                  G: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                                  BD: tl.constexpr, F32DOT: tl.constexpr,
+                                  HAVE_LSE: tl.constexpr):
+        # BM rows: BM // G queries of the G heads of one key head. First their log-sum-exp
+        # (HAVE_LSE: the forward's; else online over their keys, in fp32) and delta = Σ dO·O,
+        # both kept for the dK/dV kernel; then dQ = scale · Σ_j P·(dP − delta)·k_j, the key
+        # blocks every row sees first, unmasked, then the rest masked (as the first form).
+        QB: tl.constexpr = BM // G
+        pid = tl.program_id(0)
+        KV = H // G
+        nblk = tl.cdiv(Tq, QB)
+        kvh, b = pid % KV, (pid // KV) % B
+        t0 = (nblk - 1 - pid // (KV * B)) * QB  # the last queries (the most keys) first
+        r = tl.arange(0, BM)
+        t = t0 + r // G
+        h = kvh * G + r % G
+        tm = (r < QB * G) & (t < Tq)
+        d = tl.arange(0, BD)
+        dm = d < D
+        qm = tm[:, None] & dm[None, :]
+        pos = tl.load(P + b * Tq + t, mask=tm, other=-1)
+        q = tl.load(Q + b * sqb + t[:, None] * sqt + h[:, None] * sqh + d[None, :], mask=qm,
+                    other=0.0)
+        do = tl.load(DO + b * sdb + t[:, None] * sdt + h[:, None] * sdh + d[None, :], mask=qm,
+                     other=0.0)
+        o = tl.load(O + b * sob + t[:, None] * sot + h[:, None] * soh + d[None, :], mask=qm,
+                    other=0.0)
+        delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), axis=1)
+        pmax = tl.max(pos, axis=0)
+        end = tl.minimum(pmax + 1, Lk)
+        kb, vb = b * skb + kvh * skh, b * svb + kvh * svh
+        lr = (b * Tq + t) * H + h
+        if HAVE_LSE:
+            lse = tl.load(LSE + lr, mask=tm, other=0.0)
+        else:
+            m = tl.full((BM,), float("-inf"), tl.float32)
+            l = tl.zeros((BM,), tl.float32)
+            for c0 in range(0, end, BN):
+                j = c0 + tl.arange(0, BN)
+                jm = (j < Lk) & (j <= pmax)
+                k = tl.load(K + kb + j[None, :] * skl + d[:, None],
+                            mask=jm[None, :] & dm[:, None], other=0.0)  # [BD, BN]
+                s = _bwd_dot(q, k, F32DOT)
+                seen = (j[None, :] <= pos[:, None]) & jm[None, :]
+                s = tl.where(seen, s * scale, float("-inf"))
+                m_new = tl.maximum(m, tl.max(s, axis=1))
+                m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+                l = l * tl.exp(m - m_ref) + tl.sum(
+                    tl.where(seen, tl.exp(s - m_ref[:, None]), 0.0), axis=1)
+                m = m_new
+            # A row that sees no key (padding) has output 0 and no gradient: P is 0.
+            lse = tl.where(l > 0.0, m + tl.log(tl.where(l > 0.0, l, 1.0)), 0.0)
+        LOG2E: tl.constexpr = 1.4426950408889634
+        qk2 = scale * LOG2E
+        full_end = tl.maximum(tl.minimum((tl.min(pos, axis=0) + 1) // BN, Lk // BN), 0) * BN
+        full_end = tl.minimum(full_end, end)
+        dq = tl.zeros((BM, BD), tl.float32)
+        dq = _dq2_keys(dq, q, do, lse * LOG2E, delta, pos, K, V, kb, vb, skl, svl, d, dm, 0,
+                       full_end, pmax, Lk, qk2, BN, F32DOT, MASKED=False)
+        dq = _dq2_keys(dq, q, do, lse * LOG2E, delta, pos, K, V, kb, vb, skl, svl, d, dm,
+                       full_end, end, pmax, Lk, qk2, BN, F32DOT, MASKED=True)
+        tl.store(DQ + b * sqb + t[:, None] * sqt + h[:, None] * sqh + d[None, :],
+                 (dq * scale).to(DQ.dtype.element_ty), mask=qm)
+        if not HAVE_LSE:
+            tl.store(LSE + lr, lse, mask=tm)
+        tl.store(DELTA + lr, delta, mask=tm)
+
+    @triton.jit
+    def _dkdv2_rows(dk, dv, Q, DO, P, LSE, DELTA, k, v, j, jm, rq, h, rv, d, dm, b, Tq, H,
+                    sqb, sqt, sqh, sdb, sdt, sdh, start, stop, qk2, QB: tl.constexpr,
+                    F32DOT: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr):
+        # dK and dV of a block of keys (k, v) added over the row blocks of queries
+        # [start, stop) (QB a block, each with the G heads' rows) in order. MASKED False: rows
+        # that see every key of the block. Masked, CAUSAL: a query sees the keys up to its
+        # index; else up to its position in P.
+        LOG2E: tl.constexpr = 1.4426950408889634
+        for t0 in range(start, stop, QB):
+            t = t0 + rq
+            tm = rv & (t < Tq)
+            qm = tm[:, None] & dm[None, :]
+            q = tl.load(Q + b * sqb + t[:, None] * sqt + h[:, None] * sqh + d[None, :], mask=qm,
+                        other=0.0)  # [BM, BD]
+            do = tl.load(DO + b * sdb + t[:, None] * sdt + h[:, None] * sdh + d[None, :],
+                         mask=qm, other=0.0)
+            lr = (b * Tq + t) * H + h
+            lse2 = tl.load(LSE + lr, mask=tm, other=0.0) * LOG2E
+            delta = tl.load(DELTA + lr, mask=tm, other=0.0)
+            st = _bwd_dot(k, tl.trans(q), F32DOT)  # [BN, BM]
+            dpt = _bwd_dot(v, tl.trans(do), F32DOT)
+            pt = tl.math.exp2(st * qk2 - lse2[None, :])
+            dst = pt * (dpt - delta[None, :])
+            if MASKED:
+                if CAUSAL:
+                    seen = j[:, None] <= t[None, :]
+                else:
+                    pos = tl.load(P + b * Tq + t, mask=tm, other=-1)
+                    seen = (j[:, None] <= pos[None, :]) & jm[:, None]
+                pt = tl.where(seen, pt, 0.0)
+                dst = tl.where(seen, dst, 0.0)
+            # (Rows past Tq read q and dO as 0: they add exactly 0 to both.)
+            dv += _bwd_dot(pt.to(do.dtype), do, F32DOT)
+            dk += _bwd_dot(dst.to(q.dtype), q, F32DOT)
+        return dk, dv
+
+    @triton.jit(do_not_specialize=["B", "Tq", "Lk"])
+    def _attention_bwd2_dkdv_kernel(Q, K, V, DO, P, LSE, DELTA, DK, DV, B, Tq, H, Lk, D, scale,
+                                    sqb, sqt, sqh, skb, skh, skl, svb, svh, svl, sdb, sdt, sdh,
+                                    sgb, sgh, sgl, sub, suh, sul,
+                                    G: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                                    BD: tl.constexpr, F32DOT: tl.constexpr,
+                                    CAUSAL: tl.constexpr):
+        # BN keys of one key head: dV = Σ Pᵀ·dO and dK = scale · Σ (P·(dP − delta))ᵀ·q over the
+        # rows (queries × the G heads sharing the key head) in blocks of BM, in order. CAUSAL
+        # (Tq = Lk, the queries' positions their indices): the row blocks before the keys
+        # skipped, those that straddle them masked, the rest without masks; else every block
+        # masked by the positions in P.
+        QB: tl.constexpr = BM // G
+        pid = tl.program_id(0)
+        KV = H // G
+        kvh, b = pid % KV, (pid // KV) % B
+        j0 = (pid // (KV * B)) * BN  # the first keys (the most queries) first
+        j = j0 + tl.arange(0, BN)
+        jm = j < Lk
+        d = tl.arange(0, BD)
+        dm = d < D
+        km = jm[:, None] & dm[None, :]
+        k = tl.load(K + b * skb + kvh * skh + j[:, None] * skl + d[None, :], mask=km, other=0.0)
+        v = tl.load(V + b * svb + kvh * svh + j[:, None] * svl + d[None, :], mask=km, other=0.0)
+        r = tl.arange(0, BM)
+        rq, h, rv = r // G, kvh * G + r % G, r < QB * G
+        dk = tl.zeros((BN, BD), tl.float32)
+        dv = tl.zeros((BN, BD), tl.float32)
+        LOG2E: tl.constexpr = 1.4426950408889634
+        qk2 = scale * LOG2E
+        if CAUSAL:
+            # A block [t0, t0 + QB) is whole when t0 ≥ the last key j0 + BN − 1.
+            lo = (j0 // QB) * QB
+            mid = tl.minimum(tl.cdiv(j0 + BN - 1, QB) * QB, tl.cdiv(Tq, QB) * QB)
+            dk, dv = _dkdv2_rows(dk, dv, Q, DO, P, LSE, DELTA, k, v, j, jm, rq, h, rv, d, dm, b,
+                                 Tq, H, sqb, sqt, sqh, sdb, sdt, sdh, lo, mid, qk2, QB, F32DOT,
+                                 MASKED=True, CAUSAL=True)
+            dk, dv = _dkdv2_rows(dk, dv, Q, DO, P, LSE, DELTA, k, v, j, jm, rq, h, rv, d, dm, b,
+                                 Tq, H, sqb, sqt, sqh, sdb, sdt, sdh, mid, Tq, qk2, QB, F32DOT,
+                                 MASKED=False, CAUSAL=True)
+        else:
+            dk, dv = _dkdv2_rows(dk, dv, Q, DO, P, LSE, DELTA, k, v, j, jm, rq, h, rv, d, dm, b,
+                                 Tq, H, sqb, sqt, sqh, sdb, sdt, sdh, 0, Tq, qk2, QB, F32DOT,
+                                 MASKED=True, CAUSAL=False)
+        gm = jm[:, None] & dm[None, :]
+        g = b * sgb + kvh * sgh + j[:, None] * sgl + d[None, :]
+        tl.store(DK + g, (dk * scale).to(DK.dtype.element_ty), mask=gm)
+        u = b * sub + kvh * suh + j[:, None] * sul + d[None, :]
+        tl.store(DV + u, dv.to(DV.dtype.element_ty), mask=gm)
+
+# The attention's backward pass: "triton" (the first form's kernels above), "triton2" (the
+# second form's; determinism.py --attn-bwd triton2) or "sdpa" (PyTorch's attention recomputed
+# under its strict deterministic mode; --attn-bwd sdpa). The first form's kernels'
 # blocks (queries, keys, warps, stages): many rows of what a program accumulates (dQ: queries,
 # dK/dV: keys), few of what it streams, as the flash-attention-2 Triton tutorial has them; at
 # head dim 128 in bf16 these compile for sm_90 without spilling registers (ptxas -v). Any block
@@ -1930,6 +2129,16 @@ ATTN_BWD_DQ = (128, 32, 8, 3)
 ATTN_BWD_DKDV = (32, 128, 8, 2)
 ATTN_BWD_DQ_F32 = (32, 32, 4, 2)
 ATTN_BWD_DKDV_F32 = (32, 16, 4, 1)
+# The second form's blocks (rows, keys, warps, stages), rows (query, head) pairs of a key head's
+# G query heads (Qwen3-0.6B's 2: 128 rows are 64 queries); its own, so that the bench times both
+# forms side by side (bench_det_train.py --dq2, --dkdv2; determinism.py --attn-bwd2-dq,
+# --attn-bwd2-dkdv). A key block's rows are whole blocks of queries (BM // G of them), and a
+# group larger than BM rows takes the first form. At head dim 128 in bf16 these compile for sm_90
+# without spilling registers (ptxas -v).
+ATTN_BWD2_DQ = (128, 64, 8, 2)
+ATTN_BWD2_DKDV = (32, 128, 8, 2)
+ATTN_BWD2_DQ_F32 = (32, 32, 4, 1)
+ATTN_BWD2_DKDV_F32 = (32, 32, 4, 1)
 # The backward kernels' blocks whose queries all see all the keys (a causal pass's blocks below
 # the diagonal: most of them) skip the masks' compares and selects, the same numbers. False:
 # every block masked (determinism.py --attn-full-blocks off).
@@ -1940,23 +2149,35 @@ ATTN_BWD_FULL_BLOCKS = True
 ATTN_LSE = True
 
 
+# The ATTN_BWD values that are Triton kernels (the forward's log-sum-exp, the training layer).
+TRITON_BWD = ("triton", "triton2")
+
+
 def _attention_lse(q) -> torch.Tensor | None:
     """The log-sum-exp buffer of a training pass's forward (ATTN_LSE with the Triton backward),
     or None."""
-    if not (ATTN_LSE and ATTN_BWD == "triton"):
+    if not (ATTN_LSE and ATTN_BWD in TRITON_BWD):
         return None
     B, Tq, H, _ = q.shape
     return torch.empty(B, Tq, H, dtype=torch.float32, device=q.device)
 
 
-def attention_backward_triton(q, k, v, o, q_pos, go, scale, dk=None, dv=None, lse=None):
+def attention_backward_triton(q, k, v, o, q_pos, go, scale, dk=None, dv=None, lse=None,
+                              causal=False):
     """The gradients (dq, dk, dv) of attention_triton's output o for its output's gradient go,
-    in the two kernels above (q [B, Tq, H, D], k and v [B, KV, Lk, D]). Repeatable bit for bit:
-    no atomics, each sum in one program's fixed order. dk, dv: where to write those (views of
-    k's shape, contiguous along D; else new tensors). lse: the forward's log-sum-exp of each
-    row (attention_triton's; else the dQ kernel computes it in a pass over the keys)."""
+    in the two kernels above (q [B, Tq, H, D], k and v [B, KV, Lk, D]): the first form's, or
+    the second's (ATTN_BWD "triton2"). Repeatable bit for bit: no atomics, each sum in one
+    program's fixed order. dk, dv: where to write those (views of k's shape, contiguous along
+    D; else new tensors). lse: the forward's log-sum-exp of each row (attention_triton's; else
+    the dQ kernel computes it in a pass over the keys). causal: the caller says q_pos is
+    0..Lk-1 in every row (the second form's dK/dV kernel then skips, masks and loops by
+    arithmetic; the gradients the same function's either way)."""
     B, Tq, H, D = q.shape
     KV, Lk = k.shape[1], k.shape[2]
+    tiles = _bwd2_tiles(q.dtype) if ATTN_BWD == "triton2" else None
+    if tiles is not None and H // KV <= tiles[0][0]:
+        return _attention_backward_triton2(q, k, v, o, q_pos, go, scale, dk, dv, lse,
+                                           causal and Tq == Lk, tiles)
     # dq takes q's strides; k and v are read through theirs (the training pass's are views).
     q, o, go = q.contiguous(), o.contiguous(), go.contiguous()
     if k.stride(-1) != 1 or v.stride(-1) != 1:
@@ -1992,6 +2213,53 @@ def attention_backward_triton(q, k, v, o, q_pos, go, scale, dk=None, dv=None, ls
     return dq, dk, dv
 
 
+def _bwd2_tiles(dtype) -> tuple:
+    """The second form's (dQ, dK/dV) blocks for operands of dtype."""
+    if dtype == torch.float32:
+        return ATTN_BWD2_DQ_F32, ATTN_BWD2_DKDV_F32
+    return ATTN_BWD2_DQ, ATTN_BWD2_DKDV
+
+
+def _attention_backward_triton2(q, k, v, o, q_pos, go, scale, dk, dv, lse, causal, tiles):
+    """attention_backward_triton in the second form's kernels (_attention_bwd2_dq_kernel, then
+    _attention_bwd2_dkdv_kernel)."""
+    B, Tq, H, D = q.shape
+    KV, Lk = k.shape[1], k.shape[2]
+    G = H // KV
+    q, o, go = q.contiguous(), o.contiguous(), go.contiguous()
+    if k.stride(-1) != 1 or v.stride(-1) != 1:
+        k, v = k.contiguous(), v.contiguous()
+    pos = q_pos.to(torch.int64).contiguous().view(-1)
+    BD = max(16, triton.next_power_of_2(D))
+    f32 = q.dtype == torch.float32 or INTERPRET
+    dq = torch.empty_like(q)
+    have_lse = lse is not None
+    if not have_lse:
+        lse = torch.empty(B, Tq, H, dtype=torch.float32, device=q.device)
+    delta = torch.empty_like(lse)
+    (BM, BN, warps, stages), dkdv = tiles
+    _attention_bwd2_dq_kernel[(B * KV * triton.cdiv(Tq, BM // G),)](
+        q, k, v, o, go, pos, dq, lse, delta, B, Tq, H, Lk, D, scale,
+        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2), o.stride(0), o.stride(1), o.stride(2),
+        go.stride(0), go.stride(1), go.stride(2),
+        G=G, BM=BM, BN=BN, BD=BD, F32DOT=f32, HAVE_LSE=have_lse, num_warps=warps,
+        num_stages=stages)
+    if dk is None:
+        dk = torch.empty(B, KV, Lk, D, dtype=k.dtype, device=k.device)
+    if dv is None:
+        dv = torch.empty(B, KV, Lk, D, dtype=v.dtype, device=v.device)
+    BM, BN, warps, stages = dkdv
+    _attention_bwd2_dkdv_kernel[(B * KV * triton.cdiv(Lk, BN),)](
+        q, k, v, go, pos, lse, delta, dk, dv, B, Tq, H, Lk, D, scale,
+        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2), go.stride(0), go.stride(1), go.stride(2),
+        dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
+        G=G, BM=BM, BN=BN, BD=BD, F32DOT=f32, CAUSAL=causal, num_warps=warps,
+        num_stages=stages)
+    return dq, dk, dv
+
+
 @contextlib.contextmanager
 def _strict_determinism():
     """torch.use_deterministic_algorithms(True) inside the block, as it was after. PyTorch's
@@ -2011,7 +2279,8 @@ def _strict_determinism():
 
 class _Attention(torch.autograd.Function):
     """The Triton attention forward; the backward pass the gradient of the same function, not
-    batch-invariant but repeatable: attention_backward_triton (ATTN_BWD "triton"), or PyTorch's
+    batch-invariant but repeatable: attention_backward_triton (ATTN_BWD "triton", "triton2"),
+    or PyTorch's
     attention recomputed with its kernels in PyTorch's deterministic mode. causal: the queries
     are positions 0..Lk-1 of their sequence, so SDPA takes its causal (flash) kernel instead of
     a mask."""
@@ -2027,8 +2296,9 @@ class _Attention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, go):
         q, k, v, q_pos, o, lse = ctx.saved_tensors
-        if ATTN_BWD == "triton":
-            gq, gk, gv = attention_backward_triton(q, k, v, o, q_pos, go, ctx.scale, lse=lse)
+        if ATTN_BWD in TRITON_BWD:
+            gq, gk, gv = attention_backward_triton(q, k, v, o, q_pos, go, ctx.scale, lse=lse,
+                                                   causal=ctx.causal)
             return gq, gk, gv, None, None, None, None
         with torch.enable_grad(), _strict_determinism():
             q_, k_, v_ = (t.detach().requires_grad_() for t in (q, k, v))
@@ -2078,10 +2348,11 @@ def layer(cfg, x: torch.Tensor, w: tuple, cos: torch.Tensor, sin: torch.Tensor):
     """model.block_forward's deterministic layer (x [B, T, hidden] → (x, k, v), k and v
     [B, kv_heads, T, D]) as one _Layer node where it applies: a pass with gradients through the
     GPU's kernels and their backward passes (use_triton, ROW_KERNELS, RMS_BWD_TRITON,
-    FUSED_ELEMENTWISE, ATTN_BWD "triton"), 16-bit activations (the rope kernel's), rope tables
-    [T, D] and plain weight tensors (no adapters); None elsewhere (the caller's operations)."""
+    FUSED_ELEMENTWISE, ATTN_BWD "triton" or "triton2"), 16-bit activations (the rope
+    kernel's), rope tables [T, D] and plain weight tensors (no adapters); None elsewhere (the
+    caller's operations)."""
     if not (LAYER_FN and torch.is_grad_enabled() and use_triton(x) and ROW_KERNELS
-            and RMS_BWD_TRITON and FUSED_ELEMENTWISE and ATTN_BWD == "triton"):
+            and RMS_BWD_TRITON and FUSED_ELEMENTWISE and ATTN_BWD in TRITON_BWD):
         return None
     if (x.dim() != 3 or x.dtype not in (torch.bfloat16, torch.float16)
             or max(cfg.hidden, cfg.head_dim) > RMS_BWD_MAX or cfg.head_dim % 2
@@ -2158,7 +2429,7 @@ class _Layer(torch.autograd.Function):
                                              .transpose(1, 2), o.view(B, T, H, D), pos,
                                              go.view(B, T, H, D), D ** -0.5,
                                              dk=dk.transpose(1, 2), dv=gv.transpose(1, 2),
-                                             lse=lse)
+                                             lse=lse, causal=True)
         if gkt is not None:  # the keys and values used outside the layer too
             dk += gkt.transpose(1, 2)
         if gvt is not None:

@@ -547,15 +547,15 @@ def test_the_triton_sampler_draws_a_row_alike_in_any_batch(interpreted, monkeypa
         assert abs((tt == k).float().mean().item() - p[k].item()) < 0.01
 
 
-@pytest.mark.parametrize("bwd", ["triton", "sdpa"])
+@pytest.mark.parametrize("bwd", ["triton", "triton2", "sdpa"])
 def test_the_triton_attention_gradient_is_sdpa_s_in_both_forms(interpreted, monkeypatch, bwd):
-    # The training pass's attention (causal: the causal SDPA kernel in the "sdpa" backward pass)
-    # and a masked one give SDPA's gradients, in either backward pass; the "sdpa" one leaves
-    # PyTorch's deterministic setting as it found it.
+    # The training pass's attention (causal: the causal SDPA kernel in the "sdpa" backward pass,
+    # the bounds by arithmetic in the "triton2" one) and a masked one give SDPA's gradients, in
+    # each backward pass; the "sdpa" one leaves PyTorch's deterministic setting as it found it.
     monkeypatch.setattr(bi, "ATTN_BWD", bwd)
-    for name in ("ATTN_BWD_DQ", "ATTN_BWD_DQ_F32"):
+    for name in ("ATTN_BWD_DQ", "ATTN_BWD_DQ_F32", "ATTN_BWD2_DQ", "ATTN_BWD2_DQ_F32"):
         monkeypatch.setattr(bi, name, (16, 16, 4, 1))
-    for name in ("ATTN_BWD_DKDV", "ATTN_BWD_DKDV_F32"):
+    for name in ("ATTN_BWD_DKDV", "ATTN_BWD_DKDV_F32", "ATTN_BWD2_DKDV", "ATTN_BWD2_DKDV_F32"):
         monkeypatch.setattr(bi, name, (16, 32, 4, 1))
     g = torch.Generator().manual_seed(9)
     B, T, H, KV, D = 2, 20, 4, 2, 16
@@ -575,7 +575,9 @@ def test_the_triton_attention_gradient_is_sdpa_s_in_both_forms(interpreted, monk
     assert not torch.are_deterministic_algorithms_enabled()
 
 
-def test_the_triton_attention_backward_is_the_gradient_and_repeats(interpreted, monkeypatch):
+@pytest.mark.parametrize("bwd", ["triton", "triton2"])
+def test_the_triton_attention_backward_is_the_gradient_and_repeats(interpreted, monkeypatch,
+                                                                    bwd):
     # The training pass's backward in the two Triton kernels (dQ by query blocks, dK and dV by
     # key blocks over the query heads sharing them), never SDPA: the gradient of attention_torch
     # in fp32, and within bf16's rounding in bf16, with grouped heads (4 on 2, 2 on 2), queries
@@ -587,17 +589,21 @@ def test_the_triton_attention_backward_is_the_gradient_and_repeats(interpreted, 
     # as their bits; the backward kernels read them as fp32 there.) In fp32 with the forward's
     # log-sum-exp of each row (ATTN_LSE, kept by the forward kernel without changing its output)
     # and with the dQ kernel's own alike. The blocks whose queries see all their keys without
-    # the masks' work (ATTN_BWD_FULL_BLOCKS), the same numbers as masked.
-    for name in ("ATTN_BWD_DQ", "ATTN_BWD_DQ_F32"):
+    # the masks' work (ATTN_BWD_FULL_BLOCKS), the same numbers as masked. The second form
+    # ("triton2": rows of the heads of a key head together; FULL_BLOCKS changes nothing there)
+    # alike, with a group of 3 (rows 15 of a 16-row block), and in a causal pass (queries at
+    # 0..Lk-1) with its bounds by arithmetic: the same gradient as the masked loops'.
+    monkeypatch.setattr(bi, "ATTN_BWD", bwd)
+    for name in ("ATTN_BWD_DQ", "ATTN_BWD_DQ_F32", "ATTN_BWD2_DQ", "ATTN_BWD2_DQ_F32"):
         monkeypatch.setattr(bi, name, (16, 16, 4, 1))
-    for name in ("ATTN_BWD_DKDV", "ATTN_BWD_DKDV_F32"):
+    for name in ("ATTN_BWD_DKDV", "ATTN_BWD_DKDV_F32", "ATTN_BWD2_DKDV", "ATTN_BWD2_DKDV_F32"):
         monkeypatch.setattr(bi, name, (16, 16, 4, 1))  # whole blocks under the diagonal
 
     def no_sdpa(*a, **kw):
         raise AssertionError("the Triton attention's backward pass called SDPA")
     monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", no_sdpa)
     g = torch.Generator().manual_seed(12)
-    for H, KV in ((4, 2), (2, 2)):
+    for H, KV in ((4, 2), (2, 2)) + (((6, 2),) if bwd == "triton2" else ()):
         B, T, D, Lk = 2, 40, 16, 46
         q = torch.randn(B, T, H, D, generator=g)
         k = torch.randn(B, KV, Lk, D, generator=g)
@@ -639,6 +645,18 @@ def test_the_triton_attention_backward_is_the_gradient_and_repeats(interpreted, 
         want_lse = torch.logsumexp(s.masked_fill(~seen, float("-inf")), -1).nan_to_num(
             0.0, neginf=0.0)
         assert torch.allclose(buf, want_lse, atol=1e-5) and not buf[1, 29:].any()
+        if bwd == "triton2":  # a causal pass: Tq = Lk, the positions 0..T-1
+            kc, vc = k[:, :, :T].contiguous(), v[:, :, :T].contiguous()
+            pc = torch.arange(T).expand(B, T)
+            ref = [t.clone().requires_grad_() for t in (q, kc, vc)]
+            want = torch.autograd.grad(bi.attention_torch(*ref, pc, 0.3), ref, go)
+            o = bi.attention_torch(q, kc, vc, pc, 0.3)
+            runs = [bi.attention_backward_triton(q, kc, vc, o, pc, go, 0.3, causal=c)
+                    for c in (True, True, False)]
+            for *same, w in zip(*runs, want):
+                assert torch.equal(same[0], same[1])
+                for a in same:
+                    assert (a - w).abs().max() <= 1e-5 * max(1.0, w.abs().max().item())
 
 
 def test_the_triton_rms_norm_keeps_a_row_and_has_the_plain_gradient(interpreted, monkeypatch):
@@ -1052,22 +1070,25 @@ def _graph_nodes(t: torch.Tensor) -> list[str]:
     return names
 
 
-@pytest.mark.parametrize("shape", ["tiny-qwen3", "tiny-qwen2"])
-def test_the_layer_in_one_node_is_the_layer(interpreted, model_dirs, monkeypatch, shape):
+@pytest.mark.parametrize("shape,bwd", [("tiny-qwen3", "triton"), ("tiny-qwen2", "triton"),
+                                       ("tiny-qwen3", "triton2")])
+def test_the_layer_in_one_node_is_the_layer(interpreted, model_dirs, monkeypatch, shape, bwd):
     # The deterministic training layer as one autograd node (LAYER_FN): the forward of the
     # operations one node each, bit for bit (the same kernels on the same inputs), for Qwen3's
     # q/k norms and Qwen2's biases, in fp16 (the rope kernel's 16-bit; the interpreter's bf16
     # products are not the GPU's); its gradients (input, every weight, and the keys' and
     # values' where they are used too) autograd's of those operations to fp16's rounding, and
     # the same bit for bit twice (the backward pass run again on the same graph: the forward's
-    # numbers are the operations' above); one node a layer instead of about twenty.
+    # numbers are the operations' above); one node a layer instead of about twenty. With the
+    # attention's second backward form (ATTN_BWD "triton2", causal in both) likewise.
     from slimen_torch.config import read_config
     from slimen_torch.model import Transformer, block_forward
     from slimen_torch.weights import load_weights
     monkeypatch.setattr(bi, "FORCE_TRITON", True)
-    for name in ("ATTN_BWD_DQ", "ATTN_BWD_DQ_F32"):
+    monkeypatch.setattr(bi, "ATTN_BWD", bwd)
+    for name in ("ATTN_BWD_DQ", "ATTN_BWD_DQ_F32", "ATTN_BWD2_DQ", "ATTN_BWD2_DQ_F32"):
         monkeypatch.setattr(bi, name, (16, 16, 4, 1))
-    for name in ("ATTN_BWD_DKDV", "ATTN_BWD_DKDV_F32"):
+    for name in ("ATTN_BWD_DKDV", "ATTN_BWD_DKDV_F32", "ATTN_BWD2_DKDV", "ATTN_BWD2_DKDV_F32"):
         monkeypatch.setattr(bi, name, (16, 32, 4, 1))
     cfg, _ = read_config(model_dirs[shape])
     model = Transformer(cfg, dtype=torch.float16)

@@ -33,13 +33,22 @@ def test_determinism_script_small(tmp_path, capsys):
 def test_the_training_pieces_bench_small(capsys):
     # bench_det_train.py's dry run (tiny shapes under Triton's interpreter): both tables, a row
     # for each setting of the attention's switches and each layer form and micro-batch.
-    assert bench_det_train.main(["--small", "--device", "cpu", "--dq", "16,16,4,1"]) == 0
+    # The second form's rows (ATTN_BWD "triton2") after the first's, one more block each; every
+    # row's gradients repeat bit for bit and are the first row's to fp16's rounding.
+    assert bench_det_train.main(["--small", "--device", "cpu", "--dq", "16,16,4,1",
+                                 "--dkdv2", "32,16,4,1"]) == 0
     out = capsys.readouterr().out
     att = [line for line in out.splitlines() if line.startswith("| lse ")]
     assert len(att) == 5 and any("recomputed, full blocks off" in line for line in att)
+    att2 = [line for line in out.splitlines() if line.startswith("| triton2: lse ")]
+    assert len(att2) == 3 and any("dK/dV2 32,16,4,1" in line for line in att2)
+    for line in att + att2:
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        assert cells[4] == "yes" and float(cells[5]) < 1e-2, line
     lay = [line for line in out.splitlines() if line.startswith("| one node") or
            line.startswith("| a node")]
     assert len(lay) == 4
     from slimen_torch import batch_invariant as bi
     assert bi.LAYER_FN and bi.ATTN_LSE and bi.ATTN_BWD_FULL_BLOCKS  # the switches as they were
     assert not bi.FORCE_TRITON and bi.ATTN_BWD_DQ == (128, 32, 8, 3)
+    assert bi.ATTN_BWD == "triton" and bi.ATTN_BWD2_DKDV == (32, 128, 8, 2)

@@ -41,6 +41,15 @@ def configs(bi):
     for full in (False, True):
         out.append((f"dkdv-full{int(full)}", bi._attention_bwd_dkdv_kernel, ATTN,
                     dict(BM=BM, BN=BN, BD=128, F32DOT=False, FULL_BLOCKS=full), warps, stages))
+    # The second form (ATTN_BWD "triton2"), Qwen3's 2 query heads a key head.
+    BM, BN, warps, stages = bi.ATTN_BWD2_DQ
+    for lse in (False, True):
+        out.append((f"dq2-lse{int(lse)}", bi._attention_bwd2_dq_kernel, ATTN,
+                    dict(G=2, BM=BM, BN=BN, BD=128, F32DOT=False, HAVE_LSE=lse), warps, stages))
+    BM, BN, warps, stages = bi.ATTN_BWD2_DKDV
+    for causal in (False, True):
+        out.append((f"dkdv2-causal{int(causal)}", bi._attention_bwd2_dkdv_kernel, ATTN,
+                    dict(G=2, BM=BM, BN=BN, BD=128, F32DOT=False, CAUSAL=causal), warps, stages))
     for lse in (False, True):
         out.append((f"attention-lse{int(lse)}", bi._attention_kernel,
                     dict(ATTN, LSE="fp32" if lse else "bf16"),
