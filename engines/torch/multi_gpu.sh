@@ -40,7 +40,9 @@
 # worker's environment to compare, ";" between settings, e.g. "SLIMEN_TORCH_FSDP_GROUP_MB=96;
 # SLIMEN_TORCH_FSDP_GROUP_MB=96 SLIMEN_TORCH_FSDP_LOCAL_OPT=1": for each N > 1 of NS, one more
 # uninterrupted run with each setting, nNaK for the K-th, its rows after N's; the sharded step's
-# switches are dist.py's SLIMEN_TORCH_FSDP_*), BUDGET (540 s), G (the GPU count, default from
+# switches are dist.py's SLIMEN_TORCH_FSDP_*; SLIMEN_TORCH_PREFORK=1 in the environment forks
+# the ranks from a process that has imported them, prefork.py: the killed rank's return without
+# the imports), BUDGET (540 s), G (the GPU count, default from
 # nvidia-smi), WORK (/tmp/multi-gpu: the runs, their logs and table.md). SLIMEN is built with cgo
 # when missing (`slimen gpus` needs NVML). engines/torch/lib.sh and gpu_runs.py hold what this
 # shares with swarm_gpu.sh.
@@ -176,16 +178,18 @@ faulty() {
   while kill -0 "$pid" 2>/dev/null; do
     # Step 1 done (its checkpoint is written before its line): step 2 is under way.
     if [ -z "$killed" ] && grep -q ' step 1/' "$WORK/faulty.log" 2>/dev/null; then
-      # A rank of the group other than 0: a child of the torchrun that slimen started (on one
-      # GPU, where there is no group, the worker itself).
+      # A rank of the group other than 0, from its first line in the worker's log ("serve:
+      # process PID began (rank R of N)"): a child of the torchrun that slimen started, or of
+      # its fork server (SLIMEN_TORCH_PREFORK=1, slimen_torch/prefork.py), whose environment
+      # and command line are the fork server's (on one GPU, where there is no group, the
+      # worker itself).
       run=$(pgrep -P "$pid" -f torch.distributed.run | head -1 || true)
       victim="" rank=""
-      for r in $(pgrep -P "${run:-0}" -f slimen_torch || true); do
-        if tr '\0' '\n' <"/proc/$r/environ" 2>/dev/null | grep -qx 'RANK=[1-9][0-9]*'; then
-          victim=$r rank=$(tr '\0' '\n' <"/proc/$r/environ" | grep -x 'RANK=.*')
-          break
-        fi
-      done
+      r=$(grep -o 'serve: process [0-9]* began (rank [1-9][0-9]* of' "$WORK/faulty/events.log" \
+        2>/dev/null | tail -1)
+      if [ -n "$r" ] && [ -n "$run" ]; then
+        victim=$(echo "$r" | cut -d' ' -f3) rank="RANK=$(echo "$r" | cut -d' ' -f6)"
+      fi
       if [ -z "$run" ] && [ "$NMAX" = 1 ]; then
         victim=$(pgrep -P "$pid" -f slimen_torch | head -1 || true) rank="the-worker"
       fi

@@ -66,3 +66,82 @@ def test_torchrun_restarts_a_group_that_meets_again(tmp_path):
     assert "listen 127.0.0.1:40123 127.0.0.1:7" in p.stdout, p.stdout + p.stderr
     for r in (0, 1):
         assert (tmp_path / f"round1-rank{r}").read_text() == "2", p.stdout + p.stderr
+
+
+def test_prefork_runs_slimen_torch_as_a_forked_function():
+    """SLIMEN_TORCH_PREFORK: torchrun's program `-m slimen_torch ARGS` becomes prefork.py run as
+    a function in children of the fork server; another program stays as it is."""
+    from slimen_torch import prefork
+
+    argv = ["torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+            "--max-restarts", "3", "-m", "slimen_torch", "serve", "--model", "m", "-m", "x"]
+    assert prefork.torchrun_argv(argv) == argv[:6] + [
+        "--run-path", "--start-method", "forkserver", os.path.abspath(prefork.__file__)
+    ] + ["serve", "--model", "m", "-m", "x"]
+    other = ["torch.distributed.run", "--nproc-per-node", "2", "-m", "other", "serve"]
+    assert prefork.torchrun_argv(other) == other
+
+
+def test_quick_rendezvous_names_the_caller():
+    """quick_rendezvous's method name is inspect.stack()'s (the caller of the caller)."""
+    from torch.distributed.elastic.rendezvous import dynamic_rendezvous as dr
+
+    saved = dr.get_method_name, dr._delay
+    try:
+        launch.quick_rendezvous(True)
+
+        def record():
+            return dr.get_method_name()
+
+        def caller():
+            return record()
+
+        assert caller() == "caller"
+        dr._delay((0, 0.3))  # the jitter: no pause
+    finally:
+        dr.get_method_name, dr._delay = saved
+
+
+def test_prefork_group_comes_back_without_imports(model_dirs, tmp_path):
+    """A worker group of two CPU ranks forked from the fork server (SLIMEN_TORCH_PREFORK=1): rank
+    1 SIGKILLed, torchrun forks a new group, whose rank 0 serves on the old port, within seconds
+    (no rank imports torch again)."""
+    import re
+    import signal
+    import time
+
+    addr = tmp_path / "address"
+    log = tmp_path / "log"
+    env = dict(os.environ, SLIMEN_TORCH_PREFORK="1", PYTHONPATH=os.pathsep.join(
+        [os.path.dirname(os.path.dirname(launch.__file__)), os.environ.get("PYTHONPATH", "")]))
+    with open(log, "w") as out:
+        p = subprocess.Popen([sys.executable, "-m", "slimen_torch.launch", "torch.distributed.run",
+                              "--standalone", "--nproc-per-node", "2", "--max-restarts", "1",
+                              "-m", "slimen_torch", "serve", "--model", str(model_dirs["tiny"]),
+                              "--device", "cpu", "--listen", "127.0.0.1:0", "--address-file",
+                              str(addr)], stdout=out, stderr=subprocess.STDOUT, env=env)
+
+    def wait_for(pred, what, limit=240):
+        end = time.monotonic() + limit
+        while time.monotonic() < end:
+            text = log.read_text()
+            if pred(text):
+                return text
+            assert p.poll() is None, text
+            time.sleep(0.1)
+        raise AssertionError(f"no {what}:\n{log.read_text()}")
+
+    try:
+        text = wait_for(lambda t: "serving" in t, "first group")
+        first = addr.read_text()
+        pid = int(re.findall(r"process (\d+) began \(rank 1 of 2\)", text)[-1])
+        killed = time.monotonic()
+        os.kill(pid, signal.SIGKILL)
+        text = wait_for(lambda t: t.count("serving") == 2, "second group")
+        back = time.monotonic() - killed
+        assert addr.read_text() == first
+        assert len(re.findall(r"began \(rank 1 of 2\)", text)) == 2
+        assert back < 60, f"back after {back:.1f} s:\n{text}"
+    finally:
+        p.terminate()
+        p.wait(timeout=60)
