@@ -287,7 +287,7 @@ def label(r: dict) -> str:
 # so that runs of other settings into one --out keep a row each.
 KNOBS = [("--tile", "tile", ""), ("--tile-large", "tile_large", ""),
          ("--row-kernels", "row_kernels", "on"), ("--attn-grouped", "attn_grouped", "on"),
-         ("--attn-bm", "attn_bm", 0), ("--attn-bwd", "attn_bwd", "triton"),
+         ("--attn-bm", "attn_bm", 0), ("--attn-bwd", "attn_bwd", "triton2"),
          ("--attn-bwd-dq", "attn_bwd_dq", ""), ("--attn-bwd-dkdv", "attn_bwd_dkdv", ""),
          ("--attn-bwd2-dq", "attn_bwd2_dq", ""), ("--attn-bwd2-dkdv", "attn_bwd2_dkdv", ""),
          ("--norm-bwd", "norm_bwd", "triton"),
@@ -296,7 +296,7 @@ KNOBS = [("--tile", "tile", ""), ("--tile-large", "tile_large", ""),
          ("--split-k", "split_k", 1), ("--tile-by-shape", "tile_by_shape", "on"), ("--layer-fn", "layer_fn", "on"),
          ("--attn-lse", "attn_lse", "on"), ("--attn-full-blocks", "attn_full_blocks", "on"),
          ("--fused-qk", "fused_qk", "on"), ("--fused-add-norm", "fused_add_norm", "on"),
-         ("--matmul-form", "matmul_form", "plain")]
+         ("--matmul-form", "matmul_form", "persistent")]
 
 
 def main(argv=None) -> int:
@@ -325,7 +325,7 @@ def main(argv=None) -> int:
                    "training step by device time, in profile-MODE.txt next to determinism.json")
     p.add_argument("--tile-large", default="",
                    help="the tile BM,BN,BK,warps,stages of products of at least 1,024 rows "
-                   "(training; default 128,128,64,8,3), none for --tile's")
+                   "(training; default 128,256,64,8,3), none for --tile's")
     p.add_argument("--tile-by-shape", default="on", choices=["on", "off"],
                    help="decode steps' products of few outputs over a long K and the vocabulary "
                    "head in their own tiles (on, the default) or all in --tile's (off)")
@@ -340,11 +340,11 @@ def main(argv=None) -> int:
     p.add_argument("--attn-bm", type=int, default=0,
                    help="queries a program of the deterministic attention takes, decode and "
                    "training alike (default 16; a power of two ≥ 16)")
-    p.add_argument("--attn-bwd", default="triton", choices=["triton", "triton2", "sdpa"],
+    p.add_argument("--attn-bwd", default="triton2", choices=["triton", "triton2", "sdpa"],
                    help="the deterministic attention's backward pass (training): two Triton "
-                   "kernels without atomics (triton, the default), their second form (triton2: "
-                   "a program's rows the query heads of a key head together, a causal pass's "
-                   "bounds by arithmetic) or PyTorch's attention recomputed in its strict "
+                   "kernels without atomics (triton, the first form), their second form (triton2, "
+                   "the default: a program's rows the query heads of a key head together, a "
+                   "causal pass's bounds by arithmetic) or PyTorch's attention recomputed in its strict "
                    "deterministic mode (sdpa, the first version)")
     p.add_argument("--attn-bwd-dq", default="",
                    help="the Triton backward's dQ kernel's block: queries,keys,warps,stages "
@@ -400,13 +400,13 @@ def main(argv=None) -> int:
                    help="the deterministic residual add after the attention and the MLP's norm "
                    "in one kernel, every pass alike (on, the default) or two kernels (off, the "
                    "first version)")
-    p.add_argument("--matmul-form", default="plain",
+    p.add_argument("--matmul-form", default="persistent",
                    choices=["plain", "tma", "persistent", "persistent-ws"],
-                   help="an experiment: the deterministic products of at least 1,024 rows "
-                   "(training, long prefills) in the plain Triton kernel (plain, the default) or "
-                   "on Hopper's TMA descriptors: a program a tile (tma), one program an SM "
-                   "(persistent), that warp-specialized (persistent-ws); the same arithmetic, "
-                   "the check says whether the bits are")
+                   help="the deterministic products of at least 1,024 rows (training, long "
+                   "prefills) in the plain Triton kernel (plain) or on Hopper's TMA descriptors: "
+                   "a program a tile (tma), one program an SM (persistent, the default), that "
+                   "warp-specialized (persistent-ws); the same arithmetic, the check says "
+                   "whether the bits are")
     a = p.parse_args(argv)
     from slimen_torch import batch_invariant
     batch_invariant.MATMUL_FORM = a.matmul_form

@@ -438,7 +438,7 @@ TILE = (64, 64, 64, 4, 3)
 # TILE's, since the matrix instruction sums a row's K steps in the same order whatever the block
 # around it; determinism.py --check confirms it on the device (--tile-large none and
 # --tile-by-shape off go back to TILE alone).
-TILE_LARGE: tuple | None = (128, 128, 64, 8, 3)
+TILE_LARGE: tuple | None = (128, 256, 64, 8, 3)
 TILE_BY_SHAPE = True
 TILE_NARROW = (64, 32, 128, 4, 4)
 TILE_WIDE = (128, 128, 64, 8, 3)
@@ -574,7 +574,7 @@ def matmul_tiled(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, tile: tuple,
 # operands a TMA descriptor cannot describe (not bf16/fp16, a row stride or base not 16-byte
 # aligned, columns not contiguous), take the plain kernel: _form says which.
 MATMUL_FORMS = ("plain", "tma", "persistent", "persistent-ws")
-MATMUL_FORM = "plain"
+MATMUL_FORM = "persistent"
 FORM_MIN_M = 1024
 # Row blocks a group of the grouped tile order: the tiles of GROUP_M row blocks are walked
 # column block by column block, so the programs that run together share W's column blocks and
@@ -2124,7 +2124,7 @@ if HAVE_TRITON:
 # gives repeatable gradients (determinism.py --attn-bwd-dq, --attn-bwd-dkdv).
 # fp32 operands (an fp32 model: products of fp32 FMAs, no tensor cores) take smaller blocks, which
 # compile without spilling likewise.
-ATTN_BWD = "triton"
+ATTN_BWD = "triton2"
 ATTN_BWD_DQ = (128, 32, 8, 3)
 ATTN_BWD_DKDV = (32, 128, 8, 2)
 ATTN_BWD_DQ_F32 = (32, 32, 4, 2)
@@ -2135,8 +2135,8 @@ ATTN_BWD_DKDV_F32 = (32, 16, 4, 1)
 # --attn-bwd2-dkdv). A key block's rows are whole blocks of queries (BM // G of them), and a
 # group larger than BM rows takes the first form. At head dim 128 in bf16 these compile for sm_90
 # without spilling registers (ptxas -v).
-ATTN_BWD2_DQ = (128, 64, 8, 2)
-ATTN_BWD2_DKDV = (32, 128, 8, 2)
+ATTN_BWD2_DQ = (128, 32, 8, 3)
+ATTN_BWD2_DKDV = (32, 128, 8, 3)
 ATTN_BWD2_DQ_F32 = (32, 32, 4, 1)
 ATTN_BWD2_DKDV_F32 = (32, 32, 4, 1)
 # The backward kernels' blocks whose queries all see all the keys (a causal pass's blocks below

@@ -364,6 +364,7 @@ def test_the_products_form_is_chosen_by_rows_and_layout(monkeypatch):
 
     m = bi.FORM_MIN_M
     x = torch.zeros(m, 64, dtype=torch.bfloat16)
+    monkeypatch.setattr(bi, "MATMUL_FORM", "plain")
     assert form(x) == "plain"
     monkeypatch.setattr(bi, "MATMUL_FORM", "persistent")
     assert form(x) == "persistent"

@@ -51,4 +51,4 @@ def test_the_training_pieces_bench_small(capsys):
     from slimen_torch import batch_invariant as bi
     assert bi.LAYER_FN and bi.ATTN_LSE and bi.ATTN_BWD_FULL_BLOCKS  # the switches as they were
     assert not bi.FORCE_TRITON and bi.ATTN_BWD_DQ == (128, 32, 8, 3)
-    assert bi.ATTN_BWD == "triton" and bi.ATTN_BWD2_DKDV == (32, 128, 8, 2)
+    assert bi.ATTN_BWD == "triton2" and bi.ATTN_BWD2_DKDV == (32, 128, 8, 3)
