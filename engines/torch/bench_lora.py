@@ -56,7 +56,9 @@ On a random model of --shape (make-model; bf16 on a GPU), these sections:
              static for torch.compile; the one model again. Each captured as the generator
              captures it and replayed --steps times at the same length, timed by CUDA events
              around the replay: µs a step (median) and the graph's kernels. So each part of
-             the step's growth with adapters is a difference of two rows of one table
+             the step's growth with adapters is a difference of two rows of one table.
+             --variants picks some; each variant's result is written to
+             OUT/bench_lora_diff.json as it comes
 
 Prints a table and writes DIR/bench_lora.json and DIR/bench_lora.md. Each section runs in its own
 process, so an out-of-memory error or a crash costs that section only.
@@ -879,7 +881,11 @@ def sec_diff(a, model_dir):
         res = dict(rows=len(rows), batch=B, length=L, pos=pos, steps=a.steps, variants={})
         keep = ("pre_fn", "post_fn", "layer_fn", "triton", "fused_b1", "compile_error",
                 "kernel_error")
+        only = [x for x in (getattr(a, "variants", "") or "").split(",") if x]
+        partial = pathlib.Path(a.out) / "bench_lora_diff.json" if getattr(a, "out", "") else None
         for name, what, applied, setup in _diff_variants(e, gen):
+            if only and name not in only:
+                continue
             kept = {k: getattr(gen, k) for k in keep}
             out = dict(what=what)
             undo = setup()
@@ -895,6 +901,8 @@ def sec_diff(a, model_dir):
                 for k, v in kept.items():
                     setattr(gen, k, v)
             res["variants"][name] = out
+            if partial is not None:  # (what was measured survives a run cut short)
+                partial.write_text(json.dumps(res, indent=2) + "\n")
             print(f"diff {name}: {out.get('us', 0):.1f} us, "
                   f"{out.get('nodes') or out.get('ops')} {out.get('error', '')}", flush=True)
         t = e.bank.table
@@ -1047,6 +1055,8 @@ def main():
     ap.add_argument("--pos", type=int, default=192,
                     help="diff: the rows' position (attention over pos + 1 positions)")
     ap.add_argument("--steps", type=int, default=100, help="diff: timed steps a variant")
+    ap.add_argument("--variants", default="",
+                    help="diff: the variants to run, comma-separated (default: all)")
     ap.add_argument("--profile", action="store_true",
                     help="gen: the kernels of one run of the one model and one of the 8 adapters "
                     "(top 30 by device time) in OUT/profile-gen.txt")

@@ -2,6 +2,7 @@
 Fused path under Triton's interpreter, every variant measured without error, the one model's
 variants run without the adapters and the others with them, and its table has a row for each."""
 
+import json
 import pathlib
 import sys
 import types
@@ -11,10 +12,13 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 import bench_lora  # noqa: E402
 
 
-def test_the_diff_section_runs_every_variant(model_dirs):
+def test_the_diff_section_runs_every_variant(model_dirs, tmp_path):
     a = types.SimpleNamespace(device="cpu", shape="tiny", rank=8, rows=4, slots=4, max_len=64,
-                              pos=20, steps=1)
+                              pos=20, steps=1, out=str(tmp_path), variants="")
     res = bench_lora.sec_diff(a, model_dirs["tiny"])
+    # (written as each variant ends: what a run cut short measured)
+    partial = json.loads((tmp_path / "bench_lora_diff.json").read_text())
+    assert partial["variants"] == res["variants"]
     vs = res["variants"]
     assert list(vs) == [v[0] for v in bench_lora._diff_variants(None, None)]
     for name, v in vs.items():
@@ -32,3 +36,10 @@ def test_the_diff_section_runs_every_variant(model_dirs):
     rows = [line for line in md.splitlines() if line.startswith("| lora") or
             line.startswith("| one_model")]
     assert len(rows) == len(vs)
+
+
+def test_the_diff_section_runs_the_variants_asked_for(model_dirs):
+    a = types.SimpleNamespace(device="cpu", shape="tiny", rank=8, rows=2, slots=2, max_len=64,
+                              pos=8, steps=1, variants="lora,one_model")
+    res = bench_lora.sec_diff(a, model_dirs["tiny"])
+    assert list(res["variants"]) == ["one_model", "lora"]
