@@ -46,6 +46,19 @@ On a random model of --shape (make-model; bf16 on a GPU), these sections:
              host side of a generation's decode steps (a step less the model's work: the graph
              replay's launch on a GPU, the eager step on the CPU; less the wait for the step
              before and the admissions)
+  diff       the steady decode step, variant against variant, in one process on one engine and
+             the same rows (--rows rows over 8 adapters, all at position --pos): the one model
+             (the adapters placed, not applied); the default (folded, fused expand); without the
+             expand kernel (the folded product's base columns); the base's own product and the
+             expand; the table's copy of the base alone; the table selected with the layers'
+             own weights; unfolded; Packed; each of the one model and the default with the
+             layers not compiled and without programmatic dependent launch; the table's tensors
+             static for torch.compile; the one model again. Each captured as the generator
+             captures it and replayed --steps times at the same length, timed by CUDA events
+             around the replay: µs a step (median) and the graph's kernels. So each part of
+             the step's growth with adapters is a difference of two rows of one table.
+             --variants picks some; each variant's result is written to
+             OUT/bench_lora_diff.json as it comes
 
 Prints a table and writes DIR/bench_lora.json and DIR/bench_lora.md. Each section runs in its own
 process, so an out-of-memory error or a crash costs that section only.
@@ -75,7 +88,7 @@ from slimen_torch.make_model import make_model  # noqa: E402
 from slimen_torch.profiling import OpCount  # noqa: E402
 from slimen_torch.types import Batch, GenerateRequest, LossConfig, Sample, Sampling  # noqa: E402
 
-SECTIONS = ("memory", "full", "lora", "gen", "proj", "host")
+SECTIONS = ("memory", "full", "lora", "gen", "proj", "host", "diff")
 
 
 def opts(a, **kw) -> Options:
@@ -641,6 +654,269 @@ def sec_host(a, model_dir):
     return res
 
 
+# ---- diff: the steady decode step, variant against variant ----
+
+def _graph_nodes(graph) -> dict | None:
+    """The nodes of a CUDA graph captured with keep_graph, by type (kernel, memcpy, memset,
+    other), read through the CUDA runtime torch loaded; None where they cannot be read."""
+    import ctypes
+    try:
+        path = next(line.split()[-1] for line in open("/proc/self/maps") if "libcudart.so" in line)
+        rt = ctypes.CDLL(path)
+        g, n = ctypes.c_void_p(graph.raw_cuda_graph()), ctypes.c_size_t(0)
+        if rt.cudaGraphGetNodes(g, None, ctypes.byref(n)) != 0:
+            return None
+        nodes = (ctypes.c_void_p * n.value)()
+        if rt.cudaGraphGetNodes(g, nodes, ctypes.byref(n)) != 0:
+            return None
+        out, kind = {}, ctypes.c_int(0)
+        for node in nodes[:n.value]:
+            if rt.cudaGraphNodeGetType(ctypes.c_void_p(node), ctypes.byref(kind)) != 0:
+                return None
+            k = {0: "kernel", 1: "memcpy", 2: "memset"}.get(kind.value, "other")
+            out[k] = out.get(k, 0) + 1
+        return out
+    except Exception:
+        return None
+
+
+def _diff_variants(e, gen) -> list:
+    """The diff section's variants, in the order they run: (name, what, adapters applied,
+    setup), setup() making the change and returning its undo. All run the same rows (row i by
+    adapter i % 8, the table placed); "adapters applied" False runs the step as the one model
+    (lora_mode None)."""
+    from slimen_torch import kernels, lora_kernels
+    from slimen_torch.model import decode_post, decode_pre
+    F = torch.nn.functional
+    linear = lora.linear
+
+    def patched(obj, name, value):
+        def setup():
+            old = getattr(obj, name)
+            setattr(obj, name, value)
+            return lambda: setattr(obj, name, old)
+        return setup
+
+    def on_fused(fn):
+        """lora.linear (which model.linear calls) with fn(x, w) for the step's Fused weights."""
+        def f(x, w, b=None):
+            return fn(x, w) if isinstance(w, lora.Fused) and w.a is None else linear(x, w, b)
+        return patched(lora, "linear", f)
+
+    def no_expand(x, w):  # the folded product, its base columns as a view
+        return F.linear(x, w.w)[:, :w.b.shape[0]]
+
+    def expand_only(x, w):  # the base's product (its own N), then the expand
+        y = F.linear(x, w.w[:w.b.shape[0]])
+        # The shrink read from y's first columns (the same kernel's work; its values unused)
+        # where y is that wide.
+        s = y if y.shape[1] >= w.b.shape[1] else y.new_zeros(y.shape[0], w.b.shape[1])
+        return lora_kernels.expand(y, s, w.b, w.idx, w.scale, w.part, w.r, 0)
+
+    def base_copy(x, w):  # the table's copy of the base weight: no shrink, no expand
+        return F.linear(x, w.w[:w.b.shape[0]])
+
+    def eager():
+        old = gen.pre_fn, gen.post_fn
+        gen.pre_fn, gen.post_fn = decode_pre, decode_post
+
+        def undo():
+            gen.pre_fn, gen.post_fn = old
+        return undo
+
+    def no_pdl():
+        old = dict(kernels._PDL)
+        for i in range(torch.cuda.device_count() if cuda() else 1):
+            kernels._PDL[i] = False
+
+        def undo():
+            kernels._PDL.clear()
+            kernels._PDL.update(old)
+        return undo
+
+    def static_table():
+        # The table's tensors static for torch.compile, as the model's parameters are (Dynamo's
+        # force_parameter_static_shapes): the compiled layers specialise on their sizes instead
+        # of symbols. Dynamo's caches dropped, so that the layers compile again.
+        t = e.bank.table
+        for x in [*t.wa.values(), *t.a.values(), *t.b.values(), *t.part.values(), t.scale]:
+            torch._dynamo.mark_static(x)
+        torch._dynamo.reset()
+        return lambda: None
+
+    def none():
+        return lambda: None
+    return [
+        ("one_model", "one model (the rows' adapters not applied)", False, none),
+        ("lora", "8 adapters: the table folded, the fused expand (the default)", True, none),
+        ("lora_no_expand", "8 adapters, no expand kernel (the folded product's base columns)",
+         True, on_fused(no_expand)),
+        ("lora_expand_only", "8 adapters, the base's own product (not folded) and the expand",
+         True, on_fused(expand_only)),
+        ("lora_base_copy", "8 adapters, the product of the table's copy of the base alone",
+         True, on_fused(base_copy)),
+        ("lora_own_weights", "8 adapters selected (lora.Slots), the layers' own weights", True,
+         patched(lora.Slots, "weights", lambda self, model, i, w: w)),
+        ("lora_unfolded", "8 adapters, the shrink a product of its own (lora_fold off)", True,
+         patched(gen, "lora_fold", False)),
+        ("lora_packed", "8 adapters, lora.Packed (lora_fused off)", True,
+         patched(gen, "lora_fused", False)),
+        ("one_model_eager", "one model, the layers not compiled", False, eager),
+        ("lora_eager", "8 adapters, the layers not compiled", True, eager),
+        ("one_model_no_pdl", "one model, no programmatic dependent launch", False, no_pdl),
+        ("lora_no_pdl", "8 adapters, no programmatic dependent launch", True, no_pdl),
+        ("lora_static", "8 adapters, the table's tensors static for torch.compile", True,
+         static_table),
+        ("one_model_again", "one model (compiled again after lora_static)", False, none),
+    ]
+
+
+def sec_diff(a, model_dir):
+    """The steady decode step, variant against variant (_diff_variants), in one process on one
+    engine and the same rows: --rows rows of distinct prompts of min(128, --pos) tokens spread
+    over 8 adapters (rank --rank on every projection), every row at position --pos (the
+    positions past its prompt hold zeros). Each variant captures the
+    step as the generator does (Decode._capture: compiled, warmed up, one CUDA graph) and
+    replays it --steps times, the step state restored before each replay (the same length each
+    time), timed by CUDA events around the replay alone: the median µs, and the graph's nodes by
+    type. On the CPU the step runs eagerly: its median µs and the tensor operations it
+    dispatches."""
+    import statistics
+    from slimen_torch.generate import _bucket
+    from slimen_torch.sequence import Request
+    kw = dict(slots=max(a.rows, a.slots))
+    if a.device == "cpu" and os.environ.get("TRITON_INTERPRET") == "1":
+        kw["kernels"] = True  # the Fused path under Triton's interpreter (the tests)
+    e = Engine(str(model_dir), opts(a, **kw))
+    names = [f"g{i}" for i in range(8)]
+    _adapters(e, a, names)
+    gen = e.gen
+
+    def admit():
+        ads = [e.bank.adapters[n] for n in names]
+        n = max(2, min(128, a.pos, gen.L - 2))  # the prompts' length
+        for i in range(a.rows):
+            r = Request(f"d{i}", [10 + i % 190, 10 + i // 190 % 190] +
+                        [10 + (i + j) % 190 for j in range(n - 2)], 1,
+                        Sampling(max_tokens=gen.L, temperature=1.0, seed=i), lambda c: None)
+            r.adapter = ads[i % len(ads)]
+            gen.add(r)
+        while gen.waiting:
+            gen._admit()
+        return [(r, s) for r, s in enumerate(gen.slots) if s is not None]
+
+    def measure(rows, B, L, grouped, state, saved, applied) -> dict:
+        out = {}
+        gen._lora_step(rows)
+        if not applied:
+            gen.lora_mode = None
+        out["mode"] = gen.lora_mode
+        graphs = torch._dynamo.utils.counters["stats"].get("unique_graphs", 0)
+
+        def restore():
+            for x, s in zip(state, saved):
+                x.copy_(s)
+        restore()
+        times = []
+        if gen.use_graphs:
+            cls = torch.cuda.CUDAGraph
+            torch.cuda.CUDAGraph = lambda: cls(keep_graph=True)  # (its nodes read below)
+            try:
+                g = gen._capture(B, L, False, grouped)
+            finally:
+                torch.cuda.CUDAGraph = cls
+            g.instantiate()
+            out["nodes"] = _graph_nodes(g)
+            ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                  for _ in range(a.steps)]
+            launch = []
+            for i in range(-3, a.steps):  # (three replays to warm up)
+                if i == 0:
+                    torch.cuda.synchronize()
+                    t0 = time.perf_counter()
+                restore()
+                if i >= 0:
+                    ev[i][0].record()
+                t = time.perf_counter()
+                g.replay()
+                launch.append(time.perf_counter() - t)
+                if i >= 0:
+                    ev[i][1].record()
+            torch.cuda.synchronize()
+            # The host's clock over the replays, one after another (the restores included):
+            # above the events' µs where the GPU waits for the host's launches; and the host's
+            # µs in replay() itself (the graph's launch), which bench_lora's host section leaves
+            # out of the host's work a step.
+            out["wall_us"] = (time.perf_counter() - t0) / a.steps * 1e6
+            out["launch_us"] = statistics.median(launch[3:]) * 1e6
+            times = [s.elapsed_time(t) * 1e3 for s, t in ev]
+        else:
+            gen._decode(B, L, False, grouped)  # (compiles what is compiled)
+            for _ in range(a.steps):
+                restore()
+                t = time.perf_counter()
+                gen._decode(B, L, False, grouped)
+                times.append((time.perf_counter() - t) * 1e6)
+            restore()
+            with OpCount() as ops:
+                gen._decode(B, L, False, grouped)
+            out["ops"] = ops.n
+        restore()
+        out.update(us=statistics.median(times), us_min=min(times),
+                   graphs_compiled=torch._dynamo.utils.counters["stats"].get(
+                       "unique_graphs", 0) - graphs)
+        return out
+
+    def run():
+        # Every variant's layers compile as their own entry of the compiled functions' caches.
+        torch._dynamo.config.recompile_limit = max(64, torch._dynamo.config.recompile_limit)
+        rows = admit()
+        B = _bucket(rows[-1][0] + 1, gen.S, gen.batch_sizes)
+        pos = min(a.pos, gen.L - 2)
+        gen.pos[torch.tensor([r for r, _ in rows], device=gen.device)] = pos
+        L = min(-(-(pos + 1) // gen.length_bucket) * gen.length_bucket, gen.L)
+        grouped = gen.groups.active()
+        state = (gen.tok, gen.pos, gen.step_idx)
+        saved = [x.clone() for x in state]
+        res = dict(rows=len(rows), batch=B, length=L, pos=pos, steps=a.steps, variants={})
+        keep = ("pre_fn", "post_fn", "layer_fn", "triton", "fused_b1", "compile_error",
+                "kernel_error")
+        only = [x for x in (getattr(a, "variants", "") or "").split(",") if x]
+        partial = pathlib.Path(a.out) / "bench_lora_diff.json" if getattr(a, "out", "") else None
+        for name, what, applied, setup in _diff_variants(e, gen):
+            if only and name not in only:
+                continue
+            kept = {k: getattr(gen, k) for k in keep}
+            out = dict(what=what)
+            undo = setup()
+            try:
+                out.update(measure(rows, B, L, grouped, state, saved, applied))
+            except Exception as ex:
+                out["error"] = f"{type(ex).__name__}: {ex}"
+                out["traceback"] = traceback.format_exc()
+            finally:
+                undo()
+                # A variant that failed to compile is reported, not inherited by the next.
+                out.update(compile_error=gen.compile_error, kernel_error=gen.kernel_error)
+                for k, v in kept.items():
+                    setattr(gen, k, v)
+            res["variants"][name] = out
+            if partial is not None:  # (what was measured survives a run cut short)
+                partial.write_text(json.dumps(res, indent=2) + "\n")
+            print(f"diff {name}: {out.get('us', 0):.1f} us, "
+                  f"{out.get('nodes') or out.get('ops')} {out.get('error', '')}", flush=True)
+        t = e.bank.table
+        res["table"] = dict(version=t.version, slots=t.cap, rank=t.r, folded=t.folded)
+        res["dynamo"] = {k: dict(v) for k, v in torch._dynamo.utils.counters.items()
+                         if k in ("stats", "graph_break", "recompiles")}
+        gen.fail_all("the diff section is done")
+        return res
+    try:
+        return e._call(run)
+    finally:
+        e.close()
+
+
 # ---- driver ----
 
 def table(results: dict, a) -> str:
@@ -730,6 +1006,33 @@ def table(results: dict, a) -> str:
                     else f", {ls['moved_syncs']} stream synchronisations"))
     elif h:
         L.append(f"\nhost: {h['error']}")
+    d = results.get("diff", {})
+    if d and "error" not in d:
+        vs = d["variants"]
+        ref = vs.get("one_model", {}).get("us")
+        where = "GPU: CUDA events around the graph's replay" if a.device != "cpu" else "CPU, eager"
+        L += ["", f"| the steady decode step, {d['rows']} rows (batch {d['batch']}) at position "
+              f"{d['pos']} (length {d['length']}), {d['steps']} steps ({where}) | µs a step "
+              "(median) | µs more than one model | host's µs a step, replays back to back "
+              "(of it in replay()) | kernels (graph nodes) or operations |",
+              "|---|---:|---:|---:|---:|"]
+        for name, v in vs.items():
+            if "error" in v:
+                L.append(f"| {name}: {v['what']} | error: {v['error'][:80]} | | | |")
+                continue
+            n = v.get("nodes")
+            count = (f"{n.get('kernel', 0)} (+{sum(n.values()) - n.get('kernel', 0)} other)"
+                     if n else str(v.get("ops", "—")))
+            more = "—" if ref is None else f"{v['us'] - ref:+,.0f}"
+            flags = "".join(f"; {k}: {v[k][:60]}" for k in ("compile_error", "kernel_error")
+                            if v.get(k))
+            wall = (f"{v['wall_us']:,.0f} ({v['launch_us']:,.0f})" if "wall_us" in v
+                    else "—")
+            L.append(f"| {name}: {v['what']}{flags} | {v['us']:,.0f} | {more} | {wall} | "
+                     f"{count} |")
+        L.append(f"- table {d['table']}; torch.compile {d['dynamo'].get('stats', {})}")
+    elif d:
+        L.append(f"\ndiff: {d['error']}")
     return "\n".join(L) + "\n"
 
 
@@ -749,6 +1052,11 @@ def main():
     ap.add_argument("--max-adapters", type=int, default=4096)
     ap.add_argument("--budget", type=float, default=60.0, help="seconds per allocation test")
     ap.add_argument("--sections", default=",".join(SECTIONS))
+    ap.add_argument("--pos", type=int, default=192,
+                    help="diff: the rows' position (attention over pos + 1 positions)")
+    ap.add_argument("--steps", type=int, default=100, help="diff: timed steps a variant")
+    ap.add_argument("--variants", default="",
+                    help="diff: the variants to run, comma-separated (default: all)")
     ap.add_argument("--profile", action="store_true",
                     help="gen: the kernels of one run of the one model and one of the 8 adapters "
                     "(top 30 by device time) in OUT/profile-gen.txt")
@@ -759,6 +1067,7 @@ def main():
     if a.quick:
         a.rows, a.new, a.max_full, a.max_adapters = 16, 4, 3, 24
         a.train_rows, a.train_len, a.max_len, a.budget = 2, 32, 256, min(a.budget, 30)
+        a.pos, a.steps = 24, 1
     out = pathlib.Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     if a.section:  # a child: one section, its result as JSON on the last line
