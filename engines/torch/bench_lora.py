@@ -88,7 +88,7 @@ from slimen_torch.make_model import make_model  # noqa: E402
 from slimen_torch.profiling import OpCount  # noqa: E402
 from slimen_torch.types import Batch, GenerateRequest, LossConfig, Sample, Sampling  # noqa: E402
 
-SECTIONS = ("memory", "full", "lora", "gen", "proj", "host", "diff")
+SECTIONS = ("memory", "full", "lora", "gen", "proj", "host", "diff", "steps")
 
 
 def opts(a, **kw) -> Options:
@@ -231,11 +231,20 @@ def sec_lora(a, model_dir):
         e.close()
 
 
-def gen_run(e, a, adapters, new=None, warm=True) -> float:
+def prompt(i: int, repeat: bool = False) -> list[int]:
+    """Row i's 128-token prompt, each row's its own; repeat: the form before, which repeats every
+    190 rows (rows i and i + 190 the same prompt: the one model groups them and reads their
+    prompt once, which rows under different adapters cannot do)."""
+    if repeat:
+        return [10 + (i + j) % 190 for j in range(128)]
+    return [10 + i % 190, 10 + i // 190 % 190] + [10 + (i + j) % 190 for j in range(126)]
+
+
+def gen_run(e, a, adapters, new=None, warm=True, repeat=False) -> float:
     """tok/s of a.rows rows of new (default a.new) tokens, row i by adapters[i % len] ("" base),
-    after a warm-up run (warm)."""
+    after a warm-up run (warm); repeat: prompt()'s repeating form."""
     def reqs(tag):
-        return [GenerateRequest(id=f"{tag}{i}", prompt_tokens=[10 + (i + j) % 190 for j in range(128)],
+        return [GenerateRequest(id=f"{tag}{i}", prompt_tokens=prompt(i, repeat),
                                 adapter=adapters[i % len(adapters)],
                                 sampling=Sampling(max_tokens=new or a.new, temperature=1.0, seed=i))
                 for i in range(a.rows)]
@@ -336,11 +345,15 @@ def sec_gen(a, model_dir):
     prof = []
     try:
         res["one_model_defaults_tok_s"] = gen_run(e, a, [""])
+        # The prompts as they were before 2026-11-29 (at 256 rows, 66 pairs of twins 190 rows apart):
+        # the one model groups the twins (the shared-prompt pass), adapters cannot.
+        res["one_model_repeated_prompts_tok_s"] = gen_run(e, a, [""], repeat=True)
         if a.profile:
             prof.append("== one model\n" + profiled(e, a, [""]))
         names = [f"g{i}" for i in range(8)]
         _adapters(e, a, names)
         res["eight_adapters_tok_s"] = gen_run(e, a, names)
+        res["eight_adapters_repeated_prompts_tok_s"] = gen_run(e, a, names, repeat=True)
         if a.profile:
             prof.append("== 8 adapters\n" + profiled(e, a, names))
             (pathlib.Path(a.out) / "profile-gen.txt").write_text("\n".join(prof))
@@ -771,6 +784,76 @@ def _diff_variants(e, gen) -> list:
     ]
 
 
+def _timeline(e, a, adapters) -> dict:
+    """gen_run's generation (after its warm-up) with every decode step (Decode._run) and every
+    prefill (_prefill) timed on the device by CUDA events around it, and the host's wall time
+    of the run: {"wall_s", "steps": {(B, L): [µs, …]}, "prefills": [(rows, µs)]} (GPU only)."""
+    gen = e.gen
+    ev: list = []
+    run, prefill = gen._run, gen._prefill
+
+    class Clock:  # the CPU's stand-in for a CUDA event (the section's dry run)
+        def record(self):
+            self.t = time.perf_counter()
+
+        def elapsed_time(self, other):
+            return (other.t - self.t) * 1e3
+
+    def event():
+        return torch.cuda.Event(enable_timing=True) if cuda() else Clock()
+
+    def timed(kind, fn, info):
+        a0, b0 = event(), event()
+        a0.record()
+        out = fn()
+        b0.record()
+        ev.append((kind, info, a0, b0))
+        return out
+
+    gen._run = lambda B, L, top_p: timed("step", lambda: run(B, L, top_p), (B, L))
+    gen._prefill = lambda placed: timed("prefill", lambda: prefill(placed), len(placed))
+    try:
+        gen_run(e, a, adapters, warm=True)  # the warm-up's events are dropped below
+        ev.clear()
+        t = time.perf_counter()
+        gen_run(e, a, adapters, warm=False)
+        if cuda():
+            torch.cuda.synchronize()
+        wall = time.perf_counter() - t
+    finally:
+        del gen._run, gen._prefill
+    steps: dict = {}
+    pre = []
+    for kind, info, a0, b0 in ev:
+        us = a0.elapsed_time(b0) * 1e3
+        if kind == "step":
+            steps.setdefault(info, []).append(us)
+        else:
+            pre.append((info, us))
+    return {"wall_s": wall, "steps": steps, "prefills": pre,
+            "first_to_last_ms": ev[0][2].elapsed_time(ev[-1][3]) if ev else 0.0}
+
+
+def sec_steps(a, model_dir):
+    """The generation of the gen section, one model and 8 adapters, as the device runs it: each
+    decode step's device µs by its (rows, length) graph, each prefill's, and the run's wall time,
+    so that the ratio of the runs splits into steps, their count and shapes, prefills and the
+    gaps where the device waits for the host (wall time less the timed work). On the CPU the
+    host's clock stands in for the events (a dry run)."""
+    e = Engine(str(model_dir), opts(a, slots=max(a.rows, a.slots)))
+    res = {}
+    try:
+        res["one_model"] = _timeline(e, a, [""])
+        names = [f"g{i}" for i in range(8)]
+        _adapters(e, a, names)
+        res["eight_adapters"] = _timeline(e, a, names)
+    finally:
+        e.close()
+    for r in res.values():
+        r["steps"] = {f"{B}x{L}": v for (B, L), v in r["steps"].items()}
+    return res
+
+
 def sec_diff(a, model_dir):
     """The steady decode step, variant against variant (_diff_variants), in one process on one
     engine and the same rows: --rows rows of distinct prompts of min(128, --pos) tokens spread
@@ -937,6 +1020,10 @@ def table(results: dict, a) -> str:
         L += ["", f"| generation, {a.rows} rows × {a.new} tokens | tok/s |", "|---|---:|"]
         for k, what in (("one_model_defaults_tok_s", "one model, engine defaults (graphs, Triton)"),
                         ("eight_adapters_tok_s", "spread over 8 adapters, one batch (the table, captured)"),
+                        ("one_model_repeated_prompts_tok_s",
+                         "one model, the prompts before (66 pairs of twins: grouped)"),
+                        ("eight_adapters_repeated_prompts_tok_s",
+                         "spread over 8 adapters, the prompts before (twins on other adapters)"),
                         ("eight_adapters_unfolded_tok_s",
                          "spread over 8 adapters, one batch (captured, the shrink not folded)"),
                         ("eight_adapters_packed_tok_s",
@@ -1006,6 +1093,24 @@ def table(results: dict, a) -> str:
                     else f", {ls['moved_syncs']} stream synchronisations"))
     elif h:
         L.append(f"\nhost: {h['error']}")
+    st = results.get("steps", {})
+    if st and "error" not in st:
+        L += ["", "| the generation as the device runs it | wall s | decode steps | their device ms "
+              "(rows×length: steps, µs median) | prefills (rows: ms) | first event → last, ms |",
+              "|---|---:|---:|---|---|---:|"]
+        for k in ("one_model", "eight_adapters"):
+            r = st.get(k)
+            if not r:
+                continue
+            n = sum(len(v) for v in r["steps"].values())
+            tot = sum(sum(v) for v in r["steps"].values()) / 1e3
+            shapes = "; ".join(f"{sh}: {len(v)}, {sorted(v)[len(v) // 2]:,.0f}"
+                               for sh, v in sorted(r["steps"].items()))
+            pre = ", ".join(f"{rows}: {us / 1e3:.1f}" for rows, us in r["prefills"])
+            L.append(f"| {k} | {r['wall_s']:.3f} | {n} | {tot:.1f} ({shapes}) | {pre} | "
+                     f"{r['first_to_last_ms']:.1f} |")
+    elif st:
+        L.append(f"\nsteps: {st['error']}")
     d = results.get("diff", {})
     if d and "error" not in d:
         vs = d["variants"]

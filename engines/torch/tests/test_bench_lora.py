@@ -43,3 +43,21 @@ def test_the_diff_section_runs_the_variants_asked_for(model_dirs):
                               pos=8, steps=1, variants="lora,one_model")
     res = bench_lora.sec_diff(a, model_dirs["tiny"])
     assert list(res["variants"]) == ["one_model", "lora"]
+
+
+def test_the_steps_section_times_each_step_and_prefill(model_dirs):
+    # The generation as gen runs it, each decode step and prefill timed (the host's clock on the
+    # CPU): every row's tokens are steps of one (rows, length) shape here, and the engine's
+    # methods are its own again after the run.
+    a = types.SimpleNamespace(device="cpu", shape="tiny", rank=8, rows=4, slots=4, max_len=256,
+                              new=3, seed=0)
+    res = bench_lora.sec_steps(a, model_dirs["tiny"])
+    for k in ("one_model", "eight_adapters"):
+        r = res[k]
+        assert r["wall_s"] > 0 and r["first_to_last_ms"] > 0
+        # 3 new tokens a row: the first from the prefill, then 2 decode steps of all 4 rows
+        assert sum(len(v) for v in r["steps"].values()) == 2, r["steps"]
+        assert list(r["steps"]) == ["4x192"]
+        assert sum(n for n, _ in r["prefills"]) == 4
+    md = bench_lora.table({"steps": res}, a)
+    assert "| one_model |" in md and "| eight_adapters |" in md
