@@ -12,10 +12,10 @@ import socket
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from torch.distributed.tensor import DTensor
 
+import ranks
 from slimen_torch.engine import Engine, Options
 from slimen_torch.types import Batch, GenerateRequest, LossConfig, Sample, Sampling, ScoreRequest
 
@@ -272,37 +272,12 @@ def _rank(rank, size, port, model, opts, bs, out, result, bucket, nccl=False, ho
         pickle.dump(got, f)
 
 
-def _in_env(rank, env, fn, *args):
-    """fn(rank, *args) in the environment env: a rank forked by the fork server has the server's,
-    the test's as it was when the server started."""
-    os.environ.clear()
-    os.environ.update(env)
-    fn(rank, *args)
-
-
-# What the fork server imports once for the session's ranks. Spawned, each rank imported them
-# again: 4 s of CPU a rank on a 2-core machine, with 6 groups of 2 or 4 ranks in this file.
-# (Python 3.11's server has the path it was started with, not this process's: slimen_torch is
-# found from engines/torch, where the suite runs; where it is not, the ranks import it.)
-PRELOAD = ["pytest", "torch.distributed.tensor", "torch.distributed.fsdp", "slimen_torch.dist",
-           "slimen_torch.engine"]
-
-
-def start_ranks(fn, args, size):
-    """Runs fn(rank, *args) in size processes, each with this process's environment (the test's
-    switches), forked by a fork server that imported PRELOAD."""
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(PRELOAD)  # (no effect once the server runs)
-    mp.start_processes(_in_env, args=(dict(os.environ), fn, *args), nprocs=size,
-                       start_method="forkserver", join=True)
-
-
 def run_two(model, opts, bs, out, result, bucket=0, size=2, nccl=False, hold_share=None):
     """Runs the calls on two ranks (size: as many; bucket: the gather's bytes a bucket, 0 the
     default; nccl: init's NCCL path, _nccl_on_gloo; hold_share: dist.HOLD_SHARE); returns what rank 0 got and each rank's
     generating weights at the end."""
-    start_ranks(_rank, (size, free_port(), model, opts, bs, out, result, bucket, nccl, hold_share),
-                size)
+    ranks.start_processes(_rank, (size, free_port(), model, opts, bs, out, result, bucket, nccl,
+                                  hold_share), size)
     with open(result, "rb") as f:
         got = pickle.load(f)
     return got, [torch.load(f"{result}.w{r}") for r in range(size)]
@@ -331,7 +306,7 @@ SWITCHES = {"": {}, "switched": {"SLIMEN_TORCH_FSDP_GROUP_MB": "1",
 @pytest.mark.parametrize("switches", list(SWITCHES))
 def test_two_ranks_equal_one(noeos_dir, tmp_path, monkeypatch, switches):
     for k, v in SWITCHES[switches].items():
-        monkeypatch.setenv(k, v)  # the ranks get the environment (start_ranks)
+        monkeypatch.setenv(k, v)  # the ranks get the environment (ranks.py)
     model = str(noeos_dir)
     one = Engine(model, Options(**OPTS))
     try:
