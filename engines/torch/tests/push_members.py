@@ -1,4 +1,4 @@
-"""The two members of a push group, each in a process of its own (test_push.py spawns them):
+"""The two members of a push group, each in a process of its own (test_push.py starts them):
 rank 0 pushes a small model of two dtypes to rank 1 three times — the second reusing the first's
 shared buffers, a push the replica refuses (parameters of another shape) between the second and
 the third — and each puts what it saw on a queue."""

@@ -538,11 +538,14 @@ def test_the_triton_sampler_draws_a_row_alike_in_any_batch(interpreted, monkeypa
         t1, l1 = bi.sample(logits[i:i + 1], temp[i:i + 1], top_p[i:i + 1], u[i:i + 1],
                            bool(top_p[i] < 1))
         assert t1.item() == tp[i].item() and torch.equal(l1, lpp[i:i + 1]), i
-    # The frequencies follow the distribution: one row drawn at 400 uniforms.
+    # The frequencies follow the distribution: one row drawn at 200 evenly spaced uniforms (a
+    # token's share is then within 1/200 of its probability: the check's 0.01 holds; 400 rows
+    # took half this test's time under the interpreter).
     row = (torch.randn(1, 600, generator=g) * 0.5).bfloat16()
     row[0, :3] = 3.0
-    uu = (torch.arange(400, dtype=torch.float32) + 0.5) / 400
-    tt, _ = bi.sample(row.expand(400, -1), torch.ones(400), torch.ones(400), uu, False)
+    n = 200
+    uu = (torch.arange(n, dtype=torch.float32) + 0.5) / n
+    tt, _ = bi.sample(row.expand(n, -1), torch.ones(n), torch.ones(n), uu, False)
     p = torch.softmax(row.float(), -1)[0]
     for k in range(3):
         assert abs((tt == k).float().mean().item() - p[k].item()) < 0.01

@@ -12,10 +12,10 @@ import socket
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from torch.distributed.tensor import DTensor
 
+import ranks
 from slimen_torch.engine import Engine, Options
 from slimen_torch.types import Batch, GenerateRequest, LossConfig, Sample, Sampling, ScoreRequest
 
@@ -276,9 +276,8 @@ def run_two(model, opts, bs, out, result, bucket=0, size=2, nccl=False, hold_sha
     """Runs the calls on two ranks (size: as many; bucket: the gather's bytes a bucket, 0 the
     default; nccl: init's NCCL path, _nccl_on_gloo; hold_share: dist.HOLD_SHARE); returns what rank 0 got and each rank's
     generating weights at the end."""
-    mp.start_processes(_rank, args=(size, free_port(), model, opts, bs, out, result, bucket, nccl,
-                                    hold_share),
-                       nprocs=size, start_method="spawn", join=True)
+    ranks.start_processes(_rank, (size, free_port(), model, opts, bs, out, result, bucket, nccl,
+                                  hold_share), size)
     with open(result, "rb") as f:
         got = pickle.load(f)
     return got, [torch.load(f"{result}.w{r}") for r in range(size)]
@@ -307,7 +306,7 @@ SWITCHES = {"": {}, "switched": {"SLIMEN_TORCH_FSDP_GROUP_MB": "1",
 @pytest.mark.parametrize("switches", list(SWITCHES))
 def test_two_ranks_equal_one(noeos_dir, tmp_path, monkeypatch, switches):
     for k, v in SWITCHES[switches].items():
-        monkeypatch.setenv(k, v)  # the spawned ranks inherit the environment
+        monkeypatch.setenv(k, v)  # the ranks get the environment (ranks.py)
     model = str(noeos_dir)
     one = Engine(model, Options(**OPTS))
     try:

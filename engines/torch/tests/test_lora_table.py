@@ -298,7 +298,8 @@ def test_a_push_and_a_load_reach_the_folded_base(tmp_path, monkeypatch):
     try:
         for i, (name, (targets, rank)) in enumerate(ADAPTERS.items()):
             add(e, name, i + 1, targets, rank)
-        greedy = Sampling(max_tokens=4, temperature=0.0)
+        # (Three tokens, two decode steps: each costs seconds under the interpreter.)
+        greedy = Sampling(max_tokens=3, temperature=0.0)
 
         def check(tag):
             e.gen.lora_table = True
@@ -691,7 +692,10 @@ def test_a_mixed_batch_decodes_fused_as_each_request_alone(monkeypatch):
 
         monkeypatch.setattr(lora, "Slots", Seen)
         assert e.gen.triton and e.gen.lora_fused and e.gen.lora_fold
-        greedy = Sampling(max_tokens=5, temperature=0.0)
+        # Three tokens: the prefill's, a first decode step (the table placed and folded) and a
+        # steady one; each decode step of 7 rows costs seconds under the interpreter, and this
+        # test makes 13 calls.
+        greedy = Sampling(max_tokens=3, temperature=0.0)
         mixed = generate(e, ROWS, greedy, "m")
         assert any(made), "no decode step ran fused"
         assert e.bank.table.folded

@@ -16,9 +16,9 @@ import time
 import grpc
 import pytest
 import torch
-import torch.multiprocessing as mp
 from safetensors.torch import load_file
 
+import ranks
 from push_members import member
 from slimen_torch.engine import Engine, Options
 from slimen_torch.push import _link
@@ -259,11 +259,9 @@ def test_the_link_of_a_pair_follows_the_devices():
 
 def run_pair(device: str, force_shared=False, fail_map=False):
     """Spawns push_members.member as rank 0 and rank 1 on device; returns their reports."""
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
+    out = ranks.context().Queue()
     init = f"tcp://127.0.0.1:{free_port()}"
-    procs = [ctx.Process(target=member, args=(r, device, init, force_shared, fail_map, out))
-             for r in (0, 1)]
+    procs = [ranks.process(member, (r, device, init, force_shared, fail_map, out)) for r in (0, 1)]
     for p in procs:
         p.start()
     got = {}

@@ -10,8 +10,8 @@ import socket
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
+import ranks
 from slimen_torch.profiling import OpCount
 from slimen_torch.types import Batch, LossConfig, Sample
 
@@ -86,8 +86,7 @@ def free_port() -> int:
 @pytest.mark.parametrize("local_opt", [False, True])
 def test_norm_and_clip_are_multi_tensor_on_the_shards(tmp_path, local_opt):
     out = str(tmp_path / "r.pkl")
-    mp.start_processes(_rank, args=(free_port(), local_opt, out), nprocs=1, start_method="spawn",
-                       join=True)
+    ranks.start_processes(_rank, (free_port(), local_opt, out), 1)
     with open(out, "rb") as f:
         r = pickle.load(f)
     got, want = r["got"], r["want"]
@@ -131,8 +130,7 @@ def test_layers_take_their_inputs_uncast(tmp_path):
     rank (which casts the tables where it applies them): FSDP's cast of the inputs, a walk of
     each layer call's arguments and two casts, is off; the step's numbers are one rank's."""
     out = str(tmp_path / "r.pkl")
-    mp.start_processes(_rank_bf16, args=(free_port(), out), nprocs=1, start_method="spawn",
-                       join=True)
+    ranks.start_processes(_rank_bf16, (free_port(), out), 1)
     with open(out, "rb") as f:
         r = pickle.load(f)
     assert len(r["seen"]) >= LAYERS
