@@ -9,7 +9,8 @@
         [--norm-bwd triton|torch] [--head-bwd triton|torch] [--fused-elementwise on|off]
         [--attn-large BM,warps] [--micro-batch-tokens N] [--split-k S] [--layer-fn on|off]
         [--attn-lse on|off] [--attn-full-blocks on|off] [--fused-qk on|off]
-        [--fused-add-norm on|off] [--matmul-form plain|tma|persistent|persistent-ws] [--profile]
+        [--fused-add-norm on|off] [--matmul-form plain|tma|persistent|persistent-ws]
+        [--tile-form T|none] [--profile]
 
 On a random model (make-model: Qwen3-0.6B's shape, bf16 on a GPU; --small: the tiny Qwen3, for
 the CPU and the test that runs this), with no end-of-sequence token so every response has its
@@ -296,7 +297,7 @@ KNOBS = [("--tile", "tile", ""), ("--tile-large", "tile_large", ""),
          ("--split-k", "split_k", 1), ("--tile-by-shape", "tile_by_shape", "on"), ("--layer-fn", "layer_fn", "on"),
          ("--attn-lse", "attn_lse", "on"), ("--attn-full-blocks", "attn_full_blocks", "on"),
          ("--fused-qk", "fused_qk", "on"), ("--fused-add-norm", "fused_add_norm", "on"),
-         ("--matmul-form", "matmul_form", "persistent")]
+         ("--matmul-form", "matmul_form", "persistent"), ("--tile-form", "tile_form", "")]
 
 
 def main(argv=None) -> int:
@@ -325,7 +326,7 @@ def main(argv=None) -> int:
                    "training step by device time, in profile-MODE.txt next to determinism.json")
     p.add_argument("--tile-large", default="",
                    help="the tile BM,BN,BK,warps,stages of products of at least 1,024 rows "
-                   "(training; default 128,256,64,8,3), none for --tile's")
+                   "(training; default 128,128,64,8,3), none for --tile's")
     p.add_argument("--tile-by-shape", default="on", choices=["on", "off"],
                    help="decode steps' products of few outputs over a long K and the vocabulary "
                    "head in their own tiles (on, the default) or all in --tile's (off)")
@@ -407,6 +408,9 @@ def main(argv=None) -> int:
                    "a program a tile (tma), one program an SM (persistent, the default), that "
                    "warp-specialized (persistent-ws); the same arithmetic, the check says "
                    "whether the bits are")
+    p.add_argument("--tile-form", default="",
+                   help="the tile BM,BN,BK,warps,stages of the --matmul-form kernels (default "
+                   "128,256,64,8,3), none for --tile-large's")
     a = p.parse_args(argv)
     from slimen_torch import batch_invariant
     batch_invariant.MATMUL_FORM = a.matmul_form
@@ -421,6 +425,12 @@ def main(argv=None) -> int:
         batch_invariant.TILE_LARGE = tuple(int(x) for x in a.tile_large.split(","))
         if len(batch_invariant.TILE_LARGE) != 5:
             p.error(f"--tile-large {a.tile_large}: give BM,BN,BK,warps,stages")
+    if a.tile_form == "none":
+        batch_invariant.TILE_FORM = None
+    elif a.tile_form:
+        batch_invariant.TILE_FORM = tuple(int(x) for x in a.tile_form.split(","))
+        if len(batch_invariant.TILE_FORM) != 5:
+            p.error(f"--tile-form {a.tile_form}: give BM,BN,BK,warps,stages")
     batch_invariant.ROW_KERNELS = a.row_kernels == "on"
     batch_invariant.ATTN_GROUPED = a.attn_grouped == "on"
     if a.attn_bm:

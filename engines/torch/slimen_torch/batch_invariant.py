@@ -438,7 +438,7 @@ TILE = (64, 64, 64, 4, 3)
 # TILE's, since the matrix instruction sums a row's K steps in the same order whatever the block
 # around it; determinism.py --check confirms it on the device (--tile-large none and
 # --tile-by-shape off go back to TILE alone).
-TILE_LARGE: tuple | None = (128, 256, 64, 8, 3)
+TILE_LARGE: tuple | None = (128, 128, 64, 8, 3)
 TILE_BY_SHAPE = True
 TILE_NARROW = (64, 32, 128, 4, 4)
 TILE_WIDE = (128, 128, 64, 8, 3)
@@ -532,7 +532,10 @@ def matmul_triton(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype) -> t
     if SPLIT_K > 1 and K >= SPLIT_K_MIN:
         _matmul_split(x, w, y, tile)
         return y
-    matmul_tiled(x, w, y, tile, _form(x, w, y))
+    form = _form(x, w, y)
+    if form != "plain" and TILE_FORM is not None and not INTERPRET:
+        tile = TILE_FORM
+    matmul_tiled(x, w, y, tile, form)
     return y
 
 
@@ -576,6 +579,11 @@ def matmul_tiled(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, tile: tuple,
 MATMUL_FORMS = ("plain", "tma", "persistent", "persistent-ws")
 MATMUL_FORM = "persistent"
 FORM_MIN_M = 1024
+# The forms' tile (None: _tile's, as the plain kernel's): 128×256×64 on 8 warps, the fastest
+# that bench_tiles.py --rows 16384 --forms found for every training product on an H200 (its
+# 144 KiB of staged operands fit a Hopper SM's shared memory; TILE_LARGE stays 128×128×64 for
+# the plain kernel, which other GPUs run, some with less).
+TILE_FORM: tuple | None = (128, 256, 64, 8, 3)
 # Row blocks a group of the grouped tile order: the tiles of GROUP_M row blocks are walked
 # column block by column block, so the programs that run together share W's column blocks and
 # X's GROUP_M row blocks in L2.
@@ -675,10 +683,26 @@ def _tma_ok(t: torch.Tensor) -> bool:
             and t.data_ptr() % 16 == 0)
 
 
+_HOPPER: dict = {}
+
+
+def _hopper(device: torch.device) -> bool:
+    """Whether the Hopper forms may run on device: sm_90, where TMA descriptors exist and the
+    forms' bits were checked against the plain kernel's (bench_tiles.py --forms on an H200);
+    older GPUs have no TMA, and newer ones' matrix instructions are unchecked. Triton's
+    interpreter (the CPU's tests) runs them anywhere."""
+    if device.type != "cuda":
+        return True
+    if device not in _HOPPER:
+        _HOPPER[device] = torch.cuda.get_device_capability(device)[0] == 9
+    return _HOPPER[device]
+
+
 def _form(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor) -> str:
     """The kernel form of y = x·wᵀ: MATMUL_FORM for products of at least FORM_MIN_M rows whose
-    operands TMA descriptors can describe (x and w bf16 or fp16 alike), else plain."""
-    if MATMUL_FORM == "plain" or x.shape[0] < FORM_MIN_M:
+    operands TMA descriptors can describe (x and w bf16 or fp16 alike) on a Hopper GPU (_hopper),
+    else plain."""
+    if MATMUL_FORM == "plain" or x.shape[0] < FORM_MIN_M or not _hopper(x.device):
         return "plain"
     if x.dtype not in _TMA_DTYPES or w.dtype != x.dtype or \
             y.dtype not in _TMA_DTYPES + (torch.float32,):

@@ -380,6 +380,9 @@ def test_the_products_form_is_chosen_by_rows_and_layout(monkeypatch):
     assert form(torch.zeros(64, m, dtype=torch.bfloat16).t()) == "plain"  # strided columns
     assert form(x, y=torch.empty(m, 128, dtype=torch.bfloat16)[:, :64]) == "persistent"
     assert form(x, y=torch.empty(m, 72, dtype=torch.bfloat16)[:, 1:65]) == "plain"
+    # A GPU other than Hopper (sm_90): no TMA before it, unchecked bits after it.
+    monkeypatch.setattr(bi, "_hopper", lambda device: False)
+    assert form(x) == "plain"
 
 
 def test_the_products_take_the_form_where_chosen(interpreted, monkeypatch):
