@@ -52,11 +52,15 @@ On a random model of --shape (make-model; bf16 on a GPU), these sections:
              expand kernel (the folded product's base columns); the base's own product and the
              expand; the table's copy of the base alone; the table selected with the layers'
              own weights; unfolded; Packed; each of the one model and the default with the
-             layers not compiled and without programmatic dependent launch; the table's tensors
-             static for torch.compile; the one model again. Each captured as the generator
-             captures it and replayed --steps times at the same length, timed by CUDA events
-             around the replay: µs a step (median) and the graph's kernels. So each part of
-             the step's growth with adapters is a difference of two rows of one table.
+             layers not compiled and without programmatic dependent launch; the expand kernel's
+             other forms (lora_kernels' switches: its loads reordered, programmatic dependent
+             launch, tiles of 16, 32 or 128 rows, written into the folded product); the table's
+             tensors static for torch.compile; the one model again. Each captured as the
+             generator captures it and replayed --steps times at the same length, timed by CUDA
+             events around the replay: µs a step (median) and the graph's kernels; and the
+             step's sampled tokens and log-probs against the default's (a form of the expand
+             keeps them bit for bit). So each part of the step's growth with adapters is a
+             difference of two rows of one table.
              --variants picks some; each variant's result is written to
              OUT/bench_lora_diff.json as it comes
 
@@ -757,6 +761,15 @@ def _diff_variants(e, gen) -> list:
         torch._dynamo.reset()
         return lambda: None
 
+    def expand_form(**kw):
+        """lora_kernels' expand in another form (its module-level switches)."""
+        def setup():
+            old = {k: getattr(lora_kernels, k) for k in kw}
+            for k, v in kw.items():
+                setattr(lora_kernels, k, v)
+            return lambda: [setattr(lora_kernels, k, v) for k, v in old.items()]
+        return setup
+
     def none():
         return lambda: None
     return [
@@ -778,6 +791,26 @@ def _diff_variants(e, gen) -> list:
         ("lora_eager", "8 adapters, the layers not compiled", True, eager),
         ("one_model_no_pdl", "one model, no programmatic dependent launch", False, no_pdl),
         ("lora_no_pdl", "8 adapters, no programmatic dependent launch", True, no_pdl),
+        # The expand kernel's other forms (lora_kernels' switches; rows "as lora's" says whether
+        # the step's tokens and log-probs stay the default's bit for bit).
+        ("lora_early", "8 adapters, the expand's table loads first (lora_kernels.EARLY)", True,
+         expand_form(EARLY=True)),
+        ("lora_pdl", "8 adapters, the expand with programmatic dependent launch (PDL)", True,
+         expand_form(PDL=True)),
+        ("lora_bm32", "8 adapters, the expand's tiles of 32 rows (BM 32)", True,
+         expand_form(BM=32)),
+        ("lora_bm16", "8 adapters, the expand's tiles of 16 rows (BM 16)", True,
+         expand_form(BM=16)),
+        ("lora_bm16_w2", "8 adapters, the expand's tiles of 16 rows on 2 warps", True,
+         expand_form(BM=16, WARPS=2)),
+        ("lora_bm128_w8", "8 adapters, the expand's tiles of 128 rows on 8 warps", True,
+         expand_form(BM=128, WARPS=8)),
+        ("lora_inplace", "8 adapters, the expand into the folded product (IN_PLACE)", True,
+         expand_form(IN_PLACE=True)),
+        ("lora_pdl_bm16", "8 adapters, the expand with PDL, tiles of 16 rows", True,
+         expand_form(PDL=True, BM=16)),
+        ("lora_pdl_bm16_inplace", "8 adapters, the expand with PDL, 16 rows, in place", True,
+         expand_form(PDL=True, BM=16, IN_PLACE=True)),
         ("lora_static", "8 adapters, the table's tensors static for torch.compile", True,
          static_table),
         ("one_model_again", "one model (compiled again after lora_static)", False, none),
@@ -933,6 +966,8 @@ def sec_diff(a, model_dir):
             out["wall_us"] = (time.perf_counter() - t0) / a.steps * 1e6
             out["launch_us"] = statistics.median(launch[3:]) * 1e6
             times = [s.elapsed_time(t) * 1e3 for s, t in ev]
+            restore()
+            g.replay()
         else:
             gen._decode(B, L, False, grouped)  # (compiles what is compiled)
             for _ in range(a.steps):
@@ -944,6 +979,9 @@ def sec_diff(a, model_dir):
             with OpCount() as ops:
                 gen._decode(B, L, False, grouped)
             out["ops"] = ops.n
+        # The step's sampled tokens and their log-probs (from the state restored), which run()
+        # compares with the default's.
+        out["_rows"] = (gen.out_tok[:B].clone(), gen.out_lp[:B].clone())
         restore()
         out.update(us=statistics.median(times), us_min=min(times),
                    graphs_compiled=torch._dynamo.utils.counters["stats"].get(
@@ -966,6 +1004,7 @@ def sec_diff(a, model_dir):
                 "kernel_error")
         only = [x for x in (getattr(a, "variants", "") or "").split(",") if x]
         partial = pathlib.Path(a.out) / "bench_lora_diff.json" if getattr(a, "out", "") else None
+        ref = None  # the default's rows (out_tok, out_lp) after its step
         for name, what, applied, setup in _diff_variants(e, gen):
             if only and name not in only:
                 continue
@@ -983,11 +1022,20 @@ def sec_diff(a, model_dir):
                 out.update(compile_error=gen.compile_error, kernel_error=gen.kernel_error)
                 for k, v in kept.items():
                     setattr(gen, k, v)
+            got = out.pop("_rows", None)
+            if name == "lora":
+                ref = got
+            elif got is not None and ref is not None:
+                # The rows as the default's: equal tokens, and the largest log-prob difference
+                # (0: the same step bit for bit, as a form of the expand must give).
+                out["as_lora"] = dict(tokens=int((got[0] == ref[0]).sum()), rows=len(got[0]),
+                                      lp_max_diff=(got[1] - ref[1]).abs().max().item())
             res["variants"][name] = out
             if partial is not None:  # (what was measured survives a run cut short)
                 partial.write_text(json.dumps(res, indent=2) + "\n")
             print(f"diff {name}: {out.get('us', 0):.1f} us, "
-                  f"{out.get('nodes') or out.get('ops')} {out.get('error', '')}", flush=True)
+                  f"{out.get('nodes') or out.get('ops')} {out.get('as_lora', '')} "
+                  f"{out.get('error', '')}", flush=True)
         t = e.bank.table
         res["table"] = dict(version=t.version, slots=t.cap, rank=t.r, folded=t.folded)
         res["dynamo"] = {k: dict(v) for k, v in torch._dynamo.utils.counters.items()
@@ -1119,12 +1167,16 @@ def table(results: dict, a) -> str:
         L += ["", f"| the steady decode step, {d['rows']} rows (batch {d['batch']}) at position "
               f"{d['pos']} (length {d['length']}), {d['steps']} steps ({where}) | µs a step "
               "(median) | µs more than one model | host's µs a step, replays back to back "
-              "(of it in replay()) | kernels (graph nodes) or operations |",
-              "|---|---:|---:|---:|---:|"]
+              "(of it in replay()) | kernels (graph nodes) or operations | rows' tokens as "
+              "lora's (largest log-prob difference) |",
+              "|---|---:|---:|---:|---:|---:|"]
         for name, v in vs.items():
             if "error" in v:
-                L.append(f"| {name}: {v['what']} | error: {v['error'][:80]} | | | |")
+                L.append(f"| {name}: {v['what']} | error: {v['error'][:80]} | | | | |")
                 continue
+            same = v.get("as_lora")
+            same = (f"{same['tokens']}/{same['rows']} ({same['lp_max_diff']:.2g})" if same
+                    else "—")
             n = v.get("nodes")
             count = (f"{n.get('kernel', 0)} (+{sum(n.values()) - n.get('kernel', 0)} other)"
                      if n else str(v.get("ops", "—")))
@@ -1134,7 +1186,7 @@ def table(results: dict, a) -> str:
             wall = (f"{v['wall_us']:,.0f} ({v['launch_us']:,.0f})" if "wall_us" in v
                     else "—")
             L.append(f"| {name}: {v['what']}{flags} | {v['us']:,.0f} | {more} | {wall} | "
-                     f"{count} |")
+                     f"{count} | {same} |")
         L.append(f"- table {d['table']}; torch.compile {d['dynamo'].get('stats', {})}")
     elif d:
         L.append(f"\ndiff: {d['error']}")

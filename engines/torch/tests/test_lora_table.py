@@ -5,7 +5,8 @@ path generates; the step reads each row's slot (rows swapped change the result);
 trained in place decodes with its new weights, as the adapter re-created from its saved folder;
 the step runs through the graphs (a stand-in capture on the CPU), captured again only when the
 table grows; a step with more adapters than the table's slots runs Rows; the compiled and
-Triton-split layer functions take the updates."""
+Triton-split layer functions take the updates; every form of the fused expand
+(lora_kernels' switches) gives the default's results."""
 
 import dataclasses
 import json
@@ -29,6 +30,24 @@ IDS = json.loads((REPO / "testdata" / "lora_peft" / "expected.json").read_text()
 ADAPTERS = {"a": (("q_proj", "v_proj", "up_proj", "down_proj"), 2),
             "b": (("k_proj", "o_proj", "gate_proj"), 4),
             "c": (lora.TARGETS, 3)}
+# The fused expand's other forms (lora_kernels' module-level switches, bench_lora's diff
+# variants): each must give the default form's results.
+FORMS = {"early": dict(EARLY=True), "pdl": dict(PDL=True), "bm32": dict(BM=32),
+         "bm16": dict(BM=16), "bm16_w2": dict(BM=16, WARPS=2), "bm128_w8": dict(BM=128, WARPS=8),
+         "inplace": dict(IN_PLACE=True), "pdl_bm16_inplace": dict(PDL=True, BM=16, IN_PLACE=True)}
+# Those whose tiles have other sizes: the interpreter's fp32 products (NumPy's, of other shapes)
+# may sum in another order there, so their fp32 results agree within rounding, not bit for bit.
+# On the GPU (bf16) the test there asks them for the same bits.
+RETILED = {"bm32", "bm16", "bm16_w2", "bm128_w8", "pdl_bm16_inplace"}
+
+
+def expand_form(monkeypatch, form):
+    """lora_kernels switched to FORMS[form] (undone by monkeypatch)."""
+    from slimen_torch import lora_kernels
+    for k, v in FORMS[form].items():
+        monkeypatch.setattr(lora_kernels, k, v)
+
+
 # (adapter, prompt) of a mixed batch: every adapter twice, the base once.
 ROWS = [("a", IDS[:20]), ("", IDS[:15]), ("c", IDS[3:12]), ("b", IDS[:30]), ("a", IDS[5:17]),
         ("c", IDS[:25]), ("b", IDS[8:14])]
@@ -556,6 +575,52 @@ def test_the_fused_expand_gives_packeds_updates(eng, dtype):
             t.a[k].data, t.b[k].data = A, B
 
 
+def _expand_inputs(dtype, M, N=256, cap=4, r=2, seed=0):
+    """A folded product y [M, N + 2·cap·r] (its shrink in the last columns), b, idx, scale and
+    part of 32-column chunks in two parts and one chunk-run no adapter targets (-1); a row with
+    slot 0 and a y of -0.0 in it."""
+    g = torch.Generator().manual_seed(seed)
+    cr = cap * r
+    part = torch.tensor([0] * 4 + [-1] * 2 + [1] * 2, dtype=torch.int32)
+    b = torch.zeros(N, 2 * cr)
+    b[:128, :cr] = torch.randn(128, cr, generator=g) * 0.1
+    b[192:, cr:] = torch.randn(64, cr, generator=g) * 0.1
+    y = torch.randn(M, N + 2 * cr, generator=g)
+    y[0, 5] = -0.0
+    idx = torch.randint(0, cap + 1, (M,), generator=g)
+    idx[1] = 0
+    return y.to(dtype), b.to(dtype), idx, torch.rand(cap, generator=g) * 2, part, r
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("form", sorted(FORMS))
+def test_the_expand_forms_give_the_defaults_results(monkeypatch, form, dtype):
+    """Each form of lora_kernels.expand (under the interpreter) against the default's, rows of
+    a partial tile included: the same results (bit for bit, but for the retiled forms in fp32;
+    a chunk no adapter targets keeps y as it is); in place, the product's shrink columns are
+    not written."""
+    from slimen_torch import lora_kernels
+    M = 37
+    y, b, idx, scale, part, r = _expand_inputs(dtype, M)
+    N = b.shape[0]
+    want = lora_kernels.expand(y, y, b, idx, scale, part, r, N)
+    assert torch.allclose(want.float(), lora_kernels.expand_reference(
+        y, y, b, idx, scale, part, r, N).float(), rtol=0, atol=2e-6 if dtype == torch.float32
+        else 2 ** -7 * want.abs().max().item())
+    expand_form(monkeypatch, form)
+    if lora_kernels.IN_PLACE:
+        z = y.clone()
+        got = lora_kernels.expand_(z, b, idx, scale, part, r, N)
+        assert got.data_ptr() == z.data_ptr() and torch.equal(z[:, N:], y[:, N:])
+    else:
+        got = lora_kernels.expand(y, y, b, idx, scale, part, r, N)
+    assert torch.equal(got[:, 128:192], y[:, 128:192])  # the chunks of part -1
+    if form in RETILED and dtype == torch.float32:
+        assert torch.allclose(got, want, rtol=1e-6, atol=1e-6)
+    else:
+        assert torch.equal(got.contiguous().view(torch.uint8), want.view(torch.uint8))  # bits
+
+
 def test_a_folded_table_gives_packeds_updates_and_follows_the_base():
     """Table.fold: the shrink in the base's product (each fused weight below a copy of the
     model's) gives Packed's updates; a base weight written in place, replaced, or written
@@ -672,6 +737,16 @@ def test_the_fused_step_runs_fewer_operations(eng):
         t.place(ads)
     assert total(folded) == total(base) + adapted, (folded, base)
     assert folded.get("lora_expand") == adapted
+    # In place (lora_kernels.IN_PLACE): the same count, the expand the in-place op.
+    from slimen_torch import lora_kernels
+    t.fold, lora_kernels.IN_PLACE = True, True
+    try:
+        assert t.place(ads) and t.folded
+        inplace = _ops(step(lora.Slots(t, idx, fused=True)))
+    finally:
+        t.fold, lora_kernels.IN_PLACE = False, False
+        t.place(ads)
+    assert total(inplace) == total(folded) and inplace.get("lora_expand_") == adapted
 
 
 def test_a_mixed_batch_decodes_fused_as_each_request_alone(monkeypatch):
@@ -718,6 +793,38 @@ def test_a_mixed_batch_decodes_fused_as_each_request_alone(monkeypatch):
         rows = generate(e, ROWS, greedy, "r")
         for i, (x, y, z, u) in enumerate(zip(mixed, packed, rows, unfolded)):
             assert same(x, y) and same(x, z) and same(x, u), f"row {i}"
+    finally:
+        e.close()
+
+
+def test_a_mixed_batch_decodes_the_same_in_every_expand_form(monkeypatch):
+    """The engine with the Triton kernels (under the interpreter; the table folded and fused):
+    the mixed batch's sampled tokens and log-probs in every form of the expand
+    (FORMS) are the default form's (bit for bit but for the retiled forms, whose fp32 products
+    the interpreter may sum in another order)."""
+    from slimen_torch import lora_kernels
+    e = Engine(str(BUILTIN), Options(device="cpu", kernels=True))
+    try:
+        for i, (name, (targets, rank)) in enumerate(ADAPTERS.items()):
+            add(e, name, i + 1, targets, rank)
+        assert e.gen.triton and e.gen.lora_fused and e.gen.lora_fold
+        sampled = Sampling(max_tokens=4, temperature=1.0)
+        want = generate(e, ROWS, sampled, "d")
+        assert e.bank.table.folded
+        calls = []
+        launch = lora_kernels._launch
+        monkeypatch.setattr(lora_kernels, "_launch", lambda *a, **kw: calls.append(
+            kw.get("out") is not None) or launch(*a, **kw))
+        for form in sorted(FORMS):
+            with monkeypatch.context() as mp:
+                for k, v in FORMS[form].items():
+                    mp.setattr(lora_kernels, k, v)
+                calls.clear()
+                got = generate(e, ROWS, sampled, form)
+            # (The in-place op's launches write into the product: out given.)
+            assert calls and all(calls) == FORMS[form].get("IN_PLACE", False), form
+            for i, (u, v) in enumerate(zip(got, want)):
+                assert same(u, v) if form in RETILED else u == v, (form, i)
     finally:
         e.close()
 
@@ -804,3 +911,38 @@ def test_on_the_gpu_the_expand_kernel_gives_the_reference():
         tol = 2 ** -7 * want.abs().max().item()
         assert (got.float() - want.float()).abs().max().item() <= tol, M
         assert torch.equal(got[idx == 0], y[idx == 0])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("form", sorted(FORMS))
+def test_on_the_gpu_the_expand_forms_give_the_defaults_bits(monkeypatch, form):
+    """Each form of lora_kernels.expand compiled for the GPU (bf16, Qwen3-0.6B's q/k/v and
+    gate/up shapes, 8 slots of rank 8, the shrink folded into the product) gives the default
+    form's results bit for bit, rows 1 to 256: what keeps a step's tokens the same."""
+    from slimen_torch import lora_kernels
+    g = torch.Generator(device="cuda").manual_seed(0)
+    cap, r = 8, 8
+    cr = cap * r
+    for sizes in ((2048, 1024, 1024), (3072, 3072)):
+        N = sum(sizes)
+        part = torch.tensor([p for p, n in enumerate(sizes) for _ in range(n // 128)],
+                            dtype=torch.int32, device="cuda")
+        b = torch.zeros(N, len(sizes) * cr, dtype=torch.bfloat16, device="cuda")
+        lo = 0
+        for p, n in enumerate(sizes):
+            b[lo:lo + n, p * cr:(p + 1) * cr] = torch.randn(
+                n, cr, generator=g, device="cuda").bfloat16() * 0.05
+            lo += n
+        scale = torch.rand(cap, generator=g, device="cuda") * 2
+        for M in (1, 7, 64, 256):
+            y = torch.randn(M, N + len(sizes) * cr, generator=g, device="cuda").bfloat16()
+            idx = torch.randint(0, cap + 1, (M,), generator=g, device="cuda")
+            want = lora_kernels.expand(y, y, b, idx, scale, part, r, N)
+            with monkeypatch.context() as mp:
+                for k, v in FORMS[form].items():
+                    mp.setattr(lora_kernels, k, v)
+                if lora_kernels.IN_PLACE:
+                    got = lora_kernels.expand_(y.clone(), b, idx, scale, part, r, N)
+                else:
+                    got = lora_kernels.expand(y, y, b, idx, scale, part, r, N)
+            assert torch.equal(got.view(torch.int16), want.view(torch.int16)), (N, M)

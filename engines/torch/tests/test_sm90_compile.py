@@ -104,10 +104,19 @@ def configs(bi):
     # The decode step's LoRA expand (lora_kernels.py) in bf16: 8 slots of rank 8 (the bench's),
     # rank 16 and 64 slots of rank 4 (the columns of a part: 64, 128, 256).
     from slimen_torch import lora_kernels as lk
+    lkp = dict(Y="bf16", S="bf16", B="bf16", IDX="i64", SCALE="fp32", PART="i32", O="bf16")
     for bc in (64, 128, 256):
-        out.append((f"lora-expand-bc{bc}", lk._expand_kernel,
-                    dict(Y="bf16", S="bf16", B="bf16", IDX="i64", SCALE="fp32", PART="i32",
-                         O="bf16"), dict(BM=lk.BM, BN=lk.BN_MAX, BC=bc, F32DOT=False), 4, 1))
+        out.append((f"lora-expand-bc{bc}", lk._expand_kernel, lkp,
+                    dict(BM=lk.BM, BN=lk.BN_MAX, BC=bc, F32DOT=False), lk.WARPS, 1))
+    # Its other forms (lora_kernels' switches, bench_lora's diff variants): other tiles, and
+    # the early form with and without programmatic dependent launch.
+    for bm, warps in ((16, 4), (16, 2), (32, 4), (128, 8)):
+        out.append((f"lora-expand-bm{bm}-w{warps}", lk._expand_kernel, lkp,
+                    dict(BM=bm, BN=lk.BN_MAX, BC=64, F32DOT=False), warps, 1))
+    for pdl in (False, True):
+        for bm in (16, 64):
+            out.append((f"lora-expand-early-pdl{int(pdl)}-bm{bm}", lk._expand_early_kernel, lkp,
+                        dict(BM=bm, BN=lk.BN_MAX, BC=64, F32DOT=False, PDL=pdl), 4, 1))
     return out
 
 
