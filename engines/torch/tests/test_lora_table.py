@@ -808,7 +808,7 @@ def test_a_mixed_batch_decodes_the_same_in_every_expand_form(monkeypatch):
         for i, (name, (targets, rank)) in enumerate(ADAPTERS.items()):
             add(e, name, i + 1, targets, rank)
         assert e.gen.triton and e.gen.lora_fused and e.gen.lora_fold
-        sampled = Sampling(max_tokens=4, temperature=1.0)
+        sampled = Sampling(max_tokens=2, temperature=1.0)
         want = generate(e, ROWS, sampled, "d")
         assert e.bank.table.folded
         calls = []
