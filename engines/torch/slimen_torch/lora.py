@@ -626,6 +626,12 @@ class Rows:
         return _with_updates(model, w, update)
 
 
+# Whether a prefill under the adapters' table (Slots, its Packed weights: tuples of tensors) runs
+# the generator's compiled prefill layer, as a prefill without adapters does, instead of the
+# eager one (bench_lora.py --sections gen times both; off until a GPU has).
+PREFILL_COMPILED = False
+
+
 class Slots:
     """Row i of the batch uses the adapter in slot idx[i] of table (0: none); what the decode
     step runs under, its shapes fixed by the table's, so it can be captured as a CUDA graph
@@ -643,6 +649,8 @@ class Slots:
     def __init__(self, table: Table, idx: torch.Tensor, fused: bool = False):
         self.table, self.idx = table, idx
         self.fused = fused and table.bn > 0 and lora_kernels.available(idx.device)
+        # (Transformer.forward: an inference pass may run a compiled layer under it)
+        self.compiled_ok = PREFILL_COMPILED and not self.fused
         if self.fused:
             return
         on = (idx[:, None] == table.ids[None, :]).to(torch.float32) * table.scale

@@ -417,10 +417,14 @@ class Transformer(nn.Module):
         x = F.embedding(tokens, self.embed)
         cos, sin = self.cos[:T], self.sin[:T]
         train = self.training
-        # Adapters run the eager layer: a compiled one was traced without them.
+        # Adapters run the eager layer, but for an inference pass under a selection whose
+        # weights are tuples of tensors a compiled layer takes as they are (lora.Slots' Packed:
+        # the prefill's under the adapters' table, with lora.PREFILL_COMPILED).
         fn = block_forward
         if self.lora is None:
             fn = self.train_block_fn if train else (block_fn or block_forward)
+        elif not train and block_fn is not None and getattr(self.lora, "compiled_ok", False):
+            fn = block_fn
         kw = {"norm": self.train_norm} if train and self.train_norm is not rms_norm else {}
         for i, layer in enumerate(self.layers):
             if self.call_layers and train and self.lora is None:

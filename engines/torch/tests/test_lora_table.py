@@ -946,3 +946,32 @@ def test_on_the_gpu_the_expand_forms_give_the_defaults_bits(monkeypatch, form):
                 else:
                     got = lora_kernels.expand(y, y, b, idx, scale, part, r, N)
             assert torch.equal(got.view(torch.int16), want.view(torch.int16)), (N, M)
+
+
+def test_a_prefill_under_the_table_runs_the_compiled_layer(monkeypatch):
+    """With lora.PREFILL_COMPILED a prefill of rows under the adapters' table (Slots: Packed
+    weights) runs the generator's prefill layer (prefill_fn: compiled on a GPU; here a recorder
+    of whole_block, the function a GPU compiles), as a prefill without adapters does, and the
+    mixed batch samples what the eager layer samples; off, the eager layer runs and prefill_fn
+    never sees adapters. (That Dynamo traces the layer under Packed weights: the decode's
+    compiled layers take them on a GPU, bench_lora.py's lora_packed variant.)"""
+    from slimen_torch.model import whole_block
+    e = engine()
+    try:
+        compiled = whole_block(e.model.cfg)
+        seen = []
+
+        def layer(cfg, x, w, *a, **kw):
+            seen.append(any(isinstance(p, lora.Packed) for p in w))
+            return compiled(cfg, x, w, *a, **kw)
+        e.gen.prefill_fn = layer
+        sampled = Sampling(max_tokens=3, temperature=1.0)
+        want = generate(e, ROWS, sampled, "off")
+        assert not seen  # off: a prefill under adapters runs the eager layer
+        monkeypatch.setattr(lora, "PREFILL_COMPILED", True)
+        got = generate(e, ROWS, sampled, "on")
+        assert seen and all(seen)  # every layer of the prefill, under the table's weights
+        for i, (u, v) in enumerate(zip(got, want)):
+            assert same(u, v), i
+    finally:
+        e.close()
