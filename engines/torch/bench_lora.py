@@ -235,13 +235,13 @@ def sec_lora(a, model_dir):
         e.close()
 
 
-def prompt(i: int, repeat: bool = False) -> list[int]:
-    """Row i's 128-token prompt, each row's its own; repeat: the form before, which repeats every
-    190 rows (rows i and i + 190 the same prompt: the one model groups them and reads their
-    prompt once, which rows under different adapters cannot do)."""
+def prompt(i: int, repeat: bool = False, n: int = 128) -> list[int]:
+    """Row i's n-token prompt (n ≥ 2), each row's its own; repeat: gen's form before, 128
+    tokens that repeat every 190 rows (rows i and i + 190 the same prompt: the one model groups
+    them and reads their prompt once, which rows under different adapters cannot do)."""
     if repeat:
         return [10 + (i + j) % 190 for j in range(128)]
-    return [10 + i % 190, 10 + i // 190 % 190] + [10 + (i + j) % 190 for j in range(126)]
+    return [10 + i % 190, 10 + i // 190 % 190] + [10 + (i + j) % 190 for j in range(n - 2)]
 
 
 def gen_run(e, a, adapters, new=None, warm=True, repeat=False) -> float:
@@ -265,12 +265,11 @@ def gen_run(e, a, adapters, new=None, warm=True, repeat=False) -> float:
 
 
 def greedy(e, a, adapters, rows=None) -> list[tuple[list[int], list[float]]]:
-    """The greedy (tokens, log-probs) of rows (default all) of 128-token prompts, each its own
-    (gen_run's repeat every 190 rows: a repeated prompt of one adapter would be prefilled once and
-    grouped, another computation), row i by adapters[i % len], in one batch."""
+    """The greedy (tokens, log-probs) of rows (default all) of prompt()'s 128-token prompts, each
+    its own (a repeated prompt of one adapter would be prefilled once and grouped, another
+    computation), row i by adapters[i % len], in one batch."""
     rows = range(a.rows) if rows is None else rows
-    reqs = [GenerateRequest(id=f"c{i}", prompt_tokens=[10 + i % 190, 10 + i // 190 % 190] + [
-                                10 + (i + j) % 190 for j in range(126)],
+    reqs = [GenerateRequest(id=f"c{i}", prompt_tokens=prompt(i),
                             adapter=adapters[i % len(adapters)],
                             sampling=Sampling(max_tokens=min(a.new, 32), temperature=0.0))
             for i in rows]
@@ -349,7 +348,7 @@ def sec_gen(a, model_dir):
     prof = []
     try:
         res["one_model_defaults_tok_s"] = gen_run(e, a, [""])
-        # The prompts as they were before 2026-11-29 (at 256 rows, 66 pairs of twins 190 rows apart):
+        # The prompts as they were before 2026-11-29 (256 rows: 66 pairs of twins 190 rows apart):
         # the one model groups the twins (the shared-prompt pass), adapters cannot.
         res["one_model_repeated_prompts_tok_s"] = gen_run(e, a, [""], repeat=True)
         if a.profile:
@@ -919,8 +918,7 @@ def sec_diff(a, model_dir):
         ads = [e.bank.adapters[n] for n in names]
         n = max(2, min(128, a.pos, gen.L - 2))  # the prompts' length
         for i in range(a.rows):
-            r = Request(f"d{i}", [10 + i % 190, 10 + i // 190 % 190] +
-                        [10 + (i + j) % 190 for j in range(n - 2)], 1,
+            r = Request(f"d{i}", prompt(i, n=n), 1,
                         Sampling(max_tokens=gen.L, temperature=1.0, seed=i), lambda c: None)
             r.adapter = ads[i % len(ads)]
             gen.add(r)

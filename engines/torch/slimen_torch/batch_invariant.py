@@ -533,7 +533,7 @@ def matmul_triton(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype) -> t
         _matmul_split(x, w, y, tile)
         return y
     form = _form(x, w, y)
-    if form != "plain" and TILE_FORM is not None and not INTERPRET:
+    if form != "plain" and TILE_FORM is not None and not INTERPRET:  # (interpreted: _tile's TILE)
         tile = TILE_FORM
     matmul_tiled(x, w, y, tile, form)
     return y
@@ -2198,10 +2198,9 @@ def attention_backward_triton(q, k, v, o, q_pos, go, scale, dk=None, dv=None, ls
     arithmetic; the gradients the same function's either way)."""
     B, Tq, H, D = q.shape
     KV, Lk = k.shape[1], k.shape[2]
+    G = H // KV
     tiles = _bwd2_tiles(q.dtype) if ATTN_BWD == "triton2" else None
-    if tiles is not None and H // KV <= tiles[0][0]:
-        return _attention_backward_triton2(q, k, v, o, q_pos, go, scale, dk, dv, lse,
-                                           causal and Tq == Lk, tiles)
+    second = tiles is not None and G <= tiles[0][0]  # (a larger group: the first form)
     # dq takes q's strides; k and v are read through theirs (the training pass's are views).
     q, o, go = q.contiguous(), o.contiguous(), go.contiguous()
     if k.stride(-1) != 1 or v.stride(-1) != 1:
@@ -2214,26 +2213,42 @@ def attention_backward_triton(q, k, v, o, q_pos, go, scale, dk=None, dv=None, ls
     if not have_lse:
         lse = torch.empty(B, Tq, H, dtype=torch.float32, device=q.device)
     delta = torch.empty_like(lse)
-    BM, BN, warps, stages = ATTN_BWD_DQ_F32 if q.dtype == torch.float32 else ATTN_BWD_DQ
-    _attention_bwd_dq_kernel[(B * triton.cdiv(Tq, BM), H)](
-        q, k, v, o, go, pos, dq, lse, delta, Tq, H, H // KV, Lk, D, scale,
-        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2), o.stride(0), o.stride(1), o.stride(2),
-        go.stride(0), go.stride(1), go.stride(2),
-        BM=BM, BN=BN, BD=BD, F32DOT=f32, HAVE_LSE=have_lse, FULL_BLOCKS=ATTN_BWD_FULL_BLOCKS,
-        num_warps=warps, num_stages=stages)
+    dq_args = (q, k, v, o, go, pos, dq, lse, delta)
+    strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+               v.stride(0), v.stride(1), v.stride(2))
+    if second:
+        BM, BN, warps, stages = tiles[0]
+        _attention_bwd2_dq_kernel[(B * KV * triton.cdiv(Tq, BM // G),)](
+            *dq_args, B, Tq, H, Lk, D, scale, *strides, o.stride(0), o.stride(1), o.stride(2),
+            go.stride(0), go.stride(1), go.stride(2),
+            G=G, BM=BM, BN=BN, BD=BD, F32DOT=f32, HAVE_LSE=have_lse, num_warps=warps,
+            num_stages=stages)
+    else:
+        BM, BN, warps, stages = ATTN_BWD_DQ_F32 if q.dtype == torch.float32 else ATTN_BWD_DQ
+        _attention_bwd_dq_kernel[(B * triton.cdiv(Tq, BM), H)](
+            *dq_args, Tq, H, G, Lk, D, scale, *strides, o.stride(0), o.stride(1), o.stride(2),
+            go.stride(0), go.stride(1), go.stride(2),
+            BM=BM, BN=BN, BD=BD, F32DOT=f32, HAVE_LSE=have_lse,
+            FULL_BLOCKS=ATTN_BWD_FULL_BLOCKS, num_warps=warps, num_stages=stages)
     if dk is None:
         dk = torch.empty(B, KV, Lk, D, dtype=k.dtype, device=k.device)
     if dv is None:
         dv = torch.empty(B, KV, Lk, D, dtype=v.dtype, device=v.device)
-    BM, BN, warps, stages = ATTN_BWD_DKDV_F32 if q.dtype == torch.float32 else ATTN_BWD_DKDV
-    _attention_bwd_dkdv_kernel[(B * triton.cdiv(Lk, BN), KV)](
-        q, k, v, go, pos, lse, delta, dk, dv, Tq, H, H // KV, Lk, D, scale,
-        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2), go.stride(0), go.stride(1), go.stride(2),
-        dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
-        BM=BM, BN=BN, BD=BD, F32DOT=f32, FULL_BLOCKS=ATTN_BWD_FULL_BLOCKS, num_warps=warps,
-        num_stages=stages)
+    dkdv_args = (q, k, v, go, pos, lse, delta, dk, dv)
+    strides += (go.stride(0), go.stride(1), go.stride(2), dk.stride(0), dk.stride(1),
+                dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2))
+    if second:
+        BM, BN, warps, stages = tiles[1]
+        _attention_bwd2_dkdv_kernel[(B * KV * triton.cdiv(Lk, BN),)](
+            *dkdv_args, B, Tq, H, Lk, D, scale, *strides,
+            G=G, BM=BM, BN=BN, BD=BD, F32DOT=f32, CAUSAL=causal and Tq == Lk,
+            num_warps=warps, num_stages=stages)
+    else:
+        BM, BN, warps, stages = ATTN_BWD_DKDV_F32 if q.dtype == torch.float32 else ATTN_BWD_DKDV
+        _attention_bwd_dkdv_kernel[(B * triton.cdiv(Lk, BN), KV)](
+            *dkdv_args, Tq, H, G, Lk, D, scale, *strides,
+            BM=BM, BN=BN, BD=BD, F32DOT=f32, FULL_BLOCKS=ATTN_BWD_FULL_BLOCKS, num_warps=warps,
+            num_stages=stages)
     return dq, dk, dv
 
 
@@ -2242,46 +2257,6 @@ def _bwd2_tiles(dtype) -> tuple:
     if dtype == torch.float32:
         return ATTN_BWD2_DQ_F32, ATTN_BWD2_DKDV_F32
     return ATTN_BWD2_DQ, ATTN_BWD2_DKDV
-
-
-def _attention_backward_triton2(q, k, v, o, q_pos, go, scale, dk, dv, lse, causal, tiles):
-    """attention_backward_triton in the second form's kernels (_attention_bwd2_dq_kernel, then
-    _attention_bwd2_dkdv_kernel)."""
-    B, Tq, H, D = q.shape
-    KV, Lk = k.shape[1], k.shape[2]
-    G = H // KV
-    q, o, go = q.contiguous(), o.contiguous(), go.contiguous()
-    if k.stride(-1) != 1 or v.stride(-1) != 1:
-        k, v = k.contiguous(), v.contiguous()
-    pos = q_pos.to(torch.int64).contiguous().view(-1)
-    BD = max(16, triton.next_power_of_2(D))
-    f32 = q.dtype == torch.float32 or INTERPRET
-    dq = torch.empty_like(q)
-    have_lse = lse is not None
-    if not have_lse:
-        lse = torch.empty(B, Tq, H, dtype=torch.float32, device=q.device)
-    delta = torch.empty_like(lse)
-    (BM, BN, warps, stages), dkdv = tiles
-    _attention_bwd2_dq_kernel[(B * KV * triton.cdiv(Tq, BM // G),)](
-        q, k, v, o, go, pos, dq, lse, delta, B, Tq, H, Lk, D, scale,
-        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2), o.stride(0), o.stride(1), o.stride(2),
-        go.stride(0), go.stride(1), go.stride(2),
-        G=G, BM=BM, BN=BN, BD=BD, F32DOT=f32, HAVE_LSE=have_lse, num_warps=warps,
-        num_stages=stages)
-    if dk is None:
-        dk = torch.empty(B, KV, Lk, D, dtype=k.dtype, device=k.device)
-    if dv is None:
-        dv = torch.empty(B, KV, Lk, D, dtype=v.dtype, device=v.device)
-    BM, BN, warps, stages = dkdv
-    _attention_bwd2_dkdv_kernel[(B * KV * triton.cdiv(Lk, BN),)](
-        q, k, v, go, pos, lse, delta, dk, dv, B, Tq, H, Lk, D, scale,
-        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2), go.stride(0), go.stride(1), go.stride(2),
-        dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
-        G=G, BM=BM, BN=BN, BD=BD, F32DOT=f32, CAUSAL=causal, num_warps=warps,
-        num_stages=stages)
-    return dq, dk, dv
 
 
 @contextlib.contextmanager
