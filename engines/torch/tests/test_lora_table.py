@@ -19,8 +19,8 @@ from test_lora import _random_adapter
 from slimen_torch import kernels, lora
 from slimen_torch.engine import Engine, Options
 from slimen_torch.generate import Generator
-from slimen_torch.model import (apply_rope, decode_layer, decode_post, decode_pre, decode_step,
-                                decode_step_split, rms_norm)
+from slimen_torch.model import (apply_rope, block_forward, decode_layer, decode_post, decode_pre,
+                                decode_step, decode_step_split, rms_norm)
 from slimen_torch.types import Batch, GenerateRequest, LossConfig, Sample, Sampling
 
 BUILTIN = REPO / "engines" / "tiny" / "builtin" / "tiny-arith"
@@ -864,9 +864,11 @@ def test_the_compiled_layers_take_the_fused_updates(fold):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_on_the_gpu_adapters_decode_in_captured_graphs():
-    """The engine's GPU defaults (CUDA graphs, compiled layers, Triton kernels, bf16): a mixed
-    batch's steps replay graphs captured over the table, nothing degrades, and each row's tokens
-    and log-probs equal, bit for bit, those of the same prompts all under its adapter."""
+    """The engine's GPU defaults (CUDA graphs, compiled layers, Triton kernels, bf16; the prefill
+    under the table in the compiled prefill layer, lora.PREFILL_COMPILED): a mixed batch's steps
+    replay graphs captured over the table, nothing degrades (the prefill layer still the
+    compiled one), and each row's tokens and log-probs equal, bit for bit, those of the same
+    prompts all under its adapter."""
     e = Engine(str(BUILTIN), Options(device="cuda:0"))
     try:
         for i, (name, (targets, rank)) in enumerate(ADAPTERS.items()):
@@ -877,6 +879,7 @@ def test_on_the_gpu_adapters_decode_in_captured_graphs():
         mixed = generate(e, rows, greedy, "m")
         assert g.use_graphs and g.graphs and g.graphs_lora == e.bank.table.version > 0
         assert not g.compile_error and not g.kernel_error
+        assert lora.PREFILL_COMPILED and g.prefill_fn is not block_forward
         assert e.bank.table.folded and e.bank.table.bn > 0  # the step ran Fused, folded
         for name in ("", "a", "b", "c"):
             one = generate(e, [(name, p) for _, p in rows], greedy, f"o{name}")
@@ -949,15 +952,18 @@ def test_on_the_gpu_the_expand_forms_give_the_defaults_bits(monkeypatch, form):
 
 
 def test_a_prefill_under_the_table_runs_the_compiled_layer(monkeypatch):
-    """With lora.PREFILL_COMPILED a prefill of rows under the adapters' table (Slots: Packed
-    weights) runs the generator's prefill layer (prefill_fn: compiled on a GPU; here a recorder
-    of whole_block, the function a GPU compiles), as a prefill without adapters does, and the
-    mixed batch samples what the eager layer samples; off, the eager layer runs and prefill_fn
-    never sees adapters. (That Dynamo traces the layer under Packed weights: the decode's
-    compiled layers take them on a GPU, bench_lora.py's lora_packed variant.)"""
+    """By default (lora.PREFILL_COMPILED) a prefill of rows under the adapters' table (Slots:
+    Packed weights) runs the generator's prefill layer, as a prefill without adapters does
+    (prefill_fn: compiled on a GPU; on the CPU the eager layer itself, so the other tests cannot
+    tell the two apart: here a recorder of whole_block, the function a GPU compiles). The mixed
+    batch's greedy tokens through it are each row's alone and, bit for bit, those of the same
+    prompts all under the row's adapter; it samples what the eager layer samples. Off, the eager
+    layer runs and prefill_fn never sees adapters. (That Dynamo traces the layer under Packed
+    weights: test_on_the_gpu_adapters_decode_in_captured_graphs, whose engine compiles it.)"""
     from slimen_torch.model import whole_block
     e = engine()
     try:
+        assert lora.PREFILL_COMPILED
         compiled = whole_block(e.model.cfg)
         seen = []
 
@@ -965,13 +971,24 @@ def test_a_prefill_under_the_table_runs_the_compiled_layer(monkeypatch):
             seen.append(any(isinstance(p, lora.Packed) for p in w))
             return compiled(cfg, x, w, *a, **kw)
         e.gen.prefill_fn = layer
-        sampled = Sampling(max_tokens=3, temperature=1.0)
-        want = generate(e, ROWS, sampled, "off")
-        assert not seen  # off: a prefill under adapters runs the eager layer
-        monkeypatch.setattr(lora, "PREFILL_COMPILED", True)
-        got = generate(e, ROWS, sampled, "on")
+        greedy = Sampling(max_tokens=3, temperature=0.0)
+        mixed = generate(e, ROWS, greedy, "g")
         assert seen and all(seen)  # every layer of the prefill, under the table's weights
-        for i, (u, v) in enumerate(zip(got, want)):
+        for i, row in enumerate(ROWS):
+            alone = generate(e, [row], greedy, f"y{i}")
+            assert same(mixed[i], alone[0]), f"row {i} ({row[0] or 'base'}) differs alone"
+        for name in ("", "a", "b", "c"):
+            one = generate(e, [(name, p) for _, p in ROWS], greedy, f"v{name}")
+            for i, (a, _) in enumerate(ROWS):
+                if a == name:
+                    assert mixed[i] == one[i], f"row {i} ({a or 'base'})"
+        sampled = Sampling(max_tokens=3, temperature=1.0)
+        on = generate(e, ROWS, sampled, "on")
+        seen.clear()
+        monkeypatch.setattr(lora, "PREFILL_COMPILED", False)
+        off = generate(e, ROWS, sampled, "off")
+        assert not seen  # off: a prefill under adapters runs the eager layer
+        for i, (u, v) in enumerate(zip(on, off)):
             assert same(u, v), i
     finally:
         e.close()
