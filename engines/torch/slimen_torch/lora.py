@@ -544,8 +544,6 @@ def linear(x: torch.Tensor, w, b=None) -> torch.Tensor:
     if isinstance(w, Fused):
         if w.a is None:  # folded (Table.fold): w is [base; A_f], one product gives both
             y = F.linear(x, w.w)
-            if lora_kernels.IN_PLACE:  # (a switch a GPU measurement decides: lora_kernels)
-                return lora_kernels.expand_(y, w.b, w.idx, w.scale, w.part, w.r, w.b.shape[0])
             return lora_kernels.expand(y, y, w.b, w.idx, w.scale, w.part, w.r, w.b.shape[0])
         return lora_kernels.expand(F.linear(x, w.w, b), F.linear(x, w.a), w.b, w.idx, w.scale,
                                    w.part, w.r)
