@@ -23,11 +23,12 @@ On a random model of --shape (make-model; bf16 on a GPU), these sections:
              temperature 1) of one model with the engine's defaults (CUDA graphs, Triton), the
              same rows spread over 8 adapters in one batch through the adapter table (the decode
              step captured in the same graphs; the shrink folded into the base's product and
-             lora_kernels' fused expand), the same captured with the shrink a product of its
-             own (the generator's lora_fold off) and without the fused expand (lora.Packed:
-             lora_fused off), the same on the eager per-row path (lora.Rows,
-             the generator's lora_table off), one adapter, and the rows of one model on the
-             eager path; the ratio of 8 captured adapters to the one captured model (the
+             lora_kernels' fused expand; the prefill in the compiled prefill layer), the same
+             with the prefill in the eager layer (lora.PREFILL_COMPILED off), the same captured
+             with the shrink a product of its own (the generator's lora_fold off) and without
+             the fused expand (lora.Packed: lora_fused off), the same on the eager per-row path
+             (lora.Rows, the generator's lora_table off), one adapter, and the rows of one model
+             on the eager path; the ratio of 8 captured adapters to the one captured model (the
              target is >= 0.7, docs/performance.md); and a token check (greedy, min(--new, 32)
              tokens; the adapters' B drawn, so that they change the base's outputs): each row of the
              mixed batch against the same batch all of its row's adapter (the same shapes: equal
@@ -53,14 +54,13 @@ On a random model of --shape (make-model; bf16 on a GPU), these sections:
              expand; the table's copy of the base alone; the table selected with the layers'
              own weights; unfolded; Packed; each of the one model and the default with the
              layers not compiled and without programmatic dependent launch; the expand kernel's
-             other forms (lora_kernels' switches: its loads reordered, programmatic dependent
-             launch, tiles of 16, 32 or 128 rows, written into the folded product); the table's
-             tensors static for torch.compile; the one model again. Each captured as the
-             generator captures it and replayed --steps times at the same length, timed by CUDA
-             events around the replay: µs a step (median) and the graph's kernels; and the
-             step's sampled tokens and log-probs against the default's (a form of the expand
-             keeps them bit for bit). So each part of the step's growth with adapters is a
-             difference of two rows of one table.
+             other tiles (lora_kernels' switches: 64 rows, the old default, 32 rows, 2 warps,
+             128 rows on 8 warps); the table's tensors static for torch.compile; the one model
+             again. Each captured as the generator captures it and replayed --steps times at
+             the same length, timed by CUDA events around the replay: µs a step (median) and
+             the graph's kernels; and the step's sampled tokens and log-probs against the
+             default's (a tile of the expand keeps them bit for bit). So each part of the step's
+             growth with adapters is a difference of two rows of one table.
              --variants picks some; each variant's result is written to
              OUT/bench_lora_diff.json as it comes
 
@@ -357,13 +357,13 @@ def sec_gen(a, model_dir):
         _adapters(e, a, names)
         res["eight_adapters_tok_s"] = gen_run(e, a, names)
         res["eight_adapters_repeated_prompts_tok_s"] = gen_run(e, a, names, repeat=True)
-        # The prefill under the table in the compiled prefill layer, as the one model's runs
-        # (lora.PREFILL_COMPILED; the eager layer by default).
-        lora.PREFILL_COMPILED = True
+        # The prefill under the table in the eager layer (lora.PREFILL_COMPILED off), where by
+        # default it runs the compiled prefill layer, as the one model's does.
+        lora.PREFILL_COMPILED = False
         try:
-            res["eight_adapters_prefill_compiled_tok_s"] = gen_run(e, a, names)
+            res["eight_adapters_prefill_eager_tok_s"] = gen_run(e, a, names)
         finally:
-            lora.PREFILL_COMPILED = False
+            lora.PREFILL_COMPILED = True
         if a.profile:
             prof.append("== 8 adapters\n" + profiled(e, a, names))
             (pathlib.Path(a.out) / "profile-gen.txt").write_text("\n".join(prof))
@@ -768,7 +768,7 @@ def _diff_variants(e, gen) -> list:
         return lambda: None
 
     def expand_form(**kw):
-        """lora_kernels' expand in another form (its module-level switches)."""
+        """lora_kernels' expand in another tile (its module-level switches)."""
         def setup():
             old = {k: getattr(lora_kernels, k) for k in kw}
             for k, v in kw.items():
@@ -797,26 +797,16 @@ def _diff_variants(e, gen) -> list:
         ("lora_eager", "8 adapters, the layers not compiled", True, eager),
         ("one_model_no_pdl", "one model, no programmatic dependent launch", False, no_pdl),
         ("lora_no_pdl", "8 adapters, no programmatic dependent launch", True, no_pdl),
-        # The expand kernel's other forms (lora_kernels' switches; rows "as lora's" says whether
-        # the step's tokens and log-probs stay the default's bit for bit).
-        ("lora_early", "8 adapters, the expand's table loads first (lora_kernels.EARLY)", True,
-         expand_form(EARLY=True)),
-        ("lora_pdl", "8 adapters, the expand with programmatic dependent launch (PDL)", True,
-         expand_form(PDL=True)),
+        # The expand kernel's other tiles (lora_kernels.BM and WARPS; rows "as lora's" says
+        # whether the step's tokens and log-probs stay the default's bit for bit).
+        ("lora_bm64", "8 adapters, the expand's tiles of 64 rows (BM 64, the old default)", True,
+         expand_form(BM=64)),
         ("lora_bm32", "8 adapters, the expand's tiles of 32 rows (BM 32)", True,
          expand_form(BM=32)),
-        ("lora_bm16", "8 adapters, the expand's tiles of 16 rows (BM 16)", True,
-         expand_form(BM=16)),
-        ("lora_bm16_w2", "8 adapters, the expand's tiles of 16 rows on 2 warps", True,
-         expand_form(BM=16, WARPS=2)),
+        ("lora_w2", "8 adapters, the expand's tiles (16 rows) on 2 warps", True,
+         expand_form(WARPS=2)),
         ("lora_bm128_w8", "8 adapters, the expand's tiles of 128 rows on 8 warps", True,
          expand_form(BM=128, WARPS=8)),
-        ("lora_inplace", "8 adapters, the expand into the folded product (IN_PLACE)", True,
-         expand_form(IN_PLACE=True)),
-        ("lora_pdl_bm16", "8 adapters, the expand with PDL, tiles of 16 rows", True,
-         expand_form(PDL=True, BM=16)),
-        ("lora_pdl_bm16_inplace", "8 adapters, the expand with PDL, 16 rows, in place", True,
-         expand_form(PDL=True, BM=16, IN_PLACE=True)),
         ("lora_static", "8 adapters, the table's tensors static for torch.compile", True,
          static_table),
         ("one_model_again", "one model (compiled again after lora_static)", False, none),
@@ -1077,8 +1067,8 @@ def table(results: dict, a) -> str:
                          "one model, the prompts before (66 pairs of twins: grouped)"),
                         ("eight_adapters_repeated_prompts_tok_s",
                          "spread over 8 adapters, the prompts before (twins on other adapters)"),
-                        ("eight_adapters_prefill_compiled_tok_s",
-                         "spread over 8 adapters, the prefill in the compiled layer"),
+                        ("eight_adapters_prefill_eager_tok_s",
+                         "spread over 8 adapters, the prefill in the eager layer"),
                         ("eight_adapters_unfolded_tok_s",
                          "spread over 8 adapters, one batch (captured, the shrink not folded)"),
                         ("eight_adapters_packed_tok_s",

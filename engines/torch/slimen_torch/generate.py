@@ -79,7 +79,8 @@ class Generator(Decode, Prefill):
         # The worker's LoRA adapters (lora.Bank), set by the engine. While it holds any, the
         # decode step applies each row's adapter through the bank's table (lora.Slots: inside
         # the CUDA graphs, compiled layers and Triton-split layers; decode.py), and the prefill
-        # runs the eager layer with the same table (_prefill_lora).
+        # runs the prefill layer (compiled on a GPU, lora.PREFILL_COMPILED) with the same table
+        # (_prefill_lora).
         self.bank = None
         # The cache's storage dtype: the model's, or float8_e4m3fn (engine.Options.kv_cache_dtype
         # "fp8"): every write casts with saturation (model.kv_store), every read converts back

@@ -14,45 +14,31 @@ custom op slimen::lora_expand, so the compiled decode layers call it as one opaq
 `available(device)`: on a CUDA device, or on the CPU when TRITON_INTERPRET=1 (the tests);
 elsewhere the op runs `expand_reference`.
 
-The launch's form is set by module-level switches (BM, WARPS, EARLY, PDL, IN_PLACE below), so
-that bench_lora.py's diff section compares them on a GPU in one process; their defaults are the
-form docs/performance.md measured. Every form gives the default's results bit for bit, except
-that another BM or WARPS may make the GPU's compiler pick another tensor-core instruction for
-the product (tests/test_lora_table.py checks them all under the interpreter, and on a GPU).
+The launch's tile (BM rows, WARPS warps a program) is a module-level switch, so that
+bench_lora.py's diff section compares tiles on a GPU in one process; the default is the one
+docs/performance.md measured best. Another BM or WARPS gives the default's results bit for bit,
+except that it may make the GPU's compiler pick another tensor-core instruction for the product
+(tests/test_lora_table.py checks them under the interpreter, and on a GPU). An early-load
+form, one with programmatic dependent launch and one writing into the folded product in place
+were measured and deleted: none bought more than 1-2% of a decode step (performance.md).
 """
 
 from __future__ import annotations
 
 import torch
 
-from .triton_env import HAVE_GDC, HAVE_TRITON, INTERPRET, available, tl, triton  # noqa: F401
-from .triton_env import _pdl
+from .triton_env import HAVE_TRITON, INTERPRET, available, tl, triton  # noqa: F401
 from .triton_env import pow2 as _pow2
-
-if HAVE_GDC:
-    from .triton_env import gdc_launch_dependents, gdc_wait
 
 # Rows and output columns of a program's tile (BN: at most; lora.Table picks one that divides
 # every part of the fused outputs, so that no tile straddles two parts), and the warps of a
 # program. At 256 rows and BN 128 (Qwen3-0.6B's table) a launch has cdiv(256, BM) × N / 128
-# programs: at BM 64, 128 for q/k/v (N 4,096), 32 for o (1,024), 192 for gate/up (6,144) and 32
-# for down (1,024), against the H200's 132 multiprocessors; BM 16 has four times as many.
-BM, BN_MAX = 64, 128
+# programs: at BM 16, 512 for q/k/v (N 4,096), 128 for o (1,024), 768 for gate/up (6,144) and
+# 128 for down (1,024), against the H200's 132 multiprocessors. BM 16 measured best on one H200
+# (a decode step of 256 rows over 8 adapters: 3,476 µs against 3,536 at BM 64, 3,483 at 32,
+# 3,668 at BM 128 on 8 warps); tl.dot takes no fewer than 16 rows.
+BM, BN_MAX = 16, 128
 WARPS = 4
-# _expand_early_kernel instead of _expand_kernel: the loads that no kernel of the decode step
-# writes (the chunk's part, the rows' slots and scales, the tile of b) issued first, the chunk's
-# part and the rows' slots together. _expand_kernel reads them one after another (the part, then
-# the slots, then the scales and s), three round trips to memory before its product.
-EARLY = False
-# The early form launched with programmatic dependent launch (triton_env._pdl; SLIMEN_PDL=0
-# turns it off with the decode kernels'): each program starts while the product before it (which
-# writes y and s) still runs, loads the table's tensors and waits for that product
-# (griddepcontrol.wait) before reading y and s; and it lets the next kernel launch at once (the
-# decode attention after q/k/v, which waits for it in turn).
-PDL = False
-# lora.linear's folded product (Table.fold): the expand written into the product's own base
-# columns (expand_: its first N columns, a strided view) instead of a new tensor.
-IN_PLACE = False
 
 
 if HAVE_TRITON:
@@ -89,45 +75,6 @@ if HAVE_TRITON:
             out = (y.to(tl.float32) + d).to(Y.dtype.element_ty)
         tl.store(O + rows[:, None] * som + cols[None, :], out, mask=rin[:, None])
 
-    @triton.jit
-    def _expand_early_kernel(Y, S, B, IDX, SCALE, PART, O, M, R, CR, soff, sym, ssm, sbn, som,
-                             BM: tl.constexpr, BN: tl.constexpr, BC: tl.constexpr,
-                             F32DOT: tl.constexpr, PDL: tl.constexpr):
-        # _expand_kernel's arithmetic, its loads reordered (EARLY, PDL): the chunk's part and the
-        # rows' slots at once, then what depends on them alone (b's tile, the scales), then y
-        # and s. A chunk no adapter targets (part -1) stores y as it is, as _expand_kernel does.
-        pm = tl.program_id(0)
-        pn = tl.program_id(1)
-        if PDL:
-            gdc_launch_dependents()
-        rows = pm * BM + tl.arange(0, BM)
-        cols = pn * BN + tl.arange(0, BN)
-        rin = rows < M
-        k = tl.arange(0, BC)
-        p = tl.load(PART + pn)
-        slot = tl.load(IDX + rows, mask=rin, other=0)
-        if not PDL:
-            y = tl.load(Y + rows[:, None] * sym + cols[None, :], mask=rin[:, None], other=0.0)
-        on = p >= 0
-        pc = tl.maximum(p, 0)
-        b = tl.load(B + cols[:, None] * sbn + pc * CR + k[None, :], mask=(k[None, :] < CR) & on,
-                    other=0.0)
-        sc = tl.load(SCALE + slot - 1, mask=rin & (slot > 0), other=0.0)
-        sc = sc.to(Y.dtype.element_ty).to(tl.float32)
-        keep = rin[:, None] & (k[None, :] < CR) & (k[None, :] // R + 1 == slot[:, None]) & on
-        if PDL:
-            gdc_wait()  # y and s: the product before this kernel writes them
-            y = tl.load(Y + rows[:, None] * sym + cols[None, :], mask=rin[:, None], other=0.0)
-        s = tl.load(S + soff + rows[:, None] * ssm + pc * CR + k[None, :], mask=keep, other=0.0)
-        s = (s.to(tl.float32) * sc[:, None]).to(Y.dtype.element_ty)
-        if F32DOT:
-            d = tl.dot(s.to(tl.float32), tl.trans(b.to(tl.float32)), input_precision="ieee")
-        else:
-            d = tl.dot(s, tl.trans(b))
-        d = d.to(Y.dtype.element_ty).to(tl.float32)
-        out = tl.where(on, (y.to(tl.float32) + d).to(Y.dtype.element_ty), y)
-        tl.store(O + rows[:, None] * som + cols[None, :], out, mask=rin[:, None])
-
 
 def expand_reference(y, s, b, idx, scale, part, r: int, soff: int = 0):
     """expand in PyTorch: Packed's arithmetic, the mask made from idx and scale."""
@@ -140,25 +87,17 @@ def expand_reference(y, s, b, idx, scale, part, r: int, soff: int = 0):
     return y + torch.nn.functional.linear(s * m.repeat(1, parts), b)
 
 
-def _launch(y, s, b, idx, scale, part, r: int, soff: int, out=None) -> torch.Tensor:
-    """The kernel in the module's form (BM, WARPS, EARLY, PDL) into out (a new tensor when
-    None; y itself in place: each program reads its tile of y before writing it, and the shrink's
-    columns, which it reads too, lie past the N it writes)."""
+def _launch(y, s, b, idx, scale, part, r: int, soff: int) -> torch.Tensor:
+    """The kernel in the module's tile (BM, WARPS) into a new tensor."""
     M, N = y.shape[0], b.shape[0]
     cr = scale.shape[0] * r
     bn = N // part.shape[0]
-    if out is None:
-        out = y.new_empty(M, N)
+    out = y.new_empty(M, N)
     grid = (triton.cdiv(M, BM), part.shape[0])
-    args = (y, s, b, idx, scale, part, out, M, r, cr, soff, y.stride(0), s.stride(0),
-            b.stride(0), out.stride(0))
-    kw = dict(BM=BM, BN=bn, BC=max(16, _pow2(cr)),
-              F32DOT=y.dtype == torch.float32 or INTERPRET, num_warps=WARPS)
-    if EARLY or PDL:
-        pdl = PDL and _pdl(y.device)
-        _expand_early_kernel[grid](*args, PDL=pdl, launch_pdl=pdl, **kw)
-    else:
-        _expand_kernel[grid](*args, **kw)
+    _expand_kernel[grid](y, s, b, idx, scale, part, out, M, r, cr, soff, y.stride(0),
+                         s.stride(0), b.stride(0), out.stride(0), BM=BM, BN=bn,
+                         BC=max(16, _pow2(cr)), F32DOT=y.dtype == torch.float32 or INTERPRET,
+                         num_warps=WARPS)
     return out
 
 
@@ -182,25 +121,3 @@ def expand(y, s, b, idx, scale, part, r: int, soff: int = 0) -> torch.Tensor:
     output columns (-1: none). Contiguous rows; y and s may be one tensor (Table.fold's product,
     read in place: no slices copied)."""
     return lora_expand(y, s, b, idx, scale, part, r, soff)
-
-
-@torch.library.custom_op("slimen::lora_expand_", mutates_args=("y",))
-def lora_expand_(y: torch.Tensor, b: torch.Tensor, idx: torch.Tensor, scale: torch.Tensor,
-                 part: torch.Tensor, r: int, soff: int) -> None:
-    if available(y.device):
-        _launch(y, y, b, idx, scale, part, r, soff, out=y)
-    else:
-        y[:, :b.shape[0]] = expand_reference(y, y, b, idx, scale, part, r, soff)
-
-
-@lora_expand_.register_fake
-def _(y, b, idx, scale, part, r, soff):
-    return None
-
-
-def expand_(y, b, idx, scale, part, r: int, soff: int) -> torch.Tensor:
-    """expand(y, y, …, soff) written into y's first N columns (IN_PLACE): y is a folded
-    product [rows, ≥ soff + parts·cap·r], its shrink read from columns soff …; returns the view
-    y[:, :N]."""
-    lora_expand_(y, b, idx, scale, part, r, soff)
-    return y[:, :b.shape[0]]

@@ -419,7 +419,7 @@ class Transformer(nn.Module):
         train = self.training
         # Adapters run the eager layer, but for an inference pass under a selection whose
         # weights are tuples of tensors a compiled layer takes as they are (lora.Slots' Packed:
-        # the prefill's under the adapters' table, with lora.PREFILL_COMPILED).
+        # the prefill's under the adapters' table, with lora.PREFILL_COMPILED, the default).
         fn = block_forward
         if self.lora is None:
             fn = self.train_block_fn if train else (block_fn or block_forward)

@@ -19,8 +19,8 @@ from test_lora import _random_adapter
 from slimen_torch import kernels, lora
 from slimen_torch.engine import Engine, Options
 from slimen_torch.generate import Generator
-from slimen_torch.model import (apply_rope, decode_layer, decode_post, decode_pre, decode_step,
-                                decode_step_split, rms_norm)
+from slimen_torch.model import (apply_rope, block_forward, decode_layer, decode_post, decode_pre,
+                                decode_step, decode_step_split, rms_norm)
 from slimen_torch.types import Batch, GenerateRequest, LossConfig, Sample, Sampling
 
 BUILTIN = REPO / "engines" / "tiny" / "builtin" / "tiny-arith"
@@ -30,15 +30,14 @@ IDS = json.loads((REPO / "testdata" / "lora_peft" / "expected.json").read_text()
 ADAPTERS = {"a": (("q_proj", "v_proj", "up_proj", "down_proj"), 2),
             "b": (("k_proj", "o_proj", "gate_proj"), 4),
             "c": (lora.TARGETS, 3)}
-# The fused expand's other forms (lora_kernels' module-level switches, bench_lora's diff
-# variants): each must give the default form's results.
-FORMS = {"early": dict(EARLY=True), "pdl": dict(PDL=True), "bm32": dict(BM=32),
-         "bm16": dict(BM=16), "bm16_w2": dict(BM=16, WARPS=2), "bm128_w8": dict(BM=128, WARPS=8),
-         "inplace": dict(IN_PLACE=True), "pdl_bm16_inplace": dict(PDL=True, BM=16, IN_PLACE=True)}
+# The fused expand's other tiles (lora_kernels' module-level switches BM and WARPS, bench_lora's
+# diff variants): each must give the default's results.
+FORMS = {"bm64": dict(BM=64), "bm32": dict(BM=32), "w2": dict(WARPS=2),
+         "bm128_w8": dict(BM=128, WARPS=8)}
 # Those whose tiles have other sizes: the interpreter's fp32 products (NumPy's, of other shapes)
 # may sum in another order there, so their fp32 results agree within rounding, not bit for bit.
 # On the GPU (bf16) the test there asks them for the same bits.
-RETILED = {"bm32", "bm16", "bm16_w2", "bm128_w8", "pdl_bm16_inplace"}
+RETILED = {"bm64", "bm32", "bm128_w8"}
 
 
 def expand_form(monkeypatch, form):
@@ -597,8 +596,7 @@ def _expand_inputs(dtype, M, N=256, cap=4, r=2, seed=0):
 def test_the_expand_forms_give_the_defaults_results(monkeypatch, form, dtype):
     """Each form of lora_kernels.expand (under the interpreter) against the default's, rows of
     a partial tile included: the same results (bit for bit, but for the retiled forms in fp32;
-    a chunk no adapter targets keeps y as it is); in place, the product's shrink columns are
-    not written."""
+    a chunk no adapter targets keeps y as it is)."""
     from slimen_torch import lora_kernels
     M = 37
     y, b, idx, scale, part, r = _expand_inputs(dtype, M)
@@ -608,12 +606,7 @@ def test_the_expand_forms_give_the_defaults_results(monkeypatch, form, dtype):
         y, y, b, idx, scale, part, r, N).float(), rtol=0, atol=2e-6 if dtype == torch.float32
         else 2 ** -7 * want.abs().max().item())
     expand_form(monkeypatch, form)
-    if lora_kernels.IN_PLACE:
-        z = y.clone()
-        got = lora_kernels.expand_(z, b, idx, scale, part, r, N)
-        assert got.data_ptr() == z.data_ptr() and torch.equal(z[:, N:], y[:, N:])
-    else:
-        got = lora_kernels.expand(y, y, b, idx, scale, part, r, N)
+    got = lora_kernels.expand(y, y, b, idx, scale, part, r, N)
     assert torch.equal(got[:, 128:192], y[:, 128:192])  # the chunks of part -1
     if form in RETILED and dtype == torch.float32:
         assert torch.allclose(got, want, rtol=1e-6, atol=1e-6)
@@ -737,16 +730,6 @@ def test_the_fused_step_runs_fewer_operations(eng):
         t.place(ads)
     assert total(folded) == total(base) + adapted, (folded, base)
     assert folded.get("lora_expand") == adapted
-    # In place (lora_kernels.IN_PLACE): the same count, the expand the in-place op.
-    from slimen_torch import lora_kernels
-    t.fold, lora_kernels.IN_PLACE = True, True
-    try:
-        assert t.place(ads) and t.folded
-        inplace = _ops(step(lora.Slots(t, idx, fused=True)))
-    finally:
-        t.fold, lora_kernels.IN_PLACE = False, False
-        t.place(ads)
-    assert total(inplace) == total(folded) and inplace.get("lora_expand_") == adapted
 
 
 def test_a_mixed_batch_decodes_fused_as_each_request_alone(monkeypatch):
@@ -811,18 +794,19 @@ def test_a_mixed_batch_decodes_the_same_in_every_expand_form(monkeypatch):
         sampled = Sampling(max_tokens=2, temperature=1.0)
         want = generate(e, ROWS, sampled, "d")
         assert e.bank.table.folded
-        calls = []
+        tiles = []
         launch = lora_kernels._launch
-        monkeypatch.setattr(lora_kernels, "_launch", lambda *a, **kw: calls.append(
-            kw.get("out") is not None) or launch(*a, **kw))
+        monkeypatch.setattr(lora_kernels, "_launch", lambda *a, **kw: tiles.append(
+            (lora_kernels.BM, lora_kernels.WARPS)) or launch(*a, **kw))
         for form in sorted(FORMS):
             with monkeypatch.context() as mp:
                 for k, v in FORMS[form].items():
                     mp.setattr(lora_kernels, k, v)
-                calls.clear()
+                want_tile = (lora_kernels.BM, lora_kernels.WARPS)
+                tiles.clear()
                 got = generate(e, ROWS, sampled, form)
-            # (The in-place op's launches write into the product: out given.)
-            assert calls and all(calls) == FORMS[form].get("IN_PLACE", False), form
+            # (The kernel ran, in the form's tile.)
+            assert tiles and set(tiles) == {want_tile}, form
             for i, (u, v) in enumerate(zip(got, want)):
                 assert same(u, v) if form in RETILED else u == v, (form, i)
     finally:
@@ -864,9 +848,11 @@ def test_the_compiled_layers_take_the_fused_updates(fold):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_on_the_gpu_adapters_decode_in_captured_graphs():
-    """The engine's GPU defaults (CUDA graphs, compiled layers, Triton kernels, bf16): a mixed
-    batch's steps replay graphs captured over the table, nothing degrades, and each row's tokens
-    and log-probs equal, bit for bit, those of the same prompts all under its adapter."""
+    """The engine's GPU defaults (CUDA graphs, compiled layers, Triton kernels, bf16; the prefill
+    under the table in the compiled prefill layer, lora.PREFILL_COMPILED): a mixed batch's steps
+    replay graphs captured over the table, nothing degrades (the prefill layer still the
+    compiled one), and each row's tokens and log-probs equal, bit for bit, those of the same
+    prompts all under its adapter."""
     e = Engine(str(BUILTIN), Options(device="cuda:0"))
     try:
         for i, (name, (targets, rank)) in enumerate(ADAPTERS.items()):
@@ -877,6 +863,7 @@ def test_on_the_gpu_adapters_decode_in_captured_graphs():
         mixed = generate(e, rows, greedy, "m")
         assert g.use_graphs and g.graphs and g.graphs_lora == e.bank.table.version > 0
         assert not g.compile_error and not g.kernel_error
+        assert lora.PREFILL_COMPILED and g.prefill_fn is not block_forward
         assert e.bank.table.folded and e.bank.table.bn > 0  # the step ran Fused, folded
         for name in ("", "a", "b", "c"):
             one = generate(e, [(name, p) for _, p in rows], greedy, f"o{name}")
@@ -941,23 +928,23 @@ def test_on_the_gpu_the_expand_forms_give_the_defaults_bits(monkeypatch, form):
             with monkeypatch.context() as mp:
                 for k, v in FORMS[form].items():
                     mp.setattr(lora_kernels, k, v)
-                if lora_kernels.IN_PLACE:
-                    got = lora_kernels.expand_(y.clone(), b, idx, scale, part, r, N)
-                else:
-                    got = lora_kernels.expand(y, y, b, idx, scale, part, r, N)
+                got = lora_kernels.expand(y, y, b, idx, scale, part, r, N)
             assert torch.equal(got.view(torch.int16), want.view(torch.int16)), (N, M)
 
 
 def test_a_prefill_under_the_table_runs_the_compiled_layer(monkeypatch):
-    """With lora.PREFILL_COMPILED a prefill of rows under the adapters' table (Slots: Packed
-    weights) runs the generator's prefill layer (prefill_fn: compiled on a GPU; here a recorder
-    of whole_block, the function a GPU compiles), as a prefill without adapters does, and the
-    mixed batch samples what the eager layer samples; off, the eager layer runs and prefill_fn
-    never sees adapters. (That Dynamo traces the layer under Packed weights: the decode's
-    compiled layers take them on a GPU, bench_lora.py's lora_packed variant.)"""
+    """By default (lora.PREFILL_COMPILED) a prefill of rows under the adapters' table (Slots:
+    Packed weights) runs the generator's prefill layer, as a prefill without adapters does
+    (prefill_fn: compiled on a GPU; on the CPU the eager layer itself, so the other tests cannot
+    tell the two apart: here a recorder of whole_block, the function a GPU compiles). The mixed
+    batch's greedy tokens through it are each row's alone and, bit for bit, those of the same
+    prompts all under the row's adapter; it samples what the eager layer samples. Off, the eager
+    layer runs and prefill_fn never sees adapters. (That Dynamo traces the layer under Packed
+    weights: test_on_the_gpu_adapters_decode_in_captured_graphs, whose engine compiles it.)"""
     from slimen_torch.model import whole_block
     e = engine()
     try:
+        assert lora.PREFILL_COMPILED
         compiled = whole_block(e.model.cfg)
         seen = []
 
@@ -965,13 +952,24 @@ def test_a_prefill_under_the_table_runs_the_compiled_layer(monkeypatch):
             seen.append(any(isinstance(p, lora.Packed) for p in w))
             return compiled(cfg, x, w, *a, **kw)
         e.gen.prefill_fn = layer
-        sampled = Sampling(max_tokens=3, temperature=1.0)
-        want = generate(e, ROWS, sampled, "off")
-        assert not seen  # off: a prefill under adapters runs the eager layer
-        monkeypatch.setattr(lora, "PREFILL_COMPILED", True)
-        got = generate(e, ROWS, sampled, "on")
+        greedy = Sampling(max_tokens=3, temperature=0.0)
+        mixed = generate(e, ROWS, greedy, "g")
         assert seen and all(seen)  # every layer of the prefill, under the table's weights
-        for i, (u, v) in enumerate(zip(got, want)):
+        for i, row in enumerate(ROWS):
+            alone = generate(e, [row], greedy, f"y{i}")
+            assert same(mixed[i], alone[0]), f"row {i} ({row[0] or 'base'}) differs alone"
+        for name in ("", "a", "b", "c"):
+            one = generate(e, [(name, p) for _, p in ROWS], greedy, f"v{name}")
+            for i, (a, _) in enumerate(ROWS):
+                if a == name:
+                    assert mixed[i] == one[i], f"row {i} ({a or 'base'})"
+        sampled = Sampling(max_tokens=3, temperature=1.0)
+        on = generate(e, ROWS, sampled, "on")
+        seen.clear()
+        monkeypatch.setattr(lora, "PREFILL_COMPILED", False)
+        off = generate(e, ROWS, sampled, "off")
+        assert not seen  # off: a prefill under adapters runs the eager layer
+        for i, (u, v) in enumerate(zip(on, off)):
             assert same(u, v), i
     finally:
         e.close()

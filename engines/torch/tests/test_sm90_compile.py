@@ -108,15 +108,10 @@ def configs(bi):
     for bc in (64, 128, 256):
         out.append((f"lora-expand-bc{bc}", lk._expand_kernel, lkp,
                     dict(BM=lk.BM, BN=lk.BN_MAX, BC=bc, F32DOT=False), lk.WARPS, 1))
-    # Its other forms (lora_kernels' switches, bench_lora's diff variants): other tiles, and
-    # the early form with and without programmatic dependent launch.
-    for bm, warps in ((16, 4), (16, 2), (32, 4), (128, 8)):
+    # Its other tiles (lora_kernels' switches BM and WARPS, bench_lora's diff variants).
+    for bm, warps in ((64, 4), (32, 4), (16, 2), (128, 8)):
         out.append((f"lora-expand-bm{bm}-w{warps}", lk._expand_kernel, lkp,
                     dict(BM=bm, BN=lk.BN_MAX, BC=64, F32DOT=False), warps, 1))
-    for pdl in (False, True):
-        for bm in (16, 64):
-            out.append((f"lora-expand-early-pdl{int(pdl)}-bm{bm}", lk._expand_early_kernel, lkp,
-                        dict(BM=bm, BN=lk.BN_MAX, BC=64, F32DOT=False, PDL=pdl), 4, 1))
     return out
 
 
