@@ -146,6 +146,15 @@ def _one_prompt(messages, prompt_tokens, what: str) -> None:
                            "prompt_tokens")
 
 
+
+def device_fault(e: BaseException) -> bool:
+    """Whether e is the device's own failure (a CUDA error: a kernel's failed assertion, an
+    illegal address), after which the process's CUDA context runs nothing more: every later
+    operation raises the same error, so only a new process serves again."""
+    if isinstance(e, torch.AcceleratorError):
+        return True
+    return isinstance(e, RuntimeError) and "CUDA error" in str(e)
+
 class Engine:
     # Whether the engine keeps weights versions (versions.py; "versions" in its capabilities).
     # A sharded trainer's engine (dist.py) does not.
@@ -204,6 +213,11 @@ class Engine:
         self._cancels: list[str] = []
         self._closed = False
         self._dead = ""  # why the engine's thread stopped, if it did: every call then says so
+        # Called (on the engine's thread) with the reason when the device faults (device_fault):
+        # `serve` sets it to end the process, so that the host starts a new worker, puts its
+        # policy's state back and resends the calls in flight, as after a killed worker. Unset
+        # (an engine in a test, or embedded), the engine's thread stops: every call fails.
+        self.on_fault = None
         self._thread = threading.Thread(target=self._run_loop, name="slimen-torch-worker",
                                         daemon=True)
         self._thread.start()
@@ -304,6 +318,8 @@ class Engine:
             self._loop()
         except BaseException as e:
             log.exception("the engine's thread stopped")
+            if device_fault(e) and self.on_fault is not None:
+                self.on_fault(f"{type(e).__name__}: {e}")
             with self._cv:
                 self._dead = f"the engine's thread stopped: {type(e).__name__}: {e}"
                 self._closed = True
@@ -340,16 +356,28 @@ class Engine:
                 self.gen.cancel(rid)
             if tasks:
                 self.gen.flush()
-            for fn, fut in tasks:
+            for i, (fn, fut) in enumerate(tasks):
                 if fut.set_running_or_notify_cancel():
                     try:
                         fut.set_result(fn())
                     except BaseException as e:  # handed to the caller
-                        fut.set_exception(e)
+                        if not device_fault(e):
+                            fut.set_exception(e)
+                            continue
+                        # The device failed: no later task can run. With on_fault the process
+                        # ends and the host resends the calls; without, they fail here.
+                        if self.on_fault is None:
+                            fut.set_exception(e)
+                            for _, rest in tasks[i + 1:]:
+                                if rest.set_running_or_notify_cancel():
+                                    rest.set_exception(e)
+                        raise
             if self.gen.busy():
                 try:
                     self.gen.step()
                 except Exception as e:
+                    if device_fault(e):
+                        raise  # _run_loop: the device can run nothing more in this process
                     log.exception("generation failed")
                     self.gen.fail_all(f"generation failed: {e}")
 

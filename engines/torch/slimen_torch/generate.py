@@ -193,12 +193,13 @@ class Generator(Decode, Prefill):
         for s in self.slots:
             if s is not None:
                 s.done = True
-        self._free([i for i, s in enumerate(self.slots) if s is not None])
-        self.forget_prefixes()
+        # The callers first: freeing the rows runs on the device, which may be what failed.
         for r in reqs.values():
             if not r.cancelled and r.on_error is not None:
                 r.cancelled = True
                 r.on_error("INTERNAL", message)
+        self._free([i for i, s in enumerate(self.slots) if s is not None])
+        self.forget_prefixes()
 
     # ---- the prefix cache (prefix_cache.py) and the shared-prompt groups (groups.py), under
     # the names the engine, the tests and bench.py use ----

@@ -773,10 +773,24 @@ def serve(args) -> None:
         # threads waiting, and the process never exits.
         server.stop(grace=None).wait()
         raise
+    service.engine.on_fault = _device_fault_exit
     service.loading = False
     stop.wait()
     service.loading = True
     shut_down(server, service.engine, size)
+
+
+# The exit status of a worker whose device failed (engine.device_fault): the host's supervisor
+# starts a new one, as after any exit.
+DEVICE_FAULT_EXIT = 75
+
+
+def _device_fault_exit(reason: str) -> None:
+    """Engine.on_fault of a served engine: the device's failure ends the process at once. Its
+    CUDA context runs nothing more, and the calls in flight are better resent by the host to the
+    worker it starts next (it puts the policy's state back first) than failed."""
+    log.error("the device failed (%s): exiting, for the host to start a new worker", reason)
+    exit_now(DEVICE_FAULT_EXIT)
 
 
 def shut_down(server, engine, size: int) -> None:

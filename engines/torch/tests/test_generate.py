@@ -155,3 +155,84 @@ def test_a_dead_engine_thread_fails_every_call(model_dirs, monkeypatch):
                 call()
     finally:
         e.close()
+
+
+def _fault(*_a, **_k):
+    raise torch.AcceleratorError("CUDA error: device-side assert triggered")
+
+
+def test_a_device_fault_ends_the_worker(model_dirs, monkeypatch):
+    """A CUDA error in the decode step (the device runs nothing more in this process) goes to
+    on_fault, which `serve` makes end the process so that the host starts a new worker and
+    resends the calls; and when freeing the failed rows raises too (the same sticky error),
+    the waiting call still fails with the reason instead of waiting forever."""
+    e = Engine(str(model_dirs["tiny"]))
+    faults = []
+    try:
+        e.on_fault = faults.append
+        monkeypatch.setattr(e.gen, "step", _fault)
+        monkeypatch.setattr(e.gen, "_free", _fault)
+        with pytest.raises(RuntimeError, match="thread stopped: AcceleratorError: CUDA error"):
+            e.generate([req("a")], timeout=30)
+        assert faults == ["AcceleratorError: CUDA error: device-side assert triggered"]
+        with pytest.raises(RuntimeError, match="thread stopped"):
+            e.score([ScoreRequest(tokens=[3], prompt_tokens=[1, 2])])
+    finally:
+        e.close()
+
+
+def test_a_device_fault_in_a_call_fails_it_and_the_engine(model_dirs):
+    """A call that meets a CUDA error gets it (no on_fault: an engine not served), and the
+    engine stops: every later call fails with the reason."""
+    e = Engine(str(model_dirs["tiny"]))
+    try:
+        assert e.score([ScoreRequest(tokens=[3], prompt_tokens=[1, 2])])
+        with pytest.raises(torch.AcceleratorError, match="CUDA error"):
+            e._call(_fault)
+        e._thread.join(timeout=30)
+        assert not e._thread.is_alive()
+        with pytest.raises(RuntimeError, match="thread stopped: AcceleratorError"):
+            e.generate([req("b")], timeout=30)
+    finally:
+        e.close()
+
+
+def test_an_ordinary_error_in_a_call_leaves_the_engine_serving(model_dirs):
+    """Only the device's failure stops the engine: a call's own error goes to its caller."""
+    e = Engine(str(model_dirs["tiny"]))
+    try:
+        with pytest.raises(ValueError, match="bad"):
+            e._call(lambda: (_ for _ in ()).throw(ValueError("bad")))
+        assert e.generate([req("c")], timeout=30)
+    finally:
+        e.close()
+
+
+def test_a_served_worker_exits_on_a_device_fault(model_dirs):
+    """The served engine's on_fault (server._device_fault_exit) ends the process at once with
+    DEVICE_FAULT_EXIT, for the host's supervisor to start a new worker; the call in flight gets
+    no error (the host resends it to the new worker)."""
+    import subprocess
+    import sys
+
+    from slimen_torch import server
+    code = f"""
+import torch
+from slimen_torch import server
+from slimen_torch.engine import Engine
+from slimen_torch.types import GenerateRequest, Sampling
+e = Engine({str(model_dirs["tiny"])!r})
+e.on_fault = server._device_fault_exit
+def fault():
+    raise torch.AcceleratorError("CUDA error: an illegal memory access was encountered")
+e.gen.step = fault
+try:
+    e.generate([GenerateRequest(id="a", prompt_tokens=[1, 2], sampling=Sampling(max_tokens=4))],
+               timeout=60)
+except BaseException as err:
+    print("the call failed:", err)
+"""
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert p.returncode == server.DEVICE_FAULT_EXIT, (p.returncode, p.stdout, p.stderr[-2000:])
+    assert "the call failed" not in p.stdout
+    assert "the device failed (AcceleratorError: CUDA error: an illegal memory" in p.stderr
