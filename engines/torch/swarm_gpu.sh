@@ -21,10 +21,11 @@
 #   SLIMEN=.devbuild/slimen PY=python3 engines/torch/swarm_gpu.sh           # the GPUs (~6 min)
 #   SLIMEN=.devbuild/slimen PY=python3 engines/torch/swarm_gpu.sh --quick   # CPU: tiny-qwen3 (~2 min)
 #
-# Knobs (env): LAYOUTS ("spread lora one"), STEPS (5), WARMUP (2), PROMPTS (64 tasks a step: 256
-# samples per agent), MAXLEN (64 new tokens), SHAPE (qwen3-50m), COMPILE_TRAIN (off), BUDGET
-# (540 s), G (default from nvidia-smi), WORK (/tmp/swarm-gpu: runs, logs, table.md). --quick runs
-# the workers on the CPU and places the GPU form of each config on a saved inventory of G (2) H100s.
+# Knobs (env): LAYOUTS ("spread lora one"), LORA_SLOTS (the LoRA worker's cache rows; 0, the
+# default: the worker's own), STEPS (5), WARMUP (2), PROMPTS (64 tasks a step: 256 samples per
+# agent), MAXLEN (64 new tokens), SHAPE (qwen3-50m), COMPILE_TRAIN (off), BUDGET (540 s), G
+# (default from nvidia-smi), WORK (/tmp/swarm-gpu: runs, logs, table.md). --quick runs the workers
+# on the CPU and places the GPU form of each config on a saved inventory of G (2) H100s.
 set -uo pipefail
 QUICK=0
 [ "${1:-}" = --quick ] && QUICK=1
@@ -34,6 +35,11 @@ WORK=${WORK:-/tmp/swarm-gpu}
 BUDGET=${BUDGET:-540}
 COMPILE_TRAIN=${COMPILE_TRAIN:-off}
 LAYOUTS=${LAYOUTS:-spread lora one}
+# The LoRA worker's cache rows (--slots; 0: the worker's default, 256 on a GPU, 16 on the CPU).
+# The other layouts run eight workers of that many rows each: LORA_SLOTS=2048 gives the one LoRA
+# worker their sum (on an H200 on 2026-11-29 it then failed in step 2 with a CUDA device-side
+# assertion, docs/performance.md; the default stays the worker's until that is found).
+LORA_SLOTS=${LORA_SLOTS:-0}
 . engines/torch/lib.sh
 gpu_lib_init || exit 1
 if [ "$QUICK" = 1 ]; then
@@ -59,7 +65,7 @@ cat "$WORK/setup.txt" >&2
 # config LAYOUT FORM: the layout's config; FORM cpu runs every worker on the CPU (the quick run),
 # FORM gpu pins them to GPUs.
 config() {
-  local i k where train lora=""
+  local i k where train rows lora=""
   echo "policies:"
   for ((i = 0; i < 8; i++)); do
     k=0
@@ -71,12 +77,13 @@ config() {
     else
       where="gpus: [\"${ids[$k]}\"]"
     fi
-    train="lr: 1.0e-5, advantage_estimator: grpo, global_batch_size: 0"
+    train="lr: 1.0e-5, advantage_estimator: grpo, global_batch_size: 0" rows=""
     if [ "$1" = lora ]; then
+      [ "$LORA_SLOTS" -gt 0 ] && rows=", --slots, \"$LORA_SLOTS\""
       train="lr: 1.0e-4, advantage_estimator: grpo, global_batch_size: 0"
       lora="lora: {rank: 8, alpha: 16, targets: [q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj]}"
     fi
-    torch_policy "agent_$i" "$WORK/model" "$where, args: [--max-seq-len, \"512\", --compile-train, $COMPILE_TRAIN]" "$train" "$lora"
+    torch_policy "agent_$i" "$WORK/model" "$where, args: [--max-seq-len, \"512\", --compile-train, $COMPILE_TRAIN$rows]" "$train" "$lora"
   done
   cat <<EOF
 rollout: {batch_size: $PROMPTS, max_response_len: $MAXLEN, temperature: 1.0}
