@@ -34,6 +34,7 @@ completion's floating-point values can depend on whether an earlier turn was sti
 from __future__ import annotations
 
 import collections
+import logging
 
 import torch
 
@@ -48,6 +49,8 @@ from .sequence import Placed, Request, Sequence, prompt_key
 from .types import Completion
 
 __all__ = ["Generator", "Placed", "Request", "Sequence"]
+
+log = logging.getLogger("slimen_torch")
 
 
 def _bucket(n: int, cap: int, sizes) -> int:
@@ -121,6 +124,8 @@ class Generator(Decode, Prefill):
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.inflight = None
         self.launches = 0  # steps launched: the host buffer a step's output goes to alternates
+        # Whether a sampled token outside the vocabulary was logged (_append: once).
+        self.bad_token = False
         self.batch_sizes = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024]  # a step's row buckets
 
     @staticmethod
@@ -542,6 +547,13 @@ class Generator(Decode, Prefill):
         if s.req.cancelled:
             s.done = True
             return True
+        if not 0 <= tok < self.model.cfg.vocab_size and not self.bad_token:
+            # The next step embeds it: on a GPU a device-side assertion that names no sample,
+            # raised at a later synchronisation; this line comes before it.
+            self.bad_token = True
+            log.error("sample %d of request %r (row %d) drew token %d, outside the vocabulary "
+                      "of %d, at response position %d", s.index, s.req.id, s.slot, tok,
+                      self.model.cfg.vocab_size, len(s.tokens))
         s.tokens.append(tok)
         s.logprobs.append(lp)
         if s.cst is not None and tok not in self.eos:

@@ -407,9 +407,16 @@ if HAVE_TRITON:
         x = tl.load(logits_ptr + b * s_row + i, mask=i < V, other=float("-inf")).to(tl.float32)
         w = tl.where(x > float("-inf"), tl.exp((x - M) / t), 0.0)
         inner = tl.cumsum(w, 0)
-        rest = tl.minimum(target - before, tl.sum(w, 0))
+        # Rounding can leave the rest of the target above the chunk's running total (the chunk
+        # sums above, tl.sum and the scan each add in their own order): capped by the scan's own
+        # last entry (its largest: the weights are not negative), the first entry reaching the
+        # rest has weight, as in sampling._inverse_cdf. Capped by tl.sum(w) instead, a rest past
+        # the scan's total counted every entry of the chunk, those past V too: a token of a
+        # partial last chunk outside the vocabulary (qwen3-50m's 624 tokens: 2047), which the
+        # next step's embedding fails on (a device-side assertion).
+        rest = tl.minimum(target - before, tl.max(inner, 0))
         k = tl.minimum(tl.sum((inner < rest).to(tl.int32), 0), C - 1)
-        tok = (j * C + k).to(tl.int64)
+        tok = tl.minimum(j * C + k, V - 1).to(tl.int64)  # (never past the vocabulary)
         # Greedy: the first chunk with the largest maximum, and its first arg-max.
         jg = tl.argmax(m, 0)
         gtok = tl.sum(tl.where(c == jg, tl.load(idx_ptr + b * NC + c, mask=cmask, other=0), 0), 0)

@@ -117,6 +117,25 @@ def test_eos_ends_a_response(engine):
         assert len(c.tokens) == len(c.logprobs) <= 48
 
 
+def test_a_token_outside_the_vocabulary_is_logged(engine, caplog):
+    # On a GPU the next step's embedding of such a token is a device-side assertion that names
+    # no sample (the 2048-row exam swarm's): the host logs the sample that drew it first, once.
+    from slimen_torch.generate import Generator
+    from slimen_torch.sequence import Request
+    g = Generator(engine.model, engine.tokenizer, engine.eos, slots=2, max_len=64,
+                  cuda_graphs=False, compile_layers=False, prefill_tokens=512)
+    g.add(Request("oov", [1, 2, 3], 1, Sampling(max_tokens=4), lambda c: None))
+    g._admit()
+    s = g.slots[0]
+    V = engine.cfg.vocab_size
+    with caplog.at_level("ERROR", logger="slimen_torch"):
+        g._append(s, V + 3, 0.0)
+        g._append(s, V + 4, 0.0)
+    lines = [r.getMessage() for r in caplog.records if "outside the vocabulary" in r.getMessage()]
+    assert lines == [f"sample 0 of request 'oov' (row 0) drew token {V + 3}, outside the "
+                     f"vocabulary of {V}, at response position 1"]
+
+
 def test_bad_requests_are_refused(engine):
     import pytest
 

@@ -151,6 +151,26 @@ def test_sampler_frequencies_and_zero_weights():
     assert torch.allclose(freq, torch.softmax(values, 0), atol=1 / n)
 
 
+def test_sampler_stays_in_a_partial_vocabulary():
+    # A vocabulary smaller than a chunk (qwen3-50m's 624 tokens in one chunk of 2048) and
+    # uniforms at the top of (0, 1): the target lands at the chunk's total, where the sums of the
+    # chunk's weights in different orders disagree in the last bits. Capped by another sum than
+    # the running sum's own, the draw ran past the running total and took the chunk's last
+    # entry, 2047: outside the vocabulary (the H200's 2048-row exam swarm, a device-side
+    # assertion in the next step's embedding). Every draw must be a token with weight.
+    g = torch.Generator().manual_seed(0)
+    n, V = 64, 624
+    logits = torch.randn(n, V, generator=g) * 0.5
+    u = ((2 ** 24 - 1 - torch.arange(n) % 16).double() + 0.5).div(2 ** 24).float()
+    zeros = torch.zeros(n, dtype=torch.long)
+    toks, lp = K.sample_and_advance(logits, torch.ones(n), zeros, zeros, u=u)
+    assert toks.max().item() < V
+    # There: the vocabulary's last token (every weight is positive), as the PyTorch sampler draws.
+    want, want_lp = S.sample(logits, torch.ones(n), torch.ones(n), u, False)
+    assert toks.tolist() == want.tolist() == [V - 1] * n
+    assert torch.allclose(lp, want_lp, atol=1e-5)
+
+
 @pytest.mark.parametrize("K_,N", [(32, 64), (100, 37)])
 def test_gemv(K_, N):
     g = torch.Generator().manual_seed(N)

@@ -1,6 +1,7 @@
 """The seeded sampler: the two-level inverse CDF draws from the right distribution, never picks
 a token of zero weight, and the per-row uniforms depend only on (seed, sample index, step)."""
 
+import pytest
 import torch
 
 from slimen_torch import sampling as S
@@ -76,3 +77,23 @@ def test_rows_without_top_p_ignore_their_neighbours():
     assert torch.equal(lp_mixed[keep], lp_plain[keep])
     nucleus, _ = S.sample(logits[~keep], t[~keep], top_p[~keep], u[~keep], True)
     assert mixed[~keep].tolist() == nucleus.tolist()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_on_the_gpu_the_triton_sampler_stays_in_the_vocabulary():
+    """kernels.sample_and_advance on the GPU, where its sums of a chunk's weights (two tl.sum
+    of other widths, a scan) round differently: at the top uniforms of (0, 1), over a vocabulary
+    smaller than a chunk (qwen3-50m's 624 tokens in one of 2048), every draw is a token of the
+    vocabulary (before the fix some were 2047, test_kernels' partial-vocabulary test), and a
+    bf16 row's log-prob is its token's."""
+    from slimen_torch import kernels as K
+    g = torch.Generator(device="cuda").manual_seed(0)
+    n, V = 1 << 16, 624
+    logits = (torch.randn(n, V, device="cuda", generator=g) * 0.5).bfloat16()
+    top = torch.arange(n, device="cuda") % 16
+    u = ((2 ** 24 - 1 - top).double() + 0.5).div(2 ** 24).float()
+    zeros = torch.zeros(n, dtype=torch.long, device="cuda")
+    toks, lp = K.sample_and_advance(logits, torch.ones(n, device="cuda"), zeros, zeros, u=u)
+    assert toks.max().item() < V
+    want = torch.log_softmax(logits.float(), -1).gather(1, toks[:, None])[:, 0]
+    assert torch.allclose(lp, want, atol=1e-4)
