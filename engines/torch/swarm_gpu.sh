@@ -38,7 +38,8 @@ LAYOUTS=${LAYOUTS:-spread lora one}
 # The LoRA worker's cache rows (--slots; 0: the worker's default, 256 on a GPU, 16 on the CPU).
 # The other layouts run eight workers of that many rows each: LORA_SLOTS=2048 gives the one LoRA
 # worker their sum (on an H200 on 2026-11-29 it then failed in step 2 with a CUDA device-side
-# assertion, docs/performance.md; the default stays the worker's until that is found).
+# assertion, likely the sampler's draw past the vocabulary fixed since: docs/performance.md; the
+# default stays the worker's until a GPU run of it passes).
 LORA_SLOTS=${LORA_SLOTS:-0}
 . engines/torch/lib.sh
 gpu_lib_init || exit 1
