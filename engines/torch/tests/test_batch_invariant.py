@@ -600,7 +600,9 @@ def test_the_triton_attention_backward_is_the_gradient_and_repeats(interpreted, 
     # ("triton2": rows of the heads of a key head together; FULL_BLOCKS changes nothing there)
     # alike, with a group of 3 (rows 15 of a 16-row block), and in a causal pass (queries at
     # 0..Lk-1) with its bounds by arithmetic: the same gradient as the masked loops'. (The
-    # second form takes no FULL_BLOCKS: its runs are the first call and, grouped, the repeat.)
+    # second form takes no FULL_BLOCKS: its runs are the first call and, grouped, the repeat.
+    # Its group of 3 in fp32 alone: bf16 changes the loads and stores, not the rows' heads,
+    # and the groups of 2 and 1 check it.)
     monkeypatch.setattr(bi, "ATTN_BWD", bwd)
     for name in ("ATTN_BWD_DQ", "ATTN_BWD_DQ_F32", "ATTN_BWD2_DQ", "ATTN_BWD2_DQ_F32"):
         monkeypatch.setattr(bi, name, (16, 16, 4, 1))
@@ -619,7 +621,7 @@ def test_the_triton_attention_backward_is_the_gradient_and_repeats(interpreted, 
         go = torch.randn(B, T, H, D, generator=g)
         pos = torch.stack([torch.arange(T) + 6, torch.arange(T)])
         pos[1, 29:] = -1
-        for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 3e-2)):
+        for dtype, tol in ((torch.float32, 1e-5),) + (((torch.bfloat16, 3e-2),) if H != 6 else ()):
             ins = [t.to(dtype) for t in (q, k, v)]
             ref = [t.float().requires_grad_() for t in ins]
             out = bi.attention_torch(*ref, pos, 0.3)
