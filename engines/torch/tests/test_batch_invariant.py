@@ -599,7 +599,10 @@ def test_the_triton_attention_backward_is_the_gradient_and_repeats(interpreted, 
     # the masks' work (ATTN_BWD_FULL_BLOCKS), the same numbers as masked. The second form
     # ("triton2": rows of the heads of a key head together; FULL_BLOCKS changes nothing there)
     # alike, with a group of 3 (rows 15 of a 16-row block), and in a causal pass (queries at
-    # 0..Lk-1) with its bounds by arithmetic: the same gradient as the masked loops'.
+    # 0..Lk-1) with its bounds by arithmetic: the same gradient as the masked loops'. (The
+    # second form takes no FULL_BLOCKS: its runs are the first call and, grouped, the repeat.
+    # Its group of 3 in fp32 alone: bf16 changes the loads and stores, not the rows' heads,
+    # and the groups of 2 and 1 check it.)
     monkeypatch.setattr(bi, "ATTN_BWD", bwd)
     for name in ("ATTN_BWD_DQ", "ATTN_BWD_DQ_F32", "ATTN_BWD2_DQ", "ATTN_BWD2_DQ_F32"):
         monkeypatch.setattr(bi, name, (16, 16, 4, 1))
@@ -618,7 +621,7 @@ def test_the_triton_attention_backward_is_the_gradient_and_repeats(interpreted, 
         go = torch.randn(B, T, H, D, generator=g)
         pos = torch.stack([torch.arange(T) + 6, torch.arange(T)])
         pos[1, 29:] = -1
-        for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 3e-2)):
+        for dtype, tol in ((torch.float32, 1e-5),) + (((torch.bfloat16, 3e-2),) if H != 6 else ()):
             ins = [t.to(dtype) for t in (q, k, v)]
             ref = [t.float().requires_grad_() for t in ins]
             out = bi.attention_torch(*ref, pos, 0.3)
@@ -626,8 +629,9 @@ def test_the_triton_attention_backward_is_the_gradient_and_repeats(interpreted, 
             for lse in ((True, False) if dtype == torch.float32 else (False,)):
                 monkeypatch.setattr(bi, "ATTN_LSE", lse)
                 runs = []
-                # whole blocks on, on again (the repeat), off
-                for full in ((True, True, False) if H > KV else (True, False)):
+                # whole blocks on, on again (the repeat), off (the second form: no such switch)
+                fulls = (True, True, False) if H > KV else (True, False)
+                for full in (fulls[:-1] if bwd == "triton2" else fulls):
                     monkeypatch.setattr(bi, "ATTN_BWD_FULL_BLOCKS", full)
                     if dtype == torch.float32:
                         xs = [t.clone().requires_grad_() for t in ins]

@@ -323,14 +323,15 @@ def test_fused_head_trains_the_same(model_dirs):
 
 
 def test_top_p_neighbour_leaves_other_rows_alone(noeos_dir):
-    """With the Triton sampler, a request's tokens are the same alone and beside a top-p one."""
+    """With the Triton sampler, a request's tokens are the same alone and beside a top-p one
+    (three draws a sample: the prefill's and two interpreted decode steps')."""
     fast = Engine(str(noeos_dir), Options(device="cpu", kernels=True))
     try:
         user = [{"role": "user", "content": "Ann has 3 pens."}]
         plain = GenerateRequest(id="plain", messages=user, n=2,
-                                sampling=Sampling(seed=3, max_tokens=6, temperature=1.0))
+                                sampling=Sampling(seed=3, max_tokens=3, temperature=1.0))
         nucleus = GenerateRequest(id="nucleus", messages=[{"role": "user", "content": "Bo has 9 eggs."}], n=2,
-                                  sampling=Sampling(seed=4, max_tokens=6, temperature=1.0,
+                                  sampling=Sampling(seed=4, max_tokens=3, temperature=1.0,
                                                     top_p=0.8))
         alone = fast.generate([plain])
         both = fast.generate([GenerateRequest(id="plain2", messages=user, n=2,
@@ -431,7 +432,8 @@ def test_shared_prompts_flag(noeos_dir, monkeypatch):
 def test_separate_requests_of_one_prompt_share_it(noeos_dir, monkeypatch):
     """slime's n_samples_per_prompt sends a prompt's samples as separate requests: admitted
     together they are prefilled once and read the prompt as one group, and give the tokens and
-    log-probs of a generator that prefills and reads each on its own."""
+    log-probs of a generator that prefills and reads each on its own. (Two tokens: the prefill's
+    and one interpreted decode step, which reads the prompt as the group.)"""
     monkeypatch.setattr(K, "attention_splits", lambda *a, **k: 1)
     eng = Engine(str(noeos_dir), Options(device="cpu", kernels=True, slots=16))
     grouped = []
@@ -442,7 +444,7 @@ def test_separate_requests_of_one_prompt_share_it(noeos_dir, monkeypatch):
         prompts = [[5, 9, 13, 2, 7, 30, 4], [8, 1, 44, 6]]
         for i in range(10):  # 6 requests of the first prompt, 4 of the second, interleaved
             p = prompts[0] if i % 5 < 3 else prompts[1]
-            gen.add(Request(f"r{i}", p, 1, Sampling(seed=i, max_tokens=3),
+            gen.add(Request(f"r{i}", p, 1, Sampling(seed=i, max_tokens=2),
                             lambda c: got.__setitem__(c.request_id, c)))
         while gen.busy():
             gen.step()

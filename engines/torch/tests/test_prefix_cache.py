@@ -166,7 +166,8 @@ def test_train_drops_kept_rows(noeos_dir, caplog):
 
 def test_with_the_triton_decode_kernels(noeos_dir):
     """The Triton decode attention (CPU: Triton's interpreter), two conversations of a shared
-    opening running at once."""
+    opening running at once. (Three tokens a turn: two interpreted decode steps, the second
+    reading the step before's token from the cache.)"""
     on = make(noeos_dir, 6, kernels=True, fused_b1=True, prefill_graph_max=128)
     off = make(noeos_dir, 0, kernels=True, fused_b1=True, prefill_graph_max=128)
     try:
@@ -175,14 +176,14 @@ def test_with_the_triton_decode_kernels(noeos_dir):
         convs = [shared + prompt(32 + i, 3) for i in range(2)]
         for t in range(2):
             reqs = [GenerateRequest(id=f"k{i}-{t}", prompt_tokens=ids, n=1 + i,
-                                    sampling=Sampling(seed=i + t, max_tokens=5))
+                                    sampling=Sampling(seed=i + t, max_tokens=3))
                     for i, ids in enumerate(convs)]
             got, want = together(on, reqs), together(off, reqs)
             assert len(got) == 3
             assert_same(got, want)
             convs = [convs[0] + got[0].tokens + [7, 8], convs[1] + got[1].tokens + [7, 8]]
         st = on.gen.take_prefix_stats()
-        assert st["hits"] == 2 and st["reused_tokens"] == 2 * (27 + 5 - 1)
+        assert st["hits"] == 2 and st["reused_tokens"] == 2 * (27 + 3 - 1)
     finally:
         on.close()
         off.close()
@@ -284,7 +285,8 @@ def test_shared_prompt_groups_with_reused_prefixes(noeos_dir, monkeypatch):
     """A request's samples admitted from a kept row (the lead's prefix copied from it, the
     followers copying the lead's prompt) read that prompt once as a group in the Triton decode
     attention: the tokens and log-probs of reuse and grouping off. (Rows are never split here, as
-    a GPU batch of 16 rows or more is not, or the attention would read each row's own copy.)"""
+    a GPU batch of 16 rows or more is not, or the attention would read each row's own copy.
+    Three tokens a turn: two interpreted decode steps of the group.)"""
     from slimen_torch import kernels as K
     monkeypatch.setattr(K, "attention_splits", lambda *a, **k: 1)
     on = make(noeos_dir, 6, slots=8, kernels=True)
@@ -303,7 +305,7 @@ def test_shared_prompt_groups_with_reused_prefixes(noeos_dir, monkeypatch):
         convs = [shared + prompt(42 + i, 3) for i in range(2)]
         for t in range(2):
             reqs = [GenerateRequest(id=f"g{i}-{t}", prompt_tokens=ids, n=1 + 2 * i,
-                                    sampling=Sampling(seed=i + t, max_tokens=5))
+                                    sampling=Sampling(seed=i + t, max_tokens=3))
                     for i, ids in enumerate(convs)]
             got, want = together(on, reqs), together(off, reqs)
             assert len(got) == 4
