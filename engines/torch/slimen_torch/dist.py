@@ -1142,9 +1142,10 @@ def stacks_later(rank: int, seconds: float) -> threading.Timer:
     return t
 
 
-def serve_rank(args, opts, service) -> None:
+def serve_rank(args, opts, service, on_fault=None) -> None:
     """The worker of one rank under torchrun: rank 0 serves (service is its server's), the
-    others follow. Returns when rank 0 closes the group."""
+    others follow. Returns when rank 0 closes the group. on_fault: the rank's Engine.on_fault (a
+    rank whose device failed exits, and torchrun starts the group again)."""
     starting = stacks_later(world()[0], START_STACKS_S)
     # Dynamo, which FSDP's sharded parameters (DTensor) import on every rank, GPU or CPU, and
     # the compiler of a GPU's compiled layers: while the ranks meet.
@@ -1153,6 +1154,7 @@ def serve_rank(args, opts, service) -> None:
     log.info("rank %d of %d (local rank %d) on %s", rank, size, local, opts.device)
     importing.join()  # before the engine's FSDP and compiles import the same modules
     engine = RankEngine(args.model, opts, rank)
+    engine.on_fault = on_fault
     devices = [None] * size
     dist.all_gather_object(devices, f"{os.uname().nodename}/{opts.device}", group=links.calls)
     starting.cancel()

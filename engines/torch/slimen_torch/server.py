@@ -727,7 +727,7 @@ def serve(args) -> None:
         dist.die_with_parent()
     if rank != 0:
         # A follower of a worker group (torchrun): rank 0 serves; this rank runs its calls.
-        dist.serve_rank(args, _options(args), None)
+        dist.serve_rank(args, _options(args), None, on_fault=_device_fault_exit)
         return
     token = ""
     if args.token_env:
@@ -761,11 +761,12 @@ def serve(args) -> None:
     opts = _options(args)
     try:
         if size > 1:
-            service.engine = dist.serve_rank(args, opts, service)
+            service.engine = dist.serve_rank(args, opts, service, on_fault=_device_fault_exit)
             log.info("serving %s on %s from %d ranks: %s", args.model, addr, size,
                      ", ".join(service.engine.devices))
         else:
             service.engine = Engine(args.model, opts)
+            service.engine.on_fault = _device_fault_exit
             log.info("serving %s on %s", args.model, addr)
     except BaseException:
         # A model that cannot load ends the worker: the server goes first, or a call that
@@ -773,7 +774,6 @@ def serve(args) -> None:
         # threads waiting, and the process never exits.
         server.stop(grace=None).wait()
         raise
-    service.engine.on_fault = _device_fault_exit
     service.loading = False
     stop.wait()
     service.loading = True
