@@ -28,15 +28,19 @@ when TRITON_INTERPRET=1 was set before this module was imported (the tests do).
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from .model import kv_read, kv_write
 from .triton_env import HAVE_TRITON, INTERPRET, available, tl, triton  # noqa: F401
-from .triton_env import _PDL, HAVE_GDC, _pdl  # noqa: F401
 from .triton_env import pow2 as _pow2
 
-if HAVE_GDC:
-    from .triton_env import gdc_launch_dependents, gdc_wait
+try:  # Grid dependency control (Hopper and later), for programmatic dependent launch.
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+    HAVE_GDC = True
+except Exception:  # pragma: no cover - another Triton version
+    HAVE_GDC = False
 
 if HAVE_TRITON and INTERPRET:
     # Triton 3.6's interpreter turns a scalar into an index with int() of a one-element array,
@@ -89,6 +93,25 @@ if HAVE_TRITON and INTERPRET:
             lambda self, src, dst_type: self.cast_impl(src, dst_type)
     except AttributeError:  # pragma: no cover - another Triton version
         pass
+
+
+_PDL: dict = {}
+
+
+def _pdl(device: torch.device) -> bool:
+    """Whether the decode kernels use programmatic dependent launch on this device: a kernel is
+    launched while the previous one still runs, starts the loads that do not depend on it (the
+    batch-1 products' weights) and waits for it with griddepcontrol.wait. At batch 1 a decode step
+    is ~170 short kernels, each of which otherwise starts only when the previous one has finished.
+    Needs compute capability 9.0 (Hopper) or later; SLIMEN_PDL=0 turns it off."""
+    if device.type != "cuda" or INTERPRET or not HAVE_GDC:
+        return False
+    on = _PDL.get(device.index)
+    if on is None:
+        on = (os.environ.get("SLIMEN_PDL", "1") != "0"
+              and torch.cuda.get_device_capability(device)[0] >= 9)
+        _PDL[device.index] = on
+    return on
 
 
 if HAVE_TRITON:
