@@ -414,23 +414,19 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     from slimen_torch import batch_invariant
     batch_invariant.MATMUL_FORM = a.matmul_form
-    if a.tile:
-        batch_invariant.TILE = tuple(int(x) for x in a.tile.split(","))
-        if len(batch_invariant.TILE) != 5:
-            p.error(f"--tile {a.tile}: give BM,BN,BK,warps,stages")
+    def tile(flag: str, text: str, name: str, none_ok: bool = True) -> None:
+        # A tile flag's BM,BN,BK,warps,stages into batch_invariant.<name>; "none": None; "": as is.
+        if none_ok and text == "none":
+            setattr(batch_invariant, name, None)
+        elif text:
+            t = tuple(int(x) for x in text.split(","))
+            if len(t) != 5:
+                p.error(f"{flag} {text}: give BM,BN,BK,warps,stages")
+            setattr(batch_invariant, name, t)
+    tile("--tile", a.tile, "TILE", none_ok=False)
     batch_invariant.TILE_BY_SHAPE = a.tile_by_shape == "on"
-    if a.tile_large == "none":
-        batch_invariant.TILE_LARGE = None
-    elif a.tile_large:
-        batch_invariant.TILE_LARGE = tuple(int(x) for x in a.tile_large.split(","))
-        if len(batch_invariant.TILE_LARGE) != 5:
-            p.error(f"--tile-large {a.tile_large}: give BM,BN,BK,warps,stages")
-    if a.tile_form == "none":
-        batch_invariant.TILE_FORM = None
-    elif a.tile_form:
-        batch_invariant.TILE_FORM = tuple(int(x) for x in a.tile_form.split(","))
-        if len(batch_invariant.TILE_FORM) != 5:
-            p.error(f"--tile-form {a.tile_form}: give BM,BN,BK,warps,stages")
+    tile("--tile-large", a.tile_large, "TILE_LARGE")
+    tile("--tile-form", a.tile_form, "TILE_FORM")
     batch_invariant.ROW_KERNELS = a.row_kernels == "on"
     batch_invariant.ATTN_GROUPED = a.attn_grouped == "on"
     if a.attn_bm:
