@@ -146,7 +146,6 @@ def _one_prompt(messages, prompt_tokens, what: str) -> None:
                            "prompt_tokens")
 
 
-
 def device_fault(e: BaseException) -> bool:
     """Whether e is the device's own failure (a CUDA error: a kernel's failed assertion, an
     illegal address), after which the process's CUDA context runs nothing more: every later
@@ -154,6 +153,7 @@ def device_fault(e: BaseException) -> bool:
     if isinstance(e, torch.AcceleratorError):
         return True
     return isinstance(e, RuntimeError) and "CUDA error" in str(e)
+
 
 class Engine:
     # Whether the engine keeps weights versions (versions.py; "versions" in its capabilities).
