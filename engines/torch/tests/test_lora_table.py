@@ -801,8 +801,7 @@ def test_a_mixed_batch_decodes_the_same_in_every_expand_form(monkeypatch):
             (lora_kernels.BM, lora_kernels.WARPS)) or launch(*a, **kw))
         for form in sorted(FORMS):
             with monkeypatch.context() as mp:
-                for k, v in FORMS[form].items():
-                    mp.setattr(lora_kernels, k, v)
+                expand_form(mp, form)
                 want_tile = (lora_kernels.BM, lora_kernels.WARPS)
                 tiles.clear()
                 got = generate(e, ROWS, sampled, form)
@@ -927,8 +926,7 @@ def test_on_the_gpu_the_expand_forms_give_the_defaults_bits(monkeypatch, form):
             idx = torch.randint(0, cap + 1, (M,), generator=g, device="cuda")
             want = lora_kernels.expand(y, y, b, idx, scale, part, r, N)
             with monkeypatch.context() as mp:
-                for k, v in FORMS[form].items():
-                    mp.setattr(lora_kernels, k, v)
+                expand_form(mp, form)
                 got = lora_kernels.expand(y, y, b, idx, scale, part, r, N)
             assert torch.equal(got.view(torch.int16), want.view(torch.int16)), (N, M)
 
