@@ -22,7 +22,7 @@
 #   SLIMEN=.devbuild/slimen PY=python3 engines/torch/swarm_gpu.sh --quick   # CPU: tiny-qwen3 (~2 min)
 #
 # Knobs (env): LAYOUTS ("spread lora one"), LORA_SLOTS (the LoRA worker's cache rows; 0, the
-# default: the worker's own), STEPS (5), WARMUP (2), PROMPTS (64 tasks a step: 256 samples per
+# default: the host's sizing), STEPS (5), WARMUP (2), PROMPTS (64 tasks a step: 256 samples per
 # agent), MAXLEN (64 new tokens), SHAPE (qwen3-50m), COMPILE_TRAIN (off), BUDGET (540 s), G
 # (default from nvidia-smi), WORK (/tmp/swarm-gpu: runs, logs, table.md). --quick runs the workers
 # on the CPU and places the GPU form of each config on a saved inventory of G (2) H100s.
@@ -35,11 +35,8 @@ WORK=${WORK:-/tmp/swarm-gpu}
 BUDGET=${BUDGET:-540}
 COMPILE_TRAIN=${COMPILE_TRAIN:-off}
 LAYOUTS=${LAYOUTS:-spread lora one}
-# The LoRA worker's cache rows (--slots; 0: the worker's default, 256 on a GPU, 16 on the CPU).
-# The other layouts run eight workers of that many rows each: LORA_SLOTS=2048 gives the one LoRA
-# worker their sum (on an H200 on 2026-11-29 it then failed in step 2 with a CUDA device-side
-# assertion, likely the sampler's draw past the vocabulary fixed since: docs/performance.md; the
-# default stays the worker's until a GPU run of it passes).
+# The LoRA worker's cache rows (--slots; 0: the host's sizing, 256 for each of its eight policies
+# where the GPU has room, as the other layouts' eight workers of 256 rows each).
 LORA_SLOTS=${LORA_SLOTS:-0}
 . engines/torch/lib.sh
 gpu_lib_init || exit 1

@@ -250,7 +250,9 @@ func Place(c *config.Config, models map[string]Model, list []GPU) (*Plan, error)
 // fitMemory sizes the KV caches of the workers on each GPU and refuses a GPU whose workers do not
 // fit its free memory. The cache budget of a GPU is the worker's share (40%) of what its workers'
 // weights and optimizer leave free, split evenly among the workers whose cache the plan sizes, so
-// the caches of workers sharing a GPU add up to what one worker alone would take.
+// the caches of workers sharing a GPU add up to what one worker alone would take. A worker holding
+// LoRA adapters starts from the default rows for each policy in it (the rows eight workers of
+// their own would have), halved until they fit like any other's.
 func fitMemory(plan *Plan, list []GPU) error {
 	at := map[int]GPU{}
 	for _, g := range list {
@@ -297,7 +299,7 @@ func fitMemory(plan *Plan, list []GPU) error {
 			if !w.ExplicitSlots {
 				e := &w.Estimate
 				row := e.KVCache // fixedEstimate leaves one row's bytes here
-				e.Slots = defaultSlots
+				e.Slots = defaultSlots * (1 + len(w.Adapters))
 				for e.Slots > minSlots && uint64(e.Slots)*row > budget/uint64(sized) {
 					e.Slots /= 2
 				}

@@ -254,6 +254,7 @@ func TestPlaceLoRAPoliciesShareAWorker(t *testing.T) {
 		p.HFCheckpoint = "/models/base"
 		p.Train.UseKLLoss, p.Train.KLLossCoef = true, 0.01
 		p.LoRA = &config.LoRAConfig{Rank: 8, Alpha: 16, Targets: []string{"q_proj"}}
+		p.Engine.Args = []string{"--max-seq-len", "256"} // 4 MiB a cache row
 		c.Policies = append(c.Policies, p)
 	}
 	models := map[string]Model{}
@@ -269,6 +270,25 @@ func TestPlaceLoRAPoliciesShareAWorker(t *testing.T) {
 	}
 	if e := plan.Workers[0].Estimate; e.Weights != 2*gib || e.Optimizer != 0 || e.Gradients != 0 || e.Reference != 0 {
 		t.Errorf("the shared worker's estimate: %+v; want the bf16 base only", e)
+	}
+	// The worker's cache has the rows of eight workers of their own (8 × 256) on a GPU with room
+	// for them, halved on one whose memory holds fewer.
+	alone, err := Place(&config.Config{Policies: c.Policies[:1], Run: c.Run}, models, machine(1, 80*gib))
+	if err != nil {
+		t.Fatal(err)
+	}
+	row := alone.Workers[0].Estimate.KVCache / uint64(alone.Workers[0].Estimate.Slots)
+	for _, g := range []struct {
+		free  uint64
+		slots int
+	}{{2*gib + 3*8*defaultSlots*row, 8 * defaultSlots}, {2*gib + 3*defaultSlots*row, defaultSlots}} {
+		plan, err := Place(c, models, machine(1, g.free)) // the cache's budget: 40% of what is free
+		if err != nil {
+			t.Fatal(err)
+		}
+		if e := plan.Workers[0].Estimate; e.Slots != g.slots {
+			t.Errorf("the shared worker's rows on a GPU with %s free: %d; want %d", GiB(g.free), e.Slots, g.slots)
+		}
 	}
 	for i := range c.Policies {
 		c.Policies[i].LoRA = nil

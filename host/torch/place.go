@@ -111,9 +111,10 @@ func place(c *config.Config, logf func(string, ...any)) (*gpus.Plan, error) {
 
 // placed is what a placement changes in a worker's start: CUDA_VISIBLE_DEVICES for a worker
 // placed by the sizing rules (engine.gpus, when given, wins), and --slots for a worker sharing its
-// GPU whose engine.args do not size the cache, so the caches of the workers on a GPU add up to
-// what one worker alone would take (the worker's own rule measures the free memory when it starts,
-// which counts its neighbours only if they started first).
+// GPU or holding LoRA adapters whose engine.args do not size the cache: the caches of the workers
+// on a GPU add up to what one worker alone would take (the worker's own rule measures the free
+// memory when it starts, which counts its neighbours only if they started first), and a worker of
+// N policies has the rows of N (its own rule knows nothing of the adapters).
 func placed(p config.PolicyConfig, w *gpus.Worker) (env, args []string) {
 	if w == nil {
 		return nil, nil
@@ -121,7 +122,7 @@ func placed(p config.PolicyConfig, w *gpus.Worker) (env, args []string) {
 	if w.From == "placement" && len(p.Engine.GPUs) == 0 {
 		env = []string{"CUDA_VISIBLE_DEVICES=" + strings.Join(w.UUIDs, ",")}
 	}
-	if len(w.Shares) > 0 && !w.ExplicitSlots {
+	if (len(w.Shares) > 0 || len(w.Adapters) > 0) && !w.ExplicitSlots {
 		args = []string{"--slots", strconv.Itoa(w.Estimate.Slots)}
 	}
 	return env, args

@@ -85,6 +85,25 @@ func TestPlacementInRun(t *testing.T) {
 	}
 }
 
+// A worker alone on its GPU that holds LoRA adapters gets the plan's rows for all its policies
+// (its own rule would size them for one); one whose engine.args give --slots keeps them.
+func TestPlacedLoRAWorkerRows(t *testing.T) {
+	p := policy("a", 1, 1, 0)
+	w := &gpus.Worker{Policy: "a", GPUs: []int{0}, From: "engine.device", Adapters: []string{"b", "c"}}
+	w.Estimate.Slots = 768
+	if _, args := placed(p, w); !slices.Equal(args, []string{"--slots", "768"}) {
+		t.Errorf("args %v, want --slots 768", args)
+	}
+	w.ExplicitSlots = true
+	if _, args := placed(p, w); args != nil {
+		t.Errorf("explicit --slots: args %v, want none", args)
+	}
+	w.ExplicitSlots, w.Adapters = false, nil
+	if _, args := placed(p, w); args != nil {
+		t.Errorf("alone, no adapters: args %v, want none (the worker sizes its cache)", args)
+	}
+}
+
 // A policy apart from its rollout slice (not colocated) puts its rollout replicas there, in turn,
 // under the plan its worker was placed by; colocated on one GPU (its rollout slice is its actor
 // slice), they run where the worker does.
