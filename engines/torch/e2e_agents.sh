@@ -53,6 +53,8 @@ SEED=${SEED:-1}
 N=${N:-200000}             # chat corpus lines for sft (about one pass in SFT_SECONDS on an H200)
 EVAL_N=${EVAL_N:-300}      # held-out chat lines (the right ones are scored)
 ARITH_N=${ARITH_N:-12000}  # synthetic:arith pairs mixed into sft's data (the corpus has 6% already)
+UPSAMPLE=${UPSAMPLE:-}     # "KIND:K ...": the corpus lines of that kind K times in sft's data
+                           # (e.g. "memory:4"); the held-out lines stay as exported
 SHAPE=${SHAPE:-qwen3-50m}
 LAYERS=${LAYERS-11}        # qwen3-50m with 11 layers: 54.6M parameters with tiny-chat's vocabulary
 HIDDEN=${HIDDEN:-} POSITIONS=${POSITIONS:-}
@@ -152,6 +154,17 @@ data="$WORK/train.jsonl"
 part export 120 bash -c "'$SLIMEN' export --task synthetic:chat --seed $SEED --n $N --out '$data' &&
   '$SLIMEN' export --task synthetic:chat --seed $((SEED + 1000)) --n $EVAL_N --out '$WORK/held.jsonl' &&
   if [ $ARITH_N -gt 0 ]; then '$SLIMEN' export --task synthetic:arith --seed 7 --n $ARITH_N >>'$data'; fi"
+for kk in $UPSAMPLE; do
+  kind=${kk%%:*} k=${kk#*:}
+  case $kind:$k in
+    [a-z]*:[1-9]|[a-z]*:[1-9][0-9]) ;;
+    *) echo "e2e_agents: UPSAMPLE: $kk: want KIND:K (a kind of the corpus, K from 1 to 99)" >&2; exit 2 ;;
+  esac
+  grep -F "\"kind\":\"$kind\"" "$data" >"$WORK/kind.jsonl" || {
+    echo "e2e_agents: UPSAMPLE: no lines of kind $kind in the corpus" >&2; exit 2; }
+  for ((r = 1; r < k; r++)); do cat "$WORK/kind.jsonl" >>"$data"; done
+  echo "sft data: the $(wc -l <"$WORK/kind.jsonl") lines of kind $kind $k times"
+done
 sizes=()
 for kv in hidden:HIDDEN layers:LAYERS positions:POSITIONS; do
   v=${kv#*:}
