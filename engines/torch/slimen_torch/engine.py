@@ -218,6 +218,7 @@ class Engine:
         # policy's state back and resends the calls in flight, as after a killed worker. Unset
         # (an engine in a test, or embedded), the engine's thread stops: every call fails.
         self.on_fault = None
+        self._unanswered: list[concurrent.futures.Future] = []  # the calls a device fault stopped
         self._thread = threading.Thread(target=self._run_loop, name="slimen-torch-worker",
                                         daemon=True)
         self._thread.start()
@@ -325,6 +326,8 @@ class Engine:
                 self._closed = True
                 tasks, self._tasks = self._tasks, []
                 new, self._new = self._new, []
+            for fut in self._unanswered:
+                fut.set_exception(e)
             for _, fut in tasks:
                 if fut.set_running_or_notify_cancel():
                     fut.set_exception(RuntimeError(self._dead))
@@ -364,13 +367,11 @@ class Engine:
                         if not device_fault(e):
                             fut.set_exception(e)
                             continue
-                        # The device failed: no later task can run. With on_fault the process
-                        # ends and the host resends the calls; without, they fail here.
-                        if self.on_fault is None:
-                            fut.set_exception(e)
-                            for _, rest in tasks[i + 1:]:
-                                if rest.set_running_or_notify_cancel():
-                                    rest.set_exception(e)
+                        # The device failed: no later task can run. They are answered only
+                        # after on_fault (_run_loop), which ends a served process first, so that
+                        # the host resends them instead of hearing that they failed.
+                        self._unanswered = [fut] + [f for _, f in tasks[i + 1:]
+                                                    if f.set_running_or_notify_cancel()]
                         raise
             if self.gen.busy():
                 try:

@@ -1,6 +1,8 @@
 """Generation on the CPU: seeded determinism, independence from batching, sampling settings, and
 log-probs that equal the forward pass."""
 
+import concurrent.futures
+
 import pytest
 import torch
 
@@ -212,6 +214,25 @@ def test_a_device_fault_in_a_call_fails_it_and_the_engine(model_dirs):
         assert not e._thread.is_alive()
         with pytest.raises(RuntimeError, match="thread stopped: AcceleratorError"):
             e.generate([req("b")], timeout=30)
+    finally:
+        e.close()
+
+
+def test_a_call_stopped_by_a_device_fault_is_answered_after_on_fault(model_dirs):
+    """The call that met the fault is answered only after on_fault has run (served, the process
+    has ended by then and the host resends it); an on_fault that returns does not leave it
+    waiting."""
+    e = Engine(str(model_dirs["tiny"]))
+    seen = []
+    try:
+        e.on_fault = lambda why: seen.append((why, fut.done()))
+        fut = concurrent.futures.Future()
+        with e._cv:
+            e._tasks.append((_fault, fut))
+            e._cv.notify()
+        with pytest.raises(torch.AcceleratorError, match="CUDA error"):
+            fut.result(timeout=30)
+        assert seen == [("AcceleratorError: CUDA error: device-side assert triggered", False)]
     finally:
         e.close()
 
