@@ -144,13 +144,18 @@ func (f *exportFlags) planLines() (func(w io.Writer) error, error) {
 	}
 	// The chat corpus is conversations with worked responses, not tasks.
 	if name, _, _ := strings.Cut(strings.TrimPrefix(task, "synthetic:"), "?"); strings.HasPrefix(task, "synthetic:") && name == "chat" {
-		if task != "synthetic:chat" {
-			return nil, fmt.Errorf("--task %s: synthetic:chat takes no options; give its seed with --seed", task)
+		c := tasks.ChatCorpus{Seed: seed}
+		switch task {
+		case "synthetic:chat":
+		case "synthetic:chat?vary_chunks=true":
+			c.VaryChunks = true
+		default:
+			return nil, fmt.Errorf("--task %s: synthetic:chat takes one option, vary_chunks=true (MemAgent chunks of 1 to %d sentences); give its seed with --seed", task, tasks.ChatChunk)
 		}
 		if format != "sft" {
 			return nil, errors.New("--task synthetic:chat is a corpus of conversations with their responses, not tasks: export it with --format sft")
 		}
-		return func(w io.Writer) error { return writeChat(w, tasks.ChatCorpus{Seed: seed}, start, n, tok) }, nil
+		return func(w io.Writer) error { return writeChat(w, c, start, n, tok) }, nil
 	}
 	// The synthetic families other than arith (calc, facts, multipart) have tasks but no
 	// worked responses: their tasks are exported as a run sees them, metadata as the other keys.

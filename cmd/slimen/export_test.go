@@ -6,6 +6,7 @@ import (
 	"encoding/json"
 	"os"
 	"path/filepath"
+	"reflect"
 	"slices"
 	"strings"
 	"testing"
@@ -187,9 +188,28 @@ func TestExportChat(t *testing.T) {
 	if err != nil || strings.Contains(out, "_ids") || strings.Count(out, "\n") != 2 {
 		t.Fatalf("%v: %q", err, out)
 	}
+	// vary_chunks=true: the variant corpus, line for line as tasks.ChatCorpus makes it.
+	out, err = slimen(t, nil, "export", "--task", "synthetic:chat?vary_chunks=true", "--seed", "3", "--n", "40")
+	if err != nil {
+		t.Fatalf("%v: %q", err, out)
+	}
+	vary := tasks.ChatCorpus{Seed: 3, VaryChunks: true}
+	for i, line := range strings.Split(strings.TrimSuffix(out, "\n"), "\n") {
+		var row struct {
+			Prompt   []engines.Message `json:"prompt"`
+			Response string            `json:"response"`
+		}
+		if err := json.Unmarshal([]byte(line), &row); err != nil {
+			t.Fatal(err)
+		}
+		if want := vary.Example(i); row.Response != want.Response || !reflect.DeepEqual(row.Prompt, want.Context) {
+			t.Fatalf("vary_chunks line %d: %+v; want %+v", i, row, want)
+		}
+	}
 	for _, args := range [][]string{
 		{"export", "--task", "synthetic:chat", "--format", "tasks"},
 		{"export", "--task", "synthetic:chat?seed=2"},
+		{"export", "--task", "synthetic:chat?vary_chunks=yes"},
 		{"export", "--format", "tasks", "--token-ids", "builtin:tiny-chat"},
 		{"export", "--task", "synthetic:chat", "--token-ids", filepath.Join(dir, "missing")},
 	} {

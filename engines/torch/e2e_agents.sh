@@ -53,6 +53,8 @@ SEED=${SEED:-1}
 N=${N:-200000}             # chat corpus lines for sft (about one pass in SFT_SECONDS on an H200)
 EVAL_N=${EVAL_N:-300}      # held-out chat lines (the right ones are scored)
 ARITH_N=${ARITH_N:-12000}  # synthetic:arith pairs mixed into sft's data (the corpus has 6% already)
+CHAT_TASK=${CHAT_TASK:-synthetic:chat} # sft's corpus (synthetic:chat?vary_chunks=true: MemAgent notes
+                           # updates with chunks of 1 to 10 sentences); the held-out lines stay the default's
 UPSAMPLE=${UPSAMPLE:-}     # "KIND:K ...": the corpus lines of that kind K times in sft's data
                            # (e.g. "memory:4"); the held-out lines stay as exported
 SHAPE=${SHAPE:-qwen3-50m}
@@ -151,7 +153,7 @@ rm -f "$OUT/runs.tar.gz" "$OUT/table.md" "$OUT/sft.md" "$OUT/sft.log"
 
 # ---- 1. the chat model ----
 data="$WORK/train.jsonl"
-part export 120 bash -c "'$SLIMEN' export --task synthetic:chat --seed $SEED --n $N --out '$data' &&
+part export 120 bash -c "'$SLIMEN' export --task '$CHAT_TASK' --seed $SEED --n $N --out '$data' &&
   '$SLIMEN' export --task synthetic:chat --seed $((SEED + 1000)) --n $EVAL_N --out '$WORK/held.jsonl' &&
   if [ $ARITH_N -gt 0 ]; then '$SLIMEN' export --task synthetic:arith --seed 7 --n $ARITH_N >>'$data'; fi"
 for kk in $UPSAMPLE; do

@@ -123,7 +123,14 @@ type ChatExample struct {
 //   - 20 MemAgent (examples/memagent): 14 notes updates (half of them from the chunk that holds the
 //     fact) and 6 answers from notes;
 //   - 6 arithmetic word problems, half with candidate answers (the debate's second round).
-type ChatCorpus struct{ Seed uint64 }
+//
+// VaryChunks (`synthetic:chat?vary_chunks=true`, not builtin:tiny-chat's corpus) gives each MemAgent
+// notes update a chunk of 1 to ChatChunk sentences, uniformly, instead of ChatChunk: a curriculum
+// from copying a lone sentence to finding one among ten. Its other examples are the same.
+type ChatCorpus struct {
+	Seed       uint64
+	VaryChunks bool
+}
 
 // Example returns example i.
 func (c ChatCorpus) Example(i int) ChatExample {
@@ -260,13 +267,17 @@ func (c ChatCorpus) memoryExample(r *rand.Rand, i int, update bool) ChatExample 
 	fact := strings.TrimSuffix(strings.TrimPrefix(fp.Prompt, "What is "), "?") + " is " + fp.Label + "."
 	sents := Sentences(doc)
 	at := slices.Index(sents, fact)
-	chunks := (len(sents) + ChatChunk - 1) / ChatChunk
+	size := ChatChunk
+	if c.VaryChunks && update {
+		size = 1 + r.IntN(ChatChunk)
+	}
+	chunks := (len(sents) + size - 1) / size
 	k := r.IntN(chunks)
 	if update && at >= 0 && r.IntN(2) == 0 {
-		k = at / ChatChunk
+		k = at / size
 	}
 	notes := "none"
-	if at >= 0 && at < k*ChatChunk {
+	if at >= 0 && at < k*size {
 		notes = fact
 	}
 	e := ChatExample{Kind: "memory"}
@@ -281,13 +292,13 @@ func (c ChatCorpus) memoryExample(r *rand.Rand, i int, update bool) ChatExample 
 		}
 		return e
 	}
-	chunk := strings.Join(sents[k*ChatChunk:min(len(sents), (k+1)*ChatChunk)], " ")
+	chunk := strings.Join(sents[k*size:min(len(sents), (k+1)*size)], " ")
 	e.Context = []engines.Message{user(MemoryNotesPrompt(fp.Prompt, notes, chunk))}
 	e.Response, e.Right = notes, true
-	if at >= k*ChatChunk && at < (k+1)*ChatChunk {
+	if at >= k*size && at < (k+1)*size {
 		e.Response = fact
 		if r.IntN(4) == 0 { // a sloppier note: the sentence around it too
-			e.Response, e.Right = strings.Join(sents[max(at-1, k*ChatChunk):at+1], " "), false
+			e.Response, e.Right = strings.Join(sents[max(at-1, k*size):at+1], " "), false
 		}
 	}
 	return e
@@ -295,6 +306,9 @@ func (c ChatCorpus) memoryExample(r *rand.Rand, i int, update bool) ChatExample 
 
 // String names the corpus for logs.
 func (c ChatCorpus) String() string {
+	if c.VaryChunks {
+		return fmt.Sprintf("the synthetic chat corpus (seed %d, MemAgent chunks of 1 to %d sentences)", c.Seed, ChatChunk)
+	}
 	return fmt.Sprintf("the synthetic chat corpus (seed %d)", c.Seed)
 }
 

@@ -216,3 +216,42 @@ func TestChatCorpusMemoryAndExpert(t *testing.T) {
 		t.Errorf("%d expert calls in 2000 examples; want more", experts)
 	}
 }
+
+// VaryChunks gives the notes updates chunks of every size from 1 to ChatChunk sentences, each a
+// run of the document's sentences whose note is the fact when the chunk holds it; every other
+// example is the default corpus's.
+func TestChatCorpusVaryChunks(t *testing.T) {
+	plain, vary := ChatCorpus{Seed: 1}, ChatCorpus{Seed: 1, VaryChunks: true}
+	sizes := map[int]int{}
+	found := 0
+	for i := range 3000 {
+		a, b := plain.Example(i), vary.Example(i)
+		last := b.Context[len(b.Context)-1].Content
+		at := strings.Index(last, "\nChunk: ")
+		if b.Kind != "memory" || at < 0 {
+			if !reflect.DeepEqual(a, b) {
+				t.Fatalf("example %d (%s) differs from the default corpus's: %+v", i, b.Kind, b)
+			}
+			continue
+		}
+		chunk := Sentences(last[at+len("\nChunk: "):])
+		sizes[len(chunk)]++
+		q := last[strings.Index(last, "Question: What is ")+len("Question: What is ") : strings.Index(last, "?\nNotes")]
+		for _, s := range chunk {
+			if strings.HasPrefix(s, q+" is ") && b.Right {
+				found++
+				if b.Response != s {
+					t.Errorf("example %d: the chunk holds %q but the note is %q", i, s, b.Response)
+				}
+			}
+		}
+	}
+	for n := 1; n <= ChatChunk; n++ {
+		if sizes[n] < 5 {
+			t.Errorf("chunks of %d sentences: %d; want every size from 1 to %d (%v)", n, sizes[n], ChatChunk, sizes)
+		}
+	}
+	if found < 50 {
+		t.Errorf("%d notes updates find the fact in their chunk; want about half of them", found)
+	}
+}
