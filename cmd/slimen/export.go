@@ -144,13 +144,9 @@ func (f *exportFlags) planLines() (func(w io.Writer) error, error) {
 	}
 	// The chat corpus is conversations with worked responses, not tasks.
 	if name, _, _ := strings.Cut(strings.TrimPrefix(task, "synthetic:"), "?"); strings.HasPrefix(task, "synthetic:") && name == "chat" {
-		c := tasks.ChatCorpus{Seed: seed}
-		switch task {
-		case "synthetic:chat":
-		case "synthetic:chat?vary_chunks=true":
-			c.VaryChunks = true
-		default:
-			return nil, fmt.Errorf("--task %s: synthetic:chat takes one option, vary_chunks=true (MemAgent chunks of 1 to %d sentences); give its seed with --seed", task, tasks.ChatChunk)
+		c, _, err := tasks.ParseChatCorpus(task, seed)
+		if err != nil {
+			return nil, fmt.Errorf("--task %v", err)
 		}
 		if format != "sft" {
 			return nil, errors.New("--task synthetic:chat is a corpus of conversations with their responses, not tasks: export it with --format sft")

@@ -53,8 +53,8 @@ SEED=${SEED:-1}
 N=${N:-200000}             # chat corpus lines for sft (about one pass in SFT_SECONDS on an H200)
 EVAL_N=${EVAL_N:-300}      # held-out chat lines (the right ones are scored)
 ARITH_N=${ARITH_N:-12000}  # synthetic:arith pairs mixed into sft's data (the corpus has 6% already)
-CHAT_TASK=${CHAT_TASK:-synthetic:chat} # sft's corpus (synthetic:chat?vary_chunks=true: MemAgent notes
-                           # updates with chunks of 1 to 10 sentences); the held-out lines stay the default's
+CHAT_TASK=${CHAT_TASK:-synthetic:chat} # sft's corpus, with options (vary_chunks=true, easy_calc=true:
+                           # docs/torch.md); the held-out lines stay the default corpus's
 UPSAMPLE=${UPSAMPLE:-}     # "KIND:K ...": the corpus lines of that kind K times in sft's data
                            # (e.g. "memory:4"); the held-out lines stay as exported
 SHAPE=${SHAPE:-qwen3-50m}

@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"math/rand/v2"
+	"regexp"
 	"slices"
 	"strconv"
 	"strings"
@@ -124,13 +125,67 @@ type ChatExample struct {
 //     fact) and 6 answers from notes;
 //   - 6 arithmetic word problems, half with candidate answers (the debate's second round).
 //
-// VaryChunks (`synthetic:chat?vary_chunks=true`, not builtin:tiny-chat's corpus) gives each MemAgent
-// notes update a chunk of 1 to ChatChunk sentences, uniformly, instead of ChatChunk: a curriculum
-// from copying a lone sentence to finding one among ten. Its other examples are the same.
+// Two variants (options of `synthetic:chat`, neither in builtin:tiny-chat's corpus) change one kind
+// each and leave the other examples as they are:
+//   - VaryChunks (vary_chunks=true) gives each MemAgent notes update a chunk of 1 to ChatChunk
+//     sentences, uniformly, instead of ChatChunk: a curriculum from copying a lone sentence to
+//     finding one among ten;
+//   - EasyCalc (easy_calc=true) sends a third of the orchestrator's easy parts to the calculator
+//     (their own expression), the rest to the expert or its own answer as before: all three routes
+//     an easy part can take, so that reinforcement learning can find the cheap one that is right.
 type ChatCorpus struct {
 	Seed       uint64
 	VaryChunks bool
+	EasyCalc   bool
 }
+
+// ParseChatCorpus reads "synthetic:chat[?vary_chunks=true&easy_calc=true]" (each option true or
+// false); ok is false for another task source.
+func ParseChatCorpus(task string, seed uint64) (c ChatCorpus, ok bool, err error) {
+	name, query, _ := strings.Cut(task, "?")
+	if name != "synthetic:chat" {
+		return c, false, nil
+	}
+	c.Seed = seed
+	if query == "" {
+		return c, true, nil
+	}
+	for _, kv := range strings.Split(query, "&") {
+		k, v, _ := strings.Cut(kv, "=")
+		if v != "true" && v != "false" {
+			return c, true, fmt.Errorf("%s: option %q: want %s=true or %s=false", task, kv, k, k)
+		}
+		b := v == "true"
+		switch k {
+		case "vary_chunks":
+			c.VaryChunks = b
+		case "easy_calc":
+			c.EasyCalc = b
+		default:
+			return c, true, fmt.Errorf("%s: unknown option %q (synthetic:chat takes vary_chunks and easy_calc; give its seed with --seed)", task, k)
+		}
+	}
+	return c, true, nil
+}
+
+// easyExpr is the calculator expression of a synthetic:arith problem of one operation ("… has 19
+// pens and gets 11 more. How many pens?" → "19+11"), "" for any other prompt.
+func easyExpr(prompt string) string {
+	m := easyForm.FindStringSubmatch(prompt)
+	switch {
+	case m == nil:
+		return ""
+	case m[3] != "":
+		return m[1] + "+" + m[3]
+	case m[4] != "":
+		return m[1] + "-" + m[4]
+	case m[2] != "":
+		return m[1] + "*" + m[2]
+	}
+	return ""
+}
+
+var easyForm = regexp.MustCompile(`has (\d+) (?:bags of (\d+) )?\w+(?: and gets (\d+) more| and gives away (\d+))?\. How many \w+\?$`)
 
 // Example returns example i.
 func (c ChatCorpus) Example(i int) ChatExample {
@@ -209,6 +264,9 @@ func (c ChatCorpus) orchestraExample(r *rand.Rand, i int) ChatExample {
 			answers[k] = guess(r, pt.Label)
 			plan = append(plan, step{QwenToolCall("expert", [2]string{"part", partLetter(k)}), `\boxed{` + answers[k] + `}`, false})
 			right = right && answers[k] == pt.Label
+		case c.EasyCalc && r.IntN(3) == 0 && easyExpr(pt.Prompt) != "":
+			plan = append(plan, step{QwenToolCall(CalcTool, [2]string{"expr", easyExpr(pt.Prompt)}), pt.Label, true})
+			answers[k] = pt.Label
 		case r.IntN(3) == 0: // an easy part answered without a call
 			answers[k] = pt.Label
 		default:
@@ -306,10 +364,17 @@ func (c ChatCorpus) memoryExample(r *rand.Rand, i int, update bool) ChatExample 
 
 // String names the corpus for logs.
 func (c ChatCorpus) String() string {
+	var opts []string
 	if c.VaryChunks {
-		return fmt.Sprintf("the synthetic chat corpus (seed %d, MemAgent chunks of 1 to %d sentences)", c.Seed, ChatChunk)
+		opts = append(opts, fmt.Sprintf("MemAgent chunks of 1 to %d sentences", ChatChunk))
 	}
-	return fmt.Sprintf("the synthetic chat corpus (seed %d)", c.Seed)
+	if c.EasyCalc {
+		opts = append(opts, "easy parts to the calculator too")
+	}
+	if len(opts) == 0 {
+		return fmt.Sprintf("the synthetic chat corpus (seed %d)", c.Seed)
+	}
+	return fmt.Sprintf("the synthetic chat corpus (seed %d, %s)", c.Seed, strings.Join(opts, ", "))
 }
 
 // ChatEval answers examples 0..n−1 of c with e (greedy; tools rendered by the engine's chat

@@ -4,6 +4,7 @@ import (
 	jsonstd "encoding/json"
 	"path/filepath"
 	"reflect"
+	"strconv"
 	"strings"
 	"testing"
 
@@ -253,5 +254,94 @@ func TestChatCorpusVaryChunks(t *testing.T) {
 	}
 	if found < 50 {
 		t.Errorf("%d notes updates find the fact in their chunk; want about half of them", found)
+	}
+}
+
+// easyExpr gives every one-operation synthetic:arith problem (difficulties 1 to 3) the expression
+// whose value is its label, and nothing for a problem of two operations (difficulty 4).
+func TestEasyExpr(t *testing.T) {
+	for d := 1; d <= MaxDifficulty; d++ {
+		for i := range 300 {
+			p := Arith{Seed: 5, Difficulty: d}.Problem(i)
+			expr := easyExpr(p.Prompt)
+			if d == 4 && strings.Contains(p.Prompt, " Then ") {
+				if expr != "" {
+					t.Fatalf("%q: expression %q for two operations", p.Prompt, expr)
+				}
+				continue
+			}
+			if got, ok := evalExpr(expr); !ok || strconv.Itoa(got) != p.Label {
+				t.Fatalf("%q (label %s): expression %q", p.Prompt, p.Label, expr)
+			}
+		}
+	}
+}
+
+// evalExpr is "A+B", "A-B" or "A*B".
+func evalExpr(e string) (int, bool) {
+	for _, op := range "+-*" {
+		a, b, ok := strings.Cut(e, string(op))
+		if !ok {
+			continue
+		}
+		x, err1 := strconv.Atoi(a)
+		y, err2 := strconv.Atoi(b)
+		if err1 != nil || err2 != nil {
+			return 0, false
+		}
+		return map[rune]int{'+': x + y, '-': x - y, '*': x * y}[op], true
+	}
+	return 0, false
+}
+
+// EasyCalc sends some easy parts to the calculator with their own expression, whose result the
+// conversation then shows; every example other than the orchestrator's is the default corpus's.
+func TestChatCorpusEasyCalc(t *testing.T) {
+	plain, easy := ChatCorpus{Seed: 1}, ChatCorpus{Seed: 1, EasyCalc: true}
+	calls := 0
+	for i := range 3000 {
+		a, b := plain.Example(i), easy.Example(i)
+		if b.Kind != "orchestra" {
+			if !reflect.DeepEqual(a, b) {
+				t.Fatalf("example %d (%s) differs from the default corpus's", i, b.Kind)
+			}
+			continue
+		}
+		_, parts := MultiPart{Seed: 1}.Problem(i)
+		for j, m := range b.Context {
+			if m.Role != "assistant" || !strings.Contains(m.Content, `"calc"`) {
+				continue
+			}
+			for _, pt := range parts {
+				if expr := easyExpr(pt.Prompt); pt.Kind == "arith" && expr != "" &&
+					strings.Contains(m.Content, `"expr": "`+expr+`"`) {
+					calls++
+					if b.Context[j+1].Content != pt.Label {
+						t.Fatalf("example %d: %s answered %q, want %s", i, m.Content, b.Context[j+1].Content, pt.Label)
+					}
+				}
+			}
+		}
+	}
+	if calls < 20 {
+		t.Errorf("%d calculator calls for an easy part in 3,000 examples; want about a third of the easy parts'", calls)
+	}
+	for task, want := range map[string]ChatCorpus{
+		"synthetic:chat":                                  {Seed: 3},
+		"synthetic:chat?easy_calc=true":                   {Seed: 3, EasyCalc: true},
+		"synthetic:chat?vary_chunks=true&easy_calc=false": {Seed: 3, VaryChunks: true},
+		"synthetic:chat?easy_calc=true&vary_chunks=true":  {Seed: 3, VaryChunks: true, EasyCalc: true},
+	} {
+		if c, ok, err := ParseChatCorpus(task, 3); err != nil || !ok || c != want {
+			t.Errorf("%s: %+v %v %v; want %+v", task, c, ok, err, want)
+		}
+	}
+	for _, task := range []string{"synthetic:chat?seed=2", "synthetic:chat?easy_calc=yes", "synthetic:chat?easy_calc"} {
+		if _, ok, err := ParseChatCorpus(task, 3); err == nil || !ok {
+			t.Errorf("%s: no error", task)
+		}
+	}
+	if _, ok, _ := ParseChatCorpus("synthetic:arith", 3); ok {
+		t.Error("synthetic:arith read as the chat corpus")
 	}
 }
