@@ -72,7 +72,7 @@ func newPretrainFlags() *pretrainFlags {
 	f := &pretrainFlags{fs: fs, cfg: tiny.DefaultConfig()}
 	f.task = fs.String("task", "synthetic:arith", "task source: synthetic:arith[?difficulty=N]; "+
 		"synthetic:calc for the agent corpus of builtin:tiny-agent (with --init builtin:tiny-arith); "+
-		"synthetic:chat for the chat corpus of builtin:tiny-chat (with --tokenizer bpe:N)")
+		"synthetic:chat for the chat corpus of builtin:tiny-chat (with --tokenizer bpe:N; options vary_chunks=true, easy_calc=true: docs/torch.md)")
 	f.difficulty = fs.Int("difficulty", 0, "problem difficulty 1..4 (overrides the task's; default 2)")
 	f.steps = fs.Int("steps", 900, "optimizer steps (900, with every other flag at its default, reproduces builtin:tiny-arith byte for byte)")
 	f.batch = fs.Int("batch-size", 64, "examples per step")
@@ -256,7 +256,11 @@ type synthData struct {
 // planSynth checks --task, --difficulty and --eval-seed into the synthetic corpus they name.
 func (f *pretrainFlags) planSynth() (*synthData, error) {
 	task := *f.task
-	d := &synthData{agent: task == "synthetic:calc", chat: task == "synthetic:chat", evalN: *f.evalN}
+	chat, isChat, err := tasks.ParseChatCorpus(task, *f.seed) // its options; the seeds are set below
+	if err != nil {
+		return nil, fmt.Errorf("--task %w", err)
+	}
+	d := &synthData{agent: task == "synthetic:calc", chat: isChat, evalN: *f.evalN}
 	if d.agent || d.chat {
 		task = "synthetic:arith"
 	}
@@ -295,7 +299,8 @@ func (f *pretrainFlags) planSynth() (*synthData, error) {
 	}
 	d.arith, d.heldOut = arith, heldOut
 	d.calc, d.calcHeldOut = tasks.Calc{Seed: arith.Seed}, tasks.Calc{Seed: heldOut.Seed}
-	d.chats, d.chatsHeldOut = tasks.ChatCorpus{Seed: arith.Seed}, tasks.ChatCorpus{Seed: heldOut.Seed}
+	d.chats, d.chatsHeldOut = chat, chat
+	d.chats.Seed, d.chatsHeldOut.Seed = arith.Seed, heldOut.Seed
 	return d, nil
 }
 

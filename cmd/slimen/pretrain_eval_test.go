@@ -30,6 +30,11 @@ func TestPretrainEvalOnly(t *testing.T) {
 	if _, err := os.Stat(out); !os.IsNotExist(err) {
 		t.Fatalf("--eval-only wrote %s (%v)", out, err)
 	}
+	// A variant of the corpus (its options) is evaluated on its own held-out lines.
+	log, err = slimen(t, nil, "pretrain", "--init", "builtin:tiny-chat", "--task", "synthetic:chat?easy_calc=true", "--eval-only", "--eval-n", "6", "--out", out)
+	if err != nil || !strings.Contains(log, "step 0: held-out chat corpus, greedy answers equal to the right ones: ") {
+		t.Fatalf("%v\n%s", err, log)
+	}
 
 	exported := filepath.Join(dir, "chat.jsonl")
 	if log, err := slimen(t, nil, "export", "--task", "synthetic:chat", "--n", "5", "--token-ids", "builtin:tiny-chat", "--out", exported); err != nil {
@@ -97,6 +102,7 @@ func TestPretrainEvalOnly(t *testing.T) {
 	}
 	for _, args := range [][]string{
 		{"pretrain", "--eval-only", "--task", "synthetic:chat"},
+		{"pretrain", "--eval-only", "--init", "builtin:tiny-chat", "--task", "synthetic:chat?easy_calc=1"},
 		{"pretrain", "--eval-only", "--init", "builtin:tiny-chat", "--corpus", filepath.Join(dir, "missing.jsonl")},
 	} {
 		if log, err := slimen(t, nil, args...); err == nil || !strings.Contains(log, "slimen pretrain") {
