@@ -25,6 +25,44 @@ from slimen_torch.make_model import make_model  # noqa: E402
 
 REPO = pathlib.Path(__file__).resolve().parents[3]
 
+
+def _patch_triton_language_once():
+    """Triton's interpreter replaces triton.language's builtins by interpreted ones at every kernel
+    launch and every call of a @triton.jit helper inside a kernel (tl.sum, tl.max, ... each
+    program instance), and puts them back after a launch: inspect.getmembers over the language's
+    modules each time, a sixth of an interpreted test's time. Here the replacement is made once
+    per module set and kept. Nothing outside a kernel uses the builtins in this process (the
+    sm_90 compiles run in a child without TRITON_INTERPRET), the interpreter already leaves
+    tl.core replaced after a helper's call, and it no longer swaps them while another thread's
+    kernel runs. The replacement is made again if a module (kernels.py) changes how it is made."""
+    try:
+        import inspect
+
+        import triton.language as tl
+        from triton.runtime import interpreter as ti
+
+        patch_lang, scope = ti._patch_lang, ti._LangPatchScope
+    except (ImportError, AttributeError):  # pragma: no cover - no Triton, or another version
+        return
+    helpers = ("_patch_builtin", "_patch_lang_tensor", "_patch_lang_core", "_patch_reduce_scan")
+    done = {"langs": set(), "helpers": None}
+
+    def _patch_lang(fn):
+        langs = {id(v) for v in fn.__globals__.values() if inspect.ismodule(v) and v in (tl, tl.core)}
+        now = tuple(getattr(ti, h, None) for h in helpers)
+        if now != done["helpers"]:
+            done["langs"], done["helpers"] = set(), now
+        if not langs or not langs <= done["langs"]:
+            patch_lang(fn)  # the interpreter's own, which asserts tl is visible from fn
+            done["langs"] |= langs
+        return scope()  # nothing to restore
+
+    ti._patch_lang = _patch_lang
+
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    _patch_triton_language_once()
+
 # CI machines are small and shared: a tiny model gains nothing from more threads.
 torch.set_num_threads(2)
 
