@@ -60,8 +60,58 @@ def _patch_triton_language_once():
     ti._patch_lang = _patch_lang
 
 
+def _cache_triton_interpreter_types():
+    """The interpreter builds a dict of NumPy dtypes at every _get_np_dtype call and a new
+    block_type at every get_block_ty: a few hundred thousand times in a test through a model's
+    layers (about a sixth of its time). Both depend on their arguments alone (a block_type is
+    not changed after it is made), so they are kept here: the same dict, the same block_type
+    for a dtype and a shape of ints (anything else is made as before)."""
+    try:
+        import triton.language as tl
+        from triton.runtime import interpreter as ti
+
+        get_np_dtype, builder = ti._get_np_dtype, ti.InterpreterBuilder
+        get_block_ty = builder.get_block_ty
+    except (ImportError, AttributeError):  # pragma: no cover - no Triton, or another version
+        return
+    np_dtypes, block_types = {}, {}
+
+    def _get_np_dtype(tt_dtype):
+        # A block's is its element's; pointers' (not hashable) are made as before.
+        if isinstance(tt_dtype, tl.block_type):
+            tt_dtype = tt_dtype.element_ty
+        if isinstance(tt_dtype, tl.pointer_type):
+            return get_np_dtype(tt_dtype)
+        d = np_dtypes.get(tt_dtype)
+        if d is None:
+            np_dtypes[tt_dtype] = d = get_np_dtype(tt_dtype)
+        return d
+
+    def _key(d):  # what dtype.__eq__ and pointer_type.__eq__ compare
+        if type(d) is tl.dtype:
+            return d.name
+        if type(d) is tl.pointer_type:
+            k = _key(d.element_ty)
+            return k and ("pointer", k, d.address_space, d.const)
+        return None
+
+    def _get_block_ty(self, dtype, shape):
+        k = _key(dtype)
+        if k is None or not all(type(n) is int for n in shape):
+            return get_block_ty(self, dtype, shape)
+        key = (k, tuple(shape))
+        t = block_types.get(key)
+        if t is None:
+            block_types[key] = t = get_block_ty(self, dtype, shape)
+        return t
+
+    ti._get_np_dtype = _get_np_dtype
+    builder.get_block_ty = _get_block_ty
+
+
 if os.environ.get("TRITON_INTERPRET") == "1":
     _patch_triton_language_once()
+    _cache_triton_interpreter_types()
 
 # CI machines are small and shared: a tiny model gains nothing from more threads.
 torch.set_num_threads(2)
