@@ -153,6 +153,9 @@ type Part struct {
 	Prompt, Label string
 	Kind          string // "calc" or "arith"
 	Expr          string // the calculator expression of a "calc" part
+	// arithExpr is an "arith" part's expression, for the chat corpus's easy parts sent to the
+	// calculator (ChatCorpus.EasyCalc); the tasks' metadata keeps Expr alone.
+	arithExpr string
 }
 
 // Problem returns task i and its parts.
@@ -171,8 +174,8 @@ func (m MultiPart) Problem(i int) (Problem, []Part) {
 			p, expr := Calc{Seed: m.Seed}.Problem(j)
 			parts[k] = Part{Prompt: p.Prompt, Label: p.Label, Kind: "calc", Expr: expr}
 		} else {
-			p := Arith{Seed: m.Seed, Difficulty: 2}.Problem(j)
-			parts[k] = Part{Prompt: p.Prompt, Label: p.Label, Kind: "arith"}
+			p, expr := Arith{Seed: m.Seed, Difficulty: 2}.ProblemExpr(j)
+			parts[k] = Part{Prompt: p.Prompt, Label: p.Label, Kind: "arith", arithExpr: expr}
 		}
 		fmt.Fprintf(&prompt, "(%c) %s ", 'a'+k, parts[k].Prompt)
 		labels = append(labels, parts[k].Label)

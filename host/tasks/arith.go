@@ -40,6 +40,13 @@ var (
 
 // Problem returns problem i.
 func (a Arith) Problem(i int) Problem {
+	p, _ := a.ProblemExpr(i)
+	return p
+}
+
+// ProblemExpr returns problem i and the calculator expression of its answer ("19+11"), as
+// Calc.Problem does.
+func (a Arith) ProblemExpr(i int) (Problem, string) {
 	d := min(max(a.Difficulty, 1), MaxDifficulty)
 	r := rand.New(rand.NewPCG(a.Seed, uint64(i)*0x9E3779B97F4A7C15+uint64(d)))
 	name, item := names[r.IntN(len(names))], items[r.IntN(len(items))]
@@ -58,6 +65,7 @@ func (a Arith) Problem(i int) Problem {
 	}
 	var prompt string
 	var ans int
+	expr := fmt.Sprintf("%d%c%d", x, op, y)
 	switch op {
 	case '+':
 		prompt, ans = fmt.Sprintf("%s has %d %s and gets %d more.", name, x, item, y), x+y
@@ -69,9 +77,9 @@ func (a Arith) Problem(i int) Problem {
 	if d >= 4 {
 		z := r.IntN(10)
 		if r.IntN(2) == 0 || z > ans {
-			prompt, ans = prompt+fmt.Sprintf(" Then gets %d.", z), ans+z
+			prompt, ans, expr = prompt+fmt.Sprintf(" Then gets %d.", z), ans+z, fmt.Sprintf("%s+%d", expr, z)
 		} else {
-			prompt, ans = prompt+fmt.Sprintf(" Then loses %d.", z), ans-z
+			prompt, ans, expr = prompt+fmt.Sprintf(" Then loses %d.", z), ans-z, fmt.Sprintf("%s-%d", expr, z)
 		}
 	}
 	prompt += " How many " + item + "?"
@@ -79,7 +87,7 @@ func (a Arith) Problem(i int) Problem {
 		ID:     fmt.Sprintf("arith-d%d-s%d-%d", d, a.Seed, i),
 		Prompt: prompt,
 		Label:  strconv.Itoa(ans),
-	}
+	}, expr
 }
 
 // ParseSpec reads a data path of the form "synthetic:arith" or

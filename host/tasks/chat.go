@@ -5,7 +5,6 @@ import (
 	"encoding/json"
 	"fmt"
 	"math/rand/v2"
-	"regexp"
 	"slices"
 	"strconv"
 	"strings"
@@ -168,25 +167,6 @@ func ParseChatCorpus(task string, seed uint64) (c ChatCorpus, ok bool, err error
 	return c, true, nil
 }
 
-// easyExpr is the calculator expression of a synthetic:arith problem of one operation ("… has 19
-// pens and gets 11 more. How many pens?" → "19+11"), "" for any other prompt.
-func easyExpr(prompt string) string {
-	m := easyForm.FindStringSubmatch(prompt)
-	switch {
-	case m == nil:
-		return ""
-	case m[3] != "":
-		return m[1] + "+" + m[3]
-	case m[4] != "":
-		return m[1] + "-" + m[4]
-	case m[2] != "":
-		return m[1] + "*" + m[2]
-	}
-	return ""
-}
-
-var easyForm = regexp.MustCompile(`has (\d+) (?:bags of (\d+) )?\w+(?: and gets (\d+) more| and gives away (\d+))?\. How many \w+\?$`)
-
 // Example returns example i.
 func (c ChatCorpus) Example(i int) ChatExample {
 	r := rand.New(rand.NewPCG(c.Seed^0x63686174, uint64(i))) // "chat"
@@ -264,8 +244,8 @@ func (c ChatCorpus) orchestraExample(r *rand.Rand, i int) ChatExample {
 			answers[k] = guess(r, pt.Label)
 			plan = append(plan, step{QwenToolCall("expert", [2]string{"part", partLetter(k)}), `\boxed{` + answers[k] + `}`, false})
 			right = right && answers[k] == pt.Label
-		case c.EasyCalc && r.IntN(3) == 0 && easyExpr(pt.Prompt) != "":
-			plan = append(plan, step{QwenToolCall(CalcTool, [2]string{"expr", easyExpr(pt.Prompt)}), pt.Label, true})
+		case c.EasyCalc && r.IntN(3) == 0:
+			plan = append(plan, step{QwenToolCall(CalcTool, [2]string{"expr", pt.arithExpr}), pt.Label, true})
 			answers[k] = pt.Label
 		case r.IntN(3) == 0: // an easy part answered without a call
 			answers[k] = pt.Label

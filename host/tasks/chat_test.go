@@ -4,13 +4,14 @@ import (
 	jsonstd "encoding/json"
 	"path/filepath"
 	"reflect"
-	"strconv"
 	"strings"
 	"testing"
 
 	"go.starlark.net/lib/json"
 	"go.starlark.net/starlark"
 	"go.starlark.net/syntax"
+
+	"github.com/slimen/slimen/starlib"
 )
 
 // exampleGlobals executes an example script with stand-ins for what it loads and returns its
@@ -257,41 +258,22 @@ func TestChatCorpusVaryChunks(t *testing.T) {
 	}
 }
 
-// easyExpr gives every one-operation synthetic:arith problem (difficulties 1 to 3) the expression
-// whose value is its label, and nothing for a problem of two operations (difficulty 4).
-func TestEasyExpr(t *testing.T) {
+// Every synthetic:arith problem's expression is the one its answer is: what the calculator tool
+// (starlib.Calc, the examples' calc) gives for it is its label, at every difficulty; and the
+// problem is Problem's.
+func TestArithProblemExpr(t *testing.T) {
 	for d := 1; d <= MaxDifficulty; d++ {
+		a := Arith{Seed: 5, Difficulty: d}
 		for i := range 300 {
-			p := Arith{Seed: 5, Difficulty: d}.Problem(i)
-			expr := easyExpr(p.Prompt)
-			if d == 4 && strings.Contains(p.Prompt, " Then ") {
-				if expr != "" {
-					t.Fatalf("%q: expression %q for two operations", p.Prompt, expr)
-				}
-				continue
+			p, expr := a.ProblemExpr(i)
+			if p != a.Problem(i) {
+				t.Fatalf("difficulty %d, problem %d: %+v, Problem gives %+v", d, i, p, a.Problem(i))
 			}
-			if got, ok := evalExpr(expr); !ok || strconv.Itoa(got) != p.Label {
-				t.Fatalf("%q (label %s): expression %q", p.Prompt, p.Label, expr)
+			if got := starlib.Calc(expr); got != p.Label {
+				t.Fatalf("%q (label %s): expression %q gives %s", p.Prompt, p.Label, expr, got)
 			}
 		}
 	}
-}
-
-// evalExpr is "A+B", "A-B" or "A*B".
-func evalExpr(e string) (int, bool) {
-	for _, op := range "+-*" {
-		a, b, ok := strings.Cut(e, string(op))
-		if !ok {
-			continue
-		}
-		x, err1 := strconv.Atoi(a)
-		y, err2 := strconv.Atoi(b)
-		if err1 != nil || err2 != nil {
-			return 0, false
-		}
-		return map[rune]int{'+': x + y, '-': x - y, '*': x * y}[op], true
-	}
-	return 0, false
 }
 
 // EasyCalc sends some easy parts to the calculator with their own expression, whose result the
@@ -313,8 +295,7 @@ func TestChatCorpusEasyCalc(t *testing.T) {
 				continue
 			}
 			for _, pt := range parts {
-				if expr := easyExpr(pt.Prompt); pt.Kind == "arith" && expr != "" &&
-					strings.Contains(m.Content, `"expr": "`+expr+`"`) {
+				if pt.Kind == "arith" && strings.Contains(m.Content, `"expr": "`+pt.arithExpr+`"`) {
 					calls++
 					if b.Context[j+1].Content != pt.Label {
 						t.Fatalf("example %d: %s answered %q, want %s", i, m.Content, b.Context[j+1].Content, pt.Label)
