@@ -143,8 +143,7 @@ func (f *exportFlags) planLines() (func(w io.Writer) error, error) {
 		tok = t
 	}
 	// The chat corpus is conversations with worked responses, not tasks.
-	if name, _, _ := strings.Cut(strings.TrimPrefix(task, "synthetic:"), "?"); strings.HasPrefix(task, "synthetic:") && name == "chat" {
-		c, _, err := tasks.ParseChatCorpus(task, seed)
+	if c, ok, err := tasks.ParseChatCorpus(task, seed); ok {
 		if err != nil {
 			return nil, fmt.Errorf("--task %v", err)
 		}
