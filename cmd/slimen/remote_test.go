@@ -11,6 +11,8 @@ import (
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/slimen/slimen/internal/testaddr"
 )
 
 // Issue 5's acceptance: the debate (under slime-n's agreement rule) against `slimen serve` engines
@@ -22,15 +24,8 @@ import (
 // (asserted below). An engine that dropped a step, or lost its weights, would then sample
 // differently from the in-process run in the steps after.
 
-func freeAddr(t *testing.T) string {
-	t.Helper()
-	l, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer l.Close()
-	return l.Addr().String()
-}
+// freeAddr is a free loopback address the tests' engine servers can be killed and restarted on.
+func freeAddr(t *testing.T) string { return testaddr.Restartable(t) }
 
 // startServe starts `slimen serve` on addr, with Save and Load confined to root, and waits until
 // it accepts connections.

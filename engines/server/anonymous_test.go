@@ -12,6 +12,7 @@ import (
 	"github.com/slimen/slimen/engines"
 	enginepb "github.com/slimen/slimen/engines/proto"
 	"github.com/slimen/slimen/engines/remote"
+	"github.com/slimen/slimen/internal/testaddr"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/metadata"
 )
@@ -85,7 +86,7 @@ func TestClientOfServerThatDoesNotNameItself(t *testing.T) {
 	first := newGated()
 	open := first.gate("held") // never opened: the first process dies with it
 	defer open()
-	addr, stop := serveAnonymous(t, "127.0.0.1:0", first)
+	addr, stop := serveAnonymous(t, testaddr.Restartable(t), first)
 	var restarts atomic.Int32
 	var c *remote.Client
 	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
