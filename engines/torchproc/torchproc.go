@@ -4,7 +4,7 @@
 // Start unpacks the worker's Python package (embedded in the binary by engines/torch, so worker
 // and host always speak the same protocol version), runs
 //
-//	PYTHON -m slimen_torch serve --model MODEL --listen 127.0.0.1:0 --address-file F --token-env VAR [--device D] [--root DIR]…
+//	PYTHON -m slimen_torch serve --model MODEL --listen 127.0.0.1:PORT --address-file F --token-env VAR [--device D] [--root DIR]…
 //
 // (under torchrun, `PYTHON -m slimen_torch.launch torch.distributed.run --standalone
 // --nproc-per-node N --max-restarts R -m slimen_torch serve …`, when Options.Ranks is above 1:
@@ -32,6 +32,7 @@ import (
 	"github.com/slimen/slimen/engines"
 	"github.com/slimen/slimen/engines/remote"
 	"github.com/slimen/slimen/internal/capbuf"
+	"github.com/slimen/slimen/internal/loopback"
 )
 
 // Defaults for the zero fields of Options.
@@ -216,7 +217,13 @@ func Start(ctx context.Context, opts Options) (*Engine, error) {
 		}()
 		return p, nil
 	}
-	p, err := e.spawn("127.0.0.1:0")
+	// A worker that crashes is started again on the same address: one below the ephemeral range,
+	// which no client's source port can hold meanwhile (loopback.Addr).
+	listen, err := loopback.Addr()
+	if err != nil {
+		listen = "127.0.0.1:0"
+	}
+	p, err := e.spawn(listen)
 	if err != nil {
 		os.RemoveAll(tmp)
 		return nil, err

@@ -1,4 +1,4 @@
-package testaddr
+package loopback
 
 import (
 	"net"
@@ -6,13 +6,16 @@ import (
 	"testing"
 )
 
-func TestRestartableIsFreeAndBelowTheEphemeralRange(t *testing.T) {
+func TestAddrIsFreeAndBelowTheEphemeralRange(t *testing.T) {
 	lo := ephemeralLow()
 	if lo == 0 {
 		t.Skip("no ephemeral port range to read here")
 	}
 	for range 20 {
-		addr := Restartable(t)
+		addr, err := Addr()
+		if err != nil {
+			t.Fatal(err)
+		}
 		_, p, err := net.SplitHostPort(addr)
 		if err != nil {
 			t.Fatal(err)
