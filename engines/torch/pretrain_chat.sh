@@ -7,12 +7,13 @@
 #   SHAPE=tiny-chat HIDDEN=256 LAYERS=4 …        a larger model of tiny-chat's (Llama) form
 #   SHAPE=qwen3-50m LAYERS=11 …                  a Qwen3-shaped model of 54.6M parameters
 #   INIT=engines/tiny/builtin/tiny-chat …        go on training a model folder instead
+#   CHAT_TASK="synthetic:chat?vary_chunks=true"  the corpus with an option (docs/torch.md)
 #
-# Steps: `slimen export --task synthetic:chat` of N training lines (seed SEED) and EVAL_N held-out
-# lines (seed SEED+1000, the held-out seed of `slimen pretrain`); make-model --like
+# Steps: `slimen export --task CHAT_TASK` of N training lines (seed SEED) and EVAL_N held-out lines
+# of the default corpus (seed SEED+1000, the held-out seed of `slimen pretrain`); make-model --like
 # engines/tiny/builtin/tiny-chat (its tokenizer and Qwen3-form chat template with tools; SHAPE
 # tiny-chat keeps its Llama config, any make-model shape takes that shape; HIDDEN, LAYERS,
-# INTERMEDIATE, HEADS, KV_HEADS, POSITIONS change it), or INIT's folder as it is; sft on DEVICE for STEPS steps or until
+# INTERMEDIATE, HEADS, KV_HEADS, HEAD_DIM, POSITIONS change it), or INIT's folder as it is; sft on DEVICE for STEPS steps or until
 # MAX_SECONDS (default: what the budget leaves), printing the held-out exact match per kind; for
 # a Llama shape, the Go engine's own held-out evaluation of the saved folder (`slimen pretrain
 # --eval-only`: the same held-out examples), so both engines' numbers show. The folder goes to
@@ -32,7 +33,9 @@ SHAPE=${SHAPE:-tiny-chat}
 LIKE=${LIKE:-engines/tiny/builtin/tiny-chat}
 INIT=${INIT:-}             # a model folder to train instead of a new one (SHAPE then only says whether it is Llama)
 HIDDEN=${HIDDEN:-} LAYERS=${LAYERS:-} INTERMEDIATE=${INTERMEDIATE:-} HEADS=${HEADS:-}
-KV_HEADS=${KV_HEADS:-} POSITIONS=${POSITIONS:-}
+KV_HEADS=${KV_HEADS:-} HEAD_DIM=${HEAD_DIM:-} POSITIONS=${POSITIONS:-}
+CHAT_TASK=${CHAT_TASK:-synthetic:chat} # the training lines' corpus, with options (vary_chunks=true,
+                           # easy_calc=true: docs/torch.md); the held-out lines stay the default's
 STEPS=${STEPS:-1000000}    # the schedule's length; MAX_SECONDS usually ends the run first
 MAX_SECONDS=${MAX_SECONDS:-}
 BATCH_TOKENS=${BATCH_TOKENS:-16384}
@@ -54,12 +57,12 @@ llama=1
 [ "$SHAPE" = tiny-chat ] || llama=0
 if [ -z "$DTYPE" ] && [ "$llama" = 1 ]; then DTYPE=float32; fi
 
-part export 120 bash -c "'$SLIMEN' export --task synthetic:chat --seed $SEED --n $N --out '$WORK/train.jsonl' &&
+part export 120 bash -c "'$SLIMEN' export --task '$CHAT_TASK' --seed $SEED --n $N --out '$WORK/train.jsonl' &&
   '$SLIMEN' export --task synthetic:chat --seed $((SEED + 1000)) --n $EVAL_N --out '$WORK/held.jsonl'"
 right=$(grep -c '"right":true' "$WORK/held.jsonl" || true)
 
 sizes=()
-for kv in hidden:HIDDEN layers:LAYERS intermediate:INTERMEDIATE heads:HEADS kv-heads:KV_HEADS positions:POSITIONS; do
+for kv in hidden:HIDDEN layers:LAYERS intermediate:INTERMEDIATE heads:HEADS kv-heads:KV_HEADS head-dim:HEAD_DIM positions:POSITIONS; do
   v=${kv#*:}
   [ -z "${!v}" ] || sizes+=("--${kv%%:*}" "${!v}")
 done
