@@ -10,7 +10,10 @@ in a 31-token vocabulary:
     Q NAME 's KEY C  NAME 's KEY is D D .  (n facts)  A NAME 's KEY is -> D D
 
 with 8 names, 6 keys, two-digit values as two digit tokens, and n of 2, 3, 5 or 10 facts, each
-(name, key) at most once. Only the two answer digits are trained. Every --eval-every steps it
+(name, key) at most once. Only the two answer digits are trained. Two options bring it closer to
+the chat corpus's find turn: --answer-names writes the answer's NAME as a token of its own (the
+note's bare `Hal` against the chunk's ` Hal`), --prefix N puts N tokens drawn from 16 others
+before the question (the turn's instructions). Every --eval-every steps it
 prints the loss and the share of 200 fresh problems whose two digits are both right, by n: a model
 that copies one of the facts' values at random gets 1/n.
 
@@ -30,28 +33,30 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 NAMES, KEYS = 8, 6
-# The vocabulary: names 0-7, keys 8-13, digits 14-23, then these.
+# The vocabulary: names 0-7, keys 8-13, digits 14-23, then these; the answer's own names
+# (--answer-names) 31-38, the prefix's tokens (--prefix) 39-54.
 S_, IS, DOT, Q, C, A, PAD = 24, 25, 26, 27, 28, 29, 30
-VOCAB = 31
+ANSWER_NAME, PREFIX = 31, 39
+VOCAB, VOCAB_WITH_OPTIONS = 31, 55
 
 
-def problem(rng, n):
+def problem(rng, n, answer_names=False, prefix=0):
     """One lookup among n facts: (prompt tokens, the two answer tokens)."""
     pairs = rng.sample([(a, b) for a in range(NAMES) for b in range(KEYS)], n)
     facts = [(a, b, rng.randrange(10), rng.randrange(10)) for a, b in pairs]
     qa, qb, d1, d2 = rng.choice(facts)
-    seq = [Q, qa, S_, 8 + qb, C]
+    seq = [PREFIX + rng.randrange(16) for _ in range(prefix)] + [Q, qa, S_, 8 + qb, C]
     for a, b, x, y in facts:
         seq += [a, S_, 8 + b, IS, 14 + x, 14 + y, DOT]
-    seq += [A, qa, S_, 8 + qb, IS]
+    seq += [A, ANSWER_NAME + qa if answer_names else qa, S_, 8 + qb, IS]
     return seq, [14 + d1, 14 + d2]
 
 
-def batch(rng, size, sizes):
+def batch(rng, size, sizes, answer_names=False, prefix=0):
     """Inputs and targets (-100 where nothing is trained) of size problems, padded."""
     xs, ys = [], []
     for _ in range(size):
-        seq, ans = problem(rng, rng.choice(sizes))
+        seq, ans = problem(rng, rng.choice(sizes), answer_names, prefix)
         full = seq + ans
         xs.append(full[:-1])
         ys.append([-100] * (len(seq) - 1) + ans)
@@ -82,9 +87,9 @@ class Block(nn.Module):
 
 
 class Model(nn.Module):
-    def __init__(self, d, heads, layers, theta=10000.0, positions=256):
+    def __init__(self, d, heads, layers, vocab=VOCAB, theta=10000.0, positions=512):
         super().__init__()
-        self.emb = nn.Embedding(VOCAB, d)
+        self.emb = nn.Embedding(vocab, d)
         self.blocks = nn.ModuleList([Block(d, heads) for _ in range(layers)])
         self.norm = nn.RMSNorm(d)
         hd = d // heads
@@ -105,10 +110,10 @@ class Model(nn.Module):
         return self.norm(h) @ self.emb.weight.T
 
 
-def right_share(model, rng, n, size=200):
+def right_share(model, rng, n, size=200, answer_names=False, prefix=0):
     """The share of size fresh n-fact problems whose two answer digits are both right (greedy)."""
     with torch.no_grad():
-        x, y = batch(rng, size, [n])
+        x, y = batch(rng, size, [n], answer_names, prefix)
         got = model(x).argmax(-1)
         trained = y != -100
         return ((got == y) | ~trained).all(1).float().mean().item()
@@ -125,24 +130,26 @@ def main(argv=None):
     p.add_argument("--eval-every", type=int, default=500)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--answer-names", action="store_true", help="the answer's NAME a token of its own")
+    p.add_argument("--prefix", type=int, default=0, help="tokens before the question")
     a = p.parse_args(argv)
     torch.set_num_threads(a.threads)
     torch.manual_seed(a.seed)
     rng = random.Random(a.seed)
-    model = Model(a.hidden, a.heads, a.layers)
+    model = Model(a.hidden, a.heads, a.layers, VOCAB_WITH_OPTIONS if a.answer_names or a.prefix else VOCAB)
     opt = torch.optim.AdamW(model.parameters(), a.lr, weight_decay=0.01)
     params = sum(q.numel() for q in model.parameters())
     print(f"hidden {a.hidden}, {a.heads} heads of {a.hidden // a.heads}, {a.layers} layers: {params} parameters", flush=True)
     print("step  loss   right with 2 / 5 / 10 facts (chance 0.50 / 0.20 / 0.10)", flush=True)
     start = time.time()
     for step in range(1, a.steps + 1):
-        x, y = batch(rng, a.batch, [2, 3, 5, 10])
+        x, y = batch(rng, a.batch, [2, 3, 5, 10], a.answer_names, a.prefix)
         loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten(), ignore_index=-100)
         opt.zero_grad()
         loss.backward()
         opt.step()
         if step % a.eval_every == 0 or step == a.steps:
-            shares = " / ".join(f"{right_share(model, rng, n):.2f}" for n in (2, 5, 10))
+            shares = " / ".join(f"{right_share(model, rng, n, 200, a.answer_names, a.prefix):.2f}" for n in (2, 5, 10))
             print(f"{step:5d} {loss.item():.3f}  {shares}  ({time.time() - start:.0f} s)", flush=True)
 
 

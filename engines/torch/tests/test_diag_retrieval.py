@@ -30,6 +30,17 @@ def test_the_answer_is_the_value_of_the_fact_the_question_names():
             assert dict(facts)[q] == tuple(ans)
 
 
+def test_the_options_rename_the_answer_and_add_a_prefix():
+    rng = random.Random(4)
+    for _ in range(50):
+        seq, ans = dr.problem(rng, 5, answer_names=True, prefix=7)
+        assert all(dr.PREFIX <= t < dr.VOCAB_WITH_OPTIONS for t in seq[:7]) and seq[7] == dr.Q
+        facts = facts_of(seq[7:])
+        q = (seq[8], seq[10])
+        assert seq[-4] == dr.ANSWER_NAME + q[0]  # the answer names the question's person, its own token
+        assert dict(facts)[q] == tuple(ans)
+
+
 def test_only_the_answer_digits_are_trained():
     x, y = dr.batch(random.Random(0), 8, [2, 5])
     for row_x, row_y in zip(x.tolist(), y.tolist()):
