@@ -130,6 +130,15 @@ def remote_generate(stub, rs):
     return [got[k] for k in sorted(got)]
 
 
+def assert_same_samples(got, want):
+    """The same tokens, and log-probs equal to rounding: in the default (not deterministic) mode a
+    row's numbers depend on the batch the worker's scheduler put it in, and the requests of a
+    stream reach it one by one (a CI run once saw one log-prob 5e-7 apart)."""
+    assert [t for t, _ in got] == [t for t, _ in want]
+    for (_, a), (_, b) in zip(got, want):
+        assert a == pytest.approx(b, abs=1e-5)
+
+
 @pytest.fixture
 def pair(model_dirs, tmp_path):
     """The trainer engine (this process) and a replica worker's stub."""
@@ -178,14 +187,14 @@ def test_a_pushed_replica_holds_the_trainers_weights_and_samples_as_it_does(pair
     for k, v in mine.items():
         assert torch.equal(saved[k], v), k
     # And it samples what the trainer samples (the same seeds).
-    assert remote_generate(stub, reqs()) == want
+    assert_same_samples(remote_generate(stub, reqs()), want)
 
     # A second step, a second push through the same group.
     trainer.train(fixed_batch(trainer, LossConfig(lr=5e-2), seed=1))
     both(lambda: trainer.push_weights("g1", 1, 2),
          lambda: stub.PushWeights(pb.PushWeightsRequest(group="g1", peer=1, version=2)))
-    assert remote_generate(stub, [r for r in reqs()]) == \
-        [(c.tokens, c.logprobs) for c in trainer.generate(reqs())]
+    assert_same_samples(remote_generate(stub, reqs()),
+                        [(c.tokens, c.logprobs) for c in trainer.generate(reqs())])
 
     # A sender that cannot send tells the receiver, which fails at once instead of waiting.
     def refused():
@@ -197,7 +206,7 @@ def test_a_pushed_replica_holds_the_trainers_weights_and_samples_as_it_does(pair
     assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert "sent no weights" in err.value.details()
     now = [(c.tokens, c.logprobs) for c in trainer.generate(reqs())]
-    assert remote_generate(stub, reqs()) == now
+    assert_same_samples(remote_generate(stub, reqs()), now)
 
     # A push naming a group the worker is not in fails at once.
     with pytest.raises(grpc.RpcError) as e:
@@ -238,7 +247,7 @@ def test_a_replica_of_another_model_takes_no_weights(model_dirs, tmp_path):
             _, err = both(send, lambda: pytest.raises(grpc.RpcError, stub.PushWeights, req))
             assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
             assert "the trainer's parameters differ" in err.value.details()
-            assert remote_generate(stub, reqs()) == before
+            assert_same_samples(remote_generate(stub, reqs()), before)
     finally:
         trainer.close()
         stop(proc)
