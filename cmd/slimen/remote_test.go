@@ -12,7 +12,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/slimen/slimen/internal/loopback"
+	"github.com/slimen/slimen/internal/loopback/loopbacktest"
 )
 
 // Issue 5's acceptance: the debate (under slime-n's agreement rule) against `slimen serve` engines
@@ -25,14 +25,7 @@ import (
 // differently from the in-process run in the steps after.
 
 // freeAddr is a free loopback address the tests' engine servers can be killed and restarted on.
-func freeAddr(t *testing.T) string {
-	t.Helper()
-	a, err := loopback.Addr()
-	if err != nil {
-		t.Fatal(err)
-	}
-	return a
-}
+func freeAddr(t *testing.T) string { return loopbacktest.Addr(t) }
 
 // startServe starts `slimen serve` on addr, with Save and Load confined to root, and waits until
 // it accepts connections.

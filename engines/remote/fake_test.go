@@ -12,7 +12,6 @@ import (
 	"github.com/slimen/slimen/engines"
 	"github.com/slimen/slimen/engines/remote"
 	"github.com/slimen/slimen/engines/server"
-	"github.com/slimen/slimen/internal/loopback"
 )
 
 // fake is an in-memory engine with canned, deterministic answers. It counts how often each
@@ -232,14 +231,4 @@ func dial(t testing.TB, opts remote.Options) *remote.Client {
 	}
 	t.Cleanup(func() { _ = c.Close() })
 	return c
-}
-
-// restartableAddr is a loopback address to serve on, kill and serve on again (loopback.Addr).
-func restartableAddr(t testing.TB) string {
-	t.Helper()
-	a, err := loopback.Addr()
-	if err != nil {
-		t.Fatal(err)
-	}
-	return a
 }

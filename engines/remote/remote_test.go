@@ -14,6 +14,7 @@ import (
 	"github.com/slimen/slimen/engines"
 	"github.com/slimen/slimen/engines/remote"
 	"github.com/slimen/slimen/engines/server"
+	"github.com/slimen/slimen/internal/loopback/loopbacktest"
 )
 
 func chat(id, text string, n int) engines.GenerateRequest {
@@ -238,7 +239,7 @@ func TestTrainWithSameIDIsAppliedOnce(t *testing.T) {
 func TestServerRestartMidGenerate(t *testing.T) {
 	old := newFake()
 	defer old.hold("p")() // never answers: it dies first
-	srv := serveAt(t, restartableAddr(t), old, server.Options{})
+	srv := serveAt(t, loopbacktest.Addr(t), old, server.Options{})
 	var restarts atomic.Int32
 	var c *remote.Client
 	c = dial(t, remote.Options{
@@ -305,7 +306,7 @@ func TestServerRestartMidGenerate(t *testing.T) {
 // before the call was made) learns of it from the answer's header: OnRestart runs, and the call
 // is made again on the restored engine instead of trusting the answer.
 func TestRestartFoundInTheAnswer(t *testing.T) {
-	srv := serveAt(t, restartableAddr(t), newFake(), server.Options{})
+	srv := serveAt(t, loopbacktest.Addr(t), newFake(), server.Options{})
 	var restarts atomic.Int32
 	var c *remote.Client
 	c = dial(t, remote.Options{
@@ -346,7 +347,7 @@ func TestRestartFoundInTheAnswer(t *testing.T) {
 func TestRefusedRestartStopsTheClient(t *testing.T) {
 	old := newFake()
 	defer old.hold("p")()
-	srv := serveAt(t, restartableAddr(t), old, server.Options{})
+	srv := serveAt(t, loopbacktest.Addr(t), old, server.Options{})
 	refusal := errors.New("no checkpoint of step 7 to load")
 	c := dial(t, remote.Options{
 		Address:    srv.addr,
@@ -431,7 +432,7 @@ func TestUnreachableEngine(t *testing.T) {
 // ErrUnavailable, saying why. A stopping host sets it so that a dead server cannot hold up its
 // exit for the reconnect timeout.
 func TestGiveUpAtEndsTheWait(t *testing.T) {
-	srv := serveAt(t, restartableAddr(t), newFake(), server.Options{})
+	srv := serveAt(t, loopbacktest.Addr(t), newFake(), server.Options{})
 	c := dial(t, remote.Options{Address: srv.addr, ReconnectTimeout: 10 * time.Minute})
 	srv.stop()
 	start := time.Now()

@@ -11,6 +11,7 @@ import (
 	"github.com/slimen/slimen/engines"
 	"github.com/slimen/slimen/engines/remote"
 	"github.com/slimen/slimen/engines/server"
+	"github.com/slimen/slimen/internal/loopback/loopbacktest"
 )
 
 // A server that does not list "versions" (here `slimen serve` of an engine without them; an older
@@ -56,7 +57,7 @@ func (f forgetful) Score(ctx context.Context, reqs []engines.ScoreRequest) ([]en
 // An error answered by a new server process is not trusted any more than an answer: OnRestart
 // runs first (here it loads the state the new process lacks) and the call is made again.
 func TestErrorFromANewProcessRunsOnRestartFirst(t *testing.T) {
-	srv := serveAt(t, restartableAddr(t), newFake(), server.Options{})
+	srv := serveAt(t, loopbacktest.Addr(t), newFake(), server.Options{})
 	var restarts atomic.Int32
 	var c *remote.Client
 	c = dial(t, remote.Options{Address: srv.addr, MaxBackoff: 50 * time.Millisecond,

@@ -12,7 +12,7 @@ import (
 	"github.com/slimen/slimen/engines"
 	enginepb "github.com/slimen/slimen/engines/proto"
 	"github.com/slimen/slimen/engines/remote"
-	"github.com/slimen/slimen/internal/loopback"
+	"github.com/slimen/slimen/internal/loopback/loopbacktest"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/metadata"
 )
@@ -86,7 +86,7 @@ func TestClientOfServerThatDoesNotNameItself(t *testing.T) {
 	first := newGated()
 	open := first.gate("held") // never opened: the first process dies with it
 	defer open()
-	addr, stop := serveAnonymous(t, restartableAddr(t), first)
+	addr, stop := serveAnonymous(t, loopbacktest.Addr(t), first)
 	var restarts atomic.Int32
 	var c *remote.Client
 	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
@@ -129,14 +129,4 @@ func TestClientOfServerThatDoesNotNameItself(t *testing.T) {
 	if log := second.events(); len(log) != 2 || log[0] != "load /ckpt/step_2" || log[1] != "gen held" {
 		t.Errorf("the restarted server got %q; want the load, then the resent request", log)
 	}
-}
-
-// restartableAddr is a loopback address to serve on, kill and serve on again (loopback.Addr).
-func restartableAddr(t testing.TB) string {
-	t.Helper()
-	a, err := loopback.Addr()
-	if err != nil {
-		t.Fatal(err)
-	}
-	return a
 }
